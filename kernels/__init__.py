@@ -1,0 +1,59 @@
+"""Link-step kernels. One function per step; Triton on a CUDA device, the torch reference elsewhere.
+
+RAGCACHE_KERNELS=torch|triton forces a backend (triton on CPU needs TRITON_INTERPRET=1, set before import).
+The linker calls these functions and never branches on the device itself.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from . import torch_ref
+
+_FORCED = os.environ.get("RAGCACHE_KERNELS", "").strip().lower()
+
+
+def backend_for(device: torch.device) -> str:
+    if _FORCED in ("torch", "triton"):
+        return _FORCED
+    return "triton" if device.type == "cuda" and _triton_available() else "torch"
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _impl(device: torch.device):
+    if backend_for(device) == "triton":
+        from . import triton_ops
+
+        return triton_ops
+    return torch_ref
+
+
+def rotate_keys(keys, positions, inv_freq, scaling):
+    return _impl(keys.device).rotate_keys(keys, positions, inv_freq, scaling)
+
+
+def place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling):
+    return _impl(joined_keys.device).place_chunks(
+        joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling
+    )
+
+
+def selected_attention(query, keys, values, query_positions, scale, window=None):
+    return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window)
+
+
+def kv_deviation(fresh, cached):
+    return _impl(fresh.device).kv_deviation(fresh, cached)
+
+
+def top_ratio(scores, ratio):
+    return torch_ref.top_ratio(scores, ratio)  # topk is already a tuned library call on every device

@@ -1,0 +1,497 @@
+"""Triton kernels of the link step: the same four functions, signatures and results as `torch_ref`.
+
+They run on CUDA tensors, or on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set before this
+module is imported: `@triton.jit` reads it). Every kernel is one launch:
+
+  rotate_keys          grid (token blocks, layers * kv_heads)           RoPE of pre-RoPE keys
+  place_chunks         grid (token blocks of all chunks, layers * kv_heads)
+                       reads each chunk through a pointer table, rotates K to its global position, copies V
+  selected_attention   grid (blocks of (row, q head of the group), kv_heads)
+                       flash-attention online softmax; the q heads sharing a kv head share its K/V loads
+  kv_deviation         grid (token blocks,)                             sum over heads and dims of (fresh - cached)^2
+
+Numerics follow the reference: RoPE rounds cos/sin and the products to the key dtype exactly where
+transformers (and `torch_ref`) round; attention accumulates in fp32, with fp16/bf16 operands fed to
+tl.dot as they are (probabilities rounded to the value dtype for the second product, as flash-attention
+does) and fp32 operands multiplied in IEEE fp32 (no TF32).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+# ---------------------------------------------------------------- RoPE (rotate_keys, place_chunks)
+
+
+@triton.jit
+def _rope_tile(
+    src,  # pointer at (layer, head, token 0, dim 0) of the source
+    dst,  # pointer at (layer, head, token 0, dim 0) of the destination
+    src_t,  # [BLOCK_T] source token indices
+    dst_t,  # [BLOCK_T] destination token indices
+    t_mask,  # [BLOCK_T]
+    pos,  # [BLOCK_T] fp32 positions
+    freq_ptr,  # inv_freq row of this layer
+    scale,  # fp32 scaling of this layer
+    src_stride_t,
+    dst_stride_t,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    D: tl.constexpr,
+    REST_P2: tl.constexpr,
+):
+    cdt = src.dtype.element_ty  # the reference rotates in the key dtype
+    j = tl.arange(0, HALF_P2)
+    j_mask = j < HALF
+    freq = tl.load(freq_ptr + j, mask=j_mask, other=0.0)
+    angle = pos[:, None] * freq[None, :]
+    cos = (tl.cos(angle) * scale).to(cdt).to(tl.float32)
+    sin = (tl.sin(angle) * scale).to(cdt).to(tl.float32)
+
+    mask = t_mask[:, None] & j_mask[None, :]
+    src_rows = src + src_t[:, None].to(tl.int64) * src_stride_t
+    dst_rows = dst + dst_t[:, None].to(tl.int64) * dst_stride_t
+    x1 = tl.load(src_rows + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src_rows + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product rounded to the key dtype as torch does.
+    out1 = (x1 * cos).to(cdt).to(tl.float32) - (x2 * sin).to(cdt).to(tl.float32)
+    out2 = (x2 * cos).to(cdt).to(tl.float32) + (x1 * sin).to(cdt).to(tl.float32)
+    odt = dst.dtype.element_ty
+    tl.store(dst_rows + j[None, :], out1.to(cdt).to(odt), mask=mask)
+    tl.store(dst_rows + HALF + j[None, :], out2.to(cdt).to(odt), mask=mask)
+    if REST_P2 > 0:  # partial rotary: dims >= 2 * HALF pass through
+        r = 2 * HALF + tl.arange(0, REST_P2)
+        r_mask = t_mask[:, None] & (r < D)[None, :]
+        rest = tl.load(src_rows + r[None, :], mask=r_mask, other=0.0)
+        tl.store(dst_rows + r[None, :], rest.to(odt), mask=r_mask)
+
+
+@triton.jit
+def _rotate_kernel(
+    src,
+    dst,
+    positions,
+    inv_freq,
+    scaling,
+    heads,
+    tokens,
+    s_l,
+    s_h,
+    s_t,
+    d_l,
+    d_h,
+    d_t,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    D: tl.constexpr,
+    REST_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    lh = tl.program_id(1)
+    layer = (lh // heads).to(tl.int64)
+    head = (lh % heads).to(tl.int64)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = t < tokens
+    pos = tl.load(positions + t, mask=t_mask, other=0).to(tl.float32)
+    scale = tl.load(scaling + layer)
+    _rope_tile(
+        src + layer * s_l + head * s_h,
+        dst + layer * d_l + head * d_h,
+        t,
+        t,
+        t_mask,
+        pos,
+        inv_freq + layer * HALF,
+        scale,
+        s_t,
+        d_t,
+        HALF,
+        HALF_P2,
+        D,
+        REST_P2,
+    )
+
+
+# Columns of the place_chunks chunk table (int64): source pointers, placement, source strides.
+_K_PTR, _V_PTR, _START, _LEN, _K_SL, _K_SH, _K_ST, _V_SL, _V_SH, _V_ST = range(10)
+_NCOL = 10
+
+
+@triton.jit
+def _place_kernel(
+    joined_k,
+    joined_v,
+    meta,  # int64: [chunks, NCOL] chunk table, then [blocks, 2] (chunk, first token) block list
+    k_ref,  # any chunk's keys: only its dtype is used (the table holds the real pointers)
+    v_ref,
+    inv_freq,
+    scaling,
+    heads,
+    block_list_offset,
+    jk_l,
+    jk_h,
+    jk_t,
+    jv_l,
+    jv_h,
+    jv_t,
+    HALF: tl.constexpr,
+    HALF_P2: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    REST_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    NCOL: tl.constexpr,
+):
+    pid_b = tl.program_id(0)
+    lh = tl.program_id(1)
+    layer = (lh // heads).to(tl.int64)
+    head = (lh % heads).to(tl.int64)
+    chunk = tl.load(meta + block_list_offset + 2 * pid_b)
+    t0 = tl.load(meta + block_list_offset + 2 * pid_b + 1)
+    row = meta + chunk * NCOL
+    k_src = tl.load(row + 0).to(tl.pointer_type(k_ref.dtype.element_ty))
+    v_src = tl.load(row + 1).to(tl.pointer_type(v_ref.dtype.element_ty))
+    start = tl.load(row + 2)
+    length = tl.load(row + 3)
+    k_sl = tl.load(row + 4)
+    k_sh = tl.load(row + 5)
+    k_st = tl.load(row + 6)
+    v_sl = tl.load(row + 7)
+    v_sh = tl.load(row + 8)
+    v_st = tl.load(row + 9)
+
+    t = t0 + tl.arange(0, BLOCK_T)  # token index inside the chunk
+    t_mask = t < length
+    dst_t = start + t  # global position == index in the joined cache
+    scale = tl.load(scaling + layer)
+    _rope_tile(
+        k_src + layer * k_sl + head * k_sh,
+        joined_k + layer * jk_l + head * jk_h,
+        t,
+        dst_t,
+        t_mask,
+        dst_t.to(tl.float32),
+        inv_freq + layer * HALF,
+        scale,
+        k_st,
+        jk_t,
+        HALF,
+        HALF_P2,
+        D,
+        REST_P2,
+    )
+    d = tl.arange(0, D_P2)
+    mask = t_mask[:, None] & (d < D)[None, :]
+    v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0.0)
+    v_dst = joined_v + layer * jv_l + head * jv_h + dst_t[:, None] * jv_t + d[None, :]
+    tl.store(v_dst, v.to(joined_v.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------- attention of selected rows
+
+
+@triton.jit
+def _attention_kernel(
+    q,
+    k,
+    v,
+    query_positions,
+    out,
+    qk_scale,  # scale * log2(e)
+    rows,
+    length,
+    window,
+    sq_h,
+    sq_n,
+    sk_h,
+    sk_n,
+    sv_h,
+    sv_n,
+    so_n,
+    so_h,
+    GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,  # feed tl.dot fp32 copies of the (exact) half-precision values: the interpreter's bf16 dot is wrong
+    IEEE: tl.constexpr,  # fp32 operands: IEEE products, not TF32
+):
+    pid_m = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    # M indexes (row, q head inside the group): the group's heads share every K/V tile.
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < rows * GROUP
+    row = m // GROUP
+    head = kv_head * GROUP + m % GROUP
+    pos = tl.load(query_positions + row, mask=m_mask, other=0).to(tl.int64)
+
+    d = tl.arange(0, D_P2)
+    d_mask = d < D
+    q_tile = tl.load(
+        q + head[:, None] * sq_h + row[:, None].to(tl.int64) * sq_n + d[None, :],
+        mask=m_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+    if UPCAST:
+        q_tile = q_tile.to(tl.float32)
+
+    # Keys this block can see: [lo, hi). Rows need not be sorted.
+    hi = tl.minimum(tl.max(tl.where(m_mask, pos, -1)) + 1, length)
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(tl.min(tl.where(m_mask, pos, length)) - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row may see whole tiles masked before its first key
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    k_base = k + kv_head * sk_h
+    v_base = v + kv_head * sv_h
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_mask = n < length
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k_tile = tl.load(k_base + n[:, None].to(tl.int64) * sk_n + d[None, :], mask=kv_mask, other=0.0)
+        v_tile = tl.load(v_base + n[:, None].to(tl.int64) * sv_n + d[None, :], mask=kv_mask, other=0.0)
+        if UPCAST:
+            k_tile = k_tile.to(tl.float32)
+        if IEEE:
+            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+        else:
+            s = tl.dot(q_tile, tl.trans(k_tile))
+        allowed = (n[None, :] <= pos[:, None]) & n_mask[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (n[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p = p.to(v.dtype.element_ty)  # as flash-attention: probabilities in the value dtype, fp32 accumulate
+        if UPCAST:
+            p = p.to(tl.float32)
+            v_tile = v_tile.to(tl.float32)
+        if IEEE:
+            pv = tl.dot(p, v_tile, input_precision="ieee")
+        else:
+            pv = tl.dot(p, v_tile)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = out + row[:, None].to(tl.int64) * so_n + head[:, None] * so_h + d[None, :]
+    tl.store(o, acc.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
+# ---------------------------------------------------------------- CacheBlend deviation
+
+
+@triton.jit
+def _deviation_kernel(
+    fresh,
+    cached,
+    out,
+    heads,
+    tokens,
+    sf_h,
+    sf_t,
+    sc_h,
+    sc_t,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    d = tl.arange(0, D_P2)
+    mask = (t < tokens)[:, None] & (d < D)[None, :]
+    t64 = t[:, None].to(tl.int64)
+    acc = tl.zeros([BLOCK_T, D_P2], tl.float32)
+    for h in range(0, heads):
+        h64 = tl.full([], h, tl.int64)
+        a = tl.load(fresh + h64 * sf_h + t64 * sf_t + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(cached + h64 * sc_h + t64 * sc_t + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += (a - b) * (a - b)
+    tl.store(out + t, tl.sum(acc, axis=1), mask=t < tokens)
+
+
+# ---------------------------------------------------------------- host side
+
+INTERPRET = type(_rotate_kernel).__name__ == "InterpretedFunction"
+
+
+def _p2(x: int) -> int:
+    return triton.next_power_of_2(x) if x > 0 else 0
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rope_table(inv_freq: torch.Tensor, scaling: torch.Tensor, layers: int, head_dim: int, device: torch.device):
+    if inv_freq.dim() != 2 or inv_freq.shape[0] != layers or scaling.shape != (layers,):
+        raise ValueError(f"rope table: inv_freq {tuple(inv_freq.shape)} / scaling {tuple(scaling.shape)} for {layers} layers")
+    half = inv_freq.shape[1]
+    if not 0 < 2 * half <= head_dim:
+        raise ValueError(f"rotary dims {2 * half} do not fit head_dim {head_dim}")
+    inv_freq = inv_freq.to(device=device, dtype=torch.float32).contiguous()
+    scaling = scaling.to(device=device, dtype=torch.float32).contiguous()
+    return inv_freq, scaling, half
+
+
+def _rope_consts(half: int, head_dim: int) -> dict:
+    return dict(HALF=half, HALF_P2=_p2(half), D=head_dim, REST_P2=_p2(head_dim - 2 * half))
+
+
+def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+    """RoPE of pre-RoPE keys [L, H, T, D] at `positions` [T]; see torch_ref.rotate_keys."""
+    layers, heads, tokens, head_dim = keys.shape
+    if positions.shape != (tokens,):
+        raise ValueError(f"positions {tuple(positions.shape)} for {tokens} tokens")
+    inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, keys.device)
+    keys = _last_dim_contiguous(keys)
+    positions = positions.to(keys.device).contiguous()
+    out = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
+    if out.numel() == 0:
+        return out
+    block_t = 64 if INTERPRET else 32
+    grid = (triton.cdiv(tokens, block_t), layers * heads)
+    _rotate_kernel[grid](
+        keys, out, positions, inv_freq, scaling, heads, tokens,
+        keys.stride(0), keys.stride(1), keys.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        **_rope_consts(half, head_dim), BLOCK_T=block_t,
+    )  # fmt: skip
+    return out
+
+
+def place_chunks(
+    joined_keys: torch.Tensor,
+    joined_values: torch.Tensor,
+    chunk_keys: list[torch.Tensor],
+    chunk_values: list[torch.Tensor],
+    starts: list[int],
+    inv_freq: torch.Tensor,
+    scaling: torch.Tensor,
+) -> None:
+    """Copy each chunk into the joined cache at its start, keys rotated to their global positions; one launch."""
+    if not len(chunk_keys) == len(chunk_values) == len(starts):
+        raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
+    layers, heads, capacity, head_dim = joined_keys.shape
+    if joined_values.shape != joined_keys.shape:
+        raise ValueError(f"joined values {tuple(joined_values.shape)} != joined keys {tuple(joined_keys.shape)}")
+    if joined_keys.stride(-1) != 1 or joined_values.stride(-1) != 1:
+        raise ValueError("joined cache needs a contiguous last dim (it is written in place)")
+    device = joined_keys.device
+    keys = [_last_dim_contiguous(k.to(device)) for k in chunk_keys]
+    values = [_last_dim_contiguous(v.to(device)) for v in chunk_values]
+    starts = [int(s) for s in starts]
+    for k, v, s in zip(keys, values, starts):
+        if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] != head_dim:
+            raise ValueError(f"chunk keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit joined {tuple(joined_keys.shape)}")
+        if s < 0 or s + k.shape[2] > capacity:
+            raise ValueError(f"chunk [{s}, {s + k.shape[2]}) outside the joined capacity {capacity}")
+    inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, device)
+
+    # One launch needs one source dtype per side and disjoint targets; otherwise keep the reference's
+    # order (later chunks overwrite earlier ones) with one launch per chunk.
+    spans = sorted((s, s + k.shape[2]) for k, s in zip(keys, starts) if k.shape[2] > 0)
+    disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    one_dtype = len({(k.dtype, v.dtype) for k, v in zip(keys, values)}) <= 1
+    groups = [list(range(len(keys)))] if disjoint and one_dtype else [[i] for i in range(len(keys))]
+    for group in groups:
+        _place_launch(joined_keys, joined_values, [keys[i] for i in group], [values[i] for i in group],
+                      [starts[i] for i in group], inv_freq, scaling, half)  # fmt: skip
+
+
+def _place_launch(joined_keys, joined_values, keys, values, starts, inv_freq, scaling, half) -> None:
+    layers, heads, _, head_dim = joined_keys.shape
+    block_t = 64 if INTERPRET else 32
+    table, blocks = [], []
+    for i, (k, v, s) in enumerate(zip(keys, values, starts)):
+        length = k.shape[2]
+        table += [k.data_ptr(), v.data_ptr(), s, length, k.stride(0), k.stride(1), k.stride(2),
+                  v.stride(0), v.stride(1), v.stride(2)]  # fmt: skip
+        blocks += [x for t0 in range(0, length, block_t) for x in (i, t0)]
+    if not blocks:
+        return
+    meta = torch.tensor(table + blocks, dtype=torch.int64).to(joined_keys.device)
+    grid = (len(blocks) // 2, layers * heads)
+    _place_kernel[grid](
+        joined_keys, joined_values, meta, keys[0], values[0], inv_freq, scaling, heads, len(table),
+        joined_keys.stride(0), joined_keys.stride(1), joined_keys.stride(2),
+        joined_values.stride(0), joined_values.stride(1), joined_values.stride(2),
+        **_rope_consts(half, head_dim), D_P2=_p2(head_dim), BLOCK_T=block_t, NCOL=_NCOL,
+    )  # fmt: skip
+    # `keys`/`values` (possibly fresh device copies) stay referenced until here; on CUDA the caching
+    # allocator only reuses their memory in stream order, after this launch has read it.
+
+
+def selected_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Rows at arbitrary positions attend the joined cache causally (optionally windowed); see torch_ref."""
+    heads, rows, head_dim = query.shape
+    kv_heads, length, _ = keys.shape
+    if heads % kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
+        raise ValueError(f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    if query_positions.shape != (rows,):
+        raise ValueError(f"query_positions {tuple(query_positions.shape)} for {rows} rows")
+    group = heads // kv_heads
+    out = torch.empty(rows, heads, head_dim, dtype=query.dtype, device=query.device)
+    if rows == 0:
+        return out
+    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
+    positions = query_positions.to(query.device).contiguous()
+    operand = torch.promote_types(query.dtype, keys.dtype)
+    if keys.dtype != values.dtype or query.dtype != keys.dtype:
+        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    d_p2 = _p2(head_dim)
+    if INTERPRET:  # bigger tiles: fewer interpreted programs and loop trips
+        block_m, block_n, warps, stages = 64, 64, 4, 1
+    else:  # untuned starting point (no GPU was at hand when this was written)
+        block_m, block_n = 64, (64 if d_p2 <= 128 else 32)
+        warps, stages = (4 if d_p2 <= 64 else 8), 2
+    grid = (triton.cdiv(rows * group, block_m), kv_heads)
+    _attention_kernel[grid](
+        query, keys, values, positions, out, float(scale) * LOG2E, rows, length,
+        int(window) if window is not None else 0,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1),
+        values.stride(0), values.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, HAS_WINDOW=window is not None, D=head_dim, D_P2=d_p2,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET, IEEE=operand == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    return out
+
+
+def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
+    """Per-token squared difference summed over heads and dims: [H, T, D] -> [T] fp32."""
+    if fresh.shape != cached.shape or fresh.dim() != 3:
+        raise ValueError(f"fresh {tuple(fresh.shape)} vs cached {tuple(cached.shape)}")
+    heads, tokens, head_dim = fresh.shape
+    out = torch.empty(tokens, dtype=torch.float32, device=fresh.device)
+    if tokens == 0:
+        return out
+    if heads == 0:
+        return out.zero_()
+    fresh, cached = _last_dim_contiguous(fresh), _last_dim_contiguous(cached.to(fresh.device))
+    block_t = 64 if INTERPRET else 32
+    _deviation_kernel[(triton.cdiv(tokens, block_t),)](
+        fresh, cached, out, heads, tokens,
+        fresh.stride(0), fresh.stride(1), cached.stride(0), cached.stride(1),
+        D=head_dim, D_P2=_p2(head_dim), BLOCK_T=block_t,
+    )  # fmt: skip
+    return out

@@ -1,0 +1,78 @@
+"""Compile: prefill a chunk alone at positions 0..T-1 and keep its pre-RoPE K and V for every layer.
+
+The compile layout is part of every key:
+  bos   each chunk starts with the tokenizer's BOS (stored with it): the chunk's own attention sink
+  plain the chunk's tokens only (tokenizers that add no BOS, and the system prefix)
+  sink  a few dummy sink tokens are prefilled before the chunk and dropped from the stored cache (legolink0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ragcache.store.entry import ChunkKV
+from ragcache.store.keys import chunk_key
+
+from .models import LoadedModel
+from .runner import Runner
+
+SINK_TOKENS = 4
+
+
+@dataclass(frozen=True)
+class Layout:
+    name: str
+    lead_ids: tuple[int, ...] = ()  # stored in front of the chunk
+    sink_ids: tuple[int, ...] = ()  # prefilled in front of the chunk, then dropped
+
+    @property
+    def tag(self) -> str:
+        return f"{self.name}:{','.join(map(str, self.lead_ids))}:{','.join(map(str, self.sink_ids))}"
+
+
+PLAIN = Layout("plain")
+
+
+def _bos_the_tokenizer_adds(tokenizer) -> int | None:
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return bos if bos is not None and ids and ids[0] == bos else None
+
+
+def default_layout(tokenizer) -> Layout:
+    bos = _bos_the_tokenizer_adds(tokenizer)
+    return Layout("bos", lead_ids=(bos,)) if bos is not None else PLAIN
+
+
+def sink_layout(tokenizer) -> Layout:
+    sink = tokenizer.bos_token_id
+    if sink is None:
+        sink = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    return Layout("sink", sink_ids=(sink,) * SINK_TOKENS)
+
+
+class Compiler:
+    def __init__(self, lm: LoadedModel, runner: Runner):
+        self.lm = lm
+        self.runner = runner
+        self.dtype = str(runner.shape.dtype).removeprefix("torch.")
+
+    def key(self, token_ids: list[int], layout: Layout) -> str:
+        return chunk_key(self.lm.fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag,
+                         [*layout.lead_ids, *token_ids])
+
+    def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
+        return [*layout.lead_ids, *token_ids]
+
+    @torch.inference_mode()
+    def compile(self, token_ids: list[int], layout: Layout) -> ChunkKV:
+        stored = self.stored_ids(token_ids, layout)
+        prefilled = torch.tensor([*layout.sink_ids, *stored], dtype=torch.long)
+        keys, values = self.runner.prefill_pre_rope(prefilled)
+        drop = len(layout.sink_ids)
+        meta = {"model": self.lm.fingerprint, "tokenizer": self.lm.tokenizer_fingerprint, "dtype": self.dtype,
+                "layout": layout.tag, "model_name": self.lm.name}
+        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys[:, :, drop:].contiguous(),
+                       values[:, :, drop:].contiguous(), meta)

@@ -1,0 +1,291 @@
+"""RagCache: the public facade. Owns one model, one store and one prefix cache.
+
+query = resolve documents -> fetch chunk entries (compile misses) -> link -> decode."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ragcache.store import Store, open_store
+from ragcache.store.entry import ChunkKV
+from ragcache.store.keys import document_id, is_document_id
+
+from . import models, prompt
+from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
+from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
+from .errors import EmptyInput, ParameterOutOfRange, PromptTooLong, UnknownDocument
+from .generate import Sampling, TextAssembler, decode
+from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked, link
+from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+from .runner import Runner
+
+DEFAULT_STORE = "disk:./.ragcache"
+
+
+@dataclass
+class QueryStats:
+    algorithm: str = ""
+    ttft_s: float = 0.0
+    fetch_s: float = 0.0  # store reads, plus compiling any chunk that was missing
+    rotate_s: float = 0.0  # placing cached chunks (gather + RoPE to global positions)
+    recompute_s: float = 0.0  # selected rows through every layer
+    decode_s: float = 0.0  # tokens after the first
+    total_s: float = 0.0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    recomputed_tokens: int = 0
+    completion_tokens: int = 0
+    store_hits: int = 0
+    store_misses: int = 0
+    compiled_chunks: int = 0
+    finish_reason: str = "length"
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Answer:
+    text: str
+    token_ids: list[int]
+    stats: QueryStats
+
+
+@dataclass
+class CompileReport:
+    ids: list[str] = field(default_factory=list)
+    documents: int = 0
+    skipped: int = 0  # already compiled
+    chunks: int = 0
+    compiled_chunks: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+class RagCache:
+    def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET):
+        if chunk_tokens < 1:
+            raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.lm = lm
+        self.store = store
+        self.chunk_tokens = chunk_tokens
+        self.runner = Runner(lm)
+        self.compiler = Compiler(lm, self.runner)
+        self.tokenizer = lm.tokenizer
+        self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
+        self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
+        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.lock = threading.RLock()  # one engine owns the model: model work is serialized
+
+    @classmethod
+    def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "float32", device: str = "cpu",
+             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET) -> "RagCache":
+        lm = models.load(model, dtype=dtype, device=device)
+        return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes)
+
+    @property
+    def context_length(self) -> int:
+        return self.lm.context_length
+
+    # -- documents ------------------------------------------------------------------------------------
+    def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
+        return self.compile_documents(texts, metadata).ids
+
+    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
+                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
+        """Compile texts into the store (skipping what is there); `progress(done_tokens, chunk_tokens)` per chunk."""
+        started = time.perf_counter()
+        report = CompileReport()
+        metadata = metadata or [{} for _ in texts]
+        for text, meta in zip(texts, metadata):
+            doc_id, chunks = self._register(text, meta)
+            keys = [self.compiler.key(ids, self.layouts["default"]) for ids in chunks]
+            present = self.store.contains_many(keys)
+            report.ids.append(doc_id)
+            report.documents += 1
+            report.chunks += len(chunks)
+            report.skipped += all(present)
+            for ids, key, there in zip(chunks, keys, present):
+                report.tokens += len(ids)
+                if not there:
+                    with self.lock:
+                        entry = self.compiler.compile(ids, self.layouts["default"])
+                    self.store.put_many({key: entry})
+                    report.compiled_chunks += 1
+                    report.bytes += entry.nbytes
+                if progress:
+                    progress(len(ids), 0 if there else len(ids))
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
+        if not isinstance(text, str) or not text.strip():
+            raise EmptyInput("a document is empty; every document needs some text")
+        doc_id = document_id(text)
+        if self.store.get_record(f"doc/{doc_id}") is None:
+            self.store.put_record(f"doc/{doc_id}", {"id": doc_id, "text": text, "meta": meta, "created": time.time()})
+        return doc_id, self._chunks(doc_id, text)
+
+    def _chunking_name(self, doc_id: str) -> str:
+        return f"chunks/{doc_id}/{self.lm.tokenizer_fingerprint[:16]}-{self.chunk_tokens}"
+
+    def _chunks(self, doc_id: str, text: str | None = None) -> list[list[int]]:
+        """The document's chunk token ids (without layout tokens), cached as a record per tokenizer and budget."""
+        record = self.store.get_record(self._chunking_name(doc_id))
+        if record is not None:
+            return record["chunks"]
+        if text is None:
+            doc = self.store.get_record(f"doc/{doc_id}")
+            if doc is None:
+                raise UnknownDocument([doc_id])
+            text = doc["text"]
+        chunks = [c.token_ids for c in chunk_document(self.tokenizer, text, self.chunk_tokens)]
+        self.store.put_record(self._chunking_name(doc_id), {"chunks": chunks, "tokens": sum(map(len, chunks))})
+        return chunks
+
+    def document(self, doc_id: str) -> dict | None:
+        return self.store.get_record(f"doc/{doc_id}")
+
+    def delete_document(self, doc_id: str) -> bool:
+        record = self.store.get_record(f"doc/{doc_id}")
+        if record is None:
+            return False
+        chunks = self._chunks(doc_id)
+        for layout in self.layouts.values():
+            for ids in chunks:
+                self.store.delete(self.compiler.key(ids, layout))
+        self.store.delete_record(self._chunking_name(doc_id))
+        return self.store.delete_record(f"doc/{doc_id}")
+
+    def document_ids(self) -> list[str]:
+        return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
+
+    def _resolve(self, docs: list[str]) -> list[str]:
+        """Ids stay ids (must be known); any other string is a raw text, compiled on the fly."""
+        ids, unknown = [], []
+        for doc in docs:
+            if isinstance(doc, str) and is_document_id(doc):
+                if self.store.get_record(f"doc/{doc}") is None and self.store.get_record(self._chunking_name(doc)) is None:
+                    unknown.append(doc)
+                ids.append(doc)
+            else:
+                ids.append(self._register(doc, {})[0])
+        if unknown:
+            raise UnknownDocument(unknown)
+        return ids
+
+    # -- linking --------------------------------------------------------------------------------------
+    def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats) -> list[ChunkKV]:
+        keys = [self.compiler.key(ids, layout) for ids in chunk_ids]
+        entries = self.store.get_many(keys)
+        missing = {}
+        for i, entry in enumerate(entries):
+            if entry is None:
+                with self.lock:
+                    entries[i] = missing[keys[i]] = self.compiler.compile(chunk_ids[i], layout)
+        stats.store_hits += len(keys) - len(missing)
+        stats.store_misses += len(missing)
+        stats.compiled_chunks += len(missing)
+        if missing:
+            self.store.put_many(missing)
+        return entries
+
+    def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str,
+                stats: QueryStats) -> LinkInput:
+        if not isinstance(question, str) or not question.strip():
+            raise EmptyInput("the question is empty")
+        doc_ids = self._resolve(list(docs))
+        chunks = [ids for doc_id in doc_ids for ids in self._chunks(doc_id)]
+        layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
+        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
+        if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
+            prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
+        parts = LinkInput(prefix_ids, [self.compiler.stored_ids(ids, layout) for ids in chunks],
+                          prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
+        if algorithm in USES_CHUNK_CACHE:
+            parts.chunk_entries = self._entries(chunks, layout, stats)
+            if prefix_ids:
+                parts.prefix_entry = self._entries([prefix_ids], PLAIN, stats)[0]
+        return parts
+
+    def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
+             k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
+             max_new_tokens: int = 0, _stats: QueryStats | None = None) -> Linked:
+        stats = _stats or QueryStats()
+        params = LinkParams(algorithm, k, ratio, check_layer)
+        params.validate(self.runner.shape.layers)
+        started = time.perf_counter()
+        parts = self._inputs(question, docs, system, algorithm, stats)
+        length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
+        if length + max_new_tokens > self.context_length:
+            raise PromptTooLong(length, max_new_tokens, self.context_length)
+        stats.fetch_s = time.perf_counter() - started
+        with self.lock:
+            linked = link(self.runner, parts, params, extra_capacity=max_new_tokens, prefix_cache=self.prefix_cache)
+        stats.algorithm = algorithm
+        stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
+        stats.prompt_tokens, stats.cached_tokens = length, linked.cached_tokens
+        stats.recomputed_tokens = linked.recomputed_tokens
+        return linked
+
+    # -- answering ------------------------------------------------------------------------------------
+    def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
+               k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
+               temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
+               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> "Stream":
+        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
+        sampling.validate()
+        return Stream(self, dict(question=question, docs=docs, system=system, algorithm=algorithm, k=k,
+                                 ratio=ratio, check_layer=check_layer), sampling)
+
+    def query(self, question: str, docs: list[str], **kwargs) -> Answer:
+        stream = self.stream(question, docs, **kwargs)
+        for _ in stream:
+            pass
+        return stream.answer
+
+
+class Stream:
+    """Iterate for text pieces; `.answer` holds the full answer and its stats once iteration ends."""
+
+    def __init__(self, rc: RagCache, link_args: dict, sampling: Sampling):
+        self.rc, self.link_args, self.sampling = rc, link_args, sampling
+        self.answer: Answer | None = None
+
+    def __iter__(self) -> Iterator[str]:
+        rc, stats = self.rc, QueryStats()
+        started = time.perf_counter()
+        with rc.lock:  # the joined cache is per request, but the model and its rows run one request at a time
+            linked = rc.link(**self.link_args, max_new_tokens=self.sampling.max_new_tokens, _stats=stats)
+            assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
+            ids: list[str] = []
+            token_ids: list[int] = []
+            first_at = None
+            for step in decode(rc.runner, linked, self.sampling, assembler):
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    stats.ttft_s = first_at - started
+                token_ids.append(step.token_id)
+                if step.text:
+                    ids.append(step.text)
+                    yield step.text
+            tail = assembler.finish()
+            if tail:
+                ids.append(tail)
+                yield tail
+        done = time.perf_counter()
+        if first_at is None:  # EOS came first: the time to that decision is the TTFT
+            stats.ttft_s = done - started
+        stats.decode_s = done - (first_at or done)
+        stats.total_s = done - started
+        stats.completion_tokens = len(token_ids)
+        stats.finish_reason = "stop" if assembler.stopped or len(token_ids) < self.sampling.max_new_tokens else "length"
+        self.answer = Answer("".join(ids), token_ids, stats)

@@ -1,0 +1,68 @@
+"""Typed errors: one class per failure kind, so the CLI and the API can map each to an exit code / HTTP status."""
+
+
+class RagCacheError(Exception):
+    """Base of every error ragcache raises on purpose."""
+
+    http_status = 500
+
+
+class BadRequest(RagCacheError):
+    """The caller sent something unusable (empty question, bad parameter)."""
+
+    http_status = 422
+
+
+class EmptyInput(BadRequest):
+    """An empty question or an empty document."""
+
+
+class UnknownAlgorithm(BadRequest):
+    """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
+
+
+class ParameterOutOfRange(BadRequest):
+    """k, ratio, max_new_tokens, temperature, ... outside their valid range."""
+
+
+class UnknownDocument(RagCacheError):
+    """A document id that the store does not know (for this model)."""
+
+    http_status = 404
+
+    def __init__(self, ids: list[str]):
+        self.ids = list(ids)
+        super().__init__(f"unknown document id(s): {', '.join(self.ids)}; compile the text first or pass it raw")
+
+
+class PromptTooLong(RagCacheError):
+    """The linked prompt (plus the tokens to generate) exceeds the model's context."""
+
+    http_status = 413
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int):
+        self.prompt_tokens, self.max_new_tokens, self.context = prompt_tokens, max_new_tokens, context
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model context of "
+            f"{context} tokens; pass fewer documents or lower max_new_tokens"
+        )
+
+
+class UnsupportedModel(RagCacheError):
+    """A model ragcache cannot link for (no rotary embeddings, unsupported rope type, ...)."""
+
+    http_status = 400
+
+
+class ModelFetchError(RagCacheError):
+    """A built-in model could not be downloaded, verified or converted."""
+
+
+class StoreError(RagCacheError):
+    """A store backend failed in a way the caller must hear about (bad URL, write failure)."""
+
+    http_status = 503
+
+
+class CorruptEntry(StoreError):
+    """An entry failed its checksum or does not belong to the key it was read under."""

@@ -1,0 +1,173 @@
+"""Link cached chunks into one prompt cache and recompute the rows each algorithm chooses.
+
+Layout of the joined cache (index == global position):
+    [ system prefix | chunk_1 | ... | chunk_n | question ]
+The system prefix is an exact prefix (placed, never recomputed, except by `full`); the question is always
+recomputed. Recomputed rows run layer by layer through the model and are written back at every layer;
+each attends causally by position to every earlier token of every chunk.
+
+| algorithm  | recomputed rows                                                                      |
+| full       | all (a normal prefill)                                                               |
+| naive      | the question only                                                                    |
+| cacheblend | layers 0..check_layer: every chunk row; then the top `ratio` rows by K deviation      |
+| legolink   | the first `k` rows of every chunk, plus the question                                 |
+| legolink0  | the question only; chunks were compiled behind dropped sink tokens                   |
+| prefix     | everything after the longest exact cached prefix of the same token sequence          |
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+import ragcache.kernels as kernels
+from ragcache.store.entry import ChunkKV
+
+from .errors import ParameterOutOfRange, UnknownAlgorithm
+from .prefix_cache import PrefixCache
+from .runner import JoinedCache, Runner
+
+ALGORITHMS = ("full", "naive", "cacheblend", "legolink", "legolink0", "prefix")
+USES_CHUNK_CACHE = {"naive", "cacheblend", "legolink", "legolink0"}
+DEFAULT_K = 16
+DEFAULT_RATIO = 0.15
+DEFAULT_CHECK_LAYER = 1
+
+
+@dataclass
+class LinkParams:
+    algorithm: str = "legolink"
+    k: int = DEFAULT_K
+    ratio: float = DEFAULT_RATIO
+    check_layer: int = DEFAULT_CHECK_LAYER
+
+    def validate(self, num_layers: int) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise UnknownAlgorithm(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        if not isinstance(self.k, int) or self.k < 0:
+            raise ParameterOutOfRange(f"k must be an integer >= 0, got {self.k!r}")
+        if not 0.0 <= float(self.ratio) <= 1.0:
+            raise ParameterOutOfRange(f"ratio must be within [0, 1], got {self.ratio!r}")
+        if not 0 <= self.check_layer < num_layers:
+            raise ParameterOutOfRange(f"check_layer must be within [0, {num_layers - 1}], got {self.check_layer}")
+
+
+@dataclass
+class LinkInput:
+    prefix_ids: list[int]
+    chunk_ids: list[list[int]]  # stored ids of each chunk, in prompt order
+    question_ids: list[int]
+    prefix_entry: ChunkKV | None = None  # KV of the system prefix (algorithms that reuse caches)
+    chunk_entries: list[ChunkKV] | None = None  # KV of each chunk, same order (algorithms that reuse caches)
+
+    @property
+    def token_ids(self) -> torch.Tensor:
+        flat = [*self.prefix_ids, *(t for ids in self.chunk_ids for t in ids), *self.question_ids]
+        return torch.tensor(flat, dtype=torch.long)
+
+    def chunk_starts(self) -> list[int]:
+        starts, position = [], len(self.prefix_ids)
+        for ids in self.chunk_ids:
+            starts.append(position)
+            position += len(ids)
+        return starts
+
+
+@dataclass
+class Linked:
+    cache: JoinedCache
+    token_ids: torch.Tensor
+    last_logits: torch.Tensor  # [vocab] fp32
+    recomputed_tokens: int
+    cached_tokens: int
+    rotate_s: float
+    recompute_s: float
+
+
+@torch.inference_mode()
+def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
+         prefix_cache: PrefixCache | None = None) -> Linked:
+    params.validate(runner.shape.layers)
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = runner.new_cache(length + extra_capacity)
+    cache.length = length
+    started = time.perf_counter()
+    reused = _place(runner, parts, params, cache, prefix_cache)
+    placed = time.perf_counter()
+    rows, narrow = _rows(parts, params, length, reused)
+    hidden, rows = _recompute(runner, ids, rows, cache, narrow)
+    last_logits = runner.logits(hidden[0, -1:])[0]
+    done = time.perf_counter()
+    if params.algorithm == "prefix" and prefix_cache is not None:
+        prefix_cache.insert(ids, cache.keys[:, :, :length], cache.values[:, :, :length])
+    recomputed = int(rows.numel())
+    return Linked(cache, ids, last_logits, recomputed, length - recomputed, placed - started, done - placed)
+
+
+def _place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
+           prefix_cache: PrefixCache | None) -> int:
+    """Fill the joined cache with what the algorithm reuses; return the length of the exact prefix reused."""
+    if params.algorithm == "full":
+        return 0
+    if params.algorithm == "prefix":
+        if prefix_cache is None:
+            return 0
+        common, prompt = prefix_cache.lookup(cache_ids := parts.token_ids)
+        common = min(common, cache_ids.numel() - 1)  # the last token always runs, to produce logits
+        if prompt is not None and common > 0:
+            cache.keys[:, :, :common] = prompt.keys[:, :, :common]
+            cache.values[:, :, :common] = prompt.values[:, :, :common]
+        return max(common, 0)
+    entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
+    starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
+    kernels.place_chunks(cache.keys, cache.values, [e.keys for e in entries], [e.values for e in entries],
+                         starts, runner.inv_freq, runner.rope_scaling)
+    return len(parts.prefix_ids)
+
+
+def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int) -> tuple[torch.Tensor, "Narrowing | None"]:
+    question = torch.arange(length - len(parts.question_ids), length)
+    starts = parts.chunk_starts()
+    algorithm = params.algorithm
+    if algorithm in ("full", "prefix"):
+        return torch.arange(reused, length), None
+    if algorithm in ("naive", "legolink0"):
+        return question, None
+    if algorithm == "legolink":
+        heads = [torch.arange(s, s + min(params.k, len(ids))) for s, ids in zip(starts, parts.chunk_ids)]
+        return torch.cat([*heads, question]), None
+    chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))  # cacheblend
+    return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio)
+
+
+@dataclass
+class Narrowing:
+    """CacheBlend: after `layer`, keep the chunk rows whose fresh K deviates most from the cached K."""
+
+    layer: int
+    chunk_rows: torch.Tensor
+    question_rows: torch.Tensor
+    ratio: float
+
+
+def _recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
+               narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = rows.to(runner.device)
+    hidden = runner.embed(ids[rows.cpu()])
+    pos_emb = runner.position_embeddings(hidden, rows)
+    for layer in range(runner.shape.layers):
+        check = narrow is not None and layer == narrow.layer
+        if check:
+            chunk_rows = narrow.chunk_rows.to(runner.device)
+            cached_keys = cache.keys[layer][:, chunk_rows].clone()
+        hidden = runner.run_layer(layer, hidden, rows, cache, pos_emb)
+        if check:
+            deviation = kernels.kv_deviation(cache.keys[layer][:, chunk_rows], cached_keys)
+            keep = torch.cat([chunk_rows[kernels.top_ratio(deviation, narrow.ratio)], narrow.question_rows.to(runner.device)])
+            hidden = hidden[:, torch.searchsorted(rows, keep)]
+            rows = keep
+            pos_emb = runner.position_embeddings(hidden, rows)
+    return hidden, rows

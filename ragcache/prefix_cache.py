@@ -1,0 +1,68 @@
+"""Exact prefix reuse (what vLLM/SGLang automatic prefix caching gives): KV of earlier prompts at their
+real positions, found by the longest common token prefix. The `prefix` baseline and infilling sessions use it."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_PREFIX_BUDGET = 1 << 30
+
+
+@dataclass
+class CachedPrompt:
+    token_ids: torch.Tensor  # [N]
+    keys: torch.Tensor  # [layers, kv_heads, N, head_dim], post-RoPE at positions 0..N-1
+    values: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int = DEFAULT_PREFIX_BUDGET):
+        self.budget_bytes = budget_bytes
+        self._prompts: OrderedDict[int, CachedPrompt] = OrderedDict()
+        self._bytes = 0
+        self._next = 0
+        self._lock = threading.Lock()
+
+    def lookup(self, token_ids: torch.Tensor) -> tuple[int, CachedPrompt | None]:
+        """Longest cached prefix of `token_ids`: (its length, the prompt holding it)."""
+        best, best_prompt = 0, None
+        with self._lock:
+            for slot, prompt in self._prompts.items():
+                n = min(prompt.token_ids.numel(), token_ids.numel())
+                diff = (prompt.token_ids[:n] != token_ids[:n]).nonzero()
+                common = int(diff[0]) if diff.numel() else n
+                if common > best:
+                    best, best_prompt, best_slot = common, prompt, slot
+            if best_prompt is not None:
+                self._prompts.move_to_end(best_slot)
+        return best, best_prompt
+
+    def insert(self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone())
+        if prompt.nbytes > self.budget_bytes:
+            return
+        with self._lock:
+            for slot, old in list(self._prompts.items()):  # a prompt that is a prefix of the new one is redundant
+                n = old.token_ids.numel()
+                if n <= token_ids.numel() and torch.equal(old.token_ids, token_ids[:n]):
+                    self._bytes -= old.nbytes
+                    del self._prompts[slot]
+            self._prompts[self._next] = prompt
+            self._next += 1
+            self._bytes += prompt.nbytes
+            while self._bytes > self.budget_bytes:
+                _, evicted = self._prompts.popitem(last=False)
+                self._bytes -= evicted.nbytes
+
+    def clear(self) -> None:
+        with self._lock:
+            self._prompts.clear()
+            self._bytes = 0

@@ -1,0 +1,48 @@
+"""The linked prompt's token layout: [system prefix | chunk_1 ... chunk_n | question suffix].
+
+Each part is tokenized alone and the prompt is their concatenation; `full` gets the same ids, so every
+algorithm is compared on identical input. For chat models the template's header (up to the user's turn)
+is the system prefix and its closing (end of turn + assistant header) ends the question suffix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+_SLOT = "\u2063RAGCACHE_DOCS\u2063"
+
+
+@dataclass(frozen=True)
+class PromptFormat:
+    head_template: str | None  # chat text before the documents, with {system} handled by the template
+    tail: str  # chat text after the question (end of turn + assistant header), "" for base models
+    chat: bool
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer) -> "PromptFormat":
+        if getattr(tokenizer, "chat_template", None):
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True
+            )
+            if rendered.count(_SLOT) == 1:
+                return cls(head_template="chat", tail=rendered.split(_SLOT)[1], chat=True)
+        return cls(head_template=None, tail="", chat=False)
+
+
+def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[int]:
+    if fmt.chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SLOT}]
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return tokenizer(rendered.split(_SLOT)[0], add_special_tokens=False)["input_ids"]
+    if not system:
+        return []
+    return tokenizer(system.rstrip() + "\n\n", add_special_tokens=True)["input_ids"]
+
+
+def question_ids(tokenizer, fmt: PromptFormat, question: str, with_docs: bool) -> list[int]:
+    lead = "\n\n" if with_docs else ""
+    if fmt.chat:
+        text = f"{lead}Question: {question.strip()}" + fmt.tail
+    else:
+        text = f"{lead}Question: {question.strip()}\nAnswer:"
+    return tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -1,0 +1,54 @@
+"""Document KV store: content-hash keys, memory / disk / Redis tiers, integrity checks.
+
+`open_store("memory:")`, `open_store("disk:./.ragcache")`, `open_store("redis://host:6379/0")`, and tiered
+combinations joined by "+": `open_store("memory+disk:./.ragcache+redis://localhost:6379/0")`.
+"""
+
+from __future__ import annotations
+
+from ragcache.errors import StoreError
+
+from .base import Store
+from .entry import ChunkKV
+from .keys import chunk_key, document_id
+
+__all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store"]
+
+
+def open_store(url: str | Store) -> Store:
+    if isinstance(url, Store):
+        return url
+    parts = _split(url)
+    tiers = [_open_tier(p) for p in parts]
+    if len(tiers) == 1:
+        return tiers[0]
+    from .tiered import TieredStore
+
+    return TieredStore(tiers)
+
+
+def _split(url: str) -> list[str]:
+    """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
+    parts: list[str] = []
+    for piece in url.split("+"):
+        if parts and not piece.startswith(("memory", "disk:", "redis://", "rediss://", "unix://")):
+            parts[-1] += "+" + piece
+        else:
+            parts.append(piece)
+    return parts
+
+
+def _open_tier(spec: str) -> Store:
+    if spec in ("memory", "memory:"):
+        from .memory import MemoryStore
+
+        return MemoryStore()
+    if spec.startswith("disk:"):
+        from .disk import DiskStore
+
+        return DiskStore(spec[len("disk:") :] or "./.ragcache")
+    if spec.startswith(("redis://", "rediss://", "unix://")):
+        from .redis_tier import RedisStore
+
+        return RedisStore(spec)
+    raise StoreError(f"unknown store {spec!r}: use memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")

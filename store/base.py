@@ -1,0 +1,124 @@
+"""The store interface every tier implements, and the shared get/put bookkeeping (integrity, metrics)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from ragcache.errors import CorruptEntry
+
+from .entry import ChunkKV, decode, encode
+
+log = logging.getLogger("ragcache.store")
+
+
+@dataclass
+class TierMetrics:
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    gets: int = 0
+    puts: int = 0
+    get_seconds: float = 0.0
+    put_seconds: float = 0.0
+
+
+class Store(ABC):
+    """Chunk entries by key, plus small JSON records (documents). Every method takes batches."""
+
+    name = "store"
+
+    def __init__(self) -> None:
+        self.metrics = TierMetrics()
+
+    # -- entries ------------------------------------------------------------------------------------
+    @abstractmethod
+    def get_many(self, keys: list[str]) -> list[ChunkKV | None]: ...
+
+    @abstractmethod
+    def put_many(self, items: dict[str, ChunkKV]) -> None: ...
+
+    @abstractmethod
+    def contains_many(self, keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]: ...
+
+    def __iter__(self) -> Iterator[str]:
+        return self.keys()
+
+    def get(self, key: str) -> ChunkKV | None:
+        return self.get_many([key])[0]
+
+    def put(self, key: str, entry: ChunkKV) -> None:
+        self.put_many({key: entry})
+
+    # -- records (document -> chunk keys, texts) ----------------------------------------------------------
+    @abstractmethod
+    def get_record(self, name: str) -> dict | None: ...
+
+    @abstractmethod
+    def put_record(self, name: str, record: dict) -> None: ...
+
+    @abstractmethod
+    def delete_record(self, name: str) -> bool: ...
+
+    @abstractmethod
+    def record_names(self, prefix: str = "") -> list[str]: ...
+
+    # -- operator view ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        return {"tier": self.name, **asdict(self.metrics)}
+
+    def ping(self) -> bool:
+        return True
+
+    def close(self) -> None:
+        pass
+
+
+class BlobStore(Store):
+    """A tier that holds entries as bytes (disk, Redis): decoding, checksum and metrics live here once."""
+
+    @abstractmethod
+    def read_blobs(self, keys: list[str]) -> list[bytes | None]: ...
+
+    @abstractmethod
+    def write_blobs(self, blobs: dict[str, bytes]) -> None: ...
+
+    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
+        started = time.perf_counter()
+        blobs = self.read_blobs(keys)
+        out: list[ChunkKV | None] = []
+        for key, blob in zip(keys, blobs):
+            entry = None
+            if blob is not None:
+                self.metrics.bytes_read += len(blob)
+                try:
+                    entry = decode(key, blob)
+                except CorruptEntry as exc:
+                    self.metrics.corrupt += 1
+                    log.warning("%s tier: %s; dropping it (it will be recompiled)", self.name, exc)
+                    self.delete(key)
+            self.metrics.hits += entry is not None
+            self.metrics.misses += entry is None
+            out.append(entry)
+        self.metrics.gets += 1
+        self.metrics.get_seconds += time.perf_counter() - started
+        return out
+
+    def put_many(self, items: dict[str, ChunkKV]) -> None:
+        started = time.perf_counter()
+        blobs = {key: encode(key, entry) for key, entry in items.items()}
+        self.write_blobs(blobs)
+        self.metrics.puts += 1
+        self.metrics.bytes_written += sum(len(b) for b in blobs.values())
+        self.metrics.put_seconds += time.perf_counter() - started
