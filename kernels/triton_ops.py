@@ -18,11 +18,30 @@ does) and fp32 operands multiplied in IEEE fp32 (no TF32).
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
+
+try:  # what @triton.jit reads to choose the interpreter
+    INTERPRET = bool(triton.knobs.runtime.interpret)
+except AttributeError:  # triton < 3.4
+    INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+# The interpreter truncates fp32 -> bf16 instead of rounding to nearest even as the GPU (and torch) do.
+_ROUND_BF16_BY_HAND = tl.constexpr(INTERPRET)
+
+
+@triton.jit
+def _to(x, dtype: tl.constexpr):
+    """x.to(dtype), rounding fp32 -> bf16 to nearest even in the interpreter too."""
+    if _ROUND_BF16_BY_HAND and dtype == tl.bfloat16 and x.dtype == tl.float32:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
+    return x.to(dtype)
 
 
 # ---------------------------------------------------------------- RoPE (rotate_keys, place_chunks)
@@ -50,8 +69,8 @@ def _rope_tile(
     j_mask = j < HALF
     freq = tl.load(freq_ptr + j, mask=j_mask, other=0.0)
     angle = pos[:, None] * freq[None, :]
-    cos = (tl.cos(angle) * scale).to(cdt).to(tl.float32)
-    sin = (tl.sin(angle) * scale).to(cdt).to(tl.float32)
+    cos = _to(tl.cos(angle) * scale, cdt).to(tl.float32)
+    sin = _to(tl.sin(angle) * scale, cdt).to(tl.float32)
 
     mask = t_mask[:, None] & j_mask[None, :]
     src_rows = src + src_t[:, None].to(tl.int64) * src_stride_t
@@ -59,16 +78,16 @@ def _rope_tile(
     x1 = tl.load(src_rows + j[None, :], mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(src_rows + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
     # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product rounded to the key dtype as torch does.
-    out1 = (x1 * cos).to(cdt).to(tl.float32) - (x2 * sin).to(cdt).to(tl.float32)
-    out2 = (x2 * cos).to(cdt).to(tl.float32) + (x1 * sin).to(cdt).to(tl.float32)
+    out1 = _to(x1 * cos, cdt).to(tl.float32) - _to(x2 * sin, cdt).to(tl.float32)
+    out2 = _to(x2 * cos, cdt).to(tl.float32) + _to(x1 * sin, cdt).to(tl.float32)
     odt = dst.dtype.element_ty
-    tl.store(dst_rows + j[None, :], out1.to(cdt).to(odt), mask=mask)
-    tl.store(dst_rows + HALF + j[None, :], out2.to(cdt).to(odt), mask=mask)
+    tl.store(dst_rows + j[None, :], _to(_to(out1, cdt), odt), mask=mask)
+    tl.store(dst_rows + HALF + j[None, :], _to(_to(out2, cdt), odt), mask=mask)
     if REST_P2 > 0:  # partial rotary: dims >= 2 * HALF pass through
         r = 2 * HALF + tl.arange(0, REST_P2)
         r_mask = t_mask[:, None] & (r < D)[None, :]
         rest = tl.load(src_rows + r[None, :], mask=r_mask, other=0.0)
-        tl.store(dst_rows + r[None, :], rest.to(odt), mask=r_mask)
+        tl.store(dst_rows + r[None, :], _to(rest, odt), mask=r_mask)
 
 
 @triton.jit
@@ -190,7 +209,7 @@ def _place_kernel(
     mask = t_mask[:, None] & (d < D)[None, :]
     v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0.0)
     v_dst = joined_v + layer * jv_l + head * jv_h + dst_t[:, None] * jv_t + d[None, :]
-    tl.store(v_dst, v.to(joined_v.dtype.element_ty), mask=mask)
+    tl.store(v_dst, _to(v, joined_v.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------- attention of selected rows
@@ -275,7 +294,7 @@ def _attention_kernel(
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = p.to(v.dtype.element_ty)  # as flash-attention: probabilities in the value dtype, fp32 accumulate
+        p = _to(p, v.dtype.element_ty)  # as flash-attention: probabilities in the value dtype, fp32 accumulate
         if UPCAST:
             p = p.to(tl.float32)
             v_tile = v_tile.to(tl.float32)
@@ -288,7 +307,7 @@ def _attention_kernel(
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = out + row[:, None].to(tl.int64) * so_n + head[:, None] * so_h + d[None, :]
-    tl.store(o, acc.to(out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(o, _to(acc, out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 # ---------------------------------------------------------------- CacheBlend deviation
@@ -313,18 +332,21 @@ def _deviation_kernel(
     d = tl.arange(0, D_P2)
     mask = (t < tokens)[:, None] & (d < D)[None, :]
     t64 = t[:, None].to(tl.int64)
+    f_ptr = fresh + t64 * sf_t + d[None, :]
+    c_ptr = cached + t64 * sc_t + d[None, :]
     acc = tl.zeros([BLOCK_T, D_P2], tl.float32)
-    for h in range(0, heads):
-        h64 = tl.full([], h, tl.int64)
-        a = tl.load(fresh + h64 * sf_h + t64 * sf_t + d[None, :], mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(cached + h64 * sc_h + t64 * sc_t + d[None, :], mask=mask, other=0.0).to(tl.float32)
+    for _ in range(0, heads):
+        a = tl.load(f_ptr, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(c_ptr, mask=mask, other=0.0).to(tl.float32)
         acc += (a - b) * (a - b)
+        f_ptr += sf_h
+        c_ptr += sc_h
     tl.store(out + t, tl.sum(acc, axis=1), mask=t < tokens)
 
 
 # ---------------------------------------------------------------- host side
 
-INTERPRET = type(_rotate_kernel).__name__ == "InterpretedFunction"
+assert INTERPRET == (type(_rotate_kernel).__name__ == "InterpretedFunction")
 
 
 def _p2(x: int) -> int:

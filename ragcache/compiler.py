@@ -3,7 +3,8 @@
 The compile layout is part of every key:
   bos   each chunk starts with the tokenizer's BOS (stored with it): the chunk's own attention sink
   plain the chunk's tokens only (tokenizers that add no BOS, and the system prefix)
-  sink  a few dummy sink tokens are prefilled before the chunk and dropped from the stored cache (legolink0)
+  sink  as the default layout, but a few dummy sink tokens are prefilled before the chunk and dropped from
+        the stored cache (legolink0)
 """
 
 from __future__ import annotations
@@ -47,10 +48,11 @@ def default_layout(tokenizer) -> Layout:
 
 
 def sink_layout(tokenizer) -> Layout:
+    """Same stored ids as the default layout (so every algorithm links the same prompt), compiled behind sinks."""
     sink = tokenizer.bos_token_id
     if sink is None:
         sink = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    return Layout("sink", sink_ids=(sink,) * SINK_TOKENS)
+    return Layout("sink", lead_ids=default_layout(tokenizer).lead_ids, sink_ids=(sink,) * SINK_TOKENS)
 
 
 class Compiler:

@@ -1,0 +1,126 @@
+"""DESIGN.md's invariants 1-4 on tiny random-weight models of every supported family (fp32)."""
+
+import pytest
+import torch
+
+import ragcache.kernels as kernels
+from ragcache.engine import RagCache
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+DOCS = [
+    "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall. Rivers flow to the sea.",
+    "Mount Everest is the highest mountain on Earth. It lies in the Himalayas! Rain falls on hills.",
+    "Python is a programming language. It was first released in 1991? Yes. The water returns.",
+]
+QUESTION = "Which mountain is the highest?"
+ATOL = 2e-4
+
+
+@pytest.fixture(scope="module", params=tiny.FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def rc(family):
+    # chunk budget 24 so each document splits into several chunks
+    return RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24)
+
+
+@pytest.fixture(scope="module")
+def reference(family):
+    """Same weights, transformers' own eager attention: independent of ragcache's attention path."""
+    lm = tiny.make(family)
+    lm.model.set_attn_implementation("eager")
+    return lm
+
+
+def test_full_equals_model_forward(rc, reference):
+    ids = rc.compile(DOCS)
+    linked = rc.link(QUESTION, ids, algorithm="full")
+    expected = tiny.reference_logits(reference, linked.token_ids)[-1]
+    assert linked.token_ids.numel() > 60  # long enough to cross gemma3's sliding window of 8
+    torch.testing.assert_close(linked.last_logits, expected, atol=ATOL, rtol=1e-4)
+
+    answer = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=8)
+    with torch.inference_mode():
+        generated = reference.model.generate(linked.token_ids[None], max_new_tokens=8, do_sample=False,
+                                             eos_token_id=None, pad_token_id=0)[0, linked.token_ids.numel():]
+    assert answer.token_ids == generated.tolist()[: len(answer.token_ids)]
+    assert len(answer.token_ids) >= 1
+
+
+@pytest.mark.parametrize("algorithm,params", [("legolink", {"k": 10_000}), ("cacheblend", {"ratio": 1.0})])
+def test_full_recompute_settings_equal_full(rc, algorithm, params):
+    ids = rc.compile(DOCS)
+    full = rc.link(QUESTION, ids, algorithm="full")
+    linked = rc.link(QUESTION, ids, algorithm=algorithm, **params)
+    assert torch.equal(linked.token_ids, full.token_ids)
+    torch.testing.assert_close(linked.last_logits, full.last_logits, atol=ATOL, rtol=1e-4)
+    assert linked.recomputed_tokens == full.token_ids.numel()
+
+
+def test_naive_with_one_chunk_equals_full(family):
+    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=512)
+    ids = rc.compile([DOCS[0]])
+    full = rc.link(QUESTION, ids, algorithm="full")
+    naive = rc.link(QUESTION, ids, algorithm="naive")
+    assert naive.cached_tokens == len(rc._chunks(ids[0])[0]) + 1  # the chunk and its BOS come from the cache
+    torch.testing.assert_close(naive.last_logits, full.last_logits, atol=ATOL, rtol=1e-4)
+
+
+@pytest.mark.parametrize("offset", [1, 37, 300])
+def test_rotation_to_offset_equals_compiling_there(rc, offset):
+    ids = torch.tensor(tiny.tokenizer()(DOCS[1])["input_ids"])
+    pre_keys, _ = rc.runner.prefill_pre_rope(ids)
+    positions = torch.arange(offset, offset + ids.numel())
+    rotated = kernels.rotate_keys(pre_keys, positions, rc.runner.inv_freq, rc.runner.rope_scaling)
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=rc.lm.model.config)
+        rc.lm.model(ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+    for layer in range(rc.runner.shape.layers):
+        at_offset = cache.layers[layer].keys[0]
+        n = at_offset.shape[1]  # sliding-window layers keep only their window of keys
+        torch.testing.assert_close(rotated[layer][:, -n:], at_offset, atol=1e-5, rtol=1e-5)
+
+
+def test_every_algorithm_answers_and_counts(rc):
+    ids = rc.compile(DOCS)
+    chunks = sum(len(rc._chunks(i)) for i in ids)
+    assert chunks > len(DOCS)
+    full = rc.link(QUESTION, ids, algorithm="full")
+    question_len = full.token_ids.numel() - sum(len(c) + 1 for i in ids for c in rc._chunks(i))  # bos per chunk
+    for algorithm, expected_recomputed in [
+        ("naive", question_len),
+        ("legolink0", question_len),
+        ("legolink", question_len + sum(min(4, len(c) + 1) for i in ids for c in rc._chunks(i))),
+    ]:
+        linked = rc.link(QUESTION, ids, algorithm=algorithm, k=4)
+        assert linked.recomputed_tokens == expected_recomputed, algorithm
+        assert linked.cached_tokens == full.token_ids.numel() - expected_recomputed
+        assert torch.isfinite(linked.last_logits).all()
+    blend = rc.link(QUESTION, ids, algorithm="cacheblend", ratio=0.25)
+    chunk_tokens = full.token_ids.numel() - question_len
+    assert blend.recomputed_tokens == question_len + -(-chunk_tokens // 4)
+
+
+def test_prefix_reuses_exact_prefix_and_matches_full(rc):
+    ids = rc.compile(DOCS)
+    rc.prefix_cache.clear()
+    first = rc.link(QUESTION, ids, algorithm="prefix")
+    assert first.cached_tokens == 0
+    second = rc.link("Who made Python?", ids, algorithm="prefix")
+    full = rc.link("Who made Python?", ids, algorithm="full")
+    assert second.cached_tokens > 50
+    torch.testing.assert_close(second.last_logits, full.last_logits, atol=ATOL, rtol=1e-4)
+
+
+def test_legolink0_uses_its_own_layout(rc):
+    ids = rc.compile(DOCS)
+    a = rc.link(QUESTION, ids, algorithm="legolink0")
+    b = rc.link(QUESTION, ids, algorithm="naive")
+    assert a.token_ids.numel() == b.token_ids.numel()
+    assert not torch.allclose(a.last_logits, b.last_logits)  # sink-compiled caches differ from bos-compiled ones
