@@ -91,6 +91,10 @@ class RagCache:
         lm = models.load(model, dtype=dtype, device=device)
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes)
 
+    def warmup(self) -> None:
+        """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""
+        self.link("warm up", [], algorithm="full")
+
     @property
     def context_length(self) -> int:
         return self.lm.context_length

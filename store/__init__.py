@@ -1,7 +1,8 @@
 """Document KV store: content-hash keys, memory / disk / Redis tiers, integrity checks.
 
-`open_store("memory:")`, `open_store("disk:./.ragcache")`, `open_store("redis://host:6379/0")`, and tiered
-combinations joined by "+": `open_store("memory+disk:./.ragcache+redis://localhost:6379/0")`.
+`open_store("memory:")`, `open_store("disk:./.ragcache")`, `open_store("redis://host:6379/0")` (also `rediss://`,
+`unix:///path/redis.sock`, `?prefix=NAME` for a key prefix other than "ragcache"), and tiered combinations joined
+by "+", fastest first: `open_store("memory+disk:./.ragcache+redis://localhost:6379/0")`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ def open_store(url: str | Store) -> Store:
     if isinstance(url, Store):
         return url
     parts = _split(url)
-    tiers = [_open_tier(p) for p in parts]
-    if len(tiers) == 1:
-        return tiers[0]
+    if len(parts) == 1:
+        return _open_tier(parts[0], connect=True)
     from .tiered import TieredStore
 
-    return TieredStore(tiers)
+    # In a tiered store a Redis that is down at start is skipped and retried, like one that goes down later.
+    return TieredStore([_open_tier(p, connect=False) for p in parts])
 
 
 def _split(url: str) -> list[str]:
@@ -38,7 +39,7 @@ def _split(url: str) -> list[str]:
     return parts
 
 
-def _open_tier(spec: str) -> Store:
+def _open_tier(spec: str, connect: bool = True) -> Store:
     if spec in ("memory", "memory:"):
         from .memory import MemoryStore
 
@@ -50,5 +51,5 @@ def _open_tier(spec: str) -> Store:
     if spec.startswith(("redis://", "rediss://", "unix://")):
         from .redis_tier import RedisStore
 
-        return RedisStore(spec)
+        return RedisStore(spec, connect=connect)
     raise StoreError(f"unknown store {spec!r}: use memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")

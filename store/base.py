@@ -8,18 +8,25 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from ragcache.errors import CorruptEntry
+from ragcache.errors import CorruptEntry, StoreError
 
-from .entry import ChunkKV, decode, encode
+from .entry import ChunkKV, decode, describe, encode
 
 log = logging.getLogger("ragcache.store")
+
+
+class TierUnavailable(StoreError):
+    """A tier cannot be reached at all (Redis down, connection refused, timeout): a tiered store skips it for a while.
+
+    A plain StoreError on a write (disk full, Redis out of memory) fails that write only."""
 
 
 @dataclass
 class TierMetrics:
     hits: int = 0
     misses: int = 0
-    corrupt: int = 0
+    corrupt: int = 0  # entries that failed their checksum / belonged to another key: dropped
+    incomplete: int = 0  # entries with a part missing (Redis evicts parts independently): dropped
     bytes_read: int = 0
     bytes_written: int = 0
     gets: int = 0
@@ -75,6 +82,19 @@ class Store(ABC):
     def record_names(self, prefix: str = "") -> list[str]: ...
 
     # -- operator view ------------------------------------------------------------------------------
+    def describe_many(self, keys: list[str]) -> list[dict | None]:
+        """A summary per entry (tokens, tensor bytes, dtype, shape, meta, stored size) without loading tensors where the
+        tier can; None where the key is absent. Tiers override this with something cheaper than a full read."""
+        out = []
+        for entry in self.get_many(keys):
+            out.append(None if entry is None else {**describe(entry), "size": entry.nbytes})
+        return out
+
+    def check_many(self, keys: list[str]) -> list[str | None]:
+        """Full integrity check with no side effect (nothing deleted, no LRU touch): None where the entry is sound,
+        else what is wrong with it ("missing" where it is absent)."""
+        raise NotImplementedError(f"{self.name} tier has no integrity check")
+
     def stats(self) -> dict:
         return {"tier": self.name, **asdict(self.metrics)}
 
@@ -93,6 +113,25 @@ class BlobStore(Store):
 
     @abstractmethod
     def write_blobs(self, blobs: dict[str, bytes]) -> None: ...
+
+    @abstractmethod
+    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+        """Like read_blobs but with no side effect: bytes, None (absent), or a str saying why the stored bytes are
+        unusable (a tier-level problem such as a missing Redis part)."""
+
+    def check_many(self, keys: list[str]) -> list[str | None]:
+        out: list[str | None] = []
+        for key in keys:  # one at a time: a verify pass over a big store must not hold it all in memory
+            (blob,) = self.read_raw([key])
+            if blob is None or isinstance(blob, str):
+                out.append(blob or "missing")
+                continue
+            try:
+                decode(key, blob)
+                out.append(None)
+            except CorruptEntry as exc:
+                out.append(str(exc))
+        return out
 
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()

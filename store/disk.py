@@ -2,8 +2,9 @@
 
 Crash safety: an entry is written to a temp file in the same directory, fsynced and renamed, so a reader
 sees the old file or the new one, never half of one. Several processes may share a directory: renames are
-atomic and the index is SQLite in WAL mode. The index is a cache of what is on disk; if it is missing it
-is rebuilt from the files.
+atomic and the index is SQLite in WAL mode. The index is a cache of what is on disk (sizes and last access,
+for eviction and stats): reads go to the files, a file the index lacks is added when it is read, a missing or
+unreadable index is rebuilt from the files, and `gc()` reconciles the two.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from pathlib import Path
 from ragcache.errors import StoreError
 
 from .base import BlobStore, log
+from .entry import PROBE, describe_head, head_length
 
 DEFAULT_DISK_BUDGET = 20 << 30
 SUFFIX = ".kv"
+TMP_SUFFIX = ".tmp"
 
 
 class DiskStore(BlobStore):
@@ -35,15 +38,23 @@ class DiskStore(BlobStore):
         self.budget_bytes = budget_bytes
         self.entries_dir = self.root / "entries"
         self.records_dir = self.root / "records"
-        for d in (self.entries_dir, self.records_dir):
-            d.mkdir(parents=True, exist_ok=True)
+        self.index_path = self.root / "index.sqlite"
+        try:
+            for d in (self.entries_dir, self.records_dir):
+                d.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"disk tier {self.root}: cannot create the store directory ({exc.strerror})") from exc
         self._local = threading.local()
-        index_path = self.root / "index.sqlite"
-        fresh = not index_path.exists()
-        with self._db() as db:
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, size INTEGER, last_access REAL, hits INTEGER DEFAULT 0)"
-            )
+        fresh = not self.index_path.exists()
+        try:
+            self._create_index()
+        except sqlite3.DatabaseError as exc:  # not a database / malformed: it is only a cache, start it again
+            log.warning("disk tier %s: index unreadable (%s); rebuilding it from the files", self.root, exc)
+            self._drop_connection()
+            for suffix in ("", "-wal", "-shm"):
+                Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
+            self._create_index()
+            fresh = True
         if fresh:
             self.rebuild_index()
 
@@ -51,17 +62,40 @@ class DiskStore(BlobStore):
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)
         if db is None:
-            db = sqlite3.connect(self.root / "index.sqlite", timeout=30, isolation_level=None)
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
+            db = sqlite3.connect(self.index_path, timeout=30, isolation_level=None)
+            try:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.execute("PRAGMA synchronous=NORMAL")
+            except sqlite3.Error:
+                db.close()
+                raise
             self._local.db = db
         return db
 
-    def rebuild_index(self) -> int:
-        rows = []
+    def _drop_connection(self) -> None:
+        db = getattr(self._local, "db", None)
+        if db is not None:
+            db.close()
+            self._local.db = None
+
+    def _create_index(self) -> None:
+        self._db().execute(
+            "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, size INTEGER, last_access REAL, hits INTEGER DEFAULT 0)"
+        )
+
+    def _files(self) -> dict[str, tuple[int, float]]:
+        """key -> (size, mtime) of every entry file (a file removed while listing is skipped)."""
+        out = {}
         for path in self.entries_dir.glob(f"*/*{SUFFIX}"):
-            stat = path.stat()
-            rows.append((path.stem, stat.st_size, stat.st_mtime))
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            out[path.stem] = (stat.st_size, stat.st_mtime)
+        return out
+
+    def rebuild_index(self) -> int:
+        rows = [(key, size, mtime) for key, (size, mtime) in self._files().items()]
         db = self._db()
         db.execute("BEGIN IMMEDIATE")
         db.execute("DELETE FROM entries")
@@ -79,67 +113,174 @@ class DiskStore(BlobStore):
         out, found = [], []
         for key in keys:
             try:
-                out.append(self._path(key).read_bytes())
-                found.append(key)
+                blob = self._path(key).read_bytes()
             except FileNotFoundError:
                 out.append(None)
+                continue
+            except OSError as exc:
+                raise StoreError(f"disk tier {self.root}: cannot read entry {key[:12]} ({exc.strerror})") from exc
+            out.append(blob)
+            found.append((key, len(blob)))
         if found:
-            now = time.time()
+            self._touch(found)
+        return out
+
+    def _touch(self, found: list[tuple[str, int]]) -> None:
+        """LRU bookkeeping for entries just read; adds a file the index lacks (a writer killed before indexing it).
+        Best effort: a full disk or a locked index must not fail a read."""
+        now = time.time()
+        try:
             self._db().executemany(
-                "UPDATE entries SET last_access = ?, hits = hits + 1 WHERE key = ?", [(now, k) for k in found]
+                "INSERT INTO entries (key, size, last_access, hits) VALUES (?, ?, ?, 1) "
+                "ON CONFLICT(key) DO UPDATE SET last_access = excluded.last_access, hits = hits + 1",
+                [(key, size, now) for key, size in found],
             )
+        except sqlite3.Error as exc:
+            log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
+
+    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+        out: list[bytes | str | None] = []
+        for key in keys:
+            try:
+                out.append(self._path(key).read_bytes())
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as exc:
+                out.append(f"unreadable file: {exc.strerror}")
         return out
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         rows = []
-        for key, blob in blobs.items():
-            path = self._path(key)
-            path.parent.mkdir(exist_ok=True)
-            tmp = path.with_name(f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-            try:
-                with open(tmp, "wb") as fh:
-                    fh.write(blob)
-                    fh.flush()
-                    os.fsync(fh.fileno())
-                os.replace(tmp, path)
-            except OSError as exc:
-                tmp.unlink(missing_ok=True)
-                hint = "disk full" if exc.errno == errno.ENOSPC else exc.strerror
-                raise StoreError(f"disk tier {self.root}: cannot write entry {key[:12]} ({hint})") from exc
-            rows.append((key, len(blob), time.time()))
-        self._db().executemany(
-            "INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?) "
-            "ON CONFLICT(key) DO UPDATE SET size = excluded.size, last_access = excluded.last_access",
-            rows,
-        )
+        try:
+            for key, blob in blobs.items():
+                self._write_file(key, blob)
+                rows.append((key, len(blob), time.time()))
+        finally:  # index what reached its place even when a later entry failed
+            if rows:
+                self._index(rows)
         self.evict()
+
+    def _write_file(self, key: str, blob: bytes) -> None:
+        path = self._path(key)
+        tmp = path.with_name(f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        try:
+            path.parent.mkdir(exist_ok=True)
+            with open(tmp, "wb") as fh:
+                fh.write(blob)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except OSError as exc:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+            hint = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
+            raise StoreError(f"disk tier {self.root}: cannot write entry {key[:12]} ({hint})") from exc
+
+    def _index(self, rows: list[tuple[str, int, float]]) -> None:
+        try:
+            self._db().executemany(
+                "INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?) "
+                "ON CONFLICT(key) DO UPDATE SET size = excluded.size, last_access = excluded.last_access",
+                rows,
+            )
+        except sqlite3.Error as exc:  # the files are in place and readable; the next read or gc() indexes them
+            log.warning("disk tier %s: index not updated after a write (%s)", self.root, exc)
 
     def evict(self) -> int:
         """Drop least recently used entries until the directory fits its budget."""
-        db = self._db()
-        (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-        removed = 0
-        if total <= self.budget_bytes:
-            return 0
-        for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
+        try:
+            db = self._db()
+            (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
             if total <= self.budget_bytes:
-                break
-            self.delete(key)
-            total -= size
-            removed += 1
+                return 0
+            removed = 0
+            for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
+                if total <= self.budget_bytes:
+                    break
+                self.delete(key)
+                total -= size
+                removed += 1
+        except sqlite3.Error as exc:
+            log.warning("disk tier %s: eviction skipped (%s)", self.root, exc)
+            return 0
+        if removed:
+            log.info("disk tier %s: evicted %d entries to stay under %d bytes", self.root, removed, self.budget_bytes)
         return removed
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [self._path(k).exists() for k in keys]
 
     def delete(self, key: str) -> bool:
-        existed = self._path(key).exists()
-        self._path(key).unlink(missing_ok=True)
-        self._db().execute("DELETE FROM entries WHERE key = ?", (key,))
+        path = self._path(key)
+        try:
+            path.unlink()
+            existed = True
+        except FileNotFoundError:
+            existed = False
+        except OSError as exc:
+            raise StoreError(f"disk tier {self.root}: cannot delete entry {key[:12]} ({exc.strerror})") from exc
+        try:
+            self._db().execute("DELETE FROM entries WHERE key = ?", (key,))
+        except sqlite3.Error as exc:  # a stale row only skews sizes until gc()
+            log.debug("disk tier %s: index row of %s not removed (%s)", self.root, key[:12], exc)
         return existed
 
     def keys(self) -> Iterator[str]:
         return (p.stem for p in self.entries_dir.glob(f"*/*{SUFFIX}"))
+
+    def describe_many(self, keys: list[str]) -> list[dict | None]:
+        out: list[dict | None] = []
+        for key in keys:
+            try:
+                with open(self._path(key), "rb") as fh:
+                    probe = fh.read(PROBE)
+                    head = probe + fh.read(max(0, head_length(probe) - len(probe)))
+                    size = os.fstat(fh.fileno()).st_size
+                out.append({**describe_head(head), "size": size})
+            except FileNotFoundError:
+                out.append(None)
+            except Exception as exc:  # unreadable header: report it rather than fail a listing
+                out.append({"error": str(exc), "size": self._size(key)})
+        return out
+
+    def _size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except OSError:
+            return 0
+
+    # -- maintenance --------------------------------------------------------------------------------
+    def gc(self, tmp_age_s: float = 600.0) -> dict:
+        """Delete temp files older than tmp_age_s (left by killed writers), reconcile the index with the files
+        (rows without a file dropped, files without a row added, sizes fixed), then evict to the budget."""
+        now = time.time()
+        tmp_removed = 0
+        for path in [*self.entries_dir.glob(f"*/.*{TMP_SUFFIX}"), *self.records_dir.glob(f".*{TMP_SUFFIX}")]:
+            try:
+                if now - path.stat().st_mtime >= tmp_age_s:
+                    path.unlink()
+                    tmp_removed += 1
+            except FileNotFoundError:
+                pass
+        files = self._files()
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            indexed = dict(db.execute("SELECT key, size FROM entries").fetchall())
+            gone = [k for k in indexed if k not in files]
+            added = [(k, size, mtime) for k, (size, mtime) in files.items() if k not in indexed]
+            resized = [(size, k) for k, (size, _) in files.items() if k in indexed and indexed[k] != size]
+            db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in gone])
+            db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", added)
+            db.executemany("UPDATE entries SET size = ? WHERE key = ?", resized)
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+        return {"tmp_files_removed": tmp_removed, "index_rows_dropped": len(gone), "index_rows_added": len(added),
+                "index_sizes_fixed": len(resized), "evicted": self.evict()}
 
     # -- records ------------------------------------------------------------------------------------
     def _record_path(self, name: str) -> Path:
@@ -150,33 +291,47 @@ class DiskStore(BlobStore):
             return json.loads(self._record_path(name).read_text())
         except FileNotFoundError:
             return None
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, UnicodeDecodeError):
             log.warning("disk tier: record %s is unreadable; ignoring it", name)
             return None
+        except OSError as exc:
+            raise StoreError(f"disk tier {self.root}: cannot read record {name} ({exc.strerror})") from exc
 
     def put_record(self, name: str, record: dict) -> None:
         path = self._record_path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
             tmp.write_text(json.dumps(record))
             os.replace(tmp, path)
         except OSError as exc:
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
             raise StoreError(f"disk tier {self.root}: cannot write record {name} ({exc.strerror})") from exc
 
     def delete_record(self, name: str) -> bool:
-        path = self._record_path(name)
-        existed = path.exists()
-        path.unlink(missing_ok=True)
-        return existed
+        try:
+            self._record_path(name).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreError(f"disk tier {self.root}: cannot delete record {name} ({exc.strerror})") from exc
 
     def record_names(self, prefix: str = "") -> list[str]:
         names = (p.name[: -len(".json")].replace("__", "/") for p in self.records_dir.glob("*.json"))
         return sorted(n for n in names if n.startswith(prefix))
 
     def stats(self) -> dict:
-        count, total, hits = self._db().execute(
-            "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(hits), 0) FROM entries"
-        ).fetchone()
+        try:
+            count, total, hits = self._db().execute(
+                "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(hits), 0) FROM entries"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise StoreError(f"disk tier {self.root}: index unreadable ({exc})") from exc
         return {**super().stats(), "path": str(self.root), "entries": count, "bytes": total,
                 "budget_bytes": self.budget_bytes, "index_hits": hits}
+
+    def close(self) -> None:
+        self._drop_connection()

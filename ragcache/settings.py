@@ -1,0 +1,49 @@
+"""One settings model for the CLI and the server: flags > environment (RAGCACHE_*) > config file > defaults.
+
+The config file is TOML: `./ragcache.toml`, or the path in RAGCACHE_CONFIG."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+
+from .chunker import DEFAULT_CHUNK_TOKENS
+from .models import DEFAULT_MODEL
+
+
+def config_path() -> Path:
+    return Path(os.environ.get("RAGCACHE_CONFIG", "ragcache.toml"))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="ignore")
+
+    model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
+    store: str = Field("disk:./.ragcache", description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
+    chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=16, le=8192, description="chunk budget in tokens")
+    dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
+    device: str = "cpu"
+    algorithm: str = "legolink"
+    k: int = Field(16, ge=0)
+    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    max_new_tokens: int = Field(64, ge=1)
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    api_key: str | None = Field(None, description="bearer token required by the API when set")
+    max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
+    max_question_chars: int = Field(8_000, ge=1)
+    max_document_chars: int = Field(200_000, ge=1)
+    max_documents: int = Field(64, ge=1)
+    max_new_tokens_limit: int = Field(1024, ge=1)
+
+    @classmethod
+    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path())
+
+
+def load_settings(**overrides) -> Settings:
+    return Settings(**{k: v for k, v in overrides.items() if v is not None})

@@ -1,0 +1,435 @@
+"""Redis tier: an entry is split into parts of about 2 MiB plus a small manifest written last (the commit marker).
+
+Layout under a prefix (default "ragcache"; `?prefix=NAME` in the URL picks another):
+
+  {prefix}:entry:{KEY}             manifest, JSON: v, gen, size, parts, part_bytes, sha256 (the payload digest the
+                                   entry carries in its header), tokens, nbytes, dtype, shape, meta, created
+  {prefix}:part:{KEY}:GEN:I        the I-th slice of the encoded entry, as written by one put (generation GEN)
+  {prefix}:rec:NAME                a record (document text, chunk ids), JSON
+
+The braces around KEY are a Redis Cluster hash tag: an entry's manifest and parts live in one slot (on a single
+server they are just characters).
+
+Write: the parts of every entry in one non-transactional pipeline, then the manifests (SET ... GET) in a second;
+when a manifest replaced one of an older generation, the old parts are deleted. Parts of a new generation never
+overwrite the parts a reader may be fetching, so a reader sees the old entry or the new one.
+Read: one pipeline for the manifests, one for all their parts. An entry counts only if every part is there, the
+sizes add up and the header digest is the manifest's (Redis under allkeys-lru evicts parts independently); else it
+is a miss and its remains are deleted. The payload checksum itself is verified by `decode`, as for every tier.
+A writer killed between parts and manifest leaves orphan parts: invisible, reclaimed by eviction or `gc()`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from ragcache.errors import StoreError
+
+from .base import BlobStore, TierUnavailable, log
+from .entry import HEADER, MAGIC, describe_head
+
+PART_BYTES = 2 << 20
+MANIFEST_VERSION = 1
+DEFAULT_PREFIX = "ragcache"
+SOCKET_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = 2.0
+ORPHAN_AGE_S = 600.0
+
+_UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError)
+
+# Delete a manifest only if it still is the one we read: a writer may have committed a new generation since.
+_DELETE_IF_SAME = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class RedisStore(BlobStore):
+    name = "redis"
+
+    def __init__(self, url: str, *, prefix: str | None = None, part_bytes: int = PART_BYTES,
+                 socket_timeout: float = SOCKET_TIMEOUT_S, connect_timeout: float = CONNECT_TIMEOUT_S,
+                 connect: bool = True):
+        """connect=False defers the first connection to the first call (a tiered store must open while Redis is
+        down); with connect=True an unreachable server fails here with a StoreError."""
+        super().__init__()
+        url, options = _take_options(url, ("prefix",))
+        self.prefix = prefix or options.get("prefix") or DEFAULT_PREFIX
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", self.prefix):
+            raise StoreError(f"redis tier: prefix {self.prefix!r} must be letters, digits, '_', '.' or '-'")
+        if part_bytes < 1:
+            raise StoreError(f"redis tier: part_bytes must be >= 1, got {part_bytes}")
+        self._url = url
+        self.url = _redact(url)
+        self.part_bytes = part_bytes
+        self._client_options = dict(socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
+                                    retry=Retry(NoBackoff(), 1))  # one quick reconnect, e.g. after a server restart
+        self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self.cluster = False
+        if connect:
+            self._redis()
+
+    # -- connection ---------------------------------------------------------------------------------
+    def _redis(self):
+        if self._client is None:
+            with self._errors("connect"):
+                try:
+                    client = redis.Redis.from_url(self._url, **self._client_options)
+                except ValueError as exc:
+                    raise StoreError(f"redis tier: bad URL {self.url}: {exc}") from exc
+                try:
+                    cluster = int(client.info("cluster").get("cluster_enabled", 0)) == 1
+                except ResponseError:  # INFO renamed away (some managed services): assume a single server
+                    client.ping()
+                    cluster = False
+                if cluster:
+                    client.close()
+                    client = redis.cluster.RedisCluster.from_url(self._url, **self._client_options)
+                self.cluster = cluster
+                self._client = client
+                self._delete_if_same = client.register_script(_DELETE_IF_SAME)
+        return self._client
+
+    @contextmanager
+    def _errors(self, what: str):
+        try:
+            yield
+        except StoreError:
+            raise
+        except _UNAVAILABLE as exc:
+            raise TierUnavailable(f"redis tier {self.url}: {what} failed, server unreachable ({exc})") from exc
+        except RedisError as exc:
+            raise StoreError(f"redis tier {self.url}: {what} failed ({exc})") from exc
+
+    def ping(self) -> bool:
+        try:
+            with self._errors("ping"):
+                return bool(self._redis().ping())
+        except StoreError:
+            return False
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    # -- names --------------------------------------------------------------------------------------
+    def _manifest_name(self, key: str) -> str:
+        return f"{self.prefix}:entry:{{{key}}}"
+
+    def _part_name(self, key: str, gen: str, i: int) -> str:
+        return f"{self.prefix}:part:{{{key}}}:{gen}:{i}"
+
+    def _record_name(self, name: str) -> str:
+        return f"{self.prefix}:rec:{name}"
+
+    def _part_names(self, key: str, manifest: dict) -> list[str]:
+        return [self._part_name(key, manifest["gen"], i) for i in range(manifest["parts"])]
+
+    # -- blobs --------------------------------------------------------------------------------------
+    def _manifests(self, keys: list[str]) -> list[tuple[bytes | None, dict | None]]:
+        """(raw manifest, parsed manifest or None when unusable) per key; one pipeline."""
+        pipe = self._redis().pipeline(transaction=False)
+        for key in keys:
+            pipe.get(self._manifest_name(key))
+        out = []
+        for raw in pipe.execute():
+            out.append((raw, None if raw is None else _parse_manifest(raw)))
+        return out
+
+    def _fetch(self, keys: list[str]) -> list[tuple[bytes | None, str | None, bytes | None, dict | None]]:
+        """Per key: (blob or None, problem or None, raw manifest, manifest). Two pipelines in all."""
+        manifests = self._manifests(keys)
+        pipe = self._redis().pipeline(transaction=False)
+        for key, (_, manifest) in zip(keys, manifests):
+            for name in self._part_names(key, manifest) if manifest else ():
+                pipe.get(name)
+        parts = iter(pipe.execute()) if len(pipe) else iter(())
+        out = []
+        for key, (raw, manifest) in zip(keys, manifests):
+            if raw is None:
+                out.append((None, None, None, None))
+                continue
+            if manifest is None:
+                out.append((None, "unreadable manifest", raw, None))
+                continue
+            got = [next(parts) for _ in range(manifest["parts"])]
+            missing = sum(p is None for p in got)
+            if missing:
+                out.append((None, f"{missing} of {manifest['parts']} parts missing (evicted?)", raw, manifest))
+                continue
+            blob = b"".join(got)
+            if len(blob) != manifest["size"]:
+                out.append((None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}", raw, manifest))
+            elif blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
+                out.append((None, "parts do not match the manifest digest", raw, manifest))
+            else:
+                out.append((blob, None, raw, manifest))
+        return out
+
+    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
+        with self._errors("read"):
+            fetched = self._fetch(keys)
+            out = []
+            for key, (blob, problem, raw, manifest) in zip(keys, fetched):
+                if problem is not None:
+                    self.metrics.incomplete += 1
+                    log.warning("redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
+                                key[:12], problem)
+                    self._drop_remains(key, raw, manifest)
+                out.append(blob)
+            return out
+
+    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+        with self._errors("read"):
+            return [problem if problem is not None else blob for blob, problem, _, _ in self._fetch(keys)]
+
+    def _drop_remains(self, key: str, raw: bytes, manifest: dict | None) -> None:
+        if manifest is not None:
+            self._redis().delete(*self._part_names(key, manifest))  # one slot: one command
+        self._delete_if_same(keys=[self._manifest_name(key)], args=[raw])
+
+    def write_blobs(self, blobs: dict[str, bytes]) -> None:
+        if not blobs:
+            return
+        with self._errors("write"):
+            client = self._redis()
+            gen = f"{int(time.time()):08x}{secrets.token_hex(3)}"  # time first: gc() can tell old orphans
+            plans = {key: self._plan(key, gen, blob) for key, blob in blobs.items()}
+            pipe = client.pipeline(transaction=False)
+            for key, (manifest, slices) in plans.items():
+                for i, piece in enumerate(slices):
+                    pipe.set(self._part_name(key, gen, i), piece)
+            results = iter(pipe.execute(raise_on_error=False))
+            failed: dict[str, Exception] = {}
+            for key, (manifest, slices) in plans.items():
+                errors = [r for r in (next(results) for _ in slices) if isinstance(r, Exception)]
+                if errors:
+                    failed[key] = errors[0]
+            for key in failed:  # leave nothing half written behind
+                self._delete_quietly(self._part_names(key, plans[key][0]))
+            pipe = client.pipeline(transaction=False)
+            committed = [key for key in plans if key not in failed]
+            for key in committed:
+                pipe.set(self._manifest_name(key), json.dumps(plans[key][0]), get=True)
+            stale = []
+            for key, old in zip(committed, pipe.execute(raise_on_error=False)):
+                if isinstance(old, Exception):
+                    failed[key] = old
+                    self._delete_quietly(self._part_names(key, plans[key][0]))
+                    continue
+                previous = _parse_manifest(old) if old is not None else None
+                if previous is not None and previous["gen"] != gen:
+                    stale.extend(self._part_names(key, previous))
+            if stale:
+                self._delete_quietly(stale)
+            if failed:
+                key, exc = next(iter(failed.items()))
+                if isinstance(exc, _UNAVAILABLE):
+                    raise exc
+                raise StoreError(f"redis tier {self.url}: cannot write {len(failed)} of {len(blobs)} entries "
+                                 f"(first: {key[:12]}: {exc})") from exc
+
+    def _plan(self, key: str, gen: str, blob: bytes) -> tuple[dict, list[memoryview]]:
+        view = memoryview(blob)
+        slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
+        info = describe_head(view)
+        manifest = {"v": MANIFEST_VERSION, "gen": gen, "size": len(blob), "parts": len(slices),
+                    "part_bytes": self.part_bytes, "sha256": info["sha256"], "tokens": info["tokens"],
+                    "nbytes": info["nbytes"], "dtype": info["dtype"], "shape": info["shape"], "meta": info["meta"],
+                    "created": time.time()}
+        return manifest, slices
+
+    def _delete_quietly(self, names: list[str]) -> None:
+        """Best-effort cleanup, one command per slot group (cluster DEL must stay within a slot)."""
+        try:
+            pipe = self._redis().pipeline(transaction=False)
+            for name in names:
+                pipe.delete(name)
+            pipe.execute(raise_on_error=False)
+        except (RedisError, RedisClusterException, OSError) as exc:
+            log.debug("redis tier: cleanup of %d keys failed (%s)", len(names), exc)
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """Present = a manifest and every one of its parts (not the bytes: that is a read)."""
+        with self._errors("lookup"):
+            manifests = self._manifests(keys)
+            pipe = self._redis().pipeline(transaction=False)
+            for key, (_, manifest) in zip(keys, manifests):
+                if manifest:
+                    pipe.exists(*self._part_names(key, manifest))
+            counts = iter(pipe.execute()) if len(pipe) else iter(())
+            return [bool(manifest) and next(counts) == manifest["parts"] for _, manifest in manifests]
+
+    def delete(self, key: str) -> bool:
+        with self._errors("delete"):
+            (raw, manifest), = self._manifests([key])
+            if raw is None:
+                return False
+            names = [self._manifest_name(key), *(self._part_names(key, manifest) if manifest else [])]
+            return self._redis().delete(*names) > 0
+
+    def _scan(self, match: str) -> Iterator[bytes]:
+        with self._errors("scan"):
+            yield from self._redis().scan_iter(match=match, count=1000)
+
+    def keys(self) -> Iterator[str]:
+        start = len(self.prefix) + len(":entry:{")
+        return (name.decode()[start:-1] for name in self._scan(f"{self.prefix}:entry:*"))
+
+    def describe_many(self, keys: list[str]) -> list[dict | None]:
+        with self._errors("lookup"):
+            out: list[dict | None] = []
+            for raw, manifest in self._manifests(keys):
+                if raw is None:
+                    out.append(None)
+                elif manifest is None:
+                    out.append({"error": "unreadable manifest", "size": 0})
+                else:
+                    out.append({"sha256": manifest["sha256"], "tokens": manifest["tokens"], "nbytes": manifest["nbytes"],
+                                "dtype": manifest["dtype"], "shape": manifest["shape"], "meta": manifest["meta"],
+                                "size": manifest["size"], "parts": manifest["parts"]})
+            return out
+
+    # -- maintenance --------------------------------------------------------------------------------
+    def gc(self, orphan_age_s: float = ORPHAN_AGE_S) -> dict:
+        """Delete parts no manifest points to (a writer killed before its commit, an overwrite's leftovers) once
+        older than orphan_age_s, and manifests that cannot be read or whose parts are gone."""
+        live: dict[str, str] = {}  # key -> gen of its manifest
+        broken = 0
+        keys = list(self.keys())
+        for i in range(0, len(keys), 500):
+            batch = keys[i : i + 500]
+            present = self.contains_many(batch)
+            with self._errors("gc"):
+                for key, ok, (raw, manifest) in zip(batch, present, self._manifests(batch)):
+                    if ok and manifest is not None:
+                        live[key] = manifest["gen"]
+                    elif raw is not None:
+                        self._drop_remains(key, raw, manifest)
+                        broken += 1
+        orphans = []
+        now = time.time()
+        part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{([^}}]*)\}}:([0-9a-f]+):\d+")
+        for name in self._scan(f"{self.prefix}:part:*"):
+            m = part_re.fullmatch(name.decode(errors="replace"))
+            if m is None:
+                continue
+            key, gen = m.groups()
+            if live.get(key) == gen:
+                continue
+            try:
+                born = int(gen[:8], 16)
+            except ValueError:
+                born = 0
+            if now - born >= orphan_age_s:
+                orphans.append(name)
+        with self._errors("gc"):
+            for i in range(0, len(orphans), 1000):
+                pipe = self._redis().pipeline(transaction=False)
+                for name in orphans[i : i + 1000]:
+                    pipe.delete(name)
+                pipe.execute()
+        return {"broken_entries_removed": broken, "orphan_parts_removed": len(orphans)}
+
+    # -- records ------------------------------------------------------------------------------------
+    def get_record(self, name: str) -> dict | None:
+        with self._errors("read record"):
+            raw = self._redis().get(self._record_name(name))
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except (ValueError, UnicodeDecodeError):
+            log.warning("redis tier: record %s is unreadable; ignoring it", name)
+            return None
+
+    def put_record(self, name: str, record: dict) -> None:
+        text = json.dumps(record)
+        with self._errors("write record"):
+            self._redis().set(self._record_name(name), text)
+
+    def delete_record(self, name: str) -> bool:
+        with self._errors("delete record"):
+            return self._redis().delete(self._record_name(name)) > 0
+
+    def record_names(self, prefix: str = "") -> list[str]:
+        start = len(self._record_name(""))
+        pattern = self._record_name(_glob_escape(prefix)) + "*"
+        return sorted({name.decode()[start:] for name in self._scan(pattern)})
+
+    # -- operator view ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        with self._errors("stats"):
+            client = self._redis()
+            memory, stats = _info(client, "memory"), _info(client, "stats")
+            keys = client.dbsize()
+        return {**super().stats(), "url": self.url, "prefix": self.prefix, "cluster": self.cluster,
+                "server_keys": keys, "used_memory": memory.get("used_memory", 0),
+                "maxmemory": memory.get("maxmemory", 0), "maxmemory_policy": memory.get("maxmemory_policy", ""),
+                "server_hits": stats.get("keyspace_hits", 0), "server_misses": stats.get("keyspace_misses", 0),
+                "server_evicted_keys": stats.get("evicted_keys", 0)}
+
+
+def _parse_manifest(raw: bytes) -> dict | None:
+    try:
+        manifest = json.loads(raw)
+        if (manifest.get("v") != MANIFEST_VERSION or not isinstance(manifest.get("gen"), str)
+                or not isinstance(manifest.get("parts"), int) or manifest["parts"] < 1
+                or not isinstance(manifest.get("size"), int) or not isinstance(manifest.get("sha256"), str)):
+            return None
+        return manifest
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+
+
+def _info(client, section: str) -> dict:
+    """INFO section; a cluster answers per node: numbers are summed, the rest taken from one node."""
+    info = client.info(section)
+    if info and all(isinstance(v, dict) for v in info.values()):
+        merged: dict = {}
+        for node in info.values():
+            for k, v in node.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    merged[k] = merged.get(k, 0) + v
+                else:
+                    merged.setdefault(k, v)
+        return merged
+    return info
+
+
+def _take_options(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """Remove ragcache's own query options from a Redis URL (redis-py would reject them)."""
+    parts = urlsplit(url)
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    ours = {k: v for k, v in query if k in names}
+    rest = [(k, v) for k, v in query if k not in names]
+    return urlunsplit(parts._replace(query=urlencode(rest))), ours
+
+
+def _redact(url: str) -> str:
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)

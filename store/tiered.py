@@ -1,0 +1,262 @@
+"""Tiers joined fastest first (memory + disk + redis): reads fall through and fill the faster tiers, writes go to all.
+
+A tier that fails (Redis down, an unreadable disk) is marked down with one warning and skipped; it is tried again
+after a backoff (retry_after seconds, doubling up to max_retry_after while it keeps failing) and, once it answers,
+announced back with one more line. A write that a tier refuses for its own reasons (disk full, Redis out of memory)
+fails on that tier only, with one warning per streak; the write fails with StoreError only when no tier took it.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from ragcache.errors import StoreError
+
+from .base import Store, TierUnavailable, log
+from .entry import ChunkKV
+
+try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
+    from redis.exceptions import RedisClusterException, RedisError
+
+    _REDIS_FAULTS: tuple[type[BaseException], ...] = (RedisError, RedisClusterException)
+except ImportError:  # pragma: no cover - redis is a dependency
+    _REDIS_FAULTS = ()
+
+FAULTS = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
+DEFAULT_RETRY_AFTER_S = 5.0
+DEFAULT_MAX_RETRY_AFTER_S = 60.0
+
+
+@dataclass
+class TierState:
+    down: bool = False
+    retry_at: float = 0.0
+    backoff: float = 0.0
+    reason: str = ""
+    write_failing: bool = False
+
+
+class TieredStore(Store):
+    def __init__(self, tiers: list[Store], retry_after: float = DEFAULT_RETRY_AFTER_S,
+                 max_retry_after: float = DEFAULT_MAX_RETRY_AFTER_S, clock: Callable[[], float] = time.monotonic):
+        super().__init__()
+        if not tiers:
+            raise StoreError("a tiered store needs at least one tier")
+        self.tiers = list(tiers)
+        self.name = "+".join(t.name for t in self.tiers)
+        self.retry_after = retry_after
+        self.max_retry_after = max(max_retry_after, retry_after)
+        self.clock = clock
+        self.states = [TierState() for _ in self.tiers]
+        self._lock = threading.Lock()
+
+    # -- fault handling -----------------------------------------------------------------------------
+    def _usable(self, i: int) -> bool:
+        state = self.states[i]
+        return not state.down or self.clock() >= state.retry_at
+
+    def _call(self, i: int, fn, *args, write: bool = False):
+        """(result, True) or (None, False) when tier i failed (and is now marked down or its write refused)."""
+        try:
+            result = fn(*args)
+        except FAULTS as exc:
+            self._failed(i, exc, write)
+            return None, False
+        self._answered(i, write)
+        return result, True
+
+    def _answered(self, i: int, write: bool) -> None:
+        state = self.states[i]
+        if state.down or (write and state.write_failing):
+            with self._lock:
+                if state.down:
+                    log.warning("store tier %s is back", self.tiers[i].name)
+                    state.down, state.backoff, state.reason = False, 0.0, ""
+                if write and state.write_failing:
+                    log.warning("store tier %s accepts writes again", self.tiers[i].name)
+                    state.write_failing = False
+
+    def _failed(self, i: int, exc: BaseException, write: bool) -> None:
+        state, name = self.states[i], self.tiers[i].name
+        with self._lock:
+            if write and isinstance(exc, StoreError) and not isinstance(exc, TierUnavailable):
+                if not state.write_failing:  # the tier is up but refused this write (full): keep reading from it
+                    log.warning("store tier %s refused a write: %s", name, exc)
+                    state.write_failing = True
+                return
+            if state.down:  # a retry that failed again
+                state.backoff = min(state.backoff * 2, self.max_retry_after)
+                log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff)
+            else:
+                state.down, state.backoff = True, self.retry_after
+                log.warning("store tier %s is down (%s); skipping it, retrying in %.1f s", name, exc, state.backoff)
+            state.reason = str(exc)
+            state.retry_at = self.clock() + state.backoff
+
+    def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, object]]:
+        """Call a method on every usable tier; [(tier index, result)] for those that answered."""
+        answers = []
+        for i, tier in enumerate(self.tiers):
+            if self._usable(i):
+                result, ok = self._call(i, getattr(tier, fn_name), *args, write=write)
+                if ok:
+                    answers.append((i, result))
+        return answers
+
+    def _written(self, answers: list, what: str) -> None:
+        if not answers:
+            reasons = "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states))
+            raise StoreError(f"no store tier could {what} ({reasons})")
+
+    # -- entries ------------------------------------------------------------------------------------
+    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
+        started = time.perf_counter()
+        out: list[ChunkKV | None] = [None] * len(keys)
+        missing = list(range(len(keys)))
+        for i, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if not self._usable(i):
+                continue
+            got, ok = self._call(i, tier.get_many, [keys[j] for j in missing])
+            if not ok:
+                continue
+            hits = {}
+            still = []
+            for j, entry in zip(missing, got):
+                if entry is None:
+                    still.append(j)
+                else:
+                    out[j] = hits[keys[j]] = entry
+            missing = still
+            if hits:
+                self._fill(i, hits)
+        found = [e for e in out if e is not None]
+        self.metrics.hits += len(found)
+        self.metrics.misses += len(keys) - len(found)
+        self.metrics.bytes_read += sum(e.nbytes for e in found)
+        self.metrics.gets += 1
+        self.metrics.get_seconds += time.perf_counter() - started
+        return out
+
+    def _fill(self, found_in: int, hits: dict[str, ChunkKV]) -> None:
+        """Entries a slower tier had go into the faster ones (best effort: a failure there only logs)."""
+        for i in range(found_in):
+            if self._usable(i):
+                self._call(i, self.tiers[i].put_many, hits, write=True)
+
+    def put_many(self, items: dict[str, ChunkKV]) -> None:
+        if not items:
+            return
+        started = time.perf_counter()
+        self._written(self._each("put_many", items, write=True), f"store {len(items)} entries")
+        self.metrics.puts += 1
+        self.metrics.bytes_written += sum(e.nbytes for e in items.values())
+        self.metrics.put_seconds += time.perf_counter() - started
+
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        out = [False] * len(keys)
+        missing = list(range(len(keys)))
+        for i, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            if not self._usable(i):
+                continue
+            got, ok = self._call(i, tier.contains_many, [keys[j] for j in missing])
+            if ok:
+                for j, there in zip(missing, got):
+                    out[j] = there
+                missing = [j for j in missing if not out[j]]
+        return out
+
+    def delete(self, key: str) -> bool:
+        return any(bool(r) for _, r in self._each("delete", key, write=True))
+
+    def keys(self) -> Iterator[str]:
+        seen = set()
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                continue
+            names, ok = self._call(i, lambda t=tier: list(t.keys()))
+            for key in names if ok else ():
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def describe_many(self, keys: list[str]) -> list[dict | None]:
+        out: list[dict | None] = [None] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            missing = [j for j, d in enumerate(out) if d is None]
+            if not missing:
+                break
+            if self._usable(i):
+                got, ok = self._call(i, tier.describe_many, [keys[j] for j in missing])
+                for j, d in zip(missing, got if ok else ()):
+                    out[j] = d
+        return out
+
+    def check_many(self, keys: list[str]) -> list[str | None]:
+        """Sound if every tier holding the entry holds it intact; else the first problem, named by tier."""
+        out: list[str | None] = ["missing"] * len(keys)
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                continue
+            got, ok = self._call(i, tier.check_many, keys)
+            for j, problem in enumerate(got if ok else ()):
+                if problem == "missing":
+                    continue
+                if problem is not None:
+                    out[j] = f"{tier.name}: {problem}" if out[j] in (None, "missing") else out[j]
+                elif out[j] == "missing":
+                    out[j] = None
+        return out
+
+    # -- records ------------------------------------------------------------------------------------
+    def get_record(self, name: str) -> dict | None:
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                continue
+            record, ok = self._call(i, tier.get_record, name)
+            if ok and record is not None:
+                for faster in range(i):  # records are small and read on every query: keep them close
+                    if self._usable(faster):
+                        self._call(faster, self.tiers[faster].put_record, name, record, write=True)
+                return record
+        return None
+
+    def put_record(self, name: str, record: dict) -> None:
+        self._written(self._each("put_record", name, record, write=True), f"store record {name}")
+
+    def delete_record(self, name: str) -> bool:
+        return any(bool(r) for _, r in self._each("delete_record", name, write=True))
+
+    def record_names(self, prefix: str = "") -> list[str]:
+        names: set[str] = set()
+        for _, got in self._each("record_names", prefix):
+            names.update(got)
+        return sorted(names)
+
+    # -- operator view ------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        tiers = []
+        for tier, state in zip(self.tiers, self.states):
+            try:
+                info = tier.stats()
+            except FAULTS as exc:
+                info = {"tier": tier.name, "error": str(exc)}
+            tiers.append({**info, "up": not state.down, "write_failing": state.write_failing})
+        return {**super().stats(), "tiers": tiers}
+
+    def ping(self) -> bool:
+        return any(t.ping() for t in self.tiers)
+
+    def close(self) -> None:
+        for tier in self.tiers:
+            tier.close()
+
+    def up(self) -> list[bool]:
+        return [not s.down for s in self.states]

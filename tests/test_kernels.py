@@ -1,0 +1,341 @@
+"""Invariant 5: every Triton kernel equals its torch reference (Triton's interpreter on CPU tensors).
+
+On a CUDA machine, `TRITON_INTERPRET=0 pytest tests/test_kernels.py` runs the same checks on the GPU.
+"""
+
+import os
+
+import torch
+
+# @triton.jit reads TRITON_INTERPRET when the kernel module is imported: set it before anything imports it.
+if os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import importlib  # noqa: E402
+import math  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import textwrap  # noqa: E402
+
+import pytest  # noqa: E402
+
+pytest.importorskip("triton")
+
+import ragcache.kernels as kernels  # noqa: E402
+from ragcache.kernels import torch_ref  # noqa: E402
+
+# Tolerances per dtype against the reference. fp32 agrees to rounding; RoPE in fp16/bf16 rounds where the
+# reference rounds (1 ulp for a differing cos/sin ulp); attention rounds probabilities to the value dtype.
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    import ragcache.kernels.triton_ops as ops
+
+    if not ops.INTERPRET and not torch.cuda.is_available():
+        # imported earlier in this process without the interpreter: rebuild its kernels for CPU tensors
+        os.environ["TRITON_INTERPRET"] = "1"
+        ops = importlib.reload(ops)
+    return ops
+
+
+@pytest.fixture(scope="module")
+def device(ops):
+    return torch.device("cpu" if ops.INTERPRET else "cuda")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(*shape, dtype, device, seed):
+    return torch.randn(*shape, generator=_gen(seed)).to(device=device, dtype=dtype)
+
+
+def _rope_table(layers, half, head_dim, seed):
+    """Per-layer distinct tables: alternating thetas (gemma3-like local/global), a llama3/yarn-like bent
+    frequency curve on some layers, and per-layer attention scaling."""
+    g = _gen(seed)
+    rows = []
+    for layer in range(layers):
+        theta = 10_000.0 if layer % 2 == 0 else 1_000_000.0
+        freq = 1.0 / theta ** (torch.arange(half, dtype=torch.float64) * 2 / (2 * half))
+        if layer % 3 == 2:
+            freq = freq * torch.linspace(1.0, 0.125, half, dtype=torch.float64)
+        rows.append(freq)
+    inv_freq = torch.stack(rows).to(torch.float32)
+    scaling = (1.0 + 0.3 * torch.rand(layers, generator=g)).to(torch.float32)
+    return inv_freq, scaling
+
+
+def _close(actual, expected, dtype):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    torch.testing.assert_close(actual.cpu().float(), expected.cpu().float(), **TOL[dtype])
+
+
+# ------------------------------------------------------------------ rotate_keys
+
+ROTATE_CASES = [
+    # layers, heads, tokens, head_dim, rotary half (half < head_dim / 2: partial rotary)
+    (2, 3, 37, 64, 32),
+    (3, 1, 5, 128, 24),
+    (1, 2, 9, 256, 128),
+    (2, 2, 70, 128, 64),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ROTATE_CASES, ids=lambda c: "L{}H{}T{}D{}r{}".format(*c))
+def test_rotate_keys(ops, device, case, dtype):
+    layers, heads, tokens, head_dim, half = case
+    # a [L, T, H, D] buffer seen as [L, H, T, D]: strided input, as a model's cache often is
+    keys = _randn(layers, tokens, heads, head_dim, dtype=dtype, device=device, seed=1).transpose(1, 2)
+    positions = torch.randint(-300, 40_000, (tokens,), generator=_gen(2))
+    positions[0] = -7  # negative positions rotate backwards
+    positions = positions.to(device)
+    inv_freq, scaling = _rope_table(layers, half, head_dim, seed=3)
+
+    got = ops.rotate_keys(keys, positions, inv_freq.to(device), scaling.to(device))
+    want = torch_ref.rotate_keys(keys, positions, inv_freq.to(device), scaling.to(device))
+    _close(got, want, dtype)
+    if dtype != torch.float32:  # rounds where the reference rounds: equal bits, up to a rare cos/sin ulp
+        assert (got.cpu() != want.cpu()).float().mean() < 0.01
+    # partial rotary: dims past the rotary ones are copied bit for bit
+    assert torch.equal(got[..., 2 * half :].cpu(), keys[..., 2 * half :].cpu())
+
+
+def test_rotate_keys_relative(ops, device):
+    """Rotating by a then by b equals rotating by a + b (fp32): RoPE is relative, whatever the sign."""
+    keys = _randn(2, 2, 11, 64, dtype=torch.float32, device=device, seed=4)
+    inv_freq, _ = _rope_table(2, 32, 64, seed=5)
+    one = torch.ones(2)
+    a = torch.arange(-5, 6, device=device) * 3
+    b = torch.full((11,), 101, device=device)
+    twice = ops.rotate_keys(ops.rotate_keys(keys, a, inv_freq, one), b, inv_freq, one)
+    once = ops.rotate_keys(keys, a + b, inv_freq, one)
+    torch.testing.assert_close(twice, once, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------ place_chunks
+
+
+class _LaunchCounter:
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+PLACE_CASES = [
+    # joined dtype, chunk dtype, head_dim, rotary half, chunk lengths, starts
+    (torch.float32, torch.float32, 64, 32, [13, 70, 1, 40], [3, 20, 100, 150]),
+    (torch.float16, torch.float16, 128, 64, [5, 33, 17], [40, 0, 90]),  # starts not in order
+    (torch.bfloat16, torch.bfloat16, 64, 16, [64, 65], [0, 64]),  # back to back, partial rotary
+    (torch.float32, torch.float16, 256, 128, [3, 6], [1, 9]),  # fp16 chunks into an fp32 cache
+]
+
+
+@pytest.mark.parametrize("case", PLACE_CASES, ids=lambda c: f"{c[0]}-{c[1]}-D{c[2]}-r{c[3]}-{len(c[4])}chunks")
+def test_place_chunks(ops, device, monkeypatch, case):
+    joined_dtype, chunk_dtype, head_dim, half, lengths, starts = case
+    layers, heads, capacity = 3, 2, max(s + n for s, n in zip(starts, lengths)) + 5
+    chunk_keys = [_randn(layers, heads, n, head_dim, dtype=chunk_dtype, device=device, seed=10 + i) for i, n in enumerate(lengths)]
+    chunk_values = [_randn(layers, heads, n, head_dim, dtype=chunk_dtype, device=device, seed=20 + i) for i, n in enumerate(lengths)]
+    chunk_keys[0] = chunk_keys[0].transpose(2, 3).contiguous().transpose(2, 3)  # one chunk with odd strides
+    inv_freq, scaling = _rope_table(layers, half, head_dim, seed=6)
+    inv_freq, scaling = inv_freq.to(device), scaling.to(device)
+    # the cache already holds other data (system prompt, question): untouched rows must stay as they are
+    joined_keys = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=7)
+    joined_values = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=8)
+    want_keys, want_values = joined_keys.clone(), joined_values.clone()
+
+    counter = _LaunchCounter(ops._place_kernel)
+    monkeypatch.setattr(ops, "_place_kernel", counter)
+    ops.place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling)
+    torch_ref.place_chunks(want_keys, want_values, chunk_keys, chunk_values, starts, inv_freq, scaling)
+
+    assert counter.launches == 1  # every chunk in one launch
+    _close(joined_keys, want_keys, chunk_dtype)
+    assert (joined_keys.cpu() != want_keys.cpu()).float().mean() < 0.01
+    assert torch.equal(joined_values.cpu(), want_values.cpu())
+
+
+def test_place_chunks_overlap_keeps_reference_order(ops, device):
+    """Overlapping targets (never produced by the linker) still end as the reference: later chunks win."""
+    layers, heads, head_dim = 2, 1, 64
+    inv_freq, scaling = _rope_table(layers, 32, head_dim, seed=9)
+    lengths, starts = [20, 10, 7], [0, 15, 18]
+    keys = [_randn(layers, heads, n, head_dim, dtype=torch.float32, device=device, seed=30 + i) for i, n in enumerate(lengths)]
+    values = [_randn(layers, heads, n, head_dim, dtype=torch.float32, device=device, seed=40 + i) for i, n in enumerate(lengths)]
+    got = [torch.zeros(layers, heads, 30, head_dim, device=device) for _ in range(2)]
+    want = [torch.zeros(layers, heads, 30, head_dim, device=device) for _ in range(2)]
+    ops.place_chunks(*got, keys, values, starts, inv_freq, scaling)
+    torch_ref.place_chunks(*want, keys, values, starts, inv_freq, scaling)
+    _close(got[0], want[0], torch.float32)
+    assert torch.equal(got[1], want[1])
+
+
+def test_place_chunks_rejects_out_of_range(ops, device):
+    joined = torch.zeros(1, 1, 10, 64, device=device)
+    chunk = torch.zeros(1, 1, 4, 64, device=device)
+    inv_freq, scaling = _rope_table(1, 32, 64, seed=0)
+    with pytest.raises(ValueError):
+        ops.place_chunks(joined, joined.clone(), [chunk], [chunk], [8], inv_freq, scaling)
+
+
+# ------------------------------------------------------------------ selected_attention
+
+
+def _legolink_positions(length, chunk, per_chunk, question):
+    """Rows as LegoLink selects them: the first tokens of every chunk, then the question at the end."""
+    rows = [p for start in range(0, length - question, chunk) for p in range(start, min(start + per_chunk, length - question))]
+    rows += range(length - question, length)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+ATTENTION_CASES = [
+    # q heads, kv heads, n rows, N keys, head_dim, window, dtype, rows
+    (4, 4, None, 50, 64, None, torch.float32, "legolink"),  # GQA 1
+    (6, 2, 19, 100, 64, 7, torch.float32, "random"),  # GQA 3, sliding window
+    (8, 2, None, 150, 128, None, torch.float16, "legolink"),  # GQA 4
+    (8, 2, 21, 97, 128, 33, torch.bfloat16, "random"),
+    (12, 4, 37, 130, 64, None, torch.float16, "unsorted"),  # GQA 3, rows in no order
+    (3, 1, 5, 71, 128, 5, torch.float32, "random"),
+    (2, 1, 3, 20, 256, None, torch.float16, "random"),  # head_dim 256, tiny
+    (4, 2, 4, 37, 256, 9, torch.bfloat16, "random"),
+]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "H{}KV{}n{}N{}D{}w{}-{}-{}".format(*c[:6], str(c[6])[6:], c[7]))
+def test_selected_attention(ops, device, case):
+    heads, kv_heads, rows, length, head_dim, window, dtype, kind = case
+    if kind == "legolink":
+        positions = _legolink_positions(length, chunk=23, per_chunk=4, question=7)
+    else:
+        positions = torch.randperm(length, generator=_gen(11))[:rows]
+        positions[0] = 0  # a row that sees one key only
+        if kind == "random":
+            positions = positions.sort().values
+    rows = positions.numel()
+    positions = positions.to(device)
+    # [n, H, D] buffer seen as [H, n, D]; K/V are a prefix view of a longer cache, as in the linker
+    query = _randn(rows, heads, head_dim, dtype=dtype, device=device, seed=12).transpose(0, 1)
+    keys = _randn(kv_heads, length + 9, head_dim, dtype=dtype, device=device, seed=13)[:, :length]
+    values = _randn(kv_heads, length + 9, head_dim, dtype=dtype, device=device, seed=14)[:, :length]
+    scale = 1.0 / math.sqrt(head_dim)
+
+    got = ops.selected_attention(query, keys, values, positions, scale, window)
+    want = torch_ref.selected_attention(query, keys, values, positions, scale, window)
+    _close(got, want, dtype)
+
+
+def test_selected_attention_sees_only_the_past(ops, device):
+    """Changing keys/values after a row's position (or before its window) leaves that row unchanged."""
+    heads, length, head_dim, window = 2, 80, 64, 10
+    query = _randn(heads, 3, head_dim, dtype=torch.float32, device=device, seed=15)
+    keys = _randn(1, length, head_dim, dtype=torch.float32, device=device, seed=16)
+    values = _randn(1, length, head_dim, dtype=torch.float32, device=device, seed=17)
+    positions = torch.tensor([5, 40, 41], device=device)
+    base = ops.selected_attention(query, keys, values, positions, 0.125, window)
+    keys2, values2 = keys.clone(), values.clone()
+    keys2[:, 42:] += 5.0
+    values2[:, 42:] -= 3.0
+    keys2[:, :31] *= -2.0
+    values2[:, :31] += 1.0
+    moved = ops.selected_attention(query, keys2, values2, positions, 0.125, window)
+    torch.testing.assert_close(moved[1:], base[1:], atol=1e-6, rtol=1e-6)
+    assert not torch.allclose(moved[0], base[0])  # row at 5 saw the changed keys
+
+
+# ------------------------------------------------------------------ kv_deviation
+
+
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((3, 45, 64), torch.float32), ((1, 1, 128), torch.float32), ((4, 70, 128), torch.float16), ((2, 9, 256), torch.bfloat16)],
+    ids=str,
+)
+def test_kv_deviation(ops, device, shape, dtype):
+    fresh = _randn(*shape, dtype=dtype, device=device, seed=18)
+    cached = (fresh.float() + 0.1 * _randn(*shape, dtype=torch.float32, device=device, seed=19)).to(dtype)
+    cached[:, 0] = fresh[:, 0]  # one token without deviation
+    got = ops.kv_deviation(fresh, cached)
+    want = torch_ref.kv_deviation(fresh, cached)
+    assert got.dtype == torch.float32 and got.shape == (shape[1],)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    assert got[0] == 0
+
+
+# ------------------------------------------------------------------ through the dispatcher
+
+
+def test_dispatcher_runs_triton(ops, device, monkeypatch):
+    monkeypatch.setattr(kernels, "_FORCED", "triton")
+    assert kernels.backend_for(device) == "triton"
+    assert kernels._impl(device) is ops
+
+    layers, heads, head_dim = 2, 2, 64
+    inv_freq, scaling = _rope_table(layers, 32, head_dim, seed=20)
+    inv_freq, scaling = inv_freq.to(device), scaling.to(device)
+    keys = _randn(layers, heads, 12, head_dim, dtype=torch.float32, device=device, seed=21)
+    positions = torch.arange(12, device=device) - 4
+    _close(kernels.rotate_keys(keys, positions, inv_freq, scaling), torch_ref.rotate_keys(keys, positions, inv_freq, scaling), torch.float32)
+
+    chunks = [_randn(layers, heads, n, head_dim, dtype=torch.float32, device=device, seed=22 + n) for n in (5, 9)]
+    joined = [torch.zeros(layers, heads, 16, head_dim, device=device) for _ in range(4)]
+    kernels.place_chunks(joined[0], joined[1], chunks, chunks, [0, 6], inv_freq, scaling)
+    torch_ref.place_chunks(joined[2], joined[3], chunks, chunks, [0, 6], inv_freq, scaling)
+    _close(joined[0], joined[2], torch.float32)
+    _close(joined[1], joined[3], torch.float32)
+
+    query = _randn(4, 6, head_dim, dtype=torch.float32, device=device, seed=23)
+    kv = joined[0][0], joined[1][0]
+    rows = torch.tensor([0, 1, 6, 7, 14, 15], device=device)
+    _close(kernels.selected_attention(query, *kv, rows, 0.125), torch_ref.selected_attention(query, *kv, rows, 0.125), torch.float32)
+    _close(kernels.kv_deviation(kv[0], kv[1]), torch_ref.kv_deviation(kv[0], kv[1]), torch.float32)
+
+
+# ------------------------------------------------------------------ the GPU build (no GPU needed)
+
+_COMPILE_SCRIPT = textwrap.dedent(
+    """
+    import os
+    os.environ.pop("TRITON_INTERPRET", None)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from ragcache.kernels import triton_ops as T
+
+    def build(fn, pointers, consts, **options):
+        sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
+        triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
+
+    rope = dict(HALF=64, HALF_P2=64, D=128, REST_P2=0)
+    for dt in ("fp32", "bf16"):
+        f = dict(inv_freq="*fp32", scaling="*fp32")
+        build(T._rotate_kernel, dict(f, src=f"*{dt}", dst=f"*{dt}", positions="*i64"), dict(rope, BLOCK_T=32))
+        build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{dt}",
+              v_ref=f"*{dt}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=10))
+        build(T._attention_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", query_positions="*i64", out=f"*{dt}",
+              qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
+              UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
+        build(T._deviation_kernel, dict(fresh=f"*{dt}", cached=f"*{dt}", out="*fp32"), dict(D=128, D_P2=128, BLOCK_T=32))
+    print("compiled")
+    """
+)
+
+
+def test_kernels_compile_for_hopper():
+    """The compiled (non-interpreted) path builds to sm_90 machine code; catches what the interpreter forgives."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
