@@ -31,6 +31,8 @@ def _triton_available() -> bool:
 
 def _impl(device: torch.device):
     if backend_for(device) == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("RAGCACHE_KERNELS=triton on a CPU tensor needs TRITON_INTERPRET=1 set before import")
         from . import triton_ops
 
         return triton_ops

@@ -8,6 +8,8 @@ Shapes (one request, no batch):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 QUERY_BLOCK = 256  # rows per attention block: bounds the [rows, keys] mask on long prompts
@@ -85,7 +87,7 @@ def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
 
 def top_ratio(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     """Indices (ascending) of the ceil(ratio * T) highest scores."""
-    count = min(scores.numel(), int(-(-ratio * scores.numel() // 1)))
+    count = min(scores.numel(), math.ceil(round(ratio * scores.numel(), 9)))  # 0.15 * 100 is 15.000000000000002
     if count <= 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
     return torch.topk(scores, count, sorted=False).indices.sort().values

@@ -240,7 +240,7 @@ def _attention_kernel(
     D_P2: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    UPCAST: tl.constexpr,  # feed tl.dot fp32 copies of the (exact) half-precision values: the interpreter's bf16 dot is wrong
+    UPCAST: tl.constexpr,  # feed tl.dot fp32 copies of the (exact) bf16 values: the interpreter's bf16 dot is wrong
     IEEE: tl.constexpr,  # fp32 operands: IEEE products, not TF32
 ):
     pid_m = tl.program_id(0)
@@ -345,8 +345,6 @@ def _deviation_kernel(
 
 
 # ---------------------------------------------------------------- host side
-
-assert INTERPRET == (type(_rotate_kernel).__name__ == "InterpretedFunction")
 
 
 def _p2(x: int) -> int:
@@ -493,7 +491,7 @@ def selected_attention(
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1),
         values.stride(0), values.stride(1), out.stride(0), out.stride(1),
         GROUP=group, HAS_WINDOW=window is not None, D=head_dim, D_P2=d_p2,
-        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET, IEEE=operand == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, UPCAST=INTERPRET and operand == torch.bfloat16, IEEE=operand == torch.float32,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out

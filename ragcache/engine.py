@@ -127,6 +127,9 @@ class RagCache:
                     report.bytes += entry.nbytes
                 if progress:
                     progress(len(ids), 0 if there else len(ids))
+        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
+        if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
+            self._entries([prefix_ids], PLAIN, QueryStats())
         report.seconds = time.perf_counter() - started
         return report
 
@@ -135,24 +138,27 @@ class RagCache:
             raise EmptyInput("a document is empty; every document needs some text")
         doc_id = document_id(text)
         if self.store.get_record(f"doc/{doc_id}") is None:
-            self.store.put_record(f"doc/{doc_id}", {"id": doc_id, "text": text, "meta": meta, "created": time.time()})
+            self.store.put_record(f"doc/{doc_id}", {"id": doc_id, "text": text, "meta": meta, "created": time.time(),
+                                                    "chunk_tokens": self.chunk_tokens})
         return doc_id, self._chunks(doc_id, text)
 
-    def _chunking_name(self, doc_id: str) -> str:
-        return f"chunks/{doc_id}/{self.lm.tokenizer_fingerprint[:16]}-{self.chunk_tokens}"
-
     def _chunks(self, doc_id: str, text: str | None = None) -> list[list[int]]:
-        """The document's chunk token ids (without layout tokens), cached as a record per tokenizer and budget."""
-        record = self.store.get_record(self._chunking_name(doc_id))
+        """The document's chunk token ids (without layout tokens), cached as a record per tokenizer and budget.
+
+        The budget is the one the document was first compiled with, so a later query by another process
+        with another default budget still finds the stored chunks."""
+        doc = self.store.get_record(f"doc/{doc_id}")
+        budget = (doc or {}).get("chunk_tokens", self.chunk_tokens)
+        name = f"chunks/{doc_id}/{self.lm.tokenizer_fingerprint[:16]}-{budget}"
+        record = self.store.get_record(name)
         if record is not None:
             return record["chunks"]
         if text is None:
-            doc = self.store.get_record(f"doc/{doc_id}")
             if doc is None:
                 raise UnknownDocument([doc_id])
             text = doc["text"]
-        chunks = [c.token_ids for c in chunk_document(self.tokenizer, text, self.chunk_tokens)]
-        self.store.put_record(self._chunking_name(doc_id), {"chunks": chunks, "tokens": sum(map(len, chunks))})
+        chunks = [c.token_ids for c in chunk_document(self.tokenizer, text, budget)]
+        self.store.put_record(name, {"chunks": chunks, "tokens": sum(map(len, chunks))})
         return chunks
 
     def document(self, doc_id: str) -> dict | None:
@@ -166,7 +172,8 @@ class RagCache:
         for layout in self.layouts.values():
             for ids in chunks:
                 self.store.delete(self.compiler.key(ids, layout))
-        self.store.delete_record(self._chunking_name(doc_id))
+        for name in self.store.record_names(f"chunks/{doc_id}/"):
+            self.store.delete_record(name)
         return self.store.delete_record(f"doc/{doc_id}")
 
     def document_ids(self) -> list[str]:
@@ -177,7 +184,7 @@ class RagCache:
         ids, unknown = [], []
         for doc in docs:
             if isinstance(doc, str) and is_document_id(doc):
-                if self.store.get_record(f"doc/{doc}") is None and self.store.get_record(self._chunking_name(doc)) is None:
+                if self.store.get_record(f"doc/{doc}") is None:
                     unknown.append(doc)
                 ids.append(doc)
             else:

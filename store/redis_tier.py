@@ -376,8 +376,9 @@ class RedisStore(BlobStore):
     def stats(self) -> dict:
         with self._errors("stats"):
             client = self._redis()
-            memory, stats = _info(client, "memory"), _info(client, "stats")
-            keys = client.dbsize()
+            nodes = {"target_nodes": redis.cluster.RedisCluster.PRIMARIES} if self.cluster else {}
+            memory, stats = _info(client, "memory", nodes), _info(client, "stats", nodes)
+            keys = client.dbsize(**nodes)
         return {**super().stats(), "url": self.url, "prefix": self.prefix, "cluster": self.cluster,
                 "server_keys": keys, "used_memory": memory.get("used_memory", 0),
                 "maxmemory": memory.get("maxmemory", 0), "maxmemory_policy": memory.get("maxmemory_policy", ""),
@@ -397,9 +398,9 @@ def _parse_manifest(raw: bytes) -> dict | None:
         return None
 
 
-def _info(client, section: str) -> dict:
+def _info(client, section: str, nodes: dict) -> dict:
     """INFO section; a cluster answers per node: numbers are summed, the rest taken from one node."""
-    info = client.info(section)
+    info = client.info(section, **nodes)
     if info and all(isinstance(v, dict) for v in info.values()):
         merged: dict = {}
         for node in info.values():

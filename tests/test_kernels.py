@@ -86,6 +86,7 @@ ROTATE_CASES = [
     (3, 1, 5, 128, 24),
     (1, 2, 9, 256, 128),
     (2, 2, 70, 128, 64),
+    (1, 2, 6, 80, 32),  # head_dim not a power of two
 ]
 
 
@@ -148,7 +149,9 @@ def test_place_chunks(ops, device, monkeypatch, case):
     layers, heads, capacity = 3, 2, max(s + n for s, n in zip(starts, lengths)) + 5
     chunk_keys = [_randn(layers, heads, n, head_dim, dtype=chunk_dtype, device=device, seed=10 + i) for i, n in enumerate(lengths)]
     chunk_values = [_randn(layers, heads, n, head_dim, dtype=chunk_dtype, device=device, seed=20 + i) for i, n in enumerate(lengths)]
-    chunk_keys[0] = chunk_keys[0].transpose(2, 3).contiguous().transpose(2, 3)  # one chunk with odd strides
+    # chunks as views with their own strides: a [L, T, H, D] buffer, a token slice of a longer buffer
+    chunk_keys[0] = chunk_keys[0].permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    chunk_values[-1] = torch.cat([chunk_values[-1], chunk_values[-1][:, :, :3]], dim=2)[:, :, : lengths[-1]]
     inv_freq, scaling = _rope_table(layers, half, head_dim, seed=6)
     inv_freq, scaling = inv_freq.to(device), scaling.to(device)
     # the cache already holds other data (system prompt, question): untouched rows must stay as they are
@@ -163,7 +166,8 @@ def test_place_chunks(ops, device, monkeypatch, case):
 
     assert counter.launches == 1  # every chunk in one launch
     _close(joined_keys, want_keys, chunk_dtype)
-    assert (joined_keys.cpu() != want_keys.cpu()).float().mean() < 0.01
+    if chunk_dtype != torch.float32:  # rounds where the reference rounds
+        assert (joined_keys.cpu() != want_keys.cpu()).float().mean() < 0.01
     assert torch.equal(joined_values.cpu(), want_values.cpu())
 
 
@@ -210,6 +214,7 @@ ATTENTION_CASES = [
     (3, 1, 5, 71, 128, 5, torch.float32, "random"),
     (2, 1, 3, 20, 256, None, torch.float16, "random"),  # head_dim 256, tiny
     (4, 2, 4, 37, 256, 9, torch.bfloat16, "random"),
+    (2, 2, 6, 45, 80, None, torch.float32, "random"),  # head_dim not a power of two
 ]
 
 

@@ -1,0 +1,152 @@
+"""From a validated request to answer events: limits, admission, one Generation on the engine thread.
+
+Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into an `Ask`
+and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
+linking (unknown document, prompt too long) still become proper HTTP errors, even for streams."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+from fastapi import Request
+
+from ragcache.engine import Answer, RagCache
+from ragcache.settings import Settings
+
+from .engine_queue import EngineQueue, Generation
+from .errors import invalid, payload_too_large
+from .metrics import Metrics
+
+MAX_STOP = 16
+MAX_STOP_CHARS = 256
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer was ready."""
+
+
+@dataclass
+class Ask:
+    question: str
+    documents: list[str]
+    system: str | None = None
+    algorithm: str | None = None
+    k: int | None = None
+    ratio: float | None = None
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: str | list[str] | None = None
+    seed: int | None = None
+
+
+@dataclass
+class Context:
+    """Everything a route needs; one per app (app.state.ctx)."""
+
+    rc: RagCache
+    settings: Settings
+    queue: EngineQueue
+    metrics: Metrics
+
+    @property
+    def model_name(self) -> str:
+        return self.rc.lm.name
+
+    def check_documents(self, texts: list[str], what: str = "documents") -> None:
+        s = self.settings
+        if len(texts) > s.max_documents:
+            raise payload_too_large(f"{len(texts)} {what}; at most {s.max_documents} per request",
+                                    limit=s.max_documents, got=len(texts))
+        for i, text in enumerate(texts):
+            if not text.strip():
+                raise invalid(f"{what}[{i}] is empty; every document needs some text")
+            if len(text) > s.max_document_chars:
+                raise payload_too_large(f"{what}[{i}] has {len(text)} characters; at most {s.max_document_chars}",
+                                        limit=s.max_document_chars, got=len(text))
+
+    def check(self, ask: Ask) -> dict:
+        """Size limits (413), empty inputs (422); returns the keyword arguments of rc.stream."""
+        s = self.settings
+        if not ask.question.strip():
+            raise invalid("the question is empty")
+        if len(ask.question) > s.max_question_chars:
+            raise payload_too_large(f"the question has {len(ask.question)} characters; at most "
+                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.question))
+        if ask.system is not None and len(ask.system) > s.max_question_chars:
+            raise payload_too_large(f"the system prompt has {len(ask.system)} characters; at most "
+                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.system))
+        self.check_documents(ask.documents)
+        max_tokens = s.max_new_tokens if ask.max_tokens is None else ask.max_tokens
+        if max_tokens > s.max_new_tokens_limit:
+            raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
+                          param="max_tokens", limit=s.max_new_tokens_limit)
+        stop = [ask.stop] if isinstance(ask.stop, str) else list(ask.stop or [])
+        if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
+            raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
+                          param="stop")
+        return dict(question=ask.question, docs=list(ask.documents), system=ask.system or None,
+                    algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
+                    ratio=s.ratio if ask.ratio is None else ask.ratio, max_new_tokens=max_tokens,
+                    temperature=ask.temperature, top_p=ask.top_p, stop=stop, seed=ask.seed)
+
+    async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
+        """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
+        args = self.check(ask)
+        slot = self.queue.admit()
+        try:
+            stream = self.rc.stream(**args)  # validates sampling parameters; the model work starts on the engine
+        except BaseException:
+            slot.close()
+            raise
+        gen = Generation(slot, stream, request)
+        try:
+            first = await gen.next()
+        except BaseException:
+            gen.close()
+            raise
+        if first[0] in ("error", "gone"):
+            gen.close()
+            if first[0] == "gone":
+                raise ClientGone()
+            raise first[1]  # type: ignore[misc]
+        if first[0] == "done":
+            self._observe(gen, first[1])  # type: ignore[arg-type]
+        return gen, first
+
+    def _observe(self, gen: Generation, answer: Answer) -> None:
+        self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
+
+    async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
+        """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also
+        when the consumer stops early (client gone, task cancelled)."""
+        try:
+            event = first
+            while True:
+                yield event
+                if event[0] != "piece":
+                    return
+                event = await gen.next()
+                if event[0] == "done":
+                    self._observe(gen, event[1])  # type: ignore[arg-type]
+        finally:
+            gen.close()
+
+    async def answer(self, request: Request, ask: Ask) -> tuple[Answer, float]:
+        """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
+        gen, first = await self.start(request, ask)
+        async with aclosing(self.events(gen, first)) as events:
+            async for kind, value in events:
+                if kind == "done":
+                    return value, gen.slot.queue_s  # type: ignore[return-value]
+                if kind == "error":
+                    raise value  # type: ignore[misc]
+                if kind == "gone":
+                    raise ClientGone()
+        raise ClientGone()  # pragma: no cover - events always end with one of the above
+
+
+def ctx(request: Request) -> Context:
+    return request.app.state.ctx

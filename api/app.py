@@ -1,0 +1,97 @@
+"""The FastAPI app: native routes (documents, query), OpenAI-compatible routes, /health and /metrics.
+
+create_app(rc, settings) wires one engine to the routes; serving it is api/server.py's job."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from ragcache import __version__
+from ragcache.engine import RagCache
+from ragcache.settings import Settings
+
+from . import errors, native, openai_compat
+from .answering import ClientGone, Context
+from .engine_queue import EngineQueue
+from .errors import error_response
+from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+
+DESCRIPTION = """RAG middleware that reuses document KV caches: upload documents once (compiled into KV caches),
+then ask questions that link the cached chunks (LegoLink, CacheBlend, naive, prefix, full).
+
+Native API under /v1/documents and /v1/query; OpenAI-compatible /v1/completions and /v1/chat/completions take
+`documents` and `ragcache: {algorithm, k, ratio}` as extra body fields."""
+
+
+class Guard:
+    """Bearer auth on /v1 when an API key is set, and a bound on the declared body size. Pure ASGI."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            headers = dict(scope["headers"])
+            if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""),
+                                                                     self.expected):
+                response = error_response(401, "unauthorized", "missing or wrong API key: send the header "
+                                          "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+                return await response(scope, receive, send)
+            length = headers.get(b"content-length", b"0")
+            if length.isdigit() and int(length) > self.max_body_bytes:
+                response = error_response(413, "payload_too_large", f"request body of {int(length)} bytes; at most "
+                                          f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
+                return await response(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(rc: RagCache, settings: Settings) -> FastAPI:
+    queue = EngineQueue(settings.max_queue)
+    metrics = Metrics(rc.store, queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        queue.shutdown()
+
+    app = FastAPI(title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    app.state.ctx = Context(rc, settings, queue, metrics)
+    app.state.created = int(time.time())
+    errors.install(app)
+
+    @app.exception_handler(ClientGone)
+    async def on_client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    app.include_router(native.router)
+    app.include_router(openai_compat.router)
+
+    @app.get("/health", tags=["operations"])
+    def health():
+        """200 when the model is loaded and the store answers; 503 otherwise."""
+        try:
+            store_ok = bool(rc.store.ping())
+        except Exception:  # noqa: BLE001 - a failing ping is an unhealthy store
+            store_ok = False
+        if rc.lm is None or not store_ok:
+            what = "the model is not loaded" if rc.lm is None else f"the store ({rc.store.name}) does not answer"
+            return error_response(503, "unavailable", what)
+        return {"status": "ok", "model": rc.lm.name, "store": rc.store.name, "queue_depth": queue.depth,
+                "max_queue": queue.max_queue}
+
+    @app.get("/metrics", tags=["operations"])
+    def metrics_route() -> Response:
+        """Prometheus text format."""
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # a document may be JSON-escaped at up to 6 bytes per character, plus room for everything else
+    max_body = settings.max_documents * settings.max_document_chars * 6 + (1 << 20)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=max_body)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
+    return app

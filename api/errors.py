@@ -1,0 +1,104 @@
+"""Every error leaves the API as JSON: {"error": {"type", "message", "code", ...details}}, OpenAI-style.
+
+ragcache's own errors carry their HTTP status (`http_status`); anything unexpected is a logged 500 that never
+takes the server down."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+
+from ragcache.errors import PromptTooLong, RagCacheError, UnknownDocument
+
+log = logging.getLogger("ragcache.api")
+
+
+class ApiError(Exception):
+    """An error raised by the API layer itself (limits, queue, auth, shapes the engine cannot honour)."""
+
+    def __init__(self, status: int, type: str, message: str, **details):
+        super().__init__(message)
+        self.status, self.type, self.message, self.details = status, type, message, details
+
+
+def payload_too_large(message: str, **details) -> ApiError:
+    return ApiError(413, "payload_too_large", message, **details)
+
+
+def invalid(message: str, **details) -> ApiError:
+    return ApiError(422, "invalid_request", message, **details)
+
+
+def error_body(type: str, message: str, **details) -> dict:
+    return {"error": {"type": type, "message": message, "code": type, **details}}
+
+
+def error_response(status: int, type: str, message: str, headers: dict | None = None, **details) -> JSONResponse:
+    return JSONResponse(error_body(type, message, **details), status_code=status, headers=headers)
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+def describe(exc: BaseException) -> tuple[int, dict]:
+    """(HTTP status, error body) for any exception; also used for errors that arrive mid-stream."""
+    if isinstance(exc, ApiError):
+        return exc.status, error_body(exc.type, exc.message, **exc.details)
+    if isinstance(exc, RagCacheError):
+        details: dict = {}
+        if isinstance(exc, UnknownDocument):
+            details["ids"] = exc.ids
+        if isinstance(exc, PromptTooLong):
+            details.update(prompt_tokens=exc.prompt_tokens, max_new_tokens=exc.max_new_tokens, context=exc.context)
+        status = exc.http_status
+        if status >= 500:
+            log.warning("engine error: %s", exc)
+        return status, error_body(_snake(type(exc).__name__), str(exc), **details)
+    log.error("unexpected error", exc_info=exc)
+    return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it")
+
+
+def _validation_message(errors: list[dict], content_type: str) -> tuple[str, list[dict]]:
+    details = []
+    for e in errors:
+        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+        details.append({"loc": loc, "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))})
+    first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
+    if first["type"] == "json_invalid":
+        reason = (errors[0].get("ctx") or {}).get("error", "")
+        return f"malformed JSON body at character {'.'.join(first['loc']) or '0'}: {reason}".rstrip(": "), details
+    if not first["loc"] and "json" not in content_type:
+        return "the body must be a JSON object sent with 'Content-Type: application/json'", details
+    where = ".".join(first["loc"]) or "body"
+    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    return f"{where}: {first['msg']}{more}", details
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, details = _validation_message(list(exc.errors()), request.headers.get("content-type", ""))
+        return error_response(422, "invalid_request", message, details=details)
+
+    @app.exception_handler(HTTPException)
+    async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        return error_response(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ApiError)
+    @app.exception_handler(RagCacheError)
+    async def on_known(request: Request, exc: Exception) -> JSONResponse:
+        status, body = describe(exc)
+        headers = {"Retry-After": "1"} if status == 429 else None
+        return JSONResponse(body, status_code=status, headers=headers)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+        status, body = describe(exc)
+        return JSONResponse(body, status_code=status)

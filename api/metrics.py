@@ -1,0 +1,149 @@
+"""Prometheus metrics: HTTP requests and latencies per route and status, TTFT per link algorithm, token counters,
+queue depth, and the store's hits / misses / bytes per tier (read from store.stats() at scrape time)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from ragcache.engine import QueryStats
+from ragcache.store import Store
+
+from .engine_queue import EngineQueue
+
+log = logging.getLogger("ragcache.api")
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+# store.stats() field -> (metric suffix, help, counter?)
+STORE_FIELDS = {
+    "hits": ("hits", "chunk entries found", True),
+    "misses": ("misses", "chunk entries not found", True),
+    "corrupt": ("corrupt", "entries dropped because they failed their checksum", True),
+    "bytes_read": ("read_bytes", "bytes read", True),
+    "bytes_written": ("written_bytes", "bytes written", True),
+    "bytes": ("stored_bytes", "bytes held", False),
+    "entries": ("entries", "entries held", False),
+}
+
+
+class StoreCollector:
+    """Reads store.stats() on every scrape; a tiered store reports each tier under "tiers"."""
+
+    def __init__(self, store: Store):
+        self.store = store
+
+    def describe(self):
+        return []  # collected lazily: no store call at registration
+
+    def collect(self):
+        try:
+            stats = self.store.stats()
+        except Exception as exc:  # noqa: BLE001 - a store that cannot report must not break /metrics
+            log.warning("store stats unavailable: %s", exc)
+            stats = {"tier": getattr(self.store, "name", "store"), "error": str(exc)}
+        tiers = stats.get("tiers") or [stats]
+        families = {}
+        for field, (suffix, help_, counter) in STORE_FIELDS.items():
+            name, text = f"ragcache_store_{suffix}", f"store: {help_}, per tier"
+            families[field] = CounterMetricFamily(name, text, labels=["tier"]) if counter else \
+                GaugeMetricFamily(name, text, labels=["tier"])
+        up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
+        for tier in tiers:
+            label = str(tier.get("tier", "store"))
+            for field, family in families.items():
+                if isinstance(tier.get(field), (int, float)):
+                    family.add_metric([label], float(tier[field]))
+            up.add_metric([label], 0.0 if "error" in tier or tier.get("up") is False else 1.0)
+        yield from families.values()
+        yield up
+        if "tiers" in stats:  # the tiered store's own view: a lookup is a hit when any tier had the entry
+            lookups = CounterMetricFamily("ragcache_store_lookups", "tiered store lookups by result",
+                                          labels=["result"])
+            lookups.add_metric(["hit"], float(stats.get("hits", 0)))
+            lookups.add_metric(["miss"], float(stats.get("misses", 0)))
+            yield lookups
+
+
+class QueueCollector:
+    def __init__(self, queue: EngineQueue):
+        self.queue = queue
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        q = self.queue
+        yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
+        yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
+        yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
+        yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
+                                  value=q.cancelled)
+
+
+class Metrics:
+    def __init__(self, store: Store, queue: EngineQueue):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("ragcache_http_requests", "HTTP requests by route, method and status",
+                                ["route", "method", "status"], registry=r)
+        self.latency = Histogram("ragcache_http_request_duration_seconds", "HTTP request latency (streams: until "
+                                 "the last byte)", ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("ragcache_ttft_seconds", "time to first token by link algorithm", ["algorithm"],
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.queue_wait = Histogram("ragcache_queue_wait_seconds", "time a request waited for the engine",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter("ragcache_prompt_tokens", "prompt tokens linked", ["algorithm"], registry=r)
+        self.cached_tokens = Counter("ragcache_cached_tokens", "prompt tokens reused from cached KV", ["algorithm"],
+                                     registry=r)
+        self.recomputed_tokens = Counter("ragcache_recomputed_tokens", "prompt tokens recomputed at link time",
+                                         ["algorithm"], registry=r)
+        self.completion_tokens = Counter("ragcache_completion_tokens", "tokens generated", ["algorithm"], registry=r)
+        self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads",
+                                       registry=r)
+        r.register(QueueCollector(queue))
+        r.register(StoreCollector(store))
+
+    def observe_answer(self, stats: QueryStats, queue_s: float) -> None:
+        algorithm = stats.algorithm or "unknown"
+        self.ttft.labels(algorithm).observe(stats.ttft_s)
+        self.queue_wait.observe(queue_s)
+        self.prompt_tokens.labels(algorithm).inc(stats.prompt_tokens)
+        self.cached_tokens.labels(algorithm).inc(stats.cached_tokens)
+        self.recomputed_tokens.labels(algorithm).inc(stats.recomputed_tokens)
+        self.completion_tokens.labels(algorithm).inc(stats.completion_tokens)
+
+    def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
+        labels = (route, method, str(status))
+        self.requests.labels(*labels).inc()
+        self.latency.labels(*labels).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI (it must not wrap `receive`: streaming routes watch it for client disconnects)."""
+
+    def __init__(self, app, metrics: Metrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started, status = time.perf_counter(), 500
+
+        async def send_wrapper(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = getattr(scope.get("route"), "path", None) or "unmatched"
+            self.metrics.observe_request(route, scope["method"], status, time.perf_counter() - started)

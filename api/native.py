@@ -1,0 +1,160 @@
+"""Native routes: documents (compile, get, list, delete) and /v1/query (JSON or server-sent events)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import aclosing
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+
+from ragcache.engine import Answer, CompileReport
+from ragcache.errors import UnknownDocument
+from ragcache.store.keys import is_document_id
+
+from .answering import Ask, ClientGone, Context, ctx
+from .engine_queue import Generation, wait_for_disconnect
+from .errors import describe, invalid, payload_too_large
+from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
+                      DocumentSummary, QueryRequest, QueryResponse, Timings, Usage)
+
+router = APIRouter(prefix="/v1", tags=["native"])
+MAX_METADATA_CHARS = 65_536
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+# -- documents --------------------------------------------------------------------------------------------
+def _check_metadata(metadata: dict, i: int) -> None:
+    try:
+        size = len(json.dumps(metadata, allow_nan=False))
+    except ValueError as exc:
+        raise invalid(f"documents[{i}].metadata is not plain JSON ({exc})") from exc
+    if size > MAX_METADATA_CHARS:
+        raise payload_too_large(f"documents[{i}].metadata is {size} characters of JSON; at most {MAX_METADATA_CHARS}",
+                                limit=MAX_METADATA_CHARS, got=size)
+
+
+@router.post("/documents", status_code=201, response_model=CompileResponse)
+async def compile_documents(body: CompileRequest, request: Request) -> CompileResponse:
+    """Compile documents into the store (what is already there is skipped). One document per engine turn, so
+    queries interleave with a long upload; a client that disconnects stops the upload after its current document."""
+    c = ctx(request)
+    docs = body.items()
+    c.check_documents([d.text for d in docs])
+    for i, doc in enumerate(docs):
+        _check_metadata(doc.metadata, i)
+    slot = c.queue.admit()
+    gone = asyncio.ensure_future(wait_for_disconnect(request))
+    reports: list[CompileReport] = []
+    try:
+        for doc in docs:
+            if gone.done():
+                raise ClientGone()
+            reports.append(await slot.call(c.rc.compile_documents, [doc.text], [doc.metadata]))
+    finally:
+        gone.cancel()
+        slot.close()
+    total = CompileReport()
+    for r in reports:
+        for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes", "seconds"):
+            setattr(total, field, getattr(total, field) + getattr(r, field))
+    c.metrics.compiled_chunks.inc(total.compiled_chunks)
+    stats = {k: v for k, v in vars(total).items() if k != "ids"}
+    return CompileResponse(ids=[r.ids[0] for r in reports], stats=stats, documents=[
+        CompiledDocument(id=r.ids[0], chunks=r.chunks, tokens=r.tokens, compiled_chunks=r.compiled_chunks)
+        for r in reports])
+
+
+def _record(c: Context, doc_id: str) -> dict:
+    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
+    if record is None:
+        raise UnknownDocument([doc_id])
+    return record
+
+
+@router.get("/documents/{doc_id}", response_model=DocumentOut)
+def get_document(doc_id: str, request: Request) -> DocumentOut:
+    c = ctx(request)
+    record = _record(c, doc_id)
+    chunks = c.rc._chunks(doc_id)  # the chunk token ids the engine keeps per document (a stored record)
+    return DocumentOut(id=doc_id, text=record["text"], metadata=record.get("meta") or {}, created=record.get("created"),
+                       chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
+
+
+@router.get("/documents", response_model=DocumentPage)
+def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
+                   ) -> DocumentPage:
+    """Documents sorted by id, one page at a time."""
+    c = ctx(request)
+    ids = sorted(c.rc.document_ids())
+    page = []
+    for doc_id in ids[offset: offset + limit]:
+        record = c.rc.document(doc_id)
+        if record is not None:  # deleted meanwhile
+            page.append(DocumentSummary(id=doc_id, chars=len(record["text"]), metadata=record.get("meta") or {},
+                                        created=record.get("created")))
+    return DocumentPage(data=page, total=len(ids), offset=offset, limit=limit)
+
+
+@router.delete("/documents/{doc_id}", response_model=Deleted)
+async def delete_document(doc_id: str, request: Request) -> Deleted:
+    """Delete a document and its cached chunks (on the engine thread, so never in the middle of its compile)."""
+    c = ctx(request)
+    if not is_document_id(doc_id):
+        raise UnknownDocument([doc_id])
+    slot = c.queue.admit()
+    try:
+        deleted = await slot.call(c.rc.delete_document, doc_id)
+    finally:
+        slot.close()
+    if not deleted:
+        raise UnknownDocument([doc_id])
+    return Deleted(id=doc_id)
+
+
+# -- query ------------------------------------------------------------------------------------------------
+def query_response(answer: Answer, queue_s: float) -> QueryResponse:
+    st = answer.stats
+    return QueryResponse(
+        answer=answer.text, algorithm=st.algorithm, finish_reason=st.finish_reason,
+        usage=Usage(prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_tokens,
+                    recomputed_tokens=st.recomputed_tokens, completion_tokens=st.completion_tokens),
+        timings=Timings(queue_s=queue_s, ttft_s=st.ttft_s, fetch_s=st.fetch_s, rotate_s=st.rotate_s,
+                        recompute_s=st.recompute_s, decode_s=st.decode_s, total_s=st.total_s),
+        store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks})
+
+
+@router.post("/query", response_model=QueryResponse,
+             responses={200: {"content": {"text/event-stream": {}},
+                              "description": "JSON, or with stream=true server-sent events: {\"text\": piece} per "
+                                             "piece, then the full response object, then [DONE]"}})
+async def query(body: QueryRequest, request: Request):
+    """Answer a question from documents (ids or raw texts), linking their cached KV."""
+    c = ctx(request)
+    ask = Ask(question=body.question, documents=body.documents, system=body.system, algorithm=body.algorithm,
+              k=body.k, ratio=body.ratio, max_tokens=body.max_tokens, temperature=body.temperature,
+              top_p=body.top_p, stop=body.stop, seed=body.seed)
+    if not body.stream:
+        answer, queue_s = await c.answer(request, ask)
+        return query_response(answer, queue_s)
+    gen, first = await c.start(request, ask)
+    return StreamingResponse(_query_events(c, gen, first), media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _query_events(c: Context, gen: Generation, first):
+    async with aclosing(c.events(gen, first)) as events:
+        async for kind, value in events:
+            if kind == "piece":
+                yield sse({"text": value})
+            elif kind == "done":
+                yield sse(query_response(value, gen.slot.queue_s).model_dump())
+                yield SSE_DONE
+            elif kind == "error":
+                yield sse(describe(value)[1])
+                yield SSE_DONE

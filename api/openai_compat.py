@@ -1,0 +1,174 @@
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions.
+
+ragcache's inputs travel as extra body fields, so the official client works unchanged:
+    client.chat.completions.create(model=..., messages=[...],
+                                   extra_body={"documents": [ids or texts], "ragcache": {"algorithm": "legolink"}})
+A chat is one question: an optional system (or developer) message, then one user message."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from contextlib import aclosing
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from ragcache.engine import Answer
+
+from .answering import Ask, Context, ctx
+from .engine_queue import Generation
+from .errors import ApiError, describe
+from .native import SSE_DONE, SSE_HEADERS, sse
+from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+# OpenAI parameters ragcache cannot honour: accepted only at these (neutral) values
+UNSUPPORTED = {
+    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False),
+    "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
+    "functions": (None, []), "function_call": (None, "none", "auto"), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "audio": (None,),
+    "modalities": (None, ["text"]), "prediction": (None,),
+}
+
+
+def unsupported(param: str, message: str) -> ApiError:
+    return ApiError(422, "unsupported_parameter", message, param=param)
+
+
+def _check(c: Context, body: OpenAIFields) -> None:
+    if body.model and body.model not in (c.model_name, c.settings.model):
+        raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
+                                               f"{c.model_name!r} (GET /v1/models)", param="model")
+    for name, value in (body.model_extra or {}).items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise unsupported(name, f"{name}={value!r} is not supported by ragcache")
+
+
+def _ask(body: OpenAIFields, question: str, system: str | None) -> Ask:
+    link = body.ragcache
+    return Ask(question=question, documents=body.documents, system=system,
+               algorithm=link.algorithm if link else None, k=link.k if link else None,
+               ratio=link.ratio if link else None, max_tokens=body.max_tokens, temperature=body.temperature,
+               top_p=body.top_p, stop=body.stop, seed=body.seed)
+
+
+def usage(answer: Answer) -> dict:
+    st = answer.stats
+    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
+            "total_tokens": st.prompt_tokens + st.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+
+
+def ragcache_info(answer: Answer, queue_s: float) -> dict:
+    st = answer.stats
+    return {"algorithm": st.algorithm, "recomputed_tokens": st.recomputed_tokens, "queue_s": queue_s,
+            "ttft_s": st.ttft_s, "total_s": st.total_s}
+
+
+@router.get("/models", response_model=ModelList)
+def list_models(request: Request) -> ModelList:
+    c = ctx(request)
+    return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created)])
+
+
+@router.post("/completions")
+async def completions(body: CompletionRequest, request: Request):
+    """The prompt is the question; documents and link options come as extra body fields."""
+    c = ctx(request)
+    _check(c, body)
+    prompt = body.prompt
+    if isinstance(prompt, list):
+        if len(prompt) != 1:
+            raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
+        prompt = prompt[0]
+    ask = _ask(body, prompt, body.system)
+    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": c.model_name}
+    if not body.stream:
+        answer, queue_s = await c.answer(request, ask)
+        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": answer.stats.finish_reason}
+        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
+
+    def choice(piece: str | None, finish: str | None) -> dict:
+        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+
+    gen, first = await c.start(request, ask)
+    return StreamingResponse(_chunks(c, gen, first, base, choice, None, body), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+def _text(message: ChatMessage, i: int) -> str:
+    if message.content is None or isinstance(message.content, str):
+        return message.content or ""
+    texts = []
+    for part in message.content:
+        if part.type != "text" or part.text is None:
+            raise unsupported(f"messages[{i}].content", f"only text content parts are supported, got {part.type!r}")
+        texts.append(part.text)
+    return "".join(texts)
+
+
+def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
+    """(system prompt, question) from [system?, user]; other conversations cannot be linked as one question."""
+    rest, system = list(messages), None
+    if rest and rest[0].role in ("system", "developer"):
+        system = _text(rest.pop(0), 0)
+    if len(rest) != 1 or rest[0].role != "user":
+        roles = [m.role for m in messages]
+        raise unsupported("messages", "ragcache answers one question from documents: send an optional system (or "
+                                      f"developer) message followed by exactly one user message; got roles {roles}")
+    return system, _text(rest[0], len(messages) - 1)
+
+
+@router.post("/chat/completions")
+async def chat_completions(body: ChatRequest, request: Request):
+    """The last user message is the question, a leading system message the system prompt."""
+    c = ctx(request)
+    _check(c, body)
+    system, question = chat_question(body.messages)
+    ask = _ask(body, question, system)
+    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": c.model_name}
+    if not body.stream:
+        answer, queue_s = await c.answer(request, ask)
+        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
+                  "finish_reason": answer.stats.finish_reason}
+        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
+
+    def choice(piece: str | None, finish: str | None) -> dict:
+        return {"index": 0, "delta": {} if piece is None else {"content": piece}, "logprobs": None,
+                "finish_reason": finish}
+
+    gen, first = await c.start(request, ask)
+    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    base["object"] = "chat.completion.chunk"
+    return StreamingResponse(_chunks(c, gen, first, base, choice, opening, body), media_type="text/event-stream",
+                             headers=SSE_HEADERS)
+
+
+async def _chunks(c: Context, gen: Generation, first, base: dict, choice: Callable[[str | None, str | None], dict],
+                  opening: dict | None, body: OpenAIFields):
+    """OpenAI stream chunks; usage rides on the finishing chunk, or on a chunk of its own (empty choices) when the
+    client asked for stream_options.include_usage."""
+    separate_usage = bool(body.stream_options and body.stream_options.include_usage)
+    if opening is not None:
+        yield sse({**base, "choices": [opening]})
+    async with aclosing(c.events(gen, first)) as events:
+        async for kind, value in events:
+            if kind == "piece":
+                yield sse({**base, "choices": [choice(value, None)]})
+            elif kind == "done":
+                finish = {**base, "choices": [choice(None, value.stats.finish_reason)]}
+                if separate_usage:
+                    yield sse(finish)
+                    yield sse({**base, "choices": [], "usage": usage(value)})
+                else:
+                    yield sse({**finish, "usage": usage(value)})
+                yield SSE_DONE
+            elif kind == "error":
+                yield sse(describe(value)[1])
+                yield SSE_DONE

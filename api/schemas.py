@@ -1,0 +1,197 @@
+"""Request and response bodies of the REST API: the native routes (/v1/documents, /v1/query) and the
+OpenAI-compatible ones (/v1/completions, /v1/chat/completions, /v1/models).
+
+Shapes and ranges are checked here (422); size limits come from Settings and are checked by the routes (413)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+
+from ragcache.linker import ALGORITHMS
+
+Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
+SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- documents --------------------------------------------------------------------------------------------
+class DocumentIn(Strict):
+    text: str = Field(description="the document text; its id is a hash of it, so the same text is stored once")
+    metadata: dict[str, Any] = Field(default_factory=dict, description="any JSON object, returned by GET")
+
+
+class CompileRequest(Strict):
+    """Either {"documents": [{"text", "metadata"}, ...]} or a single {"text", "metadata"}."""
+
+    documents: list[DocumentIn] | None = None
+    text: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def one_shape(self) -> "CompileRequest":
+        if (self.documents is None) == (self.text is None):
+            raise ValueError('send either "documents": [{"text": ...}, ...] or a single "text"')
+        if self.documents is not None and self.metadata:
+            raise ValueError('"metadata" at the top level goes with a single "text"; put it inside each document')
+        return self
+
+    def items(self) -> list[DocumentIn]:
+        return self.documents if self.documents is not None else [DocumentIn(text=self.text, metadata=self.metadata)]
+
+
+class CompiledDocument(BaseModel):
+    id: str
+    chunks: int
+    tokens: int
+    compiled_chunks: int = Field(description="chunks compiled by this request (0 when it was already stored)")
+
+
+class CompileResponse(BaseModel):
+    ids: list[str]
+    documents: list[CompiledDocument]
+    stats: dict[str, float | int] = Field(description="documents, skipped, chunks, compiled_chunks, tokens, bytes, "
+                                                      "seconds")
+
+
+class DocumentOut(BaseModel):
+    id: str
+    text: str
+    metadata: dict[str, Any]
+    created: float | None = None
+    chars: int
+    chunks: int = Field(description="chunks the document was split into")
+    tokens: int = Field(description="tokens over all its chunks")
+
+
+class DocumentSummary(BaseModel):
+    id: str
+    chars: int
+    metadata: dict[str, Any]
+    created: float | None = None
+
+
+class DocumentPage(BaseModel):
+    data: list[DocumentSummary]
+    total: int
+    offset: int
+    limit: int
+
+
+class Deleted(BaseModel):
+    id: str
+    deleted: bool = True
+
+
+# -- generation parameters shared by every answering route --------------------------------------------
+class LinkOptions(Strict):
+    algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")
+    k: int | None = Field(None, ge=0, le=1 << 20, description="legolink: tokens recomputed at each chunk start")
+    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="cacheblend: fraction "
+                                                                                           "recomputed")
+
+
+Stop = str | list[str] | None
+
+
+class SamplingFields(BaseModel):
+    max_tokens: int | None = Field(None, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens",
+                                                                              "max_completion_tokens"),
+                                   description="tokens to generate (default and upper limit: settings)")
+    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, description="0 = greedy (the default)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    stop: Stop = Field(None, description="a string or up to 16 strings that end the answer (not included)")
+    seed: int | None = Field(None, **SEED_RANGE)
+    stream: bool = False
+
+
+# -- native query -----------------------------------------------------------------------------------------
+class QueryRequest(SamplingFields, LinkOptions):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    question: str
+    documents: list[str] = Field(default_factory=list, description="document ids, or raw texts (compiled on the "
+                                                                   "fly and stored)")
+    system: str | None = Field(None, description="system prompt (an exact prefix, never recomputed)")
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    cached_tokens: int
+    recomputed_tokens: int
+    completion_tokens: int
+
+
+class Timings(BaseModel):
+    queue_s: float = Field(description="waiting for the engine")
+    ttft_s: float
+    fetch_s: float
+    rotate_s: float
+    recompute_s: float
+    decode_s: float
+    total_s: float
+
+
+class QueryResponse(BaseModel):
+    answer: str
+    usage: Usage
+    timings: Timings
+    algorithm: str
+    finish_reason: Literal["stop", "length"]
+    store: dict[str, int] = Field(description="chunk lookups: hits, misses, compiled")
+
+
+# -- OpenAI-compatible ------------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class OpenAIFields(SamplingFields):
+    """What the OpenAI API defines plus ragcache's extra body fields (pass them with `extra_body=`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    model: str | None = None
+    stream_options: StreamOptions | None = None
+    documents: list[str] = Field(default_factory=list, description="ragcache: document ids or raw texts")
+    ragcache: LinkOptions | None = Field(None, description="ragcache: link algorithm, k, ratio")
+
+
+class CompletionRequest(OpenAIFields):
+    prompt: str | list[str] = Field(description="the question (one prompt per request)")
+    system: str | None = Field(None, description="ragcache: system prompt")
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatRequest(OpenAIFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "ragcache"
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,52 @@
+"""Serve the API with uvicorn: `ragcache serve` calls run(settings, workers=N).
+
+One worker process owns one engine (model + store). With workers > 1 uvicorn imports `factory` in every worker,
+which reads the settings from the environment and loads its own engine; share documents between workers with a
+disk or Redis store (a memory: store is per process)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import uvicorn
+from fastapi import FastAPI
+
+from ragcache.engine import RagCache
+from ragcache.settings import Settings
+
+from .app import create_app
+
+SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
+log = logging.getLogger("ragcache.api")
+
+
+def open_engine(settings: Settings) -> RagCache:
+    rc = RagCache.open(settings.model, settings.store, chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
+                       device=settings.device)
+    rc.warmup()
+    return rc
+
+
+def factory() -> FastAPI:
+    """App factory for multi-worker serving (uvicorn --factory): one engine per worker process."""
+    settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
+    return create_app(open_engine(settings), settings)
+
+
+def run(settings: Settings, workers: int = 1) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if workers > 1:
+        if all(tier.startswith("memory") for tier in settings.store.split("+")):
+            log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
+                        workers)
+        os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        uvicorn.run("ragcache.api.server:factory", factory=True, host=settings.host, port=settings.port,
+                    workers=workers)
+        return
+    log.info("loading %s and opening %s", settings.model, settings.store)
+    rc = open_engine(settings)
+    try:
+        uvicorn.run(create_app(rc, settings), host=settings.host, port=settings.port)
+    finally:
+        rc.store.close()

@@ -1,0 +1,4 @@
+"""Integrations with RAG frameworks. Each lives in its own subpackage and needs its optional extra:
+
+    ragcache.integrations.llama_index   pip install 'ragcache[llama-index]'
+"""

@@ -1,0 +1,65 @@
+"""RagCacheCompiler: an IngestionPipeline step that compiles each node's text into the ragcache store."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from llama_index.core.bridge.pydantic import Field
+from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
+
+from ragcache.engine import CompileReport, RagCache
+
+from .nodes import mark, node_text, record_meta
+
+
+class RagCacheCompiler(TransformComponent):
+    """Compiles every node's text (skipping what the store already holds) and records its document id in the
+    node's metadata under "ragcache_doc_id" (excluded from LLM and embedding metadata). Nodes come back as they
+    went in, so the step can sit anywhere after the splitter; empty nodes are passed through unmarked.
+
+    `target` (the model fingerprint and the store) is part of the step's ingestion-cache hash, so a pipeline cache
+    filled against one model or store does not skip compiling into another. A skipped compile is never fatal:
+    RagCacheRetriever and RagCacheQueryEngine compile whatever is missing."""
+
+    rc: RagCache = Field(exclude=True, description="the engine whose store receives the caches")
+    metadata_mode: MetadataMode = Field(default=MetadataMode.NONE,
+                                        description="which node content is compiled (NONE: the text alone)")
+    target: str = Field(default="", description="model fingerprint @ store, set from rc")
+    last_report: CompileReport | None = Field(default=None, exclude=True, description="the latest call's report")
+
+    def __init__(self, rc: RagCache, **kwargs: Any) -> None:
+        kwargs.setdefault("target", f"{rc.lm.name}:{rc.lm.fingerprint[:16]}@{_store_label(rc.store)}")
+        super().__init__(rc=rc, **kwargs)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "RagCacheCompiler"
+
+    def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        todo = [(node, text) for node in nodes if (text := node_text(node, self.metadata_mode)).strip()]
+        bar = _bar() if kwargs.get("show_progress") else None
+        try:
+            report = self.rc.compile_documents([text for _, text in todo], [record_meta(node) for node, _ in todo],
+                                               progress=(lambda done, _compiled: bar.update(done)) if bar else None)
+        finally:
+            if bar:
+                bar.close()
+        for (node, _), doc_id in zip(todo, report.ids):
+            mark(node, doc_id)
+        self.last_report = report
+        return nodes
+
+    async def acall(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
+        return await asyncio.to_thread(self.__call__, nodes, **kwargs)
+
+
+def _store_label(store) -> str:
+    return "+".join(f"{tier.name}:{getattr(tier, 'root', '')}" for tier in getattr(store, "tiers", [store]))
+
+
+def _bar():
+    from tqdm.auto import tqdm
+
+    return tqdm(desc="ragcache compile", unit="tok")

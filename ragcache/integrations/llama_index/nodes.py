@@ -1,0 +1,44 @@
+"""What the plugin's parts share about nodes: which text is compiled, and where its document id is recorded.
+
+A node's ragcache document is its text (`get_content(metadata_mode)`, metadata left out by default), so its
+document id is the content hash of that text: the id recorded in metadata is a label, the text is the truth.
+"""
+
+from __future__ import annotations
+
+import math
+
+from llama_index.core.schema import BaseNode, MetadataMode
+
+from ragcache.store.keys import document_id, is_document_id
+
+DOC_ID_KEY = "ragcache_doc_id"
+
+
+def node_text(node: BaseNode, metadata_mode: MetadataMode = MetadataMode.NONE) -> str:
+    return node.get_content(metadata_mode=metadata_mode)
+
+
+def mark(node: BaseNode, doc_id: str) -> None:
+    """Record the document id in the node's metadata, hidden from the LLM and the embedding model."""
+    node.metadata[DOC_ID_KEY] = doc_id
+    for excluded in (node.excluded_llm_metadata_keys, node.excluded_embed_metadata_keys):
+        if DOC_ID_KEY not in excluded:
+            excluded.append(DOC_ID_KEY)
+
+
+def record_meta(node: BaseNode) -> dict:
+    """The node's scalar metadata (JSON-safe) for the store's document record."""
+    meta = {k: v for k, v in node.metadata.items()
+            if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))}
+    return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}
+
+
+def doc_refs(rc, texts: list[str]) -> list[str]:
+    """What to pass as `docs` to rc.query for these texts: the text itself (resolved, and compiled on a miss, inside
+    the query so its stats count it), or its id when the text itself looks like a document id."""
+    return [rc.compile([text])[0] if is_document_id(text) else text for text in texts]
+
+
+def text_ids(texts: list[str]) -> list[str]:
+    return [document_id(text) for text in texts]

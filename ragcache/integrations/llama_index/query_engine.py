@@ -1,0 +1,134 @@
+"""RagCacheQueryEngine: retrieve, link the retrieved nodes' caches in retrieval order, generate."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
+from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.query_engine import CustomQueryEngine
+from llama_index.core.schema import MetadataMode, NodeWithScore
+
+from ragcache.engine import Answer, RagCache, Stream
+from ragcache.errors import UnknownAlgorithm
+from ragcache.linker import ALGORITHMS, DEFAULT_K, DEFAULT_RATIO
+
+from .nodes import doc_refs, node_text, text_ids
+
+_DONE = object()
+
+
+class RagCacheQueryEngine(CustomQueryEngine):
+    """Answers with the ragcache engine instead of a prompt-stuffing synthesizer: the retrieved nodes' texts are the
+    linked documents, in retrieval order, and the question is the query string.
+
+    `query` returns a Response whose `metadata` holds the query's QueryStats.as_dict() plus "retrieve_s" (retrieval
+    time, which includes a RagCacheRetriever's compiling and prefetching) and "doc_ids" (one per linked node).
+    With streaming=True it returns a StreamingResponse whose generator yields text pieces; the first piece is
+    computed before `query` returns (so bad input raises there) and `metadata` is filled in once the generator is
+    exhausted. `aquery` runs the same work in a worker thread (an AsyncStreamingResponse when streaming)."""
+
+    rc: RagCache = Field(exclude=True, description="the engine that links and generates")
+    retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
+    algorithm: str = "legolink"
+    k: int = DEFAULT_K
+    ratio: float = DEFAULT_RATIO
+    max_new_tokens: int = 64
+    system: str | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    stop: list[str] | None = None
+    seed: int | None = None
+    streaming: bool = False
+    metadata_mode: MetadataMode = Field(default=MetadataMode.NONE, description="which node content is linked")
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known(cls, algorithm: str) -> str:
+        if algorithm not in ALGORITHMS:
+            raise UnknownAlgorithm(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        return algorithm
+
+    # -- sync -------------------------------------------------------------------------------------------
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        nodes, stream, metadata = self._start(query_str)
+        if not self.streaming:
+            for _ in stream:
+                pass
+            return Response(stream.answer.text, source_nodes=nodes, metadata=_finish(metadata, stream.answer))
+        pieces = _pieces(stream, metadata)
+        first = next(pieces, _DONE)  # links and decodes the first token here: errors raise from query()
+        return StreamingResponse(response_gen=_chain(first, pieces), source_nodes=nodes, metadata=metadata)
+
+    def _start(self, query_str: str) -> tuple[list[NodeWithScore], Stream, dict]:
+        started = time.perf_counter()
+        nodes = self.retriever.retrieve(query_str)
+        retrieve_s = time.perf_counter() - started
+        texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
+        stream = self.rc.stream(query_str, docs=doc_refs(self.rc, texts), **self.generation_args())
+        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": text_ids(texts)}
+
+    def generation_args(self) -> dict[str, Any]:
+        """The rc.stream / rc.query keyword arguments this engine answers with."""
+        return dict(system=self.system, algorithm=self.algorithm, k=self.k, ratio=self.ratio,
+                    max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
+                    stop=self.stop, seed=self.seed)
+
+    # -- async ------------------------------------------------------------------------------------------
+    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+        if not self.streaming:
+            return await asyncio.to_thread(self.custom_query, query_str)
+        # One worker thread runs the whole stream: the engine's lock belongs to the thread that iterates.
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+        def work() -> None:
+            try:
+                nodes, stream, metadata = self._start(query_str)
+                put(("start", (nodes, metadata)))
+                for piece in _pieces(stream, metadata):
+                    put(("piece", piece))
+                put(("done", None))
+            except BaseException as exc:  # handed to the awaiting side
+                put(("error", exc))
+
+        worker = loop.run_in_executor(None, work)
+        kind, value = await queue.get()
+        if kind == "error":
+            await worker
+            raise value
+        nodes, metadata = value
+
+        async def gen() -> AsyncIterator[str]:
+            while True:
+                kind, value = await queue.get()
+                if kind == "piece":
+                    yield value
+                    continue
+                await worker
+                if kind == "error":
+                    raise value
+                return
+
+        return AsyncStreamingResponse(response_gen=gen(), source_nodes=nodes, metadata=metadata)
+
+
+def _pieces(stream: Stream, metadata: dict) -> Iterator[str]:
+    yield from stream
+    _finish(metadata, stream.answer)
+
+
+def _chain(first: Any, rest: Iterator[str]) -> Iterator[str]:
+    if first is not _DONE:
+        yield first
+        yield from rest
+
+
+def _finish(metadata: dict, answer: Answer) -> dict:
+    metadata.update(answer.stats.as_dict())
+    return metadata

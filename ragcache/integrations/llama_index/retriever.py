@@ -1,0 +1,92 @@
+"""RagCacheRetriever: any llama-index retriever, with the caches of what it returns made ready before linking."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from llama_index.core.base.base_retriever import BaseRetriever
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
+
+from ragcache.engine import RagCache
+from ragcache.errors import ParameterOutOfRange
+
+from .nodes import DOC_ID_KEY, mark, node_text, record_meta
+
+
+@dataclass
+class WarmReport:
+    documents: int = 0
+    compiled_chunks: int = 0  # chunks that were missing from the store and compiled
+    prefetched_chunks: int = 0  # chunk entries read so that a tiered store holds them in its fastest tier
+    seconds: float = 0.0
+
+
+class RagCacheRetriever(BaseRetriever):
+    """Returns exactly what the wrapped retriever returns (same NodeWithScores, same order); on the way it compiles
+    any node whose cache is missing (and records "ragcache_doc_id" in its metadata) and prefetches the entries of
+    every chunk, so that linking finds them in the store's fastest tier.
+
+    layout: "default" for every algorithm but legolink0, "sink" for legolink0 (its chunks are compiled behind
+    dropped sink tokens; missing ones are compiled here). prefetch: None (default) reads the entries only when the
+    store is tiered, where a read fills the faster tiers; True always; False never."""
+
+    def __init__(self, retriever: BaseRetriever, rc: RagCache, *, layout: str = "default",
+                 prefetch: bool | None = None, metadata_mode: MetadataMode = MetadataMode.NONE,
+                 callback_manager: CallbackManager | None = None, verbose: bool = False) -> None:
+        if layout not in rc.layouts:
+            raise ParameterOutOfRange(f"layout must be one of {', '.join(rc.layouts)}, got {layout!r}")
+        super().__init__(callback_manager=callback_manager or getattr(retriever, "callback_manager", None),
+                         verbose=verbose)
+        self.retriever = retriever
+        self.rc = rc
+        self.layout = layout
+        self.prefetch = hasattr(rc.store, "tiers") if prefetch is None else prefetch
+        self.metadata_mode = metadata_mode
+        self.last_report: WarmReport | None = None
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = self.retriever.retrieve(query_bundle)
+        self.last_report = self.warm(nodes)
+        return nodes
+
+    async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        nodes = await self.retriever.aretrieve(query_bundle)
+        self.last_report = await asyncio.to_thread(self.warm, nodes)
+        return nodes
+
+    def warm(self, nodes: list[NodeWithScore]) -> WarmReport:
+        """Compile the nodes' missing chunks and prefetch their entries (in the chosen layout)."""
+        started = time.perf_counter()
+        rc, layout = self.rc, self.rc.layouts[self.layout]
+        todo = [(n.node, text) for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
+        report = WarmReport(documents=len(todo))
+        compiled = rc.compile_documents([text for _, text in todo], [record_meta(node) for node, _ in todo])
+        for (node, _), doc_id in zip(todo, compiled.ids):
+            if node.metadata.get(DOC_ID_KEY) != doc_id:
+                mark(node, doc_id)
+        report.compiled_chunks = compiled.compiled_chunks if self.layout == "default" else 0
+        if self.prefetch or self.layout != "default":
+            chunks = [ids for doc_id in dict.fromkeys(compiled.ids) for ids in rc._chunks(doc_id)]
+            keys = [rc.compiler.key(ids, layout) for ids in chunks]
+            if self.prefetch:
+                present = [entry is not None for entry in rc.store.get_many(keys)]
+                report.prefetched_chunks = sum(present)
+            else:
+                present = rc.store.contains_many(keys)
+            missing = {}
+            for ids, key, there in zip(chunks, keys, present):
+                if not there:
+                    with rc.lock:
+                        missing[key] = rc.compiler.compile(ids, layout)
+            if missing:
+                rc.store.put_many(missing)
+            report.compiled_chunks += len(missing)
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _get_prompt_modules(self) -> dict[str, Any]:
+        return {"retriever": self.retriever}

@@ -1,0 +1,339 @@
+"""`ragcache store ...`: look at and maintain a store without loading a model.
+
+  stats      entries, bytes, hits per tier; entries per model; records
+  ls         entries with size, model, tokens, dtype (--limit, --json)
+  verify     decode every entry and read every record; --fix deletes the bad ones; exit 1 if bad ones remain
+  gc         disk: temp files of killed writers, index reconciled with the files, eviction to the budget;
+             redis: parts no manifest points to, manifests whose parts are gone; --unreferenced also drops
+             entries no document refers to (system-prompt prefixes included: they are recompiled on demand)
+  rm ID      a document id: its records and the chunk entries derivable from them; a chunk key: that entry
+
+Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ragcache.errors import StoreError
+
+from . import _split, open_store
+from .base import Store
+from .keys import chunk_key, is_document_id
+
+DEFAULT_STORE = "disk:./.ragcache"
+BATCH = 256
+
+store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+
+StoreUrl = Annotated[str, typer.Option("--store", "-s", envvar="RAGCACHE_STORE",
+                                       help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")]
+AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
+
+
+# -- helpers (usable without the CLI) -------------------------------------------------------------------
+def tiers_of(store: Store) -> list[Store]:
+    return list(getattr(store, "tiers", [store]))
+
+
+def batched(items, size: int = BATCH):
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
+    """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
+    rows = []
+    keys = store.keys()
+    for batch in batched(keys):
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info is None:
+                continue  # removed while listing
+            meta = info.get("meta") or {}
+            rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
+                         "dtype": info.get("dtype"), "shape": info.get("shape"), "model_name": _model_name(meta),
+                         "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
+                         "layout": meta.get("layout", ""), "error": info.get("error")})
+            if limit is not None and len(rows) >= limit:
+                return rows
+    return rows
+
+
+def _model_name(meta: dict) -> str:
+    return meta.get("model_name") or (meta.get("model", "")[:12] or "?")
+
+
+def summary(store: Store) -> dict:
+    tiers = []
+    for tier in tiers_of(store):
+        try:
+            stats = tier.stats()
+        except StoreError as exc:
+            tiers.append({"tier": tier.name, "error": str(exc)})
+            continue
+        rows = entry_rows(tier)
+        stats["entries"] = len(rows)
+        stats["bytes"] = sum(r["size"] for r in rows)
+        stats["models"] = dict(Counter(r["model_name"] for r in rows))
+        stats["unreadable_headers"] = sum(1 for r in rows if r["error"])
+        tiers.append(stats)
+    names = store.record_names()
+    return {"store": store.name, "tiers": tiers, "records": len(names),
+            "documents": sum(1 for n in names if n.startswith("doc/"))}
+
+
+def verify_store(store: Store, fix: bool = False) -> dict:
+    """Decode every entry of every tier and read every record; with fix, delete what is bad."""
+    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": []}
+    for tier in tiers_of(store):
+        for batch in batched(tier.keys(), 32):
+            for key, problem in zip(batch, tier.check_many(batch)):
+                if problem == "missing":
+                    continue  # evicted or deleted while we looked
+                report["checked"] += 1
+                if problem is not None:
+                    report["bad"].append({"tier": tier.name, "key": key, "problem": problem})
+                    if fix:
+                        tier.delete(key)
+                        report["fixed"] += 1
+        for name in tier.record_names():
+            report["records_checked"] += 1
+            if tier.get_record(name) is None:  # unreadable JSON reads as None (a warning is logged)
+                report["bad_records"].append({"tier": tier.name, "name": name})
+                if fix:
+                    tier.delete_record(name)
+                    report["fixed"] += 1
+    return report
+
+
+def layout_lead_ids(tag: str) -> list[int] | None:
+    """Token ids a compile layout stores in front of a chunk, from the layout tag kept in entry metadata
+    (`name:lead,ids:sink,ids`, see ragcache.compiler.Layout.tag); None if the tag is not of that form."""
+    parts = tag.split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        return [int(x) for x in parts[1].split(",") if x]
+    except ValueError:
+        return None
+
+
+def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
+    """(model, tokenizer, dtype, layout) of the entries in the store: what chunk keys can be rebuilt from."""
+    return {(r["model"], r["tokenizer"], r["dtype"], r["layout"]) for r in entry_rows(store)
+            if r["model"] and r["tokenizer"] and r["layout"]}
+
+
+def document_keys(store: Store, doc_id: str, combos=None) -> set[str]:
+    """Chunk keys of a document under every (model, tokenizer, dtype, layout) present in the store, from its chunk
+    records (`chunks/{id}/{tokenizer fingerprint[:16]}-{chunk tokens}`, written by the engine)."""
+    combos = _compile_combos(store) if combos is None else combos
+    keys = set()
+    for name in store.record_names(f"chunks/{doc_id}/"):
+        record = store.get_record(name) or {}
+        tok_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
+        for model, tokenizer, dtype, layout in combos:
+            lead = layout_lead_ids(layout)
+            if lead is None or not tokenizer.startswith(tok_prefix):
+                continue
+            for ids in record.get("chunks", []):
+                keys.add(chunk_key(model, tokenizer, dtype, layout, [*lead, *ids]))
+    return keys
+
+
+def _document_ids(store: Store) -> set[str]:
+    return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
+
+
+def remove_document(store: Store, doc_id: str) -> dict:
+    """Delete a document's records and its chunk entries, except entries another document also uses."""
+    combos = _compile_combos(store)
+    keys = document_keys(store, doc_id, combos)
+    for other in _document_ids(store) - {doc_id}:
+        keys -= document_keys(store, other, combos)
+    entries = sum(store.delete(k) for k in sorted(keys))
+    names = [n for n in store.record_names(f"chunks/{doc_id}/")] + [f"doc/{doc_id}"]
+    records = sum(store.delete_record(n) for n in names)
+    return {"records": records, "entries": entries}
+
+
+def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False) -> dict:
+    report: dict = {}
+    for tier in tiers_of(store):
+        if hasattr(tier, "gc"):
+            report[tier.name] = tier.gc(tmp_age_s)
+        elif hasattr(tier, "evict"):
+            report[tier.name] = {"evicted": tier.evict()}
+    if unreferenced:
+        combos = _compile_combos(store)
+        wanted = set()
+        for doc in _document_ids(store):
+            wanted |= document_keys(store, doc, combos)
+        orphans = [k for k in list(store.keys()) if k not in wanted]
+        report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
+    return report
+
+
+# -- commands -----------------------------------------------------------------------------------------------
+def _open(url: str) -> Store:
+    for part in _split(url):
+        if part.startswith("disk:") and not Path(part[len("disk:"):] or "./.ragcache").exists():
+            err.print(f"[red]error:[/red] no store at {part[len('disk:'):]!r} (nothing compiled there yet?)")
+            raise typer.Exit(1)
+    try:
+        return open_store(url)
+    except StoreError as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        raise typer.Exit(1)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _guard(fn):
+    """Store failures become a red line and exit code 1, not a traceback."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except StoreError as exc:
+            err.print(f"[red]error:[/red] {exc}")
+            raise typer.Exit(1)
+
+    return wrapper
+
+
+@store_app.command()
+@_guard
+def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
+    """Entries, bytes and hits per tier, entries per model, records."""
+    s = _open(store)
+    info = summary(s)
+    if as_json:
+        console.print_json(json.dumps(info, default=str))
+        return
+    table = Table(title=f"store {store}")
+    for col in ("tier", "entries", "bytes", "budget", "hits", "models"):
+        table.add_column(col, justify="right" if col in ("entries", "bytes", "budget", "hits") else "left")
+    for t in info["tiers"]:
+        if "error" in t:
+            table.add_row(t["tier"], "-", "-", "-", "-", f"[red]{t['error']}[/red]")
+            continue
+        budget = t.get("budget_bytes") or t.get("maxmemory") or 0
+        hits = t.get("index_hits", t.get("server_hits", t.get("hits", 0)))
+        models = ", ".join(f"{m}: {n}" for m, n in sorted(t["models"].items())) or "-"
+        table.add_row(t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits),
+                      models)
+    console.print(table)
+    console.print(f"records: {info['records']} ({info['documents']} documents)")
+
+
+@store_app.command("ls")
+@_guard
+def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
+       as_json: AsJson = False) -> None:
+    """Entries with their size, model and token count."""
+    s = _open(store)
+    rows = entry_rows(s, limit=limit)
+    if as_json:
+        console.print_json(json.dumps(rows))
+        return
+    table = Table()
+    for col in ("key", "size", "tokens", "dtype", "shape", "model"):
+        table.add_column(col, justify="right" if col in ("size", "tokens") else "left", no_wrap=col == "key")
+    for r in rows:  # a key prefix is enough for `rm`; --json has the full keys
+        if r["error"]:
+            table.add_row(r["key"][:16], _size(r["size"]), "-", "-", "-", f"[red]{r['error']}[/red]")
+        else:
+            table.add_row(r["key"][:16], _size(r["size"]), str(r["tokens"]), r["dtype"] or "-",
+                          "x".join(map(str, r["shape"] or [])), r["model_name"])
+    console.print(table)
+    console.print(f"{len(rows)} entries shown (--limit {limit})")
+
+
+@store_app.command()
+@_guard
+def verify(store: StoreUrl = DEFAULT_STORE,
+           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records")] = False,
+           as_json: AsJson = False) -> None:
+    """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
+    s = _open(store)
+    report = verify_store(s, fix=fix)
+    bad = len(report["bad"]) + len(report["bad_records"])
+    if as_json:
+        console.print_json(json.dumps(report))
+    else:
+        for b in report["bad"]:
+            console.print(f"[red]bad[/red] {b['tier']} entry {b['key']}: {b['problem']}")
+        for b in report["bad_records"]:
+            console.print(f"[red]bad[/red] {b['tier']} record {b['name']}: unreadable")
+        console.print(f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
+                      + (f", {report['fixed']} deleted" if fix else ""))
+    if bad and not fix:
+        raise typer.Exit(1)
+
+
+@store_app.command()
+@_guard
+def gc(store: StoreUrl = DEFAULT_STORE,
+       tmp_age: Annotated[float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as "
+                                                   "abandoned")] = 600.0,
+       unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
+                                                  "to (system-prompt prefixes included)")] = False,
+       as_json: AsJson = False) -> None:
+    """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
+    s = _open(store)
+    report = collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced)
+    if as_json:
+        console.print_json(json.dumps(report))
+        return
+    for tier, what in report.items():
+        console.print(f"{tier}: {what}")
+
+
+@store_app.command()
+@_guard
+def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chunk key or a unique prefix of one "
+                                              "(8 hex or more, as `ls` shows)")],
+       store: StoreUrl = DEFAULT_STORE) -> None:
+    """Delete a document (its records and chunk entries) or one chunk entry."""
+    s = _open(store)
+    id = id.lower()
+    if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
+        err.print(f"[red]error:[/red] {id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)")
+        raise typer.Exit(2)
+    if is_document_id(id) and (s.get_record(f"doc/{id}") is not None or s.record_names(f"chunks/{id}/")):
+        result = remove_document(s, id)
+        console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
+                      "(entries shared with other documents kept)")
+        return
+    matches = [id] if len(id) == 64 else sorted({k for k in s.keys() if k.startswith(id)})
+    if len(matches) > 1:
+        err.print(f"[red]error:[/red] {id} matches {len(matches)} entries; give more of the key")
+        raise typer.Exit(2)
+    if not matches or not s.delete(matches[0]):
+        err.print(f"[red]error:[/red] no document or entry {id} in {store}")
+        raise typer.Exit(1)
+    console.print(f"entry {matches[0]} deleted")

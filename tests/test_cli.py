@@ -1,0 +1,84 @@
+"""The `ragcache` command line, run as a user runs it (subprocesses, real default model, disk store)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.real_model
+DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+def ragcache(*args, cwd, check=True, timeout=300):
+    proc = subprocess.run([sys.executable, "-m", "ragcache.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "COLUMNS": "200"})
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def test_compile_twice_then_query_by_path(tmp_path):
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("lighthouse.txt", "railway.txt", "library.txt"):
+        (docs / name).write_text((DATA / "docs" / name).read_text())
+    store = f"disk:{tmp_path / 'store'}"
+    first = ragcache("compile", str(docs), "--store", store, "--chunk-tokens", "64", cwd=tmp_path)
+    assert "documents 3 (already compiled 0)" in first.stdout
+    second = ragcache("compile", str(docs), "--store", store, "--chunk-tokens", "64", cwd=tmp_path)
+    assert "documents 3 (already compiled 3)" in second.stdout and "(compiled 0)" in second.stdout
+    answer = ragcache("query", "How tall is the Harrow Point lighthouse?", "--doc", str(docs / "lighthouse.txt"),
+                      "--store", store, "--json", "--max-new-tokens", "12", cwd=tmp_path)
+    assert '"compiled_chunks": 0' in answer.stdout and '"store_hits"' in answer.stdout
+
+
+def test_interrupted_compile_resumes(tmp_path):
+    corpus = tmp_path / "corpus.jsonl"
+    text = (DATA / "docs" / "railway.txt").read_text()
+    corpus.write_text("\n".join(f'{{"body": "Document {i}. {text.strip()}"}}' for i in range(40)))
+    store_dir = tmp_path / "store"
+    args = [sys.executable, "-m", "ragcache.cli", "compile", str(corpus), "--jsonl", "body",
+            "--store", f"disk:{store_dir}", "--chunk-tokens", "32"]
+    proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(store_dir.glob("entries/*/*.kv"))) < 5:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err
+    done_before = len(list(store_dir.glob("entries/*/*.kv")))
+    assert 5 <= done_before < 40 * 3
+    resumed = ragcache("compile", str(corpus), "--jsonl", "body", "--store", f"disk:{store_dir}",
+                       "--chunk-tokens", "32", cwd=tmp_path)
+    assert "documents 40" in resumed.stdout
+    compiled_now = int(resumed.stdout.split("(compiled ")[1].split(")")[0])
+    total = len(list(store_dir.glob("entries/*/*.kv")))
+    assert compiled_now == total - done_before > 0
+    again = ragcache("compile", str(corpus), "--jsonl", "body", "--store", f"disk:{store_dir}",
+                     "--chunk-tokens", "32", cwd=tmp_path)
+    assert "(compiled 0)" in again.stdout
+
+
+def test_bad_input_exit_codes(tmp_path):
+    missing = ragcache("compile", str(tmp_path / "nope"), "--store", "memory:", cwd=tmp_path, check=False)
+    assert missing.returncode == 3 and "no such file" in missing.stderr
+    unknown = ragcache("query", "what?", "--doc", "0" * 32, "--store", "memory:", cwd=tmp_path, check=False)
+    assert unknown.returncode == 4 and "unknown document" in unknown.stderr
+    algo = ragcache("query", "what?", "--doc", "some text", "--algorithm", "magic", "--store", "memory:",
+                    cwd=tmp_path, check=False)
+    assert algo.returncode == 3 and "unknown algorithm" in algo.stderr
+
+
+def test_demo_models_and_config(tmp_path):
+    demo = ragcache("demo", "--questions", "1", "--store", f"disk:{tmp_path / 'demo'}", cwd=tmp_path)
+    assert "legolink" in demo.stdout and "full" in demo.stdout and "TTFT" in demo.stdout
+    listed = ragcache("models", "list", cwd=tmp_path)
+    assert "smollm2-135m" in listed.stdout and "gemma3-270m" in listed.stdout
+    (tmp_path / "ragcache.toml").write_text('chunk_tokens = 128\n')
+    shown = subprocess.run([sys.executable, "-m", "ragcache.cli", "config"], cwd=tmp_path, capture_output=True,
+                           text=True, env={**os.environ, "RAGCACHE_K": "24", "COLUMNS": "200"})
+    assert "128" in shown.stdout and "24" in shown.stdout

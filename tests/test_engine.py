@@ -1,0 +1,127 @@
+"""Engine behaviour beyond the invariants: bad input, generation controls, chunking, documents."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+from ragcache import errors
+from ragcache.chunker import chunk_document
+from ragcache.engine import RagCache
+from ragcache.generate import TextAssembler
+from ragcache.models import wrap
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+DOC = "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall."
+
+
+@pytest.fixture(scope="module")
+def rc():
+    return RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=32)
+
+
+def test_empty_question(rc):
+    with pytest.raises(errors.EmptyInput, match="question is empty"):
+        rc.query("   ", docs=[DOC])
+
+
+def test_empty_document(rc):
+    with pytest.raises(errors.EmptyInput, match="document is empty"):
+        rc.compile(["fine", ""])
+
+
+def test_unknown_document_id(rc):
+    missing = "0" * 32
+    with pytest.raises(errors.UnknownDocument) as info:
+        rc.query("what?", docs=[missing])
+    assert info.value.ids == [missing] and info.value.http_status == 404
+
+
+def test_model_without_rope_is_refused():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=400))
+    with pytest.raises(errors.UnsupportedModel, match="no rotary position embeddings"):
+        wrap(gpt2, tiny.tokenizer(), name="gpt2")
+
+
+def test_prompt_longer_than_context(rc):
+    long_doc = " ".join(["Rivers flow to the sea."] * 200)  # > 512 positions of the tiny model
+    with pytest.raises(errors.PromptTooLong) as info:
+        rc.query("where?", docs=[long_doc], max_new_tokens=4)
+    assert info.value.context == 512 and info.value.prompt_tokens > 512
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"algorithm": "magic"}, "unknown algorithm"),
+    ({"k": -1}, "k must be"),
+    ({"ratio": 1.5}, "ratio must be"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"top_p": 0.0}, "top_p"),
+])
+def test_parameters_out_of_range(rc, kwargs, match):
+    with pytest.raises(errors.BadRequest, match=match):
+        rc.query("where?", docs=[DOC], **kwargs)
+
+
+def test_raw_text_and_id_give_the_same_answer(rc):
+    [doc_id] = rc.compile([DOC])
+    by_text = rc.query("How tall?", docs=[DOC], max_new_tokens=6)
+    by_id = rc.query("How tall?", docs=[doc_id], max_new_tokens=6)
+    assert by_text.token_ids == by_id.token_ids
+    assert by_id.stats.store_hits > 0 and by_id.stats.compiled_chunks == 0
+
+
+def test_missing_entry_is_recompiled(rc):
+    [doc_id] = rc.compile([DOC])
+    before = rc.query("How tall?", docs=[doc_id], max_new_tokens=6)
+    for key in list(rc.store.keys()):
+        rc.store.delete(key)
+    after = rc.query("How tall?", docs=[doc_id], max_new_tokens=6)
+    assert after.stats.compiled_chunks > 0 and after.token_ids == before.token_ids
+
+
+def test_sampling_is_seeded_and_streaming_matches(rc):
+    a = rc.query("How tall?", docs=[DOC], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
+    b = rc.query("How tall?", docs=[DOC], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
+    assert a.token_ids == b.token_ids
+    stream = rc.stream("How tall?", docs=[DOC], max_new_tokens=8)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.answer.text == rc.query("How tall?", docs=[DOC], max_new_tokens=8).text
+    assert stream.answer.stats.ttft_s > 0 and stream.answer.stats.completion_tokens == 8
+
+
+def test_stop_strings_cut_and_hold_back():
+    tok = tiny.tokenizer()
+    ids = tok("Paris is big. Rome is old.", add_special_tokens=False)["input_ids"]
+    asm = TextAssembler(tok, stop=[" Rome"])
+    out = "".join(asm.push(i) for i in ids if not asm.stopped) + asm.finish()
+    assert out == "Paris is big."
+    assert asm.stopped
+
+
+def test_chunker_ends_at_sentences_and_caps_at_twice_the_budget():
+    tok = tiny.tokenizer()
+    text = "The water returns. " * 30 + "x" * 400
+    chunks = chunk_document(tok, text, budget=10)
+    assert sum(len(c.token_ids) for c in chunks) == len(tok(text, add_special_tokens=False)["input_ids"])
+    assert all(len(c.token_ids) <= 20 for c in chunks)
+    assert all(text[c.char_start:c.char_end].rstrip().endswith(".") for c in chunks[:5])
+
+
+def test_document_registry(rc):
+    [doc_id] = rc.compile([DOC + " Extra."])
+    assert rc.document(doc_id)["text"] == DOC + " Extra."
+    assert doc_id in rc.document_ids()
+    assert rc.delete_document(doc_id)
+    with pytest.raises(errors.UnknownDocument):
+        rc.query("what?", docs=[doc_id])
+
+
+def test_sliding_window_model_decodes_past_its_window():
+    rc = RagCache(tiny.make("gemma3"), MemoryStore(), chunk_tokens=16)
+    full = rc.query("Which mountain?", docs=[DOC], algorithm="full", max_new_tokens=12)
+    ref = tiny.make("gemma3")
+    ids = rc.link("Which mountain?", [DOC], algorithm="full").token_ids
+    with torch.inference_mode():
+        expected = ref.model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
+                                      pad_token_id=0)[0, ids.numel():]
+    assert full.token_ids == expected.tolist()[: len(full.token_ids)]

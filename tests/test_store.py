@@ -1,0 +1,621 @@
+"""The document KV store without Redis: memory and disk tiers, tiering and fault handling, integrity, crash safety,
+eviction, concurrency, a full disk, the operator CLI. Redis has its own module (test_store_redis.py)."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ragcache.errors import CorruptEntry, StoreError
+from ragcache.store import open_store
+from ragcache.store import disk as disk_module
+from ragcache.store.base import Store, TierUnavailable
+from ragcache.store.cli import layout_lead_ids, store_app
+from ragcache.store.disk import DiskStore
+from ragcache.store.entry import ChunkKV, decode, encode
+from ragcache.store.keys import chunk_key
+from ragcache.store.memory import MemoryStore
+from ragcache.store.tiered import TieredStore
+
+DOCS = [
+    "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall. Rivers flow to the sea.",
+    "Mount Everest is the highest mountain on Earth. It lies in the Himalayas! Rain falls on hills.",
+]
+QUESTION = "Which mountain is the highest?"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+# -- helpers shared with test_store_redis.py ------------------------------------------------------------------
+def make_entry(seed: int = 0, layers: int = 30, heads: int = 3, tokens: int = 128, head_dim: int = 64,
+               dtype: torch.dtype = torch.float32) -> tuple[str, ChunkKV]:
+    """A (key, entry) shaped like a compiled chunk of the default model (SmolLM2-135M: 30 layers, 3 KV heads, 64)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 49152, (tokens,), generator=g, dtype=torch.int32)
+    keys = torch.randn(layers, heads, tokens, head_dim, generator=g).to(dtype)
+    values = torch.randn(layers, heads, tokens, head_dim, generator=g).to(dtype)
+    dtype_name = str(dtype).removeprefix("torch.")
+    meta = {"model": "f" * 64, "tokenizer": "e" * 64, "dtype": dtype_name, "layout": "bos:1:", "model_name": "test-model"}
+    return chunk_key("f" * 64, "e" * 64, dtype_name, "bos:1:", ids.tolist()), ChunkKV(ids, keys, values, meta)
+
+
+def same_bits(a: ChunkKV, b: ChunkKV) -> bool:
+    def bits(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous().view(torch.uint8)
+
+    return (a.keys.dtype == b.keys.dtype and a.keys.shape == b.keys.shape and a.token_ids.dtype == b.token_ids.dtype
+            and torch.equal(bits(a.token_ids), bits(b.token_ids)) and torch.equal(bits(a.keys), bits(b.keys))
+            and torch.equal(bits(a.values), bits(b.values)))
+
+
+def processes():
+    """Child processes forked from a server that has imported torch and the store once (a spawned interpreter would
+    take seconds to import them per process) but has run no torch op (so no thread pool is forked)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.test_store"])
+    return ctx
+
+
+HOT = "hot" * 21 + "h"
+
+
+def _writer(url: str, base: int, count: int, ready) -> None:
+    """Puts in a loop until killed: entry i is make_entry(base + i); HOT is overwritten with two versions in turn."""
+    store = open_store(url)
+    entries = [make_entry(base + i) for i in range(count)]
+    hot = [make_entry(10_000)[1], make_entry(10_001)[1]]
+    ready.set()
+    for rnd in range(1000):
+        for i, (key, entry) in enumerate(entries):
+            store.put_many({key: entry, HOT: hot[(rnd + i) % 2]})
+
+
+def run_killed_writer(url: str, base: int, count: int, delay_s: float) -> None:
+    """Start a writer, let it write for delay_s, SIGKILL it."""
+    ctx = processes()
+    ready = ctx.Event()
+    proc = ctx.Process(target=_writer, args=(url, base, count, ready), daemon=True)
+    proc.start()
+    try:
+        assert ready.wait(120), "the writer did not start"
+        time.sleep(delay_s)
+    finally:
+        proc.kill()
+        proc.join(30)
+    assert proc.exitcode == -signal.SIGKILL
+
+
+def check_after_crash(store: Store, base: int, count: int) -> int:
+    """Every entry the store returns is exactly one that was written; returns how many were there."""
+    expected = dict(make_entry(base + i) for i in range(count))
+    keys = list(expected) + [HOT]
+    got = store.get_many(keys)  # must not raise
+    found = 0
+    for key, entry in zip(keys, got):
+        if entry is None:
+            continue
+        found += 1
+        if key == HOT:
+            assert same_bits(entry, make_entry(10_000)[1]) or same_bits(entry, make_entry(10_001)[1])
+        else:
+            assert same_bits(entry, expected[key])
+    return found
+
+
+@pytest.fixture(scope="module")
+def tiny_lm():
+    from tests.tiny import make
+
+    return make("llama")
+
+
+def engine(lm, store, chunk_tokens: int = 16):
+    from ragcache.engine import RagCache
+
+    return RagCache(lm, store, chunk_tokens=chunk_tokens)
+
+
+def entry_files(root: Path) -> list[Path]:
+    return sorted((root / "entries").glob("*/*.kv"))
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "ragcache.store" and r.levelno >= logging.WARNING]
+
+
+# -- entries and their byte format --------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def test_encode_decode_is_bit_identical(dtype):
+    key, entry = make_entry(1, tokens=64, dtype=dtype)
+    back = decode(key, encode(key, entry))
+    assert same_bits(back, entry) and back.meta == entry.meta
+
+
+def test_decode_rejects_every_kind_of_damage():
+    key, entry = make_entry(2, layers=2, tokens=8)
+    blob = encode(key, entry)
+    damaged = {
+        "empty": b"",
+        "truncated": blob[: len(blob) // 2],
+        "header only": blob[:40],
+        "bad magic": b"XXXXXXXX" + blob[8:],
+        "flipped payload": blob[:-5] + bytes([blob[-5] ^ 0xFF]) + blob[-4:],
+        "flipped digest": blob[:10] + bytes([blob[10] ^ 1]) + blob[11:],
+        "garbage": os.urandom(len(blob)),
+    }
+    for name, bad in damaged.items():
+        with pytest.raises(CorruptEntry):
+            decode(key, bad)
+    with pytest.raises(CorruptEntry, match="foreign"):
+        decode("0" * 64, blob)
+
+
+def test_decode_rejects_a_well_formed_blob_of_another_kind():
+    """A valid checksum over safetensors that are not an entry (missing tensors, wrong ranks) is corrupt, not a crash."""
+    import hashlib
+
+    from safetensors.torch import save
+
+    from ragcache.store.entry import MAGIC
+
+    for tensors in ({"keys": torch.zeros(2)},
+                    {"token_ids": torch.zeros(3, dtype=torch.int32), "keys": torch.zeros(3), "values": torch.zeros(3)}):
+        payload = save(tensors, metadata={"key": "k"})
+        with pytest.raises(CorruptEntry):
+            decode("k", MAGIC + hashlib.sha256(payload).digest() + payload)
+
+
+# -- round trips ------------------------------------------------------------------------------------------------------
+def local_stores(tmp_path: Path) -> dict[str, Store]:
+    return {"memory": MemoryStore(), "disk": DiskStore(tmp_path / "disk"),
+            "memory+disk": open_store(f"memory+disk:{tmp_path / 'tiered'}")}
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "memory+disk"])
+def test_round_trip_is_bit_identical(tmp_path, tier):
+    store = local_stores(tmp_path)[tier]
+    items = dict(make_entry(seed, dtype=dtype) for seed, dtype in enumerate(DTYPES))
+    items.update([make_entry(9, layers=2, tokens=1), make_entry(10, tokens=512, layers=4)])
+    store.put_many(items)
+    keys = list(items) + ["0" * 64]
+    got = store.get_many(keys)
+    assert got[-1] is None
+    for key, entry in zip(keys, got):
+        if key in items:
+            assert same_bits(entry, items[key]) and entry.meta == items[key].meta
+    assert store.contains_many(keys) == [True] * len(items) + [False]
+    assert set(store.keys()) == set(items)
+    info = store.describe_many(keys[:1])[0]
+    assert info["tokens"] == 128 and info["shape"] == [30, 3, 128, 64] and info["meta"]["model_name"] == "test-model"
+    assert store.delete(keys[0]) and not store.delete(keys[0]) and store.get(keys[0]) is None
+    stats = store.stats()
+    assert stats["hits"] == len(items) and stats["misses"] == 2 and stats["bytes_written"] > 0
+    assert stats["bytes_read"] > 0 and stats["get_seconds"] > 0 and stats["put_seconds"] > 0
+
+
+@pytest.mark.parametrize("tier", ["memory", "disk", "memory+disk"])
+def test_records(tmp_path, tier):
+    store = local_stores(tmp_path)[tier]
+    store.put_record("doc/abc", {"id": "abc", "text": "héllo", "meta": {"n": 1}})
+    store.put_record("chunks/abc/0123-16", {"chunks": [[1, 2], [3]], "tokens": 3})
+    got = store.get_record("doc/abc")
+    assert got == {"id": "abc", "text": "héllo", "meta": {"n": 1}}
+    got["text"] = "changed by the caller"
+    assert store.get_record("doc/abc")["text"] == "héllo"
+    assert store.record_names() == ["chunks/abc/0123-16", "doc/abc"]
+    assert store.record_names("doc/") == ["doc/abc"]
+    assert store.delete_record("doc/abc") and not store.delete_record("doc/abc")
+    assert store.get_record("doc/abc") is None
+
+
+def test_engine_entries_survive_a_restart_bit_identical(tmp_path, tiny_lm):
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
+    ids = rc.compile(DOCS)
+    before = rc.query(QUESTION, ids, max_new_tokens=6)
+    keys = list(rc.store.keys())
+    original = rc.store.get_many(keys)
+    again = engine(tiny_lm, open_store(f"memory+disk:{tmp_path}"))
+    assert all(same_bits(a, b) for a, b in zip(original, again.store.get_many(keys)))
+    after = again.query(QUESTION, ids, max_new_tokens=6)
+    assert after.token_ids == before.token_ids and after.stats.compiled_chunks == 0 and after.stats.store_hits > 0
+
+
+# -- tiering ------------------------------------------------------------------------------------------------------------
+def test_tiered_reads_fill_the_faster_tiers(tmp_path):
+    memory, disk = MemoryStore(), DiskStore(tmp_path)
+    store = TieredStore([memory, disk])
+    key, entry = make_entry(3)
+    disk.put(key, entry)
+    assert not memory.contains_many([key])[0]
+    assert same_bits(store.get(key), entry)
+    assert memory.contains_many([key]) == [True]
+    disk.delete(key)
+    assert same_bits(store.get(key), entry)  # now served by memory
+    store.put_record("doc/x", {"a": 1})
+    assert memory.get_record("doc/x") == disk.get_record("doc/x") == {"a": 1}
+    disk.put_record("doc/y", {"b": 2})
+    assert store.get_record("doc/y") == {"b": 2} and memory.get_record("doc/y") == {"b": 2}
+    assert store.record_names() == ["doc/x", "doc/y"]
+    stats = store.stats()
+    assert [t["tier"] for t in stats["tiers"]] == ["memory", "disk"] and stats["hits"] == 2
+
+
+class Flaky(MemoryStore):
+    """A memory tier that can be switched off, like a server going away."""
+
+    name = "flaky"
+
+    def __init__(self):
+        super().__init__()
+        self.broken = False
+        self.calls = 0
+
+    def _check(self):
+        self.calls += 1
+        if self.broken:
+            raise TierUnavailable("flaky tier: connection refused")
+
+    def get_many(self, keys):
+        self._check()
+        return super().get_many(keys)
+
+    def put_many(self, items):
+        self._check()
+        return super().put_many(items)
+
+    def get_record(self, name):
+        self._check()
+        return super().get_record(name)
+
+
+def test_a_failing_tier_is_skipped_with_one_warning_and_comes_back(tmp_path, caplog):
+    now = [0.0]
+    flaky, disk = Flaky(), DiskStore(tmp_path)
+    store = TieredStore([MemoryStore(), flaky, disk], retry_after=5.0, clock=lambda: now[0])
+    items = dict(make_entry(s, layers=2) for s in range(3))
+    store.put_many(items)
+    store.tiers[0] = MemoryStore()  # empty the fastest tier: reads must reach the others
+    flaky.broken = True
+    caplog.set_level(logging.WARNING, "ragcache.store")
+    for _ in range(3):
+        got = store.get_many(list(items))
+        assert all(same_bits(g, items[k]) for g, k in zip(got, items))  # answered by disk
+        store.tiers[0] = MemoryStore()
+    assert len(warnings_of(caplog)) == 1 and "flaky is down" in warnings_of(caplog)[0]
+    calls = flaky.calls
+    store.get_many(list(items))
+    assert flaky.calls == calls  # skipped during the backoff
+    store.put_many(dict([make_entry(7, layers=2)]))  # writes go on without it
+    flaky.broken = False
+    now[0] += 5.1
+    store.tiers[0] = MemoryStore()
+    store.get_many(list(items))
+    assert flaky.calls == calls + 1 and store.up() == [True, True, True]
+    assert warnings_of(caplog)[-1] == "store tier flaky is back" and len(warnings_of(caplog)) == 2
+
+
+def test_backoff_doubles_while_the_tier_stays_down():
+    now = [0.0]
+    flaky = Flaky()
+    flaky.broken = True
+    store = TieredStore([flaky, MemoryStore()], retry_after=1.0, max_retry_after=4.0, clock=lambda: now[0])
+    store.get_many(["a"])
+    for expected in (2.0, 4.0, 4.0):
+        now[0] = store.states[0].retry_at
+        store.get_many(["a"])
+        assert store.states[0].backoff == expected
+
+
+def test_a_write_no_tier_takes_fails_with_store_error():
+    a, b = Flaky(), Flaky()
+    a.broken = b.broken = True
+    store = TieredStore([a, b])
+    with pytest.raises(StoreError, match="no store tier could store"):
+        store.put_many(dict([make_entry(1, layers=2)]))
+
+
+# -- integrity ------------------------------------------------------------------------------------------------------
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset % len(data)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flip magic": lambda p: _flip(p, 0),
+    "flip digest": lambda p: _flip(p, 20),
+    "flip header": lambda p: _flip(p, 60),
+    "flip tensor": lambda p: _flip(p, p.stat().st_size // 2),
+    "flip last byte": lambda p: _flip(p, -1),
+    "truncate": lambda p: p.write_bytes(p.read_bytes()[: p.stat().st_size // 3]),
+    "empty": lambda p: p.write_bytes(b""),
+    "garbage": lambda p: p.write_bytes(os.urandom(4096)),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+@pytest.mark.parametrize("tiers", ["disk", "memory+disk"])
+def test_a_damaged_disk_entry_is_a_logged_miss_and_removed(tmp_path, caplog, damage, tiers):
+    store = open_store(f"{'memory+' if tiers != 'disk' else ''}disk:{tmp_path}")
+    disk = store.tiers[-1] if isinstance(store, TieredStore) else store
+    (key, entry), (other, fine) = make_entry(4, layers=4), make_entry(5, layers=4)
+    disk.put_many({key: entry, other: fine})
+    path = disk._path(key)
+    DAMAGE[damage](path)
+    problems = disk.check_many([key, other])
+    assert problems[0] not in (None, "missing") and problems[1] is None
+    assert path.exists()  # checking alone deletes nothing
+    caplog.set_level(logging.WARNING, "ragcache.store")
+    got = store.get_many([key, other])
+    assert got[0] is None and same_bits(got[1], fine)
+    assert not path.exists() and disk.metrics.corrupt == 1
+    assert len(warnings_of(caplog)) == 1 and key[:12] in warnings_of(caplog)[0]
+    assert store.get(key) is None and len(warnings_of(caplog)) == 1  # gone: a plain miss now
+
+
+def test_a_foreign_entry_is_a_miss(tmp_path):
+    disk = DiskStore(tmp_path)
+    (key, entry), (other, _) = make_entry(6, layers=2), make_entry(7, layers=2)
+    disk.put(key, entry)
+    disk._path(other).parent.mkdir(exist_ok=True)
+    disk._path(other).write_bytes(disk._path(key).read_bytes())  # the bytes of key under the name of other
+    assert disk.get(other) is None and disk.metrics.corrupt == 1 and same_bits(disk.get(key), entry)
+
+
+def test_memory_tier_reports_inconsistent_entries():
+    store = MemoryStore()
+    key, entry = make_entry(8, layers=2)
+    store.put(key, entry)
+    store.put("bad", ChunkKV(entry.token_ids[:3], entry.keys, entry.values, {}))
+    problems = store.check_many([key, "bad", "none"])
+    assert problems[0] is None and "tokens" in problems[1] and problems[2] == "missing"
+
+
+def test_damaged_entries_are_recompiled_and_the_answer_is_unchanged(tmp_path, tiny_lm):
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
+    ids = rc.compile(DOCS)
+    before = rc.query(QUESTION, ids, max_new_tokens=6)
+    files = entry_files(tmp_path)
+    assert files
+    for i, path in enumerate(files):
+        _flip(path, path.stat().st_size // 2 + i)
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))  # a fresh engine: nothing cached in process
+    after = rc.query(QUESTION, ids, max_new_tokens=6)
+    assert after.stats.store_misses > 0 and after.stats.compiled_chunks > 0
+    assert after.token_ids == before.token_ids and after.text == before.text
+    again = rc.query(QUESTION, ids, max_new_tokens=6)
+    assert again.stats.compiled_chunks == 0 and again.token_ids == before.token_ids
+
+
+# -- crash safety, concurrency, restart --------------------------------------------------------------------------
+def test_a_writer_killed_mid_write_leaves_old_or_new_entries(tmp_path):
+    url = f"disk:{tmp_path}"
+    for attempt, delay in enumerate((0.05, 0.2, 0.45)):
+        run_killed_writer(url, base=100, count=6, delay_s=delay)
+        store = DiskStore(tmp_path)
+        check_after_crash(store, base=100, count=6)
+        assert all(problem is None for problem in store.check_many(list(store.keys())))
+    leftovers = list((tmp_path / "entries").glob("*/.*.tmp"))
+    report = DiskStore(tmp_path).gc(tmp_age_s=0)
+    assert report["tmp_files_removed"] == len(leftovers)
+    assert not list((tmp_path / "entries").glob("*/.*.tmp"))
+
+
+def _concurrent_writer(root: str, seeds: list[int]) -> None:
+    store = DiskStore(root)
+    for seed in seeds:
+        key, entry = make_entry(seed, layers=4)
+        store.put_many({key: entry})
+        store.put_record(f"doc/{seed}", {"seed": seed})
+        assert store.get(key) is not None
+
+
+def test_two_processes_write_one_directory(tmp_path):
+    ctx = processes()
+    seeds = [list(range(0, 16)), list(range(8, 24))]  # overlapping keys
+    procs = [ctx.Process(target=_concurrent_writer, args=(str(tmp_path), s)) for s in seeds]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=120)
+    assert [p.exitcode for p in procs] == [0, 0]
+    store = DiskStore(tmp_path)
+    expected = dict(make_entry(s, layers=4) for s in range(24))
+    assert all(same_bits(e, expected[k]) for k, e in zip(expected, store.get_many(list(expected))))
+    assert store.stats()["entries"] == 24 and len(store.record_names("doc/")) == 24
+    assert not list(tmp_path.glob("**/.*.tmp"))
+
+
+def test_restart_keeps_the_index_and_a_lost_index_is_rebuilt(tmp_path):
+    store = DiskStore(tmp_path)
+    items = dict(make_entry(s, layers=2) for s in range(5))
+    store.put_many(items)
+    size = store.stats()["bytes"]
+    assert DiskStore(tmp_path).stats()["entries"] == 5
+    for damage in ("delete", "garbage"):
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{tmp_path}/index.sqlite{suffix}").unlink(missing_ok=True)
+        if damage == "garbage":
+            (tmp_path / "index.sqlite").write_bytes(b"this is not a database" * 100)
+        again = DiskStore(tmp_path)
+        assert again.stats()["entries"] == 5 and again.stats()["bytes"] == size
+        assert all(same_bits(e, items[k]) for k, e in zip(items, again.get_many(list(items))))
+
+
+def test_gc_reconciles_the_index_with_the_files(tmp_path):
+    store = DiskStore(tmp_path)
+    items = dict(make_entry(s, layers=2) for s in range(4))
+    store.put_many(items)
+    first = next(iter(items))
+    store._path(first).unlink()  # a file gone behind the index's back
+    store._db().execute("DELETE FROM entries WHERE key = ?", (list(items)[1],))  # a file the index lacks
+    report = store.gc()
+    assert report["index_rows_dropped"] == 1 and report["index_rows_added"] == 1
+    assert store.stats()["entries"] == 3
+
+
+# -- eviction ---------------------------------------------------------------------------------------------------------
+def test_memory_tier_evicts_least_recently_used():
+    items = [make_entry(s, layers=2) for s in range(5)]
+    size = items[0][1].nbytes
+    store = MemoryStore(budget_bytes=3 * size)
+    for key, entry in items[:3]:
+        store.put(key, entry)
+    store.get(items[0][0])  # keep the oldest in use
+    store.put_many(dict(items[3:]))
+    assert store.contains_many([k for k, _ in items]) == [True, False, False, True, True]
+    assert store.stats()["bytes"] <= 3 * size
+    store.put_many(dict([make_entry(99, layers=8)]))  # bigger than the whole budget: not kept, nothing lost
+    assert store.stats()["entries"] == 3
+
+
+def test_disk_tier_evicts_least_recently_used(tmp_path):
+    items = [make_entry(s, layers=2) for s in range(5)]
+    size = len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=3 * size)
+    for key, entry in items[:3]:
+        store.put(key, entry)
+        time.sleep(0.01)
+    store.get(items[0][0])
+    for key, entry in items[3:]:
+        store.put(key, entry)
+        time.sleep(0.01)
+    assert store.contains_many([k for k, _ in items]) == [True, False, False, True, True]
+    assert store.stats()["bytes"] <= 3 * size and len(entry_files(tmp_path)) == 3
+
+
+# -- a full disk ------------------------------------------------------------------------------------------------------
+class _FullDisk:
+    """open() for the disk tier: files open, half of what is written lands, then ENOSPC."""
+
+    def __init__(self, real_open):
+        self.real_open = real_open
+
+    def __call__(self, path, mode="r", *args, **kwargs):
+        fh = self.real_open(path, mode, *args, **kwargs)
+        if "w" not in mode:
+            return fh
+        write = fh.write
+
+        def half_then_full(data):
+            write(memoryview(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        fh.write = half_then_full
+        return fh
+
+
+def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
+    store = DiskStore(tmp_path)
+    old = dict(make_entry(s, layers=2) for s in range(2))
+    store.put_many(old)
+    monkeypatch.setattr(disk_module, "open", _FullDisk(open), raising=False)
+    key, entry = make_entry(50, layers=2)
+    with pytest.raises(StoreError, match="disk full"):
+        store.put_many({key: entry})
+    assert not store._path(key).exists() and not list(tmp_path.glob("**/*.tmp"))
+    assert store.get(key) is None and store.stats()["entries"] == 2
+    assert all(same_bits(e, old[k]) for k, e in zip(old, store.get_many(list(old))))
+    # tiered: memory takes the write, one warning about the disk; with no tier able to take it, StoreError
+    caplog.set_level(logging.WARNING, "ragcache.store")
+    tiered = TieredStore([MemoryStore(), store])
+    tiered.put_many({key: entry})
+    tiered.put_many(dict([make_entry(51, layers=2)]))
+    assert same_bits(tiered.get(key), entry) and not store._path(key).exists()
+    assert len(warnings_of(caplog)) == 1 and "refused a write" in warnings_of(caplog)[0]
+    assert same_bits(tiered.get_many(list(old))[0], old[next(iter(old))])  # reads from the full disk go on
+    with pytest.raises(StoreError, match="no store tier could store"):
+        TieredStore([store, DiskStore(tmp_path / "second")]).put_many({key: entry})
+    monkeypatch.undo()
+    tiered.put_many({key: entry})
+    assert store._path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
+
+
+# -- open_store and the CLI ---------------------------------------------------------------------------------------------
+def test_open_store_urls(tmp_path):
+    assert isinstance(open_store("memory:"), MemoryStore)
+    assert isinstance(open_store(f"disk:{tmp_path}/a"), DiskStore)
+    tiered = open_store(f"memory+disk:{tmp_path}/b")
+    assert isinstance(tiered, TieredStore) and tiered.name == "memory+disk"
+    with pytest.raises(StoreError, match="unknown store"):
+        open_store("s3://bucket")
+
+
+def test_layout_tags_parse_like_the_compiler_writes_them(tiny_lm):
+    from ragcache.compiler import PLAIN, default_layout, sink_layout
+
+    for layout in (PLAIN, default_layout(tiny_lm.tokenizer), sink_layout(tiny_lm.tokenizer)):
+        assert layout_lead_ids(layout.tag) == list(layout.lead_ids)
+
+
+def _cli(*args: str):
+    return CliRunner().invoke(store_app, list(args))
+
+
+def test_cli_stats_ls_verify_gc(tmp_path, tiny_lm):
+    url = f"disk:{tmp_path}"
+    rc = engine(tiny_lm, open_store(url))
+    ids = rc.compile(DOCS)
+    result = _cli("stats", "--store", url)
+    assert result.exit_code == 0, result.output
+    assert "tiny-llama" in result.output and "2 documents" in result.output
+    result = _cli("stats", "--store", url, "--json")
+    assert result.exit_code == 0 and '"documents": 2' in result.output
+    result = _cli("ls", "--store", url, "--limit", "1")
+    assert result.exit_code == 0 and "1 entries shown" in result.output and "tiny-llama" in result.output
+    assert _cli("verify", "--store", url).exit_code == 0
+    files = entry_files(tmp_path)
+    _flip(files[0], files[0].stat().st_size // 2)
+    result = _cli("verify", "--store", url)
+    assert result.exit_code == 1 and "checksum mismatch" in result.output and files[0].exists()
+    result = _cli("verify", "--store", url, "--fix")
+    assert result.exit_code == 0 and not files[0].exists()
+    assert _cli("verify", "--store", url).exit_code == 0
+    (files[1].parent / f".{files[1].stem}.123.abcd.tmp").write_bytes(b"partial")
+    result = _cli("gc", "--store", url, "--tmp-age", "0", "--json")
+    assert result.exit_code == 0 and '"tmp_files_removed": 1' in result.output
+    assert _cli("stats", "--store", f"disk:{tmp_path}/nothing-here").exit_code == 1
+    assert ids
+
+
+def test_cli_rm_removes_a_document_and_its_entries(tmp_path, tiny_lm, monkeypatch):
+    url = f"disk:{tmp_path}"
+    rc = engine(tiny_lm, open_store(url))
+    ids = rc.compile(DOCS)
+    rc.query(QUESTION, ids[:1], max_new_tokens=2, algorithm="legolink0")  # entries of a second layout
+    store = open_store(url)
+    keep = set(rc.store.keys())
+    gone_keys = {rc.compiler.key(c, layout) for c in rc._chunks(ids[0]) for layout in rc.layouts.values()}
+    monkeypatch.setenv("RAGCACHE_STORE", url)
+    result = _cli("rm", ids[0])
+    assert result.exit_code == 0, result.output
+    assert store.record_names() == sorted([f"doc/{ids[1]}", *store.record_names(f"chunks/{ids[1]}/")])
+    assert set(store.keys()) == keep - gone_keys and store.get_record(f"doc/{ids[0]}") is None
+    one = sorted(store.keys())[0]
+    assert _cli("rm", one[:10]).exit_code == 0 and one not in set(store.keys())
+    assert _cli("rm", "not-hex").exit_code == 2
+    assert _cli("rm", "ab" * 16).exit_code == 1
+    # the engine copes: the removed document compiles again from its text
+    answer = engine(tiny_lm, open_store(url)).query(QUESTION, [DOCS[0]], max_new_tokens=2)
+    assert answer.stats.compiled_chunks > 0
+
+
+def test_cli_gc_unreferenced(tmp_path, tiny_lm):
+    url = f"disk:{tmp_path}"
+    rc = engine(tiny_lm, open_store(url))
+    ids = rc.compile(DOCS)
+    chunk_keys = set(rc.store.keys())
+    rc.query(QUESTION, ids, max_new_tokens=2, system="Answer briefly.")  # adds a system-prefix entry
+    stray_key, stray = make_entry(77, layers=2)
+    rc.store.put(stray_key, stray)
+    result = _cli("gc", "--store", url, "--unreferenced", "--json")
+    assert result.exit_code == 0, result.output
+    assert set(open_store(url).keys()) == chunk_keys
