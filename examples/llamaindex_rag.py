@@ -100,12 +100,14 @@ def print_table(console: Console, rows: list[dict], names: list[str], model: str
                           f"{r['ttft_s'] * 1000:.0f}", str(r["recomputed_tokens"]), str(r["cached_tokens"]),
                           end_section=i == len(names) - 1)
     console.print(table)
+    if not rows:
+        return
     for name in names:
         got = [row[name] for row in rows]
         console.print(f"{name}: {sum(r['correct'] for r in got)}/{len(got)} answers contain the expected answer, "
                       f"mean TTFT {mean(r['ttft_s'] for r in got) * 1000:.0f} ms, "
                       f"{sum(r['retrieved'] for r in got)}/{len(got)} retrievals found the right document")
-    if len(names) == 2 and rows:
+    if len(names) == 2:
         fast, slow = (mean(row[name]["ttft_s"] for row in rows) for name in names)
         console.print(f"mean TTFT, {names[1]} / {names[0]}: {slow / fast:.2f}x")
 

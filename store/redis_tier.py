@@ -415,16 +415,16 @@ def _info(client, section: str, nodes: dict) -> dict:
 
 def _take_options(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]]:
     """Remove ragcache's own query options from a Redis URL (redis-py would reject them)."""
-    parts = urlsplit(url)
-    query = parse_qsl(parts.query, keep_blank_values=True)
+    base, _, query_text = url.partition("?")  # not urlunsplit: it would turn unix:///path into unix:/path
+    query = parse_qsl(query_text, keep_blank_values=True)
     ours = {k: v for k, v in query if k in names}
     rest = [(k, v) for k, v in query if k not in names]
-    return urlunsplit(parts._replace(query=urlencode(rest))), ours
+    return base + (f"?{urlencode(rest)}" if rest else ""), ours
 
 
 def _redact(url: str) -> str:
     parts = urlsplit(url)
-    if parts.password is None:
+    if parts.password is None or not parts.hostname:
         return url
     user = parts.username or ""
     host = parts.hostname or ""

@@ -1,0 +1,508 @@
+"""The REST API against real components: a real uvicorn server on a loopback port, the built-in SmolLM2-135M,
+a disk store in a temp folder, httpx and the official openai client as clients."""
+
+from __future__ import annotations
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
+
+from ragcache.api.app import create_app
+from ragcache.engine import RagCache
+from ragcache.linker import ALGORITHMS
+from ragcache.settings import Settings
+from ragcache.store import open_store
+from ragcache.store.keys import document_id
+
+pytestmark = pytest.mark.real_model
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC_FILES = [ROOT / "examples" / "data" / "docs" / f"{name}.txt" for name in ("lighthouse", "bridge", "orchard")]
+QUESTION = "How tall is the Harrow Point lighthouse?"
+MAX_TOKENS = 3  # keep generation short: every test runs on two CPU cores
+
+
+def settings(**overrides) -> Settings:
+    """Defaults only (no RAGCACHE_* environment or ragcache.toml of the machine running the tests)."""
+    return Settings.model_construct(**overrides)
+
+
+class Server:
+    """A real uvicorn server in a background thread, on a free 127.0.0.1 port."""
+
+    def __init__(self, app):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> "Server":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+@contextmanager
+def serve(rc: RagCache, **overrides):
+    with Server(create_app(rc, settings(**overrides))) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def rc(smollm2, tmp_path_factory):
+    return RagCache(smollm2, open_store(f"disk:{tmp_path_factory.mktemp('api-store')}"))
+
+
+@pytest.fixture(scope="module")
+def server(rc):
+    with serve(rc) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=300) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def doc_ids(http):
+    docs = [{"text": p.read_text(), "metadata": {"source": p.name}} for p in DOC_FILES]
+    r = http.post("/v1/documents", json={"documents": docs})
+    assert r.status_code == 201, r.text
+    return r.json()["ids"]
+
+
+GREEDY: dict[str, str] = {}
+
+
+def ask(http, doc_ids, algorithm: str = "legolink", **extra) -> httpx.Response:
+    body = {"question": QUESTION, "documents": doc_ids[:2], "algorithm": algorithm, "max_tokens": MAX_TOKENS, **extra}
+    return http.post("/v1/query", json=body)
+
+
+def greedy(http, doc_ids, algorithm: str = "legolink") -> str:
+    if algorithm not in GREEDY:
+        r = ask(http, doc_ids, algorithm)
+        assert r.status_code == 200, r.text
+        GREEDY[algorithm] = r.json()["answer"]
+    return GREEDY[algorithm]
+
+
+def sse_events(response: httpx.Response) -> list:
+    """The `data:` payloads of a server-sent event stream; "[DONE]" stays a string."""
+    out = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def error_of(r: httpx.Response, status: int, *fragments: str) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    error = r.json()["error"]
+    assert error["type"] and error["message"], error
+    for fragment in fragments:
+        assert fragment.lower() in error["message"].lower(), (fragment, error)
+    return error
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """Sum of the samples of `name` whose labels contain `labels`, from Prometheus text."""
+    total = 0.0
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, value = line.rsplit(" ", 1)
+            sample, _, label_part = key.partition("{")
+            if sample == name and labels in label_part:
+                total += float(value)
+    return total
+
+
+# -- operations -------------------------------------------------------------------------------------------
+def test_health_models_openapi(http, rc):
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == "smollm2-135m"
+    assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+    paths = http.get("/openapi.json").json()["paths"]
+    assert {"/v1/query", "/v1/documents", "/v1/chat/completions", "/v1/completions"} <= set(paths)
+
+
+def test_health_503_when_store_down(http, rc, monkeypatch):
+    monkeypatch.setattr(rc.store, "ping", lambda: False)
+    error_of(http.get("/health"), 503, "store")
+    monkeypatch.undo()
+    assert http.get("/health").status_code == 200
+
+
+# -- documents --------------------------------------------------------------------------------------------
+def test_documents_upload_get_list_delete(http, doc_ids):
+    texts = [p.read_text() for p in DOC_FILES]
+    assert doc_ids == [document_id(t) for t in texts]
+    doc = http.get(f"/v1/documents/{doc_ids[0]}").json()
+    assert doc["text"] == texts[0] and doc["metadata"] == {"source": "lighthouse.txt"}
+    assert doc["chunks"] >= 1 and doc["tokens"] > 10 and doc["chars"] == len(texts[0])
+
+    again = http.post("/v1/documents", json={"text": texts[0]})  # single-document shape; already compiled
+    assert again.status_code == 201 and again.json()["ids"] == doc_ids[:1]
+    assert again.json()["stats"]["compiled_chunks"] == 0 and again.json()["stats"]["skipped"] == 1
+
+    page = http.get("/v1/documents", params={"limit": 2}).json()
+    assert page["total"] >= 3 and len(page["data"]) == 2 and page["limit"] == 2
+    rest = http.get("/v1/documents", params={"offset": 2, "limit": 1000}).json()["data"]
+    listed = [d["id"] for d in page["data"] + rest]
+    assert listed == sorted(listed) and set(doc_ids) <= set(listed)
+    assert http.get("/v1/documents", params={"offset": 10**6}).json()["data"] == []
+
+    temp = http.post("/v1/documents", json={"text": f"A short note {uuid.uuid4()}.", "metadata": {"k": [1, 2]}})
+    temp_id = temp.json()["ids"][0]
+    assert temp.json()["documents"][0]["compiled_chunks"] == 1
+    assert http.delete(f"/v1/documents/{temp_id}").json() == {"id": temp_id, "deleted": True}
+    assert error_of(http.get(f"/v1/documents/{temp_id}"), 404, temp_id)["ids"] == [temp_id]
+    error_of(http.delete(f"/v1/documents/{temp_id}"), 404, temp_id)
+
+
+# -- query ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_query_each_algorithm(http, doc_ids, algorithm):
+    r = ask(http, doc_ids, algorithm)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    GREEDY[algorithm] = body["answer"]
+    usage, timings = body["usage"], body["timings"]
+    assert body["algorithm"] == algorithm and body["finish_reason"] in ("stop", "length")
+    assert isinstance(body["answer"], str) and 0 < usage["completion_tokens"] <= MAX_TOKENS
+    assert 0 <= usage["cached_tokens"] <= usage["prompt_tokens"] and usage["recomputed_tokens"] <= usage["prompt_tokens"]
+    if algorithm == "full":
+        assert usage["cached_tokens"] == 0 and usage["recomputed_tokens"] == usage["prompt_tokens"]
+    if algorithm in ("naive", "legolink", "legolink0", "cacheblend"):
+        assert usage["cached_tokens"] > 0
+    assert set(timings) >= {"ttft_s", "fetch_s", "rotate_s", "recompute_s", "decode_s", "total_s"}
+    assert 0 < timings["ttft_s"] <= timings["total_s"]
+
+
+def test_sse_stream_matches_greedy_answer(http, doc_ids):
+    expected = greedy(http, doc_ids, "legolink")
+    body = {"question": QUESTION, "documents": doc_ids[:2], "algorithm": "legolink", "max_tokens": MAX_TOKENS,
+            "stream": True}
+    with http.stream("POST", "/v1/query", json=body) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    pieces, final = [e["text"] for e in events[:-2]], events[-2]
+    assert "".join(pieces) == expected == final["answer"]
+    assert final["usage"]["completion_tokens"] <= MAX_TOKENS and final["algorithm"] == "legolink"
+
+
+def test_raw_text_documents_are_compiled_on_the_fly(http):
+    text = f"The Quill Tower clock was made by Ada Strand in {uuid.uuid4().int % 900 + 1100}."
+    r = http.post("/v1/query", json={"question": "Who made the Quill Tower clock?", "documents": [text],
+                                     "algorithm": "naive", "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert http.get(f"/v1/documents/{document_id(text)}").status_code == 200
+
+
+# -- OpenAI compatibility ---------------------------------------------------------------------------------
+def test_openai_client_chat_and_completions(server, http, doc_ids):
+    expected = greedy(http, doc_ids, "legolink")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    model = client.models.list().data[0].id
+    extra = {"documents": doc_ids[:2], "ragcache": {"algorithm": "legolink"}}
+    messages = [{"role": "user", "content": QUESTION}]
+
+    chat = client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, temperature=0,
+                                          extra_body=extra)
+    assert chat.choices[0].message.content == expected and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.prompt_tokens_details.cached_tokens > 0
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+
+    chunks = list(client.chat.completions.create(model=model, messages=messages, max_tokens=MAX_TOKENS, stream=True,
+                                                 stream_options={"include_usage": True}, extra_body=extra))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+
+    completion = client.completions.create(model=model, prompt=QUESTION, max_tokens=MAX_TOKENS, extra_body=extra)
+    assert completion.choices[0].text == expected and completion.usage.completion_tokens <= MAX_TOKENS
+
+
+# -- bad input --------------------------------------------------------------------------------------------
+BAD = [  # (method, path, json body, status, message fragment)
+    ("POST", "/v1/query", {"question": 5}, 422, "question"),
+    ("POST", "/v1/query", {"question": "   "}, 422, "question is empty"),
+    ("POST", "/v1/query", {"question": "x" * 8001}, 413, "at most 8000"),
+    ("POST", "/v1/query", {"question": "q", "documents": [""]}, 422, "empty"),
+    ("POST", "/v1/query", {"question": "q", "documents": ["x" * 200_001]}, 413, "at most 200000"),
+    ("POST", "/v1/query", {"question": "q", "documents": ["d"] * 65}, 413, "at most 64"),
+    ("POST", "/v1/query", {"question": "q", "documents": "abc"}, 422, "documents"),
+    ("POST", "/v1/query", {"question": "q", "algorithm": "magic"}, 422, "legolink"),
+    ("POST", "/v1/query", {"question": "q", "k": -1}, 422, "k"),
+    ("POST", "/v1/query", {"question": "q", "ratio": 1.5}, 422, "ratio"),
+    ("POST", "/v1/query", {"question": "q", "max_tokens": 0}, 422, "max_tokens"),
+    ("POST", "/v1/query", {"question": "q", "max_tokens": 5000}, 422, "at most 1024"),
+    ("POST", "/v1/query", {"question": "q", "temperature": -1}, 422, "temperature"),
+    ("POST", "/v1/query", {"question": "q", "top_p": 0}, 422, "top_p"),
+    ("POST", "/v1/query", {"question": "q", "stop": ["s"] * 17}, 422, "stop"),
+    ("POST", "/v1/query", {"question": "q", "colour": "red"}, 422, "colour"),
+    ("POST", "/v1/documents", {}, 422, "either"),
+    ("POST", "/v1/documents", {"text": "  "}, 422, "empty"),
+    ("POST", "/v1/documents", {"text": "y" * 200_001}, 413, "at most 200000"),
+    ("POST", "/v1/documents", {"documents": [{"text": "a"}] * 65}, 413, "at most 64"),
+    ("POST", "/v1/documents", {"documents": [{"txt": "a"}]}, 422, "text"),
+    ("POST", "/v1/documents", {"text": "a", "metadata": "nope"}, 422, "metadata"),
+    ("GET", "/v1/documents/not-an-id", None, 404, "not-an-id"),
+    ("GET", "/v1/documents?limit=0", None, 422, "limit"),
+    ("DELETE", "/v1/documents/" + "f" * 32, None, 404, "f" * 32),
+    ("POST", "/v1/chat/completions", {"messages": []}, 422, "messages"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "a"},
+                                                   {"role": "assistant", "content": "b"},
+                                                   {"role": "user", "content": "c"}]}, 422, "one user message"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 422, "text content"),
+    ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "q"}]}, 404,
+     "gpt-4o"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "n": 2}, 422, "n=2"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "tools": [{"x": 1}]}, 422,
+     "tools"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                                      "ragcache": {"algorithm": "legolink", "k": -3}}, 422, "k"),
+    ("POST", "/v1/completions", {"prompt": ["a", "b"]}, 422, "one prompt"),
+    ("POST", "/v1/completions", {"prompt": [1, 2, 3]}, 422, "prompt"),
+    ("GET", "/v1/nowhere", None, 404, "not found"),
+    ("PUT", "/v1/query", {}, 405, "not allowed"),
+]
+
+
+@pytest.mark.parametrize("method,path,body,status,fragment", BAD, ids=[f"{m} {p[:40]} {s}" for m, p, _, s, _ in BAD])
+def test_bad_input(http, method, path, body, status, fragment):
+    error_of(http.request(method, path, json=body), status, fragment)
+
+
+def test_malformed_json_and_unknown_ids(http, doc_ids):
+    error_of(http.post("/v1/query", content=b'{"question": "q",', headers={"content-type": "application/json"}),
+             422, "malformed JSON")
+    error_of(http.post("/v1/query", content=b"question=q", headers={"content-type": "text/plain"}), 422, "JSON")
+    unknown = ["0" * 32, "1" * 32]
+    error = error_of(http.post("/v1/query", json={"question": "q", "documents": [doc_ids[0], *unknown]}), 404,
+                     *unknown)
+    assert error["ids"] == unknown and error["type"] == "unknown_document"
+    with http.stream("POST", "/v1/query", json={"question": "q", "documents": unknown, "stream": True}) as r:
+        r.read()
+        error_of(r, 404, unknown[0])  # a stream whose engine call fails says so with a status, not mid-stream
+
+
+def test_prompt_beyond_context_is_413_with_numbers(http):
+    long_text = " ".join(f"w{i % 97}" for i in range(9000))  # ~18k tokens of raw text: tokenized, never compiled
+    r = http.post("/v1/query", json={"question": "q", "documents": [long_text], "algorithm": "full", "max_tokens": 8})
+    error = error_of(r, 413, "context")
+    assert error["type"] == "prompt_too_long" and error["context"] == 8192 and error["max_new_tokens"] == 8
+    assert error["prompt_tokens"] + 8 > 8192
+
+
+# -- concurrency ------------------------------------------------------------------------------------------
+def test_concurrent_queries_and_compiles(server, http, doc_ids):
+    expected = greedy(http, doc_ids, "legolink")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    def native(i):
+        if i % 3 == 0:  # streamed
+            with httpx.stream("POST", f"{server.url}/v1/query", timeout=300, json={
+                    "question": QUESTION, "documents": doc_ids[:2], "max_tokens": MAX_TOKENS, "stream": True}) as r:
+                events = sse_events(r) if r.status_code == 200 else []
+                return r.status_code, "".join(e["text"] for e in events[:-2])
+        r = httpx.post(f"{server.url}/v1/query", timeout=300, json={
+            "question": QUESTION, "documents": doc_ids[:2], "algorithm": "legolink", "max_tokens": MAX_TOKENS})
+        return r.status_code, r.json().get("answer")
+
+    def chat(i):
+        out = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": QUESTION}],
+                                             max_tokens=MAX_TOKENS, extra_body={"documents": doc_ids[:2]})
+        return 200, out.choices[0].message.content
+
+    def compile_(i):
+        r = httpx.post(f"{server.url}/v1/documents", timeout=300,
+                       json={"documents": [{"text": f"Note {i}: the ferry leaves at {i} o'clock. {uuid.uuid4()}"}]})
+        return r.status_code, None
+
+    jobs = [native] * 8 + [chat] * 2 + [compile_] * 6
+    started = time.monotonic()
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = [pool.submit(job, i) for i, job in enumerate(jobs)]
+        time.sleep(1.0)
+        ping = time.monotonic()
+        assert http.get("/health").status_code == 200
+        health_s = time.monotonic() - ping
+        results = [f.result(timeout=600) for f in futures]
+    assert time.monotonic() - started < 600
+    assert all(status in (200, 201) for status, _ in results), results
+    answers = [answer for (status, answer), job in zip(results, jobs) if job is not compile_]
+    assert answers == [expected] * len(answers)
+    assert health_s < 10, "the event loop was blocked by model work"
+    metrics = http.get("/metrics").text
+    assert metric(metrics, "ragcache_queue_depth") == 0
+    assert metric(metrics, "ragcache_http_requests_total", 'status="5') == 0
+
+
+# -- queue bound, disconnects, auth -----------------------------------------------------------------------
+def wait_idle(url: str, cancelled_at_least: int, seconds: float = 60) -> str:
+    deadline = time.monotonic() + seconds
+    while True:
+        text = httpx.get(f"{url}/metrics").text
+        if metric(text, "ragcache_queue_depth") == 0 and \
+                metric(text, "ragcache_cancelled_generations_total") >= cancelled_at_least:
+            return text
+        assert time.monotonic() < deadline, text
+        time.sleep(0.2)
+
+
+def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
+    long = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000}
+    with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
+        with httpx.Client(base_url=s.url, timeout=300) as holder:
+            with holder.stream("POST", "/v1/query", json={**long, "stream": True}) as r:
+                first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                assert "text" in json.loads(first[6:])
+                busy = httpx.post(f"{s.url}/v1/query", json={"question": "q"})
+                error = error_of(busy, 429, "max_queue=1")
+                assert error["type"] == "queue_full" and busy.headers["retry-after"] == "1"
+                error_of(httpx.post(f"{s.url}/v1/documents", json={"text": "t"}), 429, "busy")
+                assert httpx.get(f"{s.url}/health").status_code == 200  # not queued
+        # the client went away mid-stream: generation stops long before 1000 tokens and the slot is free again
+        wait_idle(s.url, cancelled_at_least=1)
+        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+            httpx.post(f"{s.url}/v1/query", json=long, timeout=3)
+        text = wait_idle(s.url, cancelled_at_least=2)
+        assert metric(text, "ragcache_queue_rejected_total") == 2
+        assert metric(text, "ragcache_completion_tokens_total") < 1000  # the cancelled ones never finished
+        ok = httpx.post(f"{s.url}/v1/query", json={**long, "max_tokens": 1}, timeout=300)
+        assert ok.status_code == 200, ok.text
+
+
+def test_bearer_auth(rc):
+    with serve(rc, api_key="s3cret") as s:
+        error = error_of(httpx.get(f"{s.url}/v1/models"), 401, "Bearer")
+        assert error["type"] == "unauthorized"
+        error_of(httpx.post(f"{s.url}/v1/query", json={"question": "q"}, headers={"Authorization": "Bearer nope"}),
+                 401)
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        assert httpx.get(f"{s.url}/health").status_code == 200 and httpx.get(f"{s.url}/metrics").status_code == 200
+        assert openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret").models.list().data[0].id == "smollm2-135m"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_metrics_content(http, doc_ids):
+    greedy(http, doc_ids, "legolink")
+    text = http.get("/metrics").text
+    assert metric(text, "ragcache_http_requests_total", 'route="/v1/query",method="POST",status="200"') >= 1
+    assert metric(text, "ragcache_http_request_duration_seconds_count", 'route="/v1/query"') >= 1
+    assert metric(text, "ragcache_ttft_seconds_count", 'algorithm="legolink"') >= 1
+    assert metric(text, "ragcache_cached_tokens_total", 'algorithm="legolink"') > 0
+    assert metric(text, "ragcache_recomputed_tokens_total", 'algorithm="legolink"') > 0
+    assert metric(text, "ragcache_store_hits_total", 'tier="disk"') > 0
+    assert metric(text, "ragcache_store_written_bytes_total", 'tier="disk"') > 0
+    assert re.search(r'^ragcache_store_tier_up\{tier="disk"\} 1\.0$', text, re.M)
+    assert 'route="/v1/documents/{doc_id}"' in text  # routes by template, not by id
+
+
+def test_metrics_of_a_tiered_store(smollm2, tmp_path):
+    with serve(RagCache(smollm2, open_store(f"memory+disk:{tmp_path}"))) as s:  # no model work: /metrics only
+        text = httpx.get(f"{s.url}/metrics").text
+    assert re.search(r'^ragcache_store_tier_up\{tier="memory"\} 1\.0$', text, re.M)
+    assert re.search(r'^ragcache_store_tier_up\{tier="disk"\} 1\.0$', text, re.M)
+    assert "ragcache_store_lookups_total" in text
+
+
+# -- property-based fuzz: nothing a client sends gives a 5xx -------------------------------------------------
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+                    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+                    max_leaves=8)
+DOCS = st.lists(st.sampled_from(["0" * 32, "not an id", "", "The sky over Kessel Bay is grey.", "Zebras run."]),
+                max_size=3)
+VALUE = st.one_of(JSON, st.text(max_size=40), st.integers(-3, 5), st.floats(-1, 3), st.sampled_from(ALGORITHMS),
+                  DOCS, st.booleans())
+QUERY_FIELDS = ["question", "documents", "system", "algorithm", "k", "ratio", "max_tokens", "temperature", "top_p",
+                "stop", "seed", "stream"]
+OPENAI_FIELDS = ["model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "documents", "ragcache",
+                 "n", "stream_options", "logprobs"]
+MESSAGES = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant", "tool", "x"]),
+                                           "content": st.one_of(st.text(max_size=30), JSON)}), max_size=3)
+
+
+def fields(names: list[str], **fixed) -> st.SearchStrategy:
+    return st.one_of(JSON, st.builds(lambda d, f: {**d, **f}, st.dictionaries(st.sampled_from(names), VALUE),
+                                     st.fixed_dictionaries(fixed)))
+
+
+FUZZ = st.one_of(
+    st.tuples(st.just("POST"), st.just("/v1/query"), fields(QUERY_FIELDS, question=st.text(max_size=40))),
+    st.tuples(st.just("POST"), st.just("/v1/documents"),
+              fields(["text", "metadata", "documents"], text=st.text(max_size=60)) | fields(["documents"])),
+    st.tuples(st.just("POST"), st.just("/v1/chat/completions"), fields(OPENAI_FIELDS, messages=MESSAGES)),
+    st.tuples(st.just("POST"), st.just("/v1/completions"), fields(OPENAI_FIELDS + ["prompt"], prompt=VALUE)),
+    st.tuples(st.sampled_from(["GET", "DELETE"]),
+              st.builds("/v1/documents/{}".format, st.text(st.characters(codec="ascii", exclude_characters="/?#"),
+                                                           min_size=1, max_size=40) | st.just("0" * 32)),
+              st.none()),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzz_http(rc):
+    limits = dict(max_new_tokens=1, max_new_tokens_limit=2, max_question_chars=200, max_document_chars=400,
+                  max_documents=3)
+    with serve(rc, **limits) as s, httpx.Client(base_url=s.url, timeout=300) as client:
+        yield client
+
+
+@hsettings(max_examples=80, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+@given(FUZZ)
+def test_fuzz_never_5xx(fuzz_http, request_):
+    method, path, body = request_
+    with fuzz_http.stream(method, path, json=body) as r:
+        raw = r.read()
+    assert r.status_code < 500, (request_, r.status_code, raw[:500])
+    if r.headers["content-type"].startswith("text/event-stream"):
+        assert raw.endswith(b"data: [DONE]\n\n") and b"internal_error" not in raw, raw[-500:]
+    elif r.status_code >= 400:
+        assert json.loads(raw)["error"]["message"], raw
+
+
+def test_fuzz_left_the_store_usable(http, doc_ids):
+    assert http.get("/health").status_code == 200
+    assert ask(http, doc_ids, "legolink").json()["answer"] == greedy(http, doc_ids, "legolink")
+
+
+# -- the example client -----------------------------------------------------------------------------------
+def test_rest_client_example(server, doc_ids):
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "rest_client.py"), "--url", server.url,
+                          "--docs", *map(str, DOC_FILES[:2]), "--max-tokens", str(MAX_TOKENS)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "/v1/query:" in run.stdout and "streamed" in run.stdout and "openai chat (smollm2-135m)" in run.stdout

@@ -1,0 +1,43 @@
+"""Issue 4: the linker through the Triton kernels (interpreter on CPU) equals the linker through the torch path."""
+
+import importlib
+import os
+
+import torch
+
+# triton reads TRITON_INTERPRET when it is first imported: set it at collection time, before any test runs.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import pytest  # noqa: E402
+
+import ragcache.kernels as kernels
+from ragcache.engine import RagCache
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+DOCS = ["The Eiffel Tower is in Paris. It was completed in 1889.", "Mount Everest lies in the Himalayas! Rain falls."]
+
+
+@pytest.fixture
+def triton_path(monkeypatch):
+    from ragcache.kernels import triton_ops
+
+    if not torch.cuda.is_available() and not triton_ops.INTERPRET:
+        importlib.reload(triton_ops)  # imported earlier without the interpreter flag
+    monkeypatch.setattr(kernels, "_FORCED", "triton")
+    yield
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("algorithm,params", [("legolink", {"k": 3}), ("cacheblend", {"ratio": 0.3}), ("full", {})])
+def test_linker_triton_equals_torch(family, algorithm, params, triton_path, monkeypatch):
+    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=12)
+    ids = rc.compile(DOCS)
+    with_triton = rc.link("Where is the tower?", ids, algorithm=algorithm, **params)
+    monkeypatch.setattr(kernels, "_FORCED", "torch")
+    with_torch = rc.link("Where is the tower?", ids, algorithm=algorithm, **params)
+    assert with_triton.recomputed_tokens == with_torch.recomputed_tokens
+    torch.testing.assert_close(with_triton.last_logits, with_torch.last_logits, atol=1e-4, rtol=1e-4)
+    n = with_torch.token_ids.numel()
+    torch.testing.assert_close(with_triton.cache.keys[:, :, :n], with_torch.cache.keys[:, :, :n], atol=1e-4, rtol=1e-4)

@@ -1,0 +1,228 @@
+"""The llama-index plugin end to end: real default model, real IngestionPipeline, real BM25 retriever."""
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_index.core")
+pytest.importorskip("llama_index.retrievers.bm25")
+
+from llama_index.core import Document  # noqa: E402
+from llama_index.core.base.base_retriever import BaseRetriever  # noqa: E402
+from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse  # noqa: E402
+from llama_index.core.ingestion import IngestionPipeline  # noqa: E402
+from llama_index.core.node_parser import SentenceSplitter  # noqa: E402
+from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noqa: E402
+from llama_index.retrievers.bm25 import BM25Retriever  # noqa: E402
+
+from ragcache import RagCache  # noqa: E402
+from ragcache.errors import RagCacheError, UnknownAlgorithm  # noqa: E402
+from ragcache.integrations.llama_index import (  # noqa: E402
+    DOC_ID_KEY,
+    RagCacheCompiler,
+    RagCacheLLM,
+    RagCacheQueryEngine,
+    RagCacheRetriever,
+)
+from ragcache.store import open_store  # noqa: E402
+from ragcache.store.keys import document_id  # noqa: E402
+
+pytestmark = pytest.mark.real_model
+
+DOCS = Path(__file__).resolve().parents[1] / "examples" / "data" / "docs"
+NAMES = ["lighthouse.txt", "railway.txt", "bridge.txt", "orchard.txt", "canal.txt", "dam.txt"]
+QUESTION = "How tall is the Harrow Point lighthouse?"
+TOKENS = 12  # "The Harrow Point lighthouse is 41 ..." needs 9
+
+
+class StaticRetriever(BaseRetriever):
+    """Returns the same nodes for every query (retrieval order = list order)."""
+
+    def __init__(self, nodes):
+        super().__init__()
+        self.nodes = nodes
+
+    def _retrieve(self, query_bundle):
+        return [NodeWithScore(node=node, score=1.0) for node in self.nodes]
+
+
+def chunk_keys(rc, text):
+    return [rc.compiler.key(ids, rc.layouts["default"]) for ids in rc._chunks(document_id(text), text)]
+
+
+@pytest.fixture(scope="module")
+def rc(smollm2):
+    return RagCache(smollm2, open_store("memory:"))
+
+
+@pytest.fixture(scope="module")
+def ingested(rc):
+    documents = [Document(text=(DOCS / name).read_text(), metadata={"file_name": name}) for name in NAMES]
+    compiler = RagCacheCompiler(rc=rc)
+    nodes = IngestionPipeline(transformations=[SentenceSplitter(chunk_size=512, chunk_overlap=0),
+                                               compiler]).run(documents=documents)
+    return nodes, compiler.last_report
+
+
+@pytest.fixture(scope="module")
+def retriever(rc, ingested):
+    nodes, _ = ingested
+    return RagCacheRetriever(BM25Retriever.from_defaults(nodes=nodes, similarity_top_k=2), rc=rc)
+
+
+def engine(rc, retriever, **kwargs):
+    kwargs.setdefault("max_new_tokens", TOKENS)
+    return RagCacheQueryEngine(rc=rc, retriever=retriever, **kwargs)
+
+
+def test_compiler_compiles_nodes_and_records_their_ids(rc, ingested):
+    nodes, report = ingested
+    assert len(nodes) == len(NAMES) and report.documents == len(nodes) and report.compiled_chunks >= len(nodes)
+    for node in nodes:
+        text = node.get_content(metadata_mode=MetadataMode.NONE)
+        assert node.metadata[DOC_ID_KEY] == document_id(text)
+        assert DOC_ID_KEY in node.excluded_llm_metadata_keys and DOC_ID_KEY in node.excluded_embed_metadata_keys
+        assert DOC_ID_KEY not in node.get_content(metadata_mode=MetadataMode.LLM)
+        assert "file_name" in node.get_content(metadata_mode=MetadataMode.LLM)
+        assert all(rc.store.contains_many(chunk_keys(rc, text)))
+        assert rc.document(document_id(text))["meta"]["file_name"] == node.metadata["file_name"]
+
+
+def test_compiler_skips_what_is_compiled_and_passes_empty_nodes(rc, ingested):
+    nodes, _ = ingested
+    compiler = RagCacheCompiler(rc=rc)
+    empty = TextNode(text="   ")
+    out = compiler([*nodes, empty])
+    assert out[-1] is empty and DOC_ID_KEY not in empty.metadata
+    assert compiler.last_report.compiled_chunks == 0 and compiler.last_report.skipped == len(nodes)
+    assert asyncio.run(compiler.acall(nodes)) == nodes
+
+
+def test_retriever_returns_the_wrapped_retrievers_nodes(rc, ingested, retriever):
+    plain = retriever.retriever.retrieve(QUESTION)
+    got = retriever.retrieve(QUESTION)
+    assert [(n.node.node_id, n.score) for n in got] == [(n.node.node_id, n.score) for n in plain]
+    assert got[0].node.metadata["file_name"] == "lighthouse.txt"
+    assert retriever.last_report.documents == 2 and retriever.last_report.compiled_chunks == 0
+    again = asyncio.run(retriever.aretrieve(QUESTION))
+    assert [n.node.node_id for n in again] == [n.node.node_id for n in plain]
+
+
+def test_retriever_compiles_misses_and_warms_the_memory_tier(smollm2, tmp_path):
+    texts = [(DOCS / name).read_text() for name in NAMES[:2]]
+    RagCache(smollm2, open_store(f"disk:{tmp_path}")).compile(texts[:1])  # the second one is a miss
+    rc = RagCache(smollm2, open_store(f"memory+disk:{tmp_path}"))
+    memory = rc.store.tiers[0]
+    keys = chunk_keys(rc, texts[0])
+    assert not any(memory.contains_many(keys))
+    nodes = [TextNode(text=text) for text in texts]
+    retriever = RagCacheRetriever(StaticRetriever(nodes), rc=rc)
+    assert retriever.prefetch  # on by default for a tiered store
+    got = retriever.retrieve("anything")
+    assert [n.node for n in got] == nodes
+    assert all(memory.contains_many(keys + chunk_keys(rc, texts[1])))
+    report = retriever.last_report
+    assert report.compiled_chunks == len(chunk_keys(rc, texts[1])) and report.prefetched_chunks == 2
+    assert [n.metadata[DOC_ID_KEY] for n in nodes] == [document_id(t) for t in texts]
+    # legolink0 links chunks compiled behind sink tokens: that layout is compiled and prefetched on demand
+    sink = RagCacheRetriever(StaticRetriever(nodes), rc=rc, layout="sink")
+    sink.retrieve("anything")
+    sink_keys = [rc.compiler.key(ids, rc.layouts["sink"]) for t in texts for ids in rc._chunks(document_id(t))]
+    assert all(memory.contains_many(sink_keys)) and sink.last_report.compiled_chunks == 2
+
+
+def test_query_engine_answers_from_linked_caches(rc, retriever):
+    eng = engine(rc, retriever)
+    first = eng.query(QUESTION)
+    assert isinstance(first, Response)
+    assert "41" in first.response
+    assert [n.node.node_id for n in first.source_nodes] == [n.node.node_id for n in retriever.retrieve(QUESTION)]
+    assert first.source_nodes[0].node.metadata["file_name"] == "lighthouse.txt"
+    stats = first.metadata
+    assert stats["algorithm"] == "legolink"
+    assert stats["doc_ids"] == [n.node.metadata[DOC_ID_KEY] for n in first.source_nodes]
+    assert stats["cached_tokens"] > 0 and stats["recomputed_tokens"] > 0
+    assert stats["cached_tokens"] + stats["recomputed_tokens"] == stats["prompt_tokens"]
+    assert stats["ttft_s"] > 0 and stats["completion_tokens"] > 0 and stats["retrieve_s"] >= 0
+
+    second = eng.query("How long is the Amber Line railway?")  # every cache it needs is in the store
+    assert second.metadata["compiled_chunks"] == 0 and second.metadata["store_misses"] == 0
+    assert second.metadata["store_hits"] > 0
+    assert second.source_nodes[0].node.metadata["file_name"] == "railway.txt"
+
+
+def test_full_through_the_engine_equals_rc_query_on_the_same_nodes(rc, retriever):
+    response = engine(rc, retriever, algorithm="full").query(QUESTION)
+    texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in response.source_nodes]
+    assert len(texts) == 2
+    direct = rc.query(QUESTION, docs=texts, algorithm="full", max_new_tokens=TOKENS)
+    assert response.response == direct.text
+    assert response.metadata["prompt_tokens"] == direct.stats.prompt_tokens
+    assert response.metadata["cached_tokens"] == 0 and response.metadata["algorithm"] == "full"
+
+
+def test_async_and_streaming_give_the_same_answer(rc, retriever):
+    sync = engine(rc, retriever).query(QUESTION)
+
+    assert asyncio.run(engine(rc, retriever).aquery(QUESTION)).response == sync.response
+
+    streamed = engine(rc, retriever, streaming=True).query(QUESTION)
+    assert isinstance(streamed, StreamingResponse)
+    assert [n.node.node_id for n in streamed.source_nodes] == [n.node.node_id for n in sync.source_nodes]
+    pieces = list(streamed.response_gen)
+    assert len(pieces) > 1 and "".join(pieces) == sync.response
+    assert streamed.metadata["completion_tokens"] == sync.metadata["completion_tokens"]  # filled in at the end
+
+    async def stream_async():
+        response = await engine(rc, retriever, streaming=True).aquery(QUESTION)
+        assert isinstance(response, AsyncStreamingResponse)
+        return response, [piece async for piece in response.async_response_gen()]
+
+    response, pieces = asyncio.run(stream_async())
+    assert len(pieces) > 1 and "".join(pieces) == sync.response
+    assert response.source_nodes and response.metadata["completion_tokens"] == sync.metadata["completion_tokens"]
+
+
+def test_bad_requests_raise_from_query_also_when_streaming(rc, retriever):
+    with pytest.raises(UnknownAlgorithm):
+        engine(rc, retriever, algorithm="nope")
+    for streaming in (False, True):
+        too_long = engine(rc, retriever, max_new_tokens=rc.context_length, streaming=streaming)
+        with pytest.raises(RagCacheError):
+            too_long.query(QUESTION)
+        with pytest.raises(RagCacheError):
+            asyncio.run(too_long.aquery(QUESTION))
+    assert rc.lock.acquire(blocking=False)  # nothing left holding the engine
+    rc.lock.release()
+
+
+def test_engine_skips_empty_nodes_and_links_id_like_texts_as_text(rc):
+    id_like = "0123456789abcdef0123456789abcdef"
+    nodes = [TextNode(text=""), TextNode(text=id_like), TextNode(text=(DOCS / "bridge.txt").read_text())]
+    response = engine(rc, StaticRetriever(nodes), algorithm="full", max_new_tokens=2).query("What is it?")
+    assert len(response.source_nodes) == 3
+    assert response.metadata["doc_ids"] == [document_id(id_like), document_id(nodes[2].text)]
+
+
+def test_llm_complete_and_stream_complete(rc):
+    llm = RagCacheLLM(rc=rc, max_new_tokens=8)
+    assert llm.metadata.context_window == rc.context_length == 8192
+    assert llm.metadata.num_output == 8 and llm.metadata.model_name == "smollm2-135m"
+    prompt = "Name a colour of the sky."
+    completion = llm.complete(prompt)
+    direct = rc.query(prompt, docs=[], algorithm="legolink", max_new_tokens=8)
+    assert completion.text == direct.text and completion.text.strip()
+    assert completion.raw["stats"]["completion_tokens"] == direct.stats.completion_tokens
+    assert llm.complete(prompt, max_new_tokens=3).raw["stats"]["completion_tokens"] <= 3
+
+    responses = list(llm.stream_complete(prompt))
+    assert "".join(r.delta for r in responses) == completion.text == responses[-1].text
+    assert responses[-1].raw["stats"]["completion_tokens"] == direct.stats.completion_tokens
+
+
+def test_llm_system_prompt_is_the_models_system_turn(rc):
+    llm = RagCacheLLM(rc=rc, max_new_tokens=4, system_prompt="You answer in French.")
+    direct = rc.query("Hello!", docs=[], system="You answer in French.", max_new_tokens=4)
+    assert llm.complete("Hello!").text == direct.text
+
