@@ -15,7 +15,7 @@ from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
-from . import models, prompt
+from . import infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import EmptyInput, ParameterOutOfRange, PromptTooLong, UnknownDocument
@@ -82,6 +82,8 @@ class RagCache:
         self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
         self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        self.infill_cache = PrefixCache(prefix_cache_bytes)
+        self.infill_sessions = infill.InfillSessions()
         self.lock = threading.RLock()  # one engine owns the model: model work is serialized
 
     @classmethod
@@ -254,43 +256,82 @@ class RagCache:
                seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> "Stream":
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
         sampling.validate()
-        return Stream(self, dict(question=question, docs=docs, system=system, algorithm=algorithm, k=k,
-                                 ratio=ratio, check_layer=check_layer), sampling)
+
+        def make_linked(stats: QueryStats) -> Linked:
+            return self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio,
+                             check_layer=check_layer, max_new_tokens=max_new_tokens, _stats=stats)
+
+        return Stream(self, make_linked, sampling)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
-        stream = self.stream(question, docs, **kwargs)
-        for _ in stream:
-            pass
-        return stream.answer
+        return _drain(self.stream(question, docs, **kwargs))
+
+    # -- infilling ------------------------------------------------------------------------------------
+    def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
+                      reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                      stop: list[str] | None = None, seed: int | None = None) -> "Stream":
+        """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
+        `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
+        `stats.cached_tokens` says how many prompt tokens were reused."""
+        if not isinstance(prefix, str) or not isinstance(suffix, str) or not (prefix or suffix):
+            raise EmptyInput("infilling needs a prefix or a suffix")
+        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
+        sampling.validate()
+        fim = infill.FimTokens.for_tokenizer(self.tokenizer)
+        split = self.infill_sessions.plan(session, prefix, suffix, mode)
+        ids = infill.build_prompt(self.tokenizer, fim, prefix, suffix, mode, split)
+        if len(ids) + max_new_tokens > self.context_length:
+            raise PromptTooLong(len(ids), max_new_tokens, self.context_length)
+
+        def make_linked(stats: QueryStats) -> Linked:
+            params = LinkParams("prefix" if reuse else "full")
+            linked = link(self.runner, LinkInput([], [], ids), params, extra_capacity=max_new_tokens,
+                          prefix_cache=self.infill_cache)
+            stats.algorithm = f"{mode}+{'reuse' if reuse else 'no-reuse'}"
+            stats.prompt_tokens, stats.cached_tokens = len(ids), linked.cached_tokens
+            stats.recomputed_tokens, stats.recompute_s = linked.recomputed_tokens, linked.recompute_s
+            return linked
+
+        return Stream(self, make_linked, sampling, stop_ids=infill.end_token_ids(self.tokenizer))
+
+    def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
+        return _drain(self.infill_stream(prefix, suffix, **kwargs))
+
+
+def _drain(stream: "Stream") -> Answer:
+    for _ in stream:
+        pass
+    return stream.answer
 
 
 class Stream:
     """Iterate for text pieces; `.answer` holds the full answer and its stats once iteration ends."""
 
-    def __init__(self, rc: RagCache, link_args: dict, sampling: Sampling):
-        self.rc, self.link_args, self.sampling = rc, link_args, sampling
+    def __init__(self, rc: RagCache, make_linked: Callable[[QueryStats], Linked], sampling: Sampling,
+                 stop_ids: set[int] | None = None):
+        self.rc, self.make_linked, self.sampling, self.stop_ids = rc, make_linked, sampling, stop_ids or set()
         self.answer: Answer | None = None
 
     def __iter__(self) -> Iterator[str]:
         rc, stats = self.rc, QueryStats()
         started = time.perf_counter()
         with rc.lock:  # the joined cache is per request, but the model and its rows run one request at a time
-            linked = rc.link(**self.link_args, max_new_tokens=self.sampling.max_new_tokens, _stats=stats)
+            linked = self.make_linked(stats)
             assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
-            ids: list[str] = []
+            pieces: list[str] = []
             token_ids: list[int] = []
             first_at = None
-            for step in decode(rc.runner, linked, self.sampling, assembler):
+            for step in decode(rc.runner, linked, self.sampling, assembler, self.stop_ids):
                 if first_at is None:
                     first_at = time.perf_counter()
                     stats.ttft_s = first_at - started
                 token_ids.append(step.token_id)
                 if step.text:
-                    ids.append(step.text)
+                    pieces.append(step.text)
                     yield step.text
             tail = assembler.finish()
             if tail:
-                ids.append(tail)
+                pieces.append(tail)
                 yield tail
         done = time.perf_counter()
         if first_at is None:  # EOS came first: the time to that decision is the TTFT
@@ -299,4 +340,4 @@ class Stream:
         stats.total_s = done - started
         stats.completion_tokens = len(token_ids)
         stats.finish_reason = "stop" if assembler.stopped or len(token_ids) < self.sampling.max_new_tokens else "length"
-        self.answer = Answer("".join(ids), token_ids, stats)
+        self.answer = Answer("".join(pieces), token_ids, stats)

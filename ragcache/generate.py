@@ -101,12 +101,13 @@ class TextAssembler:
 
 
 @torch.inference_mode()
-def decode(runner: Runner, linked: Linked, sampling: Sampling, assembler: TextAssembler) -> Iterator[Step]:
+def decode(runner: Runner, linked: Linked, sampling: Sampling, assembler: TextAssembler,
+           extra_stop_ids: set[int] = frozenset()) -> Iterator[Step]:
     """Yield one Step per generated token; stops at EOS, a stop string or max_new_tokens."""
     generator = None
     if sampling.seed is not None:
         generator = torch.Generator(device=linked.last_logits.device).manual_seed(sampling.seed)
-    stop_ids = eos_ids(runner)
+    stop_ids = eos_ids(runner) | set(extra_stop_ids)
     cache = linked.cache
     logits = linked.last_logits
     for step in range(sampling.max_new_tokens):

@@ -366,7 +366,7 @@ def test_concurrent_queries_and_compiles(server, http, doc_ids):
     assert health_s < 10, "the event loop was blocked by model work"
     metrics = http.get("/metrics").text
     assert metric(metrics, "ragcache_queue_depth") == 0
-    assert metric(metrics, "ragcache_http_requests_total", 'status="5') == 0
+    assert metric(metrics, "ragcache_http_requests_total", 'status="5') == 0, [l for l in metrics.splitlines() if "status=\"5" in l]
 
 
 # -- queue bound, disconnects, auth -----------------------------------------------------------------------

@@ -14,6 +14,7 @@ from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Conf
 from ragcache.models import LoadedModel, wrap
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
+FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]  # so infilling can be tested on tiny models
 
 CORPUS = [
     "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall.",
@@ -29,7 +30,7 @@ def tokenizer() -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>"],
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>", "</s>", *FIM],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(CORPUS * 20, trainer)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])  # adds BOS

@@ -1,0 +1,145 @@
+"""What every benchmark writes: a rich table on stdout, JSON and a PNG plot under bench/results/.
+
+The JSON carries the machine next to the numbers (CPU, cores, torch threads, load average before and after the
+run): CPU timings on a shared box are noisy, and a figure without its load average cannot be compared."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+# -- the machine ------------------------------------------------------------------------------------------
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def load_average() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
+                             cwd=Path(__file__).resolve().parents[1])
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def machine() -> dict:
+    import torch
+
+    return dict(cpu=cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
+                python=platform.python_version(), cuda=torch.cuda.is_available(), load_average_start=load_average(),
+                commit=git_commit())
+
+
+class Run:
+    """One benchmark run: its parameters, the machine, its result rows; `finish()` writes JSON (+ PNG)."""
+
+    def __init__(self, benchmark: str, params: dict, out_dir: Path | None = None):
+        self.benchmark = benchmark
+        self.params = params
+        self.out_dir = Path(out_dir) if out_dir else RESULTS
+        self.machine = machine()
+        self.started = time.time()
+
+    def path(self, suffix: str) -> Path:
+        tag = self.params.get("tag") or ""
+        name = f"{self.benchmark}-{slug(self.params.get('model', ''))}" + (f"-{slug(tag)}" if tag else "")
+        return self.out_dir / f"{name.strip('-')}.{suffix}"
+
+    def finish(self, results: list[dict], extra: dict | None = None, plot=None) -> dict[str, Path]:
+        """Write `<benchmark>-<model>[-tag].json` and, when `plot(path)` is given, the PNG; return both paths."""
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        machine = dict(self.machine, load_average_end=load_average())
+        report = dict(benchmark=self.benchmark, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                      seconds=round(time.time() - self.started, 1), machine=machine, params=self.params,
+                      **(extra or {}), results=results)
+        paths = {"json": self.path("json")}
+        paths["json"].write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
+        if plot is not None:
+            paths["png"] = self.path("png")
+            plot(paths["png"])
+        for p in paths.values():
+            print(f"wrote {p}")
+        return paths
+
+
+def slug(text: str) -> str:
+    return "".join(c if c.isalnum() or c in ".-" else "-" for c in str(Path(text).name if "/" in text else text))
+
+
+def _jsonable(value):
+    if hasattr(value, "item"):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+# -- numbers ----------------------------------------------------------------------------------------------
+def median(values: Sequence[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = int(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.1f}"
+
+
+# -- output -----------------------------------------------------------------------------------------------
+def print_table(title: str, headers: list[str], rows: list[list[str]], caption: str | None = None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for i, h in enumerate(headers):
+        table.add_column(h, justify="left" if i < 2 else "right", no_wrap=True)
+    for r in rows:
+        table.add_row(*[str(c) for c in r])
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    console.print(table)
+
+
+def pyplot():
+    """matplotlib with a file-only backend (benchmarks run headless)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def subtitle(machine: dict, extra: str = "") -> str:
+    load = machine.get("load_average_start")
+    load_s = f", load {load[0]:.1f}" if load else ""
+    return f"{machine.get('cpu', '')[:40]}, {machine.get('cores')} cores{load_s}" + (f"; {extra}" if extra else "")

@@ -1,0 +1,112 @@
+"""Fill-in-the-middle prompts (PSM, SPM, EFIM) and infilling sessions that keep reusing their cache.
+
+PSM   <PRE>{prefix}<SUF>{suffix}<MID>
+SPM   <SUF>{suffix}<PRE>{prefix}<MID>            (StarCoder/Qwen order variant; for comparison)
+EFIM  <PRE>{prefix[:i]}<SUF>{suffix}<MID>{prefix[i:]}
+      prefix[:i] is the part already cached; the increment the user typed since goes after <MID>, so the
+      whole `<PRE>..<MID>` stays an exact, reusable prefix. The mirror layout, for a suffix that grows at
+      its head, is <SUF>{suffix[j:]}<PRE>{prefix}<MID>{suffix[:j]}... is not served: a suffix edit starts a
+      new base (see InfillSession.plan).
+Each part is tokenized alone and the prompt is the concatenation, as for RAG prompts.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from .errors import BadRequest, UnsupportedModel
+
+# sentinel spellings by model family; the first whose three tokens are all in the vocabulary wins
+FIM_SENTINELS = (
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, DeepSeek-style
+    ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
+    ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),  # DeepSeek-Coder
+)
+FIM_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>", "<|end▁of▁sentence|>")
+MODES = ("psm", "spm", "efim")
+
+
+@dataclass(frozen=True)
+class FimTokens:
+    prefix: int
+    suffix: int
+    middle: int
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, spelling: tuple[str, str, str] | None = None) -> "FimTokens":
+        vocab = tokenizer.get_vocab()
+        for candidate in ([spelling] if spelling else FIM_SENTINELS):
+            if all(token in vocab for token in candidate):
+                return cls(*(vocab[token] for token in candidate))
+        raise UnsupportedModel(
+            "this model's tokenizer has no fill-in-the-middle sentinels (<|fim_prefix|>, <fim_prefix>, ...); "
+            "use a FIM model such as qwen2.5-coder-0.5b or pass the sentinel spelling"
+        )
+
+
+def end_token_ids(tokenizer) -> set[int]:
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in FIM_END_TOKENS if t in vocab}
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+
+def build_prompt(tokenizer, fim: FimTokens, prefix: str, suffix: str, mode: str = "efim", split: int | None = None
+                 ) -> list[int]:
+    """Token ids of a FIM prompt. For EFIM, `split` is the cached part's length in characters (default: all)."""
+    if mode == "psm":
+        return [fim.prefix, *_ids(tokenizer, prefix), fim.suffix, *_ids(tokenizer, suffix), fim.middle]
+    if mode == "spm":
+        return [fim.suffix, *_ids(tokenizer, suffix), fim.prefix, *_ids(tokenizer, prefix), fim.middle]
+    if mode == "efim":
+        i = len(prefix) if split is None else split
+        return [fim.prefix, *_ids(tokenizer, prefix[:i]), fim.suffix, *_ids(tokenizer, suffix), fim.middle,
+                *_ids(tokenizer, prefix[i:])]
+    raise BadRequest(f"unknown infill mode {mode!r}; choose one of {', '.join(MODES)}")
+
+
+@dataclass
+class SessionState:
+    base_prefix: str  # prefix[:i], the cached part of the EFIM layout
+    suffix: str
+    mode: str
+    last_used: float
+
+
+class InfillSessions:
+    """Per-session EFIM base, bounded in count and expiring after `ttl_s` of inactivity. The KV itself lives in
+    the engine's prefix cache (bounded by bytes), so a session costs a few strings here."""
+
+    def __init__(self, max_sessions: int = 256, ttl_s: float = 900.0):
+        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+        self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def plan(self, session: str | None, prefix: str, suffix: str, mode: str) -> int | None:
+        """The EFIM split for this round: keep the session's base while the user only appends to the prefix."""
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            state = self._states.get(session) if session else None
+            keep = (state is not None and state.mode == mode == "efim" and state.suffix == suffix
+                    and prefix.startswith(state.base_prefix))
+            split = len(state.base_prefix) if keep else len(prefix)
+            if session:
+                base = state.base_prefix if keep else prefix
+                self._states[session] = SessionState(base, suffix, mode, now)
+                self._states.move_to_end(session)
+                while len(self._states) > self.max_sessions:
+                    self._states.popitem(last=False)
+            return split if mode == "efim" else None
+
+    def _expire(self, now: float) -> None:
+        for sid in [s for s, st in self._states.items() if now - st.last_used > self.ttl_s]:
+            del self._states[sid]
+
+    def __len__(self) -> int:
+        return len(self._states)

@@ -1,0 +1,92 @@
+"""EFIM infilling: prompt builders, sessions that reuse their cache across rounds, bad input."""
+
+import pytest
+
+from ragcache import errors
+from ragcache.engine import RagCache
+from ragcache.infill import FimTokens, InfillSessions, build_prompt
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+PRE, SUF, MID = 3, 4, 5  # ids of <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|> in the tiny tokenizer
+
+
+@pytest.fixture(scope="module")
+def rc():
+    return RagCache(tiny.make("qwen2"), MemoryStore())
+
+
+def ids(text):
+    return tiny.tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+def test_sentinels_are_found():
+    assert FimTokens.for_tokenizer(tiny.tokenizer()) == FimTokens(PRE, SUF, MID)
+
+
+def test_prompt_layouts_by_hand():
+    tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
+    a, b, c = tok.convert_tokens_to_ids(["a", "b", "c"])
+    assert build_prompt(tok, fim, "a", "b", "psm") == [PRE, a, SUF, b, MID]
+    assert build_prompt(tok, fim, "a", "b", "spm") == [SUF, b, PRE, a, MID]
+    assert build_prompt(tok, fim, "a", "b", "efim") == [PRE, a, SUF, b, MID]
+    assert build_prompt(tok, fim, "ac", "b", "efim", split=1) == [PRE, a, SUF, b, MID, c]  # increment after <MID>
+    assert build_prompt(tok, fim, "", "", "efim") == [PRE, SUF, MID]
+
+
+def test_sessions_keep_their_base_while_the_prefix_grows():
+    sessions = InfillSessions()
+    assert sessions.plan("s", "def f(", ")", "efim") == len("def f(")
+    assert sessions.plan("s", "def f(x", ")", "efim") == len("def f(")
+    assert sessions.plan("s", "def f(x, y", ")", "efim") == len("def f(")
+    assert sessions.plan("s", "def f(x, y", "):", "efim") == len("def f(x, y")  # suffix changed: new base
+    assert sessions.plan("s", "class", "):", "efim") == len("class")  # prefix no longer extends the base
+    assert sessions.plan(None, "abc", "", "efim") == 3
+
+
+def test_sessions_are_bounded_and_expire():
+    sessions = InfillSessions(max_sessions=2, ttl_s=0.0)
+    for sid in "abc":
+        sessions.plan(sid, "x", "y", "efim")
+    assert len(sessions) <= 2
+
+
+def test_efim_rounds_reuse_the_base_and_match_a_fresh_prompt(rc):
+    prefix0, suffix = "The Eiffel Tower is in Paris. It was ", " metres tall."
+    first = rc.infill(prefix0, suffix, session="u1", max_new_tokens=6)
+    assert first.stats.cached_tokens == 0
+    base = len([PRE, *ids(prefix0), SUF, *ids(suffix), MID])
+    for typed in ("completed", "completed in 1889 and is 330"):
+        reused = rc.infill(prefix0 + typed, suffix, session="u1", max_new_tokens=6)
+        assert reused.stats.cached_tokens >= base
+        assert reused.stats.prompt_tokens == base + len(ids(typed))
+        assert reused.stats.recomputed_tokens == reused.stats.prompt_tokens - reused.stats.cached_tokens
+        tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
+        same_ids = build_prompt(tok, fim, prefix0 + typed, suffix, "efim", split=len(prefix0))
+        assert len(same_ids) == reused.stats.prompt_tokens
+    # the same EFIM prompt computed from scratch gives the same greedy output
+    uncached = RagCache(tiny.make("qwen2"), MemoryStore())
+    uncached.infill_sessions.plan("u1", prefix0, suffix, "efim")  # same base, nothing cached
+    expected = uncached.infill(prefix0 + typed, suffix, session="u1", reuse=False, max_new_tokens=6)
+    assert expected.stats.cached_tokens == 0
+    assert expected.token_ids == reused.token_ids and expected.text == reused.text
+
+
+def test_psm_loses_the_suffix_cache_when_the_prefix_grows(rc):
+    prefix0, suffix = "Mount Everest lies in the ", " and is the highest mountain on Earth."
+    rc.infill(prefix0, suffix, session="p1", mode="psm", max_new_tokens=2)
+    grown = rc.infill(prefix0 + "Himalayas", suffix, session="p1", mode="psm", max_new_tokens=2)
+    assert grown.stats.cached_tokens <= 1 + len(ids(prefix0))  # everything from the edit on is recomputed
+    assert grown.stats.recomputed_tokens >= len(ids(suffix))
+
+
+def test_infill_bad_input(rc):
+    with pytest.raises(errors.EmptyInput):
+        rc.infill("", "")
+    with pytest.raises(errors.BadRequest, match="unknown infill mode"):
+        rc.infill("a", "b", mode="xyz")
+
+
+def test_model_without_fim_tokens_is_refused(smollm2):
+    with pytest.raises(errors.UnsupportedModel, match="fill-in-the-middle"):
+        FimTokens.for_tokenizer(smollm2.tokenizer)
