@@ -29,12 +29,11 @@ err = Console(stderr=True)
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
 
-try:  # the operator's store commands live beside the store
-    from ragcache.store.cli import store_app
+from ragcache.store.cli import store_app  # noqa: E402  (the operator's store commands live beside the store)
+from ragcache.train.cli import train_app  # noqa: E402
 
-    app.add_typer(store_app, name="store")
-except ImportError:  # pragma: no cover - only while the store CLI is absent
-    pass
+app.add_typer(store_app, name="store")
+app.add_typer(train_app, name="train")
 
 
 def _exit_code(exc: Exception) -> int:

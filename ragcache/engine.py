@@ -315,24 +315,31 @@ class Stream:
     def __iter__(self) -> Iterator[str]:
         rc, stats = self.rc, QueryStats()
         started = time.perf_counter()
-        with rc.lock:  # the joined cache is per request, but the model and its rows run one request at a time
+        # The lock is held per model step, never across a yield: a server may resume this generator from
+        # another thread, and other requests interleave between tokens (the joined cache is per request).
+        with rc.lock:
             linked = self.make_linked(stats)
-            assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
-            pieces: list[str] = []
-            token_ids: list[int] = []
-            first_at = None
-            for step in decode(rc.runner, linked, self.sampling, assembler, self.stop_ids):
-                if first_at is None:
-                    first_at = time.perf_counter()
-                    stats.ttft_s = first_at - started
-                token_ids.append(step.token_id)
-                if step.text:
-                    pieces.append(step.text)
-                    yield step.text
-            tail = assembler.finish()
-            if tail:
-                pieces.append(tail)
-                yield tail
+        assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
+        steps = decode(rc.runner, linked, self.sampling, assembler, self.stop_ids)
+        pieces: list[str] = []
+        token_ids: list[int] = []
+        first_at = None
+        while True:
+            with rc.lock:
+                step = next(steps, None)
+            if step is None:
+                break
+            if first_at is None:
+                first_at = time.perf_counter()
+                stats.ttft_s = first_at - started
+            token_ids.append(step.token_id)
+            if step.text:
+                pieces.append(step.text)
+                yield step.text
+        tail = assembler.finish()
+        if tail:
+            pieces.append(tail)
+            yield tail
         done = time.perf_counter()
         if first_at is None:  # EOS came first: the time to that decision is the TTFT
             stats.ttft_s = done - started

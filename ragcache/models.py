@@ -190,6 +190,9 @@ def resolve(name_or_path: str) -> str:
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a per-load weights bar is noise in a CLI or a server log
 
     source = resolve(name_or_path)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype

@@ -1,0 +1,133 @@
+"""python -m bench ttft | lower-bound | throughput | accuracy | squad-sample  (each: --help)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python bench/__main__.py` from a checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    __package__ = "bench"
+
+import typer  # noqa: E402
+
+from bench import common  # noqa: E402
+
+app = typer.Typer(help="ragcache benchmarks: tables on stdout, JSON + PNG under bench/results/.",
+                  no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False)
+
+ALL = ",".join(common.VARIANTS)
+Model = typer.Option("smollm2-135m", "--model", "-m", help="built-in name, transformers directory or hub id")
+Out = typer.Option(None, "--out", help="results folder (default bench/results)")
+Tag = typer.Option("", "--tag", help="suffix of the result file names")
+
+
+def _variants(text: str):
+    try:
+        return common.parse_variants(text)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc)) from exc
+
+
+def _stores(text: str) -> list[str]:
+    names = [s.strip() for s in text.split(",") if s.strip()]
+    bad = [s for s in names if s not in ("memory", "disk", "redis")]
+    if bad:
+        raise typer.BadParameter(f"unknown store(s) {bad}: memory, disk, redis")
+    return names
+
+
+@app.command()
+def ttft(
+    model: str = Model,
+    docs: str = typer.Option("2,4,8,16", help="numbers of documents N"),
+    doc_tokens: int = typer.Option(512, help="tokens per document (one chunk each)"),
+    runs: int = typer.Option(3, min=1, help="timed runs per point (median)"),
+    algorithms: str = typer.Option(ALL, help="comma-separated: " + ALL),
+    stores: str = typer.Option("memory,disk,redis", help="memory (warm), disk (cold), redis (cold)"),
+    redis: str = typer.Option(None, "--redis", help="Redis URL (default: start a local redis-server if there is one)"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """TTFT of every algorithm vs number of documents, warm (memory) and cold (disk, redis)."""
+    from bench import ttft as mod
+
+    mod.run(model, common.parse_ints(docs), doc_tokens, runs, _variants(algorithms), _stores(stores), redis, out, tag)
+
+
+@app.command("lower-bound")
+def lower_bound(
+    model: str = Model,
+    docs: str = typer.Option("2,4,8", help="numbers of documents N"),
+    doc_tokens: int = typer.Option(512, help="tokens per document (one chunk each)"),
+    runs: int = typer.Option(3, min=1, help="timed runs per point (median)"),
+    algorithms: str = typer.Option(ALL, help="comma-separated: " + ALL),
+    store: str = typer.Option("memory", help="memory, disk or redis: where the entries are read from"),
+    redis: str = typer.Option(None, "--redis", help="Redis URL for --store redis"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """How close linking is to its floor: store read alone + selected rows alone vs TTFT."""
+    from bench import lower_bound as mod
+
+    mod.run(model, common.parse_ints(docs), doc_tokens, runs, _variants(algorithms), _stores(store)[0], redis, out,
+            tag)
+
+
+@app.command()
+def throughput(
+    model: str = Model,
+    clients: str = typer.Option("1,4,16", help="concurrent clients C (closed loop)"),
+    requests: int = typer.Option(32, min=1, help="timed requests per (algorithm, C)"),
+    pool: int = typer.Option(100, min=8, help="documents in the pool"),
+    doc_tokens: int = typer.Option(256, help="tokens per document"),
+    min_docs: int = typer.Option(4, min=1, help="documents per query, at least"),
+    max_docs: int = typer.Option(8, min=1, help="documents per query, at most"),
+    max_tokens: int = typer.Option(8, min=1, help="tokens generated per request"),
+    algorithms: str = typer.Option("full,prefix,naive,cacheblend,legolink-16,legolink0", help="comma-separated"),
+    store: str = typer.Option("memory:", help="the server's store"),
+    url: str = typer.Option(None, "--url", help="drive a server already running there instead of starting one"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Requests/s and p50/p99 latency through the REST server, C concurrent clients."""
+    from bench import throughput as mod
+
+    if min_docs > max_docs:
+        raise typer.BadParameter("--min-docs must be <= --max-docs")
+    mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
+            _variants(algorithms), store, url, out, tag)
+
+
+@app.command()
+def accuracy(
+    model: str = Model,
+    n: int = typer.Option(50, "--n", min=1, help="questions"),
+    sample: bool = typer.Option(False, "--sample", help="use the shipped 20-item sample (no download)"),
+    seed: int = typer.Option(0, help="item selection and shuffling"),
+    algorithms: str = typer.Option("full,prefix,naive,cacheblend,legolink-16,legolink0", help="comma-separated"),
+    max_new_tokens: int = typer.Option(24, min=1, help="greedy tokens per answer (stops at a newline)"),
+    system: str = typer.Option(None, help="system prompt (default: none)"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """SQuAD v1.1 dev: gold + 3 distractor paragraphs; EM, F1 and agreement with full, 95% CIs."""
+    from bench import accuracy as mod
+
+    mod.run(model, n, sample, seed, _variants(algorithms), max_new_tokens, system, out, tag)
+
+
+@app.command("squad-sample")
+def squad_sample(n: int = typer.Option(20, "--n"), seed: int = typer.Option(0)):
+    """Rewrite bench/data/squad_sample.jsonl from SQuAD v1.1 dev (downloads bigbench once)."""
+    from bench import squad
+
+    print(f"wrote {squad.write_sample(n=n, seed=seed)}")
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

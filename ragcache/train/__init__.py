@@ -1,0 +1,1 @@
+"""Training utilities: fragment tokenization and FIM/EFIM fine-tuning."""
