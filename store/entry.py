@@ -1,8 +1,9 @@
 """One compiled chunk (token ids + pre-RoPE K and V of every layer) and its byte format.
 
-Format: MAGIC (8 bytes) | sha256 of the payload (32 bytes) | safetensors payload. safetensors loads
-without executing code; the checksum catches flipped or missing bytes; the key inside the payload's
-metadata catches an entry stored under the wrong key (a foreign entry).
+Format: MAGIC (8 bytes) | sha256 of the payload (32 bytes) | safetensors payload. Reading parses the
+safetensors JSON header and maps the tensors in place (no pickle, no code executed, no copy); the checksum
+catches flipped or missing bytes; the key inside the payload's metadata catches an entry stored under the
+wrong key (a foreign entry).
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
+import warnings
 from dataclasses import dataclass, field
 
 import torch
-from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from ragcache.errors import CorruptEntry
@@ -58,27 +59,60 @@ def encode(key: str, entry: ChunkKV) -> bytes:
     return MAGIC + hashlib.sha256(payload).digest() + payload
 
 
-def decode(key: str, blob: bytes | memoryview) -> ChunkKV:
-    """Bytes -> entry, or CorruptEntry if anything is off. Never returns a wrong entry, never raises anything else."""
-    blob = memoryview(blob)
-    if len(blob) < HEADER or bytes(blob[: len(MAGIC)]) != MAGIC:
+def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
+    """Bytes -> entry, or CorruptEntry if anything is off. Never returns a wrong entry, never raises anything else.
+
+    The tensors are views into the blob (no copy) when it is a bytearray, which the byte tiers read into: the
+    entry then owns that bytearray, and the caller must not reuse it. Other buffers are copied once first, so a
+    tensor never aliases immutable bytes."""
+    view = memoryview(blob)
+    if len(view) < HEADER or bytes(view[: len(MAGIC)]) != MAGIC:
         raise CorruptEntry(f"entry {key[:12]}: bad magic or truncated header")
-    payload = blob[HEADER:]
-    if hashlib.sha256(payload).digest() != bytes(blob[len(MAGIC) : HEADER]):
+    payload = view[HEADER:]
+    if hashlib.sha256(payload).digest() != bytes(view[len(MAGIC) : HEADER]):
         raise CorruptEntry(f"entry {key[:12]}: checksum mismatch (corrupted or truncated)")
     try:
-        tensors = st_load(bytes(payload))
-        meta = _metadata(payload)
+        header = _safetensors_header(payload)
+        meta = header.pop("__metadata__", None) or {}
+        if not isinstance(blob, bytearray) or view.readonly:
+            blob = bytearray(view)
+        data_start = PROBE + struct.unpack("<Q", bytes(payload[:8]))[0]
+        tensors = {name: _tensor_at(blob, data_start, header[name]) for name in ("token_ids", "keys", "values")}
         entry = ChunkKV(tensors["token_ids"], tensors["keys"], tensors["values"],
-                        {k: v for k, v in meta.items() if k != "key"})
-    except Exception as exc:  # safetensors raises several types on malformed input; a missing tensor is a KeyError
-        raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc}") from exc
+                        {str(k): str(v) for k, v in meta.items() if k != "key"})
+    except Exception as exc:  # malformed header of any kind (a missing tensor is a KeyError): corrupt, never a crash
+        raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc!r}") from exc
     if meta.get("key") != key:
         raise CorruptEntry(f"entry {key[:12]}: holds key {str(meta.get('key'))[:12]}, a foreign entry")
     problem = shape_problem(entry)
     if problem:
         raise CorruptEntry(f"entry {key[:12]}: {problem}")
     return entry
+
+
+_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                 "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+
+
+def _tensor_at(buffer: bytearray, data_start: int, spec: dict) -> torch.Tensor:
+    """One tensor of a safetensors payload, as a view into buffer; ValueError unless the header entry is sound."""
+    dtype = _TORCH_DTYPES[spec["dtype"]]
+    shape = [int(x) for x in spec["shape"]]
+    begin, end = (int(x) for x in spec["data_offsets"])
+    count = 1
+    for dim in shape:
+        if dim < 0:
+            raise ValueError(f"negative dimension in {shape}")
+        count *= dim
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if not 0 <= begin <= end <= len(buffer) - data_start or end - begin != count * itemsize:
+        raise ValueError(f"tensor data {begin}:{end} does not fit {shape} {dtype}")
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (frombuffer warns about non-writable buffers; a bytearray is writable)
+        return torch.frombuffer(buffer, dtype=dtype, count=count, offset=data_start + begin).view(shape)
 
 
 def shape_problem(entry: ChunkKV) -> str | None:
@@ -90,10 +124,6 @@ def shape_problem(entry: ChunkKV) -> str | None:
     if k.shape[2] != ids.numel():
         return f"K/V hold {k.shape[2]} tokens, token ids {ids.numel()}"
     return None
-
-
-def _metadata(payload: memoryview) -> dict[str, str]:
-    return _safetensors_header(payload).get("__metadata__", {})
 
 
 def _safetensors_header(payload: memoryview | bytes) -> dict:

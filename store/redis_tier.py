@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -79,14 +80,17 @@ class RedisStore(BlobStore):
         self._client_options = dict(socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
                                     retry=Retry(NoBackoff(), 1))  # one quick reconnect, e.g. after a server restart
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
+        self._connect_lock = threading.Lock()
         self.cluster = False
         if connect:
             self._redis()
 
     # -- connection ---------------------------------------------------------------------------------
     def _redis(self):
-        if self._client is None:
-            with self._errors("connect"):
+        if self._client is not None:
+            return self._client
+        with self._connect_lock, self._errors("connect"):
+            if self._client is None:
                 try:
                     client = redis.Redis.from_url(self._url, **self._client_options)
                 except ValueError as exc:
@@ -100,8 +104,8 @@ class RedisStore(BlobStore):
                     client.close()
                     client = redis.cluster.RedisCluster.from_url(self._url, **self._client_options)
                 self.cluster = cluster
-                self._client = client
                 self._delete_if_same = client.register_script(_DELETE_IF_SAME)
+                self._client = client  # last: other threads use it as soon as it is set
         return self._client
 
     @contextmanager
@@ -158,7 +162,7 @@ class RedisStore(BlobStore):
         for key, (_, manifest) in zip(keys, manifests):
             for name in self._part_names(key, manifest) if manifest else ():
                 pipe.get(name)
-        parts = iter(pipe.execute()) if len(pipe) else iter(())
+        parts = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
         out = []
         for key, (raw, manifest) in zip(keys, manifests):
             if raw is None:
@@ -168,11 +172,11 @@ class RedisStore(BlobStore):
                 out.append((None, "unreadable manifest", raw, None))
                 continue
             got = [next(parts) for _ in range(manifest["parts"])]
-            missing = sum(p is None for p in got)
+            missing = sum(not isinstance(p, bytes) for p in got)  # absent, or not a string (an error reply)
             if missing:
                 out.append((None, f"{missing} of {manifest['parts']} parts missing (evicted?)", raw, manifest))
                 continue
-            blob = b"".join(got)
+            blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
             if len(blob) != manifest["size"]:
                 out.append((None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}", raw, manifest))
             elif blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
@@ -181,7 +185,7 @@ class RedisStore(BlobStore):
                 out.append((blob, None, raw, manifest))
         return out
 
-    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
+    def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):
             fetched = self._fetch(keys)
             out = []
