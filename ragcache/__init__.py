@@ -1,8 +1,16 @@
-"""ragcache: reuse document KV caches in RAG. Compile documents offline, link their caches at query time."""
+"""ragcache: reuse document KV caches in RAG. Compile documents offline, link their caches at query time.
 
-from .engine import Answer, CompileReport, QueryStats, RagCache, Stream
-from .errors import RagCacheError
-from .linker import ALGORITHMS
+Names are imported lazily so that `ragcache.store` and the operator CLI do not pay for torch/transformers."""
 
-__all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Stream"]
+from importlib import import_module
+
 __version__ = "0.1.0"
+__all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Stream"]
+
+_HOMES = {"ALGORITHMS": "linker", "RagCacheError": "errors"}
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        return getattr(import_module(f".{_HOMES.get(name, 'engine')}", __name__), name)
+    raise AttributeError(f"module 'ragcache' has no attribute {name!r}")

@@ -4,6 +4,7 @@ query = resolve documents -> fetch chunk entries (compile misses) -> link -> dec
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,13 +19,14 @@ from ragcache.store.keys import document_id, is_document_id
 from . import infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .errors import EmptyInput, ParameterOutOfRange, PromptTooLong, UnknownDocument
+from .errors import EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
 from .generate import Sampling, TextAssembler, decode
 from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked, link
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
 
 DEFAULT_STORE = "disk:./.ragcache"
+log = logging.getLogger("ragcache")
 
 
 @dataclass
@@ -208,7 +210,10 @@ class RagCache:
         stats.store_misses += len(missing)
         stats.compiled_chunks += len(missing)
         if missing:
-            self.store.put_many(missing)
+            try:
+                self.store.put_many(missing)
+            except StoreError as exc:  # the query has its entries; only the next one pays the compile again
+                log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
         return entries
 
     def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str,
