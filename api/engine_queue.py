@@ -35,6 +35,7 @@ class EngineQueue:
         self.depth = 0  # requests admitted and not finished; only touched on the event loop
         self.rejected = 0  # 429s
         self.cancelled = 0  # generations stopped because their client went away
+        self.live: set[Generation] = set()
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-engine")
 
     def admit(self) -> "Slot":
@@ -45,6 +46,9 @@ class EngineQueue:
         return Slot(self, asyncio.get_running_loop())
 
     def shutdown(self) -> None:
+        """Server stopping: drop queued jobs and stop running generations at their next piece."""
+        for gen in list(self.live):
+            gen.cancelled.set()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -113,8 +117,8 @@ class Generation:
         self.slot, self.loop = slot, slot.loop
         self.events: asyncio.Queue = asyncio.Queue()
         self.cancelled = threading.Event()
-        self.pieces = 0
         self.finished = False
+        slot.queue.live.add(self)
         self.future = slot.submit(self._run, stream)
         self.watcher = asyncio.ensure_future(self._watch(request)) if request is not None else None
 
@@ -127,7 +131,6 @@ class Generation:
         pieces = iter(stream)
         try:
             for piece in pieces:
-                self.pieces += 1
                 if self.cancelled.is_set():
                     return  # closing the generator below ends the decode and releases rc.lock on this thread
                 self._put("piece", piece)
@@ -162,4 +165,5 @@ class Generation:
             self.cancel()
         if self.watcher is not None:
             self.watcher.cancel()
+        self.slot.queue.live.discard(self)
         self.slot.close()

@@ -6,6 +6,7 @@ disk or Redis store (a memory: store is per process)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 
@@ -18,6 +19,8 @@ from ragcache.settings import Settings
 from .app import create_app
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
+WORKER_HEALTHCHECK_S = 300
+GRACEFUL_SHUTDOWN_S = 10  # then open streams are cancelled (their generations stop at the next token)
 log = logging.getLogger("ragcache.api")
 
 
@@ -41,12 +44,17 @@ def run(settings: Settings, workers: int = 1) -> None:
             log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
                         workers)
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        extra = {}
+        if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
+            # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
+            extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
         uvicorn.run("ragcache.api.server:factory", factory=True, host=settings.host, port=settings.port,
-                    workers=workers)
+                    workers=workers, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **extra)
         return
     log.info("loading %s and opening %s", settings.model, settings.store)
     rc = open_engine(settings)
     try:
-        uvicorn.run(create_app(rc, settings), host=settings.host, port=settings.port)
+        uvicorn.run(create_app(rc, settings), host=settings.host, port=settings.port,
+                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
         rc.store.close()
