@@ -1,10 +1,10 @@
 """A llama-index RAG pipeline answered by ragcache: LegoLink over cached documents vs a plain `full` prefill.
 
-    folder of documents -> IngestionPipeline [SentenceSplitter, RagCacheCompiler] -> BM25 retriever
+    folder of documents -> IngestionPipeline [(SentenceSplitter), RagCacheCompiler] -> BM25 retriever
         -> RagCacheRetriever (compiles misses, prefetches) -> RagCacheQueryEngine (legolink | full)
 
     python examples/llamaindex_rag.py                          # every question, store disk:./.ragcache
-    python examples/llamaindex_rag.py --n-questions 4 --algorithm cacheblend --store memory:
+    python examples/llamaindex_rag.py --n-questions 4 --algorithm cacheblend --store memory: --chunk-size 256
 
 Needs the extra: pip install 'ragcache[llama-index]'. Questions come from a JSONL file with one
 {"question", "answer", "doc"} per line; those whose doc is not in the folder are skipped.
@@ -36,7 +36,7 @@ def main() -> None:
     console = Console()
     rc = RagCache.open(args.model, args.store)
 
-    # 1. ingest: split, then compile every node into the store (what is already there is skipped)
+    # 1. ingest: (split,) then compile every node into the store (what is already there is skipped)
     documents = SimpleDirectoryReader(str(args.docs), required_exts=[".txt", ".md"]).load_data()
     compiler = RagCacheCompiler(rc=rc)
     steps = ([SentenceSplitter(chunk_size=args.chunk_size, chunk_overlap=0)] if args.chunk_size else []) + [compiler]
@@ -84,7 +84,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--top-k", type=int, default=3, help="nodes retrieved (and linked) per question")
     p.add_argument("--k", type=int, default=16, help="LegoLink: tokens recomputed at the start of every chunk")
-    p.add_argument("--chunk-size", type=int, default=512, help="SentenceSplitter chunk size in tokens; 0: no splitter")
+    p.add_argument("--chunk-size", type=int, default=0,
+                   help="split documents with a SentenceSplitter of this many tokens (e.g. 512 for long documents); "
+                        "0 (default): one node per document, whose caches `make demo` already compiled")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--json", type=Path, default=None, help="also write the rows as JSON here")
     return p.parse_args()
@@ -118,7 +120,9 @@ FILLER = {"the", "a", "an", "of", "about", "up", "to", "and"}
 
 
 def tokens(text: str) -> list[str]:
-    words = re.findall(r"\d[\d,.]*\d|\d|[a-z]+", text.lower().replace("metres", "meters"))
+    """Lower-case words, singular, one spelling of metre, numbers as digits without separators."""
+    words = re.findall(r"\d[\d,.]*\d|\d|[a-z]+", text.lower().replace("metre", "meter"))
+    words = [w[:-1] if len(w) > 3 and w.endswith("s") else w for w in words]
     return [NUMBER_WORDS.get(w, w.replace(",", "")) for w in words]
 
 

@@ -18,8 +18,9 @@ _OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p
 
 
 class RagCacheLLM(CustomLLM):
-    """`complete(prompt)` is rc.query(prompt, docs=[], system=llm.system_prompt); the returned CompletionResponse carries the QueryStats
-    (as a dict) in `raw` (for streaming: on the last response). `chat` goes through `messages_to_prompt`.
+    """`complete(prompt)` is rc.query(prompt, docs=[], system=llm.system_prompt); the CompletionResponse carries the
+    QueryStats (as a dict) in `raw["stats"]` (streaming: on the last response). `chat` goes through
+    `messages_to_prompt`; per-call keyword arguments (max_new_tokens, temperature, stop, ...) override the fields.
 
     The default algorithm is legolink: with no documents it links only the cached system prefix and computes the
     prompt, which is what `full` computes too."""

@@ -85,13 +85,20 @@ class RagCacheQueryEngine(CustomQueryEngine):
         # One worker thread runs the whole stream: the engine's lock belongs to the thread that iterates.
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+        def put(item: tuple) -> None:
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+            except RuntimeError:  # the loop is closed: nobody is listening any more
+                pass
 
         def work() -> None:
             try:
                 nodes, stream, metadata = self._start(query_str)
+                pieces = _pieces(stream, metadata)
+                first = next(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
                 put(("start", (nodes, metadata)))
-                for piece in _pieces(stream, metadata):
+                for piece in _chain(first, pieces):
                     put(("piece", piece))
                 put(("done", None))
             except BaseException as exc:  # handed to the awaiting side

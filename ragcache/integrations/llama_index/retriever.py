@@ -68,9 +68,9 @@ class RagCacheRetriever(BaseRetriever):
         for (node, _), doc_id in zip(todo, compiled.ids):
             if node.metadata.get(DOC_ID_KEY) != doc_id:
                 mark(node, doc_id)
-        report.compiled_chunks = compiled.compiled_chunks if self.layout == "default" else 0
+        report.compiled_chunks = compiled.compiled_chunks
         if self.prefetch or self.layout != "default":
-            chunks = [ids for doc_id in dict.fromkeys(compiled.ids) for ids in rc._chunks(doc_id)]
+            chunks = [ids for doc_id in dict.fromkeys(compiled.ids) for ids in rc.document_chunks(doc_id)]
             keys = [rc.compiler.key(ids, layout) for ids in chunks]
             if self.prefetch:
                 present = [entry is not None for entry in rc.store.get_many(keys)]
