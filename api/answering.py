@@ -6,13 +6,13 @@ linking (unknown document, prompt too long) still become proper HTTP errors, eve
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
 
-from ragcache.engine import Answer, RagCache
+from ragcache.engine import Answer, RagCache, Stream
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
@@ -95,9 +95,14 @@ class Context:
     async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
         args = self.check(ask)
+        return await self.start_stream(request, lambda: self.rc.stream(**args))
+
+    async def start_stream(self, request: Request, make_stream: Callable[[], Stream]
+                           ) -> tuple[Generation, tuple[str, object]]:
+        """`start` for any engine Stream (answers, infills)."""
         slot = self.queue.admit()
         try:
-            stream = self.rc.stream(**args)  # validates sampling parameters; the model work starts on the engine
+            stream = make_stream()  # validates sampling parameters; the model work starts on the engine
         except BaseException:
             slot.close()
             raise
@@ -136,7 +141,9 @@ class Context:
 
     async def answer(self, request: Request, ask: Ask) -> tuple[Answer, float]:
         """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
-        gen, first = await self.start(request, ask)
+        return await self.collect(*await self.start(request, ask))
+
+    async def collect(self, gen: Generation, first: tuple[str, object]) -> tuple[Answer, float]:
         async with aclosing(self.events(gen, first)) as events:
             async for kind, value in events:
                 if kind == "done":

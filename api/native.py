@@ -17,7 +17,7 @@ from .answering import Ask, ClientGone, Context, ctx
 from .engine_queue import Generation, wait_for_disconnect
 from .errors import describe, invalid, payload_too_large
 from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
-                      DocumentSummary, QueryRequest, QueryResponse, Timings, Usage)
+                      DocumentSummary, InfillRequest, InfillResponse, QueryRequest, QueryResponse, Timings, Usage)
 
 router = APIRouter(prefix="/v1", tags=["native"])
 MAX_METADATA_CHARS = 65_536
@@ -82,7 +82,7 @@ def _record(c: Context, doc_id: str) -> dict:
 def get_document(doc_id: str, request: Request) -> DocumentOut:
     c = ctx(request)
     record = _record(c, doc_id)
-    chunks = c.rc._chunks(doc_id)  # the chunk token ids the engine keeps per document (a stored record)
+    chunks = c.rc.document_chunks(doc_id)
     return DocumentOut(id=doc_id, text=record["text"], metadata=record.get("meta") or {}, created=record.get("created"),
                        chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
 
@@ -147,14 +147,53 @@ async def query(body: QueryRequest, request: Request):
     return StreamingResponse(_query_events(c, gen, first), media_type="text/event-stream", headers=SSE_HEADERS)
 
 
-async def _query_events(c: Context, gen: Generation, first):
+async def _query_events(c: Context, gen: Generation, first, respond=query_response):
     async with aclosing(c.events(gen, first)) as events:
         async for kind, value in events:
             if kind == "piece":
                 yield sse({"text": value})
             elif kind == "done":
-                yield sse(query_response(value, gen.slot.queue_s).model_dump())
+                yield sse(respond(value, gen.slot.queue_s).model_dump())
                 yield SSE_DONE
             elif kind == "error":
                 yield sse(describe(value)[1])
                 yield SSE_DONE
+
+
+# -- infill -----------------------------------------------------------------------------------------------
+def infill_response(answer: Answer, queue_s: float) -> InfillResponse:
+    full = query_response(answer, queue_s)
+    return InfillResponse(text=answer.text, usage=full.usage, timings=full.timings,
+                          mode=answer.stats.algorithm.split("+")[0], finish_reason=full.finish_reason)
+
+
+@router.post("/infill", response_model=InfillResponse)
+async def infill(body: InfillRequest, request: Request):
+    """Fill the hole between prefix and suffix. Send the same `session` each round: with `mode=efim` the text
+    typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix
+    and `usage.cached_tokens` says how much of the prompt was reused."""
+    c = ctx(request)
+    s = c.settings
+    for name, text in (("prefix", body.prefix), ("suffix", body.suffix)):
+        if len(text) > s.max_document_chars:
+            raise payload_too_large(f"the {name} has {len(text)} characters; at most {s.max_document_chars}",
+                                    limit=s.max_document_chars, got=len(text))
+    if not (body.prefix or body.suffix):
+        raise invalid("infilling needs a prefix or a suffix")
+    max_tokens = s.max_new_tokens if body.max_tokens is None else body.max_tokens
+    if max_tokens > s.max_new_tokens_limit:
+        raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
+                      param="max_tokens", limit=s.max_new_tokens_limit)
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+
+    def make_stream():
+        return c.rc.infill_stream(body.prefix, body.suffix, session=body.session, mode=body.mode, reuse=body.reuse,
+                                  max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
+                                  stop=stop, seed=body.seed)
+
+    gen, first = await c.start_stream(request, make_stream)
+    if not body.stream:
+        answer, queue_s = await c.collect(gen, first)
+        return infill_response(answer, queue_s)
+    return StreamingResponse(_query_events(c, gen, first, infill_response), media_type="text/event-stream",
+                             headers=SSE_HEADERS)

@@ -119,6 +119,17 @@ class QueryRequest(SamplingFields, LinkOptions):
     system: str | None = Field(None, description="system prompt (an exact prefix, never recomputed)")
 
 
+class InfillRequest(SamplingFields):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    prefix: str = Field("", description="text before the hole")
+    suffix: str = Field("", description="text after the hole")
+    session: str | None = Field(None, min_length=1, max_length=128,
+                                description="infilling session id: EFIM keeps its cached prompt across rounds")
+    mode: Literal["efim", "psm", "spm"] = "efim"
+    reuse: bool = Field(True, description="reuse the longest cached prompt prefix (false: recompute everything)")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     cached_tokens: int
@@ -143,6 +154,14 @@ class QueryResponse(BaseModel):
     algorithm: str
     finish_reason: Literal["stop", "length"]
     store: dict[str, int] = Field(description="chunk lookups: hits, misses, compiled")
+
+
+class InfillResponse(BaseModel):
+    text: str
+    usage: Usage = Field(description="cached_tokens: prompt tokens reused from earlier rounds")
+    timings: Timings
+    mode: str
+    finish_reason: Literal["stop", "length"]
 
 
 # -- OpenAI-compatible ------------------------------------------------------------------------------------

@@ -165,6 +165,10 @@ class RagCache:
         self.store.put_record(name, {"chunks": chunks, "tokens": sum(map(len, chunks))})
         return chunks
 
+    def document_chunks(self, doc_id: str) -> list[list[int]]:
+        """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
+        return self._chunks(doc_id)
+
     def document(self, doc_id: str) -> dict | None:
         return self.store.get_record(f"doc/{doc_id}")
 
@@ -216,8 +220,8 @@ class RagCache:
                 log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
         return entries
 
-    def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str,
-                stats: QueryStats) -> LinkInput:
+    def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str) -> tuple[LinkInput, list]:
+        """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
         if not isinstance(question, str) or not question.strip():
             raise EmptyInput("the question is empty")
         doc_ids = self._resolve(list(docs))
@@ -228,11 +232,14 @@ class RagCache:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
         parts = LinkInput(prefix_ids, [self.compiler.stored_ids(ids, layout) for ids in chunks],
                           prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
+        return parts, chunks
+
+    def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:
         if algorithm in USES_CHUNK_CACHE:
+            layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
             parts.chunk_entries = self._entries(chunks, layout, stats)
-            if prefix_ids:
-                parts.prefix_entry = self._entries([prefix_ids], PLAIN, stats)[0]
-        return parts
+            if parts.prefix_ids:
+                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats)[0]
 
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
              k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
@@ -241,10 +248,11 @@ class RagCache:
         params = LinkParams(algorithm, k, ratio, check_layer)
         params.validate(self.runner.shape.layers)
         started = time.perf_counter()
-        parts = self._inputs(question, docs, system, algorithm, stats)
+        parts, chunks = self._inputs(question, docs, system, algorithm)
         length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
-        if length + max_new_tokens > self.context_length:
+        if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
             raise PromptTooLong(length, max_new_tokens, self.context_length)
+        self._fetch(parts, chunks, algorithm, stats)
         stats.fetch_s = time.perf_counter() - started
         with self.lock:
             linked = link(self.runner, parts, params, extra_capacity=max_new_tokens, prefix_cache=self.prefix_cache)
