@@ -19,7 +19,7 @@ $(VENV)/.base: $(VENV)/.torch pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e '.[test,llama-index]'
+	$(PIP) install -q -e '.[test,llama-index,bench,train]'
 	touch $@ $(VENV)/.base
 
 redis-server:
