@@ -2,7 +2,13 @@ import os
 
 import pytest
 
+import torch
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# triton reads TRITON_INTERPRET when it is first imported, and any library may import it first: on a machine
+# without CUDA the Triton kernels run in the interpreter, so set it before anything else is collected.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
