@@ -1,5 +1,6 @@
 """The `ragcache` command line, run as a user runs it (subprocesses, real default model, disk store)."""
 
+import json
 import os
 import signal
 import subprocess
@@ -74,7 +75,15 @@ def test_bad_input_exit_codes(tmp_path):
 
 
 def test_demo_models_and_config(tmp_path):
-    demo = ragcache("demo", "--questions", "1", "--store", f"disk:{tmp_path / 'demo'}", cwd=tmp_path)
+    data = tmp_path / "data"
+    (data / "docs").mkdir(parents=True)
+    questions = [line for line in (DATA / "questions.jsonl").read_text().splitlines() if line.strip()][:4]
+    (data / "questions.jsonl").write_text("\n".join(questions))
+    for line in questions:
+        name = json.loads(line)["doc"]
+        (data / "docs" / name).write_text((DATA / "docs" / name).read_text())
+    demo = ragcache("demo", "--questions", "1", "--data", str(data), "--store", f"disk:{tmp_path / 'demo'}",
+                    cwd=tmp_path)
     assert "legolink" in demo.stdout and "full" in demo.stdout and "TTFT" in demo.stdout
     listed = ragcache("models", "list", cwd=tmp_path)
     assert "smollm2-135m" in listed.stdout and "gemma3-270m" in listed.stdout
