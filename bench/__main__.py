@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | accuracy | squad-sample  (each: --help)."""
+"""python -m bench ttft | lower-bound | throughput | accuracy | markdown | squad-sample  (each: --help)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,15 @@ ALL = ",".join(common.VARIANTS)
 Model = typer.Option("smollm2-135m", "--model", "-m", help="built-in name, transformers directory or hub id")
 Out = typer.Option(None, "--out", help="results folder (default bench/results)")
 Tag = typer.Option("", "--tag", help="suffix of the result file names")
+
+
+@app.callback()
+def _options(threads: int = typer.Option(None, "--threads", min=1, help="torch CPU threads (default: torch's)")):
+    """ragcache benchmarks: tables on stdout, JSON + PNG under bench/results/."""
+    if threads:
+        import torch
+
+        torch.set_num_threads(threads)
 
 
 def _variants(text: str):
@@ -80,7 +89,8 @@ def throughput(
     clients: str = typer.Option("1,4,16", help="concurrent clients C (closed loop)"),
     requests: int = typer.Option(32, min=1, help="timed requests per (algorithm, C)"),
     pool: int = typer.Option(100, min=8, help="documents in the pool"),
-    doc_tokens: int = typer.Option(256, help="tokens per document"),
+    doc_tokens: int = typer.Option(128, help="tokens per document (100 x 128 tokens x 2 layouts fit the default "
+                                             "2 GiB memory store of SmolLM2)"),
     min_docs: int = typer.Option(4, min=1, help="documents per query, at least"),
     max_docs: int = typer.Option(8, min=1, help="documents per query, at most"),
     max_tokens: int = typer.Option(8, min=1, help="tokens generated per request"),
@@ -105,8 +115,10 @@ def accuracy(
     n: int = typer.Option(50, "--n", min=1, help="questions"),
     sample: bool = typer.Option(False, "--sample", help="use the shipped 20-item sample (no download)"),
     seed: int = typer.Option(0, help="item selection and shuffling"),
-    algorithms: str = typer.Option("full,prefix,naive,cacheblend,legolink-16,legolink0", help="comma-separated"),
-    max_new_tokens: int = typer.Option(24, min=1, help="greedy tokens per answer (stops at a newline)"),
+    algorithms: str = typer.Option("full,naive,cacheblend,legolink-16,legolink0",
+                                   help="comma-separated (prefix is left out by default: exact prefix reuse, the same "
+                                        "answers as full)"),
+    max_new_tokens: int = typer.Option(16, min=1, help="greedy tokens per answer (stops at a newline)"),
     system: str = typer.Option(None, help="system prompt (default: none)"),
     out: Path = Out,
     tag: str = Tag,
@@ -115,6 +127,26 @@ def accuracy(
     from bench import accuracy as mod
 
     mod.run(model, n, sample, seed, _variants(algorithms), max_new_tokens, system, out, tag)
+
+
+@app.command()
+def markdown(files: list[Path] = typer.Argument(..., help="result JSON files (bench/results/*.json)")):
+    """Print result files as Markdown tables (what docs/BENCHMARKS.md quotes)."""
+    import json
+
+    from bench import accuracy as acc
+    from bench import lower_bound as lb
+    from bench import throughput as tp
+    from bench import ttft as tt
+
+    renderers = {"ttft": tt.markdown, "lower-bound": lb.markdown, "throughput": tp.markdown, "accuracy": acc.markdown}
+    for path in files:
+        data = json.loads(path.read_text())
+        render = renderers.get(data.get("benchmark"))
+        if render is None:
+            print(f"{path}: not a result of ttft, lower-bound, throughput or accuracy\n")
+            continue
+        print(f"### {path.name}\n\n{render(data)}\n")
 
 
 @app.command("squad-sample")

@@ -143,3 +143,17 @@ def subtitle(machine: dict, extra: str = "") -> str:
     load = machine.get("load_average_start")
     load_s = f", load {load[0]:.1f}" if load else ""
     return f"{machine.get('cpu', '')[:40]}, {machine.get('cores')} cores{load_s}" + (f"; {extra}" if extra else "")
+
+
+def markdown_table(headers: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def header_line(data: dict) -> str:
+    m = data["machine"]
+    start, end = m.get("load_average_start"), m.get("load_average_end")
+    load = f"load average {start[0]:.1f} at start, {end[0]:.1f} at end" if start and end else "load average unknown"
+    return (f"{data['created']}, commit {m.get('commit')}, {m['cpu']}, {m['cores']} cores, torch {m['torch']} with "
+            f"{m['torch_threads']} thread(s), {load}; {data['seconds']:.0f} s")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import random
@@ -31,6 +32,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BIGBENCH = "bigbench==1.0.0"
+BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
+OLD_PIP = "pip==25.0.1"
 MEMBER = "bigbench/benchmark_tasks/squad_shifts/squaddev_v1.1.json"
 SAMPLE = Path(__file__).resolve().parent / "data" / "squad_sample.jsonl"
 DEV_JSON = "squad-dev-v1.1.json"
@@ -91,17 +94,38 @@ def dev_set_path() -> Path:
 
 def _archive() -> Path:
     folder = data_dir() / "bigbench"
-    found = sorted(folder.glob("bigbench-1.0.0.tar.gz"))
-    if found:
-        return found[0]
-    print(f"downloading {BIGBENCH} (source archive, about 358 MB) into {folder} ...", file=sys.stderr, flush=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(folder),
-           BIGBENCH]
+    archive = folder / "bigbench-1.0.0.tar.gz"
+    if not archive.exists():
+        print(f"downloading {BIGBENCH} (source archive, about 358 MB) into {folder} ...", file=sys.stderr, flush=True)
+        _pip_download([sys.executable, "-m", "pip"], folder)
+    if not archive.exists():
+        raise RuntimeError(f"pip download {BIGBENCH} did not produce {archive.name}")
+    digest = hashlib.sha256()
+    with open(archive, "rb") as fh:
+        while block := fh.read(1 << 22):
+            digest.update(block)
+    if digest.hexdigest() != BIGBENCH_SHA256:
+        archive.unlink()
+        raise RuntimeError(f"{archive.name}: sha256 {digest.hexdigest()}, expected {BIGBENCH_SHA256}; removed it")
+    return archive
+
+
+def _pip_download(pip: list[str], folder: Path) -> None:
+    """pip >= 26.3 refuses the archive after fetching it (bigbench declares a direct-URL dependency, bleurt, and
+    --no-deps does not skip that check); then pip 25.0.1, itself fetched from PyPI, runs from its wheel."""
+    cmd = [*pip, "download", "--no-deps", "--no-binary", ":all:", "-q", "-d", str(folder), BIGBENCH]
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    found = sorted(folder.glob("bigbench-*.tar.gz"))
-    if not found:
+    if proc.returncode == 0:
+        return
+    if "direct URL dependencies" not in proc.stderr or len(pip) > 1 and pip[-1].endswith(".whl/pip"):
         raise RuntimeError(f"pip download {BIGBENCH} failed: {proc.stderr.strip()[-800:]}")
-    return found[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, OLD_PIP],
+                             capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("pip-*.whl"))
+        if not wheels:
+            raise RuntimeError(f"pip download {OLD_PIP} failed: {got.stderr.strip()[-800:]}")
+        _pip_download([sys.executable, f"{wheels[0]}/pip"], folder)
 
 
 def build_items(dev: dict, n: int, seed: int = 0, distractors: int = 3) -> list[Item]:
@@ -172,7 +196,7 @@ def _f1(pred: list[str], gold: list[str]) -> float:
 
 
 # -- text for the timing benchmarks -----------------------------------------------------------------------
-QUESTION_LEAD = "Using only the documents above, answer in a few words. "
+QUESTION_LEAD = "Using only the documents above, answer the following question in a few words, without explanation. "
 
 
 def sample_paragraphs() -> list[str]:

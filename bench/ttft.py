@@ -150,3 +150,12 @@ def plot(results: list[dict], machine: dict, path: Path, model: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown(data: dict) -> str:
+    headers = ["store", "algorithm", "N", "prompt tokens", "recomputed", "TTFT ms", "fetch", "rotate", "recompute",
+               "first", "x full"]
+    rows = [[r["store"], r["label"], r["n_docs"], r["prompt_tokens"], r["recomputed_tokens"], report.ms(r["ttft_s"]),
+             report.ms(r["fetch_s"]), report.ms(r["rotate_s"]), report.ms(r["recompute_s"]), report.ms(r["first_s"]),
+             "" if r["speedup_vs_full"] is None else f"{r['speedup_vs_full']:.1f}"] for r in data["results"]]
+    return report.header_line(data) + "\n\n" + report.markdown_table(headers, rows)

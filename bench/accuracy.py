@@ -1,0 +1,147 @@
+"""Accuracy of every algorithm on SQuAD v1.1 dev: the gold paragraph plus 3 distractors from other articles,
+shuffled, each a separate document (chunk). All algorithms answer the same items from the same token ids.
+
+    python -m bench accuracy --model gemma3-270m --n 50
+    python -m bench accuracy --sample --n 5            # the shipped 20-item sample, no download
+
+Greedy, at most --max-new-tokens tokens, cut at the first newline once the answer has started (a leading newline,
+which Gemma often produces, does not end it). Scores (SQuAD v1.1 normalisation, max over the
+gold answers): exact match (EM) and token F1; agreement with full's answer (normalised text equal, and F1
+against it); each with a 95% percentile-bootstrap interval over items (2,000 resamples), and the paired
+difference of F1 from full's with its own interval. Writes bench/results/accuracy-<model>.json and .png.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+from pathlib import Path
+
+from . import report, squad
+from .common import Variant, engine, load_model
+
+RESAMPLES = 2000
+STOP = "the first newline after the answer's first visible character"
+
+
+def first_line(text: str) -> str:
+    """The answer up to the first newline once it has started: a model that opens with a newline (Gemma often
+    does) is not cut to nothing, which a plain stop string at "\n" would do."""
+    return text.lstrip().split("\n", 1)[0].strip()
+
+
+def bootstrap(values: list[float], seed: int = 0, resamples: int = RESAMPLES) -> tuple[float, float, float]:
+    """(mean, low, high): 95% percentile bootstrap over items."""
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(values)
+    means = sorted(sum(values[rng.randrange(n)] for _ in range(n)) / n for _ in range(resamples))
+    return sum(values) / n, means[int(0.025 * resamples)], means[min(int(0.975 * resamples), resamples - 1)]
+
+
+def _ci(values: list[float], seed: int) -> dict:
+    mean, low, high = bootstrap(values, seed)
+    return dict(mean=round(mean, 4), ci95=[round(low, 4), round(high, 4)])
+
+
+def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], max_new_tokens: int,
+        system: str | None = None, out_dir: Path | None = None, tag: str = "") -> dict:
+    items = squad.load_items(n, seed=seed, sample=sample)
+    params = dict(model=model, n=len(items), sample=sample, seed=seed, algorithms=[v.label for v in variants],
+                  max_new_tokens=max_new_tokens, stop=STOP, system=system, distractors=3,
+                  data="bench/data/squad_sample.jsonl" if sample else "SQuAD v1.1 dev (bigbench==1.0.0)", tag=tag)
+    bench = report.Run("accuracy", params, out_dir)
+    lm = load_model(model)
+    rc = engine(lm, "memory:", 512)
+    rc.warmup()
+    labels = [v.label for v in variants]
+    if "full" not in labels:
+        variants = [Variant("full", "full")] + variants  # agreement is measured against full
+        labels = ["full"] + labels
+    per_item = []
+    started = time.perf_counter()
+    for i, item in enumerate(items):
+        ids = rc.compile(item.documents)
+        answers = {}
+        for v in variants:
+            ans = rc.query(item.question, ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
+            text = first_line(ans.text)
+            answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
+                                    f1=squad.token_f1(text, item.answers),
+                                    recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
+        full = answers["full"]["text"]
+        for a in answers.values():
+            a["agree"] = float(squad.normalize(a["text"]) == squad.normalize(full))
+            a["f1_vs_full"] = squad.token_f1(a["text"], [full]) if full else float(not a["text"])
+        per_item.append(dict(id=item.id, question=item.question, gold_answers=item.answers, gold_doc=item.gold,
+                             answers=answers))
+        for doc_id in set(ids):
+            rc.delete_document(doc_id)  # keep the memory store small; every item's documents are new anyway
+        elapsed = time.perf_counter() - started
+        print(f"[{i + 1}/{len(items)}] {elapsed:.0f}s  " + "  ".join(f"{k}={answers[k]['f1']:.2f}" for k in labels),
+              file=sys.stderr, flush=True)
+    results = summarize(per_item, labels, seed)
+    _print(results, bench.machine, model, len(items))
+    paths = bench.finish(results, dict(items=per_item),
+                         plot=lambda p: plot(results, bench.machine, p, model, len(items)))
+    return dict(results=results, paths=paths)
+
+
+def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[dict]:
+    out = []
+    full_f1 = [it["answers"]["full"]["f1"] for it in per_item]
+    for label in labels:
+        got = [it["answers"][label] for it in per_item]
+        f1 = [a["f1"] for a in got]
+        row = dict(label=label, n=len(got), em=_ci([a["em"] for a in got], seed), f1=_ci(f1, seed),
+                   agree_with_full=_ci([a["agree"] for a in got], seed),
+                   f1_vs_full=_ci([a["f1_vs_full"] for a in got], seed),
+                   delta_f1_vs_full=_ci([x - y for x, y in zip(f1, full_f1)], seed),
+                   mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
+                   mean_prompt_tokens=round(sum(a["prompt_tokens"] for a in got) / max(len(got), 1), 1))
+        out.append(row)
+    return out
+
+
+def _fmt(ci: dict) -> str:
+    return f"{ci['mean']:.3f} [{ci['ci95'][0]:.3f}, {ci['ci95'][1]:.3f}]"
+
+
+def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
+    headers = ["algorithm", "n", "EM", "F1", "ΔF1 vs full", "agree w/ full", "F1 vs full", "recomputed/prompt"]
+    rows = [[r["label"], r["n"], _fmt(r["em"]), _fmt(r["f1"]), _fmt(r["delta_f1_vs_full"]), _fmt(r["agree_with_full"]),
+             _fmt(r["f1_vs_full"]), f"{r['mean_recomputed']:.0f}/{r['mean_prompt_tokens']:.0f}"] for r in results]
+    report.print_table(f"SQuAD v1.1 dev, gold + 3 distractors, {model} (mean [95% bootstrap CI])", headers, rows,
+                       caption=report.subtitle(machine, f"n={n}"))
+
+
+def plot(results: list[dict], machine: dict, path: Path, model: str, n: int) -> None:
+    plt = report.pyplot()
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    metrics = [("em", "EM"), ("f1", "F1"), ("agree_with_full", "agrees with full")]
+    width = 0.8 / len(metrics)
+    for j, (key, name) in enumerate(metrics):
+        xs = [i + (j - 1) * width for i in range(len(results))]
+        means = [r[key]["mean"] for r in results]
+        errs = [[m - r[key]["ci95"][0] for m, r in zip(means, results)],
+                [r[key]["ci95"][1] - m for m, r in zip(means, results)]]
+        ax.bar(xs, means, width, yerr=errs, capsize=2, label=name)
+    ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=20)
+    ax.set_ylim(0, 1.05)
+    ax.set_ylabel("mean, 95% bootstrap CI")
+    ax.legend(fontsize=8)
+    ax.set_title(f"SQuAD v1.1 dev (gold + 3 distractors), {model}, n={n} — {report.subtitle(machine)}", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(data: dict) -> str:
+    headers = ["algorithm", "n", "EM", "F1", "ΔF1 vs full", "agrees with full", "F1 vs full's answer",
+               "recomputed / prompt tokens"]
+    rows = [[r["label"], r["n"], _fmt(r["em"]), _fmt(r["f1"]), _fmt(r["delta_f1_vs_full"]), _fmt(r["agree_with_full"]),
+             _fmt(r["f1_vs_full"]), f"{r['mean_recomputed']:.0f} / {r['mean_prompt_tokens']:.0f}"]
+            for r in data["results"]]
+    return report.header_line(data) + "\n\n" + report.markdown_table(headers, rows)

@@ -1,0 +1,202 @@
+"""Fine-tune a FIM model for EFIM infilling on fragment-tokenized examples (full or LoRA).
+
+    train(TrainConfig(model="qwen2.5-coder-0.5b", data=Path("src"), out=Path("out"), steps=50))
+
+reads the files under `data` (default *.py), streams FIM / EFIM examples from them (`fragment.ExampleBuilder`),
+runs `steps` optimizer steps (AdamW, short linear warm-up, gradient clipping) and writes a plain transformers
+directory (LoRA adapters merged into the weights) plus the tokenizer, which `RagCache.open(model=out)` loads.
+Runs on CPU for small models; the same code uses CUDA (bf16 autocast) when there is a GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from .. import models
+from ..errors import BadRequest, ModelFetchError, RagCacheError
+from .fragment import IGNORE, Example, ExampleBuilder, ExampleConfig
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+DEFAULT_LR = {True: 2e-4, False: 2e-5}  # by lora
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: Path
+    out: Path
+    steps: int = 100
+    lora: bool = True
+    lr: float | None = None  # default: 2e-4 for LoRA, 2e-5 for a full fine-tune
+    batch: int = 4
+    format: str = "both"  # efim | fim | both
+    fragment: bool = True
+    max_tokens: int = 512
+    glob: str = "**/*.py"
+    seed: int = 0
+    lora_r: int = 16
+    lora_alpha: int = 32
+    warmup_steps: int | None = None  # default: steps // 10
+    device: str = "auto"  # auto | cpu | cuda
+
+    def validate(self) -> None:
+        if self.steps < 1:
+            raise BadRequest(f"--steps must be >= 1, got {self.steps}")
+        if self.batch < 1:
+            raise BadRequest(f"--batch must be >= 1, got {self.batch}")
+        if self.lr is not None and not 0 < self.lr < 1:
+            raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
+        self.example_config().validate()
+
+    def example_config(self) -> ExampleConfig:
+        return ExampleConfig(format=self.format, fragment=self.fragment, max_tokens=self.max_tokens)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.lr if self.lr is not None else DEFAULT_LR[self.lora]
+
+
+@dataclass
+class TrainResult:
+    out: Path
+    steps: int
+    examples: int
+    tokens: int  # all tokens seen
+    target_tokens: int  # tokens that took loss (middle + end token)
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    device: str = "cpu"
+    trainable_parameters: int = 0
+
+
+def read_texts(data: Path, glob: str = "**/*.py") -> list[str]:
+    """The text of every file under `data` matching `glob` (sorted; undecodable bytes replaced)."""
+    if not data.exists():
+        raise BadRequest(f"no such directory: {data}")
+    files = [data] if data.is_file() else sorted(p for p in data.glob(glob) if p.is_file())
+    texts = [t for t in (p.read_text(encoding="utf-8", errors="replace") for p in files) if len(t) >= 2]
+    if not texts:
+        raise BadRequest(f"no training files matching {glob!r} under {data}")
+    return texts
+
+
+def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded input ids, attention mask and labels (IGNORE on padding)."""
+    width = max(len(e.input_ids) for e in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), IGNORE, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, e in enumerate(batch):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def _load(source: str, example_config: ExampleConfig):
+    """Tokenizer first: a model without FIM sentinels is refused before its weights are read."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ModelFetchError(f"cannot load the tokenizer of {source!r}: {exc}") from exc
+    ExampleBuilder(tokenizer, example_config)  # raises UnsupportedModel without FIM sentinels
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    except (OSError, ValueError) as exc:
+        raise ModelFetchError(f"cannot load model {source!r}: {exc}") from exc
+    rows = model.get_input_embeddings().num_embeddings
+    return model, tokenizer, ExampleBuilder(tokenizer, example_config, vocab_size=rows)
+
+
+def _with_lora(model, cfg: TrainConfig):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise BadRequest("LoRA needs the `peft` package: pip install 'ragcache[train]' (or use --full)") from exc
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    targets = [t for t in LORA_TARGETS if t in names]
+    if not targets:
+        raise BadRequest(f"no LoRA target modules ({', '.join(LORA_TARGETS)}) in this model; use --full")
+    config = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=targets,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None) -> TrainResult:
+    """Fine-tune and save; `progress(step, loss)` after every optimizer step."""
+    cfg.validate()
+    texts = read_texts(Path(cfg.data), cfg.glob)
+    source = models.resolve(cfg.model)
+    model, tokenizer, builder = _load(source, cfg.example_config())
+    examples = builder.stream(texts, seed=cfg.seed)
+    pad_id = builder.end_id  # padding takes no loss and no attention; any id the model embeds will do
+
+    torch.manual_seed(cfg.seed)
+    device = _device(cfg.device)
+    model.config.use_cache = False
+    if cfg.lora:
+        model = _with_lora(model, cfg)
+    model.to(device).train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+
+    result = TrainResult(Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device),
+                         trainable_parameters=sum(p.numel() for p in params))
+    started = time.perf_counter()
+    for step in range(1, cfg.steps + 1):
+        batch = [next(examples) for _ in range(cfg.batch)]
+        tensors = {k: v.to(device) for k, v in collate(batch, pad_id).items()}
+        with autocast:
+            loss = model(**tensors).loss
+        if not math.isfinite(loss.item()):
+            raise RagCacheError(f"loss is {loss.item()} at step {step}; lower --lr")
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.examples += len(batch)
+        result.tokens += int(tensors["attention_mask"].sum())
+        result.target_tokens += int((tensors["labels"] != IGNORE).sum())
+        result.losses.append(round(loss.item(), 5))
+        if progress:
+            progress(step, loss.item())
+    result.seconds = time.perf_counter() - started
+    save(model, tokenizer, cfg, result)
+    return result
+
+
+def save(model, tokenizer, cfg: TrainConfig, result: TrainResult) -> None:
+    """A plain transformers directory: LoRA merged, float32 on CPU, tokenizer beside it, the run in train.json."""
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    model = model.to("cpu").eval()
+    model.config.use_cache = True
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    record = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+              "result": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()},
+              "learning_rate": cfg.learning_rate}
+    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2) + "\n")

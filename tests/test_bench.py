@@ -1,0 +1,131 @@
+"""The benchmarks run end to end on tiny inputs (the real default model, one run each) and write well-formed
+JSON and a PNG; the scoring helpers give the SQuAD values. No timing is asserted: timings belong to bench/."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from bench import accuracy, common, report, squad
+from bench.__main__ import app
+
+
+def invoke(*args: str) -> None:
+    result = CliRunner().invoke(app, ["--threads", "1", *args], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+
+
+def load(out: Path, name: str) -> dict:
+    data = json.loads((out / f"{name}.json").read_text())
+    assert (out / f"{name}.png").stat().st_size > 1000
+    assert data["machine"]["cores"] >= 1 and "load_average_start" in data["machine"]
+    return data
+
+
+def finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x) and x >= 0
+
+
+# -- end to end on the real default model --------------------------------------------------------------------
+@pytest.mark.real_model
+def test_ttft(tmp_path):
+    invoke("ttft", "--docs", "1,2", "--doc-tokens", "32", "--runs", "1", "--stores", "memory,disk,redis",
+           "--algorithms", "full,prefix,legolink-16,legolink0", "--out", str(tmp_path))
+    data = load(tmp_path, "ttft-smollm2-135m")
+    stores = {r["store"] for r in data["results"]}
+    assert {"memory (warm)", "disk (cold)"} <= stores
+    assert len(data["results"]) == len(stores) * 2 * 4
+    for r in data["results"]:
+        assert r["label"] in {"full", "prefix", "legolink-16", "legolink0"} and r["n_docs"] in (1, 2)
+        for key in ("ttft_s", "fetch_s", "rotate_s", "recompute_s"):
+            assert finite(r[key]), (key, r)
+        assert r["recomputed_tokens"] + r["cached_tokens"] == r["prompt_tokens"]
+        assert r["compiled_chunks"] == 0  # everything was compiled before timing
+        if r["label"] == "full":
+            assert r["recomputed_tokens"] == r["prompt_tokens"] and r["speedup_vs_full"] == 1.0
+
+
+@pytest.mark.real_model
+def test_lower_bound(tmp_path):
+    invoke("lower-bound", "--docs", "1", "--doc-tokens", "32", "--runs", "1", "--store", "disk",
+           "--algorithms", "full,naive,legolink0", "--out", str(tmp_path))
+    data = load(tmp_path, "lower-bound-smollm2-135m")
+    rows = {r["label"]: r for r in data["results"]}
+    assert set(rows) == {"full", "naive", "legolink0"}
+    assert rows["full"]["entries"] == 0 and rows["full"]["read_s"] == 0
+    assert rows["naive"]["entries"] >= 1 and rows["naive"]["entry_bytes"] > 0
+    for r in rows.values():
+        assert all(finite(r[k]) for k in ("ttft_s", "link_s", "read_s", "rows_s", "rows_alone_s", "floor_s"))
+        assert r["floor_s"] == pytest.approx(r["read_s"] + r["rows_s"], abs=1e-5)
+
+
+@pytest.mark.real_model
+def test_accuracy_on_the_shipped_sample(tmp_path):
+    invoke("accuracy", "--sample", "--n", "2", "--algorithms", "naive,legolink", "--max-new-tokens", "4",
+           "--out", str(tmp_path))
+    data = load(tmp_path, "accuracy-smollm2-135m")
+    assert data["params"]["n"] == 2 and len(data["items"]) == 2
+    rows = {r["label"]: r for r in data["results"]}
+    assert list(rows) == ["full", "naive", "legolink-16"]  # full is always there: agreement is measured against it
+    assert rows["full"]["agree_with_full"]["mean"] == 1.0
+    for r in rows.values():
+        for metric in ("em", "f1", "agree_with_full", "f1_vs_full"):
+            low, high = r[metric]["ci95"]
+            assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
+    for item in data["items"]:
+        assert set(item["answers"]) == set(rows) and item["gold_answers"]
+
+
+@pytest.mark.real_model
+def test_throughput_through_the_rest_server(tmp_path):
+    invoke("throughput", "--clients", "1,2", "--requests", "2", "--pool", "8", "--doc-tokens", "32", "--min-docs", "2",
+           "--max-docs", "3", "--max-tokens", "2", "--algorithms", "legolink", "--out", str(tmp_path))
+    data = load(tmp_path, "throughput-smollm2-135m")
+    assert [(r["label"], r["clients"]) for r in data["results"]] == [("legolink-16", 1), ("legolink-16", 2)]
+    for r in data["results"]:
+        assert r["requests"] == 2 and r["errors"] == 0
+        assert finite(r["requests_per_s"]) and r["p50_s"] <= r["p99_s"]
+
+
+# -- helpers, no model ----------------------------------------------------------------------------------------
+def test_squad_scoring_matches_the_official_normalisation():
+    assert squad.normalize("The  Cat, sat!") == "cat sat"
+    assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0
+    assert squad.exact_match("Denver", ["Denver Broncos"]) == 0.0
+    assert squad.token_f1("Denver", ["Denver Broncos"]) == pytest.approx(2 / 3)
+    assert squad.token_f1("", ["x"]) == 0.0
+    assert squad.token_f1("a b c", ["x", "b c"]) == pytest.approx(1.0)
+
+
+def test_answer_is_cut_at_the_first_newline_once_started():
+    assert accuracy.first_line("\n\n Paris\nLondon") == "Paris"
+    assert accuracy.first_line("16,000 rpm.") == "16,000 rpm."
+    assert accuracy.first_line("\n") == ""
+
+
+def test_bootstrap_interval_contains_the_mean():
+    mean, low, high = accuracy.bootstrap([0.0, 1.0] * 20)
+    assert mean == 0.5 and 0.3 < low < 0.5 < high < 0.7
+    assert accuracy.bootstrap([1.0] * 5) == (1.0, 1.0, 1.0)
+
+
+def test_shipped_sample_is_well_formed():
+    items = squad.load_items(sample=True)
+    assert len(items) == 20 and len({i.id for i in items}) == 20
+    for item in items:
+        assert len(item.documents) == 4 and item.answers
+        assert any(a in item.documents[item.gold] for a in item.answers)
+    assert (squad.SAMPLE.parent / "README.md").read_text().count("CC BY-SA 4.0")
+
+
+def test_variants_and_percentiles():
+    assert [v.label for v in common.parse_variants("full,legolink,legolink-8,cacheblend-0.3")] == [
+        "full", "legolink-16", "legolink-8", "cacheblend-0.3"]
+    assert common.parse_variants("legolink-8")[0].kwargs == {"algorithm": "legolink", "k": 8}
+    with pytest.raises(ValueError):
+        common.parse_variants("bogus")
+    assert report.percentile([1, 2, 3, 4], 50) == 2.5 and report.percentile([5], 99) == 5

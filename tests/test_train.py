@@ -1,0 +1,273 @@
+"""Fragment tokenization, FIM/EFIM training examples, a training smoke run and the infilling eval (tiny models)."""
+
+import json
+import math
+import random
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+from typer.testing import CliRunner
+
+from ragcache import errors
+from ragcache.cli import app
+from ragcache.engine import RagCache
+from ragcache.infill import FimTokens, build_prompt
+from ragcache.train.evaluate import evaluate
+from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize
+from ragcache.train.infill import TrainConfig, train
+from ragcache.train.tasks import build_tasks
+from tests import tiny
+
+PRE, SUF, MID, END = 3, 4, 5, 2  # tiny tokenizer: <|fim_prefix|>, <|fim_suffix|>, <|fim_middle|>, </s>
+
+CODE = {
+    "stats.py": '''"""Small statistics helpers."""
+
+
+def compute_total(values):
+    total = 0
+    for value in values:
+        total = total + value
+    return total
+
+
+def compute_average(values):
+    if not values:
+        raise ValueError("no values")
+    return compute_total(values) / len(values)
+''',
+    "shapes.py": '''import math
+
+
+class Rectangle:
+    def __init__(self, width, height):
+        self.width = width
+        self.height = height
+
+    def area(self):
+        return self.width * self.height
+
+    def diagonal(self):
+        return math.sqrt(self.width ** 2 + self.height ** 2)
+''',
+    "pkg/text.py": '''def shout(message):
+    return message.upper() + "!"
+
+
+def whisper(message):
+    return message.lower() + "..."
+''',
+}
+
+
+def is_word(ch):
+    return ch.isalnum() or ch == "_"
+
+
+def ids(text):
+    return tiny.tokenizer()(text, add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def code_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("code")
+    for name, text in CODE.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """tiny.make("qwen2") saved as a transformers directory, tokenizer beside it."""
+    lm = tiny.make("qwen2")
+    out = tmp_path_factory.mktemp("tiny-qwen2")
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return out
+
+
+def no_fim_tokenizer():
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(tiny.CORPUS, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+# -- fragment tokenization ---------------------------------------------------------------------------------
+def test_fragments_cut_inside_words_and_join_back():
+    text = CODE["stats.py"]
+    parts = fragments(text, random.Random(0), mean_chars=12)
+    assert "".join(parts) == text and len(parts) > 10
+    bounds = [sum(map(len, parts[:i])) for i in range(1, len(parts))]
+    assert any(is_word(text[b - 1]) and is_word(text[b]) for b in bounds)  # partial words at fragment ends
+    assert fragments(text, random.Random(0), mean_chars=12) == parts  # seeded
+    assert fragments(text, random.Random(1), mean_chars=12) != parts
+
+
+def test_fragment_tokenization_changes_tokens_not_text():
+    tok, text = tiny.tokenizer(), CODE["shapes.py"]
+    whole = tokenize(tok, text)
+    cut = tokenize(tok, text, random.Random(0), mean_chars=8)
+    assert whole == ids(text)
+    assert cut != whole and len(cut) > len(whole)  # boundaries inside words split tokens the BPE would merge
+    assert tok.decode(cut) == text == tok.decode(whole)
+    assert tokenize(tok, text, random.Random(0), mean_chars=8) == cut
+    # each fragment tokenized alone, concatenated
+    parts = fragments(text, random.Random(0), mean_chars=8)
+    assert cut == [i for p in parts for i in ids(p)]
+
+
+# -- FIM / EFIM examples -----------------------------------------------------------------------------------
+def test_unfragmented_examples_match_the_serving_prompt_layout():
+    tok = tiny.tokenizer()
+    builder = ExampleBuilder(tok, ExampleConfig(fragment=False))
+    assert builder.fim == FimTokens(PRE, SUF, MID) and builder.end_id == END == end_token_id(tok)
+    prefix, middle, suffix = "def area(self):\n    return self.wi", "dth * self.hei", "ght\n"
+    rng = random.Random(0)
+    fim = builder.assemble(prefix, suffix, middle, "fim", None, rng)
+    prompt = build_prompt(tok, builder.fim, prefix, suffix, "psm")
+    assert fim.input_ids == prompt + ids(middle) + [END]
+    assert fim.labels == [IGNORE] * len(prompt) + ids(middle) + [END]
+    split = len(prefix) - 7  # "self.wi" typed since the base: it goes after <MID>
+    efim = builder.assemble(prefix, suffix, middle, "efim", split, rng)
+    prompt = build_prompt(tok, builder.fim, prefix, suffix, "efim", split=split)
+    assert prompt[-len(ids("self.wi")):] == ids("self.wi")
+    assert efim.input_ids == prompt + ids(middle) + [END]
+    assert efim.labels == [IGNORE] * len(prompt) + ids(middle) + [END]
+
+
+def test_sampled_examples_have_sentinels_in_order_and_loss_only_on_the_middle():
+    tok = tiny.tokenizer()
+    builder = ExampleBuilder(tok, ExampleConfig(format="both", fragment=True, mean_fragment_chars=10, max_tokens=160))
+    stream = builder.stream(list(CODE.values()), seed=3)
+    examples = [next(stream) for _ in range(30)]
+    assert {e.format for e in examples} == {"fim", "efim"}
+    assert any(e.split < len(e.prefix) for e in examples if e.format == "efim")  # an increment after <MID>
+    for e in examples:
+        x, y = e.input_ids, e.labels
+        assert len(x) == len(y) <= 160
+        assert x[0] == PRE and [t for t in x if t in (PRE, SUF, MID)] == [PRE, SUF, MID]
+        s, m, n = x.index(SUF), x.index(MID), e.prompt_length
+        assert all(label == IGNORE for label in y[:n]) and all(label != IGNORE for label in y[n:])
+        assert y[n:] == x[n:] and y[-1] == END and END not in x[:n]
+        assert tok.decode(x[1:s]) == e.prefix[: e.split]
+        assert tok.decode(x[s + 1 : m]) == e.suffix
+        assert tok.decode(x[m + 1 : n]) == e.prefix[e.split :]  # empty for FIM
+        assert tok.decode(x[n:-1]) == e.middle and e.middle
+        if e.format == "fim":
+            assert e.split == len(e.prefix)
+    again = builder.stream(list(CODE.values()), seed=3)
+    assert [next(again).input_ids for _ in range(30)] == [e.input_ids for e in examples]  # deterministic
+
+
+def test_a_tokenizer_without_fim_sentinels_is_refused():
+    with pytest.raises(errors.UnsupportedModel, match="fill-in-the-middle"):
+        ExampleBuilder(no_fim_tokenizer())
+    with pytest.raises(errors.BadRequest, match="unknown training format"):
+        ExampleBuilder(tiny.tokenizer(), ExampleConfig(format="xyz"))
+
+
+# -- training ----------------------------------------------------------------------------------------------
+def test_full_fine_tune_writes_a_model_ragcache_serves(tiny_dir, code_dir, tmp_path):
+    out = tmp_path / "full"
+    result = train(TrainConfig(model=str(tiny_dir), data=code_dir, out=out, steps=2, lora=False, batch=2,
+                               max_tokens=128, format="both"))
+    assert len(result.losses) == 2 and all(math.isfinite(x) for x in result.losses)
+    assert result.examples == 4 and result.target_tokens > 0
+    assert (out / "config.json").exists() and (out / "ragcache-train.json").exists()
+    rc = RagCache.open(model=str(out), store="memory:")
+    before = tiny.make("qwen2").model.state_dict()
+    after = rc.lm.model.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # the weights moved
+    answer = rc.infill("def area(self):\n    return self.wi", "\n", session="s", max_new_tokens=3)
+    assert answer.stats.prompt_tokens > 0 and len(answer.token_ids) <= 3
+    grown = rc.infill("def area(self):\n    return self.width", "\n", session="s", max_new_tokens=3)
+    assert grown.stats.cached_tokens > 0
+
+
+def test_lora_training_from_the_command_line(tiny_dir, code_dir, tmp_path):
+    pytest.importorskip("peft")
+    out = tmp_path / "lora"
+    result = CliRunner().invoke(app, ["train", "infill", "--model", str(tiny_dir), "--data", str(code_dir),
+                                      "--steps", "2", "--batch", "2", "--max-tokens", "128", "--out", str(out),
+                                      "--format", "efim", "--lr", "1e-2"])
+    assert result.exit_code == 0, result.output
+    assert "wrote" in result.output
+    assert not (out / "adapter_config.json").exists()  # adapters merged: a plain transformers directory
+    rc = RagCache.open(model=str(out), store="memory:")
+    assert not any("lora" in k for k in rc.lm.model.state_dict())
+    assert json.loads((out / "ragcache-train.json").read_text())["config"]["lora"] is True
+    assert rc.infill("class Rectangle:\n    def ar", "\n", max_new_tokens=2).stats.completion_tokens <= 2
+
+
+def test_training_errors_are_clear(tiny_dir, code_dir, tmp_path):
+    nofim = tmp_path / "nofim"
+    tiny.make("qwen2").model.save_pretrained(nofim)
+    no_fim_tokenizer().save_pretrained(nofim)
+    runner = CliRunner()
+    refused = runner.invoke(app, ["train", "infill", "--model", str(nofim), "--data", str(code_dir), "--steps", "1",
+                                  "--out", str(tmp_path / "x")])
+    assert refused.exit_code == 5 and "fill-in-the-middle" in refused.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    missing = runner.invoke(app, ["train", "infill", "--model", str(tiny_dir), "--data", str(empty), "--steps", "1",
+                                  "--out", str(tmp_path / "y")])
+    assert missing.exit_code == 3 and "no training files" in missing.output
+    bad = runner.invoke(app, ["train", "infill", "--model", str(tiny_dir), "--data", str(code_dir), "--steps", "0"])
+    assert bad.exit_code == 3 and "--steps" in bad.output
+
+
+# -- evaluation --------------------------------------------------------------------------------------------
+def test_tasks_put_the_cursor_inside_a_word_deterministically(code_dir):
+    tasks = build_tasks(6, seed=1, source=code_dir, prefix_chars=120, suffix_chars=60)
+    assert [t.task_id for t in tasks] == [t.task_id for t in build_tasks(6, seed=1, source=code_dir,
+                                                                       prefix_chars=120, suffix_chars=60)]
+    assert {t.kind for t in tasks} == {"line", "span"}
+    for t in tasks:
+        text = open(t.path).read()
+        assert text[t.start - len(t.prefix) : t.end + len(t.suffix)] == t.prefix + t.middle + t.suffix
+        assert is_word(t.prefix[-1]) and is_word(t.middle[0])  # the partial-word case
+        assert 0 <= t.split < len(t.prefix) and "\n" not in t.prefix[t.split :]
+        if t.kind == "line":
+            assert "\n" not in t.middle and t.suffix[:1] in ("\n", "")
+
+
+def test_stdlib_tasks_are_deterministic():
+    a = build_tasks(4, seed=0)
+    assert [t.as_dict() for t in a] == [t.as_dict() for t in build_tasks(4, seed=0)]
+    assert all(is_word(t.prefix[-1]) and is_word(t.middle[0]) for t in a)
+
+
+def test_eval_runs_psm_and_efim_on_the_tiny_model(tiny_dir, code_dir, tmp_path):
+    rc = RagCache.open(model=str(tiny_dir), store="memory:")
+    tasks = build_tasks(3, seed=0, source=code_dir, prefix_chars=120, suffix_chars=60)
+    report = evaluate(rc, tasks, ("psm", "efim"), max_new_tokens=3)
+    assert len(report.results) == 6
+    tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
+    for task, (psm, efim) in zip(tasks, zip(report.results[::2], report.results[1::2])):
+        assert psm.mode == "psm" and efim.mode == "efim"
+        assert psm.prompt_tokens == len(build_prompt(tok, fim, task.prefix, task.suffix, "psm"))
+        assert efim.prompt_tokens == len(build_prompt(tok, fim, task.prefix, task.suffix, "efim", split=task.split))
+    summary = report.summary()
+    assert {(r["mode"], r["kind"]) for r in summary} >= {("psm", "all"), ("efim", "all")}
+    assert all(0.0 <= r["exact_match"] <= 1.0 for r in summary)
+    # a perfect prediction scores
+    from ragcache.train.evaluate import score
+
+    class Stats:
+        ttft_s = total_s = 0.0
+        prompt_tokens = completion_tokens = 1
+
+    assert score(tasks[0], "psm", tasks[0].middle + "\nmore", Stats).exact is (tasks[0].kind == "line")
+    assert score(tasks[1], "psm", tasks[1].middle, Stats).exact and score(tasks[1], "psm", tasks[1].middle, Stats).syntax_ok
+    cli = CliRunner().invoke(app, ["train", "eval", "--model", str(tiny_dir), "--tasks", "2", "--source", str(code_dir),
+                                   "--prefix-chars", "120", "--suffix-chars", "60", "--max-new-tokens", "2",
+                                   "--json", str(tmp_path / "eval.json")])
+    assert cli.exit_code == 0, cli.output
+    saved = json.loads((tmp_path / "eval.json").read_text())
+    assert len(saved["results"]) == 4 and len(saved["tasks"]) == 2
