@@ -38,8 +38,11 @@ class Step:
     text: str  # new text this token made visible ("" while held back)
 
 
+GREEDY_BELOW = 1e-3  # logits / 1e-232 overflow to inf and softmax to NaN; such a distribution is the argmax anyway
+
+
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    if sampling.temperature == 0.0:
+    if sampling.temperature < GREEDY_BELOW:
         return int(torch.argmax(logits))
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:

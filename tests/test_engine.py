@@ -125,3 +125,9 @@ def test_sliding_window_model_decodes_past_its_window():
         expected = ref.model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, ids.numel():]
     assert full.token_ids == expected.tolist()[: len(full.token_ids)]
+
+
+def test_a_vanishing_temperature_is_greedy(rc):
+    greedy = rc.query("How tall?", docs=[DOC], max_new_tokens=4)
+    tiny_t = rc.query("How tall?", docs=[DOC], max_new_tokens=4, temperature=1.5e-232, seed=1)
+    assert tiny_t.token_ids == greedy.token_ids
