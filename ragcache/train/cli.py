@@ -117,11 +117,12 @@ def eval_cmd(
     except RagCacheError as exc:
         _fail(exc)
     table = Table(title=f"infilling: {model}, {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens")
-    for col in ("mode", "kind", "n", "exact match", "syntax pass", "edit sim", "TTFT ms", "tokens"):
+    for col in ("mode", "kind", "n", "exact match", "1st char", "syntax pass", "edit sim", "TTFT ms", "tokens"):
         table.add_column(col, justify="left" if col in ("mode", "kind") else "right")
     for row in report.summary():
         syntax = "" if row["syntax_pass"] is None else f"{row['syntax_pass']:.3f}"
-        table.add_row(row["mode"], row["kind"], str(row["n"]), f"{row['exact_match']:.3f}", syntax,
+        table.add_row(row["mode"], row["kind"], str(row["n"]), f"{row['exact_match']:.3f}", f"{row['first_char']:.3f}",
+                      syntax,
                       f"{row['edit_similarity']:.3f}", f"{row['ttft_s'] * 1e3:.0f}", f"{row['completion_tokens']:.1f}")
     console.print(table)
     by_id = {t.task_id: t for t in tasks}

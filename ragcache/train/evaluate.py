@@ -7,7 +7,7 @@ For each task and mode the engine serves the infill request (`rc.infill`, greedy
     spm   <SUF>{suffix}<PRE>{prefix}<MID>                     (optional, for comparison)
 
 Scores: exact match (trailing whitespace ignored; a line task's prediction is cut at its first newline),
-syntax pass (the source file with the prediction in place of the middle still parses) and edit similarity
+first character (the prediction starts like the middle: the partial word is continued, not skipped), syntax pass (the source file with the prediction in place of the middle still parses) and edit similarity
 (difflib ratio). A model that cannot continue a partial word loses EM under EFIM and keeps it under PSM.
 """
 
@@ -30,6 +30,7 @@ class TaskResult:
     mode: str
     prediction: str
     exact: bool
+    first_char: bool  # the prediction starts with the middle's first character: the partial word is continued
     syntax_ok: bool | None
     edit_similarity: float
     ttft_s: float
@@ -54,6 +55,7 @@ class EvalReport:
                 checked = [r.syntax_ok for r in group if r.syntax_ok is not None]
                 rows.append(dict(mode=mode, kind=kind, n=len(group),
                                  exact_match=sum(r.exact for r in group) / len(group),
+                                 first_char=sum(r.first_char for r in group) / len(group),
                                  syntax_pass=sum(checked) / len(checked) if checked else None,
                                  edit_similarity=statistics.fmean(r.edit_similarity for r in group),
                                  ttft_s=statistics.fmean(r.ttft_s for r in group),
@@ -72,7 +74,8 @@ def normalize(task: InfillTask, text: str) -> str:
 
 def score(task: InfillTask, mode: str, prediction: str, stats) -> TaskResult:
     pred, gold = normalize(task, prediction), task.middle.rstrip()
-    return TaskResult(task.task_id, task.kind, mode, prediction, pred == gold, syntax_ok(task, pred),
+    return TaskResult(task.task_id, task.kind, mode, prediction, pred == gold, pred[:1] == gold[:1],
+                      syntax_ok(task, pred),
                       round(difflib.SequenceMatcher(None, pred, gold).ratio(), 4), stats.ttft_s, stats.total_s,
                       stats.prompt_tokens, stats.completion_tokens)
 
