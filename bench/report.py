@@ -10,6 +10,7 @@ import os
 import platform
 import statistics
 import subprocess
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -58,6 +59,18 @@ class Run:
         self.out_dir = Path(out_dir) if out_dir else RESULTS
         self.machine = machine()
         self.started = time.time()
+        self._loads: list[float] = []
+        self._stop = threading.Event()
+        threading.Thread(target=self._sample_load, daemon=True).start()
+
+    def _sample_load(self, every_s: float = 5.0) -> None:
+        """The 1-minute load average every few seconds: other people's work on a shared box changes under a run."""
+        while True:
+            avg = load_average()
+            if avg:
+                self._loads.append(avg[0])
+            if self._stop.wait(every_s):
+                return
 
     def path(self, suffix: str) -> Path:
         tag = self.params.get("tag") or ""
@@ -67,7 +80,10 @@ class Run:
     def finish(self, results: list[dict], extra: dict | None = None, plot=None) -> dict[str, Path]:
         """Write `<benchmark>-<model>[-tag].json` and, when `plot(path)` is given, the PNG; return both paths."""
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        machine = dict(self.machine, load_average_end=load_average())
+        self._stop.set()
+        loads = self._loads
+        machine = dict(self.machine, load_average_end=load_average(), load_1min_during=dict(
+            samples=len(loads), min=min(loads, default=None), median=median(loads), max=max(loads, default=None)))
         report = dict(benchmark=self.benchmark, created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                       seconds=round(time.time() - self.started, 1), machine=machine, params=self.params,
                       **(extra or {}), results=results)
@@ -155,5 +171,9 @@ def header_line(data: dict) -> str:
     m = data["machine"]
     start, end = m.get("load_average_start"), m.get("load_average_end")
     load = f"load average {start[0]:.1f} at start, {end[0]:.1f} at end" if start and end else "load average unknown"
+    during = m.get("load_1min_during") or {}
+    if during.get("samples"):
+        load += (f" (1-min load during the run: min {during['min']:.1f}, median {during['median']:.1f}, "
+                 f"max {during['max']:.1f})")
     return (f"{data['created']}, commit {m.get('commit')}, {m['cpu']}, {m['cores']} cores, torch {m['torch']} with "
             f"{m['torch_threads']} thread(s), {load}; {data['seconds']:.0f} s")

@@ -151,6 +151,9 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   store=store, url=url, tag=tag)
     bench = report.Run("throughput", params, out_dir)
+    if requests < 2 * max(clients):
+        print(f"note: {requests} requests for up to {max(clients)} clients: a C larger than about half of --requests "
+              "is a burst more than a steady closed loop", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
     texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
     questions = squad.timing_questions(64)
