@@ -77,6 +77,30 @@ def _engine(rc, lm, spec: str, chunk_tokens: int, cold: bool):
         fresh.store.close()
 
 
+def _one_run(rc, lm, spec: str, chunk_tokens: int, cold: bool, query_q: str, link_q: str, doc_ids: list[str],
+             v: Variant) -> dict:
+    """One round for one algorithm: a query (TTFT), a link (its parts), the bare store read, the bare rows."""
+    with _engine(rc, lm, spec, chunk_tokens, cold) as e:
+        answer = e.query(query_q, doc_ids, max_new_tokens=1, **v.kwargs)
+    with _engine(rc, lm, spec, chunk_tokens, cold) as e:
+        started = time.perf_counter()
+        linked = e.link(link_q, doc_ids, _stats=(stats := QueryStats()), **v.kwargs)
+        link_s = time.perf_counter() - started
+    keys = entry_keys(rc, doc_ids, v)
+    got, read_s = [], 0.0
+    if keys:
+        with _engine(rc, lm, spec, chunk_tokens, cold) as e:
+            started = time.perf_counter()
+            got = e.store.get_many(keys)
+            read_s = time.perf_counter() - started
+    if any(g is None for g in got):
+        print(f"warning: {sum(g is None for g in got)} entries missing for {v.label}", file=sys.stderr)
+    return dict(ttft_s=answer.stats.ttft_s, link_s=link_s, fetch_s=stats.fetch_s, rotate_s=linked.rotate_s,
+                rows_s=linked.recompute_s, read_s=read_s, rows_alone_s=rows_alone_s(lm, linked.recomputed_tokens),
+                prompt_tokens=answer.stats.prompt_tokens, recomputed_tokens=linked.recomputed_tokens,
+                entries=len(keys), entry_bytes=sum(g.nbytes for g in got if g is not None))
+
+
 def run(model: str, docs: list[int], doc_tokens: int, runs: int, variants: list[Variant], store: str,
         redis_url: str | None = None, out_dir: Path | None = None, tag: str = "") -> dict:
     params = dict(model=model, docs=docs, doc_tokens=doc_tokens, runs=runs, algorithms=[v.label for v in variants],
@@ -106,36 +130,13 @@ def run(model: str, docs: list[int], doc_tokens: int, runs: int, variants: list[
             samples: dict[str, dict[str, list[float]]] = {v.label: {} for v in variants}
             for r in range(runs):
                 for v in variants:
-                    s = samples[v.label]
-                    with _engine(rc, lm, spec, chunk_tokens, cold) as e:
-                        answer = e.query(questions[2 * r], doc_ids, max_new_tokens=1, **v.kwargs)
-                    with _engine(rc, lm, spec, chunk_tokens, cold) as e:
-                        started = time.perf_counter()
-                        linked = e.link(questions[2 * r + 1], doc_ids, _stats=(stats := QueryStats()), **v.kwargs)
-                        link_s = time.perf_counter() - started
-                    keys = entry_keys(rc, doc_ids, v)
-                    got, read_s = [], 0.0
-                    if keys:
-                        with _engine(rc, lm, spec, chunk_tokens, cold) as e:
-                            started = time.perf_counter()
-                            got = e.store.get_many(keys)
-                            read_s = time.perf_counter() - started
-                    if any(g is None for g in got):
-                        print(f"warning: {sum(g is None for g in got)} entries missing for {v.label}", file=sys.stderr)
-                    for name, value in (("ttft_s", answer.stats.ttft_s), ("link_s", link_s),
-                                        ("fetch_s", stats.fetch_s), ("rotate_s", linked.rotate_s),
-                                        ("rows_s", linked.recompute_s), ("read_s", read_s),
-                                        ("rows_alone_s", rows_alone_s(lm, linked.recomputed_tokens))):
-                        s.setdefault(name, []).append(value)
-                    s["recomputed"] = [linked.recomputed_tokens]
-                    s["prompt"] = [answer.stats.prompt_tokens]
-                    s["entries"] = [len(keys)]
-                    s["entry_bytes"] = [sum(g.nbytes for g in got if g is not None)]
+                    one = _one_run(rc, lm, spec, chunk_tokens, cold, questions[2 * r], questions[2 * r + 1], doc_ids, v)
+                    for name, value in one.items():
+                        samples[v.label].setdefault(name, []).append(value)
             for v in variants:
                 s = samples[v.label]
                 row = dict(store=label, algorithm=v.algorithm, label=v.label, **v.params, n_docs=n, runs=runs,
-                           prompt_tokens=s["prompt"][0], recomputed_tokens=s["recomputed"][0], entries=s["entries"][0],
-                           entry_bytes=s["entry_bytes"][0],
+                           **{k: s[k][-1] for k in ("prompt_tokens", "recomputed_tokens", "entries", "entry_bytes")},
                            **{k: _median(s[k]) for k in ("ttft_s", "link_s", "fetch_s", "rotate_s", "rows_s", "read_s",
                                                          "rows_alone_s")})
                 row["floor_s"] = round(row["read_s"] + row["rows_s"], 6)
