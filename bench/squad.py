@@ -15,8 +15,6 @@ seeded generator, so the first 30 items of n=50 are the 30 items of n=30.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,6 +28,7 @@ import tempfile
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from ragcache.models import file_lock
 
 BIGBENCH = "bigbench==1.0.0"
 BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
@@ -58,23 +57,12 @@ class Item:
 
 
 # -- the dev set --------------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _lock(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def dev_set_path() -> Path:
     """SQuAD v1.1 dev JSON in the data cache; downloads the bigbench archive the first time."""
     target = data_dir() / DEV_JSON
     if target.exists():
         return target
-    with _lock(data_dir() / ".squad.lock"):
+    with file_lock(data_dir() / ".squad.lock"):
         if target.exists():
             return target
         archive = _archive()

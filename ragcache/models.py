@@ -84,7 +84,8 @@ def is_pulled(name: str) -> bool:
 
 
 @contextlib.contextmanager
-def _file_lock(path: Path):
+def file_lock(path: Path):
+    """An exclusive lock between processes that fetch the same thing into the user cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)
@@ -99,7 +100,7 @@ def pull(name: str) -> Path:
     if name not in BUILTIN_MODELS:
         raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
     target = builtin_path(name)
-    with _file_lock(model_cache_dir() / f".{name}.lock"):
+    with file_lock(model_cache_dir() / f".{name}.lock"):
         if (target / ".complete").exists():
             return target
         spec = BUILTIN_MODELS[name]
