@@ -13,19 +13,22 @@ import errno
 import json
 import os
 import sqlite3
+import stat
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ragcache.errors import StoreError
+from ragcache.errors import CorruptEntry, StoreError
 
 from .base import BlobStore, log
 from .entry import PROBE, describe_head, head_length
 
 DEFAULT_DISK_BUDGET = 20 << 30
 SUFFIX = ".kv"
+INDEX_COLUMNS = ("key", "size", "last_access", "hits")
+RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
 TMP_SUFFIX = ".tmp"
 
 
@@ -45,11 +48,13 @@ class DiskStore(BlobStore):
         except OSError as exc:
             raise StoreError(f"disk tier {self.root}: cannot create the store directory ({exc.strerror})") from exc
         self._local = threading.local()
+        self._reconciled_at = -float("inf")
         fresh = not self.index_path.exists()
         try:
             self._create_index()
-        except sqlite3.DatabaseError as exc:  # not a database / malformed: it is only a cache, start it again
-            log.warning("disk tier %s: index unreadable (%s); rebuilding it from the files", self.root, exc)
+            self._check_index()
+        except sqlite3.DatabaseError as exc:  # not a database, malformed, or not ours: it is only a cache
+            log.warning("disk tier %s: index unusable (%s); rebuilding it from the files", self.root, exc)
             self._drop_connection()
             for suffix in ("", "-wal", "-shm"):
                 Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
@@ -82,6 +87,18 @@ class DiskStore(BlobStore):
         self._db().execute(
             "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, size INTEGER, last_access REAL, hits INTEGER DEFAULT 0)"
         )
+
+    def _check_index(self) -> None:
+        """An index with another schema, or with sizes no entry file can have, would steer eviction wrong (one
+        huge row evicts everything): refuse it, and the caller rebuilds it from the files."""
+        columns = [row[1] for row in self._db().execute("PRAGMA table_info(entries)")]
+        if columns != list(INDEX_COLUMNS):
+            raise sqlite3.DatabaseError(f"entries table has columns {columns}, expected {list(INDEX_COLUMNS)}")
+        (bad,) = self._db().execute(
+            "SELECT COUNT(*) FROM entries WHERE typeof(size) != 'integer' OR size < 0 OR size > ? "
+            "OR typeof(last_access) NOT IN ('real', 'integer')", (MAX_ENTRY_BYTES,)).fetchone()
+        if bad:
+            raise sqlite3.DatabaseError(f"{bad} index row(s) with impossible sizes or times")
 
     def _files(self) -> dict[str, tuple[int, float]]:
         """key -> (size, mtime) of every entry file (a file removed while listing is skipped)."""
@@ -117,6 +134,8 @@ class DiskStore(BlobStore):
             except FileNotFoundError:
                 out.append(None)
                 continue
+            except NotAnEntryFile:  # decode rejects empty bytes as corrupt: a miss, dropped and recompiled
+                blob = bytearray()
             except OSError as exc:
                 raise StoreError(f"disk tier {self.root}: cannot read entry {key[:12]} ({exc.strerror})") from exc
             out.append(blob)
@@ -145,6 +164,8 @@ class DiskStore(BlobStore):
                 out.append(_read(self._path(key)))
             except FileNotFoundError:
                 out.append(None)
+            except NotAnEntryFile as exc:
+                out.append(f"not an entry file: {exc.strerror}")
             except OSError as exc:
                 out.append(f"unreadable file: {exc.strerror}")
         return out
@@ -195,6 +216,13 @@ class DiskStore(BlobStore):
             (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
             if total <= self.budget_bytes:
                 return 0
+            if time.monotonic() - self._reconciled_at > RECONCILE_EVERY_S:
+                # Before deleting anything, trust the files over the index: a stale or planted row must not
+                # make us evict entries the budget still has room for.
+                self._reconcile_index()
+                (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+                if total <= self.budget_bytes:
+                    return 0
             removed = 0
             for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
                 if total <= self.budget_bytes:
@@ -219,6 +247,9 @@ class DiskStore(BlobStore):
             existed = True
         except FileNotFoundError:
             existed = False
+        except IsADirectoryError:  # never ours: leave it for an operator, but do not fail the read that found it
+            log.warning("disk tier %s: %s is a directory, not an entry; ignoring it", self.root, path)
+            existed = False
         except OSError as exc:
             raise StoreError(f"disk tier {self.root}: cannot delete entry {key[:12]} ({exc.strerror})") from exc
         try:
@@ -234,7 +265,7 @@ class DiskStore(BlobStore):
         out: list[dict | None] = []
         for key in keys:
             try:
-                with open(self._path(key), "rb") as fh:
+                with _open_regular(self._path(key)) as fh:
                     probe = fh.read(PROBE)
                     head = probe + fh.read(max(0, head_length(probe) - len(probe)))
                     size = os.fstat(fh.fileno()).st_size
@@ -264,6 +295,10 @@ class DiskStore(BlobStore):
                     tmp_removed += 1
             except FileNotFoundError:
                 pass
+        return {"tmp_files_removed": tmp_removed, **self._reconcile_index(), "evicted": self.evict()}
+
+    def _reconcile_index(self) -> dict:
+        """Make the index say what the files say: rows without a file dropped, files without a row added, sizes fixed."""
         files = self._files()
         db = self._db()
         db.execute("BEGIN IMMEDIATE")
@@ -279,8 +314,8 @@ class DiskStore(BlobStore):
         except BaseException:
             db.execute("ROLLBACK")
             raise
-        return {"tmp_files_removed": tmp_removed, "index_rows_dropped": len(gone), "index_rows_added": len(added),
-                "index_sizes_fixed": len(resized), "evicted": self.evict()}
+        self._reconciled_at = time.monotonic()
+        return {"index_rows_dropped": len(gone), "index_rows_added": len(added), "index_sizes_fixed": len(resized)}
 
     # -- records ------------------------------------------------------------------------------------
     def _record_path(self, name: str) -> Path:
@@ -288,11 +323,15 @@ class DiskStore(BlobStore):
 
     def get_record(self, name: str) -> dict | None:
         try:
-            return json.loads(self._record_path(name).read_text())
+            with _open_regular(self._record_path(name)) as fh:
+                raw = fh.read(MAX_RECORD_BYTES + 1)
+            if len(raw) > MAX_RECORD_BYTES:
+                raise NotAnEntryFile(errno.EFBIG, f"over {MAX_RECORD_BYTES} bytes")
+            return json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            log.warning("disk tier: record %s is unreadable; ignoring it", name)
+        except (json.JSONDecodeError, UnicodeDecodeError, NotAnEntryFile) as exc:
+            log.warning("disk tier: record %s is unreadable (%s); ignoring it", name, exc)
             return None
         except OSError as exc:
             raise StoreError(f"disk tier {self.root}: cannot read record {name} ({exc.strerror})") from exc
@@ -337,10 +376,49 @@ class DiskStore(BlobStore):
         self._drop_connection()
 
 
+class NotAnEntryFile(OSError):
+    """The path holds something no writer of ours makes: a FIFO, a device, a directory, an absurd size."""
+
+
+MAX_ENTRY_BYTES = 64 << 30
+MAX_RECORD_BYTES = 1 << 30  # far above any real chunk; a bigger header is a planted or sparse file
+
+
+def _open_regular(path: Path):
+    """Open for reading without ever blocking: O_NONBLOCK keeps a FIFO from hanging the open, and anything that
+    is not a regular file is refused before a byte is read."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotAnEntryFile(errno.EINVAL, "not a regular file")
+        return os.fdopen(fd, "rb", buffering=0)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _declared_size(fh) -> int:
+    """The entry's size as its own header declares it (magic, digest, safetensors header, tensor data)."""
+    probe = fh.read(PROBE)
+    try:
+        head = probe + fh.read(max(0, head_length(probe) - len(probe)))
+        info = describe_head(head)
+    except CorruptEntry as exc:
+        raise NotAnEntryFile(errno.EINVAL, f"not an entry ({exc})") from exc
+    size = head_length(probe) + info["nbytes"]
+    if size > MAX_ENTRY_BYTES:
+        raise NotAnEntryFile(errno.EFBIG, f"header declares {size} bytes")
+    return size
+
+
 def _read(path: Path) -> bytearray:
-    """The whole file into a bytearray: decode then hands out tensors that are views of it, with no further copy."""
-    with open(path, "rb", buffering=0) as fh:
-        size = os.fstat(fh.fileno()).st_size
+    """The entry's bytes into a bytearray (decode hands out tensors that are views of it, with no further copy).
+
+    Reads no further than the size the header declares, so a sparse or padded file cannot exhaust memory; a file
+    shorter than that comes back short, and the checksum rejects it."""
+    with _open_regular(path) as fh:
+        size = min(_declared_size(fh), os.fstat(fh.fileno()).st_size)
+        fh.seek(0)
         blob = bytearray(size)
         view, done = memoryview(blob), 0
         while done < size:
@@ -348,4 +426,4 @@ def _read(path: Path) -> bytearray:
             if not n:
                 break
             done += n
-    return blob if done == size else blob[:done]  # shrunk meanwhile: the checksum will tell
+    return blob if done == size else blob[:done]

@@ -19,6 +19,8 @@ from safetensors.torch import save as st_save
 
 from ragcache.errors import CorruptEntry
 
+from .keys import chunk_key
+
 MAGIC = b"RCKV0001"
 HEADER = len(MAGIC) + 32
 
@@ -84,7 +86,7 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
         raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc!r}") from exc
     if meta.get("key") != key:
         raise CorruptEntry(f"entry {key[:12]}: holds key {str(meta.get('key'))[:12]}, a foreign entry")
-    problem = shape_problem(entry)
+    problem = shape_problem(entry) or content_problem(key, entry)
     if problem:
         raise CorruptEntry(f"entry {key[:12]}: {problem}")
     return entry
@@ -123,6 +125,21 @@ def shape_problem(entry: ChunkKV) -> str | None:
         return f"inconsistent K/V: {k.dtype} {list(k.shape)} vs {v.dtype} {list(v.shape)}"
     if k.shape[2] != ids.numel():
         return f"K/V hold {k.shape[2]} tokens, token ids {ids.numel()}"
+    return None
+
+
+KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # what chunk_key hashes besides the token ids
+
+
+def content_problem(key: str, entry: ChunkKV) -> str | None:
+    """A well-formed entry can still lie: token ids that do not hash to its key (a planted or edited entry whose
+    checksum was recomputed), or K/V that are not finite. Either would change an answer, so either is corrupt."""
+    if all(name in entry.meta for name in KEYED_BY):
+        expected = chunk_key(*(entry.meta[name] for name in KEYED_BY), entry.token_ids.tolist())
+        if expected != key:
+            return "its token ids, model, tokenizer, dtype and layout do not hash to its key"
+    if entry.keys.is_floating_point() and not (torch.isfinite(entry.keys).all() and torch.isfinite(entry.values).all()):
+        return "K/V hold NaN or infinite values"
     return None
 
 

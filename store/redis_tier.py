@@ -46,7 +46,7 @@ from .entry import HEADER, MAGIC, describe_head
 PART_BYTES = 2 << 20
 MANIFEST_VERSION = 1
 DEFAULT_PREFIX = "ragcache"
-SOCKET_TIMEOUT_S = 5.0
+SOCKET_TIMEOUT_S = 2.0  # per socket read: a 2 MiB part arrives in milliseconds on a live server
 CONNECT_TIMEOUT_S = 2.0
 ORPHAN_AGE_S = 600.0
 
@@ -78,7 +78,9 @@ class RedisStore(BlobStore):
         self.url = _redact(url)
         self.part_bytes = part_bytes
         self._client_options = dict(socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                                    retry=Retry(NoBackoff(), 1))  # one quick reconnect, e.g. after a server restart
+                                    # one quick reconnect after a dropped connection (a server restart); never
+                                    # after a timeout: a frozen server would cost every call twice the timeout
+                                    retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._connect_lock = threading.Lock()
         self.cluster = False
@@ -104,6 +106,7 @@ class RedisStore(BlobStore):
                     client.close()
                     client = redis.cluster.RedisCluster.from_url(self._url, **self._client_options)
                 self.cluster = cluster
+                _warn_if_evicting(client, self.url)
                 self._delete_if_same = client.register_script(_DELETE_IF_SAME)
                 self._client = client  # last: other threads use it as soon as it is set
         return self._client
@@ -438,3 +441,17 @@ def _redact(url: str) -> str:
 
 def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _warn_if_evicting(client, url: str) -> None:
+    """Document records (the texts) live in the same keyspace as entries and carry no TTL: under an allkeys-*
+    policy Redis may evict them, and those documents are then gone. Entries are only a cache; records are not."""
+    try:
+        policy = client.config_get("maxmemory-policy").get("maxmemory-policy", "")
+    except RedisError:  # CONFIG refused (managed services): nothing to check
+        return
+    if str(policy).startswith("allkeys"):
+        log.warning(
+            "redis tier %s: maxmemory-policy is %s, which may evict document records as well as cached entries; "
+            "those documents would be lost. Use noeviction (writes fail when full, nothing is lost) or keep a "
+            "disk tier beside Redis (memory+disk+redis) so records survive.", url, policy)

@@ -217,15 +217,20 @@ class TieredStore(Store):
 
     # -- records ------------------------------------------------------------------------------------
     def get_record(self, name: str) -> dict | None:
+        """The record from the fastest tier that has it; None only if every tier answered that it has none.
+        When a tier that may hold it is down, that is not "unknown" but "unavailable": TierUnavailable."""
+        unanswered = []
         for i, tier in enumerate(self.tiers):
-            if not self._usable(i):
-                continue
-            record, ok = self._call(i, tier.get_record, name)
-            if ok and record is not None:
+            record, ok = self._call(i, tier.get_record, name) if self._usable(i) else (None, False)
+            if not ok:
+                unanswered.append(tier.name)
+            elif record is not None:
                 for faster in range(i):  # records are small and read on every query: keep them close
                     if self._usable(faster):
                         self._call(faster, self.tiers[faster].put_record, name, record, write=True)
                 return record
+        if unanswered:
+            raise TierUnavailable(f"record {name} may be in store tier(s) {', '.join(unanswered)}, which are down")
         return None
 
     def put_record(self, name: str, record: dict) -> None:

@@ -36,10 +36,13 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 # -- helpers shared with test_store_redis.py ------------------------------------------------------------------
 def make_entry(seed: int = 0, layers: int = 30, heads: int = 3, tokens: int = 128, head_dim: int = 64,
-               dtype: torch.dtype = torch.float32) -> tuple[str, ChunkKV]:
-    """A (key, entry) shaped like a compiled chunk of the default model (SmolLM2-135M: 30 layers, 3 KV heads, 64)."""
+               dtype: torch.dtype = torch.float32, ids_seed: int | None = None) -> tuple[str, ChunkKV]:
+    """A (key, entry) shaped like a compiled chunk of the default model (SmolLM2-135M: 30 layers, 3 KV heads, 64).
+
+    The key hashes the ids (as the compiler's does), so two versions of one entry share `ids_seed` and differ in K/V."""
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 49152, (tokens,), generator=g, dtype=torch.int32)
+    ids = torch.randint(0, 49152, (tokens,), generator=torch.Generator().manual_seed(seed if ids_seed is None else ids_seed),
+                        dtype=torch.int32)
     keys = torch.randn(layers, heads, tokens, head_dim, generator=g).to(dtype)
     values = torch.randn(layers, heads, tokens, head_dim, generator=g).to(dtype)
     dtype_name = str(dtype).removeprefix("torch.")
@@ -64,14 +67,19 @@ def processes():
     return ctx
 
 
-HOT = "hot" * 21 + "h"
+def hot_versions() -> list[ChunkKV]:
+    """Two versions of one entry (same ids, other K/V), written in turn under HOT."""
+    return [make_entry(10_000)[1], make_entry(10_001, ids_seed=10_000)[1]]
+
+
+HOT = make_entry(10_000)[0]
 
 
 def _writer(url: str, base: int, count: int, ready) -> None:
     """Puts in a loop until killed: entry i is make_entry(base + i); HOT is overwritten with two versions in turn."""
     store = open_store(url)
     entries = [make_entry(base + i) for i in range(count)]
-    hot = [make_entry(10_000)[1], make_entry(10_001)[1]]
+    hot = hot_versions()
     ready.set()
     for rnd in range(1000):
         for i, (key, entry) in enumerate(entries):
@@ -104,7 +112,7 @@ def check_after_crash(store: Store, base: int, count: int) -> int:
             continue
         found += 1
         if key == HOT:
-            assert same_bits(entry, make_entry(10_000)[1]) or same_bits(entry, make_entry(10_001)[1])
+            assert any(same_bits(entry, version) for version in hot_versions())
         else:
             assert same_bits(entry, expected[key])
     return found

@@ -113,7 +113,7 @@ def test_records_and_prefixes(redis_url):
 def test_overwrite_leaves_one_generation(redis_url):
     store = RedisStore(redis_url, part_bytes=100_000)
     key, first = make_entry(6, tokens=32)
-    _, second = make_entry(7, tokens=32)
+    _, second = make_entry(7, tokens=32, ids_seed=6)
     store.put(key, first)
     store.put(key, second)  # not what content-hash keys do, but it must stay consistent
     assert same_bits(store.get(key), second)
@@ -124,7 +124,7 @@ def test_overwrite_leaves_one_generation(redis_url):
 def test_readers_see_old_or_new_while_a_writer_overwrites(redis_url, caplog):
     store = RedisStore(redis_url, part_bytes=64 << 10)
     key, a = make_entry(8, tokens=32)
-    _, b = make_entry(9, tokens=32)
+    _, b = make_entry(9, tokens=32, ids_seed=8)
     store.put(key, a)
     stop, wrong, seen = threading.Event(), [], {"a": 0, "b": 0, "miss": 0}
 

@@ -1,0 +1,191 @@
+"""Nothing read back from the store may change an answer, hang the server or make it evict what it should keep.
+
+Each test plants what an attacker or a broken disk leaves behind (found when the project was attacked, issue 14):
+a well-formed entry with the wrong contents, NaN K/V, a FIFO or a sparse 40 GB file where an entry should be, an
+index with a bogus row or another schema, Redis down under a tiered store, Redis with an evicting policy."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import threading
+
+import pytest
+import torch
+
+from ragcache.errors import CorruptEntry
+from ragcache.store.base import TierUnavailable
+from ragcache.store.disk import DiskStore
+from ragcache.store.entry import ChunkKV, decode, encode
+from ragcache.store.memory import MemoryStore
+from ragcache.store.redis_tier import RedisStore
+from ragcache.store.tiered import TieredStore
+from tests.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
+from tests.test_store import make_entry, same_bits, warnings_of
+
+
+def _planted(key: str, entry: ChunkKV) -> bytes:
+    """A blob with a valid checksum and the right key inside: only its contents lie."""
+    return encode(key, entry)
+
+
+# -- entries whose bytes are sound but whose contents are not -----------------------------------------------------------
+def test_an_entry_whose_ids_do_not_hash_to_its_key_is_corrupt():
+    key, entry = make_entry(1, layers=2, tokens=112)
+    short = ChunkKV(entry.token_ids[:5].clone(), entry.keys[:, :, :5].clone(), entry.values[:, :, :5].clone(), entry.meta)
+    with pytest.raises(CorruptEntry, match="do not hash to its key"):
+        decode(key, _planted(key, short))
+    edited = entry.token_ids.clone()
+    edited[7] += 1
+    with pytest.raises(CorruptEntry, match="do not hash to its key"):
+        decode(key, _planted(key, ChunkKV(edited, entry.keys, entry.values, entry.meta)))
+    other_model = {**entry.meta, "model": "0" * 64}
+    with pytest.raises(CorruptEntry, match="do not hash to its key"):
+        decode(key, _planted(key, ChunkKV(entry.token_ids, entry.keys, entry.values, other_model)))
+    assert same_bits(decode(key, _planted(key, entry)), entry)  # the honest entry still reads
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_kv_is_corrupt(bad):
+    key, entry = make_entry(2, layers=2, tokens=8)
+    values = entry.values.clone()
+    values[1, 0, 3, 5] = bad
+    with pytest.raises(CorruptEntry, match="NaN or infinite"):
+        decode(key, _planted(key, ChunkKV(entry.token_ids, entry.keys, values, entry.meta)))
+
+
+def test_a_planted_entry_on_disk_is_a_miss_and_dropped(tmp_path, caplog):
+    store = DiskStore(tmp_path)
+    key, entry = make_entry(3, layers=2, tokens=112)
+    store.put_many({key: entry})
+    short = ChunkKV(entry.token_ids[:5].clone(), entry.keys[:, :, :5].clone(), entry.values[:, :, :5].clone(), entry.meta)
+    store._path(key).write_bytes(_planted(key, short))
+    assert store.check_many([key])[0] is not None  # `store verify` reports it
+    with caplog.at_level(logging.WARNING, logger="ragcache.store"):
+        assert store.get_many([key]) == [None]
+    assert any("do not hash" in m for m in warnings_of(caplog)) and not store._path(key).exists()
+
+
+# -- files that are not entries -----------------------------------------------------------------------------------------
+def _read_in_thread(fn, timeout_s: float = 60.0):
+    """Run fn in a thread; a read that blocks forever fails the test instead of hanging the suite."""
+    out: dict = {}
+    thread = threading.Thread(target=lambda: out.update(result=fn()), daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    assert not thread.is_alive(), "the read blocked"
+    return out["result"]
+
+
+def test_a_fifo_in_place_of_an_entry_is_corrupt_and_never_blocks(tmp_path):
+    store = DiskStore(tmp_path)
+    key, entry = make_entry(4, layers=2)
+    store.put_many({key: entry})
+    path = store._path(key)
+    path.unlink()
+    os.mkfifo(path)
+    assert "not an entry file" in _read_in_thread(lambda: store.check_many([key]))[0]
+    assert "error" in _read_in_thread(lambda: store.describe_many([key]))[0]
+    assert _read_in_thread(lambda: store.get_many([key])) == [None]
+    assert not path.exists()  # dropped, so the chunk is recompiled
+    store.put_many({key: entry})
+    assert same_bits(store.get(key), entry)
+
+
+def test_a_fifo_in_place_of_a_record_is_ignored(tmp_path):
+    store = DiskStore(tmp_path)
+    store.put_record("doc/x", {"text": "t"})
+    path = store._record_path("doc/x")
+    path.unlink()
+    os.mkfifo(path)
+    assert _read_in_thread(lambda: store.get_record("doc/x")) is None
+
+
+def test_a_sparse_huge_file_is_read_no_further_than_its_header(tmp_path):
+    store = DiskStore(tmp_path)
+    key, entry = make_entry(5, layers=2)
+    store.put_many({key: entry})
+    path = store._path(key)
+    with open(path, "r+b") as fh:  # the real entry, then 40 GB of holes: the header still says how long it is
+        fh.truncate(40 << 30)
+    assert same_bits(store.get(key), entry)
+    with open(path, "wb") as fh:  # nothing but holes: not an entry at all
+        fh.truncate(40 << 30)
+    assert store.get(key) is None and not path.exists()
+
+
+# -- the eviction index ---------------------------------------------------------------------------------------------------
+def test_an_index_row_with_an_absurd_size_is_rebuilt_at_open(tmp_path):
+    store = DiskStore(tmp_path)
+    items = dict(make_entry(s, layers=2) for s in range(4))
+    store.put_many(items)
+    store._db().execute("INSERT INTO entries (key, size, last_access) VALUES ('x', ?, 1e12)", (1 << 62,))
+    store.close()
+    again = DiskStore(tmp_path)
+    assert again.stats()["entries"] == 4 and again.contains_many(list(items)) == [True] * 4
+
+
+def test_a_bogus_row_added_behind_our_back_does_not_evict_everything(tmp_path):
+    items = dict(make_entry(s, layers=2) for s in range(4))
+    size = len(encode(*next(iter(items.items()))))
+    store = DiskStore(tmp_path, budget_bytes=10 * size)
+    store.put_many(items)
+    store._db().execute("INSERT INTO entries (key, size, last_access) VALUES ('x', ?, 1e12)", (1 << 34,))
+    store._reconciled_at = float("-inf")
+    store.put_many(dict([make_entry(9, layers=2)]))  # within budget once the files are counted
+    assert store.contains_many(list(items)) == [True] * 4
+    assert store.stats()["entries"] == 5
+
+
+def test_an_index_with_another_schema_is_rebuilt_and_gc_works(tmp_path):
+    store = DiskStore(tmp_path)
+    items = dict(make_entry(s, layers=2) for s in range(3))
+    store.put_many(items)
+    store.close()
+    for suffix in ("", "-wal", "-shm"):
+        (tmp_path / f"index.sqlite{suffix}").unlink(missing_ok=True)
+    db = sqlite3.connect(tmp_path / "index.sqlite")
+    db.execute("CREATE TABLE entries (key TEXT PRIMARY KEY, bytes TEXT)")
+    db.execute("INSERT INTO entries VALUES ('k', 'lots')")
+    db.commit()
+    db.close()
+    again = DiskStore(tmp_path)
+    assert again.stats()["entries"] == 3
+    assert again.gc()["evicted"] == 0
+
+
+# -- tiers that are down ---------------------------------------------------------------------------------------------------
+class _Down(MemoryStore):
+    name = "down"
+
+    def get_record(self, name):
+        raise TierUnavailable("down for the test")
+
+
+def test_a_record_in_a_tier_that_is_down_is_unavailable_not_unknown():
+    store = TieredStore([MemoryStore(), _Down()])
+    with pytest.raises(TierUnavailable, match="down"):
+        store.get_record("doc/abc")
+    store.tiers[0].put_record("doc/abc", {"text": "t"})
+    assert store.get_record("doc/abc") == {"text": "t"}  # a tier that answers is enough
+    assert TieredStore([MemoryStore(), MemoryStore()]).get_record("doc/abc") is None  # everyone answered: unknown
+
+
+def test_an_evicting_redis_policy_is_warned_about(redis_url, caplog):
+    import redis
+
+    client = redis.Redis.from_url(redis_url)
+    before = client.config_get("maxmemory-policy")["maxmemory-policy"]
+    try:
+        client.config_set("maxmemory-policy", "allkeys-lru")
+        with caplog.at_level(logging.WARNING, logger="ragcache.store"):
+            RedisStore(redis_url)
+        assert any("allkeys-lru" in m and "records" in m for m in warnings_of(caplog))
+        caplog.clear()
+        client.config_set("maxmemory-policy", "noeviction")
+        with caplog.at_level(logging.WARNING, logger="ragcache.store"):
+            RedisStore(redis_url)
+        assert not any("maxmemory-policy" in m for m in warnings_of(caplog))
+    finally:
+        client.config_set("maxmemory-policy", before)
