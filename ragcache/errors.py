@@ -66,3 +66,12 @@ class StoreError(RagCacheError):
 
 class CorruptEntry(StoreError):
     """An entry failed its checksum or does not belong to the key it was read under."""
+
+
+class CorruptDocument(StoreError):
+    """A stored document record does not hold the text its id names (edited or damaged in the store)."""
+
+    def __init__(self, doc_id: str):
+        self.doc_id = doc_id
+        super().__init__(f"the stored record of document {doc_id} fails its check (its text does not hash to its id); "
+                         "add the document's text again to repair it")

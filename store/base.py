@@ -74,6 +74,10 @@ class Store(ABC):
     @abstractmethod
     def get_record(self, name: str) -> dict | None: ...
 
+    def get_records(self, names: list[str]) -> list[dict | None]:
+        """Several records in one round trip where the tier can (Redis overrides this)."""
+        return [self.get_record(name) for name in names]
+
     @abstractmethod
     def put_record(self, name: str, record: dict) -> None: ...
 

@@ -355,15 +355,17 @@ class RedisStore(BlobStore):
 
     # -- records ------------------------------------------------------------------------------------
     def get_record(self, name: str) -> dict | None:
-        with self._errors("read record"):
-            raw = self._redis().get(self._record_name(name))
-        if raw is None:
-            return None
-        try:
-            return json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
-            log.warning("redis tier: record %s is unreadable; ignoring it", name)
-            return None
+        return self.get_records([name])[0]
+
+    def get_records(self, names: list[str]) -> list[dict | None]:
+        if not names:
+            return []
+        with self._errors("read records"):
+            pipe = self._redis().pipeline(transaction=False)  # one round trip; a cluster splits it per slot
+            for name in names:
+                pipe.get(self._record_name(name))
+            raws = pipe.execute()
+        return [_parse_record(name, raw) for name, raw in zip(names, raws)]
 
     def put_record(self, name: str, record: dict) -> None:
         text = json.dumps(record)
@@ -441,6 +443,19 @@ def _redact(url: str) -> str:
 
 def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+
+
+def _parse_record(name: str, raw: bytes | None) -> dict | None:
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        record = None
+    if not isinstance(record, dict):
+        log.warning("redis tier: record %s is unreadable; ignoring it", name)
+        return None
+    return record
 
 
 def _warn_if_evicting(client, url: str) -> None:

@@ -217,21 +217,33 @@ class TieredStore(Store):
 
     # -- records ------------------------------------------------------------------------------------
     def get_record(self, name: str) -> dict | None:
-        """The record from the fastest tier that has it; None only if every tier answered that it has none.
-        When a tier that may hold it is down, that is not "unknown" but "unavailable": TierUnavailable."""
+        return self.get_records([name])[0]
+
+    def get_records(self, names: list[str]) -> list[dict | None]:
+        """Each record from the fastest tier that has it (one batched read per tier, for what is still missing);
+        None only where every tier answered that it has none. Where a tier that may hold a record is down, the record
+        is not "unknown" but "unavailable": TierUnavailable."""
+        out: list[dict | None] = [None] * len(names)
+        todo = list(range(len(names)))
         unanswered = []
         for i, tier in enumerate(self.tiers):
-            record, ok = self._call(i, tier.get_record, name) if self._usable(i) else (None, False)
+            if not todo:
+                break
+            got, ok = self._call(i, tier.get_records, [names[j] for j in todo]) if self._usable(i) else (None, False)
             if not ok:
                 unanswered.append(tier.name)
-            elif record is not None:
-                for faster in range(i):  # records are small and read on every query: keep them close
-                    if self._usable(faster):
-                        self._call(faster, self.tiers[faster].put_record, name, record, write=True)
-                return record
-        if unanswered:
-            raise TierUnavailable(f"record {name} may be in store tier(s) {', '.join(unanswered)}, which are down")
-        return None
+                continue
+            for j, record in zip(todo, got):
+                if record is not None:
+                    out[j] = record
+                    for faster in range(i):  # records are small and read on every query: keep them close
+                        if self._usable(faster):
+                            self._call(faster, self.tiers[faster].put_record, names[j], record, write=True)
+            todo = [j for j in todo if out[j] is None]
+        if todo and unanswered:
+            raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
+                                  f"{', '.join(unanswered)}, which are down")
+        return out
 
     def put_record(self, name: str, record: dict) -> None:
         self._written(self._each("put_record", name, record, write=True), f"store record {name}")

@@ -1,0 +1,249 @@
+"""Documents in the store: the one owner of the record format.
+
+Two kinds of record, both JSON in the store's record space:
+
+  doc/{id}                               {"id", "text", "meta", "created", "chunk_tokens"}
+  chunks/{id}/{tokenizer[:16]}-{budget}  {"chunks": [[token ids], ...], "tokens", "checksum"}
+
+Records verify themselves, so nothing edited in the store can change an answer:
+  - a document record is sound only if its text hashes to its id (ids are content hashes);
+  - a chunk record is sound only if its checksum covers (document id, tokenizer fingerprint, budget, ids).
+A chunk record that fails is a miss: the chunks are re-derived from the text. A document record that fails
+cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
+
+Keys of chunk entries belong to the compiler (`key(ids, layout)`); this module only knows which chunks a document
+has. The one delete keeps the entries that another document still uses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from ragcache.store import Store
+from ragcache.store.entry import ChunkKV
+from ragcache.store.keys import chunk_key, document_id
+
+from .chunker import chunk_document
+from .errors import CorruptDocument, EmptyInput, StoreError, UnknownDocument
+
+log = logging.getLogger("ragcache")
+
+CHUNKS_RECORD_VERSION = 1
+
+
+def doc_name(doc_id: str) -> str:
+    return f"doc/{doc_id}"
+
+
+def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
+    return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}"
+
+
+def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, chunks: list[list[int]]) -> str:
+    h = hashlib.sha256(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0".encode())
+    for ids in chunks:
+        h.update(len(ids).to_bytes(4, "little"))
+        h.update(np.asarray(ids, dtype="<i4").tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class Document:
+    id: str
+    text: str
+    meta: dict
+    chunk_tokens: int  # the budget it was first chunked with: later readers must chunk it the same way
+
+
+def _sound_document(doc_id: str, record: dict | None) -> Document | None:
+    """The record as a Document; None if absent; CorruptDocument if it does not hold the text its id names."""
+    if record is None:
+        return None
+    text = record.get("text") if isinstance(record, dict) else None
+    budget = record.get("chunk_tokens") if isinstance(record, dict) else None
+    if not isinstance(text, str) or document_id(text) != doc_id or not isinstance(budget, int) or budget < 1:
+        raise CorruptDocument(doc_id)
+    meta = record.get("meta")
+    return Document(doc_id, text, meta if isinstance(meta, dict) else {}, budget)
+
+
+@dataclass
+class EnsureReport:
+    hits: int = 0
+    compiled: int = 0
+
+
+class Documents:
+    """Documents of one tokenizer (the engine's), over one store."""
+
+    def __init__(self, store: Store, tokenizer, tokenizer_fingerprint: str, chunk_tokens: int):
+        self.store = store
+        self.tokenizer = tokenizer
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.chunk_tokens = chunk_tokens
+
+    # -- adding and reading ------------------------------------------------------------------------------------
+    def add(self, text: str, meta: dict | None = None) -> str:
+        """Store the text (once: the id is its hash) and its chunk record; returns the id."""
+        if not isinstance(text, str) or not text.strip():
+            raise EmptyInput("a document is empty; every document needs some text")
+        doc_id = document_id(text)
+        try:
+            existing = _sound_document(doc_id, self._record(doc_name(doc_id)))
+        except CorruptDocument:
+            existing = None  # the caller holds the true text: writing it again repairs the record
+        if existing is None:
+            existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
+            self.store.put_record(doc_name(doc_id), {"id": doc_id, "text": text, "meta": existing.meta,
+                                                     "created": time.time(), "chunk_tokens": self.chunk_tokens})
+        self._chunks(existing, record=None, trust_record=False)
+        return doc_id
+
+    def get(self, doc_id: str) -> Document | None:
+        return _sound_document(doc_id, self._record(doc_name(doc_id)))
+
+    def resolve(self, doc_ids: list[str]) -> list[list[list[int]]]:
+        """Chunk ids (without layout tokens) of each document, in order; UnknownDocument names every unknown id.
+
+        One batched record read covers every document and, at the default budget, its chunk record too."""
+        unique = list(dict.fromkeys(doc_ids))
+        names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
+        records = dict(zip(names, self._records(names)))
+        chunks_by_id, unknown = {}, []
+        for d in unique:
+            doc = _sound_document(d, records[doc_name(d)])
+            if doc is None:
+                unknown.append(d)
+                continue
+            chunks_by_id[d] = self._chunks(doc, records.get(chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)))
+        if unknown:
+            raise UnknownDocument(unknown)
+        return [chunks_by_id[d] for d in doc_ids]
+
+    def chunks_of(self, doc_id: str) -> list[list[int]]:
+        return self.resolve([doc_id])[0]
+
+    def ids(self) -> list[str]:
+        return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
+
+    def _chunks(self, doc: Document, record: dict | None, trust_record: bool = True) -> list[list[int]]:
+        """The document's chunks from a sound chunk record, else chunked again from the text (and recorded)."""
+        name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
+        if record is None and not trust_record:
+            record = self._record(name)
+        if isinstance(record, dict):
+            chunks = record.get("chunks")
+            try:
+                if record.get("checksum") == chunks_checksum(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens, chunks):
+                    return chunks
+            except (TypeError, ValueError, OverflowError):
+                pass
+            log.warning("chunk record %s failed its checksum; chunking the document again", name)
+        chunks = [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
+        self.store.put_record(name, {"chunks": chunks, "tokens": sum(map(len, chunks)),
+                                     "checksum": chunks_checksum(doc.id, self.tokenizer_fingerprint,
+                                                                 doc.chunk_tokens, chunks)})
+        return chunks
+
+    def _record(self, name: str) -> dict | None:
+        return self._records([name])[0]
+
+    def _records(self, names: list[str]) -> list[dict | None]:
+        return self.store.get_records(names)
+
+    # -- entries ---------------------------------------------------------------------------------------------------
+    def ensure(self, chunks: list[list[int]], key: Callable[[list[int]], str],
+               compile: Callable[[list[int]], ChunkKV]) -> tuple[list[ChunkKV], EnsureReport]:
+        """The entries of these chunks, compiling (and storing) those the store lacks. One batched read.
+
+        `key(ids)` and `compile(ids)` belong to the caller's compiler and layout. A failed write is logged, not
+        raised: the caller has its entries, and only a later request pays the compile again."""
+        keys = [key(ids) for ids in chunks]
+        entries = self.store.get_many(keys)
+        report = EnsureReport(hits=sum(e is not None for e in entries))
+        missing: dict[str, ChunkKV] = {}
+        for i, entry in enumerate(entries):
+            if entry is None:  # a chunk twice in one prompt is compiled once
+                entries[i] = missing[keys[i]] = missing.get(keys[i]) or compile(chunks[i])
+        report.compiled = len(missing)
+        if missing:
+            try:
+                self.store.put_many(missing)
+            except StoreError as exc:
+                log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
+        return entries, report
+
+    # -- deleting --------------------------------------------------------------------------------------------------
+    def delete(self, doc_id: str) -> dict | None:
+        """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store
+        holds, except entries another document also uses. None if the document is unknown. Needs no model."""
+        names = self.store.record_names(f"chunks/{doc_id}/")
+        if self._record(doc_name(doc_id)) is None and not names:
+            return None
+        combos = _compile_combos(self.store)
+        keys = _entry_keys(self.store, doc_id, combos)
+        for other in _document_ids(self.store) - {doc_id}:
+            keys -= _entry_keys(self.store, other, combos)
+        entries = sum(self.store.delete(k) for k in sorted(keys))
+        records = sum(self.store.delete_record(n) for n in [*names, doc_name(doc_id)])
+        return {"records": records, "entries": entries}
+
+
+# -- what the store holds, without a model ----------------------------------------------------------------------------
+def lead_ids_of_layout(tag: str) -> list[int] | None:
+    """Token ids a compile layout stores in front of a chunk, from the layout tag kept in entry metadata
+    (`name:lead,ids:sink,ids`, as ragcache.compiler.Layout.tag writes it); None if the tag is not of that form."""
+    parts = tag.split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        return [int(x) for x in parts[1].split(",") if x]
+    except ValueError:
+        return None
+
+
+def _batched(items: Iterable, size: int = 256) -> Iterable[list]:
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
+    """(model, tokenizer, dtype, layout) of the entries in the store: what chunk keys can be rebuilt from."""
+    combos = set()
+    for batch in _batched(store.keys()):
+        for info in store.describe_many(batch):
+            meta = (info or {}).get("meta") or {}
+            if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
+                combos.add((meta["model"], meta["tokenizer"], meta.get("dtype", ""), meta["layout"]))
+    return combos
+
+
+def _document_ids(store: Store) -> set[str]:
+    return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
+
+
+def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
+    """Chunk keys of a document under every (model, tokenizer, dtype, layout) present in the store."""
+    keys = set()
+    for name in store.record_names(f"chunks/{doc_id}/"):
+        record = store.get_records([name])[0] or {}
+        tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
+        for model, tokenizer, dtype, layout in combos:
+            lead = lead_ids_of_layout(layout)
+            if lead is None or not tokenizer.startswith(tokenizer_prefix):
+                continue
+            for ids in record.get("chunks", []) if isinstance(record.get("chunks"), list) else []:
+                keys.add(chunk_key(model, tokenizer, dtype, layout, [*lead, *ids]))
+    return keys

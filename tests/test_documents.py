@@ -1,0 +1,152 @@
+"""ragcache.documents: the one owner of document records. Records verify themselves (an edited record never changes
+what a query reads), reads are batched, and the one delete keeps entries that other documents share."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ragcache import documents
+from ragcache.documents import Documents, chunks_name, doc_name
+from ragcache.errors import CorruptDocument, EmptyInput, UnknownDocument
+from ragcache.store import open_store
+from ragcache.store.entry import ChunkKV
+from ragcache.store.keys import chunk_key, document_id
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+TEXTS = [
+    "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall. Rivers flow to the sea.",
+    "Mount Everest is the highest mountain on Earth. It lies in the Himalayas! Rain falls on hills.",
+]
+TOKENIZER_FP = "t" * 64
+
+
+def docs_over(store, budget: int = 8) -> Documents:
+    return Documents(store, tiny.tokenizer(), TOKENIZER_FP, budget)
+
+
+class CountingStore(MemoryStore):
+    """Counts record round trips."""
+
+    def __init__(self):
+        super().__init__()
+        self.record_reads = 0
+
+    def get_records(self, names):
+        self.record_reads += 1
+        return super().get_records(names)
+
+
+def test_add_resolve_and_chunks_are_the_text_chunked():
+    docs = docs_over(MemoryStore())
+    ids = [docs.add(t, {"source": i}) for i, t in enumerate(TEXTS)]
+    assert ids == [document_id(t) for t in TEXTS]
+    got = docs.resolve([ids[1], ids[0], ids[1]])
+    expected = [[c.token_ids for c in documents.chunk_document(tiny.tokenizer(), t, 8)] for t in TEXTS]
+    assert got == [expected[1], expected[0], expected[1]]
+    assert docs.get(ids[0]).meta == {"source": 0} and sorted(docs.ids()) == sorted(ids)
+    with pytest.raises(EmptyInput):
+        docs.add("   ")
+
+
+def test_resolve_is_one_record_round_trip_and_names_every_unknown_id():
+    store = CountingStore()
+    docs = docs_over(store)
+    ids = [docs.add(t) for t in TEXTS]
+    store.record_reads = 0
+    docs.resolve(ids)
+    assert store.record_reads == 1
+    with pytest.raises(UnknownDocument) as caught:
+        docs.resolve([ids[0], "0" * 32, "1" * 32])
+    assert caught.value.ids == ["0" * 32, "1" * 32]
+
+
+def test_a_budget_other_than_the_default_is_kept_by_later_readers():
+    store = MemoryStore()
+    doc_id = docs_over(store, budget=4).add(TEXTS[0])
+    assert docs_over(store, budget=64).chunks_of(doc_id) == docs_over(store, budget=4).chunks_of(doc_id)
+    assert max(map(len, docs_over(store, budget=64).chunks_of(doc_id))) <= 8  # at most 2x its own budget
+
+
+def test_an_edited_document_text_is_corrupt_and_adding_the_text_repairs_it():
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    record = store.get_record(doc_name(doc_id))
+    store.put_record(doc_name(doc_id), {**record, "text": TEXTS[0].replace("Paris", "Rome")})
+    with pytest.raises(CorruptDocument, match="add the document's text again"):
+        docs.resolve([doc_id])
+    assert docs.add(TEXTS[0]) == doc_id
+    assert docs.get(doc_id).text == TEXTS[0]
+
+
+def test_an_edited_chunk_record_is_re_derived_from_the_text():
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    truth = docs.chunks_of(doc_id)
+    name = chunks_name(doc_id, TOKENIZER_FP, 8)
+    record = store.get_record(name)
+    for edit in ({**record, "chunks": [[*truth[0][:-1], truth[0][-1] + 1], *truth[1:]]},  # one id changed
+                 {**record, "chunks": "nonsense"}, {"chunks": truth}):  # garbage, or no checksum at all
+        store.put_record(name, edit)
+        assert docs.chunks_of(doc_id) == truth
+        assert store.get_record(name)["checksum"] == record["checksum"]  # and the record is written back sound
+
+
+def test_edited_records_on_disk_never_change_what_is_read(tmp_path):
+    store = open_store(f"disk:{tmp_path}")
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[1])
+    truth = docs.chunks_of(doc_id)
+    path = tmp_path / "records" / (chunks_name(doc_id, TOKENIZER_FP, 8).replace("/", "__") + ".json")
+    record = json.loads(path.read_text())
+    record["chunks"][0][0] += 1
+    path.write_text(json.dumps(record))
+    assert docs_over(open_store(f"disk:{tmp_path}")).chunks_of(doc_id) == truth
+
+
+def _entry(ids: list[int], layout: str = "bos:1:") -> tuple[str, ChunkKV]:
+    meta = {"model": "m" * 64, "tokenizer": TOKENIZER_FP, "dtype": "float32", "layout": layout}
+    stored = [1, *ids]
+    kv = torch.zeros(1, 1, len(stored), 2)
+    return chunk_key(*meta.values(), stored), ChunkKV(torch.tensor(stored, dtype=torch.int32), kv, kv.clone(), meta)
+
+
+def test_ensure_reads_once_and_compiles_each_missing_chunk_once():
+    store = MemoryStore()
+    docs = docs_over(store)
+    chunks = [[5, 6], [7], [5, 6]]
+    present = _entry([7])
+    store.put_many(dict([present]))
+    compiled = []
+
+    def compile(ids):
+        compiled.append(ids)
+        return _entry(ids)[1]
+
+    entries, report = docs.ensure(chunks, key=lambda ids: _entry(ids)[0], compile=compile)
+    assert compiled == [[5, 6]] and report.hits == 1 and report.compiled == 1
+    assert [e.token_ids.tolist() for e in entries] == [[1, 5, 6], [1, 7], [1, 5, 6]]
+    assert store.contains_many([_entry([5, 6])[0]]) == [True]
+
+
+def test_delete_keeps_entries_another_document_shares():
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    shared = "Rivers flow to the sea."
+    first, second = docs.add(f"{shared} Paris is big."), docs.add(f"{shared} Rome is old.")
+    for doc_id in (first, second):
+        store.put_many(dict(_entry(ids) for ids in docs.chunks_of(doc_id)))
+    keys_first = {_entry(ids)[0] for ids in docs.chunks_of(first)}
+    keys_second = {_entry(ids)[0] for ids in docs.chunks_of(second)}
+    assert keys_first & keys_second, "the two documents should share their first chunk"
+    assert docs.delete(first) == {"records": 2, "entries": len(keys_first - keys_second)}
+    assert all(store.contains_many(sorted(keys_second)))
+    assert not any(store.contains_many(sorted(keys_first - keys_second)))
+    with pytest.raises(UnknownDocument):
+        docs.resolve([first])
+    assert docs.delete(first) is None
