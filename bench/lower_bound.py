@@ -45,7 +45,7 @@ def entry_keys(rc, doc_ids: list[str], variant: Variant) -> list[str]:
     if variant.algorithm not in USES_CHUNK_CACHE:
         return []
     layout = rc.layouts["sink" if variant.algorithm == "legolink0" else "default"]
-    keys = [rc.compiler.key(ids, layout) for doc_id in doc_ids for ids in rc._chunks(doc_id)]
+    keys = [rc.compiler.key(ids, layout) for doc_id in doc_ids for ids in rc.document_chunks(doc_id)]
     prefix_ids = prompt.system_prefix_ids(rc.tokenizer, rc.format, None)
     if prefix_ids:
         keys.append(rc.compiler.key(prefix_ids, PLAIN))

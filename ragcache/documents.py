@@ -53,12 +53,36 @@ def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, chunks
     return h.hexdigest()
 
 
+def chunk_record_problem(name: str, record) -> str | None:
+    """What is wrong with a chunk record (None if sound), from its name and contents alone: no model needed."""
+    try:
+        _, doc_id, tail = name.split("/")
+        tokenizer_prefix, budget = tail.rsplit("-", 1)
+        tokenizer, chunks = record["tokenizer"], record["chunks"]
+        if not tokenizer.startswith(tokenizer_prefix):
+            return "its tokenizer is not the one its name says"
+        if record.get("checksum") != chunks_checksum(doc_id, tokenizer, int(budget), chunks):
+            return "checksum mismatch (edited or damaged)"
+    except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+        return "malformed"
+    return None
+
+
+def document_record_problem(doc_id: str, record) -> str | None:
+    try:
+        _sound_document(doc_id, record)
+    except CorruptDocument:
+        return "its text does not hash to its id (edited or damaged)"
+    return None
+
+
 @dataclass(frozen=True)
 class Document:
     id: str
     text: str
     meta: dict
     chunk_tokens: int  # the budget it was first chunked with: later readers must chunk it the same way
+    created: float | None = None
 
 
 def _sound_document(doc_id: str, record: dict | None) -> Document | None:
@@ -70,7 +94,9 @@ def _sound_document(doc_id: str, record: dict | None) -> Document | None:
     if not isinstance(text, str) or document_id(text) != doc_id or not isinstance(budget, int) or budget < 1:
         raise CorruptDocument(doc_id)
     meta = record.get("meta")
-    return Document(doc_id, text, meta if isinstance(meta, dict) else {}, budget)
+    created = record.get("created")
+    return Document(doc_id, text, meta if isinstance(meta, dict) else {}, budget,
+                    created if isinstance(created, (int, float)) else None)
 
 
 @dataclass
@@ -137,16 +163,14 @@ class Documents:
         name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
         if record is None and not trust_record:
             record = self._record(name)
-        if isinstance(record, dict):
-            chunks = record.get("chunks")
-            try:
-                if record.get("checksum") == chunks_checksum(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens, chunks):
-                    return chunks
-            except (TypeError, ValueError, OverflowError):
-                pass
-            log.warning("chunk record %s failed its checksum; chunking the document again", name)
+        if record is not None:
+            problem = chunk_record_problem(name, record)
+            if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
+                return record["chunks"]
+            log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
         chunks = [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
         self.store.put_record(name, {"chunks": chunks, "tokens": sum(map(len, chunks)),
+                                     "tokenizer": self.tokenizer_fingerprint,
                                      "checksum": chunks_checksum(doc.id, self.tokenizer_fingerprint,
                                                                  doc.chunk_tokens, chunks)})
         return chunks
@@ -179,20 +203,32 @@ class Documents:
                 log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
         return entries, report
 
-    # -- deleting --------------------------------------------------------------------------------------------------
     def delete(self, doc_id: str) -> dict | None:
-        """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store
-        holds, except entries another document also uses. None if the document is unknown. Needs no model."""
-        names = self.store.record_names(f"chunks/{doc_id}/")
-        if self._record(doc_name(doc_id)) is None and not names:
-            return None
-        combos = _compile_combos(self.store)
-        keys = _entry_keys(self.store, doc_id, combos)
-        for other in _document_ids(self.store) - {doc_id}:
-            keys -= _entry_keys(self.store, other, combos)
-        entries = sum(self.store.delete(k) for k in sorted(keys))
-        records = sum(self.store.delete_record(n) for n in [*names, doc_name(doc_id)])
-        return {"records": records, "entries": entries}
+        return delete(self.store, doc_id)
+
+
+def delete(store: Store, doc_id: str) -> dict | None:
+    """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
+    except entries another document also uses. None if the document is unknown. Needs no model."""
+    names = store.record_names(f"chunks/{doc_id}/")
+    if store.get_record(doc_name(doc_id)) is None and not names:
+        return None
+    combos = _compile_combos(store)
+    keys = _entry_keys(store, doc_id, combos)
+    for other in _document_ids(store) - {doc_id}:
+        keys -= _entry_keys(store, other, combos)
+    entries = sum(store.delete(k) for k in sorted(keys))
+    records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
+    return {"records": records, "entries": entries}
+
+
+def referenced_keys(store: Store) -> set[str]:
+    """Every entry key some document's chunks map to, under the (model, tokenizer, dtype, layout)s in the store."""
+    combos = _compile_combos(store)
+    wanted: set[str] = set()
+    for doc_id in _document_ids(store):
+        wanted |= _entry_keys(store, doc_id, combos)
+    return wanted
 
 
 # -- what the store holds, without a model ----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ query = resolve documents -> fetch chunk entries (compile misses) -> link -> dec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -16,7 +17,7 @@ from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
-from . import infill, models, prompt
+from . import documents, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
@@ -86,6 +87,7 @@ class RagCache:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
+        self.documents = documents.Documents(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
         self.lock = threading.RLock()  # one engine owns the model: model work is serialized
 
     @classmethod
@@ -138,68 +140,28 @@ class RagCache:
         return report
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
-        if not isinstance(text, str) or not text.strip():
-            raise EmptyInput("a document is empty; every document needs some text")
-        doc_id = document_id(text)
-        if self.store.get_record(f"doc/{doc_id}") is None:
-            self.store.put_record(f"doc/{doc_id}", {"id": doc_id, "text": text, "meta": meta, "created": time.time(),
-                                                    "chunk_tokens": self.chunk_tokens})
-        return doc_id, self._chunks(doc_id, text)
-
-    def _chunks(self, doc_id: str, text: str | None = None) -> list[list[int]]:
-        """The document's chunk token ids (without layout tokens), cached as a record per tokenizer and budget.
-
-        The budget is the one the document was first compiled with, so a later query by another process
-        with another default budget still finds the stored chunks."""
-        doc = self.store.get_record(f"doc/{doc_id}")
-        budget = (doc or {}).get("chunk_tokens", self.chunk_tokens)
-        name = f"chunks/{doc_id}/{self.lm.tokenizer_fingerprint[:16]}-{budget}"
-        record = self.store.get_record(name)
-        if record is not None:
-            return record["chunks"]
-        if text is None:
-            if doc is None:
-                raise UnknownDocument([doc_id])
-            text = doc["text"]
-        chunks = [c.token_ids for c in chunk_document(self.tokenizer, text, budget)]
-        self.store.put_record(name, {"chunks": chunks, "tokens": sum(map(len, chunks))})
-        return chunks
+        doc_id = self.documents.add(text, meta)
+        return doc_id, self.documents.chunks_of(doc_id)
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
-        return self._chunks(doc_id)
+        return self.documents.chunks_of(doc_id)
 
     def document(self, doc_id: str) -> dict | None:
-        return self.store.get_record(f"doc/{doc_id}")
+        """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
+        doc = self.documents.get(doc_id)
+        return None if doc is None else dataclasses.asdict(doc)
 
     def delete_document(self, doc_id: str) -> bool:
-        record = self.store.get_record(f"doc/{doc_id}")
-        if record is None:
-            return False
-        chunks = self._chunks(doc_id)
-        for layout in self.layouts.values():
-            for ids in chunks:
-                self.store.delete(self.compiler.key(ids, layout))
-        for name in self.store.record_names(f"chunks/{doc_id}/"):
-            self.store.delete_record(name)
-        return self.store.delete_record(f"doc/{doc_id}")
+        """Delete the document and its chunk entries, keeping entries that other documents share."""
+        return documents.delete(self.store, doc_id) is not None
 
     def document_ids(self) -> list[str]:
-        return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
+        return self.documents.ids()
 
     def _resolve(self, docs: list[str]) -> list[str]:
         """Ids stay ids (must be known); any other string is a raw text, compiled on the fly."""
-        ids, unknown = [], []
-        for doc in docs:
-            if isinstance(doc, str) and is_document_id(doc):
-                if self.store.get_record(f"doc/{doc}") is None:
-                    unknown.append(doc)
-                ids.append(doc)
-            else:
-                ids.append(self._register(doc, {})[0])
-        if unknown:
-            raise UnknownDocument(unknown)
-        return ids
+        return [doc if isinstance(doc, str) and is_document_id(doc) else self.documents.add(doc) for doc in docs]
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats) -> list[ChunkKV]:
@@ -225,7 +187,7 @@ class RagCache:
         if not isinstance(question, str) or not question.strip():
             raise EmptyInput("the question is empty")
         doc_ids = self._resolve(list(docs))
-        chunks = [ids for doc_id in doc_ids for ids in self._chunks(doc_id)]
+        chunks = [ids for doc_chunks in self.documents.resolve(doc_ids) for ids in doc_chunks]
         layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:

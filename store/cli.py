@@ -22,11 +22,12 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from ragcache import documents
 from ragcache.errors import StoreError
 
 from . import _split, open_store
 from .base import Store
-from .keys import chunk_key, is_document_id
+from .keys import is_document_id
 
 DEFAULT_STORE = "disk:./.ragcache"
 BATCH = 256
@@ -113,63 +114,23 @@ def verify_store(store: Store, fix: bool = False) -> dict:
                         report["fixed"] += 1
         for name in tier.record_names():
             report["records_checked"] += 1
-            if tier.get_record(name) is None:  # unreadable JSON reads as None (a warning is logged)
-                report["bad_records"].append({"tier": tier.name, "name": name})
+            problem = _record_problem(name, tier.get_record(name))
+            if problem is not None:
+                report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem})
                 if fix:
                     tier.delete_record(name)
                     report["fixed"] += 1
     return report
 
 
-def layout_lead_ids(tag: str) -> list[int] | None:
-    """Token ids a compile layout stores in front of a chunk, from the layout tag kept in entry metadata
-    (`name:lead,ids:sink,ids`, see ragcache.compiler.Layout.tag); None if the tag is not of that form."""
-    parts = tag.split(":")
-    if len(parts) != 3:
-        return None
-    try:
-        return [int(x) for x in parts[1].split(",") if x]
-    except ValueError:
-        return None
-
-
-def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
-    """(model, tokenizer, dtype, layout) of the entries in the store: what chunk keys can be rebuilt from."""
-    return {(r["model"], r["tokenizer"], r["dtype"], r["layout"]) for r in entry_rows(store)
-            if r["model"] and r["tokenizer"] and r["layout"]}
-
-
-def document_keys(store: Store, doc_id: str, combos=None) -> set[str]:
-    """Chunk keys of a document under every (model, tokenizer, dtype, layout) present in the store, from its chunk
-    records (`chunks/{id}/{tokenizer fingerprint[:16]}-{chunk tokens}`, written by the engine)."""
-    combos = _compile_combos(store) if combos is None else combos
-    keys = set()
-    for name in store.record_names(f"chunks/{doc_id}/"):
-        record = store.get_record(name) or {}
-        tok_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
-        for model, tokenizer, dtype, layout in combos:
-            lead = layout_lead_ids(layout)
-            if lead is None or not tokenizer.startswith(tok_prefix):
-                continue
-            for ids in record.get("chunks", []):
-                keys.add(chunk_key(model, tokenizer, dtype, layout, [*lead, *ids]))
-    return keys
-
-
-def _document_ids(store: Store) -> set[str]:
-    return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
-
-
-def remove_document(store: Store, doc_id: str) -> dict:
-    """Delete a document's records and its chunk entries, except entries another document also uses."""
-    combos = _compile_combos(store)
-    keys = document_keys(store, doc_id, combos)
-    for other in _document_ids(store) - {doc_id}:
-        keys -= document_keys(store, other, combos)
-    entries = sum(store.delete(k) for k in sorted(keys))
-    names = [n for n in store.record_names(f"chunks/{doc_id}/")] + [f"doc/{doc_id}"]
-    records = sum(store.delete_record(n) for n in names)
-    return {"records": records, "entries": entries}
+def _record_problem(name: str, record: dict | None) -> str | None:
+    if record is None:  # unreadable JSON reads as None (a warning is logged)
+        return "unreadable"
+    if name.startswith("doc/"):
+        return documents.document_record_problem(name.split("/", 1)[1], record)
+    if name.startswith("chunks/"):
+        return documents.chunk_record_problem(name, record)
+    return None
 
 
 def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False) -> dict:
@@ -180,10 +141,7 @@ def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool =
         elif hasattr(tier, "evict"):
             report[tier.name] = {"evicted": tier.evict()}
     if unreferenced:
-        combos = _compile_combos(store)
-        wanted = set()
-        for doc in _document_ids(store):
-            wanted |= document_keys(store, doc, combos)
+        wanted = documents.referenced_keys(store)
         orphans = [k for k in list(store.keys()) if k not in wanted]
         report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
     return report
@@ -324,8 +282,8 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
         err.print(f"[red]error:[/red] {id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)")
         raise typer.Exit(2)
-    if is_document_id(id) and (s.get_record(f"doc/{id}") is not None or s.record_names(f"chunks/{id}/")):
-        result = remove_document(s, id)
+    result = documents.delete(s, id) if is_document_id(id) else None
+    if result is not None:
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
                       "(entries shared with other documents kept)")
         return

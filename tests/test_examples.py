@@ -69,4 +69,4 @@ def test_llamaindex_rag(tmp_path, smollm2):
     rc = RagCache(smollm2, open_store(store))
     assert len(rc.document_ids()) == 3
     for doc_id in rc.document_ids():
-        assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in rc._chunks(doc_id)]))
+        assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in rc.document_chunks(doc_id)]))

@@ -66,7 +66,7 @@ def test_naive_with_one_chunk_equals_full(family):
     ids = rc.compile([DOCS[0]])
     full = rc.link(QUESTION, ids, algorithm="full")
     naive = rc.link(QUESTION, ids, algorithm="naive")
-    assert naive.cached_tokens == len(rc._chunks(ids[0])[0]) + 1  # the chunk and its BOS come from the cache
+    assert naive.cached_tokens == len(rc.document_chunks(ids[0])[0]) + 1  # the chunk and its BOS come from the cache
     torch.testing.assert_close(naive.last_logits, full.last_logits, atol=ATOL, rtol=1e-4)
 
 
@@ -89,14 +89,14 @@ def test_rotation_to_offset_equals_compiling_there(rc, offset):
 
 def test_every_algorithm_answers_and_counts(rc):
     ids = rc.compile(DOCS)
-    chunks = sum(len(rc._chunks(i)) for i in ids)
+    chunks = sum(len(rc.document_chunks(i)) for i in ids)
     assert chunks > len(DOCS)
     full = rc.link(QUESTION, ids, algorithm="full")
-    question_len = full.token_ids.numel() - sum(len(c) + 1 for i in ids for c in rc._chunks(i))  # bos per chunk
+    question_len = full.token_ids.numel() - sum(len(c) + 1 for i in ids for c in rc.document_chunks(i))  # bos per chunk
     for algorithm, expected_recomputed in [
         ("naive", question_len),
         ("legolink0", question_len),
-        ("legolink", question_len + sum(min(4, len(c) + 1) for i in ids for c in rc._chunks(i))),
+        ("legolink", question_len + sum(min(4, len(c) + 1) for i in ids for c in rc.document_chunks(i))),
     ]:
         linked = rc.link(QUESTION, ids, algorithm=algorithm, k=4)
         assert linked.recomputed_tokens == expected_recomputed, algorithm

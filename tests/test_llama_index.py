@@ -48,7 +48,7 @@ class StaticRetriever(BaseRetriever):
 
 
 def chunk_keys(rc, text):
-    return [rc.compiler.key(ids, rc.layouts["default"]) for ids in rc._chunks(document_id(text), text)]
+    return [rc.compiler.key(ids, rc.layouts["default"]) for ids in rc.document_chunks(document_id(text))]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +134,7 @@ def test_retriever_compiles_misses_and_warms_the_memory_tier(smollm2, tmp_path):
     # legolink0 links chunks compiled behind sink tokens: that layout is compiled and prefetched on demand
     sink = RagCacheRetriever(StaticRetriever(nodes), rc=rc, layout="sink")
     sink.retrieve("anything")
-    sink_keys = [rc.compiler.key(ids, rc.layouts["sink"]) for t in texts for ids in rc._chunks(document_id(t))]
+    sink_keys = [rc.compiler.key(ids, rc.layouts["sink"]) for t in texts for ids in rc.document_chunks(document_id(t))]
     assert all(memory.contains_many(sink_keys)) and sink.last_report.compiled_chunks == 2
 
 

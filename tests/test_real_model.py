@@ -56,7 +56,7 @@ def test_full_recompute_settings_equal_full(rc):
 
 def test_four_chunk_example_naive_and_legolink(rc):
     ids = rc.compile(DOCS)
-    chunks = [c for i in ids for c in rc._chunks(i)]
+    chunks = [c for i in ids for c in rc.document_chunks(i)]
     assert len(chunks) == 4
     prefix = prompt.system_prefix_ids(rc.tokenizer, rc.format, None)
     question = prompt.question_ids(rc.tokenizer, rc.format, QUESTION, with_docs=True)

@@ -19,7 +19,8 @@ from ragcache.errors import CorruptEntry, StoreError
 from ragcache.store import open_store
 from ragcache.store import disk as disk_module
 from ragcache.store.base import Store, TierUnavailable
-from ragcache.store.cli import layout_lead_ids, store_app
+from ragcache.documents import lead_ids_of_layout as layout_lead_ids
+from ragcache.store.cli import store_app
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
 from ragcache.store.keys import chunk_key
@@ -601,7 +602,7 @@ def test_cli_rm_removes_a_document_and_its_entries(tmp_path, tiny_lm, monkeypatc
     rc.query(QUESTION, ids[:1], max_new_tokens=2, algorithm="legolink0")  # entries of a second layout
     store = open_store(url)
     keep = set(rc.store.keys())
-    gone_keys = {rc.compiler.key(c, layout) for c in rc._chunks(ids[0]) for layout in rc.layouts.values()}
+    gone_keys = {rc.compiler.key(c, layout) for c in rc.document_chunks(ids[0]) for layout in rc.layouts.values()}
     monkeypatch.setenv("RAGCACHE_STORE", url)
     result = _cli("rm", ids[0])
     assert result.exit_code == 0, result.output
