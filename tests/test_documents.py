@@ -150,3 +150,25 @@ def test_delete_keeps_entries_another_document_shares():
     with pytest.raises(UnknownDocument):
         docs.resolve([first])
     assert docs.delete(first) is None
+
+
+# -- end to end: an edited record never changes an answer -------------------------------------------------------------
+def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
+    from ragcache.engine import RagCache
+
+    lm = tiny.make("llama")
+    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    doc_id = rc.compile(TEXTS[:1])[0]
+    truth = rc.link("Where is the tower?", [doc_id], algorithm="legolink")
+    records = tmp_path / "records"
+    (chunk_file,) = records.glob(f"chunks__{doc_id}__*.json")
+    record = json.loads(chunk_file.read_text())
+    record["chunks"][0][3] = (record["chunks"][0][3] + 7) % 300
+    chunk_file.write_text(json.dumps(record))
+    again = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    linked = again.link("Where is the tower?", [doc_id], algorithm="legolink")
+    assert torch.equal(linked.token_ids, truth.token_ids) and torch.equal(linked.last_logits, truth.last_logits)
+    doc_file = records / f"doc__{doc_id}.json"
+    doc_file.write_text(doc_file.read_text().replace("Paris", "Rome"))
+    with pytest.raises(CorruptDocument):
+        RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16).query("Where?", [doc_id], max_new_tokens=2)
