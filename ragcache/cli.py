@@ -18,6 +18,7 @@ from rich.table import Table
 from . import models
 from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
 from .settings import load_settings
+from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -59,31 +60,54 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None)
         return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device), s
 
 
-def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
-    """(text, metadata) for every file under the paths; JSONL files give one document per line."""
+def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
+    """The files to compile; a folder's unsupported files are named in a warning, and no file at all is an error."""
     files: list[Path] = []
     for path in paths:
         if path.is_dir():
-            pattern = glob or "**/*"
-            files += sorted(p for p in path.glob(pattern) if p.is_file() and p.suffix in TEXT_SUFFIXES | {".pdf"})
+            found = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
+            skipped = [p for p in found if p.suffix not in TEXT_SUFFIXES | {".pdf"}]
+            if skipped:
+                names = ", ".join(str(p) for p in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
+                err.print(f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
+                          f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {names}")
+            files += [p for p in found if p not in skipped]
         elif path.is_file():
             files.append(path)
         else:
             raise BadRequest(f"no such file or directory: {path}")
+    if not files:
+        raise BadRequest(f"no documents to compile in {', '.join(map(str, paths))}")
+    return files
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
+
+
+def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
+    """(text, metadata) for every file under the paths; JSONL files give one document per line."""
+    files = _input_files(paths, glob)
     docs = []
     for f in files:
         if f.suffix == ".jsonl":
             field = jsonl_field or "text"
-            for n, line in enumerate(f.read_text().splitlines(), 1):
+            for n, line in enumerate(_read_text(f).splitlines(), 1):
                 if line.strip():
-                    row = json.loads(line)
+                    try:
+                        row = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise BadRequest(f"{f}:{n}: not JSON ({exc.msg})") from exc
                     if field not in row:
                         raise BadRequest(f"{f}:{n}: no field {field!r} (use --jsonl FIELD)")
                     docs.append((row[field], {"source": f"{f}:{n}"}))
         elif f.suffix == ".pdf":
             docs.append((_pdf_text(f), {"source": str(f)}))
         else:
-            docs.append((f.read_text(), {"source": str(f)}))
+            docs.append((_read_text(f), {"source": str(f)}))
     return docs
 
 
@@ -107,7 +131,12 @@ def compile(
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     try:
         docs = _read_inputs(paths, glob, jsonl)
+        empty = [meta["source"] for text, meta in docs if not text.strip()]
+        if empty:
+            err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {', '.join(empty[:5])}")
         docs = [(text, meta) for text, meta in docs if text.strip()]
+        if not docs:
+            raise BadRequest("every document given is empty; nothing to compile")
         rc, _ = _open(model, store, chunk_tokens)
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
@@ -149,10 +178,25 @@ def compile(
         console.print(f"{doc_id}  {meta.get('source', '')}")
 
 
+def _doc_argument(value: str) -> str:
+    """A --doc value: the text of a file that exists, or a document id. Never a guess between the two."""
+    path = Path(value)
+    if path.is_file():
+        text = _read_text(path)
+        if not text.strip():
+            raise BadRequest(f"{path} is empty")
+        return text
+    if is_document_id(value.lower()):
+        return value.lower()
+    raise BadRequest(f"--doc {value!r} is neither an existing file nor a document id (32 hex characters, as "
+                     "`ragcache compile` prints)")
+
+
 @app.command()
 def query(
     question: str = typer.Argument(..., help="the question"),
-    doc: list[str] = typer.Option(..., "--doc", "-d", help="document id or path to a text file (repeatable)"),
+    doc: list[str] = typer.Option(..., "--doc", "-d", help="path to a text file that exists, or the id of a "
+                                                           "compiled document (32 hex, as `compile` prints); repeatable"),
     algorithm: str = typer.Option(None, help="full | naive | cacheblend | legolink | legolink0 | prefix"),
     k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
     ratio: float = typer.Option(None, help="cacheblend: fraction of chunk tokens recomputed"),
@@ -165,7 +209,7 @@ def query(
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
-        docs = [Path(d).read_text() if Path(d).is_file() else d for d in doc]
+        docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
         rc, s = _open(model, store)
         result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
                            k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,

@@ -40,12 +40,18 @@ class PromptTooLong(RagCacheError):
 
     http_status = 413
 
-    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int):
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int, question_tokens: int | None = None):
         self.prompt_tokens, self.max_new_tokens, self.context = prompt_tokens, max_new_tokens, context
-        super().__init__(
-            f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model context of "
-            f"{context} tokens; pass fewer documents or lower max_new_tokens"
-        )
+        self.question_tokens = question_tokens
+        if question_tokens is not None and question_tokens + max_new_tokens > context:
+            advice = f"the question alone is {question_tokens} tokens; shorten it or lower max_new_tokens"
+        elif question_tokens is not None:
+            advice = (f"the documents take {prompt_tokens - question_tokens} tokens and the question {question_tokens}; "
+                      "pass fewer or shorter documents, or lower max_new_tokens")
+        else:
+            advice = "pass fewer documents, a shorter question, or lower max_new_tokens"
+        super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model context of "
+                         f"{context} tokens: {advice}")
 
 
 class UnsupportedModel(RagCacheError):

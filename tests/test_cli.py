@@ -69,9 +69,29 @@ def test_bad_input_exit_codes(tmp_path):
     assert missing.returncode == 3 and "no such file" in missing.stderr
     unknown = ragcache("query", "what?", "--doc", "0" * 32, "--store", "memory:", cwd=tmp_path, check=False)
     assert unknown.returncode == 4 and "unknown document" in unknown.stderr
-    algo = ragcache("query", "what?", "--doc", "some text", "--algorithm", "magic", "--store", "memory:",
-                    cwd=tmp_path, check=False)
+    (tmp_path / "note.txt").write_text("some text")
+    algo = ragcache("query", "what?", "--doc", str(tmp_path / "note.txt"), "--algorithm", "magic", "--store",
+                    "memory:", cwd=tmp_path, check=False)
     assert algo.returncode == 3 and "unknown algorithm" in algo.stderr
+
+
+def test_inputs_are_checked_before_the_model_loads(tmp_path):
+    """A typo'd path is never taken for document text, and bad inputs fail at once with exit 3 and a clear message
+    (the model is never loaded: loading it prints a status line these runs never show)."""
+    typo = ragcache("query", "what?", "--doc", str(tmp_path / "lighthous.txt"), "--store", "memory:", cwd=tmp_path,
+                    check=False)
+    assert typo.returncode == 3 and "neither an existing file nor a document id" in typo.stderr
+    (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 4)
+    binary = ragcache("compile", str(tmp_path / "blob.txt"), "--store", "memory:", cwd=tmp_path, check=False)
+    assert binary.returncode == 3 and "not UTF-8 text" in binary.stderr and "Traceback" not in binary.stderr
+    (tmp_path / "empty").mkdir()
+    empty = ragcache("compile", str(tmp_path / "empty"), "--store", "memory:", cwd=tmp_path, check=False)
+    assert empty.returncode == 3 and "no documents to compile" in empty.stderr
+    (tmp_path / "odd").mkdir()
+    (tmp_path / "odd" / "slides.pptx").write_bytes(b"PK")
+    odd = ragcache("compile", str(tmp_path / "odd"), "--store", "memory:", cwd=tmp_path, check=False)
+    assert odd.returncode == 3 and "slides.pptx" in odd.stderr and "skipping 1 file" in odd.stderr
+    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd))
 
 
 def test_demo_models_and_config(tmp_path):
