@@ -264,13 +264,52 @@ def serve(
     run(s, workers=workers)
 
 
+@app.command()
+def calibrate(
+    model: str = typer.Option(None, help="model (default: settings)"),
+    docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
+    items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
+    target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
+    store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
+):
+    """Find the smallest legolink k (and cacheblend ratio) that agrees with `full` at the target rate on this model,
+    and save it as the model's profile: later runs use that k by default."""
+    from . import calibrate as cal
+
+    try:
+        if docs is not None:
+            texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
+            if len(texts) < 2:
+                raise BadRequest(f"{docs}: calibration needs at least 2 documents")
+        rc, _ = _open(model, store)
+        sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
+        profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"))
+        path = cal.save_profile(profile)
+    except RagCacheError as exc:
+        _fail(exc)
+    table = Table("algorithm", "agreement with full", title=f"{profile.model}: {profile.items} items, target {target}")
+    table.add_row("naive", f"{profile.naive_agreement:.2f}")
+    for k, score in profile.agreement_by_k.items():
+        table.add_row(f"legolink k={k}", f"{score:.2f}")
+    for ratio, score in profile.agreement_by_ratio.items():
+        table.add_row(f"cacheblend ratio={ratio}", f"{score:.2f}")
+    console.print(table)
+    found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
+    console.print(f"profile: {found}, ratio={profile.ratio} -> {path}")
+
+
 @models_app.command("list")
 def models_list():
-    """Built-in models and whether they are pulled."""
-    table = Table("name", "family", "pulled", "source")
+    """Built-in models, whether they are pulled, and their calibrated k (`ragcache calibrate`)."""
+    from .calibrate import profiles_by_model
+
+    profiles = profiles_by_model()
+    table = Table("name", "family", "pulled", "calibrated k", "source")
     for spec in models.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
-        table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", f"{wheels}\n{spec.note}")
+        calibrated = ", ".join(f"{p.k} ({p.dtype}, {p.target:.2f})" for p in profiles.get(spec.name, [])) or "-"
+        table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", calibrated,
+                      f"{wheels}\n{spec.note}")
     console.print(table)
 
 

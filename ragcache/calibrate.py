@@ -1,0 +1,173 @@
+"""Per-model calibration: the smallest recompute that agrees with `full` often enough, stored as a profile.
+
+For each item (a question over a few documents) `full` is linked once; each candidate (legolink k, cacheblend
+ratio) is linked on the same ids, and agreement is the fraction of items whose next-token argmax equals full's
+at the answer's first position. Linking without decoding keeps a sweep cheap. The smallest k (and ratio) whose
+agreement reaches the target becomes the model's profile; `RagCache` then uses that k as its default.
+
+Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
+inherits another's k.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import models
+
+DEFAULT_TARGET = 0.95
+DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)
+DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
+DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
+
+
+@dataclass
+class Item:
+    question: str
+    doc_ids: list[str]
+
+
+@dataclass
+class Profile:
+    model: str
+    fingerprint: str
+    dtype: str
+    target: float
+    items: int
+    k: int | None  # None: no candidate reached the target
+    ratio: float | None
+    agreement_by_k: dict[str, float] = field(default_factory=dict)
+    agreement_by_ratio: dict[str, float] = field(default_factory=dict)
+    naive_agreement: float = 0.0
+    created: float = 0.0
+
+
+def profile_path(fingerprint: str, dtype: str) -> Path:
+    return models.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}.json"
+
+
+def load_profile(lm: models.LoadedModel) -> Profile | None:
+    path = profile_path(lm.fingerprint, _dtype(lm))
+    try:
+        data = json.loads(path.read_text())
+        profile = Profile(**data)
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError):  # an old or damaged profile: calibrate again
+        return None
+    return profile if profile.fingerprint == lm.fingerprint else None
+
+
+def save_profile(profile: Profile) -> Path:
+    path = profile_path(profile.fingerprint, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(asdict(profile), indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def profiles_by_model() -> dict[str, list[Profile]]:
+    """Every saved profile, by model name (for listings; a model is matched by fingerprint when it is loaded)."""
+    out: dict[str, list[Profile]] = {}
+    for path in sorted((models.model_cache_dir() / "profiles").glob("*.json")):
+        try:
+            profile = Profile(**json.loads(path.read_text()))
+        except (ValueError, TypeError, OSError):
+            continue
+        out.setdefault(profile.model, []).append(profile)
+    return out
+
+
+def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0) -> list[Item]:
+    """Questions of the sample set, each over its own document and distractors (the answer among them)."""
+    docs = {p.name: p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))}
+    ids = dict(zip(docs, rc.compile(list(docs.values()))))
+    rows = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    items = []
+    for row in rows[:n]:
+        others = rng.sample([name for name in docs if name != row["doc"]], docs_per_item - 1)
+        chosen = others[: len(others) // 2] + [row["doc"]] + others[len(others) // 2:]
+        items.append(Item(row["question"], [ids[name] for name in chosen]))
+    return items
+
+
+def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, seed: int = 0) -> list[Item]:
+    """Items over the user's own documents, with no questions given: each asks for what a sentence of one of the
+    documents says next, among other documents, so the answer needs the right chunk's content."""
+    ids = rc.compile(texts)
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n):
+        pick = rng.randrange(len(texts))
+        sentences = [s.strip() for s in texts[pick].replace("\n", " ").split(".") if len(s.split()) >= 6]
+        if not sentences:
+            continue
+        words = rng.choice(sentences).split()
+        cue = " ".join(words[: max(3, len(words) // 2)])
+        others = rng.sample([i for i in range(len(texts)) if i != pick], min(docs_per_item - 1, len(texts) - 1))
+        order = others[: len(others) // 2] + [pick] + others[len(others) // 2:]
+        items.append(Item(f'According to the documents, how does the sentence starting "{cue}" continue?',
+                          [ids[i] for i in order]))
+    return items
+
+
+def agreement(rc, items: list[Item], link_kwargs: dict, full_top1: list[int]) -> float:
+    hits = sum(int(rc.link(item.question, item.doc_ids, **link_kwargs).last_logits.argmax()) == top1
+               for item, top1 in zip(items, full_top1))
+    return hits / len(items)
+
+
+def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
+              progress: Callable[[str], None] | None = None) -> Profile:
+    """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
+    the first hit to be the answer here, and stopping early saves most of the sweep."""
+    if not items:
+        raise ValueError("calibration needs at least one item")
+    say = progress or (lambda _: None)
+    with torch.inference_mode():
+        full_top1 = [int(rc.link(i.question, i.doc_ids, algorithm="full").last_logits.argmax()) for i in items]
+    say(f"full: {len(items)} items linked")
+    profile = Profile(rc.lm.name, rc.lm.fingerprint, _dtype(rc.lm), target, len(items), None, None,
+                      created=time.time())
+    profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, full_top1)
+    say(f"naive: {profile.naive_agreement:.2f}")
+    for k in ks:
+        score = agreement(rc, items, {"algorithm": "legolink", "k": k}, full_top1)
+        profile.agreement_by_k[str(k)] = score
+        say(f"legolink k={k}: {score:.2f}")
+        if score >= target:
+            profile.k = k
+            break
+    for ratio in ratios:
+        score = agreement(rc, items, {"algorithm": "cacheblend", "ratio": ratio}, full_top1)
+        profile.agreement_by_ratio[str(ratio)] = score
+        say(f"cacheblend ratio={ratio}: {score:.2f}")
+        if score >= target:
+            profile.ratio = ratio
+            break
+    return profile
+
+
+def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% interval of a proportion (Wilson): honest at the small n a calibration runs on."""
+    if n == 0:
+        return 0.0, 1.0
+    p = hits / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _dtype(lm: models.LoadedModel) -> str:
+    return str(next(lm.model.parameters()).dtype).removeprefix("torch.")

@@ -1,0 +1,78 @@
+"""`ragcache calibrate`: the smallest k whose agreement with `full` reaches the target, saved per model."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ragcache import calibrate as cal
+from ragcache.store import open_store
+from tests import tiny
+
+
+class _KnownRC:
+    """A stand-in engine whose agreement with full is known: an item agrees exactly when k >= its threshold."""
+
+    def __init__(self, thresholds: list[int]):
+        self.thresholds = thresholds
+        self.lm = SimpleNamespace(name="known", fingerprint="f" * 64,
+                                  model=torch.nn.Linear(1, 1))  # fp32 parameters: the profile's dtype
+
+    def link(self, question, doc_ids, algorithm="legolink", k=16, ratio=0.15, **_):
+        threshold = self.thresholds[int(question)]
+        agrees = algorithm == "full" or (algorithm == "legolink" and k >= threshold) or \
+            (algorithm == "cacheblend" and ratio >= threshold / 100)
+        logits = torch.zeros(4)
+        logits[0 if agrees else 1] = 1.0
+        return SimpleNamespace(last_logits=logits)
+
+
+def test_the_known_k_is_picked():
+    items = [cal.Item(str(i), []) for i in range(20)]
+    rc = _KnownRC([0] * 10 + [8] * 8 + [64] * 2)  # agreement: k=0 .5, k=8 .9, k=64 1.0
+    profile = cal.calibrate(rc, items, target=0.9, ks=(0, 4, 8, 16, 64))
+    assert profile.k == 8 and profile.agreement_by_k == {"0": 0.5, "4": 0.5, "8": 0.9}
+    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8, 16, 64)).k == 64
+    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8)).k is None  # never reached: no profile k
+    assert profile.naive_agreement == 0.0
+
+
+def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+    profile = cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, 32, 0.3, {"32": 0.96})
+    cal.save_profile(profile)
+    assert cal.load_profile(lm) == profile
+    assert cal.load_profile(tiny.make("qwen2")) is None  # another model never inherits it
+    assert [p.k for p in cal.profiles_by_model()[lm.name]] == [32]
+
+
+def test_on_a_tiny_model_k_at_the_chunk_length_is_exact():
+    from ragcache.engine import RagCache
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    texts = [t * 3 for t in tiny.CORPUS[:4]]
+    items = cal.items_from_documents(rc, texts, n=6)
+    assert items and all(len(item.doc_ids) == 3 for item in items)
+    longest = max(len(c) for doc in texts for c in rc.document_chunks(rc.compile([doc])[0])) + 1  # + BOS
+    profile = cal.calibrate(rc, items, target=1.0, ks=(0, 2, longest))
+    assert profile.k is not None and profile.k <= longest
+    assert profile.agreement_by_k[str(profile.k)] == 1.0
+
+
+def test_wilson_interval():
+    low, high = cal.wilson_interval(19, 20)
+    assert 0.7 < low < 0.95 < high <= 1.0
+    assert cal.wilson_interval(0, 0) == (0.0, 1.0)
+
+
+@pytest.mark.parametrize("bad", ["{not json", '{"model": 1}'])
+def test_a_damaged_profile_is_ignored(tmp_path, monkeypatch, bad):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+    path = cal.profile_path(lm.fingerprint, "float32")
+    path.parent.mkdir(parents=True)
+    path.write_text(bad)
+    assert cal.load_profile(lm) is None
