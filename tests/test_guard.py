@@ -1,0 +1,41 @@
+"""The accuracy guard's comparison and bookkeeping (the server wiring is tested in test_api.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from ragcache.guard import Check, Guard, compare
+
+
+def test_compare_identical_and_different_distributions():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    same = compare("legolink", logits, logits.clone())
+    assert same.top1_agrees and same.kl == pytest.approx(0.0, abs=1e-12)
+    moved = logits.clone()
+    moved[int(logits.argmin())] = float(logits.max()) + 5
+    other = compare("legolink", logits, moved)
+    assert not other.top1_agrees and other.kl > 0.1
+
+
+def test_rate_zero_never_and_one_always_and_exact_algorithms_never():
+    assert not any(Guard(0.0, "m").wants("legolink") for _ in range(100))
+    always = Guard(1.0, "m")
+    assert all(always.wants("legolink") for _ in range(100))
+    assert not always.wants("full") and not always.wants("prefix")
+    half = Guard(0.5, "m", seed=1)
+    assert 30 < sum(half.wants("naive") for _ in range(100)) < 70
+    with pytest.raises(ValueError):
+        Guard(1.5, "m")
+
+
+def test_agreement_window_and_one_warning_below_target(caplog):
+    guard = Guard(1.0, "tiny", target=0.9, window=20)
+    with caplog.at_level(logging.WARNING, logger="ragcache"):
+        for i in range(40):
+            guard.record(Check("legolink", i % 2 == 0, 0.1))
+    assert guard.agreement()["legolink"] == (0.5, 20)
+    warnings = [r for r in caplog.records if "accuracy guard" in r.getMessage()]
+    assert len(warnings) == 1 and "legolink" in warnings[0].getMessage()
