@@ -87,6 +87,9 @@ class RagCache:
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
         self.lock = threading.RLock()  # one engine owns the model: model work is serialized
+        # Hold every model step while this Event is clear (None: never held). Lets a caller (the API tests)
+        # create "the engine is busy" as a state instead of racing the model's speed.
+        self.step_gate: threading.Event | None = None
 
     @classmethod
     def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
@@ -98,6 +101,11 @@ class RagCache:
     def warmup(self) -> None:
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""
         self.link("warm up", [], algorithm="full")
+
+    def wait_gate(self) -> None:
+        gate = self.step_gate
+        if gate is not None:
+            gate.wait()
 
     @property
     def context_length(self) -> int:
@@ -330,6 +338,7 @@ class Stream:
         started = time.perf_counter()
         # The lock is held per model step, never across a yield: a server may resume this generator from
         # another thread, and other requests interleave between tokens (the joined cache is per request).
+        rc.wait_gate()
         with rc.lock:
             linked = self.make_linked(stats)
         assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
@@ -338,6 +347,7 @@ class Stream:
         token_ids: list[int] = []
         first_at = None
         while True:
+            rc.wait_gate()
             with rc.lock:
                 step = next(steps, None)
             if step is None:
