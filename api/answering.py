@@ -1,4 +1,4 @@
-"""From a validated request to answer events: limits, admission, one Generation on the engine thread.
+"""From a validated request to answer events: limits, admission, one Generation run by the engine's scheduler.
 
 Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into an `Ask`
 and goes through `Context.start`, which waits for the first event so that errors the engine only finds while

@@ -1,11 +1,13 @@
-"""Bounded, fair access to the one engine.
+"""Admission to the engine, and answers streamed back to the event loop.
 
-- One engine thread runs every model call, in arrival order (FIFO): the event loop never blocks on the model,
-  and rc.lock (held by a Stream for its whole generation) is always taken and released by the same thread.
-- Admission: at most `max_queue` requests hold a slot (waiting or running); the next one gets 429 at once.
-- A compile request submits one document per turn, so queries that arrive meanwhile run between its documents.
-- A Generation streams a ragcache Stream's pieces back to the loop; a client that disconnects cancels it: the
-  engine thread stops at the next piece and closes the stream, and the slot is freed when that job is done.
+- The engine's scheduler thread runs every model step (batching every running request, FIFO admission);
+  this module only decides admission: at most `max_queue` requests hold a slot (preparing, waiting or
+  running); the next one gets 429 at once.
+- Work that is not a model step (store reads, compiling a document, which queues its model work on the
+  scheduler) runs in worker threads, so the event loop never blocks.
+- A Generation opens a ragcache Stream and receives its events from the scheduler thread; a client that
+  disconnects cancels it: the scheduler drops the request at its next step, and the slot is freed once the
+  scheduler has let go of it (its last event).
 """
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 
 from starlette.requests import Request
 
@@ -36,7 +37,6 @@ class EngineQueue:
         self.rejected = 0  # 429s
         self.cancelled = 0  # generations stopped because their client went away
         self.live: set[Generation] = set()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-engine")
 
     def admit(self) -> "Slot":
         if self.depth >= self.max_queue:
@@ -46,10 +46,9 @@ class EngineQueue:
         return Slot(self, asyncio.get_running_loop())
 
     def shutdown(self) -> None:
-        """Server stopping: drop queued jobs and stop running generations at their next piece."""
+        """Server stopping: every live generation leaves the scheduler at its next step."""
         for gen in list(self.live):
-            gen.cancelled.set()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+            gen.stream.cancel()
 
 
 def _threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
@@ -60,30 +59,29 @@ def _threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
 
 
 class Slot:
-    """One request's place in the queue; freed once the request is done and none of its engine jobs still runs."""
+    """One request's place in the queue; freed once the request is done and none of its jobs still runs."""
 
     def __init__(self, queue: EngineQueue, loop: asyncio.AbstractEventLoop):
         self.queue, self.loop = queue, loop
         self.admitted = time.perf_counter()
-        self.started: float | None = None  # when its first job began on the engine thread
+        self.started: float | None = None  # when its work began
         self.jobs = 0
         self.closed = self.released = False
 
-    def submit(self, fn, *args) -> Future:
-        def job():
-            if self.started is None:
-                self.started = time.perf_counter()
-            return fn(*args)
-
+    def hold(self) -> None:
+        """A job of this request runs (until `_job_done`)."""
+        if self.started is None:
+            self.started = time.perf_counter()
         self.jobs += 1
-        future = self.queue._executor.submit(job)
-        future.add_done_callback(lambda _: _threadsafe(self.loop, self._job_done))
-        return future
 
     async def call(self, fn, *args):
-        """Run fn(*args) on the engine thread. If the caller is cancelled a queued job is dropped; a running one
-        finishes (and keeps the slot until it has)."""
-        return await asyncio.wrap_future(self.submit(fn, *args))
+        """Run fn(*args) in a worker thread (the model work in it queues on the scheduler). If the caller is
+        cancelled the call still finishes, and keeps the slot until it has."""
+        self.hold()
+        try:
+            return await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
+        finally:
+            self._job_done()
 
     @property
     def queue_s(self) -> float:
@@ -110,35 +108,33 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class Generation:
-    """A ragcache Stream iterated on the engine thread. `await next()` gives ("piece", text), ("done", Answer),
+    """A ragcache Stream run by the scheduler. `await next()` gives ("piece", text), ("done", Answer),
     ("error", exception) or ("gone", None) when the client disconnected."""
 
     def __init__(self, slot: Slot, stream: Stream, request: Request | None = None):
-        self.slot, self.loop = slot, slot.loop
+        self.slot, self.loop, self.stream = slot, slot.loop, stream
         self.events: asyncio.Queue = asyncio.Queue()
-        self.cancelled = threading.Event()
         self.finished = False
         slot.queue.live.add(self)
-        self.future = slot.submit(self._run, stream)
+        slot.hold()  # until the scheduler's last event for this stream (or a failure to open it)
+        self.opener = asyncio.ensure_future(self._open())
         self.watcher = asyncio.ensure_future(self._watch(request)) if request is not None else None
 
-    def _put(self, kind: str, value) -> None:
-        _threadsafe(self.loop, self.events.put_nowait, (kind, value))
-
-    def _run(self, stream: Stream) -> None:  # on the engine thread
-        if self.cancelled.is_set():
-            return
-        pieces = iter(stream)
-        try:
-            for piece in pieces:
-                if self.cancelled.is_set():
-                    return  # closing the generator below ends the decode and releases rc.lock on this thread
-                self._put("piece", piece)
-            self._put("done", stream.answer)
+    async def _open(self) -> None:
+        try:  # preparing reads the store (and may compile): a worker thread, not the loop
+            await asyncio.to_thread(self.stream.open, self._emit)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the request as an event
-            self._put("error", exc)
-        finally:
-            pieces.close()
+            self.events.put_nowait(("error", exc))
+            self.slot._job_done()
+
+    def _emit(self, kind: str, value) -> None:  # on the scheduler thread
+        _threadsafe(self.loop, self._event, kind, value)
+
+    def _event(self, kind: str, value) -> None:
+        if kind != "piece":
+            self.slot._job_done()  # the scheduler has let go of the request
+        if kind != "cancelled":
+            self.events.put_nowait((kind, value))
 
     async def _watch(self, request: Request) -> None:
         await wait_for_disconnect(request)
@@ -153,14 +149,13 @@ class Generation:
         return kind, value
 
     def cancel(self) -> None:
-        """Stop generating (a queued job is dropped, a running one stops at its next piece)."""
-        if not self.cancelled.is_set():
+        """Stop generating: the scheduler drops the request at its next step."""
+        if not self.stream.cancelled:
             self.slot.queue.cancelled += 1
-        self.cancelled.set()
-        self.future.cancel()
+        self.stream.cancel()
 
     def close(self) -> None:
-        """The request is over: stop whatever still runs and free the slot once the engine thread lets go."""
+        """The request is over: stop whatever still runs; the slot is freed once the scheduler lets go."""
         if not self.finished:
             self.cancel()
         if self.watcher is not None:

@@ -42,8 +42,9 @@ def _check_metadata(metadata: dict, i: int) -> None:
 
 @router.post("/documents", status_code=201, response_model=CompileResponse)
 async def compile_documents(body: CompileRequest, request: Request) -> CompileResponse:
-    """Compile documents into the store (what is already there is skipped). One document per engine turn, so
-    queries interleave with a long upload; a client that disconnects stops the upload after its current document."""
+    """Compile documents into the store (what is already there is skipped). Each chunk's prefill is one job on
+    the scheduler, between batch steps, so queries go on during a long upload; a client that disconnects stops
+    the upload after its current document."""
     c = ctx(request)
     docs = body.items()
     c.check_documents([d.text for d in docs])
@@ -104,7 +105,7 @@ def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = 
 
 @router.delete("/documents/{doc_id}", response_model=Deleted)
 async def delete_document(doc_id: str, request: Request) -> Deleted:
-    """Delete a document and its cached chunks (on the engine thread, so never in the middle of its compile)."""
+    """Delete a document and its cached chunks (in a worker thread; it holds a slot like any engine request)."""
     c = ctx(request)
     if not is_document_id(doc_id):
         raise UnknownDocument([doc_id])

@@ -1,6 +1,8 @@
-"""RagCache: the public facade. Owns one model, one store and one prefix cache.
+"""RagCache: the public facade, orchestration only. Owns one model (through its scheduler), one store and the
+prefix caches.
 
-query = resolve documents -> fetch chunk entries (compile misses) -> link -> decode."""
+query = resolve documents -> fetch chunk entries (compile misses on the scheduler) -> scheduler: link + decode.
+Every method may be called from any number of threads: the scheduler's thread alone runs the model."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,42 +23,14 @@ from . import documents, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
-from .generate import Sampling, TextAssembler, decode
-from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked, link
+from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
+from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
+from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
 
 DEFAULT_STORE = "disk:./.ragcache"
 log = logging.getLogger("ragcache")
-
-
-@dataclass
-class QueryStats:
-    algorithm: str = ""
-    ttft_s: float = 0.0
-    fetch_s: float = 0.0  # store reads, plus compiling any chunk that was missing
-    rotate_s: float = 0.0  # placing cached chunks (gather + RoPE to global positions)
-    recompute_s: float = 0.0  # selected rows through every layer
-    decode_s: float = 0.0  # tokens after the first
-    total_s: float = 0.0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
-    recomputed_tokens: int = 0
-    completion_tokens: int = 0
-    store_hits: int = 0
-    store_misses: int = 0
-    compiled_chunks: int = 0
-    finish_reason: str = "length"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-@dataclass
-class Answer:
-    text: str
-    token_ids: list[int]
-    stats: QueryStats
 
 
 @dataclass
@@ -73,7 +47,7 @@ class CompileReport:
 
 class RagCache:
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET):
         if chunk_tokens < 1:
             raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm = lm
@@ -88,7 +62,8 @@ class RagCache:
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
         self.documents = documents.Documents(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
-        self.lock = threading.RLock()  # one engine owns the model: model work is serialized
+        self.scheduler = Scheduler(self.runner, row_budget)
+        self.stop_ids = eos_ids(self.runner)
 
     @classmethod
     def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
@@ -100,6 +75,16 @@ class RagCache:
     def warmup(self) -> None:
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""
         self.link("warm up", [], algorithm="full")
+
+    @property
+    def step_gate(self) -> threading.Event | None:
+        """While this Event is clear the scheduler takes no step (None: never held). Lets a caller (the API
+        tests) create "the engine is busy" as a state instead of racing the model's speed."""
+        return self.scheduler.gate
+
+    @step_gate.setter
+    def step_gate(self, gate: threading.Event | None) -> None:
+        self.scheduler.gate = gate
 
     @property
     def context_length(self) -> int:
@@ -115,29 +100,48 @@ class RagCache:
         started = time.perf_counter()
         report = CompileReport()
         metadata = metadata or [{} for _ in texts]
+        layout = self.layouts["default"]
         for text, meta in zip(texts, metadata):
             doc_id, chunks = self._register(text, meta)
-            keys = [self.compiler.key(ids, self.layouts["default"]) for ids in chunks]
-            present = self.store.contains_many(keys)
+            present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
             report.ids.append(doc_id)
             report.documents += 1
             report.chunks += len(chunks)
             report.skipped += all(present)
-            for ids, key, there in zip(chunks, keys, present):
+            for ids, there in zip(chunks, present):  # one chunk at a time: progress moves, Ctrl-C keeps what is done
                 report.tokens += len(ids)
                 if not there:
-                    with self.lock:
-                        entry = self.compiler.compile(ids, self.layouts["default"])
-                    self.store.put_many({key: entry})
+                    entries, _ = self._ensure([ids], layout)
                     report.compiled_chunks += 1
-                    report.bytes += entry.nbytes
+                    report.bytes += entries[0].nbytes
                 if progress:
                     progress(len(ids), 0 if there else len(ids))
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
-            self._entries([prefix_ids], PLAIN, QueryStats())
+            self._ensure([prefix_ids], PLAIN)
         report.seconds = time.perf_counter() - started
         return report
+
+    def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
+        """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
+        compile the missing ones and, with prefetch, read the rest (a tiered store then holds them in its fastest
+        tier). Returns (chunks compiled, chunks found)."""
+        if layout not in self.layouts:
+            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
+        chunks = [ids for doc_chunks in self.documents.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+        if prefetch:
+            _, report = self._ensure(chunks, self.layouts[layout])
+            return report.compiled, report.hits
+        keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
+        missing = [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
+        if missing:
+            self._ensure(missing, self.layouts[layout])
+        return len(missing), 0
+
+    def _ensure(self, chunks: list[list[int]], layout: Layout) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
+        """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
+        return self.documents.ensure(chunks, key=lambda ids: self.compiler.key(ids, layout),
+                                     compile=lambda ids: self.scheduler.call(self.compiler.compile, ids, layout))
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
         doc_id = self.documents.add(text, meta)
@@ -165,21 +169,10 @@ class RagCache:
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats) -> list[ChunkKV]:
-        keys = [self.compiler.key(ids, layout) for ids in chunk_ids]
-        entries = self.store.get_many(keys)
-        missing = {}
-        for i, entry in enumerate(entries):
-            if entry is None:
-                with self.lock:
-                    entries[i] = missing[keys[i]] = self.compiler.compile(chunk_ids[i], layout)
-        stats.store_hits += len(keys) - len(missing)
-        stats.store_misses += len(missing)
-        stats.compiled_chunks += len(missing)
-        if missing:
-            try:
-                self.store.put_many(missing)
-            except StoreError as exc:  # the query has its entries; only the next one pays the compile again
-                log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
+        entries, report = self._ensure(chunk_ids, layout)
+        stats.store_hits += report.hits
+        stats.store_misses += len(chunk_ids) - report.hits
+        stats.compiled_chunks += report.compiled
         return entries
 
     def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str) -> tuple[LinkInput, list]:
@@ -203,40 +196,47 @@ class RagCache:
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats)[0]
 
+    def _prepare(self, question: str, docs: list[str], system: str | None, params: LinkParams, max_new_tokens: int,
+                 stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
+        """Everything before the model: check, resolve, fetch (compiling misses). Runs on the caller's thread."""
+        params.validate(self.runner.shape.layers)
+        started = time.perf_counter()
+        parts, chunks = self._inputs(question, docs, system, params.algorithm)
+        length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
+        if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
+            raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
+        self._fetch(parts, chunks, params.algorithm, stats)
+        stats.fetch_s = time.perf_counter() - started
+        stats.algorithm, stats.prompt_tokens = params.algorithm, length
+        return parts, params, self.prefix_cache
+
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
              k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
              max_new_tokens: int = 0, _stats: QueryStats | None = None) -> Linked:
+        """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
+        `max_new_tokens` reserves room in the cache for tokens a caller decodes itself."""
         stats = _stats or QueryStats()
         params = LinkParams(algorithm, k, ratio, check_layer)
-        params.validate(self.runner.shape.layers)
-        started = time.perf_counter()
-        parts, chunks = self._inputs(question, docs, system, algorithm)
-        length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
-        if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
-            raise PromptTooLong(length, max_new_tokens, self.context_length)
-        self._fetch(parts, chunks, algorithm, stats)
-        stats.fetch_s = time.perf_counter() - started
-        with self.lock:
-            linked = link(self.runner, parts, params, extra_capacity=max_new_tokens, prefix_cache=self.prefix_cache)
-        stats.algorithm = algorithm
+        parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
+        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
-        stats.prompt_tokens, stats.cached_tokens = length, linked.cached_tokens
-        stats.recomputed_tokens = linked.recomputed_tokens
+        stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
         return linked
 
     # -- answering ------------------------------------------------------------------------------------
     def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
                k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
-               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> "Stream":
+               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> Stream:
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
         sampling.validate()
+        params = LinkParams(algorithm, k, ratio, check_layer)
+        params.validate(self.runner.shape.layers)
 
-        def make_linked(stats: QueryStats) -> Linked:
-            return self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio,
-                             check_layer=check_layer, max_new_tokens=max_new_tokens, _stats=stats)
+        def prepare(stats: QueryStats):
+            return self._prepare(question, docs, system, params, max_new_tokens, stats)
 
-        return Stream(self, make_linked, sampling)
+        return Stream(self.scheduler, prepare, sampling, self.tokenizer, self.stop_ids)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return _drain(self.stream(question, docs, **kwargs))
@@ -244,7 +244,7 @@ class RagCache:
     # -- infilling ------------------------------------------------------------------------------------
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
                       reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      stop: list[str] | None = None, seed: int | None = None) -> "Stream":
+                      stop: list[str] | None = None, seed: int | None = None) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
@@ -258,68 +258,19 @@ class RagCache:
         if len(ids) + max_new_tokens > self.context_length:
             raise PromptTooLong(len(ids), max_new_tokens, self.context_length)
 
-        def make_linked(stats: QueryStats) -> Linked:
-            params = LinkParams("prefix" if reuse else "full")
-            linked = link(self.runner, LinkInput([], [], ids), params, extra_capacity=max_new_tokens,
-                          prefix_cache=self.infill_cache)
+        def prepare(stats: QueryStats):
             stats.algorithm = f"{mode}+{'reuse' if reuse else 'no-reuse'}"
-            stats.prompt_tokens, stats.cached_tokens = len(ids), linked.cached_tokens
-            stats.recomputed_tokens, stats.recompute_s = linked.recomputed_tokens, linked.recompute_s
-            return linked
+            stats.prompt_tokens = len(ids)
+            return LinkInput([], [], ids), LinkParams("prefix" if reuse else "full"), self.infill_cache
 
-        return Stream(self, make_linked, sampling, stop_ids=infill.end_token_ids(self.tokenizer))
+        stop_ids = self.stop_ids | infill.end_token_ids(self.tokenizer)
+        return Stream(self.scheduler, prepare, sampling, self.tokenizer, stop_ids)
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
         return _drain(self.infill_stream(prefix, suffix, **kwargs))
 
 
-def _drain(stream: "Stream") -> Answer:
+def _drain(stream: Stream) -> Answer:
     for _ in stream:
         pass
     return stream.answer
-
-
-class Stream:
-    """Iterate for text pieces; `.answer` holds the full answer and its stats once iteration ends."""
-
-    def __init__(self, rc: RagCache, make_linked: Callable[[QueryStats], Linked], sampling: Sampling,
-                 stop_ids: set[int] | None = None):
-        self.rc, self.make_linked, self.sampling, self.stop_ids = rc, make_linked, sampling, stop_ids or set()
-        self.answer: Answer | None = None
-
-    def __iter__(self) -> Iterator[str]:
-        rc, stats = self.rc, QueryStats()
-        started = time.perf_counter()
-        # The lock is held per model step, never across a yield: a server may resume this generator from
-        # another thread, and other requests interleave between tokens (the joined cache is per request).
-        with rc.lock:
-            linked = self.make_linked(stats)
-        assembler = TextAssembler(rc.tokenizer, self.sampling.stop)
-        steps = decode(rc.runner, linked, self.sampling, assembler, self.stop_ids)
-        pieces: list[str] = []
-        token_ids: list[int] = []
-        first_at = None
-        while True:
-            with rc.lock:
-                step = next(steps, None)
-            if step is None:
-                break
-            if first_at is None:
-                first_at = time.perf_counter()
-                stats.ttft_s = first_at - started
-            token_ids.append(step.token_id)
-            if step.text:
-                pieces.append(step.text)
-                yield step.text
-        tail = assembler.finish()
-        if tail:
-            pieces.append(tail)
-            yield tail
-        done = time.perf_counter()
-        if first_at is None:  # EOS came first: the time to that decision is the TTFT
-            stats.ttft_s = done - started
-        stats.decode_s = done - (first_at or done)
-        stats.total_s = done - started
-        stats.completion_tokens = len(token_ids)
-        stats.finish_reason = "stop" if assembler.stopped or len(token_ids) < self.sampling.max_new_tokens else "length"
-        self.answer = Answer("".join(pieces), token_ids, stats)

@@ -86,9 +86,21 @@ class Linked:
     recompute_s: float
 
 
+@dataclass
+class LinkPlan:
+    """One request's link phase before any recompute: the joined cache holding what the algorithm reuses, and
+    the rows still to run (ascending positions, on the host). The scheduler runs them in pieces."""
+
+    cache: JoinedCache
+    token_ids: torch.Tensor
+    rows: torch.Tensor
+    narrow: "Narrowing | None"
+    rotate_s: float
+
+
 @torch.inference_mode()
-def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
-         prefix_cache: PrefixCache | None = None) -> Linked:
+def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
+         prefix_cache: PrefixCache | None = None) -> LinkPlan:
     params.validate(runner.shape.layers)
     ids = parts.token_ids
     length = ids.numel()
@@ -96,15 +108,28 @@ def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache.length = length
     started = time.perf_counter()
     reused = _place(runner, parts, params, cache, prefix_cache)
-    placed = time.perf_counter()
     rows, narrow = _rows(parts, params, length, reused)
-    hidden, rows = _recompute(runner, ids, rows, cache, narrow)
-    last_logits = runner.logits(hidden[0, -1:])[0]
-    done = time.perf_counter()
+    return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
+
+
+def finish(plan: LinkPlan, last_logits: torch.Tensor, recomputed: int, recompute_s: float, params: LinkParams,
+           prefix_cache: PrefixCache | None) -> Linked:
+    """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
+    length = plan.token_ids.numel()
     if params.algorithm == "prefix" and prefix_cache is not None:
-        prefix_cache.insert(ids, cache.keys[:, :, :length], cache.values[:, :, :length])
-    recomputed = int(rows.numel())
-    return Linked(cache, ids, last_logits, recomputed, length - recomputed, placed - started, done - placed)
+        prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length])
+    return Linked(plan.cache, plan.token_ids, last_logits, recomputed, length - recomputed, plan.rotate_s, recompute_s)
+
+
+@torch.inference_mode()
+def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
+         prefix_cache: PrefixCache | None = None) -> Linked:
+    """Link one request alone, all its rows in one forward (the scheduler packs pieces of many instead)."""
+    p = plan(runner, parts, params, extra_capacity, prefix_cache)
+    started = time.perf_counter()
+    hidden, rows = _recompute(runner, p.token_ids, p.rows, p.cache, p.narrow)
+    last_logits = runner.logits(hidden[0, -1:])[0]
+    return finish(p, last_logits, int(rows.numel()), time.perf_counter() - started, params, prefix_cache)
 
 
 def _place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
@@ -155,19 +180,22 @@ class Narrowing:
 
 def _recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
                narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = rows.to(runner.device)
-    hidden = runner.embed(ids[rows.cpu()])
-    pos_emb = runner.position_embeddings(hidden, rows)
+    """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer."""
+    batch, positions = runner.batch([(cache, rows)])
+    hidden = runner.embed(ids[rows])
+    pos_emb = runner.position_embeddings(hidden, positions)
     for layer in range(runner.shape.layers):
         check = narrow is not None and layer == narrow.layer
         if check:
             chunk_rows = narrow.chunk_rows.to(runner.device)
             cached_keys = cache.keys[layer][:, chunk_rows].clone()
-        hidden = runner.run_layer(layer, hidden, rows, cache, pos_emb)
+        hidden = runner.run_layer(layer, hidden, positions, batch, pos_emb)
         if check:
             deviation = kernels.kv_deviation(cache.keys[layer][:, chunk_rows], cached_keys)
-            keep = torch.cat([chunk_rows[kernels.top_ratio(deviation, narrow.ratio)], narrow.question_rows.to(runner.device)])
-            hidden = hidden[:, torch.searchsorted(rows, keep)]
+            keep = torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()],
+                              narrow.question_rows]).sort().values
+            hidden = hidden[:, torch.searchsorted(rows, keep).to(runner.device)]
             rows = keep
-            pos_emb = runner.position_embeddings(hidden, rows)
+            batch, positions = runner.batch([(cache, rows)])
+            pos_emb = runner.position_embeddings(hidden, positions)
     return hidden, rows

@@ -1,11 +1,13 @@
-"""Drive a Hugging Face RoPE decoder layer by layer over *selected rows* of a joined cache.
+"""Drive a Hugging Face RoPE decoder layer by layer over the *selected rows* of one or more joined caches.
 
 The model's own modules do all the math (embeddings, decoder layers, norms, lm_head, rotary tables); ragcache
 only supplies two things a normal forward does not have:
-  - `JoinedCache`, a preallocated K/V buffer whose index is the global position. transformers' attention calls
-    `cache.update(k, v, layer)`; we scatter the fresh rows in place and hand back the whole prompt.
-  - an attention function (registered with transformers as "ragcache") that lets rows at arbitrary positions
-    attend causally, by position, over that buffer (sliding-window layers keep their window).
+  - `JoinedCache`, one request's preallocated K/V buffer whose index is the global position.
+  - a `Batch` of `Segment`s: which rows of the packed forward belong to which request. The decoder layers get it
+    as their cache (`update(k, v, layer)` scatters each request's slice of the fresh K/V into its own JoinedCache)
+    and as the `ragcache_batch` keyword of the attention function registered with transformers as "ragcache",
+    which attends each request's rows causally, by position, over its own cache (sliding-window layers keep
+    their window). Projections, norms and MLPs therefore run once over the rows of every request.
 Any other call of the model (e.g. `model(input_ids)`) falls through to transformers' SDPA attention unchanged.
 """
 
@@ -26,13 +28,19 @@ ATTENTION_NAME = "ragcache"
 
 
 def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
-    rows = kwargs.pop("ragcache_rows", None)
-    if rows is None:
+    batch = kwargs.pop("ragcache_batch", None)
+    if batch is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = kernels.selected_attention(query[0], key[0], value[0], rows, scale, sliding_window)
+    layer = module.layer_idx
+    outs = []
+    for seg in batch.segments:  # each request attends over its own joined cache only
+        keys, values = seg.cache.visible(layer)
+        outs.append(kernels.selected_attention(query[0, :, seg.start : seg.end], keys, values, seg.rows, scale,
+                                               sliding_window, contiguous_from=seg.contiguous_from))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
     return out[None], None
 
 
@@ -49,17 +57,56 @@ class JoinedCache:
         self.values = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
-        self.write_rows: torch.Tensor | None = None  # rows the current forward writes back
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Called by transformers' attention: write the fresh rows back, return the whole joined prompt."""
-        rows = self.write_rows
-        self.keys[layer_idx][:, rows] = key_states[0].to(self.keys.dtype)
-        self.values[layer_idx][:, rows] = value_states[0].to(self.values.dtype)
-        return self.keys[layer_idx, :, : self.length][None], self.values[layer_idx, :, : self.length][None]
+    def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
+
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
+              contiguous_from: int | None) -> None:
+        """Write fresh K/V [kv_heads, n, head_dim] at positions `rows` (a slice copy when they are contiguous)."""
+        if contiguous_from is not None:
+            end = contiguous_from + keys.shape[1]
+            self.keys[layer, :, contiguous_from:end] = keys
+            self.values[layer, :, contiguous_from:end] = values
+        else:
+            self.keys[layer][:, rows] = keys.to(self.keys.dtype)
+            self.values[layer][:, rows] = values.to(self.values.dtype)
 
     def nbytes(self) -> int:
         return 2 * self.keys[:, :, : self.length].numel() * self.keys.element_size()
+
+
+@dataclass
+class Segment:
+    """One request's rows within a packed forward: rows start..end of the batch, at positions `rows` of `cache`."""
+
+    cache: JoinedCache
+    rows: torch.Tensor  # positions, on the model's device
+    start: int
+    end: int
+    contiguous_from: int | None  # the rows are exactly positions p..p+n-1 (known on the host)
+
+
+class Batch:
+    """The packed forward's view of every request in it; decoder layers see it as their cache."""
+
+    def __init__(self, segments: list[Segment]):
+        self.segments = segments
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
+        for seg in self.segments:
+            seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
+                            seg.rows, seg.contiguous_from)
+        return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
+
+
+def contiguous_start(rows: torch.Tensor) -> int | None:
+    """p if the (host) rows are exactly p..p+n-1, else None."""
+    if rows.numel() == 0 or rows.device.type != "cpu":
+        return None
+    first, last = int(rows[0]), int(rows[-1])
+    return first if last - first == rows.numel() - 1 and bool((rows[1:] > rows[:-1]).all()) else None
 
 
 @dataclass(frozen=True)
@@ -121,16 +168,25 @@ class Runner:
         pe = self.rotary(hidden, position_ids)
         return {t: pe for t in set(self.layer_types)}
 
-    def run_layer(self, index: int, hidden: torch.Tensor, rows: torch.Tensor, cache: JoinedCache, pos_emb: dict) -> torch.Tensor:
-        """One decoder layer over the rows at positions `rows`; their K/V are written back into `cache`."""
-        cache.write_rows = rows
+    def batch(self, parts: list[tuple[JoinedCache, torch.Tensor]]) -> tuple[Batch, torch.Tensor]:
+        """Pack (cache, host rows) pairs into one Batch; returns it and every position, on the device."""
+        segments, start = [], 0
+        for cache, rows in parts:
+            end = start + rows.numel()
+            segments.append(Segment(cache, rows.to(self.device, non_blocking=True), start, end, contiguous_start(rows)))
+            start = end
+        positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
+        return Batch(segments), positions
+
+    def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
+        """One decoder layer over the packed rows; their K/V are written into each request's cache."""
         out = self.layers[index](
             hidden,
             attention_mask=None,
-            position_ids=rows[None],
-            past_key_values=cache,
+            position_ids=positions[None],
+            past_key_values=batch,
             position_embeddings=pos_emb[self.layer_types[index]],
-            ragcache_rows=rows,
+            ragcache_batch=batch,
         )
         return out[0] if isinstance(out, tuple) else out
 
@@ -140,13 +196,19 @@ class Runner:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def forward_rows(self, token_ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache) -> torch.Tensor:
-        """All layers over `rows` (ids `token_ids`); returns the last hidden states [1, n, hidden]."""
+    def forward(self, token_ids: torch.Tensor, parts: list[tuple[JoinedCache, torch.Tensor]]) -> torch.Tensor:
+        """All layers over the packed rows of every (cache, rows) part, ids `token_ids` in the same order;
+        returns the last hidden states [1, n, hidden]."""
+        batch, positions = self.batch(parts)
         hidden = self.embed(token_ids)
-        pos_emb = self.position_embeddings(hidden, rows)
+        pos_emb = self.position_embeddings(hidden, positions)
         for index in range(self.shape.layers):
-            hidden = self.run_layer(index, hidden, rows, cache, pos_emb)
+            hidden = self.run_layer(index, hidden, positions, batch, pos_emb)
         return hidden
+
+    def forward_rows(self, token_ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache) -> torch.Tensor:
+        """All layers over `rows` of one cache (ids `token_ids`); returns the last hidden states [1, n, hidden]."""
+        return self.forward(token_ids, [(cache, rows.cpu())])
 
     def prefill_pre_rope(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Prefill ids alone at positions 0..T-1; return pre-RoPE K and V, each [layers, kv_heads, T, head_dim].
@@ -157,7 +219,8 @@ class Runner:
         length = token_ids.numel()
         cache = self.new_cache(length)
         cache.length = length
-        rows = torch.arange(length, device=self.device)
+        rows = torch.arange(length)
         self.forward_rows(token_ids, rows, cache)
-        keys = kernels.rotate_keys(cache.keys.to(torch.float32), -rows, self.inv_freq, 1.0 / self.rope_scaling)
+        keys = kernels.rotate_keys(cache.keys.to(torch.float32), -rows.to(self.device), self.inv_freq,
+                                   1.0 / self.rope_scaling)
         return keys.to(self.shape.dtype), cache.values

@@ -390,28 +390,61 @@ def wait_idle(url: str, cancelled_at_least: int, seconds: float = 60) -> str:
         time.sleep(0.2)
 
 
+def metrics_of(url: str) -> str:
+    return httpx.get(f"{url}/metrics").text
+
+
+def wait_metric(url: str, name: str, at_least: float, seconds: float = 60) -> str:
+    deadline = time.monotonic() + seconds
+    while metric(text := metrics_of(url), name) < at_least:
+        assert time.monotonic() < deadline, text
+        time.sleep(0.05)
+    return text
+
+
+def raw_post(url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST on a bare socket and return it unread: closing it is a client that goes away."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
 def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
-    # sampling at a high temperature (seeded): EOS is one token among ~49k, so these generations run long
-    long = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000,
-            "temperature": 5.0, "seed": 7}
-    with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
-        with httpx.Client(base_url=s.url, timeout=300) as holder:
-            with holder.stream("POST", "/v1/query", json={**long, "stream": True}) as r:
-                first = next(line for line in r.iter_lines() if line.startswith("data: "))
-                assert "text" in json.loads(first[6:])
-                busy = httpx.post(f"{s.url}/v1/query", json={"question": "q"})
-                error = error_of(busy, 429, "max_queue=1")
-                assert error["type"] == "queue_full" and busy.headers["retry-after"] == "1"
-                error_of(httpx.post(f"{s.url}/v1/documents", json={"text": "t"}), 429, "busy")
-                assert httpx.get(f"{s.url}/health").status_code == 200  # not queued
-        # the client went away mid-stream: generation stops long before 1000 tokens and the slot is free again
-        wait_idle(s.url, cancelled_at_least=1)
-        with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
-            httpx.post(f"{s.url}/v1/query", json=long, timeout=3)
-        text = wait_idle(s.url, cancelled_at_least=2)
-        assert metric(text, "ragcache_queue_rejected_total") == 2
-        ok = httpx.post(f"{s.url}/v1/query", json={**long, "max_tokens": 1}, timeout=600)
-        assert ok.status_code == 200, ok.text
+    """Every state here is made by the test, never raced: while `rc.step_gate` is clear the engine takes no
+    model step, so an admitted request holds its slot however fast or slow the model is, and whatever it samples."""
+    long = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000}
+    gate = rc.step_gate = threading.Event()
+    try:
+        with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
+            holder = raw_post(s.url, "/v1/query", {**long, "stream": True})
+            wait_metric(s.url, "ragcache_queue_depth", 1)  # admitted, held at its first model step
+            busy = httpx.post(f"{s.url}/v1/query", json={"question": "q"})
+            error = error_of(busy, 429, "max_queue=1")
+            assert error["type"] == "queue_full" and busy.headers["retry-after"] == "1"
+            error_of(httpx.post(f"{s.url}/v1/documents", json={"text": "t"}), 429, "busy")
+            assert httpx.get(f"{s.url}/health").status_code == 200  # not queued
+
+            holder.close()  # the client goes away before its first token
+            text = wait_metric(s.url, "ragcache_cancelled_generations_total", 1)
+            assert metric(text, "ragcache_queue_depth") == 1  # cancelled, but its step has not run yet
+            gate.set()  # the engine moves on: the cancelled request leaves at its next step, freeing the slot
+            wait_idle(s.url, cancelled_at_least=1)
+
+            gate.clear()
+            with pytest.raises(httpx.ReadTimeout):  # a non-streamed request whose client gives up
+                httpx.post(f"{s.url}/v1/query", json=long, timeout=1)
+            wait_metric(s.url, "ragcache_cancelled_generations_total", 2)
+            gate.set()
+            text = wait_idle(s.url, cancelled_at_least=2)
+            assert metric(text, "ragcache_queue_rejected_total") == 2
+            ok = httpx.post(f"{s.url}/v1/query", json={**long, "max_tokens": 1}, timeout=600)
+            assert ok.status_code == 200, ok.text
+    finally:
+        gate.set()
+        rc.step_gate = None
 
 
 def test_bearer_auth(rc):

@@ -61,7 +61,7 @@ class RagCacheRetriever(BaseRetriever):
     def warm(self, nodes: list[NodeWithScore]) -> WarmReport:
         """Compile the nodes' missing chunks and prefetch their entries (in the chosen layout)."""
         started = time.perf_counter()
-        rc, layout = self.rc, self.rc.layouts[self.layout]
+        rc = self.rc
         todo = [(n.node, text) for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
         report = WarmReport(documents=len(todo))
         compiled = rc.compile_documents([text for _, text in todo], [record_meta(node) for node, _ in todo])
@@ -70,21 +70,9 @@ class RagCacheRetriever(BaseRetriever):
                 mark(node, doc_id)
         report.compiled_chunks = compiled.compiled_chunks
         if self.prefetch or self.layout != "default":
-            chunks = [ids for doc_id in dict.fromkeys(compiled.ids) for ids in rc.document_chunks(doc_id)]
-            keys = [rc.compiler.key(ids, layout) for ids in chunks]
-            if self.prefetch:
-                present = [entry is not None for entry in rc.store.get_many(keys)]
-                report.prefetched_chunks = sum(present)
-            else:
-                present = rc.store.contains_many(keys)
-            missing = {}
-            for ids, key, there in zip(chunks, keys, present):
-                if not there:
-                    with rc.lock:
-                        missing[key] = rc.compiler.compile(ids, layout)
-            if missing:
-                rc.store.put_many(missing)
-            report.compiled_chunks += len(missing)
+            more, found = rc.warm(compiled.ids, layout=self.layout, prefetch=self.prefetch)
+            report.compiled_chunks += more
+            report.prefetched_chunks = found
         report.seconds = time.perf_counter() - started
         return report
 

@@ -1,0 +1,240 @@
+"""The scheduler owns the model: one thread runs every model step, for every request (continuous batching).
+
+A request's life:
+  waiting   queued by `submit` (any thread), admitted FIFO at the start of the next step;
+  linking   admitted: its joined cache is filled with what its algorithm reuses (`linker.plan`), and the rows the
+            algorithm recomputes run in pieces of at most the step's row budget (chunked prefill);
+  decoding  after its last link piece: one row per step, the token sampled from the previous step's logits;
+  gone      done, failed or cancelled; it leaves the batch and its rows are free at the next step.
+
+Each step packs the rows of every running request (decode rows first, then link pieces in FIFO order until the
+budget is spent) into one forward: embeddings, projections, norms and MLPs run once over the concatenated rows;
+attention runs per request over that request's own joined cache (runner.Batch). A request that fails fails
+alone; the others go on. Other model work (compiling a chunk) goes through `call` and runs here too, between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from . import linker
+from .generate import Decoding
+from .linker import LinkInput, LinkParams, LinkPlan, Linked
+from .prefix_cache import PrefixCache
+from .runner import JoinedCache, Runner
+
+DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+log = logging.getLogger("ragcache")
+
+
+@dataclass(eq=False)  # a request is itself: compared by identity
+class Request:
+    parts: LinkInput
+    params: LinkParams
+    prefix_cache: PrefixCache | None
+    decoding: Decoding | None  # None: link only (rc.link)
+    emit: Callable[[str, object], None]  # ("linked", Linked), ("token", Step), ("done"|"cancelled", None), ("error", exc)
+    extra_capacity: int = 0  # link only: cache room a caller reserves to decode itself
+    cancelled: bool = False  # set from any thread; honoured at the next step
+    # scheduler-thread state
+    plan: LinkPlan | None = None
+    pending: torch.Tensor | None = None  # link rows not yet run (host, ascending); None once linked
+    recomputed: int = 0
+    link_started: float = 0.0
+    next_token: int = -1  # decoding: the token whose row the next step runs
+    cache: JoinedCache | None = field(default=None, repr=False)
+
+
+class Scheduler:
+    def __init__(self, runner: Runner, row_budget: int = DEFAULT_ROW_BUDGET):
+        self.runner = runner
+        self.row_budget = row_budget
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.calls: deque[tuple[Callable, tuple, Future]] = deque()
+        self.gate: threading.Event | None = None  # while clear, no step runs (tests make "busy" a state)
+        self.steps = 0
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    # -- any thread -------------------------------------------------------------------------------------------
+    def submit(self, request: Request) -> None:
+        with self._wakeup:
+            self.waiting.append(request)
+            self._start()
+            self._wakeup.notify()
+
+    def call(self, fn: Callable, *args):
+        """Run fn(*args) on the scheduler thread, between steps, and return its result (model work off the batch)."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        future: Future = Future()
+        with self._wakeup:
+            self.calls.append((fn, args, future))
+            self._start()
+            self._wakeup.notify()
+        return future.result()
+
+    def link(self, parts: LinkInput, params: LinkParams, prefix_cache: PrefixCache | None,
+             extra_capacity: int = 0) -> Linked:
+        """Link one request (no decoding) through the batch and wait for its joined cache."""
+        result: Future = Future()
+
+        def emit(kind: str, value) -> None:
+            if kind == "linked":
+                result.set_result(value)
+            elif kind == "error":
+                result.set_exception(value)
+            elif kind == "cancelled":
+                result.cancel()
+
+        self.submit(Request(parts, params, prefix_cache, None, emit, extra_capacity))
+        return result.result()
+
+    def _start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
+            self._thread.start()
+
+    # -- the scheduler thread ---------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self.waiting or self.running or self.calls):
+                    self._wakeup.wait()
+            gate = self.gate
+            if gate is not None:
+                gate.wait()
+            self._run_calls()
+            self._admit()
+            if self.running:
+                self._step()
+
+    def _run_calls(self) -> None:
+        while self.calls:
+            with self._wakeup:
+                fn, args, future = self.calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            with self._wakeup:
+                request = self.waiting.popleft()
+            if request.cancelled:
+                request.emit("cancelled", None)
+                continue
+            try:
+                last_logits = self._begin_link(request)
+                if last_logits is None:
+                    self.running.append(request)
+                else:  # linked already (a Narrowing algorithm)
+                    self._after_link(request, last_logits)
+            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+                request.emit("error", exc)
+                self._leave(request)
+
+    @torch.inference_mode()
+    def _begin_link(self, request: Request) -> torch.Tensor | None:
+        """Place what the request reuses and plan its rows; the last row's logits if it is linked already."""
+        request.link_started = time.perf_counter()
+        room = request.decoding.sampling.max_new_tokens if request.decoding else request.extra_capacity
+        plan = linker.plan(self.runner, request.parts, request.params, room, request.prefix_cache)
+        request.plan, request.cache = plan, plan.cache
+        if plan.narrow is None:
+            request.pending = plan.rows
+            return None
+        # A Narrowing keeps a subset of rows after a layer, chosen over every row at that layer: it runs as one
+        # forward of its own here, not in pieces.
+        hidden, rows = linker._recompute(self.runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+        request.recomputed = int(rows.numel())
+        last_logits = self.runner.logits(hidden[0, -1:])[0]
+        self._linked(request, last_logits)
+        return last_logits
+
+    @torch.inference_mode()
+    def _step(self) -> None:
+        self.running = [r for r in self.running if not self._dropped(r)]
+        if not self.running:
+            return
+        ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
+        rows_total = 0
+        for request in self.running:  # decode rows first: one per decoding request
+            if request.pending is None:
+                position = request.cache.length
+                request.cache.length += 1
+                ids.append(torch.tensor([request.next_token]))
+                parts.append((request.cache, torch.tensor([position])))
+                rows_total += 1
+                ends.append((request, rows_total - 1))
+        budget = max(self.row_budget - rows_total, 1)
+        for request in self.running:  # then link pieces, FIFO, until the budget is spent
+            if request.pending is None or budget <= 0:
+                continue
+            piece, request.pending = request.pending[:budget], request.pending[budget:]
+            budget -= piece.numel()
+            ids.append(request.plan.token_ids[piece])
+            parts.append((request.cache, piece))
+            rows_total += piece.numel()
+            request.recomputed += piece.numel()
+            if request.pending.numel() == 0:
+                ends.append((request, rows_total - 1))
+        try:
+            hidden = self.runner.forward(torch.cat(ids), parts)
+            logits = self.runner.logits(hidden[0, [index for _, index in ends]])
+        except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails
+            log.exception("a model step failed")
+            for request in self.running:
+                request.emit("error", exc)
+            self.running = []
+            return
+        self.steps += 1
+        for (request, _), row in zip(ends, logits):
+            try:
+                if request.pending is not None:
+                    self._linked(request, row)
+                self._after_link(request, row)
+            except Exception as exc:  # noqa: BLE001 - e.g. sampling: this request fails alone
+                request.emit("error", exc)
+                self._leave(request)
+
+    def _linked(self, request: Request, last_logits: torch.Tensor) -> None:
+        linked = linker.finish(request.plan, last_logits, request.recomputed,
+                               time.perf_counter() - request.link_started, request.params, request.prefix_cache)
+        request.pending = None
+        request.emit("linked", linked)
+
+    def _after_link(self, request: Request, logits: torch.Tensor | None) -> None:
+        """Sample the next token from `logits`; leave when the request is done."""
+        decoding = request.decoding
+        step = decoding.accept(logits) if decoding is not None else None
+        if step is not None:
+            request.emit("token", step)
+        if decoding is None or step is None or decoding.finished or request.cache.length >= request.cache.capacity:
+            if decoding is not None:
+                request.emit("done", None)
+            self._leave(request)
+            return
+        request.next_token = step.token_id
+        if request not in self.running:
+            self.running.append(request)
+
+    def _leave(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+
+    def _dropped(self, request: Request) -> bool:
+        if request.cancelled:
+            request.emit("cancelled", None)
+        return request.cancelled

@@ -1,0 +1,211 @@
+"""The scheduler batches requests without changing any of them: a request batched with others gives the same
+greedy text and the same last-token logits (fp32 tolerance) as the same request alone.
+
+Batches are made deterministic with the scheduler's step gate: requests are opened while no step may run, so
+they are all admitted at the same step; joins and cancellations happen from a request's own event callback, on
+the scheduler thread, at a known token."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from ragcache import errors
+from ragcache.engine import RagCache
+from ragcache.generate import Decoding, Sampling
+from ragcache.linker import ALGORITHMS, LinkParams
+from ragcache.scheduler import Request
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+DOCS = [
+    "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall. Rivers flow to the sea.",
+    "Mount Everest is the highest mountain on Earth. It lies in the Himalayas! Rain falls on hills.",
+    "Python is a programming language. It was first released in 1991? Yes. The water returns.",
+]
+QUESTIONS = ["Which mountain is the highest?", "When was Python released?", "How tall is the tower?",
+             "Where do rivers flow?"]
+ATOL = 2e-4
+PARAMS = {"cacheblend": {"ratio": 0.3}, "legolink": {"k": 4}}
+
+
+@pytest.fixture(scope="module", params=["llama", "gemma3"])
+def rc(request):
+    # a small row budget so that `full`/`prefix` links run in several pieces, interleaved with other requests
+    rc = RagCache(tiny.make(request.param), MemoryStore(), chunk_tokens=24, row_budget=16)
+    rc.doc_ids = rc.compile(DOCS)
+    return rc
+
+
+class Run:
+    """One stream opened on the scheduler, with the events it received (on the scheduler thread)."""
+
+    def __init__(self, rc: RagCache, on_event=None, **kwargs):
+        self.stream = rc.stream(**kwargs)
+        self.kinds: list[str] = []
+        self.finished = threading.Event()
+        self.on_event = on_event
+
+    def open(self) -> "Run":
+        self.stream.open(self._event)
+        return self
+
+    def _event(self, kind: str, value) -> None:
+        self.kinds.append(kind)
+        if self.on_event is not None:
+            self.on_event(self, kind)
+        if kind in ("done", "error", "cancelled"):
+            self.error = value if kind == "error" else None
+            self.finished.set()
+
+    def wait(self) -> "Run":
+        assert self.finished.wait(300), "the scheduler did not finish the request"
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.stream.answer.text
+
+    @property
+    def logits(self) -> torch.Tensor:
+        return self.stream.linked.last_logits
+
+
+def ask(rc: RagCache, algorithm: str = "legolink", question: int = 0, docs: slice = slice(None), **kwargs) -> dict:
+    return {"question": QUESTIONS[question], "docs": rc.doc_ids[docs], "algorithm": algorithm, "max_new_tokens": 6,
+            **PARAMS.get(algorithm, {}), **kwargs}
+
+
+def together(rc: RagCache, runs: list[Run]) -> list[Run]:
+    """Open every run while the scheduler is held, so they are admitted at the same step; then let it go.
+    (Their chunks must be in the store already: compiling is model work, held too.)"""
+    rc.step_gate = threading.Event()
+    try:
+        for run in runs:
+            run.open()
+    finally:
+        rc.step_gate.set()
+        rc.step_gate = None
+    return [run.wait() for run in runs]
+
+
+def alone(rc: RagCache, **kwargs) -> Run:
+    """The request by itself (ungated: it may compile what it misses, and later batched runs find it stored)."""
+    return Run(rc, **kwargs).open().wait()
+
+
+def assert_same(batched: Run, single: Run) -> None:
+    assert batched.kinds[-1] == "done" and single.kinds[-1] == "done"
+    assert batched.stream.answer.token_ids == single.stream.answer.token_ids
+    assert batched.text == single.text
+    torch.testing.assert_close(batched.logits, single.logits, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_batched_equals_alone_for_each_algorithm(rc, algorithm):
+    others = [ask(rc, "full", 1, slice(0, 2)), ask(rc, "naive", 2, slice(1, 3))]
+    steps = rc.scheduler.steps
+    singles = [alone(rc, **ask(rc, algorithm))] + [alone(rc, **kw) for kw in others]
+    steps_alone, steps = rc.scheduler.steps - steps, rc.scheduler.steps
+    batched = together(rc, [Run(rc, **ask(rc, algorithm))] + [Run(rc, **kw) for kw in others])
+    assert rc.scheduler.steps - steps < steps_alone  # they did share steps
+    for b, s in zip(batched, singles):
+        assert_same(b, s)
+
+
+def test_mixed_batch(rc):
+    """Algorithms, prompt lengths and sampling settings in one batch."""
+    asks = [ask(rc, "full", 0, slice(0, 3), max_new_tokens=8),
+            ask(rc, "legolink", 1, slice(0, 1), temperature=0.8, seed=3),
+            ask(rc, "cacheblend", 2, slice(1, 3), temperature=1.2, top_p=0.9, seed=11),
+            ask(rc, "prefix", 3, slice(2, 3), max_new_tokens=3),
+            ask(rc, "legolink0", 0, slice(0, 2), stop=["e"]),
+            ask(rc, "naive", 1, slice(0, 3), temperature=0.5, seed=5, max_new_tokens=10)]
+    singles = [alone(rc, **kw) for kw in asks]
+    for b, s in zip(together(rc, [Run(rc, **kw) for kw in asks]), singles):
+        assert_same(b, s)
+
+
+def test_a_request_joins_while_another_decodes(rc):
+    first, second = ask(rc, "full", 0, slice(0, 3), max_new_tokens=12), ask(rc, "legolink", 2, slice(0, 2))
+    single_first, single_second = alone(rc, **first), alone(rc, **second)
+    tokens_first = len(single_first.stream.answer.token_ids)
+    assert tokens_first >= 3, "the test needs a first request that decodes a few tokens"
+    joiner = Run(rc, **second)
+
+    def join_at_second_token(run: Run, kind: str) -> None:
+        if kind == "piece" and len(run.stream.decoding.token_ids) >= 2 and not joiner.kinds:
+            joiner.kinds.append("opened")
+            joiner.open()  # on the scheduler thread: admitted at the next step, while `run` is decoding
+
+    decoding = Run(rc, on_event=join_at_second_token, **first).open().wait()
+    joiner.wait()
+    assert joiner.kinds and "done" in joiner.kinds
+    assert_same(decoding, single_first)
+    assert_same(joiner, single_second)
+
+
+def test_a_request_cancelled_in_the_middle_of_a_batch(rc):
+    asks = [ask(rc, "legolink", 0, max_new_tokens=10), ask(rc, "full", 1, max_new_tokens=10), ask(rc, "naive", 2)]
+    singles = [alone(rc, **kw) for kw in asks]
+    assert len(singles[1].stream.answer.token_ids) >= 3, "the test needs a middle request that decodes"
+
+    def cancel_at_second_token(run: Run, kind: str) -> None:
+        if kind == "piece" and len(run.stream.decoding.token_ids) >= 2:
+            run.stream.cancel()
+
+    runs = [Run(rc, **asks[0]), Run(rc, on_event=cancel_at_second_token, **asks[1]), Run(rc, **asks[2])]
+    together(rc, runs)
+    tokens = len(runs[1].stream.decoding.token_ids)
+    assert runs[1].kinds[-1] == "cancelled" and 2 <= tokens < len(singles[1].stream.answer.token_ids) + 1
+    assert_same(runs[0], singles[0])
+    assert_same(runs[2], singles[2])
+    assert not rc.scheduler.running and not rc.scheduler.waiting
+
+
+def test_sixteen_threads_query_at_once(rc):
+    asks = [ask(rc, ALGORITHMS[i % len(ALGORITHMS)], i % len(QUESTIONS), slice(i % 3, 3)) for i in range(16)]
+    expected = [rc.query(**kw).text for kw in asks]
+    barrier = threading.Barrier(16)
+
+    def query(kw: dict) -> str:
+        barrier.wait()
+        return rc.query(**kw).text
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(query, asks)) == expected
+
+
+def test_a_bad_request_fails_alone(rc):
+    good = [ask(rc, "legolink", 0), ask(rc, "full", 1)]
+    singles = [alone(rc, **kw) for kw in good]
+    runs = [Run(rc, **good[0]), Run(rc, **good[1])]
+    failed: list = []
+    # a request whose parameters the scheduler rejects when it admits it (past every check before the queue)
+    parts, _, prefix_cache = rc._prepare(QUESTIONS[2], rc.doc_ids, None, LinkParams("legolink"), 4,
+                                         rc.stream(QUESTIONS[2], rc.doc_ids).stats)
+    decoding = Decoding(Sampling(4), rc.tokenizer, rc.stop_ids, rc.runner.device)
+    bad = Request(parts, LinkParams("legolink", k=-1), prefix_cache, decoding,
+                  lambda kind, value: failed.append((kind, value)))
+    rc.step_gate = threading.Event()
+    try:
+        runs[0].open()
+        rc.scheduler.submit(bad)
+        runs[1].open()
+    finally:
+        rc.step_gate.set()
+        rc.step_gate = None
+    for run, single in zip(runs, singles):
+        assert_same(run.wait(), single)
+    assert len(failed) == 1 and failed[0][0] == "error"
+    assert isinstance(failed[0][1], errors.ParameterOutOfRange)
+
+    with ThreadPoolExecutor(3) as pool:  # through the public API: an unknown document fails only its own query
+        futures = [pool.submit(rc.query, **good[0]), pool.submit(rc.query, QUESTIONS[0], ["0" * 32]),
+                   pool.submit(rc.query, **good[1])]
+        with pytest.raises(errors.UnknownDocument):
+            futures[1].result()
+        assert [futures[0].result().text, futures[2].result().text] == [s.text for s in singles]
