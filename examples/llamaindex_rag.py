@@ -3,7 +3,8 @@
     folder of documents -> IngestionPipeline [(SentenceSplitter), RagCacheCompiler] -> BM25 retriever
         -> RagCacheRetriever (compiles misses, prefetches) -> RagCacheQueryEngine (legolink | full)
 
-    python examples/llamaindex_rag.py                          # every question, store disk:./.ragcache
+    python examples/llamaindex_rag.py                          # quick: 6 questions (a few minutes on 2 cores)
+    python examples/llamaindex_rag.py --all                    # every question (about half an hour on 2 cores)
     python examples/llamaindex_rag.py --n-questions 4 --algorithm cacheblend --store memory: --chunk-size 256
 
 Needs the extra: pip install 'ragcache[llama-index]'. Questions come from a JSONL file with one
@@ -23,12 +24,14 @@ from llama_index.core.ingestion import IngestionPipeline
 from llama_index.core.node_parser import SentenceSplitter
 from llama_index.retrievers.bm25 import BM25Retriever
 from rich.console import Console
+from rich.progress import track
 from rich.table import Table
 
 from ragcache import ALGORITHMS, RagCache
 from ragcache.integrations.llama_index import RagCacheCompiler, RagCacheQueryEngine, RagCacheRetriever
 
 DATA = Path(__file__).resolve().parent / "data"
+QUICK_QUESTIONS = 6
 
 
 def main() -> None:
@@ -55,10 +58,11 @@ def main() -> None:
     # 3. ask, with both algorithms, on the same retrieved nodes
     present = {p.name for p in args.docs.iterdir()}
     questions = [q for q in map(json.loads, filter(str.strip, args.questions.read_text().splitlines()))
-                 if q.get("doc") in present][: args.n_questions]
+                 if q.get("doc") in present][: None if args.all else args.n_questions]
     rc.warmup()
     rows = []
-    for q in questions:
+    for q in track(questions, description=f"{len(questions)} questions x {len(engines)} algorithms", console=console,
+                   transient=True):
         row = {"question": q["question"], "expected": q["answer"]}
         for name, engine in engines.items():
             response = engine.query(q["question"])
@@ -79,7 +83,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--questions", type=Path, default=DATA / "questions.jsonl")
     p.add_argument("--algorithm", default="legolink", choices=ALGORITHMS)
     p.add_argument("--baseline", default="full", choices=ALGORITHMS, help="what the algorithm is compared with")
-    p.add_argument("--n-questions", type=int, default=None, help="ask only the first N questions")
+    p.add_argument("--n-questions", type=int, default=QUICK_QUESTIONS, help="ask the first N questions")
+    p.add_argument("--all", action="store_true", help="ask every question (overrides --n-questions)")
     p.add_argument("--store", default="disk:./.ragcache", help="memory:, disk:PATH, redis://..., or tiers joined by +")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--top-k", type=int, default=3, help="nodes retrieved (and linked) per question")
