@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | accuracy | markdown | squad-sample  (each: --help)."""
+"""python -m bench ttft | lower-bound | throughput | accuracy | peers | markdown | squad-sample  (each: --help)."""
 
 from __future__ import annotations
 
@@ -130,21 +130,49 @@ def accuracy(
 
 
 @app.command()
+def peers(
+    model: str = Model,
+    docs: int = typer.Option(6, min=1, help="documents in the prompt"),
+    doc_tokens: int = typer.Option(650, help="tokens per document, at most (6 x 650: about 3.9k prompt tokens)"),
+    runs: int = typer.Option(3, min=1, help="timed runs per peer, interleaved (median)"),
+    decode_tokens: int = typer.Option(32, min=2, help="tokens per decode sample"),
+    dtypes: str = typer.Option("float32,bfloat16", help="dtypes of ragcache and transformers"),
+    algorithms: str = typer.Option("full,legolink-16,naive", help="ragcache algorithms"),
+    only: str = typer.Option("ragcache,transformers,llama.cpp", "--peers", help="which peers run"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """ragcache vs transformers (forward, cached decode) vs llama.cpp: same prompt ids, same model, one run."""
+    from bench import peers as mod
+
+    wanted = [p.strip() for p in only.split(",") if p.strip()]
+    bad = [p for p in wanted if p not in ("ragcache", "transformers", "llama.cpp")]
+    if bad:
+        raise typer.BadParameter(f"unknown peer(s) {bad}: ragcache, transformers, llama.cpp")
+    kinds = [d.strip() for d in dtypes.split(",") if d.strip()]
+    if not kinds or any(d not in ("float32", "bfloat16", "float16") for d in kinds):
+        raise typer.BadParameter(f"--dtypes {dtypes!r}: float32, bfloat16, float16")
+    mod.run(model, docs, doc_tokens, runs, decode_tokens, kinds, _variants(algorithms), wanted, out, tag)
+
+
+@app.command()
 def markdown(files: list[Path] = typer.Argument(..., help="result JSON files (bench/results/*.json)")):
     """Print result files as Markdown tables (what docs/BENCHMARKS.md quotes)."""
     import json
 
     from bench import accuracy as acc
     from bench import lower_bound as lb
+    from bench import peers as pe
     from bench import throughput as tp
     from bench import ttft as tt
 
-    renderers = {"ttft": tt.markdown, "lower-bound": lb.markdown, "throughput": tp.markdown, "accuracy": acc.markdown}
+    renderers = {"ttft": tt.markdown, "lower-bound": lb.markdown, "throughput": tp.markdown, "accuracy": acc.markdown,
+                 "peers": pe.markdown}
     for path in files:
         data = json.loads(path.read_text())
         render = renderers.get(data.get("benchmark"))
         if render is None:
-            print(f"{path}: not a result of ttft, lower-bound, throughput or accuracy\n")
+            print(f"{path}: not a result of ttft, lower-bound, throughput, accuracy or peers\n")
             continue
         print(f"### {path.name}\n\n{render(data)}\n")
 

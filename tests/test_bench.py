@@ -92,6 +92,25 @@ def test_throughput_through_the_rest_server(tmp_path):
 
 
 # -- helpers, no model ----------------------------------------------------------------------------------------
+@pytest.mark.real_model
+def test_peers(tmp_path):
+    invoke("peers", "--docs", "1", "--doc-tokens", "32", "--runs", "1", "--decode-tokens", "2", "--dtypes", "float32",
+           "--algorithms", "full,naive", "--out", str(tmp_path))
+    data = json.loads((tmp_path / "peers-smollm2-135m.json").read_text())
+    rows = {r["peer"]: r for r in data["results"]}
+    assert {"ragcache full", "ragcache naive", "transformers", "llama.cpp"} <= set(rows)
+    for name in ("ragcache full", "ragcache naive", "transformers"):
+        assert finite(rows[name]["ttft_s"]) and rows[name]["ttft_vs_fastest_peer"] != 0
+    assert finite(rows["transformers"]["decode_tok_s"]) and finite(rows["ragcache naive"]["decode_tok_s"])
+    llama = rows["llama.cpp"]
+    try:
+        import llama_cpp  # noqa: F401
+
+        assert finite(llama["ttft_s"]) and finite(llama["decode_tok_s"]) and not llama["skipped"]
+    except ImportError:  # the optional `peers` extra: the table says it was left out, and why
+        assert llama["ttft_s"] is None and "not installed" in llama["skipped"]
+
+
 def test_squad_scoring_matches_the_official_normalisation():
     assert squad.normalize("The  Cat, sat!") == "cat sat"
     assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0

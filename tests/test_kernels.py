@@ -237,7 +237,7 @@ def test_selected_attention(ops, device, case):
     scale = 1.0 / math.sqrt(head_dim)
 
     got = ops.selected_attention(query, keys, values, positions, scale, window)
-    want = torch_ref.selected_attention(query, keys, values, positions, scale, window)
+    want = torch_ref.reference_attention(query, keys, values, positions, scale, window)
     _close(got, want, dtype)
 
 
@@ -257,6 +257,85 @@ def test_selected_attention_sees_only_the_past(ops, device):
     moved = ops.selected_attention(query, keys2, values2, positions, 0.125, window)
     torch.testing.assert_close(moved[1:], base[1:], atol=1e-6, rtol=1e-6)
     assert not torch.allclose(moved[0], base[0])  # row at 5 saw the changed keys
+
+
+# ------------------------------------------------------------------ selected_attention: the fast paths
+
+# q heads, kv heads, first position p, rows n, head_dim, window. Keys run past p + n (a longer cache): the rows
+# must not see them.
+CONTIGUOUS_CASES = [
+    (9, 3, 0, 70, 64, None),  # prefill from 0, GQA 3 (smollm2's shape)
+    (9, 3, 40, 30, 64, None),  # a prefill piece from p > 0
+    (9, 3, 77, 1, 64, None),  # a decode row
+    (4, 4, 0, 1, 64, None),  # the very first row, no GQA
+    (4, 1, 0, 90, 32, 16),  # windowed prefill from 0 (gemma3's local layers)
+    (4, 1, 50, 40, 32, 16),  # windowed piece from p > 0
+    (4, 1, 90, 1, 32, 16),  # windowed decode row
+    (4, 2, 5, 20, 80, 100),  # a window wider than the prompt; head_dim not a power of two
+    (8, 2, 300, 300, 128, 256),  # several blocks under a window
+]
+
+
+def _contiguous_inputs(case, dtype, device):
+    heads, kv_heads, first, rows, head_dim, window = case
+    query = _randn(rows, heads, head_dim, dtype=dtype, device=device, seed=31).transpose(0, 1)
+    keys = _randn(kv_heads, first + rows + 9, head_dim, dtype=dtype, device=device, seed=32)
+    values = _randn(kv_heads, first + rows + 9, head_dim, dtype=dtype, device=device, seed=33)
+    positions = torch.arange(first, first + rows, device=device)
+    return query, keys, values, positions, 1.0 / math.sqrt(head_dim), window
+
+
+def _reference(query, keys, values, positions, scale, window):
+    """The plain definition in fp32 on the same (rounded) inputs, over the keys the rows may see."""
+    end = int(positions.max()) + 1
+    return torch_ref.reference_attention(query, keys[:, :end], values[:, :end], positions, scale, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CONTIGUOUS_CASES, ids=lambda c: "H{}KV{}p{}n{}D{}w{}".format(*c))
+def test_contiguous_attention_equals_reference(case, dtype):
+    """torch_ref's causal fast path (no mask, is_causal, or an offset mask; GQA without copies; no upcast)."""
+    query, keys, values, positions, scale, window = _contiguous_inputs(case, dtype, torch.device("cpu"))
+    got = torch_ref.selected_attention(query, keys, values, positions, scale, window, contiguous_from=case[2])
+    _close(got, _reference(query, keys, values, positions, scale, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CONTIGUOUS_CASES, ids=lambda c: "H{}KV{}p{}n{}D{}w{}".format(*c))
+def test_contiguous_attention_triton(ops, device, case, dtype):
+    query, keys, values, positions, scale, window = _contiguous_inputs(case, dtype, device)
+    got = ops.selected_attention(query, keys, values, positions, scale, window, contiguous_from=case[2])
+    _close(got, _reference(query, keys, values, positions, scale, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "H{}KV{}n{}N{}D{}w{}-{}-{}".format(*c[:6], str(c[6])[6:], c[7]))
+def test_selected_rows_attention_equals_reference(case, dtype):
+    """torch_ref's general path (rows in any order; GQA without copies; keys cut at a block's last row)."""
+    heads, kv_heads, rows, length, head_dim, window, _, kind = case
+    if kind == "legolink":
+        positions = _legolink_positions(length, chunk=23, per_chunk=4, question=7)
+    else:
+        positions = torch.randperm(length, generator=_gen(11))[:rows]
+        if kind == "random":
+            positions = positions.sort().values
+    query = _randn(heads, positions.numel(), head_dim, dtype=dtype, device="cpu", seed=12)
+    keys = _randn(kv_heads, length, head_dim, dtype=dtype, device="cpu", seed=13)
+    values = _randn(kv_heads, length, head_dim, dtype=dtype, device="cpu", seed=14)
+    scale = 1.0 / math.sqrt(head_dim)
+    got = torch_ref.selected_attention(query, keys, values, positions, scale, window)
+    _close(got, torch_ref.reference_attention(query, keys, values, positions, scale, window), dtype)
+
+
+def test_dispatcher_passes_the_contiguous_hint(monkeypatch):
+    calls = []
+    fast = torch_ref._contiguous_attention
+    monkeypatch.setattr(torch_ref, "_contiguous_attention", lambda *a: calls.append(a[3]) or fast(*a))
+    monkeypatch.setattr(kernels, "_FORCED", "torch")
+    query, keys, values, positions, scale, window = _contiguous_inputs((4, 2, 6, 5, 64, None), torch.float32, "cpu")
+    kernels.selected_attention(query, keys, values, positions, scale, window, contiguous_from=6)
+    kernels.selected_attention(query, keys, values, positions, scale, window)
+    assert calls == [6]
 
 
 # ------------------------------------------------------------------ kv_deviation

@@ -1,0 +1,445 @@
+"""The GPU check and timing run: Triton kernels compiled (not interpreted), bf16, random-weight models.
+
+    python bench/gpu.py --out DIR                      # on a CUDA machine: no network, no weights needed
+    TRITON_INTERPRET=1 python bench/gpu.py --device cpu --quick --out DIR   # the same code path, reduced, on CPU
+
+Needs only torch, triton and transformers (plus this checkout: ragcache's runner and kernels, imported from the
+source tree; nothing that pulls in redis, fastapi or the store). Models are built from configs shaped like
+smollm2-135m and qwen2.5-coder-0.5b with random weights and random token ids.
+
+  (a) checks   every Triton kernel against the torch reference at the dtype's tolerance: rotate_keys,
+               place_chunks, selected_attention (LegoLink rows, contiguous_from 0 / p / a decode row, windowed),
+               kv_deviation
+  (b) kernels  time of each kernel, Triton vs the torch reference (triton.testing.do_bench on CUDA)
+  (c) model    `full` through ragcache's runner vs `model(ids)` at 4k tokens; a legolink-16 link of 8 chunks x 512
+               (chunks placed + their first 16 rows and the question recomputed); single-stream greedy decode
+               tok/s, ragcache's runner vs transformers' cached decode loop
+Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="folder for gpu-<device>.json")
+    ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with TRITON_INTERPRET=1)")
+    ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
+    ap.add_argument("--quick", action="store_true", help="small shapes and models (a smoke run)")
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    return ap.parse_args()
+
+
+ARGS = _args() if __name__ == "__main__" else None
+if ARGS is not None and ARGS.device == "cpu":
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are defined: before importing them
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+
+def _import_ragcache():
+    """ragcache's runner and kernels from this checkout, installed or not (kernels/ lives beside ragcache/ and is
+    mapped to ragcache.kernels by the package; a bare checkout gets the same mapping here)."""
+    sys.path.insert(0, str(ROOT))
+    import ragcache
+
+    try:
+        importlib.import_module("ragcache.kernels")
+    except ImportError:
+        ragcache.__path__.append(str(ROOT))  # ragcache.kernels -> ROOT/kernels
+    kernels = importlib.import_module("ragcache.kernels")
+    torch_ref = importlib.import_module("ragcache.kernels.torch_ref")
+    triton_ops = importlib.import_module("ragcache.kernels.triton_ops")
+    runner = importlib.import_module("ragcache.runner")
+    models = importlib.import_module("ragcache.models")
+    return kernels, torch_ref, triton_ops, runner, models
+
+
+KERNELS, REF, TRI, RUNNER, MODELS = _import_ragcache()
+
+TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+       torch.float16: dict(atol=3e-3, rtol=3e-3)}
+
+
+# ------------------------------------------------------------------ timing
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, quick: bool) -> float:
+    """Median milliseconds of one call."""
+    if device.type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=10, rep=50 if quick else 200, return_mode="median"))
+    fn()
+    times = []
+    for _ in range(2 if quick else 5):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1e3
+
+
+def wall_s(fn, device: torch.device, reps: int) -> float:
+    """Median seconds of a longer call (a whole forward, a decode loop), synchronised."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        started = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+# ------------------------------------------------------------------ (a) + (b): kernels
+
+
+def _rope(layers: int, half: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / 100_000.0 ** (torch.arange(half, dtype=torch.float32) * 2 / (2 * half))
+    return inv_freq.expand(layers, half).contiguous().to(device), torch.ones(layers, device=device)
+
+
+def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Each case: name, the Triton call, the torch reference call, the ground truth to check both against."""
+    g = torch.Generator().manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    layers, kv_heads, heads, dim = (4, 3, 9, 64) if quick else (30, 3, 9, 64)  # smollm2's attention shape
+    chunk, chunks = (64, 2) if quick else (512, 8)
+    length = chunk * chunks + 32
+    inv_freq, scaling = _rope(layers, dim // 2, device)
+    pre_keys = randn(layers, kv_heads, chunk * chunks, dim)
+    positions = torch.arange(chunk * chunks, device=device) + 7
+    chunk_k = [randn(layers, kv_heads, chunk, dim) for _ in range(chunks)]
+    chunk_v = [randn(layers, kv_heads, chunk, dim) for _ in range(chunks)]
+    starts = [1 + i * chunk for i in range(chunks)]
+
+    def place(ops):
+        jk = torch.zeros(layers, kv_heads, length, dim, device=device, dtype=dtype)
+        jv = torch.zeros_like(jk)
+        ops.place_chunks(jk, jv, chunk_k, chunk_v, starts, inv_freq, scaling)
+        return torch.cat([jk, jv])
+
+    cases = [
+        dict(kernel="rotate_keys", shape=f"[{layers},{kv_heads},{chunk * chunks},{dim}]",
+             triton=lambda: TRI.rotate_keys(pre_keys, positions, inv_freq, scaling),
+             torch=lambda: REF.rotate_keys(pre_keys, positions, inv_freq, scaling), truth=None),
+        dict(kernel="place_chunks", shape=f"{chunks} x [{layers},{kv_heads},{chunk},{dim}]",
+             triton=lambda: place(TRI), torch=lambda: place(REF), truth=None),
+    ]
+    keys, values = randn(kv_heads, length, dim), randn(kv_heads, length, dim)
+    lego = sorted({s + i for s in starts for i in range(16)} | set(range(length - 32, length)))
+    n_full = length if quick else 4096
+    big_k, big_v = randn(kv_heads, n_full, dim), randn(kv_heads, n_full, dim)
+    attention = [  # name, rows (positions), keys, values, window, contiguous_from
+        ("legolink-16 rows", torch.tensor(lego, device=device), keys, values, None, None),
+        ("prefill from 0", torch.arange(n_full, device=device), big_k, big_v, None, 0),
+        ("piece from p", torch.arange(n_full - chunk, n_full, device=device), big_k, big_v, None, n_full - chunk),
+        ("decode row", torch.tensor([n_full - 1], device=device), big_k, big_v, None, n_full - 1),
+        ("windowed prefill w=512", torch.arange(n_full, device=device), big_k, big_v, 512 if not quick else 48, 0),
+        ("windowed decode w=512", torch.tensor([n_full - 1], device=device), big_k, big_v, 512 if not quick else 48,
+         n_full - 1),
+    ]
+    scale = dim ** -0.5
+    for name, rows, k, v, window, first in attention:
+        q = randn(heads, rows.numel(), dim)
+        end = int(rows.max()) + 1
+        cases.append(dict(
+            kernel="selected_attention", shape=f"{name}: {rows.numel()} rows x {end} keys" + (
+                f", contiguous_from={first}" if first is not None else ""),
+            triton=lambda q=q, r=rows, k=k, v=v, w=window, f=first: TRI.selected_attention(q, k, v, r, scale, w, f),
+            torch=lambda q=q, r=rows, k=k, v=v, w=window, f=first: REF.selected_attention(q, k, v, r, scale, w, f),
+            truth=lambda q=q, r=rows, k=k, v=v, w=window, e=end: REF.reference_attention(q, k[:, :e], v[:, :e], r,
+                                                                                        scale, w),
+            triton_no_hint=(lambda q=q, r=rows, k=k, v=v, w=window: TRI.selected_attention(q, k, v, r, scale, w))
+            if first is not None else None))
+    fresh, cached = randn(kv_heads, chunk * chunks, dim), randn(kv_heads, chunk * chunks, dim)
+    cases.append(dict(kernel="kv_deviation", shape=f"[{kv_heads},{chunk * chunks},{dim}]",
+                      triton=lambda: TRI.kv_deviation(fresh, cached), torch=lambda: REF.kv_deviation(fresh, cached),
+                      truth=None))
+    return cases
+
+
+def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    rows = []
+    for case in kernel_cases(device, dtype, quick):
+        got, want = case["triton"](), case["torch"]()
+        truth = case["truth"]() if case["truth"] else want
+        tol = TOL[dtype] if case["kernel"] != "kv_deviation" else dict(atol=1e-3, rtol=1e-4)
+        err = (got.float() - truth.float()).abs().max().item()
+        ok = bool(torch.allclose(got.float(), truth.float(), **tol))
+        ref_err = (want.float() - truth.float()).abs().max().item()
+        ok = ok and bool(torch.allclose(want.float(), truth.float(), **tol))
+        row = dict(kernel=case["kernel"], shape=case["shape"], ok=ok, max_abs_err_triton=err,
+                   max_abs_err_torch=ref_err, tolerance=tol)
+        interpreted = device.type != "cuda"
+        row["triton_ms"] = None if interpreted and not quick else time_ms(case["triton"], device, quick)
+        row["torch_ms"] = time_ms(case["torch"], device, quick)
+        if case.get("triton_no_hint"):  # the same rows without the hint: the Triton kernel itself
+            row["triton_kernel_no_hint_ms"] = time_ms(case["triton_no_hint"], device, quick)
+        row["interpreted"] = interpreted
+        rows.append(row)
+        print(f"  {row['kernel']:18s} {row['shape']:52s} {'ok ' if ok else 'BAD'} err {err:.2e}  "
+              f"triton {_fmt(row['triton_ms'])} ms  torch {_fmt(row['torch_ms'])} ms"
+              + (f"  triton kernel w/o hint {_fmt(row['triton_kernel_no_hint_ms'])} ms"
+                 if "triton_kernel_no_hint_ms" in row else ""), flush=True)
+    return rows
+
+
+def _fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+# ------------------------------------------------------------------ (c): the model
+
+
+def model_config(name: str, quick: bool):
+    from transformers import LlamaConfig, Qwen2Config
+
+    layers = 2 if quick else None
+    if name == "smollm2-135m":  # SmolLM2-135M-Instruct: llama, 30 layers, 9 / 3 heads, head_dim 64
+        return LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers or 30,
+                           num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                           rms_norm_eps=1e-5, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+    if name == "qwen2.5-coder-0.5b":  # Qwen2.5-Coder-0.5B: qwen2, 24 layers, 14 / 2 heads, QKV bias
+        return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                           num_hidden_layers=layers or 24, num_attention_heads=14, num_key_value_heads=2,
+                           head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b")
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(model_config(name, quick), dtype=dtype).eval()
+    lm = MODELS.LoadedModel(name=f"random-{name}", model=model, tokenizer=None, fingerprint="random",
+                            tokenizer_fingerprint="none")
+    MODELS.check_supported(model)
+    return lm, RUNNER.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
+
+
+def _hinted_forward(runner):
+    """Runner.forward_rows with the contiguous hint where the runner takes it (after the scheduler change);
+    before that, the same hint threaded by registering the runner's attention with the kwarg passed on."""
+    if "contiguous_from" in inspect.signature(runner.forward_rows).parameters:
+        return lambda ids, rows, cache, first: runner.forward_rows(ids, rows, cache, contiguous_from=first), "runner"
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    hint = {"first": None}
+
+    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kw):
+        rows = kw.pop("ragcache_rows", None)
+        if rows is None:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                                 scaling=scaling, sliding_window=sliding_window, **kw)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = KERNELS.selected_attention(query[0], key[0], value[0], rows, scale, sliding_window,
+                                         contiguous_from=hint["first"])
+        return out[None], None
+
+    AttentionInterface.register(RUNNER.ATTENTION_NAME, attention)
+
+    def forward(ids, rows, cache, first):
+        hint["first"] = first
+        try:
+            return runner.forward_rows(ids, rows, cache)
+        finally:
+            hint["first"] = None
+
+    return forward, "patched here (runner.py does not thread contiguous_from yet)"
+
+
+@torch.inference_mode()
+def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    lm, runner = build(name, device, dtype, quick)
+    model = lm.model
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(1)
+    tokens = 256 if quick else 4096
+    chunk, chunks, question = (64, 2, 16) if quick else (512, 8, 32)
+    decode_tokens = 4 if quick else 128
+    reps = 1 if quick else 5
+    forward, hint_source = _hinted_forward(runner)
+    ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
+    rows_all = torch.arange(tokens, device=device)
+    out: list[dict] = []
+
+    def full(first):
+        cache = runner.new_cache(tokens)
+        cache.length = tokens
+        hidden = forward(ids, rows_all, cache, first)
+        return runner.logits(hidden[0, -1:])[0]
+
+    ref = model(ids[None], logits_to_keep=1).logits[0, -1].float()
+    for first, label in ((0, "with contiguous_from=0"), (None, "without the hint")):
+        err = (full(first) - ref).abs().max().item()
+        out.append(dict(model=name, what=f"full, ragcache runner {label}", tokens=tokens, max_abs_logit_err=err,
+                        seconds=wall_s(lambda f=first: full(f), device, reps)))
+    out.append(dict(model=name, what="model(ids)", tokens=tokens, seconds=wall_s(lambda: model(ids[None]), device,
+                                                                                  reps)))
+    out.append(dict(model=name, what="model(ids, logits_to_keep=1)", tokens=tokens,
+                    seconds=wall_s(lambda: model(ids[None], logits_to_keep=1), device, reps)))
+
+    # legolink-16: compiled chunks placed (rotated) into the joined cache, then the first 16 rows of every chunk
+    # and the question recomputed through every layer; the linker's work, from the runner and kernels up
+    link_ids = torch.randint(0, vocab, (chunks * chunk + question,), generator=g).to(device)
+    compiled = [runner.prefill_pre_rope(link_ids[i * chunk:(i + 1) * chunk]) for i in range(chunks)]
+    starts = [i * chunk for i in range(chunks)]
+    length = link_ids.numel()
+    lego_rows = torch.tensor(sorted({s + i for s in starts for i in range(16)} | set(range(length - question, length))),
+                             device=device)
+
+    def legolink():
+        cache = runner.new_cache(length + decode_tokens + 1)
+        cache.length = length
+        KERNELS.place_chunks(cache.keys, cache.values, [k for k, _ in compiled], [v for _, v in compiled], starts,
+                             runner.inv_freq, runner.rope_scaling)
+        hidden = runner.forward_rows(link_ids[lego_rows], lego_rows, cache)
+        return cache, runner.logits(hidden[0, -1:])[0]
+
+    out.append(dict(model=name, what=f"legolink-16 link, {chunks} chunks x {chunk} + {question}", tokens=length,
+                    recomputed=lego_rows.numel(), seconds=wall_s(legolink, device, reps)))
+
+    # single-stream greedy decode after a `full` prefill of the link prompt, token by token
+    def ragcache_decode():
+        cache = runner.new_cache(length + decode_tokens + 1)
+        cache.length = length
+        hidden = forward(link_ids, torch.arange(length, device=device), cache, 0)
+        token = int(runner.logits(hidden[0, -1:])[0].argmax())
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            position = cache.length
+            cache.length += 1
+            hidden = forward(torch.tensor([token], device=device), torch.tensor([position], device=device), cache,
+                             position)
+            token = int(runner.logits(hidden[0, -1:])[0].argmax())  # a host sync per token, as sampling does
+        return decode_tokens / (time.perf_counter() - started)
+
+    def transformers_decode():
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=model.config)
+        logits = model(link_ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        token = logits[:, -1:].argmax(-1)
+        _sync(device)
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            int(token)  # the same host sync per token
+        return decode_tokens / (time.perf_counter() - started)
+
+    for what, fn in (("decode, ragcache runner (contiguous_from per row)", ragcache_decode),
+                     ("decode, transformers cached loop", transformers_decode)):
+        fn()
+        rates = [fn() for _ in range(max(reps - 2, 1))]
+        out.append(dict(model=name, what=what, context=length, tokens=decode_tokens, tok_s=statistics.median(rates)))
+    for row in out:
+        row["hint"] = hint_source
+        print(f"  {name:20s} {row['what']:58s} " + (f"{row['seconds'] * 1e3:9.1f} ms" if "seconds" in row else
+                                                     f"{row['tok_s']:9.1f} tok/s")
+              + (f"  max|dlogit| {row['max_abs_logit_err']:.2e}" if "max_abs_logit_err" in row else ""), flush=True)
+    del model, runner, lm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------ main
+
+
+def environment(device: torch.device, dtype: torch.dtype) -> dict:
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    env = dict(device=str(device), dtype=str(dtype).replace("torch.", ""), torch=torch.__version__,
+               triton=triton_version, transformers=transformers.__version__, python=platform.python_version(),
+               triton_interpreted=bool(getattr(TRI, "INTERPRET", False)), kernel_backend=KERNELS.backend_for(device),
+               created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    if device.type == "cuda":
+        env["gpu"] = torch.cuda.get_device_name(device)
+    else:
+        env["threads"] = torch.get_num_threads()
+    return env
+
+
+def main() -> None:
+    args = ARGS
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run with --device cpu --quick (and TRITON_INTERPRET=1)")
+    if device.type == "cuda" and TRI.INTERPRET:
+        raise SystemExit("TRITON_INTERPRET is set: unset it to time compiled kernels")
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    started = time.perf_counter()
+    env = environment(device, dtype)
+    print(f"gpu bench: {env}", flush=True)
+    print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
+                                                         if env["triton_interpreted"] else ""))
+    kernels = check_and_time_kernels(device, dtype, args.quick)
+    print("(c) model")
+    model_rows = []
+    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+        model_rows += model_timings(name, device, dtype, args.quick)
+    failed = [k for k in kernels if not k["ok"]]
+    result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
+                  kernels=kernels, model=model_rows, all_kernels_match=not failed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = env.get("gpu", "cpu").replace(" ", "-")
+    path = args.out / f"gpu-{tag}{'-quick' if args.quick else ''}.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    _summary(model_rows)
+    print(f"{'all kernels match' if not failed else f'{len(failed)} kernel check(s) FAILED'}; "
+          f"{result['seconds']:.0f} s; wrote {path}")
+    if failed:
+        sys.exit(1)
+
+
+def _summary(rows: list[dict]) -> None:
+    by = {(r["model"], r["what"]): r for r in rows}
+    for name in dict.fromkeys(r["model"] for r in rows):
+        full = by.get((name, "full, ragcache runner with contiguous_from=0"))
+        plain = by.get((name, "model(ids)"))
+        keep = by.get((name, "model(ids, logits_to_keep=1)"))
+        dec = [r for r in rows if r["model"] == name and "tok_s" in r]
+        if full and plain and keep:
+            print(f"{name}: full / model(ids) = {full['seconds'] / plain['seconds']:.2f}x, "
+                  f"full / model(ids, logits_to_keep=1) = {full['seconds'] / keep['seconds']:.2f}x; "
+                  + ", ".join(f"{r['what']}: {r['tok_s']:.1f} tok/s" for r in dec))
+
+
+if __name__ == "__main__":
+    main()

