@@ -15,6 +15,7 @@ alone; the others go on. Other model work (compiling a chunk) goes through `call
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
@@ -53,6 +54,10 @@ class Request:
     cache: JoinedCache | None = field(default=None, repr=False)
 
 
+class SchedulerStopped(RuntimeError):
+    """The scheduler was stopped (process exit) before this work ran."""
+
+
 class Scheduler:
     def __init__(self, runner: Runner, row_budget: int = DEFAULT_ROW_BUDGET):
         self.runner = runner
@@ -64,6 +69,7 @@ class Scheduler:
         self.steps = 0
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -103,20 +109,45 @@ class Scheduler:
         if self._thread is None:
             self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
             self._thread.start()
+            # A daemon thread killed inside a torch op at interpreter exit aborts the process (SIGABRT, e.g. after
+            # Ctrl-C during a compile): let the step in flight finish, then end the thread, before Python exits.
+            atexit.register(self.stop)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the step in flight, fail everything still queued, and end the scheduler thread."""
+        with self._wakeup:
+            self._stopping = True
+            self._wakeup.notify_all()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     # -- the scheduler thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        while not self._stopping:
             with self._wakeup:
-                while not (self.waiting or self.running or self.calls):
+                while not (self.waiting or self.running or self.calls or self._stopping):
                     self._wakeup.wait()
             gate = self.gate
-            if gate is not None:
-                gate.wait()
+            while gate is not None and not gate.wait(0.1) and not self._stopping:
+                pass
+            if self._stopping:
+                break
             self._run_calls()
             self._admit()
             if self.running:
                 self._step()
+        self._fail_pending(SchedulerStopped("the engine is shutting down"))
+
+    def _fail_pending(self, exc: Exception) -> None:
+        with self._wakeup:
+            calls, waiting, self.calls, self.waiting = list(self.calls), list(self.waiting), deque(), deque()
+        for _, _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+        for request in [*waiting, *self.running]:
+            request.emit("error", exc)
+        self.running = []
 
     def _run_calls(self) -> None:
         while self.calls:
