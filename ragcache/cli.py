@@ -52,7 +52,8 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(_exit_code(exc))
 
 
-DtypeOption = typer.Option(None, "--dtype", help="float32 | bfloat16 | float16 (default: settings, float32)")
+DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
+                                                 "float32 on CPU, bfloat16 on CUDA)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
 
 

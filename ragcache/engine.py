@@ -67,7 +67,7 @@ class RagCache:
 
     @classmethod
     def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "float32", device: str = "cpu",
+             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET) -> "RagCache":
         lm = models.load(model, dtype=dtype, device=device)
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes)

@@ -189,13 +189,21 @@ def resolve(name_or_path: str) -> str:
     return name_or_path
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32", device: str = "cpu") -> LoadedModel:
+def default_dtype(device: str) -> str:
+    """"auto" resolved per device, from bench/results/peers-*.json: on these CPUs bf16 halves prefill and link time
+    but slows decode below fp32 (tiny matmuls), so fp32 stays the CPU default; GPUs run bf16 natively."""
+    return "bfloat16" if str(device).startswith("cuda") else "float32"
+
+
+def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # a per-load weights bar is noise in a CLI or a server log
 
     source = resolve(name_or_path)
+    if dtype == "auto":
+        dtype = default_dtype(device)
     torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)

@@ -24,7 +24,8 @@ class Settings(BaseSettings):
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
     store: str = Field("disk:./.ragcache", description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=16, le=8192, description="chunk budget in tokens")
-    dtype: str = Field("float32", pattern="^(float32|float16|bfloat16)$")
+    dtype: str = Field("auto", pattern="^(auto|float32|float16|bfloat16)$",
+                       description="auto: float32 on CPU, bfloat16 on CUDA (see docs/BENCHMARKS.md)")
     device: str = "cpu"
     algorithm: str = "legolink"
     k: int = Field(16, ge=0)

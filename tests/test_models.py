@@ -74,3 +74,10 @@ def test_default_model_is_pulled_once_and_fingerprinted(smollm2):
     assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
     again = models.load("smollm2-135m")
     assert again.fingerprint == smollm2.fingerprint and again.tokenizer_fingerprint == smollm2.tokenizer_fingerprint
+
+
+def test_auto_dtype_is_fp32_on_cpu_and_bf16_on_cuda():
+    from ragcache.models import default_dtype
+
+    assert default_dtype("cpu") == "float32"
+    assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
