@@ -1,7 +1,7 @@
 """Every error leaves the API as JSON: {"error": {"type", "message", "code", ...details}}, OpenAI-style.
 
-ragcache's own errors carry their HTTP status (`http_status`); anything unexpected is a logged 500 that never
-takes the server down."""
+ragcache's own errors map to an HTTP status in one table (STATUS, most specific class first); anything unexpected is
+a logged 500 that never takes the server down."""
 
 from __future__ import annotations
 
@@ -13,9 +13,26 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ragcache.errors import PromptTooLong, RagCacheError, UnknownDocument
+from ragcache.errors import (BadRequest, ModelFetchError, PromptTooLong, RagCacheError, StoreError, UnknownDocument,
+                             UnsupportedModel)
 
 log = logging.getLogger("ragcache.api")
+
+# ragcache's error kinds -> HTTP status; the first class an error is an instance of wins.
+STATUS: list[tuple[type[RagCacheError], int]] = [
+    (UnknownDocument, 404),
+    (PromptTooLong, 413),
+    (BadRequest, 422),  # empty input, unknown algorithm, a parameter out of range
+    (UnsupportedModel, 400),
+    (StoreError, 503),  # a store tier that is down, a corrupt record: retry, or repair the store
+    (ModelFetchError, 500),
+    (RagCacheError, 500),
+]
+RETRY_AFTER_S = {429: "1", 503: "5"}
+
+
+def status_of(exc: RagCacheError) -> int:
+    return next(status for kind, status in STATUS if isinstance(exc, kind))
 
 
 class ApiError(Exception):
@@ -56,7 +73,7 @@ def describe(exc: BaseException) -> tuple[int, dict]:
             details["ids"] = exc.ids
         if isinstance(exc, PromptTooLong):
             details.update(prompt_tokens=exc.prompt_tokens, max_new_tokens=exc.max_new_tokens, context=exc.context)
-        status = exc.http_status
+        status = status_of(exc)
         if status >= 500:
             log.warning("engine error: %s", exc)
         return status, error_body(_snake(type(exc).__name__), str(exc), **details)
@@ -95,8 +112,8 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RagCacheError)
     async def on_known(request: Request, exc: Exception) -> JSONResponse:
         status, body = describe(exc)
-        headers = {"Retry-After": "1"} if status == 429 else None
-        return JSONResponse(body, status_code=status, headers=headers)
+        retry = RETRY_AFTER_S.get(status)
+        return JSONResponse(body, status_code=status, headers={"Retry-After": retry} if retry else None)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:

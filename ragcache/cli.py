@@ -37,14 +37,18 @@ app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")
 
 
+# ragcache's error kinds -> exit code (the module docstring lists them); the first class that matches wins.
+EXIT_CODES: list[tuple[type[Exception], int]] = [
+    (UnknownDocument, 4),
+    (BadRequest, 3),
+    (ModelFetchError, 5),
+    (UnsupportedModel, 5),
+    (Exception, 1),
+]
+
+
 def _exit_code(exc: Exception) -> int:
-    if isinstance(exc, UnknownDocument):
-        return 4
-    if isinstance(exc, BadRequest):
-        return 3
-    if isinstance(exc, (ModelFetchError, UnsupportedModel)):
-        return 5
-    return 1
+    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
 
 
 def _fail(exc: Exception) -> None:

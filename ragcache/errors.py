@@ -1,16 +1,15 @@
-"""Typed errors: one class per failure kind, so the CLI and the API can map each to an exit code / HTTP status."""
+"""Typed errors: one class per failure kind. They carry no HTTP status or exit code: api/errors.py maps each kind to
+an HTTP status, ragcache/cli.py to an exit code, each in one table."""
 
 
 class RagCacheError(Exception):
     """Base of every error ragcache raises on purpose."""
 
-    http_status = 500
 
 
 class BadRequest(RagCacheError):
     """The caller sent something unusable (empty question, bad parameter)."""
 
-    http_status = 422
 
 
 class EmptyInput(BadRequest):
@@ -28,7 +27,6 @@ class ParameterOutOfRange(BadRequest):
 class UnknownDocument(RagCacheError):
     """A document id that the store does not know (for this model)."""
 
-    http_status = 404
 
     def __init__(self, ids: list[str]):
         self.ids = list(ids)
@@ -38,7 +36,6 @@ class UnknownDocument(RagCacheError):
 class PromptTooLong(RagCacheError):
     """The linked prompt (plus the tokens to generate) exceeds the model's context."""
 
-    http_status = 413
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int, question_tokens: int | None = None):
         self.prompt_tokens, self.max_new_tokens, self.context = prompt_tokens, max_new_tokens, context
@@ -57,7 +54,6 @@ class PromptTooLong(RagCacheError):
 class UnsupportedModel(RagCacheError):
     """A model ragcache cannot link for (no rotary embeddings, unsupported rope type, ...)."""
 
-    http_status = 400
 
 
 class ModelFetchError(RagCacheError):
@@ -65,9 +61,8 @@ class ModelFetchError(RagCacheError):
 
 
 class StoreError(RagCacheError):
-    """A store backend failed in a way the caller must hear about (bad URL, write failure)."""
+    """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
 
-    http_status = 503
 
 
 class CorruptEntry(StoreError):
