@@ -35,6 +35,19 @@ DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decodi
 log = logging.getLogger("ragcache")
 
 
+@dataclass
+class SchedulerStats:
+    """Counters of the model steps (read by benchmarks and /metrics-style reports)."""
+
+    steps: int = 0
+    link_rows: int = 0
+    decode_rows: int = 0
+    step_s: float = 0.0
+    decode_only_steps: int = 0  # steps with no link piece: what decode throughput is measured on
+    decode_only_rows: int = 0
+    decode_only_s: float = 0.0
+
+
 @dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
     parts: LinkInput
@@ -61,7 +74,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.calls: deque[tuple[Callable, tuple, Future]] = deque()
         self.gate: threading.Event | None = None  # while clear, no step runs (tests make "busy" a state)
-        self.steps = 0
+        self.stats = SchedulerStats()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
 
@@ -168,6 +181,7 @@ class Scheduler:
         self.running = [r for r in self.running if not self._dropped(r)]
         if not self.running:
             return
+        started = time.perf_counter()
         ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
         rows_total = 0
         for request in self.running:  # decode rows first: one per decoding request
@@ -178,6 +192,7 @@ class Scheduler:
                 parts.append((request.cache, torch.tensor([position])))
                 rows_total += 1
                 ends.append((request, rows_total - 1))
+        decode_rows = rows_total
         budget = max(self.row_budget - rows_total, 1)
         for request in self.running:  # then link pieces, FIFO, until the budget is spent
             if request.pending is None or budget <= 0:
@@ -199,7 +214,6 @@ class Scheduler:
                 request.emit("error", exc)
             self.running = []
             return
-        self.steps += 1
         for (request, _), row in zip(ends, logits):
             try:
                 if request.pending is not None:
@@ -208,6 +222,18 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - e.g. sampling: this request fails alone
                 request.emit("error", exc)
                 self._leave(request)
+        self._count(rows_total, decode_rows, time.perf_counter() - started)
+
+    def _count(self, rows: int, decode_rows: int, seconds: float) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.decode_rows += decode_rows
+        stats.link_rows += rows - decode_rows
+        stats.step_s += seconds
+        if rows == decode_rows:
+            stats.decode_only_steps += 1
+            stats.decode_only_rows += rows
+            stats.decode_only_s += seconds
 
     def _linked(self, request: Request, last_logits: torch.Tensor) -> None:
         linked = linker.finish(request.plan, last_logits, request.recomputed,
