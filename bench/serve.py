@@ -74,7 +74,6 @@ def rest_cells(model: str, clients: list[int], requests: int, pool_size: int, do
 
 
 def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int]) -> list[dict]:
-    import torch
     from transformers import AutoTokenizer
 
     from ragcache import models
@@ -105,7 +104,6 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int]) -
         print(f"decode C={c}: {rows[-1]['tokens_per_s']} tok/s aggregate", file=sys.stderr, flush=True)
     rows[0]["prompt_tokens"] = rows[1]["prompt_tokens"] if len(rows) > 1 else None
     rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
-    del torch
     return rows
 
 

@@ -126,10 +126,16 @@ class Scheduler:
             gate = self.gate
             if gate is not None:
                 gate.wait()
-            self._run_calls()
-            self._admit()
-            if self.running:
-                self._step()
+            try:
+                self._run_calls()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
+                log.exception("the scheduler failed a step")
+                for request in self.running:
+                    request.emit("error", exc)
+                self.running = []
 
     def _run_calls(self) -> None:
         while self.calls:
