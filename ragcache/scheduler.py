@@ -15,12 +15,14 @@ alone; the others go on. Other model work (compiling a chunk) goes through `call
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -32,7 +34,9 @@ from .prefix_cache import PrefixCache
 from .runner import JoinedCache, Runner
 
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+IDLE_EXIT_S = 5.0  # an idle scheduler thread ends (and starts again with the next request)
 log = logging.getLogger("ragcache")
+_LIVE: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
 
 @dataclass
@@ -77,6 +81,8 @@ class Scheduler:
         self.stats = SchedulerStats()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._stopping = False
+        _LIVE.add(self)
 
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -94,7 +100,12 @@ class Scheduler:
             self.calls.append((fn, args, future))
             self._start()
             self._wakeup.notify()
-        return future.result()
+        try:
+            return future.result()
+        except BaseException:
+            if not future.cancel():  # it runs: let the model work end before the caller unwinds (Ctrl-C, exit)
+                wait([future])
+            raise
 
     def link(self, parts: LinkInput, params: LinkParams, prefix_cache: PrefixCache | None,
              extra_capacity: int = 0) -> Linked:
@@ -113,16 +124,30 @@ class Scheduler:
         return result.result()
 
     def _start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._stopping:
             self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
             self._thread.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch)."""
+        with self._wakeup:
+            self._stopping = True
+            thread = self._thread
+            self._wakeup.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     # -- the scheduler thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self.waiting or self.running or self.calls):
-                    self._wakeup.wait()
+                while not (self.waiting or self.running or self.calls or self._stopping):
+                    if not self._wakeup.wait(IDLE_EXIT_S) and not (self.waiting or self.running or self.calls):
+                        self._thread = None  # idle: end; `submit`/`call` start a new thread (under this lock)
+                        return
+                if self._stopping:
+                    self._thread = None
+                    return
             gate = self.gate
             if gate is not None:
                 gate.wait()
@@ -270,3 +295,9 @@ class Scheduler:
         if request.cancelled:
             request.emit("cancelled", None)
         return request.cancelled
+
+
+@atexit.register
+def _stop_all() -> None:
+    for scheduler in list(_LIVE):
+        scheduler.stop()

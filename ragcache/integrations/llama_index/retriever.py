@@ -80,8 +80,7 @@ class RagCacheRetriever(BaseRetriever):
             missing = {}
             for ids, key, there in zip(chunks, keys, present):
                 if not there:
-                    with rc.lock:
-                        missing[key] = rc.compiler.compile(ids, layout)
+                    missing[key] = rc.scheduler.call(rc.compiler.compile, ids, layout)  # model work: scheduler thread
             if missing:
                 rc.store.put_many(missing)
             report.compiled_chunks += len(missing)
