@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 from starlette.requests import Request

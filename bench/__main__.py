@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | accuracy | peers | markdown | squad-sample  (each: --help)."""
+"""python -m bench ttft | lower-bound | throughput | serve | accuracy | peers | markdown | squad-sample  (each: --help)."""
 
 from __future__ import annotations
 
@@ -107,6 +107,31 @@ def throughput(
         raise typer.BadParameter("--min-docs must be <= --max-docs")
     mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
             _variants(algorithms), store, url, out, tag)
+
+
+@app.command()
+def serve(
+    model: str = Model,
+    clients: str = typer.Option("1,4,16", help="concurrent REST clients C (closed loop)"),
+    requests: int = typer.Option(16, min=1, help="timed requests per (algorithm, C); the same ones in every cell"),
+    pool: int = typer.Option(24, min=8, help="documents in the pool"),
+    doc_tokens: int = typer.Option(128, help="tokens per document"),
+    min_docs: int = typer.Option(3, min=1, help="documents per query, at least"),
+    max_docs: int = typer.Option(4, min=1, help="documents per query, at most"),
+    max_tokens: int = typer.Option(8, min=1, help="tokens generated per REST request"),
+    algorithms: str = typer.Option("full,legolink-16", help="comma-separated"),
+    decode_tokens: int = typer.Option(32, min=0, help="tokens per decode-speed run (0: skip that part)"),
+    decode_streams: str = typer.Option("1,16", help="concurrent streams for the decode-speed part"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """REST requests/s and p50/p99 latency at C = 1, 4, 16; decode tok/s alone, at C streams, vs transformers."""
+    from bench import serve as mod
+
+    if min_docs > max_docs:
+        raise typer.BadParameter("--min-docs must be <= --max-docs")
+    mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
+            _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag)
 
 
 @app.command()

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 
 from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV

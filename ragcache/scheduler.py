@@ -19,9 +19,10 @@ import atexit
 import logging
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 
 import torch
@@ -33,7 +34,22 @@ from .prefix_cache import PrefixCache
 from .runner import JoinedCache, Runner
 
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+IDLE_EXIT_S = 5.0  # an idle scheduler thread ends (and starts again with the next request)
 log = logging.getLogger("ragcache")
+_LIVE: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of the model steps (read by benchmarks and /metrics-style reports)."""
+
+    steps: int = 0
+    link_rows: int = 0
+    decode_rows: int = 0
+    step_s: float = 0.0
+    decode_only_steps: int = 0  # steps with no link piece: what decode throughput is measured on
+    decode_only_rows: int = 0
+    decode_only_s: float = 0.0
 
 
 @dataclass(eq=False)  # a request is itself: compared by identity
@@ -54,10 +70,6 @@ class Request:
     cache: JoinedCache | None = field(default=None, repr=False)
 
 
-class SchedulerStopped(RuntimeError):
-    """The scheduler was stopped (process exit) before this work ran."""
-
-
 class Scheduler:
     def __init__(self, runner: Runner, row_budget: int = DEFAULT_ROW_BUDGET):
         self.runner = runner
@@ -66,10 +78,11 @@ class Scheduler:
         self.running: list[Request] = []
         self.calls: deque[tuple[Callable, tuple, Future]] = deque()
         self.gate: threading.Event | None = None  # while clear, no step runs (tests make "busy" a state)
-        self.steps = 0
+        self.stats = SchedulerStats()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        _LIVE.add(self)
 
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
@@ -87,7 +100,12 @@ class Scheduler:
             self.calls.append((fn, args, future))
             self._start()
             self._wakeup.notify()
-        return future.result()
+        try:
+            return future.result()
+        except BaseException:
+            if not future.cancel():  # it runs: let the model work end before the caller unwinds (Ctrl-C, exit)
+                wait([future])
+            raise
 
     def link(self, parts: LinkInput, params: LinkParams, prefix_cache: PrefixCache | None,
              extra_capacity: int = 0) -> Linked:
@@ -106,48 +124,43 @@ class Scheduler:
         return result.result()
 
     def _start(self) -> None:
-        if self._thread is None:
+        if self._thread is None and not self._stopping:
             self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
             self._thread.start()
-            # A daemon thread killed inside a torch op at interpreter exit aborts the process (SIGABRT, e.g. after
-            # Ctrl-C during a compile): let the step in flight finish, then end the thread, before Python exits.
-            atexit.register(self.stop)
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Finish the step in flight, fail everything still queued, and end the scheduler thread."""
+        """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch)."""
         with self._wakeup:
             self._stopping = True
-            self._wakeup.notify_all()
-        thread = self._thread
+            thread = self._thread
+            self._wakeup.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
 
     # -- the scheduler thread ---------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while not self._stopping:
+        while True:
             with self._wakeup:
                 while not (self.waiting or self.running or self.calls or self._stopping):
-                    self._wakeup.wait()
+                    if not self._wakeup.wait(IDLE_EXIT_S) and not (self.waiting or self.running or self.calls):
+                        self._thread = None  # idle: end; `submit`/`call` start a new thread (under this lock)
+                        return
+                if self._stopping:
+                    self._thread = None
+                    return
             gate = self.gate
-            while gate is not None and not gate.wait(0.1) and not self._stopping:
-                pass
-            if self._stopping:
-                break
-            self._run_calls()
-            self._admit()
-            if self.running:
-                self._step()
-        self._fail_pending(SchedulerStopped("the engine is shutting down"))
-
-    def _fail_pending(self, exc: Exception) -> None:
-        with self._wakeup:
-            calls, waiting, self.calls, self.waiting = list(self.calls), list(self.waiting), deque(), deque()
-        for _, _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
-        for request in [*waiting, *self.running]:
-            request.emit("error", exc)
-        self.running = []
+            if gate is not None:
+                gate.wait()
+            try:
+                self._run_calls()
+                self._admit()
+                if self.running:
+                    self._step()
+            except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
+                log.exception("the scheduler failed a step")
+                for request in self.running:
+                    request.emit("error", exc)
+                self.running = []
 
     def _run_calls(self) -> None:
         while self.calls:
@@ -199,6 +212,7 @@ class Scheduler:
         self.running = [r for r in self.running if not self._dropped(r)]
         if not self.running:
             return
+        started = time.perf_counter()
         ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
         rows_total = 0
         for request in self.running:  # decode rows first: one per decoding request
@@ -209,6 +223,7 @@ class Scheduler:
                 parts.append((request.cache, torch.tensor([position])))
                 rows_total += 1
                 ends.append((request, rows_total - 1))
+        decode_rows = rows_total
         budget = max(self.row_budget - rows_total, 1)
         for request in self.running:  # then link pieces, FIFO, until the budget is spent
             if request.pending is None or budget <= 0:
@@ -230,7 +245,6 @@ class Scheduler:
                 request.emit("error", exc)
             self.running = []
             return
-        self.steps += 1
         for (request, _), row in zip(ends, logits):
             try:
                 if request.pending is not None:
@@ -239,6 +253,18 @@ class Scheduler:
             except Exception as exc:  # noqa: BLE001 - e.g. sampling: this request fails alone
                 request.emit("error", exc)
                 self._leave(request)
+        self._count(rows_total, decode_rows, time.perf_counter() - started)
+
+    def _count(self, rows: int, decode_rows: int, seconds: float) -> None:
+        stats = self.stats
+        stats.steps += 1
+        stats.decode_rows += decode_rows
+        stats.link_rows += rows - decode_rows
+        stats.step_s += seconds
+        if rows == decode_rows:
+            stats.decode_only_steps += 1
+            stats.decode_only_rows += rows
+            stats.decode_only_s += seconds
 
     def _linked(self, request: Request, last_logits: torch.Tensor) -> None:
         linked = linker.finish(request.plan, last_logits, request.recomputed,
@@ -269,3 +295,9 @@ class Scheduler:
         if request.cancelled:
             request.emit("cancelled", None)
         return request.cancelled
+
+
+@atexit.register
+def _stop_all() -> None:
+    for scheduler in list(_LIVE):
+        scheduler.stop()

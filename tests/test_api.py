@@ -447,6 +447,48 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
         rc.step_gate = None
 
 
+class StepPermits:
+    """A step gate that lets exactly the steps it is told to: `allow(n)` more, or `open()` for good."""
+
+    def __init__(self):
+        self.permits = threading.Semaphore(0)
+        self.opened = False
+
+    def wait(self) -> None:
+        if not self.opened:
+            self.permits.acquire()
+
+    def allow(self, steps: int) -> None:
+        self.permits.release(steps)
+
+    def open(self) -> None:
+        self.opened = True
+        self.permits.release(1000)
+
+
+def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
+    """A stream that has sent tokens, then loses its client: the scheduler drops it at its next step."""
+    body = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000, "stream": True}
+    gate, stop_ids = StepPermits(), rc.stop_ids
+    rc.step_gate, rc.stop_ids = gate, set()  # no EOS: only the client can end this generation early
+    decoded = rc.scheduler.stats.decode_rows
+    try:
+        with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
+            gate.allow(4)  # the link step (first token) and three decode steps, then the engine holds
+            with httpx.Client(base_url=s.url, timeout=300) as client:
+                with client.stream("POST", "/v1/query", json=body) as r:
+                    first = next(line for line in r.iter_lines() if line.startswith("data: "))
+                    assert "text" in json.loads(first[6:])
+            wait_metric(s.url, "ragcache_cancelled_generations_total", 1)
+            gate.open()
+            wait_idle(s.url, cancelled_at_least=1)
+            assert not rc.scheduler.running and not rc.scheduler.waiting
+            assert rc.scheduler.stats.decode_rows - decoded <= 4  # it left at the first step after the disconnect
+    finally:
+        gate.open()
+        rc.step_gate, rc.stop_ids = None, stop_ids
+
+
 def test_bearer_auth(rc):
     with serve(rc, api_key="s3cret") as s:
         error = error_of(httpx.get(f"{s.url}/v1/models"), 401, "Bearer")

@@ -107,11 +107,11 @@ def assert_same(batched: Run, single: Run) -> None:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_batched_equals_alone_for_each_algorithm(rc, algorithm):
     others = [ask(rc, "full", 1, slice(0, 2)), ask(rc, "naive", 2, slice(1, 3))]
-    steps = rc.scheduler.steps
+    steps = rc.scheduler.stats.steps
     singles = [alone(rc, **ask(rc, algorithm))] + [alone(rc, **kw) for kw in others]
-    steps_alone, steps = rc.scheduler.steps - steps, rc.scheduler.steps
+    steps_alone, steps = rc.scheduler.stats.steps - steps, rc.scheduler.stats.steps
     batched = together(rc, [Run(rc, **ask(rc, algorithm))] + [Run(rc, **kw) for kw in others])
-    assert rc.scheduler.steps - steps < steps_alone  # they did share steps
+    assert rc.scheduler.stats.steps - steps < steps_alone  # they did share steps
     for b, s in zip(batched, singles):
         assert_same(b, s)
 

@@ -1,0 +1,139 @@
+"""Serving: REST requests/s and latency under concurrency, and decode speed of the batched scheduler.
+
+    python -m bench serve --model smollm2-135m [--clients 1,4,16] [--requests 16] [--decode-tokens 32]
+
+1. REST, closed loop (bench/throughput.py's server and clients): `ragcache serve` in a subprocess; for full and
+   legolink-16 and each C, C client threads take request numbers 0..requests-1; request i is the same question
+   over the same documents in every cell. Latency is client-side (send to full JSON answer).
+2. Decode, in this process, on one prompt (3 documents, legolink-16), EOS ignored so every run decodes the same
+   number of tokens:
+   - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax);
+   - ragcache, one stream: decode tokens/s from the answer's own timings;
+   - ragcache, C streams at once (the same prompt with C different questions): aggregate decode tokens/s over
+     the scheduler's decode-only steps (rows / seconds), so link pieces are not counted as decode time.
+Writes bench/results/serve-<model>[-tag].json.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from . import report, squad, throughput
+from .common import Variant
+
+DECODE_DOCS = 3
+
+
+def run(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int, docs: tuple[int, int],
+        max_tokens: int, variants: list[Variant], decode_tokens: int, decode_streams: list[int],
+        out_dir: Path | None = None, tag: str = "") -> dict:
+    params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
+                  docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
+                  decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag)
+    bench = report.Run("serve", params, out_dir)
+    rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants)
+    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams) if decode_tokens else []
+    _print(rest, decode, bench.machine)
+    paths = bench.finish(rest + decode)
+    return dict(results=rest + decode, paths=paths)
+
+
+def rest_cells(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int,
+               docs: tuple[int, int], max_tokens: int, variants: list[Variant]) -> list[dict]:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from ragcache import models
+
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
+    texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
+    questions = squad.timing_questions(64)
+    server = throughput.Server(model, "memory:", max_queue=max(64, 2 * max(clients)))
+    rows = []
+    try:
+        with httpx.Client(base_url=server.url, timeout=900) as client:
+            pool = throughput.upload(client, texts)
+            for v in variants:
+                def body(i: int, v=v) -> dict:
+                    return dict(question=questions[i % len(questions)], documents=throughput.draw(pool, i, docs),
+                                max_tokens=max_tokens, **v.kwargs)
+
+                client.post("/v1/query", json=dict(body(0), max_tokens=1)).raise_for_status()  # untimed warm-up
+                for c in clients:
+                    wall, records = throughput.closed_loop(server.url, c, requests, body)
+                    rows.append(dict(kind="rest", **throughput._row(v, c, wall, records)))
+                    r = rows[-1]
+                    print(f"{v.label} C={c}: {r['requests_per_s']:.3f} req/s, p50 {report.ms(r['p50_s'])} ms, "
+                          f"p99 {report.ms(r['p99_s'])} ms", file=sys.stderr, flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
+def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int]) -> list[dict]:
+    from transformers import AutoTokenizer
+
+    from ragcache import models
+    from ragcache.engine import RagCache
+    from ragcache.store import open_store
+
+    lm = models.load(model)
+    rc = RagCache(lm, open_store("memory:"))
+    texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
+    ids = rc.compile(texts)
+    questions = squad.timing_questions(max(streams))
+    rc.stop_ids = set()  # ignore EOS: every run decodes exactly `tokens` tokens
+    kwargs = dict(algorithm="legolink", k=16, max_new_tokens=tokens)
+    rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up
+    rows = [dict(kind="decode", engine="transformers cached loop", streams=1,
+                 tokens_per_s=round(transformers_loop(lm, rc.link(questions[0], ids, algorithm="full").token_ids,
+                                                      tokens), 2))]
+    for c in streams:
+        before = _decode_counters(rc)
+        with ThreadPoolExecutor(c) as pool:
+            answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:c]))
+        rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
+        per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
+        rows.append(dict(kind="decode", engine="ragcache scheduler", streams=c,
+                         tokens_per_s=round(rows_done / seconds, 2) if seconds else None,
+                         per_stream_tokens_per_s=round(sum(per_stream) / len(per_stream), 2) if per_stream else None,
+                         prompt_tokens=answers[0].stats.prompt_tokens))
+        print(f"decode C={c}: {rows[-1]['tokens_per_s']} tok/s aggregate", file=sys.stderr, flush=True)
+    rows[0]["prompt_tokens"] = rows[1]["prompt_tokens"] if len(rows) > 1 else None
+    rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
+    return rows
+
+
+def _decode_counters(rc) -> tuple[int, float]:
+    stats = rc.scheduler.stats
+    return stats.decode_only_rows, stats.decode_only_s
+
+
+def transformers_loop(lm, prompt, tokens: int) -> float:
+    """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill)."""
+    import torch
+
+    with torch.inference_mode():
+        out = lm.model(prompt[None], use_cache=True)
+        past, token = out.past_key_values, out.logits[0, -1].argmax()
+        started = time.perf_counter()
+        for _ in range(tokens - 1):
+            out = lm.model(token.view(1, 1), past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, out.logits[0, -1].argmax()
+            int(token)  # the host needs the token, as a server does
+        return (tokens - 1) / (time.perf_counter() - started)
+
+
+def _print(rest: list[dict], decode: list[dict], machine: dict) -> None:
+    headers = ["algorithm", "C", "requests", "req/s", "p50 ms", "p99 ms", "server TTFT p50", "errors"]
+    rows = [[r["label"], r["clients"], r["requests"], f"{r['requests_per_s']:.3f}", report.ms(r["p50_s"]),
+             report.ms(r["p99_s"]), report.ms(r["ttft_p50_s"]), r["errors"]] for r in rest]
+    report.print_table("REST, closed loop (latency client-side)", headers, rows, caption=report.subtitle(machine))
+    if decode:
+        report.print_table("Decode tokens/s (EOS ignored)", ["engine", "streams", "tok/s (aggregate)",
+                                                              "tok/s per stream"],
+                           [[r["engine"], r["streams"], r["tokens_per_s"], r.get("per_stream_tokens_per_s", "")]
+                            for r in decode], caption=report.subtitle(machine))
