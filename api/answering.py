@@ -18,6 +18,7 @@ from ragcache.settings import Settings
 from .engine_queue import EngineQueue, Generation
 from .errors import invalid, payload_too_large
 from .metrics import Metrics
+from .schemas import DocumentRef, TextDocument
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -30,7 +31,7 @@ class ClientGone(Exception):
 @dataclass
 class Ask:
     question: str
-    documents: list[str]
+    documents: list[DocumentRef]
     system: str | None = None
     algorithm: str | None = None
     k: int | None = None
@@ -55,12 +56,15 @@ class Context:
     def model_name(self) -> str:
         return self.rc.lm.name
 
-    def check_documents(self, texts: list[str], what: str = "documents") -> None:
+    def check_documents(self, texts: list[str | None], what: str = "documents") -> None:
+        """Count and size limits; None stands for a document given by id (counted, nothing to measure)."""
         s = self.settings
         if len(texts) > s.max_documents:
             raise payload_too_large(f"{len(texts)} {what}; at most {s.max_documents} per request",
                                     limit=s.max_documents, got=len(texts))
         for i, text in enumerate(texts):
+            if text is None:
+                continue
             if not text.strip():
                 raise invalid(f"{what}[{i}] is empty; every document needs some text")
             if len(text) > s.max_document_chars:
@@ -78,7 +82,7 @@ class Context:
         if ask.system is not None and len(ask.system) > s.max_question_chars:
             raise payload_too_large(f"the system prompt has {len(ask.system)} characters; at most "
                                     f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.system))
-        self.check_documents(ask.documents)
+        self.check_documents([ref.text if isinstance(ref, TextDocument) else None for ref in ask.documents])
         max_tokens = s.max_new_tokens if ask.max_tokens is None else ask.max_tokens
         if max_tokens > s.max_new_tokens_limit:
             raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
@@ -87,7 +91,8 @@ class Context:
         if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
             raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
                           param="stop")
-        return dict(question=ask.question, docs=list(ask.documents), system=ask.system or None,
+        docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
+        return dict(question=ask.question, docs=docs, system=ask.system or None,
                     algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
                     ratio=s.ratio if ask.ratio is None else ask.ratio, max_new_tokens=max_tokens,
                     temperature=ask.temperature, top_p=ask.top_p, stop=stop, seed=ask.seed)

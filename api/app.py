@@ -4,12 +4,14 @@ create_app(rc, settings) wires one engine to the routes; serving it is api/serve
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
 from ragcache import __version__
 from ragcache.engine import RagCache
@@ -28,27 +30,55 @@ Native API under /v1/documents and /v1/query; OpenAI-compatible /v1/completions 
 `documents` and `ragcache: {algorithm, k, ratio}` as extra body fields."""
 
 
-class Guard:
-    """Bearer auth on /v1 when an API key is set, and a bound on the declared body size. Pure ASGI."""
+class BodyRefused(HTTPException):
+    """A body over the limit, or one that stops arriving. An HTTPException, so FastAPI's body parsing lets it through
+    to the error handlers instead of turning it into a 400."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int):
-        self.app, self.max_body_bytes = app, max_body_bytes
+
+class Guard:
+    """Bearer auth when an API key is set (everything but `public_paths`), and bounds on request bodies: the declared
+    size, the size actually received (chunked bodies declare none) and the time they take to arrive. Pure ASGI."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, public_paths: list[str], body_timeout_s: float):
+        self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.public_paths = set(public_paths)
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            headers = dict(scope["headers"])
-            if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""),
-                                                                     self.expected):
-                response = error_response(401, "unauthorized", "missing or wrong API key: send the header "
-                                          "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-                return await response(scope, receive, send)
-            length = headers.get(b"content-length", b"0")
-            if length.isdigit() and int(length) > self.max_body_bytes:
-                response = error_response(413, "payload_too_large", f"request body of {int(length)} bytes; at most "
-                                          f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
-                return await response(scope, receive, send)
-        await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in self.public_paths and \
+                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+            response = error_response(401, "unauthorized", "missing or wrong API key: send the header "
+                                      "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            response = error_response(413, "payload_too_large", f"request body of {int(length)} bytes; at most "
+                                      f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
+            return await response(scope, receive, send)
+        await self.app(scope, self._bounded(receive), send)
+
+    def _bounded(self, receive):
+        received, complete = 0, False
+
+        async def bounded_receive():
+            nonlocal received, complete
+            if complete:  # after the body, receive() only reports a disconnect: a stream may wait on it for long
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_body_bytes:
+                    raise BodyRefused(413, f"request body over {self.max_body_bytes} bytes")
+                complete = not message.get("more_body", False)
+            return message
+
+        return bounded_receive
 
 
 def create_app(rc: RagCache, settings: Settings) -> FastAPI:
@@ -92,6 +122,7 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
 
     # a document may be JSON-escaped at up to 6 bytes per character, plus room for everything else
     max_body = settings.max_documents * settings.max_document_chars * 6 + (1 << 20)
-    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=max_body)
+    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=max_body, public_paths=settings.public_paths,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
     return app

@@ -105,7 +105,8 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+                413: "payload_too_large"}.get(exc.status_code, "http_error")
         return error_response(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ApiError)

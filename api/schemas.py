@@ -5,11 +5,12 @@ Shapes and ranges are checked here (422); size limits come from Settings and are
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ragcache.linker import ALGORITHMS
+from ragcache.store.keys import is_document_id
 
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
@@ -19,9 +20,40 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+def _unicode(value: str) -> str:
+    """JSON can carry lone UTF-16 surrogates ("\\ud800"), which are not text: refuse them here, naming the field,
+    rather than fail deep in hashing or tokenizing."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"holds a lone UTF-16 surrogate at character {exc.start}, which is not valid Unicode text") \
+            from None
+    return value
+
+
+Text = Annotated[str, AfterValidator(_unicode)]
+
+
+class TextDocument(Strict):
+    """Raw text in place of a document id: stored and compiled on the fly (its id is the hash of the text)."""
+
+    text: Text
+
+
+DocumentRef = str | TextDocument
+
+
+def check_document_refs(refs: list) -> list:
+    for i, ref in enumerate(refs):
+        if isinstance(ref, str) and not is_document_id(ref):
+            raise ValueError(f"documents[{i}] is not a document id (32 hex characters, as POST /v1/documents returns);"
+                             ' send raw text as {"text": "..."}')
+    return refs
+
+
 # -- documents --------------------------------------------------------------------------------------------
 class DocumentIn(Strict):
-    text: str = Field(description="the document text; its id is a hash of it, so the same text is stored once")
+    text: Text = Field(description="the document text; its id is a hash of it, so the same text is stored once")
     metadata: dict[str, Any] = Field(default_factory=dict, description="any JSON object, returned by GET")
 
 
@@ -29,7 +61,7 @@ class CompileRequest(Strict):
     """Either {"documents": [{"text", "metadata"}, ...]} or a single {"text", "metadata"}."""
 
     documents: list[DocumentIn] | None = None
-    text: str | None = None
+    text: Text | None = None
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -95,7 +127,7 @@ class LinkOptions(Strict):
                                                                                            "recomputed")
 
 
-Stop = str | list[str] | None
+Stop = Text | list[Text] | None
 
 
 class SamplingFields(BaseModel):
@@ -113,17 +145,19 @@ class SamplingFields(BaseModel):
 class QueryRequest(SamplingFields, LinkOptions):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    question: str
-    documents: list[str] = Field(default_factory=list, description="document ids, or raw texts (compiled on the "
-                                                                   "fly and stored)")
-    system: str | None = Field(None, description="system prompt (an exact prefix, never recomputed)")
+    question: Text
+    documents: list[DocumentRef] = Field(default_factory=list, description='document ids (as POST /v1/documents '
+                                         'returns), or {"text": ...} for raw text (compiled on the fly and stored)')
+    system: Text | None = Field(None, description="system prompt (an exact prefix, never recomputed)")
+
+    _refs = field_validator("documents")(check_document_refs)
 
 
 class InfillRequest(SamplingFields):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    prefix: str = Field("", description="text before the hole")
-    suffix: str = Field("", description="text after the hole")
+    prefix: Text = Field("", description="text before the hole")
+    suffix: Text = Field("", description="text after the hole")
     session: str | None = Field(None, min_length=1, max_length=128,
                                 description="infilling session id: EFIM keeps its cached prompt across rounds")
     mode: Literal["efim", "psm", "spm"] = "efim"
@@ -176,27 +210,30 @@ class OpenAIFields(SamplingFields):
 
     model: str | None = None
     stream_options: StreamOptions | None = None
-    documents: list[str] = Field(default_factory=list, description="ragcache: document ids or raw texts")
+    documents: list[DocumentRef] = Field(default_factory=list, description='ragcache: document ids, or {"text": '
+                                         '...} for raw text')
+
+    _refs = field_validator("documents")(check_document_refs)
     ragcache: LinkOptions | None = Field(None, description="ragcache: link algorithm, k, ratio")
 
 
 class CompletionRequest(OpenAIFields):
-    prompt: str | list[str] = Field(description="the question (one prompt per request)")
-    system: str | None = Field(None, description="ragcache: system prompt")
+    prompt: Text | list[Text] = Field(description="the question (one prompt per request)")
+    system: Text | None = Field(None, description="ragcache: system prompt")
 
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
+    content: Text | list[TextPart] | None = None
     name: str | None = None
 
 

@@ -195,14 +195,14 @@ def compile(
         console.print(f"{doc_id}  {meta.get('source', '')}")
 
 
-def _doc_argument(value: str) -> str:
+def _doc_argument(value: str) -> str | dict:
     """A --doc value: the text of a file that exists, or a document id. Never a guess between the two."""
     path = Path(value)
     if path.is_file():
         text = _read_text(path)
         if not text.strip():
             raise BadRequest(f"{path} is empty")
-        return text
+        return {"text": text}
     if is_document_id(value.lower()):
         return value.lower()
     raise BadRequest(f"--doc {value!r} is neither an existing file nor a document id (32 hex characters, as "

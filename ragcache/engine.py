@@ -21,7 +21,7 @@ from ragcache.store.keys import document_id, is_document_id
 from . import documents, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .errors import EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
+from .errors import BadRequest, EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
 from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
 from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
@@ -162,9 +162,19 @@ class RagCache:
     def document_ids(self) -> list[str]:
         return self.documents.ids()
 
-    def _resolve(self, docs: list[str]) -> list[str]:
-        """Ids stay ids (must be known); any other string is a raw text, compiled on the fly."""
-        return [doc if isinstance(doc, str) and is_document_id(doc) else self.documents.add(doc) for doc in docs]
+    def _resolve(self, docs: list) -> list[str]:
+        """Document ids of `docs`: a string is a document id (never taken for text: a typo'd id must not become a
+        document), `{"text": ...}` is raw text, stored and compiled on the fly."""
+        ids = []
+        for i, doc in enumerate(docs):
+            if isinstance(doc, dict) and set(doc) == {"text"}:
+                ids.append(self.documents.add(doc["text"]))
+            elif isinstance(doc, str) and is_document_id(doc):
+                ids.append(doc)
+            else:
+                raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
+                                 'text as {"text": ...}')
+        return ids
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats) -> list[ChunkKV]:

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="bearer token required by the API when set")
+    public_paths: list[str] = Field(["/health"], description="paths open without the token when api_key is set "
+                                    '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')')
+    body_timeout_s: float = Field(30.0, gt=0, description="seconds a request body may take to arrive")
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)

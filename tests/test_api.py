@@ -228,7 +228,7 @@ def test_sse_stream_matches_greedy_answer(http, doc_ids):
 
 def test_raw_text_documents_are_compiled_on_the_fly(http):
     text = f"The Quill Tower clock was made by Ada Strand in {uuid.uuid4().int % 900 + 1100}."
-    r = http.post("/v1/query", json={"question": "Who made the Quill Tower clock?", "documents": [text],
+    r = http.post("/v1/query", json={"question": "Who made the Quill Tower clock?", "documents": [{"text": text}],
                                      "algorithm": "naive", "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert http.get(f"/v1/documents/{document_id(text)}").status_code == 200
@@ -263,9 +263,15 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": 5}, 422, "question"),
     ("POST", "/v1/query", {"question": "   "}, 422, "question is empty"),
     ("POST", "/v1/query", {"question": "x" * 8001}, 413, "at most 8000"),
-    ("POST", "/v1/query", {"question": "q", "documents": [""]}, 422, "empty"),
-    ("POST", "/v1/query", {"question": "q", "documents": ["x" * 200_001]}, 413, "at most 200000"),
-    ("POST", "/v1/query", {"question": "q", "documents": ["d"] * 65}, 413, "at most 64"),
+    ("POST", "/v1/query", {"question": "q", "documents": [{"text": ""}]}, 422, "empty"),
+    ("POST", "/v1/query", {"question": "q", "documents": [{"text": "x" * 200_001}]}, 413, "at most 200000"),
+    ("POST", "/v1/query", {"question": "q", "documents": [{"text": "d"}] * 65}, 413, "at most 64"),
+    ("POST", "/v1/query", {"question": "q", "documents": ["0" * 31]}, 422, "documents[0] is not a document id"),
+    ("POST", "/v1/query", {"question": "q", "documents": ["Zebras run."]}, 422, '{"text": "..."}'),
+    ("POST", "/v1/query", {"question": "q\ud800"}, 422, "question: value error, holds a lone utf-16 surrogate"),
+    ("POST", "/v1/query", {"question": "q", "documents": [{"text": "a\udfff"}]}, 422, "documents.0"),
+    ("POST", "/v1/documents", {"text": "\ud83d"}, 422, "surrogate"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud800"}]}, 422, "surrogate"),
     ("POST", "/v1/query", {"question": "q", "documents": "abc"}, 422, "documents"),
     ("POST", "/v1/query", {"question": "q", "algorithm": "magic"}, 422, "legolink"),
     ("POST", "/v1/query", {"question": "q", "k": -1}, 422, "k"),
@@ -307,7 +313,10 @@ BAD = [  # (method, path, json body, status, message fragment)
 
 @pytest.mark.parametrize("method,path,body,status,fragment", BAD, ids=[f"{m} {p[:40]} {s}" for m, p, _, s, _ in BAD])
 def test_bad_input(http, method, path, body, status, fragment):
-    error_of(http.request(method, path, json=body), status, fragment)
+    # json.dumps escapes lone surrogates as \\udXXX, as a client in another language would send them
+    content = None if body is None else json.dumps(body)
+    error_of(http.request(method, path, content=content, headers={"content-type": "application/json"}), status,
+             fragment)
 
 
 def test_malformed_json_and_unknown_ids(http, doc_ids):
@@ -325,7 +334,8 @@ def test_malformed_json_and_unknown_ids(http, doc_ids):
 
 def test_prompt_beyond_context_is_413_with_numbers(http):
     long_text = " ".join(f"w{i % 97}" for i in range(9000))  # ~18k tokens of raw text: tokenized, never compiled
-    r = http.post("/v1/query", json={"question": "q", "documents": [long_text], "algorithm": "full", "max_tokens": 8})
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "algorithm": "full",
+                                     "max_tokens": 8})
     error = error_of(r, 413, "context")
     assert error["type"] == "prompt_too_long" and error["context"] == 8192 and error["max_new_tokens"] == 8
     assert error["prompt_tokens"] + 8 > 8192
@@ -496,7 +506,10 @@ def test_bearer_auth(rc):
         error_of(httpx.post(f"{s.url}/v1/query", json={"question": "q"}, headers={"Authorization": "Bearer nope"}),
                  401)
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
-        assert httpx.get(f"{s.url}/health").status_code == 200 and httpx.get(f"{s.url}/metrics").status_code == 200
+        assert httpx.get(f"{s.url}/health").status_code == 200  # public by default
+        for closed in ("/metrics", "/openapi.json", "/docs"):
+            error_of(httpx.get(f"{s.url}{closed}"), 401, "Bearer")
+        assert httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         assert openai.OpenAI(base_url=f"{s.url}/v1", api_key="s3cret").models.list().data[0].id == "smollm2-135m"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0).models.list()
@@ -529,7 +542,7 @@ def test_metrics_of_a_tiered_store(smollm2, tmp_path):
 JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                     max_leaves=6)
-DOCS = st.lists(st.sampled_from(["The sky over Kessel Bay is grey.", "Zebras run."]), max_size=2)
+DOCS = st.lists(st.sampled_from([{"text": "The sky over Kessel Bay is grey."}, {"text": "Zebras run."}]), max_size=2)
 BAD_DOCS = st.lists(st.sampled_from(["0" * 32, "not an id", "", "x" * 401, "Zebras run."]), min_size=1, max_size=5)
 STOP = st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)
 SAMPLING = {"max_tokens": st.integers(1, 2), "temperature": st.floats(0, 3), "top_p": st.floats(0.01, 1),
@@ -669,3 +682,54 @@ def test_rest_client_example(server, doc_ids):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr
     assert "/v1/query:" in run.stdout and "streamed" in run.stdout and "openai chat (smollm2-135m)" in run.stdout
+
+
+
+def test_public_paths_are_the_operators_choice(rc):
+    with serve(rc, api_key="s3cret", public_paths=["/health", "/metrics"]) as s:
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        error_of(httpx.get(f"{s.url}/openapi.json"), 401)
+
+
+def test_a_chunked_body_over_the_limit_is_413_before_it_is_read_whole(rc):
+    with serve(rc, max_documents=1, max_document_chars=1000) as s:  # max body: 1000 * 6 + 1 MiB
+        sent = 0
+
+        def body():
+            nonlocal sent
+            yield b'{"text": "'
+            for _ in range(64):  # 4 MiB in 64 KiB pieces, no Content-Length
+                sent += 1
+                yield b"a" * (64 << 10)
+            yield b'"}'
+
+        r = httpx.post(f"{s.url}/v1/documents", content=body(), headers={"content-type": "application/json"})
+        error_of(r, 413, "over")
+
+
+def test_a_body_that_stops_arriving_is_408(rc):
+    with serve(rc, body_timeout_s=0.5) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"question\": ")  # 13 of the 100 bytes promised
+            sock.settimeout(60)
+            reply = sock.recv(4096).decode()
+        assert reply.startswith("HTTP/1.1 408") and "did not arrive" in reply
+
+
+def test_a_record_in_a_store_tier_that_is_down_is_503_with_retry_after(smollm2):
+    from ragcache.store.base import TierUnavailable
+    from ragcache.store.memory import MemoryStore
+    from ragcache.store.tiered import TieredStore
+
+    class Down(MemoryStore):
+        name = "redis"
+
+        def get_records(self, names):
+            raise TierUnavailable("redis tier: connection refused")
+
+    with serve(RagCache(smollm2, TieredStore([MemoryStore(), Down()]))) as s:
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": ["0" * 32]})
+        error = error_of(r, 503, "down")
+        assert error["type"] == "tier_unavailable" and r.headers["retry-after"] == "5"

@@ -22,7 +22,7 @@ def rc():
 
 def test_empty_question(rc):
     with pytest.raises(errors.EmptyInput, match="question is empty"):
-        rc.query("   ", docs=[DOC])
+        rc.query("   ", docs=[{"text": DOC}])
 
 
 def test_empty_document(rc):
@@ -46,7 +46,7 @@ def test_model_without_rope_is_refused():
 def test_prompt_longer_than_context(rc):
     long_doc = " ".join(["Rivers flow to the sea."] * 200)  # > 512 positions of the tiny model
     with pytest.raises(errors.PromptTooLong) as info:
-        rc.query("where?", docs=[long_doc], max_new_tokens=4)
+        rc.query("where?", docs=[{"text": long_doc}], max_new_tokens=4)
     assert info.value.context == 512 and info.value.prompt_tokens > 512
 
 
@@ -59,12 +59,12 @@ def test_prompt_longer_than_context(rc):
 ])
 def test_parameters_out_of_range(rc, kwargs, match):
     with pytest.raises(errors.BadRequest, match=match):
-        rc.query("where?", docs=[DOC], **kwargs)
+        rc.query("where?", docs=[{"text": DOC}], **kwargs)
 
 
 def test_raw_text_and_id_give_the_same_answer(rc):
     [doc_id] = rc.compile([DOC])
-    by_text = rc.query("How tall?", docs=[DOC], max_new_tokens=6)
+    by_text = rc.query("How tall?", docs=[{"text": DOC}], max_new_tokens=6)
     by_id = rc.query("How tall?", docs=[doc_id], max_new_tokens=6)
     assert by_text.token_ids == by_id.token_ids
     assert by_id.stats.store_hits > 0 and by_id.stats.compiled_chunks == 0
@@ -80,12 +80,12 @@ def test_missing_entry_is_recompiled(rc):
 
 
 def test_sampling_is_seeded_and_streaming_matches(rc):
-    a = rc.query("How tall?", docs=[DOC], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
-    b = rc.query("How tall?", docs=[DOC], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
+    a = rc.query("How tall?", docs=[{"text": DOC}], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
+    b = rc.query("How tall?", docs=[{"text": DOC}], temperature=1.0, top_p=0.9, seed=7, max_new_tokens=8)
     assert a.token_ids == b.token_ids
-    stream = rc.stream("How tall?", docs=[DOC], max_new_tokens=8)
+    stream = rc.stream("How tall?", docs=[{"text": DOC}], max_new_tokens=8)
     pieces = list(stream)
-    assert "".join(pieces) == stream.answer.text == rc.query("How tall?", docs=[DOC], max_new_tokens=8).text
+    assert "".join(pieces) == stream.answer.text == rc.query("How tall?", docs=[{"text": DOC}], max_new_tokens=8).text
     assert stream.answer.stats.ttft_s > 0 and stream.answer.stats.completion_tokens == 8
 
 
@@ -118,7 +118,7 @@ def test_document_registry(rc):
 
 def test_sliding_window_model_decodes_past_its_window():
     rc = RagCache(tiny.make("gemma3"), MemoryStore(), chunk_tokens=16)
-    full = rc.query("Which mountain?", docs=[DOC], algorithm="full", max_new_tokens=12)
+    full = rc.query("Which mountain?", docs=[{"text": DOC}], algorithm="full", max_new_tokens=12)
     ref = tiny.make("gemma3")
     ids = rc.link("Which mountain?", [DOC], algorithm="full").token_ids
     with torch.inference_mode():
@@ -128,6 +128,24 @@ def test_sliding_window_model_decodes_past_its_window():
 
 
 def test_a_vanishing_temperature_is_greedy(rc):
-    greedy = rc.query("How tall?", docs=[DOC], max_new_tokens=4)
-    tiny_t = rc.query("How tall?", docs=[DOC], max_new_tokens=4, temperature=1.5e-232, seed=1)
+    greedy = rc.query("How tall?", docs=[{"text": DOC}], max_new_tokens=4)
+    tiny_t = rc.query("How tall?", docs=[{"text": DOC}], max_new_tokens=4, temperature=1.5e-232, seed=1)
     assert tiny_t.token_ids == greedy.token_ids
+
+
+def test_a_string_is_always_an_id_never_text(rc):
+    """A typo'd id must not become a document made of the typo (issue 14): strings are ids, raw text is {"text": ...}."""
+    for not_an_id in ("0" * 31, "How tall is it? A sentence, not an id.", "G" * 32):
+        with pytest.raises(errors.BadRequest, match=r'docs\[0\] is not a document id.*\{"text": \.\.\.\}'):
+            rc.query("How tall?", docs=[not_an_id], max_new_tokens=1)
+    with pytest.raises(errors.BadRequest):
+        rc.query("How tall?", docs=[{"text": DOC, "meta": 1}], max_new_tokens=1)
+    id_like_text = "0123456789abcdef0123456789abcdef"
+    answer = rc.query("What is it?", docs=[{"text": id_like_text}], max_new_tokens=1)  # as text, it is text
+    assert answer.stats.prompt_tokens > 0 and rc.document(errors_free_id(id_like_text)) is not None
+
+
+def errors_free_id(text: str) -> str:
+    from ragcache.store.keys import document_id
+
+    return document_id(text)

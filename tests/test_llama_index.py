@@ -160,7 +160,7 @@ def test_full_through_the_engine_equals_rc_query_on_the_same_nodes(rc, retriever
     response = engine(rc, retriever, algorithm="full").query(QUESTION)
     texts = [n.node.get_content(metadata_mode=MetadataMode.NONE) for n in response.source_nodes]
     assert len(texts) == 2
-    direct = rc.query(QUESTION, docs=texts, algorithm="full", max_new_tokens=TOKENS)
+    direct = rc.query(QUESTION, docs=[{"text": t} for t in texts], algorithm="full", max_new_tokens=TOKENS)
     assert response.response == direct.text
     assert response.metadata["prompt_tokens"] == direct.stats.prompt_tokens
     assert response.metadata["cached_tokens"] == 0 and response.metadata["algorithm"] == "full"

@@ -613,7 +613,7 @@ def test_cli_rm_removes_a_document_and_its_entries(tmp_path, tiny_lm, monkeypatc
     assert _cli("rm", "not-hex").exit_code == 2
     assert _cli("rm", "ab" * 16).exit_code == 1
     # the engine copes: the removed document compiles again from its text
-    answer = engine(tiny_lm, open_store(url)).query(QUESTION, [DOCS[0]], max_new_tokens=2)
+    answer = engine(tiny_lm, open_store(url)).query(QUESTION, [{"text": DOCS[0]}], max_new_tokens=2)
     assert answer.stats.compiled_chunks > 0
 
 

@@ -10,7 +10,7 @@ import math
 
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from ragcache.store.keys import document_id, is_document_id
+from ragcache.store.keys import document_id
 
 DOC_ID_KEY = "ragcache_doc_id"
 
@@ -34,10 +34,10 @@ def record_meta(node: BaseNode) -> dict:
     return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}
 
 
-def doc_refs(rc, texts: list[str]) -> list[str]:
-    """What to pass as `docs` to rc.query for these texts: the text itself (resolved, and compiled on a miss, inside
-    the query so its stats count it), or its id when the text itself looks like a document id."""
-    return [rc.compile([text])[0] if is_document_id(text) else text for text in texts]
+def doc_refs(texts: list[str]) -> list[dict]:
+    """What to pass as `docs` to rc.query for these texts: the texts themselves (resolved, and compiled on a miss,
+    inside the query so its stats count it)."""
+    return [{"text": text} for text in texts]
 
 
 def text_ids(texts: list[str]) -> list[str]:

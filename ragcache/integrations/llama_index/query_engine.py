@@ -69,7 +69,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         nodes = self.retriever.retrieve(query_str)
         retrieve_s = time.perf_counter() - started
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        stream = self.rc.stream(query_str, docs=doc_refs(self.rc, texts), **self.generation_args())
+        stream = self.rc.stream(query_str, docs=doc_refs(texts), **self.generation_args())
         return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": text_ids(texts)}
 
     def generation_args(self) -> dict[str, Any]:
