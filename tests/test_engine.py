@@ -120,7 +120,7 @@ def test_sliding_window_model_decodes_past_its_window():
     rc = RagCache(tiny.make("gemma3"), MemoryStore(), chunk_tokens=16)
     full = rc.query("Which mountain?", docs=[{"text": DOC}], algorithm="full", max_new_tokens=12)
     ref = tiny.make("gemma3")
-    ids = rc.link("Which mountain?", [DOC], algorithm="full").token_ids
+    ids = rc.link("Which mountain?", [{"text": DOC}], algorithm="full").token_ids
     with torch.inference_mode():
         expected = ref.model.generate(ids[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
                                       pad_token_id=0)[0, ids.numel():]
