@@ -6,13 +6,17 @@ linking (unknown document, prompt too long) still become proper HTTP errors, eve
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
+from ragcache.guard import DEFAULT_TARGET, Guard, compare
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
@@ -20,6 +24,7 @@ from .errors import invalid, payload_too_large
 from .metrics import Metrics
 from .schemas import DocumentRef, TextDocument
 
+log = logging.getLogger("ragcache.api")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 
@@ -51,6 +56,7 @@ class Context:
     settings: Settings
     queue: EngineQueue
     metrics: Metrics
+    guard: "ServerGuard | None" = None
 
     @property
     def model_name(self) -> str:
@@ -100,9 +106,9 @@ class Context:
     async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
         args = self.check(ask)
-        return await self.start_stream(request, lambda: self.rc.stream(**args))
+        return await self.start_stream(request, lambda: self.rc.stream(**args), guard_args=args)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Stream]
+    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], guard_args: dict | None = None
                            ) -> tuple[Generation, tuple[str, object]]:
         """`start` for any engine Stream (answers, infills)."""
         slot = self.queue.admit()
@@ -112,6 +118,7 @@ class Context:
             slot.close()
             raise
         gen = Generation(slot, stream, request)
+        gen.guard_args = guard_args
         try:
             first = await gen.next()
         except BaseException:
@@ -128,6 +135,8 @@ class Context:
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
         self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
+        if gen.guard_args is not None and self.guard is not None:
+            self.guard.after_answer(gen.guard_args, answer)
 
     async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
         """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also
@@ -158,6 +167,48 @@ class Context:
                 if kind == "gone":
                     raise ClientGone()
         raise ClientGone()  # pragma: no cover - events always end with one of the above
+
+
+class ServerGuard:
+    """RAGCACHE_GUARD_RATE: after a sampled linked answer has been sent, link the same prompt with `full` as background
+    work (the scheduler runs it only in steps no user request needs) and export how the two first-token
+    distributions compare. Never when the queue is full; at most one check in flight, others are skipped."""
+
+    def __init__(self, rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics):
+        target = rc.profile.target if rc.profile is not None else DEFAULT_TARGET
+        self.rc, self.queue, self.metrics = rc, queue, metrics
+        self.guard = Guard(rate, rc.lm.name, target=target)
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-guard")
+        self.in_flight = 0  # touched on the event loop only
+
+    def after_answer(self, args: dict, answer: Answer) -> None:
+        algorithm = args["algorithm"]
+        if answer.first_logits is None or not self.guard.wants(algorithm):
+            return
+        if self.queue.depth >= self.queue.max_queue or self.in_flight:
+            self.metrics.guard_skipped.labels(self.guard.model, algorithm).inc()
+            return
+        self.in_flight += 1
+        loop = asyncio.get_running_loop()
+        future = self.pool.submit(self._check, args, answer.first_logits)
+        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
+
+    def _done(self) -> None:
+        self.in_flight -= 1
+
+    def _check(self, args: dict, linked_logits) -> None:  # on the guard's worker thread
+        try:
+            full = self.rc.link(args["question"], args["docs"], system=args["system"], algorithm="full",
+                                background=True)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
+            log.warning("accuracy guard: the full link failed (%s)", exc)
+            return
+        check = compare(args["algorithm"], full.last_logits, linked_logits)
+        agreement = self.guard.record(check)
+        self.metrics.observe_guard(self.guard.model, check, agreement)
+
+    def shutdown(self) -> None:
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
 
 def ctx(request: Request) -> Context:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.engine import QueryStats
@@ -17,6 +17,7 @@ from .engine_queue import EngineQueue
 log = logging.getLogger("ragcache.api")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # store.stats() field -> (metric suffix, help, counter?)
@@ -104,6 +105,15 @@ class Metrics:
         self.completion_tokens = Counter("ragcache_completion_tokens", "tokens generated", ["algorithm"], registry=r)
         self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads",
                                        registry=r)
+        self.guard_checks = Counter("ragcache_guard_checks", "linked answers also linked with full by the accuracy "
+                                    "guard", ["model", "algorithm"], registry=r)
+        self.guard_agreement = Gauge("ragcache_guard_top1_agreement", "fraction of the recent guard checks whose "
+                                     "next-token argmax equals full's", ["model", "algorithm"], registry=r)
+        self.guard_kl = Histogram("ragcache_guard_kl", "KL(full || linked) of the next-token distributions at the "
+                                  "answer's first position, nats", ["model", "algorithm"], buckets=KL_BUCKETS,
+                                  registry=r)
+        self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full or a "
+                                     "check was already running", ["model", "algorithm"], registry=r)
         r.register(QueueCollector(queue))
         r.register(StoreCollector(store))
 
@@ -115,6 +125,11 @@ class Metrics:
         self.cached_tokens.labels(algorithm).inc(stats.cached_tokens)
         self.recomputed_tokens.labels(algorithm).inc(stats.recomputed_tokens)
         self.completion_tokens.labels(algorithm).inc(stats.completion_tokens)
+
+    def observe_guard(self, model: str, check, agreement: float) -> None:
+        self.guard_checks.labels(model, check.algorithm).inc()
+        self.guard_agreement.labels(model, check.algorithm).set(agreement)
+        self.guard_kl.labels(model, check.algorithm).observe(check.kl)
 
     def observe_request(self, route: str, method: str, status: int, seconds: float) -> None:
         labels = (route, method, str(status))

@@ -246,6 +246,8 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ragcache"
+    ragcache: dict[str, Any] | None = Field(None, description="linking defaults: default_k (the calibrated k when "
+                                            "`ragcache calibrate` has run for this model), target, agreement_by_k")
 
 
 class ModelList(BaseModel):

@@ -18,7 +18,7 @@ from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
-from . import documents, infill, models, prompt
+from . import calibrate, documents, guard, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
@@ -62,6 +62,8 @@ class RagCache:
         self.infill_sessions = infill.InfillSessions()
         self.documents = documents.Documents(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
         self.scheduler = Scheduler(self.runner, row_budget)
+        self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
+        self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
         self.stop_ids = eos_ids(self.runner)
 
     @classmethod
@@ -220,26 +222,26 @@ class RagCache:
         return parts, params, self.prefix_cache
 
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
-             k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
-             max_new_tokens: int = 0, _stats: QueryStats | None = None) -> Linked:
+             k: int | None = None, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
+             max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False) -> Linked:
         """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself."""
         stats = _stats or QueryStats()
-        params = LinkParams(algorithm, k, ratio, check_layer)
+        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer)
         parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
-        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens)
+        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
         return linked
 
     # -- answering ------------------------------------------------------------------------------------
     def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
-               k: int = DEFAULT_K, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
+               k: int | None = None, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
                seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> Stream:
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
         sampling.validate()
-        params = LinkParams(algorithm, k, ratio, check_layer)
+        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer)
         params.validate(self.runner.shape.layers)
 
         def prepare(stats: QueryStats):
@@ -249,6 +251,14 @@ class RagCache:
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return _drain(self.stream(question, docs, **kwargs))
+
+    def check(self, question: str, docs: list, system: str | None = None, algorithm: str = "legolink",
+              k: int | None = None, ratio: float = DEFAULT_RATIO) -> guard.Check:
+        """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
+        first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample."""
+        linked = self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio)
+        full = self.link(question, docs, system=system, algorithm="full", background=True)
+        return guard.compare(algorithm, full.last_logits, linked.last_logits)
 
     # -- infilling ------------------------------------------------------------------------------------
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",

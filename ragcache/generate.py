@@ -52,6 +52,7 @@ class Answer:
     text: str
     token_ids: list[int]
     stats: QueryStats
+    first_logits: torch.Tensor | None = field(default=None, repr=False)  # next-token logits at the answer's start
 
 
 @dataclass
@@ -244,7 +245,8 @@ class Stream:
         stats.completion_tokens = len(token_ids)
         stopped = self.decoding.assembler.stopped or len(token_ids) < self.sampling.max_new_tokens
         stats.finish_reason = "stop" if stopped else "length"
-        self.answer = Answer("".join(self._pieces), token_ids, stats)
+        first = self.linked.last_logits if self.linked is not None else None
+        self.answer = Answer("".join(self._pieces), token_ids, stats, first)
         return self.answer
 
     def __iter__(self) -> Iterator[str]:

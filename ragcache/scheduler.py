@@ -61,6 +61,7 @@ class Request:
     emit: Callable[[str, object], None]  # ("linked", Linked), ("token", Step), ("done"|"cancelled", None), ("error", exc)
     extra_capacity: int = 0  # link only: cache room a caller reserves to decode itself
     cancelled: bool = False  # set from any thread; honoured at the next step
+    background: bool = False  # runs only in steps no user request needs (the accuracy guard's `full` links)
     # scheduler-thread state
     plan: LinkPlan | None = None
     pending: torch.Tensor | None = None  # link rows not yet run (host, ascending); None once linked
@@ -77,6 +78,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.calls: deque[tuple[Callable, tuple, Future]] = deque()
+        self.background: deque[Request] = deque()  # admitted only while no user request runs
         self.gate: threading.Event | None = None  # while clear, no step runs (tests make "busy" a state)
         self.stats = SchedulerStats()
         self._wakeup = threading.Condition()
@@ -87,7 +89,7 @@ class Scheduler:
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         with self._wakeup:
-            self.waiting.append(request)
+            (self.background if request.background else self.waiting).append(request)
             self._start()
             self._wakeup.notify()
 
@@ -108,7 +110,7 @@ class Scheduler:
             raise
 
     def link(self, parts: LinkInput, params: LinkParams, prefix_cache: PrefixCache | None,
-             extra_capacity: int = 0) -> Linked:
+             extra_capacity: int = 0, background: bool = False) -> Linked:
         """Link one request (no decoding) through the batch and wait for its joined cache."""
         result: Future = Future()
 
@@ -120,7 +122,7 @@ class Scheduler:
             elif kind == "cancelled":
                 result.cancel()
 
-        self.submit(Request(parts, params, prefix_cache, None, emit, extra_capacity))
+        self.submit(Request(parts, params, prefix_cache, None, emit, extra_capacity, background=background))
         return result.result()
 
     def _start(self) -> None:
@@ -141,8 +143,8 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             with self._wakeup:
-                while not (self.waiting or self.running or self.calls or self._stopping):
-                    if not self._wakeup.wait(IDLE_EXIT_S) and not (self.waiting or self.running or self.calls):
+                while not (self._has_work() or self._stopping):
+                    if not self._wakeup.wait(IDLE_EXIT_S) and not self._has_work():
                         self._thread = None  # idle: end; `submit`/`call` start a new thread (under this lock)
                         return
                 if self._stopping:
@@ -172,22 +174,36 @@ class Scheduler:
                 except BaseException as exc:  # noqa: BLE001 - the caller gets it
                     future.set_exception(exc)
 
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.calls or self.background)
+
+    def _serving_users(self) -> bool:
+        return any(not r.background for r in self.running)
+
     def _admit(self) -> None:
         while self.waiting:
             with self._wakeup:
                 request = self.waiting.popleft()
-            if request.cancelled:
-                request.emit("cancelled", None)
-                continue
-            try:
-                last_logits = self._begin_link(request)
-                if last_logits is None:
-                    self.running.append(request)
-                else:  # linked already (a Narrowing algorithm)
-                    self._after_link(request, last_logits)
-            except Exception as exc:  # noqa: BLE001 - a bad request fails alone
-                request.emit("error", exc)
-                self._leave(request)
+            self._admit_one(request)
+        # background work (one request at a time) only while no user request runs
+        if self.background and not self._serving_users() and not any(r.background for r in self.running):
+            with self._wakeup:
+                request = self.background.popleft()
+            self._admit_one(request)
+
+    def _admit_one(self, request: Request) -> None:
+        if request.cancelled:
+            request.emit("cancelled", None)
+            return
+        try:
+            last_logits = self._begin_link(request)
+            if last_logits is None:
+                self.running.append(request)
+            else:  # linked already (a Narrowing algorithm)
+                self._after_link(request, last_logits)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            request.emit("error", exc)
+            self._leave(request)
 
     @torch.inference_mode()
     def _begin_link(self, request: Request) -> torch.Tensor | None:
@@ -225,8 +241,9 @@ class Scheduler:
                 ends.append((request, rows_total - 1))
         decode_rows = rows_total
         budget = max(self.row_budget - rows_total, 1)
+        users = self._serving_users()
         for request in self.running:  # then link pieces, FIFO, until the budget is spent
-            if request.pending is None or budget <= 0:
+            if request.pending is None or budget <= 0 or (request.background and users):
                 continue
             piece, request.pending = request.pending[:budget], request.pending[budget:]
             budget -= piece.numel()

@@ -28,7 +28,7 @@ class Settings(BaseSettings):
                        description="auto: float32 on CPU, bfloat16 on CUDA (see docs/BENCHMARKS.md)")
     device: str = "cpu"
     algorithm: str = "legolink"
-    k: int = Field(16, ge=0)
+    k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
     ratio: float = Field(0.15, ge=0.0, le=1.0)
     max_new_tokens: int = Field(64, ge=1)
     host: str = "127.0.0.1"
@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     api_key: str | None = Field(None, description="bearer token required by the API when set")
     public_paths: list[str] = Field(["/health"], description="paths open without the token when api_key is set "
                                     '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')')
+    guard_rate: float = Field(0.0, ge=0.0, le=1.0, description="fraction of linked answers also linked with full "
+                              "(after answering, at low priority) to measure agreement; 0 = off")
     body_timeout_s: float = Field(30.0, gt=0, description="seconds a request body may take to arrive")
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)

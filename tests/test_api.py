@@ -18,6 +18,7 @@ from pathlib import Path
 from urllib.parse import quote
 
 import httpx
+import torch
 import openai
 import pytest
 import uvicorn
@@ -733,3 +734,35 @@ def test_a_record_in_a_store_tier_that_is_down_is_503_with_retry_after(smollm2):
         r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": ["0" * 32]})
         error = error_of(r, 503, "down")
         assert error["type"] == "tier_unavailable" and r.headers["retry-after"] == "5"
+
+
+# -- the accuracy guard -----------------------------------------------------------------------------------------------
+def test_guard_counters_move_on_a_real_server(rc, doc_ids):
+    with serve(rc, guard_rate=1.0) as s:
+        for algorithm in ("legolink", "full"):  # full is exact: never checked
+            r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:2],
+                                                       "algorithm": algorithm, "max_tokens": 2}, timeout=300)
+            assert r.status_code == 200, r.text
+        text = wait_metric(s.url, "ragcache_guard_checks_total", 1, seconds=300)
+        assert metric(text, "ragcache_guard_checks_total", algorithm="legolink") == 1
+        assert metric(text, "ragcache_guard_checks_total", algorithm="full") == 0
+        assert 0.0 <= metric(text, "ragcache_guard_top1_agreement", algorithm="legolink") <= 1.0
+        assert metric(text, "ragcache_guard_kl_count", algorithm="legolink") == 1
+        assert httpx.get(f"{s.url}/v1/models").json()["data"][0]["ragcache"]["default_k"] == rc.default_k
+
+
+def test_guard_is_skipped_when_the_queue_is_full(rc):
+    import types
+
+    from ragcache.api.answering import ServerGuard
+    from ragcache.api.metrics import Metrics
+    from ragcache.engine import Answer, QueryStats
+
+    full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
+    metrics = Metrics(rc.store, full_queue)
+    guard = ServerGuard(rc, 1.0, full_queue, metrics)
+    answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
+    guard.after_answer({"algorithm": "legolink", "question": "q", "docs": [], "system": None}, answer)
+    text = metrics.render().decode()
+    assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
+    assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0

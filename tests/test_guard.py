@@ -39,3 +39,41 @@ def test_agreement_window_and_one_warning_below_target(caplog):
     assert guard.agreement()["legolink"] == (0.5, 20)
     warnings = [r for r in caplog.records if "accuracy guard" in r.getMessage()]
     assert len(warnings) == 1 and "legolink" in warnings[0].getMessage()
+
+
+def test_rc_check_on_a_tiny_model():
+    from ragcache.engine import RagCache
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    ids = rc.compile([t * 2 for t in tiny.CORPUS[:3]])
+    exact = rc.check("Where is the tower?", ids, algorithm="legolink", k=10_000)
+    assert exact.top1_agrees and exact.kl < 1e-9
+    naive = rc.check("Where is the tower?", ids, algorithm="naive")
+    assert naive.kl > 0.0
+
+
+def test_background_links_wait_until_no_user_request_runs():
+    """A background link (the guard's `full`) is admitted only once the scheduler serves no user request."""
+    import threading
+
+    from ragcache.engine import RagCache
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    ids = rc.compile(tiny.CORPUS[:2])
+    order: list[str] = []
+    gate = rc.step_gate = threading.Event()
+    stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
+    stream.open(lambda kind, value: order.append("user") if kind == "done" else None)
+    background = threading.Thread(target=lambda: (rc.link("Where?", ids, algorithm="full", background=True),
+                                                  order.append("background")))
+    background.start()
+    while not rc.scheduler.background:  # the background link is queued behind the user's request
+        threading.Event().wait(0.01)
+    gate.set()
+    background.join(120)
+    rc.step_gate = None
+    assert order == ["user", "background"]
