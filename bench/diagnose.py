@@ -58,6 +58,11 @@ def layouts(lm, prefix_ids: list[int]) -> dict[str, Setup]:
     }
 
 
+def newline_ids(tok) -> set[int]:
+    """Ids whose text holds a newline (byte-level BPE spells it 'Ċ'); decoding 150k ids one by one is slow."""
+    return {i for i, t in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if t and ("\n" in t or "Ċ" in t)}
+
+
 class Item:
     """One SQuAD item in one setup: its link inputs with compiled entries, full's reference and answer."""
 
@@ -76,13 +81,13 @@ class Item:
 
 
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
-        setups: list[str], decode: list[str], max_new: int, qlayer: int) -> None:
+        setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str]) -> None:
     lm = load_model(model)
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
     stops = eos_ids(runner)
-    newline = {i for i in range(len(lm.tokenizer)) if "\n" in lm.tokenizer.decode([i])} if max_new else set()
+    newline = newline_ids(lm.tokenizer)
     plain_prefix = prompt.system_prefix_ids(lm.tokenizer, fmt, None)
     known = layouts(lm, plain_prefix)
     items = squad.load_items(n, seed=seed)
@@ -92,16 +97,16 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
         record = dict(id=sq.id, question=sq.question, answers=sq.answers, configs={})
         for name in setups:
             item = Item(runner, compiler, lm, fmt, sq, known[name])
-            _setup(runner, item, name, record, fractions if name == "plain" else [f for f in fractions if f <= 0.1],
-                   ks if name == "plain" else [0, 16], ratios if name == "plain" else [], decode, stops, newline,
-                   max_new, qlayer, lm.tokenizer, i)
+            _setup(runner, item, name, record, fractions, ks, ratios, decode, stops, newline, max_new, qlayer,
+                   lm.tokenizer, i, selections)
+            print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
         out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, qlayer=qlayer, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, decode, stops, newline, max_new,
-           qlayer, tok, seed) -> None:
+           qlayer, tok, seed, selections) -> None:
     parts = item.parts
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
@@ -132,6 +137,7 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     attention = agreement.question_attention(runner, parts)
     keys, values = agreement.placed_kv(runner, parts)
     oracle = agreement.deviation_from_full(full, keys, values)
+    record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
     sinks = torch.cat([torch.arange(a, a + min(4, b - a)) for a, b in agreement.chunk_spans(parts)])
     for f in fractions:
         count = agreement.budget(parts, f)
@@ -143,9 +149,34 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             "mixed": agreement.top_rows(parts, attention.sum(0), count, forced=sinks),
             "oracle": agreement.top_rows(parts, oracle, count),
         }
-        for label, rows in choices.items():
+        for label, rows in ((k, v) for k, v in choices.items() if k in selections):
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
             measure(f"{label}@{f}", linked, int(rows.numel()))
+
+
+BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 10**9))
+
+
+def deviation_profile(full, keys, values, parts: LinkInput, attention: torch.Tensor) -> dict:
+    """Where naive's K/V differ from full's: relative error per layer, and per position-inside-chunk bucket
+    (summed over layers); plus where the question's attention goes (share per bucket, layer-summed)."""
+    length = parts.token_ids.numel()
+    fk, fv = full.cache.keys[:, :, :length].float(), full.cache.values[:, :, :length].float()
+    rk = ((keys.float() - fk).norm(dim=-1) / fk.norm(dim=-1).clamp_min(1e-6)).mean(1)  # [layers, length]
+    rv = ((values.float() - fv).norm(dim=-1) / fv.norm(dim=-1).clamp_min(1e-6)).mean(1)
+    offset = torch.full((length,), -1)
+    for a, b in agreement.chunk_spans(parts):
+        offset[a:b] = torch.arange(b - a)
+    chunk = offset >= 0
+    share = attention.sum(0) / attention.sum()
+    out = dict(k_by_layer=rk[:, chunk].mean(1).tolist(), v_by_layer=rv[:, chunk].mean(1).tolist(),
+               chunk_attention_share=float(share[chunk].sum()))
+    for lo, hi in BUCKETS:
+        sel = (offset >= lo) & (offset < hi)
+        out[f"k@{lo}-{hi}"] = float(rk[:, sel].mean())
+        out[f"v@{lo}-{hi}"] = float(rv[:, sel].mean())
+        out[f"attn@{lo}-{hi}"] = float(share[sel].sum())
+    return out
 
 
 def main() -> None:
@@ -162,13 +193,97 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--qlayer", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
+    ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
     a = ap.parse_args()
+    if a.report:
+        print(table(summarize(a.report)))
+        print(json.dumps(profile_summary(a.report), indent=None))
+        return
     if a.threads:
         torch.set_num_threads(a.threads)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
-        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer)
+        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","))
+
+
+
+# -- summary ----------------------------------------------------------------------------------------------
+def summarize(paths: list[Path], reference: str = "plain/legolink-0") -> list[dict]:
+    """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
+    and the paired difference of top-1 from `reference` (naive) on the same items."""
+    from bench.accuracy import bootstrap
+
+    items: dict[str, dict] = {}
+    for path in paths:
+        for it in json.loads(Path(path).read_text())["items"]:
+            items.setdefault(it["id"], {}).update(it["configs"])
+    ids = [i for i in items if reference in items[i]]
+    labels = sorted({k for i in ids for k in items[i]}, key=_order)
+    rows = []
+    for label in labels:
+        got = [(items[i][label], items[i]) for i in ids if label in items[i]]
+        setup = label.split("/")[0]
+        row = dict(label=label, n=len(got))
+        row["top1"] = bootstrap([g["top1"] for g, _ in got])
+        row["kl"] = bootstrap([g["kl"] for g, _ in got])
+        row["dll"] = bootstrap([g["ll"] - c[f"{setup}/full"]["ll"] for g, c in got])
+        row["d_top1_vs_naive"] = bootstrap([g["top1"] - c[reference]["top1"] for g, c in got])
+        row["recompute"] = sum(g["recomputed"] / g["chunk_tokens"] for g, _ in got) / len(got)
+        if all("f1" in g for g, _ in got):
+            f1 = [g["f1"] for g, _ in got]
+            full = [c[f"{setup}/full"]["f1"] for _, c in got]
+            row["f1"] = bootstrap(f1)
+            row["f1_share"] = _ratio_ci(f1, full)
+        rows.append(row)
+    return rows
+
+
+def _ratio_ci(xs: list[float], ys: list[float], resamples: int = 2000) -> tuple[float, float, float]:
+    """sum(xs)/sum(ys) with a paired percentile bootstrap over items."""
+    import random
+
+    rng = random.Random(0)
+    n = len(xs)
+    if sum(ys) <= 0:
+        return float("nan"), float("nan"), float("nan")
+    ratios = []
+    for _ in range(resamples):
+        idx = [rng.randrange(n) for _ in range(n)]
+        ratios.append(sum(xs[i] for i in idx) / max(sum(ys[i] for i in idx), 1e-9))  # a 0/0 draw counts as 0
+    ratios.sort()
+    return sum(xs) / max(sum(ys), 1e-9), ratios[int(0.025 * resamples)], ratios[int(0.975 * resamples)]
+
+
+def _order(label: str):
+    setup, algo = label.split("/")
+    name, _, frac = algo.partition("@")
+    return (setup != "plain", setup, "@" in algo, float(frac) if frac else 0.0, name)
+
+
+def table(rows: list[dict]) -> str:
+    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
+    lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full | F1 | F1 / full's F1 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} | {fmt(r['d_top1_vs_naive'])} "
+                     f"| {fmt(r['kl'])} | {fmt(r['dll'])} | {fmt(r['f1']) if 'f1' in r else '-'} "
+                     f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+    return "\n".join(lines)
+
+
+def profile_summary(paths: list[Path], setup: str = "plain") -> dict:
+    """Means over items of the naive-vs-full deviation profile (relative K/V error, question attention share)."""
+    profiles = [it["profiles"][setup] for p in paths for it in json.loads(Path(p).read_text())["items"]
+                if setup in it.get("profiles", {})]
+    out = {}
+    for key in profiles[0] if profiles else []:
+        vals = [p[key] for p in profiles]
+        out[key] = ([sum(v[i] for v in vals) / len(vals) for i in range(len(vals[0]))] if isinstance(vals[0], list)
+                    else sum(vals) / len(vals))
+    out["n"] = len(profiles)
+    return out
 
 
 if __name__ == "__main__":
