@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from bench import accuracy, common, report, squad
@@ -199,3 +200,24 @@ def test_row_selection_prototypes_cover_the_budget_and_link_exactly_at_all_rows(
     full = link(runner, parts, LinkParams("full"))
     top1, kl = agreement.first_token(full.last_logits, every.last_logits)
     assert top1 == 1.0 and kl < 1e-9
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_focus_recomputes_its_budget_and_equals_full_at_ratio_one(family):
+    from bench import agreement
+    from ragcache.linker import FOCUS_SINKS, LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    chunk_tokens = sum(map(len, parts.chunk_ids))
+    full = link(runner, parts, LinkParams("full"))
+    everything = link(runner, parts, LinkParams("focus", ratio=1.0))
+    top1, kl = agreement.first_token(full.last_logits, everything.last_logits)
+    assert top1 == 1.0 and kl < 1e-9
+    quarter = link(runner, parts, LinkParams("focus", ratio=0.25))
+    assert quarter.recomputed_tokens == math.ceil(0.25 * chunk_tokens) + len(parts.question_ids)
+    from ragcache.linker import _focus_rows
+
+    scores = torch.zeros(parts.token_ids.numel())
+    rows = _focus_rows(parts, 0.25, scores)
+    for start in parts.chunk_starts():  # every chunk's own sink rows are always in
+        assert set(range(start, start + FOCUS_SINKS)) <= set(rows.tolist())
