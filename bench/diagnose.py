@@ -208,6 +208,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.report:
         print(table(summarize(a.report)))
+        print(paired_table(a.report))
         print(json.dumps(profile_summary(a.report), indent=None))
         return
     if a.threads:
@@ -280,6 +281,35 @@ def table(rows: list[dict]) -> str:
         lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} | {fmt(r['d_top1_vs_naive'])} "
                      f"| {fmt(r['kl'])} | {fmt(r['dll'])} | {fmt(r['f1']) if 'f1' in r else '-'} "
                      f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+    return "\n".join(lines)
+
+
+PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "plain/first@0.25"),
+         ("plain/oracle@0.25", "plain/first@0.25"), ("plain/mixed@0.25", "plain/legolink-64"),
+         ("plain/legolink-16", "plain/legolink-0"), ("plain/cacheblend-0.15", "plain/legolink-16"),
+         ("bos/legolink-16", "plain/legolink-16"), ("prefixed/legolink-16", "plain/legolink-16"),
+         ("sep/legolink-16", "plain/legolink-16"), ("bos/legolink-0", "plain/legolink-0"),
+         ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"))
+
+
+def paired_table(paths: list[Path], pairs=PAIRS) -> str:
+    """Paired differences (a - b) over the items both have: top-1, KL, ΔLL (each vs its own setup's full)."""
+    from bench.accuracy import bootstrap
+
+    items: dict[str, dict] = {}
+    for path in paths:
+        for it in json.loads(Path(path).read_text())["items"]:
+            items.setdefault(it["id"], {}).update(it["configs"])
+    fmt = lambda t: f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"  # noqa: E731
+    lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) |", "|---|---|---|---|---|"]
+    for a, b in pairs:
+        both = [c for c in items.values() if a in c and b in c]
+        if not both:
+            continue
+        dll = lambda c, x: c[x]["ll"] - c[x.split("/")[0] + "/full"]["ll"]  # noqa: E731
+        lines.append(f"| {a} − {b} | {len(both)} | {fmt(bootstrap([c[a]['top1'] - c[b]['top1'] for c in both]))} "
+                     f"| {fmt(bootstrap([c[a]['kl'] - c[b]['kl'] for c in both]))} "
+                     f"| {fmt(bootstrap([dll(c, a) - dll(c, b) for c in both]))} |")
     return "\n".join(lines)
 
 

@@ -73,7 +73,11 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
     rows = {r["label"]: r for r in data["results"]}
     assert list(rows) == ["full", "naive", "legolink-16"]  # full is always there: agreement is measured against it
     assert rows["full"]["agree_with_full"]["mean"] == 1.0
+    assert rows["full"]["top1"]["mean"] == 1.0 and rows["full"]["kl"]["mean"] == 0.0
+    assert rows["full"]["delta_ll_vs_full"]["mean"] == 0.0 and rows["naive"]["delta_top1_vs_naive"]["mean"] == 0.0
     for r in rows.values():
+        low, high = r["top1"]["ci95"]
+        assert 0.0 <= low <= r["top1"]["mean"] <= high <= 1.0 and r["kl"]["mean"] >= 0.0
         for metric in ("em", "f1", "agree_with_full", "f1_vs_full"):
             low, high = r[metric]["ci95"]
             assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
