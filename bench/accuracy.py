@@ -9,6 +9,12 @@ which Gemma often produces, does not end it). Scores (SQuAD v1.1 normalisation, 
 gold answers): exact match (EM) and token F1; agreement with full's answer (normalised text equal, and F1
 against it); each with a 95% percentile-bootstrap interval over items (2,000 resamples), and the paired
 difference of F1 from full's with its own interval. Writes bench/results/accuracy-<model>.json and .png.
+
+Distribution-level metrics (bench/agreement.py), from linking without decoding, at the answer's first position:
+next-token top-1 agreement with full, KL(full || linked), and the teacher-forced log-likelihood of full's greedy
+answer under the linked cache (its paired difference from full's own). These resolve algorithms on small models
+where EM/F1 intervals all overlap; the paired difference of top-1 agreement from naive's says whether an
+algorithm recovers what naive loses.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-from . import report, squad
+from . import agreement, report, squad
 from .common import Variant, engine, load_model
 
 RESAMPLES = 2000
@@ -62,15 +68,21 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
         labels = ["full"] + labels
     per_item = []
     started = time.perf_counter()
+    stops = agreement_stops(rc)
     for i, item in enumerate(items):
         ids = rc.compile(item.documents)
         answers = {}
+        full = rc.link(item.question, ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
+        full_ids = agreement.greedy(rc.runner, full, max_new_tokens, *stops)
         for v in variants:
             ans = rc.query(item.question, ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
             text = first_line(ans.text)
             answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
                                     f1=squad.token_f1(text, item.answers),
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
+            linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
+                                                                  max_new_tokens=max_new_tokens, **v.kwargs)
+            answers[v.label].update(vars(agreement.measure(rc.runner, full.last_logits, linked, full_ids)))
         full = answers["full"]["text"]
         for a in answers.values():
             a["agree"] = float(squad.normalize(a["text"]) == squad.normalize(full))
@@ -89,16 +101,30 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
     return dict(results=results, paths=paths)
 
 
+def agreement_stops(rc) -> tuple[set[int], set[int]]:
+    """End-of-turn ids, and the ids whose text holds a newline (an answer ends at its first line)."""
+    from ragcache.generate import eos_ids
+
+    tok = rc.tokenizer
+    return eos_ids(rc.runner), {i for i in range(len(tok)) if "\n" in tok.decode([i])}
+
+
 def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[dict]:
     out = []
     full_f1 = [it["answers"]["full"]["f1"] for it in per_item]
+    full_ll = [it["answers"]["full"]["ll"] for it in per_item]
+    naive = [it["answers"]["naive"]["top1"] for it in per_item] if "naive" in labels else None
     for label in labels:
         got = [it["answers"][label] for it in per_item]
         f1 = [a["f1"] for a in got]
+        top1 = [a["top1"] for a in got]
         row = dict(label=label, n=len(got), em=_ci([a["em"] for a in got], seed), f1=_ci(f1, seed),
                    agree_with_full=_ci([a["agree"] for a in got], seed),
                    f1_vs_full=_ci([a["f1_vs_full"] for a in got], seed),
                    delta_f1_vs_full=_ci([x - y for x, y in zip(f1, full_f1)], seed),
+                   top1=_ci(top1, seed), kl=_ci([a["kl"] for a in got], seed),
+                   delta_ll_vs_full=_ci([a["ll"] - y for a, y in zip(got, full_ll)], seed),
+                   delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
                    mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
                    mean_prompt_tokens=round(sum(a["prompt_tokens"] for a in got) / max(len(got), 1), 1))
         out.append(row)
@@ -115,6 +141,15 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
              _fmt(r["f1_vs_full"]), f"{r['mean_recomputed']:.0f}/{r['mean_prompt_tokens']:.0f}"] for r in results]
     report.print_table(f"SQuAD v1.1 dev, gold + 3 distractors, {model} (mean [95% bootstrap CI])", headers, rows,
                        caption=report.subtitle(machine, f"n={n}"))
+    report.print_table(f"First answer position vs full, {model} (mean [95% paired bootstrap CI])",
+                       *_distribution_rows(results), caption=report.subtitle(machine, f"n={n}"))
+
+
+def _distribution_rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
+    headers = ["algorithm", "top-1 agreement", "Δtop-1 vs naive", "KL(full||linked)", "Δ teacher-forced LL"]
+    rows = [[r["label"], _fmt(r["top1"]), _fmt(r["delta_top1_vs_naive"]) if r.get("delta_top1_vs_naive") else "-",
+             _fmt(r["kl"]), _fmt(r["delta_ll_vs_full"])] for r in results if "top1" in r]
+    return headers, rows
 
 
 def plot(results: list[dict], machine: dict, path: Path, model: str, n: int) -> None:
@@ -144,4 +179,7 @@ def markdown(data: dict) -> str:
     rows = [[r["label"], r["n"], _fmt(r["em"]), _fmt(r["f1"]), _fmt(r["delta_f1_vs_full"]), _fmt(r["agree_with_full"]),
              _fmt(r["f1_vs_full"]), f"{r['mean_recomputed']:.0f} / {r['mean_prompt_tokens']:.0f}"]
             for r in data["results"]]
-    return report.header_line(data) + "\n\n" + report.markdown_table(headers, rows)
+    text = report.header_line(data) + "\n\n" + report.markdown_table(headers, rows)
+    if any("top1" in r for r in data["results"]):
+        text += "\n\n" + report.markdown_table(*_distribution_rows(data["results"]))
+    return text

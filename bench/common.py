@@ -42,13 +42,15 @@ VARIANTS = {
         Variant("legolink-16", "legolink", {"k": 16}),
         Variant("legolink-32", "legolink", {"k": 32}),
         Variant("legolink0", "legolink0"),
+        Variant("focus", "focus", {"ratio": 0.25}),
     )
 }
 ALIASES = {"legolink": "legolink-16"}
 
 
 def parse_variants(text: str) -> list[Variant]:
-    """'full,legolink-16,cacheblend' (also 'legolink' = legolink-16, 'legolink-8' for any k, 'cacheblend-0.3')."""
+    """'full,legolink-16,cacheblend' (also 'legolink' = legolink-16, 'legolink-8' for any k, 'cacheblend-0.3',
+    'focus-0.25')."""
     out = []
     for name in (p.strip() for p in text.split(",") if p.strip()):
         name = ALIASES.get(name, name)
@@ -58,9 +60,11 @@ def parse_variants(text: str) -> list[Variant]:
             out.append(Variant(name, "legolink", {"k": int(name[9:])}))
         elif name.startswith("cacheblend-"):
             out.append(Variant(name, "cacheblend", {"ratio": float(name[11:])}))
+        elif name.startswith("focus-"):
+            out.append(Variant(name, "focus", {"ratio": float(name[6:])}))
         else:
             raise ValueError(f"unknown algorithm {name!r}; choose from {', '.join(VARIANTS)} (or legolink-K, "
-                             "cacheblend-R)")
+                             "cacheblend-R, focus-R)")
     return out
 
 

@@ -12,11 +12,15 @@ each attends causally by position to every earlier token of every chunk.
 | cacheblend | layers 0..check_layer: every chunk row; then the top `ratio` rows by K deviation      |
 | legolink   | the first `k` rows of every chunk, plus the question                                 |
 | legolink0  | the question only; chunks were compiled behind dropped sink tokens                   |
+| focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
+|            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all         |
 | prefix     | everything after the longest exact cached prefix of the same token sequence          |
 """
 
 from __future__ import annotations
 
+import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -29,8 +33,9 @@ from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import PrefixCache
 from .runner import JoinedCache, Runner
 
-ALGORITHMS = ("full", "naive", "cacheblend", "legolink", "legolink0", "prefix")
-USES_CHUNK_CACHE = {"naive", "cacheblend", "legolink", "legolink0"}
+ALGORITHMS = ("full", "naive", "cacheblend", "legolink", "legolink0", "focus", "prefix")
+USES_CHUNK_CACHE = {"naive", "cacheblend", "legolink", "legolink0", "focus"}
+FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEFAULT_K = 16
 DEFAULT_RATIO = 0.15
 DEFAULT_CHECK_LAYER = 1
@@ -108,7 +113,8 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache.length = length
     started = time.perf_counter()
     reused = _place(runner, parts, params, cache, prefix_cache)
-    rows, narrow = _rows(parts, params, length, reused)
+    scores = _question_attention(runner, parts, cache).sum(0) if params.algorithm == "focus" else None
+    rows, narrow = _rows(parts, params, length, reused, scores)
     return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
 
 
@@ -153,7 +159,8 @@ def _place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCa
     return len(parts.prefix_ids)
 
 
-def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int) -> tuple[torch.Tensor, "Narrowing | None"]:
+def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int,
+          scores: torch.Tensor | None = None) -> tuple[torch.Tensor, "Narrowing | None"]:
     question = torch.arange(length - len(parts.question_ids), length)
     starts = parts.chunk_starts()
     algorithm = params.algorithm
@@ -164,8 +171,52 @@ def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int) -> tup
     if algorithm == "legolink":
         heads = [torch.arange(s, s + min(params.k, len(ids))) for s, ids in zip(starts, parts.chunk_ids)]
         return torch.cat([*heads, question]), None
+    if algorithm == "focus":
+        return torch.cat([_focus_rows(parts, params.ratio, scores), question]), None
     chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))  # cacheblend
     return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio)
+
+
+def _focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
+    """Every chunk's first FOCUS_SINKS rows, then the best-scored chunk rows, ceil(ratio * chunk tokens) in all."""
+    spans = [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
+    if not spans:
+        return torch.empty(0, dtype=torch.long)
+    chunk_rows = torch.cat([torch.arange(a, b) for a, b in spans])
+    budget = min(chunk_rows.numel(), math.ceil(round(ratio * chunk_rows.numel(), 9)))
+    sinks = torch.cat([torch.arange(a, min(b, a + FOCUS_SINKS)) for a, b in spans])[:budget]
+    rest = scores[chunk_rows].clone()
+    rest[torch.isin(chunk_rows, sinks)] = -float("inf")
+    picked = chunk_rows[torch.topk(rest, budget - sinks.numel()).indices]
+    return torch.cat([sinks, picked]).sort().values
+
+
+def _question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> torch.Tensor:
+    """Per layer and position, the attention weight the question's rows give it over a naive pass (softmax summed
+    over heads and question rows; ProphetKV / A^3 score chunk tokens by the query's attention): [layers, length].
+    The pass writes the question's K/V into `cache`; the recompute that follows overwrites them."""
+    length = cache.length
+    batch, rows = runner.batch([(cache, torch.arange(length - len(parts.question_ids), length))])
+    hidden = runner.embed(parts.token_ids[rows.cpu()])
+    pos_emb = runner.position_embeddings(hidden, rows)
+    scores = torch.zeros(runner.shape.layers, length, device=runner.device)
+    key_pos = torch.arange(length, device=runner.device)[None, :]
+    for index, layer in enumerate(runner.layers):
+        attn = layer.self_attn
+        visible = key_pos <= rows[:, None]
+        if getattr(attn, "sliding_window", None):
+            visible &= key_pos > rows[:, None] - attn.sliding_window
+        query = attn.q_proj(layer.input_layernorm(hidden)).view(1, rows.numel(), -1, runner.shape.head_dim)
+        query = query.transpose(1, 2)
+        if getattr(attn, "q_norm", None) is not None:
+            query = attn.q_norm(query)
+        cos, sin = pos_emb[runner.layer_types[index]]
+        query = sys.modules[type(attn).__module__].apply_rotary_pos_emb(query, query, cos, sin)[0][0]
+        hidden = runner.run_layer(index, hidden, rows, batch, pos_emb)
+        keys = cache.keys[index, :, :length].float().repeat_interleave(query.shape[0] // runner.shape.kv_heads, 0)
+        logits = (query.float() @ keys.transpose(1, 2)) * attn.scaling
+        scores[index] = torch.softmax(logits.masked_fill(~visible[None], -float("inf")), -1).sum((0, 1))
+    return scores.cpu()
 
 
 @dataclass

@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from bench import accuracy, common, report, squad
@@ -72,7 +73,11 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
     rows = {r["label"]: r for r in data["results"]}
     assert list(rows) == ["full", "naive", "legolink-16"]  # full is always there: agreement is measured against it
     assert rows["full"]["agree_with_full"]["mean"] == 1.0
+    assert rows["full"]["top1"]["mean"] == 1.0 and rows["full"]["kl"]["mean"] == 0.0
+    assert rows["full"]["delta_ll_vs_full"]["mean"] == 0.0 and rows["naive"]["delta_top1_vs_naive"]["mean"] == 0.0
     for r in rows.values():
+        low, high = r["top1"]["ci95"]
+        assert 0.0 <= low <= r["top1"]["mean"] <= high <= 1.0 and r["kl"]["mean"] >= 0.0
         for metric in ("em", "f1", "agree_with_full", "f1_vs_full"):
             low, high = r[metric]["ci95"]
             assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
@@ -148,3 +153,94 @@ def test_variants_and_percentiles():
     with pytest.raises(ValueError):
         common.parse_variants("bogus")
     assert report.percentile([1, 2, 3, 4], 50) == 2.5 and report.percentile([5], 99) == 5
+
+
+# -- distribution-level agreement on tiny models, where the truth is known ----------------------------------
+def _tiny_parts(family: str):
+    from ragcache.compiler import PLAIN, Compiler
+    from ragcache.linker import LinkInput
+    from ragcache.runner import Runner
+    from tests import tiny
+
+    lm = tiny.make(family)
+    runner = Runner(lm)
+    compiler = Compiler(lm, runner)
+    tok = lm.tokenizer
+    chunks = [tok(text, add_special_tokens=False)["input_ids"] for text in tiny.CORPUS[:3]]
+    prefix = tok("Answer.", add_special_tokens=True)["input_ids"]
+    parts = LinkInput(prefix, chunks, tok(" Question: where?", add_special_tokens=False)["input_ids"],
+                      compiler.compile(prefix, PLAIN), [compiler.compile(c, PLAIN) for c in chunks])
+    return runner, parts
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_legolink_covering_every_chunk_agrees_with_full_exactly(family):
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    longest = max(map(len, parts.chunk_ids))
+    full = link(runner, parts, LinkParams("full"), extra_capacity=8)
+    answer = agreement.greedy(runner, full, 6, set(), set())
+    assert len(answer) == 6
+    reference = agreement.teacher_forced_ll(runner, full, answer)
+    covering = link(runner, parts, LinkParams("legolink", k=longest), extra_capacity=8)
+    got = agreement.measure(runner, full.last_logits, covering, answer)
+    assert got.top1 == 1.0 and got.kl < 1e-9 and abs(got.ll - reference) < 1e-3
+    naive = agreement.measure(runner, full.last_logits, link(runner, parts, LinkParams("naive"), extra_capacity=8),
+                              answer)
+    assert naive.kl > 1e-6 and abs(naive.ll - reference) > 1e-4  # the metrics do see the seams naive leaves
+
+
+def test_teacher_forcing_equals_the_model_forward():
+    import torch
+
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+    from tests import tiny
+
+    runner, parts = _tiny_parts("llama")
+    full = link(runner, parts, LinkParams("full"), extra_capacity=4)
+    answer = [5, 17, 42, 9]
+    logits = tiny.reference_logits(runner.lm, torch.cat([parts.token_ids, torch.tensor(answer)]))
+    logp = torch.log_softmax(logits.double(), -1)
+    start = parts.token_ids.numel() - 1
+    expected = sum(float(logp[start + i, t]) for i, t in enumerate(answer))
+    assert abs(agreement.teacher_forced_ll(runner, full, answer) - expected) < 1e-3
+
+
+def test_row_selection_prototypes_cover_the_budget_and_link_exactly_at_all_rows():
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts("qwen2")
+    total = sum(map(len, parts.chunk_ids))
+    attention = agreement.question_attention(runner, parts)
+    assert attention.shape == (runner.shape.layers, parts.token_ids.numel())
+    rows = agreement.top_rows(parts, attention.sum(0), agreement.budget(parts, 0.25))
+    assert rows.numel() == agreement.budget(parts, 0.25) and rows.numel() < total
+    every = agreement.link_rows(runner, parts, agreement.all_chunk_rows(parts))
+    full = link(runner, parts, LinkParams("full"))
+    top1, kl = agreement.first_token(full.last_logits, every.last_logits)
+    assert top1 == 1.0 and kl < 1e-9
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_focus_recomputes_its_budget_and_equals_full_at_ratio_one(family):
+    from bench import agreement
+    from ragcache.linker import FOCUS_SINKS, LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    chunk_tokens = sum(map(len, parts.chunk_ids))
+    full = link(runner, parts, LinkParams("full"))
+    everything = link(runner, parts, LinkParams("focus", ratio=1.0))
+    top1, kl = agreement.first_token(full.last_logits, everything.last_logits)
+    assert top1 == 1.0 and kl < 1e-9
+    quarter = link(runner, parts, LinkParams("focus", ratio=0.25))
+    assert quarter.recomputed_tokens == math.ceil(0.25 * chunk_tokens) + len(parts.question_ids)
+    from ragcache.linker import _focus_rows
+
+    scores = torch.zeros(parts.token_ids.numel())
+    rows = _focus_rows(parts, 0.25, scores)
+    for start in parts.chunk_starts():  # every chunk's own sink rows are always in
+        assert set(range(start, start + FOCUS_SINKS)) <= set(rows.tolist())

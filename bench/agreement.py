@@ -1,0 +1,163 @@
+"""Distribution-level agreement of a linked cache with `full`, without decoding.
+
+At the answer's first position (the prompt's last token) we compare the next-token distributions:
+  top-1 agreement   argmax(linked) == argmax(full)
+  KL(full || linked) in nats
+Then, teacher forcing: `full`'s greedy answer is fed as rows after the prompt on the linked cache, and the
+summed log-likelihood of those tokens is read off (the first from the link's own last logits). Decoding is
+only needed for EM/F1 against gold (`greedy`).
+
+Row-selection prototypes (bench only: the linker's `_rows` gets one once it wins) pick rows of a placed cache
+and run them through the linker's own place/recompute steps, so every selection is on identical input.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+import torch
+
+from ragcache import linker
+from ragcache.linker import Linked, LinkInput, LinkParams
+from ragcache.runner import Runner
+
+
+@dataclass
+class Agreement:
+    top1: float  # 1.0 when the argmaxes agree
+    kl: float  # KL(full || linked) at the first answer position, nats
+    ll: float  # teacher-forced log-likelihood of full's answer under this cache, nats (summed)
+
+
+def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
+    """(top-1 agreement, KL(full || linked)) of two next-token logit vectors."""
+    p = torch.log_softmax(full_logits.double(), -1)
+    q = torch.log_softmax(logits.double(), -1)
+    kl = float((p.exp() * (p - q)).sum().clamp_min(0.0))
+    return float(int(full_logits.argmax()) == int(logits.argmax())), kl
+
+
+@torch.inference_mode()
+def teacher_forced_ll(runner: Runner, linked: Linked, answer: list[int]) -> float:
+    """Summed log p(answer | linked prompt). The cache needs capacity for len(answer) - 1 more rows."""
+    if not answer:
+        return 0.0
+    logp = torch.log_softmax(linked.last_logits.double(), -1)
+    total = float(logp[answer[0]])
+    if len(answer) > 1:
+        start = linked.cache.length
+        rows = torch.arange(start, start + len(answer) - 1)
+        linked.cache.length = start + len(answer) - 1
+        hidden = runner.forward_rows(torch.tensor(answer[:-1]), rows, linked.cache)
+        logp = torch.log_softmax(runner.logits(hidden[0]).double(), -1)
+        total += float(logp[torch.arange(len(answer) - 1), torch.tensor(answer[1:])].sum())
+        linked.cache.length = start
+    return total
+
+
+@torch.inference_mode()
+def greedy(runner: Runner, linked: Linked, max_new: int, stop_ids: set[int], newline_ids: set[int]) -> list[int]:
+    """Greedy answer ids: stops at an end-of-turn id, or at a newline once the answer has started."""
+    out: list[int] = []
+    logits = linked.last_logits
+    start = linked.cache.length
+    for step in range(max_new):
+        token = int(logits.argmax())
+        if token in stop_ids or (token in newline_ids and out):
+            break
+        out.append(token)
+        if step == max_new - 1:
+            break
+        linked.cache.length = start + step + 1
+        hidden = runner.forward_rows(torch.tensor([token]), torch.tensor([start + step]), linked.cache)
+        logits = runner.logits(hidden[0, -1:])[0]
+    linked.cache.length = start
+    return out
+
+
+def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answer: list[int]) -> Agreement:
+    top1, kl = first_token(full_logits, linked.last_logits)
+    return Agreement(top1, kl, teacher_forced_ll(runner, linked, full_answer))
+
+
+# -- row selection prototypes ----------------------------------------------------------------------------
+def chunk_spans(parts: LinkInput) -> list[tuple[int, int]]:
+    return [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
+
+
+def question_rows(parts: LinkInput, length: int) -> torch.Tensor:
+    return torch.arange(length - len(parts.question_ids), length)
+
+
+@torch.inference_mode()
+def link_rows(runner: Runner, parts: LinkInput, chunk_rows: torch.Tensor, extra_capacity: int = 0) -> Linked:
+    """Place every cached part, then recompute `chunk_rows` plus the question (as the linker does)."""
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = runner.new_cache(length + extra_capacity)
+    cache.length = length
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    rows = torch.unique(torch.cat([chunk_rows.long(), question_rows(parts, length)]))
+    hidden, rows = linker._recompute(runner, ids, rows, cache, None)
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()), length - int(rows.numel()), 0, 0)
+
+
+def first_rows(parts: LinkInput, fraction: float) -> torch.Tensor:
+    """LegoLink at a budget: the first ceil(fraction * T) tokens of each chunk."""
+    return torch.cat([torch.arange(a, a + math.ceil(fraction * (b - a))) for a, b in chunk_spans(parts)])
+
+
+def budget(parts: LinkInput, fraction: float) -> int:
+    return math.ceil(fraction * sum(map(len, parts.chunk_ids)))
+
+
+def all_chunk_rows(parts: LinkInput) -> torch.Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in chunk_spans(parts)])
+
+
+def random_rows(parts: LinkInput, fraction: float, seed: int) -> torch.Tensor:
+    rows = all_chunk_rows(parts).tolist()
+    return torch.tensor(sorted(random.Random(seed).sample(rows, budget(parts, fraction))))
+
+
+def top_rows(parts: LinkInput, scores: torch.Tensor, count: int, forced: torch.Tensor | None = None) -> torch.Tensor:
+    """`count` chunk rows: `forced` first, then the highest `scores` (indexed by position) among the rest."""
+    rows = all_chunk_rows(parts)
+    chosen = forced if forced is not None else torch.empty(0, dtype=torch.long)
+    left = count - chosen.numel()
+    if left > 0:
+        s = scores[rows].clone()
+        s[torch.isin(rows, chosen)] = -float("inf")
+        chosen = torch.cat([chosen, rows[torch.topk(s, min(left, rows.numel())).indices]])
+    return torch.unique(chosen)
+
+
+@torch.inference_mode()
+def question_attention(runner: Runner, parts: LinkInput) -> torch.Tensor:
+    """Per layer, how much the question's rows attend to each position of the naively linked prompt:
+    [layers, length] (the linker's `focus` scores, before summing over layers)."""
+    ids = parts.token_ids
+    cache = runner.new_cache(ids.numel())
+    cache.length = ids.numel()
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    return linker._question_attention(runner, parts, cache)
+
+
+def deviation_from_full(full: Linked, placed_keys: torch.Tensor, placed_values: torch.Tensor) -> torch.Tensor:
+    """Oracle: per position, how far the naively placed K/V are from full's, summed over layers (relative)."""
+    length = full.token_ids.numel()
+    fk, fv = full.cache.keys[:, :, :length].float(), full.cache.values[:, :, :length].float()
+    dk = (placed_keys.float() - fk).norm(dim=-1) / fk.norm(dim=-1).clamp_min(1e-6)
+    dv = (placed_values.float() - fv).norm(dim=-1) / fv.norm(dim=-1).clamp_min(1e-6)
+    return (dk + dv).sum((0, 1))
+
+
+@torch.inference_mode()
+def placed_kv(runner: Runner, parts: LinkInput) -> tuple[torch.Tensor, torch.Tensor]:
+    length = parts.token_ids.numel()
+    cache = runner.new_cache(length)
+    cache.length = length
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    return cache.keys[:, :, :length], cache.values[:, :, :length]
