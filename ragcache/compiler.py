@@ -68,6 +68,18 @@ class Compiler:
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
         return [*layout.lead_ids, *token_ids]
 
+    def problem(self, entry: ChunkKV) -> str | None:
+        """What makes a stored entry unusable for this model (None if nothing): its key already vouches for its ids,
+        model fingerprint and dtype name, but not for the tensors' own shape and dtype."""
+        shape = self.runner.shape
+        layers, kv_heads, _, head_dim = entry.keys.shape
+        if (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim):
+            return (f"K/V of {layers} layers x {kv_heads} heads x {head_dim}, the model has "
+                    f"{shape.layers} x {shape.kv_heads} x {shape.head_dim}")
+        if entry.keys.dtype != shape.dtype:
+            return f"K/V in {entry.keys.dtype}, the model computes in {shape.dtype}"
+        return None
+
     @torch.inference_mode()
     def compile(self, token_ids: list[int], layout: Layout) -> ChunkKV:
         stored = self.stored_ids(token_ids, layout)

@@ -142,7 +142,8 @@ class RagCache:
     def _ensure(self, chunks: list[list[int]], layout: Layout) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
         """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
         return self.documents.ensure(chunks, key=lambda ids: self.compiler.key(ids, layout),
-                                     compile=lambda ids: self.scheduler.call(self.compiler.compile, ids, layout))
+                                     compile=lambda ids: self.scheduler.call(self.compiler.compile, ids, layout),
+                                     problem=self.compiler.problem)
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
         doc_id = self.documents.add(text, meta)

@@ -172,3 +172,25 @@ def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
     doc_file.write_text(doc_file.read_text().replace("Paris", "Rome"))
     with pytest.raises(CorruptDocument):
         RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16).query("Where?", [doc_id], max_new_tokens=2)
+
+
+def test_an_entry_that_does_not_fit_the_model_is_recompiled_and_the_answer_is_unchanged(tmp_path):
+    """A well-formed entry under the right key (right ids, checksum, metadata) whose tensors have other layers or
+    another dtype: dropped and compiled again, never linked (it gave an HTTP 500 on every query before)."""
+    from ragcache.engine import RagCache
+    from ragcache.store.entry import ChunkKV
+
+    lm = tiny.make("llama")
+    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    doc_id = rc.compile(TEXTS[:1])[0]
+    truth = rc.link("Where is the tower?", [doc_id], algorithm="naive")
+    layout = rc.layouts["default"]
+    chunk = rc.document_chunks(doc_id)[0]
+    key = rc.compiler.key(chunk, layout)
+    good = rc.store.get(key)
+    for bad in (ChunkKV(good.token_ids, good.keys[:2].clone(), good.values[:2].clone(), good.meta),
+                ChunkKV(good.token_ids, good.keys.half(), good.values.half(), good.meta)):
+        rc.store.put(key, bad)
+        linked = rc.link("Where is the tower?", [doc_id], algorithm="naive")
+        assert torch.equal(linked.last_logits, truth.last_logits)
+        assert rc.compiler.problem(rc.store.get(key)) is None  # the recompiled entry replaced it
