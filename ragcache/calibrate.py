@@ -142,21 +142,20 @@ def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_
                       created=time.time())
     profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, full_top1)
     say(f"naive: {profile.naive_agreement:.2f}")
-    for k in ks:
-        score = agreement(rc, items, {"algorithm": "legolink", "k": k}, full_top1)
-        profile.agreement_by_k[str(k)] = score
-        say(f"legolink k={k}: {score:.2f}")
-        if score >= target:
-            profile.k = k
-            break
-    for ratio in ratios:
-        score = agreement(rc, items, {"algorithm": "cacheblend", "ratio": ratio}, full_top1)
-        profile.agreement_by_ratio[str(ratio)] = score
-        say(f"cacheblend ratio={ratio}: {score:.2f}")
-        if score >= target:
-            profile.ratio = ratio
-            break
+    profile.k = _smallest(rc, items, full_top1, target, "legolink", "k", ks, profile.agreement_by_k, say)
+    profile.ratio = _smallest(rc, items, full_top1, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio,
+                              say)
     return profile
+
+
+def _smallest(rc, items, full_top1, target, algorithm, knob, values, scores: dict, say):
+    """The first of `values` (ascending) whose agreement reaches `target`, recording each score on the way."""
+    for value in values:
+        scores[str(value)] = agreement(rc, items, {"algorithm": algorithm, knob: value}, full_top1)
+        say(f"{algorithm} {knob}={value}: {scores[str(value)]:.2f}")
+        if scores[str(value)] >= target:
+            return value
+    return None
 
 
 def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:

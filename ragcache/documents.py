@@ -20,12 +20,13 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from ragcache.store import Store
+from ragcache.store.base import batched
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import chunk_key, document_id
 
@@ -254,21 +255,10 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
         return None
 
 
-def _batched(items: Iterable, size: int = 256) -> Iterable[list]:
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
-
-
 def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
     """(model, tokenizer, dtype, layout) of the entries in the store: what chunk keys can be rebuilt from."""
     combos = set()
-    for batch in _batched(store.keys()):
+    for batch in batched(store.keys()):
         for info in store.describe_many(batch):
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):

@@ -189,3 +189,15 @@ def decode_all(keys: list[str], blobs: list) -> list[ChunkKV | CorruptEntry | No
         return [one(i) for i in range(len(blobs))]
     with ThreadPoolExecutor(workers, thread_name_prefix="ragcache-decode") as pool:
         return list(pool.map(one, range(len(blobs))))
+
+
+def batched(items, size: int = 256):
+    """Lists of up to `size` items (itertools.batched arrives with Python 3.12)."""
+    batch = []
+    for item in items:
+        batch.append(item)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch

@@ -26,11 +26,10 @@ from ragcache import documents
 from ragcache.errors import StoreError
 
 from . import _split, open_store
-from .base import Store
+from .base import Store, batched
 from .keys import is_document_id
 
 DEFAULT_STORE = "disk:./.ragcache"
-BATCH = 256
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 console = Console()
@@ -44,17 +43,6 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
 def tiers_of(store: Store) -> list[Store]:
     return list(getattr(store, "tiers", [store]))
-
-
-def batched(items, size: int = BATCH):
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
