@@ -48,6 +48,9 @@ def test_prompt_longer_than_context(rc):
     with pytest.raises(errors.PromptTooLong) as info:
         rc.query("where?", docs=[{"text": long_doc}], max_new_tokens=4)
     assert info.value.context == 512 and info.value.prompt_tokens > 512
+    assert "the documents take" in str(info.value)
+    with pytest.raises(errors.PromptTooLong, match="the question alone is"):  # not the documents' fault
+        rc.query(" ".join(["where?"] * 400), docs=[{"text": DOC}], max_new_tokens=4)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -189,3 +189,29 @@ def test_an_evicting_redis_policy_is_warned_about(redis_url, caplog):
         assert not any("maxmemory-policy" in m for m in warnings_of(caplog))
     finally:
         client.config_set("maxmemory-policy", before)
+
+
+def test_a_frozen_redis_fails_the_call_once_and_the_tiered_store_skips_it(redis_server, tmp_path):
+    """SIGSTOP: the server accepts connections but never answers. A call fails with TierUnavailable after one
+    socket timeout (no retry after a timeout), and the tiered store then serves from the other tier."""
+    import signal
+
+    from tests.test_store import make_entry
+
+    key, entry = make_entry(6, layers=2)
+    redis_tier = RedisStore(redis_server.url, socket_timeout=0.5)
+    store = TieredStore([DiskStore(tmp_path), redis_tier])
+    store.put_many({key: entry})
+    calls = []
+    real = redis_tier.read_blobs
+    redis_tier.read_blobs = lambda keys: calls.append(keys) or real(keys)
+    os.kill(redis_server.proc.pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(TierUnavailable):
+            redis_tier.get_many([key])
+        store.tiers[0].delete(key)  # only Redis had it: the tiered read asks Redis, which fails once
+        assert store.get_many([key]) == [None] and store.up() == [True, False]
+        calls.clear()
+        assert store.get_many([key]) == [None] and not calls  # skipped while its backoff runs
+    finally:
+        os.kill(redis_server.proc.pid, signal.SIGCONT)
