@@ -1,5 +1,6 @@
 """The llama-index plugin end to end: real default model, real IngestionPipeline, real BM25 retriever."""
 
+import time
 import asyncio
 from pathlib import Path
 
@@ -228,3 +229,15 @@ def test_llm_overrides_and_system_prompt(rc):
     completion = llm.complete("Hello!", max_new_tokens=3, unknown_option=1)
     direct = rc.query("Hello!", docs=[], system="You answer in French.", max_new_tokens=3)
     assert completion.text == direct.text and completion.raw["stats"]["completion_tokens"] <= 3
+
+
+def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever):
+    guarded = engine(rc, retriever, guard_rate=1.0)
+    assert guarded.guard_agreement() == {}
+    guarded.query(QUESTION)
+    deadline = time.monotonic() + 300
+    while not guarded.guard_agreement() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    agreement, checks = guarded.guard_agreement()["legolink"]
+    assert checks == 1 and 0.0 <= agreement <= 1.0
+    assert engine(rc, retriever, guard_rate=1.0, algorithm="full").query(QUESTION).response  # exact: never checked

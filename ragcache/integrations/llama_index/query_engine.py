@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
-from llama_index.core.bridge.pydantic import Field, field_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, RagCache, Stream
 from ragcache.errors import UnknownAlgorithm
-from ragcache.linker import ALGORITHMS, DEFAULT_K, DEFAULT_RATIO
+from ragcache.guard import Guard, compare
+from ragcache.linker import ALGORITHMS, DEFAULT_RATIO
 
 from .nodes import doc_refs, node_text, text_ids
 
@@ -35,7 +37,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     rc: RagCache = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
     algorithm: str = "legolink"
-    k: int = DEFAULT_K
+    k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
     ratio: float = DEFAULT_RATIO
     max_new_tokens: int = 64
     system: str | None = None
@@ -45,6 +47,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
     seed: int | None = None
     streaming: bool = False
     metadata_mode: MetadataMode = Field(default=MetadataMode.NONE, description="which node content is linked")
+    guard_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="fraction of answers also linked with `full` "
+                              "afterwards, in the background, to measure agreement (`guard_agreement()`)")
+    _guard: Guard | None = PrivateAttr(default=None)
 
     @field_validator("algorithm")
     @classmethod
@@ -59,8 +64,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
         if not self.streaming:
             for _ in stream:
                 pass
-            return Response(stream.answer.text, source_nodes=nodes, metadata=_finish(metadata, stream.answer))
-        pieces = _pieces(stream, metadata)
+            metadata = self._finish(metadata, stream.answer, query_str)
+            return Response(stream.answer.text, source_nodes=nodes, metadata=metadata)
+        pieces = self._pieces(stream, metadata, query_str)
         first = next(pieces, _DONE)  # links and decodes the first token here: errors raise from query()
         return StreamingResponse(response_gen=_chain(first, pieces), source_nodes=nodes, metadata=metadata)
 
@@ -71,6 +77,34 @@ class RagCacheQueryEngine(CustomQueryEngine):
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
         stream = self.rc.stream(query_str, docs=doc_refs(texts), **self.generation_args())
         return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": text_ids(texts)}
+
+    def _pieces(self, stream: Stream, metadata: dict, question: str) -> Iterator[str]:
+        yield from stream
+        self._finish(metadata, stream.answer, question)
+
+    def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
+        metadata.update(answer.stats.as_dict())
+        if self.guard_rate > 0 and answer.first_logits is not None:
+            self._check_later(question, metadata["doc_ids"], answer.first_logits)
+        return metadata
+
+    def _check_later(self, question: str, doc_ids: list[str], linked_logits) -> None:
+        """The accuracy guard, as in `ragcache serve`: on a sampled answer, link the same prompt with `full` as
+        background work (after the answer is returned) and record how the first-token distributions compare."""
+        if self._guard is None:
+            self._guard = Guard(self.guard_rate, self.rc.lm.name)
+        if not self._guard.wants(self.algorithm):
+            return
+
+        def check() -> None:
+            full = self.rc.link(question, doc_ids, system=self.system, algorithm="full", background=True)
+            self._guard.record(compare(self.algorithm, full.last_logits, linked_logits))
+
+        threading.Thread(target=check, name="ragcache-guard", daemon=True).start()
+
+    def guard_agreement(self) -> dict[str, tuple[float, int]]:
+        """algorithm -> (fraction of guard checks agreeing with `full` at the first token, checks); {} before any."""
+        return self._guard.agreement() if self._guard is not None else {}
 
     def generation_args(self) -> dict[str, Any]:
         """The rc.stream / rc.query keyword arguments this engine answers with."""
@@ -95,7 +129,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         def work() -> None:
             try:
                 nodes, stream, metadata = self._start(query_str)
-                pieces = _pieces(stream, metadata)
+                pieces = self._pieces(stream, metadata, query_str)
                 first = next(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
                 put(("start", (nodes, metadata)))
                 for piece in _chain(first, pieces):
@@ -125,17 +159,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         return AsyncStreamingResponse(response_gen=gen(), source_nodes=nodes, metadata=metadata)
 
 
-def _pieces(stream: Stream, metadata: dict) -> Iterator[str]:
-    yield from stream
-    _finish(metadata, stream.answer)
-
-
 def _chain(first: Any, rest: Iterator[str]) -> Iterator[str]:
     if first is not _DONE:
         yield first
         yield from rest
-
-
-def _finish(metadata: dict, answer: Answer) -> dict:
-    metadata.update(answer.stats.as_dict())
-    return metadata
