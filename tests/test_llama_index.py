@@ -1,7 +1,7 @@
 """The llama-index plugin end to end: real default model, real IngestionPipeline, real BM25 retriever."""
 
-import time
 import asyncio
+import time
 from pathlib import Path
 
 import pytest
