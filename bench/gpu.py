@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
 import json
 import os
 import platform
@@ -246,35 +245,9 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
 
 
 def _hinted_forward(runner):
-    """Runner.forward_rows with the contiguous hint where the runner takes it (after the scheduler change);
-    before that, the same hint threaded by registering the runner's attention with the kwarg passed on."""
-    if "contiguous_from" in inspect.signature(runner.forward_rows).parameters:
-        return lambda ids, rows, cache, first: runner.forward_rows(ids, rows, cache, contiguous_from=first), "runner"
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    hint = {"first": None}
-
-    def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kw):
-        rows = kw.pop("ragcache_rows", None)
-        if rows is None:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                                 scaling=scaling, sliding_window=sliding_window, **kw)
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        out = KERNELS.selected_attention(query[0], key[0], value[0], rows, scale, sliding_window,
-                                         contiguous_from=hint["first"])
-        return out[None], None
-
-    AttentionInterface.register(RUNNER.ATTENTION_NAME, attention)
-
-    def forward(ids, rows, cache, first):
-        hint["first"] = first
-        try:
-            return runner.forward_rows(ids, rows, cache)
-        finally:
-            hint["first"] = None
-
-    return forward, "patched here (runner.py does not thread contiguous_from yet)"
+    """Runner.forward_rows: the runner finds contiguous runs of rows itself (`runner.contiguous_start`) and passes
+    the causal hint on to the kernels, so `first` is only what the caller expects it to find."""
+    return (lambda ids, rows, cache, first: runner.forward_rows(ids, rows, cache)), "runner (derived from the rows)"
 
 
 @torch.inference_mode()

@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 
 from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import document_id, is_document_id
+from ragcache.store.keys import is_document_id
 
 from . import calibrate, documents, guard, infill, models, prompt
-from .chunker import DEFAULT_CHUNK_TOKENS, chunk_document
+from .chunker import DEFAULT_CHUNK_TOKENS
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .errors import BadRequest, EmptyInput, StoreError, ParameterOutOfRange, PromptTooLong, UnknownDocument
+from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
 from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache

@@ -12,7 +12,6 @@ import sqlite3
 import threading
 
 import pytest
-import torch
 
 from ragcache.errors import CorruptEntry
 from ragcache.store.base import TierUnavailable
