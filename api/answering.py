@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.guard import DEFAULT_TARGET, Guard, compare
+from ragcache.guard import DEFAULT_TARGET, Guard
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
@@ -198,12 +198,11 @@ class ServerGuard:
 
     def _check(self, args: dict, linked_logits) -> None:  # on the guard's worker thread
         try:
-            full = self.rc.link(args["question"], args["docs"], system=args["system"], algorithm="full",
-                                background=True)
+            check = self.rc.compare_with_full(args["question"], args["docs"], args["algorithm"], linked_logits,
+                                              system=args["system"])
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
             log.warning("accuracy guard: the full link failed (%s)", exc)
             return
-        check = compare(args["algorithm"], full.last_logits, linked_logits)
         agreement = self.guard.record(check)
         self.metrics.observe_guard(self.guard.model, check, agreement)
 

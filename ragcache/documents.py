@@ -118,6 +118,10 @@ class Documents:
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
         """Store the text (once: the id is its hash) and its chunk record; returns the id."""
+        return self.register(text, meta)[0]
+
+    def register(self, text: str, meta: dict | None = None) -> tuple[str, list[list[int]]]:
+        """`add`, also returning the document's chunk ids (read or made on the way, so no second read)."""
         if not isinstance(text, str) or not text.strip():
             raise EmptyInput("a document is empty; every document needs some text")
         doc_id = document_id(text)
@@ -129,8 +133,8 @@ class Documents:
             existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
             self.store.put_record(doc_name(doc_id), {"id": doc_id, "text": text, "meta": existing.meta,
                                                      "created": time.time(), "chunk_tokens": self.chunk_tokens})
-        self._chunks(existing, record=None, trust_record=False)
-        return doc_id
+        name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
+        return doc_id, self._chunks(existing, self._record(name))
 
     def get(self, doc_id: str) -> Document | None:
         return _sound_document(doc_id, self._record(doc_name(doc_id)))
@@ -159,11 +163,9 @@ class Documents:
     def ids(self) -> list[str]:
         return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
 
-    def _chunks(self, doc: Document, record: dict | None, trust_record: bool = True) -> list[list[int]]:
-        """The document's chunks from a sound chunk record, else chunked again from the text (and recorded)."""
+    def _chunks(self, doc: Document, record: dict | None) -> list[list[int]]:
+        """The document's chunks from its chunk record if sound, else chunked again from the text (and recorded)."""
         name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
-        if record is None and not trust_record:
-            record = self._record(name)
         if record is not None:
             problem = chunk_record_problem(name, record)
             if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
@@ -273,8 +275,9 @@ def _document_ids(store: Store) -> set[str]:
 def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
     """Chunk keys of a document under every (model, tokenizer, dtype, layout) present in the store."""
     keys = set()
-    for name in store.record_names(f"chunks/{doc_id}/"):
-        record = store.get_records([name])[0] or {}
+    names = store.record_names(f"chunks/{doc_id}/")
+    for name, record in zip(names, store.get_records(names)):
+        record = record or {}
         tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
         for model, tokenizer, dtype, layout in combos:
             lead = lead_ids_of_layout(layout)

@@ -13,7 +13,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
 from ragcache.store import Store, open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import is_document_id
@@ -146,8 +145,7 @@ class RagCache:
                                      problem=self.compiler.problem)
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
-        doc_id = self.documents.add(text, meta)
-        return doc_id, self.documents.chunks_of(doc_id)
+        return self.documents.register(text, meta)
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
@@ -258,8 +256,14 @@ class RagCache:
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
         first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample."""
         linked = self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio)
+        return self.compare_with_full(question, docs, algorithm, linked.last_logits, system=system)
+
+    def compare_with_full(self, question: str, docs: list, algorithm: str, linked_logits, system: str | None = None
+                          ) -> guard.Check:
+        """Link the prompt with `full` as background work (only in steps no user request needs) and compare its
+        first-token distribution with `linked_logits`, an answer's own. The guard's half of `check`."""
         full = self.link(question, docs, system=system, algorithm="full", background=True)
-        return guard.compare(algorithm, full.last_logits, linked.last_logits)
+        return guard.compare(algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",

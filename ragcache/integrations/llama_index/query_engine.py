@@ -16,7 +16,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, RagCache, Stream
 from ragcache.errors import UnknownAlgorithm
-from ragcache.guard import Guard, compare
+from ragcache.guard import Guard
 from ragcache.linker import ALGORITHMS, DEFAULT_RATIO
 
 from .nodes import doc_refs, node_text, text_ids
@@ -97,8 +97,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
             return
 
         def check() -> None:
-            full = self.rc.link(question, doc_ids, system=self.system, algorithm="full", background=True)
-            self._guard.record(compare(self.algorithm, full.last_logits, linked_logits))
+            self._guard.record(self.rc.compare_with_full(question, doc_ids, self.algorithm, linked_logits,
+                                                         system=self.system))
 
         threading.Thread(target=check, name="ragcache-guard", daemon=True).start()
 
