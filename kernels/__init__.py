@@ -43,9 +43,11 @@ def rotate_keys(keys, positions, inv_freq, scaling):
     return _impl(keys.device).rotate_keys(keys, positions, inv_freq, scaling)
 
 
-def place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling):
+def place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling,
+                 key_scales=None, value_scales=None):
+    """Chunks in their stored form (store/codec.py) -> the joined cache: dequantized and rotated in one pass."""
     return _impl(joined_keys.device).place_chunks(
-        joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling
+        joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling, key_scales, value_scales
     )
 
 

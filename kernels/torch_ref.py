@@ -38,13 +38,36 @@ def place_chunks(
     starts: list[int],
     inv_freq: torch.Tensor,
     scaling: torch.Tensor,
+    key_scales: list[torch.Tensor | None] | None = None,
+    value_scales: list[torch.Tensor | None] | None = None,
 ) -> None:
-    """Copy each chunk into the joined cache at its start, rotating its keys to global positions there."""
-    for keys, values, start in zip(chunk_keys, chunk_values, starts):
+    """Copy each chunk into the joined cache at its start, rotating its keys to global positions there.
+
+    Chunks arrive in their stored form: a float dtype (cast to the cache's dtype, then rotated in it), or uint8
+    codes with `key_scales[i]` [L, H, 2, D] and `value_scales[i]` [L, H, T, 2] (scale, zero) pairs, decoded
+    as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
+    key_scales = key_scales or [None] * len(chunk_keys)
+    value_scales = value_scales or [None] * len(chunk_keys)
+    dtype, device = joined_keys.dtype, joined_keys.device
+    for keys, values, start, k_scales, v_scales in zip(chunk_keys, chunk_values, starts, key_scales, value_scales):
         length = keys.shape[2]
-        positions = torch.arange(start, start + length, device=keys.device)
-        joined_keys[:, :, start : start + length] = rotate_keys(keys.to(joined_keys.device), positions, inv_freq, scaling)
-        joined_values[:, :, start : start + length] = values.to(joined_values.device)
+        keys, values = keys.to(device), values.to(device)
+        if k_scales is not None:
+            keys = dequantize_keys(keys, k_scales.to(device), dtype)
+            values = dequantize_values(values, v_scales.to(device), dtype)
+        positions = torch.arange(start, start + length, device=device)
+        joined_keys[:, :, start : start + length] = rotate_keys(keys.to(dtype), positions, inv_freq, scaling)
+        joined_values[:, :, start : start + length] = values.to(dtype)
+
+
+def dequantize_keys(codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [L, H, T, D] codes with per-channel [L, H, 2, D] (scale, zero) -> keys in `dtype`."""
+    return (codes.to(torch.float32) * key_scales[:, :, 0:1] + key_scales[:, :, 1:2]).to(dtype)
+
+
+def dequantize_values(codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """uint8 [L, H, T, D] codes with per-token [L, H, T, 2] (scale, zero) -> values in `dtype`."""
+    return (codes.to(torch.float32) * value_scales[..., 0:1] + value_scales[..., 1:2]).to(dtype)
 
 
 def selected_attention(

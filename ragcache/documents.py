@@ -26,9 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ragcache.store import Store
+from ragcache.store import codec as kv_codec
 from ragcache.store.base import batched
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import chunk_key, document_id
+from ragcache.store.keys import chunk_key, document_id, kv_form
 
 from .chunker import chunk_document
 from .errors import CorruptDocument, EmptyInput, StoreError, UnknownDocument
@@ -258,13 +259,14 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
 
 
 def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
-    """(model, tokenizer, dtype, layout) of the entries in the store: what chunk keys can be rebuilt from."""
+    """(model, tokenizer, dtype/codec, layout) of the entries in the store: what chunk keys can be rebuilt from."""
     combos = set()
     for batch in batched(store.keys()):
         for info in store.describe_many(batch):
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
-                combos.add((meta["model"], meta["tokenizer"], meta.get("dtype", ""), meta["layout"]))
+                form = kv_form(meta.get("dtype", ""), kv_codec.of_dtype_name(info.get("dtype", "")))
+                combos.add((meta["model"], meta["tokenizer"], form, meta["layout"]))
     return combos
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragcache.store import Store, open_store
+from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import is_document_id
 
@@ -45,14 +46,15 @@ class CompileReport:
 
 class RagCache:
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET):
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET,
+                 kv_codec: str | None = "auto"):
         if chunk_tokens < 1:
             raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm = lm
         self.store = store
         self.chunk_tokens = chunk_tokens
         self.runner = Runner(lm)
-        self.compiler = Compiler(lm, self.runner)
+        self.compiler = Compiler(lm, self.runner, kv_codec)
         self.tokenizer = lm.tokenizer
         self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
         self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
@@ -68,9 +70,16 @@ class RagCache:
     @classmethod
     def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
-             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET) -> "RagCache":
+             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto") -> "RagCache":
+        """`kv_codec`: how chunk K/V are stored (store/codec.py): "auto" (as computed), fp32, fp16, bf16 or int8."""
+        validate_kv_codec(kv_codec)  # a bad name fails before the model loads
         lm = models.load(model, dtype=dtype, device=device)
-        return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes)
+        return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
+                   kv_codec=kv_codec)
+
+    @property
+    def kv_codec(self) -> str:
+        return self.compiler.codec
 
     def warmup(self) -> None:
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""

@@ -60,6 +60,10 @@ class ModelFetchError(RagCacheError):
     """A built-in model could not be downloaded, verified or converted."""
 
 
+class CodecOverflow(RagCacheError):
+    """K/V outside the range of the chosen kv codec (fp16 holds at most 65504): choose bf16 or int8."""
+
+
 class StoreError(RagCacheError):
     """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
 

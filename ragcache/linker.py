@@ -155,7 +155,8 @@ def _place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCa
     entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
     starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
     kernels.place_chunks(cache.keys, cache.values, [e.keys for e in entries], [e.values for e in entries],
-                         starts, runner.inv_freq, runner.rope_scaling)
+                         starts, runner.inv_freq, runner.rope_scaling,
+                         [e.key_scales for e in entries], [e.value_scales for e in entries])
     return len(parts.prefix_ids)
 
 

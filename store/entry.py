@@ -1,4 +1,4 @@
-"""One compiled chunk (token ids + pre-RoPE K and V of every layer) and its byte format.
+"""One compiled chunk (token ids + pre-RoPE K and V of every layer, in a kv codec's stored form) and its byte format.
 
 Format: MAGIC (8 bytes) | sha256 of the payload (32 bytes) | safetensors payload. Reading parses the
 safetensors JSON header and maps the tensors in place (no pickle, no code executed, no copy); the checksum
@@ -19,7 +19,8 @@ from safetensors.torch import save as st_save
 
 from ragcache.errors import CorruptEntry
 
-from .keys import chunk_key
+from . import codec as kv_codec
+from .keys import chunk_key, kv_form
 
 MAGIC = b"RCKV0001"
 HEADER = len(MAGIC) + 32
@@ -28,36 +29,42 @@ HEADER = len(MAGIC) + 32
 @dataclass
 class ChunkKV:
     token_ids: torch.Tensor  # int32 [T]
-    keys: torch.Tensor  # [layers, kv_heads, T, head_dim], before RoPE
+    keys: torch.Tensor  # [layers, kv_heads, T, head_dim], before RoPE, in the codec's dtype (uint8 for int8)
     values: torch.Tensor  # [layers, kv_heads, T, head_dim]
     meta: dict[str, str] = field(default_factory=dict)
+    key_scales: torch.Tensor | None = None  # int8 only: [layers, kv_heads, 2, head_dim] (scale, zero) per channel
+    value_scales: torch.Tensor | None = None  # int8 only: [layers, kv_heads, T, 2] (scale, zero) per token
 
     @property
     def num_tokens(self) -> int:
         return int(self.token_ids.numel())
 
     @property
+    def codec(self) -> str:
+        return kv_codec.of_tensor(self.keys)
+
+    @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes + self.token_ids.nbytes
+        return sum(t.nbytes for t in self._tensors().values())
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        tensors = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values}
+        if self.key_scales is not None:
+            tensors["key_scales"] = self.key_scales
+        if self.value_scales is not None:
+            tensors["value_scales"] = self.value_scales
+        return tensors
 
     def equal(self, other: "ChunkKV") -> bool:
-        return (
-            torch.equal(self.token_ids, other.token_ids)
-            and torch.equal(self.keys, other.keys)
-            and torch.equal(self.values, other.values)
-        )
+        mine, theirs = self._tensors(), other._tensors()
+        return mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
 
 
 def encode(key: str, entry: ChunkKV) -> bytes:
     meta = {**{k: str(v) for k, v in entry.meta.items()}, "key": key}
-    payload = st_save(
-        {
-            "token_ids": entry.token_ids.to(torch.int32).contiguous().cpu(),
-            "keys": entry.keys.contiguous().cpu(),
-            "values": entry.values.contiguous().cpu(),
-        },
-        metadata=meta,
-    )
+    tensors = {name: t.contiguous().cpu() for name, t in entry._tensors().items()}
+    tensors["token_ids"] = tensors["token_ids"].to(torch.int32)
+    payload = st_save(tensors, metadata=meta)
     return MAGIC + hashlib.sha256(payload).digest() + payload
 
 
@@ -80,8 +87,11 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
             blob = bytearray(view)
         data_start = PROBE + struct.unpack("<Q", bytes(payload[:8]))[0]
         tensors = {name: _tensor_at(blob, data_start, header[name]) for name in ("token_ids", "keys", "values")}
+        scales = {name: _tensor_at(blob, data_start, header[name]) for name in SCALES if name in header}
+        if set(header) - {"token_ids", "keys", "values", *SCALES}:
+            raise ValueError(f"unexpected tensors {sorted(set(header) - set(tensors) - set(scales))}")
         entry = ChunkKV(tensors["token_ids"], tensors["keys"], tensors["values"],
-                        {str(k): str(v) for k, v in meta.items() if k != "key"})
+                        {str(k): str(v) for k, v in meta.items() if k != "key"}, **scales)
     except Exception as exc:  # malformed header of any kind (a missing tensor is a KeyError): corrupt, never a crash
         raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc!r}") from exc
     if meta.get("key") != key:
@@ -92,6 +102,7 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
     return entry
 
 
+SCALES = ("key_scales", "value_scales")
 _TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
                  "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                  "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
@@ -125,19 +136,23 @@ def shape_problem(entry: ChunkKV) -> str | None:
         return f"inconsistent K/V: {k.dtype} {list(k.shape)} vs {v.dtype} {list(v.shape)}"
     if k.shape[2] != ids.numel():
         return f"K/V hold {k.shape[2]} tokens, token ids {ids.numel()}"
-    return None
+    if k.dtype not in kv_codec.CODECS.values():
+        return f"K/V in {k.dtype}, not the dtype of any kv codec"
+    return kv_codec.scales_problem(k, entry.key_scales, entry.value_scales)
 
 
-KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # what chunk_key hashes besides the token ids
+KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # what chunk_key hashes besides the token ids (and the codec)
 
 
 def content_problem(key: str, entry: ChunkKV) -> str | None:
     """A well-formed entry can still lie: token ids that do not hash to its key (a planted or edited entry whose
     checksum was recomputed), or K/V that are not finite. Either would change an answer, so either is corrupt."""
     if all(name in entry.meta for name in KEYED_BY):
-        expected = chunk_key(*(entry.meta[name] for name in KEYED_BY), entry.token_ids.tolist())
+        model, tokenizer, dtype, layout = (entry.meta[name] for name in KEYED_BY)
+        # the codec comes from the tensors themselves: an entry stored in another codec never passes as this key's
+        expected = chunk_key(model, tokenizer, kv_form(dtype, entry.codec), layout, entry.token_ids.tolist())
         if expected != key:
-            return "its token ids, model, tokenizer, dtype and layout do not hash to its key"
+            return "its token ids, model, tokenizer, dtype, kv codec and layout do not hash to its key"
     if entry.keys.is_floating_point() and not (torch.isfinite(entry.keys).all() and torch.isfinite(entry.values).all()):
         return "K/V hold NaN or infinite values"
     return None

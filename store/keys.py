@@ -17,6 +17,15 @@ def chunk_key(model_fp: str, tokenizer_fp: str, dtype: str, layout: str, token_i
     return h.hexdigest()
 
 
+_OWN_CODEC = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def kv_form(dtype: str, codec: str) -> str:
+    """The dtype slot of a chunk key: the compute dtype, plus the kv codec when the entry is not stored in that dtype
+    (entries stored as computed keep the keys they had before codecs existed)."""
+    return dtype if _OWN_CODEC.get(dtype) == codec else f"{dtype}/{codec}"
+
+
 def document_id(text: str) -> str:
     """A document's id is the hash of its text: the same text is stored once."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]

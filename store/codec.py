@@ -1,0 +1,92 @@
+"""KV codecs: the form in which an entry's K and V are stored (and kept in the memory tier).
+
+  fp32 / fp16 / bf16   K and V cast to that dtype
+  int8                 asymmetric 8-bit (uint8) with fp32 scale and zero point beside them, as KIVI does:
+                       keys per channel (one (scale, zero) per layer, head and channel, over the chunk's tokens:
+                       pre-RoPE keys have outlier channels, not outlier tokens), values per token (one per
+                       layer, head and token)
+
+Decoding happens where the chunk is placed: `kernels.place_chunks` dequantizes into the compute dtype and
+rotates the keys in one pass (`kernels.torch_ref.dequantize_keys/values` is the reference arithmetic).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ragcache.errors import CodecOverflow, ParameterOutOfRange
+
+CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
+_NATIVE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+LEVELS = 255  # uint8 codes 0..255
+
+
+def native(dtype: torch.dtype) -> str:
+    """The codec that stores K/V exactly as the model computes them."""
+    return _NATIVE[dtype]
+
+
+def validate(codec: str | None) -> None:
+    if codec not in (None, "", "auto", *CODECS):
+        raise ParameterOutOfRange(f"unknown kv codec {codec!r}; choose one of auto, {', '.join(CODECS)}")
+
+
+def resolve(codec: str | None, dtype: torch.dtype) -> str:
+    """A codec name from the user ("auto" or None: the compute dtype's own) -> a codec of CODECS."""
+    validate(codec)
+    return native(dtype) if codec in (None, "", "auto") else codec
+
+
+def of_tensor(keys: torch.Tensor) -> str:
+    """The codec stored K/V are in, from their dtype."""
+    return of_dtype_name(str(keys.dtype).removeprefix("torch."))
+
+
+def of_dtype_name(name: str) -> str:
+    """The codec of stored K/V from their dtype's name ("uint8" -> "int8"), as entry summaries give it."""
+    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "int8"}.get(name, name)
+
+
+def encode(keys: torch.Tensor, values: torch.Tensor, codec: str):
+    """K/V [layers, kv_heads, T, head_dim] in the compute dtype -> (keys, values, key_scales, value_scales) stored.
+
+    Scales are None for the float codecs; for int8, key_scales is [L, H, 2, D] and value_scales [L, H, T, 2],
+    (scale, zero) pairs in fp32, with x ~= code * scale + zero."""
+    if codec == "int8":
+        key_codes, key_scales = _quantize(keys, dim=2)  # over tokens: one pair per channel
+        value_codes, value_scales = _quantize(values, dim=3)  # over channels: one pair per token
+        return key_codes, value_codes, key_scales.transpose(2, 3).contiguous(), value_scales
+    target = CODECS[codec]
+    stored = keys.to(target).contiguous(), values.to(target).contiguous()
+    if target != keys.dtype and not all(torch.isfinite(t).all() for t in stored):
+        raise CodecOverflow(f"K/V exceed the range of {codec}; store them as bf16 or int8 instead")
+    return *stored, None, None
+
+
+def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min-max quantization along `dim`: (uint8 codes, fp32 [..., 2] (scale, zero) with `dim` kept as 1)."""
+    x = x.to(torch.float32)
+    low = x.amin(dim=dim, keepdim=True)
+    high = x.amax(dim=dim, keepdim=True)
+    scale = (high - low) / LEVELS
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant run: any scale decodes it exactly
+    codes = torch.round((x - low) / scale).clamp_(0, LEVELS).to(torch.uint8)
+    return codes.contiguous(), torch.stack((scale, low), dim=-1).squeeze(dim)
+
+
+def scales_problem(keys: torch.Tensor, key_scales, value_scales) -> str | None:
+    """Why the scales beside stored K/V are not what their codec needs (None if they are)."""
+    if keys.dtype != torch.uint8:
+        return None if key_scales is None and value_scales is None else f"{of_tensor(keys)} K/V carry int8 scales"
+    if key_scales is None or value_scales is None:
+        return "int8 K/V without their scales"
+    layers, heads, tokens, dim = keys.shape
+    if key_scales.dtype != torch.float32 or tuple(key_scales.shape) != (layers, heads, 2, dim):
+        return f"key scales {key_scales.dtype} {list(key_scales.shape)} for K/V {list(keys.shape)}"
+    if value_scales.dtype != torch.float32 or tuple(value_scales.shape) != (layers, heads, tokens, 2):
+        return f"value scales {value_scales.dtype} {list(value_scales.shape)} for K/V {list(keys.shape)}"
+    if not (torch.isfinite(key_scales).all() and torch.isfinite(value_scales).all()):
+        return "int8 scales hold NaN or infinite values"
+    if (key_scales[:, :, 0] <= 0).any() or (value_scales[..., 0] <= 0).any():
+        return "int8 scales that are not positive"
+    return None
