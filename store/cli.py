@@ -1,6 +1,6 @@
 """`ragcache store ...`: look at and maintain a store without loading a model.
 
-  stats      entries, bytes, hits per tier; entries per model; records
+  stats      entries, bytes, hits per tier; entries per model; bytes per token by kv codec; records
   ls         entries with size, model, tokens, dtype (--limit, --json)
   verify     decode every entry and read every record; --fix deletes the bad ones; exit 1 if bad ones remain
   gc         disk: temp files of killed writers, index reconciled with the files, eviction to the budget;
@@ -26,6 +26,7 @@ from ragcache import documents
 from ragcache.errors import StoreError
 
 from . import _split, open_store
+from . import codec as kv_codec
 from .base import Store, batched
 from .keys import is_document_id
 
@@ -79,11 +80,27 @@ def summary(store: Store) -> dict:
         stats["entries"] = len(rows)
         stats["bytes"] = sum(r["size"] for r in rows)
         stats["models"] = dict(Counter(r["model_name"] for r in rows))
+        stats["codecs"] = codec_summary(rows)
         stats["unreadable_headers"] = sum(1 for r in rows if r["error"])
         tiers.append(stats)
     names = store.record_names()
     return {"store": store.name, "tiers": tiers, "records": len(names),
             "documents": sum(1 for n in names if n.startswith("doc/"))}
+
+
+def codec_summary(rows: list[dict]) -> dict[str, dict]:
+    """Entries, tokens, stored bytes and bytes per token for each kv codec (store/codec.py) among the entries."""
+    by_codec: dict[str, dict] = {}
+    for r in rows:
+        if r["error"] or not r["tokens"]:
+            continue
+        c = by_codec.setdefault(kv_codec.of_dtype_name(r["dtype"] or "?"), {"entries": 0, "tokens": 0, "bytes": 0})
+        c["entries"] += 1
+        c["tokens"] += r["tokens"]
+        c["bytes"] += r["size"]
+    for c in by_codec.values():
+        c["bytes_per_token"] = round(c["bytes"] / c["tokens"], 1)
+    return by_codec
 
 
 def verify_store(store: Store, fix: bool = False) -> dict:
@@ -181,17 +198,18 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
         console.print_json(json.dumps(info, default=str))
         return
     table = Table(title=f"store {store}")
-    for col in ("tier", "entries", "bytes", "budget", "hits", "models"):
+    for col in ("tier", "entries", "bytes", "budget", "hits", "models", "bytes/token by codec"):
         table.add_column(col, justify="right" if col in ("entries", "bytes", "budget", "hits") else "left")
     for t in info["tiers"]:
         if "error" in t:
-            table.add_row(t["tier"], "-", "-", "-", "-", f"[red]{t['error']}[/red]")
+            table.add_row(t["tier"], "-", "-", "-", "-", f"[red]{t['error']}[/red]", "-")
             continue
+        codecs = ", ".join(f"{name}: {c['bytes_per_token']:,.0f}" for name, c in sorted(t["codecs"].items())) or "-"
         budget = t.get("budget_bytes") or t.get("maxmemory") or 0
         hits = t.get("index_hits", t.get("server_hits", t.get("hits", 0)))
         models = ", ".join(f"{m}: {n}" for m, n in sorted(t["models"].items())) or "-"
         table.add_row(t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits),
-                      models)
+                      models, codecs)
     console.print(table)
     console.print(f"records: {info['records']} ({info['documents']} documents)")
 

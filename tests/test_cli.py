@@ -111,3 +111,22 @@ def test_demo_models_and_config(tmp_path):
     shown = subprocess.run([sys.executable, "-m", "ragcache.cli", "config"], cwd=tmp_path, capture_output=True,
                            text=True, env={**os.environ, "RAGCACHE_K": "24", "COLUMNS": "200"})
     assert "128" in shown.stdout and "24" in shown.stdout
+
+
+def test_kv_codec_from_compile_to_stats_to_query(tmp_path):
+    """--kv-codec int8 end to end: compiled as int8, reported by `store stats` in bytes per token beside the fp32
+    entries of the same document, read back by a query in int8; an unknown codec is a usage error."""
+    doc = tmp_path / "lighthouse.txt"
+    doc.write_text((DATA / "docs" / "lighthouse.txt").read_text())
+    store = f"disk:{tmp_path / 'store'}"
+    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", cwd=tmp_path)
+    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "int8", cwd=tmp_path)
+    stats = json.loads(ragcache("store", "stats", "--store", store, "--json", cwd=tmp_path).stdout)
+    codecs = stats["tiers"][0]["codecs"]
+    assert set(codecs) == {"fp32", "int8"} and codecs["int8"]["tokens"] == codecs["fp32"]["tokens"]
+    assert codecs["int8"]["bytes_per_token"] < 0.3 * codecs["fp32"]["bytes_per_token"]
+    answer = ragcache("query", "How tall is the Harrow Point lighthouse?", "--doc", str(doc), "--store", store,
+                      "--json", "--max-new-tokens", "8", "--kv-codec", "int8", cwd=tmp_path)
+    assert '"compiled_chunks": 0' in answer.stdout  # every chunk came from the int8 entries
+    bad = ragcache("query", "q", "--doc", str(doc), "--store", store, "--kv-codec", "int4", cwd=tmp_path, check=False)
+    assert bad.returncode == 3 and "kv_codec" in bad.stderr

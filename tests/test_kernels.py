@@ -166,9 +166,42 @@ def test_place_chunks(ops, device, monkeypatch, case):
 
     assert counter.launches == 1  # every chunk in one launch
     _close(joined_keys, want_keys, chunk_dtype)
-    if chunk_dtype != torch.float32:  # rounds where the reference rounds
+    if joined_dtype != torch.float32:  # rotated in the cache dtype: rounds where the reference rounds
         assert (joined_keys.cpu() != want_keys.cpu()).float().mean() < 0.01
     assert torch.equal(joined_values.cpu(), want_values.cpu())
+
+
+@pytest.mark.parametrize("joined_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim,half", [(64, 32), (80, 16)])  # full and partial rotary, a head_dim not a power of 2
+def test_place_chunks_decodes_int8_in_the_same_pass(ops, device, monkeypatch, joined_dtype, head_dim, half):
+    """The fused dequantize-and-place kernel against its torch reference: same decode, same rotation, one launch."""
+    from ragcache.store import codec
+
+    layers, heads, lengths, starts = 3, 2, [7, 70, 33], [2, 9, 79]
+    capacity = max(s + n for s, n in zip(starts, lengths)) + 3
+    encoded = [codec.encode(_randn(layers, heads, n, head_dim, dtype=torch.float32, device="cpu", seed=30 + i) * 4,
+                            _randn(layers, heads, n, head_dim, dtype=torch.float32, device="cpu", seed=40 + i), "int8")
+               for i, n in enumerate(lengths)]  # fmt: skip
+    keys, values, key_scales, value_scales = ([e[j].to(device) for e in encoded] for j in range(4))
+    inv_freq, scaling = (t.to(device) for t in _rope_table(layers, half, head_dim, seed=6))
+    joined_keys = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=7)
+    joined_values = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=8)
+    want_keys, want_values = joined_keys.clone(), joined_values.clone()
+
+    counter = _LaunchCounter(ops._place_kernel)
+    monkeypatch.setattr(ops, "_place_kernel", counter)
+    ops.place_chunks(joined_keys, joined_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
+    torch_ref.place_chunks(want_keys, want_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
+
+    assert counter.launches == 1
+    _close(joined_keys, want_keys, joined_dtype)
+    _close(joined_values, want_values, joined_dtype)
+    # fp32 decode is exact arithmetic on both sides up to one rounding (a GPU may fuse the multiply-add)
+    assert (joined_values.cpu() != want_values.cpu()).float().mean() < 0.01
+    untouched = torch.ones(capacity, dtype=torch.bool)
+    for s, n in zip(starts, lengths):
+        untouched[s : s + n] = False
+    assert torch.equal(joined_keys[:, :, untouched.to(device)].cpu(), want_keys[:, :, untouched.to(device)].cpu())
 
 
 def test_place_chunks_overlap_keeps_reference_order(ops, device):
