@@ -1,4 +1,5 @@
-"""python -m bench ttft | lower-bound | throughput | serve | accuracy | peers | markdown | squad-sample  (each: --help)."""
+"""python -m bench ttft | lower-bound | throughput | serve | accuracy | codecs | peers | markdown | squad-sample
+(each: --help)."""
 
 from __future__ import annotations
 
@@ -155,6 +156,25 @@ def accuracy(
 
 
 @app.command()
+def codecs(
+    model: str = Model,
+    n: int = typer.Option(60, "--n", min=1, help="questions"),
+    sample: bool = typer.Option(False, "--sample", help="use the shipped 20-item sample (no download)"),
+    seed: int = typer.Option(0, help="item selection and shuffling"),
+    kv_codecs: str = typer.Option("fp32,fp16,bf16,int8", "--codecs", help="comma-separated kv codecs"),
+    algorithms: str = typer.Option("naive,legolink-16", help="comma-separated algorithms linked with each codec"),
+    max_new_tokens: int = typer.Option(16, min=1, help="greedy tokens per answer (stops at a newline)"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Each kv codec against fp32 entries and against full: top-1, KL, F1 with 95% CIs, bytes per token."""
+    from bench import codecs as mod
+
+    mod.run(model, n, sample, seed, [c.strip() for c in kv_codecs.split(",") if c.strip()], _variants(algorithms),
+            max_new_tokens, out, tag)
+
+
+@app.command()
 def peers(
     model: str = Model,
     docs: int = typer.Option(6, min=1, help="documents in the prompt"),
@@ -186,18 +206,19 @@ def markdown(files: list[Path] = typer.Argument(..., help="result JSON files (be
     import json
 
     from bench import accuracy as acc
+    from bench import codecs as co
     from bench import lower_bound as lb
     from bench import peers as pe
     from bench import throughput as tp
     from bench import ttft as tt
 
     renderers = {"ttft": tt.markdown, "lower-bound": lb.markdown, "throughput": tp.markdown, "accuracy": acc.markdown,
-                 "peers": pe.markdown}
+                 "peers": pe.markdown, "codecs": co.markdown}
     for path in files:
         data = json.loads(path.read_text())
         render = renderers.get(data.get("benchmark"))
         if render is None:
-            print(f"{path}: not a result of ttft, lower-bound, throughput, accuracy or peers\n")
+            print(f"{path}: not a result of ttft, lower-bound, throughput, accuracy, codecs or peers\n")
             continue
         print(f"### {path.name}\n\n{render(data)}\n")
 

@@ -204,3 +204,28 @@ def test_a_lossy_codec_stays_close_to_fp32_entries(tiny_lm, name):
     assert lossy.kv_codec == name and linked.cached_tokens == reference.cached_tokens
     gap = (linked.last_logits - reference.last_logits).abs().max()
     assert 0 < gap < 0.05 * reference.last_logits.abs().max()  # lossy, so not equal; but close
+
+
+@pytest.mark.real_model
+def test_the_codec_bench_on_the_shipped_sample(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from bench.__main__ import app
+
+    result = CliRunner().invoke(app, ["--threads", "1", "codecs", "--sample", "--n", "2", "--codecs", "bf16,int8",
+                                      "--algorithms", "naive", "--max-new-tokens", "4", "--out", str(tmp_path)],
+                                catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "codecs-smollm2-135m.json").read_text())
+    rows = {r["codec"]: r for r in data["results"]}
+    assert list(rows) == ["fp32", "bf16", "int8"] and len(data["items"]) == 2  # fp32 entries are always the reference
+    assert rows["fp32"]["top1_vs_fp32"]["mean"] == 1.0 and rows["fp32"]["kl_vs_fp32"]["mean"] == 0.0
+    assert rows["fp32"]["delta_f1_vs_fp32"]["mean"] == 0.0
+    assert rows["bf16"]["bytes_vs_fp32"] <= 0.51 and rows["int8"]["bytes_vs_fp32"] <= 0.3
+    for r in rows.values():
+        for metric in ("top1_vs_fp32", "top1_vs_full", "f1"):
+            low, high = r[metric]["ci95"]
+            assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
+        assert r["kl_vs_fp32"]["mean"] >= 0.0 and r["kl_vs_full"]["mean"] >= 0.0
