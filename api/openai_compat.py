@@ -73,7 +73,8 @@ def ragcache_info(answer: Answer, queue_s: float) -> dict:
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
     profile = c.rc.profile
-    link = {"default_k": c.rc.default_k, "calibrated": profile is not None and profile.k is not None}
+    link = {"default_k": c.rc.default_k, "calibrated": profile is not None and profile.k is not None,
+            "kv_codec": c.rc.kv_codec}
     if profile is not None:
         link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items)
     return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created, ragcache=link)])

@@ -74,6 +74,7 @@ def lower_bound(
     algorithms: str = typer.Option(ALL, help="comma-separated: " + ALL),
     store: str = typer.Option("memory", help="memory, disk or redis: where the entries are read from"),
     redis: str = typer.Option(None, "--redis", help="Redis URL for --store redis"),
+    kv_codec: str = typer.Option("auto", "--kv-codec", help="auto | fp32 | fp16 | bf16 | int8: how entries are stored"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -81,7 +82,7 @@ def lower_bound(
     from bench import lower_bound as mod
 
     mod.run(model, common.parse_ints(docs), doc_tokens, runs, _variants(algorithms), _stores(store)[0], redis, out,
-            tag)
+            tag, kv_codec)
 
 
 @app.command()

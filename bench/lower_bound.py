@@ -69,7 +69,7 @@ def _engine(rc, lm, spec: str, chunk_tokens: int, cold: bool):
     if not cold:
         yield rc
         return
-    fresh = engine(lm, spec, chunk_tokens)
+    fresh = engine(lm, spec, chunk_tokens, rc.kv_codec)
     fresh.store.ping()
     try:
         yield fresh
@@ -102,9 +102,9 @@ def _one_run(rc, lm, spec: str, chunk_tokens: int, cold: bool, query_q: str, lin
 
 
 def run(model: str, docs: list[int], doc_tokens: int, runs: int, variants: list[Variant], store: str,
-        redis_url: str | None = None, out_dir: Path | None = None, tag: str = "") -> dict:
+        redis_url: str | None = None, out_dir: Path | None = None, tag: str = "", kv_codec: str = "auto") -> dict:
     params = dict(model=model, docs=docs, doc_tokens=doc_tokens, runs=runs, algorithms=[v.label for v in variants],
-                  store=store, tag=tag)
+                  store=store, tag=tag, kv_codec=kv_codec)
     bench = report.Run("lower-bound", params, out_dir)
     lm = load_model(model)
     texts = squad.timing_documents(lm.tokenizer, max(docs), doc_tokens)
@@ -116,7 +116,7 @@ def run(model: str, docs: list[int], doc_tokens: int, runs: int, variants: list[
             raise SystemExit(f"store {store} is not available: {'; '.join(backings.notes)}")
         spec = backings.spec(store)
         chunk_tokens = max(doc_tokens, 16)
-        rc = engine(lm, spec, chunk_tokens)
+        rc = engine(lm, spec, chunk_tokens, kv_codec)
         rc.warmup()
         ids = rc.compile(texts)
         label = f"{backings.describe(store)} ({'cold' if cold else 'warm'})"
@@ -135,13 +135,15 @@ def run(model: str, docs: list[int], doc_tokens: int, runs: int, variants: list[
                         samples[v.label].setdefault(name, []).append(value)
             for v in variants:
                 s = samples[v.label]
-                row = dict(store=label, algorithm=v.algorithm, label=v.label, **v.params, n_docs=n, runs=runs,
+                row = dict(store=label, kv_codec=rc.kv_codec, algorithm=v.algorithm, label=v.label, **v.params,
+                           n_docs=n, runs=runs,
                            **{k: s[k][-1] for k in ("prompt_tokens", "recomputed_tokens", "entries", "entry_bytes")},
                            **{k: _median(s[k]) for k in ("ttft_s", "link_s", "fetch_s", "rotate_s", "rows_s", "read_s",
                                                          "rows_alone_s")})
                 row["floor_s"] = round(row["read_s"] + row["rows_s"], 6)
                 row["floor_over_ttft"] = round(row["floor_s"] / row["ttft_s"], 3) if row["ttft_s"] else None
                 row["read_gb_per_s"] = round(row["entry_bytes"] / row["read_s"] / 1e9, 3) if row["read_s"] else None
+                row["read_over_ttft"] = round(row["read_s"] / row["ttft_s"], 3) if row["ttft_s"] else None
                 results.append(row)
             print(f"N={n} done", file=sys.stderr, flush=True)
         rc.store.close()
