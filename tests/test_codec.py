@@ -184,6 +184,21 @@ def test_engines_of_two_codecs_share_a_store_without_mixing(tiny_lm):
     assert by_codec["int8"] < 0.4 * by_codec["fp32"] and store.stats()["bytes"] == sum(by_codec.values())
 
 
+def test_a_model_free_delete_removes_the_entries_of_every_codec(tiny_lm):
+    from ragcache import documents
+
+    store = MemoryStore()
+    engines = [RagCache(tiny_lm, store, chunk_tokens=24, kv_codec=name) for name in ("fp32", "bf16", "int8")]
+    for e in engines:
+        kept, gone = e.compile(DOCS)
+    keys_of = {doc: {e.compiler.key(ids, e.layouts["default"]) for e in engines for ids in e.document_chunks(doc)}
+               for doc in (kept, gone)}
+    assert keys_of[gone] <= set(store.keys()) and len({store.get(k).codec for k in keys_of[gone]}) == 3
+    assert documents.delete(store, gone)["entries"] == len(keys_of[gone] - keys_of[kept])
+    assert not (keys_of[gone] - keys_of[kept]) & set(store.keys())  # found under every codec without a model
+    assert keys_of[kept] <= set(store.keys())  # the other document's entries stay, in every codec
+
+
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_recomputing_every_row_makes_the_codec_irrelevant(tiny_lm, name):
     """legolink with k >= every chunk recomputes all rows: a lossy codec must then give exactly full's result."""
