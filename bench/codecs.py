@@ -75,8 +75,34 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
     bytes_per_token = {c: round(b / max(t, 1), 1) for c, (b, t) in stored.items()}
     results = summarize(per_item, codecs, [v.label for v in variants], bytes_per_token, seed)
     _print(results, model, len(items))
-    paths = bench.finish(results, dict(items=per_item, bytes_per_token=bytes_per_token))
+    grouping = int8_grouping(reference, items[:ERROR_ITEMS])
+    print(f"int8 relative error by grouping (KIVI: keys per channel, values per token): {grouping}")
+    paths = bench.finish(results, dict(items=per_item, bytes_per_token=bytes_per_token, int8_grouping=grouping))
     return dict(results=results, paths=paths)
+
+
+ERROR_ITEMS = 10
+
+
+def int8_grouping(rc: RagCache, items: list) -> dict:
+    """KIVI's finding on this model's real K/V: relative error ||x - decode(encode(x))|| / ||x|| of int8 with one
+    (scale, zero) per channel (over a chunk's tokens) or per token (over its channels), for keys and for values."""
+    errors = {f"{name}_per_{group}": [0.0, 0.0] for name in ("keys", "values") for group in ("channel", "token")}
+    for item in items:
+        ids = rc.compile(item.documents)
+        for doc_id in ids:
+            for chunk in rc.document_chunks(doc_id):
+                entry = rc.store.get(rc.compiler.key(chunk, rc.layouts["default"]))
+                for name, x in (("keys", entry.keys.float()), ("values", entry.values.float())):
+                    for group, dim in (("channel", 2), ("token", 3)):
+                        codes, pairs = kv_codec._quantize(x, dim)
+                        pairs = pairs.unsqueeze(dim)  # back to broadcastable (scale, zero) along the other dims
+                        decoded = codes.float() * pairs[..., 0] + pairs[..., 1]
+                        errors[f"{name}_per_{group}"][0] += float((decoded - x).pow(2).sum())
+                        errors[f"{name}_per_{group}"][1] += float(x.pow(2).sum())
+        for doc_id in set(ids):
+            rc.delete_document(doc_id)
+    return {k: round((err / max(norm, 1e-30)) ** 0.5, 5) for k, (err, norm) in errors.items()}
 
 
 def _count_stored(rc: RagCache, total: list[int]) -> None:
