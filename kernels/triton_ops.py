@@ -232,10 +232,11 @@ def _place_kernel(
     d = tl.arange(0, D_P2)
     mask = t_mask[:, None] & (d < D)[None, :]
     v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0)
+    v = v.to(tl.float32)  # exact for every stored dtype; one rounding to the cache dtype below
     if QUANT:  # per-token (scale, zero)
         v_scale = tl.load(value_pairs, mask=t_mask, other=0.0)
         v_zero = tl.load(value_pairs + 1, mask=t_mask, other=0.0)
-        v = v.to(tl.float32) * v_scale[:, None] + v_zero[:, None]
+        v = v * v_scale[:, None] + v_zero[:, None]
     v_dst = joined_v + layer * jv_l + head * jv_h + dst_t[:, None] * jv_t + d[None, :]
     tl.store(v_dst, _to(v, joined_v.dtype.element_ty), mask=mask)
 

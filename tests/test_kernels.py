@@ -438,8 +438,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for dt in ("fp32", "bf16"):
         f = dict(inv_freq="*fp32", scaling="*fp32")
         build(T._rotate_kernel, dict(f, src=f"*{dt}", dst=f"*{dt}", positions="*i64"), dict(rope, BLOCK_T=32))
-        build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{dt}",
-              v_ref=f"*{dt}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=10))
+        for stored, quant in ((dt, False), ("u8", True)):  # as computed, and int8 decoded in the same pass
+            build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{stored}",
+                  v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, QUANT=quant))
         build(T._attention_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", query_positions="*i64", out=f"*{dt}",
               qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
               UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
