@@ -95,7 +95,7 @@ def int8_grouping(rc: RagCache, items: list) -> dict:
                 entry = rc.store.get(rc.compiler.key(chunk, rc.layouts["default"]))
                 for name, x in (("keys", entry.keys.float()), ("values", entry.values.float())):
                     for group, dim in (("channel", 2), ("token", 3)):
-                        codes, pairs = kv_codec._quantize(x, dim)
+                        codes, pairs = kv_codec.quantize(x, dim)
                         pairs = pairs.unsqueeze(dim)  # back to broadcastable (scale, zero) along the other dims
                         decoded = codes.float() * pairs[..., 0] + pairs[..., 1]
                         errors[f"{name}_per_{group}"][0] += float((decoded - x).pow(2).sum())

@@ -53,8 +53,8 @@ def encode(keys: torch.Tensor, values: torch.Tensor, codec: str):
     Scales are None for the float codecs; for int8, key_scales is [L, H, 2, D] and value_scales [L, H, T, 2],
     (scale, zero) pairs in fp32, with x ~= code * scale + zero."""
     if codec == "int8":
-        key_codes, key_scales = _quantize(keys, dim=2)  # over tokens: one pair per channel
-        value_codes, value_scales = _quantize(values, dim=3)  # over channels: one pair per token
+        key_codes, key_scales = quantize(keys, dim=2)  # over tokens: one pair per channel
+        value_codes, value_scales = quantize(values, dim=3)  # over channels: one pair per token
         return key_codes, value_codes, key_scales.transpose(2, 3).contiguous(), value_scales
     target = CODECS[codec]
     stored = keys.to(target).contiguous(), values.to(target).contiguous()
@@ -63,7 +63,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, codec: str):
     return *stored, None, None
 
 
-def _quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantization along `dim`: (uint8 codes, fp32 [..., 2] (scale, zero) with `dim` kept as 1)."""
     x = x.to(torch.float32)
     low = x.amin(dim=dim, keepdim=True)
