@@ -48,16 +48,32 @@ def place_chunks(
     as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
     key_scales = key_scales or [None] * len(chunk_keys)
     value_scales = value_scales or [None] * len(chunk_keys)
-    dtype, device = joined_keys.dtype, joined_keys.device
+    device = joined_keys.device
     for keys, values, start, k_scales, v_scales in zip(chunk_keys, chunk_values, starts, key_scales, value_scales):
-        length = keys.shape[2]
-        keys, values = keys.to(device), values.to(device)
-        if k_scales is not None:
-            keys = dequantize_keys(keys, k_scales.to(device), dtype)
-            values = dequantize_values(values, v_scales.to(device), dtype)
-        positions = torch.arange(start, start + length, device=device)
-        joined_keys[:, :, start : start + length] = rotate_keys(keys.to(dtype), positions, inv_freq, scaling)
-        joined_values[:, :, start : start + length] = values.to(dtype)
+        keys_slot = joined_keys[:, :, start : start + keys.shape[2]]
+        values_slot = joined_values[:, :, start : start + keys.shape[2]]
+        positions = torch.arange(start, start + keys.shape[2], device=device)
+        _decode_into(values_slot, values.to(device), v_scales, per_token=True)
+        if k_scales is None and keys.dtype == keys_slot.dtype:  # stored as computed: rotate straight from the entry
+            keys_slot.copy_(rotate_keys(keys.to(device), positions, inv_freq, scaling))
+            continue
+        # decode into the cache first (no temporary of the chunk's size), then rotate there in the cache dtype
+        _decode_into(keys_slot, keys.to(device), k_scales, per_token=False)
+        keys_slot.copy_(rotate_keys(keys_slot, positions, inv_freq, scaling))
+
+
+def _decode_into(slot: torch.Tensor, stored: torch.Tensor, pairs: torch.Tensor | None, per_token: bool) -> None:
+    """Stored K or V -> `slot` in its dtype: a cast, or code * scale + zero computed in fp32 then rounded once."""
+    if pairs is None:
+        slot.copy_(stored)
+        return
+    pairs = pairs.to(slot.device)
+    scale, zero = (pairs[..., 0:1], pairs[..., 1:2]) if per_token else (pairs[:, :, 0:1], pairs[:, :, 1:2])
+    if slot.dtype == torch.float32:  # the arithmetic of dequantize_* written in place: same fp32 ops, same result
+        torch.mul(stored, scale, out=slot)
+        slot.add_(zero)
+    else:
+        slot.copy_((stored.to(torch.float32) * scale + zero).to(slot.dtype))
 
 
 def dequantize_keys(codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
