@@ -25,7 +25,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.store.memory import MemoryStore
 
 from . import agreement, report, squad
-from .accuracy import _ci, agreement_stops, first_line
+from .accuracy import _ci, agreement_stops, bootstrap, first_line
 from .common import Variant, load_model
 
 DEFAULT_AGREEMENT = 0.95
@@ -126,7 +126,7 @@ def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_
             overlap = f1["ci95"][0] <= fp32_ci["ci95"][1] and fp32_ci["ci95"][0] <= f1["ci95"][1]
             out.append(dict(codec=c, algorithm=label, n=len(got), bytes_per_token=bytes_per_token[c],
                             bytes_vs_fp32=round(bytes_per_token[c] / bytes_per_token["fp32"], 3),
-                            top1_vs_fp32=top1_vs_fp32, kl_vs_fp32=_ci([g["kl_vs_fp32"] for g in got], seed),
+                            top1_vs_fp32=top1_vs_fp32, kl_vs_fp32=_fine_ci([g["kl_vs_fp32"] for g in got], seed),
                             top1_vs_full=_ci([g["top1_vs_full"] for g in got], seed),
                             kl_vs_full=_ci([g["kl_vs_full"] for g in got], seed), f1=f1,
                             delta_f1_vs_fp32=_ci([g["f1"] - r for g, r in zip(got, fp32_f1)], seed),
@@ -134,8 +134,18 @@ def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_
     return out
 
 
+def _fine_ci(values: list[float], seed: int) -> dict:
+    """As accuracy._ci, to 3 significant digits: the KL a codec adds can be 1e-6 nats."""
+    mean, low, high = bootstrap(values, seed)
+    return dict(mean=float(f"{mean:.3g}"), ci95=[float(f"{low:.3g}"), float(f"{high:.3g}")])
+
+
 def _fmt(ci: dict, digits: int = 3) -> str:
     return f"{ci['mean']:.{digits}f} [{ci['ci95'][0]:.{digits}f}, {ci['ci95'][1]:.{digits}f}]"
+
+
+def _fmt_small(ci: dict) -> str:
+    return f"{ci['mean']:.2g} [{ci['ci95'][0]:.2g}, {ci['ci95'][1]:.2g}]"
 
 
 def _print(results: list[dict], model: str, n: int) -> None:
@@ -148,7 +158,7 @@ def _print(results: list[dict], model: str, n: int) -> None:
         table.add_column(col)
     for r in results:
         table.add_row(r["algorithm"], r["codec"], f"{r['bytes_vs_fp32']:.3f}", _fmt(r["top1_vs_fp32"]),
-                      _fmt(r["kl_vs_fp32"], 4), _fmt(r["top1_vs_full"]), _fmt(r["kl_vs_full"]), _fmt(r["f1"]),
+                      _fmt_small(r["kl_vs_fp32"]), _fmt(r["top1_vs_full"]), _fmt(r["kl_vs_full"]), _fmt(r["f1"]),
                       _fmt(r["delta_f1_vs_fp32"]), "yes" if r["default_ok"] else "no")
     Console(width=220).print(table)
 
@@ -158,7 +168,7 @@ def markdown(data: dict) -> str:
              "ΔF1 vs fp32 | default ok |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         lines.append(f"| {r['algorithm']} | {r['codec']} | {r['bytes_vs_fp32']:.3f} | {_fmt(r['top1_vs_fp32'])} | "
-                     f"{_fmt(r['kl_vs_fp32'], 4)} | {_fmt(r['top1_vs_full'])} | {_fmt(r['kl_vs_full'])} | "
+                     f"{_fmt_small(r['kl_vs_fp32'])} | {_fmt(r['top1_vs_full'])} | {_fmt(r['kl_vs_full'])} | "
                      f"{_fmt(r['f1'])} | {_fmt(r['delta_f1_vs_fp32'])} | {'yes' if r['default_ok'] else 'no'} |")
     return "\n".join(lines)
 
