@@ -54,7 +54,7 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
         row = {}
         for c, rc in engines.items():
             ids = rc.compile(item.documents)
-            _count_stored(rc, stored[c])
+            _count_stored(rc, ids, stored[c])
             for v in variants:
                 linked = rc.link(item.question, ids, max_new_tokens=max_new_tokens, **v.kwargs)
                 text = first_line(rc.tokenizer.decode(agreement.greedy(rc.runner, linked, max_new_tokens, *stops)))
@@ -105,12 +105,12 @@ def int8_grouping(rc: RagCache, items: list) -> dict:
     return {k: round((err / max(norm, 1e-30)) ** 0.5, 5) for k, (err, norm) in errors.items()}
 
 
-def _count_stored(rc: RagCache, total: list[int]) -> None:
-    for key in rc.store.keys():
-        entry = rc.store.get(key)
-        if entry is not None:
-            total[0] += entry.nbytes
-            total[1] += entry.num_tokens
+def _count_stored(rc: RagCache, doc_ids: list[str], total: list[int]) -> None:
+    """Bytes and tokens of the documents' chunk entries (the system prefix is stored as computed by every codec)."""
+    keys = [rc.compiler.key(chunk, rc.layouts["default"]) for doc_id in doc_ids for chunk in rc.document_chunks(doc_id)]
+    for entry in rc.store.get_many(keys):
+        total[0] += entry.nbytes
+        total[1] += entry.num_tokens
 
 
 def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_per_token: dict,

@@ -48,7 +48,7 @@ def entry_keys(rc, doc_ids: list[str], variant: Variant) -> list[str]:
     keys = [rc.compiler.key(ids, layout) for doc_id in doc_ids for ids in rc.document_chunks(doc_id)]
     prefix_ids = prompt.system_prefix_ids(rc.tokenizer, rc.format, None)
     if prefix_ids:
-        keys.append(rc.compiler.key(prefix_ids, PLAIN))
+        keys.append(rc.prefix_compiler.key(prefix_ids, PLAIN))
     return keys
 
 

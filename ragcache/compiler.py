@@ -59,10 +59,11 @@ def sink_layout(tokenizer) -> Layout:
 
 class Compiler:
     def __init__(self, lm: LoadedModel, runner: Runner, codec: str | None = None):
+        """`codec`: a kv codec, "auto" (the device's default), or None (as computed: exact entries)."""
         self.lm = lm
         self.runner = runner
         self.dtype = str(runner.shape.dtype).removeprefix("torch.")
-        self.codec = kv_codec.resolve(codec, runner.shape.dtype)
+        self.codec = kv_codec.resolve(codec, runner.shape.dtype, runner.device.type)
 
     def key(self, token_ids: list[int], layout: Layout) -> str:
         return chunk_key(self.lm.fingerprint, self.lm.tokenizer_fingerprint, kv_form(self.dtype, self.codec),

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ragcache.store import Store, open_store
+from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import is_document_id
@@ -55,6 +56,9 @@ class RagCache:
         self.chunk_tokens = chunk_tokens
         self.runner = Runner(lm)
         self.compiler = Compiler(lm, self.runner, kv_codec)
+        # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
+        # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
+        self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
         self.tokenizer = lm.tokenizer
         self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
         self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
@@ -127,7 +131,7 @@ class RagCache:
                     progress(len(ids), 0 if there else len(ids))
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
-            self._ensure([prefix_ids], PLAIN)
+            self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
         report.seconds = time.perf_counter() - started
         return report
 
@@ -147,11 +151,13 @@ class RagCache:
             self._ensure(missing, self.layouts[layout])
         return len(missing), 0
 
-    def _ensure(self, chunks: list[list[int]], layout: Layout) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
+    def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
+                ) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
         """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
-        return self.documents.ensure(chunks, key=lambda ids: self.compiler.key(ids, layout),
-                                     compile=lambda ids: self.scheduler.call(self.compiler.compile, ids, layout),
-                                     problem=self.compiler.problem)
+        compiler = compiler or self.compiler
+        return self.documents.ensure(chunks, key=lambda ids: compiler.key(ids, layout),
+                                     compile=lambda ids: self.scheduler.call(compiler.compile, ids, layout),
+                                     problem=compiler.problem)
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
         return self.documents.register(text, meta)
@@ -187,8 +193,9 @@ class RagCache:
         return ids
 
     # -- linking --------------------------------------------------------------------------------------
-    def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats) -> list[ChunkKV]:
-        entries, report = self._ensure(chunk_ids, layout)
+    def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
+                 compiler: Compiler | None = None) -> list[ChunkKV]:
+        entries, report = self._ensure(chunk_ids, layout, compiler)
         stats.store_hits += report.hits
         stats.store_misses += len(chunk_ids) - report.hits
         stats.compiled_chunks += report.compiled
@@ -213,7 +220,7 @@ class RagCache:
             layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
             parts.chunk_entries = self._entries(chunks, layout, stats)
             if parts.prefix_ids:
-                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats)[0]
+                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]
 
     def _prepare(self, question: str, docs: list[str], system: str | None, params: LinkParams, max_new_tokens: int,
                  stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:

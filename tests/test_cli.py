@@ -119,7 +119,7 @@ def test_kv_codec_from_compile_to_stats_to_query(tmp_path):
     doc = tmp_path / "lighthouse.txt"
     doc.write_text((DATA / "docs" / "lighthouse.txt").read_text())
     store = f"disk:{tmp_path / 'store'}"
-    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", cwd=tmp_path)
+    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "fp32", cwd=tmp_path)
     ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "int8", cwd=tmp_path)
     stats = json.loads(ragcache("store", "stats", "--store", store, "--json", cwd=tmp_path).stdout)
     codecs = stats["tiers"][0]["codecs"]

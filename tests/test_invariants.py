@@ -1,4 +1,7 @@
-"""DESIGN.md's invariants 1-4 on tiny random-weight models of every supported family (fp32)."""
+"""DESIGN.md's invariants 1-4 on tiny random-weight models of every supported family (fp32, and bf16 below).
+
+Entries are stored as computed (kv codec fp32 / bf16): the invariants are exact, a lossy codec is not (its own
+bounds are tests/test_codec.py's)."""
 
 import pytest
 import torch
@@ -25,7 +28,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def rc(family):
     # chunk budget 24 so each document splits into several chunks
-    return RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24)
+    return RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24, kv_codec="fp32")
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +65,7 @@ def test_full_recompute_settings_equal_full(rc, algorithm, params):
 
 
 def test_naive_with_one_chunk_equals_full(family):
-    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=512)
+    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=512, kv_codec="fp32")
     ids = rc.compile([DOCS[0]])
     full = rc.link(QUESTION, ids, algorithm="full")
     naive = rc.link(QUESTION, ids, algorithm="naive")
@@ -144,7 +147,7 @@ def _close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float) ->
 
 @pytest.fixture(scope="module")
 def rc_bf16(family):
-    return RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=24)
+    return RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=24, kv_codec="bf16")
 
 
 def test_bf16_full_equals_model_forward(rc_bf16, reference):
@@ -166,7 +169,7 @@ def test_bf16_full_recompute_settings_equal_full(rc_bf16, algorithm, params):
 
 
 def test_bf16_naive_with_one_chunk_equals_full(family):
-    rc = RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=512)
+    rc = RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=512, kv_codec="bf16")
     ids = rc.compile([DOCS[0]])
     full = rc.link(QUESTION, ids, algorithm="full")
     naive = rc.link(QUESTION, ids, algorithm="naive")
