@@ -60,7 +60,8 @@ DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | fl
                                                  "float32 on CPU, bfloat16 on CUDA)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
 KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
-                                                      "(default: settings, auto: as the model computes them)")
+                                                      "(default: settings, auto: int8 on CPU, the compute dtype "
+                                                      "elsewhere)")
 
 
 def _open(model: str | None, store: str | None, chunk_tokens: int | None = None, dtype: str | None = None,

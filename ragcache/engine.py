@@ -75,7 +75,8 @@ class RagCache:
     def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto") -> "RagCache":
-        """`kv_codec`: how chunk K/V are stored (store/codec.py): "auto" (as computed), fp32, fp16, bf16 or int8."""
+        """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
+        the compute dtype elsewhere)."""
         validate_kv_codec(kv_codec)  # a bad name fails before the model loads
         lm = models.load(model, dtype=dtype, device=device)
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,

@@ -28,8 +28,8 @@ class Settings(BaseSettings):
                        description="auto: float32 on CPU, bfloat16 on CUDA (see docs/BENCHMARKS.md)")
     device: str = "cpu"
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
-                          description="how chunk K/V are stored: auto (the compute dtype), fp32, fp16, bf16 or int8 "
-                          "(see README: KV codecs)")
+                          description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
+                          "fp32, fp16, bf16 or int8 (see README: KV codecs)")
     algorithm: str = "legolink"
     k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
     ratio: float = Field(0.15, ge=0.0, le=1.0)
