@@ -34,7 +34,7 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag)
     bench = report.Run("serve", params, out_dir)
-    rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants)
+    rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
     decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams) if decode_tokens else []
     _print(rest, decode, bench.machine)
     paths = bench.finish(rest + decode)
