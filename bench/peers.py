@@ -186,8 +186,10 @@ class VllmWorker:
     def __init__(self, python: str, model_dir: str, dtype: str, max_len: int):
         import subprocess
 
-        self.process = subprocess.Popen([python, str(Path(__file__).with_name("vllm_worker.py")), model_dir, dtype,
-                                         str(max_len)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        # -P: bench/ not on its sys.path (bench/kernels.py would shadow the `kernels` package transformers probes)
+        script = str(Path(__file__).with_name("vllm_worker.py"))
+        self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not json.loads(self._line()).get("ready"):
             raise RuntimeError("the vLLM worker did not start")
 

@@ -12,18 +12,21 @@ Reads one JSON request per line on stdin, answers one JSON line on stdout (vLLM'
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
 
 def main() -> None:
     model_dir, dtype, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    # Only answers on the real stdout: vLLM and the engine process it spawns log to file descriptor 1, which
+    # becomes stderr before anything is imported.
+    answer = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=max_len, seed=0)
-    answer = sys.stdout
-    sys.stdout = sys.stderr  # only answers on the real stdout
 
     def generate(ids: list[int], tokens: int) -> float:
         params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
