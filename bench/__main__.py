@@ -184,7 +184,8 @@ def peers(
     decode_tokens: int = typer.Option(32, min=2, help="tokens per decode sample"),
     dtypes: str = typer.Option("float32,bfloat16", help="dtypes of ragcache and transformers"),
     algorithms: str = typer.Option("full,legolink-16,naive", help="ragcache algorithms"),
-    only: str = typer.Option("ragcache,transformers,llama.cpp", "--peers", help="which peers run"),
+    only: str = typer.Option("ragcache,transformers,llama.cpp", "--peers",
+                             help="which peers run (vllm too: its own venv, RAGCACHE_VLLM_PYTHON)"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -192,9 +193,9 @@ def peers(
     from bench import peers as mod
 
     wanted = [p.strip() for p in only.split(",") if p.strip()]
-    bad = [p for p in wanted if p not in ("ragcache", "transformers", "llama.cpp")]
+    bad = [p for p in wanted if p not in mod.PEERS]
     if bad:
-        raise typer.BadParameter(f"unknown peer(s) {bad}: ragcache, transformers, llama.cpp")
+        raise typer.BadParameter(f"unknown peer(s) {bad}: {', '.join(mod.PEERS)}")
     kinds = [d.strip() for d in dtypes.split(",") if d.strip()]
     if not kinds or any(d not in ("float32", "bfloat16", "float16") for d in kinds):
         raise typer.BadParameter(f"--dtypes {dtypes!r}: float32, bfloat16, float16")

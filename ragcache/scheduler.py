@@ -8,9 +8,11 @@ A request's life:
   gone      done, failed or cancelled; it leaves the batch and its rows are free at the next step.
 
 Each step packs the rows of every running request (decode rows first, then link pieces in FIFO order until the
-budget is spent) into one forward: embeddings, projections, norms and MLPs run once over the concatenated rows;
-attention runs per request over that request's own joined cache (runner.Batch). A request that fails fails
-alone; the others go on. Other model work (compiling a chunk) goes through `call` and runs here too, between steps.
+budget is spent) into one forward: embeddings, projections, norms and MLPs run once over the concatenated rows.
+A request that starts decoding moves its joined cache into the runner's KVPool, so the decode rows of all
+requests take one attention call per layer (runner.PooledRows); link pieces attend per request over their own
+joined cache (runner.Batch). A request that leaves frees its slot. A request that fails fails alone; the others
+go on. Other model work (compiling a chunk) goes through `call` and runs here too, between steps.
 """
 
 from __future__ import annotations
@@ -160,9 +162,7 @@ class Scheduler:
                     self._step()
             except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
                 log.exception("the scheduler failed a step")
-                for request in self.running:
-                    request.emit("error", exc)
-                self.running = []
+                self._fail_all(exc)
 
     def _run_calls(self) -> None:
         while self.calls:
@@ -258,9 +258,7 @@ class Scheduler:
             logits = self.runner.logits(hidden[0, [index for _, index in ends]])
         except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails
             log.exception("a model step failed")
-            for request in self.running:
-                request.emit("error", exc)
-            self.running = []
+            self._fail_all(exc)
             return
         for (request, _), row in zip(ends, logits):
             try:
@@ -296,20 +294,32 @@ class Scheduler:
         if step is not None:
             request.emit("token", step)
         if decoding is None or step is None or decoding.finished or request.cache.length >= request.cache.capacity:
+            self._leave(request)  # first: when "done" arrives, the request holds nothing any more
             if decoding is not None:
                 request.emit("done", None)
-            self._leave(request)
             return
         request.next_token = step.token_id
+        if request.cache.slot is None:  # decoding from now on: its cache joins the pool
+            self.runner.pool.adopt(request.cache)
         if request not in self.running:
             self.running.append(request)
 
     def _leave(self, request: Request) -> None:
         if request in self.running:
             self.running.remove(request)
+        if request.cache is not None:
+            self.runner.pool.release(request.cache)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request in list(self.running):
+            self._leave(request)
+            request.emit("error", exc)
+        self.running = []
 
     def _dropped(self, request: Request) -> bool:
         if request.cancelled:
+            if request.cache is not None:
+                self.runner.pool.release(request.cache)
             request.emit("cancelled", None)
         return request.cancelled
 

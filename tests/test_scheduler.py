@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from ragcache import errors
+from ragcache import errors, kernels
 from ragcache.engine import RagCache
 from ragcache.generate import Decoding, Sampling
+from ragcache.kernels import torch_ref
 from ragcache.linker import ALGORITHMS, LinkParams
 from ragcache.scheduler import Request
 from ragcache.store.memory import MemoryStore
@@ -209,3 +210,56 @@ def test_a_bad_request_fails_alone(rc):
         with pytest.raises(errors.UnknownDocument):
             futures[1].result()
         assert [futures[0].result().text, futures[2].result().text] == [s.text for s in singles]
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 40])
+def test_pooled_decode_attention_equals_each_request_alone(window):
+    """One call over a pool of caches of different lengths (free slots in between) == each row over its own cache."""
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, capacity = 6, 2, 16, 48
+    keys = torch.randn(5, kv_heads, capacity, dim, generator=generator)
+    values = torch.randn(5, kv_heads, capacity, dim, generator=generator)
+    slots, lengths = torch.tensor([3, 0, 4]), [31, 7, 46]  # slots 1 and 2 are free
+    positions = torch.tensor([n - 1 for n in lengths])
+    query = torch.randn(heads, len(lengths), dim, generator=generator)
+    first_key = 0 if window is None else max(int(positions.min()) - window + 1, 0)
+    end = int(positions.max()) + 1
+    pooled = kernels.pooled_decode_attention(query, keys[:, :, first_key:end], values[:, :, first_key:end], slots,
+                                             positions, 0.25, window, first_key)
+    for i, (slot, length) in enumerate(zip(slots.tolist(), lengths)):
+        own_keys, own_values = keys[slot, :, :length], values[slot, :, :length]
+        row, at = query[:, i : i + 1], positions[i : i + 1]
+        alone = kernels.selected_attention(row, own_keys, own_values, at, 0.25, window, contiguous_from=length - 1)
+        torch.testing.assert_close(pooled[i : i + 1], alone, atol=1e-5, rtol=0)
+        torch.testing.assert_close(pooled[i : i + 1], torch_ref.reference_attention(row, own_keys, own_values, at, 0.25,
+                                                                                    window), atol=1e-5, rtol=0)
+
+
+def test_pooled_decode_equals_a_decode_loop_over_private_caches(rc, monkeypatch):
+    """Streams of different prompt lengths decoding together in the pool (one attention call per layer for their
+    rows; gemma3's sliding layers included) give the tokens of a greedy loop over each request's own cache."""
+    asks = [ask(rc, "legolink", 0, slice(0, 3), max_new_tokens=8), ask(rc, "naive", 1, slice(1, 3), max_new_tokens=8),
+            ask(rc, "legolink0", 2, slice(0, 2), max_new_tokens=8)]
+    expected = [greedy_loop(rc, kw) for kw in asks]  # first: it also compiles what the batch needs (held there)
+    calls = []
+    pooled = kernels.pooled_decode_attention
+    monkeypatch.setattr(kernels, "pooled_decode_attention", lambda *a: calls.append(a[0].shape[1]) or pooled(*a))
+    runs = together(rc, [Run(rc, **kw) for kw in asks])
+    assert calls and max(calls) == len(asks), "the decode rows were not attended in one call"
+    assert not rc.runner.pool.members and rc.runner.pool.keys is None  # every slot freed, the pool with them
+    for run, tokens in zip(runs, expected):
+        answer = run.stream.answer.token_ids
+        assert len(answer) >= 3 and answer == tokens[: len(answer)]
+
+
+def greedy_loop(rc: RagCache, kw: dict) -> list[int]:
+    """Greedy tokens of a request linked alone (its cache never enters the pool), one forward per token."""
+    linked = rc.link(kw["question"], kw["docs"], algorithm=kw["algorithm"], max_new_tokens=kw["max_new_tokens"],
+                     **PARAMS.get(kw["algorithm"], {}))
+    cache, tokens = linked.cache, [int(linked.last_logits.argmax())]
+    with torch.inference_mode():
+        while len(tokens) < kw["max_new_tokens"]:
+            cache.length += 1
+            hidden = rc.runner.forward_rows(torch.tensor(tokens[-1:]), torch.tensor([cache.length - 1]), cache)
+            tokens.append(int(rc.runner.logits(hidden[0, -1:])[0].argmax()))
+    return tokens
