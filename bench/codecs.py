@@ -7,7 +7,8 @@ Items are bench/accuracy.py's (SQuAD v1.1 dev: the gold paragraph plus 3 distrac
 links the same token ids with each algorithm (naive and legolink-16 by default). At the answer's first position:
   top-1 agreement and KL(fp32 || codec) with the same algorithm on fp32 entries (what the codec alone changes),
   top-1 agreement and KL(full || codec) with `full`,
-and the task F1 of the greedy answer against the gold answers, with its paired difference from fp32 entries'.
+the share of greedy answers identical to fp32 entries' answers, and the task F1 of the greedy answer against the
+gold answers, with its paired difference from fp32 entries'.
 Every figure comes with a 95% bootstrap interval over items. Bytes per token are read from the stored entries.
 
 The rule for a default (issue 12): a codec is offered only where its top-1 agreement with fp32 entries is >= 0.95
@@ -118,6 +119,7 @@ def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_
     out = []
     for label in labels:
         fp32_f1 = [it["results"][f"fp32/{label}"]["f1"] for it in per_item]
+        fp32_text = [it["results"][f"fp32/{label}"]["text"] for it in per_item]
         fp32_ci = _ci(fp32_f1, seed)
         for c in codecs:
             got = [it["results"][f"{c}/{label}"] for it in per_item]
@@ -127,6 +129,7 @@ def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_
             out.append(dict(codec=c, algorithm=label, n=len(got), bytes_per_token=bytes_per_token[c],
                             bytes_vs_fp32=round(bytes_per_token[c] / bytes_per_token["fp32"], 3),
                             top1_vs_fp32=top1_vs_fp32, kl_vs_fp32=_fine_ci([g["kl_vs_fp32"] for g in got], seed),
+                            same_answer_as_fp32=_ci([float(g["text"] == t) for g, t in zip(got, fp32_text)], seed),
                             top1_vs_full=_ci([g["top1_vs_full"] for g in got], seed),
                             kl_vs_full=_ci([g["kl_vs_full"] for g in got], seed), f1=f1,
                             delta_f1_vs_fp32=_ci([g["f1"] - r for g, r in zip(got, fp32_f1)], seed),
@@ -153,22 +156,22 @@ def _print(results: list[dict], model: str, n: int) -> None:
     from rich.table import Table
 
     table = Table(title=f"kv codecs, {model}, n={n} (95% bootstrap intervals)")
-    for col in ("algorithm", "codec", "bytes vs fp32", "top-1 vs fp32", "KL vs fp32", "top-1 vs full", "KL vs full",
-                "F1", "dF1 vs fp32", "default ok"):
+    for col in ("algorithm", "codec", "bytes vs fp32", "top-1 vs fp32", "KL vs fp32", "same answer", "top-1 vs full",
+                "KL vs full", "F1", "dF1 vs fp32", "default ok"):
         table.add_column(col)
     for r in results:
         table.add_row(r["algorithm"], r["codec"], f"{r['bytes_vs_fp32']:.3f}", _fmt(r["top1_vs_fp32"]),
-                      _fmt_small(r["kl_vs_fp32"]), _fmt(r["top1_vs_full"]), _fmt(r["kl_vs_full"]), _fmt(r["f1"]),
+                      _fmt_small(r["kl_vs_fp32"]), _fmt(r["same_answer_as_fp32"]), _fmt(r["top1_vs_full"]), _fmt(r["kl_vs_full"]), _fmt(r["f1"]),
                       _fmt(r["delta_f1_vs_fp32"]), "yes" if r["default_ok"] else "no")
     Console(width=220).print(table)
 
 
 def markdown(data: dict) -> str:
-    lines = ["| algorithm | codec | bytes vs fp32 | top-1 vs fp32 | KL vs fp32 | top-1 vs full | KL vs full | F1 | "
-             "ΔF1 vs fp32 | default ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | codec | bytes vs fp32 | top-1 vs fp32 | KL vs fp32 | same answer as fp32 | top-1 vs full | "
+             "KL vs full | F1 | ΔF1 vs fp32 | default ok |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in data["results"]:
         lines.append(f"| {r['algorithm']} | {r['codec']} | {r['bytes_vs_fp32']:.3f} | {_fmt(r['top1_vs_fp32'])} | "
-                     f"{_fmt_small(r['kl_vs_fp32'])} | {_fmt(r['top1_vs_full'])} | {_fmt(r['kl_vs_full'])} | "
+                     f"{_fmt_small(r['kl_vs_fp32'])} | {_fmt(r['same_answer_as_fp32'])} | {_fmt(r['top1_vs_full'])} | {_fmt(r['kl_vs_full'])} | "
                      f"{_fmt(r['f1'])} | {_fmt(r['delta_f1_vs_fp32'])} | {'yes' if r['default_ok'] else 'no'} |")
     return "\n".join(lines)
 

@@ -237,10 +237,10 @@ def test_the_codec_bench_on_the_shipped_sample(tmp_path):
     rows = {r["codec"]: r for r in data["results"]}
     assert list(rows) == ["fp32", "bf16", "int8"] and len(data["items"]) == 2  # fp32 entries are always the reference
     assert rows["fp32"]["top1_vs_fp32"]["mean"] == 1.0 and rows["fp32"]["kl_vs_fp32"]["mean"] == 0.0
-    assert rows["fp32"]["delta_f1_vs_fp32"]["mean"] == 0.0
+    assert rows["fp32"]["delta_f1_vs_fp32"]["mean"] == 0.0 and rows["fp32"]["same_answer_as_fp32"]["mean"] == 1.0
     assert rows["bf16"]["bytes_vs_fp32"] <= 0.51 and rows["int8"]["bytes_vs_fp32"] <= 0.3
     for r in rows.values():
-        for metric in ("top1_vs_fp32", "top1_vs_full", "f1"):
+        for metric in ("top1_vs_fp32", "same_answer_as_fp32", "top1_vs_full", "f1"):
             low, high = r[metric]["ci95"]
             assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
         assert r["kl_vs_fp32"]["mean"] >= 0.0 and r["kl_vs_full"]["mean"] >= 0.0
