@@ -9,7 +9,11 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             behind the real system prefix, dropped), system (a system prompt in the chat header)
   selections at fraction f of chunk tokens: first (LegoLink), random, qattn (question attention at one
             layer), qattn-all (summed over layers), mixed (first 4 per chunk + qattn), oracle (rows whose
-            placed K/V deviate most from full's), cacheblend (the linker's, ratio f)
+            placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
+            chunk + qattn), late (mixed, attention summed over the upper half of the layers only), chunk (first 4
+            per chunk, then whole chunks from their start, most-attended chunk first), qfull (mixed scored by
+            full's question attention: what a perfect attention estimate would pick)
+  cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
 
@@ -29,6 +33,7 @@ from bench.common import load_model
 from ragcache import prompt
 from ragcache.compiler import PLAIN, Compiler, Layout
 from ragcache.generate import eos_ids
+from ragcache import linker
 from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 
@@ -89,7 +94,7 @@ class Item:
 
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
         setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str],
-        instruct: bool = True) -> None:
+        instruct: bool = True, vratios: list[float] = (), start: int = 0) -> None:
     lm = load_model(model)
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
@@ -98,7 +103,7 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
     newline = newline_ids(lm.tokenizer)
     plain_prefix = prompt.system_prefix_ids(lm.tokenizer, fmt, None)
     known = layouts(lm, plain_prefix)
-    items = squad.load_items(n, seed=seed)
+    items = squad.load_items(n, seed=seed)[start:]
     records: list[dict] = []
     started = time.perf_counter()
     for i, sq in enumerate(items):
@@ -106,16 +111,16 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
         for name in setups:
             item = Item(runner, compiler, lm, fmt, sq, known[name], instruct)
             _setup(runner, item, name, record, fractions, ks, ratios, decode, stops, newline, max_new, qlayer,
-                   lm.tokenizer, i, selections)
+                   lm.tokenizer, start + i, selections, vratios)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, qlayer=qlayer, instruct=instruct,
-                                       items=records)))
+        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, start=start, qlayer=qlayer,
+                                       instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, decode, stops, newline, max_new,
-           qlayer, tok, seed, selections) -> None:
+           qlayer, tok, seed, selections, vratios=()) -> None:
     parts = item.parts
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
@@ -141,24 +146,45 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     for r in ratios:
         linked = link(runner, parts, LinkParams("cacheblend", ratio=r), extra_capacity=cap)
         measure(f"cacheblend-{r}", linked, linked.recomputed_tokens - len(parts.question_ids))
+    for r in vratios:
+        linked = link(runner, parts, LinkParams("cacheblend", ratio=r, deviation="value"), extra_capacity=cap)
+        measure(f"cacheblend-v-{r}", linked, linked.recomputed_tokens - len(parts.question_ids))
     if not fractions:
         return
     attention = agreement.question_attention(runner, parts)
-    keys, values = agreement.placed_kv(runner, parts)
-    oracle = agreement.deviation_from_full(full, keys, values)
-    record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
-    sinks = torch.cat([torch.arange(a, a + min(4, b - a)) for a, b in agreement.chunk_spans(parts)])
+    names = {label.partition("@")[0] for label in selections}
+    if "oracle" in names:
+        keys, values = agreement.placed_kv(runner, parts)
+        oracle = agreement.deviation_from_full(full, keys, values)
+        record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
+    if "qfull" in names:  # full's cache already holds the question's K/V: the pass rewrites the same values
+        with torch.inference_mode():
+            true_attention = linker._question_attention(runner, parts, full.cache)
+    sinks, firsts = agreement.leading_rows(parts, 4), agreement.leading_rows(parts, 16)
+    upper = attention[attention.shape[0] // 2:].sum(0)
     for f in fractions:
         count = agreement.budget(parts, f)
         choices = {
-            "first": agreement.first_rows(parts, f),
-            "random": agreement.random_rows(parts, f, seed),
-            "qattn": agreement.top_rows(parts, attention[qlayer], count),
-            "qattn-all": agreement.top_rows(parts, attention.sum(0), count),
-            "mixed": agreement.top_rows(parts, attention.sum(0), count, forced=sinks),
-            "oracle": agreement.top_rows(parts, oracle, count),
+            "first": lambda: agreement.first_rows(parts, f),
+            "random": lambda: agreement.random_rows(parts, f, seed),
+            "qattn": lambda: agreement.top_rows(parts, attention[qlayer], count),
+            "qattn-all": lambda: agreement.top_rows(parts, attention.sum(0), count),
+            "mixed": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=sinks[:count]),
+            "mixed16": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=firsts[:count]),
+            "late": lambda: agreement.top_rows(parts, upper, count, forced=sinks[:count]),
+            "chunk": lambda: agreement.chunk_first_rows(parts, attention.sum(0), count),
+            "qfull": lambda: agreement.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
+            "oracle": lambda: agreement.top_rows(parts, oracle, count),
         }
-        for label, rows in ((k, v) for k, v in choices.items() if k in selections):
+        for label in selections:
+            label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
+            if only and float(only) != f:
+                continue
+            if label == "focus":
+                linked = link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap)
+                measure(f"focus@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
+                continue
+            rows = choices[label]()
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
             measure(f"{label}@{f}", linked, int(rows.numel()))
 
@@ -197,6 +223,8 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.05,0.1,0.25")
     ap.add_argument("--ks", default="0,4,8,16,32,64,128,100000")
     ap.add_argument("--ratios", default="0.05,0.15,0.3")
+    ap.add_argument("--vratios", default="", help="cacheblend ratios by V deviation (EPIC's choice)")
+    ap.add_argument("--start", type=int, default=0, help="skip the first items (to split a run over processes)")
     ap.add_argument("--setups", default="plain,sep,bos,sink,prefixed,system")
     ap.add_argument("--decode", default="full,legolink-16,legolink-0,qattn-all@0.25,mixed@0.25,first@0.25")
     ap.add_argument("--max-new", type=int, default=12)
@@ -216,7 +244,8 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
-        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question)
+        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
+        floats(a.vratios), a.start)
 
 
 
