@@ -43,6 +43,9 @@ SYSTEM = "You are a helpful assistant. Answer the question with a short span cop
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
 INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output any "
                "other words.\n\nQuestion: {question}\nAnswer within 5 words:")
+TWO = "Question 1: {0}\nQuestion 2: {1}"  # --task two: both questions in one, answers separated by ";"
+TWO_INSTRUCTION = ("Answer the two questions based on the given passages. Only give me the two answers, separated by "
+                   "a semicolon, and do not output any other words.\n\n{question}\nAnswers within 5 words each:")
 
 
 @dataclass
@@ -81,7 +84,8 @@ class Item:
         chunks = [tok(doc.strip() + setup.separator, add_special_tokens=False)["input_ids"] for doc in item.documents]
         question = prompt.question_ids(tok, fmt, item.question, with_docs=True)
         if instruct:
-            text = "\n\n" + INSTRUCTION.format(question=item.question.strip()) + fmt.tail
+            template = TWO_INSTRUCTION if item.question.startswith("Question 1:") else INSTRUCTION
+            text = "\n\n" + template.format(question=item.question.strip()) + fmt.tail
             question = tok(text, add_special_tokens=False)["input_ids"]
         layout = setup.layout
         if layout.name == "prefixed":
@@ -94,7 +98,7 @@ class Item:
 
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
         setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str],
-        instruct: bool = True, vratios: list[float] = (), start: int = 0) -> None:
+        instruct: bool = True, vratios: list[float] = (), start: int = 0, task: str = "squad") -> None:
     lm = load_model(model)
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
@@ -103,18 +107,20 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
     newline = newline_ids(lm.tokenizer)
     plain_prefix = prompt.system_prefix_ids(lm.tokenizer, fmt, None)
     known = layouts(lm, plain_prefix)
-    items = squad.load_items(n, seed=seed)[start:]
+    items = (two_document_items(n, seed) if task == "two" else squad.load_items(n, seed=seed))[start:]
     records: list[dict] = []
     started = time.perf_counter()
     for i, sq in enumerate(items):
         record = dict(id=sq.id, question=sq.question, answers=sq.answers, configs={})
+        if isinstance(sq, TwoItem):
+            record["answers2"] = sq.answers2
         for name in setups:
             item = Item(runner, compiler, lm, fmt, sq, known[name], instruct)
             _setup(runner, item, name, record, fractions, ks, ratios, decode, stops, newline, max_new, qlayer,
                    lm.tokenizer, start + i, selections, vratios)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, start=start, qlayer=qlayer,
+        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, start=start, qlayer=qlayer, task=task,
                                        instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
@@ -128,15 +134,14 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     configs = record["configs"]
     configs[f"{name}/full"] = dict(top1=1.0, kl=0.0, ll=agreement.teacher_forced_ll(runner, full, answer),
                                    recomputed=parts.token_ids.numel(), chunk_tokens=item.chunk_tokens,
-                                   text=text, f1=squad.token_f1(text, record["answers"]),
-                                   em=squad.exact_match(text, record["answers"]))
+                                   text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
         a = agreement.measure(runner, full.last_logits, linked, answer)
         row = dict(top1=a.top1, kl=a.kl, ll=a.ll, recomputed=rows, chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
-            row.update(text=got, f1=squad.token_f1(got, record["answers"]), em=squad.exact_match(got, record["answers"]))
+            row.update(text=got, **score(got, record))
         configs[f"{name}/{label}"] = row
 
     cap = max_new + 1
@@ -189,6 +194,43 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             measure(f"{label}@{f}", linked, int(rows.numel()))
 
 
+@dataclass
+class TwoItem(squad.Item):
+    answers2: list[str] | None = None
+
+
+def two_document_items(n: int, seed: int) -> list[TwoItem]:
+    """Items whose answer needs two documents: two SQuAD questions from different articles asked together, over
+    both gold paragraphs and one distractor of each (4 chunks, as in the one-question set), shuffled. Conjunctive,
+    not a bridge: neither answer depends on the other (the archive holds no HotpotQA-style data, FACTS.md)."""
+    import random
+
+    pool = squad.load_items(3 * n, seed=seed)
+    rng = random.Random(seed)
+    items = []
+    for a, b in zip(pool[0::2], pool[1::2]):
+        if a.title == b.title:
+            continue
+        docs = [a.documents[a.gold], b.documents[b.gold], a.documents[(a.gold + 1) % len(a.documents)],
+                b.documents[(b.gold + 1) % len(b.documents)]]
+        rng.shuffle(docs)
+        items.append(TwoItem(f"{a.id}+{b.id}", a.title, TWO.format(a.question.strip(), b.question.strip()),
+                             a.answers, docs, -1, b.answers))
+        if len(items) == n:
+            break
+    return items
+
+
+def score(text: str, record: dict) -> dict:
+    """EM/F1 against gold; a two-question item splits the answer at its first ";" and averages the two."""
+    if "answers2" not in record:
+        return dict(f1=squad.token_f1(text, record["answers"]), em=squad.exact_match(text, record["answers"]))
+    first, _, second = text.partition(";")
+    golds = (record["answers"], record["answers2"])
+    return dict(f1=sum(squad.token_f1(t, g) for t, g in zip((first, second), golds)) / 2,
+                em=sum(squad.exact_match(t, g) for t, g in zip((first, second), golds)) / 2)
+
+
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 10**9))
 
 
@@ -225,6 +267,8 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.05,0.15,0.3")
     ap.add_argument("--vratios", default="", help="cacheblend ratios by V deviation (EPIC's choice)")
     ap.add_argument("--start", type=int, default=0, help="skip the first items (to split a run over processes)")
+    ap.add_argument("--task", choices=("squad", "two"), default="squad",
+                    help="two: two questions from two articles asked together (the answer needs two documents)")
     ap.add_argument("--setups", default="plain,sep,bos,sink,prefixed,system")
     ap.add_argument("--decode", default="full,legolink-16,legolink-0,qattn-all@0.25,mixed@0.25,first@0.25")
     ap.add_argument("--max-new", type=int, default=12)
@@ -245,7 +289,7 @@ def main() -> None:
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
         a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
-        floats(a.vratios), a.start)
+        floats(a.vratios), a.start, a.task)
 
 
 
