@@ -277,7 +277,16 @@ def main() -> None:
     ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
     ap.add_argument("--verbose-question", action="store_true", help="the engine's question format (no instruction)")
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
+    ap.add_argument("--curve", type=Path, nargs="*", help="the EPIC-style curve of these files (one model): tables")
+    ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
+    if a.curve:
+        rows = summarize(a.curve)
+        print(curve_table(rows))
+        print(paired_table(a.curve, CURVE_PAIRS))
+        if a.plot:
+            plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
+        return
     if a.report:
         print(table(summarize(a.report)))
         print(paired_table(a.report))
@@ -384,6 +393,74 @@ def paired_table(paths: list[Path], pairs=PAIRS) -> str:
                      f"| {fmt(bootstrap([c[a]['kl'] - c[b]['kl'] for c in both]))} "
                      f"| {fmt(bootstrap([dll(c, a) - dll(c, b) for c in both]))} |")
     return "\n".join(lines)
+
+
+CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "plain/legolink-0"),
+               ("plain/legolink-16", "plain/legolink-0"), ("plain/legolink-32", "plain/legolink-0"),
+               ("plain/legolink-64", "plain/legolink-0"), ("plain/cacheblend-0.15", "plain/legolink-0"),
+               ("plain/focus@0.05", "plain/legolink-0"), ("plain/focus@0.1", "plain/legolink-0"),
+               ("plain/focus@0.25", "plain/legolink-0"),
+               ("plain/focus@0.05", "plain/legolink-8"), ("plain/focus@0.1", "plain/legolink-16"),
+               ("plain/focus@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/first@0.25"),
+               ("plain/mixed16@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/focus@0.25"),
+               ("plain/mixed16@0.25", "plain/focus@0.25"), ("plain/qfull@0.25", "plain/focus@0.25"),
+               ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
+               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"))
+
+
+def _family(label: str) -> str:
+    algo = label.split("/")[1]
+    if algo.startswith("legolink-") or algo.startswith("first@"):
+        return "legolink (first rows)"
+    if algo.startswith("cacheblend-v-"):
+        return "cacheblend (V)"
+    if algo.startswith("cacheblend-"):
+        return "cacheblend (K)"
+    if algo.startswith("focus@") or algo.startswith("mixed@"):
+        return "focus"
+    return algo.partition("@")[0]
+
+
+def curve_table(rows: list[dict]) -> str:
+    """The curve as a table: every configuration by share of chunk tokens recomputed."""
+    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
+    lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full | F1 / full's F1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
+        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} "
+                     f"| {fmt(r['d_top1_vs_naive'])} | {fmt(r['kl'])} | {fmt(r['dll'])} "
+                     f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+    return "\n".join(lines)
+
+
+def plot_curve(rows: list[dict], path: Path, model: str) -> None:
+    """Top-1 agreement and KL against the share of chunk tokens recomputed, one line per algorithm family."""
+    from bench.report import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        if not r["label"].endswith("/full"):
+            families.setdefault(_family(r["label"]), []).append(r)
+    for name, got in sorted(families.items()):
+        got.sort(key=lambda r: r["recompute"])
+        x = [100 * r["recompute"] for r in got]
+        for ax, key in zip(axes, ("top1", "kl")):
+            mean = [r[key][0] for r in got]
+            err = [[m - r[key][1] for m, r in zip(mean, got)], [r[key][2] - m for m, r in zip(mean, got)]]
+            ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=name, linestyle="-" if len(got) > 1 else "")
+    axes[0].axhline(0.95, color="grey", linestyle=":", label="goal 0.95")
+    axes[0].set_ylabel("top-1 agreement with full")
+    axes[1].set_ylabel("KL(full || linked), nats")
+    for ax in axes:
+        ax.set_xlabel("chunk tokens recomputed (%)")
+        ax.axvline(25, color="grey", linestyle="--", linewidth=0.8)
+    axes[0].legend(fontsize=7)
+    n = max(r["n"] for r in rows)
+    fig.suptitle(f"{model}: held-out SQuAD (gold + 3 distractors), n = {n}, 95% bootstrap intervals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def profile_summary(paths: list[Path], setup: str = "plain") -> dict:
