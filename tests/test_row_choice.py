@@ -75,3 +75,12 @@ def test_chunk_first_rows_spend_the_budget_on_the_most_attended_chunk():
     for start, end in spans:  # every chunk's sink rows
         assert set(range(start, min(end, start + 4))) <= set(rows.tolist())
     assert set(range(a + 4, a + 9)) <= set(rows.tolist())  # the rest: the attended chunk, from its start
+
+
+def test_a_two_question_answer_is_scored_per_question():
+    from bench.diagnose import score
+
+    record = {"answers": ["Paris"], "answers2": ["1889", "in 1889"]}
+    assert score("Paris; 1889", record) == {"f1": 1.0, "em": 1.0}
+    assert score("Paris", record) == {"f1": 0.5, "em": 0.5}  # the second answer is missing
+    assert score("Paris", {"answers": ["Paris"]}) == {"f1": 1.0, "em": 1.0}
