@@ -277,11 +277,12 @@ def main() -> None:
     ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
     ap.add_argument("--verbose-question", action="store_true", help="the engine's question format (no instruction)")
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
-    ap.add_argument("--curve", type=Path, nargs="*", help="the EPIC-style curve of these files (one model): tables")
+    ap.add_argument("--curve", type=Path, nargs="*",
+                    help="the EPIC-style curve of these files (one model), over the items that have every config")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
     if a.curve:
-        rows = summarize(a.curve)
+        rows = summarize(a.curve, common=True)
         print(curve_table(rows))
         print(paired_table(a.curve, CURVE_PAIRS))
         if a.plot:
@@ -303,9 +304,11 @@ def main() -> None:
 
 
 # -- summary ----------------------------------------------------------------------------------------------
-def summarize(paths: list[Path], reference: str = "plain/legolink-0") -> list[dict]:
+def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False) -> list[dict]:
     """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
-    and the paired difference of top-1 from `reference` (naive) on the same items."""
+    and the paired difference of top-1 from `reference` (naive) on the same items. `common`: only the items that
+    have every configuration of the last file's runs, so those rows are over the same items (others: over the
+    items they have; each row says its n)."""
     from bench.accuracy import bootstrap
 
     items: dict[str, dict] = {}
@@ -313,6 +316,10 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0") -> list[di
         for it in json.loads(Path(path).read_text())["items"]:
             items.setdefault(it["id"], {}).update(it["configs"])
     ids = [i for i in items if reference in items[i]]
+    if common:  # the last run's configurations (a run that went on with fewer configs comes last)
+        last = json.loads(Path(paths[-1]).read_text())["items"]
+        wanted = set(last[0]["configs"]) if last else set()
+        ids = [i for i in ids if wanted <= set(items[i])]
     labels = sorted({k for i in ids for k in items[i]}, key=_order)
     rows = []
     for label in labels:
@@ -416,7 +423,7 @@ def _family(label: str) -> str:
         return "cacheblend (V)"
     if algo.startswith("cacheblend-"):
         return "cacheblend (K)"
-    if algo.startswith("focus@") or algo.startswith("mixed@"):
+    if algo.startswith("focus@"):
         return "focus"
     return algo.partition("@")[0]
 
@@ -441,8 +448,8 @@ def plot_curve(rows: list[dict], path: Path, model: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     families: dict[str, list[dict]] = {}
     for r in rows:
-        if not r["label"].endswith("/full"):
-            families.setdefault(_family(r["label"]), []).append(r)
+        if not r["label"].endswith("/full") and _family(r["label"]) not in ("mixed", "qattn-all", "oracle"):
+            families.setdefault(_family(r["label"]), []).append(r)  # mixed is focus; the others were diagnostics
     for name, got in sorted(families.items()):
         got.sort(key=lambda r: r["recompute"])
         x = [100 * r["recompute"] for r in got]
