@@ -295,8 +295,8 @@ def calibrate(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
 ):
-    """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with `full` at the target rate on this model,
-    and save it as the model's profile: later runs use that k by default."""
+    """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with `full` at the target rate on
+    this model, and save it as the model's profile: later runs use that k by default."""
     from . import calibrate as cal
 
     try:
