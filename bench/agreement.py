@@ -134,6 +134,21 @@ def top_rows(parts: LinkInput, scores: torch.Tensor, count: int, forced: torch.T
     return torch.unique(chosen)
 
 
+def leading_rows(parts: LinkInput, per_chunk: int) -> torch.Tensor:
+    """The first `per_chunk` rows of every chunk (each chunk's own attention sink and its neighbours)."""
+    return torch.cat([torch.arange(a, min(b, a + per_chunk)) for a, b in chunk_spans(parts)])
+
+
+def chunk_first_rows(parts: LinkInput, scores: torch.Tensor, count: int, sinks: int = 4) -> torch.Tensor:
+    """`count` chunk rows: every chunk's first `sinks` rows, then whole chunks from their start, the chunk the
+    question attends to most (total score) first: the budget goes to the answer-bearing document, whose rows are
+    then recomputed in context, instead of being spread over every document."""
+    forced = leading_rows(parts, sinks)[:count]
+    spans = sorted(chunk_spans(parts), key=lambda ab: -float(scores[ab[0]:ab[1]].sum()))
+    rest = [r for a, b in spans for r in range(a, b) if r - a >= sinks]
+    return torch.unique(torch.cat([forced, torch.tensor(rest[: max(0, count - forced.numel())], dtype=torch.long)]))
+
+
 @torch.inference_mode()
 def question_attention(runner: Runner, parts: LinkInput) -> torch.Tensor:
     """Per layer, how much the question's rows attend to each position of the naively linked prompt:

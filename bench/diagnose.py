@@ -9,7 +9,11 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             behind the real system prefix, dropped), system (a system prompt in the chat header)
   selections at fraction f of chunk tokens: first (LegoLink), random, qattn (question attention at one
             layer), qattn-all (summed over layers), mixed (first 4 per chunk + qattn), oracle (rows whose
-            placed K/V deviate most from full's), cacheblend (the linker's, ratio f)
+            placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
+            chunk + qattn), late (mixed, attention summed over the upper half of the layers only), chunk (first 4
+            per chunk, then whole chunks from their start, most-attended chunk first), qfull (mixed scored by
+            full's question attention: what a perfect attention estimate would pick)
+  cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
 
@@ -29,6 +33,7 @@ from bench.common import load_model
 from ragcache import prompt
 from ragcache.compiler import PLAIN, Compiler, Layout
 from ragcache.generate import eos_ids
+from ragcache import linker
 from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 
@@ -38,6 +43,9 @@ SYSTEM = "You are a helpful assistant. Answer the question with a short span cop
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
 INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output any "
                "other words.\n\nQuestion: {question}\nAnswer within 5 words:")
+TWO = "Question 1: {0}\nQuestion 2: {1}"  # --task two: both questions in one, answers separated by ";"
+TWO_INSTRUCTION = ("Answer the two questions based on the given passages. Only give me the two answers, separated by "
+                   "a semicolon, and do not output any other words.\n\n{question}\nAnswers within 5 words each:")
 
 
 @dataclass
@@ -76,7 +84,8 @@ class Item:
         chunks = [tok(doc.strip() + setup.separator, add_special_tokens=False)["input_ids"] for doc in item.documents]
         question = prompt.question_ids(tok, fmt, item.question, with_docs=True)
         if instruct:
-            text = "\n\n" + INSTRUCTION.format(question=item.question.strip()) + fmt.tail
+            template = TWO_INSTRUCTION if item.question.startswith("Question 1:") else INSTRUCTION
+            text = "\n\n" + template.format(question=item.question.strip()) + fmt.tail
             question = tok(text, add_special_tokens=False)["input_ids"]
         layout = setup.layout
         if layout.name == "prefixed":
@@ -89,7 +98,7 @@ class Item:
 
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
         setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str],
-        instruct: bool = True) -> None:
+        instruct: bool = True, vratios: list[float] = (), start: int = 0, task: str = "squad") -> None:
     lm = load_model(model)
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
@@ -98,24 +107,26 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
     newline = newline_ids(lm.tokenizer)
     plain_prefix = prompt.system_prefix_ids(lm.tokenizer, fmt, None)
     known = layouts(lm, plain_prefix)
-    items = squad.load_items(n, seed=seed)
+    items = (two_document_items(n, seed) if task == "two" else squad.load_items(n, seed=seed))[start:]
     records: list[dict] = []
     started = time.perf_counter()
     for i, sq in enumerate(items):
         record = dict(id=sq.id, question=sq.question, answers=sq.answers, configs={})
+        if isinstance(sq, TwoItem):
+            record["answers2"] = sq.answers2
         for name in setups:
             item = Item(runner, compiler, lm, fmt, sq, known[name], instruct)
             _setup(runner, item, name, record, fractions, ks, ratios, decode, stops, newline, max_new, qlayer,
-                   lm.tokenizer, i, selections)
+                   lm.tokenizer, start + i, selections, vratios)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, qlayer=qlayer, instruct=instruct,
-                                       items=records)))
+        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, start=start, qlayer=qlayer, task=task,
+                                       instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, decode, stops, newline, max_new,
-           qlayer, tok, seed, selections) -> None:
+           qlayer, tok, seed, selections, vratios=()) -> None:
     parts = item.parts
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
@@ -123,15 +134,14 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     configs = record["configs"]
     configs[f"{name}/full"] = dict(top1=1.0, kl=0.0, ll=agreement.teacher_forced_ll(runner, full, answer),
                                    recomputed=parts.token_ids.numel(), chunk_tokens=item.chunk_tokens,
-                                   text=text, f1=squad.token_f1(text, record["answers"]),
-                                   em=squad.exact_match(text, record["answers"]))
+                                   text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
         a = agreement.measure(runner, full.last_logits, linked, answer)
         row = dict(top1=a.top1, kl=a.kl, ll=a.ll, recomputed=rows, chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
-            row.update(text=got, f1=squad.token_f1(got, record["answers"]), em=squad.exact_match(got, record["answers"]))
+            row.update(text=got, **score(got, record))
         configs[f"{name}/{label}"] = row
 
     cap = max_new + 1
@@ -141,26 +151,84 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     for r in ratios:
         linked = link(runner, parts, LinkParams("cacheblend", ratio=r), extra_capacity=cap)
         measure(f"cacheblend-{r}", linked, linked.recomputed_tokens - len(parts.question_ids))
+    for r in vratios:
+        linked = link(runner, parts, LinkParams("cacheblend", ratio=r, deviation="value"), extra_capacity=cap)
+        measure(f"cacheblend-v-{r}", linked, linked.recomputed_tokens - len(parts.question_ids))
     if not fractions:
         return
     attention = agreement.question_attention(runner, parts)
-    keys, values = agreement.placed_kv(runner, parts)
-    oracle = agreement.deviation_from_full(full, keys, values)
-    record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
-    sinks = torch.cat([torch.arange(a, a + min(4, b - a)) for a, b in agreement.chunk_spans(parts)])
+    names = {label.partition("@")[0] for label in selections}
+    if "oracle" in names:
+        keys, values = agreement.placed_kv(runner, parts)
+        oracle = agreement.deviation_from_full(full, keys, values)
+        record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
+    if "qfull" in names:  # full's cache already holds the question's K/V: the pass rewrites the same values
+        with torch.inference_mode():
+            true_attention = linker._question_attention(runner, parts, full.cache)
+    sinks, firsts = agreement.leading_rows(parts, 4), agreement.leading_rows(parts, 16)
+    upper = attention[attention.shape[0] // 2:].sum(0)
     for f in fractions:
         count = agreement.budget(parts, f)
         choices = {
-            "first": agreement.first_rows(parts, f),
-            "random": agreement.random_rows(parts, f, seed),
-            "qattn": agreement.top_rows(parts, attention[qlayer], count),
-            "qattn-all": agreement.top_rows(parts, attention.sum(0), count),
-            "mixed": agreement.top_rows(parts, attention.sum(0), count, forced=sinks),
-            "oracle": agreement.top_rows(parts, oracle, count),
+            "first": lambda: agreement.first_rows(parts, f),
+            "random": lambda: agreement.random_rows(parts, f, seed),
+            "qattn": lambda: agreement.top_rows(parts, attention[qlayer], count),
+            "qattn-all": lambda: agreement.top_rows(parts, attention.sum(0), count),
+            "mixed": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=sinks[:count]),
+            "mixed16": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=firsts[:count]),
+            "late": lambda: agreement.top_rows(parts, upper, count, forced=sinks[:count]),
+            "chunk": lambda: agreement.chunk_first_rows(parts, attention.sum(0), count),
+            "qfull": lambda: agreement.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
+            "oracle": lambda: agreement.top_rows(parts, oracle, count),
         }
-        for label, rows in ((k, v) for k, v in choices.items() if k in selections):
+        for label in selections:
+            label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
+            if only and float(only) != f:
+                continue
+            if label == "focus":
+                linked = link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap)
+                measure(f"focus@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
+                continue
+            rows = choices[label]()
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
             measure(f"{label}@{f}", linked, int(rows.numel()))
+
+
+@dataclass
+class TwoItem(squad.Item):
+    answers2: list[str] | None = None
+
+
+def two_document_items(n: int, seed: int) -> list[TwoItem]:
+    """Items whose answer needs two documents: two SQuAD questions from different articles asked together, over
+    both gold paragraphs and one distractor of each (4 chunks, as in the one-question set), shuffled. Conjunctive,
+    not a bridge: neither answer depends on the other (the archive holds no HotpotQA-style data, FACTS.md)."""
+    import random
+
+    pool = squad.load_items(3 * n, seed=seed)
+    rng = random.Random(seed)
+    items = []
+    for a, b in zip(pool[0::2], pool[1::2]):
+        if a.title == b.title:
+            continue
+        docs = [a.documents[a.gold], b.documents[b.gold], a.documents[(a.gold + 1) % len(a.documents)],
+                b.documents[(b.gold + 1) % len(b.documents)]]
+        rng.shuffle(docs)
+        items.append(TwoItem(f"{a.id}+{b.id}", a.title, TWO.format(a.question.strip(), b.question.strip()),
+                             a.answers, docs, -1, b.answers))
+        if len(items) == n:
+            break
+    return items
+
+
+def score(text: str, record: dict) -> dict:
+    """EM/F1 against gold; a two-question item splits the answer at its first ";" and averages the two."""
+    if "answers2" not in record:
+        return dict(f1=squad.token_f1(text, record["answers"]), em=squad.exact_match(text, record["answers"]))
+    first, _, second = text.partition(";")
+    golds = (record["answers"], record["answers2"])
+    return dict(f1=sum(squad.token_f1(t, g) for t, g in zip((first, second), golds)) / 2,
+                em=sum(squad.exact_match(t, g) for t, g in zip((first, second), golds)) / 2)
 
 
 BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 10**9))
@@ -197,6 +265,10 @@ def main() -> None:
     ap.add_argument("--fractions", default="0.05,0.1,0.25")
     ap.add_argument("--ks", default="0,4,8,16,32,64,128,100000")
     ap.add_argument("--ratios", default="0.05,0.15,0.3")
+    ap.add_argument("--vratios", default="", help="cacheblend ratios by V deviation (EPIC's choice)")
+    ap.add_argument("--start", type=int, default=0, help="skip the first items (to split a run over processes)")
+    ap.add_argument("--task", choices=("squad", "two"), default="squad",
+                    help="two: two questions from two articles asked together (the answer needs two documents)")
     ap.add_argument("--setups", default="plain,sep,bos,sink,prefixed,system")
     ap.add_argument("--decode", default="full,legolink-16,legolink-0,qattn-all@0.25,mixed@0.25,first@0.25")
     ap.add_argument("--max-new", type=int, default=12)
@@ -205,7 +277,17 @@ def main() -> None:
     ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
     ap.add_argument("--verbose-question", action="store_true", help="the engine's question format (no instruction)")
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
+    ap.add_argument("--curve", type=Path, nargs="*",
+                    help="the EPIC-style curve of these files (one model), over the items that have every config")
+    ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
+    if a.curve:
+        rows = summarize(a.curve, common=True)
+        print(curve_table(rows))
+        print(paired_table(a.curve, CURVE_PAIRS))
+        if a.plot:
+            plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
+        return
     if a.report:
         print(table(summarize(a.report)))
         print(paired_table(a.report))
@@ -216,14 +298,17 @@ def main() -> None:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
-        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question)
+        a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
+        floats(a.vratios), a.start, a.task)
 
 
 
 # -- summary ----------------------------------------------------------------------------------------------
-def summarize(paths: list[Path], reference: str = "plain/legolink-0") -> list[dict]:
+def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False) -> list[dict]:
     """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
-    and the paired difference of top-1 from `reference` (naive) on the same items."""
+    and the paired difference of top-1 from `reference` (naive) on the same items. `common`: only the items that
+    have every configuration of the last file's runs, so those rows are over the same items (others: over the
+    items they have; each row says its n)."""
     from bench.accuracy import bootstrap
 
     items: dict[str, dict] = {}
@@ -231,6 +316,10 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0") -> list[di
         for it in json.loads(Path(path).read_text())["items"]:
             items.setdefault(it["id"], {}).update(it["configs"])
     ids = [i for i in items if reference in items[i]]
+    if common:  # the last run's configurations (a run that went on with fewer configs comes last)
+        last = json.loads(Path(paths[-1]).read_text())["items"]
+        wanted = set(last[0]["configs"]) if last else set()
+        ids = [i for i in ids if wanted <= set(items[i])]
     labels = sorted({k for i in ids for k in items[i]}, key=_order)
     rows = []
     for label in labels:
@@ -311,6 +400,74 @@ def paired_table(paths: list[Path], pairs=PAIRS) -> str:
                      f"| {fmt(bootstrap([c[a]['kl'] - c[b]['kl'] for c in both]))} "
                      f"| {fmt(bootstrap([dll(c, a) - dll(c, b) for c in both]))} |")
     return "\n".join(lines)
+
+
+CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "plain/legolink-0"),
+               ("plain/legolink-16", "plain/legolink-0"), ("plain/legolink-32", "plain/legolink-0"),
+               ("plain/legolink-64", "plain/legolink-0"), ("plain/cacheblend-0.15", "plain/legolink-0"),
+               ("plain/focus@0.05", "plain/legolink-0"), ("plain/focus@0.1", "plain/legolink-0"),
+               ("plain/focus@0.25", "plain/legolink-0"),
+               ("plain/focus@0.05", "plain/legolink-8"), ("plain/focus@0.1", "plain/legolink-16"),
+               ("plain/focus@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/first@0.25"),
+               ("plain/mixed16@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/focus@0.25"),
+               ("plain/mixed16@0.25", "plain/focus@0.25"), ("plain/qfull@0.25", "plain/focus@0.25"),
+               ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
+               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"))
+
+
+def _family(label: str) -> str:
+    algo = label.split("/")[1]
+    if algo.startswith("legolink-") or algo.startswith("first@"):
+        return "legolink (first rows)"
+    if algo.startswith("cacheblend-v-"):
+        return "cacheblend (V)"
+    if algo.startswith("cacheblend-"):
+        return "cacheblend (K)"
+    if algo.startswith("focus@"):
+        return "focus"
+    return algo.partition("@")[0]
+
+
+def curve_table(rows: list[dict]) -> str:
+    """The curve as a table: every configuration by share of chunk tokens recomputed."""
+    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
+    lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full "
+             "| F1 / full's F1 |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
+        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} "
+                     f"| {fmt(r['d_top1_vs_naive'])} | {fmt(r['kl'])} | {fmt(r['dll'])} "
+                     f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+    return "\n".join(lines)
+
+
+def plot_curve(rows: list[dict], path: Path, model: str) -> None:
+    """Top-1 agreement and KL against the share of chunk tokens recomputed, one line per algorithm family."""
+    from bench.report import pyplot
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    families: dict[str, list[dict]] = {}
+    for r in rows:
+        if not r["label"].endswith("/full") and _family(r["label"]) not in ("mixed", "qattn-all", "oracle"):
+            families.setdefault(_family(r["label"]), []).append(r)  # mixed is focus; the others were diagnostics
+    for name, got in sorted(families.items()):
+        got.sort(key=lambda r: r["recompute"])
+        x = [100 * r["recompute"] for r in got]
+        for ax, key in zip(axes, ("top1", "kl")):
+            mean = [r[key][0] for r in got]
+            err = [[m - r[key][1] for m, r in zip(mean, got)], [r[key][2] - m for m, r in zip(mean, got)]]
+            ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=name, linestyle="-" if len(got) > 1 else "")
+    axes[0].axhline(0.95, color="grey", linestyle=":", label="goal 0.95")
+    axes[0].set_ylabel("top-1 agreement with full")
+    axes[1].set_ylabel("KL(full || linked), nats")
+    for ax in axes:
+        ax.set_xlabel("chunk tokens recomputed (%)")
+        ax.axvline(25, color="grey", linestyle="--", linewidth=0.8)
+    axes[0].legend(fontsize=7)
+    n = max(r["n"] for r in rows)
+    fig.suptitle(f"{model}: held-out SQuAD (gold + 3 distractors), n = {n}, 95% bootstrap intervals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def profile_summary(paths: list[Path], setup: str = "plain") -> dict:

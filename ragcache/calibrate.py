@@ -1,9 +1,10 @@
 """Per-model calibration: the smallest recompute that agrees with `full` often enough, stored as a profile.
 
 For each item (a question over a few documents) `full` is linked once; each candidate (legolink k, cacheblend
-ratio) is linked on the same ids, and agreement is the fraction of items whose next-token argmax equals full's
-at the answer's first position. Linking without decoding keeps a sweep cheap. The smallest k (and ratio) whose
-agreement reaches the target becomes the model's profile; `RagCache` then uses that k as its default.
+ratio, focus ratio) is linked on the same ids, and agreement is the fraction of items whose next-token argmax
+equals full's at the answer's first position. Linking without decoding keeps a sweep cheap. The smallest k (and
+ratio, and focus ratio) whose agreement reaches the target becomes the model's profile; `RagCache` then uses that
+k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
 Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
 inherits another's k.
@@ -27,6 +28,7 @@ from . import models
 DEFAULT_TARGET = 0.95
 DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
+DEFAULT_FOCUS_RATIOS = (0.05, 0.1, 0.25, 0.5)
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
 
 
@@ -49,6 +51,8 @@ class Profile:
     agreement_by_ratio: dict[str, float] = field(default_factory=dict)
     naive_agreement: float = 0.0
     created: float = 0.0
+    focus_ratio: float | None = None  # the smallest `focus` ratio that reached the target
+    agreement_by_focus: dict[str, float] = field(default_factory=dict)
 
 
 def profile_path(fingerprint: str, dtype: str) -> Path:
@@ -129,7 +133,7 @@ def agreement(rc, items: list[Item], link_kwargs: dict, full_top1: list[int]) ->
 
 
 def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
-              progress: Callable[[str], None] | None = None) -> Profile:
+              focus_ratios=DEFAULT_FOCUS_RATIOS, progress: Callable[[str], None] | None = None) -> Profile:
     """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
     the first hit to be the answer here, and stopping early saves most of the sweep."""
     if not items:
@@ -145,6 +149,8 @@ def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_
     profile.k = _smallest(rc, items, full_top1, target, "legolink", "k", ks, profile.agreement_by_k, say)
     profile.ratio = _smallest(rc, items, full_top1, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio,
                               say)
+    profile.focus_ratio = _smallest(rc, items, full_top1, target, "focus", "ratio", focus_ratios,
+                                    profile.agreement_by_focus, say)
     return profile
 
 

@@ -306,8 +306,8 @@ def calibrate(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
 ):
-    """Find the smallest legolink k (and cacheblend ratio) that agrees with `full` at the target rate on this model,
-    and save it as the model's profile: later runs use that k by default."""
+    """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with `full` at the target rate on
+    this model, and save it as the model's profile: later runs use that k by default."""
     from . import calibrate as cal
 
     try:
@@ -327,9 +327,11 @@ def calibrate(
         table.add_row(f"legolink k={k}", f"{score:.2f}")
     for ratio, score in profile.agreement_by_ratio.items():
         table.add_row(f"cacheblend ratio={ratio}", f"{score:.2f}")
+    for ratio, score in profile.agreement_by_focus.items():
+        table.add_row(f"focus ratio={ratio}", f"{score:.2f}")
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
-    console.print(f"profile: {found}, ratio={profile.ratio} -> {path}")
+    console.print(f"profile: {found}, ratio={profile.ratio}, focus ratio={profile.focus_ratio} -> {path}")
 
 
 @models_app.command("list")

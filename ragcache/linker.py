@@ -10,6 +10,7 @@ each attends causally by position to every earlier token of every chunk.
 | full       | all (a normal prefill)                                                               |
 | naive      | the question only                                                                    |
 | cacheblend | layers 0..check_layer: every chunk row; then the top `ratio` rows by K deviation      |
+|            | (`deviation="value"`: by V deviation, as EPIC's CacheBlend code does)                 |
 | legolink   | the first `k` rows of every chunk, plus the question                                 |
 | legolink0  | the question only; chunks were compiled behind dropped sink tokens                   |
 | focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
@@ -39,6 +40,7 @@ FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate mo
 DEFAULT_K = 16
 DEFAULT_RATIO = 0.15
 DEFAULT_CHECK_LAYER = 1
+DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
 
 
 @dataclass
@@ -47,6 +49,7 @@ class LinkParams:
     k: int = DEFAULT_K
     ratio: float = DEFAULT_RATIO
     check_layer: int = DEFAULT_CHECK_LAYER
+    deviation: str = "key"
 
     def validate(self, num_layers: int) -> None:
         if self.algorithm not in ALGORITHMS:
@@ -57,6 +60,8 @@ class LinkParams:
             raise ParameterOutOfRange(f"ratio must be within [0, 1], got {self.ratio!r}")
         if not 0 <= self.check_layer < num_layers:
             raise ParameterOutOfRange(f"check_layer must be within [0, {num_layers - 1}], got {self.check_layer}")
+        if self.deviation not in DEVIATIONS:
+            raise ParameterOutOfRange(f"deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
 
 
 @dataclass
@@ -175,7 +180,8 @@ def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int,
     if algorithm == "focus":
         return torch.cat([_focus_rows(parts, params.ratio, scores), question]), None
     chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))  # cacheblend
-    return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio)
+    return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio,
+                                                        params.deviation)
 
 
 def _focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
@@ -222,12 +228,13 @@ def _question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) ->
 
 @dataclass
 class Narrowing:
-    """CacheBlend: after `layer`, keep the chunk rows whose fresh K deviates most from the cached K."""
+    """CacheBlend: after `layer`, keep the chunk rows whose fresh K (or V) deviates most from the cached one."""
 
     layer: int
     chunk_rows: torch.Tensor
     question_rows: torch.Tensor
     ratio: float
+    deviation: str = "key"
 
 
 def _recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
@@ -240,10 +247,11 @@ def _recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: Joi
         check = narrow is not None and layer == narrow.layer
         if check:
             chunk_rows = narrow.chunk_rows.to(runner.device)
-            cached_keys = cache.keys[layer][:, chunk_rows].clone()
+            compared = cache.values if narrow.deviation == "value" else cache.keys
+            cached = compared[layer][:, chunk_rows].clone()
         hidden = runner.run_layer(layer, hidden, positions, batch, pos_emb)
         if check:
-            deviation = kernels.kv_deviation(cache.keys[layer][:, chunk_rows], cached_keys)
+            deviation = kernels.kv_deviation(compared[layer][:, chunk_rows], cached)
             keep = torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()],
                               narrow.question_rows]).sort().values
             hidden = hidden[:, torch.searchsorted(rows, keep).to(runner.device)]

@@ -23,7 +23,8 @@ class _KnownRC:
     def link(self, question, doc_ids, algorithm="legolink", k=16, ratio=0.15, **_):
         threshold = self.thresholds[int(question)]
         agrees = algorithm == "full" or (algorithm == "legolink" and k >= threshold) or \
-            (algorithm == "cacheblend" and ratio >= threshold / 100)
+            (algorithm == "cacheblend" and ratio >= threshold / 100) or \
+            (algorithm == "focus" and ratio >= threshold / 200)  # focus needs half cacheblend's ratio here
         logits = torch.zeros(4)
         logits[0 if agrees else 1] = 1.0
         return SimpleNamespace(last_logits=logits)
@@ -37,6 +38,8 @@ def test_the_known_k_is_picked():
     assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8, 16, 64)).k == 64
     assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8)).k is None  # never reached: no profile k
     assert profile.naive_agreement == 0.0
+    assert profile.ratio == 0.15 and profile.focus_ratio == 0.05  # thresholds /100: 0.08; /200: 0.04
+    assert profile.agreement_by_focus == {"0.05": 0.9}
 
 
 def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):

@@ -1,0 +1,86 @@
+"""Which rows a linking algorithm recomputes: CacheBlend by K or by V deviation, and the bench's row-choice
+prototypes. Tiny random-weight models; the reference selections are computed independently of the linker's path."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from bench import agreement
+from ragcache import linker
+from ragcache.errors import ParameterOutOfRange
+from ragcache.linker import LinkParams, link
+from tests.test_bench import _tiny_parts
+
+
+def _kept_rows(runner, parts, params: LinkParams) -> set[int]:
+    """The chunk rows a cacheblend link keeps after its check layer (from the linker's own recompute)."""
+    plan = linker.plan(runner, parts, params)
+    with torch.inference_mode():
+        _, rows = linker._recompute(runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+    question = set(range(parts.token_ids.numel() - len(parts.question_ids), parts.token_ids.numel()))
+    return set(rows.tolist()) - question
+
+
+def _expected_rows(runner, parts, check_layer: int, ratio: float, tensor: str) -> set[int]:
+    """Top `ratio` chunk rows by squared deviation of the fresh K or V at `check_layer` from the placed one: the
+    fresh values come from recomputing every row (cacheblend at ratio 1), the placed ones from naive."""
+    every = link(runner, parts, LinkParams("cacheblend", ratio=1.0, check_layer=check_layer))
+    placed = link(runner, parts, LinkParams("naive"))
+    rows = agreement.all_chunk_rows(parts)
+    fresh = getattr(every.cache, tensor)[check_layer][:, rows].float()
+    old = getattr(placed.cache, tensor)[check_layer][:, rows].float()
+    deviation = ((fresh - old) ** 2).sum((0, 2))
+    count = math.ceil(round(ratio * rows.numel(), 9))
+    return set(rows[torch.topk(deviation, count).indices].tolist())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # on tiny gemma3 the two sets coincide
+def test_cacheblend_keeps_the_rows_that_deviate_most_by_the_chosen_tensor(family):
+    runner, parts = _tiny_parts(family)
+    ratio, layer = 0.25, 1
+    by_key = _expected_rows(runner, parts, layer, ratio, "keys")
+    by_value = _expected_rows(runner, parts, layer, ratio, "values")
+    assert by_key != by_value  # otherwise this input could not tell the two choices apart
+    assert _kept_rows(runner, parts, LinkParams("cacheblend", ratio=ratio, check_layer=layer)) == by_key
+    assert _kept_rows(runner, parts, LinkParams("cacheblend", ratio=ratio, check_layer=layer,
+                                                deviation="value")) == by_value
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_cacheblend_by_value_at_ratio_one_equals_full(family):
+    runner, parts = _tiny_parts(family)
+    full = link(runner, parts, LinkParams("full"))
+    everything = link(runner, parts, LinkParams("cacheblend", ratio=1.0, deviation="value"))
+    top1, kl = agreement.first_token(full.last_logits, everything.last_logits)
+    assert top1 == 1.0 and kl < 1e-9
+
+
+def test_an_unknown_deviation_is_refused():
+    with pytest.raises(ParameterOutOfRange):
+        LinkParams("cacheblend", deviation="query").validate(4)
+
+
+def test_chunk_first_rows_spend_the_budget_on_the_most_attended_chunk():
+    runner, parts = _tiny_parts("qwen2")
+    spans = agreement.chunk_spans(parts)
+    scores = torch.zeros(parts.token_ids.numel())
+    a, b = spans[1]
+    scores[a:b] = 1.0  # the question reads the second chunk
+    count = 4 * len(spans) + 5
+    rows = agreement.chunk_first_rows(parts, scores, count)
+    assert rows.numel() == count
+    for start, end in spans:  # every chunk's sink rows
+        assert set(range(start, min(end, start + 4))) <= set(rows.tolist())
+    assert set(range(a + 4, a + 9)) <= set(rows.tolist())  # the rest: the attended chunk, from its start
+
+
+def test_a_two_question_answer_is_scored_per_question():
+    from bench.diagnose import score
+
+    record = {"answers": ["Paris"], "answers2": ["1889", "in 1889"]}
+    assert score("Paris; 1889", record) == {"f1": 1.0, "em": 1.0}
+    assert score("Paris", record) == {"f1": 0.5, "em": 0.5}  # the second answer is missing
+    assert score("Paris", {"answers": ["Paris"]}) == {"f1": 1.0, "em": 1.0}
