@@ -41,6 +41,7 @@ class Ask:
     algorithm: str | None = None
     k: int | None = None
     ratio: float | None = None
+    deviation: str | None = None
     max_tokens: int | None = None
     temperature: float = 0.0
     top_p: float = 1.0
@@ -100,7 +101,8 @@ class Context:
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
         return dict(question=ask.question, docs=docs, system=ask.system or None,
                     algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
-                    ratio=s.ratio if ask.ratio is None else ask.ratio, max_new_tokens=max_tokens,
+                    ratio=s.ratio if ask.ratio is None else ask.ratio, deviation=ask.deviation or "key",
+                    max_new_tokens=max_tokens,
                     temperature=ask.temperature, top_p=ask.top_p, stop=stop, seed=ask.seed)
 
     async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:

@@ -139,7 +139,8 @@ async def query(body: QueryRequest, request: Request):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
     ask = Ask(question=body.question, documents=body.documents, system=body.system, algorithm=body.algorithm,
-              k=body.k, ratio=body.ratio, max_tokens=body.max_tokens, temperature=body.temperature,
+              k=body.k, ratio=body.ratio, deviation=body.deviation, max_tokens=body.max_tokens,
+              temperature=body.temperature,
               top_p=body.top_p, stop=body.stop, seed=body.seed)
     if not body.stream:
         answer, queue_s = await c.answer(request, ask)

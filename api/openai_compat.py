@@ -52,7 +52,8 @@ def _ask(body: OpenAIFields, question: str, system: str | None) -> Ask:
     link = body.ragcache
     return Ask(question=question, documents=body.documents, system=system,
                algorithm=link.algorithm if link else None, k=link.k if link else None,
-               ratio=link.ratio if link else None, max_tokens=body.max_tokens, temperature=body.temperature,
+               ratio=link.ratio if link else None, deviation=link.deviation if link else None,
+               max_tokens=body.max_tokens, temperature=body.temperature,
                top_p=body.top_p, stop=body.stop, seed=body.seed)
 
 

@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ragcache.linker import ALGORITHMS
+from ragcache.linker import ALGORITHMS, DEVIATIONS
 from ragcache.store.keys import is_document_id
 
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
@@ -125,6 +125,8 @@ class LinkOptions(Strict):
     k: int | None = Field(None, ge=0, le=1 << 20, description="legolink: tokens recomputed at each chunk start")
     ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="cacheblend: fraction "
                                                                                            "recomputed")
+    deviation: Literal[DEVIATIONS] | None = Field(None, description="cacheblend: rank rows by K (default) or V "  # type: ignore[valid-type]
+                                                                     "deviation")
 
 
 Stop = Text | list[Text] | None

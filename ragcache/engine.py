@@ -239,11 +239,13 @@ class RagCache:
 
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
              k: int | None = None, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
-             max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False) -> Linked:
+             max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False,
+             deviation: str = "key") -> Linked:
         """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
-        `max_new_tokens` reserves room in the cache for tokens a caller decodes itself."""
+        `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
+        V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         stats = _stats or QueryStats()
-        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer)
+        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
         parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
         linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
@@ -254,10 +256,10 @@ class RagCache:
     def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
                k: int | None = None, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
-               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER) -> Stream:
+               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> Stream:
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
         sampling.validate()
-        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer)
+        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
         params.validate(self.runner.shape.layers)
 
         def prepare(stats: QueryStats):

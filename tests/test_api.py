@@ -277,6 +277,9 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": "q", "algorithm": "magic"}, 422, "legolink"),
     ("POST", "/v1/query", {"question": "q", "k": -1}, 422, "k"),
     ("POST", "/v1/query", {"question": "q", "ratio": 1.5}, 422, "ratio"),
+    ("POST", "/v1/query", {"question": "q", "deviation": "values"}, 422, "deviation"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                                      "ragcache": {"algorithm": "cacheblend", "deviation": "v"}}, 422, "deviation"),
     ("POST", "/v1/query", {"question": "q", "max_tokens": 0}, 422, "max_tokens"),
     ("POST", "/v1/query", {"question": "q", "max_tokens": 5000}, 422, "at most 1024"),
     ("POST", "/v1/query", {"question": "q", "temperature": -1}, 422, "temperature"),
@@ -318,6 +321,21 @@ def test_bad_input(http, method, path, body, status, fragment):
     content = None if body is None else json.dumps(body)
     error_of(http.request(method, path, content=content, headers={"content-type": "application/json"}), status,
              fragment)
+
+
+def test_cacheblend_deviation_reaches_the_link_params(http, doc_ids, monkeypatch):
+    """`deviation` goes from the request to the LinkParams the linker ranks rows by (tests/test_row_choice.py
+    shows that "value" keeps other rows than "key")."""
+    from ragcache.linker import LinkParams
+
+    seen, validate = [], LinkParams.validate
+    monkeypatch.setattr(LinkParams, "validate", lambda self, layers: (seen.append(self.deviation),
+                                                                      validate(self, layers))[1])
+    for deviation in ("value", None):
+        body = {"question": QUESTION, "documents": doc_ids[:2], "algorithm": "cacheblend", "max_tokens": 1}
+        r = http.post("/v1/query", json=body if deviation is None else {**body, "deviation": deviation})
+        assert r.status_code == 200, r.text
+    assert seen[0] == "value" and seen[-1] == "key"
 
 
 def test_malformed_json_and_unknown_ids(http, doc_ids):

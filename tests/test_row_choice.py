@@ -84,3 +84,19 @@ def test_a_two_question_answer_is_scored_per_question():
     assert score("Paris; 1889", record) == {"f1": 1.0, "em": 1.0}
     assert score("Paris", record) == {"f1": 0.5, "em": 0.5}  # the second answer is missing
     assert score("Paris", {"answers": ["Paris"]}) == {"f1": 1.0, "em": 1.0}
+
+
+def test_the_engine_passes_deviation_to_the_linker():
+    """RagCache.link(deviation=...) reaches the linker: same budget, other logits; a bad name is a bad request."""
+    from ragcache.engine import RagCache
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    rc = RagCache(tiny.make("qwen2"), MemoryStore(), chunk_tokens=24, kv_codec="fp32")
+    ids = rc.compile(list(tiny.CORPUS[:3]))
+    by_key = rc.link("where?", ids, algorithm="cacheblend", ratio=0.3)
+    by_value = rc.link("where?", ids, algorithm="cacheblend", ratio=0.3, deviation="value")
+    assert by_key.recomputed_tokens == by_value.recomputed_tokens
+    assert not torch.equal(by_key.last_logits, by_value.last_logits)  # other rows were recomputed
+    with pytest.raises(ParameterOutOfRange, match="deviation"):
+        rc.link("where?", ids, algorithm="cacheblend", deviation="v")
