@@ -48,42 +48,47 @@ def place_chunks(
     as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
     key_scales = key_scales or [None] * len(chunk_keys)
     value_scales = value_scales or [None] * len(chunk_keys)
-    device = joined_keys.device
+    device, dtype = joined_keys.device, joined_keys.dtype
     for keys, values, start, k_scales, v_scales in zip(chunk_keys, chunk_values, starts, key_scales, value_scales):
+        keys, values = keys.to(device), values.to(device)
         keys_slot = joined_keys[:, :, start : start + keys.shape[2]]
         values_slot = joined_values[:, :, start : start + keys.shape[2]]
         positions = torch.arange(start, start + keys.shape[2], device=device)
-        _decode_into(values_slot, values.to(device), v_scales, per_token=True)
-        if k_scales is None and keys.dtype == keys_slot.dtype:  # stored as computed: rotate straight from the entry
-            keys_slot.copy_(rotate_keys(keys.to(device), positions, inv_freq, scaling))
+        if v_scales is None:
+            values_slot.copy_(values)
+        else:
+            dequantize_values(values, v_scales.to(device), dtype, out=values_slot)
+        if k_scales is None and keys.dtype == dtype:  # stored as computed: rotate straight from the entry
+            keys_slot.copy_(rotate_keys(keys, positions, inv_freq, scaling))
             continue
         # decode into the cache first (no temporary of the chunk's size), then rotate there in the cache dtype
-        _decode_into(keys_slot, keys.to(device), k_scales, per_token=False)
+        if k_scales is None:
+            keys_slot.copy_(keys)
+        else:
+            dequantize_keys(keys, k_scales.to(device), dtype, out=keys_slot)
         keys_slot.copy_(rotate_keys(keys_slot, positions, inv_freq, scaling))
 
 
-def _decode_into(slot: torch.Tensor, stored: torch.Tensor, pairs: torch.Tensor | None, per_token: bool) -> None:
-    """Stored K or V -> `slot` in its dtype: a cast, or code * scale + zero computed in fp32 then rounded once."""
-    if pairs is None:
-        slot.copy_(stored)
-        return
-    pairs = pairs.to(slot.device)
-    scale, zero = (pairs[..., 0:1], pairs[..., 1:2]) if per_token else (pairs[:, :, 0:1], pairs[:, :, 1:2])
-    if slot.dtype == torch.float32:  # the arithmetic of dequantize_* written in place: same fp32 ops, same result
-        torch.mul(stored, scale, out=slot)
-        slot.add_(zero)
-    else:
-        slot.copy_((stored.to(torch.float32) * scale + zero).to(slot.dtype))
-
-
-def dequantize_keys(codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_keys(codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [L, H, T, D] codes with per-channel [L, H, 2, D] (scale, zero) -> keys in `dtype`."""
-    return (codes.to(torch.float32) * key_scales[:, :, 0:1] + key_scales[:, :, 1:2]).to(dtype)
+    return _dequantize(codes, key_scales[:, :, 0:1], key_scales[:, :, 1:2], dtype, out)
 
 
-def dequantize_values(codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize_values(codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 [L, H, T, D] codes with per-token [L, H, T, 2] (scale, zero) -> values in `dtype`."""
-    return (codes.to(torch.float32) * value_scales[..., 0:1] + value_scales[..., 1:2]).to(dtype)
+    return _dequantize(codes, value_scales[..., 0:1], value_scales[..., 1:2], dtype, out)
+
+
+def _dequantize(codes, scale, zero, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """code * scale + zero computed in fp32, rounded once to `dtype`; written into `out` when given (in place,
+    with the same fp32 ops and no temporary, when `out` is fp32)."""
+    if out is not None and out.dtype == torch.float32:
+        torch.mul(codes, scale, out=out)
+        return out.add_(zero)
+    decoded = (codes.to(torch.float32) * scale + zero).to(dtype)
+    return decoded if out is None else out.copy_(decoded)
 
 
 def selected_attention(

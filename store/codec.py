@@ -17,7 +17,7 @@ import torch
 from ragcache.errors import CodecOverflow, ParameterOutOfRange
 
 CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
-_NATIVE = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+BY_DTYPE_NAME = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "int8"}  # stored dtype -> codec
 LEVELS = 255  # uint8 codes 0..255
 
 
@@ -29,7 +29,7 @@ AUTO = {"cpu": "int8"}
 
 def native(dtype: torch.dtype) -> str:
     """The codec that stores K/V exactly as the model computes them."""
-    return _NATIVE[dtype]
+    return of_dtype_name(str(dtype).removeprefix("torch."))
 
 
 def validate(codec: str | None) -> None:
@@ -52,7 +52,7 @@ def of_tensor(keys: torch.Tensor) -> str:
 
 def of_dtype_name(name: str) -> str:
     """The codec of stored K/V from their dtype's name ("uint8" -> "int8"), as entry summaries give it."""
-    return {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "int8"}.get(name, name)
+    return BY_DTYPE_NAME.get(name, name)
 
 
 def encode(keys: torch.Tensor, values: torch.Tensor, codec: str):

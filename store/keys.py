@@ -6,6 +6,8 @@ import hashlib
 
 import numpy as np
 
+from .codec import of_dtype_name
+
 LAYOUT_VERSION = 1  # bump when the meaning of a stored entry changes
 
 
@@ -17,13 +19,10 @@ def chunk_key(model_fp: str, tokenizer_fp: str, dtype: str, layout: str, token_i
     return h.hexdigest()
 
 
-_OWN_CODEC = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
 def kv_form(dtype: str, codec: str) -> str:
     """The dtype slot of a chunk key: the compute dtype, plus the kv codec when the entry is not stored in that dtype
     (entries stored as computed keep the keys they had before codecs existed)."""
-    return dtype if _OWN_CODEC.get(dtype) == codec else f"{dtype}/{codec}"
+    return dtype if of_dtype_name(dtype) == codec else f"{dtype}/{codec}"
 
 
 def document_id(text: str) -> str:

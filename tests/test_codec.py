@@ -34,13 +34,6 @@ def _encoded_entry(key_seed: int, codec_name: str, tokens: int = 40, layers: int
     return key, ChunkKV(entry.token_ids, keys, values, meta, key_scales, value_scales)
 
 
-def _decoded(entry: ChunkKV, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    if entry.key_scales is None:
-        return entry.keys.to(dtype), entry.values.to(dtype)
-    return (torch_ref.dequantize_keys(entry.keys, entry.key_scales, dtype),
-            torch_ref.dequantize_values(entry.values, entry.value_scales, dtype))
-
-
 # -- round trips ------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("name", ["fp32", "fp16", "bf16"])
 def test_float_codecs_round_trip_exact_to_their_dtype(name):
