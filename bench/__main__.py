@@ -124,6 +124,7 @@ def serve(
     algorithms: str = typer.Option("full,legolink-16", help="comma-separated"),
     decode_tokens: int = typer.Option(32, min=0, help="tokens per decode-speed run (0: skip that part)"),
     decode_streams: str = typer.Option("1,16", help="concurrent streams for the decode-speed part"),
+    dtype: str = typer.Option("auto", help="compute dtype of the decode-speed part: auto, float32 or bfloat16"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -133,7 +134,7 @@ def serve(
     if min_docs > max_docs:
         raise typer.BadParameter("--min-docs must be <= --max-docs")
     mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
-            _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag)
+            _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag, dtype)
 
 
 @app.command()

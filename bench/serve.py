@@ -32,13 +32,13 @@ STEP_RUNS = 5
 
 def run(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int, docs: tuple[int, int],
         max_tokens: int, variants: list[Variant], decode_tokens: int, decode_streams: list[int],
-        out_dir: Path | None = None, tag: str = "") -> dict:
+        out_dir: Path | None = None, tag: str = "", dtype: str = "auto") -> dict:
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
-                  decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag)
+                  decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype)
     bench = report.Run("serve", params, out_dir)
     rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
-    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams) if decode_tokens else []
+    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype) if decode_tokens else []
     _print(rest, decode, bench.machine)
     paths = bench.finish(rest + decode)
     return dict(results=rest + decode, paths=paths)
@@ -76,14 +76,14 @@ def rest_cells(model: str, clients: list[int], requests: int, pool_size: int, do
     return rows
 
 
-def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int]) -> list[dict]:
+def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], dtype: str = "auto") -> list[dict]:
     from transformers import AutoTokenizer
 
     from ragcache import models
     from ragcache.engine import RagCache
     from ragcache.store import open_store
 
-    lm = models.load(model)
+    lm = models.load(model, dtype=dtype)
     rc = RagCache(lm, open_store("memory:"))
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
     ids = rc.compile(texts)
