@@ -125,6 +125,7 @@ def serve(
     decode_tokens: int = typer.Option(32, min=0, help="tokens per decode-speed run (0: skip that part)"),
     decode_streams: str = typer.Option("1,16", help="concurrent streams for the decode-speed part"),
     dtype: str = typer.Option("auto", help="compute dtype of the decode-speed part: auto, float32 or bfloat16"),
+    repeats: int = typer.Option(1, min=1, help="decode-speed cells, each run this many times interleaved (median)"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -134,7 +135,8 @@ def serve(
     if min_docs > max_docs:
         raise typer.BadParameter("--min-docs must be <= --max-docs")
     mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
-            _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag, dtype)
+            _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag, dtype,
+            repeats)
 
 
 @app.command()
@@ -163,7 +165,8 @@ def codecs(
     n: int = typer.Option(60, "--n", min=1, help="questions"),
     sample: bool = typer.Option(False, "--sample", help="use the shipped 20-item sample (no download)"),
     seed: int = typer.Option(0, help="item selection and shuffling"),
-    kv_codecs: str = typer.Option("fp32,fp16,bf16,int8", "--codecs", help="comma-separated kv codecs"),
+    kv_codecs: str = typer.Option("fp32,fp16,bf16,int8", "--codecs",
+                                  help="comma-separated kv codecs; DTYPE/CODEC computes in DTYPE (bfloat16/int8)"),
     algorithms: str = typer.Option("naive,legolink-16", help="comma-separated algorithms linked with each codec"),
     max_new_tokens: int = typer.Option(16, min=1, help="greedy tokens per answer (stops at a newline)"),
     out: Path = Out,

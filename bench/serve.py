@@ -32,13 +32,14 @@ STEP_RUNS = 5
 
 def run(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int, docs: tuple[int, int],
         max_tokens: int, variants: list[Variant], decode_tokens: int, decode_streams: list[int],
-        out_dir: Path | None = None, tag: str = "", dtype: str = "auto") -> dict:
+        out_dir: Path | None = None, tag: str = "", dtype: str = "auto", repeats: int = 1) -> dict:
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
-                  decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype)
+                  decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype,
+                  decode_repeats=repeats)
     bench = report.Run("serve", params, out_dir)
     rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
-    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype) if decode_tokens else []
+    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype, repeats) if decode_tokens else []
     _print(rest, decode, bench.machine)
     paths = bench.finish(rest + decode)
     return dict(results=rest + decode, paths=paths)
@@ -76,7 +77,12 @@ def rest_cells(model: str, clients: list[int], requests: int, pool_size: int, do
     return rows
 
 
-def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], dtype: str = "auto") -> list[dict]:
+def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], dtype: str = "auto",
+                 repeats: int = 1) -> list[dict]:
+    """Each cell `repeats` times, interleaved (transformers, then each C in turn, then again), median: a load spike
+    on a shared machine then lands on every cell alike instead of on one."""
+    import statistics
+
     from transformers import AutoTokenizer
 
     from ragcache import models
@@ -91,24 +97,35 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     rc.stop_ids = set()  # ignore EOS: every run decodes exactly `tokens` tokens
     kwargs = dict(algorithm="legolink", k=16, max_new_tokens=tokens)
     rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up
-    rows = [dict(kind="decode", engine="transformers cached loop", streams=1,
-                 tokens_per_s=round(transformers_loop(lm, rc.link(questions[0], ids, algorithm="full").token_ids,
-                                                      tokens), 2))]
-    for c in streams:
-        before = _decode_counters(rc)
-        with ThreadPoolExecutor(c) as pool:
-            answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:c]))
-        rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
-        per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
-        rows.append(dict(kind="decode", engine="ragcache scheduler", streams=c,
-                         tokens_per_s=round(rows_done / seconds, 2) if seconds else None,
-                         per_stream_tokens_per_s=round(sum(per_stream) / len(per_stream), 2) if per_stream else None,
-                         prompt_tokens=answers[0].stats.prompt_tokens))
-        print(f"decode C={c}: {rows[-1]['tokens_per_s']} tok/s aggregate", file=sys.stderr, flush=True)
-    rows[0]["prompt_tokens"] = rows[1]["prompt_tokens"] if len(rows) > 1 else None
+    prompt = rc.link(questions[0], ids, algorithm="full").token_ids
+    runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in [0, *streams]}  # 0: transformers
+    prompt_tokens = None
+    for _ in range(repeats):
+        runs[0].append((transformers_loop(lm, prompt, tokens), None))
+        for c in streams:
+            before = _decode_counters(rc)
+            with ThreadPoolExecutor(c) as pool:
+                answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:c]))
+            rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
+            per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
+            runs[c].append((rows_done / seconds if seconds else float("nan"),
+                            sum(per_stream) / len(per_stream) if per_stream else None))
+            prompt_tokens = answers[0].stats.prompt_tokens
+            print(f"decode C={c}: {runs[c][-1][0]:.2f} tok/s aggregate", file=sys.stderr, flush=True)
+    rows = []
+    for c, got in runs.items():
+        row = dict(kind="decode", engine="ragcache scheduler" if c else "transformers cached loop", streams=max(c, 1),
+                   tokens_per_s=round(statistics.median(t for t, _ in got), 2),
+                   runs_tokens_per_s=[round(t, 2) for t, _ in got], prompt_tokens=prompt_tokens)
+        if c:
+            row["per_stream_tokens_per_s"] = round(statistics.median(p for _, p in got if p is not None), 2)
+        if c > 1 and 1 in runs:  # paired per repeat: the two cells ran back to back
+            ratios = [t / one for (t, _), (one, _) in zip(got, runs[1])]
+            row.update(vs_one_stream=round(statistics.median(ratios), 2), runs_vs_one_stream=[round(r, 2) for r in ratios])
+        rows.append(row)
     rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
-    if len(rows) > 1:
-        rows += step_cells(rc.runner, rows[1]["prompt_tokens"], max(streams))
+    if streams:
+        rows += step_cells(rc.runner, prompt_tokens, max(streams))
     return rows
 
 

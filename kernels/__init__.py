@@ -57,10 +57,10 @@ def selected_attention(query, keys, values, query_positions, scale, window=None,
     return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
 
 
-def pooled_decode_attention(query, keys, values, slots, positions, scale, window=None, first_key=0):
+def pooled_decode_attention(query, keys, values, slots, positions, scale, window=None, first_key=0, end_key=None):
     """Decode rows of many requests over a pool of their caches, one attention call (see torch_ref). No Triton
     version yet: SDPA over the pool is already one library call on every device."""
-    return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key)
+    return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key, end_key)
 
 
 def kv_deviation(fresh, cached):

@@ -183,9 +183,10 @@ class PooledRows:
     def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of this group's rows -> [rows, heads, head_dim]."""
         first_key = 0 if window is None else max(self.first_position - window + 1, 0)
-        span = (layer, slice(self.first_slot, self.end_slot), slice(None), slice(first_key, self.end_position))
+        span = (layer, slice(self.first_slot, self.end_slot), slice(None), slice(first_key, None))
         return kernels.pooled_decode_attention(query, self.pool.keys[span], self.pool.values[span],
-                                               self.slots - self.first_slot, self.positions, scale, window, first_key)
+                                               self.slots - self.first_slot, self.positions, scale, window, first_key,
+                                               self.end_position)
 
 
 class Batch:

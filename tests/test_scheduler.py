@@ -226,6 +226,9 @@ def test_pooled_decode_attention_equals_each_request_alone(window):
     end = int(positions.max()) + 1
     pooled = kernels.pooled_decode_attention(query, keys[:, :, first_key:end], values[:, :, first_key:end], slots,
                                              positions, 0.25, window, first_key)
+    to_capacity = kernels.pooled_decode_attention(query, keys[:, :, first_key:], values[:, :, first_key:], slots,
+                                                  positions, 0.25, window, first_key, end_key=end)
+    torch.testing.assert_close(to_capacity, pooled, atol=1e-6, rtol=0)
     for i, (slot, length) in enumerate(zip(slots.tolist(), lengths)):
         own_keys, own_values = keys[slot, :, :length], values[slot, :, :length]
         row, at = query[:, i : i + 1], positions[i : i + 1]
@@ -233,6 +236,23 @@ def test_pooled_decode_attention_equals_each_request_alone(window):
         torch.testing.assert_close(pooled[i : i + 1], alone, atol=1e-5, rtol=0)
         torch.testing.assert_close(pooled[i : i + 1], torch_ref.reference_attention(row, own_keys, own_values, at, 0.25,
                                                                                     window), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_pooled_decode_attention_in_half_precision_is_within_its_tolerance(dtype):
+    """The reduced-precision path (eager math on CPU) against the fp32 reference over each row's own cache."""
+    generator = torch.Generator().manual_seed(1)
+    keys, values = (torch.randn(4, 2, 48, 16, generator=generator) for _ in range(2))
+    slots, positions = torch.tensor([2, 0, 3]), torch.tensor([39, 5, 20])
+    query = torch.randn(6, 3, 16, generator=generator)
+    for end_key in (None, 40):  # the block as passed, or the pool's whole capacity with the last key to read
+        pooled = kernels.pooled_decode_attention(query.to(dtype), keys.to(dtype), values.to(dtype), slots, positions,
+                                                 0.25, end_key=end_key)
+        assert pooled.dtype == dtype
+        for i, (slot, at) in enumerate(zip(slots.tolist(), positions.tolist())):
+            expected = torch_ref.reference_attention(query[:, i : i + 1], keys[slot, :, : at + 1],
+                                                     values[slot, :, : at + 1], positions[i : i + 1], 0.25)
+            torch.testing.assert_close(pooled[i : i + 1].float(), expected, atol=3e-2, rtol=0)
 
 
 def test_pooled_decode_equals_a_decode_loop_over_private_caches(rc, monkeypatch):
