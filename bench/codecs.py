@@ -2,6 +2,7 @@
 
     python -m bench codecs --model smollm2-135m --n 60
     python -m bench codecs --sample --n 5                  # the shipped 20-item sample, no download
+    python -m bench codecs --codecs bfloat16/bf16,bfloat16/int8 --algorithms full,legolink-16   # compute in bf16
 
 Items are bench/accuracy.py's (SQuAD v1.1 dev: the gold paragraph plus 3 distractors, each a document). Every codec
 links the same token ids with each algorithm (naive and legolink-16 by default). At the answer's first position:
@@ -39,11 +40,10 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
                   algorithms=[v.label for v in variants], max_new_tokens=max_new_tokens, tag=tag,
                   data="bench/data/squad_sample.jsonl" if sample else "SQuAD v1.1 dev (bigbench==1.0.0)")
     bench = report.Run("codecs", params, out_dir)
-    lm = load_model(model)
-    for c in codecs:
-        kv_codec.validate(c)
     codecs = ["fp32"] + [c for c in codecs if c not in ("fp32", "auto")]  # fp32 entries are the reference
-    engines = {c: RagCache(lm, MemoryStore(), chunk_tokens=512, kv_codec=c) for c in codecs}
+    models = {dtype: load_model(model, dtype) for dtype in {compute_dtype(c) for c in codecs}}
+    engines = {c: RagCache(models[compute_dtype(c)], MemoryStore(), chunk_tokens=512, kv_codec=stored_codec(c))
+               for c in codecs}
     reference = engines["fp32"]
     reference.warmup()
     stops = agreement_stops(reference)
@@ -65,7 +65,7 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
             for doc_id in set(ids):
                 rc.delete_document(doc_id)  # every item's documents are new: keep the stores small
         for key, got in row.items():
-            ref = row[f"fp32/{key.split('/', 1)[1]}"]
+            ref = row[f"fp32/{key.rsplit('/', 1)[1]}"]
             got["top1_vs_fp32"], got["kl_vs_fp32"] = agreement.first_token(ref["logits"], got["logits"])
         for got in row.values():
             del got["logits"]
@@ -83,6 +83,18 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
 
 
 ERROR_ITEMS = 10
+
+
+def compute_dtype(spec: str) -> str:
+    """A codec spec is CODEC (linked in float32) or DTYPE/CODEC (linked in that compute dtype, e.g.
+    bfloat16/int8): the second form measures what a compute dtype costs against fp32, on the same items."""
+    return spec.rpartition("/")[0] or "float32"
+
+
+def stored_codec(spec: str) -> str:
+    codec = spec.rpartition("/")[2]
+    kv_codec.validate(codec)
+    return codec
 
 
 def int8_grouping(rc: RagCache, items: list) -> dict:

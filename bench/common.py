@@ -72,10 +72,10 @@ def parse_ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",") if p.strip()]
 
 
-def load_model(name: str):
+def load_model(name: str, dtype: str = "auto"):
     from ragcache import models
 
-    return models.load(name)
+    return models.load(name, dtype=dtype)
 
 
 def engine(lm, store, chunk_tokens: int, kv_codec: str = "auto"):
