@@ -255,6 +255,43 @@ def test_pooled_decode_attention_in_half_precision_is_within_its_tolerance(dtype
             torch.testing.assert_close(pooled[i : i + 1].float(), expected, atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_a_pooled_bf16_step_equals_each_row_over_its_own_cache(family, monkeypatch):
+    """The bf16 decode step through the runner (the pool read to its capacity, eager attention on CPU) against
+    each row alone over a private copy of its cache, at the bf16 tolerance of tests/test_invariants.py."""
+    from ragcache.runner import Runner
+
+    calls = []
+    pooled_attention = kernels.pooled_decode_attention
+    monkeypatch.setattr(kernels, "pooled_decode_attention",
+                        lambda *a: calls.append(a[0].shape[1]) or pooled_attention(*a))
+
+    runner = Runner(tiny.make(family, dtype=torch.bfloat16))
+    generator = torch.Generator().manual_seed(2)
+    lengths, tokens = [7, 30, 19], torch.tensor([5, 11, 17])
+    pooled, alone = [], []
+    for length in lengths:
+        cache = runner.new_cache(length + 1)
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
+        cache.length = length + 1
+        twin = runner.new_cache(length + 1)
+        twin.keys.copy_(cache.keys), twin.values.copy_(cache.values)
+        twin.length = length + 1
+        runner.pool.adopt(cache)
+        pooled.append(cache), alone.append(twin)
+    with torch.inference_mode():
+        together = runner.logits(runner.forward(tokens, [(c, torch.tensor([n])) for c, n in zip(pooled, lengths)])[0])
+        each = [runner.logits(runner.forward_rows(tokens[i : i + 1], torch.tensor([n]), alone[i])[0])[0]
+                for i, n in enumerate(lengths)]
+    for cache in pooled:
+        runner.pool.release(cache)
+    assert calls and max(calls) == len(lengths), "the rows were not attended in one pooled call"
+    for got, expected in zip(together, each):
+        assert int(got.argmax()) == int(expected.argmax())
+        torch.testing.assert_close(got, expected, atol=0.03 * float(expected.abs().max()), rtol=0)
+
+
 def test_pooled_decode_equals_a_decode_loop_over_private_caches(rc, monkeypatch):
     """Streams of different prompt lengths decoding together in the pool (one attention call per layer for their
     rows; gemma3's sliding layers included) give the tokens of a greedy loop over each request's own cache."""
