@@ -57,7 +57,7 @@ def _fail(exc: Exception) -> None:
 
 
 DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
-                                                 "float32 on CPU, bfloat16 on CUDA)")
+                                                 "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
 KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
                                                       "(default: settings, auto: int8 on CPU, the compute dtype "

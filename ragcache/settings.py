@@ -25,7 +25,8 @@ class Settings(BaseSettings):
     store: str = Field("disk:./.ragcache", description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=16, le=8192, description="chunk budget in tokens")
     dtype: str = Field("auto", pattern="^(auto|float32|float16|bfloat16)$",
-                       description="auto: float32 on CPU, bfloat16 on CUDA (see docs/BENCHMARKS.md)")
+                       description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
+                       "else float32 (see README: dtype)")
     device: str = "cpu"
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "

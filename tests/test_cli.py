@@ -119,15 +119,16 @@ def test_kv_codec_from_compile_to_stats_to_query(tmp_path):
     doc = tmp_path / "lighthouse.txt"
     doc.write_text((DATA / "docs" / "lighthouse.txt").read_text())
     store = f"disk:{tmp_path / 'store'}"
-    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "fp32", cwd=tmp_path)
-    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "int8", cwd=tmp_path)
+    fp32 = ("--dtype", "float32")  # computed in fp32, so that the system prompt's entry is fp32 too
+    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "fp32", *fp32, cwd=tmp_path)
+    ragcache("compile", str(doc), "--store", store, "--chunk-tokens", "64", "--kv-codec", "int8", *fp32, cwd=tmp_path)
     stats = json.loads(ragcache("store", "stats", "--store", store, "--json", cwd=tmp_path).stdout)
     codecs = stats["tiers"][0]["codecs"]
     # the chunks once per codec; the system prompt's entry is stored as computed (fp32) under either
     assert set(codecs) == {"fp32", "int8"} and 0 < codecs["int8"]["tokens"] < codecs["fp32"]["tokens"]
     assert codecs["int8"]["bytes_per_token"] < 0.3 * codecs["fp32"]["bytes_per_token"]
     answer = ragcache("query", "How tall is the Harrow Point lighthouse?", "--doc", str(doc), "--store", store,
-                      "--json", "--max-new-tokens", "8", "--kv-codec", "int8", cwd=tmp_path)
+                      "--json", "--max-new-tokens", "8", "--kv-codec", "int8", *fp32, cwd=tmp_path)
     assert '"compiled_chunks": 0' in answer.stdout  # every chunk came from the int8 entries
     bad = ragcache("query", "q", "--doc", str(doc), "--store", store, "--kv-codec", "int4", cwd=tmp_path, check=False)
     assert bad.returncode == 3 and "kv_codec" in bad.stderr

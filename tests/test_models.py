@@ -72,12 +72,16 @@ def test_registry_pins_versions_and_hashes():
 def test_default_model_is_pulled_once_and_fingerprinted(smollm2):
     assert models.is_pulled("smollm2-135m")
     assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
-    again = models.load("smollm2-135m")
+    again = models.load("smollm2-135m", dtype="float32")
     assert again.fingerprint == smollm2.fingerprint and again.tokenizer_fingerprint == smollm2.tokenizer_fingerprint
 
 
-def test_auto_dtype_is_fp32_on_cpu_and_bf16_on_cuda():
+def test_auto_dtype_is_bf16_where_the_hardware_has_it(monkeypatch):
     from ragcache.models import default_dtype
 
-    assert default_dtype("cpu") == "float32"
     assert default_dtype("cuda") == default_dtype("cuda:1") == "bfloat16"
+    assert default_dtype("cpu") == ("bfloat16" if models.cpu_has_bf16() else "float32")
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: False)
+    assert default_dtype("cpu") == "float32"
+    monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
+    assert default_dtype("cpu") == "bfloat16"

@@ -29,7 +29,7 @@ def rc(smollm2):
 
 @pytest.fixture(scope="module")
 def reference():
-    lm = models.load("smollm2-135m")
+    lm = models.load("smollm2-135m", dtype="float32")
     lm.model.set_attn_implementation("eager")
     return lm
 
