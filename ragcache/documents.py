@@ -265,9 +265,23 @@ def _compile_combos(store: Store) -> set[tuple[str, str, str, str]]:
         for info in store.describe_many(batch):
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
-                form = kv_form(meta.get("dtype", ""), kv_codec.of_dtype_name(info.get("dtype", "")))
-                combos.add((meta["model"], meta["tokenizer"], form, meta["layout"]))
+                combos.add((meta["model"], meta["tokenizer"], entry_form(info), meta["layout"]))
     return combos
+
+
+def entry_form(info: dict | None) -> str:
+    """The dtype slot of an entry's key ("bfloat16/int8", "float32", ...) from its summary: the compute dtype it
+    records, and its codec read from its tensors' dtype."""
+    info = info or {}
+    return kv_form((info.get("meta") or {}).get("dtype", ""), kv_codec.of_dtype_name(info.get("dtype", "")))
+
+
+def entries_of_form(store: Store, form: str) -> list[str]:
+    """Keys of the entries compiled in `form` (a compute dtype, plus "/codec" when stored in another one)."""
+    found = []
+    for batch in batched(store.keys()):
+        found += [key for key, info in zip(batch, store.describe_many(batch)) if info and entry_form(info) == form]
+    return found
 
 
 def _document_ids(store: Store) -> set[str]:

@@ -56,7 +56,8 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                 continue  # removed while listing
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
-                         "dtype": info.get("dtype"), "shape": info.get("shape"), "model_name": _model_name(meta),
+                         "dtype": info.get("dtype"), "form": documents.entry_form(info),
+                         "shape": info.get("shape"), "model_name": _model_name(meta),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
             if limit is not None and len(rows) >= limit:
@@ -81,6 +82,7 @@ def summary(store: Store) -> dict:
         stats["bytes"] = sum(r["size"] for r in rows)
         stats["models"] = dict(Counter(r["model_name"] for r in rows))
         stats["codecs"] = codec_summary(rows)
+        stats["forms"] = dict(Counter(r["form"] for r in rows if not r["error"]))
         stats["unreadable_headers"] = sum(1 for r in rows if r["error"])
         tiers.append(stats)
     names = store.record_names()
@@ -138,8 +140,11 @@ def _record_problem(name: str, record: dict | None) -> str | None:
     return None
 
 
-def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False) -> dict:
+def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
+                    drop_forms: tuple[str, ...] = ()) -> dict:
     report: dict = {}
+    for form in drop_forms:  # before the tiers' own gc, so that their indexes see the space freed
+        report[f"dropped {form}"] = sum(store.delete(k) for k in documents.entries_of_form(store, form))
     for tier in tiers_of(store):
         if hasattr(tier, "gc"):
             report[tier.name] = tier.gc(tmp_age_s)
@@ -150,6 +155,13 @@ def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool =
         orphans = [k for k in list(store.keys()) if k not in wanted]
         report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
     return report
+
+
+def _check_form(form: str) -> None:
+    dtype, _, codec = form.partition("/")
+    if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
+        raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
+                                 f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
 
 
 # -- commands -----------------------------------------------------------------------------------------------
@@ -211,6 +223,9 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
         table.add_row(t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits),
                       models, codecs)
     console.print(table)
+    for t in info["tiers"]:  # a line, not a column: the forms are what `gc --drop-form` takes, spelled out
+        if t.get("forms"):
+            console.print(f"{t['tier']} entries by form: " + ", ".join(f"{f}: {n}" for f, n in sorted(t["forms"].items())))
     console.print(f"records: {info['records']} ({info['documents']} documents)")
 
 
@@ -266,10 +281,15 @@ def gc(store: StoreUrl = DEFAULT_STORE,
                                                    "abandoned")] = 600.0,
        unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
                                                   "to (system-prompt prefixes included)")] = False,
+       drop_form: Annotated[list[str], typer.Option("--drop-form", help="also delete every entry compiled in this "
+                                                    "form, as `store stats` lists them (e.g. float32/int8: the "
+                                                    "entries of the fp32 default of before); repeatable")] = [],
        as_json: AsJson = False) -> None:
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
-    report = collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced)
+    for form in drop_form:
+        _check_form(form)
+    report = collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
     if as_json:
         console.print_json(json.dumps(report))
         return
