@@ -121,7 +121,8 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
             row["per_stream_tokens_per_s"] = round(statistics.median(p for _, p in got if p is not None), 2)
         if c > 1 and 1 in runs:  # paired per repeat: the two cells ran back to back
             ratios = [t / one for (t, _), (one, _) in zip(got, runs[1])]
-            row.update(vs_one_stream=round(statistics.median(ratios), 2), runs_vs_one_stream=[round(r, 2) for r in ratios])
+            row.update(vs_one_stream=round(statistics.median(ratios), 2),
+                       runs_vs_one_stream=[round(r, 2) for r in ratios])
         rows.append(row)
     rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
     if streams:

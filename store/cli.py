@@ -225,7 +225,8 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
     console.print(table)
     for t in info["tiers"]:  # a line, not a column: the forms are what `gc --drop-form` takes, spelled out
         if t.get("forms"):
-            console.print(f"{t['tier']} entries by form: " + ", ".join(f"{f}: {n}" for f, n in sorted(t["forms"].items())))
+            forms = ", ".join(f"{form}: {n}" for form, n in sorted(t["forms"].items()))
+            console.print(f"{t['tier']} entries by form: {forms}")
     console.print(f"records: {info['records']} ({info['documents']} documents)")
 
 
