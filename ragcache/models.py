@@ -192,8 +192,8 @@ def resolve(name_or_path: str) -> str:
 def default_dtype(device: str) -> str:
     """"auto" resolved per device. GPUs run bf16 natively. On a CPU with bf16 instructions (AVX512-BF16 or AMX),
     bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
-    (docs/BENCHMARKS.md, "fp32 or bf16"), and it costs an order of magnitude less KL against fp32 than linking
-    does (`python -m bench codecs --codecs bfloat16/int8`). Without them bf16 is converted in software: fp32."""
+    (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
+    (`python -m bench codecs --codecs bfloat16/int8`). Without them bf16 is converted in software: fp32."""
     if str(device).startswith("cuda"):
         return "bfloat16"
     return "bfloat16" if cpu_has_bf16() else "float32"
