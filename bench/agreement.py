@@ -203,3 +203,34 @@ def placed_kv(runner: Runner, parts: LinkInput) -> tuple[torch.Tensor, torch.Ten
     cache.length = length
     linker._place(runner, parts, LinkParams("naive"), cache, None)
     return cache.keys[:, :, :length], cache.values[:, :, :length]
+
+
+def preceding_span(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """Each position scored by the best of itself and the `width` positions after it: a row the question reads
+    brings the rows just before it, so it is recomputed over fresh K/V of its own local context."""
+    shifted = [scores] + [torch.cat([scores[j:], torch.full((j,), -float("inf"))]) for j in range(1, width + 1)]
+    return torch.stack(shifted).amax(0)
+
+
+@torch.inference_mode()
+def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_capacity: int = 0) -> Linked:
+    """`focus` in two rounds on the same budget, every chunk row recomputed at most once: half the budget (each
+    chunk's sinks, then the rows the naive question attends to) is recomputed; the question's attention is
+    measured again on that partly repaired cache (a stale sink no longer draws it); the other half goes to the
+    rows it now reads most. Costs one more question pass and the question's rows twice."""
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = runner.new_cache(length + extra_capacity)
+    cache.length = length
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    count = budget(parts, fraction)
+    half = math.ceil(count / 2)
+    sinks = leading_rows(parts, linker.FOCUS_SINKS)[:half]
+    first = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), half, forced=sinks)
+    question = question_rows(parts, length)
+    linker._recompute(runner, ids, torch.cat([first, question]), cache, None)
+    rows = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), count, forced=first)
+    second = rows[~torch.isin(rows, first)]
+    hidden, _ = linker._recompute(runner, ids, torch.cat([second, question]), cache, None)
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
+                  length - int(rows.numel()) - len(question), 0, 0)

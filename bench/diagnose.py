@@ -12,7 +12,9 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
             chunk + qattn), late (mixed, attention summed over the upper half of the layers only), chunk (first 4
             per chunk, then whole chunks from their start, most-attended chunk first), qfull (mixed scored by
-            full's question attention: what a perfect attention estimate would pick)
+            full's question attention: what a perfect attention estimate would pick), span (mixed, each
+            scored row bringing the SPAN rows before it), focus2 (focus in two rounds: half the budget, then
+            the question's attention measured again on that cache picks the other half)
   cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
@@ -38,6 +40,7 @@ from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 
 SINKS = 4
+SPAN = 2  # `span`: each row the question reads brings this many rows before it
 SYSTEM = "You are a helpful assistant. Answer the question with a short span copied from the documents."
 # EPIC's LongBench QA suffix (benchmarks_ours/data_sets/hotpotqa.py): without it Qwen answers in sentences, so the
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
@@ -180,15 +183,18 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             "late": lambda: agreement.top_rows(parts, upper, count, forced=sinks[:count]),
             "chunk": lambda: agreement.chunk_first_rows(parts, attention.sum(0), count),
             "qfull": lambda: agreement.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
+            "span": lambda: agreement.top_rows(parts, agreement.preceding_span(attention.sum(0), SPAN), count,
+                                               forced=sinks[:count]),
             "oracle": lambda: agreement.top_rows(parts, oracle, count),
         }
         for label in selections:
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
             if only and float(only) != f:
                 continue
-            if label == "focus":
-                linked = link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap)
-                measure(f"focus@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
+            if label in ("focus", "focus2"):
+                linked = (link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap) if label == "focus"
+                          else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap))
+                measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             rows = choices[label]()
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
@@ -451,7 +457,9 @@ CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "p
                ("plain/mixed16@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/focus@0.25"),
                ("plain/mixed16@0.25", "plain/focus@0.25"), ("plain/qfull@0.25", "plain/focus@0.25"),
                ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
-               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"))
+               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"),
+               ("plain/focus2@0.25", "plain/focus@0.25"), ("plain/span@0.25", "plain/focus@0.25"),
+               ("plain/focus@0.25", "plain/legolink-32"), ("plain/focus@0.1", "plain/legolink-16"))
 
 
 def _family(label: str) -> str:

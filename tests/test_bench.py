@@ -334,3 +334,40 @@ def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
     assert pairs.splitlines()[-1].endswith("| - | - |")
     pairs = diagnose.paired_table([new], (("plain/legolink-0", "plain/full"),))
     assert "| +0.000 [+0.000, +0.000] (2) | -0.438 [" in pairs
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_two_round_focus_recomputes_its_budget_once_and_spans_reach_back(family):
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    count = agreement.budget(parts, 0.5)
+    linked = agreement.focus_two_rounds(runner, parts, 0.5, extra_capacity=4)
+    assert linked.recomputed_tokens == count + len(parts.question_ids)
+    assert linked.cache.length == parts.token_ids.numel()
+    naive = link(runner, parts, LinkParams("naive"))
+    full = link(runner, parts, LinkParams("full"))
+    _, kl_two = agreement.first_token(full.last_logits, linked.last_logits)
+    _, kl_naive = agreement.first_token(full.last_logits, naive.last_logits)
+    assert kl_two != kl_naive  # the rows it recomputed did reach the logits
+    scores = torch.tensor([0.0, 0.0, 5.0, 0.0, 1.0, 0.0])
+    assert agreement.preceding_span(scores, 2).tolist() == [5.0, 5.0, 5.0, 1.0, 1.0, 0.0]
+
+
+def test_diagnose_records_every_selection_at_its_budget():
+    from types import SimpleNamespace
+
+    from bench import agreement, diagnose
+
+    runner, parts = _tiny_parts("qwen2")
+    item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
+    record = dict(answers=["Paris"], configs={})
+    diagnose._setup(runner, item, "plain", record, [0.25], [], [], [], set(), set(), 4, 2, runner.lm.tokenizer, 0,
+                    ["focus", "focus2@0.25", "span@0.25", "qfull@0.25", "first@0.25"])
+    configs = record["configs"]
+    for label in ("focus", "focus2", "span", "qfull"):
+        got = configs[f"plain/{label}@0.25"]
+        assert got["recomputed"] == agreement.budget(parts, 0.25), label
+        assert 0.0 <= got["token_agree"] <= 1.0 and got["answer_agree"] <= got["token_agree"]
+    assert "margin" in configs["plain/full"] and "margin" not in configs["plain/focus@0.25"]
