@@ -40,6 +40,7 @@ from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 
 SINKS = 4
+DECIDED = 0.2  # full's first-token margin p(top-1) - p(top-2) from which an item counts as decided, not a near-tie
 SPAN = 2  # `span`: each row the question reads brings this many rows before it
 SYSTEM = "You are a helpful assistant. Answer the question with a short span copied from the documents."
 # EPIC's LongBench QA suffix (benchmarks_ours/data_sets/hotpotqa.py): without it Qwen answers in sentences, so the
@@ -286,21 +287,23 @@ def main() -> None:
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
     ap.add_argument("--curve", type=Path, nargs="*",
                     help="the EPIC-style curve of these files (one model), over the items that have every config")
+    ap.add_argument("--decided", type=float, default=DECIDED,
+                    help="with --curve/--report: full's first-token margin from which an item counts as decided")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
     if a.curve:
-        rows = summarize(a.curve, common=True)
+        rows = summarize(a.curve, common=True, threshold=a.decided)
         print(curve_table(rows))
         print(gap_table(rows))
-        print(paired_table(a.curve, CURVE_PAIRS))
+        print(paired_table(a.curve, CURVE_PAIRS, a.decided))
         if a.plot:
             plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
         return
     if a.report:
-        rows = summarize(a.report)
+        rows = summarize(a.report, threshold=a.decided)
         print(table(rows))
         print(gap_table(rows))
-        print(paired_table(a.report))
+        print(paired_table(a.report, threshold=a.decided))
         print(json.dumps(profile_summary(a.report), indent=None))
         return
     if a.threads:
@@ -314,7 +317,8 @@ def main() -> None:
 
 
 # -- summary ----------------------------------------------------------------------------------------------
-def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False) -> list[dict]:
+def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False,
+              threshold: float = DECIDED) -> list[dict]:
     """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
     and the paired difference of top-1 from `reference` (naive) on the same items. `common`: only the items that
     have every configuration of the last file's runs, so those rows are over the same items (others: over the
@@ -341,7 +345,7 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bo
         row["dll"] = bootstrap([g["ll"] - c[f"{setup}/full"]["ll"] for g, c in got])
         row["d_top1_vs_naive"] = bootstrap([g["top1"] - c[reference]["top1"] for g, c in got])
         row["recompute"] = sum(g["recomputed"] / g["chunk_tokens"] for g, _ in got) / len(got)
-        row.update(_follow(got, setup))
+        row.update(_follow(got, setup, threshold))
         if all("f1" in g for g, _ in got):
             f1 = [g["f1"] for g, _ in got]
             full = [c[f"{setup}/full"]["f1"] for _, c in got]
@@ -351,16 +355,13 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bo
     return rows
 
 
-DECIDED = 0.2  # full's first-token margin p(top-1) - p(top-2) from which an item counts as decided, not a near-tie
-
-
-def decided(config: dict, setup: str) -> bool | None:
+def decided(config: dict, setup: str, threshold: float = DECIDED) -> bool | None:
     """Whether full's first token is decided on this item (None: a run from before margins were recorded)."""
     margin = config[f"{setup}/full"].get("margin")
-    return None if margin is None else margin >= DECIDED
+    return None if margin is None else margin >= threshold
 
 
-def _follow(got: list[tuple[dict, dict]], setup: str) -> dict:
+def _follow(got: list[tuple[dict, dict]], setup: str, threshold: float) -> dict:
     """The metrics that tell near-ties from real errors, where every item has them (older runs lack them):
     token/answer agreement along full's answer, and top-1 over the decided items only."""
     from bench.accuracy import bootstrap
@@ -369,8 +370,9 @@ def _follow(got: list[tuple[dict, dict]], setup: str) -> dict:
     for key in ("token_agree", "answer_agree", "linked_p_full_top1"):
         if all(key in g for g, _ in got):
             out[key] = bootstrap([g[key] for g, _ in got])
-    flags = [decided(c, setup) for _, c in got]
+    flags = [decided(c, setup, threshold) for _, c in got]
     if None not in flags:
+        out["threshold"] = threshold
         out["top1_decided"] = bootstrap([g["top1"] for (g, _), d in zip(got, flags) if d])
         out["n_decided"] = sum(flags)
         out["misses_tied"] = sum(1 for (g, _), d in zip(got, flags) if not d and g["top1"] < 1)
@@ -419,7 +421,7 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"))
 
 
-def paired_table(paths: list[Path], pairs=PAIRS) -> str:
+def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> str:
     """Paired differences (a - b) over the items both have: top-1, KL, ΔLL (each vs its own setup's full), and
     where the runs recorded them, top-1 over the decided items and token agreement ("-" otherwise)."""
     from bench.accuracy import bootstrap
@@ -435,7 +437,7 @@ def paired_table(paths: list[Path], pairs=PAIRS) -> str:
         if not both:
             continue
         dll = lambda c, x: c[x]["ll"] - c[x.split("/")[0] + "/full"]["ll"]  # noqa: E731
-        flags = [decided(c, a.split("/")[0]) for c in both]
+        flags = [decided(c, a.split("/")[0], threshold) for c in both]
         dec = [c for c, d in zip(both, flags) if d]
         top1_dec = (f"{fmt(bootstrap([c[a]['top1'] - c[b]['top1'] for c in dec]))} ({len(dec)})"
                     if None not in flags and dec else "-")
@@ -459,7 +461,7 @@ CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "p
                ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
                ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"),
                ("plain/focus2@0.25", "plain/focus@0.25"), ("plain/span@0.25", "plain/focus@0.25"),
-               ("plain/focus@0.25", "plain/legolink-32"), ("plain/focus@0.1", "plain/legolink-16"))
+               ("plain/focus@0.25", "plain/legolink-32"))
 
 
 def _family(label: str) -> str:
@@ -498,7 +500,8 @@ def curve_table(rows: list[dict]) -> str:
 def gap_table(rows: list[dict]) -> str:
     """Where each configuration's first-token misses fall: on near-ties (full's margin < DECIDED) or on decided
     items, with the linked cache's mean probability of full's top-1 token."""
-    lines = [f"| config | n | misses | on near-ties (margin < {DECIDED}) | on decided items | decided n "
+    threshold = next((r["threshold"] for r in rows if "threshold" in r), DECIDED)
+    lines = [f"| config | n | misses | on near-ties (margin < {threshold}) | on decided items | decided n "
              "| p_linked(full's top-1) |", "|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
         if "n_decided" not in r or r["label"].endswith("/full"):
