@@ -12,6 +12,7 @@ say where the linked cache's argmax follows `full`'s answer:
 And, to tell near-ties from real errors at the first position:
   margin            p(top-1) - p(top-2) of `full` (how decided full's own first token is)
   linked_p_full_top1 the linked cache's probability of full's top-1 token
+  linked_top1_rank  the rank of the linked argmax under full's distribution (2: full's own runner-up)
 Decoding is only needed for EM/F1 against gold (`greedy`).
 
 Row-selection prototypes (bench only: the linker's `_rows` gets one once it wins) pick rows of a placed cache
@@ -39,6 +40,7 @@ class Agreement:
     linked_p_full_top1: float  # the linked cache's probability of full's top-1 token at the first position
     token_agree: float  # share of full's answer positions where the linked argmax is full's token
     answer_agree: float  # 1.0 when it is at every position
+    linked_top1_rank: int  # where the linked argmax ranks in full's first-token distribution (1: they agree)
 
 
 def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -102,11 +104,12 @@ def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answ
     once) has no positions to follow: its token/answer agreement is the first position's top-1."""
     top1, kl = first_token(full_logits, linked.last_logits)
     p_top1 = float(torch.softmax(linked.last_logits.double(), -1)[int(full_logits.argmax())])
+    rank = int((full_logits > full_logits[int(linked.last_logits.argmax())]).sum()) + 1
     ll, logits = teacher_forced(runner, linked, full_answer)
     if not full_answer:
-        return Agreement(top1, kl, ll, p_top1, top1, top1)
+        return Agreement(top1, kl, ll, p_top1, top1, top1, rank)
     hits = logits.argmax(-1).cpu() == torch.tensor(full_answer)
-    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()))
+    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank)
 
 
 # -- row selection prototypes ----------------------------------------------------------------------------

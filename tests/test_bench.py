@@ -271,6 +271,7 @@ def test_covering_legolink_follows_full_answer_and_margin_is_full_own(family):
     assert full["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-7)
     assert full["token_agree"] == full["answer_agree"] == 1.0
     assert covering["top1"] == covering["token_agree"] == covering["answer_agree"] == 1.0
+    assert covering["linked_top1_rank"] == full["linked_top1_rank"] == 1
     assert covering["linked_p_full_top1"] == pytest.approx(float(top[0]), abs=1e-7)
 
 
@@ -281,6 +282,7 @@ def test_naive_strays_from_full_answer_somewhere(family):
     _, _, configs = _recorded(family, [0])
     naive = configs["plain/legolink-0"]
     assert naive["token_agree"] < 1.0 and naive["answer_agree"] == 0.0
+    assert (naive["linked_top1_rank"] > 1) == (naive["top1"] == 0.0)
 
 
 def test_empty_answer_agreement_is_the_first_position():
