@@ -377,6 +377,9 @@ def _follow(got: list[tuple[dict, dict]], setup: str, threshold: float) -> dict:
         out["n_decided"] = sum(flags)
         out["misses_tied"] = sum(1 for (g, _), d in zip(got, flags) if not d and g["top1"] < 1)
         out["misses_decided"] = sum(1 for (g, _), d in zip(got, flags) if d and g["top1"] < 1)
+        if all("linked_top1_rank" in g for g, _ in got):  # a miss that picks full's own second choice
+            out["runner_up_tied"] = sum(1 for (g, _), d in zip(got, flags) if not d and g["linked_top1_rank"] == 2)
+            out["runner_up_decided"] = sum(1 for (g, _), d in zip(got, flags) if d and g["linked_top1_rank"] == 2)
     return out
 
 
@@ -503,12 +506,13 @@ def gap_table(rows: list[dict]) -> str:
     threshold = next((r["threshold"] for r in rows if "threshold" in r), DECIDED)
     lines = [f"| config | n | misses | on near-ties (margin < {threshold}) | on decided items | decided n "
              "| p_linked(full's top-1) |", "|---|---|---|---|---|---|---|"]
+    up = lambda r, k: f" ({r[k]} on full's 2nd)" if k in r else ""  # noqa: E731
     for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
         if "n_decided" not in r or r["label"].endswith("/full"):
             continue
-        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['misses_tied'] + r['misses_decided']} "
-                     f"| {r['misses_tied']} | {r['misses_decided']} | {r['n_decided']} "
-                     f"| {_ci(r, 'linked_p_full_top1')} |")
+        tied, dec = f"{r['misses_tied']}{up(r, 'runner_up_tied')}", f"{r['misses_decided']}{up(r, 'runner_up_decided')}"
+        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['misses_tied'] + r['misses_decided']} | {tied} "
+                     f"| {dec} | {r['n_decided']} | {_ci(r, 'linked_p_full_top1')} |")
     return "\n".join(lines)
 
 

@@ -304,17 +304,17 @@ def _run_file(path: Path, items: list[dict]) -> Path:
 def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
     from bench import diagnose
 
-    def item(i: int, margin: float | None, top1: float, tokens: float) -> dict:
+    def item(i: int, margin: float | None, top1: float, tokens: float, rank: int = 1) -> dict:
         full = dict(top1=1.0, kl=0.0, ll=-1.0, recomputed=10, chunk_tokens=9, token_agree=1.0, answer_agree=1.0)
         if margin is not None:
             full["margin"] = margin
         linked = dict(top1=top1, kl=0.1, ll=-2.0, recomputed=0, chunk_tokens=9, token_agree=tokens,
-                      answer_agree=float(tokens == 1.0), linked_p_full_top1=0.5)
+                      answer_agree=float(tokens == 1.0), linked_p_full_top1=0.5, linked_top1_rank=rank)
         return dict(id=str(i), configs={"plain/full": full, "plain/legolink-0": linked})
 
     # decided items (margin >= 0.2) all agree; the two misses are on near-ties
-    new = _run_file(tmp_path / "new.json", [item(0, 0.9, 1.0, 1.0), item(1, 0.05, 0.0, 0.5),
-                                            item(2, 0.5, 1.0, 0.75), item(3, 0.1, 0.0, 0.0)])
+    new = _run_file(tmp_path / "new.json", [item(0, 0.9, 1.0, 1.0), item(1, 0.05, 0.0, 0.5, rank=2),
+                                            item(2, 0.5, 1.0, 0.75), item(3, 0.1, 0.0, 0.0, rank=5)])
     rows = {r["label"]: r for r in diagnose.summarize([new], common=True)}
     naive = rows["plain/legolink-0"]
     assert naive["top1"][0] == 0.5 and naive["top1_decided"] == (1.0, 1.0, 1.0) and naive["n_decided"] == 2
@@ -322,12 +322,13 @@ def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
     assert (naive["misses_tied"], naive["misses_decided"]) == (2, 0)
     assert "| legolink-0 | 4 | 0.0% | 0.500 [" in diagnose.curve_table(list(rows.values()))
     assert "| 1.000 [1.000, 1.000] (2) | 0.562 [" in diagnose.curve_table(list(rows.values()))
-    assert "| legolink-0 | 4 | 2 | 2 | 0 | 2 |" in diagnose.gap_table(list(rows.values()))
+    gap = diagnose.gap_table(list(rows.values()))
+    assert "| legolink-0 | 4 | 2 | 2 (1 on full's 2nd) | 0 (0 on full's 2nd) | 2 |" in gap
     # a run from before these metrics: the same tables, "-" in the new columns
     old = [item(0, None, 1.0, 1.0), item(1, None, 0.0, 0.5)]
     for it in old:
         for c in it["configs"].values():
-            for key in ("token_agree", "answer_agree", "linked_p_full_top1"):
+            for key in ("token_agree", "answer_agree", "linked_p_full_top1", "linked_top1_rank"):
                 c.pop(key, None)
     rows = diagnose.summarize([_run_file(tmp_path / "old.json", old)], common=True)
     line = [x for x in diagnose.curve_table(rows).splitlines() if x.startswith("| legolink-0 ")][0]
