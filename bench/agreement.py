@@ -4,8 +4,16 @@ At the answer's first position (the prompt's last token) we compare the next-tok
   top-1 agreement   argmax(linked) == argmax(full)
   KL(full || linked) in nats
 Then, teacher forcing: `full`'s greedy answer is fed as rows after the prompt on the linked cache, and the
-summed log-likelihood of those tokens is read off (the first from the link's own last logits). Decoding is
-only needed for EM/F1 against gold (`greedy`).
+summed log-likelihood of those tokens is read off (the first from the link's own last logits). The same logits
+say where the linked cache's argmax follows `full`'s answer:
+  token_agree       share of the answer's positions (the first included) where argmax(linked) == full's token
+  answer_agree      1.0 when it does at every position (greedy on the linked cache would write full's answer;
+                    where full stopped is not checked: that would need one more row)
+And, to tell near-ties from real errors at the first position:
+  margin            p(top-1) - p(top-2) of `full` (how decided full's own first token is)
+  linked_p_full_top1 the linked cache's probability of full's top-1 token
+  linked_top1_rank  the rank of the linked argmax under full's distribution (2: full's own runner-up)
+Decoding is only needed for EM/F1 against gold (`greedy`).
 
 Row-selection prototypes (bench only: the linker's `_rows` gets one once it wins) pick rows of a placed cache
 and run them through the linker's own place/recompute steps, so every selection is on identical input.
@@ -29,6 +37,10 @@ class Agreement:
     top1: float  # 1.0 when the argmaxes agree
     kl: float  # KL(full || linked) at the first answer position, nats
     ll: float  # teacher-forced log-likelihood of full's answer under this cache, nats (summed)
+    linked_p_full_top1: float  # the linked cache's probability of full's top-1 token at the first position
+    token_agree: float  # share of full's answer positions where the linked argmax is full's token
+    answer_agree: float  # 1.0 when it is at every position
+    linked_top1_rank: int  # where the linked argmax ranks in full's first-token distribution (1: they agree)
 
 
 def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -39,22 +51,32 @@ def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float,
     return float(int(full_logits.argmax()) == int(logits.argmax())), kl
 
 
+def margin(logits: torch.Tensor) -> float:
+    """p(top-1) - p(top-2) of a next-token distribution: near 0, the argmax flips under a tiny perturbation."""
+    top = torch.softmax(logits.double(), -1).topk(2).values
+    return float(top[0] - top[1])
+
+
 @torch.inference_mode()
-def teacher_forced_ll(runner: Runner, linked: Linked, answer: list[int]) -> float:
-    """Summed log p(answer | linked prompt). The cache needs capacity for len(answer) - 1 more rows."""
-    if not answer:
-        return 0.0
-    logp = torch.log_softmax(linked.last_logits.double(), -1)
-    total = float(logp[answer[0]])
+def teacher_forced(runner: Runner, linked: Linked, answer: list[int]) -> tuple[float, torch.Tensor]:
+    """(summed log p(answer | linked prompt), the logits at every answer position: [len(answer), vocab], row i
+    predicting answer[i]). The cache needs capacity for len(answer) - 1 more rows."""
+    logits = linked.last_logits[None]
     if len(answer) > 1:
         start = linked.cache.length
         rows = torch.arange(start, start + len(answer) - 1)
         linked.cache.length = start + len(answer) - 1
         hidden = runner.forward_rows(torch.tensor(answer[:-1]), rows, linked.cache)
-        logp = torch.log_softmax(runner.logits(hidden[0]).double(), -1)
-        total += float(logp[torch.arange(len(answer) - 1), torch.tensor(answer[1:])].sum())
+        logits = torch.cat([logits, runner.logits(hidden[0]).to(logits.dtype)])
         linked.cache.length = start
-    return total
+    logits = logits[: len(answer)]
+    logp = torch.log_softmax(logits.double(), -1)
+    return float(logp[torch.arange(len(answer)), torch.tensor(answer, dtype=torch.long)].sum()), logits
+
+
+def teacher_forced_ll(runner: Runner, linked: Linked, answer: list[int]) -> float:
+    """Summed log p(answer | linked prompt). The cache needs capacity for len(answer) - 1 more rows."""
+    return teacher_forced(runner, linked, answer)[0]
 
 
 @torch.inference_mode()
@@ -78,8 +100,16 @@ def greedy(runner: Runner, linked: Linked, max_new: int, stop_ids: set[int], new
 
 
 def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answer: list[int]) -> Agreement:
+    """Every metric from the link's last logits and one teacher-forced pass. An empty answer (full stopped at
+    once) has no positions to follow: its token/answer agreement is the first position's top-1."""
     top1, kl = first_token(full_logits, linked.last_logits)
-    return Agreement(top1, kl, teacher_forced_ll(runner, linked, full_answer))
+    p_top1 = float(torch.softmax(linked.last_logits.double(), -1)[int(full_logits.argmax())])
+    rank = int((full_logits > full_logits[int(linked.last_logits.argmax())]).sum()) + 1
+    ll, logits = teacher_forced(runner, linked, full_answer)
+    if not full_answer:
+        return Agreement(top1, kl, ll, p_top1, top1, top1, rank)
+    hits = logits.argmax(-1).cpu() == torch.tensor(full_answer)
+    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank)
 
 
 # -- row selection prototypes ----------------------------------------------------------------------------
@@ -176,3 +206,34 @@ def placed_kv(runner: Runner, parts: LinkInput) -> tuple[torch.Tensor, torch.Ten
     cache.length = length
     linker._place(runner, parts, LinkParams("naive"), cache, None)
     return cache.keys[:, :, :length], cache.values[:, :, :length]
+
+
+def preceding_span(scores: torch.Tensor, width: int) -> torch.Tensor:
+    """Each position scored by the best of itself and the `width` positions after it: a row the question reads
+    brings the rows just before it, so it is recomputed over fresh K/V of its own local context."""
+    shifted = [scores] + [torch.cat([scores[j:], torch.full((j,), -float("inf"))]) for j in range(1, width + 1)]
+    return torch.stack(shifted).amax(0)
+
+
+@torch.inference_mode()
+def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_capacity: int = 0) -> Linked:
+    """`focus` in two rounds on the same budget, every chunk row recomputed at most once: half the budget (each
+    chunk's sinks, then the rows the naive question attends to) is recomputed; the question's attention is
+    measured again on that partly repaired cache (a stale sink no longer draws it); the other half goes to the
+    rows it now reads most. Costs one more question pass and the question's rows twice."""
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = runner.new_cache(length + extra_capacity)
+    cache.length = length
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    count = budget(parts, fraction)
+    half = math.ceil(count / 2)
+    sinks = leading_rows(parts, linker.FOCUS_SINKS)[:half]
+    first = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), half, forced=sinks)
+    question = question_rows(parts, length)
+    linker._recompute(runner, ids, torch.cat([first, question]), cache, None)
+    rows = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), count, forced=first)
+    second = rows[~torch.isin(rows, first)]
+    hidden, _ = linker._recompute(runner, ids, torch.cat([second, question]), cache, None)
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
+                  length - int(rows.numel()) - len(question), 0, 0)

@@ -12,7 +12,9 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
             chunk + qattn), late (mixed, attention summed over the upper half of the layers only), chunk (first 4
             per chunk, then whole chunks from their start, most-attended chunk first), qfull (mixed scored by
-            full's question attention: what a perfect attention estimate would pick)
+            full's question attention: what a perfect attention estimate would pick), span (mixed, each
+            scored row bringing the SPAN rows before it), focus2 (focus in two rounds: half the budget, then
+            the question's attention measured again on that cache picks the other half)
   cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
@@ -38,6 +40,8 @@ from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 
 SINKS = 4
+DECIDED = 0.2  # full's first-token margin p(top-1) - p(top-2) from which an item counts as decided, not a near-tie
+SPAN = 2  # `span`: each row the question reads brings this many rows before it
 SYSTEM = "You are a helpful assistant. Answer the question with a short span copied from the documents."
 # EPIC's LongBench QA suffix (benchmarks_ours/data_sets/hotpotqa.py): without it Qwen answers in sentences, so the
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
@@ -132,13 +136,14 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
     text = tok.decode(answer).strip()
     configs = record["configs"]
-    configs[f"{name}/full"] = dict(top1=1.0, kl=0.0, ll=agreement.teacher_forced_ll(runner, full, answer),
-                                   recomputed=parts.token_ids.numel(), chunk_tokens=item.chunk_tokens,
-                                   text=text, **score(text, record))
+    # full against itself: token/answer agreement 1 unless batched and one-by-one decoding split a tie
+    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer)),
+                                   margin=agreement.margin(full.last_logits), recomputed=parts.token_ids.numel(),
+                                   chunk_tokens=item.chunk_tokens, text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
-        a = agreement.measure(runner, full.last_logits, linked, answer)
-        row = dict(top1=a.top1, kl=a.kl, ll=a.ll, recomputed=rows, chunk_tokens=item.chunk_tokens)
+        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer)), recomputed=rows,
+                   chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
             row.update(text=got, **score(got, record))
@@ -179,15 +184,18 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             "late": lambda: agreement.top_rows(parts, upper, count, forced=sinks[:count]),
             "chunk": lambda: agreement.chunk_first_rows(parts, attention.sum(0), count),
             "qfull": lambda: agreement.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
+            "span": lambda: agreement.top_rows(parts, agreement.preceding_span(attention.sum(0), SPAN), count,
+                                               forced=sinks[:count]),
             "oracle": lambda: agreement.top_rows(parts, oracle, count),
         }
         for label in selections:
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
             if only and float(only) != f:
                 continue
-            if label == "focus":
-                linked = link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap)
-                measure(f"focus@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
+            if label in ("focus", "focus2"):
+                linked = (link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap) if label == "focus"
+                          else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap))
+                measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             rows = choices[label]()
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
@@ -279,18 +287,23 @@ def main() -> None:
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
     ap.add_argument("--curve", type=Path, nargs="*",
                     help="the EPIC-style curve of these files (one model), over the items that have every config")
+    ap.add_argument("--decided", type=float, default=DECIDED,
+                    help="with --curve/--report: full's first-token margin from which an item counts as decided")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
     if a.curve:
-        rows = summarize(a.curve, common=True)
+        rows = summarize(a.curve, common=True, threshold=a.decided)
         print(curve_table(rows))
-        print(paired_table(a.curve, CURVE_PAIRS))
+        print(gap_table(rows))
+        print(paired_table(a.curve, CURVE_PAIRS, a.decided))
         if a.plot:
             plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
         return
     if a.report:
-        print(table(summarize(a.report)))
-        print(paired_table(a.report))
+        rows = summarize(a.report, threshold=a.decided)
+        print(table(rows))
+        print(gap_table(rows))
+        print(paired_table(a.report, threshold=a.decided))
         print(json.dumps(profile_summary(a.report), indent=None))
         return
     if a.threads:
@@ -304,7 +317,8 @@ def main() -> None:
 
 
 # -- summary ----------------------------------------------------------------------------------------------
-def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False) -> list[dict]:
+def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False,
+              threshold: float = DECIDED) -> list[dict]:
     """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
     and the paired difference of top-1 from `reference` (naive) on the same items. `common`: only the items that
     have every configuration of the last file's runs, so those rows are over the same items (others: over the
@@ -331,6 +345,7 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bo
         row["dll"] = bootstrap([g["ll"] - c[f"{setup}/full"]["ll"] for g, c in got])
         row["d_top1_vs_naive"] = bootstrap([g["top1"] - c[reference]["top1"] for g, c in got])
         row["recompute"] = sum(g["recomputed"] / g["chunk_tokens"] for g, _ in got) / len(got)
+        row.update(_follow(got, setup, threshold))
         if all("f1" in g for g, _ in got):
             f1 = [g["f1"] for g, _ in got]
             full = [c[f"{setup}/full"]["f1"] for _, c in got]
@@ -338,6 +353,34 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bo
             row["f1_share"] = _ratio_ci(f1, full)
         rows.append(row)
     return rows
+
+
+def decided(config: dict, setup: str, threshold: float = DECIDED) -> bool | None:
+    """Whether full's first token is decided on this item (None: a run from before margins were recorded)."""
+    margin = config[f"{setup}/full"].get("margin")
+    return None if margin is None else margin >= threshold
+
+
+def _follow(got: list[tuple[dict, dict]], setup: str, threshold: float) -> dict:
+    """The metrics that tell near-ties from real errors, where every item has them (older runs lack them):
+    token/answer agreement along full's answer, and top-1 over the decided items only."""
+    from bench.accuracy import bootstrap
+
+    out = {}
+    for key in ("token_agree", "answer_agree", "linked_p_full_top1"):
+        if all(key in g for g, _ in got):
+            out[key] = bootstrap([g[key] for g, _ in got])
+    flags = [decided(c, setup, threshold) for _, c in got]
+    if None not in flags:
+        out["threshold"] = threshold
+        out["top1_decided"] = bootstrap([g["top1"] for (g, _), d in zip(got, flags) if d])
+        out["n_decided"] = sum(flags)
+        out["misses_tied"] = sum(1 for (g, _), d in zip(got, flags) if not d and g["top1"] < 1)
+        out["misses_decided"] = sum(1 for (g, _), d in zip(got, flags) if d and g["top1"] < 1)
+        if all("linked_top1_rank" in g for g, _ in got):  # a miss that picks full's own second choice
+            out["runner_up_tied"] = sum(1 for (g, _), d in zip(got, flags) if not d and g["linked_top1_rank"] == 2)
+            out["runner_up_decided"] = sum(1 for (g, _), d in zip(got, flags) if d and g["linked_top1_rank"] == 2)
+    return out
 
 
 def _ratio_ci(xs: list[float], ys: list[float], resamples: int = 2000) -> tuple[float, float, float]:
@@ -363,13 +406,13 @@ def _order(label: str):
 
 
 def table(rows: list[dict]) -> str:
-    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
-    lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full | F1 | F1 / full's F1 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full | F1 | F1 / full's F1 "
+             "| top-1, decided (n) | token-agree | answer-agree |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} | {fmt(r['d_top1_vs_naive'])} "
-                     f"| {fmt(r['kl'])} | {fmt(r['dll'])} | {fmt(r['f1']) if 'f1' in r else '-'} "
-                     f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+        n_dec = f" ({r['n_decided']})" if "n_decided" in r else ""
+        lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} | {_ci(r, 'd_top1_vs_naive')} "
+                     f"| {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1')} | {_ci(r, 'f1_share')} "
+                     f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} |")
     return "\n".join(lines)
 
 
@@ -381,8 +424,9 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"))
 
 
-def paired_table(paths: list[Path], pairs=PAIRS) -> str:
-    """Paired differences (a - b) over the items both have: top-1, KL, ΔLL (each vs its own setup's full)."""
+def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> str:
+    """Paired differences (a - b) over the items both have: top-1, KL, ΔLL (each vs its own setup's full), and
+    where the runs recorded them, top-1 over the decided items and token agreement ("-" otherwise)."""
     from bench.accuracy import bootstrap
 
     items: dict[str, dict] = {}
@@ -390,15 +434,21 @@ def paired_table(paths: list[Path], pairs=PAIRS) -> str:
         for it in json.loads(Path(path).read_text())["items"]:
             items.setdefault(it["id"], {}).update(it["configs"])
     fmt = lambda t: f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"  # noqa: E731
-    lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) |", "|---|---|---|---|---|"]
+    lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) | Δtop-1, decided (n) | Δtoken-agree |", "|---|---|---|---|---|---|---|"]
     for a, b in pairs:
         both = [c for c in items.values() if a in c and b in c]
         if not both:
             continue
         dll = lambda c, x: c[x]["ll"] - c[x.split("/")[0] + "/full"]["ll"]  # noqa: E731
+        flags = [decided(c, a.split("/")[0], threshold) for c in both]
+        dec = [c for c, d in zip(both, flags) if d]
+        top1_dec = (f"{fmt(bootstrap([c[a]['top1'] - c[b]['top1'] for c in dec]))} ({len(dec)})"
+                    if None not in flags and dec else "-")
+        tokens = (fmt(bootstrap([c[a]["token_agree"] - c[b]["token_agree"] for c in both]))
+                  if all("token_agree" in c[a] and "token_agree" in c[b] for c in both) else "-")
         lines.append(f"| {a} − {b} | {len(both)} | {fmt(bootstrap([c[a]['top1'] - c[b]['top1'] for c in both]))} "
                      f"| {fmt(bootstrap([c[a]['kl'] - c[b]['kl'] for c in both]))} "
-                     f"| {fmt(bootstrap([dll(c, a) - dll(c, b) for c in both]))} |")
+                     f"| {fmt(bootstrap([dll(c, a) - dll(c, b) for c in both]))} | {top1_dec} | {tokens} |")
     return "\n".join(lines)
 
 
@@ -412,7 +462,9 @@ CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "p
                ("plain/mixed16@0.25", "plain/first@0.25"), ("plain/chunk@0.25", "plain/focus@0.25"),
                ("plain/mixed16@0.25", "plain/focus@0.25"), ("plain/qfull@0.25", "plain/focus@0.25"),
                ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
-               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"))
+               ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"),
+               ("plain/focus2@0.25", "plain/focus@0.25"), ("plain/span@0.25", "plain/focus@0.25"),
+               ("plain/focus@0.25", "plain/legolink-32"))
 
 
 def _family(label: str) -> str:
@@ -428,15 +480,39 @@ def _family(label: str) -> str:
     return algo.partition("@")[0]
 
 
+def _ci(row: dict, key: str) -> str:
+    t = row.get(key)
+    return "-" if t is None or t[0] != t[0] else f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"
+
+
 def curve_table(rows: list[dict]) -> str:
-    """The curve as a table: every configuration by share of chunk tokens recomputed."""
-    fmt = lambda t: f"{t[0]:.3f} [{t[1]:.3f}, {t[2]:.3f}]"  # noqa: E731
+    """The curve as a table: every configuration by share of chunk tokens recomputed. The last columns ("-" for
+    runs that predate them) split the first-token gap: top-1 on the items where full's margin >= DECIDED, and
+    agreement along full's whole answer."""
     lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full "
-             "| F1 / full's F1 |", "|---|---|---|---|---|---|---|---|"]
+             "| F1 / full's F1 | top-1, decided (n) | token-agree | answer-agree |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
-        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {fmt(r['top1'])} "
-                     f"| {fmt(r['d_top1_vs_naive'])} | {fmt(r['kl'])} | {fmt(r['dll'])} "
-                     f"| {fmt(r['f1_share']) if 'f1_share' in r else '-'} |")
+        n_dec = f" ({r['n_decided']})" if "n_decided" in r else ""
+        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} "
+                     f"| {_ci(r, 'd_top1_vs_naive')} | {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1_share')} "
+                     f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} |")
+    return "\n".join(lines)
+
+
+def gap_table(rows: list[dict]) -> str:
+    """Where each configuration's first-token misses fall: on near-ties (full's margin < DECIDED) or on decided
+    items, with the linked cache's mean probability of full's top-1 token."""
+    threshold = next((r["threshold"] for r in rows if "threshold" in r), DECIDED)
+    lines = [f"| config | n | misses | on near-ties (margin < {threshold}) | on decided items | decided n "
+             "| p_linked(full's top-1) |", "|---|---|---|---|---|---|---|"]
+    up = lambda r, k: f" ({r[k]} on full's 2nd)" if k in r else ""  # noqa: E731
+    for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
+        if "n_decided" not in r or r["label"].endswith("/full"):
+            continue
+        tied, dec = f"{r['misses_tied']}{up(r, 'runner_up_tied')}", f"{r['misses_decided']}{up(r, 'runner_up_decided')}"
+        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['misses_tied'] + r['misses_decided']} | {tied} "
+                     f"| {dec} | {r['n_decided']} | {_ci(r, 'linked_p_full_top1')} |")
     return "\n".join(lines)
 
 

@@ -244,3 +244,133 @@ def test_focus_recomputes_its_budget_and_equals_full_at_ratio_one(family):
     rows = _focus_rows(parts, 0.25, scores)
     for start in parts.chunk_starts():  # every chunk's own sink rows are always in
         assert set(range(start, start + FOCUS_SINKS)) <= set(rows.tolist())
+
+
+# -- near-ties vs real errors: margin, token and answer agreement ---------------------------------------------
+def _recorded(family: str, ks: list[int]) -> tuple[object, object, dict]:
+    """bench.diagnose's per-item record for full and legolink-k on a tiny model (one setup, no decoding)."""
+    from types import SimpleNamespace
+
+    from bench import diagnose
+
+    runner, parts = _tiny_parts(family)
+    item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
+    record = dict(answers=["Paris"], configs={})
+    diagnose._setup(runner, item, "plain", record, [], ks, [], [], set(), set(), 6, 2, runner.lm.tokenizer, 0, [])
+    return runner, parts, record["configs"]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
+def test_covering_legolink_follows_full_answer_and_margin_is_full_own(family):
+    from tests import tiny
+
+    runner, parts, configs = _recorded(family, [0, 10**6])
+    full, covering = configs["plain/full"], configs[f"plain/legolink-{10**6}"]
+    probs = torch.softmax(tiny.reference_logits(runner.lm, parts.token_ids)[-1].double(), -1)
+    top = probs.topk(2).values
+    assert full["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-7)
+    assert full["token_agree"] == full["answer_agree"] == 1.0
+    assert covering["top1"] == covering["token_agree"] == covering["answer_agree"] == 1.0
+    assert covering["linked_top1_rank"] == full["linked_top1_rank"] == 1
+    assert covering["linked_p_full_top1"] == pytest.approx(float(top[0]), abs=1e-7)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_naive_strays_from_full_answer_somewhere(family):
+    # random weights give near-uniform distributions, so naive's seams move some argmax along the 6 tokens
+    # (on gemma3 not the first one: only the answer-wide metrics see it there)
+    _, _, configs = _recorded(family, [0])
+    naive = configs["plain/legolink-0"]
+    assert naive["token_agree"] < 1.0 and naive["answer_agree"] == 0.0
+    assert (naive["linked_top1_rank"] > 1) == (naive["top1"] == 0.0)
+
+
+def test_empty_answer_agreement_is_the_first_position():
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts("llama")
+    full = link(runner, parts, LinkParams("full"))
+    naive = link(runner, parts, LinkParams("naive"))
+    got = agreement.measure(runner, full.last_logits, naive, [])
+    assert got.ll == 0.0 and got.token_agree == got.answer_agree == got.top1
+
+
+def _run_file(path: Path, items: list[dict]) -> Path:
+    path.write_text(json.dumps(dict(model="m", n=len(items), items=items)))
+    return path
+
+
+def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
+    from bench import diagnose
+
+    def item(i: int, margin: float | None, top1: float, tokens: float, rank: int = 1) -> dict:
+        full = dict(top1=1.0, kl=0.0, ll=-1.0, recomputed=10, chunk_tokens=9, token_agree=1.0, answer_agree=1.0)
+        if margin is not None:
+            full["margin"] = margin
+        linked = dict(top1=top1, kl=0.1, ll=-2.0, recomputed=0, chunk_tokens=9, token_agree=tokens,
+                      answer_agree=float(tokens == 1.0), linked_p_full_top1=0.5, linked_top1_rank=rank)
+        return dict(id=str(i), configs={"plain/full": full, "plain/legolink-0": linked})
+
+    # decided items (margin >= 0.2) all agree; the two misses are on near-ties
+    new = _run_file(tmp_path / "new.json", [item(0, 0.9, 1.0, 1.0), item(1, 0.05, 0.0, 0.5, rank=2),
+                                            item(2, 0.5, 1.0, 0.75), item(3, 0.1, 0.0, 0.0, rank=5)])
+    rows = {r["label"]: r for r in diagnose.summarize([new], common=True)}
+    naive = rows["plain/legolink-0"]
+    assert naive["top1"][0] == 0.5 and naive["top1_decided"] == (1.0, 1.0, 1.0) and naive["n_decided"] == 2
+    assert naive["token_agree"][0] == pytest.approx(0.5625) and naive["answer_agree"][0] == 0.25
+    assert (naive["misses_tied"], naive["misses_decided"]) == (2, 0)
+    assert "| legolink-0 | 4 | 0.0% | 0.500 [" in diagnose.curve_table(list(rows.values()))
+    assert "| 1.000 [1.000, 1.000] (2) | 0.562 [" in diagnose.curve_table(list(rows.values()))
+    gap = diagnose.gap_table(list(rows.values()))
+    assert "| legolink-0 | 4 | 2 | 2 (1 on full's 2nd) | 0 (0 on full's 2nd) | 2 |" in gap
+    # a run from before these metrics: the same tables, "-" in the new columns
+    old = [item(0, None, 1.0, 1.0), item(1, None, 0.0, 0.5)]
+    for it in old:
+        for c in it["configs"].values():
+            for key in ("token_agree", "answer_agree", "linked_p_full_top1", "linked_top1_rank"):
+                c.pop(key, None)
+    rows = diagnose.summarize([_run_file(tmp_path / "old.json", old)], common=True)
+    line = [x for x in diagnose.curve_table(rows).splitlines() if x.startswith("| legolink-0 ")][0]
+    assert line.endswith("| - | - | - |")
+    pairs = diagnose.paired_table([tmp_path / "old.json"], (("plain/legolink-0", "plain/full"),))
+    assert pairs.splitlines()[-1].endswith("| - | - |")
+    pairs = diagnose.paired_table([new], (("plain/legolink-0", "plain/full"),))
+    assert "| +0.000 [+0.000, +0.000] (2) | -0.438 [" in pairs
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_two_round_focus_recomputes_its_budget_once_and_spans_reach_back(family):
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    count = agreement.budget(parts, 0.5)
+    linked = agreement.focus_two_rounds(runner, parts, 0.5, extra_capacity=4)
+    assert linked.recomputed_tokens == count + len(parts.question_ids)
+    assert linked.cache.length == parts.token_ids.numel()
+    naive = link(runner, parts, LinkParams("naive"))
+    full = link(runner, parts, LinkParams("full"))
+    _, kl_two = agreement.first_token(full.last_logits, linked.last_logits)
+    _, kl_naive = agreement.first_token(full.last_logits, naive.last_logits)
+    assert kl_two != kl_naive  # the rows it recomputed did reach the logits
+    scores = torch.tensor([0.0, 0.0, 5.0, 0.0, 1.0, 0.0])
+    assert agreement.preceding_span(scores, 2).tolist() == [5.0, 5.0, 5.0, 1.0, 1.0, 0.0]
+
+
+def test_diagnose_records_every_selection_at_its_budget():
+    from types import SimpleNamespace
+
+    from bench import agreement, diagnose
+
+    runner, parts = _tiny_parts("qwen2")
+    item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
+    record = dict(answers=["Paris"], configs={})
+    diagnose._setup(runner, item, "plain", record, [0.25], [], [], [], set(), set(), 4, 2, runner.lm.tokenizer, 0,
+                    ["focus", "focus2@0.25", "span@0.25", "qfull@0.25", "first@0.25"])
+    configs = record["configs"]
+    for label in ("focus", "focus2", "span", "qfull"):
+        got = configs[f"plain/{label}@0.25"]
+        assert got["recomputed"] == agreement.budget(parts, 0.25), label
+        assert 0.0 <= got["token_agree"] <= 1.0 and got["answer_agree"] <= got["token_agree"]
+    assert "margin" in configs["plain/full"] and "margin" not in configs["plain/focus@0.25"]
