@@ -193,7 +193,7 @@ def default_dtype(device: str) -> str:
     """"auto" resolved per device. GPUs run bf16 natively. On a CPU with bf16 instructions (AVX512-BF16 or AMX),
     bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
-    (`python -m bench codecs --codecs bfloat16/int8`). Without them bf16 is converted in software: fp32."""
+    (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
     if str(device).startswith("cuda"):
         return "bfloat16"
     return "bfloat16" if cpu_has_bf16() else "float32"
