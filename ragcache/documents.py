@@ -276,11 +276,14 @@ def entry_form(info: dict | None) -> str:
     return kv_form((info.get("meta") or {}).get("dtype", ""), kv_codec.of_dtype_name(info.get("dtype", "")))
 
 
-def entries_of_form(store: Store, form: str) -> list[str]:
-    """Keys of the entries compiled in `form` (a compute dtype, plus "/codec" when stored in another one)."""
-    found = []
+def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
+    """Keys of the entries compiled in each of `forms` (a compute dtype, plus "/codec" when stored in another
+    one), from one pass over the store's summaries."""
+    found: dict[str, list[str]] = {form: [] for form in forms}
     for batch in batched(store.keys()):
-        found += [key for key, info in zip(batch, store.describe_many(batch)) if info and entry_form(info) == form]
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info and (form := entry_form(info)) in found:
+                found[form].append(key)
     return found
 
 

@@ -143,8 +143,9 @@ def _record_problem(name: str, record: dict | None) -> str | None:
 def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
                     drop_forms: tuple[str, ...] = ()) -> dict:
     report: dict = {}
-    for form in drop_forms:  # before the tiers' own gc, so that their indexes see the space freed
-        report[f"dropped {form}"] = sum(store.delete(k) for k in documents.entries_of_form(store, form))
+    # before the tiers' own gc, so that their indexes see the space freed
+    for form, keys in documents.entries_of_forms(store, set(drop_forms)).items():
+        report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
     for tier in tiers_of(store):
         if hasattr(tier, "gc"):
             report[tier.name] = tier.gc(tmp_age_s)
