@@ -98,10 +98,10 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     kwargs = dict(algorithm="legolink", k=16, max_new_tokens=tokens)
     rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up
     prompt = rc.link(questions[0], ids, algorithm="full").token_ids
-    runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in [0, *streams]}  # 0: transformers
-    prompt_tokens = None
+    peer: list[float] = []  # transformers' loop, tok/s per repeat
+    runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in streams}  # (aggregate, per stream)
     for _ in range(repeats):
-        runs[0].append((transformers_loop(lm, prompt, tokens), None))
+        peer.append(transformers_loop(lm, prompt, tokens))
         for c in streams:
             before = _decode_counters(rc)
             with ThreadPoolExecutor(c) as pool:
@@ -110,23 +110,22 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
             per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
             runs[c].append((rows_done / seconds if seconds else float("nan"),
                             sum(per_stream) / len(per_stream) if per_stream else None))
-            prompt_tokens = answers[0].stats.prompt_tokens
             print(f"decode C={c}: {runs[c][-1][0]:.2f} tok/s aggregate", file=sys.stderr, flush=True)
-    rows = []
+    cell = dict(kind="decode", prompt_tokens=prompt.numel())
+    rows = [dict(cell, engine="transformers cached loop", streams=1, tokens_per_s=round(statistics.median(peer), 2),
+                 runs_tokens_per_s=[round(t, 2) for t in peer], dtype=str(lm.model.dtype).removeprefix("torch."))]
     for c, got in runs.items():
-        row = dict(kind="decode", engine="ragcache scheduler" if c else "transformers cached loop", streams=max(c, 1),
+        row = dict(cell, engine="ragcache scheduler", streams=c,
                    tokens_per_s=round(statistics.median(t for t, _ in got), 2),
-                   runs_tokens_per_s=[round(t, 2) for t, _ in got], prompt_tokens=prompt_tokens)
-        if c:
-            row["per_stream_tokens_per_s"] = round(statistics.median(p for _, p in got if p is not None), 2)
+                   runs_tokens_per_s=[round(t, 2) for t, _ in got],
+                   per_stream_tokens_per_s=round(statistics.median(p for _, p in got if p is not None), 2))
         if c > 1 and 1 in runs:  # paired per repeat: the two cells ran back to back
             ratios = [t / one for (t, _), (one, _) in zip(got, runs[1])]
             row.update(vs_one_stream=round(statistics.median(ratios), 2),
                        runs_vs_one_stream=[round(r, 2) for r in ratios])
         rows.append(row)
-    rows[0]["dtype"] = str(lm.model.dtype).removeprefix("torch.")
     if streams:
-        rows += step_cells(rc.runner, prompt_tokens, max(streams))
+        rows += step_cells(rc.runner, prompt.numel(), max(streams))
     return rows
 
 
