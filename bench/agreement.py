@@ -121,14 +121,20 @@ def question_rows(parts: LinkInput, length: int) -> torch.Tensor:
     return torch.arange(length - len(parts.question_ids), length)
 
 
+def placed_cache(runner: Runner, parts: LinkInput, extra_capacity: int = 0):
+    """A cache holding the prompt's cached parts placed by the linker (naive: nothing recomputed yet)."""
+    cache = runner.new_cache(parts.token_ids.numel() + extra_capacity)
+    cache.length = parts.token_ids.numel()
+    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    return cache
+
+
 @torch.inference_mode()
 def link_rows(runner: Runner, parts: LinkInput, chunk_rows: torch.Tensor, extra_capacity: int = 0) -> Linked:
     """Place every cached part, then recompute `chunk_rows` plus the question (as the linker does)."""
     ids = parts.token_ids
     length = ids.numel()
-    cache = runner.new_cache(length + extra_capacity)
-    cache.length = length
-    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    cache = placed_cache(runner, parts, extra_capacity)
     rows = torch.unique(torch.cat([chunk_rows.long(), question_rows(parts, length)]))
     hidden, rows = linker._recompute(runner, ids, rows, cache, None)
     return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()), length - int(rows.numel()), 0, 0)
@@ -183,11 +189,7 @@ def chunk_first_rows(parts: LinkInput, scores: torch.Tensor, count: int, sinks: 
 def question_attention(runner: Runner, parts: LinkInput) -> torch.Tensor:
     """Per layer, how much the question's rows attend to each position of the naively linked prompt:
     [layers, length] (the linker's `focus` scores, before summing over layers)."""
-    ids = parts.token_ids
-    cache = runner.new_cache(ids.numel())
-    cache.length = ids.numel()
-    linker._place(runner, parts, LinkParams("naive"), cache, None)
-    return linker._question_attention(runner, parts, cache)
+    return linker._question_attention(runner, parts, placed_cache(runner, parts))
 
 
 def deviation_from_full(full: Linked, placed_keys: torch.Tensor, placed_values: torch.Tensor) -> torch.Tensor:
@@ -202,9 +204,7 @@ def deviation_from_full(full: Linked, placed_keys: torch.Tensor, placed_values: 
 @torch.inference_mode()
 def placed_kv(runner: Runner, parts: LinkInput) -> tuple[torch.Tensor, torch.Tensor]:
     length = parts.token_ids.numel()
-    cache = runner.new_cache(length)
-    cache.length = length
-    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    cache = placed_cache(runner, parts)
     return cache.keys[:, :, :length], cache.values[:, :, :length]
 
 
@@ -223,9 +223,7 @@ def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_ca
     rows it now reads most. Costs one more question pass and the question's rows twice."""
     ids = parts.token_ids
     length = ids.numel()
-    cache = runner.new_cache(length + extra_capacity)
-    cache.length = length
-    linker._place(runner, parts, LinkParams("naive"), cache, None)
+    cache = placed_cache(runner, parts, extra_capacity)
     count = budget(parts, fraction)
     half = math.ceil(count / 2)
     sinks = leading_rows(parts, linker.FOCUS_SINKS)[:half]
