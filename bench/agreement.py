@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+import ragcache.kernels as kernels
 from ragcache import linker
 from ragcache.linker import Linked, LinkInput, LinkParams
 from ragcache.runner import Runner
@@ -233,5 +234,46 @@ def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_ca
     rows = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), count, forced=first)
     second = rows[~torch.isin(rows, first)]
     hidden, _ = linker._recompute(runner, ids, torch.cat([second, question]), cache, None)
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
+                  length - int(rows.numel()) - len(question), 0, 0)
+
+
+def shift_stale_rows(runner: Runner, parts: LinkInput, cache, stale_keys: torch.Tensor, stale_values: torch.Tensor,
+                     recomputed: torch.Tensor, values: bool) -> None:
+    """Add to each chunk's rows left stale the mean change its recomputed rows (sinks excepted) went through, per
+    layer and head: pre-RoPE for K (the rotation is undone, averaged, and redone at each stale row's position).
+    A chunk prefilled alone misses the same preceding context in every row, so much of the change is shared."""
+    done = torch.zeros(parts.token_ids.numel(), dtype=torch.bool)
+    done[recomputed] = True
+    for a, b in chunk_spans(parts):
+        span = torch.arange(a, b)
+        fresh = span[done[a:b] & (span >= a + linker.FOCUS_SINKS)]
+        stale = span[~done[a:b]]
+        if fresh.numel() == 0 or stale.numel() == 0:
+            continue
+        change = kernels.rotate_keys((cache.keys[:, :, fresh] - stale_keys[:, :, fresh]).float().contiguous(),
+                                     -fresh, runner.inv_freq, 1.0 / runner.rope_scaling).mean(2, keepdim=True)
+        moved = kernels.rotate_keys(change.expand(-1, -1, stale.numel(), -1).contiguous(), stale, runner.inv_freq,
+                                    runner.rope_scaling)
+        cache.keys[:, :, stale] += moved.to(cache.keys.dtype)
+        if values:
+            cache.values[:, :, stale] += (cache.values[:, :, fresh] - stale_values[:, :, fresh]).mean(2, keepdim=True)
+
+
+@torch.inference_mode()
+def focus_shifted(runner: Runner, parts: LinkInput, fraction: float, values: bool = False,
+                  extra_capacity: int = 0) -> Linked:
+    """`focus`, with the chunk rows recomputed before the question, the stale rows shifted by their chunk's mean
+    change (shift_stale_rows), and then the question on that cache. Same rows and passes as `focus`."""
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = placed_cache(runner, parts, extra_capacity)
+    rows = linker._focus_rows(parts, fraction, linker._question_attention(runner, parts, cache).sum(0))
+    stale_keys, stale_values = cache.keys[:, :, :length].clone(), cache.values[:, :, :length].clone()
+    if rows.numel():
+        linker._recompute(runner, ids, rows, cache, None)
+        shift_stale_rows(runner, parts, cache, stale_keys, stale_values, rows, values)
+    question = question_rows(parts, length)
+    hidden, _ = linker._recompute(runner, ids, question, cache, None)
     return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
                   length - int(rows.numel()) - len(question), 0, 0)

@@ -192,9 +192,10 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
             if only and float(only) != f:
                 continue
-            if label in ("focus", "focus2"):
+            if label in ("focus", "focus2", "shift", "shiftkv"):
                 linked = (link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap) if label == "focus"
-                          else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap))
+                          else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap) if label == "focus2"
+                          else agreement.focus_shifted(runner, parts, f, label == "shiftkv", extra_capacity=cap))
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             rows = choices[label]()

@@ -374,3 +374,48 @@ def test_diagnose_records_every_selection_at_its_budget():
         assert got["recomputed"] == agreement.budget(parts, 0.25), label
         assert 0.0 <= got["token_agree"] <= 1.0 and got["answer_agree"] <= got["token_agree"]
     assert "margin" in configs["plain/full"] and "margin" not in configs["plain/focus@0.25"]
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_shift_moves_each_stale_row_by_its_chunks_mean_change_before_rope(family):
+    import ragcache.kernels as kernels
+    from bench import agreement
+
+    runner, parts = _tiny_parts(family)
+    cache = agreement.placed_cache(runner, parts)
+    length = parts.token_ids.numel()
+    keys, values = cache.keys[:, :, :length].clone(), cache.values[:, :, :length].clone()
+    (a, b), (c, d) = agreement.chunk_spans(parts)[:2]
+    fresh = torch.arange(a, a + 4 + 3)  # the sinks and three rows after them were "recomputed"
+    layers, heads, _, dim = keys.shape
+    torch.manual_seed(0)
+    change = torch.randn(layers, heads, 1, dim)
+    moved = lambda rows: kernels.rotate_keys(change.expand(-1, -1, rows.numel(), -1).contiguous(), rows,  # noqa: E731
+                                             runner.inv_freq, runner.rope_scaling)
+    cache.keys[:, :, fresh[4:]] += moved(fresh[4:])
+    cache.values[:, :, fresh[4:]] += 2 * change
+    cache.keys[:, :, fresh[:4]] += 100.0  # a sink's change is its own, never shared
+    agreement.shift_stale_rows(runner, parts, cache, keys, values, torch.cat([fresh, torch.arange(c, d)]), True)
+    stale = torch.arange(a + 7, b)
+    torch.testing.assert_close(cache.keys[:, :, stale], keys[:, :, stale] + moved(stale), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.values[:, :, stale], values[:, :, stale] + 2 * change, atol=1e-5, rtol=1e-5)
+    rest = torch.cat([torch.arange(0, a), torch.arange(c, length)])  # the prefix, a chunk all fresh, the others
+    assert torch.equal(cache.keys[:, :, rest], keys[:, :, rest])  # (no fresh rows there: nothing to estimate from)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_focus_shifted_is_focus_without_the_shift_and_full_at_ratio_one(family, monkeypatch):
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    full = link(runner, parts, LinkParams("full"))
+    every = agreement.focus_shifted(runner, parts, 1.0, values=True)
+    torch.testing.assert_close(every.last_logits, full.last_logits, atol=1e-4, rtol=1e-4)
+    shifted = agreement.focus_shifted(runner, parts, 0.5, values=True)
+    monkeypatch.setattr(agreement, "shift_stale_rows", lambda *args: None)
+    unshifted = agreement.focus_shifted(runner, parts, 0.5)
+    focus = link(runner, parts, LinkParams("focus", ratio=0.5))
+    torch.testing.assert_close(unshifted.last_logits, focus.last_logits, atol=1e-4, rtol=1e-4)
+    assert unshifted.recomputed_tokens == focus.recomputed_tokens == shifted.recomputed_tokens
+    assert not torch.allclose(shifted.last_logits, focus.last_logits)  # the shift reached the question
