@@ -42,6 +42,23 @@ class Agreement:
     token_agree: float  # share of full's answer positions where the linked argmax is full's token
     answer_agree: float  # 1.0 when it is at every position
     linked_top1_rank: int  # where the linked argmax ranks in full's first-token distribution (1: they agree)
+    content_top1: float | None = None  # top-1 at full's first content word (content_position); None: it has none
+    content_kl: float | None = None  # KL(full || linked) there, nats
+
+
+# Words a reader opens an answer with ("The", "In", "Based on"): where full's first token is one of them, the first
+# position measures boilerplate, not what the reader took from the documents.
+FUNCTION_WORDS = frozenset("the a an in on at of to by for from with as and or is was are were it its this that "
+                           "these those there based answer according".split())
+
+
+def content_position(tokenizer, answer: list[int]) -> int | None:
+    """The first position of `answer` whose token holds a letter or digit and is not a function word."""
+    for position, token in enumerate(answer):
+        word = tokenizer.decode([token]).strip().lower()
+        if any(ch.isalnum() for ch in word) and word not in FUNCTION_WORDS:
+            return position
+    return None
 
 
 def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -100,9 +117,11 @@ def greedy(runner: Runner, linked: Linked, max_new: int, stop_ids: set[int], new
     return out
 
 
-def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answer: list[int]) -> Agreement:
+def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answer: list[int],
+            full_forced: torch.Tensor | None = None, content: int | None = None) -> Agreement:
     """Every metric from the link's last logits and one teacher-forced pass. An empty answer (full stopped at
-    once) has no positions to follow: its token/answer agreement is the first position's top-1."""
+    once) has no positions to follow: its token/answer agreement is the first position's top-1. With full's own
+    teacher-forced logits and a `content` position (content_position), also top-1 and KL there."""
     top1, kl = first_token(full_logits, linked.last_logits)
     p_top1 = float(torch.softmax(linked.last_logits.double(), -1)[int(full_logits.argmax())])
     rank = int((full_logits > full_logits[int(linked.last_logits.argmax())]).sum()) + 1
@@ -110,7 +129,10 @@ def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answ
     if not full_answer:
         return Agreement(top1, kl, ll, p_top1, top1, top1, rank)
     hits = logits.argmax(-1).cpu() == torch.tensor(full_answer)
-    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank)
+    at_content = (None, None)
+    if content is not None and full_forced is not None:
+        at_content = first_token(full_forced[content], logits[content])
+    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank, *at_content)
 
 
 # -- row selection prototypes ----------------------------------------------------------------------------

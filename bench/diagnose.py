@@ -136,13 +136,15 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
     text = tok.decode(answer).strip()
     configs = record["configs"]
+    content = agreement.content_position(tok, answer)
+    full_forced = agreement.teacher_forced(runner, full, answer)[1] if content is not None else None
     # full against itself: token/answer agreement 1 unless batched and one-by-one decoding split a tie
-    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer)),
+    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer, full_forced, content)),
                                    margin=agreement.margin(full.last_logits), recomputed=parts.token_ids.numel(),
                                    chunk_tokens=item.chunk_tokens, text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
-        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer)), recomputed=rows,
+        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer, full_forced, content)), recomputed=rows,
                    chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
@@ -371,6 +373,12 @@ def _follow(got: list[tuple[dict, dict]], setup: str, threshold: float) -> dict:
     for key in ("token_agree", "answer_agree", "linked_p_full_top1"):
         if all(key in g for g, _ in got):
             out[key] = bootstrap([g[key] for g, _ in got])
+    if all("content_top1" in g for g, _ in got):  # over the items whose answer has a content word
+        words = [g for g, _ in got if g["content_top1"] is not None]
+        out["n_content"] = len(words)
+        if words:
+            out["content_top1"] = bootstrap([g["content_top1"] for g in words])
+            out["content_kl"] = bootstrap([g["content_kl"] for g in words])
     flags = [decided(c, setup, threshold) for _, c in got]
     if None not in flags:
         out["threshold"] = threshold
@@ -465,7 +473,11 @@ CURVE_PAIRS = (("plain/legolink-4", "plain/legolink-0"), ("plain/legolink-8", "p
                ("plain/focus@0.25", "plain/legolink-64"), ("plain/cacheblend-v-0.15", "plain/cacheblend-0.15"),
                ("plain/focus@0.1", "plain/cacheblend-0.15"), ("plain/focus@0.25", "plain/cacheblend-0.3"),
                ("plain/focus2@0.25", "plain/focus@0.25"), ("plain/span@0.25", "plain/focus@0.25"),
-               ("plain/focus@0.25", "plain/legolink-32"))
+               ("plain/focus@0.25", "plain/legolink-32"), ("plain/shift@0.1", "plain/focus@0.1"),
+               ("plain/shiftkv@0.1", "plain/focus@0.1"), ("plain/shift@0.25", "plain/focus@0.25"),
+               ("plain/shiftkv@0.25", "plain/focus@0.25"), ("plain/focus@0.4", "plain/focus@0.25"),
+               ("plain/focus@0.5", "plain/focus@0.25"), ("plain/focus@0.75", "plain/focus@0.5"),
+               ("plain/focus@0.5", "plain/legolink-128"))
 
 
 def _family(label: str) -> str:
@@ -491,13 +503,15 @@ def curve_table(rows: list[dict]) -> str:
     runs that predate them) split the first-token gap: top-1 on the items where full's margin >= DECIDED, and
     agreement along full's whole answer."""
     lines = ["| config | n | recompute | top-1 | Δtop-1 vs naive | KL(full‖linked) | ΔLL vs full "
-             "| F1 / full's F1 | top-1, decided (n) | token-agree | answer-agree |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| F1 / full's F1 | top-1, decided (n) | token-agree | answer-agree | top-1, first content word (n) "
+             "| KL there |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
         n_dec = f" ({r['n_decided']})" if "n_decided" in r else ""
+        n_word = f" ({r['n_content']})" if "n_content" in r else ""
         lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} "
                      f"| {_ci(r, 'd_top1_vs_naive')} | {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1_share')} "
-                     f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} |")
+                     f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} "
+                     f"| {_ci(r, 'content_top1')}{n_word} | {_ci(r, 'content_kl')} |")
     return "\n".join(lines)
 
 

@@ -332,7 +332,7 @@ def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
                 c.pop(key, None)
     rows = diagnose.summarize([_run_file(tmp_path / "old.json", old)], common=True)
     line = [x for x in diagnose.curve_table(rows).splitlines() if x.startswith("| legolink-0 ")][0]
-    assert line.endswith("| - | - | - |")
+    assert line.endswith("| - | - | - | - | - |")
     pairs = diagnose.paired_table([tmp_path / "old.json"], (("plain/legolink-0", "plain/full"),))
     assert pairs.splitlines()[-1].endswith("| - | - |")
     pairs = diagnose.paired_table([new], (("plain/legolink-0", "plain/full"),))
@@ -419,3 +419,36 @@ def test_focus_shifted_is_focus_without_the_shift_and_full_at_ratio_one(family, 
     torch.testing.assert_close(unshifted.last_logits, focus.last_logits, atol=1e-4, rtol=1e-4)
     assert unshifted.recomputed_tokens == focus.recomputed_tokens == shifted.recomputed_tokens
     assert not torch.allclose(shifted.last_logits, focus.last_logits)  # the shift reached the question
+
+
+def test_first_content_word_skips_boilerplate_and_is_scored_where_it_is(tmp_path):
+    from bench import agreement, diagnose
+    from ragcache.linker import LinkParams, link
+
+    class Words:
+        def decode(self, ids):
+            return " ".join({1: " The", 2: ",", 3: " Chlor", 4: "oplast", 5: " 1912"}[i] for i in ids)
+
+    assert agreement.content_position(Words(), [1, 2, 3, 4]) == 2
+    assert agreement.content_position(Words(), [5, 1]) == 0
+    assert agreement.content_position(Words(), [1, 2]) is None
+    runner, parts = _tiny_parts("llama")
+    full = link(runner, parts, LinkParams("full"), extra_capacity=8)
+    answer = agreement.greedy(runner, full, 4, set(), set())
+    _, forced = agreement.teacher_forced(runner, full, answer)
+    naive = link(runner, parts, LinkParams("naive"), extra_capacity=8)
+    _, naive_forced = agreement.teacher_forced(runner, naive, answer)
+    got = agreement.measure(runner, full.last_logits, naive, answer, forced, 2)
+    assert (got.content_top1, got.content_kl) == agreement.first_token(forced[2], naive_forced[2])
+    assert got.content_kl > 0
+    at_start = agreement.measure(runner, full.last_logits, naive, answer, forced, 0)
+    assert (at_start.content_top1, at_start.content_kl) == pytest.approx((at_start.top1, at_start.kl))
+    assert agreement.measure(runner, full.last_logits, naive, answer).content_top1 is None
+    # the curve scores it over the items that have a content word only
+    row = lambda top1, kl: dict(top1=1.0, kl=0.0, ll=-1.0, recomputed=0, chunk_tokens=9, margin=0.5,  # noqa: E731
+                                content_top1=top1, content_kl=kl)
+    items = [dict(id=str(i), configs={"plain/full": row(1.0, 0.0), "plain/legolink-0": row(t, k)})
+             for i, (t, k) in enumerate([(1.0, 0.1), (0.0, 0.5), (None, None)])]
+    naive_row = {r["label"]: r for r in diagnose.summarize([_run_file(tmp_path / "w.json", items)], common=True)}["plain/legolink-0"]
+    assert naive_row["n_content"] == 2 and naive_row["content_top1"][0] == 0.5
+    assert naive_row["content_kl"][0] == pytest.approx(0.3)
