@@ -6,7 +6,8 @@ per paragraph) and measure, per item, the cheap distribution-level metrics of be
 Configurations (each item's chunks are compiled once per layout and reused by every selection):
   layouts   plain (today), sep ("\\n\\n" closing every stored chunk), bos (<|endoftext|> stored in front of
             every chunk: full sees it too), sink (4 dummy sinks prefilled and dropped), prefixed (compiled
-            behind the real system prefix, dropped), system (a system prompt in the chat header)
+            behind the real system prefix, dropped), system (a system prompt in the chat header), qfirst (the
+            question before the documents, in the exact prefix; the chunks were compiled without it)
   selections at fraction f of chunk tokens: first (LegoLink), random, qattn (question attention at one
             layer), qattn-all (summed over layers), mixed (first 4 per chunk + qattn), oracle (rows whose
             placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
@@ -47,6 +48,10 @@ SYSTEM = "You are a helpful assistant. Answer the question with a short span cop
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
 INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output any "
                "other words.\n\nQuestion: {question}\nAnswer within 5 words:")
+# --setups qfirst: the question opens the user turn, before the documents, and the instruction after them drops it
+QFIRST = "Question: {question}\n\n"
+QFIRST_INSTRUCTION = ("Answer the question based on the given passages. Only give me the answer and do not output "
+                      "any other words.\nAnswer within 5 words:")
 TWO = "Question 1: {0}\nQuestion 2: {1}"  # --task two: both questions in one, answers separated by ";"
 TWO_INSTRUCTION = ("Answer the two questions based on the given passages. Only give me the two answers, separated by "
                    "a semicolon, and do not output any other words.\n\n{question}\nAnswers within 5 words each:")
@@ -71,6 +76,7 @@ def layouts(lm, prefix_ids: list[int]) -> dict[str, Setup]:
         "sink": Setup("sink", Layout("sink", sink_ids=(pad,) * SINKS)),
         "prefixed": Setup("prefixed", Layout("prefixed", sink_ids=tuple(prefix_ids))),
         "system": Setup("system", PLAIN, system=SYSTEM),
+        "qfirst": Setup("qfirst", PLAIN),
     }
 
 
@@ -91,6 +97,9 @@ class Item:
             template = TWO_INSTRUCTION if item.question.startswith("Question 1:") else INSTRUCTION
             text = "\n\n" + template.format(question=item.question.strip()) + fmt.tail
             question = tok(text, add_special_tokens=False)["input_ids"]
+        if setup.name == "qfirst":  # the prefix is compiled per item, so it stays exact; the chunks never see it
+            prefix = prefix + tok(QFIRST.format(question=item.question.strip()), add_special_tokens=False)["input_ids"]
+            question = tok("\n\n" + QFIRST_INSTRUCTION + fmt.tail, add_special_tokens=False)["input_ids"]
         layout = setup.layout
         if layout.name == "prefixed":
             layout = Layout("prefixed", sink_ids=tuple(prefix))
@@ -430,7 +439,9 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("plain/legolink-16", "plain/legolink-0"), ("plain/cacheblend-0.15", "plain/legolink-16"),
          ("bos/legolink-16", "plain/legolink-16"), ("prefixed/legolink-16", "plain/legolink-16"),
          ("sep/legolink-16", "plain/legolink-16"), ("bos/legolink-0", "plain/legolink-0"),
-         ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"))
+         ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"),
+         ("qfirst/legolink-0", "plain/legolink-0"), ("qfirst/legolink-16", "plain/legolink-16"),
+         ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"))
 
 
 def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> str:
