@@ -111,8 +111,10 @@ class Item:
 
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
         setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str],
-        instruct: bool = True, vratios: list[float] = (), start: int = 0, task: str = "squad") -> None:
-    lm = load_model(model)
+        instruct: bool = True, vratios: list[float] = (), start: int = 0, task: str = "squad",
+        dtype: str = "auto") -> None:
+    lm = load_model(model, dtype)
+    dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
@@ -133,7 +135,7 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
                    lm.tokenizer, start + i, selections, vratios)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, n=len(records), seed=seed, start=start, qlayer=qlayer, task=task,
+        out.write_text(json.dumps(dict(model=model, dtype=dtype, n=len(records), seed=seed, start=start, qlayer=qlayer, task=task,
                                        instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
@@ -294,6 +296,7 @@ def main() -> None:
     ap.add_argument("--max-new", type=int, default=12)
     ap.add_argument("--qlayer", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--dtype", default="auto", help="compute dtype (auto: bf16 where the CPU has it, as served)")
     ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
     ap.add_argument("--verbose-question", action="store_true", help="the engine's question format (no instruction)")
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
@@ -303,6 +306,10 @@ def main() -> None:
                     help="with --curve/--report: full's first-token margin from which an item counts as decided")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
+    try:
+        merged_items(a.curve or a.report or [])
+    except MixedRuns as e:
+        ap.error(str(e))
     if a.curve:
         rows = summarize(a.curve, common=True, threshold=a.decided)
         print(curve_table(rows))
@@ -324,11 +331,31 @@ def main() -> None:
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
         a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
-        floats(a.vratios), a.start, a.task)
+        floats(a.vratios), a.start, a.task, a.dtype)
 
 
 
 # -- summary ----------------------------------------------------------------------------------------------
+class MixedRuns(ValueError):
+    """Result files from different models or compute dtypes: their configurations cannot be paired."""
+
+
+def merged_items(paths: list[Path]) -> dict[str, dict]:
+    """Item id -> every configuration the files recorded for it. The files must share a model and a dtype: a
+    bf16 run measures against a bf16 `full`, so pairing it with an fp32 run would mix two references. Files from
+    before the dtype was recorded were all fp32."""
+    items: dict[str, dict] = {}
+    kinds = set()
+    for path in paths:
+        run = json.loads(Path(path).read_text())
+        kinds.add((run.get("model"), run.get("dtype", "float32")))
+        for it in run["items"]:
+            items.setdefault(it["id"], {}).update(it["configs"])
+    if len(kinds) > 1:
+        raise MixedRuns(f"these runs differ in model or dtype and cannot be paired: {sorted(kinds)}")
+    return items
+
+
 def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bool = False,
               threshold: float = DECIDED) -> list[dict]:
     """Per configuration: mean [95% bootstrap CI] of top-1, KL, ΔLL vs full, F1 where decoded, recompute share;
@@ -337,10 +364,7 @@ def summarize(paths: list[Path], reference: str = "plain/legolink-0", common: bo
     items they have; each row says its n)."""
     from bench.accuracy import bootstrap
 
-    items: dict[str, dict] = {}
-    for path in paths:
-        for it in json.loads(Path(path).read_text())["items"]:
-            items.setdefault(it["id"], {}).update(it["configs"])
+    items = merged_items(paths)
     ids = [i for i in items if reference in items[i]]
     if common:  # the last run's configurations (a run that went on with fewer configs comes last)
         last = json.loads(Path(paths[-1]).read_text())["items"]
@@ -449,10 +473,7 @@ def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> 
     where the runs recorded them, top-1 over the decided items and token agreement ("-" otherwise)."""
     from bench.accuracy import bootstrap
 
-    items: dict[str, dict] = {}
-    for path in paths:
-        for it in json.loads(Path(path).read_text())["items"]:
-            items.setdefault(it["id"], {}).update(it["configs"])
+    items = merged_items(paths)
     fmt = lambda t: f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"  # noqa: E731
     lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) | Δtop-1, decided (n) | Δtoken-agree |", "|---|---|---|---|---|---|---|"]
     for a, b in pairs:

@@ -452,3 +452,19 @@ def test_first_content_word_skips_boilerplate_and_is_scored_where_it_is(tmp_path
     naive_row = {r["label"]: r for r in diagnose.summarize([_run_file(tmp_path / "w.json", items)], common=True)}["plain/legolink-0"]
     assert naive_row["n_content"] == 2 and naive_row["content_top1"][0] == 0.5
     assert naive_row["content_kl"][0] == pytest.approx(0.3)
+
+
+def test_runs_of_different_dtypes_are_never_paired(tmp_path):
+    from bench import diagnose
+
+    row = dict(top1=1.0, kl=0.0, ll=-1.0, recomputed=0, chunk_tokens=9)
+    items = [dict(id="0", configs={"plain/full": row, "plain/legolink-0": row})]
+    fp32 = tmp_path / "old.json"  # written before runs recorded their dtype: fp32
+    fp32.write_text(json.dumps(dict(model="m", n=1, items=items)))
+    bf16 = tmp_path / "bf16.json"
+    bf16.write_text(json.dumps(dict(model="m", dtype="bfloat16", n=1, items=items)))
+    assert diagnose.summarize([fp32, fp32])
+    with pytest.raises(diagnose.MixedRuns, match="bfloat16"):
+        diagnose.summarize([fp32, bf16])
+    with pytest.raises(diagnose.MixedRuns):
+        diagnose.paired_table([bf16, fp32])
