@@ -465,7 +465,9 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("sep/legolink-16", "plain/legolink-16"), ("bos/legolink-0", "plain/legolink-0"),
          ("prefixed/legolink-0", "plain/legolink-0"), ("sep/legolink-0", "plain/legolink-0"),
          ("qfirst/legolink-0", "plain/legolink-0"), ("qfirst/legolink-16", "plain/legolink-16"),
-         ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"))
+         ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"),
+         ("system/legolink-0", "plain/legolink-0"), ("system/legolink-16", "plain/legolink-16"),
+         ("system/focus@0.25", "plain/focus@0.25"))
 
 
 def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> str:
