@@ -74,6 +74,8 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
         answers = {}
         full = rc.link(item.question, ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
         full_ids = agreement.greedy(rc.runner, full, max_new_tokens, *stops)
+        content = agreement.content_position(rc.tokenizer, full_ids)
+        full_forced = agreement.teacher_forced(rc.runner, full, full_ids)[1] if content is not None else None
         for v in variants:
             ans = rc.query(item.question, ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
             text = first_line(ans.text)
@@ -82,7 +84,8 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
             linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
                                                                   max_new_tokens=max_new_tokens, **v.kwargs)
-            answers[v.label].update(vars(agreement.measure(rc.runner, full.last_logits, linked, full_ids)))
+            answers[v.label].update(vars(agreement.measure(rc.runner, full.last_logits, linked, full_ids,
+                                                           full_forced, content)))
         full = answers["full"]["text"]
         for a in answers.values():
             a["agree"] = float(squad.normalize(a["text"]) == squad.normalize(full))
@@ -127,6 +130,10 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[di
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
                    mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
                    mean_prompt_tokens=round(sum(a["prompt_tokens"] for a in got) / max(len(got), 1), 1))
+        words = [a for a in got if a.get("content_top1") is not None]  # items whose answer has a content word
+        if words:
+            row.update(content_n=len(words), content_top1=_ci([a["content_top1"] for a in words], seed),
+                       content_kl=_ci([a["content_kl"] for a in words], seed))
         out.append(row)
     return out
 
@@ -146,9 +153,12 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
 
 
 def _distribution_rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    headers = ["algorithm", "top-1 agreement", "Δtop-1 vs naive", "KL(full||linked)", "Δ teacher-forced LL"]
+    headers = ["algorithm", "top-1 agreement", "Δtop-1 vs naive", "KL(full||linked)", "Δ teacher-forced LL",
+               "top-1 at first content word (n)", "KL there"]
     rows = [[r["label"], _fmt(r["top1"]), _fmt(r["delta_top1_vs_naive"]) if r.get("delta_top1_vs_naive") else "-",
-             _fmt(r["kl"]), _fmt(r["delta_ll_vs_full"])] for r in results if "top1" in r]
+             _fmt(r["kl"]), _fmt(r["delta_ll_vs_full"]),
+             f"{_fmt(r['content_top1'])} ({r['content_n']})" if "content_top1" in r else "-",
+             _fmt(r["content_kl"]) if "content_kl" in r else "-"] for r in results if "top1" in r]
     return headers, rows
 
 

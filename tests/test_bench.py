@@ -83,6 +83,11 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
             assert 0.0 <= low <= r[metric]["mean"] <= high <= 1.0
     for item in data["items"]:
         assert set(item["answers"]) == set(rows) and item["gold_answers"]
+        assert item["answers"]["full"]["content_top1"] in (None, 1.0)  # None: no content word in 4 tokens
+    words = sum(item["answers"]["full"]["content_top1"] is not None for item in data["items"])
+    if words:
+        assert rows["full"]["content_n"] == words and rows["full"]["content_top1"]["mean"] == 1.0
+        assert rows["full"]["content_kl"]["mean"] == 0.0
 
 
 @pytest.mark.real_model
