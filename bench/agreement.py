@@ -261,15 +261,20 @@ def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_ca
 
 
 def shift_stale_rows(runner: Runner, parts: LinkInput, cache, stale_keys: torch.Tensor, stale_values: torch.Tensor,
-                     recomputed: torch.Tensor, values: bool) -> None:
-    """Add to each chunk's rows left stale the mean change its recomputed rows (sinks excepted) went through, per
-    layer and head: pre-RoPE for K (the rotation is undone, averaged, and redone at each stale row's position).
-    A chunk prefilled alone misses the same preceding context in every row, so much of the change is shared."""
+                     recomputed: torch.Tensor, values: bool, sample: torch.Tensor | None = None) -> None:
+    """Add to each chunk's rows left stale the mean change its recomputed rows (sinks excepted; or only the rows in
+    `sample`) went through, per layer and head: pre-RoPE for K (the rotation is undone, averaged, and redone at
+    each stale row's position). A chunk prefilled alone misses the same preceding context in every row, so much of
+    the change is shared."""
     done = torch.zeros(parts.token_ids.numel(), dtype=torch.bool)
     done[recomputed] = True
+    estimate = done.clone()
+    if sample is not None:
+        estimate[:] = False
+        estimate[sample] = True
     for a, b in chunk_spans(parts):
         span = torch.arange(a, b)
-        fresh = span[done[a:b] & (span >= a + linker.FOCUS_SINKS)]
+        fresh = span[estimate[a:b] & (span >= a + linker.FOCUS_SINKS)]
         stale = span[~done[a:b]]
         if fresh.numel() == 0 or stale.numel() == 0:
             continue
@@ -282,19 +287,36 @@ def shift_stale_rows(runner: Runner, parts: LinkInput, cache, stale_keys: torch.
             cache.values[:, :, stale] += (cache.values[:, :, fresh] - stale_values[:, :, fresh]).mean(2, keepdim=True)
 
 
+def strided_rows(parts: LinkInput, stride: int) -> torch.Tensor:
+    """Every `stride`-th row of each chunk after its sinks: an even sample of the chunk, not the rows the question
+    reads (those are atypical, so the change they went through is a biased estimate of the chunk's)."""
+    return torch.cat([torch.arange(a + linker.FOCUS_SINKS, b, stride) for a, b in chunk_spans(parts)])
+
+
 @torch.inference_mode()
 def focus_shifted(runner: Runner, parts: LinkInput, fraction: float, values: bool = False,
-                  extra_capacity: int = 0) -> Linked:
+                  extra_capacity: int = 0, stride: int | None = None) -> Linked:
     """`focus`, with the chunk rows recomputed before the question, the stale rows shifted by their chunk's mean
-    change (shift_stale_rows), and then the question on that cache. Same rows and passes as `focus`."""
+    change (shift_stale_rows), and then the question on that cache. Same rows and passes as `focus`. With
+    `stride`, the budget first takes every chunk's sinks and every stride-th row (strided_rows), which alone
+    estimate the shift; the question's attention picks the rest."""
     ids = parts.token_ids
     length = ids.numel()
     cache = placed_cache(runner, parts, extra_capacity)
-    rows = linker._focus_rows(parts, fraction, linker._question_attention(runner, parts, cache).sum(0))
+    scores = linker._question_attention(runner, parts, cache).sum(0)
+    sample = None
+    if stride is None:
+        rows = linker._focus_rows(parts, fraction, scores)
+    else:
+        count = budget(parts, fraction)
+        sample = strided_rows(parts, stride)
+        forced = torch.cat([leading_rows(parts, linker.FOCUS_SINKS), sample])[:count]
+        rows = top_rows(parts, scores, count, forced=forced)
+        sample = sample[torch.isin(sample, rows)]
     stale_keys, stale_values = cache.keys[:, :, :length].clone(), cache.values[:, :, :length].clone()
     if rows.numel():
         linker._recompute(runner, ids, rows, cache, None)
-        shift_stale_rows(runner, parts, cache, stale_keys, stale_values, rows, values)
+        shift_stale_rows(runner, parts, cache, stale_keys, stale_values, rows, values, sample)
     question = question_rows(parts, length)
     hidden, _ = linker._recompute(runner, ids, question, cache, None)
     return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),

@@ -43,6 +43,7 @@ from ragcache.runner import Runner
 SINKS = 4
 DECIDED = 0.2  # full's first-token margin p(top-1) - p(top-2) from which an item counts as decided, not a near-tie
 SPAN = 2  # `span`: each row the question reads brings this many rows before it
+PROBE_STRIDE = 8  # `probe`: every 8th chunk row is recomputed to estimate the chunk's shift (12.5% of the budget)
 SYSTEM = "You are a helpful assistant. Answer the question with a short span copied from the documents."
 # EPIC's LongBench QA suffix (benchmarks_ours/data_sets/hotpotqa.py): without it Qwen answers in sentences, so the
 # first answer token is boilerplate ("The", "Based") and F1 over a few tokens means little.
@@ -205,10 +206,11 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
             if only and float(only) != f:
                 continue
-            if label in ("focus", "focus2", "shift", "shiftkv"):
+            if label in ("focus", "focus2", "shift", "shiftkv", "probe", "probekv"):
                 linked = (link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap) if label == "focus"
                           else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap) if label == "focus2"
-                          else agreement.focus_shifted(runner, parts, f, label == "shiftkv", extra_capacity=cap))
+                          else agreement.focus_shifted(runner, parts, f, label.endswith("kv"), extra_capacity=cap,
+                                                       stride=PROBE_STRIDE if label.startswith("probe") else None))
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             rows = choices[label]()

@@ -473,3 +473,21 @@ def test_runs_of_different_dtypes_are_never_paired(tmp_path):
         diagnose.summarize([fp32, bf16])
     with pytest.raises(diagnose.MixedRuns):
         diagnose.paired_table([bf16, fp32])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma3"])
+def test_probe_spends_its_budget_on_sinks_and_strided_rows_first(family):
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts(family)
+    sample = agreement.strided_rows(parts, 3)
+    for a, b in agreement.chunk_spans(parts):
+        inside = sample[(sample >= a) & (sample < b)]
+        assert inside.tolist() == list(range(a + 4, b, 3))
+    count = agreement.budget(parts, 0.6)
+    probe = agreement.focus_shifted(runner, parts, 0.6, values=True, stride=3)
+    assert probe.recomputed_tokens == count + len(parts.question_ids)
+    full = link(runner, parts, LinkParams("full"))
+    every = agreement.focus_shifted(runner, parts, 1.0, values=True, stride=3)
+    torch.testing.assert_close(every.last_logits, full.last_logits, atol=1e-4, rtol=1e-4)
