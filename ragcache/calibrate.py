@@ -164,6 +164,12 @@ def _smallest(rc, items, full_top1, target, algorithm, knob, values, scores: dic
     return None
 
 
+def agreement_cell(score: float, n: int) -> str:
+    """An agreement and its 95% interval: at 24 items, 0.96 means anything from 0.80 to 0.99."""
+    low, high = wilson_interval(round(score * n), n)
+    return f"{score:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     """95% interval of a proportion (Wilson): honest at the small n a calibration runs on."""
     if n == 0:

@@ -321,14 +321,16 @@ def calibrate(
         path = cal.save_profile(profile)
     except RagCacheError as exc:
         _fail(exc)
-    table = Table("algorithm", "agreement with full", title=f"{profile.model}: {profile.items} items, target {target}")
-    table.add_row("naive", f"{profile.naive_agreement:.2f}")
+    table = Table("algorithm", "agreement with full [95% interval]",
+                  title=f"{profile.model}: {profile.items} items, target {target}")
+    cell = lambda score: cal.agreement_cell(score, profile.items)  # noqa: E731
+    table.add_row("naive", cell(profile.naive_agreement))
     for k, score in profile.agreement_by_k.items():
-        table.add_row(f"legolink k={k}", f"{score:.2f}")
+        table.add_row(f"legolink k={k}", cell(score))
     for ratio, score in profile.agreement_by_ratio.items():
-        table.add_row(f"cacheblend ratio={ratio}", f"{score:.2f}")
+        table.add_row(f"cacheblend ratio={ratio}", cell(score))
     for ratio, score in profile.agreement_by_focus.items():
-        table.add_row(f"focus ratio={ratio}", f"{score:.2f}")
+        table.add_row(f"focus ratio={ratio}", cell(score))
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
     console.print(f"profile: {found}, ratio={profile.ratio}, focus ratio={profile.focus_ratio} -> {path}")

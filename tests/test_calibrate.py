@@ -69,6 +69,7 @@ def test_wilson_interval():
     low, high = cal.wilson_interval(19, 20)
     assert 0.7 < low < 0.95 < high <= 1.0
     assert cal.wilson_interval(0, 0) == (0.0, 1.0)
+    assert cal.agreement_cell(23 / 24, 24) == "0.96 [0.80, 0.99]"
 
 
 @pytest.mark.parametrize("bad", ["{not json", '{"model": 1}'])
