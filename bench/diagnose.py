@@ -136,8 +136,8 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
                    lm.tokenizer, start + i, selections, vratios)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, dtype=dtype, n=len(records), seed=seed, start=start, qlayer=qlayer, task=task,
-                                       instruct=instruct, items=records)))
+        out.write_text(json.dumps(dict(model=model, dtype=dtype, n=len(records), seed=seed, start=start, qlayer=qlayer,
+                                       task=task, instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
 
@@ -151,13 +151,14 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     content = agreement.content_position(tok, answer)
     full_forced = agreement.teacher_forced(runner, full, answer)[1] if content is not None else None
     # full against itself: token/answer agreement 1 unless batched and one-by-one decoding split a tie
-    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer, full_forced, content)),
+    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer, full_forced,
+                                                          content)),
                                    margin=agreement.margin(full.last_logits), recomputed=parts.token_ids.numel(),
                                    chunk_tokens=item.chunk_tokens, text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
-        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer, full_forced, content)), recomputed=rows,
-                   chunk_tokens=item.chunk_tokens)
+        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer, full_forced, content)),
+                   recomputed=rows, chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
             row.update(text=got, **score(got, record))

@@ -454,7 +454,8 @@ def test_first_content_word_skips_boilerplate_and_is_scored_where_it_is(tmp_path
                                 content_top1=top1, content_kl=kl)
     items = [dict(id=str(i), configs={"plain/full": row(1.0, 0.0), "plain/legolink-0": row(t, k)})
              for i, (t, k) in enumerate([(1.0, 0.1), (0.0, 0.5), (None, None)])]
-    naive_row = {r["label"]: r for r in diagnose.summarize([_run_file(tmp_path / "w.json", items)], common=True)}["plain/legolink-0"]
+    rows = diagnose.summarize([_run_file(tmp_path / "w.json", items)], common=True)
+    naive_row = {r["label"]: r for r in rows}["plain/legolink-0"]
     assert naive_row["n_content"] == 2 and naive_row["content_top1"][0] == 0.5
     assert naive_row["content_kl"][0] == pytest.approx(0.3)
 
