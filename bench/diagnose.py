@@ -545,7 +545,7 @@ def curve_table(rows: list[dict]) -> str:
     for r in sorted(rows, key=lambda r: (r["recompute"], r["label"])):
         n_dec = f" ({r['n_decided']})" if "n_decided" in r else ""
         n_word = f" ({r['n_content']})" if "n_content" in r else ""
-        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} "
+        lines.append(f"| {r['label'].removeprefix('plain/')} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} "
                      f"| {_ci(r, 'd_top1_vs_naive')} | {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1_share')} "
                      f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} "
                      f"| {_ci(r, 'content_top1')}{n_word} | {_ci(r, 'content_kl')} |")
@@ -563,7 +563,7 @@ def gap_table(rows: list[dict]) -> str:
         if "n_decided" not in r or r["label"].endswith("/full"):
             continue
         tied, dec = f"{r['misses_tied']}{up(r, 'runner_up_tied')}", f"{r['misses_decided']}{up(r, 'runner_up_decided')}"
-        lines.append(f"| {r['label'].split('/')[1]} | {r['n']} | {r['misses_tied'] + r['misses_decided']} | {tied} "
+        lines.append(f"| {r['label'].removeprefix('plain/')} | {r['n']} | {r['misses_tied'] + r['misses_decided']} | {tied} "
                      f"| {dec} | {r['n_decided']} | {_ci(r, 'linked_p_full_top1')} |")
     return "\n".join(lines)
 
