@@ -2,7 +2,11 @@
 
 For each item (a question over a few documents) `full` is linked once; each candidate (legolink k, cacheblend
 ratio, focus ratio) is linked on the same ids, and agreement is the fraction of items whose next-token argmax
-equals full's at the answer's first position. Linking without decoding keeps a sweep cheap. The smallest k (and
+equals full's at the answer's first position. Linking without decoding keeps a sweep cheap. With `at="content"`
+the position is `full`'s first content word instead (agreement.content_position): a reader that opens every answer
+with "The answer is" agrees on "The" whatever the linking did (docs/ACCURACY.md: SmolLM2 agrees on 1.00 of first
+tokens and on 0.86 of content words). It costs a greedy decode of `full`'s answer and, per candidate, one
+teacher-forced pass over the answer up to that word. The smallest k (and
 ratio, and focus ratio) whose agreement reaches the target becomes the model's profile; `RagCache` then uses that
 k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
@@ -23,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from . import agreement as agree
 from . import models
 
 DEFAULT_TARGET = 0.95
@@ -30,6 +35,8 @@ DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)
 DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
 DEFAULT_FOCUS_RATIOS = (0.05, 0.1, 0.25, 0.4, 0.5, 0.75)  # qwen2.5-coder-0.5b reaches 0.95 near 0.75 (docs/ACCURACY.md)
 DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
+POSITIONS = ("first", "content")
+ANSWER_TOKENS = 16  # how far along full's answer a content word is looked for
 
 
 @dataclass
@@ -53,6 +60,7 @@ class Profile:
     created: float = 0.0
     focus_ratio: float | None = None  # the smallest `focus` ratio that reached the target
     agreement_by_focus: dict[str, float] = field(default_factory=dict)
+    at: str = "first"  # where along full's answer agreement was measured (POSITIONS)
 
 
 def profile_path(fingerprint: str, dtype: str) -> Path:
@@ -126,38 +134,74 @@ def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, s
     return items
 
 
-def agreement(rc, items: list[Item], link_kwargs: dict, full_top1: list[int]) -> float:
-    hits = sum(int(rc.link(item.question, item.doc_ids, **link_kwargs).last_logits.argmax()) == top1
-               for item, top1 in zip(items, full_top1))
+@dataclass
+class Reference:
+    """What `full` says at the measured position: the token, and the answer tokens fed before it."""
+
+    token: int
+    lead: list[int] = field(default_factory=list)
+
+
+def reference(rc, item: Item, at: str) -> Reference:
+    """`full`'s token at the answer's first position, or at its first content word (the first position where
+    its greedy answer has none)."""
+    room = ANSWER_TOKENS if at == "content" else 0
+    full = rc.link(item.question, item.doc_ids, algorithm="full", max_new_tokens=room)
+    first = Reference(int(full.last_logits.argmax()))
+    if at == "first":
+        return first
+    from .generate import eos_ids
+
+    answer = rc.scheduler.call(agree.greedy, rc.runner, full, ANSWER_TOKENS, eos_ids(rc.runner), set())
+    position = agree.content_position(rc.tokenizer, answer)
+    return first if position is None else Reference(answer[position], answer[:position])
+
+
+def _linked_token(rc, item: Item, link_kwargs: dict, ref: Reference) -> int:
+    """The linked cache's argmax at the reference's position (teacher-forced along full's answer up to there)."""
+    linked = rc.link(item.question, item.doc_ids, max_new_tokens=len(ref.lead), **link_kwargs)
+    if not ref.lead:
+        return int(linked.last_logits.argmax())
+    _, logits = rc.scheduler.call(agree.teacher_forced, rc.runner, linked, [*ref.lead, ref.token])
+    return int(logits[-1].argmax())
+
+
+def agreement(rc, items: list[Item], link_kwargs: dict, refs: list[Reference]) -> float:
+    hits = sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs))
     return hits / len(items)
 
 
 def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
-              focus_ratios=DEFAULT_FOCUS_RATIOS, progress: Callable[[str], None] | None = None) -> Profile:
+              focus_ratios=DEFAULT_FOCUS_RATIOS, progress: Callable[[str], None] | None = None,
+              at: str = "first") -> Profile:
     """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
     the first hit to be the answer here, and stopping early saves most of the sweep."""
     if not items:
         raise ValueError("calibration needs at least one item")
+    if at not in POSITIONS:
+        raise ValueError(f"at must be one of {', '.join(POSITIONS)}, got {at!r}")
     say = progress or (lambda _: None)
     with torch.inference_mode():
-        full_top1 = [int(rc.link(i.question, i.doc_ids, algorithm="full").last_logits.argmax()) for i in items]
-    say(f"full: {len(items)} items linked")
+        refs = [reference(rc, item, at) for item in items]
+    moved = sum(bool(ref.lead) for ref in refs)
+    say(f"full: {len(items)} items linked" + (f", {moved} measured past the answer's first token" if at != "first"
+                                              else ""))
     profile = Profile(rc.lm.name, rc.lm.fingerprint, _dtype(rc.lm), target, len(items), None, None,
-                      created=time.time())
-    profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, full_top1)
+                      created=time.time(), at=at)
+    profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, refs)
     say(f"naive: {profile.naive_agreement:.2f}")
-    profile.k = _smallest(rc, items, full_top1, target, "legolink", "k", ks, profile.agreement_by_k, say)
-    profile.ratio = _smallest(rc, items, full_top1, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio,
+    profile.k = _smallest(rc, items, refs, target, "legolink", "k", ks, profile.agreement_by_k, say)
+    profile.ratio = _smallest(rc, items, refs, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio,
                               say)
-    profile.focus_ratio = _smallest(rc, items, full_top1, target, "focus", "ratio", focus_ratios,
+    profile.focus_ratio = _smallest(rc, items, refs, target, "focus", "ratio", focus_ratios,
                                     profile.agreement_by_focus, say)
     return profile
 
 
-def _smallest(rc, items, full_top1, target, algorithm, knob, values, scores: dict, say):
+def _smallest(rc, items, refs, target, algorithm, knob, values, scores: dict, say):
     """The first of `values` (ascending) whose agreement reaches `target`, recording each score on the way."""
     for value in values:
-        scores[str(value)] = agreement(rc, items, {"algorithm": algorithm, knob: value}, full_top1)
+        scores[str(value)] = agreement(rc, items, {"algorithm": algorithm, knob: value}, refs)
         say(f"{algorithm} {knob}={value}: {scores[str(value)]:.2f}")
         if scores[str(value)] >= target:
             return value

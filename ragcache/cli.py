@@ -302,6 +302,8 @@ def calibrate(
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
+    at: str = typer.Option("first", help="where along full's answer to compare: first (its first token) | content "
+                                         "(its first content word: for readers that open with 'The answer is')"),
     store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
@@ -311,18 +313,20 @@ def calibrate(
     from . import calibrate as cal
 
     try:
+        if at not in cal.POSITIONS:
+            raise BadRequest(f"--at must be one of {', '.join(cal.POSITIONS)}, got {at!r}")
         if docs is not None:
             texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
         rc, _ = _open(model, store, dtype=dtype, device=device)
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
-        profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"))
+        profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"), at=at)
         path = cal.save_profile(profile)
     except RagCacheError as exc:
         _fail(exc)
     table = Table("algorithm", "agreement with full [95% interval]",
-                  title=f"{profile.model}: {profile.items} items, target {target}")
+                  title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token")
     cell = lambda score: cal.agreement_cell(score, profile.items)  # noqa: E731
     table.add_row("naive", cell(profile.naive_agreement))
     for k, score in profile.agreement_by_k.items():

@@ -80,3 +80,30 @@ def test_a_damaged_profile_is_ignored(tmp_path, monkeypatch, bad):
     path.parent.mkdir(parents=True)
     path.write_text(bad)
     assert cal.load_profile(lm) is None
+
+
+def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch):
+    from ragcache import agreement as agree
+    from ragcache.engine import RagCache
+    from ragcache.generate import eos_ids
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    texts = [t * 3 for t in tiny.CORPUS[:4]]
+    items = cal.items_from_documents(rc, texts, n=4)
+    # random weights write no words: say the content word is the third answer token
+    monkeypatch.setattr(agree, "content_position", lambda tok, answer: 2 if len(answer) > 2 else None)
+    refs = [cal.reference(rc, item, "content") for item in items]
+    assert any(ref.lead for ref in refs)
+    for item, ref in zip(items, refs):
+        full = rc.link(item.question, item.doc_ids, algorithm="full", max_new_tokens=cal.ANSWER_TOKENS)
+        answer = agree.greedy(rc.runner, full, cal.ANSWER_TOKENS, eos_ids(rc.runner), set())
+        expected = (answer[2], answer[:2]) if len(answer) > 2 else (int(full.last_logits.argmax()), [])
+        assert (ref.token, ref.lead) == expected
+        naive = rc.link(item.question, item.doc_ids, algorithm="naive", max_new_tokens=len(ref.lead))
+        _, logits = agree.teacher_forced(rc.runner, naive, [*ref.lead, ref.token])
+        assert cal._linked_token(rc, item, {"algorithm": "naive"}, ref) == int(logits[-1].argmax())
+    longest = max(len(c) for doc in texts for c in rc.document_chunks(rc.compile([doc])[0])) + 1  # + BOS
+    profile = cal.calibrate(rc, items, target=1.0, ks=(0, longest), ratios=(), focus_ratios=(), at="content")
+    assert profile.at == "content" and profile.agreement_by_k[str(longest)] == 1.0
+    with pytest.raises(ValueError, match="content"):
+        cal.calibrate(rc, items, at="middle")

@@ -91,7 +91,9 @@ def test_inputs_are_checked_before_the_model_loads(tmp_path):
     (tmp_path / "odd" / "slides.pptx").write_bytes(b"PK")
     odd = ragcache("compile", str(tmp_path / "odd"), "--store", "memory:", cwd=tmp_path, check=False)
     assert odd.returncode == 3 and "slides.pptx" in odd.stderr and "skipping 1 file" in odd.stderr
-    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd))
+    where = ragcache("calibrate", "--at", "middle", cwd=tmp_path, check=False)
+    assert where.returncode == 3 and "--at must be one of first, content" in where.stderr
+    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd, where))
 
 
 def test_demo_models_and_config(tmp_path):
