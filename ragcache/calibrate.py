@@ -2,11 +2,12 @@
 
 For each item (a question over a few documents) `full` is linked once; each candidate (legolink k, cacheblend
 ratio, focus ratio) is linked on the same ids, and agreement is the fraction of items whose next-token argmax
-equals full's at the answer's first position. Linking without decoding keeps a sweep cheap. With `at="content"`
-the position is `full`'s first content word instead (agreement.content_position): a reader that opens every answer
-with "The answer is" agrees on "The" whatever the linking did (docs/ACCURACY.md: SmolLM2 agrees on 1.00 of first
-tokens and on 0.86 of content words). It costs a greedy decode of `full`'s answer and, per candidate, one
-teacher-forced pass over the answer up to that word. The smallest k (and
+equals full's at one position of `full`'s answer: by default its first content word (agreement.content_position),
+with `at="first"` its first token. A reader that opens every answer with "The answer is" agrees on "The" whatever
+the linking did: on the built-in set SmolLM2's naive linking agrees on 1.00 of first tokens, so a first-token
+calibration would pick k = 0, and on 0.79 of content words (docs/ACCURACY.md). The content word costs a greedy
+decode of `full`'s answer and, per candidate, one teacher-forced pass over the answer up to that word; linking
+without decoding keeps the sweep cheap otherwise. The smallest k (and
 ratio, and focus ratio) whose agreement reaches the target becomes the model's profile; `RagCache` then uses that
 k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
@@ -173,7 +174,7 @@ def agreement(rc, items: list[Item], link_kwargs: dict, refs: list[Reference]) -
 
 def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
               focus_ratios=DEFAULT_FOCUS_RATIOS, progress: Callable[[str], None] | None = None,
-              at: str = "first") -> Profile:
+              at: str = "content") -> Profile:
     """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
     the first hit to be the answer here, and stopping early saves most of the sweep."""
     if not items:

@@ -302,8 +302,8 @@ def calibrate(
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
-    at: str = typer.Option("first", help="where along full's answer to compare: first (its first token) | content "
-                                         "(its first content word: for readers that open with 'The answer is')"),
+    at: str = typer.Option("content", help="where along full's answer to compare: content (its first content "
+                                           "word, past openings like 'The answer is') | first (its first token)"),
     store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,

@@ -33,10 +33,10 @@ class _KnownRC:
 def test_the_known_k_is_picked():
     items = [cal.Item(str(i), []) for i in range(20)]
     rc = _KnownRC([0] * 10 + [8] * 8 + [64] * 2)  # agreement: k=0 .5, k=8 .9, k=64 1.0
-    profile = cal.calibrate(rc, items, target=0.9, ks=(0, 4, 8, 16, 64))
+    profile = cal.calibrate(rc, items, target=0.9, ks=(0, 4, 8, 16, 64), at="first")
     assert profile.k == 8 and profile.agreement_by_k == {"0": 0.5, "4": 0.5, "8": 0.9}
-    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8, 16, 64)).k == 64
-    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8)).k is None  # never reached: no profile k
+    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8, 16, 64), at="first").k == 64
+    assert cal.calibrate(rc, items, target=1.0, ks=(0, 4, 8), at="first").k is None  # never reached: no profile k
     assert profile.naive_agreement == 0.0
     assert profile.ratio == 0.15 and profile.focus_ratio == 0.05  # thresholds /100: 0.08; /200: 0.04
     assert profile.agreement_by_focus == {"0.05": 0.9}
