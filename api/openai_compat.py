@@ -77,7 +77,9 @@ def list_models(request: Request) -> ModelList:
     link = {"default_k": c.rc.default_k, "calibrated": profile is not None and profile.k is not None,
             "kv_codec": c.rc.kv_codec}
     if profile is not None:
-        link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items)
+        link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
+                    focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,
+                    calibrated_at=profile.at)
     return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created, ragcache=link)])
 
 

@@ -346,13 +346,19 @@ def models_list():
     from .calibrate import profiles_by_model
 
     profiles = profiles_by_model()
-    table = Table("name", "family", "pulled", "calibrated k", "source")
+    table = Table("name", "family", "pulled", "calibrated k and focus ratio", "source")
     for spec in models.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
-        calibrated = ", ".join(f"{p.k} ({p.dtype}, {p.target:.2f})" for p in profiles.get(spec.name, [])) or "-"
+        calibrated = ", ".join(f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
+                               f"the {p.at} token)"
+                               for p in profiles.get(spec.name, [])) or "-"
         table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", calibrated,
                       f"{wheels}\n{spec.note}")
     console.print(table)
+
+
+def _or_none(value) -> str:
+    return "none reached" if value is None else str(value)
 
 
 @models_app.command("pull")

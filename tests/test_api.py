@@ -156,6 +156,16 @@ def test_health_models_openapi(http, rc):
     r = http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == "smollm2-135m"
     assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+    from ragcache.calibrate import Profile
+
+    saved, rc.profile = rc.profile, Profile("smollm2-135m", "f", "bfloat16", 0.95, 24, None, None,
+                                             focus_ratio=0.25, agreement_by_focus={"0.25": 0.96}, at="content")
+    try:
+        link = http.get("/v1/models").json()["data"][0]["ragcache"]
+    finally:
+        rc.profile = saved
+    assert link["calibrated"] is False and link["focus_ratio"] == 0.25 and link["calibrated_at"] == "content"
+    assert link["agreement_by_focus"] == {"0.25": 0.96}
     paths = http.get("/openapi.json").json()["paths"]
     assert {"/v1/query", "/v1/documents", "/v1/chat/completions", "/v1/completions"} <= set(paths)
 
