@@ -7,9 +7,8 @@ with `at="first"` its first token. A reader that opens every answer with "The an
 the linking did: on the built-in set SmolLM2's naive linking agrees on 1.00 of first tokens, so a first-token
 calibration would pick k = 0, and on 0.79 of content words (docs/ACCURACY.md). The content word costs a greedy
 decode of `full`'s answer and, per candidate, one teacher-forced pass over the answer up to that word; linking
-without decoding keeps the sweep cheap otherwise. The smallest k (and
-ratio, and focus ratio) whose agreement reaches the target becomes the model's profile; `RagCache` then uses that
-k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
+without decoding keeps the sweep cheap otherwise. The smallest k (and ratio, and focus ratio) whose agreement
+reaches the target becomes the model's profile; `RagCache` then uses that k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
 Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
 inherits another's k.
@@ -30,6 +29,7 @@ import torch
 
 from . import agreement as agree
 from . import models
+from .generate import eos_ids
 
 DEFAULT_TARGET = 0.95
 DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)
@@ -151,8 +151,6 @@ def reference(rc, item: Item, at: str) -> Reference:
     first = Reference(int(full.last_logits.argmax()))
     if at == "first":
         return first
-    from .generate import eos_ids
-
     answer = rc.scheduler.call(agree.greedy, rc.runner, full, ANSWER_TOKENS, eos_ids(rc.runner), set())
     position = agree.content_position(rc.tokenizer, answer)
     return first if position is None else Reference(answer[position], answer[:position])
