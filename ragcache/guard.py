@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .agreement import first_token
+
 log = logging.getLogger("ragcache")
 
 DEFAULT_WINDOW = 200  # checks per (model, algorithm) in the sliding agreement fraction
@@ -30,10 +32,8 @@ class Check:
 
 
 def compare(algorithm: str, full_logits: torch.Tensor, linked_logits: torch.Tensor) -> Check:
-    p = torch.log_softmax(full_logits.double(), -1)
-    q = torch.log_softmax(linked_logits.double(), -1)
-    kl = float((p.exp() * (p - q)).sum().clamp_min(0.0))
-    return Check(algorithm, int(full_logits.argmax()) == int(linked_logits.argmax()), kl)
+    top1, kl = first_token(full_logits, linked_logits)
+    return Check(algorithm, bool(top1), kl)
 
 
 class Guard:
