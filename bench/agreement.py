@@ -209,9 +209,9 @@ def shift_stale_rows(runner: Runner, parts: LinkInput, cache, stale_keys: torch.
     the change is shared."""
     done = torch.zeros(parts.token_ids.numel(), dtype=torch.bool)
     done[recomputed] = True
-    estimate = done.clone()
+    estimate = done
     if sample is not None:
-        estimate[:] = False
+        estimate = torch.zeros_like(done)
         estimate[sample] = True
     for a, b in chunk_spans(parts):
         span = torch.arange(a, b)
