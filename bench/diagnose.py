@@ -309,24 +309,11 @@ def main() -> None:
                     help="with --curve/--report: full's first-token margin from which an item counts as decided")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
     a = ap.parse_args()
-    try:
-        merged_items(a.curve or a.report or [])
-    except MixedRuns as e:
-        ap.error(str(e))
-    if a.curve:
-        rows = summarize(a.curve, common=True, threshold=a.decided)
-        print(curve_table(rows))
-        print(gap_table(rows))
-        print(paired_table(a.curve, CURVE_PAIRS, a.decided))
-        if a.plot:
-            plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
-        return
-    if a.report:
-        rows = summarize(a.report, threshold=a.decided)
-        print(table(rows))
-        print(gap_table(rows))
-        print(paired_table(a.report, threshold=a.decided))
-        print(json.dumps(profile_summary(a.report), indent=None))
+    if a.curve or a.report:
+        try:  # summarize reads the files first: a mix is refused before any table is printed
+            print_tables(a)
+        except MixedRuns as e:
+            ap.error(str(e))
         return
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -339,6 +326,22 @@ def main() -> None:
 
 
 # -- summary ----------------------------------------------------------------------------------------------
+def print_tables(a: argparse.Namespace) -> None:
+    if a.curve:
+        rows = summarize(a.curve, common=True, threshold=a.decided)
+        print(curve_table(rows))
+        print(gap_table(rows))
+        print(paired_table(a.curve, CURVE_PAIRS, a.decided))
+        if a.plot:
+            plot_curve(rows, a.plot, json.loads(a.curve[-1].read_text())["model"])
+        return
+    rows = summarize(a.report, threshold=a.decided)
+    print(table(rows))
+    print(gap_table(rows))
+    print(paired_table(a.report, threshold=a.decided))
+    print(json.dumps(profile_summary(a.report), indent=None))
+
+
 class MixedRuns(ValueError):
     """Result files from different models or compute dtypes: their configurations cannot be paired."""
 
@@ -455,9 +458,10 @@ def table(rows: list[dict]) -> str:
              "| top-1, decided (n) | token-agree | answer-agree |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         n_dec = f" ({r['n_decided']})" if "n_decided" in r else ""
-        lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} | {_ci(r, 'd_top1_vs_naive')} "
-                     f"| {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1')} | {_ci(r, 'f1_share')} "
-                     f"| {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} | {_ci(r, 'answer_agree')} |")
+        lines.append(f"| {r['label']} | {r['n']} | {r['recompute']:.1%} | {_ci(r, 'top1')} "
+                     f"| {_ci(r, 'd_top1_vs_naive')} | {_ci(r, 'kl')} | {_ci(r, 'dll')} | {_ci(r, 'f1')} "
+                     f"| {_ci(r, 'f1_share')} | {_ci(r, 'top1_decided')}{n_dec} | {_ci(r, 'token_agree')} "
+                     f"| {_ci(r, 'answer_agree')} |")
     return "\n".join(lines)
 
 
@@ -480,7 +484,8 @@ def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> 
 
     items = merged_items(paths)
     fmt = lambda t: f"{t[0]:+.3f} [{t[1]:+.3f}, {t[2]:+.3f}]"  # noqa: E731
-    lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) | Δtop-1, decided (n) | Δtoken-agree |", "|---|---|---|---|---|---|---|"]
+    lines = ["| a − b | n | Δtop-1 | ΔKL | Δ(ΔLL) | Δtop-1, decided (n) | Δtoken-agree |",
+             "|---|---|---|---|---|---|---|"]
     for a, b in pairs:
         both = [c for c in items.values() if a in c and b in c]
         if not both:
@@ -563,8 +568,8 @@ def gap_table(rows: list[dict]) -> str:
         if "n_decided" not in r or r["label"].endswith("/full"):
             continue
         tied, dec = f"{r['misses_tied']}{up(r, 'runner_up_tied')}", f"{r['misses_decided']}{up(r, 'runner_up_decided')}"
-        lines.append(f"| {r['label'].removeprefix('plain/')} | {r['n']} | {r['misses_tied'] + r['misses_decided']} | {tied} "
-                     f"| {dec} | {r['n_decided']} | {_ci(r, 'linked_p_full_top1')} |")
+        lines.append(f"| {r['label'].removeprefix('plain/')} | {r['n']} | {r['misses_tied'] + r['misses_decided']} "
+                     f"| {tied} | {dec} | {r['n_decided']} | {_ci(r, 'linked_p_full_top1')} |")
     return "\n".join(lines)
 
 
