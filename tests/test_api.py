@@ -568,7 +568,10 @@ def test_metrics_of_a_tiered_store(smollm2, tmp_path):
 
 
 # -- property-based fuzz: nothing a client sends gives a 5xx -------------------------------------------------
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
+# JSON has no NaN or infinity: httpx refuses to encode them, so such an example would fail in the client (seen once
+# in CI), never reaching the server under test.
+JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
+                    | st.text(max_size=12),
                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
                     max_leaves=6)
 DOCS = st.lists(st.sampled_from([{"text": "The sky over Kessel Bay is grey."}, {"text": "Zebras run."}]), max_size=2)
@@ -801,3 +804,11 @@ def test_guard_is_skipped_when_the_queue_is_full(rc):
     text = metrics.render().decode()
     assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
     assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0
+
+
+def test_non_finite_numbers_in_metadata_are_a_422(http):
+    # Python's JSON parser reads the non-standard NaN / Infinity literals (Python's json.dumps writes them). Kept in
+    # metadata, they could not be written back out as JSON; the server refuses them up front.
+    body = b'{"documents": [{"text": "Nothing is infinite.", "metadata": {"weight": Infinity, "score": NaN}}]}'
+    r = http.post("/v1/documents", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not plain JSON" in r.json()["error"]["message"], r.text
