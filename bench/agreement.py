@@ -262,3 +262,23 @@ def focus_shifted(runner: Runner, parts: LinkInput, fraction: float, values: boo
     hidden, _ = linker._recompute(runner, ids, question, cache, None)
     return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
                   length - int(rows.numel()) - len(question), 0, 0)
+
+
+@torch.inference_mode()
+def focus_tempered(runner: Runner, parts: LinkInput, fraction: float, factor: float,
+                   extra_capacity: int = 0) -> Linked:
+    """`focus`, with the keys of the chunk rows it leaves stale multiplied by `factor` at every layer: the logits
+    of every later query against them are divided by a temperature 1/factor (APE's attention temperature, applied
+    to the rows prefilled out of context only; the recomputed rows are exact and keep theirs). Keys are placed
+    post-RoPE, so scaling them is scaling the logits. Same rows and passes as `focus`."""
+    ids = parts.token_ids
+    length = ids.numel()
+    cache = placed_cache(runner, parts, extra_capacity)
+    rows = linker._focus_rows(parts, fraction, linker._question_attention(runner, parts, cache).sum(0))
+    stale = all_chunk_rows(parts)
+    stale = stale[~torch.isin(stale, rows)].to(cache.keys.device)
+    cache.keys[:, :, stale] *= factor
+    question = question_rows(parts, length)
+    hidden, _ = linker._recompute(runner, ids, torch.cat([rows, question]), cache, None)
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
+                  length - int(rows.numel()) - len(question), 0, 0)

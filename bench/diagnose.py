@@ -15,7 +15,8 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             per chunk, then whole chunks from their start, most-attended chunk first), qfull (mixed scored by
             full's question attention: what a perfect attention estimate would pick), span (mixed, each
             scored row bringing the SPAN rows before it), focus2 (focus in two rounds: half the budget, then
-            the question's attention measured again on that cache picks the other half)
+            the question's attention measured again on that cache picks the other half), tempF (focus with the
+            keys of the rows it leaves stale times F: APE's attention temperature 1/F on them)
   cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
@@ -212,6 +213,10 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
                           else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap) if label == "focus2"
                           else agreement.focus_shifted(runner, parts, f, label.endswith("kv"), extra_capacity=cap,
                                                        stride=PROBE_STRIDE if label.startswith("probe") else None))
+                measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
+                continue
+            if label.startswith("temp"):  # "temp1.1": focus, stale keys times 1.1 (agreement.focus_tempered)
+                linked = agreement.focus_tempered(runner, parts, f, float(label[4:]), extra_capacity=cap)
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             rows = choices[label]()

