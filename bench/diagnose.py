@@ -114,11 +114,15 @@ class Item:
 def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: list[int], ratios: list[float],
         setups: list[str], decode: list[str], max_new: int, qlayer: int, selections: list[str],
         instruct: bool = True, vratios: list[float] = (), start: int = 0, task: str = "squad",
-        dtype: str = "auto") -> None:
+        dtype: str = "auto", reference: str | None = None) -> None:
     lm = load_model(model, dtype)
     dtype = str(next(lm.model.parameters()).dtype).removeprefix("torch.")
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
+    if reference:  # full in another dtype is the reference; full in this one becomes a config (full-<dtype>)
+        ref_lm = load_model(model, reference)
+        ref_runner = Runner(ref_lm)
+        ref_compiler = Compiler(ref_lm, ref_runner)
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
     stops = eos_ids(runner)
     newline = newline_ids(lm.tokenizer)
@@ -133,32 +137,41 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
             record["answers2"] = sq.answers2
         for name in setups:
             item = Item(runner, compiler, lm, fmt, sq, known[name], instruct)
+            ref = (ref_runner, Item(ref_runner, ref_compiler, ref_lm, fmt, sq, known[name], instruct).parts,
+                   dtype) if reference else None
             _setup(runner, item, name, record, fractions, ks, ratios, decode, stops, newline, max_new, qlayer,
-                   lm.tokenizer, start + i, selections, vratios)
+                   lm.tokenizer, start + i, selections, vratios, ref)
             print(f"  {name} {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
         records.append(record)
-        out.write_text(json.dumps(dict(model=model, dtype=dtype, n=len(records), seed=seed, start=start, qlayer=qlayer,
+        kind = f"{dtype} against a {reference} full" if reference else dtype  # never paired with a same-dtype run
+        out.write_text(json.dumps(dict(model=model, dtype=kind, n=len(records), seed=seed, start=start, qlayer=qlayer,
                                        task=task, instruct=instruct, items=records)))
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
 
 
 def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, decode, stops, newline, max_new,
-           qlayer, tok, seed, selections, vratios=()) -> None:
+           qlayer, tok, seed, selections, vratios=(), reference=None) -> None:
+    """`reference`: (runner, parts, this dtype's name) of a model in another dtype, whose `full` every config is
+    measured against, this dtype's `full` included (as `full-<dtype>`: the floor that precision alone sets)."""
     parts = item.parts
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
-    answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
+    ref_runner, ref = runner, full
+    if reference:
+        ref_runner = reference[0]
+        ref = link(ref_runner, reference[1], LinkParams("full"), extra_capacity=max_new + 1)
+    answer = agreement.greedy(ref_runner, ref, max_new, stops, newline) if max_new else []
     text = tok.decode(answer).strip()
     configs = record["configs"]
     content = agreement.content_position(tok, answer)
-    full_forced = agreement.teacher_forced(runner, full, answer)[1] if content is not None else None
+    full_forced = agreement.teacher_forced(ref_runner, ref, answer)[1] if content is not None else None
     # full against itself: token/answer agreement 1 unless batched and one-by-one decoding split a tie
-    configs[f"{name}/full"] = dict(vars(agreement.measure(runner, full.last_logits, full, answer, full_forced,
+    configs[f"{name}/full"] = dict(vars(agreement.measure(ref_runner, ref.last_logits, ref, answer, full_forced,
                                                           content)),
-                                   margin=agreement.margin(full.last_logits), recomputed=parts.token_ids.numel(),
+                                   margin=agreement.margin(ref.last_logits), recomputed=parts.token_ids.numel(),
                                    chunk_tokens=item.chunk_tokens, text=text, **score(text, record))
 
     def measure(label: str, linked, rows: int) -> None:
-        row = dict(vars(agreement.measure(runner, full.last_logits, linked, answer, full_forced, content)),
+        row = dict(vars(agreement.measure(runner, ref.last_logits, linked, answer, full_forced, content)),
                    recomputed=rows, chunk_tokens=item.chunk_tokens)
         if any(label.endswith(d) for d in decode) and max_new:
             got = tok.decode(agreement.greedy(runner, linked, max_new, stops, newline)).strip()
@@ -166,6 +179,8 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
         configs[f"{name}/{label}"] = row
 
     cap = max_new + 1
+    if reference:
+        measure(f"full-{reference[2]}", full, parts.token_ids.numel())
     for k in ks:
         linked = link(runner, parts, LinkParams("legolink", k=k), extra_capacity=cap)
         measure(f"legolink-{k}", linked, sum(min(k, len(c)) for c in parts.chunk_ids))
@@ -305,6 +320,7 @@ def main() -> None:
     ap.add_argument("--qlayer", type=int, default=2)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--dtype", default="auto", help="compute dtype (auto: bf16 where the CPU has it, as served)")
+    ap.add_argument("--reference", help="measure against full in this dtype (float32), --dtype's full included")
     ap.add_argument("--selections", default="first,random,qattn,qattn-all,mixed,oracle")
     ap.add_argument("--verbose-question", action="store_true", help="the engine's question format (no instruction)")
     ap.add_argument("--report", type=Path, nargs="*", help="print the tables of these result files and exit")
@@ -326,7 +342,7 @@ def main() -> None:
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
     run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
         a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
-        floats(a.vratios), a.start, a.task, a.dtype)
+        floats(a.vratios), a.start, a.task, a.dtype, a.reference)
 
 
 
