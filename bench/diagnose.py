@@ -360,7 +360,9 @@ def print_tables(a: argparse.Namespace) -> None:
     print(table(rows))
     print(gap_table(rows))
     print(paired_table(a.report, threshold=a.decided))
-    print(json.dumps(profile_summary(a.report), indent=None))
+    profiles = profile_summary(a.report)
+    if profiles["n"]:  # only runs with the oracle selection record deviation profiles
+        print(json.dumps(profiles, indent=None))
 
 
 class MixedRuns(ValueError):
@@ -495,7 +497,10 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("qfirst/legolink-0", "plain/legolink-0"), ("qfirst/legolink-16", "plain/legolink-16"),
          ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"),
          ("system/legolink-0", "plain/legolink-0"), ("system/legolink-16", "plain/legolink-16"),
-         ("system/focus@0.25", "plain/focus@0.25"))
+         ("system/focus@0.25", "plain/focus@0.25"),
+         # --reference float32: what linking costs beyond what bf16 alone costs, both against an fp32 full
+         ("plain/focus@0.25", "plain/full-bfloat16"), ("plain/focus@0.5", "plain/full-bfloat16"),
+         ("plain/legolink-0", "plain/full-bfloat16"))
 
 
 def paired_table(paths: list[Path], pairs=PAIRS, threshold: float = DECIDED) -> str:

@@ -161,13 +161,13 @@ def test_variants_and_percentiles():
 
 
 # -- distribution-level agreement on tiny models, where the truth is known ----------------------------------
-def _tiny_parts(family: str):
+def _tiny_parts(family: str, dtype=torch.float32):
     from ragcache.compiler import PLAIN, Compiler
     from ragcache.linker import LinkInput
     from ragcache.runner import Runner
     from tests import tiny
 
-    lm = tiny.make(family)
+    lm = tiny.make(family, dtype=dtype)
     runner = Runner(lm)
     compiler = Compiler(lm, runner)
     tok = lm.tokenizer
@@ -278,6 +278,31 @@ def test_covering_legolink_follows_full_answer_and_margin_is_full_own(family):
     assert covering["top1"] == covering["token_agree"] == covering["answer_agree"] == 1.0
     assert covering["linked_top1_rank"] == full["linked_top1_rank"] == 1
     assert covering["linked_p_full_top1"] == pytest.approx(float(top[0]), abs=1e-7)
+
+
+def test_a_float32_reference_measures_every_config_the_bf16_full_included():
+    """--reference float32: the fp32 full is the reference (its own margin, KL 0), bf16's full becomes a config
+    with a small non-zero KL, and a covering legolink in bf16 (exactly bf16's full, invariant 2) measures the same."""
+    from types import SimpleNamespace
+
+    from bench import diagnose
+    from tests import tiny
+
+    runner, parts = _tiny_parts("qwen2", torch.bfloat16)
+    ref_runner, ref_parts = _tiny_parts("qwen2")
+    item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
+    record = dict(answers=["Paris"], configs={})
+    diagnose._setup(runner, item, "plain", record, [], [0, 10**6], [], [], set(), set(), 6, 2, runner.lm.tokenizer,
+                    0, [], reference=(ref_runner, ref_parts, "bfloat16"))
+    configs = record["configs"]
+    probs = torch.softmax(tiny.reference_logits(ref_runner.lm, ref_parts.token_ids)[-1].double(), -1)
+    top = probs.topk(2).values
+    assert configs["plain/full"]["margin"] == pytest.approx(float(top[0] - top[1]), abs=1e-6)
+    assert configs["plain/full"]["kl"] == pytest.approx(0.0, abs=1e-9)
+    bf16 = configs["plain/full-bfloat16"]
+    assert 0 < bf16["kl"] < 0.05
+    assert configs[f"plain/legolink-{10**6}"]["kl"] == pytest.approx(bf16["kl"], rel=1e-3, abs=1e-6)
+    assert configs["plain/legolink-0"]["kl"] > bf16["kl"]
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
