@@ -115,7 +115,7 @@ def pull(name: str) -> Path:
         if (target / ".complete").exists():
             return target
         spec = BUILTIN_MODELS[name]
-        with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=f".{name}-") as tmp:
+        with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
             gguf = _download_gguf(spec, Path(tmp))
             staged = Path(tmp) / "hf"
             _convert_gguf(gguf, staged)
@@ -126,10 +126,14 @@ def pull(name: str) -> Path:
     return target
 
 
+def _pull_prefix(name: str) -> str:
+    return f".{name}-"
+
+
 def _remove_killed_pulls(name: str) -> None:
     """A pull killed mid-way leaves its temp dir (a GB or more) behind: the exception handler never ran. Under the
     lock no other pull of `name` is running, so every temp dir of this name is such a leftover."""
-    leftover = re.compile(rf"\.{re.escape(name)}-[a-z0-9_]{{8}}")
+    leftover = re.compile(re.escape(_pull_prefix(name)) + "[a-z0-9_]{8}")  # tempfile adds 8 such characters
     for path in model_cache_dir().iterdir():
         if path.is_dir() and leftover.fullmatch(path.name):
             log.warning("removing %s, left by an interrupted pull of %s", path, name)
