@@ -92,34 +92,43 @@ def kl_to_full(ex: Example, logits: torch.Tensor) -> torch.Tensor:
     return (ex.target.exp() * (ex.target - logq)).sum(-1)
 
 
-def with_adapter(model, r: int, alpha: int):
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def with_adapter(model, r: int, alpha: int, targets: tuple[str, ...] = ATTENTION):
     from peft import LoraConfig, get_peft_model
 
-    from ragcache.train.infill import LORA_TARGETS
-
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=[t for t in LORA_TARGETS if t in names])
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=[t for t in targets if t in names])
     return get_peft_model(model, config)
 
 
-def train(model, peft_model, examples: list[Example], epochs: int, lr: float, seed: int) -> list[float]:
-    """AdamW on the adapter, one example a step; returns each step's mean KL."""
+def train(model, peft_model, examples: list[Example], epochs: int, lr: float, seed: int,
+          accumulate: int = 1) -> list[float]:
+    """AdamW on the adapter, `accumulate` examples a step, the rate warmed up linearly over the first tenth of the
+    steps: Adam's first steps move every weight by the full rate whatever the gradient, and most examples' KL is
+    already small, so single-example steps at full rate overshoot (seen on the 0.5B). Returns each example's KL."""
     params = [p for p in peft_model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    steps = max(1, epochs * len(examples) // accumulate)
+    warmup = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, steps // 10)))
     order, losses = list(range(len(examples))), []
     rng = random.Random(seed)
     started = time.perf_counter()
     for epoch in range(epochs):
         rng.shuffle(order)
-        for step, i in enumerate(order):
+        for seen, i in enumerate(order, 1):
             loss = kl_to_full(examples[i], linked_logits(model, examples[i])).mean()
-            loss.backward()
+            (loss / accumulate).backward()
+            losses.append(float(loss.detach()))
+            if seen % accumulate and seen != len(order):
+                continue
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
+            warmup.step()
             optimizer.zero_grad(set_to_none=True)
-            losses.append(float(loss.detach()))
             recent = losses[-20:]
-            print(f"epoch {epoch + 1} step {step + 1}/{len(order)} kl {losses[-1]:.4f} (last {len(recent)}: "
+            print(f"epoch {epoch + 1} {seen}/{len(order)} kl {losses[-1]:.4f} (last {len(recent)}: "
                   f"{sum(recent) / len(recent):.4f}) {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     return losses
 
@@ -168,6 +177,19 @@ def split(train_n: int, eval_n: int, eval_seed: int, train_seed: int) -> tuple[l
     return training, held_out
 
 
+def prepare_all(runner: Runner, compiler: Compiler, lm, sets: dict[str, list[squad.Item]], fraction: float,
+                max_new: int) -> dict[str, list[Example]]:
+    stops, newline = eos_ids(runner), diagnose.newline_ids(lm.tokenizer)
+    started, examples = time.perf_counter(), {}
+    for name, items in sets.items():
+        examples[name] = []
+        for i, parts in enumerate(squad_parts(runner, compiler, lm, items)):
+            examples[name].append(prepare(runner, parts, fraction, max_new, stops, newline))
+            print(f"prepared {name} {i + 1}/{len(items)} {time.perf_counter() - started:.0f}s", file=sys.stderr,
+                  flush=True)
+    return examples
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -179,6 +201,9 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--accumulate", type=int, default=8, help="examples per optimizer step")
+    ap.add_argument("--targets", default=",".join(ATTENTION), help="the projections that get adapters")
+    ap.add_argument("--examples", type=Path, help="prepared examples: loaded when the file exists, else saved there")
     ap.add_argument("--max-new", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/read-adapter.json"))
@@ -189,24 +214,27 @@ def main() -> None:
     lm = load_model(a.model, a.dtype)
     runner, model = Runner(lm), lm.model
     compiler = Compiler(lm, runner)
-    stops, newline = eos_ids(runner), diagnose.newline_ids(lm.tokenizer)
     training, held_out = split(a.train, a.eval, 1, a.train_seed)
-    started = time.perf_counter()
-    examples = {}
-    for name, items in (("train", training), ("eval", held_out)):
-        examples[name] = []
-        for i, parts in enumerate(squad_parts(runner, compiler, lm, items)):
-            examples[name].append(prepare(runner, parts, a.fraction, a.max_new, stops, newline))
-            print(f"prepared {name} {i + 1}/{len(items)} {time.perf_counter() - started:.0f}s", file=sys.stderr,
-                  flush=True)
-    peft_model = with_adapter(model, a.rank, 2 * a.rank)
+    key = dict(model=a.model, dtype=a.dtype, fraction=a.fraction, max_new=a.max_new, train_seed=a.train_seed,
+               train=[i.id for i in training], eval=[i.id for i in held_out])
+    if a.examples and a.examples.exists():
+        saved = torch.load(a.examples, weights_only=False)
+        if saved["key"] != key:
+            ap.error(f"{a.examples} was prepared for other items or settings; remove it or pick another path")
+        examples = saved["examples"]
+    else:
+        examples = prepare_all(runner, compiler, lm, {"train": training, "eval": held_out}, a.fraction, a.max_new)
+        if a.examples:
+            torch.save(dict(key=key, examples=examples), a.examples)
+    peft_model = with_adapter(model, a.rank, 2 * a.rank, tuple(a.targets.split(",")))
     before = evaluate(model, peft_model, examples["eval"][:1])[0]  # a fresh adapter is the identity (LoRA B = 0)
     assert before["base"] == before["adapted"], before
-    losses = train(model, peft_model, examples["train"], a.epochs, a.lr, a.train_seed)
+    losses = train(model, peft_model, examples["train"], a.epochs, a.lr, a.train_seed, a.accumulate)
     per_item = evaluate(model, peft_model, examples["eval"])
     train_fit = evaluate(model, peft_model, examples["train"][:20])
     result = dict(model=a.model, dtype=a.dtype, fraction=a.fraction, train=len(training), eval=len(held_out),
-                  epochs=a.epochs, lr=a.lr, rank=a.rank, train_seed=a.train_seed, losses=losses,
+                  epochs=a.epochs, lr=a.lr, rank=a.rank, accumulate=a.accumulate, targets=a.targets,
+                  train_seed=a.train_seed, losses=losses,
                   held_out=summary(per_item), train_fit=summary(train_fit), items=per_item)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
