@@ -21,6 +21,7 @@ import json
 import random
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,7 +97,10 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 def with_adapter(model, r: int, alpha: int, targets: tuple[str, ...] = ATTENTION):
-    from peft import LoraConfig, get_peft_model
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise SystemExit("bench.read_adapter needs peft: pip install 'ragcache[train]'") from exc
 
     names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=[t for t in targets if t in names])
@@ -160,11 +164,12 @@ def summary(per_item: list[dict]) -> dict:
     return table
 
 
-def squad_parts(runner: Runner, compiler: Compiler, lm, items: list[squad.Item]) -> list[LinkInput]:
-    """Each item as diagnose links it: EPIC's instruction, the `plain` layout, one chunk per paragraph."""
+def squad_parts(runner: Runner, compiler: Compiler, lm, items: list[squad.Item]) -> Iterator[LinkInput]:
+    """Each item as diagnose links it (EPIC's instruction, the `plain` layout, one chunk per paragraph), compiled
+    as it is reached."""
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
     plain = diagnose.layouts(lm, prompt.system_prefix_ids(lm.tokenizer, fmt, None))["plain"]
-    return [diagnose.Item(runner, compiler, lm, fmt, item, plain, True).parts for item in items]
+    return (diagnose.Item(runner, compiler, lm, fmt, item, plain, True).parts for item in items)
 
 
 def split(train_n: int, eval_n: int, eval_seed: int, train_seed: int) -> tuple[list, list]:
