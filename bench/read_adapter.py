@@ -53,6 +53,8 @@ class Example:
 def prepare(runner: Runner, parts: LinkInput, fraction: float, max_new: int, stops: set[int],
             newline: set[int]) -> Example:
     """Full's answer and targets, and focus's placed cache and rows, all with the model as it is now."""
+    if set(runner.layer_types) != {"full_attention"}:  # linked_logits' mask has no sliding window
+        raise ValueError(f"bench.read_adapter needs a model with full attention in every layer, not {runner.layer_types}")
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
     logits = agreement.teacher_forced(runner, full, answer)[1] if answer else full.last_logits[None]
