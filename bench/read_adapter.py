@@ -36,6 +36,7 @@ from ragcache.compiler import Compiler
 from ragcache.generate import eos_ids
 from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
+from ragcache.train.infill import with_lora
 
 
 @dataclass
@@ -96,17 +97,6 @@ def kl_to_full(ex: Example, logits: torch.Tensor) -> torch.Tensor:
 
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
-
-
-def with_adapter(model, r: int, alpha: int, targets: tuple[str, ...] = ATTENTION):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:
-        raise SystemExit("bench.read_adapter needs peft: pip install 'ragcache[train]'") from exc
-
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=[t for t in targets if t in names])
-    return get_peft_model(model, config)
 
 
 def train(model, peft_model, examples: list[Example], epochs: int, lr: float, seed: int,
@@ -197,6 +187,19 @@ def prepare_all(runner: Runner, compiler: Compiler, lm, sets: dict[str, list[squ
     return examples
 
 
+def save_examples(path: Path, key: dict, examples: dict[str, list[Example]]) -> None:
+    """Plain tensors, lists and strings only, so that loading needs no unpickling of code (weights_only)."""
+    torch.save(dict(key=key, examples={name: [vars(ex) for ex in exs] for name, exs in examples.items()}), path)
+
+
+def load_examples(path: Path, key: dict) -> dict[str, list[Example]] | None:
+    """The examples saved at `path`, or None where they were prepared for another key."""
+    saved = torch.load(path, weights_only=True)
+    if saved["key"] != key:
+        return None
+    return {name: [Example(**fields) for fields in exs] for name, exs in saved["examples"].items()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -225,15 +228,14 @@ def main() -> None:
     key = dict(model=a.model, dtype=a.dtype, fraction=a.fraction, max_new=a.max_new, train_seed=a.train_seed,
                train=[i.id for i in training], eval=[i.id for i in held_out])
     if a.examples and a.examples.exists():
-        saved = torch.load(a.examples, weights_only=False)
-        if saved["key"] != key:
+        examples = load_examples(a.examples, key)
+        if examples is None:
             ap.error(f"{a.examples} was prepared for other items or settings; remove it or pick another path")
-        examples = saved["examples"]
     else:
         examples = prepare_all(runner, compiler, lm, {"train": training, "eval": held_out}, a.fraction, a.max_new)
         if a.examples:
-            torch.save(dict(key=key, examples=examples), a.examples)
-    peft_model = with_adapter(model, a.rank, 2 * a.rank, tuple(a.targets.split(",")))
+            save_examples(a.examples, key, examples)
+    peft_model = with_lora(model, a.rank, 2 * a.rank, tuple(a.targets.split(",")))
     before = evaluate(model, peft_model, examples["eval"][:1])[0]  # a fresh adapter is the identity (LoRA B = 0)
     assert before["base"] == before["adapted"], before
     losses = train(model, peft_model, examples["train"], a.epochs, a.lr, a.train_seed, a.accumulate)

@@ -520,9 +520,10 @@ def test_probe_spends_its_budget_on_sinks_and_strided_rows_first(family):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_read_adapter_probe_links_as_focus_does_and_its_training_lowers_the_kl(family):
+def test_the_read_adapter_probe_links_as_focus_does_and_its_training_lowers_the_kl(family, tmp_path):
     """bench.read_adapter's differentiable forward, adapter off, is focus itself (first position and teacher-forced
-    answer); a few steps on one example lower its KL to full, and the base stays untouched under disable_adapter."""
+    answer); a few steps on one example lower its KL to full, and the base stays untouched under disable_adapter.
+    Saved examples load back whole with weights_only (no code unpickled), and only under their own key."""
     import torch
 
     from bench import agreement, read_adapter
@@ -540,7 +541,14 @@ def test_the_read_adapter_probe_links_as_focus_does_and_its_training_lowers_the_
     assert torch.allclose(got, forced.float(), atol=1e-4, rtol=1e-4)
     base_kl = read_adapter.kl_to_full(ex, got).mean()
     assert base_kl > 1e-6  # focus at 25% does not cover the chunks: there is something to learn
-    peft_model = read_adapter.with_adapter(model, 4, 8)
+    saved = tmp_path / "examples.pt"
+    read_adapter.save_examples(saved, dict(model=family), {"eval": [ex]})
+    assert read_adapter.load_examples(saved, dict(model="other")) is None
+    back = read_adapter.load_examples(saved, dict(model=family))["eval"][0]
+    assert back.answer == ex.answer and torch.equal(back.rows, ex.rows) and torch.equal(back.keys, ex.keys)
+    with torch.no_grad():
+        assert torch.equal(read_adapter.linked_logits(model, back), got)
+    peft_model = read_adapter.with_lora(model, 4, 8, read_adapter.ATTENTION)
     losses = read_adapter.train(model, peft_model, [ex] * 8, 1, 1e-2, 0)
     assert losses[-1] < 0.5 * losses[0]
     with torch.no_grad(), peft_model.disable_adapter():
