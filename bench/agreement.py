@@ -59,14 +59,16 @@ def teacher_forced_ll(runner: Runner, linked: Linked, answer: list[int]) -> floa
 
 
 def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answer: list[int],
-            full_forced: torch.Tensor | None = None, content: int | None = None) -> Agreement:
+            full_forced: torch.Tensor | None = None, content: int | None = None,
+            forced: tuple[float, torch.Tensor] | None = None) -> Agreement:
     """Every metric from the link's last logits and one teacher-forced pass. An empty answer (full stopped at
     once) has no positions to follow: its token/answer agreement is the first position's top-1. With full's own
-    teacher-forced logits and a `content` position (content_position), also top-1 and KL there."""
+    teacher-forced logits and a `content` position (content_position), also top-1 and KL there. `forced`: the
+    linked cache's own teacher_forced result, where the caller already has it (full measured against itself)."""
     top1, kl = first_token(full_logits, linked.last_logits)
     p_top1 = float(torch.softmax(linked.last_logits.double(), -1)[int(full_logits.argmax())])
     rank = int((full_logits > full_logits[int(linked.last_logits.argmax())]).sum()) + 1
-    ll, logits = teacher_forced(runner, linked, full_answer)
+    ll, logits = forced if forced is not None else teacher_forced(runner, linked, full_answer)
     if not full_answer:
         return Agreement(top1, kl, ll, p_top1, top1, top1, rank)
     hits = logits.argmax(-1).cpu() == torch.tensor(full_answer)

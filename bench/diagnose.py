@@ -163,10 +163,11 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
     text = tok.decode(answer).strip()
     configs = record["configs"]
     content = agreement.content_position(tok, answer)
-    full_forced = agreement.teacher_forced(ref_runner, ref, answer)[1] if content is not None else None
+    ref_forced = agreement.teacher_forced(ref_runner, ref, answer)
+    full_forced = ref_forced[1] if content is not None else None
     # full against itself: token/answer agreement 1 unless batched and one-by-one decoding split a tie
     configs[f"{name}/full"] = dict(vars(agreement.measure(ref_runner, ref.last_logits, ref, answer, full_forced,
-                                                          content)),
+                                                          content, forced=ref_forced)),
                                    margin=agreement.margin(ref.last_logits), recomputed=parts.token_ids.numel(),
                                    chunk_tokens=item.chunk_tokens, text=text, **score(text, record))
 
