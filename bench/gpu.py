@@ -5,7 +5,7 @@
 
 Needs only torch, triton and transformers (plus this checkout: ragcache's runner and kernels, imported from the
 source tree; nothing that pulls in redis, fastapi or the store). Models are built from configs shaped like
-smollm2-135m and qwen2.5-coder-0.5b with random weights and random token ids.
+smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and random token ids.
 
   (a) checks   every Triton kernel against the torch reference at the dtype's tolerance: rotate_keys,
                place_chunks, selected_attention (LegoLink rows, contiguous_from 0 / p / a decode row, windowed),
@@ -14,12 +14,16 @@ smollm2-135m and qwen2.5-coder-0.5b with random weights and random token ids.
   (c) model    `full` through ragcache's runner vs `model(ids)` at 4k tokens; a legolink-16 link of 8 chunks x 512
                (chunks placed + their first 16 rows and the question recomputed); single-stream greedy decode
                tok/s, ragcache's runner vs transformers' cached decode loop
+  (d) serving  C concurrent clients (1, 8, 32) through RagCache's scheduler (legolink-16 over 4 of 32 compiled
+               documents of 512 tokens, 64 new tokens each) vs transformers' generate on the same number of
+               prompts of the same length as static batches (no reuse); tokens/s and median TTFT
 Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -38,7 +42,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu (with TRITON_INTERPRET=1)")
     ap.add_argument("--dtype", default=None, help="bfloat16 on cuda, float32 on cpu by default")
     ap.add_argument("--quick", action="store_true", help="small shapes and models (a smoke run)")
-    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b")
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
+    ap.add_argument("--serving", default="qwen2.5-coder-0.5b", help="model shapes for (d), comma-separated")
+    ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     return ap.parse_args()
 
 
@@ -119,14 +125,19 @@ def _rope(layers: int, half: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return inv_freq.expand(layers, half).contiguous().to(device), torch.ones(layers, device=device)
 
 
-def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+# attention shapes: (layers, kv heads, query heads, head dim); head dims 64 and 128 take different tile sizes
+ATTENTION_SHAPES = {"smollm2-135m": (30, 3, 9, 64), "qwen2.5-coder-1.5b": (28, 2, 12, 128)}
+
+
+def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attention_shape: str) -> list[dict]:
     """Each case: name, the Triton call, the torch reference call, the ground truth to check both against."""
     g = torch.Generator().manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
 
-    layers, kv_heads, heads, dim = (4, 3, 9, 64) if quick else (30, 3, 9, 64)  # smollm2's attention shape
+    layers, kv_heads, heads, dim = ATTENTION_SHAPES[attention_shape]
+    layers = 4 if quick else layers
     chunk, chunks = (64, 2) if quick else (512, 8)
     length = chunk * chunks + 32
     inv_freq, scaling = _rope(layers, dim // 2, device)
@@ -184,7 +195,8 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool) -> list[
 
 def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
     rows = []
-    for case in kernel_cases(device, dtype, quick):
+    cases = [(name, case) for name in ATTENTION_SHAPES for case in kernel_cases(device, dtype, quick, name)]
+    for attention_shape, case in cases:
         got, want = case["triton"](), case["torch"]()
         truth = case["truth"]() if case["truth"] else want
         tol = TOL[dtype] if case["kernel"] != "kv_deviation" else dict(atol=1e-3, rtol=1e-4)
@@ -192,7 +204,7 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
         ok = bool(torch.allclose(got.float(), truth.float(), **tol))
         ref_err = (want.float() - truth.float()).abs().max().item()
         ok = ok and bool(torch.allclose(want.float(), truth.float(), **tol))
-        row = dict(kernel=case["kernel"], shape=case["shape"], ok=ok, max_abs_err_triton=err,
+        row = dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=ok, max_abs_err_triton=err,
                    max_abs_err_torch=ref_err, tolerance=tol)
         interpreted = device.type != "cuda"
         row["triton_ms"] = None if interpreted and not quick else time_ms(case["triton"], device, quick)
@@ -201,7 +213,7 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
             row["triton_kernel_no_hint_ms"] = time_ms(case["triton_no_hint"], device, quick)
         row["interpreted"] = interpreted
         rows.append(row)
-        print(f"  {row['kernel']:18s} {row['shape']:52s} {'ok ' if ok else 'BAD'} err {err:.2e}  "
+        print(f"  {attention_shape:18s} {row['kernel']:18s} {row['shape']:52s} {'ok ' if ok else 'BAD'} err {err:.2e}  "
               f"triton {_fmt(row['triton_ms'])} ms  torch {_fmt(row['torch_ms'])} ms"
               + (f"  triton kernel w/o hint {_fmt(row['triton_kernel_no_hint_ms'])} ms"
                  if "triton_kernel_no_hint_ms" in row else ""), flush=True)
@@ -229,16 +241,22 @@ def model_config(name: str, quick: bool):
                            num_hidden_layers=layers or 24, num_attention_heads=14, num_key_value_heads=2,
                            head_dim=64, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=False,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b")
+    if name == "qwen2.5-coder-1.5b":  # Qwen2.5-Coder-1.5B: qwen2, 28 layers, 12 / 2 heads, head_dim 128
+        return Qwen2Config(vocab_size=151936, hidden_size=1536, intermediate_size=8960,
+                           num_hidden_layers=layers or 28, num_attention_heads=12, num_key_value_heads=2,
+                           head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                           rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
+    raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
+def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, tokenizer=None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(model_config(name, quick), dtype=dtype).eval()
-    lm = MODELS.LoadedModel(name=f"random-{name}", model=model, tokenizer=None, fingerprint="random",
+    model.generation_config.eos_token_id = None  # random weights: every answer runs to its token limit
+    lm = MODELS.LoadedModel(name=f"random-{name}", model=model, tokenizer=tokenizer, fingerprint="random",
                             tokenizer_fingerprint="none")
     MODELS.check_supported(model)
     return lm, RUNNER.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
@@ -346,6 +364,98 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
     return out
 
 
+# ------------------------------------------------------------------ (d): serving concurrent queries
+
+
+def word_tokenizer(words: int):
+    """Word-level: "w0" ... are one token each, so prompt lengths are exact. No EOS, so no answer stops early."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, **{f"w{i}": i + 1 for i in range(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def _stats_delta(before, after) -> dict:
+    """The scheduler's step counters over one run, and what a decode-only step took on average."""
+    delta = {f.name: getattr(after, f.name) - getattr(before, f.name) for f in dataclasses.fields(after)}
+    steps = max(delta["decode_only_steps"], 1)
+    delta["decode_only_step_ms"] = 1e3 * delta["decode_only_s"] / steps
+    delta["decode_only_rows_per_step"] = delta["decode_only_rows"] / steps
+    return delta
+
+
+def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, clients_list=None,
+            peer: bool = True) -> list[dict]:
+    """C clients at once, each asking over `per_query` documents drawn from a compiled pool, through RagCache (its
+    scheduler batches every request's link pieces and decode rows into shared steps), against transformers'
+    generate on the same number of prompts of the same length as one static batch (every document prefilled
+    again, no reuse: what a plain transformers server does). Both decode a fixed number of tokens greedily."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragcache.engine import RagCache
+    from ragcache.store.memory import MemoryStore
+
+    doc_tokens, pool, per_query, new_tokens = (64, 8, 2, 8) if quick else (512, 32, 4, 64)
+    clients_list = clients_list or ((1, 4) if quick else (1, 8, 32))
+    lm, _ = build(name, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(0)
+    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+    rc = RagCache(lm, MemoryStore(), chunk_tokens=doc_tokens)
+    doc_ids = rc.compile([words(doc_tokens) for _ in range(pool)])
+    rc.warmup()
+    out = []
+    for clients in clients_list:
+        first = len(out)
+        asks = [(words(16), rng.sample(doc_ids, per_query)) for _ in range(2 * clients)]
+
+        def ask(item, tokens=new_tokens):
+            return rc.query(item[0], item[1], algorithm="legolink", k=16, max_new_tokens=tokens)
+
+        with ThreadPoolExecutor(clients) as pool_:  # untimed: Triton compiles its kernels for this batch's shapes
+            list(pool_.map(lambda item: ask(item, 4), asks[:clients]))
+
+        before = dataclasses.replace(rc.scheduler.stats)
+        _sync(device)
+        started = time.perf_counter()
+        with ThreadPoolExecutor(clients) as pool_:
+            answers = list(pool_.map(ask, asks))
+        seconds = time.perf_counter() - started
+        tokens = sum(len(a.token_ids) for a in answers)
+        out.append(dict(model=name, what=f"ragcache legolink-16, {clients} clients", clients=clients,
+                        requests=len(asks), prompt_tokens=answers[0].stats.prompt_tokens, new_tokens=new_tokens,
+                        completion_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
+                        ttft_s_median=statistics.median(a.stats.ttft_s for a in answers),
+                        scheduler=_stats_delta(before, rc.scheduler.stats)))
+        if peer:
+            prompt_len = answers[0].stats.prompt_tokens
+            batch = torch.randint(1, 1000, (clients, prompt_len), device=device)
+            generate = lambda: lm.model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,  # noqa: E731
+                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            with torch.inference_mode():
+                generate()  # untimed warm-up
+                seconds = wall_s(generate, device, 1) * 2  # two batches of C: the same 2 * C requests
+            out.append(dict(model=name, what=f"transformers generate, static batch of {clients}", clients=clients,
+                            requests=2 * clients, prompt_tokens=prompt_len, new_tokens=new_tokens,
+                            completion_tokens=2 * clients * new_tokens, seconds=seconds,
+                            tok_s=2 * clients * new_tokens / seconds))
+        for row in out[first:]:
+            print(f"  {name:20s} {row['what']:48s} {row['requests']:3d} requests x {row['prompt_tokens']} prompt "
+                  f"+ {new_tokens} new: {row['seconds']:7.2f} s  {row['tok_s']:8.1f} tok/s"
+                  + (f"  median ttft {row['ttft_s_median'] * 1e3:.0f} ms, decode-only step "
+                     f"{row['scheduler']['decode_only_step_ms']:.1f} ms for "
+                     f"{row['scheduler']['decode_only_rows_per_step']:.1f} rows" if "scheduler" in row else ""),
+                  flush=True)
+    rc.scheduler.stop()
+    del rc, lm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -382,14 +492,19 @@ def main() -> None:
     print(f"gpu bench: {env}", flush=True)
     print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
                                                          if env["triton_interpreted"] else ""))
-    kernels = check_and_time_kernels(device, dtype, args.quick)
+    skip = {part.strip() for part in args.skip.split(",")}
+    kernels = [] if "kernels" in skip else check_and_time_kernels(device, dtype, args.quick)
     print("(c) model")
     model_rows = []
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for name in [m.strip() for m in args.models.split(",") if m.strip() and "model" not in skip]:
         model_rows += model_timings(name, device, dtype, args.quick)
+    print("(d) serving: concurrent clients, ragcache's scheduler vs transformers' batched generate")
+    serving_rows = []
+    for name in [m.strip() for m in args.serving.split(",") if m.strip() and "serving" not in skip]:
+        serving_rows += serving(name, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
-                  kernels=kernels, model=model_rows, all_kernels_match=not failed)
+                  kernels=kernels, model=model_rows, serving=serving_rows, all_kernels_match=not failed)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
     path = args.out / f"gpu-{tag}{'-quick' if args.quick else ''}.json"

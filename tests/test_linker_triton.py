@@ -16,6 +16,8 @@ from ragcache.engine import RagCache
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 
+# Compiled Triton kernels take CUDA tensors; on CPU the interpreter takes CPU tensors.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DOCS = ["The Eiffel Tower is in Paris. It was completed in 1889.", "Mount Everest lies in the Himalayas! Rain falls."]
 
 
@@ -32,7 +34,7 @@ def triton_path(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("algorithm,params", [("legolink", {"k": 3}), ("cacheblend", {"ratio": 0.3}), ("full", {})])
 def test_linker_triton_equals_torch(family, algorithm, params, triton_path, monkeypatch):
-    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=12)
+    rc = RagCache(tiny.make(family, device=DEVICE), MemoryStore(), chunk_tokens=12)
     ids = rc.compile(DOCS)
     with_triton = rc.link("Where is the tower?", ids, algorithm=algorithm, **params)
     monkeypatch.setattr(kernels, "_FORCED", "torch")
@@ -41,3 +43,15 @@ def test_linker_triton_equals_torch(family, algorithm, params, triton_path, monk
     torch.testing.assert_close(with_triton.last_logits, with_torch.last_logits, atol=1e-4, rtol=1e-4)
     n = with_torch.token_ids.numel()
     torch.testing.assert_close(with_triton.cache.keys[:, :, :n], with_torch.cache.keys[:, :, :n], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("algorithm", ["legolink", "cacheblend", "naive"])
+def test_generation_through_triton_equals_torch(algorithm, triton_path, monkeypatch):
+    """The whole query (link, then greedy decode through the scheduler) takes the same tokens on either path."""
+    rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), chunk_tokens=12)
+    ids = rc.compile(DOCS)
+    with_triton = rc.query("Where is the tower?", ids, algorithm=algorithm, max_new_tokens=12)
+    monkeypatch.setattr(kernels, "_FORCED", "torch")
+    with_torch = rc.query("Where is the tower?", ids, algorithm=algorithm, max_new_tokens=12)
+    assert with_triton.token_ids == with_torch.token_ids
+    torch.testing.assert_close(with_triton.first_logits, with_torch.first_logits, atol=1e-4, rtol=1e-4)

@@ -57,10 +57,10 @@ def config(family: str, vocab: int):
     raise ValueError(family)
 
 
-def make(family: str, seed: int = 0, dtype=torch.float32) -> LoadedModel:
+def make(family: str, seed: int = 0, dtype=torch.float32, device: str = "cpu") -> LoadedModel:
     tok = tokenizer()
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config(family, len(tok)), dtype=dtype).eval()
+    model = AutoModelForCausalLM.from_config(config(family, len(tok)), dtype=dtype).to(device).eval()
     model.generation_config.eos_token_id = tok.eos_token_id
     return wrap(model, tok, name=f"tiny-{family}")
 
