@@ -553,3 +553,29 @@ def test_the_read_adapter_probe_links_as_focus_does_and_its_training_lowers_the_
     assert losses[-1] < 0.5 * losses[0]
     with torch.no_grad(), peft_model.disable_adapter():
         assert torch.allclose(read_adapter.linked_logits(model, ex), got, atol=1e-5)
+
+
+def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
+    """bench/gpu.py (a CUDA machine's check and timing run) on its CPU path: the Triton kernels interpreted, every
+    section reduced. The kernels match, `full` through the runner equals the model's own forward, and each serving
+    answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--models", "smollm2-135m",
+                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu-cpu-quick.json").read_text())
+    assert result["all_kernels_match"] and {k["attention_shape"] for k in result["kernels"]} == {
+        "smollm2-135m", "qwen2.5-coder-1.5b"}
+    fulls = [m for m in result["model"] if "max_abs_logit_err" in m]
+    assert fulls and all(m["max_abs_logit_err"] < 1e-4 for m in fulls)
+    serving = result["serving"]
+    assert {row["clients"] for row in serving} == {1, 4}
+    for row in serving:
+        assert row["completion_tokens"] == row["requests"] * row["new_tokens"] and row["tok_s"] > 0
+    ours = [row for row in serving if "scheduler" in row]
+    assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
