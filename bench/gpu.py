@@ -16,7 +16,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                tok/s, ragcache's runner vs transformers' cached decode loop
   (d) serving  C concurrent clients (1, 8, 32) through RagCache's scheduler (legolink-16 over 4 of 32 compiled
                documents of 512 tokens, 64 new tokens each) vs transformers' generate on the same number of
-               prompts of the same length as static batches (no reuse); tokens/s and median TTFT
+               prompts of the same length as static batches (no reuse); tokens/s, ragcache's median TTFT and
+               the batch's prefill + first token for transformers
 Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
 """
 
@@ -34,6 +35,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SECTIONS = {"kernels", "model", "serving"}
 
 
 def _args() -> argparse.Namespace:
@@ -204,8 +206,8 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
         ok = bool(torch.allclose(got.float(), truth.float(), **tol))
         ref_err = (want.float() - truth.float()).abs().max().item()
         ok = ok and bool(torch.allclose(want.float(), truth.float(), **tol))
-        row = dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=ok, max_abs_err_triton=err,
-                   max_abs_err_torch=ref_err, tolerance=tol)
+        row = dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=ok,
+                   max_abs_err_triton=err, max_abs_err_torch=ref_err, tolerance=tol)
         interpreted = device.type != "cuda"
         row["triton_ms"] = None if interpreted and not quick else time_ms(case["triton"], device, quick)
         row["torch_ms"] = time_ms(case["torch"], device, quick)
@@ -387,68 +389,96 @@ def _stats_delta(before, after) -> dict:
     return delta
 
 
+def _scheduler_stats(rc):
+    """A copy of the counters taken on the scheduler's own thread: between its steps, never halfway through one."""
+    return rc.scheduler.call(dataclasses.replace, rc.scheduler.stats)
+
+
+def _time_ragcache(rc, name: str, asks: list, clients: int, new_tokens: int, device) -> dict:
+    """C client threads share the 2C asks; each answer decodes `new_tokens` greedily (legolink-16)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(item, tokens):
+        return rc.query(item[0], item[1], algorithm="legolink", k=16, max_new_tokens=tokens)
+
+    with ThreadPoolExecutor(clients) as executor:  # untimed: Triton compiles its kernels for this batch's shapes
+        list(executor.map(lambda item: ask(item, 4), asks[:clients]))
+    before = _scheduler_stats(rc)
+    _sync(device)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as executor:
+        answers = list(executor.map(lambda item: ask(item, new_tokens), asks))
+    seconds = time.perf_counter() - started
+    lengths = {a.stats.prompt_tokens for a in answers}
+    assert len(lengths) == 1, f"prompts of different lengths {lengths}: the peer's batch would not match"
+    tokens = sum(len(a.token_ids) for a in answers)
+    return dict(model=name, what=f"ragcache legolink-16, {clients} clients", clients=clients, requests=len(asks),
+                prompt_tokens=lengths.pop(), new_tokens=new_tokens, completion_tokens=tokens, seconds=seconds,
+                tok_s=tokens / seconds, ttft_s_median=statistics.median(a.stats.ttft_s for a in answers),
+                scheduler=_stats_delta(before, _scheduler_stats(rc)))
+
+
+@torch.inference_mode()
+def _time_generate(lm, name: str, clients: int, prompt_len: int, new_tokens: int, device, reps: int) -> dict:
+    """transformers' generate over one static batch of C prompts (every document prefilled: no reuse), timed as the
+    median of `reps` batches and counted twice, for the same 2C requests; TTFT is the batch's prefill and first
+    token (generate with one new token)."""
+    batch = torch.randint(1, 1000, (clients, prompt_len), device=device)
+
+    def generate(tokens: int):
+        return lm.model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,
+                                 max_new_tokens=tokens, min_new_tokens=tokens, pad_token_id=0)
+
+    produced = (generate(new_tokens).shape[1] - prompt_len) * clients  # untimed, and counted
+    seconds = 2 * wall_s(lambda: generate(new_tokens), device, reps)
+    ttft = wall_s(lambda: generate(1), device, reps)
+    return dict(model=name, what=f"transformers generate, static batch of {clients}", clients=clients,
+                requests=2 * clients, prompt_tokens=prompt_len, new_tokens=new_tokens,
+                completion_tokens=2 * produced, seconds=seconds, tok_s=2 * produced / seconds, ttft_s_batch=ttft)
+
+
+def _print_serving(row: dict) -> None:
+    ttft = row.get("ttft_s_median", row.get("ttft_s_batch"))
+    extra = ""
+    if "scheduler" in row:
+        extra = (f", decode-only step {row['scheduler']['decode_only_step_ms']:.1f} ms for "
+                 f"{row['scheduler']['decode_only_rows_per_step']:.1f} rows")
+    print(f"  {row['model']:20s} {row['what']:48s} {row['requests']:3d} requests x {row['prompt_tokens']} prompt + "
+          f"{row['new_tokens']} new: {row['seconds']:7.2f} s  {row['tok_s']:8.1f} tok/s  "
+          f"{'median ttft' if 'ttft_s_median' in row else 'batch ttft'} {ttft * 1e3:.0f} ms{extra}", flush=True)
+
+
 def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, clients_list=None,
             peer: bool = True) -> list[dict]:
     """C clients at once, each asking over `per_query` documents drawn from a compiled pool, through RagCache (its
     scheduler batches every request's link pieces and decode rows into shared steps), against transformers'
-    generate on the same number of prompts of the same length as one static batch (every document prefilled
-    again, no reuse: what a plain transformers server does). Both decode a fixed number of tokens greedily."""
+    generate on the same number of prompts of the same length as static batches. Both decode a fixed number of
+    tokens greedily. `clients_list` and `peer` let bench/gpu_profile.py profile one side alone."""
     import random
-    from concurrent.futures import ThreadPoolExecutor
 
     from ragcache.engine import RagCache
     from ragcache.store.memory import MemoryStore
 
-    doc_tokens, pool, per_query, new_tokens = (64, 8, 2, 8) if quick else (512, 32, 4, 64)
-    clients_list = clients_list or ((1, 4) if quick else (1, 8, 32))
+    doc_tokens, documents, per_query, new_tokens = (64, 8, 2, 8) if quick else (512, 32, 4, 64)
     lm, _ = build(name, device, dtype, quick, tokenizer=word_tokenizer(1000))
     rng = random.Random(0)
-    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+
+    def random_words(n: int) -> str:
+        return " ".join(f"w{rng.randrange(1000)}" for _ in range(n))
+
     rc = RagCache(lm, MemoryStore(), chunk_tokens=doc_tokens)
-    doc_ids = rc.compile([words(doc_tokens) for _ in range(pool)])
+    doc_ids = rc.compile([random_words(doc_tokens) for _ in range(documents)])
     rc.warmup()
     out = []
-    for clients in clients_list:
-        first = len(out)
-        asks = [(words(16), rng.sample(doc_ids, per_query)) for _ in range(2 * clients)]
-
-        def ask(item, tokens=new_tokens):
-            return rc.query(item[0], item[1], algorithm="legolink", k=16, max_new_tokens=tokens)
-
-        with ThreadPoolExecutor(clients) as pool_:  # untimed: Triton compiles its kernels for this batch's shapes
-            list(pool_.map(lambda item: ask(item, 4), asks[:clients]))
-
-        before = dataclasses.replace(rc.scheduler.stats)
-        _sync(device)
-        started = time.perf_counter()
-        with ThreadPoolExecutor(clients) as pool_:
-            answers = list(pool_.map(ask, asks))
-        seconds = time.perf_counter() - started
-        tokens = sum(len(a.token_ids) for a in answers)
-        out.append(dict(model=name, what=f"ragcache legolink-16, {clients} clients", clients=clients,
-                        requests=len(asks), prompt_tokens=answers[0].stats.prompt_tokens, new_tokens=new_tokens,
-                        completion_tokens=tokens, seconds=seconds, tok_s=tokens / seconds,
-                        ttft_s_median=statistics.median(a.stats.ttft_s for a in answers),
-                        scheduler=_stats_delta(before, rc.scheduler.stats)))
+    for clients in clients_list or ((1, 4) if quick else (1, 8, 32)):
+        asks = [(random_words(16), rng.sample(doc_ids, per_query)) for _ in range(2 * clients)]
+        rows = [_time_ragcache(rc, name, asks, clients, new_tokens, device)]
         if peer:
-            prompt_len = answers[0].stats.prompt_tokens
-            batch = torch.randint(1, 1000, (clients, prompt_len), device=device)
-            generate = lambda: lm.model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=False,  # noqa: E731
-                                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-            with torch.inference_mode():
-                generate()  # untimed warm-up
-                seconds = wall_s(generate, device, 1) * 2  # two batches of C: the same 2 * C requests
-            out.append(dict(model=name, what=f"transformers generate, static batch of {clients}", clients=clients,
-                            requests=2 * clients, prompt_tokens=prompt_len, new_tokens=new_tokens,
-                            completion_tokens=2 * clients * new_tokens, seconds=seconds,
-                            tok_s=2 * clients * new_tokens / seconds))
-        for row in out[first:]:
-            print(f"  {name:20s} {row['what']:48s} {row['requests']:3d} requests x {row['prompt_tokens']} prompt "
-                  f"+ {new_tokens} new: {row['seconds']:7.2f} s  {row['tok_s']:8.1f} tok/s"
-                  + (f"  median ttft {row['ttft_s_median'] * 1e3:.0f} ms, decode-only step "
-                     f"{row['scheduler']['decode_only_step_ms']:.1f} ms for "
-                     f"{row['scheduler']['decode_only_rows_per_step']:.1f} rows" if "scheduler" in row else ""),
-                  flush=True)
+            rows.append(_time_generate(lm, name, clients, rows[0]["prompt_tokens"], new_tokens, device,
+                                       1 if quick else 3))
+        for row in rows:
+            _print_serving(row)
+        out += rows
     rc.scheduler.stop()
     del rc, lm
     if device.type == "cuda":
@@ -487,33 +517,44 @@ def main() -> None:
     if device.type == "cuda" and TRI.INTERPRET:
         raise SystemExit("TRITON_INTERPRET is set: unset it to time compiled kernels")
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    if skip - SECTIONS:
+        raise SystemExit(f"--skip takes {', '.join(sorted(SECTIONS))}, got {', '.join(sorted(skip - SECTIONS))}")
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
-    print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
-                                                         if env["triton_interpreted"] else ""))
-    skip = {part.strip() for part in args.skip.split(",")}
-    kernels = [] if "kernels" in skip else check_and_time_kernels(device, dtype, args.quick)
-    print("(c) model")
-    model_rows = []
-    for name in [m.strip() for m in args.models.split(",") if m.strip() and "model" not in skip]:
-        model_rows += model_timings(name, device, dtype, args.quick)
-    print("(d) serving: concurrent clients, ragcache's scheduler vs transformers' batched generate")
-    serving_rows = []
-    for name in [m.strip() for m in args.serving.split(",") if m.strip() and "serving" not in skip]:
-        serving_rows += serving(name, device, dtype, args.quick)
+    kernels, model_rows, serving_rows = [], [], []
+    if "kernels" not in skip:
+        print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
+                                                             if env["triton_interpreted"] else ""))
+        kernels = check_and_time_kernels(device, dtype, args.quick)
+    if "model" not in skip:
+        print("(c) model")
+        for name in _names(args.models):
+            model_rows += model_timings(name, device, dtype, args.quick)
+    if "serving" not in skip:
+        print("(d) serving: concurrent clients, ragcache's scheduler vs transformers' batched generate")
+        for name in _names(args.serving):
+            serving_rows += serving(name, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
-                  kernels=kernels, model=model_rows, serving=serving_rows, all_kernels_match=not failed)
+                  skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
+                  all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
-    path = args.out / f"gpu-{tag}{'-quick' if args.quick else ''}.json"
+    suffix = "".join(f"-no-{section}" for section in sorted(skip)) + ("-quick" if args.quick else "")
+    path = args.out / f"gpu-{tag}{suffix}.json"
     path.write_text(json.dumps(result, indent=2) + "\n")
     _summary(model_rows)
-    print(f"{'all kernels match' if not failed else f'{len(failed)} kernel check(s) FAILED'}; "
-          f"{result['seconds']:.0f} s; wrote {path}")
+    verdict = "kernels not checked" if not kernels else (
+        "all kernels match" if not failed else f"{len(failed)} kernel check(s) FAILED")
+    print(f"{verdict}; {result['seconds']:.0f} s; wrote {path}")
     if failed:
         sys.exit(1)
+
+
+def _names(csv: str) -> list[str]:
+    return [name.strip() for name in csv.split(",") if name.strip()]
 
 
 def _summary(rows: list[dict]) -> None:

@@ -8,6 +8,7 @@ Shapes (one request, no batch):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -111,18 +112,17 @@ def selected_attention(
     return _selected_rows_attention(query, keys, values, query_positions, scale, window)
 
 
-# On Hopper torch's SDPA picks cuDNN first. Serving 32 clients on an H100, each cuDNN call (a decode row's key
-# length grows every step, prompt lengths differ) took 2.7 ms of host time for a 45 us kernel: 10.9 s of an 18.8 s
-# profiled run. Unprofiled, the run took 10.1 s with cuDNN and 5.5-7.0 s without (bench/results/gpu-*.json). cuDNN stays faster on one repeated shape
-# (a 4k prefill: 0.13 -> 0.26 ms on the 1.5B's heads), which serving never sees twice.
-_NO_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# With a boolean mask, torch's SDPA on Hopper picks cuDNN, which cost milliseconds of host time per call in
+# serving, where every step's masked shape is new (docs/BENCHMARKS.md, "On a GPU"). Unmasked calls keep cuDNN:
+# for a repeated causal shape (compiling 512-token chunks) it is the fastest.
+_MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def _scaled_dot_product_attention(query, *args, **kwargs) -> torch.Tensor:
-    if query.device.type != "cuda":
-        return torch.nn.functional.scaled_dot_product_attention(query, *args, **kwargs)
-    with sdpa_kernel(_NO_CUDNN):
-        return torch.nn.functional.scaled_dot_product_attention(query, *args, **kwargs)
+def _sdpa_masked(query, keys, values, mask, scale, **kwargs) -> torch.Tensor:
+    backends = sdpa_kernel(_MASKED_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext()
+    with backends:
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
+                                                                **kwargs)
 
 
 def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
@@ -134,12 +134,14 @@ def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
         # one unmasked row (decode): the group's heads become rows of their KV head, a plain SDPA. On CPU this
         # is several times faster than enable_gqa, which takes a slower kernel for a single row.
         grouped = query.reshape(kv_heads, heads // kv_heads, dim)
-        out = _scaled_dot_product_attention(grouped[None], keys[None], values[None], scale=scale)
+        out = torch.nn.functional.scaled_dot_product_attention(grouped[None], keys[None], values[None], scale=scale)
         return out[0].reshape(heads, 1, dim).transpose(0, 1)
-    out = _scaled_dot_product_attention(
-        query[None], keys[None], values[None], attn_mask=mask, is_causal=causal, scale=scale,
-        enable_gqa=query.shape[0] != keys.shape[0],
-    )
+    gqa = query.shape[0] != keys.shape[0]
+    if mask is not None:
+        out = _sdpa_masked(query[None], keys[None], values[None], mask, scale, enable_gqa=gqa)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], keys[None], values[None], is_causal=causal, scale=scale, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
 
@@ -242,7 +244,7 @@ def pooled_decode_attention(
     if eager:
         out = _eager_attention(grouped, keys, values, allowed, scale)
     else:
-        out = _scaled_dot_product_attention(grouped, keys, values, attn_mask=allowed, scale=scale)
+        out = _sdpa_masked(grouped, keys, values, allowed, scale)
     return out.reshape(pool_slots, heads, dim)[slots]
 
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -559,10 +562,6 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     """bench/gpu.py (a CUDA machine's check and timing run) on its CPU path: the Triton kernels interpreted, every
     section reduced. The kernels match, `full` through the runner equals the model's own forward, and each serving
     answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like."""
-    import os
-    import subprocess
-    import sys
-
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--models", "smollm2-135m",
                            "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,

@@ -206,7 +206,8 @@ def test_place_chunks_decodes_int8_in_the_same_pass(ops, device, monkeypatch, jo
     torch_ref.place_chunks(want_keys, want_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
 
     assert counter.launches == 1
-    _close(joined_keys, want_keys, joined_dtype, magnitude=4.0)  # the keys are 4 x randn
+    # the keys are 4 x randn: compiled, a cancelling difference of two rounded products keeps their rounding error
+    _close(joined_keys, want_keys, joined_dtype, magnitude=1.0 if ops.INTERPRET else 4.0)
     _close(joined_values, want_values, joined_dtype)
     # fp32 decode is exact arithmetic on both sides up to one rounding (a GPU fuses the multiply-add)
     _rounds_as_the_reference(ops, joined_values, want_values)
