@@ -271,3 +271,15 @@ def test_eval_runs_psm_and_efim_on_the_tiny_model(tiny_dir, code_dir, tmp_path):
     assert cli.exit_code == 0, cli.output
     saved = json.loads((tmp_path / "eval.json").read_text())
     assert len(saved["results"]) == 4 and len(saved["tasks"]) == 2
+
+
+def test_lora_without_its_targets_says_what_the_caller_can_do_instead():
+    """The infill CLI's way out (--full) is in its message, and only there: other callers name their own."""
+    from ragcache.train.infill import with_lora
+
+    model = tiny.make("llama").model
+    with pytest.raises(errors.BadRequest, match=r"no LoRA target modules \(nothing_here\) in this model \(or use --full\)"):
+        with_lora(model, 4, 8, ("nothing_here",), otherwise="or use --full")
+    with pytest.raises(errors.BadRequest) as raised:
+        with_lora(model, 4, 8, ("nothing_here",))
+    assert "--full" not in str(raised.value)

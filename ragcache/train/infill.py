@@ -125,16 +125,18 @@ def _load(source: str, example_config: ExampleConfig):
     return model, tokenizer, ExampleBuilder(tokenizer, example_config, vocab_size=rows)
 
 
-def with_lora(model, r: int, alpha: int, targets: tuple[str, ...] = LORA_TARGETS):
-    """LoRA adapters (rank r) on those of `targets` the model has; `bench.read_adapter` uses it too."""
+def with_lora(model, r: int, alpha: int, targets: tuple[str, ...] = LORA_TARGETS, otherwise: str = ""):
+    """LoRA adapters (rank r) on those of `targets` the model has; `bench.read_adapter` uses it too. `otherwise`:
+    what the caller's user can do instead, added to the errors."""
+    hint = f" ({otherwise})" if otherwise else ""
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise BadRequest("LoRA needs the `peft` package: pip install 'ragcache[train]' (or use --full)") from exc
+        raise BadRequest(f"LoRA needs the `peft` package: pip install 'ragcache[train]'{hint}") from exc
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     present = [t for t in targets if t in names]
     if not present:
-        raise BadRequest(f"no LoRA target modules ({', '.join(targets)}) in this model; use --full")
+        raise BadRequest(f"no LoRA target modules ({', '.join(targets)}) in this model{hint}")
     config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=present, task_type="CAUSAL_LM")
     return get_peft_model(model, config)
 
@@ -152,7 +154,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     device = _device(cfg.device)
     model.config.use_cache = False
     if cfg.lora:
-        model = with_lora(model, cfg.lora_r, cfg.lora_alpha)
+        model = with_lora(model, cfg.lora_r, cfg.lora_alpha, otherwise="or use --full")
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
