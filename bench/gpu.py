@@ -215,7 +215,8 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
             row["triton_kernel_no_hint_ms"] = time_ms(case["triton_no_hint"], device, quick)
         row["interpreted"] = interpreted
         rows.append(row)
-        print(f"  {attention_shape:18s} {row['kernel']:18s} {row['shape']:52s} {'ok ' if ok else 'BAD'} err {err:.2e}  "
+        print(f"  {attention_shape:18s} {row['kernel']:18s} {row['shape']:52s} {'ok ' if ok else 'BAD'} "
+              f"err {err:.2e}  "
               f"triton {_fmt(row['triton_ms'])} ms  torch {_fmt(row['torch_ms'])} ms"
               + (f"  triton kernel w/o hint {_fmt(row['triton_kernel_no_hint_ms'])} ms"
                  if "triton_kernel_no_hint_ms" in row else ""), flush=True)
@@ -251,7 +252,7 @@ def model_config(name: str, quick: bool):
     raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, tokenizer=None):
+def random_model(name: str, device: torch.device, dtype: torch.dtype, quick: bool, tokenizer=None):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -261,6 +262,11 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool, toke
     lm = MODELS.LoadedModel(name=f"random-{name}", model=model, tokenizer=tokenizer, fingerprint="random",
                             tokenizer_fingerprint="none")
     MODELS.check_supported(model)
+    return lm
+
+
+def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
+    lm = random_model(name, device, dtype, quick)
     return lm, RUNNER.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
 
 
@@ -460,7 +466,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
     from ragcache.store.memory import MemoryStore
 
     doc_tokens, documents, per_query, new_tokens = (64, 8, 2, 8) if quick else (512, 32, 4, 64)
-    lm, _ = build(name, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    lm = random_model(name, device, dtype, quick, tokenizer=word_tokenizer(1000))  # RagCache builds its runner
     rng = random.Random(0)
 
     def random_words(n: int) -> str:
