@@ -45,6 +45,7 @@ class Agreement:
     linked_top1_rank: int  # where the linked argmax ranks in full's first-token distribution (1: they agree)
     content_top1: float | None = None  # top-1 at full's first content word (content_position); None: it has none
     content_kl: float | None = None  # KL(full || linked) there, nats
+    linked_p_top1: float | None = None  # the linked cache's probability of its own top-1 token (what it knows alone)
 
 
 def margin(logits: torch.Tensor) -> float:
@@ -66,16 +67,17 @@ def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answ
     teacher-forced logits and a `content` position (content_position), also top-1 and KL there. `forced`: the
     linked cache's own teacher_forced result, where the caller already has it (full measured against itself)."""
     top1, kl = first_token(full_logits, linked.last_logits)
-    p_top1 = float(torch.softmax(linked.last_logits.double(), -1)[int(full_logits.argmax())])
+    probs = torch.softmax(linked.last_logits.double(), -1)
+    p_top1, own = float(probs[int(full_logits.argmax())]), float(probs.max())
     rank = int((full_logits > full_logits[int(linked.last_logits.argmax())]).sum()) + 1
     ll, logits = forced if forced is not None else teacher_forced(runner, linked, full_answer)
     if not full_answer:
-        return Agreement(top1, kl, ll, p_top1, top1, top1, rank)
+        return Agreement(top1, kl, ll, p_top1, top1, top1, rank, linked_p_top1=own)
     hits = logits.argmax(-1).cpu() == torch.tensor(full_answer)
     at_content = (None, None)
     if content is not None and full_forced is not None:
         at_content = first_token(full_forced[content], logits[content])
-    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank, *at_content)
+    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank, *at_content, own)
 
 
 # -- row selection prototypes ----------------------------------------------------------------------------

@@ -330,8 +330,10 @@ def main() -> None:
     ap.add_argument("--decided", type=float, default=DECIDED,
                     help="with --curve/--report: full's first-token margin from which an item counts as decided")
     ap.add_argument("--plot", type=Path, help="with --curve: also draw top-1 and KL against recompute to this PNG")
+    ap.add_argument("--escalation", type=Path, nargs="*",
+                    help="what linking again at a wider focus ratio when unsure would give, from these files' runs")
     a = ap.parse_args()
-    if a.curve or a.report:
+    if a.curve or a.report or a.escalation:
         try:  # summarize reads the files first: a mix is refused before any table is printed
             print_tables(a)
         except MixedRuns as e:
@@ -341,7 +343,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
-    run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",")], floats(a.ratios),
+    run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in floats(a.ks)], floats(a.ratios),
         a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
         floats(a.vratios), a.start, a.task, a.dtype, a.reference)
 
@@ -349,6 +351,9 @@ def main() -> None:
 
 # -- summary ----------------------------------------------------------------------------------------------
 def print_tables(a: argparse.Namespace) -> None:
+    if a.escalation:
+        print(escalation_table(a.escalation))
+        return
     if a.curve:
         rows = summarize(a.curve, common=True, threshold=a.decided)
         print(curve_table(rows))
@@ -364,6 +369,53 @@ def print_tables(a: argparse.Namespace) -> None:
     profiles = profile_summary(a.report)
     if profiles["n"]:  # only runs with the oracle selection record deviation profiles
         print(json.dumps(profiles, indent=None))
+
+
+ESCALATION_THRESHOLDS = (0.3, 0.4, 0.5, 0.6)
+
+
+def escalation_table(paths: list[Path], wide: str = "plain/focus@0.5") -> str:
+    """Link with focus at a small fraction b; when unsure, link again as focus at the `wide` fraction. Unsure is
+    either the answer's own top-1 probability under a threshold (what the linker knows alone), or naive's argmax
+    differing from focus@b's (linked_top1_rank names the argmax by its rank in full's distribution). A second
+    round that reruns every row of the wide link gives exactly that link, so each item's recorded one-shot runs
+    give the policy's result; its cost is b's rows plus, when escalated, the wide link's. Per policy: top-1
+    agreement with full [95% CI], mean recompute, share escalated; the plain focus runs for comparison."""
+    from bench.accuracy import bootstrap
+
+    items = merged_items(paths)
+    lines = ["| policy | n | top-1 | recompute | escalated |", "|---|---|---|---|---|"]
+
+    def row(label: str, top1: list[float], cost: list[float], escalated: list[bool]) -> None:
+        mean, low, high = bootstrap(top1)
+        lines.append(f"| {label} | {len(top1)} | {mean:.3f} [{low:.3f}, {high:.3f}] | {sum(cost) / len(cost):.1%} "
+                     f"| {sum(escalated) / len(escalated):.0%} |")
+
+    fractions = sorted({k.partition("@")[2] for c in items.values() for k in c if k.startswith("plain/focus@")},
+                       key=float)
+    for f in fractions:
+        got = [c[f"plain/focus@{f}"] for c in items.values() if f"plain/focus@{f}" in c]
+        row(f"focus@{f} alone", [g["top1"] for g in got], [g["recomputed"] / g["chunk_tokens"] for g in got],
+            [False] * len(got))
+    for f in fractions:
+        base = f"plain/focus@{f}"
+        if float(f) >= float(wide.partition("@")[2]):
+            continue
+        policies = {f"p(top-1) < {t}": (lambda c, t=t: c[base]["linked_p_top1"] < t) for t in ESCALATION_THRESHOLDS}
+        policies["naive's argmax differs"] = lambda c: (c["plain/legolink-0"]["linked_top1_rank"]
+                                                        != c[base]["linked_top1_rank"])
+        for name, unsure in policies.items():
+            needs = ["plain/legolink-0"] if name.startswith("naive") else []
+            got = [c for c in items.values() if base in c and wide in c and all(k in c for k in needs)
+                   and (needs or c[base].get("linked_p_top1") is not None)]
+            if not got:
+                continue
+            escalated = [bool(unsure(c)) for c in got]
+            top1 = [c[wide]["top1"] if e else c[base]["top1"] for c, e in zip(got, escalated)]
+            cost = [(c[base]["recomputed"] + (c[wide]["recomputed"] if e else 0)) / c[base]["chunk_tokens"]
+                    for c, e in zip(got, escalated)]
+            row(f"focus@{f}, then {wide.partition('/')[2]} if {name}", top1, cost, escalated)
+    return "\n".join(lines)
 
 
 class MixedRuns(ValueError):

@@ -316,6 +316,9 @@ def test_naive_strays_from_full_answer_somewhere(family):
     naive = configs["plain/legolink-0"]
     assert naive["token_agree"] < 1.0 and naive["answer_agree"] == 0.0
     assert (naive["linked_top1_rank"] > 1) == (naive["top1"] == 0.0)
+    # its own top-1 probability: at least that of full's token, equal where they agree
+    assert naive["linked_p_top1"] >= naive["linked_p_full_top1"]
+    assert (naive["linked_p_top1"] == naive["linked_p_full_top1"]) == (naive["top1"] == 1.0)
 
 
 def test_empty_answer_agreement_is_the_first_position():
@@ -370,6 +373,31 @@ def test_curve_splits_decided_items_and_reads_old_runs(tmp_path):
     assert pairs.splitlines()[-1].endswith("| - | - |")
     pairs = diagnose.paired_table([new], (("plain/legolink-0", "plain/full"),))
     assert "| +0.000 [+0.000, +0.000] (2) | -0.438 [" in pairs
+
+
+def test_escalation_table_takes_the_wide_link_exactly_where_the_policy_is_unsure(tmp_path):
+    from bench import diagnose
+
+    def cfg(top1: float, p_top1: float, rank: int, rows: int) -> dict:
+        return dict(top1=top1, linked_p_top1=p_top1, linked_top1_rank=rank, recomputed=rows, chunk_tokens=100)
+
+    def item(i: int, narrow: dict, naive_rank: int) -> dict:
+        return dict(id=str(i), configs={"plain/legolink-0": cfg(0.0, 0.1, naive_rank, 0),
+                                        "plain/focus@0.1": narrow, "plain/focus@0.5": cfg(1.0, 0.9, 1, 50)})
+
+    # item 0 unsure and wrong, item 1 sure and right, item 2 sure and wrong (naive disagrees), 3 unsure and right
+    path = _run_file(tmp_path / "esc.json", [item(0, cfg(0.0, 0.2, 2, 10), 2), item(1, cfg(1.0, 0.9, 1, 10), 1),
+                                             item(2, cfg(0.0, 0.8, 3, 10), 1), item(3, cfg(1.0, 0.35, 1, 10), 1)])
+    lines = {line.split(" | ")[0][2:]: line for line in diagnose.escalation_table([path]).splitlines()}
+    assert lines["focus@0.1 alone"].startswith("| focus@0.1 alone | 4 | 0.500 [")
+    # p < 0.3 escalates item 0 only: 3 of 4 agree, cost (4 x 10 + 50) / 400
+    assert "| 4 | 0.750 [" in lines["focus@0.1, then focus@0.5 if p(top-1) < 0.3"]
+    assert lines["focus@0.1, then focus@0.5 if p(top-1) < 0.3"].endswith("| 22.5% | 25% |")
+    # p < 0.4 also escalates item 3 (already right): no gain, more cost
+    assert lines["focus@0.1, then focus@0.5 if p(top-1) < 0.4"].endswith("| 35.0% | 50% |")
+    # naive's argmax differs on item 2 only (item 0's naive agrees with focus's wrong token)
+    assert "| 4 | 0.750 [" in lines["focus@0.1, then focus@0.5 if naive's argmax differs"]
+    assert lines["focus@0.1, then focus@0.5 if naive's argmax differs"].endswith("| 22.5% | 25% |")
 
 
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
