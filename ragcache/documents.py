@@ -12,15 +12,18 @@ A chunk record that fails is a miss: the chunks are re-derived from the text. A 
 cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
 
 Keys of chunk entries belong to the compiler (`key(ids, layout)`); this module only knows which chunks a document
-has. The one delete keeps the entries that another document still uses.
+has. The one delete keeps the entries that another document still uses, and waits for an upload of the same
+document in this process to finish (`Documents.writing`), so the upload cannot write entries after it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -115,6 +118,17 @@ class Documents:
         self.tokenizer = tokenizer
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.chunk_tokens = chunk_tokens
+        self._locks = _Locks()
+
+    @contextmanager
+    def writing(self, text) -> Iterator[None]:
+        """Hold the document of this text while its record and entries are written: a `delete` of it waits, so it
+        cannot leave entries that no document refers to (an upload's later chunks landing after the delete)."""
+        if not isinstance(text, str):  # not a document: `register` says why
+            yield
+            return
+        with self._locks.hold(document_id(text)):
+            yield
 
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
@@ -218,7 +232,33 @@ class Documents:
         return entries, report
 
     def delete(self, doc_id: str) -> dict | None:
-        return delete(self.store, doc_id)
+        """`delete`, after any upload of the same document in progress here (`writing`) has finished."""
+        with self._locks.hold(doc_id):
+            return delete(self.store, doc_id)
+
+
+class _Locks:
+    """One lock per document id, kept only while someone holds or waits for it."""
+
+    def __init__(self):
+        self._mutex = threading.Lock()
+        self._held: dict[str, tuple[threading.Lock, int]] = {}
+
+    @contextmanager
+    def hold(self, doc_id: str) -> Iterator[None]:
+        with self._mutex:
+            lock, users = self._held.get(doc_id, (threading.Lock(), 0))
+            self._held[doc_id] = (lock, users + 1)
+        try:
+            with lock:
+                yield
+        finally:
+            with self._mutex:
+                lock, users = self._held[doc_id]
+                if users == 1:
+                    del self._held[doc_id]
+                else:
+                    self._held[doc_id] = (lock, users - 1)
 
 
 def delete(store: Store, doc_id: str) -> dict | None:

@@ -116,25 +116,30 @@ class RagCache:
         metadata = metadata or [{} for _ in texts]
         layout = self.layouts["default"]
         for text, meta in zip(texts, metadata):
-            doc_id, chunks = self._register(text, meta)
-            present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
-            report.ids.append(doc_id)
-            report.documents += 1
-            report.chunks += len(chunks)
-            report.skipped += all(present)
-            for ids, there in zip(chunks, present):  # one chunk at a time: progress moves, Ctrl-C keeps what is done
-                report.tokens += len(ids)
-                if not there:
-                    entries, _ = self._ensure([ids], layout)
-                    report.compiled_chunks += 1
-                    report.bytes += entries[0].nbytes
-                if progress:
-                    progress(len(ids), 0 if there else len(ids))
+            with self.documents.writing(text):  # a delete of this document waits until its entries are written
+                self._compile_document(text, meta, layout, report, progress)
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
             self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _compile_document(self, text: str, meta: dict, layout: Layout, report: CompileReport,
+                          progress: Callable[[int, int], None] | None) -> None:
+        doc_id, chunks = self._register(text, meta)
+        present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
+        report.ids.append(doc_id)
+        report.documents += 1
+        report.chunks += len(chunks)
+        report.skipped += all(present)
+        for ids, there in zip(chunks, present):  # one chunk at a time: progress moves, Ctrl-C keeps what is done
+            report.tokens += len(ids)
+            if not there:
+                entries, _ = self._ensure([ids], layout)
+                report.compiled_chunks += 1
+                report.bytes += entries[0].nbytes
+            if progress:
+                progress(len(ids), 0 if there else len(ids))
 
     def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
         """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
@@ -174,7 +179,7 @@ class RagCache:
 
     def delete_document(self, doc_id: str) -> bool:
         """Delete the document and its chunk entries, keeping entries that other documents share."""
-        return documents.delete(self.store, doc_id) is not None
+        return self.documents.delete(doc_id) is not None
 
     def document_ids(self) -> list[str]:
         return self.documents.ids()

@@ -152,6 +152,40 @@ def test_delete_keeps_entries_another_document_shares():
     assert docs.delete(first) is None
 
 
+def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
+    """Without the wait, the delete removed the record and the first chunk's entry while the upload was between
+    chunks, and the upload then wrote the other chunks' entries, which no document referred to."""
+    import threading
+
+    from ragcache.engine import RagCache
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    text = " ".join(TEXTS * 2)
+    between_chunks, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
+
+    def progress(tokens: int, compiled: int) -> None:
+        between_chunks.set()
+        assert go_on.wait(60)
+
+    upload = threading.Thread(target=rc.compile_documents, args=([text],), kwargs=dict(progress=progress))
+    upload.start()
+    try:
+        assert between_chunks.wait(60)
+        doc_id = document_id(text)
+        chunks = rc.document_chunks(doc_id)
+        assert len(chunks) >= 3
+        delete = threading.Thread(target=lambda: (rc.delete_document(doc_id), deleted.set()))
+        delete.start()
+        assert not deleted.wait(0.5), "the delete ran while the upload of the same document was in progress"
+    finally:
+        go_on.set()
+        upload.join(60)
+    delete.join(60)
+    assert deleted.is_set()
+    keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]
+    assert not any(rc.store.contains_many(keys)) and rc.document(doc_id) is None
+
+
 # -- end to end: an edited record never changes an answer -------------------------------------------------------------
 def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
     from ragcache.engine import RagCache
