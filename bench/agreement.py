@@ -105,7 +105,12 @@ def link_rows(runner: Runner, parts: LinkInput, chunk_rows: torch.Tensor, extra_
     cache = placed_cache(runner, parts, extra_capacity)
     rows = torch.unique(torch.cat([chunk_rows.long(), question_rows(parts, length)]))
     hidden, rows = linker._recompute(runner, ids, rows, cache, None)
-    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()), length - int(rows.numel()), 0, 0)
+    return linked_after(runner, cache, ids, hidden, int(rows.numel()))
+
+
+def linked_after(runner: Runner, cache, ids: torch.Tensor, hidden: torch.Tensor, recomputed: int) -> Linked:
+    """A prototype's link result: the last recomputed row's logits, and how many rows it recomputed."""
+    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], recomputed, ids.numel() - recomputed, 0, 0)
 
 
 def first_rows(parts: LinkInput, fraction: float) -> torch.Tensor:
@@ -201,8 +206,7 @@ def focus_two_rounds(runner: Runner, parts: LinkInput, fraction: float, extra_ca
     rows = top_rows(parts, linker._question_attention(runner, parts, cache).sum(0), count, forced=first)
     second = rows[~torch.isin(rows, first)]
     hidden, _ = linker._recompute(runner, ids, torch.cat([second, question]), cache, None)
-    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
-                  length - int(rows.numel()) - len(question), 0, 0)
+    return linked_after(runner, cache, ids, hidden, int(rows.numel()) + len(question))
 
 
 def shift_stale_rows(runner: Runner, parts: LinkInput, cache, stale_keys: torch.Tensor, stale_values: torch.Tensor,
@@ -264,8 +268,7 @@ def focus_shifted(runner: Runner, parts: LinkInput, fraction: float, values: boo
         shift_stale_rows(runner, parts, cache, stale_keys, stale_values, rows, values, sample)
     question = question_rows(parts, length)
     hidden, _ = linker._recompute(runner, ids, question, cache, None)
-    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
-                  length - int(rows.numel()) - len(question), 0, 0)
+    return linked_after(runner, cache, ids, hidden, int(rows.numel()) + len(question))
 
 
 @torch.inference_mode()
@@ -284,5 +287,4 @@ def focus_tempered(runner: Runner, parts: LinkInput, fraction: float, factor: fl
     cache.keys[:, :, stale] *= factor
     question = question_rows(parts, length)
     hidden, _ = linker._recompute(runner, ids, torch.cat([rows, question]), cache, None)
-    return Linked(cache, ids, runner.logits(hidden[0, -1:])[0], int(rows.numel()) + len(question),
-                  length - int(rows.numel()) - len(question), 0, 0)
+    return linked_after(runner, cache, ids, hidden, int(rows.numel()) + len(question))
