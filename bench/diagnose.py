@@ -380,10 +380,14 @@ def escalation_table(paths: list[Path], wide: str = "plain/focus@0.5") -> str:
     differing from focus@b's (linked_top1_rank names the argmax by its rank in full's distribution). A second
     round that reruns every row of the wide link gives exactly that link, so each item's recorded one-shot runs
     give the policy's result; its cost is b's rows plus, when escalated, the wide link's. Per policy: top-1
-    agreement with full [95% CI], mean recompute, share escalated; the plain focus runs for comparison."""
+    agreement with full [95% CI], mean recompute, share escalated; the plain focus runs for comparison. Every row
+    is over the same items: those with every focus fraction the files hold."""
     from bench.accuracy import bootstrap
 
     items = merged_items(paths)
+    fractions = sorted({k.partition("@")[2] for c in items.values() for k in c if k.startswith("plain/focus@")},
+                       key=float)
+    items = {i: c for i, c in items.items() if all(f"plain/focus@{f}" in c for f in fractions)}
     lines = ["| policy | n | top-1 | recompute | escalated |", "|---|---|---|---|---|"]
 
     def row(label: str, top1: list[float], cost: list[float], escalated: list[bool]) -> None:
@@ -391,8 +395,6 @@ def escalation_table(paths: list[Path], wide: str = "plain/focus@0.5") -> str:
         lines.append(f"| {label} | {len(top1)} | {mean:.3f} [{low:.3f}, {high:.3f}] | {sum(cost) / len(cost):.1%} "
                      f"| {sum(escalated) / len(escalated):.0%} |")
 
-    fractions = sorted({k.partition("@")[2] for c in items.values() for k in c if k.startswith("plain/focus@")},
-                       key=float)
     for f in fractions:
         got = [c[f"plain/focus@{f}"] for c in items.values() if f"plain/focus@{f}" in c]
         row(f"focus@{f} alone", [g["top1"] for g in got], [g["recomputed"] / g["chunk_tokens"] for g in got],
