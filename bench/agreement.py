@@ -77,7 +77,8 @@ def measure(runner: Runner, full_logits: torch.Tensor, linked: Linked, full_answ
     at_content = (None, None)
     if content is not None and full_forced is not None:
         at_content = first_token(full_forced[content], logits[content])
-    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank, *at_content, own)
+    return Agreement(top1, kl, ll, p_top1, float(hits.double().mean()), float(hits.all()), rank, *at_content,
+                     linked_p_top1=own)
 
 
 # -- row selection prototypes ----------------------------------------------------------------------------

@@ -343,7 +343,7 @@ def main() -> None:
         torch.set_num_threads(a.threads)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     floats = lambda s: [float(x) for x in s.split(",") if x]  # noqa: E731
-    run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in floats(a.ks)], floats(a.ratios),
+    run(a.model, a.n, a.seed, a.out, floats(a.fractions), [int(x) for x in a.ks.split(",") if x], floats(a.ratios),
         a.setups.split(","), a.decode.split(","), a.max_new, a.qlayer, a.selections.split(","), not a.verbose_question,
         floats(a.vratios), a.start, a.task, a.dtype, a.reference)
 
@@ -381,42 +381,44 @@ def escalation_table(paths: list[Path], wide: str = "plain/focus@0.5") -> str:
     round that reruns every row of the wide link gives exactly that link, so each item's recorded one-shot runs
     give the policy's result; its cost is b's rows plus, when escalated, the wide link's. Per policy: top-1
     agreement with full [95% CI], mean recompute, share escalated; the plain focus runs for comparison. Every row
-    is over the same items: those with every focus fraction the files hold."""
+    is over the same items: those with every focus fraction the files hold (and naive, if any item has it)."""
     from bench.accuracy import bootstrap
 
     items = merged_items(paths)
     fractions = sorted({k.partition("@")[2] for c in items.values() for k in c if k.startswith("plain/focus@")},
                        key=float)
-    items = {i: c for i, c in items.items() if all(f"plain/focus@{f}" in c for f in fractions)}
+    naive = "plain/legolink-0"
+    needed = [f"plain/focus@{f}" for f in fractions] + ([naive] if any(naive in c for c in items.values()) else [])
+    got = [c for c in items.values() if all(k in c for k in needed)]
     lines = ["| policy | n | top-1 | recompute | escalated |", "|---|---|---|---|---|"]
+    notes = []
 
-    def row(label: str, top1: list[float], cost: list[float], escalated: list[bool]) -> None:
+    def row(label: str, base: str, escalated: list[bool]) -> None:
+        top1 = [c[wide]["top1"] if e else c[base]["top1"] for c, e in zip(got, escalated)]
+        cost = [(c[base]["recomputed"] + (c[wide]["recomputed"] if e else 0)) / c[base]["chunk_tokens"]
+                for c, e in zip(got, escalated)]
         mean, low, high = bootstrap(top1)
         lines.append(f"| {label} | {len(top1)} | {mean:.3f} [{low:.3f}, {high:.3f}] | {sum(cost) / len(cost):.1%} "
                      f"| {sum(escalated) / len(escalated):.0%} |")
 
+    if not got:
+        return "no item has every focus fraction of these files"
     for f in fractions:
-        got = [c[f"plain/focus@{f}"] for c in items.values() if f"plain/focus@{f}" in c]
-        row(f"focus@{f} alone", [g["top1"] for g in got], [g["recomputed"] / g["chunk_tokens"] for g in got],
-            [False] * len(got))
+        row(f"focus@{f} alone", f"plain/focus@{f}", [False] * len(got))
     for f in fractions:
         base = f"plain/focus@{f}"
         if float(f) >= float(wide.partition("@")[2]):
             continue
-        policies = {f"p(top-1) < {t}": (lambda c, t=t: c[base]["linked_p_top1"] < t) for t in ESCALATION_THRESHOLDS}
-        policies["naive's argmax differs"] = lambda c: (c["plain/legolink-0"]["linked_top1_rank"]
-                                                        != c[base]["linked_top1_rank"])
-        for name, unsure in policies.items():
-            needs = ["plain/legolink-0"] if name.startswith("naive") else []
-            got = [c for c in items.values() if base in c and wide in c and all(k in c for k in needs)
-                   and (needs or c[base].get("linked_p_top1") is not None)]
-            if not got:
-                continue
-            escalated = [bool(unsure(c)) for c in got]
-            top1 = [c[wide]["top1"] if e else c[base]["top1"] for c, e in zip(got, escalated)]
-            cost = [(c[base]["recomputed"] + (c[wide]["recomputed"] if e else 0)) / c[base]["chunk_tokens"]
-                    for c, e in zip(got, escalated)]
-            row(f"focus@{f}, then {wide.partition('/')[2]} if {name}", top1, cost, escalated)
+        then = f"focus@{f}, then {wide.partition('/')[2]} if"
+        if all(c[base].get("linked_p_top1") is not None for c in got):
+            for t in ESCALATION_THRESHOLDS:
+                row(f"{then} p(top-1) < {t}", base, [c[base]["linked_p_top1"] < t for c in got])
+        else:
+            notes.append(f"focus@{f}: p(top-1) not recorded (a run from before it was), its thresholds left out")
+        if naive in needed:  # the rank in full's distribution names the argmax
+            row(f"{then} naive's argmax differs", base,
+                [c[naive]["linked_top1_rank"] != c[base]["linked_top1_rank"] for c in got])
+    lines += [f"- {note}" for note in notes]
     return "\n".join(lines)
 
 

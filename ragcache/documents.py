@@ -13,7 +13,8 @@ cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it
 
 Keys of chunk entries belong to the compiler (`key(ids, layout)`); this module only knows which chunks a document
 has. The one delete keeps the entries that another document still uses, and waits for an upload of the same
-document in this process to finish (`Documents.writing`), so the upload cannot write entries after it.
+document in this process to finish (`Documents.writing`), so the upload cannot write entries after it. (A query
+that compiles a document's missing chunks does not take that lock: `gc --unreferenced` covers that race.)
 """
 
 from __future__ import annotations
@@ -237,28 +238,43 @@ class Documents:
             return delete(self.store, doc_id)
 
 
+@dataclass
+class _Held:
+    lock: threading.Lock
+    users: int = 0  # holding or waiting
+    owner: int | None = None  # the thread holding it
+
+
 class _Locks:
-    """One lock per document id, kept only while someone holds or waits for it."""
+    """One lock per document id, kept only while someone holds or waits for it. Not re-entrant on purpose: a
+    thread that already holds a document (an upload's progress callback deleting it) gets an error, not a hang."""
 
     def __init__(self):
         self._mutex = threading.Lock()
-        self._held: dict[str, tuple[threading.Lock, int]] = {}
+        self._held: dict[str, _Held] = {}
 
     @contextmanager
     def hold(self, doc_id: str) -> Iterator[None]:
         with self._mutex:
-            lock, users = self._held.get(doc_id, (threading.Lock(), 0))
-            self._held[doc_id] = (lock, users + 1)
+            held = self._held.get(doc_id)
+            if held is not None and held.owner == threading.get_ident():
+                raise RuntimeError(f"document {doc_id} is already being written by this thread (an upload's "
+                                   "progress callback may not delete or upload the same document)")
+            if held is None:
+                held = self._held[doc_id] = _Held(threading.Lock())
+            held.users += 1
         try:
-            with lock:
-                yield
+            with held.lock:
+                held.owner = threading.get_ident()
+                try:
+                    yield
+                finally:
+                    held.owner = None
         finally:
             with self._mutex:
-                lock, users = self._held[doc_id]
-                if users == 1:
+                held.users -= 1
+                if held.users == 0:
                     del self._held[doc_id]
-                else:
-                    self._held[doc_id] = (lock, users - 1)
 
 
 def delete(store: Store, doc_id: str) -> dict | None:

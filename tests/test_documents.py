@@ -176,6 +176,8 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
         assert len(chunks) >= 3
         delete = threading.Thread(target=lambda: (rc.delete_document(doc_id), deleted.set()))
         delete.start()
+        # correct code never lets the delete finish here; on a very slow machine a broken one might not finish
+        # within 0.5 s either, and then the orphan check below still catches it
         assert not deleted.wait(0.5), "the delete ran while the upload of the same document was in progress"
     finally:
         go_on.set()
@@ -184,6 +186,19 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     assert deleted.is_set()
     keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]
     assert not any(rc.store.contains_many(keys)) and rc.document(doc_id) is None
+
+
+def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
+    from ragcache.engine import RagCache
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+
+    def progress(tokens: int, compiled: int) -> None:
+        rc.delete_document(document_id(TEXTS[0]))
+
+    with pytest.raises(RuntimeError, match="already being written by this thread"):
+        rc.compile_documents([TEXTS[0]], progress=progress)
+    assert rc.delete_document(document_id(TEXTS[0]))  # the lock was released
 
 
 # -- end to end: an edited record never changes an answer -------------------------------------------------------------
