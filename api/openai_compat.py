@@ -2,7 +2,7 @@
 
 ragcache's inputs travel as extra body fields, so the official client works unchanged:
     client.chat.completions.create(model=..., messages=[...],
-                                   extra_body={"documents": [ids or texts], "ragcache": {"algorithm": "legolink"}})
+                                   extra_body={"documents": [ids or texts], "ragcache": {"algorithm": "focus"}})
 A chat is one question: an optional system (or developer) message, then one user message."""
 
 from __future__ import annotations
@@ -74,8 +74,9 @@ def ragcache_info(answer: Answer, queue_s: float) -> dict:
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
     profile = c.rc.profile
-    link = {"default_k": c.rc.default_k, "calibrated": profile is not None and profile.k is not None,
-            "kv_codec": c.rc.kv_codec}
+    link = {"default_algorithm": c.settings.algorithm, "default_k": c.rc.default_k,
+            "default_focus_ratio": c.rc.default_focus_ratio,
+            "calibrated": profile is not None and profile.k is not None, "kv_codec": c.rc.kv_codec}
     if profile is not None:
         link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
                     focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,

@@ -123,8 +123,8 @@ class Deleted(BaseModel):
 class LinkOptions(Strict):
     algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")
     k: int | None = Field(None, ge=0, le=1 << 20, description="legolink: tokens recomputed at each chunk start")
-    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="cacheblend: fraction "
-                                                                                           "recomputed")
+    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="focus, cacheblend: "
+                                "fraction of chunk tokens recomputed (focus: the model's calibrated ratio, else 0.25)")
     deviation: Literal[DEVIATIONS] | None = Field(None, description="cacheblend: rank rows by K (default) or V "  # type: ignore[valid-type]
                                                                      "deviation")
 

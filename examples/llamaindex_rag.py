@@ -1,7 +1,7 @@
-"""A llama-index RAG pipeline answered by ragcache: LegoLink over cached documents vs a plain `full` prefill.
+"""A llama-index RAG pipeline answered by ragcache: focus over cached documents vs a plain `full` prefill.
 
     folder of documents -> IngestionPipeline [(SentenceSplitter), RagCacheCompiler] -> BM25 retriever
-        -> RagCacheRetriever (compiles misses, prefetches) -> RagCacheQueryEngine (legolink | full)
+        -> RagCacheRetriever (compiles misses, prefetches) -> RagCacheQueryEngine (focus | full)
 
     python examples/llamaindex_rag.py                          # quick: 6 questions (a few minutes on 2 cores)
     python examples/llamaindex_rag.py --all                    # every question (about half an hour on 2 cores)
@@ -81,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--docs", type=Path, default=DATA / "docs", help="folder of .txt/.md documents")
     p.add_argument("--questions", type=Path, default=DATA / "questions.jsonl")
-    p.add_argument("--algorithm", default="legolink", choices=ALGORITHMS)
+    p.add_argument("--algorithm", default="focus", choices=ALGORITHMS)
     p.add_argument("--baseline", default="full", choices=ALGORITHMS, help="what the algorithm is compared with")
     p.add_argument("--n-questions", type=int, default=QUICK_QUESTIONS, help="ask the first N questions")
     p.add_argument("--all", action="store_true", help="ask every question (overrides --n-questions)")

@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--api-key", default=None, help="bearer token, when the server sets one")
     parser.add_argument("--docs", nargs="+", type=Path, default=DOCS, help="text files to upload")
     parser.add_argument("--question", default=QUESTION)
-    parser.add_argument("--algorithm", default="legolink")
+    parser.add_argument("--algorithm", default="focus")
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}

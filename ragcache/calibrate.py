@@ -8,7 +8,7 @@ the linking did: on the built-in set SmolLM2's naive linking agrees on 1.00 of f
 calibration would pick k = 0, and on 0.79 of content words (docs/ACCURACY.md). The content word costs a greedy
 decode of `full`'s answer and, per candidate, one teacher-forced pass over the answer up to that word; linking
 without decoding keeps the sweep cheap otherwise. The smallest k (and ratio, and focus ratio) whose agreement
-reaches the target becomes the model's profile; `RagCache` then uses that k as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
+reaches the target becomes the model's profile; `RagCache` then uses that k (and focus ratio) as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
 Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
 inherits another's k.

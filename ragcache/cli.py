@@ -220,9 +220,10 @@ def query(
     question: str = typer.Argument(..., help="the question"),
     doc: list[str] = typer.Option(..., "--doc", "-d", help="path to a text file that exists, or the id of a "
                                                            "compiled document (32 hex, as `compile` prints); repeatable"),
-    algorithm: str = typer.Option(None, help="full | naive | cacheblend | legolink | legolink0 | prefix"),
+    algorithm: str = typer.Option(None, help="focus (default) | full | naive | cacheblend | legolink | legolink0 | prefix"),
     k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
-    ratio: float = typer.Option(None, help="cacheblend: fraction of chunk tokens recomputed"),
+    ratio: float = typer.Option(None, help="focus, cacheblend: fraction of chunk tokens recomputed (focus: the "
+                                                "calibrated ratio, else 0.25)"),
     system: str = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(None, help="tokens to generate"),
     stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
@@ -341,7 +342,9 @@ def calibrate(
         table.add_row(f"focus ratio={ratio}", cell(score))
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
-    console.print(f"profile: {found}, ratio={profile.ratio}, focus ratio={profile.focus_ratio} -> {path}")
+    focus = (f"focus ratio={profile.focus_ratio}" if profile.focus_ratio is not None
+             else "no focus ratio reached the target (focus's default, 0.25, stays)")
+    console.print(f"profile: {found}, ratio={profile.ratio}, {focus} -> {path}")
 
 
 @models_app.command("list")

@@ -1,4 +1,4 @@
-"""The main job on embedded defaults: compile the sample documents, answer with `full` and `legolink`."""
+"""The main job on embedded defaults: compile the sample documents, answer with `full` and the default algorithm."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
+
+from .linker import DEFAULT_ALGORITHM
 
 DOCS_PER_QUESTION = 4
 
@@ -24,11 +26,11 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     rng = random.Random(0)
     rows = []
     table = Table("question", "algorithm", "answer", "TTFT ms", "recomputed", "cached",
-                  title=f"full prefill vs LegoLink ({DOCS_PER_QUESTION} documents per question, {rc.lm.name})")
+                  title=f"full prefill vs {DEFAULT_ALGORITHM} ({DOCS_PER_QUESTION} documents per question, {rc.lm.name})")
     for q in questions[:n_questions]:
         others = rng.sample([name for name in docs if name != q["doc"]], DOCS_PER_QUESTION - 1)
         chosen = others[:1] + [q["doc"]] + others[1:]  # the answer sits among distractors
-        for algorithm in ("full", "legolink"):
+        for algorithm in ("full", DEFAULT_ALGORITHM):
             answer = rc.query(q["question"], docs=[ids[name] for name in chosen], algorithm=algorithm,
                               max_new_tokens=32, stop=["\n\n"])
             st = answer.stats

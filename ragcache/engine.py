@@ -24,7 +24,8 @@ from .chunker import DEFAULT_CHUNK_TOKENS
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
-from .linker import DEFAULT_CHECK_LAYER, DEFAULT_K, DEFAULT_RATIO, USES_CHUNK_CACHE, LinkInput, LinkParams, Linked
+from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, USES_CHUNK_CACHE, LinkInput,
+                     LinkParams, Linked)
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
 from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
@@ -69,6 +70,8 @@ class RagCache:
         self.scheduler = Scheduler(self.runner, row_budget)
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
+        self.default_focus_ratio = (self.profile.focus_ratio if self.profile and self.profile.focus_ratio is not None
+                                    else DEFAULT_FOCUS_RATIO)
         self.stop_ids = eos_ids(self.runner)
 
     @classmethod
@@ -228,6 +231,14 @@ class RagCache:
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]
 
+    def params(self, algorithm: str = DEFAULT_ALGORITHM, k: int | None = None, ratio: float | None = None,
+               check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> LinkParams:
+        """A link's parameters, the unset ones from this model's profile (`ragcache calibrate`): its k for legolink,
+        its focus ratio for focus; else the linker's defaults."""
+        if ratio is None and algorithm == "focus":
+            ratio = self.default_focus_ratio
+        return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
+
     def _prepare(self, question: str, docs: list[str], system: str | None, params: LinkParams, max_new_tokens: int,
                  stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
         """Everything before the model: check, resolve, fetch (compiling misses). Runs on the caller's thread."""
@@ -242,15 +253,15 @@ class RagCache:
         stats.algorithm, stats.prompt_tokens = params.algorithm, length
         return parts, params, self.prefix_cache
 
-    def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
-             k: int | None = None, ratio: float = DEFAULT_RATIO, check_layer: int = DEFAULT_CHECK_LAYER,
+    def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+             k: int | None = None, ratio: float | None = None, check_layer: int = DEFAULT_CHECK_LAYER,
              max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False,
              deviation: str = "key") -> Linked:
         """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         stats = _stats or QueryStats()
-        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
+        params = self.params(algorithm, k, ratio, check_layer, deviation)
         parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
         linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
@@ -258,13 +269,13 @@ class RagCache:
         return linked
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = "legolink",
-               k: int | None = None, ratio: float = DEFAULT_RATIO, max_new_tokens: int = 32,
+    def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+               k: int | None = None, ratio: float | None = None, max_new_tokens: int = 32,
                temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
                seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> Stream:
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
         sampling.validate()
-        params = LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
+        params = self.params(algorithm, k, ratio, check_layer, deviation)
         params.validate(self.runner.shape.layers)
 
         def prepare(stats: QueryStats):
@@ -275,8 +286,8 @@ class RagCache:
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return _drain(self.stream(question, docs, **kwargs))
 
-    def check(self, question: str, docs: list, system: str | None = None, algorithm: str = "legolink",
-              k: int | None = None, ratio: float = DEFAULT_RATIO) -> guard.Check:
+    def check(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+              k: int | None = None, ratio: float | None = None) -> guard.Check:
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
         first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample."""
         linked = self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio)

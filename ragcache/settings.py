@@ -31,9 +31,10 @@ class Settings(BaseSettings):
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
-    algorithm: str = "legolink"
+    algorithm: str = Field("focus", description="link algorithm (README: Algorithms)")
     k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float = Field(0.15, ge=0.0, le=1.0)
+    ratio: float | None = Field(None, ge=0.0, le=1.0, description="focus: share of chunk tokens recomputed (default: "
+                                "the model's calibrated focus ratio, else 0.25); cacheblend: the same (default 0.15)")
     max_new_tokens: int = Field(64, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

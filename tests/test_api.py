@@ -775,17 +775,18 @@ def test_a_record_in_a_store_tier_that_is_down_is_503_with_retry_after(smollm2):
 # -- the accuracy guard -----------------------------------------------------------------------------------------------
 def test_guard_counters_move_on_a_real_server(rc, doc_ids):
     with serve(rc, guard_rate=1.0) as s:
-        for algorithm in ("legolink", "full"):  # full is exact: never checked
+        for algorithm in ({}, {"algorithm": "full"}):  # the default (focus), and full: exact, never checked
             r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:2],
-                                                       "algorithm": algorithm, "max_tokens": 2}, timeout=300)
+                                                       "max_tokens": 2, **algorithm}, timeout=300)
             assert r.status_code == 200, r.text
         text = wait_metric(s.url, "ragcache_guard_checks_total", 1, seconds=300)
-        assert metric(text, "ragcache_guard_checks_total", algorithm="legolink") == 1
+        assert metric(text, "ragcache_guard_checks_total", algorithm="focus") == 1
         assert metric(text, "ragcache_guard_checks_total", algorithm="full") == 0
-        assert 0.0 <= metric(text, "ragcache_guard_top1_agreement", algorithm="legolink") <= 1.0
-        assert metric(text, "ragcache_guard_kl_count", algorithm="legolink") == 1
+        assert 0.0 <= metric(text, "ragcache_guard_top1_agreement", algorithm="focus") <= 1.0
+        assert metric(text, "ragcache_guard_kl_count", algorithm="focus") == 1
         link = httpx.get(f"{s.url}/v1/models").json()["data"][0]["ragcache"]
         assert link["default_k"] == rc.default_k and link["kv_codec"] == rc.kv_codec
+        assert link["default_algorithm"] == "focus" and link["default_focus_ratio"] == rc.default_focus_ratio
         assert metric(text, "ragcache_store_read_bytes_total", tier=rc.store.name.split(":")[0]) > 0  # by tier
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ragcache import calibrate as cal
+from ragcache.linker import LinkParams
 from ragcache.store import open_store
 from tests import tiny
 
@@ -107,3 +108,21 @@ def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch)
     assert profile.at == "content" and profile.agreement_by_k[str(longest)] == 1.0
     with pytest.raises(ValueError, match="content"):
         cal.calibrate(rc, items, at="middle")
+
+
+def test_the_profile_sets_the_engine_defaults(tmp_path, monkeypatch):
+    """A calibrated k and focus ratio become what a query without them links with; explicit values still win."""
+    from ragcache.engine import RagCache
+    from ragcache.linker import DEFAULT_FOCUS_RATIO, DEFAULT_K
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+    assert RagCache(lm, open_store("memory:")).params() == LinkParams("focus", DEFAULT_K, DEFAULT_FOCUS_RATIO)
+    cal.save_profile(cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, 32, 0.3, focus_ratio=0.1))
+    rc = RagCache(lm, open_store("memory:"))
+    assert rc.params() == LinkParams("focus", 32, 0.1)
+    assert rc.params("focus", ratio=0.5).ratio == 0.5
+    assert rc.params("cacheblend").ratio == 0.15  # the focus ratio is focus's alone
+    assert rc.params("legolink", k=4).k == 4
+    cal.save_profile(cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, None, None, focus_ratio=None))
+    assert RagCache(lm, open_store("memory:")).params() == LinkParams("focus", DEFAULT_K, DEFAULT_FOCUS_RATIO)

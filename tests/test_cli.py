@@ -106,7 +106,7 @@ def test_demo_models_and_config(tmp_path):
         (data / "docs" / name).write_text((DATA / "docs" / name).read_text())
     demo = ragcache("demo", "--questions", "1", "--data", str(data), "--store", f"disk:{tmp_path / 'demo'}",
                     cwd=tmp_path)
-    assert "legolink" in demo.stdout and "full" in demo.stdout and "TTFT" in demo.stdout
+    assert "focus" in demo.stdout and "full" in demo.stdout and "TTFT" in demo.stdout
     listed = ragcache("models", "list", cwd=tmp_path)
     assert "smollm2-135m" in listed.stdout and "gemma3-270m" in listed.stdout
     (tmp_path / "ragcache.toml").write_text('chunk_tokens = 128\n')

@@ -152,3 +152,24 @@ def errors_free_id(text: str) -> str:
     from ragcache.store.keys import document_id
 
     return document_id(text)
+
+
+def test_the_default_algorithm_is_focus_at_a_quarter(rc):
+    docs = [{"text": DOC}, {"text": "Rivers flow to the sea. The Nile is long."}]
+    default = rc.link("How tall is it?", docs=docs)
+    explicit = rc.link("How tall is it?", docs=docs, algorithm="focus", ratio=0.25)
+    assert default.recomputed_tokens == explicit.recomputed_tokens
+    assert torch.equal(default.last_logits, explicit.last_logits)
+    assert rc.query("How tall is it?", docs=docs, max_new_tokens=2).stats.algorithm == "focus"
+
+
+def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
+    """With no chunk rows to choose there is nothing to score: the question's naive pass would be wasted work."""
+    from ragcache import linker
+
+    def scored(*_):
+        raise AssertionError("the pre-pass ran with no chunks to score")
+
+    monkeypatch.setattr(linker, "_question_attention", scored)
+    linked = rc.link("How tall is it?", docs=[], algorithm="focus")
+    assert torch.equal(linked.last_logits, rc.link("How tall is it?", docs=[], algorithm="naive").last_logits)

@@ -58,12 +58,12 @@ def test_llamaindex_rag(tmp_path, smollm2):
     assert [r["question"] for r in rows] == ["How tall is the Harrow Point lighthouse?",
                                              "How long is the Amber Line railway?"]
     for row in rows:
-        legolink, full = row["legolink"], row["full"]
-        assert legolink["sources"] == full["sources"] and len(full["sources"]) == 2 and full["retrieved"]
+        linked, full = row["focus"], row["full"]
+        assert linked["sources"] == full["sources"] and len(full["sources"]) == 2 and full["retrieved"]
         assert full["cached_tokens"] == 0 and full["recomputed_tokens"] == full["prompt_tokens"]
-        assert 0 < legolink["recomputed_tokens"] < full["recomputed_tokens"] and legolink["cached_tokens"] > 0
-        assert legolink["ttft_s"] > 0 and full["ttft_s"] > 0
-    assert rows[1]["legolink"]["compiled_chunks"] == 0 and rows[1]["legolink"]["store_hits"] > 0  # compiled before
+        assert 0 < linked["recomputed_tokens"] < full["recomputed_tokens"] and linked["cached_tokens"] > 0
+        assert linked["ttft_s"] > 0 and full["ttft_s"] > 0
+    assert rows[1]["focus"]["compiled_chunks"] == 0 and rows[1]["focus"]["store_hits"] > 0  # compiled before
 
     # the disk store kept what the pipeline compiled: a second run would compile nothing. The example ran in the
     # default dtype (the fixture is fp32), and the dtype is part of the chunk key

@@ -74,7 +74,7 @@ def retriever(rc, ingested):
 
 @pytest.fixture(scope="module")
 def answered(rc, retriever):
-    """The sync legolink answer to QUESTION, which the async and streaming paths must reproduce."""
+    """The sync focus answer to QUESTION, which the async and streaming paths must reproduce."""
     return engine(rc, retriever).query(QUESTION)
 
 
@@ -145,7 +145,7 @@ def test_query_engine_answers_from_linked_caches(rc, retriever, answered):
     assert [n.node.node_id for n in first.source_nodes] == [n.node.node_id for n in retriever.retrieve(QUESTION)]
     assert first.source_nodes[0].node.metadata["file_name"] == "lighthouse.txt"
     stats = first.metadata
-    assert stats["algorithm"] == "legolink"
+    assert stats["algorithm"] == "focus"  # the default
     assert stats["doc_ids"] == [n.node.metadata[DOC_ID_KEY] for n in first.source_nodes]
     assert stats["cached_tokens"] > 0 and stats["recomputed_tokens"] > 0
     assert stats["cached_tokens"] + stats["recomputed_tokens"] == stats["prompt_tokens"]
@@ -238,6 +238,6 @@ def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever)
     deadline = time.monotonic() + 300
     while not guarded.guard_agreement() and time.monotonic() < deadline:
         time.sleep(0.05)
-    agreement, checks = guarded.guard_agreement()["legolink"]
+    agreement, checks = guarded.guard_agreement()["focus"]
     assert checks == 1 and 0.0 <= agreement <= 1.0
     assert engine(rc, retriever, guard_rate=1.0, algorithm="full").query(QUESTION).response  # exact: never checked

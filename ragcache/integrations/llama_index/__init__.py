@@ -3,7 +3,7 @@
     pipeline = IngestionPipeline(transformations=[SentenceSplitter(), RagCacheCompiler(rc=rc)])
     nodes = pipeline.run(documents=documents)                    # each node's text compiled into rc.store
     retriever = RagCacheRetriever(BM25Retriever.from_defaults(nodes=nodes), rc=rc)   # compiles misses, prefetches
-    engine = RagCacheQueryEngine(rc=rc, retriever=retriever, algorithm="legolink")
+    engine = RagCacheQueryEngine(rc=rc, retriever=retriever)  # focus at the calibrated ratio
     response = engine.query("...")    # Response: .response, .source_nodes, .metadata (QueryStats.as_dict() + ...)
     llm = RagCacheLLM(rc=rc)          # plain completions from the same engine
 

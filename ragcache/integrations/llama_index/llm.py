@@ -12,6 +12,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import RagCache, Stream
+from ragcache.linker import DEFAULT_ALGORITHM
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
 _OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p", "stop", "seed", "system")
@@ -22,11 +23,11 @@ class RagCacheLLM(CustomLLM):
     QueryStats (as a dict) in `raw["stats"]` (streaming: on the last response). `chat` goes through
     `messages_to_prompt`; per-call keyword arguments (max_new_tokens, temperature, stop, ...) override the fields.
 
-    The default algorithm is legolink: with no documents it links only the cached system prefix and computes the
-    prompt, which is what `full` computes too."""
+    The default algorithm is the engine's (focus): with no documents it links only the cached system prefix and
+    computes the prompt, which is what `full` computes too."""
 
     rc: RagCache = Field(exclude=True, description="the engine that generates")
-    algorithm: str = "legolink"
+    algorithm: str = DEFAULT_ALGORITHM
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0

@@ -17,7 +17,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from ragcache.engine import Answer, RagCache, Stream
 from ragcache.errors import UnknownAlgorithm
 from ragcache.guard import Guard
-from ragcache.linker import ALGORITHMS, DEFAULT_RATIO
+from ragcache.linker import ALGORITHMS, DEFAULT_ALGORITHM
 
 from .nodes import doc_refs, node_text, text_ids
 
@@ -36,9 +36,10 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     rc: RagCache = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
-    algorithm: str = "legolink"
+    algorithm: str = DEFAULT_ALGORITHM
     k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float = DEFAULT_RATIO
+    ratio: float | None = Field(default=None, description="focus or cacheblend: share of chunk tokens recomputed "
+                                "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)")
     max_new_tokens: int = 64
     system: str | None = None
     temperature: float = 0.0
