@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import shutil
+import random
 import signal
 import socket
 import subprocess
@@ -27,6 +28,21 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def free_cluster_port() -> int:
+    """A free port whose cluster bus port (10,000 higher) is free too: redis-server refuses ports over 55535 with
+    cluster mode on, and the kernel's ephemeral ports often are."""
+    for _ in range(200):
+        port = random.randint(20000, 55535)
+        try:
+            with socket.socket() as sock, socket.socket() as bus:
+                sock.bind(("127.0.0.1", port))
+                bus.bind(("127.0.0.1", port + 10000))
+                return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port pair (port, port + 10000) under 55536 on loopback")
 
 
 def redis_server_binary() -> str:
@@ -139,8 +155,8 @@ class RedisClusterServers:
     """A Redis Cluster of `nodes` primaries on loopback (slots split evenly, no replicas)."""
 
     def __init__(self, nodes: int = 3):
-        self.servers = [RedisServer(args=("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                                          "--cluster-node-timeout", "2000")) for _ in range(nodes)]
+        cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+        self.servers = [RedisServer(port=free_cluster_port(), args=cluster) for _ in range(nodes)]
 
     @property
     def url(self) -> str:

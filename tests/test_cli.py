@@ -37,20 +37,43 @@ def test_compile_twice_then_query_by_path(tmp_path):
     assert '"compiled_chunks": 0' in answer.stdout and '"store_hits"' in answer.stdout
 
 
+# The compile blocks after its 5th stored chunk until it is interrupted, so the Ctrl-C lands mid-run however fast
+# or loaded the machine is (sending it after a deadline could hit the model load, or a finished run).
+PAUSED_COMPILE = """
+import pathlib, sys, time
+from ragcache import engine
+ready = pathlib.Path(sys.argv.pop(1))
+compile_document = engine.RagCache._compile_document
+compiled = []
+def paused(self, text, meta, layout, report, progress):
+    before = report.compiled_chunks
+    compile_document(self, text, meta, layout, report, progress)
+    compiled.append(report.compiled_chunks - before)
+    if sum(compiled) >= 5:
+        ready.touch()
+        time.sleep(3600)
+engine.RagCache._compile_document = paused
+from ragcache.cli import main
+main()
+"""
+
+
 def test_interrupted_compile_resumes(tmp_path):
     corpus = tmp_path / "corpus.jsonl"
     text = (DATA / "docs" / "railway.txt").read_text()
     corpus.write_text("\n".join(f'{{"body": "Document {i}. {text.strip()}"}}' for i in range(40)))
     store_dir = tmp_path / "store"
-    args = [sys.executable, "-m", "ragcache.cli", "compile", str(corpus), "--jsonl", "body",
+    ready = tmp_path / "ready"
+    args = [sys.executable, "-c", PAUSED_COMPILE, str(ready), "compile", str(corpus), "--jsonl", "body",
             "--store", f"disk:{store_dir}", "--chunk-tokens", "32"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline and len(list(store_dir.glob("entries/*/*.kv"))) < 5:
+    while not ready.exists():
+        assert proc.poll() is None, proc.communicate()
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
+    assert "interrupted" in err
     done_before = len(list(store_dir.glob("entries/*/*.kv")))
     assert 5 <= done_before < 40 * 3
     resumed = ragcache("compile", str(corpus), "--jsonl", "body", "--store", f"disk:{store_dir}",
