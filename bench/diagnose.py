@@ -6,8 +6,10 @@ per paragraph) and measure, per item, the cheap distribution-level metrics of be
 Configurations (each item's chunks are compiled once per layout and reused by every selection):
   layouts   plain (today), sep ("\\n\\n" closing every stored chunk), bos (<|endoftext|> stored in front of
             every chunk: full sees it too), sink (4 dummy sinks prefilled and dropped), prefixed (compiled
-            behind the real system prefix, dropped), system (a system prompt in the chat header), qfirst (the
-            question before the documents, in the exact prefix; the chunks were compiled without it)
+            behind the real system prefix, dropped), filler (compiled behind the system prefix and one fixed
+            other document, both dropped: each chunk is stored as it looks after *some* document), system (a
+            system prompt in the chat header), qfirst (the question before the documents, in the exact prefix;
+            the chunks were compiled without it)
   selections at fraction f of chunk tokens: first (LegoLink), random, qattn (question attention at one
             layer), qattn-all (summed over layers), mixed (first 4 per chunk + qattn), oracle (rows whose
             placed K/V deviate most from full's), focus (the linker's `focus`, = mixed), mixed16 (first 16 per
@@ -67,7 +69,13 @@ class Setup:
     system: str | None = None
 
 
+def filler_text() -> str:
+    """A Wikipedia paragraph from the shipped sample (seed 0), for the `filler` layout's context."""
+    return squad.load_items(1, sample=True)[0].documents[0].strip()
+
+
 def layouts(lm, prefix_ids: list[int]) -> dict[str, Setup]:
+    filler = lm.tokenizer(filler_text(), add_special_tokens=False)["input_ids"]  # documents follow one another
     pad = lm.tokenizer.convert_tokens_to_ids("<|endoftext|>")
     if not isinstance(pad, int) or pad < 0:
         pad = lm.tokenizer.eos_token_id
@@ -77,6 +85,7 @@ def layouts(lm, prefix_ids: list[int]) -> dict[str, Setup]:
         "bos": Setup("bos", Layout("bos", lead_ids=(pad,))),
         "sink": Setup("sink", Layout("sink", sink_ids=(pad,) * SINKS)),
         "prefixed": Setup("prefixed", Layout("prefixed", sink_ids=tuple(prefix_ids))),
+        "filler": Setup("filler", Layout("filler", sink_ids=tuple(prefix_ids + filler))),
         "system": Setup("system", PLAIN, system=SYSTEM),
         "qfirst": Setup("qfirst", PLAIN),
     }
@@ -554,7 +563,8 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("qfirst/legolink-0", "plain/legolink-0"), ("qfirst/legolink-16", "plain/legolink-16"),
          ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"),
          ("system/legolink-0", "plain/legolink-0"), ("system/legolink-16", "plain/legolink-16"),
-         ("system/focus@0.25", "plain/focus@0.25"),
+         ("system/focus@0.25", "plain/focus@0.25"), ("filler/legolink-0", "plain/legolink-0"),
+         ("filler/focus@0.25", "plain/focus@0.25"),
          # --reference float32: what linking costs beyond what bf16 alone costs, both against an fp32 full
          ("plain/focus@0.25", "plain/full-bfloat16"), ("plain/focus@0.5", "plain/full-bfloat16"),
          ("plain/legolink-0", "plain/full-bfloat16"))

@@ -622,3 +622,54 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
         path.mkdir()
     assert peers.gguf_path("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
     assert not killed.exists() and all(path.exists() for path in others)
+
+
+def test_extrapolation_sweep_scores_against_full():
+    from bench import extrapolate
+
+    full = torch.tensor([3.0, 1.0, 0.0])
+    naive = torch.tensor([0.0, 2.0, 0.0])  # its argmax is wrong
+    focus = torch.tensor([1.6, 1.5, 0.0])  # right, barely; stepping away from naive makes it surer
+    assert torch.equal(extrapolate.extrapolated(focus, naive, 0.0), focus)
+    assert torch.allclose(extrapolate.extrapolated(focus, naive, 1.0), torch.tensor([3.2, 1.0, 0.0]))
+    assert extrapolate.scores(full, full) == (1.0, 0.0)
+    top1, kl = extrapolate.scores(full, naive)
+    assert top1 == 0.0 and kl > 0
+    table = extrapolate.sweep([{"full": full, "focus@0.25": focus, "naive": naive}], "focus@0.25", alphas=(0.0, 1.0))
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| +")}
+    assert rows["+0.0"].split("|")[2].strip() == "1.000" and "+0.000 [+0.000, +0.000]" in rows["+0.0"]
+    assert float(rows["+1.0"].split("|")[3]) < float(rows["+0.0"].split("|")[3])  # nearer full: a smaller KL
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
+def test_layer_spans_cost_their_share_and_entering_one_chunk_from_its_own_hidden_state_is_full(family):
+    from bench import late_start
+    from bench.late_start import Span
+    from ragcache.linker import LinkInput, LinkParams, link
+
+    assert [s.label for s in late_start.parse_spans("0.5-1/0.5,0-0.75/0.3333+s")] == ["span@0.5-1/0.5",
+                                                                                      "span@0-0.75/0.333+s"]
+    runner, parts = _tiny_parts(family)
+    layers = runner.shape.layers
+    scores = late_start.focus_scores(runner, parts)
+    hidden = [late_start.isolated_hidden(runner, ids, {layers // 2}) for ids in parts.chunk_ids]
+    focus = link(runner, parts, LinkParams("focus", ratio=0.5))
+    every_layer, spent = late_start.link_span(runner, parts, Span(0, 1, 0.5), scores, hidden)
+    assert torch.equal(every_layer, focus.last_logits)
+    assert spent == (focus.recomputed_tokens - len(parts.question_ids)) / sum(map(len, parts.chunk_ids))
+    full = link(runner, parts, LinkParams("full")).last_logits
+    naive = link(runner, parts, LinkParams("naive")).last_logits
+    for config in (Span(0.5, 1, 1.0), Span(0, 0.5, 1.0)):  # half the layers of every row: neither naive nor full
+        got, half = late_start.link_span(runner, parts, config, scores, hidden)
+        assert half == pytest.approx((layers - layers // 2) / layers if config.enter else (layers // 2) / layers)
+        assert not torch.allclose(got, full, atol=1e-4)
+        # tiny gemma3's lower layers slide over 8 tokens, less than the question: there they see no chunk row
+        assert family == "gemma3" and config.enter == 0 or not torch.allclose(got, naive, atol=1e-4)
+
+    # One chunk at position 0 and no prefix: the chunk alone *is* its context, so entering from its own hidden
+    # state must give full's logits (the join puts every row where it belongs).
+    alone = LinkInput([], parts.chunk_ids[:1], parts.question_ids, None, parts.chunk_entries[:1])
+    hidden = [late_start.isolated_hidden(runner, parts.chunk_ids[0], {layers // 2})]
+    got, _ = late_start.link_span(runner, alone, Span(0.5, 1, 1.0, True), late_start.focus_scores(runner, alone),
+                                  hidden)
+    assert torch.allclose(got, link(runner, alone, LinkParams("full")).last_logits, atol=1e-4)
