@@ -179,12 +179,13 @@ def collect(model: str, n: int, start: int, fractions: list[float], configs: tup
         if sq.id in done:
             continue
         parts = Item(runner, compiler, lm, fmt, sq, plain, True).parts
+        chunk_tokens = sum(map(len, parts.chunk_ids))
         row = {"id": sq.id, "costs": {},
                "full": link(runner, parts, LinkParams("full")).last_logits.half().cpu(),
                "naive": link(runner, parts, LinkParams("naive")).last_logits.half().cpu()}
         for f in fractions:
             row[f"focus@{f:g}"] = link(runner, parts, LinkParams("focus", ratio=f)).last_logits.half().cpu()
-            row["costs"][f"focus@{f:g}"] = math.ceil(f * sum(map(len, parts.chunk_ids))) / sum(map(len, parts.chunk_ids))
+            row["costs"][f"focus@{f:g}"] = math.ceil(f * chunk_tokens) / chunk_tokens
         attention = focus_scores(runner, parts)
         hidden_by_chunk = [isolated_hidden(runner, ids, enters) for ids in parts.chunk_ids] if enters else []
         for config in configs:

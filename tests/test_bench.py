@@ -673,3 +673,23 @@ def test_layer_spans_cost_their_share_and_entering_one_chunk_from_its_own_hidden
     got, _ = late_start.link_span(runner, alone, Span(0.5, 1, 1.0, True), late_start.focus_scores(runner, alone),
                                   hidden)
     assert torch.allclose(got, link(runner, alone, LinkParams("full")).last_logits, atol=1e-4)
+
+
+def test_the_filler_layout_compiles_each_chunk_after_one_other_document_and_stores_only_the_chunk():
+    from bench import diagnose
+    from ragcache import prompt
+    from ragcache.compiler import PLAIN, Compiler
+
+    runner, parts = _tiny_parts("qwen2")
+    lm = runner.lm
+    prefix = prompt.system_prefix_ids(lm.tokenizer, prompt.PromptFormat.for_tokenizer(lm.tokenizer), None)
+    filler = diagnose.layouts(lm, prefix)["filler"].layout
+    context = lm.tokenizer(diagnose.filler_text(), add_special_tokens=False)["input_ids"]
+    assert filler.sink_ids == tuple(prefix + context) and len(context) > 50 and not filler.lead_ids
+    compiler = Compiler(lm, runner)
+    chunk = parts.chunk_ids[1]
+    alone, behind = compiler.compile(chunk, PLAIN), compiler.compile(chunk, filler)
+    assert behind.keys.shape == alone.keys.shape and compiler.stored_ids(chunk, filler) == chunk
+    assert torch.allclose(behind.keys[0], alone.keys[0], atol=1e-5)  # layer 0 sees only the token itself
+    assert not torch.allclose(behind.values[-1].float(), alone.values[-1].float(), atol=1e-3)  # the context shows
+    assert compiler.key(chunk, filler) != compiler.key(chunk, PLAIN)
