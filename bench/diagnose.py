@@ -564,7 +564,8 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("qfirst/focus@0.25", "plain/focus@0.25"), ("qfirst/focus@0.25", "qfirst/legolink-0"),
          ("system/legolink-0", "plain/legolink-0"), ("system/legolink-16", "plain/legolink-16"),
          ("system/focus@0.25", "plain/focus@0.25"), ("filler/legolink-0", "plain/legolink-0"),
-         ("filler/focus@0.25", "plain/focus@0.25"),
+         ("filler/focus@0.25", "plain/focus@0.25"), ("filler/focus@0.1", "plain/focus@0.1"),
+         ("filler/focus@0.1", "plain/focus@0.25"),
          # --reference float32: what linking costs beyond what bf16 alone costs, both against an fp32 full
          ("plain/focus@0.25", "plain/full-bfloat16"), ("plain/focus@0.5", "plain/full-bfloat16"),
          ("plain/legolink-0", "plain/full-bfloat16"))

@@ -67,8 +67,12 @@ def test_interrupted_compile_resumes(tmp_path):
     args = [sys.executable, "-c", PAUSED_COMPILE, str(ready), "compile", str(corpus), "--jsonl", "body",
             "--store", f"disk:{store_dir}", "--chunk-tokens", "32"]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 900  # a safety net only: the test waits for the pause, not for a time
     while not ready.exists():
         assert proc.poll() is None, proc.communicate()
+        if time.time() > deadline:
+            proc.kill()
+            pytest.fail(f"the compile did not store 5 chunks in 15 minutes: {proc.communicate()}")
         time.sleep(0.2)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
