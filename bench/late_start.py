@@ -18,14 +18,14 @@ focus@0.25 costs.
 Each item's first-token logits are kept per config under the labels bench.extrapolate reads (full, naive,
 focus@f), so `python -m bench.extrapolate --out FILE --fractions 0.25,0.5` scores the same run.
 
-    python -m bench.late_start --model qwen2.5-coder-1.5b --n 60 --out bench/results/late-qwen2.5-coder-1.5b.pt
+    python -m bench.late_start --model qwen2.5-coder-1.5b --n 60 --out /tmp/span-1.5b.pt \
+        --json bench/results/span-qwen2.5-coder-1.5b.json   # the logits stay out of the repo (~3 MB an item)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 from dataclasses import dataclass
@@ -35,10 +35,10 @@ import torch
 
 from bench import squad
 from bench.accuracy import bootstrap
-from bench.agreement import chunk_spans, leading_rows, linked_after, placed_cache, question_rows
+from bench.agreement import (budget, chunk_spans, first_token, leading_rows, linked_after, placed_cache,
+                             question_attention, question_rows)
 from bench.common import load_model
 from bench.diagnose import Item, layouts
-from bench.extrapolate import scores
 from ragcache import linker, prompt
 from ragcache.compiler import Compiler
 from ragcache.linker import LinkInput, LinkParams, link
@@ -96,10 +96,6 @@ def isolated_hidden(runner: Runner, chunk_ids: list[int], layers: set[int]) -> d
     return kept
 
 
-def focus_scores(runner: Runner, parts: LinkInput) -> torch.Tensor:
-    return linker._question_attention(runner, parts, placed_cache(runner, parts)).sum(0)
-
-
 @torch.inference_mode()
 def span_link(runner: Runner, parts: LinkInput, always: torch.Tensor, spanned: torch.Tensor, enter: int, leave: int,
               entering: torch.Tensor | None):
@@ -151,8 +147,8 @@ def cost(parts: LinkInput, layers: int, always: int, spanned: int, enter: int, l
 
 def link_span(runner: Runner, parts: LinkInput, config: Span, scores_: torch.Tensor,
               hidden_by_chunk: list[dict[int, torch.Tensor]]) -> tuple[torch.Tensor, float]:
-    """One config on one item: its last logits and its cost. `hidden_by_chunk` needs the config's entry layer
-    (isolated_hidden) when it enters late."""
+    """One config on one item: its last logits and its cost. `scores_`: focus's (question_attention summed over
+    layers); `hidden_by_chunk` needs the config's entry layer (isolated_hidden) when it enters late."""
     layers = runner.shape.layers
     enter, leave = config.layers(layers)
     always, spanned = span_rows(parts, config, linker._focus_rows(parts, config.fraction, scores_))
@@ -171,7 +167,7 @@ def collect(model: str, n: int, start: int, fractions: list[float], configs: tup
     compiler = Compiler(lm, runner)
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
     plain = layouts(lm, prompt.system_prefix_ids(lm.tokenizer, fmt, None))["plain"]
-    rows: list[dict] = torch.load(out) if out.exists() else []
+    rows: list[dict] = torch.load(out, weights_only=True) if out.exists() else []
     done = {r["id"] for r in rows}
     enters = {c.layers(runner.shape.layers)[0] for c in configs} - {0}
     started = time.perf_counter()
@@ -185,29 +181,36 @@ def collect(model: str, n: int, start: int, fractions: list[float], configs: tup
                "naive": link(runner, parts, LinkParams("naive")).last_logits.half().cpu()}
         for f in fractions:
             row[f"focus@{f:g}"] = link(runner, parts, LinkParams("focus", ratio=f)).last_logits.half().cpu()
-            row["costs"][f"focus@{f:g}"] = math.ceil(f * chunk_tokens) / chunk_tokens
-        attention = focus_scores(runner, parts)
-        hidden_by_chunk = [isolated_hidden(runner, ids, enters) for ids in parts.chunk_ids] if enters else []
-        for config in configs:
-            logits, spent = link_span(runner, parts, config, attention, hidden_by_chunk)
-            row[config.label], row["costs"][config.label] = logits.half().cpu(), spent
+            row["costs"][f"focus@{f:g}"] = budget(parts, f) / chunk_tokens
+        if configs:
+            attention = question_attention(runner, parts).sum(0)
+            hidden_by_chunk = [isolated_hidden(runner, ids, enters) for ids in parts.chunk_ids] if enters else []
+            for config in configs:
+                logits, spent = link_span(runner, parts, config, attention, hidden_by_chunk)
+                row[config.label], row["costs"][config.label] = logits.half().cpu(), spent
         rows.append(row)
         torch.save(rows, out)  # after every item: a killed run keeps what it linked, and a rerun goes on from there
         print(f"[{start + i + 1}/{n}] {time.perf_counter() - started:.0f}s", file=sys.stderr, flush=True)
     return rows
 
 
+def paired_cells(got: list[tuple[float, float]], base: list[tuple[float, float]]) -> list[str]:
+    """Per-item (top-1, KL) minus a reference's, as "mean [low, high]" cells (paired 95% bootstrap)."""
+    cells = []
+    for index in (0, 1):
+        mean, low, high = bootstrap([g[index] - b[index] for g, b in zip(got, base)])
+        cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+    return cells
+
+
 def table(rows: list[dict], reference: str = REFERENCE) -> str:
     labels = [k for k in rows[0] if k not in ("id", "costs", "full")]
-    base = [scores(r["full"], r[reference].float()) for r in rows]
+    base = [first_token(r["full"], r[reference].float()) for r in rows]
     lines = [f"n = {len(rows)}; differences paired against {reference}, 95% bootstrap intervals",
              "| config | cost | top-1 | KL(full‖linked) | top-1 − ref | KL − ref |", "|---|---|---|---|---|---|"]
     for label in labels:
-        got = [scores(r["full"], r[label].float()) for r in rows]
-        cells = []
-        for index in (0, 1):
-            mean, low, high = bootstrap([g[index] - b[index] for g, b in zip(got, base)])
-            cells.append(f"{mean:+.3f} [{low:+.3f}, {high:+.3f}]")
+        got = [first_token(r["full"], r[label].float()) for r in rows]
+        cells = paired_cells(got, base)
         spent = sum(r["costs"].get(label, 0.0) for r in rows) / len(rows)
         top1 = bootstrap([g[0] for g in got])
         kl = bootstrap([g[1] for g in got])
@@ -219,7 +222,7 @@ def table(rows: list[dict], reference: str = REFERENCE) -> str:
 def per_item(rows: list[dict]) -> list[dict]:
     """What the tables are made of, per item and config (top-1, KL, cost): small enough to commit, unlike the
     logits (a vocabulary-wide vector per config and item)."""
-    return [{"id": r["id"], **{label: dict(zip(("top1", "kl"), scores(r["full"], r[label].float())),
+    return [{"id": r["id"], **{label: dict(zip(("top1", "kl"), first_token(r["full"], r[label].float())),
                                            cost=r["costs"].get(label, 0.0))
                                for label in r if label not in ("id", "costs", "full")}} for r in rows]
 
@@ -239,7 +242,8 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     fractions = [float(f) for f in a.fractions.split(",") if f]
-    rows = torch.load(a.out) if a.score_only else collect(a.model, a.n, a.start, fractions, a.spans, a.out, a.dtype)
+    rows = (torch.load(a.out, weights_only=True) if a.score_only
+            else collect(a.model, a.n, a.start, fractions, a.spans, a.out, a.dtype))
     print(table(rows))
     if a.json:
         a.json.write_text(json.dumps(dict(n=len(rows), reference=REFERENCE, items=per_item(rows))))

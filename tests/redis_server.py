@@ -9,8 +9,8 @@ pass by silently leaving Redis out.
 from __future__ import annotations
 
 import ctypes
-import shutil
 import random
+import shutil
 import signal
 import socket
 import subprocess

@@ -625,15 +625,15 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
 
 
 def test_extrapolation_sweep_scores_against_full():
-    from bench import extrapolate
+    from bench import agreement, extrapolate
 
     full = torch.tensor([3.0, 1.0, 0.0])
     naive = torch.tensor([0.0, 2.0, 0.0])  # its argmax is wrong
     focus = torch.tensor([1.6, 1.5, 0.0])  # right, barely; stepping away from naive makes it surer
     assert torch.equal(extrapolate.extrapolated(focus, naive, 0.0), focus)
     assert torch.allclose(extrapolate.extrapolated(focus, naive, 1.0), torch.tensor([3.2, 1.0, 0.0]))
-    assert extrapolate.scores(full, full) == (1.0, 0.0)
-    top1, kl = extrapolate.scores(full, naive)
+    assert agreement.first_token(full, full) == (1.0, 0.0)
+    top1, kl = agreement.first_token(full, naive)
     assert top1 == 0.0 and kl > 0
     table = extrapolate.sweep([{"full": full, "focus@0.25": focus, "naive": naive}], "focus@0.25", alphas=(0.0, 1.0))
     rows = {line.split("|")[1].strip(): line for line in table.splitlines() if line.startswith("| +")}
@@ -643,7 +643,7 @@ def test_extrapolation_sweep_scores_against_full():
 
 @pytest.mark.parametrize("family", ["qwen2", "llama", "gemma3"])
 def test_layer_spans_cost_their_share_and_entering_one_chunk_from_its_own_hidden_state_is_full(family):
-    from bench import late_start
+    from bench import agreement, late_start
     from bench.late_start import Span
     from ragcache.linker import LinkInput, LinkParams, link
 
@@ -651,7 +651,7 @@ def test_layer_spans_cost_their_share_and_entering_one_chunk_from_its_own_hidden
                                                                                       "span@0-0.75/0.333+s"]
     runner, parts = _tiny_parts(family)
     layers = runner.shape.layers
-    scores = late_start.focus_scores(runner, parts)
+    scores = agreement.question_attention(runner, parts).sum(0)
     hidden = [late_start.isolated_hidden(runner, ids, {layers // 2}) for ids in parts.chunk_ids]
     focus = link(runner, parts, LinkParams("focus", ratio=0.5))
     every_layer, spent = late_start.link_span(runner, parts, Span(0, 1, 0.5), scores, hidden)
@@ -670,8 +670,8 @@ def test_layer_spans_cost_their_share_and_entering_one_chunk_from_its_own_hidden
     # state must give full's logits (the join puts every row where it belongs).
     alone = LinkInput([], parts.chunk_ids[:1], parts.question_ids, None, parts.chunk_entries[:1])
     hidden = [late_start.isolated_hidden(runner, parts.chunk_ids[0], {layers // 2})]
-    got, _ = late_start.link_span(runner, alone, Span(0.5, 1, 1.0, True), late_start.focus_scores(runner, alone),
-                                  hidden)
+    got, _ = late_start.link_span(runner, alone, Span(0.5, 1, 1.0, True),
+                                  agreement.question_attention(runner, alone).sum(0), hidden)
     assert torch.allclose(got, link(runner, alone, LinkParams("full")).last_logits, atol=1e-4)
 
 
