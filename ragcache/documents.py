@@ -12,9 +12,10 @@ A chunk record that fails is a miss: the chunks are re-derived from the text. A 
 cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
 
 Keys of chunk entries belong to the compiler (`key(ids, layout)`); this module only knows which chunks a document
-has. The one delete keeps the entries that another document still uses, and waits for an upload of the same
-document in this process to finish (`Documents.writing`), so the upload cannot write entries after it. (A query
-that compiles a document's missing chunks does not take that lock: `gc --unreferenced` covers that race.)
+has. The one delete keeps the entries that another document still uses. Writers of a document's entries (an upload,
+a query or warm-up compiling its missing chunks) hold it shared (`Documents.using`); a delete holds it exclusively,
+so it waits for them and they cannot write entries after it. This covers one process; `gc --unreferenced` covers
+two processes on one store.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import hashlib
 import logging
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -122,14 +124,16 @@ class Documents:
         self._locks = _Locks()
 
     @contextmanager
+    def using(self, doc_ids: list[str]) -> Iterator[None]:
+        """Hold these documents shared while their records and entries are read or written: a `delete` of one of
+        them waits until the block ends, so it cannot leave entries that no document refers to (an upload's or a
+        query's freshly compiled chunks landing after the delete). Shared holders never wait for each other."""
+        with self._locks.shared(doc_ids):
+            yield
+
     def writing(self, text) -> Iterator[None]:
-        """Hold the document of this text while its record and entries are written: a `delete` of it waits, so it
-        cannot leave entries that no document refers to (an upload's later chunks landing after the delete)."""
-        if not isinstance(text, str):  # not a document: `register` says why
-            yield
-            return
-        with self._locks.hold(document_id(text)):
-            yield
+        """`using` the document of this text (an upload of it)."""
+        return self.using([document_id(text)] if isinstance(text, str) else [])  # not a document: `register` says why
 
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
@@ -233,48 +237,76 @@ class Documents:
         return entries, report
 
     def delete(self, doc_id: str) -> dict | None:
-        """`delete`, after any upload of the same document in progress here (`writing`) has finished."""
-        with self._locks.hold(doc_id):
+        """`delete`, after every upload or query using the same document here (`using`) has finished."""
+        with self._locks.exclusive(doc_id):
             return delete(self.store, doc_id)
 
 
-@dataclass
-class _Held:
-    lock: threading.Lock
-    users: int = 0  # holding or waiting
-    owner: int | None = None  # the thread holding it
-
-
 class _Locks:
-    """One lock per document id, kept only while someone holds or waits for it. Not re-entrant on purpose: a
-    thread that already holds a document (an upload's progress callback deleting it) gets an error, not a hang."""
+    """Shared and exclusive holds on document ids, kept only while someone holds or waits.
+
+    - A waiting exclusive hold (a delete) keeps new shared holders out, so a popular document can still be deleted;
+      a thread that already holds some document may still take more, so a nested hold cannot deadlock.
+    - Shared holds of several documents are taken all at once. Exclusive holds are one document each and wait for
+      nothing while held, so no cycle of waits can form.
+    - Not re-entrant for exclusive holds, on purpose: a thread that holds a document (an upload's progress callback
+      deleting one) gets an error, not a hang."""
 
     def __init__(self):
-        self._mutex = threading.Lock()
-        self._held: dict[str, _Held] = {}
+        self._changed = threading.Condition()
+        self._readers: dict[str, Counter[int]] = {}  # document -> thread -> depth of its shared holds
+        self._writer: dict[str, int] = {}  # document -> the thread holding it exclusively
+        self._waiting_writers: Counter[str] = Counter()
+
+    def _holds_any(self, thread: int) -> bool:
+        return any(thread in readers for readers in self._readers.values()) or thread in self._writer.values()
 
     @contextmanager
-    def hold(self, doc_id: str) -> Iterator[None]:
-        with self._mutex:
-            held = self._held.get(doc_id)
-            if held is not None and held.owner == threading.get_ident():
-                raise RuntimeError(f"document {doc_id} is already being written by this thread (an upload's "
-                                   "progress callback may not delete or upload the same document)")
-            if held is None:
-                held = self._held[doc_id] = _Held(threading.Lock())
-            held.users += 1
+    def shared(self, doc_ids: list[str]) -> Iterator[None]:
+        me, ids = threading.get_ident(), set(doc_ids)
+        with self._changed:
+            if any(self._writer.get(d) == me for d in ids):
+                raise RuntimeError("a thread deleting a document may not read it")
+            may_pass_waiting_writers = self._holds_any(me)
+            self._changed.wait_for(lambda: not any(d in self._writer or (self._waiting_writers[d] and
+                                                                          not may_pass_waiting_writers) for d in ids))
+            for d in ids:
+                self._readers.setdefault(d, Counter())[me] += 1
         try:
-            with held.lock:
-                held.owner = threading.get_ident()
-                try:
-                    yield
-                finally:
-                    held.owner = None
+            yield
         finally:
-            with self._mutex:
-                held.users -= 1
-                if held.users == 0:
-                    del self._held[doc_id]
+            with self._changed:
+                for d in ids:
+                    readers = self._readers[d]
+                    readers[me] -= 1
+                    if not readers[me]:
+                        del readers[me]
+                    if not readers:
+                        del self._readers[d]
+                self._changed.notify_all()
+
+    @contextmanager
+    def exclusive(self, doc_id: str) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:
+            if self._holds_any(me):
+                raise RuntimeError(f"document {doc_id} cannot be deleted by a thread that is writing documents (an "
+                                   "upload's progress callback may not delete a document)")
+            self._waiting_writers[doc_id] += 1
+            try:
+                self._changed.wait_for(lambda: doc_id not in self._writer and doc_id not in self._readers)
+            finally:
+                self._waiting_writers[doc_id] -= 1
+                if not self._waiting_writers[doc_id]:
+                    del self._waiting_writers[doc_id]
+                    self._changed.notify_all()  # shared holders kept out by this wait may go on
+            self._writer[doc_id] = me
+        try:
+            yield
+        finally:
+            with self._changed:
+                del self._writer[doc_id]
+                self._changed.notify_all()
 
 
 def delete(store: Store, doc_id: str) -> dict | None:

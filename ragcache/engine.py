@@ -17,7 +17,7 @@ from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import is_document_id
+from ragcache.store.keys import document_id, is_document_id
 
 from . import calibrate, documents, guard, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS
@@ -150,15 +150,16 @@ class RagCache:
         tier). Returns (chunks compiled, chunks found)."""
         if layout not in self.layouts:
             raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
-        chunks = [ids for doc_chunks in self.documents.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
-        if prefetch:
-            _, report = self._ensure(chunks, self.layouts[layout])
-            return report.compiled, report.hits
-        keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
-        missing = [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
-        if missing:
-            self._ensure(missing, self.layouts[layout])
-        return len(missing), 0
+        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
+            chunks = [ids for doc_chunks in self.documents.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+            if prefetch:
+                _, report = self._ensure(chunks, self.layouts[layout])
+                return report.compiled, report.hits
+            keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
+            missing = [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
+            if missing:
+                self._ensure(missing, self.layouts[layout])
+            return len(missing), 0
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
                 ) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
@@ -187,19 +188,23 @@ class RagCache:
     def document_ids(self) -> list[str]:
         return self.documents.ids()
 
-    def _resolve(self, docs: list) -> list[str]:
-        """Document ids of `docs`: a string is a document id (never taken for text: a typo'd id must not become a
-        document), `{"text": ...}` is raw text, stored and compiled on the fly."""
-        ids = []
+    def _resolve(self, docs: list) -> tuple[list[str], list[str]]:
+        """Document ids of `docs`, and the raw texts among them (to store): a string is a document id (never taken
+        for text: a typo'd id must not become a document), `{"text": ...}` is raw text, stored and compiled on the
+        fly."""
+        ids, texts = [], []
         for i, doc in enumerate(docs):
             if isinstance(doc, dict) and set(doc) == {"text"}:
-                ids.append(self.documents.add(doc["text"]))
+                if not isinstance(doc["text"], str) or not doc["text"].strip():
+                    raise EmptyInput(f"docs[{i}] is empty; every document needs some text")
+                ids.append(document_id(doc["text"]))
+                texts.append(doc["text"])
             elif isinstance(doc, str) and is_document_id(doc):
                 ids.append(doc)
             else:
                 raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
                                  'text as {"text": ...}')
-        return ids
+        return ids, texts
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
@@ -210,11 +215,9 @@ class RagCache:
         stats.compiled_chunks += report.compiled
         return entries
 
-    def _inputs(self, question: str, docs: list[str], system: str | None, algorithm: str) -> tuple[LinkInput, list]:
+    def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str
+                ) -> tuple[LinkInput, list]:
         """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
-        if not isinstance(question, str) or not question.strip():
-            raise EmptyInput("the question is empty")
-        doc_ids = self._resolve(list(docs))
         chunks = [ids for doc_chunks in self.documents.resolve(doc_ids) for ids in doc_chunks]
         layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
@@ -244,11 +247,17 @@ class RagCache:
         """Everything before the model: check, resolve, fetch (compiling misses). Runs on the caller's thread."""
         params.validate(self.runner.shape.layers)
         started = time.perf_counter()
-        parts, chunks = self._inputs(question, docs, system, params.algorithm)
-        length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
-        if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
-            raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
-        self._fetch(parts, chunks, params.algorithm, stats)
+        if not isinstance(question, str) or not question.strip():
+            raise EmptyInput("the question is empty")
+        doc_ids, texts = self._resolve(list(docs))
+        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
+            for text in texts:
+                self.documents.add(text)
+            parts, chunks = self._inputs(question, doc_ids, system, params.algorithm)
+            length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
+            if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
+                raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
+            self._fetch(parts, chunks, params.algorithm, stats)
         stats.fetch_s = time.perf_counter() - started
         stats.algorithm, stats.prompt_tokens = params.algorithm, length
         return parts, params, self.prefix_cache
