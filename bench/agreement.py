@@ -159,6 +159,20 @@ def chunk_first_rows(parts: LinkInput, scores: torch.Tensor, count: int, sinks: 
     return torch.unique(torch.cat([forced, torch.tensor(rest[: max(0, count - forced.numel())], dtype=torch.long)]))
 
 
+def exact_first_rows(parts: LinkInput, scores: torch.Tensor, count: int, sinks: int = 4) -> torch.Tensor:
+    """focus's `count` rows (every chunk's first `sinks` rows, then the highest `scores`) spent on the chunks after
+    the first only: when the first chunk was compiled behind the same prefix it follows (the `prefixed` layout), its
+    placed K/V are already `full`'s, and rows recomputed there are wasted."""
+    later = chunk_spans(parts)[1:]
+    if not later:
+        return torch.empty(0, dtype=torch.long)
+    candidates = torch.cat([torch.arange(a, b) for a, b in later])
+    forced = torch.cat([torch.arange(a, min(b, a + sinks)) for a, b in later])[:count]
+    only_later = torch.full_like(scores, -float("inf"))
+    only_later[candidates] = scores[candidates]
+    return top_rows(parts, only_later, min(count, candidates.numel()), forced)
+
+
 @torch.inference_mode()
 def question_attention(runner: Runner, parts: LinkInput) -> torch.Tensor:
     """Per layer, how much the question's rows attend to each position of the naively linked prompt:

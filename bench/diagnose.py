@@ -18,7 +18,8 @@ Configurations (each item's chunks are compiled once per layout and reused by ev
             full's question attention: what a perfect attention estimate would pick), span (mixed, each
             scored row bringing the SPAN rows before it), focus2 (focus in two rounds: half the budget, then
             the question's attention measured again on that cache picks the other half), tempF (focus with the
-            keys of the rows it leaves stale times F: APE's attention temperature 1/F on them)
+            keys of the rows it leaves stale times F: APE's attention temperature 1/F on them), exact1 (prefixed
+            setup only: mixed's budget spent on the chunks after the first, whose cache is already full's)
   cacheblend at ratio r by K deviation (the linker's default) and, with --vratios, by V deviation (EPIC's code)
 The JSON is rewritten after every item, so a run can be read while it goes.
 """
@@ -228,6 +229,7 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
             "span": lambda: agreement.top_rows(parts, agreement.preceding_span(attention.sum(0), SPAN), count,
                                                forced=sinks[:count]),
             "oracle": lambda: agreement.top_rows(parts, oracle, count),
+            "exact1": lambda: agreement.exact_first_rows(parts, attention.sum(0), count),
         }
         for label in selections:
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
@@ -244,6 +246,8 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
                 linked = agreement.focus_tempered(runner, parts, f, float(label[4:]), extra_capacity=cap)
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
+            if label == "exact1" and name != "prefixed":
+                raise SystemExit("the exact1 selection needs the prefixed setup, where the first chunk's cache is exact")
             rows = choices[label]()
             linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
             measure(f"{label}@{f}", linked, int(rows.numel()))
@@ -566,6 +570,8 @@ PAIRS = (("plain/mixed@0.25", "plain/first@0.25"), ("plain/qattn-all@0.25", "pla
          ("system/focus@0.25", "plain/focus@0.25"), ("filler/legolink-0", "plain/legolink-0"),
          ("filler/focus@0.25", "plain/focus@0.25"), ("filler/focus@0.1", "plain/focus@0.1"),
          ("filler/focus@0.1", "plain/focus@0.25"),
+         ("prefixed/exact1@0.25", "prefixed/focus@0.25"), ("prefixed/exact1@0.25", "plain/focus@0.25"),
+         ("prefixed/focus@0.25", "plain/focus@0.25"),
          # --reference float32: what linking costs beyond what bf16 alone costs, both against an fp32 full
          ("plain/focus@0.25", "plain/full-bfloat16"), ("plain/focus@0.5", "plain/full-bfloat16"),
          ("plain/legolink-0", "plain/full-bfloat16"))

@@ -174,7 +174,8 @@ class RagCache:
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
-        return self.documents.chunks_of(doc_id)
+        with self.documents.using([doc_id]):  # a lost chunk record is written again: not after a delete
+            return self.documents.chunks_of(doc_id)
 
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""

@@ -233,6 +233,33 @@ def test_row_selection_prototypes_cover_the_budget_and_link_exactly_at_all_rows(
     assert top1 == 1.0 and kl < 1e-9
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_first_chunk_compiled_behind_its_prefix_is_exact_so_exact1_skips_it(family):
+    """The premise of diagnose's exact1 selection: in the prefixed layout the first chunk's placed K/V are full's, so
+    recomputing every row of the later chunks (none of the first) is `full`; with plain chunks it is not."""
+    from bench import agreement
+    from ragcache.compiler import Compiler, Layout
+    from ragcache.linker import LinkInput, LinkParams, link
+
+    runner, plain = _tiny_parts(family)
+    compiler = Compiler(runner.lm, runner)
+    layout = Layout("prefixed", sink_ids=tuple(plain.prefix_ids))
+    parts = LinkInput(plain.prefix_ids, [compiler.stored_ids(c, layout) for c in plain.chunk_ids], plain.question_ids,
+                      plain.prefix_entry, [compiler.compile(c, layout) for c in plain.chunk_ids])
+    (a, b), *later = agreement.chunk_spans(parts)
+    attention = agreement.question_attention(runner, parts).sum(0)
+    count = agreement.budget(parts, 0.25)
+    rows = agreement.exact_first_rows(parts, attention, count)
+    assert rows.numel() == count and not ((rows >= a) & (rows < b)).any()
+    everything_later = agreement.exact_first_rows(parts, attention, 10**6)
+    assert everything_later.tolist() == list(range(later[0][0], later[-1][1]))
+    full = link(runner, parts, LinkParams("full"))
+    for chunks, exact in ((parts, True), (plain, False)):
+        linked = agreement.link_rows(runner, chunks, everything_later)
+        kl = agreement.first_token(full.last_logits, linked.last_logits)[1]
+        assert (kl < 1e-9) == exact, (exact, kl)
+
+
 @pytest.mark.parametrize("family", ["qwen2", "gemma3"])
 def test_focus_recomputes_its_budget_and_equals_full_at_ratio_one(family):
     from bench import agreement

@@ -211,19 +211,21 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
     rc.compiler.compile = compile_slowly
     run = {"query": lambda: rc.link("Where is the tower?", [doc_id], algorithm="naive"),
            "warm": lambda: rc.warm([doc_id])}[reader]
-    query = threading.Thread(target=run)
+    outcome = []
+    query = threading.Thread(target=lambda: outcome.append(run()))
     query.start()
     try:
         assert in_compile.wait(60)
         delete = threading.Thread(target=lambda: (rc.delete_document(doc_id), deleted.set()))
         delete.start()
-        # as in the upload test: a slow machine can only hide the failure here, and the check below still finds it
+        # a slow machine can only hide a failure here, never fail correct code; the orphan check below catches
+        # the broken code's usual outcome too
         assert not deleted.wait(0.5), f"the delete ran while a {reader} was compiling the same document"
     finally:
         go_on.set()
         query.join(60)
     delete.join(60)
-    assert deleted.is_set()
+    assert deleted.is_set() and len(outcome) == 1, f"the {reader} failed (its error is printed above)"
     chunks = [c.token_ids for c in chunk_document(rc.tokenizer, " ".join(TEXTS * 2), 16)]
     keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]
     assert len(keys) >= 3 and not any(rc.store.contains_many(keys)) and rc.document(doc_id) is None
@@ -238,9 +240,12 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
     docs = docs_over(MemoryStore())
     doc_id, other_id = docs.add(TEXTS[0]), docs.add(TEXTS[1])
     second_in, deleted, late_in = threading.Event(), threading.Event(), threading.Event()
+    deleted_before_late = []
 
     def hold(done: threading.Event) -> None:
         with docs.using([doc_id]):
+            if done is late_in:
+                deleted_before_late.append(deleted.is_set() or docs.get(doc_id) is None)
             done.set()
 
     with docs.using([doc_id, other_id]):
@@ -262,6 +267,7 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
     late.join(60)
     second.join(60)
     assert deleted.is_set() and late_in.is_set() and docs.get(doc_id) is None and docs.get(other_id) is not None
+    assert deleted_before_late == [True], "the late reader did not wait for the delete"
 
 
 def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
