@@ -5,9 +5,6 @@ The compile layout is part of every key:
   plain the chunk's tokens only (tokenizers that add no BOS, and the system prefix)
   sink  as the default layout, but a few dummy sink tokens are prefilled before the chunk and dropped from
         the stored cache (legolink0)
-  prefixed  as bos/plain, compiled behind the model's default system prefix (chat header), which is dropped: a
-        chunk placed right after that prefix is then stored exactly as `full` computes it, and the linker
-        recomputes none of its rows (the default for chat models)
 The kv codec (store/codec.py) is part of every key too: the entry holds K/V in the codec's stored form.
 """
 
@@ -50,12 +47,6 @@ def _bos_the_tokenizer_adds(tokenizer) -> int | None:
 def default_layout(tokenizer) -> Layout:
     bos = _bos_the_tokenizer_adds(tokenizer)
     return Layout("bos", lead_ids=(bos,)) if bos is not None else PLAIN
-
-
-def prefixed_layout(tokenizer, prefix_ids: list[int]) -> Layout:
-    """The default layout's stored ids (so every algorithm links the same prompt), compiled behind `prefix_ids`."""
-    base = default_layout(tokenizer)
-    return Layout("prefixed", lead_ids=base.lead_ids, sink_ids=tuple(prefix_ids)) if prefix_ids else base
 
 
 def sink_layout(tokenizer) -> Layout:

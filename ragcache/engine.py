@@ -21,7 +21,7 @@ from ragcache.store.keys import document_id, is_document_id
 
 from . import calibrate, documents, guard, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS
-from .compiler import PLAIN, Compiler, Layout, prefixed_layout, sink_layout
+from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
 from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, USES_CHUNK_CACHE, LinkInput,
@@ -62,8 +62,7 @@ class RagCache:
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
         self.tokenizer = lm.tokenizer
         self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
-        default_prefix = prompt.system_prefix_ids(lm.tokenizer, self.format, None)
-        self.layouts = {"default": prefixed_layout(lm.tokenizer, default_prefix), "sink": sink_layout(lm.tokenizer)}
+        self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
@@ -227,8 +226,6 @@ class RagCache:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
         parts = LinkInput(prefix_ids, [self.compiler.stored_ids(ids, layout) for ids in chunks],
                           prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
-        if chunks and layout.name == "prefixed" and layout.sink_ids == tuple(prefix_ids):
-            parts.exact_chunks = 1  # compiled behind this very prefix: the first chunk is stored as full computes it
         return parts, chunks
 
     def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:

@@ -14,8 +14,7 @@ each attends causally by position to every earlier token of every chunk.
 | legolink   | the first `k` rows of every chunk, plus the question                                 |
 | legolink0  | the question only; chunks were compiled behind dropped sink tokens                   |
 | focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
-|            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all; none in |
-|            | the leading `exact_chunks`, which are already exact                                    |
+|            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all         |
 | prefix     | everything after the longest exact cached prefix of the same token sequence          |
 """
 
@@ -78,7 +77,6 @@ class LinkInput:
     question_ids: list[int]
     prefix_entry: ChunkKV | None = None  # KV of the system prefix (algorithms that reuse caches)
     chunk_entries: list[ChunkKV] | None = None  # KV of each chunk, same order (algorithms that reuse caches)
-    exact_chunks: int = 0  # leading chunks compiled behind this very prefix: placed, they are already full's K/V
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -126,7 +124,7 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache.length = length
     started = time.perf_counter()
     reused = _place(runner, parts, params, cache, prefix_cache)
-    focus = params.algorithm == "focus" and any(parts.chunk_ids[parts.exact_chunks:])  # none to choose: no pre-pass
+    focus = params.algorithm == "focus" and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
     scores = _question_attention(runner, parts, cache).sum(0) if focus else None
     rows, narrow = _rows(parts, params, length, reused, scores)
     return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
@@ -194,15 +192,12 @@ def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int,
 
 
 def _focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
-    """Every stale chunk's first FOCUS_SINKS rows, then the best-scored stale chunk rows: ceil(ratio * chunk tokens)
-    in all, the exact chunks' tokens counted too (their share goes to the stale chunks)."""
+    """Every chunk's first FOCUS_SINKS rows, then the best-scored chunk rows, ceil(ratio * chunk tokens) in all."""
     spans = [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
-    budget = math.ceil(round(ratio * sum(b - a for a, b in spans), 9))
-    spans = spans[parts.exact_chunks:]
     if not spans:
         return torch.empty(0, dtype=torch.long)
     chunk_rows = torch.cat([torch.arange(a, b) for a, b in spans])
-    budget = min(chunk_rows.numel(), budget)
+    budget = min(chunk_rows.numel(), math.ceil(round(ratio * chunk_rows.numel(), 9)))
     sinks = torch.cat([torch.arange(a, min(b, a + FOCUS_SINKS)) for a, b in spans])[:budget]
     rest = scores[chunk_rows].clone()
     rest[torch.isin(chunk_rows, sinks)] = -float("inf")

@@ -3,8 +3,6 @@
 Entries are stored as computed (kv codec fp32 / bf16): the invariants are exact, a lossy codec is not (its own
 bounds are tests/test_codec.py's)."""
 
-import math
-
 import pytest
 import torch
 
@@ -198,49 +196,3 @@ def test_bf16_rotation_to_offset_equals_compiling_there(rc_bf16, offset):
         # rotates), and past layer 0 the two forwards round differently, growing with depth: within 5% of the
         # key scale (measured: layer 0 under 0.9% everywhere; gemma3's last layer up to 3.3%, others under 1.6%)
         _close_to_scale(rotated[layer][:, -n:], at_offset, BF16_KEY_SCALE_TOL)
-
-
-# -- chat models: chunks compiled behind the chat header, the first one exact ------------------------------------------
-CHAT_TEMPLATE = ("{% for m in messages %}<s>{{ m['role'] }}\n{{ m['content'] }}</s>\n{% endfor %}"
-                 "{% if add_generation_prompt %}<s>assistant\n{% endif %}")
-
-
-def _chat_engine(family: str) -> RagCache:
-    import copy
-    import dataclasses
-
-    lm = tiny.make(family)
-    tokenizer = copy.deepcopy(lm.tokenizer)  # the tiny tokenizer is shared: give only this model a chat template
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return RagCache(dataclasses.replace(lm, tokenizer=tokenizer), MemoryStore(), chunk_tokens=24, kv_codec="fp32")
-
-
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma3"])
-def test_a_chat_model_compiles_behind_its_header_so_focus_skips_the_exact_first_chunk(family):
-    from ragcache import linker, prompt
-    from ragcache.generate import QueryStats
-
-    rc = _chat_engine(family)
-    assert rc.layouts["default"].name == "prefixed"
-    ids = rc.compile(DOCS)
-    prefix = prompt.system_prefix_ids(rc.tokenizer, rc.format, None)
-    first = len(rc.compiler.stored_ids(rc.document_chunks(ids[0])[0], rc.layouts["default"]))
-    full = rc.link(QUESTION, ids, algorithm="full")
-    stale_rows = rc.link(QUESTION, ids, algorithm="focus", ratio=1.0)
-    assert stale_rows.recomputed_tokens == full.token_ids.numel() - len(prefix) - first
-    torch.testing.assert_close(stale_rows.last_logits, full.last_logits, atol=ATOL, rtol=1e-4)
-
-    parts, chunks = rc._inputs(QUESTION, ids, None, "focus")
-    rc._fetch(parts, chunks, "focus", QueryStats())
-    assert parts.exact_chunks == 1
-    quarter = linker.plan(rc.runner, parts, linker.LinkParams("focus", ratio=0.25)).rows
-    chunk_tokens = sum(map(len, parts.chunk_ids))
-    assert quarter.numel() == math.ceil(0.25 * chunk_tokens) + len(parts.question_ids)
-    assert not ((quarter >= len(prefix)) & (quarter < len(prefix) + first)).any()
-
-    # another system prompt: the chunks were compiled behind the default header, so none is exact
-    own_full = rc.link(QUESTION, ids, system="Be brief.", algorithm="full")
-    own = rc.link(QUESTION, ids, system="Be brief.", algorithm="focus", ratio=1.0)
-    own_prefix = prompt.system_prefix_ids(rc.tokenizer, rc.format, "Be brief.")
-    assert own.recomputed_tokens == own_full.token_ids.numel() - len(own_prefix)
-    torch.testing.assert_close(own.last_logits, own_full.last_logits, atol=ATOL, rtol=1e-4)
