@@ -39,8 +39,11 @@ def test_compile_twice_then_query_by_path(tmp_path):
 
 # The compile blocks after its 5th stored chunk until it is interrupted, so the Ctrl-C lands mid-run however fast
 # or loaded the machine is (sending it after a deadline could hit the model load, or a finished run).
+# A suite started in the background of a non-interactive shell (`nohup make test &`) inherits SIGINT ignored, and
+# Python then installs no KeyboardInterrupt handler: the child restores it, or the Ctrl-C below would do nothing.
 PAUSED_COMPILE = """
-import pathlib, sys, time
+import pathlib, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from ragcache import engine
 ready = pathlib.Path(sys.argv.pop(1))
 compile_document = engine.RagCache._compile_document
