@@ -166,11 +166,13 @@ def exact_first_rows(parts: LinkInput, scores: torch.Tensor, count: int, sinks: 
     later = chunk_spans(parts)[1:]
     if not later:
         return torch.empty(0, dtype=torch.long)
-    candidates = torch.cat([torch.arange(a, b) for a, b in later])
-    forced = torch.cat([torch.arange(a, min(b, a + sinks)) for a, b in later])[:count]
-    only_later = torch.full_like(scores, -float("inf"))
-    only_later[candidates] = scores[candidates]
-    return top_rows(parts, only_later, min(count, candidates.numel()), forced)
+    exact_end = later[0][0]  # the prefix and the first chunk end here
+    forced = leading_rows(parts, sinks)
+    forced = forced[forced >= exact_end][:count]
+    only_later = scores.clone()
+    only_later[:exact_end] = -float("inf")
+    stale = sum(b - a for a, b in later)
+    return top_rows(parts, only_later, min(count, stale), forced)
 
 
 @torch.inference_mode()
