@@ -72,9 +72,12 @@ class Compiler:
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
         return [*layout.lead_ids, *token_ids]
 
-    def problem(self, entry: ChunkKV) -> str | None:
-        """What makes a stored entry unusable for this model (None if nothing): its key already vouches for its ids,
-        model fingerprint, dtype name and codec, but not for the tensors' own shape and dtype."""
+    def problem(self, entry: ChunkKV, stored_ids: list[int] | None = None) -> str | None:
+        """What makes a stored entry unusable for this model (None if nothing). The store checks that an entry's ids
+        hash to its key; this checks what the reader expects: the ids it asked for (so that no entry, however it
+        got there, is placed over another chunk's tokens), and the tensors' own shape and codec."""
+        if stored_ids is not None and entry.token_ids.tolist() != stored_ids:
+            return f"holds {entry.token_ids.numel()} token ids that are not the {len(stored_ids)} asked for"
         shape = self.runner.shape
         layers, kv_heads, _, head_dim = entry.keys.shape
         if (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim):

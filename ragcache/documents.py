@@ -207,17 +207,18 @@ class Documents:
     # -- entries ---------------------------------------------------------------------------------------------------
     def ensure(self, chunks: list[list[int]], key: Callable[[list[int]], str],
                compile: Callable[[list[int]], ChunkKV],
-               problem: Callable[[ChunkKV], str | None] = lambda entry: None) -> tuple[list[ChunkKV], EnsureReport]:
+               problem: Callable[[list[int], ChunkKV], str | None] = lambda ids, entry: None
+               ) -> tuple[list[ChunkKV], EnsureReport]:
         """The entries of these chunks, compiling (and storing) those the store lacks. One batched read.
 
-        `key(ids)`, `compile(ids)` and `problem(entry)` belong to the caller's compiler and layout: an entry with a
-        problem (not what the model would have made: other layers, heads or dtype) is dropped and compiled again,
-        like a corrupt one. A failed write is logged, not raised: the caller has its entries, and only a later
-        request pays the compile again."""
+        `key(ids)`, `compile(ids)` and `problem(ids, entry)` belong to the caller's compiler and layout: an entry with a
+        problem (not what the model would have made from these ids: other ids, layers, heads or dtype) is dropped
+        and compiled again, like a corrupt one. A failed write is logged, not raised: the caller has its entries, and
+        only a later request pays the compile again."""
         keys = [key(ids) for ids in chunks]
         entries = self.store.get_many(keys)
         for i, entry in enumerate(entries):
-            wrong = problem(entry) if entry is not None else None
+            wrong = problem(chunks[i], entry) if entry is not None else None
             if wrong:
                 log.warning("entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12],
                             wrong)

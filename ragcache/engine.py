@@ -167,7 +167,7 @@ class RagCache:
         compiler = compiler or self.compiler
         return self.documents.ensure(chunks, key=lambda ids: compiler.key(ids, layout),
                                      compile=lambda ids: self.scheduler.call(compiler.compile, ids, layout),
-                                     problem=compiler.problem)
+                                     problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
 
     def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
         return self.documents.register(text, meta)

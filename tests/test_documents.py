@@ -325,3 +325,23 @@ def test_an_entry_that_does_not_fit_the_model_is_recompiled_and_the_answer_is_un
         linked = rc.link("Where is the tower?", [doc_id], algorithm="naive")
         assert torch.equal(linked.last_logits, truth.last_logits)
         assert rc.compiler.problem(rc.store.get(key)) is None  # the recompiled entry replaced it
+
+
+def test_an_entry_of_other_tokens_under_a_chunks_key_is_never_linked():
+    """The memory tier holds objects and checks nothing on a read: the reader itself compares the entry's ids with
+    the ones it asked for, so another chunk's (sound) entry under this chunk's key is recompiled, not placed."""
+    from ragcache.engine import RagCache
+
+    lm = tiny.make("llama")
+    rc = RagCache(lm, open_store("memory"), chunk_tokens=16)
+    doc_id, other_id = rc.compile(TEXTS[:2])
+    truth = rc.link("Where is the tower?", [doc_id], algorithm="naive")
+    layout = rc.layouts["default"]
+    key = rc.compiler.key(rc.document_chunks(doc_id)[0], layout)
+    foreign = rc.store.get(rc.compiler.key(rc.document_chunks(other_id)[0], layout))
+    assert foreign is not None and foreign.token_ids.tolist() != rc.store.get(key).token_ids.tolist()
+    rc.store.put(key, foreign)
+    assert "token ids" in rc.compiler.problem(foreign, rc.compiler.stored_ids(rc.document_chunks(doc_id)[0], layout))
+    linked = rc.link("Where is the tower?", [doc_id], algorithm="naive")
+    assert torch.equal(linked.token_ids, truth.token_ids) and torch.equal(linked.last_logits, truth.last_logits)
+    assert rc.store.get(key).token_ids.tolist() != foreign.token_ids.tolist()  # recompiled in its place

@@ -45,6 +45,16 @@ def test_an_entry_whose_ids_do_not_hash_to_its_key_is_corrupt():
     assert same_bits(decode(key, _planted(key, entry)), entry)  # the honest entry still reads
 
 
+@pytest.mark.parametrize("dropped", ["model", "tokenizer", "dtype", "layout"])
+def test_an_entry_stripped_of_what_its_key_hashes_is_corrupt(dropped):
+    """Without the metadata the key hashes, the ids could not be checked: such an entry is not read at all."""
+    key, entry = make_entry(4, layers=2, tokens=112)
+    short = ChunkKV(entry.token_ids[:5].clone(), entry.keys[:, :, :5].clone(), entry.values[:, :, :5].clone(),
+                    {name: value for name, value in entry.meta.items() if name != dropped})
+    with pytest.raises(CorruptEntry, match=f"lacks {dropped}"):
+        decode(key, _planted(key, short))
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_kv_is_corrupt(bad):
     key, entry = make_entry(2, layers=2, tokens=8)
