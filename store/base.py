@@ -41,6 +41,7 @@ class Store(ABC):
     """Chunk entries by key, plus small JSON records (documents). Every method takes batches."""
 
     name = "store"
+    lasting = True  # keeps what it holds across a restart of the process
 
     def __init__(self) -> None:
         self.metrics = TierMetrics()

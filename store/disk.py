@@ -182,12 +182,16 @@ class DiskStore(BlobStore):
         self.evict()
 
     def _write_file(self, key: str, blob: bytes) -> None:
-        path = self._path(key)
-        tmp = path.with_name(f".{key}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
+        self._path(key).parent.mkdir(exist_ok=True)
+        self._replace(self._path(key), blob, f"entry {key[:12]}")
+
+    def _replace(self, path: Path, data: bytes, what: str) -> None:
+        """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
+        leaves the old file or the new one, never an empty or torn one."""
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
-            path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as fh:
-                fh.write(blob)
+                fh.write(data)
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
@@ -197,7 +201,7 @@ class DiskStore(BlobStore):
             except OSError:
                 pass
             hint = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
-            raise StoreError(f"disk tier {self.root}: cannot write entry {key[:12]} ({hint})") from exc
+            raise StoreError(f"disk tier {self.root}: cannot write {what} ({hint})") from exc
 
     def _index(self, rows: list[tuple[str, int, float]]) -> None:
         try:
@@ -337,17 +341,7 @@ class DiskStore(BlobStore):
             raise StoreError(f"disk tier {self.root}: cannot read record {name} ({exc.strerror})") from exc
 
     def put_record(self, name: str, record: dict) -> None:
-        path = self._record_path(name)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, path)
-        except OSError as exc:
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
-            raise StoreError(f"disk tier {self.root}: cannot write record {name} ({exc.strerror})") from exc
+        self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}")
 
     def delete_record(self, name: str) -> bool:
         try:

@@ -16,6 +16,7 @@ DEFAULT_MEMORY_BUDGET = 2 << 30
 
 class MemoryStore(Store):
     name = "memory"
+    lasting = False
 
     def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET):
         super().__init__()

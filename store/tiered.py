@@ -48,6 +48,7 @@ class TieredStore(Store):
             raise StoreError("a tiered store needs at least one tier")
         self.tiers = list(tiers)
         self.name = "+".join(t.name for t in self.tiers)
+        self.lasting = any(t.lasting for t in self.tiers)
         self.retry_after = retry_after
         self.max_retry_after = max(max_retry_after, retry_after)
         self.clock = clock
@@ -246,10 +247,25 @@ class TieredStore(Store):
         return out
 
     def put_record(self, name: str, record: dict) -> None:
-        self._written(self._each("put_record", name, record, write=True), f"store record {name}")
+        """Records are the documents themselves, not a cache: when the store has a lasting tier (disk, Redis), one of
+        them must take the record, or a restart would lose a document whose upload was acknowledged."""
+        answers = self._each("put_record", name, record, write=True)
+        lasting = [(i, r) for i, r in answers if self.tiers[i].lasting]
+        if answers and not lasting and any(tier.lasting for tier in self.tiers):
+            for i, _ in answers:  # not kept in memory either: it would seem stored until the restart
+                self._call(i, self.tiers[i].delete_record, name, write=True)
+            answers = []
+        self._written(answers, f"store record {name}")
 
     def delete_record(self, name: str) -> bool:
-        return any(bool(r) for _, r in self._each("delete_record", name, write=True))
+        """Deleted from every tier, or TierUnavailable: a tier that is down keeps its copy, and would bring the
+        record back into the others on a later read."""
+        answers = self._each("delete_record", name, write=True)
+        missed = [self.tiers[i].name for i in range(len(self.tiers)) if i not in {j for j, _ in answers}]
+        if missed:
+            raise TierUnavailable(f"record {name} may still be in store tier(s) {', '.join(missed)}, which did not answer; "
+                                  "delete it again when they are back")
+        return any(bool(r) for _, r in answers)
 
     def record_names(self, prefix: str = "") -> list[str]:
         names: set[str] = set()

@@ -13,7 +13,7 @@ import threading
 
 import pytest
 
-from ragcache.errors import CorruptEntry
+from ragcache.errors import CorruptEntry, StoreError
 from ragcache.store.base import TierUnavailable
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
@@ -21,7 +21,7 @@ from ragcache.store.memory import MemoryStore
 from ragcache.store.redis_tier import RedisStore
 from ragcache.store.tiered import TieredStore
 from tests.redis_server import redis_server, redis_url  # noqa: F401  (fixtures)
-from tests.test_store import make_entry, same_bits, warnings_of
+from tests.test_store import Flaky, make_entry, same_bits, warnings_of
 
 
 def _planted(key: str, entry: ChunkKV) -> bytes:
@@ -179,6 +179,61 @@ def test_a_record_in_a_tier_that_is_down_is_unavailable_not_unknown():
     store.tiers[0].put_record("doc/abc", {"text": "t"})
     assert store.get_record("doc/abc") == {"text": "t"}  # a tier that answers is enough
     assert TieredStore([MemoryStore(), MemoryStore()]).get_record("doc/abc") is None  # everyone answered: unknown
+
+
+class _Far(Flaky):
+    """A lasting tier (like Redis) that can go away."""
+
+    name = "far"
+    lasting = True
+
+    def put_record(self, name, record):
+        self._check()
+        return super().put_record(name, record)
+
+    def delete_record(self, name):
+        self._check()
+        return super().delete_record(name)
+
+
+def test_a_record_deleted_while_a_tier_is_down_is_not_reported_deleted():
+    """The tier that is down keeps its copy and a later read brings it back: the delete must fail, not say done."""
+    now = [0.0]
+    far = _Far()
+    store = TieredStore([MemoryStore(), far], retry_after=5.0, clock=lambda: now[0])
+    store.put_record("doc/abc", {"text": "t"})
+    far.broken = True
+    with pytest.raises(TierUnavailable, match="delete it again"):
+        store.delete_record("doc/abc")
+    far.broken, now[0] = False, now[0] + 10
+    assert store.get_record("doc/abc") == {"text": "t"}  # still there, as the error said
+    assert store.delete_record("doc/abc") and store.get_record("doc/abc") is None
+    assert far.get_record("doc/abc") is None
+
+
+def test_a_record_only_memory_took_is_refused_and_not_kept():
+    """An upload acknowledged from memory alone would be lost on a restart."""
+    far = _Far()
+    store = TieredStore([MemoryStore(), far])
+    far.broken = True
+    with pytest.raises(StoreError, match="record doc/abc"):
+        store.put_record("doc/abc", {"text": "t"})
+    assert store.tiers[0].get_record("doc/abc") is None
+    memory_only = TieredStore([MemoryStore(), MemoryStore()])
+    memory_only.put_record("doc/abc", {"text": "t"})  # nothing lasts there anyway: memory is enough
+    assert memory_only.get_record("doc/abc") == {"text": "t"}
+
+
+def test_a_record_is_synced_to_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """A record renamed into place unsynced can be empty after a power loss: an acknowledged document lost."""
+    import ragcache.store.disk as disk_module
+
+    order = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(disk_module.os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(disk_module.os, "replace", lambda a, b: (order.append("replace"), real_replace(a, b))[1])
+    DiskStore(tmp_path).put_record("doc/abc", {"text": "t"})
+    assert order == ["fsync", "replace"]
 
 
 def test_an_evicting_redis_policy_is_warned_about(redis_url, caplog):
