@@ -121,8 +121,11 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise BadRequest(f"{f}:{n}: not JSON ({exc.msg})") from exc
-                    if field not in row:
-                        raise BadRequest(f"{f}:{n}: no field {field!r} (use --jsonl FIELD)")
+                    if not isinstance(row, dict) or field not in row:
+                        raise BadRequest(f"{f}:{n}: no field {field!r} (each line must be a JSON object; "
+                                         "use --jsonl FIELD to read another field)")
+                    if not isinstance(row[field], str):
+                        raise BadRequest(f"{f}:{n}: field {field!r} is {type(row[field]).__name__}, not text")
                     docs.append((row[field], {"source": f"{f}:{n}"}))
         elif f.suffix == ".pdf":
             docs.append((_pdf_text(f), {"source": str(f)}))
@@ -244,7 +247,10 @@ def query(
         for piece in result:
             if stream and not as_json:
                 console.print(piece, end="", soft_wrap=True, highlight=False)
-    except RagCacheError as exc:
+    except KeyboardInterrupt:
+        err.print("[yellow]interrupted[/yellow]")
+        raise typer.Exit(130)
+    except (RagCacheError, OSError) as exc:  # OSError: a --doc file that cannot be read
         _fail(exc)
     answer = result.answer
     if as_json:

@@ -123,7 +123,14 @@ def test_inputs_are_checked_before_the_model_loads(tmp_path):
     assert odd.returncode == 3 and "slides.pptx" in odd.stderr and "skipping 1 file" in odd.stderr
     where = ragcache("calibrate", "--at", "middle", cwd=tmp_path, check=False)
     assert where.returncode == 3 and "--at must be one of first, content" in where.stderr
-    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd, where))
+    rows = []
+    for name, line in (("string", '"a line whose text is not an object"'), ("number", '{"text": 42}')):
+        (tmp_path / f"{name}.jsonl").write_text('{"text": "a fine first line"}\n' + line + "\n")
+        rows.append(ragcache("compile", str(tmp_path / f"{name}.jsonl"), "--store", "memory:", cwd=tmp_path,
+                             check=False))
+    assert all(run.returncode == 3 and "Traceback" not in run.stderr for run in rows)
+    assert ":2: no field 'text'" in rows[0].stderr and "is int, not text" in rows[1].stderr
+    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd, where, *rows))
 
 
 def test_demo_models_and_config(tmp_path):
