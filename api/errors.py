@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ragcache.errors import (BadRequest, ModelFetchError, PromptTooLong, RagCacheError, StoreError, UnknownDocument,
-                             UnsupportedModel)
+from ragcache.errors import (BadRequest, CorruptDocument, ModelFetchError, PromptTooLong, RagCacheError, StoreError,
+                             UnknownDocument, UnsupportedModel)
 
 log = logging.getLogger("ragcache.api")
 
@@ -24,7 +24,8 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (PromptTooLong, 413),
     (BadRequest, 422),  # empty input, unknown algorithm, a parameter out of range
     (UnsupportedModel, 400),
-    (StoreError, 503),  # a store tier that is down, a corrupt record: retry, or repair the store
+    (CorruptDocument, 500),  # damaged in the store: a retry cannot help (no Retry-After); adding the text again does
+    (StoreError, 503),  # a store tier that is down: retry
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from ragcache.engine import Answer, CompileReport
-from ragcache.errors import UnknownDocument
+from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.store.keys import is_document_id
 
 from .answering import Ask, ClientGone, Context, ctx
@@ -96,7 +96,11 @@ def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = 
     ids = sorted(c.rc.document_ids())
     page = []
     for doc_id in ids[offset: offset + limit]:
-        record = c.rc.document(doc_id)
+        try:
+            record = c.rc.document(doc_id)
+        except CorruptDocument as exc:  # one damaged record must not hide the others
+            page.append(DocumentSummary(id=doc_id, chars=0, metadata={}, problem=str(exc)))
+            continue
         if record is not None:  # deleted meanwhile
             page.append(DocumentSummary(id=doc_id, chars=len(record["text"]), metadata=record.get("meta") or {},
                                         created=record.get("created")))

@@ -105,6 +105,7 @@ class DocumentSummary(BaseModel):
     chars: int
     metadata: dict[str, Any]
     created: float | None = None
+    problem: str | None = None  # why the stored record cannot be read (it is listed, so that it can be repaired)
 
 
 class DocumentPage(BaseModel):

@@ -772,6 +772,22 @@ def test_a_record_in_a_store_tier_that_is_down_is_503_with_retry_after(smollm2):
         assert error["type"] == "tier_unavailable" and r.headers["retry-after"] == "5"
 
 
+def test_a_corrupt_document_record_is_listed_with_its_problem_and_is_not_retried(smollm2, tmp_path):
+    """A damaged record is not a tier that is down: no Retry-After, and the listing still shows every document."""
+    rc = RagCache(smollm2, open_store(f"disk:{tmp_path}"))
+    good, bad = rc.compile(["Zebras run.", "The sky over Kessel Bay is grey."])
+    path = tmp_path / "records" / f"doc__{bad}.json"
+    path.write_text(path.read_text().replace("grey", "blue"))
+    with serve(rc) as s:
+        page = httpx.get(f"{s.url}/v1/documents").json()
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": [bad], "max_tokens": 1})
+    listed = {d["id"]: d for d in page["data"]}
+    assert page["total"] == 2 and listed[good]["problem"] is None and listed[good]["chars"] == len("Zebras run.")
+    assert "add the document's text again" in listed[bad]["problem"]
+    error = error_of(r, 500, "add the document's text again")
+    assert error["type"] == "corrupt_document" and "retry-after" not in r.headers
+
+
 # -- the accuracy guard -----------------------------------------------------------------------------------------------
 def test_guard_counters_move_on_a_real_server(rc, doc_ids):
     with serve(rc, guard_rate=1.0) as s:
