@@ -16,6 +16,7 @@ import asyncio
 import time
 
 from starlette.requests import Request
+from starlette.responses import StreamingResponse
 
 from ragcache.engine import Stream
 
@@ -77,10 +78,14 @@ class Slot:
         """Run fn(*args) in a worker thread (the model work in it queues on the scheduler). If the caller is
         cancelled the call still finishes, and keeps the slot until it has."""
         self.hold()
-        try:
-            return await asyncio.shield(asyncio.ensure_future(asyncio.to_thread(fn, *args)))
-        finally:
-            self._job_done()
+        job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        job.add_done_callback(self._call_done)  # not a `finally`: a cancelled caller leaves before the thread does
+        return await asyncio.shield(job)
+
+    def _call_done(self, job: asyncio.Future) -> None:
+        if not job.cancelled():
+            job.exception()  # a caller that left never reads it: asyncio would log it as never retrieved
+        self._job_done()
 
     @property
     def queue_s(self) -> float:
@@ -162,3 +167,20 @@ class Generation:
             self.watcher.cancel()
         self.slot.queue.live.discard(self)
         self.slot.close()
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events from a Generation. Its slot is freed when the response ends however it ends: Starlette may
+    cancel a response whose client left before the body started, and then the body's own `finally` never runs."""
+
+    HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+    def __init__(self, gen: Generation, content):
+        super().__init__(content, media_type="text/event-stream", headers=self.HEADERS)
+        self.generation = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.generation.close()

@@ -7,21 +7,19 @@ import json
 from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import StreamingResponse
 
 from ragcache.engine import Answer, CompileReport
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.store.keys import is_document_id
 
 from .answering import Ask, ClientGone, Context, ctx
-from .engine_queue import Generation, wait_for_disconnect
+from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import describe, invalid, payload_too_large
 from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
                       DocumentSummary, InfillRequest, InfillResponse, QueryRequest, QueryResponse, Timings, Usage)
 
 router = APIRouter(prefix="/v1", tags=["native"])
 MAX_METADATA_CHARS = 65_536
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -150,7 +148,7 @@ async def query(body: QueryRequest, request: Request):
         answer, queue_s = await c.answer(request, ask)
         return query_response(answer, queue_s)
     gen, first = await c.start(request, ask)
-    return StreamingResponse(_query_events(c, gen, first), media_type="text/event-stream", headers=SSE_HEADERS)
+    return EventStream(gen, _query_events(c, gen, first))
 
 
 async def _query_events(c: Context, gen: Generation, first, respond=query_response):
@@ -201,5 +199,4 @@ async def infill(body: InfillRequest, request: Request):
     if not body.stream:
         answer, queue_s = await c.collect(gen, first)
         return infill_response(answer, queue_s)
-    return StreamingResponse(_query_events(c, gen, first, infill_response), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return EventStream(gen, _query_events(c, gen, first, infill_response))

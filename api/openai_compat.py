@@ -13,14 +13,13 @@ from collections.abc import Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from ragcache.engine import Answer
 
 from .answering import Ask, Context, ctx
-from .engine_queue import Generation
+from .engine_queue import EventStream, Generation
 from .errors import ApiError, describe
-from .native import SSE_DONE, SSE_HEADERS, sse
+from .native import SSE_DONE, sse
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -106,8 +105,7 @@ async def completions(body: CompletionRequest, request: Request):
         return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
 
     gen, first = await c.start(request, ask)
-    return StreamingResponse(_chunks(c, gen, first, base, choice, None, body), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return EventStream(gen, _chunks(c, gen, first, base, choice, None, body))
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -155,8 +153,7 @@ async def chat_completions(body: ChatRequest, request: Request):
     gen, first = await c.start(request, ask)
     opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     base["object"] = "chat.completion.chunk"
-    return StreamingResponse(_chunks(c, gen, first, base, choice, opening, body), media_type="text/event-stream",
-                             headers=SSE_HEADERS)
+    return EventStream(gen, _chunks(c, gen, first, base, choice, opening, body))
 
 
 async def _chunks(c: Context, gen: Generation, first, base: dict, choice: Callable[[str | None, str | None], dict],

@@ -3,6 +3,7 @@ a disk store in a temp folder, httpx and the official openai client as clients."
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -503,6 +504,62 @@ class StepPermits:
     def open(self) -> None:
         self.opened = True
         self.permits.release(1000)
+
+
+def test_a_cancelled_caller_keeps_the_slot_until_its_thread_finishes():
+    """uvicorn cancels request tasks at shutdown: the compile or delete they started still runs, and holds its slot
+    (and its queue place) until it is done."""
+    import threading
+
+    from ragcache.api.engine_queue import EngineQueue
+
+    async def scenario():
+        queue, release = EngineQueue(max_queue=1), threading.Event()
+        slot = queue.admit()
+        caller = asyncio.ensure_future(slot.call(release.wait))
+        while slot.jobs == 0 or not slot.started:
+            await asyncio.sleep(0)
+        caller.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await caller
+        slot.close()
+        held_while_running = queue.depth
+        release.set()
+        while queue.depth:  # freed when the thread returns, with no timing in the assertion
+            await asyncio.sleep(0.01)
+        return held_while_running
+
+    assert asyncio.run(scenario()) == 1
+
+
+def test_an_event_stream_frees_its_generation_when_the_body_never_starts():
+    """The client is gone before the first byte: the response fails on its first send, and the body generator (whose
+    `finally` closes the generation) is never entered."""
+    from ragcache.api.engine_queue import EventStream
+
+    class Gen:
+        closed = 0
+
+        def close(self):
+            self.closed += 1
+
+    entered = []
+
+    async def body():
+        entered.append(True)
+        yield "data: x\n\n"
+
+    async def receive():
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        raise OSError("connection reset")
+
+    gen = Gen()
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.4"}, "method": "POST", "path": "/"}
+    with pytest.raises(Exception):
+        asyncio.run(EventStream(gen, body())(scope, receive, send))
+    assert gen.closed == 1 and not entered
 
 
 def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
