@@ -29,6 +29,14 @@ MAX_STOP = 16
 MAX_STOP_CHARS = 256
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """A request's stop strings as a list, bounded: each one is searched for after every generated token."""
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
+        raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", param="stop")
+    return stop
+
+
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
 
@@ -94,10 +102,7 @@ class Context:
         if max_tokens > s.max_new_tokens_limit:
             raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
                           param="max_tokens", limit=s.max_new_tokens_limit)
-        stop = [ask.stop] if isinstance(ask.stop, str) else list(ask.stop or [])
-        if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
-            raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters",
-                          param="stop")
+        stop = stop_strings(ask.stop)
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
         return dict(question=ask.question, docs=docs, system=ask.system or None,
                     algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
@@ -114,8 +119,8 @@ class Context:
                            ) -> tuple[Generation, tuple[str, object]]:
         """`start` for any engine Stream (answers, infills)."""
         slot = self.queue.admit()
-        try:
-            stream = make_stream()  # validates sampling parameters; the model work starts on the engine
+        try:  # validates the parameters and tokenizes (an infill prompt can be 400k characters): not on the loop
+            stream = await asyncio.to_thread(make_stream)
         except BaseException:
             slot.close()
             raise

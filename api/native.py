@@ -12,7 +12,7 @@ from ragcache.engine import Answer, CompileReport
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.store.keys import is_document_id
 
-from .answering import Ask, ClientGone, Context, ctx
+from .answering import Ask, ClientGone, Context, ctx, stop_strings
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import describe, invalid, payload_too_large
 from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
@@ -188,7 +188,7 @@ async def infill(body: InfillRequest, request: Request):
     if max_tokens > s.max_new_tokens_limit:
         raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
                       param="max_tokens", limit=s.max_new_tokens_limit)
-    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    stop = stop_strings(body.stop)
 
     def make_stream():
         return c.rc.infill_stream(body.prefix, body.suffix, session=body.session, mode=body.mode, reuse=body.reuse,

@@ -562,6 +562,22 @@ def test_an_event_stream_frees_its_generation_when_the_body_never_starts():
     assert gen.closed == 1 and not entered
 
 
+def test_a_stream_is_made_off_the_event_loop(rc, doc_ids, monkeypatch):
+    """Making a stream tokenizes the prompt; on the loop it would stall every other stream and /health meanwhile."""
+    made_on, real = [], rc.stream
+
+    def stream(*args, **kwargs):
+        made_on.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rc, "stream", stream)
+    with serve(rc) as s:
+        r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:1], "max_tokens": 1},
+                       timeout=300)
+    assert r.status_code == 200, r.text
+    assert len(made_on) == 1 and made_on[0].startswith("asyncio_")  # asyncio.to_thread's workers
+
+
 def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
     """A stream that has sent tokens, then loses its client: the scheduler drops it at its next step."""
     body = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000, "stream": True}

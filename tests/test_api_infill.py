@@ -50,6 +50,8 @@ def test_infill_streams_the_same_text(http):
     ({"prefix": "a", "mode": "xyz"}, 422, ""),
     ({"prefix": "a", "max_tokens": 0}, 422, ""),
     ({"prefix": "a", "unknown": 1}, 422, ""),
+    ({"prefix": "a", "stop": ["s"] * 17}, 422, "stop takes at most"),
+    ({"prefix": "a", "stop": "s" * 257}, 422, "stop takes at most"),
 ])
 def test_infill_bad_input(http, body, status, message):
     r = http.post("/v1/infill", json=body)
