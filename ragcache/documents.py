@@ -166,15 +166,16 @@ class Documents:
         unique = list(dict.fromkeys(doc_ids))
         names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
         records = dict(zip(names, self._records(names)))
-        chunks_by_id, unknown = {}, []
-        for d in unique:
-            doc = _sound_document(d, records[doc_name(d)])
-            if doc is None:
-                unknown.append(d)
-                continue
-            chunks_by_id[d] = self._chunks(doc, records.get(chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)))
+        docs = {d: _sound_document(d, records[doc_name(d)]) for d in unique}
+        unknown = [d for d, doc in docs.items() if doc is None]
         if unknown:
             raise UnknownDocument(unknown)
+        # documents compiled at another budget (`compile --chunk-tokens`): their chunk records in a second read
+        other = [chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens) for d, doc in docs.items()]
+        other = [name for name in other if name not in records]
+        records.update(zip(other, self._records(other)) if other else ())
+        chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
+                        for d, doc in docs.items()}
         return [chunks_by_id[d] for d in doc_ids]
 
     def chunks_of(self, doc_id: str) -> list[list[int]]:

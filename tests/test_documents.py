@@ -135,6 +135,17 @@ def test_ensure_reads_once_and_compiles_each_missing_chunk_once():
     assert store.contains_many([_entry([5, 6])[0]]) == [True]
 
 
+def test_a_document_chunked_at_another_budget_is_not_chunked_again_on_every_read():
+    store = MemoryStore()
+    doc_id = docs_over(store, budget=8).add(TEXTS[1])
+    truth = docs_over(store, budget=8).chunks_of(doc_id)
+    writes, real = [], store.put_record
+    store.put_record = lambda name, record: (writes.append(name), real(name, record))[1]
+    reader = docs_over(store, budget=16)  # a server started with another --chunk-tokens
+    assert reader.chunks_of(doc_id) == reader.resolve([doc_id, doc_id])[1] == truth  # the document's own budget
+    assert writes == []
+
+
 def test_delete_keeps_entries_another_document_shares():
     store = MemoryStore()
     docs = docs_over(store, budget=4)
