@@ -182,7 +182,6 @@ class DiskStore(BlobStore):
         self.evict()
 
     def _write_file(self, key: str, blob: bytes) -> None:
-        self._path(key).parent.mkdir(exist_ok=True)
         self._replace(self._path(key), blob, f"entry {key[:12]}")
 
     def _replace(self, path: Path, data: bytes, what: str) -> None:
@@ -190,6 +189,7 @@ class DiskStore(BlobStore):
         leaves the old file or the new one, never an empty or torn one."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
+            path.parent.mkdir(exist_ok=True)
             with open(tmp, "wb") as fh:
                 fh.write(data)
                 fh.flush()
