@@ -156,10 +156,11 @@ class Scheduler:
             if gate is not None:
                 gate.wait()
             try:
-                self._run_calls()
-                self._admit()
-                if self.running:
-                    self._step()
+                with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's included
+                    self._run_calls()
+                    self._admit()
+                    if self.running:
+                        self._step()
             except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
                 log.exception("the scheduler failed a step")
                 self._fail_all(exc)
@@ -205,7 +206,6 @@ class Scheduler:
             request.emit("error", exc)
             self._leave(request)
 
-    @torch.inference_mode()
     def _begin_link(self, request: Request) -> torch.Tensor | None:
         """Place what the request reuses and plan its rows; the last row's logits if it is linked already."""
         request.link_started = time.perf_counter()
@@ -223,7 +223,6 @@ class Scheduler:
         self._linked(request, last_logits)
         return last_logits
 
-    @torch.inference_mode()
     def _step(self) -> None:
         self.running = [r for r in self.running if not self._dropped(r)]
         if not self.running:

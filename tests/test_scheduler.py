@@ -149,6 +149,31 @@ def test_a_request_joins_while_another_decodes(rc):
     assert_same(joiner, single_second)
 
 
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_each_algorithm_joins_while_others_decode(rc, algorithm):
+    """Every algorithm admitted while three requests decode in the pool (cacheblend links in a forward of its own
+    at admission, then moves its cache into the free fourth slot of a pool in use)."""
+    decoders = [ask(rc, "naive", 0, slice(0, 3), max_new_tokens=24), ask(rc, "full", 1, slice(0, 2), max_new_tokens=24),
+                ask(rc, "legolink", 3, slice(0, 3), max_new_tokens=24)]
+    joining = ask(rc, algorithm, 2, slice(1, 3), max_new_tokens=6)
+    singles = [alone(rc, **kw) for kw in decoders]
+    single_joiner = alone(rc, **joining)
+    joiner = Run(rc, **joining)
+
+    def join_when_three_decode(run: Run, kind: str) -> None:
+        if kind == "piece" and len(rc.runner.pool.members) == 3 and not joiner.kinds:
+            joiner.kinds.append("opened")
+            joiner.open()  # on the scheduler thread: admitted at the next step, while the others decode
+
+    runs = together(rc, [Run(rc, on_event=join_when_three_decode, **kw) for kw in decoders])
+    assert joiner.kinds, "the three requests never decoded at the same time"
+    joiner.wait()
+    assert joiner.kinds[-1] == "done", getattr(joiner, "error", None)
+    assert_same(joiner, single_joiner)
+    for run, single in zip(runs, singles):
+        assert_same(run, single)
+
+
 def test_a_request_cancelled_in_the_middle_of_a_batch(rc):
     asks = [ask(rc, "legolink", 0, max_new_tokens=10), ask(rc, "full", 1, max_new_tokens=10), ask(rc, "naive", 2)]
     singles = [alone(rc, **kw) for kw in asks]
