@@ -117,7 +117,31 @@ def install(app: FastAPI) -> None:
         retry = RETRY_AFTER_S.get(status)
         return JSONResponse(body, status_code=status, headers={"Retry-After": retry} if retry else None)
 
-    @app.exception_handler(Exception)
-    async def on_unexpected(request: Request, exc: Exception) -> JSONResponse:
-        status, body = describe(exc)
-        return JSONResponse(body, status_code=status)
+    app.add_middleware(Unexpected)
+
+
+class Unexpected:
+    """Answers an unexpected error with a logged JSON 500 and keeps the connection. (Starlette's handler for
+    `Exception` re-raises after its response, and uvicorn then closes the connection: the client's next request on
+    it failed too.) An error after the response started cannot be answered: it is raised, and the connection ends."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracked_send(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracked_send)
+        except Exception as exc:  # noqa: BLE001 - any error of a route is one 500, never the whole server
+            if started:
+                raise
+            status, body = describe(exc)
+            await JSONResponse(body, status_code=status)(scope, receive, send)
