@@ -18,6 +18,8 @@ log = logging.getLogger("ragcache.api")
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
+METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})  # any other is "other": a
+# label per made-up method would grow the registry without bound
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # store.stats() field -> (metric suffix, help, counter?)
@@ -161,4 +163,5 @@ class MetricsMiddleware:
             await self.app(scope, receive, send_wrapper)
         finally:
             route = getattr(scope.get("route"), "path", None) or "unmatched"
-            self.metrics.observe_request(route, scope["method"], status, time.perf_counter() - started)
+            method = scope["method"] if scope["method"] in METHODS else "other"
+            self.metrics.observe_request(route, method, status, time.perf_counter() - started)

@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | serve | accuracy | codecs | peers | markdown | squad-sample
+"""python -m bench ttft | lower-bound | throughput | serve | soak | accuracy | codecs | peers | markdown | squad-sample
 (each: --help)."""
 
 from __future__ import annotations
@@ -227,6 +227,32 @@ def markdown(files: list[Path] = typer.Argument(..., help="result JSON files (be
             print(f"{path}: not a result of ttft, lower-bound, throughput, accuracy, codecs or peers\n")
             continue
         print(f"### {path.name}\n\n{render(data)}\n")
+
+
+@app.command()
+def soak(
+    model: str = Model,
+    clients: int = typer.Option(8, min=1, help="concurrent clients, each on its own keep-alive connection"),
+    minutes: float = typer.Option(10.0, min=0.1, help="how long the load runs"),
+    distinct: int = typer.Option(28, min=1, help="distinct requests (each algorithm in turn), asked serially first"),
+    pool: int = typer.Option(12, min=4, help="documents in the pool"),
+    doc_tokens: int = typer.Option(128, help="tokens per document"),
+    max_tokens: int = typer.Option(12, min=1, help="tokens generated per request"),
+    abandon_every: int = typer.Option(10, min=0, help="every n-th request is a stream dropped after its first "
+                                      "event (0: none)"),
+    algorithms: str = typer.Option(",".join(("focus", "naive", "cacheblend", "legolink", "legolink0", "full",
+                                             "prefix")), help="comma-separated"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Mixed algorithms from C clients for a fixed time: req/s, p50/p99, 5xx, connection errors, answers unlike
+    the serial baseline, and the server's RSS over time."""
+    from bench import soak as mod
+
+    names = tuple(a.strip() for a in algorithms.split(",") if a.strip())
+    if bad := [a for a in names if a not in mod.ALGORITHMS]:
+        raise typer.BadParameter(f"unknown algorithm(s) {bad}: {', '.join(mod.ALGORITHMS)}")
+    mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag)
 
 
 @app.command("squad-sample")

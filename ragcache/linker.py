@@ -123,9 +123,9 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
-    reused = _place(runner, parts, params, cache, prefix_cache)
+    reused = place(runner, parts, params, cache, prefix_cache)
     focus = params.algorithm == "focus" and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
-    scores = _question_attention(runner, parts, cache).sum(0) if focus else None
+    scores = question_attention(runner, parts, cache).sum(0) if focus else None
     rows, narrow = _rows(parts, params, length, reused, scores)
     return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
 
@@ -145,12 +145,12 @@ def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     """Link one request alone, all its rows in one forward (the scheduler packs pieces of many instead)."""
     p = plan(runner, parts, params, extra_capacity, prefix_cache)
     started = time.perf_counter()
-    hidden, rows = _recompute(runner, p.token_ids, p.rows, p.cache, p.narrow)
+    hidden, rows = recompute(runner, p.token_ids, p.rows, p.cache, p.narrow)
     last_logits = runner.logits(hidden[0, -1:])[0]
     return finish(p, last_logits, int(rows.numel()), time.perf_counter() - started, params, prefix_cache)
 
 
-def _place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
+def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
            prefix_cache: PrefixCache | None) -> int:
     """Fill the joined cache with what the algorithm reuses; return the length of the exact prefix reused."""
     if params.algorithm == "full":
@@ -185,13 +185,13 @@ def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int,
         heads = [torch.arange(s, s + min(params.k, len(ids))) for s, ids in zip(starts, parts.chunk_ids)]
         return torch.cat([*heads, question]), None
     if algorithm == "focus":
-        return torch.cat([_focus_rows(parts, params.ratio, scores), question]), None
+        return torch.cat([focus_rows(parts, params.ratio, scores), question]), None
     chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))  # cacheblend
     return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio,
                                                         params.deviation)
 
 
-def _focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
+def focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
     """Every chunk's first FOCUS_SINKS rows, then the best-scored chunk rows, ceil(ratio * chunk tokens) in all."""
     spans = [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
     if not spans:
@@ -205,7 +205,7 @@ def _focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.T
     return torch.cat([sinks, picked]).sort().values
 
 
-def _question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> torch.Tensor:
+def question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> torch.Tensor:
     """Per layer and position, the attention weight the question's rows give it over a naive pass (softmax summed
     over heads and question rows; ProphetKV / A^3 score chunk tokens by the query's attention): [layers, length].
     The pass writes the question's K/V into `cache`; the recompute that follows overwrites them."""
@@ -244,7 +244,7 @@ class Narrowing:
     deviation: str = "key"
 
 
-def _recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
+def recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
                narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer."""
     batch, positions = runner.batch([(cache, rows)])

@@ -15,6 +15,9 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +30,23 @@ import ragcache.kernels as kernels
 from .models import LoadedModel
 
 ATTENTION_NAME = "ragcache"
+# oneDNN, which runs torch's CPU matmuls in bf16, keeps a compiled primitive per matmul shape (1,024 by default),
+# and every row count of a packed step is a new shape: under mixed traffic a server's memory grew by about 1 MiB a
+# request. A few shapes cover steady decoding; a miss costs less than the noise of a step (bench soak).
+ONEDNN_PRIMITIVE_CACHE = 16
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
+
+
+def bound_native_caches() -> None:
+    """Before the model's first matmul: bound oneDNN's primitive cache, unless the user chose a size."""
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
+
+
+def return_free_memory() -> None:
+    """Give the allocator's free pages back to the system (glibc keeps them in per-thread arenas otherwise)."""
+    trim = getattr(_LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
 
 
 def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
@@ -246,6 +266,7 @@ class Runner:
     """The model, seen as: embed rows -> layer i over rows -> final logits."""
 
     def __init__(self, lm: LoadedModel):
+        bound_native_caches()
         self.lm = lm
         model = lm.model
         config = model.config

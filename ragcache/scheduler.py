@@ -33,10 +33,11 @@ from . import linker
 from .generate import Decoding
 from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
-from .runner import JoinedCache, Runner
+from .runner import JoinedCache, Runner, return_free_memory
 
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
 IDLE_EXIT_S = 5.0  # an idle scheduler thread ends (and starts again with the next request)
+TRIM_EVERY_STEPS = 256  # the allocator's free pages go back to the system this often (a few ms), and when idle
 log = logging.getLogger("ragcache")
 _LIVE: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()
 
@@ -148,6 +149,7 @@ class Scheduler:
                 while not (self._has_work() or self._stopping):
                     if not self._wakeup.wait(IDLE_EXIT_S) and not self._has_work():
                         self._thread = None  # idle: end; `submit`/`call` start a new thread (under this lock)
+                        return_free_memory()
                         return
                 if self._stopping:
                     self._thread = None
@@ -217,7 +219,7 @@ class Scheduler:
             return None
         # A Narrowing keeps a subset of rows after a layer, chosen over every row at that layer: it runs as one
         # forward of its own here, not in pieces.
-        hidden, rows = linker._recompute(self.runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+        hidden, rows = linker.recompute(self.runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
         request.recomputed = int(rows.numel())
         last_logits = self.runner.logits(hidden[0, -1:])[0]
         self._linked(request, last_logits)
@@ -272,6 +274,8 @@ class Scheduler:
     def _count(self, rows: int, decode_rows: int, seconds: float) -> None:
         stats = self.stats
         stats.steps += 1
+        if stats.steps % TRIM_EVERY_STEPS == 0:
+            return_free_memory()
         stats.decode_rows += decode_rows
         stats.link_rows += rows - decode_rows
         stats.step_s += seconds

@@ -30,14 +30,14 @@ from hypothesis import strategies as st
 from ragcache.api.app import create_app
 from ragcache.engine import RagCache
 from ragcache.linker import ALGORITHMS
-from ragcache.settings import Settings
+from ragcache.settings import DATA_DIR, Settings
 from ragcache.store import open_store
 from ragcache.store.keys import document_id
 
 pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[1]
-DOC_FILES = [ROOT / "examples" / "data" / "docs" / f"{name}.txt" for name in ("lighthouse", "bridge", "orchard")]
+DOC_FILES = [DATA_DIR / "docs" / f"{name}.txt" for name in ("lighthouse", "bridge", "orchard")]
 QUESTION = "How tall is the Harrow Point lighthouse?"
 MAX_TOKENS = 3  # keep generation short: every test runs on two CPU cores
 
@@ -655,6 +655,10 @@ def test_metrics_content(http, doc_ids):
     assert metric(text, "ragcache_store_written_bytes_total", tier="disk") > 0
     assert re.search(r'^ragcache_store_tier_up\{tier="disk"\} 1\.0$', text, re.M)
     assert 'route="/v1/documents/{doc_id}"' in text  # routes by template, not by id
+    for made_up in ("FROB1", "FROB2"):  # a method label per made-up method would grow the registry without bound
+        http.request(made_up, "/v1/query")
+    text = http.get("/metrics").text
+    assert "FROB" not in text and metric(text, "ragcache_http_requests_total", method="other") >= 2
 
 
 def test_metrics_of_a_tiered_store(smollm2, tmp_path):

@@ -170,6 +170,6 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
     def scored(*_):
         raise AssertionError("the pre-pass ran with no chunks to score")
 
-    monkeypatch.setattr(linker, "_question_attention", scored)
+    monkeypatch.setattr(linker, "question_attention", scored)
     linked = rc.link("How tall is it?", docs=[], algorithm="focus")
     assert torch.equal(linked.last_logits, rc.link("How tall is it?", docs=[], algorithm="naive").last_logits)

@@ -1,0 +1,151 @@
+"""Soak: mixed algorithms from C clients against a real `ragcache serve` for a fixed time, watching what breaks.
+
+    python -m bench soak --model smollm2-135m --clients 8 --minutes 10
+
+`ragcache serve` runs in a subprocess on a free loopback port with a disk store in a temporary folder. A fixed set
+of distinct requests (a question, 2-4 documents of a pool, an algorithm: every algorithm in turn) is first asked
+once each, serially: that is the baseline. Then C client threads, each on its own keep-alive connection, take
+request numbers round-robin until the time is up; every `--abandon-every`-th request is a stream the client drops
+after its first event. Reported: requests/s, p50/p99 latency, 5xx, connection errors (resets, refused), answers
+that differ from the serial baseline (per algorithm), and the server's RSS sampled every few seconds, with its
+drift over the last half of the run. Writes bench/results/soak-<model>[-tag].json.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+from . import report, squad, throughput
+
+ALGORITHMS = ("focus", "naive", "cacheblend", "legolink", "legolink0", "full", "prefix")
+RSS_EVERY_S = 5.0
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def requests(pool: list[str], questions: list[str], distinct: int, algorithms: tuple[str, ...],
+             max_tokens: int) -> list[dict]:
+    return [dict(question=questions[i % len(questions)], documents=throughput.draw(pool, i, (2, 4)),
+                 algorithm=algorithms[i % len(algorithms)], max_tokens=max_tokens) for i in range(distinct)]
+
+
+def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int, doc_tokens: int, max_tokens: int,
+        abandon_every: int, algorithms: tuple[str, ...], out_dir: Path | None = None, tag: str = "") -> dict:
+    import httpx
+    from transformers import AutoTokenizer
+
+    from ragcache import models
+
+    params = dict(model=model, clients=clients, seconds=seconds, distinct=distinct, pool=pool_size,
+                  doc_tokens=doc_tokens, max_tokens=max_tokens, abandon_every=abandon_every,
+                  algorithms=list(algorithms), tag=tag)
+    bench = report.Run("soak", params, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
+    texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
+    with tempfile.TemporaryDirectory(prefix="ragcache-soak-") as store:
+        server = throughput.Server(model, f"disk:{store}", max_queue=4 * clients)
+        try:
+            with httpx.Client(base_url=server.url, timeout=900) as client:
+                pool = throughput.upload(client, texts)
+                bodies = requests(pool, squad.timing_questions(distinct), distinct, algorithms, max_tokens)
+                baseline = [_answer(client, body) for body in bodies]
+            result = _load(server, bodies, baseline, clients, seconds, abandon_every)
+        finally:
+            server.stop()
+    _print(result)
+    paths = bench.finish([result])
+    return dict(result=result, paths=paths)
+
+
+def _answer(client, body: dict) -> str:
+    r = client.post("/v1/query", json=body)
+    r.raise_for_status()
+    return r.json()["answer"]
+
+
+def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], clients: int, seconds: float,
+          abandon_every: int) -> dict:
+    import httpx
+
+    counter, lock, stop = itertools.count(), threading.Lock(), threading.Event()
+    latencies: list[float] = []
+    status: Counter[int] = Counter()
+    wrong: Counter[str] = Counter()
+    asked: Counter[str] = Counter()
+    connection_errors: list[str] = []
+    abandoned = 0
+
+    def worker() -> None:
+        nonlocal abandoned
+        with httpx.Client(base_url=server.url, timeout=900) as client:
+            while not stop.is_set():
+                i = next(counter)
+                body = bodies[i % len(bodies)]
+                started = time.perf_counter()
+                try:
+                    if abandon_every and i % abandon_every == abandon_every - 1:
+                        with client.stream("POST", "/v1/query", json=dict(body, stream=True)) as r:
+                            next(r.iter_lines(), None)  # the first event, then the client leaves
+                        with lock:
+                            abandoned += 1
+                        continue
+                    r = client.post("/v1/query", json=body)
+                except httpx.HTTPError as exc:
+                    with lock:
+                        connection_errors.append(f"{type(exc).__name__}: {exc}")
+                    continue
+                with lock:
+                    status[r.status_code] += 1
+                    if r.status_code == 200:
+                        latencies.append(time.perf_counter() - started)
+                        asked[body["algorithm"]] += 1
+                        if r.json()["answer"] != baseline[i % len(bodies)]:
+                            wrong[body["algorithm"]] += 1
+
+    threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
+    started = time.perf_counter()
+    rss = [(0.0, rss_mib(server.proc.pid))]
+    for thread in threads:
+        thread.start()
+    while (elapsed := time.perf_counter() - started) < seconds:
+        time.sleep(min(RSS_EVERY_S, seconds - elapsed))
+        rss.append((round(time.perf_counter() - started, 1), rss_mib(server.proc.pid)))
+        print(f"{rss[-1][0]:7.0f} s  rss {rss[-1][1]:7.0f} MiB  answered {sum(status.values())}", file=sys.stderr,
+              flush=True)
+    stop.set()
+    for thread in threads:
+        thread.join()
+    wall = time.perf_counter() - started
+    late = [mib for t, mib in rss if t >= seconds / 2]
+    ordered = sorted(latencies)
+    return dict(clients=clients, wall_s=wall, answered=sum(status.values()), abandoned=abandoned,
+                requests_per_s=status[200] / wall, status={str(k): v for k, v in sorted(status.items())},
+                server_errors=sum(v for k, v in status.items() if k >= 500),
+                connection_errors=len(connection_errors), connection_error_samples=connection_errors[:5],
+                wrong_answers=dict(wrong), answers_by_algorithm=dict(asked),
+                p50_s=statistics.median(ordered) if ordered else None,
+                p99_s=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None,
+                rss_mib=rss, rss_late_drift=(max(late) - min(late)) / statistics.mean(late) if late else None)
+
+
+def _print(r: dict) -> None:
+    print(f"{r['answered']} answered in {r['wall_s']:.0f} s ({r['requests_per_s']:.2f} req/s), "
+          f"p50 {report.ms(r['p50_s'])} ms, p99 {report.ms(r['p99_s'])} ms; statuses {r['status']}; "
+          f"{r['connection_errors']} connection errors; {r['abandoned']} streams abandoned")
+    print(f"answers unlike the serial baseline: {r['wrong_answers'] or 'none'} of {r['answers_by_algorithm']}")
+    first, last = r["rss_mib"][0][1], r["rss_mib"][-1][1]
+    drift = r["rss_late_drift"]
+    print(f"server RSS {first:.0f} -> {last:.0f} MiB; drift over the last half "
+          f"{'n/a' if drift is None else f'{100 * drift:.1f}%'}")
