@@ -34,7 +34,7 @@ demo: setup
 	$(VENV)/bin/ragcache demo
 
 test: setup-test
-	$(PY) -m pytest -q -ra tests
+	$(PY) -m pytest -q -ra
 
 clean:
 	rm -rf $(VENV) .ragcache

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import agreement
+from research import rows as proto
 from ragcache import linker
 from ragcache.errors import ParameterOutOfRange
 from ragcache.linker import LinkParams, link
@@ -19,7 +20,7 @@ def _kept_rows(runner, parts, params: LinkParams) -> set[int]:
     """The chunk rows a cacheblend link keeps after its check layer (from the linker's own recompute)."""
     plan = linker.plan(runner, parts, params)
     with torch.inference_mode():
-        _, rows = linker._recompute(runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+        _, rows = linker.recompute(runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
     question = set(range(parts.token_ids.numel() - len(parts.question_ids), parts.token_ids.numel()))
     return set(rows.tolist()) - question
 
@@ -29,7 +30,7 @@ def _expected_rows(runner, parts, check_layer: int, ratio: float, tensor: str) -
     fresh values come from recomputing every row (cacheblend at ratio 1), the placed ones from naive."""
     every = link(runner, parts, LinkParams("cacheblend", ratio=1.0, check_layer=check_layer))
     placed = link(runner, parts, LinkParams("naive"))
-    rows = agreement.all_chunk_rows(parts)
+    rows = proto.all_chunk_rows(parts)
     fresh = getattr(every.cache, tensor)[check_layer][:, rows].float()
     old = getattr(placed.cache, tensor)[check_layer][:, rows].float()
     deviation = ((fresh - old) ** 2).sum((0, 2))
@@ -65,12 +66,12 @@ def test_an_unknown_deviation_is_refused():
 
 def test_chunk_first_rows_spend_the_budget_on_the_most_attended_chunk():
     runner, parts = _tiny_parts("qwen2")
-    spans = agreement.chunk_spans(parts)
+    spans = proto.chunk_spans(parts)
     scores = torch.zeros(parts.token_ids.numel())
     a, b = spans[1]
     scores[a:b] = 1.0  # the question reads the second chunk
     count = 4 * len(spans) + 5
-    rows = agreement.chunk_first_rows(parts, scores, count)
+    rows = proto.chunk_first_rows(parts, scores, count)
     assert rows.numel() == count
     for start, end in spans:  # every chunk's sink rows
         assert set(range(start, min(end, start + 4))) <= set(rows.tolist())
@@ -78,7 +79,7 @@ def test_chunk_first_rows_spend_the_budget_on_the_most_attended_chunk():
 
 
 def test_a_two_question_answer_is_scored_per_question():
-    from bench.diagnose import score
+    from research.diagnose import score
 
     record = {"answers": ["Paris"], "answers2": ["1889", "in 1889"]}
     assert score("Paris; 1889", record) == {"f1": 1.0, "em": 1.0}

@@ -126,7 +126,7 @@ def _load(source: str, example_config: ExampleConfig):
 
 
 def with_lora(model, r: int, alpha: int, targets: tuple[str, ...] = LORA_TARGETS, otherwise: str = ""):
-    """LoRA adapters (rank r) on those of `targets` the model has; `bench.read_adapter` uses it too. `otherwise`:
+    """LoRA adapters (rank r) on those of `targets` the model has; `research.read_adapter` uses it too. `otherwise`:
     what the caller's user can do instead, added to the errors."""
     hint = f" ({otherwise})" if otherwise else ""
     try:

@@ -1,8 +1,8 @@
 """Where compiled Triton and torch round differently on a GPU (a probe, run once on an H100; output in
-bench/results/gpu-rounding-NVIDIA-H100-80GB-HBM3.txt): cos from torch on CUDA, torch on CPU, tl.cos and libdevice's
+research/results/gpu-rounding-NVIDIA-H100-80GB-HBM3.txt): cos from torch on CUDA, torch on CPU, tl.cos and libdevice's
 cos against float64, and a multiply-add with and without Triton's fp fusion against torch's two roundings.
 
-    python bench/gpu_rounding.py        # on a CUDA machine
+    python research/gpu_rounding.py        # on a CUDA machine
 
 This file is a tidied copy of the script that printed that output (same computations, names spelt out).
 """

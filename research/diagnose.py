@@ -1,7 +1,7 @@
 """Why does LegoLink lose `full`'s answer? Vary one thing at a time on SQuAD (gold + 3 distractors, one chunk
 per paragraph) and measure, per item, the cheap distribution-level metrics of bench/agreement.py.
 
-    python -m bench.diagnose --model qwen2.5-coder-0.5b --n 60 --out bench/results/diagnose-qwen.json
+    python -m research.diagnose --model qwen2.5-coder-0.5b --n 60 --out research/results/diagnose-qwen.json
 
 Configurations (each item's chunks are compiled once per layout and reused by every selection):
   layouts   plain (today), sep ("\\n\\n" closing every stored chunk), bos (<|endoftext|> stored in front of
@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from bench import agreement, squad
+from research import rows as proto
 from bench.common import load_model
 from ragcache import prompt
 from ragcache.compiler import PLAIN, Compiler, Layout
@@ -203,33 +204,33 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
         measure(f"cacheblend-v-{r}", linked, linked.recomputed_tokens - len(parts.question_ids))
     if not fractions:
         return
-    attention = agreement.question_attention(runner, parts)
+    attention = proto.question_attention(runner, parts)
     names = {label.partition("@")[0] for label in selections}
     if "oracle" in names:
-        keys, values = agreement.placed_kv(runner, parts)
-        oracle = agreement.deviation_from_full(full, keys, values)
+        keys, values = proto.placed_kv(runner, parts)
+        oracle = proto.deviation_from_full(full, keys, values)
         record.setdefault("profiles", {})[name] = deviation_profile(full, keys, values, parts, attention)
     if "qfull" in names:  # full's cache already holds the question's K/V: the pass rewrites the same values
         with torch.inference_mode():
-            true_attention = linker._question_attention(runner, parts, full.cache)
-    sinks, firsts = agreement.leading_rows(parts, 4), agreement.leading_rows(parts, 16)
+            true_attention = linker.question_attention(runner, parts, full.cache)
+    sinks, firsts = proto.leading_rows(parts, 4), proto.leading_rows(parts, 16)
     upper = attention[attention.shape[0] // 2:].sum(0)
     for f in fractions:
-        count = agreement.budget(parts, f)
+        count = proto.budget(parts, f)
         choices = {
-            "first": lambda: agreement.first_rows(parts, f),
-            "random": lambda: agreement.random_rows(parts, f, seed),
-            "qattn": lambda: agreement.top_rows(parts, attention[qlayer], count),
-            "qattn-all": lambda: agreement.top_rows(parts, attention.sum(0), count),
-            "mixed": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=sinks[:count]),
-            "mixed16": lambda: agreement.top_rows(parts, attention.sum(0), count, forced=firsts[:count]),
-            "late": lambda: agreement.top_rows(parts, upper, count, forced=sinks[:count]),
-            "chunk": lambda: agreement.chunk_first_rows(parts, attention.sum(0), count),
-            "qfull": lambda: agreement.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
-            "span": lambda: agreement.top_rows(parts, agreement.preceding_span(attention.sum(0), SPAN), count,
+            "first": lambda: proto.first_rows(parts, f),
+            "random": lambda: proto.random_rows(parts, f, seed),
+            "qattn": lambda: proto.top_rows(parts, attention[qlayer], count),
+            "qattn-all": lambda: proto.top_rows(parts, attention.sum(0), count),
+            "mixed": lambda: proto.top_rows(parts, attention.sum(0), count, forced=sinks[:count]),
+            "mixed16": lambda: proto.top_rows(parts, attention.sum(0), count, forced=firsts[:count]),
+            "late": lambda: proto.top_rows(parts, upper, count, forced=sinks[:count]),
+            "chunk": lambda: proto.chunk_first_rows(parts, attention.sum(0), count),
+            "qfull": lambda: proto.top_rows(parts, true_attention.sum(0), count, forced=sinks[:count]),
+            "span": lambda: proto.top_rows(parts, proto.preceding_span(attention.sum(0), SPAN), count,
                                                forced=sinks[:count]),
-            "oracle": lambda: agreement.top_rows(parts, oracle, count),
-            "exact1": lambda: agreement.exact_first_rows(parts, attention.sum(0), count),
+            "oracle": lambda: proto.top_rows(parts, oracle, count),
+            "exact1": lambda: proto.exact_first_rows(parts, attention.sum(0), count),
         }
         for label in selections:
             label, _, only = label.partition("@")  # "chunk@0.25": this selection at that fraction only
@@ -237,19 +238,19 @@ def _setup(runner, item: Item, name: str, record: dict, fractions, ks, ratios, d
                 continue
             if label in ("focus", "focus2", "shift", "shiftkv", "probe", "probekv"):
                 linked = (link(runner, parts, LinkParams("focus", ratio=f), extra_capacity=cap) if label == "focus"
-                          else agreement.focus_two_rounds(runner, parts, f, extra_capacity=cap) if label == "focus2"
-                          else agreement.focus_shifted(runner, parts, f, label.endswith("kv"), extra_capacity=cap,
+                          else proto.focus_two_rounds(runner, parts, f, extra_capacity=cap) if label == "focus2"
+                          else proto.focus_shifted(runner, parts, f, label.endswith("kv"), extra_capacity=cap,
                                                        stride=PROBE_STRIDE if label.startswith("probe") else None))
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
-            if label.startswith("temp"):  # "temp1.1": focus, stale keys times 1.1 (agreement.focus_tempered)
-                linked = agreement.focus_tempered(runner, parts, f, float(label[4:]), extra_capacity=cap)
+            if label.startswith("temp"):  # "temp1.1": focus, stale keys times 1.1 (proto.focus_tempered)
+                linked = proto.focus_tempered(runner, parts, f, float(label[4:]), extra_capacity=cap)
                 measure(f"{label}@{f}", linked, linked.recomputed_tokens - len(parts.question_ids))
                 continue
             if label == "exact1" and name != "prefixed":
                 continue  # only the prefixed setup compiles the first chunk behind its prefix, so only there is it exact
             rows = choices[label]()
-            linked = agreement.link_rows(runner, parts, rows, extra_capacity=cap)
+            linked = proto.link_rows(runner, parts, rows, extra_capacity=cap)
             measure(f"{label}@{f}", linked, int(rows.numel()))
 
 
@@ -301,7 +302,7 @@ def deviation_profile(full, keys, values, parts: LinkInput, attention: torch.Ten
     rk = ((keys.float() - fk).norm(dim=-1) / fk.norm(dim=-1).clamp_min(1e-6)).mean(1)  # [layers, length]
     rv = ((values.float() - fv).norm(dim=-1) / fv.norm(dim=-1).clamp_min(1e-6)).mean(1)
     offset = torch.full((length,), -1)
-    for a, b in agreement.chunk_spans(parts):
+    for a, b in proto.chunk_spans(parts):
         offset[a:b] = torch.arange(b - a)
     chunk = offset >= 0
     share = attention.sum(0) / attention.sum()
@@ -320,7 +321,7 @@ def main() -> None:
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--n", type=int, default=60)
     ap.add_argument("--seed", type=int, default=1)  # seed 0 is the shipped sample (used for tuning earlier)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/diagnose.json"))
+    ap.add_argument("--out", type=Path, default=Path("research/results/diagnose.json"))
     ap.add_argument("--fractions", default="0.05,0.1,0.25")
     ap.add_argument("--ks", default="0,4,8,16,32,64,128,100000")
     ap.add_argument("--ratios", default="0.05,0.15,0.3")

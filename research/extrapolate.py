@@ -1,4 +1,4 @@
-"""Probe: move focus's first-token logits further from naive's, past focus (bench only; a negative result).
+"""Probe: move focus's first-token logits further from naive's, past focus (a negative result).
 
 focus's pre-pass already runs the question over the naive cache, so naive's logits come free with every focus
 link. If recomputing rows moved the logits along one line from naive towards `full`, stepping past focus on that
@@ -6,12 +6,12 @@ line would land nearer `full` at no cost:
 
     extrapolated = focus + alpha * (focus - naive)
 
-`bench.late_start.collect` links each held-out item (diagnose's items: SQuAD seed 1, the `plain` setup, EPIC's
+`research.late_start.collect` links each held-out item (diagnose's items: SQuAD seed 1, the `plain` setup, EPIC's
 instruction) with `full`, naive and focus at each fraction and keeps the last logits; `sweep` scores each alpha
 against `full` (top-1 agreement, KL(full || extrapolated)) with a paired bootstrap interval against alpha = 0 (focus
 itself). A late_start run's file is scored the same way.
 
-    python -m bench.extrapolate --model qwen2.5-coder-1.5b --n 60 --out /tmp/extrapolate.pt
+    python -m research.extrapolate --model qwen2.5-coder-1.5b --n 60 --out /tmp/extrapolate.pt
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from bench.agreement import first_token
-from bench.late_start import collect, paired_cells
+from research.late_start import collect, paired_cells
 
 ALPHAS = (-0.2, 0.0, 0.1, 0.2, 0.3, 0.5, 1.0)
 

@@ -15,11 +15,11 @@ A chunk row recomputed over a share s of the layers costs s of one recomputed at
 (row-layers over chunk tokens x layers) is the budget configs are compared on: span(0.5-1, 0.5) costs what
 focus@0.25 costs.
 
-Each item's first-token logits are kept per config under the labels bench.extrapolate reads (full, naive,
-focus@f), so `python -m bench.extrapolate --out FILE --fractions 0.25,0.5` scores the same run.
+Each item's first-token logits are kept per config under the labels research.extrapolate reads (full, naive,
+focus@f), so `python -m research.extrapolate --out FILE --fractions 0.25,0.5` scores the same run.
 
-    python -m bench.late_start --model qwen2.5-coder-1.5b --n 60 --out /tmp/span-1.5b.pt \
-        --json bench/results/span-qwen2.5-coder-1.5b.json   # the logits stay out of the repo (~3 MB an item)
+    python -m research.late_start --model qwen2.5-coder-1.5b --n 60 --out /tmp/span-1.5b.pt \
+        --json research/results/span-qwen2.5-coder-1.5b.json   # the logits stay out of the repo (~3 MB an item)
 """
 
 from __future__ import annotations
@@ -35,10 +35,11 @@ import torch
 
 from bench import squad
 from bench.accuracy import bootstrap
-from bench.agreement import (budget, chunk_spans, first_token, leading_rows, linked_after, placed_cache,
-                             question_attention, question_rows)
+from bench.agreement import first_token
+from research.rows import (budget, chunk_spans, leading_rows, linked_after, placed_cache, question_attention,
+                           question_rows)
 from bench.common import load_model
-from bench.diagnose import Item, layouts
+from research.diagnose import Item, layouts
 from ragcache import linker, prompt
 from ragcache.compiler import Compiler
 from ragcache.linker import LinkInput, LinkParams, link
@@ -151,7 +152,7 @@ def link_span(runner: Runner, parts: LinkInput, config: Span, scores_: torch.Ten
     layers); `hidden_by_chunk` needs the config's entry layer (isolated_hidden) when it enters late."""
     layers = runner.shape.layers
     enter, leave = config.layers(layers)
-    always, spanned = span_rows(parts, config, linker._focus_rows(parts, config.fraction, scores_))
+    always, spanned = span_rows(parts, config, linker.focus_rows(parts, config.fraction, scores_))
     entering = None
     if enter > 0 and spanned.numel():
         entering = torch.cat([hidden_by_chunk[i][enter][spanned[(spanned >= a) & (spanned < b)] - a].cpu()
@@ -238,7 +239,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--score-only", action="store_true", help="print the table of an existing --out, link nothing")
     ap.add_argument("--out", type=Path, required=True, help="the logits (.pt); an existing file is extended")
-    ap.add_argument("--json", type=Path, help="also write each item's scores here (bench/results/)")
+    ap.add_argument("--json", type=Path, help="also write each item's scores here (research/results/)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     fractions = [float(f) for f in a.fractions.split(",") if f]

@@ -1,8 +1,8 @@
 """Where a serving run's time goes on a GPU: bench/gpu.py's section (d), 32 clients, ragcache's side alone, under
 cProfile (inside the scheduler thread, where the model runs) and torch.profiler (the CUDA kernels' own time).
 
-    python bench/gpu_profile.py                          # on a CUDA machine, from the checkout's root
-    QUICK=1 TRITON_INTERPRET=1 python bench/gpu_profile.py   # the same code path on CPU, 4 clients, reduced
+    python research/gpu_profile.py                          # on a CUDA machine, from the checkout's root
+    QUICK=1 TRITON_INTERPRET=1 python research/gpu_profile.py   # the same code path on CPU, 4 clients, reduced
 
 This is how the cuDNN cost in docs/BENCHMARKS.md ("On a GPU") was found.
 """

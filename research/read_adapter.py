@@ -1,4 +1,4 @@
-"""Probe: does a small trained adapter on the read path close focus's gap at 25%? (bench only)
+"""Probe: does a small trained adapter on the read path close focus's gap at 25%? (a probe)
 
 Seven sessions of training-free row choices left focus@0.25 short of 0.95 top-1 agreement with `full`
 (docs/ACCURACY.md). KVLink and Block-Attention close such gaps by fine-tuning the whole model, which changes the
@@ -11,7 +11,7 @@ The linked forward here is transformers' own, differentiable: the placed cache i
 stale copies of the recomputed rows, and every new row sees every earlier position. With the adapter off it gives
 the linker's focus logits (tests/test_bench.py), so base and adapted are measured on identical input.
 
-    python -m bench.read_adapter --model qwen2.5-coder-0.5b --train 80 --eval 60 --out bench/results/X.json
+    python -m research.read_adapter --model qwen2.5-coder-0.5b --train 80 --eval 60 --out research/results/X.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from bench import agreement, diagnose, squad
+from bench import agreement, squad
+from research import diagnose
 from bench.accuracy import bootstrap
 from bench.common import load_model
 from ragcache import linker, prompt
@@ -55,7 +56,7 @@ def prepare(runner: Runner, parts: LinkInput, fraction: float, max_new: int, sto
             newline: set[int]) -> Example:
     """Full's answer and targets, and focus's placed cache and rows, all with the model as it is now."""
     if set(runner.layer_types) != {"full_attention"}:  # linked_logits' mask has no sliding window
-        raise ValueError(f"bench.read_adapter needs a model with full attention in every layer, not {runner.layer_types}")
+        raise ValueError(f"research.read_adapter needs a model with full attention in every layer, not {runner.layer_types}")
     full = link(runner, parts, LinkParams("full"), extra_capacity=max_new + 1)
     answer = agreement.greedy(runner, full, max_new, stops, newline) if max_new else []
     logits = agreement.teacher_forced(runner, full, answer)[1] if answer else full.last_logits[None]
@@ -216,7 +217,7 @@ def main() -> None:
     ap.add_argument("--examples", type=Path, help="prepared examples: loaded when the file exists, else saved there")
     ap.add_argument("--max-new", type=int, default=10)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/read-adapter.json"))
+    ap.add_argument("--out", type=Path, default=Path("research/results/read-adapter.json"))
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
