@@ -28,9 +28,10 @@ from rich.progress import track
 from rich.table import Table
 
 from ragcache import ALGORITHMS, RagCache
+from ragcache.settings import DATA_DIR
 from ragcache.integrations.llama_index import RagCacheCompiler, RagCacheQueryEngine, RagCacheRetriever
 
-DATA = Path(__file__).resolve().parent / "data"
+DATA = DATA_DIR
 QUICK_QUESTIONS = 6
 
 

@@ -4,12 +4,12 @@
 """
 
 import sys
-from pathlib import Path
 
 from ragcache import RagCache
+from ragcache.settings import DATA_DIR
 
 store = sys.argv[1] if len(sys.argv) > 1 else "disk:./.ragcache"
-docs = Path(__file__).parent / "data" / "docs"
+docs = DATA_DIR / "docs"
 
 rc = RagCache.open(model="smollm2-135m", store=store)
 ids = rc.compile([(docs / name).read_text() for name in ("lighthouse.txt", "railway.txt", "bridge.txt")])

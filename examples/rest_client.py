@@ -1,7 +1,7 @@
 """Talk to a running ragcache server (start one with `ragcache serve`): upload documents, ask a question, stream an
 answer over server-sent events, and ask through the official `openai` client.
 
-    python examples/rest_client.py                              # http://127.0.0.1:8000, examples/data/docs/*.txt
+    python examples/rest_client.py                              # http://127.0.0.1:8000, ragcache/data/docs/*.txt
     python examples/rest_client.py --url http://host:8000 --api-key KEY --docs a.txt b.txt --max-tokens 32
 """
 
@@ -14,7 +14,9 @@ from pathlib import Path
 import httpx
 from openai import OpenAI
 
-DOCS = sorted((Path(__file__).parent / "data" / "docs").glob("*.txt"))
+from ragcache.settings import DATA_DIR
+
+DOCS = sorted((DATA_DIR / "docs").glob("*.txt"))
 QUESTION = "How tall is the Harrow Point lighthouse?"
 
 

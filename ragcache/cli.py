@@ -17,7 +17,7 @@ from rich.table import Table
 
 from . import models
 from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
-from .settings import load_settings
+from .settings import DATA_DIR, load_settings
 from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -28,7 +28,6 @@ console = Console()
 err = Console(stderr=True)
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
-DATA_DIR = Path(__file__).resolve().parents[1] / "examples" / "data"
 
 from ragcache.store.cli import store_app  # noqa: E402  (the operator's store commands live beside the store)
 from ragcache.train.cli import train_app  # noqa: E402
@@ -272,7 +271,7 @@ def demo(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
 ):
-    """Compile the sample documents and answer a few questions with `full` and `legolink`."""
+    """Compile the sample documents and answer a few questions with `full` and the default algorithm."""
     from .demo import run_demo
 
     try:

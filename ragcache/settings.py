@@ -14,6 +14,9 @@ from .chunker import DEFAULT_CHUNK_TOKENS
 from .models import DEFAULT_MODEL
 
 
+DATA_DIR = Path(__file__).resolve().parent / "data"  # the demo's and calibration's documents and questions
+
+
 def config_path() -> Path:
     return Path(os.environ.get("RAGCACHE_CONFIG", "ragcache.toml"))
 

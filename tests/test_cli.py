@@ -6,12 +6,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
+from ragcache.settings import DATA_DIR
+
 pytestmark = pytest.mark.real_model
-DATA = Path(__file__).resolve().parents[1] / "examples" / "data"
+DATA = DATA_DIR
 
 
 def ragcache(*args, cwd, check=True, timeout=300):

@@ -2,7 +2,6 @@
 
 import asyncio
 import time
-from pathlib import Path
 
 import pytest
 
@@ -26,12 +25,13 @@ from ragcache.integrations.llama_index import (  # noqa: E402
     RagCacheQueryEngine,
     RagCacheRetriever,
 )
+from ragcache.settings import DATA_DIR  # noqa: E402
 from ragcache.store import open_store  # noqa: E402
 from ragcache.store.keys import document_id  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
-DOCS = Path(__file__).resolve().parents[1] / "examples" / "data" / "docs"
+DOCS = DATA_DIR / "docs"
 NAMES = ["lighthouse.txt", "railway.txt", "bridge.txt", "orchard.txt"]
 QUESTION = "How tall is the Harrow Point lighthouse?"
 TOKENS = 6
