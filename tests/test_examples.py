@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 
 from ragcache import RagCache, models
+from ragcache.settings import DATA_DIR
 from ragcache.store import open_store
 
 pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-DATA = EXAMPLES / "data"
+DATA = DATA_DIR
 
 
 def run(args: list[str], cwd: Path) -> str:
