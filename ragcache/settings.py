@@ -12,6 +12,7 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from .chunker import DEFAULT_CHUNK_TOKENS
 from .models import DEFAULT_MODEL
+from .prefix_cache import DEFAULT_PREFIX_BUDGET
 
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the demo's and calibration's documents and questions
@@ -26,6 +27,9 @@ class Settings(BaseSettings):
 
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
     store: str = Field("disk:./.ragcache", description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
+    prefix_cache_mib: int = Field(DEFAULT_PREFIX_BUDGET >> 20, ge=0, description="MiB of exact-prefix KV kept for "
+                                  "the `prefix` baseline, and as much for infilling sessions (least recently used "
+                                  "first out)")
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=16, le=8192, description="chunk budget in tokens")
     dtype: str = Field("auto", pattern="^(auto|float32|float16|bfloat16)$",
                        description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "

@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from ragcache import errors
 from ragcache.chunker import chunk_document
 from ragcache.engine import RagCache
-from ragcache.generate import TextAssembler
+from ragcache.sampling import TextAssembler
 from ragcache.models import wrap
 from ragcache.store.memory import MemoryStore
 from tests import tiny
@@ -173,3 +173,22 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
     monkeypatch.setattr(linker, "question_attention", scored)
     linked = rc.link("How tall is it?", docs=[], algorithm="focus")
     assert torch.equal(linked.last_logits, rc.link("How tall is it?", docs=[], algorithm="naive").last_logits)
+
+
+def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypatch):
+    """Exact-prefix KV is kept least recently used first out within its budget (each `prefix` request of a new prompt
+    adds its whole cache), and RAGCACHE_PREFIX_CACHE_MIB reaches the engine the CLI and the server open."""
+    from ragcache import cli
+    from ragcache.prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+
+    prompt = torch.zeros(2, 1, 8, 4)  # 256 bytes of keys, as much of values
+    cache = PrefixCache(budget_bytes=3 * 2 * prompt.nbytes)
+    for first in range(5):
+        cache.insert(torch.tensor([first, 7, 7]), prompt, prompt)
+    assert cache._bytes <= cache.budget_bytes and [cache.lookup(torch.tensor([f, 7, 7]))[0] for f in range(5)] == \
+        [0, 0, 3, 3, 3]
+    opened = {}
+    monkeypatch.setattr("ragcache.engine.RagCache.open", lambda *a, **k: opened.update(k))
+    monkeypatch.setenv("RAGCACHE_PREFIX_CACHE_MIB", "64")
+    cli._open("smollm2-135m", "memory:")
+    assert opened["prefix_cache_bytes"] == 64 << 20 and DEFAULT_PREFIX_BUDGET == 256 << 20

@@ -15,7 +15,7 @@ import torch
 
 from ragcache import errors, kernels
 from ragcache.engine import RagCache
-from ragcache.generate import Decoding, Sampling
+from ragcache.sampling import Decoding, Sampling
 from ragcache.kernels import torch_ref
 from ragcache.linker import ALGORITHMS, LinkParams
 from ragcache.scheduler import Request
@@ -345,3 +345,24 @@ def greedy_loop(rc: RagCache, kw: dict) -> list[int]:
             hidden = rc.runner.forward_rows(torch.tensor(tokens[-1:]), torch.tensor([cache.length - 1]), cache)
             tokens.append(int(rc.runner.logits(hidden[0, -1:])[0].argmax()))
     return tokens
+
+
+def test_reduced_precision_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch):
+    """On CPU in bf16 torch keeps a compiled kernel per matmul row count with no bound, and every packed step has its
+    own count: the runner's Linears run at bucketed counts (at most 12.5% padding), and give the rows' own results."""
+    from ragcache.runner import Runner, row_bucket
+
+    assert [row_bucket(n) for n in (1, 32, 33, 100, 137, 512, 513)] == [1, 32, 36, 104, 144, 512, 576]
+    assert len({row_bucket(n) for n in range(1, 4097)}) == 88
+    assert all(n <= row_bucket(n) <= 1.125 * n for n in range(1, 4097))
+    lm = tiny.make("llama", dtype=torch.bfloat16)
+    weight = lm.model.model.layers[0].mlp.up_proj.weight.detach().clone()
+    Runner(lm), Runner(lm)  # a second runner on the same model does not wrap again
+    seen = []
+    linear = torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a, **k: seen.append(x.shape[-2]) or linear(x, *a, **k))
+    x = torch.randn(1, 45, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = lm.model.model.layers[0].mlp.up_proj(x)
+        torch.testing.assert_close(got, linear(x, weight))  # bf16 tolerance: the GEMM may block by rows
+    assert got.shape == (1, 45, 128) and seen == [48]
