@@ -29,7 +29,7 @@ import torch
 
 from . import agreement as agree
 from . import models
-from .generate import eos_ids
+from .sampling import eos_ids
 from .settings import DATA_DIR
 
 DEFAULT_TARGET = 0.95

@@ -23,12 +23,13 @@ from . import calibrate, documents, guard, infill, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
-from .generate import Answer, QueryStats, Sampling, Stream, eos_ids
+from .sampling import Answer, QueryStats, Sampling, eos_ids
 from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, USES_CHUNK_CACHE, LinkInput,
                      LinkParams, Linked)
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
 from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
+from .stream import Stream
 
 DEFAULT_STORE = "disk:./.ragcache"
 log = logging.getLogger("ragcache")

@@ -1,15 +1,9 @@
 """Typed errors: one class per failure kind. They carry no HTTP status or exit code: api/errors.py maps each kind to
-an HTTP status, ragcache/cli.py to an exit code, each in one table."""
+an HTTP status, ragcache/cli.py to an exit code, each in one table. The store's errors and the base class live in
+ragcache/store/errors.py (the store imports nothing from above it); every error is imported from here."""
 
-
-class RagCacheError(Exception):
-    """Base of every error ragcache raises on purpose."""
-
-
-
-class BadRequest(RagCacheError):
-    """The caller sent something unusable (empty question, bad parameter)."""
-
+from ragcache.store.errors import (BadRequest, CodecOverflow, CorruptEntry, ParameterOutOfRange,  # noqa: F401
+                                   RagCacheError, StoreError)
 
 
 class EmptyInput(BadRequest):
@@ -18,10 +12,6 @@ class EmptyInput(BadRequest):
 
 class UnknownAlgorithm(BadRequest):
     """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
-
-
-class ParameterOutOfRange(BadRequest):
-    """k, ratio, max_new_tokens, temperature, ... outside their valid range."""
 
 
 class UnknownDocument(RagCacheError):
@@ -55,22 +45,8 @@ class UnsupportedModel(RagCacheError):
     """A model ragcache cannot link for (no rotary embeddings, unsupported rope type, ...)."""
 
 
-
 class ModelFetchError(RagCacheError):
     """A built-in model could not be downloaded, verified or converted."""
-
-
-class CodecOverflow(RagCacheError):
-    """K/V outside the range of the chosen kv codec (fp16 holds at most 65504): choose bf16 or int8."""
-
-
-class StoreError(RagCacheError):
-    """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
-
-
-
-class CorruptEntry(StoreError):
-    """An entry failed its checksum or does not belong to the key it was read under."""
 
 
 class CorruptDocument(StoreError):

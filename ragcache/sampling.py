@@ -1,28 +1,18 @@
-"""Generation, one request's side of it: sampling, stop ids and stop strings, text pieces, and the Stream a caller
-iterates.
+"""Generation, one request's side of it: sampling, stop ids and stop strings, text pieces, and what an answer reports.
 
 The scheduler (scheduler.py) runs the model: each of its steps gives a decoding request the logits of its last
 row, and `Decoding.accept` turns them into the next token (or the end). Each new token is one more row written at
-the next position of the request's preallocated joined cache (gpt-fast style static cache).
-A `Stream` is the caller's handle: it prepares the request on the caller's thread (store reads), hands it to the
-scheduler, and receives its events back from the scheduler thread."""
+the next position of the request's preallocated joined cache (gpt-fast style static cache). The caller's handle on
+a request is stream.py's `Stream`."""
 
 from __future__ import annotations
 
-import queue
-import time
-from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ParameterOutOfRange
-from .linker import Linked
 from .runner import Runner
-
-if TYPE_CHECKING:
-    from .scheduler import Request, Scheduler
 
 
 @dataclass
@@ -166,103 +156,3 @@ class Decoding:
     @property
     def finished(self) -> bool:
         return self.assembler.stopped or len(self.token_ids) >= self.sampling.max_new_tokens
-
-
-Prepared = tuple  # (LinkInput, LinkParams, PrefixCache | None): what the scheduler needs to link a request
-Emit = Callable[[str, object], None]
-
-
-class Stream:
-    """Iterate for text pieces; `.answer` holds the full answer and its stats once iteration ends.
-
-    Servers use `open(emit)` instead of iterating: emit(kind, value) is then called on the scheduler thread with
-    ("piece", text), and at the end exactly one of ("done", Answer), ("error", exception), ("cancelled", None)."""
-
-    def __init__(self, scheduler: "Scheduler", prepare: Callable[[QueryStats], Prepared], sampling: Sampling,
-                 tokenizer, stop_ids: set[int]):
-        self.scheduler, self.prepare, self.sampling = scheduler, prepare, sampling
-        self.decoding = Decoding(sampling, tokenizer, stop_ids, scheduler.runner.device)
-        self.stats = QueryStats()
-        self.answer: Answer | None = None
-        self.linked: Linked | None = None  # the joined cache and last prompt logits, once linked
-        self.request: "Request | None" = None
-        self.cancelled = False
-        self._emit: Emit = lambda kind, value: None
-        self._pieces: list[str] = []
-        self._started = self._first_at = 0.0
-
-    def open(self, emit: Emit) -> None:
-        """Prepare on this thread (resolve documents, read the store; compiling a miss runs on the scheduler),
-        then queue the request on the scheduler. Raises what preparing raises (bad input, unknown documents)."""
-        from .scheduler import Request
-
-        self._emit = emit
-        self._started = time.perf_counter()
-        parts, params, prefix_cache = self.prepare(self.stats)
-        self.request = Request(parts, params, prefix_cache, self.decoding, self._event)
-        if self.cancelled:
-            self.request.cancelled = True
-        self.scheduler.submit(self.request)
-
-    def cancel(self) -> None:
-        """Stop generating: the scheduler drops the request at its next step (and emits "cancelled")."""
-        self.cancelled = True
-        if self.request is not None:
-            self.request.cancelled = True
-
-    def _event(self, kind: str, value) -> None:  # on the scheduler thread
-        if kind == "linked":
-            self._linked(value)
-        elif kind == "token":
-            if not self._first_at:
-                self._first_at = time.perf_counter()
-                self.stats.ttft_s = self._first_at - self._started
-            if value.text:
-                self._piece(value.text)
-        elif kind == "done":
-            self._piece(self.decoding.assembler.finish())
-            self._emit("done", self._finish())
-        else:
-            self._emit(kind, value)
-
-    def _piece(self, text: str) -> None:
-        if text:
-            self._pieces.append(text)
-            self._emit("piece", text)
-
-    def _linked(self, linked: Linked) -> None:
-        self.linked, stats = linked, self.stats
-        stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
-        stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
-
-    def _finish(self) -> Answer:
-        stats, done = self.stats, time.perf_counter()
-        if not self._first_at:  # EOS came first: the time to that decision is the TTFT
-            stats.ttft_s = done - self._started
-        stats.decode_s = done - (self._first_at or done)
-        stats.total_s = done - self._started
-        token_ids = self.decoding.token_ids
-        stats.completion_tokens = len(token_ids)
-        stopped = self.decoding.assembler.stopped or len(token_ids) < self.sampling.max_new_tokens
-        stats.finish_reason = "stop" if stopped else "length"
-        first = self.linked.last_logits if self.linked is not None else None
-        self.answer = Answer("".join(self._pieces), token_ids, stats, first)
-        return self.answer
-
-    def __iter__(self) -> Iterator[str]:
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        self.open(lambda kind, value: events.put((kind, value)))
-        finished = False
-        try:
-            while True:
-                kind, value = events.get()
-                if kind == "piece":
-                    yield value
-                    continue
-                finished = True
-                if kind == "error":
-                    raise value
-                return
-        finally:
-            if not finished:  # the caller stopped iterating: free the request's rows at the next step
-                self.cancel()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import linker
-from .generate import Decoding
+from .sampling import Decoding
 from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
 from .runner import JoinedCache, Runner, return_free_memory

@@ -22,13 +22,13 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ragcache import documents
-from ragcache.errors import StoreError
+from ragcache.store import tier_urls, open_store
+from ragcache.store import codec as kv_codec
+from ragcache.store.base import Store, batched
+from ragcache.store.keys import is_document_id
 
-from . import _split, open_store
-from . import codec as kv_codec
-from .base import Store, batched
-from .keys import is_document_id
+from . import documents
+from .errors import StoreError
 
 DEFAULT_STORE = "disk:./.ragcache"
 
@@ -167,7 +167,7 @@ def _check_form(form: str) -> None:
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
-    for part in _split(url):
+    for part in tier_urls(url):
         if part.startswith("disk:") and not Path(part[len("disk:"):] or "./.ragcache").exists():
             err.print(f"[red]error:[/red] no store at {part[len('disk:'):]!r} (nothing compiled there yet?)")
             raise typer.Exit(1)

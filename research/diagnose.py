@@ -40,7 +40,7 @@ from research import rows as proto
 from bench.common import load_model
 from ragcache import prompt
 from ragcache.compiler import PLAIN, Compiler, Layout
-from ragcache.generate import eos_ids
+from ragcache.sampling import eos_ids
 from ragcache import linker
 from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner

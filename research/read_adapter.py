@@ -34,7 +34,7 @@ from bench.accuracy import bootstrap
 from bench.common import load_model
 from ragcache import linker, prompt
 from ragcache.compiler import Compiler
-from ragcache.generate import eos_ids
+from ragcache.sampling import eos_ids
 from ragcache.linker import LinkInput, LinkParams, link
 from ragcache.runner import Runner
 from ragcache.train.infill import with_lora

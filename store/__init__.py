@@ -7,7 +7,7 @@ by "+", fastest first: `open_store("memory+disk:./.ragcache+redis://localhost:63
 
 from __future__ import annotations
 
-from ragcache.errors import StoreError
+from .errors import StoreError
 
 from .base import Store
 from .entry import ChunkKV
@@ -19,7 +19,7 @@ __all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store"]
 def open_store(url: str | Store) -> Store:
     if isinstance(url, Store):
         return url
-    parts = _split(url)
+    parts = tier_urls(url)
     if len(parts) == 1:
         return _open_tier(parts[0], connect=True)
     from .tiered import TieredStore
@@ -28,7 +28,7 @@ def open_store(url: str | Store) -> Store:
     return TieredStore([_open_tier(p, connect=False) for p in parts])
 
 
-def _split(url: str) -> list[str]:
+def tier_urls(url: str) -> list[str]:
     """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
     parts: list[str] = []
     for piece in url.split("+"):

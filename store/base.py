@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
-from ragcache.errors import CorruptEntry, StoreError
+from .errors import CorruptEntry, StoreError
 
 from .entry import ChunkKV, decode, describe, encode
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ragcache.errors import CodecOverflow, ParameterOutOfRange
+from .errors import CodecOverflow, ParameterOutOfRange
 
 CODECS = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16, "int8": torch.uint8}
 BY_DTYPE_NAME = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "uint8": "int8"}  # stored dtype -> codec

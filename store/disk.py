@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from ragcache.errors import CorruptEntry, StoreError
+from .errors import CorruptEntry, StoreError
 
 from .base import BlobStore, log
 from .entry import PROBE, describe_head, head_length

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from safetensors.torch import save as st_save
 
-from ragcache.errors import CorruptEntry
+from .errors import CorruptEntry
 
 from . import codec as kv_codec
 from .keys import chunk_key, kv_form

@@ -38,7 +38,7 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from ragcache.errors import StoreError
+from .errors import StoreError
 
 from .base import BlobStore, TierUnavailable, log
 from .entry import HEADER, MAGIC, describe_head

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from ragcache.errors import StoreError
+from .errors import StoreError
 
 from .base import Store, TierUnavailable, log
 from .entry import ChunkKV

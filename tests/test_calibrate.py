@@ -86,7 +86,7 @@ def test_a_damaged_profile_is_ignored(tmp_path, monkeypatch, bad):
 def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch):
     from ragcache import agreement as agree
     from ragcache.engine import RagCache
-    from ragcache.generate import eos_ids
+    from ragcache.sampling import eos_ids
 
     rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
     texts = [t * 3 for t in tiny.CORPUS[:4]]

@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 from ragcache.errors import StoreError
 from ragcache.store import open_store
 from ragcache.store.base import TierUnavailable
-from ragcache.store.cli import store_app
+from ragcache.store_cli import store_app
 from ragcache.store.disk import DiskStore
 from ragcache.store.memory import MemoryStore
 from ragcache.store.redis_tier import RedisStore

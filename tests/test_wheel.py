@@ -4,6 +4,7 @@ there. The demo's and calibration's documents and questions ship inside the pack
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -22,8 +23,10 @@ def run(*args, cwd: Path, env: dict | None = None) -> subprocess.CompletedProces
 
 
 def test_the_wheel_runs_the_demo_and_calibrate_outside_the_repo(tmp_path):
-    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist", ROOT,
-        cwd=tmp_path)
+    source = tmp_path / "source"  # setuptools writes build/ beside the sources: not into the checkout
+    shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns(".*", "build", "*.egg-info", "__pycache__", "results"))
+    run(sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", tmp_path / "dist",
+        source, cwd=tmp_path)
     [wheel] = (tmp_path / "dist").glob("ragcache-*.whl")
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", venv, cwd=tmp_path)

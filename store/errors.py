@@ -1,0 +1,26 @@
+"""The errors the store raises, and the base of every error ragcache raises on purpose. The base lives here, in the
+lowest layer, so the store needs nothing from the layers above it; `ragcache.errors` is where users import them."""
+
+
+class RagCacheError(Exception):
+    """Base of every error ragcache raises on purpose."""
+
+
+class BadRequest(RagCacheError):
+    """The caller sent something unusable (empty question, bad parameter)."""
+
+
+class ParameterOutOfRange(BadRequest):
+    """k, ratio, max_new_tokens, temperature, ... outside their valid range."""
+
+
+class CodecOverflow(RagCacheError):
+    """K/V outside the range of the chosen kv codec (fp16 holds at most 65504): choose bf16 or int8."""
+
+
+class StoreError(RagCacheError):
+    """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
+
+
+class CorruptEntry(StoreError):
+    """An entry failed its checksum or does not belong to the key it was read under."""
