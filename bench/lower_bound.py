@@ -40,11 +40,11 @@ def entry_keys(rc, doc_ids: list[str], variant: Variant) -> list[str]:
     """The store keys rc.link reads for this algorithm (chunks in its layout, plus the system prefix)."""
     from ragcache import prompt
     from ragcache.compiler import PLAIN
-    from ragcache.linker import USES_CHUNK_CACHE
+    from ragcache.linker import algorithm
 
-    if variant.algorithm not in USES_CHUNK_CACHE:
+    if algorithm(variant.algorithm).exact:
         return []
-    layout = rc.layouts["sink" if variant.algorithm == "legolink0" else "default"]
+    layout = rc.layouts[algorithm(variant.algorithm).layout]
     keys = [rc.compiler.key(ids, layout) for doc_id in doc_ids for ids in rc.document_chunks(doc_id)]
     prefix_ids = prompt.system_prefix_ids(rc.tokenizer, rc.format, None)
     if prefix_ids:

@@ -19,12 +19,12 @@ from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
-from . import calibrate, documents, guard, infill, models, prompt
+from . import calibrate, documents, guard, infill, linker, models, prompt
 from .chunker import DEFAULT_CHUNK_TOKENS
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .sampling import Answer, QueryStats, Sampling, eos_ids
-from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, USES_CHUNK_CACHE, LinkInput,
+from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkInput,
                      LinkParams, Linked)
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
@@ -221,7 +221,7 @@ class RagCache:
                 ) -> tuple[LinkInput, list]:
         """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
         chunks = [ids for doc_chunks in self.documents.resolve(doc_ids) for ids in doc_chunks]
-        layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
+        layout = self.layouts[linker.algorithm(algorithm).layout]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
@@ -230,8 +230,8 @@ class RagCache:
         return parts, chunks
 
     def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:
-        if algorithm in USES_CHUNK_CACHE:
-            layout = self.layouts["sink" if algorithm == "legolink0" else "default"]
+        if not linker.algorithm(algorithm).exact:
+            layout = self.layouts[linker.algorithm(algorithm).layout]
             parts.chunk_entries = self._entries(chunks, layout, stats)
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]
@@ -240,7 +240,8 @@ class RagCache:
                check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> LinkParams:
         """A link's parameters, the unset ones from this model's profile (`ragcache calibrate`): its k for legolink,
         its focus ratio for focus; else the linker's defaults."""
-        if ratio is None and algorithm == "focus":
+        known = linker.TABLE.get(algorithm)
+        if ratio is None and known is not None and known.scores:  # focus's
             ratio = self.default_focus_ratio
         return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
 

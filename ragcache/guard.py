@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import linker
 from .agreement import first_token
 
 log = logging.getLogger("ragcache")
@@ -52,7 +53,7 @@ class Guard:
 
     def wants(self, algorithm: str) -> bool:
         """Draw for one answered query; `full` and `prefix` are exact, so never checked."""
-        if self.rate <= 0.0 or algorithm in ("full", "prefix"):
+        if self.rate <= 0.0 or linker.algorithm(algorithm).exact:
             return False
         with self._lock:
             return self._rng.random() < self.rate

@@ -16,6 +16,9 @@ each attends causally by position to every earlier token of every chunk.
 | focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
 |            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all         |
 | prefix     | everything after the longest exact cached prefix of the same token sequence          |
+
+`TABLE` (at the end of the module) is the one place that says what each algorithm reuses, which layout it reads
+and which rows it recomputes: nothing else compares algorithm names.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -34,8 +38,6 @@ from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import PrefixCache
 from .runner import JoinedCache, Runner
 
-ALGORITHMS = ("full", "naive", "cacheblend", "legolink", "legolink0", "focus", "prefix")
-USES_CHUNK_CACHE = {"naive", "cacheblend", "legolink", "legolink0", "focus"}
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
 DEFAULT_K = 16
@@ -55,11 +57,11 @@ class LinkParams:
 
     def __post_init__(self) -> None:
         if self.ratio is None:
-            self.ratio = DEFAULT_FOCUS_RATIO if self.algorithm == "focus" else DEFAULT_RATIO
+            known = TABLE.get(self.algorithm)
+            self.ratio = known.default_ratio if known is not None and known.default_ratio is not None else DEFAULT_RATIO
 
     def validate(self, num_layers: int) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise UnknownAlgorithm(f"unknown algorithm {self.algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
+        algorithm(self.algorithm)
         if not isinstance(self.k, int) or self.k < 0:
             raise ParameterOutOfRange(f"k must be an integer >= 0, got {self.k!r}")
         if not 0.0 <= float(self.ratio) <= 1.0:
@@ -124,9 +126,9 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache.length = length
     started = time.perf_counter()
     reused = place(runner, parts, params, cache, prefix_cache)
-    focus = params.algorithm == "focus" and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
-    scores = question_attention(runner, parts, cache).sum(0) if focus else None
-    rows, narrow = _rows(parts, params, length, reused, scores)
+    scored = algorithm(params.algorithm).scores and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
+    scores = question_attention(runner, parts, cache).sum(0) if scored else None
+    rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
     return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
 
 
@@ -134,7 +136,7 @@ def finish(plan: LinkPlan, last_logits: torch.Tensor, recomputed: int, recompute
            prefix_cache: PrefixCache | None) -> Linked:
     """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
     length = plan.token_ids.numel()
-    if params.algorithm == "prefix" and prefix_cache is not None:
+    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None:
         prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length])
     return Linked(plan.cache, plan.token_ids, last_logits, recomputed, length - recomputed, plan.rotate_s, recompute_s)
 
@@ -153,9 +155,10 @@ def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
 def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
            prefix_cache: PrefixCache | None) -> int:
     """Fill the joined cache with what the algorithm reuses; return the length of the exact prefix reused."""
-    if params.algorithm == "full":
+    reuses = algorithm(params.algorithm).reuses
+    if reuses == "nothing":
         return 0
-    if params.algorithm == "prefix":
+    if reuses == "prefix":
         if prefix_cache is None:
             return 0
         common, prompt = prefix_cache.lookup(cache_ids := parts.token_ids)
@@ -172,21 +175,30 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
     return len(parts.prefix_ids)
 
 
-def _rows(parts: LinkInput, params: LinkParams, length: int, reused: int,
-          scores: torch.Tensor | None = None) -> tuple[torch.Tensor, "Narrowing | None"]:
-    question = torch.arange(length - len(parts.question_ids), length)
-    starts = parts.chunk_starts()
-    algorithm = params.algorithm
-    if algorithm in ("full", "prefix"):
-        return torch.arange(reused, length), None
-    if algorithm in ("naive", "legolink0"):
-        return question, None
-    if algorithm == "legolink":
-        heads = [torch.arange(s, s + min(params.k, len(ids))) for s, ids in zip(starts, parts.chunk_ids)]
-        return torch.cat([*heads, question]), None
-    if algorithm == "focus":
-        return torch.cat([focus_rows(parts, params.ratio, scores), question]), None
-    chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))  # cacheblend
+def _after_reused(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
+    return torch.arange(reused, length), None
+
+
+def _question(parts: LinkInput, length: int) -> torch.Tensor:
+    return torch.arange(length - len(parts.question_ids), length)
+
+
+def _question_only(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
+    return _question(parts, length), None
+
+
+def _first_k(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
+    heads = [torch.arange(s, s + min(params.k, len(ids))) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
+    return torch.cat([*heads, _question(parts, length)]), None
+
+
+def _focus(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
+    return torch.cat([focus_rows(parts, params.ratio, scores), _question(parts, length)]), None
+
+
+def _blend(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
+    chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))
+    question = _question(parts, length)
     return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio,
                                                         params.deviation)
 
@@ -266,3 +278,40 @@ def recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: Join
             batch, positions = runner.batch([(cache, rows)])
             pos_emb = runner.position_embeddings(hidden, positions)
     return hidden, rows
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One row of the algorithm table: all that the rest of ragcache asks about an algorithm."""
+
+    name: str
+    reuses: str  # what is placed before the recompute: "chunks" (the store's entries), "prefix" (the longest exact
+    #              cached prefix of the same ids), "nothing"
+    layout: str  # the compile layout its chunks are read in: "default", or "sink" (behind dropped sink tokens)
+    scores: bool  # ranks chunk rows by the question's attention in a naive pre-pass (focus)
+    default_ratio: float | None  # its `ratio` when none is given
+    rows: Callable[..., tuple]  # (parts, params, length, reused, scores) -> (rows to recompute, Narrowing | None)
+
+    @property
+    def exact(self) -> bool:
+        """It computes what a prefill computes: nothing is linked, so nothing to check against `full`."""
+        return self.reuses != "chunks"
+
+
+TABLE = {a.name: a for a in (
+    Algorithm("full", "nothing", "default", False, None, _after_reused),
+    Algorithm("naive", "chunks", "default", False, None, _question_only),
+    Algorithm("cacheblend", "chunks", "default", False, DEFAULT_RATIO, _blend),
+    Algorithm("legolink", "chunks", "default", False, None, _first_k),
+    Algorithm("legolink0", "chunks", "sink", False, None, _question_only),
+    Algorithm("focus", "chunks", "default", True, DEFAULT_FOCUS_RATIO, _focus),
+    Algorithm("prefix", "prefix", "default", False, None, _after_reused),
+)}
+ALGORITHMS = tuple(TABLE)
+
+
+def algorithm(name: str) -> Algorithm:
+    try:
+        return TABLE[name]
+    except (KeyError, TypeError):
+        raise UnknownAlgorithm(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None

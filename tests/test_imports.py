@@ -89,3 +89,15 @@ def test_no_import_cycle():
                     seen.add(nxt)
                     stack.append((nxt, trail + [nxt]))
     assert not cycles, "\n".join(" -> ".join(c + [c[0]]) for c in cycles[:10])
+
+
+def test_only_the_algorithm_table_compares_algorithm_names():
+    """What an algorithm reuses, reads and recomputes is asked of linker.TABLE; no other module decides by
+    comparing a name (choosing one, `LinkParams("full")`, is fine)."""
+    import re
+
+    compared = re.compile(r"""algorithm\w*\)?\s*(==|!=|(not )?in)\s*[\({]?\s*["'](full|naive|cacheblend|legolink0?|focus|prefix)["']""")
+    for name, path in modules().items():
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            decides = compared.search(line) and not line.lstrip().startswith("for ")  # a loop over names chooses
+            assert not decides, f"{path.relative_to(ROOT)}:{number}: {line.strip()}"

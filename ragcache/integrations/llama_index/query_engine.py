@@ -15,9 +15,9 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.errors import UnknownAlgorithm
 from ragcache.guard import Guard
-from ragcache.linker import ALGORITHMS, DEFAULT_ALGORITHM
+from ragcache import linker
+from ragcache.linker import DEFAULT_ALGORITHM
 
 from .nodes import doc_refs, node_text, text_ids
 
@@ -55,9 +55,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     @field_validator("algorithm")
     @classmethod
     def _known(cls, algorithm: str) -> str:
-        if algorithm not in ALGORITHMS:
-            raise UnknownAlgorithm(f"unknown algorithm {algorithm!r}; choose one of {', '.join(ALGORITHMS)}")
-        return algorithm
+        return linker.algorithm(algorithm).name
 
     # -- sync -------------------------------------------------------------------------------------------
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
