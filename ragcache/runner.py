@@ -171,7 +171,10 @@ class KVPool:
         if cache.slot is None or self.members.get(cache.slot) is not cache:
             return
         del self.members[cache.slot]
-        cache.keys, cache.values = cache.keys[:, :, :0], cache.values[:, :, :0]
+        # new empty tensors, not views of the pool: a spent cache someone still holds (a Linked result, a stream
+        # its client left) would keep the whole pool's memory alive after the pool moves on
+        spent = (*cache.keys.shape[:2], 0, cache.keys.shape[3])
+        cache.keys, cache.values = cache.keys.new_empty(spent), cache.values.new_empty(spent)
         cache.slot, cache.length, cache.capacity = None, 0, 0
         if not self.members:
             self.keys = self.values = None

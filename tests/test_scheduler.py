@@ -366,3 +366,24 @@ def test_reduced_precision_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatc
         got = lm.model.model.layers[0].mlp.up_proj(x)
         torch.testing.assert_close(got, linear(x, weight))  # bf16 tolerance: the GEMM may block by rows
     assert got.shape == (1, 45, 128) and seen == [48]
+
+
+def test_a_spent_cache_does_not_keep_the_pool_alive():
+    """A cache released from the pool holds nothing of it: a caller may keep a spent cache (its Linked result, a
+    stream its client left), and a view would keep the whole pool's memory after the pool moved on (a server's
+    memory grew by the pool's size every time it was reallocated)."""
+    from ragcache.runner import Runner
+
+    runner = Runner(tiny.make("llama"))
+    caches = [runner.new_cache(8) for _ in range(3)]
+    for cache in caches:
+        cache.length = 5
+        runner.pool.adopt(cache)
+    pool_storage = runner.pool.keys.untyped_storage().data_ptr()
+    for cache in caches:
+        runner.pool.release(cache)
+    assert runner.pool.keys is None
+    for cache in caches:
+        assert cache.length == 0 and cache.keys.shape == (4, 2, 0, 16) and cache.values.shape == (4, 2, 0, 16)
+        assert cache.keys._base is None and cache.values._base is None
+        assert pool_storage not in (cache.keys.untyped_storage().data_ptr(), cache.values.untyped_storage().data_ptr())
