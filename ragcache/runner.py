@@ -30,16 +30,7 @@ import ragcache.kernels as kernels
 from .models import LoadedModel
 
 ATTENTION_NAME = "ragcache"
-# oneDNN, which runs torch's CPU matmuls in bf16, keeps a compiled primitive per matmul shape (1,024 by default),
-# and every row count of a packed step is a new shape: under mixed traffic a server's memory grew by about 1 MiB a
-# request. A few shapes cover steady decoding; a miss costs less than the noise of a step (bench soak).
-ONEDNN_PRIMITIVE_CACHE = 16
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
-
-
-def bound_native_caches() -> None:
-    """Before the model's first matmul: bound oneDNN's primitive cache, unless the user chose a size."""
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE))
 
 
 def row_bucket(rows: int) -> int:
@@ -53,8 +44,8 @@ def row_bucket(rows: int) -> int:
 
 def bucket_matmul_rows(model: torch.nn.Module) -> None:
     """On CPU in bf16 or fp16, every Linear runs at a bucketed row count. torch keeps a compiled kernel for each new
-    row count there, with no bound beyond oneDNN's primitive cache (about 0.3 MiB per count and weight shape), and
-    every packed step has its own row count: a server's memory grew by about 1 MiB a request."""
+    row count there (about 0.3 MiB per count and weight shape; oneDNN's primitive cache holds 1,024 of them, and
+    more is kept past it), and every packed step has its own row count: a server's memory grew with every request."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and not hasattr(module.forward, "bucketed"):
             module.forward = _bucketed(module.forward)
@@ -300,7 +291,6 @@ class Runner:
     """The model, seen as: embed rows -> layer i over rows -> final logits."""
 
     def __init__(self, lm: LoadedModel):
-        bound_native_caches()
         self.lm = lm
         model = lm.model
         config = model.config
