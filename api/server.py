@@ -25,8 +25,7 @@ log = logging.getLogger("ragcache.api")
 
 
 def open_engine(settings: Settings) -> RagCache:
-    rc = RagCache.open(settings.model, settings.store, chunk_tokens=settings.chunk_tokens, dtype=settings.dtype,
-                       device=settings.device, kv_codec=settings.kv_codec)
+    rc = RagCache.from_settings(settings)
     rc.warmup()
     return rc
 

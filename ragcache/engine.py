@@ -29,6 +29,7 @@ from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO
 from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
 from .runner import Runner
 from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
+from .settings import Settings
 from .stream import Stream
 
 DEFAULT_STORE = "disk:./.ragcache"
@@ -85,6 +86,12 @@ class RagCache:
         lm = models.load(model, dtype=dtype, device=device)
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
                    kv_codec=kv_codec)
+
+    @classmethod
+    def from_settings(cls, s: "Settings") -> "RagCache":
+        """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults)."""
+        return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
+                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20)
 
     @property
     def kv_codec(self) -> str:

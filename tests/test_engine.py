@@ -178,8 +178,12 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
 def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypatch):
     """Exact-prefix KV is kept least recently used first out within its budget (each `prefix` request of a new prompt
     adds its whole cache), and RAGCACHE_PREFIX_CACHE_MIB reaches the engine the CLI and the server open."""
+    from ragcache.api import server
+    from types import SimpleNamespace
+
     from ragcache import cli
     from ragcache.prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+    from ragcache.settings import Settings
 
     prompt = torch.zeros(2, 1, 8, 4)  # 256 bytes of keys, as much of values
     cache = PrefixCache(budget_bytes=3 * 2 * prompt.nbytes)
@@ -188,7 +192,11 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     assert cache._bytes <= cache.budget_bytes and [cache.lookup(torch.tensor([f, 7, 7]))[0] for f in range(5)] == \
         [0, 0, 3, 3, 3]
     opened = {}
-    monkeypatch.setattr("ragcache.engine.RagCache.open", lambda *a, **k: opened.update(k))
+    monkeypatch.setattr("ragcache.engine.RagCache.open", lambda *a, **k: opened.update(k) or
+                        SimpleNamespace(warmup=lambda: None))
     monkeypatch.setenv("RAGCACHE_PREFIX_CACHE_MIB", "64")
     cli._open("smollm2-135m", "memory:")
     assert opened["prefix_cache_bytes"] == 64 << 20 and DEFAULT_PREFIX_BUDGET == 256 << 20
+    opened.clear()
+    server.open_engine(Settings(store="memory:"))
+    assert opened["prefix_cache_bytes"] == 64 << 20
