@@ -237,8 +237,9 @@ class RagCache:
         return parts, chunks
 
     def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:
-        if not linker.algorithm(algorithm).exact:
-            layout = self.layouts[linker.algorithm(algorithm).layout]
+        known = linker.algorithm(algorithm)
+        if not known.exact:
+            layout = self.layouts[known.layout]
             parts.chunk_entries = self._entries(chunks, layout, stats)
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]

@@ -57,8 +57,8 @@ class LinkParams:
 
     def __post_init__(self) -> None:
         if self.ratio is None:
-            known = TABLE.get(self.algorithm)
-            self.ratio = known.default_ratio if known is not None and known.default_ratio is not None else DEFAULT_RATIO
+            known = TABLE.get(self.algorithm)  # an unknown name is refused by validate()
+            self.ratio = known.default_ratio if known is not None else DEFAULT_RATIO
 
     def validate(self, num_layers: int) -> None:
         algorithm(self.algorithm)
@@ -289,8 +289,8 @@ class Algorithm:
     #              cached prefix of the same ids), "nothing"
     layout: str  # the compile layout its chunks are read in: "default", or "sink" (behind dropped sink tokens)
     scores: bool  # ranks chunk rows by the question's attention in a naive pre-pass (focus)
-    default_ratio: float | None  # its `ratio` when none is given
     rows: Callable[..., tuple]  # (parts, params, length, reused, scores) -> (rows to recompute, Narrowing | None)
+    default_ratio: float = DEFAULT_RATIO  # its `ratio` when none is given
 
     @property
     def exact(self) -> bool:
@@ -299,13 +299,13 @@ class Algorithm:
 
 
 TABLE = {a.name: a for a in (
-    Algorithm("full", "nothing", "default", False, None, _after_reused),
-    Algorithm("naive", "chunks", "default", False, None, _question_only),
-    Algorithm("cacheblend", "chunks", "default", False, DEFAULT_RATIO, _blend),
-    Algorithm("legolink", "chunks", "default", False, None, _first_k),
-    Algorithm("legolink0", "chunks", "sink", False, None, _question_only),
-    Algorithm("focus", "chunks", "default", True, DEFAULT_FOCUS_RATIO, _focus),
-    Algorithm("prefix", "prefix", "default", False, None, _after_reused),
+    Algorithm("full", "nothing", "default", False, _after_reused),
+    Algorithm("naive", "chunks", "default", False, _question_only),
+    Algorithm("cacheblend", "chunks", "default", False, _blend),
+    Algorithm("legolink", "chunks", "default", False, _first_k),
+    Algorithm("legolink0", "chunks", "sink", False, _question_only),
+    Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO),
+    Algorithm("prefix", "prefix", "default", False, _after_reused),
 )}
 ALGORITHMS = tuple(TABLE)
 

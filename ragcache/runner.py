@@ -16,8 +16,6 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
-import os
 from dataclasses import dataclass
 
 import torch
@@ -30,7 +28,6 @@ import ragcache.kernels as kernels
 from .models import LoadedModel
 
 ATTENTION_NAME = "ragcache"
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if os.name == "posix" else None
 
 
 def row_bucket(rows: int) -> int:
@@ -66,7 +63,7 @@ def _bucketed(forward):
 
 def return_free_memory() -> None:
     """Give the allocator's free pages back to the system (glibc keeps them in per-thread arenas otherwise)."""
-    trim = getattr(_LIBC, "malloc_trim", None)
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; elsewhere there is nothing to do
     if trim is not None:
         trim(0)
 

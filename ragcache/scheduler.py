@@ -130,7 +130,7 @@ class Scheduler:
 
     def _start(self) -> None:
         if self._thread is None and not self._stopping:
-            self._thread = threading.Thread(target=self._loop, name="ragcache-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="ragcache-scheduler", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 60.0) -> None:
@@ -143,13 +143,18 @@ class Scheduler:
             thread.join(timeout)
 
     # -- the scheduler thread ---------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop()
+        finally:  # idle or stopping: the memory of its last steps goes back (outside the lock; a few ms)
+            return_free_memory()
+
     def _loop(self) -> None:
         while True:
             with self._wakeup:
                 while not (self._has_work() or self._stopping):
                     if not self._wakeup.wait(IDLE_EXIT_S) and not self._has_work():
                         self._thread = None  # idle: end; `submit`/`call` start a new thread (under this lock)
-                        return_free_memory()
                         return
                 if self._stopping:
                     self._thread = None
