@@ -63,6 +63,12 @@ def pooled_decode_attention(query, keys, values, slots, positions, scale, window
     return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key, end_key)
 
 
+def attention_weights(query, keys, query_positions, scale, window=None):
+    """The softmax weights of rows at positions over a joined cache, fp32 [H, n, N]: what focus scores chunk rows
+    with. Only the question's rows take it, once per layer, so the reference is fast enough on every device."""
+    return torch_ref.attention_weights(query, keys, query_positions, scale, window)
+
+
 def kv_deviation(fresh, cached):
     return _impl(fresh.device).kv_deviation(fresh, cached)
 

@@ -112,6 +112,18 @@ def selected_attention(
     return _selected_rows_attention(query, keys, values, query_positions, scale, window)
 
 
+def attention_weights(query: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, scale: float,
+                      window: int | None = None) -> torch.Tensor:
+    """query [H, n, D], keys [KVH, N, D] -> fp32 softmax weights [H, n, N], causal by position (and window)."""
+    key_positions = torch.arange(keys.shape[1], device=keys.device)[None, :]
+    visible = key_positions <= query_positions[:, None]
+    if window:
+        visible &= key_positions > query_positions[:, None] - window
+    grouped = keys.float().repeat_interleave(query.shape[0] // keys.shape[0], 0)
+    logits = (query.float() @ grouped.transpose(1, 2)) * scale
+    return torch.softmax(logits.masked_fill(~visible[None], -float("inf")), -1)
+
+
 # With a boolean mask, torch's SDPA on Hopper picks cuDNN, which cost milliseconds of host time per call in
 # serving, where every step's masked shape is new (docs/BENCHMARKS.md, "On a GPU"). Unmasked calls keep cuDNN:
 # for a repeated causal shape (compiling 512-token chunks) it is the fastest.

@@ -24,7 +24,6 @@ and which rows it recomputes: nothing else compares algorithm names.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,7 +35,8 @@ from ragcache.store.entry import ChunkKV
 
 from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import PrefixCache
-from .runner import JoinedCache, Runner
+from .kv import JoinedCache
+from .runner import Runner
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
@@ -222,26 +222,9 @@ def question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> 
     over heads and question rows; ProphetKV / A^3 score chunk tokens by the query's attention): [layers, length].
     The pass writes the question's K/V into `cache`; the recompute that follows overwrites them."""
     length = cache.length
-    batch, rows = runner.batch([(cache, torch.arange(length - len(parts.question_ids), length))])
-    hidden = runner.embed(parts.token_ids[rows.cpu()])
-    pos_emb = runner.position_embeddings(hidden, rows)
+    rows = _question(parts, length)
     scores = torch.zeros(runner.shape.layers, length, device=runner.device)
-    key_pos = torch.arange(length, device=runner.device)[None, :]
-    for index, layer in enumerate(runner.layers):
-        attn = layer.self_attn
-        visible = key_pos <= rows[:, None]
-        if getattr(attn, "sliding_window", None):
-            visible &= key_pos > rows[:, None] - attn.sliding_window
-        query = attn.q_proj(layer.input_layernorm(hidden)).view(1, rows.numel(), -1, runner.shape.head_dim)
-        query = query.transpose(1, 2)
-        if getattr(attn, "q_norm", None) is not None:
-            query = attn.q_norm(query)
-        cos, sin = pos_emb[runner.layer_types[index]]
-        query = sys.modules[type(attn).__module__].apply_rotary_pos_emb(query, query, cos, sin)[0][0]
-        hidden = runner.run_layer(index, hidden, rows, batch, pos_emb)
-        keys = cache.keys[index, :, :length].float().repeat_interleave(query.shape[0] // runner.shape.kv_heads, 0)
-        logits = (query.float() @ keys.transpose(1, 2)) * attn.scaling
-        scores[index] = torch.softmax(logits.masked_fill(~visible[None], -float("inf")), -1).sum((0, 1))
+    runner.forward(parts.token_ids[rows], [(cache, rows)], scores=scores)
     return scores.cpu()
 
 
@@ -256,28 +239,38 @@ class Narrowing:
     deviation: str = "key"
 
 
+class _Narrow:
+    """A Narrowing applied to one forward over `rows` of `cache` (a runner.LayerWatch)."""
+
+    def __init__(self, narrow: Narrowing, cache: JoinedCache, rows: torch.Tensor, device):
+        self.narrow, self.cache, self.rows = narrow, cache, rows
+        self.chunk_rows = narrow.chunk_rows.to(device)
+        self.compared = cache.values if narrow.deviation == "value" else cache.keys
+        self.cached: torch.Tensor | None = None
+
+    def before(self, layer: int) -> None:
+        if layer == self.narrow.layer:
+            self.cached = self.compared[layer][:, self.chunk_rows].clone()
+
+    def after(self, layer: int, hidden: torch.Tensor) -> tuple | None:
+        narrow = self.narrow
+        if layer != narrow.layer:
+            return None
+        deviation = kernels.kv_deviation(self.compared[layer][:, self.chunk_rows], self.cached)
+        keep = torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()],
+                          narrow.question_rows]).sort().values
+        hidden = hidden[:, torch.searchsorted(self.rows, keep).to(hidden.device)]
+        self.rows = keep
+        return hidden, [(self.cache, keep)]
+
+
 def recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
-               narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer."""
-    batch, positions = runner.batch([(cache, rows)])
-    hidden = runner.embed(ids[rows])
-    pos_emb = runner.position_embeddings(hidden, positions)
-    for layer in range(runner.shape.layers):
-        check = narrow is not None and layer == narrow.layer
-        if check:
-            chunk_rows = narrow.chunk_rows.to(runner.device)
-            compared = cache.values if narrow.deviation == "value" else cache.keys
-            cached = compared[layer][:, chunk_rows].clone()
-        hidden = runner.run_layer(layer, hidden, positions, batch, pos_emb)
-        if check:
-            deviation = kernels.kv_deviation(compared[layer][:, chunk_rows], cached)
-            keep = torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()],
-                              narrow.question_rows]).sort().values
-            hidden = hidden[:, torch.searchsorted(rows, keep).to(runner.device)]
-            rows = keep
-            batch, positions = runner.batch([(cache, rows)])
-            pos_emb = runner.position_embeddings(hidden, positions)
-    return hidden, rows
+              narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer. Returns the
+    last hidden states and the rows they belong to."""
+    watch = _Narrow(narrow, cache, rows, runner.device) if narrow is not None else None
+    hidden = runner.forward(ids[rows], [(cache, rows)], watch=watch)
+    return hidden, (watch.rows if watch is not None else rows)
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,20 @@
-"""Drive a Hugging Face RoPE decoder layer by layer over the *selected rows* of one or more joined caches.
+"""The one layer loop: a RoPE decoder driven layer by layer over the *selected rows* of one or more joined caches
+(ragcache.kv). Linking, focus's question pass, CacheBlend's narrowing and every decode step run through
+`Runner.forward`.
 
-The model's own modules do all the math (embeddings, decoder layers, norms, lm_head, rotary tables); ragcache
-only supplies two things a normal forward does not have:
-  - `JoinedCache`, one request's preallocated K/V buffer whose index is the global position.
-  - a `Batch` of `Segment`s: which rows of the packed forward belong to which request. The decoder layers get it
-    as their cache (`update(k, v, layer)` scatters each request's slice of the fresh K/V into its own JoinedCache)
-    and as the `ragcache_batch` keyword of the attention function registered with transformers as "ragcache",
-    which attends each request's rows causally, by position, over its own cache (sliding-window layers keep
-    their window). Projections, norms and MLPs therefore run once over the rows of every request.
-  - `KVPool`, where the caches of decoding requests live side by side, so that the decode rows of every request
-    take one attention call per layer (`PooledRows`) instead of one call per request.
+The model's own modules do all the math (embeddings, decoder layers, norms, lm_head, rotary tables). The decoder
+layers get the step's `kv.Batch` as their cache (`update` scatters each request's fresh K/V into its own joined
+cache) and as the `ragcache_batch` keyword of the attention function registered with transformers as "ragcache"
+(`Batch.attend`). Projections, norms and MLPs therefore run once over the rows of every request. Another engine's
+modules plug in by overriding `embed`, `position_embeddings`, `run_layer` and `logits` (ragcache.integrations.vllm).
 Any other call of the model (e.g. `model(input_ids)`) falls through to transformers' SDPA attention unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from transformers import AttentionInterface
@@ -25,7 +23,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
+from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
 from .models import LoadedModel
+
+Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
 
 ATTENTION_NAME = "ragcache"
 
@@ -75,213 +76,20 @@ def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, 
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer = module.layer_idx
-    outs = []
-    for seg in batch.alone:  # each request attends over its own joined cache only
-        keys, values = seg.cache.visible(layer)
-        outs.append(kernels.selected_attention(query[0, :, seg.start : seg.end], keys, values, seg.rows, scale,
-                                               sliding_window, contiguous_from=seg.contiguous_from))
-    if batch.pooled is None:
-        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
-        return out[None], None
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])
-    pooled = batch.pooled
-    out[pooled.index] = pooled.attend(query[0][:, pooled.index], layer, scale, sliding_window)
-    for seg, seg_out in zip(batch.alone, outs):
-        out[seg.start : seg.end] = seg_out
-    return out[None], None
+    return batch.attend(module.layer_idx, query[0], scale, sliding_window)[None], None
 
 
 AttentionInterface.register(ATTENTION_NAME, _ragcache_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-class JoinedCache:
-    """K (post-RoPE) and V of one prompt for every layer: [layers, kv_heads, capacity, head_dim], index == position.
+class LayerWatch(Protocol):
+    """Sees one forward layer by layer (CacheBlend's narrowing)."""
 
-    Its own buffers, or (while its request decodes) a view of a slot of the runner's KVPool. A cache released from
-    the pool is spent: empty, length 0."""
+    def before(self, layer: int) -> None: ...
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device):
-        shape = (layers, kv_heads, capacity, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
-        self.length = 0  # positions [0, length) are visible to attention
-        self.slot: int | None = None  # its slot in the KVPool, when it is in it
-
-    def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-              contiguous_from: int | None) -> None:
-        """Write fresh K/V [kv_heads, n, head_dim] at positions `rows` (a slice copy when they are contiguous)."""
-        if contiguous_from is not None:
-            end = contiguous_from + keys.shape[1]
-            self.keys[layer, :, contiguous_from:end] = keys
-            self.values[layer, :, contiguous_from:end] = values
-        else:
-            self.keys[layer][:, rows] = keys.to(self.keys.dtype)
-            self.values[layer][:, rows] = values.to(self.values.dtype)
-
-    def nbytes(self) -> int:
-        return 2 * self.keys[:, :, : self.length].numel() * self.keys.element_size()
-
-
-class KVPool:
-    """The joined caches of the decoding requests in one tensor each for K and V, [layers, slots, kv_heads,
-    capacity, head_dim], so that one attention call per layer serves all their decode rows (`PooledRows`).
-
-    A cache joins when its request starts decoding (its prompt K/V are copied in, once) and leaves when the request
-    does. The pool grows to the most slots and the longest capacity in use (rounded up) and is freed once empty.
-    The price is padding: every slot has the longest capacity."""
-
-    CAPACITY_STEP = 256
-
-    def __init__(self, shape: ModelShape, device):
-        self.shape, self.device = shape, device
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self.members: dict[int, JoinedCache] = {}
-
-    def adopt(self, cache: JoinedCache) -> None:
-        """Move `cache` into a free slot; from now on it is a view of the pool."""
-        slot = next(i for i in range(len(self.members) + 1) if i not in self.members)
-        self._fit(slot + 1, cache.capacity)
-        length = cache.length
-        self.keys[:, slot, :, :length] = cache.keys[:, :, :length]
-        self.values[:, slot, :, :length] = cache.values[:, :, :length]
-        self.members[slot] = cache
-        self._point(slot, cache)
-
-    def release(self, cache: JoinedCache) -> None:
-        """The cache's request is gone: free its slot (the cache is spent)."""
-        if cache.slot is None or self.members.get(cache.slot) is not cache:
-            return
-        del self.members[cache.slot]
-        # new empty tensors, not views of the pool: a spent cache someone still holds (a Linked result, a stream
-        # its client left) would keep the whole pool's memory alive after the pool moves on
-        spent = (*cache.keys.shape[:2], 0, cache.keys.shape[3])
-        cache.keys, cache.values = cache.keys.new_empty(spent), cache.values.new_empty(spent)
-        cache.slot, cache.length, cache.capacity = None, 0, 0
-        if not self.members:
-            self.keys = self.values = None
-
-    def _point(self, slot: int, cache: JoinedCache) -> None:
-        cache.keys, cache.values, cache.slot = self.keys[:, slot], self.values[:, slot], slot
-
-    def _fit(self, slots: int, capacity: int) -> None:
-        """Grow (never shrink while in use) to hold `slots` slots of `capacity` positions; members follow."""
-        old_slots, old_capacity = (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
-        if slots <= old_slots and capacity <= old_capacity:
-            return
-        slots = max(slots, 2 * old_slots)  # doubling: a burst of joins moves the pool a few times, not each time
-        step = self.CAPACITY_STEP
-        capacity = max(old_capacity, -(-capacity // step) * step)
-        s = self.shape
-        shape = (s.layers, slots, s.kv_heads, capacity, s.head_dim)
-        # zeros, not empty: masked-out keys still enter q.k, and garbage there could be NaN
-        keys = torch.zeros(shape, dtype=s.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=s.dtype, device=self.device)
-        if self.keys is not None:
-            keys[:, :old_slots, :, :old_capacity] = self.keys
-            values[:, :old_slots, :, :old_capacity] = self.values
-        self.keys, self.values = keys, values
-        for slot, cache in self.members.items():
-            self._point(slot, cache)
-
-
-@dataclass
-class Segment:
-    """One request's rows within a packed forward: rows start..end of the batch, at positions `rows` of `cache`."""
-
-    cache: JoinedCache
-    rows: torch.Tensor  # positions, on the model's device
-    start: int
-    end: int
-    contiguous_from: int | None  # the rows are exactly positions p..p+n-1 (known on the host)
-
-
-@dataclass
-class PooledRows:
-    """A step's decode rows whose caches are in the pool: one attention call and one K/V write per layer for all."""
-
-    pool: KVPool
-    segments: list[Segment]
-    index: torch.Tensor  # their rows in the packed forward
-    slots: torch.Tensor  # their pool slots
-    positions: torch.Tensor  # each row's position (its cache's last)
-    first_slot: int  # host: the slot range the call reads, and
-    end_slot: int
-    first_position: int  # the position range
-    end_position: int
-
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values [kv_heads, rows, head_dim] of the whole forward: this group's rows into their slots."""
-        pool = self.pool
-        pool.keys[layer][self.slots, :, self.positions] = keys[:, self.index].transpose(0, 1).to(pool.keys.dtype)
-        pool.values[layer][self.slots, :, self.positions] = values[:, self.index].transpose(0, 1).to(pool.values.dtype)
-
-    def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
-        """query [heads, rows, head_dim] of this group's rows -> [rows, heads, head_dim]."""
-        first_key = 0 if window is None else max(self.first_position - window + 1, 0)
-        span = (layer, slice(self.first_slot, self.end_slot), slice(None), slice(first_key, None))
-        return kernels.pooled_decode_attention(query, self.pool.keys[span], self.pool.values[span],
-                                               self.slots - self.first_slot, self.positions, scale, window, first_key,
-                                               self.end_position)
-
-
-class Batch:
-    """The packed forward's view of every request in it; decoder layers see it as their cache."""
-
-    def __init__(self, segments: list[Segment], pooled: PooledRows | None = None):
-        self.segments = segments
-        self.pooled = pooled
-        grouped = {id(seg) for seg in pooled.segments} if pooled is not None else set()
-        self.alone = [seg for seg in segments if id(seg) not in grouped]  # attended request by request
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
-        for seg in self.alone:
-            seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
-                            seg.rows, seg.contiguous_from)
-        if self.pooled is not None:
-            self.pooled.write(layer_idx, key_states[0], value_states[0])
-        return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
-
-
-def pool_rows(pool: KVPool, segments: list[Segment]) -> PooledRows | None:
-    """The decode rows (one row at its cache's last position) of pooled caches, if batching them pays: at least
-    two, and the slot x position range one call reads is at most twice the keys they need (padding)."""
-    rows = [seg for seg in segments if seg.cache.slot is not None and seg.end - seg.start == 1
-            and seg.contiguous_from is not None]
-    if len(rows) < 2:
-        return None
-    slots = [seg.cache.slot for seg in rows]
-    positions = [seg.contiguous_from for seg in rows]
-    first_slot, end_slot, end_position = min(slots), max(slots) + 1, max(positions) + 1
-    if 2 * sum(p + 1 for p in positions) < (end_slot - first_slot) * end_position:
-        return None
-    device = pool.device
-    return PooledRows(pool, rows, torch.tensor([seg.start for seg in rows], device=device),
-                      torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                      first_slot, end_slot, min(positions), end_position)
-
-
-def contiguous_start(rows: torch.Tensor) -> int | None:
-    """p if the (host) rows are exactly p..p+n-1, else None."""
-    if rows.numel() == 0 or rows.device.type != "cpu":
-        return None
-    first, last = int(rows[0]), int(rows[-1])
-    return first if last - first == rows.numel() - 1 and bool((rows[1:] > rows[:-1]).all()) else None
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+    def after(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Part]] | None:
+        """None, or the hidden states and parts of the rows that go on to the next layer."""
 
 
 class Runner:
@@ -338,12 +146,15 @@ class Runner:
         pe = self.rotary(hidden, position_ids)
         return {t: pe for t in set(self.layer_types)}
 
-    def batch(self, parts: list[tuple[JoinedCache, torch.Tensor]]) -> tuple[Batch, torch.Tensor]:
+    def batch(self, parts: Sequence[Part], scores: torch.Tensor | None = None) -> tuple[Batch, torch.Tensor]:
         """Pack (cache, host rows) pairs into one Batch; returns it and every position, on the device."""
+        if scores is not None and len(parts) != 1:
+            raise ValueError("attention scores are collected for one part at a time")
         segments, start = [], 0
         for cache, rows in parts:
             end = start + rows.numel()
-            segments.append(Segment(cache, rows.to(self.device, non_blocking=True), start, end, contiguous_start(rows)))
+            segments.append(Segment(cache, rows.to(self.device, non_blocking=True), start, end, contiguous_start(rows),
+                                    scores))
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
         return Batch(segments, pool_rows(self.pool, segments)), positions
@@ -366,14 +177,25 @@ class Runner:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def forward(self, token_ids: torch.Tensor, parts: list[tuple[JoinedCache, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, parts: Sequence[Part], scores: torch.Tensor | None = None,
+                watch: "LayerWatch | None" = None) -> torch.Tensor:
         """All layers over the packed rows of every (cache, rows) part, ids `token_ids` in the same order;
-        returns the last hidden states [1, n, hidden]."""
-        batch, positions = self.batch(parts)
+        returns the last hidden states [1, n, hidden] of the rows still running at the end.
+
+        `scores` [layers, length] collects the attention weights of the (single) part's rows (`Segment.scores`).
+        `watch` sees each layer before and after it runs, and may narrow the rows after it."""
+        batch, positions = self.batch(parts, scores)
         hidden = self.embed(token_ids)
         pos_emb = self.position_embeddings(hidden, positions)
         for index in range(self.shape.layers):
+            if watch is not None:
+                watch.before(index)
             hidden = self.run_layer(index, hidden, positions, batch, pos_emb)
+            narrowed = watch.after(index, hidden) if watch is not None else None
+            if narrowed is not None:
+                hidden, parts = narrowed
+                batch, positions = self.batch(parts)
+                pos_emb = self.position_embeddings(hidden, positions)
         return hidden
 
     def forward_rows(self, token_ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache) -> torch.Tensor:

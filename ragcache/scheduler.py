@@ -10,8 +10,8 @@ A request's life:
 Each step packs the rows of every running request (decode rows first, then link pieces in FIFO order until the
 budget is spent) into one forward: embeddings, projections, norms and MLPs run once over the concatenated rows.
 A request that starts decoding moves its joined cache into the runner's KVPool, so the decode rows of all
-requests take one attention call per layer (runner.PooledRows); link pieces attend per request over their own
-joined cache (runner.Batch). A request that leaves frees its slot. A request that fails fails alone; the others
+requests take one attention call per layer (kv.PooledRows); link pieces attend per request over their own
+joined cache (kv.Batch). A request that leaves frees its slot. A request that fails fails alone; the others
 go on. Other model work (compiling a chunk) goes through `call` and runs here too, between steps.
 """
 
@@ -33,7 +33,8 @@ from . import linker
 from .sampling import Decoding
 from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
-from .runner import JoinedCache, Runner, return_free_memory
+from .kv import JoinedCache
+from .runner import Runner, return_free_memory
 
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
 IDLE_EXIT_S = 5.0  # an idle scheduler thread ends (and starts again with the next request)
