@@ -83,6 +83,22 @@ AttentionInterface.register(ATTENTION_NAME, _ragcache_attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def rope_table(rotary: torch.nn.Module, layer_types: list[str], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """inv_freq [layers, rot_dim/2] and attention scaling [layers] of a transformers rotary module: all a rope variant
+    needs once its frequencies are fixed (default, linear, llama3, yarn, per-layer theta)."""
+    freqs, scales = [], []
+    per_type = hasattr(rotary, "layer_types")
+    for layer_type in layer_types:
+        if per_type:
+            freqs.append(getattr(rotary, f"{layer_type}_inv_freq"))
+            scales.append(float(getattr(rotary, f"{layer_type}_attention_scaling")))
+        else:
+            freqs.append(rotary.inv_freq)
+            scales.append(float(rotary.attention_scaling))
+    inv_freq = torch.stack([f.to(torch.float32) for f in freqs]).to(device)
+    return inv_freq, torch.tensor(scales, dtype=torch.float32, device=device)
+
+
 class LayerWatch(Protocol):
     """Sees one forward layer by layer (CacheBlend's narrowing)."""
 
@@ -110,27 +126,12 @@ class Runner:
         self.layer_types = list(getattr(config, "layer_types", None) or ["full_attention"] * len(self.layers))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.shape = ModelShape(len(self.layers), config.num_key_value_heads, head_dim, model.dtype)
-        self.inv_freq, self.rope_scaling = self._rope_table()
+        self.inv_freq, self.rope_scaling = rope_table(self.rotary, self.layer_types, self.device)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.pool = KVPool(self.shape, self.device)  # the decoding requests' caches (the scheduler moves them in)
         model.config._attn_implementation = ATTENTION_NAME
         if self.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
             bucket_matmul_rows(model)
-
-    def _rope_table(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """inv_freq [layers, rot_dim/2] and attention scaling [layers]: all a rope variant needs once its
-        frequencies are fixed (default, linear, llama3, yarn, per-layer theta)."""
-        freqs, scales = [], []
-        per_type = hasattr(self.rotary, "layer_types")
-        for layer_type in self.layer_types:
-            if per_type:
-                freqs.append(getattr(self.rotary, f"{layer_type}_inv_freq"))
-                scales.append(float(getattr(self.rotary, f"{layer_type}_attention_scaling")))
-            else:
-                freqs.append(self.rotary.inv_freq)
-                scales.append(float(self.rotary.attention_scaling))
-        inv_freq = torch.stack([f.to(torch.float32) for f in freqs]).to(self.device)
-        return inv_freq, torch.tensor(scales, dtype=torch.float32, device=self.device)
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape

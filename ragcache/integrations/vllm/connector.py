@@ -1,0 +1,243 @@
+"""`RagcacheConnector`: a vLLM V1 KV connector that links ragcache's cached chunks into vLLM's paged KV cache.
+
+A request opts in with `kv_transfer_params={"ragcache": LinkSpec}` over ragcache's own prompt ids
+`[system | chunk_1 ... chunk_n | question]` (each part tokenized alone, as the linker does), and the spec's
+`cache_salt` (`spec.request(...)` builds all three).
+
+Scheduler side: `get_num_new_matched_tokens` claims the linked part (everything before the question) minus vLLM's
+own prefix hit; vLLM computes the question itself, over the linked KV.
+
+Worker side, before the step's forward (`start_load_kv`): fetch the chunks' entries from the ragcache store
+(compiling and storing a miss with vLLM's modules), rotate them into place, run the algorithm's recompute with
+vLLM's layer modules through ragcache's layer loop (`VllmRunner`), and write the claimed positions into vLLM's paged
+cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
+
+Prefix caching stays on: the salt puts a linked request's blocks under hashes no plain request can produce, so
+linked KV is never served as an exact prefix. A request whose salt is not its spec's is not linked.
+A load that fails (the store down) is reported as failed blocks, and vLLM recomputes them (the connector requires
+`kv_load_failure_policy="recompute"`): a slower answer, never a wrong one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
+                                                               KVConnectorRole)
+
+from ragcache import linker
+from ragcache.errors import RagCacheError, StoreError
+from ragcache.kv import JoinedCache
+from ragcache.linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K, LinkInput, LinkParams)
+
+log = logging.getLogger("ragcache.vllm")
+SPEC_KEY = "ragcache"
+SALT_PREFIX = "ragcache-link:"
+NAME = "RagcacheConnector"
+MODULE = __name__
+
+FALLBACKS = Counter("ragcache_vllm_link_fallbacks", "Linked requests that vLLM prefilled itself instead, by reason",
+                    ["reason"])
+LINKED = Counter("ragcache_vllm_linked_tokens", "Prompt tokens linked from the ragcache store")
+
+
+class BadLinkSpec(RagCacheError):
+    pass
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """How one prompt splits into ragcache's parts, and how to link them. Lengths are in prompt ids."""
+
+    prefix: int
+    chunks: tuple[int, ...]
+    question: int
+    algorithm: str = DEFAULT_ALGORITHM
+    k: int = DEFAULT_K
+    ratio: float | None = None
+    check_layer: int = DEFAULT_CHECK_LAYER
+    deviation: str = "key"
+
+    @classmethod
+    def of_parts(cls, parts: LinkInput, params: LinkParams) -> "LinkSpec":
+        return cls(len(parts.prefix_ids), tuple(map(len, parts.chunk_ids)), len(parts.question_ids),
+                   params.algorithm, params.k, params.ratio, params.check_layer, params.deviation)
+
+    @classmethod
+    def parse(cls, raw: Any, prompt_tokens: int) -> "LinkSpec":
+        if not isinstance(raw, dict):
+            raise BadLinkSpec(f"kv_transfer_params[{SPEC_KEY!r}] must be an object, got {type(raw).__name__}")
+        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise BadLinkSpec(f"unknown fields {sorted(unknown)}")
+        try:
+            spec = cls(**{**raw, "chunks": tuple(raw.get("chunks", ()))})
+        except TypeError as exc:
+            raise BadLinkSpec(str(exc)) from None
+        lengths = (spec.prefix, *spec.chunks, spec.question)
+        if not all(type(n) is int and n >= 0 for n in lengths):
+            raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
+        if spec.question < 1 or sum(lengths) != prompt_tokens:
+            raise BadLinkSpec(f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
+                              f"{prompt_tokens}; the question needs at least one id")
+        if linker.algorithm(spec.algorithm).reuses != "chunks":
+            raise BadLinkSpec(f"{spec.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
+                              "(full is vLLM's prefill, prefix its prefix cache)")
+        return spec
+
+    @property
+    def linked(self) -> int:
+        """The prompt ids the link provides: everything before the question."""
+        return self.prefix + sum(self.chunks)
+
+    @property
+    def salt(self) -> str:
+        return SALT_PREFIX + hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:32]
+
+    def as_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "chunks": list(self.chunks)}
+
+    def params(self) -> LinkParams:
+        return LinkParams(self.algorithm, self.k, self.ratio, self.check_layer, self.deviation)
+
+    def parts(self, token_ids: list[int]) -> LinkInput:
+        chunks, position = [], self.prefix
+        for length in self.chunks:
+            chunks.append(list(token_ids[position : position + length]))
+            position += length
+        return LinkInput(list(token_ids[: self.prefix]), chunks, list(token_ids[position:]))
+
+    def request(self, token_ids: list[int]) -> dict:
+        """What to send vLLM (`LLM.generate` prompt fields, or the OpenAI server's extra body)."""
+        return {"prompt_token_ids": list(token_ids), "cache_salt": self.salt,
+                "kv_transfer_params": {SPEC_KEY: self.as_dict()}}
+
+
+@dataclass
+class Load:
+    """One request's link, as the worker needs it."""
+
+    request_id: str
+    token_ids: list[int]
+    spec: LinkSpec
+    block_ids: list[int]
+    start: int  # first position to write: vLLM's own prefix hit ends there
+
+
+@dataclass
+class LoadMetadata(KVConnectorMetadata):
+    loads: list[Load]
+
+
+class RagcacheConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        if transfer.kv_load_failure_policy != "recompute":
+            raise ValueError(f"{NAME} needs kv_load_failure_policy='recompute' in the KV transfer config, so that a "
+                             "link that cannot load (the store down) is prefilled by vLLM instead of failing")
+        self.options = dict(transfer.kv_connector_extra_config or {})
+        self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        self.block_size = vllm_config.cache_config.block_size
+        self._pending: dict[str, Load] = {}
+        self._worker = None  # built at the first load: the model is loaded after the connector is made
+        self._kv_caches: dict[str, torch.Tensor] = {}
+        self._failed: set[int] = set()
+
+    # -- scheduler side ---------------------------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        spec = self._spec(request, count=False)
+        if spec is None or num_computed_tokens >= spec.linked:
+            return 0, False
+        return spec.linked - num_computed_tokens, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        spec = self._spec(request)
+        self._pending[request.request_id] = Load(request.request_id, list(request.prompt_token_ids), spec,
+                                                 list(blocks.get_block_ids()[0]), spec.linked - num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> LoadMetadata:
+        meta = LoadMetadata(list(self._pending.values()))
+        self._pending.clear()
+        return meta
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._pending.pop(request.request_id, None)
+        return False, None
+
+    def _spec(self, request, count: bool = True) -> LinkSpec | None:
+        raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
+        if raw is None:
+            return None
+        try:
+            spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
+        except (BadLinkSpec, RagCacheError) as exc:
+            return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}", count)
+        if self.prefix_caching and request.cache_salt != spec.salt:
+            return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
+                                "must not enter vLLM's prefix cache as exact", count)
+        return spec
+
+    def _refuse(self, request, reason: str, why: str, count: bool) -> None:
+        if count:  # get_num_new_matched_tokens may be asked again for the same request: warn once, here
+            FALLBACKS.labels(reason).inc()
+            log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, why)
+        return None
+
+    # -- worker side ------------------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._kv_caches = kv_caches
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        for load in self._get_connector_metadata().loads:
+            try:
+                worker = self._worker_()
+                worker.write(worker.link(load), load, self._kv_caches, self.block_size)
+                LINKED.inc(load.spec.linked - load.start)
+            except (StoreError, BadLinkSpec) as exc:
+                reason = "store" if isinstance(exc, StoreError) else "bad_spec"
+                FALLBACKS.labels(reason).inc()
+                log.warning("request %s: link failed (%s); vLLM recomputes its blocks", load.request_id, exc)
+                first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
+                self._failed.update(load.block_ids[first:end])
+
+    def _worker_(self):
+        if self._worker is None:
+            from .worker import LinkWorker
+
+            self._worker = LinkWorker(self._vllm_config, self.options)
+        return self._worker
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # start_load_kv writes every layer before the forward starts
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        return  # entries are compiled from ids (ragcache compile, or a miss at link time), not saved from vLLM
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+
+def transfer_config(store: str, **options) -> dict:
+    """The `kv_transfer_config` that loads this connector (`vllm serve --kv-transfer-config`, `LLM(...)`)."""
+    return {"kv_connector": NAME, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store": store, **options}}
+
+
+def placed(cache: JoinedCache, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [start, end) of one layer, as vLLM's cache writes take them: [tokens, kv_heads, d]."""
+    return (cache.keys[layer, :, start:end].transpose(0, 1).contiguous(),
+            cache.values[layer, :, start:end].transpose(0, 1).contiguous())

@@ -1,0 +1,79 @@
+"""ragcache's layer loop over a vLLM model's own modules.
+
+`VllmRunner` is a `Runner` whose embedding, decoder layers and head are vLLM's (fused `qkv_proj` and `gate_up_proj`,
+vLLM's `rotary_emb`), so the linker's steps (placing, focus's question pass, the recompute, CacheBlend's narrowing,
+compiling a missing chunk) run unchanged through `Runner.forward`. Attention is ragcache's, over the request's own
+joined cache: vLLM's paged attention needs a forward context (its metadata for the step's batch) that the link,
+run before the step, does not have.
+
+Families: llama (SmolLM2, Llama 3) and qwen2 share one decoder layer structure in vLLM.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from ragcache.kv import Batch, KVPool, ModelShape
+from ragcache.runner import Runner, rope_table
+
+FAMILIES = ("llama", "qwen2")
+
+
+class VllmRunner(Runner):
+    def __init__(self, model: torch.nn.Module, hf_config, dtype: torch.dtype):
+        if hf_config.model_type not in FAMILIES:
+            raise NotImplementedError(f"linking inside vLLM supports the {', '.join(FAMILIES)} families, not "
+                                      f"{hf_config.model_type!r}")
+        if getattr(hf_config, "use_sliding_window", False):
+            raise NotImplementedError("sliding-window attention is not supported by the vLLM link yet")
+        inner = model.model
+        self.model = model
+        self.config = hf_config
+        self.embed_tokens, self.norm = inner.embed_tokens, inner.norm
+        self.layers = list(inner.layers[inner.start_layer : inner.end_layer])  # this pipeline rank's layers
+        self.device = next(model.parameters()).device
+        attention = self.layers[0].self_attn
+        # tensor parallel: each rank holds (and links) its own KV heads
+        self.shape = ModelShape(len(self.layers), attention.num_kv_heads, attention.head_dim, dtype)
+        self.layer_types = ["full_attention"] * len(self.layers)
+        self.inv_freq, self.rope_scaling = rope_table(_hf_rotary(hf_config), self.layer_types, self.device)
+        self.final_softcap = None
+        self.pool = KVPool(self.shape, self.device)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(token_ids.to(self.device))[None]
+
+    def position_embeddings(self, hidden: torch.Tensor, rows: torch.Tensor) -> dict:
+        return {}  # vLLM's rotary_emb rotates q and k inside run_layer
+
+    def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch,
+                  pos_emb: dict) -> torch.Tensor:
+        layer = self.layers[index]
+        attention = layer.self_attn
+        x = hidden[0]
+        rows, head_dim = x.shape[0], self.shape.head_dim
+        qkv, _ = attention.qkv_proj(layer.input_layernorm(x))
+        q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
+        q, k = attention.rotary_emb(positions, q, k)
+
+        def by_head(t: torch.Tensor) -> torch.Tensor:  # [rows, heads * d] -> [heads, rows, d]
+            return t.reshape(rows, -1, head_dim).transpose(0, 1)
+
+        batch.update(by_head(k)[None], by_head(v)[None], index)
+        out = batch.attend(index, by_head(q), attention.scaling, None)
+        out, _ = attention.o_proj(out.reshape(rows, -1))
+        x = x + out
+        return (x + layer.mlp(layer.post_attention_layernorm(x)))[None]
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(self.norm(hidden_rows)).to(torch.float32)
+
+
+def _hf_rotary(hf_config) -> torch.nn.Module:
+    """transformers' rotary module for the family: the frequencies ragcache's own engine rotates cached keys with,
+    so that entries compiled by either engine are placed alike."""
+    module = importlib.import_module(f"transformers.models.{hf_config.model_type}.modeling_{hf_config.model_type}")
+    rotary = next(getattr(module, name) for name in dir(module) if name.endswith("RotaryEmbedding"))
+    return rotary(config=hf_config)

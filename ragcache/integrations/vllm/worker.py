@@ -1,0 +1,89 @@
+"""The connector's worker side: link one request with vLLM's own modules and write it into vLLM's paged cache."""
+
+from __future__ import annotations
+
+import torch
+
+from ragcache import linker, models
+from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
+from ragcache.documents import Documents
+from ragcache.kv import JoinedCache
+from ragcache.store import open_store
+from ragcache.store.codec import native as native_kv_codec
+
+from . import plugin
+from .connector import BadLinkSpec, Load, placed
+from .layers import VllmRunner
+
+DEFAULT_STORE = "disk:./.ragcache"
+
+
+class LinkWorker:
+    """What ragcache's engine holds for linking (runner, compilers, layouts, store), over vLLM's loaded model.
+
+    Options (`kv_connector_extra_config`): `store` (a ragcache store URL), `kv_codec` (as `ragcache compile` used),
+    `model_fingerprint` (else computed from the checkpoint with transformers, once: entries' keys name the model)."""
+
+    def __init__(self, vllm_config, options: dict):
+        from transformers import AutoTokenizer
+
+        config = vllm_config.model_config
+        model = plugin.loaded_model()
+        self.runner = VllmRunner(model, config.hf_config, config.dtype)
+        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+        fingerprint = options.get("model_fingerprint") or checkpoint_fingerprint(config.model, config.dtype)
+        lm = models.LoadedModel(config.model, model, tokenizer, fingerprint, models.tokenizer_fingerprint(tokenizer))
+        self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"))
+        self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype))
+        self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
+        self.documents = Documents(open_store(options.get("store", DEFAULT_STORE)), tokenizer,
+                                   lm.tokenizer_fingerprint, 1)
+
+    @torch.inference_mode()
+    def link(self, load: Load) -> JoinedCache:
+        """The request's joined cache with every position before the question linked (the question is vLLM's)."""
+        spec = load.spec
+        parts = spec.parts(load.token_ids)
+        params = spec.params()
+        algorithm = linker.algorithm(params.algorithm)
+        layout = self.layouts[algorithm.layout]
+        lead = list(layout.lead_ids)
+        if any(ids[: len(lead)] != lead for ids in parts.chunk_ids):
+            raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
+        chunks = [ids[len(lead):] for ids in parts.chunk_ids]
+        parts.chunk_entries = self._entries(chunks, layout, self.compiler)
+        if parts.prefix_ids:
+            parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, self.prefix_compiler)[0]
+        plan = linker.plan(self.runner, parts, params)
+        rows = plan.rows[plan.rows < spec.linked]
+        narrow = plan.narrow
+        if narrow is not None:
+            narrow.question_rows = narrow.question_rows[:0]
+        if rows.numel():
+            linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
+        return plan.cache
+
+    def _entries(self, chunks: list[list[int]], layout, compiler: Compiler):
+        entries, _ = self.documents.ensure(
+            chunks, key=lambda ids: compiler.key(ids, layout), compile=lambda ids: compiler.compile(ids, layout),
+            problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
+        return entries
+
+    def write(self, cache: JoinedCache, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        """Positions [load.start, linked) of every layer into the request's blocks, through the layer's own
+        attention backend (so the paged layout is the backend's business)."""
+        start, end = load.start, load.spec.linked
+        positions = torch.arange(start, end)
+        blocks = torch.tensor(load.block_ids, dtype=torch.long)[positions // block_size]
+        slots = (blocks * block_size + positions % block_size).to(self.runner.device)
+        for index, layer in enumerate(self.runner.layers):
+            attention = layer.self_attn.attn
+            keys, values = placed(cache, start, end, index)
+            attention.impl.do_kv_cache_update(attention, keys, values, kv_caches[attention.layer_name], slots)
+
+
+def checkpoint_fingerprint(path: str, dtype: torch.dtype) -> str:
+    """ragcache's fingerprint of a checkpoint at a dtype (models.model_fingerprint), as `ragcache compile` keys its
+    entries: the transformers model is loaded on the CPU once for it, then dropped."""
+    lm = models.load(path, dtype=dtype)
+    return lm.fingerprint
