@@ -1,3 +1,4 @@
+import importlib.util
 import os
 
 import pytest
@@ -10,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# tests/vllm run in vLLM's own environment (`make test` runs them there with .venv-vllm); elsewhere vLLM is absent
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
 
 
 @pytest.fixture(scope="session")

@@ -147,13 +147,14 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
+        self._refused: set[str] = set()  # requests already counted as not linked
         self._worker = None  # built at the first load: the model is loaded after the connector is made
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
 
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
-        spec = self._spec(request, count=False)
+        spec = self._spec(request)
         if spec is None or num_computed_tokens >= spec.linked:
             return 0, False
         return spec.linked - num_computed_tokens, False
@@ -172,23 +173,25 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
+        self._refused.discard(request.request_id)
         return False, None
 
-    def _spec(self, request, count: bool = True) -> LinkSpec | None:
+    def _spec(self, request) -> LinkSpec | None:
         raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
         if raw is None:
             return None
         try:
             spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
         except (BadLinkSpec, RagCacheError) as exc:
-            return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}", count)
+            return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}")
         if self.prefix_caching and request.cache_salt != spec.salt:
             return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
-                                "must not enter vLLM's prefix cache as exact", count)
+                                "must not enter vLLM's prefix cache as exact")
         return spec
 
-    def _refuse(self, request, reason: str, why: str, count: bool) -> None:
-        if count:  # get_num_new_matched_tokens may be asked again for the same request: warn once, here
+    def _refuse(self, request, reason: str, why: str) -> None:
+        if request.request_id not in self._refused:  # the scheduler may ask again for the same request
+            self._refused.add(request.request_id)
             FALLBACKS.labels(reason).inc()
             log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, why)
         return None

