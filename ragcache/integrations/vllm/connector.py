@@ -20,104 +20,24 @@ A load that fails (the store down) is reported as failed blocks, and vLLM recomp
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
 
-from ragcache import linker
 from ragcache.errors import RagCacheError, StoreError
 from ragcache.kv import JoinedCache
-from ragcache.linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K, LinkInput, LinkParams)
+
+from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec
 
 log = logging.getLogger("ragcache.vllm")
-SPEC_KEY = "ragcache"
-SALT_PREFIX = "ragcache-link:"
-NAME = "RagcacheConnector"
-MODULE = __name__
 
 FALLBACKS = Counter("ragcache_vllm_link_fallbacks", "Linked requests that vLLM prefilled itself instead, by reason",
                     ["reason"])
 LINKED = Counter("ragcache_vllm_linked_tokens", "Prompt tokens linked from the ragcache store")
-
-
-class BadLinkSpec(RagCacheError):
-    pass
-
-
-@dataclass(frozen=True)
-class LinkSpec:
-    """How one prompt splits into ragcache's parts, and how to link them. Lengths are in prompt ids."""
-
-    prefix: int
-    chunks: tuple[int, ...]
-    question: int
-    algorithm: str = DEFAULT_ALGORITHM
-    k: int = DEFAULT_K
-    ratio: float | None = None
-    check_layer: int = DEFAULT_CHECK_LAYER
-    deviation: str = "key"
-
-    @classmethod
-    def of_parts(cls, parts: LinkInput, params: LinkParams) -> "LinkSpec":
-        return cls(len(parts.prefix_ids), tuple(map(len, parts.chunk_ids)), len(parts.question_ids),
-                   params.algorithm, params.k, params.ratio, params.check_layer, params.deviation)
-
-    @classmethod
-    def parse(cls, raw: Any, prompt_tokens: int) -> "LinkSpec":
-        if not isinstance(raw, dict):
-            raise BadLinkSpec(f"kv_transfer_params[{SPEC_KEY!r}] must be an object, got {type(raw).__name__}")
-        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise BadLinkSpec(f"unknown fields {sorted(unknown)}")
-        try:
-            spec = cls(**{**raw, "chunks": tuple(raw.get("chunks", ()))})
-        except TypeError as exc:
-            raise BadLinkSpec(str(exc)) from None
-        lengths = (spec.prefix, *spec.chunks, spec.question)
-        if not all(type(n) is int and n >= 0 for n in lengths):
-            raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
-        if spec.question < 1 or sum(lengths) != prompt_tokens:
-            raise BadLinkSpec(f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
-                              f"{prompt_tokens}; the question needs at least one id")
-        if linker.algorithm(spec.algorithm).reuses != "chunks":
-            raise BadLinkSpec(f"{spec.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
-                              "(full is vLLM's prefill, prefix its prefix cache)")
-        return spec
-
-    @property
-    def linked(self) -> int:
-        """The prompt ids the link provides: everything before the question."""
-        return self.prefix + sum(self.chunks)
-
-    @property
-    def salt(self) -> str:
-        return SALT_PREFIX + hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:32]
-
-    def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "chunks": list(self.chunks)}
-
-    def params(self) -> LinkParams:
-        return LinkParams(self.algorithm, self.k, self.ratio, self.check_layer, self.deviation)
-
-    def parts(self, token_ids: list[int]) -> LinkInput:
-        chunks, position = [], self.prefix
-        for length in self.chunks:
-            chunks.append(list(token_ids[position : position + length]))
-            position += length
-        return LinkInput(list(token_ids[: self.prefix]), chunks, list(token_ids[position:]))
-
-    def request(self, token_ids: list[int]) -> dict:
-        """What to send vLLM (`LLM.generate` prompt fields, or the OpenAI server's extra body)."""
-        return {"prompt_token_ids": list(token_ids), "cache_salt": self.salt,
-                "kv_transfer_params": {SPEC_KEY: self.as_dict()}}
 
 
 @dataclass
@@ -232,12 +152,6 @@ class RagcacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
-
-
-def transfer_config(store: str, **options) -> dict:
-    """The `kv_transfer_config` that loads this connector (`vllm serve --kv-transfer-config`, `LLM(...)`)."""
-    return {"kv_connector": NAME, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store": store, **options}}
 
 
 def placed(cache: JoinedCache, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,7 +12,8 @@ from ragcache.store import open_store
 from ragcache.store.codec import native as native_kv_codec
 
 from . import plugin
-from .connector import BadLinkSpec, Load, placed
+from .connector import Load, placed
+from .spec import BadLinkSpec
 from .layers import VllmRunner
 
 DEFAULT_STORE = "disk:./.ragcache"
