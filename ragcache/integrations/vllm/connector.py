@@ -29,7 +29,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 
 from ragcache.errors import RagCacheError, StoreError
-from ragcache.kv import JoinedCache
 
 from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec
 
@@ -124,7 +123,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         for load in self._get_connector_metadata().loads:
             try:
                 worker = self._worker_()
-                worker.write(worker.link(load), load, self._kv_caches, self.block_size)
+                worker.load(load, self._kv_caches, self.block_size)
                 LINKED.inc(load.spec.linked - load.start)
             except (StoreError, BadLinkSpec) as exc:
                 reason = "store" if isinstance(exc, StoreError) else "bad_spec"
@@ -152,9 +151,3 @@ class RagcacheConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
-
-
-def placed(cache: JoinedCache, start: int, end: int, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [start, end) of one layer, as vLLM's cache writes take them: [tokens, kv_heads, d]."""
-    return (cache.keys[layer, :, start:end].transpose(0, 1).contiguous(),
-            cache.values[layer, :, start:end].transpose(0, 1).contiguous())

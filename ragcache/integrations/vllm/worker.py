@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+from collections import OrderedDict
+
+import numpy as np
 import torch
 
 from ragcache import linker, models
@@ -12,11 +16,12 @@ from ragcache.store import open_store
 from ragcache.store.codec import native as native_kv_codec
 
 from . import plugin
-from .connector import Load, placed
+from .connector import Load
 from .spec import BadLinkSpec
 from .layers import VllmRunner
 
 DEFAULT_STORE = "disk:./.ragcache"
+TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats
 
 
 class LinkWorker:
@@ -39,8 +44,30 @@ class LinkWorker:
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
         self.documents = Documents(open_store(options.get("store", DEFAULT_STORE)), tokenizer,
                                    lm.tokenizer_fingerprint, 1)
+        self.tails: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
     @torch.inference_mode()
+    def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        """Write the request's linked positions [load.start, linked) into its blocks. vLLM's prefix cache keeps only
+        whole blocks, so an exact repeat of a linked request asks for the linked part's last, partial block alone:
+        that tail is kept from the first link and written again, instead of linking everything once more."""
+        end = load.spec.linked
+        tail_start = end // block_size * block_size
+        name = (load.spec.salt, hashlib.sha256(np.asarray(load.token_ids[:end], dtype="<i8").tobytes()).hexdigest())
+        tail = self.tails.get(name)
+        if load.start >= tail_start and tail is not None:
+            self.tails.move_to_end(name)
+            keys, values = tail
+            self.write(keys[:, :, load.start - tail_start :], values[:, :, load.start - tail_start :], load.start,
+                       load.block_ids, kv_caches, block_size)
+            return
+        cache = self.link(load)
+        self.write(cache.keys[:, :, load.start : end], cache.values[:, :, load.start : end], load.start,
+                   load.block_ids, kv_caches, block_size)
+        self.tails[name] = (cache.keys[:, :, tail_start:end].clone(), cache.values[:, :, tail_start:end].clone())
+        while len(self.tails) > TAILS_KEPT:
+            self.tails.popitem(last=False)
+
     def link(self, load: Load) -> JoinedCache:
         """The request's joined cache with every position before the question linked (the question is vLLM's)."""
         spec = load.spec
@@ -70,17 +97,17 @@ class LinkWorker:
             problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
         return entries
 
-    def write(self, cache: JoinedCache, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
-        """Positions [load.start, linked) of every layer into the request's blocks, through the layer's own
-        attention backend (so the paged layout is the backend's business)."""
-        start, end = load.start, load.spec.linked
-        positions = torch.arange(start, end)
-        blocks = torch.tensor(load.block_ids, dtype=torch.long)[positions // block_size]
+    def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
+              kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        """K/V [layers, kv_heads, n, d] of positions start.. into the request's blocks, through each layer's own
+        attention backend (so the paged layout, CPU or CUDA, is the backend's business)."""
+        positions = torch.arange(start, start + keys.shape[2])
+        blocks = torch.tensor(block_ids, dtype=torch.long)[positions // block_size]
         slots = (blocks * block_size + positions % block_size).to(self.runner.device)
         for index, layer in enumerate(self.runner.layers):
             attention = layer.self_attn.attn
-            keys, values = placed(cache, start, end, index)
-            attention.impl.do_kv_cache_update(attention, keys, values, kv_caches[attention.layer_name], slots)
+            by_token = keys[index].transpose(0, 1).contiguous(), values[index].transpose(0, 1).contiguous()
+            attention.impl.do_kv_cache_update(attention, *by_token, kv_caches[attention.layer_name], slots)
 
 
 def checkpoint_fingerprint(path: str, dtype: torch.dtype) -> str:
