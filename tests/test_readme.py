@@ -38,7 +38,8 @@ def run_block(code: str, cwd: Path) -> dict:
 # The "Infilling (EFIM)" block needs qwen2.5-coder-0.5b (a 491 MB download) and is not run here; the same calls run
 # on tiny FIM models in tests/test_infill.py.
 def test_the_readme_has_the_blocks_these_tests_run():
-    assert {"Python API", "REST API", "llama-index", "Infilling (EFIM)"} <= set(python_blocks())
+    # "On vLLM" runs in vLLM's environment: tests/vllm/test_readme_vllm.py
+    assert {"Python API", "REST API", "llama-index", "Infilling (EFIM)", "On vLLM"} <= set(python_blocks())
 
 
 def test_python_api_block_runs(tmp_path, smollm2, capsys):

@@ -7,7 +7,8 @@ A request opts in with `kv_transfer_params={"ragcache": LinkSpec}` over ragcache
 Scheduler side: `get_num_new_matched_tokens` claims the linked part (everything before the question) minus vLLM's
 own prefix hit; vLLM computes the question itself, over the linked KV.
 
-Worker side, before the step's forward (`start_load_kv`): fetch the chunks' entries from the ragcache store
+Worker side (`start_load_kv` hands the link to a thread of its own, so other requests decode meanwhile; vLLM
+schedules the request once `get_finished` reports it): fetch the chunks' entries from the ragcache store
 (compiling and storing a miss with vLLM's modules), rotate them into place, run the algorithm's recompute with
 vLLM's layer modules through ragcache's layer loop (`VllmRunner`), and write the claimed positions into vLLM's paged
 cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
@@ -21,6 +22,8 @@ A load that fails (the store down) is reported as failed blocks, and vLLM recomp
 from __future__ import annotations
 
 import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -67,16 +70,22 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
         self._refused: set[str] = set()  # requests already counted as not linked
+        # a link runs on a thread of its own while vLLM's steps go on (its requests wait for it, the others decode);
+        # async_load=False links inside the step that schedules the request
+        self.async_load = bool(self.options.get("async_load", True))
         self._worker = None  # built at the first load: the model is loaded after the connector is made
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
+        self._failed_lock = threading.Lock()
+        self._links: dict[str, Future] = {}
+        self._linker: ThreadPoolExecutor | None = None
 
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         spec = self._spec(request)
         if spec is None or num_computed_tokens >= spec.linked:
             return 0, False
-        return spec.linked - num_computed_tokens, False
+        return spec.linked - num_computed_tokens, self.async_load
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
@@ -121,16 +130,31 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         for load in self._get_connector_metadata().loads:
-            try:
-                worker = self._worker_()
-                worker.load(load, self._kv_caches, self.block_size)
-                LINKED.inc(load.spec.linked - load.start)
-            except (StoreError, BadLinkSpec) as exc:
-                reason = "store" if isinstance(exc, StoreError) else "bad_spec"
-                FALLBACKS.labels(reason).inc()
-                log.warning("request %s: link failed (%s); vLLM recomputes its blocks", load.request_id, exc)
-                first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
+            if not self.async_load:
+                self._load(load)
+                continue
+            if self._linker is None:
+                self._linker = ThreadPoolExecutor(1, thread_name_prefix="ragcache-link")  # one link at a time
+            self._links[load.request_id] = self._linker.submit(self._load, load)
+
+    def _load(self, load: Load) -> None:
+        try:
+            self._worker_().load(load, self._kv_caches, self.block_size)
+            LINKED.inc(load.spec.linked - load.start)
+        except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM prefills these blocks itself
+            reason = "store" if isinstance(exc, StoreError) else "bad_spec" if isinstance(exc, BadLinkSpec) else "error"
+            FALLBACKS.labels(reason).inc()
+            log.warning("request %s: link failed (%s: %s); vLLM recomputes its blocks", load.request_id,
+                        type(exc).__name__, exc, exc_info=reason == "error")
+            first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
+            with self._failed_lock:  # before the link counts as finished: vLLM reads both in one pass
                 self._failed.update(load.block_ids[first:end])
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = {request_id for request_id, link in self._links.items() if link.done()}
+        for request_id in done:
+            del self._links[request_id]
+        return None, done or None
 
     def _worker_(self):
         if self._worker is None:
@@ -140,7 +164,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         return self._worker
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # start_load_kv writes every layer before the forward starts
+        return  # a request's forward starts only once its whole link is written
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
         return  # entries are compiled from ids (ragcache compile, or a miss at link time), not saved from vLLM
@@ -149,5 +173,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         return
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+        with self._failed_lock:
+            failed, self._failed = self._failed, set()
         return failed
+
+    def shutdown(self) -> None:
+        if self._linker is not None:
+            self._linker.shutdown(wait=True, cancel_futures=False)

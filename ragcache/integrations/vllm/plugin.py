@@ -39,12 +39,14 @@ def _remembering(base: type) -> type:
                                          "__qualname__": base.__name__})
 
 
-def loaded_model():
-    """The model this process built last."""
-    live = [model for model in (ref() for ref in _built) if model is not None]
-    if not live:
-        raise PluginNotLoaded(
-            "no model was built through ragcache's vLLM plugin in this process: install ragcache into vLLM's "
-            "environment (it declares the `vllm.general_plugins` entry point `ragcache`), keep it in VLLM_PLUGINS "
-            f"if that is set, and serve one of {', '.join(ARCHITECTURES)}")
-    return live[-1]
+def loaded_model(vllm_config):
+    """The model this process built for `vllm_config`'s engine: the one holding the attention layers that engine
+    registered (a process may hold several engines)."""
+    registered = {id(layer) for layer in vllm_config.compilation_config.static_forward_context.values()}
+    for model in (ref() for ref in reversed(_built)):
+        if model is not None and any(id(module) in registered for module in model.modules()):
+            return model
+    raise PluginNotLoaded(
+        "no model was built through ragcache's vLLM plugin for this engine: install ragcache into vLLM's "
+        "environment (it declares the `vllm.general_plugins` entry point `ragcache`), keep it in VLLM_PLUGINS "
+        f"if that is set, and serve one of {', '.join(ARCHITECTURES)}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections import OrderedDict
 
@@ -34,7 +35,7 @@ class LinkWorker:
         from transformers import AutoTokenizer
 
         config = vllm_config.model_config
-        model = plugin.loaded_model()
+        model = plugin.loaded_model(vllm_config)
         self.runner = VllmRunner(model, config.hf_config, config.dtype)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         fingerprint = options.get("model_fingerprint") or checkpoint_fingerprint(config.model, config.dtype)
@@ -44,10 +45,18 @@ class LinkWorker:
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
         self.documents = Documents(open_store(options.get("store", DEFAULT_STORE)), tokenizer,
                                    lm.tokenizer_fingerprint, 1)
+        # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
+        self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self.tails: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
 
-    @torch.inference_mode()
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+            self._load(load, kv_caches, block_size)
+        if self.stream is not None:
+            self.stream.synchronize()
+
+    @torch.inference_mode()
+    def _load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         """Write the request's linked positions [load.start, linked) into its blocks. vLLM's prefix cache keeps only
         whole blocks, so an exact repeat of a linked request asks for the linked part's last, partial block alone:
         that tail is kept from the first link and written again, instead of linking everything once more."""
