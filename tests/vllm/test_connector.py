@@ -5,6 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -35,11 +36,15 @@ SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="naive")
 def test_claims_the_linked_part_less_vllms_own_hit():
     c = connector()
     assert SPEC.linked == 55
-    assert c.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, True)  # linked on a thread of its own
-    assert c.get_num_new_matched_tokens(request(SPEC, 62), 48) == (7, True)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, False)  # linked inside the step
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 48) == (7, False)
     assert c.get_num_new_matched_tokens(request(SPEC, 62), 55) == (0, False)  # vLLM's prefix cache has it all
-    sync = connector(kv_connector_extra_config={"store": "memory:", "async_load": False})
-    assert sync.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, False)  # linked inside the step
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA takes async_load")
+def test_async_load_is_refused_on_cpu():
+    with pytest.raises(ValueError, match="async_load needs CUDA"):
+        connector(kv_connector_extra_config={"store": "memory:", "async_load": True})
 
 
 def test_a_request_without_a_spec_is_left_to_vllm():
@@ -70,7 +75,7 @@ def test_a_wrong_salt_is_not_linked_while_prefix_caching_is_on():
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt="tenant-a"), 0) == (0, False)
     other = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="focus")
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=other.salt), 0) == (0, False)
-    assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, True)
+    assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, False)
 
 
 def test_the_salt_names_everything_that_changes_the_linked_kv():

@@ -7,8 +7,8 @@ A request opts in with `kv_transfer_params={"ragcache": LinkSpec}` over ragcache
 Scheduler side: `get_num_new_matched_tokens` claims the linked part (everything before the question) minus vLLM's
 own prefix hit; vLLM computes the question itself, over the linked KV.
 
-Worker side (`start_load_kv` hands the link to a thread of its own, so other requests decode meanwhile; vLLM
-schedules the request once `get_finished` reports it): fetch the chunks' entries from the ragcache store
+Worker side, in `start_load_kv` before the step's forward (or, with `async_load` on CUDA, on a thread of its own
+while other requests decode, until `get_finished` reports it): fetch the chunks' entries from the ragcache store
 (compiling and storing a miss with vLLM's modules), rotate them into place, run the algorithm's recompute with
 vLLM's layer modules through ragcache's layer loop (`VllmRunner`), and write the claimed positions into vLLM's paged
 cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
@@ -33,24 +33,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
 
 from ragcache.errors import RagCacheError, StoreError
 
-from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec
+from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec, Load
+from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
 
 FALLBACKS = Counter("ragcache_vllm_link_fallbacks", "Linked requests that vLLM prefilled itself instead, by reason",
                     ["reason"])
 LINKED = Counter("ragcache_vllm_linked_tokens", "Prompt tokens linked from the ragcache store")
-
-
-@dataclass
-class Load:
-    """One request's link, as the worker needs it."""
-
-    request_id: str
-    token_ids: list[int]
-    spec: LinkSpec
-    block_ids: list[int]
-    start: int  # first position to write: vLLM's own prefix hit ends there
 
 
 @dataclass
@@ -70,9 +60,12 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
         self._refused: set[str] = set()  # requests already counted as not linked
-        # a link runs on a thread of its own while vLLM's steps go on (its requests wait for it, the others decode);
-        # async_load=False links inside the step that schedules the request
-        self.async_load = bool(self.options.get("async_load", True))
+        # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
+        # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
+        # step. By default a link runs inside the step that schedules its request.
+        self.async_load = bool(self.options.get("async_load", False))
+        if self.async_load and not torch.cuda.is_available():
+            raise ValueError(f"{NAME}: async_load needs CUDA; on CPU a link beside vLLM's step crashes its kernels")
         self._worker = None  # built at the first load: the model is loaded after the connector is made
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
@@ -126,7 +119,13 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     # -- worker side ------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """The model is loaded by now: set up the link's side (tokenizer, fingerprint, store) before any request
+        waits for it. A store that is down now is retried at the first link."""
         self._kv_caches = kv_caches
+        try:
+            self._worker_()
+        except StoreError as exc:
+            log.warning("ragcache's store is not reachable yet (%s); linking retries at the first request", exc)
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         for load in self._get_connector_metadata().loads:
@@ -156,10 +155,8 @@ class RagcacheConnector(KVConnectorBase_V1):
             del self._links[request_id]
         return None, done or None
 
-    def _worker_(self):
+    def _worker_(self) -> LinkWorker:
         if self._worker is None:
-            from .worker import LinkWorker
-
             self._worker = LinkWorker(self._vllm_config, self.options)
         return self._worker
 

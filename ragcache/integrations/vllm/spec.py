@@ -91,6 +91,17 @@ class LinkSpec:
                 "kv_transfer_params": {SPEC_KEY: self.as_dict()}}
 
 
+@dataclass
+class Load:
+    """One request's link, as the worker needs it."""
+
+    request_id: str
+    token_ids: list[int]
+    spec: LinkSpec
+    block_ids: list[int]
+    start: int  # first position to write: vLLM's own prefix hit ends there
+
+
 def transfer_config(store: str, **options) -> dict:
     """The `kv_transfer_config` that loads this connector (`vllm serve --kv-transfer-config`, `LLM(...)`)."""
     return {"kv_connector": NAME, "kv_connector_module_path": MODULE, "kv_role": "kv_both",

@@ -17,9 +17,8 @@ from ragcache.store import open_store
 from ragcache.store.codec import native as native_kv_codec
 
 from . import plugin
-from .connector import Load
-from .spec import BadLinkSpec
 from .layers import VllmRunner
+from .spec import BadLinkSpec, Load
 
 DEFAULT_STORE = "disk:./.ragcache"
 TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats

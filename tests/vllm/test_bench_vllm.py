@@ -1,0 +1,24 @@
+"""`python -m bench peers --peers vllm,vllm-ragcache` runs, in vLLM's environment, with its two vLLM workers."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+
+def test_peers_with_vllm_and_the_connector(tmp_path, monkeypatch):
+    from tests.test_bench import invoke
+
+    monkeypatch.setenv("RAGCACHE_VLLM_PYTHON", sys.executable)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    invoke("peers", "--docs", "2", "--doc-tokens", "48", "--runs", "1", "--decode-tokens", "2", "--dtypes",
+           "float32", "--algorithms", "naive", "--peers", "vllm,vllm-ragcache", "--out", str(tmp_path))
+    rows = {r["peer"]: r for r in json.loads((tmp_path / "peers-smollm2-135m.json").read_text())["results"]}
+    linked, plain = rows["vLLM+ragcache naive reordered docs"], rows["vLLM reordered docs"]
+    for row in (linked, plain, rows["vLLM+ragcache naive exact repeat"], rows["vLLM prefix hit"]):
+        assert math.isfinite(row["ttft_s"]) and row["ttft_s"] > 0 and not row["skipped"]
+    for row in (linked, plain):
+        assert sorted(row["requests_per_s"]) == ["1", "16", "4"]
+        assert all(math.isfinite(v) and v > 0 for v in row["requests_per_s"].values())
+    assert math.isfinite(linked["decode_tok_s"]) and linked["ttft_vs_fastest_peer"] is not None

@@ -1,0 +1,67 @@
+"""The qwen2 family inside vLLM (fused qkv with bias), on a small random checkpoint saved here: linked in vLLM
+against ragcache's own engine on the same ids, and with everything recomputed against vLLM's own tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+from vllm import LLM, SamplingParams
+
+from ragcache.engine import RagCache
+from ragcache.integrations.vllm.spec import SPEC_KEY, link_request, transfer_config
+from tests import tiny
+
+QUESTION = "Where is the Eiffel Tower, and how tall is it?"
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    """A 4-layer qwen2 of random weights (head_dim 32: vLLM's CPU attention takes 32 and up), saved as a checkpoint
+    both engines load, and a disk store they share."""
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    config = tiny.config("qwen2", len(tiny.tokenizer()))
+    config.head_dim, config.hidden_size, config.intermediate_size = 32, 128, 256
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tiny.tokenizer().eos_token_id
+    model.save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    store = f"disk:{tmp_path_factory.mktemp('qwen2-store')}"
+    engine = RagCache.open(str(folder), store=store, dtype="float32", chunk_tokens=48)
+    doc_ids = engine.compile(tiny.CORPUS[:4])
+    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True, max_model_len=512,
+              max_logprobs=-1, kv_transfer_config=transfer_config(store))
+    return engine, doc_ids, llm
+
+
+def run(llm, request: dict | None, ids: list[int], logprobs: int | None = None):
+    prompt, extra = {"prompt_token_ids": ids}, None
+    if request is not None:
+        prompt["cache_salt"] = request["cache_salt"]
+        extra = {"kv_transfer_params": request["kv_transfer_params"]}
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs, extra_args=extra, ignore_eos=True)
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
+@pytest.mark.parametrize("algorithm", ["focus", "cacheblend", "legolink", "naive"])
+def test_qwen2_links_like_ragcaches_engine(qwen2, algorithm):
+    engine, doc_ids, llm = qwen2
+    request = link_request(engine, QUESTION, doc_ids[::-1], algorithm)
+    ids = request["prompt_token_ids"]
+    out = run(llm, request, ids, logprobs=-1)
+    linked = len(ids) - request["kv_transfer_params"][SPEC_KEY]["question"]
+    assert out.num_cached_tokens >= linked > 50
+    reference = torch.log_softmax(engine.link(QUESTION, doc_ids[::-1], algorithm=algorithm).last_logits.double(), -1)
+    theirs = torch.full_like(reference, -float("inf"))
+    for token, logprob in out.outputs[0].logprobs[0].items():
+        theirs[token] = logprob.logprob
+    assert float((reference.exp() * (reference - theirs)).sum()) < 1e-3
+    assert int(theirs.argmax()) == int(reference.argmax())
+
+
+def test_qwen2_with_everything_recomputed_gives_vllms_own_tokens(qwen2):
+    engine, doc_ids, llm = qwen2
+    request = link_request(engine, QUESTION, doc_ids, "cacheblend", ratio=1.0, check_layer=0)
+    ids = request["prompt_token_ids"]
+    assert run(llm, request, ids).outputs[0].token_ids == run(llm, None, ids).outputs[0].token_ids
