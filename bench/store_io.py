@@ -60,7 +60,7 @@ def make_entries(docs: int, tokens: int, salt: int) -> dict[str, ChunkKV]:
 
 def drop_page_cache(store: DiskStore, keys) -> None:
     for key in keys:
-        path = store._path(key)
+        path = store.entry_path(key)
         if path.exists():
             fd = os.open(path, os.O_RDONLY)
             try:

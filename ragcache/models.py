@@ -126,6 +126,20 @@ def pull(name: str) -> Path:
     return target
 
 
+def pull_gguf(name: str) -> Path:
+    """The verified GGUF a built-in model is converted from, fetched once into the user cache (what llama.cpp
+    reads). A fetch killed mid-way leaves a temp dir named after it, removed by the next call."""
+    if name not in BUILTIN_MODELS:
+        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    target = model_cache_dir() / f"{name}.gguf"
+    with file_lock(model_cache_dir() / f".{name}.gguf.lock"):
+        _remove_killed_pulls(target.name)
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
+                _download_gguf(BUILTIN_MODELS[name], Path(tmp)).replace(target)
+    return target
+
+
 def _pull_prefix(name: str) -> str:
     return f".{name}-"
 

@@ -122,7 +122,7 @@ class DiskStore(BlobStore):
             log.info("disk tier %s: index rebuilt from %d files", self.root, len(rows))
         return len(rows)
 
-    def _path(self, key: str) -> Path:
+    def entry_path(self, key: str) -> Path:
         return self.entries_dir / key[:2] / f"{key}{SUFFIX}"
 
     # -- blobs --------------------------------------------------------------------------------------
@@ -130,7 +130,7 @@ class DiskStore(BlobStore):
         out, found = [], []
         for key in keys:
             try:
-                blob = _read(self._path(key))
+                blob = _read(self.entry_path(key))
             except FileNotFoundError:
                 out.append(None)
                 continue
@@ -161,7 +161,7 @@ class DiskStore(BlobStore):
         out: list[bytes | str | None] = []
         for key in keys:
             try:
-                out.append(_read(self._path(key)))
+                out.append(_read(self.entry_path(key)))
             except FileNotFoundError:
                 out.append(None)
             except NotAnEntryFile as exc:
@@ -182,7 +182,7 @@ class DiskStore(BlobStore):
         self.evict()
 
     def _write_file(self, key: str, blob: bytes) -> None:
-        self._replace(self._path(key), blob, f"entry {key[:12]}")
+        self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
 
     def _replace(self, path: Path, data: bytes, what: str) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
@@ -242,10 +242,10 @@ class DiskStore(BlobStore):
         return removed
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        return [self._path(k).exists() for k in keys]
+        return [self.entry_path(k).exists() for k in keys]
 
     def delete(self, key: str) -> bool:
-        path = self._path(key)
+        path = self.entry_path(key)
         try:
             path.unlink()
             existed = True
@@ -269,7 +269,7 @@ class DiskStore(BlobStore):
         out: list[dict | None] = []
         for key in keys:
             try:
-                with _open_regular(self._path(key)) as fh:
+                with _open_regular(self.entry_path(key)) as fh:
                     probe = fh.read(PROBE)
                     head = probe + fh.read(max(0, head_length(probe) - len(probe)))
                     size = os.fstat(fh.fileno()).st_size
@@ -282,7 +282,7 @@ class DiskStore(BlobStore):
 
     def _size(self, key: str) -> int:
         try:
-            return self._path(key).stat().st_size
+            return self.entry_path(key).stat().st_size
         except OSError:
             return 0
 
