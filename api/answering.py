@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.guard import DEFAULT_TARGET, Guard
-from ragcache.settings import Settings
+from ragcache.guard import Guard
+from ragcache.settings import DEFAULT_TARGET, Settings
 
 from .engine_queue import EngineQueue, Generation
 from .errors import invalid, payload_too_large

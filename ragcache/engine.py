@@ -20,19 +20,17 @@ from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
 from . import calibrate, documents, guard, infill, linker, models, prompt
-from .chunker import DEFAULT_CHUNK_TOKENS
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .sampling import Answer, QueryStats, Sampling, eos_ids
-from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkInput,
-                     LinkParams, Linked)
-from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+from .linker import LinkInput, LinkParams, Linked
+from .prefix_cache import PrefixCache
 from .runner import Runner
-from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
-from .settings import Settings
+from .scheduler import Scheduler
+from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_FOCUS_RATIO, DEFAULT_K,
+                       DEFAULT_MODEL, DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, Settings)
 from .stream import Stream
 
-DEFAULT_STORE = "disk:./.ragcache"
 log = logging.getLogger("ragcache")
 
 
@@ -77,7 +75,7 @@ class RagCache:
         self.stop_ids = eos_ids(self.runner)
 
     @classmethod
-    def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
+    def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto") -> "RagCache":
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,

@@ -18,11 +18,10 @@ import torch
 
 from . import linker
 from .agreement import first_token
+from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
 
 log = logging.getLogger("ragcache")
 
-DEFAULT_WINDOW = 200  # checks per (model, algorithm) in the sliding agreement fraction
-DEFAULT_TARGET = 0.95
 
 
 @dataclass(frozen=True)

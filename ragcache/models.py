@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from .errors import ModelFetchError, UnsupportedModel
+from .settings import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,7 @@ from ragcache.store.keys import is_document_id
 
 from . import documents
 from .errors import StoreError
-
-DEFAULT_STORE = "disk:./.ragcache"
+from .settings import DEFAULT_STORE
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 console = Console()

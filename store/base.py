@@ -16,6 +16,13 @@ from .entry import ChunkKV, decode, describe, encode
 
 log = logging.getLogger("ragcache.store")
 
+# the store's defaults (ragcache.settings re-exports them with every other default)
+DEFAULT_MEMORY_BUDGET = 2 << 30
+DEFAULT_DISK_BUDGET = 20 << 30
+DEFAULT_PREFIX = "ragcache"  # of a Redis tier's keys
+DEFAULT_RETRY_AFTER_S = 5.0  # a tiered store skips an unavailable tier this long, doubling up to the max
+DEFAULT_MAX_RETRY_AFTER_S = 60.0
+
 
 class TierUnavailable(StoreError):
     """A tier cannot be reached at all (Redis down, connection refused, timeout): a tiered store skips it for a while.

@@ -22,10 +22,9 @@ from pathlib import Path
 
 from .errors import CorruptEntry, StoreError
 
-from .base import BlobStore, log
+from .base import DEFAULT_DISK_BUDGET, BlobStore, log
 from .entry import PROBE, describe_head, head_length
 
-DEFAULT_DISK_BUDGET = 20 << 30
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes

@@ -8,10 +8,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from .base import Store
+from .base import DEFAULT_MEMORY_BUDGET, Store
 from .entry import ChunkKV, shape_problem, describe
 
-DEFAULT_MEMORY_BUDGET = 2 << 30
 
 
 class MemoryStore(Store):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import StoreError
 
-from .base import Store, TierUnavailable, log
+from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, log
 from .entry import ChunkKV
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
@@ -27,8 +27,6 @@ except ImportError:  # pragma: no cover - redis is a dependency
     _REDIS_FAULTS = ()
 
 FAULTS = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
-DEFAULT_RETRY_AFTER_S = 5.0
-DEFAULT_MAX_RETRY_AFTER_S = 60.0
 
 
 @dataclass

@@ -182,7 +182,8 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     from types import SimpleNamespace
 
     from ragcache import cli
-    from ragcache.prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+    from ragcache.prefix_cache import PrefixCache
+    from ragcache.settings import DEFAULT_PREFIX_BUDGET
     from ragcache.settings import Settings
 
     prompt = torch.zeros(2, 1, 8, 4)  # 256 bytes of keys, as much of values

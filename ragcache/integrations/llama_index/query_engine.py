@@ -17,7 +17,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 from ragcache.engine import Answer, RagCache, Stream
 from ragcache.guard import Guard
 from ragcache import linker
-from ragcache.linker import DEFAULT_ALGORITHM
+from ragcache.settings import DEFAULT_ALGORITHM
 
 from .nodes import doc_refs, node_text, text_ids
 
