@@ -19,7 +19,8 @@ from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id, is_document_id
 
-from . import calibrate, documents, guard, infill, linker, models, prompt
+from . import calibrate, guard, infill, linker, models, prompt
+from .catalog import Catalog, EnsureReport
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
 from .sampling import Answer, QueryStats, Sampling, eos_ids
@@ -66,7 +67,7 @@ class RagCache:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
-        self.documents = documents.Documents(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
+        self.catalog = Catalog(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
         self.scheduler = Scheduler(self.runner, row_budget)
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
@@ -125,7 +126,7 @@ class RagCache:
         metadata = metadata or [{} for _ in texts]
         layout = self.layouts["default"]
         for text, meta in zip(texts, metadata):
-            with self.documents.writing(text):  # a delete of this document waits until its entries are written
+            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
                 self._compile_document(text, meta, layout, report, progress)
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
@@ -135,7 +136,7 @@ class RagCache:
 
     def _compile_document(self, text: str, meta: dict, layout: Layout, report: CompileReport,
                           progress: Callable[[int, int], None] | None) -> None:
-        doc_id, chunks = self._register(text, meta)
+        doc_id, chunks = self.catalog.register(text, meta)
         present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
         report.ids.append(doc_id)
         report.documents += 1
@@ -156,8 +157,8 @@ class RagCache:
         tier). Returns (chunks compiled, chunks found)."""
         if layout not in self.layouts:
             raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
-        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
-            chunks = [ids for doc_chunks in self.documents.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
+            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
             if prefetch:
                 _, report = self._ensure(chunks, self.layouts[layout])
                 return report.compiled, report.hits
@@ -168,32 +169,26 @@ class RagCache:
             return len(missing), 0
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
-                ) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
+                ) -> tuple[list[ChunkKV], EnsureReport]:
         """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
-        compiler = compiler or self.compiler
-        return self.documents.ensure(chunks, key=lambda ids: compiler.key(ids, layout),
-                                     compile=lambda ids: self.scheduler.call(compiler.compile, ids, layout),
-                                     problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
-
-    def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
-        return self.documents.register(text, meta)
+        return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=self.scheduler.call)
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
-        with self.documents.using([doc_id]):  # a lost chunk record is written again: not after a delete
-            return self.documents.chunks_of(doc_id)
+        with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
+            return self.catalog.chunks_of(doc_id)
 
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
-        doc = self.documents.get(doc_id)
+        doc = self.catalog.get(doc_id)
         return None if doc is None else dataclasses.asdict(doc)
 
     def delete_document(self, doc_id: str) -> bool:
         """Delete the document and its chunk entries, keeping entries that other documents share."""
-        return self.documents.delete(doc_id) is not None
+        return self.catalog.delete(doc_id) is not None
 
     def document_ids(self) -> list[str]:
-        return self.documents.ids()
+        return self.catalog.ids()
 
     def _resolve(self, docs: list) -> tuple[list[str], list[str]]:
         """Document ids of `docs`, and the raw texts among them (to store): a string is a document id (never taken
@@ -225,7 +220,7 @@ class RagCache:
     def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str
                 ) -> tuple[LinkInput, list]:
         """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
-        chunks = [ids for doc_chunks in self.documents.resolve(doc_ids) for ids in doc_chunks]
+        chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids) for ids in doc_chunks]
         layout = self.layouts[linker.algorithm(algorithm).layout]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
@@ -259,9 +254,9 @@ class RagCache:
         if not isinstance(question, str) or not question.strip():
             raise EmptyInput("the question is empty")
         doc_ids, texts = self._resolve(list(docs))
-        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
+        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
             for text in texts:
-                self.documents.add(text)
+                self.catalog.add(text)
             parts, chunks = self._inputs(question, doc_ids, system, params.algorithm)
             length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
             if length + max_new_tokens > self.context_length:  # before compiling anything that is missing

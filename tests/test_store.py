@@ -20,7 +20,7 @@ from ragcache.errors import CorruptEntry, StoreError
 from ragcache.store import open_store
 from ragcache.store import disk as disk_module
 from ragcache.store.base import Store, TierUnavailable
-from ragcache.documents import lead_ids_of_layout as layout_lead_ids
+from ragcache.maintenance import lead_ids_of_layout as layout_lead_ids
 from ragcache.store_cli import store_app
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
