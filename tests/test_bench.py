@@ -269,3 +269,15 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
         assert row["completion_tokens"] == row["requests"] * row["new_tokens"] and row["tok_s"] > 0
     ours = [row for row in serving if "scheduler" in row]
     assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
+
+
+def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):
+    """bench/store_io times reads of its own entries: a tier that checks ids against keys must find them sound, or
+    the bench times misses (its keys once salted the dtype slot, which the entries' metadata did not hold)."""
+    from bench import store_io
+
+    store = store_io.open_store(f"disk:{tmp_path}")
+    entries = store_io.make_entries(2, 16, salt=3)
+    store.put_many(entries)
+    got = store.get_many(list(entries))
+    assert all(g is not None and torch.equal(g.keys, e.keys) for g, e in zip(got, entries.values()))
