@@ -9,15 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.guard import Guard
-from ragcache.settings import DEFAULT_TARGET, Settings
+from ragcache.guard import BackgroundGuard
+from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
 from .errors import invalid, payload_too_large
@@ -65,7 +64,7 @@ class Context:
     settings: Settings
     queue: EngineQueue
     metrics: Metrics
-    guard: "ServerGuard | None" = None
+    guard: BackgroundGuard | None = None
 
     @property
     def model_name(self) -> str:
@@ -142,8 +141,9 @@ class Context:
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
         self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
-        if gen.guard_args is not None and self.guard is not None:
-            self.guard.after_answer(gen.guard_args, answer)
+        args = gen.guard_args
+        if args is not None and self.guard is not None:
+            self.guard.after_answer(answer, args["question"], args["docs"], args["algorithm"], args["system"])
 
     async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
         """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also
@@ -176,45 +176,12 @@ class Context:
         raise ClientGone()  # pragma: no cover - events always end with one of the above
 
 
-class ServerGuard:
-    """RAGCACHE_GUARD_RATE: after a sampled linked answer has been sent, link the same prompt with `full` as background
-    work (the scheduler runs it only in steps no user request needs) and export how the two first-token
-    distributions compare. Never when the queue is full; at most one check in flight, others are skipped."""
-
-    def __init__(self, rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics):
-        target = rc.profile.target if rc.profile is not None else DEFAULT_TARGET
-        self.rc, self.queue, self.metrics = rc, queue, metrics
-        self.guard = Guard(rate, rc.lm.name, target=target)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-guard")
-        self.in_flight = 0  # touched on the event loop only
-
-    def after_answer(self, args: dict, answer: Answer) -> None:
-        algorithm = args["algorithm"]
-        if answer.first_logits is None or not self.guard.wants(algorithm):
-            return
-        if self.queue.depth >= self.queue.max_queue or self.in_flight:
-            self.metrics.guard_skipped.labels(self.guard.model, algorithm).inc()
-            return
-        self.in_flight += 1
-        loop = asyncio.get_running_loop()
-        future = self.pool.submit(self._check, args, answer.first_logits)
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
-
-    def _done(self) -> None:
-        self.in_flight -= 1
-
-    def _check(self, args: dict, linked_logits) -> None:  # on the guard's worker thread
-        try:
-            check = self.rc.compare_with_full(args["question"], args["docs"], args["algorithm"], linked_logits,
-                                              system=args["system"])
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
-            log.warning("accuracy guard: the full link failed (%s)", exc)
-            return
-        agreement = self.guard.record(check)
-        self.metrics.observe_guard(self.guard.model, check, agreement)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
+    """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
+    model = rc.lm.name
+    return BackgroundGuard(rc, rate, busy=lambda: queue.depth >= queue.max_queue,
+                           on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
+                           on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc())
 
 
 def ctx(request: Request) -> Context:

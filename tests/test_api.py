@@ -912,15 +912,15 @@ def test_guard_counters_move_on_a_real_server(rc, doc_ids):
 def test_guard_is_skipped_when_the_queue_is_full(rc):
     import types
 
-    from ragcache.api.answering import ServerGuard
+    from ragcache.api.answering import server_guard
     from ragcache.api.metrics import Metrics
     from ragcache.engine import Answer, QueryStats
 
     full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
     metrics = Metrics(rc.store, full_queue)
-    guard = ServerGuard(rc, 1.0, full_queue, metrics)
+    guard = server_guard(rc, 1.0, full_queue, metrics)
     answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
-    guard.after_answer({"algorithm": "legolink", "question": "q", "docs": [], "system": None}, answer)
+    guard.after_answer(answer, "q", [], "legolink")
     text = metrics.render().decode()
     assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
     assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0
