@@ -1,4 +1,5 @@
-"""From a validated request to answer events: limits, admission, one Generation run by the engine's scheduler.
+"""From a request body to answer events: the engine's one validation (with this server's limits), admission, one
+Generation run by the engine's scheduler.
 
 Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into an `Ask`
 and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
@@ -16,10 +17,10 @@ from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
 from ragcache.guard import BackgroundGuard
+from ragcache.request import Limits, Query
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
-from .errors import invalid, payload_too_large
 from .metrics import Metrics
 from .schemas import DocumentRef, TextDocument
 
@@ -29,11 +30,7 @@ MAX_STOP_CHARS = 256
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """A request's stop strings as a list, bounded: each one is searched for after every generated token."""
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
-        raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", param="stop")
-    return stop
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class ClientGone(Exception):
@@ -70,51 +67,32 @@ class Context:
     def model_name(self) -> str:
         return self.rc.lm.name
 
-    def check_documents(self, texts: list[str | None], what: str = "documents") -> None:
-        """Count and size limits; None stands for a document given by id (counted, nothing to measure)."""
+    @property
+    def limits(self) -> Limits:
         s = self.settings
-        if len(texts) > s.max_documents:
-            raise payload_too_large(f"{len(texts)} {what}; at most {s.max_documents} per request",
-                                    limit=s.max_documents, got=len(texts))
-        for i, text in enumerate(texts):
-            if text is None:
-                continue
-            if not text.strip():
-                raise invalid(f"{what}[{i}] is empty; every document needs some text")
-            if len(text) > s.max_document_chars:
-                raise payload_too_large(f"{what}[{i}] has {len(text)} characters; at most {s.max_document_chars}",
-                                        limit=s.max_document_chars, got=len(text))
+        return Limits(s.max_question_chars, s.max_document_chars, s.max_documents, s.max_new_tokens_limit, MAX_STOP,
+                      MAX_STOP_CHARS)
 
-    def check(self, ask: Ask) -> dict:
-        """Size limits (413), empty inputs (422); returns the keyword arguments of rc.stream."""
+    def max_tokens(self, asked: int | None) -> int:
+        return self.settings.max_new_tokens if asked is None else asked
+
+    def check(self, ask: Ask) -> Query:
+        """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
+        defaults for what the request leaves out."""
         s = self.settings
-        if not ask.question.strip():
-            raise invalid("the question is empty")
-        if len(ask.question) > s.max_question_chars:
-            raise payload_too_large(f"the question has {len(ask.question)} characters; at most "
-                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.question))
-        if ask.system is not None and len(ask.system) > s.max_question_chars:
-            raise payload_too_large(f"the system prompt has {len(ask.system)} characters; at most "
-                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.system))
-        self.check_documents([ref.text if isinstance(ref, TextDocument) else None for ref in ask.documents])
-        max_tokens = s.max_new_tokens if ask.max_tokens is None else ask.max_tokens
-        if max_tokens > s.max_new_tokens_limit:
-            raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
-                          param="max_tokens", limit=s.max_new_tokens_limit)
-        stop = stop_strings(ask.stop)
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
-        return dict(question=ask.question, docs=docs, system=ask.system or None,
-                    algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
-                    ratio=s.ratio if ask.ratio is None else ask.ratio, deviation=ask.deviation or "key",
-                    max_new_tokens=max_tokens,
-                    temperature=ask.temperature, top_p=ask.top_p, stop=stop, seed=ask.seed)
+        return self.rc.validate(ask.question, docs, system=ask.system or None, algorithm=ask.algorithm or s.algorithm,
+                                k=s.k if ask.k is None else ask.k, ratio=s.ratio if ask.ratio is None else ask.ratio,
+                                deviation=ask.deviation or "key", max_new_tokens=self.max_tokens(ask.max_tokens),
+                                temperature=ask.temperature, top_p=ask.top_p, stop=stop_strings(ask.stop),
+                                seed=ask.seed, limits=self.limits)
 
     async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
-        args = self.check(ask)
-        return await self.start_stream(request, lambda: self.rc.stream(**args), guard_args=args)
+        query = self.check(ask)
+        return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], guard_args: dict | None = None
+    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
                            ) -> tuple[Generation, tuple[str, object]]:
         """`start` for any engine Stream (answers, infills)."""
         slot = self.queue.admit()
@@ -124,7 +102,7 @@ class Context:
             slot.close()
             raise
         gen = Generation(slot, stream, request)
-        gen.guard_args = guard_args
+        gen.query = query
         try:
             first = await gen.next()
         except BaseException:
@@ -141,9 +119,9 @@ class Context:
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
         self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
-        args = gen.guard_args
-        if args is not None and self.guard is not None:
-            self.guard.after_answer(answer, args["question"], args["docs"], args["algorithm"], args["system"])
+        q = gen.query
+        if q is not None and self.guard is not None:
+            self.guard.after_answer(answer, q.question, q.docs, q.params.algorithm, q.system)
 
     async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
         """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also

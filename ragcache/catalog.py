@@ -22,7 +22,7 @@ from . import maintenance
 from .chunker import chunk_document
 from .documents import (Document, chunk_record_problem, chunks_name, chunks_record, doc_name, document_record,
                         read_document)
-from .errors import CorruptDocument, EmptyInput, StoreError, UnknownDocument
+from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
 
@@ -49,9 +49,9 @@ class Catalog:
         with self._locks.shared(doc_ids):
             yield
 
-    def writing(self, text) -> Iterator[None]:
+    def writing(self, text: str) -> Iterator[None]:
         """`using` the document of this text (an upload of it)."""
-        return self.using([document_id(text)] if isinstance(text, str) else [])  # not a document: `register` says why
+        return self.using([document_id(text)])
 
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
@@ -59,9 +59,8 @@ class Catalog:
         return self.register(text, meta)[0]
 
     def register(self, text: str, meta: dict | None = None) -> tuple[str, list[list[int]]]:
-        """`add`, also returning the document's chunk ids (read or made on the way, so no second read)."""
-        if not isinstance(text, str) or not text.strip():
-            raise EmptyInput("a document is empty; every document needs some text")
+        """`add`, also returning the document's chunk ids (read or made on the way, so no second read). The text is
+        a valid document (ragcache.request)."""
         doc_id = document_id(text)
         try:
             existing = read_document(doc_id, self._record(doc_name(doc_id)))

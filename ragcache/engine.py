@@ -17,15 +17,15 @@ from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import document_id, is_document_id
 
-from . import calibrate, guard, infill, linker, models, prompt
+from . import calibrate, guard, infill, linker, models, prompt, request
 from .catalog import Catalog, EnsureReport
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
+from .errors import ParameterOutOfRange, PromptTooLong
 from .sampling import Answer, QueryStats, Sampling, eos_ids
 from .linker import LinkInput, LinkParams, Linked
 from .prefix_cache import PrefixCache
+from .request import UNBOUNDED, Infill, Limits, Query
 from .runner import Runner
 from .scheduler import Scheduler
 from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_FOCUS_RATIO, DEFAULT_K,
@@ -121,6 +121,7 @@ class RagCache:
     def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
                           progress: Callable[[int, int], None] | None = None) -> CompileReport:
         """Compile texts into the store (skipping what is there); `progress(done_tokens, chunk_tokens)` per chunk."""
+        texts = request.validate_texts(texts)
         started = time.perf_counter()
         report = CompileReport()
         metadata = metadata or [{} for _ in texts]
@@ -190,24 +191,6 @@ class RagCache:
     def document_ids(self) -> list[str]:
         return self.catalog.ids()
 
-    def _resolve(self, docs: list) -> tuple[list[str], list[str]]:
-        """Document ids of `docs`, and the raw texts among them (to store): a string is a document id (never taken
-        for text: a typo'd id must not become a document), `{"text": ...}` is raw text, stored and compiled on the
-        fly."""
-        ids, texts = [], []
-        for i, doc in enumerate(docs):
-            if isinstance(doc, dict) and set(doc) == {"text"}:
-                if not isinstance(doc["text"], str) or not doc["text"].strip():
-                    raise EmptyInput(f"docs[{i}] is empty; every document needs some text")
-                ids.append(document_id(doc["text"]))
-                texts.append(doc["text"])
-            elif isinstance(doc, str) and is_document_id(doc):
-                ids.append(doc)
-            else:
-                raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
-                                 'text as {"text": ...}')
-        return ids, texts
-
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
                  compiler: Compiler | None = None) -> list[ChunkKV]:
@@ -246,25 +229,33 @@ class RagCache:
             ratio = self.default_focus_ratio
         return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
 
-    def _prepare(self, question: str, docs: list[str], system: str | None, params: LinkParams, max_new_tokens: int,
-                 stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
-        """Everything before the model: check, resolve, fetch (compiling misses). Runs on the caller's thread."""
-        params.validate(self.runner.shape.layers)
+    def validate(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                 k: int | None = None, ratio: float | None = None, max_new_tokens: int | None = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                 check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key", limits: Limits = UNBOUNDED) -> Query:
+        """The one check of a query's meaning (ragcache.request), with the unset link knobs from this model's
+        profile; `max_new_tokens=None`: a link only, nothing sampled. `docs`: document ids, or `{"text": ...}` for
+        raw text, stored and compiled on the fly."""
+        sampling = None if max_new_tokens is None else Sampling(max_new_tokens, temperature, top_p, list(stop or []),
+                                                                  seed)
+        return request.validate(question, docs, system, self.params(algorithm, k, ratio, check_layer, deviation),
+                                sampling, self.runner.shape.layers, limits)
+
+    def _prepare(self, query: Query, max_new_tokens: int, stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
+        """Everything before the model: resolve, fetch (compiling misses). Runs on the caller's thread."""
         started = time.perf_counter()
-        if not isinstance(question, str) or not question.strip():
-            raise EmptyInput("the question is empty")
-        doc_ids, texts = self._resolve(list(docs))
-        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
-            for text in texts:
+        algorithm = query.params.algorithm
+        with self.catalog.using(query.doc_ids):  # a delete of these documents waits until their entries are written
+            for text in query.texts:
                 self.catalog.add(text)
-            parts, chunks = self._inputs(question, doc_ids, system, params.algorithm)
+            parts, chunks = self._inputs(query.question, query.doc_ids, query.system, algorithm)
             length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
             if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
                 raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
-            self._fetch(parts, chunks, params.algorithm, stats)
+            self._fetch(parts, chunks, algorithm, stats)
         stats.fetch_s = time.perf_counter() - started
-        stats.algorithm, stats.prompt_tokens = params.algorithm, length
-        return parts, params, self.prefix_cache
+        stats.algorithm, stats.prompt_tokens = algorithm, length
+        return parts, query.params, self.prefix_cache
 
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
              k: int | None = None, ratio: float | None = None, check_layer: int = DEFAULT_CHECK_LAYER,
@@ -274,27 +265,23 @@ class RagCache:
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         stats = _stats or QueryStats()
-        params = self.params(algorithm, k, ratio, check_layer, deviation)
-        parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
+        query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
+                              deviation=deviation)
+        parts, params, prefix_cache = self._prepare(query, max_new_tokens, stats)
         linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
         return linked
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
-               k: int | None = None, ratio: float | None = None, max_new_tokens: int = 32,
-               temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
-               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> Stream:
-        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
-        sampling.validate()
-        params = self.params(algorithm, k, ratio, check_layer, deviation)
-        params.validate(self.runner.shape.layers)
+    def stream(self, question: str, docs: list, **kwargs) -> Stream:
+        """The answer as a Stream of text pieces; `validate` lists the keyword arguments."""
+        return self.stream_query(self.validate(question, docs, **kwargs))
 
-        def prepare(stats: QueryStats):
-            return self._prepare(question, docs, system, params, max_new_tokens, stats)
-
-        return Stream(self.scheduler, prepare, sampling, self.tokenizer, self.stop_ids)
+    def stream_query(self, query: Query) -> Stream:
+        """`stream` for a query `validate` made."""
+        return Stream(self.scheduler, lambda stats: self._prepare(query, query.sampling.max_new_tokens, stats),
+                      query.sampling, self.tokenizer, self.stop_ids)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return _drain(self.stream(question, docs, **kwargs))
@@ -316,27 +303,28 @@ class RagCache:
     # -- infilling ------------------------------------------------------------------------------------
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
                       reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      stop: list[str] | None = None, seed: int | None = None) -> Stream:
+                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
-        if not isinstance(prefix, str) or not isinstance(suffix, str) or not (prefix or suffix):
-            raise EmptyInput("infilling needs a prefix or a suffix")
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
-        sampling.validate()
+        return self.stream_infill(request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits))
+
+    def stream_infill(self, fill: Infill) -> Stream:
+        """`infill_stream` for an infill `request.validate_infill` made."""
         fim = infill.FimTokens.for_tokenizer(self.tokenizer)
-        split = self.infill_sessions.plan(session, prefix, suffix, mode)
-        ids = infill.build_prompt(self.tokenizer, fim, prefix, suffix, mode, split)
-        if len(ids) + max_new_tokens > self.context_length:
-            raise PromptTooLong(len(ids), max_new_tokens, self.context_length)
+        split = self.infill_sessions.plan(fill.session, fill.prefix, fill.suffix, fill.mode)
+        ids = infill.build_prompt(self.tokenizer, fim, fill.prefix, fill.suffix, fill.mode, split)
+        if len(ids) + fill.sampling.max_new_tokens > self.context_length:
+            raise PromptTooLong(len(ids), fill.sampling.max_new_tokens, self.context_length)
 
         def prepare(stats: QueryStats):
-            stats.algorithm = f"{mode}+{'reuse' if reuse else 'no-reuse'}"
+            stats.algorithm = f"{fill.mode}+{'reuse' if fill.reuse else 'no-reuse'}"
             stats.prompt_tokens = len(ids)
-            return LinkInput([], [], ids), LinkParams("prefix" if reuse else "full"), self.infill_cache
+            return LinkInput([], [], ids), LinkParams("prefix" if fill.reuse else "full"), self.infill_cache
 
         stop_ids = self.stop_ids | infill.end_token_ids(self.tokenizer)
-        return Stream(self.scheduler, prepare, sampling, self.tokenizer, stop_ids)
+        return Stream(self.scheduler, prepare, fill.sampling, self.tokenizer, stop_ids)
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
         return _drain(self.infill_stream(prefix, suffix, **kwargs))

@@ -115,7 +115,6 @@ class LinkPlan:
 @torch.inference_mode()
 def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
          prefix_cache: PrefixCache | None = None) -> LinkPlan:
-    params.validate(runner.shape.layers)
     ids = parts.token_ids
     length = ids.numel()
     cache = runner.new_cache(length + extra_capacity)

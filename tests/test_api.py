@@ -590,13 +590,13 @@ def test_an_event_stream_frees_its_generation_when_the_body_never_starts():
 
 def test_a_stream_is_made_off_the_event_loop(rc, doc_ids, monkeypatch):
     """Making a stream tokenizes the prompt; on the loop it would stall every other stream and /health meanwhile."""
-    made_on, real = [], rc.stream
+    made_on, real = [], rc.stream_query
 
-    def stream(*args, **kwargs):
+    def stream_query(*args, **kwargs):
         made_on.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rc, "stream", stream)
+    monkeypatch.setattr(rc, "stream_query", stream_query)
     with serve(rc) as s:
         r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:1], "max_tokens": 1},
                        timeout=300)

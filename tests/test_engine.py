@@ -28,6 +28,8 @@ def test_empty_question(rc):
 def test_empty_document(rc):
     with pytest.raises(errors.EmptyInput, match="document is empty"):
         rc.compile(["fine", ""])
+    with pytest.raises(errors.EmptyInput, match="document is empty"):  # checked once, by ragcache.request
+        rc.compile(["   "])
 
 
 def test_unknown_document_id(rc):
