@@ -1,8 +1,8 @@
 """From a request body to answer events: the engine's one validation (with this server's limits), admission, one
 Generation run by the engine's scheduler.
 
-Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into an `Ask`
-and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
+Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into a validated
+`Query` (`Context.query`) and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
 linking (unknown document, prompt too long) still become proper HTTP errors, even for streams."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
 from .metrics import Metrics
-from .schemas import DocumentRef, TextDocument
+from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
 log = logging.getLogger("ragcache.api")
 MAX_STOP = 16
@@ -35,22 +35,6 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
-
-
-@dataclass
-class Ask:
-    question: str
-    documents: list[DocumentRef]
-    system: str | None = None
-    algorithm: str | None = None
-    k: int | None = None
-    ratio: float | None = None
-    deviation: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
 
 
 @dataclass
@@ -76,20 +60,20 @@ class Context:
     def max_tokens(self, asked: int | None) -> int:
         return self.settings.max_new_tokens if asked is None else asked
 
-    def check(self, ask: Ask) -> Query:
+    def query(self, question: str, documents: list[DocumentRef], system: str | None, link: LinkOptions | None,
+              sampling: SamplingFields) -> Query:
         """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
         defaults for what the request leaves out."""
-        s = self.settings
-        docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
-        return self.rc.validate(ask.question, docs, system=ask.system or None, algorithm=ask.algorithm or s.algorithm,
-                                k=s.k if ask.k is None else ask.k, ratio=s.ratio if ask.ratio is None else ask.ratio,
-                                deviation=ask.deviation or "key", max_new_tokens=self.max_tokens(ask.max_tokens),
-                                temperature=ask.temperature, top_p=ask.top_p, stop=stop_strings(ask.stop),
-                                seed=ask.seed, limits=self.limits)
+        s, link = self.settings, link or LinkOptions()
+        docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
+        return self.rc.validate(question, docs, system=system or None, algorithm=link.algorithm or s.algorithm,
+                                k=s.k if link.k is None else link.k, ratio=s.ratio if link.ratio is None else link.ratio,
+                                deviation=link.deviation or "key", max_new_tokens=self.max_tokens(sampling.max_tokens),
+                                temperature=sampling.temperature, top_p=sampling.top_p,
+                                stop=stop_strings(sampling.stop), seed=sampling.seed, limits=self.limits)
 
-    async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
+    async def start(self, request: Request, query: Query) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
-        query = self.check(ask)
         return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
     async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
@@ -138,9 +122,9 @@ class Context:
         finally:
             gen.close()
 
-    async def answer(self, request: Request, ask: Ask) -> tuple[Answer, float]:
+    async def answer(self, request: Request, query: Query) -> tuple[Answer, float]:
         """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
-        return await self.collect(*await self.start(request, ask))
+        return await self.collect(*await self.start(request, query))
 
     async def collect(self, gen: Generation, first: tuple[str, object]) -> tuple[Answer, float]:
         async with aclosing(self.events(gen, first)) as events:

@@ -14,7 +14,7 @@ from ragcache.request import validate_infill, validate_texts
 from ragcache.sampling import Sampling
 from ragcache.store.keys import is_document_id
 
-from .answering import Ask, ClientGone, Context, ctx, stop_strings
+from .answering import ClientGone, Context, ctx, stop_strings
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import describe, invalid, payload_too_large
 from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
@@ -142,14 +142,11 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
 async def query(body: QueryRequest, request: Request):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
-    ask = Ask(question=body.question, documents=body.documents, system=body.system, algorithm=body.algorithm,
-              k=body.k, ratio=body.ratio, deviation=body.deviation, max_tokens=body.max_tokens,
-              temperature=body.temperature,
-              top_p=body.top_p, stop=body.stop, seed=body.seed)
+    query = c.query(body.question, body.documents, body.system, body, body)
     if not body.stream:
-        answer, queue_s = await c.answer(request, ask)
+        answer, queue_s = await c.answer(request, query)
         return query_response(answer, queue_s)
-    gen, first = await c.start(request, ask)
+    gen, first = await c.start(request, query)
     return EventStream(gen, _query_events(c, gen, first))
 
 

@@ -105,21 +105,24 @@ def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, re
 
 def validate_sampling(sampling: Sampling, limits: Limits = UNBOUNDED) -> None:
     sampling.validate()
-    if limits.new_tokens is not None and sampling.max_new_tokens > limits.new_tokens:
+    if _over(sampling.max_new_tokens, limits.new_tokens):
         raise ParameterOutOfRange(f"max_tokens is {sampling.max_new_tokens}; this server generates at most "
                                   f"{limits.new_tokens}")
-    if (limits.stop_strings is not None and len(sampling.stop) > limits.stop_strings) or \
-            (limits.stop_chars is not None and any(len(x) > limits.stop_chars for x in sampling.stop)):
-        # each one is searched for after every generated token
+    # each stop string is searched for after every generated token
+    if _over(len(sampling.stop), limits.stop_strings) or any(_over(len(x), limits.stop_chars) for x in sampling.stop):
         raise ParameterOutOfRange(f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} "
                                   "characters")
 
 
+def _over(value: int, limit: int | None) -> bool:
+    return limit is not None and value > limit
+
+
 def _at_most(name: str, text: str, limit: int | None) -> None:
-    if limit is not None and len(text) > limit:
+    if _over(len(text), limit):
         raise PayloadTooLarge(f"{name} has {len(text)} characters; at most {limit}", limit, len(text))
 
 
 def _at_most_count(count: int, limit: int | None, what: str) -> None:
-    if limit is not None and count > limit:
+    if _over(count, limit):
         raise PayloadTooLarge(f"{count} {what}; at most {limit} per request", limit, count)
