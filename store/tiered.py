@@ -135,11 +135,7 @@ class TieredStore(Store):
             if hits:
                 self._fill(i, hits)
         found = [e for e in out if e is not None]
-        self.metrics.hits += len(found)
-        self.metrics.misses += len(keys) - len(found)
-        self.metrics.bytes_read += sum(e.nbytes for e in found)
-        self.metrics.gets += 1
-        self.metrics.get_seconds += time.perf_counter() - started
+        self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
     def _fill(self, found_in: int, hits: dict[str, ChunkKV]) -> None:
@@ -153,9 +149,7 @@ class TieredStore(Store):
             return
         started = time.perf_counter()
         self._written(self._each("put_many", items, write=True), f"store {len(items)} entries")
-        self.metrics.puts += 1
-        self.metrics.bytes_written += sum(e.nbytes for e in items.values())
-        self.metrics.put_seconds += time.perf_counter() - started
+        self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         out = [False] * len(keys)
