@@ -63,8 +63,7 @@ async def compile_documents(body: CompileRequest, request: Request) -> CompileRe
         slot.close()
     total = CompileReport()
     for r in reports:
-        for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes", "seconds"):
-            setattr(total, field, getattr(total, field) + getattr(r, field))
+        total.add(r)
     c.metrics.compiled_chunks.inc(total.compiled_chunks)
     stats = {k: v for k, v in vars(total).items() if k != "ids"}
     return CompileResponse(ids=[r.ids[0] for r in reports], stats=stats, documents=[

@@ -183,9 +183,7 @@ def compile(
 
             for text, meta in docs:
                 report = rc.compile_documents([text], [meta], progress=on_chunk)
-                for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes"):
-                    setattr(summary, field, getattr(summary, field) + getattr(report, field))
-                summary.ids += report.ids
+                summary.add(report)
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
     except KeyboardInterrupt:

@@ -46,6 +46,10 @@ class CompileReport:
     bytes: int = 0
     seconds: float = 0.0
 
+    def add(self, other: "CompileReport") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 class RagCache:
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
