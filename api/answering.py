@@ -1,7 +1,8 @@
-"""From a validated request to answer events: limits, admission, one Generation run by the engine's scheduler.
+"""From a request body to answer events: the engine's one validation (with this server's limits), admission, one
+Generation run by the engine's scheduler.
 
-Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into an `Ask`
-and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
+Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into a validated
+`Query` (`Context.query`) and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
 linking (unknown document, prompt too long) still become proper HTTP errors, even for streams."""
 
 from __future__ import annotations
@@ -9,20 +10,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.guard import DEFAULT_TARGET, Guard
+from ragcache.guard import BackgroundGuard
+from ragcache.request import Limits, Query
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation
-from .errors import invalid, payload_too_large
 from .metrics import Metrics
-from .schemas import DocumentRef, TextDocument
+from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
 log = logging.getLogger("ragcache.api")
 MAX_STOP = 16
@@ -30,31 +30,11 @@ MAX_STOP_CHARS = 256
 
 
 def stop_strings(stop: str | list[str] | None) -> list[str]:
-    """A request's stop strings as a list, bounded: each one is searched for after every generated token."""
-    stop = [stop] if isinstance(stop, str) else list(stop or [])
-    if len(stop) > MAX_STOP or any(len(x) > MAX_STOP_CHARS for x in stop):
-        raise invalid(f"stop takes at most {MAX_STOP} strings of at most {MAX_STOP_CHARS} characters", param="stop")
-    return stop
+    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class ClientGone(Exception):
     """The client disconnected before the answer was ready."""
-
-
-@dataclass
-class Ask:
-    question: str
-    documents: list[DocumentRef]
-    system: str | None = None
-    algorithm: str | None = None
-    k: int | None = None
-    ratio: float | None = None
-    deviation: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 0.0
-    top_p: float = 1.0
-    stop: str | list[str] | None = None
-    seed: int | None = None
 
 
 @dataclass
@@ -65,57 +45,38 @@ class Context:
     settings: Settings
     queue: EngineQueue
     metrics: Metrics
-    guard: "ServerGuard | None" = None
+    guard: BackgroundGuard | None = None
 
     @property
     def model_name(self) -> str:
         return self.rc.lm.name
 
-    def check_documents(self, texts: list[str | None], what: str = "documents") -> None:
-        """Count and size limits; None stands for a document given by id (counted, nothing to measure)."""
+    @property
+    def limits(self) -> Limits:
         s = self.settings
-        if len(texts) > s.max_documents:
-            raise payload_too_large(f"{len(texts)} {what}; at most {s.max_documents} per request",
-                                    limit=s.max_documents, got=len(texts))
-        for i, text in enumerate(texts):
-            if text is None:
-                continue
-            if not text.strip():
-                raise invalid(f"{what}[{i}] is empty; every document needs some text")
-            if len(text) > s.max_document_chars:
-                raise payload_too_large(f"{what}[{i}] has {len(text)} characters; at most {s.max_document_chars}",
-                                        limit=s.max_document_chars, got=len(text))
+        return Limits(s.max_question_chars, s.max_document_chars, s.max_documents, s.max_new_tokens_limit, MAX_STOP,
+                      MAX_STOP_CHARS)
 
-    def check(self, ask: Ask) -> dict:
-        """Size limits (413), empty inputs (422); returns the keyword arguments of rc.stream."""
-        s = self.settings
-        if not ask.question.strip():
-            raise invalid("the question is empty")
-        if len(ask.question) > s.max_question_chars:
-            raise payload_too_large(f"the question has {len(ask.question)} characters; at most "
-                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.question))
-        if ask.system is not None and len(ask.system) > s.max_question_chars:
-            raise payload_too_large(f"the system prompt has {len(ask.system)} characters; at most "
-                                    f"{s.max_question_chars}", limit=s.max_question_chars, got=len(ask.system))
-        self.check_documents([ref.text if isinstance(ref, TextDocument) else None for ref in ask.documents])
-        max_tokens = s.max_new_tokens if ask.max_tokens is None else ask.max_tokens
-        if max_tokens > s.max_new_tokens_limit:
-            raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
-                          param="max_tokens", limit=s.max_new_tokens_limit)
-        stop = stop_strings(ask.stop)
-        docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in ask.documents]
-        return dict(question=ask.question, docs=docs, system=ask.system or None,
-                    algorithm=ask.algorithm or s.algorithm, k=s.k if ask.k is None else ask.k,
-                    ratio=s.ratio if ask.ratio is None else ask.ratio, deviation=ask.deviation or "key",
-                    max_new_tokens=max_tokens,
-                    temperature=ask.temperature, top_p=ask.top_p, stop=stop, seed=ask.seed)
+    def max_tokens(self, asked: int | None) -> int:
+        return self.settings.max_new_tokens if asked is None else asked
 
-    async def start(self, request: Request, ask: Ask) -> tuple[Generation, tuple[str, object]]:
+    def query(self, question: str, documents: list[DocumentRef], system: str | None, link: LinkOptions | None,
+              sampling: SamplingFields) -> Query:
+        """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
+        defaults for what the request leaves out."""
+        s, link = self.settings, link or LinkOptions()
+        docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
+        return self.rc.validate(question, docs, system=system or None, algorithm=link.algorithm or s.algorithm,
+                                k=s.k if link.k is None else link.k, ratio=s.ratio if link.ratio is None else link.ratio,
+                                deviation=link.deviation or "key", max_new_tokens=self.max_tokens(sampling.max_tokens),
+                                temperature=sampling.temperature, top_p=sampling.top_p,
+                                stop=stop_strings(sampling.stop), seed=sampling.seed, limits=self.limits)
+
+    async def start(self, request: Request, query: Query) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
-        args = self.check(ask)
-        return await self.start_stream(request, lambda: self.rc.stream(**args), guard_args=args)
+        return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], guard_args: dict | None = None
+    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
                            ) -> tuple[Generation, tuple[str, object]]:
         """`start` for any engine Stream (answers, infills)."""
         slot = self.queue.admit()
@@ -125,7 +86,7 @@ class Context:
             slot.close()
             raise
         gen = Generation(slot, stream, request)
-        gen.guard_args = guard_args
+        gen.query = query
         try:
             first = await gen.next()
         except BaseException:
@@ -142,8 +103,9 @@ class Context:
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
         self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
-        if gen.guard_args is not None and self.guard is not None:
-            self.guard.after_answer(gen.guard_args, answer)
+        q = gen.query
+        if q is not None and self.guard is not None:
+            self.guard.after_answer(answer, q.question, q.docs, q.params.algorithm, q.system)
 
     async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
         """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also
@@ -160,9 +122,9 @@ class Context:
         finally:
             gen.close()
 
-    async def answer(self, request: Request, ask: Ask) -> tuple[Answer, float]:
+    async def answer(self, request: Request, query: Query) -> tuple[Answer, float]:
         """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
-        return await self.collect(*await self.start(request, ask))
+        return await self.collect(*await self.start(request, query))
 
     async def collect(self, gen: Generation, first: tuple[str, object]) -> tuple[Answer, float]:
         async with aclosing(self.events(gen, first)) as events:
@@ -176,45 +138,12 @@ class Context:
         raise ClientGone()  # pragma: no cover - events always end with one of the above
 
 
-class ServerGuard:
-    """RAGCACHE_GUARD_RATE: after a sampled linked answer has been sent, link the same prompt with `full` as background
-    work (the scheduler runs it only in steps no user request needs) and export how the two first-token
-    distributions compare. Never when the queue is full; at most one check in flight, others are skipped."""
-
-    def __init__(self, rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics):
-        target = rc.profile.target if rc.profile is not None else DEFAULT_TARGET
-        self.rc, self.queue, self.metrics = rc, queue, metrics
-        self.guard = Guard(rate, rc.lm.name, target=target)
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ragcache-guard")
-        self.in_flight = 0  # touched on the event loop only
-
-    def after_answer(self, args: dict, answer: Answer) -> None:
-        algorithm = args["algorithm"]
-        if answer.first_logits is None or not self.guard.wants(algorithm):
-            return
-        if self.queue.depth >= self.queue.max_queue or self.in_flight:
-            self.metrics.guard_skipped.labels(self.guard.model, algorithm).inc()
-            return
-        self.in_flight += 1
-        loop = asyncio.get_running_loop()
-        future = self.pool.submit(self._check, args, answer.first_logits)
-        future.add_done_callback(lambda _: loop.call_soon_threadsafe(self._done))
-
-    def _done(self) -> None:
-        self.in_flight -= 1
-
-    def _check(self, args: dict, linked_logits) -> None:  # on the guard's worker thread
-        try:
-            check = self.rc.compare_with_full(args["question"], args["docs"], args["algorithm"], linked_logits,
-                                              system=args["system"])
-        except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
-            log.warning("accuracy guard: the full link failed (%s)", exc)
-            return
-        agreement = self.guard.record(check)
-        self.metrics.observe_guard(self.guard.model, check, agreement)
-
-    def shutdown(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
+    """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
+    model = rc.lm.name
+    return BackgroundGuard(rc, rate, busy=lambda: queue.depth >= queue.max_queue,
+                           on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
+                           on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc())
 
 
 def ctx(request: Request) -> Context:

@@ -18,7 +18,7 @@ from ragcache.engine import RagCache
 from ragcache.settings import Settings
 
 from . import errors, native, openai_compat
-from .answering import ClientGone, Context, ServerGuard
+from .answering import ClientGone, Context, server_guard
 from .engine_queue import EngineQueue
 from .errors import error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
@@ -89,11 +89,9 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
     async def lifespan(app: FastAPI):
         yield
         queue.shutdown()
-        if guard is not None:
-            guard.shutdown()
 
     app = FastAPI(title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan)
-    guard = ServerGuard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
+    guard = server_guard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
     app.state.ctx = Context(rc, settings, queue, metrics, guard)
     app.state.created = int(time.time())
     errors.install(app)

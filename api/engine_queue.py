@@ -117,7 +117,7 @@ class Generation:
 
     def __init__(self, slot: Slot, stream: Stream, request: Request | None = None):
         self.slot, self.loop, self.stream = slot, slot.loop, stream
-        self.guard_args: dict | None = None  # the rc.stream arguments, for the accuracy guard (answers only)
+        self.query = None  # the validated query (answers only), for the accuracy guard
         self.events: asyncio.Queue = asyncio.Queue()
         self.finished = False
         slot.queue.live.add(self)

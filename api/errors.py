@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ragcache.errors import (BadRequest, CorruptDocument, ModelFetchError, PromptTooLong, RagCacheError, StoreError,
-                             UnknownDocument, UnsupportedModel)
+from ragcache.errors import (BadRequest, CorruptDocument, ModelFetchError, PayloadTooLarge, PromptTooLong,
+                             RagCacheError, StoreError, UnknownDocument, UnsupportedModel)
 
 log = logging.getLogger("ragcache.api")
 
@@ -22,6 +22,7 @@ log = logging.getLogger("ragcache.api")
 STATUS: list[tuple[type[RagCacheError], int]] = [
     (UnknownDocument, 404),
     (PromptTooLong, 413),
+    (PayloadTooLarge, 413),
     (BadRequest, 422),  # empty input, unknown algorithm, a parameter out of range
     (UnsupportedModel, 400),
     (CorruptDocument, 500),  # damaged in the store: a retry cannot help (no Retry-After); adding the text again does
@@ -74,6 +75,8 @@ def describe(exc: BaseException) -> tuple[int, dict]:
             details["ids"] = exc.ids
         if isinstance(exc, PromptTooLong):
             details.update(prompt_tokens=exc.prompt_tokens, max_new_tokens=exc.max_new_tokens, context=exc.context)
+        if isinstance(exc, PayloadTooLarge):
+            details.update(limit=exc.limit, got=exc.got)
         status = status_of(exc)
         if status >= 500:
             log.warning("engine error: %s", exc)

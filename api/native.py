@@ -10,9 +10,11 @@ from fastapi import APIRouter, Query, Request
 
 from ragcache.engine import Answer, CompileReport
 from ragcache.errors import CorruptDocument, UnknownDocument
+from ragcache.request import validate_infill, validate_texts
+from ragcache.sampling import Sampling
 from ragcache.store.keys import is_document_id
 
-from .answering import Ask, ClientGone, Context, ctx, stop_strings
+from .answering import ClientGone, Context, ctx, stop_strings
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import describe, invalid, payload_too_large
 from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
@@ -45,7 +47,7 @@ async def compile_documents(body: CompileRequest, request: Request) -> CompileRe
     the upload after its current document."""
     c = ctx(request)
     docs = body.items()
-    c.check_documents([d.text for d in docs])
+    validate_texts([d.text for d in docs], c.limits)
     for i, doc in enumerate(docs):
         _check_metadata(doc.metadata, i)
     slot = c.queue.admit()
@@ -61,8 +63,7 @@ async def compile_documents(body: CompileRequest, request: Request) -> CompileRe
         slot.close()
     total = CompileReport()
     for r in reports:
-        for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes", "seconds"):
-            setattr(total, field, getattr(total, field) + getattr(r, field))
+        total.add(r)
     c.metrics.compiled_chunks.inc(total.compiled_chunks)
     stats = {k: v for k, v in vars(total).items() if k != "ids"}
     return CompileResponse(ids=[r.ids[0] for r in reports], stats=stats, documents=[
@@ -140,14 +141,11 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
 async def query(body: QueryRequest, request: Request):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
-    ask = Ask(question=body.question, documents=body.documents, system=body.system, algorithm=body.algorithm,
-              k=body.k, ratio=body.ratio, deviation=body.deviation, max_tokens=body.max_tokens,
-              temperature=body.temperature,
-              top_p=body.top_p, stop=body.stop, seed=body.seed)
+    query = c.query(body.question, body.documents, body.system, body, body)
     if not body.stream:
-        answer, queue_s = await c.answer(request, ask)
+        answer, queue_s = await c.answer(request, query)
         return query_response(answer, queue_s)
-    gen, first = await c.start(request, ask)
+    gen, first = await c.start(request, query)
     return EventStream(gen, _query_events(c, gen, first))
 
 
@@ -177,25 +175,9 @@ async def infill(body: InfillRequest, request: Request):
     typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix
     and `usage.cached_tokens` says how much of the prompt was reused."""
     c = ctx(request)
-    s = c.settings
-    for name, text in (("prefix", body.prefix), ("suffix", body.suffix)):
-        if len(text) > s.max_document_chars:
-            raise payload_too_large(f"the {name} has {len(text)} characters; at most {s.max_document_chars}",
-                                    limit=s.max_document_chars, got=len(text))
-    if not (body.prefix or body.suffix):
-        raise invalid("infilling needs a prefix or a suffix")
-    max_tokens = s.max_new_tokens if body.max_tokens is None else body.max_tokens
-    if max_tokens > s.max_new_tokens_limit:
-        raise invalid(f"max_tokens is {max_tokens}; this server generates at most {s.max_new_tokens_limit}",
-                      param="max_tokens", limit=s.max_new_tokens_limit)
-    stop = stop_strings(body.stop)
-
-    def make_stream():
-        return c.rc.infill_stream(body.prefix, body.suffix, session=body.session, mode=body.mode, reuse=body.reuse,
-                                  max_new_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                  stop=stop, seed=body.seed)
-
-    gen, first = await c.start_stream(request, make_stream)
+    sampling = Sampling(c.max_tokens(body.max_tokens), body.temperature, body.top_p, stop_strings(body.stop), body.seed)
+    fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
+    gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
         answer, queue_s = await c.collect(gen, first)
         return infill_response(answer, queue_s)

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Request
 
 from ragcache.engine import Answer
 
-from .answering import Ask, Context, ctx
+from .answering import Context, ctx
 from .engine_queue import EventStream, Generation
 from .errors import ApiError, describe
 from .native import SSE_DONE, sse
@@ -45,15 +45,6 @@ def _check(c: Context, body: OpenAIFields) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise unsupported(name, f"{name}={value!r} is not supported by ragcache")
-
-
-def _ask(body: OpenAIFields, question: str, system: str | None) -> Ask:
-    link = body.ragcache
-    return Ask(question=question, documents=body.documents, system=system,
-               algorithm=link.algorithm if link else None, k=link.k if link else None,
-               ratio=link.ratio if link else None, deviation=link.deviation if link else None,
-               max_tokens=body.max_tokens, temperature=body.temperature,
-               top_p=body.top_p, stop=body.stop, seed=body.seed)
 
 
 def usage(answer: Answer) -> dict:
@@ -93,18 +84,18 @@ async def completions(body: CompletionRequest, request: Request):
         if len(prompt) != 1:
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
-    ask = _ask(body, prompt, body.system)
+    query = c.query(prompt, body.documents, body.system, body.ragcache, body)
     base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": c.model_name}
     if not body.stream:
-        answer, queue_s = await c.answer(request, ask)
+        answer, queue_s = await c.answer(request, query)
         choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": answer.stats.finish_reason}
         return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
 
     def choice(piece: str | None, finish: str | None) -> dict:
         return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
 
-    gen, first = await c.start(request, ask)
+    gen, first = await c.start(request, query)
     return EventStream(gen, _chunks(c, gen, first, base, choice, None, body))
 
 
@@ -137,11 +128,11 @@ async def chat_completions(body: ChatRequest, request: Request):
     c = ctx(request)
     _check(c, body)
     system, question = chat_question(body.messages)
-    ask = _ask(body, question, system)
+    query = c.query(question, body.documents, system, body.ragcache, body)
     base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
             "model": c.model_name}
     if not body.stream:
-        answer, queue_s = await c.answer(request, ask)
+        answer, queue_s = await c.answer(request, query)
         choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
                   "finish_reason": answer.stats.finish_reason}
         return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
@@ -150,7 +141,7 @@ async def chat_completions(body: ChatRequest, request: Request):
         return {"index": 0, "delta": {} if piece is None else {"content": piece}, "logprobs": None,
                 "finish_reason": finish}
 
-    gen, first = await c.start(request, ask)
+    gen, first = await c.start(request, query)
     opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
     base["object"] = "chat.completion.chunk"
     return EventStream(gen, _chunks(c, gen, first, base, choice, opening, body))

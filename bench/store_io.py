@@ -37,7 +37,7 @@ from ragcache.store import open_store  # noqa: E402
 from ragcache.store.disk import DiskStore  # noqa: E402
 from ragcache.store.base import decode_all  # noqa: E402
 from ragcache.store.entry import ChunkKV, encode  # noqa: E402
-from ragcache.store.keys import chunk_key  # noqa: E402
+from ragcache.store.keys import entry_key, entry_meta  # noqa: E402
 from ragcache.store.memory import MemoryStore  # noqa: E402
 from ragcache.store.redis_tier import RedisStore  # noqa: E402
 from ragcache.store.tiered import TieredStore  # noqa: E402
@@ -53,14 +53,14 @@ def make_entries(docs: int, tokens: int, salt: int) -> dict[str, ChunkKV]:
         ids = torch.randint(0, 49152, (tokens,), generator=g, dtype=torch.int32)
         k = torch.randn(LAYERS, KV_HEADS, tokens, HEAD_DIM, generator=g)
         v = torch.randn(LAYERS, KV_HEADS, tokens, HEAD_DIM, generator=g)
-        meta = {"model": "bench", "tokenizer": "bench", "dtype": "float32", "layout": "bos:1:", "model_name": "bench"}
-        out[chunk_key("bench", "bench", f"float32-{salt}", "bos:1:", ids.tolist())] = ChunkKV(ids, k, v, meta)
+        meta = entry_meta(f"bench-{salt}", "bench", "float32", "bos:1:", "fp32", "bench")  # fresh keys per salt
+        out[entry_key(meta, "fp32", ids.tolist())] = ChunkKV(ids, k, v, meta)
     return out
 
 
 def drop_page_cache(store: DiskStore, keys) -> None:
     for key in keys:
-        path = store._path(key)
+        path = store.entry_path(key)
         if path.exists():
             fd = os.open(path, os.O_RDONLY)
             try:

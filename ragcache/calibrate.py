@@ -31,11 +31,8 @@ from . import agreement as agree
 from . import models
 from .sampling import eos_ids
 from .settings import DATA_DIR
+from .settings import DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
 
-DEFAULT_TARGET = 0.95
-DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)
-DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
-DEFAULT_FOCUS_RATIOS = (0.05, 0.1, 0.25, 0.4, 0.5, 0.75)  # qwen2.5-coder-0.5b reaches 0.95 near 0.75 (docs/ACCURACY.md)
 POSITIONS = ("first", "content")
 ANSWER_TOKENS = 16  # how far along full's answer a content word is looked for
 

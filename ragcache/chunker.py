@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .settings import DEFAULT_CHUNK_TOKENS
+
 SENTENCE_ENDS = (".", "!", "?", "\n", "。")
-DEFAULT_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from rich.table import Table
 
 from . import models
 from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
-from .settings import DATA_DIR, load_settings
+from .settings import DATA_DIR, DEFAULT_STORE, load_settings
 from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -183,9 +183,7 @@ def compile(
 
             for text, meta in docs:
                 report = rc.compile_documents([text], [meta], progress=on_chunk)
-                for field in ("documents", "skipped", "chunks", "compiled_chunks", "tokens", "bytes"):
-                    setattr(summary, field, getattr(summary, field) + getattr(report, field))
-                summary.ids += report.ids
+                summary.add(report)
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
     except KeyboardInterrupt:
@@ -264,7 +262,7 @@ def query(
 @app.command()
 def demo(
     model: str = typer.Option(None, help="model (default: smollm2-135m)"),
-    store: str = typer.Option(None, help="store (default: disk:./.ragcache)"),
+    store: str = typer.Option(None, help=f"store (default: {DEFAULT_STORE})"),
     data: Path = typer.Option(DATA_DIR, help="folder with docs/ and questions.jsonl"),
     questions: int = typer.Option(3, help="how many questions to answer"),
     dtype: str = DtypeOption,

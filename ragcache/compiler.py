@@ -16,7 +16,7 @@ import torch
 
 from ragcache.store import codec as kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import chunk_key, kv_form
+from ragcache.store.keys import entry_key, entry_meta
 
 from .models import LoadedModel
 from .runner import Runner
@@ -65,9 +65,12 @@ class Compiler:
         self.dtype = str(runner.shape.dtype).removeprefix("torch.")
         self.codec = kv_codec.resolve(codec, runner.shape.dtype, runner.device.type)
 
+    def meta(self, layout: Layout) -> dict:
+        return entry_meta(self.lm.fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec,
+                          self.lm.name)
+
     def key(self, token_ids: list[int], layout: Layout) -> str:
-        return chunk_key(self.lm.fingerprint, self.lm.tokenizer_fingerprint, kv_form(self.dtype, self.codec),
-                         layout.tag, [*layout.lead_ids, *token_ids])
+        return entry_key(self.meta(layout), self.codec, self.stored_ids(token_ids, layout))
 
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
         return [*layout.lead_ids, *token_ids]
@@ -93,7 +96,6 @@ class Compiler:
         prefilled = torch.tensor([*layout.sink_ids, *stored], dtype=torch.long)
         keys, values = self.runner.prefill_pre_rope(prefilled)
         drop = len(layout.sink_ids)
-        meta = {"model": self.lm.fingerprint, "tokenizer": self.lm.tokenizer_fingerprint, "dtype": self.dtype,
-                "layout": layout.tag, "model_name": self.lm.name, "codec": self.codec}
         keys, values, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
-        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, meta, key_scales, value_scales)
+        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales,
+                       value_scales)

@@ -9,7 +9,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .linker import DEFAULT_ALGORITHM
+from .settings import DEFAULT_ALGORITHM
 
 DOCS_PER_QUESTION = 4
 

@@ -17,22 +17,21 @@ from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.keys import document_id, is_document_id
 
-from . import calibrate, documents, guard, infill, linker, models, prompt
-from .chunker import DEFAULT_CHUNK_TOKENS
+from . import calibrate, guard, infill, linker, models, prompt, request
+from .catalog import Catalog, EnsureReport
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PromptTooLong
+from .errors import ParameterOutOfRange, PromptTooLong
 from .sampling import Answer, QueryStats, Sampling, eos_ids
-from .linker import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkInput,
-                     LinkParams, Linked)
-from .prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+from .linker import LinkInput, LinkParams, Linked
+from .prefix_cache import PrefixCache
+from .request import UNBOUNDED, Infill, Limits, Query
 from .runner import Runner
-from .scheduler import DEFAULT_ROW_BUDGET, Scheduler
-from .settings import Settings
+from .scheduler import Scheduler
+from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_FOCUS_RATIO, DEFAULT_K,
+                       DEFAULT_MODEL, DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, Settings)
 from .stream import Stream
 
-DEFAULT_STORE = "disk:./.ragcache"
 log = logging.getLogger("ragcache")
 
 
@@ -46,6 +45,10 @@ class CompileReport:
     tokens: int = 0
     bytes: int = 0
     seconds: float = 0.0
+
+    def add(self, other: "CompileReport") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 class RagCache:
@@ -68,7 +71,7 @@ class RagCache:
         self.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.infill_sessions = infill.InfillSessions()
-        self.documents = documents.Documents(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
+        self.catalog = Catalog(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
         self.scheduler = Scheduler(self.runner, row_budget)
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
@@ -77,7 +80,7 @@ class RagCache:
         self.stop_ids = eos_ids(self.runner)
 
     @classmethod
-    def open(cls, model: str = models.DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
+    def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto") -> "RagCache":
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
@@ -122,12 +125,13 @@ class RagCache:
     def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
                           progress: Callable[[int, int], None] | None = None) -> CompileReport:
         """Compile texts into the store (skipping what is there); `progress(done_tokens, chunk_tokens)` per chunk."""
+        texts = request.validate_texts(texts)
         started = time.perf_counter()
         report = CompileReport()
         metadata = metadata or [{} for _ in texts]
         layout = self.layouts["default"]
         for text, meta in zip(texts, metadata):
-            with self.documents.writing(text):  # a delete of this document waits until its entries are written
+            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
                 self._compile_document(text, meta, layout, report, progress)
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
@@ -137,7 +141,7 @@ class RagCache:
 
     def _compile_document(self, text: str, meta: dict, layout: Layout, report: CompileReport,
                           progress: Callable[[int, int], None] | None) -> None:
-        doc_id, chunks = self._register(text, meta)
+        doc_id, chunks = self.catalog.register(text, meta)
         present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
         report.ids.append(doc_id)
         report.documents += 1
@@ -158,8 +162,8 @@ class RagCache:
         tier). Returns (chunks compiled, chunks found)."""
         if layout not in self.layouts:
             raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
-        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
-            chunks = [ids for doc_chunks in self.documents.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
+            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
             if prefetch:
                 _, report = self._ensure(chunks, self.layouts[layout])
                 return report.compiled, report.hits
@@ -170,50 +174,26 @@ class RagCache:
             return len(missing), 0
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
-                ) -> tuple[list[ChunkKV], "documents.EnsureReport"]:
+                ) -> tuple[list[ChunkKV], EnsureReport]:
         """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
-        compiler = compiler or self.compiler
-        return self.documents.ensure(chunks, key=lambda ids: compiler.key(ids, layout),
-                                     compile=lambda ids: self.scheduler.call(compiler.compile, ids, layout),
-                                     problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
-
-    def _register(self, text: str, meta: dict) -> tuple[str, list[list[int]]]:
-        return self.documents.register(text, meta)
+        return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=self.scheduler.call)
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
-        with self.documents.using([doc_id]):  # a lost chunk record is written again: not after a delete
-            return self.documents.chunks_of(doc_id)
+        with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
+            return self.catalog.chunks_of(doc_id)
 
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
-        doc = self.documents.get(doc_id)
+        doc = self.catalog.get(doc_id)
         return None if doc is None else dataclasses.asdict(doc)
 
     def delete_document(self, doc_id: str) -> bool:
         """Delete the document and its chunk entries, keeping entries that other documents share."""
-        return self.documents.delete(doc_id) is not None
+        return self.catalog.delete(doc_id) is not None
 
     def document_ids(self) -> list[str]:
-        return self.documents.ids()
-
-    def _resolve(self, docs: list) -> tuple[list[str], list[str]]:
-        """Document ids of `docs`, and the raw texts among them (to store): a string is a document id (never taken
-        for text: a typo'd id must not become a document), `{"text": ...}` is raw text, stored and compiled on the
-        fly."""
-        ids, texts = [], []
-        for i, doc in enumerate(docs):
-            if isinstance(doc, dict) and set(doc) == {"text"}:
-                if not isinstance(doc["text"], str) or not doc["text"].strip():
-                    raise EmptyInput(f"docs[{i}] is empty; every document needs some text")
-                ids.append(document_id(doc["text"]))
-                texts.append(doc["text"])
-            elif isinstance(doc, str) and is_document_id(doc):
-                ids.append(doc)
-            else:
-                raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
-                                 'text as {"text": ...}')
-        return ids, texts
+        return self.catalog.ids()
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
@@ -234,7 +214,7 @@ class RagCache:
     def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str
                 ) -> tuple[LinkInput, list]:
         """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
-        chunks = [ids for doc_chunks in self.documents.resolve(doc_ids) for ids in doc_chunks]
+        chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids) for ids in doc_chunks]
         layout = self.layouts[linker.algorithm(algorithm).layout]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
@@ -260,25 +240,33 @@ class RagCache:
             ratio = self.default_focus_ratio
         return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
 
-    def _prepare(self, question: str, docs: list[str], system: str | None, params: LinkParams, max_new_tokens: int,
-                 stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
-        """Everything before the model: check, resolve, fetch (compiling misses). Runs on the caller's thread."""
-        params.validate(self.runner.shape.layers)
+    def validate(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                 k: int | None = None, ratio: float | None = None, max_new_tokens: int | None = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                 check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key", limits: Limits = UNBOUNDED) -> Query:
+        """The one check of a query's meaning (ragcache.request), with the unset link knobs from this model's
+        profile; `max_new_tokens=None`: a link only, nothing sampled. `docs`: document ids, or `{"text": ...}` for
+        raw text, stored and compiled on the fly."""
+        sampling = None if max_new_tokens is None else Sampling(max_new_tokens, temperature, top_p, list(stop or []),
+                                                                  seed)
+        return request.validate(question, docs, system, self.params(algorithm, k, ratio, check_layer, deviation),
+                                sampling, self.runner.shape.layers, limits)
+
+    def _prepare(self, query: Query, max_new_tokens: int, stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
+        """Everything before the model: resolve, fetch (compiling misses). Runs on the caller's thread."""
         started = time.perf_counter()
-        if not isinstance(question, str) or not question.strip():
-            raise EmptyInput("the question is empty")
-        doc_ids, texts = self._resolve(list(docs))
-        with self.documents.using(doc_ids):  # a delete of these documents waits until their entries are written
-            for text in texts:
-                self.documents.add(text)
-            parts, chunks = self._inputs(question, doc_ids, system, params.algorithm)
+        algorithm = query.params.algorithm
+        with self.catalog.using(query.doc_ids):  # a delete of these documents waits until their entries are written
+            for text in query.texts:
+                self.catalog.add(text)
+            parts, chunks = self._inputs(query.question, query.doc_ids, query.system, algorithm)
             length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
             if length + max_new_tokens > self.context_length:  # before compiling anything that is missing
                 raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
-            self._fetch(parts, chunks, params.algorithm, stats)
+            self._fetch(parts, chunks, algorithm, stats)
         stats.fetch_s = time.perf_counter() - started
-        stats.algorithm, stats.prompt_tokens = params.algorithm, length
-        return parts, params, self.prefix_cache
+        stats.algorithm, stats.prompt_tokens = algorithm, length
+        return parts, query.params, self.prefix_cache
 
     def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
              k: int | None = None, ratio: float | None = None, check_layer: int = DEFAULT_CHECK_LAYER,
@@ -288,27 +276,23 @@ class RagCache:
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         stats = _stats or QueryStats()
-        params = self.params(algorithm, k, ratio, check_layer, deviation)
-        parts, params, prefix_cache = self._prepare(question, docs, system, params, max_new_tokens, stats)
+        query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
+                              deviation=deviation)
+        parts, params, prefix_cache = self._prepare(query, max_new_tokens, stats)
         linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
         return linked
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
-               k: int | None = None, ratio: float | None = None, max_new_tokens: int = 32,
-               temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None,
-               seed: int | None = None, check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> Stream:
-        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
-        sampling.validate()
-        params = self.params(algorithm, k, ratio, check_layer, deviation)
-        params.validate(self.runner.shape.layers)
+    def stream(self, question: str, docs: list, **kwargs) -> Stream:
+        """The answer as a Stream of text pieces; `validate` lists the keyword arguments."""
+        return self.stream_query(self.validate(question, docs, **kwargs))
 
-        def prepare(stats: QueryStats):
-            return self._prepare(question, docs, system, params, max_new_tokens, stats)
-
-        return Stream(self.scheduler, prepare, sampling, self.tokenizer, self.stop_ids)
+    def stream_query(self, query: Query) -> Stream:
+        """`stream` for a query `validate` made."""
+        return Stream(self.scheduler, lambda stats: self._prepare(query, query.sampling.max_new_tokens, stats),
+                      query.sampling, self.tokenizer, self.stop_ids)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return _drain(self.stream(question, docs, **kwargs))
@@ -330,27 +314,28 @@ class RagCache:
     # -- infilling ------------------------------------------------------------------------------------
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
                       reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      stop: list[str] | None = None, seed: int | None = None) -> Stream:
+                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
-        if not isinstance(prefix, str) or not isinstance(suffix, str) or not (prefix or suffix):
-            raise EmptyInput("infilling needs a prefix or a suffix")
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
-        sampling.validate()
+        return self.stream_infill(request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits))
+
+    def stream_infill(self, fill: Infill) -> Stream:
+        """`infill_stream` for an infill `request.validate_infill` made."""
         fim = infill.FimTokens.for_tokenizer(self.tokenizer)
-        split = self.infill_sessions.plan(session, prefix, suffix, mode)
-        ids = infill.build_prompt(self.tokenizer, fim, prefix, suffix, mode, split)
-        if len(ids) + max_new_tokens > self.context_length:
-            raise PromptTooLong(len(ids), max_new_tokens, self.context_length)
+        split = self.infill_sessions.plan(fill.session, fill.prefix, fill.suffix, fill.mode)
+        ids = infill.build_prompt(self.tokenizer, fim, fill.prefix, fill.suffix, fill.mode, split)
+        if len(ids) + fill.sampling.max_new_tokens > self.context_length:
+            raise PromptTooLong(len(ids), fill.sampling.max_new_tokens, self.context_length)
 
         def prepare(stats: QueryStats):
-            stats.algorithm = f"{mode}+{'reuse' if reuse else 'no-reuse'}"
+            stats.algorithm = f"{fill.mode}+{'reuse' if fill.reuse else 'no-reuse'}"
             stats.prompt_tokens = len(ids)
-            return LinkInput([], [], ids), LinkParams("prefix" if reuse else "full"), self.infill_cache
+            return LinkInput([], [], ids), LinkParams("prefix" if fill.reuse else "full"), self.infill_cache
 
         stop_ids = self.stop_ids | infill.end_token_ids(self.tokenizer)
-        return Stream(self.scheduler, prepare, sampling, self.tokenizer, stop_ids)
+        return Stream(self.scheduler, prepare, fill.sampling, self.tokenizer, stop_ids)
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
         return _drain(self.infill_stream(prefix, suffix, **kwargs))

@@ -10,6 +10,14 @@ class EmptyInput(BadRequest):
     """An empty question or an empty document."""
 
 
+class PayloadTooLarge(BadRequest):
+    """A request over one of a server's limits (ragcache.request.Limits)."""
+
+    def __init__(self, message: str, limit: int, got: int):
+        self.limit, self.got = limit, got
+        super().__init__(message)
+
+
 class UnknownAlgorithm(BadRequest):
     """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
 

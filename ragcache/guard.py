@@ -1,9 +1,9 @@
 """The accuracy guard: a sampled fraction of linked queries is also linked with `full`, and the two first-token
 distributions are compared (top-1 agreement, KL(full || linked)), so non-prefix reuse is checked while it serves.
 
-This module holds the comparison and the bookkeeping (rate, sliding window, the warning when agreement falls
-below the model's calibrated target). Running the `full` link at low priority, after the answer has been sent,
-is the caller's part: the server (ragcache.api) and `RagCache.check`.
+This module holds the comparison, the bookkeeping (rate, sliding window, the warning when agreement falls below
+the model's calibrated target) and `BackgroundGuard`, which runs the `full` link after an answer has been given,
+for both the server (ragcache.api) and the llama-index query engine.
 """
 
 from __future__ import annotations
@@ -14,15 +14,16 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
+from collections.abc import Callable
+
 import torch
 
 from . import linker
 from .agreement import first_token
+from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
 
 log = logging.getLogger("ragcache")
 
-DEFAULT_WINDOW = 200  # checks per (model, algorithm) in the sliding agreement fraction
-DEFAULT_TARGET = 0.95
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,6 @@ class Guard:
         self._rng = random.Random(seed)
         self._recent: dict[str, deque[bool]] = {}
         self._lock = threading.Lock()
-        self.skipped_busy = 0  # sampled, but not run: the queue was full
         self._warned: set[str] = set()
 
     def wants(self, algorithm: str) -> bool:
@@ -79,3 +79,45 @@ class Guard:
         """algorithm -> (fraction of agreeing checks over the window, checks in the window)."""
         with self._lock:
             return {a: (sum(r) / len(r), len(r)) for a, r in self._recent.items() if r}
+
+
+class BackgroundGuard:
+    """After a sampled linked answer has been given, link the same prompt with `full` as background work (the
+    scheduler runs it only in steps no user request needs) and record how the two first-token distributions
+    compare. At most one check runs at a time, on a daemon thread, so a check never delays an answer or the
+    process's exit; a check drawn while one runs, or while `busy()`, is skipped (`on_skip`)."""
+
+    def __init__(self, rc, rate: float, busy: Callable[[], bool] = lambda: False,
+                 on_check: Callable[[Check, float], None] | None = None,
+                 on_skip: Callable[[str], None] | None = None):
+        self.rc, self.busy, self.on_check, self.on_skip = rc, busy, on_check, on_skip
+        self.guard = Guard(rate, rc.lm.name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
+        self._running = threading.Lock()
+
+    @property
+    def in_flight(self) -> int:
+        return int(self._running.locked())
+
+    def after_answer(self, answer, question: str, docs: list, algorithm: str, system: str | None = None) -> None:
+        if answer.first_logits is None or not self.guard.wants(algorithm):
+            return
+        if self.busy() or not self._running.acquire(blocking=False):
+            if self.on_skip is not None:
+                self.on_skip(algorithm)
+            return
+        threading.Thread(target=self._check, args=(question, docs, algorithm, system, answer.first_logits),
+                         name="ragcache-guard", daemon=True).start()
+
+    def _check(self, question: str, docs: list, algorithm: str, system: str | None, linked_logits) -> None:
+        try:
+            check = self.rc.compare_with_full(question, docs, algorithm, linked_logits, system=system)
+            agreement = self.guard.record(check)
+            if self.on_check is not None:
+                self.on_check(check, agreement)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
+            log.warning("accuracy guard: the full link failed (%s)", exc)
+        finally:
+            self._running.release()
+
+    def agreement(self) -> dict[str, tuple[float, int]]:
+        return self.guard.agreement()

@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from .errors import ModelFetchError, UnsupportedModel
+from .settings import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m"
 
 
 @dataclass(frozen=True)
@@ -123,6 +123,20 @@ def pull(name: str) -> Path:
             if target.exists():
                 shutil.rmtree(target)
             os.replace(staged, target)
+    return target
+
+
+def pull_gguf(name: str) -> Path:
+    """The verified GGUF a built-in model is converted from, fetched once into the user cache (what llama.cpp
+    reads). A fetch killed mid-way leaves a temp dir named after it, removed by the next call."""
+    if name not in BUILTIN_MODELS:
+        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    target = model_cache_dir() / f"{name}.gguf"
+    with file_lock(model_cache_dir() / f".{name}.gguf.lock"):
+        _remove_killed_pulls(target.name)
+        if not target.exists():
+            with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
+                _download_gguf(BUILTIN_MODELS[name], Path(tmp)).replace(target)
     return target
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-DEFAULT_PREFIX_BUDGET = 256 << 20  # per cache (the `prefix` baseline, infilling): RAGCACHE_PREFIX_CACHE_MIB
+from .settings import DEFAULT_PREFIX_BUDGET
 
 
 @dataclass

@@ -35,8 +35,7 @@ from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
 from .kv import JoinedCache
 from .runner import Runner, return_free_memory
-
-DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+from .settings import DEFAULT_ROW_BUDGET
 IDLE_EXIT_S = 5.0  # an idle scheduler thread ends (and starts again with the next request)
 TRIM_EVERY_STEPS = 256  # the allocator's free pages go back to the system this often (a few ms), and when idle
 log = logging.getLogger("ragcache")

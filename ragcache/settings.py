@@ -1,6 +1,8 @@
-"""One settings model for the CLI and the server: flags > environment (RAGCACHE_*) > config file > defaults.
+"""Every default, and one settings model for the CLI and the server: flags > environment (RAGCACHE_*) > config
+file > defaults.
 
-The config file is TOML: `./ragcache.toml`, or the path in RAGCACHE_CONFIG."""
+The config file is TOML: `./ragcache.toml`, or the path in RAGCACHE_CONFIG. The store's own defaults stay in
+ragcache/store (it imports nothing from ragcache) and are re-exported here."""
 
 from __future__ import annotations
 
@@ -10,10 +12,27 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from .chunker import DEFAULT_CHUNK_TOKENS
-from .models import DEFAULT_MODEL
-from .prefix_cache import DEFAULT_PREFIX_BUDGET
+from ragcache.store.base import (DEFAULT_DISK_BUDGET, DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_MEMORY_BUDGET,  # noqa: F401
+                                 DEFAULT_PREFIX, DEFAULT_RETRY_AFTER_S)
 
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_STORE = "disk:./.ragcache"
+DEFAULT_CHUNK_TOKENS = 512
+DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
+DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+
+DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
+DEFAULT_K = 16
+DEFAULT_RATIO = 0.15  # cacheblend's
+DEFAULT_FOCUS_RATIO = 0.25  # keeps full's F1 on the 1.5B reader (n = 1000) and agrees on 0.90 of first tokens
+DEFAULT_CHECK_LAYER = 1
+
+DEFAULT_TARGET = 0.95  # first-token agreement with full that calibration aims for and the guard warns below
+DEFAULT_WINDOW = 200  # guard checks per (model, algorithm) in the sliding agreement fraction
+DEFAULT_KS = (0, 4, 8, 16, 32, 64, 128, 256)  # what calibration tries
+DEFAULT_RATIOS = (0.05, 0.15, 0.3, 0.5)
+DEFAULT_FOCUS_RATIOS = (0.05, 0.1, 0.25, 0.4, 0.5, 0.75)  # qwen2.5-coder-0.5b reaches 0.95 near 0.75 (docs/ACCURACY.md)
+DEFAULT_LR = {True: 2e-4, False: 2e-5}  # infill training, by lora
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the demo's and calibration's documents and questions
 
@@ -26,7 +45,7 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="ignore")
 
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
-    store: str = Field("disk:./.ragcache", description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
+    store: str = Field(DEFAULT_STORE, description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
     prefix_cache_mib: int = Field(DEFAULT_PREFIX_BUDGET >> 20, ge=0, description="MiB of exact-prefix KV kept for "
                                   "the `prefix` baseline, and as much for infilling sessions (least recently used "
                                   "first out)")
@@ -38,7 +57,7 @@ class Settings(BaseSettings):
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
-    algorithm: str = Field("focus", description="link algorithm (README: Algorithms)")
+    algorithm: str = Field(DEFAULT_ALGORITHM, description="link algorithm (README: Algorithms)")
     k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
     ratio: float | None = Field(None, ge=0.0, le=1.0, description="focus: share of chunk tokens recomputed (default: "
                                 "the model's calibrated focus ratio, else 0.25); cacheblend: the same (default 0.15)")

@@ -25,12 +25,11 @@ from rich.table import Table
 from ragcache.store import tier_urls, open_store
 from ragcache.store import codec as kv_codec
 from ragcache.store.base import Store, batched
-from ragcache.store.keys import is_document_id
+from ragcache.store.keys import entry_form, is_document_id
 
-from . import documents
+from . import maintenance
 from .errors import StoreError
-
-DEFAULT_STORE = "disk:./.ragcache"
+from .settings import DEFAULT_STORE
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 console = Console()
@@ -42,10 +41,6 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 
 
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
-def tiers_of(store: Store) -> list[Store]:
-    return list(getattr(store, "tiers", [store]))
-
-
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
     rows = []
@@ -56,7 +51,7 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                 continue  # removed while listing
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
-                         "dtype": info.get("dtype"), "form": documents.entry_form(info),
+                         "dtype": info.get("dtype"), "form": entry_form(info),
                          "shape": info.get("shape"), "model_name": _model_name(meta),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
@@ -71,7 +66,7 @@ def _model_name(meta: dict) -> str:
 
 def summary(store: Store) -> dict:
     tiers = []
-    for tier in tiers_of(store):
+    for tier in maintenance.tiers_of(store):
         try:
             stats = tier.stats()
         except StoreError as exc:
@@ -103,59 +98,6 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
     for c in by_codec.values():
         c["bytes_per_token"] = round(c["bytes"] / c["tokens"], 1)
     return by_codec
-
-
-def verify_store(store: Store, fix: bool = False) -> dict:
-    """Decode every entry of every tier and read every record; with fix, delete what is bad."""
-    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": []}
-    for tier in tiers_of(store):
-        for batch in batched(tier.keys(), 32):
-            for key, problem in zip(batch, tier.check_many(batch)):
-                if problem == "missing":
-                    continue  # evicted or deleted while we looked
-                report["checked"] += 1
-                if problem is not None:
-                    report["bad"].append({"tier": tier.name, "key": key, "problem": problem})
-                    if fix:
-                        tier.delete(key)
-                        report["fixed"] += 1
-        for name in tier.record_names():
-            report["records_checked"] += 1
-            problem = _record_problem(name, tier.get_record(name))
-            if problem is not None:
-                report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem})
-                if fix:
-                    tier.delete_record(name)
-                    report["fixed"] += 1
-    return report
-
-
-def _record_problem(name: str, record: dict | None) -> str | None:
-    if record is None:  # unreadable JSON reads as None (a warning is logged)
-        return "unreadable"
-    if name.startswith("doc/"):
-        return documents.document_record_problem(name.split("/", 1)[1], record)
-    if name.startswith("chunks/"):
-        return documents.chunk_record_problem(name, record)
-    return None
-
-
-def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
-                    drop_forms: tuple[str, ...] = ()) -> dict:
-    report: dict = {}
-    # before the tiers' own gc, so that their indexes see the space freed
-    for form, keys in documents.entries_of_forms(store, set(drop_forms)).items():
-        report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
-    for tier in tiers_of(store):
-        if hasattr(tier, "gc"):
-            report[tier.name] = tier.gc(tmp_age_s)
-        elif hasattr(tier, "evict"):
-            report[tier.name] = {"evicted": tier.evict()}
-    if unreferenced:
-        wanted = documents.referenced_keys(store)
-        orphans = [k for k in list(store.keys()) if k not in wanted]
-        report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
-    return report
 
 
 def _check_form(form: str) -> None:
@@ -261,7 +203,7 @@ def verify(store: StoreUrl = DEFAULT_STORE,
            as_json: AsJson = False) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
     s = _open(store)
-    report = verify_store(s, fix=fix)
+    report = maintenance.verify(s, fix=fix)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
@@ -291,7 +233,7 @@ def gc(store: StoreUrl = DEFAULT_STORE,
     s = _open(store)
     for form in drop_form:
         _check_form(form)
-    report = collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
+    report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
     if as_json:
         console.print_json(json.dumps(report))
         return
@@ -310,7 +252,7 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
         err.print(f"[red]error:[/red] {id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)")
         raise typer.Exit(2)
-    result = documents.delete(s, id) if is_document_id(id) else None
+    result = maintenance.delete(s, id) if is_document_id(id) else None
     if result is not None:
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
                       "(entries shared with other documents kept)")

@@ -16,6 +16,13 @@ from .entry import ChunkKV, decode, describe, encode
 
 log = logging.getLogger("ragcache.store")
 
+# the store's defaults (ragcache.settings re-exports them with every other default)
+DEFAULT_MEMORY_BUDGET = 2 << 30
+DEFAULT_DISK_BUDGET = 20 << 30
+DEFAULT_PREFIX = "ragcache"  # of a Redis tier's keys
+DEFAULT_RETRY_AFTER_S = 5.0  # a tiered store skips an unavailable tier this long, doubling up to the max
+DEFAULT_MAX_RETRY_AFTER_S = 60.0
+
 
 class TierUnavailable(StoreError):
     """A tier cannot be reached at all (Redis down, connection refused, timeout): a tiered store skips it for a while.
@@ -35,6 +42,19 @@ class TierMetrics:
     puts: int = 0
     get_seconds: float = 0.0
     put_seconds: float = 0.0
+
+    def read(self, started: float, hits: int, misses: int, nbytes: int) -> None:
+        """One get_many that began at `started` (time.perf_counter)."""
+        self.hits += hits
+        self.misses += misses
+        self.bytes_read += nbytes
+        self.gets += 1
+        self.get_seconds += time.perf_counter() - started
+
+    def wrote(self, started: float, nbytes: int) -> None:
+        self.puts += 1
+        self.bytes_written += nbytes
+        self.put_seconds += time.perf_counter() - started
 
 
 class Store(ABC):
@@ -146,28 +166,22 @@ class BlobStore(Store):
         blobs = self.read_blobs(keys)
         decoded = decode_all(keys, blobs)
         out: list[ChunkKV | None] = []
-        for key, blob, entry in zip(keys, blobs, decoded):
-            if blob is not None:
-                self.metrics.bytes_read += len(blob)
+        for key, entry in zip(keys, decoded):
             if isinstance(entry, CorruptEntry):
                 self.metrics.corrupt += 1
                 log.warning("%s tier: %s; dropping it (it will be recompiled)", self.name, entry)
                 self.delete(key)
                 entry = None
-            self.metrics.hits += entry is not None
-            self.metrics.misses += entry is None
             out.append(entry)
-        self.metrics.gets += 1
-        self.metrics.get_seconds += time.perf_counter() - started
+        hits = sum(e is not None for e in out)
+        self.metrics.read(started, hits, len(keys) - hits, sum(len(b) for b in blobs if b is not None))
         return out
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         started = time.perf_counter()
         blobs = {key: encode(key, entry) for key, entry in items.items()}
         self.write_blobs(blobs)
-        self.metrics.puts += 1
-        self.metrics.bytes_written += sum(len(b) for b in blobs.values())
-        self.metrics.put_seconds += time.perf_counter() - started
+        self.metrics.wrote(started, sum(len(b) for b in blobs.values()))
 
 
 PARALLEL_DECODE_BYTES = 16 << 20

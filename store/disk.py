@@ -22,10 +22,9 @@ from pathlib import Path
 
 from .errors import CorruptEntry, StoreError
 
-from .base import BlobStore, log
+from .base import DEFAULT_DISK_BUDGET, BlobStore, log
 from .entry import PROBE, describe_head, head_length
 
-DEFAULT_DISK_BUDGET = 20 << 30
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
@@ -122,7 +121,7 @@ class DiskStore(BlobStore):
             log.info("disk tier %s: index rebuilt from %d files", self.root, len(rows))
         return len(rows)
 
-    def _path(self, key: str) -> Path:
+    def entry_path(self, key: str) -> Path:
         return self.entries_dir / key[:2] / f"{key}{SUFFIX}"
 
     # -- blobs --------------------------------------------------------------------------------------
@@ -130,7 +129,7 @@ class DiskStore(BlobStore):
         out, found = [], []
         for key in keys:
             try:
-                blob = _read(self._path(key))
+                blob = _read(self.entry_path(key))
             except FileNotFoundError:
                 out.append(None)
                 continue
@@ -161,7 +160,7 @@ class DiskStore(BlobStore):
         out: list[bytes | str | None] = []
         for key in keys:
             try:
-                out.append(_read(self._path(key)))
+                out.append(_read(self.entry_path(key)))
             except FileNotFoundError:
                 out.append(None)
             except NotAnEntryFile as exc:
@@ -182,7 +181,7 @@ class DiskStore(BlobStore):
         self.evict()
 
     def _write_file(self, key: str, blob: bytes) -> None:
-        self._replace(self._path(key), blob, f"entry {key[:12]}")
+        self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
 
     def _replace(self, path: Path, data: bytes, what: str) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
@@ -242,10 +241,10 @@ class DiskStore(BlobStore):
         return removed
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        return [self._path(k).exists() for k in keys]
+        return [self.entry_path(k).exists() for k in keys]
 
     def delete(self, key: str) -> bool:
-        path = self._path(key)
+        path = self.entry_path(key)
         try:
             path.unlink()
             existed = True
@@ -269,7 +268,7 @@ class DiskStore(BlobStore):
         out: list[dict | None] = []
         for key in keys:
             try:
-                with _open_regular(self._path(key)) as fh:
+                with _open_regular(self.entry_path(key)) as fh:
                     probe = fh.read(PROBE)
                     head = probe + fh.read(max(0, head_length(probe) - len(probe)))
                     size = os.fstat(fh.fileno()).st_size
@@ -282,7 +281,7 @@ class DiskStore(BlobStore):
 
     def _size(self, key: str) -> int:
         try:
-            return self._path(key).stat().st_size
+            return self.entry_path(key).stat().st_size
         except OSError:
             return 0
 

@@ -20,7 +20,7 @@ from safetensors.torch import save as st_save
 from .errors import CorruptEntry
 
 from . import codec as kv_codec
-from .keys import chunk_key, kv_form
+from .keys import KEYED_BY, entry_key
 
 MAGIC = b"RCKV0001"
 HEADER = len(MAGIC) + 32
@@ -141,19 +141,14 @@ def shape_problem(entry: ChunkKV) -> str | None:
     return kv_codec.scales_problem(k, entry.key_scales, entry.value_scales)
 
 
-KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # what chunk_key hashes besides the token ids (and the codec)
-
-
 def content_problem(key: str, entry: ChunkKV) -> str | None:
     """A well-formed entry can still lie: token ids that do not hash to its key (a planted or edited entry whose
     checksum was recomputed), or K/V that are not finite. Either would change an answer, so either is corrupt."""
     lacking = [name for name in KEYED_BY if name not in entry.meta]
     if lacking:  # without them the ids cannot be checked against the key: a stripped entry is not trusted
         return f"its metadata lacks {', '.join(lacking)}, so its ids cannot be checked against its key"
-    model, tokenizer, dtype, layout = (entry.meta[name] for name in KEYED_BY)
     # the codec comes from the tensors themselves: an entry stored in another codec never passes as this key's
-    expected = chunk_key(model, tokenizer, kv_form(dtype, entry.codec), layout, entry.token_ids.tolist())
-    if expected != key:
+    if entry_key(entry.meta, entry.codec, entry.token_ids.tolist()) != key:
         return "its token ids, model, tokenizer, dtype, kv codec and layout do not hash to its key"
     if entry.keys.is_floating_point() and not (torch.isfinite(entry.keys).all() and torch.isfinite(entry.values).all()):
         return "K/V hold NaN or infinite values"

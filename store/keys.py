@@ -25,6 +25,29 @@ def kv_form(dtype: str, codec: str) -> str:
     return dtype if of_dtype_name(dtype) == codec else f"{dtype}/{codec}"
 
 
+KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # the metadata a chunk key hashes besides the ids and the codec
+
+
+def entry_meta(model: str, tokenizer: str, dtype: str, layout: str, codec: str, model_name: str) -> dict:
+    """The metadata every entry carries: what its key hashes (fingerprints, compute dtype, layout tag), its codec,
+    and a name for people (`ragcache store ls`)."""
+    return {"model": model, "tokenizer": tokenizer, "dtype": dtype, "layout": layout, "model_name": model_name,
+            "codec": codec}
+
+
+def entry_key(meta: dict, codec: str, token_ids) -> str:
+    """The key an entry with this metadata, codec and stored ids lives under: what the compiler writes, what the
+    store checks an entry against, and what maintenance rebuilds from a document's chunks."""
+    return chunk_key(meta["model"], meta["tokenizer"], kv_form(meta["dtype"], codec), meta["layout"], token_ids)
+
+
+def entry_form(info: dict | None) -> str:
+    """The dtype slot of an entry's key ("bfloat16/int8", "float32", ...) from its summary (store.describe): the
+    compute dtype it records, and its codec read from its tensors' dtype."""
+    info = info or {}
+    return kv_form((info.get("meta") or {}).get("dtype", ""), of_dtype_name(info.get("dtype", "")))
+
+
 def document_id(text: str) -> str:
     """A document's id is the hash of its text: the same text is stored once."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]

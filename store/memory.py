@@ -8,10 +8,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
-from .base import Store
+from .base import DEFAULT_MEMORY_BUDGET, Store
 from .entry import ChunkKV, shape_problem, describe
 
-DEFAULT_MEMORY_BUDGET = 2 << 30
 
 
 class MemoryStore(Store):
@@ -29,33 +28,26 @@ class MemoryStore(Store):
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()
         with self._lock:
-            out = []
-            for key in keys:
-                entry = self._entries.get(key)
+            out = [self._entries.get(key) for key in keys]
+            for key, entry in zip(keys, out):
                 if entry is not None:
                     self._entries.move_to_end(key)
-                    self.metrics.bytes_read += entry.nbytes
-                self.metrics.hits += entry is not None
-                self.metrics.misses += entry is None
-                out.append(entry)
-            self.metrics.gets += 1
-            self.metrics.get_seconds += time.perf_counter() - started
+            found = [e for e in out if e is not None]
+            self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         started = time.perf_counter()
         with self._lock:
-            for key, entry in items.items():
-                if entry.nbytes > self.budget_bytes:
-                    continue  # would evict everything and still not fit
+            # an entry over the budget would evict everything and still not fit
+            kept = {key: entry for key, entry in items.items() if entry.nbytes <= self.budget_bytes}
+            for key, entry in kept.items():
                 old = self._entries.pop(key, None)
                 self._bytes -= old.nbytes if old is not None else 0
                 self._entries[key] = entry
                 self._bytes += entry.nbytes
-                self.metrics.bytes_written += entry.nbytes
             self._evict()
-            self.metrics.puts += 1
-            self.metrics.put_seconds += time.perf_counter() - started
+            self.metrics.wrote(started, sum(e.nbytes for e in kept.values()))
 
     def _evict(self) -> int:
         removed = 0

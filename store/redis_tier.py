@@ -40,12 +40,11 @@ from redis.retry import Retry
 
 from .errors import StoreError
 
-from .base import BlobStore, TierUnavailable, log
+from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, log
 from .entry import HEADER, MAGIC, describe_head
 
 PART_BYTES = 2 << 20
 MANIFEST_VERSION = 1
-DEFAULT_PREFIX = "ragcache"
 SOCKET_TIMEOUT_S = 2.0  # per socket read: a 2 MiB part arrives in milliseconds on a live server
 CONNECT_TIMEOUT_S = 2.0
 ORPHAN_AGE_S = 600.0

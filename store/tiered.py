@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import StoreError
 
-from .base import Store, TierUnavailable, log
+from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, log
 from .entry import ChunkKV
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
@@ -27,8 +27,6 @@ except ImportError:  # pragma: no cover - redis is a dependency
     _REDIS_FAULTS = ()
 
 FAULTS = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
-DEFAULT_RETRY_AFTER_S = 5.0
-DEFAULT_MAX_RETRY_AFTER_S = 60.0
 
 
 @dataclass
@@ -137,11 +135,7 @@ class TieredStore(Store):
             if hits:
                 self._fill(i, hits)
         found = [e for e in out if e is not None]
-        self.metrics.hits += len(found)
-        self.metrics.misses += len(keys) - len(found)
-        self.metrics.bytes_read += sum(e.nbytes for e in found)
-        self.metrics.gets += 1
-        self.metrics.get_seconds += time.perf_counter() - started
+        self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
     def _fill(self, found_in: int, hits: dict[str, ChunkKV]) -> None:
@@ -155,9 +149,7 @@ class TieredStore(Store):
             return
         started = time.perf_counter()
         self._written(self._each("put_many", items, write=True), f"store {len(items)} entries")
-        self.metrics.puts += 1
-        self.metrics.bytes_written += sum(e.nbytes for e in items.values())
-        self.metrics.put_seconds += time.perf_counter() - started
+        self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         out = [False] * len(keys)

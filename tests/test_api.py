@@ -590,13 +590,13 @@ def test_an_event_stream_frees_its_generation_when_the_body_never_starts():
 
 def test_a_stream_is_made_off_the_event_loop(rc, doc_ids, monkeypatch):
     """Making a stream tokenizes the prompt; on the loop it would stall every other stream and /health meanwhile."""
-    made_on, real = [], rc.stream
+    made_on, real = [], rc.stream_query
 
-    def stream(*args, **kwargs):
+    def stream_query(*args, **kwargs):
         made_on.append(threading.current_thread().name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rc, "stream", stream)
+    monkeypatch.setattr(rc, "stream_query", stream_query)
     with serve(rc) as s:
         r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:1], "max_tokens": 1},
                        timeout=300)
@@ -912,15 +912,15 @@ def test_guard_counters_move_on_a_real_server(rc, doc_ids):
 def test_guard_is_skipped_when_the_queue_is_full(rc):
     import types
 
-    from ragcache.api.answering import ServerGuard
+    from ragcache.api.answering import server_guard
     from ragcache.api.metrics import Metrics
     from ragcache.engine import Answer, QueryStats
 
     full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
     metrics = Metrics(rc.store, full_queue)
-    guard = ServerGuard(rc, 1.0, full_queue, metrics)
+    guard = server_guard(rc, 1.0, full_queue, metrics)
     answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
-    guard.after_answer({"algorithm": "legolink", "question": "q", "docs": [], "system": None}, answer)
+    guard.after_answer(answer, "q", [], "legolink")
     text = metrics.render().decode()
     assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
     assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0

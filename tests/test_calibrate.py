@@ -113,7 +113,7 @@ def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch)
 def test_the_profile_sets_the_engine_defaults(tmp_path, monkeypatch):
     """A calibrated k and focus ratio become what a query without them links with; explicit values still win."""
     from ragcache.engine import RagCache
-    from ragcache.linker import DEFAULT_FOCUS_RATIO, DEFAULT_K
+    from ragcache.settings import DEFAULT_FOCUS_RATIO, DEFAULT_K
 
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
     lm = tiny.make("llama")

@@ -178,7 +178,7 @@ def test_engines_of_two_codecs_share_a_store_without_mixing(tiny_lm):
 
 
 def test_a_model_free_delete_removes_the_entries_of_every_codec(tiny_lm):
-    from ragcache import documents
+    from ragcache import maintenance
 
     store = MemoryStore()
     engines = [RagCache(tiny_lm, store, chunk_tokens=24, kv_codec=name) for name in ("fp32", "bf16", "int8")]
@@ -187,7 +187,7 @@ def test_a_model_free_delete_removes_the_entries_of_every_codec(tiny_lm):
     keys_of = {doc: {e.compiler.key(ids, e.layouts["default"]) for e in engines for ids in e.document_chunks(doc)}
                for doc in (kept, gone)}
     assert keys_of[gone] <= set(store.keys()) and len({store.get(k).codec for k in keys_of[gone]}) == 3
-    assert documents.delete(store, gone)["entries"] == len(keys_of[gone] - keys_of[kept])
+    assert maintenance.delete(store, gone)["entries"] == len(keys_of[gone] - keys_of[kept])
     assert not (keys_of[gone] - keys_of[kept]) & set(store.keys())  # found under every codec without a model
     assert keys_of[kept] <= set(store.keys())  # the other document's entries stay, in every codec
 

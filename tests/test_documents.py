@@ -1,5 +1,6 @@
-"""ragcache.documents: the one owner of document records. Records verify themselves (an edited record never changes
-what a query reads), reads are batched, and the one delete keeps entries that other documents share."""
+"""ragcache.documents (the record format), ragcache.catalog (documents over a store) and ragcache.maintenance: records
+verify themselves (an edited record never changes what a query reads), reads are batched, and the one delete keeps
+entries that other documents share."""
 
 from __future__ import annotations
 
@@ -8,10 +9,10 @@ import json
 import pytest
 import torch
 
-from ragcache import documents
+from ragcache.catalog import Catalog
 from ragcache.chunker import chunk_document
-from ragcache.documents import Documents, chunks_name, doc_name
-from ragcache.errors import CorruptDocument, EmptyInput, UnknownDocument
+from ragcache.documents import chunks_name, doc_name
+from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.store import open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import chunk_key, document_id
@@ -25,8 +26,8 @@ TEXTS = [
 TOKENIZER_FP = "t" * 64
 
 
-def docs_over(store, budget: int = 8) -> Documents:
-    return Documents(store, tiny.tokenizer(), TOKENIZER_FP, budget)
+def docs_over(store, budget: int = 8) -> Catalog:
+    return Catalog(store, tiny.tokenizer(), TOKENIZER_FP, budget)
 
 
 class CountingStore(MemoryStore):
@@ -46,11 +47,9 @@ def test_add_resolve_and_chunks_are_the_text_chunked():
     ids = [docs.add(t, {"source": i}) for i, t in enumerate(TEXTS)]
     assert ids == [document_id(t) for t in TEXTS]
     got = docs.resolve([ids[1], ids[0], ids[1]])
-    expected = [[c.token_ids for c in documents.chunk_document(tiny.tokenizer(), t, 8)] for t in TEXTS]
+    expected = [[c.token_ids for c in chunk_document(tiny.tokenizer(), t, 8)] for t in TEXTS]
     assert got == [expected[1], expected[0], expected[1]]
     assert docs.get(ids[0]).meta == {"source": 0} and sorted(docs.ids()) == sorted(ids)
-    with pytest.raises(EmptyInput):
-        docs.add("   ")
 
 
 def test_resolve_is_one_record_round_trip_and_names_every_unknown_id():
@@ -125,11 +124,21 @@ def test_ensure_reads_once_and_compiles_each_missing_chunk_once():
     store.put_many(dict([present]))
     compiled = []
 
-    def compile(ids):
-        compiled.append(ids)
-        return _entry(ids)[1]
+    class Compiler:
+        def key(self, ids, layout):
+            return _entry(ids)[0]
 
-    entries, report = docs.ensure(chunks, key=lambda ids: _entry(ids)[0], compile=compile)
+        def stored_ids(self, ids, layout):
+            return [1, *ids]
+
+        def problem(self, entry, stored_ids):
+            return None
+
+        def compile(self, ids, layout):
+            compiled.append(ids)
+            return _entry(ids)[1]
+
+    entries, report = docs.ensure(chunks, Compiler(), layout=None)
     assert compiled == [[5, 6]] and report.hits == 1 and report.compiled == 1
     assert [e.token_ids.tolist() for e in entries] == [[1, 5, 6], [1, 7], [1, 5, 6]]
     assert store.contains_many([_entry([5, 6])[0]]) == [True]
@@ -210,7 +219,7 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
     from ragcache.engine import RagCache
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
-    doc_id = rc.documents.add(" ".join(TEXTS * 2))
+    doc_id = rc.catalog.add(" ".join(TEXTS * 2))
     in_compile, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
     compile_chunk = rc.compiler.compile
 
@@ -356,3 +365,22 @@ def test_an_entry_of_other_tokens_under_a_chunks_key_is_never_linked():
     linked = rc.link("Where is the tower?", [doc_id], algorithm="naive")
     assert torch.equal(linked.token_ids, truth.token_ids) and torch.equal(linked.last_logits, truth.last_logits)
     assert rc.store.get(key).token_ids.tolist() != foreign.token_ids.tolist()  # recompiled in its place
+
+
+def test_locks_keep_nothing_once_every_hold_and_wait_is_over():
+    """Holds and waits are kept per document only while they last: a store with many documents deleted over time
+    leaves no entries behind in the locks."""
+    import threading
+    import time
+
+    docs = docs_over(MemoryStore())
+    doc_id = docs.add(TEXTS[0])
+    with docs.using([doc_id, "0" * 32]):
+        delete = threading.Thread(target=docs.delete, args=(doc_id,))
+        delete.start()
+        while not docs._locks._waiting_writers[doc_id]:
+            time.sleep(0.01)
+    delete.join(60)
+    docs.delete("1" * 32)
+    locks = docs._locks
+    assert not locks._readers and not locks._writer and not locks._waiting_writers

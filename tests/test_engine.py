@@ -28,6 +28,8 @@ def test_empty_question(rc):
 def test_empty_document(rc):
     with pytest.raises(errors.EmptyInput, match="document is empty"):
         rc.compile(["fine", ""])
+    with pytest.raises(errors.EmptyInput, match="document is empty"):  # checked once, by ragcache.request
+        rc.compile(["   "])
 
 
 def test_unknown_document_id(rc):
@@ -182,7 +184,8 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     from types import SimpleNamespace
 
     from ragcache import cli
-    from ragcache.prefix_cache import DEFAULT_PREFIX_BUDGET, PrefixCache
+    from ragcache.prefix_cache import PrefixCache
+    from ragcache.settings import DEFAULT_PREFIX_BUDGET
     from ragcache.settings import Settings
 
     prompt = torch.zeros(2, 1, 8, 4)  # 256 bytes of keys, as much of values

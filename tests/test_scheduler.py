@@ -210,12 +210,11 @@ def test_a_bad_request_fails_alone(rc):
     singles = [alone(rc, **kw) for kw in good]
     runs = [Run(rc, **good[0]), Run(rc, **good[1])]
     failed: list = []
-    # a request whose parameters the scheduler rejects when it admits it (past every check before the queue)
-    parts, _, prefix_cache = rc._prepare(QUESTIONS[2], rc.doc_ids, None, LinkParams("legolink"), 4,
+    # a request the scheduler rejects when it admits it (past the one check before the queue, ragcache.request)
+    parts, _, prefix_cache = rc._prepare(rc.validate(QUESTIONS[2], rc.doc_ids, algorithm="legolink"), 4,
                                          rc.stream(QUESTIONS[2], rc.doc_ids).stats)
     decoding = Decoding(Sampling(4), rc.tokenizer, rc.stop_ids, rc.runner.device)
-    bad = Request(parts, LinkParams("legolink", k=-1), prefix_cache, decoding,
-                  lambda kind, value: failed.append((kind, value)))
+    bad = Request(parts, LinkParams("magic"), prefix_cache, decoding, lambda kind, value: failed.append((kind, value)))
     rc.step_gate = threading.Event()
     try:
         runs[0].open()
@@ -227,7 +226,7 @@ def test_a_bad_request_fails_alone(rc):
     for run, single in zip(runs, singles):
         assert_same(run.wait(), single)
     assert len(failed) == 1 and failed[0][0] == "error"
-    assert isinstance(failed[0][1], errors.ParameterOutOfRange)
+    assert isinstance(failed[0][1], errors.UnknownAlgorithm)
 
     with ThreadPoolExecutor(3) as pool:  # through the public API: an unknown document fails only its own query
         futures = [pool.submit(rc.query, **good[0]), pool.submit(rc.query, QUESTIONS[0], ["0" * 32]),

@@ -20,7 +20,7 @@ from ragcache.errors import CorruptEntry, StoreError
 from ragcache.store import open_store
 from ragcache.store import disk as disk_module
 from ragcache.store.base import Store, TierUnavailable
-from ragcache.documents import lead_ids_of_layout as layout_lead_ids
+from ragcache.maintenance import lead_ids_of_layout as layout_lead_ids
 from ragcache.store_cli import store_app
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
@@ -358,7 +358,7 @@ def test_a_damaged_disk_entry_is_a_logged_miss_and_removed(tmp_path, caplog, dam
     disk = store.tiers[-1] if isinstance(store, TieredStore) else store
     (key, entry), (other, fine) = make_entry(4, layers=4), make_entry(5, layers=4)
     disk.put_many({key: entry, other: fine})
-    path = disk._path(key)
+    path = disk.entry_path(key)
     DAMAGE[damage](path)
     problems = disk.check_many([key, other])
     assert problems[0] not in (None, "missing") and problems[1] is None
@@ -375,8 +375,8 @@ def test_a_foreign_entry_is_a_miss(tmp_path):
     disk = DiskStore(tmp_path)
     (key, entry), (other, _) = make_entry(6, layers=2), make_entry(7, layers=2)
     disk.put(key, entry)
-    disk._path(other).parent.mkdir(exist_ok=True)
-    disk._path(other).write_bytes(disk._path(key).read_bytes())  # the bytes of key under the name of other
+    disk.entry_path(other).parent.mkdir(exist_ok=True)
+    disk.entry_path(other).write_bytes(disk.entry_path(key).read_bytes())  # the bytes of key under the name of other
     assert disk.get(other) is None and disk.metrics.corrupt == 1 and same_bits(disk.get(key), entry)
 
 
@@ -465,7 +465,7 @@ def test_gc_reconciles_the_index_with_the_files(tmp_path):
     items = dict(make_entry(s, layers=2) for s in range(4))
     store.put_many(items)
     first = next(iter(items))
-    store._path(first).unlink()  # a file gone behind the index's back
+    store.entry_path(first).unlink()  # a file gone behind the index's back
     store._db().execute("DELETE FROM entries WHERE key = ?", (list(items)[1],))  # a file the index lacks
     report = store.gc()
     assert report["index_rows_dropped"] == 1 and report["index_rows_added"] == 1
@@ -531,7 +531,7 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     key, entry = make_entry(50, layers=2)
     with pytest.raises(StoreError, match="disk full"):
         store.put_many({key: entry})
-    assert not store._path(key).exists() and not list(tmp_path.glob("**/*.tmp"))
+    assert not store.entry_path(key).exists() and not list(tmp_path.glob("**/*.tmp"))
     assert store.get(key) is None and store.stats()["entries"] == 2
     assert all(same_bits(e, old[k]) for k, e in zip(old, store.get_many(list(old))))
     # tiered: memory takes the write, one warning about the disk; with no tier able to take it, StoreError
@@ -539,14 +539,14 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     tiered = TieredStore([MemoryStore(), store])
     tiered.put_many({key: entry})
     tiered.put_many(dict([make_entry(51, layers=2)]))
-    assert same_bits(tiered.get(key), entry) and not store._path(key).exists()
+    assert same_bits(tiered.get(key), entry) and not store.entry_path(key).exists()
     assert len(warnings_of(caplog)) == 1 and "refused a write" in warnings_of(caplog)[0]
     assert same_bits(tiered.get_many(list(old))[0], old[next(iter(old))])  # reads from the full disk go on
     with pytest.raises(StoreError, match="no store tier could store"):
         TieredStore([store, DiskStore(tmp_path / "second")]).put_many({key: entry})
     monkeypatch.undo()
     tiered.put_many({key: entry})
-    assert store._path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
+    assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
 
 
 # -- open_store and the CLI ---------------------------------------------------------------------------------------------

@@ -69,11 +69,11 @@ def test_a_planted_entry_on_disk_is_a_miss_and_dropped(tmp_path, caplog):
     key, entry = make_entry(3, layers=2, tokens=112)
     store.put_many({key: entry})
     short = ChunkKV(entry.token_ids[:5].clone(), entry.keys[:, :, :5].clone(), entry.values[:, :, :5].clone(), entry.meta)
-    store._path(key).write_bytes(_planted(key, short))
+    store.entry_path(key).write_bytes(_planted(key, short))
     assert store.check_many([key])[0] is not None  # `store verify` reports it
     with caplog.at_level(logging.WARNING, logger="ragcache.store"):
         assert store.get_many([key]) == [None]
-    assert any("do not hash" in m for m in warnings_of(caplog)) and not store._path(key).exists()
+    assert any("do not hash" in m for m in warnings_of(caplog)) and not store.entry_path(key).exists()
 
 
 # -- files that are not entries -----------------------------------------------------------------------------------------
@@ -91,7 +91,7 @@ def test_a_fifo_in_place_of_an_entry_is_corrupt_and_never_blocks(tmp_path):
     store = DiskStore(tmp_path)
     key, entry = make_entry(4, layers=2)
     store.put_many({key: entry})
-    path = store._path(key)
+    path = store.entry_path(key)
     path.unlink()
     os.mkfifo(path)
     assert "not an entry file" in _read_in_thread(lambda: store.check_many([key]))[0]
@@ -115,7 +115,7 @@ def test_a_sparse_huge_file_is_read_no_further_than_its_header(tmp_path):
     store = DiskStore(tmp_path)
     key, entry = make_entry(5, layers=2)
     store.put_many({key: entry})
-    path = store._path(key)
+    path = store.entry_path(key)
     with open(path, "r+b") as fh:  # the real entry, then 40 GB of holes: the header still says how long it is
         fh.truncate(40 << 30)
     assert same_bits(store.get(key), entry)

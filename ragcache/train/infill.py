@@ -22,10 +22,10 @@ import torch
 
 from .. import models
 from ..errors import BadRequest, ModelFetchError, RagCacheError
+from ..settings import DEFAULT_LR
 from .fragment import IGNORE, Example, ExampleBuilder, ExampleConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-DEFAULT_LR = {True: 2e-4, False: 2e-5}  # by lora
 
 
 @dataclass

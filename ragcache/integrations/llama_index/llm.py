@@ -12,7 +12,7 @@ from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import RagCache, Stream
-from ragcache.linker import DEFAULT_ALGORITHM
+from ragcache.settings import DEFAULT_ALGORITHM
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
 _OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p", "stop", "seed", "system")

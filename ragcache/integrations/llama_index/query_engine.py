@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -15,9 +14,9 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, RagCache, Stream
-from ragcache.guard import Guard
+from ragcache.guard import BackgroundGuard
 from ragcache import linker
-from ragcache.linker import DEFAULT_ALGORITHM
+from ragcache.settings import DEFAULT_ALGORITHM
 
 from .nodes import doc_refs, node_text, text_ids
 
@@ -50,7 +49,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     metadata_mode: MetadataMode = Field(default=MetadataMode.NONE, description="which node content is linked")
     guard_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="fraction of answers also linked with `full` "
                               "afterwards, in the background, to measure agreement (`guard_agreement()`)")
-    _guard: Guard | None = PrivateAttr(default=None)
+    _guard: BackgroundGuard | None = PrivateAttr(default=None)
 
     @field_validator("algorithm")
     @classmethod
@@ -83,23 +82,11 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
-        if self.guard_rate > 0 and answer.first_logits is not None:
-            self._check_later(question, metadata["doc_ids"], answer.first_logits)
+        if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`
+            if self._guard is None:
+                self._guard = BackgroundGuard(self.rc, self.guard_rate)
+            self._guard.after_answer(answer, question, metadata["doc_ids"], self.algorithm, self.system)
         return metadata
-
-    def _check_later(self, question: str, doc_ids: list[str], linked_logits) -> None:
-        """The accuracy guard, as in `ragcache serve`: on a sampled answer, link the same prompt with `full` as
-        background work (after the answer is returned) and record how the first-token distributions compare."""
-        if self._guard is None:
-            self._guard = Guard(self.guard_rate, self.rc.lm.name)
-        if not self._guard.wants(self.algorithm):
-            return
-
-        def check() -> None:
-            self._guard.record(self.rc.compare_with_full(question, doc_ids, self.algorithm, linked_logits,
-                                                         system=self.system))
-
-        threading.Thread(target=check, name="ragcache-guard", daemon=True).start()
 
     def guard_agreement(self) -> dict[str, tuple[float, int]]:
         """algorithm -> (fraction of guard checks agreeing with `full` at the first token, checks); {} before any."""

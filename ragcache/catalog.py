@@ -1,0 +1,219 @@
+"""The catalog: documents of one tokenizer over one store, their chunks, and fetch-or-compile of their entries.
+
+Writers of a document's entries (an upload, a query or warm-up compiling its missing chunks) hold it shared
+(`Catalog.using`); a delete holds it exclusively, so it waits for them and they cannot write entries after it.
+This covers one process; `gc --unreferenced` covers two processes on one store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from ragcache.store import Store
+from ragcache.store.entry import ChunkKV
+from ragcache.store.keys import document_id
+
+from . import maintenance
+from .chunker import chunk_document
+from .documents import (Document, chunk_record_problem, chunks_name, chunks_record, doc_name, document_record,
+                        read_document)
+from .errors import CorruptDocument, StoreError, UnknownDocument
+
+log = logging.getLogger("ragcache")
+
+
+@dataclass
+class EnsureReport:
+    hits: int = 0
+    compiled: int = 0
+
+
+class Catalog:
+    def __init__(self, store: Store, tokenizer, tokenizer_fingerprint: str, chunk_tokens: int):
+        self.store = store
+        self.tokenizer = tokenizer
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.chunk_tokens = chunk_tokens
+        self._locks = Locks()
+
+    @contextmanager
+    def using(self, doc_ids: list[str]) -> Iterator[None]:
+        """Hold these documents shared while their records and entries are read or written: a `delete` of one of
+        them waits until the block ends, so it cannot leave entries that no document refers to (an upload's or a
+        query's freshly compiled chunks landing after the delete). Shared holders never wait for each other."""
+        with self._locks.shared(doc_ids):
+            yield
+
+    def writing(self, text: str) -> Iterator[None]:
+        """`using` the document of this text (an upload of it)."""
+        return self.using([document_id(text)])
+
+    # -- adding and reading ------------------------------------------------------------------------------------
+    def add(self, text: str, meta: dict | None = None) -> str:
+        """Store the text (once: the id is its hash) and its chunk record; returns the id."""
+        return self.register(text, meta)[0]
+
+    def register(self, text: str, meta: dict | None = None) -> tuple[str, list[list[int]]]:
+        """`add`, also returning the document's chunk ids (read or made on the way, so no second read). The text is
+        a valid document (ragcache.request)."""
+        doc_id = document_id(text)
+        try:
+            existing = read_document(doc_id, self._record(doc_name(doc_id)))
+        except CorruptDocument:
+            existing = None  # the caller holds the true text: writing it again repairs the record
+        if existing is None:
+            existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
+            self.store.put_record(doc_name(doc_id), document_record(existing))
+        name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
+        return doc_id, self._chunks(existing, self._record(name))
+
+    def get(self, doc_id: str) -> Document | None:
+        return read_document(doc_id, self._record(doc_name(doc_id)))
+
+    def resolve(self, doc_ids: list[str]) -> list[list[list[int]]]:
+        """Chunk ids (without layout tokens) of each document, in order; UnknownDocument names every unknown id.
+
+        One batched record read covers every document and, at the default budget, its chunk record too."""
+        unique = list(dict.fromkeys(doc_ids))
+        names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
+        records = dict(zip(names, self.store.get_records(names)))
+        docs = {d: read_document(d, records[doc_name(d)]) for d in unique}
+        unknown = [d for d, doc in docs.items() if doc is None]
+        if unknown:
+            raise UnknownDocument(unknown)
+        # documents compiled at another budget (`compile --chunk-tokens`): their chunk records in a second read
+        other = [chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens) for d, doc in docs.items()]
+        other = [name for name in other if name not in records]
+        records.update(zip(other, self.store.get_records(other)) if other else ())
+        chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
+                        for d, doc in docs.items()}
+        return [chunks_by_id[d] for d in doc_ids]
+
+    def chunks_of(self, doc_id: str) -> list[list[int]]:
+        return self.resolve([doc_id])[0]
+
+    def ids(self) -> list[str]:
+        return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
+
+    def _chunks(self, doc: Document, record: dict | None) -> list[list[int]]:
+        """The document's chunks from its chunk record if sound, else chunked again from the text (and recorded)."""
+        name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
+        if record is not None:
+            problem = chunk_record_problem(name, record)
+            if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
+                return record["chunks"]
+            log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
+        chunks = [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
+        self.store.put_record(name, chunks_record(doc, self.tokenizer_fingerprint, chunks))
+        return chunks
+
+    def _record(self, name: str) -> dict | None:
+        return self.store.get_records([name])[0]
+
+    # -- entries ---------------------------------------------------------------------------------------------------
+    def ensure(self, chunks: list[list[int]], compiler, layout, run: Callable = lambda fn, *args: fn(*args)
+               ) -> tuple[list[ChunkKV], EnsureReport]:
+        """The entries of these chunks in a compiler's layout, compiling (with `run`: on the model's thread) and
+        storing those the store lacks. One batched read.
+
+        An entry the compiler finds a problem with (not what the model would have made from these ids: other ids,
+        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged, not
+        raised: the caller has its entries, and only a later request pays the compile again."""
+        keys = [compiler.key(ids, layout) for ids in chunks]
+        entries = self.store.get_many(keys)
+        for i, entry in enumerate(entries):
+            wrong = compiler.problem(entry, compiler.stored_ids(chunks[i], layout)) if entry is not None else None
+            if wrong:
+                log.warning("entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12],
+                            wrong)
+                self.store.delete(keys[i])
+                entries[i] = None
+        report = EnsureReport(hits=sum(e is not None for e in entries))
+        missing: dict[str, ChunkKV] = {}
+        for i, entry in enumerate(entries):
+            if entry is None:  # a chunk twice in one prompt is compiled once
+                entries[i] = missing[keys[i]] = missing.get(keys[i]) or run(compiler.compile, chunks[i], layout)
+        report.compiled = len(missing)
+        if missing:
+            try:
+                self.store.put_many(missing)
+            except StoreError as exc:
+                log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
+        return entries, report
+
+    def delete(self, doc_id: str) -> dict | None:
+        """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
+        with self._locks.exclusive(doc_id):
+            return maintenance.delete(self.store, doc_id)
+
+
+class Locks:
+    """Shared and exclusive holds on document ids, kept only while someone holds or waits.
+
+    - A waiting exclusive hold (a delete) keeps new shared holders out, so a popular document can still be deleted;
+      a thread that already holds some document may still take more, so a nested hold cannot deadlock.
+    - Shared holds of several documents are taken all at once. Exclusive holds are one document each and wait for
+      nothing while held, so no cycle of waits can form.
+    - Not re-entrant for exclusive holds, on purpose: a thread that holds a document (an upload's progress callback
+      deleting one) gets an error, not a hang."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._readers: dict[str, Counter[int]] = {}  # document -> thread -> depth of its shared holds
+        self._writer: dict[str, int] = {}  # document -> the thread holding it exclusively
+        self._waiting_writers: Counter[str] = Counter()
+
+    def _holds_any(self, thread: int) -> bool:
+        return any(thread in readers for readers in self._readers.values()) or thread in self._writer.values()
+
+    @contextmanager
+    def shared(self, doc_ids: list[str]) -> Iterator[None]:
+        me, ids = threading.get_ident(), set(doc_ids)
+        with self._changed:
+            if any(self._writer.get(d) == me for d in ids):
+                raise RuntimeError("a thread deleting a document may not read it")
+            may_pass_waiting_writers = self._holds_any(me)
+            self._changed.wait_for(lambda: not any(d in self._writer or (self._waiting_writers[d] and
+                                                                          not may_pass_waiting_writers) for d in ids))
+            for d in ids:
+                self._readers.setdefault(d, Counter())[me] += 1
+        try:
+            yield
+        finally:
+            with self._changed:
+                for d in ids:
+                    readers = self._readers[d]
+                    readers[me] -= 1
+                    if not readers[me]:
+                        del readers[me]
+                    if not readers:
+                        del self._readers[d]
+                self._changed.notify_all()
+
+    @contextmanager
+    def exclusive(self, doc_id: str) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._changed:
+            if self._holds_any(me):
+                raise RuntimeError(f"document {doc_id} cannot be deleted by a thread that is writing documents (an "
+                                   "upload's progress callback may not delete a document)")
+            self._waiting_writers[doc_id] += 1
+            try:
+                self._changed.wait_for(lambda: doc_id not in self._writer and doc_id not in self._readers)
+            finally:
+                self._waiting_writers[doc_id] -= 1
+                if not self._waiting_writers[doc_id]:
+                    del self._waiting_writers[doc_id]
+                    self._changed.notify_all()  # shared holders kept out by this wait may go on
+            self._writer[doc_id] = me
+        try:
+            yield
+        finally:
+            with self._changed:
+                del self._writer[doc_id]
+                self._changed.notify_all()

@@ -1,0 +1,137 @@
+"""Store-wide maintenance without a model: delete a document with its entries, verify, collect garbage.
+
+Entry keys are rebuilt from what the store itself holds: every (model, tokenizer, dtype, layout, codec) found in
+entry metadata, applied to every document's chunk records. The one delete keeps the entries another document
+still uses; `ragcache store` calls all of this.
+"""
+
+from __future__ import annotations
+
+from ragcache.store import Store
+from ragcache.store.base import batched
+from ragcache.store.codec import of_dtype_name
+from ragcache.store.keys import KEYED_BY, entry_form, entry_key
+
+from .documents import doc_name, document_ids, record_problem
+
+
+def tiers_of(store: Store) -> list[Store]:
+    return list(getattr(store, "tiers", [store]))
+
+
+def delete(store: Store, doc_id: str) -> dict | None:
+    """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
+    except entries another document also uses. None if the document is unknown."""
+    names = store.record_names(f"chunks/{doc_id}/")
+    if store.get_record(doc_name(doc_id)) is None and not names:
+        return None
+    combos = _compile_combos(store)
+    keys = _entry_keys(store, doc_id, combos)
+    for other in document_ids(store) - {doc_id}:
+        keys -= _entry_keys(store, other, combos)
+    entries = sum(store.delete(k) for k in sorted(keys))
+    records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
+    return {"records": records, "entries": entries}
+
+
+def referenced_keys(store: Store) -> set[str]:
+    """Every entry key some document's chunks map to, under the (model, tokenizer, dtype, layout)s in the store."""
+    combos = _compile_combos(store)
+    wanted: set[str] = set()
+    for doc_id in document_ids(store):
+        wanted |= _entry_keys(store, doc_id, combos)
+    return wanted
+
+
+def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
+    """Keys of the entries compiled in each of `forms` (a compute dtype, plus "/codec" when stored in another
+    one), from one pass over the store's summaries."""
+    found: dict[str, list[str]] = {form: [] for form in forms}
+    for batch in batched(store.keys()):
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info and (form := entry_form(info)) in found:
+                found[form].append(key)
+    return found
+
+
+def verify(store: Store, fix: bool = False) -> dict:
+    """Decode every entry of every tier and read every record; with fix, delete what is bad."""
+    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": []}
+    for tier in tiers_of(store):
+        for batch in batched(tier.keys(), 32):
+            for key, problem in zip(batch, tier.check_many(batch)):
+                if problem == "missing":
+                    continue  # evicted or deleted while we looked
+                report["checked"] += 1
+                if problem is not None:
+                    report["bad"].append({"tier": tier.name, "key": key, "problem": problem})
+                    if fix:
+                        tier.delete(key)
+                        report["fixed"] += 1
+        for name in tier.record_names():
+            report["records_checked"] += 1
+            problem = record_problem(name, tier.get_record(name))
+            if problem is not None:
+                report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem})
+                if fix:
+                    tier.delete_record(name)
+                    report["fixed"] += 1
+    return report
+
+
+def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
+                    drop_forms: tuple[str, ...] = ()) -> dict:
+    report: dict = {}
+    # before the tiers' own gc, so that their indexes see the space freed
+    for form, keys in entries_of_forms(store, set(drop_forms)).items():
+        report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
+    for tier in tiers_of(store):
+        if hasattr(tier, "gc"):
+            report[tier.name] = tier.gc(tmp_age_s)
+        elif hasattr(tier, "evict"):
+            report[tier.name] = {"evicted": tier.evict()}
+    if unreferenced:
+        wanted = referenced_keys(store)
+        orphans = [k for k in list(store.keys()) if k not in wanted]
+        report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
+    return report
+
+
+def lead_ids_of_layout(tag: str) -> list[int] | None:
+    """Token ids a compile layout stores in front of a chunk, from the layout tag kept in entry metadata
+    (`name:lead,ids:sink,ids`, as ragcache.compiler.Layout.tag writes it); None if the tag is not of that form."""
+    parts = tag.split(":")
+    if len(parts) != 3:
+        return None
+    try:
+        return [int(x) for x in parts[1].split(",") if x]
+    except ValueError:
+        return None
+
+
+def _compile_combos(store: Store) -> set[tuple[str, ...]]:
+    """(model, tokenizer, dtype, layout, codec) of the entries in the store: what chunk keys can be rebuilt from."""
+    combos = set()
+    for batch in batched(store.keys()):
+        for info in store.describe_many(batch):
+            meta = (info or {}).get("meta") or {}
+            if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
+                combos.add((*(meta.get(name, "") for name in KEYED_BY), of_dtype_name(info.get("dtype", ""))))
+    return combos
+
+
+def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
+    """Chunk keys of a document under every (model, tokenizer, dtype, layout, codec) present in the store."""
+    keys = set()
+    names = store.record_names(f"chunks/{doc_id}/")
+    for name, record in zip(names, store.get_records(names)):
+        record = record or {}
+        tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
+        for *keyed, codec in combos:
+            meta = dict(zip(KEYED_BY, keyed))
+            lead = lead_ids_of_layout(meta["layout"])
+            if lead is None or not meta["tokenizer"].startswith(tokenizer_prefix):
+                continue
+            for ids in record.get("chunks", []) if isinstance(record.get("chunks"), list) else []:
+                keys.add(entry_key(meta, codec, [*lead, *ids]))
+    return keys

@@ -1,0 +1,128 @@
+"""One request's meaning, checked once before any work.
+
+The API's schemas (api/schemas.py) check shapes at the edge. `validate` and `validate_infill` check what a shape
+cannot say: empty text, document references, the link and sampling parameters against the model, and a server's
+limits. The engine's entry points call them once per request; nothing after them checks again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ragcache.store.keys import document_id, is_document_id
+
+from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PayloadTooLarge
+from .infill import MODES
+from .linker import LinkParams
+from .sampling import Sampling
+
+
+@dataclass(frozen=True)
+class Limits:
+    """A server's bounds on one request (from its Settings); None: unbounded, as in the library."""
+
+    question_chars: int | None = None  # also the system prompt's
+    document_chars: int | None = None  # also an infill's prefix and suffix
+    documents: int | None = None
+    new_tokens: int | None = None
+    stop_strings: int | None = None
+    stop_chars: int | None = None
+
+
+UNBOUNDED = Limits()
+
+
+@dataclass
+class Query:
+    question: str
+    docs: list  # as given: document ids and {"text": ...}
+    doc_ids: list[str]
+    texts: list[str]  # the raw texts among docs: stored (and compiled) on the fly
+    system: str | None
+    params: LinkParams
+    sampling: Sampling | None  # None: link only
+
+
+@dataclass
+class Infill:
+    prefix: str
+    suffix: str
+    session: str | None
+    mode: str
+    reuse: bool
+    sampling: Sampling
+
+
+def validate(question: str, docs: list, system: str | None, params: LinkParams, sampling: Sampling | None,
+             layers: int, limits: Limits = UNBOUNDED) -> Query:
+    if not isinstance(question, str) or not question.strip():
+        raise EmptyInput("the question is empty")
+    _at_most("the question", question, limits.question_chars)
+    if system is not None:
+        _at_most("the system prompt", system, limits.question_chars)
+    docs = list(docs)
+    _at_most_count(len(docs), limits.documents, "documents")
+    doc_ids, texts = [], []
+    for i, doc in enumerate(docs):
+        if isinstance(doc, dict) and set(doc) == {"text"}:
+            texts.append(validate_text(doc["text"], f"docs[{i}]", limits))
+            doc_ids.append(document_id(doc["text"]))
+        elif isinstance(doc, str) and is_document_id(doc):  # never taken for text: a typo'd id is no document
+            doc_ids.append(doc)
+        else:
+            raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
+                             'text as {"text": ...}')
+    params.validate(layers)
+    if sampling is not None:
+        validate_sampling(sampling, limits)
+    return Query(question, docs, doc_ids, texts, system, params, sampling)
+
+
+def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documents") -> list[str]:
+    """Documents to compile."""
+    _at_most_count(len(texts), limits.documents, what)
+    return [validate_text(text, f"{what}[{i}]", limits) for i, text in enumerate(texts)]
+
+
+def validate_text(text, name: str, limits: Limits = UNBOUNDED) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise EmptyInput(f"{name}: the document is empty; every document needs some text")
+    _at_most(name, text, limits.document_chars)
+    return text
+
+
+def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, reuse: bool, sampling: Sampling,
+                    limits: Limits = UNBOUNDED) -> Infill:
+    if not isinstance(prefix, str) or not isinstance(suffix, str) or not (prefix or suffix):
+        raise EmptyInput("infilling needs a prefix or a suffix")
+    _at_most("the prefix", prefix, limits.document_chars)
+    _at_most("the suffix", suffix, limits.document_chars)
+    if mode not in MODES:
+        raise BadRequest(f"unknown infill mode {mode!r}; choose one of {', '.join(MODES)}")
+    validate_sampling(sampling, limits)
+    return Infill(prefix, suffix, session, mode, reuse, sampling)
+
+
+def validate_sampling(sampling: Sampling, limits: Limits = UNBOUNDED) -> None:
+    sampling.validate()
+    if _over(sampling.max_new_tokens, limits.new_tokens):
+        raise ParameterOutOfRange(f"max_tokens is {sampling.max_new_tokens}; this server generates at most "
+                                  f"{limits.new_tokens}")
+    # each stop string is searched for after every generated token
+    if _over(len(sampling.stop), limits.stop_strings) or any(_over(len(x), limits.stop_chars) for x in sampling.stop):
+        raise ParameterOutOfRange(f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} "
+                                  "characters")
+
+
+def _over(value: int, limit: int | None) -> bool:
+    return limit is not None and value > limit
+
+
+def _at_most(name: str, text: str, limit: int | None) -> None:
+    if _over(len(text), limit):
+        raise PayloadTooLarge(f"{name} has {len(text)} characters; at most {limit}", limit, len(text))
+
+
+def _at_most_count(count: int, limit: int | None, what: str) -> None:
+    if _over(count, limit):
+        raise PayloadTooLarge(f"{count} {what}; at most {limit} per request", limit, count)
