@@ -208,7 +208,7 @@ class RagCache:
                      algorithm: str = DEFAULT_ALGORITHM) -> LinkInput:
         """The prompt as this engine links it, as ids only (nothing fetched or compiled): what another engine is
         given to link the same prompt (ragcache.integrations.vllm)."""
-        with self.documents.using(doc_ids):
+        with self.catalog.using(doc_ids):
             return self._inputs(question, doc_ids, system, algorithm)[0]
 
     def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str

@@ -94,7 +94,7 @@ def test_entries_compiled_by_ragcache_are_read_not_compiled_again(llm, engine, d
 
 
 def test_a_missing_chunk_is_compiled_and_stored(llm, engine, doc_ids):
-    new_doc = engine.documents.add("Saltmarsh lamb is grazed on tidal pastures, which gives the meat its flavour.")
+    new_doc = engine.catalog.add("Saltmarsh lamb is grazed on tidal pastures, which gives the meat its flavour.")
     ids, spec = linked_request(engine, [new_doc, *doc_ids[:1]], "naive", question="Where is saltmarsh lamb grazed?")
     before = set(engine.store.keys())
     out = generate(llm, ids, spec)
@@ -127,15 +127,15 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
 
     # documents in an order no other test links: no block of this prompt is in vLLM's prefix cache already
     ids, spec = linked_request(engine, doc_ids[::-1], "naive", question="What fish suit a small aquarium?")
-    live = worker().documents.store
+    live = worker().catalog.store
     redis_store = open_store(redis_server.url)
     redis_server.stop()
-    worker().documents.store = redis_store
+    worker().catalog.store = redis_store
     try:
         before = fallbacks("store")
         out = generate(llm, ids, spec)
     finally:
-        worker().documents.store = live
+        worker().catalog.store = live
     assert fallbacks("store") == before + 1
     # vLLM recomputed the blocks the link could not load (its num_cached_tokens keeps the claim it was first made):
     # unwritten blocks would not give its own prefill's tokens

@@ -11,7 +11,8 @@ from typing import Any
 
 from ragcache import linker
 from ragcache.errors import RagCacheError
-from ragcache.linker import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K, LinkInput, LinkParams
+from ragcache.linker import LinkInput, LinkParams
+from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
 
 SPEC_KEY = "ragcache"
 SALT_PREFIX = "ragcache-link:"

@@ -11,8 +11,9 @@ import torch
 
 from ragcache import linker, models
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
-from ragcache.documents import Documents
+from ragcache.catalog import Catalog
 from ragcache.kv import JoinedCache
+from ragcache.settings import DEFAULT_STORE
 from ragcache.store import open_store
 from ragcache.store.codec import native as native_kv_codec
 
@@ -20,7 +21,6 @@ from . import plugin
 from .layers import VllmRunner
 from .spec import BadLinkSpec, Load
 
-DEFAULT_STORE = "disk:./.ragcache"
 TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats
 
 
@@ -42,8 +42,7 @@ class LinkWorker:
         self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"))
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype))
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
-        self.documents = Documents(open_store(options.get("store", DEFAULT_STORE)), tokenizer,
-                                   lm.tokenizer_fingerprint, 1)
+        self.catalog = Catalog(open_store(options.get("store", DEFAULT_STORE)), tokenizer, lm.tokenizer_fingerprint, 1)
         # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self.tails: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -87,9 +86,9 @@ class LinkWorker:
         if any(ids[: len(lead)] != lead for ids in parts.chunk_ids):
             raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
         chunks = [ids[len(lead):] for ids in parts.chunk_ids]
-        parts.chunk_entries = self._entries(chunks, layout, self.compiler)
+        parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
         if parts.prefix_ids:
-            parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, self.prefix_compiler)[0]
+            parts.prefix_entry = self.catalog.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0][0]
         plan = linker.plan(self.runner, parts, params)
         rows = plan.rows[plan.rows < spec.linked]
         narrow = plan.narrow
@@ -98,12 +97,6 @@ class LinkWorker:
         if rows.numel():
             linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
         return plan.cache
-
-    def _entries(self, chunks: list[list[int]], layout, compiler: Compiler):
-        entries, _ = self.documents.ensure(
-            chunks, key=lambda ids: compiler.key(ids, layout), compile=lambda ids: compiler.compile(ids, layout),
-            problem=lambda ids, entry: compiler.problem(entry, compiler.stored_ids(ids, layout)))
-        return entries
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
               kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
