@@ -35,13 +35,24 @@ def doc_ids(engine) -> list[str]:
     return engine.compile(texts)
 
 
-@pytest.fixture(scope="session")
-def llm(store_url, engine):
+def connected_llm(**kwargs):
+    """An in-process vLLM engine with ragcache's connector, shut down at the end. vLLM keeps one KV connector per
+    process (the first engine's): a second engine made while another is alive would link with the first's."""
     from vllm import LLM
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown, has_kv_transfer_group
 
+    assert not has_kv_transfer_group(), "another engine with a KV connector is alive in this process"
+    llm = LLM(**kwargs)
+    yield llm
+    llm.llm_engine.engine_core.shutdown()
+    ensure_kv_transfer_shutdown()
+
+
+@pytest.fixture(scope="module")
+def llm(store_url, engine):
     from ragcache import models
     from ragcache.integrations.vllm.spec import transfer_config
 
-    return LLM(model=models.resolve("smollm2-135m"), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
-               max_model_len=2048, max_logprobs=-1, seed=0,
-               kv_transfer_config=transfer_config(store_url))
+    yield from connected_llm(model=models.resolve("smollm2-135m"), dtype="float32", enforce_eager=True,
+                             enable_prefix_caching=True, max_model_len=2048, max_logprobs=-1, seed=0,
+                             kv_transfer_config=transfer_config(store_url))

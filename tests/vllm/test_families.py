@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 
 from ragcache.engine import RagCache
 from ragcache.integrations.vllm.spec import SPEC_KEY, link_request, transfer_config
 from tests import tiny
+from tests.vllm.conftest import connected_llm
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
 
@@ -30,9 +31,9 @@ def qwen2(tmp_path_factory):
     store = f"disk:{tmp_path_factory.mktemp('qwen2-store')}"
     engine = RagCache.open(str(folder), store=store, dtype="float32", chunk_tokens=48)
     doc_ids = engine.compile(tiny.CORPUS[:4])
-    llm = LLM(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True, max_model_len=512,
-              max_logprobs=-1, kv_transfer_config=transfer_config(store))
-    return engine, doc_ids, llm
+    for llm in connected_llm(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+                             max_model_len=512, max_logprobs=-1, kv_transfer_config=transfer_config(store)):
+        yield engine, doc_ids, llm
 
 
 def run(llm, request: dict | None, ids: list[int], logprobs: int | None = None):
