@@ -41,15 +41,14 @@ class Guard:
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, public_paths: list[str], body_timeout_s: float):
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = api_key.encode() if api_key else None
         self.public_paths = set(public_paths)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in self.public_paths and \
-                not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
             response = error_response(401, "unauthorized", "missing or wrong API key: send the header "
                                       "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
@@ -59,6 +58,10 @@ class Guard:
                                       f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
             return await response(scope, receive, send)
         await self.app(scope, self._bounded(receive), send)
+
+    def _authorized(self, headers: dict) -> bool:
+        scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key, self.expected)  # RFC 9110: scheme any case
 
     def _bounded(self, receive):
         received, complete = 0, False

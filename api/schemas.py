@@ -124,8 +124,8 @@ class Deleted(BaseModel):
 # -- generation parameters shared by every answering route --------------------------------------------
 class LinkOptions(Strict):
     algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")
-    k: int | None = Field(None, ge=0, le=1 << 20, description="legolink: tokens recomputed at each chunk start")
-    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, description="focus, cacheblend: "
+    k: int | None = Field(None, ge=0, le=1 << 20, strict=True, description="legolink: tokens recomputed at each chunk start")
+    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, strict=True, description="focus, cacheblend: "
                                 "fraction of chunk tokens recomputed (focus: the model's calibrated ratio, else 0.25)")
     deviation: Literal[DEVIATIONS] | None = Field(None, description="cacheblend: rank rows by K (default) or V "  # type: ignore[valid-type]
                                                                      "deviation")
@@ -135,11 +135,13 @@ Stop = Text | list[Text] | None
 
 
 class SamplingFields(BaseModel):
-    max_tokens: int | None = Field(None, ge=1, validation_alias=AliasChoices("max_tokens", "max_new_tokens",
+    max_tokens: int | None = Field(None, ge=1, strict=True, validation_alias=AliasChoices("max_tokens", "max_new_tokens",
                                                                               "max_completion_tokens"),
                                    description="tokens to generate (default and upper limit: settings)")
-    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, description="0 = greedy (the default)")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False)
+    # strict: a JSON true is not a number here (lax pydantic reads it as 1)
+    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True,
+                               description="0 = greedy (the default)")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
     stop: Stop = Field(None, description="a string or up to 16 strings that end the answer (not included)")
     seed: int | None = Field(None, **SEED_RANGE)
     stream: bool = False

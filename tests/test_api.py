@@ -323,6 +323,10 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": "q", "top_p": 0}, 422, "top_p"),
     ("POST", "/v1/query", {"question": "q", "stop": ["s"] * 17}, 422, "stop"),
     ("POST", "/v1/query", {"question": "q", "colour": "red"}, 422, "colour"),
+    ("POST", "/v1/query", {"question": "q", "max_tokens": True}, 422, "max_tokens"),  # a bool is not a count
+    ("POST", "/v1/query", {"question": "q", "ratio": True}, 422, "ratio"),
+    ("POST", "/v1/query", {"question": "q", "k": False}, 422, "k"),
+    ("POST", "/v1/query", {"question": "q", "temperature": True}, 422, "temperature"),
     ("POST", "/v1/documents", {}, 422, "either"),
     ("POST", "/v1/documents", {"text": "  "}, 422, "empty"),
     ("POST", "/v1/documents", {"text": "y" * 200_001}, 413, "at most 200000"),
@@ -634,6 +638,9 @@ def test_bearer_auth(rc):
         error_of(httpx.post(f"{s.url}/v1/query", json={"question": "q"}, headers={"Authorization": "Bearer nope"}),
                  401)
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        # the scheme is case-insensitive (RFC 9110, 11.1); the key is not
+        assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
+        error_of(httpx.get(f"{s.url}/v1/models", headers={"Authorization": "bearer S3CRET"}), 401, "Bearer")
         assert httpx.get(f"{s.url}/health").status_code == 200  # public by default
         for closed in ("/metrics", "/openapi.json", "/docs"):
             error_of(httpx.get(f"{s.url}{closed}"), 401, "Bearer")
