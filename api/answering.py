@@ -49,7 +49,7 @@ class Context:
 
     @property
     def model_name(self) -> str:
-        return self.rc.lm.name
+        return self.rc.model_name
 
     @property
     def limits(self) -> Limits:
@@ -140,7 +140,7 @@ class Context:
 
 def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
     """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
-    model = rc.lm.name
+    model = rc.model_name
     return BackgroundGuard(rc, rate, busy=lambda: queue.depth >= queue.max_queue,
                            on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
                            on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc())

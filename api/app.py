@@ -116,7 +116,7 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
         if rc.lm is None or not store_ok:
             what = "the model is not loaded" if rc.lm is None else f"the store ({rc.store.name}) does not answer"
             return error_response(503, "unavailable", what)
-        return {"status": "ok", "model": rc.lm.name, "store": rc.store.name, "queue_depth": queue.depth,
+        return {"status": "ok", "model": rc.model_name, "store": rc.store.name, "queue_depth": queue.depth,
                 "max_queue": queue.max_queue}
 
     @app.get("/metrics", tags=["operations"])

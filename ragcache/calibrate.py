@@ -221,4 +221,4 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
 
 
 def _dtype(lm: models.LoadedModel) -> str:
-    return str(next(lm.model.parameters()).dtype).removeprefix("torch.")
+    return str(lm.dtype).removeprefix("torch.")

@@ -30,6 +30,9 @@ class Layout:
     lead_ids: tuple[int, ...] = ()  # stored in front of the chunk
     sink_ids: tuple[int, ...] = ()  # prefilled in front of the chunk, then dropped
 
+    def stored_ids(self, token_ids: list[int]) -> list[int]:
+        return [*self.lead_ids, *token_ids]
+
     @property
     def tag(self) -> str:
         return f"{self.name}:{','.join(map(str, self.lead_ids))}:{','.join(map(str, self.sink_ids))}"
@@ -73,7 +76,7 @@ class Compiler:
         return entry_key(self.meta(layout), self.codec, self.stored_ids(token_ids, layout))
 
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
-        return [*layout.lead_ids, *token_ids]
+        return layout.stored_ids(token_ids)
 
     def problem(self, entry: ChunkKV, stored_ids: list[int] | None = None) -> str | None:
         """What makes a stored entry unusable for this model (None if nothing). The store checks that an entry's ids

@@ -26,7 +26,7 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     rng = random.Random(0)
     rows = []
     table = Table("question", "algorithm", "answer", "TTFT ms", "recomputed", "cached",
-                  title=f"full prefill vs {DEFAULT_ALGORITHM} ({DOCS_PER_QUESTION} documents per question, {rc.lm.name})")
+                  title=f"full prefill vs {DEFAULT_ALGORITHM} ({DOCS_PER_QUESTION} documents per question, {rc.model_name})")
     for q in questions[:n_questions]:
         others = rng.sample([name for name in docs if name != q["doc"]], DOCS_PER_QUESTION - 1)
         chosen = others[:1] + [q["doc"]] + others[1:]  # the answer sits among distractors

@@ -91,7 +91,7 @@ class BackgroundGuard:
                  on_check: Callable[[Check, float], None] | None = None,
                  on_skip: Callable[[str], None] | None = None):
         self.rc, self.busy, self.on_check, self.on_skip = rc, busy, on_check, on_skip
-        self.guard = Guard(rate, rc.lm.name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
+        self.guard = Guard(rate, rc.model_name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
         self._running = threading.Lock()
 
     @property

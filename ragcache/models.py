@@ -8,6 +8,7 @@ transformers directory in the user cache, so later loads are a normal `from_pret
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -207,18 +208,21 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 @dataclass
 class LoadedModel:
     name: str
-    model: torch.nn.Module
+    model: torch.nn.Module | None  # None: described only, its weights run in another engine (vLLM)
     tokenizer: object
     fingerprint: str
     tokenizer_fingerprint: str
+    config: object = None
+    dtype: torch.dtype | None = None
 
-    @property
-    def config(self):
-        return self.model.config
+    def __post_init__(self):
+        if self.model is not None:
+            self.config = self.config or self.model.config
+            self.dtype = self.dtype or next(self.model.parameters()).dtype
 
     @property
     def context_length(self) -> int:
-        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return int(getattr(self.config, "max_position_embeddings", 2048))
 
 
 def resolve(name_or_path: str) -> str:
@@ -260,6 +264,13 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", d
     except OSError as exc:
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
     return wrap(model.to(device).eval(), tokenizer, name=name_or_path)
+
+
+def describe(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu"
+             ) -> LoadedModel:
+    """A model's tokenizer, config, dtype and fingerprints without its weights, for an engine that runs them itself
+    (vLLM): the keys of its entries name the weights, so they are loaded once here to fingerprint them."""
+    return dataclasses.replace(load(name_or_path, dtype, device), model=None)
 
 
 def wrap(model: torch.nn.Module, tokenizer, name: str) -> LoadedModel:

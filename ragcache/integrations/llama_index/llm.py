@@ -41,7 +41,7 @@ class RagCacheLLM(CustomLLM):
     @property
     def metadata(self) -> LLMMetadata:
         return LLMMetadata(context_window=self.rc.context_length, num_output=self.max_new_tokens,
-                           is_chat_model=False, model_name=self.rc.lm.name)
+                           is_chat_model=False, model_name=self.rc.model_name)
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:

@@ -1,0 +1,172 @@
+"""The model-free half of an engine: the store's documents, a prompt as ids, and a query's one validation.
+
+`RagCache` (ragcache.engine) runs the model itself; `VllmRagCache` (ragcache.integrations.vllm.engine) hands the
+same ids to vLLM. Both answer the same requests from the same store, and neither needs the other's model."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from ragcache.store import Store
+
+from . import calibrate, infill, linker, models, prompt, request
+from .catalog import Catalog
+from .compiler import default_layout, sink_layout
+from .errors import ParameterOutOfRange, PromptTooLong
+from .linker import LinkInput, LinkParams
+from .request import UNBOUNDED, Infill, Limits, Query
+from .sampling import Answer, Sampling
+from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
+
+
+@dataclass
+class CompileReport:
+    ids: list[str] = field(default_factory=list)
+    documents: int = 0
+    skipped: int = 0  # already compiled
+    chunks: int = 0
+    compiled_chunks: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    def add(self, other: "CompileReport") -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+class Front:
+    """An engine subclasses it with `compile_documents`, and `stream_query(Query)` and `stream_infill(Infill)`,
+    which return a Stream."""
+
+    def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int, layers: int):
+        if chunk_tokens < 1:
+            raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.lm, self.store, self.chunk_tokens, self.layers = lm, store, chunk_tokens, layers
+        self.tokenizer = lm.tokenizer
+        self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
+        self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
+        self.catalog = Catalog(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
+        self.infill_sessions = infill.InfillSessions()
+        self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
+        self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
+        self.default_focus_ratio = (self.profile.focus_ratio if self.profile and self.profile.focus_ratio is not None
+                                    else DEFAULT_FOCUS_RATIO)
+
+    @property
+    def model_name(self) -> str:
+        return self.lm.name
+
+    @property
+    def context_length(self) -> int:
+        return self.lm.context_length
+
+    # -- documents ------------------------------------------------------------------------------------
+    def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
+        return self.compile_documents(texts, metadata).ids
+
+    def document_chunks(self, doc_id: str) -> list[list[int]]:
+        """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
+        with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
+            return self.catalog.chunks_of(doc_id)
+
+    def document(self, doc_id: str) -> dict | None:
+        """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
+        doc = self.catalog.get(doc_id)
+        return None if doc is None else dataclasses.asdict(doc)
+
+    def delete_document(self, doc_id: str) -> bool:
+        """Delete the document and its chunk entries, keeping entries that other documents share."""
+        return self.catalog.delete(doc_id) is not None
+
+    def document_ids(self) -> list[str]:
+        return self.catalog.ids()
+
+    # -- prompts --------------------------------------------------------------------------------------
+    def prompt_parts(self, question: str, doc_ids: list[str], system: str | None = None,
+                     algorithm: str = DEFAULT_ALGORITHM) -> LinkInput:
+        """The prompt as this engine links it, as ids only (nothing fetched or compiled): what another engine is
+        given to link the same prompt (ragcache.integrations.vllm)."""
+        with self.catalog.using(doc_ids):
+            return self._inputs(question, doc_ids, system, algorithm)[0]
+
+    def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str
+                ) -> tuple[LinkInput, list]:
+        """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
+        chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids) for ids in doc_chunks]
+        layout = self.layouts[linker.algorithm(algorithm).layout]
+        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
+        if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
+            prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
+        parts = LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
+                          prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
+        return parts, chunks
+
+    def _prompt(self, query: Query, max_new_tokens: int) -> tuple[LinkInput, list]:
+        """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Raw texts are stored first,
+        and the length is checked before anything missing is compiled."""
+        for text in query.texts:
+            self.catalog.add(text)
+        parts, chunks = self._inputs(query.question, query.doc_ids, query.system, query.params.algorithm)
+        length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
+        if length + max_new_tokens > self.context_length:
+            raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
+        return parts, chunks
+
+    def _infill_ids(self, fill: Infill) -> list[int]:
+        """An infill's prompt ids; with a session, EFIM keeps the session's `<PRE>..<MID>` part from round to round,
+        so the engine's prefix cache holds it."""
+        fim = infill.FimTokens.for_tokenizer(self.tokenizer)
+        split = self.infill_sessions.plan(fill.session, fill.prefix, fill.suffix, fill.mode)
+        ids = infill.build_prompt(self.tokenizer, fim, fill.prefix, fill.suffix, fill.mode, split)
+        if len(ids) + fill.sampling.max_new_tokens > self.context_length:
+            raise PromptTooLong(len(ids), fill.sampling.max_new_tokens, self.context_length)
+        return ids
+
+    # -- requests -------------------------------------------------------------------------------------
+    def params(self, algorithm: str = DEFAULT_ALGORITHM, k: int | None = None, ratio: float | None = None,
+               check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> LinkParams:
+        """A link's parameters, the unset ones from this model's profile (`ragcache calibrate`): its k for legolink,
+        its focus ratio for focus; else the linker's defaults."""
+        known = linker.TABLE.get(algorithm)
+        if ratio is None and known is not None and known.scores:  # focus's
+            ratio = self.default_focus_ratio
+        return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
+
+    def validate(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
+                 k: int | None = None, ratio: float | None = None, max_new_tokens: int | None = 32,
+                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
+                 check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key", limits: Limits = UNBOUNDED) -> Query:
+        """The one check of a query's meaning (ragcache.request), with the unset link knobs from this model's
+        profile; `max_new_tokens=None`: a link only, nothing sampled. `docs`: document ids, or `{"text": ...}` for
+        raw text, stored and compiled on the fly."""
+        sampling = None if max_new_tokens is None else Sampling(max_new_tokens, temperature, top_p, list(stop or []),
+                                                                  seed)
+        return request.validate(question, docs, system, self.params(algorithm, k, ratio, check_layer, deviation),
+                                sampling, self.layers, limits)
+
+    def stream(self, question: str, docs: list, **kwargs):
+        """The answer as a Stream of text pieces; `validate` lists the keyword arguments."""
+        return self.stream_query(self.validate(question, docs, **kwargs))
+
+    def query(self, question: str, docs: list[str], **kwargs) -> Answer:
+        return _drain(self.stream(question, docs, **kwargs))
+
+    def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
+                      reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
+                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED):
+        """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
+        `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
+        `stats.cached_tokens` says how many prompt tokens were reused."""
+        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
+        return self.stream_infill(request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits))
+
+    def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
+        return _drain(self.infill_stream(prefix, suffix, **kwargs))
+
+
+def _drain(stream) -> Answer:
+    for _ in stream:
+        pass
+    return stream.answer
