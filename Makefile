@@ -33,7 +33,7 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	$(VPY) -m pip install -q $(VLLM)
 	# PyPI's builds of these fail to load their ops against torch +cpu, and vLLM's text models do not need them
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[test,llama-index]'
 	touch $@
 
 redis-server:

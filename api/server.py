@@ -14,6 +14,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from ragcache.engine import RagCache
+from ragcache.errors import ParameterOutOfRange
+from ragcache.front import Front
 from ragcache.settings import Settings
 from ragcache.store import tier_urls
 
@@ -25,7 +27,7 @@ GRACEFUL_SHUTDOWN_S = 10  # then open streams are cancelled (their generations s
 log = logging.getLogger("ragcache.api")
 
 
-def open_engine(settings: Settings) -> RagCache:
+def open_engine(settings: Settings) -> Front:
     rc = RagCache.from_settings(settings)
     rc.warmup()
     return rc
@@ -39,6 +41,9 @@ def factory() -> FastAPI:
 
 def run(settings: Settings, workers: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    if workers > 1 and settings.engine == "vllm":
+        raise ParameterOutOfRange("one worker with --engine vllm: vLLM batches every request in one engine (and each "
+                                  "worker would start its own)")
     if workers > 1:
         if all(tier.startswith("memory") for tier in tier_urls(settings.store)):
             log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
@@ -57,4 +62,4 @@ def run(settings: Settings, workers: int = 1) -> None:
         uvicorn.run(create_app(rc, settings), host=settings.host, port=settings.port,
                     timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     finally:
-        rc.store.close()
+        rc.close()

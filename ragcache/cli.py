@@ -288,15 +288,23 @@ def serve(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     kv_codec: str = KvCodecOption,
+    engine: str = typer.Option(None, help="ragcache (default) | vllm: vLLM's engine with ragcache's connector "
+                                          "(README: On vLLM)"),
+    max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
+    kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
 
     try:
-        s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec)
+        s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
+                          engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         _fail(BadRequest(str(exc)))
-    run(s, workers=workers)
+    try:
+        run(s, workers=workers)
+    except RagCacheError as exc:  # the engine cannot start: a store vLLM cannot open, say
+        _fail(exc)
 
 
 @app.command()

@@ -61,12 +61,15 @@ def sink_layout(tokenizer) -> Layout:
 
 
 class Compiler:
-    def __init__(self, lm: LoadedModel, runner: Runner, codec: str | None = None):
-        """`codec`: a kv codec, "auto" (the device's default), or None (as computed: exact entries)."""
+    def __init__(self, lm: LoadedModel, runner: Runner | None, codec: str | None = None):
+        """`codec`: a kv codec, "auto" (the device's default), or None (as computed: exact entries). Without a
+        runner it makes keys only, for an engine that compiles elsewhere (vLLM), and `codec` names the codec used
+        there."""
         self.lm = lm
         self.runner = runner
-        self.dtype = str(runner.shape.dtype).removeprefix("torch.")
-        self.codec = kv_codec.resolve(codec, runner.shape.dtype, runner.device.type)
+        dtype = runner.shape.dtype if runner is not None else lm.dtype
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.codec = kv_codec.resolve(codec, dtype, runner.device.type if runner is not None else "cpu")
 
     def meta(self, layout: Layout) -> dict:
         return entry_meta(self.lm.fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec,

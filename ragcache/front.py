@@ -62,6 +62,9 @@ class Front:
     def context_length(self) -> int:
         return self.lm.context_length
 
+    def close(self) -> None:
+        self.store.close()
+
     # -- documents ------------------------------------------------------------------------------------
     def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
         return self.compile_documents(texts, metadata).ids
@@ -151,7 +154,7 @@ class Front:
         return self.stream_query(self.validate(question, docs, **kwargs))
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
-        return _drain(self.stream(question, docs, **kwargs))
+        return drain(self.stream(question, docs, **kwargs))
 
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
                       reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
@@ -163,10 +166,11 @@ class Front:
         return self.stream_infill(request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits))
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
-        return _drain(self.infill_stream(prefix, suffix, **kwargs))
+        return drain(self.infill_stream(prefix, suffix, **kwargs))
 
 
-def _drain(stream) -> Answer:
+def drain(stream) -> Answer:
+    """Run a stream to its end; its answer."""
     for _ in stream:
         pass
     return stream.answer

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
 from ragcache.store.base import (DEFAULT_DISK_BUDGET, DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_MEMORY_BUDGET,  # noqa: F401
@@ -54,6 +54,13 @@ class Settings(BaseSettings):
                        description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
                        "else float32 (see README: dtype)")
     device: str = "cpu"
+    engine: str = Field("ragcache", pattern="^(ragcache|vllm)$",
+                        description="ragcache: this package's engine; vllm: vLLM's async engine with ragcache's "
+                        "connector (README: On vLLM; needs vLLM installed and a disk: or redis:// store)")
+    max_model_len: int | None = Field(None, ge=16, description="vllm engine: longest prompt + answer in tokens "
+                                      "(default: the model's own)")
+    kv_cache_gib: float | None = Field(None, gt=0, description="vllm engine: GiB of vLLM's paged KV cache (default: "
+                                       "4 on a CPU, vLLM's own choice on a GPU)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
@@ -75,6 +82,15 @@ class Settings(BaseSettings):
     max_document_chars: int = Field(200_000, ge=1)
     max_documents: int = Field(64, ge=1)
     max_new_tokens_limit: int = Field(1024, ge=1)
+
+    @model_validator(mode="after")
+    def _engine_options(self) -> "Settings":
+        if self.engine == "vllm" and self.guard_rate:
+            raise ValueError("guard_rate needs the ragcache engine (the guard compares full first-token distributions, "
+                             "which vLLM does not return); set it to 0 with engine vllm")
+        if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
+            raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
+        return self
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings

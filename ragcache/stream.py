@@ -92,19 +92,24 @@ class Stream:
         return self.answer
 
     def __iter__(self) -> Iterator[str]:
-        events: queue.SimpleQueue = queue.SimpleQueue()
-        self.open(lambda kind, value: events.put((kind, value)))
-        finished = False
-        try:
-            while True:
-                kind, value = events.get()
-                if kind == "piece":
-                    yield value
-                    continue
-                finished = True
-                if kind == "error":
-                    raise value
-                return
-        finally:
-            if not finished:  # the caller stopped iterating: free the request's rows at the next step
-                self.cancel()
+        return pieces(self)
+
+
+def pieces(stream) -> Iterator[str]:
+    """A stream's text pieces as they come (any engine's stream: `open(emit)` and `cancel()`); raises its error."""
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    stream.open(lambda kind, value: events.put((kind, value)))
+    finished = False
+    try:
+        while True:
+            kind, value = events.get()
+            if kind == "piece":
+                yield value
+                continue
+            finished = True
+            if kind == "error":
+                raise value
+            return
+    finally:
+        if not finished:  # the caller stopped iterating: the engine frees the request at its next step
+            stream.cancel()

@@ -56,3 +56,23 @@ def llm(store_url, engine):
     yield from connected_llm(model=models.resolve("smollm2-135m"), dtype="float32", enforce_eager=True,
                              enable_prefix_caching=True, max_model_len=2048, max_logprobs=-1, seed=0,
                              kv_transfer_config=transfer_config(store_url))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(tmp_path_factory) -> str:
+    """A 4-layer qwen2 of random weights (head_dim 32: vLLM's CPU attention takes 32 and up) with the tiny
+    tokenizer (BOS, FIM sentinels), saved as a checkpoint that both engines load."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests import tiny
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2")
+    config = tiny.config("qwen2", len(tiny.tokenizer()))
+    config.head_dim, config.hidden_size, config.intermediate_size = 32, 128, 256
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config.eos_token_id = tiny.tokenizer().eos_token_id
+    model.save_pretrained(folder)
+    tiny.tokenizer().save_pretrained(folder)
+    return str(folder)

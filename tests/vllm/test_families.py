@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 from vllm import SamplingParams
 
 from ragcache.engine import RagCache
@@ -17,21 +16,13 @@ QUESTION = "Where is the Eiffel Tower, and how tall is it?"
 
 
 @pytest.fixture(scope="module")
-def qwen2(tmp_path_factory):
-    """A 4-layer qwen2 of random weights (head_dim 32: vLLM's CPU attention takes 32 and up), saved as a checkpoint
-    both engines load, and a disk store they share."""
-    folder = tmp_path_factory.mktemp("tiny-qwen2")
-    config = tiny.config("qwen2", len(tiny.tokenizer()))
-    config.head_dim, config.hidden_size, config.intermediate_size = 32, 128, 256
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.generation_config.eos_token_id = tiny.tokenizer().eos_token_id
-    model.save_pretrained(folder)
-    tiny.tokenizer().save_pretrained(folder)
+def qwen2(tiny_qwen2, tmp_path_factory):
+    """The tiny qwen2 checkpoint, and a disk store both engines share."""
+    folder = tiny_qwen2
     store = f"disk:{tmp_path_factory.mktemp('qwen2-store')}"
-    engine = RagCache.open(str(folder), store=store, dtype="float32", chunk_tokens=48)
+    engine = RagCache.open(folder, store=store, dtype="float32", chunk_tokens=48)
     doc_ids = engine.compile(tiny.CORPUS[:4])
-    for llm in connected_llm(model=str(folder), dtype="float32", enforce_eager=True, enable_prefix_caching=True,
+    for llm in connected_llm(model=folder, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
                              max_model_len=512, max_logprobs=-1, kv_transfer_config=transfer_config(store)):
         yield engine, doc_ids, llm
 

@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -36,10 +37,76 @@ def test_the_python_block_answers_from_linked_caches(tmp_path):
     assert int(printed.group(2)) >= 40  # the system prefix and both documents were linked
 
 
-def serve_command() -> str:
-    section = README.read_text().split("## On vLLM", 1)[1]
-    block = re.search(r"```bash\n(.*?)```", section, flags=re.S).group(1)
-    return "\n".join(line for line in block.splitlines() if not line.lstrip().startswith("#"))
+def section_blocks(language: str) -> list[str]:
+    section = README.read_text().split("## On vLLM", 1)[1].split("\n## ", 1)[0]
+    return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
+
+
+def serve_command(program: str = "vllm.entrypoints") -> str:
+    """The README's command that runs `program`, without its comments (the test appends flags to its end)."""
+    block = next(block for block in section_blocks("bash") if program in block)
+    return "\n".join(line for line in (line.split("#", 1)[0].rstrip() for line in block.splitlines()) if line.strip())
+
+
+def wait_healthy(server: subprocess.Popen, url: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVE_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert server.poll() is None, log.read_text()[-3000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    pytest.fail("the server did not start: " + log.read_text()[-3000:])
+
+
+def stop(server: subprocess.Popen) -> None:
+    os.killpg(server.pid, signal.SIGTERM)
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+
+
+def test_the_engine_block_answers_on_vllm(tmp_path):
+    """`RagCache.open(..., engine="vllm")` as the README's first block runs it, as a script of its own."""
+    script = tmp_path / "engine.py"
+    script.write_text(section_blocks("python")[0])
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")
+    done = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=SERVE_TIMEOUT_S)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"^.*41 (metres|meters).*$", done.stdout, flags=re.M), done.stdout[-3000:]
+
+
+def test_ragcache_serve_on_vllm_with_the_readme_flags(tmp_path, engine):
+    """`ragcache serve --engine vllm` as the README writes it: upload, then a linked query over REST, answered as
+    ragcache's own engine answers it."""
+    port = free_port()
+    command = serve_command("ragcache serve").replace("disk:./.ragcache", f"disk:{tmp_path / 'store'}")
+    command = command.replace(".venv-vllm/bin/ragcache", shlex.quote(str(Path(sys.executable).parent / "ragcache")))
+    command += f" --port {port} --dtype float32"
+    log = tmp_path / "serve.log"
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+           "HOME": os.environ.get("HOME", "/root")}
+    server = subprocess.Popen(["bash", "-c", command], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
+                              cwd=tmp_path, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(server, url, log)
+        text = "The Amber Line railway is 27 kilometres long and has nine stations."
+        uploaded = httpx.post(f"{url}/v1/documents", json={"documents": [{"text": text}]}, timeout=300)
+        assert uploaded.status_code == 201, uploaded.text
+        ids = uploaded.json()["ids"]
+        question = "How long is the Amber Line railway?"
+        reply = httpx.post(f"{url}/v1/query", json={"question": question, "documents": ids, "max_tokens": 12},
+                           timeout=300)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["answer"] == engine.query(question, [{"text": text}], max_new_tokens=12).text
+    finally:
+        stop(server)
 
 
 def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
@@ -50,22 +117,13 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
     command = serve_command().replace("disk:./.ragcache", f"disk:{store}")
     command = command.replace("python -", f"{shlex.quote(sys.executable)} -") + f" --port {port}"
     command += ' --dtype float32'
-    log = (tmp_path / "serve.log").open("w")
+    log = tmp_path / "serve.log"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
-    server = subprocess.Popen(["bash", "-c", command], stdout=log, stderr=subprocess.STDOUT, env=env,
+    server = subprocess.Popen(["bash", "-c", command], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                               cwd=tmp_path, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + SERVE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(1)
-        else:
-            pytest.fail("vllm serve did not start: " + (tmp_path / "serve.log").read_text()[-3000:])
+        wait_healthy(server, url, log)
         model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         question = "What do bees make, and where do they keep it?"
         request = link_request(engine, question, doc_ids, algorithm="naive")
@@ -76,10 +134,4 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
         expected = engine.query(question, doc_ids, algorithm="naive", max_new_tokens=8).text
         assert reply.json()["choices"][0]["text"].strip() == expected.strip(), json.dumps(reply.json())
     finally:
-        import signal
-
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        stop(server)

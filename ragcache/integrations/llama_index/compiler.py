@@ -9,7 +9,7 @@ from typing import Any
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
-from ragcache.engine import CompileReport, RagCache
+from ragcache.front import CompileReport, Front
 
 from .nodes import mark, node_text, record_meta
 
@@ -23,13 +23,13 @@ class RagCacheCompiler(TransformComponent):
     filled against one model or store does not skip compiling into another. A skipped compile is never fatal:
     RagCacheRetriever and RagCacheQueryEngine compile whatever is missing."""
 
-    rc: RagCache = Field(exclude=True, description="the engine whose store receives the caches")
+    rc: Front = Field(exclude=True, description="the engine whose store receives the caches")
     metadata_mode: MetadataMode = Field(default=MetadataMode.NONE,
                                         description="which node content is compiled (NONE: the text alone)")
     target: str = Field(default="", description="model fingerprint @ store, set from rc")
     last_report: CompileReport | None = Field(default=None, exclude=True, description="the latest call's report")
 
-    def __init__(self, rc: RagCache, **kwargs: Any) -> None:
+    def __init__(self, rc: Front, **kwargs: Any) -> None:
         kwargs.setdefault("target", f"{rc.lm.name}:{rc.lm.fingerprint[:16]}@{_store_label(rc.store)}")
         super().__init__(rc=rc, **kwargs)
 

@@ -11,7 +11,8 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from ragcache.engine import RagCache, Stream
+from ragcache.engine import Stream
+from ragcache.front import Front
 from ragcache.settings import DEFAULT_ALGORITHM
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
@@ -26,7 +27,7 @@ class RagCacheLLM(CustomLLM):
     The default algorithm is the engine's (focus): with no documents it links only the cached system prefix and
     computes the prompt, which is what `full` computes too."""
 
-    rc: RagCache = Field(exclude=True, description="the engine that generates")
+    rc: Front = Field(exclude=True, description="the engine that generates")
     algorithm: str = DEFAULT_ALGORITHM
     max_new_tokens: int = 256
     temperature: float = 0.0

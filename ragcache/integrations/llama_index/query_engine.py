@@ -13,7 +13,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ragcache.engine import Answer, RagCache, Stream
+from ragcache.engine import Answer, Stream
+from ragcache.front import Front
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
 from ragcache.settings import DEFAULT_ALGORITHM
@@ -33,7 +34,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     computed before `query` returns (so bad input raises there) and `metadata` is filled in once the generator is
     exhausted. `aquery` runs the same work in a worker thread (an AsyncStreamingResponse when streaming)."""
 
-    rc: RagCache = Field(exclude=True, description="the engine that links and generates")
+    rc: Front = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
     algorithm: str = DEFAULT_ALGORITHM
     k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")

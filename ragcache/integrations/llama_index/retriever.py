@@ -11,7 +11,7 @@ from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from ragcache.engine import RagCache
+from ragcache.front import Front
 from ragcache.errors import ParameterOutOfRange
 
 from .nodes import DOC_ID_KEY, mark, node_text, record_meta
@@ -34,7 +34,7 @@ class RagCacheRetriever(BaseRetriever):
     dropped sink tokens; missing ones are compiled here). prefetch: None (default) reads the entries only when the
     store is tiered, where a read fills the faster tiers; True always; False never."""
 
-    def __init__(self, retriever: BaseRetriever, rc: RagCache, *, layout: str = "default",
+    def __init__(self, retriever: BaseRetriever, rc: Front, *, layout: str = "default",
                  prefetch: bool | None = None, metadata_mode: MetadataMode = MetadataMode.NONE,
                  callback_manager: CallbackManager | None = None, verbose: bool = False) -> None:
         if layout not in rc.layouts:

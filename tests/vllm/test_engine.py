@@ -1,0 +1,141 @@
+"""ragcache's front doors on vLLM (`RagCache.open(engine="vllm")`): the Python API, the REST and OpenAI routes with
+streaming, llama-index and EFIM infilling, over vLLM's async engine with the connector, on the tiny qwen2
+checkpoint. Every answer is checked against ragcache's own engine on the same store, which reads what vLLM
+compiled."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from ragcache.engine import RagCache
+from ragcache.errors import ParameterOutOfRange
+from ragcache.settings import Settings
+from tests import tiny
+
+QUESTION = "Where is the Eiffel Tower, and how tall is it?"
+TOKENS = 6
+RAW = tiny.CORPUS[4] + " Passed raw."  # texts no other test stores
+UPLOADED = tiny.CORPUS[3] + " Uploaded."
+RETRIEVED = [tiny.CORPUS[1] + " Retrieved.", tiny.CORPUS[2] + " Retrieved."]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> str:
+    return f"disk:{tmp_path_factory.mktemp('front-store')}"
+
+
+@pytest.fixture(scope="module")
+def rc(tiny_qwen2, store):
+    engine = RagCache.open(tiny_qwen2, store, engine="vllm", dtype="float32", chunk_tokens=48, max_model_len=512,
+                           kv_cache_gib=0.25, enforce_eager=True)
+    yield engine
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_qwen2, store):
+    """ragcache's own engine on the same checkpoint and store."""
+    return RagCache.open(tiny_qwen2, store, dtype="float32", chunk_tokens=48)
+
+
+@pytest.fixture(scope="module")
+def doc_ids(rc, reference) -> list[str]:
+    report = rc.compile_documents(tiny.CORPUS[:4])
+    assert report.compiled_chunks == report.chunks >= 4 and report.bytes > 0
+    return report.ids
+
+
+def test_vllm_compiles_under_ragcaches_keys(rc, reference, doc_ids):
+    assert reference.warm(doc_ids, prefetch=False) == (0, 0)  # ragcache's engine finds every chunk vLLM compiled
+    again = rc.compile_documents(tiny.CORPUS[:4])
+    assert (again.ids, again.skipped, again.compiled_chunks) == (doc_ids, 4, 0)
+    ids = reference.compile([tiny.CORPUS[4]])  # compiled by ragcache's engine: vLLM reads it, compiles nothing
+    assert rc.warm(ids, prefetch=False) == (0, 0) and rc.compile_documents([tiny.CORPUS[4]]).compiled_chunks == 0
+
+
+@pytest.mark.parametrize("algorithm", ["focus", "legolink", "cacheblend", "naive", "full"])
+def test_answers_are_ragcaches_own(rc, reference, doc_ids, algorithm):
+    answer = rc.query(QUESTION, doc_ids[::-1], algorithm=algorithm, max_new_tokens=TOKENS)
+    expected = reference.query(QUESTION, doc_ids[::-1], algorithm=algorithm, max_new_tokens=TOKENS)
+    assert answer.token_ids == expected.token_ids and answer.text == expected.text
+    assert answer.stats.prompt_tokens == expected.stats.prompt_tokens
+    if algorithm != "full":  # the linked part, everything before the question, counts as cached (vLLM's count)
+        parts = rc.prompt_parts(QUESTION, doc_ids[::-1], algorithm=algorithm)
+        assert answer.stats.cached_tokens == len(parts.token_ids) - len(parts.question_ids) > 100
+
+
+def test_stream_raw_text_stop_and_cancel(rc, reference, doc_ids):
+    pieces = list(rc.stream(QUESTION, [doc_ids[0], {"text": RAW}], max_new_tokens=TOKENS))
+    assert "".join(pieces) == reference.query(QUESTION, [doc_ids[0], {"text": RAW}],
+                                              max_new_tokens=TOKENS).text
+    events = []
+    stream = rc.stream(QUESTION, doc_ids, max_new_tokens=300, temperature=1.0, seed=1)
+    stream.open(lambda kind, value: (events.append(kind), kind == "piece" and stream.cancel()))
+    stream._ended.wait(60)
+    assert events[-1] == "cancelled" and events.count("cancelled") == 1
+    assert rc.query(QUESTION, doc_ids, max_new_tokens=TOKENS).text  # vLLM goes on
+
+
+def test_efim_rounds_hit_vllms_prefix_cache(rc):
+    """Round 2 of an EFIM session finds round 1's whole prompt in vLLM's prefix cache (whole blocks); PSM's round 2
+    only the part before its typed text, since the suffix comes after it."""
+    code, suffix, block = " ".join(tiny.CORPUS), " ".join(reversed(tiny.CORPUS)), rc.llm.vllm_config.cache_config.block_size
+    first = rc.infill(code, suffix, session="s", max_new_tokens=4)
+    efim = rc.infill(code + " more", suffix, session="s", max_new_tokens=4)
+    psm = rc.infill(code + " more", suffix, mode="psm", max_new_tokens=4)
+    assert efim.stats.cached_tokens >= first.stats.prompt_tokens // block * block > psm.stats.cached_tokens
+    with pytest.raises(ParameterOutOfRange, match="reuse=false"):
+        rc.infill(code, "x", reuse=False)
+
+
+def test_rest_and_openai_routes(rc, reference, doc_ids):
+    from ragcache.api.app import create_app
+
+    settings = Settings.model_construct(engine="vllm", model="tiny-qwen2", max_new_tokens=TOKENS)
+    with TestClient(create_app(rc, settings)) as http:
+        assert http.get("/health").json()["status"] == "ok"
+        r = http.post("/v1/documents", json={"documents": [{"text": UPLOADED}]})
+        assert r.status_code == 201, r.text
+        ids = [doc_ids[1], *r.json()["ids"]]
+        expected = reference.query(QUESTION, ids, max_new_tokens=TOKENS).text
+        r = http.post("/v1/query", json={"question": QUESTION, "documents": ids, "max_tokens": TOKENS})
+        assert r.status_code == 200 and r.json()["answer"] == expected, r.text
+        body = {"model": "tiny-qwen2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": TOKENS,
+                "stream": True, "documents": ids}
+        with http.stream("POST", "/v1/chat/completions", json=body) as streamed:
+            data = [line[6:] for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert data[-1] == "[DONE]"
+        text = "".join(json.loads(d)["choices"][0]["delta"].get("content") or "" for d in data[:-1])
+        assert text == expected
+        r = http.post("/v1/query", json={"question": QUESTION, "documents": ["0" * 32]})
+        assert r.status_code == 404, r.text
+
+
+def test_llama_index_query_engine(rc, reference):
+    from llama_index.core.base.base_retriever import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from ragcache.integrations.llama_index import RagCacheQueryEngine
+
+    class Fixed(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return [NodeWithScore(node=TextNode(text=text), score=1.0) for text in RETRIEVED]
+
+    engine = RagCacheQueryEngine(rc=rc, retriever=Fixed(), max_new_tokens=TOKENS)
+    response = engine.query(QUESTION)
+    ids = reference.compile(RETRIEVED)
+    assert str(response) == reference.query(QUESTION, ids, max_new_tokens=TOKENS).text
+
+
+def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
+    with pytest.raises(ParameterOutOfRange, match="disk:PATH or redis"):
+        RagCache.open(tiny_qwen2, "memory:", engine="vllm")
+    with pytest.raises(ParameterOutOfRange, match="engine must be"):
+        RagCache.open(tiny_qwen2, "memory:", engine="llama")
+    with pytest.raises(ValueError, match="guard_rate needs the ragcache engine"):
+        Settings(engine="vllm", guard_rate=0.5)
+    with pytest.raises(ValueError, match="options of the vllm engine"):
+        Settings(max_model_len=1024)
