@@ -18,6 +18,11 @@ class PayloadTooLarge(BadRequest):
         super().__init__(message)
 
 
+class InvalidMetadata(BadRequest):
+    """Document metadata that a store record cannot hold and give back: not a JSON object, nested too deep, or
+    holding text that is not Unicode (a lone surrogate)."""
+
+
 class UnknownAlgorithm(BadRequest):
     """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
 
@@ -58,9 +63,9 @@ class ModelFetchError(RagCacheError):
 
 
 class CorruptDocument(StoreError):
-    """A stored document record does not hold the text its id names (edited or damaged in the store)."""
+    """A stored document record fails its checks (edited or damaged in the store); `problem` names the damage."""
 
-    def __init__(self, doc_id: str):
-        self.doc_id = doc_id
-        super().__init__(f"the stored record of document {doc_id} fails its check (its text does not hash to its id); "
-                         "add the document's text again to repair it")
+    def __init__(self, doc_id: str, problem: str):
+        self.doc_id, self.problem = doc_id, problem
+        super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; add the document's text "
+                         "again to repair it")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import CorruptEntry, StoreError
 
-from .base import DEFAULT_DISK_BUDGET, BlobStore, log
+from .base import DEFAULT_DISK_BUDGET, BlobStore, UnreadableRecord, log
 from .entry import PROBE, describe_head, head_length
 
 SUFFIX = ".kv"
@@ -324,7 +324,7 @@ class DiskStore(BlobStore):
     def _record_path(self, name: str) -> Path:
         return self.records_dir / (name.replace("/", "__") + ".json")
 
-    def get_record(self, name: str) -> dict | None:
+    def get_record(self, name: str) -> dict | UnreadableRecord | None:
         try:
             with _open_regular(self._record_path(name)) as fh:
                 raw = fh.read(MAX_RECORD_BYTES + 1)
@@ -333,9 +333,9 @@ class DiskStore(BlobStore):
             return json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError, NotAnEntryFile) as exc:
-            log.warning("disk tier: record %s is unreadable (%s); ignoring it", name, exc)
-            return None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, NotAnEntryFile) as exc:
+            log.warning("disk tier: record %s is unreadable (%s)", name, exc)
+            return UnreadableRecord(f"disk tier: {exc}")
         except OSError as exc:
             raise StoreError(f"disk tier {self.root}: cannot read record {name} ({exc.strerror})") from exc
 

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from ragcache.errors import CorruptEntry, StoreError
-from ragcache.store.base import TierUnavailable
+from ragcache.store.base import TierUnavailable, UnreadableRecord
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
 from ragcache.store.memory import MemoryStore
@@ -102,13 +102,13 @@ def test_a_fifo_in_place_of_an_entry_is_corrupt_and_never_blocks(tmp_path):
     assert same_bits(store.get(key), entry)
 
 
-def test_a_fifo_in_place_of_a_record_is_ignored(tmp_path):
+def test_a_fifo_in_place_of_a_record_is_unreadable_and_never_blocks(tmp_path):
     store = DiskStore(tmp_path)
     store.put_record("doc/x", {"text": "t"})
     path = store._record_path("doc/x")
     path.unlink()
     os.mkfifo(path)
-    assert _read_in_thread(lambda: store.get_record("doc/x")) is None
+    assert isinstance(_read_in_thread(lambda: store.get_record("doc/x")), UnreadableRecord)
 
 
 def test_a_sparse_huge_file_is_read_no_further_than_its_header(tmp_path):
