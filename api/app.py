@@ -17,11 +17,12 @@ from ragcache import __version__
 from ragcache.engine import RagCache
 from ragcache.settings import Settings
 
-from . import errors, native, openai_compat
+from . import body, errors, native, openai_compat
 from .answering import ClientGone, Context, server_guard
 from .engine_queue import EngineQueue
 from .errors import error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from .schemas import CompileRequest
 
 DESCRIPTION = """RAG middleware that reuses document KV caches: upload documents once (compiled into KV caches),
 then ask questions that link the cached chunks (LegoLink, CacheBlend, naive, prefix, full).
@@ -105,6 +106,7 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
 
     app.include_router(native.router)
     app.include_router(openai_compat.router)
+    body.document(app, [CompileRequest])
 
     @app.get("/health", tags=["operations"])
     def health():

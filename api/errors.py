@@ -49,10 +49,6 @@ def payload_too_large(message: str, **details) -> ApiError:
     return ApiError(413, "payload_too_large", message, **details)
 
 
-def invalid(message: str, **details) -> ApiError:
-    return ApiError(422, "invalid_request", message, **details)
-
-
 def error_body(type: str, message: str, **details) -> dict:
     return {"error": {"type": type, "message": message, "code": type, **details}}
 
@@ -93,7 +89,10 @@ def _validation_message(errors: list[dict], content_type: str) -> tuple[str, lis
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "")
-        return f"malformed JSON body at character {'.'.join(first['loc']) or '0'}: {reason}".rstrip(": "), details
+        if "surrogate" in reason or "hex escape" in reason:  # pydantic's JSON parser refuses them, tersely
+            reason += " (a \\uXXXX escape of half a surrogate pair alone is a lone surrogate, not Unicode text)"
+        at = f" at character {'.'.join(first['loc'])}" if first["loc"] else ""  # pydantic's reason says where
+        return f"malformed JSON body{at}: {reason}".rstrip(": "), details
     if not first["loc"] and "json" not in content_type:
         return "the body must be a JSON object sent with 'Content-Type: application/json'", details
     where = ".".join(first["loc"]) or "body"

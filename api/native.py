@@ -7,21 +7,23 @@ import json
 from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
 
 from ragcache.engine import Answer, CompileReport
+from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
-from ragcache.request import validate_infill, validate_texts
+from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.sampling import Sampling
 from ragcache.store.keys import is_document_id
 
+from . import body
 from .answering import ClientGone, Context, ctx, stop_strings
 from .engine_queue import EventStream, Generation, wait_for_disconnect
-from .errors import describe, invalid, payload_too_large
-from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
+from .errors import describe
+from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentIn, DocumentOut, DocumentPage,
                       DocumentSummary, InfillRequest, InfillResponse, QueryRequest, QueryResponse, Timings, Usage)
 
 router = APIRouter(prefix="/v1", tags=["native"])
-MAX_METADATA_CHARS = 65_536
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -30,26 +32,20 @@ def sse(payload: dict) -> str:
 
 
 # -- documents --------------------------------------------------------------------------------------------
-def _check_metadata(metadata: dict, i: int) -> None:
-    try:
-        size = len(json.dumps(metadata, allow_nan=False))
-    except ValueError as exc:
-        raise invalid(f"documents[{i}].metadata is not plain JSON ({exc})") from exc
-    if size > MAX_METADATA_CHARS:
-        raise payload_too_large(f"documents[{i}].metadata is {size} characters of JSON; at most {MAX_METADATA_CHARS}",
-                                limit=MAX_METADATA_CHARS, got=size)
+def _check_upload(docs: list[DocumentIn], limits: Limits) -> None:
+    validate_texts([d.text for d in docs], limits)
+    for i, doc in enumerate(docs):
+        check_metadata(doc.metadata, f"documents[{i}].metadata")
 
 
-@router.post("/documents", status_code=201, response_model=CompileResponse)
-async def compile_documents(body: CompileRequest, request: Request) -> CompileResponse:
+@router.post("/documents", status_code=201, response_model=CompileResponse, openapi_extra=body.openapi(CompileRequest))
+async def compile_documents(request: Request, req: CompileRequest = body.Body(CompileRequest)) -> CompileResponse:
     """Compile documents into the store (what is already there is skipped). Each chunk's prefill is one job on
     the scheduler, between batch steps, so queries go on during a long upload; a client that disconnects stops
     the upload after its current document."""
     c = ctx(request)
-    docs = body.items()
-    validate_texts([d.text for d in docs], c.limits)
-    for i, doc in enumerate(docs):
-        _check_metadata(doc.metadata, i)
+    docs = req.items()
+    await run_in_threadpool(_check_upload, docs, c.limits)  # metadata may be most of a large body
     slot = c.queue.admit()
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     reports: list[CompileReport] = []
