@@ -10,6 +10,7 @@ model per document.
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from typing import Annotated, Any, get_args, get_origin
 
@@ -22,7 +23,7 @@ from .errors import payload_too_large
 
 
 def Body(model: type[BaseModel]) -> Any:  # noqa: N802 - used like FastAPI's Body
-    """A route parameter holding the body as `model`, read as module docstring says."""
+    """A route parameter: the body as `model`, read off the event loop with its documents capped (see above)."""
     async def read(request: Request) -> BaseModel:
         raw = await request.body()
         limit = request.app.state.ctx.settings.max_documents
@@ -37,12 +38,30 @@ def parse(raw: bytes, content_type: str, model: type[BaseModel]) -> BaseModel:
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        errors = exc.errors(include_url=False)
-        over = next((e for e in errors if e["type"] == "too_long" and e["loc"] == ("documents",)), None)
-        if over is not None:
-            limit, got = over["ctx"]["max_length"], over["ctx"]["actual_length"]
-            raise payload_too_large(f"{got} documents in one request; at most {limit}", limit=limit, got=got) from None
-        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+        if not _lone_surrogate(exc):
+            raise _refusal(exc) from None
+        refused = exc
+    try:  # Python's parser keeps lone surrogates, so the field holding one is named by the schema's own check
+        return model.model_validate(json.loads(raw))
+    except ValidationError as exc:
+        raise _refusal(exc) from None
+    except (ValueError, RecursionError):  # malformed in another way too: the first refusal says where
+        raise _refusal(refused) from None
+
+
+def _lone_surrogate(exc: ValidationError) -> bool:
+    (first, *_) = exc.errors(include_url=False)
+    reason = str((first.get("ctx") or {}).get("error", ""))
+    return first["type"] == "json_invalid" and ("surrogate" in reason or "hex escape" in reason)
+
+
+def _refusal(exc: ValidationError) -> Exception:
+    errors = exc.errors(include_url=False)
+    over = next((e for e in errors if e["type"] == "too_long" and e["loc"] == ("documents",)), None)
+    if over is not None:
+        limit, got = over["ctx"]["max_length"], over["ctx"]["actual_length"]
+        return payload_too_large(f"{got} documents in one request; at most {limit}", limit=limit, got=got)
+    return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
 
 
 def _is_json(content_type: str) -> bool:
@@ -56,13 +75,13 @@ def bounded(model: type[BaseModel], max_documents: int) -> type[BaseModel]:
     field = model.model_fields.get("documents")
     if field is None:
         return model
-    item = next(a for a in get_args(field.annotation) if get_origin(a) is list)
-    capped = Annotated[item, Field(max_length=max_documents)]
-    annotation = capped | None if type(None) in get_args(field.annotation) else capped
-    return create_model(model.__name__, __base__=model, documents=(annotation, field))
+    optional = type(None) in get_args(field.annotation)  # `list[X] | None`, or `list[X]`
+    items = next(a for a in get_args(field.annotation) if get_origin(a) is list) if optional else field.annotation
+    capped = Annotated[items, Field(max_length=max_documents)]
+    return create_model(model.__name__, __base__=model, documents=(capped | None if optional else capped, field))
 
 
-def openapi(model: type[BaseModel]) -> dict:
+def documented(model: type[BaseModel]) -> dict:
     """The route's `openapi_extra`: the body is not a FastAPI parameter, so its schema is declared here."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref}}}}

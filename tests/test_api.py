@@ -984,3 +984,30 @@ def test_metadata_a_record_could_not_give_back_is_refused_and_listing_still_work
                                headers={"content-type": "application/json"}), 413 if "65536" in fragment else 422,
                      fragment)
     assert http.get("/v1/documents").status_code == 200
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/query", {"question": "q"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}]})])
+def test_a_query_over_the_document_count_is_refused_before_its_documents_are_validated(http, path, extra):
+    docs = ["0" * 32] * 64 + [5] * 1000
+    error_of(http.post(path, json={**extra, "documents": docs}), 413, "1064 documents", "at most 64")
+
+
+def test_the_openapi_document_lists_the_codes_the_routes_return(http, doc_ids):
+    doc = http.get("/openapi.json").json()
+    unknown = "0" * 32
+    cases = [("POST", "/v1/query", "/v1/query", {"json": {"question": "q", "documents": [unknown]}}, 404),
+             ("POST", "/v1/query", "/v1/query", {"json": {"question": ""}}, 422),
+             ("POST", "/v1/chat/completions", "/v1/chat/completions", {"json": {"messages": []}}, 422),
+             ("POST", "/v1/completions", "/v1/completions", {"json": {"prompt": "q", "model": "nope"}}, 404),
+             ("POST", "/v1/documents", "/v1/documents", {"json": {"documents": [{"text": "x"}] * 65}}, 413),
+             ("POST", "/v1/infill", "/v1/infill", {"json": {"prefix": 1}}, 422),
+             ("GET", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("DELETE", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("GET", "/v1/documents?limit=0", "/v1/documents", {}, 422)]
+    for method, url, path, kwargs, status in cases:
+        assert http.request(method, url, **kwargs).status_code == status, (method, url)
+        documented = doc["paths"][path][method.lower()]["responses"]
+        assert str(status) in documented and "500" in documented, (method, path, status, sorted(documented))
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert {"CompileRequest", "QueryRequest", "ErrorResponse"} <= refs <= set(doc["components"]["schemas"])
