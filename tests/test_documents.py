@@ -387,7 +387,7 @@ def test_locks_keep_nothing_once_every_hold_and_wait_is_over():
     assert not locks._readers and not locks._writer and not locks._waiting_writers
 
 
-# -- every field a link reads is checked for type and range -------------------------------------------------------------
+# -- every field a link reads is checked for type and range ----------------------------------------------------------
 def _forged_chunks(store, docs: Catalog, doc_id: str, chunks) -> None:
     """Chunk record holding `chunks` with a checksum recomputed the way ragcache computes it: what someone who can
     write to the store can do without a store key."""
