@@ -124,7 +124,9 @@ def document_problem(doc_id: str, record) -> str | None:
     text, budget = record.get("text"), record.get("chunk_tokens")
     if not isinstance(text, str) or document_id(text) != doc_id:
         return "its text does not hash to its id"
-    if not is_count(budget) or record.get("checksum") != document_checksum(doc_id, budget):
+    if "checksum" not in record:
+        return "it has no checksum of its chunk budget (written before ragcache kept one)"
+    if not is_count(budget) or record["checksum"] != document_checksum(doc_id, budget):
         return f"its chunk budget {budget!r} is not the one it was stored with"
     try:
         check_metadata(record.get("meta") or {}, "its metadata")
@@ -153,7 +155,7 @@ def chunks_problem(chunks, vocab: int) -> str | None:
         return "no chunks"
     for i, ids in enumerate(chunks):
         if not isinstance(ids, list) or not ids:
-            return f"chunk {i} is empty"
+            return f"chunk {i} is empty or not a list"
         if not all(type(t) is int and 0 <= t < vocab for t in ids):
             return f"chunk {i} holds something other than token ids of a {vocab}-token vocabulary"
     return None

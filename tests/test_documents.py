@@ -425,6 +425,16 @@ def test_an_edited_chunk_budget_is_corrupt_and_verify_reports_it(budget):
     assert docs.add(TEXTS[0]) == doc_id and docs.chunks_of(doc_id)  # adding the text again repairs it
 
 
+def test_a_document_record_without_its_checksum_is_corrupt_and_says_so():
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    record = store.get_record(doc_name(doc_id))
+    store.put_record(doc_name(doc_id), {k: v for k, v in record.items() if k != "checksum"})
+    with pytest.raises(CorruptDocument, match="no checksum"):
+        docs.resolve([doc_id])
+
+
 def test_a_document_record_that_is_not_json_is_corrupt_not_unknown(tmp_path):
     store = open_store(f"disk:{tmp_path}")
     docs = docs_over(store)
