@@ -17,11 +17,12 @@ from ragcache import __version__
 from ragcache.engine import RagCache
 from ragcache.settings import Settings
 
-from . import errors, native, openai_compat
+from . import body, errors, native, openai_compat
 from .answering import ClientGone, Context, server_guard
 from .engine_queue import EngineQueue
 from .errors import error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from .schemas import ChatRequest, CompileRequest, CompletionRequest, InfillRequest, QueryRequest
 
 DESCRIPTION = """RAG middleware that reuses document KV caches: upload documents once (compiled into KV caches),
 then ask questions that link the cached chunks (LegoLink, CacheBlend, naive, prefix, full).
@@ -105,8 +106,9 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
 
     app.include_router(native.router)
     app.include_router(openai_compat.router)
+    body.document(app, [CompileRequest, QueryRequest, InfillRequest, CompletionRequest, ChatRequest])
 
-    @app.get("/health", tags=["operations"])
+    @app.get("/health", tags=["operations"], responses=errors.responses(503))
     def health():
         """200 when the model is loaded and the store answers; 503 otherwise."""
         try:
@@ -119,7 +121,7 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
         return {"status": "ok", "model": rc.model_name, "store": rc.store.name, "queue_depth": queue.depth,
                 "max_queue": queue.max_queue}
 
-    @app.get("/metrics", tags=["operations"])
+    @app.get("/metrics", tags=["operations"], responses=errors.responses())
     def metrics_route() -> Response:
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)

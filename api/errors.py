@@ -13,8 +13,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ragcache.errors import (BadRequest, CorruptDocument, ModelFetchError, PayloadTooLarge, PromptTooLong,
+from ragcache.errors import (BadRequest, BrokenStore, CorruptDocument, ModelFetchError, PayloadTooLarge, PromptTooLong,
                              RagCacheError, StoreError, UnknownDocument, UnsupportedModel)
+
+from .schemas import ErrorResponse
 
 log = logging.getLogger("ragcache.api")
 
@@ -26,11 +28,24 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (BadRequest, 422),  # empty input, unknown algorithm, a parameter out of range
     (UnsupportedModel, 400),
     (CorruptDocument, 500),  # damaged in the store: a retry cannot help (no Retry-After); adding the text again does
+    (BrokenStore, 500),  # a symlink loop in a disk store: no Retry-After either; the operator removes the link
     (StoreError, 503),  # a store tier that is down: retry
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]
 RETRY_AFTER_S = {429: "1", 503: "5"}
+ERRORS = {400: "the model cannot serve this request", 401: "missing or wrong API key (when the server has one)",
+          404: "unknown document or model", 408: "the request body did not arrive in time",
+          413: "over a size limit (body, documents, prompt, metadata)", 422: "invalid request",
+          429: "the server is busy (Retry-After)", 500: "damaged store data, or an unexpected error (logged)",
+          503: "a store tier or the model is unavailable (Retry-After)"}
+WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body
+
+
+def responses(*statuses: int) -> dict:
+    """A route's OpenAPI `responses`: these error statuses and the ones any route may give (401 and 500), each with
+    the error body's schema."""
+    return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in sorted({401, 500, *statuses})}
 
 
 def status_of(exc: RagCacheError) -> int:
@@ -47,10 +62,6 @@ class ApiError(Exception):
 
 def payload_too_large(message: str, **details) -> ApiError:
     return ApiError(413, "payload_too_large", message, **details)
-
-
-def invalid(message: str, **details) -> ApiError:
-    return ApiError(422, "invalid_request", message, **details)
 
 
 def error_body(type: str, message: str, **details) -> dict:
@@ -93,7 +104,10 @@ def _validation_message(errors: list[dict], content_type: str) -> tuple[str, lis
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "")
-        return f"malformed JSON body at character {'.'.join(first['loc']) or '0'}: {reason}".rstrip(": "), details
+        if "surrogate" in reason or "hex escape" in reason:  # pydantic's JSON parser refuses them, tersely
+            reason += " (a \\uXXXX escape of half a surrogate pair alone is a lone surrogate, not Unicode text)"
+        at = f" at character {'.'.join(first['loc'])}" if first["loc"] else ""  # pydantic's reason says where
+        return f"malformed JSON body{at}: {reason}".rstrip(": "), details
     if not first["loc"] and "json" not in content_type:
         return "the body must be a JSON object sent with 'Content-Type: application/json'", details
     where = ".".join(first["loc"]) or "body"

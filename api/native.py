@@ -7,21 +7,23 @@ import json
 from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request
+from starlette.concurrency import run_in_threadpool
 
 from ragcache.engine import Answer, CompileReport
+from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
-from ragcache.request import validate_infill, validate_texts
+from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.sampling import Sampling
 from ragcache.store.keys import is_document_id
 
 from .answering import ClientGone, Context, ctx, stop_strings
+from .body import Body, documented
 from .engine_queue import EventStream, Generation, wait_for_disconnect
-from .errors import describe, invalid, payload_too_large
-from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentOut, DocumentPage,
+from .errors import WITH_BODY, describe, responses
+from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentIn, DocumentOut, DocumentPage,
                       DocumentSummary, InfillRequest, InfillResponse, QueryRequest, QueryResponse, Timings, Usage)
 
 router = APIRouter(prefix="/v1", tags=["native"])
-MAX_METADATA_CHARS = 65_536
 SSE_DONE = "data: [DONE]\n\n"
 
 
@@ -30,26 +32,21 @@ def sse(payload: dict) -> str:
 
 
 # -- documents --------------------------------------------------------------------------------------------
-def _check_metadata(metadata: dict, i: int) -> None:
-    try:
-        size = len(json.dumps(metadata, allow_nan=False))
-    except ValueError as exc:
-        raise invalid(f"documents[{i}].metadata is not plain JSON ({exc})") from exc
-    if size > MAX_METADATA_CHARS:
-        raise payload_too_large(f"documents[{i}].metadata is {size} characters of JSON; at most {MAX_METADATA_CHARS}",
-                                limit=MAX_METADATA_CHARS, got=size)
+def _check_upload(docs: list[DocumentIn], limits: Limits) -> None:
+    validate_texts([d.text for d in docs], limits)
+    for i, doc in enumerate(docs):
+        check_metadata(doc.metadata, f"documents[{i}].metadata")
 
 
-@router.post("/documents", status_code=201, response_model=CompileResponse)
-async def compile_documents(body: CompileRequest, request: Request) -> CompileResponse:
+@router.post("/documents", status_code=201, response_model=CompileResponse, openapi_extra=documented(CompileRequest),
+             responses=responses(*WITH_BODY, 429, 503))
+async def compile_documents(request: Request, req: CompileRequest = Body(CompileRequest)) -> CompileResponse:
     """Compile documents into the store (what is already there is skipped). Each chunk's prefill is one job on
     the scheduler, between batch steps, so queries go on during a long upload; a client that disconnects stops
     the upload after its current document."""
     c = ctx(request)
-    docs = body.items()
-    validate_texts([d.text for d in docs], c.limits)
-    for i, doc in enumerate(docs):
-        _check_metadata(doc.metadata, i)
+    docs = req.items()
+    await run_in_threadpool(_check_upload, docs, c.limits)  # metadata may be most of a large body
     slot = c.queue.admit()
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     reports: list[CompileReport] = []
@@ -78,7 +75,7 @@ def _record(c: Context, doc_id: str) -> dict:
     return record
 
 
-@router.get("/documents/{doc_id}", response_model=DocumentOut)
+@router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 503))
 def get_document(doc_id: str, request: Request) -> DocumentOut:
     c = ctx(request)
     record = _record(c, doc_id)
@@ -87,7 +84,7 @@ def get_document(doc_id: str, request: Request) -> DocumentOut:
                        chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
 
 
-@router.get("/documents", response_model=DocumentPage)
+@router.get("/documents", response_model=DocumentPage, responses=responses(422, 503))
 def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
                    ) -> DocumentPage:
     """Documents sorted by id, one page at a time."""
@@ -106,7 +103,7 @@ def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = 
     return DocumentPage(data=page, total=len(ids), offset=offset, limit=limit)
 
 
-@router.delete("/documents/{doc_id}", response_model=Deleted)
+@router.delete("/documents/{doc_id}", response_model=Deleted, responses=responses(404, 429, 503))
 async def delete_document(doc_id: str, request: Request) -> Deleted:
     """Delete a document and its cached chunks (in a worker thread; it holds a slot like any engine request)."""
     c = ctx(request)
@@ -134,11 +131,12 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
         store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks})
 
 
-@router.post("/query", response_model=QueryResponse,
+@router.post("/query", response_model=QueryResponse, openapi_extra=documented(QueryRequest),
              responses={200: {"content": {"text/event-stream": {}},
                               "description": "JSON, or with stream=true server-sent events: {\"text\": piece} per "
-                                             "piece, then the full response object, then [DONE]"}})
-async def query(body: QueryRequest, request: Request):
+                                             "piece, then the full response object, then [DONE]"},
+                        **responses(*WITH_BODY, 400, 404, 429, 503)})
+async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
     query = c.query(body.question, body.documents, body.system, body, body)
@@ -169,8 +167,9 @@ def infill_response(answer: Answer, queue_s: float) -> InfillResponse:
                           mode=answer.stats.algorithm.split("+")[0], finish_reason=full.finish_reason)
 
 
-@router.post("/infill", response_model=InfillResponse)
-async def infill(body: InfillRequest, request: Request):
+@router.post("/infill", response_model=InfillResponse, openapi_extra=documented(InfillRequest),
+             responses=responses(*WITH_BODY, 400, 429, 503))
+async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     """Fill the hole between prefix and suffix. Send the same `session` each round: with `mode=efim` the text
     typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix
     and `usage.cached_tokens` says how much of the prompt was reused."""

@@ -17,8 +17,9 @@ from fastapi import APIRouter, Request
 from ragcache.engine import Answer
 
 from .answering import Context, ctx
+from .body import Body, documented
 from .engine_queue import EventStream, Generation
-from .errors import ApiError, describe
+from .errors import WITH_BODY, ApiError, describe, responses
 from .native import SSE_DONE, sse
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
@@ -60,7 +61,7 @@ def ragcache_info(answer: Answer, queue_s: float) -> dict:
             "ttft_s": st.ttft_s, "total_s": st.total_s}
 
 
-@router.get("/models", response_model=ModelList)
+@router.get("/models", response_model=ModelList, responses=responses())
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
     profile = c.rc.profile
@@ -74,8 +75,9 @@ def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created, ragcache=link)])
 
 
-@router.post("/completions")
-async def completions(body: CompletionRequest, request: Request):
+@router.post("/completions", openapi_extra=documented(CompletionRequest),
+             responses=responses(*WITH_BODY, 400, 404, 429, 503))
+async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest)):
     """The prompt is the question; documents and link options come as extra body fields."""
     c = ctx(request)
     _check(c, body)
@@ -122,8 +124,9 @@ def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
     return system, _text(rest[0], len(messages) - 1)
 
 
-@router.post("/chat/completions")
-async def chat_completions(body: ChatRequest, request: Request):
+@router.post("/chat/completions", openapi_extra=documented(ChatRequest),
+             responses=responses(*WITH_BODY, 400, 404, 429, 503))
+async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest)):
     """The last user message is the question, a leading system message the system prompt."""
     c = ctx(request)
     _check(c, body)

@@ -121,6 +121,20 @@ class Deleted(BaseModel):
     deleted: bool = True
 
 
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")  # details of some kinds: ids, limit and got, param, ...
+
+    type: str
+    message: str
+    code: str
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error status, OpenAI-style."""
+
+    error: ErrorDetail
+
+
 # -- generation parameters shared by every answering route --------------------------------------------
 class LinkOptions(Strict):
     algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")

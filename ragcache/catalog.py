@@ -39,6 +39,7 @@ class Catalog:
         self.tokenizer = tokenizer
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.chunk_tokens = chunk_tokens
+        self.vocab = len(tokenizer)  # every id a chunk record gives must be below it, or the model reads past its table
         self._locks = Locks()
 
     @contextmanager
@@ -104,15 +105,15 @@ class Catalog:
         """The document's chunks from its chunk record if sound, else chunked again from the text (and recorded)."""
         name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
         if record is not None:
-            problem = chunk_record_problem(name, record)
+            problem = chunk_record_problem(name, record, self.vocab)
             if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
                 return record["chunks"]
             log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
         chunks = [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
-        self.store.put_record(name, chunks_record(doc, self.tokenizer_fingerprint, chunks))
+        self.store.put_record(name, chunks_record(doc, self.tokenizer_fingerprint, self.vocab, chunks))
         return chunks
 
-    def _record(self, name: str) -> dict | None:
+    def _record(self, name: str):
         return self.store.get_records([name])[0]
 
     # -- entries ---------------------------------------------------------------------------------------------------

@@ -2,12 +2,16 @@
 
 Two kinds of record, both JSON in the store's record space:
 
-  doc/{id}                               {"id", "text", "meta", "created", "chunk_tokens"}
-  chunks/{id}/{tokenizer[:16]}-{budget}  {"chunks": [[token ids], ...], "tokens", "tokenizer", "checksum"}
+  doc/{id}                               {"id", "text", "meta", "created", "chunk_tokens", "checksum"}
+  chunks/{id}/{tokenizer[:16]}-{budget}  {"chunks": [[token ids], ...], "tokens", "tokenizer", "vocab", "checksum"}
 
 Records verify themselves, so nothing edited in the store can change an answer:
-  - a document record is sound only if its text hashes to its id (ids are content hashes);
-  - a chunk record is sound only if its checksum covers (document id, tokenizer fingerprint, budget, ids).
+  - a document record is sound only if its text hashes to its id (ids are content hashes), its checksum covers
+    (id, chunk budget), and its metadata is what an upload may hold;
+  - a chunk record is sound only if its checksum covers (document id, tokenizer fingerprint, budget, vocabulary size,
+    ids) and every chunk is a non-empty list of integer ids inside that vocabulary.
+The checksums are plain hashes: they catch damage and careless edits, and the type and range checks catch a forged
+record whose checksum was recomputed, so nothing read can index outside the model.
 A chunk record that fails is a miss: the chunks are re-derived from the text. A document record that fails
 cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
 """
@@ -15,17 +19,22 @@ cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it
 from __future__ import annotations
 
 import hashlib
+import json
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
 from ragcache.store import Store
+from ragcache.store.base import UnreadableRecord
 from ragcache.store.keys import document_id
 
-from .errors import CorruptDocument
+from .errors import CorruptDocument, InvalidMetadata, PayloadTooLarge
 
-CHUNKS_RECORD_VERSION = 1
+DOCUMENT_RECORD_VERSION = 1
+CHUNKS_RECORD_VERSION = 2  # 2: the vocabulary size is recorded and checksummed (version 1 records are re-derived)
+MAX_METADATA_CHARS = 65_536  # of its JSON
+MAX_METADATA_DEPTH = 32  # nested objects and arrays; JSON encoders and decoders recurse once per level
 
 
 @dataclass(frozen=True)
@@ -50,61 +59,137 @@ def document_ids(store: Store) -> set[str]:
     return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
 
 
+def is_count(value) -> bool:
+    """A positive integer, as JSON gives it: `true` is no count (Python reads it as 1)."""
+    return type(value) is int and value >= 1
+
+
+def check_metadata(meta, where: str = "metadata") -> None:
+    """InvalidMetadata or PayloadTooLarge unless `meta` is a JSON object every reader can encode again: nested at
+    most MAX_METADATA_DEPTH deep, no lone surrogates (UTF-8 cannot hold them), at most MAX_METADATA_CHARS of JSON."""
+    if not isinstance(meta, dict):
+        raise InvalidMetadata(f"{where} is not a JSON object")
+    if (depth := _depth(meta)) > MAX_METADATA_DEPTH:
+        raise InvalidMetadata(f"{where} nests deeper than {MAX_METADATA_DEPTH} levels (at least {depth})")
+    try:
+        json.dumps(meta, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        size = len(json.dumps(meta))
+    except UnicodeEncodeError as exc:
+        raise InvalidMetadata(f"{where} holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not "
+                              "Unicode text") from exc
+    except ValueError as exc:
+        raise InvalidMetadata(f"{where} is not plain JSON ({exc})") from exc
+    if size > MAX_METADATA_CHARS:
+        raise PayloadTooLarge(f"{where} is {size} characters of JSON; at most {MAX_METADATA_CHARS}",
+                              limit=MAX_METADATA_CHARS, got=size)
+
+
+def _depth(value) -> int:
+    """How deep objects and arrays nest, counted without recursion and no further than one level past the limit."""
+    deepest, todo = 0, [(value, 1)]
+    while todo and deepest <= MAX_METADATA_DEPTH:
+        item, depth = todo.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            todo.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def document_checksum(doc_id: str, budget: int) -> str:
+    return hashlib.sha256(f"ragcache-document/{DOCUMENT_RECORD_VERSION}\0{doc_id}\0{budget}".encode()).hexdigest()
+
+
 def document_record(doc: Document) -> dict:
-    return {"id": doc.id, "text": doc.text, "meta": doc.meta, "created": time.time(), "chunk_tokens": doc.chunk_tokens}
+    return {"id": doc.id, "text": doc.text, "meta": doc.meta, "created": time.time(), "chunk_tokens": doc.chunk_tokens,
+            "checksum": document_checksum(doc.id, doc.chunk_tokens)}
 
 
-def read_document(doc_id: str, record: dict | None) -> Document | None:
-    """The record as a Document; None if absent; CorruptDocument if it does not hold the text its id names."""
+def read_document(doc_id: str, record) -> Document | None:
+    """The record as a Document; None if absent; CorruptDocument naming the damage if any field a reader uses fails."""
     if record is None:
         return None
-    text = record.get("text") if isinstance(record, dict) else None
-    budget = record.get("chunk_tokens") if isinstance(record, dict) else None
-    if not isinstance(text, str) or document_id(text) != doc_id or not isinstance(budget, int) or budget < 1:
-        raise CorruptDocument(doc_id)
-    meta = record.get("meta")
+    problem = document_problem(doc_id, record)
+    if problem is not None:
+        raise CorruptDocument(doc_id, problem)
     created = record.get("created")
-    return Document(doc_id, text, meta if isinstance(meta, dict) else {}, budget,
-                    created if isinstance(created, (int, float)) else None)
+    return Document(doc_id, record["text"], record.get("meta") or {}, record["chunk_tokens"],
+                    created if type(created) in (int, float) else None)
 
 
-def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, chunks: list[list[int]]) -> str:
-    h = hashlib.sha256(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0".encode())
+def document_problem(doc_id: str, record) -> str | None:
+    if isinstance(record, UnreadableRecord):
+        return f"its record is not JSON ({record.reason})"
+    if not isinstance(record, dict):
+        return "its record is not a JSON object"
+    text, budget = record.get("text"), record.get("chunk_tokens")
+    if not isinstance(text, str) or document_id(text) != doc_id:
+        return "its text does not hash to its id"
+    if "checksum" not in record:
+        return "it has no checksum of its chunk budget (written before ragcache kept one)"
+    if not is_count(budget) or record["checksum"] != document_checksum(doc_id, budget):
+        return f"its chunk budget {budget!r} is not the one it was stored with"
+    try:
+        check_metadata(record.get("meta") or {}, "its metadata")
+    except (InvalidMetadata, PayloadTooLarge) as exc:
+        return str(exc)
+    return None
+
+
+def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]]) -> str:
+    h = hashlib.sha256(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0"
+                       f"{vocab}\0".encode())
     for ids in chunks:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(np.asarray(ids, dtype="<i4").tobytes())
     return h.hexdigest()
 
 
-def chunks_record(doc: Document, tokenizer_fingerprint: str, chunks: list[list[int]]) -> dict:
-    return {"chunks": chunks, "tokens": sum(map(len, chunks)), "tokenizer": tokenizer_fingerprint,
-            "checksum": chunks_checksum(doc.id, tokenizer_fingerprint, doc.chunk_tokens, chunks)}
+def chunks_record(doc: Document, tokenizer_fingerprint: str, vocab: int, chunks: list[list[int]]) -> dict:
+    return {"chunks": chunks, "tokens": sum(map(len, chunks)), "tokenizer": tokenizer_fingerprint, "vocab": vocab,
+            "checksum": chunks_checksum(doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks)}
 
 
-def chunk_record_problem(name: str, record) -> str | None:
-    """What is wrong with a chunk record (None if sound), from its name and contents alone: no model needed."""
-    try:
-        _, doc_id, tail = name.split("/")
-        tokenizer_prefix, budget = tail.rsplit("-", 1)
-        tokenizer, chunks = record["tokenizer"], record["chunks"]
-        if not tokenizer.startswith(tokenizer_prefix):
-            return "its tokenizer is not the one its name says"
-        if record.get("checksum") != chunks_checksum(doc_id, tokenizer, int(budget), chunks):
-            return "checksum mismatch (edited or damaged)"
-    except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
-        return "malformed"
+def chunks_problem(chunks, vocab: int) -> str | None:
+    """What makes these chunks unusable by a model of `vocab` tokens (None if nothing)."""
+    if not isinstance(chunks, list) or not chunks:
+        return "no chunks"
+    for i, ids in enumerate(chunks):
+        if not isinstance(ids, list) or not ids:
+            return f"chunk {i} is empty or not a list"
+        if not all(type(t) is int and 0 <= t < vocab for t in ids):
+            return f"chunk {i} holds something other than token ids of a {vocab}-token vocabulary"
     return None
 
 
-def record_problem(name: str, record: dict | None) -> str | None:
-    """What is wrong with any record of the store (None if sound or not a document's)."""
-    if record is None:  # unreadable JSON reads as None (a warning is logged)
-        return "unreadable"
+def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | None:
+    """What is wrong with a chunk record (None if sound), from its name and contents alone (no model needed), and
+    against the reader's vocabulary size where it is given."""
+    if not isinstance(record, dict):
+        return f"not JSON ({record.reason})" if isinstance(record, UnreadableRecord) else "not a JSON object"
+    try:
+        _, doc_id, tail = name.split("/")
+        tokenizer_prefix, budget = tail.rsplit("-", 1)
+        budget = int(budget)
+        tokenizer, chunks, recorded_vocab = record["tokenizer"], record["chunks"], record["vocab"]
+    except (ValueError, KeyError):
+        return "malformed"
+    if not isinstance(tokenizer, str) or not tokenizer.startswith(tokenizer_prefix):
+        return "its tokenizer is not the one its name says"
+    if not is_count(recorded_vocab) or (vocab is not None and recorded_vocab != vocab):
+        return f"its vocabulary size {recorded_vocab!r} is not the tokenizer's"
+    if problem := chunks_problem(chunks, recorded_vocab):
+        return problem
+    if record.get("checksum") != chunks_checksum(doc_id, tokenizer, budget, recorded_vocab, chunks):
+        return "checksum mismatch (edited, damaged, or written by an older ragcache)"
+    return None
+
+
+def record_problem(name: str, record) -> str | None:
+    """What is wrong with any record of the store (None if sound, absent, or not a document's)."""
+    if record is None:  # deleted while verify looked
+        return None
     if name.startswith("doc/"):
-        try:
-            read_document(name.split("/", 1)[1], record)
-        except CorruptDocument:
-            return "its text does not hash to its id (edited or damaged)"
+        return document_problem(name.split("/", 1)[1], record)
     if name.startswith("chunks/"):
         return chunk_record_problem(name, record)
     return None

@@ -2,8 +2,8 @@
 an HTTP status, ragcache/cli.py to an exit code, each in one table. The store's errors and the base class live in
 ragcache/store/errors.py (the store imports nothing from above it); every error is imported from here."""
 
-from ragcache.store.errors import (BadRequest, CodecOverflow, CorruptEntry, ParameterOutOfRange,  # noqa: F401
-                                   RagCacheError, StoreError)
+from ragcache.store.errors import (BadRequest, BrokenStore, CodecOverflow, CorruptEntry,  # noqa: F401
+                                   ParameterOutOfRange, RagCacheError, StoreError)
 
 
 class EmptyInput(BadRequest):
@@ -16,6 +16,11 @@ class PayloadTooLarge(BadRequest):
     def __init__(self, message: str, limit: int, got: int):
         self.limit, self.got = limit, got
         super().__init__(message)
+
+
+class InvalidMetadata(BadRequest):
+    """Document metadata that a store record cannot hold and give back: not a JSON object, nested too deep, or
+    holding text that is not Unicode (a lone surrogate)."""
 
 
 class UnknownAlgorithm(BadRequest):
@@ -58,9 +63,9 @@ class ModelFetchError(RagCacheError):
 
 
 class CorruptDocument(StoreError):
-    """A stored document record does not hold the text its id names (edited or damaged in the store)."""
+    """A stored document record fails its checks (edited or damaged in the store); `problem` names the damage."""
 
-    def __init__(self, doc_id: str):
-        self.doc_id = doc_id
-        super().__init__(f"the stored record of document {doc_id} fails its check (its text does not hash to its id); "
-                         "add the document's text again to repair it")
+    def __init__(self, doc_id: str, problem: str):
+        self.doc_id, self.problem = doc_id, problem
+        super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; add the document's text "
+                         "again to repair it")

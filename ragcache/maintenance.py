@@ -12,7 +12,7 @@ from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
 from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
-from .documents import doc_name, document_ids, record_problem
+from .documents import chunks_problem, doc_name, document_ids, record_problem
 
 
 def tiers_of(store: Store) -> list[Store]:
@@ -125,13 +125,13 @@ def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
     keys = set()
     names = store.record_names(f"chunks/{doc_id}/")
     for name, record in zip(names, store.get_records(names)):
-        record = record or {}
+        record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
         tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
         for *keyed, codec in combos:
             meta = dict(zip(KEYED_BY, keyed))
             lead = lead_ids_of_layout(meta["layout"])
             if lead is None or not meta["tokenizer"].startswith(tokenizer_prefix):
                 continue
-            for ids in record.get("chunks", []) if isinstance(record.get("chunks"), list) else []:
+            for ids in record.get("chunks", []):
                 keys.add(entry_key(meta, codec, [*lead, *ids]))
     return keys

@@ -30,6 +30,14 @@ class TierUnavailable(StoreError):
     A plain StoreError on a write (disk full, Redis out of memory) fails that write only."""
 
 
+@dataclass(frozen=True)
+class UnreadableRecord:
+    """What a tier gives for a record that is there but is not a JSON object (damaged, or planted): not absent, so
+    the reader can say it is corrupt, and not a record, so nothing reads a field of it."""
+
+    reason: str
+
+
 @dataclass
 class TierMetrics:
     hits: int = 0
@@ -93,9 +101,9 @@ class Store(ABC):
 
     # -- records (document -> chunk keys, texts) ----------------------------------------------------------
     @abstractmethod
-    def get_record(self, name: str) -> dict | None: ...
+    def get_record(self, name: str) -> dict | UnreadableRecord | None: ...
 
-    def get_records(self, names: list[str]) -> list[dict | None]:
+    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
         """Several records in one round trip where the tier can (Redis overrides this)."""
         return [self.get_record(name) for name in names]
 

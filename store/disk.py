@@ -20,9 +20,9 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from .errors import CorruptEntry, StoreError
+from .errors import BrokenStore, CorruptEntry, StoreError
 
-from .base import DEFAULT_DISK_BUDGET, BlobStore, log
+from .base import DEFAULT_DISK_BUDGET, BlobStore, UnreadableRecord, log
 from .entry import PROBE, describe_head, head_length
 
 SUFFIX = ".kv"
@@ -136,7 +136,7 @@ class DiskStore(BlobStore):
             except NotAnEntryFile:  # decode rejects empty bytes as corrupt: a miss, dropped and recompiled
                 blob = bytearray()
             except OSError as exc:
-                raise StoreError(f"disk tier {self.root}: cannot read entry {key[:12]} ({exc.strerror})") from exc
+                raise self._fault(f"cannot read entry {key[:12]}", exc) from exc
             out.append(blob)
             found.append((key, len(blob)))
         if found:
@@ -199,8 +199,15 @@ class DiskStore(BlobStore):
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
-            hint = "disk full" if exc.errno in (errno.ENOSPC, errno.EDQUOT) else exc.strerror
-            raise StoreError(f"disk tier {self.root}: cannot write {what} ({hint})") from exc
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise StoreError(f"disk tier {self.root}: cannot write {what} (disk full)") from exc
+            raise self._fault(f"cannot write {what}", exc) from exc
+
+    def _fault(self, what: str, exc: OSError) -> StoreError:
+        if exc.errno == errno.ELOOP:  # only a symlink we never made can loop: the same call fails the same way again
+            return BrokenStore(f"disk tier {self.root}: {what} (a symbolic link loop on its path, {exc.filename}; a "
+                               "retry cannot fix it: remove the link)")
+        return StoreError(f"disk tier {self.root}: {what} ({exc.strerror})")
 
     def _index(self, rows: list[tuple[str, int, float]]) -> None:
         try:
@@ -254,7 +261,7 @@ class DiskStore(BlobStore):
             log.warning("disk tier %s: %s is a directory, not an entry; ignoring it", self.root, path)
             existed = False
         except OSError as exc:
-            raise StoreError(f"disk tier {self.root}: cannot delete entry {key[:12]} ({exc.strerror})") from exc
+            raise self._fault(f"cannot delete entry {key[:12]}", exc) from exc
         try:
             self._db().execute("DELETE FROM entries WHERE key = ?", (key,))
         except sqlite3.Error as exc:  # a stale row only skews sizes until gc()
@@ -324,7 +331,7 @@ class DiskStore(BlobStore):
     def _record_path(self, name: str) -> Path:
         return self.records_dir / (name.replace("/", "__") + ".json")
 
-    def get_record(self, name: str) -> dict | None:
+    def get_record(self, name: str) -> dict | UnreadableRecord | None:
         try:
             with _open_regular(self._record_path(name)) as fh:
                 raw = fh.read(MAX_RECORD_BYTES + 1)
@@ -333,11 +340,11 @@ class DiskStore(BlobStore):
             return json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError, NotAnEntryFile) as exc:
-            log.warning("disk tier: record %s is unreadable (%s); ignoring it", name, exc)
-            return None
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, NotAnEntryFile) as exc:
+            log.warning("disk tier: record %s is unreadable (%s)", name, exc)
+            return UnreadableRecord(f"disk tier: {exc}")
         except OSError as exc:
-            raise StoreError(f"disk tier {self.root}: cannot read record {name} ({exc.strerror})") from exc
+            raise self._fault(f"cannot read record {name}", exc) from exc
 
     def put_record(self, name: str, record: dict) -> None:
         self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}")
@@ -349,7 +356,7 @@ class DiskStore(BlobStore):
         except FileNotFoundError:
             return False
         except OSError as exc:
-            raise StoreError(f"disk tier {self.root}: cannot delete record {name} ({exc.strerror})") from exc
+            raise self._fault(f"cannot delete record {name}", exc) from exc
 
     def record_names(self, prefix: str = "") -> list[str]:
         names = (p.name[: -len(".json")].replace("__", "/") for p in self.records_dir.glob("*.json"))
@@ -380,7 +387,12 @@ MAX_RECORD_BYTES = 1 << 30  # far above any real chunk; a bigger header is a pla
 def _open_regular(path: Path):
     """Open for reading without ever blocking: O_NONBLOCK keeps a FIFO from hanging the open, and anything that
     is not a regular file is refused before a byte is read."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and path.is_symlink():  # O_NOFOLLOW refuses the file itself being a link
+            raise NotAnEntryFile(errno.ELOOP, "a symbolic link, which ragcache never writes") from exc
+        raise
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise NotAnEntryFile(errno.EINVAL, "not a regular file")

@@ -24,3 +24,8 @@ class StoreError(RagCacheError):
 
 class CorruptEntry(StoreError):
     """An entry failed its checksum or does not belong to the key it was read under."""
+
+
+class BrokenStore(StoreError):
+    """The store's files cannot be reached in a way no retry changes (a symbolic link loop on their path): not an
+    outage but damage an operator must repair."""

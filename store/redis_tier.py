@@ -40,7 +40,7 @@ from redis.retry import Retry
 
 from .errors import StoreError
 
-from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, log
+from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, UnreadableRecord, log
 from .entry import HEADER, MAGIC, describe_head
 
 PART_BYTES = 2 << 20
@@ -353,10 +353,10 @@ class RedisStore(BlobStore):
         return {"broken_entries_removed": broken, "orphan_parts_removed": len(orphans)}
 
     # -- records ------------------------------------------------------------------------------------
-    def get_record(self, name: str) -> dict | None:
+    def get_record(self, name: str) -> dict | UnreadableRecord | None:
         return self.get_records([name])[0]
 
-    def get_records(self, names: list[str]) -> list[dict | None]:
+    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
         if not names:
             return []
         with self._errors("read records"):
@@ -444,16 +444,14 @@ def _glob_escape(text: str) -> str:
     return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
-def _parse_record(name: str, raw: bytes | None) -> dict | None:
+def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | None:
     if raw is None:
         return None
     try:
         record = json.loads(raw)
-    except (ValueError, UnicodeDecodeError):
-        record = None
-    if not isinstance(record, dict):
-        log.warning("redis tier: record %s is unreadable; ignoring it", name)
-        return None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        log.warning("redis tier: record %s is unreadable (%s)", name, exc)
+        return UnreadableRecord(f"redis tier: {exc}")
     return record
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from .errors import StoreError
 
-from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, log
+from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, UnreadableRecord, log
 from .entry import ChunkKV
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
@@ -209,14 +209,16 @@ class TieredStore(Store):
         return out
 
     # -- records ------------------------------------------------------------------------------------
-    def get_record(self, name: str) -> dict | None:
+    def get_record(self, name: str) -> dict | UnreadableRecord | None:
         return self.get_records([name])[0]
 
-    def get_records(self, names: list[str]) -> list[dict | None]:
+    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
         """Each record from the fastest tier that has it (one batched read per tier, for what is still missing);
         None only where every tier answered that it has none. Where a tier that may hold a record is down, the record
-        is not "unknown" but "unavailable": TierUnavailable."""
-        out: list[dict | None] = [None] * len(names)
+        is not "unknown" but "unavailable": TierUnavailable. A damaged copy (not a JSON object) is read past, so a
+        sound copy in a slower tier replaces it; it is given back only where no tier holds a sound one."""
+        out: list = [None] * len(names)
+        damaged: dict[int, object] = {}
         todo = list(range(len(names)))
         unanswered = []
         for i, tier in enumerate(self.tiers):
@@ -227,7 +229,9 @@ class TieredStore(Store):
                 unanswered.append(tier.name)
                 continue
             for j, record in zip(todo, got):
-                if record is not None:
+                if record is not None and not isinstance(record, dict):
+                    damaged.setdefault(j, record)
+                elif record is not None:
                     out[j] = record
                     for faster in range(i):  # records are small and read on every query: keep them close
                         if self._usable(faster):
@@ -236,6 +240,8 @@ class TieredStore(Store):
         if todo and unanswered:
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
                                   f"{', '.join(unanswered)}, which are down")
+        for j, record in damaged.items():
+            out[j] = record if out[j] is None else out[j]
         return out
 
     def put_record(self, name: str, record: dict) -> None:

@@ -14,6 +14,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
@@ -939,3 +940,74 @@ def test_non_finite_numbers_in_metadata_are_a_422(http):
     body = b'{"documents": [{"text": "Nothing is infinite.", "metadata": {"weight": Infinity, "score": NaN}}]}'
     r = http.post("/v1/documents", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 422 and "not plain JSON" in r.json()["error"]["message"], r.text
+
+
+# -- input limits hold before the work (#29) -----------------------------------------------------------------------
+def test_an_upload_is_parsed_off_the_event_loop(server, monkeypatch):
+    """While one upload's body is being parsed, /health is answered: the parse is held until it is."""
+    from ragcache.api import body
+    held, release, parse = threading.Event(), threading.Event(), body.parse
+
+    def held_parse(*args):
+        held.set()
+        release.wait(60)
+        return parse(*args)
+
+    monkeypatch.setattr(body, "parse", held_parse)
+    with httpx.Client(base_url=server.url, timeout=60) as uploader, ThreadPoolExecutor(1) as pool:
+        upload = pool.submit(uploader.post, "/v1/documents", json={"text": "", "metadata": {}})
+        assert held.wait(60)
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        finally:
+            release.set()
+        assert upload.result().status_code == 422  # the empty text, found once the parse went on
+
+
+def test_a_body_over_the_document_count_is_refused_before_its_documents_are_validated(http):
+    """Documents past the limit are not even valid: a 413 for the count, not a 422 for them, shows that they were
+    never built."""
+    docs = [{"text": f"note {i}"} for i in range(64)] + [{"text": 5}] * 1000
+    error = error_of(http.post("/v1/documents", json={"documents": docs}), 413, "1064 documents", "at most 64")
+    assert error["limit"] == 64 and error["got"] == 1064
+
+
+@pytest.mark.parametrize("metadata,fragment", [
+    ({"a": "\ud800"}, "lone surrogate"),
+    ({"a": json.loads("[" * 40 + "]" * 40)}, "deeper than 32"),
+    ({"a": json.loads("[" * 900 + "]" * 900)}, "recursion limit"),
+    ({"a": "x" * 70_000}, "at most 65536"),
+], ids=["surrogate", "deep", "900-deep", "large"])
+def test_metadata_a_record_could_not_give_back_is_refused_and_listing_still_works(http, metadata, fragment):
+    error_of(http.post("/v1/documents", content=json.dumps({"text": "A short note on limits.", "metadata":
+                                                                    metadata}),
+                               headers={"content-type": "application/json"}), 413 if "65536" in fragment else 422,
+                     fragment)
+    assert http.get("/v1/documents").status_code == 200
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/query", {"question": "q"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}]})])
+def test_a_query_over_the_document_count_is_refused_before_its_documents_are_validated(http, path, extra):
+    docs = ["0" * 32] * 64 + [5] * 1000
+    error_of(http.post(path, json={**extra, "documents": docs}), 413, "1064 documents", "at most 64")
+
+
+def test_the_openapi_document_lists_the_codes_the_routes_return(http, doc_ids):
+    doc = http.get("/openapi.json").json()
+    unknown = "0" * 32
+    cases = [("POST", "/v1/query", "/v1/query", {"json": {"question": "q", "documents": [unknown]}}, 404),
+             ("POST", "/v1/query", "/v1/query", {"json": {"question": ""}}, 422),
+             ("POST", "/v1/chat/completions", "/v1/chat/completions", {"json": {"messages": []}}, 422),
+             ("POST", "/v1/completions", "/v1/completions", {"json": {"prompt": "q", "model": "nope"}}, 404),
+             ("POST", "/v1/documents", "/v1/documents", {"json": {"documents": [{"text": "x"}] * 65}}, 413),
+             ("POST", "/v1/infill", "/v1/infill", {"json": {"prefix": 1}}, 422),
+             ("GET", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("DELETE", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("GET", "/v1/documents?limit=0", "/v1/documents", {}, 422)]
+    for method, url, path, kwargs, status in cases:
+        assert http.request(method, url, **kwargs).status_code == status, (method, url)
+        documented = doc["paths"][path][method.lower()]["responses"]
+        assert str(status) in documented and "500" in documented, (method, path, status, sorted(documented))
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert {"CompileRequest", "QueryRequest", "ErrorResponse"} <= refs <= set(doc["components"]["schemas"])

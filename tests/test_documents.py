@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from ragcache import maintenance
 from ragcache.catalog import Catalog
 from ragcache.chunker import chunk_document
 from ragcache.documents import chunks_name, doc_name
@@ -384,3 +385,85 @@ def test_locks_keep_nothing_once_every_hold_and_wait_is_over():
     docs.delete("1" * 32)
     locks = docs._locks
     assert not locks._readers and not locks._writer and not locks._waiting_writers
+
+
+# -- every field a link reads is checked for type and range ----------------------------------------------------------
+def _forged_chunks(store, docs: Catalog, doc_id: str, chunks) -> None:
+    """Chunk record holding `chunks` with a checksum recomputed the way ragcache computes it: what someone who can
+    write to the store can do without a store key."""
+    from ragcache.documents import chunks_record
+    doc = docs.get(doc_id)
+    store.put_record(chunks_name(doc_id, TOKENIZER_FP, doc.chunk_tokens),
+                     chunks_record(doc, TOKENIZER_FP, len(docs.tokenizer), chunks))
+
+
+@pytest.mark.parametrize("chunks", [[[]], [[10**9]], [[-5, 3]], [[True, 3]], [[3.0]], []],
+                         ids=["empty-chunk", "outside-vocab", "negative", "bool", "float", "no-chunks"])
+def test_a_forged_chunk_record_is_re_derived_and_verify_reports_it(chunks):
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    truth = docs.chunks_of(doc_id)
+    _forged_chunks(store, docs, doc_id, chunks)
+    (bad,) = maintenance.verify(store)["bad_records"]
+    assert bad["name"] == chunks_name(doc_id, TOKENIZER_FP, 8)
+    assert docs.chunks_of(doc_id) == truth
+    assert maintenance.verify(store)["bad_records"] == []  # written back sound
+
+
+@pytest.mark.parametrize("budget", [16, True, 0, "8", 8.0, None])
+def test_an_edited_chunk_budget_is_corrupt_and_verify_reports_it(budget):
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    record = store.get_record(doc_name(doc_id))
+    store.put_record(doc_name(doc_id), {**record, "chunk_tokens": budget})
+    with pytest.raises(CorruptDocument, match="chunk budget"):
+        docs.resolve([doc_id])
+    (bad,) = maintenance.verify(store)["bad_records"]
+    assert bad["name"] == doc_name(doc_id) and "chunk budget" in bad["problem"]
+    assert docs.add(TEXTS[0]) == doc_id and docs.chunks_of(doc_id)  # adding the text again repairs it
+
+
+def test_a_document_record_without_its_checksum_is_corrupt_and_says_so():
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    record = store.get_record(doc_name(doc_id))
+    store.put_record(doc_name(doc_id), {k: v for k, v in record.items() if k != "checksum"})
+    with pytest.raises(CorruptDocument, match="no checksum"):
+        docs.resolve([doc_id])
+
+
+def test_a_document_record_that_is_not_json_is_corrupt_not_unknown(tmp_path):
+    store = open_store(f"disk:{tmp_path}")
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    (tmp_path / "records" / f"doc__{doc_id}.json").write_text('{"id": "')
+    with pytest.raises(CorruptDocument, match="not JSON"):
+        docs.resolve([doc_id])
+    with pytest.raises(CorruptDocument):
+        docs.get(doc_id)
+    (bad,) = maintenance.verify(store)["bad_records"]
+    assert bad["name"] == doc_name(doc_id) and "not JSON" in bad["problem"]
+
+
+def test_a_damaged_record_in_a_fast_tier_is_read_from_a_slower_one_and_repaired(tmp_path):
+    from ragcache.store.tiered import TieredStore
+    from ragcache.store.disk import DiskStore
+    fast, slow = DiskStore(tmp_path / "fast"), DiskStore(tmp_path / "slow")
+    docs = docs_over(TieredStore([fast, slow]))
+    doc_id = docs.add(TEXTS[0])
+    fast._record_path(doc_name(doc_id)).write_text("not json")
+    assert docs.get(doc_id).text == TEXTS[0]
+    assert fast.get_record(doc_name(doc_id))["text"] == TEXTS[0]
+
+
+@pytest.mark.parametrize("meta", [{"a": "\ud800"}, json.loads("[" * 900 + "]" * 900)], ids=["surrogate", "deep"])
+def test_stored_metadata_that_could_not_be_uploaded_is_corrupt(meta):
+    store = MemoryStore()
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    store.put_record(doc_name(doc_id), {**store.get_record(doc_name(doc_id)), "meta": {"m": meta}})
+    with pytest.raises(CorruptDocument, match="metadata"):
+        docs.get(doc_id)

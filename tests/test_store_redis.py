@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from ragcache.errors import StoreError
 from ragcache.store import open_store
-from ragcache.store.base import TierUnavailable
+from ragcache.store.base import TierUnavailable, UnreadableRecord
 from ragcache.store_cli import store_app
 from ragcache.store.disk import DiskStore
 from ragcache.store.memory import MemoryStore
@@ -107,7 +107,7 @@ def test_records_and_prefixes(redis_url):
     assert b.record_names() == [] and b.get(key) is None and list(b.keys()) == []
     assert a.delete_record("doc/y") and not a.delete_record("doc/y")
     raw(redis_url).set("ragcache:rec:doc/bad", b"{not json")
-    assert a.get_record("doc/bad") is None
+    assert isinstance(a.get_record("doc/bad"), UnreadableRecord)  # there, but damaged: not an absent record
 
 
 def test_overwrite_leaves_one_generation(redis_url):

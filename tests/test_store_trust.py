@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import sqlite3
 import threading
 
 import pytest
 
 from ragcache.errors import CorruptEntry, StoreError
-from ragcache.store.base import TierUnavailable
+from ragcache.store.base import TierUnavailable, UnreadableRecord
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
 from ragcache.store.memory import MemoryStore
@@ -102,13 +103,13 @@ def test_a_fifo_in_place_of_an_entry_is_corrupt_and_never_blocks(tmp_path):
     assert same_bits(store.get(key), entry)
 
 
-def test_a_fifo_in_place_of_a_record_is_ignored(tmp_path):
+def test_a_fifo_in_place_of_a_record_is_unreadable_and_never_blocks(tmp_path):
     store = DiskStore(tmp_path)
     store.put_record("doc/x", {"text": "t"})
     path = store._record_path("doc/x")
     path.unlink()
     os.mkfifo(path)
-    assert _read_in_thread(lambda: store.get_record("doc/x")) is None
+    assert isinstance(_read_in_thread(lambda: store.get_record("doc/x")), UnreadableRecord)
 
 
 def test_a_sparse_huge_file_is_read_no_further_than_its_header(tmp_path):
@@ -279,3 +280,38 @@ def test_a_frozen_redis_fails_the_call_once_and_the_tiered_store_skips_it(redis_
         assert store.get_many([key]) == [None] and not calls  # skipped while its backoff runs
     finally:
         os.kill(redis_server.proc.pid, signal.SIGCONT)
+
+
+# -- a symbolic link loop is no outage: a retry cannot fix it -----------------------------------------------------------
+def test_a_symlink_loop_on_the_way_to_the_files_is_a_broken_store_not_an_outage(tmp_path):
+    from ragcache.api.errors import RETRY_AFTER_S, describe
+    from ragcache.store.errors import BrokenStore
+    store = DiskStore(tmp_path)
+    key, entry = make_entry(5, layers=2, tokens=8)
+    store.put(key, entry)
+    store.put_record("doc/x", {"text": "t"})
+    shard = store.entry_path(key).parent
+    shutil.rmtree(shard)
+    shard.symlink_to(shard)  # a loop
+    with pytest.raises(BrokenStore, match="symbolic link loop") as raised:
+        store.get(key)
+    status, body = describe(raised.value)
+    assert status == 500 and status not in RETRY_AFTER_S and body["error"]["type"] == "broken_store"
+    records = store.records_dir
+    shutil.rmtree(records)
+    records.symlink_to(records)
+    with pytest.raises(BrokenStore):
+        store.get_record("doc/x")
+
+
+def test_a_symlink_in_place_of_an_entry_or_a_record_is_damage_not_an_outage(tmp_path):
+    store = DiskStore(tmp_path)
+    key, entry = make_entry(5, layers=2, tokens=8)
+    store.put(key, entry)
+    store.put_record("doc/x", {"text": "t"})
+    for path in (store.entry_path(key), store._record_path("doc/x")):
+        path.unlink()
+        path.symlink_to(path)
+    assert store.check_many([key])[0] is not None  # `store verify` reports it
+    assert store.get(key) is None  # a miss: recompiled
+    assert isinstance(store.get_record("doc/x"), UnreadableRecord)
