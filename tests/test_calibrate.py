@@ -18,8 +18,7 @@ class _KnownRC:
 
     def __init__(self, thresholds: list[int]):
         self.thresholds = thresholds
-        self.lm = SimpleNamespace(name="known", fingerprint="f" * 64,
-                                  model=torch.nn.Linear(1, 1))  # fp32 parameters: the profile's dtype
+        self.lm = SimpleNamespace(name="known", fingerprint="f" * 64, dtype=torch.float32)  # the profile's dtype
 
     def link(self, question, doc_ids, algorithm="legolink", k=16, ratio=0.15, **_):
         threshold = self.thresholds[int(question)]
