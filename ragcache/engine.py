@@ -82,11 +82,12 @@ class RagCache:
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *,
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
-             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto") -> "RagCache":
+             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto",
+             adapter: str | None = None) -> "RagCache":
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
-        the compute dtype elsewhere)."""
+        the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote (None: the base model)."""
         validate_kv_codec(kv_codec)  # a bad name fails before the model loads
-        lm = models.load(model, dtype=dtype, device=device)
+        lm = models.load(model, dtype=dtype, device=device, adapter=adapter)
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
                    kv_codec=kv_codec)
 
@@ -94,7 +95,7 @@ class RagCache:
     def from_settings(cls, s: "Settings") -> "RagCache":
         """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults)."""
         return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
-                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20)
+                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20, adapter=s.adapter)
 
     @property
     def kv_codec(self) -> str:

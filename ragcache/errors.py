@@ -64,3 +64,7 @@ class CorruptDocument(StoreError):
         self.doc_id = doc_id
         super().__init__(f"the stored record of document {doc_id} fails its check (its text does not hash to its id); "
                          "add the document's text again to repair it")
+
+
+class BadAdapter(ModelFetchError):
+    """An adapter directory that is missing, damaged, or fitted to a model of another configuration."""

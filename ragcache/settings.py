@@ -54,6 +54,8 @@ class Settings(BaseSettings):
                        description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
                        "else float32 (see README: dtype)")
     device: str = "cpu"
+    adapter: str | None = Field(None, description="a read-side LoRA directory `ragcache train link` wrote "
+                                "(default: none, the base model)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
