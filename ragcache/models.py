@@ -313,11 +313,12 @@ def attach_adapter(lm: LoadedModel, path: Path) -> LoadedModel:
                              f"configuration than {lm.name!r}")
     try:
         from peft import PeftModel
+        from safetensors import SafetensorError
     except ImportError as exc:
         raise BadAdapter("adapters need the `peft` package: pip install 'ragcache[train]'") from exc
     try:
         peft = PeftModel.from_pretrained(lm.model, str(path), is_trainable=False)
-    except (OSError, ValueError, RuntimeError, KeyError) as exc:  # a size mismatch, a damaged safetensors file
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
         raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
     model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
     fingerprint = hashlib.sha256(f"{lm.fingerprint}+{digest}".encode()).hexdigest()[:32]
