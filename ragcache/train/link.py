@@ -179,28 +179,32 @@ def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
 
 
-def _targets_key(cfg: LinkTrainConfig, lm: models.LoadedModel, sets: dict[str, list[Item]]) -> str:
-    h = hashlib.sha256(f"{lm.fingerprint}:{cfg.answer_tokens}".encode())
-    for name, items in sets.items():
-        h.update(json.dumps([name, [asdict(i) for i in items]]).encode())
-    return h.hexdigest()[:32]
+def _item_key(item: Item) -> str:
+    return hashlib.sha256(json.dumps(asdict(item)).encode()).hexdigest()[:32]
 
 
 def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Item]],
-                    say: Callable[[str, int, int], None]) -> dict[str, list[Target]]:
-    """The targets saved under `out` for these items, else prepared now (and saved)."""
-    path, key = Path(cfg.out) / "targets.pt", _targets_key(cfg, rc.lm, sets)
-    if path.exists():
-        saved = torch.load(path, weights_only=True)
-        if saved.get("key") == key:
-            return {name: [Target(**fields) for fields in targets] for name, targets in saved["sets"].items()}
-    out = {}
+                    say: Callable[[str, int, int], None], save_every: int = 20) -> dict[str, list[Target]]:
+    """Each item's targets: read from `out`/targets.pt where an earlier run prepared them with this model, else
+    prepared now; saved every `save_every` items, so a run killed while preparing loses little."""
+    path = Path(cfg.out) / "targets.pt"
+    model = f"{rc.lm.fingerprint}:{cfg.answer_tokens}"
+    saved = torch.load(path, weights_only=True) if path.exists() else {}
+    done = saved.get("targets", {}) if saved.get("model") == model else {}
+    out, fresh = {}, 0
     for name, items in sets.items():
         out[name] = []
         for i, item in enumerate(items):
-            out[name].append(prepare(rc, item, cfg.answer_tokens))
+            key = _item_key(item)
+            if key not in done:
+                done[key] = vars(prepare(rc, item, cfg.answer_tokens))
+                fresh += 1
+                if fresh % save_every == 0:
+                    _atomic_save({"model": model, "targets": done}, path)
+            out[name].append(Target(**done[key]))
             say(name, i + 1, len(items))
-    _atomic_save({"key": key, "sets": {n: [vars(t) for t in ts] for n, ts in out.items()}}, path)
+    if fresh:
+        _atomic_save({"model": model, "targets": done}, path)
     return out
 
 
@@ -234,8 +238,7 @@ def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> 
     for layer in range(placed.keys.shape[0]):
         cache.update(placed.keys[layer][None], placed.values[layer][None], layer)
     device = next(model.parameters()).device
-    hidden = model.model(input_ids=ids[None].to(device), position_ids=positions[None].to(device),
-                         past_key_values=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
+    hidden = model.model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
     return model.lm_head(hidden[0, placed.rows.numel() - 1:]).float()
 
 
