@@ -353,7 +353,7 @@ def summary(per_item: list[dict], seed: int = 0) -> dict:
         table[key] = dict(base=sum(r["base"][key] for r in per_item) / max(n, 1),
                           adapted=sum(r["adapted"][key] for r in per_item) / max(n, 1),
                           diff=sum(diffs) / max(n, 1), low=means[int(0.025 * len(means))],
-                          high=means[int(0.975 * len(means)) - 1 if len(means) > 1 else 0])
+                          high=means[min(len(means) - 1, int(0.975 * len(means)))])
     return table
 
 
