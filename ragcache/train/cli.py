@@ -86,7 +86,7 @@ def link_cmd(
 def _print_link_report(cfg, report) -> None:
     window = max(1, min(10, len(report.losses) // 2))
     head, tail = (sum(part) / window for part in (report.losses[:window], report.losses[-window:]))
-    console.print(f"{report.steps} steps on {report.items['train']} items in {report.seconds:.0f}s; "
+    console.print(f"{report.steps} steps on {report.items['train']} items (this run: {report.seconds:.0f}s); "
                   f"training KL {head:.4f} -> {tail:.4f} (first and last {window} steps)")
     table = Table(title=f"held out ({report.items['eval']} items): {cfg.label()} against the base model's full")
     for col in ("metric", "base", "adapted", "adapted - base", "95% interval"):
