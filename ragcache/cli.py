@@ -58,18 +58,20 @@ def _fail(exc: Exception) -> None:
 DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
                                                  "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
+AdapterOption = typer.Option(None, "--adapter", help="a LoRA directory `ragcache train link` wrote (default: "
+                                                     "settings, none)")
 KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
                                                       "(default: settings, auto: int8 on CPU, the compute dtype "
                                                       "elsewhere)")
 
 
 def _open(model: str | None, store: str | None, chunk_tokens: int | None = None, dtype: str | None = None,
-          device: str | None = None, kv_codec: str | None = None):
+          device: str | None = None, kv_codec: str | None = None, adapter: str | None = None):
     from .engine import RagCache
 
     try:
         s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device,
-                          kv_codec=kv_codec)
+                          kv_codec=kv_codec, adapter=adapter)
     except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
         raise BadRequest(str(exc)) from exc
     if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
@@ -232,11 +234,12 @@ def query(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     kv_codec: str = KvCodecOption,
+    adapter: str = AdapterOption,
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
-        rc, s = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec)
+        rc, s = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec, adapter=adapter)
         result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
                            k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
                            max_new_tokens=max_new_tokens or s.max_new_tokens)
@@ -292,13 +295,15 @@ def serve(
                                           "(README: On vLLM)"),
     max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
     kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
+    adapter: str = AdapterOption,
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
 
     try:
         s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
-                          engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib)
+                          engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
+                          adapter=adapter)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         _fail(BadRequest(str(exc)))
     try:

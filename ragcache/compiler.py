@@ -5,7 +5,9 @@ The compile layout is part of every key:
   plain the chunk's tokens only (tokenizers that add no BOS, and the system prefix)
   sink  as the default layout, but a few dummy sink tokens are prefilled before the chunk and dropped from
         the stored cache (legolink0)
-The kv codec (store/codec.py) is part of every key too: the entry holds K/V in the codec's stored form.
+The kv codec (store/codec.py) is part of every key too: the entry holds K/V in the codec's stored form. Chunks are
+compiled with the base weights (`LoadedModel.compile_fingerprint` names them), also when a read-side adapter is
+attached: an adapted engine reads the base model's entries.
 """
 
 from __future__ import annotations
@@ -72,7 +74,7 @@ class Compiler:
         self.codec = kv_codec.resolve(codec, dtype, runner.device.type if runner is not None else "cpu")
 
     def meta(self, layout: Layout) -> dict:
-        return entry_meta(self.lm.fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec,
+        return entry_meta(self.lm.compile_fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec,
                           self.lm.name)
 
     def key(self, token_ids: list[int], layout: Layout) -> str:
@@ -100,7 +102,8 @@ class Compiler:
     def compile(self, token_ids: list[int], layout: Layout) -> ChunkKV:
         stored = self.stored_ids(token_ids, layout)
         prefilled = torch.tensor([*layout.sink_ids, *stored], dtype=torch.long)
-        keys, values = self.runner.prefill_pre_rope(prefilled)
+        with self.lm.base_weights():  # a read-side adapter never runs here: entries stay the base model's
+            keys, values = self.runner.prefill_pre_rope(prefilled)
         drop = len(layout.sink_ids)
         keys, values, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
         return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales,

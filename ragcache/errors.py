@@ -69,3 +69,7 @@ class CorruptDocument(StoreError):
         self.doc_id, self.problem = doc_id, problem
         super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; add the document's text "
                          "again to repair it")
+
+
+class BadAdapter(ModelFetchError):
+    """An adapter directory that is missing, damaged, or fitted to a model of another configuration."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ModelFetchError, UnsupportedModel
+from .errors import BadAdapter, ModelFetchError, UnsupportedModel
 from .settings import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
@@ -205,17 +205,34 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     AutoConfig.from_pretrained(out_dir)  # fail here, not at first use, if the result is unreadable
 
 
+@dataclass(frozen=True)
+class Adapter:
+    """A read-side LoRA (`ragcache train link`) attached to a loaded model: it runs on every row the linker or the
+    decoder computes, never on compile, so the store's entries are the base model's."""
+
+    path: Path
+    sha256: str  # of its files: part of the model's fingerprint
+    peft: object  # the PeftModel wrapping the base model; its disable_adapter() gives the base weights back
+
+
 @dataclass
 class LoadedModel:
     name: str
     model: torch.nn.Module | None  # None: described only, its weights run in another engine (vLLM)
     tokenizer: object
-    fingerprint: str
+    fingerprint: str  # the model as it answers: base weights and adapter
     tokenizer_fingerprint: str
     config: object = None
     dtype: torch.dtype | None = None
+    adapter: Adapter | None = None
+    compile_fingerprint: str = ""  # the weights chunks are compiled with (the base model's); default: fingerprint
+
+    def base_weights(self):
+        """A context in which the model computes with its base weights (the adapter off): what compile runs in."""
+        return self.adapter.peft.disable_adapter() if self.adapter is not None else contextlib.nullcontext()
 
     def __post_init__(self):
+        self.compile_fingerprint = self.compile_fingerprint or self.fingerprint
         if self.model is not None:
             self.config = self.config or self.model.config
             self.dtype = self.dtype or next(self.model.parameters()).dtype
@@ -248,7 +265,9 @@ def cpu_has_bf16() -> bool:
     return any(check() for check in checks if check is not None)
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu") -> LoadedModel:
+def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
+         adapter: str | Path | None = None) -> LoadedModel:
+    """`adapter`: a directory `ragcache train link` wrote (None: the base model)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -263,7 +282,50 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", d
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except OSError as exc:
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
-    return wrap(model.to(device).eval(), tokenizer, name=name_or_path)
+    lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
+    return attach_adapter(lm, Path(adapter)) if adapter is not None else lm
+
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what PEFT's save_pretrained writes
+ADAPTER_META = "ragcache-adapter.json"  # what `ragcache train link` adds: the base model it was fitted to
+
+
+def adapter_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        file = path / name
+        if not file.is_file():
+            raise BadAdapter(f"{path} is not a LoRA adapter directory: {name} is missing")
+        h.update(name.encode() + b"\0" + file.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def attach_adapter(lm: LoadedModel, path: Path) -> LoadedModel:
+    """The model with a read-side LoRA from `path`. Refused with BadAdapter: a missing or unreadable adapter, or
+    one fitted to a model of another configuration."""
+    digest = adapter_sha256(path)
+    meta_file = path / ADAPTER_META
+    if meta_file.is_file():
+        try:
+            meta = json.loads(meta_file.read_text())
+        except ValueError as exc:
+            raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
+        if meta.get("base_config") != config_fingerprint(lm.model):
+            raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
+                             f"configuration than {lm.name!r}")
+    try:
+        from peft import PeftModel
+        from safetensors import SafetensorError
+    except ImportError as exc:
+        raise BadAdapter("adapters need the `peft` package: pip install 'ragcache[train]'") from exc
+    try:
+        peft = PeftModel.from_pretrained(lm.model, str(path), is_trainable=False)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
+        raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
+    model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
+    fingerprint = hashlib.sha256(f"{lm.fingerprint}+{digest}".encode()).hexdigest()[:32]
+    return LoadedModel(lm.name, model, lm.tokenizer, fingerprint, lm.tokenizer_fingerprint,
+                       Adapter(path, digest, peft), compile_fingerprint=lm.fingerprint)
 
 
 def describe(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu"
@@ -305,14 +367,25 @@ def _rope_parameter_sets(config) -> list[dict]:
     return [params]
 
 
+def _config_json(model: torch.nn.Module, volatile: tuple[str, ...] = ()) -> str:
+    cfg = model.config.to_dict()
+    for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset",
+                *volatile):
+        cfg.pop(key, None)
+    return json.dumps(cfg, sort_keys=True, default=str)
+
+
+def config_fingerprint(model: torch.nn.Module) -> str:
+    """The architecture alone (no weights, no dtype): what an adapter must match to be attached."""
+    # the runner sets the attention implementation after loading: the same model before and after
+    return hashlib.sha256(_config_json(model, ("_attn_implementation", "use_cache")).encode()).hexdigest()[:32]
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Config plus weight identity. Weights are sampled (16 x 4 KiB per tensor), enough to tell checkpoints apart
     without hashing gigabytes at every start."""
     h = hashlib.sha256()
-    cfg = model.config.to_dict()
-    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset"):
-        cfg.pop(volatile, None)
-    h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
+    h.update(_config_json(model).encode())
     for name, tensor in sorted(model.state_dict().items()):
         raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         h.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype}".encode())

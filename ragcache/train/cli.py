@@ -1,5 +1,5 @@
-"""`ragcache train ...` commands: `infill` (fine-tune for EFIM with fragment tokenization) and `eval`
-(infilling exact match, PSM against EFIM)."""
+"""`ragcache train ...` commands: `link` (a LoRA that keeps the base model's answers under a cheap link), `infill`
+(fine-tune for EFIM with fragment tokenization) and `eval` (infilling exact match, PSM against EFIM)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from rich.table import Table
 
 from ..errors import BadRequest, ModelFetchError, RagCacheError, UnsupportedModel
 
-train_app = typer.Typer(help="Fine-tune models for EFIM infilling (fragment tokenization).", no_args_is_help=True)
+train_app = typer.Typer(help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.",
+                        no_args_is_help=True)
 console = Console()
 err = Console(stderr=True)
 
@@ -30,6 +31,71 @@ def _fail(exc: Exception) -> None:
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=err)
+
+
+@train_app.command("link")
+def link_cmd(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="built-in name, transformers dir or hub id"),
+    algorithm: str = typer.Option("naive", "--algorithm", help="the cheap link to fit: naive | legolink | focus"),
+    k: int = typer.Option(16, "--k", help="legolink: rows recomputed at the start of each chunk"),
+    ratio: float = typer.Option(0.1, "--ratio", help="focus: share of chunk tokens recomputed"),
+    steps: int = typer.Option(100, "--steps", help="optimizer steps"),
+    batch: int = typer.Option(4, "--batch", help="items per step"),
+    lr: float = typer.Option(1e-4, "--lr"),
+    rank: int = typer.Option(16, "--rank", help="LoRA rank"),
+    train_items: int = typer.Option(200, "--train-items", help="training items (questions over a few documents)"),
+    eval_items: int = typer.Option(40, "--eval-items", help="held-out items reported at the end"),
+    answer_tokens: int = typer.Option(8, "--answer-tokens", help="answer tokens of full's greedy answer distilled"),
+    docs: Path = typer.Option(None, "--docs", help="your documents (a .txt/.md file or folder): questions are "
+                                                   "written by the base model (default: SQuAD v1.1 dev)"),
+    out: Path = typer.Option(Path("./link-adapter"), "--out", help="output directory (a killed run resumes here)"),
+    seed: int = typer.Option(0, "--seed"),
+    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
+):
+    """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter."""
+    from .link import LinkTrainConfig, train_link
+
+    cfg = LinkTrainConfig(model=model, algorithm=algorithm, k=k, ratio=ratio, steps=steps, batch=batch, lr=lr,
+                          rank=rank, train_items=train_items, eval_items=eval_items, answer_tokens=answer_tokens,
+                          docs=docs, out=out, seed=seed, dtype=dtype, checkpoint_every=checkpoint_every)
+    try:
+        cfg.validate()
+        with _progress() as bar:
+            tasks: dict[str, int] = {}
+
+            def tick(phase: str, done: int, total: int, note: str) -> None:
+                if phase not in tasks:
+                    tasks[phase] = bar.add_task(phase, total=total, note="")
+                bar.update(tasks[phase], completed=done, note=note)
+                if not err.is_terminal:  # a log file gets one line per tick instead of a bar
+                    err.print(f"{phase} {done}/{total} {note}", highlight=False)
+
+            with err.status(f"loading {model}"):
+                from .link import open_engine
+                rc = open_engine(cfg)
+            report = train_link(cfg, rc=rc, progress=tick)
+    except RagCacheError as exc:
+        _fail(exc)
+    except KeyboardInterrupt:
+        err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
+        raise typer.Exit(130)
+    _print_link_report(cfg, report)
+
+
+def _print_link_report(cfg, report) -> None:
+    window = max(1, min(10, len(report.losses) // 2))
+    head, tail = (sum(part) / window for part in (report.losses[:window], report.losses[-window:]))
+    console.print(f"{report.steps} steps on {report.items['train']} items (this run: {report.seconds:.0f}s); "
+                  f"training KL {head:.4f} -> {tail:.4f} (first and last {window} steps)")
+    table = Table(title=f"held out ({report.items['eval']} items): {cfg.label()} against the base model's full")
+    for col in ("metric", "base", "adapted", "adapted - base", "95% interval"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for metric, row in report.held_out.items():
+        table.add_row(metric, f"{row['base']:.3f}", f"{row['adapted']:.3f}", f"{row['diff']:+.3f}",
+                      f"[{row['low']:+.3f}, {row['high']:+.3f}]")
+    console.print(table)
+    console.print(f"wrote {report.out}  (RagCache.open(..., adapter={report.out!r}), or --adapter {report.out})")
 
 
 @train_app.command("infill")

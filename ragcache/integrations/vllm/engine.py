@@ -76,7 +76,7 @@ class VllmRagCache(Front):
             kv_cache_gib = CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        transfer = transfer_config(store, model_fingerprint=lm.fingerprint, kv_codec=codec)
+        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec)
         args = AsyncEngineArgs(model=models.resolve(model), dtype=str(lm.dtype).removeprefix("torch."),
                                enable_prefix_caching=True, max_model_len=max_model_len,
                                kv_transfer_config=KVTransferConfig(**transfer), **engine_args)

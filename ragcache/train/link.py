@@ -1,0 +1,426 @@
+"""`ragcache train link`: fit a read-side LoRA so that a cheap link keeps the base model's answers (issue #31).
+
+What is learnt. For each item (a question over a few documents) the base model links the prompt with `full` and
+answers it greedily (`answer_tokens` at most); its log-probs at each answer position are the targets. The student is
+the same prompt linked with a cheap algorithm (naive, legolink-k, focus-r): the base model's chunk entries placed
+and rotated as the linker places them, then the rows the algorithm recomputes, the question and the teacher-forced
+answer run through the model with LoRA on the attention projections. The loss is KL(full || linked), averaged over
+the answer positions and over `batch` items a step. Compile never runs the adapter (Compiler.compile), so the
+store's entries stay the base model's and nothing is compiled again for an adapted engine.
+
+The student's forward is transformers' own, differentiable: the placed cache is the past, a 4-D mask hides the
+stale copies of the recomputed rows, and every new row sees every earlier position. With the adapter off it gives
+the linker's logits (tests/test_train_link.py).
+
+Data. SQuAD v1.1 dev as the bench reads it (`bench.squad`, in a source checkout): held out, the first `eval_items`
+items of seed 1 (docs/ACCURACY.md's held-out items); training items from seed 2, none sharing a paragraph with a
+held-out item. Or the user's documents (`docs`), one question per paragraph written by the base model; every
+fifth paragraph's question is held out.
+
+Everything a run makes lives under `out`: the store of compiled entries (`store/`), the prepared targets
+(`targets.pt`), the last checkpoint (`checkpoint/`) and, at the end, the adapter (PEFT's `adapter_model.safetensors`
+and `adapter_config.json`) and `ragcache-adapter.json` (the base model it fits, the settings, the held-out report).
+A run killed at any point starts again from what is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from .. import agreement, linker, models
+from ..engine import RagCache
+from ..errors import BadRequest, RagCacheError, UnsupportedModel
+from ..sampling import QueryStats
+from ..settings import DEFAULT_MODEL
+from ragcache.store import open_store
+
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
+HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
+QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
+
+
+@dataclass
+class LinkTrainConfig:
+    model: str = DEFAULT_MODEL
+    algorithm: str = "naive"
+    k: int = 16  # legolink
+    ratio: float = 0.1  # focus
+    steps: int = 100
+    batch: int = 4  # items per optimizer step: single-item steps at full rate overshoot (research/read_adapter.py)
+    lr: float = 1e-4
+    rank: int = 16
+    warmup: int = 10  # steps of linear warm-up; a fixed count, so a run extended with more steps keeps its schedule
+    train_items: int = 200
+    eval_items: int = 40
+    answer_tokens: int = 8
+    docs: Path | None = None
+    out: Path = Path("link-adapter")
+    seed: int = 0
+    dtype: str = "float32"
+    checkpoint_every: int = 20
+
+    def validate(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.k < 0 or not 0.0 <= self.ratio <= 1.0 or not 0 < self.lr < 1:
+            raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
+
+    def link_kwargs(self) -> dict:
+        return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
+
+    def label(self) -> str:
+        return {"naive": "naive", "legolink": f"legolink-{self.k}", "focus": f"focus@{self.ratio}"}[self.algorithm]
+
+
+@dataclass
+class Item:
+    question: str
+    documents: list[str]
+
+
+@dataclass
+class Target:
+    """What the base model's `full` says for one item: its greedy answer and its log-probs at each answer position
+    ([max(1, len(answer)), vocab]; row i predicts answer[i])."""
+
+    question: str
+    doc_ids: list[str]
+    answer: list[int]
+    logprobs: torch.Tensor
+
+
+@dataclass
+class Placed:
+    """One item linked by the cheap algorithm, before its recompute: the placed cache and the rows to run."""
+
+    ids: torch.Tensor  # [L]
+    keys: torch.Tensor  # [layers, kv_heads, L, head_dim], post-RoPE, stale copies of the recomputed rows included
+    values: torch.Tensor
+    rows: torch.Tensor  # ascending positions to recompute, the question's last
+
+
+@dataclass
+class LinkReport:
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    held_out: dict = field(default_factory=dict)
+    items: dict = field(default_factory=dict)  # counts: train, eval
+    seconds: float = 0.0
+    out: str = ""
+
+
+# -- data ----------------------------------------------------------------------------------------------------------
+def squad_items(train_n: int, eval_n: int) -> tuple[list[Item], list[Item]]:
+    try:
+        from bench import squad
+    except ImportError as exc:
+        raise BadRequest("SQuAD items are read with the repository's bench package (run from a source checkout); "
+                         "or pass --docs with your own documents") from exc
+    held_out = squad.load_items(eval_n, seed=HELD_OUT_SEED)
+    seen = {doc for item in held_out for doc in item.documents}
+    pool = squad.load_items(4 * (train_n + eval_n), seed=TRAIN_SEED)
+    training = [item for item in pool if not seen & set(item.documents)][:train_n]
+    return ([Item(i.question, i.documents) for i in training], [Item(i.question, i.documents) for i in held_out])
+
+
+def paragraphs(path: Path) -> list[str]:
+    """The paragraphs (blank-line separated, 20 words or more) of the text files at `path`."""
+    if not path.exists():
+        raise BadRequest(f"no such file or directory: {path}")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md"))
+    found = [" ".join(block.split()) for f in files for block in f.read_text(errors="replace").split("\n\n")]
+    return [p for p in found if len(p.split()) >= 20]
+
+
+def docs_items(rc: RagCache, texts: list[str], train_n: int, eval_n: int, seed: int,
+               say: Callable[[int, int], None] = lambda done, total: None) -> tuple[list[Item], list[Item]]:
+    """One question per paragraph, written by the base model, over that paragraph and two others."""
+    if len(texts) < 3:
+        raise BadRequest(f"--docs needs at least 3 paragraphs of 20 words or more, found {len(texts)}")
+    rng = random.Random(seed)
+    training, held_out = [], []
+    for index, text in enumerate(texts):
+        held = index % 5 == 4
+        if len(held_out if held else training) >= (eval_n if held else train_n):
+            continue
+        doc_id = rc.compile([text])[0]
+        question = rc.query(QUESTION_PROMPT, [doc_id], algorithm="full", max_new_tokens=40).text.strip()
+        question = question.splitlines()[0].strip() if question else ""
+        if len(question.split()) >= 3:
+            others = rng.sample([t for i, t in enumerate(texts) if i != index], 2)
+            docs = [others[0], text, others[1]] if rng.random() < 0.5 else [*others, text]
+            (held_out if held else training).append(Item(question, docs))
+        say(index + 1, len(texts))
+    return training, held_out
+
+
+# -- targets (the base model's full) -------------------------------------------------------------------------------
+def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
+    doc_ids = rc.compile(item.documents)
+    full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
+    answer = rc.scheduler.call(agreement.greedy, rc.runner, full, answer_tokens, rc.stop_ids, set())
+    logits = (rc.scheduler.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer
+              else full.last_logits[None])
+    return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
+
+
+def _item_key(item: Item) -> str:
+    return hashlib.sha256(json.dumps(asdict(item)).encode()).hexdigest()[:32]
+
+
+def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Item]],
+                    say: Callable[[str, int, int], None], save_every: int = 20) -> dict[str, list[Target]]:
+    """Each item's targets: read from `out`/targets.pt where an earlier run prepared them with this model, else
+    prepared now; saved every `save_every` items, so a run killed while preparing loses little."""
+    path = Path(cfg.out) / "targets.pt"
+    model = f"{rc.lm.fingerprint}:{cfg.answer_tokens}"
+    saved = torch.load(path, weights_only=True) if path.exists() else {}
+    done = saved.get("targets", {}) if saved.get("model") == model else {}
+    out, fresh = {}, 0
+    for name, items in sets.items():
+        out[name] = []
+        for i, item in enumerate(items):
+            key = _item_key(item)
+            if key not in done:
+                done[key] = vars(prepare(rc, item, cfg.answer_tokens))
+                fresh += 1
+                if fresh % save_every == 0:
+                    _atomic_save({"model": model, "targets": done}, path)
+            out[name].append(Target(**done[key]))
+            say(name, i + 1, len(items))
+    if fresh:
+        _atomic_save({"model": model, "targets": done}, path)
+    return out
+
+
+# -- the student: the cheap link, differentiable -------------------------------------------------------------------
+def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
+    """The linker's plan for the cheap algorithm (entries fetched, rotated; focus's rows chosen by the model as it
+    is now), on the scheduler's thread."""
+    query = rc.validate(target.question, target.doc_ids, algorithm=cfg.algorithm, max_new_tokens=None,
+                        **cfg.link_kwargs())
+    parts, params, _ = rc._prepare(query, 0, QueryStats())
+    plan = rc.scheduler.call(linker.plan, rc.runner, parts, params)
+    length = parts.token_ids.numel()
+    # clones outside inference mode: inference tensors cannot take part in a backward pass
+    return Placed(parts.token_ids.clone(), plan.cache.keys[:, :, :length].clone(),
+                  plan.cache.values[:, :, :length].clone(), plan.rows.clone())
+
+
+def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> torch.Tensor:
+    """Logits at the answer's first position and at each teacher-forced answer position: [max(1, len(answer)),
+    vocab]. Recomputed rows replace their stale copies; every new row attends to every earlier position."""
+    length = placed.ids.numel()
+    extra = torch.tensor(answer[:-1], dtype=torch.long)
+    ids = torch.cat([placed.ids[placed.rows], extra])
+    positions = torch.cat([placed.rows, torch.arange(length, length + extra.numel())])
+    kept = torch.ones(length, dtype=torch.bool)
+    kept[placed.rows] = False
+    past = (torch.arange(length)[None, :] <= positions[:, None]) & kept[None, :]
+    new = positions[None, :] <= positions[:, None]
+    mask = torch.cat([past, new], 1)[None, None]
+    cache = DynamicCache()
+    for layer in range(placed.keys.shape[0]):
+        cache.update(placed.keys[layer][None], placed.values[layer][None], layer)
+    device = next(model.parameters()).device
+    hidden = model.model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
+    return model.lm_head(hidden[0, placed.rows.numel() - 1:]).float()
+
+
+def kl_to_full(target: Target, logits: torch.Tensor) -> torch.Tensor:
+    """KL(full || linked) at each answer position."""
+    logq = torch.log_softmax(logits, -1)
+    return (target.logprobs.exp() * (target.logprobs - logq)).sum(-1)
+
+
+# -- training ------------------------------------------------------------------------------------------------------
+def batch_indices(seed: int, step: int, batch: int, n: int) -> list[int]:
+    """The items of optimizer step `step` (1-based): a fresh seeded shuffle each epoch, a function of the step alone,
+    so a resumed run sees the items an uninterrupted one would."""
+    out = []
+    for i in range((step - 1) * batch, step * batch):
+        epoch, position = divmod(i, n)
+        order = list(range(n))
+        random.Random(seed * 1_000_003 + epoch).shuffle(order)
+        out.append(order[position])
+    return out
+
+
+def _run_key(cfg: LinkTrainConfig, targets: list[Target]) -> dict:
+    """What a checkpoint must share with the run that resumes it (the step count may grow)."""
+    items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
+    return dict(model=cfg.model, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
+                rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, items=items)
+
+
+def _atomic_save(obj, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    torch.save(obj, tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict) -> None:
+    """The adapter and the optimizer's state after `step`, swapped in whole: a kill leaves the old one or the new."""
+    staged, final = out / "checkpoint.tmp", out / "checkpoint"
+    shutil.rmtree(staged, ignore_errors=True)
+    peft.save_pretrained(staged)
+    torch.save(dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), step=step, losses=losses,
+                    key=json.dumps(key, sort_keys=True)), staged / "state.pt")
+    old = out / "checkpoint.old"
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float]]:
+    """(the step it was saved after, the losses so far); (0, []) when there is none."""
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    final = out / "checkpoint"
+    if not (final / "state.pt").exists() and (out / "checkpoint.old" / "state.pt").exists():
+        final = out / "checkpoint.old"  # killed between the two renames
+    if not (final / "state.pt").exists():
+        return 0, []
+    state = torch.load(final / "state.pt", weights_only=True)
+    if state["key"] != json.dumps(key, sort_keys=True):
+        raise BadRequest(f"{out} holds a run with other settings or items ({state['key']}); pick another --out")
+    set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    return int(state["step"]), list(state["losses"])
+
+
+def train_step(rc: RagCache, cfg: LinkTrainConfig, targets: list[Target], indices: list[int], params) -> float:
+    """One optimizer step's gradients (accumulated over its items); returns the mean KL."""
+    total = 0.0
+    for i in indices:
+        target = targets[i]
+        loss = kl_to_full(target, linked_logits(rc.lm.model, place(rc, target, cfg), target.answer)).mean()
+        (loss / len(indices)).backward()
+        total += float(loss.detach())
+    if not torch.isfinite(torch.tensor(total)):
+        raise RagCacheError(f"the distillation loss is {total}; lower --lr")
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    return total / len(indices)
+
+
+@torch.no_grad()
+def scores(rc: RagCache, cfg: LinkTrainConfig, target: Target) -> dict:
+    """top-1 agreement with full and KL(full || linked) at the answer's first position, and over its tokens."""
+    logits = linked_logits(rc.lm.model, place(rc, target, cfg), target.answer)
+    kl = kl_to_full(target, logits)
+    hits = (logits.argmax(-1) == target.logprobs.argmax(-1)).float()
+    return dict(top1=float(hits[0]), kl=float(kl[0]), token_agree=float(hits.mean()), kl_answer=float(kl.mean()))
+
+
+def evaluate(rc: RagCache, cfg: LinkTrainConfig, peft, targets: list[Target],
+             say: Callable[[int, int], None] = lambda done, total: None) -> list[dict]:
+    """Each held-out item scored with the adapter off (the base model) and on."""
+    out = []
+    for i, target in enumerate(targets):
+        with peft.disable_adapter():
+            base = scores(rc, cfg, target)
+        out.append(dict(base=base, adapted=scores(rc, cfg, target)))
+        say(i + 1, len(targets))
+    return out
+
+
+def summary(per_item: list[dict], seed: int = 0) -> dict:
+    """Means of base and adapted, and their paired difference with a 95% bootstrap interval (2,000 resamples)."""
+    table, rng = {}, random.Random(seed)
+    n = len(per_item)
+    for key in ("top1", "kl", "token_agree", "kl_answer"):
+        diffs = [r["adapted"][key] - r["base"][key] for r in per_item]
+        means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(2000)) if n else [0.0]
+        table[key] = dict(base=sum(r["base"][key] for r in per_item) / max(n, 1),
+                          adapted=sum(r["adapted"][key] for r in per_item) / max(n, 1),
+                          diff=sum(diffs) / max(n, 1), low=means[int(0.025 * len(means))],
+                          high=means[min(len(means) - 1, int(0.975 * len(means)))])
+    return table
+
+
+def open_engine(cfg: LinkTrainConfig) -> RagCache:
+    lm = models.load(cfg.model, dtype=cfg.dtype)
+    types = set(getattr(lm.config, "layer_types", None) or ["full_attention"])
+    if types != {"full_attention"}:  # linked_logits' mask has no sliding window
+        raise UnsupportedModel(f"train link needs full attention in every layer; {cfg.model} has {sorted(types)}")
+    return RagCache(lm, open_store(f"disk:{Path(cfg.out) / 'store'}"))
+
+
+Progress = Callable[[str, int, int, str], None]  # (phase, done, total, note)
+
+
+def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
+               progress: Progress | None = None) -> LinkReport:
+    """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
+    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg."""
+    from .infill import with_lora
+
+    cfg.validate()
+    say = progress or (lambda phase, done, total, note: None)
+    started = time.perf_counter()
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rc = rc or open_engine(cfg)
+    if rc.lm.adapter is not None:
+        raise BadRequest("train link fits an adapter to the base model; open it without one")
+    if items is None:
+        items = (docs_items(rc, paragraphs(Path(cfg.docs)), cfg.train_items, cfg.eval_items, cfg.seed,
+                            lambda d, t: say("questions", d, t, "")) if cfg.docs
+                 else squad_items(cfg.train_items, cfg.eval_items))
+    if not items[0] or not items[1]:
+        raise BadRequest(f"need training and held-out items, got {len(items[0])} and {len(items[1])}")
+    prepared = load_or_prepare(rc, cfg, {"train": items[0], "eval": items[1]},
+                               lambda name, d, t: say(f"full ({name})", d, t, ""))
+    train_set, held_out = prepared["train"], prepared["eval"]
+
+    torch.manual_seed(cfg.seed)
+    peft = with_lora(rc.lm.model, cfg.rank, 2 * cfg.rank, ATTENTION)
+    params = [p for p in peft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
+    key = _run_key(cfg, train_set)
+    start, losses = load_checkpoint(out, peft, optimizer, schedule, key)
+    for step in range(start + 1, cfg.steps + 1):
+        losses.append(train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
+                                 params))
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        say("training", step, cfg.steps, f"kl {losses[-1]:.4f}")
+        if step % cfg.checkpoint_every == 0 or step == cfg.steps:
+            save_checkpoint(out, peft, optimizer, schedule, step, losses, key)
+    per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
+    report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
+                        time.perf_counter() - started, str(out))
+    save_adapter(out, peft, rc.lm, cfg, report, per_item)
+    return report
+
+
+def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
+                 per_item: list[dict]) -> None:
+    """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
+    peft.save_pretrained(out)
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe="read-side LoRA, "
+                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=settings,
+                report=asdict(report), items=per_item)
+    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1) + "\n")

@@ -1,0 +1,148 @@
+"""`ragcache train link`: the differentiable cheap link, the distillation loop, checkpoints, and serving the adapter
+(the built-in smollm2-135m in float32; each test loads its own copy, since training injects LoRA into the model)."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ragcache import models
+from ragcache.cli import app
+from ragcache.engine import RagCache
+from ragcache.errors import BadAdapter
+from ragcache.settings import DATA_DIR
+from ragcache.store import open_store
+from ragcache.train import link as tl
+
+pytestmark = pytest.mark.real_model
+pytest.importorskip("peft")
+
+
+def builtin_items(n: int, start: int = 0) -> list[tl.Item]:
+    """Questions of the sample set over their own document and the next one (about 250 tokens a prompt)."""
+    rows = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    names = sorted(p.name for p in (DATA_DIR / "docs").glob("*.txt"))
+    items = []
+    for row in rows[start:start + n]:
+        other = names[(names.index(row["doc"]) + 1) % len(names)]
+        items.append(tl.Item(row["question"], [(DATA_DIR / "docs" / name).read_text() for name in (other, row["doc"])]))
+    return items
+
+
+def config(tmp_path, **overrides) -> tl.LinkTrainConfig:
+    settings = dict(model="smollm2-135m", algorithm="naive", steps=4, batch=3, lr=2e-3, rank=4, warmup=1,
+                    answer_tokens=4, out=tmp_path, checkpoint_every=1, dtype="float32")
+    return tl.LinkTrainConfig(**{**settings, **overrides})
+
+
+ITEMS = (builtin_items(3), builtin_items(2, start=3))
+
+
+def engine(tmp_path) -> RagCache:
+    return RagCache(models.load("smollm2-135m", dtype="float32"), open_store(f"disk:{tmp_path / 'store'}"))
+
+
+@pytest.mark.parametrize("algorithm,kwargs", [("naive", {}), ("legolink", {"k": 4}), ("focus", {"ratio": 0.2})])
+def test_the_differentiable_link_is_the_linkers(tmp_path, algorithm, kwargs):
+    """With no adapter the student's logits are the linker's own: training fits the link the engine serves."""
+    rc = engine(tmp_path)
+    cfg = config(tmp_path, algorithm=algorithm, **kwargs)
+    item = ITEMS[0][0]
+    target = tl.prepare(rc, item, cfg.answer_tokens)
+    with torch.no_grad():
+        student = tl.linked_logits(rc.lm.model, tl.place(rc, target, cfg), [])[0]
+    served = rc.link(item.question, target.doc_ids, algorithm=algorithm, **kwargs).last_logits
+    assert torch.allclose(student, served, atol=2e-3, rtol=1e-3), (student - served).abs().max()
+    full = rc.link(item.question, target.doc_ids, algorithm="full").last_logits
+    assert torch.allclose(target.logprobs[0], torch.log_softmax(full, -1), atol=1e-4)
+
+
+def test_training_lowers_the_distillation_loss_on_its_items(tmp_path):
+    cfg = config(tmp_path, steps=6)
+    report = tl.train_link(cfg, items=(ITEMS[0], ITEMS[0]))  # held out = the training items: the fit is measured
+    fit = report.held_out["kl_answer"]
+    assert fit["base"] > 0.01, fit  # naive linking loses something to fit on these items
+    assert fit["adapted"] < 0.7 * fit["base"], fit
+    assert report.losses[-1] < report.losses[0]
+
+
+def test_a_resumed_run_continues_from_its_checkpoint(tmp_path):
+    out, whole = tmp_path / "resumed", tmp_path / "whole"
+    first = tl.train_link(config(out, steps=2), items=ITEMS)
+    assert (out / "checkpoint" / "state.pt").exists()
+    for name in ("adapter_model.safetensors", models.ADAPTER_META):  # what a run killed before its end lacks
+        (out / name).unlink()
+    resumed = tl.train_link(config(out, steps=4), items=ITEMS)
+    straight = tl.train_link(config(whole, steps=4), items=ITEMS)
+    assert resumed.losses[:2] == first.losses  # read back from the checkpoint, not trained again
+    assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-6)
+    from safetensors.torch import load_file
+    a, b = load_file(out / "adapter_model.safetensors"), load_file(whole / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
+    # a run with other settings does not resume this one
+    with pytest.raises(Exception, match="other settings"):
+        tl.train_link(config(out, steps=5, lr=1e-3), items=ITEMS)
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory):
+    out = tmp_path_factory.mktemp("adapter")
+    tl.train_link(config(out, steps=3), items=ITEMS)
+    return out
+
+
+def test_the_adapter_serves_through_open_and_reads_the_base_models_entries(adapter, tmp_path):
+    store = open_store("memory:")
+    base = RagCache(models.load("smollm2-135m", dtype="float32"), store)
+    adapted = RagCache.open("smollm2-135m", store, dtype="float32", adapter=str(adapter))
+    assert adapted.lm.adapter is not None and adapted.lm.adapter.sha256 == models.adapter_sha256(adapter)
+    assert adapted.lm.fingerprint != base.lm.fingerprint  # calibration profiles are the adapted model's own
+    item = ITEMS[1][0]
+    doc_ids = base.compile(item.documents)
+    chunk = adapted.document_chunks(doc_ids[0])[0]
+    layout = base.layouts["default"]
+    # read-side: the adapter never runs at compile, so the entries and their keys are the base model's
+    assert adapted.compiler.key(chunk, layout) == base.compiler.key(chunk, layout)
+    mine, theirs = adapted.compiler.compile(chunk, layout), base.compiler.compile(chunk, layout)
+    assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    linked = adapted.link(item.question, doc_ids, algorithm="naive").last_logits
+    plain = base.link(item.question, doc_ids, algorithm="naive").last_logits
+    assert not torch.allclose(linked, plain, atol=1e-3)
+    assert RagCache.open("smollm2-135m", store, dtype="float32", adapter=None).lm.adapter is None
+
+
+def test_a_broken_or_foreign_adapter_is_refused(adapter, tmp_path):
+    lm = models.load("smollm2-135m", dtype="float32")
+    with pytest.raises(BadAdapter, match="missing"):
+        models.attach_adapter(lm, tmp_path / "nothing")
+    foreign = tmp_path / "foreign"
+    shutil.copytree(adapter, foreign, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets.pt"))
+    meta = json.loads((foreign / models.ADAPTER_META).read_text())
+    (foreign / models.ADAPTER_META).write_text(json.dumps({**meta, "base_config": "0" * 32, "base_model": "other"}))
+    with pytest.raises(BadAdapter, match="another configuration"):
+        models.attach_adapter(lm, foreign)
+    corrupt = tmp_path / "corrupt"
+    shutil.copytree(adapter, corrupt, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets.pt"))
+    (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(BadAdapter, match="cannot load"):
+        models.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)
+
+
+def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
+    runner = CliRunner()
+    assert runner.invoke(app, ["train", "link", "--help"]).exit_code == 0
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in sorted(p.name for p in (DATA_DIR / "docs").glob("*.txt"))[:5]:
+        shutil.copy(DATA_DIR / "docs" / name, docs / name)
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["train", "link", "--docs", str(docs), "--steps", "2", "--batch", "1",
+                                 "--train-items", "2", "--eval-items", "1", "--answer-tokens", "2", "--rank", "2",
+                                 "--out", str(out), "--dtype", "float32"])
+    assert result.exit_code == 0, result.output
+    assert "held out" in result.output and "top1" in result.output
+    assert (out / "adapter_model.safetensors").exists()
+    meta = json.loads((out / models.ADAPTER_META).read_text())
+    assert meta["report"]["items"] == {"train": 2, "eval": 1} and len(meta["report"]["losses"]) == 2
