@@ -325,7 +325,7 @@ def attach_adapter(lm: LoadedModel, path: Path) -> LoadedModel:
     model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
     fingerprint = hashlib.sha256(f"{lm.fingerprint}+{digest}".encode()).hexdigest()[:32]
     return LoadedModel(lm.name, model, lm.tokenizer, fingerprint, lm.tokenizer_fingerprint,
-                       Adapter(path, digest, peft), compile_fingerprint=lm.fingerprint)
+                       adapter=Adapter(path, digest, peft), compile_fingerprint=lm.fingerprint)
 
 
 def describe(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu"

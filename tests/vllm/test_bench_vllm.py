@@ -16,9 +16,11 @@ def test_peers_with_vllm_and_the_connector(tmp_path, monkeypatch):
            "float32", "--algorithms", "naive", "--peers", "vllm,vllm-ragcache", "--out", str(tmp_path))
     rows = {r["peer"]: r for r in json.loads((tmp_path / "peers-smollm2-135m.json").read_text())["results"]}
     linked, plain = rows["vLLM+ragcache naive reordered docs"], rows["vLLM reordered docs"]
-    for row in (linked, plain, rows["vLLM+ragcache naive exact repeat"], rows["vLLM prefix hit"]):
+    for row in (linked, plain, rows["vLLM+ragcache naive exact repeat"], rows["vLLM prefix hit"],
+                rows["vLLM+ragcache, no link: reordered docs"]):
         assert math.isfinite(row["ttft_s"]) and row["ttft_s"] > 0 and not row["skipped"]
-    for row in (linked, plain):
+    unlinked = rows["vLLM+ragcache, no link: reordered docs"]  # requests without documents, connector loaded
+    for row in (linked, plain, unlinked):
         assert sorted(row["requests_per_s"]) == ["1", "16", "4"]
         assert all(math.isfinite(v) and v > 0 for v in row["requests_per_s"].values())
     assert math.isfinite(linked["decode_tok_s"]) and linked["ttft_vs_fastest_peer"] is not None
