@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ragcache.store import Store
+from ragcache.store.base import TierUnavailable
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id
 
@@ -64,14 +65,14 @@ class Catalog:
         a valid document (ragcache.request)."""
         doc_id = document_id(text)
         try:
-            existing = read_document(doc_id, self._record(doc_name(doc_id)))
+            existing = read_document(doc_id, self._record_or_none(doc_name(doc_id)))
         except CorruptDocument:
             existing = None  # the caller holds the true text: writing it again repairs the record
         if existing is None:
             existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
             self.store.put_record(doc_name(doc_id), document_record(existing))
         name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
-        return doc_id, self._chunks(existing, self._record(name))
+        return doc_id, self._chunks(existing, self._record_or_none(name))
 
     def get(self, doc_id: str) -> Document | None:
         return read_document(doc_id, self._record(doc_name(doc_id)))
@@ -115,6 +116,15 @@ class Catalog:
 
     def _record(self, name: str):
         return self.store.get_records([name])[0]
+
+    def _record_or_none(self, name: str):
+        """A record the caller can write again from the text it holds (the id is the text's hash): None when a tier
+        that may hold it is down, so an upload goes to the tiers that are up instead of failing (the tiered store
+        writes it into the other tier when that is back)."""
+        try:
+            return self._record(name)
+        except TierUnavailable:
+            return None
 
     # -- entries ---------------------------------------------------------------------------------------------------
     def ensure(self, chunks: list[list[int]], compiler, layout, run: Callable = lambda fn, *args: fn(*args)

@@ -52,6 +52,10 @@ class TieredStore(Store):
         self.clock = clock
         self.states = [TierState() for _ in self.tiers]
         self._lock = threading.Lock()
+        # lasting tier -> records written while it was down: written there when it is back, so a store that others
+        # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
+        # restart the other lasting tier still holds them, and only that tier stays behind.
+        self._behind: dict[int, set[str]] = {}
 
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
@@ -72,12 +76,35 @@ class TieredStore(Store):
         state = self.states[i]
         if state.down or (write and state.write_failing):
             with self._lock:
+                back = state.down
                 if state.down:
                     log.warning("store tier %s is back", self.tiers[i].name)
                     state.down, state.backoff, state.reason = False, 0.0, ""
                 if write and state.write_failing:
                     log.warning("store tier %s accepts writes again", self.tiers[i].name)
                     state.write_failing = False
+            if back:
+                self._catch_up(i)
+
+    def _catch_up(self, i: int) -> None:
+        """Write into tier i the records that were written while it was down, from the tiers that hold them."""
+        with self._lock:
+            names = sorted(self._behind.pop(i, ()))
+        for n, name in enumerate(names):
+            record = next((r for j, tier in enumerate(self.tiers) if j != i and self._usable(j)
+                           for r in self._call(j, tier.get_records, [name])[0] or () if isinstance(r, dict)), None)
+            try:
+                if record is not None:  # None: deleted since, everywhere else too
+                    self.tiers[i].put_record(name, record)
+            except FAULTS as exc:
+                with self._lock:
+                    self._behind.setdefault(i, set()).update(names[n:])
+                log.warning("store tier %s failed while catching up (%s); it retries when it is back", self.tiers[i].name,
+                            exc)
+                return
+        if names:
+            log.warning("store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name,
+                        len(names))
 
     def _failed(self, i: int, exc: BaseException, write: bool) -> None:
         state, name = self.states[i], self.tiers[i].name
@@ -254,6 +281,11 @@ class TieredStore(Store):
                 self._call(i, self.tiers[i].delete_record, name, write=True)
             answers = []
         self._written(answers, f"store record {name}")
+        answered = {i for i, _ in answers}
+        with self._lock:
+            for i, tier in enumerate(self.tiers):
+                if tier.lasting and i not in answered and self.states[i].down:
+                    self._behind.setdefault(i, set()).add(name)
 
     def delete_record(self, name: str) -> bool:
         """Deleted from every tier, or TierUnavailable: a tier that is down keeps its copy, and would bring the

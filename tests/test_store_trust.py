@@ -196,6 +196,10 @@ class _Far(Flaky):
         self._check()
         return super().delete_record(name)
 
+    def get_records(self, names):
+        self._check()
+        return super().get_records(names)
+
 
 def test_a_record_deleted_while_a_tier_is_down_is_not_reported_deleted():
     """The tier that is down keeps its copy and a later read brings it back: the delete must fail, not say done."""
@@ -315,3 +319,36 @@ def test_a_symlink_in_place_of_an_entry_or_a_record_is_damage_not_an_outage(tmp_
     assert store.check_many([key])[0] is not None  # `store verify` reports it
     assert store.get(key) is None  # a miss: recompiled
     assert isinstance(store.get_record("doc/x"), UnreadableRecord)
+
+
+def test_records_written_while_a_lasting_tier_is_down_reach_it_when_it_is_back(tmp_path):
+    now = [0.0]
+    far = _Far()
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path), far], retry_after=5.0, clock=lambda: now[0])
+    far.broken = True
+    store.put_record("doc/abc", {"text": "t"})  # disk, a lasting tier, takes it: acknowledged
+    store.put_record("doc/def", {"text": "u"})
+    far.broken = False
+    assert far.get_record("doc/abc") is None
+    now[0] += 10
+    assert store.get_records(["doc/zzz"]) == [None]  # any call that reaches the tier again
+    assert far.get_record("doc/abc") == {"text": "t"} and far.get_record("doc/def") == {"text": "u"}
+
+
+def test_an_upload_during_an_outage_goes_to_the_tiers_that_are_up(tmp_path):
+    """The existence check cannot ask the tier that is down: the upload is written where the store is up (the id is
+    the text's hash, so nothing is lost), resolves at once, and reaches the other tier when it is back."""
+    from ragcache.catalog import Catalog
+    from tests import tiny
+
+    now = [0.0]
+    far = _Far()
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path), far], retry_after=5.0, clock=lambda: now[0])
+    catalog = Catalog(store, tiny.tokenizer(), "t" * 64, 8)
+    far.broken = True
+    doc, chunks = catalog.register("The Eiffel Tower is in Paris. It was completed in 1889.")
+    assert catalog.resolve([doc]) == [chunks]
+    far.broken, now[0] = False, now[0] + 10
+    catalog.resolve([doc])
+    assert store.get_records(["doc/zzz"]) == [None]
+    assert sorted(far.record_names()) == sorted(store.tiers[1].record_names())  # the document and its chunks
