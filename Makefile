@@ -49,8 +49,8 @@ demo: setup
 	$(VENV)/bin/ragcache demo
 
 test: setup-test setup-vllm
-	$(PY) -m pytest -q -ra
-	$(VPY) -m pytest -q -ra tests/vllm
+	$(PY) -m pytest -q -ra --durations=15
+	$(VPY) -m pytest -q -ra --durations=15 tests/vllm
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) .ragcache

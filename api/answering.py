@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from ragcache.engine import Answer, RagCache, Stream
+from ragcache.engine import RagCache
+from ragcache.sampling import Answer
+from ragcache.stream import Stream
 from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
 from ragcache.settings import Settings

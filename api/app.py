@@ -87,7 +87,7 @@ class Guard:
 
 def create_app(rc: RagCache, settings: Settings) -> FastAPI:
     queue = EngineQueue(settings.max_queue)
-    metrics = Metrics(rc.store, queue)
+    metrics = Metrics(rc.store, queue, rc)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -110,14 +110,14 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
 
     @app.get("/health", tags=["operations"], responses=errors.responses(503))
     def health():
-        """200 when the model is loaded and the store answers; 503 otherwise."""
+        """200 when the engine answers and the store does; 503 otherwise."""
         try:
             store_ok = bool(rc.store.ping())
         except Exception:  # noqa: BLE001 - a failing ping is an unhealthy store
             store_ok = False
-        if rc.lm is None or not store_ok:
-            what = "the model is not loaded" if rc.lm is None else f"the store ({rc.store.name}) does not answer"
-            return error_response(503, "unavailable", what)
+        problem = rc.engine_problem() or (None if store_ok else f"the store ({rc.store.name}) does not answer")
+        if problem:
+            return error_response(503, "unavailable", problem)
         return {"status": "ok", "model": rc.model_name, "store": rc.store.name, "queue_depth": queue.depth,
                 "max_queue": queue.max_queue}
 

@@ -9,7 +9,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ragcache.engine import QueryStats
+from ragcache.sampling import QueryStats
 from ragcache.store import Store
 
 from .engine_queue import EngineQueue
@@ -88,8 +88,18 @@ class QueueCollector:
                                   value=q.cancelled)
 
 
+class EngineCollector:
+    """The engine's own metrics on every scrape (vLLM's `vllm:*`, the connector's among them; none for ragcache's)."""
+
+    def __init__(self, rc):
+        self.rc = rc
+
+    def collect(self):
+        yield from self.rc.engine_metrics()
+
+
 class Metrics:
-    def __init__(self, store: Store, queue: EngineQueue):
+    def __init__(self, store: Store, queue: EngineQueue, engine=None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("ragcache_http_requests", "HTTP requests by route, method and status",
                                 ["route", "method", "status"], registry=r)
@@ -118,6 +128,8 @@ class Metrics:
                                      "check was already running", ["model", "algorithm"], registry=r)
         r.register(QueueCollector(queue))
         r.register(StoreCollector(store))
+        if engine is not None:
+            r.register(EngineCollector(engine))
 
     def observe_answer(self, stats: QueryStats, queue_s: float) -> None:
         algorithm = stats.algorithm or "unknown"

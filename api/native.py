@@ -9,7 +9,8 @@ from contextlib import aclosing
 from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.engine import Answer, CompileReport
+from ragcache.front import CompileReport
+from ragcache.sampling import Answer
 from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.request import Limits, validate_infill, validate_texts

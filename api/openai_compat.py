@@ -14,7 +14,7 @@ from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
-from ragcache.engine import Answer
+from ragcache.sampling import Answer
 
 from .answering import Context, ctx
 from .body import Body, documented

@@ -7,7 +7,8 @@ from importlib import import_module
 __version__ = "0.1.0"
 __all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Stream"]
 
-_HOMES = {"ALGORITHMS": "linker", "RagCacheError": "errors"}
+_HOMES = {"ALGORITHMS": "linker", "Answer": "sampling", "CompileReport": "front", "QueryStats": "sampling",
+          "RagCacheError": "errors", "Stream": "stream"}
 
 
 def __getattr__(name: str):

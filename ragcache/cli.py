@@ -167,7 +167,7 @@ def compile(
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
         total_tokens = compiled_tokens = 0
-        from .engine import CompileReport
+        from .front import CompileReport
 
         summary = CompileReport()
         with Progress(*columns, console=err) as bar:

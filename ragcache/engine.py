@@ -9,19 +9,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 
 from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import guard, infill, linker, models, prompt, request
+from . import guard, infill, linker, models
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
 from .errors import ParameterOutOfRange
-from .front import CompileReport, Front
-from .sampling import Answer, QueryStats, eos_ids  # noqa: F401 (re-exported: ragcache.Answer)
+from .front import Front
+from .sampling import QueryStats, eos_ids
 from .linker import LinkInput, LinkParams, Linked
 from .prefix_cache import PrefixCache
 from .request import Infill, Query
@@ -101,56 +100,12 @@ class RagCache(Front):
         self.scheduler.gate = gate
 
     # -- documents ------------------------------------------------------------------------------------
-    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
-                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
-        """Compile texts into the store (skipping what is there); `progress(done_tokens, chunk_tokens)` per chunk."""
-        texts = request.validate_texts(texts)
-        started = time.perf_counter()
-        report = CompileReport()
-        metadata = metadata or [{} for _ in texts]
-        layout = self.layouts["default"]
-        for text, meta in zip(texts, metadata):
-            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
-                self._compile_document(text, meta, layout, report, progress)
-        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
-        if prefix_ids:  # the default system prefix, so that a first query after compiling is all hits
-            self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
-        report.seconds = time.perf_counter() - started
-        return report
+    def _compile(self, chunks: list[list[int]], layout: str) -> int:
+        entries, _ = self._ensure(chunks, self.layouts[layout])
+        return sum(entry.nbytes for entry in entries)
 
-    def _compile_document(self, text: str, meta: dict, layout: Layout, report: CompileReport,
-                          progress: Callable[[int, int], None] | None) -> None:
-        doc_id, chunks = self.catalog.register(text, meta)
-        present = self.store.contains_many([self.compiler.key(ids, layout) for ids in chunks])
-        report.ids.append(doc_id)
-        report.documents += 1
-        report.chunks += len(chunks)
-        report.skipped += all(present)
-        for ids, there in zip(chunks, present):  # one chunk at a time: progress moves, Ctrl-C keeps what is done
-            report.tokens += len(ids)
-            if not there:
-                entries, _ = self._ensure([ids], layout)
-                report.compiled_chunks += 1
-                report.bytes += entries[0].nbytes
-            if progress:
-                progress(len(ids), 0 if there else len(ids))
-
-    def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
-        """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
-        compile the missing ones and, with prefetch, read the rest (a tiered store then holds them in its fastest
-        tier). Returns (chunks compiled, chunks found)."""
-        if layout not in self.layouts:
-            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
-        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
-            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
-            if prefetch:
-                _, report = self._ensure(chunks, self.layouts[layout])
-                return report.compiled, report.hits
-            keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
-            missing = [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
-            if missing:
-                self._ensure(missing, self.layouts[layout])
-            return len(missing), 0
+    def _compile_prefix(self, prefix_ids: list[int]) -> None:
+        self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
                 ) -> tuple[list[ChunkKV], EnsureReport]:

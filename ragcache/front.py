@@ -6,13 +6,15 @@ same ids to vLLM. Both answer the same requests from the same store, and neither
 from __future__ import annotations
 
 import dataclasses
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ragcache.store import Store
 
 from . import calibrate, infill, linker, models, prompt, request
 from .catalog import Catalog
-from .compiler import default_layout, sink_layout
+from .compiler import PLAIN, default_layout, sink_layout
 from .errors import ParameterOutOfRange, PromptTooLong
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
@@ -37,8 +39,8 @@ class CompileReport:
 
 
 class Front:
-    """An engine subclasses it with `compile_documents`, and `stream_query(Query)` and `stream_infill(Infill)`,
-    which return a Stream."""
+    """An engine subclasses it with `compiler` and `prefix_compiler` (the keys), `_compile` and `_compile_prefix`
+    (what a miss costs), and `stream_query(Query)` and `stream_infill(Infill)`, which return a Stream."""
 
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int, layers: int):
         if chunk_tokens < 1:
@@ -65,9 +67,75 @@ class Front:
     def close(self) -> None:
         self.store.close()
 
+    def engine_metrics(self) -> list:
+        """The engine's own Prometheus metric families, for /metrics (ragcache's engine reports through the API's)."""
+        return []
+
+    def engine_problem(self) -> str | None:
+        """Why the engine cannot answer, for /health (None: it can). ragcache's scheduler starts a new thread for
+        any request that finds none, so only another engine's can die."""
+        return None
+
     # -- documents ------------------------------------------------------------------------------------
     def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
         return self.compile_documents(texts, metadata).ids
+
+    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
+                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
+        """Compile texts into the store (skipping what is there); `progress(done_tokens, compiled_tokens)` per chunk."""
+        texts = request.validate_texts(texts)
+        started, report = time.perf_counter(), CompileReport()
+        for text, meta in zip(texts, metadata or [{} for _ in texts]):
+            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
+                doc_id, chunks = self.catalog.register(text, meta)
+                present = self._present(chunks, "default")
+                missing = [ids for ids, there in zip(chunks, present) if not there]
+                for ids in (ids for ids, there in zip(chunks, present) if progress and there):
+                    progress(len(ids), 0)
+                for group in self._groups(missing, "default"):  # progress moves, Ctrl-C keeps what is done
+                    report.bytes += self._compile(group, "default")
+                    report.compiled_chunks += len(group)
+                    for ids in (group if progress else ()):
+                        progress(len(ids), len(ids))
+            report.ids.append(doc_id)
+            report.documents += 1
+            report.chunks += len(chunks)
+            report.skipped += not missing
+            report.tokens += sum(map(len, chunks))
+        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
+        if prefix_ids and not self.store.contains_many([self.prefix_compiler.key(prefix_ids, PLAIN)])[0]:
+            self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
+        """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
+        compile the missing ones and, with prefetch, read the rest (a tiered store then holds them in its fastest
+        tier). Returns (chunks compiled, chunks found)."""
+        if layout not in self.layouts:
+            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
+        with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
+            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
+            present = self._present(chunks, layout)
+            missing = [ids for ids, there in zip(chunks, present) if not there]
+            for group in self._groups(chunks if prefetch else missing, layout):
+                self._compile(group, layout)
+        return len(missing), sum(present) * prefetch
+
+    def _present(self, chunks: list[list[int]], layout: str) -> list[bool]:
+        return self.store.contains_many([self.compiler.key(ids, self.layouts[layout]) for ids in chunks])
+
+    def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
+        """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
+        return ([ids] for ids in chunks)
+
+    def _compile(self, chunks: list[list[int]], layout: str) -> int:
+        """Have the chunks' entries in the store in a layout, reading the present ones and compiling the missing
+        ones; the chunk entries' bytes."""
+        raise NotImplementedError
+
+    def _compile_prefix(self, prefix_ids: list[int]) -> None:
+        raise NotImplementedError
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""

@@ -7,6 +7,7 @@ a request is stream.py's `Stream`."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -35,6 +36,16 @@ class QueryStats:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    def end(self, started: float, first_at: float, completion_tokens: int) -> None:
+        """The times of a stream that began at `started` and sampled its first token at `first_at` (0: it ended
+        before one, as when EOS came first, and the time to that decision is the TTFT)."""
+        done = time.perf_counter()
+        if not first_at:
+            self.ttft_s = done - started
+        self.decode_s = done - (first_at or done)
+        self.total_s = done - started
+        self.completion_tokens = completion_tokens
 
 
 @dataclass

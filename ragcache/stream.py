@@ -78,13 +78,8 @@ class Stream:
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
 
     def _finish(self) -> Answer:
-        stats, done = self.stats, time.perf_counter()
-        if not self._first_at:  # EOS came first: the time to that decision is the TTFT
-            stats.ttft_s = done - self._started
-        stats.decode_s = done - (self._first_at or done)
-        stats.total_s = done - self._started
-        token_ids = self.decoding.token_ids
-        stats.completion_tokens = len(token_ids)
+        stats, token_ids = self.stats, self.decoding.token_ids
+        stats.end(self._started, self._first_at, len(token_ids))
         stopped = self.decoding.assembler.stopped or len(token_ids) < self.sampling.max_new_tokens
         stats.finish_reason = "stop" if stopped else "length"
         first = self.linked.last_logits if self.linked is not None else None

@@ -922,7 +922,7 @@ def test_guard_is_skipped_when_the_queue_is_full(rc):
 
     from ragcache.api.answering import server_guard
     from ragcache.api.metrics import Metrics
-    from ragcache.engine import Answer, QueryStats
+    from ragcache.sampling import Answer, QueryStats
 
     full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
     metrics = Metrics(rc.store, full_queue)

@@ -47,16 +47,16 @@ import pathlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from ragcache import engine
 ready = pathlib.Path(sys.argv.pop(1))
-compile_document = engine.RagCache._compile_document
+compile_chunks = engine.RagCache._compile
 compiled = []
-def paused(self, text, meta, layout, report, progress):
-    before = report.compiled_chunks
-    compile_document(self, text, meta, layout, report, progress)
-    compiled.append(report.compiled_chunks - before)
-    if sum(compiled) >= 5:
+def paused(self, chunks, layout):
+    stored = compile_chunks(self, chunks, layout)
+    compiled.extend(chunks)
+    if len(compiled) >= 5:
         ready.touch()
         time.sleep(3600)
-engine.RagCache._compile_document = paused
+    return stored
+engine.RagCache._compile = paused
 from ragcache.cli import main
 main()
 """

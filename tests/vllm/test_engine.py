@@ -6,6 +6,8 @@ compiled."""
 from __future__ import annotations
 
 import json
+import re
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -79,6 +81,22 @@ def test_stream_raw_text_stop_and_cancel(rc, reference, doc_ids):
     assert rc.query(QUESTION, doc_ids, max_new_tokens=TOKENS).text  # vLLM goes on
 
 
+def test_a_delete_during_a_query_waits_for_its_link(rc):
+    """The link compiles a missing chunk inside vLLM: a delete sent meanwhile waits for it, and then removes it too,
+    instead of leaving an entry that no document refers to."""
+    doc = rc.catalog.add("The Copper Bridge crosses the estuary at its narrowest point, three hundred metres wide.")
+    chunks = rc.document_chunks(doc)
+    assert not any(rc._present(chunks, "default"))  # only the link compiles them
+    events = []
+    stream = rc.stream(QUESTION, [doc], algorithm="naive", max_new_tokens=TOKENS)
+    stream.open(lambda kind, value: events.append(kind))
+    delete = threading.Thread(target=rc.delete_document, args=(doc,))
+    delete.start()
+    assert stream._ended.wait(120) and events[-1] == "done", events
+    delete.join(60)
+    assert rc.document(doc) is None and not any(rc._present(chunks, "default"))
+
+
 def test_efim_rounds_hit_vllms_prefix_cache(rc):
     """Round 2 of an EFIM session finds round 1's whole prompt in vLLM's prefix cache (whole blocks); PSM's round 2
     only the part before its typed text, since the suffix comes after it."""
@@ -103,6 +121,9 @@ def test_rest_and_openai_routes(rc, reference, doc_ids):
         expected = reference.query(QUESTION, ids, max_new_tokens=TOKENS).text
         r = http.post("/v1/query", json={"question": QUESTION, "documents": ids, "max_tokens": TOKENS})
         assert r.status_code == 200 and r.json()["answer"] == expected, r.text
+        scraped = http.get("/metrics").text  # vLLM's own metrics, the connector's counters among them
+        linked = re.search(r"^vllm:ragcache_linked_tokens_total\{.*\} (\S+)$", scraped, flags=re.M)
+        assert linked and float(linked.group(1)) > 0 and "vllm:num_requests_running" in scraped, scraped[-3000:]
         body = {"model": "tiny-qwen2", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": TOKENS,
                 "stream": True, "documents": ids}
         with http.stream("POST", "/v1/chat/completions", json=body) as streamed:

@@ -10,7 +10,7 @@ import torch
 from vllm import SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-from ragcache.integrations.vllm.connector import FALLBACKS
+from prometheus_client import REGISTRY
 from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, link_request
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
@@ -54,7 +54,11 @@ def first_token_logprobs(output) -> torch.Tensor:
 
 
 def fallbacks(reason: str) -> float:
-    return FALLBACKS.labels(reason)._value.get()
+    """The connector's count, as vLLM's stat logger reports it (from either side of the connector, through vLLM's
+    connector stats)."""
+    return sum(sample.value for family in REGISTRY.collect() if family.name == "vllm:ragcache_link_fallbacks"
+               for sample in family.samples
+               if sample.name.endswith("_total") and sample.labels.get("reason") == reason)
 
 
 def worker():

@@ -90,7 +90,7 @@ def test_ragcache_serve_on_vllm_with_the_readme_flags(tmp_path, engine):
     command += f" --port {port} --dtype float32"
     log = tmp_path / "serve.log"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
-           "HOME": os.environ.get("HOME", "/root")}
+           "HOME": os.environ.get("HOME", "/root"), "VLLM_CPU_CI_ENV": os.environ["VLLM_CPU_CI_ENV"]}
     server = subprocess.Popen(["bash", "-c", command], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                               cwd=tmp_path, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -105,8 +105,31 @@ def test_ragcache_serve_on_vllm_with_the_readme_flags(tmp_path, engine):
                            timeout=300)
         assert reply.status_code == 200, reply.text
         assert reply.json()["answer"] == engine.query(question, [{"text": text}], max_new_tokens=12).text
+        kill_engine_core(server)
+        assert wait_status(f"{url}/health", 503).json()["error"]["message"].startswith("vLLM's engine core has stopped")
     finally:
         stop(server)
+
+
+def kill_engine_core(server: subprocess.Popen) -> None:
+    """SIGKILL the server's vLLM engine core process (its own process, in the server's session)."""
+    import psutil
+
+    cores = [p for p in psutil.Process(server.pid).children(recursive=True) if "EngineCore" in " ".join(
+        [p.name(), *p.cmdline()])]
+    assert cores, [p.cmdline() for p in psutil.Process(server.pid).children(recursive=True)]
+    for core in cores:
+        core.kill()
+
+
+def wait_status(url: str, status: int, timeout_s: float = 60) -> httpx.Response:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        reply = httpx.get(url, timeout=5)
+        if reply.status_code == status or time.monotonic() > deadline:
+            assert reply.status_code == status, reply.text
+            return reply
+        time.sleep(0.5)
 
 
 def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
@@ -118,7 +141,8 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
     command = command.replace("python -", f"{shlex.quote(sys.executable)} -") + f" --port {port}"
     command += ' --dtype float32'
     log = tmp_path / "serve.log"
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
+           "VLLM_CPU_CI_ENV": os.environ["VLLM_CPU_CI_ENV"]}
     server = subprocess.Popen(["bash", "-c", command], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env,
                               cwd=tmp_path, start_new_session=True)
     url = f"http://127.0.0.1:{port}"

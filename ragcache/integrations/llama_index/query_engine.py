@@ -13,7 +13,8 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ragcache.engine import Answer, Stream
+from ragcache.sampling import Answer
+from ragcache.stream import Stream
 from ragcache.front import Front
 from ragcache.guard import BackgroundGuard
 from ragcache import linker

@@ -17,6 +17,10 @@ Prefix caching stays on: the salt puts a linked request's blocks under hashes no
 linked KV is never served as an exact prefix. A request whose salt is not its spec's is not linked.
 A load that fails (the store down) is reported as failed blocks, and vLLM recomputes them (the connector requires
 `kv_load_failure_policy="recompute"`): a slower answer, never a wrong one.
+
+What it did reaches vLLM's metrics (the server's /metrics, vLLM's or ragcache's) as connector stats: both sides
+count, vLLM carries the counts from the engine core to the API process, and `LinkMetrics` adds them there as
+`vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`.
 """
 
 from __future__ import annotations
@@ -27,9 +31,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from prometheus_client import Counter
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
                                                                KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ragcache.errors import RagCacheError, StoreError
 
@@ -38,14 +42,55 @@ from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
 
-FALLBACKS = Counter("ragcache_vllm_link_fallbacks", "Linked requests that vLLM prefilled itself instead, by reason",
-                    ["reason"])
-LINKED = Counter("ragcache_vllm_linked_tokens", "Prompt tokens linked from the ragcache store")
 
 
 @dataclass
 class LoadMetadata(KVConnectorMetadata):
     loads: list[Load]
+
+
+@dataclass
+class LinkStats(KVConnectorStats):
+    """What one side of the connector did since vLLM last asked: prompt tokens linked, and linked requests that vLLM
+    prefilled itself instead, by reason. `data` is what crosses from the engine core to the API process."""
+
+    def __post_init__(self) -> None:
+        self.data = {"linked_tokens": int(self.data.get("linked_tokens", 0)),
+                     "fallbacks": dict(self.data.get("fallbacks", {}))}
+
+    def reset(self) -> None:
+        self.data = {"linked_tokens": 0, "fallbacks": {}}
+
+    def aggregate(self, other: KVConnectorStats) -> "LinkStats":
+        self.data["linked_tokens"] += other.data.get("linked_tokens", 0)
+        for reason, count in other.data.get("fallbacks", {}).items():
+            self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + count
+        return self
+
+    def reduce(self) -> dict[str, int]:
+        return {"linked_tokens": self.data["linked_tokens"],
+                **{f"fallbacks_{reason}": count for reason, count in self.data["fallbacks"].items()}}
+
+    def is_empty(self) -> bool:
+        return not self.data["linked_tokens"] and not self.data["fallbacks"]
+
+
+class LinkMetrics(KVConnectorPromMetrics):
+    """The connector's counters in vLLM's Prometheus registry, per engine (vLLM's `engine` and `model_name`
+    labels)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.linked = self._counter_cls("vllm:ragcache_linked_tokens", "Prompt tokens linked from the ragcache store",
+                                        labelnames=labelnames)
+        self.fallbacks = self._counter_cls("vllm:ragcache_link_fallbacks", "Linked requests that vLLM prefilled "
+                                           "itself instead, by reason", labelnames=[*labelnames, "reason"])
+
+    def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        self.linked.labels(*labels).inc(transfer_stats_data.get("linked_tokens", 0))
+        for reason, count in transfer_stats_data.get("fallbacks", {}).items():
+            self.fallbacks.labels(*labels, reason).inc(count)
 
 
 class RagcacheConnector(KVConnectorBase_V1):
@@ -72,6 +117,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._failed_lock = threading.Lock()
         self._links: dict[str, Future] = {}
         self._linker: ThreadPoolExecutor | None = None
+        self._stats = LinkStats()
+        self._stats_lock = threading.Lock()  # a link on async_load's thread counts beside the step's thread
 
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -113,7 +160,7 @@ class RagcacheConnector(KVConnectorBase_V1):
     def _refuse(self, request, reason: str, why: str) -> None:
         if request.request_id not in self._refused:  # the scheduler may ask again for the same request
             self._refused.add(request.request_id)
-            FALLBACKS.labels(reason).inc()
+            self._count(fallback=reason)
             log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, why)
         return None
 
@@ -139,10 +186,10 @@ class RagcacheConnector(KVConnectorBase_V1):
     def _load(self, load: Load) -> None:
         try:
             self._worker_().load(load, self._kv_caches, self.block_size)
-            LINKED.inc(load.spec.linked - load.start)
+            self._count(linked=load.spec.linked - load.start)
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM prefills these blocks itself
             reason = "store" if isinstance(exc, StoreError) else "bad_spec" if isinstance(exc, BadLinkSpec) else "error"
-            FALLBACKS.labels(reason).inc()
+            self._count(fallback=reason)
             log.warning("request %s: link failed (%s: %s); vLLM recomputes its blocks", load.request_id,
                         type(exc).__name__, exc, exc_info=reason == "error")
             first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
@@ -173,6 +220,26 @@ class RagcacheConnector(KVConnectorBase_V1):
         with self._failed_lock:
             failed, self._failed = self._failed, set()
         return failed
+
+    # -- metrics: vLLM asks each side for its stats every step ----------------------------------------------------
+    def _count(self, linked: int = 0, fallback: str | None = None) -> None:
+        with self._stats_lock:
+            self._stats.aggregate(LinkStats({"linked_tokens": linked, "fallbacks": {fallback: 1} if fallback else {}}))
+
+    def get_kv_connector_stats(self) -> LinkStats | None:
+        with self._stats_lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, LinkStats()
+        return stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict | None = None) -> LinkStats:
+        return LinkStats(dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> LinkMetrics:
+        return LinkMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._linker is not None:

@@ -13,6 +13,7 @@ and every stream hands its request to that thread."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -20,10 +21,10 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 
-from ragcache import infill, linker, models, request
+from ragcache import infill, linker, models
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.errors import ParameterOutOfRange, RagCacheError, StoreError
-from ragcache.front import CompileReport, Front, drain
+from ragcache.front import Front, drain
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
 from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE
@@ -98,54 +99,28 @@ class VllmRagCache(Front):
         self.loop.call_soon_threadsafe(self.loop.stop)
         super().close()
 
+    def engine_metrics(self) -> list:
+        """vLLM's metrics (`vllm:*`: its queue, KV cache use, prefix cache hits, and the connector's counters),
+        which its stat logger keeps in this process's default Prometheus registry."""
+        from prometheus_client import REGISTRY
+
+        return [family for family in REGISTRY.collect() if family.name.startswith("vllm:")]
+
+    def engine_problem(self) -> str | None:
+        if self.llm.errored:  # its engine core process died: every request would fail until a restart
+            return "vLLM's engine core has stopped (its log says why); restart the server"
+        return None
+
     def warmup(self) -> None:
         """One short request, so vLLM's first-step work is not counted in the first TTFT."""
         self.query("warm up", [], algorithm="full", max_new_tokens=1)
 
-    # -- documents ------------------------------------------------------------------------------------
-    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
-                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
-        """Store texts and have vLLM compile their missing chunks (as `RagCache.compile_documents`)."""
-        texts = request.validate_texts(texts)
-        started, report = time.perf_counter(), CompileReport()
-        for text, meta in zip(texts, metadata or [{} for _ in texts]):
-            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
-                doc_id, chunks = self.catalog.register(text, meta)
-                missing = self._missing(chunks, "default")
-                for ids in (ids for ids in chunks if progress and ids not in missing):
-                    progress(len(ids), 0)
-                for group in self._groups(missing, "default"):
-                    report.bytes += self._read_in_vllm([], group, "default")
-                    for ids in (group if progress else ()):
-                        progress(len(ids), len(ids))
-            report.ids.append(doc_id)
-            report.documents += 1
-            report.chunks += len(chunks)
-            report.skipped += not missing
-            report.compiled_chunks += len(missing)
-            report.tokens += sum(map(len, chunks))
-        prefix_ids = self._inputs("", [], None, linker.reader("default").name)[0].prefix_ids
-        if prefix_ids and not self.store.contains_many([self.prefix_compiler.key(prefix_ids, PLAIN)])[0]:
-            self._read_in_vllm(prefix_ids, [], "default")  # the default system prefix: a first query is all hits
-        report.seconds = time.perf_counter() - started
-        return report
+    # -- documents: a miss is compiled in vLLM's process, by the connector ---------------------------
+    def _compile(self, chunks: list[list[int]], layout: str) -> int:
+        return self._read_in_vllm([], chunks, layout)
 
-    def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
-        """As `RagCache.warm`, in vLLM's process, whose store tiers the connector reads: the missing chunks compiled
-        there and, with prefetch, every chunk read there (a tiered store then holds it in its fastest tier).
-        Returns (chunks compiled, chunks found)."""
-        if layout not in self.layouts:
-            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
-        with self.catalog.using(doc_ids):
-            chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
-            missing = self._missing(chunks, layout)
-            for group in self._groups(chunks if prefetch else missing, layout):
-                self._read_in_vllm([], group, layout)
-        return len(missing), (len(chunks) - len(missing)) * prefetch
-
-    def _missing(self, chunks: list[list[int]], layout: str) -> list[list[int]]:
-        keys = [self.compiler.key(ids, self.layouts[layout]) for ids in chunks]
-        return [ids for ids, there in zip(chunks, self.store.contains_many(keys)) if not there]
+    def _compile_prefix(self, prefix_ids: list[int]) -> None:
+        self._read_in_vllm(prefix_ids, [], "default")
 
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """Chunks in groups that fit one request (the context, less the one position vLLM computes)."""
@@ -167,22 +142,24 @@ class VllmRagCache(Front):
         # a salt of its own: vLLM's prefix cache would otherwise answer a repeat without reading the store
         spec = LinkSpec(len(prefix), tuple(map(len, stored)), 1, linker.reader(layout).name, nonce=uuid.uuid4().hex)
         ids = [*prefix, *(i for c in stored for i in c), self.tokenizer.eos_token_id or 0]  # any last id will do
-        drain(VllmStream(self, lambda stats: ({"prompt_token_ids": ids, "cache_salt": spec.salt},
-                                              {SPEC_KEY: spec.as_dict()}), Sampling(1)))
+        drain(VllmStream(self, lambda stats, hold: ({"prompt_token_ids": ids, "cache_salt": spec.salt},
+                                                    {SPEC_KEY: spec.as_dict()}), Sampling(1)))
         keys = [self.compiler.key(c, shape) for c in chunks] + [self.prefix_compiler.key(prefix, PLAIN)] * bool(prefix)
         found = [info for info in self.store.describe_many(keys) if info]
         if len(found) < len(keys):
             raise StoreError(f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
-                             "and ragcache_vllm_link_fallbacks say why (the store down?)")
+                             "and vllm:ragcache_link_fallbacks say why (the store down?)")
         return sum(info.get("size", 0) for info in found[: len(chunks)])
 
     # -- answering ------------------------------------------------------------------------------------
     def stream_query(self, query: Query) -> "VllmStream":
         """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`."""
 
-        def prepare(stats: QueryStats) -> Prompt:
-            with self.catalog.using(query.doc_ids):
-                parts, _ = self._prompt(query, query.sampling.max_new_tokens)
+        def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
+            # held until vLLM's first step has linked (a miss compiled and stored there): a delete of these documents
+            # waits for it instead of leaving entries that no document refers to
+            hold.enter_context(self.catalog.using(query.doc_ids))
+            parts, _ = self._prompt(query, query.sampling.max_new_tokens)
             ids = parts.token_ids.tolist()
             stats.algorithm, stats.prompt_tokens = query.params.algorithm, len(ids)
             if linker.algorithm(query.params.algorithm).reuses != "chunks" or not parts.chunk_ids:
@@ -200,7 +177,7 @@ class VllmRagCache(Front):
                                       "request; use the ragcache engine to measure an infill without reuse")
         ids = self._infill_ids(fill)
 
-        def prepare(stats: QueryStats) -> Prompt:
+        def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
             stats.algorithm, stats.prompt_tokens = f"{fill.mode}+reuse", len(ids)
             return {"prompt_token_ids": ids}, None
 
@@ -219,7 +196,8 @@ class VllmStream:
     """ragcache's Stream (ragcache.stream) over one vLLM request: iterate for text pieces, or `open(emit)` for the
     events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
 
-    def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats], Prompt], sampling: Sampling,
+    def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
+                 sampling: Sampling,
                  stop_ids: set[int] = frozenset()):
         self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
         self.stats = QueryStats()
@@ -232,12 +210,18 @@ class VllmStream:
         self._pieces: list[str] = []
         self._token_ids: list[int] = []
         self._started = self._first_at = 0.0
+        self._hold = contextlib.ExitStack()  # what `prepare` holds until the prompt is in vLLM's cache
+        self._hold_lock = threading.Lock()
 
     def open(self, emit) -> None:
         """Prepare on this thread (store the raw texts, resolve, check the length), then hand the request to vLLM.
         Raises what preparing raises."""
         self._emit, self._started = emit, time.perf_counter()
-        prompt, transfer = self.prepare(self.stats)
+        try:
+            prompt, transfer = self.prepare(self.stats, self._hold)
+        except BaseException:
+            self._release()
+            raise
         self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, self._params(transfer)), self.engine.loop)
         self._future.add_done_callback(lambda future: future.cancelled() and self._end("cancelled", None))
         if self.cancelled:
@@ -277,6 +261,7 @@ class VllmStream:
             self._first_at = time.perf_counter()
             self.stats.ttft_s = self._first_at - self._started
             self.stats.cached_tokens = out.num_cached_tokens or 0
+            self._release()  # the prompt is in vLLM's cache: nothing more is read from or written to the store
         self._token_ids.extend(completion.token_ids)
         if completion.text:
             self._pieces.append(completion.text)
@@ -285,16 +270,16 @@ class VllmStream:
             self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
 
     def _finish(self) -> Answer:
-        stats, done = self.stats, time.perf_counter()
-        if not self._first_at:
-            stats.ttft_s = done - self._started
-        stats.decode_s = done - (self._first_at or done)
-        stats.total_s = done - self._started
-        stats.completion_tokens = len(self._token_ids)
-        self.answer = Answer("".join(self._pieces), list(self._token_ids), stats, None)
+        self.stats.end(self._started, self._first_at, len(self._token_ids))
+        self.answer = Answer("".join(self._pieces), list(self._token_ids), self.stats, None)
         return self.answer
 
+    def _release(self) -> None:
+        with self._hold_lock:  # the client thread and a cancelling caller may both end the stream
+            self._hold.close()
+
     def _end(self, kind: str, value) -> None:
+        self._release()
         if not self._ended.is_set():
             self._ended.set()
             self._emit(kind, value)
