@@ -10,15 +10,14 @@ Records verify themselves, so nothing edited in the store can change an answer:
     (id, chunk budget), and its metadata is what an upload may hold;
   - a chunk record is sound only if its checksum covers (document id, tokenizer fingerprint, budget, vocabulary size,
     ids) and every chunk is a non-empty list of integer ids inside that vocabulary.
-The checksums are plain hashes: they catch damage and careless edits, and the type and range checks catch a forged
-record whose checksum was recomputed, so nothing read can index outside the model.
+The checksums are plain hashes (damage and careless edits), or HMACs under RAGCACHE_STORE_KEY (store.keys.checksum: a
+forged record fails too). Either way the type and range checks hold, so nothing read can index outside the model.
 A chunk record that fails is a miss: the chunks are re-derived from the text. A document record that fails
 cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -27,7 +26,7 @@ import numpy as np
 
 from ragcache.store import Store
 from ragcache.store.base import UnreadableRecord
-from ragcache.store.keys import document_id
+from ragcache.store.keys import checksum, document_id
 
 from .errors import CorruptDocument, InvalidMetadata, PayloadTooLarge
 
@@ -96,7 +95,7 @@ def _depth(value) -> int:
 
 
 def document_checksum(doc_id: str, budget: int) -> str:
-    return hashlib.sha256(f"ragcache-document/{DOCUMENT_RECORD_VERSION}\0{doc_id}\0{budget}".encode()).hexdigest()
+    return checksum(f"ragcache-document/{DOCUMENT_RECORD_VERSION}\0{doc_id}\0{budget}".encode()).hexdigest()
 
 
 def document_record(doc: Document) -> dict:
@@ -136,7 +135,7 @@ def document_problem(doc_id: str, record) -> str | None:
 
 
 def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]]) -> str:
-    h = hashlib.sha256(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0"
+    h = checksum(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0"
                        f"{vocab}\0".encode())
     for ids in chunks:
         h.update(len(ids).to_bytes(4, "little"))

@@ -8,7 +8,7 @@ wrong key (a foreign entry).
 
 from __future__ import annotations
 
-import hashlib
+import hmac
 import json
 import struct
 import warnings
@@ -20,7 +20,7 @@ from safetensors.torch import save as st_save
 from .errors import CorruptEntry
 
 from . import codec as kv_codec
-from .keys import KEYED_BY, entry_key
+from .keys import KEYED_BY, STORE_KEY_ENV, checksum, entry_key
 
 MAGIC = b"RCKV0001"
 HEADER = len(MAGIC) + 32
@@ -65,7 +65,7 @@ def encode(key: str, entry: ChunkKV) -> bytes:
     tensors = {name: t.contiguous().cpu() for name, t in entry._tensors().items()}
     tensors["token_ids"] = tensors["token_ids"].to(torch.int32)
     payload = st_save(tensors, metadata=meta)
-    return MAGIC + hashlib.sha256(payload).digest() + payload
+    return MAGIC + checksum(payload).digest() + payload
 
 
 def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
@@ -78,8 +78,9 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
     if len(view) < HEADER or bytes(view[: len(MAGIC)]) != MAGIC:
         raise CorruptEntry(f"entry {key[:12]}: bad magic or truncated header")
     payload = view[HEADER:]
-    if hashlib.sha256(payload).digest() != bytes(view[len(MAGIC) : HEADER]):
-        raise CorruptEntry(f"entry {key[:12]}: checksum mismatch (corrupted or truncated)")
+    if not hmac.compare_digest(checksum(payload).digest(), bytes(view[len(MAGIC) : HEADER])):
+        raise CorruptEntry(f"entry {key[:12]}: checksum mismatch (corrupted, truncated, or written under another "
+                           f"{STORE_KEY_ENV})")
     try:
         header = _safetensors_header(payload)
         meta = header.pop("__metadata__", None) or {}

@@ -1,14 +1,29 @@
-"""Content-hash keys. sha256 only: Python's hash() differs between processes."""
+"""Content-hash keys, and the checksums that entries and records carry. sha256 only: Python's hash() differs between
+processes."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
+import os
 
 import numpy as np
 
 from .codec import of_dtype_name
 
 LAYOUT_VERSION = 1  # bump when the meaning of a stored entry changes
+STORE_KEY_ENV = "RAGCACHE_STORE_KEY"
+
+
+def checksum(data: bytes | memoryview = b""):
+    """A hash object (update, digest, hexdigest) for an entry's or a record's checksum: sha256, or HMAC-SHA256 under
+    the secret in RAGCACHE_STORE_KEY. A plain hash catches damage and careless edits; with a secret, someone who can
+    write to a shared store (Redis) cannot make an entry or record that verifies, so a forged one is a miss. Every
+    process that reads or writes the store needs the same secret; entries written under another are compiled again."""
+    secret = os.environ.get(STORE_KEY_ENV)
+    if secret:
+        return hmac.new(secret.encode(), data, "sha256")
+    return hashlib.sha256(data)
 
 
 def chunk_key(model_fp: str, tokenizer_fp: str, dtype: str, layout: str, token_ids) -> str:

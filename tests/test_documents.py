@@ -467,3 +467,23 @@ def test_stored_metadata_that_could_not_be_uploaded_is_corrupt(meta):
     store.put_record(doc_name(doc_id), {**store.get_record(doc_name(doc_id)), "meta": {"m": meta}})
     with pytest.raises(CorruptDocument, match="metadata"):
         docs.get(doc_id)
+
+
+def test_with_a_store_key_a_forged_chunk_record_of_valid_ids_is_re_derived(monkeypatch):
+    """Valid ids in range pass every type check: only an HMAC tells a forger's record from ragcache's."""
+    from ragcache.documents import chunks_record
+
+    store = MemoryStore()
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "the operator's secret")
+    docs = docs_over(store)
+    doc_id = docs.add(TEXTS[0])
+    truth, doc = docs.chunks_of(doc_id), docs.get(doc_id)
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "a forger's guess")
+    store.put_record(chunks_name(doc_id, TOKENIZER_FP, 8),
+                     chunks_record(doc, TOKENIZER_FP, len(docs.tokenizer), [list(reversed(ids)) for ids in truth]))
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "the operator's secret")
+    (bad,) = maintenance.verify(store)["bad_records"]
+    assert bad["name"] == chunks_name(doc_id, TOKENIZER_FP, 8)
+    assert docs.chunks_of(doc_id) == truth
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")  # and records written under a key do not verify without it
+    assert len(maintenance.verify(store)["bad_records"]) == 2

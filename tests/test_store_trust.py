@@ -352,3 +352,26 @@ def test_an_upload_during_an_outage_goes_to_the_tiers_that_are_up(tmp_path):
     catalog.resolve([doc])
     assert store.get_records(["doc/zzz"]) == [None]
     assert sorted(far.record_names()) == sorted(store.tiers[1].record_names())  # the document and its chunks
+
+
+def test_with_a_store_key_an_entry_with_a_recomputed_plain_checksum_is_a_miss(tmp_path, monkeypatch):
+    """Scaled K/V under a recomputed sha256 (what anyone who can write to a shared Redis can do) verify without a key;
+    under RAGCACHE_STORE_KEY the entry is corrupt, so the reader compiles it again instead of answering from it."""
+    import hashlib
+
+    from ragcache.store.entry import HEADER, MAGIC
+
+    key, entry = make_entry(3, layers=2)
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "the operator's secret")
+    disk = DiskStore(tmp_path)
+    disk.put_many({key: entry})
+    assert same_bits(disk.get_many([key])[0], entry)
+    scaled = ChunkKV(entry.token_ids, entry.keys * 2, entry.values, dict(entry.meta))
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")
+    payload = encode(key, scaled)[HEADER:]
+    forged = MAGIC + hashlib.sha256(payload).digest() + payload
+    assert same_bits(decode(key, forged), scaled)  # without a key, a recomputed checksum passes
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "the operator's secret")
+    with pytest.raises(CorruptEntry, match="RAGCACHE_STORE_KEY"):
+        decode(key, forged)
+    assert same_bits(decode(key, encode(key, scaled)), scaled)  # what the key's holder writes still reads
