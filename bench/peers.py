@@ -74,10 +74,21 @@ class Peer:
 
 
 # -- ragcache ------------------------------------------------------------------------------------------------
+def whole_documents(lm, texts: list[str]):
+    """An engine whose chunks are the whole documents: the prompt every peer is given."""
+    return engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
+                                                  for t in texts) + 1)
+
+
+def prompt_ids(lm, texts: list[str], question: str) -> torch.Tensor:
+    """The ids ragcache's `full` reads (system, documents, question), without running the model."""
+    rc = whole_documents(lm, texts)
+    return rc.prompt_parts(question, [rc.catalog.add(text) for text in texts], algorithm="full").token_ids
+
+
 def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: list[Variant], decode_tokens: int
                    ) -> tuple[list[Peer], torch.Tensor]:
-    rc = engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
-                                                for t in texts) + 1)
+    rc = whole_documents(lm, texts)
     rc.warmup()
     doc_ids = rc.compile(texts)
     ids = rc.link(question, doc_ids, algorithm="full").token_ids
@@ -329,8 +340,7 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
             mine, ids = ragcache_peers(lm, dtype, texts, question, variants, decode_tokens)
             peers += mine
         elif ids is None:
-            ids = engine(lm, "memory:", chunk_tokens=8192).link(question, [], algorithm="full").token_ids
-            print("note: without ragcache the prompt is the question alone", file=sys.stderr)
+            ids = prompt_ids(lm, texts, question)
         if "transformers" in peers_wanted:
             peers += transformers_peers(models.resolve(model), dtype, ids, decode_tokens)
     if "llama.cpp" in peers_wanted:
