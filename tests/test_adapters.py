@@ -218,3 +218,24 @@ def test_calibration_with_an_adapter_measures_against_the_base_models_full():
     profile = cal.calibrate(rc, items, target=0.9, ks=(0, 4, 8, 16, 32), ratios=(), focus_ratios=(), at="first")
     assert profile.k == 8 and profile.agreement_by_k == {"0": 0.5, "4": 0.5, "8": 0.9}  # against its own: never
     assert profile.adapter == "d" * 32 and not rc.base  # the base weights are given back
+
+
+def test_train_link_install_makes_it_the_models_installed_adapter(adapter_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from ragcache.cli import app
+    from ragcache.train import link as tl
+
+    def trained(cfg, rc=None, progress=None):  # the fit itself is tests/test_train_link.py's
+        shutil.copytree(adapter_dir, cfg.out, dirs_exist_ok=True)
+        held = {k: dict(base=0.0, adapted=0.0, diff=0.0, low=0.0, high=0.0) for k in ("top1", "kl")}
+        return tl.LinkReport(1, [0.1], held, dict(train=1, eval=1), 0.0, str(cfg.out))
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: None)
+    monkeypatch.setattr(tl, "train_link", trained)
+    result = CliRunner().invoke(app, ["train", "link", "--model", "my-model", "--out", str(tmp_path / "out"),
+                                      "--install"])
+    assert result.exit_code == 0, result.output
+    assert adapters.installed("my-model") == adapters.install_dir() / "my-model"
+    assert models.adapter_sha256(adapters.installed("my-model")) == models.adapter_sha256(adapter_dir)
