@@ -3,8 +3,9 @@
 A model has at most one installed adapter: the one in the user's cache (`ragcache train link --install`, or
 `install()`), else the one shipped in the package for a built-in model (ragcache/data/adapters/NAME). It becomes
 what `RagCache.open(model)` serves when it is also calibrated: a profile (`ragcache calibrate`) exists for the
-adapted model at the dtype it is opened in. An adapter without one is not trusted to be cheaper: calibration is
-what says which link reaches the target against the base model's `full` with it.
+adapted model at the dtype it is opened in, and some link reached the target agreement with the base model's `full`
+in it. An adapter without one is not trusted: calibration is what says whether, and with which link, the adapted
+model answers as the base model does. (The first SmolLM2 adapter reached no link: research/README.md.)
 """
 
 from __future__ import annotations
@@ -63,10 +64,16 @@ def calibrated_default(lm: models.LoadedModel) -> Path | None:
     if path is None:
         return None
     try:
-        if profile_for(lm, path) is None:
+        profile = profile_for(lm, path)
+        if profile is None:
             log.warning("the adapter installed for %s (%s) is not calibrated at %s, so the base model serves; run "
                         "`ragcache calibrate --model %s` to calibrate it", lm.name, path, calibrate.dtype_name(lm),
                         lm.name)
+            return None
+        if not profile.reached():
+            log.warning("with the adapter installed for %s (%s), no link reached the target agreement with the base "
+                        "model's full in its calibration (%s), so the base model serves", lm.name, path,
+                        calibrate.dtype_name(lm))
             return None
     except BadAdapter as exc:
         log.warning("the adapter installed for %s is not used: %s", lm.name, exc)

@@ -65,6 +65,10 @@ class Profile:
     at: str = "first"  # where along full's answer agreement was measured (POSITIONS)
     adapter: str = ""  # the link adapter's digest when the model was calibrated with one (models.Adapter.sha256)
 
+    def reached(self) -> bool:
+        """Whether some candidate link reached the target."""
+        return any(value is not None for value in (self.k, self.ratio, self.focus_ratio))
+
 
 def profile_path(fingerprint: str, dtype: str) -> Path:
     return models.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}.json"

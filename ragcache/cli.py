@@ -400,16 +400,19 @@ def _adapter_cell(path: Path | None, profiles: list) -> str:
         digest = models.adapter_sha256(path)
     except RagCacheError as exc:
         return f"{path}: unusable ({exc})"
-    shipped = []
+    from .calibrate import Profile
+
+    mine = [p for p in profiles if p.adapter == digest]
     for file in sorted((path / models.ADAPTER_PROFILES).glob("*.json")):
         try:
-            shipped.append(json.loads(file.read_text()))
-        except (ValueError, OSError):
+            mine.append(Profile(**json.loads(file.read_text())))
+        except (ValueError, TypeError, OSError):
             continue
-    dtypes = sorted({p.dtype for p in profiles if p.adapter == digest} |
-                    {p.get("dtype") for p in shipped if p.get("adapter") == digest})
-    state = f"default at {', '.join(dtypes)}" if dtypes else "not calibrated: run `ragcache calibrate`"
-    return f"{digest[:12]} ({state})\n{path}"
+    default = sorted({p.dtype for p in mine if p.adapter == digest and p.reached()})
+    short = sorted({p.dtype for p in mine if p.adapter == digest} - set(default))
+    states = ([f"default at {', '.join(default)}"] if default else []) + \
+        ([f"no link reached the target at {', '.join(short)}: not the default"] if short else [])
+    return f"{digest[:12]} ({'; '.join(states) or 'not calibrated: run `ragcache calibrate`'})\n{path}"
 
 
 def _or_none(value) -> str:

@@ -119,6 +119,10 @@ def test_the_installed_adapter_is_the_default_once_calibrated(tiny_dir, adapter_
     assert rc.profile is not None and rc.profile.adapter == rc.lm.adapter.sha256 and rc.default_focus_ratio == 0.1
     assert RagCache.open(model, "memory:", dtype="float32", adapter=None).lm.adapter is None
     assert RagCache.open(model, "memory:", dtype="float16").lm.adapter is None  # calibrated at float32 only
+    reached_nothing = cal.Profile(**{**vars(rc.profile), "k": None, "ratio": None, "focus_ratio": None})
+    cal.save_profile(reached_nothing)  # a calibration in which no link reached the target: not trusted
+    assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None
+    cal.save_profile(rc.profile)
     # the settings and the CLI: `installed` is the default, `none` the base model
     assert Settings().adapter == INSTALLED
     assert RagCache.from_settings(Settings(model=model, store="memory:", dtype="float32")).lm.adapter is not None
@@ -169,6 +173,9 @@ def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path
     cal.save_profile(cal.Profile("gemma3-270m", "f" * 32, "bfloat16", 0.95, 10, 8, 0.3, adapter=digest))
     out = CliRunner().invoke(app, ["models", "list"]).output
     assert f"{digest[:12]} (default at bfloat16)" in out and "with its adapter" in out
+    cal.save_profile(cal.Profile("gemma3-270m", "e" * 32, "float32", 0.95, 10, None, None, adapter=digest))
+    out = CliRunner().invoke(app, ["models", "list"]).output
+    assert f"{digest[:12]} (default at bfloat16; no link reached the target at float32: not the default)" in out
 
 
 def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
