@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from . import models
 from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
@@ -380,7 +380,8 @@ def models_list():
     from .calibrate import profiles_by_model
 
     profiles = profiles_by_model()
-    table = Table("name", "family", "pulled", "calibrated k and focus ratio", "link adapter", "source")
+    table = Table(Column("name", no_wrap=True), "family", "pulled", "calibrated k and focus ratio", "link adapter",
+                  "source")
     for spec in models.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
         calibrated = ", ".join(f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
