@@ -31,7 +31,10 @@ def install_dir() -> Path:
 
 
 def _folder_name(model: str) -> str:
-    """A model name (built-in name, path or hub id) as one folder name."""
+    """A model name (built-in name, path or hub id) as one folder name; a local path by its absolute form, so that
+    ./my-model and /home/me/my-model install to the same place."""
+    if model not in models.BUILTIN_MODELS and Path(model).exists():
+        model = str(Path(model).resolve())
     return re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")) or "_"
 
 
