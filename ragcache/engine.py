@@ -56,7 +56,8 @@ class RagCache(Front):
              adapter: str | None = INSTALLED, merge_adapter: bool = True, **vllm_args) -> Front:
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
         the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
-        left out: the model's installed adapter where it is calibrated (ragcache/adapters.py), else the base model.
+        left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
+        base model.
         `merge_adapter`: fold the adapter into the weights (faster) or run it beside them.
         `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes `vllm_args`: max_model_len,
         kv_cache_gib, any vLLM engine argument)."""

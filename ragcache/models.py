@@ -292,8 +292,8 @@ def cpu_has_bf16() -> bool:
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
          adapter: str | Path | None = None, merge: bool = True) -> LoadedModel:
-    """`adapter`: a directory `ragcache train link` wrote, INSTALLED (the model's installed adapter if it is
-    calibrated for this dtype, else the base model; ragcache/adapters.py) or None (the base model). `merge`: fold
+    """`adapter`: a directory `ragcache train link` wrote, INSTALLED (the model's installed adapter where its
+    calibration at this dtype vouches for it, else the base model; ragcache/adapters.py) or None (the base model). `merge`: fold
     the LoRA into the weights (faster: docs/BENCHMARKS.md, "Link adapters") or run it beside them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging

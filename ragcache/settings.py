@@ -16,7 +16,7 @@ from ragcache.store.base import (DEFAULT_DISK_BUDGET, DEFAULT_MAX_RETRY_AFTER_S,
                                  DEFAULT_PREFIX, DEFAULT_RETRY_AFTER_S)
 
 DEFAULT_MODEL = "smollm2-135m"
-INSTALLED = "installed"  # the model's installed adapter, where it is calibrated (ragcache/adapters.py)
+INSTALLED = "installed"  # the model's installed adapter, where its calibration vouches for it (ragcache/adapters.py)
 DEFAULT_STORE = "disk:./.ragcache"
 DEFAULT_CHUNK_TOKENS = 512
 DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
@@ -63,8 +63,8 @@ class Settings(BaseSettings):
     kv_cache_gib: float | None = Field(None, gt=0, description="vllm engine: GiB of vLLM's paged KV cache (default: "
                                        "4 on a CPU, vLLM's own choice on a GPU)")
     adapter: str | None = Field(INSTALLED, description="a read-side LoRA directory `ragcache train link` wrote, "
-                                "`none` for the base model, or `installed`: the model's installed adapter where it "
-                                "is calibrated, else the base model (README: Link adapters)")
+                                "`none` for the base model, or `installed`: the model's installed adapter where its "
+                                "calibration reached the target, else the base model (README: Installed adapters)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
