@@ -72,7 +72,9 @@ class RagCache(Front):
             raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {engine!r}" if engine != "ragcache" else
                                       f"{sorted(vllm_args)} are options of the vllm engine")
         validate_kv_codec(kv_codec)  # a bad name fails before the model loads
-        lm = models.load(model, dtype=dtype, device=device, adapter=adapter, merge=merge_adapter)
+        lm = models.load(model, dtype=dtype, device=device)
+        chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
+        lm = models.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
                    kv_codec=kv_codec)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from .errors import BadAdapter, ModelFetchError, UnsupportedModel
-from .settings import DEFAULT_MODEL, INSTALLED
+from .settings import DEFAULT_MODEL
 
 log = logging.getLogger(__name__)
 
@@ -292,8 +292,8 @@ def cpu_has_bf16() -> bool:
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
          adapter: str | Path | None = None, merge: bool = True) -> LoadedModel:
-    """`adapter`: a directory `ragcache train link` wrote, INSTALLED (the model's installed adapter where its
-    calibration at this dtype vouches for it, else the base model; ragcache/adapters.py) or None (the base model). `merge`: fold
+    """`adapter`: a directory `ragcache train link` wrote, or None (the base model; RagCache.open picks the installed
+    one, ragcache/adapters.py). `merge`: fold
     the LoRA into the weights (faster: docs/BENCHMARKS.md, "Link adapters") or run it beside them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -310,10 +310,6 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", d
     except OSError as exc:
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
     lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
-    if adapter == INSTALLED:
-        from .adapters import calibrated_default
-
-        adapter = calibrated_default(lm)
     return attach_adapter(lm, Path(adapter), merge) if adapter is not None else lm
 
 
@@ -351,9 +347,10 @@ def check_adapter(lm: LoadedModel, path: Path) -> str:
     return digest
 
 
-def attach_adapter(lm: LoadedModel, path: Path, merge: bool = True) -> LoadedModel:
+def attach_adapter(lm: LoadedModel, path: str | Path, merge: bool = True) -> LoadedModel:
     """The model with a read-side LoRA from `path`, merged into its weights or beside them. Refused with
     BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration."""
+    path = Path(path)
     digest = check_adapter(lm, path)
     try:
         from peft import PeftModel
