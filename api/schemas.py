@@ -267,7 +267,9 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "ragcache"
     ragcache: dict[str, Any] | None = Field(None, description="linking defaults: default_k (the calibrated k when "
-                                            "`ragcache calibrate` has run for this model), target, agreement_by_k")
+                                            "`ragcache calibrate` has run for this model), target, agreement_by_k; "
+                                            "adapter: the link adapter the model answers with (sha256, path, "
+                                            "merged), null for the base model")
 
 
 class ModelList(BaseModel):

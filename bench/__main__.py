@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | serve | soak | accuracy | codecs | peers | markdown | squad-sample
+"""python -m bench ttft | lower-bound | throughput | serve | soak | accuracy | codecs | peers | adapter | markdown | squad-sample
 (each: --help)."""
 
 from __future__ import annotations
@@ -253,6 +253,38 @@ def soak(
     if bad := [a for a in names if a not in mod.ALGORITHMS]:
         raise typer.BadParameter(f"unknown algorithm(s) {bad}: {', '.join(mod.ALGORITHMS)}")
     mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag)
+
+
+@app.command()
+def adapter(
+    model: str = Model,
+    path: Path = typer.Option(None, "--adapter", help="a link adapter directory (default: a random rank-16 LoRA of "
+                                                      "the shape `ragcache train link` fits: the cost is the shape's)"),
+    dtype: str = typer.Option("auto", help="auto | float32 | bfloat16"),
+    runs: int = typer.Option(7, min=1, help="timed queries per engine (median), the engines taking turns"),
+    algorithm: str = typer.Option("naive", help="the link the queries use"),
+    new_tokens: int = typer.Option(32, min=2, help="tokens decoded per query"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """A link adapter merged into the weights or beside them, and the base model: TTFT and decode tok/s."""
+    import json
+
+    from bench import adapter as mod
+    from ragcache.models import default_dtype
+
+    result = mod.run(model, path, default_dtype("cpu") if dtype == "auto" else dtype, runs, algorithm, new_tokens)
+    for name, row in result["median"].items():
+        print(f"{name:>9}: ttft {row['ttft_s'] * 1000:.1f} ms, decode {row.get('decode_tok_s', 0):.1f} tok/s")
+    from bench.report import RESULTS
+
+    folder = out or RESULTS
+    folder.mkdir(parents=True, exist_ok=True)
+    print(f"merged: the adapted layers' base weights kept for compile take {result['base_weights_kept_mib']:.0f} MiB "
+          f"(the model: {result['model_mib']:.0f} MiB)")
+    file = folder / f"adapter-{model.replace('/', '_')}{tag}.json"
+    file.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {file}")
 
 
 @app.command("squad-sample")

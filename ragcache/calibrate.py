@@ -10,8 +10,12 @@ decode of `full`'s answer and, per candidate, one teacher-forced pass over the a
 without decoding keeps the sweep cheap otherwise. The smallest k (and ratio, and focus ratio) whose agreement
 reaches the target becomes the model's profile; `RagCache` then uses that k (and focus ratio) as its default. `focus` is swept because it beat LegoLink's first rows at the same budget (docs/ACCURACY.md).
 
+With a link adapter attached (ragcache/adapters.py), `full` is the base model's (the adapter off) and every
+candidate links with the adapter on: the profile says which cheap link of the adapted model answers as the base model
+does, and it is what makes an installed adapter the model's default.
+
 Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
-inherits another's k.
+inherits another's k; an adapter may ship its own in its directory (`profiles/`), read after the user's.
 """
 
 from __future__ import annotations
@@ -59,6 +63,11 @@ class Profile:
     focus_ratio: float | None = None  # the smallest `focus` ratio that reached the target
     agreement_by_focus: dict[str, float] = field(default_factory=dict)
     at: str = "first"  # where along full's answer agreement was measured (POSITIONS)
+    adapter: str = ""  # the link adapter's digest when the model was calibrated with one (models.Adapter.sha256)
+
+    def reached(self) -> bool:
+        """Whether some candidate link reached the target."""
+        return any(value is not None for value in (self.k, self.ratio, self.focus_ratio))
 
 
 def profile_path(fingerprint: str, dtype: str) -> Path:
@@ -66,15 +75,24 @@ def profile_path(fingerprint: str, dtype: str) -> Path:
 
 
 def load_profile(lm: models.LoadedModel) -> Profile | None:
-    path = profile_path(lm.fingerprint, _dtype(lm))
-    try:
-        data = json.loads(path.read_text())
-        profile = Profile(**data)
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError):  # an old or damaged profile: calibrate again
-        return None
-    return profile if profile.fingerprint == lm.fingerprint else None
+    shipped = lm.adapter.path / models.ADAPTER_PROFILES if lm.adapter is not None else None
+    return find_profile(lm.fingerprint, dtype_name(lm), shipped)
+
+
+def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None) -> Profile | None:
+    """The profile of a model fingerprint at a dtype: the user's own, else one an adapter ships with (`shipped`)."""
+    for folder in (profile_path(fingerprint, dtype).parent, shipped):
+        if folder is None:
+            continue
+        try:
+            profile = Profile(**json.loads((folder / profile_path(fingerprint, dtype).name).read_text()))
+        except FileNotFoundError:
+            continue
+        except (ValueError, TypeError):  # an old or damaged profile: calibrate again
+            continue
+        if profile.fingerprint == fingerprint:
+            return profile
+    return None
 
 
 def save_profile(profile: Profile) -> Path:
@@ -177,13 +195,15 @@ def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_
     if at not in POSITIONS:
         raise ValueError(f"at must be one of {', '.join(POSITIONS)}, got {at!r}")
     say = progress or (lambda _: None)
-    with torch.inference_mode():
+    # against the base model's own full, also when a link adapter is attached: the adapter is there to make a cheap
+    # link answer as the base model does, not to move full (calibration is the engine's only user meanwhile)
+    with torch.inference_mode(), rc.lm.base_weights():
         refs = [reference(rc, item, at) for item in items]
     moved = sum(bool(ref.lead) for ref in refs)
     say(f"full: {len(items)} items linked" + (f", {moved} measured past the answer's first token" if at != "first"
                                               else ""))
-    profile = Profile(rc.lm.name, rc.lm.fingerprint, _dtype(rc.lm), target, len(items), None, None,
-                      created=time.time(), at=at)
+    profile = Profile(rc.lm.name, rc.lm.fingerprint, dtype_name(rc.lm), target, len(items), None, None,
+                      created=time.time(), at=at, adapter=rc.lm.adapter.sha256 if rc.lm.adapter else "")
     profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, refs)
     say(f"naive: {profile.naive_agreement:.2f}")
     profile.k = _smallest(rc, items, refs, target, "legolink", "k", ks, profile.agreement_by_k, say)
@@ -220,5 +240,5 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def _dtype(lm: models.LoadedModel) -> str:
+def dtype_name(lm: models.LoadedModel) -> str:
     return str(lm.dtype).removeprefix("torch.")

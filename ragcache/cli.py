@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 from . import models
 from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
@@ -58,8 +58,9 @@ def _fail(exc: Exception) -> None:
 DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
                                                  "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)")
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
-AdapterOption = typer.Option(None, "--adapter", help="a LoRA directory `ragcache train link` wrote (default: "
-                                                     "settings, none)")
+AdapterOption = typer.Option(None, "--adapter", help="a LoRA directory `ragcache train link` wrote, none (the base "
+                                                     "model) or installed (default: settings, installed: the "
+                                                     "model's installed adapter where it is calibrated)")
 KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
                                                       "(default: settings, auto: int8 on CPU, the compute dtype "
                                                       "elsewhere)")
@@ -323,10 +324,18 @@ def calibrate(
     store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
+    adapter: str = typer.Option(None, "--adapter", help="a link adapter to calibrate the model with, or none (default: "
+                                                        "the model's installed adapter, calibrated or not, else none)"),
 ):
-    """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with `full` at the target rate on
-    this model, and save it as the model's profile: later runs use that k by default."""
+    """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with the base model's `full` at
+    the target rate on this model (with its link adapter, if any), and save it as the model's profile: later runs use
+    that k by default, and an installed adapter so calibrated becomes the model's default."""
+    from . import adapters
     from . import calibrate as cal
+
+    if adapter is None or adapter.lower() == "installed":
+        found = adapters.installed(load_settings(model=model).model)
+        adapter = str(found) if found is not None else "none"
 
     try:
         if at not in cal.POSITIONS:
@@ -339,7 +348,9 @@ def calibrate(
             err.print("[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
                       "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
                       "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md).")
-        rc, _ = _open(model, store, dtype=dtype, device=device)
+        rc, _ = _open(model, store, dtype=dtype, device=device, adapter=adapter)
+        if rc.lm.adapter is not None:
+            err.print(f"calibrating with the link adapter in {rc.lm.adapter.path}, against the base model's full")
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
         profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"), at=at)
         path = cal.save_profile(profile)
@@ -364,19 +375,45 @@ def calibrate(
 
 @models_app.command("list")
 def models_list():
-    """Built-in models, whether they are pulled, and their calibrated k (`ragcache calibrate`)."""
+    """Built-in models, whether they are pulled, their calibrated k (`ragcache calibrate`) and their link adapter."""
+    from . import adapters
     from .calibrate import profiles_by_model
 
     profiles = profiles_by_model()
-    table = Table("name", "family", "pulled", "calibrated k and focus ratio", "source")
+    table = Table(Column("name", no_wrap=True), "family", "pulled", "calibrated k and focus ratio", "link adapter",
+                  "source")
     for spec in models.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
         calibrated = ", ".join(f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
-                               f"the {p.at} token)"
+                               f"the {p.at} token{', with its adapter' if p.adapter else ''})"
                                for p in profiles.get(spec.name, [])) or "-"
         table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", calibrated,
+                      _adapter_cell(adapters.installed(spec.name), profiles.get(spec.name, [])),
                       f"{wheels}\n{spec.note}")
     console.print(table)
+
+
+def _adapter_cell(path: Path | None, profiles: list) -> str:
+    """The installed adapter and the dtypes it is calibrated at (where it is the model's default)."""
+    if path is None:
+        return "-"
+    try:
+        digest = models.adapter_sha256(path)
+    except RagCacheError as exc:
+        return f"{path}: unusable ({exc})"
+    from .calibrate import Profile
+
+    mine = [p for p in profiles if p.adapter == digest]
+    for file in sorted((path / models.ADAPTER_PROFILES).glob("*.json")):
+        try:
+            mine.append(Profile(**json.loads(file.read_text())))
+        except (ValueError, TypeError, OSError):
+            continue
+    default = sorted({p.dtype for p in mine if p.adapter == digest and p.reached()})
+    short = sorted({p.dtype for p in mine if p.adapter == digest} - set(default))
+    states = ([f"default at {', '.join(default)}"] if default else []) + \
+        ([f"no link reached the target at {', '.join(short)}: not the default"] if short else [])
+    return f"{digest[:12]} ({'; '.join(states) or 'not calibrated: run `ragcache calibrate`'})\n{path}"
 
 
 def _or_none(value) -> str:

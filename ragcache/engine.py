@@ -15,7 +15,7 @@ from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import guard, infill, linker, models
+from . import adapters, guard, infill, linker, models
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
 from .errors import ParameterOutOfRange
@@ -27,7 +27,7 @@ from .request import Infill, Query
 from .runner import Runner
 from .scheduler import Scheduler
 from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL,
-                       DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, Settings)
+                       DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, INSTALLED, Settings)
 from .stream import Stream
 
 log = logging.getLogger("ragcache")
@@ -51,16 +51,19 @@ class RagCache(Front):
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *, engine: str = "ragcache",
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
-             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto", adapter: str | None = None,
-             **vllm_args) -> Front:
+             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto",
+             adapter: str | None = INSTALLED, merge_adapter: bool = True, **vllm_args) -> Front:
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
-        the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote (None: the base model).
+        the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
+        left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
+        base model.
+        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them.
         `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes `vllm_args`: max_model_len,
         kv_cache_gib, any vLLM engine argument)."""
         if engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache
 
-            if adapter is not None:
+            if adapter not in (None, INSTALLED):  # left out, vLLM serves the base model
                 raise ParameterOutOfRange("the vllm engine does not load link adapters yet: use the ragcache engine")
             return VllmRagCache.open(model, store, chunk_tokens=chunk_tokens, dtype=dtype, kv_codec_name=kv_codec,
                                      **vllm_args)
@@ -68,7 +71,9 @@ class RagCache(Front):
             raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {engine!r}" if engine != "ragcache" else
                                       f"{sorted(vllm_args)} are options of the vllm engine")
         validate_kv_codec(kv_codec)  # a bad name fails before the model loads
-        lm = models.load(model, dtype=dtype, device=device, adapter=adapter)
+        lm = models.load(model, dtype=dtype, device=device)
+        chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
+        lm = models.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
                    kv_codec=kv_codec)
 
@@ -79,7 +84,8 @@ class RagCache(Front):
             return cls.open(s.model, s.store, engine="vllm", chunk_tokens=s.chunk_tokens, dtype=s.dtype,
                             kv_codec=s.kv_codec, max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib)
         return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
-                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20, adapter=s.adapter)
+                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20,
+                        adapter=adapters.parse(s.adapter))
 
     @property
     def kv_codec(self) -> str:

@@ -208,11 +208,36 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
 @dataclass(frozen=True)
 class Adapter:
     """A read-side LoRA (`ragcache train link`) attached to a loaded model: it runs on every row the linker or the
-    decoder computes, never on compile, so the store's entries are the base model's."""
+    decoder computes, never on compile, so the store's entries are the base model's.
+
+    Merged (the default), the LoRA is folded into the weights of the layers it adapts and those layers' base weights
+    are kept aside: `base_weights()` swaps them in by reference, so compile computes with the very base tensors.
+    That costs one extra copy of the adapted layers (the attention projections: about a fifth of SmolLM2-135M's
+    parameters), not a second model. Unmerged, the PeftModel runs the LoRA beside the weights and
+    `disable_adapter()` gives the base back."""
 
     path: Path
     sha256: str  # of its files: part of the model's fingerprint
-    peft: object  # the PeftModel wrapping the base model; its disable_adapter() gives the base weights back
+    peft: object | None = None  # unmerged: the PeftModel wrapping the base model
+    swapped: tuple = ()  # merged: (layer, base weight, merged weight) for each adapted Linear
+
+    @property
+    def merged(self) -> bool:
+        return self.peft is None
+
+    @contextlib.contextmanager
+    def base_weights(self):
+        if self.peft is not None:
+            with self.peft.disable_adapter():
+                yield
+            return
+        for layer, base, _ in self.swapped:
+            layer.weight.data = base
+        try:
+            yield
+        finally:
+            for layer, _, merged in self.swapped:
+                layer.weight.data = merged
 
 
 @dataclass
@@ -229,7 +254,7 @@ class LoadedModel:
 
     def base_weights(self):
         """A context in which the model computes with its base weights (the adapter off): what compile runs in."""
-        return self.adapter.peft.disable_adapter() if self.adapter is not None else contextlib.nullcontext()
+        return self.adapter.base_weights() if self.adapter is not None else contextlib.nullcontext()
 
     def __post_init__(self):
         self.compile_fingerprint = self.compile_fingerprint or self.fingerprint
@@ -266,8 +291,10 @@ def cpu_has_bf16() -> bool:
 
 
 def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
-         adapter: str | Path | None = None) -> LoadedModel:
-    """`adapter`: a directory `ragcache train link` wrote (None: the base model)."""
+         adapter: str | Path | None = None, merge: bool = True) -> LoadedModel:
+    """`adapter`: a directory `ragcache train link` wrote, or None (the base model; RagCache.open picks the installed
+    one, ragcache/adapters.py). `merge`: fold
+    the LoRA into the weights (faster: docs/BENCHMARKS.md, "Link adapters") or run it beside them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
@@ -283,11 +310,12 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", d
     except OSError as exc:
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
     lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
-    return attach_adapter(lm, Path(adapter)) if adapter is not None else lm
+    return attach_adapter(lm, Path(adapter), merge) if adapter is not None else lm
 
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what PEFT's save_pretrained writes
 ADAPTER_META = "ragcache-adapter.json"  # what `ragcache train link` adds: the base model it was fitted to
+ADAPTER_PROFILES = "profiles"  # calibrations an adapter ships with, named as calibrate.profile_path names them
 
 
 def adapter_sha256(path: Path) -> str:
@@ -300,9 +328,12 @@ def adapter_sha256(path: Path) -> str:
     return h.hexdigest()[:32]
 
 
-def attach_adapter(lm: LoadedModel, path: Path) -> LoadedModel:
-    """The model with a read-side LoRA from `path`. Refused with BadAdapter: a missing or unreadable adapter, or
-    one fitted to a model of another configuration."""
+def adapted_fingerprint(base_fingerprint: str, adapter_digest: str) -> str:
+    return hashlib.sha256(f"{base_fingerprint}+{adapter_digest}".encode()).hexdigest()[:32]
+
+
+def check_adapter(lm: LoadedModel, path: Path) -> str:
+    """The adapter's digest, once its files are there and it was fitted to a model of `lm`'s configuration."""
     digest = adapter_sha256(path)
     meta_file = path / ADAPTER_META
     if meta_file.is_file():
@@ -313,19 +344,49 @@ def attach_adapter(lm: LoadedModel, path: Path) -> LoadedModel:
         if meta.get("base_config") != config_fingerprint(lm.model):
             raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
                              f"configuration than {lm.name!r}")
+    return digest
+
+
+def attach_adapter(lm: LoadedModel, path: str | Path, merge: bool = True) -> LoadedModel:
+    """The model with a read-side LoRA from `path`, merged into its weights or beside them. Refused with
+    BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration."""
+    path = Path(path)
+    digest = check_adapter(lm, path)
     try:
         from peft import PeftModel
         from safetensors import SafetensorError
     except ImportError as exc:
-        raise BadAdapter("adapters need the `peft` package: pip install 'ragcache[train]'") from exc
+        raise BadAdapter("adapters need the `peft` package: pip install peft") from exc
     try:
         peft = PeftModel.from_pretrained(lm.model, str(path), is_trainable=False)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
         raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
-    model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
-    fingerprint = hashlib.sha256(f"{lm.fingerprint}+{digest}".encode()).hexdigest()[:32]
-    return LoadedModel(lm.name, model, lm.tokenizer, fingerprint, lm.tokenizer_fingerprint,
-                       adapter=Adapter(path, digest, peft), compile_fingerprint=lm.fingerprint)
+    # a LoRA bias would change the layers' biases too, which the swap does not keep aside: such a LoRA runs beside
+    if merge and not getattr(peft.peft_config["default"], "lora_bias", False):
+        model, swapped = _merge(peft)
+        adapter = Adapter(path, digest, swapped=swapped)
+    else:
+        model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
+        adapter = Adapter(path, digest, peft)
+    return LoadedModel(lm.name, model, lm.tokenizer, adapted_fingerprint(lm.fingerprint, digest),
+                       lm.tokenizer_fingerprint, adapter=adapter, compile_fingerprint=lm.fingerprint)
+
+
+def _merge(peft) -> tuple[torch.nn.Module, tuple]:
+    """The LoRA folded into the weights, and (layer, base weight, merged weight) for each adapted Linear. A safe
+    merge writes each sum into a new tensor, so the tensors read before it stay the base weights, untouched."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module.get_base_layer() for module in peft.modules() if isinstance(module, LoraLayer)]
+    base = [layer.weight.data for layer in layers]
+    try:
+        model = peft.merge_and_unload(safe_merge=True)
+    except ValueError as exc:  # NaNs in the merged weights
+        raise BadAdapter(f"cannot merge the adapter: {exc}") from exc
+    swapped = tuple((layer, kept, layer.weight.data) for layer, kept in zip(layers, base))
+    if any(kept.data_ptr() == merged.data_ptr() for _, kept, merged in swapped):
+        raise RuntimeError("the LoRA merge wrote into the base weights; compile would no longer see them")
+    return model.eval(), swapped
 
 
 def describe(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu"

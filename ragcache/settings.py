@@ -16,6 +16,7 @@ from ragcache.store.base import (DEFAULT_DISK_BUDGET, DEFAULT_MAX_RETRY_AFTER_S,
                                  DEFAULT_PREFIX, DEFAULT_RETRY_AFTER_S)
 
 DEFAULT_MODEL = "smollm2-135m"
+INSTALLED = "installed"  # the model's installed adapter, where its calibration vouches for it (ragcache/adapters.py)
 DEFAULT_STORE = "disk:./.ragcache"
 DEFAULT_CHUNK_TOKENS = 512
 DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
@@ -61,8 +62,9 @@ class Settings(BaseSettings):
                                       "(default: the model's own)")
     kv_cache_gib: float | None = Field(None, gt=0, description="vllm engine: GiB of vLLM's paged KV cache (default: "
                                        "4 on a CPU, vLLM's own choice on a GPU)")
-    adapter: str | None = Field(None, description="a read-side LoRA directory `ragcache train link` wrote "
-                                "(default: none, the base model)")
+    adapter: str | None = Field(INSTALLED, description="a read-side LoRA directory `ragcache train link` wrote, "
+                                "`none` for the base model, or `installed`: the model's installed adapter where its "
+                                "calibration reached the target, else the base model (README: Installed adapters)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
@@ -90,7 +92,7 @@ class Settings(BaseSettings):
         if self.engine == "vllm" and self.guard_rate:
             raise ValueError("guard_rate needs the ragcache engine (the guard compares full first-token distributions, "
                              "which vLLM does not return); set it to 0 with engine vllm")
-        if self.engine == "vllm" and self.adapter:
+        if self.engine == "vllm" and str(self.adapter).lower() not in ("none", INSTALLED):
             raise ValueError("the vllm engine does not load link adapters yet: use the ragcache engine with adapter")
         if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
             raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")

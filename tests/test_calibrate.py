@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,8 @@ class _KnownRC:
 
     def __init__(self, thresholds: list[int]):
         self.thresholds = thresholds
-        self.lm = SimpleNamespace(name="known", fingerprint="f" * 64, dtype=torch.float32)  # the profile's dtype
+        self.lm = SimpleNamespace(name="known", fingerprint="f" * 64, dtype=torch.float32,  # the profile's dtype
+                                  adapter=None, base_weights=contextlib.nullcontext)
 
     def link(self, question, doc_ids, algorithm="legolink", k=16, ratio=0.15, **_):
         threshold = self.thresholds[int(question)]

@@ -52,8 +52,11 @@ def link_cmd(
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
+    install: bool = typer.Option(False, "--install", help="install the adapter as the model's own (then `ragcache "
+                                                          "calibrate --model M` makes it the model's default)"),
 ):
-    """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter."""
+    """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter, or
+    --install it."""
     from .link import LinkTrainConfig, train_link
 
     cfg = LinkTrainConfig(model=model, algorithm=algorithm, k=k, ratio=ratio, steps=steps, batch=batch, lr=lr,
@@ -81,6 +84,15 @@ def link_cmd(
         err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
         raise typer.Exit(130)
     _print_link_report(cfg, report)
+    if install:
+        from ..adapters import install as install_adapter
+
+        try:
+            path = install_adapter(Path(report.out), model)
+        except RagCacheError as exc:
+            _fail(exc)
+        console.print(f"installed as {model}'s adapter: {path}; `ragcache calibrate --model {model}` makes it the "
+                      "default")
 
 
 def _print_link_report(cfg, report) -> None:

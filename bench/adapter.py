@@ -1,0 +1,63 @@
+"""Serving a link adapter merged into the weights or beside them (PEFT's LoRA layers), against the base model:
+time to first token of a linked query and decode speed, the three engines taking turns so drift hits each alike."""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ragcache import models
+from ragcache.engine import RagCache
+from ragcache.settings import DATA_DIR
+from ragcache.store import open_store
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def random_adapter(lm: models.LoadedModel, out: Path, rank: int) -> Path:
+    """A LoRA of the shape `ragcache train link` fits (rank `rank`, attention projections): its cost is its shape's."""
+    import peft
+
+    fitted = peft.get_peft_model(copy.deepcopy(lm.model), peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, target_modules=ATTENTION, init_lora_weights=False))
+    fitted.save_pretrained(out)
+    (out / models.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
+                                                       "base_config": models.config_fingerprint(lm.model)}))
+    return out
+
+
+def run(model: str, adapter: Path | None, dtype: str, runs: int, algorithm: str, new_tokens: int,
+        rank: int = 16, docs_per_query: int = 4) -> dict:
+    questions = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    texts = [p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))]
+    label = str(adapter) if adapter is not None else f"random rank-{rank} LoRA on {', '.join(ATTENTION)}"
+    with tempfile.TemporaryDirectory() as tmp:
+        if adapter is None:
+            adapter = random_adapter(models.load(model, dtype=dtype), Path(tmp), rank)
+        store = open_store("memory:")
+        engines = {"base": RagCache(models.load(model, dtype=dtype), store),
+                   "unmerged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=False), store),
+                   "merged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=True), store)}
+    doc_ids = engines["base"].compile(texts)
+    kept = sum(base.numel() * base.element_size() for _, base, _ in engines["merged"].lm.adapter.swapped)
+    model_bytes = sum(p.numel() * p.element_size() for p in engines["base"].lm.model.parameters())
+    times: dict[str, dict[str, list[float]]] = {name: {"ttft_s": [], "decode_tok_s": []} for name in engines}
+    for rc in engines.values():
+        rc.warmup()
+    for i in range(runs):
+        question = questions[i % len(questions)]["question"]
+        docs = doc_ids[i % len(doc_ids):] + doc_ids[: i % len(doc_ids)]
+        for name, rc in engines.items():
+            st = rc.query(question, docs[:docs_per_query], algorithm=algorithm, max_new_tokens=new_tokens).stats
+            times[name]["ttft_s"].append(st.ttft_s)
+            if st.completion_tokens > 1:
+                times[name]["decode_tok_s"].append((st.completion_tokens - 1) / st.decode_s)
+    return {"model": model, "dtype": dtype, "algorithm": algorithm, "runs": runs, "documents": docs_per_query, "threads": torch.get_num_threads(),
+            "adapter": label, "base_weights_kept_mib": kept / 2**20, "model_mib": model_bytes / 2**20,
+            "median": {name: {k: statistics.median(v) for k, v in t.items() if v} for name, t in times.items()},
+            "all": times}

@@ -1,0 +1,248 @@
+"""Serving link adapters: merged at load, the installed default once calibrated, shown in listings, and calibrated
+against the base model's `full` (tiny random models and random LoRAs: the mechanics, not the accuracy)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from types import SimpleNamespace
+
+import httpx
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ragcache import adapters, models
+from ragcache import calibrate as cal
+from ragcache.engine import RagCache
+from ragcache.settings import INSTALLED, Settings
+from ragcache.store import open_store
+from tests import tiny
+
+peft = pytest.importorskip("peft")
+
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+IDS = torch.tensor([1, 40, 41, 42, 60, 61, 62, 63, 70, 71])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    lm = tiny.make("llama")
+    out = tmp_path_factory.mktemp("tiny-llama")
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return out
+
+
+def make_adapter(base_dir, out, seed: int = 0):
+    """A random rank-4 LoRA on the attention projections (B not zero, so it changes the answers), saved as
+    `ragcache train link` saves one."""
+    lm = models.load(str(base_dir), dtype="float32")
+    torch.manual_seed(seed)
+    fitted = peft.get_peft_model(copy.deepcopy(lm.model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION,
+                                                                         init_lora_weights=False))
+    fitted.save_pretrained(out)
+    (out / models.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
+                                                       "base_config": models.config_fingerprint(lm.model)}))
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapter_dir(tiny_dir, tmp_path_factory):
+    return make_adapter(tiny_dir, tmp_path_factory.mktemp("adapter"))
+
+
+def logits(lm) -> torch.Tensor:
+    return tiny.reference_logits(lm, IDS)
+
+
+def test_a_merged_adapter_answers_as_the_unmerged_one_and_compiles_with_the_base_weights(tiny_dir, adapter_dir):
+    base = models.load(str(tiny_dir), dtype="float32")
+    merged = models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir)
+    beside = models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=False)
+    assert merged.adapter.merged and not beside.adapter.merged
+    assert not torch.allclose(logits(merged), logits(base), atol=1e-3)  # the adapter changes the answers
+    assert torch.allclose(logits(merged), logits(beside), atol=1e-4)
+    with merged.base_weights():
+        assert torch.equal(logits(merged), logits(base))  # the very base tensors, not base + delta - delta
+    assert torch.allclose(logits(merged), logits(beside), atol=1e-4)  # and the merged ones are back after
+    assert merged.fingerprint == beside.fingerprint != base.fingerprint  # profiles are the adapted model's own
+    assert merged.compile_fingerprint == beside.compile_fingerprint == base.fingerprint
+
+
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, adapter_dir, tmp_path, merge):
+    """Compile runs with the adapter off, so an entry is the base model's whoever compiles it, and its key (the
+    compile fingerprint) is the base model's: an adapted engine and the base one share the store's entries. What the
+    adapter does change is keyed by the adapted fingerprint (calibration profiles)."""
+    store = open_store(f"disk:{tmp_path / 'store'}")
+    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, chunk_tokens=16)
+    adapted = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=merge), store,
+                       chunk_tokens=16)
+    text = tiny.CORPUS[0] * 2
+    doc_id = adapted.compile([text])[0]
+    layout = base.layouts["default"]
+    for chunk in adapted.document_chunks(doc_id):
+        assert adapted.compiler.key(chunk, layout) == base.compiler.key(chunk, layout)
+        mine, theirs = adapted.compiler.compile(chunk, layout), base.compiler.compile(chunk, layout)
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    assert cal.profile_path(adapted.lm.fingerprint, "float32") != cal.profile_path(base.lm.fingerprint, "float32")
+    linked = adapted.link("What is tall?", [doc_id], algorithm="naive").last_logits
+    assert not torch.allclose(linked, base.link("What is tall?", [doc_id], algorithm="naive").last_logits, atol=1e-3)
+
+
+def calibrated(lm_dir, adapter_path, where=None) -> cal.Profile:
+    """A profile saved for the model with the adapter at `adapter_path`: in the user's profiles, or in `where`."""
+    lm = models.load(str(lm_dir), dtype="float32")
+    fingerprint = models.adapted_fingerprint(lm.fingerprint, models.adapter_sha256(adapter_path))
+    profile = cal.Profile(lm.name, fingerprint, "float32", 0.95, 10, 8, 0.3, focus_ratio=0.1,
+                          adapter=models.adapter_sha256(adapter_path))
+    if where is None:
+        cal.save_profile(profile)
+    else:
+        where.mkdir(parents=True, exist_ok=True)
+        (where / cal.profile_path(fingerprint, "float32").name).write_text(json.dumps(vars(profile)))
+    return profile
+
+
+def test_the_installed_adapter_is_the_default_once_calibrated(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    model = str(tiny_dir)
+    assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None  # nothing installed
+    path = adapters.install(adapter_dir, model)
+    assert adapters.installed(model) == path and path.parent == adapters.install_dir()
+    assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None  # installed, not calibrated
+    calibrated(tiny_dir, path)
+    rc = RagCache.open(model, "memory:", dtype="float32")
+    assert rc.lm.adapter is not None and rc.lm.adapter.path == path and rc.lm.adapter.merged
+    assert rc.profile is not None and rc.profile.adapter == rc.lm.adapter.sha256 and rc.default_focus_ratio == 0.1
+    assert RagCache.open(model, "memory:", dtype="float32", adapter=None).lm.adapter is None
+    assert RagCache.open(model, "memory:", dtype="float16").lm.adapter is None  # calibrated at float32 only
+    reached_nothing = cal.Profile(**{**vars(rc.profile), "k": None, "ratio": None, "focus_ratio": None})
+    cal.save_profile(reached_nothing)  # a calibration in which no link reached the target: not trusted
+    assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None
+    cal.save_profile(rc.profile)
+    # the settings and the CLI: `installed` is the default, `none` the base model
+    assert Settings().adapter == INSTALLED
+    assert RagCache.from_settings(Settings(model=model, store="memory:", dtype="float32")).lm.adapter is not None
+    assert RagCache.from_settings(Settings(model=model, store="memory:", dtype="float32",
+                                           adapter="none")).lm.adapter is None
+    assert [adapters.parse(v) for v in (None, "none", "None", "installed")] == [None, None, None, INSTALLED]
+
+
+def test_an_adapter_ships_its_calibration(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """A profile inside the adapter's directory (how the package ships one) makes it the default too."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    for name in (*models.ADAPTER_FILES, models.ADAPTER_META):
+        (shipped / name).write_bytes((adapter_dir / name).read_bytes())
+    calibrated(tiny_dir, shipped, where=shipped / models.ADAPTER_PROFILES)
+    path = adapters.install(shipped, str(tiny_dir))
+    assert (path / models.ADAPTER_PROFILES).is_dir()
+    assert RagCache.open(str(tiny_dir), "memory:", dtype="float32").lm.adapter.path == path
+
+
+def test_an_unusable_installed_adapter_leaves_the_base_model(tiny_dir, adapter_dir, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    other = tiny.make("qwen2")  # another configuration
+    path = adapters.install(adapter_dir, str(tiny_dir))
+    meta = json.loads((path / models.ADAPTER_META).read_text())
+    (path / models.ADAPTER_META).write_text(json.dumps({**meta, "base_config": models.config_fingerprint(other.model)}))
+    assert RagCache.open(str(tiny_dir), "memory:", dtype="float32").lm.adapter is None
+    assert "not used" in caplog.text
+
+
+def test_vllm_serves_the_base_model_unless_an_adapter_is_named():
+    assert Settings(engine="vllm").adapter == INSTALLED
+    Settings(engine="vllm", adapter="none")
+    with pytest.raises(ValueError, match="adapters"):
+        Settings(engine="vllm", adapter="/some/adapter")
+
+
+def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    from ragcache.cli import app
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "400")
+    path = adapters.install(adapter_dir, "gemma3-270m")
+    digest = models.adapter_sha256(path)
+    out = CliRunner().invoke(app, ["models", "list"]).output
+    assert f"{digest[:12]} (not calibrated" in out
+    cal.save_profile(cal.Profile("gemma3-270m", "f" * 32, "bfloat16", 0.95, 10, 8, 0.3, adapter=digest))
+    out = CliRunner().invoke(app, ["models", "list"]).output
+    assert f"{digest[:12]} (default at bfloat16)" in out and "with its adapter" in out
+    cal.save_profile(cal.Profile("gemma3-270m", "e" * 32, "float32", 0.95, 10, None, None, adapter=digest))
+    out = CliRunner().invoke(app, ["models", "list"]).output
+    assert f"{digest[:12]} (default at bfloat16; no link reached the target at float32: not the default)" in out
+
+
+def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
+    from ragcache.api.app import create_app
+    from tests.test_api import Server, settings
+
+    for adapter in (adapter_dir, None):
+        rc = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter), open_store("memory:"))
+        with Server(create_app(rc, settings(model=str(tiny_dir)))) as server:
+            card = httpx.get(f"{server.url}/v1/models").json()["data"][0]["ragcache"]
+        expected = None if adapter is None else {"sha256": models.adapter_sha256(adapter_dir), "path": str(adapter_dir),
+                                                 "merged": True}
+        assert card["adapter"] == expected
+
+
+class _AdaptedRC:
+    """A stand-in engine with an adapter: its own `full` answers 1, the base model's `full` answers 0, and a cheap
+    link answers 0 (as the base's full does) exactly when k >= the item's threshold."""
+
+    def __init__(self, thresholds: list[int]):
+        self.thresholds = thresholds
+        self.base = False
+        self.lm = SimpleNamespace(name="known", fingerprint="a" * 64, dtype=torch.float32,
+                                  adapter=SimpleNamespace(sha256="d" * 32), base_weights=self._base_weights)
+
+    @contextlib.contextmanager
+    def _base_weights(self):
+        self.base = True
+        try:
+            yield
+        finally:
+            self.base = False
+
+    def link(self, question, doc_ids, algorithm="legolink", k=16, ratio=0.15, **_):
+        if algorithm == "full":
+            token = 0 if self.base else 1
+        else:
+            token = 0 if algorithm == "legolink" and k >= self.thresholds[int(question)] else 2
+        logits = torch.zeros(4)
+        logits[token] = 1.0
+        return SimpleNamespace(last_logits=logits)
+
+
+def test_calibration_with_an_adapter_measures_against_the_base_models_full():
+    items = [cal.Item(str(i), []) for i in range(10)]
+    rc = _AdaptedRC([0] * 5 + [8] * 4 + [32])  # against the base's full: k=0 .5, k=8 .9, k=32 1.0
+    profile = cal.calibrate(rc, items, target=0.9, ks=(0, 4, 8, 16, 32), ratios=(), focus_ratios=(), at="first")
+    assert profile.k == 8 and profile.agreement_by_k == {"0": 0.5, "4": 0.5, "8": 0.9}  # against its own: never
+    assert profile.adapter == "d" * 32 and not rc.base  # the base weights are given back
+
+
+def test_train_link_install_makes_it_the_models_installed_adapter(adapter_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from ragcache.cli import app
+    from ragcache.train import link as tl
+
+    def trained(cfg, rc=None, progress=None):  # the fit itself is tests/test_train_link.py's
+        shutil.copytree(adapter_dir, cfg.out, dirs_exist_ok=True)
+        held = {k: dict(base=0.0, adapted=0.0, diff=0.0, low=0.0, high=0.0) for k in ("top1", "kl")}
+        return tl.LinkReport(1, [0.1], held, dict(train=1, eval=1), 0.0, str(cfg.out))
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: None)
+    monkeypatch.setattr(tl, "train_link", trained)
+    result = CliRunner().invoke(app, ["train", "link", "--model", "my-model", "--out", str(tmp_path / "out"),
+                                      "--install"])
+    assert result.exit_code == 0, result.output
+    assert adapters.installed("my-model") == adapters.install_dir() / "my-model"
+    assert models.adapter_sha256(adapters.installed("my-model")) == models.adapter_sha256(adapter_dir)
