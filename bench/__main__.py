@@ -126,6 +126,8 @@ def serve(
     decode_streams: str = typer.Option("1,16", help="concurrent streams for the decode-speed part"),
     dtype: str = typer.Option("auto", help="compute dtype of the decode-speed part: auto, float32 or bfloat16"),
     repeats: int = typer.Option(1, min=1, help="decode-speed cells, each run this many times interleaved (median)"),
+    batch_invariant: bool = typer.Option(True, "--batch-invariant/--no-batch-invariant",
+                                         help="the decode-speed part's engine setting (README: Batch invariance)"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -136,7 +138,7 @@ def serve(
         raise typer.BadParameter("--min-docs must be <= --max-docs")
     mod.run(model, common.parse_ints(clients), requests, pool, doc_tokens, (min_docs, max_docs), max_tokens,
             _variants(algorithms), decode_tokens, common.parse_ints(decode_streams), out, tag, dtype,
-            repeats)
+            repeats, batch_invariant)
 
 
 @app.command()

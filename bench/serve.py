@@ -32,14 +32,16 @@ STEP_RUNS = 5
 
 def run(model: str, clients: list[int], requests: int, pool_size: int, doc_tokens: int, docs: tuple[int, int],
         max_tokens: int, variants: list[Variant], decode_tokens: int, decode_streams: list[int],
-        out_dir: Path | None = None, tag: str = "", dtype: str = "auto", repeats: int = 1) -> dict:
+        out_dir: Path | None = None, tag: str = "", dtype: str = "auto", repeats: int = 1,
+        batch_invariant: bool = True) -> dict:
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype,
-                  decode_repeats=repeats)
+                  decode_repeats=repeats, batch_invariant=batch_invariant)
     bench = report.Run("serve", params, out_dir)
     rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
-    decode = decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype, repeats) if decode_tokens else []
+    decode = (decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype, repeats, batch_invariant)
+              if decode_tokens else [])
     _print(rest, decode, bench.machine)
     paths = bench.finish(rest + decode)
     return dict(results=rest + decode, paths=paths)
@@ -78,9 +80,10 @@ def rest_cells(model: str, clients: list[int], requests: int, pool_size: int, do
 
 
 def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], dtype: str = "auto",
-                 repeats: int = 1) -> list[dict]:
+                 repeats: int = 1, batch_invariant: bool = True) -> list[dict]:
     """Each cell `repeats` times, interleaved (transformers, then each C in turn, then again), median: a load spike
-    on a shared machine then lands on every cell alike instead of on one."""
+    on a shared machine then lands on every cell alike instead of on one. Then each of the most streams' requests
+    alone: how many of its answers the batch left unchanged (`identical_to_alone`)."""
     import statistics
 
     from transformers import AutoTokenizer
@@ -90,7 +93,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     from ragcache.store import open_store
 
     lm = models.load(model, dtype=dtype)
-    rc = RagCache(lm, open_store("memory:"))
+    rc = RagCache(lm, open_store("memory:"), batch_invariant=batch_invariant)
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
     ids = rc.compile(texts)
     questions = squad.timing_questions(max(streams))
@@ -100,6 +103,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     prompt = rc.link(questions[0], ids, algorithm="full").token_ids
     peer: list[float] = []  # transformers' loop, tok/s per repeat
     runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in streams}  # (aggregate, per stream)
+    packed: dict[int, list] = {}  # C -> the token ids of its last repeat's answers
     for _ in range(repeats):
         peer.append(transformers_loop(lm, prompt, tokens))
         for c in streams:
@@ -107,6 +111,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
             with ThreadPoolExecutor(c) as pool:
                 answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:c]))
             rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
+            packed[c] = [a.token_ids for a in answers]
             per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
             runs[c].append((rows_done / seconds if seconds else float("nan"),
                             sum(per_stream) / len(per_stream) if per_stream else None))
@@ -125,6 +130,12 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
                        runs_vs_one_stream=[round(r, 2) for r in ratios])
         rows.append(row)
     if streams:
+        most = max(streams)
+        alone = [rc.query(q, ids, **kwargs).token_ids for q in questions[:most]]
+        row = rows[1 + streams.index(most)]
+        row["identical_to_alone"] = sum(a == b for a, b in zip(alone, packed[most]))
+        print(f"decode C={most}: {row['identical_to_alone']} of {most} answers identical to the request alone",
+              file=sys.stderr, flush=True)
         rows += step_cells(rc.runner, prompt.numel(), max(streams))
     return rows
 
@@ -161,7 +172,7 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             cache.length -= 1
         return seconds
 
-    cells = [(1, positions, False), (streams, positions, True), (streams, 1, False)]
+    cells = [(1, positions, False), (streams, positions, not runner.batch_invariant), (streams, 1, False)]
     groups = [caches(n, length, pooled) for n, length, pooled in cells]
     times: list[list[float]] = [[] for _ in cells]
     for _ in range(runs):

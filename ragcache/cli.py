@@ -297,6 +297,9 @@ def serve(
     max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
     kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
     adapter: str = AdapterOption,
+    batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
+                                         help="an answer does not depend on what else is in its batch (default: "
+                                              "settings, on); off: faster decode at many streams"),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
@@ -304,7 +307,7 @@ def serve(
     try:
         s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
                           engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                          adapter=adapter)
+                          adapter=adapter, batch_invariant=batch_invariant)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         _fail(BadRequest(str(exc)))
     try:

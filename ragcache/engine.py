@@ -36,8 +36,8 @@ log = logging.getLogger("ragcache")
 class RagCache(Front):
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET,
-                 kv_codec: str | None = "auto"):
-        self.runner = Runner(lm)
+                 kv_codec: str | None = "auto", batch_invariant: bool = True):
+        self.runner = Runner(lm, batch_invariant)
         super().__init__(lm, store, chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, kv_codec)
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
@@ -52,14 +52,16 @@ class RagCache(Front):
     def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *, engine: str = "ragcache",
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto",
-             adapter: str | None = INSTALLED, merge_adapter: bool = True, **vllm_args) -> Front:
+             adapter: str | None = INSTALLED, merge_adapter: bool = True, batch_invariant: bool = True,
+             **vllm_args) -> Front:
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
         the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
         left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
         base model.
         `merge_adapter`: fold the adapter into the weights (faster) or run it beside them.
-        `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes `vllm_args`: max_model_len,
-        kv_cache_gib, any vLLM engine argument)."""
+        `batch_invariant=False`: faster decode at many streams, but an answer may depend on what else is in its
+        batch (Runner). `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
+        `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
         if engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache
 
@@ -75,7 +77,7 @@ class RagCache(Front):
         chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
         lm = models.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                   kv_codec=kv_codec)
+                   kv_codec=kv_codec, batch_invariant=batch_invariant)
 
     @classmethod
     def from_settings(cls, s: "Settings") -> Front:
@@ -85,7 +87,7 @@ class RagCache(Front):
                             kv_codec=s.kv_codec, max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib)
         return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
                         kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20,
-                        adapter=adapters.parse(s.adapter))
+                        adapter=adapters.parse(s.adapter), batch_invariant=s.batch_invariant)
 
     @property
     def kv_codec(self) -> str:

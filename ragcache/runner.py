@@ -40,25 +40,31 @@ def row_bucket(rows: int) -> int:
     return -(-rows // granule) * granule
 
 
-def bucket_matmul_rows(model: torch.nn.Module) -> None:
-    """On CPU in bf16 or fp16, every Linear runs at a bucketed row count. torch keeps a compiled kernel for each new
-    row count there (about 0.3 MiB per count and weight shape; oneDNN's primitive cache holds 1,024 of them, and
-    more is kept past it), and every packed step has its own row count: a server's memory grew with every request."""
+def bucket_matmul_rows(model: torch.nn.Module, bucket: bool = True, least: int = 1) -> None:
+    """Every Linear of `model` runs at `row_bucket` row counts (`bucket`) and at least `least` rows.
+
+    Buckets: on CPU in bf16 or fp16 torch keeps a compiled kernel for each new row count (about 0.3 MiB per count and
+    weight shape; oneDNN's primitive cache holds 1,024 of them, and more is kept past it), and every packed step has
+    its own row count: a server's memory grew with every request. At least 2 rows: a single row takes another
+    kernel than two or more, which rounds some outputs differently (research/batch_invariance.md), so a request
+    decoding alone would not match itself decoding beside others. A model's Linears follow the last runner built
+    on it."""
     for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and not hasattr(module.forward, "bucketed"):
-            module.forward = _bucketed(module.forward)
+        if isinstance(module, torch.nn.Linear):
+            forward = getattr(module.forward, "unwrapped", module.forward)
+            module.forward = _bucketed(forward, bucket, least)
 
 
-def _bucketed(forward):
+def _bucketed(forward, bucket: bool, least: int):
     def bucketed_forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        padded = row_bucket(rows)
-        if padded == rows:
+        padded = max(row_bucket(rows) if bucket else rows, least)
+        if padded == rows or rows == 0:
             return forward(x)
         flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
         return forward(flat)[:rows].reshape(*x.shape[:-1], -1)
 
-    bucketed_forward.bucketed = True
+    bucketed_forward.unwrapped = forward
     return bucketed_forward
 
 
@@ -109,10 +115,19 @@ class LayerWatch(Protocol):
 
 
 class Runner:
-    """The model, seen as: embed rows -> layer i over rows -> final logits."""
+    """The model, seen as: embed rows -> layer i over rows -> final logits.
 
-    def __init__(self, lm: LoadedModel):
+    `batch_invariant` (the default): a row's result does not depend on the other rows of its forward, bit for bit,
+    so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
+    Linear runs at least 2 rows (any 2 or more rows give a row the same bits; one row alone may not); every decode
+    row attends over its own cache in its own call, since the pooled call (`kv.PooledRows`) reads a block as long
+    as the longest cache in the pool and rounds by that length; and the scheduler cuts a request's link pieces
+    where it would alone (`Scheduler._piece_size`), since a row's attention depends on where its piece starts.
+    Off: the pooled call, faster at many decode streams."""
+
+    def __init__(self, lm: LoadedModel, batch_invariant: bool = True):
         self.lm = lm
+        self.batch_invariant = batch_invariant
         model = lm.model
         config = model.config
         self.config = config
@@ -130,8 +145,9 @@ class Runner:
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         self.pool = KVPool(self.shape, self.device)  # the decoding requests' caches (the scheduler moves them in)
         model.config._attn_implementation = ATTENTION_NAME
-        if self.device.type == "cpu" and model.dtype in (torch.bfloat16, torch.float16):
-            bucket_matmul_rows(model)
+        reduced = model.dtype in (torch.bfloat16, torch.float16)
+        if self.device.type == "cpu" and (reduced or batch_invariant):
+            bucket_matmul_rows(model, bucket=reduced, least=2 if batch_invariant else 1)
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape
@@ -158,7 +174,8 @@ class Runner:
                                     scores))
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
-        return Batch(segments, pool_rows(self.pool, segments)), positions
+        pooled = None if self.batch_invariant else pool_rows(self.pool, segments)
+        return Batch(segments, pooled), positions
 
     def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
         """One decoder layer over the packed rows; their K/V are written into each request's cache."""

@@ -9,9 +9,10 @@ A request's life:
 
 Each step packs the rows of every running request (decode rows first, then link pieces in FIFO order until the
 budget is spent) into one forward: embeddings, projections, norms and MLPs run once over the concatenated rows.
-A request that starts decoding moves its joined cache into the runner's KVPool, so the decode rows of all
-requests take one attention call per layer (kv.PooledRows); link pieces attend per request over their own
-joined cache (kv.Batch). A request that leaves frees its slot. A request that fails fails alone; the others
+Attention runs per request over its own joined cache (kv.Batch), so a request's tokens do not depend on what
+else is in its steps (Runner's batch_invariant). With that setting off, a request that starts decoding moves its
+joined cache into the runner's KVPool, so the decode rows of all requests take one attention call per layer
+(kv.PooledRows). A request that leaves frees its slot. A request that fails fails alone; the others
 go on. Other model work (compiling a chunk) goes through `call` and runs here too, between steps.
 """
 
@@ -251,7 +252,10 @@ class Scheduler:
         for request in self.running:  # then link pieces, FIFO, until the budget is spent
             if request.pending is None or budget <= 0 or (request.background and users):
                 continue
-            piece, request.pending = request.pending[:budget], request.pending[budget:]
+            size = self._piece_size(request, budget, first=rows_total == decode_rows)
+            if size == 0:
+                continue
+            piece, request.pending = request.pending[:size], request.pending[size:]
             budget -= piece.numel()
             ids.append(request.plan.token_ids[piece])
             parts.append((request.cache, piece))
@@ -275,6 +279,16 @@ class Scheduler:
                 request.emit("error", exc)
                 self._leave(request)
         self._count(rows_total, decode_rows, time.perf_counter() - started)
+
+    def _piece_size(self, request: Request, budget: int, first: bool) -> int:
+        """How many of the request's pending link rows this step runs. Batch-invariant: a whole piece of the row
+        budget (or the last rows), cut where the request alone would cut it, since a row's attention depends on
+        where its piece starts; the step's first piece is taken even past what the decode rows left of the budget,
+        so a step may hold up to one row per decoding request more than the budget."""
+        if not self.runner.batch_invariant:
+            return budget
+        size = min(self.row_budget, request.pending.numel())
+        return size if first or size <= budget else 0
 
     def _count(self, rows: int, decode_rows: int, seconds: float) -> None:
         stats = self.stats
@@ -307,7 +321,7 @@ class Scheduler:
                 request.emit("done", None)
             return
         request.next_token = step.token_id
-        if request.cache.slot is None:  # decoding from now on: its cache joins the pool
+        if request.cache.slot is None and not self.runner.batch_invariant:  # decoding: its cache joins the pool
             self.runner.pool.adopt(request.cache)
         if request not in self.running:
             self.running.append(request)

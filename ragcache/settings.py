@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     adapter: str | None = Field(INSTALLED, description="a read-side LoRA directory `ragcache train link` wrote, "
                                 "`none` for the base model, or `installed`: the model's installed adapter where its "
                                 "calibration reached the target, else the base model (README: Installed adapters)")
+    batch_invariant: bool = Field(True, description="a request's greedy answer does not depend on what else is in "
+                                  "its batch; false: decode rows of all requests share one attention call per "
+                                  "layer, faster at many streams (README: Batch invariance)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
