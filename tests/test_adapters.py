@@ -28,11 +28,7 @@ IDS = torch.tensor([1, 40, 41, 42, 60, 61, 62, 63, 70, 71])
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    lm = tiny.make("llama")
-    out = tmp_path_factory.mktemp("tiny-llama")
-    lm.model.save_pretrained(out)
-    lm.tokenizer.save_pretrained(out)
-    return out
+    return tiny.saved("llama", tmp_path_factory.mktemp("tiny-llama"))
 
 
 def make_adapter(base_dir, out, seed: int = 0):

@@ -82,11 +82,7 @@ def code_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     """tiny.make("qwen2") saved as a transformers directory, tokenizer beside it."""
-    lm = tiny.make("qwen2")
-    out = tmp_path_factory.mktemp("tiny-qwen2")
-    lm.model.save_pretrained(out)
-    lm.tokenizer.save_pretrained(out)
-    return out
+    return tiny.saved("qwen2", tmp_path_factory.mktemp("tiny-qwen2"))
 
 
 def no_fim_tokenizer():

@@ -65,6 +65,14 @@ def make(family: str, seed: int = 0, dtype=torch.float32, device: str = "cpu") -
     return wrap(model, tok, name=f"tiny-{family}")
 
 
+def saved(family: str, out):
+    """make(family) saved as a transformers directory at `out`, tokenizer beside it; returns `out`."""
+    lm = make(family)
+    lm.model.save_pretrained(out)
+    lm.tokenizer.save_pretrained(out)
+    return out
+
+
 def reference_logits(lm: LoadedModel, ids: torch.Tensor) -> torch.Tensor:
     """The model's own forward over ids (transformers' SDPA path), all positions: [T, vocab]."""
     with torch.inference_mode():
