@@ -103,7 +103,7 @@ class TieredStore(Store):
                             exc)
                 return
         if names:
-            log.warning("store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name,
+            log.info("store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name,
                         len(names))
 
     def _failed(self, i: int, exc: BaseException, write: bool) -> None:
