@@ -41,6 +41,8 @@ class VllmRunner(Runner):
         self.inv_freq, self.rope_scaling = rope_table(_hf_rotary(hf_config), self.layer_types, self.device)
         self.final_softcap = None
         self.pool = KVPool(self.shape, self.device)
+        # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
+        self.batch_invariant = False
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device))[None]
