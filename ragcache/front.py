@@ -88,9 +88,8 @@ class Front:
         for text, meta in zip(texts, metadata or [{} for _ in texts]):
             with self.catalog.writing(text):  # a delete of this document waits until its entries are written
                 doc_id, chunks = self.catalog.register(text, meta)
-                present = self._present(chunks, "default")
-                missing = [ids for ids, there in zip(chunks, present) if not there]
-                for ids in (ids for ids, there in zip(chunks, present) if progress and there):
+                present, missing = self._present(chunks, "default")
+                for ids in present if progress else ():
                     progress(len(ids), 0)
                 for group in self._groups(missing, "default"):  # progress moves, Ctrl-C keeps what is done
                     report.bytes += self._compile(group, "default")
@@ -116,14 +115,15 @@ class Front:
             raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
         with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
             chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
-            present = self._present(chunks, layout)
-            missing = [ids for ids, there in zip(chunks, present) if not there]
+            present, missing = self._present(chunks, layout)
             for group in self._groups(chunks if prefetch else missing, layout):
                 self._compile(group, layout)
-        return len(missing), sum(present) * prefetch
+        return len(missing), len(present) * prefetch
 
-    def _present(self, chunks: list[list[int]], layout: str) -> list[bool]:
-        return self.store.contains_many([self.compiler.key(ids, self.layouts[layout]) for ids in chunks])
+    def _present(self, chunks: list[list[int]], layout: str) -> tuple[list[list[int]], list[list[int]]]:
+        """The chunks whose entries the store holds in a layout, and the others."""
+        there = self.store.contains_many([self.compiler.key(ids, self.layouts[layout]) for ids in chunks])
+        return [ids for ids, t in zip(chunks, there) if t], [ids for ids, t in zip(chunks, there) if not t]
 
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
