@@ -270,23 +270,19 @@ def adapter(
     tag: str = Tag,
 ):
     """A link adapter merged into the weights or beside them, and the base model: TTFT and decode tok/s."""
-    import json
-
     from bench import adapter as mod
+    from bench.report import Run
     from ragcache.models import default_dtype
 
-    result = mod.run(model, path, default_dtype("cpu") if dtype == "auto" else dtype, runs, algorithm, new_tokens)
+    dtype = default_dtype("cpu") if dtype == "auto" else dtype
+    bench = Run("adapter", dict(model=model, adapter=path, dtype=dtype, runs=runs, algorithm=algorithm,
+                                new_tokens=new_tokens, tag=tag), out)
+    result = mod.run(model, path, dtype, runs, algorithm, new_tokens)
     for name, row in result["median"].items():
         print(f"{name:>9}: ttft {row['ttft_s'] * 1000:.1f} ms, decode {row.get('decode_tok_s', 0):.1f} tok/s")
-    from bench.report import RESULTS
-
-    folder = out or RESULTS
-    folder.mkdir(parents=True, exist_ok=True)
     print(f"merged: the adapted layers' base weights kept for compile take {result['base_weights_kept_mib']:.0f} MiB "
           f"(the model: {result['model_mib']:.0f} MiB)")
-    file = folder / f"adapter-{model.replace('/', '_')}{tag}.json"
-    file.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {file}")
+    bench.finish([result])
 
 
 @app.command("squad-sample")

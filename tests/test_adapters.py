@@ -4,7 +4,6 @@ against the base model's `full` (tiny random models and random LoRAs: the mechan
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 from types import SimpleNamespace
 
@@ -13,6 +12,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from bench.adapter import random_adapter
 from ragcache import adapters, models
 from ragcache import calibrate as cal
 from ragcache.engine import RagCache
@@ -22,7 +22,6 @@ from tests import tiny
 
 peft = pytest.importorskip("peft")
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 IDS = torch.tensor([1, 40, 41, 42, 60, 61, 62, 63, 70, 71])
 
 
@@ -36,12 +35,7 @@ def make_adapter(base_dir, out, seed: int = 0):
     `ragcache train link` saves one."""
     lm = models.load(str(base_dir), dtype="float32")
     torch.manual_seed(seed)
-    fitted = peft.get_peft_model(copy.deepcopy(lm.model), peft.LoraConfig(r=4, lora_alpha=8, target_modules=ATTENTION,
-                                                                         init_lora_weights=False))
-    fitted.save_pretrained(out)
-    (out / models.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
-                                                       "base_config": models.config_fingerprint(lm.model)}))
-    return out
+    return random_adapter(lm, out, rank=4)
 
 
 @pytest.fixture(scope="module")
