@@ -139,28 +139,27 @@ class TieredStore(Store):
             raise StoreError(f"no store tier could {what} ({reasons})")
 
     # -- entries ------------------------------------------------------------------------------------
-    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
-        started = time.perf_counter()
-        out: list[ChunkKV | None] = [None] * len(keys)
+    def _first(self, method: str, keys: list[str], on_found: Callable[[int, dict], None] | None = None) -> list:
+        """Per key, the first answer that is not empty, asking the tiers fastest first for the keys still missing;
+        on_found(tier index, {key: answer}) after each tier that had some."""
+        out: list = [None] * len(keys)
         missing = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
-            if not missing:
-                break
-            if not self._usable(i):
+            if not missing or not self._usable(i):
                 continue
-            got, ok = self._call(i, tier.get_many, [keys[j] for j in missing])
-            if not ok:
-                continue
-            hits = {}
-            still = []
-            for j, entry in zip(missing, got):
-                if entry is None:
-                    still.append(j)
-                else:
-                    out[j] = hits[keys[j]] = entry
-            missing = still
-            if hits:
-                self._fill(i, hits)
+            got, ok = self._call(i, getattr(tier, method), [keys[j] for j in missing])
+            if ok:
+                found = {j: answer for j, answer in zip(missing, got) if answer}
+                for j, answer in found.items():
+                    out[j] = answer
+                if found and on_found:
+                    on_found(i, {keys[j]: answer for j, answer in found.items()})
+                missing = [j for j in missing if j not in found]
+        return out
+
+    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
+        started = time.perf_counter()
+        out = self._first("get_many", keys, self._fill)
         found = [e for e in out if e is not None]
         self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
@@ -179,19 +178,7 @@ class TieredStore(Store):
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        out = [False] * len(keys)
-        missing = list(range(len(keys)))
-        for i, tier in enumerate(self.tiers):
-            if not missing:
-                break
-            if not self._usable(i):
-                continue
-            got, ok = self._call(i, tier.contains_many, [keys[j] for j in missing])
-            if ok:
-                for j, there in zip(missing, got):
-                    out[j] = there
-                missing = [j for j in missing if not out[j]]
-        return out
+        return [bool(there) for there in self._first("contains_many", keys)]
 
     def delete(self, key: str) -> bool:
         return any(bool(r) for _, r in self._each("delete", key, write=True))
@@ -208,16 +195,7 @@ class TieredStore(Store):
                     yield key
 
     def describe_many(self, keys: list[str]) -> list[dict | None]:
-        out: list[dict | None] = [None] * len(keys)
-        for i, tier in enumerate(self.tiers):
-            missing = [j for j, d in enumerate(out) if d is None]
-            if not missing:
-                break
-            if self._usable(i):
-                got, ok = self._call(i, tier.describe_many, [keys[j] for j in missing])
-                for j, d in zip(missing, got if ok else ()):
-                    out[j] = d
-        return out
+        return self._first("describe_many", keys)
 
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Sound if every tier holding the entry holds it intact; else the first problem, named by tier."""
