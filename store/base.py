@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import islice
 
 from .errors import CorruptEntry, StoreError
 
@@ -216,11 +217,6 @@ def decode_all(keys: list[str], blobs: list) -> list[ChunkKV | CorruptEntry | No
 
 def batched(items, size: int = 256):
     """Lists of up to `size` items (itertools.batched arrives with Python 3.12)."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    rest = iter(items)
+    while batch := list(islice(rest, size)):
         yield batch
