@@ -59,8 +59,8 @@ class DiskStore(BlobStore):
                 Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
             self._create_index()
             fresh = True
-        if fresh:
-            self.rebuild_index()
+        if fresh and (added := self._reconcile_index()["index_rows_added"]):
+            log.info("disk tier %s: index rebuilt from %d files", self.root, added)
 
     # -- index --------------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -109,17 +109,6 @@ class DiskStore(BlobStore):
                 continue
             out[path.stem] = (stat.st_size, stat.st_mtime)
         return out
-
-    def rebuild_index(self) -> int:
-        rows = [(key, size, mtime) for key, (size, mtime) in self._files().items()]
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        db.execute("DELETE FROM entries")
-        db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", rows)
-        db.execute("COMMIT")
-        if rows:
-            log.info("disk tier %s: index rebuilt from %d files", self.root, len(rows))
-        return len(rows)
 
     def entry_path(self, key: str) -> Path:
         return self.entries_dir / key[:2] / f"{key}{SUFFIX}"
@@ -223,17 +212,14 @@ class DiskStore(BlobStore):
         """Drop least recently used entries until the directory fits its budget."""
         try:
             db = self._db()
-            (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-            if total <= self.budget_bytes:
+            indexed_bytes = "SELECT COALESCE(SUM(size), 0) FROM entries"
+            if db.execute(indexed_bytes).fetchone()[0] <= self.budget_bytes:
                 return 0
             if time.monotonic() - self._reconciled_at > RECONCILE_EVERY_S:
                 # Before deleting anything, trust the files over the index: a stale or planted row must not
                 # make us evict entries the budget still has room for.
                 self._reconcile_index()
-                (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-                if total <= self.budget_bytes:
-                    return 0
-            removed = 0
+            (total,), removed = db.execute(indexed_bytes).fetchone(), 0
             for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
                 if total <= self.budget_bytes:
                     break
@@ -276,10 +262,7 @@ class DiskStore(BlobStore):
         for key in keys:
             try:
                 with _open_regular(self.entry_path(key)) as fh:
-                    probe = fh.read(PROBE)
-                    head = probe + fh.read(max(0, head_length(probe) - len(probe)))
-                    size = os.fstat(fh.fileno()).st_size
-                out.append({**describe_head(head), "size": size})
+                    out.append({**describe_head(_head(fh)), "size": os.fstat(fh.fileno()).st_size})
             except FileNotFoundError:
                 out.append(None)
             except Exception as exc:  # unreadable header: report it rather than fail a listing
@@ -402,15 +385,19 @@ def _open_regular(path: Path):
         raise
 
 
+def _head(fh) -> bytes:
+    """An entry file's leading bytes, as many as `describe_head` needs."""
+    probe = fh.read(PROBE)
+    return probe + fh.read(max(0, head_length(probe) - len(probe)))
+
+
 def _declared_size(fh) -> int:
     """The entry's size as its own header declares it (magic, digest, safetensors header, tensor data)."""
-    probe = fh.read(PROBE)
     try:
-        head = probe + fh.read(max(0, head_length(probe) - len(probe)))
-        info = describe_head(head)
+        head = _head(fh)
+        size = head_length(head) + describe_head(head)["nbytes"]
     except CorruptEntry as exc:
         raise NotAnEntryFile(errno.EINVAL, f"not an entry ({exc})") from exc
-    size = head_length(probe) + info["nbytes"]
     if size > MAX_ENTRY_BYTES:
         raise NotAnEntryFile(errno.EFBIG, f"header declares {size} bytes")
     return size
