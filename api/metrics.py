@@ -34,68 +34,47 @@ STORE_FIELDS = {
 }
 
 
-class StoreCollector:
-    """Reads store.stats() on every scrape; a tiered store reports each tier under "tiers"."""
+class Collector:
+    """Metric families that `collect` yields at every scrape. Without a `describe`, the registry calls nothing at
+    registration."""
 
-    def __init__(self, store: Store):
-        self.store = store
-
-    def describe(self):
-        return []  # collected lazily: no store call at registration
-
-    def collect(self):
-        try:
-            stats = self.store.stats()
-        except Exception as exc:  # noqa: BLE001 - a store that cannot report must not break /metrics
-            log.warning("store stats unavailable: %s", exc)
-            stats = {"tier": getattr(self.store, "name", "store"), "error": str(exc)}
-        tiers = stats.get("tiers") or [stats]
-        families = {}
-        for field, (suffix, help_, counter) in STORE_FIELDS.items():
-            name, text = f"ragcache_store_{suffix}", f"store: {help_}, per tier"
-            families[field] = CounterMetricFamily(name, text, labels=["tier"]) if counter else \
-                GaugeMetricFamily(name, text, labels=["tier"])
-        up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
-        for tier in tiers:
-            label = str(tier.get("tier", "store"))
-            for field, family in families.items():
-                if isinstance(tier.get(field), (int, float)):
-                    family.add_metric([label], float(tier[field]))
-            up.add_metric([label], 0.0 if "error" in tier or tier.get("up") is False else 1.0)
-        yield from families.values()
-        yield up
-        if "tiers" in stats:  # the tiered store's own view: a lookup is a hit when any tier had the entry
-            lookups = CounterMetricFamily("ragcache_store_lookups", "tiered store lookups by result",
-                                          labels=["result"])
-            lookups.add_metric(["hit"], float(stats.get("hits", 0)))
-            lookups.add_metric(["miss"], float(stats.get("misses", 0)))
-            yield lookups
+    def __init__(self, collect):
+        self.collect = collect
 
 
-class QueueCollector:
-    def __init__(self, queue: EngineQueue):
-        self.queue = queue
+def store_families(store: Store):
+    """store.stats() on every scrape; a tiered store reports each tier under "tiers"."""
+    try:
+        stats = store.stats()
+    except Exception as exc:  # noqa: BLE001 - a store that cannot report must not break /metrics
+        log.warning("store stats unavailable: %s", exc)
+        stats = {"tier": getattr(store, "name", "store"), "error": str(exc)}
+    tiers = stats.get("tiers") or [stats]
+    families = {field: (CounterMetricFamily if counter else GaugeMetricFamily)(
+        f"ragcache_store_{suffix}", f"store: {help_}, per tier", labels=["tier"])
+        for field, (suffix, help_, counter) in STORE_FIELDS.items()}
+    up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
+    for tier in tiers:
+        label = str(tier.get("tier", "store"))
+        for field, family in families.items():
+            if isinstance(tier.get(field), (int, float)):
+                family.add_metric([label], float(tier[field]))
+        up.add_metric([label], 0.0 if "error" in tier or tier.get("up") is False else 1.0)
+    yield from families.values()
+    yield up
+    if "tiers" in stats:  # the tiered store's own view: a lookup is a hit when any tier had the entry
+        lookups = CounterMetricFamily("ragcache_store_lookups", "tiered store lookups by result", labels=["result"])
+        lookups.add_metric(["hit"], float(stats.get("hits", 0)))
+        lookups.add_metric(["miss"], float(stats.get("misses", 0)))
+        yield lookups
 
-    def describe(self):
-        return []
 
-    def collect(self):
-        q = self.queue
-        yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
-        yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
-        yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
-        yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
-                                  value=q.cancelled)
-
-
-class EngineCollector:
-    """The engine's own metrics on every scrape (vLLM's `vllm:*`, the connector's among them; none for ragcache's)."""
-
-    def __init__(self, rc):
-        self.rc = rc
-
-    def collect(self):
-        yield from self.rc.engine_metrics()
+def queue_families(q: EngineQueue):
+    yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
+    yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
+    yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
+    yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
+                              value=q.cancelled)
 
 
 class Metrics:
@@ -126,10 +105,10 @@ class Metrics:
                                   registry=r)
         self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full or a "
                                      "check was already running", ["model", "algorithm"], registry=r)
-        r.register(QueueCollector(queue))
-        r.register(StoreCollector(store))
-        if engine is not None:
-            r.register(EngineCollector(engine))
+        r.register(Collector(lambda: queue_families(queue)))
+        r.register(Collector(lambda: store_families(store)))
+        if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
+            r.register(Collector(lambda: engine.engine_metrics()))
 
     def observe_answer(self, stats: QueryStats, queue_s: float) -> None:
         algorithm = stats.algorithm or "unknown"
