@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request
@@ -30,6 +31,22 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(c: Context, gen: Generation, first, piece: Callable[[str], dict],
+                     done: Callable[[Answer], list[dict]], opening: dict | None = None):
+    """Server-sent events of a generation: opening, piece(text) per piece, done(answer)'s payloads at the end or the
+    error's body, then [DONE]."""
+    if opening:
+        yield sse(opening)
+    async with aclosing(c.events(gen, first)) as events:
+        async for kind, value in events:
+            if kind == "piece":
+                yield sse(piece(value))
+            elif kind in ("done", "error"):
+                for payload in done(value) if kind == "done" else [describe(value)[1]]:
+                    yield sse(payload)
+                yield SSE_DONE
 
 
 # -- documents --------------------------------------------------------------------------------------------
@@ -148,17 +165,9 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     return EventStream(gen, _query_events(c, gen, first))
 
 
-async def _query_events(c: Context, gen: Generation, first, respond=query_response):
-    async with aclosing(c.events(gen, first)) as events:
-        async for kind, value in events:
-            if kind == "piece":
-                yield sse({"text": value})
-            elif kind == "done":
-                yield sse(respond(value, gen.slot.queue_s).model_dump())
-                yield SSE_DONE
-            elif kind == "error":
-                yield sse(describe(value)[1])
-                yield SSE_DONE
+def _query_events(c: Context, gen: Generation, first, respond=query_response):
+    return sse_events(c, gen, first, lambda text: {"text": text},
+                      lambda answer: [respond(answer, gen.slot.queue_s).model_dump()])
 
 
 # -- infill -----------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
@@ -18,9 +17,9 @@ from ragcache.sampling import Answer
 
 from .answering import Context, ctx
 from .body import Body, documented
-from .engine_queue import EventStream, Generation
-from .errors import WITH_BODY, ApiError, describe, responses
-from .native import SSE_DONE, sse
+from .engine_queue import EventStream
+from .errors import WITH_BODY, ApiError, responses
+from .native import sse, sse_events
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -95,18 +94,8 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
     query = c.query(prompt, body.documents, body.system, body.ragcache, body)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": c.model_name}
-    if not body.stream:
-        answer, queue_s = await c.answer(request, query)
-        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": answer.stats.finish_reason}
-        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
-
-    def choice(piece: str | None, finish: str | None) -> dict:
-        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-
-    gen, first = await c.start(request, query)
-    return EventStream(gen, _chunks(c, gen, first, base, choice, None, body))
+    return await _respond(request, c, body, query, "cmpl", ("text_completion", "text_completion"),
+                          lambda text: {"text": text}, lambda piece: {"text": piece or ""})
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -140,43 +129,36 @@ async def chat_completions(request: Request, body: ChatRequest = Body(ChatReques
     _check(c, body)
     system, question = chat_question(body.messages)
     query = c.query(question, body.documents, system, body.ragcache, body)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+    return await _respond(request, c, body, query, "chatcmpl", ("chat.completion", "chat.completion.chunk"),
+                          lambda text: {"message": {"role": "assistant", "content": text}},
+                          lambda piece: {"delta": {} if piece is None else {"content": piece}},
+                          opening={"delta": {"role": "assistant", "content": ""}})
+
+
+def _choice(text: dict, finish: str | None = None) -> dict:
+    return {"index": 0, **text, "logprobs": None, "finish_reason": finish}
+
+
+async def _respond(request: Request, c: Context, body: OpenAIFields, query, id_prefix: str, kinds: tuple[str, str],
+                   whole: Callable[[str], dict], piece: Callable[[str | None], dict], opening: dict | None = None):
+    """The whole answer as one object (kinds[0], whole(text) in its choice), or a stream of chunks (kinds[1],
+    piece(text) in theirs, piece(None) in the finishing one). Usage rides on the finishing chunk, or on a chunk of its
+    own (empty choices) when the client asked for stream_options.include_usage."""
+    base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kinds[0], "created": int(time.time()),
             "model": c.model_name}
     if not body.stream:
         answer, queue_s = await c.answer(request, query)
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
-                  "finish_reason": answer.stats.finish_reason}
-        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
-
-    def choice(piece: str | None, finish: str | None) -> dict:
-        return {"index": 0, "delta": {} if piece is None else {"content": piece}, "logprobs": None,
-                "finish_reason": finish}
-
+        return {**base, "choices": [_choice(whole(answer.text), answer.stats.finish_reason)], "usage": usage(answer),
+                "ragcache": ragcache_info(answer, queue_s)}
     gen, first = await c.start(request, query)
-    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    base["object"] = "chat.completion.chunk"
-    return EventStream(gen, _chunks(c, gen, first, base, choice, opening, body))
-
-
-async def _chunks(c: Context, gen: Generation, first, base: dict, choice: Callable[[str | None, str | None], dict],
-                  opening: dict | None, body: OpenAIFields):
-    """OpenAI stream chunks; usage rides on the finishing chunk, or on a chunk of its own (empty choices) when the
-    client asked for stream_options.include_usage."""
+    base["object"] = kinds[1]
     separate_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if opening is not None:
-        yield sse({**base, "choices": [opening]})
-    async with aclosing(c.events(gen, first)) as events:
-        async for kind, value in events:
-            if kind == "piece":
-                yield sse({**base, "choices": [choice(value, None)]})
-            elif kind == "done":
-                finish = {**base, "choices": [choice(None, value.stats.finish_reason)]}
-                if separate_usage:
-                    yield sse(finish)
-                    yield sse({**base, "choices": [], "usage": usage(value)})
-                else:
-                    yield sse({**finish, "usage": usage(value)})
-                yield SSE_DONE
-            elif kind == "error":
-                yield sse(describe(value)[1])
-                yield SSE_DONE
+
+    def done(answer: Answer) -> list[dict]:
+        finish = {**base, "choices": [_choice(piece(None), answer.stats.finish_reason)]}
+        if separate_usage:
+            return [finish, {**base, "choices": [], "usage": usage(answer)}]
+        return [{**finish, "usage": usage(answer)}]
+
+    return EventStream(gen, sse_events(c, gen, first, lambda text: {**base, "choices": [_choice(piece(text))]}, done,
+                                       opening and {**base, "choices": [_choice(opening)]}))
