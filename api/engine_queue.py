@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import suppress
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -49,13 +50,6 @@ class EngineQueue:
         """Server stopping: every live generation leaves the scheduler at its next step."""
         for gen in list(self.live):
             gen.stream.cancel()
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: the server is shutting down
-        pass
 
 
 class Slot:
@@ -133,7 +127,8 @@ class Generation:
             self.slot._job_done()
 
     def _emit(self, kind: str, value) -> None:  # on the scheduler thread
-        _threadsafe(self.loop, self._event, kind, value)
+        with suppress(RuntimeError):  # the loop is closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self._event, kind, value)
 
     def _event(self, kind: str, value) -> None:
         if kind != "piece":

@@ -48,20 +48,12 @@ def responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in sorted({401, 500, *statuses})}
 
 
-def status_of(exc: RagCacheError) -> int:
-    return next(status for kind, status in STATUS if isinstance(exc, kind))
-
-
 class ApiError(Exception):
     """An error raised by the API layer itself (limits, queue, auth, shapes the engine cannot honour)."""
 
     def __init__(self, status: int, type: str, message: str, **details):
         super().__init__(message)
         self.status, self.type, self.message, self.details = status, type, message, details
-
-
-def payload_too_large(message: str, **details) -> ApiError:
-    return ApiError(413, "payload_too_large", message, **details)
 
 
 def error_body(type: str, message: str, **details) -> dict:
@@ -88,7 +80,7 @@ def describe(exc: BaseException) -> tuple[int, dict]:
             details.update(prompt_tokens=exc.prompt_tokens, max_new_tokens=exc.max_new_tokens, context=exc.context)
         if isinstance(exc, PayloadTooLarge):
             details.update(limit=exc.limit, got=exc.got)
-        status = status_of(exc)
+        status = next(status for kind, status in STATUS if isinstance(exc, kind))
         if status >= 500:
             log.warning("engine error: %s", exc)
         return status, error_body(_snake(type(exc).__name__), str(exc), **details)
