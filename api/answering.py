@@ -50,10 +50,6 @@ class Context:
     guard: BackgroundGuard | None = None
 
     @property
-    def model_name(self) -> str:
-        return self.rc.model_name
-
-    @property
     def limits(self) -> Limits:
         s = self.settings
         return Limits(s.max_question_chars, s.max_document_chars, s.max_documents, s.max_new_tokens_limit, MAX_STOP,
@@ -135,9 +131,7 @@ class Context:
                     return value, gen.slot.queue_s  # type: ignore[return-value]
                 if kind == "error":
                     raise value  # type: ignore[misc]
-                if kind == "gone":
-                    raise ClientGone()
-        raise ClientGone()  # pragma: no cover - events always end with one of the above
+        raise ClientGone()  # the events' only other end: "gone"
 
 
 def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:

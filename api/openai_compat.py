@@ -39,9 +39,9 @@ def unsupported(param: str, message: str) -> ApiError:
 
 
 def _check(c: Context, body: OpenAIFields) -> None:
-    if body.model and body.model not in (c.model_name, c.settings.model):
+    if body.model and body.model not in (c.rc.model_name, c.settings.model):
         raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
-                                               f"{c.model_name!r} (GET /v1/models)", param="model")
+                                               f"{c.rc.model_name!r} (GET /v1/models)", param="model")
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise unsupported(name, f"{name}={value!r} is not supported by ragcache")
@@ -72,7 +72,7 @@ def list_models(request: Request) -> ModelList:
         link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
                     focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,
                     calibrated_at=profile.at)
-    return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created, ragcache=link)])
+    return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
 
 
 def _adapter(adapter) -> dict | None:
@@ -145,7 +145,7 @@ async def _respond(request: Request, c: Context, body: OpenAIFields, query, id_p
     piece(text) in theirs, piece(None) in the finishing one). Usage rides on the finishing chunk, or on a chunk of its
     own (empty choices) when the client asked for stream_options.include_usage."""
     base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kinds[0], "created": int(time.time()),
-            "model": c.model_name}
+            "model": c.rc.model_name}
     if not body.stream:
         answer, queue_s = await c.answer(request, query)
         return {**base, "choices": [_choice(whole(answer.text), answer.stats.finish_reason)], "usage": usage(answer),

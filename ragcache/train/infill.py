@@ -48,10 +48,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
 
     def validate(self) -> None:
-        if self.steps < 1:
-            raise BadRequest(f"--steps must be >= 1, got {self.steps}")
-        if self.batch < 1:
-            raise BadRequest(f"--batch must be >= 1, got {self.batch}")
+        for name in ("steps", "batch"):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < 1:
             raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         self.example_config().validate()
@@ -198,7 +197,5 @@ def save(model, tokenizer, cfg: TrainConfig, result: TrainResult) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-              "result": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()},
-              "learning_rate": cfg.learning_rate}
-    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = {"config": asdict(cfg), "result": asdict(result), "learning_rate": cfg.learning_rate}
+    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2, default=str) + "\n")  # paths as text

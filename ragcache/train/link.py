@@ -419,8 +419,7 @@ def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, 
                  per_item: list[dict]) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
     peft.save_pretrained(out)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe="read-side LoRA, "
-                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=settings,
+                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
-    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1) + "\n")
+    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
