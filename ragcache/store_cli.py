@@ -50,16 +50,13 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
                          "dtype": info.get("dtype"), "form": entry_form(info),
-                         "shape": info.get("shape"), "model_name": _model_name(meta),
+                         "shape": info.get("shape"),
+                         "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
             if limit is not None and len(rows) >= limit:
                 return rows
     return rows
-
-
-def _model_name(meta: dict) -> str:
-    return meta.get("model_name") or (meta.get("model", "")[:12] or "?")
 
 
 def summary(store: Store) -> dict:
@@ -71,13 +68,10 @@ def summary(store: Store) -> dict:
             tiers.append({"tier": tier.name, "error": str(exc)})
             continue
         rows = entry_rows(tier)
-        stats["entries"] = len(rows)
-        stats["bytes"] = sum(r["size"] for r in rows)
-        stats["models"] = dict(Counter(r["model_name"] for r in rows))
-        stats["codecs"] = codec_summary(rows)
-        stats["forms"] = dict(Counter(r["form"] for r in rows if not r["error"]))
-        stats["unreadable_headers"] = sum(1 for r in rows if r["error"])
-        tiers.append(stats)
+        tiers.append({**stats, "entries": len(rows), "bytes": sum(r["size"] for r in rows),
+                      "models": dict(Counter(r["model_name"] for r in rows)), "codecs": codec_summary(rows),
+                      "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
+                      "unreadable_headers": sum(1 for r in rows if r["error"])})
     names = store.record_names()
     return {"store": store.name, "tiers": tiers, "records": len(names),
             "documents": sum(1 for n in names if n.startswith("doc/"))}
@@ -118,7 +112,6 @@ def _size(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def _guard(fn):
