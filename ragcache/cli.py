@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -146,19 +147,15 @@ def compile(
         rc, _ = _open(model, store, chunk_tokens, dtype, device, kv_codec)
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
-        total_tokens = compiled_tokens = 0
         from .front import CompileReport
 
-        summary = CompileReport()
+        summary, compiled_tokens = CompileReport(), 0
         with Progress(*columns, console=err) as bar:
             task = bar.add_task("compiling", total=len(docs), rate="")
-            import time
-
             started = time.perf_counter()
 
             def on_chunk(tokens: int, compiled: int) -> None:
-                nonlocal total_tokens, compiled_tokens
-                total_tokens += tokens
+                nonlocal compiled_tokens
                 compiled_tokens += compiled
                 rate = compiled_tokens / max(time.perf_counter() - started, 1e-9)
                 bar.update(task, rate=f"{rate:,.0f} tok/s")
