@@ -86,17 +86,12 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
         for r in reports])
 
 
-def _record(c: Context, doc_id: str) -> dict:
-    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
-    if record is None:
-        raise UnknownDocument([doc_id])
-    return record
-
-
 @router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 503))
 def get_document(doc_id: str, request: Request) -> DocumentOut:
     c = ctx(request)
-    record = _record(c, doc_id)
+    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
+    if record is None:
+        raise UnknownDocument([doc_id])
     chunks = c.rc.document_chunks(doc_id)
     return DocumentOut(id=doc_id, text=record["text"], metadata=record.get("meta") or {}, created=record.get("created"),
                        chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
