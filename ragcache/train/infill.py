@@ -101,12 +101,6 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _load(source: str, example_config: ExampleConfig):
     """Tokenizer first: a model without FIM sentinels is refused before its weights are read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -150,7 +144,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     pad_id = builder.end_id  # padding takes no loss and no attention; any id the model embeds will do
 
     torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     model.config.use_cache = False
     if cfg.lora:
         model = with_lora(model, cfg.lora_r, cfg.lora_alpha, otherwise="or use --full")

@@ -365,13 +365,11 @@ def open_engine(cfg: LinkTrainConfig) -> RagCache:
     return RagCache(lm, open_store(f"disk:{Path(cfg.out) / 'store'}"))
 
 
-Progress = Callable[[str, int, int, str], None]  # (phase, done, total, note)
-
-
 def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
-               progress: Progress | None = None) -> LinkReport:
+               progress: Callable[[str, int, int, str], None] | None = None) -> LinkReport:
     """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
-    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg."""
+    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg;
+    `progress(phase, done, total, note)`."""
     from .infill import with_lora
 
     cfg.validate()
