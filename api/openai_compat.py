@@ -63,23 +63,16 @@ def ragcache_info(answer: Answer, queue_s: float) -> dict:
 @router.get("/models", response_model=ModelList, responses=responses())
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
-    profile = c.rc.profile
+    profile, adapter = c.rc.profile, c.rc.lm.adapter  # the adapter's own calibration is `profile`
     link = {"default_algorithm": c.settings.algorithm, "default_k": c.rc.default_k,
             "default_focus_ratio": c.rc.default_focus_ratio,
             "calibrated": profile is not None and profile.k is not None, "kv_codec": c.rc.kv_codec,
-            "adapter": _adapter(c.rc.lm.adapter)}
+            "adapter": adapter and {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged}}
     if profile is not None:
         link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
                     focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,
                     calibrated_at=profile.at)
     return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
-
-
-def _adapter(adapter) -> dict | None:
-    """The link adapter the model answers with (None: the base model); its calibration is the card's profile."""
-    if adapter is None:
-        return None
-    return {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged}
 
 
 @router.post("/completions", openapi_extra=documented(CompletionRequest),
