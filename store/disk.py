@@ -114,21 +114,25 @@ class DiskStore(BlobStore):
         return self.entries_dir / key[:2] / f"{key}{SUFFIX}"
 
     # -- blobs --------------------------------------------------------------------------------------
-    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
-        out, found = [], []
+    def _reads(self, keys: list[str]) -> Iterator[tuple[str, bytearray | OSError | None]]:
+        """Per key, its bytes, None where it is absent, or the OSError that stopped the read."""
         for key in keys:
             try:
-                blob = _read(self.entry_path(key))
+                yield key, _read(self.entry_path(key))
             except FileNotFoundError:
-                out.append(None)
-                continue
-            except NotAnEntryFile:  # decode rejects empty bytes as corrupt: a miss, dropped and recompiled
-                blob = bytearray()
+                yield key, None
             except OSError as exc:
-                raise self._fault(f"cannot read entry {key[:12]}", exc) from exc
+                yield key, exc
+
+    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
+        out = []
+        for key, blob in self._reads(keys):
+            if isinstance(blob, NotAnEntryFile):  # decode rejects empty bytes as corrupt: a miss, dropped, recompiled
+                blob = bytearray()
+            elif isinstance(blob, OSError):
+                raise self._fault(f"cannot read entry {key[:12]}", blob) from blob
             out.append(blob)
-            found.append((key, len(blob)))
-        if found:
+        if found := [(key, len(blob)) for key, blob in zip(keys, out) if blob is not None]:
             self._touch(found)
         return out
 
@@ -146,17 +150,8 @@ class DiskStore(BlobStore):
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
     def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
-        out: list[bytes | str | None] = []
-        for key in keys:
-            try:
-                out.append(_read(self.entry_path(key)))
-            except FileNotFoundError:
-                out.append(None)
-            except NotAnEntryFile as exc:
-                out.append(f"not an entry file: {exc.strerror}")
-            except OSError as exc:
-                out.append(f"unreadable file: {exc.strerror}")
-        return out
+        return [f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
+                if isinstance(b, OSError) else b for _, b in self._reads(keys)]
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         rows = []
