@@ -8,7 +8,6 @@ linking (unknown document, prompt too long) still become proper HTTP errors, eve
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from .engine_queue import EngineQueue, Generation
 from .metrics import Metrics
 from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
-log = logging.getLogger("ragcache.api")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 

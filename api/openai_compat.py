@@ -19,7 +19,7 @@ from .answering import Context, ctx
 from .body import Body, documented
 from .engine_queue import EventStream
 from .errors import WITH_BODY, ApiError, responses
-from .native import sse, sse_events
+from .native import sse_events
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
 router = APIRouter(prefix="/v1", tags=["openai"])
