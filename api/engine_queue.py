@@ -24,13 +24,6 @@ from ragcache.engine import Stream
 from .errors import ApiError
 
 
-class QueueFull(ApiError):
-    def __init__(self, depth: int, limit: int):
-        super().__init__(429, "queue_full", f"the server is busy: {depth} requests are waiting for or using the "
-                                            f"engine (max_queue={limit}); retry shortly", queue_depth=depth,
-                         max_queue=limit)
-
-
 class EngineQueue:
     def __init__(self, max_queue: int):
         self.max_queue = max_queue
@@ -42,7 +35,9 @@ class EngineQueue:
     def admit(self) -> "Slot":
         if self.depth >= self.max_queue:
             self.rejected += 1
-            raise QueueFull(self.depth, self.max_queue)
+            raise ApiError(429, "queue_full", f"the server is busy: {self.depth} requests are waiting for or using the "
+                           f"engine (max_queue={self.max_queue}); retry shortly", queue_depth=self.depth,
+                           max_queue=self.max_queue)
         self.depth += 1
         return Slot(self, asyncio.get_running_loop())
 
