@@ -139,9 +139,9 @@ class TieredStore(Store):
             raise StoreError(f"no store tier could {what} ({reasons})")
 
     # -- entries ------------------------------------------------------------------------------------
-    def _first(self, method: str, keys: list[str], on_found: Callable[[int, dict], None] | None = None) -> list:
+    def _first(self, method: str, keys: list[str], fill: str = "") -> list:
         """Per key, the first answer that is not empty, asking the tiers fastest first for the keys still missing;
-        on_found(tier index, {key: answer}) after each tier that had some."""
+        with `fill` (a method's name), what a slower tier had goes into the faster ones as {key: answer}."""
         out: list = [None] * len(keys)
         missing = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
@@ -152,23 +152,23 @@ class TieredStore(Store):
                 found = {j: answer for j, answer in zip(missing, got) if answer}
                 for j, answer in found.items():
                     out[j] = answer
-                if found and on_found:
-                    on_found(i, {keys[j]: answer for j, answer in found.items()})
+                if found and fill:
+                    self._fill(i, fill, {keys[j]: answer for j, answer in found.items()})
                 missing = [j for j in missing if j not in found]
         return out
 
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()
-        out = self._first("get_many", keys, self._fill)
+        out = self._first("get_many", keys, fill="put_many")
         found = [e for e in out if e is not None]
         self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
-    def _fill(self, found_in: int, hits: dict[str, ChunkKV]) -> None:
-        """Entries a slower tier had go into the faster ones (best effort: a failure there only logs)."""
+    def _fill(self, found_in: int, method: str, *args) -> None:
+        """What a slower tier had goes into the faster ones (best effort: a failure there only logs)."""
         for i in range(found_in):
             if self._usable(i):
-                self._call(i, self.tiers[i].put_many, hits, write=True)
+                self._call(i, getattr(self.tiers[i], method), *args, write=True)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         if not items:
@@ -238,9 +238,7 @@ class TieredStore(Store):
                     damaged.setdefault(j, record)
                 elif record is not None:
                     out[j] = record
-                    for faster in range(i):  # records are small and read on every query: keep them close
-                        if self._usable(faster):
-                            self._call(faster, self.tiers[faster].put_record, names[j], record, write=True)
+                    self._fill(i, "put_record", names[j], record)  # small and read on every query: kept close
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
