@@ -31,6 +31,9 @@ STORE_FIELDS = {
     "bytes": ("stored_bytes", "bytes held", False),
     "entries": ("entries", "entries held", False),
 }
+# QueryStats field -> help of its counter (ragcache_FIELD, by algorithm)
+TOKEN_FIELDS = {"prompt_tokens": "prompt tokens linked", "cached_tokens": "prompt tokens reused from cached KV",
+                "recomputed_tokens": "prompt tokens recomputed at link time", "completion_tokens": "tokens generated"}
 
 
 class Collector:
@@ -87,12 +90,8 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.queue_wait = Histogram("ragcache_queue_wait_seconds", "time a request waited for the engine",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ragcache_prompt_tokens", "prompt tokens linked", ["algorithm"], registry=r)
-        self.cached_tokens = Counter("ragcache_cached_tokens", "prompt tokens reused from cached KV", ["algorithm"],
-                                     registry=r)
-        self.recomputed_tokens = Counter("ragcache_recomputed_tokens", "prompt tokens recomputed at link time",
-                                         ["algorithm"], registry=r)
-        self.completion_tokens = Counter("ragcache_completion_tokens", "tokens generated", ["algorithm"], registry=r)
+        self.tokens = {field: Counter(f"ragcache_{field}", help_, ["algorithm"], registry=r)
+                       for field, help_ in TOKEN_FIELDS.items()}
         self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads",
                                        registry=r)
         self.guard_checks = Counter("ragcache_guard_checks", "linked answers also linked with full by the accuracy "
@@ -113,10 +112,8 @@ class Metrics:
         algorithm = stats.algorithm or "unknown"
         self.ttft.labels(algorithm).observe(stats.ttft_s)
         self.queue_wait.observe(queue_s)
-        self.prompt_tokens.labels(algorithm).inc(stats.prompt_tokens)
-        self.cached_tokens.labels(algorithm).inc(stats.cached_tokens)
-        self.recomputed_tokens.labels(algorithm).inc(stats.recomputed_tokens)
-        self.completion_tokens.labels(algorithm).inc(stats.completion_tokens)
+        for field, counter in self.tokens.items():
+            counter.labels(algorithm).inc(getattr(stats, field))
 
     def observe_guard(self, model: str, check, agreement: float) -> None:
         self.guard_checks.labels(model, check.algorithm).inc()
