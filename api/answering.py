@@ -8,7 +8,6 @@ linking (unknown document, prompt too long) still become proper HTTP errors, eve
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -26,7 +25,6 @@ from .engine_queue import EngineQueue, Generation
 from .metrics import Metrics
 from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
-log = logging.getLogger("ragcache.api")
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
 
@@ -48,10 +46,6 @@ class Context:
     queue: EngineQueue
     metrics: Metrics
     guard: BackgroundGuard | None = None
-
-    @property
-    def model_name(self) -> str:
-        return self.rc.model_name
 
     @property
     def limits(self) -> Limits:
@@ -135,9 +129,7 @@ class Context:
                     return value, gen.slot.queue_s  # type: ignore[return-value]
                 if kind == "error":
                     raise value  # type: ignore[misc]
-                if kind == "gone":
-                    raise ClientGone()
-        raise ClientGone()  # pragma: no cover - events always end with one of the above
+        raise ClientGone()  # the events' only other end: "gone"
 
 
 def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:

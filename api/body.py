@@ -19,7 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError, create_model
 from starlette.concurrency import run_in_threadpool
 
-from .errors import payload_too_large
+from .errors import ApiError
 
 
 def Body(model: type[BaseModel]) -> Any:  # noqa: N802 - used like FastAPI's Body
@@ -60,7 +60,7 @@ def _refusal(exc: ValidationError) -> Exception:
     over = next((e for e in errors if e["type"] == "too_long" and e["loc"] == ("documents",)), None)
     if over is not None:
         limit, got = over["ctx"]["max_length"], over["ctx"]["actual_length"]
-        return payload_too_large(f"{got} documents in one request; at most {limit}", limit=limit, got=got)
+        return ApiError(413, "payload_too_large", f"{got} documents in one request; at most {limit}", limit=limit, got=got)
     return RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors])
 
 

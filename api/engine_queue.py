@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from contextlib import suppress
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -21,13 +22,6 @@ from starlette.responses import StreamingResponse
 from ragcache.engine import Stream
 
 from .errors import ApiError
-
-
-class QueueFull(ApiError):
-    def __init__(self, depth: int, limit: int):
-        super().__init__(429, "queue_full", f"the server is busy: {depth} requests are waiting for or using the "
-                                            f"engine (max_queue={limit}); retry shortly", queue_depth=depth,
-                         max_queue=limit)
 
 
 class EngineQueue:
@@ -41,7 +35,9 @@ class EngineQueue:
     def admit(self) -> "Slot":
         if self.depth >= self.max_queue:
             self.rejected += 1
-            raise QueueFull(self.depth, self.max_queue)
+            raise ApiError(429, "queue_full", f"the server is busy: {self.depth} requests are waiting for or using the "
+                           f"engine (max_queue={self.max_queue}); retry shortly", queue_depth=self.depth,
+                           max_queue=self.max_queue)
         self.depth += 1
         return Slot(self, asyncio.get_running_loop())
 
@@ -49,13 +45,6 @@ class EngineQueue:
         """Server stopping: every live generation leaves the scheduler at its next step."""
         for gen in list(self.live):
             gen.stream.cancel()
-
-
-def _threadsafe(loop: asyncio.AbstractEventLoop, fn, *args) -> None:
-    try:
-        loop.call_soon_threadsafe(fn, *args)
-    except RuntimeError:  # the loop is closed: the server is shutting down
-        pass
 
 
 class Slot:
@@ -133,7 +122,8 @@ class Generation:
             self.slot._job_done()
 
     def _emit(self, kind: str, value) -> None:  # on the scheduler thread
-        _threadsafe(self.loop, self._event, kind, value)
+        with suppress(RuntimeError):  # the loop is closed: the server is shutting down
+            self.loop.call_soon_threadsafe(self._event, kind, value)
 
     def _event(self, kind: str, value) -> None:
         if kind != "piece":

@@ -33,6 +33,8 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]
+DETAILS = {UnknownDocument: ("ids",), PromptTooLong: ("prompt_tokens", "max_new_tokens", "context"),
+           PayloadTooLarge: ("limit", "got")}  # the attributes of these kinds that an error body carries
 RETRY_AFTER_S = {429: "1", 503: "5"}
 ERRORS = {400: "the model cannot serve this request", 401: "missing or wrong API key (when the server has one)",
           404: "unknown document or model", 408: "the request body did not arrive in time",
@@ -48,20 +50,12 @@ def responses(*statuses: int) -> dict:
     return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in sorted({401, 500, *statuses})}
 
 
-def status_of(exc: RagCacheError) -> int:
-    return next(status for kind, status in STATUS if isinstance(exc, kind))
-
-
 class ApiError(Exception):
     """An error raised by the API layer itself (limits, queue, auth, shapes the engine cannot honour)."""
 
     def __init__(self, status: int, type: str, message: str, **details):
         super().__init__(message)
         self.status, self.type, self.message, self.details = status, type, message, details
-
-
-def payload_too_large(message: str, **details) -> ApiError:
-    return ApiError(413, "payload_too_large", message, **details)
 
 
 def error_body(type: str, message: str, **details) -> dict:
@@ -81,14 +75,8 @@ def describe(exc: BaseException) -> tuple[int, dict]:
     if isinstance(exc, ApiError):
         return exc.status, error_body(exc.type, exc.message, **exc.details)
     if isinstance(exc, RagCacheError):
-        details: dict = {}
-        if isinstance(exc, UnknownDocument):
-            details["ids"] = exc.ids
-        if isinstance(exc, PromptTooLong):
-            details.update(prompt_tokens=exc.prompt_tokens, max_new_tokens=exc.max_new_tokens, context=exc.context)
-        if isinstance(exc, PayloadTooLarge):
-            details.update(limit=exc.limit, got=exc.got)
-        status = status_of(exc)
+        details = {name: getattr(exc, name) for kind, names in DETAILS.items() if isinstance(exc, kind) for name in names}
+        status = next(status for kind, status in STATUS if isinstance(exc, kind))
         if status >= 500:
             log.warning("engine error: %s", exc)
         return status, error_body(_snake(type(exc).__name__), str(exc), **details)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.sampling import QueryStats
@@ -15,7 +15,6 @@ from ragcache.store import Store
 from .engine_queue import EngineQueue
 
 log = logging.getLogger("ragcache.api")
-CONTENT_TYPE = CONTENT_TYPE_LATEST
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})  # any other is "other": a
@@ -32,70 +31,52 @@ STORE_FIELDS = {
     "bytes": ("stored_bytes", "bytes held", False),
     "entries": ("entries", "entries held", False),
 }
+# QueryStats field -> help of its counter (ragcache_FIELD, by algorithm)
+TOKEN_FIELDS = {"prompt_tokens": "prompt tokens linked", "cached_tokens": "prompt tokens reused from cached KV",
+                "recomputed_tokens": "prompt tokens recomputed at link time", "completion_tokens": "tokens generated"}
 
 
-class StoreCollector:
-    """Reads store.stats() on every scrape; a tiered store reports each tier under "tiers"."""
+class Collector:
+    """Metric families that `collect` yields at every scrape. Without a `describe`, the registry calls nothing at
+    registration."""
 
-    def __init__(self, store: Store):
-        self.store = store
-
-    def describe(self):
-        return []  # collected lazily: no store call at registration
-
-    def collect(self):
-        try:
-            stats = self.store.stats()
-        except Exception as exc:  # noqa: BLE001 - a store that cannot report must not break /metrics
-            log.warning("store stats unavailable: %s", exc)
-            stats = {"tier": getattr(self.store, "name", "store"), "error": str(exc)}
-        tiers = stats.get("tiers") or [stats]
-        families = {}
-        for field, (suffix, help_, counter) in STORE_FIELDS.items():
-            name, text = f"ragcache_store_{suffix}", f"store: {help_}, per tier"
-            families[field] = CounterMetricFamily(name, text, labels=["tier"]) if counter else \
-                GaugeMetricFamily(name, text, labels=["tier"])
-        up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
-        for tier in tiers:
-            label = str(tier.get("tier", "store"))
-            for field, family in families.items():
-                if isinstance(tier.get(field), (int, float)):
-                    family.add_metric([label], float(tier[field]))
-            up.add_metric([label], 0.0 if "error" in tier or tier.get("up") is False else 1.0)
-        yield from families.values()
-        yield up
-        if "tiers" in stats:  # the tiered store's own view: a lookup is a hit when any tier had the entry
-            lookups = CounterMetricFamily("ragcache_store_lookups", "tiered store lookups by result",
-                                          labels=["result"])
-            lookups.add_metric(["hit"], float(stats.get("hits", 0)))
-            lookups.add_metric(["miss"], float(stats.get("misses", 0)))
-            yield lookups
+    def __init__(self, collect):
+        self.collect = collect
 
 
-class QueueCollector:
-    def __init__(self, queue: EngineQueue):
-        self.queue = queue
+def store_families(store: Store):
+    """store.stats() on every scrape; a tiered store reports each tier under "tiers"."""
+    try:
+        stats = store.stats()
+    except Exception as exc:  # noqa: BLE001 - a store that cannot report must not break /metrics
+        log.warning("store stats unavailable: %s", exc)
+        stats = {"tier": getattr(store, "name", "store"), "error": str(exc)}
+    tiers = stats.get("tiers") or [stats]
+    families = {field: (CounterMetricFamily if counter else GaugeMetricFamily)(
+        f"ragcache_store_{suffix}", f"store: {help_}, per tier", labels=["tier"])
+        for field, (suffix, help_, counter) in STORE_FIELDS.items()}
+    up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
+    for tier in tiers:
+        label = str(tier.get("tier", "store"))
+        for field, family in families.items():
+            if isinstance(tier.get(field), (int, float)):
+                family.add_metric([label], float(tier[field]))
+        up.add_metric([label], 0.0 if "error" in tier or tier.get("up") is False else 1.0)
+    yield from families.values()
+    yield up
+    if "tiers" in stats:  # the tiered store's own view: a lookup is a hit when any tier had the entry
+        lookups = CounterMetricFamily("ragcache_store_lookups", "tiered store lookups by result", labels=["result"])
+        lookups.add_metric(["hit"], float(stats.get("hits", 0)))
+        lookups.add_metric(["miss"], float(stats.get("misses", 0)))
+        yield lookups
 
-    def describe(self):
-        return []
 
-    def collect(self):
-        q = self.queue
-        yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
-        yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
-        yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
-        yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
-                                  value=q.cancelled)
-
-
-class EngineCollector:
-    """The engine's own metrics on every scrape (vLLM's `vllm:*`, the connector's among them; none for ragcache's)."""
-
-    def __init__(self, rc):
-        self.rc = rc
-
-    def collect(self):
-        yield from self.rc.engine_metrics()
+def queue_families(q: EngineQueue):
+    yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
+    yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
+    yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
+    yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
+                              value=q.cancelled)
 
 
 class Metrics:
@@ -109,12 +90,8 @@ class Metrics:
                               buckets=TTFT_BUCKETS, registry=r)
         self.queue_wait = Histogram("ragcache_queue_wait_seconds", "time a request waited for the engine",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.prompt_tokens = Counter("ragcache_prompt_tokens", "prompt tokens linked", ["algorithm"], registry=r)
-        self.cached_tokens = Counter("ragcache_cached_tokens", "prompt tokens reused from cached KV", ["algorithm"],
-                                     registry=r)
-        self.recomputed_tokens = Counter("ragcache_recomputed_tokens", "prompt tokens recomputed at link time",
-                                         ["algorithm"], registry=r)
-        self.completion_tokens = Counter("ragcache_completion_tokens", "tokens generated", ["algorithm"], registry=r)
+        self.tokens = {field: Counter(f"ragcache_{field}", help_, ["algorithm"], registry=r)
+                       for field, help_ in TOKEN_FIELDS.items()}
         self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads",
                                        registry=r)
         self.guard_checks = Counter("ragcache_guard_checks", "linked answers also linked with full by the accuracy "
@@ -126,19 +103,17 @@ class Metrics:
                                   registry=r)
         self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full or a "
                                      "check was already running", ["model", "algorithm"], registry=r)
-        r.register(QueueCollector(queue))
-        r.register(StoreCollector(store))
-        if engine is not None:
-            r.register(EngineCollector(engine))
+        r.register(Collector(lambda: queue_families(queue)))
+        r.register(Collector(lambda: store_families(store)))
+        if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
+            r.register(Collector(lambda: engine.engine_metrics()))
 
     def observe_answer(self, stats: QueryStats, queue_s: float) -> None:
         algorithm = stats.algorithm or "unknown"
         self.ttft.labels(algorithm).observe(stats.ttft_s)
         self.queue_wait.observe(queue_s)
-        self.prompt_tokens.labels(algorithm).inc(stats.prompt_tokens)
-        self.cached_tokens.labels(algorithm).inc(stats.cached_tokens)
-        self.recomputed_tokens.labels(algorithm).inc(stats.recomputed_tokens)
-        self.completion_tokens.labels(algorithm).inc(stats.completion_tokens)
+        for field, counter in self.tokens.items():
+            counter.labels(algorithm).inc(getattr(stats, field))
 
     def observe_guard(self, model: str, check, agreement: float) -> None:
         self.guard_checks.labels(model, check.algorithm).inc()

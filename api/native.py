@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from contextlib import aclosing
 
 from fastapi import APIRouter, Query, Request
@@ -30,6 +31,22 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def sse_events(c: Context, gen: Generation, first, piece: Callable[[str], dict],
+                     done: Callable[[Answer], list[dict]], opening: dict | None = None):
+    """Server-sent events of a generation: opening, piece(text) per piece, done(answer)'s payloads at the end or the
+    error's body, then [DONE]."""
+    if opening:
+        yield sse(opening)
+    async with aclosing(c.events(gen, first)) as events:
+        async for kind, value in events:
+            if kind == "piece":
+                yield sse(piece(value))
+            elif kind in ("done", "error"):
+                for payload in done(value) if kind == "done" else [describe(value)[1]]:
+                    yield sse(payload)
+                yield SSE_DONE
 
 
 # -- documents --------------------------------------------------------------------------------------------
@@ -69,17 +86,12 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
         for r in reports])
 
 
-def _record(c: Context, doc_id: str) -> dict:
-    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
-    if record is None:
-        raise UnknownDocument([doc_id])
-    return record
-
-
 @router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 503))
 def get_document(doc_id: str, request: Request) -> DocumentOut:
     c = ctx(request)
-    record = _record(c, doc_id)
+    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
+    if record is None:
+        raise UnknownDocument([doc_id])
     chunks = c.rc.document_chunks(doc_id)
     return DocumentOut(id=doc_id, text=record["text"], metadata=record.get("meta") or {}, created=record.get("created"),
                        chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
@@ -148,17 +160,9 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     return EventStream(gen, _query_events(c, gen, first))
 
 
-async def _query_events(c: Context, gen: Generation, first, respond=query_response):
-    async with aclosing(c.events(gen, first)) as events:
-        async for kind, value in events:
-            if kind == "piece":
-                yield sse({"text": value})
-            elif kind == "done":
-                yield sse(respond(value, gen.slot.queue_s).model_dump())
-                yield SSE_DONE
-            elif kind == "error":
-                yield sse(describe(value)[1])
-                yield SSE_DONE
+def _query_events(c: Context, gen: Generation, first, respond=query_response):
+    return sse_events(c, gen, first, lambda text: {"text": text},
+                      lambda answer: [respond(answer, gen.slot.queue_s).model_dump()])
 
 
 # -- infill -----------------------------------------------------------------------------------------------

@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable
-from contextlib import aclosing
 
 from fastapi import APIRouter, Request
 
@@ -18,9 +17,9 @@ from ragcache.sampling import Answer
 
 from .answering import Context, ctx
 from .body import Body, documented
-from .engine_queue import EventStream, Generation
-from .errors import WITH_BODY, ApiError, describe, responses
-from .native import SSE_DONE, sse
+from .engine_queue import EventStream
+from .errors import WITH_BODY, ApiError, responses
+from .native import sse_events
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -40,9 +39,9 @@ def unsupported(param: str, message: str) -> ApiError:
 
 
 def _check(c: Context, body: OpenAIFields) -> None:
-    if body.model and body.model not in (c.model_name, c.settings.model):
+    if body.model and body.model not in (c.rc.model_name, c.settings.model):
         raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
-                                               f"{c.model_name!r} (GET /v1/models)", param="model")
+                                               f"{c.rc.model_name!r} (GET /v1/models)", param="model")
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise unsupported(name, f"{name}={value!r} is not supported by ragcache")
@@ -64,23 +63,16 @@ def ragcache_info(answer: Answer, queue_s: float) -> dict:
 @router.get("/models", response_model=ModelList, responses=responses())
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
-    profile = c.rc.profile
+    profile, adapter = c.rc.profile, c.rc.lm.adapter  # the adapter's own calibration is `profile`
     link = {"default_algorithm": c.settings.algorithm, "default_k": c.rc.default_k,
             "default_focus_ratio": c.rc.default_focus_ratio,
             "calibrated": profile is not None and profile.k is not None, "kv_codec": c.rc.kv_codec,
-            "adapter": _adapter(c.rc.lm.adapter)}
+            "adapter": adapter and {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged}}
     if profile is not None:
         link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
                     focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,
                     calibrated_at=profile.at)
-    return ModelList(data=[ModelCard(id=c.model_name, created=request.app.state.created, ragcache=link)])
-
-
-def _adapter(adapter) -> dict | None:
-    """The link adapter the model answers with (None: the base model); its calibration is the card's profile."""
-    if adapter is None:
-        return None
-    return {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged}
+    return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
 
 
 @router.post("/completions", openapi_extra=documented(CompletionRequest),
@@ -95,18 +87,8 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
     query = c.query(prompt, body.documents, body.system, body.ragcache, body)
-    base = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-            "model": c.model_name}
-    if not body.stream:
-        answer, queue_s = await c.answer(request, query)
-        choice = {"index": 0, "text": answer.text, "logprobs": None, "finish_reason": answer.stats.finish_reason}
-        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
-
-    def choice(piece: str | None, finish: str | None) -> dict:
-        return {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-
-    gen, first = await c.start(request, query)
-    return EventStream(gen, _chunks(c, gen, first, base, choice, None, body))
+    return await _respond(request, c, body, query, "cmpl", ("text_completion", "text_completion"),
+                          lambda text: {"text": text}, lambda piece: {"text": piece or ""})
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -140,43 +122,36 @@ async def chat_completions(request: Request, body: ChatRequest = Body(ChatReques
     _check(c, body)
     system, question = chat_question(body.messages)
     query = c.query(question, body.documents, system, body.ragcache, body)
-    base = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-            "model": c.model_name}
+    return await _respond(request, c, body, query, "chatcmpl", ("chat.completion", "chat.completion.chunk"),
+                          lambda text: {"message": {"role": "assistant", "content": text}},
+                          lambda piece: {"delta": {} if piece is None else {"content": piece}},
+                          opening={"delta": {"role": "assistant", "content": ""}})
+
+
+def _choice(text: dict, finish: str | None = None) -> dict:
+    return {"index": 0, **text, "logprobs": None, "finish_reason": finish}
+
+
+async def _respond(request: Request, c: Context, body: OpenAIFields, query, id_prefix: str, kinds: tuple[str, str],
+                   whole: Callable[[str], dict], piece: Callable[[str | None], dict], opening: dict | None = None):
+    """The whole answer as one object (kinds[0], whole(text) in its choice), or a stream of chunks (kinds[1],
+    piece(text) in theirs, piece(None) in the finishing one). Usage rides on the finishing chunk, or on a chunk of its
+    own (empty choices) when the client asked for stream_options.include_usage."""
+    base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kinds[0], "created": int(time.time()),
+            "model": c.rc.model_name}
     if not body.stream:
         answer, queue_s = await c.answer(request, query)
-        choice = {"index": 0, "message": {"role": "assistant", "content": answer.text}, "logprobs": None,
-                  "finish_reason": answer.stats.finish_reason}
-        return {**base, "choices": [choice], "usage": usage(answer), "ragcache": ragcache_info(answer, queue_s)}
-
-    def choice(piece: str | None, finish: str | None) -> dict:
-        return {"index": 0, "delta": {} if piece is None else {"content": piece}, "logprobs": None,
-                "finish_reason": finish}
-
+        return {**base, "choices": [_choice(whole(answer.text), answer.stats.finish_reason)], "usage": usage(answer),
+                "ragcache": ragcache_info(answer, queue_s)}
     gen, first = await c.start(request, query)
-    opening = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-    base["object"] = "chat.completion.chunk"
-    return EventStream(gen, _chunks(c, gen, first, base, choice, opening, body))
-
-
-async def _chunks(c: Context, gen: Generation, first, base: dict, choice: Callable[[str | None, str | None], dict],
-                  opening: dict | None, body: OpenAIFields):
-    """OpenAI stream chunks; usage rides on the finishing chunk, or on a chunk of its own (empty choices) when the
-    client asked for stream_options.include_usage."""
+    base["object"] = kinds[1]
     separate_usage = bool(body.stream_options and body.stream_options.include_usage)
-    if opening is not None:
-        yield sse({**base, "choices": [opening]})
-    async with aclosing(c.events(gen, first)) as events:
-        async for kind, value in events:
-            if kind == "piece":
-                yield sse({**base, "choices": [choice(value, None)]})
-            elif kind == "done":
-                finish = {**base, "choices": [choice(None, value.stats.finish_reason)]}
-                if separate_usage:
-                    yield sse(finish)
-                    yield sse({**base, "choices": [], "usage": usage(value)})
-                else:
-                    yield sse({**finish, "usage": usage(value)})
-                yield SSE_DONE
-            elif kind == "error":
-                yield sse(describe(value)[1])
-                yield SSE_DONE
+
+    def done(answer: Answer) -> list[dict]:
+        finish = {**base, "choices": [_choice(piece(None), answer.stats.finish_reason)]}
+        if separate_usage:
+            return [finish, {**base, "choices": [], "usage": usage(answer)}]
+        return [{**finish, "usage": usage(answer)}]
+
+    return EventStream(gen, sse_events(c, gen, first, lambda text: {**base, "choices": [_choice(piece(text))]}, done,
+                                       opening and {**base, "choices": [_choice(opening)]}))

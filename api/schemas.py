@@ -149,6 +149,8 @@ Stop = Text | list[Text] | None
 
 
 class SamplingFields(BaseModel):
+    model_config = ConfigDict(populate_by_name=True)  # max_tokens by its name too, not only by its aliases
+
     max_tokens: int | None = Field(None, ge=1, strict=True, validation_alias=AliasChoices("max_tokens", "max_new_tokens",
                                                                               "max_completion_tokens"),
                                    description="tokens to generate (default and upper limit: settings)")
@@ -163,8 +165,6 @@ class SamplingFields(BaseModel):
 
 # -- native query -----------------------------------------------------------------------------------------
 class QueryRequest(SamplingFields, LinkOptions):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
     question: Text
     documents: list[DocumentRef] = Field(default_factory=list, description='document ids (as POST /v1/documents '
                                          'returns), or {"text": ...} for raw text (compiled on the fly and stored)')
@@ -173,9 +173,7 @@ class QueryRequest(SamplingFields, LinkOptions):
     _refs = field_validator("documents")(check_document_refs)
 
 
-class InfillRequest(SamplingFields):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
-
+class InfillRequest(SamplingFields, Strict):
     prefix: Text = Field("", description="text before the hole")
     suffix: Text = Field("", description="text after the hole")
     session: str | None = Field(None, min_length=1, max_length=128,
@@ -226,7 +224,7 @@ class StreamOptions(BaseModel):
 class OpenAIFields(SamplingFields):
     """What the OpenAI API defines plus ragcache's extra body fields (pass them with `extra_body=`)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     stream_options: StreamOptions | None = None

@@ -8,15 +8,16 @@ from __future__ import annotations
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
 from . import models
-from .errors import BadRequest, ModelFetchError, RagCacheError, UnknownDocument, UnsupportedModel
+from .console import console, err, fail
+from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
 from ragcache.store.keys import is_document_id
 
@@ -24,8 +25,6 @@ app = typer.Typer(help="ragcache: compile documents into KV caches and answer qu
                   no_args_is_help=True, pretty_exceptions_enable=False)
 models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
-console = Console()
-err = Console(stderr=True)
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
 
@@ -34,25 +33,6 @@ from ragcache.train.cli import train_app  # noqa: E402
 
 app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")
-
-
-# ragcache's error kinds -> exit code (the module docstring lists them); the first class that matches wins.
-EXIT_CODES: list[tuple[type[Exception], int]] = [
-    (UnknownDocument, 4),
-    (BadRequest, 3),
-    (ModelFetchError, 5),
-    (UnsupportedModel, 5),
-    (Exception, 1),
-]
-
-
-def _exit_code(exc: Exception) -> int:
-    return next(code for kind, code in EXIT_CODES if isinstance(exc, kind))
-
-
-def _fail(exc: Exception) -> None:
-    err.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(_exit_code(exc))
 
 
 DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
@@ -167,19 +147,15 @@ def compile(
         rc, _ = _open(model, store, chunk_tokens, dtype, device, kv_codec)
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
-        total_tokens = compiled_tokens = 0
         from .front import CompileReport
 
-        summary = CompileReport()
+        summary, compiled_tokens = CompileReport(), 0
         with Progress(*columns, console=err) as bar:
             task = bar.add_task("compiling", total=len(docs), rate="")
-            import time
-
             started = time.perf_counter()
 
             def on_chunk(tokens: int, compiled: int) -> None:
-                nonlocal total_tokens, compiled_tokens
-                total_tokens += tokens
+                nonlocal compiled_tokens
                 compiled_tokens += compiled
                 rate = compiled_tokens / max(time.perf_counter() - started, 1e-9)
                 bar.update(task, rate=f"{rate:,.0f} tok/s")
@@ -193,7 +169,7 @@ def compile(
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
         raise typer.Exit(130)
     except (RagCacheError, OSError, json.JSONDecodeError) as exc:
-        _fail(exc)
+        fail(exc)
     console.print(
         f"documents {summary.documents} (already compiled {summary.skipped}), chunks {summary.chunks} "
         f"(compiled {summary.compiled_chunks}), tokens {summary.tokens:,}, bytes {summary.bytes:,}, "
@@ -251,7 +227,7 @@ def query(
         err.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(130)
     except (RagCacheError, OSError) as exc:  # OSError: a --doc file that cannot be read
-        _fail(exc)
+        fail(exc)
     answer = result.answer
     if as_json:
         console.print_json(json.dumps({"text": answer.text, "stats": answer.stats.as_dict()}))
@@ -279,7 +255,7 @@ def demo(
         rc, _ = _open(model, store, dtype=dtype, device=device)
         run_demo(rc, data, questions, console)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
 
 
 @app.command()
@@ -309,11 +285,11 @@ def serve(
                           engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
                           adapter=adapter, batch_invariant=batch_invariant)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
-        _fail(BadRequest(str(exc)))
+        fail(BadRequest(str(exc)))
     try:
         run(s, workers=workers)
     except RagCacheError as exc:  # the engine cannot start: a store vLLM cannot open, say
-        _fail(exc)
+        fail(exc)
 
 
 @app.command()
@@ -358,7 +334,7 @@ def calibrate(
         profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"), at=at)
         path = cal.save_profile(profile)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
     table = Table("algorithm", "agreement with full [95% interval]",
                   title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token")
     cell = lambda score: cal.agreement_cell(score, profile.items)  # noqa: E731
@@ -430,7 +406,7 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
         with err.status(f"pulling {name}"):
             path = models.pull(name)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
     console.print(f"{name}: {path}")
 
 

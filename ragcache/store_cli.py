@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from ragcache.store import tier_urls, open_store
@@ -28,12 +27,11 @@ from ragcache.store.base import Store, batched
 from ragcache.store.keys import entry_form, is_document_id
 
 from . import maintenance
+from .console import console, fail
 from .errors import StoreError
 from .settings import DEFAULT_STORE
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
 
 StoreUrl = Annotated[str, typer.Option("--store", "-s", envvar="RAGCACHE_STORE",
                                        help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")]
@@ -52,16 +50,13 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
                          "dtype": info.get("dtype"), "form": entry_form(info),
-                         "shape": info.get("shape"), "model_name": _model_name(meta),
+                         "shape": info.get("shape"),
+                         "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
             if limit is not None and len(rows) >= limit:
                 return rows
     return rows
-
-
-def _model_name(meta: dict) -> str:
-    return meta.get("model_name") or (meta.get("model", "")[:12] or "?")
 
 
 def summary(store: Store) -> dict:
@@ -73,13 +68,10 @@ def summary(store: Store) -> dict:
             tiers.append({"tier": tier.name, "error": str(exc)})
             continue
         rows = entry_rows(tier)
-        stats["entries"] = len(rows)
-        stats["bytes"] = sum(r["size"] for r in rows)
-        stats["models"] = dict(Counter(r["model_name"] for r in rows))
-        stats["codecs"] = codec_summary(rows)
-        stats["forms"] = dict(Counter(r["form"] for r in rows if not r["error"]))
-        stats["unreadable_headers"] = sum(1 for r in rows if r["error"])
-        tiers.append(stats)
+        tiers.append({**stats, "entries": len(rows), "bytes": sum(r["size"] for r in rows),
+                      "models": dict(Counter(r["model_name"] for r in rows)), "codecs": codec_summary(rows),
+                      "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
+                      "unreadable_headers": sum(1 for r in rows if r["error"])})
     names = store.record_names()
     return {"store": store.name, "tiers": tiers, "records": len(names),
             "documents": sum(1 for n in names if n.startswith("doc/"))}
@@ -111,13 +103,8 @@ def _check_form(form: str) -> None:
 def _open(url: str) -> Store:
     for part in tier_urls(url):
         if part.startswith("disk:") and not Path(part[len("disk:"):] or "./.ragcache").exists():
-            err.print(f"[red]error:[/red] no store at {part[len('disk:'):]!r} (nothing compiled there yet?)")
-            raise typer.Exit(1)
-    try:
-        return open_store(url)
-    except StoreError as exc:
-        err.print(f"[red]error:[/red] {exc}")
-        raise typer.Exit(1)
+            fail(f"no store at {part[len('disk:'):]!r} (nothing compiled there yet?)", 1)
+    return open_store(url)  # a StoreError: the command's _guard
 
 
 def _size(n: float) -> str:
@@ -125,7 +112,6 @@ def _size(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
-    return str(n)
 
 
 def _guard(fn):
@@ -137,8 +123,7 @@ def _guard(fn):
         try:
             return fn(*args, **kwargs)
         except StoreError as exc:
-            err.print(f"[red]error:[/red] {exc}")
-            raise typer.Exit(1)
+            fail(exc)
 
     return wrapper
 
@@ -250,8 +235,7 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
     s = _open(store)
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
-        err.print(f"[red]error:[/red] {id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)")
-        raise typer.Exit(2)
+        fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 2)
     result = maintenance.delete(s, id) if is_document_id(id) else None
     if result is not None:
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
@@ -259,9 +243,7 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
         return
     matches = [id] if len(id) == 64 else sorted({k for k in s.keys() if k.startswith(id)})
     if len(matches) > 1:
-        err.print(f"[red]error:[/red] {id} matches {len(matches)} entries; give more of the key")
-        raise typer.Exit(2)
+        fail(f"{id} matches {len(matches)} entries; give more of the key", 2)
     if not matches or not s.delete(matches[0]):
-        err.print(f"[red]error:[/red] no document or entry {id} in {store}")
-        raise typer.Exit(1)
+        fail(f"no document or entry {id} in {store}", 1)
     console.print(f"entry {matches[0]} deleted")

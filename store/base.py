@@ -9,6 +9,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from itertools import islice
 
 from .errors import CorruptEntry, StoreError
 
@@ -120,10 +121,7 @@ class Store(ABC):
     def describe_many(self, keys: list[str]) -> list[dict | None]:
         """A summary per entry (tokens, tensor bytes, dtype, shape, meta, stored size) without loading tensors where the
         tier can; None where the key is absent. Tiers override this with something cheaper than a full read."""
-        out = []
-        for entry in self.get_many(keys):
-            out.append(None if entry is None else {**describe(entry), "size": entry.nbytes})
-        return out
+        return [None if e is None else {**describe(e), "size": e.nbytes} for e in self.get_many(keys)]
 
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Full integrity check with no side effect (nothing deleted, no LRU touch): None where the entry is sound,
@@ -216,11 +214,6 @@ def decode_all(keys: list[str], blobs: list) -> list[ChunkKV | CorruptEntry | No
 
 def batched(items, size: int = 256):
     """Lists of up to `size` items (itertools.batched arrives with Python 3.12)."""
-    batch = []
-    for item in items:
-        batch.append(item)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
+    rest = iter(items)
+    while batch := list(islice(rest, size)):
         yield batch

@@ -28,7 +28,7 @@ AUTO = {"cpu": "int8"}
 
 
 def native(dtype: torch.dtype) -> str:
-    """The codec that stores K/V exactly as the model computes them."""
+    """The codec that stores K/V exactly as the model computes them; of stored K/V's dtype, the codec they are in."""
     return of_dtype_name(str(dtype).removeprefix("torch."))
 
 
@@ -43,11 +43,6 @@ def resolve(codec: str | None, dtype: torch.dtype, device_type: str = "cpu") -> 
     if codec == "auto":
         return AUTO.get(device_type, native(dtype))
     return codec or native(dtype)
-
-
-def of_tensor(keys: torch.Tensor) -> str:
-    """The codec stored K/V are in, from their dtype."""
-    return of_dtype_name(str(keys.dtype).removeprefix("torch."))
 
 
 def of_dtype_name(name: str) -> str:
@@ -85,7 +80,7 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
 def scales_problem(keys: torch.Tensor, key_scales, value_scales) -> str | None:
     """Why the scales beside stored K/V are not what their codec needs (None if they are)."""
     if keys.dtype != torch.uint8:
-        return None if key_scales is None and value_scales is None else f"{of_tensor(keys)} K/V carry int8 scales"
+        return None if key_scales is None and value_scales is None else f"{native(keys.dtype)} K/V carry int8 scales"
     if key_scales is None or value_scales is None:
         return "int8 K/V without their scales"
     layers, heads, tokens, dim = keys.shape

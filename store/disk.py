@@ -59,8 +59,8 @@ class DiskStore(BlobStore):
                 Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
             self._create_index()
             fresh = True
-        if fresh:
-            self.rebuild_index()
+        if fresh and (added := self._reconcile_index()["index_rows_added"]):
+            log.info("disk tier %s: index rebuilt from %d files", self.root, added)
 
     # -- index --------------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
@@ -110,36 +110,29 @@ class DiskStore(BlobStore):
             out[path.stem] = (stat.st_size, stat.st_mtime)
         return out
 
-    def rebuild_index(self) -> int:
-        rows = [(key, size, mtime) for key, (size, mtime) in self._files().items()]
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
-        db.execute("DELETE FROM entries")
-        db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", rows)
-        db.execute("COMMIT")
-        if rows:
-            log.info("disk tier %s: index rebuilt from %d files", self.root, len(rows))
-        return len(rows)
-
     def entry_path(self, key: str) -> Path:
         return self.entries_dir / key[:2] / f"{key}{SUFFIX}"
 
     # -- blobs --------------------------------------------------------------------------------------
-    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
-        out, found = [], []
+    def _reads(self, keys: list[str]) -> Iterator[tuple[str, bytearray | OSError | None]]:
+        """Per key, its bytes, None where it is absent, or the OSError that stopped the read."""
         for key in keys:
             try:
-                blob = _read(self.entry_path(key))
+                yield key, _read(self.entry_path(key))
             except FileNotFoundError:
-                out.append(None)
-                continue
-            except NotAnEntryFile:  # decode rejects empty bytes as corrupt: a miss, dropped and recompiled
-                blob = bytearray()
+                yield key, None
             except OSError as exc:
-                raise self._fault(f"cannot read entry {key[:12]}", exc) from exc
+                yield key, exc
+
+    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
+        out = []
+        for key, blob in self._reads(keys):
+            if isinstance(blob, NotAnEntryFile):  # decode rejects empty bytes as corrupt: a miss, dropped, recompiled
+                blob = bytearray()
+            elif isinstance(blob, OSError):
+                raise self._fault(f"cannot read entry {key[:12]}", blob) from blob
             out.append(blob)
-            found.append((key, len(blob)))
-        if found:
+        if found := [(key, len(blob)) for key, blob in zip(keys, out) if blob is not None]:
             self._touch(found)
         return out
 
@@ -157,17 +150,8 @@ class DiskStore(BlobStore):
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
     def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
-        out: list[bytes | str | None] = []
-        for key in keys:
-            try:
-                out.append(_read(self.entry_path(key)))
-            except FileNotFoundError:
-                out.append(None)
-            except NotAnEntryFile as exc:
-                out.append(f"not an entry file: {exc.strerror}")
-            except OSError as exc:
-                out.append(f"unreadable file: {exc.strerror}")
-        return out
+        return [f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
+                if isinstance(b, OSError) else b for _, b in self._reads(keys)]
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         rows = []
@@ -223,17 +207,14 @@ class DiskStore(BlobStore):
         """Drop least recently used entries until the directory fits its budget."""
         try:
             db = self._db()
-            (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-            if total <= self.budget_bytes:
+            indexed_bytes = "SELECT COALESCE(SUM(size), 0) FROM entries"
+            if db.execute(indexed_bytes).fetchone()[0] <= self.budget_bytes:
                 return 0
             if time.monotonic() - self._reconciled_at > RECONCILE_EVERY_S:
                 # Before deleting anything, trust the files over the index: a stale or planted row must not
                 # make us evict entries the budget still has room for.
                 self._reconcile_index()
-                (total,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
-                if total <= self.budget_bytes:
-                    return 0
-            removed = 0
+            (total,), removed = db.execute(indexed_bytes).fetchone(), 0
             for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
                 if total <= self.budget_bytes:
                     break
@@ -276,10 +257,7 @@ class DiskStore(BlobStore):
         for key in keys:
             try:
                 with _open_regular(self.entry_path(key)) as fh:
-                    probe = fh.read(PROBE)
-                    head = probe + fh.read(max(0, head_length(probe) - len(probe)))
-                    size = os.fstat(fh.fileno()).st_size
-                out.append({**describe_head(head), "size": size})
+                    out.append({**describe_head(_head(fh)), "size": os.fstat(fh.fileno()).st_size})
             except FileNotFoundError:
                 out.append(None)
             except Exception as exc:  # unreadable header: report it rather than fail a listing
@@ -402,15 +380,19 @@ def _open_regular(path: Path):
         raise
 
 
+def _head(fh) -> bytes:
+    """An entry file's leading bytes, as many as `describe_head` needs."""
+    probe = fh.read(PROBE)
+    return probe + fh.read(max(0, head_length(probe) - len(probe)))
+
+
 def _declared_size(fh) -> int:
     """The entry's size as its own header declares it (magic, digest, safetensors header, tensor data)."""
-    probe = fh.read(PROBE)
     try:
-        head = probe + fh.read(max(0, head_length(probe) - len(probe)))
-        info = describe_head(head)
+        head = _head(fh)
+        size = head_length(head) + describe_head(head)["nbytes"]
     except CorruptEntry as exc:
         raise NotAnEntryFile(errno.EINVAL, f"not an entry ({exc})") from exc
-    size = head_length(probe) + info["nbytes"]
     if size > MAX_ENTRY_BYTES:
         raise NotAnEntryFile(errno.EFBIG, f"header declares {size} bytes")
     return size

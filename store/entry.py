@@ -41,19 +41,16 @@ class ChunkKV:
 
     @property
     def codec(self) -> str:
-        return kv_codec.of_tensor(self.keys)
+        return kv_codec.native(self.keys.dtype)
 
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self._tensors().values())
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values}
-        if self.key_scales is not None:
-            tensors["key_scales"] = self.key_scales
-        if self.value_scales is not None:
-            tensors["value_scales"] = self.value_scales
-        return tensors
+        tensors = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values,
+                   "key_scales": self.key_scales, "value_scales": self.value_scales}
+        return {name: t for name, t in tensors.items() if t is not None}
 
     def equal(self, other: "ChunkKV") -> bool:
         mine, theirs = self._tensors(), other._tensors()
@@ -191,12 +188,12 @@ def describe_head(head: bytes | memoryview) -> dict:
         meta = dict(header.pop("__metadata__", {}) or {})
         keys, ids = header["keys"], header["token_ids"]
         nbytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
-        info = {"sha256": bytes(head[len(MAGIC) : HEADER]).hex(), "key": meta.pop("key", None),
-                "tokens": int(ids["shape"][0]), "nbytes": int(nbytes), "dtype": _DTYPES.get(keys["dtype"], keys["dtype"]),
+        return {"sha256": bytes(head[len(MAGIC) : HEADER]).hex(), "key": meta.pop("key", None),
+                "tokens": int(ids["shape"][0]), "nbytes": int(nbytes),
+                "dtype": str(_TORCH_DTYPES.get(keys["dtype"], keys["dtype"])).removeprefix("torch."),
                 "shape": [int(x) for x in keys["shape"]], "meta": meta}
     except Exception as exc:
         raise CorruptEntry(f"unreadable header: {exc}") from exc
-    return info
 
 
 def describe(entry: ChunkKV) -> dict:
@@ -204,7 +201,3 @@ def describe(entry: ChunkKV) -> dict:
     return {"sha256": None, "key": None, "tokens": entry.num_tokens, "nbytes": entry.nbytes,
             "dtype": str(entry.keys.dtype).removeprefix("torch."), "shape": list(entry.keys.shape),
             "meta": dict(entry.meta)}
-
-
-_DTYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "F8_E4M3": "float8_e4m3fn",
-           "F8_E5M2": "float8_e5m2", "I32": "int32", "I64": "int64", "I8": "int8", "U8": "uint8"}

@@ -40,7 +40,7 @@ from redis.retry import Retry
 
 from .errors import StoreError
 
-from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, UnreadableRecord, log
+from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, UnreadableRecord, batched, log
 from .entry import HEADER, MAGIC, describe_head
 
 PART_BYTES = 2 << 20
@@ -48,6 +48,7 @@ MANIFEST_VERSION = 1
 SOCKET_TIMEOUT_S = 2.0  # per socket read: a 2 MiB part arrives in milliseconds on a live server
 CONNECT_TIMEOUT_S = 2.0
 ORPHAN_AGE_S = 600.0
+SUMMARY = ("sha256", "tokens", "nbytes", "dtype", "shape", "meta")  # what a manifest keeps of describe_head's summary
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError)
 
@@ -254,11 +255,8 @@ class RedisStore(BlobStore):
         view = memoryview(blob)
         slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
         info = describe_head(view)
-        manifest = {"v": MANIFEST_VERSION, "gen": gen, "size": len(blob), "parts": len(slices),
-                    "part_bytes": self.part_bytes, "sha256": info["sha256"], "tokens": info["tokens"],
-                    "nbytes": info["nbytes"], "dtype": info["dtype"], "shape": info["shape"], "meta": info["meta"],
-                    "created": time.time()}
-        return manifest, slices
+        return {"v": MANIFEST_VERSION, "gen": gen, "size": len(blob), "parts": len(slices),
+                "part_bytes": self.part_bytes, **{field: info[field] for field in SUMMARY}, "created": time.time()}, slices
 
     def _delete_quietly(self, names: list[str]) -> None:
         """Best-effort cleanup, one command per slot group (cluster DEL must stay within a slot)."""
@@ -306,9 +304,7 @@ class RedisStore(BlobStore):
                 elif manifest is None:
                     out.append({"error": "unreadable manifest", "size": 0})
                 else:
-                    out.append({"sha256": manifest["sha256"], "tokens": manifest["tokens"], "nbytes": manifest["nbytes"],
-                                "dtype": manifest["dtype"], "shape": manifest["shape"], "meta": manifest["meta"],
-                                "size": manifest["size"], "parts": manifest["parts"]})
+                    out.append({field: manifest[field] for field in (*SUMMARY, "size", "parts")})
             return out
 
     # -- maintenance --------------------------------------------------------------------------------
@@ -317,9 +313,7 @@ class RedisStore(BlobStore):
         older than orphan_age_s, and manifests that cannot be read or whose parts are gone."""
         live: dict[str, str] = {}  # key -> gen of its manifest
         broken = 0
-        keys = list(self.keys())
-        for i in range(0, len(keys), 500):
-            batch = keys[i : i + 500]
+        for batch in batched(list(self.keys()), 500):
             present = self.contains_many(batch)
             with self._errors("gc"):
                 for key, ok, (raw, manifest) in zip(batch, present, self._manifests(batch)):
@@ -336,18 +330,12 @@ class RedisStore(BlobStore):
             if m is None:
                 continue
             key, gen = m.groups()
-            if live.get(key) == gen:
-                continue
-            try:
-                born = int(gen[:8], 16)
-            except ValueError:
-                born = 0
-            if now - born >= orphan_age_s:
+            if live.get(key) != gen and now - int(gen[:8], 16) >= orphan_age_s:  # gen begins with its write's time
                 orphans.append(name)
         with self._errors("gc"):
-            for i in range(0, len(orphans), 1000):
+            for names in batched(orphans, 1000):
                 pipe = self._redis().pipeline(transaction=False)
-                for name in orphans[i : i + 1000]:
+                for name in names:
                     pipe.delete(name)
                 pipe.execute()
         return {"broken_entries_removed": broken, "orphan_parts_removed": len(orphans)}
@@ -434,9 +422,7 @@ def _redact(url: str) -> str:
     parts = urlsplit(url)
     if parts.password is None or not parts.hostname:
         return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    netloc = f"{user}:***@{host}" + (f":{parts.port}" if parts.port else "")
+    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
 
 

@@ -139,37 +139,36 @@ class TieredStore(Store):
             raise StoreError(f"no store tier could {what} ({reasons})")
 
     # -- entries ------------------------------------------------------------------------------------
-    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
-        started = time.perf_counter()
-        out: list[ChunkKV | None] = [None] * len(keys)
+    def _first(self, method: str, keys: list[str], fill: str = "") -> list:
+        """Per key, the first answer that is not empty, asking the tiers fastest first for the keys still missing;
+        with `fill` (a method's name), what a slower tier had goes into the faster ones as {key: answer}."""
+        out: list = [None] * len(keys)
         missing = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
-            if not missing:
-                break
-            if not self._usable(i):
+            if not missing or not self._usable(i):
                 continue
-            got, ok = self._call(i, tier.get_many, [keys[j] for j in missing])
-            if not ok:
-                continue
-            hits = {}
-            still = []
-            for j, entry in zip(missing, got):
-                if entry is None:
-                    still.append(j)
-                else:
-                    out[j] = hits[keys[j]] = entry
-            missing = still
-            if hits:
-                self._fill(i, hits)
+            got, ok = self._call(i, getattr(tier, method), [keys[j] for j in missing])
+            if ok:
+                found = {j: answer for j, answer in zip(missing, got) if answer}
+                for j, answer in found.items():
+                    out[j] = answer
+                if found and fill:
+                    self._fill(i, fill, {keys[j]: answer for j, answer in found.items()})
+                missing = [j for j in missing if j not in found]
+        return out
+
+    def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
+        started = time.perf_counter()
+        out = self._first("get_many", keys, fill="put_many")
         found = [e for e in out if e is not None]
         self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
-    def _fill(self, found_in: int, hits: dict[str, ChunkKV]) -> None:
-        """Entries a slower tier had go into the faster ones (best effort: a failure there only logs)."""
+    def _fill(self, found_in: int, method: str, *args) -> None:
+        """What a slower tier had goes into the faster ones (best effort: a failure there only logs)."""
         for i in range(found_in):
             if self._usable(i):
-                self._call(i, self.tiers[i].put_many, hits, write=True)
+                self._call(i, getattr(self.tiers[i], method), *args, write=True)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         if not items:
@@ -179,19 +178,7 @@ class TieredStore(Store):
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        out = [False] * len(keys)
-        missing = list(range(len(keys)))
-        for i, tier in enumerate(self.tiers):
-            if not missing:
-                break
-            if not self._usable(i):
-                continue
-            got, ok = self._call(i, tier.contains_many, [keys[j] for j in missing])
-            if ok:
-                for j, there in zip(missing, got):
-                    out[j] = there
-                missing = [j for j in missing if not out[j]]
-        return out
+        return [bool(there) for there in self._first("contains_many", keys)]
 
     def delete(self, key: str) -> bool:
         return any(bool(r) for _, r in self._each("delete", key, write=True))
@@ -208,16 +195,7 @@ class TieredStore(Store):
                     yield key
 
     def describe_many(self, keys: list[str]) -> list[dict | None]:
-        out: list[dict | None] = [None] * len(keys)
-        for i, tier in enumerate(self.tiers):
-            missing = [j for j, d in enumerate(out) if d is None]
-            if not missing:
-                break
-            if self._usable(i):
-                got, ok = self._call(i, tier.describe_many, [keys[j] for j in missing])
-                for j, d in zip(missing, got if ok else ()):
-                    out[j] = d
-        return out
+        return self._first("describe_many", keys)
 
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Sound if every tier holding the entry holds it intact; else the first problem, named by tier."""
@@ -260,9 +238,7 @@ class TieredStore(Store):
                     damaged.setdefault(j, record)
                 elif record is not None:
                     out[j] = record
-                    for faster in range(i):  # records are small and read on every query: keep them close
-                        if self._usable(faster):
-                            self._call(faster, self.tiers[faster].put_record, names[j], record, write=True)
+                    self._fill(i, "put_record", names[j], record)  # small and read on every query: kept close
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "

@@ -7,25 +7,16 @@ import json
 from pathlib import Path
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..errors import BadRequest, ModelFetchError, RagCacheError, UnsupportedModel
+from ..console import console, err, fail
+from ..errors import RagCacheError
 
 train_app = typer.Typer(help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.",
                         no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
 
 FIM_MODEL = "qwen2.5-coder-0.5b"
-
-
-def _fail(exc: Exception) -> None:
-    """Same exit codes as the rest of the CLI: 3 bad input, 5 model cannot be used, 1 anything else."""
-    code = 3 if isinstance(exc, BadRequest) else 5 if isinstance(exc, (ModelFetchError, UnsupportedModel)) else 1
-    err.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(code)
 
 
 def _progress() -> Progress:
@@ -79,7 +70,7 @@ def link_cmd(
                 rc = open_engine(cfg)
             report = train_link(cfg, rc=rc, progress=tick)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
         raise typer.Exit(130)
@@ -90,7 +81,7 @@ def link_cmd(
         try:
             path = install_adapter(Path(report.out), model)
         except RagCacheError as exc:
-            _fail(exc)
+            fail(exc)
         console.print(f"installed as {model}'s adapter: {path}; `ragcache calibrate --model {model}` makes it the "
                       "default")
 
@@ -143,7 +134,7 @@ def infill_cmd(
 
             result = train(cfg, progress=tick)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
     except KeyboardInterrupt:
         err.print("interrupted: nothing was written")
         raise typer.Exit(130)
@@ -193,7 +184,7 @@ def eval_cmd(
 
             report = evaluate(rc, tasks, mode_list, max_new_tokens, progress=tick)
     except RagCacheError as exc:
-        _fail(exc)
+        fail(exc)
     table = Table(title=f"infilling: {model}, {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens")
     for col in ("mode", "kind", "n", "exact match", "1st char", "syntax pass", "edit sim", "TTFT ms", "tokens"):
         table.add_column(col, justify="left" if col in ("mode", "kind") else "right")

@@ -29,21 +29,15 @@ FORMATS = ("efim", "fim", "both")
 
 
 # -- fragment tokenization ---------------------------------------------------------------------------------
-def cut_points(length: int, rng: random.Random, mean_chars: float) -> list[int]:
-    """Fragment ends in (0, length): gaps drawn from an exponential with mean `mean_chars`, at least 1."""
+def fragments(text: str, rng: random.Random, mean_chars: float = 48.0) -> list[str]:
+    """The text cut at random character positions (inside words too), the gaps drawn from an exponential with mean
+    `mean_chars`, at least 1; "".join(result) == text."""
     if mean_chars <= 0:
         raise ValueError(f"mean_chars must be > 0, got {mean_chars}")
-    cuts, at = [], 0
-    while True:
-        at += max(1, round(rng.expovariate(1.0 / mean_chars)))
-        if at >= length:
-            return cuts
-        cuts.append(at)
-
-
-def fragments(text: str, rng: random.Random, mean_chars: float = 48.0) -> list[str]:
-    """The text cut at random character positions (inside words too); "".join(result) == text."""
-    bounds = [0, *cut_points(len(text), rng, mean_chars), len(text)]
+    bounds = [0]
+    while (at := bounds[-1] + max(1, round(rng.expovariate(1.0 / mean_chars)))) < len(text):
+        bounds.append(at)
+    bounds.append(len(text))
     return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
 
 

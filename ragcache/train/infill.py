@@ -48,10 +48,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda
 
     def validate(self) -> None:
-        if self.steps < 1:
-            raise BadRequest(f"--steps must be >= 1, got {self.steps}")
-        if self.batch < 1:
-            raise BadRequest(f"--batch must be >= 1, got {self.batch}")
+        for name in ("steps", "batch"):
+            if getattr(self, name) < 1:
+                raise BadRequest(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < 1:
             raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         self.example_config().validate()
@@ -102,12 +101,6 @@ def collate(batch: list[Example], pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def _load(source: str, example_config: ExampleConfig):
     """Tokenizer first: a model without FIM sentinels is refused before its weights are read."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,7 +144,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     pad_id = builder.end_id  # padding takes no loss and no attention; any id the model embeds will do
 
     torch.manual_seed(cfg.seed)
-    device = _device(cfg.device)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if cfg.device == "auto" else cfg.device)
     model.config.use_cache = False
     if cfg.lora:
         model = with_lora(model, cfg.lora_r, cfg.lora_alpha, otherwise="or use --full")
@@ -198,7 +191,5 @@ def save(model, tokenizer, cfg: TrainConfig, result: TrainResult) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
-    record = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
-              "result": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(result).items()},
-              "learning_rate": cfg.learning_rate}
-    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2) + "\n")
+    record = {"config": asdict(cfg), "result": asdict(result), "learning_rate": cfg.learning_rate}
+    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2, default=str) + "\n")  # paths as text

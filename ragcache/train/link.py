@@ -365,13 +365,11 @@ def open_engine(cfg: LinkTrainConfig) -> RagCache:
     return RagCache(lm, open_store(f"disk:{Path(cfg.out) / 'store'}"))
 
 
-Progress = Callable[[str, int, int, str], None]  # (phase, done, total, note)
-
-
 def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
-               progress: Progress | None = None) -> LinkReport:
+               progress: Callable[[str, int, int, str], None] | None = None) -> LinkReport:
     """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
-    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg."""
+    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg;
+    `progress(phase, done, total, note)`."""
     from .infill import with_lora
 
     cfg.validate()
@@ -419,8 +417,7 @@ def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, 
                  per_item: list[dict]) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
     peft.save_pretrained(out)
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe="read-side LoRA, "
-                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=settings,
+                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
-    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1) + "\n")
+    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text

@@ -1,0 +1,24 @@
+"""Where the commands print (results to stdout, everything else to stderr), and how a failure ends one: a red line
+and an exit code scripts can rely on (ragcache/cli.py's docstring lists them)."""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+import typer
+from rich.console import Console
+
+from .errors import BadRequest, ModelFetchError, UnknownDocument, UnsupportedModel
+
+console = Console()
+err = Console(stderr=True)
+
+# error kinds -> exit code; the first class that matches wins
+EXIT_CODES: list[tuple[type[Exception], int]] = [(UnknownDocument, 4), (BadRequest, 3), (ModelFetchError, 5),
+                                                 (UnsupportedModel, 5), (Exception, 1)]
+
+
+def fail(exc: Exception | str, code: int | None = None) -> NoReturn:
+    """A red line on stderr, then exit with `code`, else the exit code of the error's kind."""
+    err.print(f"[red]error:[/red] {exc}")
+    raise typer.Exit(next(c for kind, c in EXIT_CODES if isinstance(exc, kind)) if code is None else code)
