@@ -81,18 +81,20 @@ def load_profile(lm: models.LoadedModel) -> Profile | None:
 
 def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None) -> Profile | None:
     """The profile of a model fingerprint at a dtype: the user's own, else one an adapter ships with (`shipped`)."""
+    name = profile_path(fingerprint, dtype).name
     for folder in (profile_path(fingerprint, dtype).parent, shipped):
-        if folder is None:
-            continue
-        try:
-            profile = Profile(**json.loads((folder / profile_path(fingerprint, dtype).name).read_text()))
-        except FileNotFoundError:
-            continue
-        except (ValueError, TypeError):  # an old or damaged profile: calibrate again
-            continue
-        if profile.fingerprint == fingerprint:
+        profile = read_profile(folder / name) if folder is not None else None
+        if profile is not None and profile.fingerprint == fingerprint:
             return profile
     return None
+
+
+def read_profile(path: Path) -> Profile | None:
+    """None for a missing file, or an old or damaged one (calibrate again)."""
+    try:
+        return Profile(**json.loads(path.read_text()))
+    except (ValueError, TypeError, OSError):
+        return None
 
 
 def save_profile(profile: Profile) -> Path:
@@ -107,12 +109,9 @@ def save_profile(profile: Profile) -> Path:
 def profiles_by_model() -> dict[str, list[Profile]]:
     """Every saved profile, by model name (for listings; a model is matched by fingerprint when it is loaded)."""
     out: dict[str, list[Profile]] = {}
-    for path in sorted((models.model_cache_dir() / "profiles").glob("*.json")):
-        try:
-            profile = Profile(**json.loads(path.read_text()))
-        except (ValueError, TypeError, OSError):
-            continue
-        out.setdefault(profile.model, []).append(profile)
+    for profile in map(read_profile, sorted((models.model_cache_dir() / "profiles").glob("*.json"))):
+        if profile is not None:
+            out.setdefault(profile.model, []).append(profile)
     return out
 
 

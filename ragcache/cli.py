@@ -380,16 +380,12 @@ def _adapter_cell(path: Path | None, profiles: list) -> str:
         digest = models.adapter_sha256(path)
     except RagCacheError as exc:
         return f"{path}: unusable ({exc})"
-    from .calibrate import Profile
+    from .calibrate import read_profile
 
-    mine = [p for p in profiles if p.adapter == digest]
-    for file in sorted((path / models.ADAPTER_PROFILES).glob("*.json")):
-        try:
-            mine.append(Profile(**json.loads(file.read_text())))
-        except (ValueError, TypeError, OSError):
-            continue
-    default = sorted({p.dtype for p in mine if p.adapter == digest and p.reached()})
-    short = sorted({p.dtype for p in mine if p.adapter == digest} - set(default))
+    shipped = map(read_profile, sorted((path / models.ADAPTER_PROFILES).glob("*.json")))
+    mine = [p for p in [*profiles, *shipped] if p is not None and p.adapter == digest]
+    default = sorted({p.dtype for p in mine if p.reached()})
+    short = sorted({p.dtype for p in mine} - set(default))
     states = ([f"default at {', '.join(default)}"] if default else []) + \
         ([f"no link reached the target at {', '.join(short)}: not the default"] if short else [])
     return f"{digest[:12]} ({'; '.join(states) or 'not calibrated: run `ragcache calibrate`'})\n{path}"

@@ -90,6 +90,12 @@ def builtin_path(name: str) -> Path:
     return model_cache_dir() / name
 
 
+def builtin(name: str) -> BuiltinModel:
+    if name not in BUILTIN_MODELS:
+        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    return BUILTIN_MODELS[name]
+
+
 def is_pulled(name: str) -> bool:
     return (builtin_path(name) / ".complete").exists()
 
@@ -99,23 +105,18 @@ def file_lock(path: Path):
     """An exclusive lock between processes that fetch the same thing into the user cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also on an exception
+        yield
 
 
 def pull(name: str) -> Path:
     """Fetch, verify and convert a built-in model once; return its transformers directory."""
-    if name not in BUILTIN_MODELS:
-        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    spec = builtin(name)
     target = builtin_path(name)
     with file_lock(model_cache_dir() / f".{name}.lock"):
         _remove_killed_pulls(name)
         if (target / ".complete").exists():
             return target
-        spec = BUILTIN_MODELS[name]
         with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
             gguf = _download_gguf(spec, Path(tmp))
             staged = Path(tmp) / "hf"
@@ -130,14 +131,13 @@ def pull(name: str) -> Path:
 def pull_gguf(name: str) -> Path:
     """The verified GGUF a built-in model is converted from, fetched once into the user cache (what llama.cpp
     reads). A fetch killed mid-way leaves a temp dir named after it, removed by the next call."""
-    if name not in BUILTIN_MODELS:
-        raise ModelFetchError(f"unknown built-in model {name!r}; built-ins: {', '.join(BUILTIN_MODELS)}")
+    spec = builtin(name)
     target = model_cache_dir() / f"{name}.gguf"
     with file_lock(model_cache_dir() / f".{name}.gguf.lock"):
         _remove_killed_pulls(target.name)
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
-                _download_gguf(BUILTIN_MODELS[name], Path(tmp)).replace(target)
+                _download_gguf(spec, Path(tmp)).replace(target)
     return target
 
 
