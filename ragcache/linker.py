@@ -16,6 +16,7 @@ each attends causally by position to every earlier token of every chunk.
 | focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
 |            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all         |
 | prefix     | everything after the longest exact cached prefix of the same token sequence          |
+|            | (cut back to whole pieces of the row budget when batch-invariant: PrefixCache.piece)  |
 
 `TABLE` (at the end of the module) is the one place that says what each algorithm reuses, which layout it reads
 and which rows it recomputes: nothing else compares algorithm names.
@@ -158,6 +159,8 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
             return 0
         common, prompt = prefix_cache.lookup(cache_ids := parts.token_ids)
         common = min(common, cache_ids.numel() - 1)  # the last token always runs, to produce logits
+        if prefix_cache.piece:
+            common -= common % prefix_cache.piece
         if prompt is not None and common > 0:
             cache.keys[:, :, :common] = prompt.keys[:, :, :common]
             cache.values[:, :, :common] = prompt.values[:, :, :common]
