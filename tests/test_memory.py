@@ -1,0 +1,43 @@
+"""The allocator setting `ragcache serve` runs under (runner.map_large_blocks): blocks the size of K/V caches,
+freed in another order than they were taken, go back to the system instead of leaving the heap to grow."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
+
+# Requests' caches of 1-16 MiB, 8 in flight, finishing in any order, and now and then something small that outlives
+# them. Prints how far RSS grew over the live bytes, in MiB.
+CHURN = """
+import random, sys, torch
+from ragcache.runner import map_large_blocks
+if sys.argv[1] == "mapped":
+    map_large_blocks()
+def rss():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
+rng, live, kept = random.Random(0), [], []
+base = rss()
+for i in range(400):
+    live.append(torch.empty(rng.randint(1 << 20, 16 << 20), dtype=torch.uint8))
+    live[-1][::4096] = 1  # every page touched
+    if len(live) > 8:
+        live.pop(rng.randrange(len(live)))
+    if i % 10 == 0:
+        kept.append(torch.ones(64 << 10, dtype=torch.uint8))
+print(rss() - base - (sum(t.numel() for t in live + kept) >> 20))
+"""
+
+
+def _growth_over_live(mode: str) -> float:
+    out = subprocess.run([sys.executable, "-c", CHURN, mode], capture_output=True, text=True, check=True)
+    return float(out.stdout.split()[-1])
+
+
+def test_freed_caches_go_back_to_the_system():
+    assert _growth_over_live("mapped") < 32
+    assert _growth_over_live("glibc-default") > 128  # what the server did before: the test can see the growth
