@@ -168,20 +168,23 @@ def add_victims(client, store: Path, texts: list[str], body_for) -> list[Victim]
         r.raise_for_status()
         (doc_id,) = r.json()["ids"]
         victims.append(Victim(text, doc_id, sorted(entry_files(store) - before), body_for(doc_id)))
-    if not all(v.entries for v in victims):
-        raise RuntimeError("an uploaded victim added no entry file to the disk tier: nothing to tamper with")
+    if len({v.id for v in victims}) < len(victims) or not all(v.entries for v in victims):
+        raise RuntimeError("every victim must be a document of its own whose upload adds entry files")
     return victims
 
 
 def outcome(response, clean: str) -> str:
-    """clean | typed (an error that names the damage) | wrong | untyped; for a response to a tampered victim."""
+    """clean | typed (an error that names the damage) | wrong | untyped; for a response to a tampered victim. A
+    damaged copy while Redis, which may hold a sound one, is down is a 503 (retry) that names the damage too."""
     if response.status_code == 200:
         return "clean" if response.json()["answer"] == clean else "wrong"
     try:
-        kind = response.json()["error"]["type"]
+        error = response.json()["error"]
+        kind, message = error["type"], error["message"]
     except (ValueError, KeyError, TypeError):
         return "untyped"
-    return "typed" if kind.startswith("corrupt_") else "untyped"
+    named = kind.startswith("corrupt_") or (kind == "tier_unavailable" and "damaged" in message)
+    return "typed" if named else "untyped"
 
 
 @dataclass

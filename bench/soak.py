@@ -66,7 +66,8 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
                   tamper_every=tamper_every)
     bench = report.Run("soak", params, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
-    texts = squad.timing_documents(tokenizer, pool_size + VICTIMS, doc_tokens)
+    texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
+    victim_texts = _others(squad.timing_documents(tokenizer, 4 * VICTIMS, doc_tokens, seed=1), texts)[:VICTIMS]
     questions = squad.timing_questions(distinct)
     redis = LocalRedis().start()
     try:
@@ -77,9 +78,9 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
             try:
                 with httpx.Client(base_url=server.url, timeout=900) as client:
                     # the victims first: the entry files each adds are then its own
-                    victims = chaos.add_victims(client, store, texts[pool_size:], lambda doc: dict(
+                    victims = chaos.add_victims(client, store, victim_texts, lambda doc: dict(
                         question=questions[0], documents=[doc], algorithm="naive", max_tokens=max_tokens))
-                    pool = throughput.upload(client, texts[:pool_size])
+                    pool = throughput.upload(client, texts)
                     bodies = requests(pool, questions, distinct, algorithms, max_tokens)
                     baseline = [_answer(client, body) for body in bodies]
                     for victim in victims:
@@ -101,6 +102,12 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
     _print(result)
     paths = bench.finish([result])
     return dict(result=result, paths=paths)
+
+
+def _others(texts: list[str], pool: list[str]) -> list[str]:
+    """The distinct texts that are not in the pool (the timing documents repeat now and then): damage to a victim
+    must not reach the load's documents."""
+    return [t for t in dict.fromkeys(texts) if t not in pool]
 
 
 def _answer(client, body: dict) -> str:

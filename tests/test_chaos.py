@@ -86,3 +86,36 @@ def test_a_killed_redis_comes_back_empty_on_its_port():
         assert server.port == port and redis_py.Redis(port=port).get("k") is None
     finally:
         server.close()
+
+
+def test_a_short_soak_runs_end_to_end(tmp_path, monkeypatch):
+    """bench soak's whole run (victims, baseline, load, Redis killed, tampering, report) against a tiny model served
+    in this process. How many kills and tamperings fit in its seconds varies; what they must not cause does not."""
+    import os
+    from types import SimpleNamespace
+
+    from bench import soak, throughput
+
+    class InThisProcess:
+        def __init__(self, model, store, max_queue=64, extra_env=None):
+            for name, value in (extra_env or {}).items():
+                monkeypatch.setenv(name, value)
+            self._served = serve(RagCache(tiny.make("llama"), open_store(store), chunk_tokens=16))
+            self.url = self._served.__enter__().url
+            self.proc = SimpleNamespace(pid=os.getpid())
+
+        def stop(self):
+            self._served.__exit__(None, None, None)
+
+    monkeypatch.setattr(throughput, "Server", InThisProcess)
+    model = str(tiny.saved("llama", tmp_path / "model"))
+    out = soak.run(model, clients=2, seconds=4, distinct=7, pool_size=4, doc_tokens=64, max_tokens=3,
+                   abandon_every=3, algorithms=soak.ALGORITHMS, out_dir=tmp_path, redis_every=1, redis_down=0.5,
+                   tamper_every=0.3)
+    r = out["result"]
+    assert r["server_errors"] == 0 and r["connection_errors"] == 0 and r["wrong_answers"] == {}
+    assert r["redis"]["kills"] == r["redis"]["restarts"]
+    assert set(r["tampering"]) == set(chaos.TAMPERS)
+    for kind, tally in r["tampering"].items():
+        assert tally["wrong"] == tally["untyped"] == tally["not_repaired"] == 0, (kind, tally)
+    assert out["paths"]["json"].exists()
