@@ -16,6 +16,7 @@ carries a plain sha256, which a server with a store key refuses.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import random
 import threading
@@ -225,15 +226,13 @@ class Tamperer:
     def _run(self) -> None:
         import httpx
 
-        kinds = list(TAMPERS)
+        kinds = itertools.cycle(TAMPERS)
         with httpx.Client(base_url=self.url, timeout=900) as client:
-            for n in range(1 << 62):
-                if self._stop.wait(self.every_s):
-                    return
+            while not self._stop.wait(self.every_s):
                 victim, other = self.rng.sample(self.victims, 2)
-                self.round(client, kinds[n % len(kinds)], victim, other)
+                self.tamper_once(client, next(kinds), victim, other)
 
-    def round(self, client, kind: str, victim: Victim, other: Victim) -> None:
+    def tamper_once(self, client, kind: str, victim: Victim, other: Victim) -> None:
         import httpx
 
         tally = self.tallies[kind]

@@ -32,7 +32,7 @@ def victims(tmp_path, monkeypatch):
 def test_every_kind_of_tampering_ends_clean_or_typed_and_is_repaired(tmp_path, victims, kind):
     server, client, found = victims
     tamperer = chaos.Tamperer(server.url, tmp_path, found, every_s=3600)
-    tamperer.round(client, kind, found[0], found[1])
+    tamperer.tamper_once(client, kind, found[0], found[1])
     tally = tamperer.tallies[kind].as_dict()
     assert tally["clean"] + tally["typed"] == 1, tally
     assert tally["repaired"] == 1, tally
