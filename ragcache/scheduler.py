@@ -331,6 +331,8 @@ class Scheduler:
             self.running.remove(request)
         if request.cache is not None:
             self.runner.pool.release(request.cache)
+            if request.decoding is not None:  # its answer is all anyone wanted of it (link-only callers keep theirs)
+                request.cache.spend()
 
     def _fail_all(self, exc: Exception) -> None:
         for request in list(self.running):
@@ -342,6 +344,7 @@ class Scheduler:
         if request.cancelled:
             if request.cache is not None:
                 self.runner.pool.release(request.cache)
+                request.cache.spend()
             request.emit("cancelled", None)
         return request.cancelled
 

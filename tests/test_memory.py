@@ -10,6 +10,28 @@ import sys
 
 import pytest
 
+def test_a_finished_answer_keeps_no_kv_and_a_link_keeps_its_own():
+    """Batch-invariant, a request's joined cache never joins the KV pool, so leaving the pool did not empty it: every
+    finished stream (held by the server until the cycle collector ran) kept its prompt's K/V."""
+    from ragcache.engine import RagCache
+    from ragcache.front import drain
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    ids = rc.compile(tiny.CORPUS[:3])
+    done = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=3)
+    drain(done)
+    assert done.linked.cache.keys.numel() == done.linked.cache.values.numel() == 0
+    assert done.linked.last_logits.numel() > 0  # what a stream keeps of its link
+    left = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=30)
+    next(iter(left))  # the caller leaves after the first piece: cancelled at the next step
+    drain(rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=3))
+    assert left.linked.cache.keys.numel() == 0
+    linked = rc.link("Where is it?", ids, algorithm="naive", max_new_tokens=4)  # a caller that decodes itself
+    assert linked.cache.keys[:, :, : linked.cache.length].abs().sum() > 0 and linked.cache.capacity > linked.cache.length
+
+
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
 
