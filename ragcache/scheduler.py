@@ -220,6 +220,9 @@ class Scheduler:
         room = request.decoding.sampling.max_new_tokens if request.decoding else request.extra_capacity
         plan = linker.plan(self.runner, request.parts, request.params, room, request.prefix_cache)
         request.plan, request.cache = plan, plan.cache
+        if plan.last_logits is not None:  # an exact repeat of a cached prompt: linked already
+            self._linked(request, plan.last_logits)
+            return plan.last_logits
         if plan.narrow is None:
             request.pending = plan.rows
             return None
