@@ -244,17 +244,23 @@ def soak(
                                       "event (0: none)"),
     algorithms: str = typer.Option(",".join(("focus", "naive", "cacheblend", "legolink", "legolink0", "full",
                                              "prefix")), help="comma-separated"),
+    redis_every: float = typer.Option(90.0, min=0, help="seconds between kills of the store's Redis (0: never)"),
+    redis_down: float = typer.Option(20.0, min=0, help="seconds Redis stays down after each kill"),
+    tamper_every: float = typer.Option(15.0, min=0, help="seconds between tamperings of a victim document's entries "
+                                       "or records (0: none)"),
     out: Path = Out,
     tag: str = Tag,
 ):
-    """Mixed algorithms from C clients for a fixed time: req/s, p50/p99, 5xx, connection errors, answers unlike
-    the serial baseline, and the server's RSS over time."""
+    """Mixed algorithms from C clients for a fixed time, Redis killed and restarted, a victim document's entries and
+    records tampered with: req/s, p50/p99, 5xx, connection errors, answers unlike the serial baseline, the
+    server's RSS over time, and how each kind of tampering ended."""
     from bench import soak as mod
 
     names = tuple(a.strip() for a in algorithms.split(",") if a.strip())
     if bad := [a for a in names if a not in mod.ALGORITHMS]:
         raise typer.BadParameter(f"unknown algorithm(s) {bad}: {', '.join(mod.ALGORITHMS)}")
-    mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag)
+    mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag,
+            redis_every, redis_down, tamper_every)
 
 
 @app.command()

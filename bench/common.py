@@ -147,11 +147,15 @@ class LocalRedis:
         self.close()
         raise RuntimeError("redis-server did not answer PING")
 
-    def close(self) -> None:
+    def kill(self) -> None:
+        """SIGKILL, like a crash (no shutdown, its data gone); start() brings it back, empty, on the same port."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGKILL)
             self.proc.wait(timeout=10)
         self.proc = None
+
+    def close(self) -> None:
+        self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
 
 

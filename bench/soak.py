@@ -1,19 +1,26 @@
-"""Soak: mixed algorithms from C clients against a real `ragcache serve` for a fixed time, watching what breaks.
+"""Soak: mixed algorithms from C clients against a real `ragcache serve` for a fixed time, while Redis is killed and
+entries and records are tampered with, watching what breaks.
 
     python -m bench soak --model smollm2-135m --clients 8 --minutes 10
 
-`ragcache serve` runs in a subprocess on a free loopback port with a disk store in a temporary folder. A fixed set
-of distinct requests (a question, 2-4 documents of a pool, an algorithm: every algorithm in turn) is first asked
-once each, serially: that is the baseline. Then C client threads, each on its own keep-alive connection, take
-request numbers round-robin until the time is up; every `--abandon-every`-th request is a stream the client drops
-after its first event. Reported: requests/s, p50/p99 latency, 5xx, connection errors (resets, refused), answers
-that differ from the serial baseline (per algorithm), and the server's RSS sampled every few seconds, with its
-drift over the last half of the run. Writes bench/results/soak-<model>[-tag].json.
+`ragcache serve` runs in a subprocess on a free loopback port over a disk store in a temporary folder, tiered with
+a redis-server started here (`disk:DIR+redis://...`), and with a store key of its own. A fixed set of distinct
+requests (a question, 2-4 documents of a pool, an algorithm: every algorithm in turn) is first asked once each,
+serially: that is the baseline. Then C client threads, each on its own keep-alive connection, take request numbers
+round-robin until the time is up; every `--abandon-every`-th request is a stream the client drops after its first
+event. Meanwhile (bench/chaos.py) Redis is killed with SIGKILL every `--redis-every` seconds and started again,
+empty, `--redis-down` seconds later, and every `--tamper-every` seconds one kind of damage is written into the disk
+tier's files of a victim document (documents of their own, not the load's), which is then asked its question.
+Reported: requests/s, p50/p99 latency, 5xx, connection errors (resets, refused), answers that differ from the
+serial baseline (per algorithm), the server's RSS sampled every few seconds with its drift over the last half of
+the run, Redis kills, and per kind of tampering how the victim's answers ended (clean, a typed error naming the
+damage, wrong, untyped) and whether adding its text again repaired it. Writes bench/results/soak-<model>[-tag].json.
 """
 
 from __future__ import annotations
 
 import itertools
+import secrets
 import statistics
 import sys
 import tempfile
@@ -22,10 +29,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from . import report, squad, throughput
+from ragcache.store.keys import STORE_KEY_ENV
+
+from . import chaos, report, squad, throughput
+from .common import LocalRedis
 
 ALGORITHMS = ("focus", "naive", "cacheblend", "legolink", "legolink0", "full", "prefix")
 RSS_EVERY_S = 5.0
+VICTIMS = 3  # documents the tamperer damages (two at least: a foreign entry is another's)
 
 
 def rss_mib(pid: int) -> float:
@@ -42,7 +53,8 @@ def requests(pool: list[str], questions: list[str], distinct: int, algorithms: t
 
 
 def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int, doc_tokens: int, max_tokens: int,
-        abandon_every: int, algorithms: tuple[str, ...], out_dir: Path | None = None, tag: str = "") -> dict:
+        abandon_every: int, algorithms: tuple[str, ...], out_dir: Path | None = None, tag: str = "",
+        redis_every: float = 90.0, redis_down: float = 20.0, tamper_every: float = 15.0) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
@@ -50,23 +62,52 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
 
     params = dict(model=model, clients=clients, seconds=seconds, distinct=distinct, pool=pool_size,
                   doc_tokens=doc_tokens, max_tokens=max_tokens, abandon_every=abandon_every,
-                  algorithms=list(algorithms), tag=tag)
+                  algorithms=list(algorithms), tag=tag, redis_every=redis_every, redis_down=redis_down,
+                  tamper_every=tamper_every)
     bench = report.Run("soak", params, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
     texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
-    with tempfile.TemporaryDirectory(prefix="ragcache-soak-") as store:
-        server = throughput.Server(model, f"disk:{store}", max_queue=4 * clients)
-        try:
-            with httpx.Client(base_url=server.url, timeout=900) as client:
-                pool = throughput.upload(client, texts)
-                bodies = requests(pool, squad.timing_questions(distinct), distinct, algorithms, max_tokens)
-                baseline = [_answer(client, body) for body in bodies]
-            result = _load(server, bodies, baseline, clients, seconds, abandon_every)
-        finally:
-            server.stop()
+    victim_texts = _others(squad.timing_documents(tokenizer, 4 * VICTIMS, doc_tokens, seed=1), texts)[:VICTIMS]
+    questions = squad.timing_questions(distinct)
+    redis = LocalRedis().start()
+    try:
+        with tempfile.TemporaryDirectory(prefix="ragcache-soak-") as folder:
+            store = Path(folder)
+            server = throughput.Server(model, f"disk:{store}+{redis.url}", max_queue=4 * clients,
+                                       extra_env={STORE_KEY_ENV: secrets.token_hex(16)})
+            try:
+                with httpx.Client(base_url=server.url, timeout=900) as client:
+                    # the victims first: the entry files each adds are then its own
+                    victims = chaos.add_victims(client, store, victim_texts, lambda doc: dict(
+                        question=questions[0], documents=[doc], algorithm="naive", max_tokens=max_tokens))
+                    pool = throughput.upload(client, texts)
+                    bodies = requests(pool, questions, distinct, algorithms, max_tokens)
+                    baseline = [_answer(client, body) for body in bodies]
+                    for victim in victims:
+                        victim.clean = _answer(client, victim.body)
+                breakers = [chaos.RedisChaos(redis, redis_every, redis_down)] if redis_every else []
+                if tamper_every:
+                    breakers.append(chaos.Tamperer(server.url, store, victims, tamper_every))
+                for breaker in breakers:
+                    breaker.start()
+                try:
+                    result = _load(server, bodies, baseline, clients, seconds, abandon_every)
+                finally:
+                    broken = {breaker.name: breaker.stop() for breaker in breakers}
+                result.update(broken)
+            finally:
+                server.stop()
+    finally:
+        redis.close()
     _print(result)
     paths = bench.finish([result])
     return dict(result=result, paths=paths)
+
+
+def _others(texts: list[str], pool: list[str]) -> list[str]:
+    """The distinct texts that are not in the pool (the timing documents repeat now and then): damage to a victim
+    must not reach the load's documents."""
+    return [t for t in dict.fromkeys(texts) if t not in pool]
 
 
 def _answer(client, body: dict) -> str:
@@ -149,3 +190,9 @@ def _print(r: dict) -> None:
     drift = r["rss_late_drift"]
     print(f"server RSS {first:.0f} -> {last:.0f} MiB; drift over the last half "
           f"{'n/a' if drift is None else f'{100 * drift:.1f}%'}")
+    if "redis" in r:
+        print(f"Redis killed {r['redis']['kills']} times, down {r['redis']['down_total_s']:.0f} s in all")
+    for kind, tally in r.get("tampering", {}).items():
+        print(f"tampered {kind}: " + ", ".join(f"{o} {tally[o]}" for o in chaos.OUTCOMES) +
+              f"; repaired {tally['repaired']}, not {tally['not_repaired']}" +
+              (f"; e.g. {tally['samples'][0][:160]}" if tally["samples"] else ""))

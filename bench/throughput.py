@@ -34,7 +34,7 @@ START_TIMEOUT_S = 300.0
 class Server:
     """`ragcache serve` in a subprocess on a free loopback port; stop() ends it (SIGINT, then SIGKILL)."""
 
-    def __init__(self, model: str, store: str, max_queue: int = 64):
+    def __init__(self, model: str, store: str, max_queue: int = 64, extra_env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="ragcache-bench-serve-", suffix=".log", delete=False)
@@ -43,6 +43,7 @@ class Server:
         env = dict(os.environ, RAGCACHE_MAX_QUEUE=str(max_queue), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                    OMP_NUM_THREADS=str(torch.get_num_threads()))  # the server computes with as many threads as we would
         env.pop("RAGCACHE_API_KEY", None)
+        env.update(extra_env or {})  # what this server alone is given (a store key)
         cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
                "--model", model, "--store", store]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env,

@@ -43,7 +43,9 @@ class RagCache(Front):
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
         # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
-        self.prefix_cache = PrefixCache(prefix_cache_bytes)
+        # Batch-invariant, a `prefix` answer does not depend on what was cached before it either (PrefixCache.piece).
+        # An infill session keeps every cached row: its next round is a keystroke away.
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, piece=row_budget if batch_invariant else None)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.scheduler = Scheduler(self.runner, row_budget)
         self.stop_ids = eos_ids(self.runner)

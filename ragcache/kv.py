@@ -56,6 +56,13 @@ class JoinedCache:
     def nbytes(self) -> int:
         return 2 * self.keys[:, :, : self.length].numel() * self.keys.element_size()
 
+    def spend(self) -> None:
+        """Its request is gone: empty, length 0. New empty tensors, not views: a spent cache that someone still holds
+        (a Linked result, a stream its client left, until the cycle collector runs) keeps no K/V alive."""
+        spent = (*self.keys.shape[:2], 0, self.keys.shape[3])
+        self.keys, self.values = self.keys.new_empty(spent), self.values.new_empty(spent)
+        self.slot, self.length, self.capacity = None, 0, 0
+
 
 class KVPool:
     """The joined caches of the decoding requests in one tensor each for K and V, [layers, slots, kv_heads,
@@ -88,11 +95,7 @@ class KVPool:
         if cache.slot is None or self.members.get(cache.slot) is not cache:
             return
         del self.members[cache.slot]
-        # new empty tensors, not views of the pool: a spent cache someone still holds (a Linked result, a stream
-        # its client left) would keep the whole pool's memory alive after the pool moves on
-        spent = (*cache.keys.shape[:2], 0, cache.keys.shape[3])
-        cache.keys, cache.values = cache.keys.new_empty(spent), cache.values.new_empty(spent)
-        cache.slot, cache.length, cache.capacity = None, 0, 0
+        cache.spend()  # a view of the pool someone still held would keep the whole pool alive
         if not self.members:
             self.keys = self.values = None
 

@@ -16,6 +16,7 @@ each attends causally by position to every earlier token of every chunk.
 | focus      | the first FOCUS_SINKS rows of every chunk, then the chunk rows the question attends to |
 |            | most in a naive pre-pass (summed over layers), `ratio` of chunk tokens in all         |
 | prefix     | everything after the longest exact cached prefix of the same token sequence          |
+|            | (batch-invariant: cut back to whole pieces of the row budget, an exact repeat none)   |
 
 `TABLE` (at the end of the module) is the one place that says what each algorithm reuses, which layout it reads
 and which rows it recomputes: nothing else compares algorithm names.
@@ -110,6 +111,7 @@ class LinkPlan:
     rows: torch.Tensor
     narrow: "Narrowing | None"
     rotate_s: float
+    last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
 
 
 @torch.inference_mode()
@@ -120,6 +122,10 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
+    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None:
+        if (repeat := prefix_cache.repeat(ids)) is not None:
+            cache.keys[:, :, :length], cache.values[:, :, :length] = repeat.keys, repeat.values
+            return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, repeat.last_logits)
     reused = place(runner, parts, params, cache, prefix_cache)
     scored = algorithm(params.algorithm).scores and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
     scores = question_attention(runner, parts, cache).sum(0) if scored else None
@@ -131,8 +137,9 @@ def finish(plan: LinkPlan, last_logits: torch.Tensor, recomputed: int, recompute
            prefix_cache: PrefixCache | None) -> Linked:
     """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
     length = plan.token_ids.numel()
-    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None:
-        prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length])
+    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None and plan.last_logits is None:
+        prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length],
+                            last_logits)
     return Linked(plan.cache, plan.token_ids, last_logits, recomputed, length - recomputed, plan.rotate_s, recompute_s)
 
 
@@ -141,6 +148,8 @@ def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
          prefix_cache: PrefixCache | None = None) -> Linked:
     """Link one request alone, all its rows in one forward (the scheduler packs pieces of many instead)."""
     p = plan(runner, parts, params, extra_capacity, prefix_cache)
+    if p.last_logits is not None:
+        return finish(p, p.last_logits, 0, 0.0, params, prefix_cache)
     started = time.perf_counter()
     hidden, rows = recompute(runner, p.token_ids, p.rows, p.cache, p.narrow)
     last_logits = runner.logits(hidden[0, -1:])[0]
@@ -158,6 +167,8 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
             return 0
         common, prompt = prefix_cache.lookup(cache_ids := parts.token_ids)
         common = min(common, cache_ids.numel() - 1)  # the last token always runs, to produce logits
+        if prefix_cache.piece:
+            common -= common % prefix_cache.piece
         if prompt is not None and common > 0:
             cache.keys[:, :, :common] = prompt.keys[:, :, :common]
             cache.values[:, :, :common] = prompt.values[:, :, :common]

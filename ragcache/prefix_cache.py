@@ -17,15 +17,23 @@ class CachedPrompt:
     token_ids: torch.Tensor  # [N]
     keys: torch.Tensor  # [layers, kv_heads, N, head_dim], post-RoPE at positions 0..N-1
     values: torch.Tensor
+    last_logits: torch.Tensor | None = None  # the prompt's next-token logits as they were computed (PrefixCache.piece)
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return self.keys.nbytes + self.values.nbytes + (0 if self.last_logits is None else self.last_logits.nbytes)
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int = DEFAULT_PREFIX_BUDGET):
+    """`piece`: what is reused ends at a multiple of this many rows (the scheduler's row budget). A row's attention
+    depends on where its piece of the prompt starts, and a prompt computed from nothing is cut at multiples of the
+    row budget: cut back so, a prompt's rows after the reused part run in the pieces they would run in cold, and
+    the answer does not depend on what was cached before (at the cost of up to piece - 1 rows recomputed). An exact
+    repeat runs no row at all: its logits are kept with its K/V (`repeat`)."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_PREFIX_BUDGET, piece: int | None = None):
         self.budget_bytes = budget_bytes
+        self.piece = piece
         self._prompts: OrderedDict[int, CachedPrompt] = OrderedDict()
         self._bytes = 0
         self._next = 0
@@ -45,8 +53,21 @@ class PrefixCache:
                 self._prompts.move_to_end(best_slot)
         return best, best_prompt
 
-    def insert(self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone())
+    def repeat(self, token_ids: torch.Tensor) -> CachedPrompt | None:
+        """The cached prompt of exactly these ids with its logits (kept only where `piece` is set), if any."""
+        if not self.piece:
+            return None
+        with self._lock:
+            for slot, prompt in self._prompts.items():
+                if prompt.last_logits is not None and torch.equal(prompt.token_ids, token_ids):
+                    self._prompts.move_to_end(slot)
+                    return prompt
+        return None
+
+    def insert(self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+               last_logits: torch.Tensor | None = None) -> None:
+        logits = last_logits.clone() if self.piece and last_logits is not None else None
+        prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
         if prompt.nbytes > self.budget_bytes:
             return
         with self._lock:

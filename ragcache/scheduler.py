@@ -220,6 +220,9 @@ class Scheduler:
         room = request.decoding.sampling.max_new_tokens if request.decoding else request.extra_capacity
         plan = linker.plan(self.runner, request.parts, request.params, room, request.prefix_cache)
         request.plan, request.cache = plan, plan.cache
+        if plan.last_logits is not None:  # an exact repeat of a cached prompt: linked already
+            self._linked(request, plan.last_logits)
+            return plan.last_logits
         if plan.narrow is None:
             request.pending = plan.rows
             return None
@@ -331,6 +334,8 @@ class Scheduler:
             self.running.remove(request)
         if request.cache is not None:
             self.runner.pool.release(request.cache)
+            if request.decoding is not None:  # its answer is all anyone wanted of it (link-only callers keep theirs)
+                request.cache.spend()
 
     def _fail_all(self, exc: Exception) -> None:
         for request in list(self.running):
@@ -342,6 +347,7 @@ class Scheduler:
         if request.cancelled:
             if request.cache is not None:
                 self.runner.pool.release(request.cache)
+                request.cache.spend()
             request.emit("cancelled", None)
         return request.cancelled
 

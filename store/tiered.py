@@ -241,8 +241,10 @@ class TieredStore(Store):
                     self._fill(i, "put_record", names[j], record)  # small and read on every query: kept close
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
+            hurt = [f"{names[j]} ({damaged[j].reason})" for j in todo if j in damaged]
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
-                                  f"{', '.join(unanswered)}, which are down")
+                                  f"{', '.join(unanswered)}, which are down" +
+                                  (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else ""))
         for j, record in damaged.items():
             out[j] = record if out[j] is None else out[j]
         return out

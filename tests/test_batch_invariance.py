@@ -60,3 +60,22 @@ def test_a_linear_gives_a_row_the_same_bits_among_any_number_of_rows(rc, name):
                 x = others[:m].clone()
                 x[at] = row[0, 0]
                 assert torch.equal(linear(x[None])[0, at : at + 1], alone), (m, at)
+
+
+def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(rc):
+    """`prefix` reuses the longest cached prefix of its prompt: nothing (cold), another prompt's first documents
+    (partial) or its own prompt (an exact repeat). The rows after the reused part must be cut into pieces where a
+    request computed from nothing cuts them, or the answer depends on what was asked before; an exact repeat ran its
+    last row alone, and now takes the logits its first compute kept."""
+    ask = dict(question=QUESTIONS[1], docs=rc.doc_ids[:3], algorithm="prefix", max_new_tokens=20)
+    rc.prefix_cache.clear()
+    cold = Run(rc, **ask).open().wait()
+    rc.prefix_cache.clear()
+    Run(rc, **dict(ask, docs=rc.doc_ids[:2], question=QUESTIONS[0])).open().wait()
+    partial = Run(rc, **ask).open().wait()
+    exact = Run(rc, **ask).open().wait()
+    assert 0 < partial.stream.answer.stats.cached_tokens < exact.stream.answer.stats.cached_tokens  # both reused
+    assert exact.stream.answer.stats.recomputed_tokens == 0  # an exact repeat runs no row: its logits were kept
+    for warm in (partial, exact):
+        assert torch.equal(warm.logits, cold.logits)
+        assert warm.stream.answer.token_ids == cold.stream.answer.token_ids

@@ -375,3 +375,10 @@ def test_with_a_store_key_an_entry_with_a_recomputed_plain_checksum_is_a_miss(tm
     with pytest.raises(CorruptEntry, match="RAGCACHE_STORE_KEY"):
         decode(key, forged)
     assert same_bits(decode(key, encode(key, scaled)), scaled)  # what the key's holder writes still reads
+
+
+def test_a_damaged_record_while_the_tier_that_may_hold_a_sound_one_is_down_names_the_damage():
+    fast = MemoryStore()
+    fast.get_records = lambda names: [UnreadableRecord("not JSON") for _ in names]
+    with pytest.raises(TierUnavailable, match=r"may be in store tier\(s\) down.*damaged: doc/abc \(not JSON\)"):
+        TieredStore([fast, _Down()]).get_record("doc/abc")
