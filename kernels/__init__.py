@@ -63,10 +63,11 @@ def pooled_decode_attention(query, keys, values, slots, positions, scale, window
     return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key, end_key)
 
 
-def attention_weights(query, keys, query_positions, scale, window=None):
-    """The softmax weights of rows at positions over a joined cache, fp32 [H, n, N]: what focus scores chunk rows
-    with. Only the question's rows take it, once per layer, so the reference is fast enough on every device."""
-    return torch_ref.attention_weights(query, keys, query_positions, scale, window)
+def scored_attention(query, keys, values, query_positions, scale, window=None):
+    """Attention of rows at positions, and the fp32 weight [N] they give each key position (softmax summed over
+    heads and rows): what focus scores chunk rows with. Only the question's rows take it, once per layer, so the
+    reference is fast enough on every device."""
+    return torch_ref.scored_attention(query, keys, values, query_positions, scale, window)
 
 
 def kv_deviation(fresh, cached):

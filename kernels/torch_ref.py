@@ -112,16 +112,24 @@ def selected_attention(
     return _selected_rows_attention(query, keys, values, query_positions, scale, window)
 
 
-def attention_weights(query: torch.Tensor, keys: torch.Tensor, query_positions: torch.Tensor, scale: float,
-                      window: int | None = None) -> torch.Tensor:
-    """query [H, n, D], keys [KVH, N, D] -> fp32 softmax weights [H, n, N], causal by position (and window)."""
-    key_positions = torch.arange(keys.shape[1], device=keys.device)[None, :]
-    visible = key_positions <= query_positions[:, None]
+def scored_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
+                     scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of rows at positions over a joined cache (as `selected_attention`) and the weight they give each
+    key position: fp32 softmax summed over heads and rows, [N]. One fp32 pass gives both, so focus's question pass
+    attends once per layer, not once for its scores and again for its output. A KV head's group of query heads are
+    rows of one matmul: K/V are never repeated. query [H, n, D], keys/values [KVH, N, D] -> ([n, H, D], [N])."""
+    heads, rows, dim = query.shape
+    kv_heads, length, _ = keys.shape
+    group = heads // kv_heads
+    key_positions = torch.arange(length, device=keys.device)[None, :]
+    visible = key_positions <= query_positions.to(keys.device)[:, None]
     if window:
-        visible &= key_positions > query_positions[:, None] - window
-    grouped = keys.float().repeat_interleave(query.shape[0] // keys.shape[0], 0)
-    logits = (query.float() @ grouped.transpose(1, 2)) * scale
-    return torch.softmax(logits.masked_fill(~visible[None], -float("inf")), -1)
+        visible &= key_positions > query_positions.to(keys.device)[:, None] - window
+    grouped = query.float().reshape(kv_heads, group * rows, dim)
+    logits = torch.matmul(grouped, keys.float().transpose(1, 2)).mul_(scale).view(kv_heads, group, rows, length)
+    weights = torch.softmax(logits.masked_fill_(~visible, -float("inf")), -1)
+    out = torch.matmul(weights.view(kv_heads, group * rows, length), values.float())
+    return out.view(heads, rows, dim).transpose(0, 1).to(query.dtype), weights.sum((0, 1, 2))
 
 
 # With a boolean mask, torch's SDPA on Hopper picks cuDNN, which cost milliseconds of host time per call in

@@ -191,7 +191,10 @@ class Batch:
             keys, values = seg.cache.visible(layer)
             seg_query = query[:, seg.start : seg.end]
             if seg.scores is not None:
-                seg.scores[layer] += kernels.attention_weights(seg_query, keys, seg.rows, scale, window).sum((0, 1))
+                out, weights = kernels.scored_attention(seg_query, keys, values, seg.rows, scale, window)
+                seg.scores[layer] += weights
+                outs.append(out)
+                continue
             outs.append(kernels.selected_attention(seg_query, keys, values, seg.rows, scale, window,
                                                    contiguous_from=seg.contiguous_from))
         if self.pooled is None:
