@@ -85,6 +85,29 @@ def test_the_salt_names_everything_that_changes_the_linked_kv():
     assert LinkSpec(5, (20, 30), 7, "naive").salt == SPEC.salt
 
 
+def test_a_question_scored_link_is_salted_with_its_question():
+    """focus picks its rows by the question: two questions over the same documents link two caches, which vLLM's
+    prefix cache must keep apart (the salt is hashed into the first block, so every linked block differs)."""
+    from ragcache.linker import LinkInput, LinkParams
+
+    def spec(question_ids, algorithm="focus"):
+        return LinkSpec.of_parts(LinkInput(list(range(5)), [list(range(20)), list(range(30))], question_ids),
+                                 LinkParams(algorithm, ratio=0.25))
+
+    asked, other = spec([7] * 7), spec([8] * 7)
+    assert asked.salt != other.salt
+    assert spec([7] * 7, "naive").salt == spec([8] * 7, "naive").salt  # naive's linked cache ignores the question
+    prompt = [*range(5), *range(20), *range(30), *[7] * 7]
+    right = request(asked, 62)
+    right.prompt_token_ids = prompt
+    assert connector().get_num_new_matched_tokens(right, 0) == (55, False)
+    lied = request(other, 62)  # another question's digest: its salt would file this link under that question
+    lied.prompt_token_ids = prompt
+    assert connector().get_num_new_matched_tokens(lied, 0) == (0, False)
+    bare = LinkSpec(5, (20, 30), 7, "focus")  # no digest at all
+    assert connector().get_num_new_matched_tokens(request(bare, 62), 0) == (0, False)
+
+
 @pytest.mark.parametrize("raw, prompt, why", [
     ({"prefix": 5, "chunks": [20, 30], "question": 7}, 61, "do not cover"),
     ({"prefix": 5, "chunks": [20, 30], "question": 0}, 55, "question"),

@@ -155,6 +155,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         if self.prefix_caching and request.cache_salt != spec.salt:
             return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
                                 "must not enter vLLM's prefix cache as exact")
+        if problem := spec.question_problem(request.prompt_token_ids):
+            return self._refuse(request, "bad_spec", f"its link spec is refused: {problem}")
         return spec
 
     def _refuse(self, request, reason: str, why: str) -> None:

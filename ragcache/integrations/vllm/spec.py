@@ -37,11 +37,23 @@ class LinkSpec:
     check_layer: int = DEFAULT_CHECK_LAYER
     deviation: str = "key"
     nonce: str = ""  # a request that must read the store (compiling through vLLM) gets a salt of its own
+    # an algorithm that scores chunk rows by the question (focus) links another cache for another question: its
+    # question's digest enters the salt, so vLLM's prefix cache never serves one question's link to another
+    question_sha: str = ""
 
     @classmethod
     def of_parts(cls, parts: LinkInput, params: LinkParams) -> "LinkSpec":
+        scores = linker.algorithm(params.algorithm).scores
         return cls(len(parts.prefix_ids), tuple(map(len, parts.chunk_ids)), len(parts.question_ids),
-                   params.algorithm, params.k, params.ratio, params.check_layer, params.deviation)
+                   params.algorithm, params.k, params.ratio, params.check_layer, params.deviation,
+                   question_sha=question_sha(parts.question_ids) if scores else "")
+
+    def question_problem(self, token_ids: list[int]) -> str | None:
+        """Why the spec's question digest does not fit the prompt's question (None: it does)."""
+        wanted = question_sha(token_ids[self.linked:]) if linker.algorithm(self.algorithm).scores else ""
+        return None if self.question_sha == wanted else (
+            f"{self.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
+            "(LinkSpec.of_parts)" if wanted else f"{self.algorithm} takes no question_sha")
 
     @classmethod
     def parse(cls, raw: Any, prompt_tokens: int) -> "LinkSpec":
@@ -55,8 +67,8 @@ class LinkSpec:
         except TypeError as exc:
             raise BadLinkSpec(str(exc)) from None
         lengths = (spec.prefix, *spec.chunks, spec.question)
-        if not isinstance(spec.nonce, str):
-            raise BadLinkSpec(f"nonce must be a string, got {type(spec.nonce).__name__}")
+        if not isinstance(spec.nonce, str) or not isinstance(spec.question_sha, str):
+            raise BadLinkSpec("nonce and question_sha must be strings")
         if not all(type(n) is int and n >= 0 for n in lengths):
             raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
         if spec.question < 1 or sum(lengths) != prompt_tokens:
@@ -93,6 +105,10 @@ class LinkSpec:
         """What to send vLLM (`LLM.generate` prompt fields, or the OpenAI server's extra body)."""
         return {"prompt_token_ids": list(token_ids), "cache_salt": self.salt,
                 "kv_transfer_params": {SPEC_KEY: self.as_dict()}}
+
+
+def question_sha(ids) -> str:
+    return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:32]
 
 
 @dataclass
