@@ -81,6 +81,9 @@ def test_the_engine_block_answers_on_vllm(tmp_path):
                           timeout=SERVE_TIMEOUT_S)
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"^.*41 (metres|meters).*$", done.stdout, flags=re.M), done.stdout[-3000:]
+    logged = done.stdout + done.stderr  # vLLM logs to both
+    for noise in ("EngineDeadError", "Traceback", "Exception ignored"):  # rc.close() stops vLLM quietly
+        assert noise not in logged, logged[-3000:]
 
 
 def test_ragcache_serve_on_vllm_with_the_readme_flags(tmp_path, engine):

@@ -100,7 +100,7 @@ class VllmRagCache(Front):
         return self.compiler.codec
 
     def close(self) -> None:
-        self.llm.shutdown()
+        asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         super().close()
 
@@ -197,6 +197,20 @@ async def _start(args):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(args)
+
+
+async def _shutdown(llm) -> None:
+    """vLLM's shutdown, on the client's loop, its output handler stopped first: vLLM stops the engine core before
+    it, and the handler, reading from the stopped core, logs an EngineDeadError. Once done, the engine's own
+    `__del__` finds nothing left to shut down: it runs `shutdown` again, at interpreter exit if the engine lives that
+    long, when the modules it calls are already torn down (a TypeError on stderr)."""
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+    llm.shutdown()
+    llm.shutdown = lambda timeout=None: None
 
 
 class VllmStream:
