@@ -2,7 +2,7 @@
 (bench/vllm_worker.py: plain, and with the connector), the same plain requests sent to each in turn, many times,
 so that load from other processes falls on both alike.
 
-    RAGCACHE_VLLM_PYTHON=<vllm-venv>/bin/python python -m bench.vllm_no_docs_ab [--pairs 6] [--tokens 3842]
+    RAGCACHE_VLLM_PYTHON=<vllm-venv>/bin/python python -m research.vllm_no_docs_ab [--pairs 6] [--tokens 3842]
 
 Per pair: a cold prefill of `tokens` ids (TTFT, prefix cache emptied) and 16 clients' requests of 16 tokens each
 sent at once (requests/s; the clients share all but their last 32 ids). Prints both sides' samples, medians and the median of the paired ratios.

@@ -2,7 +2,7 @@
 store compiled here, the same reordered-documents request as `bench peers`, phase by phase, against vLLM's own
 prefill of the same ids (interleaved, medians).
 
-    VLLM_CPU_KVCACHE_SPACE=3 <vllm-venv>/bin/python -P bench/vllm_link_profile.py [--algorithm focus] [--runs 3]
+    VLLM_CPU_KVCACHE_SPACE=3 <vllm-venv>/bin/python -P research/vllm_link_profile.py [--algorithm focus] [--runs 3]
         [--profile]
 
 Phases: fetch (the store's entries), place (decode and rotate into the joined cache), question_pass (focus's naive
