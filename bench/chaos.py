@@ -36,7 +36,33 @@ OUTCOMES = ("clean", "typed", "wrong", "untyped")
 _DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
-class RedisChaos:
+class Background:
+    """Runs `_run` on a daemon thread from `start` until `stop`, which answers `report()`; `_run` waits on
+    `_stop` between its acts."""
+
+    name = "background"
+
+    def __init__(self):
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=self.name, daemon=True)
+
+    def start(self):
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self._thread.join()
+        return self.report()
+
+    def report(self) -> dict:
+        raise NotImplementedError
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+
+class RedisChaos(Background):
     """Kills the store's redis-server every `every_s` and starts it again `down_s` later, on a thread."""
 
     name = "redis"
@@ -45,16 +71,9 @@ class RedisChaos:
         self.redis, self.every_s, self.down_s = redis, every_s, down_s
         self.kills = self.restarts = 0
         self.down_total_s = 0.0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="redis-chaos", daemon=True)
+        super().__init__()
 
-    def start(self) -> "RedisChaos":
-        self._thread.start()
-        return self
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join()
+    def report(self) -> dict:
         return dict(kills=self.kills, restarts=self.restarts, every_s=self.every_s, down_s=self.down_s,
                     down_total_s=round(self.down_total_s, 1))
 
@@ -200,7 +219,7 @@ class Tally:
                     samples=self.samples)
 
 
-class Tamperer:
+class Tamperer(Background):
     """Every `every_s`, the next kind of damage to a random victim, the victim asked, repaired and asked again."""
 
     name = "tampering"
@@ -211,16 +230,9 @@ class Tamperer:
         self.url, self.store, self.victims, self.every_s = url, store, victims, every_s
         self.rng = random.Random(seed)
         self.tallies = {kind: Tally() for kind in TAMPERS}
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="tamperer", daemon=True)
+        super().__init__()
 
-    def start(self) -> "Tamperer":
-        self._thread.start()
-        return self
-
-    def stop(self) -> dict:
-        self._stop.set()
-        self._thread.join()
+    def report(self) -> dict:
         return {kind: tally.as_dict() for kind, tally in self.tallies.items()}
 
     def _run(self) -> None:

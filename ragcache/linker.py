@@ -35,7 +35,7 @@ import ragcache.kernels as kernels
 from ragcache.store.entry import ChunkKV
 
 from .errors import ParameterOutOfRange, UnknownAlgorithm
-from .prefix_cache import PrefixCache
+from .prefix_cache import Hit, PrefixCache
 from .kv import JoinedCache
 from .runner import Runner
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
@@ -122,11 +122,12 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
-    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None:
-        if (repeat := prefix_cache.repeat(ids)) is not None:
-            cache.keys[:, :, :length], cache.values[:, :, :length] = repeat.keys, repeat.values
-            return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, repeat.last_logits)
-    reused = place(runner, parts, params, cache, prefix_cache)
+    hit = prefix_cache.find(ids) if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None \
+        else None
+    if hit is not None and hit.logits is not None:
+        cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
+        return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits)
+    reused = place(runner, parts, params, cache, hit)
     scored = algorithm(params.algorithm).scores and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
     scores = question_attention(runner, parts, cache).sum(0) if scored else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
@@ -156,23 +157,17 @@ def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     return finish(p, last_logits, int(rows.numel()), time.perf_counter() - started, params, prefix_cache)
 
 
-def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache,
-           prefix_cache: PrefixCache | None) -> int:
+def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCache, hit: Hit | None) -> int:
     """Fill the joined cache with what the algorithm reuses; return the length of the exact prefix reused."""
     reuses = algorithm(params.algorithm).reuses
     if reuses == "nothing":
         return 0
     if reuses == "prefix":
-        if prefix_cache is None:
+        if hit is None or not hit.reused:
             return 0
-        common, prompt = prefix_cache.lookup(cache_ids := parts.token_ids)
-        common = min(common, cache_ids.numel() - 1)  # the last token always runs, to produce logits
-        if prefix_cache.piece:
-            common -= common % prefix_cache.piece
-        if prompt is not None and common > 0:
-            cache.keys[:, :, :common] = prompt.keys[:, :, :common]
-            cache.values[:, :, :common] = prompt.values[:, :, :common]
-        return max(common, 0)
+        cache.keys[:, :, :hit.reused] = hit.prompt.keys[:, :, :hit.reused]
+        cache.values[:, :, :hit.reused] = hit.prompt.values[:, :, :hit.reused]
+        return hit.reused
     entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
     starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
     kernels.place_chunks(cache.keys, cache.values, [e.keys for e in entries], [e.values for e in entries],

@@ -24,12 +24,21 @@ class CachedPrompt:
         return self.keys.nbytes + self.values.nbytes + (0 if self.last_logits is None else self.last_logits.nbytes)
 
 
+@dataclass
+class Hit:
+    """What one request reuses from the cache."""
+
+    reused: int  # its first rows, to copy from `prompt`
+    prompt: CachedPrompt | None
+    logits: torch.Tensor | None = None  # an exact repeat's kept logits: no row runs
+
+
 class PrefixCache:
     """`piece`: what is reused ends at a multiple of this many rows (the scheduler's row budget). A row's attention
     depends on where its piece of the prompt starts, and a prompt computed from nothing is cut at multiples of the
     row budget: cut back so, a prompt's rows after the reused part run in the pieces they would run in cold, and
     the answer does not depend on what was cached before (at the cost of up to piece - 1 rows recomputed). An exact
-    repeat runs no row at all: its logits are kept with its K/V (`repeat`)."""
+    repeat runs no row at all: its logits are kept with its K/V (`find`)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_PREFIX_BUDGET, piece: int | None = None):
         self.budget_bytes = budget_bytes
@@ -40,29 +49,31 @@ class PrefixCache:
         self._lock = threading.Lock()
 
     def lookup(self, token_ids: torch.Tensor) -> tuple[int, CachedPrompt | None]:
-        """Longest cached prefix of `token_ids`: (its length, the prompt holding it)."""
-        best, best_prompt = 0, None
+        """Longest cached prefix of `token_ids`: (its length, the prompt holding it). A prompt of exactly these ids
+        with its logits kept wins over a longer one that starts with them."""
+        best, best_prompt, total = 0, None, token_ids.numel()
         with self._lock:
             for slot, prompt in self._prompts.items():
-                n = min(prompt.token_ids.numel(), token_ids.numel())
+                n = min(prompt.token_ids.numel(), total)
                 diff = (prompt.token_ids[:n] != token_ids[:n]).nonzero()
                 common = int(diff[0]) if diff.numel() else n
-                if common > best:
+                if common > best or (common == total and _repeats(prompt, total)):
                     best, best_prompt, best_slot = common, prompt, slot
             if best_prompt is not None:
                 self._prompts.move_to_end(best_slot)
         return best, best_prompt
 
-    def repeat(self, token_ids: torch.Tensor) -> CachedPrompt | None:
-        """The cached prompt of exactly these ids with its logits (kept only where `piece` is set), if any."""
-        if not self.piece:
-            return None
-        with self._lock:
-            for slot, prompt in self._prompts.items():
-                if prompt.last_logits is not None and torch.equal(prompt.token_ids, token_ids):
-                    self._prompts.move_to_end(slot)
-                    return prompt
-        return None
+    def find(self, token_ids: torch.Tensor) -> Hit:
+        """What a request of `token_ids` reuses, from one scan: an exact repeat's K/V and logits, else the longest
+        cached prefix cut back to whole pieces, never its last row (that row runs, to produce logits)."""
+        common, prompt = self.lookup(token_ids)
+        total = token_ids.numel()
+        if prompt is not None and common == total and _repeats(prompt, total):
+            return Hit(total, prompt, prompt.last_logits)
+        reused = min(common, total - 1)
+        if self.piece:
+            reused -= reused % self.piece
+        return Hit(max(reused, 0), prompt)
 
     def insert(self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                last_logits: torch.Tensor | None = None) -> None:
@@ -87,3 +98,8 @@ class PrefixCache:
         with self._lock:
             self._prompts.clear()
             self._bytes = 0
+
+
+def _repeats(prompt: CachedPrompt, length: int) -> bool:
+    """A prompt of `length` ids that all matched, with its logits kept (only where `piece` is set)."""
+    return prompt.last_logits is not None and prompt.token_ids.numel() == length

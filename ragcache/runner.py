@@ -79,16 +79,19 @@ def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> None:
     store entries and wide activations come from the heap, and a server that frees them in another order than it
     took them grows around the holes: RSS 0.9 -> 3.2 GB in a 10-minute soak while the live heap stayed under 2 GB.
     A fixed threshold also stops that raising. Process-wide: the server sets it, a library caller may."""
-    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # glibc only; elsewhere there is nothing to do
-    if mallopt is not None:
-        mallopt(M_MMAP_THRESHOLD, threshold)
+    _glibc("mallopt", M_MMAP_THRESHOLD, threshold)
 
 
 def return_free_memory() -> None:
     """Give the allocator's free pages back to the system (glibc keeps them in per-thread arenas otherwise)."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only; elsewhere there is nothing to do
-    if trim is not None:
-        trim(0)
+    _glibc("malloc_trim", 0)
+
+
+def _glibc(function: str, *args: int) -> None:
+    """Call an allocator function of glibc's; elsewhere there is nothing to do."""
+    call = getattr(ctypes.CDLL(None), function, None)
+    if call is not None:
+        call(*args)
 
 
 def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):

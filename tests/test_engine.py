@@ -177,6 +177,25 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
     assert torch.equal(linked.last_logits, rc.link("How tall is it?", docs=[], algorithm="naive").last_logits)
 
 
+def test_a_prefix_lookup_finds_a_repeat_or_whole_pieces_never_the_last_row():
+    """One scan says both: an exact repeat (its kept logits, even beside a longer prompt that starts with it), or
+    the reusable rows cut back to whole pieces and short of the last row, which must run to give logits."""
+    from ragcache.prefix_cache import PrefixCache
+
+    kv = lambda n: torch.zeros(1, 1, n, 2)  # noqa: E731
+    cache = PrefixCache(piece=4)
+    cache.insert(torch.arange(10), kv(10), kv(10), torch.ones(3))
+    cache.insert(torch.arange(9), kv(9), kv(9), torch.full((3,), 2.0))
+    repeat = cache.find(torch.arange(9))
+    assert repeat.reused == 9 and torch.equal(repeat.logits, torch.full((3,), 2.0))
+    assert (cache.find(torch.arange(12)).reused, cache.find(torch.arange(12)).logits) == (8, None)
+    assert cache.find(torch.arange(8)).reused == 4  # 8 in common, the last row runs: one whole piece
+    assert PrefixCache().find(torch.arange(9)).logits is None  # no piece: no logits kept, no repeat
+    unpieced = PrefixCache()
+    unpieced.insert(torch.arange(10), kv(10), kv(10), torch.ones(3))
+    assert (unpieced.find(torch.arange(10)).reused, unpieced.find(torch.arange(10)).logits) == (9, None)
+
+
 def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypatch):
     """Exact-prefix KV is kept least recently used first out within its budget (each `prefix` request of a new prompt
     adds its whole cache), and RAGCACHE_PREFIX_CACHE_MIB reaches the engine the CLI and the server open."""
