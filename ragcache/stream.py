@@ -30,7 +30,7 @@ class Stream:
         self.linked: Linked | None = None  # the joined cache and last prompt logits, once linked
         self.request: "Request | None" = None
         self.cancelled = False
-        self._emit: Emit = lambda kind, value: None
+        self._emit: Emit = ignore
         self._pieces: list[str] = []
         self._started = self._first_at = 0.0
 
@@ -54,10 +54,6 @@ class Stream:
             request.cancelled = True
 
     def _event(self, kind: str, value) -> None:  # on the scheduler thread
-        if kind in ("done", "error", "cancelled"):
-            # The request's emit is this stream: holding it back would make a cycle, and what the request read
-            # from the store would wait for Python's cycle collector (RSS grew by gigabytes in the soak).
-            self.request = None
         if kind == "linked":
             self._linked(value)
         elif kind == "token":
@@ -68,9 +64,16 @@ class Stream:
                 self._piece(value.text)
         elif kind == "done":
             self._piece(self.decoding.assembler.finish())
-            self._emit("done", self._finish())
+            self._last("done", self._finish())
         else:
-            self._emit(kind, value)
+            self._last(kind, value)
+
+    def _last(self, kind: str, value) -> None:
+        """The request's last event ("done", "error" or "cancelled"). The request (whose emit is this stream) and the
+        emit (a server's handle, which holds this stream) are let go first: a cycle through either keeps what the
+        request read from the store until Python's cycle collector runs (RSS grew by gigabytes in the soak)."""
+        emit, self._emit, self.request = self._emit, ignore, None
+        emit(kind, value)
 
     def _piece(self, text: str) -> None:
         if text:
@@ -93,6 +96,10 @@ class Stream:
 
     def __iter__(self) -> Iterator[str]:
         return pieces(self)
+
+
+def ignore(kind: str, value) -> None:
+    """An emit that drops every event."""
 
 
 def pieces(stream) -> Iterator[str]:

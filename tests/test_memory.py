@@ -61,6 +61,42 @@ def test_a_finished_request_is_freed_without_the_cycle_collector():
     finally:
         gc.enable()
 
+def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
+    """A server's handle (api's Generation) holds its stream, and the stream's emit is the handle's: kept after the
+    last event, that cycle left every finished request's handle, stream and link for the cycle collector."""
+    import gc
+    import threading
+    import weakref
+
+    from ragcache.engine import RagCache
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    class Handle:
+        def __init__(self, stream):
+            self.stream, self.over = stream, threading.Event()
+
+        def emit(self, kind, value):
+            if kind != "piece":
+                self.over.set()
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    ids = rc.compile(tiny.CORPUS[:3])
+    gc.collect()
+    gc.disable()
+    try:
+        handle = Handle(rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=3))
+        handle.stream.open(handle.emit)
+        assert handle.over.wait(60)
+        rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1)  # the scheduler thread has moved on
+        gone = weakref.ref(handle)
+        del handle
+        assert gone() is None
+    finally:
+        gc.enable()
+        rc.scheduler.stop()
+
+
 # Requests' caches of 1-16 MiB, 8 in flight, finishing in any order, and now and then something small that outlives
 # them. Prints how far RSS grew over the live bytes, in MiB.
 CHURN = """

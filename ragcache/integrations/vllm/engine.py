@@ -30,7 +30,7 @@ from ragcache.sampling import Answer, QueryStats, Sampling
 from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE
 from ragcache.store import open_store, tier_urls
 from ragcache.store import codec as kv_codec
-from ragcache.stream import pieces
+from ragcache.stream import ignore, pieces
 
 from .spec import SPEC_KEY, LinkSpec, transfer_config
 
@@ -225,7 +225,7 @@ class VllmStream:
         self.answer: Answer | None = None
         self.cancelled = False
         self.request_id = uuid.uuid4().hex
-        self._emit = lambda kind, value: None
+        self._emit = ignore
         self._ended = threading.Event()
         self._future = None
         self._pieces: list[str] = []
@@ -303,7 +303,8 @@ class VllmStream:
         self._release()
         if not self._ended.is_set():
             self._ended.set()
-            self._emit(kind, value)
+            emit, self._emit = self._emit, ignore  # as ragcache's Stream: the emit's holder holds this stream
+            emit(kind, value)
 
     def __iter__(self) -> Iterator[str]:
         return pieces(self)
