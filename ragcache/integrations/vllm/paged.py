@@ -99,7 +99,9 @@ class PagedCopy:
 
 
 class KernelCall:
-    """The kernel for one model's attention shape: scheduler metadata per set of runs, one call per layer."""
+    """The kernel for one model's attention shape: scheduler metadata per set of runs, one call per layer.
+
+    `split_kv` off, unlike vLLM's default: on a link's short runs it was slower (research/vllm_attention_probe.py)."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, isa: str, split_kv: bool = False):
         self.heads, self.kv_heads, self.head_dim, self.dtype = heads, kv_heads, head_dim, dtype
