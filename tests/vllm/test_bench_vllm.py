@@ -23,4 +23,7 @@ def test_peers_with_vllm_and_the_connector(tmp_path, monkeypatch):
     for row in (linked, plain, unlinked):
         assert sorted(row["requests_per_s"]) == ["1", "16", "4"]
         assert all(math.isfinite(v) and v > 0 for v in row["requests_per_s"].values())
+    for row in (linked, plain):  # two documents: two clients, each with its own order
+        assert math.isfinite(row["own_order_requests_per_s"]) and len(row["own_order_all_requests_per_s"]) == 1
+    assert unlinked["own_order_requests_per_s"] is None
     assert math.isfinite(linked["decode_tok_s"]) and linked["ttft_vs_fastest_peer"] is not None

@@ -2,9 +2,11 @@
 
 `VllmRunner` is a `Runner` whose embedding, decoder layers and head are vLLM's (fused `qkv_proj` and `gate_up_proj`,
 vLLM's `rotary_emb`), so the linker's steps (placing, focus's question pass, the recompute, CacheBlend's narrowing,
-compiling a missing chunk) run unchanged through `Runner.forward`. Attention is ragcache's, over the request's own
-joined cache: vLLM's paged attention needs a forward context (its metadata for the step's batch) that the link,
-run before the step, does not have.
+compiling a missing chunk) run unchanged through `Runner.forward`. Attention is over the request's own joined cache,
+not through vLLM's `Attention` layer (it needs a forward context, vLLM's metadata for the step's batch, that the
+link, run before the step, does not have). On CPU it is vLLM's own attention kernel, called with metadata of the
+link's own (`paged.KernelBatch`); focus's question pass, which needs the attention weights, and CUDA keep
+ragcache's kernels.
 
 Families: llama (SmolLM2, Llama 3) and qwen2 share one decoder layer structure in vLLM.
 """
@@ -12,11 +14,14 @@ Families: llama (SmolLM2, Llama 3) and qwen2 share one decoder layer structure i
 from __future__ import annotations
 
 import importlib
+from collections.abc import Sequence
 
 import torch
 
 from ragcache.kv import Batch, KVPool, ModelShape
-from ragcache.runner import Runner, rope_table
+from ragcache.runner import Part, Runner, rope_table
+
+from . import paged
 
 FAMILIES = ("llama", "qwen2")
 
@@ -43,6 +48,12 @@ class VllmRunner(Runner):
         self.pool = KVPool(self.shape, self.device)
         # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
         self.batch_invariant = False
+        self.kernel = paged.kernel_for(attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
+                                       self.device)
+
+    def batch(self, parts: Sequence[Part], scores: torch.Tensor | None = None) -> tuple[Batch, torch.Tensor]:
+        batch, positions = super().batch(parts, scores)
+        return (batch if self.kernel is None else paged.KernelBatch(batch, self.kernel)), positions
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device))[None]

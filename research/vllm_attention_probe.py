@@ -1,0 +1,109 @@
+"""Can focus's recompute attend through vLLM's own CPU attention kernel, and is it faster than torch's SDPA there?
+
+    <vllm-venv>/bin/python -P research/vllm_attention_probe.py [--gaps 0,4,16,64] [--repeats 3]
+
+Takes the rows focus recomputes for the bench's reordered-documents request (ragcache's own engine, bf16) and the
+joined cache they attend to, then times one layer's attention of those rows over 30 layers' worth of calls:
+  - `kernels.selected_attention` (what `Batch.attend` runs today: torch SDPA, blocks of sorted rows), and
+  - `torch.ops._C.cpu_attention_with_kv_cache` (vLLM's kernel), the rows as causal runs over a paged copy of the
+    cache; runs closer than `gap` positions are merged, the positions between them attended as zero rows and dropped.
+Prints each variant's seconds, its row-keys and its largest difference from the fp32 reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def focus_case(dtype: str):
+    """(rows, placed cache) of the bench request's focus recompute, from ragcache's own engine's plan."""
+    import tempfile
+
+    from bench import squad
+    from bench.common import engine
+    from ragcache import linker, models
+
+    lm = models.load("smollm2-135m", dtype=dtype)
+    texts = squad.timing_documents(lm.tokenizer, 6, 650)
+    longest = max(len(lm.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts)
+    rc = engine(lm, f"disk:{tempfile.mkdtemp(prefix='ragcache-probe-')}", chunk_tokens=longest + 1)
+    doc_ids = rc.compile(texts)[::-1]
+    seen = {}
+    plan = linker.plan
+
+    def capture(runner, parts, params, *rest):
+        made = plan(runner, parts, params, *rest)
+        linked = len(parts.token_ids) - len(parts.question_ids)  # inside vLLM the question is vLLM's own
+        seen.update(rows=made.rows[made.rows < linked].clone(), cache=made.cache)
+        return made
+
+    linker.plan = capture
+    rc.link(squad.timing_questions(1)[0], doc_ids, algorithm="focus")
+    linker.plan = plan
+    return seen["rows"], seen["cache"], rc.runner.shape
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gaps", default="0,2,8,32")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+
+    import torch
+
+    import ragcache.kernels as kernels
+    from kernels import torch_ref
+    from ragcache.integrations.vllm import paged
+
+    rows, cache, shape = focus_case(args.dtype)
+    dtype = getattr(torch, args.dtype)
+    heads = 9
+    torch.manual_seed(0)
+    query = torch.randn(heads, rows.numel(), shape.head_dim, dtype=dtype)
+    keys, values = cache.keys[5, :, : cache.length], cache.values[5, :, : cache.length]
+    scale = shape.head_dim ** -0.5
+    reference = torch_ref.reference_attention(query, keys, values, rows, scale).float()
+    report = {"rows": rows.numel(), "length": cache.length, "needed_row_keys": int((rows + 1).sum())}
+
+    def timed(fn) -> float:
+        fn()
+        best = float("inf")
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            for _ in range(shape.layers):
+                fn()
+            best = min(best, time.perf_counter() - started)
+        return best
+
+    out = kernels.selected_attention(query, keys, values, rows, scale)
+    report["sdpa"] = {"s": timed(lambda: kernels.selected_attention(query, keys, values, rows, scale)),
+                      "max_err": float((out.float() - reference).abs().max())}
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    isa = _get_attn_isa(dtype, paged.BLOCK, shape.head_dim, "auto")
+    report["isa"] = isa
+    copy = paged.PagedCopy(shape.kv_heads, shape.head_dim, cache.length, dtype, torch.device("cpu"), isa)
+    copy.fill(keys, values)
+    report["fill_s"] = timed(lambda: copy.fill(keys, values))
+    for split_kv, gap in ((s, int(g)) for s in (False, True) for g in args.gaps.split(",")):
+        call = paged.KernelCall(heads, shape.kv_heads, shape.head_dim, dtype, isa, split_kv)
+        plan = paged.RowRuns.of(rows, gap, cache.length, paged.BLOCK, torch.device("cpu"))
+        meta = call.metadata(plan)
+        out = call.attend(query, copy, plan, meta, scale)
+        seconds = timed(lambda: call.attend(query, copy, plan, meta, scale))
+        report[f"vllm_gap{gap}" + ("_split_kv" if split_kv else "")] = {
+            "s": seconds, "runs": plan.count, "query_rows": plan.query_rows,
+            "max_err": float((out.float() - reference).abs().max())}
+        print(json.dumps(report), file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
