@@ -157,15 +157,12 @@ class DiskStore(BlobStore):
         rows = []
         try:
             for key, blob in blobs.items():
-                self._write_file(key, blob)
+                self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
                 rows.append((key, len(blob), time.time()))
         finally:  # index what reached its place even when a later entry failed
             if rows:
                 self._index(rows)
         self.evict()
-
-    def _write_file(self, key: str, blob: bytes) -> None:
-        self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
 
     def _replace(self, path: Path, data: bytes, what: str) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash

@@ -153,10 +153,7 @@ class RedisStore(BlobStore):
         pipe = self._redis().pipeline(transaction=False)
         for key in keys:
             pipe.get(self._manifest_name(key))
-        out = []
-        for raw in pipe.execute():
-            out.append((raw, None if raw is None else _parse_manifest(raw)))
-        return out
+        return [(raw, None if raw is None else _parse_manifest(raw)) for raw in pipe.execute()]
 
     def _fetch(self, keys: list[str]) -> list[tuple[bytes | None, str | None, bytes | None, dict | None]]:
         """Per key: (blob or None, problem or None, raw manifest, manifest). Two pipelines in all."""
@@ -355,9 +352,8 @@ class RedisStore(BlobStore):
         return [_parse_record(name, raw) for name, raw in zip(names, raws)]
 
     def put_record(self, name: str, record: dict) -> None:
-        text = json.dumps(record)
         with self._errors("write record"):
-            self._redis().set(self._record_name(name), text)
+            self._redis().set(self._record_name(name), json.dumps(record))
 
     def delete_record(self, name: str) -> bool:
         with self._errors("delete record"):
@@ -434,11 +430,10 @@ def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | Non
     if raw is None:
         return None
     try:
-        record = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         log.warning("redis tier: record %s is unreadable (%s)", name, exc)
         return UnreadableRecord(f"redis tier: {exc}")
-    return record
 
 
 def _warn_if_evicting(client, url: str) -> None:

@@ -200,15 +200,12 @@ class TieredStore(Store):
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Sound if every tier holding the entry holds it intact; else the first problem, named by tier."""
         out: list[str | None] = ["missing"] * len(keys)
-        for i, tier in enumerate(self.tiers):
-            if not self._usable(i):
-                continue
-            got, ok = self._call(i, tier.check_many, keys)
-            for j, problem in enumerate(got if ok else ()):
+        for i, got in self._each("check_many", keys):
+            for j, problem in enumerate(got):
                 if problem == "missing":
                     continue
                 if problem is not None:
-                    out[j] = f"{tier.name}: {problem}" if out[j] in (None, "missing") else out[j]
+                    out[j] = f"{self.tiers[i].name}: {problem}" if out[j] in (None, "missing") else out[j]
                 elif out[j] == "missing":
                     out[j] = None
         return out
@@ -276,10 +273,7 @@ class TieredStore(Store):
         return any(bool(r) for _, r in answers)
 
     def record_names(self, prefix: str = "") -> list[str]:
-        names: set[str] = set()
-        for _, got in self._each("record_names", prefix):
-            names.update(got)
-        return sorted(names)
+        return sorted({name for _, got in self._each("record_names", prefix) for name in got})
 
     # -- operator view ------------------------------------------------------------------------------
     def stats(self) -> dict:
