@@ -323,7 +323,7 @@ def calibrate(
             texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
-        if docs is None:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
+        else:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
             err.print("[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
                       "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
                       "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md).")
@@ -337,14 +337,11 @@ def calibrate(
         fail(exc)
     table = Table("algorithm", "agreement with full [95% interval]",
                   title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token")
-    cell = lambda score: cal.agreement_cell(score, profile.items)  # noqa: E731
-    table.add_row("naive", cell(profile.naive_agreement))
-    for k, score in profile.agreement_by_k.items():
-        table.add_row(f"legolink k={k}", cell(score))
-    for ratio, score in profile.agreement_by_ratio.items():
-        table.add_row(f"cacheblend ratio={ratio}", cell(score))
-    for ratio, score in profile.agreement_by_focus.items():
-        table.add_row(f"focus ratio={ratio}", cell(score))
+    table.add_row("naive", cal.agreement_cell(profile.naive_agreement, profile.items))
+    for swept, scores in (("legolink k", profile.agreement_by_k), ("cacheblend ratio", profile.agreement_by_ratio),
+                          ("focus ratio", profile.agreement_by_focus)):
+        for value, score in scores.items():
+            table.add_row(f"{swept}={value}", cal.agreement_cell(score, profile.items))
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
     focus = (f"focus ratio={profile.focus_ratio}" if profile.focus_ratio is not None
