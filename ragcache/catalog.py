@@ -51,10 +51,6 @@ class Catalog:
         with self._locks.shared(doc_ids):
             yield
 
-    def writing(self, text: str) -> Iterator[None]:
-        """`using` the document of this text (an upload of it)."""
-        return self.using([document_id(text)])
-
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
         """Store the text (once: the id is its hash) and its chunk record; returns the id."""
@@ -95,9 +91,6 @@ class Catalog:
         chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
                         for d, doc in docs.items()}
         return [chunks_by_id[d] for d in doc_ids]
-
-    def chunks_of(self, doc_id: str) -> list[list[int]]:
-        return self.resolve([doc_id])[0]
 
     def ids(self) -> list[str]:
         return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ragcache.store import Store
+from ragcache.store.keys import document_id
 
 from . import calibrate, infill, linker, models, prompt, request
 from .catalog import Catalog
@@ -86,7 +87,7 @@ class Front:
         texts = request.validate_texts(texts)
         started, report = time.perf_counter(), CompileReport()
         for text, meta in zip(texts, metadata or [{} for _ in texts]):
-            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
+            with self.catalog.using([document_id(text)]):  # a delete of it waits until its entries are written
                 doc_id, chunks = self.catalog.register(text, meta)
                 present, missing = self._present(chunks, "default")
                 for ids in present if progress else ():
@@ -140,7 +141,7 @@ class Front:
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
         with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
-            return self.catalog.chunks_of(doc_id)
+            return self.catalog.resolve([doc_id])[0]
 
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
