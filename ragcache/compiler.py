@@ -56,9 +56,7 @@ def default_layout(tokenizer) -> Layout:
 
 def sink_layout(tokenizer) -> Layout:
     """Same stored ids as the default layout (so every algorithm links the same prompt), compiled behind sinks."""
-    sink = tokenizer.bos_token_id
-    if sink is None:
-        sink = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    sink = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None), 0)
     return Layout("sink", lead_ids=default_layout(tokenizer).lead_ids, sink_ids=(sink,) * SINK_TOKENS)
 
 

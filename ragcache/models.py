@@ -31,7 +31,6 @@ from .settings import DEFAULT_MODEL
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
@@ -269,9 +268,7 @@ class LoadedModel:
 
 def resolve(name_or_path: str) -> str:
     """Built-in name -> pulled directory; anything else is passed to from_pretrained unchanged."""
-    if name_or_path in BUILTIN_MODELS:
-        return str(pull(name_or_path))
-    return name_or_path
+    return str(pull(name_or_path)) if name_or_path in BUILTIN_MODELS else name_or_path
 
 
 def default_dtype(device: str) -> str:
@@ -279,9 +276,7 @@ def default_dtype(device: str) -> str:
     bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
     (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
-    if str(device).startswith("cuda"):
-        return "bfloat16"
-    return "bfloat16" if cpu_has_bf16() else "float32"
+    return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
 
 
 def cpu_has_bf16() -> bool:

@@ -42,15 +42,13 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
     rows = []
-    keys = store.keys()
-    for batch in batched(keys):
+    for batch in batched(store.keys()):
         for key, info in zip(batch, store.describe_many(batch)):
             if info is None:
                 continue  # removed while listing
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
-                         "dtype": info.get("dtype"), "form": entry_form(info),
-                         "shape": info.get("shape"),
+                         "dtype": info.get("dtype"), "form": entry_form(info), "shape": info.get("shape"),
                          "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
