@@ -40,9 +40,7 @@ def validate(codec: str | None) -> None:
 def resolve(codec: str | None, dtype: torch.dtype, device_type: str = "cpu") -> str:
     """A codec name -> a codec of CODECS: "auto" is AUTO's choice for the device, None the compute dtype's own."""
     validate(codec)
-    if codec == "auto":
-        return AUTO.get(device_type, native(dtype))
-    return codec or native(dtype)
+    return AUTO.get(device_type, native(dtype)) if codec == "auto" else codec or native(dtype)
 
 
 def of_dtype_name(name: str) -> str:
