@@ -188,15 +188,13 @@ class RedisStore(BlobStore):
     def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):
             fetched = self._fetch(keys)
-            out = []
-            for key, (blob, problem, raw, manifest) in zip(keys, fetched):
+            for key, (_, problem, raw, manifest) in zip(keys, fetched):
                 if problem is not None:
                     self.metrics.incomplete += 1
                     log.warning("redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
                                 key[:12], problem)
                     self._drop_remains(key, raw, manifest)
-                out.append(blob)
-            return out
+            return [blob for blob, *_ in fetched]
 
     def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
         with self._errors("read"):
