@@ -15,7 +15,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.sampling import Answer
 from ragcache.stream import Stream
-from ragcache.front import Front
+from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
 from ragcache.settings import DEFAULT_ALGORITHM
@@ -62,10 +62,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes, stream, metadata = self._start(query_str)
         if not self.streaming:
-            for _ in stream:
-                pass
-            metadata = self._finish(metadata, stream.answer, query_str)
-            return Response(stream.answer.text, source_nodes=nodes, metadata=metadata)
+            answer = drain(stream)
+            return Response(answer.text, source_nodes=nodes, metadata=self._finish(metadata, answer, query_str))
         pieces = self._pieces(stream, metadata, query_str)
         first = next(pieces, _DONE)  # links and decodes the first token here: errors raise from query()
         return StreamingResponse(response_gen=_chain(first, pieces), source_nodes=nodes, metadata=metadata)
