@@ -85,10 +85,8 @@ def describe(exc: BaseException) -> tuple[int, dict]:
 
 
 def _validation_message(errors: list[dict], content_type: str) -> tuple[str, list[dict]]:
-    details = []
-    for e in errors:
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-        details.append({"loc": loc, "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))})
+    details = [{"loc": [str(p) for p in e.get("loc", ()) if p != "body"], "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", ""))} for e in errors]
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "")
