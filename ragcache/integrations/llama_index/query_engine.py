@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -107,10 +108,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item: tuple) -> None:
-            try:
+            with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
                 loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
         def work() -> None:
             try:
