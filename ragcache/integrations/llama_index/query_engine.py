@@ -20,8 +20,9 @@ from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
 from ragcache.settings import DEFAULT_ALGORITHM
+from ragcache.store.keys import document_id
 
-from .nodes import doc_refs, node_text, text_ids
+from .nodes import node_text
 
 _DONE = object()
 
@@ -74,8 +75,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
         nodes = self.retriever.retrieve(query_str)
         retrieve_s = time.perf_counter() - started
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        stream = self.rc.stream(query_str, docs=doc_refs(texts), **self.generation_args())
-        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": text_ids(texts)}
+        # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
+        stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
+        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
 
     def _pieces(self, stream: Stream, metadata: dict, question: str) -> Iterator[str]:
         yield from stream
