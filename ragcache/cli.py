@@ -161,8 +161,7 @@ def compile(
                 bar.update(task, rate=f"{rate:,.0f} tok/s")
 
             for text, meta in docs:
-                report = rc.compile_documents([text], [meta], progress=on_chunk)
-                summary.add(report)
+                summary.add(rc.compile_documents([text], [meta], progress=on_chunk))
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
     except KeyboardInterrupt:

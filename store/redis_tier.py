@@ -319,13 +319,10 @@ class RedisStore(BlobStore):
                         broken += 1
         orphans = []
         now = time.time()
-        part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{([^}}]*)\}}:([0-9a-f]+):\d+")
+        part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{(?P<key>[^}}]*)\}}:(?P<gen>[0-9a-f]+):\d+")
         for name in self._scan(f"{self.prefix}:part:*"):
-            m = part_re.fullmatch(name.decode(errors="replace"))
-            if m is None:
-                continue
-            key, gen = m.groups()
-            if live.get(key) != gen and now - int(gen[:8], 16) >= orphan_age_s:  # gen begins with its write's time
+            m = part_re.fullmatch(name.decode(errors="replace"))  # a generation begins with its write's time
+            if m and live.get(m["key"]) != m["gen"] and now - int(m["gen"][:8], 16) >= orphan_age_s:
                 orphans.append(name)
         with self._errors("gc"):
             for names in batched(orphans, 1000):
