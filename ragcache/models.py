@@ -406,8 +406,7 @@ def check_supported(model: torch.nn.Module) -> None:
             "to new positions and supports RoPE decoder models (llama, qwen2, qwen3, mistral, gemma3)"
         )
     rope_types = {p.get("rope_type", "default") for p in _rope_parameter_sets(config)}
-    unsupported = rope_types & {"dynamic", "longrope"}
-    if unsupported:
+    if unsupported := rope_types & {"dynamic", "longrope"}:
         raise UnsupportedModel(
             f"rope type {sorted(unsupported)} changes frequencies with sequence length, so cached keys cannot be "
             "rotated once; supported: default, linear, llama3, yarn"
