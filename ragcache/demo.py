@@ -25,9 +25,11 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     rc.warmup()
     rng = random.Random(0)
     rows = []
+    adapter = getattr(rc.lm, "adapter", None)
+    note = f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
     table = Table("question", "algorithm", "answer", "TTFT ms", "recomputed", "cached",
                   title=f"full prefill vs {DEFAULT_ALGORITHM} ({DOCS_PER_QUESTION} documents per question, {rc.model_name}"
-                        f"{_adapter_note(rc)})")
+                        f"{note})")
     for q in questions[:n_questions]:
         others = rng.sample([name for name in docs if name != q["doc"]], DOCS_PER_QUESTION - 1)
         chosen = others[:1] + [q["doc"]] + others[1:]  # the answer sits among distractors
@@ -40,11 +42,6 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
             rows.append({"question": q["question"], "algorithm": algorithm, "answer": answer.text, **st.as_dict()})
     console.print(table)
     return rows
-
-
-def _adapter_note(rc) -> str:
-    adapter = getattr(rc.lm, "adapter", None)
-    return f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
 
 
 def _short(text: str, limit: int = 90) -> str:
