@@ -125,13 +125,9 @@ class TieredStore(Store):
 
     def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, object]]:
         """Call a method on every usable tier; [(tier index, result)] for those that answered."""
-        answers = []
-        for i, tier in enumerate(self.tiers):
-            if self._usable(i):
-                result, ok = self._call(i, getattr(tier, fn_name), *args, write=write)
-                if ok:
-                    answers.append((i, result))
-        return answers
+        calls = [(i, self._call(i, getattr(tier, fn_name), *args, write=write))
+                 for i, tier in enumerate(self.tiers) if self._usable(i)]
+        return [(i, result) for i, (result, ok) in calls if ok]
 
     def _written(self, answers: list, what: str) -> None:
         if not answers:
