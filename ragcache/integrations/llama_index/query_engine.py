@@ -133,15 +133,13 @@ class RagCacheQueryEngine(CustomQueryEngine):
         nodes, metadata = value
 
         async def gen() -> AsyncIterator[str]:
-            while True:
+            kind, value = await queue.get()
+            while kind == "piece":
+                yield value
                 kind, value = await queue.get()
-                if kind == "piece":
-                    yield value
-                    continue
-                await worker
-                if kind == "error":
-                    raise value
-                return
+            await worker
+            if kind == "error":
+                raise value
 
         return AsyncStreamingResponse(response_gen=gen(), source_nodes=nodes, metadata=metadata)
 
