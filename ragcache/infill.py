@@ -98,8 +98,7 @@ class InfillSessions:
                     and prefix.startswith(state.base_prefix))
             split = len(state.base_prefix) if keep else len(prefix)
             if session:
-                base = state.base_prefix if keep else prefix
-                self._states[session] = SessionState(base, suffix, mode, now)
+                self._states[session] = SessionState(state.base_prefix if keep else prefix, suffix, mode, now)
                 self._states.move_to_end(session)
                 while len(self._states) > self.max_sessions:
                     self._states.popitem(last=False)

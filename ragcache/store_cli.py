@@ -130,8 +130,7 @@ def _guard(fn):
 @_guard
 def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
     """Entries, bytes and hits per tier, entries per model, records."""
-    s = _open(store)
-    info = summary(s)
+    info = summary(_open(store))
     if as_json:
         console.print_json(json.dumps(info, default=str))
         return
@@ -161,8 +160,7 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
 def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
        as_json: AsJson = False) -> None:
     """Entries with their size, model and token count."""
-    s = _open(store)
-    rows = entry_rows(s, limit=limit)
+    rows = entry_rows(_open(store), limit=limit)
     if as_json:
         console.print_json(json.dumps(rows))
         return
@@ -185,8 +183,7 @@ def verify(store: StoreUrl = DEFAULT_STORE,
            fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records")] = False,
            as_json: AsJson = False) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
-    s = _open(store)
-    report = maintenance.verify(s, fix=fix)
+    report = maintenance.verify(_open(store), fix=fix)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
