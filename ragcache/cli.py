@@ -91,9 +91,8 @@ def _read_text(path: Path) -> str:
 
 def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
     """(text, metadata) for every file under the paths; JSONL files give one document per line."""
-    files = _input_files(paths, glob)
     docs = []
-    for f in files:
+    for f in _input_files(paths, glob):
         if f.suffix == ".jsonl":
             field = jsonl_field or "text"
             for n, line in enumerate(_read_text(f).splitlines(), 1):
@@ -405,9 +404,8 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
 @app.command()
 def config():
     """Show the effective settings (flags > RAGCACHE_* environment > ragcache.toml > defaults)."""
-    s = load_settings()
     table = Table("setting", "value")
-    for name, value in s.model_dump().items():
+    for name, value in load_settings().model_dump().items():
         table.add_row(name, "***" if name == "api_key" and value else repr(value))
     console.print(table)
 

@@ -171,9 +171,8 @@ class Front:
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
-        parts = LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
-                          prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
-        return parts, chunks
+        return LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
+                         prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks))), chunks
 
     def _prompt(self, query: Query, max_new_tokens: int) -> tuple[LinkInput, list]:
         """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Raw texts are stored first,

@@ -117,9 +117,8 @@ def pull(name: str) -> Path:
         if (target / ".complete").exists():
             return target
         with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
-            gguf = _download_gguf(spec, Path(tmp))
             staged = Path(tmp) / "hf"
-            _convert_gguf(gguf, staged)
+            _convert_gguf(_download_gguf(spec, Path(tmp)), staged)
             (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
             if target.exists():
                 shutil.rmtree(target)
