@@ -163,27 +163,8 @@ class RedisStore(BlobStore):
             for name in self._part_names(key, manifest) if manifest else ():
                 pipe.get(name)
         parts = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        out = []
-        for key, (raw, manifest) in zip(keys, manifests):
-            if raw is None:
-                out.append((None, None, None, None))
-                continue
-            if manifest is None:
-                out.append((None, "unreadable manifest", raw, None))
-                continue
-            got = [next(parts) for _ in range(manifest["parts"])]
-            missing = sum(not isinstance(p, bytes) for p in got)  # absent, or not a string (an error reply)
-            if missing:
-                out.append((None, f"{missing} of {manifest['parts']} parts missing (evicted?)", raw, manifest))
-                continue
-            blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
-            if len(blob) != manifest["size"]:
-                out.append((None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}", raw, manifest))
-            elif blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
-                out.append((None, "parts do not match the manifest digest", raw, manifest))
-            else:
-                out.append((blob, None, raw, manifest))
-        return out
+        return [(None, None, None, None) if raw is None else (*_assembled(manifest, parts), raw, manifest)
+                for raw, manifest in manifests]
 
     def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):
@@ -383,6 +364,21 @@ def _parse_manifest(raw: bytes) -> dict | None:
         return manifest
     except (ValueError, UnicodeDecodeError, AttributeError):
         return None
+
+
+def _assembled(manifest: dict | None, parts: Iterator) -> tuple[bytearray | None, str | None]:
+    """An entry's bytes joined from its parts (the next ones of `parts`), or why they are unusable."""
+    if manifest is None:
+        return None, "unreadable manifest"
+    got = [next(parts) for _ in range(manifest["parts"])]
+    if missing := sum(not isinstance(p, bytes) for p in got):  # absent, or not a string (an error reply)
+        return None, f"{missing} of {manifest['parts']} parts missing (evicted?)"
+    blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
+    if len(blob) != manifest["size"]:
+        return None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}"
+    if blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
+        return None, "parts do not match the manifest digest"
+    return blob, None
 
 
 def _info(client, section: str, nodes: dict) -> dict:
