@@ -182,8 +182,7 @@ def _linked_token(rc, item: Item, link_kwargs: dict, ref: Reference) -> int:
 
 
 def agreement(rc, items: list[Item], link_kwargs: dict, refs: list[Reference]) -> float:
-    hits = sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs))
-    return hits / len(items)
+    return sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs)) / len(items)
 
 
 def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
