@@ -43,15 +43,10 @@ class Layout:
 PLAIN = Layout("plain")
 
 
-def _bos_the_tokenizer_adds(tokenizer) -> int | None:
+def default_layout(tokenizer) -> Layout:
     bos = tokenizer.bos_token_id
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bos if bos is not None and ids and ids[0] == bos else None
-
-
-def default_layout(tokenizer) -> Layout:
-    bos = _bos_the_tokenizer_adds(tokenizer)
-    return Layout("bos", lead_ids=(bos,)) if bos is not None else PLAIN
+    return Layout("bos", lead_ids=(bos,)) if bos is not None and ids and ids[0] == bos else PLAIN  # a BOS it adds
 
 
 def sink_layout(tokenizer) -> Layout:

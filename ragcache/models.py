@@ -403,7 +403,9 @@ def check_supported(model: torch.nn.Module) -> None:
             f"model type {config.model_type!r} has no rotary position embeddings; ragcache rotates cached keys "
             "to new positions and supports RoPE decoder models (llama, qwen2, qwen3, mistral, gemma3)"
         )
-    rope_types = {p.get("rope_type", "default") for p in _rope_parameter_sets(config)}
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = params and all(isinstance(v, dict) for v in params.values())  # gemma3
+    rope_types = {p.get("rope_type", "default") for p in (params.values() if per_layer_type else [params])}
     if unsupported := rope_types & {"dynamic", "longrope"}:
         raise UnsupportedModel(
             f"rope type {sorted(unsupported)} changes frequencies with sequence length, so cached keys cannot be "
@@ -411,13 +413,6 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")
-
-
-def _rope_parameter_sets(config) -> list[dict]:
-    params = getattr(config, "rope_parameters", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        return list(params.values())  # per layer type (gemma3)
-    return [params]
 
 
 def _config_json(model: torch.nn.Module, volatile: tuple[str, ...] = ()) -> str:
