@@ -337,7 +337,7 @@ class RedisStore(BlobStore):
 
     def record_names(self, prefix: str = "") -> list[str]:
         start = len(self._record_name(""))
-        pattern = self._record_name(_glob_escape(prefix)) + "*"
+        pattern = self._record_name(re.sub(r"([*?\[\]\\])", r"\\\1", prefix)) + "*"  # glob characters escaped
         return sorted({name.decode()[start:] for name in self._scan(pattern)})
 
     # -- operator view ------------------------------------------------------------------------------
@@ -411,10 +411,6 @@ def _redact(url: str) -> str:
         return url
     netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
     return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
 
 
 def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | None:
