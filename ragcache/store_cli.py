@@ -90,12 +90,6 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
     return by_codec
 
 
-def _check_form(form: str) -> None:
-    dtype, _, codec = form.partition("/")
-    if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
-        raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
-                                 f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
-
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
@@ -212,7 +206,10 @@ def gc(store: StoreUrl = DEFAULT_STORE,
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
     for form in drop_form:
-        _check_form(form)
+        dtype, _, codec = form.partition("/")
+        if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
+            raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
+                                     f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
     report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
     if as_json:
         console.print_json(json.dumps(report))
