@@ -152,8 +152,7 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     c = ctx(request)
     query = c.query(body.question, body.documents, body.system, body, body)
     if not body.stream:
-        answer, queue_s = await c.answer(request, query)
-        return query_response(answer, queue_s)
+        return query_response(*await c.answer(request, query))  # (answer, seconds queued)
     gen, first = await c.start(request, query)
     return EventStream(gen, _query_events(c, gen, first))
 
@@ -181,6 +180,5 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
-        answer, queue_s = await c.collect(gen, first)
-        return infill_response(answer, queue_s)
+        return infill_response(*await c.collect(gen, first))
     return EventStream(gen, _query_events(c, gen, first, infill_response))
