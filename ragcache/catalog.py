@@ -92,6 +92,9 @@ class Catalog:
                         for d, doc in docs.items()}
         return [chunks_by_id[d] for d in doc_ids]
 
+    def chunks_of(self, doc_id: str) -> list[list[int]]:
+        return self.resolve([doc_id])[0]
+
     def ids(self) -> list[str]:
         return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
 

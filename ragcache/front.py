@@ -141,7 +141,7 @@ class Front:
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
         with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
-            return self.catalog.resolve([doc_id])[0]
+            return self.catalog.chunks_of(doc_id)
 
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
