@@ -90,9 +90,7 @@ class Context:
             raise
         if first[0] in ("error", "gone"):
             gen.close()
-            if first[0] == "gone":
-                raise ClientGone()
-            raise first[1]  # type: ignore[misc]
+            raise ClientGone() if first[0] == "gone" else first[1]  # type: ignore[misc]
         if first[0] == "done":
             self._observe(gen, first[1])  # type: ignore[arg-type]
         return gen, first

@@ -66,10 +66,6 @@ def error_response(status: int, type: str, message: str, headers: dict | None = 
     return JSONResponse(error_body(type, message, **details), status_code=status, headers=headers)
 
 
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
 def describe(exc: BaseException) -> tuple[int, dict]:
     """(HTTP status, error body) for any exception; also used for errors that arrive mid-stream."""
     if isinstance(exc, ApiError):
@@ -79,16 +75,15 @@ def describe(exc: BaseException) -> tuple[int, dict]:
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
         if status >= 500:
             log.warning("engine error: %s", exc)
-        return status, error_body(_snake(type(exc).__name__), str(exc), **details)
+        snake = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()  # UnknownDocument -> unknown_document
+        return status, error_body(snake, str(exc), **details)
     log.error("unexpected error", exc_info=exc)
     return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it")
 
 
 def _validation_message(errors: list[dict], content_type: str) -> tuple[str, list[dict]]:
-    details = []
-    for e in errors:
-        loc = [str(p) for p in e.get("loc", ()) if p != "body"]
-        details.append({"loc": loc, "msg": str(e.get("msg", "")), "type": str(e.get("type", ""))})
+    details = [{"loc": [str(p) for p in e.get("loc", ()) if p != "body"], "msg": str(e.get("msg", "")),
+                "type": str(e.get("type", ""))} for e in errors]
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         reason = (errors[0].get("ctx") or {}).get("error", "")

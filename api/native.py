@@ -11,11 +11,10 @@ from fastapi import APIRouter, Query, Request
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.front import CompileReport
-from ragcache.sampling import Answer
 from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.request import Limits, validate_infill, validate_texts
-from ragcache.sampling import Sampling
+from ragcache.sampling import Answer, Sampling
 from ragcache.store.keys import is_document_id
 
 from .answering import ClientGone, Context, ctx, stop_strings
@@ -137,10 +136,9 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
     st = answer.stats
     return QueryResponse(
         answer=answer.text, algorithm=st.algorithm, finish_reason=st.finish_reason,
-        usage=Usage(prompt_tokens=st.prompt_tokens, cached_tokens=st.cached_tokens,
-                    recomputed_tokens=st.recomputed_tokens, completion_tokens=st.completion_tokens),
-        timings=Timings(queue_s=queue_s, ttft_s=st.ttft_s, fetch_s=st.fetch_s, rotate_s=st.rotate_s,
-                        recompute_s=st.recompute_s, decode_s=st.decode_s, total_s=st.total_s),
+        usage=Usage(**{name: getattr(st, name) for name in Usage.model_fields}),
+        timings=Timings(queue_s=queue_s,
+                        **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}),
         store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks})
 
 
@@ -154,8 +152,7 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     c = ctx(request)
     query = c.query(body.question, body.documents, body.system, body, body)
     if not body.stream:
-        answer, queue_s = await c.answer(request, query)
-        return query_response(answer, queue_s)
+        return query_response(*await c.answer(request, query))  # (answer, seconds queued)
     gen, first = await c.start(request, query)
     return EventStream(gen, _query_events(c, gen, first))
 
@@ -183,6 +180,5 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
-        answer, queue_s = await c.collect(gen, first)
-        return infill_response(answer, queue_s)
+        return infill_response(*await c.collect(gen, first))
     return EventStream(gen, _query_events(c, gen, first, infill_response))

@@ -94,12 +94,10 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
 def _text(message: ChatMessage, i: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
-    texts = []
     for part in message.content:
         if part.type != "text" or part.text is None:
             raise unsupported(f"messages[{i}].content", f"only text content parts are supported, got {part.type!r}")
-        texts.append(part.text)
-    return "".join(texts)
+    return "".join(part.text for part in message.content)
 
 
 def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:

@@ -14,7 +14,6 @@ from ragcache.linker import ALGORITHMS, DEVIATIONS
 from ragcache.store.keys import is_document_id
 
 Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
-SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 class Strict(BaseModel):
@@ -145,9 +144,6 @@ class LinkOptions(Strict):
                                                                      "deviation")
 
 
-Stop = Text | list[Text] | None
-
-
 class SamplingFields(BaseModel):
     model_config = ConfigDict(populate_by_name=True)  # max_tokens by its name too, not only by its aliases
 
@@ -158,8 +154,9 @@ class SamplingFields(BaseModel):
     temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True,
                                description="0 = greedy (the default)")
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
-    stop: Stop = Field(None, description="a string or up to 16 strings that end the answer (not included)")
-    seed: int | None = Field(None, **SEED_RANGE)
+    stop: Text | list[Text] | None = Field(None, description="a string or up to 16 strings that end the answer (not "
+                                           "included)")
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
     stream: bool = False
 
 

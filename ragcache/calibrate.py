@@ -115,11 +115,13 @@ def profiles_by_model() -> dict[str, list[Profile]]:
     return out
 
 
-def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0) -> list[Item]:
-    """Questions of the sample set, each over its own document and distractors (the answer among them)."""
-    docs = {p.name: p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))}
-    ids = dict(zip(docs, rc.compile(list(docs.values()))))
-    rows = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path = DATA_DIR,
+                  ids: dict[str, str] | None = None) -> list[Item]:
+    """Questions of the sample set in `data`, each over its own document and distractors (the answer among them);
+    `ids`: the documents' ids by file name, where the caller has compiled them (else they are compiled here)."""
+    docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
+    ids = ids or dict(zip(docs, rc.compile(list(docs.values()))))
+    rows = [json.loads(line) for line in (data / "questions.jsonl").read_text().splitlines() if line.strip()]
     rng = random.Random(seed)
     items = []
     for row in rows[:n]:
@@ -180,8 +182,7 @@ def _linked_token(rc, item: Item, link_kwargs: dict, ref: Reference) -> int:
 
 
 def agreement(rc, items: list[Item], link_kwargs: dict, refs: list[Reference]) -> float:
-    hits = sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs))
-    return hits / len(items)
+    return sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs)) / len(items)
 
 
 def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,

@@ -51,10 +51,6 @@ class Catalog:
         with self._locks.shared(doc_ids):
             yield
 
-    def writing(self, text: str) -> Iterator[None]:
-        """`using` the document of this text (an upload of it)."""
-        return self.using([document_id(text)])
-
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
         """Store the text (once: the id is its hash) and its chunk record; returns the id."""
@@ -144,18 +140,17 @@ class Catalog:
                             wrong)
                 self.store.delete(keys[i])
                 entries[i] = None
-        report = EnsureReport(hits=sum(e is not None for e in entries))
+        hits = sum(e is not None for e in entries)
         missing: dict[str, ChunkKV] = {}
         for i, entry in enumerate(entries):
             if entry is None:  # a chunk twice in one prompt is compiled once
                 entries[i] = missing[keys[i]] = missing.get(keys[i]) or run(compiler.compile, chunks[i], layout)
-        report.compiled = len(missing)
         if missing:
             try:
                 self.store.put_many(missing)
             except StoreError as exc:
                 log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
-        return entries, report
+        return entries, EnsureReport(hits, len(missing))
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""

@@ -35,5 +35,4 @@ def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> 
 
 
 def _ends_sentence(text: str, offset: tuple[int, int]) -> bool:
-    piece = text[offset[0] : offset[1]].rstrip(" ")
-    return piece.endswith(SENTENCE_ENDS)
+    return text[offset[0] : offset[1]].rstrip(" ").endswith(SENTENCE_ENDS)

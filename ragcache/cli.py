@@ -91,9 +91,8 @@ def _read_text(path: Path) -> str:
 
 def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
     """(text, metadata) for every file under the paths; JSONL files give one document per line."""
-    files = _input_files(paths, glob)
     docs = []
-    for f in files:
+    for f in _input_files(paths, glob):
         if f.suffix == ".jsonl":
             field = jsonl_field or "text"
             for n, line in enumerate(_read_text(f).splitlines(), 1):
@@ -161,8 +160,7 @@ def compile(
                 bar.update(task, rate=f"{rate:,.0f} tok/s")
 
             for text, meta in docs:
-                report = rc.compile_documents([text], [meta], progress=on_chunk)
-                summary.add(report)
+                summary.add(rc.compile_documents([text], [meta], progress=on_chunk))
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
     except KeyboardInterrupt:
@@ -323,7 +321,7 @@ def calibrate(
             texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
-        if docs is None:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
+        else:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
             err.print("[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
                       "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
                       "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md).")
@@ -337,14 +335,11 @@ def calibrate(
         fail(exc)
     table = Table("algorithm", "agreement with full [95% interval]",
                   title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token")
-    cell = lambda score: cal.agreement_cell(score, profile.items)  # noqa: E731
-    table.add_row("naive", cell(profile.naive_agreement))
-    for k, score in profile.agreement_by_k.items():
-        table.add_row(f"legolink k={k}", cell(score))
-    for ratio, score in profile.agreement_by_ratio.items():
-        table.add_row(f"cacheblend ratio={ratio}", cell(score))
-    for ratio, score in profile.agreement_by_focus.items():
-        table.add_row(f"focus ratio={ratio}", cell(score))
+    table.add_row("naive", cal.agreement_cell(profile.naive_agreement, profile.items))
+    for swept, scores in (("legolink k", profile.agreement_by_k), ("cacheblend ratio", profile.agreement_by_ratio),
+                          ("focus ratio", profile.agreement_by_focus)):
+        for value, score in scores.items():
+            table.add_row(f"{swept}={value}", cal.agreement_cell(score, profile.items))
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
     focus = (f"focus ratio={profile.focus_ratio}" if profile.focus_ratio is not None
@@ -409,9 +404,8 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
 @app.command()
 def config():
     """Show the effective settings (flags > RAGCACHE_* environment > ragcache.toml > defaults)."""
-    s = load_settings()
     table = Table("setting", "value")
-    for name, value in s.model_dump().items():
+    for name, value in load_settings().model_dump().items():
         table.add_row(name, "***" if name == "api_key" and value else repr(value))
     console.print(table)
 

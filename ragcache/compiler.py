@@ -43,22 +43,15 @@ class Layout:
 PLAIN = Layout("plain")
 
 
-def _bos_the_tokenizer_adds(tokenizer) -> int | None:
+def default_layout(tokenizer) -> Layout:
     bos = tokenizer.bos_token_id
     ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return bos if bos is not None and ids and ids[0] == bos else None
-
-
-def default_layout(tokenizer) -> Layout:
-    bos = _bos_the_tokenizer_adds(tokenizer)
-    return Layout("bos", lead_ids=(bos,)) if bos is not None else PLAIN
+    return Layout("bos", lead_ids=(bos,)) if bos is not None and ids and ids[0] == bos else PLAIN  # a BOS it adds
 
 
 def sink_layout(tokenizer) -> Layout:
     """Same stored ids as the default layout (so every algorithm links the same prompt), compiled behind sinks."""
-    sink = tokenizer.bos_token_id
-    if sink is None:
-        sink = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    sink = next((t for t in (tokenizer.bos_token_id, tokenizer.eos_token_id) if t is not None), 0)
     return Layout("sink", lead_ids=default_layout(tokenizer).lead_ids, sink_ids=(sink,) * SINK_TOKENS)
 
 

@@ -134,8 +134,7 @@ class RagCache(Front):
     def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:
         known = linker.algorithm(algorithm)
         if not known.exact:
-            layout = self.layouts[known.layout]
-            parts.chunk_entries = self._entries(chunks, layout, stats)
+            parts.chunk_entries = self._entries(chunks, self.layouts[known.layout], stats)
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]
 

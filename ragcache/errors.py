@@ -30,7 +30,6 @@ class UnknownAlgorithm(BadRequest):
 class UnknownDocument(RagCacheError):
     """A document id that the store does not know (for this model)."""
 
-
     def __init__(self, ids: list[str]):
         self.ids = list(ids)
         super().__init__(f"unknown document id(s): {', '.join(self.ids)}; compile the text first or pass it raw")
@@ -38,7 +37,6 @@ class UnknownDocument(RagCacheError):
 
 class PromptTooLong(RagCacheError):
     """The linked prompt (plus the tokens to generate) exceeds the model's context."""
-
 
     def __init__(self, prompt_tokens: int, max_new_tokens: int, context: int, question_tokens: int | None = None):
         self.prompt_tokens, self.max_new_tokens, self.context = prompt_tokens, max_new_tokens, context

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from ragcache.store import Store
+from ragcache.store.keys import document_id
 
 from . import calibrate, infill, linker, models, prompt, request
 from .catalog import Catalog
@@ -86,7 +87,7 @@ class Front:
         texts = request.validate_texts(texts)
         started, report = time.perf_counter(), CompileReport()
         for text, meta in zip(texts, metadata or [{} for _ in texts]):
-            with self.catalog.writing(text):  # a delete of this document waits until its entries are written
+            with self.catalog.using([document_id(text)]):  # a delete of it waits until its entries are written
                 doc_id, chunks = self.catalog.register(text, meta)
                 present, missing = self._present(chunks, "default")
                 for ids in present if progress else ():
@@ -170,9 +171,8 @@ class Front:
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
-        parts = LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
-                          prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)))
-        return parts, chunks
+        return LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
+                         prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks))), chunks
 
     def _prompt(self, query: Query, max_new_tokens: int) -> tuple[LinkInput, list]:
         """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Raw texts are stored first,

@@ -25,7 +25,6 @@ from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
 log = logging.getLogger("ragcache")
 
 
-
 @dataclass(frozen=True)
 class Check:
     algorithm: str

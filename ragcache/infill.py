@@ -91,22 +91,18 @@ class InfillSessions:
         """The EFIM split for this round: keep the session's base while the user only appends to the prefix."""
         now = time.monotonic()
         with self._lock:
-            self._expire(now)
+            for expired in [s for s, st in self._states.items() if now - st.last_used > self.ttl_s]:
+                del self._states[expired]
             state = self._states.get(session) if session else None
             keep = (state is not None and state.mode == mode == "efim" and state.suffix == suffix
                     and prefix.startswith(state.base_prefix))
             split = len(state.base_prefix) if keep else len(prefix)
             if session:
-                base = state.base_prefix if keep else prefix
-                self._states[session] = SessionState(base, suffix, mode, now)
+                self._states[session] = SessionState(state.base_prefix if keep else prefix, suffix, mode, now)
                 self._states.move_to_end(session)
                 while len(self._states) > self.max_sessions:
                     self._states.popitem(last=False)
             return split if mode == "efim" else None
-
-    def _expire(self, now: float) -> None:
-        for sid in [s for s, st in self._states.items() if now - st.last_used > self.ttl_s]:
-            del self._states[sid]
 
     def __len__(self) -> int:
         return len(self._states)

@@ -26,21 +26,17 @@ def delete(store: Store, doc_id: str) -> dict | None:
     if store.get_record(doc_name(doc_id)) is None and not names:
         return None
     combos = _compile_combos(store)
-    keys = _entry_keys(store, doc_id, combos)
-    for other in document_ids(store) - {doc_id}:
-        keys -= _entry_keys(store, other, combos)
+    keys = _entry_keys(store, doc_id, combos) - referenced_keys(store, combos, but=doc_id)
     entries = sum(store.delete(k) for k in sorted(keys))
     records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
     return {"records": records, "entries": entries}
 
 
-def referenced_keys(store: Store) -> set[str]:
-    """Every entry key some document's chunks map to, under the (model, tokenizer, dtype, layout)s in the store."""
-    combos = _compile_combos(store)
-    wanted: set[str] = set()
-    for doc_id in document_ids(store):
-        wanted |= _entry_keys(store, doc_id, combos)
-    return wanted
+def referenced_keys(store: Store, combos: set | None = None, but: str | None = None) -> set[str]:
+    """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
+    the store."""
+    combos = _compile_combos(store) if combos is None else combos
+    return set().union(*(_entry_keys(store, doc_id, combos) for doc_id in document_ids(store) - {but}))
 
 
 def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:

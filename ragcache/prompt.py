@@ -34,15 +34,9 @@ def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SLOT}]
         rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return tokenizer(rendered.split(_SLOT)[0], add_special_tokens=False)["input_ids"]
-    if not system:
-        return []
-    return tokenizer(system.rstrip() + "\n\n", add_special_tokens=True)["input_ids"]
+    return tokenizer(system.rstrip() + "\n\n", add_special_tokens=True)["input_ids"] if system else []
 
 
 def question_ids(tokenizer, fmt: PromptFormat, question: str, with_docs: bool) -> list[int]:
-    lead = "\n\n" if with_docs else ""
-    if fmt.chat:
-        text = f"{lead}Question: {question.strip()}" + fmt.tail
-    else:
-        text = f"{lead}Question: {question.strip()}\nAnswer:"
-    return tokenizer(text, add_special_tokens=False)["input_ids"]
+    lead, end = "\n\n" if with_docs else "", fmt.tail if fmt.chat else "\nAnswer:"
+    return tokenizer(f"{lead}Question: {question.strip()}{end}", add_special_tokens=False)["input_ids"]

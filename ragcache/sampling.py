@@ -123,23 +123,19 @@ class TextAssembler:
             if at != -1:
                 self.stopped = True
                 return self._emit(text[:at])
-        stable = len(text)
-        if text.endswith("\ufffd"):
-            stable = len(text.rstrip("\ufffd"))
+        stable = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it completes
         for s in self.stop:
             for n in range(min(len(s) - 1, stable), 0, -1):
                 if text[:stable].endswith(s[:n]):
-                    stable = min(stable, len(text[:stable]) - n)
+                    stable -= n
                     break
         return self._emit(text[:stable])
 
     def finish(self) -> str:
-        if self.stopped:
-            return ""
-        return self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        return "" if self.stopped else self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
 
     def _emit(self, upto: str) -> str:
-        piece = upto[self.emitted :] if len(upto) > self.emitted else ""
+        piece = upto[self.emitted :]
         self.emitted = max(self.emitted, len(upto))
         return piece
 
@@ -149,9 +145,7 @@ class Decoding:
 
     def __init__(self, sampling: Sampling, tokenizer, stop_ids: set[int], device: torch.device):
         self.sampling = sampling
-        self.generator = None
-        if sampling.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(sampling.seed)
+        self.generator = None if sampling.seed is None else torch.Generator(device=device).manual_seed(sampling.seed)
         self.assembler = TextAssembler(tokenizer, sampling.stop)
         self.stop_ids = stop_ids
         self.token_ids: list[int] = []

@@ -240,16 +240,13 @@ class Scheduler:
             return
         started = time.perf_counter()
         ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
-        rows_total = 0
         for request in self.running:  # decode rows first: one per decoding request
             if request.pending is None:
-                position = request.cache.length
-                request.cache.length += 1
                 ids.append(torch.tensor([request.next_token]))
-                parts.append((request.cache, torch.tensor([position])))
-                rows_total += 1
-                ends.append((request, rows_total - 1))
-        decode_rows = rows_total
+                parts.append((request.cache, torch.tensor([request.cache.length])))
+                request.cache.length += 1
+                ends.append((request, len(ends)))
+        decode_rows = rows_total = len(ends)
         budget = max(self.row_budget - rows_total, 1)
         users = self._serving_users()
         for request in self.running:  # then link pieces, FIFO, until the budget is spent

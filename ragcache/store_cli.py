@@ -42,15 +42,13 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
     rows = []
-    keys = store.keys()
-    for batch in batched(keys):
+    for batch in batched(store.keys()):
         for key, info in zip(batch, store.describe_many(batch)):
             if info is None:
                 continue  # removed while listing
             meta = info.get("meta") or {}
             rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
-                         "dtype": info.get("dtype"), "form": entry_form(info),
-                         "shape": info.get("shape"),
+                         "dtype": info.get("dtype"), "form": entry_form(info), "shape": info.get("shape"),
                          "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
@@ -92,12 +90,6 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
     return by_codec
 
 
-def _check_form(form: str) -> None:
-    dtype, _, codec = form.partition("/")
-    if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
-        raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
-                                 f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
-
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
@@ -132,8 +124,7 @@ def _guard(fn):
 @_guard
 def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
     """Entries, bytes and hits per tier, entries per model, records."""
-    s = _open(store)
-    info = summary(s)
+    info = summary(_open(store))
     if as_json:
         console.print_json(json.dumps(info, default=str))
         return
@@ -163,8 +154,7 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
 def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
        as_json: AsJson = False) -> None:
     """Entries with their size, model and token count."""
-    s = _open(store)
-    rows = entry_rows(s, limit=limit)
+    rows = entry_rows(_open(store), limit=limit)
     if as_json:
         console.print_json(json.dumps(rows))
         return
@@ -187,8 +177,7 @@ def verify(store: StoreUrl = DEFAULT_STORE,
            fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records")] = False,
            as_json: AsJson = False) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
-    s = _open(store)
-    report = maintenance.verify(s, fix=fix)
+    report = maintenance.verify(_open(store), fix=fix)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
@@ -217,7 +206,10 @@ def gc(store: StoreUrl = DEFAULT_STORE,
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
     for form in drop_form:
-        _check_form(form)
+        dtype, _, codec = form.partition("/")
+        if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
+            raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
+                                     f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
     report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
     if as_json:
         console.print_json(json.dumps(report))

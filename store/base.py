@@ -170,15 +170,13 @@ class BlobStore(Store):
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()
         blobs = self.read_blobs(keys)
-        decoded = decode_all(keys, blobs)
-        out: list[ChunkKV | None] = []
-        for key, entry in zip(keys, decoded):
+        out = decode_all(keys, blobs)
+        for i, entry in enumerate(out):
             if isinstance(entry, CorruptEntry):
                 self.metrics.corrupt += 1
                 log.warning("%s tier: %s; dropping it (it will be recompiled)", self.name, entry)
-                self.delete(key)
-                entry = None
-            out.append(entry)
+                self.delete(keys[i])
+                out[i] = None
         hits = sum(e is not None for e in out)
         self.metrics.read(started, hits, len(keys) - hits, sum(len(b) for b in blobs if b is not None))
         return out

@@ -40,9 +40,7 @@ def validate(codec: str | None) -> None:
 def resolve(codec: str | None, dtype: torch.dtype, device_type: str = "cpu") -> str:
     """A codec name -> a codec of CODECS: "auto" is AUTO's choice for the device, None the compute dtype's own."""
     validate(codec)
-    if codec == "auto":
-        return AUTO.get(device_type, native(dtype))
-    return codec or native(dtype)
+    return AUTO.get(device_type, native(dtype)) if codec == "auto" else codec or native(dtype)
 
 
 def of_dtype_name(name: str) -> str:
@@ -70,8 +68,7 @@ def quantize(x: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min-max quantization along `dim`: (uint8 codes, fp32 [..., 2] (scale, zero) with `dim` kept as 1)."""
     x = x.to(torch.float32)
     low = x.amin(dim=dim, keepdim=True)
-    high = x.amax(dim=dim, keepdim=True)
-    scale = (high - low) / LEVELS
+    scale = (x.amax(dim=dim, keepdim=True) - low) / LEVELS
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant run: any scale decodes it exactly
     codes = torch.round((x - low) / scale).clamp_(0, LEVELS).to(torch.uint8)
     return codes.contiguous(), torch.stack((scale, low), dim=-1).squeeze(dim)

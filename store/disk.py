@@ -18,6 +18,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import suppress
 from pathlib import Path
 
 from .errors import BrokenStore, CorruptEntry, StoreError
@@ -157,15 +158,12 @@ class DiskStore(BlobStore):
         rows = []
         try:
             for key, blob in blobs.items():
-                self._write_file(key, blob)
+                self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
                 rows.append((key, len(blob), time.time()))
         finally:  # index what reached its place even when a later entry failed
             if rows:
                 self._index(rows)
         self.evict()
-
-    def _write_file(self, key: str, blob: bytes) -> None:
-        self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
 
     def _replace(self, path: Path, data: bytes, what: str) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
@@ -179,10 +177,8 @@ class DiskStore(BlobStore):
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
         except OSError as exc:
-            try:
+            with suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise StoreError(f"disk tier {self.root}: cannot write {what} (disk full)") from exc
             raise self._fault(f"cannot write {what}", exc) from exc
@@ -277,12 +273,10 @@ class DiskStore(BlobStore):
         now = time.time()
         tmp_removed = 0
         for path in [*self.entries_dir.glob(f"*/.*{TMP_SUFFIX}"), *self.records_dir.glob(f".*{TMP_SUFFIX}")]:
-            try:
+            with suppress(FileNotFoundError):  # removed meanwhile
                 if now - path.stat().st_mtime >= tmp_age_s:
                     path.unlink()
                     tmp_removed += 1
-            except FileNotFoundError:
-                pass
         return {"tmp_files_removed": tmp_removed, **self._reconcile_index(), "evicted": self.evict()}
 
     def _reconcile_index(self) -> dict:

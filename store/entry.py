@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import math
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -111,11 +112,9 @@ def _tensor_at(buffer: bytearray, data_start: int, spec: dict) -> torch.Tensor:
     dtype = _TORCH_DTYPES[spec["dtype"]]
     shape = [int(x) for x in spec["shape"]]
     begin, end = (int(x) for x in spec["data_offsets"])
-    count = 1
-    for dim in shape:
-        if dim < 0:
-            raise ValueError(f"negative dimension in {shape}")
-        count *= dim
+    if any(dim < 0 for dim in shape):
+        raise ValueError(f"negative dimension in {shape}")
+    count = math.prod(shape)
     itemsize = torch.empty((), dtype=dtype).element_size()
     if not 0 <= begin <= end <= len(buffer) - data_start or end - begin != count * itemsize:
         raise ValueError(f"tensor data {begin}:{end} does not fit {shape} {dtype}")

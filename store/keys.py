@@ -21,9 +21,7 @@ def checksum(data: bytes | memoryview = b""):
     write to a shared store (Redis) cannot make an entry or record that verifies, so a forged one is a miss. Every
     process that reads or writes the store needs the same secret; entries written under another are compiled again."""
     secret = os.environ.get(STORE_KEY_ENV)
-    if secret:
-        return hmac.new(secret.encode(), data, "sha256")
-    return hashlib.sha256(data)
+    return hmac.new(secret.encode(), data, "sha256") if secret else hashlib.sha256(data)
 
 
 def chunk_key(model_fp: str, tokenizer_fp: str, dtype: str, layout: str, token_ids) -> str:

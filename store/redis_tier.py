@@ -153,10 +153,7 @@ class RedisStore(BlobStore):
         pipe = self._redis().pipeline(transaction=False)
         for key in keys:
             pipe.get(self._manifest_name(key))
-        out = []
-        for raw in pipe.execute():
-            out.append((raw, None if raw is None else _parse_manifest(raw)))
-        return out
+        return [(raw, None if raw is None else _parse_manifest(raw)) for raw in pipe.execute()]
 
     def _fetch(self, keys: list[str]) -> list[tuple[bytes | None, str | None, bytes | None, dict | None]]:
         """Per key: (blob or None, problem or None, raw manifest, manifest). Two pipelines in all."""
@@ -166,40 +163,19 @@ class RedisStore(BlobStore):
             for name in self._part_names(key, manifest) if manifest else ():
                 pipe.get(name)
         parts = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        out = []
-        for key, (raw, manifest) in zip(keys, manifests):
-            if raw is None:
-                out.append((None, None, None, None))
-                continue
-            if manifest is None:
-                out.append((None, "unreadable manifest", raw, None))
-                continue
-            got = [next(parts) for _ in range(manifest["parts"])]
-            missing = sum(not isinstance(p, bytes) for p in got)  # absent, or not a string (an error reply)
-            if missing:
-                out.append((None, f"{missing} of {manifest['parts']} parts missing (evicted?)", raw, manifest))
-                continue
-            blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
-            if len(blob) != manifest["size"]:
-                out.append((None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}", raw, manifest))
-            elif blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
-                out.append((None, "parts do not match the manifest digest", raw, manifest))
-            else:
-                out.append((blob, None, raw, manifest))
-        return out
+        return [(None, None, None, None) if raw is None else (*_assembled(manifest, parts), raw, manifest)
+                for raw, manifest in manifests]
 
     def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):
             fetched = self._fetch(keys)
-            out = []
-            for key, (blob, problem, raw, manifest) in zip(keys, fetched):
+            for key, (_, problem, raw, manifest) in zip(keys, fetched):
                 if problem is not None:
                     self.metrics.incomplete += 1
                     log.warning("redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
                                 key[:12], problem)
                     self._drop_remains(key, raw, manifest)
-                out.append(blob)
-            return out
+            return [blob for blob, *_ in fetched]
 
     def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
         with self._errors("read"):
@@ -324,13 +300,10 @@ class RedisStore(BlobStore):
                         broken += 1
         orphans = []
         now = time.time()
-        part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{([^}}]*)\}}:([0-9a-f]+):\d+")
+        part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{(?P<key>[^}}]*)\}}:(?P<gen>[0-9a-f]+):\d+")
         for name in self._scan(f"{self.prefix}:part:*"):
-            m = part_re.fullmatch(name.decode(errors="replace"))
-            if m is None:
-                continue
-            key, gen = m.groups()
-            if live.get(key) != gen and now - int(gen[:8], 16) >= orphan_age_s:  # gen begins with its write's time
+            m = part_re.fullmatch(name.decode(errors="replace"))  # a generation begins with its write's time
+            if m and live.get(m["key"]) != m["gen"] and now - int(m["gen"][:8], 16) >= orphan_age_s:
                 orphans.append(name)
         with self._errors("gc"):
             for names in batched(orphans, 1000):
@@ -355,9 +328,8 @@ class RedisStore(BlobStore):
         return [_parse_record(name, raw) for name, raw in zip(names, raws)]
 
     def put_record(self, name: str, record: dict) -> None:
-        text = json.dumps(record)
         with self._errors("write record"):
-            self._redis().set(self._record_name(name), text)
+            self._redis().set(self._record_name(name), json.dumps(record))
 
     def delete_record(self, name: str) -> bool:
         with self._errors("delete record"):
@@ -365,7 +337,7 @@ class RedisStore(BlobStore):
 
     def record_names(self, prefix: str = "") -> list[str]:
         start = len(self._record_name(""))
-        pattern = self._record_name(_glob_escape(prefix)) + "*"
+        pattern = self._record_name(re.sub(r"([*?\[\]\\])", r"\\\1", prefix)) + "*"  # glob characters escaped
         return sorted({name.decode()[start:] for name in self._scan(pattern)})
 
     # -- operator view ------------------------------------------------------------------------------
@@ -392,6 +364,21 @@ def _parse_manifest(raw: bytes) -> dict | None:
         return manifest
     except (ValueError, UnicodeDecodeError, AttributeError):
         return None
+
+
+def _assembled(manifest: dict | None, parts: Iterator) -> tuple[bytearray | None, str | None]:
+    """An entry's bytes joined from its parts (the next ones of `parts`), or why they are unusable."""
+    if manifest is None:
+        return None, "unreadable manifest"
+    got = [next(parts) for _ in range(manifest["parts"])]
+    if missing := sum(not isinstance(p, bytes) for p in got):  # absent, or not a string (an error reply)
+        return None, f"{missing} of {manifest['parts']} parts missing (evicted?)"
+    blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
+    if len(blob) != manifest["size"]:
+        return None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}"
+    if blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
+        return None, "parts do not match the manifest digest"
+    return blob, None
 
 
 def _info(client, section: str, nodes: dict) -> dict:
@@ -426,19 +413,14 @@ def _redact(url: str) -> str:
     return urlunsplit(parts._replace(netloc=netloc))
 
 
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
-
-
 def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | None:
     if raw is None:
         return None
     try:
-        record = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         log.warning("redis tier: record %s is unreadable (%s)", name, exc)
         return UnreadableRecord(f"redis tier: {exc}")
-    return record
 
 
 def _warn_if_evicting(client, url: str) -> None:

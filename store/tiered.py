@@ -125,13 +125,9 @@ class TieredStore(Store):
 
     def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, object]]:
         """Call a method on every usable tier; [(tier index, result)] for those that answered."""
-        answers = []
-        for i, tier in enumerate(self.tiers):
-            if self._usable(i):
-                result, ok = self._call(i, getattr(tier, fn_name), *args, write=write)
-                if ok:
-                    answers.append((i, result))
-        return answers
+        calls = [(i, self._call(i, getattr(tier, fn_name), *args, write=write))
+                 for i, tier in enumerate(self.tiers) if self._usable(i)]
+        return [(i, result) for i, (result, ok) in calls if ok]
 
     def _written(self, answers: list, what: str) -> None:
         if not answers:
@@ -200,15 +196,12 @@ class TieredStore(Store):
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Sound if every tier holding the entry holds it intact; else the first problem, named by tier."""
         out: list[str | None] = ["missing"] * len(keys)
-        for i, tier in enumerate(self.tiers):
-            if not self._usable(i):
-                continue
-            got, ok = self._call(i, tier.check_many, keys)
-            for j, problem in enumerate(got if ok else ()):
+        for i, got in self._each("check_many", keys):
+            for j, problem in enumerate(got):
                 if problem == "missing":
                     continue
                 if problem is not None:
-                    out[j] = f"{tier.name}: {problem}" if out[j] in (None, "missing") else out[j]
+                    out[j] = f"{self.tiers[i].name}: {problem}" if out[j] in (None, "missing") else out[j]
                 elif out[j] == "missing":
                     out[j] = None
         return out
@@ -276,10 +269,7 @@ class TieredStore(Store):
         return any(bool(r) for _, r in answers)
 
     def record_names(self, prefix: str = "") -> list[str]:
-        names: set[str] = set()
-        for _, got in self._each("record_names", prefix):
-            names.update(got)
-        return sorted(names)
+        return sorted({name for _, got in self._each("record_names", prefix) for name in got})
 
     # -- operator view ------------------------------------------------------------------------------
     def stats(self) -> dict:

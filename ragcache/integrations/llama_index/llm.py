@@ -47,8 +47,7 @@ class RagCacheLLM(CustomLLM):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         stream = self._stream(prompt, formatted, kwargs)
-        text = "".join(stream)
-        return CompletionResponse(text=text, raw={"stats": stream.answer.stats.as_dict()})
+        return CompletionResponse(text="".join(stream), raw={"stats": stream.answer.stats.as_dict()})
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:

@@ -10,8 +10,6 @@ import math
 
 from llama_index.core.schema import BaseNode, MetadataMode
 
-from ragcache.store.keys import document_id
-
 DOC_ID_KEY = "ragcache_doc_id"
 
 
@@ -32,13 +30,3 @@ def record_meta(node: BaseNode) -> dict:
     meta = {k: v for k, v in node.metadata.items()
             if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))}
     return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}
-
-
-def doc_refs(texts: list[str]) -> list[dict]:
-    """What to pass as `docs` to rc.query for these texts: the texts themselves (resolved, and compiled on a miss,
-    inside the query so its stats count it)."""
-    return [{"text": text} for text in texts]
-
-
-def text_ids(texts: list[str]) -> list[str]:
-    return [document_id(text) for text in texts]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import suppress
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -15,12 +16,13 @@ from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.sampling import Answer
 from ragcache.stream import Stream
-from ragcache.front import Front
+from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
 from ragcache.settings import DEFAULT_ALGORITHM
+from ragcache.store.keys import document_id
 
-from .nodes import doc_refs, node_text, text_ids
+from .nodes import node_text
 
 _DONE = object()
 
@@ -62,10 +64,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes, stream, metadata = self._start(query_str)
         if not self.streaming:
-            for _ in stream:
-                pass
-            metadata = self._finish(metadata, stream.answer, query_str)
-            return Response(stream.answer.text, source_nodes=nodes, metadata=metadata)
+            answer = drain(stream)
+            return Response(answer.text, source_nodes=nodes, metadata=self._finish(metadata, answer, query_str))
         pieces = self._pieces(stream, metadata, query_str)
         first = next(pieces, _DONE)  # links and decodes the first token here: errors raise from query()
         return StreamingResponse(response_gen=_chain(first, pieces), source_nodes=nodes, metadata=metadata)
@@ -75,8 +75,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
         nodes = self.retriever.retrieve(query_str)
         retrieve_s = time.perf_counter() - started
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        stream = self.rc.stream(query_str, docs=doc_refs(texts), **self.generation_args())
-        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": text_ids(texts)}
+        # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
+        stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
+        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
 
     def _pieces(self, stream: Stream, metadata: dict, question: str) -> Iterator[str]:
         yield from stream
@@ -109,10 +110,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
         queue: asyncio.Queue = asyncio.Queue()
 
         def put(item: tuple) -> None:
-            try:
+            with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
                 loop.call_soon_threadsafe(queue.put_nowait, item)
-            except RuntimeError:  # the loop is closed: nobody is listening any more
-                pass
 
         def work() -> None:
             try:
@@ -134,15 +133,13 @@ class RagCacheQueryEngine(CustomQueryEngine):
         nodes, metadata = value
 
         async def gen() -> AsyncIterator[str]:
-            while True:
+            kind, value = await queue.get()
+            while kind == "piece":
+                yield value
                 kind, value = await queue.get()
-                if kind == "piece":
-                    yield value
-                    continue
-                await worker
-                if kind == "error":
-                    raise value
-                return
+            await worker
+            if kind == "error":
+                raise value
 
         return AsyncStreamingResponse(response_gen=gen(), source_nodes=nodes, metadata=metadata)
 
