@@ -57,6 +57,9 @@ def test_the_differentiable_link_is_the_linkers(tmp_path, algorithm, kwargs):
     assert torch.allclose(student, served, atol=2e-3, rtol=1e-3), (student - served).abs().max()
     full = rc.link(item.question, target.doc_ids, algorithm="full").last_logits
     assert torch.allclose(target.logprobs[0], torch.log_softmax(full, -1), atol=1e-4)
+    with torch.no_grad():  # the full term's forward is the engine's full, at every answer position
+        own_full = tl.full_logits(rc.lm.model, tl.place(rc, target, cfg), target.answer)
+    assert torch.allclose(torch.log_softmax(own_full, -1), target.logprobs, atol=2e-3)
 
 
 def test_training_lowers_the_distillation_loss_on_its_items(tmp_path):
@@ -68,22 +71,75 @@ def test_training_lowers_the_distillation_loss_on_its_items(tmp_path):
     assert report.losses[-1] < report.losses[0]
 
 
-def test_a_resumed_run_continues_from_its_checkpoint(tmp_path):
+def test_the_full_term_lowers_the_adapted_models_distance_to_the_base_full(tmp_path):
+    """An adapter that moved the model's own full away from the base's is brought back by the keep-full term."""
+    from ragcache.train.infill import with_lora
+
+    rc = engine(tmp_path)
+    cfg = config(tmp_path, algorithm="focus", ratio=0.2, keep_full=20.0, keep_full_every=1)
+    targets = [tl.prepare(rc, item, cfg.answer_tokens) for item in ITEMS[0]]
+    torch.manual_seed(0)
+    peft = with_lora(rc.lm.model, cfg.rank, 2 * cfg.rank, tl.ATTENTION)
+    params = [p for p in peft.parameters() if p.requires_grad]
+    with torch.no_grad():  # a drifted adapter: LoRA's B starts at zero, which would leave nothing to lower
+        for name, p in peft.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.06)
+    optimizer = torch.optim.AdamW(params, lr=2e-4)  # Adam moves every weight by about lr a step: 5e-3 overshoots
+    kept = []
+    for step in range(1, 9):
+        link_kl, full_kl = tl.train_step(rc, cfg, targets, [0, 1, 2], params, step)
+        kept.append(full_kl)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert kept[0] > 0.005, kept  # the drift is there to undo
+    assert kept[-1] < 0.7 * kept[0], kept
+    assert tl.train_step(rc, config(tmp_path, algorithm="focus", ratio=0.2), targets, [0], params)[1] is None
+
+
+@pytest.mark.parametrize("recipe", [dict(), dict(algorithm="focus", ratio=0.2, keep_full=1.0, keep_full_every=2)])
+def test_a_resumed_run_continues_from_its_checkpoint(tmp_path, recipe):
     out, whole = tmp_path / "resumed", tmp_path / "whole"
-    first = tl.train_link(config(out, steps=2), items=ITEMS)
+    first = tl.train_link(config(out, steps=2, **recipe), items=ITEMS)
     assert (out / "checkpoint" / "state.pt").exists()
     for name in ("adapter_model.safetensors", models.ADAPTER_META):  # what a run killed before its end lacks
         (out / name).unlink()
-    resumed = tl.train_link(config(out, steps=4), items=ITEMS)
-    straight = tl.train_link(config(whole, steps=4), items=ITEMS)
+    resumed = tl.train_link(config(out, steps=4, **recipe), items=ITEMS)
+    straight = tl.train_link(config(whole, steps=4, **recipe), items=ITEMS)
     assert resumed.losses[:2] == first.losses  # read back from the checkpoint, not trained again
     assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-6)
+    assert resumed.full_losses == pytest.approx(straight.full_losses, rel=1e-4, abs=1e-6)
+    assert len(straight.full_losses) == (4 if recipe else 0)  # batch 3, every 2nd item: each step takes it
     from safetensors.torch import load_file
     a, b = load_file(out / "adapter_model.safetensors"), load_file(whole / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.allclose(a[k], b[k], atol=1e-6) for k in a)
     # a run with other settings does not resume this one
     with pytest.raises(Exception, match="other settings"):
-        tl.train_link(config(out, steps=5, lr=1e-3), items=ITEMS)
+        tl.train_link(config(out, steps=5, lr=1e-3, **recipe), items=ITEMS)
+    if recipe:
+        with pytest.raises(Exception, match="other settings"):
+            tl.train_link(config(out, steps=5, **{**recipe, "keep_full": 2.0}), items=ITEMS)
+
+
+def test_training_under_focus_links_as_the_adapted_engine_serves(tmp_path):
+    """Under focus the rows are chosen by the adapted model, as the engine opened with the adapter chooses them, and
+    the differentiable link with the adapter on gives the served link's logits."""
+    cfg = config(tmp_path / "out", algorithm="focus", ratio=0.2, steps=3, lr=5e-3)
+    store = open_store("memory:")
+    rc = RagCache(models.load("smollm2-135m", dtype="float32"), store)
+    tl.train_link(cfg, rc=rc, items=ITEMS)  # rc's model now carries the trained LoRA, switched on
+    served = RagCache.open("smollm2-135m", store, dtype="float32", adapter=str(cfg.out))
+    base = RagCache(models.load("smollm2-135m", dtype="float32"), store)
+    item = ITEMS[1][0]
+    target = tl.prepare(base, item, cfg.answer_tokens)
+    trained, plain = tl.place(rc, target, cfg), tl.place(base, target, cfg)
+    assert torch.equal(trained.rows, tl.place(served, target, cfg).rows)
+    question_only = tl.place(base, target, config(tmp_path, algorithm="naive")).rows
+    assert trained.rows.numel() == plain.rows.numel() > question_only.numel()  # focus's budget, chunk rows in it
+    with torch.no_grad():
+        student = tl.linked_logits(rc.lm.model, trained, [])[0]
+    link = served.link(item.question, target.doc_ids, algorithm="focus", ratio=0.2).last_logits
+    assert torch.allclose(student, link, atol=2e-3, rtol=1e-3), (student - link).abs().max()
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +188,8 @@ def test_a_broken_or_foreign_adapter_is_refused(adapter, tmp_path):
 
 def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
     runner = CliRunner()
-    assert runner.invoke(app, ["train", "link", "--help"]).exit_code == 0
+    shown = runner.invoke(app, ["train", "link", "--help"], terminal_width=200)
+    assert shown.exit_code == 0 and "--keep-full" in shown.output and "--keep-full-every" in shown.output
     docs = tmp_path / "docs"
     docs.mkdir()
     for name in sorted(p.name for p in (DATA_DIR / "docs").glob("*.txt"))[:5]:

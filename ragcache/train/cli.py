@@ -43,16 +43,24 @@ def link_cmd(
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
+    keep_full: float = typer.Option(0.0, "--keep-full", help="weight of a second term, KL(base full || adapted "
+                                    "full) over the answer: keeps the adapted model's own full (every row "
+                                    "recomputed) at the base's, so a link that recomputes more never drifts further "
+                                    "(0: off)"),
+    keep_full_every: int = typer.Option(1, "--keep-full-every", help="that term on every n-th training item only "
+                                        "(a full forward costs several cheap links)"),
     install: bool = typer.Option(False, "--install", help="install the adapter as the model's own (then `ragcache "
                                                           "calibrate --model M` makes it the model's default)"),
 ):
     """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter, or
-    --install it."""
+    --install it. E.g. `--algorithm focus --ratio 0.1 --keep-full 1 --keep-full-every 4`: fitted under the served
+    focus link, with the adapted model's own full held at the base's."""
     from .link import LinkTrainConfig, train_link
 
     cfg = LinkTrainConfig(model=model, algorithm=algorithm, k=k, ratio=ratio, steps=steps, batch=batch, lr=lr,
                           rank=rank, train_items=train_items, eval_items=eval_items, answer_tokens=answer_tokens,
-                          docs=docs, out=out, seed=seed, dtype=dtype, checkpoint_every=checkpoint_every)
+                          docs=docs, out=out, seed=seed, dtype=dtype, checkpoint_every=checkpoint_every,
+                          keep_full=keep_full, keep_full_every=keep_full_every)
     try:
         cfg.validate()
         with _progress() as bar:
@@ -91,7 +99,13 @@ def _print_link_report(cfg, report) -> None:
     head, tail = (sum(part) / window for part in (report.losses[:window], report.losses[-window:]))
     console.print(f"{report.steps} steps on {report.items['train']} items (this run: {report.seconds:.0f}s); "
                   f"training KL {head:.4f} -> {tail:.4f} (first and last {window} steps)")
-    table = Table(title=f"held out ({report.items['eval']} items): {cfg.label()} against the base model's full")
+    if report.full_losses:
+        kept = report.full_losses
+        window = max(1, min(10, len(kept) // 2))
+        console.print(f"full term, KL(base full || adapted full): {sum(kept[:window]) / window:.4f} -> "
+                      f"{sum(kept[-window:]) / window:.4f} (first and last {window} steps that took it)")
+    table = Table(title=f"held out ({report.items['eval']} items): {cfg.label()} (full_*: the model's own full) "
+                        "against the base model's full")
     for col in ("metric", "base", "adapted", "adapted - base", "95% interval"):
         table.add_column(col, justify="left" if col == "metric" else "right")
     for metric, row in report.held_out.items():

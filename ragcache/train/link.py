@@ -8,6 +8,12 @@ answer run through the model with LoRA on the attention projections. The loss is
 the answer positions and over `batch` items a step. Compile never runs the adapter (Compiler.compile), so the
 store's entries stay the base model's and nothing is compiled again for an adapted engine.
 
+`keep_full` adds a second term, KL(base full || adapted full) over the same answer positions: the adapted model
+recomputing every row must still answer as the base model does, so that a link that recomputes more is never
+further from the base's `full` (a LoRA fitted to the cheap link alone moves the rows it recomputes away from the
+base's, research/README.md). A full forward costs several cheap links, so it runs on every `keep_full_every`-th
+training item only.
+
 The student's forward is transformers' own, differentiable: the placed cache is the past, a 4-D mask hides the
 stale copies of the recomputed rows, and every new row sees every earlier position. With the adapter off it gives
 the linker's logits (tests/test_train_link.py).
@@ -70,21 +76,36 @@ class LinkTrainConfig:
     seed: int = 0
     dtype: str = "float32"
     checkpoint_every: int = 20
+    keep_full: float = 0.0  # weight of KL(base full || adapted full) on the items that take it; 0: not trained
+    keep_full_every: int = 1  # that term on every n-th training item (counted over the run), as it is costly
 
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
-        for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every"):
+        for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every",
+                     "keep_full_every"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.k < 0 or not 0.0 <= self.ratio <= 1.0 or not 0 < self.lr < 1:
             raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
+        if not self.keep_full >= 0.0:
+            raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
 
     def link_kwargs(self) -> dict:
         return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
 
     def label(self) -> str:
         return {"naive": "naive", "legolink": f"legolink-{self.k}", "focus": f"focus@{self.ratio}"}[self.algorithm]
+
+    def recipe(self) -> str:
+        kept = (f" + {self.keep_full} x KL(base full || adapted full) on every {self.keep_full_every}-th item"
+                if self.keep_full else "")
+        return f"read-side LoRA, KL(full || linked) over the base model's greedy answer{kept}"
+
+    def keeps_full(self, step: int, position: int) -> bool:
+        """Does item `position` of optimizer step `step` (1-based) take the full term? A function of the two alone,
+        so a resumed run trains the terms an uninterrupted one would."""
+        return self.keep_full > 0 and ((step - 1) * self.batch + position) % self.keep_full_every == 0
 
 
 @dataclass
@@ -122,6 +143,7 @@ class LinkReport:
     items: dict = field(default_factory=dict)  # counts: train, eval
     seconds: float = 0.0
     out: str = ""
+    full_losses: list[float] = field(default_factory=list)  # KL(base full || adapted full), steps that took it
 
 
 # -- data ----------------------------------------------------------------------------------------------------------
@@ -242,6 +264,15 @@ def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> 
     return model.lm_head(hidden[0, placed.rows.numel() - 1:]).float()
 
 
+def full_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> torch.Tensor:
+    """The model's own `full` (every row computed, nothing placed) at the same positions as linked_logits. `full`
+    and the cheap links read the same prompt ids (one layout), so the placed item's ids serve both."""
+    ids = torch.cat([placed.ids, torch.tensor(answer[:-1], dtype=torch.long)])
+    device = next(model.parameters()).device
+    hidden = model.model(input_ids=ids[None].to(device), use_cache=False).last_hidden_state
+    return model.lm_head(hidden[0, placed.ids.numel() - 1:]).float()
+
+
 def kl_to_full(target: Target, logits: torch.Tensor) -> torch.Tensor:
     """KL(full || linked) at each answer position."""
     logq = torch.log_softmax(logits, -1)
@@ -264,8 +295,11 @@ def batch_indices(seed: int, step: int, batch: int, n: int) -> list[int]:
 def _run_key(cfg: LinkTrainConfig, targets: list[Target]) -> dict:
     """What a checkpoint must share with the run that resumes it (the step count may grow)."""
     items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
-    return dict(model=cfg.model, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
-                rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, items=items)
+    key = dict(model=cfg.model, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
+               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, items=items)
+    if cfg.keep_full:  # absent otherwise, so that runs of the link term alone resume as before
+        key.update(keep_full=cfg.keep_full, keep_full_every=cfg.keep_full_every)
+    return key
 
 
 def _atomic_save(obj, path: Path) -> None:
@@ -275,13 +309,14 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict) -> None:
+def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict,
+                    full_losses: list[float] = ()) -> None:
     """The adapter and the optimizer's state after `step`, swapped in whole: a kill leaves the old one or the new."""
     staged, final = out / "checkpoint.tmp", out / "checkpoint"
     shutil.rmtree(staged, ignore_errors=True)
     peft.save_pretrained(staged)
     torch.save(dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), step=step, losses=losses,
-                    key=json.dumps(key, sort_keys=True)), staged / "state.pt")
+                    full_losses=list(full_losses), key=json.dumps(key, sort_keys=True)), staged / "state.pt")
     old = out / "checkpoint.old"
     if final.exists():
         os.replace(final, old)
@@ -289,8 +324,8 @@ def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: lis
     shutil.rmtree(old, ignore_errors=True)
 
 
-def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float]]:
-    """(the step it was saved after, the losses so far); (0, []) when there is none."""
+def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
+    """(the step it was saved after, the link losses so far, the full term's); (0, [], []) when there is none."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
@@ -298,37 +333,50 @@ def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[in
     if not (final / "state.pt").exists() and (out / "checkpoint.old" / "state.pt").exists():
         final = out / "checkpoint.old"  # killed between the two renames
     if not (final / "state.pt").exists():
-        return 0, []
+        return 0, [], []
     state = torch.load(final / "state.pt", weights_only=True)
     if state["key"] != json.dumps(key, sort_keys=True):
         raise BadRequest(f"{out} holds a run with other settings or items ({state['key']}); pick another --out")
     set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
-    return int(state["step"]), list(state["losses"])
+    return int(state["step"]), list(state["losses"]), list(state.get("full_losses", []))
 
 
-def train_step(rc: RagCache, cfg: LinkTrainConfig, targets: list[Target], indices: list[int], params) -> float:
-    """One optimizer step's gradients (accumulated over its items); returns the mean KL."""
-    total = 0.0
-    for i in indices:
+def train_step(rc: RagCache, cfg: LinkTrainConfig, targets: list[Target], indices: list[int], params,
+               step: int = 1) -> tuple[float, float | None]:
+    """One optimizer step's gradients (accumulated over its items); returns the mean KL(full || linked), and the mean
+    KL(base full || adapted full) over the items that took that term (None: none did)."""
+    total, kept = 0.0, []
+    for position, i in enumerate(indices):
         target = targets[i]
-        loss = kl_to_full(target, linked_logits(rc.lm.model, place(rc, target, cfg), target.answer)).mean()
-        (loss / len(indices)).backward()
+        placed = place(rc, target, cfg)
+        loss = kl_to_full(target, linked_logits(rc.lm.model, placed, target.answer)).mean()
         total += float(loss.detach())
-    if not torch.isfinite(torch.tensor(total)):
-        raise RagCacheError(f"the distillation loss is {total}; lower --lr")
+        if cfg.keeps_full(step, position):
+            full = kl_to_full(target, full_logits(rc.lm.model, placed, target.answer)).mean()
+            kept.append(float(full.detach()))
+            loss = loss + cfg.keep_full * full
+        (loss / len(indices)).backward()
+    if not torch.isfinite(torch.tensor([total, *kept])).all():
+        raise RagCacheError(f"the distillation loss is {total} (full term {kept}); lower --lr")
     torch.nn.utils.clip_grad_norm_(params, 1.0)
-    return total / len(indices)
+    return total / len(indices), (sum(kept) / len(kept) if kept else None)
 
 
 @torch.no_grad()
 def scores(rc: RagCache, cfg: LinkTrainConfig, target: Target) -> dict:
-    """top-1 agreement with full and KL(full || linked) at the answer's first position, and over its tokens."""
-    logits = linked_logits(rc.lm.model, place(rc, target, cfg), target.answer)
-    kl = kl_to_full(target, logits)
-    hits = (logits.argmax(-1) == target.logprobs.argmax(-1)).float()
-    return dict(top1=float(hits[0]), kl=float(kl[0]), token_agree=float(hits.mean()), kl_answer=float(kl.mean()))
+    """top-1 agreement with the base model's full and KL(base full || linked) at the answer's first position, and
+    over its tokens; then the same for the model's own full (full_*: 1 and 0 for the base model, up to rounding)."""
+    placed = place(rc, target, cfg)
+    out = {}
+    for prefix, logits in (("", linked_logits(rc.lm.model, placed, target.answer)),
+                           ("full_", full_logits(rc.lm.model, placed, target.answer))):
+        kl = kl_to_full(target, logits)
+        hits = (logits.argmax(-1) == target.logprobs.argmax(-1)).float()
+        out.update({f"{prefix}top1": float(hits[0]), f"{prefix}kl": float(kl[0]),
+                    f"{prefix}token_agree": float(hits.mean()), f"{prefix}kl_answer": float(kl.mean())})
+    return out
 
 
 def evaluate(rc: RagCache, cfg: LinkTrainConfig, peft, targets: list[Target],
@@ -347,7 +395,7 @@ def summary(per_item: list[dict], seed: int = 0) -> dict:
     """Means of base and adapted, and their paired difference with a 95% bootstrap interval (2,000 resamples)."""
     table, rng = {}, random.Random(seed)
     n = len(per_item)
-    for key in ("top1", "kl", "token_agree", "kl_answer"):
+    for key in (per_item[0]["base"] if per_item else ()):
         diffs = [r["adapted"][key] - r["base"][key] for r in per_item]
         means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(2000)) if n else [0.0]
         table[key] = dict(base=sum(r["base"][key] for r in per_item) / max(n, 1),
@@ -396,19 +444,22 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
     key = _run_key(cfg, train_set)
-    start, losses = load_checkpoint(out, peft, optimizer, schedule, key)
+    start, losses, full_losses = load_checkpoint(out, peft, optimizer, schedule, key)
     for step in range(start + 1, cfg.steps + 1):
-        losses.append(train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
-                                 params))
+        link_kl, full_kl = train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
+                                      params, step)
+        losses.append(link_kl)
+        if full_kl is not None:
+            full_losses.append(full_kl)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
-        say("training", step, cfg.steps, f"kl {losses[-1]:.4f}")
+        say("training", step, cfg.steps, f"kl {link_kl:.4f}" + (f" full {full_kl:.4f}" if full_kl is not None else ""))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
-            save_checkpoint(out, peft, optimizer, schedule, step, losses, key)
+            save_checkpoint(out, peft, optimizer, schedule, step, losses, key, full_losses)
     per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
     report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
-                        time.perf_counter() - started, str(out))
+                        time.perf_counter() - started, str(out), full_losses)
     save_adapter(out, peft, rc.lm, cfg, report, per_item)
     return report
 
@@ -417,7 +468,7 @@ def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, 
                  per_item: list[dict]) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
     peft.save_pretrained(out)
-    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe="read-side LoRA, "
-                "KL(full || linked) over the base model's greedy answer", link=cfg.label(), settings=asdict(cfg),
+    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe=cfg.recipe(),
+                link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
     (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
