@@ -98,13 +98,15 @@ def test_the_full_term_lowers_the_adapted_models_distance_to_the_base_full(tmp_p
 
 
 @pytest.mark.parametrize("recipe", [dict(), dict(algorithm="focus", ratio=0.2, keep_full=1.0, keep_full_every=2)])
-def test_a_resumed_run_continues_from_its_checkpoint(tmp_path, recipe):
+def test_a_resumed_run_continues_from_its_checkpoint(tmp_path, recipe, monkeypatch):
     out, whole = tmp_path / "resumed", tmp_path / "whole"
     first = tl.train_link(config(out, steps=2, **recipe), items=ITEMS)
     assert (out / "checkpoint" / "state.pt").exists()
     for name in ("adapter_model.safetensors", models.ADAPTER_META):  # what a run killed before its end lacks
         (out / name).unlink()
-    resumed = tl.train_link(config(out, steps=4, **recipe), items=ITEMS)
+    with monkeypatch.context() as patch:  # each item's target file is read back, not prepared again
+        patch.setattr(tl, "prepare", lambda *args: pytest.fail("a target was prepared again"))
+        resumed = tl.train_link(config(out, steps=4, **recipe), items=ITEMS)
     straight = tl.train_link(config(whole, steps=4, **recipe), items=ITEMS)
     assert resumed.losses[:2] == first.losses  # read back from the checkpoint, not trained again
     assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-6)
@@ -174,13 +176,13 @@ def test_a_broken_or_foreign_adapter_is_refused(adapter, tmp_path):
     with pytest.raises(BadAdapter, match="missing"):
         models.attach_adapter(lm, tmp_path / "nothing")
     foreign = tmp_path / "foreign"
-    shutil.copytree(adapter, foreign, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets.pt"))
+    shutil.copytree(adapter, foreign, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets"))
     meta = json.loads((foreign / models.ADAPTER_META).read_text())
     (foreign / models.ADAPTER_META).write_text(json.dumps({**meta, "base_config": "0" * 32, "base_model": "other"}))
     with pytest.raises(BadAdapter, match="another configuration"):
         models.attach_adapter(lm, foreign)
     corrupt = tmp_path / "corrupt"
-    shutil.copytree(adapter, corrupt, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets.pt"))
+    shutil.copytree(adapter, corrupt, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets"))
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(BadAdapter, match="cannot load"):
         models.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)

@@ -24,7 +24,7 @@ held-out item. Or the user's documents (`docs`), one question per paragraph writ
 fifth paragraph's question is held out.
 
 Everything a run makes lives under `out`: the store of compiled entries (`store/`), the prepared targets
-(`targets.pt`), the last checkpoint (`checkpoint/`) and, at the end, the adapter (PEFT's `adapter_model.safetensors`
+(`targets/`), the last checkpoint (`checkpoint/`) and, at the end, the adapter (PEFT's `adapter_model.safetensors`
 and `adapter_config.json`) and `ragcache-adapter.json` (the base model it fits, the settings, the held-out report).
 A run killed at any point starts again from what is there.
 """
@@ -206,27 +206,24 @@ def _item_key(item: Item) -> str:
 
 
 def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Item]],
-                    say: Callable[[str, int, int], None], save_every: int = 20) -> dict[str, list[Target]]:
-    """Each item's targets: read from `out`/targets.pt where an earlier run prepared them with this model, else
-    prepared now; saved every `save_every` items, so a run killed while preparing loses little."""
-    path = Path(cfg.out) / "targets.pt"
-    model = f"{rc.lm.fingerprint}:{cfg.answer_tokens}"
-    saved = torch.load(path, weights_only=True) if path.exists() else {}
-    done = saved.get("targets", {}) if saved.get("model") == model else {}
-    out, fresh = {}, 0
+                    say: Callable[[str, int, int], None]) -> dict[str, list[Target]]:
+    """Each item's targets: read from `out`/targets/ where an earlier run prepared them with this model, else
+    prepared now. One file an item (a target is about 1.5 MB of fp32 log-probabilities), so a run killed while
+    preparing loses at most the item it was on, and saving never rewrites what is done."""
+    folder = Path(cfg.out) / "targets" / hashlib.sha256(
+        f"{rc.lm.fingerprint}:{cfg.answer_tokens}".encode()).hexdigest()[:16]
+    out = {}
     for name, items in sets.items():
         out[name] = []
         for i, item in enumerate(items):
-            key = _item_key(item)
-            if key not in done:
-                done[key] = vars(prepare(rc, item, cfg.answer_tokens))
-                fresh += 1
-                if fresh % save_every == 0:
-                    _atomic_save({"model": model, "targets": done}, path)
-            out[name].append(Target(**done[key]))
+            path = folder / f"{_item_key(item)}.pt"
+            if path.exists():
+                target = torch.load(path, weights_only=True)
+            else:
+                target = vars(prepare(rc, item, cfg.answer_tokens))
+                _atomic_save(target, path)
+            out[name].append(Target(**target))
             say(name, i + 1, len(items))
-    if fresh:
-        _atomic_save({"model": model, "targets": done}, path)
     return out
 
 
