@@ -130,12 +130,33 @@ def build_items(dev: dict, n: int, seed: int = 0, distractors: int = 3) -> list[
         qa = para["qas"][rng.randrange(len(para["qas"]))]
         others = rng.sample([i for i in range(len(articles)) if i != a], distractors)
         docs = [para["context"]] + [rng.choice(articles[o]["paragraphs"])["context"] for o in others]
-        slots = list(range(len(docs)))
-        rng.shuffle(slots)
-        shuffled = [docs[s] for s in slots]
-        answers = list(dict.fromkeys(ans["text"] for ans in qa["answers"]))
-        items.append(Item(qa["id"], articles[a]["title"], qa["question"], answers, shuffled, slots.index(0)))
+        items.append(_item(rng, qa, articles[a]["title"], docs))
     return items
+
+
+def items_apart(n: int, seed: int, avoid: set[str], distractors: int = 3, dev: dict | None = None) -> list[Item]:
+    """Up to n items drawn from every question (not one a paragraph) of the paragraphs outside `avoid`, their
+    distractors from other articles' paragraphs outside it too: a training split several times the paragraph count
+    that shares no paragraph with a held-out split."""
+    dev = dev or json.loads(dev_set_path().read_text())
+    rng = random.Random(seed)
+    kept = [[para for para in art["paragraphs"] if para["context"] not in avoid] for art in dev["data"]]
+    questions = [(a, para, qa) for a, paras in enumerate(kept) for para in paras for qa in para["qas"]]
+    rng.shuffle(questions)
+    items = []
+    for a, para, qa in questions[:n]:
+        others = rng.sample([i for i, paras in enumerate(kept) if i != a and paras], distractors)
+        docs = [para["context"]] + [rng.choice(kept[o])["context"] for o in others]
+        items.append(_item(rng, qa, dev["data"][a]["title"], docs))
+    return items
+
+
+def _item(rng: random.Random, qa: dict, title: str, docs: list[str]) -> Item:
+    """The gold paragraph (docs[0]) shuffled among its distractors."""
+    slots = list(range(len(docs)))
+    rng.shuffle(slots)
+    answers = list(dict.fromkeys(ans["text"] for ans in qa["answers"]))
+    return Item(qa["id"], title, qa["question"], answers, [docs[s] for s in slots], slots.index(0))
 
 
 def load_items(n: int | None = None, seed: int = 0, sample: bool = False, distractors: int = 3) -> list[Item]:

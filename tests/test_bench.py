@@ -154,6 +154,23 @@ def test_shipped_sample_is_well_formed():
     assert (squad.SAMPLE.parent / "README.md").read_text().count("CC BY-SA 4.0")
 
 
+def test_items_apart_draw_every_question_and_never_an_avoided_paragraph():
+    dev = {"data": [{"title": f"t{a}", "paragraphs": [
+        {"context": f"a{a} p{p}", "qas": [{"id": f"{a}.{p}.{q}", "question": f"q{a}.{p}.{q}",
+                                            "answers": [{"text": f"p{p}"}]} for q in range(3)]} for p in range(3)]}
+        for a in range(5)]}
+    avoid = {"a0 p0", "a1 p2", "a3 p1"}
+    items = squad.items_apart(100, 2, avoid, dev=dev)
+    assert len(items) == 5 * 3 * 3 - 3 * 3  # more items than paragraphs: every question of a kept paragraph
+    assert len({i.id for i in items}) == len(items)
+    for item in items:
+        assert not avoid & set(item.documents) and len(item.documents) == 4
+        a, p = item.id.split(".")[:2]
+        assert item.documents[item.gold] == f"a{a} p{p}"
+        assert len({d.split()[0] for d in item.documents}) == 4  # distractors from other articles
+    assert squad.items_apart(100, 2, avoid, dev=dev) == items  # seeded
+
+
 def test_variants_and_percentiles():
     assert [v.label for v in common.parse_variants("full,legolink,legolink-8,cacheblend-0.3")] == [
         "full", "legolink-16", "legolink-8", "cacheblend-0.3"]

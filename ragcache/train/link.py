@@ -19,8 +19,8 @@ stale copies of the recomputed rows, and every new row sees every earlier positi
 the linker's logits (tests/test_train_link.py).
 
 Data. SQuAD v1.1 dev as the bench reads it (`bench.squad`, in a source checkout): held out, the first `eval_items`
-items of seed 1 (docs/ACCURACY.md's held-out items); training items from seed 2, none sharing a paragraph with a
-held-out item. Or the user's documents (`docs`), one question per paragraph written by the base model; every
+items of seed 1 (docs/ACCURACY.md's held-out items); training items from seed 2, any question of a paragraph that
+no held-out item holds (thousands are there: `squad.items_apart`). Or the user's documents (`docs`), one question per paragraph written by the base model; every
 fifth paragraph's question is held out.
 
 Everything a run makes lives under `out`: the store of compiled entries (`store/`), the prepared targets
@@ -154,9 +154,7 @@ def squad_items(train_n: int, eval_n: int) -> tuple[list[Item], list[Item]]:
         raise BadRequest("SQuAD items are read with the repository's bench package (run from a source checkout); "
                          "or pass --docs with your own documents") from exc
     held_out = squad.load_items(eval_n, seed=HELD_OUT_SEED)
-    seen = {doc for item in held_out for doc in item.documents}
-    pool = squad.load_items(4 * (train_n + eval_n), seed=TRAIN_SEED)
-    training = [item for item in pool if not seen & set(item.documents)][:train_n]
+    training = squad.items_apart(train_n, TRAIN_SEED, {doc for item in held_out for doc in item.documents})
     return ([Item(i.question, i.documents) for i in training], [Item(i.question, i.documents) for i in held_out])
 
 
