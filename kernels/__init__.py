@@ -63,6 +63,11 @@ def pooled_decode_attention(query, keys, values, slots, positions, scale, window
     return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key, end_key)
 
 
+def stacked_decode_attention(query, keys, values, positions, scale, window=None):
+    """Batch-invariant decode rows, one call for those that read the same number of keys (see torch_ref)."""
+    return torch_ref.stacked_decode_attention(query, keys, values, positions, scale, window)
+
+
 def scored_attention(query, keys, values, query_positions, scale, window=None):
     """Attention of rows at positions, and the fp32 weight [N] they give each key position (softmax summed over
     heads and rows): what focus scores chunk rows with. Only the question's rows take it, once per layer, so the

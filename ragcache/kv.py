@@ -165,18 +165,59 @@ class PooledRows:
                                                self.end_position)
 
 
+@dataclass
+class StackedRows:
+    """Batch-invariant decode rows (one row at its own cache's last position, caches not pooled) that read the same
+    number of keys: their position rounded up to a whole step of `DECODE_KEYS_STEP` (or their cache's capacity), a
+    number each row sets alone. One attention call for all of them, whose arithmetic for a row depends on that
+    number only, so the row gets the same bits whoever shares the call."""
+
+    segments: list[Segment]
+    index: torch.Tensor  # their rows in the packed forward
+    positions: torch.Tensor
+    length: int
+
+    def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+        keys = torch.stack([seg.cache.keys[layer, :, : self.length] for seg in self.segments])
+        values = torch.stack([seg.cache.values[layer, :, : self.length] for seg in self.segments])
+        return kernels.stacked_decode_attention(query, keys, values, self.positions, scale, window)
+
+
+DECODE_KEYS_STEP = 256
+
+
+def stack_rows(segments: list[Segment]) -> list[StackedRows]:
+    """The step's decode rows grouped by the keys they read (StackedRows)."""
+    groups: dict[int, list[Segment]] = {}
+    for seg in segments:
+        if seg.end - seg.start == 1 and seg.contiguous_from is not None and seg.scores is None:
+            length = min(-(-(seg.contiguous_from + 1) // DECODE_KEYS_STEP) * DECODE_KEYS_STEP, seg.cache.capacity)
+            groups.setdefault(length, []).append(seg)
+    if not groups:
+        return []
+    device = segments[0].rows.device
+    return [StackedRows(segs, torch.tensor([seg.start for seg in segs], device=device),
+                        torch.tensor([seg.contiguous_from for seg in segs], device=device), length)
+            for length, segs in groups.items()]
+
+
 class Batch:
     """The packed forward's view of every request in it; decoder layers see it as their cache."""
 
-    def __init__(self, segments: list[Segment], pooled: PooledRows | None = None):
+    def __init__(self, segments: list[Segment], pooled: PooledRows | None = None,
+                 stacked: list[StackedRows] = ()):
         self.segments = segments
         self.pooled = pooled
-        grouped = {id(seg) for seg in pooled.segments} if pooled is not None else set()
+        self.stacked = list(stacked)
+        self.groups = ([pooled] if pooled is not None else []) + self.stacked  # rows attended in one call each
+        in_pool = {id(seg) for seg in pooled.segments} if pooled is not None else set()
+        grouped = in_pool | {id(seg) for group in self.stacked for seg in group.segments}
+        self.own = [seg for seg in segments if id(seg) not in in_pool]  # K/V written into their own caches
         self.alone = [seg for seg in segments if id(seg) not in grouped]  # attended request by request
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
-        for seg in self.alone:
+        for seg in self.own:
             seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
                             seg.rows, seg.contiguous_from)
         if self.pooled is not None:
@@ -185,13 +226,13 @@ class Batch:
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of the whole forward -> [rows, heads, head_dim]: each request's rows over
-        its own cache, the pooled decode rows in one call."""
+        its own cache, each group of decode rows (pooled or stacked) in one call."""
         outs = [self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window) for seg in self.alone]
-        if self.pooled is None:
+        if not self.groups:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
-        pooled = self.pooled
-        out[pooled.index] = pooled.attend(query[:, pooled.index], layer, scale, window)
+        for group in self.groups:
+            out[group.index] = group.attend(query[:, group.index], layer, scale, window)
         for seg, seg_out in zip(self.alone, outs):
             out[seg.start : seg.end] = seg_out
         return out

@@ -23,7 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
-from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
+from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows, stack_rows
 from .models import LoadedModel
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
@@ -193,8 +193,11 @@ class Runner:
                                     scores))
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
-        pooled = None if self.batch_invariant else pool_rows(self.pool, segments)
-        return Batch(segments, pooled), positions
+        if not self.batch_invariant:
+            return Batch(segments, pool_rows(self.pool, segments)), positions
+        # CPU: invariant by construction (kv.StackedRows). CUDA keeps a call per row: whether its kernels round a
+        # row alike among others was never measured there.
+        return Batch(segments, stacked=stack_rows(segments) if self.device.type == "cpu" else ()), positions
 
     def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
         """One decoder layer over the packed rows; their K/V are written into each request's cache."""

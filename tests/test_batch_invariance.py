@@ -79,3 +79,32 @@ def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(
     for warm in (partial, exact):
         assert torch.equal(warm.logits, cold.logits)
         assert warm.stream.answer.token_ids == cold.stream.answer.token_ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_stacked_decode_attention_gives_a_row_the_same_bits_whoever_shares_its_call(dtype):
+    """The batch-invariant decode path (kv.StackedRows): rows that read the same number of keys share one call, and a
+    row's output must not depend on how many others are in it or what they hold; it is attention all the same."""
+    import ragcache.kernels as kernels
+    from kernels import torch_ref
+
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, length = 9, 3, 64, 512
+    keys = torch.randn(17, kv_heads, length, dim, generator=generator).to(dtype)
+    values = torch.randn(17, kv_heads, length, dim, generator=generator).to(dtype)
+    query = torch.randn(heads, 17, dim, generator=generator).to(dtype)
+    positions = torch.randint(256, length, (17,), generator=generator)
+    for window in (None, 100):
+        alone = [kernels.stacked_decode_attention(query[:, i : i + 1], keys[i : i + 1], values[i : i + 1],
+                                                  positions[i : i + 1], 0.125, window)[0] for i in range(17)]
+        for i in range(17):
+            expected = torch_ref.reference_attention(query[:, i : i + 1], keys[i], values[i], positions[i : i + 1],
+                                                     0.125, window)[0]
+            torch.testing.assert_close(alone[i].float(), expected.float(), atol=2e-2 if dtype != torch.float32
+                                       else 1e-5, rtol=0)
+        for n in (2, 5, 16, 17):
+            chosen = torch.randperm(17, generator=generator)[:n]
+            together_ = kernels.stacked_decode_attention(query[:, chosen], keys[chosen], values[chosen],
+                                                         positions[chosen], 0.125, window)
+            for j, i in enumerate(chosen.tolist()):
+                assert torch.equal(together_[j], alone[i]), (n, i, window)

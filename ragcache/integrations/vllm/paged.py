@@ -134,7 +134,7 @@ class KernelBatch(Batch):
     (focus's question pass) and windowed layers keep ragcache's kernels."""
 
     def __init__(self, batch: Batch, kernel: KernelCall, gap: int = 0):
-        super().__init__(batch.segments, batch.pooled)
+        super().__init__(batch.segments, batch.pooled, batch.stacked)
         self.kernel = kernel
         self.plans: dict[int, tuple[RowRuns, torch.Tensor, PagedCopy]] = {}
         for seg in self.alone:
