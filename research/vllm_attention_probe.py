@@ -49,6 +49,49 @@ def focus_case(dtype: str):
     return seen["rows"], seen["cache"], rc.runner.shape
 
 
+def merged_runs(rows, gap: int):
+    """[start, end) stretches covering sorted `rows`, merging stretches fewer than `gap` positions apart."""
+    spans: list[list[int]] = []
+    for p in rows.tolist():
+        if spans and p - spans[-1][1] < gap:
+            spans[-1][1] = p + 1
+        else:
+            spans.append([p, p + 1])
+    return spans
+
+
+class MergedPlan:
+    """vLLM's kernel over merged runs: the positions between merged stretches attend as zero rows, dropped after."""
+
+    def __init__(self, rows, gap: int, length: int, block: int):
+        import torch
+
+        spans = merged_runs(rows, gap)
+        sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
+        self.count = len(spans)
+        self.query_start = torch.zeros(self.count + 1, dtype=torch.int32)
+        torch.cumsum(sizes, 0, out=self.query_start[1:])
+        self.query_rows = int(self.query_start[-1])
+        starts = torch.tensor([a for a, _ in spans], dtype=torch.long)
+        self.seq_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
+        run_of_row = torch.searchsorted(self.seq_lens.to(torch.long), rows, right=True)
+        self.slots = self.query_start[:-1].to(torch.long)[run_of_row] + rows - starts[run_of_row]
+        blocks = -(-length // block)
+        self.block_table = torch.arange(blocks, dtype=torch.int32)[None].expand(self.count, blocks).contiguous()
+
+    def attend(self, call, query, copy, metadata, scale):
+        import torch
+
+        heads, _, dim = query.shape
+        padded = query.new_zeros(self.query_rows, heads, dim)
+        padded[self.slots] = query.transpose(0, 1)
+        out = torch.empty_like(padded)
+        torch.ops._C.cpu_attention_with_kv_cache(
+            padded, copy.keys, copy.values, out, self.query_start, self.seq_lens, scale, True, None, -1,
+            self.block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto")
+        return out[self.slots]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gaps", default="0,2,8,32")
@@ -94,10 +137,10 @@ def main() -> None:
     report["fill_s"] = timed(lambda: copy.fill(keys, values))
     for split_kv, gap in ((s, int(g)) for s in (False, True) for g in args.gaps.split(",")):
         call = paged.KernelCall(heads, shape.kv_heads, shape.head_dim, dtype, isa, split_kv)
-        plan = paged.RowRuns.of(rows, gap, cache.length, paged.BLOCK, torch.device("cpu"))
+        plan = MergedPlan(rows, gap, cache.length, paged.BLOCK)
         meta = call.metadata(plan)
-        out = call.attend(query, copy, plan, meta, scale)
-        seconds = timed(lambda: call.attend(query, copy, plan, meta, scale))
+        out = plan.attend(call, query, copy, meta, scale)
+        seconds = timed(lambda: plan.attend(call, query, copy, meta, scale))
         report[f"vllm_gap{gap}" + ("_split_kv" if split_kv else "")] = {
             "s": seconds, "runs": plan.count, "query_rows": plan.query_rows,
             "max_err": float((out.float() - reference).abs().max())}

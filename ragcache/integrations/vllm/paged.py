@@ -3,8 +3,8 @@
 The kernel attends varlen causal query runs, each the last rows of its sequence, over a paged cache through a
 block table. A link's rows are sorted positions with gaps, so each maximal stretch of rows becomes one run whose
 sequence ends at its last row: every row then sees exactly the keys at or before its position, none wasted.
-Stretches closer than `gap` are merged into one run, and the positions between them attend as zero rows whose
-output is dropped: fewer, longer runs suit the kernel's tiles, at the price of those rows.
+(Merging nearby stretches into longer runs, the rows between them attended and dropped, was slower:
+research/vllm_attention_probe.py.)
 
 The joined cache is `[kv_heads, positions, head_dim]` per layer; the kernel reads `[blocks, kv_heads, block, head_dim]`
 with K and V side by side in each block (vLLM's CPU layout). `PagedCopy` writes a layer into that layout through
@@ -40,14 +40,11 @@ def kernel_for(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, dev
     return KernelCall(heads, kv_heads, head_dim, dtype, _get_attn_isa(dtype, BLOCK, head_dim, "auto"))
 
 
-def runs(rows: torch.Tensor, gap: int = 0) -> list[tuple[int, int]]:
-    """[start, end) stretches covering sorted host `rows`, merging stretches fewer than `gap` positions apart."""
-    if rows.numel() == 0:
-        return []
-    positions = rows.tolist()
-    spans = [[positions[0], positions[0] + 1]]
-    for p in positions[1:]:
-        if p - spans[-1][1] < gap or p == spans[-1][1]:
+def runs(rows: torch.Tensor) -> list[tuple[int, int]]:
+    """[start, end) stretches of consecutive positions covering sorted host `rows`."""
+    spans: list[list[int]] = []
+    for p in rows.tolist():
+        if spans and p == spans[-1][1]:
             spans[-1][1] = p + 1
         else:
             spans.append([p, p + 1])
@@ -59,26 +56,19 @@ class RowRuns:
     """The kernel's query runs for one set of rows (what stays the same across layers)."""
 
     count: int
-    query_rows: int  # rows the kernel computes, merged gaps included
     query_start: torch.Tensor  # int32 [count + 1]
     seq_lens: torch.Tensor  # int32 [count]: each run's last position + 1
     block_table: torch.Tensor  # int32 [count, blocks]: every run reads the same blocks
-    slots: torch.Tensor  # long [rows]: each row's place among the query rows
 
     @classmethod
-    def of(cls, rows: torch.Tensor, gap: int, length: int, block: int, device) -> "RowRuns":
-        spans = runs(rows, gap)
-        sizes = torch.tensor([b - a for a, b in spans], dtype=torch.int32)
+    def of(cls, rows: torch.Tensor, length: int, block: int, device) -> "RowRuns":
+        spans = runs(rows)
         query_start = torch.zeros(len(spans) + 1, dtype=torch.int32)
-        torch.cumsum(sizes, 0, out=query_start[1:])
-        starts = torch.tensor([a for a, _ in spans], dtype=torch.long)
+        torch.cumsum(torch.tensor([b - a for a, b in spans], dtype=torch.int32), 0, out=query_start[1:])
         seq_lens = torch.tensor([b for _, b in spans], dtype=torch.int32)
-        run_of_row = torch.searchsorted(seq_lens.to(torch.long), rows, right=True)
-        slots = query_start[:-1].to(torch.long)[run_of_row] + rows - starts[run_of_row]
         blocks = -(-length // block)
         table = torch.arange(blocks, dtype=torch.int32)[None].expand(len(spans), blocks).contiguous()
-        return cls(len(spans), int(query_start[-1]), query_start.to(device), seq_lens.to(device), table.to(device),
-                   slots.to(device))
+        return cls(len(spans), query_start.to(device), seq_lens.to(device), table.to(device))
 
 
 class PagedCopy:
@@ -115,25 +105,19 @@ class KernelCall:
     def attend(self, query: torch.Tensor, copy: PagedCopy, runs: RowRuns, metadata: torch.Tensor, scale: float,
                window: int | None = None) -> torch.Tensor:
         """query [heads, rows, head_dim] -> [rows, heads, head_dim], each row over the keys at or before it."""
-        heads, rows, dim = query.shape
-        merged = runs.query_rows != rows  # the rows between merged stretches attend as zeros
-        if merged:
-            padded = query.new_zeros(runs.query_rows, heads, dim)
-            padded[runs.slots] = query.transpose(0, 1)
-        else:
-            padded = query.transpose(0, 1).contiguous()
-        out = torch.empty_like(padded)
+        by_row = query.transpose(0, 1).contiguous()
+        out = torch.empty_like(by_row)
         torch.ops._C.cpu_attention_with_kv_cache(
-            padded, copy.keys, copy.values, out, runs.query_start, runs.seq_lens, scale, True, None,
+            by_row, copy.keys, copy.values, out, runs.query_start, runs.seq_lens, scale, True, None,
             -1 if window is None else window, runs.block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto")
-        return out[runs.slots] if merged else out
+        return out
 
 
 class KernelBatch(Batch):
     """A `Batch` whose rows attend through vLLM's kernel, request by request; rows that collect attention scores
     (focus's question pass) and windowed layers keep ragcache's kernels."""
 
-    def __init__(self, batch: Batch, kernel: KernelCall, gap: int = 0):
+    def __init__(self, batch: Batch, kernel: KernelCall):
         super().__init__(batch.segments, batch.pooled, batch.stacked)
         self.kernel = kernel
         self.plans: dict[int, tuple[RowRuns, torch.Tensor, PagedCopy]] = {}
@@ -141,7 +125,7 @@ class KernelBatch(Batch):
             rows = seg.rows.cpu()
             if seg.scores is None and rows.numel() and bool((rows[1:] > rows[:-1]).all()):  # runs need sorted rows
                 length = seg.cache.length
-                runs_ = RowRuns.of(rows, gap, length, BLOCK, seg.rows.device)
+                runs_ = RowRuns.of(rows, length, BLOCK, seg.rows.device)
                 copy = PagedCopy(kernel.kv_heads, kernel.head_dim, length, kernel.dtype, seg.rows.device, kernel.isa)
                 self.plans[id(seg)] = (runs_, kernel.metadata(runs_), copy)
 
