@@ -31,11 +31,13 @@ class JoinedCache:
     Its own buffers, or (while its request decodes) a view of a slot of the runner's KVPool. A cache released from
     the pool is spent: empty, length 0."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device):
-        shape = (layers, kv_heads, capacity, head_dim)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device,
+                 pad_to: int = 1):
+        # buffers of whole `pad_to` steps: stacked decode rows read whole steps of keys (StackedRows)
+        shape = (layers, kv_heads, -(-capacity // pad_to) * pad_to, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity
+        self.capacity = capacity  # positions a request may fill; the buffers may hold a few more
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
 
@@ -168,9 +170,10 @@ class PooledRows:
 @dataclass
 class StackedRows:
     """Batch-invariant decode rows (one row at its own cache's last position, caches not pooled) that read the same
-    number of keys: their position rounded up to a whole step of `DECODE_KEYS_STEP` (or their cache's capacity), a
-    number each row sets alone. One attention call for all of them, whose arithmetic for a row depends on that
-    number only, so the row gets the same bits whoever shares the call."""
+    number of keys: their position rounded up to a whole step of `DECODE_KEYS_STEP` (within their cache's buffer,
+    which the runner allocates in whole steps), a number each row sets alone. One attention call for all of them,
+    whose arithmetic for a row depends on that number only, so the row gets the same bits whoever shares the
+    call."""
 
     segments: list[Segment]
     index: torch.Tensor  # their rows in the packed forward
@@ -191,7 +194,7 @@ def stack_rows(segments: list[Segment]) -> list[StackedRows]:
     groups: dict[int, list[Segment]] = {}
     for seg in segments:
         if seg.end - seg.start == 1 and seg.contiguous_from is not None and seg.scores is None:
-            length = min(-(-(seg.contiguous_from + 1) // DECODE_KEYS_STEP) * DECODE_KEYS_STEP, seg.cache.capacity)
+            length = min(-(-(seg.contiguous_from + 1) // DECODE_KEYS_STEP) * DECODE_KEYS_STEP, seg.cache.keys.shape[2])
             groups.setdefault(length, []).append(seg)
     if not groups:
         return []

@@ -23,7 +23,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
-from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows, stack_rows
+from .kv import (DECODE_KEYS_STEP, Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows,
+                 stack_rows)
 from .models import LoadedModel
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
@@ -170,7 +171,9 @@ class Runner:
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape
-        return JoinedCache(s.layers, s.kv_heads, s.head_dim, capacity, s.dtype, self.device)
+        stacked = self.batch_invariant and self.device.type == "cpu"  # see batch()
+        return JoinedCache(s.layers, s.kv_heads, s.head_dim, capacity, s.dtype, self.device,
+                           DECODE_KEYS_STEP if stacked else 1)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device)[None])
@@ -253,6 +256,6 @@ class Runner:
         cache.length = length
         rows = torch.arange(length)
         self.forward_rows(token_ids, rows, cache)
-        keys = kernels.rotate_keys(cache.keys.to(torch.float32), -rows.to(self.device), self.inv_freq,
+        keys = kernels.rotate_keys(cache.keys[:, :, :length].to(torch.float32), -rows.to(self.device), self.inv_freq,
                                    1.0 / self.rope_scaling)
-        return keys.to(self.shape.dtype), cache.values
+        return keys.to(self.shape.dtype), cache.values[:, :, :length]

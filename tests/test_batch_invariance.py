@@ -108,3 +108,21 @@ def test_stacked_decode_attention_gives_a_row_the_same_bits_whoever_shares_its_c
                                                          positions[chosen], 0.125, window)
             for j, i in enumerate(chosen.tolist()):
                 assert torch.equal(together_[j], alone[i]), (n, i, window)
+
+
+def test_decode_rows_of_prompts_of_different_lengths_share_one_stacked_call():
+    """What makes the stacked path pay: rows of requests whose prompts and budgets differ read the same whole step
+    of keys, so they share a call; a row's call is set by its own position alone (a row past the step reads two)."""
+    from ragcache.kv import DECODE_KEYS_STEP
+    from ragcache.runner import Runner
+    from tests import tiny
+
+    runner = Runner(tiny.make("llama"), batch_invariant=True)
+    parts = []
+    for capacity, length in ((300, 290), (310, 250), (120, 100), (400, 300)):
+        cache = runner.new_cache(capacity)
+        cache.length = length + 1
+        parts.append((cache, torch.tensor([length])))
+    batch, _ = runner.batch(parts)
+    groups = sorted((group.length, len(group.segments)) for group in batch.stacked)
+    assert groups == [(DECODE_KEYS_STEP, 2), (2 * DECODE_KEYS_STEP, 2)] and not batch.alone
