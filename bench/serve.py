@@ -155,7 +155,7 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             cache.keys.normal_(), cache.values.normal_()
             cache.length = length
             if pooled:
-                runner.pool.adopt(cache)
+                runner.adopt(cache)
             made.append(cache)
         return made
 
@@ -172,7 +172,7 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             cache.length -= 1
         return seconds
 
-    cells = [(1, positions, False), (streams, positions, not runner.batch_invariant), (streams, 1, False)]
+    cells = [(1, positions, False), (streams, positions, runner.pool is not None), (streams, 1, False)]
     groups = [caches(n, length, pooled) for n, length, pooled in cells]
     times: list[list[float]] = [[] for _ in cells]
     for _ in range(runs):
@@ -180,7 +180,7 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             seconds.append(step(group))
     for group in groups:
         for cache in group:
-            runner.pool.release(cache)
+            runner.release(cache)
     one = statistics.median(times[0])
     rows = []
     for (n, length, pooled), seconds in zip(cells, times):

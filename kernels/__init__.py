@@ -63,9 +63,13 @@ def pooled_decode_attention(query, keys, values, slots, positions, scale, window
     return torch_ref.pooled_decode_attention(query, keys, values, slots, positions, scale, window, first_key, end_key)
 
 
-def stacked_decode_attention(query, keys, values, positions, scale, window=None):
+def decode_mask(positions, length, window=None):
+    return torch_ref.decode_mask(positions, length, window)
+
+
+def stacked_decode_attention(query, keys, values, allowed, scale):
     """Batch-invariant decode rows, one call for those that read the same number of keys (see torch_ref)."""
-    return torch_ref.stacked_decode_attention(query, keys, values, positions, scale, window)
+    return torch_ref.stacked_decode_attention(query, keys, values, allowed, scale)
 
 
 def scored_attention(query, keys, values, query_positions, scale, window=None):

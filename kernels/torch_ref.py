@@ -268,20 +268,26 @@ def pooled_decode_attention(
     return out.reshape(pool_slots, heads, dim)[slots]
 
 
-def stacked_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                             scale: float, window: int | None = None) -> torch.Tensor:
-    """One decode row per cache, the caches' first L positions stacked: query [H, n, D], keys/values [n, KVH, L, D],
-    row i at positions[i] (< L) -> [n, H, D]. One eager call (both matmuls in the input dtype, softmax in fp32) whose
-    arithmetic for a row depends on L and its own keys only, not on how many rows share the call: on CPU a row gets
-    the same bits alone or among others, in bf16 and fp32 (tests/test_batch_invariance.py), where SDPA over each
-    row's own keys costs a call per row and layer."""
-    heads, rows, dim = query.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    keys, values = _same_dtype(query, keys, values)
-    key_pos = torch.arange(length, device=query.device)[None, :]
+def decode_mask(positions: torch.Tensor, length: int, window: int | None = None) -> torch.Tensor:
+    """[n, length] bool: which of its cache's first `length` positions a decode row at positions[i] sees."""
+    key_pos = torch.arange(length, device=positions.device)[None, :]
     allowed = key_pos <= positions[:, None]
     if window is not None:
         allowed &= key_pos > positions[:, None] - window
+    return allowed
+
+
+def stacked_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """One decode row per cache, the caches stacked: query [H, n, D], keys/values [n, KVH, L, D] (a contiguous
+    block, such as a run of pool slots), row i seeing the keys allowed[i] ([n, L], `decode_mask`) -> [n, H, D].
+    One eager call (both matmuls in the input dtype, softmax in fp32) whose arithmetic for a row depends on L and
+    its own keys only, not on how many rows share the call: on CPU a row gets the same bits alone or among others,
+    in bf16 and fp32 (tests/test_batch_invariance.py), where SDPA over each row's own keys costs a call per row and
+    layer."""
+    heads, rows, dim = query.shape
+    kv_heads = keys.shape[1]
+    keys, values = _same_dtype(query, keys, values)
     grouped = query.transpose(0, 1).reshape(rows, kv_heads, heads // kv_heads, dim)
     return _eager_attention(grouped, keys, values, allowed[:, None, None, :], scale).reshape(rows, heads, dim)
 

@@ -5,11 +5,13 @@
     fresh K/V into its own JoinedCache (`Batch.update`) and attends each request's rows causally, by position, over
     its own cache (`Batch.attend`; sliding-window layers keep their window).
   - `KVPool`, where the caches of decoding requests live side by side, so that the decode rows of every request
-    take one attention call per layer (`PooledRows`) instead of one call per request.
+    take one attention call per layer (`PooledRows`) instead of one call per request; `BucketPools`, one pool per
+    capacity bucket, the batch-invariant way to do the same.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,13 +33,11 @@ class JoinedCache:
     Its own buffers, or (while its request decodes) a view of a slot of the runner's KVPool. A cache released from
     the pool is spent: empty, length 0."""
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device,
-                 pad_to: int = 1):
-        # buffers of whole `pad_to` steps: stacked decode rows read whole steps of keys (StackedRows)
-        shape = (layers, kv_heads, -(-capacity // pad_to) * pad_to, head_dim)
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype: torch.dtype, device):
+        shape = (layers, kv_heads, capacity, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
-        self.capacity = capacity  # positions a request may fill; the buffers may hold a few more
+        self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
 
@@ -151,6 +151,13 @@ class PooledRows:
     end_slot: int
     first_position: int  # the position range
     end_position: int
+    whole: bool = False  # batch-invariant: every row reads its slot's whole capacity (below)
+
+    def __post_init__(self):
+        self.local = self.slots - self.first_slot
+        # the rows are the range's slots in order: the call takes the query and gives the output as they are
+        self.dense = self.local.tolist() == list(range(self.end_slot - self.first_slot))
+        self.masks: dict[int | None, torch.Tensor] = {}
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [kv_heads, rows, head_dim] of the whole forward: this group's rows into their slots."""
@@ -160,76 +167,61 @@ class PooledRows:
 
     def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of this group's rows -> [rows, heads, head_dim]."""
+        if self.whole:
+            return self._attend_whole(query, layer, scale, window)
         first_key = 0 if window is None else max(self.first_position - window + 1, 0)
         span = (layer, slice(self.first_slot, self.end_slot), slice(None), slice(first_key, None))
         return kernels.pooled_decode_attention(query, self.pool.keys[span], self.pool.values[span],
                                                self.slots - self.first_slot, self.positions, scale, window, first_key,
                                                self.end_position)
 
+    def _attend_whole(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
+        """Every slot of the range over its whole capacity, one row a slot (slots without a row this step attend a
+        zero query at position 0, dropped): the stacked call's arithmetic for a slot depends on that slot alone."""
+        span = slice(self.first_slot, self.end_slot)
+        if self.dense:
+            grouped = query
+        else:
+            grouped = query.new_zeros(query.shape[0], self.end_slot - self.first_slot, query.shape[2])
+            grouped[:, self.local] = query
+        out = kernels.stacked_decode_attention(grouped, self.pool.keys[layer, span], self.pool.values[layer, span],
+                                               self._mask(window), scale)
+        return out if self.dense else out[self.local]
 
-@dataclass
-class StackedRows:
-    """Batch-invariant decode rows (one row at its own cache's last position, caches not pooled) that read the same
-    number of keys: their position rounded up to a whole step of `DECODE_KEYS_STEP` (within their cache's buffer,
-    which the runner allocates in whole steps), a number each row sets alone. One attention call for all of them,
-    whose arithmetic for a row depends on that number only, so the row gets the same bits whoever shares the
-    call."""
-
-    segments: list[Segment]
-    index: torch.Tensor  # their rows in the packed forward
-    positions: torch.Tensor
-    length: int
-
-    def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
-        keys = torch.stack([seg.cache.keys[layer, :, : self.length] for seg in self.segments])
-        values = torch.stack([seg.cache.values[layer, :, : self.length] for seg in self.segments])
-        return kernels.stacked_decode_attention(query, keys, values, self.positions, scale, window)
-
-
-DECODE_KEYS_STEP = 256
-
-
-def stack_rows(segments: list[Segment]) -> list[StackedRows]:
-    """The step's decode rows grouped by the keys they read (StackedRows)."""
-    groups: dict[int, list[Segment]] = {}
-    for seg in segments:
-        if seg.end - seg.start == 1 and seg.contiguous_from is not None and seg.scores is None:
-            length = min(-(-(seg.contiguous_from + 1) // DECODE_KEYS_STEP) * DECODE_KEYS_STEP, seg.cache.keys.shape[2])
-            groups.setdefault(length, []).append(seg)
-    if not groups:
-        return []
-    device = segments[0].rows.device
-    return [StackedRows(segs, torch.tensor([seg.start for seg in segs], device=device),
-                        torch.tensor([seg.contiguous_from for seg in segs], device=device), length)
-            for length, segs in groups.items()]
+    def _mask(self, window: int | None) -> torch.Tensor:
+        """The slots' decode masks, made once a step for each window size its layers have."""
+        if window not in self.masks:
+            positions = torch.zeros(self.end_slot - self.first_slot, dtype=torch.long, device=self.positions.device)
+            positions[self.local] = self.positions
+            self.masks[window] = kernels.decode_mask(positions, self.pool.keys.shape[3], window)
+        return self.masks[window]
 
 
 class Batch:
     """The packed forward's view of every request in it; decoder layers see it as their cache."""
 
-    def __init__(self, segments: list[Segment], pooled: PooledRows | None = None,
-                 stacked: list[StackedRows] = ()):
+    def __init__(self, segments: list[Segment], groups: Sequence[PooledRows] = ()):
         self.segments = segments
-        self.pooled = pooled
-        self.stacked = list(stacked)
-        self.groups = ([pooled] if pooled is not None else []) + self.stacked  # rows attended in one call each
-        in_pool = {id(seg) for seg in pooled.segments} if pooled is not None else set()
-        grouped = in_pool | {id(seg) for group in self.stacked for seg in group.segments}
-        self.own = [seg for seg in segments if id(seg) not in in_pool]  # K/V written into their own caches
+        self.groups = list(groups)  # decode rows attended in one call a group
+        grouped = {id(seg) for group in self.groups for seg in group.segments}
         self.alone = [seg for seg in segments if id(seg) not in grouped]  # attended request by request
+        # one group holding every row in order (the usual decode-only step): its call's output is the whole answer
+        self.one_group = len(self.groups) == 1 and list(map(id, self.groups[0].segments)) == list(map(id, segments))
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
-        for seg in self.own:
+        for seg in self.alone:
             seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
                             seg.rows, seg.contiguous_from)
-        if self.pooled is not None:
-            self.pooled.write(layer_idx, key_states[0], value_states[0])
+        for group in self.groups:
+            group.write(layer_idx, key_states[0], value_states[0])
         return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of the whole forward -> [rows, heads, head_dim]: each request's rows over
-        its own cache, each group of decode rows (pooled or stacked) in one call."""
+        its own cache, each group of pooled decode rows in one call."""
+        if self.one_group:
+            return self.groups[0].attend(query, layer, scale, window)
         outs = [self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window) for seg in self.alone]
         if not self.groups:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
@@ -252,22 +244,53 @@ class Batch:
                                           contiguous_from=seg.contiguous_from)
 
 
-def pool_rows(pool: KVPool, segments: list[Segment]) -> PooledRows | None:
-    """The decode rows (one row at its cache's last position) of pooled caches, if batching them pays: at least
-    two, and the slot x position range one call reads is at most twice the keys they need (padding)."""
-    rows = [seg for seg in segments if seg.cache.slot is not None and seg.end - seg.start == 1
-            and seg.contiguous_from is not None]
-    if len(rows) < 2:
+def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> PooledRows | None:
+    """The decode rows (one row at its cache's last position) of caches in `pool`. Batched if that pays: at least
+    two rows, and the slot x position range one call reads at most twice the keys they need (padding). `whole`
+    (batch-invariant): always, each row over its slot's whole capacity."""
+    rows = [seg for seg in segments if seg.cache.slot is not None and pool.members.get(seg.cache.slot) is seg.cache
+            and seg.end - seg.start == 1 and seg.contiguous_from is not None]
+    if not rows or (len(rows) < 2 and not whole):
         return None
     slots = [seg.cache.slot for seg in rows]
     positions = [seg.contiguous_from for seg in rows]
     first_slot, end_slot, end_position = min(slots), max(slots) + 1, max(positions) + 1
-    if 2 * sum(p + 1 for p in positions) < (end_slot - first_slot) * end_position:
+    if not whole and 2 * sum(p + 1 for p in positions) < (end_slot - first_slot) * end_position:
         return None
     device = pool.device
     return PooledRows(pool, rows, torch.tensor([seg.start for seg in rows], device=device),
                       torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                      first_slot, end_slot, min(positions), end_position)
+                      first_slot, end_slot, min(positions), end_position, whole)
+
+
+class BucketPools:
+    """Batch-invariant pooling: one KVPool per capacity bucket (a request's prompt plus its budget, rounded up to
+    whole `KVPool.CAPACITY_STEP`s), each a contiguous block that its rows read whole. What a decode row reads, and
+    so how it rounds, is set by its own request alone, whoever else decodes; no block is copied for the call."""
+
+    def __init__(self, shape: ModelShape, device):
+        self.shape, self.device = shape, device
+        self.pools: dict[int, KVPool] = {}
+
+    def _bucket(self, cache: JoinedCache) -> int:
+        return -(-cache.capacity // KVPool.CAPACITY_STEP) * KVPool.CAPACITY_STEP
+
+    def adopt(self, cache: JoinedCache) -> None:
+        bucket = self._bucket(cache)
+        if bucket not in self.pools:
+            self.pools[bucket] = KVPool(self.shape, self.device)
+        self.pools[bucket].adopt(cache)
+
+    def release(self, cache: JoinedCache) -> None:
+        bucket = self._bucket(cache)  # before the pool spends the cache
+        pool = self.pools.get(bucket)
+        if pool is not None:
+            pool.release(cache)
+            if not pool.members:
+                del self.pools[bucket]
+
+    def rows(self, segments: list[Segment]) -> list[PooledRows]:
+        return [group for pool in self.pools.values() if (group := pool_rows(pool, segments, whole=True))]
 
 
 def contiguous_start(rows: torch.Tensor) -> int | None:

@@ -23,8 +23,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
-from .kv import (DECODE_KEYS_STEP, Batch, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows,
-                 stack_rows)
+from .kv import Batch, BucketPools, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
 from .models import LoadedModel
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
@@ -140,10 +139,10 @@ class Runner:
     `batch_invariant` (the default): a row's result does not depend on the other rows of its forward, bit for bit,
     so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
     Linear runs at least 2 rows (any 2 or more rows give a row the same bits; one row alone may not); every decode
-    row attends over its own cache in its own call, since the pooled call (`kv.PooledRows`) reads a block as long
-    as the longest cache in the pool and rounds by that length; and the scheduler cuts a request's link pieces
-    where it would alone (`Scheduler._piece_size`), since a row's attention depends on where its piece starts.
-    Off: the pooled call, faster at many decode streams."""
+    row attends over its own slot of a pool of caches of its own capacity bucket, whole (`kv.BucketPools`), since
+    the shared pool's call (`kv.PooledRows`) reads a block as long as the longest cache in it and rounds by that
+    length; and the scheduler cuts a request's link pieces where it would alone (`Scheduler._piece_size`), since a
+    row's attention depends on where its piece starts. Off: the shared pool, reading only the keys its rows need."""
 
     def __init__(self, lm: LoadedModel, batch_invariant: bool = True):
         self.lm = lm
@@ -163,7 +162,11 @@ class Runner:
         self.shape = ModelShape(len(self.layers), config.num_key_value_heads, head_dim, model.dtype)
         self.inv_freq, self.rope_scaling = rope_table(self.rotary, self.layer_types, self.device)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        self.pool = KVPool(self.shape, self.device)  # the decoding requests' caches (the scheduler moves them in)
+        # the decoding requests' caches (the scheduler moves them in). Batch-invariant on CUDA: none, a call per row,
+        # since whether its kernels round a row alike among others was never measured there.
+        self.pool: KVPool | BucketPools | None = (KVPool(self.shape, self.device) if not batch_invariant else
+                                                  BucketPools(self.shape, self.device) if self.device.type == "cpu"
+                                                  else None)
         model.config._attn_implementation = ATTENTION_NAME
         reduced = model.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cpu" and (reduced or batch_invariant):
@@ -171,9 +174,7 @@ class Runner:
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape
-        stacked = self.batch_invariant and self.device.type == "cpu"  # see batch()
-        return JoinedCache(s.layers, s.kv_heads, s.head_dim, capacity, s.dtype, self.device,
-                           DECODE_KEYS_STEP if stacked else 1)
+        return JoinedCache(s.layers, s.kv_heads, s.head_dim, capacity, s.dtype, self.device)
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(token_ids.to(self.device)[None])
@@ -196,11 +197,19 @@ class Runner:
                                     scores))
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
-        if not self.batch_invariant:
-            return Batch(segments, pool_rows(self.pool, segments)), positions
-        # CPU: invariant by construction (kv.StackedRows). CUDA keeps a call per row: whether its kernels round a
-        # row alike among others was never measured there.
-        return Batch(segments, stacked=stack_rows(segments) if self.device.type == "cpu" else ()), positions
+        if isinstance(self.pool, BucketPools):
+            return Batch(segments, self.pool.rows(segments)), positions
+        pooled = pool_rows(self.pool, segments) if self.pool is not None else None
+        return Batch(segments, [pooled] if pooled is not None else []), positions
+
+    def adopt(self, cache: JoinedCache) -> None:
+        """A request starts decoding: its cache joins the pool (where there is one)."""
+        if self.pool is not None and cache.slot is None:
+            self.pool.adopt(cache)
+
+    def release(self, cache: JoinedCache) -> None:
+        if self.pool is not None:
+            self.pool.release(cache)
 
     def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
         """One decoder layer over the packed rows; their K/V are written into each request's cache."""

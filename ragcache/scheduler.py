@@ -321,8 +321,7 @@ class Scheduler:
                 request.emit("done", None)
             return
         request.next_token = step.token_id
-        if request.cache.slot is None and not self.runner.batch_invariant:  # decoding: its cache joins the pool
-            self.runner.pool.adopt(request.cache)
+        self.runner.adopt(request.cache)  # decoding: its cache joins the pool
         if request not in self.running:
             self.running.append(request)
 
@@ -330,7 +329,7 @@ class Scheduler:
         if request in self.running:
             self.running.remove(request)
         if request.cache is not None:
-            self.runner.pool.release(request.cache)
+            self.runner.release(request.cache)
             if request.decoding is not None:  # its answer is all anyone wanted of it (link-only callers keep theirs)
                 request.cache.spend()
 
@@ -343,7 +342,7 @@ class Scheduler:
     def _dropped(self, request: Request) -> bool:
         if request.cancelled:
             if request.cache is not None:
-                self.runner.pool.release(request.cache)
+                self.runner.release(request.cache)
                 request.cache.spend()
             request.emit("cancelled", None)
         return request.cancelled

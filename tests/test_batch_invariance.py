@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels import torch_ref
 from ragcache import models
 from ragcache.engine import RagCache
 from ragcache.store.memory import MemoryStore
@@ -83,10 +84,9 @@ def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_stacked_decode_attention_gives_a_row_the_same_bits_whoever_shares_its_call(dtype):
-    """The batch-invariant decode path (kv.StackedRows): rows that read the same number of keys share one call, and a
+    """The batch-invariant decode call (kv.BucketPools): rows over blocks of the same length share one call, and a
     row's output must not depend on how many others are in it or what they hold; it is attention all the same."""
     import ragcache.kernels as kernels
-    from kernels import torch_ref
 
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, length = 9, 3, 64, 512
@@ -95,8 +95,9 @@ def test_stacked_decode_attention_gives_a_row_the_same_bits_whoever_shares_its_c
     query = torch.randn(heads, 17, dim, generator=generator).to(dtype)
     positions = torch.randint(256, length, (17,), generator=generator)
     for window in (None, 100):
+        allowed = kernels.decode_mask(positions, length, window)
         alone = [kernels.stacked_decode_attention(query[:, i : i + 1], keys[i : i + 1], values[i : i + 1],
-                                                  positions[i : i + 1], 0.125, window)[0] for i in range(17)]
+                                                  allowed[i : i + 1], 0.125)[0] for i in range(17)]
         for i in range(17):
             expected = torch_ref.reference_attention(query[:, i : i + 1], keys[i], values[i], positions[i : i + 1],
                                                      0.125, window)[0]
@@ -105,24 +106,44 @@ def test_stacked_decode_attention_gives_a_row_the_same_bits_whoever_shares_its_c
         for n in (2, 5, 16, 17):
             chosen = torch.randperm(17, generator=generator)[:n]
             together_ = kernels.stacked_decode_attention(query[:, chosen], keys[chosen], values[chosen],
-                                                         positions[chosen], 0.125, window)
+                                                         allowed[chosen], 0.125)
             for j, i in enumerate(chosen.tolist()):
                 assert torch.equal(together_[j], alone[i]), (n, i, window)
 
 
-def test_decode_rows_of_prompts_of_different_lengths_share_one_stacked_call():
-    """What makes the stacked path pay: rows of requests whose prompts and budgets differ read the same whole step
-    of keys, so they share a call; a row's call is set by its own position alone (a row past the step reads two)."""
-    from ragcache.kv import DECODE_KEYS_STEP
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pooled_decode_rows_read_their_own_bucket_whole_and_round_alike_alone_or_together(dtype):
+    """The runner's batch-invariant pools (kv.BucketPools): a decode row is attended over the pool of its own
+    capacity bucket, read whole, so its output is the same bits alone or beside rows of its bucket and others; the
+    rows of a bucket share one call, and the pools are gone once their requests are."""
     from ragcache.runner import Runner
     from tests import tiny
 
-    runner = Runner(tiny.make("llama"), batch_invariant=True)
+    runner = Runner(tiny.make("llama", dtype=dtype), batch_invariant=True)
+    generator = torch.Generator().manual_seed(3)
     parts = []
-    for capacity, length in ((300, 290), (310, 250), (120, 100), (400, 300)):
+    for capacity, length in ((300, 290), (310, 250), (120, 100), (400, 300)):  # buckets of 512, 512, 256, 512
         cache = runner.new_cache(capacity)
+        cache.keys.copy_(torch.randn(cache.keys.shape, generator=generator))
+        cache.values.copy_(torch.randn(cache.values.shape, generator=generator))
         cache.length = length + 1
+        runner.adopt(cache)
         parts.append((cache, torch.tensor([length])))
-    batch, _ = runner.batch(parts)
-    groups = sorted((group.length, len(group.segments)) for group in batch.stacked)
-    assert groups == [(DECODE_KEYS_STEP, 2), (2 * DECODE_KEYS_STEP, 2)] and not batch.alone
+    heads, dim = runner.config.num_attention_heads, runner.shape.head_dim
+    query = torch.randn(heads, len(parts), dim, generator=generator).to(dtype)
+    together, _ = runner.batch(parts)
+    assert not together.alone
+    assert sorted(len(group.segments) for group in together.groups) == [1, 3]
+    for layer in range(runner.shape.layers):
+        out = together.attend(layer, query, dim**-0.5, None)
+        for i, part in enumerate(parts):
+            alone, _ = runner.batch([part])
+            assert torch.equal(alone.attend(layer, query[:, i : i + 1], dim**-0.5, None)[0], out[i]), (layer, i)
+            expected = torch_ref.reference_attention(query[:, i : i + 1], *part[0].visible(layer), part[1],
+                                                     dim**-0.5)[0]
+            torch.testing.assert_close(out[i].float(), expected.float(), atol=2e-2 if dtype != torch.float32
+                                       else 1e-5, rtol=0)
+    for cache, _ in parts:
+        runner.release(cache)
+        assert cache.length == 0
+    assert not runner.pool.pools

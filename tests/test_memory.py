@@ -11,8 +11,8 @@ import sys
 import pytest
 
 def test_a_finished_answer_keeps_no_kv_and_a_link_keeps_its_own():
-    """Batch-invariant, a request's joined cache never joins the KV pool, so leaving the pool did not empty it: every
-    finished stream (held by the server until the cycle collector ran) kept its prompt's K/V."""
+    """A finished stream (held by the server until the cycle collector runs) keeps none of its prompt's K/V, whether
+    its cache sat in a pool or not; a caller that links to decode itself keeps its own."""
     from ragcache.engine import RagCache
     from ragcache.front import drain
     from ragcache.store.memory import MemoryStore

@@ -320,7 +320,10 @@ def test_a_pooled_bf16_step_equals_each_row_over_its_own_cache(family, monkeypat
 def test_pooled_decode_equals_a_decode_loop_over_private_caches(rc, monkeypatch):
     """Streams of different prompt lengths decoding together in the pool (one attention call per layer for their
     rows; gemma3's sliding layers included) give the tokens of a greedy loop over each request's own cache."""
-    monkeypatch.setattr(rc.runner, "batch_invariant", False)  # the pool serves only the opted-out, faster path
+    from ragcache.kv import KVPool
+
+    monkeypatch.setattr(rc.runner, "batch_invariant", False)  # the shared pool serves the opted-out path
+    monkeypatch.setattr(rc.runner, "pool", KVPool(rc.runner.shape, rc.runner.device))
     asks = [ask(rc, "legolink", 0, slice(0, 3), max_new_tokens=8), ask(rc, "naive", 1, slice(1, 3), max_new_tokens=8),
             ask(rc, "legolink0", 2, slice(0, 2), max_new_tokens=8)]
     expected = [greedy_loop(rc, kw) for kw in asks]  # first: it also compiles what the batch needs (held there)
@@ -375,7 +378,7 @@ def test_a_spent_cache_does_not_keep_the_pool_alive():
     memory grew by the pool's size every time it was reallocated)."""
     from ragcache.runner import Runner
 
-    runner = Runner(tiny.make("llama"))
+    runner = Runner(tiny.make("llama"), batch_invariant=False)
     caches = [runner.new_cache(8) for _ in range(3)]
     for cache in caches:
         cache.length = 5

@@ -118,7 +118,7 @@ class KernelBatch(Batch):
     (focus's question pass) and windowed layers keep ragcache's kernels."""
 
     def __init__(self, batch: Batch, kernel: KernelCall):
-        super().__init__(batch.segments, batch.pooled, batch.stacked)
+        super().__init__(batch.segments, batch.groups)
         self.kernel = kernel
         self.plans: dict[int, tuple[RowRuns, torch.Tensor, PagedCopy]] = {}
         for seg in self.alone:

@@ -1,0 +1,83 @@
+"""What does batch invariance cost in decode tokens/s, measured paired? Two engines in one process, each with its
+own copy of the model (the runner wraps a model's Linears for its setting): batch-invariant (the default) and
+`batch_invariant=False`, the same requests sent to each in turn, many times, so that load from other processes
+falls on both alike.
+
+    python -m research.invariance_ab [--pairs 8] [--tokens 32] [--dtype bfloat16] [--out FILE]
+
+Per pair and engine: 1 stream, then 16 streams at once (16 questions over the same 3 documents, legolink-16, EOS
+ignored), decode tok/s over the scheduler's decode-only steps, as `python -m bench serve` counts it. Prints both
+sides' samples, medians and the median of the paired ratios, and how many of the 16 answers each side gave
+identical to the same request alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from concurrent.futures import ThreadPoolExecutor
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--pairs", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    from bench import squad
+    from ragcache import models
+    from ragcache.engine import RagCache
+    from ragcache.store import open_store
+
+    texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve("smollm2-135m")), 3, 128)
+    questions = squad.timing_questions(args.streams)
+    kwargs = dict(algorithm="legolink", k=16, max_new_tokens=args.tokens)
+    sides = {}
+    for name, invariant in (("invariant", True), ("variant", False)):
+        rc = RagCache(models.load("smollm2-135m", dtype=args.dtype), open_store("memory:"), batch_invariant=invariant)
+        rc.stop_ids = set()
+        ids = rc.compile(texts)
+        rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up
+        sides[name] = (rc, ids)
+
+    def decode(rc, ids, streams: int) -> tuple[float, list]:
+        stats = rc.scheduler.stats
+        rows, seconds = stats.decode_only_rows, stats.decode_only_s
+        with ThreadPoolExecutor(streams) as pool:
+            answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:streams]))
+        return (stats.decode_only_rows - rows) / (stats.decode_only_s - seconds), [a.token_ids for a in answers]
+
+    samples = {side: {"one": [], "many": []} for side in sides}
+    packed = {}
+    for pair in range(args.pairs):
+        for side in (list(sides) if pair % 2 == 0 else list(sides)[::-1]):  # neither side always goes first
+            rc, ids = sides[side]
+            samples[side]["one"].append(decode(rc, ids, 1)[0])
+            rate, packed[side] = decode(rc, ids, args.streams)
+            samples[side]["many"].append(rate)
+        print(json.dumps({side: {k: round(v[-1], 2) for k, v in s.items()} for side, s in samples.items()}),
+              flush=True)
+    identical = {}
+    for side, (rc, ids) in sides.items():
+        alone = [rc.query(q, ids, **kwargs).token_ids for q in questions[: args.streams]]
+        identical[side] = sum(a == b for a, b in zip(alone, packed[side]))
+    medians = {side: {k: round(statistics.median(v), 2) for k, v in s.items()} for side, s in samples.items()}
+    ratios = {k: round(statistics.median(i / v for i, v in zip(samples["invariant"][k], samples["variant"][k])), 3)
+              for k in ("one", "many")}
+    result = {"dtype": args.dtype, "pairs": args.pairs, "tokens": args.tokens, "streams": args.streams,
+              "samples": samples, "medians_tok_s": medians, "invariant_over_variant_median_ratio": ratios,
+              "identical_to_alone": identical}
+    print(json.dumps(result, indent=1))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
