@@ -40,25 +40,29 @@ def row_bucket(rows: int) -> int:
     return -(-rows // granule) * granule
 
 
-def bucket_matmul_rows(model: torch.nn.Module, bucket: bool = True, least: int = 1) -> None:
-    """Every Linear of `model` runs at `row_bucket` row counts (`bucket`) and at least `least` rows.
+INVARIANT_ROW_BLOCK = 4
+
+
+def bucket_matmul_rows(model: torch.nn.Module, bucket: bool = True, block: int = 1) -> None:
+    """Every Linear of `model` runs at `row_bucket` row counts (`bucket`), rounded up to whole blocks of `block` rows.
 
     Buckets: on CPU in bf16 or fp16 torch keeps a compiled kernel for each new row count (about 0.3 MiB per count and
     weight shape; oneDNN's primitive cache holds 1,024 of them, and more is kept past it), and every packed step has
-    its own row count: a server's memory grew with every request. At least 2 rows: a single row takes another
-    kernel than two or more, which rounds some outputs differently (research/batch_invariance.md), so a request
-    decoding alone would not match itself decoding beside others. A model's Linears follow the last runner built
-    on it."""
+    its own row count: a server's memory grew with every request. Blocks (`INVARIANT_ROW_BLOCK` when batch-invariant):
+    the CPU GEMM computes rows in blocks of 4, and a lone row or the rows of a last partial block by other kernels
+    that round differently (in fp32 every count and place; in bf16 a lone row), so a row's bits would depend on how
+    many rows share its step and where it sits among them (research/batch_invariance.md). A model's Linears follow
+    the last runner built on it."""
     for module in model.modules():
         if isinstance(module, torch.nn.Linear):
             forward = getattr(module.forward, "unwrapped", module.forward)
-            module.forward = _bucketed(forward, bucket, least)
+            module.forward = _bucketed(forward, bucket, block)
 
 
-def _bucketed(forward, bucket: bool, least: int):
+def _bucketed(forward, bucket: bool, block: int):
     def bucketed_forward(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        padded = max(row_bucket(rows) if bucket else rows, least)
+        padded = -(-(row_bucket(rows) if bucket else rows) // block) * block
         if padded == rows or rows == 0:
             return forward(x)
         flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
@@ -138,7 +142,7 @@ class Runner:
 
     `batch_invariant` (the default): a row's result does not depend on the other rows of its forward, bit for bit,
     so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
-    Linear runs at least 2 rows (any 2 or more rows give a row the same bits; one row alone may not); every decode
+    Linear runs whole blocks of 4 rows (`bucket_matmul_rows`: then a row gets the same bits among any rows); every decode
     row attends over its own slot of a pool of caches of its own capacity bucket, whole (`kv.BucketPools`), since
     the shared pool's call (`kv.PooledRows`) reads a block as long as the longest cache in it and rounds by that
     length; and the scheduler cuts a request's link pieces where it would alone (`Scheduler._piece_size`), since a
@@ -170,7 +174,7 @@ class Runner:
         model.config._attn_implementation = ATTENTION_NAME
         reduced = model.dtype in (torch.bfloat16, torch.float16)
         if self.device.type == "cpu" and (reduced or batch_invariant):
-            bucket_matmul_rows(model, bucket=reduced, least=2 if batch_invariant else 1)
+            bucket_matmul_rows(model, bucket=reduced, block=INVARIANT_ROW_BLOCK if batch_invariant else 1)
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape

@@ -46,9 +46,9 @@ def test_a_request_gives_the_same_tokens_alone_and_packed_with_others(rc):
 
 @pytest.mark.parametrize("name", ["self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj"])
 def test_a_linear_gives_a_row_the_same_bits_among_any_number_of_rows(rc, name):
-    """The runner's Linears as the model runs them (on CPU at 2 rows at least, bucketed in bf16): a row alone and
-    first, last or in the middle of M rows. Rounding by row count beyond the single row was not seen on this CPU
-    (research/batch_invariance.md); a CPU or GEMM library where it happens fails here."""
+    """The runner's Linears as the model runs them (on CPU in whole blocks of rows, bucketed in bf16): a row alone and
+    first, last or in the middle of M rows (research/batch_invariance.md); a CPU or GEMM library that rounds a row by
+    something else fails here."""
     linear = rc.runner.layers[0].get_submodule(name)
     generator = torch.Generator().manual_seed(0)
     dtype = rc.runner.shape.dtype
@@ -61,6 +61,30 @@ def test_a_linear_gives_a_row_the_same_bits_among_any_number_of_rows(rc, name):
                 x = others[:m].clone()
                 x[at] = row[0, 0]
                 assert torch.equal(linear(x[None])[0, at : at + 1], alone), (m, at)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_blocked_linear_gives_a_row_the_same_bits_at_any_count_and_place(dtype):
+    """Either default dtype, whatever this machine's: a Linear wrapped as the batch-invariant runner wraps it
+    (whole blocks of rows), SmolLM2's shapes, the row at every place among 1 to 70 rows and a few long counts. A
+    plain fp32 GEMM here gives three results: a lone row, the rows of a last partial block of 4, the rest."""
+    from ragcache.runner import INVARIANT_ROW_BLOCK, bucket_matmul_rows
+
+    generator = torch.Generator().manual_seed(1)
+    layers = torch.nn.Sequential(torch.nn.Linear(576, 192, bias=False), torch.nn.Linear(1536, 576, bias=False))
+    layers.to(dtype)
+    bucket_matmul_rows(layers, bucket=dtype != torch.float32, block=INVARIANT_ROW_BLOCK)
+    for linear in layers:
+        others = torch.randn(600, linear.in_features, generator=generator).to(dtype)
+        row = torch.randn(linear.in_features, generator=generator).to(dtype)
+        with torch.inference_mode():
+            alone = linear(row[None])[0]
+            for m in [*range(2, 71), 100, 513, 600]:
+                x = others[:m].clone()
+                for at in range(m) if m <= 70 else (0, m // 2, m - 1):
+                    x[at] = row
+                    assert torch.equal(linear(x)[at], alone), (m, at)
+                    x[at] = others[at]
 
 
 def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(rc):
