@@ -159,11 +159,14 @@ class PooledRows:
         self.dense = self.local.tolist() == list(range(self.end_slot - self.first_slot))
         self.masks: dict[int | None, torch.Tensor] = {}
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """keys/values [kv_heads, rows, head_dim] of the whole forward: this group's rows into their slots."""
+    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, every_row: bool = False) -> None:
+        """keys/values [kv_heads, rows, head_dim] of the whole forward (`every_row`: all of them this group's, in
+        order): this group's rows into their slots."""
         pool = self.pool
-        pool.keys[layer][self.slots, :, self.positions] = keys[:, self.index].transpose(0, 1).to(pool.keys.dtype)
-        pool.values[layer][self.slots, :, self.positions] = values[:, self.index].transpose(0, 1).to(pool.values.dtype)
+        if not every_row:
+            keys, values = keys[:, self.index], values[:, self.index]
+        pool.keys[layer][self.slots, :, self.positions] = keys.transpose(0, 1).to(pool.keys.dtype)
+        pool.values[layer][self.slots, :, self.positions] = values.transpose(0, 1).to(pool.values.dtype)
 
     def attend(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of this group's rows -> [rows, heads, head_dim]."""
@@ -214,7 +217,7 @@ class Batch:
             seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
                             seg.rows, seg.contiguous_from)
         for group in self.groups:
-            group.write(layer_idx, key_states[0], value_states[0])
+            group.write(layer_idx, key_states[0], value_states[0], self.one_group)
         return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
