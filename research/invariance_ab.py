@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from concurrent.futures import ThreadPoolExecutor
+
+from research.paired import emit, summary
 
 
 def main() -> None:
@@ -67,17 +68,9 @@ def main() -> None:
     for side, (rc, ids) in sides.items():
         alone = [rc.query(q, ids, **kwargs).token_ids for q in questions[: args.streams]]
         identical[side] = sum(a == b for a, b in zip(alone, packed[side]))
-    medians = {side: {k: round(statistics.median(v), 2) for k, v in s.items()} for side, s in samples.items()}
-    ratios = {k: round(statistics.median(i / v for i, v in zip(samples["invariant"][k], samples["variant"][k])), 3)
-              for k in ("one", "many")}
     result = {"dtype": args.dtype, "pairs": args.pairs, "tokens": args.tokens, "streams": args.streams,
-              "samples": samples, "medians_tok_s": medians, "invariant_over_variant_median_ratio": ratios,
-              "identical_to_alone": identical}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
+              "samples": samples, **summary(samples, "invariant", "variant", 2), "identical_to_alone": identical}
+    emit(result, args.out)
 
 if __name__ == "__main__":
     main()

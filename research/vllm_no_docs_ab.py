@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 from bench.peers import CLIENTS, LOAD_TOKENS, VllmWorker, vllm_python
+from research.paired import emit, summary
 
 
 def main() -> None:
@@ -53,16 +53,9 @@ def main() -> None:
     finally:
         for worker in sides.values():
             worker.close()
-    summary = {side: {k: round(statistics.median(v), 3) for k, v in s.items()} for side, s in samples.items()}
-    ratios = {k: round(statistics.median(c / p for c, p in zip(samples["connector"][k], samples["plain"][k])), 3)
-              for k in ("ttft_s", "req_s_16")}
-    result = {"tokens": args.tokens, "pairs": args.pairs, "samples": samples, "medians": summary,
-              "connector_over_plain_median_ratio": ratios}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-
+    result = {"tokens": args.tokens, "pairs": args.pairs, "samples": samples,
+              **summary(samples, "connector", "plain")}
+    emit(result, args.out)
 
 if __name__ == "__main__":
     main()
