@@ -210,19 +210,29 @@ class Batch:
         self.alone = [seg for seg in segments if id(seg) not in grouped]  # attended request by request
         # one group holding every row in order (the usual decode-only step): its call's output is the whole answer
         self.one_group = len(self.groups) == 1 and list(map(id, self.groups[0].segments)) == list(map(id, segments))
+        self.padding = 0  # rows after the last segment's that belong to no request (Runner.forward's row blocks)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
+        keys, values = key_states[0], value_states[0]
+        if self.padding:
+            keys, values = keys[:, : -self.padding], values[:, : -self.padding]
         for seg in self.alone:
-            seg.cache.write(layer_idx, key_states[0, :, seg.start : seg.end], value_states[0, :, seg.start : seg.end],
-                            seg.rows, seg.contiguous_from)
+            seg.cache.write(layer_idx, keys[:, seg.start : seg.end], values[:, seg.start : seg.end], seg.rows,
+                            seg.contiguous_from)
         for group in self.groups:
-            group.write(layer_idx, key_states[0], value_states[0], self.one_group)
+            group.write(layer_idx, keys, values, self.one_group)
         return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         """query [heads, rows, head_dim] of the whole forward -> [rows, heads, head_dim]: each request's rows over
-        its own cache, each group of pooled decode rows in one call."""
+        its own cache, each group of pooled decode rows in one call; padding rows get zeros."""
+        if not self.padding:
+            return self._attend(layer, query, scale, window)
+        out = self._attend(layer, query[:, : -self.padding], scale, window)
+        return torch.nn.functional.pad(out, (0, 0, 0, 0, 0, self.padding))
+
+    def _attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         if self.one_group:
             return self.groups[0].attend(query, layer, scale, window)
         outs = [self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window) for seg in self.alone]

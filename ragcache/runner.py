@@ -142,8 +142,8 @@ class Runner:
 
     `batch_invariant` (the default): a row's result does not depend on the other rows of its forward, bit for bit,
     so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
-    Linear runs whole blocks of 4 rows (`bucket_matmul_rows`: then a row gets the same bits among any rows); every
-    decode row attends over its own slot of a pool of caches of its own capacity bucket, whole (`kv.BucketPools`), since
+    forward runs whole blocks of 4 rows, padded with rows of no request (`bucket_matmul_rows` pads any other Linear
+    call: then a row gets the same bits among any rows); every decode row attends over its own slot of a pool of caches of its own capacity bucket, whole (`kv.BucketPools`), since
     the shared pool's call (`kv.PooledRows`) reads a block as long as the longest cache in it and rounds by that
     length; and the scheduler cuts a request's link pieces where it would alone (`Scheduler._piece_size`), since a
     row's attention depends on where its piece starts. Off: the shared pool, reading only the keys its rows need."""
@@ -241,6 +241,12 @@ class Runner:
         `scores` [layers, length] collects the attention weights of the (single) part's rows (`Segment.scores`).
         `watch` sees each layer before and after it runs, and may narrow the rows after it."""
         batch, positions = self.batch(parts, scores)
+        rows = token_ids.numel()
+        block = INVARIANT_ROW_BLOCK if self.batch_invariant and self.device.type == "cpu" and watch is None else 1
+        if padding := -rows % block:  # whole row blocks through every layer: its Linears then pad nothing each
+            token_ids = torch.nn.functional.pad(token_ids, (0, padding))
+            positions = torch.nn.functional.pad(positions, (0, padding))
+            batch.padding = padding
         hidden = self.embed(token_ids)
         pos_emb = self.position_embeddings(hidden, positions)
         for index in range(self.shape.layers):
@@ -252,7 +258,7 @@ class Runner:
                 hidden, parts = narrowed
                 batch, positions = self.batch(parts)
                 pos_emb = self.position_embeddings(hidden, positions)
-        return hidden
+        return hidden[:, :rows] if padding else hidden
 
     def forward_rows(self, token_ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache) -> torch.Tensor:
         """All layers over `rows` of one cache (ids `token_ids`); returns the last hidden states [1, n, hidden]."""

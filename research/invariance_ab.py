@@ -4,11 +4,17 @@ own copy of the model (the runner wraps a model's Linears for its setting): batc
 falls on both alike.
 
     python -m research.invariance_ab [--pairs 8] [--tokens 32] [--dtype bfloat16] [--out FILE]
+    python -m research.invariance_ab --steps [--threads 2] [--dtype bfloat16] [--out FILE]
 
 Per pair and engine: 1 stream, then 16 streams at once (16 questions over the same 3 documents, legolink-16, EOS
 ignored), decode tok/s over the scheduler's decode-only steps, as `python -m bench serve` counts it. Prints both
 sides' samples, medians and the median of the paired ratios, and how many of the 16 answers each side gave
 identical to the same request alone.
+
+`--steps`: the runner step alone, the runners taking turns step by step (what `bench serve`'s step cells time: a
+decode row per cache over 364 positions, 1 row and 16 rows; median and least of 28 steps after 2 warm-ups), for
+the invariant runner, the opt-out, and the invariant runner with its pools off (a call per decode row, the design
+before `kv.BucketPools`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,54 @@ from concurrent.futures import ThreadPoolExecutor
 from research.paired import emit, summary
 
 
+def steps(dtype: str, runs: int = 30) -> dict:
+    import copy
+    import statistics
+    import time
+
+    import torch
+
+    from ragcache import models
+    from ragcache.runner import Runner
+
+    runners = {name: Runner(models.load("smollm2-135m", dtype=dtype), batch_invariant=invariant)
+               for name, invariant in (("invariant", True), ("variant", False))}
+    runners["invariant_call_per_row"] = copy.copy(runners["invariant"])
+    runners["invariant_call_per_row"].pool = None
+
+    def step(runner, caches) -> float:
+        parts = [(cache, torch.tensor([cache.length])) for cache in caches]
+        for cache in caches:
+            cache.length += 1
+        started = time.perf_counter()
+        with torch.inference_mode():
+            runner.logits(runner.forward(torch.ones(len(caches), dtype=torch.long), parts)[0])
+        for cache in caches:
+            cache.length -= 1
+        return time.perf_counter() - started
+
+    out = {}
+    for rows in (1, 16):
+        caches = {}
+        for name, runner in runners.items():
+            caches[name] = [runner.new_cache(364 + 33) for _ in range(rows)]
+            for cache in caches[name]:
+                cache.keys.normal_(), cache.values.normal_()
+                cache.length = 364
+                runner.adopt(cache)
+        seconds = {name: [] for name in runners}
+        for _ in range(runs):
+            for name, runner in runners.items():
+                seconds[name].append(step(runner, caches[name]))
+        out[f"{rows}_rows_ms"] = {name: {"median": round(1000 * statistics.median(s[2:]), 1),
+                                         "least": round(1000 * min(s), 1)} for name, s in seconds.items()}
+        for name, runner in runners.items():
+            for cache in caches[name]:
+                runner.release(cache)
+        print(json.dumps({rows: out[f"{rows}_rows_ms"]}), flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--pairs", type=int, default=8)
@@ -27,7 +81,18 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--out", default="")
+    parser.add_argument("--steps", action="store_true", help="time the runner step alone (see above)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args()
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    if args.steps:
+        import torch
+
+        emit({"dtype": args.dtype, "threads": torch.get_num_threads(), **steps(args.dtype)}, args.out)
+        return
 
     from transformers import AutoTokenizer
 

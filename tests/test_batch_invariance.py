@@ -171,3 +171,32 @@ def test_pooled_decode_rows_read_their_own_bucket_whole_and_round_alike_alone_or
         runner.release(cache)
         assert cache.length == 0
     assert not runner.pool.pools
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_padding_rows_of_a_forward_change_no_request_row(dtype):
+    """Batch-invariant on CPU, a forward runs whole blocks of rows through every layer, the rows after the last
+    request's belonging to no one; a forward with a layer watch (CacheBlend's) runs its rows as they are and each
+    Linear pads itself. Both must give every request row the same bits, and the pads' K/V must land nowhere."""
+    from ragcache.runner import Runner
+    from tests import tiny
+
+    class Watch:
+        def before(self, layer):
+            pass
+
+        def after(self, layer, hidden):
+            return None
+
+    runner = Runner(tiny.make("llama", dtype=dtype), batch_invariant=True)
+    for rows in (1, 3, 5, 8):
+        caches, outs = [], []
+        for watch in (None, Watch()):
+            cache = runner.new_cache(rows + 4)
+            cache.length = rows
+            with torch.inference_mode():
+                outs.append(runner.forward(torch.arange(5, 5 + rows), [(cache, torch.arange(rows))], watch=watch))
+            caches.append(cache)
+        assert outs[0].shape == (1, rows, runner.config.hidden_size)
+        assert torch.equal(outs[0], outs[1]), rows
+        assert torch.equal(caches[0].keys, caches[1].keys) and not caches[0].keys[:, :, rows:].any()
