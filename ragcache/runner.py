@@ -144,9 +144,10 @@ class Runner:
     so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
     forward runs whole blocks of 4 rows, padded with rows of no request (`bucket_matmul_rows` pads any other Linear
     call: then a row gets the same bits among any rows); every decode row attends over its own slot of a pool of
-    caches of its own capacity bucket, whole (`kv.BucketPools`), since the shared pool's call (`kv.PooledRows`) reads a block as long as the longest cache in it and rounds by that
-    length; and the scheduler cuts a request's link pieces where it would alone (`Scheduler._piece_size`), since a
-    row's attention depends on where its piece starts. Off: the shared pool, reading only the keys its rows need."""
+    caches of its own capacity bucket, whole (`kv.BucketPools`), since the shared pool's call (`kv.PooledRows`)
+    reads a block as long as the longest cache in it and rounds by that length; and the scheduler cuts a request's
+    link pieces where it would alone (`Scheduler._piece_size`), since a row's attention depends on where its piece
+    starts. Off: the shared pool, reading only the keys its rows need."""
 
     def __init__(self, lm: LoadedModel, batch_invariant: bool = True):
         self.lm = lm
