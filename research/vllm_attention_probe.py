@@ -53,7 +53,7 @@ def merged_runs(rows, gap: int):
     """[start, end) stretches covering sorted `rows`, merging stretches fewer than `gap` positions apart."""
     spans: list[list[int]] = []
     for p in rows.tolist():
-        if spans and p - spans[-1][1] < gap:
+        if spans and (p == spans[-1][1] or p - spans[-1][1] < gap):
             spans[-1][1] = p + 1
         else:
             spans.append([p, p + 1])
