@@ -140,13 +140,28 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     return rows
 
 
+def decode_step(runner, caches: list) -> float:
+    """Seconds of one runner step: a decode row at each cache's next position (then taken back, so every run sees
+    the same lengths)."""
+    import torch
+
+    parts = [(cache, torch.tensor([cache.length])) for cache in caches]
+    for cache in caches:
+        cache.length += 1
+    started = time.perf_counter()
+    with torch.inference_mode():
+        runner.logits(runner.forward(torch.ones(len(caches), dtype=torch.long), parts)[0])
+    seconds = time.perf_counter() - started
+    for cache in caches:
+        cache.length -= 1
+    return seconds
+
+
 def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> list[dict]:
     """What bounds C-stream decode: one runner step of 1 row and of C rows over caches of the prompt's length
     (C rows pooled: one attention call per layer), and of C rows over 1-position caches (attention almost free:
     the projections and MLPs alone). Interleaved, median of `runs`."""
     import statistics
-
-    import torch
 
     def caches(count: int, length: int, pooled: bool) -> list:
         made = []
@@ -159,25 +174,12 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             made.append(cache)
         return made
 
-    def step(group: list) -> float:
-        """A decode row at each cache's next position (then taken back, so every run sees the same lengths)."""
-        parts = [(cache, torch.tensor([cache.length])) for cache in group]
-        for cache in group:
-            cache.length += 1
-        started = time.perf_counter()
-        with torch.inference_mode():
-            runner.logits(runner.forward(torch.ones(len(group), dtype=torch.long), parts)[0])
-        seconds = time.perf_counter() - started
-        for cache in group:
-            cache.length -= 1
-        return seconds
-
     cells = [(1, positions, False), (streams, positions, runner.pool is not None), (streams, 1, False)]
     groups = [caches(n, length, pooled) for n, length, pooled in cells]
     times: list[list[float]] = [[] for _ in cells]
     for _ in range(runs):
         for group, seconds in zip(groups, times):
-            seconds.append(step(group))
+            seconds.append(decode_step(runner, group))
     for group in groups:
         for cache in group:
             runner.release(cache)

@@ -29,10 +29,8 @@ from research.paired import emit, summary
 def steps(dtype: str, runs: int = 30) -> dict:
     import copy
     import statistics
-    import time
 
-    import torch
-
+    from bench.serve import decode_step
     from ragcache import models
     from ragcache.runner import Runner
 
@@ -40,17 +38,6 @@ def steps(dtype: str, runs: int = 30) -> dict:
                for name, invariant in (("invariant", True), ("variant", False))}
     runners["invariant_call_per_row"] = copy.copy(runners["invariant"])
     runners["invariant_call_per_row"].pool = None
-
-    def step(runner, caches) -> float:
-        parts = [(cache, torch.tensor([cache.length])) for cache in caches]
-        for cache in caches:
-            cache.length += 1
-        started = time.perf_counter()
-        with torch.inference_mode():
-            runner.logits(runner.forward(torch.ones(len(caches), dtype=torch.long), parts)[0])
-        for cache in caches:
-            cache.length -= 1
-        return time.perf_counter() - started
 
     out = {}
     for rows in (1, 16):
@@ -64,7 +51,7 @@ def steps(dtype: str, runs: int = 30) -> dict:
         seconds = {name: [] for name in runners}
         for _ in range(runs):
             for name, runner in runners.items():
-                seconds[name].append(step(runner, caches[name]))
+                seconds[name].append(decode_step(runner, caches[name]))
         out[f"{rows}_rows_ms"] = {name: {"median": round(1000 * statistics.median(s[2:]), 1),
                                          "least": round(1000 * min(s), 1)} for name, s in seconds.items()}
         for name, runner in runners.items():
