@@ -16,7 +16,7 @@ DATA = DATA_DIR
 
 
 def ragcache(*args, cwd, check=True, timeout=300):
-    proc = subprocess.run([sys.executable, "-m", "ragcache.cli", *args], cwd=cwd, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "ragcache", *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "COLUMNS": "200"})
     if check and proc.returncode != 0:
         raise AssertionError(f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}")

@@ -72,6 +72,14 @@ def test_only_the_api_and_the_commands_import_the_api_and_fastapi():
         assert not {t for t in graph()[name] if t.startswith("ragcache.api")}, name
 
 
+def test_the_package_imports_nothing_from_the_checkout_around_it():
+    # bench/, research/ and tests/ are not in the wheel, nor on an installed console script's path: an import of
+    # them works only when Python runs from the repository root
+    for name, path in modules().items():
+        outside = {"bench", "research", "tests"} & third_party(path)
+        assert not outside, f"{name} imports {sorted(outside)}"
+
+
 def test_no_import_cycle():
     edges = {name: {t for t in targets if t not in ENTRY_POINTS} for name, targets in graph().items()}
     edges = {name: targets for name, targets in edges.items() if name not in ENTRY_POINTS}

@@ -205,3 +205,18 @@ def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
     assert (out / "adapter_model.safetensors").exists()
     meta = json.loads((out / models.ADAPTER_META).read_text())
     assert meta["report"]["items"] == {"train": 2, "eval": 1} and len(meta["report"]["losses"]) == 2
+
+
+def test_squad_items_hold_out_seed_1_and_train_on_other_paragraphs(tmp_path, monkeypatch):
+    dev = {"data": [{"title": f"t{a}", "paragraphs": [
+        {"context": f"a{a} p{p}", "qas": [{"id": f"{a}.{p}.{q}", "question": f"q{a}.{p}.{q}",
+                                            "answers": [{"text": f"p{p}"}]} for q in range(3)]} for p in range(3)]}
+        for a in range(6)]}
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", str(tmp_path))
+    (tmp_path / "squad-dev-v1.1.json").write_text(json.dumps(dev))
+    training, held_out = tl.squad_items(200, 4)
+    seen = {d for item in held_out for d in item.documents}
+    assert len(held_out) == 4 and all(len(item.documents) == 4 for item in training + held_out)
+    assert not seen & {d for item in training for d in item.documents}  # no paragraph of a held-out item
+    assert len(training) == 3 * (6 * 3 - len(seen))  # every question of every other paragraph
+    assert tl.squad_items(200, 4) == (training, held_out)  # seeded

@@ -18,10 +18,10 @@ The student's forward is transformers' own, differentiable: the placed cache is 
 stale copies of the recomputed rows, and every new row sees every earlier position. With the adapter off it gives
 the linker's logits (tests/test_train_link.py).
 
-Data. SQuAD v1.1 dev as the bench reads it (`bench.squad`, in a source checkout): held out, the first `eval_items`
-items of seed 1 (docs/ACCURACY.md's held-out items); training items from seed 2, any question of a paragraph that
-no held-out item holds (thousands are there: `squad.items_apart`). Or the user's documents (`docs`), one question per paragraph written by the base model; every
-fifth paragraph's question is held out.
+Data. SQuAD v1.1 dev (`squad`, as the bench reads it): held out, the first `eval_items` items of seed 1
+(docs/ACCURACY.md's held-out items); training items from seed 2, any question of a paragraph that no held-out item
+holds (thousands are there: `squad.items_apart`). Or the user's documents (`docs`), one question per paragraph
+written by the base model; every fifth paragraph's question is held out.
 
 Everything a run makes lives under `out`: the store of compiled entries (`store/`), the prepared targets
 (`targets/`), the last checkpoint (`checkpoint/`) and, at the end, the adapter (PEFT's `adapter_model.safetensors`
@@ -49,6 +49,7 @@ from ..engine import RagCache
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..sampling import QueryStats
 from ..settings import DEFAULT_MODEL
+from . import squad
 from ragcache.store import open_store
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -148,11 +149,6 @@ class LinkReport:
 
 # -- data ----------------------------------------------------------------------------------------------------------
 def squad_items(train_n: int, eval_n: int) -> tuple[list[Item], list[Item]]:
-    try:
-        from bench import squad
-    except ImportError as exc:
-        raise BadRequest("SQuAD items are read with the repository's bench package (run from a source checkout); "
-                         "or pass --docs with your own documents") from exc
     held_out = squad.load_items(eval_n, seed=HELD_OUT_SEED)
     training = squad.items_apart(train_n, TRAIN_SEED, {doc for item in held_out for doc in item.documents})
     return ([Item(i.question, i.documents) for i in training], [Item(i.question, i.documents) for i in held_out])
