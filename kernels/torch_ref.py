@@ -255,10 +255,7 @@ def pooled_decode_attention(
     grouped[slots] = query.transpose(0, 1)
     slot_pos = torch.full((pool_slots,), first_key, dtype=torch.long, device=query.device)
     slot_pos[slots] = positions.to(query.device)
-    key_pos = torch.arange(first_key, first_key + length, device=query.device)
-    allowed = key_pos[None, :] <= slot_pos[:, None]
-    if window is not None:
-        allowed &= key_pos[None, :] > slot_pos[:, None] - window
+    allowed = decode_mask(slot_pos, length, window, first_key)
     # GQA as in `_sdpa`'s decode path: a KV head's group of query heads are rows over that head's keys.
     grouped, allowed = grouped.view(pool_slots, kv_heads, heads // kv_heads, dim), allowed[:, None, None, :]
     if eager:
@@ -268,9 +265,9 @@ def pooled_decode_attention(
     return out.reshape(pool_slots, heads, dim)[slots]
 
 
-def decode_mask(positions: torch.Tensor, length: int, window: int | None = None) -> torch.Tensor:
-    """[n, length] bool: which of its cache's first `length` positions a decode row at positions[i] sees."""
-    key_pos = torch.arange(length, device=positions.device)[None, :]
+def decode_mask(positions: torch.Tensor, length: int, window: int | None = None, first: int = 0) -> torch.Tensor:
+    """[n, length] bool: which of its cache's positions first..first+length-1 a decode row at positions[i] sees."""
+    key_pos = torch.arange(first, first + length, device=positions.device)[None, :]
     allowed = key_pos <= positions[:, None]
     if window is not None:
         allowed &= key_pos > positions[:, None] - window

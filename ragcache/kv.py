@@ -152,11 +152,10 @@ class PooledRows:
     first_position: int  # the position range
     end_position: int
     whole: bool = False  # batch-invariant: every row reads its slot's whole capacity (below)
+    dense: bool = False  # host: the rows are the range's slots in order, so the call takes the query as it is
 
     def __post_init__(self):
         self.local = self.slots - self.first_slot
-        # the rows are the range's slots in order: the call takes the query and gives the output as they are
-        self.dense = self.local.tolist() == list(range(self.end_slot - self.first_slot))
         self.masks: dict[int | None, torch.Tensor] = {}
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, every_row: bool = False) -> None:
@@ -273,7 +272,8 @@ def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> Poo
     device = pool.device
     return PooledRows(pool, rows, torch.tensor([seg.start for seg in rows], device=device),
                       torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                      first_slot, end_slot, min(positions), end_position, whole)
+                      first_slot, end_slot, min(positions), end_position, whole,
+                      dense=slots == list(range(first_slot, end_slot)))
 
 
 class BucketPools:
