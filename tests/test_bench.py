@@ -104,6 +104,22 @@ def test_throughput_through_the_rest_server(tmp_path):
         assert finite(r["requests_per_s"]) and r["p50_s"] <= r["p99_s"]
 
 
+@pytest.mark.real_model
+def test_serve_decode_cells_and_runner_steps():
+    from bench import serve
+
+    rows = serve.decode_cells("smollm2-135m", doc_tokens=32, tokens=3, streams=[1, 3], dtype="float32")
+    decode = [r for r in rows if r["kind"] == "decode"]
+    assert [(r["engine"], r["streams"]) for r in decode] == [
+        ("transformers cached loop", 1), ("ragcache scheduler", 1), ("ragcache scheduler", 3)]
+    assert all(finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in decode)
+    assert finite(decode[2]["vs_one_stream"]) and decode[2]["identical_to_alone"] == 3  # batch-invariant by default
+    steps = [r for r in rows if r["kind"] == "step"]
+    assert [(r["rows"], r["pooled"]) for r in steps] == [(1, False), (3, True), (3, False)]
+    assert steps[0]["cache_positions"] == steps[1]["cache_positions"] == decode[0]["prompt_tokens"]
+    assert all(len(r["runs_ms"]) == serve.STEP_RUNS and r["step_ms"] > 0 for r in steps)
+
+
 # -- helpers, no model ----------------------------------------------------------------------------------------
 @pytest.mark.real_model
 def test_peers(tmp_path):
