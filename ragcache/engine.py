@@ -60,17 +60,16 @@ class RagCache(Front):
         the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
         left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
         base model.
-        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them.
+        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (vLLM runs it beside, as
+        its own LoRA).
         `batch_invariant=False`: faster decode at many streams, but an answer may depend on what else is in its
         batch (Runner). `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
         `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
         if engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache
 
-            if adapter not in (None, INSTALLED):  # left out, vLLM serves the base model
-                raise ParameterOutOfRange("the vllm engine does not load link adapters yet: use the ragcache engine")
             return VllmRagCache.open(model, store, chunk_tokens=chunk_tokens, dtype=dtype, kv_codec_name=kv_codec,
-                                     **vllm_args)
+                                     adapter=adapter, **vllm_args)
         if engine != "ragcache" or vllm_args:
             raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {engine!r}" if engine != "ragcache" else
                                       f"{sorted(vllm_args)} are options of the vllm engine")
@@ -86,7 +85,8 @@ class RagCache(Front):
         """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults)."""
         if s.engine == "vllm":
             return cls.open(s.model, s.store, engine="vllm", chunk_tokens=s.chunk_tokens, dtype=s.dtype,
-                            kv_codec=s.kv_codec, max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib)
+                            kv_codec=s.kv_codec, adapter=adapters.parse(s.adapter), max_model_len=s.max_model_len,
+                            kv_cache_gib=s.kv_cache_gib)
         return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
                         kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20,
                         adapter=adapters.parse(s.adapter), batch_invariant=s.batch_invariant)

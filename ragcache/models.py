@@ -217,10 +217,11 @@ class Adapter:
     sha256: str  # of its files: part of the model's fingerprint
     peft: object | None = None  # unmerged: the PeftModel wrapping the base model
     swapped: tuple = ()  # merged: (layer, base weight, merged weight) for each adapted Linear
+    # neither: the model runs in another engine (vLLM, which runs the LoRA beside its weights)
 
     @property
     def merged(self) -> bool:
-        return self.peft is None
+        return bool(self.swapped)
 
     @contextlib.contextmanager
     def base_weights(self):
@@ -380,13 +381,6 @@ def _merge(peft) -> tuple[torch.nn.Module, tuple]:
     if any(kept.data_ptr() == merged.data_ptr() for _, kept, merged in swapped):
         raise RuntimeError("the LoRA merge wrote into the base weights; compile would no longer see them")
     return model.eval(), swapped
-
-
-def describe(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu"
-             ) -> LoadedModel:
-    """A model's tokenizer, config, dtype and fingerprints without its weights, for an engine that runs them itself
-    (vLLM): the keys of its entries name the weights, so they are loaded once here to fingerprint them."""
-    return dataclasses.replace(load(name_or_path, dtype, device), model=None)
 
 
 def wrap(model: torch.nn.Module, tokenizer, name: str) -> LoadedModel:

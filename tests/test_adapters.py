@@ -144,11 +144,15 @@ def test_an_unusable_installed_adapter_leaves_the_base_model(tiny_dir, adapter_d
     assert "not used" in caplog.text
 
 
-def test_vllm_serves_the_base_model_unless_an_adapter_is_named():
-    assert Settings(engine="vllm").adapter == INSTALLED
-    Settings(engine="vllm", adapter="none")
-    with pytest.raises(ValueError, match="adapters"):
-        Settings(engine="vllm", adapter="/some/adapter")
+def test_the_vllm_engine_takes_the_adapter_setting_as_ragcaches_does(monkeypatch):
+    opened = {}
+    monkeypatch.setattr(RagCache, "open", classmethod(lambda cls, *args, **kwargs: opened.update(kwargs)))
+    RagCache.from_settings(Settings(engine="vllm", adapter="/some/adapter"))
+    assert opened["engine"] == "vllm" and str(opened["adapter"]) == "/some/adapter"
+    RagCache.from_settings(Settings(engine="vllm"))
+    assert opened["adapter"] == INSTALLED
+    RagCache.from_settings(Settings(engine="vllm", adapter="none"))
+    assert opened["adapter"] is None
 
 
 def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path, monkeypatch):

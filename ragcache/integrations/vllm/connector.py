@@ -10,7 +10,8 @@ own prefix hit; vLLM computes the question itself, over the linked KV.
 Worker side, in `start_load_kv` before the step's forward (or, with `async_load` on CUDA, on a thread of its own
 while other requests decode, until `get_finished` reports it): fetch the chunks' entries from the ragcache store
 (compiling and storing a miss with vLLM's modules), rotate them into place, run the algorithm's recompute with
-vLLM's layer modules through ragcache's layer loop (`VllmRunner`), and write the claimed positions into vLLM's paged
+vLLM's layer modules through ragcache's layer loop (`VllmRunner`; with the request's LoRA where it has one, a link
+adapter: lora.py), and write the claimed positions into vLLM's paged
 cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
 
 Prefix caching stays on: the salt puts a linked request's blocks under hashes no plain request can produce, so
@@ -131,8 +132,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         if num_external_tokens == 0:
             return
         spec = self._spec(request)
+        lora = request.lora_request
         self._pending[request.request_id] = Load(request.request_id, list(request.prompt_token_ids), spec,
-                                                 list(blocks.get_block_ids()[0]), spec.linked - num_external_tokens)
+                                                 list(blocks.get_block_ids()[0]), spec.linked - num_external_tokens,
+                                                 lora.lora_path if lora is not None else None)
 
     def build_connector_meta(self, scheduler_output) -> LoadMetadata:
         meta = LoadMetadata(list(self._pending.values()))

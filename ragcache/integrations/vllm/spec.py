@@ -120,6 +120,7 @@ class Load:
     spec: LinkSpec
     block_ids: list[int]
     start: int  # first position to write: vLLM's own prefix hit ends there
+    adapter: str | None = None  # the directory of the request's LoRA (its LoRARequest), a link adapter
 
 
 def transfer_config(store: str, **options) -> dict:

@@ -19,6 +19,7 @@ from ragcache.store.codec import native as native_kv_codec
 
 from . import plugin
 from .layers import VllmRunner
+from .lora import LinkLora
 from .spec import BadLinkSpec, Load
 
 TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats
@@ -45,7 +46,8 @@ class LinkWorker:
         self.catalog = Catalog(open_store(options.get("store", DEFAULT_STORE)), tokenizer, lm.tokenizer_fingerprint, 1)
         # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
-        self.tails: OrderedDict[tuple[str, str], tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.tails: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+        self.loras: dict[str, LinkLora] = {}  # by directory: the link adapters requests came with
 
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -60,7 +62,8 @@ class LinkWorker:
         that tail is kept from the first link and written again, instead of linking everything once more."""
         end = load.spec.linked
         tail_start = end // block_size * block_size
-        name = (load.spec.salt, hashlib.sha256(np.asarray(load.token_ids[:end], dtype="<i8").tobytes()).hexdigest())
+        name = (load.spec.salt, hashlib.sha256(np.asarray(load.token_ids[:end], dtype="<i8").tobytes()).hexdigest(),
+                load.adapter)
         tail = self.tails.get(name)
         if load.start >= tail_start and tail is not None:
             self.tails.move_to_end(name)
@@ -89,14 +92,22 @@ class LinkWorker:
         parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
         if parts.prefix_ids:
             parts.prefix_entry = self.catalog.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0][0]
-        plan = linker.plan(self.runner, parts, params)
-        rows = plan.rows[plan.rows < spec.linked]
-        narrow = plan.narrow
-        if narrow is not None:
-            narrow.question_rows = narrow.question_rows[:0]
-        if rows.numel():
-            linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
+        with self.runner.adapted(self.lora(load.adapter)):  # compiling (above) never runs the adapter
+            plan = linker.plan(self.runner, parts, params)
+            rows = plan.rows[plan.rows < spec.linked]
+            narrow = plan.narrow
+            if narrow is not None:
+                narrow.question_rows = narrow.question_rows[:0]
+            if rows.numel():
+                linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
         return plan.cache
+
+    def lora(self, path: str | None) -> LinkLora | None:
+        if path is None:
+            return None
+        if path not in self.loras:
+            self.loras[path] = LinkLora(path, self.runner.layer_range, self.runner.shape.dtype, self.runner.device)
+        return self.loras[path]
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
               kv_caches: dict[str, torch.Tensor], block_size: int) -> None:

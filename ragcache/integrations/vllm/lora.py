@@ -1,0 +1,87 @@
+"""A link adapter's LoRA on the rows the connector computes itself.
+
+vLLM applies a request's LoRA (its `LoRARequest`) to the rows vLLM computes, the question and the answer, through
+its layers' punica kernels, which follow the step's batch. The rows a link recomputes run outside that batch, through
+each layer's base module (VllmRunner), so the connector adds the same LoRA there, as PEFT defines it: each adapted
+projection's output gains x A^T B^T * scaling. Compiling never does (the store's entries are the base model's, as
+on ragcache's own engine).
+
+Read from the adapter directory PEFT wrote (`adapter_config.json`, `adapter_model.safetensors`); what
+`ragcache train link` fits is supported: a plain LoRA on the attention projections.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from ragcache.errors import BadAdapter
+from ragcache.models import ADAPTER_FILES
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+_KEY = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.lora_A(?:\.default)?\.weight$")
+
+
+class LinkLora:
+    """Per layer (counted from the first of `layers`: a pipeline rank's) and projection, (A [r, in],
+    B * scaling [out, r]) in the model's dtype."""
+
+    def __init__(self, path: str | Path, layers: range, dtype: torch.dtype, device: torch.device):
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        if not all((path / name).is_file() for name in ADAPTER_FILES):
+            raise BadAdapter(f"{path} is not a LoRA adapter directory: it needs {' and '.join(ADAPTER_FILES)}")
+        config = json.loads((path / "adapter_config.json").read_text())
+        scaling = check_config(config, path)
+        tensors = load_file(str(path / "adapter_model.safetensors"))
+        self.pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        for key, a in tensors.items():
+            found = _KEY.search(key)
+            if found is None:
+                if "lora_B" not in key:
+                    raise BadAdapter(f"{path}: {key} is not a LoRA weight of an attention projection")
+                continue
+            layer, projection = int(found[1]), found[2]
+            if projection not in PROJECTIONS or layer >= layers.stop:
+                raise BadAdapter(f"{path}: {key} adapts no attention projection of this model")
+            if layer < layers.start:
+                continue
+            b = tensors[key.replace("lora_A", "lora_B")]
+            self.pairs[layer - layers.start, projection] = (a.to(device, dtype), (b * scaling).to(device, dtype))
+        if not self.pairs:
+            raise BadAdapter(f"{path} holds no LoRA weights")
+
+    def add(self, layer: int, out: torch.Tensor, x: torch.Tensor, projections: tuple[tuple[str, int], ...]
+            ) -> None:
+        """Add to `out` [rows, outputs], the output of `projections` ((name, width) in their fused order) for input x
+        [rows, in], their LoRA terms."""
+        start = 0
+        for name, width in projections:
+            pair = self.pairs.get((layer, name))
+            if pair is not None:
+                out[:, start : start + width] += (x @ pair[0].T) @ pair[1].T
+            start += width
+
+
+def check_config(config: dict, path: Path) -> float:
+    """The LoRA's scaling, once its config is one the connector computes as PEFT does."""
+    if config.get("peft_type", "LORA") != "LORA":
+        raise BadAdapter(f"{path}: a {config.get('peft_type')} adapter; link adapters are LoRA")
+    if config.get("use_dora") or config.get("lora_bias") or config.get("bias", "none") != "none":
+        raise BadAdapter(f"{path}: DoRA and LoRA biases are not supported on the vLLM engine")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise BadAdapter(f"{path}: per-module ranks (rank_pattern, alpha_pattern) are not supported on the vLLM engine")
+    rank, alpha = config["r"], config.get("lora_alpha", 8)
+    return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def rank(path: str | Path) -> int:
+    """The adapter's LoRA rank (vLLM's max_lora_rank must hold it)."""
+    config = json.loads((Path(path) / "adapter_config.json").read_text())
+    check_config(config, Path(path))
+    return int(config["r"])
