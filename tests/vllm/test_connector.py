@@ -22,12 +22,12 @@ def connector(prefix_caching: bool = True, **overrides) -> RagcacheConnector:
     return RagcacheConnector(config, KVConnectorRole.SCHEDULER)
 
 
-def request(spec: LinkSpec | None, prompt_tokens: int, salt: str | None = "spec", rid: str = "r1"):
+def request(spec: LinkSpec | None, prompt_tokens: int, salt: str | None = "spec", rid: str = "r1", lora=None):
     params = None if spec is None else {SPEC_KEY: spec.as_dict()}
     if salt == "spec":
         salt = spec.salt if spec is not None else None
     return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(prompt_tokens)), kv_transfer_params=params,
-                           cache_salt=salt)
+                           cache_salt=salt, lora_request=lora)
 
 
 SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="naive")
@@ -59,8 +59,10 @@ def test_the_worker_gets_ids_blocks_and_where_to_start():
     meta = c.build_connector_meta(None)
     (load,) = meta.loads
     assert (load.request_id, load.block_ids, load.start, load.spec) == ("r1", [7, 3, 9, 4], 32, SPEC)
-    assert load.token_ids == list(range(62))
+    assert load.token_ids == list(range(62)) and load.adapter is None
     assert c.build_connector_meta(None).loads == []  # handed over once
+    c.update_state_after_alloc(request(SPEC, 62, lora=SimpleNamespace(lora_path="/adapters/link")), blocks, 55)
+    assert c.build_connector_meta(None).loads[0].adapter == "/adapters/link"  # the request's LoRA, a link adapter
 
 
 def test_nothing_to_load_hands_the_worker_nothing():
