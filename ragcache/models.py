@@ -217,7 +217,8 @@ class Adapter:
     sha256: str  # of its files: part of the model's fingerprint
     peft: object | None = None  # unmerged: the PeftModel wrapping the base model
     swapped: tuple = ()  # merged: (layer, base weight, merged weight) for each adapted Linear
-    # neither: the model runs in another engine (vLLM, which runs the LoRA beside its weights)
+    # neither: the weights run in another engine (vLLM runs the LoRA beside them, and `base_weights` has nothing
+    # to swap here: that engine compiles without the adapter itself)
 
     @property
     def merged(self) -> bool:

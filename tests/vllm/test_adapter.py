@@ -4,8 +4,11 @@ qwen2 checkpoint with a random LoRA, every answer is checked against ragcache's 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections import OrderedDict
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -14,11 +17,25 @@ from safetensors.torch import load_file, save_file
 from ragcache import models
 from ragcache.engine import RagCache
 from ragcache.errors import BadAdapter
+from ragcache.integrations.vllm.engine import lora_engine_args
+from ragcache.integrations.vllm.lora import LinkLora
+from ragcache.integrations.vllm.spec import transfer_config
+from ragcache.integrations.vllm.worker import LinkWorker
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
 TOKENS = 6
 ALGORITHMS = ["focus", "legolink", "cacheblend", "naive", "full"]
+RECOMPUTING = ["focus", "legolink", "cacheblend"]
+
+
+def mlp_adapter(adapter, folder):
+    """The adapter with a LoRA on an MLP projection too: a task LoRA, which the connector cannot compute."""
+    shutil.copytree(adapter, folder / "mlp")
+    tensors = load_file(folder / "mlp" / "adapter_model.safetensors")
+    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.zeros(4, 128)
+    save_file(tensors, folder / "mlp" / "adapter_model.safetensors")
+    return folder / "mlp"
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +43,10 @@ def adapter(tiny_qwen2, tmp_path_factory):
     from bench.adapter import random_adapter
 
     torch.manual_seed(0)
-    return random_adapter(models.load(tiny_qwen2, dtype="float32"), tmp_path_factory.mktemp("adapter"), rank=4)
+    path = random_adapter(models.load(tiny_qwen2, dtype="float32"), tmp_path_factory.mktemp("adapter"), rank=4)
+    tensors = load_file(path / "adapter_model.safetensors")  # stronger, so that its term on the rows a link
+    save_file({k: 4 * t if "lora_B" in k else t for k, t in tensors.items()}, path / "adapter_model.safetensors")
+    return path  # recomputes shows in greedy tokens
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +83,7 @@ def doc_ids(rc, adapted) -> list[str]:
 
 
 def test_entries_vllm_compiles_with_an_adapter_are_the_base_models(rc, base, adapted, doc_ids):
-    assert base.warm(doc_ids, prefetch=False) == (0, 0)  # under the base model's keys: compiling ran no adapter
+    assert base.warm(doc_ids, prefetch=False) == (0, 0)  # under the base model's keys (their content: below)
     assert rc.lm.fingerprint == adapted.lm.fingerprint != base.lm.fingerprint  # its profiles are the adapted model's
     assert rc.lm.adapter.sha256 == adapted.lm.adapter.sha256 and not rc.lm.adapter.merged  # vLLM's LoRA, beside
 
@@ -85,18 +105,70 @@ def test_the_adapter_changes_the_answers(rc, base, doc_ids):
     assert len(changed) >= 3, changed
 
 
+def test_the_connectors_own_lora_term_matters(tiny_qwen2, store, adapter, adapted, doc_ids, monkeypatch):
+    """... and this, with one that the connector ignored on the rows it recomputes while vLLM ran it on the question:
+    vLLM's `LLM` in this process (ragcache's engine runs vLLM's core in a process of its own), the same store, and
+    no prefix cache, so that the same prompt is linked again."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+    from vllm.lora.request import LoRARequest
+
+    from ragcache.integrations.vllm.spec import link_request
+    from tests.vllm.conftest import connected_llm
+
+    llm_args = dict(model=tiny_qwen2, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
+                    max_model_len=512, kv_transfer_config=transfer_config(store), **lora_engine_args(adapter))
+    lora = LoRARequest("link", 1, str(adapter))
+
+    def answers(llm) -> list[list[int]]:
+        got = []
+        for algorithm in RECOMPUTING:
+            request = link_request(adapted, QUESTION, doc_ids[::-1], algorithm)
+            prompt = {"prompt_token_ids": request["prompt_token_ids"], "cache_salt": request["cache_salt"]}
+            params = SamplingParams(max_tokens=TOKENS, temperature=0.0,
+                                    extra_args={"kv_transfer_params": request["kv_transfer_params"]})
+            out = llm.generate(prompt, params, use_tqdm=False, lora_request=lora)[0]
+            assert out.num_cached_tokens >= len(request["prompt_token_ids"]) - 40  # linked (all but the question)
+            got.append(list(out.outputs[0].token_ids))
+        return got
+
+    expected = [adapted.query(QUESTION, doc_ids[::-1], algorithm=a, max_new_tokens=TOKENS).token_ids
+                for a in RECOMPUTING]
+    with contextlib.closing(connected_llm(**llm_args)) as engines:
+        llm = next(engines)
+        assert answers(llm) == expected
+        monkeypatch.setattr(LinkLora, "add", lambda *args: None)
+        get_kv_transfer_group()._worker_().tails.clear()  # what serves an exact repeat's last block
+        assert answers(llm) != expected
+
+
+def test_the_worker_resolves_keeps_and_refuses_loras_as_requests_name_them(adapter, tmp_path, monkeypatch):
+    runner = SimpleNamespace(layer_range=range(4), config=SimpleNamespace(num_hidden_layers=4),
+                             shape=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"))
+    worker = SimpleNamespace(runner=runner, loras=OrderedDict())
+    monkeypatch.chdir(adapter.parent)
+    found = LinkWorker.lora(worker, adapter.name)  # a relative path, resolved as vLLM resolves it
+    assert found is LinkWorker.lora(worker, str(adapter)) and isinstance(found, LinkLora)
+    mlp = mlp_adapter(adapter, tmp_path)
+    with pytest.raises(BadAdapter) as first:
+        LinkWorker.lora(worker, str(mlp))
+    with pytest.raises(BadAdapter) as again:
+        LinkWorker.lora(worker, str(mlp))
+    assert again.value is first.value  # read once: a request with it falls back without reading it again
+
+
 def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(tiny_qwen2, adapter, tmp_path):
     shutil.copytree(adapter, tmp_path / "dora")
     config = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
     (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(BadAdapter, match="DoRA"):
         RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=tmp_path / "dora")
-    shutil.copytree(adapter, tmp_path / "mlp")
-    tensors = load_file(tmp_path / "mlp" / "adapter_model.safetensors")
-    tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.zeros(4, 128)
-    save_file(tensors, tmp_path / "mlp" / "adapter_model.safetensors")
     with pytest.raises(BadAdapter, match="not a LoRA weight of an attention projection"):
-        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=tmp_path / "mlp")
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=mlp_adapter(adapter, tmp_path))
+    shutil.copytree(adapter, tmp_path / "pissa")
+    (tmp_path / "pissa" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
+    with pytest.raises(BadAdapter, match="vLLM cannot load"):  # it changed the base weights when it was made
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=tmp_path / "pissa")
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):

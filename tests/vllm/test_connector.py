@@ -9,8 +9,9 @@ import torch
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
+from ragcache.errors import BadAdapter, StoreError
 from ragcache.integrations.vllm.connector import RagcacheConnector
-from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, transfer_config
+from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, Load, transfer_config
 
 BLOCK = 16
 
@@ -140,3 +141,17 @@ def test_parse_round_trips_and_splits_the_prompt():
 def test_the_connector_needs_the_recompute_failure_policy():
     with pytest.raises(ValueError, match="kv_load_failure_policy='recompute'"):
         connector(kv_load_failure_policy="fail")
+
+
+@pytest.mark.parametrize("error, reason", [(StoreError("down"), "store"), (BadAdapter("a task LoRA"), "adapter"),
+                                           (RuntimeError("bug"), "error")])
+def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reason):
+    c = connector()
+
+    def fail(*args):
+        raise error
+
+    c._worker = SimpleNamespace(load=fail)
+    c._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK))
+    assert c.get_block_ids_with_load_errors() == {3, 9, 4}  # from the start's block to the linked part's last
+    assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}}

@@ -36,12 +36,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from ragcache.errors import RagCacheError, StoreError
+from ragcache.errors import BadAdapter, RagCacheError, StoreError
 
 from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec, Load
 from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
+# why a link failed, as counted in vllm:ragcache_link_fallbacks{reason} ("error" otherwise, logged with its trace)
+FALLBACKS = ((StoreError, "store"), (BadLinkSpec, "bad_spec"), (BadAdapter, "adapter"))
 
 
 
@@ -193,7 +195,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             self._worker_().load(load, self._kv_caches, self.block_size)
             self._count(linked=load.spec.linked - load.start)
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM prefills these blocks itself
-            reason = "store" if isinstance(exc, StoreError) else "bad_spec" if isinstance(exc, BadLinkSpec) else "error"
+            reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
             self._count(fallback=reason)
             log.warning("request %s: link failed (%s: %s); vLLM recomputes its blocks", load.request_id,
                         type(exc).__name__, exc, exc_info=reason == "error")

@@ -28,7 +28,7 @@ import torch
 
 from ragcache import adapters, infill, linker, models
 from ragcache.compiler import PLAIN, Compiler
-from ragcache.errors import ParameterOutOfRange, RagCacheError, StoreError
+from ragcache.errors import BadAdapter, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
@@ -91,7 +91,10 @@ class VllmRagCache(Front):
         device = current_platform.device_type
         lm = _describe(model, dtype, adapter)
         if lm.adapter is not None:
-            engine_args.update(enable_lora=True, max_loras=1, max_lora_rank=_lora_rank_setting(lm.adapter.path))
+            if engine_args.get("tensor_parallel_size", 1) > 1:
+                raise ParameterOutOfRange("link adapters on the vLLM engine need tensor_parallel_size 1")
+            for name, value in lora_engine_args(lm.adapter.path).items():
+                engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
@@ -211,25 +214,45 @@ class VllmRagCache(Front):
 def _describe(model: str, dtype: str, adapter: str | Path | None) -> models.LoadedModel:
     """The model's tokenizer, config, dtype and fingerprints, with the adapter's, for vLLM to run: the keys of its
     entries name the weights, so they are loaded here once to fingerprint them (and to check the adapter fits),
-    then dropped."""
+    then dropped. An installed adapter that cannot be served here is logged, and the base model serves, as on
+    ragcache's engine."""
     base = models.load(model, dtype, "cpu")
     chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
-    if chosen is None:
-        return dataclasses.replace(base, model=None)
-    path = Path(chosen)
+    if chosen is not None:
+        try:
+            return _adapted(base, Path(chosen))
+        except BadAdapter as exc:
+            if adapter != INSTALLED:
+                raise
+            log.warning("the adapter installed for %s is not used on the vLLM engine: %s", model, exc)
+    return dataclasses.replace(base, model=None)
+
+
+def _adapted(base: models.LoadedModel, path: Path) -> models.LoadedModel:
     digest = models.check_adapter(base, path)
-    # read as the connector will (BadAdapter now, not a fallback to vLLM's prefill at every request)
-    lora.LinkLora(path, range(base.config.num_hidden_layers), base.dtype, torch.device("cpu"))
+    layers = base.config.num_hidden_layers  # read as the connector and vLLM will: refused now, not at every request
+    lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
+    lora_engine_args(path)
     return dataclasses.replace(base, model=None, fingerprint=models.adapted_fingerprint(base.fingerprint, digest),
                                adapter=models.Adapter(path, digest), compile_fingerprint=base.fingerprint)
 
 
-def _lora_rank_setting(path: Path) -> int:
-    """The smallest of vLLM's max_lora_rank values that holds the adapter's rank."""
-    from vllm.config.lora import MaxLoRARanks
+def lora_engine_args(path: Path) -> dict:
+    """vLLM's LoRA settings for one link adapter (the smallest max_lora_rank that holds its rank); BadAdapter where
+    vLLM would refuse it."""
+    from vllm.config.lora import LoRAConfig, MaxLoRARanks
+    from vllm.lora.peft_helper import PEFTHelper
 
-    rank = lora.rank(path)
-    return min(r for r in typing.get_args(MaxLoRARanks) if r >= rank)
+    config = lora.read_config(path)
+    ranks = [r for r in typing.get_args(MaxLoRARanks) if r >= config["r"]]
+    if not ranks:
+        raise BadAdapter(f"{path}: LoRA rank {config['r']} is above vLLM's largest max_lora_rank")
+    args = dict(enable_lora=True, max_loras=1, max_lora_rank=ranks[0])
+    try:
+        PEFTHelper.from_dict(config).validate_legal(LoRAConfig(max_lora_rank=ranks[0], max_loras=1))
+    except ValueError as exc:
+        raise BadAdapter(f"vLLM cannot load the adapter in {path}: {exc}") from exc
+    return args
 
 
 async def _start(args):

@@ -104,7 +104,8 @@ class VllmRunner(Runner):
         return (x + _mlp(layer.mlp, layer.post_attention_layernorm(x)))[None]
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
-        return self.model.compute_logits(self.norm(hidden_rows)).to(torch.float32)
+        logits = _base(self.model.logits_processor)(_base(self.model.lm_head), self.norm(hidden_rows))
+        return logits.to(torch.float32)
 
 
 def _base(module: torch.nn.Module) -> torch.nn.Module:
@@ -118,7 +119,7 @@ def _linear(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp(mlp: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _base(mlp.gate_up_proj) is mlp.gate_up_proj:
+    if _base(mlp.gate_up_proj) is mlp.gate_up_proj and _base(mlp.down_proj) is mlp.down_proj:
         return mlp(x)
     return _linear(mlp.down_proj, mlp.act_fn(_linear(mlp.gate_up_proj, x)))  # the MLP's forward, LoRA unwrapped
 

@@ -27,17 +27,16 @@ _KEY = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.lora_A(?:\.default)?\.weigh
 
 
 class LinkLora:
-    """Per layer (counted from the first of `layers`: a pipeline rank's) and projection, (A [r, in],
-    B * scaling [out, r]) in the model's dtype."""
+    """Per layer (counted from the first of `layers`, a pipeline rank's, of the model's `total` layers) and
+    projection, (A [r, in], B * scaling [out, r]) in the model's dtype."""
 
-    def __init__(self, path: str | Path, layers: range, dtype: torch.dtype, device: torch.device):
+    def __init__(self, path: str | Path, layers: range, total: int, dtype: torch.dtype, device: torch.device):
         from safetensors.torch import load_file
 
         path = Path(path)
         if not all((path / name).is_file() for name in ADAPTER_FILES):
             raise BadAdapter(f"{path} is not a LoRA adapter directory: it needs {' and '.join(ADAPTER_FILES)}")
-        config = json.loads((path / "adapter_config.json").read_text())
-        scaling = check_config(config, path)
+        scaling = check_config(read_config(path), path)
         tensors = load_file(str(path / "adapter_model.safetensors"))
         self.pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         for key, a in tensors.items():
@@ -47,12 +46,13 @@ class LinkLora:
                     raise BadAdapter(f"{path}: {key} is not a LoRA weight of an attention projection")
                 continue
             layer, projection = int(found[1]), found[2]
-            if projection not in PROJECTIONS or layer >= layers.stop:
+            if projection not in PROJECTIONS or layer >= total:
                 raise BadAdapter(f"{path}: {key} adapts no attention projection of this model")
-            if layer < layers.start:
-                continue
-            b = tensors[key.replace("lora_A", "lora_B")]
-            self.pairs[layer - layers.start, projection] = (a.to(device, dtype), (b * scaling).to(device, dtype))
+            b = tensors.get(key.replace("lora_A", "lora_B"))
+            if b is None:
+                raise BadAdapter(f"{path}: {key} has no lora_B beside it")
+            if layer in layers:  # scaled in the model's dtype, as vLLM scales its copy
+                self.pairs[layer - layers.start, projection] = (a.to(device, dtype), b.to(device, dtype) * scaling)
         if not self.pairs:
             raise BadAdapter(f"{path} holds no LoRA weights")
 
@@ -76,12 +76,17 @@ def check_config(config: dict, path: Path) -> float:
         raise BadAdapter(f"{path}: DoRA and LoRA biases are not supported on the vLLM engine")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise BadAdapter(f"{path}: per-module ranks (rank_pattern, alpha_pattern) are not supported on the vLLM engine")
-    rank, alpha = config["r"], config.get("lora_alpha", 8)
+    rank, alpha = config.get("r"), config.get("lora_alpha", 8)
+    if type(rank) is not int or rank < 1:
+        raise BadAdapter(f"{path}: adapter_config.json needs a LoRA rank r >= 1, got {rank!r}")
     return alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def rank(path: str | Path) -> int:
-    """The adapter's LoRA rank (vLLM's max_lora_rank must hold it)."""
-    config = json.loads((Path(path) / "adapter_config.json").read_text())
-    check_config(config, Path(path))
-    return int(config["r"])
+def read_config(path: Path) -> dict:
+    """The adapter's config, once it is one the connector computes as PEFT does."""
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise BadAdapter(f"cannot read {path / 'adapter_config.json'}: {exc}") from exc
+    check_config(config, path)
+    return config

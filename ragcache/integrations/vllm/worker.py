@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import os
 from collections import OrderedDict
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from ragcache import linker, models
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
+from ragcache.errors import BadAdapter
 from ragcache.catalog import Catalog
 from ragcache.kv import JoinedCache
 from ragcache.settings import DEFAULT_STORE
@@ -23,6 +25,7 @@ from .lora import LinkLora
 from .spec import BadLinkSpec, Load
 
 TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats
+LORAS_KEPT = 8
 
 
 class LinkWorker:
@@ -47,7 +50,8 @@ class LinkWorker:
         # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self.tails: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        self.loras: dict[str, LinkLora] = {}  # by directory: the link adapters requests came with
+        # the link adapters requests came with, by directory and version (or why one cannot be used)
+        self.loras: OrderedDict[tuple, LinkLora | BadAdapter] = OrderedDict()
 
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -103,11 +107,28 @@ class LinkWorker:
         return plan.cache
 
     def lora(self, path: str | None) -> LinkLora | None:
+        """The request's LoRA as the connector computes it (BadAdapter: one it cannot compute, such as a task LoRA
+        on the MLP; vLLM then prefills the request with it)."""
         if path is None:
             return None
-        if path not in self.loras:
-            self.loras[path] = LinkLora(path, self.runner.layer_range, self.runner.shape.dtype, self.runner.device)
-        return self.loras[path]
+        from vllm.lora.utils import get_adapter_absolute_path
+
+        path = get_adapter_absolute_path(path)  # as vLLM resolves it: ~, relative paths, hub ids
+        weights = os.path.join(path, "adapter_model.safetensors")
+        name = (path, os.stat(weights).st_mtime_ns if os.path.exists(weights) else None)
+        if name not in self.loras:
+            try:
+                self.loras[name] = LinkLora(path, self.runner.layer_range, self.runner.config.num_hidden_layers,
+                                            self.runner.shape.dtype, self.runner.device)
+            except BadAdapter as exc:
+                self.loras[name] = exc
+            while len(self.loras) > LORAS_KEPT:
+                self.loras.popitem(last=False)
+        self.loras.move_to_end(name)
+        found = self.loras[name]
+        if isinstance(found, BadAdapter):
+            raise found
+        return found
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
               kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
