@@ -272,6 +272,8 @@ def adapter(
     runs: int = typer.Option(7, min=1, help="timed queries per engine (median), the engines taking turns"),
     algorithm: str = typer.Option("naive", help="the link the queries use"),
     new_tokens: int = typer.Option(32, min=2, help="tokens decoded per query"),
+    engine: str = typer.Option("ragcache", help="ragcache (merged, beside, base) | vllm (merged, vLLM's LoRA, base; "
+                                                "run from .venv-vllm)"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -281,13 +283,16 @@ def adapter(
     from ragcache.models import default_dtype
 
     dtype = default_dtype("cpu") if dtype == "auto" else dtype
+    if engine not in ("ragcache", "vllm"):
+        raise typer.BadParameter(f"--engine must be ragcache or vllm, got {engine!r}")
     bench = Run("adapter", dict(model=model, adapter=path, dtype=dtype, runs=runs, algorithm=algorithm,
-                                new_tokens=new_tokens, tag=tag), out)
-    result = mod.run(model, path, dtype, runs, algorithm, new_tokens)
+                                new_tokens=new_tokens, engine=engine, tag=tag), out)
+    result = mod.run(model, path, dtype, runs, algorithm, new_tokens, engine=engine)
     for name, row in result["median"].items():
-        print(f"{name:>9}: ttft {row['ttft_s'] * 1000:.1f} ms, decode {row.get('decode_tok_s', 0):.1f} tok/s")
-    print(f"merged: the adapted layers' base weights kept for compile take {result['base_weights_kept_mib']:.0f} MiB "
-          f"(the model: {result['model_mib']:.0f} MiB)")
+        print(f"{name:>12}: ttft {row['ttft_s'] * 1000:.1f} ms, decode {row.get('decode_tok_s', 0):.1f} tok/s")
+    if "base_weights_kept_mib" in result:
+        print(f"merged: the adapted layers' base weights kept for compile take "
+              f"{result['base_weights_kept_mib']:.0f} MiB (the model: {result['model_mib']:.0f} MiB)")
     bench.finish([result])
 
 

@@ -1,5 +1,6 @@
 """Serving a link adapter merged into the weights or beside them (PEFT's LoRA layers), against the base model:
-time to first token of a linked query and decode speed, the three engines taking turns so drift hits each alike."""
+time to first token of a linked query and decode speed, the engines taking turns so drift hits each alike. On the
+vLLM engine (`engine="vllm"`): the base model against the adapter merged into a checkpoint and as vLLM's LoRA."""
 
 from __future__ import annotations
 
@@ -32,20 +33,42 @@ def random_adapter(lm: models.LoadedModel, out: Path, rank: int) -> Path:
 
 
 def run(model: str, adapter: Path | None, dtype: str, runs: int, algorithm: str, new_tokens: int,
-        rank: int = 16, docs_per_query: int = 4) -> dict:
-    questions = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
-    texts = [p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))]
+        rank: int = 16, docs_per_query: int = 4, engine: str = "ragcache") -> dict:
+    """`engine` "vllm": the base model, the adapter merged and the adapter as vLLM's LoRA on the vLLM engine
+    instead, over a disk store."""
     label = str(adapter) if adapter is not None else f"random rank-{rank} LoRA on {', '.join(ATTENTION)}"
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp:  # held while vLLM serves: it reads a LoRA at its first request
         if adapter is None:
             adapter = random_adapter(models.load(model, dtype=dtype), Path(tmp), rank)
-        store = open_store("memory:")
-        engines = {"base": RagCache(models.load(model, dtype=dtype), store),
-                   "unmerged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=False), store),
-                   "merged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=True), store)}
-    doc_ids = engines["base"].compile(texts)
-    kept = sum(base.numel() * base.element_size() for _, base, _ in engines["merged"].lm.adapter.swapped)
-    model_bytes = sum(p.numel() * p.element_size() for p in engines["base"].lm.model.parameters())
+        if engine == "vllm":
+            engines = {name: RagCache.open(model, f"disk:{tmp}/store", engine="vllm", dtype=dtype, adapter=chosen,
+                                           merge_adapter=merge)
+                       for name, chosen, merge in (("vllm base", None, True), ("vllm merged", adapter, True),
+                                                   ("vllm LoRA", adapter, False))}
+            try:
+                result = measure(engines, runs, algorithm, new_tokens, docs_per_query)
+            finally:
+                for rc in engines.values():
+                    rc.close()
+            sizes = {}
+        else:
+            store = open_store("memory:")
+            engines = {"base": RagCache(models.load(model, dtype=dtype), store),
+                       "unmerged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=False), store),
+                       "merged": RagCache(models.load(model, dtype=dtype, adapter=adapter, merge=True), store)}
+            result = measure(engines, runs, algorithm, new_tokens, docs_per_query)
+            kept = sum(base.numel() * base.element_size() for _, base, _ in engines["merged"].lm.adapter.swapped)
+            model_bytes = sum(p.numel() * p.element_size() for p in engines["base"].lm.model.parameters())
+            sizes = {"base_weights_kept_mib": kept / 2**20, "model_mib": model_bytes / 2**20}
+    return {"model": model, "engine": engine, "dtype": dtype, "algorithm": algorithm, "runs": runs,
+            "documents": docs_per_query, "threads": torch.get_num_threads(), "adapter": label, **sizes, **result}
+
+
+def measure(engines: dict, runs: int, algorithm: str, new_tokens: int, docs_per_query: int) -> dict:
+    """TTFT and decode tok/s of each engine, the engines taking turns on the same queries."""
+    questions = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
+    texts = [p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))]
+    doc_ids = next(iter(engines.values())).compile(texts)
     times: dict[str, dict[str, list[float]]] = {name: {"ttft_s": [], "decode_tok_s": []} for name in engines}
     for rc in engines.values():
         rc.warmup()
@@ -57,7 +80,5 @@ def run(model: str, adapter: Path | None, dtype: str, runs: int, algorithm: str,
             times[name]["ttft_s"].append(st.ttft_s)
             if st.completion_tokens > 1:
                 times[name]["decode_tok_s"].append((st.completion_tokens - 1) / st.decode_s)
-    return {"model": model, "dtype": dtype, "algorithm": algorithm, "runs": runs, "documents": docs_per_query, "threads": torch.get_num_threads(),
-            "adapter": label, "base_weights_kept_mib": kept / 2**20, "model_mib": model_bytes / 2**20,
-            "median": {name: {k: statistics.median(v) for k, v in t.items() if v} for name, t in times.items()},
+    return {"median": {name: {k: statistics.median(v) for k, v in t.items() if v} for name, t in times.items()},
             "all": times}

@@ -60,8 +60,8 @@ class RagCache(Front):
         the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
         left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
         base model.
-        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (vLLM runs it beside, as
-        its own LoRA).
+        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (on vLLM: a merged
+        checkpoint, or vLLM's LoRA).
         `batch_invariant=False`: faster decode at many streams, but an answer may depend on what else is in its
         batch (Runner). `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
         `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
@@ -69,7 +69,7 @@ class RagCache(Front):
             from .integrations.vllm.engine import VllmRagCache
 
             return VllmRagCache.open(model, store, chunk_tokens=chunk_tokens, dtype=dtype, kv_codec_name=kv_codec,
-                                     adapter=adapter, **vllm_args)
+                                     adapter=adapter, merge_adapter=merge_adapter, **vllm_args)
         if engine != "ragcache" or vllm_args:
             raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {engine!r}" if engine != "ragcache" else
                                       f"{sorted(vllm_args)} are options of the vllm engine")

@@ -217,12 +217,13 @@ class Adapter:
     sha256: str  # of its files: part of the model's fingerprint
     peft: object | None = None  # unmerged: the PeftModel wrapping the base model
     swapped: tuple = ()  # merged: (layer, base weight, merged weight) for each adapted Linear
-    # neither: the weights run in another engine (vLLM runs the LoRA beside them, and `base_weights` has nothing
-    # to swap here: that engine compiles without the adapter itself)
+    # neither: the weights run in another engine (vLLM), merged there or beside them as its LoRA; `base_weights` has
+    # nothing to swap here, that engine compiles without the adapter itself
+    merged_by_engine: bool = False
 
     @property
     def merged(self) -> bool:
-        return bool(self.swapped)
+        return bool(self.swapped) or self.merged_by_engine
 
     @contextlib.contextmanager
     def base_weights(self):

@@ -120,6 +120,15 @@ def test_serve_decode_cells_and_runner_steps():
     assert all(len(r["runs_ms"]) == serve.STEP_RUNS and r["step_ms"] > 0 for r in steps)
 
 
+@pytest.mark.real_model
+def test_adapter_times_the_base_model_and_the_adapter_both_ways(tmp_path):
+    invoke("adapter", "--runs", "1", "--new-tokens", "2", "--dtype", "float32", "--out", str(tmp_path))
+    [result] = json.loads((tmp_path / "adapter-smollm2-135m.json").read_text())["results"]  # a table, no plot
+    assert result["engine"] == "ragcache" and sorted(result["median"]) == ["base", "merged", "unmerged"]
+    assert all(finite(row["ttft_s"]) and finite(row["decode_tok_s"]) for row in result["median"].values())
+    assert 0 < result["base_weights_kept_mib"] < result["model_mib"]
+
+
 # -- helpers, no model ----------------------------------------------------------------------------------------
 @pytest.mark.real_model
 def test_peers(tmp_path):

@@ -8,6 +8,7 @@ import contextlib
 import json
 import shutil
 from collections import OrderedDict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -54,10 +55,13 @@ def store(tmp_path_factory) -> str:
     return f"disk:{tmp_path_factory.mktemp('adapter-store')}"
 
 
-@pytest.fixture(scope="module")
-def rc(tiny_qwen2, store, adapter):
+@pytest.fixture(scope="module", params=["merged", "lora"])
+def rc(request, tiny_qwen2, store, adapter):
+    """Merged: vLLM serves a checkpoint with the adapter folded in, and the connector takes it back out to compile.
+    LoRA: vLLM runs it as its own LoRA, and the connector adds it on the rows a link recomputes."""
     engine = RagCache.open(tiny_qwen2, store, engine="vllm", dtype="float32", chunk_tokens=48, max_model_len=512,
-                           kv_cache_gib=0.25, enforce_eager=True, adapter=adapter)
+                           kv_cache_gib=0.25, enforce_eager=True, adapter=adapter,
+                           merge_adapter=request.param == "merged")
     yield engine
     engine.close()
 
@@ -85,7 +89,10 @@ def doc_ids(rc, adapted) -> list[str]:
 def test_entries_vllm_compiles_with_an_adapter_are_the_base_models(rc, base, adapted, doc_ids):
     assert base.warm(doc_ids, prefetch=False) == (0, 0)  # under the base model's keys (their content: below)
     assert rc.lm.fingerprint == adapted.lm.fingerprint != base.lm.fingerprint  # its profiles are the adapted model's
-    assert rc.lm.adapter.sha256 == adapted.lm.adapter.sha256 and not rc.lm.adapter.merged  # vLLM's LoRA, beside
+    assert rc.lm.adapter.sha256 == adapted.lm.adapter.sha256
+    merged = rc.lm.adapter.merged
+    assert (rc.lora is None) == merged  # merged: vLLM serves the folded checkpoint, and no request carries a LoRA
+    assert merged == (Path(rc.llm.model_config.model).parent.name == "merged")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -172,7 +179,7 @@ def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(t
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):
-    text = tiny.CORPUS[4] + " Compiled at the link."
+    text = tiny.CORPUS[4] + f" Compiled at the link, merged {rc.lm.adapter.merged}."
     new = rc.catalog.add(text)  # stored as text only: the adapted query's link compiles it inside vLLM
     answer = rc.query(QUESTION, [new, *doc_ids[:1]], algorithm="naive", max_new_tokens=TOKENS)
     assert base.warm([new], prefetch=False) == (0, 0)  # stored under the base model's keys

@@ -27,3 +27,13 @@ def test_peers_with_vllm_and_the_connector(tmp_path, monkeypatch):
         assert math.isfinite(row["own_order_requests_per_s"]) and len(row["own_order_all_requests_per_s"]) == 1
     assert unlinked["own_order_requests_per_s"] is None
     assert math.isfinite(linked["decode_tok_s"]) and linked["ttft_vs_fastest_peer"] is not None
+
+
+def test_adapter_on_the_vllm_engine_merged_and_as_vllms_lora(tmp_path):
+    from tests.test_bench import invoke
+
+    invoke("adapter", "--engine", "vllm", "--runs", "1", "--new-tokens", "2", "--dtype", "float32", "--out",
+           str(tmp_path))
+    [result] = json.loads((tmp_path / "adapter-smollm2-135m.json").read_text())["results"]
+    assert result["engine"] == "vllm" and sorted(result["median"]) == ["vllm LoRA", "vllm base", "vllm merged"]
+    assert all(math.isfinite(row["ttft_s"]) and math.isfinite(row["decode_tok_s"]) for row in result["median"].values())

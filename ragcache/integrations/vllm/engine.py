@@ -65,9 +65,10 @@ class VllmRagCache(Front):
         config = llm.model_config
         super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers)
         self.llm, self.loop = llm, loop
-        # every answer runs with the link adapter (vLLM's LoRA on its rows, the connector's on the rows it recomputes);
-        # compiling never does
-        self.lora = LoRARequest(LORA_NAME, 1, str(lm.adapter.path)) if lm.adapter is not None else None
+        # unmerged, every answer runs with the link adapter (vLLM's LoRA on its rows, the connector's on the rows it
+        # recomputes); compiling never does
+        adapter = lm.adapter
+        self.lora = LoRARequest(LORA_NAME, 1, str(adapter.path)) if adapter is not None and not adapter.merged else None
         self.max_model_len = config.max_model_len
         self.compiler = Compiler(lm, None, codec)  # keys only: vLLM's connector compiles
         self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
@@ -75,11 +76,14 @@ class VllmRagCache(Front):
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store: str = DEFAULT_STORE, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
              dtype: str = "auto", kv_codec_name: str = "auto", max_model_len: int | None = None,
-             kv_cache_gib: float | None = None, adapter: str | Path | None = None, **engine_args) -> "VllmRagCache":
+             kv_cache_gib: float | None = None, adapter: str | Path | None = None, merge_adapter: bool = True,
+             **engine_args) -> "VllmRagCache":
         """Start vLLM (its engine core in a process of its own) with ragcache's connector over `store`, a URL that
         vLLM's process opens too (disk: or redis://, not memory: alone). `adapter`: a link adapter's directory
-        (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None; it runs as a vLLM
-        LoRA, beside the weights. `engine_args`: any other vLLM `AsyncEngineArgs` field."""
+        (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None. Merged
+        (`merge_adapter`), vLLM serves a checkpoint with the adapter folded into its weights, written once into the
+        model cache; else it runs the adapter as its own LoRA, beside the weights (slower: docs/BENCHMARKS.md).
+        `engine_args`: any other vLLM `AsyncEngineArgs` field."""
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -89,10 +93,13 @@ class VllmRagCache(Front):
                                       f"redis://...), got {store!r}")
         kv_codec.validate(kv_codec_name)
         device = current_platform.device_type
-        lm = _describe(model, dtype, adapter)
-        if lm.adapter is not None:
-            if engine_args.get("tensor_parallel_size", 1) > 1:
-                raise ParameterOutOfRange("link adapters on the vLLM engine need tensor_parallel_size 1")
+        if adapter is not None and engine_args.get("tensor_parallel_size", 1) > 1:
+            raise ParameterOutOfRange("link adapters on the vLLM engine need tensor_parallel_size 1")
+        lm, served = _describe(model, dtype, adapter, merge_adapter)
+        options = {}
+        if lm.adapter is not None and lm.adapter.merged:
+            options["merged_adapter"] = str(lm.adapter.path)
+        elif lm.adapter is not None:
             for name, value in lora_engine_args(lm.adapter.path).items():
                 engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
@@ -100,8 +107,8 @@ class VllmRagCache(Front):
             kv_cache_gib = CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec)
-        args = AsyncEngineArgs(model=models.resolve(model), dtype=str(lm.dtype).removeprefix("torch."),
+        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **options)
+        args = AsyncEngineArgs(model=served, dtype=str(lm.dtype).removeprefix("torch."),
                                enable_prefix_caching=True, max_model_len=max_model_len,
                                kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
         loop = asyncio.new_event_loop()
@@ -211,30 +218,32 @@ class VllmRagCache(Front):
         return VllmStream(self, prepare, fill.sampling, stop_ids=ends, lora=self.lora)
 
 
-def _describe(model: str, dtype: str, adapter: str | Path | None) -> models.LoadedModel:
-    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, for vLLM to run: the keys of its
-    entries name the weights, so they are loaded here once to fingerprint them (and to check the adapter fits),
-    then dropped. An installed adapter that cannot be served here is logged, and the base model serves, as on
-    ragcache's engine."""
+def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -> tuple[models.LoadedModel, str]:
+    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, and the checkpoint vLLM serves (the
+    model's, or a merged one): the keys of its entries name the weights, so they are loaded here once to
+    fingerprint them (and to check the adapter fits), then dropped. An installed adapter that cannot be served here
+    is logged, and the base model serves, as on ragcache's engine."""
     base = models.load(model, dtype, "cpu")
     chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
     if chosen is not None:
         try:
-            return _adapted(base, Path(chosen))
+            return _adapted(base, Path(chosen), merge)
         except BadAdapter as exc:
             if adapter != INSTALLED:
                 raise
             log.warning("the adapter installed for %s is not used on the vLLM engine: %s", model, exc)
-    return dataclasses.replace(base, model=None)
+    return dataclasses.replace(base, model=None), models.resolve(model)
 
 
-def _adapted(base: models.LoadedModel, path: Path) -> models.LoadedModel:
+def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.LoadedModel, str]:
     digest = models.check_adapter(base, path)
     layers = base.config.num_hidden_layers  # read as the connector and vLLM will: refused now, not at every request
     lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
-    lora_engine_args(path)
-    return dataclasses.replace(base, model=None, fingerprint=models.adapted_fingerprint(base.fingerprint, digest),
-                               adapter=models.Adapter(path, digest), compile_fingerprint=base.fingerprint)
+    lora_engine_args(path)  # vLLM's checks of a LoRA: a plain one, merged or not
+    fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
+    lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
+                             adapter=models.Adapter(path, digest, merged_by_engine=merge))
+    return lm, str(lora.merged_checkpoint(base, path, fingerprint) if merge else models.resolve(base.name))
 
 
 def lora_engine_args(path: Path) -> dict:

@@ -32,7 +32,8 @@ class LinkWorker:
     """What ragcache's engine holds for linking (runner, compilers, layouts, store), over vLLM's loaded model.
 
     Options (`kv_connector_extra_config`): `store` (a ragcache store URL), `kv_codec` (as `ragcache compile` used),
-    `model_fingerprint` (else computed from the checkpoint with transformers, once: entries' keys name the model)."""
+    `model_fingerprint` (else computed from the checkpoint with transformers, once: entries' keys name the model),
+    `merged_adapter` (the link adapter folded into the served weights, lora.py)."""
 
     def __init__(self, vllm_config, options: dict):
         from transformers import AutoTokenizer
@@ -52,6 +53,10 @@ class LinkWorker:
         self.tails: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
         # the link adapters requests came with, by directory and version (or why one cannot be used)
         self.loras: OrderedDict[tuple, LinkLora | BadAdapter] = OrderedDict()
+        # vLLM serves weights a link adapter was merged into: compiling takes its term back out
+        merged = options.get("merged_adapter")
+        self.unmerge = LinkLora(merged, self.runner.layer_range, config.hf_config.num_hidden_layers,
+                                self.runner.shape.dtype, self.runner.device, sign=-1) if merged else None
 
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
@@ -93,10 +98,11 @@ class LinkWorker:
         if any(ids[: len(lead)] != lead for ids in parts.chunk_ids):
             raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
         chunks = [ids[len(lead):] for ids in parts.chunk_ids]
-        parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
-        if parts.prefix_ids:
-            parts.prefix_entry = self.catalog.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0][0]
-        with self.runner.adapted(self.lora(load.adapter)):  # compiling (above) never runs the adapter
+        with self.runner.adapted(self.unmerge):  # compiling: the base model's entries
+            parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
+            if parts.prefix_ids:
+                parts.prefix_entry = self.catalog.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0][0]
+        with self.runner.adapted(self.lora(load.adapter)):
             plan = linker.plan(self.runner, parts, params)
             rows = plan.rows[plan.rows < spec.linked]
             narrow = plan.narrow
