@@ -67,11 +67,16 @@ def rc(request, tiny_qwen2, store, adapter):
 
 
 @pytest.fixture(scope="module")
-def adapted(tiny_qwen2, adapter, tmp_path_factory):
+def own_store(tmp_path_factory) -> str:
+    return f"disk:{tmp_path_factory.mktemp('own-store')}"
+
+
+@pytest.fixture(scope="module")
+def adapted(tiny_qwen2, adapter, own_store):
     """ragcache's own engine with the same adapter, beside the weights as vLLM runs it, over entries it compiled
     itself: a store of its own."""
-    return RagCache.open(tiny_qwen2, f"disk:{tmp_path_factory.mktemp('own-store')}", dtype="float32", chunk_tokens=48,
-                         adapter=adapter, merge_adapter=False)
+    return RagCache.open(tiny_qwen2, own_store, dtype="float32", chunk_tokens=48, adapter=adapter,
+                         merge_adapter=False)
 
 
 @pytest.fixture(scope="module")
@@ -112,10 +117,10 @@ def test_the_adapter_changes_the_answers(rc, base, doc_ids):
     assert len(changed) >= 3, changed
 
 
-def test_the_connectors_own_lora_term_matters(tiny_qwen2, store, adapter, adapted, doc_ids, monkeypatch):
+def test_the_connectors_own_lora_term_matters(tiny_qwen2, adapter, adapted, own_store, monkeypatch):
     """... and this, with one that the connector ignored on the rows it recomputes while vLLM ran it on the question:
-    vLLM's `LLM` in this process (ragcache's engine runs vLLM's core in a process of its own), the same store, and
-    no prefix cache, so that the same prompt is linked again."""
+    vLLM's `LLM` in this process (ragcache's engine runs vLLM's core in a process of its own), over the reference
+    engine's store, and no prefix cache, so that the same prompt is linked again."""
     from vllm import SamplingParams
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.lora.request import LoRARequest
@@ -124,7 +129,9 @@ def test_the_connectors_own_lora_term_matters(tiny_qwen2, store, adapter, adapte
     from tests.vllm.conftest import connected_llm
 
     llm_args = dict(model=tiny_qwen2, dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-                    max_model_len=512, kv_transfer_config=transfer_config(store), **lora_engine_args(adapter))
+                    max_model_len=512, kv_transfer_config=transfer_config(own_store),
+                    **lora_engine_args(adapter))
+    doc_ids = adapted.compile_documents(tiny.CORPUS[:4]).ids
     lora = LoRARequest("link", 1, str(adapter))
 
     def answers(llm) -> list[list[int]]:
