@@ -30,13 +30,21 @@ ALGORITHMS = ["focus", "legolink", "cacheblend", "naive", "full"]
 RECOMPUTING = ["focus", "legolink", "cacheblend"]
 
 
+def edited(adapter, folder, **config):
+    """A copy of the adapter in folder, with these adapter_config.json fields changed."""
+    shutil.copytree(adapter, folder)
+    path = folder / "adapter_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return folder
+
+
 def mlp_adapter(adapter, folder):
     """The adapter with a LoRA on an MLP projection too: a task LoRA, which the connector cannot compute."""
-    shutil.copytree(adapter, folder / "mlp")
-    tensors = load_file(folder / "mlp" / "adapter_model.safetensors")
+    copy = edited(adapter, folder / "mlp")
+    tensors = load_file(copy / "adapter_model.safetensors")
     tensors["base_model.model.model.layers.0.mlp.up_proj.lora_A.weight"] = torch.zeros(4, 128)
-    save_file(tensors, folder / "mlp" / "adapter_model.safetensors")
-    return folder / "mlp"
+    save_file(tensors, copy / "adapter_model.safetensors")
+    return copy
 
 
 @pytest.fixture(scope="module")
@@ -172,17 +180,14 @@ def test_the_worker_resolves_keeps_and_refuses_loras_as_requests_name_them(adapt
 
 
 def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(tiny_qwen2, adapter, tmp_path):
-    shutil.copytree(adapter, tmp_path / "dora")
-    config = json.loads((tmp_path / "dora" / "adapter_config.json").read_text())
-    (tmp_path / "dora" / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     with pytest.raises(BadAdapter, match="DoRA"):
-        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=tmp_path / "dora")
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm",
+                      adapter=edited(adapter, tmp_path / "dora", use_dora=True))
     with pytest.raises(BadAdapter, match="not a LoRA weight of an attention projection"):
         RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=mlp_adapter(adapter, tmp_path))
-    shutil.copytree(adapter, tmp_path / "pissa")
-    (tmp_path / "pissa" / "adapter_config.json").write_text(json.dumps({**config, "init_lora_weights": "pissa"}))
     with pytest.raises(BadAdapter, match="vLLM cannot load"):  # it changed the base weights when it was made
-        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=tmp_path / "pissa")
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm",
+                      adapter=edited(adapter, tmp_path / "pissa", init_lora_weights="pissa"))
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):

@@ -95,13 +95,12 @@ class VllmRagCache(Front):
         device = current_platform.device_type
         if adapter is not None and engine_args.get("tensor_parallel_size", 1) > 1:
             raise ParameterOutOfRange("link adapters on the vLLM engine need tensor_parallel_size 1")
-        lm, served = _describe(model, dtype, adapter, merge_adapter)
+        lm, served, lora_args = _describe(model, dtype, adapter, merge_adapter)
         options = {}
         if lm.adapter is not None and lm.adapter.merged:
             options["merged_adapter"] = str(lm.adapter.path)
-        elif lm.adapter is not None:
-            for name, value in lora_engine_args(lm.adapter.path).items():
-                engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
+        for name, value in lora_args.items():
+            engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
@@ -218,9 +217,10 @@ class VllmRagCache(Front):
         return VllmStream(self, prepare, fill.sampling, stop_ids=ends, lora=self.lora)
 
 
-def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -> tuple[models.LoadedModel, str]:
-    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, and the checkpoint vLLM serves (the
-    model's, or a merged one): the keys of its entries name the weights, so they are loaded here once to
+def _describe(model: str, dtype: str, adapter: str | Path | None,
+              merge: bool) -> tuple[models.LoadedModel, str, dict]:
+    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, the checkpoint vLLM serves (the
+    model's, or a merged one) and vLLM's LoRA settings (none unless it runs the adapter as its LoRA): the keys of its entries name the weights, so they are loaded here once to
     fingerprint them (and to check the adapter fits), then dropped. An installed adapter that cannot be served here
     is logged, and the base model serves, as on ragcache's engine."""
     base = models.load(model, dtype, "cpu")
@@ -232,18 +232,20 @@ def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -
             if adapter != INSTALLED:
                 raise
             log.warning("the adapter installed for %s is not used on the vLLM engine: %s", model, exc)
-    return dataclasses.replace(base, model=None), models.resolve(model)
+    return dataclasses.replace(base, model=None), models.resolve(model), {}
 
 
-def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.LoadedModel, str]:
+def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.LoadedModel, str, dict]:
     digest = models.check_adapter(base, path)
     layers = base.config.num_hidden_layers  # read as the connector and vLLM will: refused now, not at every request
     lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
-    lora_engine_args(path)  # vLLM's checks of a LoRA: a plain one, merged or not
+    lora_args = lora_engine_args(path)  # vLLM's checks of a LoRA: a plain one, merged or not
     fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
     lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
                              adapter=models.Adapter(path, digest, merged_by_engine=merge))
-    return lm, str(lora.merged_checkpoint(base, path, fingerprint) if merge else models.resolve(base.name))
+    if merge:
+        return lm, str(lora.merged_checkpoint(base, path, fingerprint)), {}
+    return lm, models.resolve(base.name), lora_args
 
 
 def lora_engine_args(path: Path) -> dict:
