@@ -6,15 +6,21 @@ what `RagCache.open(model)` serves when it is also calibrated: a profile (`ragca
 adapted model at the dtype it is opened in, and some link reached the target agreement with the base model's `full`
 in it. An adapter without one is not trusted: calibration is what says whether, and with which link, the adapted
 model answers as the base model does. (The first SmolLM2 adapter reached no link: research/README.md.)
+
+The vLLM engine serves an adapter merged into a copy of the model's checkpoint (`merged_checkpoint`), kept in the
+user's cache so the next start reuses it; `merged_copies` and `remove_merged` (`ragcache models merged`) list and
+remove them, since each is a whole model.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from . import calibrate, models
@@ -24,6 +30,8 @@ from .settings import DATA_DIR, INSTALLED
 log = logging.getLogger(__name__)
 
 PACKAGED_DIR = DATA_DIR / "adapters"
+COMPLETE = ".complete"  # written last into a merged checkpoint
+MERGED_SOURCE = "ragcache-merged.json"  # which model and adapter a merged checkpoint was made from
 
 
 def install_dir() -> Path:
@@ -112,3 +120,78 @@ def install(source: Path, model: str) -> Path:
         shutil.rmtree(staged, ignore_errors=True)
         raise
     return target
+
+
+def merged_dir() -> Path:
+    return models.model_cache_dir() / "merged"
+
+
+def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerprint: str) -> Path:
+    """The base model with the adapter (`digest`) folded into its weights, saved once for vLLM to load, in the user's
+    cache by the adapted model's fingerprint and dtype. `base` is loaded with its weights, and is adapted in place."""
+    dtype = str(base.dtype).removeprefix("torch.")
+    target = merged_dir() / f"{fingerprint}-{dtype}"
+    with models.file_lock(_merged_lock(target)):
+        if (target / COMPLETE).exists():
+            return target
+        merged = models.attach_adapter(base, path, merge=True)
+        staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        try:
+            merged.model.save_pretrained(staged)
+            merged.tokenizer.save_pretrained(staged)
+            source = {"model": base.name, "adapter": str(Path(path).resolve()), "adapter_sha256": digest, "dtype": dtype}
+            (staged / MERGED_SOURCE).write_text(json.dumps(source))
+            (staged / COMPLETE).touch()
+            shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
+            os.replace(staged, target)
+        except BaseException:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise
+    return target
+
+
+@dataclass(frozen=True)
+class MergedCopy:
+    path: Path
+    model: str | None  # None: not known (a copy left unfinished)
+    adapter: str | None
+    dtype: str | None
+    size: int  # bytes
+    stale: str | None  # why it is no longer served (its adapter gone or changed, left unfinished); None: current
+
+
+def merged_copies() -> list[MergedCopy]:
+    """Every merged checkpoint in the user's cache, with the copies interrupted runs left (named .NAME-XXXX)."""
+    if not merged_dir().is_dir():
+        return []
+    return [_describe_copy(path) for path in sorted(merged_dir().iterdir()) if path.is_dir()]
+
+
+def remove_merged(copy: MergedCopy) -> None:
+    """Remove one merged checkpoint, under its lock: never a copy another process is writing. A vLLM server that
+    already loaded it keeps serving; its next start writes it again."""
+    staged = copy.path.name.startswith(".")  # .TARGET-XXXXXXXX, mkdtemp's staging folder for TARGET
+    target = copy.path.with_name(copy.path.name[1:].rsplit("-", 1)[0]) if staged else copy.path
+    with models.file_lock(_merged_lock(target)):
+        shutil.rmtree(copy.path, ignore_errors=True)
+
+
+def _merged_lock(target: Path) -> Path:
+    return target.with_name(f".{target.name}.lock")
+
+
+def _describe_copy(path: Path) -> MergedCopy:
+    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    if path.name.startswith(".") or not (path / COMPLETE).exists():
+        return MergedCopy(path, None, None, None, size, "left unfinished by an interrupted start")
+    try:
+        source = json.loads((path / MERGED_SOURCE).read_text())
+        model, adapter, digest, dtype = source["model"], source["adapter"], source["adapter_sha256"], source["dtype"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return MergedCopy(path, None, None, None, size, f"its source is not recorded ({MERGED_SOURCE})")
+    try:
+        current = models.adapter_sha256(Path(adapter))
+    except BadAdapter:
+        return MergedCopy(path, model, adapter, dtype, size, "its adapter is gone")
+    stale = None if current == digest else "its adapter changed since"
+    return MergedCopy(path, model, adapter, dtype, size, stale)

@@ -365,6 +365,12 @@ def models_list():
                       _adapter_cell(adapters.installed(spec.name), profiles.get(spec.name, [])),
                       f"{wheels}\n{spec.note}")
     console.print(table)
+    copies = adapters.merged_copies()
+    if copies:
+        stale = sum(1 for c in copies if c.stale)
+        console.print(f"{len(copies)} model cop{'y' if len(copies) == 1 else 'ies'} with an adapter merged in, for the "
+                      f"vLLM engine ({sum(c.size for c in copies) / 1e6:,.0f} MB, {stale} no longer served): "
+                      "`ragcache models merged`")
 
 
 def _adapter_cell(path: Path | None, profiles: list) -> str:
@@ -399,6 +405,29 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
     except RagCacheError as exc:
         fail(exc)
     console.print(f"{name}: {path}")
+
+
+@models_app.command("merged")
+def models_merged(remove_stale: bool = typer.Option(False, "--remove-stale", help="remove the copies no longer "
+                                                    "served: their adapter gone or changed, or left unfinished"),
+                  remove_all: bool = typer.Option(False, "--remove-all", help="remove every copy (a vLLM start with an "
+                                                  "adapter writes its copy again)")):
+    """The model copies with a link adapter merged in, which `--engine vllm --adapter` serves (each a whole model,
+    kept in the model cache so the next start reuses it)."""
+    from . import adapters
+
+    copies = adapters.merged_copies()
+    table = Table(Column("copy", no_wrap=True), "model", "dtype", "adapter", "size", "state")
+    for copy in copies:
+        table.add_row(copy.path.name, copy.model or "-", copy.dtype or "-", copy.adapter or "-",
+                      f"{copy.size / 1e6:,.0f} MB", copy.stale or "current")
+    console.print(table if copies else f"no merged copies in {adapters.merged_dir()}")
+    doomed = [c for c in copies if remove_all or (remove_stale and c.stale)]
+    for copy in doomed:
+        adapters.remove_merged(copy)
+    if doomed:
+        console.print(f"removed {len(doomed)} cop{'y' if len(doomed) == 1 else 'ies'}, "
+                      f"{sum(c.size for c in doomed) / 1e6:,.0f} MB")
 
 
 @app.command()

@@ -172,6 +172,53 @@ def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path
     assert f"{digest[:12]} (default at bfloat16; no link reached the target at float32: not the default)" in out
 
 
+def test_merged_copies_are_listed_and_the_stale_ones_removed(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """The vLLM engine's merged checkpoints: written once, then reused; `models merged` finds which no longer match
+    their adapter and removes those (or all), and leaves the current one."""
+    import shutil
+
+    from ragcache.cli import app
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("COLUMNS", "400")
+    kept, changed, gone = (shutil.copytree(adapter_dir, tmp_path / name) for name in ("kept", "changed", "gone"))
+    copies = {}
+    for path in (kept, changed, gone):
+        base = models.load(str(tiny_dir), dtype="float32")
+        digest = models.check_adapter(base, path)
+        fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
+        copies[path.name] = adapters.merged_checkpoint(base, path, digest, fingerprint)
+        assert adapters.merged_checkpoint(base, path, digest, fingerprint) == copies[path.name]  # reused
+    assert len(set(copies.values())) == 1  # the same adapter's copies are one checkpoint...
+    make_adapter(tiny_dir, changed, seed=1)
+    base = models.load(str(tiny_dir), dtype="float32")
+    digest = models.check_adapter(base, changed)
+    copies["changed"] = adapters.merged_checkpoint(base, changed, digest,
+                                                   models.adapted_fingerprint(base.fingerprint, digest))
+    assert copies["changed"] != copies["kept"]  # ...and another adapter's is its own
+    merged = models.load(str(copies["changed"]), dtype="float32")
+    assert torch.allclose(logits(merged), logits(models.load(str(tiny_dir), dtype="float32", adapter=changed)),
+                          atol=1e-4)
+    interrupted = adapters.merged_dir() / f".{copies['kept'].name}-abcd1234"
+    interrupted.mkdir()
+    make_adapter(tiny_dir, changed, seed=2)  # the copy of seed 1 is stale now
+    states = {c.path: c.stale for c in adapters.merged_copies()}
+    assert states == {copies["kept"]: None, copies["changed"]: "its adapter changed since",
+                      interrupted: "left unfinished by an interrupted start"}
+    shutil.rmtree(kept)  # the path its copy was made from
+    assert {c.path: c.stale for c in adapters.merged_copies()}[copies["kept"]] == "its adapter is gone"
+    out = CliRunner().invoke(app, ["models", "list"]).output
+    assert "3 model copies with an adapter merged in" in out and "3 no longer served" in out
+    out = CliRunner().invoke(app, ["models", "merged"]).output
+    assert "its adapter is gone" in out and "removed" not in out and copies["kept"].exists()
+    shutil.copytree(gone, kept)  # the same files back: current again
+    out = CliRunner().invoke(app, ["models", "merged", "--remove-stale"]).output
+    assert "removed 2 copies" in out, out
+    assert [c.path for c in adapters.merged_copies()] == [copies["kept"]]
+    out = CliRunner().invoke(app, ["models", "merged", "--remove-all"]).output
+    assert "removed 1 copy" in out and adapters.merged_copies() == []
+
+
 def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
     from ragcache.api.app import create_app
     from tests.test_api import Server, settings

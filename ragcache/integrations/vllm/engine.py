@@ -244,7 +244,7 @@ def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.
     lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
                              adapter=models.Adapter(path, digest, merged_by_engine=merge))
     if merge:
-        return lm, str(lora.merged_checkpoint(base, path, fingerprint)), {}
+        return lm, str(adapters.merged_checkpoint(base, path, digest, fingerprint)), {}
     return lm, models.resolve(base.name), lora_args
 
 

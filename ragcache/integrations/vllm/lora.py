@@ -7,7 +7,7 @@ projection's output gains x A^T B^T * scaling. Compiling never does (the store's
 on ragcache's own engine).
 
 Merged (the default of `RagCache.open(engine="vllm", adapter=...)`), vLLM serves a checkpoint with the adapter
-folded into its weights (`merged_checkpoint`), and the connector takes the LoRA term back out where it compiles
+folded into its weights (`adapters.merged_checkpoint`), and the connector takes the LoRA term back out where it compiles
 (`sign=-1`), so that entries stay the base model's.
 
 Read from the adapter directory PEFT wrote (`adapter_config.json`, `adapter_model.safetensors`); what
@@ -18,10 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,7 +28,6 @@ from ragcache.errors import BadAdapter
 from ragcache.models import ADAPTER_FILES
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-COMPLETE = ".complete"  # written last into a merged checkpoint
 _KEY = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.lora_A(?:\.default)?\.weight$")
 
 
@@ -77,28 +73,6 @@ class LinkLora:
             if pair is not None:
                 out[:, start : start + width] += (x @ pair[0].T) @ pair[1].T
             start += width
-
-
-def merged_checkpoint(base: models.LoadedModel, path: Path, fingerprint: str) -> Path:
-    """The base model with the adapter folded into its weights, saved once for vLLM to load (in the user's model
-    cache, by the adapted model's fingerprint and dtype): vLLM then runs no LoRA at all, and compiles its graphs as
-    for any model. `base` is loaded with its weights, and is adapted in place."""
-    target = models.model_cache_dir() / "merged" / f"{fingerprint}-{str(base.dtype).removeprefix('torch.')}"
-    with models.file_lock(target.with_name(f".{target.name}.lock")):
-        if (target / COMPLETE).exists():
-            return target
-        merged = models.attach_adapter(base, path, merge=True)
-        staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
-        try:
-            merged.model.save_pretrained(staged)
-            merged.tokenizer.save_pretrained(staged)
-            (staged / COMPLETE).touch()
-            shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
-            os.replace(staged, target)
-        except BaseException:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise
-    return target
 
 
 def check_config(config: dict, path: Path) -> float:
