@@ -173,14 +173,16 @@ class RagCache(Front):
     def check(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
               k: int | None = None, ratio: float | None = None) -> guard.Check:
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
-        first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample."""
+        first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample.
+        With a link adapter, `full` is the base model's (the adapter off), as in calibration."""
         linked = self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio)
         return self.compare_with_full(question, docs, algorithm, linked.last_logits, system=system)
 
     def compare_with_full(self, question: str, docs: list, algorithm: str, linked_logits, system: str | None = None
                           ) -> guard.Check:
-        """Link the prompt with `full` as background work (only in steps no user request needs) and compare its
-        first-token distribution with `linked_logits`, an answer's own. The guard's half of `check`."""
+        """Link the prompt with `full` as background work (only in steps no user request needs, with the base
+        model's weights) and compare its first-token distribution with `linked_logits`, an answer's own. The guard's
+        half of `check`."""
         full = self.link(question, docs, system=system, algorithm="full", background=True)
         return guard.compare(algorithm, full.last_logits, linked_logits)
 

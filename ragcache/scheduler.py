@@ -19,6 +19,7 @@ go on. Other model work (compiling a chunk) goes through `call` and runs here to
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import threading
 import time
@@ -65,7 +66,9 @@ class Request:
     emit: Callable[[str, object], None]  # ("linked", Linked), ("token", Step), ("done"|"cancelled", None), ("error", exc)
     extra_capacity: int = 0  # link only: cache room a caller reserves to decode itself
     cancelled: bool = False  # set from any thread; honoured at the next step
-    background: bool = False  # runs only in steps no user request needs (the accuracy guard's `full` links)
+    # the accuracy guard's `full` links: they run only in steps no user request needs, so alone in their steps, and
+    # with the base model's weights (a link adapter's off), which calibration set the target against
+    background: bool = False
     # scheduler-thread state
     plan: LinkPlan | None = None
     pending: torch.Tensor | None = None  # link rows not yet run (host, ascending); None once linked
@@ -228,9 +231,10 @@ class Scheduler:
             return None
         # A Narrowing keeps a subset of rows after a layer, chosen over every row at that layer: it runs as one
         # forward of its own here, not in pieces.
-        hidden, rows = linker.recompute(self.runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+        with self._weights(request.background):
+            hidden, rows = linker.recompute(self.runner, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+            last_logits = self.runner.logits(hidden[0, -1:])[0]
         request.recomputed = int(rows.numel())
-        last_logits = self.runner.logits(hidden[0, -1:])[0]
         self._linked(request, last_logits)
         return last_logits
 
@@ -240,6 +244,7 @@ class Scheduler:
             return
         started = time.perf_counter()
         ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
+        background = False  # a step with a background request's rows has no other request's
         for request in self.running:  # decode rows first: one per decoding request
             if request.pending is None:
                 ids.append(torch.tensor([request.next_token]))
@@ -261,11 +266,13 @@ class Scheduler:
             parts.append((request.cache, piece))
             rows_total += piece.numel()
             request.recomputed += piece.numel()
+            background |= request.background
             if request.pending.numel() == 0:
                 ends.append((request, rows_total - 1))
         try:
-            hidden = self.runner.forward(torch.cat(ids), parts)
-            logits = self.runner.logits(hidden[0, [index for _, index in ends]])
+            with self._weights(background):
+                hidden = self.runner.forward(torch.cat(ids), parts)
+                logits = self.runner.logits(hidden[0, [index for _, index in ends]])
         except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails
             log.exception("a model step failed")
             self._fail_all(exc)
@@ -279,6 +286,9 @@ class Scheduler:
                 request.emit("error", exc)
                 self._leave(request)
         self._count(rows_total, decode_rows, time.perf_counter() - started)
+
+    def _weights(self, base: bool):
+        return self.runner.lm.base_weights() if base else contextlib.nullcontext()
 
     def _piece_size(self, request: Request, budget: int, first: bool) -> int:
         """How many of the request's pending link rows this step runs. Batch-invariant: a whole piece of the row

@@ -82,6 +82,30 @@ def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, ada
     assert not torch.allclose(linked, base.link("What is tall?", [doc_id], algorithm="naive").last_logits, atol=1e-3)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_guard_compares_with_the_base_models_full_as_calibration_does(tiny_dir, adapter_dir, merge):
+    """The guard's `full` (a background link) runs with the adapter off, so its agreement is measured against what
+    the calibrated target was; the adapter is back on for every request after it."""
+    from ragcache import guard
+
+    store = open_store("memory:")
+    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, chunk_tokens=16)
+    rc = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=merge), store,
+                  chunk_tokens=16)
+    ids = rc.compile([tiny.CORPUS[0] * 2, tiny.CORPUS[1] * 2])
+    question = "What is tall?"
+    base_full = base.link(question, ids, algorithm="full").last_logits
+    adapted_full = rc.link(question, ids, algorithm="full").last_logits
+    assert not torch.allclose(base_full, adapted_full, atol=1e-3)
+    before = "".join(rc.stream(question, ids, algorithm="naive", max_new_tokens=8))
+    assert torch.allclose(rc.link(question, ids, algorithm="full", background=True).last_logits, base_full, atol=1e-4)
+    assert "".join(rc.stream(question, ids, algorithm="naive", max_new_tokens=8)) == before
+    assert torch.allclose(rc.link(question, ids, algorithm="full").last_logits, adapted_full, atol=1e-5)
+    linked = rc.link(question, ids, algorithm="naive").last_logits
+    assert rc.check(question, ids, algorithm="naive").kl == pytest.approx(
+        guard.compare("naive", base_full, linked).kl, abs=1e-5)
+
+
 def calibrated(lm_dir, adapter_path, where=None) -> cal.Profile:
     """A profile saved for the model with the adapter at `adapter_path`: in the user's profiles, or in `where`."""
     lm = models.load(str(lm_dir), dtype="float32")
