@@ -3,6 +3,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,6 +206,31 @@ def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
     assert (out / "adapter_model.safetensors").exists()
     meta = json.loads((out / models.ADAPTER_META).read_text())
     assert meta["report"]["items"] == {"train": 2, "eval": 1} and len(meta["report"]["losses"]) == 2
+
+
+def test_targets_are_prepared_once_and_memory_mapped_from_their_files(tmp_path, monkeypatch):
+    """A target's log-probs (1.5 MB an item on SmolLM2) stay in their file, mapped, not copied into memory: a run of
+    thousands of items must not need them all resident; and an item prepared once is read back, not prepared again."""
+    from types import SimpleNamespace
+
+    made = {}
+
+    def prepare(rc, item, answer_tokens):
+        made[item.question] = tl.Target(item.question, ["d" * 32], [1, 2], torch.randn(2, 4096))
+        return made[item.question]
+
+    monkeypatch.setattr(tl, "prepare", prepare)
+    rc = SimpleNamespace(lm=SimpleNamespace(fingerprint="f" * 32))
+    sets = {"train": [tl.Item(f"question {i}?", ["a document"]) for i in range(3)]}
+    cfg = config(tmp_path)
+    targets = tl.load_or_prepare(rc, cfg, sets, lambda *_: None)["train"]
+    maps = Path("/proc/self/maps").read_text()
+    files = sorted((tmp_path / "targets").rglob("*.pt"))
+    assert len(files) == 3 and all(str(f) in maps for f in files)  # each file mapped into this process
+    assert all(torch.equal(t.logprobs, made[t.question].logprobs) and t.answer == [1, 2] for t in targets)
+    monkeypatch.setattr(tl, "prepare", lambda *args: pytest.fail("a target was prepared again"))
+    again = tl.load_or_prepare(rc, cfg, sets, lambda *_: None)["train"]
+    assert [t.question for t in again] == [t.question for t in targets]
 
 
 def test_squad_items_hold_out_seed_1_and_train_on_other_paragraphs(tmp_path, monkeypatch):

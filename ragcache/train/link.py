@@ -203,7 +203,8 @@ def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Ite
                     say: Callable[[str, int, int], None]) -> dict[str, list[Target]]:
     """Each item's targets: read from `out`/targets/ where an earlier run prepared them with this model, else
     prepared now. One file an item (a target is about 1.5 MB of fp32 log-probabilities), so a run killed while
-    preparing loses at most the item it was on, and saving never rewrites what is done."""
+    preparing loses at most the item it was on, and saving never rewrites what is done. Their log-probs are memory-
+    mapped from those files, so thousands of items do not have to fit in memory (1.5 GB a thousand)."""
     folder = Path(cfg.out) / "targets" / hashlib.sha256(
         f"{rc.lm.fingerprint}:{cfg.answer_tokens}".encode()).hexdigest()[:16]
     out = {}
@@ -211,12 +212,9 @@ def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Ite
         out[name] = []
         for i, item in enumerate(items):
             path = folder / f"{_item_key(item)}.pt"
-            if path.exists():
-                target = torch.load(path, weights_only=True)
-            else:
-                target = vars(prepare(rc, item, cfg.answer_tokens))
-                _atomic_save(target, path)
-            out[name].append(Target(**target))
+            if not path.exists():
+                _atomic_save(vars(prepare(rc, item, cfg.answer_tokens)), path)
+            out[name].append(Target(**torch.load(path, weights_only=True, mmap=True)))
             say(name, i + 1, len(items))
     return out
 
