@@ -138,13 +138,23 @@ def wait_status(url: str, status: int, timeout_s: float = 60) -> httpx.Response:
 
 
 def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
+    """The README's command, with its flags for a link adapter as vLLM's LoRA: a request naming the adapter is
+    answered as ragcache's engine answers with it (the connector adding the LoRA on the rows it recomputes), and one
+    that does not as the base model, from one server."""
+    import torch
+
+    from bench.adapter import random_adapter
+    from ragcache import models
+    from ragcache.engine import RagCache
     from ragcache.integrations.vllm.spec import link_request
 
+    torch.manual_seed(0)
+    adapter = random_adapter(engine.lm, tmp_path / "adapter", rank=4)
     port = free_port()
     store = engine.store.root
     command = serve_command().replace("disk:./.ragcache", f"disk:{store}")
     command = command.replace("python -", f"{shlex.quote(sys.executable)} -") + f" --port {port}"
-    command += ' --dtype float32'
+    command += f" --dtype float32 --enable-lora --lora-modules link={shlex.quote(str(adapter))}"
     log = tmp_path / "serve.log"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",
            "VLLM_CPU_CI_ENV": os.environ["VLLM_CPU_CI_ENV"]}
@@ -153,14 +163,17 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(server, url, log)
-        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        model = next(m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"] if m["id"] != "link")
         question = "What do bees make, and where do they keep it?"
-        request = link_request(engine, question, doc_ids, algorithm="naive")
-        body = {"model": model, "prompt": request["prompt_token_ids"], "cache_salt": request["cache_salt"],
-                "kv_transfer_params": request["kv_transfer_params"], "max_tokens": 8, "temperature": 0}
-        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
-        assert reply.status_code == 200, reply.text
-        expected = engine.query(question, doc_ids, algorithm="naive", max_new_tokens=8).text
-        assert reply.json()["choices"][0]["text"].strip() == expected.strip(), json.dumps(reply.json())
+        adapted = RagCache(models.load("smollm2-135m", dtype="float32", adapter=adapter, merge=False), engine.store)
+        for served, rc, algorithm in ((model, engine, "naive"), ("link", adapted, "naive"), ("link", adapted, "focus")):
+            request = link_request(rc, question, doc_ids, algorithm=algorithm)
+            body = {"model": served, "prompt": request["prompt_token_ids"], "cache_salt": request["cache_salt"],
+                    "kv_transfer_params": request["kv_transfer_params"], "max_tokens": 8, "temperature": 0}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
+            assert reply.status_code == 200, reply.text
+            expected = rc.query(question, doc_ids, algorithm=algorithm, max_new_tokens=8).text
+            assert reply.json()["choices"][0]["text"].strip() == expected.strip(), (served, json.dumps(reply.json()))
+        assert expected != engine.query(question, doc_ids, algorithm="focus", max_new_tokens=8).text  # it mattered
     finally:
         stop(server)
