@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache import models
+from ragcache import adapters, models
 from ragcache.engine import RagCache
 from ragcache.settings import DATA_DIR
 from ragcache.store import open_store
@@ -50,6 +50,8 @@ def run(model: str, adapter: Path | None, dtype: str, runs: int, algorithm: str,
             finally:
                 for rc in engines.values():
                     rc.close()
+                if label.startswith("random"):  # a whole model's copy, of an adapter gone with this run
+                    adapters.remove_merged(Path(engines["vllm merged"].served.checkpoint))
             sizes = {}
         else:
             store = open_store("memory:")

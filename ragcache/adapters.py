@@ -8,12 +8,13 @@ in it. An adapter without one is not trusted: calibration is what says whether, 
 model answers as the base model does. (The first SmolLM2 adapter reached no link: research/README.md.)
 
 The vLLM engine serves an adapter merged into a copy of the model's checkpoint (`merged_checkpoint`), kept in the
-user's cache so the next start reuses it; `merged_copies` and `remove_merged` (`ragcache models merged`) list and
-remove them, since each is a whole model.
+user's cache so the next start reuses it, and held (a shared lock) while a server runs from it;
+`merged_copies` and `remove_merged` (`ragcache models merged`) list and remove them, since each is a whole model.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -22,9 +23,10 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from . import calibrate, models
-from .errors import BadAdapter
+from .errors import BadAdapter, ModelFetchError
 from .settings import DATA_DIR, INSTALLED
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,7 @@ log = logging.getLogger(__name__)
 PACKAGED_DIR = DATA_DIR / "adapters"
 COMPLETE = ".complete"  # written last into a merged checkpoint
 MERGED_SOURCE = "ragcache-merged.json"  # which model and adapter a merged checkpoint was made from
+MERGED_ADAPTER = "adapter"  # the adapter's own files, as merged in: what the connector takes back out
 
 
 def install_dir() -> Path:
@@ -126,17 +129,41 @@ def merged_dir() -> Path:
     return models.model_cache_dir() / "merged"
 
 
-def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerprint: str) -> Path:
+def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerprint: str) -> tuple[Path, IO]:
     """The base model with the adapter (`digest`) folded into its weights, saved once for vLLM to load, in the user's
-    cache by the adapted model's fingerprint and dtype. `base` is loaded with its weights, and is adapted in place."""
+    cache by the adapted model's fingerprint and dtype, and a shared hold on it (an open file: while it stays open,
+    `remove_merged` leaves the copy alone). The adapter's files are copied in first and merged from that copy, so
+    what the connector takes back out (MERGED_ADAPTER) is the very adapter merged in, whatever becomes of `path`.
+    `base` is loaded with its weights, and is adapted in place."""
     dtype = str(base.dtype).removeprefix("torch.")
     target = merged_dir() / f"{fingerprint}-{dtype}"
-    with models.file_lock(_merged_lock(target)):
-        if (target / COMPLETE).exists():
-            return target
-        merged = models.attach_adapter(base, path, merge=True)
-        staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    hold = open(_lock(target, "use"), "w")
+    fcntl.flock(hold, fcntl.LOCK_SH)
+    try:
+        _write_merged(base, path, digest, target)
+    except BaseException:
+        hold.close()
+        raise
+    return target, hold
+
+
+def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Path) -> None:
+    dtype = str(base.dtype).removeprefix("torch.")
+    with models.file_lock(_lock(target, "write")):
+        _remove_interrupted(target)
+        if _complete(target):
+            return
+        staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=_staging_prefix(target)))
         try:
+            os.chmod(staged, 0o755)  # mkdtemp's 0700 would hide it from a vLLM run by another user
+            copied = staged / MERGED_ADAPTER
+            copied.mkdir()
+            for name in models.ADAPTER_FILES:
+                shutil.copy2(path / name, copied / name)
+            if models.adapter_sha256(copied) != digest:
+                raise BadAdapter(f"the adapter in {path} changed while it was read; start again")
+            merged = models.attach_adapter(base, copied, merge=True)
             merged.model.save_pretrained(staged)
             merged.tokenizer.save_pretrained(staged)
             source = {"model": base.name, "adapter": str(Path(path).resolve()), "adapter_sha256": digest, "dtype": dtype}
@@ -144,10 +171,15 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
             os.replace(staged, target)
+        except OSError as exc:
+            shutil.rmtree(staged, ignore_errors=True)
+            raise ModelFetchError(f"cannot write {base.name} with the adapter {path} merged into {target}: {exc}; "
+                                  "free space there, set RAGCACHE_MODEL_DIR, or serve it unmerged "
+                                  "(merge_adapter=False)") from exc
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
-    return target
+    _remove_superseded(target, source)
 
 
 @dataclass(frozen=True)
@@ -158,40 +190,106 @@ class MergedCopy:
     dtype: str | None
     size: int  # bytes
     stale: str | None  # why it is no longer served (its adapter gone or changed, left unfinished); None: current
+    busy: str | None  # why it cannot be removed now (a server runs from it, or it is being written)
 
 
 def merged_copies() -> list[MergedCopy]:
     """Every merged checkpoint in the user's cache, with the copies interrupted runs left (named .NAME-XXXX)."""
     if not merged_dir().is_dir():
         return []
-    return [_describe_copy(path) for path in sorted(merged_dir().iterdir()) if path.is_dir()]
+    found = (_describe_copy(path) for path in sorted(merged_dir().iterdir()) if path.is_dir())
+    return [copy for copy in found if copy is not None]
 
 
-def remove_merged(copy: MergedCopy) -> None:
-    """Remove one merged checkpoint, under its lock: never a copy another process is writing. A vLLM server that
-    already loaded it keeps serving; its next start writes it again."""
-    staged = copy.path.name.startswith(".")  # .TARGET-XXXXXXXX, mkdtemp's staging folder for TARGET
-    target = copy.path.with_name(copy.path.name[1:].rsplit("-", 1)[0]) if staged else copy.path
-    with models.file_lock(_merged_lock(target)):
-        shutil.rmtree(copy.path, ignore_errors=True)
+def remove_merged(path: Path) -> bool:
+    """Remove one merged checkpoint (or a staging folder of one) unless a server runs from it or a start is writing
+    it (False). It is renamed aside first, so no reader ever sees half of it."""
+    target = _target_of(path)
+    with _try_lock(_lock(target, "write")) as free, _try_lock(_lock(target, "use")) as unused:
+        if not (free and (unused or path != target)):
+            return False
+        trash = path.with_name(f"{_staging_prefix(target)}removing{os.getpid()}")
+        try:
+            os.replace(path, trash)
+        except FileNotFoundError:
+            return True
+        shutil.rmtree(trash, ignore_errors=True)
+    return True
 
 
-def _merged_lock(target: Path) -> Path:
-    return target.with_name(f".{target.name}.lock")
+def _lock(target: Path, kind: str) -> Path:
+    return target.with_name(f".{target.name}.{kind}")
 
 
-def _describe_copy(path: Path) -> MergedCopy:
-    size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
-    if path.name.startswith(".") or not (path / COMPLETE).exists():
-        return MergedCopy(path, None, None, None, size, "left unfinished by an interrupted start")
+def _staging_prefix(target: Path) -> str:
+    return f".{target.name}-"
+
+
+def _target_of(path: Path) -> Path:
+    """The copy a folder in the merged dir is, or is a staging folder of (.TARGET-XXXXXXXX)."""
+    return path.with_name(path.name[1:].rsplit("-", 1)[0]) if path.name.startswith(".") else path
+
+
+class _try_lock:
+    """An exclusive lock if it is free now (`as` gives whether it was taken), released on exit."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __enter__(self) -> bool:
+        self.file = open(self.path, "w")
+        try:
+            fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def _complete(target: Path) -> bool:
+    return all((target / name).exists() for name in (COMPLETE, MERGED_SOURCE, MERGED_ADAPTER))
+
+
+def _remove_interrupted(target: Path) -> None:
+    """Under the copy's write lock no start is writing it, so its staging folders are what killed ones left."""
+    for path in target.parent.iterdir():
+        if path.is_dir() and path.name.startswith(_staging_prefix(target)):
+            log.warning("removing %s, left by an interrupted start", path)
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _remove_superseded(target: Path, source: dict) -> None:
+    """Older copies of the same model, adapter path and dtype (the base model or the adapter changed since): the new
+    copy replaces them, unless a server still runs from one."""
+    for copy in merged_copies():
+        same = (copy.model, copy.adapter, copy.dtype) == (source["model"], source["adapter"], source["dtype"])
+        if same and copy.path != target and remove_merged(copy.path):
+            log.info("removed %s, a merged copy the one in %s replaces", copy.path, target)
+
+
+def _describe_copy(path: Path) -> MergedCopy | None:
+    """None: the folder went away meanwhile (renamed into place, or removed)."""
+    target = _target_of(path)
     try:
+        size = sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+        with _try_lock(_lock(target, "write")) as free, _try_lock(_lock(target, "use")) as unused:
+            busy = None if free else "being written"
+            if path == target and not unused:
+                busy = "a server runs from it"
+        if path != target or not _complete(path):
+            stale = None if busy else "left unfinished by an interrupted start"
+            return MergedCopy(path, None, None, None, size, stale, busy)
         source = json.loads((path / MERGED_SOURCE).read_text())
         model, adapter, digest, dtype = source["model"], source["adapter"], source["adapter_sha256"], source["dtype"]
+    except FileNotFoundError:
+        return None
     except (OSError, ValueError, KeyError, TypeError):
-        return MergedCopy(path, None, None, None, size, f"its source is not recorded ({MERGED_SOURCE})")
+        return MergedCopy(path, None, None, None, 0, f"its source is not readable ({MERGED_SOURCE})", None)
     try:
         current = models.adapter_sha256(Path(adapter))
     except BadAdapter:
-        return MergedCopy(path, model, adapter, dtype, size, "its adapter is gone")
+        return MergedCopy(path, model, adapter, dtype, size, "its adapter is gone", busy)
     stale = None if current == digest else "its adapter changed since"
-    return MergedCopy(path, model, adapter, dtype, size, stale)
+    return MergedCopy(path, model, adapter, dtype, size, stale, busy)

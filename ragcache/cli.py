@@ -368,7 +368,7 @@ def models_list():
     copies = adapters.merged_copies()
     if copies:
         stale = sum(1 for c in copies if c.stale)
-        console.print(f"{len(copies)} model cop{'y' if len(copies) == 1 else 'ies'} with an adapter merged in, for the "
+        console.print(f"{_copies(len(copies))} of a model with an adapter merged in, for the "
                       f"vLLM engine ({sum(c.size for c in copies) / 1e6:,.0f} MB, {stale} no longer served): "
                       "`ragcache models merged`")
 
@@ -419,15 +419,20 @@ def models_merged(remove_stale: bool = typer.Option(False, "--remove-stale", hel
     copies = adapters.merged_copies()
     table = Table(Column("copy", no_wrap=True), "model", "dtype", "adapter", "size", "state")
     for copy in copies:
+        state = "; ".join(filter(None, (copy.stale or "current", copy.busy)))
         table.add_row(copy.path.name, copy.model or "-", copy.dtype or "-", copy.adapter or "-",
-                      f"{copy.size / 1e6:,.0f} MB", copy.stale or "current")
+                      f"{copy.size / 1e6:,.0f} MB", state)
     console.print(table if copies else f"no merged copies in {adapters.merged_dir()}")
-    doomed = [c for c in copies if remove_all or (remove_stale and c.stale)]
-    for copy in doomed:
-        adapters.remove_merged(copy)
-    if doomed:
-        console.print(f"removed {len(doomed)} cop{'y' if len(doomed) == 1 else 'ies'}, "
-                      f"{sum(c.size for c in doomed) / 1e6:,.0f} MB")
+    chosen = [c for c in copies if remove_all or (remove_stale and c.stale)]
+    removed = [c for c in chosen if adapters.remove_merged(c.path)]
+    if removed:
+        console.print(f"removed {_copies(len(removed))}, {sum(c.size for c in removed) / 1e6:,.0f} MB")
+    if len(removed) < len(chosen):
+        console.print(f"kept {_copies(len(chosen) - len(removed))} that a server runs from or a start is writing")
+
+
+def _copies(n: int) -> str:
+    return f"{n} cop{'y' if n == 1 else 'ies'}"
 
 
 @app.command()

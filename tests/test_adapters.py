@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -196,49 +197,66 @@ def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path
     assert f"{digest[:12]} (default at bfloat16; no link reached the target at float32: not the default)" in out
 
 
-def test_merged_copies_are_listed_and_the_stale_ones_removed(tiny_dir, adapter_dir, tmp_path, monkeypatch):
-    """The vLLM engine's merged checkpoints: written once, then reused; `models merged` finds which no longer match
-    their adapter and removes those (or all), and leaves the current one."""
+def merged(base_dir, adapter) -> tuple[Path, object]:
+    """The vLLM engine's merged copy of the model with `adapter`, and the hold on it."""
+    base = models.load(str(base_dir), dtype="float32")
+    digest = models.check_adapter(base, adapter)
+    return adapters.merged_checkpoint(base, adapter, digest, models.adapted_fingerprint(base.fingerprint, digest))
+
+
+def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """The vLLM engine's merged checkpoints: written once (with the adapter's own files, readable by others), then
+    reused; a newer copy of the same adapter path replaces the older; `models merged` finds which no longer match
+    their adapter and removes those (or all), never one a server holds."""
     import shutil
+    import stat
 
     from ragcache.cli import app
 
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "400")
-    kept, changed, gone = (shutil.copytree(adapter_dir, tmp_path / name) for name in ("kept", "changed", "gone"))
-    copies = {}
-    for path in (kept, changed, gone):
-        base = models.load(str(tiny_dir), dtype="float32")
-        digest = models.check_adapter(base, path)
-        fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
-        copies[path.name] = adapters.merged_checkpoint(base, path, digest, fingerprint)
-        assert adapters.merged_checkpoint(base, path, digest, fingerprint) == copies[path.name]  # reused
-    assert len(set(copies.values())) == 1  # the same adapter's copies are one checkpoint...
-    make_adapter(tiny_dir, changed, seed=1)
-    base = models.load(str(tiny_dir), dtype="float32")
-    digest = models.check_adapter(base, changed)
-    copies["changed"] = adapters.merged_checkpoint(base, changed, digest,
-                                                   models.adapted_fingerprint(base.fingerprint, digest))
-    assert copies["changed"] != copies["kept"]  # ...and another adapter's is its own
-    merged = models.load(str(copies["changed"]), dtype="float32")
-    assert torch.allclose(logits(merged), logits(models.load(str(tiny_dir), dtype="float32", adapter=changed)),
-                          atol=1e-4)
-    interrupted = adapters.merged_dir() / f".{copies['kept'].name}-abcd1234"
+    one, two = (shutil.copytree(adapter_dir, tmp_path / name) for name in ("one", "two"))
+    first, hold = merged(tiny_dir, one)
+    hold.close()
+    assert merged(tiny_dir, two)[0] == first  # the same adapter bytes: the same copy, reused
+    assert stat.S_IMODE(first.stat().st_mode) == 0o755
+    assert models.adapter_sha256(first / adapters.MERGED_ADAPTER) == models.adapter_sha256(one)
+    make_adapter(tiny_dir, two, seed=1)
+    second, hold_two = merged(tiny_dir, two)
+    assert second != first
+    assert torch.allclose(logits(models.load(str(second), dtype="float32")),
+                          logits(models.load(str(tiny_dir), dtype="float32", adapter=two)), atol=1e-4)
+    make_adapter(tiny_dir, two, seed=2)
+    third, hold_three = merged(tiny_dir, two)
+    assert second.exists()  # the copy it replaces is held (a server runs from it): kept
+    hold_three.close()
+    make_adapter(tiny_dir, two, seed=3)
+    hold_two.close()
+    fourth, hold = merged(tiny_dir, two)
+    hold.close()
+    # two's older copies (seeds 1 and 2) are gone, replaced by seed 3's; the copy made from one stays
+    assert {c.path for c in adapters.merged_copies()} == {first, fourth} and not third.exists()
+    assert models.adapter_sha256(fourth / adapters.MERGED_ADAPTER) == models.adapter_sha256(two)
+    interrupted = adapters.merged_dir() / f".{first.name}-abcd1234"
     interrupted.mkdir()
-    make_adapter(tiny_dir, changed, seed=2)  # the copy of seed 1 is stale now
+    make_adapter(tiny_dir, two, seed=4)  # seed 3's copy is stale now
     states = {c.path: c.stale for c in adapters.merged_copies()}
-    assert states == {copies["kept"]: None, copies["changed"]: "its adapter changed since",
+    assert states == {first: None, fourth: "its adapter changed since",
                       interrupted: "left unfinished by an interrupted start"}
-    shutil.rmtree(kept)  # the path its copy was made from
-    assert {c.path: c.stale for c in adapters.merged_copies()}[copies["kept"]] == "its adapter is gone"
+    shutil.rmtree(one)  # the path its copy was made from
+    assert {c.path: c.stale for c in adapters.merged_copies()}[first] == "its adapter is gone"
     out = CliRunner().invoke(app, ["models", "list"]).output
-    assert "3 model copies with an adapter merged in" in out and "3 no longer served" in out
+    assert "3 copies of a model with an adapter merged in" in out and "3 no longer served" in out
     out = CliRunner().invoke(app, ["models", "merged"]).output
-    assert "its adapter is gone" in out and "removed" not in out and copies["kept"].exists()
-    shutil.copytree(gone, kept)  # the same files back: current again
+    assert "its adapter is gone" in out and "removed" not in out and first.exists()
+    shutil.copytree(adapter_dir, one)  # the same files back: current again
     out = CliRunner().invoke(app, ["models", "merged", "--remove-stale"]).output
     assert "removed 2 copies" in out, out
-    assert [c.path for c in adapters.merged_copies()] == [copies["kept"]]
+    assert [c.path for c in adapters.merged_copies()] == [first]
+    first_again, hold = merged(tiny_dir, one)  # a server runs from it
+    out = CliRunner().invoke(app, ["models", "merged", "--remove-all"]).output
+    assert "a server runs from it" in out and "kept 1 copy" in out and first.exists()
+    hold.close()
     out = CliRunner().invoke(app, ["models", "merged", "--remove-all"]).output
     assert "removed 1 copy" in out and adapters.merged_copies() == []
 

@@ -18,6 +18,18 @@ os.environ.setdefault("VLLM_CPU_CI_ENV", "1")
 DOCS = ["aquarium", "beekeeping", "bridge", "canal"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def merged_copies_of_this_run(tmp_path_factory):
+    """Merged checkpoints (a whole model each) go to a folder of this run's, not into the user's model cache, and each
+    run writes its own: the write path is tested every time."""
+    from ragcache import adapters
+
+    folder = tmp_path_factory.mktemp("merged")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(adapters, "merged_dir", lambda: folder)
+        yield folder
+
+
 @pytest.fixture(scope="session")
 def store_url(tmp_path_factory) -> str:
     return f"disk:{tmp_path_factory.mktemp('store')}"

@@ -15,13 +15,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from ragcache import models
+from ragcache import adapters, models
 from ragcache.engine import RagCache
 from ragcache.errors import BadAdapter
 from ragcache.integrations.vllm.engine import lora_engine_args
 from ragcache.integrations.vllm.lora import LinkLora
 from ragcache.integrations.vllm.spec import transfer_config
 from ragcache.integrations.vllm.worker import LinkWorker
+from ragcache.settings import INSTALLED
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
@@ -105,7 +106,7 @@ def test_entries_vllm_compiles_with_an_adapter_are_the_base_models(rc, base, ada
     assert rc.lm.adapter.sha256 == adapted.lm.adapter.sha256
     merged = rc.lm.adapter.merged
     assert (rc.lora is None) == merged  # merged: vLLM serves the folded checkpoint, and no request carries a LoRA
-    assert merged == (Path(rc.llm.model_config.model).parent.name == "merged")
+    assert merged == (Path(rc.llm.model_config.model).parent == adapters.merged_dir())
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
@@ -174,9 +175,12 @@ def test_the_worker_resolves_keeps_and_refuses_loras_as_requests_name_them(adapt
     mlp = mlp_adapter(adapter, tmp_path)
     with pytest.raises(BadAdapter) as first:
         LinkWorker.lora(worker, str(mlp))
+    (mlp / "adapter_model.safetensors").unlink()  # read once: a request with it falls back without reading it again
     with pytest.raises(BadAdapter) as again:
         LinkWorker.lora(worker, str(mlp))
-    assert again.value is first.value  # read once: a request with it falls back without reading it again
+    # the same refusal, raised anew: the first exception's traceback (and the request it holds) is not kept
+    assert str(again.value) == str(first.value) and again.value is not first.value
+    assert not any(isinstance(kept, BaseException) for kept in worker.loras.values())
 
 
 def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(tiny_qwen2, adapter, tmp_path):
@@ -188,6 +192,19 @@ def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(t
     with pytest.raises(BadAdapter, match="vLLM cannot load"):  # it changed the base weights when it was made
         RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm",
                       adapter=edited(adapter, tmp_path / "pissa", init_lora_weights="pissa"))
+
+
+def test_tensor_parallel_refuses_an_adapter_asked_for_and_serves_the_base_for_an_installed_one(
+        tiny_qwen2, adapter, monkeypatch, caplog):
+    from ragcache.integrations.vllm import engine as vllm_engine
+
+    with pytest.raises(BadAdapter, match="tensor_parallel_size 1"):
+        vllm_engine._describe(tiny_qwen2, "float32", adapter, True, tensor_parallel=2)
+    assert vllm_engine._describe(tiny_qwen2, "float32", None, True, tensor_parallel=2).lm.adapter is None
+    monkeypatch.setattr(vllm_engine.adapters, "calibrated_default", lambda lm: adapter)
+    served = vllm_engine._describe(tiny_qwen2, "float32", INSTALLED, True, tensor_parallel=2)
+    assert served.lm.adapter is None and served.engine_args == {} and "tensor_parallel_size 1" in caplog.text
+    assert vllm_engine._describe(tiny_qwen2, "float32", INSTALLED, False).lm.adapter is not None
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):

@@ -116,6 +116,20 @@ def test_ragcache_serve_on_vllm_with_the_readme_flags(tmp_path, engine):
         stop(server)
 
 
+def linked_tokens(url: str) -> float:
+    """The connector's count of prompt tokens linked, from vLLM's server's metrics."""
+    scraped = httpx.get(f"{url}/metrics").text
+    return sum(float(m) for m in re.findall(r"^vllm:ragcache_linked_tokens_total\{.*\} (\S+)$", scraped, flags=re.M))
+
+
+def wait_for(condition, what: str, log: Path, timeout_s: float = 30) -> None:
+    """vLLM's stat logger publishes a step's counters after the step: poll until they show."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: " + log.read_text()[-3000:]
+        time.sleep(0.2)
+
+
 def kill_engine_core(server: subprocess.Popen) -> None:
     """SIGKILL the server's vLLM engine core process (its own process, in the server's session)."""
     import psutil
@@ -142,6 +156,7 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
     answered as ragcache's engine answers with it (the connector adding the LoRA on the rows it recomputes), and one
     that does not as the base model, from one server."""
     import torch
+    from safetensors.torch import load_file, save_file
 
     from bench.adapter import random_adapter
     from ragcache import models
@@ -150,6 +165,8 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
 
     torch.manual_seed(0)
     adapter = random_adapter(engine.lm, tmp_path / "adapter", rank=4)
+    tensors = load_file(adapter / "adapter_model.safetensors")  # stronger, so that its term on the rows a link
+    save_file({k: 4 * t if "lora_B" in k else t for k, t in tensors.items()}, adapter / "adapter_model.safetensors")
     port = free_port()
     store = engine.store.root
     command = serve_command().replace("disk:./.ragcache", f"disk:{store}")
@@ -170,10 +187,13 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
             request = link_request(rc, question, doc_ids, algorithm=algorithm)
             body = {"model": served, "prompt": request["prompt_token_ids"], "cache_salt": request["cache_salt"],
                     "kv_transfer_params": request["kv_transfer_params"], "max_tokens": 8, "temperature": 0}
+            before = linked_tokens(url)
             reply = httpx.post(f"{url}/v1/completions", json=body, timeout=300)
             assert reply.status_code == 200, reply.text
             expected = rc.query(question, doc_ids, algorithm=algorithm, max_new_tokens=8).text
             assert reply.json()["choices"][0]["text"].strip() == expected.strip(), (served, json.dumps(reply.json()))
+            wait_for(lambda: linked_tokens(url) > before, f"{served} {algorithm} was not linked", log)
+        assert "vllm:ragcache_link_fallbacks_total{" not in httpx.get(f"{url}/metrics").text
         assert expected != engine.query(question, doc_ids, algorithm="focus", max_new_tokens=8).text  # it mattered
     finally:
         stop(server)

@@ -28,7 +28,7 @@ import torch
 
 from ragcache import adapters, infill, linker, models
 from ragcache.compiler import PLAIN, Compiler
-from ragcache.errors import BadAdapter, ParameterOutOfRange, RagCacheError, StoreError
+from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
@@ -58,10 +58,11 @@ class EngineFailed(RagCacheError):
 
 
 class VllmRagCache(Front):
-    def __init__(self, lm: models.LoadedModel, store_url: str, llm, loop: asyncio.AbstractEventLoop,
+    def __init__(self, served: "Served", store_url: str, llm, loop: asyncio.AbstractEventLoop,
                  chunk_tokens: int, codec: str):
         from vllm.lora.request import LoRARequest
 
+        lm, self.served = served.lm, served
         config = llm.model_config
         super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers)
         self.llm, self.loop = llm, loop
@@ -93,27 +94,28 @@ class VllmRagCache(Front):
                                       f"redis://...), got {store!r}")
         kv_codec.validate(kv_codec_name)
         device = current_platform.device_type
-        if adapter is not None and engine_args.get("tensor_parallel_size", 1) > 1:
-            raise ParameterOutOfRange("link adapters on the vLLM engine need tensor_parallel_size 1")
-        lm, served, lora_args = _describe(model, dtype, adapter, merge_adapter)
-        options = {}
-        if lm.adapter is not None and lm.adapter.merged:
-            options["merged_adapter"] = str(lm.adapter.path)
-        for name, value in lora_args.items():
+        served = _describe(model, dtype, adapter, merge_adapter, engine_args.get("tensor_parallel_size", 1))
+        lm = served.lm
+        for name, value in served.engine_args.items():
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **options)
-        args = AsyncEngineArgs(model=served, dtype=str(lm.dtype).removeprefix("torch."),
+        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **served.options)
+        args = AsyncEngineArgs(model=served.checkpoint, dtype=str(lm.dtype).removeprefix("torch."),
                                enable_prefix_caching=True, max_model_len=max_model_len,
                                kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="vllm-client", daemon=True).start()
-        llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
-        return cls(lm, store, llm, loop, chunk_tokens, codec)
+        try:
+            llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
+        except BaseException:
+            served.release()
+            loop.call_soon_threadsafe(loop.stop)
+            raise
+        return cls(served, store, llm, loop, chunk_tokens, codec)
 
     @property
     def context_length(self) -> int:
@@ -127,6 +129,7 @@ class VllmRagCache(Front):
         asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
         self.loop.call_soon_threadsafe(self.loop.stop)
         super().close()
+        self.served.release()
 
     def engine_metrics(self) -> list:
         """vLLM's metrics (`vllm:*`: its queue, KV cache use, prefix cache hits, and the connector's counters),
@@ -217,25 +220,40 @@ class VllmRagCache(Front):
         return VllmStream(self, prepare, fill.sampling, stop_ids=ends, lora=self.lora)
 
 
-def _describe(model: str, dtype: str, adapter: str | Path | None,
-              merge: bool) -> tuple[models.LoadedModel, str, dict]:
-    """The model's tokenizer, config, dtype and fingerprints, with the adapter's, the checkpoint vLLM serves (the
-    model's, or a merged one) and vLLM's LoRA settings (none unless it runs the adapter as its LoRA): the keys of its entries name the weights, so they are loaded here once to
-    fingerprint them (and to check the adapter fits), then dropped. An installed adapter that cannot be served here
-    is logged, and the base model serves, as on ragcache's engine."""
+@dataclasses.dataclass
+class Served:
+    """What vLLM is started with for a model and its adapter."""
+
+    lm: models.LoadedModel  # tokenizer, config, dtype and fingerprints (no weights: vLLM holds them)
+    checkpoint: str  # what vLLM loads: the model's, or a copy with the adapter merged in
+    engine_args: dict = dataclasses.field(default_factory=dict)  # vLLM's LoRA settings, where it runs the adapter
+    options: dict = dataclasses.field(default_factory=dict)  # the connector's (the adapter to take back out)
+    hold: typing.IO | None = None  # on a merged copy, while the engine serves it
+
+    def release(self) -> None:
+        if self.hold is not None:
+            self.hold.close()
+
+
+def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool, tensor_parallel: int = 1) -> Served:
+    """The model's weights are loaded here once to fingerprint them (the keys of its entries name the weights) and to
+    check the adapter fits, then dropped. An installed adapter that cannot be served here is logged, and the base
+    model serves, as on ragcache's engine."""
     base = models.load(model, dtype, "cpu")
     chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
     if chosen is not None:
         try:
+            if tensor_parallel > 1:
+                raise BadAdapter("link adapters on the vLLM engine need tensor_parallel_size 1")
             return _adapted(base, Path(chosen), merge)
-        except BadAdapter as exc:
+        except ModelFetchError as exc:  # BadAdapter, or no room for the merged copy
             if adapter != INSTALLED:
                 raise
             log.warning("the adapter installed for %s is not used on the vLLM engine: %s", model, exc)
-    return dataclasses.replace(base, model=None), models.resolve(model), {}
+    return Served(dataclasses.replace(base, model=None), models.resolve(model))
 
 
-def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.LoadedModel, str, dict]:
+def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> Served:
     digest = models.check_adapter(base, path)
     layers = base.config.num_hidden_layers  # read as the connector and vLLM will: refused now, not at every request
     lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
@@ -243,9 +261,11 @@ def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> tuple[models.
     fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
     lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
                              adapter=models.Adapter(path, digest, merged_by_engine=merge))
-    if merge:
-        return lm, str(adapters.merged_checkpoint(base, path, digest, fingerprint)), {}
-    return lm, models.resolve(base.name), lora_args
+    if not merge:
+        return Served(lm, models.resolve(base.name), lora_args)
+    checkpoint, hold = adapters.merged_checkpoint(base, path, digest, fingerprint)
+    return Served(lm, str(checkpoint), options={"merged_adapter": str(checkpoint / adapters.MERGED_ADAPTER)},
+                  hold=hold)
 
 
 def lora_engine_args(path: Path) -> dict:

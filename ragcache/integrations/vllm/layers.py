@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ragcache.errors import BadAdapter
 from ragcache.kv import Batch, KVPool, ModelShape
 from ragcache.runner import Part, Runner, rope_table
 
@@ -61,7 +62,7 @@ class VllmRunner(Runner):
     def adapted(self, lora: LinkLora | None):
         """The rows computed inside run with `lora` (None: the base model's)."""
         if lora is not None and _base(self.layers[0].self_attn.qkv_proj).tp_size > 1:
-            raise NotImplementedError("link adapters on the vLLM engine need tensor_parallel_size 1")
+            raise BadAdapter("link adapters on the vLLM engine need tensor_parallel_size 1")
         self.lora = lora
         try:
             yield

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import os
 from collections import OrderedDict
 
 import numpy as np
@@ -51,8 +50,9 @@ class LinkWorker:
         # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self.tails: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
-        # the link adapters requests came with, by directory and version (or why one cannot be used)
-        self.loras: OrderedDict[tuple, LinkLora | BadAdapter] = OrderedDict()
+        # the link adapters requests came with, by directory (or why one cannot be used: a message, not the
+        # exception, whose traceback would keep the request that first raised it alive)
+        self.loras: OrderedDict[str, LinkLora | str] = OrderedDict()
         # vLLM serves weights a link adapter was merged into: compiling takes its term back out
         merged = options.get("merged_adapter")
         self.unmerge = LinkLora(merged, self.runner.layer_range, config.hf_config.num_hidden_layers,
@@ -114,26 +114,25 @@ class LinkWorker:
 
     def lora(self, path: str | None) -> LinkLora | None:
         """The request's LoRA as the connector computes it (BadAdapter: one it cannot compute, such as a task LoRA
-        on the MLP; vLLM then prefills the request with it)."""
+        on the MLP; vLLM then prefills the request with it). Read once a directory, as vLLM reads a LoRA once while
+        it keeps it: an adapter replaced in place is read again only by a new server."""
         if path is None:
             return None
         from vllm.lora.utils import get_adapter_absolute_path
 
         path = get_adapter_absolute_path(path)  # as vLLM resolves it: ~, relative paths, hub ids
-        weights = os.path.join(path, "adapter_model.safetensors")
-        name = (path, os.stat(weights).st_mtime_ns if os.path.exists(weights) else None)
-        if name not in self.loras:
+        if path not in self.loras:
             try:
-                self.loras[name] = LinkLora(path, self.runner.layer_range, self.runner.config.num_hidden_layers,
+                self.loras[path] = LinkLora(path, self.runner.layer_range, self.runner.config.num_hidden_layers,
                                             self.runner.shape.dtype, self.runner.device)
             except BadAdapter as exc:
-                self.loras[name] = exc
+                self.loras[path] = str(exc)
             while len(self.loras) > LORAS_KEPT:
                 self.loras.popitem(last=False)
-        self.loras.move_to_end(name)
-        found = self.loras[name]
-        if isinstance(found, BadAdapter):
-            raise found
+        self.loras.move_to_end(path)
+        found = self.loras[path]
+        if isinstance(found, str):
+            raise BadAdapter(found)
         return found
 
     def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
