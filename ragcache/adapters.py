@@ -278,9 +278,11 @@ def _describe_copy(path: Path) -> MergedCopy | None:
             busy = None if free else "being written"
             if path == target and not unused:
                 busy = "a server runs from it"
-        if path != target or not _complete(path):
+        if path != target or not (path / COMPLETE).exists():
             stale = None if busy else "left unfinished by an interrupted start"
             return MergedCopy(path, None, None, None, size, stale, busy)
+        if not _complete(path):  # a start now writes it again, with those
+            return MergedCopy(path, None, None, None, size, "made by an older ragcache: no record of its adapter", busy)
         source = json.loads((path / MERGED_SOURCE).read_text())
         model, adapter, digest, dtype = source["model"], source["adapter"], source["adapter_sha256"], source["dtype"]
     except FileNotFoundError:
