@@ -99,7 +99,7 @@ class Context:
         self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
         q = gen.query
         if q is not None and self.guard is not None:
-            self.guard.after_answer(answer, q.question, q.docs, q.params.algorithm, q.system)
+            self.guard.after_answer(answer, q)
 
     async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
         """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also

@@ -6,6 +6,7 @@ Every method may be called from any number of threads: the scheduler's thread al
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -156,9 +157,13 @@ class RagCache(Front):
         """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
-        stats = _stats or QueryStats()
         query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
                               deviation=deviation)
+        return self._link_query(query, max_new_tokens, _stats or QueryStats(), background)
+
+    def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
+                    background: bool = False) -> Linked:
+        stats = stats or QueryStats()
         parts, params, prefix_cache = self._prepare(query, max_new_tokens, stats)
         linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
@@ -175,16 +180,17 @@ class RagCache(Front):
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
         first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample.
         With a link adapter, `full` is the base model's (the adapter off), as in calibration."""
-        linked = self.link(question, docs, system=system, algorithm=algorithm, k=k, ratio=ratio)
-        return self.compare_with_full(question, docs, algorithm, linked.last_logits, system=system)
+        query = self.validate(question, docs, system, algorithm, k, ratio, None)
+        return self.compare_with_full(query, self._link_query(query).last_logits)
 
-    def compare_with_full(self, question: str, docs: list, algorithm: str, linked_logits, system: str | None = None
-                          ) -> guard.Check:
-        """Link the prompt with `full` as background work (only in steps no user request needs, with the base
-        model's weights) and compare its first-token distribution with `linked_logits`, an answer's own. The guard's
-        half of `check`."""
-        full = self.link(question, docs, system=system, algorithm="full", background=True)
-        return guard.compare(algorithm, full.last_logits, linked_logits)
+    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None) -> guard.Check:
+        """Link the query's prompt with `full` as background work (only in steps no user request needs, with the
+        base model's weights) and compare its first-token distribution with `linked_logits`, the answer's own (None:
+        the query is linked again). The guard's half of `check`."""
+        if linked_logits is None:
+            linked_logits = self._link_query(query).last_logits
+        full = self._link_query(dataclasses.replace(query, params=self.params("full")), background=True)
+        return guard.compare(query.params.algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------
     def stream_infill(self, fill: Infill) -> Stream:

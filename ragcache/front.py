@@ -72,6 +72,10 @@ class Front:
         """The engine's own Prometheus metric families, for /metrics (ragcache's engine reports through the API's)."""
         return []
 
+    def guard_problem(self) -> str | None:
+        """Why the accuracy guard cannot run on this engine (None: it can)."""
+        return None
+
     def engine_problem(self) -> str | None:
         """Why the engine cannot answer, for /health (None: it can). ragcache's scheduler starts a new thread for
         any request that finds none, so only another engine's can die."""

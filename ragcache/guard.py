@@ -20,6 +20,7 @@ import torch
 
 from . import linker
 from .agreement import first_token
+from .errors import ParameterOutOfRange
 from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
 
 log = logging.getLogger("ragcache")
@@ -89,6 +90,9 @@ class BackgroundGuard:
     def __init__(self, rc, rate: float, busy: Callable[[], bool] = lambda: False,
                  on_check: Callable[[Check, float], None] | None = None,
                  on_skip: Callable[[str], None] | None = None):
+        problem = rc.guard_problem()
+        if problem is not None:
+            raise ParameterOutOfRange(problem)
         self.rc, self.busy, self.on_check, self.on_skip = rc, busy, on_check, on_skip
         self.guard = Guard(rate, rc.model_name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
         self._running = threading.Lock()
@@ -97,19 +101,22 @@ class BackgroundGuard:
     def in_flight(self) -> int:
         return int(self._running.locked())
 
-    def after_answer(self, answer, question: str, docs: list, algorithm: str, system: str | None = None) -> None:
-        if answer.first_logits is None or not self.guard.wants(algorithm):
+    def after_answer(self, answer, query) -> None:
+        """`query`: the answer's (ragcache.request.Query). Its first-token logits are the answer's own where the
+        engine returned them; the vLLM engine returns none, and links the query again for them."""
+        algorithm = query.params.algorithm
+        if not self.guard.wants(algorithm):
             return
         if self.busy() or not self._running.acquire(blocking=False):
             if self.on_skip is not None:
                 self.on_skip(algorithm)
             return
-        threading.Thread(target=self._check, args=(question, docs, algorithm, system, answer.first_logits),
-                         name="ragcache-guard", daemon=True).start()
+        threading.Thread(target=self._check, args=(query, answer.first_logits), name="ragcache-guard",
+                         daemon=True).start()
 
-    def _check(self, question: str, docs: list, algorithm: str, system: str | None, linked_logits) -> None:
+    def _check(self, query, linked_logits) -> None:
         try:
-            check = self.rc.compare_with_full(question, docs, algorithm, linked_logits, system=system)
+            check = self.rc.compare_with_full(query, linked_logits)
             agreement = self.guard.record(check)
             if self.on_check is not None:
                 self.on_check(check, agreement)

@@ -92,9 +92,6 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _engine_options(self) -> "Settings":
-        if self.engine == "vllm" and self.guard_rate:
-            raise ValueError("guard_rate needs the ragcache engine (the guard compares full first-token distributions, "
-                             "which vLLM does not return); set it to 0 with engine vllm")
         if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
             raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
         return self

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from ragcache import adapters, models
 from ragcache.engine import RagCache
-from ragcache.errors import BadAdapter
+from ragcache.errors import BadAdapter, ParameterOutOfRange
 from ragcache.integrations.vllm.engine import lora_engine_args
 from ragcache.integrations.vllm.lora import LinkLora
 from ragcache.integrations.vllm.spec import transfer_config
@@ -192,6 +192,21 @@ def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(t
     with pytest.raises(BadAdapter, match="vLLM cannot load"):  # it changed the base weights when it was made
         RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm",
                       adapter=edited(adapter, tmp_path / "pissa", init_lora_weights="pissa"))
+
+
+def test_the_guard_measures_against_the_base_models_full_or_is_refused_when_merged(rc, adapted, doc_ids):
+    """vLLM's LoRA: the guard's full runs without it, as on ragcache's engine. Merged, vLLM holds no base weights to
+    run the base model's full with: the guard is refused when it is set up, not at each check."""
+    from ragcache.guard import BackgroundGuard
+
+    if rc.lm.adapter.merged:
+        with pytest.raises(ParameterOutOfRange, match="merge_adapter=False"):
+            BackgroundGuard(rc, 1.0)
+        return
+    query = rc.validate(QUESTION, doc_ids, algorithm="naive", max_new_tokens=TOKENS)
+    check, expected = rc.compare_with_full(query), adapted.check(QUESTION, doc_ids, algorithm="naive")
+    assert check.top1_agrees == expected.top1_agrees
+    assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
 
 
 def test_tensor_parallel_refuses_an_adapter_asked_for_and_serves_the_base_for_an_installed_one(

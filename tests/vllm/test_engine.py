@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 import threading
 
 import pytest
@@ -109,10 +110,22 @@ def test_efim_rounds_hit_vllms_prefix_cache(rc):
         rc.infill(code, "x", reuse=False)
 
 
+@pytest.mark.parametrize("algorithm,k", [("naive", None), ("focus", None), ("legolink", 10_000)])
+def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algorithm, k):
+    """vLLM returns no logits with an answer: the guard asks it again for the first token's whole distribution, and
+    for full's, and compares them as ragcache's engine does (legolink at k past every chunk is exact)."""
+    query = rc.validate(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
+    check = rc.compare_with_full(query)
+    expected = reference.check(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k)
+    assert check.top1_agrees == expected.top1_agrees
+    assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
+    assert (check.kl < 1e-4) == (k is not None)
+
+
 def test_rest_and_openai_routes(rc, reference, doc_ids):
     from ragcache.api.app import create_app
 
-    settings = Settings.model_construct(engine="vllm", model="tiny-qwen2", max_new_tokens=TOKENS)
+    settings = Settings.model_construct(engine="vllm", model="tiny-qwen2", max_new_tokens=TOKENS, guard_rate=1.0)
     with TestClient(create_app(rc, settings)) as http:
         assert http.get("/health").json()["status"] == "ok"
         r = http.post("/v1/documents", json={"documents": [{"text": UPLOADED}]})
@@ -133,6 +146,12 @@ def test_rest_and_openai_routes(rc, reference, doc_ids):
         assert text == expected
         r = http.post("/v1/query", json={"question": QUESTION, "documents": ["0" * 32]})
         assert r.status_code == 404, r.text
+        deadline = time.monotonic() + 120  # the guard checks sampled answers in the background
+        while "ragcache_guard_checks_total{" not in (scraped := http.get("/metrics").text):
+            assert time.monotonic() < deadline, scraped[-3000:]
+            time.sleep(0.2)
+        checks = re.search(r'^ragcache_guard_checks_total\{[^}]*algorithm="focus"[^}]*\} (\S+)$', scraped, flags=re.M)
+        assert checks and float(checks.group(1)) >= 1, scraped[-3000:]
 
 
 def test_llama_index_query_engine(rc, reference):
@@ -156,7 +175,5 @@ def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
         RagCache.open(tiny_qwen2, "memory:", engine="vllm")
     with pytest.raises(ParameterOutOfRange, match="engine must be"):
         RagCache.open(tiny_qwen2, "memory:", engine="llama")
-    with pytest.raises(ValueError, match="guard_rate needs the ragcache engine"):
-        Settings(engine="vllm", guard_rate=0.5)
     with pytest.raises(ValueError, match="options of the vllm engine"):
         Settings(max_model_len=1024)

@@ -88,7 +88,10 @@ class RagCacheQueryEngine(CustomQueryEngine):
         if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`
             if self._guard is None:
                 self._guard = BackgroundGuard(self.rc, self.guard_rate)
-            self._guard.after_answer(answer, question, metadata["doc_ids"], self.algorithm, self.system)
+            args = self.generation_args()
+            query = self.rc.validate(question, metadata["doc_ids"], args.pop("system"), args.pop("algorithm"),
+                                     args.pop("k"), args.pop("ratio"))
+            self._guard.after_answer(answer, query)
         return metadata
 
     def guard_agreement(self) -> dict[str, tuple[float, int]]:

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache import adapters, infill, linker, models
+from ragcache import adapters, guard, infill, linker, models
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
@@ -98,6 +99,7 @@ class VllmRagCache(Front):
         lm = served.lm
         for name, value in served.engine_args.items():
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
+        engine_args.setdefault("max_logprobs", -1)  # the accuracy guard reads a first token's whole distribution
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
@@ -186,8 +188,10 @@ class VllmRagCache(Front):
         return sum(info.get("size", 0) for info in found[: len(chunks)])
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream_query(self, query: Query) -> "VllmStream":
-        """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`."""
+    def stream_query(self, query: Query, first_distribution: bool = False, base: bool = False) -> "VllmStream":
+        """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`.
+        `first_distribution`: with the first token's log-probs over the whole vocabulary (Answer.first_logits);
+        `base`: without the link adapter, where vLLM runs it as its LoRA."""
 
         def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
             # held until vLLM's first step has linked (a miss compiled and stored there): a delete of these documents
@@ -201,7 +205,25 @@ class VllmRagCache(Front):
             spec = LinkSpec.of_parts(parts, query.params)
             return {"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}
 
-        return VllmStream(self, prepare, query.sampling, lora=self.lora)
+        return VllmStream(self, prepare, query.sampling, lora=None if base else self.lora,
+                          first_distribution=first_distribution)
+
+    def guard_problem(self) -> str | None:
+        if self.lm.adapter is not None and self.lm.adapter.merged:  # its weights are the only ones vLLM holds
+            return ("the accuracy guard compares with the base model's full, which vLLM cannot run from a merged "
+                    "adapter's weights; serve the adapter with merge_adapter=False to guard it")
+        return None
+
+    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None) -> guard.Check:
+        """The accuracy guard's check. vLLM returns no logits with an answer, so the query is asked again for one
+        token with its whole distribution (its linked blocks hit vLLM's prefix cache), and the same prompt with
+        `full`: vLLM's own prefill, without the link adapter."""
+        one = dataclasses.replace(query, sampling=Sampling(1))
+        if linked_logits is None:
+            linked_logits = drain(self.stream_query(one, first_distribution=True)).first_logits
+        full = dataclasses.replace(one, params=self.params("full"))
+        full_logits = drain(self.stream_query(full, first_distribution=True, base=True)).first_logits
+        return guard.compare(query.params.algorithm, full_logits, linked_logits)
 
     def stream_infill(self, fill: Infill) -> "VllmStream":
         """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
@@ -311,9 +333,11 @@ class VllmStream:
     events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
 
     def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
-                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None):
+                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None, first_distribution: bool = False):
         self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
         self.lora = lora  # vLLM's LoRARequest, or None
+        self.first_distribution = first_distribution
+        self._first_logits: torch.Tensor | None = None
         self.stats = QueryStats()
         self.answer: Answer | None = None
         self.cancelled = False
@@ -351,10 +375,13 @@ class VllmStream:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         s = self.sampling
+        # the whole vocabulary's log-probs (vLLM's raw ones: log_softmax of the logits) of every token sampled: the
+        # guard asks for one token only
+        whole = {"logprobs": -1} if self.first_distribution else {}
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               stop=list(s.stop) or None, seed=s.seed, stop_token_ids=sorted(self.stop_ids) or None,
                               output_kind=RequestOutputKind.DELTA,
-                              extra_args={"kv_transfer_params": transfer} if transfer else None)
+                              extra_args={"kv_transfer_params": transfer} if transfer else None, **whole)
 
     async def _run(self, prompt: dict, params) -> None:
         try:
@@ -376,6 +403,10 @@ class VllmStream:
             self.stats.ttft_s = self._first_at - self._started
             self.stats.cached_tokens = out.num_cached_tokens or 0
             self._release()  # the prompt is in vLLM's cache: nothing more is read from or written to the store
+        if self.first_distribution and completion.logprobs and self._first_logits is None:
+            first = completion.logprobs[0]
+            self._first_logits = torch.full((self.engine.llm.model_config.get_vocab_size(),), -math.inf)
+            self._first_logits[list(first)] = torch.tensor([entry.logprob for entry in first.values()])
         self._token_ids.extend(completion.token_ids)
         if completion.text:
             self._pieces.append(completion.text)
@@ -385,7 +416,7 @@ class VllmStream:
 
     def _finish(self) -> Answer:
         self.stats.end(self._started, self._first_at, len(self._token_ids))
-        self.answer = Answer("".join(self._pieces), list(self._token_ids), self.stats, None)
+        self.answer = Answer("".join(self._pieces), list(self._token_ids), self.stats, self._first_logits)
         return self.answer
 
     def _release(self) -> None:
