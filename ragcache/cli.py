@@ -271,6 +271,9 @@ def serve(
     max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
     kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
     adapter: str = AdapterOption,
+    merge_adapter: bool = typer.Option(None, "--merge-adapter/--no-merge-adapter", help="fold the link adapter into "
+                                       "the weights (default: settings, on) or run it beside them (slower; with "
+                                       "--engine vllm, what the accuracy guard needs)"),
     batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
                                          help="an answer does not depend on what else is in its batch (default: "
                                               "settings, on); off: faster decode at many streams"),
@@ -281,7 +284,7 @@ def serve(
     try:
         s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
                           engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                          adapter=adapter, batch_invariant=batch_invariant)
+                          adapter=adapter, merge_adapter=merge_adapter, batch_invariant=batch_invariant)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         fail(BadRequest(str(exc)))
     try:

@@ -86,11 +86,12 @@ class RagCache(Front):
         """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults)."""
         if s.engine == "vllm":
             return cls.open(s.model, s.store, engine="vllm", chunk_tokens=s.chunk_tokens, dtype=s.dtype,
-                            kv_codec=s.kv_codec, adapter=adapters.parse(s.adapter), max_model_len=s.max_model_len,
-                            kv_cache_gib=s.kv_cache_gib)
+                            kv_codec=s.kv_codec, adapter=adapters.parse(s.adapter), merge_adapter=s.merge_adapter,
+                            max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib)
         return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
                         kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20,
-                        adapter=adapters.parse(s.adapter), batch_invariant=s.batch_invariant)
+                        adapter=adapters.parse(s.adapter), merge_adapter=s.merge_adapter,
+                        batch_invariant=s.batch_invariant)
 
     @property
     def kv_codec(self) -> str:

@@ -65,6 +65,9 @@ class Settings(BaseSettings):
     adapter: str | None = Field(INSTALLED, description="a read-side LoRA directory `ragcache train link` wrote, "
                                 "`none` for the base model, or `installed`: the model's installed adapter where its "
                                 "calibration reached the target, else the base model (README: Installed adapters)")
+    merge_adapter: bool = Field(True, description="fold the link adapter into the weights (faster; on the vllm engine a "
+                                "merged copy of the model in the model cache) or run it beside them (on vllm: vLLM's "
+                                "LoRA, which the accuracy guard needs there)")
     batch_invariant: bool = Field(True, description="a request's greedy answer does not depend on what else is in "
                                   "its batch; false: decode rows of all requests share one attention call per "
                                   "layer, faster at many streams (README: Batch invariance)")

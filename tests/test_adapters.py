@@ -177,7 +177,25 @@ def test_the_vllm_engine_takes_the_adapter_setting_as_ragcaches_does(monkeypatch
     RagCache.from_settings(Settings(engine="vllm"))
     assert opened["adapter"] == INSTALLED
     RagCache.from_settings(Settings(engine="vllm", adapter="none"))
-    assert opened["adapter"] is None
+    assert opened["adapter"] is None and opened["merge_adapter"] is True
+    RagCache.from_settings(Settings(engine="vllm", merge_adapter=False))
+    assert opened["merge_adapter"] is False
+    opened.clear()
+    RagCache.from_settings(Settings(merge_adapter=False))
+    assert opened["merge_adapter"] is False and "engine" not in opened
+
+
+def test_serve_passes_the_adapter_flags_to_the_settings(monkeypatch):
+    import ragcache.api.server as server
+    from ragcache.cli import app
+
+    ran = {}
+    monkeypatch.setattr(server, "run", lambda settings, workers=1: ran.update(settings=settings))
+    result = CliRunner().invoke(app, ["serve", "--engine", "vllm", "--adapter", "/a", "--no-merge-adapter"])
+    assert result.exit_code == 0, result.output
+    assert ran["settings"].merge_adapter is False and ran["settings"].adapter == "/a"
+    CliRunner().invoke(app, ["serve"])
+    assert ran["settings"].merge_adapter is True
 
 
 def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path, monkeypatch):

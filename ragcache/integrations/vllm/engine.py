@@ -211,7 +211,8 @@ class VllmRagCache(Front):
     def guard_problem(self) -> str | None:
         if self.lm.adapter is not None and self.lm.adapter.merged:  # its weights are the only ones vLLM holds
             return ("the accuracy guard compares with the base model's full, which vLLM cannot run from a merged "
-                    "adapter's weights; serve the adapter with merge_adapter=False to guard it")
+                    "adapter's weights; serve the adapter unmerged to guard it (merge_adapter=False, "
+                    "--no-merge-adapter)")
         return None
 
     def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None) -> guard.Check:
