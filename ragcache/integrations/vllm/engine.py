@@ -377,8 +377,8 @@ class VllmStream:
 
         s = self.sampling
         # the whole vocabulary's log-probs (vLLM's raw ones: log_softmax of the logits) of every token sampled: the
-        # guard asks for one token only
-        whole = {"logprobs": -1} if self.first_distribution else {}
+        # guard asks for one token only, and for no text (which would decode every token of the vocabulary)
+        whole = {"logprobs": -1, "detokenize": False} if self.first_distribution else {}
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               stop=list(s.stop) or None, seed=s.seed, stop_token_ids=sorted(self.stop_ids) or None,
                               output_kind=RequestOutputKind.DELTA,
