@@ -137,13 +137,19 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
     `base` is loaded with its weights, and is adapted in place."""
     dtype = str(base.dtype).removeprefix("torch.")
     target = merged_dir() / f"{fingerprint}-{dtype}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    hold = open(_lock(target, "use"), "w")
-    fcntl.flock(hold, fcntl.LOCK_SH)
+    hold = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        hold = _open_lock(_lock(target, "use"))
+        fcntl.flock(hold, fcntl.LOCK_SH)
         _write_merged(base, path, digest, target)
-    except BaseException:
-        hold.close()
+    except BaseException as exc:
+        if hold is not None:
+            hold.close()
+        if isinstance(exc, OSError):
+            raise ModelFetchError(f"cannot write {base.name} with the adapter {path} merged into {target}: {exc}; "
+                                  "free space there, set RAGCACHE_MODEL_DIR, or serve it unmerged "
+                                  "(merge_adapter=False)") from exc
         raise
     return target, hold
 
@@ -171,11 +177,6 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
             os.replace(staged, target)
-        except OSError as exc:
-            shutil.rmtree(staged, ignore_errors=True)
-            raise ModelFetchError(f"cannot write {base.name} with the adapter {path} merged into {target}: {exc}; "
-                                  "free space there, set RAGCACHE_MODEL_DIR, or serve it unmerged "
-                                  "(merge_adapter=False)") from exc
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise
@@ -237,7 +238,11 @@ class _try_lock:
         self.path = path
 
     def __enter__(self) -> bool:
-        self.file = open(self.path, "w")
+        try:
+            self.file = _open_lock(self.path)
+        except PermissionError:  # another user's copy, in a shared cache: not ours to remove
+            self.file = None
+            return False
         try:
             fcntl.flock(self.file, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
@@ -245,7 +250,13 @@ class _try_lock:
             return False
 
     def __exit__(self, *exc) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def _open_lock(path: Path) -> IO:
+    """A lock file opened for flock only: read access is enough, so a cache shared between users works."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
 
 
 def _complete(target: Path) -> bool:

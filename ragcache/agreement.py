@@ -29,7 +29,8 @@ def first_token(full_logits: torch.Tensor, logits: torch.Tensor) -> tuple[float,
     """(top-1 agreement, KL(full || linked)) of two next-token logit vectors."""
     p = torch.log_softmax(full_logits.double(), -1)
     q = torch.log_softmax(logits.double(), -1)
-    kl = float((p.exp() * (p - q)).sum().clamp_min(0.0))
+    # a token full gives no mass adds nothing (0 * log 0 = 0, not NaN)
+    kl = float(torch.where(p.isneginf(), 0.0, p.exp() * (p - q)).sum().clamp_min(0.0))
     return float(int(full_logits.argmax()) == int(logits.argmax())), kl
 
 

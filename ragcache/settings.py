@@ -85,7 +85,8 @@ class Settings(BaseSettings):
     public_paths: list[str] = Field(["/health"], description="paths open without the token when api_key is set "
                                     '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')')
     guard_rate: float = Field(0.0, ge=0.0, le=1.0, description="fraction of linked answers also linked with full "
-                              "(after answering, at low priority) to measure agreement; 0 = off")
+                              "after answering, to measure agreement (on ragcache's engine only in steps no user request needs; on vllm two "
+                              "one-token requests beside the users'); 0 = off")
     body_timeout_s: float = Field(30.0, gt=0, description="seconds a request body may take to arrive")
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)
@@ -97,6 +98,10 @@ class Settings(BaseSettings):
     def _engine_options(self) -> "Settings":
         if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
             raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
+        named = self.adapter is not None and self.adapter.lower() not in ("none", INSTALLED)
+        if self.engine == "vllm" and self.guard_rate and named and self.merge_adapter:
+            raise ValueError("the accuracy guard on the vllm engine needs the adapter unmerged (merge_adapter=false, "
+                             "--no-merge-adapter): a merged one leaves vLLM no base weights for the base model's full")
         return self
 
     @classmethod

@@ -20,6 +20,12 @@ def test_compare_identical_and_different_distributions():
     assert not other.top1_agrees and other.kl > 0.1
 
 
+def test_a_token_full_gives_no_mass_adds_nothing_to_the_kl():
+    full = torch.tensor([0.0, 1.0, -float("inf")])
+    assert compare("naive", full, full).kl == 0.0
+    assert compare("naive", full, torch.tensor([0.0, 1.0, 5.0])).kl > 0.0
+
+
 def test_rate_zero_never_and_one_always_and_exact_algorithms_never():
     assert not any(Guard(0.0, "m").wants("legolink") for _ in range(100))
     always = Guard(1.0, "m")

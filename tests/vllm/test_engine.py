@@ -115,6 +115,8 @@ def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algo
     """vLLM returns no logits with an answer: the guard asks it again for the first token's whole distribution, and
     for full's, and compares them as ragcache's engine does (legolink at k past every chunk is exact)."""
     query = rc.validate(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
+    answer = rc.query(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
+    assert answer.stats.cached_tokens > 0  # as the guard meets it: after the answer, its linked blocks cached
     check = rc.compare_with_full(query)
     expected = reference.check(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k)
     assert check.top1_agrees == expected.top1_agrees
@@ -152,6 +154,8 @@ def test_rest_and_openai_routes(rc, reference, doc_ids):
             time.sleep(0.2)
         checks = re.search(r'^ragcache_guard_checks_total\{[^}]*algorithm="focus"[^}]*\} (\S+)$', scraped, flags=re.M)
         assert checks and float(checks.group(1)) >= 1, scraped[-3000:]
+        kl = re.search(r'^ragcache_guard_kl_sum\{[^}]*algorithm="focus"[^}]*\} (\S+)$', scraped, flags=re.M)
+        assert kl and 0.0 <= float(kl.group(1)) < float("inf"), scraped[-3000:]
 
 
 def test_llama_index_query_engine(rc, reference):
@@ -177,3 +181,6 @@ def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
         RagCache.open(tiny_qwen2, "memory:", engine="llama")
     with pytest.raises(ValueError, match="options of the vllm engine"):
         Settings(max_model_len=1024)
+    with pytest.raises(ValueError, match="needs the adapter unmerged"):
+        Settings(engine="vllm", guard_rate=0.1, adapter="/some/adapter")
+    Settings(engine="vllm", guard_rate=0.1, adapter="/some/adapter", merge_adapter=False)

@@ -55,6 +55,11 @@ class RagCacheQueryEngine(CustomQueryEngine):
                               "afterwards, in the background, to measure agreement (`guard_agreement()`)")
     _guard: BackgroundGuard | None = PrivateAttr(default=None)
 
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`: refused now, not after an answer
+            self._guard = BackgroundGuard(self.rc, self.guard_rate)
+
     @field_validator("algorithm")
     @classmethod
     def _known(cls, algorithm: str) -> str:
@@ -85,9 +90,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
-        if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`
-            if self._guard is None:
-                self._guard = BackgroundGuard(self.rc, self.guard_rate)
+        if self._guard is not None:
             args = self.generation_args()
             query = self.rc.validate(question, metadata["doc_ids"], args.pop("system"), args.pop("algorithm"),
                                      args.pop("k"), args.pop("ratio"))

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import math
 import os
 import threading
 import time
@@ -86,17 +85,25 @@ class VllmRagCache(Front):
         (`merge_adapter`), vLLM serves a checkpoint with the adapter folded into its weights, written once into the
         model cache; else it runs the adapter as its own LoRA, beside the weights (slower: docs/BENCHMARKS.md).
         `engine_args`: any other vLLM `AsyncEngineArgs` field."""
-        from vllm.config import KVTransferConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.platforms import current_platform
-
         if not isinstance(store, str) or all(url.startswith("memory") for url in tier_urls(store)):
             raise ParameterOutOfRange(f"the vLLM engine needs a store its own process can open too (disk:PATH or "
                                       f"redis://...), got {store!r}")
         kv_codec.validate(kv_codec_name)
-        device = current_platform.device_type
         served = _describe(model, dtype, adapter, merge_adapter, engine_args.get("tensor_parallel_size", 1))
-        lm = served.lm
+        try:
+            return cls._launch(served, store, chunk_tokens, kv_codec_name, kv_cache_gib, max_model_len, engine_args)
+        except BaseException:
+            served.release()
+            raise
+
+    @classmethod
+    def _launch(cls, served: "Served", store: str, chunk_tokens: int, kv_codec_name: str, kv_cache_gib: float | None,
+                max_model_len: int | None, engine_args: dict) -> "VllmRagCache":
+        from vllm.config import KVTransferConfig
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+
+        lm, device = served.lm, current_platform.device_type
         for name, value in served.engine_args.items():
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         engine_args.setdefault("max_logprobs", -1)  # the accuracy guard reads a first token's whole distribution
@@ -114,7 +121,6 @@ class VllmRagCache(Front):
         try:
             llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
         except BaseException:
-            served.release()
             loop.call_soon_threadsafe(loop.stop)
             raise
         return cls(served, store, llm, loop, chunk_tokens, codec)
@@ -219,6 +225,9 @@ class VllmRagCache(Front):
         """The accuracy guard's check. vLLM returns no logits with an answer, so the query is asked again for one
         token with its whole distribution (its linked blocks hit vLLM's prefix cache), and the same prompt with
         `full`: vLLM's own prefill, without the link adapter."""
+        problem = self.guard_problem()
+        if problem is not None:
+            raise ParameterOutOfRange(problem)
         one = dataclasses.replace(query, sampling=Sampling(1))
         if linked_logits is None:
             linked_logits = drain(self.stream_query(one, first_distribution=True)).first_logits
@@ -378,7 +387,7 @@ class VllmStream:
         s = self.sampling
         # the whole vocabulary's log-probs (vLLM's raw ones: log_softmax of the logits) of every token sampled: the
         # guard asks for one token only, and for no text (which would decode every token of the vocabulary)
-        whole = {"logprobs": -1, "detokenize": False} if self.first_distribution else {}
+        whole = {"logprobs": -1, "flat_logprobs": True, "detokenize": False} if self.first_distribution else {}
         return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
                               stop=list(s.stop) or None, seed=s.seed, stop_token_ids=sorted(self.stop_ids) or None,
                               output_kind=RequestOutputKind.DELTA,
@@ -405,15 +414,25 @@ class VllmStream:
             self.stats.cached_tokens = out.num_cached_tokens or 0
             self._release()  # the prompt is in vLLM's cache: nothing more is read from or written to the store
         if self.first_distribution and completion.logprobs and self._first_logits is None:
-            first = completion.logprobs[0]
-            self._first_logits = torch.full((self.engine.llm.model_config.get_vocab_size(),), -math.inf)
-            self._first_logits[list(first)] = torch.tensor([entry.logprob for entry in first.values()])
+            self._first_logits = self._distribution(completion.logprobs)
         self._token_ids.extend(completion.token_ids)
         if completion.text:
             self._pieces.append(completion.text)
             self._emit("piece", completion.text)
         if completion.finish_reason:
             self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+
+    def _distribution(self, flat) -> torch.Tensor:
+        """The first position's log-probs over the vocabulary, from vLLM's flat lists (primitive lists, not one
+        object a token: this runs on the loop that delivers every stream's tokens)."""
+        span = slice(flat.start_indices[0], flat.end_indices[0])
+        ids, values = torch.tensor(flat.token_ids[span]), torch.tensor(flat.logprobs[span])
+        vocab = self.engine.llm.model_config.get_vocab_size()
+        if ids.unique().numel() != vocab:
+            raise EngineFailed(f"vLLM returned log-probs for {ids.unique().numel()} of {vocab} tokens")
+        logits = torch.empty(vocab)
+        logits[ids] = values
+        return logits
 
     def _finish(self) -> Answer:
         self.stats.end(self._started, self._first_at, len(self._token_ids))
