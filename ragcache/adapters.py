@@ -140,9 +140,9 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
     hold = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        hold = _open_lock(_lock(target, "use"))
+        hold = models.open_lock(_lock(target, "use"))
         fcntl.flock(hold, fcntl.LOCK_SH)
-        _write_merged(base, path, digest, target)
+        _write_merged(base, path, digest, target, dtype)
     except BaseException as exc:
         if hold is not None:
             hold.close()
@@ -154,8 +154,7 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
     return target, hold
 
 
-def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Path) -> None:
-    dtype = str(base.dtype).removeprefix("torch.")
+def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Path, dtype: str) -> None:
     with models.file_lock(_lock(target, "write")):
         _remove_interrupted(target)
         if _complete(target):
@@ -239,7 +238,7 @@ class _try_lock:
 
     def __enter__(self) -> bool:
         try:
-            self.file = _open_lock(self.path)
+            self.file = models.open_lock(self.path)
         except PermissionError:  # another user's copy, in a shared cache: not ours to remove
             self.file = None
             return False
@@ -252,11 +251,6 @@ class _try_lock:
     def __exit__(self, *exc) -> None:
         if self.file is not None:
             self.file.close()
-
-
-def _open_lock(path: Path) -> IO:
-    """A lock file opened for flock only: read access is enough, so a cache shared between users works."""
-    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
 
 
 def _complete(target: Path) -> bool:

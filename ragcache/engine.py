@@ -160,7 +160,7 @@ class RagCache(Front):
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
                               deviation=deviation)
-        return self._link_query(query, max_new_tokens, _stats or QueryStats(), background)
+        return self._link_query(query, max_new_tokens, _stats, background)
 
     def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
                     background: bool = False) -> Linked:

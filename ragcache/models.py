@@ -22,6 +22,7 @@ import tempfile
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 
@@ -103,9 +104,14 @@ def is_pulled(name: str) -> bool:
 def file_lock(path: Path):
     """An exclusive lock between processes that fetch the same thing into the user cache."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
+    with open_lock(path) as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes, also on an exception
         yield
+
+
+def open_lock(path: Path) -> IO:
+    """A lock file opened for flock only: read access is enough, so a cache shared between users works."""
+    return os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644), "rb")
 
 
 def pull(name: str) -> Path:

@@ -85,8 +85,8 @@ class Settings(BaseSettings):
     public_paths: list[str] = Field(["/health"], description="paths open without the token when api_key is set "
                                     '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')')
     guard_rate: float = Field(0.0, ge=0.0, le=1.0, description="fraction of linked answers also linked with full "
-                              "after answering, to measure agreement (on ragcache's engine only in steps no user request needs; on vllm two "
-                              "one-token requests beside the users'); 0 = off")
+                              "after answering, to measure agreement (on ragcache's engine only in steps no user "
+                              "request needs; on vllm two one-token requests beside the users'); 0 = off")
     body_timeout_s: float = Field(30.0, gt=0, description="seconds a request body may take to arrive")
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)

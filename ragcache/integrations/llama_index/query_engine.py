@@ -91,9 +91,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
         if self._guard is not None:
-            args = self.generation_args()
-            query = self.rc.validate(question, metadata["doc_ids"], args.pop("system"), args.pop("algorithm"),
-                                     args.pop("k"), args.pop("ratio"))
+            query = self.rc.validate(question, metadata["doc_ids"], self.system, self.algorithm, self.k, self.ratio)
             self._guard.after_answer(answer, query)
         return metadata
 

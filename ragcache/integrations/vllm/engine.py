@@ -427,9 +427,9 @@ class VllmStream:
         object a token: this runs on the loop that delivers every stream's tokens)."""
         span = slice(flat.start_indices[0], flat.end_indices[0])
         ids, values = torch.tensor(flat.token_ids[span]), torch.tensor(flat.logprobs[span])
-        vocab = self.engine.llm.model_config.get_vocab_size()
-        if ids.unique().numel() != vocab:
-            raise EngineFailed(f"vLLM returned log-probs for {ids.unique().numel()} of {vocab} tokens")
+        vocab, found = self.engine.llm.model_config.get_vocab_size(), ids.unique().numel()
+        if found != vocab:
+            raise EngineFailed(f"vLLM returned log-probs for {found} of {vocab} tokens")
         logits = torch.empty(vocab)
         logits[ids] = values
         return logits

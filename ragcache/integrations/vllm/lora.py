@@ -7,8 +7,8 @@ projection's output gains x A^T B^T * scaling. Compiling never does (the store's
 on ragcache's own engine).
 
 Merged (the default of `RagCache.open(engine="vllm", adapter=...)`), vLLM serves a checkpoint with the adapter
-folded into its weights (`adapters.merged_checkpoint`), and the connector takes the LoRA term back out where it compiles
-(`sign=-1`), so that entries stay the base model's.
+folded into its weights (`adapters.merged_checkpoint`), and the connector takes the LoRA term back out where it
+compiles (`sign=-1`), so that entries stay the base model's.
 
 Read from the adapter directory PEFT wrote (`adapter_config.json`, `adapter_model.safetensors`); what
 `ragcache train link` fits is supported: a plain LoRA on the attention projections.
@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from ragcache import models
 from ragcache.errors import BadAdapter
 from ragcache.models import ADAPTER_FILES
 
