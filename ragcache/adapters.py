@@ -158,6 +158,7 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
     with models.file_lock(_lock(target, "write")):
         _remove_interrupted(target)
         if _complete(target):
+            _record_path(target, path)
             return
         staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=_staging_prefix(target)))
         try:
@@ -171,7 +172,8 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
             merged = models.attach_adapter(base, copied, merge=True)
             merged.model.save_pretrained(staged)
             merged.tokenizer.save_pretrained(staged)
-            source = {"model": base.name, "adapter": str(Path(path).resolve()), "adapter_sha256": digest, "dtype": dtype}
+            source = {"model": base.name, "adapters": [str(Path(path).resolve())], "adapter_sha256": digest,
+                      "dtype": dtype}
             (staged / MERGED_SOURCE).write_text(json.dumps(source))
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
@@ -186,18 +188,20 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
 class MergedCopy:
     path: Path
     model: str | None  # None: not known (a copy left unfinished)
-    adapter: str | None
+    adapters: tuple[str, ...]  # the adapter paths it was made for (the same bytes at each)
+    adapter_sha256: str | None
     dtype: str | None
     size: int  # bytes
     stale: str | None  # why it is no longer served (its adapter gone or changed, left unfinished); None: current
     busy: str | None  # why it cannot be removed now (a server runs from it, or it is being written)
 
 
-def merged_copies() -> list[MergedCopy]:
-    """Every merged checkpoint in the user's cache, with the copies interrupted runs left (named .NAME-XXXX)."""
+def merged_copies(check: bool = True) -> list[MergedCopy]:
+    """Every merged checkpoint in the user's cache, with the copies interrupted runs left (named .NAME-XXXX).
+    `check=False` reads the records only: a complete copy's `stale` is then None without hashing its adapters."""
     if not merged_dir().is_dir():
         return []
-    found = (_describe_copy(path) for path in sorted(merged_dir().iterdir()) if path.is_dir())
+    found = (_describe_copy(path, check) for path in sorted(merged_dir().iterdir()) if path.is_dir())
     return [copy for copy in found if copy is not None]
 
 
@@ -265,16 +269,43 @@ def _remove_interrupted(target: Path) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def _record_path(target: Path, path: Path) -> None:
+    """Another path to the same adapter bytes reuses the copy; it is recorded, so the copy stays current while any
+    of its paths still holds those bytes. Called under the copy's write lock."""
+    source = json.loads((target / MERGED_SOURCE).read_text())
+    resolved = str(Path(path).resolve())
+    if resolved not in _adapter_paths(source):
+        source["adapters"] = [*_adapter_paths(source), resolved]
+        staged = target / f".{MERGED_SOURCE}.{os.getpid()}"
+        staged.write_text(json.dumps(source))
+        os.replace(staged, target / MERGED_SOURCE)
+
+
+def _adapter_paths(source: dict) -> list[str]:
+    paths = source["adapters"] if "adapters" in source else [source["adapter"]]  # "adapter": one path, before
+    if not (isinstance(paths, list) and paths and all(isinstance(p, str) for p in paths)):
+        raise ValueError(f"no adapter paths in {MERGED_SOURCE}")
+    return paths
+
+
 def _remove_superseded(target: Path, source: dict) -> None:
-    """Older copies of the same model, adapter path and dtype (the base model or the adapter changed since): the new
-    copy replaces them, unless a server still runs from one."""
-    for copy in merged_copies():
-        same = (copy.model, copy.adapter, copy.dtype) == (source["model"], source["adapter"], source["dtype"])
-        if same and copy.path != target and remove_merged(copy.path):
+    """Older copies made from the same adapter path, model and dtype: the new copy replaces them, unless a server
+    still runs from one. With the same adapter bytes the base model changed since; with other bytes the copy goes
+    only if no path of its own holds them still."""
+    path = _adapter_paths(source)[0]
+    for copy in merged_copies(check=False):
+        same = (copy.model, copy.dtype) == (source["model"], source["dtype"]) and path in copy.adapters
+        replaced = copy.adapter_sha256 == source["adapter_sha256"] or _still_stale(copy.path)
+        if same and copy.path != target and replaced and remove_merged(copy.path):
             log.info("removed %s, a merged copy the one in %s replaces", copy.path, target)
 
 
-def _describe_copy(path: Path) -> MergedCopy | None:
+def _still_stale(path: Path) -> bool:
+    copy = _describe_copy(path)
+    return copy is not None and copy.stale is not None
+
+
+def _describe_copy(path: Path, check: bool = True) -> MergedCopy | None:
     """None: the folder went away meanwhile (renamed into place, or removed)."""
     target = _target_of(path)
     try:
@@ -285,18 +316,28 @@ def _describe_copy(path: Path) -> MergedCopy | None:
                 busy = "a server runs from it"
         if path != target or not (path / COMPLETE).exists():
             stale = None if busy else "left unfinished by an interrupted start"
-            return MergedCopy(path, None, None, None, size, stale, busy)
+            return MergedCopy(path, None, (), None, None, size, stale, busy)
         if not _complete(path):  # a start now writes it again, with those
-            return MergedCopy(path, None, None, None, size, "made by an older ragcache: no record of its adapter", busy)
+            return MergedCopy(path, None, (), None, None, size, "made by an older ragcache: no record of its adapter",
+                              busy)
         source = json.loads((path / MERGED_SOURCE).read_text())
-        model, adapter, digest, dtype = source["model"], source["adapter"], source["adapter_sha256"], source["dtype"]
+        model, paths, digest, dtype = source["model"], _adapter_paths(source), source["adapter_sha256"], source["dtype"]
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
-        return MergedCopy(path, None, None, None, 0, f"its source is not readable ({MERGED_SOURCE})", None)
-    try:
-        current = models.adapter_sha256(Path(adapter))
-    except BadAdapter:
-        return MergedCopy(path, model, adapter, dtype, size, "its adapter is gone", busy)
-    stale = None if current == digest else "its adapter changed since"
-    return MergedCopy(path, model, adapter, dtype, size, stale, busy)
+        return MergedCopy(path, None, (), None, None, 0, f"its source is not readable ({MERGED_SOURCE})", None)
+    stale = _stale(paths, digest) if check else None
+    return MergedCopy(path, model, tuple(paths), digest, dtype, size, stale, busy)
+
+
+def _stale(paths: list[str], digest: str) -> str | None:
+    """None while some path still holds the adapter bytes merged in."""
+    found = []
+    for path in paths:
+        try:
+            found.append(models.adapter_sha256(Path(path)))
+        except BadAdapter:
+            pass
+    if digest in found:
+        return None
+    return "its adapter changed since" if found else "its adapter is gone"

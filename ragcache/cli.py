@@ -423,7 +423,7 @@ def models_merged(remove_stale: bool = typer.Option(False, "--remove-stale", hel
     table = Table(Column("copy", no_wrap=True), "model", "dtype", "adapter", "size", "state")
     for copy in copies:
         state = "; ".join(filter(None, (copy.stale or "current", copy.busy)))
-        table.add_row(copy.path.name, copy.model or "-", copy.dtype or "-", copy.adapter or "-",
+        table.add_row(copy.path.name, copy.model or "-", copy.dtype or "-", "\n".join(copy.adapters) or "-",
                       f"{copy.size / 1e6:,.0f} MB", state)
     console.print(table if copies else f"no merged copies in {adapters.merged_dir()}")
     chosen = [c for c in copies if remove_all or (remove_stale and c.stale)]

@@ -255,13 +255,25 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     # two's older copies (seeds 1 and 2) are gone, replaced by seed 3's; the copy made from one stays
     assert {c.path for c in adapters.merged_copies()} == {first, fourth} and not third.exists()
     assert models.adapter_sha256(fourth / adapters.MERGED_ADAPTER) == models.adapter_sha256(two)
+    spare = shutil.copytree(one, tmp_path / "spare")
+    first_again, hold = merged(tiny_dir, spare)  # another path to the same bytes: recorded
+    hold.close()
+    assert first_again == first and [c.adapters for c in adapters.merged_copies() if c.path == first] == \
+        [tuple(str(p.resolve()) for p in (one, two, spare))]
+    shutil.move(one, tmp_path / "moved")  # the path it was made from; spare still holds the bytes
+    assert {c.path: c.stale for c in adapters.merged_copies()}[first] is None
+    shutil.rmtree(spare)  # two, its other path, holds other bytes
+    assert {c.path: c.stale for c in adapters.merged_copies()}[first] == "its adapter changed since"
+    shutil.move(tmp_path / "moved", one)
     interrupted = adapters.merged_dir() / f".{first.name}-abcd1234"
     interrupted.mkdir()
     make_adapter(tiny_dir, two, seed=4)  # seed 3's copy is stale now
     states = {c.path: c.stale for c in adapters.merged_copies()}
     assert states == {first: None, fourth: "its adapter changed since",
                       interrupted: "left unfinished by an interrupted start"}
-    shutil.rmtree(one)  # the path its copy was made from
+    shutil.rmtree(one)  # the path its copy was made from; the copy's other paths hold other bytes now
+    assert {c.path: c.stale for c in adapters.merged_copies()}[first] == "its adapter changed since"
+    shutil.rmtree(two)
     assert {c.path: c.stale for c in adapters.merged_copies()}[first] == "its adapter is gone"
     out = CliRunner().invoke(app, ["models", "list"]).output
     assert "3 copies of a model with an adapter merged in" in out and "3 no longer served" in out
@@ -277,6 +289,18 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     hold.close()
     out = CliRunner().invoke(app, ["models", "merged", "--remove-all"]).output
     assert "removed 1 copy" in out and adapters.merged_copies() == []
+
+
+def test_a_merged_copy_for_a_changed_base_model_replaces_the_old_one(tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    """The same adapter path and bytes over another base model (another fingerprint): the old copy is no use."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    copies = []
+    for fingerprint in ("a" * 32, "b" * 32):
+        base = models.load(str(tiny_dir), dtype="float32")  # merging adapts it in place
+        copy, hold = adapters.merged_checkpoint(base, adapter_dir, models.check_adapter(base, adapter_dir), fingerprint)
+        hold.close()
+        copies.append(copy)
+    assert [c.path for c in adapters.merged_copies()] == copies[1:]
 
 
 def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
