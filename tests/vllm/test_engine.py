@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
+from ragcache.integrations.vllm.engine import BACKGROUND
 from ragcache.settings import Settings
 from tests import tiny
 
@@ -122,6 +123,22 @@ def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algo
     assert check.top1_agrees == expected.top1_agrees
     assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
     assert (check.kl < 1e-4) == (k is not None)
+
+
+def test_the_guards_requests_wait_behind_users(rc, doc_ids, monkeypatch):
+    """vLLM runs with its priority policy, and the guard's two requests ask for a lower one than a user's."""
+    asked, generate = [], rc.llm.generate
+
+    def recording(*args, priority=0, **kwargs):
+        asked.append(priority)
+        return generate(*args, priority=priority, **kwargs)
+
+    monkeypatch.setattr(rc.llm, "generate", recording)
+    query = rc.validate(QUESTION, doc_ids, algorithm="naive", max_new_tokens=2)
+    rc.query(QUESTION, doc_ids, algorithm="naive", max_new_tokens=2)
+    rc.compare_with_full(query)
+    assert rc.llm.vllm_config.scheduler_config.policy == "priority"
+    assert asked == [0, BACKGROUND, BACKGROUND]
 
 
 def test_rest_and_openai_routes(rc, reference, doc_ids):

