@@ -87,17 +87,23 @@ class MemoryStore(Store):
     # Records are kept as JSON text, like the other tiers: what works here works on disk and in Redis, and a caller
     # mutating a record it got back cannot change the store.
     def get_record(self, name: str) -> dict | None:
-        text = self._records.get(name)
+        with self._lock:
+            text = self._records.get(name)
         return None if text is None else json.loads(text)
 
     def put_record(self, name: str, record: dict) -> None:
-        self._records[name] = json.dumps(record)
+        text = json.dumps(record)
+        with self._lock:
+            self._records[name] = text
 
     def delete_record(self, name: str) -> bool:
-        return self._records.pop(name, None) is not None
+        with self._lock:
+            return self._records.pop(name, None) is not None
 
     def record_names(self, prefix: str = "") -> list[str]:
-        return sorted(n for n in self._records if n.startswith(prefix))
+        with self._lock:  # another thread's upload would change the dict under the iteration
+            names = [n for n in self._records if n.startswith(prefix)]
+        return sorted(names)
 
     def stats(self) -> dict:
         return {**super().stats(), "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes}

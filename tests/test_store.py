@@ -226,6 +226,29 @@ def test_records(tmp_path, tier):
     assert store.get_record("doc/abc") is None
 
 
+def test_memory_records_listed_while_another_thread_writes_one():
+    """An upload on another thread while the memory tier lists its records (GET /v1/documents) waits for the list,
+    rather than changing the dict under it (RuntimeError: a 500)."""
+    import threading
+
+    store = open_store("memory:")
+    store.put_record("doc/a", {})
+    writer = threading.Thread(target=store.put_record, args=("doc/b", {}))
+
+    class Records(dict):
+        def __iter__(self):
+            for i, name in enumerate(dict.__iter__(self)):
+                if i == 0 and writer.ident is None:
+                    writer.start()
+                    writer.join(0.3)  # held off by the tier's lock; without it, written now
+                yield name
+
+    store._records = Records(store._records)
+    assert store.record_names() == ["doc/a"]
+    writer.join()
+    assert store.record_names() == ["doc/a", "doc/b"]
+
+
 def test_engine_entries_survive_a_restart_bit_identical(tmp_path, tiny_lm):
     rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
     ids = rc.compile(DOCS)
