@@ -16,11 +16,15 @@ class MemoryStore(Store):
     name = "memory"
     lasting = False
 
-    def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET):
+    def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET, record_budget_bytes: int | None = None):
         super().__init__()
         self.budget_bytes = budget_bytes
+        # None: the records are the documents themselves (a memory-only store), so none is ever dropped; a number:
+        # this tier only caches a lasting tier's records (TieredStore sets it), least recently used out first
+        self.record_budget_bytes = record_budget_bytes
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
-        self._records: dict[str, str] = {}
+        self._records: OrderedDict[str, str] = OrderedDict()
+        self._record_bytes = 0
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -89,16 +93,27 @@ class MemoryStore(Store):
     def get_record(self, name: str) -> dict | None:
         with self._lock:
             text = self._records.get(name)
+            if text is not None:
+                self._records.move_to_end(name)
         return None if text is None else json.loads(text)
 
     def put_record(self, name: str, record: dict) -> None:
         text = json.dumps(record)
         with self._lock:
+            self._drop_record(name)
             self._records[name] = text
+            self._record_bytes += len(text)
+            while self.record_budget_bytes is not None and self._record_bytes > self.record_budget_bytes:
+                self._drop_record(next(iter(self._records)))
 
     def delete_record(self, name: str) -> bool:
         with self._lock:
-            return self._records.pop(name, None) is not None
+            return self._drop_record(name)
+
+    def _drop_record(self, name: str) -> bool:
+        text = self._records.pop(name, None)
+        self._record_bytes -= len(text) if text is not None else 0
+        return text is not None
 
     def record_names(self, prefix: str = "") -> list[str]:
         with self._lock:  # another thread's upload would change the dict under the iteration
@@ -106,4 +121,5 @@ class MemoryStore(Store):
         return sorted(names)
 
     def stats(self) -> dict:
-        return {**super().stats(), "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes}
+        return {**super().stats(), "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes,
+                "records": len(self._records), "record_bytes": self._record_bytes}

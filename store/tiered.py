@@ -18,6 +18,7 @@ from .errors import StoreError
 
 from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, UnreadableRecord, log
 from .entry import ChunkKV
+from .memory import MemoryStore
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
     from redis.exceptions import RedisClusterException, RedisError
@@ -27,6 +28,8 @@ except ImportError:  # pragma: no cover - redis is a dependency
     _REDIS_FAULTS = ()
 
 FAULTS = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
+# the most record text (documents' texts and chunk records) a memory tier keeps in front of lasting tiers
+RECORD_CACHE_BYTES = 64 << 20
 
 
 @dataclass
@@ -47,6 +50,9 @@ class TieredStore(Store):
         self.tiers = list(tiers)
         self.name = "+".join(t.name for t in self.tiers)
         self.lasting = any(t.lasting for t in self.tiers)
+        for tier in self.tiers:
+            if self.lasting and isinstance(tier, MemoryStore) and tier.record_budget_bytes is None:
+                tier.record_budget_bytes = RECORD_CACHE_BYTES  # a cache of the lasting tiers' records: bounded
         self.retry_after = retry_after
         self.max_retry_after = max(max_retry_after, retry_after)
         self.clock = clock
@@ -211,17 +217,23 @@ class TieredStore(Store):
         return self.get_records([name])[0]
 
     def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
-        """Each record from the fastest tier that has it (one batched read per tier, for what is still missing);
-        None only where every tier answered that it has none. Where a tier that may hold a record is down, the record
-        is not "unknown" but "unavailable": TierUnavailable. A damaged copy (not a JSON object) is read past, so a
-        sound copy in a slower tier replaces it; it is given back only where no tier holds a sound one."""
+        """Each record from the fastest lasting tier that has it (one batched read per tier, for what is still
+        missing); None only where every lasting tier answered that it has none. Lasting tiers are asked first because
+        they are what every worker shares: a copy in this process's memory may be of a document another worker has
+        since deleted or replaced, so memory answers only for records the lasting tiers could not (down). Where a
+        tier that may hold a record is down and no copy is found, the record is not "unknown" but "unavailable":
+        TierUnavailable. A damaged copy (not a JSON object) is read past, so a sound copy in a slower tier replaces
+        it; it is given back only where no tier holds a sound one."""
         out: list = [None] * len(names)
         damaged: dict[int, object] = {}
         todo = list(range(len(names)))
         unanswered = []
-        for i, tier in enumerate(self.tiers):
-            if not todo:
+        lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
+        others = [i for i, tier in enumerate(self.tiers) if not tier.lasting]
+        for i in lasting + others if lasting else others:
+            if not todo or (i in others and lasting and not unanswered):
                 break
+            tier = self.tiers[i]
             got, ok = self._call(i, tier.get_records, [names[j] for j in todo]) if self._usable(i) else (None, False)
             if not ok:
                 unanswered.append(tier.name)
@@ -238,6 +250,9 @@ class TieredStore(Store):
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
                                   f"{', '.join(unanswered)}, which are down" +
                                   (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else ""))
+        for j in todo if lasting else ():  # gone from every lasting tier: a copy kept here is another worker's past
+            for i in others:
+                self._call(i, self.tiers[i].delete_record, names[j], write=True)
         for j, record in damaged.items():
             out[j] = record if out[j] is None else out[j]
         return out
@@ -269,7 +284,13 @@ class TieredStore(Store):
         return any(bool(r) for _, r in answers)
 
     def record_names(self, prefix: str = "") -> list[str]:
-        return sorted({name for _, got in self._each("record_names", prefix) for name in got})
+        """The lasting tiers' names when they all answer (memory may still hold what another worker deleted), else
+        every tier's that answered."""
+        answers = self._each("record_names", prefix)
+        lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
+        if lasting and set(lasting) <= {i for i, _ in answers}:
+            answers = [(i, got) for i, got in answers if self.tiers[i].lasting]
+        return sorted({name for _, got in answers for name in got})
 
     # -- operator view ------------------------------------------------------------------------------
     def stats(self) -> dict:

@@ -216,6 +216,40 @@ def test_a_record_deleted_while_a_tier_is_down_is_not_reported_deleted():
     assert far.get_record("doc/abc") is None
 
 
+def test_a_record_another_worker_deleted_or_replaced_is_not_served_from_this_ones_memory(tmp_path):
+    """Two workers (`serve --workers 2`) on one memory+disk store: each has its own memory tier. What one deletes or
+    replaces on disk, the other stops serving from its memory; while the disk is down, memory still answers."""
+    a, b = (TieredStore([MemoryStore(), DiskStore(tmp_path)]) for _ in range(2))
+    a.put_record("doc/x", {"text": "one"})
+    a.put_record("doc/y", {"text": "y"})
+    assert b.get_record("doc/x") == {"text": "one"} and b.record_names("doc/") == ["doc/x", "doc/y"]
+    a.put_record("doc/x", {"text": "two"})
+    assert b.get_record("doc/x") == {"text": "two"}
+    assert a.delete_record("doc/x")
+    assert b.get_record("doc/x") is None and b.record_names("doc/") == ["doc/y"]
+    assert b.tiers[0].get_record("doc/x") is None  # the stale copy is dropped, too
+    b.get_record("doc/y")
+    b.tiers[1] = _Down()  # the disk is gone: b's memory copy is better than nothing
+    b.tiers[1].lasting = True
+    assert b.get_record("doc/y") == {"text": "y"}
+
+
+def test_a_memory_tier_in_front_of_a_lasting_one_keeps_a_bounded_share_of_records(tmp_path, monkeypatch):
+    """Every document read or uploaded went into memory for good: texts without a ceiling. In front of a lasting
+    tier memory keeps the most recently used records within a budget; alone (the documents live there) it keeps all."""
+    monkeypatch.setattr("ragcache.store.tiered.RECORD_CACHE_BYTES", 1000)
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path)])
+    for n in range(50):
+        store.put_record(f"doc/{n}", {"text": "x" * 100})
+    memory = store.tiers[0]
+    assert 0 < memory.stats()["record_bytes"] <= 1000 and memory.get_record("doc/49") is not None
+    assert memory.get_record("doc/0") is None and store.get_record("doc/0") == {"text": "x" * 100}
+    alone = MemoryStore()
+    for n in range(50):
+        alone.put_record(f"doc/{n}", {"text": "x" * 100})
+    assert len(alone.record_names()) == 50
+
+
 def test_a_record_only_memory_took_is_refused_and_not_kept():
     """An upload acknowledged from memory alone would be lost on a restart."""
     far = _Far()
