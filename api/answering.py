@@ -13,6 +13,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from fastapi import Request
+from starlette.concurrency import run_in_threadpool
 
 from ragcache.engine import RagCache
 from ragcache.sampling import Answer
@@ -56,17 +57,19 @@ class Context:
     def max_tokens(self, asked: int | None) -> int:
         return self.settings.max_new_tokens if asked is None else asked
 
-    def query(self, question: str, documents: list[DocumentRef], system: str | None, link: LinkOptions | None,
-              sampling: SamplingFields) -> Query:
+    async def query(self, question: str, documents: list[DocumentRef], system: str | None, link: LinkOptions | None,
+                    sampling: SamplingFields) -> Query:
         """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
-        defaults for what the request leaves out."""
+        defaults for what the request leaves out. In a worker thread: validating hashes every raw text (64 of
+        200k characters take tens of milliseconds), which would stall every other request on the loop."""
         s, link = self.settings, link or LinkOptions()
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
-        return self.rc.validate(question, docs, system=system or None, algorithm=link.algorithm or s.algorithm,
-                                k=s.k if link.k is None else link.k, ratio=s.ratio if link.ratio is None else link.ratio,
-                                deviation=link.deviation or "key", max_new_tokens=self.max_tokens(sampling.max_tokens),
-                                temperature=sampling.temperature, top_p=sampling.top_p,
-                                stop=stop_strings(sampling.stop), seed=sampling.seed, limits=self.limits)
+        return await run_in_threadpool(
+            self.rc.validate, question, docs, system=system or None, algorithm=link.algorithm or s.algorithm,
+            k=s.k if link.k is None else link.k, ratio=s.ratio if link.ratio is None else link.ratio,
+            deviation=link.deviation or "key", max_new_tokens=self.max_tokens(sampling.max_tokens),
+            temperature=sampling.temperature, top_p=sampling.top_p, stop=stop_strings(sampling.stop),
+            seed=sampling.seed, limits=self.limits)
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, tuple[str, object]]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""

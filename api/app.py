@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -91,6 +92,11 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        # asyncio's default pool has cpus + 4 threads; every admitted request may hold one (preparing a query,
+        # compiling an upload, a delete waiting for a query to end), so a few long uploads would stall queries on
+        # unrelated documents waiting for a thread
+        pool = ThreadPoolExecutor(settings.max_queue + 8, thread_name_prefix="ragcache-api")
+        asyncio.get_running_loop().set_default_executor(pool)
         yield
         queue.shutdown()
 

@@ -150,7 +150,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
 async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
-    query = c.query(body.question, body.documents, body.system, body, body)
+    query = await c.query(body.question, body.documents, body.system, body, body)
     if not body.stream:
         return query_response(*await c.answer(request, query))  # (answer, seconds queued)
     gen, first = await c.start(request, query)

@@ -86,7 +86,7 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
         if len(prompt) != 1:
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
-    query = c.query(prompt, body.documents, body.system, body.ragcache, body)
+    query = await c.query(prompt, body.documents, body.system, body.ragcache, body)
     return await _respond(request, c, body, query, "cmpl", ("text_completion", "text_completion"),
                           lambda text: {"text": text}, lambda piece: {"text": piece or ""})
 
@@ -119,7 +119,7 @@ async def chat_completions(request: Request, body: ChatRequest = Body(ChatReques
     c = ctx(request)
     _check(c, body)
     system, question = chat_question(body.messages)
-    query = c.query(question, body.documents, system, body.ragcache, body)
+    query = await c.query(question, body.documents, system, body.ragcache, body)
     return await _respond(request, c, body, query, "chatcmpl", ("chat.completion", "chat.completion.chunk"),
                           lambda text: {"message": {"role": "assistant", "content": text}},
                           lambda piece: {"delta": {} if piece is None else {"content": piece}},

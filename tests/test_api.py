@@ -606,7 +606,35 @@ def test_a_stream_is_made_off_the_event_loop(rc, doc_ids, monkeypatch):
         r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:1], "max_tokens": 1},
                        timeout=300)
     assert r.status_code == 200, r.text
-    assert len(made_on) == 1 and made_on[0].startswith("asyncio_")  # asyncio.to_thread's workers
+    assert len(made_on) == 1 and made_on[0].startswith("ragcache-api")  # the server's pool (asyncio.to_thread)
+
+
+def test_long_uploads_leave_threads_for_queries(rc, doc_ids, monkeypatch):
+    """More uploads compiling at once than asyncio's default pool has threads (cpus + 4): a query on other documents
+    still finds a thread to prepare in, instead of waiting for the uploads."""
+    import os
+
+    busy, release, compile_documents = threading.Semaphore(0), threading.Event(), rc.compile_documents
+    uploads = (os.cpu_count() or 1) + 5
+
+    def held(*args, **kwargs):
+        busy.release()
+        release.wait(120)
+        return compile_documents(*args, **kwargs)
+
+    monkeypatch.setattr(rc, "compile_documents", held)
+    with serve(rc, max_queue=uploads + 8) as s, ThreadPoolExecutor(uploads) as pool:
+        try:
+            jobs = [pool.submit(httpx.post, f"{s.url}/v1/documents", json={"text": f"upload {n}"}, timeout=300)
+                    for n in range(uploads)]
+            for _ in range(uploads):
+                assert busy.acquire(timeout=60)  # every upload holds a thread now
+            r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:1], "max_tokens": 1},
+                           timeout=60)
+            assert r.status_code == 200, r.text
+        finally:
+            release.set()
+        assert all(job.result().status_code == 201 for job in jobs)
 
 
 def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
