@@ -128,8 +128,9 @@ class DiskStore(BlobStore):
     def read_blobs(self, keys: list[str]) -> list[bytes | None]:
         out = []
         for key, blob in self._reads(keys):
-            if isinstance(blob, NotAnEntryFile):  # decode rejects empty bytes as corrupt: a miss, dropped, recompiled
-                blob = bytearray()
+            if isinstance(blob, OSError) and _damaged(blob):
+                log.warning("disk tier %s: entry %s is unreadable (%s): a miss", self.root, key[:12], blob.strerror)
+                blob = bytearray()  # decode rejects empty bytes as corrupt: a miss, dropped, recompiled
             elif isinstance(blob, OSError):
                 raise self._fault(f"cannot read entry {key[:12]}", blob) from blob
             out.append(blob)
@@ -312,11 +313,14 @@ class DiskStore(BlobStore):
             return json.loads(raw.decode("utf-8"))
         except FileNotFoundError:
             return None
-        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError, NotAnEntryFile) as exc:
+        except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
             log.warning("disk tier: record %s is unreadable (%s)", name, exc)
             return UnreadableRecord(f"disk tier: {exc}")
         except OSError as exc:
-            raise self._fault(f"cannot read record {name}", exc) from exc
+            if not _damaged(exc):
+                raise self._fault(f"cannot read record {name}", exc) from exc
+            log.warning("disk tier: record %s is unreadable (%s)", name, exc)
+            return UnreadableRecord(f"disk tier: {exc}")
 
     def put_record(self, name: str, record: dict) -> None:
         self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}")
@@ -350,6 +354,12 @@ class DiskStore(BlobStore):
 
 class NotAnEntryFile(OSError):
     """The path holds something no writer of ours makes: a FIFO, a device, a directory, an absurd size."""
+
+
+def _damaged(exc: OSError) -> bool:
+    """What failed is this one file (not ours to read, or a bad sector), not the tier: the same read fails again,
+    while the tier's other files read fine, so it is damage to report, not an outage to retry."""
+    return isinstance(exc, NotAnEntryFile) or exc.errno in (errno.EACCES, errno.EPERM, errno.EIO)
 
 
 MAX_ENTRY_BYTES = 64 << 30

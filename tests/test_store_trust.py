@@ -355,6 +355,33 @@ def test_a_symlink_in_place_of_an_entry_or_a_record_is_damage_not_an_outage(tmp_
     assert isinstance(store.get_record("doc/x"), UnreadableRecord)
 
 
+@pytest.mark.parametrize("code", ["EACCES", "EIO"])
+def test_one_file_that_cannot_be_read_is_damage_not_an_outage(tmp_path, monkeypatch, code):
+    """Another user's 0600 entry in a shared store, or a bad sector: the same read fails again while the tier's
+    other files read fine. An entry is a miss (recompiled) and a record is unreadable (named); the tier stays up."""
+    import errno
+
+    from ragcache.store import disk as disk_module
+
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path)])
+    (key, entry), (other, other_entry) = make_entry(5, layers=2, tokens=8), make_entry(6, layers=2, tokens=8)
+    store.tiers[1].put_many({key: entry, other: other_entry})
+    store.put_record("doc/x", {"text": "t"})
+    store.tiers[0] = MemoryStore()  # nothing cached: every read reaches the disk
+    bad = {store.tiers[1].entry_path(key), store.tiers[1]._record_path("doc/x")}
+    opener = disk_module._open_regular
+
+    def failing(path):
+        if path in bad:
+            raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)), str(path))
+        return opener(path)
+
+    monkeypatch.setattr(disk_module, "_open_regular", failing)
+    assert store.get_many([key, other])[0] is None
+    assert isinstance(store.get_record("doc/x"), UnreadableRecord)
+    assert store.up() == [True, True] and store.get_many([other])[0] is not None
+
+
 def test_records_written_while_a_lasting_tier_is_down_reach_it_when_it_is_back(tmp_path):
     now = [0.0]
     far = _Far()
