@@ -129,7 +129,8 @@ class DiskStore(BlobStore):
         out = []
         for key, blob in self._reads(keys):
             if isinstance(blob, OSError) and _damaged(blob):
-                log.warning("disk tier %s: entry %s is unreadable (%s): a miss", self.root, key[:12], blob.strerror)
+                if not isinstance(blob, NotAnEntryFile):  # those are named where the empty bytes are refused
+                    log.warning("disk tier %s: entry %s is unreadable (%s)", self.root, key[:12], blob.strerror)
                 blob = bytearray()  # decode rejects empty bytes as corrupt: a miss, dropped, recompiled
             elif isinstance(blob, OSError):
                 raise self._fault(f"cannot read entry {key[:12]}", blob) from blob
