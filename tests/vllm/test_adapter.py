@@ -22,7 +22,6 @@ from ragcache.integrations.vllm.engine import lora_engine_args
 from ragcache.integrations.vllm.lora import LinkLora
 from ragcache.integrations.vllm.spec import transfer_config
 from ragcache.integrations.vllm.worker import LinkWorker
-from ragcache.settings import INSTALLED
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
@@ -209,17 +208,11 @@ def test_the_guard_measures_against_the_base_models_full_or_is_refused_when_merg
     assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
 
 
-def test_tensor_parallel_refuses_an_adapter_asked_for_and_serves_the_base_for_an_installed_one(
-        tiny_qwen2, adapter, monkeypatch, caplog):
-    from ragcache.integrations.vllm import engine as vllm_engine
+def test_a_split_model_is_refused_before_anything_loads(tiny_qwen2, tmp_path):
+    from ragcache.integrations.vllm.engine import VllmRagCache
 
-    with pytest.raises(BadAdapter, match="tensor_parallel_size 1"):
-        vllm_engine._describe(tiny_qwen2, "float32", adapter, True, tensor_parallel=2)
-    assert vllm_engine._describe(tiny_qwen2, "float32", None, True, tensor_parallel=2).lm.adapter is None
-    monkeypatch.setattr(vllm_engine.adapters, "calibrated_default", lambda lm: adapter)
-    served = vllm_engine._describe(tiny_qwen2, "float32", INSTALLED, True, tensor_parallel=2)
-    assert served.lm.adapter is None and served.engine_args == {} and "tensor_parallel_size 1" in caplog.text
-    assert vllm_engine._describe(tiny_qwen2, "float32", INSTALLED, False).lm.adapter is not None
+    with pytest.raises(ParameterOutOfRange, match="tensor_parallel_size=2"):
+        VllmRagCache.open(tiny_qwen2, f"disk:{tmp_path}", tensor_parallel_size=2)
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):

@@ -16,9 +16,9 @@ from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, Load, transfer_c
 BLOCK = 16
 
 
-def connector(prefix_caching: bool = True, **overrides) -> RagcacheConnector:
+def connector(prefix_caching: bool = True, parallel: dict | None = None, **overrides) -> RagcacheConnector:
     transfer = KVTransferConfig(**{**transfer_config("memory:"), **overrides})
-    config = SimpleNamespace(kv_transfer_config=transfer,
+    config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(**(parallel or {})),
                              cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK))
     return RagcacheConnector(config, KVConnectorRole.SCHEDULER)
 
@@ -136,6 +136,15 @@ def test_parse_round_trips_and_splits_the_prompt():
     assert parts.prefix_ids == list(range(5))
     assert parts.chunk_ids == [list(range(5, 25)), list(range(25, 55))]
     assert parts.question_ids == list(range(55, 62))
+
+
+@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size"])
+def test_a_model_split_across_devices_is_refused_at_start(split):
+    """A rank holding part of the heads or layers would compile and store its part under the whole model's keys;
+    replicas (data parallel) are fine."""
+    with pytest.raises(ValueError, match=f"{split}=2"):
+        connector(parallel={split: 2, "data_parallel_size": 2})
+    connector(parallel={split: 1, "data_parallel_size": 2})
 
 
 def test_the_connector_needs_the_recompute_failure_policy():

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
 
-from .spec import NAME, SPEC_KEY, BadLinkSpec, LinkSpec, Load
+from .spec import NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
 from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
@@ -100,6 +100,9 @@ class RagcacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
+        parallel = vllm_config.parallel_config
+        if problem := split_problem({name: getattr(parallel, name, 1) for name in SPLITS}):
+            raise ValueError(problem)
         if transfer.kv_load_failure_policy != "recompute":
             raise ValueError(f"{NAME} needs kv_load_failure_policy='recompute' in the KV transfer config, so that a "
                              "link that cannot load (the store down) is prefilled by vLLM instead of failing")

@@ -38,7 +38,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.stream import ignore, pieces
 
 from . import lora
-from .spec import SPEC_KEY, LinkSpec, transfer_config
+from .spec import SPEC_KEY, LinkSpec, split_problem, transfer_config
 
 log = logging.getLogger("ragcache.vllm")
 
@@ -90,7 +90,9 @@ class VllmRagCache(Front):
             raise ParameterOutOfRange(f"the vLLM engine needs a store its own process can open too (disk:PATH or "
                                       f"redis://...), got {store!r}")
         kv_codec.validate(kv_codec_name)
-        served = _describe(model, dtype, adapter, merge_adapter, engine_args.get("tensor_parallel_size", 1))
+        if problem := split_problem(engine_args):
+            raise ParameterOutOfRange(problem)
+        served = _describe(model, dtype, adapter, merge_adapter)
         try:
             return cls._launch(served, store, chunk_tokens, kv_codec_name, kv_cache_gib, max_model_len, engine_args)
         except BaseException:
@@ -271,7 +273,7 @@ class Served:
             self.hold.close()
 
 
-def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool, tensor_parallel: int = 1) -> Served:
+def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -> Served:
     """The model's weights are loaded here once to fingerprint them (the keys of its entries name the weights) and to
     check the adapter fits, then dropped. An installed adapter that cannot be served here is logged, and the base
     model serves, as on ragcache's engine."""
@@ -279,8 +281,6 @@ def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool, t
     chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
     if chosen is not None:
         try:
-            if tensor_parallel > 1:
-                raise BadAdapter("link adapters on the vLLM engine need tensor_parallel_size 1")
             return _adapted(base, Path(chosen), merge)
         except ModelFetchError as exc:  # BadAdapter, or no room for the merged copy
             if adapter != INSTALLED:

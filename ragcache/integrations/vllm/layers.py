@@ -21,7 +21,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ragcache.errors import BadAdapter
 from ragcache.kv import Batch, KVPool, ModelShape
 from ragcache.runner import Part, Runner, rope_table
 
@@ -46,7 +45,6 @@ class VllmRunner(Runner):
         self.layers = list(inner.layers[inner.start_layer : inner.end_layer])
         self.device = next(model.parameters()).device
         attention = self.layers[0].self_attn
-        # tensor parallel: each rank holds (and links) its own KV heads
         self.shape = ModelShape(len(self.layers), attention.num_kv_heads, attention.head_dim, dtype)
         self.layer_types = ["full_attention"] * len(self.layers)
         self.inv_freq, self.rope_scaling = rope_table(_hf_rotary(hf_config), self.layer_types, self.device)
@@ -61,8 +59,6 @@ class VllmRunner(Runner):
     @contextlib.contextmanager
     def adapted(self, lora: LinkLora | None):
         """The rows computed inside run with `lora` (None: the base model's)."""
-        if lora is not None and _base(self.layers[0].self_attn.qkv_proj).tp_size > 1:
-            raise BadAdapter("link adapters on the vLLM engine need tensor_parallel_size 1")
         self.lora = lora
         try:
             yield

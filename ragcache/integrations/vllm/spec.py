@@ -17,6 +17,21 @@ from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
 SPEC_KEY = "ragcache"
 SALT_PREFIX = "ragcache-link:"
 NAME = "RagcacheConnector"
+# vLLM's ways of splitting one replica's model across devices. A link runs on one device's whole model: a rank
+# holding part of the heads or layers would compile and store its part under the whole model's keys
+SPLITS = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
+          "decode_context_parallel_size")
+
+
+def split_problem(sizes: dict[str, int]) -> str | None:
+    """Why the connector cannot run with these parallel sizes (vLLM's ParallelConfig fields), or None."""
+    split = {name: size for name, size in sizes.items() if name in SPLITS and size is not None and size > 1}
+    if not split:
+        return None
+    named = ", ".join(f"{name}={size}" for name, size in split.items())
+    return (f"{NAME} links on a model that is not split across devices, got {named}: each rank would compile and "
+            "store its own share of the heads or layers under the whole model's keys (docs/DESIGN.md, 'Past one "
+            "machine'). Serve more GPUs as replicas (data_parallel_size, or more servers on one store)")
 MODULE = "ragcache.integrations.vllm.connector"
 
 
