@@ -191,11 +191,15 @@ class RagcacheConnector(KVConnectorBase_V1):
                 continue
             if self._linker is None:
                 self._linker = ThreadPoolExecutor(1, thread_name_prefix="ragcache-link")  # one link at a time
-            self._links[load.request_id] = self._linker.submit(self._load, load)
+            # what vLLM has queued so far on its stream (a finished request's last step may still write blocks
+            # this link was just given): the link's stream waits for it, from its own thread
+            queued = torch.cuda.Event()
+            queued.record()
+            self._links[load.request_id] = self._linker.submit(self._load, load, queued)
 
-    def _load(self, load: Load) -> None:
+    def _load(self, load: Load, queued=None) -> None:
         try:
-            self._worker_().load(load, self._kv_caches, self.block_size)
+            self._worker_().load(load, self._kv_caches, self.block_size, queued)
             self._count(linked=load.spec.linked - load.start)
         except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")

@@ -58,7 +58,15 @@ class LinkWorker:
         self.unmerge = LinkLora(merged, self.runner.layer_range, config.hf_config.num_hidden_layers,
                                 self.runner.shape.dtype, self.runner.device, sign=-1) if merged else None
 
-    def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+    def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int, queued=None) -> None:
+        """`queued`: a CUDA event recorded on vLLM's stream when the link was handed over (async_load); else the
+        link runs on vLLM's thread and waits for that thread's stream. Either way no kernel vLLM queued before can
+        still be writing the blocks the link writes (vLLM schedules a step while the last one runs)."""
+        if self.stream is not None:
+            if queued is not None:
+                self.stream.wait_event(queued)
+            else:
+                self.stream.wait_stream(torch.cuda.current_stream(self.runner.device))
         with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
             self._load(load, kv_caches, block_size)
         if self.stream is not None:
