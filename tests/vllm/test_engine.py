@@ -165,6 +165,8 @@ def test_rest_and_openai_routes(rc, reference, doc_ids):
         assert text == expected
         r = http.post("/v1/query", json={"question": QUESTION, "documents": ["0" * 32]})
         assert r.status_code == 404, r.text
+        r = http.post("/v1/query", json={"question": QUESTION, "documents": ids, "temperature": 3})  # vLLM's max: 2
+        assert r.status_code == 422 and "temperature" in r.json()["error"]["message"], r.text
         deadline = time.monotonic() + 120  # the guard checks sampled answers in the background
         while "ragcache_guard_checks_total{" not in (scraped := http.get("/metrics").text):
             assert time.monotonic() < deadline, scraped[-3000:]

@@ -370,13 +370,19 @@ class VllmStream:
     def open(self, emit) -> None:
         """Prepare on this thread (store the raw texts, resolve, check the length), then hand the request to vLLM.
         Raises what preparing raises."""
+        from vllm.exceptions import VLLMClientError
+
         self._emit, self._started = emit, time.perf_counter()
         try:
             prompt, transfer = self.prepare(self.stats, self._hold)
+            params = self._params(transfer)
+        except VLLMClientError as exc:  # a sampling setting ragcache takes and vLLM does not (temperature above 2)
+            self._release()
+            raise ParameterOutOfRange(f"the vLLM engine refuses the request: {exc}") from exc
         except BaseException:
             self._release()
             raise
-        self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, self._params(transfer)), self.engine.loop)
+        self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, params), self.engine.loop)
         self._future.add_done_callback(lambda future: future.cancelled() and self._end("cancelled", None))
         if self.cancelled:
             self._future.cancel()
