@@ -146,6 +146,26 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
+def test_a_store_down_when_the_worker_starts_is_opened_at_a_later_link(llm, engine, doc_ids, redis_server):
+    """`vllm serve` with the store down at start: each link meanwhile costs one connection attempt (a fallback to
+    vLLM's prefill), not the worker rebuilt, and the first link after the store is back opens it."""
+    w, live, url = worker(), worker()._catalog, worker().store_url
+    redis_server.stop()
+    w._catalog, w.store_url = None, redis_server.url
+    try:
+        before = fallbacks("store")
+        ids, spec = linked_request(engine, [doc_ids[1], doc_ids[0]], "naive", question="Which ships use the canal?")
+        generate(llm, ids, spec)
+        assert fallbacks("store") == before + 1 and w._catalog is None
+        w.store_url = url  # the store is back
+        ids, spec = linked_request(engine, [doc_ids[2], doc_ids[1]], "naive", question="Which ships use the canal?")
+        out = generate(llm, ids, spec)
+        assert fallbacks("store") == before + 1 and w._catalog is not None and worker() is w
+        assert out.num_cached_tokens >= spec.linked
+    finally:
+        w._catalog, w.store_url = live, url
+
+
 def test_prefix_caching_serves_a_repeat_and_never_serves_linked_kv_as_exact(llm, engine, doc_ids, monkeypatch):
     question = "How long does a canal lock take to fill?"
     ids, spec = linked_request(engine, [doc_ids[2], doc_ids[0]], "naive", question=question)  # an order of its own

@@ -176,13 +176,10 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     # -- worker side ------------------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """The model is loaded by now: set up the link's side (tokenizer, fingerprint, store) before any request
-        waits for it. A store that is down now is retried at the first link."""
+        """The model is loaded by now: set up the link's side (runner, tokenizer, fingerprint, store) before any
+        request waits for it. A store that is down now is opened at a later link (LinkWorker.catalog)."""
         self._kv_caches = kv_caches
-        try:
-            self._worker_()
-        except StoreError as exc:
-            log.warning("ragcache's store is not reachable yet (%s); linking retries at the first request", exc)
+        self._worker_()
 
     def start_load_kv(self, forward_context, **kwargs) -> None:
         for load in self._get_connector_metadata().loads:

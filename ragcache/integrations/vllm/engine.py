@@ -122,12 +122,15 @@ class VllmRagCache(Front):
                                kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="vllm-client", daemon=True).start()
+        llm = None
         try:
             llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
+            return cls(served, store, llm, loop, chunk_tokens, codec)  # opens the store: a Redis down at start
         except BaseException:
+            if llm is not None:  # the engine core is a process of its own: not left running for nobody
+                asyncio.run_coroutine_threadsafe(_shutdown(llm), loop).result()
             loop.call_soon_threadsafe(loop.stop)
             raise
-        return cls(served, store, llm, loop, chunk_tokens, codec)
 
     @property
     def context_length(self) -> int:
@@ -138,10 +141,14 @@ class VllmRagCache(Front):
         return self.compiler.codec
 
     def close(self) -> None:
-        asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        super().close()
-        self.served.release()
+        try:
+            asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            try:
+                super().close()
+            finally:
+                self.served.release()
 
     def engine_metrics(self) -> list:
         """vLLM's metrics (`vllm:*`: its queue, KV cache use, prefix cache hits, and the connector's counters),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections import OrderedDict
 
 import numpy as np
@@ -11,7 +12,7 @@ import torch
 
 from ragcache import linker, models
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
-from ragcache.errors import BadAdapter
+from ragcache.errors import BadAdapter, StoreError
 from ragcache.catalog import Catalog
 from ragcache.kv import JoinedCache
 from ragcache.settings import DEFAULT_STORE
@@ -22,6 +23,8 @@ from . import plugin
 from .layers import VllmRunner
 from .lora import LinkLora
 from .spec import BadLinkSpec, Load
+
+log = logging.getLogger("ragcache.vllm")
 
 TAILS_KEPT = 256  # linked tails (under one block each) kept for exact repeats
 LORAS_KEPT = 8
@@ -46,7 +49,12 @@ class LinkWorker:
         self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"))
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype))
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
-        self.catalog = Catalog(open_store(options.get("store", DEFAULT_STORE)), tokenizer, lm.tokenizer_fingerprint, 1)
+        self.store_url, self.lm = options.get("store", DEFAULT_STORE), lm
+        self._catalog: Catalog | None = None
+        try:
+            self.catalog  # noqa: B018 - opened now where it can be; a store down at start is opened at a link
+        except StoreError as exc:
+            log.warning("ragcache's store is not reachable yet (%s); linking retries it at each request", exc)
         # on CUDA the link runs on a stream of its own, beside vLLM's steps, and is complete when `load` returns
         self.stream = torch.cuda.Stream(self.runner.device) if self.runner.device.type == "cuda" else None
         self.tails: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -57,6 +65,15 @@ class LinkWorker:
         merged = options.get("merged_adapter")
         self.unmerge = LinkLora(merged, self.runner.layer_range, config.hf_config.num_hidden_layers,
                                 self.runner.shape.dtype, self.runner.device, sign=-1) if merged else None
+
+    @property
+    def catalog(self) -> Catalog:
+        """The store's catalog, opened at the first call that finds the store up (StoreError until then), so a store
+        that is down costs each link one connection attempt, not the worker rebuilt."""
+        if self._catalog is None:
+            store = open_store(self.store_url)
+            self._catalog = Catalog(store, self.lm.tokenizer, self.lm.tokenizer_fingerprint, 1)
+        return self._catalog
 
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int, queued=None) -> None:
         """`queued`: a CUDA event recorded on vLLM's stream when the link was handed over (async_load); else the
