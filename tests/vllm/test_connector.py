@@ -129,6 +129,14 @@ def test_bad_specs_are_refused_with_the_reason(raw, prompt, why):
     assert connector(prefix_caching=False).get_num_new_matched_tokens(req, 0) == (0, False)
 
 
+def test_a_spec_on_prompt_embeddings_is_refused_not_raised_into_vllms_scheduler():
+    req = request(SPEC, 62)
+    req.prompt_token_ids = None  # vLLM's prompt_embeds requests carry no ids
+    c = connector()
+    assert c.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert c.get_kv_connector_stats().data["fallbacks"] == {"bad_spec": 1}
+
+
 def test_parse_round_trips_and_splits_the_prompt():
     spec = LinkSpec.parse(SPEC.as_dict(), 62)
     assert spec == SPEC

@@ -156,10 +156,15 @@ class RagcacheConnector(KVConnectorBase_V1):
         raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
         if raw is None:
             return None
+        if request.prompt_token_ids is None:  # prompt embeddings: nothing to link by
+            return self._refuse(request, "bad_spec", "it has no prompt ids (prompt embeddings) to link")
         try:
             spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
         except RagCacheError as exc:  # a BadLinkSpec, or an unknown algorithm or parameter
             return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}")
+        except Exception as exc:  # noqa: BLE001 - this runs in vLLM's scheduler: raising would stop the engine
+            log.exception("request %s: reading its link spec failed", request.request_id)
+            return self._refuse(request, "error", f"reading its link spec failed: {type(exc).__name__}: {exc}")
         if self.prefix_caching and request.cache_salt != spec.salt:
             return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
                                 "must not enter vLLM's prefix cache as exact")
