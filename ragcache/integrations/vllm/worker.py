@@ -101,14 +101,16 @@ class LinkWorker:
         tail = self.tails.get(name)
         if load.start >= tail_start and tail is not None:
             self.tails.move_to_end(name)
-            keys, values = tail
-            self.write(keys[:, :, load.start - tail_start :], values[:, :, load.start - tail_start :], load.start,
-                       load.block_ids, kv_caches, block_size)
+            keys, values = (t[:, :, load.start - tail_start :].to(self.runner.device) for t in tail)
+            self.write(keys, values, load.start, load.block_ids, kv_caches, block_size)
             return
         cache = self.link(load)
         self.write(cache.keys[:, :, load.start : end], cache.values[:, :, load.start : end], load.start,
                    load.block_ids, kv_caches, block_size)
-        self.tails[name] = (cache.keys[:, :, tail_start:end].clone(), cache.values[:, :, tail_start:end].clone())
+        # in host memory: on a GPU, vLLM sized its KV cache to the memory it saw, and up to TAILS_KEPT blocks of every
+        # layer (half a GiB at an 8B shape) would come out of what it counted on
+        self.tails[name] = (cache.keys[:, :, tail_start:end].to("cpu", copy=True),
+                            cache.values[:, :, tail_start:end].to("cpu", copy=True))
         while len(self.tails) > TAILS_KEPT:
             self.tails.popitem(last=False)
 
