@@ -95,8 +95,10 @@ def _text(message: ChatMessage, i: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
     for part in message.content:
-        if part.type != "text" or part.text is None:
+        if part.type != "text":
             raise unsupported(f"messages[{i}].content", f"only text content parts are supported, got {part.type!r}")
+        if part.text is None:
+            raise unsupported(f"messages[{i}].content", "a text content part needs its text")
     return "".join(part.text for part in message.content)
 
 

@@ -156,7 +156,7 @@ class SamplingFields(BaseModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
     stop: Text | list[Text] | None = Field(None, description="a string or up to 16 strings that end the answer (not "
                                            "included)")
-    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, strict=True)  # what torch.Generator.manual_seed takes
     stream: bool = False
 
 

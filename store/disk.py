@@ -167,9 +167,10 @@ class DiskStore(BlobStore):
                 self._index(rows)
         self.evict()
 
-    def _replace(self, path: Path, data: bytes, what: str) -> None:
+    def _replace(self, path: Path, data: bytes, what: str, lasting: bool = False) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
-        leaves the old file or the new one, never an empty or torn one."""
+        leaves the old file or the new one, never an empty or torn one. `lasting` (records, which are acknowledged
+        to the user): the folder is synced too, so the rename itself survives a power loss."""
         tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
             path.parent.mkdir(exist_ok=True)
@@ -178,6 +179,12 @@ class DiskStore(BlobStore):
                 fh.flush()
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
+            if lasting:
+                folder = os.open(path.parent, os.O_RDONLY)
+                try:
+                    os.fsync(folder)
+                finally:
+                    os.close(folder)
         except OSError as exc:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -324,7 +331,7 @@ class DiskStore(BlobStore):
             return UnreadableRecord(f"disk tier: {exc}")
 
     def put_record(self, name: str, record: dict) -> None:
-        self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}")
+        self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}", lasting=True)
 
     def delete_record(self, name: str) -> bool:
         try:

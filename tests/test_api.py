@@ -328,6 +328,8 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": "q", "ratio": True}, 422, "ratio"),
     ("POST", "/v1/query", {"question": "q", "k": False}, 422, "k"),
     ("POST", "/v1/query", {"question": "q", "temperature": True}, 422, "temperature"),
+    ("POST", "/v1/query", {"question": "q", "seed": True}, 422, "seed"),
+    ("POST", "/v1/query", {"question": "q", "seed": 1.0}, 422, "seed"),
     ("POST", "/v1/documents", {}, 422, "either"),
     ("POST", "/v1/documents", {"text": "  "}, 422, "empty"),
     ("POST", "/v1/documents", {"text": "y" * 200_001}, 413, "at most 200000"),
@@ -343,6 +345,8 @@ BAD = [  # (method, path, json body, status, message fragment)
                                                    {"role": "user", "content": "c"}]}, 422, "one user message"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, 422, "text content"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, 422,
+     "needs its text"),
     ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "q"}]}, 404,
      "gpt-4o"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "n": 2}, 422, "n=2"),

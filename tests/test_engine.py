@@ -222,3 +222,15 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     opened.clear()
     server.open_engine(Settings(store="memory:"))
     assert opened["prefix_cache_bytes"] == 64 << 20
+
+
+def test_settings_refuse_what_would_fail_every_request_at_start():
+    """A default every request falls back on must be one a request could ask for: else each request that leaves it
+    out is refused as the client's error."""
+    from ragcache.settings import Settings
+
+    with pytest.raises(ValueError, match="unknown algorithm 'fokus'"):
+        Settings(algorithm="fokus")
+    with pytest.raises(ValueError, match="above max_new_tokens_limit"):
+        Settings(max_new_tokens=2000, max_new_tokens_limit=1024)
+    assert Settings(max_new_tokens=2000, max_new_tokens_limit=4096).max_new_tokens == 2000
