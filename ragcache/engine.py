@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
@@ -19,7 +20,7 @@ from ragcache.store.entry import ChunkKV
 from . import adapters, guard, infill, linker, models
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
-from .errors import ParameterOutOfRange
+from .errors import Cancelled, ParameterOutOfRange
 from .front import Front
 from .sampling import QueryStats, eos_ids
 from .linker import LinkInput, LinkParams, Linked
@@ -119,34 +120,45 @@ class RagCache(Front):
     def _compile_prefix(self, prefix_ids: list[int]) -> None:
         self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
 
-    def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None
-                ) -> tuple[list[ChunkKV], EnsureReport]:
-        """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored."""
-        return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=self.scheduler.call)
+    def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None,
+                cancelled: Callable[[], bool] = lambda: False) -> tuple[list[ChunkKV], EnsureReport]:
+        """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored,
+        one by one until `cancelled()` (then Cancelled)."""
+
+        def run(fn, *args):
+            if cancelled():
+                raise Cancelled("the request was cancelled while its documents were compiled")
+            return self.scheduler.call(fn, *args)
+
+        return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=run)
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
-                 compiler: Compiler | None = None) -> list[ChunkKV]:
-        entries, report = self._ensure(chunk_ids, layout, compiler)
+                 compiler: Compiler | None = None, cancelled: Callable[[], bool] = lambda: False) -> list[ChunkKV]:
+        entries, report = self._ensure(chunk_ids, layout, compiler, cancelled)
         stats.store_hits += report.hits
         stats.store_misses += len(chunk_ids) - report.hits
         stats.compiled_chunks += report.compiled
         return entries
 
-    def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats) -> None:
+    def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats,
+               cancelled: Callable[[], bool]) -> None:
         known = linker.algorithm(algorithm)
         if not known.exact:
-            parts.chunk_entries = self._entries(chunks, self.layouts[known.layout], stats)
+            parts.chunk_entries = self._entries(chunks, self.layouts[known.layout], stats, cancelled=cancelled)
             if parts.prefix_ids:
-                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler)[0]
+                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler,
+                                                   cancelled)[0]
 
-    def _prepare(self, query: Query, max_new_tokens: int, stats: QueryStats) -> tuple[LinkInput, LinkParams, PrefixCache]:
-        """Everything before the model: resolve, fetch (compiling misses). Runs on the caller's thread."""
+    def _prepare(self, query: Query, max_new_tokens: int, stats: QueryStats,
+                 cancelled: Callable[[], bool] = lambda: False) -> tuple[LinkInput, LinkParams, PrefixCache]:
+        """Everything before the model: resolve, fetch (compiling misses, until `cancelled()`). Runs on the caller's
+        thread."""
         started = time.perf_counter()
         algorithm = query.params.algorithm
         with self.catalog.using(query.doc_ids):  # a delete of these documents waits until their entries are written
             parts, chunks = self._prompt(query, max_new_tokens)
-            self._fetch(parts, chunks, algorithm, stats)
+            self._fetch(parts, chunks, algorithm, stats, cancelled)
         stats.fetch_s = time.perf_counter() - started
         stats.algorithm, stats.prompt_tokens = algorithm, len(parts.token_ids)
         return parts, query.params, self.prefix_cache
@@ -173,7 +185,8 @@ class RagCache(Front):
 
     def stream_query(self, query: Query) -> Stream:
         """`stream` for a query `validate` made."""
-        return Stream(self.scheduler, lambda stats: self._prepare(query, query.sampling.max_new_tokens, stats),
+        return Stream(self.scheduler,
+                      lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
                       query.sampling, self.tokenizer, self.stop_ids)
 
     def check(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
@@ -198,7 +211,7 @@ class RagCache(Front):
         """`infill_stream` for an infill `request.validate_infill` made."""
         ids = self._infill_ids(fill)
 
-        def prepare(stats: QueryStats):
+        def prepare(stats: QueryStats, cancelled):
             stats.algorithm = f"{fill.mode}+{'reuse' if fill.reuse else 'no-reuse'}"
             stats.prompt_tokens = len(ids)
             return LinkInput([], [], ids), LinkParams("prefix" if fill.reuse else "full"), self.infill_cache

@@ -27,6 +27,11 @@ class UnknownAlgorithm(BadRequest):
     """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
 
 
+class Cancelled(RagCacheError):
+    """The caller cancelled a request while it was being prepared (its documents compiled); it ends as "cancelled",
+    never as an error the caller sees."""
+
+
 class UnknownDocument(RagCacheError):
     """A document id that the store does not know (for this model)."""
 

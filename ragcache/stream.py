@@ -7,11 +7,13 @@ import queue
 import time
 from collections.abc import Callable, Iterator
 
+from .errors import Cancelled
 from .linker import Linked
 from .sampling import Answer, Decoding, QueryStats, Sampling
 from .scheduler import Request, Scheduler
 
 Prepared = tuple  # (LinkInput, LinkParams, PrefixCache | None): what the scheduler needs to link a request
+# prepare(stats, cancelled): `cancelled()` says whether the caller has gone (then it may raise Cancelled)
 Emit = Callable[[str, object], None]
 
 
@@ -21,7 +23,7 @@ class Stream:
     Servers use `open(emit)` instead of iterating: emit(kind, value) is then called on the scheduler thread with
     ("piece", text), and at the end exactly one of ("done", Answer), ("error", exception), ("cancelled", None)."""
 
-    def __init__(self, scheduler: "Scheduler", prepare: Callable[[QueryStats], Prepared], sampling: Sampling,
+    def __init__(self, scheduler: "Scheduler", prepare: Callable[[QueryStats, Callable], Prepared], sampling: Sampling,
                  tokenizer, stop_ids: set[int]):
         self.scheduler, self.prepare, self.sampling = scheduler, prepare, sampling
         self.decoding = Decoding(sampling, tokenizer, stop_ids, scheduler.runner.device)
@@ -40,7 +42,11 @@ class Stream:
 
         self._emit = emit
         self._started = time.perf_counter()
-        parts, params, prefix_cache = self.prepare(self.stats)
+        try:  # compiling a long raw text's chunks stops at the next chunk once the caller has gone
+            parts, params, prefix_cache = self.prepare(self.stats, lambda: self.cancelled)
+        except Cancelled:
+            self._last("cancelled", None)
+            return
         self.request = Request(parts, params, prefix_cache, self.decoding, self._event)
         if self.cancelled:
             self.request.cancelled = True

@@ -234,3 +234,23 @@ def test_settings_refuse_what_would_fail_every_request_at_start():
     with pytest.raises(ValueError, match="above max_new_tokens_limit"):
         Settings(max_new_tokens=2000, max_new_tokens_limit=1024)
     assert Settings(max_new_tokens=2000, max_new_tokens_limit=4096).max_new_tokens == 2000
+
+
+def test_a_request_cancelled_while_its_raw_texts_compile_stops_at_the_next_chunk(rc, monkeypatch):
+    """A client that leaves while its raw documents are compiled: the rest of its chunks are not compiled for
+    nobody (each holds the model thread), and the stream ends as cancelled, not as an error."""
+    text = " ".join(f"Sentence {n} of a raw document." for n in range(12))
+    query = rc.validate("What is it?", [{"text": text}], algorithm="naive", max_new_tokens=2)
+    stream = rc.stream_query(query)
+    compiled, compile = [], rc.compiler.compile
+
+    def first_then_gone(*args):
+        compiled.append(args)
+        stream.cancel()  # the client went away during the first chunk's compile
+        return compile(*args)
+
+    monkeypatch.setattr(rc.compiler, "compile", first_then_gone)
+    events = []
+    stream.open(lambda kind, value: events.append((kind, value)))
+    assert len(compiled) == 1
+    assert events == [("cancelled", None)]
