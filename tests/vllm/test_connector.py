@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +17,11 @@ from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, Load, transfer_c
 BLOCK = 16
 
 
-def connector(prefix_caching: bool = True, parallel: dict | None = None, **overrides) -> RagcacheConnector:
+def connector(prefix_caching: bool = True, parallel: dict | None = None, async_scheduling: bool = False,
+              **overrides) -> RagcacheConnector:
     transfer = KVTransferConfig(**{**transfer_config("memory:"), **overrides})
     config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(**(parallel or {})),
+                             scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
                              cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK))
     return RagcacheConnector(config, KVConnectorRole.SCHEDULER)
 
@@ -153,6 +156,16 @@ def test_a_model_split_across_devices_is_refused_at_start(split):
     with pytest.raises(ValueError, match=f"{split}=2"):
         connector(parallel={split: 2, "data_parallel_size": 2})
     connector(parallel={split: 1, "data_parallel_size": 2})
+
+
+def test_async_scheduling_is_warned_about(caplog):
+    with caplog.at_level(logging.WARNING, logger="ragcache.vllm"):
+        connector(async_scheduling=True)
+    assert "--no-async-scheduling" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ragcache.vllm"):
+        connector()
+    assert "async" not in caplog.text
 
 
 def test_the_connector_needs_the_recompute_failure_policy():

