@@ -230,7 +230,7 @@ class TieredStore(Store):
         unanswered = []
         lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
         others = [i for i, tier in enumerate(self.tiers) if not tier.lasting]
-        for i in lasting + others if lasting else others:
+        for i in lasting + others:
             if not todo or (i in others and lasting and not unanswered):
                 break
             tier = self.tiers[i]
