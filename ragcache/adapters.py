@@ -158,7 +158,10 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
     with models.file_lock(_lock(target, "write")):
         _remove_interrupted(target)
         if _complete(target):
-            _record_path(target, path)
+            try:
+                _record_path(target, path)
+            except (OSError, ValueError) as exc:  # another user's copy in a shared cache, say: still served as is
+                log.info("merged copy %s: cannot record %s as one of its adapter paths (%s)", target, path, exc)
             return
         staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=_staging_prefix(target)))
         try:
@@ -295,8 +298,10 @@ def _remove_superseded(target: Path, source: dict) -> None:
     path = _adapter_paths(source)[0]
     for copy in merged_copies(check=False):
         same = (copy.model, copy.dtype) == (source["model"], source["dtype"]) and path in copy.adapters
+        if not same or copy.path == target:
+            continue
         replaced = copy.adapter_sha256 == source["adapter_sha256"] or _still_stale(copy.path)
-        if same and copy.path != target and replaced and remove_merged(copy.path):
+        if replaced and remove_merged(copy.path):
             log.info("removed %s, a merged copy the one in %s replaces", copy.path, target)
 
 

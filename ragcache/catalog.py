@@ -142,14 +142,16 @@ class Catalog:
                 entries[i] = None
         hits = sum(e is not None for e in entries)
         missing: dict[str, ChunkKV] = {}
-        for i, entry in enumerate(entries):
-            if entry is None:  # a chunk twice in one prompt is compiled once
-                entries[i] = missing[keys[i]] = missing.get(keys[i]) or run(compiler.compile, chunks[i], layout)
-        if missing:
-            try:
-                self.store.put_many(missing)
-            except StoreError as exc:
-                log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
+        try:
+            for i, entry in enumerate(entries):
+                if entry is None:  # a chunk twice in one prompt is compiled once
+                    entries[i] = missing[keys[i]] = missing.get(keys[i]) or run(compiler.compile, chunks[i], layout)
+        finally:  # what was compiled before a failure or a cancel is kept: the next request would pay it again
+            if missing:
+                try:
+                    self.store.put_many(missing)
+                except StoreError as exc:
+                    log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
         return entries, EnsureReport(hits, len(missing))
 
     def delete(self, doc_id: str) -> dict | None:

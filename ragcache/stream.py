@@ -21,7 +21,8 @@ class Stream:
     """Iterate for text pieces; `.answer` holds the full answer and its stats once iteration ends.
 
     Servers use `open(emit)` instead of iterating: emit(kind, value) is then called on the scheduler thread with
-    ("piece", text), and at the end exactly one of ("done", Answer), ("error", exception), ("cancelled", None)."""
+    ("piece", text), and at the end exactly one of ("done", Answer), ("error", exception), ("cancelled", None); a
+    request cancelled while `open` prepares it ends there, with ("cancelled", None) on the thread calling `open`."""
 
     def __init__(self, scheduler: "Scheduler", prepare: Callable[[QueryStats, Callable], Prepared], sampling: Sampling,
                  tokenizer, stop_ids: set[int]):

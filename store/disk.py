@@ -180,11 +180,7 @@ class DiskStore(BlobStore):
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
             if lasting:
-                folder = os.open(path.parent, os.O_RDONLY)
-                try:
-                    os.fsync(folder)
-                finally:
-                    os.close(folder)
+                _sync_folder(path.parent)
         except OSError as exc:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -365,9 +361,27 @@ class NotAnEntryFile(OSError):
 
 
 def _damaged(exc: OSError) -> bool:
-    """What failed is this one file (not ours to read, or a bad sector), not the tier: the same read fails again,
-    while the tier's other files read fine, so it is damage to report, not an outage to retry."""
-    return isinstance(exc, NotAnEntryFile) or exc.errno in (errno.EACCES, errno.EPERM, errno.EIO)
+    """What failed is this one file (another user's, not ours to read), not the tier: the same read fails again while
+    the tier's other files read fine, so it is damage to report, not an outage to retry. A folder we cannot read, or
+    an I/O error (what a network filesystem gives while its server is away), is the tier's."""
+    if isinstance(exc, NotAnEntryFile):
+        return True
+    if exc.errno not in (errno.EACCES, errno.EPERM) or not exc.filename:
+        return False
+    return os.access(Path(exc.filename).parent, os.R_OK | os.X_OK)
+
+
+def _sync_folder(folder: Path) -> None:
+    """So a rename in it survives a power loss. Some filesystems (FUSE, CIFS, some network ones) refuse fsync on a
+    folder: the rename is done, so that is no failure of the write."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
+            raise
+    finally:
+        os.close(fd)
 
 
 MAX_ENTRY_BYTES = 64 << 30

@@ -106,6 +106,10 @@ class MemoryStore(Store):
             while self.record_budget_bytes is not None and self._record_bytes > self.record_budget_bytes:
                 self._drop_record(next(iter(self._records)))
 
+    def has_record(self, name: str) -> bool:
+        with self._lock:
+            return name in self._records
+
     def delete_record(self, name: str) -> bool:
         with self._lock:
             return self._drop_record(name)

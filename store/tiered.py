@@ -220,10 +220,11 @@ class TieredStore(Store):
         """Each record from the fastest lasting tier that has it (one batched read per tier, for what is still
         missing); None only where every lasting tier answered that it has none. Lasting tiers are asked first because
         they are what every worker shares: a copy in this process's memory may be of a document another worker has
-        since deleted or replaced, so memory answers only for records the lasting tiers could not (down). Where a
-        tier that may hold a record is down and no copy is found, the record is not "unknown" but "unavailable":
-        TierUnavailable. A damaged copy (not a JSON object) is read past, so a sound copy in a slower tier replaces
-        it; it is given back only where no tier holds a sound one."""
+        since deleted or replaced, so memory answers only for what the lasting tiers could not give: records while a
+        tier that may hold them is down, and sound copies of records they hold damaged. Where a tier that may hold a
+        record is down and no copy is found, the record is not "unknown" but "unavailable": TierUnavailable. A damaged
+        copy (not a JSON object) is read past, so a sound copy elsewhere replaces it; it is given back only where no
+        tier holds a sound one."""
         out: list = [None] * len(names)
         damaged: dict[int, object] = {}
         todo = list(range(len(names)))
@@ -231,31 +232,41 @@ class TieredStore(Store):
         lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
         others = [i for i, tier in enumerate(self.tiers) if not tier.lasting]
         for i in lasting + others:
-            if not todo or (i in others and lasting and not unanswered):
-                break
+            asked = todo if (unanswered or not lasting or i in lasting) else [j for j in todo if j in damaged]
+            if not asked:
+                continue
             tier = self.tiers[i]
-            got, ok = self._call(i, tier.get_records, [names[j] for j in todo]) if self._usable(i) else (None, False)
+            got, ok = self._call(i, tier.get_records, [names[j] for j in asked]) if self._usable(i) else (None, False)
             if not ok:
                 unanswered.append(tier.name)
                 continue
-            for j, record in zip(todo, got):
+            for j, record in zip(asked, got):
                 if record is not None and not isinstance(record, dict):
                     damaged.setdefault(j, record)
                 elif record is not None:
                     out[j] = record
-                    self._fill(i, "put_record", names[j], record)  # small and read on every query: kept close
+                    self._fill_record(i, names[j], record)
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
             hurt = [f"{names[j]} ({damaged[j].reason})" for j in todo if j in damaged]
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
                                   f"{', '.join(unanswered)}, which are down" +
                                   (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else ""))
-        for j in todo if lasting else ():  # gone from every lasting tier: a copy kept here is another worker's past
-            for i in others:
-                self._call(i, self.tiers[i].delete_record, names[j], write=True)
+        for j in todo if lasting else ():  # in no lasting tier: a copy kept here would be another worker's past
+            if j not in damaged:
+                for i in others:
+                    self._call(i, self.tiers[i].delete_record, names[j], write=True)
         for j, record in damaged.items():
             out[j] = record if out[j] is None else out[j]
         return out
+
+    def _fill_record(self, found_in: int, name: str, record: dict) -> None:
+        """A record a slower tier had goes into the faster ones; a memory tier, which only answers while the lasting
+        tiers cannot, takes it only when it has none (serializing a long text again on every read costs more)."""
+        for i in range(found_in):
+            tier = self.tiers[i]
+            if self._usable(i) and not (isinstance(tier, MemoryStore) and tier.has_record(name)):
+                self._call(i, tier.put_record, name, record, write=True)
 
     def put_record(self, name: str, record: dict) -> None:
         """Records are the documents themselves, not a cache: when the store has a lasting tier (disk, Redis), one of

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -226,7 +227,6 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     """The vLLM engine's merged checkpoints: written once (with the adapter's own files, readable by others), then
     reused; a newer copy of the same adapter path replaces the older; `models merged` finds which no longer match
     their adapter and removes those (or all), never one a server holds."""
-    import shutil
     import stat
 
     from ragcache.cli import app
@@ -291,6 +291,21 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     assert "removed 1 copy" in out and adapters.merged_copies() == []
 
 
+def test_a_copy_another_user_made_is_reused_though_its_record_cannot_take_the_new_path(
+        tiny_dir, adapter_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    first, hold = merged(tiny_dir, adapter_dir)
+    hold.close()
+
+    def not_ours(target, path):
+        raise PermissionError(13, "Permission denied", str(target / adapters.MERGED_SOURCE))
+
+    monkeypatch.setattr(adapters, "_record_path", not_ours)
+    again, hold = merged(tiny_dir, shutil.copytree(adapter_dir, tmp_path / "mine"))
+    hold.close()
+    assert again == first
+
+
 def test_a_merged_copy_for_a_changed_base_model_replaces_the_old_one(tiny_dir, adapter_dir, tmp_path, monkeypatch):
     """The same adapter path and bytes over another base model (another fingerprint): the old copy is no use."""
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
@@ -353,8 +368,6 @@ def test_calibration_with_an_adapter_measures_against_the_base_models_full():
 
 
 def test_train_link_install_makes_it_the_models_installed_adapter(adapter_dir, tmp_path, monkeypatch):
-    import shutil
-
     from ragcache.cli import app
     from ragcache.train import link as tl
 

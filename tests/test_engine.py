@@ -250,7 +250,8 @@ def test_a_request_cancelled_while_its_raw_texts_compile_stops_at_the_next_chunk
         return compile(*args)
 
     monkeypatch.setattr(rc.compiler, "compile", first_then_gone)
-    events = []
+    events, stored = [], len(list(rc.store.keys()))
     stream.open(lambda kind, value: events.append((kind, value)))
     assert len(compiled) == 1
     assert events == [("cancelled", None)]
+    assert len(list(rc.store.keys())) == stored + 1  # the chunk compiled before the cancel was kept
