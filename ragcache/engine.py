@@ -84,7 +84,9 @@ class RagCache(Front):
 
     @classmethod
     def from_settings(cls, s: "Settings") -> Front:
-        """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults)."""
+        """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults).
+        Their default algorithm is checked first: a typo would make every request that names none a client error."""
+        linker.algorithm(s.algorithm)
         if s.engine == "vllm":
             return cls.open(s.model, s.store, engine="vllm", chunk_tokens=s.chunk_tokens, dtype=s.dtype,
                             kv_codec=s.kv_codec, adapter=adapters.parse(s.adapter), merge_adapter=s.merge_adapter,

@@ -229,8 +229,8 @@ def test_settings_refuse_what_would_fail_every_request_at_start():
     out is refused as the client's error."""
     from ragcache.settings import Settings
 
-    with pytest.raises(ValueError, match="unknown algorithm 'fokus'"):
-        Settings(algorithm="fokus")
+    with pytest.raises(errors.UnknownAlgorithm, match="unknown algorithm 'fokus'"):
+        RagCache.from_settings(Settings(algorithm="fokus", model="no-such-model"))  # refused before any model loads
     with pytest.raises(ValueError, match="above max_new_tokens_limit"):
         Settings(max_new_tokens=2000, max_new_tokens_limit=1024)
     assert Settings(max_new_tokens=2000, max_new_tokens_limit=4096).max_new_tokens == 2000
