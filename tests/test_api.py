@@ -613,6 +613,23 @@ def test_a_stream_is_made_off_the_event_loop(rc, doc_ids, monkeypatch):
     assert len(made_on) == 1 and made_on[0].startswith("ragcache-api")  # the server's pool (asyncio.to_thread)
 
 
+def test_a_document_page_is_encoded_off_the_event_loop(http, doc_ids, monkeypatch):
+    """A page of a thousand documents with large metadata is tens of megabytes of JSON: encoded on the loop it would
+    stall every other request meanwhile."""
+    from ragcache.api.schemas import DocumentPage
+
+    encoded_on, encode = [], DocumentPage.model_dump_json
+
+    def recording(self, *args, **kwargs):
+        encoded_on.append(threading.current_thread().name)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(DocumentPage, "model_dump_json", recording)
+    page = http.get("/v1/documents", params={"limit": 2})
+    assert page.status_code == 200 and len(page.json()["data"]) == 2 and page.json()["total"] >= len(doc_ids)
+    assert len(encoded_on) == 1 and encoded_on[0].startswith("AnyIO worker")  # the sync route's thread
+
+
 def test_long_uploads_leave_threads_for_queries(rc, doc_ids, monkeypatch):
     """More uploads compiling at once than asyncio's default pool has threads (cpus + 4): a query on other documents
     still finds a thread to prepare in, instead of waiting for the uploads."""
