@@ -177,7 +177,9 @@ class Scheduler:
                 self._fail_all(exc)
 
     def _run_calls(self) -> None:
-        while self.calls:
+        """The calls queued before this pass, not those queued meanwhile: two callers compiling chunk after chunk
+        would otherwise always have one waiting, and no step would run until both were done."""
+        for _ in range(len(self.calls)):
             with self._wakeup:
                 fn, args, future = self.calls.popleft()
             if future.set_running_or_notify_cancel():

@@ -149,6 +149,29 @@ def test_a_request_joins_while_another_decodes(rc):
     assert_same(joiner, single_second)
 
 
+def test_a_call_queued_while_another_runs_waits_for_the_next_step(rc):
+    """Two callers compiling chunk after chunk always have a call queued while one runs. Each pass runs the calls
+    queued before it and then a step, so a decoding stream goes on between them instead of waiting for both."""
+    from concurrent.futures import Future
+
+    seen = []
+
+    def compile_like(left: int) -> None:  # as if another caller queued its next chunk meanwhile
+        seen.append(len(run.stream.decoding.token_ids))
+        if left:
+            with rc.scheduler._wakeup:
+                rc.scheduler.calls.append((compile_like, (left - 1,), Future()))
+
+    def start_at_first_token(run: Run, kind: str) -> None:
+        if kind == "piece" and not seen:
+            rc.scheduler.calls.append((compile_like, (3,), Future()))  # on the scheduler thread, between steps
+
+    run = Run(rc, on_event=start_at_first_token, **ask(rc, "full", 0, slice(0, 3), max_new_tokens=12))
+    run.open().wait()
+    assert len(run.stream.answer.token_ids) >= 5, "the test needs a request that decodes through the calls"
+    assert len(seen) == 4 and seen == sorted(seen) and len(set(seen)) == 4, (seen, run.kinds)  # a step between every two
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_algorithm_joins_while_others_decode(rc, algorithm):
     """Every algorithm admitted while three requests decode (cacheblend links in a forward of its own at
