@@ -246,9 +246,11 @@ class Scheduler:
             return
         started = time.perf_counter()
         ids, parts, ends = [], [], []  # ends: (request, index of its last row) for those that need logits
+        stepped = []  # the requests with rows in this step: the ones a failure of it touches
         background = False  # a step with a background request's rows has no other request's
         for request in self.running:  # decode rows first: one per decoding request
             if request.pending is None:
+                stepped.append(request)
                 ids.append(torch.tensor([request.next_token]))
                 parts.append((request.cache, torch.tensor([request.cache.length])))
                 request.cache.length += 1
@@ -263,6 +265,7 @@ class Scheduler:
             if size == 0:
                 continue
             piece, request.pending = request.pending[:size], request.pending[size:]
+            stepped.append(request)
             budget -= piece.numel()
             ids.append(request.plan.token_ids[piece])
             parts.append((request.cache, piece))
@@ -275,9 +278,9 @@ class Scheduler:
             with self._weights(background):
                 hidden = self.runner.forward(torch.cat(ids), parts)
                 logits = self.runner.logits(hidden[0, [index for _, index in ends]])
-        except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails
+        except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails, and only those
             log.exception("a model step failed")
-            self._fail_all(exc)
+            self._fail(stepped, exc)
             return
         for (request, _), row in zip(ends, logits):
             try:
@@ -346,10 +349,13 @@ class Scheduler:
                 request.cache.spend()
 
     def _fail_all(self, exc: Exception) -> None:
-        for request in list(self.running):
+        self._fail(list(self.running), exc)
+        self.running = []
+
+    def _fail(self, requests: list[Request], exc: Exception) -> None:
+        for request in requests:
             self._leave(request)
             request.emit("error", exc)
-        self.running = []
 
     def _dropped(self, request: Request) -> bool:
         if request.cancelled:

@@ -216,6 +216,25 @@ def test_a_request_cancelled_in_the_middle_of_a_batch(rc):
     assert not rc.scheduler.running and not rc.scheduler.waiting
 
 
+def test_a_failed_step_fails_only_the_requests_in_it(rc, monkeypatch):
+    """Two links admitted together, the row budget spent on the first one's piece: a step that fails (out of
+    memory, say) fails the request whose rows it held; the other, whose cache it never touched, goes on."""
+    asks = [ask(rc, "full", 0, slice(0, 3)), ask(rc, "full", 1, slice(0, 3))]
+    single = alone(rc, **asks[1])
+    forward, calls = rc.runner.forward, []
+
+    def fails_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory in this step")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(rc.runner, "forward", fails_once)
+    first, second = together(rc, [Run(rc, **asks[0]), Run(rc, **asks[1])])
+    assert first.kinds == ["error"] and "out of memory" in str(first.error)
+    assert_same(second, single)
+
+
 def test_sixteen_threads_query_at_once(rc):
     asks = [ask(rc, ALGORITHMS[i % len(ALGORITHMS)], i % len(QUESTIONS), slice(i % 3, 3)) for i in range(16)]
     expected = [rc.query(**kw).text for kw in asks]
