@@ -98,6 +98,9 @@ class Compiler:
         with self.lm.base_weights():  # a read-side adapter never runs here: entries stay the base model's
             keys, values = self.runner.prefill_pre_rope(prefilled)
         drop = len(layout.sink_ids)
-        keys, values, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
+        encoded = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
+        # in host memory, as an entry read from disk or Redis is: a memory tier would otherwise hold a GPU's memory
+        # under its budget, out of what the model's caches can use
+        keys, values, key_scales, value_scales = (t.cpu() if t is not None else None for t in encoded)
         return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales,
                        value_scales)

@@ -59,7 +59,7 @@ class SchedulerStats:
 
 @dataclass(eq=False)  # a request is itself: compared by identity
 class Request:
-    parts: LinkInput
+    parts: LinkInput | None  # None once linked
     params: LinkParams
     prefix_cache: PrefixCache | None
     decoding: Decoding | None  # None: link only (rc.link)
@@ -321,7 +321,8 @@ class Scheduler:
     def _linked(self, request: Request, last_logits: torch.Tensor) -> None:
         linked = linker.finish(request.plan, last_logits, request.recomputed,
                                time.perf_counter() - request.link_started, request.params, request.prefix_cache)
-        request.pending = None
+        # what it read from the store (every chunk's K/V) is in its cache now: not kept for the whole decode
+        request.pending = request.plan = request.parts = None
         request.emit("linked", linked)
 
     def _after_link(self, request: Request, logits: torch.Tensor | None) -> None:

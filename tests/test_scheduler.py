@@ -235,6 +235,19 @@ def test_a_failed_step_fails_only_the_requests_in_it(rc, monkeypatch):
     assert_same(second, single)
 
 
+def test_a_decoding_request_lets_go_of_what_it_read_from_the_store(rc):
+    """Once linked, the chunks' K/V are in the request's cache: the entries it read are not held for its decode."""
+    held = []
+
+    def at_first_token(run: Run, kind: str) -> None:
+        if kind == "piece" and not held:
+            held.append((run.stream.request.parts, run.stream.request.plan))
+
+    run = Run(rc, on_event=at_first_token, **ask(rc, "naive", 0, slice(0, 3), max_new_tokens=4))
+    run.open().wait()
+    assert held == [(None, None)]
+
+
 def test_sixteen_threads_query_at_once(rc):
     asks = [ask(rc, ALGORITHMS[i % len(ALGORITHMS)], i % len(QUESTIONS), slice(i % 3, 3)) for i in range(16)]
     expected = [rc.query(**kw).text for kw in asks]
