@@ -23,7 +23,7 @@ import argparse
 import json
 from concurrent.futures import ThreadPoolExecutor
 
-from research.paired import emit, summary
+from research.paired import emit, in_turn, summary
 
 
 def steps(dtype: str, runs: int = 30) -> dict:
@@ -109,7 +109,7 @@ def main() -> None:
     samples = {side: {"one": [], "many": []} for side in sides}
     packed = {}
     for pair in range(args.pairs):
-        for side in (list(sides) if pair % 2 == 0 else list(sides)[::-1]):  # neither side always goes first
+        for side in in_turn(sides, pair):
             rc, ids = sides[side]
             samples[side]["one"].append(decode(rc, ids, 1)[0])
             rate, packed[side] = decode(rc, ids, args.streams)

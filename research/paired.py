@@ -6,6 +6,11 @@ import json
 import statistics
 
 
+def in_turn(sides, pair: int) -> list:
+    """The sides in the order pair number `pair` measures them: alternating, so neither side always goes first."""
+    return list(sides) if pair % 2 == 0 else list(sides)[::-1]
+
+
 def summary(samples: dict[str, dict[str, list[float]]], side: str, against: str, digits: int = 3) -> dict:
     """Each side's medians, and the median of the paired ratios side / against, for every measure."""
     medians = {name: {k: round(statistics.median(v), digits) for k, v in s.items()} for name, s in samples.items()}

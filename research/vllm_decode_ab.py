@@ -17,7 +17,7 @@ import tempfile
 from bench import squad
 from bench.common import engine
 from bench.peers import VllmWorker, vllm_python
-from research.paired import emit, summary
+from research.paired import emit, in_turn, summary
 
 
 def decode_tok_s(worker: VllmWorker, ids: list[int], tokens: int, **request) -> float:
@@ -56,7 +56,7 @@ def main() -> None:
         samples = {side: {"decode_tok_s": []} for side in sides}
         try:
             for pair in range(args.pairs):
-                for side in list(sides) if pair % 2 == 0 else list(sides)[::-1]:  # neither side always first
+                for side in in_turn(sides, pair):
                     worker, fields = sides[side]
                     samples[side]["decode_tok_s"].append(decode_tok_s(worker, ids, args.tokens, **fields))
                 print({side: round(s["decode_tok_s"][-1], 2) for side, s in samples.items()}, flush=True)

@@ -14,7 +14,7 @@ import argparse
 import json
 
 from bench.peers import CLIENTS, LOAD_TOKENS, VllmWorker, vllm_python
-from research.paired import emit, summary
+from research.paired import emit, in_turn, summary
 
 
 def main() -> None:
@@ -41,8 +41,7 @@ def main() -> None:
     samples = {side: {"ttft_s": [], "req_s_16": []} for side in sides}
     try:
         for pair in range(args.pairs):
-            order = list(sides) if pair % 2 == 0 else list(sides)[::-1]  # neither side always goes first
-            for side in order:
+            for side in in_turn(sides, pair):
                 worker = sides[side]
                 samples[side]["ttft_s"].append(worker.ask(op="ttft", ids=prompt, cold=True))
                 seconds = worker.ask(op="batch", requests=[{"ids": ids} for ids in clients], tokens=LOAD_TOKENS,
