@@ -118,8 +118,7 @@ class RagcacheConnector(KVConnectorBase_V1):
                              "link that cannot load (the store down) is prefilled by vLLM instead of failing")
         self.options = dict(transfer.kv_connector_extra_config or {})
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        scheduler = getattr(vllm_config, "scheduler_config", None)
-        if role == KVConnectorRole.SCHEDULER and getattr(scheduler, "async_scheduling", False):
+        if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
             log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
