@@ -89,6 +89,10 @@ class KVPool:
         length = cache.length
         self.keys[:, slot, :, :length] = cache.keys[:, :, :length]
         self.values[:, slot, :, :length] = cache.values[:, :, :length]
+        # a freed slot keeps its last tenant's K/V; masked keys still enter q.k, and a non-finite value left there
+        # (an fp16 overflow) would turn this request's softmax into NaN
+        self.keys[:, slot, :, length:] = 0
+        self.values[:, slot, :, length:] = 0
         self.members[slot] = cache
         self._point(slot, cache)
 

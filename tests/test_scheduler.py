@@ -446,3 +446,29 @@ def test_a_spent_cache_does_not_keep_the_pool_alive():
         assert cache.length == 0 and cache.keys.shape == (4, 2, 0, 16) and cache.values.shape == (4, 2, 0, 16)
         assert cache.keys._base is None and cache.values._base is None
         assert pool_storage not in (cache.keys.untyped_storage().data_ptr(), cache.values.untyped_storage().data_ptr())
+
+
+def test_a_reused_pool_slot_holds_nothing_of_its_last_tenant():
+    """A slot's next tenant reads its whole capacity (masked past its length): whatever the last tenant left there,
+    a NaN from an fp16 overflow included, must not reach the new request's attention."""
+    from ragcache.runner import Runner
+
+    runner = Runner(tiny.make("llama"), batch_invariant=False)
+    first, keeper = runner.new_cache(40), runner.new_cache(40)
+    first.length = keeper.length = 30
+    runner.pool.adopt(first)
+    runner.pool.adopt(keeper)  # the pool stays allocated after `first` leaves
+    runner.pool.keys[:, first.slot].fill_(float("nan"))
+    runner.pool.values[:, first.slot].fill_(float("nan"))
+    runner.pool.release(first)
+    second = runner.new_cache(40)
+    second.keys.normal_()
+    second.values.normal_()
+    second.length = 3
+    runner.pool.adopt(second)
+    assert second.slot == 0
+    assert torch.isfinite(runner.pool.keys[:, 0]).all() and torch.isfinite(runner.pool.values[:, 0]).all()
+    query = torch.randn(4, 1, 16)
+    out = kernels.pooled_decode_attention(query, runner.pool.keys[0], runner.pool.values[0], torch.tensor([0]),
+                                          torch.tensor([2]), 0.25, end_key=runner.pool.keys.shape[3])
+    assert torch.isfinite(out).all()
