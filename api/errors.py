@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from ragcache.errors import (BadRequest, BrokenStore, CorruptDocument, ModelFetchError, PayloadTooLarge, PromptTooLong,
-                             RagCacheError, StoreError, UnknownDocument, UnsupportedModel)
+                             RagCacheError, ShuttingDown, StoreError, UnknownDocument, UnsupportedModel)
 
 from .schemas import ErrorResponse
 
@@ -30,6 +30,7 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (CorruptDocument, 500),  # damaged in the store: a retry cannot help (no Retry-After); adding the text again does
     (BrokenStore, 500),  # a symlink loop in a disk store: no Retry-After either; the operator removes the link
     (StoreError, 503),  # a store tier that is down: retry
+    (ShuttingDown, 503),  # the process is leaving: retry (elsewhere)
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]

@@ -32,6 +32,14 @@ class Cancelled(RagCacheError):
     never as an error the caller sees."""
 
 
+class ShuttingDown(RagCacheError):
+    """The engine is stopping: work it had queued and had not finished, and work sent after, is refused."""
+
+    def __init__(self):
+        super().__init__("the engine is shutting down; send the request again (to another server if this one is "
+                         "leaving)")
+
+
 class UnknownDocument(RagCacheError):
     """A document id that the store does not know (for this model)."""
 

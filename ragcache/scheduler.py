@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import linker
+from . import errors, linker
 from .sampling import Decoding
 from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
@@ -96,6 +96,7 @@ class Scheduler:
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, request: Request) -> None:
         with self._wakeup:
+            self._refuse_if_stopping()
             (self.background if request.background else self.waiting).append(request)
             self._start()
             self._wakeup.notify()
@@ -106,6 +107,7 @@ class Scheduler:
             return fn(*args)
         future: Future = Future()
         with self._wakeup:
+            self._refuse_if_stopping()
             self.calls.append((fn, args, future))
             self._start()
             self._wakeup.notify()
@@ -138,13 +140,36 @@ class Scheduler:
             self._thread.start()
 
     def stop(self, timeout: float = 60.0) -> None:
-        """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch)."""
+        """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch). Every
+        request and call not finished by then fails with ShuttingDown, and so does any sent later: no caller is
+        left waiting on a thread that is gone."""
         with self._wakeup:
             self._stopping = True
             thread = self._thread
             self._wakeup.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
+        if thread is None or not thread.is_alive():
+            self._fail_unfinished()
+
+    def _refuse_if_stopping(self) -> None:
+        if self._stopping:
+            raise errors.ShuttingDown()
+
+    def _fail_unfinished(self) -> None:
+        with self._wakeup:
+            queued = [*self.waiting, *self.background]
+            calls = list(self.calls)
+            self.waiting.clear()
+            self.background.clear()
+            self.calls.clear()
+        exc = errors.ShuttingDown()
+        self._fail_all(exc)
+        for request in queued:
+            request.emit("error", exc)
+        for _, _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
 
     # -- the scheduler thread ---------------------------------------------------------------------------------
     def _run(self) -> None:

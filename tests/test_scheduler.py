@@ -472,3 +472,42 @@ def test_a_reused_pool_slot_holds_nothing_of_its_last_tenant():
     out = kernels.pooled_decode_attention(query, runner.pool.keys[0], runner.pool.values[0], torch.tensor([0]),
                                           torch.tensor([2]), 0.25, end_key=runner.pool.keys.shape[3])
     assert torch.isfinite(out).all()
+
+
+def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
+    """A scheduler that stops fails the calls and requests it had not finished with ShuttingDown (a 503), and
+    refuses new ones: before, they waited forever on a thread that was gone."""
+    import time
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    scheduler = rc.scheduler
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+        return "held"
+
+    with ThreadPoolExecutor(4) as pool:
+        held = pool.submit(scheduler.call, hold)
+        assert entered.wait(60)
+        queued_call = pool.submit(scheduler.call, lambda: "ran")
+        queued_query = pool.submit(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
+        deadline = time.monotonic() + 30
+        while len(scheduler.calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(scheduler.calls) == 2
+        stopping = pool.submit(scheduler.stop, 60)
+        while not scheduler._stopping:
+            time.sleep(0.01)
+        release.set()
+        assert held.result(60) == "held"  # the call in progress finishes
+        stopping.result(60)
+        with pytest.raises(errors.ShuttingDown):
+            queued_call.result(60)
+        with pytest.raises(errors.ShuttingDown):
+            queued_query.result(60)
+    with pytest.raises(errors.ShuttingDown):
+        scheduler.call(lambda: "late")
+    with pytest.raises(errors.ShuttingDown):
+        rc.query(QUESTIONS[1], [{"text": DOCS[1]}])
