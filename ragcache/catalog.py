@@ -22,7 +22,7 @@ from ragcache.store.keys import document_id
 from . import maintenance
 from .chunker import chunk_document
 from .documents import (Document, chunk_record_problem, chunks_name, chunks_record, doc_name, document_record,
-                        read_document)
+                        read_document, record_problem)
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
@@ -79,7 +79,7 @@ class Catalog:
         One batched record read covers every document and, at the default budget, its chunk record too."""
         unique = list(dict.fromkeys(doc_ids))
         names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
-        records = dict(zip(names, self.store.get_records(names)))
+        records = dict(zip(names, self.store.get_records(names, record_problem)))
         docs = {d: read_document(d, records[doc_name(d)]) for d in unique}
         unknown = [d for d, doc in docs.items() if doc is None]
         if unknown:
@@ -87,7 +87,7 @@ class Catalog:
         # documents compiled at another budget (`compile --chunk-tokens`): their chunk records in a second read
         other = [chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens) for d, doc in docs.items()]
         other = [name for name in other if name not in records]
-        records.update(zip(other, self.store.get_records(other)) if other else ())
+        records.update(zip(other, self.store.get_records(other, record_problem)) if other else ())
         chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
                         for d, doc in docs.items()}
         return [chunks_by_id[d] for d in doc_ids]
@@ -111,7 +111,7 @@ class Catalog:
         return chunks
 
     def _record(self, name: str):
-        return self.store.get_records([name])[0]
+        return self.store.get_records([name], record_problem)[0]
 
     def _record_or_none(self, name: str):
         """A record the caller can write again from the text it holds (the id is the text's hash): None when a tier

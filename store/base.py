@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from itertools import islice
@@ -37,6 +37,9 @@ class UnreadableRecord:
     the reader can say it is corrupt, and not a record, so nothing reads a field of it."""
 
     reason: str
+
+
+RecordCheck = Callable[[str, dict], "str | None"]
 
 
 @dataclass
@@ -104,8 +107,10 @@ class Store(ABC):
     @abstractmethod
     def get_record(self, name: str) -> dict | UnreadableRecord | None: ...
 
-    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
-        """Several records in one round trip where the tier can (Redis overrides this)."""
+    def get_records(self, names: list[str], problem: RecordCheck | None = None) -> list[dict | UnreadableRecord | None]:
+        """Several records in one round trip where the tier can (Redis overrides this). `problem(name, record)` (what
+        is wrong with a record, None if sound) lets a store of several tiers read past a copy that fails the reader's
+        checks; one tier has no other copy to give, so it gives what it holds."""
         return [self.get_record(name) for name in names]
 
     @abstractmethod

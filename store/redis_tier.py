@@ -40,7 +40,7 @@ from redis.retry import Retry
 
 from .errors import StoreError
 
-from .base import DEFAULT_PREFIX, BlobStore, TierUnavailable, UnreadableRecord, batched, log
+from .base import DEFAULT_PREFIX, BlobStore, RecordCheck, TierUnavailable, UnreadableRecord, batched, log
 from .entry import HEADER, MAGIC, describe_head
 
 PART_BYTES = 2 << 20
@@ -317,7 +317,7 @@ class RedisStore(BlobStore):
     def get_record(self, name: str) -> dict | UnreadableRecord | None:
         return self.get_records([name])[0]
 
-    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
+    def get_records(self, names: list[str], problem: RecordCheck | None = None) -> list[dict | UnreadableRecord | None]:
         if not names:
             return []
         with self._errors("read records"):

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from .errors import StoreError
 
-from .base import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, Store, TierUnavailable, UnreadableRecord, log
+from .base import (DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, RecordCheck, Store, TierUnavailable,
+                   UnreadableRecord, log)
 from .entry import ChunkKV
 from .memory import MemoryStore
 
@@ -216,17 +217,17 @@ class TieredStore(Store):
     def get_record(self, name: str) -> dict | UnreadableRecord | None:
         return self.get_records([name])[0]
 
-    def get_records(self, names: list[str]) -> list[dict | UnreadableRecord | None]:
+    def get_records(self, names: list[str], problem: RecordCheck | None = None) -> list[dict | UnreadableRecord | None]:
         """Each record from the fastest lasting tier that has it (one batched read per tier, for what is still
         missing); None only where every lasting tier answered that it has none. Lasting tiers are asked first because
         they are what every worker shares: a copy in this process's memory may be of a document another worker has
         since deleted or replaced, so memory answers only for what the lasting tiers could not give: records while a
         tier that may hold them is down, and sound copies of records they hold damaged. Where a tier that may hold a
         record is down and no copy is found, the record is not "unknown" but "unavailable": TierUnavailable. A damaged
-        copy (not a JSON object) is read past, so a sound copy elsewhere replaces it; it is given back only where no
-        tier holds a sound one."""
+        copy (not a JSON object, or one that fails `problem`, the reader's checks) is read past, so a sound copy
+        elsewhere replaces it; it is given back only where no tier holds a sound one."""
         out: list = [None] * len(names)
-        damaged: dict[int, object] = {}
+        damaged: dict[int, tuple[object, str]] = {}  # the first damaged copy read, and what is wrong with it
         todo = list(range(len(names)))
         unanswered = []
         lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
@@ -241,14 +242,15 @@ class TieredStore(Store):
                 unanswered.append(tier.name)
                 continue
             for j, record in zip(asked, got):
-                if record is not None and not isinstance(record, dict):
-                    damaged.setdefault(j, record)
+                hurt = None if record is None else self._problem(names[j], record, problem)
+                if hurt is not None:
+                    damaged.setdefault(j, (record, hurt))
                 elif record is not None:
                     out[j] = record
                     self._fill_record(i, names[j], record)
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
-            hurt = [f"{names[j]} ({damaged[j].reason})" for j in todo if j in damaged]
+            hurt = [f"{names[j]} ({damaged[j][1]})" for j in todo if j in damaged]
             raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
                                   f"{', '.join(unanswered)}, which are down" +
                                   (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else ""))
@@ -256,9 +258,17 @@ class TieredStore(Store):
             if j not in damaged:
                 for i in others:
                     self._call(i, self.tiers[i].delete_record, names[j], write=True)
-        for j, record in damaged.items():
+        for j, (record, _) in damaged.items():
             out[j] = record if out[j] is None else out[j]
         return out
+
+    @staticmethod
+    def _problem(name: str, record, problem: RecordCheck | None) -> str | None:
+        if isinstance(record, UnreadableRecord):
+            return record.reason
+        if not isinstance(record, dict):
+            return "not a JSON object"
+        return None if problem is None else problem(name, record)
 
     def _fill_record(self, found_in: int, name: str, record: dict) -> None:
         """A record a slower tier had goes into the faster ones; a memory tier, which only answers while the lasting

@@ -38,9 +38,9 @@ class CountingStore(MemoryStore):
         super().__init__()
         self.record_reads = 0
 
-    def get_records(self, names):
+    def get_records(self, names, problem=None):
         self.record_reads += 1
-        return super().get_records(names)
+        return super().get_records(names, problem)
 
 
 def test_add_resolve_and_chunks_are_the_text_chunked():

@@ -14,7 +14,7 @@ import threading
 
 import pytest
 
-from ragcache.errors import CorruptEntry, StoreError
+from ragcache.errors import CorruptDocument, CorruptEntry, StoreError
 from ragcache.store.base import TierUnavailable, UnreadableRecord
 from ragcache.store.disk import DiskStore
 from ragcache.store.entry import ChunkKV, decode, encode
@@ -451,3 +451,28 @@ def test_a_damaged_record_while_the_tier_that_may_hold_a_sound_one_is_down_names
     fast.get_records = lambda names: [UnreadableRecord("not JSON") for _ in names]
     with pytest.raises(TierUnavailable, match=r"may be in store tier\(s\) down.*damaged: doc/abc \(not JSON\)"):
         TieredStore([fast, _Down()]).get_record("doc/abc")
+
+
+def test_a_record_that_fails_its_checks_in_one_lasting_tier_is_read_from_the_next_and_repaired(tmp_path):
+    """A document record edited on disk (valid JSON, its text no longer its id's) while Redis-like slower storage
+    holds the sound copy: the reader gets the sound copy, and the disk's copy is written over with it. Before, the
+    first JSON object found won, and the document answered CorruptDocument."""
+    from ragcache.catalog import Catalog
+    from ragcache.documents import doc_name
+    from tests import tiny
+
+    near, far = DiskStore(tmp_path / "near"), DiskStore(tmp_path / "far")
+    store = TieredStore([MemoryStore(), near, far])
+    catalog = Catalog(store, tiny.tokenizer(), "t" * 64, 8)
+    doc, chunks = catalog.register("The Eiffel Tower is in Paris. It was completed in 1889.")
+    sound = far.get_record(doc_name(doc))
+    near.put_record(doc_name(doc), {**sound, "text": "The Eiffel Tower is in Rome."})
+    store.tiers[0] = MemoryStore()  # a fresh worker: nothing in its memory
+    assert catalog.resolve([doc]) == [chunks]
+    assert catalog.get(doc).text == sound["text"]
+    assert near.get_record(doc_name(doc)) == sound
+    near.put_record(doc_name(doc), {**sound, "text": "edited"})
+    far.put_record(doc_name(doc), {**sound, "text": "edited too"})
+    store.tiers[0] = MemoryStore()
+    with pytest.raises(CorruptDocument, match="does not hash to its id"):  # no sound copy anywhere: named
+        catalog.resolve([doc])
