@@ -177,10 +177,11 @@ class RagCache(Front):
         return self._link_query(query, max_new_tokens, _stats, background)
 
     def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
-                    background: bool = False) -> Linked:
+                    background: bool = False, timeout: float | None = None) -> Linked:
         stats = stats or QueryStats()
         parts, params, prefix_cache = self._prepare(query, max_new_tokens, stats)
-        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background)
+        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background,
+                                     timeout=timeout)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
         return linked
@@ -199,13 +200,16 @@ class RagCache(Front):
         query = self.validate(question, docs, system, algorithm, k, ratio, None)
         return self.compare_with_full(query, self._link_query(query).last_logits)
 
-    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None) -> guard.Check:
+    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None,
+                          deadline: float | None = None) -> guard.Check:
         """Link the query's prompt with `full` as background work (only in steps no user request needs, with the
         base model's weights) and compare its first-token distribution with `linked_logits`, the answer's own (None:
-        the query is linked again). The guard's half of `check`."""
+        the query is linked again). The guard's half of `check`. TimeoutError if the `full` link has not ended
+        within `deadline` seconds (users kept every step busy); it is withdrawn."""
         if linked_logits is None:
             linked_logits = self._link_query(query).last_logits
-        full = self._link_query(dataclasses.replace(query, params=self.params("full")), background=True)
+        full = self._link_query(dataclasses.replace(query, params=self.params("full")), background=True,
+                                timeout=deadline)
         return guard.compare(query.params.algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------

@@ -24,6 +24,9 @@ from .errors import ParameterOutOfRange
 from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
 
 log = logging.getLogger("ragcache")
+# A check's `full` link runs only in steps no user request needs: under constant load it would wait forever, and
+# every check drawn after it would be skipped. Past this it is withdrawn and counted as skipped.
+CHECK_DEADLINE_S = 300.0
 
 
 @dataclass(frozen=True)
@@ -96,6 +99,7 @@ class BackgroundGuard:
         self.rc, self.busy, self.on_check, self.on_skip = rc, busy, on_check, on_skip
         self.guard = Guard(rate, rc.model_name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
         self._running = threading.Lock()
+        self.deadline = CHECK_DEADLINE_S
 
     @property
     def in_flight(self) -> int:
@@ -116,10 +120,14 @@ class BackgroundGuard:
 
     def _check(self, query, linked_logits) -> None:
         try:
-            check = self.rc.compare_with_full(query, linked_logits)
+            check = self.rc.compare_with_full(query, linked_logits, deadline=self.deadline)
             agreement = self.guard.record(check)
             if self.on_check is not None:
                 self.on_check(check, agreement)
+        except TimeoutError:
+            log.info("accuracy guard: no quiet step for the full link within %.0f s; check skipped", self.deadline)
+            if self.on_skip is not None:
+                self.on_skip(query.params.algorithm)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
             log.warning("accuracy guard: the full link failed (%s)", exc)
         finally:

@@ -119,8 +119,10 @@ class Scheduler:
             raise
 
     def link(self, parts: LinkInput, params: LinkParams, prefix_cache: PrefixCache | None,
-             extra_capacity: int = 0, background: bool = False) -> Linked:
-        """Link one request (no decoding) through the batch and wait for its joined cache."""
+             extra_capacity: int = 0, background: bool = False, timeout: float | None = None) -> Linked:
+        """Link one request (no decoding) through the batch and wait for its joined cache, at most `timeout` seconds:
+        past it the request is withdrawn (dropped from its queue, or cancelled at its next step) and TimeoutError
+        raised."""
         result: Future = Future()
 
         def emit(kind: str, value) -> None:
@@ -131,8 +133,23 @@ class Scheduler:
             elif kind == "cancelled":
                 result.cancel()
 
-        self.submit(Request(parts, params, prefix_cache, None, emit, extra_capacity, background=background))
-        return result.result()
+        request = Request(parts, params, prefix_cache, None, emit, extra_capacity, background=background)
+        self.submit(request)
+        try:
+            return result.result(timeout)
+        except TimeoutError:
+            self._withdraw(request)
+            raise
+
+    def _withdraw(self, request: Request) -> None:
+        """Take back a request its caller stopped waiting for: out of its queue if it is still there (it holds its
+        entries until admitted), else cancelled, so its next step drops it."""
+        with self._wakeup:
+            for queue in (self.waiting, self.background):
+                if request in queue:
+                    queue.remove(request)
+                    return
+        request.cancelled = True
 
     def _start(self) -> None:
         if self._thread is None and not self._stopping:

@@ -83,3 +83,36 @@ def test_background_links_wait_until_no_user_request_runs():
     background.join(120)
     rc.step_gate = None
     assert order == ["user", "background"]
+
+
+def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
+    """Under constant user load the guard's `full` link never gets a step: past its deadline it is withdrawn from
+    the queue (it held its chunks' entries there) and the check counts as skipped, so the next one can run. Before,
+    it waited forever and every later check was skipped."""
+    import threading
+
+    from ragcache.engine import RagCache
+    from ragcache.guard import BackgroundGuard
+    from ragcache.request import Query
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    ids = rc.compile(tiny.CORPUS[:2])
+    gate = rc.step_gate = threading.Event()  # a step that never comes: users hold the model
+    stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
+    stream.open(lambda kind, value: None)
+    skipped, checked = [], []
+    guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append, on_check=lambda c, a: checked.append(c))
+    guard.deadline = 0.5
+    query = rc.validate("Where?", ids, algorithm="naive")
+    guard._running.acquire()  # as after_answer does before it starts the check's thread
+    guard._check(query, torch.zeros(1))  # the answer's logits: never compared, the full link does not end
+    assert skipped == ["naive"] and not checked and guard.in_flight == 0
+    assert not rc.scheduler.background  # withdrawn, not left holding its entries
+    gate.set()
+    rc.step_gate = None
+    guard.deadline = 120.0
+    guard._running.acquire()
+    guard._check(query, rc.link("Where?", ids, algorithm="naive").last_logits)
+    assert len(checked) == 1 and checked[0].algorithm == "naive"

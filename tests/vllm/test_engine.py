@@ -229,3 +229,12 @@ def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
     with pytest.raises(ValueError, match="needs the adapter unmerged"):
         Settings(engine="vllm", guard_rate=0.1, adapter="/some/adapter")
     Settings(engine="vllm", guard_rate=0.1, adapter="/some/adapter", merge_adapter=False)
+
+
+def test_a_guard_check_past_its_deadline_is_aborted_and_the_engine_serves_on(rc, doc_ids):
+    """Users can keep vLLM busy past any guard request's turn: past its deadline the guard's request is aborted
+    (TimeoutError, which the guard counts as a skipped check) instead of waiting without end."""
+    query = rc.validate(QUESTION, doc_ids[1:], algorithm="naive", max_new_tokens=2)
+    with pytest.raises(TimeoutError):
+        rc.compare_with_full(query, deadline=0.0)
+    assert rc.query(QUESTION, doc_ids[1:], algorithm="naive", max_new_tokens=2).token_ids

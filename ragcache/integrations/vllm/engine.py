@@ -235,18 +235,21 @@ class VllmRagCache(Front):
                     "--no-merge-adapter)")
         return None
 
-    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None) -> guard.Check:
+    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None,
+                          deadline: float | None = None) -> guard.Check:
         """The accuracy guard's check. vLLM returns no logits with an answer, so the query is asked again for one
         token with its whole distribution (its linked blocks hit vLLM's prefix cache), and the same prompt with
-        `full`: vLLM's own prefill, without the link adapter."""
+        `full`: vLLM's own prefill, without the link adapter. Both run at vLLM's background priority; past
+        `deadline` seconds (users kept vLLM busy) the one running is aborted and TimeoutError raised."""
         problem = self.guard_problem()
         if problem is not None:
             raise ParameterOutOfRange(problem)
         one = dataclasses.replace(query, sampling=Sampling(1))
+        ends = None if deadline is None else time.monotonic() + deadline
         if linked_logits is None:
-            linked_logits = drain(self.stream_query(one, first_distribution=True, background=True)).first_logits
+            linked_logits = _first_logits(self.stream_query(one, first_distribution=True, background=True), ends)
         full = dataclasses.replace(one, params=self.params("full"))
-        full_logits = drain(self.stream_query(full, first_distribution=True, base=True, background=True)).first_logits
+        full_logits = _first_logits(self.stream_query(full, first_distribution=True, base=True, background=True), ends)
         return guard.compare(query.params.algorithm, full_logits, linked_logits)
 
     def stream_infill(self, fill: Infill) -> "VllmStream":
@@ -328,6 +331,22 @@ def lora_engine_args(path: Path) -> dict:
     except ValueError as exc:
         raise BadAdapter(f"vLLM cannot load the adapter in {path}: {exc}") from exc
     return args
+
+
+def _first_logits(stream: "VllmStream", ends: float | None) -> torch.Tensor:
+    """Run a one-token stream; abort it at monotonic time `ends` (TimeoutError)."""
+    timer = None if ends is None else threading.Timer(max(ends - time.monotonic(), 0.0), stream.cancel)
+    if timer is not None:
+        timer.daemon = True
+        timer.start()
+    try:
+        answer = drain(stream)
+    finally:
+        if timer is not None:
+            timer.cancel()
+    if answer is None:  # cancelled: the timer fired first
+        raise TimeoutError("the guard's request was not served in time")
+    return answer.first_logits
 
 
 async def _start(args):
