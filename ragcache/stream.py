@@ -3,9 +3,11 @@ hands it to the scheduler, and receives its events back from the scheduler threa
 
 from __future__ import annotations
 
+import asyncio
 import queue
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import suppress
 
 from .errors import Cancelled
 from .linker import Linked
@@ -126,4 +128,32 @@ def pieces(stream) -> Iterator[str]:
             return
     finally:
         if not finished:  # the caller stopped iterating: the engine frees the request at its next step
+            stream.cancel()
+
+
+async def apieces(stream) -> AsyncIterator[str]:
+    """`pieces` for asyncio code: the stream opens on a worker thread (preparing it reads the store and may
+    compile), its events come back to this loop, and a consumer that stops early, or whose task is cancelled,
+    cancels the request instead of leaving the engine to decode it to the end."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+
+    def emit(kind: str, value) -> None:  # on the engine's thread
+        with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+            loop.call_soon_threadsafe(events.put_nowait, (kind, value))
+
+    finished = False
+    try:
+        await asyncio.to_thread(stream.open, emit)
+        while True:
+            kind, value = await events.get()
+            if kind == "piece":
+                yield value
+                continue
+            finished = True
+            if kind == "error":
+                raise value
+            return
+    finally:
+        if not finished:
             stream.cancel()

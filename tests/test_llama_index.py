@@ -241,3 +241,83 @@ def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever)
     agreement, checks = guarded.guard_agreement()["focus"]
     assert checks == 1 and 0.0 <= agreement <= 1.0
     assert engine(rc, retriever, guard_rate=1.0, algorithm="full").query(QUESTION).response  # exact: never checked
+
+
+def test_llm_async_calls_leave_the_event_loop_free(rc):
+    """acomplete/astream_complete/achat run the engine off the loop: a coroutine beside them gets to run while they
+    wait. Here the engine can take no step until that coroutine opens the step gate; if the call held the loop, the
+    gate would open only from the fallback timer, after the answer."""
+    import threading
+
+    from llama_index.core.base.llms.types import ChatMessage
+
+    llm = RagCacheLLM(rc=rc, max_new_tokens=3)
+    direct = rc.query("Name a colour.", docs=[], algorithm="legolink", max_new_tokens=3).text
+
+    async def beside(call, order):
+        gate = rc.step_gate = threading.Event()
+        fallback = threading.Timer(20, gate.set)
+        fallback.start()
+
+        async def release():
+            await asyncio.sleep(0.05)
+            order.append("released")
+            gate.set()
+
+        try:
+            result, _ = await asyncio.wait_for(asyncio.gather(call(), release()), 120)
+        finally:
+            fallback.cancel()
+            rc.step_gate = None
+        return result
+
+    async def done(call, order):
+        result = await call()
+        order.append("answered")
+        return result
+
+    async def streamed():
+        return [r async for r in await llm.astream_complete("Name a colour.")]
+
+    calls = {"acomplete": lambda: llm.acomplete("Name a colour."), "astream_complete": streamed,
+             "achat": lambda: llm.achat([ChatMessage(role="user", content="Name a colour.")])}
+    results = {}
+    for name, call in calls.items():
+        order: list[str] = []
+        results[name] = asyncio.run(beside(lambda: done(call, order), order))
+        assert order == ["released", "answered"], name
+    assert results["acomplete"].text == direct
+    assert "".join(r.delta for r in results["astream_complete"]) == direct
+    assert results["astream_complete"][-1].raw["stats"]["completion_tokens"] == 3
+    assert results["achat"].message.content.strip()
+
+
+def test_an_async_stream_its_reader_leaves_stops_generating(rc, retriever, monkeypatch):
+    """A reader that stops an async stream early (closes it, or its task is cancelled) cancels the request: the
+    engine does not go on decoding to max_new_tokens for nobody."""
+    opened = []
+    stream_of = rc.stream
+    monkeypatch.setattr(rc, "stream", lambda *a, **k: opened.append(stream_of(*a, **k)) or opened[-1])
+
+    async def first_then_leave(responses):
+        async for _ in responses:
+            break
+        await responses.aclose()
+
+    async def llm_stream():
+        llm = RagCacheLLM(rc=rc, max_new_tokens=200)
+        await first_then_leave(await llm.astream_complete("Tell me a long story."))
+
+    async def engine_stream():
+        response = await engine(rc, retriever, streaming=True, max_new_tokens=200).aquery(QUESTION)
+        await first_then_leave(response.async_response_gen())
+
+    for leave in (llm_stream, engine_stream):
+        opened.clear()
+        asyncio.run(leave())
+        assert len(opened) == 1 and opened[0].cancelled
+        deadline = time.monotonic() + 60
+        while (rc.scheduler.running or rc.scheduler.waiting) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not rc.scheduler.running
+        assert opened[0].answer is None or opened[0].answer.stats.completion_tokens < 200

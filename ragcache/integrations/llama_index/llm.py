@@ -3,15 +3,20 @@ wants an LLM (Settings.llm, synthesizers, agents). The system prompt is the mode
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.types import CompletionResponse, CompletionResponseGen, LLMMetadata
+from llama_index.core.base.llms.generic_utils import (astream_completion_response_to_chat_response,
+                                                      completion_response_to_chat_response)
+from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, CompletionResponse,
+                                              CompletionResponseAsyncGen, CompletionResponseGen, LLMMetadata)
 from llama_index.core.bridge.pydantic import Field
-from llama_index.core.llms.callbacks import llm_completion_callback
+from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import Stream
+from ragcache.stream import apieces
 from ragcache.front import Front
 from ragcache.settings import DEFAULT_ALGORITHM
 
@@ -21,8 +26,10 @@ _OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p
 
 class RagCacheLLM(CustomLLM):
     """`complete(prompt)` is rc.query(prompt, docs=[], system=llm.system_prompt); the CompletionResponse carries the
-    QueryStats (as a dict) in `raw["stats"]` (streaming: on the last response). `chat` goes through
+    QueryStats (as a dict) in `raw["stats"]` (streaming: on a last response with an empty delta). `chat` goes through
     `messages_to_prompt`; per-call keyword arguments (max_new_tokens, temperature, stop, ...) override the fields.
+    The async methods keep the event loop free while the engine works, and a caller that stops reading a stream
+    (or cancels its task) stops the generation.
 
     The default algorithm is the engine's (focus): with no documents it links only the cached system prefix and
     computes the prompt, which is what `full` computes too."""
@@ -53,6 +60,28 @@ class RagCacheLLM(CustomLLM):
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
         return _responses(self._stream(prompt, formatted, kwargs))
 
+    @llm_completion_callback()
+    async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
+        stream = await asyncio.to_thread(self._stream, prompt, formatted, kwargs)
+        text = "".join([piece async for piece in apieces(stream)])
+        return CompletionResponse(text=text, raw={"stats": stream.answer.stats.as_dict()})
+
+    @llm_completion_callback()
+    async def astream_complete(self, prompt: str, formatted: bool = False,
+                               **kwargs: Any) -> CompletionResponseAsyncGen:
+        stream = await asyncio.to_thread(self._stream, prompt, formatted, kwargs)
+        return _aresponses(stream)
+
+    @llm_chat_callback()
+    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+        completion = await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs)
+        return completion_response_to_chat_response(completion)
+
+    @llm_chat_callback()
+    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+        completions = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
+        return astream_completion_response_to_chat_response(completions)
+
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> Stream:
         # A formatted prompt (predict, chat) already carries the system prompt as text; a raw one gets it as the
         # model's system turn.
@@ -66,13 +95,18 @@ class RagCacheLLM(CustomLLM):
 
 
 def _responses(stream: Stream) -> Iterator[CompletionResponse]:
-    """One response per text piece; the last one is held back until the stream ends, to carry the stats."""
-    text, held = "", None
+    """One response per text piece as it comes, then one with an empty delta that carries the stats."""
+    text = ""
     for piece in stream:
-        if held is not None:
-            yield held
         text += piece
-        held = CompletionResponse(text=text, delta=piece)
-    last = held or CompletionResponse(text="", delta="")
-    last.raw = {"stats": stream.answer.stats.as_dict()}
-    yield last
+        yield CompletionResponse(text=text, delta=piece)
+    yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})
+
+
+async def _aresponses(stream: Stream) -> AsyncIterator[CompletionResponse]:
+    """`_responses` for asyncio code."""
+    text = ""
+    async for piece in apieces(stream):
+        text += piece
+        yield CompletionResponse(text=text, delta=piece)
+    yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})

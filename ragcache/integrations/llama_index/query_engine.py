@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import suppress
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -15,7 +14,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.sampling import Answer
-from ragcache.stream import Stream
+from ragcache.stream import Stream, apieces
 from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
@@ -107,48 +106,32 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     # -- async ------------------------------------------------------------------------------------------
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+        """`custom_query` without holding the event loop (retrieving and preparing run on a worker thread); a
+        cancelled task, or a stream its reader stops early, stops the generation."""
+        nodes, stream, metadata = await asyncio.to_thread(self._start, query_str)
+        pieces = apieces(stream)
         if not self.streaming:
-            return await asyncio.to_thread(self.custom_query, query_str)
-        # One worker thread runs the whole stream: the engine's lock belongs to the thread that iterates.
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue = asyncio.Queue()
-
-        def put(item: tuple) -> None:
-            with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-                loop.call_soon_threadsafe(queue.put_nowait, item)
-
-        def work() -> None:
-            try:
-                nodes, stream, metadata = self._start(query_str)
-                pieces = self._pieces(stream, metadata, query_str)
-                first = next(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
-                put(("start", (nodes, metadata)))
-                for piece in _chain(first, pieces):
-                    put(("piece", piece))
-                put(("done", None))
-            except BaseException as exc:  # handed to the awaiting side
-                put(("error", exc))
-
-        worker = loop.run_in_executor(None, work)
-        kind, value = await queue.get()
-        if kind == "error":
-            await worker
-            raise value
-        nodes, metadata = value
-
-        async def gen() -> AsyncIterator[str]:
-            kind, value = await queue.get()
-            while kind == "piece":
-                yield value
-                kind, value = await queue.get()
-            await worker
-            if kind == "error":
-                raise value
-
-        return AsyncStreamingResponse(response_gen=gen(), source_nodes=nodes, metadata=metadata)
+            text = "".join([piece async for piece in pieces])
+            metadata = await asyncio.to_thread(self._finish, metadata, stream.answer, query_str)
+            return Response(text, source_nodes=nodes, metadata=metadata)
+        first = await anext(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
+        finish = lambda: self._finish(metadata, stream.answer, query_str)  # noqa: E731
+        return AsyncStreamingResponse(response_gen=_achain(first, pieces, finish), source_nodes=nodes,
+                                      metadata=metadata)
 
 
 def _chain(first: Any, rest: Iterator[str]) -> Iterator[str]:
     if first is not _DONE:
         yield first
         yield from rest
+
+
+async def _achain(first: Any, rest: AsyncIterator[str], finish: Callable[[], object]) -> AsyncIterator[str]:
+    try:
+        if first is not _DONE:
+            yield first
+            async for piece in rest:
+                yield piece
+        await asyncio.to_thread(finish)
+    finally:
+        await rest.aclose()  # a reader that stopped early: the request is cancelled
