@@ -21,12 +21,19 @@ from .errors import BadRequest, UnsupportedModel
 
 # sentinel spellings by model family; the first whose three tokens are all in the vocabulary wins
 FIM_SENTINELS = (
-    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, DeepSeek-style
+    ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder
     ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
-    ("<|fim▁begin|>", "<|fim▁hole|>", "<|fim▁end|>"),  # DeepSeek-Coder
+    # DeepSeek-Coder: fullwidth bars (U+FF5C) and the sentencepiece space (U+2581)
+    ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
 )
-FIM_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>", "<|end▁of▁sentence|>")
+FIM_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>",
+                  "<\uff5cend\u2581of\u2581sentence\uff5c>")
 MODES = ("psm", "spm", "efim")
+# EFIM keeps a session's base while the user types on, the typed text going after <MID>; past this many characters
+# the base moves up to the prefix (one cache miss). A model serving EFIM is taught increments up to this long
+# (`ragcache train infill`), and a base kept forever (a session begun on an empty file) would put every character
+# typed since after <MID>, where the same prefix and suffix would get another prompt than in a fresh session.
+MAX_INCREMENT_CHARS = 24
 
 
 @dataclass(frozen=True)
@@ -95,7 +102,8 @@ class InfillSessions:
                 del self._states[expired]
             state = self._states.get(session) if session else None
             keep = (state is not None and state.mode == mode == "efim" and state.suffix == suffix
-                    and prefix.startswith(state.base_prefix))
+                    and prefix.startswith(state.base_prefix)
+                    and len(prefix) - len(state.base_prefix) <= MAX_INCREMENT_CHARS)
             split = len(state.base_prefix) if keep else len(prefix)
             if session:
                 self._states[session] = SessionState(state.base_prefix if keep else prefix, suffix, mode, now)

@@ -4,7 +4,7 @@ import pytest
 
 from ragcache import errors
 from ragcache.engine import RagCache
-from ragcache.infill import FimTokens, InfillSessions, build_prompt
+from ragcache.infill import MAX_INCREMENT_CHARS, FimTokens, InfillSessions, build_prompt, end_token_ids
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 
@@ -44,6 +44,29 @@ def test_sessions_keep_their_base_while_the_prefix_grows():
     assert sessions.plan(None, "abc", "", "efim") == 3
 
 
+def test_deepseek_coders_sentinels_are_found():
+    """DeepSeek-Coder spells its sentinels with fullwidth bars (U+FF5C); an ASCII '|' spelling refused the model."""
+
+    class Vocab:
+        def get_vocab(self):
+            return {"<\uff5cfim\u2581begin\uff5c>": 32016, "<\uff5cfim\u2581hole\uff5c>": 32015,
+                    "<\uff5cfim\u2581end\uff5c>": 32017, "<\uff5cend\u2581of\u2581sentence\uff5c>": 32014}
+
+    assert FimTokens.for_tokenizer(Vocab()) == FimTokens(32016, 32015, 32017)
+    assert end_token_ids(Vocab()) == {32014}
+
+
+def test_a_sessions_base_moves_up_once_the_typed_increment_is_long():
+    """The increment after <MID> stays within what a model is taught (MAX_INCREMENT_CHARS): a session begun on an
+    empty file does not put every character typed since after <MID>."""
+    sessions = InfillSessions()
+    assert sessions.plan("s", "", "", "efim") == 0
+    typed = "x" * MAX_INCREMENT_CHARS
+    assert sessions.plan("s", typed, "", "efim") == 0  # the whole increment still fits
+    assert sessions.plan("s", typed + "y", "", "efim") == len(typed) + 1  # one more: a new base
+    assert sessions.plan("s", typed + "yz", "", "efim") == len(typed) + 1
+
+
 def test_sessions_are_bounded_and_expire():
     sessions = InfillSessions(max_sessions=2, ttl_s=0.0)
     for sid in "abc":
@@ -56,7 +79,7 @@ def test_efim_rounds_reuse_the_base_and_match_a_fresh_prompt(rc):
     first = rc.infill(prefix0, suffix, session="u1", max_new_tokens=6)
     assert first.stats.cached_tokens == 0
     base = len([PRE, *ids(prefix0), SUF, *ids(suffix), MID])
-    for typed in ("completed", "completed in 1889 and is 330"):
+    for typed in ("completed", "completed in 1889 and"):  # within MAX_INCREMENT_CHARS of the base
         reused = rc.infill(prefix0 + typed, suffix, session="u1", max_new_tokens=6)
         assert reused.stats.cached_tokens >= base
         assert reused.stats.prompt_tokens == base + len(ids(typed))
