@@ -20,6 +20,7 @@ from . import models, request
 from .console import console, err, fail
 from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
+from ragcache.store import tier_urls
 from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -69,7 +70,7 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if _is(path, Path.is_dir):
-            found = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
+            found = _walk(path, glob)
             skipped = [p for p in found if p.suffix not in TEXT_SUFFIXES | {".pdf"}]
             if skipped:
                 err.print(f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
@@ -82,6 +83,22 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     if not files:
         raise BadRequest(f"no documents to compile in {', '.join(_shown(str(p)) for p in paths)}")
     return files
+
+
+def _walk(folder: Path, glob: str | None) -> list[Path]:
+    """The files under a folder that the glob matches, leaving out hidden folders (.git, .venv) below it unless the
+    glob names them."""
+    named = set(Path(glob).parts) if glob else set()
+    found, hidden = [], set()
+    for p in sorted(folder.glob(glob or "**/*")):
+        dirs = [part for part in p.relative_to(folder).parts[:-1] if part.startswith(".") and part not in named]
+        if dirs:
+            hidden.add(dirs[0])
+        elif p.is_file():
+            found.append(p)
+    if hidden:
+        err.print(f"[dim]not reading the hidden folder(s) {', '.join(sorted(hidden))} in {folder}[/dim]")
+    return found
 
 
 def _is(path: Path, test) -> bool:
@@ -173,7 +190,10 @@ def compile(
         docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
-        rc, _ = _open(model, store, chunk_tokens, dtype, device, kv_codec)
+        rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
+        if all(tier in ("memory", "memory:") for tier in tier_urls(s.store)):
+            err.print("[yellow]warning:[/yellow] the store is memory:, which ends with this command: nothing "
+                      "compiled now is kept (pass --store disk:PATH to keep it)")
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
         from .front import CompileReport
@@ -193,6 +213,7 @@ def compile(
                 summary.add(rc.compile_documents([text], [meta], progress=on_chunk))
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
+        kept = _other_budgets(rc, summary.ids)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
         raise typer.Exit(130)
@@ -205,6 +226,18 @@ def compile(
     )
     for (text, meta), doc_id in zip(docs, summary.ids):
         console.print(f"{doc_id}  {meta.get('source', '')}")
+    if kept:
+        err.print(f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
+                  f"and keep it (a document's budget is set when it is first added): "
+                  + ", ".join(f"{doc_id} ({budget} tokens)" for doc_id, budget in list(kept.items())[:5])
+                  + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+                  + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again")
+
+
+def _other_budgets(rc, doc_ids: list[str]) -> dict[str, int]:
+    """The documents whose record keeps a chunk budget other than this run's, with that budget."""
+    budgets = {doc_id: (rc.document(doc_id) or {}).get("chunk_tokens") for doc_id in dict.fromkeys(doc_ids)}
+    return {doc_id: b for doc_id, b in budgets.items() if b is not None and b != rc.chunk_tokens}
 
 
 def _doc_argument(value: str) -> str | dict:
@@ -273,8 +306,10 @@ def query(
     if not stream:
         console.print(answer.text, highlight=False)
     st = answer.stats
+    # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
     err.print(f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
-              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens[/dim]")
+              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens; chunks: store hits "
+              f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}[/dim]")
 
 
 @app.command()

@@ -312,3 +312,33 @@ def test_pdf_damage_is_bad_input_and_query_reads_a_pdf_as_compile_does(tiny_cli,
     asked = tiny_cli("query", "what fruit?", "--doc", tmp_path / "orchard.pdf", "--max-new-tokens", "1")
     assert asked.exit_code == 0, asked.output
     assert tiny_cli.engines[-1].document_ids() == [document_id("The orchard has pears.")]
+
+
+def test_query_summary_shows_store_hits_and_misses(tiny_cli, tmp_path):
+    """A store compiled with another --kv-codec or --dtype misses every chunk: the summary line says so."""
+    (tmp_path / "note.txt").write_text("The bridge is old. It was built of stone.")
+    asked = tiny_cli("query", "how old?", "--doc", tmp_path / "note.txt", "--max-new-tokens", "1")
+    assert asked.exit_code == 0, asked.output
+    assert "chunks: store hits 0, misses 1, compiled 1" in asked.text
+    again = tiny_cli("query", "how old?", "--doc", tmp_path / "note.txt", "--max-new-tokens", "1")
+    assert "chunks: store hits 1, misses 0, compiled 0" in again.text
+
+
+def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tmp_path):
+    """A folder's hidden folders (.git, .venv) are not read unless --glob names them; a memory: store ends with the
+    command; a document compiled before keeps its first chunk budget, and the output says which."""
+    docs = tmp_path / "docs"
+    for name in ("a.txt", ".venv/lib/b.md", ".git/c.txt", ".notes/d.md"):
+        (docs / name).parent.mkdir(parents=True, exist_ok=True)
+        (docs / name).write_text(f"The text of {name}.")
+    walked = tiny_cli("compile", docs)
+    assert walked.exit_code == 0, walked.output
+    assert "documents 1 " in walked.text and "hidden folder(s) .git, .notes, .venv" in walked.text
+    assert "memory:, which ends with this command" in walked.text
+    named = tiny_cli("compile", docs, "--glob", ".notes/*.md", "--store", f"disk:{tmp_path / 'store'}")
+    assert "documents 1 " in named.text and "d.md" in named.text and "memory:" not in named.text
+    rebudget = tiny_cli("compile", docs, "--glob", ".notes/*.md", "--chunk-tokens", "16", "--store",
+                        f"disk:{tmp_path / 'store'}")
+    doc_id = tiny_cli.engines[-1].document_ids()[0]
+    assert f"compiled before at another chunk budget and keep it (a document's budget is set when it is first " \
+           f"added): {doc_id} (32 tokens)" in rebudget.text
