@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -15,10 +16,11 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from . import models
+from . import models, request
 from .console import console, err, fail
 from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
+from ragcache.store import tier_urls
 from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -63,28 +65,68 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None,
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     """The files to compile; a folder's unsupported files are named in a warning, and no file at all is an error."""
+    if glob and Path(glob).is_absolute():  # pathlib refuses it with NotImplementedError
+        raise BadRequest(f"--glob {glob!r} must be relative to each folder given, e.g. '**/*.md'")
     files: list[Path] = []
     for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.glob(glob or "**/*") if p.is_file())
+        if _is(path, Path.is_dir):
+            found = _walk(path, glob)
             skipped = [p for p in found if p.suffix not in TEXT_SUFFIXES | {".pdf"}]
             if skipped:
-                names = ", ".join(str(p) for p in skipped[:5]) + (f" and {len(skipped) - 5} more" if len(skipped) > 5 else "")
                 err.print(f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
-                          f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {names}")
+                          f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {_some(skipped)}")
             files += [p for p in found if p not in skipped]
-        elif path.is_file():
+        elif _is(path, Path.is_file):
             files.append(path)
         else:
-            raise BadRequest(f"no such file or directory: {path}")
+            raise BadRequest(f"no such file or directory: {_shown(str(path))}")
     if not files:
-        raise BadRequest(f"no documents to compile in {', '.join(map(str, paths))}")
+        raise BadRequest(f"no documents to compile in {', '.join(_shown(str(p)) for p in paths)}")
     return files
+
+
+def _walk(folder: Path, glob: str | None) -> list[Path]:
+    """The files under a folder that the glob matches, leaving out hidden folders (.git, .venv) below it unless the
+    glob names them."""
+    named = set(Path(glob).parts) if glob else set()
+    found, hidden = [], set()
+    for p in sorted(folder.glob(glob or "**/*")):
+        dirs = [part for part in p.relative_to(folder).parts[:-1] if part.startswith(".") and part not in named]
+        if dirs:
+            hidden.add(dirs[0])
+        elif p.is_file():
+            found.append(p)
+    if hidden:
+        err.print(f"[dim]not reading the hidden folder(s) {', '.join(sorted(hidden))} in {folder}[/dim]")
+    return found
+
+
+def _is(path: Path, test) -> bool:
+    """Path.is_file or is_dir, with an OS error (a name too long, a folder not readable) as bad input."""
+    try:
+        return test(path)
+    except OSError as exc:
+        raise BadRequest(f"cannot read {_shown(str(path))}: {exc.strerror}") from exc
+
+
+def _some(paths: list[Path]) -> str:
+    return ", ".join(str(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+
+
+def _shown(value: str, limit: int = 80) -> str:
+    """A value for an error message: a long one (text passed where a path was meant) cut short."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+
+
+def _source(path: Path) -> str:
+    """A path as metadata text: bytes of a file name that are not UTF-8 become U+FFFD, as a store record must be
+    Unicode."""
+    return os.fsencode(path).decode("utf-8", "replace")
 
 
 def _read_text(path: Path) -> str:
     try:
-        return path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8-sig")  # a BOM is no part of the text (nor of its id)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
 
@@ -95,7 +137,8 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
     for f in _input_files(paths, glob):
         if f.suffix == ".jsonl":
             field = jsonl_field or "text"
-            for n, line in enumerate(_read_text(f).splitlines(), 1):
+            # only "\n" ends a line: splitlines() would also split at U+2028 and others inside a JSON string
+            for n, line in enumerate(_read_text(f).split("\n"), 1):
                 if line.strip():
                     try:
                         row = json.loads(line)
@@ -106,20 +149,24 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
                                          "use --jsonl FIELD to read another field)")
                     if not isinstance(row[field], str):
                         raise BadRequest(f"{f}:{n}: field {field!r} is {type(row[field]).__name__}, not text")
-                    docs.append((row[field], {"source": f"{f}:{n}"}))
+                    docs.append((row[field], {"source": f"{_source(f)}:{n}"}))
         elif f.suffix == ".pdf":
-            docs.append((_pdf_text(f), {"source": str(f)}))
+            docs.append((_pdf_text(f), {"source": _source(f)}))
         else:
-            docs.append((_read_text(f), {"source": str(f)}))
+            docs.append((_read_text(f), {"source": _source(f)}))
     return docs
 
 
 def _pdf_text(path: Path) -> str:
     try:
         from pypdf import PdfReader
+        from pypdf.errors import PyPdfError
     except ImportError as exc:
         raise BadRequest(f"{path}: reading PDF needs `pip install pypdf`") from exc
-    return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+    try:
+        return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+    except PyPdfError as exc:  # EmptyFileError and the other damage pypdf names
+        raise BadRequest(f"{path} is not a readable PDF: {exc}") from exc
 
 
 @app.command()
@@ -140,10 +187,13 @@ def compile(
         empty = [meta["source"] for text, meta in docs if not text.strip()]
         if empty:
             err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {', '.join(empty[:5])}")
-        docs = [(text, meta) for text, meta in docs if text.strip()]
+        docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
-        rc, _ = _open(model, store, chunk_tokens, dtype, device, kv_codec)
+        rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
+        if all(tier in ("memory", "memory:") for tier in tier_urls(s.store)):
+            err.print("[yellow]warning:[/yellow] the store is memory:, which ends with this command: nothing "
+                      "compiled now is kept (pass --store disk:PATH to keep it)")
         columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
                    TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
         from .front import CompileReport
@@ -163,6 +213,7 @@ def compile(
                 summary.add(rc.compile_documents([text], [meta], progress=on_chunk))
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
+        kept = _other_budgets(rc, summary.ids)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
         raise typer.Exit(130)
@@ -175,33 +226,52 @@ def compile(
     )
     for (text, meta), doc_id in zip(docs, summary.ids):
         console.print(f"{doc_id}  {meta.get('source', '')}")
+    if kept:
+        err.print(f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
+                  f"and keep it (a document's budget is set when it is first added): "
+                  + ", ".join(f"{doc_id} ({budget} tokens)" for doc_id, budget in list(kept.items())[:5])
+                  + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+                  + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again")
+
+
+def _other_budgets(rc, doc_ids: list[str]) -> dict[str, int]:
+    """The documents whose record keeps a chunk budget other than this run's, with that budget."""
+    budgets = {doc_id: (rc.document(doc_id) or {}).get("chunk_tokens") for doc_id in dict.fromkeys(doc_ids)}
+    return {doc_id: b for doc_id, b in budgets.items() if b is not None and b != rc.chunk_tokens}
 
 
 def _doc_argument(value: str) -> str | dict:
     """A --doc value: the text of a file that exists, or a document id. Never a guess between the two."""
     path = Path(value)
-    if path.is_file():
-        text = _read_text(path)
+    try:
+        is_file = path.is_file()
+    except OSError:  # a name too long to be a path (text passed as --doc, say): no file
+        is_file = False
+    if is_file and path.suffix == ".jsonl":
+        raise BadRequest(f"--doc {value} holds one document per line: compile them with `ragcache compile {value}` "
+                         "and pass the ids it prints as --doc")
+    if is_file:
+        text = _pdf_text(path) if path.suffix == ".pdf" else _read_text(path)
         if not text.strip():
             raise BadRequest(f"{path} is empty")
         return {"text": text}
     if is_document_id(value.lower()):
         return value.lower()
-    raise BadRequest(f"--doc {value!r} is neither an existing file nor a document id (32 hex characters, as "
-                     "`ragcache compile` prints)")
+    raise BadRequest(f"--doc {_shown(repr(value))} is neither an existing file nor a document id (32 hex characters, "
+                     "as `ragcache compile` prints)")
 
 
 @app.command()
 def query(
     question: str = typer.Argument(..., help="the question"),
-    doc: list[str] = typer.Option(..., "--doc", "-d", help="path to a text file that exists, or the id of a "
+    doc: list[str] = typer.Option(..., "--doc", "-d", help="path to a text or PDF file that exists, or the id of a "
                                                            "compiled document (32 hex, as `compile` prints); repeatable"),
     algorithm: str = typer.Option(None, help="focus (default) | full | naive | cacheblend | legolink | legolink0 | prefix"),
     k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
     ratio: float = typer.Option(None, help="focus, cacheblend: fraction of chunk tokens recomputed (focus: the "
                                                 "calibrated ratio, else 0.25)"),
     system: str = typer.Option(None, help="system prompt"),
-    max_new_tokens: int = typer.Option(None, help="tokens to generate"),
+    max_new_tokens: int = typer.Option(None, min=1, help="tokens to generate (default: settings, 64)"),
     stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
     model: str = typer.Option(None),
     store: str = typer.Option(None),
@@ -214,10 +284,13 @@ def query(
     """Answer a question from documents, linking their cached KV."""
     try:
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
+        request.unicode_text("the question", question)
+        if system is not None:
+            request.unicode_text("the system prompt", system)
         rc, s = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec, adapter=adapter)
         result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
                            k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
-                           max_new_tokens=max_new_tokens or s.max_new_tokens)
+                           max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens)
         for piece in result:
             if stream and not as_json:
                 console.print(piece, end="", soft_wrap=True, highlight=False)
@@ -233,8 +306,10 @@ def query(
     if not stream:
         console.print(answer.text, highlight=False)
     st = answer.stats
+    # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
     err.print(f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
-              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens[/dim]")
+              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens; chunks: store hits "
+              f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}[/dim]")
 
 
 @app.command()
@@ -247,9 +322,10 @@ def demo(
     device: str = DeviceOption,
 ):
     """Compile the sample documents and answer a few questions with `full` and the default algorithm."""
-    from .demo import run_demo
+    from .demo import check_data, run_demo
 
     try:
+        check_data(data)
         rc, _ = _open(model, store, dtype=dtype, device=device)
         run_demo(rc, data, questions, console)
     except RagCacheError as exc:

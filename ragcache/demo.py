@@ -8,9 +8,18 @@ from rich.console import Console
 from rich.table import Table
 
 from .calibrate import builtin_items
+from .errors import BadRequest
 from .settings import DEFAULT_ALGORITHM
 
 DOCS_PER_QUESTION = 4
+
+
+def check_data(data: Path) -> None:
+    """BadRequest unless `data` holds what the demo reads (checked before the model loads)."""
+    docs = sorted((data / "docs").glob("*.txt")) if (data / "docs").is_dir() else []
+    if len(docs) < DOCS_PER_QUESTION or not (data / "questions.jsonl").is_file():
+        raise BadRequest(f"--data {data}: the demo needs a folder holding docs/ with at least {DOCS_PER_QUESTION} "
+                         ".txt files and questions.jsonl (as in ragcache/data)")
 
 
 def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:

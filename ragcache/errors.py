@@ -23,6 +23,11 @@ class InvalidMetadata(BadRequest):
     holding text that is not Unicode (a lone surrogate)."""
 
 
+class InvalidText(BadRequest):
+    """A question, document or prompt holding a lone surrogate (from a file name or JSON escape), which is not
+    Unicode text: UTF-8 cannot hold it, so it can be neither hashed nor tokenized."""
+
+
 class UnknownAlgorithm(BadRequest):
     """An algorithm name that is not one of ragcache.linker.ALGORITHMS."""
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from ragcache.store.keys import document_id, is_document_id
 
-from .errors import BadRequest, EmptyInput, ParameterOutOfRange, PayloadTooLarge
+from .errors import BadRequest, EmptyInput, InvalidText, ParameterOutOfRange, PayloadTooLarge
 from .infill import MODES
 from .linker import LinkParams
 from .sampling import Sampling
@@ -58,8 +58,10 @@ def validate(question: str, docs: list, system: str | None, params: LinkParams, 
     if not isinstance(question, str) or not question.strip():
         raise EmptyInput("the question is empty")
     _at_most("the question", question, limits.question_chars)
+    unicode_text("the question", question)
     if system is not None:
         _at_most("the system prompt", system, limits.question_chars)
+        unicode_text("the system prompt", system)
     docs = list(docs)
     _at_most_count(len(docs), limits.documents, "documents")
     doc_ids, texts = [], []
@@ -88,7 +90,16 @@ def validate_text(text, name: str, limits: Limits = UNBOUNDED) -> str:
     if not isinstance(text, str) or not text.strip():
         raise EmptyInput(f"{name}: the document is empty; every document needs some text")
     _at_most(name, text, limits.document_chars)
+    unicode_text(name, text)
     return text
+
+
+def unicode_text(name: str, text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidText(f"{name} holds a lone surrogate ({exc.object[exc.start:exc.end]!a} at character "
+                          f"{exc.start}), which is not Unicode text") from None
 
 
 def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, reuse: bool, sampling: Sampling,
@@ -97,6 +108,8 @@ def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, re
         raise EmptyInput("infilling needs a prefix or a suffix")
     _at_most("the prefix", prefix, limits.document_chars)
     _at_most("the suffix", suffix, limits.document_chars)
+    unicode_text("the prefix", prefix)
+    unicode_text("the suffix", suffix)
     if mode not in MODES:
         raise BadRequest(f"unknown infill mode {mode!r}; choose one of {', '.join(MODES)}")
     validate_sampling(sampling, limits)

@@ -197,3 +197,148 @@ def test_calibrate_warns_on_the_builtin_set_and_saves_the_profile_beside_the_mod
                          timeout=600)
     assert own.returncode == 0, own.stderr
     assert "warning" not in own.stderr and "profile:" in own.stdout
+
+
+# -- the CLI's own checks and messages, in process, on a tiny random model (tests/tiny.py): seconds, not minutes
+
+@pytest.fixture
+def tiny_cli(monkeypatch):
+    """`run(*args)` invokes `ragcache` with `_open` giving a tiny model; each store URL opens one store for the
+    test, so a later command sees what an earlier one compiled. `run.opened` lists the stores opened (the model
+    loads), `run.engines` the engines they gave."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+    from ragcache.engine import RagCache
+    from ragcache.settings import Settings
+    from ragcache.store import open_store
+    from tests import tiny
+
+    lm, stores = tiny.make("llama"), {}
+
+    def opened(model, store, chunk_tokens=None, dtype=None, device=None, kv_codec=None, adapter=None):
+        s = Settings.model_construct(store=store or "memory:")
+        stores.setdefault(s.store, open_store(s.store))
+        run.opened.append(s.store)
+        run.engines.append(RagCache(lm, stores[s.store], chunk_tokens=chunk_tokens or 32))
+        return run.engines[-1], s
+
+    def run(*args):
+        result = CliRunner().invoke(cli.app, [str(a) for a in args])
+        assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
+        result.text = " ".join(result.output.split())  # rich wraps at 80 columns here
+        return result
+
+    run.opened, run.engines = [], []
+    monkeypatch.setattr(cli, "_open", opened)
+    return run
+
+
+def test_file_names_line_separators_and_byte_order_marks_keep_their_documents(tiny_cli, tmp_path):
+    """A file name that is not UTF-8 is kept in the source with U+FFFD; only "\\n" ends a JSONL line (U+2028 may
+    sit inside a JSON string); a UTF-8 BOM is no part of a document, so it changes neither JSON nor the id."""
+    from ragcache.store.keys import document_id
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / os.fsdecode(b"caf\xe9.txt")).write_text("A cafe by the harbour.")
+    (docs / "bom.txt").write_text("\ufeffThe bridge is old.", encoding="utf-8")
+    (docs / "lines.jsonl").write_text('\ufeff{"text": "one\u2028two\u2029three\x85four"}\n{"text": "five"}\n',
+                                      encoding="utf-8")
+    store = f"disk:{tmp_path / 'store'}"
+    done = tiny_cli("compile", docs, "--store", store)
+    assert done.exit_code == 0, done.output
+    assert "documents 4" in done.text
+    rc = tiny_cli.engines[-1]
+    texts = {rc.document(i)["text"]: rc.document(i)["meta"]["source"] for i in rc.document_ids()}
+    assert texts["A cafe by the harbour."] == os.fsencode(docs).decode() + "/caf\ufffd.txt"
+    assert "one\u2028two\u2029three\x85four" in texts and "five" in texts
+    assert document_id("The bridge is old.") in rc.document_ids()
+
+
+def test_bad_input_is_refused_with_exit_3_before_the_model_loads(tiny_cli, tmp_path, monkeypatch):
+    (tmp_path / "half.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair \\ud800"}\n')
+    half = tiny_cli("compile", tmp_path / "half.jsonl")
+    assert half.exit_code == 3 and "half.jsonl:2 holds a lone surrogate" in half.text
+    question = tiny_cli("query", "caf\udce9?", "--doc", "0" * 32)
+    assert question.exit_code == 3 and "the question holds a lone surrogate" in question.text
+    pasted = "Paste of a whole document instead of its path. " * 100
+    long_doc = tiny_cli("query", "what?", "--doc", pasted)
+    assert long_doc.exit_code == 3 and "neither an existing file nor a document id" in long_doc.text
+    assert "(4702 characters)" in long_doc.text
+    long_path = tiny_cli("compile", pasted)
+    assert long_path.exit_code == 3 and "File name too long" in long_path.text
+    absolute = tiny_cli("compile", tmp_path, "--glob", str(tmp_path / "*.txt"))
+    assert absolute.exit_code == 3 and "must be relative" in absolute.text
+    corpus = tiny_cli("query", "what?", "--doc", tmp_path / "half.jsonl")
+    assert corpus.exit_code == 3 and "holds one document per line" in corpus.text and "ragcache compile" in corpus.text
+    (tmp_path / "d").mkdir()
+    no_data = tiny_cli("demo", "--data", tmp_path / "d")
+    assert no_data.exit_code == 3 and "questions.jsonl" in no_data.text
+    assert tiny_cli.opened == []
+
+
+def test_max_new_tokens_0_is_refused_not_taken_for_the_default(tiny_cli, tmp_path):
+    (tmp_path / "note.txt").write_text("The bridge is old.")
+    zero = tiny_cli("query", "how old?", "--doc", tmp_path / "note.txt", "--max-new-tokens", "0")
+    assert zero.exit_code == 2 and "--max-new-tokens" in zero.text and tiny_cli.opened == []
+
+
+def test_pdf_damage_is_bad_input_and_query_reads_a_pdf_as_compile_does(tiny_cli, tmp_path, monkeypatch):
+    """pypdf is optional: a stand-in with its error classes. A damaged PDF names the file (exit 3); `query --doc`
+    reads a PDF's text as `compile` does, so the two give one id."""
+    import types
+
+    from ragcache.store.keys import document_id
+
+    class PyPdfError(Exception):
+        pass
+
+    class EmptyFileError(PyPdfError):
+        pass
+
+    class PdfReader:
+        def __init__(self, path):
+            if not path.read_bytes():
+                raise EmptyFileError("Cannot read an empty file")
+            self.pages = [types.SimpleNamespace(extract_text=lambda: "The orchard has pears.")]
+
+    monkeypatch.setitem(sys.modules, "pypdf", types.SimpleNamespace(PdfReader=PdfReader))
+    monkeypatch.setitem(sys.modules, "pypdf.errors", types.SimpleNamespace(PyPdfError=PyPdfError))
+    (tmp_path / "empty.pdf").write_bytes(b"")
+    empty = tiny_cli("compile", tmp_path / "empty.pdf")
+    assert empty.exit_code == 3 and "empty.pdf is not a readable PDF: Cannot read an empty file" in empty.text
+    (tmp_path / "orchard.pdf").write_bytes(b"%PDF-1.4 \xff\xfe binary")
+    asked = tiny_cli("query", "what fruit?", "--doc", tmp_path / "orchard.pdf", "--max-new-tokens", "1")
+    assert asked.exit_code == 0, asked.output
+    assert tiny_cli.engines[-1].document_ids() == [document_id("The orchard has pears.")]
+
+
+def test_query_summary_shows_store_hits_and_misses(tiny_cli, tmp_path):
+    """A store compiled with another --kv-codec or --dtype misses every chunk: the summary line says so."""
+    (tmp_path / "note.txt").write_text("The bridge is old. It was built of stone.")
+    asked = tiny_cli("query", "how old?", "--doc", tmp_path / "note.txt", "--max-new-tokens", "1")
+    assert asked.exit_code == 0, asked.output
+    assert "chunks: store hits 0, misses 1, compiled 1" in asked.text
+    again = tiny_cli("query", "how old?", "--doc", tmp_path / "note.txt", "--max-new-tokens", "1")
+    assert "chunks: store hits 1, misses 0, compiled 0" in again.text
+
+
+def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tmp_path):
+    """A folder's hidden folders (.git, .venv) are not read unless --glob names them; a memory: store ends with the
+    command; a document compiled before keeps its first chunk budget, and the output says which."""
+    docs = tmp_path / "docs"
+    for name in ("a.txt", ".venv/lib/b.md", ".git/c.txt", ".notes/d.md"):
+        (docs / name).parent.mkdir(parents=True, exist_ok=True)
+        (docs / name).write_text(f"The text of {name}.")
+    walked = tiny_cli("compile", docs)
+    assert walked.exit_code == 0, walked.output
+    assert "documents 1 " in walked.text and "hidden folder(s) .git, .notes, .venv" in walked.text
+    assert "memory:, which ends with this command" in walked.text
+    named = tiny_cli("compile", docs, "--glob", ".notes/*.md", "--store", f"disk:{tmp_path / 'store'}")
+    assert "documents 1 " in named.text and "d.md" in named.text and "memory:" not in named.text
+    rebudget = tiny_cli("compile", docs, "--glob", ".notes/*.md", "--chunk-tokens", "16", "--store",
+                        f"disk:{tmp_path / 'store'}")
+    doc_id = tiny_cli.engines[-1].document_ids()[0]
+    assert f"compiled before at another chunk budget and keep it (a document's budget is set when it is first " \
+           f"added): {doc_id} (32 tokens)" in rebudget.text

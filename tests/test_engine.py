@@ -32,6 +32,21 @@ def test_empty_document(rc):
         rc.compile(["   "])
 
 
+def test_text_that_is_not_unicode_is_refused_naming_where(rc):
+    """A lone surrogate (a JSON escape, a file name's undecodable byte) cannot be hashed or tokenized: a bad request
+    naming the text, never a UnicodeEncodeError."""
+    with pytest.raises(errors.InvalidText, match=r"documents\[1\] holds a lone surrogate"):
+        rc.compile(["fine", "half a pair \ud800"])
+    with pytest.raises(errors.InvalidText, match="the question holds"):
+        rc.query("what \udce9?", docs=[{"text": DOC}])
+    with pytest.raises(errors.InvalidText, match=r"docs\[0\] holds"):
+        rc.query("what?", docs=[{"text": DOC + "\udfff"}])
+    with pytest.raises(errors.InvalidText, match="the system prompt holds"):
+        rc.query("what?", docs=[{"text": DOC}], system="\ud800")
+    with pytest.raises(errors.InvalidText, match="the suffix holds"):
+        rc.infill("def f():", "\ud800")
+
+
 def test_unknown_document_id(rc):
     missing = "0" * 32
     with pytest.raises(errors.UnknownDocument) as info:
