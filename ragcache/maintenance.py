@@ -12,7 +12,7 @@ from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
 from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
-from .documents import chunks_problem, doc_name, document_ids, record_problem
+from .documents import checksum_only, chunks_problem, doc_name, document_ids, record_problem
 
 
 def tiers_of(store: Store) -> list[Store]:
@@ -50,9 +50,11 @@ def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
     return found
 
 
-def verify(store: Store, fix: bool = False) -> dict:
-    """Decode every entry of every tier and read every record; with fix, delete what is bad."""
-    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": []}
+def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False) -> dict:
+    """Decode every entry of every tier and read every record; with fix, delete what is bad, except records whose one
+    fault is their checksum (see `documents.checksum_only`: a store key other than the writer's fails every record
+    that way, and a document's text cannot be rebuilt) unless drop_checksum_only."""
+    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": [], "kept": 0}
     for tier in tiers_of(store):
         for batch in batched(tier.keys(), 32):
             for key, problem in zip(batch, tier.check_many(batch)):
@@ -66,12 +68,17 @@ def verify(store: Store, fix: bool = False) -> dict:
                         report["fixed"] += 1
         for name in tier.record_names():
             report["records_checked"] += 1
-            problem = record_problem(name, tier.get_record(name))
-            if problem is not None:
-                report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem})
-                if fix:
-                    tier.delete_record(name)
-                    report["fixed"] += 1
+            record = tier.get_record(name)
+            problem = record_problem(name, record)
+            if problem is None:
+                continue
+            only = checksum_only(name, record)
+            report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem, "checksum_only": only})
+            if fix and only and not drop_checksum_only:
+                report["kept"] += 1
+            elif fix:
+                tier.delete_record(name)
+                report["fixed"] += 1
     return report
 
 

@@ -24,10 +24,10 @@ from rich.table import Table
 from ragcache.store import tier_urls, open_store
 from ragcache.store import codec as kv_codec
 from ragcache.store.base import Store, batched
-from ragcache.store.keys import entry_form, is_document_id
+from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
-from .console import console, fail
+from .console import console, err, fail
 from .errors import StoreError
 from .settings import DEFAULT_STORE
 
@@ -174,21 +174,32 @@ def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help=
 @store_app.command()
 @_guard
 def verify(store: StoreUrl = DEFAULT_STORE,
-           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records")] = False,
+           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records (not the records "
+                                             "whose only fault is their checksum: see --drop-checksum-only)")] = False,
+           drop_checksum_only: Annotated[bool, typer.Option("--drop-checksum-only", help="with --fix, also delete "
+                                                            "records sound in every field but their checksum, "
+                                                            "document texts included, which nothing can rebuild "
+                                                            f"(first check {STORE_KEY_ENV})")] = False,
            as_json: AsJson = False) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
-    report = maintenance.verify(_open(store), fix=fix)
+    if drop_checksum_only and not fix:
+        raise typer.BadParameter("only goes with --fix", param_hint="--drop-checksum-only")
+    report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
     else:
-        for b in report["bad"]:
-            console.print(f"[red]bad[/red] {b['tier']} entry {b['key']}: {b['problem']}")
-        for b in report["bad_records"]:
-            console.print(f"[red]bad[/red] {b['tier']} record {b['name']}: unreadable")
+        lines = [*(f"{b['tier']} entry {b['key']}: {b['problem']}" for b in report["bad"]),
+                 *(f"{b['tier']} record {b['name']}: {b['problem']}" for b in report["bad_records"])]
+        for line in lines:  # one line each, whatever the terminal's width: scripts grep them
+            console.print(f"[red]bad[/red] {line}", highlight=False, soft_wrap=True)
         console.print(f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
                       + (f", {report['fixed']} deleted" if fix else ""))
-    if bad and not fix:
+        if report["kept"]:
+            err.print(f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum: most "
+                      f"likely {STORE_KEY_ENV} is not the one they were written with. Run again with that key; "
+                      "add --drop-checksum-only to delete them anyway (document texts cannot be rebuilt).")
+    if bad > report["fixed"]:
         raise typer.Exit(1)
 
 

@@ -487,3 +487,18 @@ def test_with_a_store_key_a_forged_chunk_record_of_valid_ids_is_re_derived(monke
     assert docs.chunks_of(doc_id) == truth
     monkeypatch.delenv("RAGCACHE_STORE_KEY")  # and records written under a key do not verify without it
     assert len(maintenance.verify(store)["bad_records"]) == 2
+
+
+def test_a_record_written_under_another_store_key_names_the_key_not_a_rewrite(monkeypatch):
+    """Adding the text again under the wrong key would rewrite the record under that key: the error says which
+    setting to fix instead."""
+    store = MemoryStore()
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    doc_id = docs_over(store).add(TEXTS[0])
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")
+    with pytest.raises(CorruptDocument, match="RAGCACHE_STORE_KEY") as caught:
+        docs_over(store).get(doc_id)
+    assert "add the document's text again" not in str(caught.value)
+    (bad,) = [b for b in maintenance.verify(store, fix=True)["bad_records"] if b["name"] == doc_name(doc_id)]
+    assert bad["checksum_only"] and "RAGCACHE_STORE_KEY" in bad["problem"]
+    assert store.get_record(doc_name(doc_id))["text"] == TEXTS[0]

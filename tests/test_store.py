@@ -674,3 +674,40 @@ def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     assert again.query(QUESTION, ids, max_new_tokens=2).stats.compiled_chunks == 0
     bad = _cli("gc", "--store", url, "--drop-form", "float64")
     assert bad.exit_code == 2 and "not a form" in bad.output
+
+
+def _catalog(store):
+    from ragcache.catalog import Catalog
+    from tests import tiny
+
+    return Catalog(store, tiny.tokenizer(), "t" * 64, 8)
+
+
+def test_cli_verify_fix_keeps_records_that_fail_only_their_checksum(tmp_path, monkeypatch):
+    """Records written under a RAGCACHE_STORE_KEY fail every checksum without it: --fix must not delete the texts."""
+    url = f"disk:{tmp_path}"
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    ids = [_catalog(open_store(url)).add(text) for text in DOCS]
+    names = open_store(url).record_names()
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")
+    result = _cli("verify", "--store", url, "--fix")
+    assert result.exit_code == 1, result.output
+    assert open_store(url).record_names() == names
+    assert "RAGCACHE_STORE_KEY" in result.output and "checksum" in result.output and "unreadable" not in result.output
+    assert "kept 4 record(s)" in result.output and "0 deleted" in result.output
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    assert _cli("verify", "--store", url).exit_code == 0
+    assert [_catalog(open_store(url)).get(i).text for i in ids] == DOCS
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "another")
+    assert _cli("verify", "--store", url, "--drop-checksum-only").exit_code == 2
+    result = _cli("verify", "--store", url, "--fix", "--drop-checksum-only")
+    assert result.exit_code == 0 and "4 deleted" in result.output and open_store(url).record_names() == []
+
+
+def test_cli_verify_names_each_bad_records_problem(tmp_path):
+    url = f"disk:{tmp_path}"
+    doc_id = _catalog(open_store(url)).add(DOCS[0])
+    path = tmp_path / "records" / f"doc__{doc_id}.json"
+    path.write_text(path.read_text().replace("Paris", "Rome"))
+    result = _cli("verify", "--store", url, "--fix")
+    assert "does not hash to its id" in result.output and "1 deleted" in result.output and not path.exists()
