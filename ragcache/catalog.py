@@ -32,6 +32,7 @@ log = logging.getLogger("ragcache")
 class EnsureReport:
     hits: int = 0
     compiled: int = 0
+    unstored: StoreError | None = None  # why the compiled entries could not be stored (the caller still has them)
 
 
 class Catalog:
@@ -129,8 +130,9 @@ class Catalog:
         storing those the store lacks. One batched read.
 
         An entry the compiler finds a problem with (not what the model would have made from these ids: other ids,
-        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged, not
-        raised: the caller has its entries, and only a later request pays the compile again."""
+        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged and
+        reported (`EnsureReport.unstored`), not raised: a query has its entries and only a later request pays the
+        compile again, while a compile, whose job the write was, raises it."""
         keys = [compiler.key(ids, layout) for ids in chunks]
         entries = self.store.get_many(keys)
         for i, entry in enumerate(entries):
@@ -142,6 +144,7 @@ class Catalog:
                 entries[i] = None
         hits = sum(e is not None for e in entries)
         missing: dict[str, ChunkKV] = {}
+        report = EnsureReport(hits)
         try:
             for i, entry in enumerate(entries):
                 if entry is None:  # a chunk twice in one prompt is compiled once
@@ -152,7 +155,9 @@ class Catalog:
                     self.store.put_many(missing)
                 except StoreError as exc:
                     log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
-        return entries, EnsureReport(hits, len(missing))
+                    report.unstored = exc
+        report.compiled = len(missing)
+        return entries, report
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""

@@ -572,6 +572,20 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
 
 
+def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):
+    """Storing entries is all a compile is for: a failed write fails it (the CLI exits 1 with the store's error). A
+    query still answers from the entries it compiled, as before."""
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
+    with pytest.raises(StoreError, match="disk full"):
+        rc.compile(DOCS)
+    answer = rc.query(QUESTION, [{"text": DOCS[1]}], max_new_tokens=2)
+    assert answer.stats.compiled_chunks > 0 and not entry_files(tmp_path)
+
+
 # -- open_store and the CLI ---------------------------------------------------------------------------------------------
 def test_open_store_urls(tmp_path):
     assert isinstance(open_store("memory:"), MemoryStore)
