@@ -21,8 +21,8 @@ from ragcache.store.keys import document_id
 
 from . import maintenance
 from .chunker import chunk_document
-from .documents import (Document, chunk_record_problem, chunks_name, chunks_record, doc_name, document_record,
-                        read_document, record_problem)
+from .documents import (Document, check_metadata, chunk_record_problem, chunks_name, chunks_record, doc_name,
+                        document_record, read_document, record_problem)
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
@@ -59,14 +59,17 @@ class Catalog:
 
     def register(self, text: str, meta: dict | None = None) -> tuple[str, list[list[int]]]:
         """`add`, also returning the document's chunk ids (read or made on the way, so no second read). The text is
-        a valid document (ragcache.request)."""
+        a valid document (ragcache.request); metadata a record could not give back is refused here
+        (InvalidMetadata, PayloadTooLarge), before anything is written."""
+        meta = {} if meta is None else meta
+        check_metadata(meta)
         doc_id = document_id(text)
         try:
             existing = read_document(doc_id, self._record_or_none(doc_name(doc_id)))
         except CorruptDocument:
             existing = None  # the caller holds the true text: writing it again repairs the record
         if existing is None:
-            existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
+            existing = Document(doc_id, text, dict(meta), self.chunk_tokens)
             self.store.put_record(doc_name(doc_id), document_record(existing))
         name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
         return doc_id, self._chunks(existing, self._record_or_none(name))

@@ -13,7 +13,7 @@ from ragcache import maintenance
 from ragcache.catalog import Catalog
 from ragcache.chunker import chunk_document
 from ragcache.documents import chunks_name, doc_name
-from ragcache.errors import CorruptDocument, UnknownDocument
+from ragcache.errors import CorruptDocument, InvalidMetadata, PayloadTooLarge, UnknownDocument
 from ragcache.store import open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import chunk_key, document_id
@@ -502,3 +502,13 @@ def test_a_record_written_under_another_store_key_names_the_key_not_a_rewrite(mo
     (bad,) = [b for b in maintenance.verify(store, fix=True)["bad_records"] if b["name"] == doc_name(doc_id)]
     assert bad["checksum_only"] and "RAGCACHE_STORE_KEY" in bad["problem"]
     assert store.get_record(doc_name(doc_id))["text"] == TEXTS[0]
+
+
+@pytest.mark.parametrize("meta, error", [({"score": float("nan")}, InvalidMetadata), ({"a": "\ud800"}, InvalidMetadata),
+                                         ({"big": "x" * 70_000}, PayloadTooLarge), (["a list"], InvalidMetadata)],
+                         ids=["nan", "surrogate", "too-big", "not-an-object"])
+def test_metadata_a_record_could_not_give_back_is_refused_before_anything_is_written(meta, error):
+    store = MemoryStore()
+    with pytest.raises(error):
+        docs_over(store).add(TEXTS[0], meta)
+    assert store.record_names() == []
