@@ -8,7 +8,7 @@
              entries no document refers to (system-prompt prefixes included: they are recompiled on demand)
   rm ID      a document id: its records and the chunk entries derivable from them; a chunk key: that entry
 
-Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error.
+Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error, 3 bad settings (ragcache.toml, RAGCACHE_*).
 """
 
 from __future__ import annotations
@@ -28,13 +28,24 @@ from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
 from .console import console, err, fail
-from .errors import StoreError
-from .settings import DEFAULT_STORE
+from .errors import BadRequest, StoreError
+from .settings import DEFAULT_STORE, load_settings
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 
-StoreUrl = Annotated[str, typer.Option("--store", "-s", envvar="RAGCACHE_STORE",
-                                       help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")]
+
+def _settings_store(url: str | None) -> str:
+    """The --store given, else the settings' store, as compile and query take it (RAGCACHE_STORE, ragcache.toml)."""
+    try:
+        return load_settings(store=url).store
+    except ValueError as exc:  # pydantic's ValidationError: a bad value in ragcache.toml, say
+        fail(BadRequest(str(exc)))
+
+
+StoreUrl = Annotated[str | None, typer.Option("--store", "-s", callback=_settings_store, show_default=False,
+                                              help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
+                                                   "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
+                                                   f"else {DEFAULT_STORE})")]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
@@ -122,7 +133,7 @@ def _guard(fn):
 
 @store_app.command()
 @_guard
-def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
+def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
     """Entries, bytes and hits per tier, entries per model, records."""
     info = summary(_open(store))
     if as_json:
@@ -151,7 +162,7 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
 
 @store_app.command("ls")
 @_guard
-def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
+def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
        as_json: AsJson = False) -> None:
     """Entries with their size, model and token count."""
     rows = entry_rows(_open(store), limit=limit)
@@ -173,7 +184,7 @@ def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help=
 
 @store_app.command()
 @_guard
-def verify(store: StoreUrl = DEFAULT_STORE,
+def verify(store: StoreUrl = None,
            fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records (not the records "
                                              "whose only fault is their checksum: see --drop-checksum-only)")] = False,
            drop_checksum_only: Annotated[bool, typer.Option("--drop-checksum-only", help="with --fix, also delete "
@@ -205,7 +216,7 @@ def verify(store: StoreUrl = DEFAULT_STORE,
 
 @store_app.command()
 @_guard
-def gc(store: StoreUrl = DEFAULT_STORE,
+def gc(store: StoreUrl = None,
        tmp_age: Annotated[float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as "
                                                    "abandoned")] = 600.0,
        unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
@@ -233,7 +244,7 @@ def gc(store: StoreUrl = DEFAULT_STORE,
 @_guard
 def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chunk key or a unique prefix of one "
                                               "(8 hex or more, as `ls` shows)")],
-       store: StoreUrl = DEFAULT_STORE) -> None:
+       store: StoreUrl = None) -> None:
     """Delete a document (its records and chunk entries) or one chunk entry."""
     s = _open(store)
     id = id.lower()

@@ -725,3 +725,20 @@ def test_cli_verify_names_each_bad_records_problem(tmp_path):
     path.write_text(path.read_text().replace("Paris", "Rome"))
     result = _cli("verify", "--store", url, "--fix")
     assert "does not hash to its id" in result.output and "1 deleted" in result.output and not path.exists()
+
+
+def test_cli_store_commands_default_to_the_settings_store(tmp_path, monkeypatch):
+    """Like compile and query: RAGCACHE_STORE, else ragcache.toml's store, else ./.ragcache."""
+    url = f"disk:{tmp_path / 'configured'}"
+    doc_id = _catalog(open_store(url)).add(DOCS[0])
+    monkeypatch.delenv("RAGCACHE_STORE", raising=False)
+    monkeypatch.delenv("RAGCACHE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ragcache.toml").write_text(f'store = "{url}"\n')
+    result = _cli("stats", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["documents"] == 1
+    assert _cli("rm", doc_id).exit_code == 0 and open_store(url).record_names() == []
+    (tmp_path / "ragcache.toml").write_text('store = "disk:elsewhere"\ndtype = "float64"\n')
+    result = _cli("stats")
+    assert result.exit_code == 3 and "dtype" in result.output
