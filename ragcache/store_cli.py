@@ -52,9 +52,11 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
-    rows = []
+    rows: list[dict] = []
     for batch in batched(store.keys()):
         for key, info in zip(batch, store.describe_many(batch)):
+            if limit is not None and len(rows) >= limit:
+                return rows
             if info is None:
                 continue  # removed while listing
             meta = info.get("meta") or {}
@@ -63,8 +65,6 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                          "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
-            if limit is not None and len(rows) >= limit:
-                return rows
     return rows
 
 
@@ -162,7 +162,7 @@ def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
 
 @store_app.command("ls")
 @_guard
-def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
+def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(min=0, help="at most this many entries")] = 50,
        as_json: AsJson = False) -> None:
     """Entries with their size, model and token count."""
     rows = entry_rows(_open(store), limit=limit)

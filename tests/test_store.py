@@ -742,3 +742,12 @@ def test_cli_store_commands_default_to_the_settings_store(tmp_path, monkeypatch)
     (tmp_path / "ragcache.toml").write_text('store = "disk:elsewhere"\ndtype = "float64"\n')
     result = _cli("stats")
     assert result.exit_code == 3 and "dtype" in result.output
+
+
+def test_cli_ls_limit_shows_at_most_that_many_entries(tmp_path):
+    url = f"disk:{tmp_path}"
+    open_store(url).put_many(dict(make_entry(seed, layers=2) for seed in range(3)))
+    for limit, shown in (("0", 0), ("2", 2), ("5", 3)):
+        result = _cli("ls", "--store", url, "--limit", limit, "--json")
+        assert result.exit_code == 0 and len(json.loads(result.output)) == shown, (limit, result.output)
+    assert _cli("ls", "--store", url, "--limit", "-1").exit_code == 2
