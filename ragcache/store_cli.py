@@ -24,6 +24,7 @@ from rich.table import Table
 from ragcache.store import tier_urls, open_store
 from ragcache.store import codec as kv_codec
 from ragcache.store.base import Store, batched
+from ragcache.store.disk import holds_store
 from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
@@ -104,8 +105,10 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
+    """The store at `url`; a disk folder no store was made in is refused, not made into one (these commands look
+    at or maintain a store, never create one)."""
     for part in tier_urls(url):
-        if part.startswith("disk:") and not Path(part[len("disk:"):] or "./.ragcache").exists():
+        if part.startswith("disk:") and not holds_store(Path(part[len("disk:"):] or "./.ragcache")):
             fail(f"no store at {part[len('disk:'):]!r} (nothing compiled there yet?)", 1)
     return open_store(url)  # a StoreError: the command's _guard
 

@@ -356,6 +356,12 @@ class DiskStore(BlobStore):
         self._drop_connection()
 
 
+def holds_store(root: str | os.PathLike) -> bool:
+    """Whether a disk tier was opened in this folder: it holds any of what opening one makes."""
+    root = Path(root)
+    return any((root / name).exists() for name in ("entries", "records", "index.sqlite"))
+
+
 class NotAnEntryFile(OSError):
     """The path holds something no writer of ours makes: a FIFO, a device, a directory, an absurd size."""
 

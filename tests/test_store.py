@@ -751,3 +751,11 @@ def test_cli_ls_limit_shows_at_most_that_many_entries(tmp_path):
         result = _cli("ls", "--store", url, "--limit", limit, "--json")
         assert result.exit_code == 0 and len(json.loads(result.output)) == shown, (limit, result.output)
     assert _cli("ls", "--store", url, "--limit", "-1").exit_code == 2
+
+
+def test_cli_store_commands_refuse_a_folder_that_holds_no_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("my own files")
+    for command in (["stats"], ["ls"], ["verify"], ["verify", "--fix"], ["gc"], ["rm", "ab" * 16]):
+        result = _cli(*command, "--store", f"disk:{tmp_path}")
+        assert result.exit_code == 1 and "no store at" in result.output, (command, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
