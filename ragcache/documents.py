@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ragcache.store import Store
 from ragcache.store.base import UnreadableRecord
 from ragcache.store.keys import STORE_KEY_ENV, checksum, document_id
 
@@ -54,11 +53,6 @@ def doc_name(doc_id: str) -> str:
 
 def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
     return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}"
-
-
-def document_ids(store: Store) -> set[str]:
-    """Every document the store holds a record of, sound or not."""
-    return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
 
 
 def is_count(value) -> bool:

@@ -12,7 +12,7 @@ from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
 from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
-from .documents import checksum_only, chunks_problem, doc_name, document_ids, record_problem
+from .documents import checksum_only, chunks_problem, doc_name, record_problem
 
 
 def tiers_of(store: Store) -> list[Store]:
@@ -26,7 +26,7 @@ def delete(store: Store, doc_id: str) -> dict | None:
     if store.get_record(doc_name(doc_id)) is None and not names:
         return None
     combos = _compile_combos(store)
-    keys = _entry_keys(store, doc_id, combos) - referenced_keys(store, combos, but=doc_id)
+    keys = _entry_keys(store, names, combos) - referenced_keys(store, combos, but=doc_id)
     entries = sum(store.delete(k) for k in sorted(keys))
     records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
     return {"records": records, "entries": entries}
@@ -36,7 +36,8 @@ def referenced_keys(store: Store, combos: set | None = None, but: str | None = N
     """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
     the store."""
     combos = _compile_combos(store) if combos is None else combos
-    return set().union(*(_entry_keys(store, doc_id, combos) for doc_id in document_ids(store) - {but}))
+    names = [n for n in store.record_names("chunks/") if n.split("/")[1] != but]  # one listing for every document
+    return _entry_keys(store, names, combos)
 
 
 def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
@@ -123,18 +124,20 @@ def _compile_combos(store: Store) -> set[tuple[str, ...]]:
     return combos
 
 
-def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
-    """Chunk keys of a document under every (model, tokenizer, dtype, layout, codec) present in the store."""
-    keys = set()
-    names = store.record_names(f"chunks/{doc_id}/")
-    for name, record in zip(names, store.get_records(names)):
-        record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
-        tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
-        for *keyed, codec in combos:
-            meta = dict(zip(KEYED_BY, keyed))
-            lead = lead_ids_of_layout(meta["layout"])
-            if lead is None or not meta["tokenizer"].startswith(tokenizer_prefix):
-                continue
-            for ids in record.get("chunks", []):
-                keys.add(entry_key(meta, codec, [*lead, *ids]))
+def _entry_keys(store: Store, names: list[str], combos: set) -> set[str]:
+    """Keys of the chunks these chunk records hold, under every (model, tokenizer, dtype, layout, codec) present in
+    the store; the records are read in batches."""
+    forms = []
+    for *keyed, codec in combos:
+        meta = dict(zip(KEYED_BY, keyed))
+        if (lead := lead_ids_of_layout(meta["layout"])) is not None:
+            forms.append((meta, codec, lead))
+    keys: set[str] = set()
+    for batch in batched(names):
+        for name, record in zip(batch, store.get_records(batch)):
+            record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
+            tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
+            for meta, codec, lead in forms:
+                if meta["tokenizer"].startswith(tokenizer_prefix):
+                    keys.update(entry_key(meta, codec, [*lead, *ids]) for ids in record.get("chunks", []))
     return keys

@@ -174,6 +174,36 @@ def test_delete_keeps_entries_another_document_shares():
     assert docs.delete(first) is None
 
 
+class ListingStore(MemoryStore):
+    """Counts record listings and record reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.listings = self.reads = 0
+
+    def record_names(self, prefix=""):
+        self.listings += 1
+        return super().record_names(prefix)
+
+    def get_records(self, names, problem=None):
+        self.reads += 1
+        return super().get_records(names, problem)
+
+
+@pytest.mark.parametrize("others", [3, 40])
+def test_a_delete_lists_the_records_once_whatever_the_number_of_documents(others):
+    """It listed every record once per document in the store (3.9 s at 1,000 documents on disk, 74 s at 4,000)."""
+    store = ListingStore()
+    docs = docs_over(store, budget=4)
+    doc_id = docs.add(TEXTS[0])
+    for i in range(others):
+        docs.add(f"Document number {i} is about rivers.")
+    store.put_many(dict(_entry(ids) for ids in docs.chunks_of(doc_id)))
+    store.listings = store.reads = 0
+    assert docs.delete(doc_id)["records"] == 2
+    assert store.listings <= 2 and store.reads <= 3
+
+
 def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     """Without the wait, the delete removed the record and the first chunk's entry while the upload was between
     chunks, and the upload then wrote the other chunks' entries, which no document referred to."""
