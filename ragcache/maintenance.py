@@ -7,12 +7,17 @@ still uses; `ragcache store` calls all of this.
 
 from __future__ import annotations
 
+import time
+
 from ragcache.store import Store
 from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
 from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
 from .documents import checksum_only, chunks_problem, doc_name, record_problem
+
+
+WRITE_TIME_SLACK_S = 2.0  # file times come from a coarser clock than time.time(), and some filesystems keep seconds
 
 
 def tiers_of(store: Store) -> list[Store]:
@@ -95,10 +100,24 @@ def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool =
         elif hasattr(tier, "evict"):
             report[tier.name] = {"evicted": tier.evict()}
     if unreferenced:
-        wanted = referenced_keys(store)
-        orphans = [k for k in list(store.keys()) if k not in wanted]
-        report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
+        report["unreferenced_removed"] = _drop_unreferenced(store)
     return report
+
+
+def _drop_unreferenced(store: Store) -> int:
+    """Delete the entries no document refers to, sparing what a concurrent compile writes: the entries are listed
+    before the records are read (a compile writes a document's records before its entries, so a listed entry of a
+    document being compiled is referenced by then), and an entry written since the pass began (its `written` time,
+    where the tier keeps one: disk and Redis) is spared even if nothing refers to it yet."""
+    started = time.time() - WRITE_TIME_SLACK_S
+    listed = list(store.keys())
+    wanted = referenced_keys(store)
+    removed = 0
+    for batch in batched([key for key in listed if key not in wanted]):
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info is not None and (info.get("written") or 0) < started:
+                removed += store.delete(key)
+    return removed
 
 
 def lead_ids_of_layout(tag: str) -> list[int] | None:

@@ -5,7 +5,8 @@
   verify     decode every entry and read every record; --fix deletes the bad ones; exit 1 if bad ones remain
   gc         disk: temp files of killed writers, index reconciled with the files, eviction to the budget;
              redis: parts no manifest points to, manifests whose parts are gone; --unreferenced also drops
-             entries no document refers to (system-prompt prefixes included: they are recompiled on demand)
+             entries no document refers to (system-prompt prefixes included: they are recompiled on demand),
+             except those written since the gc began (a concurrent compile's)
   rm ID      a document id: its records and the chunk entries derivable from them; a chunk key: that entry
 
 Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error, 3 bad settings (ragcache.toml, RAGCACHE_*).
@@ -223,7 +224,8 @@ def gc(store: StoreUrl = None,
        tmp_age: Annotated[float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as "
                                                    "abandoned")] = 600.0,
        unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
-                                                  "to (system-prompt prefixes included)")] = False,
+                                                  "to (system-prompt prefixes included), except those written "
+                                                  "since the gc began")] = False,
        drop_form: Annotated[list[str], typer.Option("--drop-form", help="also delete every entry compiled in this "
                                                     "form, as `store stats` lists them (e.g. float32/int8: the "
                                                     "entries of the fp32 default of before); repeatable")] = [],

@@ -663,9 +663,70 @@ def test_cli_gc_unreferenced(tmp_path, tiny_lm):
     rc.query(QUESTION, ids, max_new_tokens=2, system="Answer briefly.")  # adds a system-prefix entry
     stray_key, stray = make_entry(77, layers=2)
     rc.store.put(stray_key, stray)
+    _age(rc.store, stray_key, *(set(rc.store.keys()) - chunk_keys))  # older than the gc: a concurrent compile's are spared
     result = _cli("gc", "--store", url, "--unreferenced", "--json")
     assert result.exit_code == 0, result.output
     assert set(open_store(url).keys()) == chunk_keys
+
+
+def _age(store: DiskStore, *keys: str, seconds: float = 3600) -> None:
+    for key in keys:
+        written = store.entry_path(key).stat().st_mtime - seconds
+        os.utime(store.entry_path(key), (written, written))
+
+
+class _Racing(DiskStore):
+    """Runs `during` once, as a concurrent writer, right after its first listing of `listing` (keys or records)."""
+
+    def __init__(self, root, listing: str, during):
+        super().__init__(root)
+        self.listing, self.during = listing, during
+
+    def _race(self):
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+
+    def keys(self):
+        listed = list(super().keys())
+        if self.listing == "keys":
+            self._race()
+        return iter(listed)
+
+    def record_names(self, prefix=""):
+        names = super().record_names(prefix)
+        if self.listing == "records":
+            self._race()
+        return names
+
+
+def test_gc_unreferenced_spares_the_entries_a_concurrent_compile_writes(tmp_path, tiny_lm):
+    """gc read the records, then listed the entries: a compile in between (records, then entries) lost its entries."""
+    from ragcache.maintenance import collect_garbage
+
+    url = f"disk:{tmp_path}"
+    rc = engine(tiny_lm, open_store(url))
+    rc.compile(DOCS[:1])
+    _age(rc.store, *rc.store.keys())
+    compiled = {}
+    during = lambda: compiled.update(ids=rc.compile(DOCS[1:]), keys=set(rc.store.keys()))  # noqa: E731
+    collect_garbage(_Racing(tmp_path, "records", during), unreferenced=True)
+    assert compiled["keys"] and compiled["keys"] <= set(open_store(url).keys())
+    assert engine(tiny_lm, open_store(url)).query(QUESTION, compiled["ids"], max_new_tokens=1).stats.compiled_chunks == 0
+
+
+def test_gc_unreferenced_spares_entries_written_since_it_began(tmp_path):
+    """An entry that lands after the gc began and that no record refers to yet (its records still to come, or a
+    system prompt's prefix) is left for the next gc."""
+    from ragcache.maintenance import collect_garbage
+
+    old_key, old = make_entry(1, layers=2)
+    new_key, new = make_entry(2, layers=2)
+    store = _Racing(tmp_path, "keys", lambda: DiskStore(tmp_path).put(new_key, new))
+    store.put(old_key, old)
+    _age(store, old_key)
+    assert collect_garbage(store, unreferenced=True)["unreferenced_removed"] == 1
+    assert set(DiskStore(tmp_path).keys()) == {new_key}
 
 
 def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
