@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ragcache.store import tier_urls, open_store
@@ -121,6 +124,22 @@ def _size(n: float) -> str:
         n /= 1024
 
 
+@contextmanager
+def _bars() -> Iterator[maintenance.Progress]:
+    """A maintenance.Progress drawing one bar per stage on stderr, as compile's; gone once the work is done."""
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=True) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
+
+
 def _guard(fn):
     """Store failures become a red line and exit code 1, not a traceback."""
     import functools
@@ -199,7 +218,8 @@ def verify(store: StoreUrl = None,
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
     if drop_checksum_only and not fix:
         raise typer.BadParameter("only goes with --fix", param_hint="--drop-checksum-only")
-    report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only)
+    with _bars() as progress:
+        report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only, progress=progress)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
@@ -237,7 +257,9 @@ def gc(store: StoreUrl = None,
         if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
             raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
                                      f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
-    report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
+    with _bars() as progress:
+        report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced,
+                                             drop_forms=tuple(drop_form), progress=progress)
     if as_json:
         console.print_json(json.dumps(report))
         return
@@ -255,7 +277,8 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
         fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 2)
-    result = maintenance.delete(s, id) if is_document_id(id) else None
+    with _bars() as progress:
+        result = maintenance.delete(s, id, progress) if is_document_id(id) else None
     if result is not None:
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
                       "(entries shared with other documents kept)")

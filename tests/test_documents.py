@@ -204,6 +204,23 @@ def test_a_delete_lists_the_records_once_whatever_the_number_of_documents(others
     assert store.listings <= 2 and store.reads <= 3
 
 
+def test_verify_and_delete_report_their_progress_to_the_end_of_each_stage():
+    """What `ragcache store verify` and `rm` draw their progress bars from."""
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    ids = [docs.add(text) for text in TEXTS]
+    for doc_id in ids:
+        store.put_many(dict(_entry(chunk) for chunk in docs.chunks_of(doc_id)))
+    entries, records = len(list(store.keys())), len(store.record_names())
+    seen: dict[str, list[tuple[int, int]]] = {}
+    maintenance.verify(store, progress=lambda stage, done, total: seen.setdefault(stage, []).append((done, total)))
+    assert seen == {"verifying memory": [(entries, entries + records), (entries + records, entries + records)]}
+    seen.clear()
+    maintenance.delete(store, ids[0], lambda stage, done, total: seen.setdefault(stage, []).append((done, total)))
+    assert set(seen) == {"reading entry headers", "reading chunk records", "deleting entries"}
+    assert all(calls[-1][0] == calls[-1][1] > 0 for calls in seen.values())
+
+
 def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     """Without the wait, the delete removed the record and the first chunk's entry while the upload was between
     chunks, and the upload then wrote the other chunks' entries, which no document referred to."""
