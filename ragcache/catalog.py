@@ -21,8 +21,8 @@ from ragcache.store.keys import document_id
 
 from . import maintenance
 from .chunker import chunk_document
-from .documents import (Document, chunk_record_problem, chunks_name, chunks_record, doc_name, document_record,
-                        read_document, record_problem)
+from .documents import (Document, check_metadata, chunk_record_problem, chunks_name, chunks_record, doc_name,
+                        document_record, read_document, record_problem)
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
@@ -32,6 +32,7 @@ log = logging.getLogger("ragcache")
 class EnsureReport:
     hits: int = 0
     compiled: int = 0
+    unstored: StoreError | None = None  # why the compiled entries could not be stored (the caller still has them)
 
 
 class Catalog:
@@ -58,14 +59,17 @@ class Catalog:
 
     def register(self, text: str, meta: dict | None = None) -> tuple[str, list[list[int]]]:
         """`add`, also returning the document's chunk ids (read or made on the way, so no second read). The text is
-        a valid document (ragcache.request)."""
+        a valid document (ragcache.request); metadata a record could not give back is refused here
+        (InvalidMetadata, PayloadTooLarge), before anything is written."""
+        meta = {} if meta is None else meta
+        check_metadata(meta)
         doc_id = document_id(text)
         try:
             existing = read_document(doc_id, self._record_or_none(doc_name(doc_id)))
         except CorruptDocument:
             existing = None  # the caller holds the true text: writing it again repairs the record
         if existing is None:
-            existing = Document(doc_id, text, dict(meta or {}), self.chunk_tokens)
+            existing = Document(doc_id, text, dict(meta), self.chunk_tokens)
             self.store.put_record(doc_name(doc_id), document_record(existing))
         name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
         return doc_id, self._chunks(existing, self._record_or_none(name))
@@ -129,8 +133,9 @@ class Catalog:
         storing those the store lacks. One batched read.
 
         An entry the compiler finds a problem with (not what the model would have made from these ids: other ids,
-        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged, not
-        raised: the caller has its entries, and only a later request pays the compile again."""
+        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged and
+        reported (`EnsureReport.unstored`), not raised: a query has its entries and only a later request pays the
+        compile again, while a compile, whose job the write was, raises it."""
         keys = [compiler.key(ids, layout) for ids in chunks]
         entries = self.store.get_many(keys)
         for i, entry in enumerate(entries):
@@ -142,6 +147,7 @@ class Catalog:
                 entries[i] = None
         hits = sum(e is not None for e in entries)
         missing: dict[str, ChunkKV] = {}
+        report = EnsureReport(hits)
         try:
             for i, entry in enumerate(entries):
                 if entry is None:  # a chunk twice in one prompt is compiled once
@@ -152,7 +158,9 @@ class Catalog:
                     self.store.put_many(missing)
                 except StoreError as exc:
                     log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
-        return entries, EnsureReport(hits, len(missing))
+                    report.unstored = exc
+        report.compiled = len(missing)
+        return entries, report
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""

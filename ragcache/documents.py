@@ -13,20 +13,22 @@ Records verify themselves, so nothing edited in the store can change an answer:
 The checksums are plain hashes (damage and careless edits), or HMACs under RAGCACHE_STORE_KEY (store.keys.checksum: a
 forged record fails too). Either way the type and range checks hold, so nothing read can index outside the model.
 A chunk record that fails is a miss: the chunks are re-derived from the text. A document record that fails
-cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it.
+cannot be re-derived: CorruptDocument says so, and re-adding the text repairs it. A record whose every field is sound
+but whose checksum fails was most likely written under another RAGCACHE_STORE_KEY (or none): its problem says so, and
+`checksum_only` tells it apart, so that nothing deletes such a record as damaged.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-from ragcache.store import Store
 from ragcache.store.base import UnreadableRecord
-from ragcache.store.keys import checksum, document_id
+from ragcache.store.keys import STORE_KEY_ENV, checksum, document_id
 
 from .errors import CorruptDocument, InvalidMetadata, PayloadTooLarge
 
@@ -51,11 +53,6 @@ def doc_name(doc_id: str) -> str:
 
 def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
     return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}"
-
-
-def document_ids(store: Store) -> set[str]:
-    """Every document the store holds a record of, sound or not."""
-    return {n.split("/")[1] for n in store.record_names() if n.startswith(("doc/", "chunks/")) and n.count("/") >= 1}
 
 
 def is_count(value) -> bool:
@@ -108,6 +105,9 @@ def read_document(doc_id: str, record) -> Document | None:
     if record is None:
         return None
     problem = document_problem(doc_id, record)
+    if problem is not None and checksum_only(doc_name(doc_id), record):
+        raise CorruptDocument(doc_id, problem, advice=f"run with the {STORE_KEY_ENV} it was written with (every "
+                              "process sharing a store needs the same one)")
     if problem is not None:
         raise CorruptDocument(doc_id, problem)
     created = record.get("created")
@@ -116,6 +116,15 @@ def read_document(doc_id: str, record) -> Document | None:
 
 
 def document_problem(doc_id: str, record) -> str | None:
+    problem = _document_fields_problem(doc_id, record)
+    if problem is None and record["checksum"] != document_checksum(doc_id, record["chunk_tokens"]):
+        return f"its checksum does not cover its chunk budget {record['chunk_tokens']!r}: {_checksum_cause()}"
+    return problem
+
+
+def _document_fields_problem(doc_id: str, record) -> str | None:
+    """What is wrong with a document record besides its checksum (checked last, so that a record failing only that
+    can be told apart)."""
     if isinstance(record, UnreadableRecord):
         return f"its record is not JSON ({record.reason})"
     if not isinstance(record, dict):
@@ -125,13 +134,23 @@ def document_problem(doc_id: str, record) -> str | None:
         return "its text does not hash to its id"
     if "checksum" not in record:
         return "it has no checksum of its chunk budget (written before ragcache kept one)"
-    if not is_count(budget) or record["checksum"] != document_checksum(doc_id, budget):
-        return f"its chunk budget {budget!r} is not the one it was stored with"
+    if not is_count(budget):
+        return f"its chunk budget {budget!r} is not a positive integer"
     try:
         check_metadata(record.get("meta") or {}, "its metadata")
     except (InvalidMetadata, PayloadTooLarge) as exc:
         return str(exc)
     return None
+
+
+def _checksum_cause() -> str:
+    """The likely cause of a checksum that fails on a record sound in every other field: one store key changes every
+    checksum at once, an edit only the records it touched."""
+    if os.environ.get(STORE_KEY_ENV):
+        likely = f"written under another {STORE_KEY_ENV} than the one set here, or under none"
+    else:
+        likely = f"written under a {STORE_KEY_ENV}, which is not set here"
+    return f"most likely {likely}; else edited, or written by an older ragcache"
 
 
 def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]]) -> str:
@@ -163,12 +182,31 @@ def chunks_problem(chunks, vocab: int) -> str | None:
 def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | None:
     """What is wrong with a chunk record (None if sound), from its name and contents alone (no model needed), and
     against the reader's vocabulary size where it is given."""
+    problem = _chunk_fields_problem(name, record, vocab)
+    if problem is None and not _chunks_checksum_holds(name, record):
+        return f"checksum mismatch: {_checksum_cause()}"
+    return problem
+
+
+def _chunks_checksum_holds(name: str, record: dict) -> bool:
+    doc_id, _, budget = _chunks_name_parts(name)
+    return record.get("checksum") == chunks_checksum(doc_id, record["tokenizer"], budget, record["vocab"],
+                                                     record["chunks"])
+
+
+def _chunks_name_parts(name: str) -> tuple[str, str, int]:
+    """(document id, tokenizer prefix, budget) of a chunk record's name; ValueError if it is not of that form."""
+    _, doc_id, tail = name.split("/")
+    tokenizer_prefix, budget = tail.rsplit("-", 1)
+    return doc_id, tokenizer_prefix, int(budget)
+
+
+def _chunk_fields_problem(name: str, record, vocab: int | None = None) -> str | None:
+    """What is wrong with a chunk record besides its checksum (checked last, as for document records)."""
     if not isinstance(record, dict):
         return f"not JSON ({record.reason})" if isinstance(record, UnreadableRecord) else "not a JSON object"
     try:
-        _, doc_id, tail = name.split("/")
-        tokenizer_prefix, budget = tail.rsplit("-", 1)
-        budget = int(budget)
+        _, tokenizer_prefix, _ = _chunks_name_parts(name)
         tokenizer, chunks, recorded_vocab = record["tokenizer"], record["chunks"], record["vocab"]
     except (ValueError, KeyError):
         return "malformed"
@@ -176,11 +214,7 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
         return "its tokenizer is not the one its name says"
     if not is_count(recorded_vocab) or (vocab is not None and recorded_vocab != vocab):
         return f"its vocabulary size {recorded_vocab!r} is not the tokenizer's"
-    if problem := chunks_problem(chunks, recorded_vocab):
-        return problem
-    if record.get("checksum") != chunks_checksum(doc_id, tokenizer, budget, recorded_vocab, chunks):
-        return "checksum mismatch (edited, damaged, or written by an older ragcache)"
-    return None
+    return chunks_problem(chunks, recorded_vocab)
 
 
 def record_problem(name: str, record) -> str | None:
@@ -192,3 +226,14 @@ def record_problem(name: str, record) -> str | None:
     if name.startswith("chunks/"):
         return chunk_record_problem(name, record)
     return None
+
+
+def checksum_only(name: str, record) -> bool:
+    """Whether a record's one fault is its checksum: every field sound, so most likely it was written under another
+    RAGCACHE_STORE_KEY, and deleting it as damaged would lose a document text that cannot be rebuilt."""
+    if name.startswith("doc/"):
+        doc_id = name.split("/", 1)[1]
+        return _document_fields_problem(doc_id, record) is None and document_problem(doc_id, record) is not None
+    if name.startswith("chunks/"):
+        return _chunk_fields_problem(name, record) is None and not _chunks_checksum_holds(name, record)
+    return False

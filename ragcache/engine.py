@@ -116,11 +116,15 @@ class RagCache(Front):
 
     # -- documents ------------------------------------------------------------------------------------
     def _compile(self, chunks: list[list[int]], layout: str) -> int:
-        entries, _ = self._ensure(chunks, self.layouts[layout])
+        entries, report = self._ensure(chunks, self.layouts[layout])
+        if report.unstored is not None:  # storing them was the point: the work is lost with this process
+            raise report.unstored
         return sum(entry.nbytes for entry in entries)
 
     def _compile_prefix(self, prefix_ids: list[int]) -> None:
-        self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
+        _, report = self._ensure([prefix_ids], PLAIN, self.prefix_compiler)
+        if report.unstored is not None:
+            raise report.unstored
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None,
                 cancelled: Callable[[], bool] = lambda: False) -> tuple[list[ChunkKV], EnsureReport]:

@@ -79,12 +79,12 @@ class ModelFetchError(RagCacheError):
 
 
 class CorruptDocument(StoreError):
-    """A stored document record fails its checks (edited or damaged in the store); `problem` names the damage."""
+    """A stored document record fails its checks (edited or damaged in the store); `problem` names the damage,
+    `advice` the repair."""
 
-    def __init__(self, doc_id: str, problem: str):
+    def __init__(self, doc_id: str, problem: str, advice: str = "add the document's text again to repair it"):
         self.doc_id, self.problem = doc_id, problem
-        super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; add the document's text "
-                         "again to repair it")
+        super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; {advice}")
 
 
 class BadAdapter(ModelFetchError):

@@ -7,36 +7,55 @@ still uses; `ragcache store` calls all of this.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from ragcache.store import Store
 from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
 from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
-from .documents import chunks_problem, doc_name, document_ids, record_problem
+from .documents import checksum_only, chunks_problem, doc_name, record_problem
+
+
+WRITE_TIME_SLACK_S = 2.0  # file times come from a coarser clock than time.time(), and some filesystems keep seconds
 
 
 def tiers_of(store: Store) -> list[Store]:
     return list(getattr(store, "tiers", [store]))
 
 
-def delete(store: Store, doc_id: str) -> dict | None:
+def _silent(stage: str, done: int, total: int) -> None:
+    pass
+
+
+Progress = Callable[[str, int, int], None]  # (stage, items done, items in all), after each batch of a long stage
+
+
+def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | None:
     """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
     except entries another document also uses. None if the document is unknown."""
     names = store.record_names(f"chunks/{doc_id}/")
     if store.get_record(doc_name(doc_id)) is None and not names:
         return None
-    combos = _compile_combos(store)
-    keys = _entry_keys(store, doc_id, combos) - referenced_keys(store, combos, but=doc_id)
-    entries = sum(store.delete(k) for k in sorted(keys))
+    combos = _compile_combos(store, progress)
+    keys = sorted(_entry_keys(store, names, combos) - referenced_keys(store, combos, but=doc_id, progress=progress))
+    entries = done = 0
+    for batch in batched(keys):
+        entries += sum(store.delete(k) for k in batch)
+        done += len(batch)
+        progress("deleting entries", done, len(keys))
     records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
     return {"records": records, "entries": entries}
 
 
-def referenced_keys(store: Store, combos: set | None = None, but: str | None = None) -> set[str]:
+def referenced_keys(store: Store, combos: set | None = None, but: str | None = None,
+                    progress: Progress = _silent) -> set[str]:
     """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
     the store."""
-    combos = _compile_combos(store) if combos is None else combos
-    return set().union(*(_entry_keys(store, doc_id, combos) for doc_id in document_ids(store) - {but}))
+    combos = _compile_combos(store, progress) if combos is None else combos
+    names = [n for n in store.record_names("chunks/") if n.split("/")[1] != but]  # one listing for every document
+    return _entry_keys(store, names, combos, progress)
 
 
 def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
@@ -50,33 +69,55 @@ def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
     return found
 
 
-def verify(store: Store, fix: bool = False) -> dict:
-    """Decode every entry of every tier and read every record; with fix, delete what is bad."""
-    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": []}
+def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False, progress: Progress = _silent) -> dict:
+    """Decode every entry of every tier and read every record; with fix, delete what is bad, except records whose one
+    fault is their checksum (see `documents.checksum_only`: a store key other than the writer's fails every record
+    that way, and a document's text cannot be rebuilt) unless drop_checksum_only."""
+    report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": [], "kept": 0}
     for tier in tiers_of(store):
-        for batch in batched(tier.keys(), 32):
-            for key, problem in zip(batch, tier.check_many(batch)):
-                if problem == "missing":
-                    continue  # evicted or deleted while we looked
-                report["checked"] += 1
-                if problem is not None:
-                    report["bad"].append({"tier": tier.name, "key": key, "problem": problem})
-                    if fix:
-                        tier.delete(key)
-                        report["fixed"] += 1
-        for name in tier.record_names():
-            report["records_checked"] += 1
-            problem = record_problem(name, tier.get_record(name))
-            if problem is not None:
-                report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem})
-                if fix:
-                    tier.delete_record(name)
-                    report["fixed"] += 1
+        keys, names = list(tier.keys()), tier.record_names()
+        stage, done = f"verifying {tier.name}", 0
+        for batch in batched(keys, 32):
+            _verify_entries(tier, batch, fix, report)
+            done += len(batch)
+            progress(stage, done, len(keys) + len(names))
+        for batch in batched(names, 32):
+            _verify_records(tier, batch, fix, drop_checksum_only, report)
+            done += len(batch)
+            progress(stage, done, len(keys) + len(names))
     return report
 
 
+def _verify_entries(tier: Store, keys: list[str], fix: bool, report: dict) -> None:
+    for key, problem in zip(keys, tier.check_many(keys)):
+        if problem == "missing":
+            continue  # evicted or deleted while we looked
+        report["checked"] += 1
+        if problem is not None:
+            report["bad"].append({"tier": tier.name, "key": key, "problem": problem})
+            if fix:
+                tier.delete(key)
+                report["fixed"] += 1
+
+
+def _verify_records(tier: Store, names: list[str], fix: bool, drop_checksum_only: bool, report: dict) -> None:
+    for name in names:
+        report["records_checked"] += 1
+        record = tier.get_record(name)
+        problem = record_problem(name, record)
+        if problem is None:
+            continue
+        only = checksum_only(name, record)
+        report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem, "checksum_only": only})
+        if fix and only and not drop_checksum_only:
+            report["kept"] += 1
+        elif fix:
+            tier.delete_record(name)
+            report["fixed"] += 1
+
+
 def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
-                    drop_forms: tuple[str, ...] = ()) -> dict:
+                    drop_forms: tuple[str, ...] = (), progress: Progress = _silent) -> dict:
     report: dict = {}
     # before the tiers' own gc, so that their indexes see the space freed
     for form, keys in entries_of_forms(store, set(drop_forms)).items():
@@ -87,10 +128,24 @@ def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool =
         elif hasattr(tier, "evict"):
             report[tier.name] = {"evicted": tier.evict()}
     if unreferenced:
-        wanted = referenced_keys(store)
-        orphans = [k for k in list(store.keys()) if k not in wanted]
-        report["unreferenced_removed"] = sum(store.delete(k) for k in orphans)
+        report["unreferenced_removed"] = _drop_unreferenced(store, progress)
     return report
+
+
+def _drop_unreferenced(store: Store, progress: Progress) -> int:
+    """Delete the entries no document refers to, sparing what a concurrent compile writes: the entries are listed
+    before the records are read (a compile writes a document's records before its entries, so a listed entry of a
+    document being compiled is referenced by then), and an entry written since the pass began (its `written` time,
+    where the tier keeps one: disk and Redis) is spared even if nothing refers to it yet."""
+    started = time.time() - WRITE_TIME_SLACK_S
+    listed = list(store.keys())
+    wanted = referenced_keys(store, progress=progress)
+    removed = 0
+    for batch in batched([key for key in listed if key not in wanted]):
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info is not None and (info.get("written") or 0) < started:
+                removed += store.delete(key)
+    return removed
 
 
 def lead_ids_of_layout(tag: str) -> list[int] | None:
@@ -105,29 +160,36 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
         return None
 
 
-def _compile_combos(store: Store) -> set[tuple[str, ...]]:
+def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str, ...]]:
     """(model, tokenizer, dtype, layout, codec) of the entries in the store: what chunk keys can be rebuilt from."""
-    combos = set()
-    for batch in batched(store.keys()):
+    combos, keys, done = set(), list(store.keys()), 0
+    for batch in batched(keys):
         for info in store.describe_many(batch):
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
                 combos.add((*(meta.get(name, "") for name in KEYED_BY), of_dtype_name(info.get("dtype", ""))))
+        done += len(batch)
+        progress("reading entry headers", done, len(keys))
     return combos
 
 
-def _entry_keys(store: Store, doc_id: str, combos: set) -> set[str]:
-    """Chunk keys of a document under every (model, tokenizer, dtype, layout, codec) present in the store."""
-    keys = set()
-    names = store.record_names(f"chunks/{doc_id}/")
-    for name, record in zip(names, store.get_records(names)):
-        record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
-        tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
-        for *keyed, codec in combos:
-            meta = dict(zip(KEYED_BY, keyed))
-            lead = lead_ids_of_layout(meta["layout"])
-            if lead is None or not meta["tokenizer"].startswith(tokenizer_prefix):
-                continue
-            for ids in record.get("chunks", []):
-                keys.add(entry_key(meta, codec, [*lead, *ids]))
+def _entry_keys(store: Store, names: list[str], combos: set, progress: Progress = _silent) -> set[str]:
+    """Keys of the chunks these chunk records hold, under every (model, tokenizer, dtype, layout, codec) present in
+    the store; the records are read in batches."""
+    forms = []
+    for *keyed, codec in combos:
+        meta = dict(zip(KEYED_BY, keyed))
+        if (lead := lead_ids_of_layout(meta["layout"])) is not None:
+            forms.append((meta, codec, lead))
+    keys: set[str] = set()
+    done = 0
+    for batch in batched(names):
+        for name, record in zip(batch, store.get_records(batch)):
+            record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
+            tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
+            for meta, codec, lead in forms:
+                if meta["tokenizer"].startswith(tokenizer_prefix):
+                    keys.update(entry_key(meta, codec, [*lead, *ids]) for ids in record.get("chunks", []))
+        done += len(batch)
+        progress("reading chunk records", done, len(names))
     return keys

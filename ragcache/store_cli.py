@@ -5,45 +5,63 @@
   verify     decode every entry and read every record; --fix deletes the bad ones; exit 1 if bad ones remain
   gc         disk: temp files of killed writers, index reconciled with the files, eviction to the budget;
              redis: parts no manifest points to, manifests whose parts are gone; --unreferenced also drops
-             entries no document refers to (system-prompt prefixes included: they are recompiled on demand)
+             entries no document refers to (system-prompt prefixes included: they are recompiled on demand),
+             except those written since the gc began (a concurrent compile's)
   rm ID      a document id: its records and the chunk entries derivable from them; a chunk key: that entry
 
-Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error.
+Exit codes: 0 ok, 1 store failure or bad entries left, 2 usage error, 3 bad settings (ragcache.toml, RAGCACHE_*).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from ragcache.store import tier_urls, open_store
 from ragcache.store import codec as kv_codec
 from ragcache.store.base import Store, batched
-from ragcache.store.keys import entry_form, is_document_id
+from ragcache.store.disk import holds_store
+from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
-from .console import console, fail
-from .errors import StoreError
-from .settings import DEFAULT_STORE
+from .console import console, err, fail
+from .errors import BadRequest, StoreError
+from .settings import DEFAULT_STORE, load_settings
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 
-StoreUrl = Annotated[str, typer.Option("--store", "-s", envvar="RAGCACHE_STORE",
-                                       help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'")]
+
+def _settings_store(url: str | None) -> str:
+    """The --store given, else the settings' store, as compile and query take it (RAGCACHE_STORE, ragcache.toml)."""
+    try:
+        return load_settings(store=url).store
+    except ValueError as exc:  # pydantic's ValidationError: a bad value in ragcache.toml, say
+        fail(BadRequest(str(exc)))
+
+
+StoreUrl = Annotated[str | None, typer.Option("--store", "-s", callback=_settings_store, show_default=False,
+                                              help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
+                                                   "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
+                                                   f"else {DEFAULT_STORE})")]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
 def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
-    rows = []
+    rows: list[dict] = []
     for batch in batched(store.keys()):
         for key, info in zip(batch, store.describe_many(batch)):
+            if limit is not None and len(rows) >= limit:
+                return rows
             if info is None:
                 continue  # removed while listing
             meta = info.get("meta") or {}
@@ -52,8 +70,6 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                          "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
                          "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
                          "layout": meta.get("layout", ""), "error": info.get("error")})
-            if limit is not None and len(rows) >= limit:
-                return rows
     return rows
 
 
@@ -93,8 +109,10 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
+    """The store at `url`; a disk folder no store was made in is refused, not made into one (these commands look
+    at or maintain a store, never create one)."""
     for part in tier_urls(url):
-        if part.startswith("disk:") and not Path(part[len("disk:"):] or "./.ragcache").exists():
+        if part.startswith("disk:") and not holds_store(Path(part[len("disk:"):] or "./.ragcache")):
             fail(f"no store at {part[len('disk:'):]!r} (nothing compiled there yet?)", 1)
     return open_store(url)  # a StoreError: the command's _guard
 
@@ -104,6 +122,22 @@ def _size(n: float) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+
+
+@contextmanager
+def _bars() -> Iterator[maintenance.Progress]:
+    """A maintenance.Progress drawing one bar per stage on stderr, as compile's; gone once the work is done."""
+    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+               TimeElapsedColumn()]
+    with Progress(*columns, console=err, transient=True) as bar:
+        tasks: dict[str, TaskID] = {}
+
+        def update(stage: str, done: int, total: int) -> None:
+            if stage not in tasks:
+                tasks[stage] = bar.add_task(stage, total=total)
+            bar.update(tasks[stage], completed=done, total=total)
+
+        yield update
 
 
 def _guard(fn):
@@ -122,7 +156,7 @@ def _guard(fn):
 
 @store_app.command()
 @_guard
-def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
+def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
     """Entries, bytes and hits per tier, entries per model, records."""
     info = summary(_open(store))
     if as_json:
@@ -151,7 +185,7 @@ def stats(store: StoreUrl = DEFAULT_STORE, as_json: AsJson = False) -> None:
 
 @store_app.command("ls")
 @_guard
-def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help="at most this many entries")] = 50,
+def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(min=0, help="at most this many entries")] = 50,
        as_json: AsJson = False) -> None:
     """Entries with their size, model and token count."""
     rows = entry_rows(_open(store), limit=limit)
@@ -173,32 +207,45 @@ def ls(store: StoreUrl = DEFAULT_STORE, limit: Annotated[int, typer.Option(help=
 
 @store_app.command()
 @_guard
-def verify(store: StoreUrl = DEFAULT_STORE,
-           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records")] = False,
+def verify(store: StoreUrl = None,
+           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records (not the records "
+                                             "whose only fault is their checksum: see --drop-checksum-only)")] = False,
+           drop_checksum_only: Annotated[bool, typer.Option("--drop-checksum-only", help="with --fix, also delete "
+                                                            "records sound in every field but their checksum, "
+                                                            "document texts included, which nothing can rebuild "
+                                                            f"(first check {STORE_KEY_ENV})")] = False,
            as_json: AsJson = False) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
-    report = maintenance.verify(_open(store), fix=fix)
+    if drop_checksum_only and not fix:
+        raise typer.BadParameter("only goes with --fix", param_hint="--drop-checksum-only")
+    with _bars() as progress:
+        report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only, progress=progress)
     bad = len(report["bad"]) + len(report["bad_records"])
     if as_json:
         console.print_json(json.dumps(report))
     else:
-        for b in report["bad"]:
-            console.print(f"[red]bad[/red] {b['tier']} entry {b['key']}: {b['problem']}")
-        for b in report["bad_records"]:
-            console.print(f"[red]bad[/red] {b['tier']} record {b['name']}: unreadable")
+        lines = [*(f"{b['tier']} entry {b['key']}: {b['problem']}" for b in report["bad"]),
+                 *(f"{b['tier']} record {b['name']}: {b['problem']}" for b in report["bad_records"])]
+        for line in lines:  # one line each, whatever the terminal's width: scripts grep them
+            console.print(f"[red]bad[/red] {line}", highlight=False, soft_wrap=True)
         console.print(f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
                       + (f", {report['fixed']} deleted" if fix else ""))
-    if bad and not fix:
+        if report["kept"]:
+            err.print(f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum: most "
+                      f"likely {STORE_KEY_ENV} is not the one they were written with. Run again with that key; "
+                      "add --drop-checksum-only to delete them anyway (document texts cannot be rebuilt).")
+    if bad > report["fixed"]:
         raise typer.Exit(1)
 
 
 @store_app.command()
 @_guard
-def gc(store: StoreUrl = DEFAULT_STORE,
+def gc(store: StoreUrl = None,
        tmp_age: Annotated[float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as "
                                                    "abandoned")] = 600.0,
        unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
-                                                  "to (system-prompt prefixes included)")] = False,
+                                                  "to (system-prompt prefixes included), except those written "
+                                                  "since the gc began")] = False,
        drop_form: Annotated[list[str], typer.Option("--drop-form", help="also delete every entry compiled in this "
                                                     "form, as `store stats` lists them (e.g. float32/int8: the "
                                                     "entries of the fp32 default of before); repeatable")] = [],
@@ -210,7 +257,9 @@ def gc(store: StoreUrl = DEFAULT_STORE,
         if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
             raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
                                      f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
-    report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form))
+    with _bars() as progress:
+        report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced,
+                                             drop_forms=tuple(drop_form), progress=progress)
     if as_json:
         console.print_json(json.dumps(report))
         return
@@ -222,13 +271,14 @@ def gc(store: StoreUrl = DEFAULT_STORE,
 @_guard
 def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chunk key or a unique prefix of one "
                                               "(8 hex or more, as `ls` shows)")],
-       store: StoreUrl = DEFAULT_STORE) -> None:
+       store: StoreUrl = None) -> None:
     """Delete a document (its records and chunk entries) or one chunk entry."""
     s = _open(store)
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
         fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 2)
-    result = maintenance.delete(s, id) if is_document_id(id) else None
+    with _bars() as progress:
+        result = maintenance.delete(s, id, progress) if is_document_id(id) else None
     if result is not None:
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
                       "(entries shared with other documents kept)")

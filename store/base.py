@@ -124,8 +124,9 @@ class Store(ABC):
 
     # -- operator view ------------------------------------------------------------------------------
     def describe_many(self, keys: list[str]) -> list[dict | None]:
-        """A summary per entry (tokens, tensor bytes, dtype, shape, meta, stored size) without loading tensors where the
-        tier can; None where the key is absent. Tiers override this with something cheaper than a full read."""
+        """A summary per entry (tokens, tensor bytes, dtype, shape, meta, stored size, and `written`: when it was
+        stored, in unix seconds, where the tier knows) without loading tensors where the tier can; None where the key
+        is absent. Tiers override this with something cheaper than a full read."""
         return [None if e is None else {**describe(e), "size": e.nbytes} for e in self.get_many(keys)]
 
     def check_many(self, keys: list[str]) -> list[str | None]:

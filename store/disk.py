@@ -258,7 +258,8 @@ class DiskStore(BlobStore):
         for key in keys:
             try:
                 with _open_regular(self.entry_path(key)) as fh:
-                    out.append({**describe_head(_head(fh)), "size": os.fstat(fh.fileno()).st_size})
+                    info = os.fstat(fh.fileno())
+                    out.append({**describe_head(_head(fh)), "size": info.st_size, "written": info.st_mtime})
             except FileNotFoundError:
                 out.append(None)
             except Exception as exc:  # unreadable header: report it rather than fail a listing
@@ -354,6 +355,12 @@ class DiskStore(BlobStore):
 
     def close(self) -> None:
         self._drop_connection()
+
+
+def holds_store(root: str | os.PathLike) -> bool:
+    """Whether a disk tier was opened in this folder: it holds any of what opening one makes."""
+    root = Path(root)
+    return any((root / name).exists() for name in ("entries", "records", "index.sqlite"))
 
 
 class NotAnEntryFile(OSError):

@@ -280,7 +280,8 @@ class RedisStore(BlobStore):
                 elif manifest is None:
                     out.append({"error": "unreadable manifest", "size": 0})
                 else:
-                    out.append({field: manifest[field] for field in (*SUMMARY, "size", "parts")})
+                    out.append({**{field: manifest[field] for field in (*SUMMARY, "size", "parts")},
+                                "written": manifest.get("created")})  # the writer's clock
             return out
 
     # -- maintenance --------------------------------------------------------------------------------

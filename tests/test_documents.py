@@ -13,7 +13,7 @@ from ragcache import maintenance
 from ragcache.catalog import Catalog
 from ragcache.chunker import chunk_document
 from ragcache.documents import chunks_name, doc_name
-from ragcache.errors import CorruptDocument, UnknownDocument
+from ragcache.errors import CorruptDocument, InvalidMetadata, PayloadTooLarge, UnknownDocument
 from ragcache.store import open_store
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import chunk_key, document_id
@@ -172,6 +172,53 @@ def test_delete_keeps_entries_another_document_shares():
     with pytest.raises(UnknownDocument):
         docs.resolve([first])
     assert docs.delete(first) is None
+
+
+class ListingStore(MemoryStore):
+    """Counts record listings and record reads."""
+
+    def __init__(self):
+        super().__init__()
+        self.listings = self.reads = 0
+
+    def record_names(self, prefix=""):
+        self.listings += 1
+        return super().record_names(prefix)
+
+    def get_records(self, names, problem=None):
+        self.reads += 1
+        return super().get_records(names, problem)
+
+
+@pytest.mark.parametrize("others", [3, 40])
+def test_a_delete_lists_the_records_once_whatever_the_number_of_documents(others):
+    """It listed every record once per document in the store (3.9 s at 1,000 documents on disk, 74 s at 4,000)."""
+    store = ListingStore()
+    docs = docs_over(store, budget=4)
+    doc_id = docs.add(TEXTS[0])
+    for i in range(others):
+        docs.add(f"Document number {i} is about rivers.")
+    store.put_many(dict(_entry(ids) for ids in docs.chunks_of(doc_id)))
+    store.listings = store.reads = 0
+    assert docs.delete(doc_id)["records"] == 2
+    assert store.listings <= 2 and store.reads <= 3
+
+
+def test_verify_and_delete_report_their_progress_to_the_end_of_each_stage():
+    """What `ragcache store verify` and `rm` draw their progress bars from."""
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    ids = [docs.add(text) for text in TEXTS]
+    for doc_id in ids:
+        store.put_many(dict(_entry(chunk) for chunk in docs.chunks_of(doc_id)))
+    entries, records = len(list(store.keys())), len(store.record_names())
+    seen: dict[str, list[tuple[int, int]]] = {}
+    maintenance.verify(store, progress=lambda stage, done, total: seen.setdefault(stage, []).append((done, total)))
+    assert seen == {"verifying memory": [(entries, entries + records), (entries + records, entries + records)]}
+    seen.clear()
+    maintenance.delete(store, ids[0], lambda stage, done, total: seen.setdefault(stage, []).append((done, total)))
+    assert set(seen) == {"reading entry headers", "reading chunk records", "deleting entries"}
+    assert all(calls[-1][0] == calls[-1][1] > 0 for calls in seen.values())
 
 
 def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
@@ -487,3 +534,28 @@ def test_with_a_store_key_a_forged_chunk_record_of_valid_ids_is_re_derived(monke
     assert docs.chunks_of(doc_id) == truth
     monkeypatch.delenv("RAGCACHE_STORE_KEY")  # and records written under a key do not verify without it
     assert len(maintenance.verify(store)["bad_records"]) == 2
+
+
+def test_a_record_written_under_another_store_key_names_the_key_not_a_rewrite(monkeypatch):
+    """Adding the text again under the wrong key would rewrite the record under that key: the error says which
+    setting to fix instead."""
+    store = MemoryStore()
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    doc_id = docs_over(store).add(TEXTS[0])
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")
+    with pytest.raises(CorruptDocument, match="RAGCACHE_STORE_KEY") as caught:
+        docs_over(store).get(doc_id)
+    assert "add the document's text again" not in str(caught.value)
+    (bad,) = [b for b in maintenance.verify(store, fix=True)["bad_records"] if b["name"] == doc_name(doc_id)]
+    assert bad["checksum_only"] and "RAGCACHE_STORE_KEY" in bad["problem"]
+    assert store.get_record(doc_name(doc_id))["text"] == TEXTS[0]
+
+
+@pytest.mark.parametrize("meta, error", [({"score": float("nan")}, InvalidMetadata), ({"a": "\ud800"}, InvalidMetadata),
+                                         ({"big": "x" * 70_000}, PayloadTooLarge), (["a list"], InvalidMetadata)],
+                         ids=["nan", "surrogate", "too-big", "not-an-object"])
+def test_metadata_a_record_could_not_give_back_is_refused_before_anything_is_written(meta, error):
+    store = MemoryStore()
+    with pytest.raises(error):
+        docs_over(store).add(TEXTS[0], meta)
+    assert store.record_names() == []

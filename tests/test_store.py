@@ -572,6 +572,20 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
 
 
+def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):
+    """Storing entries is all a compile is for: a failed write fails it (the CLI exits 1 with the store's error). A
+    query still answers from the entries it compiled, as before."""
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
+    with pytest.raises(StoreError, match="disk full"):
+        rc.compile(DOCS)
+    answer = rc.query(QUESTION, [{"text": DOCS[1]}], max_new_tokens=2)
+    assert answer.stats.compiled_chunks > 0 and not entry_files(tmp_path)
+
+
 # -- open_store and the CLI ---------------------------------------------------------------------------------------------
 def test_open_store_urls(tmp_path):
     assert isinstance(open_store("memory:"), MemoryStore)
@@ -649,9 +663,70 @@ def test_cli_gc_unreferenced(tmp_path, tiny_lm):
     rc.query(QUESTION, ids, max_new_tokens=2, system="Answer briefly.")  # adds a system-prefix entry
     stray_key, stray = make_entry(77, layers=2)
     rc.store.put(stray_key, stray)
+    _age(rc.store, stray_key, *(set(rc.store.keys()) - chunk_keys))  # older than the gc: a concurrent compile's are spared
     result = _cli("gc", "--store", url, "--unreferenced", "--json")
     assert result.exit_code == 0, result.output
     assert set(open_store(url).keys()) == chunk_keys
+
+
+def _age(store: DiskStore, *keys: str, seconds: float = 3600) -> None:
+    for key in keys:
+        written = store.entry_path(key).stat().st_mtime - seconds
+        os.utime(store.entry_path(key), (written, written))
+
+
+class _Racing(DiskStore):
+    """Runs `during` once, as a concurrent writer, right after its first listing of `listing` (keys or records)."""
+
+    def __init__(self, root, listing: str, during):
+        super().__init__(root)
+        self.listing, self.during = listing, during
+
+    def _race(self):
+        during, self.during = self.during, None
+        if during is not None:
+            during()
+
+    def keys(self):
+        listed = list(super().keys())
+        if self.listing == "keys":
+            self._race()
+        return iter(listed)
+
+    def record_names(self, prefix=""):
+        names = super().record_names(prefix)
+        if self.listing == "records":
+            self._race()
+        return names
+
+
+def test_gc_unreferenced_spares_the_entries_a_concurrent_compile_writes(tmp_path, tiny_lm):
+    """gc read the records, then listed the entries: a compile in between (records, then entries) lost its entries."""
+    from ragcache.maintenance import collect_garbage
+
+    url = f"disk:{tmp_path}"
+    rc = engine(tiny_lm, open_store(url))
+    rc.compile(DOCS[:1])
+    _age(rc.store, *rc.store.keys())
+    compiled = {}
+    during = lambda: compiled.update(ids=rc.compile(DOCS[1:]), keys=set(rc.store.keys()))  # noqa: E731
+    collect_garbage(_Racing(tmp_path, "records", during), unreferenced=True)
+    assert compiled["keys"] and compiled["keys"] <= set(open_store(url).keys())
+    assert engine(tiny_lm, open_store(url)).query(QUESTION, compiled["ids"], max_new_tokens=1).stats.compiled_chunks == 0
+
+
+def test_gc_unreferenced_spares_entries_written_since_it_began(tmp_path):
+    """An entry that lands after the gc began and that no record refers to yet (its records still to come, or a
+    system prompt's prefix) is left for the next gc."""
+    from ragcache.maintenance import collect_garbage
+
+    old_key, old = make_entry(1, layers=2)
+    new_key, new = make_entry(2, layers=2)
+    store = _Racing(tmp_path, "keys", lambda: DiskStore(tmp_path).put(new_key, new))
+    store.put(old_key, old)
+    _age(store, old_key)
+    assert collect_garbage(store, unreferenced=True)["unreferenced_removed"] == 1
+    assert set(DiskStore(tmp_path).keys()) == {new_key}
 
 
 def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
@@ -674,3 +749,74 @@ def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     assert again.query(QUESTION, ids, max_new_tokens=2).stats.compiled_chunks == 0
     bad = _cli("gc", "--store", url, "--drop-form", "float64")
     assert bad.exit_code == 2 and "not a form" in bad.output
+
+
+def _catalog(store):
+    from ragcache.catalog import Catalog
+    from tests import tiny
+
+    return Catalog(store, tiny.tokenizer(), "t" * 64, 8)
+
+
+def test_cli_verify_fix_keeps_records_that_fail_only_their_checksum(tmp_path, monkeypatch):
+    """Records written under a RAGCACHE_STORE_KEY fail every checksum without it: --fix must not delete the texts."""
+    url = f"disk:{tmp_path}"
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    ids = [_catalog(open_store(url)).add(text) for text in DOCS]
+    names = open_store(url).record_names()
+    monkeypatch.delenv("RAGCACHE_STORE_KEY")
+    result = _cli("verify", "--store", url, "--fix")
+    assert result.exit_code == 1, result.output
+    assert open_store(url).record_names() == names
+    assert "RAGCACHE_STORE_KEY" in result.output and "checksum" in result.output and "unreadable" not in result.output
+    assert "kept 4 record(s)" in result.output and "0 deleted" in result.output
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "s3cret")
+    assert _cli("verify", "--store", url).exit_code == 0
+    assert [_catalog(open_store(url)).get(i).text for i in ids] == DOCS
+    monkeypatch.setenv("RAGCACHE_STORE_KEY", "another")
+    assert _cli("verify", "--store", url, "--drop-checksum-only").exit_code == 2
+    result = _cli("verify", "--store", url, "--fix", "--drop-checksum-only")
+    assert result.exit_code == 0 and "4 deleted" in result.output and open_store(url).record_names() == []
+
+
+def test_cli_verify_names_each_bad_records_problem(tmp_path):
+    url = f"disk:{tmp_path}"
+    doc_id = _catalog(open_store(url)).add(DOCS[0])
+    path = tmp_path / "records" / f"doc__{doc_id}.json"
+    path.write_text(path.read_text().replace("Paris", "Rome"))
+    result = _cli("verify", "--store", url, "--fix")
+    assert "does not hash to its id" in result.output and "1 deleted" in result.output and not path.exists()
+
+
+def test_cli_store_commands_default_to_the_settings_store(tmp_path, monkeypatch):
+    """Like compile and query: RAGCACHE_STORE, else ragcache.toml's store, else ./.ragcache."""
+    url = f"disk:{tmp_path / 'configured'}"
+    doc_id = _catalog(open_store(url)).add(DOCS[0])
+    monkeypatch.delenv("RAGCACHE_STORE", raising=False)
+    monkeypatch.delenv("RAGCACHE_CONFIG", raising=False)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ragcache.toml").write_text(f'store = "{url}"\n')
+    result = _cli("stats", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["documents"] == 1
+    assert _cli("rm", doc_id).exit_code == 0 and open_store(url).record_names() == []
+    (tmp_path / "ragcache.toml").write_text('store = "disk:elsewhere"\ndtype = "float64"\n')
+    result = _cli("stats")
+    assert result.exit_code == 3 and "dtype" in result.output
+
+
+def test_cli_ls_limit_shows_at_most_that_many_entries(tmp_path):
+    url = f"disk:{tmp_path}"
+    open_store(url).put_many(dict(make_entry(seed, layers=2) for seed in range(3)))
+    for limit, shown in (("0", 0), ("2", 2), ("5", 3)):
+        result = _cli("ls", "--store", url, "--limit", limit, "--json")
+        assert result.exit_code == 0 and len(json.loads(result.output)) == shown, (limit, result.output)
+    assert _cli("ls", "--store", url, "--limit", "-1").exit_code == 2
+
+
+def test_cli_store_commands_refuse_a_folder_that_holds_no_store(tmp_path):
+    (tmp_path / "notes.txt").write_text("my own files")
+    for command in (["stats"], ["ls"], ["verify"], ["verify", "--fix"], ["gc"], ["rm", "ab" * 16]):
+        result = _cli(*command, "--store", f"disk:{tmp_path}")
+        assert result.exit_code == 1 and "no store at" in result.output, (command, result.output)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -422,3 +422,19 @@ def test_cli_on_redis(redis_url, tmp_path, tiny_lm):
     result = runner.invoke(store_app, ["gc", "--store", redis_url, "--json"])
     assert result.exit_code == 0 and '"orphan_parts_removed": 1' in result.output
     assert runner.invoke(store_app, ["stats", "--store", "redis://127.0.0.1:1/0"]).exit_code == 1
+
+
+def test_gc_unreferenced_on_redis_spares_entries_written_since_it_began(redis_url):
+    """A manifest keeps its writer's time: an entry no record refers to yet is left if it is newer than the gc."""
+    import json
+
+    from ragcache.maintenance import collect_garbage
+
+    store = open_store(redis_url)
+    (old_key, old), (new_key, new) = make_entry(1, layers=2), make_entry(2, layers=2)
+    store.put_many({old_key: old, new_key: new})
+    client, manifest_name = raw(redis_url), f"ragcache:entry:{{{old_key}}}"
+    manifest = json.loads(client.get(manifest_name))
+    client.set(manifest_name, json.dumps({**manifest, "created": manifest["created"] - 3600}))
+    assert collect_garbage(store, unreferenced=True)["unreferenced_removed"] == 1
+    assert set(store.keys()) == {new_key}
