@@ -14,8 +14,10 @@ from ragcache import errors
 from ragcache.cli import app
 from ragcache.engine import RagCache
 from ragcache.infill import FimTokens, build_prompt
+from ragcache.store import open_store
 from ragcache.train.evaluate import evaluate
 from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize
+from ragcache.train import link as tl
 from ragcache.train.infill import TrainConfig, train
 from ragcache.train.tasks import build_tasks
 from tests import tiny
@@ -279,3 +281,42 @@ def test_lora_without_its_targets_says_what_the_caller_can_do_instead():
     with pytest.raises(errors.BadRequest) as raised:
         with_lora(model, 4, 8, ("nothing_here",))
     assert "--full" not in str(raised.value)
+
+
+# -- train link on a tiny model (the fit itself: tests/test_train_link.py) ---------------------------------
+LINK_ITEMS = ([tl.Item("Where is the tower?", tiny.CORPUS[:2]), tl.Item("How high is it?", tiny.CORPUS[1:3])],
+              [tl.Item("When was it released?", tiny.CORPUS[2:4])])
+
+
+def link_config(out, **overrides) -> tl.LinkTrainConfig:
+    settings = dict(model="tiny-llama", steps=2, batch=1, lr=1e-2, rank=2, warmup=0, answer_tokens=2, out=out,
+                    checkpoint_every=1)
+    return tl.LinkTrainConfig(**{**settings, **overrides})
+
+
+def base_entries(texts) -> dict:
+    """The base model's chunk entries of `texts`, by key."""
+    base = RagCache(tiny.make("llama"), open_store("memory:"))
+    base.compile(texts)
+    return {key: base.store.get_many([key])[0] for key in base.store.keys()}
+
+
+def test_train_link_compiles_the_base_models_entries_during_and_after_the_run(tmp_path):
+    """A chunk compiled while the LoRA trains (a store miss) or later by the caller's engine is the base model's
+    entry, as its key says: the LoRA never runs at compile, and is gone from the engine after the run."""
+    rc = RagCache(tiny.make("llama"), open_store("memory:"))
+
+    def miss_everything(phase, done, total, note):  # after a step the LoRA is no longer zero
+        if phase == "training" and done == 1:
+            for key in list(rc.store.keys()):
+                rc.store.delete(key)
+
+    tl.train_link(link_config(tmp_path), rc=rc, items=LINK_ITEMS, progress=miss_everything)
+    rc.compile(tiny.CORPUS[4:])  # after the run
+    expected = base_entries(tiny.CORPUS)
+    stored = {key: rc.store.get_many([key])[0] for key in rc.store.keys()}
+    assert stored and stored.keys() <= expected.keys()
+    for key, entry in stored.items():
+        assert torch.equal(entry.keys, expected[key].keys) and torch.equal(entry.values, expected[key].values), key
+    assert rc.lm.adapter is None and rc.lm.fingerprint == tiny.make("llama").fingerprint
+    assert not any("lora" in name for name, _ in rc.lm.model.named_modules())

@@ -31,6 +31,7 @@ A run killed at any point starts again from what is there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -405,10 +406,8 @@ def open_engine(cfg: LinkTrainConfig) -> RagCache:
 def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
                progress: Callable[[str, int, int, str], None] | None = None) -> LinkReport:
     """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
-    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg;
-    `progress(phase, done, total, note)`."""
-    from .infill import with_lora
-
+    `rc`: an engine on the base model (else opened from cfg), given back without the LoRA; `items`: (training, held
+    out), else from cfg; `progress(phase, done, total, note)`."""
     cfg.validate()
     say = progress or (lambda phase, done, total, note: None)
     started = time.perf_counter()
@@ -428,7 +427,37 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
     train_set, held_out = prepared["train"], prepared["eval"]
 
     torch.manual_seed(cfg.seed)
-    peft = with_lora(rc.lm.model, cfg.rank, 2 * cfg.rank, ATTENTION)
+    with training_lora(rc.lm, cfg.rank, out) as peft:
+        losses, full_losses = fit(rc, cfg, peft, train_set, out, say)
+        per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
+        report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
+                            time.perf_counter() - started, str(out), full_losses)
+        save_adapter(out, peft, rc.lm, cfg, report, per_item)
+    return report
+
+
+@contextlib.contextmanager
+def training_lora(lm: models.LoadedModel, rank: int, out: Path):
+    """The LoRA a run trains, injected into `lm`'s model. It is registered as `lm`'s adapter while the run lasts, so
+    that a chunk compiled meanwhile (a store miss) is compiled without it, as the base model's entry its key names;
+    and it is taken out at the end, so a caller's engine is the base model again and compiles base entries after."""
+    from .infill import with_lora
+
+    trainable = {p: p.requires_grad for p in lm.model.parameters()}
+    peft = with_lora(lm.model, rank, 2 * rank, ATTENTION)
+    lm.adapter = models.Adapter(out, "", peft)
+    try:
+        yield peft
+    finally:
+        lm.adapter = None
+        peft.unload()
+        for param, flag in trainable.items():  # PEFT froze the base weights
+            param.requires_grad_(flag)
+
+
+def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: Path,
+        say: Callable[[str, int, int, str], None]) -> tuple[list[float], list[float]]:
+    """The optimizer steps after the last checkpoint's, up to cfg.steps; the link losses and the full term's."""
     params = [p for p in peft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
@@ -446,11 +475,7 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
         say("training", step, cfg.steps, f"kl {link_kl:.4f}" + (f" full {full_kl:.4f}" if full_kl is not None else ""))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(out, peft, optimizer, schedule, step, losses, key, full_losses)
-    per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
-    report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
-                        time.perf_counter() - started, str(out), full_losses)
-    save_adapter(out, peft, rc.lm, cfg, report, per_item)
-    return report
+    return losses, full_losses
 
 
 def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
