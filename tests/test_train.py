@@ -14,6 +14,7 @@ from ragcache import errors
 from ragcache.cli import app
 from ragcache.engine import RagCache
 from ragcache.infill import FimTokens, build_prompt
+from ragcache.models import attach_adapter
 from ragcache.store import open_store
 from ragcache.train.evaluate import evaluate
 from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize
@@ -320,3 +321,11 @@ def test_train_link_compiles_the_base_models_entries_during_and_after_the_run(tm
         assert torch.equal(entry.keys, expected[key].keys) and torch.equal(entry.values, expected[key].values), key
     assert rc.lm.adapter is None and rc.lm.fingerprint == tiny.make("llama").fingerprint
     assert not any("lora" in name for name, _ in rc.lm.model.named_modules())
+
+
+def test_train_link_records_the_base_weights_an_adapter_attaches_to(tmp_path):
+    tl.train_link(link_config(tmp_path, steps=1), rc=RagCache(tiny.make("llama"), open_store("memory:")),
+                  items=LINK_ITEMS)
+    assert attach_adapter(tiny.make("llama"), tmp_path).adapter is not None
+    with pytest.raises(errors.BadAdapter, match="fitted to the weights of 'tiny-llama'"):
+        attach_adapter(tiny.make("llama", seed=1), tmp_path)  # the same configuration, other weights

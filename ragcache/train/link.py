@@ -426,13 +426,14 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
                                lambda name, d, t: say(f"full ({name})", d, t, ""))
     train_set, held_out = prepared["train"], prepared["eval"]
 
+    base_weights = models.base_weights_record(rc.lm)
     torch.manual_seed(cfg.seed)
     with training_lora(rc.lm, cfg.rank, out) as peft:
         losses, full_losses = fit(rc, cfg, peft, train_set, out, say)
         per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
         report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
                             time.perf_counter() - started, str(out), full_losses)
-        save_adapter(out, peft, rc.lm, cfg, report, per_item)
+        save_adapter(out, peft, rc.lm, cfg, report, per_item, base_weights)
     return report
 
 
@@ -479,10 +480,12 @@ def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: 
 
 
 def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
-                 per_item: list[dict]) -> None:
-    """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
+                 per_item: list[dict], base_weights: dict) -> None:
+    """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them.
+    `base_weights`: models.base_weights_record of the base model, taken before the LoRA went in."""
     peft.save_pretrained(out)
-    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe=cfg.recipe(),
+    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), base_weights=base_weights,
+                recipe=cfg.recipe(),
                 link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
     (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
