@@ -329,3 +329,15 @@ def test_train_link_records_the_base_weights_an_adapter_attaches_to(tmp_path):
     assert attach_adapter(tiny.make("llama"), tmp_path).adapter is not None
     with pytest.raises(errors.BadAdapter, match="fitted to the weights of 'tiny-llama'"):
         attach_adapter(tiny.make("llama", seed=1), tmp_path)  # the same configuration, other weights
+
+
+def test_train_link_resumes_no_run_of_other_answer_tokens_or_weights(tmp_path):
+    """The checkpoint is of targets made with --answer-tokens and of the model's weights, not only its name."""
+    tl.train_link(link_config(tmp_path, steps=1), rc=RagCache(tiny.make("llama"), open_store("memory:")),
+                  items=LINK_ITEMS)
+    with pytest.raises(errors.BadRequest, match="other settings or items .*answer_tokens: 2 there, 3 now"):
+        tl.train_link(link_config(tmp_path, steps=2, answer_tokens=3),
+                      rc=RagCache(tiny.make("llama"), open_store("memory:")), items=LINK_ITEMS)
+    with pytest.raises(errors.BadRequest, match="other settings or items .*model: "):
+        tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama", seed=1), open_store("memory:")),
+                      items=LINK_ITEMS)

@@ -282,11 +282,13 @@ def batch_indices(seed: int, step: int, batch: int, n: int) -> list[int]:
     return out
 
 
-def _run_key(cfg: LinkTrainConfig, targets: list[Target]) -> dict:
-    """What a checkpoint must share with the run that resumes it (the step count may grow)."""
+def _run_key(cfg: LinkTrainConfig, targets: list[Target], fingerprint: str) -> dict:
+    """What a checkpoint must share with the run that resumes it (the step count may grow): the model by its
+    weights (`fingerprint`), as a path may hold another checkpoint since, and what its targets were made with."""
     items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
-    key = dict(model=cfg.model, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
-               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, items=items)
+    key = dict(model=fingerprint, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
+               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, answer_tokens=cfg.answer_tokens,
+               items=items)
     if cfg.keep_full:  # absent otherwise, so that runs of the link term alone resume as before
         key.update(keep_full=cfg.keep_full, keep_full_every=cfg.keep_full_every)
     return key
@@ -325,8 +327,11 @@ def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[in
     if not (final / "state.pt").exists():
         return 0, [], []
     state = torch.load(final / "state.pt", weights_only=True)
-    if state["key"] != json.dumps(key, sort_keys=True):
-        raise BadRequest(f"{out} holds a run with other settings or items ({state['key']}); pick another --out")
+    saved, now = json.loads(state["key"]), json.loads(json.dumps(key))
+    if saved != now:
+        changed = "; ".join(f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
+                            for name in sorted({*saved, *now}) if saved.get(name) != now.get(name))
+        raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
     set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
@@ -462,7 +467,7 @@ def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: 
     params = [p for p in peft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
-    key = _run_key(cfg, train_set)
+    key = _run_key(cfg, train_set, rc.lm.fingerprint)
     start, losses, full_losses = load_checkpoint(out, peft, optimizer, schedule, key)
     for step in range(start + 1, cfg.steps + 1):
         link_kl, full_kl = train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
