@@ -341,3 +341,15 @@ def test_train_link_resumes_no_run_of_other_answer_tokens_or_weights(tmp_path):
     with pytest.raises(errors.BadRequest, match="other settings or items .*model: "):
         tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama", seed=1), open_store("memory:")),
                       items=LINK_ITEMS)
+
+
+def test_train_link_refuses_fewer_steps_than_its_checkpoint_before_the_model_loads(tmp_path):
+    """The checkpoint's adapter is past them: the run would report --steps and save an adapter of more."""
+    store = open_store("memory:")
+    tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama"), store), items=LINK_ITEMS)
+    refused = CliRunner().invoke(app, ["train", "link", "--model", str(tmp_path / "no-such-model"), "--steps", "1",
+                                       "--out", str(tmp_path)])
+    assert refused.exit_code == 3 and "checkpointed after 2 steps, more than --steps 1" in refused.output
+    again = tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama"), store),
+                          items=LINK_ITEMS)  # as many: the finished run, reported again
+    assert again.steps == 2 and len(again.losses) == 2

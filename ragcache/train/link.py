@@ -92,6 +92,16 @@ class LinkTrainConfig:
             raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
         if not self.keep_full >= 0.0:
             raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        """A run resumes `out`'s checkpoint: one saved after more steps than asked for is refused here, before the
+        model loads, since its adapter is already past them."""
+        found = _checkpoint(Path(self.out))
+        done = int(torch.load(found / "state.pt", weights_only=True, mmap=True)["step"]) if found else 0
+        if self.steps < done:
+            raise BadRequest(f"{self.out} holds a run checkpointed after {done} steps, more than --steps "
+                             f"{self.steps}: ask for {done} or more (more continues it), or pick another --out")
 
     def link_kwargs(self) -> dict:
         return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
@@ -316,15 +326,21 @@ def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: lis
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _checkpoint(out: Path) -> Path | None:
+    """The folder of `out`'s last checkpoint; None: there is none."""
+    for final in (out / "checkpoint", out / "checkpoint.old"):  # .old: killed between save_checkpoint's renames
+        if (final / "state.pt").exists():
+            return final
+    return None
+
+
 def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
     """(the step it was saved after, the link losses so far, the full term's); (0, [], []) when there is none."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    final = out / "checkpoint"
-    if not (final / "state.pt").exists() and (out / "checkpoint.old" / "state.pt").exists():
-        final = out / "checkpoint.old"  # killed between the two renames
-    if not (final / "state.pt").exists():
+    final = _checkpoint(out)
+    if final is None:
         return 0, [], []
     state = torch.load(final / "state.pt", weights_only=True)
     saved, now = json.loads(state["key"]), json.loads(json.dumps(key))
