@@ -353,3 +353,26 @@ def test_train_link_refuses_fewer_steps_than_its_checkpoint_before_the_model_loa
     again = tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama"), store),
                           items=LINK_ITEMS)  # as many: the finished run, reported again
     assert again.steps == 2 and len(again.losses) == 2
+
+
+def test_an_exact_span_ending_in_a_newline_and_indent_passes_the_syntax_check(code_dir):
+    """Exact match ignores trailing whitespace; so does the syntax check, which keeps the middle's own: without the
+    newline and indent the next line would be glued to the prediction."""
+    from ragcache.train.evaluate import score
+    from ragcache.train.tasks import InfillTask
+
+    path = code_dir / "stats.py"
+    text = path.read_text()
+    start, end = text.index("otal = 0"), text.index("for value")
+    task = InfillTask("stats.py:span", "span", text[:start], text[end:], text[start:end], start - 1, str(path), start,
+                      end)
+    assert task.middle == "otal = 0\n    "
+
+    class Stats:
+        ttft_s = total_s = 0.0
+        prompt_tokens = completion_tokens = 1
+
+    exact = score(task, "psm", task.middle, Stats)
+    assert exact.exact and exact.syntax_ok
+    assert score(task, "psm", "otal = 0\n", Stats).syntax_ok  # its trailing whitespace differs only
+    assert score(task, "psm", "otal = (0\n    ", Stats).syntax_ok is False
