@@ -376,3 +376,19 @@ def test_an_exact_span_ending_in_a_newline_and_indent_passes_the_syntax_check(co
     assert exact.exact and exact.syntax_ok
     assert score(task, "psm", "otal = 0\n", Stats).syntax_ok  # its trailing whitespace differs only
     assert score(task, "psm", "otal = (0\n    ", Stats).syntax_ok is False
+
+
+def test_train_link_without_the_network_says_so_and_what_to_do_instead(tmp_path, monkeypatch):
+    """SQuAD dev is fetched from PyPI on a first run: a failed download is a fetch error (exit 5), not a traceback."""
+    import subprocess
+
+    from ragcache.train import squad
+
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(squad.subprocess, "run", lambda cmd, **_: subprocess.CompletedProcess(
+        cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement bigbench==1.0.0"))
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: RagCache(tiny.make("llama"), open_store("memory:")))
+    result = CliRunner().invoke(app, ["train", "link", "--out", str(tmp_path / "out")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 5 and "cannot fetch SQuAD v1.1 dev" in said and "Could not find a version" in said
+    assert "--docs" in said
