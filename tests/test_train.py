@@ -221,6 +221,21 @@ def test_training_errors_are_clear(tiny_dir, code_dir, tmp_path):
     assert bad.exit_code == 3 and "--steps" in bad.output
 
 
+def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(code_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runner = CliRunner()
+    for device, said in (("gpu", "--device must be auto, cpu or cuda"), ("cuda", "torch sees no CUDA device"),
+                         ("cuda:0", "torch sees no CUDA device")):
+        result = runner.invoke(app, ["train", "infill", "--model", str(tmp_path / "no-such-model"), "--data",
+                                     str(code_dir), "--steps", "1", "--device", device])
+        assert result.exit_code == 3 and said in " ".join(result.output.split()), (device, result.output)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = runner.invoke(app, ["train", "infill", "--model", str(tmp_path / "no-such-model"), "--data",
+                                 str(code_dir), "--steps", "1", "--device", "cuda:1"])
+    assert result.exit_code == 3 and "1 CUDA device(s)" in result.output
+
+
 # -- evaluation --------------------------------------------------------------------------------------------
 def test_tasks_put_the_cursor_inside_a_word_deterministically(code_dir):
     tasks = build_tasks(6, seed=1, source=code_dir, prefix_chars=120, suffix_chars=60)
