@@ -407,3 +407,9 @@ def test_train_link_without_the_network_says_so_and_what_to_do_instead(tmp_path,
     said = " ".join(result.output.split())
     assert result.exit_code == 5 and "cannot fetch SQuAD v1.1 dev" in said and "Could not find a version" in said
     assert "--docs" in said
+
+
+def test_train_link_refuses_an_unknown_dtype_before_the_model_loads(tmp_path):
+    result = CliRunner().invoke(app, ["train", "link", "--model", str(tmp_path / "no-such-model"), "--dtype", "fp32",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 3 and "--dtype must be one of float32, bfloat16, got 'fp32'" in result.output

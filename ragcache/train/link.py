@@ -55,6 +55,7 @@ from ragcache.store import open_store
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
+DTYPES = ("float32", "bfloat16")  # float16's gradients would need loss scaling, which the loop has not
 HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
 QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
 
@@ -84,6 +85,8 @@ class LinkTrainConfig:
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.dtype not in DTYPES:
+            raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every",
                      "keep_full_every"):
             if getattr(self, name) < 1:
