@@ -33,12 +33,14 @@ import torch
 
 from . import agreement as agree
 from . import models
+from .errors import BadRequest
 from .sampling import eos_ids
 from .settings import DATA_DIR
 from .settings import DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
 
 POSITIONS = ("first", "content")
 ANSWER_TOKENS = 16  # how far along full's answer a content word is looked for
+SENTENCE_WORDS = 6  # a sentence of the user's documents that a calibration item may ask about: half of it is the cue
 
 
 @dataclass
@@ -131,15 +133,23 @@ def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path 
     return items
 
 
+def _sentences(text: str) -> list[str]:
+    return [s.strip() for s in text.replace("\n", " ").split(".") if len(s.split()) >= SENTENCE_WORDS]
+
+
 def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, seed: int = 0) -> list[Item]:
     """Items over the user's own documents, with no questions given: each asks for what a sentence of one of the
     documents says next, among other documents, so the answer needs the right chunk's content."""
+    if not any(_sentences(text) for text in texts):
+        raise BadRequest(f"calibration asks how a sentence of your documents continues, and none of them has a "
+                         f"sentence of {SENTENCE_WORDS} words or more (sentences end with '.'): pass documents of "
+                         "running text, or leave out --docs to calibrate on the built-in set")
     ids = rc.compile(texts)
     rng = random.Random(seed)
     items = []
     for _ in range(n):
         pick = rng.randrange(len(texts))
-        sentences = [s.strip() for s in texts[pick].replace("\n", " ").split(".") if len(s.split()) >= 6]
+        sentences = _sentences(texts[pick])
         if not sentences:
             continue
         words = rng.choice(sentences).split()
@@ -191,9 +201,9 @@ def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_
     """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
     the first hit to be the answer here, and stopping early saves most of the sweep."""
     if not items:
-        raise ValueError("calibration needs at least one item")
+        raise BadRequest("calibration needs at least one item")
     if at not in POSITIONS:
-        raise ValueError(f"at must be one of {', '.join(POSITIONS)}, got {at!r}")
+        raise BadRequest(f"at must be one of {', '.join(POSITIONS)}, got {at!r}")
     say = progress or (lambda _: None)
     # against the base model's own full, also when a link adapter is attached: the adapter is there to make a cheap
     # link answer as the base model does, not to move full (calibration is the engine's only user meanwhile)

@@ -335,23 +335,80 @@ def adapted_fingerprint(base_fingerprint: str, adapter_digest: str) -> str:
 
 
 def check_adapter(lm: LoadedModel, path: Path) -> str:
-    """The adapter's digest, once its files are there and it was fitted to a model of `lm`'s configuration."""
+    """The adapter's digest, once its files are there and it was fitted to a model of `lm`'s configuration and
+    weights (an adapter without the record of them is attached with a warning: it cannot be checked)."""
     digest = adapter_sha256(path)
     meta_file = path / ADAPTER_META
-    if meta_file.is_file():
-        try:
-            meta = json.loads(meta_file.read_text())
-        except ValueError as exc:
-            raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
-        if meta.get("base_config") != config_fingerprint(lm.model):
-            raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
-                             f"configuration than {lm.name!r}")
+    if not meta_file.is_file():
+        _unchecked(path, digest, f"it has no {ADAPTER_META}")
+        return digest
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as exc:
+        raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
+    if meta.get("base_config") != config_fingerprint(lm.model):
+        raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
+                         f"configuration than {lm.name!r}")
+    if "base_weights" not in meta:
+        _unchecked(path, digest, f"its {ADAPTER_META} records no weights of its base model (written before they were)")
+    elif not same_weights(meta["base_weights"], lm):
+        record = meta["base_weights"]
+        raise BadAdapter(f"the adapter in {path} was fitted to the weights of {meta.get('base_model')!r} "
+                         f"(fingerprint {record.get('fingerprint')} in {record.get('dtype')}), not to those of "
+                         f"{lm.name!r} (fingerprint {lm.fingerprint} in {str(lm.dtype).removeprefix('torch.')}): fit "
+                         "it again to this model")
     return digest
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _unchecked(path: Path, digest: str, why: str) -> None:
+    if (str(path), digest) not in _warned:  # an adapter is checked more than once as an engine opens
+        _warned.add((str(path), digest))
+        log.warning("the adapter in %s is attached without checking that it was fitted to this model's weights: %s",
+                    path, why)
+
+
+WEIGHT_SAMPLES = 4  # values a tensor, at fixed fractions of its length
+
+
+def weight_sample(model: torch.nn.Module) -> list[float]:
+    """A few of the model's weights (WEIGHT_SAMPLES a tensor) as floats: what an adapter records of the base model
+    it was fitted to. Values, not a hash: the same checkpoint loaded at another dtype rounds them, and
+    `same_weights` allows for that rounding."""
+    out = []
+    for _, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        picks = [flat.numel() * (2 * i + 1) // (2 * WEIGHT_SAMPLES) for i in range(WEIGHT_SAMPLES)]
+        out.extend(flat[picks].float().cpu().tolist())
+    return out
+
+
+def base_weights_record(lm: LoadedModel) -> dict:
+    """What an adapter keeps of its base model's weights: `same_weights` reads the sample, a reader the fingerprint
+    (which changes with the dtype)."""
+    return dict(fingerprint=lm.fingerprint, dtype=str(lm.dtype).removeprefix("torch."), sample=weight_sample(lm.model))
+
+
+def same_weights(record: dict, lm: LoadedModel) -> bool:
+    """Do `lm`'s weights match the record, up to rounding to the coarser of the two dtypes?"""
+    try:
+        theirs = torch.tensor(record["sample"], dtype=torch.float32)
+        coarse = [torch.finfo(getattr(torch, record["dtype"])), torch.finfo(lm.dtype)]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadAdapter(f"the base model's weights recorded with the adapter are unreadable: {exc}") from exc
+    mine = torch.tensor(weight_sample(lm.model), dtype=torch.float32)
+    if mine.shape != theirs.shape:
+        return False
+    relative = max(f.eps for f in coarse)  # two roundings of half an eps each
+    absolute = max(f.eps * f.smallest_normal for f in coarse)  # a subnormal's step (float16)
+    return bool(((mine - theirs).abs() <= relative * torch.maximum(mine.abs(), theirs.abs()) + absolute).all())
 
 
 def attach_adapter(lm: LoadedModel, path: str | Path, merge: bool = True) -> LoadedModel:
     """The model with a read-side LoRA from `path`, merged into its weights or beside them. Refused with
-    BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration."""
+    BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration or weights."""
     path = Path(path)
     digest = check_adapter(lm, path)
     try:

@@ -384,3 +384,33 @@ def test_train_link_install_makes_it_the_models_installed_adapter(adapter_dir, t
     assert result.exit_code == 0, result.output
     assert adapters.installed("my-model") == adapters.install_dir() / "my-model"
     assert models.adapter_sha256(adapters.installed("my-model")) == models.adapter_sha256(adapter_dir)
+
+
+def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(tiny_dir, adapter_dir, tmp_path,
+                                                                                caplog):
+    """`ragcache train link` records the base model's weights beside the adapter: another checkpoint of the same
+    configuration is refused, the same one loaded at another dtype is not; an adapter without that record (saved
+    before it was kept, or without ragcache's file at all) is attached with a warning."""
+    recorded = tmp_path / "recorded"
+    shutil.copytree(adapter_dir, recorded)
+    meta = json.loads((recorded / models.ADAPTER_META).read_text())
+    base = models.load(str(tiny_dir), dtype="float32")
+    (recorded / models.ADAPTER_META).write_text(json.dumps({**meta, "base_weights": models.base_weights_record(base)}))
+    for dtype in ("float32", "bfloat16", "float16"):
+        assert models.attach_adapter(models.load(str(tiny_dir), dtype=dtype), recorded).adapter is not None
+    other = tiny.make("llama", seed=1)  # the same configuration, other weights
+    other.model.save_pretrained(tmp_path / "other")
+    other.tokenizer.save_pretrained(tmp_path / "other")
+    other = models.load(str(tmp_path / "other"), dtype="float32")
+    named = (f"weights of '{tiny_dir}' \\(fingerprint {base.fingerprint} in float32\\), not to those of "
+             f"'{tmp_path / 'other'}' \\(fingerprint {other.fingerprint} in float32\\)")
+    with pytest.raises(models.BadAdapter, match=named):
+        models.attach_adapter(other, recorded)
+    assert "without checking" not in caplog.text
+    older, bare = tmp_path / "older", tmp_path / "bare"
+    for path in (older, bare):
+        shutil.copytree(adapter_dir, path)
+    (bare / models.ADAPTER_META).unlink()
+    for unchecked, why in ((older, "records no weights"), (bare, f"no {models.ADAPTER_META}")):
+        assert models.attach_adapter(other, unchecked).adapter is not None
+        assert f"{unchecked} is attached without checking" in caplog.text and why in caplog.text

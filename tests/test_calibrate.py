@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from ragcache import calibrate as cal
+from ragcache.errors import BadRequest
 from ragcache.linker import LinkParams
 from ragcache.store import open_store
 from tests import tiny
@@ -107,7 +108,7 @@ def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch)
     longest = max(len(c) for doc in texts for c in rc.document_chunks(rc.compile([doc])[0])) + 1  # + BOS
     profile = cal.calibrate(rc, items, target=1.0, ks=(0, longest), ratios=(), focus_ratios=(), at="content")
     assert profile.at == "content" and profile.agreement_by_k[str(longest)] == 1.0
-    with pytest.raises(ValueError, match="content"):
+    with pytest.raises(BadRequest, match="content"):
         cal.calibrate(rc, items, at="middle")
 
 
@@ -127,3 +128,20 @@ def test_the_profile_sets_the_engine_defaults(tmp_path, monkeypatch):
     assert rc.params("legolink", k=4).k == 4
     cal.save_profile(cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, None, None, focus_ratio=None))
     assert RagCache(lm, open_store("memory:")).params() == LinkParams("focus", DEFAULT_K, DEFAULT_FOCUS_RATIO)
+
+
+def test_calibrating_on_documents_without_a_sentence_to_ask_about_is_a_clear_error(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from ragcache.cli import app
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))  # a profile it wrongly saved stays here
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("a.txt", "b.txt"):
+        (docs / name).write_text("Short one. Tiny. Here are five words.\n\nOnly four words here.")
+    result = CliRunner().invoke(app, ["calibrate", "--model", str(tiny.saved("llama", tmp_path / "tiny")), "--docs",
+                                      str(docs), "--items", "2", "--adapter", "none", "--dtype", "float32"])
+    assert result.exit_code == 3 and "none of them has a sentence of 6 words or more" in " ".join(result.output.split())
+    with pytest.raises(BadRequest, match="at least one item"):
+        cal.calibrate(None, [])

@@ -14,8 +14,11 @@ from ragcache import errors
 from ragcache.cli import app
 from ragcache.engine import RagCache
 from ragcache.infill import FimTokens, build_prompt
+from ragcache.models import attach_adapter
+from ragcache.store import open_store
 from ragcache.train.evaluate import evaluate
 from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize
+from ragcache.train import link as tl
 from ragcache.train.infill import TrainConfig, train
 from ragcache.train.tasks import build_tasks
 from tests import tiny
@@ -218,6 +221,21 @@ def test_training_errors_are_clear(tiny_dir, code_dir, tmp_path):
     assert bad.exit_code == 3 and "--steps" in bad.output
 
 
+def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(code_dir, tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    runner = CliRunner()
+    for device, said in (("gpu", "--device must be auto, cpu or cuda"), ("cuda", "torch sees no CUDA device"),
+                         ("cuda:0", "torch sees no CUDA device")):
+        result = runner.invoke(app, ["train", "infill", "--model", str(tmp_path / "no-such-model"), "--data",
+                                     str(code_dir), "--steps", "1", "--device", device])
+        assert result.exit_code == 3 and said in " ".join(result.output.split()), (device, result.output)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    result = runner.invoke(app, ["train", "infill", "--model", str(tmp_path / "no-such-model"), "--data",
+                                 str(code_dir), "--steps", "1", "--device", "cuda:1"])
+    assert result.exit_code == 3 and "1 CUDA device(s)" in result.output
+
+
 # -- evaluation --------------------------------------------------------------------------------------------
 def test_tasks_put_the_cursor_inside_a_word_deterministically(code_dir):
     tasks = build_tasks(6, seed=1, source=code_dir, prefix_chars=120, suffix_chars=60)
@@ -279,3 +297,119 @@ def test_lora_without_its_targets_says_what_the_caller_can_do_instead():
     with pytest.raises(errors.BadRequest) as raised:
         with_lora(model, 4, 8, ("nothing_here",))
     assert "--full" not in str(raised.value)
+
+
+# -- train link on a tiny model (the fit itself: tests/test_train_link.py) ---------------------------------
+LINK_ITEMS = ([tl.Item("Where is the tower?", tiny.CORPUS[:2]), tl.Item("How high is it?", tiny.CORPUS[1:3])],
+              [tl.Item("When was it released?", tiny.CORPUS[2:4])])
+
+
+def link_config(out, **overrides) -> tl.LinkTrainConfig:
+    settings = dict(model="tiny-llama", steps=2, batch=1, lr=1e-2, rank=2, warmup=0, answer_tokens=2, out=out,
+                    checkpoint_every=1)
+    return tl.LinkTrainConfig(**{**settings, **overrides})
+
+
+def base_entries(texts) -> dict:
+    """The base model's chunk entries of `texts`, by key."""
+    base = RagCache(tiny.make("llama"), open_store("memory:"))
+    base.compile(texts)
+    return {key: base.store.get_many([key])[0] for key in base.store.keys()}
+
+
+def test_train_link_compiles_the_base_models_entries_during_and_after_the_run(tmp_path):
+    """A chunk compiled while the LoRA trains (a store miss) or later by the caller's engine is the base model's
+    entry, as its key says: the LoRA never runs at compile, and is gone from the engine after the run."""
+    rc = RagCache(tiny.make("llama"), open_store("memory:"))
+
+    def miss_everything(phase, done, total, note):  # after a step the LoRA is no longer zero
+        if phase == "training" and done == 1:
+            for key in list(rc.store.keys()):
+                rc.store.delete(key)
+
+    tl.train_link(link_config(tmp_path), rc=rc, items=LINK_ITEMS, progress=miss_everything)
+    rc.compile(tiny.CORPUS[4:])  # after the run
+    expected = base_entries(tiny.CORPUS)
+    stored = {key: rc.store.get_many([key])[0] for key in rc.store.keys()}
+    assert stored and stored.keys() <= expected.keys()
+    for key, entry in stored.items():
+        assert torch.equal(entry.keys, expected[key].keys) and torch.equal(entry.values, expected[key].values), key
+    assert rc.lm.adapter is None and rc.lm.fingerprint == tiny.make("llama").fingerprint
+    assert not any("lora" in name for name, _ in rc.lm.model.named_modules())
+
+
+def test_train_link_records_the_base_weights_an_adapter_attaches_to(tmp_path):
+    tl.train_link(link_config(tmp_path, steps=1), rc=RagCache(tiny.make("llama"), open_store("memory:")),
+                  items=LINK_ITEMS)
+    assert attach_adapter(tiny.make("llama"), tmp_path).adapter is not None
+    with pytest.raises(errors.BadAdapter, match="fitted to the weights of 'tiny-llama'"):
+        attach_adapter(tiny.make("llama", seed=1), tmp_path)  # the same configuration, other weights
+
+
+def test_train_link_resumes_no_run_of_other_answer_tokens_or_weights(tmp_path):
+    """The checkpoint is of targets made with --answer-tokens and of the model's weights, not only its name."""
+    tl.train_link(link_config(tmp_path, steps=1), rc=RagCache(tiny.make("llama"), open_store("memory:")),
+                  items=LINK_ITEMS)
+    with pytest.raises(errors.BadRequest, match="other settings or items .*answer_tokens: 2 there, 3 now"):
+        tl.train_link(link_config(tmp_path, steps=2, answer_tokens=3),
+                      rc=RagCache(tiny.make("llama"), open_store("memory:")), items=LINK_ITEMS)
+    with pytest.raises(errors.BadRequest, match="other settings or items .*model: "):
+        tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama", seed=1), open_store("memory:")),
+                      items=LINK_ITEMS)
+
+
+def test_train_link_refuses_fewer_steps_than_its_checkpoint_before_the_model_loads(tmp_path):
+    """The checkpoint's adapter is past them: the run would report --steps and save an adapter of more."""
+    store = open_store("memory:")
+    tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama"), store), items=LINK_ITEMS)
+    refused = CliRunner().invoke(app, ["train", "link", "--model", str(tmp_path / "no-such-model"), "--steps", "1",
+                                       "--out", str(tmp_path)])
+    assert refused.exit_code == 3 and "checkpointed after 2 steps, more than --steps 1" in refused.output
+    again = tl.train_link(link_config(tmp_path, steps=2), rc=RagCache(tiny.make("llama"), store),
+                          items=LINK_ITEMS)  # as many: the finished run, reported again
+    assert again.steps == 2 and len(again.losses) == 2
+
+
+def test_an_exact_span_ending_in_a_newline_and_indent_passes_the_syntax_check(code_dir):
+    """Exact match ignores trailing whitespace; so does the syntax check, which keeps the middle's own: without the
+    newline and indent the next line would be glued to the prediction."""
+    from ragcache.train.evaluate import score
+    from ragcache.train.tasks import InfillTask
+
+    path = code_dir / "stats.py"
+    text = path.read_text()
+    start, end = text.index("otal = 0"), text.index("for value")
+    task = InfillTask("stats.py:span", "span", text[:start], text[end:], text[start:end], start - 1, str(path), start,
+                      end)
+    assert task.middle == "otal = 0\n    "
+
+    class Stats:
+        ttft_s = total_s = 0.0
+        prompt_tokens = completion_tokens = 1
+
+    exact = score(task, "psm", task.middle, Stats)
+    assert exact.exact and exact.syntax_ok
+    assert score(task, "psm", "otal = 0\n", Stats).syntax_ok  # its trailing whitespace differs only
+    assert score(task, "psm", "otal = (0\n    ", Stats).syntax_ok is False
+
+
+def test_train_link_without_the_network_says_so_and_what_to_do_instead(tmp_path, monkeypatch):
+    """SQuAD dev is fetched from PyPI on a first run: a failed download is a fetch error (exit 5), not a traceback."""
+    import subprocess
+
+    from ragcache.train import squad
+
+    monkeypatch.setenv("RAGCACHE_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setattr(squad.subprocess, "run", lambda cmd, **_: subprocess.CompletedProcess(
+        cmd, 1, "", "ERROR: Could not find a version that satisfies the requirement bigbench==1.0.0"))
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: RagCache(tiny.make("llama"), open_store("memory:")))
+    result = CliRunner().invoke(app, ["train", "link", "--out", str(tmp_path / "out")])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 5 and "cannot fetch SQuAD v1.1 dev" in said and "Could not find a version" in said
+    assert "--docs" in said
+
+
+def test_train_link_refuses_an_unknown_dtype_before_the_model_loads(tmp_path):
+    result = CliRunner().invoke(app, ["train", "link", "--model", str(tmp_path / "no-such-model"), "--dtype", "fp32",
+                                      "--out", str(tmp_path / "out")])
+    assert result.exit_code == 3 and "--dtype must be one of float32, bfloat16, got 'fp32'" in result.output

@@ -7,8 +7,10 @@ For each task and mode the engine serves the infill request (`rc.infill`, greedy
     spm   <SUF>{suffix}<PRE>{prefix}<MID>                     (optional, for comparison)
 
 Scores: exact match (trailing whitespace ignored; a line task's prediction is cut at its first newline),
-first character (the prediction starts like the middle: the partial word is continued, not skipped), syntax pass (the source file with the prediction in place of the middle still parses) and edit similarity
-(difflib ratio). A model that cannot continue a partial word loses EM under EFIM and keeps it under PSM.
+first character (the prediction starts like the middle: the partial word is continued, not skipped), syntax pass
+(the source file with the prediction in place of the middle still parses; trailing whitespace as the middle's) and
+edit similarity (difflib ratio). A model that cannot continue a partial word loses EM under EFIM and keeps it under
+PSM.
 """
 
 from __future__ import annotations
@@ -74,8 +76,11 @@ def normalize(task: InfillTask, text: str) -> str:
 
 def score(task: InfillTask, mode: str, prediction: str, stats) -> TaskResult:
     pred, gold = normalize(task, prediction), task.middle.rstrip()
+    # the middle's own trailing whitespace goes back in: every score ignores it, and without a span's last newline
+    # and indent the next line would be glued to the prediction
+    in_place = pred + task.middle[len(gold):]
     return TaskResult(task.task_id, task.kind, mode, prediction, pred == gold, pred[:1] == gold[:1],
-                      syntax_ok(task, pred),
+                      syntax_ok(task, in_place),
                       round(difflib.SequenceMatcher(None, pred, gold).ratio(), 4), stats.ttft_s, stats.total_s,
                       stats.prompt_tokens, stats.completion_tokens)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from .. import models
-from ..errors import BadRequest, ModelFetchError, RagCacheError
+from ..errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError
 from ..settings import DEFAULT_LR
 from .fragment import IGNORE, Example, ExampleBuilder, ExampleConfig
 
@@ -54,6 +55,7 @@ class TrainConfig:
         if self.lr is not None and not 0 < self.lr < 1:
             raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         self.example_config().validate()
+        check_device(self.device)
 
     def example_config(self) -> ExampleConfig:
         return ExampleConfig(format=self.format, fragment=self.fragment, max_tokens=self.max_tokens)
@@ -61,6 +63,21 @@ class TrainConfig:
     @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.lora]
+
+
+def check_device(device: str) -> None:
+    """auto, cpu, or a CUDA device this machine has: anything else would fail only once the model is loaded."""
+    found = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device in ("auto", "cpu"):
+        return
+    if found is None:
+        raise ParameterOutOfRange(f"--device must be auto, cpu or cuda (cuda:N for the N-th GPU), got {device!r}")
+    if not torch.cuda.is_available():
+        raise ParameterOutOfRange(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu "
+                                  "(or auto)")
+    if found.group(1) is not None and int(found.group(1)) >= torch.cuda.device_count():
+        raise ParameterOutOfRange(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                                  "numbered from 0")
 
 
 @dataclass

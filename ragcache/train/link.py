@@ -31,6 +31,7 @@ A run killed at any point starts again from what is there.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -54,6 +55,7 @@ from ragcache.store import open_store
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
+DTYPES = ("float32", "bfloat16")  # float16's gradients would need loss scaling, which the loop has not
 HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
 QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
 
@@ -83,6 +85,8 @@ class LinkTrainConfig:
     def validate(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.dtype not in DTYPES:
+            raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every",
                      "keep_full_every"):
             if getattr(self, name) < 1:
@@ -91,6 +95,16 @@ class LinkTrainConfig:
             raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
         if not self.keep_full >= 0.0:
             raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        """A run resumes `out`'s checkpoint: one saved after more steps than asked for is refused here, before the
+        model loads, since its adapter is already past them."""
+        found = _checkpoint(Path(self.out))
+        done = int(torch.load(found / "state.pt", weights_only=True, mmap=True)["step"]) if found else 0
+        if self.steps < done:
+            raise BadRequest(f"{self.out} holds a run checkpointed after {done} steps, more than --steps "
+                             f"{self.steps}: ask for {done} or more (more continues it), or pick another --out")
 
     def link_kwargs(self) -> dict:
         return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
@@ -281,11 +295,13 @@ def batch_indices(seed: int, step: int, batch: int, n: int) -> list[int]:
     return out
 
 
-def _run_key(cfg: LinkTrainConfig, targets: list[Target]) -> dict:
-    """What a checkpoint must share with the run that resumes it (the step count may grow)."""
+def _run_key(cfg: LinkTrainConfig, targets: list[Target], fingerprint: str) -> dict:
+    """What a checkpoint must share with the run that resumes it (the step count may grow): the model by its
+    weights (`fingerprint`), as a path may hold another checkpoint since, and what its targets were made with."""
     items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
-    key = dict(model=cfg.model, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
-               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, items=items)
+    key = dict(model=fingerprint, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
+               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, answer_tokens=cfg.answer_tokens,
+               items=items)
     if cfg.keep_full:  # absent otherwise, so that runs of the link term alone resume as before
         key.update(keep_full=cfg.keep_full, keep_full_every=cfg.keep_full_every)
     return key
@@ -313,19 +329,28 @@ def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: lis
     shutil.rmtree(old, ignore_errors=True)
 
 
+def _checkpoint(out: Path) -> Path | None:
+    """The folder of `out`'s last checkpoint; None: there is none."""
+    for final in (out / "checkpoint", out / "checkpoint.old"):  # .old: killed between save_checkpoint's renames
+        if (final / "state.pt").exists():
+            return final
+    return None
+
+
 def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
     """(the step it was saved after, the link losses so far, the full term's); (0, [], []) when there is none."""
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    final = out / "checkpoint"
-    if not (final / "state.pt").exists() and (out / "checkpoint.old" / "state.pt").exists():
-        final = out / "checkpoint.old"  # killed between the two renames
-    if not (final / "state.pt").exists():
+    final = _checkpoint(out)
+    if final is None:
         return 0, [], []
     state = torch.load(final / "state.pt", weights_only=True)
-    if state["key"] != json.dumps(key, sort_keys=True):
-        raise BadRequest(f"{out} holds a run with other settings or items ({state['key']}); pick another --out")
+    saved, now = json.loads(state["key"]), json.loads(json.dumps(key))
+    if saved != now:
+        changed = "; ".join(f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
+                            for name in sorted({*saved, *now}) if saved.get(name) != now.get(name))
+        raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
     set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
@@ -405,10 +430,8 @@ def open_engine(cfg: LinkTrainConfig) -> RagCache:
 def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
                progress: Callable[[str, int, int, str], None] | None = None) -> LinkReport:
     """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
-    `rc`: an engine on the base model (else opened from cfg); `items`: (training, held out), else from cfg;
-    `progress(phase, done, total, note)`."""
-    from .infill import with_lora
-
+    `rc`: an engine on the base model (else opened from cfg), given back without the LoRA; `items`: (training, held
+    out), else from cfg; `progress(phase, done, total, note)`."""
     cfg.validate()
     say = progress or (lambda phase, done, total, note: None)
     started = time.perf_counter()
@@ -427,12 +450,43 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
                                lambda name, d, t: say(f"full ({name})", d, t, ""))
     train_set, held_out = prepared["train"], prepared["eval"]
 
+    base_weights = models.base_weights_record(rc.lm)
     torch.manual_seed(cfg.seed)
-    peft = with_lora(rc.lm.model, cfg.rank, 2 * cfg.rank, ATTENTION)
+    with training_lora(rc.lm, cfg.rank, out) as peft:
+        losses, full_losses = fit(rc, cfg, peft, train_set, out, say)
+        per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
+        report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
+                            time.perf_counter() - started, str(out), full_losses)
+        save_adapter(out, peft, rc.lm, cfg, report, per_item, base_weights)
+    return report
+
+
+@contextlib.contextmanager
+def training_lora(lm: models.LoadedModel, rank: int, out: Path):
+    """The LoRA a run trains, injected into `lm`'s model. It is registered as `lm`'s adapter while the run lasts, so
+    that a chunk compiled meanwhile (a store miss) is compiled without it, as the base model's entry its key names;
+    and it is taken out at the end, so a caller's engine is the base model again and compiles base entries after."""
+    from .infill import with_lora
+
+    trainable = {p: p.requires_grad for p in lm.model.parameters()}
+    peft = with_lora(lm.model, rank, 2 * rank, ATTENTION)
+    lm.adapter = models.Adapter(out, "", peft)
+    try:
+        yield peft
+    finally:
+        lm.adapter = None
+        peft.unload()
+        for param, flag in trainable.items():  # PEFT froze the base weights
+            param.requires_grad_(flag)
+
+
+def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: Path,
+        say: Callable[[str, int, int, str], None]) -> tuple[list[float], list[float]]:
+    """The optimizer steps after the last checkpoint's, up to cfg.steps; the link losses and the full term's."""
     params = [p for p in peft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
-    key = _run_key(cfg, train_set)
+    key = _run_key(cfg, train_set, rc.lm.fingerprint)
     start, losses, full_losses = load_checkpoint(out, peft, optimizer, schedule, key)
     for step in range(start + 1, cfg.steps + 1):
         link_kl, full_kl = train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
@@ -446,18 +500,16 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
         say("training", step, cfg.steps, f"kl {link_kl:.4f}" + (f" full {full_kl:.4f}" if full_kl is not None else ""))
         if step % cfg.checkpoint_every == 0 or step == cfg.steps:
             save_checkpoint(out, peft, optimizer, schedule, step, losses, key, full_losses)
-    per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
-    report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
-                        time.perf_counter() - started, str(out), full_losses)
-    save_adapter(out, peft, rc.lm, cfg, report, per_item)
-    return report
+    return losses, full_losses
 
 
 def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
-                 per_item: list[dict]) -> None:
-    """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them."""
+                 per_item: list[dict], base_weights: dict) -> None:
+    """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them.
+    `base_weights`: models.base_weights_record of the base model, taken before the LoRA went in."""
     peft.save_pretrained(out)
-    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), recipe=cfg.recipe(),
+    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), base_weights=base_weights,
+                recipe=cfg.recipe(),
                 link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
     (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text

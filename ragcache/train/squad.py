@@ -23,6 +23,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import ModelFetchError
 from ..models import file_lock
 
 BIGBENCH = "bigbench==1.0.0"
@@ -66,7 +67,7 @@ def dev_set_path() -> Path:
                     raw = tar.extractfile(member).read()
                     break
             else:
-                raise FileNotFoundError(f"{MEMBER} not found in {archive}")
+                raise _fetch_error(f"{MEMBER} not found in {archive}")
         json.loads(raw)  # refuse to cache something unreadable
         with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
             tmp.write(raw)
@@ -81,15 +82,21 @@ def _archive() -> Path:
         print(f"downloading {BIGBENCH} (source archive, about 358 MB) into {folder} ...", file=sys.stderr, flush=True)
         _pip_download([sys.executable, "-m", "pip"], folder)
     if not archive.exists():
-        raise RuntimeError(f"pip download {BIGBENCH} did not produce {archive.name}")
+        raise _fetch_error(f"pip download {BIGBENCH} did not produce {archive.name}")
     digest = hashlib.sha256()
     with open(archive, "rb") as fh:
         while block := fh.read(1 << 22):
             digest.update(block)
     if digest.hexdigest() != BIGBENCH_SHA256:
         archive.unlink()
-        raise RuntimeError(f"{archive.name}: sha256 {digest.hexdigest()}, expected {BIGBENCH_SHA256}; removed it")
+        raise _fetch_error(f"{archive.name}: sha256 {digest.hexdigest()}, expected {BIGBENCH_SHA256}; removed it")
     return archive
+
+
+def _fetch_error(problem: str) -> ModelFetchError:
+    return ModelFetchError(f"cannot fetch SQuAD v1.1 dev (the {BIGBENCH} source archive on PyPI, about 358 MB): "
+                           f"{problem}. Check the network and run again, put {DEV_JSON} into {data_dir()} "
+                           "(RAGCACHE_DATA_DIR), or train on your own documents (`ragcache train link --docs`)")
 
 
 def _pip_download(pip: list[str], folder: Path) -> None:
@@ -100,13 +107,13 @@ def _pip_download(pip: list[str], folder: Path) -> None:
     if proc.returncode == 0:
         return
     if "direct URL dependencies" not in proc.stderr or len(pip) > 1 and pip[-1].endswith(".whl/pip"):
-        raise RuntimeError(f"pip download {BIGBENCH} failed: {proc.stderr.strip()[-800:]}")
+        raise _fetch_error(f"pip download {BIGBENCH} failed: {proc.stderr.strip()[-800:]}")
     with tempfile.TemporaryDirectory() as tmp:
         got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, OLD_PIP],
                              capture_output=True, text=True)
         wheels = list(Path(tmp).glob("pip-*.whl"))
         if not wheels:
-            raise RuntimeError(f"pip download {OLD_PIP} failed: {got.stderr.strip()[-800:]}")
+            raise _fetch_error(f"pip download {OLD_PIP} failed: {got.stderr.strip()[-800:]}")
         _pip_download([sys.executable, f"{wheels[0]}/pip"], folder)
 
 
