@@ -28,7 +28,8 @@ def random_adapter(lm: models.LoadedModel, out: Path, rank: int) -> Path:
         r=rank, lora_alpha=2 * rank, target_modules=ATTENTION, init_lora_weights=False))
     fitted.save_pretrained(out)
     (out / models.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
-                                                       "base_config": models.config_fingerprint(lm.model)}))
+                                                       "base_config": models.config_fingerprint(lm.model),
+                                                       "base_weights": models.base_weights_record(lm)}))
     return out
 
 

@@ -137,13 +137,18 @@ def _sentences(text: str) -> list[str]:
     return [s.strip() for s in text.replace("\n", " ").split(".") if len(s.split()) >= SENTENCE_WORDS]
 
 
-def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, seed: int = 0) -> list[Item]:
-    """Items over the user's own documents, with no questions given: each asks for what a sentence of one of the
-    documents says next, among other documents, so the answer needs the right chunk's content."""
+def check_documents(texts: list[str]) -> None:
+    """BadRequest unless items can be made from these documents (checked before a model loads)."""
     if not any(_sentences(text) for text in texts):
         raise BadRequest(f"calibration asks how a sentence of your documents continues, and none of them has a "
                          f"sentence of {SENTENCE_WORDS} words or more (sentences end with '.'): pass documents of "
                          "running text, or leave out --docs to calibrate on the built-in set")
+
+
+def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, seed: int = 0) -> list[Item]:
+    """Items over the user's own documents, with no questions given: each asks for what a sentence of one of the
+    documents says next, among other documents, so the answer needs the right chunk's content."""
+    check_documents(texts)
     ids = rc.compile(texts)
     rng = random.Random(seed)
     items = []

@@ -400,6 +400,7 @@ def calibrate(
             texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
+            cal.check_documents(texts)
         else:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
             err.print("[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
                       "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "

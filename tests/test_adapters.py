@@ -391,11 +391,10 @@ def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(t
     """`ragcache train link` records the base model's weights beside the adapter: another checkpoint of the same
     configuration is refused, the same one loaded at another dtype is not; an adapter without that record (saved
     before it was kept, or without ragcache's file at all) is attached with a warning."""
-    recorded = tmp_path / "recorded"
-    shutil.copytree(adapter_dir, recorded)
+    recorded = adapter_dir  # saved as train link saves one: with the record
     meta = json.loads((recorded / models.ADAPTER_META).read_text())
+    assert "base_weights" in meta
     base = models.load(str(tiny_dir), dtype="float32")
-    (recorded / models.ADAPTER_META).write_text(json.dumps({**meta, "base_weights": models.base_weights_record(base)}))
     for dtype in ("float32", "bfloat16", "float16"):
         assert models.attach_adapter(models.load(str(tiny_dir), dtype=dtype), recorded).adapter is not None
     other = tiny.make("llama", seed=1)  # the same configuration, other weights
@@ -411,6 +410,7 @@ def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(t
     for path in (older, bare):
         shutil.copytree(adapter_dir, path)
     (bare / models.ADAPTER_META).unlink()
+    (older / models.ADAPTER_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "base_weights"}))
     for unchecked, why in ((older, "records no weights"), (bare, f"no {models.ADAPTER_META}")):
         assert models.attach_adapter(other, unchecked).adapter is not None
         assert f"{unchecked} is attached without checking" in caplog.text and why in caplog.text

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import BadRequest, UnsupportedModel
-from ..infill import FIM_END_TOKENS, FimTokens
+from ..infill import FIM_END_TOKENS, MAX_INCREMENT_CHARS, FimTokens
 
 IGNORE = -100  # label of a position that takes no loss (torch cross-entropy's ignore_index)
 FORMATS = ("efim", "fim", "both")
@@ -70,7 +70,7 @@ class ExampleConfig:
     mean_fragment_chars: float = 48.0
     max_tokens: int = 512  # whole example, prompt + middle + end token
     max_middle_chars: int = 96
-    max_increment_chars: int = 24  # EFIM: prefix[i:] is at most this long
+    max_increment_chars: int = MAX_INCREMENT_CHARS  # EFIM: prefix[i:] is at most this long, as sessions keep it
     chars_per_token: float = 3.0  # first guess for the character windows; examples over max_tokens shrink
 
     def validate(self) -> None:
