@@ -101,8 +101,8 @@ class Metrics:
         self.guard_kl = Histogram("ragcache_guard_kl", "KL(full || linked) of the next-token distributions at the "
                                   "answer's first position, nats", ["model", "algorithm"], buckets=KL_BUCKETS,
                                   registry=r)
-        self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full or a "
-                                     "check was already running", ["model", "algorithm"], registry=r)
+        self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full, a "
+                                     "check was already running, or no quiet step came within the check's deadline", ["model", "algorithm"], registry=r)
         r.register(Collector(lambda: queue_families(queue)))
         r.register(Collector(lambda: store_families(store)))
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
