@@ -55,6 +55,18 @@ def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
     return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}"
 
 
+MAX_VOCAB = 2**31 - 1  # token ids are checksummed as int32: a record claiming more is damaged, not a reason to raise
+
+
+def _is_unicode(text: str) -> bool:
+    """False for text holding a lone surrogate (JSON can spell one), which UTF-8, and so the id's hash, cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def is_count(value) -> bool:
     """A positive integer, as JSON gives it: `true` is no count (Python reads it as 1)."""
     return type(value) is int and value >= 1
@@ -130,7 +142,7 @@ def _document_fields_problem(doc_id: str, record) -> str | None:
     if not isinstance(record, dict):
         return "its record is not a JSON object"
     text, budget = record.get("text"), record.get("chunk_tokens")
-    if not isinstance(text, str) or document_id(text) != doc_id:
+    if not isinstance(text, str) or not _is_unicode(text) or document_id(text) != doc_id:
         return "its text does not hash to its id"
     if "checksum" not in record:
         return "it has no checksum of its chunk budget (written before ragcache kept one)"
@@ -212,7 +224,7 @@ def _chunk_fields_problem(name: str, record, vocab: int | None = None) -> str | 
         return "malformed"
     if not isinstance(tokenizer, str) or not tokenizer.startswith(tokenizer_prefix):
         return "its tokenizer is not the one its name says"
-    if not is_count(recorded_vocab) or (vocab is not None and recorded_vocab != vocab):
+    if not is_count(recorded_vocab) or recorded_vocab > MAX_VOCAB or (vocab is not None and recorded_vocab != vocab):
         return f"its vocabulary size {recorded_vocab!r} is not the tokenizer's"
     return chunks_problem(chunks, recorded_vocab)
 

@@ -210,10 +210,11 @@ class RagCache(Front):
         base model's weights) and compare its first-token distribution with `linked_logits`, the answer's own (None:
         the query is linked again). The guard's half of `check`. TimeoutError if the `full` link has not ended
         within `deadline` seconds (users kept every step busy); it is withdrawn."""
+        ends = None if deadline is None else time.monotonic() + deadline
         if linked_logits is None:
-            linked_logits = self._link_query(query).last_logits
-        full = self._link_query(dataclasses.replace(query, params=self.params("full")), background=True,
-                                timeout=deadline)
+            linked_logits = self._link_query(query, timeout=deadline).last_logits
+        left = None if ends is None else max(ends - time.monotonic(), 0.0)
+        full = self._link_query(dataclasses.replace(query, params=self.params("full")), background=True, timeout=left)
         return guard.compare(query.params.algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------

@@ -380,6 +380,8 @@ def weight_sample(model: torch.nn.Module) -> list[float]:
     out = []
     for _, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
         picks = [flat.numel() * (2 * i + 1) // (2 * WEIGHT_SAMPLES) for i in range(WEIGHT_SAMPLES)]
         out.extend(flat[picks].float().cpu().tolist())
     return out

@@ -166,7 +166,7 @@ class Scheduler:
             self._wakeup.notify()
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
-        if thread is None or not thread.is_alive():
+        if thread is None:
             self._fail_unfinished()
 
     def _refuse_if_stopping(self) -> None:
@@ -192,6 +192,8 @@ class Scheduler:
     def _run(self) -> None:
         try:
             self._loop()
+            if self._stopping:  # also when `stop` gave up waiting for a long step: nobody is left waiting
+                self._fail_unfinished()
         finally:  # idle or stopping: the memory of its last steps goes back (outside the lock; a few ms)
             return_free_memory()
 
@@ -237,15 +239,17 @@ class Scheduler:
         return any(not r.background for r in self.running)
 
     def _admit(self) -> None:
-        while self.waiting:
-            with self._wakeup:
-                request = self.waiting.popleft()
+        while (request := self._pop(self.waiting)) is not None:
             self._admit_one(request)
         # background work (one request at a time) only while no user request runs
-        if self.background and not self._serving_users() and not any(r.background for r in self.running):
-            with self._wakeup:
-                request = self.background.popleft()
-            self._admit_one(request)
+        if not self._serving_users() and not any(r.background for r in self.running):
+            if (request := self._pop(self.background)) is not None:
+                self._admit_one(request)
+
+    def _pop(self, queue: deque) -> Request | None:
+        """The queue's first request, or None: tested and taken under the lock, as `_withdraw` may empty it."""
+        with self._wakeup:
+            return queue.popleft() if queue else None
 
     def _admit_one(self, request: Request) -> None:
         if request.cancelled:

@@ -41,6 +41,8 @@ store_app = typer.Typer(help="Inspect and maintain the document KV store (no mod
 
 def _settings_store(url: str | None) -> str:
     """The --store given, else the settings' store, as compile and query take it (RAGCACHE_STORE, ragcache.toml)."""
+    if url:  # the other settings (engine, guard, adapter) mean nothing here: not read, so not checked
+        return url
     try:
         return load_settings(store=url).store
     except ValueError as exc:  # pydantic's ValidationError: a bad value in ragcache.toml, say

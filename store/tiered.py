@@ -174,11 +174,18 @@ class TieredStore(Store):
                 self._call(i, getattr(self.tiers[i], method), *args, write=True)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
+        """Into every tier that is up. StoreError when none took them, and when a store with lasting tiers kept them
+        only in memory: a reader in this process has them, but they end with it (a compile has lost its work)."""
         if not items:
             return
         started = time.perf_counter()
-        self._written(self._each("put_many", items, write=True), f"store {len(items)} entries")
+        answers = self._each("put_many", items, write=True)
+        self._written(answers, f"store {len(items)} entries")
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
+        if any(tier.lasting for tier in self.tiers) and not any(self.tiers[i].lasting for i, _ in answers):
+            down = "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states) if t.lasting)
+            raise StoreError(f"{len(items)} entries are kept only in this process's memory: no lasting tier "
+                                  f"took them ({down})")
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [bool(there) for there in self._first("contains_many", keys)]
@@ -268,7 +275,10 @@ class TieredStore(Store):
             return record.reason
         if not isinstance(record, dict):
             return "not a JSON object"
-        return None if problem is None else problem(name, record)
+        try:
+            return None if problem is None else problem(name, record)
+        except Exception as exc:  # noqa: BLE001 - a check that cannot read a record has found it damaged
+            return f"unreadable by its reader ({type(exc).__name__}: {exc})"
 
     def _fill_record(self, found_in: int, name: str, record: dict) -> None:
         """A record a slower tier had goes into the faster ones; a memory tier, which only answers while the lasting

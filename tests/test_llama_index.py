@@ -293,29 +293,50 @@ def test_llm_async_calls_leave_the_event_loop_free(rc):
 
 
 def test_an_async_stream_its_reader_leaves_stops_generating(rc, retriever, monkeypatch):
-    """A reader that stops an async stream early (closes it, or its task is cancelled) cancels the request: the
-    engine does not go on decoding to max_new_tokens for nobody."""
+    """A reader that leaves an async answer early (closes the stream and drops it, or cancels the task) cancels the
+    request while the loop runs: the engine does not go on decoding to max_new_tokens for nobody. llama-index's
+    wrappers do not close the generators they wrap, so the loop's finalizer of async generators does, a few turns
+    after the last reference goes."""
     opened = []
     stream_of = rc.stream
     monkeypatch.setattr(rc, "stream", lambda *a, **k: opened.append(stream_of(*a, **k)) or opened[-1])
 
-    async def first_then_leave(responses):
+    async def cancelled_soon():
+        for _ in range(500):
+            if opened[0].cancelled:
+                return True
+            await asyncio.sleep(0.01)
+        return False
+
+    async def llm_stream():
+        responses = await RagCacheLLM(rc=rc, max_new_tokens=200).astream_complete("Tell me a long story.")
         async for _ in responses:
             break
         await responses.aclose()
-
-    async def llm_stream():
-        llm = RagCacheLLM(rc=rc, max_new_tokens=200)
-        await first_then_leave(await llm.astream_complete("Tell me a long story."))
+        assert await cancelled_soon()
 
     async def engine_stream():
         response = await engine(rc, retriever, streaming=True, max_new_tokens=200).aquery(QUESTION)
-        await first_then_leave(response.async_response_gen())
+        pieces = response.async_response_gen()
+        async for _ in pieces:
+            break
+        await pieces.aclose()
+        del response, pieces
+        assert await cancelled_soon()
 
-    for leave in (llm_stream, engine_stream):
+    async def engine_task_cancelled():
+        task = asyncio.ensure_future(engine(rc, retriever, max_new_tokens=200).aquery(QUESTION))
+        while not rc.scheduler.running:  # linked and decoding
+            await asyncio.sleep(0.01)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert await cancelled_soon()
+
+    for leave in (llm_stream, engine_stream, engine_task_cancelled):
         opened.clear()
         asyncio.run(leave())
-        assert len(opened) == 1 and opened[0].cancelled
+        assert len(opened) == 1 and opened[0].cancelled, leave.__name__
         deadline = time.monotonic() + 60
         while (rc.scheduler.running or rc.scheduler.waiting) and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -488,26 +488,65 @@ def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
         release.wait(60)
         return "held"
 
-    with ThreadPoolExecutor(4) as pool:
-        held = pool.submit(scheduler.call, hold)
-        assert entered.wait(60)
-        queued_call = pool.submit(scheduler.call, lambda: "ran")
-        queued_query = pool.submit(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
-        deadline = time.monotonic() + 30
-        while len(scheduler.calls) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert len(scheduler.calls) == 2
-        stopping = pool.submit(scheduler.stop, 60)
-        while not scheduler._stopping:
-            time.sleep(0.01)
-        release.set()
-        assert held.result(60) == "held"  # the call in progress finishes
-        stopping.result(60)
-        with pytest.raises(errors.ShuttingDown):
-            queued_call.result(60)
-        with pytest.raises(errors.ShuttingDown):
-            queued_query.result(60)
+    held = in_daemon(scheduler.call, hold)
+    assert entered.wait(60)
+    queued_call = in_daemon(scheduler.call, lambda: "ran")
+    queued_query = in_daemon(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
+    deadline = time.monotonic() + 30
+    while len(scheduler.calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(scheduler.calls) == 2
+    stopping = in_daemon(scheduler.stop, 60)
+    while not scheduler._stopping:
+        time.sleep(0.01)
+    release.set()
+    assert held.result(60) == "held"  # the call in progress finishes
+    stopping.result(60)
+    with pytest.raises(errors.ShuttingDown):
+        queued_call.result(60)
+    with pytest.raises(errors.ShuttingDown):
+        queued_query.result(60)
     with pytest.raises(errors.ShuttingDown):
         scheduler.call(lambda: "late")
     with pytest.raises(errors.ShuttingDown):
         rc.query(QUESTIONS[1], [{"text": DOCS[1]}])
+
+
+def test_a_stop_that_gives_up_waiting_still_fails_what_was_queued():
+    """`stop` waits a while for the step in progress; past that it returns, and the scheduler thread, once the step
+    ends, fails what was queued itself (ShuttingDown) instead of leaving its callers waiting."""
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    scheduler = rc.scheduler
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+
+    held = in_daemon(scheduler.call, hold)
+    assert entered.wait(60)
+    queued = in_daemon(scheduler.call, lambda: "ran")
+    while len(scheduler.calls) < 1:
+        threading.Event().wait(0.01)
+    scheduler.stop(timeout=0.1)  # the held call is still running: stop gives up waiting
+    assert not queued.done()
+    release.set()
+    held.result(60)
+    with pytest.raises(errors.ShuttingDown):
+        queued.result(30)
+
+
+def in_daemon(fn, *args):
+    """fn(*args) on a daemon thread, as a Future: a caller a regression leaves waiting must not hang the test run."""
+    from concurrent.futures import Future
+
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True).start()
+    return future

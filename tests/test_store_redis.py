@@ -280,7 +280,8 @@ def test_a_full_redis_fails_the_write_cleanly(redis_url, tmp_path, caplog):
     assert all(same_bits(g, old[k]) for g, k in zip(store.get_many(list(old)), old))
     caplog.set_level(logging.WARNING, "ragcache.store")
     tiered = TieredStore([MemoryStore(), store])
-    tiered.put_many({key: big})  # memory takes it; Redis refuses; Redis stays up for reads
+    with pytest.raises(StoreError, match="only in this process's memory"):  # memory takes it; Redis refuses
+        tiered.put_many({key: big})
     assert same_bits(tiered.get(key), big) and tiered.up() == [True, True]
     assert len(warnings_of(caplog)) == 1 and "refused a write" in warnings_of(caplog)[0]
     with pytest.raises(StoreError, match="no store tier could store"):

@@ -476,3 +476,44 @@ def test_a_record_that_fails_its_checks_in_one_lasting_tier_is_read_from_the_nex
     store.tiers[0] = MemoryStore()
     with pytest.raises(CorruptDocument, match="does not hash to its id"):  # no sound copy anywhere: named
         catalog.resolve([doc])
+
+
+def test_a_record_a_check_cannot_read_is_damage_not_a_crash(tmp_path):
+    """A chunk record claiming a vocabulary past int32 (its checksum packs ids as int32) and a document record whose
+    text holds a lone surrogate (JSON can spell one) are damaged records in a tiered read: the chunks are derived
+    again, the document is CorruptDocument. Before, the check raised (OverflowError, UnicodeEncodeError) out of
+    every query of the document."""
+    from ragcache.catalog import Catalog
+    from ragcache.documents import chunks_name, doc_name
+    from tests import tiny
+
+    disk = DiskStore(tmp_path)
+    store = TieredStore([MemoryStore(), disk])
+    catalog = Catalog(store, tiny.tokenizer(), "t" * 64, 8)
+    doc, chunks = catalog.register("The Eiffel Tower is in Paris. It was completed in 1889.")
+    name = chunks_name(doc, "t" * 64, 8)
+    record = disk.get_record(name)
+    disk.put_record(name, {**record, "vocab": 2**40, "chunks": [[2**35]]})
+    assert catalog.resolve([doc]) == [chunks]
+    sound = disk.get_record(doc_name(doc))
+    disk.put_record(doc_name(doc), {**sound, "text": "bad \ud800 text"})
+    store.tiers[0] = MemoryStore()
+    with pytest.raises(CorruptDocument, match="does not hash to its id"):
+        catalog.resolve([doc])
+
+
+def test_entries_only_memory_took_fail_the_write_when_the_store_has_a_lasting_tier(tmp_path):
+    """memory+disk with the disk refusing: the entries would end with the process, so the write fails (a compile
+    reports it); a query still has the entries it compiled, and memory keeps them for this process."""
+    from tests.test_store import Flaky
+
+    key, entry = make_entry(1, layers=2)
+    disk = Flaky()
+    disk.lasting = True
+    store = TieredStore([MemoryStore(), disk])
+    disk.broken = True
+    with pytest.raises(StoreError, match="only in this process's memory"):
+        store.put_many({key: entry})
+    assert same_bits(store.tiers[0].get_many([key])[0], entry)
+    memory_only = TieredStore([MemoryStore()])
+    memory_only.put_many({key: entry})  # no lasting tier to miss: nothing to report

@@ -4,6 +4,7 @@ wants an LLM (Settings.llm, synthesizers, agents). The system prompt is the mode
 from __future__ import annotations
 
 import asyncio
+from contextlib import aclosing
 from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
@@ -104,9 +105,10 @@ def _responses(stream: Stream) -> Iterator[CompletionResponse]:
 
 
 async def _aresponses(stream: Stream) -> AsyncIterator[CompletionResponse]:
-    """`_responses` for asyncio code."""
+    """`_responses` for asyncio code; closed early, it cancels the request at once (not when the collector runs)."""
     text = ""
-    async for piece in apieces(stream):
-        text += piece
-        yield CompletionResponse(text=text, delta=piece)
+    async with aclosing(apieces(stream)) as pieces:
+        async for piece in pieces:
+            text += piece
+            yield CompletionResponse(text=text, delta=piece)
     yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})

@@ -335,7 +335,13 @@ def lora_engine_args(path: Path) -> dict:
 
 def _first_logits(stream: "VllmStream", ends: float | None) -> torch.Tensor:
     """Run a one-token stream; abort it at monotonic time `ends` (TimeoutError)."""
-    timer = None if ends is None else threading.Timer(max(ends - time.monotonic(), 0.0), stream.cancel)
+    fired = threading.Event()
+
+    def expire() -> None:
+        fired.set()
+        stream.cancel()
+
+    timer = None if ends is None else threading.Timer(max(ends - time.monotonic(), 0.0), expire)
     if timer is not None:
         timer.daemon = True
         timer.start()
@@ -344,8 +350,10 @@ def _first_logits(stream: "VllmStream", ends: float | None) -> torch.Tensor:
     finally:
         if timer is not None:
             timer.cancel()
-    if answer is None:  # cancelled: the timer fired first
+    if answer is None and fired.is_set():
         raise TimeoutError("the guard's request was not served in time")
+    if answer is None:
+        raise RagCacheError("the guard's request was cancelled (the engine is stopping?)")
     return answer.first_logits
 
 
