@@ -95,43 +95,40 @@ def test_interrupted_compile_resumes(tmp_path):
     assert "(compiled 0)" in again.stdout
 
 
-def test_bad_input_exit_codes(tmp_path):
-    missing = ragcache("compile", str(tmp_path / "nope"), "--store", "memory:", cwd=tmp_path, check=False)
-    assert missing.returncode == 3 and "no such file" in missing.stderr
-    unknown = ragcache("query", "what?", "--doc", "0" * 32, "--store", "memory:", cwd=tmp_path, check=False)
-    assert unknown.returncode == 4 and "unknown document" in unknown.stderr
+def test_bad_input_exit_codes(tiny_cli, tmp_path):
+    missing = tiny_cli("compile", tmp_path / "nope", "--store", "memory:")
+    assert missing.exit_code == 3 and "no such file" in missing.text
+    unknown = tiny_cli("query", "what?", "--doc", "0" * 32, "--store", "memory:")
+    assert unknown.exit_code == 4 and "unknown document" in unknown.text
     (tmp_path / "note.txt").write_text("some text")
-    algo = ragcache("query", "what?", "--doc", str(tmp_path / "note.txt"), "--algorithm", "magic", "--store",
-                    "memory:", cwd=tmp_path, check=False)
-    assert algo.returncode == 3 and "unknown algorithm" in algo.stderr
+    algo = tiny_cli("query", "what?", "--doc", tmp_path / "note.txt", "--algorithm", "magic", "--store", "memory:")
+    assert algo.exit_code == 3 and "unknown algorithm" in algo.text
 
 
-def test_inputs_are_checked_before_the_model_loads(tmp_path):
-    """A typo'd path is never taken for document text, and bad inputs fail at once with exit 3 and a clear message
-    (the model is never loaded: loading it prints a status line these runs never show)."""
-    typo = ragcache("query", "what?", "--doc", str(tmp_path / "lighthous.txt"), "--store", "memory:", cwd=tmp_path,
-                    check=False)
-    assert typo.returncode == 3 and "neither an existing file nor a document id" in typo.stderr
+def test_inputs_are_checked_before_the_model_loads(tiny_cli, tmp_path):
+    """A typo'd path is never taken for document text, and bad inputs fail at once with exit 3 and a clear message,
+    the model never loaded."""
+    typo = tiny_cli("query", "what?", "--doc", tmp_path / "lighthous.txt", "--store", "memory:")
+    assert typo.exit_code == 3 and "neither an existing file nor a document id" in typo.text
     (tmp_path / "blob.txt").write_bytes(bytes(range(256)) * 4)
-    binary = ragcache("compile", str(tmp_path / "blob.txt"), "--store", "memory:", cwd=tmp_path, check=False)
-    assert binary.returncode == 3 and "not UTF-8 text" in binary.stderr and "Traceback" not in binary.stderr
+    binary = tiny_cli("compile", tmp_path / "blob.txt", "--store", "memory:")
+    assert binary.exit_code == 3 and "not UTF-8 text" in binary.text and "Traceback" not in binary.text
     (tmp_path / "empty").mkdir()
-    empty = ragcache("compile", str(tmp_path / "empty"), "--store", "memory:", cwd=tmp_path, check=False)
-    assert empty.returncode == 3 and "no documents to compile" in empty.stderr
+    empty = tiny_cli("compile", tmp_path / "empty", "--store", "memory:")
+    assert empty.exit_code == 3 and "no documents to compile" in empty.text
     (tmp_path / "odd").mkdir()
     (tmp_path / "odd" / "slides.pptx").write_bytes(b"PK")
-    odd = ragcache("compile", str(tmp_path / "odd"), "--store", "memory:", cwd=tmp_path, check=False)
-    assert odd.returncode == 3 and "slides.pptx" in odd.stderr and "skipping 1 file" in odd.stderr
-    where = ragcache("calibrate", "--at", "middle", cwd=tmp_path, check=False)
-    assert where.returncode == 3 and "--at must be one of first, content" in where.stderr
+    odd = tiny_cli("compile", tmp_path / "odd", "--store", "memory:")
+    assert odd.exit_code == 3 and "slides.pptx" in odd.text and "skipping 1 file" in odd.text
+    where = tiny_cli("calibrate", "--at", "middle")
+    assert where.exit_code == 3 and "--at must be one of first, content" in where.text
     rows = []
     for name, line in (("string", '"a line whose text is not an object"'), ("number", '{"text": 42}')):
         (tmp_path / f"{name}.jsonl").write_text('{"text": "a fine first line"}\n' + line + "\n")
-        rows.append(ragcache("compile", str(tmp_path / f"{name}.jsonl"), "--store", "memory:", cwd=tmp_path,
-                             check=False))
-    assert all(run.returncode == 3 and "Traceback" not in run.stderr for run in rows)
-    assert ":2: no field 'text'" in rows[0].stderr and "is int, not text" in rows[1].stderr
-    assert all("loading" not in run.stderr for run in (typo, binary, empty, odd, where, *rows))
+        rows.append(tiny_cli("compile", tmp_path / f"{name}.jsonl", "--store", "memory:"))
+    assert all(run.exit_code == 3 and "Traceback" not in run.text for run in rows)
+    assert ":2: no field 'text'" in rows[0].text and "is int, not text" in rows[1].text
+    assert tiny_cli.opened == []
 
 
 def test_demo_models_and_config(tmp_path):

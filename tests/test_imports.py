@@ -4,6 +4,7 @@ module imports, at any depth, one that imports it back (function-level imports i
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -11,6 +12,7 @@ FOLDERS = {"ragcache": "ragcache", "store": "ragcache.store", "kernels": "ragcac
 ENTRY_POINTS = {"ragcache.cli", "ragcache.store_cli", "ragcache.train.cli"}  # the commands: above every layer
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
     found = {}
     for folder, package in FOLDERS.items():
@@ -44,6 +46,7 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
+@functools.cache  # the tests only read it
 def graph() -> dict[str, set[str]]:
     found = modules()
     return {name: imports(name, path, set(found)) for name, path in found.items()}
