@@ -413,3 +413,36 @@ def test_train_link_refuses_an_unknown_dtype_before_the_model_loads(tmp_path):
     result = CliRunner().invoke(app, ["train", "link", "--model", str(tmp_path / "no-such-model"), "--dtype", "fp32",
                                       "--out", str(tmp_path / "out")])
     assert result.exit_code == 3 and "--dtype must be one of float32, bfloat16, got 'fp32'" in result.output
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_an_interrupted_infill_run_resumes_where_its_checkpoint_left_off(tiny_dir, code_dir, tmp_path, lora):
+    """Killed after its first checkpoint, the same run resumes there: the steps already taken are not trained
+    again, and the result is the uninterrupted run's (losses and weights). A run with other settings is refused."""
+    if lora:
+        pytest.importorskip("peft")
+    settings = dict(model=str(tiny_dir), data=code_dir, steps=3, lora=lora, batch=2, max_tokens=128,
+                    checkpoint_every=1, lr=1e-2 if lora else 1e-3)
+
+    def stop_after_two(step, loss):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    out, whole = tmp_path / "resumed", tmp_path / "whole"
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=out, **settings), progress=stop_after_two)
+    assert (out / "checkpoint" / "state.pt").exists() and not (out / "config.json").exists()
+    steps = []
+    resumed = train(TrainConfig(out=out, **settings), progress=lambda step, loss: steps.append(step))
+    assert steps == [3]  # steps 1 and 2 were checkpointed
+    straight = train(TrainConfig(out=whole, **settings))
+    assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-6)
+    assert resumed.examples == straight.examples == 6 and resumed.tokens == straight.tokens
+    assert not (out / "checkpoint").exists()  # the model is written: the checkpoint is gone
+    a = RagCache.open(model=str(out), store="memory:").lm.model.state_dict()
+    b = RagCache.open(model=str(whole), store="memory:").lm.model.state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=tmp_path / "other", **settings), progress=stop_after_two)
+    with pytest.raises(errors.BadRequest, match="other settings.*batch"):
+        train(TrainConfig(out=tmp_path / "other", **{**settings, "batch": 3}))

@@ -130,12 +130,15 @@ def infill_cmd(
     glob: str = typer.Option("**/*.py", "--glob", help="which files under --data"),
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints (in --out; the "
+                                                                         "same command resumes the last one)"),
 ):
     """Fine-tune on FIM/EFIM examples built from the files in --data; writes a model RagCache.open loads."""
     from .infill import TrainConfig, train
 
     cfg = TrainConfig(model=model, data=data, out=out, steps=steps, lora=lora, lr=lr, batch=batch, format=fmt,
-                      fragment=fragment, max_tokens=max_tokens, glob=glob, seed=seed, device=device)
+                      fragment=fragment, max_tokens=max_tokens, glob=glob, seed=seed, device=device,
+                      checkpoint_every=checkpoint_every)
     try:
         cfg.validate()
         with _progress() as bar:
@@ -150,7 +153,7 @@ def infill_cmd(
     except RagCacheError as exc:
         fail(exc)
     except KeyboardInterrupt:
-        err.print("interrupted: nothing was written")
+        err.print(f"interrupted: the same command with --out {out} resumes from the last checkpoint")
         raise typer.Exit(130)
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))

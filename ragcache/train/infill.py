@@ -5,12 +5,15 @@
 reads the files under `data` (default *.py), streams FIM / EFIM examples from them (`fragment.ExampleBuilder`),
 runs `steps` optimizer steps (AdamW, short linear warm-up, gradient clipping) and writes a plain transformers
 directory (LoRA adapters merged into the weights) plus the tokenizer, which `RagCache.open(model=out)` loads.
+Every `checkpoint_every` steps the trained weights and the loop's state go to `out/checkpoint/`: the same command
+run again after a kill resumes there (the examples are a seeded stream, so it skips the ones already trained on).
 Runs on CPU for small models; the same code uses CUDA (bf16 autocast) when there is a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 import re
@@ -24,6 +27,7 @@ import torch
 from .. import models
 from ..errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError
 from ..settings import DEFAULT_LR
+from . import checkpoint
 from .fragment import IGNORE, Example, ExampleBuilder, ExampleConfig
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -47,9 +51,10 @@ class TrainConfig:
     lora_alpha: int = 32
     warmup_steps: int | None = None  # default: steps // 10
     device: str = "auto"  # auto | cpu | cuda
+    checkpoint_every: int = 20
 
     def validate(self) -> None:
-        for name in ("steps", "batch"):
+        for name in ("steps", "batch", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise BadRequest(f"--{name} must be >= 1, got {getattr(self, name)}")
         if self.lr is not None and not 0 < self.lr < 1:
@@ -174,8 +179,12 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
 
     result = TrainResult(Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device),
                          trainable_parameters=sum(p.numel() for p in params))
+    key = _run_key(cfg, source, texts)
+    start = _resume(Path(cfg.out), key, model, optimizer, schedule, result)
+    for _ in range(start * cfg.batch):  # trained on before the checkpoint
+        next(examples)
     started = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
+    for step in range(start + 1, cfg.steps + 1):
         batch = [next(examples) for _ in range(cfg.batch)]
         tensors = {k: v.to(device) for k, v in collate(batch, pad_id).items()}
         with autocast:
@@ -191,11 +200,60 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
         result.tokens += int(tensors["attention_mask"].sum())
         result.target_tokens += int((tensors["labels"] != IGNORE).sum())
         result.losses.append(round(loss.item(), 5))
+        if step % cfg.checkpoint_every == 0 and step < cfg.steps:
+            _save_checkpoint(Path(cfg.out), key, model, optimizer, schedule, step, result)
         if progress:
             progress(step, loss.item())
     result.seconds = time.perf_counter() - started
     save(model, tokenizer, cfg, result)
+    checkpoint.remove(Path(cfg.out))  # the model is written: what it was for is done
     return result
+
+
+def _run_key(cfg: TrainConfig, source: str, texts: list[str]) -> dict:
+    """What a checkpoint must share with the run that resumes it: the model, the data and every setting that
+    shapes the examples or the updates (the step count may grow)."""
+    data = hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:16]
+    settings = {name: value for name, value in asdict(cfg).items() if name not in ("out", "steps", "device",
+                                                                                     "checkpoint_every", "data")}
+    return dict(settings, model=str(source), data=data, learning_rate=cfg.learning_rate)
+
+
+def _trainable(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _save_checkpoint(out: Path, key: dict, model, optimizer, schedule, step: int, result: TrainResult) -> None:
+    from safetensors.torch import save_file
+
+    counts = dict(examples=result.examples, tokens=result.tokens, target_tokens=result.target_tokens)
+    checkpoint.save(out, lambda folder: save_file(_trainable(model), folder / "trainable.safetensors"),
+                    dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), step=step,
+                         losses=list(result.losses), counts=counts), key)
+
+
+def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResult) -> int:
+    """The step `out`'s checkpoint was saved after (0: none), its weights and state put back."""
+    from safetensors.torch import load_file
+
+    found = checkpoint.load(out, key)
+    if found is None:
+        return 0
+    folder, state = found
+    if state["step"] > result.steps:
+        raise BadRequest(f"{out} holds a run checkpointed after {state['step']} steps, more than --steps "
+                         f"{result.steps}; ask for at least that many, or pick another --out")
+    weights = load_file(folder / "trainable.safetensors")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name in weights:
+                p.copy_(weights[name])
+    optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state["schedule"])
+    result.losses = list(state["losses"])
+    for name, value in state["counts"].items():
+        setattr(result, name, value)
+    return int(state["step"])
 
 
 def save(model, tokenizer, cfg: TrainConfig, result: TrainResult) -> None:

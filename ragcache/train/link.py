@@ -36,7 +36,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -50,7 +49,7 @@ from ..engine import RagCache
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..sampling import QueryStats
 from ..settings import DEFAULT_MODEL
-from . import squad
+from . import checkpoint, squad
 from ragcache.store import open_store
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -100,7 +99,7 @@ class LinkTrainConfig:
     def _check_resume(self) -> None:
         """A run resumes `out`'s checkpoint: one saved after more steps than asked for is refused here, before the
         model loads, since its adapter is already past them."""
-        found = _checkpoint(Path(self.out))
+        found = checkpoint.find(Path(self.out))
         done = int(torch.load(found / "state.pt", weights_only=True, mmap=True)["step"]) if found else 0
         if self.steps < done:
             raise BadRequest(f"{self.out} holds a run checkpointed after {done} steps, more than --steps "
@@ -316,25 +315,9 @@ def _atomic_save(obj, path: Path) -> None:
 
 def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict,
                     full_losses: list[float] = ()) -> None:
-    """The adapter and the optimizer's state after `step`, swapped in whole: a kill leaves the old one or the new."""
-    staged, final = out / "checkpoint.tmp", out / "checkpoint"
-    shutil.rmtree(staged, ignore_errors=True)
-    peft.save_pretrained(staged)
-    torch.save(dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), step=step, losses=losses,
-                    full_losses=list(full_losses), key=json.dumps(key, sort_keys=True)), staged / "state.pt")
-    old = out / "checkpoint.old"
-    if final.exists():
-        os.replace(final, old)
-    os.replace(staged, final)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def _checkpoint(out: Path) -> Path | None:
-    """The folder of `out`'s last checkpoint; None: there is none."""
-    for final in (out / "checkpoint", out / "checkpoint.old"):  # .old: killed between save_checkpoint's renames
-        if (final / "state.pt").exists():
-            return final
-    return None
+    """The adapter and the optimizer's state after `step`."""
+    checkpoint.save(out, peft.save_pretrained, dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
+                                                    step=step, losses=losses, full_losses=list(full_losses)), key)
 
 
 def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
@@ -342,15 +325,10 @@ def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[in
     from peft import set_peft_model_state_dict
     from safetensors.torch import load_file
 
-    final = _checkpoint(out)
-    if final is None:
+    found = checkpoint.load(out, key)
+    if found is None:
         return 0, [], []
-    state = torch.load(final / "state.pt", weights_only=True)
-    saved, now = json.loads(state["key"]), json.loads(json.dumps(key))
-    if saved != now:
-        changed = "; ".join(f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
-                            for name in sorted({*saved, *now}) if saved.get(name) != now.get(name))
-        raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
+    final, state = found
     set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])

@@ -1,0 +1,58 @@
+"""A training run's checkpoint: `out/checkpoint/`, the trained weights and the loop's state (optimizer, schedule,
+step, losses) under a key naming what the run was (model, settings, data). It is swapped in whole, so a kill leaves
+the old checkpoint or the new one, and a run that finds one resumes it only when the keys match."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..errors import BadRequest
+
+STATE = "state.pt"
+
+
+def save(out: Path, write: Callable[[Path], None], state: dict, key: dict) -> None:
+    """`write(folder)` puts the weights in the folder; `state` (tensors and plain values) goes beside them."""
+    staged, final, old = out / "checkpoint.tmp", out / "checkpoint", out / "checkpoint.old"
+    shutil.rmtree(staged, ignore_errors=True)
+    staged.mkdir(parents=True)
+    write(staged)
+    torch.save({**state, "key": json.dumps(key, sort_keys=True)}, staged / STATE)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(staged, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def find(out: Path) -> Path | None:
+    """The folder of `out`'s last checkpoint; None: there is none."""
+    for final in (out / "checkpoint", out / "checkpoint.old"):  # .old: killed between save's two renames
+        if (final / STATE).exists():
+            return final
+    return None
+
+
+def load(out: Path, key: dict) -> tuple[Path, dict] | None:
+    """(its folder, its state) of `out`'s checkpoint, None when there is none; BadRequest naming what differs when
+    it is another run's."""
+    final = find(out)
+    if final is None:
+        return None
+    state = torch.load(final / STATE, weights_only=True)
+    saved, now = json.loads(state.pop("key")), json.loads(json.dumps(key))
+    if saved != now:
+        changed = "; ".join(f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
+                            for name in sorted({*saved, *now}) if saved.get(name) != now.get(name))
+        raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
+    return final, state
+
+
+def remove(out: Path) -> None:
+    for name in ("checkpoint", "checkpoint.old", "checkpoint.tmp"):
+        shutil.rmtree(out / name, ignore_errors=True)
