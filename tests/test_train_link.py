@@ -88,7 +88,7 @@ def test_the_full_term_lowers_the_adapted_models_distance_to_the_base_full(tmp_p
                 p.normal_(0.0, 0.06)
     optimizer = torch.optim.AdamW(params, lr=2e-4)  # Adam moves every weight by about lr a step: 5e-3 overshoots
     kept = []
-    for step in range(1, 9):
+    for step in range(1, 5):  # measured: 0.058 -> 0.018 -> 0.008 -> 0.011 over the first four
         link_kl, full_kl = tl.train_step(rc, cfg, targets, [0, 1], params, step)
         kept.append(full_kl)
         optimizer.step()
