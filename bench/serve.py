@@ -7,7 +7,8 @@
    over the same documents in every cell. Latency is client-side (send to full JSON answer).
 2. Decode, in this process, on one prompt (3 documents, legolink-16), EOS ignored so every run decodes the same
    number of tokens:
-   - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax);
+   - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax), on a
+     model loaded apart from ragcache's (the runner rewrites the Linears and attention of the model it runs);
    - ragcache, one stream: decode tokens/s from the answer's own timings;
    - ragcache, C streams at once (the same prompt with C different questions): aggregate decode tokens/s over
      the scheduler's decode-only steps (rows / seconds), so link pieces are not counted as decode time;
@@ -92,6 +93,9 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     from ragcache.engine import RagCache
     from ragcache.store import open_store
 
+    # transformers' loop gets a model of its own: building the runner rewrites lm.model (each Linear pads its rows
+    # on CPU, the attention is routed through ragcache's), and the peer must run transformers' code unmodified.
+    plain = models.load(model, dtype=dtype).model
     lm = models.load(model, dtype=dtype)
     rc = RagCache(lm, open_store("memory:"), batch_invariant=batch_invariant)
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
@@ -105,7 +109,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in streams}  # (aggregate, per stream)
     packed: dict[int, list] = {}  # C -> the token ids of its last repeat's answers
     for _ in range(repeats):
-        peer.append(transformers_loop(lm, prompt, tokens))
+        peer.append(transformers_loop(plain, prompt, tokens))
         for c in streams:
             before = _decode_counters(rc)
             with ThreadPoolExecutor(c) as pool:
@@ -118,7 +122,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
             print(f"decode C={c}: {runs[c][-1][0]:.2f} tok/s aggregate", file=sys.stderr, flush=True)
     cell = dict(kind="decode", prompt_tokens=prompt.numel())
     rows = [dict(cell, engine="transformers cached loop", streams=1, tokens_per_s=round(statistics.median(peer), 2),
-                 runs_tokens_per_s=[round(t, 2) for t in peer], dtype=str(lm.model.dtype).removeprefix("torch."))]
+                 runs_tokens_per_s=[round(t, 2) for t in peer], dtype=str(plain.dtype).removeprefix("torch."))]
     for c, got in runs.items():
         row = dict(cell, engine="ragcache scheduler", streams=c,
                    tokens_per_s=round(statistics.median(t for t, _ in got), 2),
@@ -200,16 +204,17 @@ def _decode_counters(rc) -> tuple[int, float]:
     return stats.decode_only_rows, stats.decode_only_s
 
 
-def transformers_loop(lm, prompt, tokens: int) -> float:
-    """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill)."""
+def transformers_loop(model, prompt, tokens: int) -> float:
+    """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill), on `model` as
+    transformers loaded it (no runner built on it)."""
     import torch
 
     with torch.inference_mode():
-        out = lm.model(prompt[None], use_cache=True)
+        out = model(prompt[None], use_cache=True)
         past, token = out.past_key_values, out.logits[0, -1].argmax()
         started = time.perf_counter()
         for _ in range(tokens - 1):
-            out = lm.model(token.view(1, 1), past_key_values=past, use_cache=True)
+            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[0, -1].argmax()
             int(token)  # the host needs the token, as a server does
         return (tokens - 1) / (time.perf_counter() - started)

@@ -105,10 +105,23 @@ def test_throughput_through_the_rest_server(tmp_path):
 
 
 @pytest.mark.real_model
-def test_serve_decode_cells_and_runner_steps():
+def test_serve_decode_cells_and_runner_steps(monkeypatch):
     from bench import serve
+    from ragcache import runner
 
+    peer_models = []
+
+    def loop(model, prompt, tokens):
+        peer_models.append(model)
+        return timed_loop(model, prompt, tokens)
+
+    timed_loop = serve.transformers_loop
+    monkeypatch.setattr(serve, "transformers_loop", loop)
     rows = serve.decode_cells("smollm2-135m", doc_tokens=32, tokens=3, streams=[1, 3], dtype="float32")
+    # the peer is transformers' own code: no Linear padded by ragcache's runner, not its attention
+    assert peer_models and all(model.config._attn_implementation != runner.ATTENTION_NAME for model in peer_models)
+    assert not [m for model in peer_models for m in model.modules()
+                if isinstance(m, torch.nn.Linear) and hasattr(m.forward, "unwrapped")]
     decode = [r for r in rows if r["kind"] == "decode"]
     assert [(r["engine"], r["streams"]) for r in decode] == [
         ("transformers cached loop", 1), ("ragcache scheduler", 1), ("ragcache scheduler", 3)]
