@@ -126,6 +126,7 @@ def test_serve_decode_cells_and_runner_steps(monkeypatch):
     assert [(r["engine"], r["streams"]) for r in decode] == [
         ("transformers cached loop", 1), ("ragcache scheduler", 1), ("ragcache scheduler", 3)]
     assert all(finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in decode)
+    assert all(finite(r["wall_tokens_per_s"]) and r["wall_tokens_per_s"] > 0 for r in decode[1:])
     assert finite(decode[2]["vs_one_stream"]) and decode[2]["identical_to_alone"] == 3  # batch-invariant by default
     steps = [r for r in rows if r["kind"] == "step"]
     assert [(r["rows"], r["pooled"]) for r in steps] == [(1, False), (3, True), (3, False)]
@@ -187,6 +188,18 @@ def test_peers_speedups_are_against_the_fastest_first_request_of_another_engine(
     assert by["vLLM+ragcache naive reordered docs"]["decode_vs_fastest_peer"] == round(31.0 / 40.0, 2)
     for name in ("vLLM+ragcache naive exact repeat", "vLLM+ragcache, no link: cold", "transformers"):
         assert by[name]["ttft_vs_fastest_peer"] is None and by[name]["decode_vs_fastest_peer"] is None
+
+
+def test_serve_wall_clock_rate_spans_the_first_token_to_the_last():
+    from types import SimpleNamespace
+
+    from bench import serve
+
+    def answer(tokens: int, decode_s: float):
+        return SimpleNamespace(stats=SimpleNamespace(completion_tokens=tokens, decode_s=decode_s))
+
+    # first tokens at 8 and 9 s, last at 10 and 12 s: 4 + 6 tokens after the first over 4 s
+    assert serve.wall_rate([(answer(5, 2.0), 10.0), (answer(7, 3.0), 12.0)]) == 2.5
 
 
 def test_squad_scoring_matches_the_official_normalisation():
