@@ -40,7 +40,8 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype,
-                  decode_repeats=repeats, batch_invariant=batch_invariant)
+                  decode_repeats=repeats, batch_invariant=batch_invariant,
+                  server_threads=throughput.server_threads() if clients else None)
     bench = report.Run("serve", params, out_dir)
     rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
     decode = (decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype, repeats, batch_invariant)

@@ -202,6 +202,34 @@ def test_serve_wall_clock_rate_spans_the_first_token_to_the_last():
     assert serve.wall_rate([(answer(5, 2.0), 10.0), (answer(7, 3.0), 12.0)]) == 2.5
 
 
+def test_rest_runs_record_the_threads_their_server_computes_with(tmp_path, monkeypatch):
+    """The REST server is given the bench's thread count (OMP_NUM_THREADS), not torch's default: the result says it."""
+    from bench import serve, throughput
+
+    started, popen = [], subprocess.Popen
+
+    def start(cmd, *args, **kwargs):
+        if "ragcache.cli" not in cmd:  # git, for the run's commit
+            return popen(cmd, *args, **kwargs)
+        started.append(kwargs["env"])
+
+    monkeypatch.setattr(subprocess, "Popen", start)
+    monkeypatch.setattr(throughput.Server, "wait_healthy", lambda self: None)
+    monkeypatch.setattr(serve, "rest_cells", lambda *args: [])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server = throughput.Server("smollm2-135m", "memory:")
+        server.log.close()
+        Path(server.log.name).unlink()
+        ran = serve.run("smollm2-135m", [1], 2, 4, 32, (1, 2), 2, [], decode_tokens=0, decode_streams=[],
+                        out_dir=tmp_path)
+    finally:
+        torch.set_num_threads(before)
+    assert started[0]["OMP_NUM_THREADS"] == "1" and server.threads == 1
+    assert json.loads(ran["paths"]["json"].read_text())["params"]["server_threads"] == 1
+
+
 def test_squad_scoring_matches_the_official_normalisation():
     assert squad.normalize("The  Cat, sat!") == "cat sat"
     assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0
