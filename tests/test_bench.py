@@ -230,6 +230,21 @@ def test_rest_runs_record_the_threads_their_server_computes_with(tmp_path, monke
     assert json.loads(ran["paths"]["json"].read_text())["params"]["server_threads"] == 1
 
 
+def test_a_run_records_uncommitted_changes_in_its_commit(tmp_path):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=bench@test", "-c", "user.name=bench", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "code")
+    head = git("rev-parse", "--short", "HEAD")
+    assert report.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert report.git_commit(tmp_path) == f"{head}-dirty"
+
+
 def test_squad_scoring_matches_the_official_normalisation():
     assert squad.normalize("The  Cat, sat!") == "cat sat"
     assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0
