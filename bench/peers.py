@@ -4,8 +4,9 @@
 
 Peers (each skipped, and said so in the table, when it cannot run here):
   ragcache <dtype> <algorithm>   rc.query over documents compiled beforehand into a memory store (warm):
-                                 TTFT of max_new_tokens=1; decode tok/s from a longer answer's stats, taken once
-                                 per dtype after the cheapest link (decode does not depend on the algorithm)
+                                 TTFT of max_new_tokens=1; decode tok/s from a longer answer's stats (the same
+                                 question, EOS ignored), taken once per dtype after the cheapest link (decode
+                                 does not depend on the algorithm)
   transformers <dtype>           the model's own forward over the ids (logits of the last token only, as
                                  generate() asks: faster than `model(ids)`, which makes logits for every token),
                                  and its cached greedy decode loop (DynamicCache, one token per forward)
@@ -55,7 +56,6 @@ from . import report, squad
 from .common import Variant, engine
 
 PEERS = ("ragcache", "transformers", "llama.cpp", "vllm", "vllm-ragcache")
-DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
 CLIENTS = (1, 4, 16)  # requests sent at once, for requests/s (vLLM peers)
 LOAD_TOKENS = 16  # tokens each of them generates
 OWN_ORDER_CLIENTS = 16  # requests sent at once, each client with the documents in an order of its own
@@ -119,6 +119,7 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
     rc.warmup()
     doc_ids = rc.compile(texts)
     ids = rc.link(question, doc_ids, algorithm="full").token_ids
+    rc.stop_ids = set()  # EOS ignored, as in every peer's decode: each decodes the same tokens after the same ids
     peers = []
     decoder = min(variants, key=lambda v: {"naive": 0, "legolink0": 1, "legolink": 2}.get(v.algorithm, 9))
     for v in variants:
@@ -128,7 +129,7 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
             return rc.query(question, doc_ids, max_new_tokens=1, **v.kwargs).stats.ttft_s
 
         def decode(v=v) -> tuple[int, float]:
-            st = rc.query(DECODE_QUESTION, doc_ids, max_new_tokens=decode_tokens, **v.kwargs).stats
+            st = rc.query(question, doc_ids, max_new_tokens=decode_tokens + 1, **v.kwargs).stats
             return st.completion_tokens - 1, st.decode_s  # decode_s counts the tokens after the first
 
         peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None, ours=True,
@@ -431,7 +432,7 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
     results = [_row(p) for p in peers]
     _speedups(results)
     _print(results, bench.machine, ids.numel())
-    paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question, decode_question=DECODE_QUESTION))
+    paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question))
     return dict(results=results, paths=paths)
 
 

@@ -154,6 +154,8 @@ def test_peers(tmp_path):
     for name in ("ragcache full", "ragcache naive", "transformers"):
         assert finite(rows[name]["ttft_s"]) and rows[name]["ttft_vs_fastest_peer"] != 0
     assert finite(rows["transformers"]["decode_tok_s"]) and finite(rows["ragcache naive"]["decode_tok_s"])
+    # every peer decodes the same number of tokens after the same prompt, EOS ignored
+    assert rows["ragcache naive"]["decode_tokens"] == rows["transformers"]["decode_tokens"] == [2]
     llama = rows["llama.cpp"]
     try:
         import llama_cpp  # noqa: F401
