@@ -96,6 +96,7 @@ class Peer:
     ttft_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
+    decode_errors: list[str] = field(default_factory=list)  # samples with no tokens or no time: not rates
     requests_per_s: dict[int, list[float]] = field(default_factory=dict)
     own_order_requests_per_s: list[float] = field(default_factory=list)
 
@@ -420,9 +421,7 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                 if p.ttft:
                     p.ttft_s.append(p.ttft())
                 if p.decode:
-                    tokens, seconds = p.decode()
-                    p.decode_tokens.append(tokens)
-                    p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
+                    take_decode(p)
                 for clients in CLIENTS if p.load else ():
                     p.requests_per_s.setdefault(clients, []).append(clients / p.load(clients))
                 if p.own_order_load:
@@ -434,6 +433,18 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
     _print(results, bench.machine, ids.numel())
     paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question))
     return dict(results=results, paths=paths)
+
+
+def take_decode(p: Peer) -> None:
+    """One decode sample of `p`. vLLM's is a difference of two timings and can come out at or below zero under
+    load; such a sample is kept as an error, out of the median, not as 0 tok/s."""
+    tokens, seconds = p.decode()
+    if tokens > 0 and seconds > 0:
+        p.decode_tokens.append(tokens)
+        p.decode_tok_s.append(tokens / seconds)
+    else:
+        p.decode_errors.append(f"{tokens} tokens in {seconds:.4f} s")
+        print(f"{p.name} {p.dtype}: decode sample left out, {p.decode_errors[-1]}", file=sys.stderr, flush=True)
 
 
 def _progress(p: Peer) -> str:
@@ -448,6 +459,7 @@ def _row(p: Peer) -> dict:
                 ttft_all_s=[round(x, 4) for x in p.ttft_s],
                 decode_tok_s=round(med(p.decode_tok_s), 2) if p.decode_tok_s else None,
                 decode_all_tok_s=[round(x, 2) for x in p.decode_tok_s], decode_tokens=p.decode_tokens,
+                decode_errors=p.decode_errors,
                 requests_per_s={str(c): round(med(v), 3) for c, v in p.requests_per_s.items()},
                 own_order_requests_per_s=(round(med(p.own_order_requests_per_s), 3) if p.own_order_requests_per_s
                                           else None),
@@ -480,8 +492,9 @@ def _cells(r: dict) -> list[str]:
     x_dec = "" if r["decode_vs_fastest_peer"] is None else f"{r['decode_vs_fastest_peer']:.2f}x"
     rps = "/".join(f"{r['requests_per_s'][str(c)]:.2f}" for c in CLIENTS) if r.get("requests_per_s") else ""
     own = "" if r.get("own_order_requests_per_s") is None else f"{r['own_order_requests_per_s']:.2f}"
+    failed = f"; {len(r['decode_errors'])} decode samples left out" if r.get("decode_errors") else ""
     return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, rps, own,
-            r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
+            r["skipped"] and f"skipped: {r['skipped']}" or r["note"] + failed]
 
 
 HEADERS = ["peer", "dtype", "TTFT s", "decode tok/s", "TTFT speedup vs fastest peer", "decode vs fastest peer",

@@ -247,6 +247,58 @@ def test_a_run_records_uncommitted_changes_in_its_commit(tmp_path):
     assert report.git_commit(tmp_path) == f"{head}-dirty"
 
 
+def test_a_decode_sample_with_no_time_is_an_error_not_a_rate():
+    from bench import peers
+
+    samples = iter([(32, -0.01), (32, 2.0), (0, 1.0), (32, 1.0)])
+    peer = peers.Peer("vLLM cold", "bfloat16", decode=lambda: next(samples))
+    for _ in range(4):
+        peers.take_decode(peer)
+    row = peers._row(peer)
+    assert row["decode_all_tok_s"] == [16.0, 32.0] and row["decode_tok_s"] == 24.0
+    assert len(row["decode_errors"]) == 2 and "2 decode samples left out" in peers._cells(dict(
+        row, ttft_vs_fastest_peer=None, decode_vs_fastest_peer=None))[-1]
+
+
+def test_the_vllm_worker_fails_when_vllm_keeps_its_prefix_cache():
+    from types import SimpleNamespace
+
+    from bench import vllm_worker
+
+    vllm_worker.empty_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: True))
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        vllm_worker.empty_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: False))
+
+
+def test_adapter_decode_medians_are_over_the_same_queries_for_every_engine():
+    """An answer that ends at its first token takes that query's decode sample out for every engine."""
+    from types import SimpleNamespace
+
+    from bench import adapter
+
+    class Engine:
+        def __init__(self, answers):  # (completion tokens, decode tok/s) per query
+            self.answers = iter(answers)
+
+        def compile(self, texts):
+            return [f"doc{i}" for i in range(len(texts))]
+
+        def warmup(self):
+            pass
+
+        def query(self, question, docs, algorithm, max_new_tokens):
+            tokens, rate = next(self.answers)
+            return SimpleNamespace(stats=SimpleNamespace(ttft_s=0.1, completion_tokens=tokens,
+                                                         decode_s=(tokens - 1) / rate if rate else 0.0))
+
+    got = adapter.measure({"base": Engine([(5, 10.0), (5, 20.0), (5, 30.0)]),
+                           "merged": Engine([(1, None), (5, 40.0), (5, 50.0)])}, 3, "naive", 5, 2)
+    assert got["median"]["base"]["decode_tok_s"] == 25.0 and got["median"]["merged"]["decode_tok_s"] == 45.0
+    assert got["decode_runs_dropped"] == 1 and got["all"]["base"]["decode_tok_s"][0] is None
+    with pytest.raises(RuntimeError, match="no decode sample"):
+        adapter.measure({"base": Engine([(1, None)])}, 1, "naive", 5, 2)
+
+
 def test_squad_scoring_matches_the_official_normalisation():
     assert squad.normalize("The  Cat, sat!") == "cat sat"
     assert squad.exact_match("the Denver Broncos", ["Denver Broncos", "Broncos"]) == 1.0
