@@ -463,6 +463,16 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
 
 
+def test_the_gpu_script_times_full_once():
+    """The runner derives the contiguous hint from the rows, whatever a caller says: `full` has one row of timings
+    (two labelled with and without the hint timed the same code)."""
+    from bench import gpu
+
+    rows = gpu.model_timings("smollm2-135m", torch.device("cpu"), torch.float32, quick=True)
+    fulls = [r for r in rows if r["what"].startswith("full")]
+    assert [r["what"] for r in fulls] == ["full, ragcache runner"] and fulls[0]["max_abs_logit_err"] < 1e-4
+
+
 def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):
     """bench/store_io times reads of its own entries: a tier that checks ids against keys must find them sound, or
     the bench times misses (its keys once salted the dtype slot, which the entries' metadata did not hold)."""
