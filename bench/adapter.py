@@ -92,7 +92,8 @@ def measure(engines: dict, runs: int, algorithm: str, new_tokens: int, docs_per_
         for name, rate in decode.items():
             times[name]["decode_tok_s"].append(rate)
     if dropped == runs:
-        raise RuntimeError(f"no decode sample: in each of the {runs} runs some engine's answer ended at its first token")
+        raise RuntimeError(f"no decode sample: in each of the {runs} runs some engine's answer ended at its first "
+                           "token")
     return {"median": {name: {k: statistics.median(x for x in v if x is not None) for k, v in t.items()}
                        for name, t in times.items()},
             "all": times, "decode_runs_dropped": dropped}
