@@ -68,20 +68,32 @@ def run(model: str, adapter: Path | None, dtype: str, runs: int, algorithm: str,
 
 
 def measure(engines: dict, runs: int, algorithm: str, new_tokens: int, docs_per_query: int) -> dict:
-    """TTFT and decode tok/s of each engine, the engines taking turns on the same queries."""
+    """TTFT and decode tok/s of each engine, the engines taking turns on the same queries. A run in which any
+    engine's answer ended at its first token (EOS) has no decode sample for any engine (None in "all"), so every
+    engine's decode median is over the same queries; `decode_runs_dropped` counts those runs."""
     questions = [json.loads(line) for line in (DATA_DIR / "questions.jsonl").read_text().splitlines() if line.strip()]
     texts = [p.read_text() for p in sorted((DATA_DIR / "docs").glob("*.txt"))]
     doc_ids = next(iter(engines.values())).compile(texts)
-    times: dict[str, dict[str, list[float]]] = {name: {"ttft_s": [], "decode_tok_s": []} for name in engines}
+    times: dict[str, dict[str, list]] = {name: {"ttft_s": [], "decode_tok_s": []} for name in engines}
     for rc in engines.values():
         rc.warmup()
+    dropped = 0
     for i in range(runs):
         question = questions[i % len(questions)]["question"]
         docs = doc_ids[i % len(doc_ids):] + doc_ids[: i % len(doc_ids)]
+        decode = {}
         for name, rc in engines.items():
             st = rc.query(question, docs[:docs_per_query], algorithm=algorithm, max_new_tokens=new_tokens).stats
             times[name]["ttft_s"].append(st.ttft_s)
-            if st.completion_tokens > 1:
-                times[name]["decode_tok_s"].append((st.completion_tokens - 1) / st.decode_s)
-    return {"median": {name: {k: statistics.median(v) for k, v in t.items() if v} for name, t in times.items()},
-            "all": times}
+            decode[name] = (st.completion_tokens - 1) / st.decode_s if st.completion_tokens > 1 else None
+        if None in decode.values():
+            dropped += 1
+            decode = dict.fromkeys(decode)
+        for name, rate in decode.items():
+            times[name]["decode_tok_s"].append(rate)
+    if dropped == runs:
+        raise RuntimeError(f"no decode sample: in each of the {runs} runs some engine's answer ended at its first "
+                           "token")
+    return {"median": {name: {k: statistics.median(x for x in v if x is not None) for k, v in t.items()}
+                       for name, t in times.items()},
+            "all": times, "decode_runs_dropped": dropped}

@@ -270,12 +270,6 @@ def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
     return lm, RUNNER.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
 
 
-def _hinted_forward(runner):
-    """Runner.forward_rows: the runner finds contiguous runs of rows itself (`runner.contiguous_start`) and passes
-    the causal hint on to the kernels, so `first` is only what the caller expects it to find."""
-    return (lambda ids, rows, cache, first: runner.forward_rows(ids, rows, cache)), "runner (derived from the rows)"
-
-
 @torch.inference_mode()
 def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
     lm, runner = build(name, device, dtype, quick)
@@ -286,22 +280,23 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
     chunk, chunks, question = (64, 2, 16) if quick else (512, 8, 32)
     decode_tokens = 4 if quick else 128
     reps = 1 if quick else 5
-    forward, hint_source = _hinted_forward(runner)
+    # the runner finds contiguous runs of rows itself and passes the causal hint on to the kernels: a caller has
+    # no hint to give, so `full` is one row
+    forward = runner.forward_rows
     ids = torch.randint(0, vocab, (tokens,), generator=g).to(device)
     rows_all = torch.arange(tokens, device=device)
     out: list[dict] = []
 
-    def full(first):
+    def full():
         cache = runner.new_cache(tokens)
         cache.length = tokens
-        hidden = forward(ids, rows_all, cache, first)
+        hidden = forward(ids, rows_all, cache)
         return runner.logits(hidden[0, -1:])[0]
 
     ref = model(ids[None], logits_to_keep=1).logits[0, -1].float()
-    for first, label in ((0, "with contiguous_from=0"), (None, "without the hint")):
-        err = (full(first) - ref).abs().max().item()
-        out.append(dict(model=name, what=f"full, ragcache runner {label}", tokens=tokens, max_abs_logit_err=err,
-                        seconds=wall_s(lambda f=first: full(f), device, reps)))
+    err = (full() - ref).abs().max().item()
+    out.append(dict(model=name, what="full, ragcache runner", tokens=tokens, max_abs_logit_err=err,
+                    seconds=wall_s(full, device, reps)))
     out.append(dict(model=name, what="model(ids)", tokens=tokens, seconds=wall_s(lambda: model(ids[None]), device,
                                                                                   reps)))
     out.append(dict(model=name, what="model(ids, logits_to_keep=1)", tokens=tokens,
@@ -331,15 +326,14 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
     def ragcache_decode():
         cache = runner.new_cache(length + decode_tokens + 1)
         cache.length = length
-        hidden = forward(link_ids, torch.arange(length, device=device), cache, 0)
+        hidden = forward(link_ids, torch.arange(length, device=device), cache)
         token = int(runner.logits(hidden[0, -1:])[0].argmax())
         _sync(device)
         started = time.perf_counter()
         for _ in range(decode_tokens):
             position = cache.length
             cache.length += 1
-            hidden = forward(torch.tensor([token], device=device), torch.tensor([position], device=device), cache,
-                             position)
+            hidden = forward(torch.tensor([token], device=device), torch.tensor([position], device=device), cache)
             token = int(runner.logits(hidden[0, -1:])[0].argmax())  # a host sync per token, as sampling does
         return decode_tokens / (time.perf_counter() - started)
 
@@ -362,7 +356,7 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
         rates = [fn() for _ in range(max(reps - 2, 1))]
         out.append(dict(model=name, what=what, context=length, tokens=decode_tokens, tok_s=statistics.median(rates)))
     for row in out:
-        row["hint"] = hint_source
+        row["hint"] = "runner (derived from the rows)"
         print(f"  {name:20s} {row['what']:58s} " + (f"{row['seconds'] * 1e3:9.1f} ms" if "seconds" in row else
                                                      f"{row['tok_s']:9.1f} tok/s")
               + (f"  max|dlogit| {row['max_abs_logit_err']:.2e}" if "max_abs_logit_err" in row else ""), flush=True)
@@ -566,7 +560,7 @@ def _names(csv: str) -> list[str]:
 def _summary(rows: list[dict]) -> None:
     by = {(r["model"], r["what"]): r for r in rows}
     for name in dict.fromkeys(r["model"] for r in rows):
-        full = by.get((name, "full, ragcache runner with contiguous_from=0"))
+        full = by.get((name, "full, ragcache runner"))
         plain = by.get((name, "model(ids)"))
         keep = by.get((name, "model(ids, logits_to_keep=1)"))
         dec = [r for r in rows if r["model"] == name and "tok_s" in r]

@@ -173,12 +173,16 @@ def summarize(requests: list[dict]) -> list[dict]:
             ttft_by_round_s=[statistics.fmean(q["ttft_s"] for q in mine if q["round"] == r)
                              for r in sorted({q["round"] for q in mine})],
         ))
+    # against the first configuration that ran: no-reuse, or on vLLM (no no-reuse there) PSM with prefix caching;
+    # the field names say which
     base = rows[0]
+    against = base["config"].replace("+", "_").replace("-", "_")
     for row in rows:
-        row["ttft_round2plus_vs_no_reuse"] = (row["ttft_mean_round2plus_s"] / base["ttft_mean_round2plus_s"]
-                                              if row["ttft_mean_round2plus_s"] and base["ttft_mean_round2plus_s"] else None)
-        row["throughput_vs_no_reuse"] = (row["requests_per_s"] / base["requests_per_s"]
-                                         if row["requests_per_s"] and base["requests_per_s"] else None)
+        row[f"ttft_round2plus_vs_{against}"] = (row["ttft_mean_round2plus_s"] / base["ttft_mean_round2plus_s"]
+                                                if row["ttft_mean_round2plus_s"] and base["ttft_mean_round2plus_s"]
+                                                else None)
+        row[f"throughput_vs_{against}"] = (row["requests_per_s"] / base["requests_per_s"]
+                                           if row["requests_per_s"] and base["requests_per_s"] else None)
     return rows
 
 

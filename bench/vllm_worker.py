@@ -21,6 +21,12 @@ import sys
 import time
 
 
+def empty_prefix_cache(llm) -> None:
+    """vLLM declines (False) while blocks are in use; a "cold" request would then time a prefix hit."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("vLLM did not empty its prefix cache (blocks in use): a cold request would hit it")
+
+
 def main() -> None:
     model_dir, dtype, max_len = sys.argv[1], sys.argv[2], int(sys.argv[3])
     connector = {"kv_transfer_config": json.loads(sys.argv[4])} if len(sys.argv) > 4 else {}
@@ -61,7 +67,7 @@ def main() -> None:
         request = json.loads(line)
         link = {k: request[k] for k in ("cache_salt", "kv_transfer_params") if k in request}
         if request.get("cold"):
-            llm.reset_prefix_cache()
+            empty_prefix_cache(llm)
         if request["op"] == "ttft":
             seconds = generate(request["ids"], 1, **link)
         elif request["op"] == "batch":

@@ -105,14 +105,28 @@ def test_throughput_through_the_rest_server(tmp_path):
 
 
 @pytest.mark.real_model
-def test_serve_decode_cells_and_runner_steps():
+def test_serve_decode_cells_and_runner_steps(monkeypatch):
     from bench import serve
+    from ragcache import runner
 
+    peer_models = []
+
+    def loop(model, prompt, tokens):
+        peer_models.append(model)
+        return timed_loop(model, prompt, tokens)
+
+    timed_loop = serve.transformers_loop
+    monkeypatch.setattr(serve, "transformers_loop", loop)
     rows = serve.decode_cells("smollm2-135m", doc_tokens=32, tokens=3, streams=[1, 3], dtype="float32")
+    # the peer is transformers' own code: no Linear padded by ragcache's runner, not its attention
+    assert peer_models and all(model.config._attn_implementation != runner.ATTENTION_NAME for model in peer_models)
+    assert not [m for model in peer_models for m in model.modules()
+                if isinstance(m, torch.nn.Linear) and hasattr(m.forward, "unwrapped")]
     decode = [r for r in rows if r["kind"] == "decode"]
     assert [(r["engine"], r["streams"]) for r in decode] == [
         ("transformers cached loop", 1), ("ragcache scheduler", 1), ("ragcache scheduler", 3)]
     assert all(finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in decode)
+    assert all(finite(r["wall_tokens_per_s"]) and r["wall_tokens_per_s"] > 0 for r in decode[1:])
     assert finite(decode[2]["vs_one_stream"]) and decode[2]["identical_to_alone"] == 3  # batch-invariant by default
     steps = [r for r in rows if r["kind"] == "step"]
     assert [(r["rows"], r["pooled"]) for r in steps] == [(1, False), (3, True), (3, False)]
@@ -140,6 +154,8 @@ def test_peers(tmp_path):
     for name in ("ragcache full", "ragcache naive", "transformers"):
         assert finite(rows[name]["ttft_s"]) and rows[name]["ttft_vs_fastest_peer"] != 0
     assert finite(rows["transformers"]["decode_tok_s"]) and finite(rows["ragcache naive"]["decode_tok_s"])
+    # every peer decodes the same number of tokens after the same prompt, EOS ignored
+    assert rows["ragcache naive"]["decode_tokens"] == rows["transformers"]["decode_tokens"] == [2]
     llama = rows["llama.cpp"]
     try:
         import llama_cpp  # noqa: F401
@@ -147,6 +163,140 @@ def test_peers(tmp_path):
         assert finite(llama["ttft_s"]) and finite(llama["decode_tok_s"]) and not llama["skipped"]
     except ImportError:  # the optional `peers` extra: the table says it was left out, and why
         assert llama["ttft_s"] is None and "not installed" in llama["skipped"]
+
+
+def test_peers_speedups_are_against_the_fastest_first_request_of_another_engine():
+    """A cached repeat (vLLM's prefix hit, an exact repeat) is not the peer, and plain vLLM through ragcache's
+    connector ("no link") is a peer, not ours: rows say what they are where they are made, not by their names."""
+    from bench import peers
+
+    def row(name: str, ttft: float, decode: float | None = None, **kind) -> dict:
+        return peers._row(peers.Peer(name, "bfloat16", ttft_s=[ttft], decode_tok_s=[decode] if decode else [],
+                                     **kind))
+
+    results = [row("ragcache naive", 0.30, 13.0, ours=True),
+               row("transformers", 6.8, 8.0),
+               row("vLLM cold", 10.8, 25.0),
+               row("vLLM prefix hit", 0.05, cached_repeat=True),
+               row("vLLM+ragcache naive reordered docs", 0.29, 31.0, ours=True),
+               row("vLLM+ragcache naive exact repeat", 0.04, ours=True, cached_repeat=True),
+               row("vLLM+ragcache, no link: cold", 5.0, 40.0),
+               row("vLLM+ragcache, no link: prefix hit", 0.03, cached_repeat=True)]
+    peers._speedups(results)
+    by = {r["peer"]: r for r in results}
+    assert by["ragcache naive"]["fastest_ttft_peer"] == "vLLM+ragcache, no link: cold (bfloat16)"
+    assert by["ragcache naive"]["ttft_vs_fastest_peer"] == round(5.0 / 0.30, 2)
+    assert by["vLLM+ragcache naive reordered docs"]["ttft_vs_fastest_peer"] == round(5.0 / 0.29, 2)
+    assert by["vLLM+ragcache naive reordered docs"]["decode_vs_fastest_peer"] == round(31.0 / 40.0, 2)
+    for name in ("vLLM+ragcache naive exact repeat", "vLLM+ragcache, no link: cold", "transformers"):
+        assert by[name]["ttft_vs_fastest_peer"] is None and by[name]["decode_vs_fastest_peer"] is None
+
+
+def test_serve_wall_clock_rate_spans_the_first_token_to_the_last():
+    from types import SimpleNamespace
+
+    from bench import serve
+
+    def answer(tokens: int, decode_s: float):
+        return SimpleNamespace(stats=SimpleNamespace(completion_tokens=tokens, decode_s=decode_s))
+
+    # first tokens at 8 and 9 s, last at 10 and 12 s: 4 + 6 tokens after the first over 4 s
+    assert serve.wall_rate([(answer(5, 2.0), 10.0), (answer(7, 3.0), 12.0)]) == 2.5
+
+
+def test_rest_runs_record_the_threads_their_server_computes_with(tmp_path, monkeypatch):
+    """The REST server is given the bench's thread count (OMP_NUM_THREADS), not torch's default: the result says it."""
+    from bench import serve, throughput
+
+    started, popen = [], subprocess.Popen
+
+    def start(cmd, *args, **kwargs):
+        if "ragcache.cli" not in cmd:  # git, for the run's commit
+            return popen(cmd, *args, **kwargs)
+        started.append(kwargs["env"])
+
+    monkeypatch.setattr(subprocess, "Popen", start)
+    monkeypatch.setattr(throughput.Server, "wait_healthy", lambda self: None)
+    monkeypatch.setattr(serve, "rest_cells", lambda *args: [])
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        server = throughput.Server("smollm2-135m", "memory:")
+        server.log.close()
+        Path(server.log.name).unlink()
+        ran = serve.run("smollm2-135m", [1], 2, 4, 32, (1, 2), 2, [], decode_tokens=0, decode_streams=[],
+                        out_dir=tmp_path)
+    finally:
+        torch.set_num_threads(before)
+    assert started[0]["OMP_NUM_THREADS"] == "1" and server.threads == 1
+    assert json.loads(ran["paths"]["json"].read_text())["params"]["server_threads"] == 1
+
+
+def test_a_run_records_uncommitted_changes_in_its_commit(tmp_path):
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-c", "user.email=bench@test", "-c", "user.name=bench", *args], cwd=tmp_path,
+                              check=True, capture_output=True, text=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "code.py").write_text("a = 1\n")
+    git("add", "code.py")
+    git("commit", "-q", "-m", "code")
+    head = git("rev-parse", "--short", "HEAD")
+    assert report.git_commit(tmp_path) == head
+    (tmp_path / "code.py").write_text("a = 2\n")
+    assert report.git_commit(tmp_path) == f"{head}-dirty"
+
+
+def test_a_decode_sample_with_no_time_is_an_error_not_a_rate():
+    from bench import peers
+
+    samples = iter([(32, -0.01), (32, 2.0), (0, 1.0), (32, 1.0)])
+    peer = peers.Peer("vLLM cold", "bfloat16", decode=lambda: next(samples))
+    for _ in range(4):
+        peers.take_decode(peer)
+    row = peers._row(peer)
+    assert row["decode_all_tok_s"] == [16.0, 32.0] and row["decode_tok_s"] == 24.0
+    assert len(row["decode_errors"]) == 2 and "2 decode samples left out" in peers._cells(dict(
+        row, ttft_vs_fastest_peer=None, decode_vs_fastest_peer=None))[-1]
+
+
+def test_the_vllm_worker_fails_when_vllm_keeps_its_prefix_cache():
+    from types import SimpleNamespace
+
+    from bench import vllm_worker
+
+    vllm_worker.empty_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: True))
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        vllm_worker.empty_prefix_cache(SimpleNamespace(reset_prefix_cache=lambda: False))
+
+
+def test_adapter_decode_medians_are_over_the_same_queries_for_every_engine():
+    """An answer that ends at its first token takes that query's decode sample out for every engine."""
+    from types import SimpleNamespace
+
+    from bench import adapter
+
+    class Engine:
+        def __init__(self, answers):  # (completion tokens, decode tok/s) per query
+            self.answers = iter(answers)
+
+        def compile(self, texts):
+            return [f"doc{i}" for i in range(len(texts))]
+
+        def warmup(self):
+            pass
+
+        def query(self, question, docs, algorithm, max_new_tokens):
+            tokens, rate = next(self.answers)
+            return SimpleNamespace(stats=SimpleNamespace(ttft_s=0.1, completion_tokens=tokens,
+                                                         decode_s=(tokens - 1) / rate if rate else 0.0))
+
+    got = adapter.measure({"base": Engine([(5, 10.0), (5, 20.0), (5, 30.0)]),
+                           "merged": Engine([(1, None), (5, 40.0), (5, 50.0)])}, 3, "naive", 5, 2)
+    assert got["median"]["base"]["decode_tok_s"] == 25.0 and got["median"]["merged"]["decode_tok_s"] == 45.0
+    assert got["decode_runs_dropped"] == 1 and got["all"]["base"]["decode_tok_s"][0] is None
+    with pytest.raises(RuntimeError, match="no decode sample"):
+        adapter.measure({"base": Engine([(1, None)])}, 1, "naive", 5, 2)
 
 
 def test_squad_scoring_matches_the_official_normalisation():
@@ -311,6 +461,16 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
         assert row["completion_tokens"] == row["requests"] * row["new_tokens"] and row["tok_s"] > 0
     ours = [row for row in serving if "scheduler" in row]
     assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
+
+
+def test_the_gpu_script_times_full_once():
+    """The runner derives the contiguous hint from the rows, whatever a caller says: `full` has one row of timings
+    (two labelled with and without the hint timed the same code)."""
+    from bench import gpu
+
+    rows = gpu.model_timings("smollm2-135m", torch.device("cpu"), torch.float32, quick=True)
+    fulls = [r for r in rows if r["what"].startswith("full")]
+    assert [r["what"] for r in fulls] == ["full, ragcache runner"] and fulls[0]["max_abs_logit_err"] < 1e-4
 
 
 def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):

@@ -65,6 +65,19 @@ def test_quick_run_on_a_tiny_model(tmp_path):
         assert result["paths"]["png"].stat().st_size > 0
 
 
+def test_ratios_are_named_for_the_configuration_they_are_against():
+    """On vLLM no-reuse is not run: the ratios are against PSM with prefix caching, and their names say so."""
+    def request(config, round_, ttft):
+        return dict(config=config, round=round_, user="u", ttft_s=ttft, decode_s=0.1, total_s=ttft + 0.1,
+                    prompt_tokens=10, cached_tokens=5, recomputed_tokens=0, completion_tokens=2)
+
+    rows = load_bench().summarize([request(c, r, t) for c, t in (("fim+prefix", 0.4), ("efim+prefix", 0.1))
+                                   for r in (1, 2)])
+    efim = rows[1]
+    assert efim["ttft_round2plus_vs_fim_prefix"] == 0.25 and efim["throughput_vs_fim_prefix"] == 2.5
+    assert not [key for row in rows for key in row if key.endswith("vs_no_reuse")]
+
+
 def test_bad_arguments_are_refused():
     with pytest.raises(SystemExit):
         load_bench().main(["--users", "0"])

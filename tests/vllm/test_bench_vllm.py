@@ -27,6 +27,11 @@ def test_peers_with_vllm_and_the_connector(tmp_path, monkeypatch):
         assert math.isfinite(row["own_order_requests_per_s"]) and len(row["own_order_all_requests_per_s"]) == 1
     assert unlinked["own_order_requests_per_s"] is None
     assert math.isfinite(linked["decode_tok_s"]) and linked["ttft_vs_fastest_peer"] is not None
+    # speedups are against a first request of another engine: never a cached repeat, and plain requests through
+    # the connector are a peer, not ours
+    assert linked["ours"] and not unlinked["ours"] and unlinked["ttft_vs_fastest_peer"] is None
+    assert "prefix hit" not in linked["fastest_ttft_peer"] and "repeat" not in linked["fastest_ttft_peer"]
+    assert rows["vLLM+ragcache naive exact repeat"]["ttft_vs_fastest_peer"] is None
 
 
 def test_adapter_on_the_vllm_engine_merged_and_as_vllms_lora(tmp_path):
