@@ -479,17 +479,8 @@ def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
     refuses new ones: before, they waited forever on a thread that was gone."""
     import time
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    rc, held, release = busy_engine()
     scheduler = rc.scheduler
-    entered, release = threading.Event(), threading.Event()
-
-    def hold():
-        entered.set()
-        release.wait(60)
-        return "held"
-
-    held = in_daemon(scheduler.call, hold)
-    assert entered.wait(60)
     queued_call = in_daemon(scheduler.call, lambda: "ran")
     queued_query = in_daemon(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
     deadline = time.monotonic() + 30
@@ -515,16 +506,8 @@ def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
 def test_a_stop_that_gives_up_waiting_still_fails_what_was_queued():
     """`stop` waits a while for the step in progress; past that it returns, and the scheduler thread, once the step
     ends, fails what was queued itself (ShuttingDown) instead of leaving its callers waiting."""
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    rc, held, release = busy_engine()
     scheduler = rc.scheduler
-    entered, release = threading.Event(), threading.Event()
-
-    def hold():
-        entered.set()
-        release.wait(60)
-
-    held = in_daemon(scheduler.call, hold)
-    assert entered.wait(60)
     queued = in_daemon(scheduler.call, lambda: "ran")
     while len(scheduler.calls) < 1:
         threading.Event().wait(0.01)
@@ -550,3 +533,18 @@ def in_daemon(fn, *args):
 
     threading.Thread(target=run, daemon=True).start()
     return future
+
+
+def busy_engine():
+    """(an engine, the Future of the call its scheduler thread is running, the Event that ends that call)."""
+    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(60)
+        return "held"
+
+    held = in_daemon(rc.scheduler.call, hold)
+    assert entered.wait(60)
+    return rc, held, release
