@@ -126,5 +126,8 @@ def _growth_over_live(mode: str) -> float:
 
 @glibc
 def test_freed_caches_go_back_to_the_system():
-    assert _growth_over_live("mapped") < 32
-    assert _growth_over_live("glibc-default") > 128  # what the server did before: the test can see the growth
+    mapped = _growth_over_live("mapped")
+    assert mapped < 32
+    # what the server did before, so the test can see the growth: 170-200 MiB here when quiet, 110 once under a
+    # loaded CI run (glibc's dynamic threshold moves with the allocation order), against about 4 MiB mapped
+    assert _growth_over_live("glibc-default") > max(64, 8 * mapped)
