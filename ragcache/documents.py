@@ -58,15 +58,6 @@ def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
 MAX_VOCAB = 2**31 - 1  # token ids are checksummed as int32: a record claiming more is damaged, not a reason to raise
 
 
-def _is_unicode(text: str) -> bool:
-    """False for text holding a lone surrogate (JSON can spell one), which UTF-8, and so the id's hash, cannot take."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
 def is_count(value) -> bool:
     """A positive integer, as JSON gives it: `true` is no count (Python reads it as 1)."""
     return type(value) is int and value >= 1
@@ -116,12 +107,12 @@ def read_document(doc_id: str, record) -> Document | None:
     """The record as a Document; None if absent; CorruptDocument naming the damage if any field a reader uses fails."""
     if record is None:
         return None
-    problem = document_problem(doc_id, record)
-    if problem is not None and checksum_only(doc_name(doc_id), record):
-        raise CorruptDocument(doc_id, problem, advice=f"run with the {STORE_KEY_ENV} it was written with (every "
-                              "process sharing a store needs the same one)")
+    problem = _document_fields_problem(doc_id, record)
     if problem is not None:
         raise CorruptDocument(doc_id, problem)
+    if not _document_checksum_holds(doc_id, record):
+        raise CorruptDocument(doc_id, _document_checksum_problem(record), advice=f"run with the {STORE_KEY_ENV} it "
+                              "was written with (every process sharing a store needs the same one)")
     created = record.get("created")
     return Document(doc_id, record["text"], record.get("meta") or {}, record["chunk_tokens"],
                     created if type(created) in (int, float) else None)
@@ -129,9 +120,17 @@ def read_document(doc_id: str, record) -> Document | None:
 
 def document_problem(doc_id: str, record) -> str | None:
     problem = _document_fields_problem(doc_id, record)
-    if problem is None and record["checksum"] != document_checksum(doc_id, record["chunk_tokens"]):
-        return f"its checksum does not cover its chunk budget {record['chunk_tokens']!r}: {_checksum_cause()}"
+    if problem is None and not _document_checksum_holds(doc_id, record):
+        return _document_checksum_problem(record)
     return problem
+
+
+def _document_checksum_holds(doc_id: str, record: dict) -> bool:
+    return record["checksum"] == document_checksum(doc_id, record["chunk_tokens"])
+
+
+def _document_checksum_problem(record: dict) -> str:
+    return f"its checksum does not cover its chunk budget {record['chunk_tokens']!r}: {_checksum_cause()}"
 
 
 def _document_fields_problem(doc_id: str, record) -> str | None:
@@ -142,7 +141,11 @@ def _document_fields_problem(doc_id: str, record) -> str | None:
     if not isinstance(record, dict):
         return "its record is not a JSON object"
     text, budget = record.get("text"), record.get("chunk_tokens")
-    if not isinstance(text, str) or not _is_unicode(text) or document_id(text) != doc_id:
+    try:
+        hashes = isinstance(text, str) and document_id(text) == doc_id
+    except UnicodeEncodeError:  # a lone surrogate (JSON can spell one): UTF-8, and so the id's hash, cannot take it
+        hashes = False
+    if not hashes:
         return "its text does not hash to its id"
     if "checksum" not in record:
         return "it has no checksum of its chunk budget (written before ragcache kept one)"
@@ -245,7 +248,7 @@ def checksum_only(name: str, record) -> bool:
     RAGCACHE_STORE_KEY, and deleting it as damaged would lose a document text that cannot be rebuilt."""
     if name.startswith("doc/"):
         doc_id = name.split("/", 1)[1]
-        return _document_fields_problem(doc_id, record) is None and document_problem(doc_id, record) is not None
+        return _document_fields_problem(doc_id, record) is None and not _document_checksum_holds(doc_id, record)
     if name.startswith("chunks/"):
         return _chunk_fields_problem(name, record) is None and not _chunks_checksum_holds(name, record)
     return False
