@@ -182,8 +182,7 @@ class Scheduler:
             self.calls.clear()
         exc = errors.ShuttingDown()
         self._fail_all(exc)
-        for request in queued:
-            request.emit("error", exc)
+        self._fail(queued, exc)
         for _, _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(exc)

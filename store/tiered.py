@@ -138,8 +138,11 @@ class TieredStore(Store):
 
     def _written(self, answers: list, what: str) -> None:
         if not answers:
-            reasons = "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states))
-            raise StoreError(f"no store tier could {what} ({reasons})")
+            raise StoreError(f"no store tier could {what} ({self._reasons(self.tiers)})")
+
+    def _reasons(self, tiers) -> str:
+        """Why each of these tiers is not taking writes, as they last said."""
+        return "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states) if t in tiers)
 
     # -- entries ------------------------------------------------------------------------------------
     def _first(self, method: str, keys: list[str], fill: str = "") -> list:
@@ -182,10 +185,10 @@ class TieredStore(Store):
         answers = self._each("put_many", items, write=True)
         self._written(answers, f"store {len(items)} entries")
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
-        if any(tier.lasting for tier in self.tiers) and not any(self.tiers[i].lasting for i, _ in answers):
-            down = "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states) if t.lasting)
-            raise StoreError(f"{len(items)} entries are kept only in this process's memory: no lasting tier "
-                                  f"took them ({down})")
+        lasting = [tier for tier in self.tiers if tier.lasting]
+        if lasting and not any(self.tiers[i].lasting for i, _ in answers):
+            raise StoreError(f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
+                             f"({self._reasons(lasting)})")
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [bool(there) for there in self._first("contains_many", keys)]
