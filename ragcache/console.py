@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
 from .errors import BadRequest, ModelFetchError, UnknownDocument, UnsupportedModel
 
@@ -16,6 +17,12 @@ err = Console(stderr=True)
 # error kinds -> exit code; the first class that matches wins
 EXIT_CODES: list[tuple[type[Exception], int]] = [(UnknownDocument, 4), (BadRequest, 3), (ModelFetchError, 5),
                                                  (UnsupportedModel, 5), (Exception, 1)]
+
+
+def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
+    """Progress bars on stderr: each task's name, bar, done/total and time so far, then `extra` columns."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), *extra,
+                    console=err, transient=transient)
 
 
 def fail(exc: Exception | str, code: int | None = None) -> NoReturn:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
+from rich.progress import TaskID
 from rich.table import Table
 
 from ragcache.store import tier_urls, open_store
@@ -32,7 +32,7 @@ from ragcache.store.disk import holds_store
 from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
-from .console import console, err, fail
+from .console import bars, console, err, fail
 from .errors import BadRequest, StoreError
 from .settings import DEFAULT_STORE, load_settings
 
@@ -128,10 +128,8 @@ def _size(n: float) -> str:
 
 @contextmanager
 def _bars() -> Iterator[maintenance.Progress]:
-    """A maintenance.Progress drawing one bar per stage on stderr, as compile's; gone once the work is done."""
-    columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-               TimeElapsedColumn()]
-    with Progress(*columns, console=err, transient=True) as bar:
+    """A maintenance.Progress drawing one bar per stage on stderr; gone once the work is done."""
+    with bars(transient=True) as bar:
         tasks: dict[str, TaskID] = {}
 
         def update(stage: str, done: int, total: int) -> None:

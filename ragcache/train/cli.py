@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..console import console, err, fail
+from ..console import bars, console, err, fail
 from ..errors import RagCacheError
 
 train_app = typer.Typer(help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.",
@@ -20,8 +20,7 @@ FIM_MODEL = "qwen2.5-coder-0.5b"
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), TextColumn("{task.fields[note]}"), console=err)
+    return bars(TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
 
 
 @train_app.command("link")
