@@ -38,6 +38,16 @@ def find(out: Path) -> Path | None:
     return None
 
 
+def check_steps(out: Path, steps: int) -> None:
+    """BadRequest if `out`'s checkpoint was saved after more than `steps` steps: its weights are already past them.
+    Cheap (the state is memory-mapped, not read), so a run checks it before its model loads."""
+    found = find(out)
+    done = int(torch.load(found / STATE, weights_only=True, mmap=True)["step"]) if found else 0
+    if steps < done:
+        raise BadRequest(f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
+                         f"{done} or more (more continues it), or pick another --out")
+
+
 def load(out: Path, key: dict) -> tuple[Path, dict] | None:
     """(its folder, its state) of `out`'s checkpoint, None when there is none; BadRequest naming what differs when
     it is another run's."""

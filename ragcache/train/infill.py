@@ -61,6 +61,7 @@ class TrainConfig:
             raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         self.example_config().validate()
         check_device(self.device)
+        checkpoint.check_steps(Path(self.out), self.steps)  # a run resumes `out`'s checkpoint
 
     def example_config(self) -> ExampleConfig:
         return ExampleConfig(format=self.format, fragment=self.fragment, max_tokens=self.max_tokens)
@@ -240,9 +241,6 @@ def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResul
     if found is None:
         return 0
     folder, state = found
-    if state["step"] > result.steps:
-        raise BadRequest(f"{out} holds a run checkpointed after {state['step']} steps, more than --steps "
-                         f"{result.steps}; ask for at least that many, or pick another --out")
     weights = load_file(folder / "trainable.safetensors")
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -94,16 +94,7 @@ class LinkTrainConfig:
             raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
         if not self.keep_full >= 0.0:
             raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
-        self._check_resume()
-
-    def _check_resume(self) -> None:
-        """A run resumes `out`'s checkpoint: one saved after more steps than asked for is refused here, before the
-        model loads, since its adapter is already past them."""
-        found = checkpoint.find(Path(self.out))
-        done = int(torch.load(found / "state.pt", weights_only=True, mmap=True)["step"]) if found else 0
-        if self.steps < done:
-            raise BadRequest(f"{self.out} holds a run checkpointed after {done} steps, more than --steps "
-                             f"{self.steps}: ask for {done} or more (more continues it), or pick another --out")
+        checkpoint.check_steps(Path(self.out), self.steps)  # a run resumes `out`'s checkpoint
 
     def link_kwargs(self) -> dict:
         return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
