@@ -85,3 +85,13 @@ def kv_deviation(fresh, cached):
 
 def top_ratio(scores, ratio):
     return torch_ref.top_ratio(scores, ratio)  # topk is already a tuned library call on every device
+
+
+def invariant_linear(x, weight, bias=None):
+    """x @ weight.T + bias with tiles fixed by the weight's shape: a row's bits never depend on the row count."""
+    return _impl(x.device).invariant_linear(x, weight, bias)
+
+
+def invariant_rms_norm(x, weight, eps, offset=0.0, cast_first=True):
+    """RMSNorm over the last axis, one row per program: a row's bits never depend on the row count."""
+    return _impl(x.device).invariant_rms_norm(x, weight, eps, offset, cast_first)

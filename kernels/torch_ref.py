@@ -344,3 +344,21 @@ def top_ratio(scores: torch.Tensor, ratio: float) -> torch.Tensor:
     if count <= 0:
         return torch.empty(0, dtype=torch.long, device=scores.device)
     return torch.topk(scores, count, sorted=False).indices.sort().values
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias: what the Triton kernel computes, with its tiles fixed by the weight's shape. This
+    reference is not batch-invariant itself (the library picks its kernel by the row count): on CPU the runner gets
+    invariance from ragcache.invariant's row tiles instead."""
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                       cast_first: bool = True) -> torch.Tensor:
+    """RMSNorm over the last axis in fp32. `cast_first` (llama, mistral, qwen): `weight * normed.to(x.dtype)`;
+    otherwise (gemma3): `(normed * (offset + weight)).to(x.dtype)` in fp32."""
+    normed = x.to(torch.float32)
+    normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
+    if cast_first:
+        return (weight + offset) * normed.to(x.dtype) if offset else weight * normed.to(x.dtype)
+    return (normed * (offset + weight.to(torch.float32))).to(x.dtype)

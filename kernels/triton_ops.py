@@ -373,6 +373,77 @@ def _deviation_kernel(
     tl.store(out + t, tl.sum(acc, axis=1), mask=t < tokens)
 
 
+# ---------------------------------------------------------------- batch-invariant Linear and RMSNorm
+
+
+@triton.jit
+def _linear_kernel(
+    x,
+    w,
+    b,
+    out,
+    M,
+    N,
+    K,
+    sx_m,
+    sw_n,
+    so_m,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.arange(0, BLOCK_K)
+    x_rows = x + m[:, None].to(tl.int64) * sx_m
+    w_cols = w + n[None, :].to(tl.int64) * sw_n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for start in range(0, K, BLOCK_K):  # one order over K for every row: no split chosen by the row count
+        k = start + k0
+        a = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        bt = tl.load(w_cols + k[:, None], mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            bt = bt.to(tl.float32)
+        if IEEE:
+            acc = tl.dot(a, bt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, bt, acc)
+    if HAS_BIAS:
+        acc += tl.load(b + n, mask=n < N, other=0.0).to(tl.float32)[None, :]
+    o = out + m[:, None].to(tl.int64) * so_m + n[None, :]
+    tl.store(o, _to(acc, out.dtype.element_ty), mask=(m[:, None] < M) & (n[None, :] < N))
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x,
+    w,
+    out,
+    H,
+    sx,
+    so,
+    eps,
+    offset,
+    CAST_FIRST: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    c = tl.arange(0, BLOCK)
+    mask = c < H
+    v = tl.load(x + row * sx + c, mask=mask, other=0.0).to(tl.float32)
+    normed = v * tl.math.rsqrt(tl.sum(v * v, axis=0) / H + eps)
+    weight = tl.load(w + c, mask=mask, other=0.0).to(tl.float32) + offset
+    if CAST_FIRST:  # weight * normed.to(dtype), the product rounded to the output dtype
+        y = weight * _to(normed, x.dtype.element_ty).to(tl.float32)
+    else:
+        y = normed * weight
+    tl.store(out + row * so + c, _to(y, out.dtype.element_ty), mask=mask)
+
+
 # ---------------------------------------------------------------- host side
 
 
@@ -574,3 +645,52 @@ def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:
         D=head_dim, D_P2=_p2(head_dim), BLOCK_T=block_t,
     )  # fmt: skip
     return out
+
+
+def _linear_tiles(out_features: int, in_features: int) -> tuple[int, int, int, int, int]:
+    """BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: from the weight's shape alone, never the row count (a row's
+    reduction order over K is then the same in every call). Untuned: bench/gpu.py measures the cost."""
+    if INTERPRET:
+        return 16, 32, 32, 4, 1
+    return 64, (128 if out_features >= 8192 else 64), 64, 4, 3
+
+
+def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T + bias over the rows of x (every axis but the last), fp32 accumulation, fixed tiles."""
+    out_features, in_features = weight.shape
+    if x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    rows = x.numel() // in_features
+    flat = x.reshape(rows, in_features)
+    operand = torch.promote_types(x.dtype, weight.dtype)
+    flat, weight = _last_dim_contiguous(flat.to(operand)), _last_dim_contiguous(weight.to(operand))
+    out = torch.empty(rows, out_features, dtype=operand, device=x.device)
+    if rows:
+        block_m, block_n, block_k, warps, stages = _linear_tiles(out_features, in_features)
+        grid = (triton.cdiv(rows, block_m), triton.cdiv(out_features, block_n))
+        _linear_kernel[grid](
+            flat, weight, bias if bias is not None else weight, out, rows, out_features, in_features,
+            flat.stride(0), weight.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            UPCAST=INTERPRET and operand == torch.bfloat16, IEEE=operand == torch.float32,
+            num_warps=warps, num_stages=stages,
+        )  # fmt: skip
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                       cast_first: bool = True) -> torch.Tensor:
+    """RMSNorm over the last axis, one program a row (see torch_ref for the two roundings)."""
+    width = x.shape[-1]
+    if weight.shape != (width,):
+        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+    flat = _last_dim_contiguous(x.reshape(-1, width))
+    dtype = torch.promote_types(weight.dtype, x.dtype) if cast_first else x.dtype
+    out = torch.empty(flat.shape, dtype=dtype, device=x.device)
+    if flat.shape[0]:
+        _rms_norm_kernel[(flat.shape[0],)](
+            flat, weight.contiguous(), out, width, flat.stride(0), out.stride(0), float(eps), float(offset),
+            CAST_FIRST=cast_first, BLOCK=_p2(width),
+        )  # fmt: skip
+    return out.reshape(x.shape)

@@ -352,7 +352,8 @@ def serve(
                                        "--engine vllm, what the accuracy guard needs)"),
     batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
                                          help="an answer does not depend on what else is in its batch (default: "
-                                              "settings, on); off: faster decode at many streams"),
+                                              "settings; on on CPU, off on CUDA); off: faster decode at many "
+                                              "streams"),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run

@@ -38,7 +38,7 @@ log = logging.getLogger("ragcache")
 class RagCache(Front):
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET,
-                 kv_codec: str | None = "auto", batch_invariant: bool = True):
+                 kv_codec: str | None = "auto", batch_invariant: bool | None = None):
         self.runner = Runner(lm, batch_invariant)
         super().__init__(lm, store, chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, kv_codec)
@@ -47,7 +47,7 @@ class RagCache(Front):
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
         # Batch-invariant, a `prefix` answer does not depend on what was cached before it either (PrefixCache.piece).
         # An infill session keeps every cached row: its next round is a keystroke away.
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, piece=row_budget if batch_invariant else None)
+        self.prefix_cache = PrefixCache(prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.scheduler = Scheduler(self.runner, row_budget)
         self.stop_ids = eos_ids(self.runner)
@@ -56,7 +56,7 @@ class RagCache(Front):
     def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *, engine: str = "ragcache",
              chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
              prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto",
-             adapter: str | None = INSTALLED, merge_adapter: bool = True, batch_invariant: bool = True,
+             adapter: str | None = INSTALLED, merge_adapter: bool = True, batch_invariant: bool | None = None,
              **vllm_args) -> Front:
         """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
         the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
@@ -64,8 +64,8 @@ class RagCache(Front):
         base model.
         `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (on vLLM: a merged
         checkpoint, or vLLM's LoRA).
-        `batch_invariant=False`: faster decode at many streams, but an answer may depend on what else is in its
-        batch (Runner). `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
+        `batch_invariant`: an answer does not depend on what else is in its batch (Runner; None: on on CPU, off on
+        CUDA until measured there); False: faster decode at many streams. `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
         `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
         if engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache

@@ -89,3 +89,9 @@ class CorruptDocument(StoreError):
 
 class BadAdapter(ModelFetchError):
     """An adapter directory that is missing, damaged, or fitted to a model of another configuration."""
+
+
+class BatchInvarianceUnavailable(RagCacheError):
+    """Batch invariance was asked for (the default) and this machine or model cannot give it: no GEMM row tile of
+    the CPU gives a row the same bits at every place, or a norm or device ragcache has no invariant path for. Raised
+    at start, so that no answer silently depends on the load."""

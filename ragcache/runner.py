@@ -23,53 +23,13 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
+from . import invariant
 from .kv import Batch, BucketPools, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
 from .models import LoadedModel
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
 
 ATTENTION_NAME = "ragcache"
-
-
-def row_bucket(rows: int) -> int:
-    """The row count a matmul runs at: `rows` up to 32, then rounded up to an eighth of its power of two (at most
-    12.5% more rows; 88 counts up to 4,096 rows)."""
-    if rows <= 32:
-        return rows
-    granule = 1 << (rows.bit_length() - 4)
-    return -(-rows // granule) * granule
-
-
-INVARIANT_ROW_BLOCK = 4
-
-
-def bucket_matmul_rows(model: torch.nn.Module, bucket: bool = True, block: int = 1) -> None:
-    """Every Linear of `model` runs at `row_bucket` row counts (`bucket`), rounded up to whole blocks of `block` rows.
-
-    Buckets: on CPU in bf16 or fp16 torch keeps a compiled kernel for each new row count (about 0.3 MiB per count and
-    weight shape; oneDNN's primitive cache holds 1,024 of them, and more is kept past it), and every packed step has
-    its own row count: a server's memory grew with every request. Blocks (`INVARIANT_ROW_BLOCK` when batch-invariant):
-    the CPU GEMM computes rows in blocks of 4, and a lone row or the rows of a last partial block by other kernels
-    that round differently (in fp32 every count and place; in bf16 a lone row), so a row's bits would depend on how
-    many rows share its step and where it sits among them (research/batch_invariance.md). A model's Linears follow
-    the last runner built on it."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            forward = getattr(module.forward, "unwrapped", module.forward)
-            module.forward = _bucketed(forward, bucket, block)
-
-
-def _bucketed(forward, bucket: bool, block: int):
-    def bucketed_forward(x: torch.Tensor) -> torch.Tensor:
-        rows = x.numel() // x.shape[-1]
-        padded = -(-(row_bucket(rows) if bucket else rows) // block) * block
-        if padded == rows or rows == 0:
-            return forward(x)
-        flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-        return forward(flat)[:rows].reshape(*x.shape[:-1], -1)
-
-    bucketed_forward.unwrapped = forward
-    return bucketed_forward
 
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -140,22 +100,24 @@ class LayerWatch(Protocol):
 class Runner:
     """The model, seen as: embed rows -> layer i over rows -> final logits.
 
-    `batch_invariant` (the default): a row's result does not depend on the other rows of its forward, bit for bit,
-    so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). On CPU a
-    forward runs whole blocks of 4 rows, padded with rows of no request (`bucket_matmul_rows` pads any other Linear
-    call: then a row gets the same bits among any rows); every decode row attends over its own slot of a pool of
-    caches of its own capacity bucket, whole (`kv.BucketPools`), since the shared pool's call (`kv.PooledRows`)
-    reads a block as long as the longest cache in it and rounds by that length; and the scheduler cuts a request's
-    link pieces where it would alone (`Scheduler._piece_size`), since a row's attention depends on where its piece
-    starts. Off: the shared pool, reading only the keys its rows need."""
+    `batch_invariant` (the default on CPU): a row's result does not depend on the other rows of its forward, bit for
+    bit, so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). The
+    model's Linears and norms reduce a row in one fixed order whatever the row count (ragcache.invariant: probed row
+    tiles on CPU, where a forward pads its rows to a whole smallest tile with rows of no request, fixed-tile Triton
+    kernels on CUDA); every decode row attends over its own slot of a pool of caches of its own capacity bucket,
+    whole (`kv.BucketPools`, on CPU; on CUDA a call per row), since the shared pool's call (`kv.PooledRows`) reads a
+    block as long as the longest cache in it and rounds by that length; and the scheduler cuts a request's link
+    pieces where it would alone (`Scheduler._piece_size`), since a row's attention depends on where its piece
+    starts. Off: the shared pool, reading only the keys its rows need, and the library's own GEMMs.
+    """
 
-    def __init__(self, lm: LoadedModel, batch_invariant: bool = True):
+    def __init__(self, lm: LoadedModel, batch_invariant: bool | None = None):
         self.lm = lm
-        self.batch_invariant = batch_invariant
         model = lm.model
         config = model.config
         self.config = config
         self.device = next(model.parameters()).device
+        self.batch_invariant = invariant.default_for(self.device) if batch_invariant is None else batch_invariant
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers[: config.num_hidden_layers])
@@ -168,14 +130,12 @@ class Runner:
         self.inv_freq, self.rope_scaling = rope_table(self.rotary, self.layer_types, self.device)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
         # the decoding requests' caches (the scheduler moves them in). Batch-invariant on CUDA: none, a call per row,
-        # since whether its kernels round a row alike among others was never measured there.
-        self.pool: KVPool | BucketPools | None = (KVPool(self.shape, self.device) if not batch_invariant else
+        # since whether a batched call rounds a row alike among others was never measured there.
+        self.pool: KVPool | BucketPools | None = (KVPool(self.shape, self.device) if not self.batch_invariant else
                                                   BucketPools(self.shape, self.device) if self.device.type == "cpu"
                                                   else None)
         model.config._attn_implementation = ATTENTION_NAME
-        reduced = model.dtype in (torch.bfloat16, torch.float16)
-        if self.device.type == "cpu" and (reduced or batch_invariant):
-            bucket_matmul_rows(model, bucket=reduced, block=INVARIANT_ROW_BLOCK if batch_invariant else 1)
+        self.invariance = invariant.install(model, self.device, self.batch_invariant)
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape
@@ -243,8 +203,8 @@ class Runner:
         `watch` sees each layer before and after it runs, and may narrow the rows after it."""
         batch, positions = self.batch(parts, scores)
         rows = token_ids.numel()
-        block = INVARIANT_ROW_BLOCK if self.batch_invariant and self.device.type == "cpu" and watch is None else 1
-        if padding := -rows % block:  # whole row blocks through every layer: its Linears then pad nothing each
+        block = self.invariance.pad_rows if watch is None else 1
+        if padding := -rows % block:  # whole row tiles through every layer: its Linears then pad nothing each
             token_ids = torch.nn.functional.pad(token_ids, (0, padding))
             positions = torch.nn.functional.pad(positions, (0, padding))
             batch.padding = padding

@@ -68,9 +68,10 @@ class Settings(BaseSettings):
     merge_adapter: bool = Field(True, description="fold the link adapter into the weights (faster; on the vllm engine a "
                                 "merged copy of the model in the model cache) or run it beside them (on vllm: vLLM's "
                                 "LoRA, which the accuracy guard needs there)")
-    batch_invariant: bool = Field(True, description="a request's greedy answer does not depend on what else is in "
-                                  "its batch; false: decode rows of all requests share one attention call per "
-                                  "layer, faster at many streams (README: Batch invariance)")
+    batch_invariant: bool | None = Field(None, description="a request's greedy answer does not depend on what else "
+                                         "is in its batch (default: on on CPU, off on CUDA until its cost is measured "
+                                         "there); false: the library's own GEMMs and one attention call per layer for "
+                                         "all decode rows, faster at many streams (README: Batch invariance)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")

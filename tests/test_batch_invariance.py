@@ -64,27 +64,65 @@ def test_a_linear_gives_a_row_the_same_bits_among_any_number_of_rows(rc, name):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_blocked_linear_gives_a_row_the_same_bits_at_any_count_and_place(dtype):
-    """Either default dtype, whatever this machine's: a Linear wrapped as the batch-invariant runner wraps it
-    (whole blocks of rows), SmolLM2's shapes, the row at every place among 1 to 70 rows and a few long counts. A
-    plain fp32 GEMM here gives three results: a lone row, the rows of a last partial block of 4, the rest."""
-    from ragcache.runner import INVARIANT_ROW_BLOCK, bucket_matmul_rows
+def test_a_tiled_linear_gives_a_row_the_same_bits_at_any_count_and_place(dtype):
+    """Either dtype, whatever this machine's default: Linears of SmolLM2's shapes made batch-invariant as the runner
+    makes them (row tiles probed on this CPU), the row at every place among 1 to 70 rows and a few long counts:
+    many more counts and places than the probe tried. A plain fp32 GEMM on an AMD EPYC gives three results (a lone
+    row, the rows of a last partial block of 4, the rest); an Intel Xeon blocks otherwise."""
+    from ragcache import invariant
 
     generator = torch.Generator().manual_seed(1)
-    layers = torch.nn.Sequential(torch.nn.Linear(576, 192, bias=False), torch.nn.Linear(1536, 576, bias=False))
+    layers = torch.nn.Sequential(torch.nn.Linear(576, 192, bias=False), torch.nn.Linear(1536, 576, bias=True))
     layers.to(dtype)
-    bucket_matmul_rows(layers, bucket=dtype != torch.float32, block=INVARIANT_ROW_BLOCK)
+    invariance = invariant.install(layers, torch.device("cpu"), batch_invariant=True)
+    assert "row tiles" in invariance.how and invariance.pad_rows >= 1
     for linear in layers:
         others = torch.randn(600, linear.in_features, generator=generator).to(dtype)
         row = torch.randn(linear.in_features, generator=generator).to(dtype)
         with torch.inference_mode():
             alone = linear(row[None])[0]
+            torch.testing.assert_close(alone, torch.nn.functional.linear(row, linear.weight, linear.bias))
             for m in [*range(2, 71), 100, 513, 600]:
                 x = others[:m].clone()
                 for at in range(m) if m <= 70 else (0, m // 2, m - 1):
                     x[at] = row
                     assert torch.equal(linear(x)[at], alone), (m, at)
                     x[at] = others[at]
+
+
+class FakeGemm:
+    """A GEMM that rounds as a CPU library may: `kernel(rows, place)` says which of its kernels computes the row at
+    `place` of a call of `rows` rows; each kernel rounds the exact product its own way (0, 1, 2... ulps up)."""
+
+    def __init__(self, kernel):
+        self.kernel, self.weight = kernel, torch.randn(24, 16, generator=torch.Generator().manual_seed(2))
+
+    def __call__(self, x):
+        out = x @ self.weight
+        for place in range(x.shape[0]):
+            for _ in range(self.kernel(x.shape[0], place)):
+                out[place] = torch.nextafter(out[place], torch.tensor(float("inf")))
+        return out
+
+
+def test_the_probe_finds_the_tiles_a_cpu_agrees_on_or_refuses():
+    """Kernels of three kinds, each a CPU's library in miniature. Blocks of 4 (the AMD EPYCs measured): a lone row
+    and the rows of a last partial block round otherwise, and every multiple of 4 agrees. A kernel for 16 rows and
+    more that differs from the one for fewer (what an Intel Xeon showed): only 16, 32 and 64 agree. A result that
+    depends on every place (OpenBLAS's sgemm on a Haswell-class CPU, measured): no tile, a typed refusal."""
+    from ragcache import invariant
+    from ragcache.errors import BatchInvarianceUnavailable
+
+    blocks_of_4 = FakeGemm(lambda rows, place: 2 if rows == 1 else int(place >= rows - rows % 4))
+    assert invariant.probe([(blocks_of_4, 24)], torch.float32).sizes == (4, 8, 16, 32, 64)
+    two_kernels = FakeGemm(lambda rows, place: int(rows < 16))
+    tiles = invariant.probe([(blocks_of_4, 24), (two_kernels, 24)], torch.float32)
+    assert tiles.sizes == (16, 32, 64)
+    assert tiles.split(1) == [(0, 16)] and tiles.split(70) == [(0, 64), (64, 16)]
+    assert tiles.split(160) == [(0, 64), (64, 64), (128, 32)]
+    every_place = FakeGemm(lambda rows, place: place % 3)
+    with pytest.raises(BatchInvarianceUnavailable, match="--no-batch-invariant"):
+        invariant.probe([(blocks_of_4, 24), (every_place, 24)], torch.float32)
 
 
 def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(rc):

@@ -408,15 +408,17 @@ def greedy_loop(rc: RagCache, kw: dict) -> list[int]:
 
 def test_reduced_precision_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatch):
     """On CPU in bf16 torch keeps a compiled kernel per matmul row count with no bound, and every packed step has its
-    own count: the runner's Linears run at bucketed counts (at most 12.5% padding), and give the rows' own results."""
-    from ragcache.runner import Runner, row_bucket
+    own count: not batch-invariant, the runner's Linears run at bucketed counts (at most 12.5% padding), and give the
+    rows' own results (batch-invariant, at its few row tiles: test_batch_invariance)."""
+    from ragcache.invariant import row_bucket
+    from ragcache.runner import Runner
 
     assert [row_bucket(n) for n in (1, 32, 33, 100, 137, 512, 513)] == [1, 32, 36, 104, 144, 512, 576]
     assert len({row_bucket(n) for n in range(1, 4097)}) == 88
     assert all(n <= row_bucket(n) <= 1.125 * n for n in range(1, 4097))
     lm = tiny.make("llama", dtype=torch.bfloat16)
     weight = lm.model.model.layers[0].mlp.up_proj.weight.detach().clone()
-    Runner(lm), Runner(lm)  # a second runner on the same model does not wrap again
+    Runner(lm, batch_invariant=False), Runner(lm, batch_invariant=False)  # a second runner does not wrap again
     seen = []
     linear = torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a, **k: seen.append(x.shape[-2]) or linear(x, *a, **k))

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ragcache import invariant
 from ragcache.kv import Batch, KVPool, ModelShape
 from ragcache.runner import Part, Runner, rope_table
 
@@ -52,6 +53,7 @@ class VllmRunner(Runner):
         self.pool = KVPool(self.shape, self.device)
         # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
         self.batch_invariant = False
+        self.invariance = invariant.OFF  # vLLM's modules: its own kernels, the rows as they come
         self.kernel = paged.kernel_for(attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
                                        self.device)
         self.lora: LinkLora | None = None
