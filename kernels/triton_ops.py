@@ -392,7 +392,7 @@ def _linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    UPCAST: tl.constexpr,
+    SUM_DOT: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -405,10 +405,9 @@ def _linear_kernel(
         k = start + k0
         a = tl.load(x_rows + k[None, :], mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         bt = tl.load(w_cols + k[:, None], mask=(n[None, :] < N) & (k[:, None] < K), other=0.0)
-        if UPCAST:
-            a = a.to(tl.float32)
-            bt = bt.to(tl.float32)
-        if IEEE:
+        if SUM_DOT:  # the interpreter: a product summed over K in order, where its tl.dot would be numpy's BLAS
+            acc += tl.sum(a.to(tl.float32)[:, :, None] * bt.to(tl.float32)[None, :, :], axis=1)
+        elif IEEE:
             acc = tl.dot(a, bt, acc, input_precision="ieee")
         else:
             acc = tl.dot(a, bt, acc)
@@ -656,7 +655,12 @@ def _linear_tiles(out_features: int, in_features: int) -> tuple[int, int, int, i
 
 
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias over the rows of x (every axis but the last), fp32 accumulation, fixed tiles."""
+    """x @ weight.T + bias over the rows of x (every axis but the last), fp32 accumulation, fixed tiles.
+
+    On a GPU each tile's tl.dot is tensor-core MMA (IEEE fp32 FMAs for fp32), which reduces every row of a tile
+    alike. The interpreter's tl.dot is numpy's matmul, whose BLAS rounds a row by its place in a block (OpenBLAS on
+    a Haswell-class CPU, measured), so there the tile's product is summed over K in order instead: the interpreter
+    then checks what the kernel decides (tiles, K order, masks), not the machine's dot."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
         raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
@@ -673,7 +677,7 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
             flat, weight, bias if bias is not None else weight, out, rows, out_features, in_features,
             flat.stride(0), weight.stride(0), out.stride(0),
             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            UPCAST=INTERPRET and operand == torch.bfloat16, IEEE=operand == torch.float32,
+            SUM_DOT=INTERPRET, IEEE=operand == torch.float32,
             num_warps=warps, num_stages=stages,
         )  # fmt: skip
     return out.reshape(*x.shape[:-1], out_features)

@@ -36,7 +36,6 @@ from .errors import BatchInvarianceUnavailable
 log = logging.getLogger("ragcache")
 
 CANDIDATE_TILES = (4, 8, 16, 32, 64)  # powers of two: a larger size is a whole number of any smaller one
-PROBE_ROWS = 64  # rows each size computes in the probe: a whole number of tiles of every candidate
 NORM_COUNTS = (1, 2, 3, 5, 17, 64)  # row counts a norm's row is checked at, alone first
 
 Op = Callable[[torch.Tensor], torch.Tensor]
@@ -123,31 +122,30 @@ def in_buckets(op: Op) -> Op:
 
 
 def probe(ops: Sequence[tuple[Op, int]], dtype: torch.dtype, device: torch.device | str = "cpu",
-          candidates: Sequence[int] = CANDIDATE_TILES, rows: int = PROBE_ROWS) -> RowTiles:
+          candidates: Sequence[int] = CANDIDATE_TILES) -> RowTiles:
     """The tile sizes among `candidates` at which every op (a row-wise function and its input width) gives a row
     the same bits wherever it sits in a tile and whichever of the sizes computes it.
 
-    Each size computes `rows` random rows in tiles, then the same rows moved down one place (the last first): a
-    result that depends on the place differs between two neighbouring places, which this moves every row across.
-    Sizes that pass are grouped by bit-equal results; the largest group wins (ties: the smaller sizes)."""
+    Each size computes one tile of random rows, then the same rows moved down one place (the last first): a result
+    that depends on the place differs between two neighbouring places, which this moves every row across. Sizes
+    that pass are grouped by bit-equal results on the rows they share; the largest group wins (ties: the smaller
+    sizes)."""
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(rows, width, generator=generator).to(dtype).to(device) for _, width in ops]
+    inputs = [torch.randn(max(candidates), width, generator=generator).to(dtype).to(device) for _, width in ops]
     results: dict[int, list[torch.Tensor]] = {}
-    for size in candidates:
-        if rows % size:
-            raise ValueError(f"probe rows {rows} are not whole tiles of {size}")
-        outs = []
-        for (op, _), x in zip(ops, inputs):
-            here = _tiled(op, x, size)
-            moved = _tiled(op, torch.roll(x, 1, 0), size).roll(-1, 0)
-            if not torch.equal(here, moved):
-                break
-            outs.append(here)
-        else:
-            results[size] = outs
+    with torch.inference_mode():
+        for size in sorted(candidates):
+            outs = []
+            for (op, _), x in zip(ops, inputs):
+                here = op(x[:size])
+                if not torch.equal(here, op(torch.roll(x[:size], 1, 0)).roll(-1, 0)):
+                    break
+                outs.append(here)
+            else:
+                results[size] = outs
     groups: list[list[int]] = []
     for size, outs in results.items():
-        group = next((g for g in groups if all(map(torch.equal, results[g[0]], outs))), None)
+        group = next((g for g in groups if all(torch.equal(a, b[: g[0]]) for a, b in zip(results[g[0]], outs))), None)
         if group is None:
             groups.append([size])
         else:
@@ -159,11 +157,6 @@ def probe(ops: Sequence[tuple[Op, int]], dtype: torch.dtype, device: torch.devic
             f"(RAGCACHE_BATCH_INVARIANT=false): answers may then depend on the load")
     best = max(groups, key=lambda g: (len(g), -g[0]))
     return RowTiles(tuple(sorted(best)))
-
-
-def _tiled(op: Op, x: torch.Tensor, size: int) -> torch.Tensor:
-    with torch.inference_mode():
-        return torch.cat([op(x[start : start + size]) for start in range(0, x.shape[0], size)])
 
 
 def check_rows_alone(op: Op, width: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -198,10 +191,8 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
     for norm in _norms(model):
         norm.forward = getattr(norm.forward, "unwrapped", norm.forward)
     dtype = next(model.parameters()).dtype
-    if device.type == "cuda" and batch_invariant:
-        return _install_kernels(model, linears)
-    if device.type == "cuda":
-        return OFF
+    if kernels.backend_for(device) == "triton":  # CUDA (or RAGCACHE_KERNELS=triton in the interpreter)
+        return _install_kernels(model, linears) if batch_invariant else OFF
     if not batch_invariant:
         if dtype in (torch.bfloat16, torch.float16):
             for linear in linears:

@@ -20,16 +20,28 @@ QUESTIONS = ["How long is the Amber Line railway?", "Who built the Harrow Point 
              "How many eggs does a queen bee lay?", "When did the Pell Street Library open?"]
 
 
-@pytest.fixture(scope="module")
-def rc():
+def _engine(dtype: str) -> RagCache:
     # a small row budget: links run in several pieces, beside other requests' pieces and decode rows
-    rc = RagCache(models.load("smollm2-135m"), MemoryStore(), chunk_tokens=48, row_budget=40)
+    rc = RagCache(models.load("smollm2-135m", dtype=dtype), MemoryStore(), chunk_tokens=48, row_budget=40)
     rc.doc_ids = rc.compile(DOCS)
     rc.stop_ids = set()  # every answer runs to max_new_tokens: more decode steps packed with others
     return rc
 
 
-def test_a_request_gives_the_same_tokens_alone_and_packed_with_others(rc):
+@pytest.fixture(scope="module")
+def rc():
+    return _engine("auto")  # this machine's default dtype
+
+
+@pytest.fixture(scope="module")
+def rc_other_dtype(rc):
+    return _engine("float32" if rc.runner.shape.dtype == torch.bfloat16 else "bfloat16")
+
+
+@pytest.mark.parametrize("engine", ["rc", "rc_other_dtype"])
+def test_a_request_gives_the_same_tokens_alone_and_packed_with_others(engine, request):
+    """In both dtypes, whichever this machine defaults to."""
+    rc = request.getfixturevalue(engine)
     asks = [dict(question=QUESTIONS[0], docs=rc.doc_ids, algorithm="naive"),
             dict(question=QUESTIONS[1], docs=rc.doc_ids[:2], algorithm="focus"),
             dict(question=QUESTIONS[2], docs=rc.doc_ids[3:], algorithm="full"),

@@ -432,6 +432,94 @@ def test_dispatcher_runs_triton(ops, device, monkeypatch):
     _close(kernels.kv_deviation(kv[0], kv[1]), torch_ref.kv_deviation(kv[0], kv[1]), torch.float32)
 
 
+# ------------------------------------------------------------------ batch-invariant Linear and RMSNorm
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_invariant_linear_equals_the_reference(ops, device, dtype, bias):
+    weight = _randn(72, 100, dtype=dtype, device=device, seed=1)  # neither dimension a whole number of tiles
+    b = _randn(72, dtype=dtype, device=device, seed=2) if bias else None
+    x = _randn(2, 19, 100, dtype=dtype, device=device, seed=3)
+    got = ops.invariant_linear(x, weight, b)
+    assert got.shape == (2, 19, 72) and got.dtype == dtype
+    _close(got, torch_ref.invariant_linear(x.float(), weight.float(), None if b is None else b.float()).to(dtype),
+           dtype)
+    assert ops.invariant_linear(x[:, :0], weight, b).shape == (2, 0, 72)
+
+
+def _row_among_others(op, row, others):
+    """op(row) alone, and op's result for the row first, in the middle and last among counts of other rows up to
+    len(others) (either side of a 16-row tile's edge)."""
+    alone = op(row[None])[0]
+    for count in (1, 2, 5, 15, 16, others.shape[0]):
+        for at in {0, count // 2, count}:
+            yield alone, op(torch.cat([others[:at], row[None], others[at:count]]))[at], (count, at)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_invariant_linear_gives_a_row_the_same_bits_at_any_count_and_place(ops, device, dtype):
+    """Tiles fixed by the weight's shape: a row's reduction over K never depends on the row count or its place.
+    In the interpreter the tile product is summed in order (numpy's BLAS behind tl.dot rounds by place), so this
+    checks the kernel's tiling; `TRITON_INTERPRET=0 pytest tests/test_kernels.py` on a GPU checks it with MMA."""
+    weight = _randn(72, 100, dtype=dtype, device=device, seed=4)
+    b = _randn(72, dtype=dtype, device=device, seed=5)
+    others = _randn(37, 100, dtype=dtype, device=device, seed=6)
+    row = _randn(100, dtype=dtype, device=device, seed=7)
+    for alone, among, where in _row_among_others(lambda x: ops.invariant_linear(x, weight, b), row, others):
+        assert torch.equal(among, alone), where
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("style", [(0.0, True), (1.0, False)], ids=["llama", "gemma3"])
+def test_invariant_rms_norm_equals_the_reference_and_keeps_rows_apart(ops, device, dtype, style):
+    weight = _randn(200, dtype=dtype, device=device, seed=8)
+    x = _randn(3, 11, 200, dtype=dtype, device=device, seed=9)
+    _close(ops.invariant_rms_norm(x, weight, 1e-6, *style), torch_ref.invariant_rms_norm(x, weight, 1e-6, *style),
+           dtype)
+    norm = lambda rows: ops.invariant_rms_norm(rows, weight, 1e-6, *style)  # noqa: E731
+    for alone, among, where in _row_among_others(norm, x[0, 0], x.reshape(-1, 200)[1:21]):
+        assert torch.equal(among, alone), where
+
+
+_INVARIANT_MODEL_SCRIPT = textwrap.dedent(
+    """
+    import torch
+    from ragcache.runner import Runner
+    from tests import tiny
+
+    for family in ("llama", "gemma3"):
+        runner, plain = (Runner(tiny.make(family, dtype=torch.bfloat16), batch_invariant=flag) for flag in (True, False))
+        assert "Triton" in runner.invariance.how, runner.invariance
+        ids = torch.cat([torch.arange(20, 34), torch.arange(3, 12), torch.arange(30, 44)])  # the request's ids 14:23
+        outs = []
+        for r in (runner, plain):
+            caches = [r.new_cache(64) for _ in range(3)]
+            for cache in caches:
+                cache.length = 40
+            with torch.inference_mode():
+                alone = r.forward(ids[14:23], [(caches[0], torch.arange(9))])
+                packed = r.forward(ids, [(caches[1], torch.arange(9, 23)), (caches[2], torch.arange(9)),
+                                         (caches[0], torch.arange(9, 23))])
+            outs.append((alone, packed))
+        (alone, packed), (plain_alone, _) = outs
+        assert torch.equal(packed[:, 14:23], alone), family
+        torch.testing.assert_close(alone, plain_alone, atol=0.05, rtol=0.05)
+    print("invariant")
+    """
+)
+
+
+def test_the_runner_takes_the_triton_kernels_where_the_kernels_are_triton():
+    """The CUDA path, in the interpreter: RAGCACHE_KERNELS=triton makes a batch-invariant runner compute its Linears
+    and RMSNorms (llama's rounding and gemma3's) with the fixed-tile kernels; a request's rows give the same bits
+    alone and packed between others' rows, and agree with the library's own kernels to bf16 rounding."""
+    env = dict(os.environ, TRITON_INTERPRET="1", RAGCACHE_KERNELS="triton")
+    result = subprocess.run([sys.executable, "-c", _INVARIANT_MODEL_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=600, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert result.returncode == 0 and "invariant" in result.stdout, result.stderr[-3000:]
+
+
 # ------------------------------------------------------------------ the GPU build (no GPU needed)
 
 _COMPILE_SCRIPT = textwrap.dedent(
@@ -458,6 +546,12 @@ _COMPILE_SCRIPT = textwrap.dedent(
               qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
               UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
         build(T._deviation_kernel, dict(fresh=f"*{dt}", cached=f"*{dt}", out="*fp32"), dict(D=128, D_P2=128, BLOCK_T=32))
+        for bias in (True, False):
+            build(T._linear_kernel, dict(x=f"*{dt}", w=f"*{dt}", b=f"*{dt}", out=f"*{dt}"), dict(HAS_BIAS=bias,
+                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SUM_DOT=False, IEEE=dt == "fp32"), num_warps=4, num_stages=3)
+        for cast_first in (True, False):
+            build(T._rms_norm_kernel, dict(x=f"*{dt}", w=f"*{dt}", out=f"*{dt}", eps="fp32", offset="fp32"),
+                  dict(CAST_FIRST=cast_first, BLOCK=4096))
     print("compiled")
     """
 )
