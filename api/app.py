@@ -125,7 +125,7 @@ def create_app(rc: RagCache, settings: Settings) -> FastAPI:
         if problem:
             return error_response(503, "unavailable", problem)
         return {"status": "ok", "model": rc.model_name, "store": rc.store.name, "queue_depth": queue.depth,
-                "max_queue": queue.max_queue}
+                "max_queue": queue.max_queue, "batch_invariance": rc.batch_invariance}
 
     @app.get("/metrics", tags=["operations"], responses=errors.responses())
     def metrics_route() -> Response:

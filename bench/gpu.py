@@ -18,6 +18,10 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                documents of 512 tokens, 64 new tokens each) vs transformers' generate on the same number of
                prompts of the same length as static batches (no reuse); tokens/s, ragcache's median TTFT and
                the batch's prefill + first token for transformers
+  (e) invariance 16 greedy requests (focus over 2 of 8 documents, 16 new tokens) alone, 8 at a time and 16 at a
+               time through the scheduler, batch invariance on (fixed-tile Triton Linear and RMSNorm) and off:
+               answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps)
+               `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100)
 Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
 """
 
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "model", "serving"}
+SECTIONS = {"kernels", "model", "serving", "invariance"}
 
 
 def _args() -> argparse.Namespace:
@@ -46,6 +50,7 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="small shapes and models (a smoke run)")
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--serving", default="qwen2.5-coder-0.5b", help="model shapes for (d), comma-separated")
+    ap.add_argument("--invariance", default="qwen2.5-coder-0.5b", help="model shapes for (e), comma-separated")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     return ap.parse_args()
 
@@ -486,6 +491,64 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
     return out
 
 
+# ------------------------------------------------------------------ (e): batch invariance
+
+
+def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """The same requests alone and packed, batch invariance on and off, one engine at a time on one model (a model's
+    Linears and norms follow the last runner built on it)."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragcache.engine import RagCache
+    from ragcache.store.memory import MemoryStore
+
+    doc_tokens, documents, requests, group, new_tokens = (64, 4, 4, 2, 4) if quick else (512, 8, 16, 8, 16)
+    lm = random_model(name, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(0)
+    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+    texts = [words(doc_tokens) for _ in range(documents)]
+    asks = [(words(16), rng.sample(range(documents), 2)) for _ in range(requests)]
+    rows = []
+    for flag in (True, False):
+        rc = RagCache(lm, MemoryStore(), chunk_tokens=doc_tokens, batch_invariant=flag)
+        ids = rc.compile(texts)
+        rc.warmup()
+
+        def ask(item):
+            return rc.query(item[0], [ids[i] for i in item[1]], max_new_tokens=new_tokens).token_ids
+
+        def run(at_once: int) -> tuple[list, dict]:
+            before = _scheduler_stats(rc)
+            with ThreadPoolExecutor(at_once) as executor:
+                answers = list(executor.map(ask, asks))
+            return answers, _stats_delta(before, _scheduler_stats(rc))
+
+        run(requests)  # untimed: Triton compiles its kernels for these shapes
+        alone, one = run(1)
+        grouped, _ = run(group)
+        packed, many = run(requests)
+        row = dict(model=name, batch_invariant=flag, how=rc.runner.invariance.how, requests=requests,
+                   new_tokens=new_tokens, **{f"identical_{group}_at_a_time": sum(map(list.__eq__, alone, grouped)),
+                                             f"identical_{requests}_at_a_time": sum(map(list.__eq__, alone, packed))},
+                   decode_tok_s_1=one["decode_only_rows"] / max(one["decode_only_s"], 1e-9),
+                   decode_tok_s_many=many["decode_only_rows"] / max(many["decode_only_s"], 1e-9))
+        print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone {row[f'identical_{group}_at_a_time']}"
+              f"/{requests} at {group}, {row[f'identical_{requests}_at_a_time']}/{requests} at {requests}; decode "
+              f"{row['decode_tok_s_1']:.1f} tok/s at 1 stream, {row['decode_tok_s_many']:.1f} at {requests}",
+              flush=True)
+        rows.append(row)
+        rc.scheduler.stop()
+        del rc
+    on, off = rows
+    for key in ("decode_tok_s_1", "decode_tok_s_many"):
+        on[f"{key}_vs_off"] = on[key] / off[key]
+    del lm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -523,7 +586,7 @@ def main() -> None:
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
-    kernels, model_rows, serving_rows = [], [], []
+    kernels, model_rows, serving_rows, invariance_rows = [], [], [], []
     if "kernels" not in skip:
         print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
                                                              if env["triton_interpreted"] else ""))
@@ -536,9 +599,13 @@ def main() -> None:
         print("(d) serving: concurrent clients, ragcache's scheduler vs transformers' batched generate")
         for name in _names(args.serving):
             serving_rows += serving(name, device, dtype, args.quick)
+    if "invariance" not in skip:
+        print("(e) batch invariance: the same requests alone and packed, on and off")
+        for name in _names(args.invariance):
+            invariance_rows += invariance(name, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
-                  skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
+                  skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows, invariance=invariance_rows,
                   all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")

@@ -65,6 +65,12 @@ class Front:
     def context_length(self) -> int:
         return self.lm.context_length
 
+    @property
+    def batch_invariance(self) -> str:
+        """How an answer is kept from depending on the load, or "off" (README: Batch invariance)."""
+        runner = getattr(self, "runner", None)  # the vLLM engine runs vLLM's own kernels: off
+        return runner.invariance.how if runner is not None else "off"
+
     def close(self) -> None:
         self.store.close()
 

@@ -157,6 +157,7 @@ def metric(text: str, name: str, **labels: str) -> float:
 def test_health_models_openapi(http, rc):
     r = http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == "smollm2-135m"
+    assert r.json()["batch_invariance"] == rc.runner.invariance.how and "row tiles" in rc.batch_invariance
     assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
     from ragcache.calibrate import Profile
 

@@ -443,11 +443,12 @@ def test_empty_answer_agreement_is_the_first_position():
 
 def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     """bench/gpu.py (a CUDA machine's check and timing run) on its CPU path: the Triton kernels interpreted, every
-    section reduced. The kernels match, `full` through the runner equals the model's own forward, and each serving
-    answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like."""
+    section reduced. The kernels match, `full` through the runner equals the model's own forward, each serving
+    answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like, and the
+    invariance section finds every answer identical alone and packed with invariance on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--models", "smollm2-135m",
-                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+                           "--invariance", "smollm2-135m", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "gpu-cpu-quick.json").read_text())
@@ -461,6 +462,11 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
         assert row["completion_tokens"] == row["requests"] * row["new_tokens"] and row["tok_s"] > 0
     ours = [row for row in serving if "scheduler" in row]
     assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
+    on, off = result["invariance"]  # on this CPU the invariant engine is the probed row tiles'
+    assert on["batch_invariant"] and not off["batch_invariant"] and "row tiles" in on["how"]
+    assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
+    assert all(row[key] > 0 for row in (on, off) for key in ("decode_tok_s_1", "decode_tok_s_many"))
+    assert on["decode_tok_s_1_vs_off"] > 0
 
 
 def test_the_gpu_script_times_full_once():
