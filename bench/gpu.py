@@ -345,13 +345,13 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
     def transformers_decode():
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=model.config)
-        logits = model(link_ids[None], past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        cache = {RUNNER.cache_argument(model): DynamicCache(config=model.config)}  # its name: transformers' version
+        logits = model(link_ids[None], use_cache=True, logits_to_keep=1, **cache).logits
         token = logits[:, -1:].argmax(-1)
         _sync(device)
         started = time.perf_counter()
         for _ in range(decode_tokens):
-            token = model(token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = model(token, use_cache=True, **cache).logits[:, -1:].argmax(-1)
             int(token)  # the same host sync per token
         return decode_tokens / (time.perf_counter() - started)
 
@@ -539,7 +539,6 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
               flush=True)
         rows.append(row)
         rc.scheduler.stop()
-        del rc
     on, off = rows
     for key in ("decode_tok_s_1", "decode_tok_s_many"):
         on[f"{key}_vs_off"] = on[key] / off[key]

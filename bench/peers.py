@@ -142,6 +142,8 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
 def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens: int) -> list[Peer]:
     from transformers import AutoModelForCausalLM, DynamicCache
 
+    from ragcache.runner import cache_argument
+
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
     ids = ids[None]
 
@@ -153,12 +155,12 @@ def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens
 
     @torch.inference_mode()
     def decode() -> tuple[int, float]:
-        cache = DynamicCache(config=model.config)
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = {cache_argument(model): DynamicCache(config=model.config)}
+        out = model(ids, use_cache=True, logits_to_keep=1, **cache)
         token = out.logits[:, -1:].argmax(-1)
         started = time.perf_counter()
         for _ in range(decode_tokens):  # EOS ignored: every peer decodes the same number of tokens
-            out = model(token, past_key_values=cache, use_cache=True)
+            out = model(token, use_cache=True, **cache)
             token = out.logits[:, -1:].argmax(-1)
         int(token)
         return decode_tokens, time.perf_counter() - started

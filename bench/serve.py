@@ -231,14 +231,16 @@ def transformers_loop(model, prompt, tokens: int) -> float:
     """Tokens/s of transformers' own cached greedy decode over `prompt` (after its prefill), on `model` as
     transformers loaded it (no runner built on it)."""
     import torch
+    from transformers import DynamicCache
 
+    from ragcache.runner import cache_argument
+
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
     with torch.inference_mode():
-        out = model(prompt[None], use_cache=True)
-        past, token = out.past_key_values, out.logits[0, -1].argmax()
+        token = model(prompt[None], use_cache=True, **cache).logits[0, -1].argmax()
         started = time.perf_counter()
         for _ in range(tokens - 1):
-            out = model(token.view(1, 1), past_key_values=past, use_cache=True)
-            past, token = out.past_key_values, out.logits[0, -1].argmax()
+            token = model(token.view(1, 1), use_cache=True, **cache).logits[0, -1].argmax()
             int(token)  # the host needs the token, as a server does
         return (tokens - 1) / (time.perf_counter() - started)
 

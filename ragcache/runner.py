@@ -13,6 +13,7 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 from __future__ import annotations
 
 import ctypes
+import inspect
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -88,6 +89,11 @@ def rope_table(rotary: torch.nn.Module, layer_types: list[str], device) -> tuple
     return inv_freq, torch.tensor(scales, dtype=torch.float32, device=device)
 
 
+def cache_argument(module: torch.nn.Module) -> str:
+    """The name a transformers module's forward takes its cache by."""
+    return "cache" if "cache" in inspect.signature(module.forward).parameters else "past_key_values"
+
+
 class LayerWatch(Protocol):
     """Sees one forward layer by layer (CacheBlend's narrowing)."""
 
@@ -134,6 +140,9 @@ class Runner:
         self.pool: KVPool | BucketPools | None = (KVPool(self.shape, self.device) if not self.batch_invariant else
                                                   BucketPools(self.shape, self.device) if self.device.type == "cpu"
                                                   else None)
+        # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
+        # releases (the GPU machine's 5.17) know only the old name
+        self.cache_argument = cache_argument(self.layers[0])
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
 
@@ -182,9 +191,9 @@ class Runner:
             hidden,
             attention_mask=None,
             position_ids=positions[None],
-            past_key_values=batch,
             position_embeddings=pos_emb[self.layer_types[index]],
             ragcache_batch=batch,
+            **{self.cache_argument: batch},
         )
         return out[0] if isinstance(out, tuple) else out
 

@@ -1,5 +1,7 @@
 """Engine behaviour beyond the invariants: bad input, generation controls, chunking, documents."""
 
+import warnings
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -270,3 +272,19 @@ def test_a_request_cancelled_while_its_raw_texts_compile_stops_at_the_next_chunk
     assert len(compiled) == 1
     assert events == [("cancelled", None)]
     assert len(list(rc.store.keys())) == stored + 1  # the chunk compiled before the cancel was kept
+
+
+@pytest.mark.parametrize("family", tiny.FAMILIES)
+def test_our_calls_of_transformers_raise_no_deprecation_warning(family):
+    """Compile, every kind of link and decode on each family: a deprecated argument in our own calls (a layer's
+    `past_key_values`, renamed `cache` in transformers 5.24 and removed in 5.40) warns once per call and breaks
+    the day the old name goes."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24, row_budget=16)
+        ids = rc.compile(["The Eiffel Tower is in Paris. It was completed in 1889.", "Rivers flow to the sea."])
+        for algorithm in ("focus", "cacheblend", "full", "prefix"):
+            rc.query("Where is it?", ids, algorithm=algorithm, max_new_tokens=3)
+        rc.scheduler.stop()
+    deprecations = [w for w in seen if issubclass(w.category, (DeprecationWarning, FutureWarning))]
+    assert not deprecations, [f"{w.filename}:{w.lineno}: {w.message}" for w in deprecations]

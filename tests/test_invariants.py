@@ -8,6 +8,7 @@ import torch
 
 import ragcache.kernels as kernels
 from ragcache.engine import RagCache
+from ragcache.runner import cache_argument
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 
@@ -83,7 +84,7 @@ def test_rotation_to_offset_equals_compiling_there(rc, offset):
 
     with torch.inference_mode():
         cache = DynamicCache(config=rc.lm.model.config)
-        rc.lm.model(ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+        rc.lm.model(ids[None], position_ids=positions[None], use_cache=True, **{cache_argument(rc.lm.model): cache})
     for layer in range(rc.runner.shape.layers):
         at_offset = cache.layers[layer].keys[0]
         n = at_offset.shape[1]  # sliding-window layers keep only their window of keys
@@ -189,7 +190,8 @@ def test_bf16_rotation_to_offset_equals_compiling_there(rc_bf16, offset):
 
     with torch.inference_mode():
         cache = DynamicCache(config=rc_bf16.lm.model.config)
-        rc_bf16.lm.model(ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True)
+        rc_bf16.lm.model(ids[None], position_ids=positions[None], use_cache=True,
+                          **{cache_argument(rc_bf16.lm.model): cache})
     for layer in range(rc_bf16.runner.shape.layers):
         at_offset = cache.layers[layer].keys[0]
         n = at_offset.shape[1]
