@@ -85,7 +85,7 @@ def linked_logits(model, ex: Example) -> torch.Tensor:
         cache.update(ex.keys[layer][None], ex.values[layer][None], layer)
     device = next(model.parameters()).device
     hidden = model.model(input_ids=ids[None].to(device), position_ids=positions[None].to(device),
-                         past_key_values=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
+                         cache=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
     logits = model.lm_head(hidden[0, ex.rows.numel() - 1:]).float()
     softcap = getattr(model.config, "final_logit_softcapping", None)
     return torch.tanh(logits / softcap) * softcap if softcap else logits
