@@ -157,7 +157,7 @@ class SamplingFields(BaseModel):
     stop: Text | list[Text] | None = Field(None, description="a string or up to 16 strings that end the answer (not "
                                            "included)")
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, strict=True)  # what torch.Generator.manual_seed takes
-    stream: bool = False
+    stream: bool = Field(False, strict=True)  # a JSON true or false: "yes" is no boolean
 
 
 # -- native query -----------------------------------------------------------------------------------------
@@ -176,7 +176,8 @@ class InfillRequest(SamplingFields, Strict):
     session: str | None = Field(None, min_length=1, max_length=128,
                                 description="infilling session id: EFIM keeps its cached prompt across rounds")
     mode: Literal["efim", "psm", "spm"] = "efim"
-    reuse: bool = Field(True, description="reuse the longest cached prompt prefix (false: recompute everything)")
+    reuse: bool = Field(True, strict=True,
+                        description="reuse the longest cached prompt prefix (false: recompute everything)")
 
 
 class Usage(BaseModel):
@@ -215,7 +216,7 @@ class InfillResponse(BaseModel):
 
 # -- OpenAI-compatible ------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool = Field(False, strict=True)
 
 
 class OpenAIFields(SamplingFields):

@@ -331,6 +331,9 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": "q", "temperature": True}, 422, "temperature"),
     ("POST", "/v1/query", {"question": "q", "seed": True}, 422, "seed"),
     ("POST", "/v1/query", {"question": "q", "seed": 1.0}, 422, "seed"),
+    ("POST", "/v1/query", {"question": "q", "stream": "yes"}, 422, "stream"),  # a string is not a boolean
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "stream": True,
+                                      "stream_options": {"include_usage": "yes"}}, 422, "include_usage"),
     ("POST", "/v1/documents", {}, 422, "either"),
     ("POST", "/v1/documents", {"text": "  "}, 422, "empty"),
     ("POST", "/v1/documents", {"text": "y" * 200_001}, 413, "at most 200000"),
