@@ -528,24 +528,29 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         alone, one = run(1)
         grouped, _ = run(group)
         packed, many = run(requests)
+        same = {f"identical_{n}_at_a_time": sum(map(list.__eq__, alone, answers))
+                for n, answers in ((group, grouped), (requests, packed))}
         row = dict(model=name, batch_invariant=flag, how=rc.runner.invariance.how, requests=requests,
-                   new_tokens=new_tokens, **{f"identical_{group}_at_a_time": sum(map(list.__eq__, alone, grouped)),
-                                             f"identical_{requests}_at_a_time": sum(map(list.__eq__, alone, packed))},
-                   decode_tok_s_1=one["decode_only_rows"] / max(one["decode_only_s"], 1e-9),
-                   decode_tok_s_many=many["decode_only_rows"] / max(many["decode_only_s"], 1e-9))
-        print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone {row[f'identical_{group}_at_a_time']}"
-              f"/{requests} at {group}, {row[f'identical_{requests}_at_a_time']}/{requests} at {requests}; decode "
-              f"{row['decode_tok_s_1']:.1f} tok/s at 1 stream, {row['decode_tok_s_many']:.1f} at {requests}",
-              flush=True)
+                   new_tokens=new_tokens, **same, decode_tok_s_1=_decode_rate(one),
+                   decode_tok_s_many=_decode_rate(many))
+        print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone "
+              + ", ".join(f"{got}/{requests} {what}" for what, got in same.items())
+              + f"; decode tok/s {_fmt(row['decode_tok_s_1'])} at 1 stream, {_fmt(row['decode_tok_s_many'])} at "
+              f"{requests}", flush=True)
         rows.append(row)
         rc.scheduler.stop()
     on, off = rows
-    for key in ("decode_tok_s_1", "decode_tok_s_many"):
-        on[f"{key}_vs_off"] = on[key] / off[key]
+    for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
+        on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
     del lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+def _decode_rate(stats: dict) -> float | None:
+    """Rows per second over the decode-only steps of a run; None when it had none (not a rate of 0)."""
+    return stats["decode_only_rows"] / stats["decode_only_s"] if stats["decode_only_s"] else None
 
 
 # ------------------------------------------------------------------ main
@@ -604,7 +609,8 @@ def main() -> None:
             invariance_rows += invariance(name, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
-                  skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows, invariance=invariance_rows,
+                  skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
+                  invariance=invariance_rows,
                   all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")

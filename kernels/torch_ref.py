@@ -360,5 +360,5 @@ def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     normed = x.to(torch.float32)
     normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + eps)
     if cast_first:
-        return (weight + offset) * normed.to(x.dtype) if offset else weight * normed.to(x.dtype)
+        return (weight + offset) * normed.to(x.dtype)
     return (normed * (offset + weight.to(torch.float32))).to(x.dtype)

@@ -65,8 +65,8 @@ class RagCache(Front):
         `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (on vLLM: a merged
         checkpoint, or vLLM's LoRA).
         `batch_invariant`: an answer does not depend on what else is in its batch (Runner; None: on on CPU, off on
-        CUDA until measured there); False: faster decode at many streams. `engine="vllm"`: the same front doors on vLLM's engine (VllmRagCache.open takes
-        `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
+        CUDA until measured there); False: faster decode at many streams. `engine="vllm"`: the same front doors on
+        vLLM's engine (VllmRagCache.open takes `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
         if engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache
 
@@ -99,6 +99,10 @@ class RagCache(Front):
     @property
     def kv_codec(self) -> str:
         return self.compiler.codec
+
+    @property
+    def batch_invariance(self) -> str:
+        return self.runner.invariance.how
 
     def warmup(self) -> None:
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""

@@ -95,14 +95,9 @@ def in_tiles(op: Op, tiles: RowTiles) -> Op:
         if rows == 0:
             return op(x)
         flat = x.reshape(rows, x.shape[-1])
-        parts = []
-        for start, size in tiles.split(rows):
-            tile = flat[start : start + size]
-            if tile.shape[0] < size:
-                tile = torch.nn.functional.pad(tile, (0, 0, 0, size - tile.shape[0]))
-            parts.append(op(tile))
+        parts = [_padded(op, flat[start : start + size], size) for start, size in tiles.split(rows)]
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out[:rows].reshape(*x.shape[:-1], out.shape[-1])
+        return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return op_in_tiles
 
@@ -112,13 +107,18 @@ def in_buckets(op: Op) -> Op:
 
     def op_in_buckets(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        padded = row_bucket(rows)
-        if padded == rows:
+        if row_bucket(rows) == rows:
             return op(x)
-        flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, padded - rows))
-        return op(flat)[:rows].reshape(*x.shape[:-1], -1)
+        return _padded(op, x.reshape(rows, x.shape[-1]), row_bucket(rows)).reshape(*x.shape[:-1], -1)
 
     return op_in_buckets
+
+
+def _padded(op: Op, rows: torch.Tensor, count: int) -> torch.Tensor:
+    """`op` over `rows` [n, width] run at `count` >= n rows (zero rows after them); the results of the n rows."""
+    if rows.shape[0] == count:
+        return op(rows)
+    return op(torch.nn.functional.pad(rows, (0, 0, 0, count - rows.shape[0])))[: rows.shape[0]]
 
 
 def probe(ops: Sequence[tuple[Op, int]], dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -216,17 +216,15 @@ def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: t
     shapes: dict[tuple, torch.nn.Linear] = {}
     for linear in linears:
         shapes.setdefault((linear.in_features, linear.out_features, linear.bias is not None), linear)
-    key = (dtype, torch.get_num_threads(), tuple(sorted(shapes)))
+    norms = {(type(norm).__name__, norm.weight.numel()): norm for norm in _norms(model)}
+    key = (dtype, torch.get_num_threads(), tuple(sorted(shapes)), tuple(sorted(norms)))
     if key not in _PROBED:
+        for (name, width), norm in norms.items():
+            if not check_rows_alone(norm.forward, width, dtype):
+                raise BatchInvarianceUnavailable(
+                    f"{name} gives a row other bits among other rows on this CPU ({_cpu_name()}, {dtype}); "
+                    f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)")
         _PROBED[key] = probe([(m.forward, m.in_features) for m in shapes.values()], dtype)
-    checked = set()
-    for norm in _norms(model):
-        kind = (type(norm).__name__, norm.weight.numel())
-        if kind not in checked and not check_rows_alone(norm.forward, norm.weight.numel(), dtype):
-            raise BatchInvarianceUnavailable(
-                f"{kind[0]} gives a row other bits among other rows on this CPU ({_cpu_name()}, {dtype}); "
-                f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)")
-        checked.add(kind)
     return _PROBED[key]
 
 

@@ -448,8 +448,8 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     invariance section finds every answer identical alone and packed with invariance on."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--models", "smollm2-135m",
-                           "--invariance", "smollm2-135m", "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
-                          capture_output=True, text=True, timeout=600)
+                           "--invariance", "smollm2-135m", "--out", str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "gpu-cpu-quick.json").read_text())
     assert result["all_kernels_match"] and {k["attention_shape"] for k in result["kernels"]} == {

@@ -489,7 +489,8 @@ _INVARIANT_MODEL_SCRIPT = textwrap.dedent(
     from tests import tiny
 
     for family in ("llama", "gemma3"):
-        runner, plain = (Runner(tiny.make(family, dtype=torch.bfloat16), batch_invariant=flag) for flag in (True, False))
+        runner, plain = (Runner(tiny.make(family, dtype=torch.bfloat16), batch_invariant=flag)
+                         for flag in (True, False))
         assert "Triton" in runner.invariance.how, runner.invariance
         ids = torch.cat([torch.arange(20, 34), torch.arange(3, 12), torch.arange(30, 44)])  # the request's ids 14:23
         outs = []
