@@ -1,5 +1,5 @@
 """From a request body to answer events: the engine's one validation (with this server's limits), admission, one
-Generation run by the engine's scheduler.
+Generation run by the engine.
 
 Every answering route (native /v1/query, /v1/completions, /v1/chat/completions) turns its body into a validated
 `Query` (`Context.query`) and goes through `Context.start`, which waits for the first event so that errors the engine only finds while
@@ -17,7 +17,7 @@ from starlette.concurrency import run_in_threadpool
 
 from ragcache.engine import RagCache
 from ragcache.sampling import Answer
-from ragcache.stream import Stream
+from ragcache.sequence import Aborted, Done, Event, Failed, Piece, Sequence
 from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
 from ragcache.settings import Settings
@@ -71,13 +71,13 @@ class Context:
             temperature=sampling.temperature, top_p=sampling.top_p, stop=stop_strings(sampling.stop),
             seed=sampling.seed, limits=self.limits)
 
-    async def start(self, request: Request, query: Query) -> tuple[Generation, tuple[str, object]]:
+    async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
         return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
-                           ) -> tuple[Generation, tuple[str, object]]:
-        """`start` for any engine Stream (answers, infills)."""
+    async def start_stream(self, request: Request, make_stream: Callable[[], Sequence], query: Query | None = None
+                           ) -> tuple[Generation, Event]:
+        """`start` for any engine's sequence (answers, infills)."""
         slot = self.queue.admit()
         try:  # validates the parameters and tokenizes (an infill prompt can be 400k characters): not on the loop
             stream = await asyncio.to_thread(make_stream)
@@ -91,11 +91,11 @@ class Context:
         except BaseException:
             gen.close()
             raise
-        if first[0] in ("error", "gone"):
+        if isinstance(first, (Failed, Aborted)):
             gen.close()
-            raise ClientGone() if first[0] == "gone" else first[1]  # type: ignore[misc]
-        if first[0] == "done":
-            self._observe(gen, first[1])  # type: ignore[arg-type]
+            raise first.error if isinstance(first, Failed) else ClientGone()
+        if isinstance(first, Done):
+            self._observe(gen, first.answer)
         return gen, first
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
@@ -104,18 +104,18 @@ class Context:
         if q is not None and self.guard is not None:
             self.guard.after_answer(answer, q)
 
-    async def events(self, gen: Generation, first: tuple[str, object]) -> AsyncIterator[tuple[str, object]]:
-        """All events from `first` to the last one ("done", "error" or "gone"); frees the slot at the end, also
-        when the consumer stops early (client gone, task cancelled)."""
+    async def events(self, gen: Generation, first: Event) -> AsyncIterator[Event]:
+        """All events from `first` to the last one; frees the slot at the end, also when the consumer stops early
+        (client gone, task cancelled)."""
         try:
             event = first
             while True:
                 yield event
-                if event[0] != "piece":
+                if not isinstance(event, Piece):
                     return
                 event = await gen.next()
-                if event[0] == "done":
-                    self._observe(gen, event[1])  # type: ignore[arg-type]
+                if isinstance(event, Done):
+                    self._observe(gen, event.answer)
         finally:
             gen.close()
 
@@ -123,14 +123,14 @@ class Context:
         """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
         return await self.collect(*await self.start(request, query))
 
-    async def collect(self, gen: Generation, first: tuple[str, object]) -> tuple[Answer, float]:
+    async def collect(self, gen: Generation, first: Event) -> tuple[Answer, float]:
         async with aclosing(self.events(gen, first)) as events:
-            async for kind, value in events:
-                if kind == "done":
-                    return value, gen.slot.queue_s  # type: ignore[return-value]
-                if kind == "error":
-                    raise value  # type: ignore[misc]
-        raise ClientGone()  # the events' only other end: "gone"
+            async for event in events:
+                if isinstance(event, Done):
+                    return event.answer, gen.slot.queue_s
+                if isinstance(event, Failed):
+                    raise event.error
+        raise ClientGone()  # the events' only other end: Aborted
 
 
 def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:

@@ -5,9 +5,9 @@
   running); the next one gets 429 at once.
 - Work that is not a model step (store reads, compiling a document, which queues its model work on the
   scheduler) runs in worker threads, so the event loop never blocks.
-- A Generation opens a ragcache Stream and receives its events from the scheduler thread; a client that
-  disconnects cancels it: the scheduler drops the request at its next step, and the slot is freed once the
-  scheduler has let go of it (its last event).
+- A Generation opens a ragcache Sequence and receives its events from the model thread; a client that
+  disconnects cancels it: the driver aborts it before its next step, and the slot is freed once the engine has let
+  go of it (its last event: `Aborted`, which the routes read as the client gone).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from contextlib import suppress
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ragcache.engine import Stream
+from ragcache.sequence import Event, Failed, Piece, Sequence
 
 from .errors import ApiError
 
@@ -42,7 +42,7 @@ class EngineQueue:
         return Slot(self, asyncio.get_running_loop())
 
     def shutdown(self) -> None:
-        """Server stopping: every live generation leaves the scheduler at its next step."""
+        """Server stopping: every live generation is aborted before the engine's next step."""
         for gen in list(self.live):
             gen.stream.cancel()
 
@@ -64,7 +64,7 @@ class Slot:
         self.jobs += 1
 
     async def call(self, fn, *args):
-        """Run fn(*args) in a worker thread (the model work in it queues on the scheduler). If the caller is
+        """Run fn(*args) in a worker thread (the model work in it queues on the model thread). If the caller is
         cancelled the call still finishes, and keeps the slot until it has."""
         self.hold()
         job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
@@ -101,10 +101,10 @@ async def wait_for_disconnect(request: Request) -> None:
 
 
 class Generation:
-    """A ragcache Stream run by the scheduler. `await next()` gives ("piece", text), ("done", Answer),
-    ("error", exception) or ("gone", None) when the client disconnected."""
+    """A ragcache Sequence (or the vLLM engine's stream) run for one HTTP request. `await next()` gives its events:
+    `Piece`s, then one of `Done`, `Failed` or `Aborted` (cancelled: the client disconnected or the server stops)."""
 
-    def __init__(self, slot: Slot, stream: Stream, request: Request | None = None):
+    def __init__(self, slot: Slot, stream: Sequence, request: Request | None = None):
         self.slot, self.loop, self.stream = slot, slot.loop, stream
         self.query = None  # the validated query (answers only), for the accuracy guard
         self.events: asyncio.Queue = asyncio.Queue()
@@ -116,41 +116,38 @@ class Generation:
 
     async def _open(self) -> None:
         try:  # preparing reads the store (and may compile): a worker thread, not the loop
-            await asyncio.to_thread(self.stream.open, self._emit)
+            await asyncio.to_thread(self.stream.open, self._listen)
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the request as an event
-            self.events.put_nowait(("error", exc))
-            self.slot._job_done()
+            self._event(Failed(exc))
 
-    def _emit(self, kind: str, value) -> None:  # on the scheduler thread
+    def _listen(self, event: Event) -> None:  # on the model thread
         with suppress(RuntimeError):  # the loop is closed: the server is shutting down
-            self.loop.call_soon_threadsafe(self._event, kind, value)
+            self.loop.call_soon_threadsafe(self._event, event)
 
-    def _event(self, kind: str, value) -> None:
-        if kind != "piece":
-            self.slot._job_done()  # the scheduler has let go of the request
-        if kind != "cancelled":
-            self.events.put_nowait((kind, value))
+    def _event(self, event: Event) -> None:
+        if not isinstance(event, Piece):
+            self.slot._job_done()  # the engine has let go of the sequence
+        self.events.put_nowait(event)
 
     async def _watch(self, request: Request) -> None:
         await wait_for_disconnect(request)
         if not self.finished:
             self.cancel()
-            self.events.put_nowait(("gone", None))
 
-    async def next(self) -> tuple[str, object]:
-        kind, value = await self.events.get()
-        if kind != "piece":
+    async def next(self) -> Event:
+        event = await self.events.get()
+        if not isinstance(event, Piece):
             self.finished = True
-        return kind, value
+        return event
 
     def cancel(self) -> None:
-        """Stop generating: the scheduler drops the request at its next step."""
+        """Stop generating: the driver aborts the sequence before its next step."""
         if not self.stream.cancelled:
             self.slot.queue.cancelled += 1
         self.stream.cancel()
 
     def close(self) -> None:
-        """The request is over: stop whatever still runs; the slot is freed once the scheduler lets go."""
+        """The request is over: stop whatever still runs; the slot is freed once the engine lets go."""
         if not self.finished:
             self.cancel()
         if self.watcher is not None:

@@ -16,6 +16,7 @@ from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.sampling import Answer, Sampling
+from ragcache.sequence import Done, Failed, Piece
 from ragcache.store.keys import is_document_id
 
 from .answering import ClientGone, Context, ctx, stop_strings
@@ -40,11 +41,11 @@ async def sse_events(c: Context, gen: Generation, first, piece: Callable[[str], 
     if opening:
         yield sse(opening)
     async with aclosing(c.events(gen, first)) as events:
-        async for kind, value in events:
-            if kind == "piece":
-                yield sse(piece(value))
-            elif kind in ("done", "error"):
-                for payload in done(value) if kind == "done" else [describe(value)[1]]:
+        async for event in events:
+            if isinstance(event, Piece):
+                yield sse(piece(event.text))
+            elif isinstance(event, (Done, Failed)):
+                for payload in done(event.answer) if isinstance(event, Done) else [describe(event.error)[1]]:
                     yield sse(payload)
                 yield SSE_DONE
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
 from ragcache.front import Front
-from ragcache.runner import map_large_blocks
+from ragcache.allocator import map_large_blocks
 from ragcache.settings import Settings
 from ragcache.store import tier_urls
 
@@ -29,7 +29,7 @@ log = logging.getLogger("ragcache.api")
 
 
 def open_engine(settings: Settings) -> Front:
-    map_large_blocks()  # a server runs for days: freed K/V caches go back to the system (runner.map_large_blocks)
+    map_large_blocks()  # a server runs for days: freed K/V caches go back to the system (allocator.map_large_blocks)
     rc = RagCache.from_settings(settings)
     rc.warmup()
     return rc

@@ -396,7 +396,7 @@ def _stats_delta(before, after) -> dict:
 
 def _scheduler_stats(rc):
     """A copy of the counters taken on the scheduler's own thread: between its steps, never halfway through one."""
-    return rc.scheduler.call(dataclasses.replace, rc.scheduler.stats)
+    return rc.driver.call(dataclasses.replace, rc.driver.stats)
 
 
 def _time_ragcache(rc, name: str, asks: list, clients: int, new_tokens: int, device) -> dict:
@@ -484,7 +484,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
         for row in rows:
             _print_serving(row)
         out += rows
-    rc.scheduler.stop()
+    rc.driver.stop()
     del rc, lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -538,7 +538,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
               + f"; decode tok/s {_fmt(row['decode_tok_s_1'])} at 1 stream, {_fmt(row['decode_tok_s_many'])} at "
               f"{requests}", flush=True)
         rows.append(row)
-        rc.scheduler.stop()
+        rc.driver.stop()
     on, off = rows
     for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None

@@ -223,7 +223,7 @@ def wall_rate(done: list) -> float:
 
 
 def _decode_counters(rc) -> tuple[int, float]:
-    stats = rc.scheduler.stats
+    stats = rc.driver.stats
     return stats.decode_only_rows, stats.decode_only_s
 
 

@@ -5,10 +5,10 @@ Names are imported lazily so that `ragcache.store` and the operator CLI do not p
 from importlib import import_module
 
 __version__ = "0.1.0"
-__all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Stream"]
+__all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Sequence"]
 
 _HOMES = {"ALGORITHMS": "linker", "Answer": "sampling", "CompileReport": "front", "QueryStats": "sampling",
-          "RagCacheError": "errors", "Stream": "stream"}
+          "RagCacheError": "errors", "Sequence": "sequence"}
 
 
 def __getattr__(name: str):

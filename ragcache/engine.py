@@ -1,14 +1,13 @@
-"""RagCache: the public facade, orchestration only. Owns one model (through its scheduler), one store and the
-prefix caches.
+"""RagCache: the public facade, orchestration only. Owns one model (its runner, scheduler and driver), one store and
+the prefix caches.
 
-query = resolve documents -> fetch chunk entries (compile misses on the scheduler) -> scheduler: link + decode.
-Every method may be called from any number of threads: the scheduler's thread alone runs the model."""
+query = resolve documents -> fetch chunk entries (compile misses on the model thread) -> a Sequence the driver runs:
+link + decode. Every method may be called from any number of threads: the driver's thread alone runs the model."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -17,20 +16,21 @@ from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import adapters, guard, infill, linker, models
+from . import adapters, guard, infill, linker, models, sequence
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
 from .errors import Cancelled, ParameterOutOfRange
 from .front import Front
-from .sampling import QueryStats, eos_ids
+from .sampling import Decoding, QueryStats, eos_ids
 from .linker import LinkInput, LinkParams, Linked
 from .prefix_cache import PrefixCache
 from .request import Infill, Query
+from .driver import Driver
 from .runner import Runner
 from .scheduler import Scheduler
 from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL,
                        DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, INSTALLED, Settings)
-from .stream import Stream
+from .sequence import Done, Failed, Sequence
 
 log = logging.getLogger("ragcache")
 
@@ -49,7 +49,8 @@ class RagCache(Front):
         # An infill session keeps every cached row: its next round is a keystroke away.
         self.prefix_cache = PrefixCache(prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None)
         self.infill_cache = PrefixCache(prefix_cache_bytes)
-        self.scheduler = Scheduler(self.runner, row_budget)
+        self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
+        self.driver = Driver(self.runner, self.scheduler)
         self.stop_ids = eos_ids(self.runner)
 
     @classmethod
@@ -108,16 +109,6 @@ class RagCache(Front):
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""
         self.link("warm up", [], algorithm="full")
 
-    @property
-    def step_gate(self) -> threading.Event | None:
-        """While this Event is clear the scheduler takes no step (None: never held). Lets a caller (the API
-        tests) create "the engine is busy" as a state instead of racing the model's speed."""
-        return self.scheduler.gate
-
-    @step_gate.setter
-    def step_gate(self, gate: threading.Event | None) -> None:
-        self.scheduler.gate = gate
-
     # -- documents ------------------------------------------------------------------------------------
     def _compile(self, chunks: list[list[int]], layout: str) -> int:
         entries, report = self._ensure(chunks, self.layouts[layout])
@@ -132,13 +123,13 @@ class RagCache(Front):
 
     def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None,
                 cancelled: Callable[[], bool] = lambda: False) -> tuple[list[ChunkKV], EnsureReport]:
-        """The chunks' entries in a layout; the missing ones are compiled on the scheduler's thread and stored,
+        """The chunks' entries in a layout; the missing ones are compiled on the model thread and stored,
         one by one until `cancelled()` (then Cancelled)."""
 
         def run(fn, *args):
             if cancelled():
                 raise Cancelled("the request was cancelled while its documents were compiled")
-            return self.scheduler.call(fn, *args)
+            return self.driver.call(fn, *args)
 
         return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=run)
 
@@ -177,7 +168,7 @@ class RagCache(Front):
              k: int | None = None, ratio: float | None = None, check_layer: int = DEFAULT_CHECK_LAYER,
              max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False,
              deviation: str = "key") -> Linked:
-        """The joined cache and last-token logits of a prompt, linked through the scheduler (no decoding);
+        """The joined cache and last-token logits of a prompt, linked through the engine's steps (no decoding);
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
         V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
         query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
@@ -186,19 +177,24 @@ class RagCache(Front):
 
     def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
                     background: bool = False, timeout: float | None = None) -> Linked:
-        stats = stats or QueryStats()
-        parts, params, prefix_cache = self._prepare(query, max_new_tokens, stats)
-        linked = self.scheduler.link(parts, params, prefix_cache, max_new_tokens, background=background,
-                                     timeout=timeout)
-        stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
-        stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
-        return linked
+        """Link a query (no decoding), waiting at most `timeout` seconds: past it the link is aborted and
+        TimeoutError raised."""
+        seq = Sequence(self.driver, lambda stats, cancelled: self._prepare(query, max_new_tokens, stats, cancelled),
+                       None, extra_capacity=max_new_tokens, background=background)
+        if stats is not None:
+            seq.stats = stats
+        last = sequence.wait(seq, timeout)
+        if isinstance(last, Failed):
+            raise last.error
+        if not isinstance(last, Done):
+            raise Cancelled("the link was aborted")
+        return seq.linked
 
-    def stream_query(self, query: Query) -> Stream:
+    def stream_query(self, query: Query) -> Sequence:
         """`stream` for a query `validate` made."""
-        return Stream(self.scheduler,
-                      lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
-                      query.sampling, self.tokenizer, self.stop_ids)
+        return Sequence(self.driver,
+                        lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
+                        Decoding(query.sampling, self.tokenizer, self.stop_ids, self.runner.device))
 
     def check(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
               k: int | None = None, ratio: float | None = None) -> guard.Check:
@@ -222,7 +218,7 @@ class RagCache(Front):
         return guard.compare(query.params.algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------
-    def stream_infill(self, fill: Infill) -> Stream:
+    def stream_infill(self, fill: Infill) -> Sequence:
         """`infill_stream` for an infill `request.validate_infill` made."""
         ids = self._infill_ids(fill)
 
@@ -232,4 +228,4 @@ class RagCache(Front):
             return LinkInput([], [], ids), LinkParams("prefix" if fill.reuse else "full"), self.infill_cache
 
         stop_ids = self.stop_ids | infill.end_token_ids(self.tokenizer)
-        return Stream(self.scheduler, prepare, fill.sampling, self.tokenizer, stop_ids)
+        return Sequence(self.driver, prepare, Decoding(fill.sampling, self.tokenizer, stop_ids, self.runner.device))

@@ -41,7 +41,7 @@ class CompileReport:
 
 class Front:
     """An engine subclasses it with `compiler` and `prefix_compiler` (the keys), `_compile` and `_compile_prefix`
-    (what a miss costs), and `stream_query(Query)` and `stream_infill(Infill)`, which return a Stream."""
+    (what a miss costs), and `stream_query(Query)` and `stream_infill(Infill)`, which return a Sequence (ragcache.sequence)."""
 
     def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int, layers: int):
         if chunk_tokens < 1:
@@ -228,7 +228,7 @@ class Front:
                                 sampling, self.layers, limits)
 
     def stream(self, question: str, docs: list, **kwargs):
-        """The answer as a Stream of text pieces; `validate` lists the keyword arguments."""
+        """The answer as a Sequence of text pieces; `validate` lists the keyword arguments."""
         return self.stream_query(self.validate(question, docs, **kwargs))
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:

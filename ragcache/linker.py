@@ -28,6 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,8 +38,10 @@ from ragcache.store.entry import ChunkKV
 from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import Hit, PrefixCache
 from .kv import JoinedCache
-from .runner import Runner
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
+
+if TYPE_CHECKING:  # the runner imports this module: it executes what this module plans
+    from .runner import Runner
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer

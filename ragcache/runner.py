@@ -12,8 +12,10 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 
 from __future__ import annotations
 
-import ctypes
+import contextlib
 import inspect
+import logging
+import time
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -24,39 +26,15 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
-from . import invariant
+from . import invariant, linker
 from .kv import Batch, BucketPools, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
 from .models import LoadedModel
+from .scheduler import Kind, StepPlan, StepResult, Work
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
 
 ATTENTION_NAME = "ragcache"
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
-MMAP_THRESHOLD = 1 << 20
-
-
-def map_large_blocks(threshold: int = MMAP_THRESHOLD) -> None:
-    """glibc: every block of `threshold` bytes or more gets pages of its own, given back to the system when freed.
-
-    By default glibc raises that threshold to the largest block freed so far (up to 32 MiB). From then on K/V caches,
-    store entries and wide activations come from the heap, and a server that frees them in another order than it
-    took them grows around the holes: RSS 0.9 -> 3.2 GB in a 10-minute soak while the live heap stayed under 2 GB.
-    A fixed threshold also stops that raising. Process-wide: the server sets it, a library caller may."""
-    _glibc("mallopt", M_MMAP_THRESHOLD, threshold)
-
-
-def return_free_memory() -> None:
-    """Give the allocator's free pages back to the system (glibc keeps them in per-thread arenas otherwise)."""
-    _glibc("malloc_trim", 0)
-
-
-def _glibc(function: str, *args: int) -> None:
-    """Call an allocator function of glibc's; elsewhere there is nothing to do."""
-    call = getattr(ctypes.CDLL(None), function, None)
-    if call is not None:
-        call(*args)
+log = logging.getLogger("ragcache")
 
 
 def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
@@ -145,6 +123,88 @@ class Runner:
         self.cache_argument = cache_argument(self.layers[0])
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
+
+    # -- a step ---------------------------------------------------------------------------------------------
+    def execute(self, plan: StepPlan) -> list[StepResult]:
+        """Run one step of the scheduler's plan: one result per work, in order. A work that fails fails alone; a
+        packed forward that fails fails every work in it."""
+        weights = self.lm.base_weights() if plan.base_weights else contextlib.nullcontext()
+        with weights:
+            if plan.kind is Kind.PLACE:
+                return [self._alone(self._place, work) for work in plan.work]
+            if plan.kind is Kind.NARROW:
+                return [self._alone(self._narrow, work) for work in plan.work]
+            return self._packed(plan.work)
+
+    def _alone(self, run, work: Work) -> StepResult:
+        try:
+            return run(work)
+        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+            return StepResult(error=exc)
+
+    def _place(self, work: Work) -> StepResult:
+        """What the sequence reuses into its new cache, and the rows left to recompute (linker.plan)."""
+        seq = work.sequence
+        seq.link_started = time.perf_counter()
+        plan = linker.plan(self, seq.parts, seq.params, seq.room, seq.prefix_cache)
+        if plan.last_logits is None:
+            return StepResult(plan=plan)
+        return self._sampled(seq, plan, plan.last_logits, 0)  # an exact repeat of a cached prompt: linked already
+
+    def _narrow(self, work: Work) -> StepResult:
+        """A Narrowing keeps a subset of rows after a layer, chosen over every row at that layer: all its rows in
+        one forward of their own."""
+        seq, plan = work.sequence, work.sequence.plan
+        hidden, rows = linker.recompute(self, plan.token_ids, plan.rows, plan.cache, plan.narrow)
+        return self._sampled(seq, plan, self.logits(hidden[0, -1:])[0], int(rows.numel()))
+
+    def _packed(self, works: list[Work]) -> list[StepResult]:
+        """Decode rows and link pieces of many sequences in one forward; logits for the rows that need them."""
+        ids, parts, ends = [], [], []
+        rows = 0
+        for work in works:
+            seq = work.sequence
+            if work.kind is Kind.DECODE:
+                cache = seq.cache
+                self.adopt(cache)  # decoding: its cache joins the pool
+                ids.append(torch.tensor([seq.next_token]))
+                parts.append((cache, torch.tensor([cache.length])))
+                cache.length += 1
+            else:
+                piece = seq.plan.rows[work.start : work.stop]
+                ids.append(seq.plan.token_ids[piece])
+                parts.append((seq.cache, piece))
+            rows += work.rows
+            if work.needs_logits:
+                ends.append(rows - 1)
+        try:
+            hidden = self.forward(torch.cat(ids), parts)
+            logits = iter(self.logits(hidden[0, ends]))
+        except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails, and only those
+            log.exception("a model step failed")
+            return [StepResult(error=exc)] * len(works)
+        results = []
+        for work in works:
+            if not work.needs_logits:
+                results.append(StepResult())
+                continue
+            row = next(logits)
+            seq = work.sequence
+            if work.kind is Kind.DECODE:
+                results.append(self._alone(lambda w: StepResult(step=self._sample(seq, row)), work))
+            else:
+                results.append(self._alone(lambda w: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work))
+        return results
+
+    def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
+        """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""
+        linked = linker.finish(plan, last_logits, recomputed, time.perf_counter() - seq.link_started, seq.params,
+                               seq.prefix_cache)
+        return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits))
+
+    @staticmethod
+    def _sample(seq, logits: torch.Tensor):
+        return seq.decoding.accept(logits) if seq.decoding is not None else None
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape

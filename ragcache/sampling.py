@@ -1,19 +1,22 @@
 """Generation, one request's side of it: sampling, stop ids and stop strings, text pieces, and what an answer reports.
 
-The scheduler (scheduler.py) runs the model: each of its steps gives a decoding request the logits of its last
+The runner executes each step the scheduler (scheduler.py) plans: it gives a decoding request the logits of its last
 row, and `Decoding.accept` turns them into the next token (or the end). Each new token is one more row written at
 the next position of the request's preallocated joined cache (gpt-fast style static cache). The caller's handle on
-a request is stream.py's `Stream`."""
+a request is sequence.py's `Sequence`."""
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ParameterOutOfRange
-from .runner import Runner
+
+if TYPE_CHECKING:  # the runner imports this module: it samples with it
+    from .runner import Runner
 
 
 @dataclass

@@ -100,7 +100,7 @@ def main() -> None:
         sides[name] = (rc, ids)
 
     def decode(rc, ids, streams: int) -> tuple[float, list]:
-        stats = rc.scheduler.stats
+        stats = rc.driver.stats
         rows, seconds = stats.decode_only_rows, stats.decode_only_s
         with ThreadPoolExecutor(streams) as pool:
             answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:streams]))

@@ -14,7 +14,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from urllib.parse import quote
@@ -34,6 +33,7 @@ from ragcache.linker import ALGORITHMS
 from ragcache.settings import DATA_DIR, Settings
 from ragcache.store import open_store
 from ragcache.store.keys import document_id
+from tests.hold import Permits, steps_gated
 
 pytestmark = pytest.mark.real_model
 
@@ -492,12 +492,13 @@ def raw_post(url: str, path: str, body: dict) -> socket.socket:
 
 
 def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
-    """Every state here is made by the test, never raced: while `rc.step_gate` is clear the engine takes no
-    model step, so an admitted request holds its slot however fast or slow the model is, and whatever it samples."""
+    """Every state here is made by the test, never raced: while `gate` is clear the engine takes no model step
+    (tests/hold.py), so an admitted request holds its slot however fast or slow the model is, and whatever it
+    samples."""
     long = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000}
-    gate = rc.step_gate = threading.Event()
+    gate = threading.Event()
     try:
-        with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
+        with steps_gated(rc, gate), serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
             holder = raw_post(s.url, "/v1/query", {**long, "stream": True})
             wait_metric(s.url, "ragcache_queue_depth", 1)  # admitted, held at its first model step
             busy = httpx.post(f"{s.url}/v1/query", json={"question": "q"})
@@ -509,7 +510,7 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
             holder.close()  # the client goes away before its first token
             text = wait_metric(s.url, "ragcache_cancelled_generations_total", 1)
             assert metric(text, "ragcache_queue_depth") == 1  # cancelled, but its step has not run yet
-            gate.set()  # the engine moves on: the cancelled request leaves at its next step, freeing the slot
+            gate.set()  # the engine moves on: the cancelled request leaves before its next step, freeing the slot
             wait_idle(s.url, cancelled_at_least=1)
 
             gate.clear()
@@ -523,26 +524,6 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
             assert ok.status_code == 200, ok.text
     finally:
         gate.set()
-        rc.step_gate = None
-
-
-class StepPermits:
-    """A step gate that lets exactly the steps it is told to: `allow(n)` more, or `open()` for good."""
-
-    def __init__(self):
-        self.permits = threading.Semaphore(0)
-        self.opened = False
-
-    def wait(self) -> None:
-        if not self.opened:
-            self.permits.acquire()
-
-    def allow(self, steps: int) -> None:
-        self.permits.release(steps)
-
-    def open(self) -> None:
-        self.opened = True
-        self.permits.release(1000)
 
 
 def test_a_cancelled_caller_keeps_the_slot_until_its_thread_finishes():
@@ -663,14 +644,14 @@ def test_long_uploads_leave_threads_for_queries(rc, doc_ids, monkeypatch):
 
 
 def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
-    """A stream that has sent tokens, then loses its client: the scheduler drops it at its next step."""
+    """A stream that has sent tokens, then loses its client: the engine aborts it before its next step."""
     body = {"question": QUESTION, "documents": doc_ids[:1], "algorithm": "naive", "max_tokens": 1000, "stream": True}
-    gate, stop_ids = StepPermits(), rc.stop_ids
-    rc.step_gate, rc.stop_ids = gate, set()  # no EOS: only the client can end this generation early
-    decoded = rc.scheduler.stats.decode_rows
+    gate, stop_ids = Permits(), rc.stop_ids
+    rc.stop_ids = set()  # no EOS: only the client can end this generation early
+    decoded = rc.driver.stats.decode_rows
     try:
-        with serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
-            gate.allow(4)  # the link step (first token) and three decode steps, then the engine holds
+        with steps_gated(rc, gate), serve(rc, max_queue=1, max_new_tokens_limit=1000) as s:
+            gate.allow(4)  # the link's two steps (placing, then its rows: the first token), two decode steps
             with httpx.Client(base_url=s.url, timeout=300) as client:
                 with client.stream("POST", "/v1/query", json=body) as r:
                     first = next(line for line in r.iter_lines() if line.startswith("data: "))
@@ -679,10 +660,10 @@ def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
             gate.open()
             wait_idle(s.url, cancelled_at_least=1)
             assert not rc.scheduler.running and not rc.scheduler.waiting
-            assert rc.scheduler.stats.decode_rows - decoded <= 4  # it left at the first step after the disconnect
+            assert rc.driver.stats.decode_rows - decoded <= 3  # it left before the first step after the disconnect
     finally:
         gate.open()
-        rc.step_gate, rc.stop_ids = None, stop_ids
+        rc.stop_ids = stop_ids
 
 
 def test_bearer_auth(rc):

@@ -10,6 +10,7 @@ import torch
 from kernels import torch_ref
 from ragcache import models
 from ragcache.engine import RagCache
+from ragcache.sequence import Done
 from ragcache.store.memory import MemoryStore
 from tests.test_real_model import DOCS
 from tests.test_scheduler import Run, together
@@ -51,7 +52,7 @@ def test_a_request_gives_the_same_tokens_alone_and_packed_with_others(engine, re
     singles = [Run(rc, **kw).open().wait() for kw in asks]
     packed = together(rc, [Run(rc, **kw) for kw in asks])
     for alone, batched in zip(singles, packed):
-        assert alone.kinds[-1] == batched.kinds[-1] == "done"
+        assert alone.kinds[-1] is batched.kinds[-1] is Done
         assert torch.equal(batched.logits, alone.logits)
         assert batched.stream.answer.token_ids == alone.stream.answer.token_ids
 

@@ -10,6 +10,7 @@ from ragcache import errors
 from ragcache.chunker import chunk_document
 from ragcache.engine import RagCache
 from ragcache.sampling import TextAssembler
+from ragcache.sequence import Aborted, Status
 from ragcache.models import wrap
 from ragcache.store.memory import MemoryStore
 from tests import tiny
@@ -268,9 +269,9 @@ def test_a_request_cancelled_while_its_raw_texts_compile_stops_at_the_next_chunk
 
     monkeypatch.setattr(rc.compiler, "compile", first_then_gone)
     events, stored = [], len(list(rc.store.keys()))
-    stream.open(lambda kind, value: events.append((kind, value)))
+    stream.open(events.append)
     assert len(compiled) == 1
-    assert events == [("cancelled", None)]
+    assert events == [Aborted()] and stream.status is Status.ABORTED
     assert len(list(rc.store.keys())) == stored + 1  # the chunk compiled before the cancel was kept
 
 
@@ -285,6 +286,6 @@ def test_our_calls_of_transformers_raise_no_deprecation_warning(family):
         ids = rc.compile(["The Eiffel Tower is in Paris. It was completed in 1889.", "Rivers flow to the sea."])
         for algorithm in ("focus", "cacheblend", "full", "prefix"):
             rc.query("Where is it?", ids, algorithm=algorithm, max_new_tokens=3)
-        rc.scheduler.stop()
+        rc.driver.stop()
     deprecations = [w for w in seen if issubclass(w.category, (DeprecationWarning, FutureWarning))]
     assert not deprecations, [f"{w.filename}:{w.lineno}: {w.message}" for w in deprecations]

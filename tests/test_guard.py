@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from ragcache.guard import Check, Guard, compare
+from ragcache.sequence import Done
+from tests.hold import hold_model_thread
 
 
 def test_compare_identical_and_different_distributions():
@@ -61,7 +63,8 @@ def test_rc_check_on_a_tiny_model():
 
 
 def test_background_links_wait_until_no_user_request_runs():
-    """A background link (the guard's `full`) is admitted only once the scheduler serves no user request."""
+    """A background link (the guard's `full`) is admitted only once the engine serves no user request, even when it
+    was sent first."""
     import threading
 
     from ragcache.engine import RagCache
@@ -71,17 +74,16 @@ def test_background_links_wait_until_no_user_request_runs():
     rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
     ids = rc.compile(tiny.CORPUS[:2])
     order: list[str] = []
-    gate = rc.step_gate = threading.Event()
-    stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
-    stream.open(lambda kind, value: order.append("user") if kind == "done" else None)
+    release = hold_model_thread(rc)
     background = threading.Thread(target=lambda: (rc.link("Where?", ids, algorithm="full", background=True),
                                                   order.append("background")))
     background.start()
-    while not rc.scheduler.background:  # the background link is queued behind the user's request
+    while not rc.driver.arrivals:  # the background link waits for the model thread
         threading.Event().wait(0.01)
-    gate.set()
+    stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
+    stream.open(lambda event: order.append("user") if isinstance(event, Done) else None)  # sent after it
+    release.set()
     background.join(120)
-    rc.step_gate = None
     assert order == ["user", "background"]
 
 
@@ -99,9 +101,9 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
 
     rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
     ids = rc.compile(tiny.CORPUS[:2])
-    gate = rc.step_gate = threading.Event()  # a step that never comes: users hold the model
+    release = hold_model_thread(rc)  # a step that never comes: users hold the model
     stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
-    stream.open(lambda kind, value: None)
+    stream.open(lambda event: None)
     skipped, checked = [], []
     guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append, on_check=lambda c, a: checked.append(c))
     guard.deadline = 0.5
@@ -109,9 +111,8 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
     guard._running.acquire()  # as after_answer does before it starts the check's thread
     guard._check(query, torch.zeros(1))  # the answer's logits: never compared, the full link does not end
     assert skipped == ["naive"] and not checked and guard.in_flight == 0
-    assert not rc.scheduler.background  # withdrawn, not left holding its entries
-    gate.set()
-    rc.step_gate = None
+    assert not any(s.background for s in rc.driver.arrivals)  # withdrawn, not left holding its entries
+    release.set()
     guard.deadline = 120.0
     guard._running.acquire()
     guard._check(query, rc.link("Where?", ids, algorithm="naive").last_logits)

@@ -28,6 +28,7 @@ from ragcache.integrations.llama_index import (  # noqa: E402
 from ragcache.settings import DATA_DIR  # noqa: E402
 from ragcache.store import open_store  # noqa: E402
 from ragcache.store.keys import document_id  # noqa: E402
+from tests.hold import hold_model_thread  # noqa: E402
 
 pytestmark = pytest.mark.real_model
 
@@ -245,8 +246,8 @@ def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever)
 
 def test_llm_async_calls_leave_the_event_loop_free(rc):
     """acomplete/astream_complete/achat run the engine off the loop: a coroutine beside them gets to run while they
-    wait. Here the engine can take no step until that coroutine opens the step gate; if the call held the loop, the
-    gate would open only from the fallback timer, after the answer."""
+    wait. Here the model thread is held until that coroutine lets it go; if the call held the loop, it would be let
+    go only by the fallback timer, after the answer."""
     import threading
 
     from llama_index.core.base.llms.types import ChatMessage
@@ -255,7 +256,7 @@ def test_llm_async_calls_leave_the_event_loop_free(rc):
     direct = rc.query("Name a colour.", docs=[], algorithm="legolink", max_new_tokens=3).text
 
     async def beside(call, order):
-        gate = rc.step_gate = threading.Event()
+        gate = hold_model_thread(rc)
         fallback = threading.Timer(20, gate.set)
         fallback.start()
 
@@ -268,7 +269,7 @@ def test_llm_async_calls_leave_the_event_loop_free(rc):
             result, _ = await asyncio.wait_for(asyncio.gather(call(), release()), 120)
         finally:
             fallback.cancel()
-            rc.step_gate = None
+            gate.set()
         return result
 
     async def done(call, order):

@@ -1,5 +1,5 @@
 """Memory a server gives back: a finished request is freed at once (not when Python's cycle collector runs), and
-under the allocator setting `ragcache serve` runs under (runner.map_large_blocks) blocks the size of K/V caches,
+under the allocator setting `ragcache serve` runs under (allocator.map_large_blocks) blocks the size of K/V caches,
 freed in another order than they were taken, go back to the system instead of leaving the heap to grow."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_a_finished_request_is_freed_without_the_cycle_collector():
     import gc
 
     from ragcache.engine import RagCache
-    from ragcache.scheduler import Request
+    from ragcache.sequence import Sequence
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
@@ -56,8 +56,8 @@ def test_a_finished_request_is_freed_without_the_cycle_collector():
         next(iter(stream))  # a stream left after its first piece: cancelled
         del stream
         rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=3)  # the cancel is seen by this one's steps
-        rc.scheduler.stop()  # and the scheduler thread's last locals are gone
-        assert sum(type(o) is Request for o in gc.get_objects()) == 0
+        rc.driver.stop()  # and the model thread's last locals are gone
+        assert sum(type(o) is Sequence for o in gc.get_objects()) == 0
     finally:
         gc.enable()
 
@@ -69,6 +69,7 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
     import weakref
 
     from ragcache.engine import RagCache
+    from ragcache.sequence import Piece
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
@@ -76,8 +77,8 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
         def __init__(self, stream):
             self.stream, self.over = stream, threading.Event()
 
-        def emit(self, kind, value):
-            if kind != "piece":
+        def emit(self, event):
+            if not isinstance(event, Piece):
                 self.over.set()
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
@@ -88,20 +89,20 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
         handle = Handle(rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=3))
         handle.stream.open(handle.emit)
         assert handle.over.wait(60)
-        rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1)  # the scheduler thread has moved on
+        rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1)  # the model thread has moved on
         gone = weakref.ref(handle)
         del handle
         assert gone() is None
     finally:
         gc.enable()
-        rc.scheduler.stop()
+        rc.driver.stop()
 
 
 # Requests' caches of 1-16 MiB, 8 in flight, finishing in any order, and now and then something small that outlives
 # them. Prints how far RSS grew over the live bytes, in MiB.
 CHURN = """
 import random, sys, torch
-from ragcache.runner import map_large_blocks
+from ragcache.allocator import map_large_blocks
 if sys.argv[1] == "mapped":
     map_large_blocks()
 def rss():

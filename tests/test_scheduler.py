@@ -1,9 +1,10 @@
 """The scheduler batches requests without changing any of them: a request batched with others gives the same
 greedy text and the same last-token logits (fp32 tolerance) as the same request alone.
 
-Batches are made deterministic with the scheduler's step gate: requests are opened while no step may run, so
-they are all admitted at the same step; joins and cancellations happen from a request's own event callback, on
-the scheduler thread, at a known token."""
+Batches are made deterministic by holding the model thread (tests/hold.py): requests are opened while it runs a
+call of the test's, so they are all taken in at its next pass; joins and cancellations happen from a request's own
+listener, on the model thread, at a known token. The scheduler's own policy is tested without any thread at the
+end of this file."""
 
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ import torch
 
 from ragcache import errors, kernels
 from ragcache.engine import RagCache
-from ragcache.sampling import Decoding, Sampling
+from ragcache.sampling import Decoding, QueryStats, Sampling
 from ragcache.kernels import torch_ref
 from ragcache.linker import ALGORITHMS, LinkParams
-from ragcache.scheduler import Request
+from ragcache.scheduler import Kind, Scheduler, StepResult
+from ragcache.sequence import Aborted, Done, Failed, Piece, Sequence, Status
 from ragcache.store.memory import MemoryStore
 from tests import tiny
+from tests.hold import held
 
 DOCS = [
     "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall. Rivers flow to the sea.",
@@ -42,11 +45,11 @@ def rc(request):
 
 
 class Run:
-    """One stream opened on the scheduler, with the events it received (on the scheduler thread)."""
+    """One sequence opened on the engine, with the kinds of the events it received (on the model thread)."""
 
     def __init__(self, rc: RagCache, on_event=None, **kwargs):
         self.stream = rc.stream(**kwargs)
-        self.kinds: list[str] = []
+        self.kinds: list[type] = []
         self.finished = threading.Event()
         self.on_event = on_event
 
@@ -54,16 +57,16 @@ class Run:
         self.stream.open(self._event)
         return self
 
-    def _event(self, kind: str, value) -> None:
-        self.kinds.append(kind)
+    def _event(self, event) -> None:
+        self.kinds.append(type(event))
         if self.on_event is not None:
-            self.on_event(self, kind)
-        if kind in ("done", "error", "cancelled"):
-            self.error = value if kind == "error" else None
+            self.on_event(self, type(event))
+        if not isinstance(event, Piece):
+            self.error = event.error if isinstance(event, Failed) else None
             self.finished.set()
 
     def wait(self) -> "Run":
-        assert self.finished.wait(300), "the scheduler did not finish the request"
+        assert self.finished.wait(300), "the engine did not finish the request"
         return self
 
     @property
@@ -81,15 +84,11 @@ def ask(rc: RagCache, algorithm: str = "legolink", question: int = 0, docs: slic
 
 
 def together(rc: RagCache, runs: list[Run]) -> list[Run]:
-    """Open every run while the scheduler is held, so they are admitted at the same step; then let it go.
+    """Open every run while the model thread is held, so they are admitted at the same step; then let it go.
     (Their chunks must be in the store already: compiling is model work, held too.)"""
-    rc.step_gate = threading.Event()
-    try:
+    with held(rc):
         for run in runs:
             run.open()
-    finally:
-        rc.step_gate.set()
-        rc.step_gate = None
     return [run.wait() for run in runs]
 
 
@@ -99,7 +98,7 @@ def alone(rc: RagCache, **kwargs) -> Run:
 
 
 def assert_same(batched: Run, single: Run) -> None:
-    assert batched.kinds[-1] == "done" and single.kinds[-1] == "done"
+    assert batched.kinds[-1] is Done and single.kinds[-1] is Done
     assert batched.stream.answer.token_ids == single.stream.answer.token_ids
     assert batched.text == single.text
     torch.testing.assert_close(batched.logits, single.logits, atol=ATOL, rtol=0)
@@ -108,11 +107,11 @@ def assert_same(batched: Run, single: Run) -> None:
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_batched_equals_alone_for_each_algorithm(rc, algorithm):
     others = [ask(rc, "full", 1, slice(0, 2)), ask(rc, "naive", 2, slice(1, 3))]
-    steps = rc.scheduler.stats.steps
+    steps = rc.driver.stats.steps
     singles = [alone(rc, **ask(rc, algorithm))] + [alone(rc, **kw) for kw in others]
-    steps_alone, steps = rc.scheduler.stats.steps - steps, rc.scheduler.stats.steps
+    steps_alone, steps = rc.driver.stats.steps - steps, rc.driver.stats.steps
     batched = together(rc, [Run(rc, **ask(rc, algorithm))] + [Run(rc, **kw) for kw in others])
-    assert rc.scheduler.stats.steps - steps < steps_alone  # they did share steps
+    assert rc.driver.stats.steps - steps < steps_alone  # they did share steps
     for b, s in zip(batched, singles):
         assert_same(b, s)
 
@@ -138,13 +137,13 @@ def test_a_request_joins_while_another_decodes(rc):
     joiner = Run(rc, **second)
 
     def join_at_second_token(run: Run, kind: str) -> None:
-        if kind == "piece" and len(run.stream.decoding.token_ids) >= 2 and not joiner.kinds:
+        if kind is Piece and len(run.stream.decoding.token_ids) >= 2 and not joiner.kinds:
             joiner.kinds.append("opened")
-            joiner.open()  # on the scheduler thread: admitted at the next step, while `run` is decoding
+            joiner.open()  # on the model thread: admitted at the next step, while `run` is decoding
 
     decoding = Run(rc, on_event=join_at_second_token, **first).open().wait()
     joiner.wait()
-    assert joiner.kinds and "done" in joiner.kinds
+    assert joiner.kinds and Done in joiner.kinds
     assert_same(decoding, single_first)
     assert_same(joiner, single_second)
 
@@ -159,12 +158,12 @@ def test_a_call_queued_while_another_runs_waits_for_the_next_step(rc):
     def compile_like(left: int) -> None:  # as if another caller queued its next chunk meanwhile
         seen.append(len(run.stream.decoding.token_ids))
         if left:
-            with rc.scheduler._wakeup:
-                rc.scheduler.calls.append((compile_like, (left - 1,), Future()))
+            with rc.driver._wakeup:
+                rc.driver.calls.append((compile_like, (left - 1,), Future()))
 
     def start_at_first_token(run: Run, kind: str) -> None:
-        if kind == "piece" and not seen:
-            rc.scheduler.calls.append((compile_like, (3,), Future()))  # on the scheduler thread, between steps
+        if kind is Piece and not seen:
+            rc.driver.calls.append((compile_like, (3,), Future()))  # on the model thread, between steps
 
     run = Run(rc, on_event=start_at_first_token, **ask(rc, "full", 0, slice(0, 3), max_new_tokens=12))
     run.open().wait()
@@ -174,8 +173,7 @@ def test_a_call_queued_while_another_runs_waits_for_the_next_step(rc):
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_each_algorithm_joins_while_others_decode(rc, algorithm):
-    """Every algorithm admitted while three requests decode (cacheblend links in a forward of its own at
-    admission)."""
+    """Every algorithm admitted while three requests decode (cacheblend links in a NARROW step of its own)."""
     decoders = [ask(rc, "naive", 0, slice(0, 3), max_new_tokens=24), ask(rc, "full", 1, slice(0, 2), max_new_tokens=24),
                 ask(rc, "legolink", 3, slice(0, 3), max_new_tokens=24)]
     joining = ask(rc, algorithm, 2, slice(1, 3), max_new_tokens=6)
@@ -184,15 +182,15 @@ def test_each_algorithm_joins_while_others_decode(rc, algorithm):
     joiner = Run(rc, **joining)
 
     def join_when_three_decode(run: Run, kind: str) -> None:
-        decoding = sum(r.pending is None for r in rc.scheduler.running)
-        if kind == "piece" and decoding == 3 and not joiner.kinds:
+        decoding = sum(r.status is Status.DECODING for r in rc.scheduler.running)
+        if kind is Piece and decoding == 3 and not joiner.kinds:
             joiner.kinds.append("opened")
-            joiner.open()  # on the scheduler thread: admitted at the next step, while the others decode
+            joiner.open()  # on the model thread: admitted at the next step, while the others decode
 
     runs = together(rc, [Run(rc, on_event=join_when_three_decode, **kw) for kw in decoders])
     assert joiner.kinds, "the three requests never decoded at the same time"
     joiner.wait()
-    assert joiner.kinds[-1] == "done", getattr(joiner, "error", None)
+    assert joiner.kinds[-1] is Done, getattr(joiner, "error", None)
     assert_same(joiner, single_joiner)
     for run, single in zip(runs, singles):
         assert_same(run, single)
@@ -204,13 +202,13 @@ def test_a_request_cancelled_in_the_middle_of_a_batch(rc):
     assert len(singles[1].stream.answer.token_ids) >= 3, "the test needs a middle request that decodes"
 
     def cancel_at_second_token(run: Run, kind: str) -> None:
-        if kind == "piece" and len(run.stream.decoding.token_ids) >= 2:
+        if kind is Piece and len(run.stream.decoding.token_ids) >= 2:
             run.stream.cancel()
 
     runs = [Run(rc, **asks[0]), Run(rc, on_event=cancel_at_second_token, **asks[1]), Run(rc, **asks[2])]
     together(rc, runs)
     tokens = len(runs[1].stream.decoding.token_ids)
-    assert runs[1].kinds[-1] == "cancelled" and 2 <= tokens < len(singles[1].stream.answer.token_ids) + 1
+    assert runs[1].kinds[-1] is Aborted and 2 <= tokens < len(singles[1].stream.answer.token_ids) + 1
     assert_same(runs[0], singles[0])
     assert_same(runs[2], singles[2])
     assert not rc.scheduler.running and not rc.scheduler.waiting
@@ -231,7 +229,7 @@ def test_a_failed_step_fails_only_the_requests_in_it(rc, monkeypatch):
 
     monkeypatch.setattr(rc.runner, "forward", fails_once)
     first, second = together(rc, [Run(rc, **asks[0]), Run(rc, **asks[1])])
-    assert first.kinds == ["error"] and "out of memory" in str(first.error)
+    assert first.kinds == [Failed] and "out of memory" in str(first.error)
     assert_same(second, single)
 
 
@@ -240,8 +238,8 @@ def test_a_decoding_request_lets_go_of_what_it_read_from_the_store(rc):
     held = []
 
     def at_first_token(run: Run, kind: str) -> None:
-        if kind == "piece" and not held:
-            held.append((run.stream.request.parts, run.stream.request.plan))
+        if kind is Piece and not held:
+            held.append((run.stream.parts, run.stream.plan))
 
     run = Run(rc, on_event=at_first_token, **ask(rc, "naive", 0, slice(0, 3), max_new_tokens=4))
     run.open().wait()
@@ -266,23 +264,18 @@ def test_a_bad_request_fails_alone(rc):
     singles = [alone(rc, **kw) for kw in good]
     runs = [Run(rc, **good[0]), Run(rc, **good[1])]
     failed: list = []
-    # a request the scheduler rejects when it admits it (past the one check before the queue, ragcache.request)
-    parts, _, prefix_cache = rc._prepare(rc.validate(QUESTIONS[2], rc.doc_ids, algorithm="legolink"), 4,
-                                         rc.stream(QUESTIONS[2], rc.doc_ids).stats)
+    # a sequence the engine rejects when it admits it (past the one check before the queue, ragcache.request)
+    parts, _, prefix_cache = rc._prepare(rc.validate(QUESTIONS[2], rc.doc_ids, algorithm="legolink"), 4, QueryStats())
     decoding = Decoding(Sampling(4), rc.tokenizer, rc.stop_ids, rc.runner.device)
-    bad = Request(parts, LinkParams("magic"), prefix_cache, decoding, lambda kind, value: failed.append((kind, value)))
-    rc.step_gate = threading.Event()
-    try:
+    bad = Sequence(rc.driver, lambda stats, cancelled: (parts, LinkParams("magic"), prefix_cache), decoding)
+    with held(rc):
         runs[0].open()
-        rc.scheduler.submit(bad)
+        bad.open(failed.append)
         runs[1].open()
-    finally:
-        rc.step_gate.set()
-        rc.step_gate = None
     for run, single in zip(runs, singles):
         assert_same(run.wait(), single)
-    assert len(failed) == 1 and failed[0][0] == "error"
-    assert isinstance(failed[0][1], errors.UnknownAlgorithm)
+    assert len(failed) == 1 and isinstance(failed[0], Failed) and bad.status is Status.FAILED
+    assert isinstance(failed[0].error, errors.UnknownAlgorithm)
 
     with ThreadPoolExecutor(3) as pool:  # through the public API: an unknown document fails only its own query
         futures = [pool.submit(rc.query, **good[0]), pool.submit(rc.query, QUESTIONS[0], ["0" * 32]),
@@ -477,20 +470,20 @@ def test_a_reused_pool_slot_holds_nothing_of_its_last_tenant():
 
 
 def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
-    """A scheduler that stops fails the calls and requests it had not finished with ShuttingDown (a 503), and
+    """A driver that stops fails the calls and requests it had not finished with ShuttingDown (a 503), and
     refuses new ones: before, they waited forever on a thread that was gone."""
     import time
 
     rc, held, release = busy_engine()
-    scheduler = rc.scheduler
-    queued_call = in_daemon(scheduler.call, lambda: "ran")
+    driver = rc.driver
+    queued_call = in_daemon(driver.call, lambda: "ran")
     queued_query = in_daemon(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
     deadline = time.monotonic() + 30
-    while len(scheduler.calls) < 2 and time.monotonic() < deadline:
+    while len(driver.calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(scheduler.calls) == 2
-    stopping = in_daemon(scheduler.stop, 60)
-    while not scheduler._stopping:
+    assert len(driver.calls) == 2
+    stopping = in_daemon(driver.stop, 60)
+    while not driver._stopping:
         time.sleep(0.01)
     release.set()
     assert held.result(60) == "held"  # the call in progress finishes
@@ -500,20 +493,20 @@ def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
     with pytest.raises(errors.ShuttingDown):
         queued_query.result(60)
     with pytest.raises(errors.ShuttingDown):
-        scheduler.call(lambda: "late")
+        driver.call(lambda: "late")
     with pytest.raises(errors.ShuttingDown):
         rc.query(QUESTIONS[1], [{"text": DOCS[1]}])
 
 
 def test_a_stop_that_gives_up_waiting_still_fails_what_was_queued():
-    """`stop` waits a while for the step in progress; past that it returns, and the scheduler thread, once the step
+    """`stop` waits a while for the step in progress; past that it returns, and the model thread, once the step
     ends, fails what was queued itself (ShuttingDown) instead of leaving its callers waiting."""
     rc, held, release = busy_engine()
-    scheduler = rc.scheduler
-    queued = in_daemon(scheduler.call, lambda: "ran")
-    while len(scheduler.calls) < 1:
+    driver = rc.driver
+    queued = in_daemon(driver.call, lambda: "ran")
+    while len(driver.calls) < 1:
         threading.Event().wait(0.01)
-    scheduler.stop(timeout=0.1)  # the held call is still running: stop gives up waiting
+    driver.stop(timeout=0.1)  # the held call is still running: stop gives up waiting
     assert not queued.done()
     release.set()
     held.result(60)
@@ -538,7 +531,7 @@ def in_daemon(fn, *args):
 
 
 def busy_engine():
-    """(an engine, the Future of the call its scheduler thread is running, the Event that ends that call)."""
+    """(an engine, the Future of the call its model thread is running, the Event that ends that call)."""
     rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
     entered, release = threading.Event(), threading.Event()
 
@@ -547,6 +540,141 @@ def busy_engine():
         release.wait(60)
         return "held"
 
-    held = in_daemon(rc.scheduler.call, hold)
+    held = in_daemon(rc.driver.call, hold)
     assert entered.wait(60)
     return rc, held, release
+
+
+# -- the scheduler alone: plain sequences, no model, no thread ----------------------------------------------------
+class FakePlan:
+    """What the scheduler reads of a link plan: its rows, whether it narrows, its cache."""
+
+    def __init__(self, rows: int, narrow=None):
+        self.rows, self.narrow, self.cache = torch.arange(rows), narrow, FakeCache()
+
+
+class FakeCache:
+    length, capacity = 0, 1 << 20
+
+
+class FakeDecoding:
+    def __init__(self, tokens: int):
+        self.sampling, self.token_ids = Sampling(tokens), []
+
+    @property
+    def finished(self) -> bool:
+        return len(self.token_ids) >= self.sampling.max_new_tokens
+
+
+def sequence(tokens: int | None = 4, background: bool = False) -> Sequence:
+    return Sequence(None, None, FakeDecoding(tokens) if tokens else None, background=background)
+
+
+def run_plan(scheduler: Scheduler, plan, link_rows: dict, fail=()) -> list:
+    """Execute a plan as the runner would, without a model: PLACE gives each sequence a plan of `link_rows[seq]`
+    rows, a row that needs logits samples token 7 (counted on its FakeDecoding)."""
+    from ragcache.sampling import Step
+
+    results = []
+    for work in plan.work:
+        seq = work.sequence
+        if seq in fail:
+            results.append(StepResult(error=RuntimeError("failed")))
+        elif work.kind is Kind.PLACE:
+            results.append(StepResult(plan=FakePlan(*link_rows[seq])))
+        elif work.needs_logits:
+            if seq.decoding is not None:
+                seq.decoding.token_ids.append(7)
+            results.append(StepResult(linked="linked" if work.ends_link else None,
+                                      step=Step(7, "x") if seq.decoding is not None else None))
+        else:
+            results.append(StepResult())
+    return scheduler.update(plan, results)
+
+
+def shape(plan) -> list:
+    return [(w.kind.value, w.start, w.stop) for w in plan.work]
+
+
+def test_schedule_places_first_then_packs_decode_rows_before_link_pieces_in_the_budget():
+    scheduler = Scheduler(row_budget=16)
+    a, b, c = sequence(), sequence(), sequence(tokens=None)
+    for s in (a, b, c):
+        scheduler.add(s)
+    rows = {a: (3,), b: (40,), c: (10,)}
+    place = scheduler.schedule()
+    assert place.kind is Kind.PLACE and [w.sequence for w in place.work] == [a, b, c]
+    assert run_plan(scheduler, place, rows) == [] and all(s.status is Status.LINKING for s in (a, b, c))
+    first = scheduler.schedule()
+    assert shape(first) == [("piece", 0, 3), ("piece", 0, 13)]  # FIFO: a whole, b to the budget, c waits
+    outputs = run_plan(scheduler, first, rows)
+    assert [(s, o.linked, o.step.token_id) for s, o in outputs] == [(a, "linked", 7)] and a.status is Status.DECODING
+    second = scheduler.schedule()
+    assert shape(second) == [("decode", 0, 0), ("piece", 13, 28)]  # a's decode row first, 15 rows left for b
+    run_plan(scheduler, second, rows)
+    third = scheduler.schedule()
+    assert shape(third) == [("decode", 0, 0), ("piece", 28, 40), ("piece", 0, 3)]
+    outputs = run_plan(scheduler, third, rows)
+    assert [s for s, o in outputs] == [a, b] and b.status is Status.DECODING and c.pending_rows == 7
+
+
+def test_batch_invariant_pieces_are_cut_where_the_sequence_alone_would_cut_them():
+    scheduler = Scheduler(row_budget=16, batch_invariant=True)
+    a, b = sequence(tokens=8), sequence()
+    for s in (a, b):
+        scheduler.add(s)
+    rows = {a: (2,), b: (40,)}
+    run_plan(scheduler, scheduler.schedule(), rows)
+    run_plan(scheduler, scheduler.schedule(), rows)  # a's 2 rows; b's first whole piece of 16 is not cut to 14
+    assert (a.status, b.linked_rows) == (Status.DECODING, 0)
+    step = scheduler.schedule()
+    assert shape(step) == [("decode", 0, 0), ("piece", 0, 16)]  # the first piece goes past the budget by a row
+
+
+def test_a_narrowing_link_runs_in_a_step_of_its_own():
+    scheduler = Scheduler(row_budget=16)
+    a, b = sequence(), sequence()
+    for s in (a, b):
+        scheduler.add(s)
+    run_plan(scheduler, scheduler.schedule(), {a: (5, "narrow"), b: (5,)})
+    narrow = scheduler.schedule()
+    assert narrow.kind is Kind.NARROW and shape(narrow) == [("narrow", 0, 0)] and narrow.work[0].sequence is a
+    outputs = run_plan(scheduler, narrow, {})
+    assert outputs[0][1].linked == "linked" and a.plan is None and a.status is Status.DECODING
+    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 0, 5)]
+
+
+def test_background_sequences_wait_for_a_step_no_user_needs_and_run_on_the_base_weights():
+    scheduler = Scheduler(row_budget=16)
+    user, guard = sequence(tokens=2), sequence(tokens=None, background=True)
+    scheduler.add(guard)
+    scheduler.add(user)
+    place = scheduler.schedule()
+    assert [w.sequence for w in place.work] == [user] and not place.base_weights
+    rows = {user: (4,), guard: (4,)}
+    run_plan(scheduler, place, rows)
+    while user.status is not Status.FINISHED:
+        plan = scheduler.schedule()
+        assert all(w.sequence is user for w in plan.work)
+        for seq, output in run_plan(scheduler, plan, rows):
+            if output.status is not None:
+                seq.status = output.status  # as the sequence does when the driver hands it its output
+    place = scheduler.schedule()
+    assert [w.sequence for w in place.work] == [guard] and place.base_weights
+    run_plan(scheduler, place, rows)
+    link = scheduler.schedule()
+    assert shape(link) == [("piece", 0, 4)] and link.base_weights
+    assert [(s, o.status) for s, o in run_plan(scheduler, link, rows)] == [(guard, Status.FINISHED)]
+    assert not scheduler.has_work()
+
+
+def test_a_failed_work_or_an_abort_takes_out_only_its_own_sequence():
+    scheduler = Scheduler(row_budget=16)
+    a, b, c = sequence(), sequence(), sequence()
+    for s in (a, b, c):
+        scheduler.add(s)
+    outputs = run_plan(scheduler, scheduler.schedule(), {a: (3,), b: (3,), c: (3,)}, fail=(b,))
+    assert [(s, o.status, type(o.error)) for s, o in outputs] == [(b, Status.FAILED, RuntimeError)]
+    assert [(s, o.status) for s, o in scheduler.abort(c)] == [(c, Status.ABORTED)]
+    assert scheduler.abort(c) == []  # over already: nothing to take out
+    assert scheduler.running == [a] and shape(scheduler.schedule()) == [("piece", 0, 3)]

@@ -193,8 +193,8 @@ def docs_items(rc: RagCache, texts: list[str], train_n: int, eval_n: int, seed: 
 def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     doc_ids = rc.compile(item.documents)
     full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
-    answer = rc.scheduler.call(agreement.greedy, rc.runner, full, answer_tokens, rc.stop_ids, set())
-    logits = (rc.scheduler.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer
+    answer = rc.driver.call(agreement.greedy, rc.runner, full, answer_tokens, rc.stop_ids, set())
+    logits = (rc.driver.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer
               else full.last_logits[None])
     return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
 
@@ -230,7 +230,7 @@ def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     query = rc.validate(target.question, target.doc_ids, algorithm=cfg.algorithm, max_new_tokens=None,
                         **cfg.link_kwargs())
     parts, params, _ = rc._prepare(query, 0, QueryStats())
-    plan = rc.scheduler.call(linker.plan, rc.runner, parts, params)
+    plan = rc.driver.call(linker.plan, rc.runner, parts, params)
     length = parts.token_ids.numel()
     # clones outside inference mode: inference tensors cannot take part in a backward pass
     return Placed(parts.token_ids.clone(), plan.cache.keys[:, :, :length].clone(),

@@ -15,6 +15,7 @@ from fastapi.testclient import TestClient
 
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
+from ragcache.sequence import Aborted, Done, Piece
 from ragcache.integrations.vllm.engine import BACKGROUND
 from ragcache.settings import Settings
 from tests import tiny
@@ -77,9 +78,9 @@ def test_stream_raw_text_stop_and_cancel(rc, reference, doc_ids):
                                               max_new_tokens=TOKENS).text
     events = []
     stream = rc.stream(QUESTION, doc_ids, max_new_tokens=300, temperature=1.0, seed=1)
-    stream.open(lambda kind, value: (events.append(kind), kind == "piece" and stream.cancel()))
+    stream.open(lambda event: (events.append(type(event)), isinstance(event, Piece) and stream.cancel()))
     stream._ended.wait(60)
-    assert events[-1] == "cancelled" and events.count("cancelled") == 1
+    assert events[-1] is Aborted and events.count(Aborted) == 1
     assert rc.query(QUESTION, doc_ids, max_new_tokens=TOKENS).text  # vLLM goes on
 
 
@@ -91,10 +92,10 @@ def test_a_delete_during_a_query_waits_for_its_link(rc):
     assert not rc._present(chunks, "default")[0]  # only the link compiles them
     events = []
     stream = rc.stream(QUESTION, [doc], algorithm="naive", max_new_tokens=TOKENS)
-    stream.open(lambda kind, value: events.append(kind))
+    stream.open(lambda event: events.append(type(event)))
     delete = threading.Thread(target=rc.delete_document, args=(doc,))
     delete.start()
-    assert stream._ended.wait(120) and events[-1] == "done", events
+    assert stream._ended.wait(120) and events[-1] is Done, events
     delete.join(60)
     assert rc.document(doc) is None and not rc._present(chunks, "default")[0]
 

@@ -16,8 +16,7 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from ragcache.engine import Stream
-from ragcache.stream import apieces
+from ragcache.sequence import Sequence, apieces
 from ragcache.front import Front
 from ragcache.settings import DEFAULT_ALGORITHM
 
@@ -83,7 +82,7 @@ class RagCacheLLM(CustomLLM):
         completions = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
         return astream_completion_response_to_chat_response(completions)
 
-    def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> Stream:
+    def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> Sequence:
         # A formatted prompt (predict, chat) already carries the system prompt as text; a raw one gets it as the
         # model's system turn.
         system = None if formatted else self.system_prompt
@@ -95,7 +94,7 @@ class RagCacheLLM(CustomLLM):
         return self.rc.stream(prompt, docs=[], **args)
 
 
-def _responses(stream: Stream) -> Iterator[CompletionResponse]:
+def _responses(stream: Sequence) -> Iterator[CompletionResponse]:
     """One response per text piece as it comes, then one with an empty delta that carries the stats."""
     text = ""
     for piece in stream:
@@ -104,7 +103,7 @@ def _responses(stream: Stream) -> Iterator[CompletionResponse]:
     yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})
 
 
-async def _aresponses(stream: Stream) -> AsyncIterator[CompletionResponse]:
+async def _aresponses(stream: Sequence) -> AsyncIterator[CompletionResponse]:
     """`_responses` for asyncio code; closed early, it cancels the request at once (not when the collector runs)."""
     text = ""
     async with aclosing(apieces(stream)) as pieces:

@@ -14,7 +14,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.sampling import Answer
-from ragcache.stream import Stream, apieces
+from ragcache.sequence import Sequence, apieces
 from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
 from ragcache import linker
@@ -74,7 +74,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         first = next(pieces, _DONE)  # links and decodes the first token here: errors raise from query()
         return StreamingResponse(response_gen=_chain(first, pieces), source_nodes=nodes, metadata=metadata)
 
-    def _start(self, query_str: str) -> tuple[list[NodeWithScore], Stream, dict]:
+    def _start(self, query_str: str) -> tuple[list[NodeWithScore], Sequence, dict]:
         started = time.perf_counter()
         nodes = self.retriever.retrieve(query_str)
         retrieve_s = time.perf_counter() - started
@@ -83,7 +83,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
         return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
 
-    def _pieces(self, stream: Stream, metadata: dict, question: str) -> Iterator[str]:
+    def _pieces(self, stream: Sequence, metadata: dict, question: str) -> Iterator[str]:
         yield from stream
         self._finish(metadata, stream.answer, question)
 

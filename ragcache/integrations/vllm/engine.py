@@ -35,7 +35,7 @@ from ragcache.sampling import Answer, QueryStats, Sampling
 from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE, INSTALLED
 from ragcache.store import open_store, tier_urls
 from ragcache.store import codec as kv_codec
-from ragcache.stream import ignore, pieces
+from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, pieces
 
 from . import lora
 from .spec import SPEC_KEY, LinkSpec, split_problem, transfer_config
@@ -378,8 +378,8 @@ async def _shutdown(llm) -> None:
 
 
 class VllmStream:
-    """ragcache's Stream (ragcache.stream) over one vLLM request: iterate for text pieces, or `open(emit)` for the
-    events ("piece", text), then exactly one of ("done", Answer), ("error", exc), ("cancelled", None)."""
+    """ragcache's Sequence (ragcache.sequence) over one vLLM request: iterate for text pieces, or `open(listener)`
+    for its events: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`."""
 
     def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
                  sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None, first_distribution: bool = False,
@@ -393,7 +393,7 @@ class VllmStream:
         self.answer: Answer | None = None
         self.cancelled = False
         self.request_id = uuid.uuid4().hex
-        self._emit = ignore
+        self._listener = ignore
         self._ended = threading.Event()
         self._future = None
         self._pieces: list[str] = []
@@ -402,12 +402,12 @@ class VllmStream:
         self._hold = contextlib.ExitStack()  # what `prepare` holds until the prompt is in vLLM's cache
         self._hold_lock = threading.Lock()
 
-    def open(self, emit) -> None:
+    def open(self, listener) -> None:
         """Prepare on this thread (store the raw texts, resolve, check the length), then hand the request to vLLM.
         Raises what preparing raises."""
         from vllm.exceptions import VLLMClientError
 
-        self._emit, self._started = emit, time.perf_counter()
+        self._listener, self._started = listener, time.perf_counter()
         try:
             prompt, transfer = self.prepare(self.stats, self._hold)
             params = self._params(transfer)
@@ -418,12 +418,12 @@ class VllmStream:
             self._release()
             raise
         self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, params), self.engine.loop)
-        self._future.add_done_callback(lambda future: future.cancelled() and self._end("cancelled", None))
+        self._future.add_done_callback(lambda future: future.cancelled() and self._end(Aborted()))
         if self.cancelled:
             self._future.cancel()
 
     def cancel(self) -> None:
-        """Stop generating: vLLM aborts the request, and "cancelled" is emitted."""
+        """Stop generating: vLLM aborts the request, and `Aborted` is the last event."""
         self.cancelled = True
         if self._future is not None:
             self._future.cancel()
@@ -446,13 +446,13 @@ class VllmStream:
                                                       priority=self.priority):
                 self._output(out)
         except asyncio.CancelledError:
-            self._end("cancelled", None)
+            self._end(Aborted())
             raise
         except Exception as exc:  # vLLM's own errors: the request failed, the server goes on
             log.warning("vLLM failed request %s: %s", self.request_id, exc)
-            self._end("error", EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}"))
+            self._end(Failed(EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}")))
         else:
-            self._end("done", self._finish())
+            self._end(Done(self._finish()))
 
     def _output(self, out) -> None:
         completion = out.outputs[0]
@@ -466,7 +466,7 @@ class VllmStream:
         self._token_ids.extend(completion.token_ids)
         if completion.text:
             self._pieces.append(completion.text)
-            self._emit("piece", completion.text)
+            self._listener(Piece(completion.text))
         if completion.finish_reason:
             self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
 
@@ -491,12 +491,12 @@ class VllmStream:
         with self._hold_lock:  # the client thread and a cancelling caller may both end the stream
             self._hold.close()
 
-    def _end(self, kind: str, value) -> None:
+    def _end(self, event: Event) -> None:
         self._release()
         if not self._ended.is_set():
             self._ended.set()
-            emit, self._emit = self._emit, ignore  # as ragcache's Stream: the emit's holder holds this stream
-            emit(kind, value)
+            listener, self._listener = self._listener, ignore  # as ragcache's Sequence: its holder holds this stream
+            listener(event)
 
     def __iter__(self) -> Iterator[str]:
         return pieces(self)

@@ -1,0 +1,228 @@
+"""The driver owns the model thread: it wakes it, ends it when idle, and turns the loop
+
+    schedule (scheduler) -> execute (runner) -> update (scheduler) -> outputs to their sequences
+
+once per step. Other threads reach the model thread only through its three queues, drained once per pass: new
+sequences, aborts, and calls (model work off the batch, such as compiling a chunk, run between steps). The policy
+of what runs in a step is the scheduler's; the driver has none.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, wait
+from dataclasses import dataclass
+
+import torch
+
+from . import errors
+from .allocator import return_free_memory
+from .runner import Runner
+from .scheduler import Scheduler, StepPlan
+from .sequence import Output, Sequence, Status
+
+IDLE_EXIT_S = 5.0  # an idle model thread ends (and starts again with the next sequence or call)
+TRIM_EVERY_STEPS = 256  # the allocator's free pages go back to the system this often (a few ms), and when idle
+log = logging.getLogger("ragcache")
+_LIVE: "weakref.WeakSet[Driver]" = weakref.WeakSet()
+
+
+@dataclass
+class StepStats:
+    """Counters of the model steps (read by benchmarks and /metrics-style reports)."""
+
+    steps: int = 0
+    link_rows: int = 0
+    decode_rows: int = 0
+    step_s: float = 0.0
+    decode_only_steps: int = 0  # steps with no link piece: what decode throughput is measured on
+    decode_only_rows: int = 0
+    decode_only_s: float = 0.0
+
+    def count(self, plan: StepPlan, seconds: float) -> None:
+        rows, decode_rows = plan.rows, plan.decode_rows
+        self.steps += 1
+        self.decode_rows += decode_rows
+        self.link_rows += rows - decode_rows
+        self.step_s += seconds
+        if rows and rows == decode_rows:
+            self.decode_only_steps += 1
+            self.decode_only_rows += rows
+            self.decode_only_s += seconds
+
+
+class Driver:
+    def __init__(self, runner: Runner, scheduler: Scheduler):
+        self.runner, self.scheduler = runner, scheduler
+        self.arrivals: deque[Sequence] = deque()
+        self.aborts: deque[Sequence] = deque()
+        self.calls: deque[tuple[Callable, tuple, Future]] = deque()
+        self.stats = StepStats()
+        self._wakeup = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        _LIVE.add(self)
+
+    # -- any thread -------------------------------------------------------------------------------------------
+    def submit(self, sequence: Sequence) -> None:
+        self._queue(self.arrivals, sequence)
+
+    def abort(self, sequence: Sequence) -> None:
+        """Take a sequence back, wherever it is: its listener gets Aborted. One not yet taken in by the model thread
+        leaves its queue now, on this thread (it holds its chunks' entries until admitted, and the model thread may
+        be busy for long); any other before the next step."""
+        with self._wakeup:
+            arrived = sequence in self.arrivals
+            if arrived:
+                self.arrivals.remove(sequence)
+        if arrived:
+            self._deliver([(sequence, Output(status=Status.ABORTED))])
+        else:
+            self._queue(self.aborts, sequence, refuse=False)
+
+    def call(self, fn: Callable, *args):
+        """Run fn(*args) on the model thread, between steps, and return its result."""
+        if threading.current_thread() is self._thread:
+            return fn(*args)
+        future: Future = Future()
+        self._queue(self.calls, (fn, args, future))
+        try:
+            return future.result()
+        except BaseException:
+            if not future.cancel():  # it runs: let the model work end before the caller unwinds (Ctrl-C, exit)
+                wait([future])
+            raise
+
+    def _queue(self, queue: deque, item, refuse: bool = True) -> None:
+        with self._wakeup:
+            if self._stopping:
+                if refuse:
+                    raise errors.ShuttingDown()
+                return
+            queue.append(item)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ragcache-model", daemon=True)
+                self._thread.start()
+            self._wakeup.notify()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch). Every
+        sequence and call not finished by then fails with ShuttingDown, and so does any sent later: no caller is
+        left waiting on a thread that is gone."""
+        with self._wakeup:
+            self._stopping = True
+            thread = self._thread
+            self._wakeup.notify()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        if thread is None:
+            self._fail_unfinished()
+
+    # -- the model thread -------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._wait_for_work():
+                try:
+                    with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's too
+                        self._pass()
+                except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
+                    log.exception("the model thread failed a step")
+                    self._deliver(self.scheduler.fail_all(exc))
+            if self._stopping:  # also when `stop` gave up waiting for a long step: nobody is left waiting
+                self._fail_unfinished()
+        finally:  # idle or stopping: the memory of its last steps goes back (outside the lock; a few ms)
+            return_free_memory()
+
+    def _wait_for_work(self) -> bool:
+        """False when the thread ends: idle for IDLE_EXIT_S (`_queue` starts a new one), or stopping."""
+        with self._wakeup:
+            while not (self._has_work() or self._stopping):
+                if not self._wakeup.wait(IDLE_EXIT_S) and not self._has_work():
+                    break
+            if self._stopping or not self._has_work():
+                self._thread = None
+                return False
+            return True
+
+    def _has_work(self) -> bool:
+        return bool(self.arrivals or self.aborts or self.calls or self.scheduler.has_work())
+
+    def _pass(self) -> None:
+        """The queues, then one step."""
+        with self._wakeup:
+            arrivals, aborts = list(self.arrivals), list(self.aborts)
+            self.arrivals.clear()
+            self.aborts.clear()
+        for sequence in arrivals:
+            self.scheduler.add(sequence)
+        for sequence in aborts:
+            self._deliver(self.scheduler.abort(sequence))
+        self._run_calls()
+        self._step()
+
+    def _run_calls(self) -> None:
+        """The calls queued before this pass, not those queued meanwhile: two callers compiling chunk after chunk
+        would otherwise always have one waiting, and no step would run until both were done."""
+        for _ in range(len(self.calls)):
+            with self._wakeup:
+                fn, args, future = self.calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - the caller gets it
+                    future.set_exception(exc)
+
+    def _step(self) -> None:
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return
+        started = time.perf_counter()
+        results = self.runner.execute(plan)
+        outputs = self.scheduler.update(plan, results)
+        self.stats.count(plan, time.perf_counter() - started)
+        if self.stats.steps % TRIM_EVERY_STEPS == 0:
+            return_free_memory()
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[tuple[Sequence, Output]]) -> None:
+        for sequence, output in outputs:
+            if output.status is not None:  # first: when its last event arrives, the sequence holds nothing here
+                self._free(sequence, output.status)
+            try:
+                sequence.receive(output)
+            except Exception:  # noqa: BLE001 - a listener's bug is its caller's, not every other sequence's
+                log.exception("a listener failed on the model thread")
+
+    def _free(self, sequence: Sequence, status: Status) -> None:
+        cache = sequence.cache
+        if cache is None:
+            return
+        self.runner.release(cache)
+        # its answer is all anyone wanted of it (a link-only caller keeps its cache, unless it left)
+        if sequence.decoding is not None or status is Status.ABORTED:
+            cache.spend()
+
+    def _fail_unfinished(self) -> None:
+        with self._wakeup:
+            arrivals, calls = list(self.arrivals), list(self.calls)
+            self.arrivals.clear()
+            self.aborts.clear()
+            self.calls.clear()
+        exc = errors.ShuttingDown()
+        self._deliver([*self.scheduler.fail_all(exc), *[(s, Output(status=Status.FAILED, error=exc))
+                                                         for s in arrivals]])
+        for _, _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(exc)
+
+
+@atexit.register
+def _stop_all() -> None:
+    for driver in list(_LIVE):
+        driver.stop()

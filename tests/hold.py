@@ -1,0 +1,67 @@
+"""Engine states a test makes instead of racing the model's speed, from outside the product's code: the model thread
+busy with a call of the test's, or the runner's steps let through one by one."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+
+def hold_model_thread(rc) -> threading.Event:
+    """The model thread runs a call that waits for the returned Event: until it is set no step runs, and what is
+    sent meanwhile waits in the driver's queues (then taken in together, at its next pass)."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        entered.set()
+        release.wait(600)
+
+    threading.Thread(target=rc.driver.call, args=(hold,), daemon=True).start()
+    assert entered.wait(60), "the model thread did not take the holding call"
+    return release
+
+
+@contextlib.contextmanager
+def held(rc):
+    """`hold_model_thread` for the block's duration."""
+    release = hold_model_thread(rc)
+    try:
+        yield
+    finally:
+        release.set()
+
+
+@contextlib.contextmanager
+def steps_gated(rc, gate):
+    """Every model step waits for `gate.wait()` first (a threading.Event, or `Permits`): the runner's `execute` is
+    wrapped for the block's duration."""
+    execute = rc.runner.execute
+
+    def gated(plan):
+        gate.wait()
+        return execute(plan)
+
+    rc.runner.execute = gated
+    try:
+        yield gate
+    finally:
+        del rc.runner.execute  # the class's method again
+
+
+class Permits:
+    """A step gate that lets exactly the steps it is told to: `allow(n)` more, or `open()` for good."""
+
+    def __init__(self):
+        self.permits = threading.Semaphore(0)
+        self.opened = False
+
+    def wait(self) -> None:
+        if not self.opened:
+            self.permits.acquire()
+
+    def allow(self, steps: int) -> None:
+        self.permits.release(steps)
+
+    def open(self) -> None:
+        self.opened = True
+        self.permits.release(1000)
