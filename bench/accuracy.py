@@ -109,7 +109,7 @@ def agreement_stops(rc) -> tuple[set[int], set[int]]:
     from ragcache.sampling import eos_ids
 
     tok = rc.tokenizer
-    return eos_ids(rc.runner), {i for i in range(len(tok)) if "\n" in tok.decode([i])}
+    return eos_ids(rc.lm), {i for i in range(len(tok)) if "\n" in tok.decode([i])}
 
 
 def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[dict]:

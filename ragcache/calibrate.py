@@ -182,7 +182,7 @@ def reference(rc, item: Item, at: str) -> Reference:
     first = Reference(int(full.last_logits.argmax()))
     if at == "first":
         return first
-    answer = rc.driver.call(agree.greedy, rc.runner, full, ANSWER_TOKENS, eos_ids(rc.runner), set())
+    answer = rc.driver.call(agree.greedy, rc.runner, full, ANSWER_TOKENS, eos_ids(rc.lm), set())
     position = agree.content_position(rc.tokenizer, answer)
     return first if position is None else Reference(answer[position], answer[:position])
 

@@ -51,7 +51,7 @@ class RagCache(Front):
         self.infill_cache = PrefixCache(prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
         self.driver = Driver(self.runner, self.scheduler)
-        self.stop_ids = eos_ids(self.runner)
+        self.stop_ids = eos_ids(lm)
 
     @classmethod
     def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *, engine: str = "ragcache",

@@ -28,7 +28,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -37,11 +37,25 @@ from ragcache.store.entry import ChunkKV
 
 from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import Hit, PrefixCache
-from .kv import JoinedCache
+from .kv import JoinedCache, ModelShape
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
 
-if TYPE_CHECKING:  # the runner imports this module: it executes what this module plans
-    from .runner import Runner
+
+
+class Runner(Protocol):
+    """What linking needs of the model: ragcache.runner.Runner, which imports this module to execute link steps."""
+
+    shape: ModelShape
+    device: torch.device
+    inv_freq: torch.Tensor
+    rope_scaling: torch.Tensor
+
+    def new_cache(self, capacity: int) -> JoinedCache: ...
+
+    def forward(self, token_ids: torch.Tensor, parts: list, scores: torch.Tensor | None = None,
+                watch=None) -> torch.Tensor: ...
+
+    def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor: ...
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer

@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from .errors import ParameterOutOfRange
 
-if TYPE_CHECKING:  # the runner imports this module: it samples with it
-    from .runner import Runner
 
 
 @dataclass
@@ -97,9 +94,10 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def eos_ids(runner: Runner) -> set[int]:
+def eos_ids(lm) -> set[int]:
+    """The ids that end generation: a LoadedModel's tokenizer's and generation config's EOS."""
     ids = set()
-    for source in (runner.lm.tokenizer.eos_token_id, getattr(runner.lm.model.generation_config, "eos_token_id", None)):
+    for source in (lm.tokenizer.eos_token_id, getattr(lm.model.generation_config, "eos_token_id", None)):
         if isinstance(source, int):
             ids.add(source)
         elif source:
@@ -144,7 +142,7 @@ class TextAssembler:
 
 
 class Decoding:
-    """One request's generation state; `accept` runs on the scheduler thread once per step."""
+    """One request's generation state; `accept` runs on the model thread once per step."""
 
     def __init__(self, sampling: Sampling, tokenizer, stop_ids: set[int], device: torch.device):
         self.sampling = sampling

@@ -16,16 +16,22 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from .errors import Cancelled
+from .kv import JoinedCache
 from .linker import LinkInput, LinkParams, LinkPlan, Linked
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
 
-if TYPE_CHECKING:
-    from .driver import Driver
-    from .kv import JoinedCache
+
+
+class Handoff(Protocol):
+    """Where an opened sequence goes: the driver (ragcache.driver), which imports this module."""
+
+    def submit(self, sequence: "Sequence") -> None: ...
+
+    def abort(self, sequence: "Sequence") -> None: ...
 
 Prepared = tuple[LinkInput, LinkParams, "PrefixCache | None"]
 # prepare(stats, cancelled): runs on the caller's thread; `cancelled()` says whether the caller has gone (then it may
@@ -86,7 +92,7 @@ class Sequence:
     listener then gets every event on the model thread (on the calling thread for a sequence cancelled while it is
     prepared). `decoding` None: link only (`extra_capacity` rows of room kept for a caller that decodes itself)."""
 
-    def __init__(self, driver: "Driver", prepare: Prepare, decoding: Decoding | None, *, extra_capacity: int = 0,
+    def __init__(self, driver: Handoff, prepare: Prepare, decoding: Decoding | None, *, extra_capacity: int = 0,
                  background: bool = False):
         self.driver, self.prepare, self.decoding = driver, prepare, decoding
         self.extra_capacity = extra_capacity
@@ -106,7 +112,7 @@ class Sequence:
         self.params: LinkParams | None = None
         self.prefix_cache: PrefixCache | None = None
         self.plan: LinkPlan | None = None  # placed; None once linked
-        self.cache: "JoinedCache | None" = None
+        self.cache: JoinedCache | None = None
         self.linked_rows = 0  # of plan.rows, those run so far
         self.link_started = 0.0
         self.next_token = -1  # decoding: the token whose row the next step runs

@@ -135,7 +135,7 @@ def run(model: str, n: int, seed: int, out: Path, fractions: list[float], ks: li
         ref_runner = Runner(ref_lm)
         ref_compiler = Compiler(ref_lm, ref_runner)
     fmt = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
-    stops = eos_ids(runner)
+    stops = eos_ids(runner.lm)
     newline = newline_ids(lm.tokenizer)
     plain_prefix = prompt.system_prefix_ids(lm.tokenizer, fmt, None)
     known = layouts(lm, plain_prefix)

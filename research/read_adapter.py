@@ -177,7 +177,7 @@ def split(train_n: int, eval_n: int, eval_seed: int, train_seed: int) -> tuple[l
 
 def prepare_all(runner: Runner, compiler: Compiler, lm, sets: dict[str, list[squad.Item]], fraction: float,
                 max_new: int) -> dict[str, list[Example]]:
-    stops, newline = eos_ids(runner), diagnose.newline_ids(lm.tokenizer)
+    stops, newline = eos_ids(runner.lm), diagnose.newline_ids(lm.tokenizer)
     started, examples = time.perf_counter(), {}
     for name, items in sets.items():
         examples[name] = []
