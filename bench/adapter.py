@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache import adapters, models
+from ragcache import adapters, loaded, lora, models
 from ragcache.engine import RagCache
 from ragcache.settings import DATA_DIR
 from ragcache.store import open_store
@@ -20,16 +20,16 @@ from ragcache.store import open_store
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-def random_adapter(lm: models.LoadedModel, out: Path, rank: int) -> Path:
+def random_adapter(lm: loaded.LoadedModel, out: Path, rank: int) -> Path:
     """A LoRA of the shape `ragcache train link` fits (rank `rank`, attention projections): its cost is its shape's."""
     import peft
 
     fitted = peft.get_peft_model(copy.deepcopy(lm.model), peft.LoraConfig(
         r=rank, lora_alpha=2 * rank, target_modules=ATTENTION, init_lora_weights=False))
     fitted.save_pretrained(out)
-    (out / models.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
-                                                       "base_config": models.config_fingerprint(lm.model),
-                                                       "base_weights": models.base_weights_record(lm)}))
+    (out / lora.ADAPTER_META).write_text(json.dumps({"base_model": lm.name,
+                                                       "base_config": loaded.config_fingerprint(lm.model),
+                                                       "base_weights": lora.base_weights_record(lm)}))
     return out
 
 

@@ -77,11 +77,12 @@ def _import_ragcache():
     torch_ref = importlib.import_module("ragcache.kernels.torch_ref")
     triton_ops = importlib.import_module("ragcache.kernels.triton_ops")
     runner = importlib.import_module("ragcache.runner")
+    loaded = importlib.import_module("ragcache.loaded")
     models = importlib.import_module("ragcache.models")
-    return kernels, torch_ref, triton_ops, runner, models
+    return kernels, torch_ref, triton_ops, runner, loaded, models
 
 
-KERNELS, REF, TRI, RUNNER, MODELS = _import_ragcache()
+KERNELS, REF, TRI, RUNNER, LOADED, MODELS = _import_ragcache()
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -264,7 +265,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, quick: boo
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(model_config(name, quick), dtype=dtype).eval()
     model.generation_config.eos_token_id = None  # random weights: every answer runs to its token limit
-    lm = MODELS.LoadedModel(name=f"random-{name}", model=model, tokenizer=tokenizer, fingerprint="random",
+    lm = LOADED.LoadedModel(name=f"random-{name}", model=model, tokenizer=tokenizer, fingerprint="random",
                             tokenizer_fingerprint="none")
     MODELS.check_supported(model)
     return lm

@@ -172,7 +172,7 @@ def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens
 
 # -- llama.cpp -------------------------------------------------------------------------------------------------
 def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: int) -> Peer:
-    from ragcache import models
+    from ragcache import fetch
 
     peer = Peer("llama.cpp", "gguf", note="")
     try:
@@ -180,11 +180,11 @@ def llama_cpp_peer(model: str, ids: torch.Tensor, decode_tokens: int, threads: i
     except ImportError:
         peer.skipped = "llama-cpp-python is not installed (pip install 'ragcache[peers]'; builds from source)"
         return peer
-    if model not in models.BUILTIN_MODELS:
+    if model not in fetch.BUILTIN_MODELS:
         peer.skipped = f"{model} is not a built-in model: no GGUF to give llama.cpp"
         return peer
-    path = models.pull_gguf(model)
-    source = Path(models.BUILTIN_MODELS[model].members[0]).name
+    path = fetch.pull_gguf(model)
+    source = Path(fetch.BUILTIN_MODELS[model].members[0]).name
     llm = llama_cpp.Llama(str(path), n_ctx=ids.numel() + decode_tokens + 16, n_batch=512, n_threads=threads,
                           n_threads_batch=threads, flash_attn=True, verbose=False)
     prompt = ids.tolist()

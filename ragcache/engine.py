@@ -16,7 +16,7 @@ from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import adapters, guard, infill, linker, models, sequence
+from . import adapters, guard, infill, linker, loaded, lora, models, sequence
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
 from .errors import Cancelled, ParameterOutOfRange
@@ -36,7 +36,7 @@ log = logging.getLogger("ragcache")
 
 
 class RagCache(Front):
-    def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                  prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET,
                  kv_codec: str | None = "auto", batch_invariant: bool | None = None):
         self.runner = Runner(lm, batch_invariant)
@@ -79,7 +79,7 @@ class RagCache(Front):
         validate_kv_codec(kv_codec)  # a bad name fails before the model loads
         lm = models.load(model, dtype=dtype, device=device)
         chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
-        lm = models.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
+        lm = lora.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
         return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
                    kv_codec=kv_codec, batch_invariant=batch_invariant)
 

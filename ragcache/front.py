@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from ragcache.store import Store
 from ragcache.store.keys import document_id
 
-from . import calibrate, infill, linker, models, prompt, request
+from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog
 from .compiler import PLAIN, default_layout, sink_layout
 from .errors import ParameterOutOfRange, PromptTooLong
@@ -43,7 +43,7 @@ class Front:
     """An engine subclasses it with `compiler` and `prefix_compiler` (the keys), `_compile` and `_compile_prefix`
     (what a miss costs), and `stream_query(Query)` and `stream_infill(Infill)`, which return a Sequence (ragcache.sequence)."""
 
-    def __init__(self, lm: models.LoadedModel, store: Store, chunk_tokens: int, layers: int):
+    def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int, layers: int):
         if chunk_tokens < 1:
             raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.store, self.chunk_tokens, self.layers = lm, store, chunk_tokens, layers

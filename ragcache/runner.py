@@ -28,7 +28,7 @@ import ragcache.kernels as kernels
 
 from . import invariant, linker
 from .kv import Batch, BucketPools, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
-from .models import LoadedModel
+from .loaded import LoadedModel
 from .scheduler import Kind, StepPlan, StepResult, Work
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .errors import ParameterOutOfRange
+from .loaded import LoadedModel
 
 
 
@@ -94,8 +95,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
-def eos_ids(lm) -> set[int]:
-    """The ids that end generation: a LoadedModel's tokenizer's and generation config's EOS."""
+def eos_ids(lm: LoadedModel) -> set[int]:
+    """The ids that end generation: the tokenizer's and the generation config's EOS."""
     ids = set()
     for source in (lm.tokenizer.eos_token_id, getattr(lm.model.generation_config, "eos_token_id", None)):
         if isinstance(source, int):

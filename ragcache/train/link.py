@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from .. import agreement, linker, models
+from .. import agreement, linker, loaded, lora, models
 from ..engine import RagCache
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..sampling import QueryStats
@@ -419,7 +419,7 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
                                lambda name, d, t: say(f"full ({name})", d, t, ""))
     train_set, held_out = prepared["train"], prepared["eval"]
 
-    base_weights = models.base_weights_record(rc.lm)
+    base_weights = lora.base_weights_record(rc.lm)
     torch.manual_seed(cfg.seed)
     with training_lora(rc.lm, cfg.rank, out) as peft:
         losses, full_losses = fit(rc, cfg, peft, train_set, out, say)
@@ -431,7 +431,7 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
 
 
 @contextlib.contextmanager
-def training_lora(lm: models.LoadedModel, rank: int, out: Path):
+def training_lora(lm: loaded.LoadedModel, rank: int, out: Path):
     """The LoRA a run trains, injected into `lm`'s model. It is registered as `lm`'s adapter while the run lasts, so
     that a chunk compiled meanwhile (a store miss) is compiled without it, as the base model's entry its key names;
     and it is taken out at the end, so a caller's engine is the base model again and compiles base entries after."""
@@ -439,7 +439,7 @@ def training_lora(lm: models.LoadedModel, rank: int, out: Path):
 
     trainable = {p: p.requires_grad for p in lm.model.parameters()}
     peft = with_lora(lm.model, rank, 2 * rank, ATTENTION)
-    lm.adapter = models.Adapter(out, "", peft)
+    lm.adapter = loaded.Adapter(out, "", peft)
     try:
         yield peft
     finally:
@@ -472,13 +472,13 @@ def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: 
     return losses, full_losses
 
 
-def save_adapter(out: Path, peft, lm: models.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
+def save_adapter(out: Path, peft, lm: loaded.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
                  per_item: list[dict], base_weights: dict) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them.
-    `base_weights`: models.base_weights_record of the base model, taken before the LoRA went in."""
+    `base_weights`: lora.base_weights_record of the base model, taken before the LoRA went in."""
     peft.save_pretrained(out)
-    meta = dict(base_model=lm.name, base_config=models.config_fingerprint(lm.model), base_weights=base_weights,
+    meta = dict(base_model=lm.name, base_config=loaded.config_fingerprint(lm.model), base_weights=base_weights,
                 recipe=cfg.recipe(),
                 link=cfg.label(), settings=asdict(cfg),
                 report=asdict(report), items=per_item)
-    (out / models.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
+    (out / lora.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ModelFetchError
-from ..models import file_lock
+from ..fetch import file_lock
 
 BIGBENCH = "bigbench==1.0.0"
 BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"

@@ -26,10 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ragcache import adapters, guard, infill, linker, models
+from ragcache import adapters, guard, infill, linker, loaded, models
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
+from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
 from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE, INSTALLED
@@ -273,7 +274,7 @@ class VllmRagCache(Front):
 class Served:
     """What vLLM is started with for a model and its adapter."""
 
-    lm: models.LoadedModel  # tokenizer, config, dtype and fingerprints (no weights: vLLM holds them)
+    lm: loaded.LoadedModel  # tokenizer, config, dtype and fingerprints (no weights: vLLM holds them)
     checkpoint: str  # what vLLM loads: the model's, or a copy with the adapter merged in
     engine_args: dict = dataclasses.field(default_factory=dict)  # vLLM's LoRA settings, where it runs the adapter
     options: dict = dataclasses.field(default_factory=dict)  # the connector's (the adapter to take back out)
@@ -300,14 +301,14 @@ def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -
     return Served(dataclasses.replace(base, model=None), models.resolve(model))
 
 
-def _adapted(base: models.LoadedModel, path: Path, merge: bool) -> Served:
-    digest = models.check_adapter(base, path)
+def _adapted(base: loaded.LoadedModel, path: Path, merge: bool) -> Served:
+    digest = check_adapter(base, path)
     layers = base.config.num_hidden_layers  # read as the connector and vLLM will: refused now, not at every request
     lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
     lora_args = lora_engine_args(path)  # vLLM's checks of a LoRA: a plain one, merged or not
-    fingerprint = models.adapted_fingerprint(base.fingerprint, digest)
+    fingerprint = adapted_fingerprint(base.fingerprint, digest)
     lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
-                             adapter=models.Adapter(path, digest, merged_by_engine=merge))
+                             adapter=loaded.Adapter(path, digest, merged_by_engine=merge))
     if not merge:
         return Served(lm, models.resolve(base.name), lora_args)
     checkpoint, hold = adapters.merged_checkpoint(base, path, digest, fingerprint)

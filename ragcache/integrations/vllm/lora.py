@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from ragcache.errors import BadAdapter
-from ragcache.models import ADAPTER_FILES
+from ragcache.lora import ADAPTER_FILES
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _KEY = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.lora_A(?:\.default)?\.weight$")

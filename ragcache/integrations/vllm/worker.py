@@ -10,7 +10,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from ragcache import linker, models
+from ragcache import linker, loaded, models
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
 from ragcache.errors import BadAdapter, StoreError
 from ragcache.catalog import Catalog
@@ -45,7 +45,7 @@ class LinkWorker:
         self.runner = VllmRunner(model, config.hf_config, config.dtype)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         fingerprint = options.get("model_fingerprint") or checkpoint_fingerprint(config.model, config.dtype)
-        lm = models.LoadedModel(config.model, model, tokenizer, fingerprint, models.tokenizer_fingerprint(tokenizer))
+        lm = loaded.LoadedModel(config.model, model, tokenizer, fingerprint, loaded.tokenizer_fingerprint(tokenizer))
         self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"))
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype))
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
@@ -176,7 +176,7 @@ class LinkWorker:
 
 
 def checkpoint_fingerprint(path: str, dtype: torch.dtype) -> str:
-    """ragcache's fingerprint of a checkpoint at a dtype (models.model_fingerprint), as `ragcache compile` keys its
+    """ragcache's fingerprint of a checkpoint at a dtype (loaded.model_fingerprint), as `ragcache compile` keys its
     entries: the transformers model is loaded on the CPU once for it, then dropped."""
     lm = models.load(path, dtype=dtype)
     return lm.fingerprint

@@ -1,0 +1,156 @@
+"""A link adapter: the read-side LoRA `ragcache train link` fits (a PEFT directory), checked against a loaded model and
+attached to it.
+
+`check_adapter` refuses an adapter fitted to a model of another configuration or weights (it records both:
+`base_weights_record`); `attach_adapter`, which `models.load(adapter=...)` calls, merges it into the weights or runs
+it beside them. Its digest (`adapter_sha256`) is part of the adapted model's fingerprint. Which adapter a model
+serves by default, and the merged copies for vLLM, are ragcache/adapters.py's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from . import loaded
+from .errors import BadAdapter
+
+log = logging.getLogger(__name__)
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # what PEFT's save_pretrained writes
+ADAPTER_META = "ragcache-adapter.json"  # what `ragcache train link` adds: the base model it was fitted to
+ADAPTER_PROFILES = "profiles"  # calibrations an adapter ships with, named as calibrate.profile_path names them
+
+
+def adapter_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    for name in ADAPTER_FILES:
+        file = path / name
+        if not file.is_file():
+            raise BadAdapter(f"{path} is not a LoRA adapter directory: {name} is missing")
+        h.update(name.encode() + b"\0" + file.read_bytes())
+    return h.hexdigest()[:32]
+
+
+def adapted_fingerprint(base_fingerprint: str, adapter_digest: str) -> str:
+    return hashlib.sha256(f"{base_fingerprint}+{adapter_digest}".encode()).hexdigest()[:32]
+
+
+def check_adapter(lm: loaded.LoadedModel, path: Path) -> str:
+    """The adapter's digest, once its files are there and it was fitted to a model of `lm`'s configuration and
+    weights (an adapter without the record of them is attached with a warning: it cannot be checked)."""
+    digest = adapter_sha256(path)
+    meta_file = path / ADAPTER_META
+    if not meta_file.is_file():
+        _unchecked(path, digest, f"it has no {ADAPTER_META}")
+        return digest
+    try:
+        meta = json.loads(meta_file.read_text())
+    except ValueError as exc:
+        raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
+    if meta.get("base_config") != loaded.config_fingerprint(lm.model):
+        raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
+                         f"configuration than {lm.name!r}")
+    if "base_weights" not in meta:
+        _unchecked(path, digest, f"its {ADAPTER_META} records no weights of its base model (written before they were)")
+    elif not same_weights(meta["base_weights"], lm):
+        record = meta["base_weights"]
+        raise BadAdapter(f"the adapter in {path} was fitted to the weights of {meta.get('base_model')!r} "
+                         f"(fingerprint {record.get('fingerprint')} in {record.get('dtype')}), not to those of "
+                         f"{lm.name!r} (fingerprint {lm.fingerprint} in {str(lm.dtype).removeprefix('torch.')}): fit "
+                         "it again to this model")
+    return digest
+
+
+_warned: set[tuple[str, str]] = set()
+
+
+def _unchecked(path: Path, digest: str, why: str) -> None:
+    if (str(path), digest) not in _warned:  # an adapter is checked more than once as an engine opens
+        _warned.add((str(path), digest))
+        log.warning("the adapter in %s is attached without checking that it was fitted to this model's weights: %s",
+                    path, why)
+
+
+WEIGHT_SAMPLES = 4  # values a tensor, at fixed fractions of its length
+
+
+def weight_sample(model: torch.nn.Module) -> list[float]:
+    """A few of the model's weights (WEIGHT_SAMPLES a tensor) as floats: what an adapter records of the base model
+    it was fitted to. Values, not a hash: the same checkpoint loaded at another dtype rounds them, and
+    `same_weights` allows for that rounding."""
+    out = []
+    for _, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        if flat.numel() == 0:
+            continue
+        picks = [flat.numel() * (2 * i + 1) // (2 * WEIGHT_SAMPLES) for i in range(WEIGHT_SAMPLES)]
+        out.extend(flat[picks].float().cpu().tolist())
+    return out
+
+
+def base_weights_record(lm: loaded.LoadedModel) -> dict:
+    """What an adapter keeps of its base model's weights: `same_weights` reads the sample, a reader the fingerprint
+    (which changes with the dtype)."""
+    return dict(fingerprint=lm.fingerprint, dtype=str(lm.dtype).removeprefix("torch."), sample=weight_sample(lm.model))
+
+
+def same_weights(record: dict, lm: loaded.LoadedModel) -> bool:
+    """Do `lm`'s weights match the record, up to rounding to the coarser of the two dtypes?"""
+    try:
+        theirs = torch.tensor(record["sample"], dtype=torch.float32)
+        coarse = [torch.finfo(getattr(torch, record["dtype"])), torch.finfo(lm.dtype)]
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise BadAdapter(f"the base model's weights recorded with the adapter are unreadable: {exc}") from exc
+    mine = torch.tensor(weight_sample(lm.model), dtype=torch.float32)
+    if mine.shape != theirs.shape:
+        return False
+    relative = max(f.eps for f in coarse)  # two roundings of half an eps each
+    absolute = max(f.eps * f.smallest_normal for f in coarse)  # a subnormal's step (float16)
+    return bool(((mine - theirs).abs() <= relative * torch.maximum(mine.abs(), theirs.abs()) + absolute).all())
+
+
+def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True) -> loaded.LoadedModel:
+    """The model with a read-side LoRA from `path`, merged into its weights or beside them. Refused with
+    BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration or weights."""
+    path = Path(path)
+    digest = check_adapter(lm, path)
+    try:
+        from peft import PeftModel
+        from safetensors import SafetensorError
+    except ImportError as exc:
+        raise BadAdapter("adapters need the `peft` package: pip install peft") from exc
+    try:
+        peft = PeftModel.from_pretrained(lm.model, str(path), is_trainable=False)
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
+        raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
+    # a LoRA bias would change the layers' biases too, which the swap does not keep aside: such a LoRA runs beside
+    if merge and not getattr(peft.peft_config["default"], "lora_bias", False):
+        model, swapped = _merge(peft)
+        adapter = loaded.Adapter(path, digest, swapped=swapped)
+    else:
+        model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
+        adapter = loaded.Adapter(path, digest, peft)
+    return loaded.LoadedModel(lm.name, model, lm.tokenizer, adapted_fingerprint(lm.fingerprint, digest),
+                              lm.tokenizer_fingerprint, adapter=adapter, compile_fingerprint=lm.fingerprint)
+
+
+def _merge(peft) -> tuple[torch.nn.Module, tuple]:
+    """The LoRA folded into the weights, and (layer, base weight, merged weight) for each adapted Linear. A safe
+    merge writes each sum into a new tensor, so the tensors read before it stay the base weights, untouched."""
+    from peft.tuners.lora import LoraLayer
+
+    layers = [module.get_base_layer() for module in peft.modules() if isinstance(module, LoraLayer)]
+    base = [layer.weight.data for layer in layers]
+    try:
+        model = peft.merge_and_unload(safe_merge=True)
+    except ValueError as exc:  # NaNs in the merged weights
+        raise BadAdapter(f"cannot merge the adapter: {exc}") from exc
+    swapped = tuple((layer, kept, layer.weight.data) for layer, kept in zip(layers, base))
+    if any(kept.data_ptr() == merged.data_ptr() for _, kept, merged in swapped):
+        raise RuntimeError("the LoRA merge wrote into the base weights; compile would no longer see them")
+    return model.eval(), swapped
