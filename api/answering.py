@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.engine import RagCache
 from ragcache.sampling import Answer
-from ragcache.sequence import Aborted, Done, Event, Failed, Piece, Sequence
+from ragcache.front import Front, Stream
+from ragcache.sequence import Aborted, Done, Event, Failed, Piece
 from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
 from ragcache.settings import Settings
@@ -42,7 +42,7 @@ class ClientGone(Exception):
 class Context:
     """Everything a route needs; one per app (app.state.ctx)."""
 
-    rc: RagCache
+    rc: Front  # ragcache's engine or vLLM's
     settings: Settings
     queue: EngineQueue
     metrics: Metrics
@@ -75,7 +75,7 @@ class Context:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
         return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Sequence], query: Query | None = None
+    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
                            ) -> tuple[Generation, Event]:
         """`start` for any engine's sequence (answers, infills)."""
         slot = self.queue.admit()
@@ -133,7 +133,7 @@ class Context:
         raise ClientGone()  # the events' only other end: Aborted
 
 
-def server_guard(rc: RagCache, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
+def server_guard(rc: Front, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
     """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
     model = rc.model_name
     return BackgroundGuard(rc, rate, busy=lambda: queue.depth >= queue.max_queue,

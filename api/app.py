@@ -15,7 +15,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
 from ragcache import __version__
-from ragcache.engine import RagCache
+from ragcache.front import Front
 from ragcache.settings import Settings
 
 from . import body, errors, native, openai_compat
@@ -86,7 +86,7 @@ class Guard:
         return bounded_receive
 
 
-def create_app(rc: RagCache, settings: Settings) -> FastAPI:
+def create_app(rc: Front, settings: Settings) -> FastAPI:
     queue = EngineQueue(settings.max_queue)
     metrics = Metrics(rc.store, queue, rc)
 

@@ -19,7 +19,8 @@ from contextlib import suppress
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ragcache.sequence import Event, Failed, Piece, Sequence
+from ragcache.front import Stream
+from ragcache.sequence import Event, Failed, Piece
 
 from .errors import ApiError
 
@@ -104,7 +105,7 @@ class Generation:
     """A ragcache Sequence (or the vLLM engine's stream) run for one HTTP request. `await next()` gives its events:
     `Piece`s, then one of `Done`, `Failed` or `Aborted` (cancelled: the client disconnected or the server stops)."""
 
-    def __init__(self, slot: Slot, stream: Sequence, request: Request | None = None):
+    def __init__(self, slot: Slot, stream: Stream, request: Request | None = None):
         self.slot, self.loop, self.stream = slot, slot.loop, stream
         self.query = None  # the validated query (answers only), for the accuracy guard
         self.events: asyncio.Queue = asyncio.Queue()

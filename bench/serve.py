@@ -186,7 +186,7 @@ def step_cells(runner, positions: int, streams: int, runs: int = STEP_RUNS) -> l
             made.append(cache)
         return made
 
-    cells = [(1, positions, False), (streams, positions, runner.pool is not None), (streams, 1, False)]
+    cells = [(1, positions, False), (streams, positions, runner.decode != "per-segment"), (streams, 1, False)]
     groups = [caches(n, length, pooled) for n, length, pooled in cells]
     times: list[list[float]] = [[] for _ in cells]
     for _ in range(runs):

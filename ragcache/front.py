@@ -5,21 +5,23 @@ same ids to vLLM. Both answer the same requests from the same store, and neither
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from ragcache.store import Store
 from ragcache.store.keys import document_id
 
 from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog
-from .compiler import PLAIN, default_layout, sink_layout
+from .compiler import PLAIN, Compiler, default_layout, sink_layout
 from .errors import ParameterOutOfRange, PromptTooLong
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
-from .sampling import Answer, Sampling
+from .sampling import Answer, QueryStats, Sampling
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
 
 
@@ -39,9 +41,28 @@ class CompileReport:
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
-class Front:
-    """An engine subclasses it with `compiler` and `prefix_compiler` (the keys), `_compile` and `_compile_prefix`
-    (what a miss costs), and `stream_query(Query)` and `stream_infill(Infill)`, which return a Sequence (ragcache.sequence)."""
+class Stream(Protocol):
+    """One answer in the making, whichever engine makes it (ragcache's `sequence.Sequence`, vLLM's `VllmStream`):
+    iterate for its text pieces, or `open` it with a listener of its typed events (ragcache.sequence: `Piece`s, then
+    one of `Done`, `Failed`, `Aborted`); `answer` once it is done."""
+
+    stats: QueryStats
+    answer: Answer | None
+
+    def open(self, listener: Callable) -> None: ...
+
+    def cancel(self) -> None: ...
+
+    def __iter__(self) -> Iterator[str]: ...
+
+
+class Front(abc.ABC):
+    """The model-free half of every engine. An engine subclasses it with the keys its entries are stored under
+    (`compiler`, `prefix_compiler`), what a miss costs (`_compile`, `_compile_prefix`) and how it answers
+    (`stream_query`, `stream_infill`); the front doors (API, CLI, llama-index, the guard) use only Front's methods."""
+
+    compiler: Compiler
+    prefix_compiler: Compiler
 
     def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int, layers: int):
         if chunk_tokens < 1:
@@ -140,13 +161,22 @@ class Front:
         """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
         return ([ids] for ids in chunks)
 
+    @abc.abstractmethod
     def _compile(self, chunks: list[list[int]], layout: str) -> int:
         """Have the chunks' entries in the store in a layout, reading the present ones and compiling the missing
         ones; the chunk entries' bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _compile_prefix(self, prefix_ids: list[int]) -> None:
-        raise NotImplementedError
+        """Have the system prefix's entry in the store."""
+
+    @abc.abstractmethod
+    def stream_query(self, query: Query) -> Stream:
+        """`stream` for a query `validate` made."""
+
+    @abc.abstractmethod
+    def stream_infill(self, fill: Infill) -> Stream:
+        """`infill_stream` for an infill `request.validate_infill` made."""
 
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
@@ -227,7 +257,7 @@ class Front:
         return request.validate(question, docs, system, self.params(algorithm, k, ratio, check_layer, deviation),
                                 sampling, self.layers, limits)
 
-    def stream(self, question: str, docs: list, **kwargs):
+    def stream(self, question: str, docs: list, **kwargs) -> Stream:
         """The answer as a Sequence of text pieces; `validate` lists the keyword arguments."""
         return self.stream_query(self.validate(question, docs, **kwargs))
 
@@ -236,7 +266,7 @@ class Front:
 
     def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
                       reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED):
+                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
@@ -247,7 +277,7 @@ class Front:
         return drain(self.infill_stream(prefix, suffix, **kwargs))
 
 
-def drain(stream) -> Answer:
+def drain(stream: Stream) -> Answer:
     """Run a stream to its end; its answer."""
     for _ in stream:
         pass

@@ -105,6 +105,11 @@ class KVPool:
         if not self.members:
             self.keys = self.values = None
 
+    def rows(self, segments: list[Segment]) -> list[PooledRows]:
+        """Its decode rows among `segments`, in one call where that pays (`pool_rows`)."""
+        group = pool_rows(self, segments)
+        return [group] if group is not None else []
+
     def _point(self, slot: int, cache: JoinedCache) -> None:
         cache.keys, cache.values, cache.slot = self.keys[:, slot], self.values[:, slot], slot
 
@@ -308,6 +313,40 @@ class BucketPools:
 
     def rows(self, segments: list[Segment]) -> list[PooledRows]:
         return [group for pool in self.pools.values() if (group := pool_rows(pool, segments, whole=True))]
+
+
+class PerSegment:
+    """No pool: every decode row attends over its own cache, in a call of its own."""
+
+    def __init__(self, shape: ModelShape, device):
+        pass
+
+    def adopt(self, cache: JoinedCache) -> None:
+        pass
+
+    def release(self, cache: JoinedCache) -> None:
+        pass
+
+    def rows(self, segments: list[Segment]) -> list[PooledRows]:
+        return []
+
+
+Pools = KVPool | BucketPools | PerSegment
+
+# How the decode rows of a step attend, by name: the one place that says which pool each setting uses.
+#   pooled       one shared KVPool: one call a step for every decode row, reading only the keys its rows need, so a
+#                row rounds by the longest cache beside it (not batch-invariant; `--no-batch-invariant`).
+#   bucketed     a KVPool per capacity bucket, each read whole: a row's call depends on its own request alone
+#                (batch-invariant, on CPU).
+#   per-segment  no pool, a call per row (batch-invariant on CUDA, where whether a batched call rounds a row alike
+#                among others was never measured).
+DECODE: dict[str, type] = {"pooled": KVPool, "bucketed": BucketPools, "per-segment": PerSegment}
+
+
+def decode_strategy(device: torch.device, batch_invariant: bool) -> str:
+    if not batch_invariant:
+        return "pooled"
+    return "bucketed" if device.type == "cpu" else "per-segment"
 
 
 def contiguous_start(rows: torch.Tensor) -> int | None:

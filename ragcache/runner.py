@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import ragcache.kernels as kernels
 
 from . import invariant, linker
-from .kv import Batch, BucketPools, JoinedCache, KVPool, ModelShape, Segment, contiguous_start, pool_rows
+from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
 from .loaded import LoadedModel
 from .scheduler import Kind, StepPlan, StepResult, Work
 
@@ -37,7 +37,11 @@ ATTENTION_NAME = "ragcache"
 log = logging.getLogger("ragcache")
 
 
-def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
+    """ragcache's attention. A decoder layer's attention module calls it by name (`ATTENTION_NAME` in transformers'
+    registry) with the `ragcache_batch` that `Runner.run_layer` passes; it hands the layer's query rows to
+    `kv.Batch.attend`, which attends each request's rows over its own cache through `ragcache.kernels`. Any other
+    call of the model (no batch) falls through to transformers' SDPA."""
     batch = kwargs.pop("ragcache_batch", None)
     if batch is None:
         return sdpa_attention_forward(
@@ -47,7 +51,7 @@ def _ragcache_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return batch.attend(module.layer_idx, query[0], scale, sliding_window)[None], None
 
 
-AttentionInterface.register(ATTENTION_NAME, _ragcache_attention)
+AttentionInterface.register(ATTENTION_NAME, attention)
 AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
@@ -113,11 +117,9 @@ class Runner:
         self.shape = ModelShape(len(self.layers), config.num_key_value_heads, head_dim, model.dtype)
         self.inv_freq, self.rope_scaling = rope_table(self.rotary, self.layer_types, self.device)
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
-        # the decoding requests' caches (the scheduler moves them in). Batch-invariant on CUDA: none, a call per row,
-        # since whether a batched call rounds a row alike among others was never measured there.
-        self.pool: KVPool | BucketPools | None = (KVPool(self.shape, self.device) if not self.batch_invariant else
-                                                  BucketPools(self.shape, self.device) if self.device.type == "cpu"
-                                                  else None)
+        # where the decoding requests' caches go (`execute` moves them in when they start decoding): kv.DECODE
+        self.decode = decode_strategy(self.device, self.batch_invariant)
+        self.pool: Pools = DECODE[self.decode](self.shape, self.device)
         # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
         # releases (the GPU machine's 5.17) know only the old name
         self.cache_argument = cache_argument(self.layers[0])
@@ -231,22 +233,20 @@ class Runner:
                                     scores))
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
-        if isinstance(self.pool, BucketPools):
-            return Batch(segments, self.pool.rows(segments)), positions
-        pooled = pool_rows(self.pool, segments) if self.pool is not None else None
-        return Batch(segments, [pooled] if pooled is not None else []), positions
+        return Batch(segments, self.pool.rows(segments)), positions
 
     def adopt(self, cache: JoinedCache) -> None:
         """A request starts decoding: its cache joins the pool (where there is one)."""
-        if self.pool is not None and cache.slot is None:
+        if cache.slot is None:
             self.pool.adopt(cache)
 
     def release(self, cache: JoinedCache) -> None:
-        if self.pool is not None:
-            self.pool.release(cache)
+        self.pool.release(cache)
 
     def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
-        """One decoder layer over the packed rows; their K/V are written into each request's cache."""
+        """One decoder layer over the packed rows: the model's own layer, with `batch` as its cache (`Batch.update`
+        writes each request's K/V into its own cache) and as the `ragcache_batch` its attention module hands to
+        `attention` (above), which calls `Batch.attend`."""
         out = self.layers[index](
             hidden,
             attention_mask=None,

@@ -50,6 +50,7 @@ class VllmRunner(Runner):
         self.layer_types = ["full_attention"] * len(self.layers)
         self.inv_freq, self.rope_scaling = rope_table(_hf_rotary(hf_config), self.layer_types, self.device)
         self.final_softcap = None
+        self.decode = "pooled"
         self.pool = KVPool(self.shape, self.device)
         # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
         self.batch_invariant = False
