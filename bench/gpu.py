@@ -22,6 +22,12 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                time through the scheduler, batch invariance on (fixed-tile Triton Linear and RMSNorm) and off:
                answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps)
                `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100)
+  (f) link     at `--shape` (llama3-8b: 32 layers, hidden 4096, 32/8 heads, head_dim 128) and each of `--contexts`
+               (8k, 32k): every algorithm's link (`RagCache.link`, documents of 1,016 words in a new order, a
+               32-word question) against transformers' `model(ids, logits_to_keep=1)` on a prompt of the same
+               length, with entries from each tier (memory: pinned on CUDA; gpu: in device memory), `full` at row
+               budgets 512 / the device's default / one step, host-to-device copy GB/s from pageable and pinned
+               memory, and the longest step a decoding stream waited while a long link ran beside it
 Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
 """
 
@@ -39,7 +45,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "model", "serving", "invariance"}
+SECTIONS = {"kernels", "model", "serving", "invariance", "link"}
 
 
 def _args() -> argparse.Namespace:
@@ -51,6 +57,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,qwen2.5-coder-1.5b")
     ap.add_argument("--serving", default="qwen2.5-coder-0.5b", help="model shapes for (d), comma-separated")
     ap.add_argument("--invariance", default="qwen2.5-coder-0.5b", help="model shapes for (e), comma-separated")
+    ap.add_argument("--shape", default="llama3-8b", help="model shape for (f)")
+    ap.add_argument("--contexts", default="8192,32768", help="prompt lengths for (f), comma-separated")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     return ap.parse_args()
 
@@ -255,7 +263,13 @@ def model_config(name: str, quick: bool):
                            num_hidden_layers=layers or 28, num_attention_heads=12, num_key_value_heads=2,
                            head_dim=128, max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})
-    raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+    if name == "llama3-8b":  # Llama-3-8B: 32 layers, 32 / 8 heads, head_dim 128, 128k vocabulary
+        return LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                           num_hidden_layers=layers or 32, num_attention_heads=32, num_key_value_heads=8,
+                           head_dim=128, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    raise SystemExit(f"unknown model shape {name!r}: smollm2-135m, qwen2.5-coder-0.5b, qwen2.5-coder-1.5b, "
+                     "llama3-8b")
 
 
 def random_model(name: str, device: torch.device, dtype: torch.dtype, quick: bool, tokenizer=None):
@@ -554,6 +568,127 @@ def _decode_rate(stats: dict) -> float | None:
     return stats["decode_only_rows"] / stats["decode_only_s"] if stats["decode_only_s"] else None
 
 
+# ------------------------------------------------------------------ (f): the link at a large shape
+
+LINK_ALGORITHMS = (("full", {}), ("focus", {}), ("legolink", {"k": 16}), ("naive", {}), ("cacheblend", {}))
+
+
+def copy_rates(nbytes: int, device: torch.device) -> dict:
+    """Host-to-device GB/s of `nbytes` from pageable and from pinned memory (CUDA only)."""
+    if device.type != "cuda":
+        return {}
+    host = torch.empty(nbytes, dtype=torch.uint8)
+    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    out = {}
+    for what, source in (("pageable", host), ("pinned", pinned)):
+        seconds = wall_s(lambda: source.to(device, non_blocking=True), device, 3)
+        out[f"h2d_gb_s_{what}"] = nbytes / seconds / 1e9
+    return out
+
+
+@torch.inference_mode()
+def _forward_s(lm, length: int, device, reps: int) -> float:
+    ids = torch.randint(1, 1000, (1, length), device=device)
+    return wall_s(lambda: lm.model(ids, logits_to_keep=1), device, reps)
+
+
+def _link_s(rc, question: str, docs: list, algorithm: str, params: dict, device, reps: int) -> dict:
+    runs = []
+    for _ in range(reps):
+        _sync(device)
+        started = time.perf_counter()
+        linked = rc.link(question, docs, algorithm=algorithm, **params)
+        _sync(device)
+        runs.append((time.perf_counter() - started, linked))
+    seconds, linked = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
+    return dict(seconds=seconds, rotate_s=linked.rotate_s, recompute_s=linked.recompute_s,
+                recomputed_tokens=linked.recomputed_tokens, cached_tokens=linked.cached_tokens)
+
+
+def _decode_wait(rc, question: str, docs: list, device) -> float:
+    """The longest step a decoding stream waited while a `full` link of `docs` ran beside it."""
+    import threading
+
+    stream = rc.stream(question, docs[:1], algorithm="naive", max_new_tokens=64)
+    rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
+    reader = threading.Thread(target=lambda: list(stream))
+    reader.start()
+    rc.link(question, docs, algorithm="full")
+    reader.join()
+    return _scheduler_stats(rc).longest_decode_step_s
+
+
+def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Every algorithm's link at each context against transformers' forward on a prompt of the same length, from
+    each store tier; `full` at three row budgets; copy rates; the decode wait beside a long link."""
+    import random
+
+    from ragcache.engine import RagCache
+    from ragcache.settings import row_budget_for
+    from ragcache.store import open_store
+
+    shape, contexts = ("smollm2-135m", [256, 512]) if quick else (shape, contexts)
+    doc_words, question_words, reps = (60, 8, 1) if quick else (1016, 32, 3)
+    lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(0)
+    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+    tiers = ["memory"] + (["gpu+memory"] if device.type == "cuda" else [])
+    default_budget = row_budget_for(device)
+    asks = []  # per context: the documents, the question, and the documents' order in the prompt
+    for context in contexts:
+        count = max(context // (doc_words + 8), 1)
+        asks.append(([words(doc_words) for _ in range(count)], words(question_words), rng.sample(range(count), count)))
+    rows: list[dict] = []
+    first_logits: dict[int, list] = {}  # a naive link's logits from each tier: the same entries, the same answer
+    for tier in tiers:
+        rc = RagCache(lm, open_store(tier, device=device), chunk_tokens=doc_words + 8)
+        for context, (texts, question, indices) in zip(contexts, asks):
+            ids = rc.compile(texts)
+            order = [ids[i] for i in indices]
+            # untimed: fills the gpu tier and compiles the kernels; its logits are compared across tiers
+            first_logits.setdefault(context, []).append(rc.link(question, order, algorithm="naive").last_logits)
+            prompt = len(rc.prompt_parts(question, order).token_ids)
+            forward = _forward_s(lm, prompt, device, reps)
+            for algorithm, params in LINK_ALGORITHMS:
+                row = dict(shape=shape, tier=tier, context=prompt, algorithm=algorithm, row_budget=default_budget,
+                           forward_s=forward, **_link_s(rc, question, order, algorithm, params, device, reps))
+                row["speedup_vs_forward"] = forward / row["seconds"]
+                rows.append(row)
+                print(f"  {shape} {tier:10s} {prompt:6d} tokens {algorithm:10s} {row['seconds']:.3f} s "
+                      f"({row['speedup_vs_forward']:.2f}x transformers' forward {forward:.3f} s; rotate "
+                      f"{row['rotate_s']:.3f} s, recompute {row['recompute_s']:.3f} s)", flush=True)
+            if tier == "memory":
+                for budget in sorted({512, default_budget, prompt}):
+                    rc.scheduler.row_budget = budget
+                    row = dict(shape=shape, tier=tier, context=prompt, algorithm="full", row_budget=budget,
+                               forward_s=forward, **_link_s(rc, question, order, "full", {}, device, reps))
+                    row["speedup_vs_forward"] = forward / row["seconds"]
+                    rows.append(row)
+                    print(f"  {shape} full at a row budget of {budget}: {row['seconds']:.3f} s "
+                          f"({row['speedup_vs_forward']:.2f}x)", flush=True)
+                rc.scheduler.row_budget = default_budget
+                wait = _decode_wait(rc, question, order, device)
+                s = rc.runner.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
+                kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt
+                rows.append(dict(shape=shape, tier=tier, context=prompt, what="decode wait beside a full link",
+                                 row_budget=default_budget, longest_decode_step_s=wait, kv_bytes=kv_bytes,
+                                 **copy_rates(kv_bytes, device)))
+                print(f"  {shape} a decoding stream waited at most {wait:.3f} s for a step beside a full link of "
+                      f"{prompt} tokens", flush=True)
+        rc.driver.stop()
+        del rc
+    for context, logits in first_logits.items():  # --check's tier half: a link from the GPU tier equals one from host
+        same = all(torch.equal(logits[0], other) for other in logits[1:])
+        rows.append(dict(shape=shape, context=context, what="naive link, every tier against memory", tiers=tiers,
+                         identical=same))
+        print(f"  {shape} {context}: a naive link's logits from {', '.join(tiers)}: "
+              f"{'identical' if same else 'DIFFERENT'}", flush=True)
+    del lm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -591,7 +726,7 @@ def main() -> None:
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
-    kernels, model_rows, serving_rows, invariance_rows = [], [], [], []
+    kernels, model_rows, serving_rows, invariance_rows, link_rows = [], [], [], [], []
     if "kernels" not in skip:
         print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
                                                              if env["triton_interpreted"] else ""))
@@ -608,10 +743,13 @@ def main() -> None:
         print("(e) batch invariance: the same requests alone and packed, on and off")
         for name in _names(args.invariance):
             invariance_rows += invariance(name, device, dtype, args.quick)
+    if "link" not in skip:
+        print(f"(f) link at the {args.shape} shape: every algorithm and tier against transformers' forward")
+        link_rows = link(args.shape, [int(n) for n in _names(args.contexts)], device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
                   skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
-                  invariance=invariance_rows,
+                  invariance=invariance_rows, link=link_rows,
                   all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
@@ -621,8 +759,11 @@ def main() -> None:
     _summary(model_rows)
     verdict = "kernels not checked" if not kernels else (
         "all kernels match" if not failed else f"{len(failed)} kernel check(s) FAILED")
+    differ = [row for row in link_rows if row.get("identical") is False]
+    if differ:
+        verdict += f"; a link from the GPU tier differs from the host tier's at {[r['context'] for r in differ]}"
     print(f"{verdict}; {result['seconds']:.0f} s; wrote {path}")
-    if failed:
+    if failed or differ:
         sys.exit(1)
 
 

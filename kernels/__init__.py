@@ -75,8 +75,9 @@ def stacked_decode_attention(query, keys, values, allowed, scale):
 def scored_attention(query, keys, values, query_positions, scale, window=None):
     """Attention of rows at positions, and the fp32 weight [N] they give each key position (softmax summed over
     heads and rows): what focus scores chunk rows with. Only the question's rows take it, once per layer, so the
-    reference is fast enough on every device."""
-    return torch_ref.scored_attention(query, keys, values, query_positions, scale, window)
+    reference is fast enough on every device; on CUDA its matmuls run in the inputs' dtype (tensor cores)."""
+    return torch_ref.scored_attention(query, keys, values, query_positions, scale, window,
+                                      native_matmul=query.device.type == "cuda")
 
 
 def kv_deviation(fresh, cached):

@@ -13,6 +13,7 @@ import math
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 QUERY_BLOCK = 256  # rows per attention block: bounds the [rows, keys] mask on long prompts
 
@@ -113,11 +114,15 @@ def selected_attention(
 
 
 def scored_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
-                     scale: float, window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     scale: float, window: int | None = None, native_matmul: bool = False
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of rows at positions over a joined cache (as `selected_attention`) and the weight they give each
-    key position: fp32 softmax summed over heads and rows, [N]. One fp32 pass gives both, so focus's question pass
+    key position: fp32 softmax summed over heads and rows, [N]. One pass gives both, so focus's question pass
     attends once per layer, not once for its scores and again for its output. A KV head's group of query heads are
-    rows of one matmul: K/V are never repeated. query [H, n, D], keys/values [KVH, N, D] -> ([n, H, D], [N])."""
+    rows of one matmul: K/V are never repeated. query [H, n, D], keys/values [KVH, N, D] -> ([n, H, D], [N]).
+
+    `native_matmul`: the two matmuls in the inputs' dtype (a GPU's tensor cores, fp32 accumulation), the softmax
+    in fp32; else every step in fp32. On an H100 the fp32 GEMMs of a 32k link's pre-pass took 48 ms of its 741."""
     heads, rows, dim = query.shape
     kv_heads, length, _ = keys.shape
     group = heads // kv_heads
@@ -125,10 +130,12 @@ def scored_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     visible = key_positions <= query_positions.to(keys.device)[:, None]
     if window:
         visible &= key_positions > query_positions.to(keys.device)[:, None] - window
-    grouped = query.float().reshape(kv_heads, group * rows, dim)
-    logits = torch.matmul(grouped, keys.float().transpose(1, 2)).mul_(scale).view(kv_heads, group, rows, length)
+    dtype = query.dtype if native_matmul else torch.float32
+    grouped = query.to(dtype).reshape(kv_heads, group * rows, dim)
+    logits = torch.matmul(grouped, keys.to(dtype).transpose(1, 2)).float().mul_(scale)
+    logits = logits.view(kv_heads, group, rows, length)
     weights = torch.softmax(logits.masked_fill_(~visible, -float("inf")), -1)
-    out = torch.matmul(weights.view(kv_heads, group * rows, length), values.float())
+    out = torch.matmul(weights.view(kv_heads, group * rows, length).to(dtype), values.to(dtype))
     return out.view(heads, rows, dim).transpose(0, 1).to(query.dtype), weights.sum((0, 1, 2))
 
 
@@ -196,6 +203,11 @@ def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, wi
         return _sdpa(query, keys, values, scale)  # a decode row sees every key it is given
     if in_window and offset == 0:
         return _sdpa(query, keys, values, scale, causal=True)  # square: plain causal
+    if in_window and query.device.type == "cuda":  # causal from the bottom right: FlashAttention takes it as is
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query[None], keys[None], values[None], attn_mask=causal_lower_right(rows, length), scale=scale,
+            enable_gqa=query.shape[0] != keys.shape[0])
+        return out[0].transpose(0, 1)
     row = torch.arange(rows, device=query.device)[:, None]
     key = torch.arange(length, device=query.device)[None, :]
     allowed = key <= row + offset

@@ -512,8 +512,9 @@ def place_chunks(
     if joined_keys.stride(-1) != 1 or joined_values.stride(-1) != 1:
         raise ValueError("joined cache needs a contiguous last dim (it is written in place)")
     device = joined_keys.device
-    keys = [_last_dim_contiguous(k.to(device)) for k in chunk_keys]
-    values = [_last_dim_contiguous(v.to(device)) for v in chunk_values]
+    # from pinned host memory (the memory tier on CUDA) these copies run asynchronously, ordered before the kernels
+    keys = [_last_dim_contiguous(k.to(device, non_blocking=True)) for k in chunk_keys]
+    values = [_last_dim_contiguous(v.to(device, non_blocking=True)) for v in chunk_values]
     pairs = [_scale_pairs(k, ks, vs, device) for k, ks, vs in
              zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))]
     starts = [int(s) for s in starts]
@@ -585,11 +586,12 @@ def selected_attention(
 ) -> torch.Tensor:
     """Rows at arbitrary positions attend the joined cache causally (optionally windowed); see torch_ref.
 
-    A prefill from position 0 (`contiguous_from=0`, keys = the rows' own, no window reached) goes to torch's SDPA
-    with is_causal, which on CUDA is FlashAttention-2 with native GQA; every other run, contiguous or not, stays
-    here: this kernel already skips the key tiles past a block's last row and handles offsets and windows."""
+    A contiguous run (`contiguous_from=p`: a prefill piece, a decode row) that no window cuts goes to torch's SDPA,
+    causal from the bottom right, which on CUDA is FlashAttention-2 with native GQA; rows in any order and windowed
+    runs stay here (this kernel skips the key tiles past a block's last row and handles offsets and windows)."""
     heads, rows, head_dim = query.shape
-    if contiguous_from == 0 and keys.shape[1] >= rows and (window is None or window >= rows):
+    if (contiguous_from is not None and keys.shape[1] >= contiguous_from + rows
+            and (window is None or window >= contiguous_from + rows)):
         from . import torch_ref
 
         return torch_ref.selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)

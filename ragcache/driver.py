@@ -44,6 +44,7 @@ class StepStats:
     decode_only_steps: int = 0  # steps with no link piece: what decode throughput is measured on
     decode_only_rows: int = 0
     decode_only_s: float = 0.0
+    longest_decode_step_s: float = 0.0  # the longest a decoding stream waited for a token: a step's budget bound
 
     def count(self, plan: StepPlan, seconds: float) -> None:
         rows, decode_rows = plan.rows, plan.decode_rows
@@ -51,6 +52,8 @@ class StepStats:
         self.decode_rows += decode_rows
         self.link_rows += rows - decode_rows
         self.step_s += seconds
+        if decode_rows:
+            self.longest_decode_step_s = max(self.longest_decode_step_s, seconds)
         if rows and rows == decode_rows:
             self.decode_only_steps += 1
             self.decode_only_rows += rows

@@ -29,7 +29,7 @@ from .driver import Driver
 from .runner import Runner
 from .scheduler import Scheduler
 from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL,
-                       DEFAULT_PREFIX_BUDGET, DEFAULT_ROW_BUDGET, DEFAULT_STORE, INSTALLED, Settings)
+                       DEFAULT_PREFIX_BUDGET, DEFAULT_STORE, INSTALLED, Settings, row_budget_for)
 from .sequence import Done, Failed, Sequence
 
 log = logging.getLogger("ragcache")
@@ -37,9 +37,10 @@ log = logging.getLogger("ragcache")
 
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int = DEFAULT_ROW_BUDGET,
+                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int | None = None,
                  kv_codec: str | None = "auto", batch_invariant: bool | None = None):
         self.runner = Runner(lm, batch_invariant)
+        row_budget = row_budget_for(self.runner.device) if row_budget is None else row_budget
         super().__init__(lm, store, chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, kv_codec)
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
@@ -80,8 +81,9 @@ class RagCache(Front):
         lm = models.load(model, dtype=dtype, device=device)
         chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
         lm = lora.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
-        return cls(lm, open_store(store), chunk_tokens=chunk_tokens, prefix_cache_bytes=prefix_cache_bytes,
-                   kv_codec=kv_codec, batch_invariant=batch_invariant)
+        # on CUDA: a "gpu" tier on the model's device, the memory tier pinned
+        return cls(lm, open_store(store, device=device), chunk_tokens=chunk_tokens,
+                   prefix_cache_bytes=prefix_cache_bytes, kv_codec=kv_codec, batch_invariant=batch_invariant)
 
     @classmethod
     def from_settings(cls, s: "Settings") -> Front:

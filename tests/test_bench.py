@@ -444,8 +444,9 @@ def test_empty_answer_agreement_is_the_first_position():
 def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     """bench/gpu.py (a CUDA machine's check and timing run) on its CPU path: the Triton kernels interpreted, every
     section reduced. The kernels match, `full` through the runner equals the model's own forward, each serving
-    answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like, and the
-    invariance section finds every answer identical alone and packed with invariance on."""
+    answer runs to its token limit (random weights: no EOS), so the tokens/s compare like with like, the
+    invariance section finds every answer identical alone and packed with invariance on, and the link section
+    times every algorithm, `full` at several row budgets, and a decoding stream's wait beside a long link."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--models", "smollm2-135m",
                            "--invariance", "smollm2-135m", "--out", str(tmp_path)],
@@ -467,6 +468,15 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
     assert all(row[key] > 0 for row in (on, off) for key in ("decode_tok_s_1", "decode_tok_s_many"))
     assert on["decode_tok_s_1_vs_off"] > 0
+    links = [row for row in result["link"] if "algorithm" in row]  # (f): the CPU has the memory tier only
+    assert {(row["algorithm"], row["tier"]) for row in links} >= {(a, "memory") for a in (
+        "full", "focus", "legolink", "naive", "cacheblend")}
+    assert all(row["seconds"] > 0 and row["speedup_vs_forward"] > 0 for row in links)
+    assert {row["row_budget"] for row in links if row["algorithm"] == "full"} >= {512}
+    waits = [row for row in result["link"] if "longest_decode_step_s" in row]
+    assert len(waits) == 2 and all(row["longest_decode_step_s"] > 0 for row in waits)
+    checks = [row for row in result["link"] if "identical" in row]
+    assert len(checks) == 2 and all(row["identical"] for row in checks)
 
 
 def test_the_gpu_script_times_full_once():

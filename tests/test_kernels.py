@@ -565,3 +565,34 @@ def test_kernels_compile_for_hopper():
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
     result = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_scored_attention_in_the_inputs_dtype_keeps_the_fp32_scores_order(dtype):
+    """focus's pre-pass on CUDA runs its matmuls in the model's dtype (tensor cores, not fp32 GEMMs): its weights
+    stay within the reduced dtype's tolerance of the fp32 pass, and the chunk rows it ranks highest are the same."""
+    generator = torch.Generator().manual_seed(3)
+    query = torch.randn(8, 6, 32, generator=generator).to(dtype)
+    keys, values = (torch.randn(2, 200, 32, generator=generator).to(dtype) for _ in range(2))
+    positions = torch.arange(194, 200)
+    out32, weights32 = torch_ref.scored_attention(query, keys, values, positions, 32 ** -0.5)
+    out, weights = torch_ref.scored_attention(query, keys, values, positions, 32 ** -0.5, native_matmul=True)
+    assert weights.dtype == torch.float32 and out.dtype == dtype
+    torch.testing.assert_close(weights, weights32, atol=0.02 * float(weights32.max()), rtol=0)
+    torch.testing.assert_close(out.float(), out32.float(), atol=0.05, rtol=0)
+    top = set(torch.topk(weights32, 20).indices.tolist())
+    assert len(top & set(torch.topk(weights, 20).indices.tolist())) >= 16
+
+
+def test_a_contiguous_run_is_causal_from_the_bottom_right():
+    """On CUDA a prefill piece at positions p..p+n-1 goes to SDPA with `causal_lower_right(n, p + n)` (FlashAttention
+    takes it as is): that mask is exactly "row i sees keys up to p + i", the reference's causality at those rows."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    generator = torch.Generator().manual_seed(4)
+    query = torch.randn(1, 8, 5, 16, generator=generator)
+    keys, values = (torch.randn(1, 2, 12, 16, generator=generator) for _ in range(2))
+    got = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=causal_lower_right(5, 12),
+                                                           scale=0.25, enable_gqa=True)
+    expected = torch_ref.reference_attention(query[0], keys[0], values[0], torch.arange(7, 12), 0.25)
+    torch.testing.assert_close(got[0].transpose(0, 1), expected, atol=1e-5, rtol=0)

@@ -822,3 +822,46 @@ def test_cli_store_commands_refuse_a_folder_that_holds_no_store(tmp_path):
         result = _cli(*command, "--store", f"disk:{tmp_path}")
         assert result.exit_code == 1 and "no store at" in result.output, (command, result.output)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+# -- the GPU tier and pinned host memory (their logic on CPU tensors; bench/gpu.py --check runs them on CUDA) --------
+def test_a_device_tier_keeps_entries_on_its_device_least_recently_used_out():
+    from ragcache.store.device import DeviceStore
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(3))
+    size = next(iter(entries.values())).nbytes
+    tier = DeviceStore("cpu", budget_bytes=2 * size)  # the logic of a GPU tier, on a device this machine has
+    keys = list(entries)
+    tier.put_many({keys[0]: entries[keys[0]], keys[1]: entries[keys[1]]})
+    assert tier.get_many([keys[0]])[0] is not None  # keys[0] is now the most recently used
+    tier.put_many({keys[2]: entries[keys[2]]})
+    got = tier.get_many(keys)
+    assert got[1] is None and same_bits(got[0], entries[keys[0]]) and same_bits(got[2], entries[keys[2]])
+    assert got[0].keys.device == tier.device and tier.stats()["bytes"] == 2 * size and tier.stats()["device"] == "cpu"
+    big, entry = make_entry(9, layers=2, tokens=64)
+    tier.put_many({big: entry})  # over the whole budget: not kept
+    assert tier.contains_many([big]) == [False] and tier.stats()["entries"] == 2
+
+
+def test_a_device_tier_in_front_of_memory_is_filled_by_its_hits():
+    from ragcache.store.device import DeviceStore
+
+    tiers = TieredStore([DeviceStore("cpu", budget_bytes=1 << 30), MemoryStore()])
+    key, entry = make_entry(1, layers=2, tokens=16)
+    tiers.tiers[1].put_many({key: entry})
+    assert tiers.tiers[0].contains_many([key]) == [False]
+    assert same_bits(tiers.get_many([key])[0], entry)
+    assert tiers.tiers[0].contains_many([key]) == [True]  # the next link reads it from the faster tier
+
+
+def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
+    """No silent fallback: a store URL asking for a GPU tier fails at open on a CPU engine or a machine without CUDA."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the refusals are for machines without it")
+    with pytest.raises(StoreError, match="CUDA"):
+        open_store("gpu+memory")
+    with pytest.raises(StoreError, match="CUDA device, not cpu"):
+        open_store("gpu+memory", device="cpu")
+    with pytest.raises(StoreError, match="pinned"):
+        MemoryStore(pin=True)
+    assert open_store("memory", device="cpu").pin is False  # a CPU engine's memory tier is plain memory

@@ -71,7 +71,7 @@ class LinkWorker:
         """The store's catalog, opened at the first call that finds the store up (StoreError until then), so a store
         that is down costs each link one connection attempt, not the worker rebuilt."""
         if self._catalog is None:
-            store = open_store(self.store_url)
+            store = open_store(self.store_url, device=self.runner.device)  # ragcache's tiers: gpu, pinned memory
             self._catalog = Catalog(store, self.lm.tokenizer, self.lm.tokenizer_fingerprint, 1)
         return self._catalog
 
