@@ -13,6 +13,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.routing import Route
 
 from ragcache import __version__
 from ragcache.front import Front
@@ -100,7 +101,9 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         yield
         queue.shutdown()
 
-    app = FastAPI(title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan)
+    # redirect_slashes off: /v1/documents/<id>/ is no path of the schema, so a 404, not a 307 to another path
+    app = FastAPI(title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan,
+                  redirect_slashes=False)
     guard = server_guard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
     app.state.ctx = Context(rc, settings, queue, metrics, guard)
     app.state.created = int(time.time())
@@ -131,6 +134,11 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
     def metrics_route() -> Response:
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    # every HTTP route with its full path, for a 405's Allow (errors.allowed): FastAPI keeps an included router's
+    # routes inside it, out of app.routes
+    app.state.routes = [route for route in [*app.routes, *native.router.routes, *openai_compat.router.routes]
+                        if isinstance(route, Route)]
 
     # a document may be JSON-escaped at up to 6 bytes per character, plus room for everything else
     max_body = settings.max_documents * settings.max_document_chars * 6 + (1 << 20)

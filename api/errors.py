@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import re
+import reprlib
+from itertools import islice
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -36,19 +38,46 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
 ]
 DETAILS = {UnknownDocument: ("ids",), PromptTooLong: ("prompt_tokens", "max_new_tokens", "context"),
            PayloadTooLarge: ("limit", "got")}  # the attributes of these kinds that an error body carries
+REPORTED = 20  # validation errors listed in one error body; `error_count` says how many there were
 RETRY_AFTER_S = {429: "1", 503: "5"}
 ERRORS = {400: "the model cannot serve this request", 401: "missing or wrong API key (when the server has one)",
           404: "unknown document or model", 408: "the request body did not arrive in time",
-          413: "over a size limit (body, documents, prompt, metadata)", 422: "invalid request",
+          413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
+          422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
           429: "the server is busy (Retry-After)", 500: "damaged store data, or an unexpected error (logged)",
           503: "a store tier or the model is unavailable (Retry-After)"}
 WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body
+CLIPPED = 200  # characters of one name or message echoed back: a key may be megabytes long
 
 
 def responses(*statuses: int) -> dict:
     """A route's OpenAPI `responses`: these error statuses and the ones any route may give (401 and 500), each with
     the error body's schema."""
     return {s: {"model": ErrorResponse, "description": ERRORS[s]} for s in sorted({401, 500, *statuses})}
+
+
+class Refused(RequestValidationError):
+    """A body refused before or by validation with its first errors only; `total` counts all of them."""
+
+    def __init__(self, errors: list[dict], total: int | None = None):
+        super().__init__(errors)
+        self.total = len(errors) if total is None else total
+
+
+def clip(value: object) -> str:
+    """Text from a request, short and encodable as UTF-8 whatever it holds (lone surrogates are escaped)."""
+    text = str(value)
+    text = text if len(text) <= CLIPPED else f"{text[:CLIPPED]}... ({len(text)} characters)"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = CLIPPED
+
+
+def clip_repr(value: object) -> str:
+    """`repr(value)`, clipped as it is built (reprlib): a value from a request may be megabytes."""
+    return clip(_REPR.repr(value))
 
 
 class ApiError(Exception):
@@ -82,34 +111,45 @@ def describe(exc: BaseException) -> tuple[int, dict]:
     return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it")
 
 
-def _validation_message(errors: list[dict], content_type: str) -> tuple[str, list[dict]]:
-    details = [{"loc": [str(p) for p in e.get("loc", ()) if p != "body"], "msg": str(e.get("msg", "")),
-                "type": str(e.get("type", ""))} for e in errors]
+def _validation_message(errors: list[dict], total: int, content_type: str) -> tuple[str, list[dict]]:
+    details = [{"loc": [clip(p) for p in e.get("loc", ()) if p != "body"], "msg": clip(e.get("msg", "")),
+                "type": clip(e.get("type", ""))} for e in errors[:REPORTED]]
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
-        reason = (errors[0].get("ctx") or {}).get("error", "")
-        if "surrogate" in reason or "hex escape" in reason:  # pydantic's JSON parser refuses them, tersely
-            reason += " (a \\uXXXX escape of half a surrogate pair alone is a lone surrogate, not Unicode text)"
-        at = f" at character {'.'.join(first['loc'])}" if first["loc"] else ""  # pydantic's reason says where
+        reason = clip((errors[0].get("ctx") or {}).get("error", ""))
+        at = f" at character {'.'.join(first['loc'])}" if first["loc"] else ""
         return f"malformed JSON body{at}: {reason}".rstrip(": "), details
     if not first["loc"] and "json" not in content_type:
         return "the body must be a JSON object sent with 'Content-Type: application/json'", details
     where = ".".join(first["loc"]) or "body"
-    more = f" (and {len(details) - 1} more)" if len(details) > 1 else ""
+    more = f" (and {total - 1} more)" if total > 1 else ""
     return f"{where}: {first['msg']}{more}", details
+
+
+def allowed(request: Request) -> str:
+    """The methods of every route of this path (app.state.routes). Starlette's 405 names those of the first route
+    that matched the path only: GET and POST /v1/documents are two routes, so it said `Allow: POST` to a PUT."""
+    path = request.url.path
+    return ", ".join(sorted({m for route in request.app.state.routes if route.path_regex.match(path)
+                             for m in route.methods}))
 
 
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, details = _validation_message(list(exc.errors()), request.headers.get("content-type", ""))
-        return error_response(422, "invalid_request", message, details=details)
+        errors = list(islice(exc.errors(), REPORTED))
+        total = exc.total if isinstance(exc, Refused) else len(exc.errors())
+        message, details = _validation_message(errors, total, request.headers.get("content-type", ""))
+        return error_response(422, "invalid_request", message, details=details, error_count=total)
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
         kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
                 413: "payload_too_large"}.get(exc.status_code, "http_error")
-        return error_response(exc.status_code, kind, str(exc.detail), headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        if exc.status_code == 405:
+            headers = {**(headers or {}), "Allow": allowed(request)}
+        return error_response(exc.status_code, kind, clip(exc.detail), headers=headers)
 
     @app.exception_handler(ApiError)
     @app.exception_handler(RagCacheError)

@@ -30,6 +30,12 @@ router = APIRouter(prefix="/v1", tags=["native"])
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def streamed(events: str) -> dict:
+    """A streaming route's 200 in OpenAPI: JSON, or server-sent events with stream=true."""
+    return {200: {"content": {"text/event-stream": {}},
+                  "description": f"JSON, or with stream=true server-sent events: {events}, then [DONE]"}}
+
+
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
@@ -148,9 +154,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
 
 
 @router.post("/query", response_model=QueryResponse, openapi_extra=documented(QueryRequest),
-             responses={200: {"content": {"text/event-stream": {}},
-                              "description": "JSON, or with stream=true server-sent events: {\"text\": piece} per "
-                                             "piece, then the full response object, then [DONE]"},
+             responses={**streamed('{"text": piece} per piece, then the full response object'),
                         **responses(*WITH_BODY, 400, 404, 429, 503)})
 async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
@@ -175,7 +179,8 @@ def infill_response(answer: Answer, queue_s: float) -> InfillResponse:
 
 
 @router.post("/infill", response_model=InfillResponse, openapi_extra=documented(InfillRequest),
-             responses=responses(*WITH_BODY, 400, 429, 503))
+             responses={**streamed('{"text": piece} per piece, then the full response object'),
+                        **responses(*WITH_BODY, 400, 429, 503)})
 async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     """Fill the hole between prefix and suffix. Send the same `session` each round: with `mode=efim` the text
     typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix

@@ -18,8 +18,8 @@ from ragcache.sampling import Answer
 from .answering import Context, ctx
 from .body import Body, documented
 from .engine_queue import EventStream
-from .errors import WITH_BODY, ApiError, responses
-from .native import sse_events
+from .errors import WITH_BODY, ApiError, clip_repr, responses
+from .native import sse_events, streamed
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -40,11 +40,11 @@ def unsupported(param: str, message: str) -> ApiError:
 
 def _check(c: Context, body: OpenAIFields) -> None:
     if body.model and body.model not in (c.rc.model_name, c.settings.model):
-        raise ApiError(404, "model_not_found", f"model {body.model!r} is not served here; this server serves "
+        raise ApiError(404, "model_not_found", f"model {clip_repr(body.model)} is not served here; this server serves "
                                                f"{c.rc.model_name!r} (GET /v1/models)", param="model")
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise unsupported(name, f"{name}={value!r} is not supported by ragcache")
+            raise unsupported(name, f"{name}={clip_repr(value)} is not supported by ragcache")
 
 
 def usage(answer: Answer) -> dict:
@@ -76,7 +76,7 @@ def list_models(request: Request) -> ModelList:
 
 
 @router.post("/completions", openapi_extra=documented(CompletionRequest),
-             responses=responses(*WITH_BODY, 400, 404, 429, 503))
+             responses={**streamed("text_completion chunks"), **responses(*WITH_BODY, 400, 404, 429, 503)})
 async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest)):
     """The prompt is the question; documents and link options come as extra body fields."""
     c = ctx(request)
@@ -96,7 +96,8 @@ def _text(message: ChatMessage, i: int) -> str:
         return message.content or ""
     for part in message.content:
         if part.type != "text":
-            raise unsupported(f"messages[{i}].content", f"only text content parts are supported, got {part.type!r}")
+            raise unsupported(f"messages[{i}].content",
+                              f"only text content parts are supported, got {clip_repr(part.type)}")
         if part.text is None:
             raise unsupported(f"messages[{i}].content", "a text content part needs its text")
     return "".join(part.text for part in message.content)
@@ -110,12 +111,13 @@ def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
     if len(rest) != 1 or rest[0].role != "user":
         roles = [m.role for m in messages]
         raise unsupported("messages", "ragcache answers one question from documents: send an optional system (or "
-                                      f"developer) message followed by exactly one user message; got roles {roles}")
+                                      "developer) message followed by exactly one user message; got roles "
+                                      f"{clip_repr(roles)}")
     return system, _text(rest[0], len(messages) - 1)
 
 
 @router.post("/chat/completions", openapi_extra=documented(ChatRequest),
-             responses=responses(*WITH_BODY, 400, 404, 429, 503))
+             responses={**streamed("chat.completion.chunk objects"), **responses(*WITH_BODY, 400, 404, 429, 503)})
 async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest)):
     """The last user message is the question, a leading system message the system prompt."""
     c = ctx(request)

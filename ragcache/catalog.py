@@ -35,6 +35,16 @@ class EnsureReport:
     unstored: StoreError | None = None  # why the compiled entries could not be stored (the caller still has them)
 
 
+@dataclass
+class Draft:
+    """A text's document before anything of it is written (`Catalog.draft`): what `Catalog.write` would store."""
+
+    doc: Document
+    chunks: list[list[int]]
+    new_document: bool  # its record is missing or unreadable
+    new_chunks: bool  # its chunk record is missing, or of no use to this tokenizer
+
+
 class Catalog:
     def __init__(self, store: Store, tokenizer, tokenizer_fingerprint: str, chunk_tokens: int):
         self.store = store
@@ -61,6 +71,13 @@ class Catalog:
         """`add`, also returning the document's chunk ids (read or made on the way, so no second read). The text is
         a valid document (ragcache.request); metadata a record could not give back is refused here
         (InvalidMetadata, PayloadTooLarge), before anything is written."""
+        draft = self.draft(text, meta)
+        self.write(draft)
+        return draft.doc.id, draft.chunks
+
+    def draft(self, text: str, meta: dict | None = None) -> Draft:
+        """The text's document and chunks as the store holds them, or would once `write` stores them: records are
+        read, nothing is written (a query checks its prompt's length on drafts before it stores a raw text)."""
         meta = {} if meta is None else meta
         check_metadata(meta)
         doc_id = document_id(text)
@@ -68,20 +85,30 @@ class Catalog:
             existing = read_document(doc_id, self._record_or_none(doc_name(doc_id)))
         except CorruptDocument:
             existing = None  # the caller holds the true text: writing it again repairs the record
-        if existing is None:
-            existing = Document(doc_id, text, dict(meta), self.chunk_tokens)
-            self.store.put_record(doc_name(doc_id), document_record(existing))
-        name = chunks_name(doc_id, self.tokenizer_fingerprint, existing.chunk_tokens)
-        return doc_id, self._chunks(existing, self._record_or_none(name))
+        doc = existing if existing is not None else Document(doc_id, text, dict(meta), self.chunk_tokens)
+        recorded = self._recorded(doc, self._record_or_none(chunks_name(doc_id, self.tokenizer_fingerprint,
+                                                                        doc.chunk_tokens)))
+        chunks = self._chunked(doc) if recorded is None else recorded
+        return Draft(doc, chunks, new_document=existing is None, new_chunks=recorded is None)
+
+    def write(self, draft: Draft) -> None:
+        """Store what a draft found missing: the document's record, then its chunk record."""
+        if draft.new_document:
+            self.store.put_record(doc_name(draft.doc.id), document_record(draft.doc))
+        if draft.new_chunks:
+            self._write_chunks(draft.doc, draft.chunks)
 
     def get(self, doc_id: str) -> Document | None:
         return read_document(doc_id, self._record(doc_name(doc_id)))
 
-    def resolve(self, doc_ids: list[str]) -> list[list[list[int]]]:
+    def resolve(self, doc_ids: list[str], drafted: dict[str, list[list[int]]] | None = None
+                ) -> list[list[list[int]]]:
         """Chunk ids (without layout tokens) of each document, in order; UnknownDocument names every unknown id.
+        `drafted`: chunks of documents not (yet) stored, by id (`draft`), taken as they are.
 
         One batched record read covers every document and, at the default budget, its chunk record too."""
-        unique = list(dict.fromkeys(doc_ids))
+        drafted = drafted or {}
+        unique = [d for d in dict.fromkeys(doc_ids) if d not in drafted]
         names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
         records = dict(zip(names, self.store.get_records(names, record_problem)))
         docs = {d: read_document(d, records[doc_name(d)]) for d in unique}
@@ -94,7 +121,7 @@ class Catalog:
         records.update(zip(other, self.store.get_records(other, record_problem)) if other else ())
         chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
                         for d, doc in docs.items()}
-        return [chunks_by_id[d] for d in doc_ids]
+        return [drafted[d] if d in drafted else chunks_by_id[d] for d in doc_ids]
 
     def chunks_of(self, doc_id: str) -> list[list[int]]:
         return self.resolve([doc_id])[0]
@@ -104,15 +131,29 @@ class Catalog:
 
     def _chunks(self, doc: Document, record: dict | None) -> list[list[int]]:
         """The document's chunks from its chunk record if sound, else chunked again from the text (and recorded)."""
-        name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
-        if record is not None:
-            problem = chunk_record_problem(name, record, self.vocab)
-            if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
-                return record["chunks"]
-            log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
-        chunks = [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
-        self.store.put_record(name, chunks_record(doc, self.tokenizer_fingerprint, self.vocab, chunks))
+        chunks = self._recorded(doc, record)
+        if chunks is None:
+            chunks = self._chunked(doc)
+            self._write_chunks(doc, chunks)
         return chunks
+
+    def _recorded(self, doc: Document, record: dict | None) -> list[list[int]] | None:
+        """The document's chunks from its chunk record; None if there is none, or none this tokenizer can use."""
+        if record is None:
+            return None
+        name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
+        problem = chunk_record_problem(name, record, self.vocab)
+        if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
+            return record["chunks"]
+        log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
+        return None
+
+    def _chunked(self, doc: Document) -> list[list[int]]:
+        return [c.token_ids for c in chunk_document(self.tokenizer, doc.text, doc.chunk_tokens)]
+
+    def _write_chunks(self, doc: Document, chunks: list[list[int]]) -> None:
+        name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
+        self.store.put_record(name, chunks_record(doc, self.tokenizer_fingerprint, self.vocab, chunks))
 
     def _record(self, name: str):
         return self.store.get_records([name], record_problem)[0]

@@ -203,10 +203,11 @@ class Front(abc.ABC):
         with self.catalog.using(doc_ids):
             return self._inputs(question, doc_ids, system, algorithm)[0]
 
-    def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str
-                ) -> tuple[LinkInput, list]:
-        """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled."""
-        chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids) for ids in doc_chunks]
+    def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str,
+                drafted: dict[str, list[list[int]]] | None = None) -> tuple[LinkInput, list]:
+        """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled;
+        `drafted`: the chunks of raw texts not stored yet, by id."""
+        chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids, drafted) for ids in doc_chunks]
         layout = self.layouts[linker.algorithm(algorithm).layout]
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
@@ -215,14 +216,17 @@ class Front(abc.ABC):
                          prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks))), chunks
 
     def _prompt(self, query: Query, max_new_tokens: int) -> tuple[LinkInput, list]:
-        """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Raw texts are stored first,
-        and the length is checked before anything missing is compiled."""
-        for text in query.texts:
-            self.catalog.add(text)
-        parts, chunks = self._inputs(query.question, query.doc_ids, query.system, query.params.algorithm)
+        """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Its raw texts are chunked
+        in memory first and stored only once the prompt is known to fit (and every id to be known): a refused query
+        writes nothing. Nothing missing is compiled here."""
+        drafts = {d.doc.id: d for d in map(self.catalog.draft, query.texts)}
+        parts, chunks = self._inputs(query.question, query.doc_ids, query.system, query.params.algorithm,
+                                     {doc_id: d.chunks for doc_id, d in drafts.items()})
         length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
         if length + max_new_tokens > self.context_length:
             raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
+        for draft in drafts.values():
+            self.catalog.write(draft)
         return parts, chunks
 
     def _infill_ids(self, fill: Infill) -> list[int]:

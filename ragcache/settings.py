@@ -102,7 +102,18 @@ class Settings(BaseSettings):
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)
-    max_documents: int = Field(64, ge=1)
+    max_documents: int = Field(64, ge=1, description="documents in one request (POST /v1/documents, raw texts and "
+                               "ids of a query); more is a 413 before any is validated")
+    # the shape of every JSON body (documents, query, infill, completions, chat), checked before validation so that
+    # no body costs more than bounded work, nor pydantic more than a bounded number of errors (api/shape.py)
+    max_body_values: int = Field(200_000, ge=1, description="JSON values (objects, arrays, strings, numbers) in one "
+                                 "request body, metadata included; the read stops at the first past it, a 413")
+    max_body_keys: int = Field(1_024, ge=1, description="keys in one JSON object of a request body (metadata "
+                               "included); more is a 413")
+    max_body_items: int = Field(10_000, ge=1, description="items in one JSON array of a request body (metadata "
+                                "included; `documents` is bounded by max_documents); more is a 413")
+    max_body_depth: int = Field(64, ge=2, le=256, description="objects and arrays nested in one another in a "
+                                "request body; deeper is a 422")
     max_new_tokens_limit: int = Field(1024, ge=1)
 
     @model_validator(mode="after")

@@ -1009,7 +1009,7 @@ def test_a_body_over_the_document_count_is_refused_before_its_documents_are_vali
 @pytest.mark.parametrize("metadata,fragment", [
     ({"a": "\ud800"}, "lone surrogate"),
     ({"a": json.loads("[" * 40 + "]" * 40)}, "deeper than 32"),
-    ({"a": json.loads("[" * 900 + "]" * 900)}, "recursion limit"),
+    ({"a": json.loads("[" * 900 + "]" * 900)}, "deeper than 64 levels"),  # the body's own depth limit
     ({"a": "x" * 70_000}, "at most 65536"),
 ], ids=["surrogate", "deep", "900-deep", "large"])
 def test_metadata_a_record_could_not_give_back_is_refused_and_listing_still_works(http, metadata, fragment):
@@ -1045,3 +1045,118 @@ def test_the_openapi_document_lists_the_codes_the_routes_return(http, doc_ids):
         assert str(status) in documented and "500" in documented, (method, path, status, sorted(documented))
     refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
     assert {"CompileRequest", "QueryRequest", "ErrorResponse"} <= refs <= set(doc["components"]["schemas"])
+
+
+# -- hostile bodies: bounded work before validation, nothing stored for a refused query (#50) ---------------------
+def small_error(r: httpx.Response, status: int, *fragments: str) -> dict:
+    """The error, whose body stays small however large the request was."""
+    assert len(r.content) < 8192, (len(r.content), r.text[:500])
+    return error_of(r, status, *fragments)
+
+
+@pytest.mark.parametrize("path,valid", [("/v1/query", {"question": "q"}), ("/v1/documents", {"text": "a"}),
+                                        ("/v1/infill", {"prefix": "a"})])
+def test_a_body_of_unknown_keys_gets_its_first_errors_and_a_count(http, path, valid):
+    unknown = {f"k{i:010d}": 1 for i in range(100_000)}
+    error = small_error(http.post(path, json={**valid, **unknown}), 422, "k0000000000", "(and 99999 more)")
+    assert error["error_count"] == 100_000 and len(error["details"]) == 20
+    assert error["details"][0] == {"loc": ["k0000000000"], "msg": "Extra inputs are not permitted",
+                                   "type": "extra_forbidden"}
+
+
+def test_pydantic_errors_are_listed_twenty_at_most(http):
+    docs = [{"text": i, "metadata": i} for i in range(30)]  # two errors each
+    error = small_error(http.post("/v1/documents", json={"documents": docs}), 422, "documents.0.text", "(and 59 more)")
+    assert error["error_count"] == 60 and len(error["details"]) == 20
+
+
+@pytest.mark.parametrize("path,body,fragment,limit", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                              **{f"x{i}": 1 for i in range(2000)}}, "2001 keys in one object (the body)", 1024),
+    ("/v1/documents", {"text": "a", "metadata": {f"k{i}": 1 for i in range(1025)}},
+     "1025 keys in one object (metadata)", 1024),
+    ("/v1/query", {"question": "q", "stop": ["s"] * 10_001}, "10001 items in one array (stop)", 10_000),
+    ("/v1/completions", {"prompt": "q", "ragcache": {"k": [[0] * 10_001]}}, "10001 items in one array (ragcache.k.0)",
+     10_000),
+])
+def test_objects_and_arrays_past_their_counts_are_413_before_validation(http, path, body, fragment, limit):
+    error = small_error(http.post(path, json=body), 413, fragment, f"at most {limit}")
+    assert error["type"] == "payload_too_large" and error["limit"] == limit
+
+
+def test_a_body_of_too_many_values_is_413_whether_objects_or_not(rc):
+    with serve(rc, max_body_values=100) as s, httpx.Client(base_url=s.url, timeout=300) as client:
+        for metadata in ({"a": [{}] * 200}, {"a": [1] * 60, "b": [1] * 60}):  # given up while parsing; after it
+            error = small_error(client.post("/v1/documents", json={"text": "a", "metadata": metadata}), 413,
+                                "more than 100 JSON values")
+            assert error["limit"] == 100
+        assert client.post("/v1/documents", json={"text": "Fine.", "metadata": {"a": [1] * 50}}).status_code == 201
+
+
+def test_a_huge_key_or_value_is_not_echoed_back_whole(http):
+    small_error(http.post("/v1/query", json={"question": "q", "k" * 1_000_000: 1}), 422, "(1000000 characters)")
+    small_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                        "model": "m" * 1_000_000}), 404, "not served here")
+    small_error(http.post("/v1/query", content=json.dumps({"question": "q", "\ud800": 1}),
+                          headers={"content-type": "application/json"}), 422, "\\ud800")  # a lone surrogate key
+
+
+def test_a_refused_query_stores_none_of_its_raw_texts(http, rc):
+    long_text = " ".join(f"v{i % 89}" for i in range(9000))  # far past the 8192-token context
+    short_text = f"A note that no query stores: {uuid.uuid4().hex}."
+    before = len(rc.document_ids())
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": short_text}, {"text": long_text}],
+                                     "algorithm": "naive", "max_tokens": 8})
+    assert error_of(r, 413, "context")["type"] == "prompt_too_long"
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": short_text}, "0" * 32]})
+    assert error_of(r, 404, "0" * 32)["type"] == "unknown_document"
+    assert len(rc.document_ids()) == before
+    for text in (short_text, long_text):
+        error_of(http.get(f"/v1/documents/{document_id(text)}"), 404, document_id(text))
+
+
+def test_a_query_that_fits_stores_its_raw_text(http, rc):
+    text = f"The lantern room holds a brass lens, serial {uuid.uuid4().hex}."
+    r = http.post("/v1/query", json={"question": "What does the lantern room hold?", "documents": [{"text": text}],
+                                     "algorithm": "naive", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert http.get(f"/v1/documents/{document_id(text)}").json()["text"] == text
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect(http, doc_ids):
+    assert http.get(f"/v1/documents/{doc_ids[0]}").status_code == 200
+    for method, path in (("GET", f"/v1/documents/{doc_ids[0]}/"), ("GET", "/v1/documents/"),
+                         ("POST", "/v1/query/")):
+        error_of(http.request(method, path, json={"question": "q"}), 404, "not found")
+
+
+@pytest.mark.parametrize("path,methods", [("/v1/documents", "GET, POST"),
+                                          (f"/v1/documents/{'0' * 32}", "DELETE, GET")])
+def test_a_405_allows_every_method_of_the_path(http, path, methods):
+    r = http.put(path, json={})
+    error_of(r, 405, "not allowed")
+    assert r.headers["allow"] == methods
+
+
+def test_the_schema_documents_event_streams_and_the_bounds_of_documents_and_max_tokens(http):
+    doc = http.get("/openapi.json").json()
+    for path in ("/v1/query", "/v1/infill", "/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"], path
+    schemas = doc["components"]["schemas"]
+    for name in ("QueryRequest", "ChatRequest", "CompletionRequest"):
+        assert schemas[name]["properties"]["documents"]["maxItems"] == 64, name
+        assert schemas[name]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1024, name
+    assert schemas["CompileRequest"]["properties"]["documents"]["anyOf"][0]["maxItems"] == 64
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b'{"question": "q",}', "at character 17: expecting property name"),
+    (b'{"question": "q"} x', "extra data"),
+    (b'{"question" "q"}', "expecting ':' delimiter"),
+    (b'{"question": "q", "stop": [1, 2', "expecting ',' delimiter"),
+    (b'{"question": ' + b"9" * 5000 + b"}", "4300 digits"),
+    (b'{"question": "\xff"}', "at character 14: not utf-8"),
+], ids=["trailing comma", "extra data", "no colon", "cut off", "huge integer", "not utf-8"])
+def test_malformed_bodies_are_422_saying_where(http, content, fragment):
+    error_of(http.post("/v1/query", content=content, headers={"content-type": "application/json"}), 422,
+             "malformed JSON body", fragment)
