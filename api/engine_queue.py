@@ -1,10 +1,10 @@
 """Admission to the engine, and answers streamed back to the event loop.
 
-- The engine's scheduler thread runs every model step (batching every running request, FIFO admission);
+- The engine's model thread runs every model step (batching every running request, FIFO admission);
   this module only decides admission: at most `max_queue` requests hold a slot (preparing, waiting or
   running); the next one gets 429 at once.
 - Work that is not a model step (store reads, compiling a document, which queues its model work on the
-  scheduler) runs in worker threads, so the event loop never blocks.
+  model thread) runs in worker threads, so the event loop never blocks.
 - A Generation opens a ragcache Sequence and receives its events from the model thread; a client that
   disconnects cancels it: the driver aborts it before its next step, and the slot is freed once the engine has let
   go of it (its last event: `Aborted`, which the routes read as the client gone).

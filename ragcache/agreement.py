@@ -1,7 +1,7 @@
 """Agreement of a linked cache with `full`: the next-token comparison, and the positions along `full`'s own answer
 (greedy decoding, teacher forcing, and the first content word, where a reader that opens with "The answer is"
 first says something it took from the documents). The bench measures with these; `ragcache calibrate --at
-content` too, through the scheduler's thread; the guard compares with `first_token`."""
+content` too, through the model thread; the guard compares with `first_token`."""
 
 from __future__ import annotations
 

@@ -226,7 +226,7 @@ def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Ite
 # -- the student: the cheap link, differentiable -------------------------------------------------------------------
 def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     """The linker's plan for the cheap algorithm (entries fetched, rotated; focus's rows chosen by the model as it
-    is now), on the scheduler's thread."""
+    is now), on the model thread."""
     query = rc.validate(target.question, target.doc_ids, algorithm=cfg.algorithm, max_new_tokens=None,
                         **cfg.link_kwargs())
     parts, params, _ = rc._prepare(query, 0, QueryStats())
