@@ -625,7 +625,15 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
 
     from ragcache.engine import RagCache
     from ragcache.settings import row_budget_for
-    from ragcache.store import open_store
+    from ragcache.store.device import DeviceStore
+    from ragcache.store.memory import MemoryStore
+    from ragcache.store.tiered import TieredStore
+
+    def store(tier: str):
+        """The tier's store, its memory tier sized for the 32k prompt's entries (4.3 GB at 8B; the default is 2 GiB,
+        which would evict them and time their compiling), pinned on CUDA as `open_store` pins it."""
+        memory = MemoryStore(64 << 30, pin=device.type == "cuda")
+        return memory if tier == "memory" else TieredStore([DeviceStore(device), memory])
 
     shape, contexts = ("smollm2-135m", [256, 512]) if quick else (shape, contexts)
     doc_words, question_words, reps = (60, 8, 1) if quick else (1016, 32, 3)
@@ -641,7 +649,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     rows: list[dict] = []
     first_logits: dict[int, list] = {}  # a naive link's logits from each tier: the same entries, the same answer
     for tier in tiers:
-        rc = RagCache(lm, open_store(tier, device=device), chunk_tokens=doc_words + 8)
+        rc = RagCache(lm, store(tier), chunk_tokens=doc_words + 8)
         for context, (texts, question, indices) in zip(contexts, asks):
             ids = rc.compile(texts)
             order = [ids[i] for i in indices]
