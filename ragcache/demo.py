@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -25,24 +26,27 @@ def check_data(data: Path) -> None:
 def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
     report = rc.compile_documents(list(docs.values()))
-    console.print(f"compiled {report.documents} documents into {rc.store.name} "
-                  f"({report.compiled_chunks} new chunks, {report.skipped} documents already there) "
-                  f"in {report.seconds:.1f}s")
+    console.print(f"compiled {report.documents} documents into {rc.store.name} in {report.seconds:.1f}s "
+                  f"({report.compiled_chunks} new chunks; {report.skipped} documents were there)")
     rc.warmup()
     rows = []
     adapter = getattr(rc.lm, "adapter", None)
     note = f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
-    table = Table("question", "algorithm", "answer", "TTFT ms", "recomputed", "cached",
-                  title=f"full prefill vs {DEFAULT_ALGORITHM} ({DOCS_PER_QUESTION} documents per question, {rc.model_name}"
-                        f"{note})")
+    console.print(f"full prefill vs {DEFAULT_ALGORITHM}, {DOCS_PER_QUESTION} documents per question, "
+                  f"{rc.model_name}{note}")
     for item in builtin_items(rc, n_questions, DOCS_PER_QUESTION, data=data, ids=dict(zip(docs, report.ids))):
+        # one block per question, the answer under its figures: it reads in an 80-column terminal
+        table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left",
+                      title_style="bold")
+        table.add_column("algorithm", no_wrap=True)
+        table.add_column("answer")
         for algorithm in ("full", DEFAULT_ALGORITHM):
             answer = rc.query(item.question, docs=item.doc_ids, algorithm=algorithm, max_new_tokens=32, stop=["\n\n"])
             st = answer.stats
-            table.add_row(item.question, algorithm, _short(answer.text), f"{st.ttft_s * 1000:.0f}",
-                          str(st.recomputed_tokens), str(st.cached_tokens))
+            figures = f"TTFT {st.ttft_s * 1000:.0f} ms, {st.recomputed_tokens} recomputed, {st.cached_tokens} cached"
+            table.add_row(algorithm, f"{figures}\n{_short(answer.text)}")
             rows.append({"question": item.question, "algorithm": algorithm, "answer": answer.text, **st.as_dict()})
-    console.print(table)
+        console.print(table)
     return rows
 
 

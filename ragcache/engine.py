@@ -11,6 +11,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import torch
+
 from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec

@@ -339,3 +339,26 @@ def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tm
     doc_id = tiny_cli.engines[-1].document_ids()[0]
     assert f"compiled before at another chunk budget and keep it (a document's budget is set when it is first " \
            f"added): {doc_id} (32 tokens)" in rebudget.text
+
+
+def test_the_demo_reads_at_80_columns():
+    """Each question is a block: its figures on one line, its answer under them, nothing past 80 columns."""
+    from rich.console import Console
+
+    from ragcache.demo import run_demo
+    from ragcache.engine import RagCache
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    lm = tiny.make("llama")
+    lm.model.config.max_position_embeddings = 2048  # the demo's four documents and a question
+    rc = RagCache(lm, MemoryStore(), chunk_tokens=64)
+    console = Console(width=80, record=True, color_system=None)
+    rows = run_demo(rc, DATA, 2, console)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert len(rows) == 4 and all(len(line) <= 80 for line in lines)
+    figures = [line for line in lines if "TTFT" in line]
+    assert len(figures) == 4 and all("recomputed" in line and "cached" in line for line in figures)
+    for row in rows:
+        assert row["question"] in text
