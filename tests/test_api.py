@@ -1160,3 +1160,17 @@ def test_the_schema_documents_event_streams_and_the_bounds_of_documents_and_max_
 def test_malformed_bodies_are_422_saying_where(http, content, fragment):
     error_of(http.post("/v1/query", content=content, headers={"content-type": "application/json"}), 422,
              "malformed JSON body", fragment)
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_one_the_server_exports(http, doc_ids):
+    """deploy/grafana/ragcache.json against this server's /metrics: each name a panel queries is one the server
+    declares (`# TYPE`: a counter as `..._total`, a gauge as is), or a histogram's `_bucket`, `_sum` or `_count`."""
+    assert ask(http, doc_ids).status_code == 200  # labelled families get their first samples
+    declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", http.get("/metrics").text, re.M))
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "ragcache.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bragcache_[a-z0-9_]+", target["expr"])}
+    histogram = {name + suffix for name, kind in declared.items() if kind == "histogram"
+                 for suffix in ("_bucket", "_sum", "_count")}
+    unknown = sorted(n for n in queried if declared.get(n) not in ("counter", "gauge") and n not in histogram)
+    assert len(queried) >= 15 and not unknown, unknown
