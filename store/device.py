@@ -4,8 +4,6 @@ whose hits in slower tiers fill it."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from .errors import StoreError
@@ -26,12 +24,7 @@ def device_budget(device: torch.device, fraction: float = DEFAULT_FREE_FRACTION)
 
 def to_device(entry: ChunkKV, device: torch.device) -> ChunkKV:
     """The entry's tensors on `device`, the same values and dtypes."""
-
-    def move(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else t.to(device)
-
-    return dataclasses.replace(entry, token_ids=move(entry.token_ids), keys=move(entry.keys), values=move(entry.values),
-                               key_scales=move(entry.key_scales), value_scales=move(entry.value_scales))
+    return entry.map(lambda t: t.to(device))
 
 
 class DeviceStore(MemoryStore):

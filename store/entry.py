@@ -13,7 +13,8 @@ import json
 import math
 import struct
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 from safetensors.torch import save as st_save
@@ -52,6 +53,10 @@ class ChunkKV:
         tensors = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values,
                    "key_scales": self.key_scales, "value_scales": self.value_scales}
         return {name: t for name, t in tensors.items() if t is not None}
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ChunkKV":
+        """The entry with `fn` applied to each of its tensors (the absent scales stay absent), its meta as is."""
+        return replace(self, **{name: fn(t) for name, t in self._tensors().items()})
 
     def equal(self, other: "ChunkKV") -> bool:
         mine, theirs = self._tensors(), other._tensors()

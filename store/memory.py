@@ -4,7 +4,6 @@ pageable memory, measured on an H100), and asynchronously."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import threading
 import time
@@ -145,6 +144,4 @@ def _pinned(entry: ChunkKV) -> ChunkKV:
     """The entry in page-locked host memory (a copy; one already pinned, as it is)."""
     if entry.keys.is_pinned() or entry.keys.device.type != "cpu":
         return entry
-    return dataclasses.replace(entry, **{name: None if t is None else t.pin_memory() for name, t in (
-        ("token_ids", entry.token_ids), ("keys", entry.keys), ("values", entry.values),
-        ("key_scales", entry.key_scales), ("value_scales", entry.value_scales))})
+    return entry.map(torch.Tensor.pin_memory)
