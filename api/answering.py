@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.sampling import Answer
+from ragcache.sampling import Answer, Sampling
 from ragcache.front import Front, Stream
 from ragcache.sequence import Aborted, Done, Event, Failed, Piece
 from ragcache.guard import BackgroundGuard
@@ -64,12 +64,11 @@ class Context:
         200k characters take tens of milliseconds), which would stall every other request on the loop."""
         s, link = self.settings, link or LinkOptions()
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
-        return await run_in_threadpool(
-            self.rc.validate, question, docs, system=system or None, algorithm=link.algorithm or s.algorithm,
-            k=s.k if link.k is None else link.k, ratio=s.ratio if link.ratio is None else link.ratio,
-            deviation=link.deviation or "key", max_new_tokens=self.max_tokens(sampling.max_tokens),
-            temperature=sampling.temperature, top_p=sampling.top_p, stop=stop_strings(sampling.stop),
-            seed=sampling.seed, limits=self.limits)
+        params = self.rc.params(link.algorithm or s.algorithm, s.k if link.k is None else link.k,
+                                s.ratio if link.ratio is None else link.ratio, deviation=link.deviation or "key")
+        answer = Sampling(self.max_tokens(sampling.max_tokens), sampling.temperature, sampling.top_p,
+                          stop_strings(sampling.stop), sampling.seed)
+        return await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""

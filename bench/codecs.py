@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.store import codec as kv_codec
 from ragcache.store.memory import MemoryStore
 
@@ -42,7 +43,7 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
     bench = report.Run("codecs", params, out_dir)
     codecs = ["fp32"] + [c for c in codecs if c not in ("fp32", "auto")]  # fp32 entries are the reference
     models = {dtype: load_model(model, dtype) for dtype in {compute_dtype(c) for c in codecs}}
-    engines = {c: RagCache(models[compute_dtype(c)], MemoryStore(), chunk_tokens=512, kv_codec=stored_codec(c))
+    engines = {c: RagCache(models[compute_dtype(c)], MemoryStore(), EngineConfig(chunk_tokens=512, kv_codec=stored_codec(c)))
                for c in codecs}
     reference = engines["fp32"]
     reference.warmup()

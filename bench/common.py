@@ -81,9 +81,10 @@ def load_model(name: str, dtype: str = "auto"):
 def engine(lm, store, chunk_tokens: int, kv_codec: str = "auto"):
     """A RagCache over an already loaded model (several engines share one model: no reload per store)."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 
-    return RagCache(lm, open_store(store), chunk_tokens=chunk_tokens, kv_codec=kv_codec)
+    return RagCache(lm, open_store(store), EngineConfig(chunk_tokens=chunk_tokens, kv_codec=kv_codec))
 
 
 def _empty(spec: str) -> None:

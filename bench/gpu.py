@@ -477,6 +477,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
     import random
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
     doc_tokens, documents, per_query, new_tokens = (64, 8, 2, 8) if quick else (512, 32, 4, 64)
@@ -486,7 +487,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
     def random_words(n: int) -> str:
         return " ".join(f"w{rng.randrange(1000)}" for _ in range(n))
 
-    rc = RagCache(lm, MemoryStore(), chunk_tokens=doc_tokens)
+    rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens))
     doc_ids = rc.compile([random_words(doc_tokens) for _ in range(documents)])
     rc.warmup()
     out = []
@@ -516,6 +517,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     from concurrent.futures import ThreadPoolExecutor
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
     doc_tokens, documents, requests, group, new_tokens = (64, 4, 4, 2, 4) if quick else (512, 8, 16, 8, 16)
@@ -526,7 +528,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     asks = [(words(16), rng.sample(range(documents), 2)) for _ in range(requests)]
     rows = []
     for flag in (True, False):
-        rc = RagCache(lm, MemoryStore(), chunk_tokens=doc_tokens, batch_invariant=flag)
+        rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens, batch_invariant=flag))
         ids = rc.compile(texts)
         rc.warmup()
 
@@ -624,7 +626,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     import random
 
     from ragcache.engine import RagCache
-    from ragcache.settings import row_budget_for
+    from ragcache.settings import EngineConfig, row_budget_for
     from ragcache.store.device import DeviceStore
     from ragcache.store.memory import MemoryStore
     from ragcache.store.tiered import TieredStore
@@ -649,7 +651,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     rows: list[dict] = []
     first_logits: dict[int, list] = {}  # a naive link's logits from each tier: the same entries, the same answer
     for tier in tiers:
-        rc = RagCache(lm, store(tier), chunk_tokens=doc_words + 8)
+        rc = RagCache(lm, store(tier), EngineConfig(chunk_tokens=doc_words + 8))
         for context, (texts, question, indices) in zip(contexts, asks):
             ids = rc.compile(texts)
             order = [ids[i] for i in indices]

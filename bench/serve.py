@@ -94,13 +94,14 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
 
     from ragcache import models
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 
     # transformers' loop gets a model of its own: building the runner rewrites lm.model (each Linear pads its rows
     # on CPU, the attention is routed through ragcache's), and the peer must run transformers' code unmodified.
     plain = models.load(model, dtype=dtype).model
     lm = models.load(model, dtype=dtype)
-    rc = RagCache(lm, open_store("memory:"), batch_invariant=batch_invariant)
+    rc = RagCache(lm, open_store("memory:"), EngineConfig(batch_invariant=batch_invariant))
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve(model)), DECODE_DOCS, doc_tokens)
     ids = rc.compile(texts)
     questions = squad.timing_questions(max(streams))

@@ -30,76 +30,65 @@ from .request import Infill, Query
 from .driver import Driver
 from .runner import Runner
 from .scheduler import Scheduler
-from .settings import (DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL,
-                       DEFAULT_PREFIX_BUDGET, DEFAULT_STORE, INSTALLED, Settings, row_budget_for)
+from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for
 from .sequence import Done, Failed, Sequence
 
 log = logging.getLogger("ragcache")
 
 
 class RagCache(Front):
-    def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, row_budget: int | None = None,
-                 kv_codec: str | None = "auto", batch_invariant: bool | None = None):
-        self.runner = Runner(lm, batch_invariant)
-        row_budget = row_budget_for(self.runner.device) if row_budget is None else row_budget
-        super().__init__(lm, store, chunk_tokens, self.runner.shape.layers)
-        self.compiler = Compiler(lm, self.runner, kv_codec)
+    def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
+        """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
+        kv_codec, prefix_cache_bytes, row_budget, batch_invariant). `open` and `from_config` load and open them."""
+        self.config = config
+        self.runner = Runner(lm, config.batch_invariant)
+        row_budget = row_budget_for(self.runner.device) if config.row_budget is None else config.row_budget
+        super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
+        self.compiler = Compiler(lm, self.runner, config.kv_codec)
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
         # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
         # Batch-invariant, a `prefix` answer does not depend on what was cached before it either (PrefixCache.piece).
         # An infill session keeps every cached row: its next round is a keystroke away.
-        self.prefix_cache = PrefixCache(prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None)
-        self.infill_cache = PrefixCache(prefix_cache_bytes)
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes,
+                                        piece=row_budget if self.runner.batch_invariant else None)
+        self.infill_cache = PrefixCache(config.prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
         self.driver = Driver(self.runner, self.scheduler)
         self.stop_ids = eos_ids(lm)
 
     @classmethod
-    def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, *, engine: str = "ragcache",
-             chunk_tokens: int = DEFAULT_CHUNK_TOKENS, dtype: str = "auto", device: str = "cpu",
-             prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET, kv_codec: str = "auto",
-             adapter: str | None = INSTALLED, merge_adapter: bool = True, batch_invariant: bool | None = None,
-             **vllm_args) -> Front:
-        """`kv_codec`: how chunk K/V are stored (store/codec.py): fp32, fp16, bf16, int8, or "auto" (int8 on CPU,
-        the compute dtype elsewhere). `adapter`: a directory `ragcache train link` wrote, None (the base model), or
-        left out: the model's installed adapter where its calibration vouches for it (ragcache/adapters.py), else the
-        base model.
-        `merge_adapter`: fold the adapter into the weights (faster) or run it beside them (on vLLM: a merged
-        checkpoint, or vLLM's LoRA).
-        `batch_invariant`: an answer does not depend on what else is in its batch (Runner; None: on on CPU, off on
-        CUDA until measured there); False: faster decode at many streams. `engine="vllm"`: the same front doors on
-        vLLM's engine (VllmRagCache.open takes `vllm_args`: max_model_len, kv_cache_gib, any vLLM engine argument)."""
-        if engine == "vllm":
-            from .integrations.vllm.engine import VllmRagCache
-
-            return VllmRagCache.open(model, store, chunk_tokens=chunk_tokens, dtype=dtype, kv_codec_name=kv_codec,
-                                     adapter=adapter, merge_adapter=merge_adapter, **vllm_args)
-        if engine != "ragcache" or vllm_args:
-            raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {engine!r}" if engine != "ragcache" else
-                                      f"{sorted(vllm_args)} are options of the vllm engine")
-        validate_kv_codec(kv_codec)  # a bad name fails before the model loads
-        lm = models.load(model, dtype=dtype, device=device)
-        chosen = adapters.calibrated_default(lm) if adapter == INSTALLED else adapter
-        lm = lora.attach_adapter(lm, chosen, merge_adapter) if chosen is not None else lm
-        # on CUDA: a "gpu" tier on the model's device, the memory tier pinned
-        return cls(lm, open_store(store, device=device), chunk_tokens=chunk_tokens,
-                   prefix_cache_bytes=prefix_cache_bytes, kv_codec=kv_codec, batch_invariant=batch_invariant)
+    def open(cls, model: str = DEFAULT_MODEL, store: str | Store = DEFAULT_STORE, **options) -> Front:
+        """`from_config` with EngineConfig's fields as keywords (ragcache.settings: engine, device, dtype,
+        chunk_tokens, kv_codec, prefix_cache_bytes, row_budget, batch_invariant, adapter, merge_adapter). With
+        `engine="vllm"`, any other keyword is a vLLM engine argument (max_model_len, kv_cache_gib, ...)."""
+        return cls.from_config(EngineConfig.of(model, store, **options))
 
     @classmethod
-    def from_settings(cls, s: "Settings") -> Front:
+    def from_settings(cls, s: Settings) -> Front:
         """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults).
         Their default algorithm is checked first: a typo would make every request that names none a client error."""
         linker.algorithm(s.algorithm)
-        if s.engine == "vllm":
-            return cls.open(s.model, s.store, engine="vllm", chunk_tokens=s.chunk_tokens, dtype=s.dtype,
-                            kv_codec=s.kv_codec, adapter=adapters.parse(s.adapter), merge_adapter=s.merge_adapter,
-                            max_model_len=s.max_model_len, kv_cache_gib=s.kv_cache_gib)
-        return cls.open(s.model, s.store, chunk_tokens=s.chunk_tokens, dtype=s.dtype, device=s.device,
-                        kv_codec=s.kv_codec, prefix_cache_bytes=s.prefix_cache_mib << 20,
-                        adapter=adapters.parse(s.adapter), merge_adapter=s.merge_adapter,
-                        batch_invariant=s.batch_invariant)
+        return cls.from_config(s.engine_config())
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Front:
+        """Load the model (with its adapter) and open the store a config names, on ragcache's engine or vLLM's.
+        A bad codec or engine name fails before the model loads."""
+        if config.engine == "vllm":
+            from .integrations.vllm.engine import VllmRagCache
+
+            return VllmRagCache.from_config(config)
+        if config.engine != "ragcache" or config.vllm_args:
+            raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {config.engine!r}"
+                                      if config.engine != "ragcache" else
+                                      f"{sorted(config.vllm_args)} are options of the vllm engine")
+        validate_kv_codec(config.kv_codec)
+        lm = models.load(config.model, dtype=config.dtype, device=config.device)
+        chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
+        lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
+        # on CUDA: a "gpu" tier on the model's device, the memory tier pinned
+        return cls(lm, open_store(config.store, device=config.device), config)
 
     @property
     def kv_codec(self) -> str:
@@ -168,15 +157,12 @@ class RagCache(Front):
         stats.algorithm, stats.prompt_tokens = algorithm, len(parts.token_ids)
         return parts, query.params, self.prefix_cache
 
-    def link(self, question: str, docs: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
-             k: int | None = None, ratio: float | None = None, check_layer: int = DEFAULT_CHECK_LAYER,
-             max_new_tokens: int = 0, _stats: QueryStats | None = None, background: bool = False,
-             deviation: str = "key") -> Linked:
+    def link(self, question: str, docs: list[str], system: str | None = None, max_new_tokens: int = 0,
+             _stats: QueryStats | None = None, background: bool = False, **link_knobs) -> Linked:
         """The joined cache and last-token logits of a prompt, linked through the engine's steps (no decoding);
-        `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `deviation`: which of K or
-        V cacheblend ranks rows by ("key", or "value" as EPIC's code does)."""
-        query = self.validate(question, docs, system, algorithm, k, ratio, None, check_layer=check_layer,
-                              deviation=deviation)
+        `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `link_knobs`: `params`'
+        (algorithm, k, ratio, check_layer, and deviation: which of K or V cacheblend ranks rows by)."""
+        query = self.validate(question, docs, system, self.params(**link_knobs))
         return self._link_query(query, max_new_tokens, _stats, background)
 
     def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
@@ -200,12 +186,11 @@ class RagCache(Front):
                         lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
                         Decoding(query.sampling, self.tokenizer, self.stop_ids, self.runner.device))
 
-    def check(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
-              k: int | None = None, ratio: float | None = None) -> guard.Check:
+    def check(self, question: str, docs: list, system: str | None = None, **link_knobs) -> guard.Check:
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
         first position (top-1 agreement, KL(full || linked)). What the server's accuracy guard runs on a sample.
         With a link adapter, `full` is the base model's (the adapter off), as in calibration."""
-        query = self.validate(question, docs, system, algorithm, k, ratio, None)
+        query = self.validate(question, docs, system, self.params(**link_knobs))
         return self.compare_with_full(query, self._link_query(query).last_logits)
 
     def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None,

@@ -25,6 +25,9 @@ from .sampling import Answer, QueryStats, Sampling
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
 
 
+LINK_KNOBS = ("algorithm", "k", "ratio", "check_layer", "deviation")  # `Front.params`'
+
+
 @dataclass
 class CompileReport:
     ids: list[str] = field(default_factory=list)
@@ -249,21 +252,19 @@ class Front(abc.ABC):
             ratio = self.default_focus_ratio
         return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
 
-    def validate(self, question: str, docs: list, system: str | None = None, algorithm: str = DEFAULT_ALGORITHM,
-                 k: int | None = None, ratio: float | None = None, max_new_tokens: int | None = 32,
-                 temperature: float = 0.0, top_p: float = 1.0, stop: list[str] | None = None, seed: int | None = None,
-                 check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key", limits: Limits = UNBOUNDED) -> Query:
-        """The one check of a query's meaning (ragcache.request), with the unset link knobs from this model's
-        profile; `max_new_tokens=None`: a link only, nothing sampled. `docs`: document ids, or `{"text": ...}` for
-        raw text, stored and compiled on the fly."""
-        sampling = None if max_new_tokens is None else Sampling(max_new_tokens, temperature, top_p, list(stop or []),
-                                                                  seed)
-        return request.validate(question, docs, system, self.params(algorithm, k, ratio, check_layer, deviation),
-                                sampling, self.layers, limits)
+    def validate(self, question: str, docs: list, system: str | None = None, link: LinkParams | None = None,
+                 sampling: Sampling | None = None, limits: Limits = UNBOUNDED) -> Query:
+        """The one check of a query's meaning (ragcache.request). `docs`: document ids, or `{"text": ...}` for raw
+        text, stored and compiled on the fly. `link`: from `params` (None: its defaults); `sampling`: how to answer
+        (None: a link only, nothing sampled)."""
+        return request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
 
-    def stream(self, question: str, docs: list, **kwargs) -> Stream:
-        """The answer as a Sequence of text pieces; `validate` lists the keyword arguments."""
-        return self.stream_query(self.validate(question, docs, **kwargs))
+    def stream(self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED,
+               **knobs) -> Stream:
+        """The answer as a Stream of text pieces. `knobs`: the link's (`params`: algorithm, k, ratio, check_layer,
+        deviation) and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
+        link = self.params(**{name: knobs.pop(name) for name in LINK_KNOBS if name in knobs})
+        return self.stream_query(self.validate(question, docs, system, link, Sampling(**knobs), limits))
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return drain(self.stream(question, docs, **kwargs))

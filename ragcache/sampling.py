@@ -65,6 +65,9 @@ class Sampling:
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
 
+    def __post_init__(self) -> None:
+        self.stop = list(self.stop or [])  # None (llama-index's "no stop") is none
+
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ParameterOutOfRange(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")

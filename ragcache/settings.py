@@ -6,7 +6,9 @@ ragcache/store (it imports nothing from ragcache) and are re-exported here."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import Field, model_validator
@@ -46,6 +48,37 @@ DEFAULT_FOCUS_RATIOS = (0.05, 0.1, 0.25, 0.4, 0.5, 0.75)  # qwen2.5-coder-0.5b r
 DEFAULT_LR = {True: 2e-4, False: 2e-5}  # infill training, by lora
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the demo's and calibration's documents and questions
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything an engine is opened with, in one object from `Settings.engine_config()` (or by hand) to the
+    engine's parts: `RagCache.from_config` loads the model and opens the store; the facade hands each part its knobs.
+    `adapter`: a directory `ragcache train link` wrote, None (the base model), or INSTALLED: the model's installed
+    adapter where its calibration vouches for it (ragcache/adapters.py), else the base model."""
+
+    model: str = DEFAULT_MODEL
+    store: object = DEFAULT_STORE  # a URL, or an open ragcache.store.Store
+    engine: str = "ragcache"  # or "vllm": the same front doors on vLLM's engine
+    device: str = "cpu"
+    dtype: str = "auto"
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    kv_codec: str = "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU, the compute dtype elsewhere
+    prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET
+    row_budget: int | None = None  # rows per step; None: the device's (row_budget_for)
+    batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
+    adapter: str | Path | None = INSTALLED
+    merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
+    vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
+
+    @classmethod
+    def of(cls, model: str = DEFAULT_MODEL, store: object = DEFAULT_STORE, **options) -> "EngineConfig":
+        """From keywords, as `RagCache.open` takes them: EngineConfig's fields, and any other name an argument of
+        the vllm engine (refused on ragcache's)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        known = {k: v for k, v in options.items() if k in names}
+        vllm_args = {**known.pop("vllm_args", {}), **{k: v for k, v in options.items() if k not in names}}
+        return cls(model, store, **known, vllm_args=vllm_args)
 
 
 def config_path() -> Path:
@@ -128,6 +161,15 @@ class Settings(BaseSettings):
             raise ValueError("the accuracy guard on the vllm engine needs the adapter unmerged (merge_adapter=false, "
                              "--no-merge-adapter): a merged one leaves vLLM no base weights for the base model's full")
         return self
+
+    def engine_config(self) -> EngineConfig:
+        from .adapters import parse
+
+        vllm_args = {"max_model_len": self.max_model_len, "kv_cache_gib": self.kv_cache_gib}
+        return EngineConfig(self.model, self.store, self.engine, self.device, self.dtype, self.chunk_tokens,
+                            self.kv_codec, self.prefix_cache_mib << 20, None, self.batch_invariant,
+                            parse(self.adapter), self.merge_adapter,
+                            {k: v for k, v in vllm_args.items() if v is not None})
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings

@@ -86,6 +86,7 @@ def main() -> None:
     from bench import squad
     from ragcache import models
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 
     texts = squad.timing_documents(AutoTokenizer.from_pretrained(models.resolve("smollm2-135m")), 3, 128)
@@ -93,7 +94,7 @@ def main() -> None:
     kwargs = dict(algorithm="legolink", k=16, max_new_tokens=args.tokens)
     sides = {}
     for name, invariant in (("invariant", True), ("variant", False)):
-        rc = RagCache(models.load("smollm2-135m", dtype=args.dtype), open_store("memory:"), batch_invariant=invariant)
+        rc = RagCache(models.load("smollm2-135m", dtype=args.dtype), open_store("memory:"), EngineConfig(batch_invariant=invariant))
         rc.stop_ids = set()
         ids = rc.compile(texts)
         rc.query(questions[0], ids, **dict(kwargs, max_new_tokens=2))  # warm-up

@@ -19,7 +19,7 @@ from ragcache import adapters, loaded, lora, models
 from ragcache import calibrate as cal
 from ragcache.engine import RagCache
 from ragcache.errors import BadAdapter
-from ragcache.settings import INSTALLED, Settings
+from ragcache.settings import INSTALLED, EngineConfig, Settings
 from ragcache.store import open_store
 from tests import tiny
 
@@ -70,9 +70,9 @@ def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, ada
     compile fingerprint) is the base model's: an adapted engine and the base one share the store's entries. What the
     adapter does change is keyed by the adapted fingerprint (calibration profiles)."""
     store = open_store(f"disk:{tmp_path / 'store'}")
-    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, chunk_tokens=16)
+    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, EngineConfig(chunk_tokens=16))
     adapted = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=merge), store,
-                       chunk_tokens=16)
+                       EngineConfig(chunk_tokens=16))
     text = tiny.CORPUS[0] * 2
     doc_id = adapted.compile([text])[0]
     layout = base.layouts["default"]
@@ -92,9 +92,9 @@ def test_the_guard_compares_with_the_base_models_full_as_calibration_does(tiny_d
     from ragcache import guard
 
     store = open_store("memory:")
-    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, chunk_tokens=16)
+    base = RagCache(models.load(str(tiny_dir), dtype="float32"), store, EngineConfig(chunk_tokens=16))
     rc = RagCache(models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=merge), store,
-                  chunk_tokens=16)
+                  EngineConfig(chunk_tokens=16))
     ids = rc.compile([tiny.CORPUS[0] * 2, tiny.CORPUS[1] * 2])
     question = "What is tall?"
     base_full = base.link(question, ids, algorithm="full").last_logits
@@ -172,19 +172,33 @@ def test_an_unusable_installed_adapter_leaves_the_base_model(tiny_dir, adapter_d
 
 
 def test_the_vllm_engine_takes_the_adapter_setting_as_ragcaches_does(monkeypatch):
-    opened = {}
-    monkeypatch.setattr(RagCache, "open", classmethod(lambda cls, *args, **kwargs: opened.update(kwargs)))
+    opened = []
+    monkeypatch.setattr(RagCache, "from_config", classmethod(lambda cls, config: opened.append(config)))
     RagCache.from_settings(Settings(engine="vllm", adapter="/some/adapter"))
-    assert opened["engine"] == "vllm" and str(opened["adapter"]) == "/some/adapter"
+    assert opened[-1].engine == "vllm" and str(opened[-1].adapter) == "/some/adapter"
     RagCache.from_settings(Settings(engine="vllm"))
-    assert opened["adapter"] == INSTALLED
+    assert opened[-1].adapter == INSTALLED
     RagCache.from_settings(Settings(engine="vllm", adapter="none"))
-    assert opened["adapter"] is None and opened["merge_adapter"] is True
+    assert opened[-1].adapter is None and opened[-1].merge_adapter is True
     RagCache.from_settings(Settings(engine="vllm", merge_adapter=False))
-    assert opened["merge_adapter"] is False
-    opened.clear()
+    assert opened[-1].merge_adapter is False
     RagCache.from_settings(Settings(merge_adapter=False))
-    assert opened["merge_adapter"] is False and "engine" not in opened
+    assert opened[-1].merge_adapter is False and opened[-1].engine == "ragcache"
+
+
+def test_settings_reach_the_engine_whole():
+    """Every engine knob of Settings arrives in the EngineConfig the engine is opened with, under its own name
+    (the prefix cache in bytes, the vllm engine's in vllm_args)."""
+    s = Settings(model="m", store="memory:", engine="vllm", device="cpu", dtype="float32", chunk_tokens=64,
+                 kv_codec="fp16", prefix_cache_mib=3, batch_invariant=False, adapter="none", merge_adapter=False,
+                 max_model_len=512, kv_cache_gib=2)
+    assert s.engine_config() == EngineConfig(model="m", store="memory:", engine="vllm", device="cpu",
+                                             dtype="float32", chunk_tokens=64, kv_codec="fp16",
+                                             prefix_cache_bytes=3 << 20, batch_invariant=False, adapter=None,
+                                             merge_adapter=False, vllm_args={"max_model_len": 512,
+                                                                             "kv_cache_gib": 2})
+    assert EngineConfig.of("m", "memory:", chunk_tokens=8, max_model_len=64) == EngineConfig(
+        "m", "memory:", chunk_tokens=8, vllm_args={"max_model_len": 64})
 
 
 def test_serve_passes_the_adapter_flags_to_the_settings(monkeypatch):

@@ -962,7 +962,7 @@ def test_guard_is_skipped_when_the_queue_is_full(rc):
     metrics = Metrics(rc.store, full_queue)
     guard = server_guard(rc, 1.0, full_queue, metrics)
     answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
-    guard.after_answer(answer, rc.validate("q", [], algorithm="legolink"))
+    guard.after_answer(answer, rc.validate("q", [], link=rc.params("legolink")))
     text = metrics.render().decode()
     assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
     assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0

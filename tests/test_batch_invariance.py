@@ -10,6 +10,7 @@ import torch
 from kernels import torch_ref
 from ragcache import models
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.sequence import Done
 from ragcache.store.memory import MemoryStore
 from tests.test_real_model import DOCS
@@ -23,7 +24,7 @@ QUESTIONS = ["How long is the Amber Line railway?", "Who built the Harrow Point 
 
 def _engine(dtype: str) -> RagCache:
     # a small row budget: links run in several pieces, beside other requests' pieces and decode rows
-    rc = RagCache(models.load("smollm2-135m", dtype=dtype), MemoryStore(), chunk_tokens=48, row_budget=40)
+    rc = RagCache(models.load("smollm2-135m", dtype=dtype), MemoryStore(), EngineConfig(chunk_tokens=48, row_budget=40))
     rc.doc_ids = rc.compile(DOCS)
     rc.stop_ids = set()  # every answer runs to max_new_tokens: more decode steps packed with others
     return rc

@@ -57,8 +57,9 @@ def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):
 
 def test_on_a_tiny_model_k_at_the_chunk_length_is_exact():
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
-    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     texts = [t * 3 for t in tiny.CORPUS[:4]]
     items = cal.items_from_documents(rc, texts, n=6)
     assert items and all(len(item.doc_ids) == 3 for item in items)
@@ -88,9 +89,10 @@ def test_a_damaged_profile_is_ignored(tmp_path, monkeypatch, bad):
 def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch):
     from ragcache import agreement as agree
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.sampling import eos_ids
 
-    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     texts = [t * 3 for t in tiny.CORPUS[:4]]
     items = cal.items_from_documents(rc, texts, n=4)
     # random weights write no words: say the content word is the third answer token

@@ -9,6 +9,7 @@ import pytest
 from bench import chaos
 from bench.common import LocalRedis
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.store import open_store
 from ragcache.store.keys import STORE_KEY_ENV
 from tests import tiny
@@ -19,7 +20,7 @@ from tests.test_api import serve
 def victims(tmp_path, monkeypatch):
     """A served tiny model over a disk store with a store key, and three victims with their clean answers."""
     monkeypatch.setenv(STORE_KEY_ENV, "the server's secret")
-    rc = RagCache(tiny.make("llama"), open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=16))
     with serve(rc) as server, httpx.Client(base_url=server.url, timeout=120) as client:
         found = chaos.add_victims(client, tmp_path, tiny.CORPUS[:3], lambda doc: dict(
             question="Where is it?", documents=[doc], algorithm="naive", max_tokens=3))
@@ -100,7 +101,7 @@ def test_a_short_soak_runs_end_to_end(tmp_path, monkeypatch):
         def __init__(self, model, store, max_queue=64, extra_env=None):
             for name, value in (extra_env or {}).items():
                 monkeypatch.setenv(name, value)
-            self._served = serve(RagCache(tiny.make("llama"), open_store(store), chunk_tokens=16))
+            self._served = serve(RagCache(tiny.make("llama"), open_store(store), EngineConfig(chunk_tokens=16)))
             self.url = self._served.__enter__().url
             self.proc = SimpleNamespace(pid=os.getpid())
 

@@ -207,6 +207,7 @@ def tiny_cli(monkeypatch):
 
     from ragcache import cli
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.settings import Settings
     from ragcache.store import open_store
     from tests import tiny
@@ -217,7 +218,7 @@ def tiny_cli(monkeypatch):
         s = Settings.model_construct(store=store or "memory:")
         stores.setdefault(s.store, open_store(s.store))
         run.opened.append(s.store)
-        run.engines.append(RagCache(lm, stores[s.store], chunk_tokens=chunk_tokens or 32))
+        run.engines.append(RagCache(lm, stores[s.store], EngineConfig(chunk_tokens=chunk_tokens or 32)))
         return run.engines[-1], s
 
     def run(*args):
@@ -347,12 +348,13 @@ def test_the_demo_reads_at_80_columns():
 
     from ragcache.demo import run_demo
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
     lm = tiny.make("llama")
     lm.model.config.max_position_embeddings = 2048  # the demo's four documents and a question
-    rc = RagCache(lm, MemoryStore(), chunk_tokens=64)
+    rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=64))
     console = Console(width=80, record=True, color_system=None)
     rows = run_demo(rc, DATA, 2, console)
     text = console.export_text()

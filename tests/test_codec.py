@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.errors import CodecOverflow, CorruptEntry, ParameterOutOfRange
 from ragcache.kernels import torch_ref
 from ragcache.store import codec
@@ -71,7 +72,7 @@ def test_int8_within_half_a_step_on_random_kv_with_outliers():
 
 
 def test_int8_within_half_a_step_on_real_kv(smollm2):
-    rc = RagCache(smollm2, MemoryStore(), kv_codec="fp32")
+    rc = RagCache(smollm2, MemoryStore(), EngineConfig(kv_codec="fp32"))
     ids = rc.compile(DOCS)
     entry = rc.store.get(rc.compiler.key(rc.document_chunks(ids[1])[0], rc.layouts["default"]))
     _assert_int8_within_bound(entry.keys, entry.values)
@@ -160,8 +161,8 @@ def tiny_lm():
 
 def test_engines_of_two_codecs_share_a_store_without_mixing(tiny_lm):
     store = MemoryStore()
-    fp32 = RagCache(tiny_lm, store, chunk_tokens=24, kv_codec="fp32")
-    int8 = RagCache(tiny_lm, store, chunk_tokens=24, kv_codec="int8")
+    fp32 = RagCache(tiny_lm, store, EngineConfig(chunk_tokens=24, kv_codec="fp32"))
+    int8 = RagCache(tiny_lm, store, EngineConfig(chunk_tokens=24, kv_codec="int8"))
     ids = fp32.compile(DOCS)
     entries_fp32 = len(list(store.keys()))
     assert int8.compile(DOCS) == ids
@@ -181,7 +182,7 @@ def test_a_model_free_delete_removes_the_entries_of_every_codec(tiny_lm):
     from ragcache import maintenance
 
     store = MemoryStore()
-    engines = [RagCache(tiny_lm, store, chunk_tokens=24, kv_codec=name) for name in ("fp32", "bf16", "int8")]
+    engines = [RagCache(tiny_lm, store, EngineConfig(chunk_tokens=24, kv_codec=name)) for name in ("fp32", "bf16", "int8")]
     for e in engines:
         kept, gone = e.compile(DOCS)
     keys_of = {doc: {e.compiler.key(ids, e.layouts["default"]) for e in engines for ids in e.document_chunks(doc)}
@@ -195,8 +196,8 @@ def test_a_model_free_delete_removes_the_entries_of_every_codec(tiny_lm):
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_recomputing_every_row_makes_the_codec_irrelevant(tiny_lm, name):
     """legolink with k >= every chunk recomputes all rows: a lossy codec must then give exactly full's result."""
-    exact = RagCache(tiny_lm, MemoryStore(), chunk_tokens=24, kv_codec="fp32")
-    lossy = RagCache(tiny_lm, MemoryStore(), chunk_tokens=24, kv_codec=name)
+    exact = RagCache(tiny_lm, MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32"))
+    lossy = RagCache(tiny_lm, MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec=name))
     full = exact.link(QUESTION, exact.compile(DOCS), algorithm="full")
     linked = lossy.link(QUESTION, lossy.compile(DOCS), algorithm="legolink", k=10_000)
     assert torch.equal(linked.token_ids, full.token_ids)
@@ -205,8 +206,8 @@ def test_recomputing_every_row_makes_the_codec_irrelevant(tiny_lm, name):
 
 @pytest.mark.parametrize("name", ["bf16", "int8"])
 def test_a_lossy_codec_stays_close_to_fp32_entries(tiny_lm, name):
-    exact = RagCache(tiny_lm, MemoryStore(), chunk_tokens=24, kv_codec="fp32")
-    lossy = RagCache(tiny_lm, MemoryStore(), chunk_tokens=24, kv_codec=name)
+    exact = RagCache(tiny_lm, MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32"))
+    lossy = RagCache(tiny_lm, MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec=name))
     reference = exact.link(QUESTION, exact.compile(DOCS), algorithm="naive")
     linked = lossy.link(QUESTION, lossy.compile(DOCS), algorithm="naive")
     assert lossy.kv_codec == name and linked.cached_tokens == reference.cached_tokens

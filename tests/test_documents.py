@@ -227,8 +227,9 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     import threading
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     text = " ".join(TEXTS * 2)
     between_chunks, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
 
@@ -265,8 +266,9 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
     import threading
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     doc_id = rc.catalog.add(" ".join(TEXTS * 2))
     in_compile, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
     compile_chunk = rc.compiler.compile
@@ -340,8 +342,9 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
 
 def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
 
     def progress(tokens: int, compiled: int) -> None:
         rc.delete_document(document_id(TEXTS[0]))
@@ -354,9 +357,10 @@ def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
 # -- end to end: an edited record never changes an answer -------------------------------------------------------------
 def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
     lm = tiny.make("llama")
-    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=16))
     doc_id = rc.compile(TEXTS[:1])[0]
     truth = rc.link("Where is the tower?", [doc_id], algorithm="legolink")
     records = tmp_path / "records"
@@ -364,23 +368,24 @@ def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
     record = json.loads(chunk_file.read_text())
     record["chunks"][0][3] = (record["chunks"][0][3] + 7) % 300
     chunk_file.write_text(json.dumps(record))
-    again = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    again = RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=16))
     linked = again.link("Where is the tower?", [doc_id], algorithm="legolink")
     assert torch.equal(linked.token_ids, truth.token_ids) and torch.equal(linked.last_logits, truth.last_logits)
     doc_file = records / f"doc__{doc_id}.json"
     doc_file.write_text(doc_file.read_text().replace("Paris", "Rome"))
     with pytest.raises(CorruptDocument):
-        RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16).query("Where?", [doc_id], max_new_tokens=2)
+        RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=16)).query("Where?", [doc_id], max_new_tokens=2)
 
 
 def test_an_entry_that_does_not_fit_the_model_is_recompiled_and_the_answer_is_unchanged(tmp_path):
     """A well-formed entry under the right key (right ids, checksum, metadata) whose tensors have other layers or
     another dtype: dropped and compiled again, never linked (it gave an HTTP 500 on every query before)."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store.entry import ChunkKV
 
     lm = tiny.make("llama")
-    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=16)
+    rc = RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=16))
     doc_id = rc.compile(TEXTS[:1])[0]
     truth = rc.link("Where is the tower?", [doc_id], algorithm="naive")
     layout = rc.layouts["default"]
@@ -399,9 +404,10 @@ def test_an_entry_of_other_tokens_under_a_chunks_key_is_never_linked():
     """The memory tier holds objects and checks nothing on a read: the reader itself compares the entry's ids with
     the ones it asked for, so another chunk's (sound) entry under this chunk's key is recompiled, not placed."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
     lm = tiny.make("llama")
-    rc = RagCache(lm, open_store("memory"), chunk_tokens=16)
+    rc = RagCache(lm, open_store("memory"), EngineConfig(chunk_tokens=16))
     doc_id, other_id = rc.compile(TEXTS[:2])
     truth = rc.link("Where is the tower?", [doc_id], algorithm="naive")
     layout = rc.layouts["default"]

@@ -9,10 +9,12 @@ from transformers import AutoModelForCausalLM, GPT2Config
 from ragcache import errors
 from ragcache.chunker import chunk_document
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.sampling import TextAssembler
 from ragcache.sequence import Aborted, Status
 from ragcache.models import wrap
 from ragcache.store.memory import MemoryStore
+from ragcache.sampling import Sampling
 from tests import tiny
 
 DOC = "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall."
@@ -20,7 +22,7 @@ DOC = "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres 
 
 @pytest.fixture(scope="module")
 def rc():
-    return RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=32)
+    return RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
 
 
 def test_empty_question(rc):
@@ -140,7 +142,7 @@ def test_document_registry(rc):
 
 
 def test_sliding_window_model_decodes_past_its_window():
-    rc = RagCache(tiny.make("gemma3"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("gemma3"), MemoryStore(), EngineConfig(chunk_tokens=16))
     full = rc.query("Which mountain?", docs=[{"text": DOC}], algorithm="full", max_new_tokens=12)
     ref = tiny.make("gemma3")
     ids = rc.link("Which mountain?", [{"text": DOC}], algorithm="full").token_ids
@@ -231,15 +233,14 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
         cache.insert(torch.tensor([first, 7, 7]), prompt, prompt)
     assert cache._bytes <= cache.budget_bytes and [cache.lookup(torch.tensor([f, 7, 7]))[0] for f in range(5)] == \
         [0, 0, 3, 3, 3]
-    opened = {}
-    monkeypatch.setattr("ragcache.engine.RagCache.open", lambda *a, **k: opened.update(k) or
+    opened = []
+    monkeypatch.setattr("ragcache.engine.RagCache.from_config", lambda config: opened.append(config) or
                         SimpleNamespace(warmup=lambda: None))
     monkeypatch.setenv("RAGCACHE_PREFIX_CACHE_MIB", "64")
     cli._open("smollm2-135m", "memory:")
-    assert opened["prefix_cache_bytes"] == 64 << 20 and DEFAULT_PREFIX_BUDGET == 256 << 20
-    opened.clear()
+    assert opened[-1].prefix_cache_bytes == 64 << 20 and DEFAULT_PREFIX_BUDGET == 256 << 20
     server.open_engine(Settings(store="memory:"))
-    assert opened["prefix_cache_bytes"] == 64 << 20
+    assert len(opened) == 2 and opened[-1].prefix_cache_bytes == 64 << 20
 
 
 def test_settings_refuse_what_would_fail_every_request_at_start():
@@ -258,7 +259,7 @@ def test_a_request_cancelled_while_its_raw_texts_compile_stops_at_the_next_chunk
     """A client that leaves while its raw documents are compiled: the rest of its chunks are not compiled for
     nobody (each holds the model thread), and the stream ends as cancelled, not as an error."""
     text = " ".join(f"Sentence {n} of a raw document." for n in range(12))
-    query = rc.validate("What is it?", [{"text": text}], algorithm="naive", max_new_tokens=2)
+    query = rc.validate("What is it?", [{"text": text}], link=rc.params("naive"), sampling=Sampling(2))
     stream = rc.stream_query(query)
     compiled, compile = [], rc.compiler.compile
 
@@ -282,7 +283,7 @@ def test_our_calls_of_transformers_raise_no_deprecation_warning(family):
     the day the old name goes."""
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24, row_budget=16)
+        rc = RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=24, row_budget=16))
         ids = rc.compile(["The Eiffel Tower is in Paris. It was completed in 1889.", "Rivers flow to the sea."])
         for algorithm in ("focus", "cacheblend", "full", "prefix"):
             rc.query("Where is it?", ids, algorithm=algorithm, max_new_tokens=3)

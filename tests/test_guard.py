@@ -51,10 +51,11 @@ def test_agreement_window_and_one_warning_below_target(caplog):
 
 def test_rc_check_on_a_tiny_model():
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store import open_store
     from tests import tiny
 
-    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     ids = rc.compile([t * 2 for t in tiny.CORPUS[:3]])
     exact = rc.check("Where is the tower?", ids, algorithm="legolink", k=10_000)
     assert exact.top1_agrees and exact.kl < 1e-9
@@ -68,10 +69,11 @@ def test_background_links_wait_until_no_user_request_runs():
     import threading
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store import open_store
     from tests import tiny
 
-    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:2])
     order: list[str] = []
     release = hold_model_thread(rc)
@@ -94,12 +96,13 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
     import threading
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.guard import BackgroundGuard
     from ragcache.request import Query
     from ragcache.store import open_store
     from tests import tiny
 
-    rc = RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:2])
     release = hold_model_thread(rc)  # a step that never comes: users hold the model
     stream = rc.stream("Where?", ids, max_new_tokens=6, algorithm="naive")
@@ -107,7 +110,7 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
     skipped, checked = [], []
     guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append, on_check=lambda c, a: checked.append(c))
     guard.deadline = 0.5
-    query = rc.validate("Where?", ids, algorithm="naive")
+    query = rc.validate("Where?", ids, link=rc.params("naive"))
     guard._running.acquire()  # as after_answer does before it starts the check's thread
     guard._check(query, torch.zeros(1))  # the answer's logits: never compared, the full link does not end
     assert skipped == ["naive"] and not checked and guard.in_flight == 0

@@ -8,6 +8,7 @@ import torch
 
 import ragcache.kernels as kernels
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.runner import cache_argument
 from ragcache.store.memory import MemoryStore
 from tests import tiny
@@ -29,7 +30,7 @@ def family(request):
 @pytest.fixture(scope="module")
 def rc(family):
     # chunk budget 24 so each document splits into several chunks
-    return RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24, kv_codec="fp32")
+    return RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32"))
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,7 @@ def test_full_recompute_settings_equal_full(rc, algorithm, params):
 
 
 def test_naive_with_one_chunk_equals_full(family):
-    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=512, kv_codec="fp32")
+    rc = RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=512, kv_codec="fp32"))
     ids = rc.compile([DOCS[0]])
     full = rc.link(QUESTION, ids, algorithm="full")
     naive = rc.link(QUESTION, ids, algorithm="naive")
@@ -113,7 +114,7 @@ def test_every_algorithm_answers_and_counts(rc):
 
 def test_prefix_reuses_exact_prefix_and_matches_full(family):
     # a row budget of 16: the reused prefix is cut back to whole pieces of it (PrefixCache.piece)
-    rc = RagCache(tiny.make(family), MemoryStore(), chunk_tokens=24, kv_codec="fp32", row_budget=16)
+    rc = RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32", row_budget=16))
     ids = rc.compile(DOCS)
     first = rc.link(QUESTION, ids, algorithm="prefix")
     assert first.cached_tokens == 0
@@ -149,7 +150,7 @@ def _close_to_scale(actual: torch.Tensor, expected: torch.Tensor, tol: float) ->
 
 @pytest.fixture(scope="module")
 def rc_bf16(family):
-    return RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=24, kv_codec="bf16")
+    return RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="bf16"))
 
 
 def test_bf16_full_equals_model_forward(rc_bf16, reference):
@@ -171,7 +172,7 @@ def test_bf16_full_recompute_settings_equal_full(rc_bf16, algorithm, params):
 
 
 def test_bf16_naive_with_one_chunk_equals_full(family):
-    rc = RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), chunk_tokens=512, kv_codec="bf16")
+    rc = RagCache(tiny.make(family, dtype=torch.bfloat16), MemoryStore(), EngineConfig(chunk_tokens=512, kv_codec="bf16"))
     ids = rc.compile([DOCS[0]])
     full = rc.link(QUESTION, ids, algorithm="full")
     naive = rc.link(QUESTION, ids, algorithm="naive")

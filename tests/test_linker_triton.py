@@ -13,6 +13,7 @@ import pytest  # noqa: E402
 
 import ragcache.kernels as kernels
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 
@@ -34,7 +35,7 @@ def triton_path(monkeypatch):
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("algorithm,params", [("legolink", {"k": 3}), ("cacheblend", {"ratio": 0.3}), ("full", {})])
 def test_linker_triton_equals_torch(family, algorithm, params, triton_path, monkeypatch):
-    rc = RagCache(tiny.make(family, device=DEVICE), MemoryStore(), chunk_tokens=12)
+    rc = RagCache(tiny.make(family, device=DEVICE), MemoryStore(), EngineConfig(chunk_tokens=12))
     ids = rc.compile(DOCS)
     with_triton = rc.link("Where is the tower?", ids, algorithm=algorithm, **params)
     monkeypatch.setattr(kernels, "_FORCED", "torch")
@@ -48,7 +49,7 @@ def test_linker_triton_equals_torch(family, algorithm, params, triton_path, monk
 @pytest.mark.parametrize("algorithm", ["legolink", "cacheblend", "naive"])
 def test_generation_through_triton_equals_torch(algorithm, triton_path, monkeypatch):
     """The whole query (link, then greedy decode through the scheduler) takes the same tokens on either path."""
-    rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), chunk_tokens=12)
+    rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), EngineConfig(chunk_tokens=12))
     ids = rc.compile(DOCS)
     with_triton = rc.query("Where is the tower?", ids, algorithm=algorithm, max_new_tokens=12)
     monkeypatch.setattr(kernels, "_FORCED", "torch")

@@ -14,11 +14,12 @@ def test_a_finished_answer_keeps_no_kv_and_a_link_keeps_its_own():
     """A finished stream (held by the server until the cycle collector runs) keeps none of its prompt's K/V, whether
     its cache sat in a pool or not; a caller that links to decode itself keeps its own."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.front import drain
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:3])
     done = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=3)
     drain(done)
@@ -41,11 +42,12 @@ def test_a_finished_request_is_freed_without_the_cycle_collector():
     import gc
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.sequence import Sequence
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:3])
     gc.collect()
     gc.disable()
@@ -69,6 +71,7 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
     import weakref
 
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.sequence import Piece
     from ragcache.store.memory import MemoryStore
     from tests import tiny
@@ -81,7 +84,7 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
             if not isinstance(event, Piece):
                 self.over.set()
 
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=16)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:3])
     gc.collect()
     gc.disable()

@@ -6,6 +6,7 @@ import torch
 
 from ragcache import models, prompt
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.store.memory import MemoryStore
 
 pytestmark = pytest.mark.real_model
@@ -24,7 +25,7 @@ QUESTION = "How long is the Amber Line railway?"
 
 @pytest.fixture(scope="module")
 def rc(smollm2):
-    return RagCache(smollm2, MemoryStore(), chunk_tokens=48)
+    return RagCache(smollm2, MemoryStore(), EngineConfig(chunk_tokens=48))
 
 
 @pytest.fixture(scope="module")

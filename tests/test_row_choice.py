@@ -90,10 +90,11 @@ def test_a_two_question_answer_is_scored_per_question():
 def test_the_engine_passes_deviation_to_the_linker():
     """RagCache.link(deviation=...) reaches the linker: same budget, other logits; a bad name is a bad request."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
-    rc = RagCache(tiny.make("qwen2"), MemoryStore(), chunk_tokens=24, kv_codec="fp32")
+    rc = RagCache(tiny.make("qwen2"), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32"))
     ids = rc.compile(list(tiny.CORPUS[:3]))
     by_key = rc.link("where?", ids, algorithm="cacheblend", ratio=0.3)
     by_value = rc.link("where?", ids, algorithm="cacheblend", ratio=0.3, deviation="value")

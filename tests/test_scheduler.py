@@ -16,6 +16,7 @@ import torch
 
 from ragcache import errors, kernels
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.sampling import Decoding, QueryStats, Sampling
 from ragcache.kernels import torch_ref
 from ragcache.linker import ALGORITHMS, LinkParams
@@ -39,7 +40,7 @@ PARAMS = {"cacheblend": {"ratio": 0.3}, "legolink": {"k": 4}}
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
 def rc(request):
     # a small row budget so that `full`/`prefix` links run in several pieces, interleaved with other requests
-    rc = RagCache(tiny.make(request.param), MemoryStore(), chunk_tokens=24, row_budget=16)
+    rc = RagCache(tiny.make(request.param), MemoryStore(), EngineConfig(chunk_tokens=24, row_budget=16))
     rc.doc_ids = rc.compile(DOCS)
     return rc
 
@@ -265,7 +266,7 @@ def test_a_bad_request_fails_alone(rc):
     runs = [Run(rc, **good[0]), Run(rc, **good[1])]
     failed: list = []
     # a sequence the engine rejects when it admits it (past the one check before the queue, ragcache.request)
-    parts, _, prefix_cache = rc._prepare(rc.validate(QUESTIONS[2], rc.doc_ids, algorithm="legolink"), 4, QueryStats())
+    parts, _, prefix_cache = rc._prepare(rc.validate(QUESTIONS[2], rc.doc_ids, link=rc.params("legolink")), 4, QueryStats())
     decoding = Decoding(Sampling(4), rc.tokenizer, rc.stop_ids, rc.runner.device)
     bad = Sequence(rc.driver, lambda stats, cancelled: (parts, LinkParams("magic"), prefix_cache), decoding)
     with held(rc):
@@ -532,7 +533,7 @@ def in_daemon(fn, *args):
 
 def busy_engine():
     """(an engine, the Future of the call its model thread is running, the Event that ends that call)."""
-    rc = RagCache(tiny.make("llama"), MemoryStore(), chunk_tokens=24)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
     entered, release = threading.Event(), threading.Event()
 
     def hold():

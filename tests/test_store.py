@@ -129,8 +129,9 @@ def tiny_lm():
 
 def engine(lm, store, chunk_tokens: int = 16):
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
-    return RagCache(lm, store, chunk_tokens=chunk_tokens)
+    return RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens))
 
 
 def entry_files(root: Path) -> list[Path]:
@@ -735,11 +736,12 @@ def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     """Entries of the same documents compiled in two forms (kv codecs fp32 and int8, computed in fp32): `stats`
     counts them per form, and `gc --drop-form float32/int8` deletes the int8 ones only; the fp32 ones still serve."""
     from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
 
     url = f"disk:{tmp_path}"
-    ids = RagCache(tiny_lm, open_store(url), chunk_tokens=16, kv_codec="fp32").compile(DOCS)
+    ids = RagCache(tiny_lm, open_store(url), EngineConfig(chunk_tokens=16, kv_codec="fp32")).compile(DOCS)
     fp32_keys = set(open_store(url).keys())
-    RagCache(tiny_lm, open_store(url), chunk_tokens=16, kv_codec="int8").compile(DOCS)
+    RagCache(tiny_lm, open_store(url), EngineConfig(chunk_tokens=16, kv_codec="int8")).compile(DOCS)
     info = json.loads(_cli("stats", "--store", url, "--json").output)
     forms = info["tiers"][0]["forms"]
     assert forms["float32"] == len(fp32_keys) and forms["float32/int8"] > 0
@@ -747,7 +749,7 @@ def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["dropped float32/int8"] == forms["float32/int8"]
     assert set(open_store(url).keys()) == fp32_keys
-    again = RagCache(tiny_lm, open_store(url), chunk_tokens=16, kv_codec="fp32")
+    again = RagCache(tiny_lm, open_store(url), EngineConfig(chunk_tokens=16, kv_codec="fp32"))
     assert again.query(QUESTION, ids, max_new_tokens=2).stats.compiled_chunks == 0
     bad = _cli("gc", "--store", url, "--drop-form", "float64")
     assert bad.exit_code == 2 and "not a form" in bad.output

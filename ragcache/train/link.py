@@ -227,8 +227,7 @@ def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Ite
 def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     """The linker's plan for the cheap algorithm (entries fetched, rotated; focus's rows chosen by the model as it
     is now), on the model thread."""
-    query = rc.validate(target.question, target.doc_ids, algorithm=cfg.algorithm, max_new_tokens=None,
-                        **cfg.link_kwargs())
+    query = rc.validate(target.question, target.doc_ids, link=rc.params(cfg.algorithm, **cfg.link_kwargs()))
     parts, params, _ = rc._prepare(query, 0, QueryStats())
     plan = rc.driver.call(linker.plan, rc.runner, parts, params)
     length = parts.token_ids.numel()

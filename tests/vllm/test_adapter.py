@@ -22,6 +22,7 @@ from ragcache.integrations.vllm.engine import lora_engine_args
 from ragcache.integrations.vllm.lora import LinkLora
 from ragcache.integrations.vllm.spec import transfer_config
 from ragcache.integrations.vllm.worker import LinkWorker
+from ragcache.sampling import Sampling
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
@@ -202,17 +203,15 @@ def test_the_guard_measures_against_the_base_models_full_or_is_refused_when_merg
         with pytest.raises(ParameterOutOfRange, match="merge_adapter=False"):
             BackgroundGuard(rc, 1.0)
         return
-    query = rc.validate(QUESTION, doc_ids, algorithm="naive", max_new_tokens=TOKENS)
+    query = rc.validate(QUESTION, doc_ids, link=rc.params("naive"), sampling=Sampling(TOKENS))
     check, expected = rc.compare_with_full(query), adapted.check(QUESTION, doc_ids, algorithm="naive")
     assert check.top1_agrees == expected.top1_agrees
     assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
 
 
 def test_a_split_model_is_refused_before_anything_loads(tiny_qwen2, tmp_path):
-    from ragcache.integrations.vllm.engine import VllmRagCache
-
     with pytest.raises(ParameterOutOfRange, match="tensor_parallel_size=2"):
-        VllmRagCache.open(tiny_qwen2, f"disk:{tmp_path}", tensor_parallel_size=2)
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path}", engine="vllm", tensor_parallel_size=2)
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):

@@ -18,6 +18,7 @@ from ragcache.errors import ParameterOutOfRange
 from ragcache.sequence import Aborted, Done, Piece
 from ragcache.integrations.vllm.engine import BACKGROUND
 from ragcache.settings import Settings
+from ragcache.sampling import Sampling
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
@@ -116,7 +117,7 @@ def test_efim_rounds_hit_vllms_prefix_cache(rc):
 def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algorithm, k):
     """vLLM returns no logits with an answer: the guard asks it again for the first token's whole distribution, and
     for full's, and compares them as ragcache's engine does (legolink at k past every chunk is exact)."""
-    query = rc.validate(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
+    query = rc.validate(QUESTION, doc_ids[::-1], link=rc.params(algorithm, k), sampling=Sampling(TOKENS))
     answer = rc.query(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
     assert answer.stats.cached_tokens > 0  # as the guard meets it: after the answer, its linked blocks cached
     check = rc.compare_with_full(query)
@@ -135,7 +136,7 @@ def test_the_guards_requests_wait_behind_users(rc, doc_ids, monkeypatch):
         return generate(*args, priority=priority, **kwargs)
 
     monkeypatch.setattr(rc.llm, "generate", recording)
-    query = rc.validate(QUESTION, doc_ids, algorithm="naive", max_new_tokens=2)
+    query = rc.validate(QUESTION, doc_ids, link=rc.params("naive"), sampling=Sampling(2))
     rc.query(QUESTION, doc_ids, algorithm="naive", max_new_tokens=2)
     rc.compare_with_full(query)
     assert rc.llm.vllm_config.scheduler_config.policy == "priority"
@@ -235,7 +236,7 @@ def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
 def test_a_guard_check_past_its_deadline_is_aborted_and_the_engine_serves_on(rc, doc_ids):
     """Users can keep vLLM busy past any guard request's turn: past its deadline the guard's request is aborted
     (TimeoutError, which the guard counts as a skipped check) instead of waiting without end."""
-    query = rc.validate(QUESTION, doc_ids[1:], algorithm="naive", max_new_tokens=2)
+    query = rc.validate(QUESTION, doc_ids[1:], link=rc.params("naive"), sampling=Sampling(2))
     with pytest.raises(TimeoutError):
         rc.compare_with_full(query, deadline=0.0)
     assert rc.query(QUESTION, doc_ids[1:], algorithm="naive", max_new_tokens=2).token_ids

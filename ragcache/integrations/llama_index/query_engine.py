@@ -90,7 +90,8 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
         if self._guard is not None:
-            query = self.rc.validate(question, metadata["doc_ids"], self.system, self.algorithm, self.k, self.ratio)
+            query = self.rc.validate(question, metadata["doc_ids"], self.system,
+                                     self.rc.params(self.algorithm, self.k, self.ratio))
             self._guard.after_answer(answer, query)
         return metadata
 

