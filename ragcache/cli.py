@@ -354,6 +354,9 @@ def serve(
                                          help="an answer does not depend on what else is in its batch (default: "
                                               "settings; on on CPU, off on CUDA); off: faster decode at many "
                                               "streams"),
+    decode_graphs: bool = typer.Option(None, "--decode-graphs/--no-decode-graphs",
+                                       help="replay decode-only steps from CUDA graphs (default: settings; on on "
+                                            "CUDA without batch invariance)"),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
@@ -361,7 +364,8 @@ def serve(
     try:
         s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
                           engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                          adapter=adapter, merge_adapter=merge_adapter, batch_invariant=batch_invariant)
+                          adapter=adapter, merge_adapter=merge_adapter, batch_invariant=batch_invariant,
+                          decode_graphs=decode_graphs)
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         fail(BadRequest(str(exc)))
     try:

@@ -27,6 +27,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import ragcache.kernels as kernels
 
 from . import invariant, linker
+from .errors import ParameterOutOfRange
+from .graphs import DecodeGraphs
 from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
 from .loaded import LoadedModel
 from .scheduler import Kind, StepPlan, StepResult, Work
@@ -99,7 +101,7 @@ class Runner:
     starts. Off: the shared pool, reading only the keys its rows need, and the library's own GEMMs.
     """
 
-    def __init__(self, lm: LoadedModel, batch_invariant: bool | None = None):
+    def __init__(self, lm: LoadedModel, batch_invariant: bool | None = None, decode_graphs: bool | None = None):
         self.lm = lm
         model = lm.model
         config = model.config
@@ -120,6 +122,14 @@ class Runner:
         # where the decoding requests' caches go (`execute` moves them in when they start decoding): kv.DECODE
         self.decode = decode_strategy(self.device, self.batch_invariant)
         self.pool: Pools = DECODE[self.decode](self.shape, self.device)
+        # decode-only steps over the pool with fixed shapes, replayed from CUDA graphs (ragcache.graphs); None: on
+        # on CUDA wherever the decode is pooled
+        on_cuda = self.device.type == "cuda"
+        if decode_graphs and self.decode != "pooled":
+            raise ParameterOutOfRange(f"decode graphs run over the pooled decode, and this runner's is {self.decode} "
+                                      "(batch invariance on): turn batch_invariant off, or decode_graphs off")
+        use_graphs = (on_cuda and self.decode == "pooled") if decode_graphs is None else decode_graphs
+        self.graphs = DecodeGraphs(self, capture=on_cuda) if use_graphs else None
         # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
         # releases (the GPU machine's 5.17) know only the old name
         self.cache_argument = cache_argument(self.layers[0])
@@ -136,6 +146,8 @@ class Runner:
                 return [self._alone(self._place, work) for work in plan.work]
             if plan.kind is Kind.NARROW:
                 return [self._alone(self._narrow, work) for work in plan.work]
+            if self.graphs is not None and not plan.base_weights and all(w.kind is Kind.DECODE for w in plan.work):
+                return self._graphed(plan.work)
             return self._packed(plan.work)
 
     def _alone(self, run, work: Work) -> StepResult:
@@ -197,6 +209,21 @@ class Runner:
             else:
                 results.append(self._alone(lambda w: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work))
         return results
+
+    def _graphed(self, works: list[Work]) -> list[StepResult]:
+        """A decode-only step through the pool's graph (`_packed`'s result for the same works)."""
+        caches = [work.sequence.cache for work in works]
+        for cache in caches:
+            self.adopt(cache)
+        if not self.graphs.covers(caches):
+            return self._packed(works)
+        try:
+            logits = self.graphs.step([work.sequence.next_token for work in works], caches)
+        except Exception as exc:  # noqa: BLE001 - as a packed forward that fails
+            log.exception("a model step failed")
+            return [StepResult(error=exc)] * len(works)
+        return [self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work)
+                for work, row in zip(works, logits)]
 
     def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""

@@ -67,6 +67,7 @@ class EngineConfig:
     prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET
     row_budget: int | None = None  # rows per step; None: the device's (row_budget_for)
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
+    decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.graphs)
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
@@ -115,6 +116,10 @@ class Settings(BaseSettings):
                                          "is in its batch (default: on on CPU, off on CUDA until its cost is measured "
                                          "there); false: the library's own GEMMs and one attention call per layer for "
                                          "all decode rows, faster at many streams (README: Batch invariance)")
+    decode_graphs: bool | None = Field(None, description="decode-only steps replayed from CUDA graphs, one per "
+                                       "allocation of the pool of decoding caches (default: on on CUDA where "
+                                       "batch_invariant is off; elsewhere the same fixed-shape step runs eagerly "
+                                       "when asked for)")
     kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
                           description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
                           "fp32, fp16, bf16 or int8 (see README: KV codecs)")
@@ -166,10 +171,12 @@ class Settings(BaseSettings):
         from .adapters import parse
 
         vllm_args = {"max_model_len": self.max_model_len, "kv_cache_gib": self.kv_cache_gib}
-        return EngineConfig(self.model, self.store, self.engine, self.device, self.dtype, self.chunk_tokens,
-                            self.kv_codec, self.prefix_cache_mib << 20, None, self.batch_invariant,
-                            parse(self.adapter), self.merge_adapter,
-                            {k: v for k, v in vllm_args.items() if v is not None})
+        return EngineConfig(model=self.model, store=self.store, engine=self.engine, device=self.device,
+                            dtype=self.dtype, chunk_tokens=self.chunk_tokens, kv_codec=self.kv_codec,
+                            prefix_cache_bytes=self.prefix_cache_mib << 20, batch_invariant=self.batch_invariant,
+                            decode_graphs=self.decode_graphs, adapter=parse(self.adapter),
+                            merge_adapter=self.merge_adapter,
+                            vllm_args={k: v for k, v in vllm_args.items() if v is not None})
 
     @classmethod
     def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings

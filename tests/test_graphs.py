@@ -1,0 +1,82 @@
+"""Decode steps with fixed shapes (ragcache.graphs): the whole-pool step gives the tokens the ordinary decode gives,
+with streams joining, leaving and finishing at different tokens, and its dummy rows leave every cache as it was.
+On CUDA the same step is captured into a graph; here it runs eagerly (bench/gpu.py --check compares the replay)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ragcache.engine import RagCache
+from ragcache.errors import ParameterOutOfRange
+from ragcache.sequence import Piece
+from ragcache.settings import EngineConfig
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+from tests.hold import held
+
+QUESTIONS = ["Where is the tower?", "Which mountain is the highest?", "When was it released?", "Where do rivers go?",
+             "What is tall?"]
+
+
+def engine(family: str, graphs: bool) -> RagCache:
+    rc = RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32",
+                                                                 batch_invariant=False, decode_graphs=graphs))
+    rc.doc_ids = rc.compile(tiny.CORPUS[:4])
+    return rc
+
+
+def answers(rc: RagCache) -> list[list[int]]:
+    """Five streams opened together (so the pool holds several slots, some idle while others link), each asking
+    for its own number of tokens (so they leave the pool at different steps)."""
+    streams = [rc.stream(q, rc.doc_ids[i % 3: i % 3 + 2], algorithm="naive", max_new_tokens=3 + 2 * i)
+               for i, q in enumerate(QUESTIONS)]
+    ended = [threading.Event() for _ in streams]
+    with held(rc):
+        for stream, end in zip(streams, ended):
+            stream.open(lambda event, end=end: isinstance(event, Piece) or end.set())
+    assert all(end.wait(120) for end in ended)
+    return [stream.answer.token_ids for stream in streams]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding-window layers beside global ones
+def test_whole_pool_steps_give_the_ordinary_decodes_tokens(family):
+    plain, graphed = engine(family, False), engine(family, True)
+    steps = []
+    step = graphed.runner.graphs.step
+    graphed.runner.graphs.step = lambda tokens, caches: steps.append(len(caches)) or step(tokens, caches)
+    expected = answers(plain)
+    assert answers(graphed) == expected
+    assert any(n > 1 for n in steps), "no decode step ran through the whole-pool path with several streams"
+    assert [len(tokens) for tokens in expected] == [3 + 2 * i for i in range(len(QUESTIONS))]  # none stopped early
+    # a second round reuses the pool's slots (and the allocation's step) for new streams
+    assert answers(graphed) == answers(plain)
+
+
+def test_idle_slots_keep_their_caches():
+    """A slot without a row in the step runs a dummy row that writes back what its slot holds."""
+    rc = engine("llama", True)
+    pool, graphs = rc.runner.pool, rc.runner.graphs
+    caches = [rc.runner.new_cache(40) for _ in range(3)]
+    for i, cache in enumerate(caches):
+        cache.length = 10 + i
+        cache.keys.normal_(generator=torch.Generator().manual_seed(i))
+        cache.values.normal_(generator=torch.Generator().manual_seed(10 + i))
+        rc.runner.adopt(cache)
+    before = pool.keys.clone(), pool.values.clone()
+    logits = graphs.step([5], [caches[1]])  # slot 1 alone
+    assert logits.shape[0] == 1 and caches[1].length == 12 and [c.length for c in caches] == [10, 12, 12]
+    changed = (pool.keys != before[0]).any(-1)  # [layers, slots, heads, capacity]
+    assert changed[:, 1, :, 11].all() and changed.sum() == changed[:, 1, :, 11].sum()
+    assert torch.equal(pool.values[:, [0, 2]], before[1][:, [0, 2]])
+    for cache in caches:
+        rc.runner.release(cache)
+
+
+def test_graphs_need_the_pooled_decode():
+    with pytest.raises(ParameterOutOfRange, match="pooled decode"):
+        RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=True, decode_graphs=True))
+    # the default: graphs only on CUDA
+    assert RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False)).runner.graphs is None
