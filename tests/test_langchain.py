@@ -3,6 +3,7 @@ calls, each against rc.query on the same documents, and each stopping the engine
 example runs on the real default model in tests/test_examples.py."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -21,6 +22,7 @@ from ragcache.sequence import Status  # noqa: E402
 from ragcache.store import open_store  # noqa: E402
 from ragcache.store.keys import document_id  # noqa: E402
 from tests import tiny  # noqa: E402
+from tests.hold import hold_model_thread  # noqa: E402
 
 TEXTS = tiny.CORPUS[:2]
 QUESTION = "Where is the tower?"
@@ -188,6 +190,44 @@ def test_stream_and_async_give_the_same_answer(rc):
     chunks = asyncio.run(astream())
     assert len([c for c in chunks if c.content]) > 1 and "".join(c.content for c in chunks) == expected
     assert sum(chunks[1:], chunks[0]).response_metadata["doc_ids"] == [document_id(t) for t in TEXTS]
+
+
+def test_async_calls_leave_the_event_loop_free(rc):
+    """ainvoke and astream wait for the engine off the loop: a coroutine beside them runs meanwhile. Here the model
+    thread is held until that coroutine lets it go; had the call held the loop, only the fallback timer would."""
+    chat = ChatRagCache(rc=rc, max_new_tokens=3)
+    calls = {"ainvoke": lambda: chat.ainvoke(QUESTION, documents=docs()),
+             "astream": lambda: _collect(chat.astream(QUESTION, documents=docs()))}
+
+    async def beside(call, order):
+        gate = hold_model_thread(rc)
+        fallback = threading.Timer(10, lambda: (order.append("fallback"), gate.set()))
+        fallback.start()
+
+        async def answer():
+            result = await call()
+            order.append("answered")
+            return result
+
+        async def release():
+            await asyncio.sleep(0.05)
+            order.append("released")
+            gate.set()
+
+        try:
+            result, _ = await asyncio.wait_for(asyncio.gather(answer(), release()), 120)
+        finally:
+            fallback.cancel()
+            gate.set()
+        return result
+
+    expected = direct(rc, max_new_tokens=3).text
+    for name, call in calls.items():
+        order = []
+        result = asyncio.run(beside(call, order))
+        assert order == ["released", "answered"], name
+        text = result.content if name == "ainvoke" else "".join(chunk.content for chunk in result)
+        assert text == expected, name
 
 
 def test_bad_requests_raise_typed_errors_from_every_path(rc):
