@@ -23,7 +23,7 @@ $(VENV)/.base: $(VENV)/.torch pyproject.toml
 	touch $@
 
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) install -q -e '.[test,llama-index,bench,train]'
+	$(PIP) install -q -e '.[test,llama-index,langchain,bench,train]'
 	touch $@ $(VENV)/.base
 
 $(VLLM_VENV)/.vllm: pyproject.toml

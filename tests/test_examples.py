@@ -72,3 +72,37 @@ def test_llamaindex_rag(tmp_path, smollm2):
     assert len(rc.document_ids()) == 3
     for doc_id in rc.document_ids():
         assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in rc.document_chunks(doc_id)]))
+
+
+def test_langchain_rag(tmp_path, smollm2):
+    pytest.importorskip("langchain_core")
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name in ("lighthouse.txt", "railway.txt", "bridge.txt"):  # a small folder keeps the compile short
+        shutil.copy(DATA / "docs" / name, docs / name)
+    store = f"disk:{tmp_path / 'store'}"
+    rows_path = tmp_path / "rows.json"
+    out = run([str(EXAMPLES / "langchain_rag.py"), "--docs", str(docs), "--n-questions", "2", "--store", store,
+               "--max-new-tokens", "6", "--top-k", "2", "--json", str(rows_path)], cwd=tmp_path)
+    assert "3 documents; compiled 3 new chunks" in " ".join(out.split())
+    assert "mean TTFT" in out and "word for word on" in " ".join(out.split())
+    rows = json.loads(rows_path.read_text())
+    assert [r["question"] for r in rows] == ["How tall is the Harrow Point lighthouse?",
+                                             "How long is the Amber Line railway?"]
+    for row, expected in zip(rows, ("lighthouse.txt", "railway.txt")):
+        linked, full = row["focus"], row["full"]
+        assert linked["sources"] == full["sources"] and len(full["sources"]) == 2 and full["sources"][0] == expected
+        assert linked["doc_ids"] == full["doc_ids"] and full["retrieved"]
+        assert full["cached_tokens"] == 0 and full["recomputed_tokens"] == full["prompt_tokens"]
+        assert 0 < linked["recomputed_tokens"] < full["recomputed_tokens"] and linked["cached_tokens"] > 0
+        assert linked["prompt_tokens"] == full["prompt_tokens"] and linked["ttft_s"] > 0 and full["ttft_s"] > 0
+        assert linked["answer"] and full["answer"]
+        assert linked["compiled_chunks"] == 0 and linked["store_hits"] > 0  # compiled before the questions
+
+    # the disk store kept what the example compiled: its next run would compile nothing
+    rc = RagCache(models.load("smollm2-135m"), open_store(store))
+    assert len(rc.document_ids()) == 3
+    for doc_id in rc.document_ids():
+        assert rc.document(doc_id)["meta"]["source"] in ("lighthouse.txt", "railway.txt", "bridge.txt")
+        keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in rc.document_chunks(doc_id)]
+        assert all(rc.store.contains_many(keys))

@@ -39,7 +39,7 @@ def run_block(code: str, cwd: Path) -> dict:
 # on tiny FIM models in tests/test_infill.py.
 def test_the_readme_has_the_blocks_these_tests_run():
     # "On vLLM" runs in vLLM's environment: tests/vllm/test_readme_vllm.py
-    assert {"Python API", "REST API", "llama-index", "Infilling (EFIM)", "On vLLM"} <= set(python_blocks())
+    assert {"Python API", "REST API", "llama-index", "LangChain", "Infilling (EFIM)", "On vLLM"} <= set(python_blocks())
 
 
 def test_python_api_block_runs(tmp_path, smollm2, capsys):
@@ -63,3 +63,12 @@ def test_llama_index_block_runs(tmp_path, smollm2, capsys):
     pytest.importorskip("llama_index.retrievers.bm25")
     names = run_block(python_blocks()["llama-index"], tmp_path)
     assert names["response"].response and len(names["response"].metadata["doc_ids"]) == 2
+
+
+def test_langchain_block_runs(tmp_path, smollm2, capsys):
+    pytest.importorskip("langchain_core")
+    names = run_block(python_blocks()["LangChain"], tmp_path)
+    message = names["message"]
+    assert message.content and len(message.response_metadata["doc_ids"]) == 2
+    assert message.usage_metadata["input_token_details"]["cache_read"] > 0
+    assert names["chunk"].chunk_position == "last" and capsys.readouterr().out.strip()

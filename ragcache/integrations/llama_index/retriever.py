@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
-from dataclasses import dataclass
 from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -12,17 +10,9 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragcache.front import Front
-from ragcache.errors import ParameterOutOfRange
+from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
 
 from .nodes import DOC_ID_KEY, mark, node_text, record_meta
-
-
-@dataclass
-class WarmReport:
-    documents: int = 0
-    compiled_chunks: int = 0  # chunks that were missing from the store and compiled
-    prefetched_chunks: int = 0  # chunk entries read so that a tiered store holds them in its fastest tier
-    seconds: float = 0.0
 
 
 class RagCacheRetriever(BaseRetriever):
@@ -37,14 +27,13 @@ class RagCacheRetriever(BaseRetriever):
     def __init__(self, retriever: BaseRetriever, rc: Front, *, layout: str = "default",
                  prefetch: bool | None = None, metadata_mode: MetadataMode = MetadataMode.NONE,
                  callback_manager: CallbackManager | None = None, verbose: bool = False) -> None:
-        if layout not in rc.layouts:
-            raise ParameterOutOfRange(f"layout must be one of {', '.join(rc.layouts)}, got {layout!r}")
+        check_layout(rc, layout)
         super().__init__(callback_manager=callback_manager or getattr(retriever, "callback_manager", None),
                          verbose=verbose)
         self.retriever = retriever
         self.rc = rc
         self.layout = layout
-        self.prefetch = hasattr(rc.store, "tiers") if prefetch is None else prefetch
+        self.prefetch = default_prefetch(rc, prefetch)
         self.metadata_mode = metadata_mode
         self.last_report: WarmReport | None = None
 
@@ -60,20 +49,12 @@ class RagCacheRetriever(BaseRetriever):
 
     def warm(self, nodes: list[NodeWithScore]) -> WarmReport:
         """Compile the nodes' missing chunks and prefetch their entries (in the chosen layout)."""
-        started = time.perf_counter()
-        rc = self.rc
         todo = [(n.node, text) for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        report = WarmReport(documents=len(todo))
-        compiled = rc.compile_documents([text for _, text in todo], [record_meta(node) for node, _ in todo])
-        for (node, _), doc_id in zip(todo, compiled.ids):
+        ids, report = warm(self.rc, [text for _, text in todo], [record_meta(node) for node, _ in todo], self.layout,
+                           self.prefetch)
+        for (node, _), doc_id in zip(todo, ids):
             if node.metadata.get(DOC_ID_KEY) != doc_id:
                 mark(node, doc_id)
-        report.compiled_chunks = compiled.compiled_chunks
-        if self.prefetch or self.layout != "default":
-            more, found = rc.warm(compiled.ids, layout=self.layout, prefetch=self.prefetch)
-            report.compiled_chunks += more
-            report.prefetched_chunks = found
-        report.seconds = time.perf_counter() - started
         return report
 
     def _get_prompt_modules(self) -> dict[str, Any]:

@@ -1,0 +1,21 @@
+"""What the plugin's parts share about LangChain documents: a document's ragcache text is its `page_content`, so its
+document id is the content hash of that text; the id recorded in its metadata is a label."""
+
+from __future__ import annotations
+
+import math
+
+from langchain_core.documents import Document
+
+DOC_ID_KEY = "ragcache_doc_id"
+
+
+def document_text(document: Document | str) -> str:
+    return document if isinstance(document, str) else document.page_content
+
+
+def record_meta(document: Document) -> dict:
+    """The document's scalar metadata (JSON-safe) for the store's document record."""
+    meta = {k: v for k, v in document.metadata.items()
+            if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))}
+    return {"source": "langchain", **({"langchain_id": document.id} if document.id else {}), **meta}

@@ -1,0 +1,59 @@
+"""RagCacheRetriever: any LangChain retriever, with the caches of what it returns made ready before linking."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
+from langchain_core.documents import Document
+from langchain_core.retrievers import BaseRetriever
+from pydantic import Field
+
+from ragcache.front import Front
+from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
+
+from .documents import DOC_ID_KEY, document_text, record_meta
+
+
+class RagCacheRetriever(BaseRetriever):
+    """Returns exactly what the wrapped retriever returns (the same Documents, in the same order); on the way it
+    compiles any document whose cache is missing, records its ragcache document id in its metadata under
+    "ragcache_doc_id", and prefetches the entries of every chunk, so that linking finds them in the store's fastest
+    tier. The wrapped retriever runs as a child of this one (callbacks and tracing see it).
+
+    layout: "default" for every algorithm but legolink0, "sink" for legolink0 (its chunks are compiled behind
+    dropped sink tokens; missing ones are compiled here). prefetch: None (default) reads the entries only when the
+    store is tiered, where a read fills the faster tiers; True always; False never."""
+
+    retriever: BaseRetriever = Field(description="the retriever whose documents are warmed")
+    rc: Front = Field(exclude=True, description="the engine whose store holds the caches")
+    layout: str = "default"
+    prefetch: bool | None = None
+    last_report: WarmReport | None = Field(default=None, exclude=True, description="the latest retrieval's report")
+
+    def model_post_init(self, context: Any) -> None:
+        super().model_post_init(context)
+        check_layout(self.rc, self.layout)
+        self.prefetch = default_prefetch(self.rc, self.prefetch)
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+        self.last_report = self.warm(documents)
+        return documents
+
+    async def _aget_relevant_documents(self, query: str, *,
+                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        self.last_report = await asyncio.to_thread(self.warm, documents)
+        return documents
+
+    def warm(self, documents: list[Document]) -> WarmReport:
+        """Compile the documents' missing chunks and prefetch their entries (in the chosen layout); empty documents
+        are left as they are."""
+        todo = [document for document in documents if document_text(document).strip()]
+        ids, report = warm(self.rc, [d.page_content for d in todo], [record_meta(d) for d in todo], self.layout,
+                           self.prefetch)
+        for document, doc_id in zip(todo, ids):
+            document.metadata[DOC_ID_KEY] = doc_id
+        return report
