@@ -35,12 +35,18 @@ Native API under /v1/documents and /v1/query; OpenAI-compatible /v1/completions 
 
 class BodyRefused(HTTPException):
     """A body over the limit, or one that stops arriving. An HTTPException, so FastAPI's body parsing lets it through
-    to the error handlers instead of turning it into a 400."""
+    to the error handlers instead of turning it into a 400. The connection closes after it: the rest of the body is
+    never read, so no next request could be found on it."""
+
+    def __init__(self, status_code: int, detail: str):
+        super().__init__(status_code, detail, headers={"Connection": "close"})
 
 
 class Guard:
     """Bearer auth when an API key is set (everything but `public_paths`), and bounds on request bodies: the declared
-    size, the size actually received (chunked bodies declare none) and the time they take to arrive. Pure ASGI."""
+    size, the size actually received (chunked bodies declare none) and the time the whole body takes to arrive,
+    from the request's start (a trickle of bytes does not extend it). Pure ASGI. api/connections.py closes the
+    connection soon after that deadline even when the app does not read the body."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, public_paths: list[str], body_timeout_s: float):
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
@@ -60,13 +66,14 @@ class Guard:
             response = error_response(413, "payload_too_large", f"request body of {int(length)} bytes; at most "
                                       f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
             return await response(scope, receive, send)
-        await self.app(scope, self._bounded(receive), send)
+        deadline = asyncio.get_running_loop().time() + self.body_timeout_s
+        await self.app(scope, self._bounded(receive, deadline), send)
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(key, self.expected)  # RFC 9110: scheme any case
 
-    def _bounded(self, receive):
+    def _bounded(self, receive, deadline: float):
         received, complete = 0, False
 
         async def bounded_receive():
@@ -74,7 +81,7 @@ class Guard:
             if complete:  # after the body, receive() only reports a disconnect: a stream may wait on it for long
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+                message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
             except asyncio.TimeoutError:
                 raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
             if message["type"] == "http.request":

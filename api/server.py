@@ -2,7 +2,8 @@
 
 One worker process owns one engine (model + store). With workers > 1 uvicorn imports `factory` in every worker,
 which reads the settings from the environment and loads its own engine; share documents between workers with a
-disk or Redis store (a memory: store is per process)."""
+disk or Redis store (a memory: store is per process). Each process bounds its client connections (api/connections.py:
+deadlines on a request's head and body, a cap below its open-file limit)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import os
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.supervisors import Multiprocess
 
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
@@ -21,6 +23,7 @@ from ragcache.settings import Settings
 from ragcache.store import tier_urls
 
 from .app import create_app
+from .connections import Config, Limits
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
 WORKER_HEALTHCHECK_S = 300
@@ -41,11 +44,18 @@ def factory() -> FastAPI:
     return create_app(open_engine(settings), settings)
 
 
+def config(app, settings: Settings, **kwargs) -> Config:
+    """uvicorn's config for `app` (an app, or an import string with workers) under the settings' connection limits."""
+    return Config(app, Limits.of(settings), host=settings.host, port=settings.port,
+                  timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **kwargs)
+
+
 def run(settings: Settings, workers: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if workers > 1 and settings.engine == "vllm":
         raise ParameterOutOfRange("one worker with --engine vllm: vLLM batches every request in one engine (and each "
                                   "worker would start its own)")
+    Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
     if workers > 1:
         if all(tier.startswith("memory") for tier in tier_urls(settings.store)):
             log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
@@ -55,13 +65,20 @@ def run(settings: Settings, workers: int = 1) -> None:
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
             # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
             extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
-        uvicorn.run("ragcache.api.server:factory", factory=True, host=settings.host, port=settings.port,
-                    workers=workers, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **extra)
+        _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
         return
     log.info("loading %s and opening %s", settings.model, settings.store)
     rc = open_engine(settings)
     try:
-        uvicorn.run(create_app(rc, settings), host=settings.host, port=settings.port,
-                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+        served = config(create_app(rc, settings), settings)
+        uvicorn.Server(served).run(sockets=[served.bind_socket()])  # the loop listens on it through a Listener
     finally:
         rc.close()
+
+
+def _serve_workers(config: Config) -> None:
+    sock = config.bind_socket()
+    if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn: the parent names the worker's target
+        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()
+    else:
+        Multiprocess(config, sockets=[sock]).run()

@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | serve | soak | accuracy | codecs | peers | adapter | markdown | squad-sample
+"""python -m bench ttft | lower-bound | throughput | serve | soak | slow-clients | accuracy | codecs | peers | adapter | markdown | squad-sample
 (each: --help)."""
 
 from __future__ import annotations
@@ -229,6 +229,22 @@ def markdown(files: list[Path] = typer.Argument(..., help="result JSON files (be
             print(f"{path}: not a result of ttft, lower-bound, throughput, accuracy, codecs or peers\n")
             continue
         print(f"### {path.name}\n\n{render(data)}\n")
+
+
+@app.command("slow-clients")
+def slow_clients(
+    model: str = Model,
+    sockets: int = typer.Option(1030, min=1, help="connections that send half a request line, then nothing"),
+    open_files: int = typer.Option(1024, min=64, help="the server's open-file limit (RLIMIT_NOFILE, soft and hard)"),
+    seconds: float = typer.Option(40.0, min=1, help="how long /health is probed while they hang"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Slow-loris sockets against `ragcache serve` under an open-file limit: /health answers and latency, the
+    server's open files, the sockets it closed, and how much its log grew."""
+    from bench import slow_clients as mod
+
+    mod.run(model, sockets, open_files, seconds, out, tag)
 
 
 @app.command()

@@ -136,7 +136,18 @@ class Settings(BaseSettings):
     guard_rate: float = Field(0.0, ge=0.0, le=1.0, description="fraction of linked answers also linked with full "
                               "after answering, to measure agreement (on ragcache's engine only in steps no user "
                               "request needs; on vllm two one-token requests beside the users'); 0 = off")
-    body_timeout_s: float = Field(30.0, gt=0, description="seconds a request body may take to arrive")
+    header_timeout_s: float = Field(10.0, gt=0, description="seconds a client may take to send a request's line "
+                                    "and headers, from connecting (or from the first byte of its next request on a "
+                                    "kept-alive connection); then the connection is closed")
+    body_timeout_s: float = Field(30.0, gt=0, description="seconds a whole request body may take to arrive, from "
+                                  "the end of its headers; then a 408 and the connection is closed")
+    keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle connection stays open between requests")
+    max_connections: int | None = Field(None, ge=1, description="open client connections per server process "
+                                        "(default: the open-file limit less fd_reserve); at the cap a new one "
+                                        "replaces the one waiting longest without a request, or is closed if "
+                                        "every one has a request in flight")
+    fd_reserve: int = Field(256, ge=0, description="file descriptors per server process kept from client "
+                            "connections, for the store, model files, logs and threads")
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)
