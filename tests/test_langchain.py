@@ -16,6 +16,7 @@ from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 
 from ragcache.engine import RagCache  # noqa: E402
+from ragcache.settings import EngineConfig
 from ragcache.errors import BadRequest, ParameterOutOfRange, PromptTooLong, UnknownAlgorithm  # noqa: E402
 from ragcache.integrations.langchain import DOC_ID_KEY, ChatRagCache, RagCacheRetriever  # noqa: E402
 from ragcache.sequence import Status  # noqa: E402
@@ -60,7 +61,7 @@ class Runs(BaseCallbackHandler):
 
 @pytest.fixture(scope="module")
 def rc():
-    return RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=32)
+    return RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=32))
 
 
 def docs():
@@ -105,8 +106,8 @@ def test_retriever_runs_the_wrapped_one_as_its_child(rc):
 
 def test_retriever_prefetches_into_the_memory_tier_and_compiles_the_sink_layout(tmp_path):
     lm = tiny.make("llama")
-    RagCache(lm, open_store(f"disk:{tmp_path}"), chunk_tokens=32).compile(TEXTS[:1])  # the second one is a miss
-    rc = RagCache(lm, open_store(f"memory+disk:{tmp_path}"), chunk_tokens=32)
+    RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=32)).compile(TEXTS[:1])  # the second one is a miss
+    rc = RagCache(lm, open_store(f"memory+disk:{tmp_path}"), EngineConfig(chunk_tokens=32))
     memory = rc.store.tiers[0]
     assert not any(memory.contains_many(chunk_keys(rc, TEXTS[0])))
     retriever = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)

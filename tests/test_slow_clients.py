@@ -24,6 +24,7 @@ from bench.slow_clients import LimitedServer, attack, closed_by_server, open_slo
 from ragcache.api.app import create_app
 from ragcache.api.server import config
 from ragcache.engine import RagCache
+from ragcache.settings import EngineConfig
 from ragcache.settings import Settings
 from ragcache.store import open_store
 from tests import tiny
@@ -33,7 +34,7 @@ WAIT_S = 60  # how long a test waits for the server to act before it fails: far 
 
 @pytest.fixture(scope="module")
 def rc():
-    return RagCache(tiny.make("llama"), open_store("memory:"), chunk_tokens=16)
+    return RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
 
 
 @contextmanager
