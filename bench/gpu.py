@@ -28,7 +28,15 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                length, with entries from each tier (memory: pinned on CUDA; gpu: in device memory), `full` at row
                budgets 512 / the device's default / one step, host-to-device copy GB/s from pageable and pinned
                memory, and the longest step a decoding stream waited while a long link ran beside it
-Prints tables and writes gpu-<device>.json under --out. On an H100 the whole run should take 2-4 minutes.
+  (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
+               replayed from CUDA graphs (ragcache.graphs), the same fixed-shape step eager, and the ordinary packed
+               step, against transformers' DynamicCache loop and its StaticCache loop under
+               torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
+  --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
+               against the eager step (tokens), links from pinned entries and from the GPU tier against pageable
+               entries (logits, bit for bit); exit 1 on a mismatch. On CPU only the first runs.
+Prints tables and writes gpu-<device>.json under --out. On an H100 the run up to (f) was planned at 2-4 minutes;
+(g) adds transformers' compile (about a minute at 8B); `--skip` trims.
 """
 
 from __future__ import annotations
@@ -45,7 +53,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "model", "serving", "invariance", "link"}
+SECTIONS = {"kernels", "model", "serving", "invariance", "link", "decode"}
 
 
 def _args() -> argparse.Namespace:
@@ -59,7 +67,10 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--invariance", default="qwen2.5-coder-0.5b", help="model shapes for (e), comma-separated")
     ap.add_argument("--shape", default="llama3-8b", help="model shape for (f)")
     ap.add_argument("--contexts", default="8192,32768", help="prompt lengths for (f), comma-separated")
+    ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
+    ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
+                    "decode with eager, GPU tier with host tier, pinned with pageable entries); exit 1 on a mismatch")
     return ap.parse_args()
 
 
@@ -87,10 +98,11 @@ def _import_ragcache():
     runner = importlib.import_module("ragcache.runner")
     loaded = importlib.import_module("ragcache.loaded")
     models = importlib.import_module("ragcache.models")
-    return kernels, torch_ref, triton_ops, runner, loaded, models
+    graphs = importlib.import_module("ragcache.graphs")
+    return kernels, torch_ref, triton_ops, runner, loaded, models, graphs
 
 
-KERNELS, REF, TRI, RUNNER, LOADED, MODELS = _import_ragcache()
+KERNELS, REF, TRI, RUNNER, LOADED, MODELS, GRAPHS = _import_ragcache()
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -699,6 +711,159 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     return rows
 
 
+# ------------------------------------------------------------------ (g): one decoding stream at a large shape
+
+
+def _engine(lm, store, chunk_tokens: int, graphs: str):
+    """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "eager" (the same fixed-shape
+    step, not captured: the graphs' reference) or "ordinary" (the packed forward every other step runs)."""
+    from ragcache.engine import RagCache
+    from ragcache.settings import EngineConfig
+
+    rc = RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
+                                          decode_graphs=graphs != "ordinary"))
+    if graphs == "eager":
+        rc.runner.graphs = GRAPHS.DecodeGraphs(rc.runner, capture=False)
+    return rc
+
+
+def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
+    """One greedy answer of `new_tokens` after a naive link; the decode-only steps' rate."""
+    rc.query(question, docs, algorithm="naive", max_new_tokens=4)  # untimed: a graph is captured, kernels compiled
+    before = _scheduler_stats(rc)
+    answer = rc.query(question, docs, algorithm="naive", max_new_tokens=new_tokens)
+    stats = _stats_delta(before, _scheduler_stats(rc))
+    return dict(tok_s=_decode_rate(stats), tokens=answer.token_ids, decode_only_step_ms=stats["decode_only_step_ms"])
+
+
+@torch.inference_mode()
+def _transformers_decode(lm, length: int, new_tokens: int, device, compiled: bool) -> float:
+    """transformers' own greedy loop after a prefill of `length` tokens: its DynamicCache eagerly, or its
+    StaticCache with the decode step under torch.compile(mode="reduce-overhead") (CUDA graphs, as vLLM's)."""
+    from transformers import DynamicCache, StaticCache
+
+    model = lm.model
+    name = RUNNER.cache_argument(model)
+    ids = torch.randint(1, 1000, (1, length), device=device)
+    if compiled:
+        cache = StaticCache(config=model.config, max_cache_len=length + new_tokens + 8)
+        step = torch.compile(lambda token, at: model(token, cache_position=at, use_cache=True, **{name: cache}).logits,
+                             mode="reduce-overhead", fullgraph=True)
+        prefill = model(ids, cache_position=torch.arange(length, device=device), use_cache=True, logits_to_keep=1,
+                        **{name: cache}).logits
+    else:
+        cache = DynamicCache(config=model.config)
+        step = lambda token, at: model(token, use_cache=True, **{name: cache}).logits  # noqa: E731
+        prefill = model(ids, use_cache=True, logits_to_keep=1, **{name: cache}).logits
+    token = prefill[:, -1:].argmax(-1)
+    for i in range(3 if compiled else 1):  # untimed: compiling and capturing (about a minute at 8B on an H100)
+        token = step(token, torch.tensor([length + i], device=device))[:, -1:].argmax(-1)
+    _sync(device)
+    started = time.perf_counter()
+    done = 3 if compiled else 1
+    for i in range(done, new_tokens):
+        token = step(token.clone(), torch.tensor([length + i], device=device))[:, -1:].argmax(-1)
+        int(token)  # a host sync per token, as sampling does
+    return (new_tokens - done) / (time.perf_counter() - started)
+
+
+def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """One decoding stream at `context` tokens: ragcache's decode-only steps from CUDA graphs, the same step
+    eager, and the ordinary packed step, against transformers' eager and static+compiled loops. The graphs'
+    tokens must be the eager step's."""
+    import random
+
+    from ragcache.store.memory import MemoryStore
+
+    shape, context, new_tokens = ("smollm2-135m", 256, 8) if quick else (shape, context, 128)
+    doc_words = 1016 if not quick else 60
+    lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(0)
+    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+    texts, question = [words(doc_words) for _ in range(max(context // (doc_words + 8), 1))], words(32)
+    rows, tokens = [], {}
+    for graphs in (("captured", "eager", "ordinary") if device.type == "cuda" else ("eager", "ordinary")):
+        rc = _engine(lm, MemoryStore(64 << 30, pin=device.type == "cuda"), doc_words + 8, graphs)
+        docs = rc.compile(texts)
+        got = _ragcache_decode(rc, question, docs, new_tokens)
+        tokens[graphs] = got.pop("tokens")
+        prompt = len(rc.prompt_parts(question, docs).token_ids)
+        rows.append(dict(shape=shape, what=f"ragcache decode, {graphs} steps", context=prompt, new_tokens=new_tokens,
+                         **got))
+        rc.driver.stop()
+    peers = [("eager", False)] + ([("static+compiled", True)] if device.type == "cuda" else [])
+    for what, compiled in peers:
+        rows.append(dict(shape=shape, what=f"transformers decode, {what}", context=prompt, new_tokens=new_tokens,
+                         tok_s=_transformers_decode(lm, prompt, new_tokens, device, compiled)))
+    fastest = max(row["tok_s"] for row in rows if row["what"].startswith("transformers"))
+    for row in rows:
+        row["vs_fastest_transformers"] = row["tok_s"] / fastest
+        print(f"  {shape} {row['context']:6d} tokens {row['what']:42s} {row['tok_s']:8.1f} tok/s "
+              f"({row['vs_fastest_transformers']:.2f}x transformers' fastest)", flush=True)
+    if "captured" in tokens:
+        rows.append(dict(shape=shape, what="graph decode tokens against the eager step's",
+                         identical=tokens["captured"] == tokens["eager"]))
+    rows.append(dict(shape=shape, what="eager step tokens against the ordinary decode's",
+                     leading_identical=_common_prefix(tokens["eager"], tokens["ordinary"]), of=new_tokens))
+    del lm
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _common_prefix(a: list, b: list) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+# ------------------------------------------------------------------ --check: every CUDA path against its reference
+
+
+def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """Graph decode against the eager step (the same tokens), a link from the GPU tier against one from the host
+    tier, and one from pinned entries against pageable ones (the same logits, bit for bit). On CPU only the first
+    runs (its step eager on both sides); the others need CUDA and say so."""
+    import random
+
+    from ragcache.store.device import DeviceStore
+    from ragcache.store.memory import MemoryStore
+    from ragcache.store.tiered import TieredStore
+
+    shape = "smollm2-135m"
+    lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(1)
+    words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
+    texts, question = [words(120) for _ in range(4)], words(16)
+    cuda = device.type == "cuda"
+    rows = []
+    answers = {}
+    for graphs in ("captured", "eager") if cuda else ("eager", "eager"):
+        rc = _engine(lm, MemoryStore(), 128, graphs)
+        docs = rc.compile(texts)
+        answers.setdefault(graphs, []).append(rc.query(question, docs, algorithm="naive", max_new_tokens=16).token_ids)
+        rc.driver.stop()
+    first, second = (answers["captured"][0], answers["eager"][0]) if cuda else answers["eager"]
+    rows.append(dict(check="graph decode = eager step", ok=first == second, ran=cuda or "eager on both sides"))
+    stores = {"pageable": lambda: MemoryStore(), "pinned": lambda: MemoryStore(pin=True),
+              "gpu tier": lambda: TieredStore([DeviceStore(device), MemoryStore(pin=True)])}
+    logits = {}
+    for name, make in stores.items():
+        if not cuda and name != "pageable":
+            rows.append(dict(check=f"{name} link = pageable link", ok=None, ran="needs CUDA"))
+            continue
+        rc = _engine(lm, make(), 128, "ordinary")
+        docs = rc.compile(texts)
+        rc.link(question, docs, algorithm="naive")  # the gpu tier fills on this read
+        logits[name] = rc.link(question, docs, algorithm="naive").last_logits
+        rc.driver.stop()
+        if name != "pageable":
+            rows.append(dict(check=f"{name} link = pageable link", ok=torch.equal(logits[name], logits["pageable"]),
+                             ran=True))
+    for row in rows:
+        print(f"  {row['check']:34s} {'ok' if row['ok'] else 'not run' if row['ok'] is None else 'FAILED'}"
+              + (f" ({row['ran']})" if row["ran"] is not True else ""), flush=True)
+    return rows
+
+
 # ------------------------------------------------------------------ main
 
 
@@ -736,7 +901,15 @@ def main() -> None:
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
-    kernels, model_rows, serving_rows, invariance_rows, link_rows = [], [], [], [], []
+    if args.check:
+        rows = checks(device, dtype, args.quick)
+        failed = [row["check"] for row in rows if row["ok"] is False]
+        args.out.mkdir(parents=True, exist_ok=True)
+        path = args.out / f"gpu-check-{env.get('gpu', 'cpu').replace(' ', '-')}.json"
+        path.write_text(json.dumps(dict(benchmark="gpu --check", environment=env, checks=rows), indent=2) + "\n")
+        print(f"{'FAILED: ' + ', '.join(failed) if failed else 'every check passed'}; wrote {path}")
+        sys.exit(1 if failed else 0)
+    kernels, model_rows, serving_rows, invariance_rows, link_rows, decode_rows = [], [], [], [], [], []
     if "kernels" not in skip:
         print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
                                                              if env["triton_interpreted"] else ""))
@@ -756,10 +929,13 @@ def main() -> None:
     if "link" not in skip:
         print(f"(f) link at the {args.shape} shape: every algorithm and tier against transformers' forward")
         link_rows = link(args.shape, [int(n) for n in _names(args.contexts)], device, dtype, args.quick)
+    if "decode" not in skip:
+        print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
+        decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
                   skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
-                  invariance=invariance_rows, link=link_rows,
+                  invariance=invariance_rows, link=link_rows, decode=decode_rows,
                   all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
@@ -772,8 +948,11 @@ def main() -> None:
     differ = [row for row in link_rows if row.get("identical") is False]
     if differ:
         verdict += f"; a link from the GPU tier differs from the host tier's at {[r['context'] for r in differ]}"
+    graphs_differ = any(row.get("identical") is False for row in decode_rows)
+    if graphs_differ:
+        verdict += "; graph decode's tokens differ from the eager step's"
     print(f"{verdict}; {result['seconds']:.0f} s; wrote {path}")
-    if failed or differ:
+    if failed or differ or graphs_differ:
         sys.exit(1)
 
 

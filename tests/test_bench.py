@@ -477,6 +477,24 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert len(waits) == 2 and all(row["longest_decode_step_s"] > 0 for row in waits)
     checks = [row for row in result["link"] if "identical" in row]
     assert len(checks) == 2 and all(row["identical"] for row in checks)
+    decodes = {row["what"]: row for row in result["decode"] if "tok_s" in row}  # (g): no graphs to capture on CPU
+    assert set(decodes) == {"ragcache decode, eager steps", "ragcache decode, ordinary steps",
+                            "transformers decode, eager"} and all(row["tok_s"] > 0 for row in decodes.values())
+    (agree,) = [row for row in result["decode"] if "leading_identical" in row]
+    assert agree["leading_identical"] == agree["of"]  # fp32: the whole-pool step decodes the ordinary step's tokens
+
+
+def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
+    """`bench/gpu.py --check` compares each CUDA path with its reference; on CPU the graph check runs its eager step
+    on both sides and the CUDA-only checks say they did not run (not a pass)."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--check", "--out",
+                           str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {row["check"]: row for row in json.loads((tmp_path / "gpu-check-cpu.json").read_text())["checks"]}
+    assert rows["graph decode = eager step"]["ok"] is True
+    assert rows["pinned link = pageable link"]["ok"] is None and rows["gpu tier link = pageable link"]["ok"] is None
 
 
 def test_the_gpu_script_times_full_once():

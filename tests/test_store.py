@@ -867,3 +867,58 @@ def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
     with pytest.raises(StoreError, match="pinned"):
         MemoryStore(pin=True)
     assert open_store("memory", device="cpu").pin is False  # a CPU engine's memory tier is plain memory
+
+
+def test_a_pooled_memory_tier_keeps_entries_in_its_arena_and_reuses_their_space():
+    """The memory tier's arena (pinned on CUDA; its logic here on plain memory): entries are copies carved out of
+    segments allocated once, read back bit for bit, evicted least recently used first when no span fits, and an
+    evicted entry's space serves the next one. Int8 entries carry their scales in the same span."""
+    import dataclasses
+
+    from ragcache.store.arena import Arena
+    from ragcache.store.codec import encode
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(4))
+    size = Arena.size_of(next(iter(entries.values())))
+    tier = MemoryStore(budget_bytes=3 * size, pooled=True)
+    keys = list(entries)
+    tier.put_many({k: entries[k] for k in keys[:3]})
+    got = tier.get_many(keys[:3])
+    assert all(same_bits(g, entries[k]) for g, k in zip(got, keys))
+    segment = tier.arena.segments[0]
+    lo, hi = segment.data_ptr(), segment.data_ptr() + segment.numel()
+    assert all(lo <= t.data_ptr() < hi for g in got for t in (g.keys, g.values, g.token_ids))  # in the arena
+    del got
+    assert tier.get_many([keys[0]])[0] is not None  # keys[1] is now the least recently used
+    tier.put_many({keys[3]: entries[keys[3]]})
+    assert tier.contains_many(keys) == [True, False, True, True]
+    assert len(tier.arena.segments) == 1 and tier.arena.used_bytes == 3 * size  # keys[1]'s span, reused
+    assert same_bits(tier.get_many([keys[3]])[0], entries[keys[3]])
+    plain = entries[keys[0]]
+    codes = dict(zip(("keys", "values", "key_scales", "value_scales"), encode(plain.keys, plain.values, "int8")))
+    quantized = dataclasses.replace(plain, **codes)
+    tier.put_many({"q": quantized})
+    (back,) = tier.get_many(["q"])
+    assert torch.equal(back.key_scales, quantized.key_scales) and torch.equal(back.keys, quantized.keys)
+
+
+def test_an_arena_span_is_not_reused_while_a_reader_holds_its_entry():
+    """An entry a reader still holds (a link placing its tensors) keeps its bytes after the store lets it go: a new
+    entry takes other space, or is not stored, rather than overwrite what is being read."""
+    from ragcache.store.arena import Arena
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(3))
+    keys = list(entries)
+    size = Arena.size_of(entries[keys[0]])
+    tier = MemoryStore(budget_bytes=2 * size, pooled=True)
+    tier.put_many({keys[0]: entries[keys[0]], keys[1]: entries[keys[1]]})
+    (held,) = tier.get_many([keys[0]])
+    tier.put_many({keys[2]: entries[keys[2]]})  # keys[1], the least recently used, makes room
+    assert tier.contains_many(keys) == [True, False, True]
+    assert tier.delete(keys[0]) and same_bits(held, entries[keys[0]])
+    tier.put_many({keys[1]: entries[keys[1]]})  # the held entry's span is not free: keys[2] is evicted instead
+    assert same_bits(held, entries[keys[0]]) and tier.contains_many([keys[1], keys[2]]) == [True, False]
+    del held  # the reader is done: its span comes back
+    tier.put_many({keys[2]: entries[keys[2]]})
+    assert tier.contains_many([keys[1], keys[2]]) == [True, True]
+    assert same_bits(tier.get_many([keys[2]])[0], entries[keys[2]])
