@@ -40,13 +40,31 @@ class JoinedCache:
         self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
+        # placing in flight (ragcache.copies): an event per layer on the copy stream, and the entries copied from
+        self.pending: list | None = None
+        self.holds: list = []
+
+    def wait(self, layer: int) -> None:
+        """The current stream waits for the layer's placement, if it is in flight."""
+        if self.pending is not None and self.pending[layer] is not None:
+            torch.cuda.current_stream().wait_event(self.pending[layer])
+            self.pending[layer] = None
+
+    def settle(self) -> None:
+        """Every layer placed, as far as the current stream sees; the entries are let go."""
+        if self.pending is not None:
+            for layer in range(len(self.pending)):
+                self.wait(layer)
+        self.pending, self.holds = None, []
 
     def visible(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.wait(layer)
         return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
 
     def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
               contiguous_from: int | None) -> None:
         """Write fresh K/V [kv_heads, n, head_dim] at positions `rows` (a slice copy when they are contiguous)."""
+        self.wait(layer)
         if contiguous_from is not None:
             end = contiguous_from + keys.shape[1]
             self.keys[layer, :, contiguous_from:end] = keys
@@ -61,6 +79,7 @@ class JoinedCache:
     def spend(self) -> None:
         """Its request is gone: empty, length 0. New empty tensors, not views: a spent cache that someone still holds
         (a Linked result, a stream its client left, until the cycle collector runs) keeps no K/V alive."""
+        self.settle()
         spent = (*self.keys.shape[:2], 0, self.keys.shape[3])
         self.keys, self.values = self.keys.new_empty(spent), self.values.new_empty(spent)
         self.slot, self.length, self.capacity = None, 0, 0
@@ -84,6 +103,7 @@ class KVPool:
 
     def adopt(self, cache: JoinedCache) -> None:
         """Move `cache` into a free slot; from now on it is a view of the pool."""
+        cache.settle()
         slot = next(i for i in range(len(self.members) + 1) if i not in self.members)
         self._fit(slot + 1, cache.capacity)
         length = cache.length

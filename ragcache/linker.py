@@ -35,6 +35,7 @@ import torch
 import ragcache.kernels as kernels
 from ragcache.store.entry import ChunkKV
 
+from . import copies
 from .errors import ParameterOutOfRange, UnknownAlgorithm
 from .prefix_cache import Hit, PrefixCache
 from .kv import JoinedCache, ModelShape
@@ -155,6 +156,7 @@ def finish(plan: LinkPlan, last_logits: torch.Tensor, recomputed: int, recompute
            prefix_cache: PrefixCache | None) -> Linked:
     """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
     length = plan.token_ids.numel()
+    plan.cache.settle()  # every layer placed before anyone reads the cache whole
     if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None and plan.last_logits is None:
         prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length],
                             last_logits)
@@ -187,9 +189,7 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
         return hit.reused
     entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
     starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
-    kernels.place_chunks(cache.keys, cache.values, [e.keys for e in entries], [e.values for e in entries],
-                         starts, runner.inv_freq, runner.rope_scaling,
-                         [e.key_scales for e in entries], [e.value_scales for e in entries])
+    copies.place(cache, entries, starts, runner.inv_freq, runner.rope_scaling)
     return len(parts.prefix_ids)
 
 
@@ -268,6 +268,7 @@ class _Narrow:
 
     def before(self, layer: int) -> None:
         if layer == self.narrow.layer:
+            self.cache.wait(layer)  # its placed K/V, before the layer's rows overwrite them
             self.cached = self.compared[layer][:, self.chunk_rows].clone()
 
     def after(self, layer: int, hidden: torch.Tensor) -> tuple | None:
