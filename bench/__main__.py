@@ -264,6 +264,9 @@ def soak(
     redis_down: float = typer.Option(20.0, min=0, help="seconds Redis stays down after each kill"),
     tamper_every: float = typer.Option(15.0, min=0, help="seconds between tamperings of a victim document's entries "
                                        "or records (0: none)"),
+    new_text_every: int = typer.Option(0, min=0, help="every n-th request carries a new raw text (a pool document "
+                                       "with its words shuffled), stored and compiled on the fly (0: none)"),
+    prefix_cache_mib: int = typer.Option(None, min=0, help="the server's prefix cache (default: its own, 256 MiB)"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -276,7 +279,7 @@ def soak(
     if bad := [a for a in names if a not in mod.ALGORITHMS]:
         raise typer.BadParameter(f"unknown algorithm(s) {bad}: {', '.join(mod.ALGORITHMS)}")
     mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag,
-            redis_every, redis_down, tamper_every)
+            redis_every, redis_down, tamper_every, new_text_every, prefix_cache_mib)
 
 
 @app.command()

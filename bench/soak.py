@@ -54,7 +54,8 @@ def requests(pool: list[str], questions: list[str], distinct: int, algorithms: t
 
 def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int, doc_tokens: int, max_tokens: int,
         abandon_every: int, algorithms: tuple[str, ...], out_dir: Path | None = None, tag: str = "",
-        redis_every: float = 90.0, redis_down: float = 20.0, tamper_every: float = 15.0) -> dict:
+        redis_every: float = 90.0, redis_down: float = 20.0, tamper_every: float = 15.0, new_text_every: int = 0,
+        prefix_cache_mib: int | None = None) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
@@ -63,7 +64,8 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
     params = dict(model=model, clients=clients, seconds=seconds, distinct=distinct, pool=pool_size,
                   doc_tokens=doc_tokens, max_tokens=max_tokens, abandon_every=abandon_every,
                   algorithms=list(algorithms), tag=tag, redis_every=redis_every, redis_down=redis_down,
-                  tamper_every=tamper_every, server_threads=throughput.server_threads())
+                  tamper_every=tamper_every, new_text_every=new_text_every, prefix_cache_mib=prefix_cache_mib,
+                  server_threads=throughput.server_threads())
     bench = report.Run("soak", params, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
     texts = squad.timing_documents(tokenizer, pool_size, doc_tokens)
@@ -73,8 +75,10 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
     try:
         with tempfile.TemporaryDirectory(prefix="ragcache-soak-") as folder:
             store = Path(folder)
-            server = throughput.Server(model, f"disk:{store}+{redis.url}", max_queue=4 * clients,
-                                       extra_env={STORE_KEY_ENV: secrets.token_hex(16)})
+            env = {STORE_KEY_ENV: secrets.token_hex(16)}
+            if prefix_cache_mib is not None:
+                env["RAGCACHE_PREFIX_CACHE_MIB"] = str(prefix_cache_mib)
+            server = throughput.Server(model, f"disk:{store}+{redis.url}", max_queue=4 * clients, extra_env=env)
             try:
                 with httpx.Client(base_url=server.url, timeout=900) as client:
                     # the victims first: the entry files each adds are then its own
@@ -91,7 +95,8 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
                 for breaker in breakers:
                     breaker.start()
                 try:
-                    result = _load(server, bodies, baseline, clients, seconds, abandon_every)
+                    result = _load(server, bodies, baseline, clients, seconds, abandon_every,
+                                   _new_texts(texts, new_text_every))
                 finally:
                     broken = {breaker.name: breaker.stop() for breaker in breakers}
                 result.update(broken)
@@ -110,6 +115,21 @@ def _others(texts: list[str], pool: list[str]) -> list[str]:
     return [t for t in dict.fromkeys(texts) if t not in pool]
 
 
+def _new_texts(texts: list[str], every: int):
+    """`every`-th request's new raw text (None: the request as it is): a pool text with its words shuffled, a new
+    document each time, stored and compiled on the fly."""
+    import random
+
+    def new_text(i: int) -> str | None:
+        if not every or i % every != every - 1:
+            return None
+        words = texts[i % len(texts)].split()
+        random.Random(i).shuffle(words)
+        return " ".join(words)
+
+    return new_text
+
+
 def _answer(client, body: dict) -> str:
     r = client.post("/v1/query", json=body)
     r.raise_for_status()
@@ -117,7 +137,7 @@ def _answer(client, body: dict) -> str:
 
 
 def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], clients: int, seconds: float,
-          abandon_every: int) -> dict:
+          abandon_every: int, new_text=lambda i: None) -> dict:
     import httpx
 
     counter, lock, stop = itertools.count(), threading.Lock(), threading.Event()
@@ -126,14 +146,16 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
     wrong: Counter[str] = Counter()
     asked: Counter[str] = Counter()
     connection_errors: list[str] = []
-    abandoned = 0
+    abandoned = new = 0
 
     def worker() -> None:
-        nonlocal abandoned
+        nonlocal abandoned, new
         with httpx.Client(base_url=server.url, timeout=900) as client:
             while not stop.is_set():
                 i = next(counter)
                 body = bodies[i % len(bodies)]
+                if (text := new_text(i)) is not None:  # its answer is not the baseline's: not compared
+                    body = dict(body, documents=[{"text": text}, *body["documents"][1:]])
                 started = time.perf_counter()
                 try:
                     if abandon_every and i % abandon_every == abandon_every - 1:
@@ -152,7 +174,9 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
                     if r.status_code == 200:
                         latencies.append(time.perf_counter() - started)
                         asked[body["algorithm"]] += 1
-                        if r.json()["answer"] != baseline[i % len(bodies)]:
+                        if text is not None:
+                            new += 1
+                        elif r.json()["answer"] != baseline[i % len(bodies)]:
                             wrong[body["algorithm"]] += 1
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
@@ -171,7 +195,7 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
     wall = time.perf_counter() - started
     late = [mib for t, mib in rss if t >= seconds / 2]
     ordered = sorted(latencies)
-    return dict(clients=clients, wall_s=wall, answered=sum(status.values()), abandoned=abandoned,
+    return dict(clients=clients, wall_s=wall, answered=sum(status.values()), abandoned=abandoned, new_texts=new,
                 requests_per_s=status[200] / wall, status={str(k): v for k, v in sorted(status.items())},
                 server_errors=sum(v for k, v in status.items() if k >= 500),
                 connection_errors=len(connection_errors), connection_error_samples=connection_errors[:5],
