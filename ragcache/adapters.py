@@ -58,13 +58,6 @@ def installed(model: str) -> Path | None:
     return None
 
 
-def parse(value: str | Path | None) -> str | Path | None:
-    """A CLI or settings value: "none" is the base model, "installed" the installed default, else a directory."""
-    if value is None or str(value).lower() in ("", "none"):
-        return None
-    return INSTALLED if str(value).lower() == INSTALLED else Path(value)
-
-
 def profile_for(lm: loaded.LoadedModel, path: Path) -> calibrate.Profile | None:
     """The calibration of `lm` with the adapter at `path` attached (at `lm`'s dtype), if there is one."""
     digest = lora.check_adapter(lm, path)

@@ -50,6 +50,13 @@ DEFAULT_LR = {True: 2e-4, False: 2e-5}  # infill training, by lora
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the demo's and calibration's documents and questions
 
 
+def parse_adapter(value: str | Path | None) -> str | Path | None:
+    """A CLI or settings value: "none" is the base model, "installed" the installed default, else a directory."""
+    if value is None or str(value).lower() in ("", "none"):
+        return None
+    return INSTALLED if str(value).lower() == INSTALLED else Path(value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is opened with, in one object from `Settings.engine_config()` (or by hand) to the
@@ -179,13 +186,11 @@ class Settings(BaseSettings):
         return self
 
     def engine_config(self) -> EngineConfig:
-        from .adapters import parse
-
         vllm_args = {"max_model_len": self.max_model_len, "kv_cache_gib": self.kv_cache_gib}
         return EngineConfig(model=self.model, store=self.store, engine=self.engine, device=self.device,
                             dtype=self.dtype, chunk_tokens=self.chunk_tokens, kv_codec=self.kv_codec,
                             prefix_cache_bytes=self.prefix_cache_mib << 20, batch_invariant=self.batch_invariant,
-                            decode_graphs=self.decode_graphs, adapter=parse(self.adapter),
+                            decode_graphs=self.decode_graphs, adapter=parse_adapter(self.adapter),
                             merge_adapter=self.merge_adapter,
                             vllm_args={k: v for k, v in vllm_args.items() if v is not None})
 

@@ -19,7 +19,7 @@ from ragcache import adapters, loaded, lora, models
 from ragcache import calibrate as cal
 from ragcache.engine import RagCache
 from ragcache.errors import BadAdapter
-from ragcache.settings import INSTALLED, EngineConfig, Settings
+from ragcache.settings import INSTALLED, EngineConfig, Settings, parse_adapter
 from ragcache.store import open_store
 from tests import tiny
 
@@ -145,7 +145,7 @@ def test_the_installed_adapter_is_the_default_once_calibrated(tiny_dir, adapter_
     assert RagCache.from_settings(Settings(model=model, store="memory:", dtype="float32")).lm.adapter is not None
     assert RagCache.from_settings(Settings(model=model, store="memory:", dtype="float32",
                                            adapter="none")).lm.adapter is None
-    assert [adapters.parse(v) for v in (None, "none", "None", "installed")] == [None, None, None, INSTALLED]
+    assert [parse_adapter(v) for v in (None, "none", "None", "installed")] == [None, None, None, INSTALLED]
 
 
 def test_an_adapter_ships_its_calibration(tiny_dir, adapter_dir, tmp_path, monkeypatch):
