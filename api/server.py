@@ -15,10 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
+from ragcache.allocator import map_large_blocks
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
 from ragcache.front import Front
-from ragcache.allocator import map_large_blocks
 from ragcache.settings import Settings
 from ragcache.store import tier_urls
 

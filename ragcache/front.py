@@ -24,7 +24,6 @@ from .request import UNBOUNDED, Infill, Limits, Query
 from .sampling import Answer, QueryStats, Sampling
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
 
-
 LINK_KNOBS = ("algorithm", "k", "ratio", "check_layer", "deviation")  # `Front.params`'
 
 
@@ -39,7 +38,7 @@ class CompileReport:
     bytes: int = 0
     seconds: float = 0.0
 
-    def add(self, other: "CompileReport") -> None:
+    def add(self, other: CompileReport) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 

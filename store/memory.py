@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import torch
 
 from .base import DEFAULT_MEMORY_BUDGET, Store
-from .errors import StoreError
 from .entry import ChunkKV, describe, shape_problem
+from .errors import StoreError
 
 
 class MemoryStore(Store):

@@ -14,11 +14,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .errors import StoreError
-
-from .base import (DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, RecordCheck, Store, TierUnavailable,
-                   UnreadableRecord, log)
+from .base import (
+    DEFAULT_MAX_RETRY_AFTER_S,
+    DEFAULT_RETRY_AFTER_S,
+    RecordCheck,
+    Store,
+    TierUnavailable,
+    UnreadableRecord,
+    log,
+)
 from .entry import ChunkKV
+from .errors import StoreError
 from .memory import MemoryStore
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
