@@ -79,6 +79,6 @@ def run(settings: Settings, workers: int = 1) -> None:
 def _serve_workers(config: Config) -> None:
     sock = config.bind_socket()
     if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn: the parent names the worker's target
-        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()
+        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()  # type: ignore[call-arg]  # older uvicorn
     else:
         Multiprocess(config, sockets=[sock]).run()

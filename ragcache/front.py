@@ -50,6 +50,7 @@ class Stream(Protocol):
 
     stats: QueryStats
     answer: Answer | None
+    cancelled: bool
 
     def open(self, listener: Callable) -> None: ...
 
@@ -162,6 +163,15 @@ class Front(abc.ABC):
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
         return ([ids] for ids in chunks)
+
+    @property
+    @abc.abstractmethod
+    def kv_codec(self) -> str:
+        """The codec the engine stores new K/V entries in."""
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        """One short request, so one-time initialisation is not counted in the first TTFT."""
 
     @abc.abstractmethod
     def _compile(self, chunks: list[list[int]], layout: str) -> int:
