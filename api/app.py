@@ -82,7 +82,7 @@ class Guard:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), max(deadline - asyncio.get_running_loop().time(), 0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))

@@ -10,7 +10,7 @@ then validated by pydantic, of whose errors the first `REPORTED` are kept with t
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 from itertools import islice
 from typing import Any
 
@@ -23,7 +23,7 @@ from .errors import REPORTED, Refused
 from .shape import BodyLimits
 
 
-def Body(model: type[BaseModel]) -> Any:  # noqa: N802 - used like FastAPI's Body
+def Body(model: type[BaseModel]) -> Any:  # used like FastAPI's Body
     """A route parameter: the body as `model`, read, checked and validated off the event loop (see above)."""
     async def read(request: Request) -> BaseModel:
         raw = await request.body()
@@ -48,7 +48,7 @@ def parse(raw: bytes, content_type: str, model: type[BaseModel], limits: BodyLim
         raise Refused(errors, total=exc.error_count()) from None
 
 
-@lru_cache(maxsize=None)  # one per route model
+@cache  # one per route model
 def field_names(model: type[BaseModel]) -> frozenset[str]:
     """The top-level keys `model` takes: its fields' names and their aliases."""
     names = set()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import time
 from contextlib import suppress
+from typing import ClassVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -33,7 +34,7 @@ class EngineQueue:
         self.cancelled = 0  # generations stopped because their client went away
         self.live: set[Generation] = set()
 
-    def admit(self) -> "Slot":
+    def admit(self) -> Slot:
         if self.depth >= self.max_queue:
             self.rejected += 1
             raise ApiError(429, "queue_full", f"the server is busy: {self.depth} requests are waiting for or using the "
@@ -161,7 +162,7 @@ class EventStream(StreamingResponse):
     """Server-sent events from a Generation. Its slot is freed when the response ends however it ends: Starlette may
     cancel a response whose client left before the body started, and then the body's own `finally` never runs."""
 
-    HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    HEADERS: ClassVar[dict[str, str]] = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
     def __init__(self, gen: Generation, content):
         super().__init__(content, media_type="text/event-stream", headers=self.HEADERS)

@@ -15,8 +15,19 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from ragcache.errors import (BadRequest, BrokenStore, CorruptDocument, ModelFetchError, PayloadTooLarge, PromptTooLong,
-                             RagCacheError, ShuttingDown, StoreError, UnknownDocument, UnsupportedModel)
+from ragcache.errors import (
+    BadRequest,
+    BrokenStore,
+    CorruptDocument,
+    ModelFetchError,
+    PayloadTooLarge,
+    PromptTooLong,
+    RagCacheError,
+    ShuttingDown,
+    StoreError,
+    UnknownDocument,
+    UnsupportedModel,
+)
 
 from .schemas import ErrorResponse
 
@@ -181,7 +192,7 @@ class Unexpected:
 
         try:
             await self.app(scope, receive, tracked_send)
-        except Exception as exc:  # noqa: BLE001 - any error of a route is one 500, never the whole server
+        except Exception as exc:  # any error of a route is one 500, never the whole server
             if started:
                 raise
             status, body = describe(exc)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.sampling import QueryStats
@@ -15,6 +15,7 @@ from ragcache.store import Store
 from .engine_queue import EngineQueue
 
 log = logging.getLogger("ragcache.api")
+CONTENT_TYPE = CONTENT_TYPE_LATEST  # the media type app.py serves /metrics as
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})  # any other is "other": a

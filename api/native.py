@@ -11,9 +11,9 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.front import CompileReport
 from ragcache.documents import check_metadata
 from ragcache.errors import CorruptDocument, UnknownDocument
+from ragcache.front import CompileReport
 from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.sampling import Answer, Sampling
 from ragcache.sequence import Done, Failed, Piece
@@ -23,8 +23,22 @@ from .answering import ClientGone, Context, ctx, stop_strings
 from .body import Body, documented
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import WITH_BODY, describe, responses
-from .schemas import (CompiledDocument, CompileRequest, CompileResponse, Deleted, DocumentIn, DocumentOut, DocumentPage,
-                      DocumentSummary, InfillRequest, InfillResponse, QueryRequest, QueryResponse, Timings, Usage)
+from .schemas import (
+    CompiledDocument,
+    CompileRequest,
+    CompileResponse,
+    Deleted,
+    DocumentIn,
+    DocumentOut,
+    DocumentPage,
+    DocumentSummary,
+    InfillRequest,
+    InfillResponse,
+    QueryRequest,
+    QueryResponse,
+    Timings,
+    Usage,
+)
 
 router = APIRouter(prefix="/v1", tags=["native"])
 SSE_DONE = "data: [DONE]\n\n"

@@ -65,7 +65,7 @@ class CompileRequest(Strict):
     metadata: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
-    def one_shape(self) -> "CompileRequest":
+    def one_shape(self) -> CompileRequest:
         if (self.documents is None) == (self.text is None):
             raise ValueError('send either "documents": [{"text": ...}, ...] or a single "text"')
         if self.documents is not None and self.metadata:

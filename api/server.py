@@ -15,10 +15,10 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
+from ragcache.allocator import map_large_blocks
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
 from ragcache.front import Front
-from ragcache.allocator import map_large_blocks
 from ragcache.settings import Settings
 from ragcache.store import tier_urls
 
@@ -79,6 +79,6 @@ def run(settings: Settings, workers: int = 1) -> None:
 def _serve_workers(config: Config) -> None:
     sock = config.bind_socket()
     if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn: the parent names the worker's target
-        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()
+        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()  # type: ignore[call-arg]  # older uvicorn
     else:
         Multiprocess(config, sockets=[sock]).run()

@@ -258,7 +258,7 @@ def pooled_decode_attention(
     eager = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
     if end_key is not None and not eager:
         keys, values = keys[:, :, : end_key - first_key], values[:, :, : end_key - first_key]
-    heads, rows, dim = query.shape
+    heads, _rows, dim = query.shape
     pool_slots, kv_heads, length, _ = keys.shape
     keys, values = _same_dtype(query, keys, values)
     # Rows go to their slot's place; a slot without a row gets a zero query that sees one key (no all-masked
@@ -329,7 +329,7 @@ def reference_attention(
 ) -> torch.Tensor:
     """The plain definition, kept as ground truth for the fast paths: fp32, K/V repeated per head group,
     a boolean mask by position over the whole cache. [H, n, D] -> [n, H, D] in the query dtype."""
-    heads, rows, dim = query.shape
+    heads, _rows, _dim = query.shape
     kv_heads, length, _ = keys.shape
     group = heads // kv_heads
     k = keys.to(torch.float32).repeat_interleave(group, dim=0)

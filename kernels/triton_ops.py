@@ -18,6 +18,7 @@ does) and fp32 operands multiplied in IEEE fp32 (no TF32).
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -528,7 +529,7 @@ def place_chunks(
     # One launch needs one source dtype per side and disjoint targets; otherwise keep the reference's
     # order (later chunks overwrite earlier ones) with one launch per chunk.
     spans = sorted((s, s + k.shape[2]) for k, s in zip(keys, starts) if k.shape[2] > 0)
-    disjoint = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    disjoint = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
     one_dtype = len({(k.dtype, v.dtype) for k, v in zip(keys, values)}) <= 1
     groups = [list(range(len(keys)))] if disjoint and one_dtype else [[i] for i in range(len(keys))]
     for group in groups:

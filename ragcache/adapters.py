@@ -15,6 +15,7 @@ user's cache so the next start reuses it, and held (a shared lock) while a serve
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -333,10 +334,8 @@ def _stale(paths: list[str], digest: str) -> str | None:
     """None while some path still holds the adapter bytes merged in."""
     found = []
     for path in paths:
-        try:
+        with contextlib.suppress(BadAdapter):
             found.append(lora.adapter_sha256(Path(path)))
-        except BadAdapter:
-            pass
     if digest in found:
         return None
     return "its adapter changed since" if found else "its adapter is gone"

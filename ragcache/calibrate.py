@@ -35,8 +35,7 @@ from . import agreement as agree
 from . import fetch, loaded, lora
 from .errors import BadRequest
 from .sampling import eos_ids
-from .settings import DATA_DIR
-from .settings import DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
+from .settings import DATA_DIR, DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
 
 POSITIONS = ("first", "content")
 ANSWER_TOKENS = 16  # how far along full's answer a content word is looked for
@@ -128,7 +127,7 @@ def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path 
     items = []
     for row in rows[:n]:
         others = rng.sample([name for name in docs if name != row["doc"]], docs_per_item - 1)
-        chosen = others[: len(others) // 2] + [row["doc"]] + others[len(others) // 2:]
+        chosen = [*others[: len(others) // 2], row["doc"], *others[len(others) // 2:]]
         items.append(Item(row["question"], [ids[name] for name in chosen]))
     return items
 
@@ -160,7 +159,7 @@ def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, s
         words = rng.choice(sentences).split()
         cue = " ".join(words[: max(3, len(words) // 2)])
         others = rng.sample([i for i in range(len(texts)) if i != pick], min(docs_per_item - 1, len(texts) - 1))
-        order = others[: len(others) // 2] + [pick] + others[len(others) // 2:]
+        order = [*others[: len(others) // 2], pick, *others[len(others) // 2:]]
         items.append(Item(f'According to the documents, how does the sentence starting "{cue}" continue?',
                           [ids[i] for i in order]))
     return items

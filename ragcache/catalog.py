@@ -21,8 +21,17 @@ from ragcache.store.keys import document_id
 
 from . import maintenance
 from .chunker import chunk_document
-from .documents import (Document, check_metadata, chunk_record_problem, chunks_name, chunks_record, doc_name,
-                        document_record, read_document, record_problem)
+from .documents import (
+    Document,
+    check_metadata,
+    chunk_record_problem,
+    chunks_name,
+    chunks_record,
+    doc_name,
+    document_record,
+    read_document,
+    record_problem,
+)
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")

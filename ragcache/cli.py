@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -16,12 +15,13 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
+from ragcache.store import tier_urls
+from ragcache.store.keys import is_document_id
+
 from . import fetch, lora, request
 from .console import console, err, fail
 from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
-from ragcache.store import tier_urls
-from ragcache.store.keys import is_document_id
 
 app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -216,7 +216,7 @@ def compile(
         kept = _other_budgets(rc, summary.ids)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except (RagCacheError, OSError, json.JSONDecodeError) as exc:
         fail(exc)
     console.print(
@@ -224,7 +224,7 @@ def compile(
         f"(compiled {summary.compiled_chunks}), tokens {summary.tokens:,}, bytes {summary.bytes:,}, "
         f"time {summary.seconds:.1f}s"
     )
-    for (text, meta), doc_id in zip(docs, summary.ids):
+    for (_text, meta), doc_id in zip(docs, summary.ids):
         console.print(f"{doc_id}  {meta.get('source', '')}")
     if kept:
         err.print(f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
@@ -296,7 +296,7 @@ def query(
                 console.print(piece, end="", soft_wrap=True, highlight=False)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except (RagCacheError, OSError) as exc:  # OSError: a --doc file that cannot be read
         fail(exc)
     answer = result.answer
@@ -535,4 +535,4 @@ def main() -> None:  # pragma: no cover
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

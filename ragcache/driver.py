@@ -30,7 +30,7 @@ from .sequence import Output, Sequence, Status
 IDLE_EXIT_S = 5.0  # an idle model thread ends (and starts again with the next sequence or call)
 TRIM_EVERY_STEPS = 256  # the allocator's free pages go back to the system this often (a few ms), and when idle
 log = logging.getLogger("ragcache")
-_LIVE: "weakref.WeakSet[Driver]" = weakref.WeakSet()
+_LIVE: weakref.WeakSet[Driver] = weakref.WeakSet()
 
 
 @dataclass
@@ -134,7 +134,7 @@ class Driver:
                 try:
                     with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's too
                         self._pass()
-                except Exception as exc:  # noqa: BLE001 - a bug here must not leave every caller waiting forever
+                except Exception as exc:  # a bug here must not leave every caller waiting forever
                     log.exception("the model thread failed a step")
                     self._deliver(self.scheduler.fail_all(exc))
             if self._stopping:  # also when `stop` gave up waiting for a long step: nobody is left waiting
@@ -199,7 +199,7 @@ class Driver:
                 self._free(sequence, output.status)
             try:
                 sequence.receive(output)
-            except Exception:  # noqa: BLE001 - a listener's bug is its caller's, not every other sequence's
+            except Exception:  # a listener's bug is its caller's, not every other sequence's
                 log.exception("a listener failed on the model thread")
 
     def _free(self, sequence: Sequence, status: Status) -> None:

@@ -21,17 +21,17 @@ from ragcache.store.entry import ChunkKV
 from . import adapters, guard, infill, linker, loaded, lora, models, sequence
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
+from .driver import Driver
 from .errors import Cancelled, ParameterOutOfRange
 from .front import Front
-from .sampling import Decoding, QueryStats, eos_ids
-from .linker import LinkInput, LinkParams, Linked
+from .linker import Linked, LinkInput, LinkParams
 from .prefix_cache import PrefixCache
 from .request import Infill, Query
-from .driver import Driver
 from .runner import Runner
+from .sampling import Decoding, QueryStats, eos_ids
 from .scheduler import Scheduler
-from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for
 from .sequence import Done, Failed, Sequence
+from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for
 
 log = logging.getLogger("ragcache")
 

@@ -2,8 +2,15 @@
 an HTTP status, ragcache/cli.py to an exit code, each in one table. The store's errors and the base class live in
 ragcache/store/errors.py (the store imports nothing from above it); every error is imported from here."""
 
-from ragcache.store.errors import (BadRequest, BrokenStore, CodecOverflow, CorruptEntry,  # noqa: F401
-                                   ParameterOutOfRange, RagCacheError, StoreError)
+from ragcache.store.errors import (  # noqa: F401
+    BadRequest,
+    BrokenStore,
+    CodecOverflow,
+    CorruptEntry,
+    ParameterOutOfRange,
+    RagCacheError,
+    StoreError,
+)
 
 
 class EmptyInput(BadRequest):

@@ -24,7 +24,6 @@ from .request import UNBOUNDED, Infill, Limits, Query
 from .sampling import Answer, QueryStats, Sampling
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
 
-
 LINK_KNOBS = ("algorithm", "k", "ratio", "check_layer", "deviation")  # `Front.params`'
 
 
@@ -39,7 +38,7 @@ class CompileReport:
     bytes: int = 0
     seconds: float = 0.0
 
-    def add(self, other: "CompileReport") -> None:
+    def add(self, other: CompileReport) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -51,6 +50,7 @@ class Stream(Protocol):
 
     stats: QueryStats
     answer: Answer | None
+    cancelled: bool
 
     def open(self, listener: Callable) -> None: ...
 
@@ -163,6 +163,15 @@ class Front(abc.ABC):
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
         return ([ids] for ids in chunks)
+
+    @property
+    @abc.abstractmethod
+    def kv_codec(self) -> str:
+        """The codec the engine stores new K/V entries in."""
+
+    @abc.abstractmethod
+    def warmup(self) -> None:
+        """One short request, so one-time initialisation is not counted in the first TTFT."""
 
     @abc.abstractmethod
     def _compile(self, chunks: list[list[int]], layout: str) -> int:

@@ -52,7 +52,7 @@ class Captured:
     positions: torch.Tensor  # [slots] the position it is written at
     live: torch.Tensor  # [slots] bool: the slot has a row in this step
     logits: torch.Tensor | None = None
-    graph: "torch.cuda.CUDAGraph | None" = None
+    graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:

@@ -12,9 +12,8 @@ import logging
 import random
 import threading
 from collections import deque
-from dataclasses import dataclass
-
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 

@@ -43,7 +43,7 @@ class FimTokens:
     middle: int
 
     @classmethod
-    def for_tokenizer(cls, tokenizer, spelling: tuple[str, str, str] | None = None) -> "FimTokens":
+    def for_tokenizer(cls, tokenizer, spelling: tuple[str, str, str] | None = None) -> FimTokens:
         vocab = tokenizer.get_vocab()
         for candidate in ([spelling] if spelling else FIM_SENTINELS):
             if all(token in vocab for token in candidate):

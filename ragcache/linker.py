@@ -37,10 +37,9 @@ from ragcache.store.entry import ChunkKV
 
 from . import copies
 from .errors import ParameterOutOfRange, UnknownAlgorithm
-from .prefix_cache import Hit, PrefixCache
 from .kv import JoinedCache, ModelShape
+from .prefix_cache import Hit, PrefixCache
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
-
 
 
 class Runner(Protocol):
@@ -127,7 +126,7 @@ class LinkPlan:
     cache: JoinedCache
     token_ids: torch.Tensor
     rows: torch.Tensor
-    narrow: "Narrowing | None"
+    narrow: Narrowing | None
     rotate_s: float
     last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
 

@@ -17,7 +17,6 @@ from ragcache.store.keys import KEYED_BY, entry_form, entry_key
 
 from .documents import checksum_only, chunks_problem, doc_name, record_problem
 
-
 WRITE_TIME_SLACK_S = 2.0  # file times come from a coarser clock than time.time(), and some filesystems keep seconds
 
 

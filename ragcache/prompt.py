@@ -19,7 +19,7 @@ class PromptFormat:
     chat: bool
 
     @classmethod
-    def for_tokenizer(cls, tokenizer) -> "PromptFormat":
+    def for_tokenizer(cls, tokenizer) -> PromptFormat:
         if getattr(tokenizer, "chat_template", None):
             rendered = tokenizer.apply_chat_template(
                 [{"role": "user", "content": _SLOT}], tokenize=False, add_generation_prompt=True

@@ -194,7 +194,7 @@ class Runner:
         try:
             hidden = self.forward(torch.cat(ids), parts)
             logits = iter(self.logits(hidden[0, ends]))
-        except Exception as exc:  # noqa: BLE001 - the whole step failed: every request in it fails, and only those
+        except Exception as exc:  # the whole step failed: every request in it fails, and only those
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
         results = []
@@ -205,9 +205,9 @@ class Runner:
             row = next(logits)
             seq = work.sequence
             if work.kind is Kind.DECODE:
-                results.append(self._alone(lambda w: StepResult(step=self._sample(seq, row)), work))
+                results.append(self._alone(lambda w, seq=seq, row=row: StepResult(step=self._sample(seq, row)), work))
             else:
-                results.append(self._alone(lambda w: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work))
+                results.append(self._alone(lambda w, seq=seq, row=row: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work))
         return results
 
     def _graphed(self, works: list[Work]) -> list[StepResult]:
@@ -219,7 +219,7 @@ class Runner:
             return self._packed(works)
         try:
             logits = self.graphs.step([work.sequence.next_token for work in works], caches)
-        except Exception as exc:  # noqa: BLE001 - as a packed forward that fails
+        except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
         return [self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work)
@@ -291,7 +291,7 @@ class Runner:
         return logits
 
     def forward(self, token_ids: torch.Tensor, parts: Sequence[Part], scores: torch.Tensor | None = None,
-                watch: "LayerWatch | None" = None) -> torch.Tensor:
+                watch: LayerWatch | None = None) -> torch.Tensor:
         """All layers over the packed rows of every (cache, rows) part, ids `token_ids` in the same order;
         returns the last hidden states [1, n, hidden] of the rows still running at the end.
 

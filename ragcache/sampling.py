@@ -16,7 +16,6 @@ from .errors import ParameterOutOfRange
 from .loaded import LoadedModel
 
 
-
 @dataclass
 class QueryStats:
     algorithm: str = ""

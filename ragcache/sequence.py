@@ -20,18 +20,17 @@ from typing import Protocol
 
 from .errors import Cancelled
 from .kv import JoinedCache
-from .linker import LinkInput, LinkParams, LinkPlan, Linked
+from .linker import Linked, LinkInput, LinkParams, LinkPlan
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
-
 
 
 class Handoff(Protocol):
     """Where an opened sequence goes: the driver (ragcache.driver), which imports this module."""
 
-    def submit(self, sequence: "Sequence") -> None: ...
+    def submit(self, sequence: Sequence) -> None: ...
 
-    def abort(self, sequence: "Sequence") -> None: ...
+    def abort(self, sequence: Sequence) -> None: ...
 
 Prepared = tuple[LinkInput, LinkParams, "PrefixCache | None"]
 # prepare(stats, cancelled): runs on the caller's thread; `cancelled()` says whether the caller has gone (then it may

@@ -14,8 +14,13 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ragcache.store.base import (DEFAULT_DISK_BUDGET, DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_MEMORY_BUDGET,  # noqa: F401
-                                 DEFAULT_PREFIX, DEFAULT_RETRY_AFTER_S)
+from ragcache.store.base import (  # noqa: F401
+    DEFAULT_DISK_BUDGET,
+    DEFAULT_MAX_RETRY_AFTER_S,
+    DEFAULT_MEMORY_BUDGET,
+    DEFAULT_PREFIX,
+    DEFAULT_RETRY_AFTER_S,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 INSTALLED = "installed"  # the model's installed adapter, where its calibration vouches for it (ragcache/adapters.py)
@@ -80,7 +85,7 @@ class EngineConfig:
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
 
     @classmethod
-    def of(cls, model: str = DEFAULT_MODEL, store: object = DEFAULT_STORE, **options) -> "EngineConfig":
+    def of(cls, model: str = DEFAULT_MODEL, store: object = DEFAULT_STORE, **options) -> EngineConfig:
         """From keywords, as `RagCache.open` takes them: EngineConfig's fields, and any other name an argument of
         the vllm engine (refused on ragcache's)."""
         names = {f.name for f in dataclasses.fields(cls)}
@@ -173,7 +178,7 @@ class Settings(BaseSettings):
     max_new_tokens_limit: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
-    def _engine_options(self) -> "Settings":
+    def _engine_options(self) -> Settings:
         if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
             raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
         if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422

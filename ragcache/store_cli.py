@@ -25,8 +25,8 @@ import typer
 from rich.progress import TaskID
 from rich.table import Table
 
-from ragcache.store import tier_urls, open_store
 from ragcache.store import codec as kv_codec
+from ragcache.store import open_store, tier_urls
 from ragcache.store.base import Store, batched
 from ragcache.store.disk import holds_store
 from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
@@ -248,7 +248,7 @@ def gc(store: StoreUrl = None,
                                                   "since the gc began")] = False,
        drop_form: Annotated[list[str], typer.Option("--drop-form", help="also delete every entry compiled in this "
                                                     "form, as `store stats` lists them (e.g. float32/int8: the "
-                                                    "entries of the fp32 default of before); repeatable")] = [],
+                                                    "entries of the fp32 default of before); repeatable")] = [],  # noqa: B006 - the command only reads it
        as_json: AsJson = False) -> None:
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
@@ -283,7 +283,7 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
         console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
                       "(entries shared with other documents kept)")
         return
-    matches = [id] if len(id) == 64 else sorted({k for k in s.keys() if k.startswith(id)})
+    matches = [id] if len(id) == 64 else sorted({k for k in s if k.startswith(id)})
     if len(matches) > 1:
         fail(f"{id} matches {len(matches)} entries; give more of the key", 2)
     if not matches or not s.delete(matches[0]):

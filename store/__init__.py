@@ -9,10 +9,9 @@ device: "gpu" tiers live on it, and on CUDA the memory tier keeps its entries pi
 
 from __future__ import annotations
 
-from .errors import StoreError
-
 from .base import Store
 from .entry import ChunkKV
+from .errors import StoreError
 from .keys import chunk_key, document_id
 
 __all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store"]

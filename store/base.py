@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from itertools import islice
 
-from .errors import CorruptEntry, StoreError
-
 from .entry import ChunkKV, decode, describe, encode
+from .errors import CorruptEntry, StoreError
 
 log = logging.getLogger("ragcache.store")
 
@@ -140,7 +139,7 @@ class Store(ABC):
     def ping(self) -> bool:
         return True
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: a store that holds nothing open need not override it
         pass
 
 

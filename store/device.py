@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .errors import StoreError
 from .entry import ChunkKV
+from .errors import StoreError
 from .memory import MemoryStore
 
 DEFAULT_FREE_FRACTION = 0.25  # of the device memory free when the tier opens: the rest is the model's and its caches'

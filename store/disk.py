@@ -21,10 +21,9 @@ from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
-from .errors import BrokenStore, CorruptEntry, StoreError
-
 from .base import DEFAULT_DISK_BUDGET, BlobStore, UnreadableRecord, log
 from .entry import PROBE, describe_head, head_length
+from .errors import BrokenStore, CorruptEntry, StoreError
 
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
@@ -262,7 +261,7 @@ class DiskStore(BlobStore):
                     out.append({**describe_head(_head(fh)), "size": info.st_size, "written": info.st_mtime})
             except FileNotFoundError:
                 out.append(None)
-            except Exception as exc:  # unreadable header: report it rather than fail a listing
+            except Exception as exc:  # noqa: BLE001 - unreadable header: report it rather than fail a listing
                 out.append({"error": str(exc), "size": self._size(key)})
         return out
 

@@ -19,9 +19,8 @@ from dataclasses import dataclass, field, replace
 import torch
 from safetensors.torch import save as st_save
 
-from .errors import CorruptEntry
-
 from . import codec as kv_codec
+from .errors import CorruptEntry
 from .keys import KEYED_BY, STORE_KEY_ENV, checksum, entry_key
 
 MAGIC = b"RCKV0001"
@@ -54,11 +53,11 @@ class ChunkKV:
                    "key_scales": self.key_scales, "value_scales": self.value_scales}
         return {name: t for name, t in tensors.items() if t is not None}
 
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "ChunkKV":
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ChunkKV:
         """The entry with `fn` applied to each of its tensors (the absent scales stay absent), its meta as is."""
         return replace(self, **{name: fn(t) for name, t in self._tensors().items()})
 
-    def equal(self, other: "ChunkKV") -> bool:
+    def equal(self, other: ChunkKV) -> bool:
         mine, theirs = self._tensors(), other._tensors()
         return mine.keys() == theirs.keys() and all(torch.equal(mine[n], theirs[n]) for n in mine)
 

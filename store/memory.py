@@ -14,8 +14,8 @@ import torch
 
 from .arena import Arena
 from .base import DEFAULT_MEMORY_BUDGET, Store
-from .errors import StoreError
 from .entry import ChunkKV, describe, shape_problem
+from .errors import StoreError
 
 
 class MemoryStore(Store):

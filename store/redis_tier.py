@@ -38,10 +38,9 @@ from redis.exceptions import RedisClusterException, RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
-from .errors import StoreError
-
 from .base import DEFAULT_PREFIX, BlobStore, RecordCheck, TierUnavailable, UnreadableRecord, batched, log
 from .entry import HEADER, MAGIC, describe_head
+from .errors import StoreError
 
 PART_BYTES = 2 << 20
 MANIFEST_VERSION = 1
@@ -194,12 +193,12 @@ class RedisStore(BlobStore):
             gen = f"{int(time.time()):08x}{secrets.token_hex(3)}"  # time first: gc() can tell old orphans
             plans = {key: self._plan(key, gen, blob) for key, blob in blobs.items()}
             pipe = client.pipeline(transaction=False)
-            for key, (manifest, slices) in plans.items():
+            for key, (_manifest, slices) in plans.items():
                 for i, piece in enumerate(slices):
                     pipe.set(self._part_name(key, gen, i), piece)
             results = iter(pipe.execute(raise_on_error=False))
             failed: dict[str, Exception] = {}
-            for key, (manifest, slices) in plans.items():
+            for key, (_manifest, slices) in plans.items():
                 errors = [r for r in (next(results) for _ in slices) if isinstance(r, Exception)]
                 if errors:
                     failed[key] = errors[0]

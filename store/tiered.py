@@ -14,11 +14,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .errors import StoreError
-
-from .base import (DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S, RecordCheck, Store, TierUnavailable,
-                   UnreadableRecord, log)
+from .base import (
+    DEFAULT_MAX_RETRY_AFTER_S,
+    DEFAULT_RETRY_AFTER_S,
+    RecordCheck,
+    Store,
+    TierUnavailable,
+    UnreadableRecord,
+    log,
+)
 from .entry import ChunkKV
+from .errors import StoreError
 from .memory import MemoryStore
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
@@ -28,7 +34,7 @@ try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anyt
 except ImportError:  # pragma: no cover - redis is a dependency
     _REDIS_FAULTS = ()
 
-FAULTS = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
+FAULTS: tuple[type[BaseException], ...] = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
 # the most record text (documents' texts and chunk records) a memory tier keeps in front of lasting tiers
 RECORD_CACHE_BYTES = 64 << 20
 

@@ -80,7 +80,7 @@ def link_cmd(
         fail(exc)
     except KeyboardInterrupt:
         err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     _print_link_report(cfg, report)
     if install:
         from ..adapters import install as install_adapter
@@ -153,7 +153,7 @@ def infill_cmd(
         fail(exc)
     except KeyboardInterrupt:
         err.print(f"interrupted: the same command with --out {out} resumes from the last checkpoint")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))
     console.print(f"trained {result.steps} steps ({result.examples} examples, {result.tokens} tokens, "

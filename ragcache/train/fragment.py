@@ -17,6 +17,7 @@ Everything is drawn from a `random.Random(seed)`: the same seed gives the same e
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +39,7 @@ def fragments(text: str, rng: random.Random, mean_chars: float = 48.0) -> list[s
     while (at := bounds[-1] + max(1, round(rng.expovariate(1.0 / mean_chars)))) < len(text):
         bounds.append(at)
     bounds.append(len(text))
-    return [text[a:b] for a, b in zip(bounds, bounds[1:]) if b > a]
+    return [text[a:b] for a, b in itertools.pairwise(bounds) if b > a]
 
 
 def tokenize(tokenizer, text: str, rng: random.Random | None = None, mean_chars: float = 48.0) -> list[int]:

@@ -44,13 +44,14 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from ragcache.store import open_store
+
 from .. import agreement, linker, loaded, lora, models
 from ..engine import RagCache
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..sampling import QueryStats
 from ..settings import DEFAULT_MODEL
 from . import checkpoint, squad
-from ragcache.store import open_store
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to

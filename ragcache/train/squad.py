@@ -47,7 +47,7 @@ class Item:
     gold: int  # index of the gold paragraph in documents
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Item":
+    def from_dict(cls, d: dict) -> Item:
         return cls(**{k: d[k] for k in ("id", "title", "question", "answers", "documents", "gold")})
 
 
@@ -106,7 +106,7 @@ def _pip_download(pip: list[str], folder: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode == 0:
         return
-    if "direct URL dependencies" not in proc.stderr or len(pip) > 1 and pip[-1].endswith(".whl/pip"):
+    if "direct URL dependencies" not in proc.stderr or (len(pip) > 1 and pip[-1].endswith(".whl/pip")):
         raise _fetch_error(f"pip download {BIGBENCH} failed: {proc.stderr.strip()[-800:]}")
     with tempfile.TemporaryDirectory() as tmp:
         got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, OLD_PIP],

@@ -7,8 +7,12 @@ from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, closing
 from typing import Any
 
-from langchain_core.callbacks import (AsyncCallbackManagerForLLMRun, AsyncParentRunManager, CallbackManagerForLLMRun,
-                                      ParentRunManager)
+from langchain_core.callbacks import (
+    AsyncCallbackManagerForLLMRun,
+    AsyncParentRunManager,
+    CallbackManagerForLLMRun,
+    ParentRunManager,
+)
 from langchain_core.documents import Document
 from langchain_core.language_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage

@@ -4,20 +4,30 @@ wants an LLM (Settings.llm, synthesizers, agents). The system prompt is the mode
 from __future__ import annotations
 
 import asyncio
+import collections.abc
+from collections.abc import AsyncIterator, Iterator
 from contextlib import aclosing
-from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
-from llama_index.core.base.llms.generic_utils import (astream_completion_response_to_chat_response,
-                                                      completion_response_to_chat_response)
-from llama_index.core.base.llms.types import (ChatMessage, ChatResponse, ChatResponseAsyncGen, CompletionResponse,
-                                              CompletionResponseAsyncGen, CompletionResponseGen, LLMMetadata)
+from llama_index.core.base.llms.generic_utils import (
+    astream_completion_response_to_chat_response,
+    completion_response_to_chat_response,
+)
+from llama_index.core.base.llms.types import (
+    ChatMessage,
+    ChatResponse,
+    ChatResponseAsyncGen,
+    CompletionResponse,
+    CompletionResponseAsyncGen,
+    CompletionResponseGen,
+    LLMMetadata,
+)
 from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from ragcache.sequence import Sequence, apieces
 from ragcache.front import Front
+from ragcache.sequence import Sequence, apieces
 from ragcache.settings import DEFAULT_ALGORITHM
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
@@ -73,12 +83,12 @@ class RagCacheLLM(CustomLLM):
         return _aresponses(stream)
 
     @llm_chat_callback()
-    async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
+    async def achat(self, messages: collections.abc.Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         completion = await self.acomplete(self.messages_to_prompt(messages), formatted=True, **kwargs)
         return completion_response_to_chat_response(completion)
 
     @llm_chat_callback()
-    async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+    async def astream_chat(self, messages: collections.abc.Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
         completions = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
         return astream_completion_response_to_chat_response(completions)
 

@@ -13,11 +13,11 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ragcache.sampling import Answer
-from ragcache.sequence import Sequence, apieces
+from ragcache import linker
 from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
-from ragcache import linker
+from ragcache.sampling import Answer
+from ragcache.sequence import Sequence, apieces
 from ragcache.settings import DEFAULT_ALGORITHM
 from ragcache.store.keys import document_id
 

@@ -32,8 +32,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V1, KVConnectorMetadata,
-                                                               KVConnectorRole)
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
@@ -64,7 +63,7 @@ class LinkStats(KVConnectorStats):
     def reset(self) -> None:
         self.data = {"linked_tokens": 0, "fallbacks": {}}
 
-    def aggregate(self, other: KVConnectorStats) -> "LinkStats":
+    def aggregate(self, other: KVConnectorStats) -> LinkStats:
         self.data["linked_tokens"] += other.data.get("linked_tokens", 0)
         for reason, count in other.data.get("fallbacks", {}).items():
             self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + count
@@ -174,7 +173,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
         except RagCacheError as exc:  # a BadLinkSpec, or an unknown algorithm or parameter
             return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}")
-        except Exception as exc:  # noqa: BLE001 - this runs in vLLM's scheduler: raising would stop the engine
+        except Exception as exc:  # this runs in vLLM's scheduler: raising would stop the engine
             log.exception("request %s: reading its link spec failed", request.request_id)
             return self._refuse(request, "error", f"reading its link spec failed: {type(exc).__name__}: {exc}")
         if self.prefix_caching and request.cache_salt != spec.salt:
@@ -215,7 +214,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         try:
             self._worker_().load(load, self._kv_caches, self.block_size, queued)
             self._count(linked=load.spec.linked - load.start)
-        except Exception as exc:  # noqa: BLE001 - whatever failed, vLLM prefills these blocks itself
+        except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
             self._count(fallback=reason)
             log.warning("request %s: link failed (%s: %s); vLLM recomputes its blocks", load.request_id,

@@ -33,10 +33,10 @@ from ragcache.front import Front, drain
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
 from ragcache.sampling import Answer, QueryStats, Sampling
-from ragcache.settings import INSTALLED, EngineConfig
-from ragcache.store import open_store, tier_urls
-from ragcache.store import codec as kv_codec
 from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, pieces
+from ragcache.settings import INSTALLED, EngineConfig
+from ragcache.store import codec as kv_codec
+from ragcache.store import open_store, tier_urls
 
 from . import lora
 from .spec import SPEC_KEY, LinkSpec, split_problem, transfer_config
@@ -60,7 +60,7 @@ class EngineFailed(RagCacheError):
 
 
 class VllmRagCache(Front):
-    def __init__(self, served: "Served", store_url: str, llm, loop: asyncio.AbstractEventLoop,
+    def __init__(self, served: Served, store_url: str, llm, loop: asyncio.AbstractEventLoop,
                  chunk_tokens: int, codec: str):
         from vllm.lora.request import LoRARequest
 
@@ -77,7 +77,7 @@ class VllmRagCache(Front):
         self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "VllmRagCache":
+    def from_config(cls, config: EngineConfig) -> VllmRagCache:
         """Start vLLM (its engine core in a process of its own) with ragcache's connector over `config.store`, a URL
         that vLLM's process opens too (disk: or redis://, not memory: alone). `config.adapter`: a link adapter's
         directory (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None. Merged
@@ -100,7 +100,7 @@ class VllmRagCache(Front):
             raise
 
     @classmethod
-    def _launch(cls, served: "Served", config: EngineConfig) -> "VllmRagCache":
+    def _launch(cls, served: Served, config: EngineConfig) -> VllmRagCache:
         from vllm.config import KVTransferConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -208,7 +208,7 @@ class VllmRagCache(Front):
 
     # -- answering ------------------------------------------------------------------------------------
     def stream_query(self, query: Query, first_distribution: bool = False, base: bool = False,
-                     background: bool = False) -> "VllmStream":
+                     background: bool = False) -> VllmStream:
         """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`.
         `first_distribution`: with the first token's log-probs over the whole vocabulary (Answer.first_logits);
         `base`: without the link adapter, where vLLM runs it as its LoRA; `background`: scheduled after every
@@ -253,7 +253,7 @@ class VllmRagCache(Front):
         full_logits = _first_logits(self.stream_query(full, first_distribution=True, base=True, background=True), ends)
         return guard.compare(query.params.algorithm, full_logits, linked_logits)
 
-    def stream_infill(self, fill: Infill) -> "VllmStream":
+    def stream_infill(self, fill: Infill) -> VllmStream:
         """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
         prefix cache holds it (`reuse=False` is not offered: vLLM's prefix cache is on for every request)."""
         if not fill.reuse:
@@ -334,7 +334,7 @@ def lora_engine_args(path: Path) -> dict:
     return args
 
 
-def _first_logits(stream: "VllmStream", ends: float | None) -> torch.Tensor:
+def _first_logits(stream: VllmStream, ends: float | None) -> torch.Tensor:
     """Run a one-token stream; abort it at monotonic time `ends` (TimeoutError)."""
     fired = threading.Event()
 
@@ -449,7 +449,7 @@ class VllmStream:
         except asyncio.CancelledError:
             self._end(Aborted())
             raise
-        except Exception as exc:  # vLLM's own errors: the request failed, the server goes on
+        except Exception as exc:  # noqa: BLE001 - vLLM's own errors: the request failed, the server goes on
             log.warning("vLLM failed request %s: %s", self.request_id, exc)
             self._end(Failed(EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}")))
         else:

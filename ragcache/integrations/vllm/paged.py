@@ -22,7 +22,7 @@ from ragcache.kv import Batch, Segment
 BLOCK = 128  # positions per block of the copy (a multiple of 32, as the CPU kernel requires)
 
 
-def kernel_for(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> "KernelCall | None":
+def kernel_for(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device) -> KernelCall | None:
     """vLLM's CPU kernel for this attention shape, or None where it is not loaded (a CUDA build) or not built for
     the shape: the link then attends through ragcache's own kernels."""
     if device.type != "cpu":
@@ -61,7 +61,7 @@ class RowRuns:
     block_table: torch.Tensor  # int32 [count, blocks]: every run reads the same blocks
 
     @classmethod
-    def of(cls, rows: torch.Tensor, length: int, block: int, device) -> "RowRuns":
+    def of(cls, rows: torch.Tensor, length: int, block: int, device) -> RowRuns:
         spans = runs(rows)
         query_start = torch.zeros(len(spans) + 1, dtype=torch.int32)
         torch.cumsum(torch.tensor([b - a for a, b in spans], dtype=torch.int32), 0, out=query_start[1:])

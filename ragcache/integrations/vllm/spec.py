@@ -57,7 +57,7 @@ class LinkSpec:
     question_sha: str = ""
 
     @classmethod
-    def of_parts(cls, parts: LinkInput, params: LinkParams) -> "LinkSpec":
+    def of_parts(cls, parts: LinkInput, params: LinkParams) -> LinkSpec:
         scores = linker.algorithm(params.algorithm).scores
         return cls(len(parts.prefix_ids), tuple(map(len, parts.chunk_ids)), len(parts.question_ids),
                    params.algorithm, params.k, params.ratio, params.check_layer, params.deviation,
@@ -71,7 +71,7 @@ class LinkSpec:
             "(LinkSpec.of_parts)" if wanted else f"{self.algorithm} takes no question_sha")
 
     @classmethod
-    def parse(cls, raw: Any, prompt_tokens: int) -> "LinkSpec":
+    def parse(cls, raw: Any, prompt_tokens: int) -> LinkSpec:
         if not isinstance(raw, dict):
             raise BadLinkSpec(f"kv_transfer_params[{SPEC_KEY!r}] must be an object, got {type(raw).__name__}")
         unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}

@@ -11,9 +11,9 @@ import numpy as np
 import torch
 
 from ragcache import linker, loaded, models
+from ragcache.catalog import Catalog
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
 from ragcache.errors import BadAdapter, StoreError
-from ragcache.catalog import Catalog
 from ragcache.kv import JoinedCache
 from ragcache.settings import DEFAULT_STORE
 from ragcache.store import open_store
