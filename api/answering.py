@@ -51,31 +51,53 @@ class Context:
     @property
     def limits(self) -> Limits:
         s = self.settings
-        return Limits(s.max_question_chars, s.max_document_chars, s.max_documents, s.max_new_tokens_limit, MAX_STOP,
-                      MAX_STOP_CHARS)
+        return Limits(
+            s.max_question_chars,
+            s.max_document_chars,
+            s.max_documents,
+            s.max_new_tokens_limit,
+            MAX_STOP,
+            MAX_STOP_CHARS,
+        )
 
     def max_tokens(self, asked: int | None) -> int:
         return self.settings.max_new_tokens if asked is None else asked
 
-    async def query(self, question: str, documents: list[DocumentRef], system: str | None, link: LinkOptions | None,
-                    sampling: SamplingFields) -> Query:
+    async def query(
+        self,
+        question: str,
+        documents: list[DocumentRef],
+        system: str | None,
+        link: LinkOptions | None,
+        sampling: SamplingFields,
+    ) -> Query:
         """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
         defaults for what the request leaves out. In a worker thread: validating hashes every raw text (64 of
         200k characters take tens of milliseconds), which would stall every other request on the loop."""
         s, link = self.settings, link or LinkOptions()
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
-        params = self.rc.params(link.algorithm or s.algorithm, s.k if link.k is None else link.k,
-                                s.ratio if link.ratio is None else link.ratio, deviation=link.deviation or "key")
-        answer = Sampling(self.max_tokens(sampling.max_tokens), sampling.temperature, sampling.top_p,
-                          stop_strings(sampling.stop), sampling.seed)
+        params = self.rc.params(
+            link.algorithm or s.algorithm,
+            s.k if link.k is None else link.k,
+            s.ratio if link.ratio is None else link.ratio,
+            deviation=link.deviation or "key",
+        )
+        answer = Sampling(
+            self.max_tokens(sampling.max_tokens),
+            sampling.temperature,
+            sampling.top_p,
+            stop_strings(sampling.stop),
+            sampling.seed,
+        )
         return await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""
         return await self.start_stream(request, lambda: self.rc.stream_query(query), query)
 
-    async def start_stream(self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
-                           ) -> tuple[Generation, Event]:
+    async def start_stream(
+        self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
+    ) -> tuple[Generation, Event]:
         """`start` for any engine's sequence (answers, infills)."""
         slot = self.queue.admit()
         try:  # validates the parameters and tokenizes (an infill prompt can be 400k characters): not on the loop
@@ -135,9 +157,13 @@ class Context:
 def server_guard(rc: Front, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
     """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
     model = rc.model_name
-    return BackgroundGuard(rc, rate, busy=lambda: queue.depth >= queue.max_queue,
-                           on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
-                           on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc())
+    return BackgroundGuard(
+        rc,
+        rate,
+        busy=lambda: queue.depth >= queue.max_queue,
+        on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
+        on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc(),
+    )
 
 
 def ctx(request: Request) -> Context:

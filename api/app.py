@@ -58,13 +58,22 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
-            response = error_response(401, "unauthorized", "missing or wrong API key: send the header "
-                                      "'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
+            response = error_response(
+                401,
+                "unauthorized",
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
             return await response(scope, receive, send)
         length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            response = error_response(413, "payload_too_large", f"request body of {int(length)} bytes; at most "
-                                      f"{self.max_body_bytes}", limit=self.max_body_bytes, got=int(length))
+            response = error_response(
+                413,
+                "payload_too_large",
+                f"request body of {int(length)} bytes; at most {self.max_body_bytes}",
+                limit=self.max_body_bytes,
+                got=int(length),
+            )
             return await response(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
         await self.app(scope, self._bounded(receive, deadline), send)
@@ -109,8 +118,9 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         queue.shutdown()
 
     # redirect_slashes off: /v1/documents/<id>/ is no path of the schema, so a 404, not a 307 to another path
-    app = FastAPI(title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan,
-                  redirect_slashes=False)
+    app = FastAPI(
+        title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan, redirect_slashes=False
+    )
     guard = server_guard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
     app.state.ctx = Context(rc, settings, queue, metrics, guard)
     app.state.created = int(time.time())
@@ -134,8 +144,14 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         problem = rc.engine_problem() or (None if store_ok else f"the store ({rc.store.name}) does not answer")
         if problem:
             return error_response(503, "unavailable", problem)
-        return {"status": "ok", "model": rc.model_name, "store": rc.store.name, "queue_depth": queue.depth,
-                "max_queue": queue.max_queue, "batch_invariance": rc.batch_invariance}
+        return {
+            "status": "ok",
+            "model": rc.model_name,
+            "store": rc.store.name,
+            "queue_depth": queue.depth,
+            "max_queue": queue.max_queue,
+            "batch_invariance": rc.batch_invariance,
+        }
 
     @app.get("/metrics", tags=["operations"], responses=errors.responses())
     def metrics_route() -> Response:
@@ -144,12 +160,20 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
 
     # every HTTP route with its full path, for a 405's Allow (errors.allowed): FastAPI keeps an included router's
     # routes inside it, out of app.routes
-    app.state.routes = [route for route in [*app.routes, *native.router.routes, *openai_compat.router.routes]
-                        if isinstance(route, Route)]
+    app.state.routes = [
+        route
+        for route in [*app.routes, *native.router.routes, *openai_compat.router.routes]
+        if isinstance(route, Route)
+    ]
 
     # a document may be JSON-escaped at up to 6 bytes per character, plus room for everything else
     max_body = settings.max_documents * settings.max_document_chars * 6 + (1 << 20)
-    app.add_middleware(Guard, api_key=settings.api_key, max_body_bytes=max_body, public_paths=settings.public_paths,
-                       body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(
+        Guard,
+        api_key=settings.api_key,
+        max_body_bytes=max_body,
+        public_paths=settings.public_paths,
+        body_timeout_s=settings.body_timeout_s,
+    )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
     return app

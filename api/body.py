@@ -25,10 +25,12 @@ from .shape import BodyLimits
 
 def Body(model: type[BaseModel]) -> Any:  # used like FastAPI's Body
     """A route parameter: the body as `model`, read, checked and validated off the event loop (see above)."""
+
     async def read(request: Request) -> BaseModel:
         raw = await request.body()
         limits = BodyLimits.of(request.app.state.ctx.settings)
         return await run_in_threadpool(parse, raw, request.headers.get("content-type", ""), model, limits)
+
     return Depends(read)
 
 
@@ -78,8 +80,10 @@ def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
         if app.openapi_schema is None:
             schemas = build().setdefault("components", {}).setdefault("schemas", {})
             settings = app.state.ctx.settings
-            bounds = {"documents": ("array", "maxItems", settings.max_documents),
-                      "max_tokens": ("integer", "maximum", settings.max_new_tokens_limit)}
+            bounds = {
+                "documents": ("array", "maxItems", settings.max_documents),
+                "max_tokens": ("integer", "maximum", settings.max_new_tokens_limit),
+            }
             for model in models:
                 schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 schemas.update(schema.pop("$defs", {}))

@@ -71,8 +71,13 @@ class Limits:
 
     @classmethod
     def of(cls, settings: Settings) -> Limits:
-        return cls(settings.header_timeout_s, settings.body_timeout_s, settings.keep_alive_s,
-                   settings.max_connections, settings.fd_reserve)
+        return cls(
+            settings.header_timeout_s,
+            settings.body_timeout_s,
+            settings.keep_alive_s,
+            settings.max_connections,
+            settings.fd_reserve,
+        )
 
     def cap(self) -> tuple[int, int]:
         """(the cap on open connections, the soft open-file limit it comes from), read now."""
@@ -83,9 +88,11 @@ def connection_cap(max_connections: int | None, fd_reserve: int) -> tuple[int, i
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     room = soft - fd_reserve if soft != resource.RLIM_INFINITY else max_connections or 65_536
     if room < 1:
-        raise ParameterOutOfRange(f"the open-file limit ({soft}) leaves no file descriptor for client connections "
-                                  f"after fd_reserve ({fd_reserve}): raise it (ulimit -n) or lower "
-                                  "RAGCACHE_FD_RESERVE")
+        raise ParameterOutOfRange(
+            f"the open-file limit ({soft}) leaves no file descriptor for client connections "
+            f"after fd_reserve ({fd_reserve}): raise it (ulimit -n) or lower "
+            "RAGCACHE_FD_RESERVE"
+        )
     return min(room, max_connections or room), soft
 
 
@@ -108,8 +115,12 @@ class Slots:
         oldest = next(iter(self.waiting), None)
         if oldest is None:
             return False
-        bounded(logging.WARNING, "%d client connections open (max_connections): closed the one waiting longest "
-                "without a request, for a new one", self.cap)
+        bounded(
+            logging.WARNING,
+            "%d client connections open (max_connections): closed the one waiting longest "
+            "without a request, for a new one",
+            self.cap,
+        )
         oldest.drop()
         return True
 
@@ -148,8 +159,11 @@ class Listener(socket.socket):
                 raise BlockingIOError  # accept on the next pass, into the slot just freed
             conn, _ = super().accept()
             conn.close()
-            bounded(logging.WARNING, "%d client connections open (max_connections), each with a request in "
-                    "flight: refused a new one", self.slots.cap)
+            bounded(
+                logging.WARNING,
+                "%d client connections open (max_connections), each with a request in flight: refused a new one",
+                self.slots.cap,
+            )
             raise ConnectionAbortedError
         try:
             conn, addr = super().accept()
@@ -251,8 +265,9 @@ class Config(uvicorn.Config):
     open-file limit there and opens the slots."""
 
     def __init__(self, app, limits: Limits, **kwargs):
-        super().__init__(app, http=Protocol, loop=f"{__name__}:new_loop", timeout_keep_alive=limits.keep_alive_s,
-                         **kwargs)
+        super().__init__(
+            app, http=Protocol, loop=f"{__name__}:new_loop", timeout_keep_alive=limits.keep_alive_s, **kwargs
+        )
         self.limits = limits
         self.slots: Slots | None = None
 
@@ -261,8 +276,7 @@ class Config(uvicorn.Config):
         cap, soft = self.limits.cap()
         self.slots = Slots(cap)
         asyncio.get_running_loop().slots = self.slots  # uvicorn loads its config in the loop that serves it
-        log.info("at most %d client connections (open-file limit %d, fd_reserve %d)", cap, soft,
-                 self.limits.fd_reserve)
+        log.info("at most %d client connections (open-file limit %d, fd_reserve %d)", cap, soft, self.limits.fd_reserve)
 
 
 def new_loop() -> Loop:
@@ -276,5 +290,9 @@ def new_loop() -> Loop:
 def _on_loop_error(loop: asyncio.AbstractEventLoop, context: dict) -> None:
     if context.get("message") != ACCEPT_FAILED:
         return loop.default_exception_handler(context)
-    bounded(logging.ERROR, "cannot accept connections: %s; raise the open-file limit (ulimit -n) or "
-            "RAGCACHE_FD_RESERVE, which lowers the cap on connections", context.get("exception"))
+    bounded(
+        logging.ERROR,
+        "cannot accept connections: %s; raise the open-file limit (ulimit -n) or "
+        "RAGCACHE_FD_RESERVE, which lowers the cap on connections",
+        context.get("exception"),
+    )

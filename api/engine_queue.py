@@ -37,9 +37,14 @@ class EngineQueue:
     def admit(self) -> Slot:
         if self.depth >= self.max_queue:
             self.rejected += 1
-            raise ApiError(429, "queue_full", f"the server is busy: {self.depth} requests are waiting for or using the "
-                           f"engine (max_queue={self.max_queue}); retry shortly", queue_depth=self.depth,
-                           max_queue=self.max_queue)
+            raise ApiError(
+                429,
+                "queue_full",
+                f"the server is busy: {self.depth} requests are waiting for or using the "
+                f"engine (max_queue={self.max_queue}); retry shortly",
+                queue_depth=self.depth,
+                max_queue=self.max_queue,
+            )
         self.depth += 1
         return Slot(self, asyncio.get_running_loop())
 

@@ -47,16 +47,24 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]
-DETAILS = {UnknownDocument: ("ids",), PromptTooLong: ("prompt_tokens", "max_new_tokens", "context"),
-           PayloadTooLarge: ("limit", "got")}  # the attributes of these kinds that an error body carries
+DETAILS = {
+    UnknownDocument: ("ids",),
+    PromptTooLong: ("prompt_tokens", "max_new_tokens", "context"),
+    PayloadTooLarge: ("limit", "got"),
+}  # the attributes of these kinds that an error body carries
 REPORTED = 20  # validation errors listed in one error body; `error_count` says how many there were
 RETRY_AFTER_S = {429: "1", 503: "5"}
-ERRORS = {400: "the model cannot serve this request", 401: "missing or wrong API key (when the server has one)",
-          404: "unknown document or model", 408: "the request body did not arrive in time",
-          413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
-          422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
-          429: "the server is busy (Retry-After)", 500: "damaged store data, or an unexpected error (logged)",
-          503: "a store tier or the model is unavailable (Retry-After)"}
+ERRORS = {
+    400: "the model cannot serve this request",
+    401: "missing or wrong API key (when the server has one)",
+    404: "unknown document or model",
+    408: "the request body did not arrive in time",
+    413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
+    422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
+    429: "the server is busy (Retry-After)",
+    500: "damaged store data, or an unexpected error (logged)",
+    503: "a store tier or the model is unavailable (Retry-After)",
+}
 WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body
 CLIPPED = 200  # characters of one name or message echoed back: a key may be megabytes long
 
@@ -112,7 +120,9 @@ def describe(exc: BaseException) -> tuple[int, dict]:
     if isinstance(exc, ApiError):
         return exc.status, error_body(exc.type, exc.message, **exc.details)
     if isinstance(exc, RagCacheError):
-        details = {name: getattr(exc, name) for kind, names in DETAILS.items() if isinstance(exc, kind) for name in names}
+        details = {
+            name: getattr(exc, name) for kind, names in DETAILS.items() if isinstance(exc, kind) for name in names
+        }
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
         if status >= 500:
             log.warning("engine error: %s", exc)
@@ -123,8 +133,14 @@ def describe(exc: BaseException) -> tuple[int, dict]:
 
 
 def _validation_message(errors: list[dict], total: int, content_type: str) -> tuple[str, list[dict]]:
-    details = [{"loc": [clip(p) for p in e.get("loc", ()) if p != "body"], "msg": clip(e.get("msg", "")),
-                "type": clip(e.get("type", ""))} for e in errors[:REPORTED]]
+    details = [
+        {
+            "loc": [clip(p) for p in e.get("loc", ()) if p != "body"],
+            "msg": clip(e.get("msg", "")),
+            "type": clip(e.get("type", "")),
+        }
+        for e in errors[:REPORTED]
+    ]
     first = details[0] if details else {"loc": [], "msg": "invalid request", "type": ""}
     if first["type"] == "json_invalid":
         reason = clip((errors[0].get("ctx") or {}).get("error", ""))
@@ -141,8 +157,9 @@ def allowed(request: Request) -> str:
     """The methods of every route of this path (app.state.routes). Starlette's 405 names those of the first route
     that matched the path only: GET and POST /v1/documents are two routes, so it said `Allow: POST` to a PUT."""
     path = request.url.path
-    return ", ".join(sorted({m for route in request.app.state.routes if route.path_regex.match(path)
-                             for m in route.methods}))
+    return ", ".join(
+        sorted({m for route in request.app.state.routes if route.path_regex.match(path) for m in route.methods})
+    )
 
 
 def install(app: FastAPI) -> None:
@@ -155,8 +172,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
-                413: "payload_too_large"}.get(exc.status_code, "http_error")
+        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large"}.get(
+            exc.status_code, "http_error"
+        )
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": allowed(request)}

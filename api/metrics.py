@@ -33,8 +33,12 @@ STORE_FIELDS = {
     "entries": ("entries", "entries held", False),
 }
 # QueryStats field -> help of its counter (ragcache_FIELD, by algorithm)
-TOKEN_FIELDS = {"prompt_tokens": "prompt tokens linked", "cached_tokens": "prompt tokens reused from cached KV",
-                "recomputed_tokens": "prompt tokens recomputed at link time", "completion_tokens": "tokens generated"}
+TOKEN_FIELDS = {
+    "prompt_tokens": "prompt tokens linked",
+    "cached_tokens": "prompt tokens reused from cached KV",
+    "recomputed_tokens": "prompt tokens recomputed at link time",
+    "completion_tokens": "tokens generated",
+}
 
 
 class Collector:
@@ -53,9 +57,12 @@ def store_families(store: Store):
         log.warning("store stats unavailable: %s", exc)
         stats = {"tier": getattr(store, "name", "store"), "error": str(exc)}
     tiers = stats.get("tiers") or [stats]
-    families = {field: (CounterMetricFamily if counter else GaugeMetricFamily)(
-        f"ragcache_store_{suffix}", f"store: {help_}, per tier", labels=["tier"])
-        for field, (suffix, help_, counter) in STORE_FIELDS.items()}
+    families = {
+        field: (CounterMetricFamily if counter else GaugeMetricFamily)(
+            f"ragcache_store_{suffix}", f"store: {help_}, per tier", labels=["tier"]
+        )
+        for field, (suffix, help_, counter) in STORE_FIELDS.items()
+    }
     up = GaugeMetricFamily("ragcache_store_tier_up", "store tier reachable (1) or skipped (0)", labels=["tier"])
     for tier in tiers:
         label = str(tier.get("tier", "store"))
@@ -76,34 +83,68 @@ def queue_families(q: EngineQueue):
     yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
     yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
     yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
-    yield CounterMetricFamily("ragcache_cancelled_generations", "generations stopped because the client went away",
-                              value=q.cancelled)
+    yield CounterMetricFamily(
+        "ragcache_cancelled_generations", "generations stopped because the client went away", value=q.cancelled
+    )
 
 
 class Metrics:
     def __init__(self, store: Store, queue: EngineQueue, engine=None):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("ragcache_http_requests", "HTTP requests by route, method and status",
-                                ["route", "method", "status"], registry=r)
-        self.latency = Histogram("ragcache_http_request_duration_seconds", "HTTP request latency (streams: until "
-                                 "the last byte)", ["route", "method", "status"], buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft = Histogram("ragcache_ttft_seconds", "time to first token by link algorithm", ["algorithm"],
-                              buckets=TTFT_BUCKETS, registry=r)
-        self.queue_wait = Histogram("ragcache_queue_wait_seconds", "time a request waited for the engine",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.tokens = {field: Counter(f"ragcache_{field}", help_, ["algorithm"], registry=r)
-                       for field, help_ in TOKEN_FIELDS.items()}
-        self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads",
-                                       registry=r)
-        self.guard_checks = Counter("ragcache_guard_checks", "linked answers also linked with full by the accuracy "
-                                    "guard", ["model", "algorithm"], registry=r)
-        self.guard_agreement = Gauge("ragcache_guard_top1_agreement", "fraction of the recent guard checks whose "
-                                     "next-token argmax equals full's", ["model", "algorithm"], registry=r)
-        self.guard_kl = Histogram("ragcache_guard_kl", "KL(full || linked) of the next-token distributions at the "
-                                  "answer's first position, nats", ["model", "algorithm"], buckets=KL_BUCKETS,
-                                  registry=r)
-        self.guard_skipped = Counter("ragcache_guard_skipped", "guard checks drawn but not run: the queue was full, a "
-                                     "check was already running, or no quiet step came within the check's deadline", ["model", "algorithm"], registry=r)
+        self.requests = Counter(
+            "ragcache_http_requests",
+            "HTTP requests by route, method and status",
+            ["route", "method", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "ragcache_http_request_duration_seconds",
+            "HTTP request latency (streams: until the last byte)",
+            ["route", "method", "status"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "ragcache_ttft_seconds",
+            "time to first token by link algorithm",
+            ["algorithm"],
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "ragcache_queue_wait_seconds", "time a request waited for the engine", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tokens = {
+            field: Counter(f"ragcache_{field}", help_, ["algorithm"], registry=r)
+            for field, help_ in TOKEN_FIELDS.items()
+        }
+        self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads", registry=r)
+        self.guard_checks = Counter(
+            "ragcache_guard_checks",
+            "linked answers also linked with full by the accuracy guard",
+            ["model", "algorithm"],
+            registry=r,
+        )
+        self.guard_agreement = Gauge(
+            "ragcache_guard_top1_agreement",
+            "fraction of the recent guard checks whose next-token argmax equals full's",
+            ["model", "algorithm"],
+            registry=r,
+        )
+        self.guard_kl = Histogram(
+            "ragcache_guard_kl",
+            "KL(full || linked) of the next-token distributions at the answer's first position, nats",
+            ["model", "algorithm"],
+            buckets=KL_BUCKETS,
+            registry=r,
+        )
+        self.guard_skipped = Counter(
+            "ragcache_guard_skipped",
+            "guard checks drawn but not run: the queue was full, a "
+            "check was already running, or no quiet step came within the check's deadline",
+            ["model", "algorithm"],
+            registry=r,
+        )
         r.register(Collector(lambda: queue_families(queue)))
         r.register(Collector(lambda: store_families(store)))
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)

@@ -46,16 +46,26 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def streamed(events: str) -> dict:
     """A streaming route's 200 in OpenAPI: JSON, or server-sent events with stream=true."""
-    return {200: {"content": {"text/event-stream": {}},
-                  "description": f"JSON, or with stream=true server-sent events: {events}, then [DONE]"}}
+    return {
+        200: {
+            "content": {"text/event-stream": {}},
+            "description": f"JSON, or with stream=true server-sent events: {events}, then [DONE]",
+        }
+    }
 
 
 def sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def sse_events(c: Context, gen: Generation, first, piece: Callable[[str], dict],
-                     done: Callable[[Answer], list[dict]], opening: dict | None = None):
+async def sse_events(
+    c: Context,
+    gen: Generation,
+    first,
+    piece: Callable[[str], dict],
+    done: Callable[[Answer], list[dict]],
+    opening: dict | None = None,
+):
     """Server-sent events of a generation: opening, piece(text) per piece, done(answer)'s payloads at the end or the
     error's body, then [DONE]."""
     if opening:
@@ -77,8 +87,13 @@ def _check_upload(docs: list[DocumentIn], limits: Limits) -> None:
         check_metadata(doc.metadata, f"documents[{i}].metadata")
 
 
-@router.post("/documents", status_code=201, response_model=CompileResponse, openapi_extra=documented(CompileRequest),
-             responses=responses(*WITH_BODY, 429, 503))
+@router.post(
+    "/documents",
+    status_code=201,
+    response_model=CompileResponse,
+    openapi_extra=documented(CompileRequest),
+    responses=responses(*WITH_BODY, 429, 503),
+)
 async def compile_documents(request: Request, req: CompileRequest = Body(CompileRequest)) -> CompileResponse:
     """Compile documents into the store (what is already there is skipped). Each chunk's prefill is one job on
     the scheduler, between batch steps, so queries go on during a long upload; a client that disconnects stops
@@ -102,9 +117,14 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
         total.add(r)
     c.metrics.compiled_chunks.inc(total.compiled_chunks)
     stats = {k: v for k, v in vars(total).items() if k != "ids"}
-    return CompileResponse(ids=[r.ids[0] for r in reports], stats=stats, documents=[
-        CompiledDocument(id=r.ids[0], chunks=r.chunks, tokens=r.tokens, compiled_chunks=r.compiled_chunks)
-        for r in reports])
+    return CompileResponse(
+        ids=[r.ids[0] for r in reports],
+        stats=stats,
+        documents=[
+            CompiledDocument(id=r.ids[0], chunks=r.chunks, tokens=r.tokens, compiled_chunks=r.compiled_chunks)
+            for r in reports
+        ],
+    )
 
 
 @router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 503))
@@ -114,26 +134,38 @@ def get_document(doc_id: str, request: Request) -> DocumentOut:
     if record is None:
         raise UnknownDocument([doc_id])
     chunks = c.rc.document_chunks(doc_id)
-    return DocumentOut(id=doc_id, text=record["text"], metadata=record.get("meta") or {}, created=record.get("created"),
-                       chars=len(record["text"]), chunks=len(chunks), tokens=sum(map(len, chunks)))
+    return DocumentOut(
+        id=doc_id,
+        text=record["text"],
+        metadata=record.get("meta") or {},
+        created=record.get("created"),
+        chars=len(record["text"]),
+        chunks=len(chunks),
+        tokens=sum(map(len, chunks)),
+    )
 
 
 @router.get("/documents", response_model=DocumentPage, responses=responses(422, 503))
-def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
-                   ) -> Response:
+def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)) -> Response:
     """Documents sorted by id, one page at a time."""
     c = ctx(request)
     ids = sorted(c.rc.document_ids())
     page = []
-    for doc_id in ids[offset: offset + limit]:
+    for doc_id in ids[offset : offset + limit]:
         try:
             record = c.rc.document(doc_id)
         except CorruptDocument as exc:  # one damaged record must not hide the others
             page.append(DocumentSummary(id=doc_id, chars=0, metadata={}, problem=str(exc)))
             continue
         if record is not None:  # deleted meanwhile
-            page.append(DocumentSummary(id=doc_id, chars=len(record["text"]), metadata=record.get("meta") or {},
-                                        created=record.get("created")))
+            page.append(
+                DocumentSummary(
+                    id=doc_id,
+                    chars=len(record["text"]),
+                    metadata=record.get("meta") or {},
+                    created=record.get("created"),
+                )
+            )
     # encoded here, in the route's worker thread: FastAPI would encode a model on the event loop, and a page of a
     # thousand documents with large metadata is tens of megabytes
     body = DocumentPage(data=page, total=len(ids), offset=offset, limit=limit).model_dump_json()
@@ -160,16 +192,26 @@ async def delete_document(doc_id: str, request: Request) -> Deleted:
 def query_response(answer: Answer, queue_s: float) -> QueryResponse:
     st = answer.stats
     return QueryResponse(
-        answer=answer.text, algorithm=st.algorithm, finish_reason=st.finish_reason,
+        answer=answer.text,
+        algorithm=st.algorithm,
+        finish_reason=st.finish_reason,
         usage=Usage(**{name: getattr(st, name) for name in Usage.model_fields}),
-        timings=Timings(queue_s=queue_s,
-                        **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}),
-        store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks})
+        timings=Timings(
+            queue_s=queue_s, **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}
+        ),
+        store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks},
+    )
 
 
-@router.post("/query", response_model=QueryResponse, openapi_extra=documented(QueryRequest),
-             responses={**streamed('{"text": piece} per piece, then the full response object'),
-                        **responses(*WITH_BODY, 400, 404, 429, 503)})
+@router.post(
+    "/query",
+    response_model=QueryResponse,
+    openapi_extra=documented(QueryRequest),
+    responses={
+        **streamed('{"text": piece} per piece, then the full response object'),
+        **responses(*WITH_BODY, 400, 404, 429, 503),
+    },
+)
 async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
@@ -181,20 +223,32 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
 
 
 def _query_events(c: Context, gen: Generation, first, respond=query_response):
-    return sse_events(c, gen, first, lambda text: {"text": text},
-                      lambda answer: [respond(answer, gen.slot.queue_s).model_dump()])
+    return sse_events(
+        c, gen, first, lambda text: {"text": text}, lambda answer: [respond(answer, gen.slot.queue_s).model_dump()]
+    )
 
 
 # -- infill -----------------------------------------------------------------------------------------------
 def infill_response(answer: Answer, queue_s: float) -> InfillResponse:
     full = query_response(answer, queue_s)
-    return InfillResponse(text=answer.text, usage=full.usage, timings=full.timings,
-                          mode=answer.stats.algorithm.split("+")[0], finish_reason=full.finish_reason)
+    return InfillResponse(
+        text=answer.text,
+        usage=full.usage,
+        timings=full.timings,
+        mode=answer.stats.algorithm.split("+")[0],
+        finish_reason=full.finish_reason,
+    )
 
 
-@router.post("/infill", response_model=InfillResponse, openapi_extra=documented(InfillRequest),
-             responses={**streamed('{"text": piece} per piece, then the full response object'),
-                        **responses(*WITH_BODY, 400, 429, 503)})
+@router.post(
+    "/infill",
+    response_model=InfillResponse,
+    openapi_extra=documented(InfillRequest),
+    responses={
+        **streamed('{"text": piece} per piece, then the full response object'),
+        **responses(*WITH_BODY, 400, 429, 503),
+    },
+)
 async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     """Fill the hole between prefix and suffix. Send the same `session` each round: with `mode=efim` the text
     typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix

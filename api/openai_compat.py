@@ -26,11 +26,23 @@ router = APIRouter(prefix="/v1", tags=["openai"])
 
 # OpenAI parameters ragcache cannot honour: accepted only at these (neutral) values
 UNSUPPORTED = {
-    "n": (None, 1), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""), "logprobs": (None, False),
-    "top_logprobs": (None, 0), "logit_bias": (None, {}), "tools": (None, []), "tool_choice": (None, "none", "auto"),
-    "functions": (None, []), "function_call": (None, "none", "auto"), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "response_format": (None, {"type": "text"}), "audio": (None,),
-    "modalities": (None, ["text"]), "prediction": (None,),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "suffix": (None, ""),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "logit_bias": (None, {}),
+    "tools": (None, []),
+    "tool_choice": (None, "none", "auto"),
+    "functions": (None, []),
+    "function_call": (None, "none", "auto"),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "response_format": (None, {"type": "text"}),
+    "audio": (None,),
+    "modalities": (None, ["text"]),
+    "prediction": (None,),
 }
 
 
@@ -40,8 +52,13 @@ def unsupported(param: str, message: str) -> ApiError:
 
 def _check(c: Context, body: OpenAIFields) -> None:
     if body.model and body.model not in (c.rc.model_name, c.settings.model):
-        raise ApiError(404, "model_not_found", f"model {clip_repr(body.model)} is not served here; this server serves "
-                                               f"{c.rc.model_name!r} (GET /v1/models)", param="model")
+        raise ApiError(
+            404,
+            "model_not_found",
+            f"model {clip_repr(body.model)} is not served here; this server serves "
+            f"{c.rc.model_name!r} (GET /v1/models)",
+            param="model",
+        )
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise unsupported(name, f"{name}={clip_repr(value)} is not supported by ragcache")
@@ -49,34 +66,54 @@ def _check(c: Context, body: OpenAIFields) -> None:
 
 def usage(answer: Answer) -> dict:
     st = answer.stats
-    return {"prompt_tokens": st.prompt_tokens, "completion_tokens": st.completion_tokens,
-            "total_tokens": st.prompt_tokens + st.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": st.cached_tokens}}
+    return {
+        "prompt_tokens": st.prompt_tokens,
+        "completion_tokens": st.completion_tokens,
+        "total_tokens": st.prompt_tokens + st.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": st.cached_tokens},
+    }
 
 
 def ragcache_info(answer: Answer, queue_s: float) -> dict:
     st = answer.stats
-    return {"algorithm": st.algorithm, "recomputed_tokens": st.recomputed_tokens, "queue_s": queue_s,
-            "ttft_s": st.ttft_s, "total_s": st.total_s}
+    return {
+        "algorithm": st.algorithm,
+        "recomputed_tokens": st.recomputed_tokens,
+        "queue_s": queue_s,
+        "ttft_s": st.ttft_s,
+        "total_s": st.total_s,
+    }
 
 
 @router.get("/models", response_model=ModelList, responses=responses())
 def list_models(request: Request) -> ModelList:
     c = ctx(request)
     profile, adapter = c.rc.profile, c.rc.lm.adapter  # the adapter's own calibration is `profile`
-    link = {"default_algorithm": c.settings.algorithm, "default_k": c.rc.default_k,
-            "default_focus_ratio": c.rc.default_focus_ratio,
-            "calibrated": profile is not None and profile.k is not None, "kv_codec": c.rc.kv_codec,
-            "adapter": adapter and {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged}}
+    link = {
+        "default_algorithm": c.settings.algorithm,
+        "default_k": c.rc.default_k,
+        "default_focus_ratio": c.rc.default_focus_ratio,
+        "calibrated": profile is not None and profile.k is not None,
+        "kv_codec": c.rc.kv_codec,
+        "adapter": adapter and {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged},
+    }
     if profile is not None:
-        link.update(target=profile.target, agreement_by_k=profile.agreement_by_k, calibration_items=profile.items,
-                    focus_ratio=profile.focus_ratio, agreement_by_focus=profile.agreement_by_focus,
-                    calibrated_at=profile.at)
+        link.update(
+            target=profile.target,
+            agreement_by_k=profile.agreement_by_k,
+            calibration_items=profile.items,
+            focus_ratio=profile.focus_ratio,
+            agreement_by_focus=profile.agreement_by_focus,
+            calibrated_at=profile.at,
+        )
     return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
 
 
-@router.post("/completions", openapi_extra=documented(CompletionRequest),
-             responses={**streamed("text_completion chunks"), **responses(*WITH_BODY, 400, 404, 429, 503)})
+@router.post(
+    "/completions",
+    openapi_extra=documented(CompletionRequest),
+    responses={**streamed("text_completion chunks"), **responses(*WITH_BODY, 400, 404, 429, 503)},
+)
 async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest)):
     """The prompt is the question; documents and link options come as extra body fields."""
     c = ctx(request)
@@ -87,8 +124,16 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
     query = await c.query(prompt, body.documents, body.system, body.ragcache, body)
-    return await _respond(request, c, body, query, "cmpl", ("text_completion", "text_completion"),
-                          lambda text: {"text": text}, lambda piece: {"text": piece or ""})
+    return await _respond(
+        request,
+        c,
+        body,
+        query,
+        "cmpl",
+        ("text_completion", "text_completion"),
+        lambda text: {"text": text},
+        lambda piece: {"text": piece or ""},
+    )
 
 
 def _text(message: ChatMessage, i: int) -> str:
@@ -96,8 +141,9 @@ def _text(message: ChatMessage, i: int) -> str:
         return message.content or ""
     for part in message.content:
         if part.type != "text":
-            raise unsupported(f"messages[{i}].content",
-                              f"only text content parts are supported, got {clip_repr(part.type)}")
+            raise unsupported(
+                f"messages[{i}].content", f"only text content parts are supported, got {clip_repr(part.type)}"
+            )
         if part.text is None:
             raise unsupported(f"messages[{i}].content", "a text content part needs its text")
     return "".join(part.text for part in message.content)
@@ -110,41 +156,71 @@ def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
         system = _text(rest.pop(0), 0)
     if len(rest) != 1 or rest[0].role != "user":
         roles = [m.role for m in messages]
-        raise unsupported("messages", "ragcache answers one question from documents: send an optional system (or "
-                                      "developer) message followed by exactly one user message; got roles "
-                                      f"{clip_repr(roles)}")
+        raise unsupported(
+            "messages",
+            "ragcache answers one question from documents: send an optional system (or "
+            "developer) message followed by exactly one user message; got roles "
+            f"{clip_repr(roles)}",
+        )
     return system, _text(rest[0], len(messages) - 1)
 
 
-@router.post("/chat/completions", openapi_extra=documented(ChatRequest),
-             responses={**streamed("chat.completion.chunk objects"), **responses(*WITH_BODY, 400, 404, 429, 503)})
+@router.post(
+    "/chat/completions",
+    openapi_extra=documented(ChatRequest),
+    responses={**streamed("chat.completion.chunk objects"), **responses(*WITH_BODY, 400, 404, 429, 503)},
+)
 async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest)):
     """The last user message is the question, a leading system message the system prompt."""
     c = ctx(request)
     _check(c, body)
     system, question = chat_question(body.messages)
     query = await c.query(question, body.documents, system, body.ragcache, body)
-    return await _respond(request, c, body, query, "chatcmpl", ("chat.completion", "chat.completion.chunk"),
-                          lambda text: {"message": {"role": "assistant", "content": text}},
-                          lambda piece: {"delta": {} if piece is None else {"content": piece}},
-                          opening={"delta": {"role": "assistant", "content": ""}})
+    return await _respond(
+        request,
+        c,
+        body,
+        query,
+        "chatcmpl",
+        ("chat.completion", "chat.completion.chunk"),
+        lambda text: {"message": {"role": "assistant", "content": text}},
+        lambda piece: {"delta": {} if piece is None else {"content": piece}},
+        opening={"delta": {"role": "assistant", "content": ""}},
+    )
 
 
 def _choice(text: dict, finish: str | None = None) -> dict:
     return {"index": 0, **text, "logprobs": None, "finish_reason": finish}
 
 
-async def _respond(request: Request, c: Context, body: OpenAIFields, query, id_prefix: str, kinds: tuple[str, str],
-                   whole: Callable[[str], dict], piece: Callable[[str | None], dict], opening: dict | None = None):
+async def _respond(
+    request: Request,
+    c: Context,
+    body: OpenAIFields,
+    query,
+    id_prefix: str,
+    kinds: tuple[str, str],
+    whole: Callable[[str], dict],
+    piece: Callable[[str | None], dict],
+    opening: dict | None = None,
+):
     """The whole answer as one object (kinds[0], whole(text) in its choice), or a stream of chunks (kinds[1],
     piece(text) in theirs, piece(None) in the finishing one). Usage rides on the finishing chunk, or on a chunk of its
     own (empty choices) when the client asked for stream_options.include_usage."""
-    base = {"id": f"{id_prefix}-{uuid.uuid4().hex}", "object": kinds[0], "created": int(time.time()),
-            "model": c.rc.model_name}
+    base = {
+        "id": f"{id_prefix}-{uuid.uuid4().hex}",
+        "object": kinds[0],
+        "created": int(time.time()),
+        "model": c.rc.model_name,
+    }
     if not body.stream:
         answer, queue_s = await c.answer(request, query)
-        return {**base, "choices": [_choice(whole(answer.text), answer.stats.finish_reason)], "usage": usage(answer),
-                "ragcache": ragcache_info(answer, queue_s)}
+        return {
+            **base,
+            "choices": [_choice(whole(answer.text), answer.stats.finish_reason)],
+            "usage": usage(answer),
+            "ragcache": ragcache_info(answer, queue_s),
+        }
     gen, first = await c.start(request, query)
     base["object"] = kinds[1]
     separate_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -155,5 +231,14 @@ async def _respond(request: Request, c: Context, body: OpenAIFields, query, id_p
             return [finish, {**base, "choices": [], "usage": usage(answer)}]
         return [{**finish, "usage": usage(answer)}]
 
-    return EventStream(gen, sse_events(c, gen, first, lambda text: {**base, "choices": [_choice(piece(text))]}, done,
-                                       opening and {**base, "choices": [_choice(opening)]}))
+    return EventStream(
+        gen,
+        sse_events(
+            c,
+            gen,
+            first,
+            lambda text: {**base, "choices": [_choice(piece(text))]},
+            done,
+            opening and {**base, "choices": [_choice(opening)]},
+        ),
+    )

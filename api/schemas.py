@@ -26,8 +26,9 @@ def _unicode(value: str) -> str:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"holds a lone UTF-16 surrogate at character {exc.start}, which is not valid Unicode text") \
-            from None
+        raise ValueError(
+            f"holds a lone UTF-16 surrogate at character {exc.start}, which is not valid Unicode text"
+        ) from None
     return value
 
 
@@ -46,8 +47,10 @@ DocumentRef = str | TextDocument
 def check_document_refs(refs: list) -> list:
     for i, ref in enumerate(refs):
         if isinstance(ref, str) and not is_document_id(ref):
-            raise ValueError(f"documents[{i}] is not a document id (32 hex characters, as POST /v1/documents returns);"
-                             ' send raw text as {"text": "..."}')
+            raise ValueError(
+                f"documents[{i}] is not a document id (32 hex characters, as POST /v1/documents returns);"
+                ' send raw text as {"text": "..."}'
+            )
     return refs
 
 
@@ -86,8 +89,9 @@ class CompiledDocument(BaseModel):
 class CompileResponse(BaseModel):
     ids: list[str]
     documents: list[CompiledDocument]
-    stats: dict[str, float | int] = Field(description="documents, skipped, chunks, compiled_chunks, tokens, bytes, "
-                                                      "seconds")
+    stats: dict[str, float | int] = Field(
+        description="documents, skipped, chunks, compiled_chunks, tokens, bytes, seconds"
+    )
 
 
 class DocumentOut(BaseModel):
@@ -137,25 +141,42 @@ class ErrorResponse(BaseModel):
 # -- generation parameters shared by every answering route --------------------------------------------
 class LinkOptions(Strict):
     algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")
-    k: int | None = Field(None, ge=0, le=1 << 20, strict=True, description="legolink: tokens recomputed at each chunk start")
-    ratio: float | None = Field(None, ge=0.0, le=1.0, allow_inf_nan=False, strict=True, description="focus, cacheblend: "
-                                "fraction of chunk tokens recomputed (focus: the model's calibrated ratio, else 0.25)")
-    deviation: Literal[DEVIATIONS] | None = Field(None, description="cacheblend: rank rows by K (default) or V "  # type: ignore[valid-type]
-                                                                     "deviation")
+    k: int | None = Field(
+        None, ge=0, le=1 << 20, strict=True, description="legolink: tokens recomputed at each chunk start"
+    )
+    ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        strict=True,
+        description="focus, cacheblend: "
+        "fraction of chunk tokens recomputed (focus: the model's calibrated ratio, else 0.25)",
+    )
+    deviation: Literal[DEVIATIONS] | None = Field(  # type: ignore[valid-type]  # DEVIATIONS: the linker's tuple
+        None,
+        description="cacheblend: rank rows by K (default) or V deviation",
+    )
 
 
 class SamplingFields(BaseModel):
     model_config = ConfigDict(populate_by_name=True)  # max_tokens by its name too, not only by its aliases
 
-    max_tokens: int | None = Field(None, ge=1, strict=True, validation_alias=AliasChoices("max_tokens", "max_new_tokens",
-                                                                              "max_completion_tokens"),
-                                   description="tokens to generate (default and upper limit: settings)")
+    max_tokens: int | None = Field(
+        None,
+        ge=1,
+        strict=True,
+        validation_alias=AliasChoices("max_tokens", "max_new_tokens", "max_completion_tokens"),
+        description="tokens to generate (default and upper limit: settings)",
+    )
     # strict: a JSON true is not a number here (lax pydantic reads it as 1)
-    temperature: float = Field(0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True,
-                               description="0 = greedy (the default)")
+    temperature: float = Field(
+        0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True, description="0 = greedy (the default)"
+    )
     top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
-    stop: Text | list[Text] | None = Field(None, description="a string or up to 16 strings that end the answer (not "
-                                           "included)")
+    stop: Text | list[Text] | None = Field(
+        None, description="a string or up to 16 strings that end the answer (not included)"
+    )
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, strict=True)  # what torch.Generator.manual_seed takes
     stream: bool = Field(False, strict=True)  # a JSON true or false: "yes" is no boolean
 
@@ -163,8 +184,11 @@ class SamplingFields(BaseModel):
 # -- native query -----------------------------------------------------------------------------------------
 class QueryRequest(SamplingFields, LinkOptions):
     question: Text
-    documents: list[DocumentRef] = Field(default_factory=list, description='document ids (as POST /v1/documents '
-                                         'returns), or {"text": ...} for raw text (compiled on the fly and stored)')
+    documents: list[DocumentRef] = Field(
+        default_factory=list,
+        description="document ids (as POST /v1/documents "
+        'returns), or {"text": ...} for raw text (compiled on the fly and stored)',
+    )
     system: Text | None = Field(None, description="system prompt (an exact prefix, never recomputed)")
 
     _refs = field_validator("documents")(check_document_refs)
@@ -173,11 +197,16 @@ class QueryRequest(SamplingFields, LinkOptions):
 class InfillRequest(SamplingFields, Strict):
     prefix: Text = Field("", description="text before the hole")
     suffix: Text = Field("", description="text after the hole")
-    session: str | None = Field(None, min_length=1, max_length=128,
-                                description="infilling session id: EFIM keeps its cached prompt across rounds")
+    session: str | None = Field(
+        None,
+        min_length=1,
+        max_length=128,
+        description="infilling session id: EFIM keeps its cached prompt across rounds",
+    )
     mode: Literal["efim", "psm", "spm"] = "efim"
-    reuse: bool = Field(True, strict=True,
-                        description="reuse the longest cached prompt prefix (false: recompute everything)")
+    reuse: bool = Field(
+        True, strict=True, description="reuse the longest cached prompt prefix (false: recompute everything)"
+    )
 
 
 class Usage(BaseModel):
@@ -226,8 +255,9 @@ class OpenAIFields(SamplingFields):
 
     model: str | None = None
     stream_options: StreamOptions | None = None
-    documents: list[DocumentRef] = Field(default_factory=list, description='ragcache: document ids, or {"text": '
-                                         '...} for raw text')
+    documents: list[DocumentRef] = Field(
+        default_factory=list, description='ragcache: document ids, or {"text": ...} for raw text'
+    )
 
     _refs = field_validator("documents")(check_document_refs)
     ragcache: LinkOptions | None = Field(None, description="ragcache: link algorithm, k, ratio")
@@ -262,10 +292,13 @@ class ModelCard(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "ragcache"
-    ragcache: dict[str, Any] | None = Field(None, description="linking defaults: default_k (the calibrated k when "
-                                            "`ragcache calibrate` has run for this model), target, agreement_by_k; "
-                                            "adapter: the link adapter the model answers with (sha256, path, "
-                                            "merged), null for the base model")
+    ragcache: dict[str, Any] | None = Field(
+        None,
+        description="linking defaults: default_k (the calibrated k when "
+        "`ragcache calibrate` has run for this model), target, agreement_by_k; "
+        "adapter: the link adapter the model answers with (sha256, path, "
+        "merged), null for the base model",
+    )
 
 
 class ModelList(BaseModel):

@@ -46,20 +46,29 @@ def factory() -> FastAPI:
 
 def config(app, settings: Settings, **kwargs) -> Config:
     """uvicorn's config for `app` (an app, or an import string with workers) under the settings' connection limits."""
-    return Config(app, Limits.of(settings), host=settings.host, port=settings.port,
-                  timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, **kwargs)
+    return Config(
+        app,
+        Limits.of(settings),
+        host=settings.host,
+        port=settings.port,
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        **kwargs,
+    )
 
 
 def run(settings: Settings, workers: int = 1) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     if workers > 1 and settings.engine == "vllm":
-        raise ParameterOutOfRange("one worker with --engine vllm: vLLM batches every request in one engine (and each "
-                                  "worker would start its own)")
+        raise ParameterOutOfRange(
+            "one worker with --engine vllm: vLLM batches every request in one engine (and each "
+            "worker would start its own)"
+        )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
     if workers > 1:
         if all(tier.startswith("memory") for tier in tier_urls(settings.store)):
-            log.warning("store %s is per process: with %d workers each one has its own documents", settings.store,
-                        workers)
+            log.warning(
+                "store %s is per process: with %d workers each one has its own documents", settings.store, workers
+            )
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
         extra = {}
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:

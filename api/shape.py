@@ -41,8 +41,13 @@ class BodyLimits:
 
     @classmethod
     def of(cls, settings: Settings) -> BodyLimits:
-        return cls(settings.max_body_values, settings.max_body_keys, settings.max_body_items, settings.max_body_depth,
-                   settings.max_documents)
+        return cls(
+            settings.max_body_values,
+            settings.max_body_keys,
+            settings.max_body_items,
+            settings.max_body_depth,
+            settings.max_documents,
+        )
 
 
 def read(text: str, limits: BodyLimits, known: frozenset[str] | None = None) -> Any:
@@ -60,8 +65,13 @@ def read(text: str, limits: BodyLimits, known: frozenset[str] | None = None) -> 
     except RecursionError:  # a max_body_depth set past what Python's stack allows
         raise too_deep(limits) from None
     if reader.unknown:
-        raise Refused([{"type": "extra_forbidden", "loc": ("body", key), "msg": "Extra inputs are not permitted"}
-                       for key in reader.unknown], total=reader.unknown_count)
+        raise Refused(
+            [
+                {"type": "extra_forbidden", "loc": ("body", key), "msg": "Extra inputs are not permitted"}
+                for key in reader.unknown
+            ],
+            total=reader.unknown_count,
+        )
     return value
 
 
@@ -76,9 +86,13 @@ class Reader:
     def value(self, i: int, path: tuple, depth: int) -> tuple[Any, int]:
         self.values += 1
         if self.values > self.limits.values:
-            raise ApiError(413, "payload_too_large", f"the body holds more than {self.limits.values} JSON values; "
-                           f"at most {self.limits.values}", limit=self.limits.values)
-        opening = self.text[i:i + 1]
+            raise ApiError(
+                413,
+                "payload_too_large",
+                f"the body holds more than {self.limits.values} JSON values; at most {self.limits.values}",
+                limit=self.limits.values,
+            )
+        opening = self.text[i : i + 1]
         if opening in ("{", "[") and depth > self.limits.depth:
             raise too_deep(self.limits)
         if opening == "{":
@@ -92,14 +106,14 @@ class Reader:
 
     def object(self, i: int, path: tuple, depth: int) -> tuple[dict, int]:
         out: dict = {}
-        if self.text[i:i + 1] == "}":
+        if self.text[i : i + 1] == "}":
             return out, i + 1
         while True:
-            if self.text[i:i + 1] != '"':
+            if self.text[i : i + 1] != '"':
                 raise JSONDecodeError("Expecting property name enclosed in double quotes", self.text, i)
             key, i = scanstring(self.text, i + 1)
             i = self.skip(i)
-            if self.text[i:i + 1] != ":":
+            if self.text[i : i + 1] != ":":
                 raise JSONDecodeError("Expecting ':' delimiter", self.text, i)
             item, i = self.value(self.skip(i + 1), (*path, key), depth + 1)
             if depth == 1 and self.known is not None and key not in self.known:
@@ -109,9 +123,9 @@ class Reader:
             else:
                 out[key] = item
             i = self.skip(i)
-            if self.text[i:i + 1] == "}":
+            if self.text[i : i + 1] == "}":
                 break
-            if self.text[i:i + 1] != ",":
+            if self.text[i : i + 1] != ",":
                 raise JSONDecodeError("Expecting ',' delimiter", self.text, i)
             i = self.skip(i + 1)
         if len(out) > self.limits.keys:
@@ -120,20 +134,25 @@ class Reader:
 
     def array(self, i: int, path: tuple, depth: int) -> tuple[list, int]:
         out: list = []
-        if self.text[i:i + 1] == "]":
+        if self.text[i : i + 1] == "]":
             return out, i + 1
         while True:
             item, i = self.value(i, (*path, len(out)), depth + 1)
             out.append(item)
             i = self.skip(i)
-            if self.text[i:i + 1] == "]":
+            if self.text[i : i + 1] == "]":
                 break
-            if self.text[i:i + 1] != ",":
+            if self.text[i : i + 1] != ",":
                 raise JSONDecodeError("Expecting ',' delimiter", self.text, i)
             i = self.skip(i + 1)
         if path == ("documents",) and len(out) > self.limits.documents:
-            raise ApiError(413, "payload_too_large", f"{len(out)} documents in one request; at most "
-                           f"{self.limits.documents}", limit=self.limits.documents, got=len(out))
+            raise ApiError(
+                413,
+                "payload_too_large",
+                f"{len(out)} documents in one request; at most {self.limits.documents}",
+                limit=self.limits.documents,
+                got=len(out),
+            )
         if len(out) > self.limits.items:
             raise too_many(len(out), "items in one array", path, self.limits.items)
         return out, i + 1
@@ -145,10 +164,25 @@ def too_many(got: int, what: str, path: tuple, cap: int) -> ApiError:
 
 
 def too_deep(limits: BodyLimits) -> Refused:
-    return Refused([{"type": "too_deep", "loc": ("body",),
-                     "msg": f"objects and arrays nest deeper than {limits.depth} levels; at most {limits.depth}"}])
+    return Refused(
+        [
+            {
+                "type": "too_deep",
+                "loc": ("body",),
+                "msg": f"objects and arrays nest deeper than {limits.depth} levels; at most {limits.depth}",
+            }
+        ]
+    )
 
 
 def malformed(reason: str, at: int | None = None) -> Refused:
-    return Refused([{"type": "json_invalid", "loc": ("body",) if at is None else ("body", at),
-                     "msg": "JSON decode error", "ctx": {"error": reason}}])
+    return Refused(
+        [
+            {
+                "type": "json_invalid",
+                "loc": ("body",) if at is None else ("body", at),
+                "msg": "JSON decode error",
+                "ctx": {"error": reason},
+            }
+        ]
+    )

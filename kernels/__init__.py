@@ -43,8 +43,9 @@ def rotate_keys(keys, positions, inv_freq, scaling):
     return _impl(keys.device).rotate_keys(keys, positions, inv_freq, scaling)
 
 
-def place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling,
-                 key_scales=None, value_scales=None):
+def place_chunks(
+    joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling, key_scales=None, value_scales=None
+):
     """Chunks in their stored form (store/codec.py) -> the joined cache: dequantized and rotated in one pass."""
     return _impl(joined_keys.device).place_chunks(
         joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling, key_scales, value_scales
@@ -76,8 +77,9 @@ def scored_attention(query, keys, values, query_positions, scale, window=None):
     """Attention of rows at positions, and the fp32 weight [N] they give each key position (softmax summed over
     heads and rows): what focus scores chunk rows with. Only the question's rows take it, once per layer, so the
     reference is fast enough on every device; on CUDA its matmuls run in the inputs' dtype (tensor cores)."""
-    return torch_ref.scored_attention(query, keys, values, query_positions, scale, window,
-                                      native_matmul=query.device.type == "cuda")
+    return torch_ref.scored_attention(
+        query, keys, values, query_positions, scale, window, native_matmul=query.device.type == "cuda"
+    )
 
 
 def kv_deviation(fresh, cached):

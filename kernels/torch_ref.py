@@ -18,7 +18,9 @@ from torch.nn.attention.bias import causal_lower_right
 QUERY_BLOCK = 256  # rows per attention block: bounds the [rows, keys] mask on long prompts
 
 
-def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+def rotate_keys(
+    keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: torch.Tensor
+) -> torch.Tensor:
     """Apply RoPE (rotate_half layout, as transformers does) to pre-RoPE keys [L, H, T, D] at `positions` [T].
 
     Only the first 2 * inv_freq.shape[-1] dims rotate (partial rotary); the rest pass through."""
@@ -72,14 +74,16 @@ def place_chunks(
         keys_slot.copy_(rotate_keys(keys_slot, positions, inv_freq, scaling))
 
 
-def dequantize_keys(codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_keys(
+    codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 [L, H, T, D] codes with per-channel [L, H, 2, D] (scale, zero) -> keys in `dtype`."""
     return _dequantize(codes, key_scales[:, :, 0:1], key_scales[:, :, 1:2], dtype, out)
 
 
-def dequantize_values(codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def dequantize_values(
+    codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """uint8 [L, H, T, D] codes with per-token [L, H, T, 2] (scale, zero) -> values in `dtype`."""
     return _dequantize(codes, value_scales[..., 0:1], value_scales[..., 1:2], dtype, out)
 
@@ -113,9 +117,15 @@ def selected_attention(
     return _selected_rows_attention(query, keys, values, query_positions, scale, window)
 
 
-def scored_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, query_positions: torch.Tensor,
-                     scale: float, window: int | None = None, native_matmul: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def scored_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    query_positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+    native_matmul: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of rows at positions over a joined cache (as `selected_attention`) and the weight they give each
     key position: fp32 softmax summed over heads and rows, [N]. One pass gives both, so focus's question pass
     attends once per layer, not once for its scores and again for its output. A KV head's group of query heads are
@@ -148,8 +158,9 @@ _MASKED_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, 
 def _sdpa_masked(query, keys, values, mask, scale, **kwargs) -> torch.Tensor:
     backends = sdpa_kernel(_MASKED_BACKENDS) if query.device.type == "cuda" else contextlib.nullcontext()
     with backends:
-        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale,
-                                                                **kwargs)
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, **kwargs
+        )
 
 
 def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
@@ -168,7 +179,8 @@ def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
         out = _sdpa_masked(query[None], keys[None], values[None], mask, scale, enable_gqa=gqa)
     else:
         out = torch.nn.functional.scaled_dot_product_attention(
-            query[None], keys[None], values[None], is_causal=causal, scale=scale, enable_gqa=gqa)
+            query[None], keys[None], values[None], is_causal=causal, scale=scale, enable_gqa=gqa
+        )
     return out[0].transpose(0, 1)
 
 
@@ -189,8 +201,17 @@ def _contiguous_attention(query, keys, values, first: int, scale: float, window:
     for lo in range(0, rows, block):
         hi = min(lo + block, rows)
         key_lo = max(first + lo - window + 1, 0)
-        out.append(_causal_block(query[:, lo:hi], keys[:, key_lo : first + hi], values[:, key_lo : first + hi],
-                                 first + lo, key_lo, scale, window))
+        out.append(
+            _causal_block(
+                query[:, lo:hi],
+                keys[:, key_lo : first + hi],
+                values[:, key_lo : first + hi],
+                first + lo,
+                key_lo,
+                scale,
+                window,
+            )
+        )
     return torch.cat(out)
 
 
@@ -205,8 +226,13 @@ def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, wi
         return _sdpa(query, keys, values, scale, causal=True)  # square: plain causal
     if in_window and query.device.type == "cuda":  # causal from the bottom right: FlashAttention takes it as is
         out = torch.nn.functional.scaled_dot_product_attention(
-            query[None], keys[None], values[None], attn_mask=causal_lower_right(rows, length), scale=scale,
-            enable_gqa=query.shape[0] != keys.shape[0])
+            query[None],
+            keys[None],
+            values[None],
+            attn_mask=causal_lower_right(rows, length),
+            scale=scale,
+            enable_gqa=query.shape[0] != keys.shape[0],
+        )
         return out[0].transpose(0, 1)
     row = torch.arange(rows, device=query.device)[:, None]
     key = torch.arange(length, device=query.device)[None, :]
@@ -286,8 +312,9 @@ def decode_mask(positions: torch.Tensor, length: int, window: int | None = None,
     return allowed
 
 
-def stacked_decode_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+def stacked_decode_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scale: float
+) -> torch.Tensor:
     """One decode row per cache, the caches stacked: query [H, n, D], keys/values [n, KVH, L, D] (a contiguous
     block, such as a run of pool slots), row i seeing the keys allowed[i] ([n, L], `decode_mask`) -> [n, H, D].
     One eager call (both matmuls in the input dtype, softmax in fp32) whose arithmetic for a row depends on L and
@@ -339,8 +366,9 @@ def reference_attention(
     allowed = key_pos[None, :] <= q_pos
     if window is not None:
         allowed &= key_pos[None, :] > q_pos - window
-    out = torch.nn.functional.scaled_dot_product_attention(query.to(torch.float32), k, v, attn_mask=allowed[None],
-                                                           scale=scale)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query.to(torch.float32), k, v, attn_mask=allowed[None], scale=scale
+    )
     return out.transpose(0, 1).to(query.dtype)
 
 
@@ -365,8 +393,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return torch.nn.functional.linear(x, weight, bias)
 
 
-def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                       cast_first: bool = True) -> torch.Tensor:
+def invariant_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, cast_first: bool = True
+) -> torch.Tensor:
     """RMSNorm over the last axis in fp32. `cast_first` (llama, mistral, qwen): `weight * normed.to(x.dtype)`;
     otherwise (gemma3): `(normed * (offset + weight)).to(x.dtype)` in fp32."""
     normed = x.to(torch.float32)

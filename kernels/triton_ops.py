@@ -457,7 +457,9 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _rope_table(inv_freq: torch.Tensor, scaling: torch.Tensor, layers: int, head_dim: int, device: torch.device):
     if inv_freq.dim() != 2 or inv_freq.shape[0] != layers or scaling.shape != (layers,):
-        raise ValueError(f"rope table: inv_freq {tuple(inv_freq.shape)} / scaling {tuple(scaling.shape)} for {layers} layers")
+        raise ValueError(
+            f"rope table: inv_freq {tuple(inv_freq.shape)} / scaling {tuple(scaling.shape)} for {layers} layers"
+        )
     half = inv_freq.shape[1]
     if not 0 < 2 * half <= head_dim:
         raise ValueError(f"rotary dims {2 * half} do not fit head_dim {head_dim}")
@@ -470,7 +472,9 @@ def _rope_consts(half: int, head_dim: int) -> dict:
     return dict(HALF=half, HALF_P2=_p2(half), D=head_dim, REST_P2=_p2(head_dim - 2 * half))
 
 
-def rotate_keys(keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: torch.Tensor) -> torch.Tensor:
+def rotate_keys(
+    keys: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, scaling: torch.Tensor
+) -> torch.Tensor:
     """RoPE of pre-RoPE keys [L, H, T, D] at `positions` [T]; see torch_ref.rotate_keys."""
     layers, heads, tokens, head_dim = keys.shape
     if positions.shape != (tokens,):
@@ -516,12 +520,16 @@ def place_chunks(
     # from pinned host memory (the memory tier on CUDA) these copies run asynchronously, ordered before the kernels
     keys = [_last_dim_contiguous(k.to(device, non_blocking=True)) for k in chunk_keys]
     values = [_last_dim_contiguous(v.to(device, non_blocking=True)) for v in chunk_values]
-    pairs = [_scale_pairs(k, ks, vs, device) for k, ks, vs in
-             zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))]
+    pairs = [
+        _scale_pairs(k, ks, vs, device)
+        for k, ks, vs in zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))
+    ]
     starts = [int(s) for s in starts]
     for k, v, s in zip(keys, values, starts):
         if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] != head_dim:
-            raise ValueError(f"chunk keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit joined {tuple(joined_keys.shape)}")
+            raise ValueError(
+                f"chunk keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit joined {tuple(joined_keys.shape)}"
+            )
         if s < 0 or s + k.shape[2] > capacity:
             raise ValueError(f"chunk [{s}, {s + k.shape[2]}) outside the joined capacity {capacity}")
     inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, device)
@@ -547,7 +555,9 @@ def _scale_pairs(keys: torch.Tensor, key_scales, value_scales, device) -> tuple 
     key_pairs = key_scales.to(device=device, dtype=torch.float32).contiguous()
     value_pairs = value_scales.to(device=device, dtype=torch.float32).contiguous()
     if key_pairs.shape != (layers, heads, 2, head_dim) or value_pairs.shape != (layers, heads, tokens, 2):
-        raise ValueError(f"int8 scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}")
+        raise ValueError(
+            f"int8 scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}"
+        )
     return key_pairs, value_pairs
 
 
@@ -591,8 +601,11 @@ def selected_attention(
     causal from the bottom right, which on CUDA is FlashAttention-2 with native GQA; rows in any order and windowed
     runs stay here (this kernel skips the key tiles past a block's last row and handles offsets and windows)."""
     heads, rows, head_dim = query.shape
-    if (contiguous_from is not None and keys.shape[1] >= contiguous_from + rows
-            and (window is None or window >= contiguous_from + rows)):
+    if (
+        contiguous_from is not None
+        and keys.shape[1] >= contiguous_from + rows
+        and (window is None or window >= contiguous_from + rows)
+    ):
         from . import torch_ref
 
         return torch_ref.selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
@@ -666,8 +679,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     then checks what the kernel decides (tiles, K order, masks), not the machine's dot."""
     out_features, in_features = weight.shape
     if x.shape[-1] != in_features or (bias is not None and bias.shape != (out_features,)):
-        raise ValueError(f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias "
-                         f"{None if bias is None else tuple(bias.shape)}")
+        raise ValueError(
+            f"x {tuple(x.shape)}, weight {tuple(weight.shape)}, bias {None if bias is None else tuple(bias.shape)}"
+        )
     rows = x.numel() // in_features
     flat = x.reshape(rows, in_features)
     operand = torch.promote_types(x.dtype, weight.dtype)
@@ -686,8 +700,9 @@ def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return out.reshape(*x.shape[:-1], out_features)
 
 
-def invariant_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
-                       cast_first: bool = True) -> torch.Tensor:
+def invariant_rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0, cast_first: bool = True
+) -> torch.Tensor:
     """RMSNorm over the last axis, one program a row (see torch_ref for the two roundings)."""
     width = x.shape[-1]
     if weight.shape != (width,):

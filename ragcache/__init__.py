@@ -7,8 +7,14 @@ from importlib import import_module
 __version__ = "0.1.0"
 __all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "RagCacheError", "Sequence"]
 
-_HOMES = {"ALGORITHMS": "linker", "Answer": "sampling", "CompileReport": "front", "QueryStats": "sampling",
-          "RagCacheError": "errors", "Sequence": "sequence"}
+_HOMES = {
+    "ALGORITHMS": "linker",
+    "Answer": "sampling",
+    "CompileReport": "front",
+    "QueryStats": "sampling",
+    "RagCacheError": "errors",
+    "Sequence": "sequence",
+}
 
 
 def __getattr__(name: str):

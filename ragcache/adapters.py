@@ -29,7 +29,7 @@ from typing import IO
 
 from . import calibrate, fetch, loaded, lora
 from .errors import BadAdapter, ModelFetchError
-from .settings import DATA_DIR, INSTALLED
+from .settings import DATA_DIR
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +75,23 @@ def calibrated_default(lm: loaded.LoadedModel) -> Path | None:
     try:
         profile = profile_for(lm, path)
         if profile is None:
-            log.warning("the adapter installed for %s (%s) is not calibrated at %s, so the base model serves; run "
-                        "`ragcache calibrate --model %s` to calibrate it", lm.name, path, calibrate.dtype_name(lm),
-                        lm.name)
+            log.warning(
+                "the adapter installed for %s (%s) is not calibrated at %s, so the base model serves; run "
+                "`ragcache calibrate --model %s` to calibrate it",
+                lm.name,
+                path,
+                calibrate.dtype_name(lm),
+                lm.name,
+            )
             return None
         if not profile.reached():
-            log.warning("with the adapter installed for %s (%s), no link reached the target agreement with the base "
-                        "model's full in its calibration (%s), so the base model serves", lm.name, path,
-                        calibrate.dtype_name(lm))
+            log.warning(
+                "with the adapter installed for %s (%s), no link reached the target agreement with the base "
+                "model's full in its calibration (%s), so the base model serves",
+                lm.name,
+                path,
+                calibrate.dtype_name(lm),
+            )
             return None
     except BadAdapter as exc:
         log.warning("the adapter installed for %s is not used: %s", lm.name, exc)
@@ -90,8 +99,9 @@ def calibrated_default(lm: loaded.LoadedModel) -> Path | None:
     try:
         import peft  # noqa: F401
     except ImportError:
-        log.warning("the adapter installed for %s needs the `peft` package (pip install peft); the base model serves",
-                    lm.name)
+        log.warning(
+            "the adapter installed for %s needs the `peft` package (pip install peft); the base model serves", lm.name
+        )
         return None
     return path
 
@@ -142,9 +152,11 @@ def merged_checkpoint(base: loaded.LoadedModel, path: Path, digest: str, fingerp
         if hold is not None:
             hold.close()
         if isinstance(exc, OSError):
-            raise ModelFetchError(f"cannot write {base.name} with the adapter {path} merged into {target}: {exc}; "
-                                  "free space there, set RAGCACHE_MODEL_DIR, or serve it unmerged "
-                                  "(merge_adapter=False)") from exc
+            raise ModelFetchError(
+                f"cannot write {base.name} with the adapter {path} merged into {target}: {exc}; "
+                "free space there, set RAGCACHE_MODEL_DIR, or serve it unmerged "
+                "(merge_adapter=False)"
+            ) from exc
         raise
     return target, hold
 
@@ -170,8 +182,12 @@ def _write_merged(base: loaded.LoadedModel, path: Path, digest: str, target: Pat
             merged = lora.attach_adapter(base, copied, merge=True)
             merged.model.save_pretrained(staged)
             merged.tokenizer.save_pretrained(staged)
-            source = {"model": base.name, "adapters": [str(Path(path).resolve())], "adapter_sha256": digest,
-                      "dtype": dtype}
+            source = {
+                "model": base.name,
+                "adapters": [str(Path(path).resolve())],
+                "adapter_sha256": digest,
+                "dtype": dtype,
+            }
             (staged / MERGED_SOURCE).write_text(json.dumps(source))
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
@@ -318,8 +334,9 @@ def _describe_copy(path: Path, check: bool = True) -> MergedCopy | None:
             stale = None if busy else "left unfinished by an interrupted start"
             return MergedCopy(path, None, (), None, None, size, stale, busy)
         if not _complete(path):  # a start now writes it again, with those
-            return MergedCopy(path, None, (), None, None, size, "made by an older ragcache: no record of its adapter",
-                              busy)
+            return MergedCopy(
+                path, None, (), None, None, size, "made by an older ragcache: no record of its adapter", busy
+            )
         source = json.loads((path / MERGED_SOURCE).read_text())
         model, paths, digest, dtype = source["model"], _adapter_paths(source), source["adapter_sha256"], source["dtype"]
     except FileNotFoundError:

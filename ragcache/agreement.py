@@ -12,8 +12,10 @@ from .runner import Runner
 
 # Words a reader opens an answer with ("The", "In", "Based on"): where full's first token is one of them, the first
 # position measures boilerplate, not what the reader took from the documents.
-FUNCTION_WORDS = frozenset("the a an in on at of to by for from with as and or is was are were it its this that "
-                           "these those there based answer according".split())
+FUNCTION_WORDS = frozenset(
+    "the a an in on at of to by for from with as and or is was are were it its this that "
+    "these those there based answer according".split()
+)
 
 
 def content_position(tokenizer, answer: list[int]) -> int | None:

@@ -116,8 +116,9 @@ def profiles_by_model() -> dict[str, list[Profile]]:
     return out
 
 
-def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path = DATA_DIR,
-                  ids: dict[str, str] | None = None) -> list[Item]:
+def builtin_items(
+    rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path = DATA_DIR, ids: dict[str, str] | None = None
+) -> list[Item]:
     """Questions of the sample set in `data`, each over its own document and distractors (the answer among them);
     `ids`: the documents' ids by file name, where the caller has compiled them (else they are compiled here)."""
     docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
@@ -127,7 +128,7 @@ def builtin_items(rc, n: int, docs_per_item: int = 4, seed: int = 0, data: Path 
     items = []
     for row in rows[:n]:
         others = rng.sample([name for name in docs if name != row["doc"]], docs_per_item - 1)
-        chosen = [*others[: len(others) // 2], row["doc"], *others[len(others) // 2:]]
+        chosen = [*others[: len(others) // 2], row["doc"], *others[len(others) // 2 :]]
         items.append(Item(row["question"], [ids[name] for name in chosen]))
     return items
 
@@ -139,9 +140,11 @@ def _sentences(text: str) -> list[str]:
 def check_documents(texts: list[str]) -> None:
     """BadRequest unless items can be made from these documents (checked before a model loads)."""
     if not any(_sentences(text) for text in texts):
-        raise BadRequest(f"calibration asks how a sentence of your documents continues, and none of them has a "
-                         f"sentence of {SENTENCE_WORDS} words or more (sentences end with '.'): pass documents of "
-                         "running text, or leave out --docs to calibrate on the built-in set")
+        raise BadRequest(
+            f"calibration asks how a sentence of your documents continues, and none of them has a "
+            f"sentence of {SENTENCE_WORDS} words or more (sentences end with '.'): pass documents of "
+            "running text, or leave out --docs to calibrate on the built-in set"
+        )
 
 
 def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, seed: int = 0) -> list[Item]:
@@ -159,9 +162,12 @@ def items_from_documents(rc, texts: list[str], n: int, docs_per_item: int = 3, s
         words = rng.choice(sentences).split()
         cue = " ".join(words[: max(3, len(words) // 2)])
         others = rng.sample([i for i in range(len(texts)) if i != pick], min(docs_per_item - 1, len(texts) - 1))
-        order = [*others[: len(others) // 2], pick, *others[len(others) // 2:]]
-        items.append(Item(f'According to the documents, how does the sentence starting "{cue}" continue?',
-                          [ids[i] for i in order]))
+        order = [*others[: len(others) // 2], pick, *others[len(others) // 2 :]]
+        items.append(
+            Item(
+                f'According to the documents, how does the sentence starting "{cue}" continue?', [ids[i] for i in order]
+            )
+        )
     return items
 
 
@@ -199,9 +205,16 @@ def agreement(rc, items: list[Item], link_kwargs: dict, refs: list[Reference]) -
     return sum(_linked_token(rc, item, link_kwargs, ref) == ref.token for item, ref in zip(items, refs)) / len(items)
 
 
-def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_KS, ratios=DEFAULT_RATIOS,
-              focus_ratios=DEFAULT_FOCUS_RATIOS, progress: Callable[[str], None] | None = None,
-              at: str = "content") -> Profile:
+def calibrate(
+    rc,
+    items: list[Item],
+    target: float = DEFAULT_TARGET,
+    ks=DEFAULT_KS,
+    ratios=DEFAULT_RATIOS,
+    focus_ratios=DEFAULT_FOCUS_RATIOS,
+    progress: Callable[[str], None] | None = None,
+    at: str = "content",
+) -> Profile:
     """Sweep k (and ratio) upwards; stop at the first that reaches `target`. Agreement is monotone enough in k for
     the first hit to be the answer here, and stopping early saves most of the sweep."""
     if not items:
@@ -214,17 +227,29 @@ def calibrate(rc, items: list[Item], target: float = DEFAULT_TARGET, ks=DEFAULT_
     with torch.inference_mode(), rc.lm.base_weights():
         refs = [reference(rc, item, at) for item in items]
     moved = sum(bool(ref.lead) for ref in refs)
-    say(f"full: {len(items)} items linked" + (f", {moved} measured past the answer's first token" if at != "first"
-                                              else ""))
-    profile = Profile(rc.lm.name, rc.lm.fingerprint, dtype_name(rc.lm), target, len(items), None, None,
-                      created=time.time(), at=at, adapter=rc.lm.adapter.sha256 if rc.lm.adapter else "")
+    say(
+        f"full: {len(items)} items linked"
+        + (f", {moved} measured past the answer's first token" if at != "first" else "")
+    )
+    profile = Profile(
+        rc.lm.name,
+        rc.lm.fingerprint,
+        dtype_name(rc.lm),
+        target,
+        len(items),
+        None,
+        None,
+        created=time.time(),
+        at=at,
+        adapter=rc.lm.adapter.sha256 if rc.lm.adapter else "",
+    )
     profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, refs)
     say(f"naive: {profile.naive_agreement:.2f}")
     profile.k = _smallest(rc, items, refs, target, "legolink", "k", ks, profile.agreement_by_k, say)
-    profile.ratio = _smallest(rc, items, refs, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio,
-                              say)
-    profile.focus_ratio = _smallest(rc, items, refs, target, "focus", "ratio", focus_ratios,
-                                    profile.agreement_by_focus, say)
+    profile.ratio = _smallest(rc, items, refs, target, "cacheblend", "ratio", ratios, profile.agreement_by_ratio, say)
+    profile.focus_ratio = _smallest(
+        rc, items, refs, target, "focus", "ratio", focus_ratios, profile.agreement_by_focus, say
+    )
     return profile
 
 

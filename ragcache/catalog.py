@@ -95,8 +95,9 @@ class Catalog:
         except CorruptDocument:
             existing = None  # the caller holds the true text: writing it again repairs the record
         doc = existing if existing is not None else Document(doc_id, text, dict(meta), self.chunk_tokens)
-        recorded = self._recorded(doc, self._record_or_none(chunks_name(doc_id, self.tokenizer_fingerprint,
-                                                                        doc.chunk_tokens)))
+        recorded = self._recorded(
+            doc, self._record_or_none(chunks_name(doc_id, self.tokenizer_fingerprint, doc.chunk_tokens))
+        )
         chunks = self._chunked(doc) if recorded is None else recorded
         return Draft(doc, chunks, new_document=existing is None, new_chunks=recorded is None)
 
@@ -110,15 +111,16 @@ class Catalog:
     def get(self, doc_id: str) -> Document | None:
         return read_document(doc_id, self._record(doc_name(doc_id)))
 
-    def resolve(self, doc_ids: list[str], drafted: dict[str, list[list[int]]] | None = None
-                ) -> list[list[list[int]]]:
+    def resolve(self, doc_ids: list[str], drafted: dict[str, list[list[int]]] | None = None) -> list[list[list[int]]]:
         """Chunk ids (without layout tokens) of each document, in order; UnknownDocument names every unknown id.
         `drafted`: chunks of documents not (yet) stored, by id (`draft`), taken as they are.
 
         One batched record read covers every document and, at the default budget, its chunk record too."""
         drafted = drafted or {}
         unique = [d for d in dict.fromkeys(doc_ids) if d not in drafted]
-        names = [n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))]
+        names = [
+            n for d in unique for n in (doc_name(d), chunks_name(d, self.tokenizer_fingerprint, self.chunk_tokens))
+        ]
         records = dict(zip(names, self.store.get_records(names, record_problem)))
         docs = {d: read_document(d, records[doc_name(d)]) for d in unique}
         unknown = [d for d, doc in docs.items() if doc is None]
@@ -128,8 +130,10 @@ class Catalog:
         other = [chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens) for d, doc in docs.items()]
         other = [name for name in other if name not in records]
         records.update(zip(other, self.store.get_records(other, record_problem)) if other else ())
-        chunks_by_id = {d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
-                        for d, doc in docs.items()}
+        chunks_by_id = {
+            d: self._chunks(doc, records[chunks_name(d, self.tokenizer_fingerprint, doc.chunk_tokens)])
+            for d, doc in docs.items()
+        }
         return [drafted[d] if d in drafted else chunks_by_id[d] for d in doc_ids]
 
     def chunks_of(self, doc_id: str) -> list[list[int]]:
@@ -177,8 +181,9 @@ class Catalog:
             return None
 
     # -- entries ---------------------------------------------------------------------------------------------------
-    def ensure(self, chunks: list[list[int]], compiler, layout, run: Callable = lambda fn, *args: fn(*args)
-               ) -> tuple[list[ChunkKV], EnsureReport]:
+    def ensure(
+        self, chunks: list[list[int]], compiler, layout, run: Callable = lambda fn, *args: fn(*args)
+    ) -> tuple[list[ChunkKV], EnsureReport]:
         """The entries of these chunks in a compiler's layout, compiling (with `run`: on the model's thread) and
         storing those the store lacks. One batched read.
 
@@ -191,8 +196,9 @@ class Catalog:
         for i, entry in enumerate(entries):
             wrong = compiler.problem(entry, compiler.stored_ids(chunks[i], layout)) if entry is not None else None
             if wrong:
-                log.warning("entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12],
-                            wrong)
+                log.warning(
+                    "entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12], wrong
+                )
                 self.store.delete(keys[i])
                 entries[i] = None
         hits = sum(e is not None for e in entries)
@@ -244,8 +250,13 @@ class Locks:
             if any(self._writer.get(d) == me for d in ids):
                 raise RuntimeError("a thread deleting a document may not read it")
             may_pass_waiting_writers = self._holds_any(me)
-            self._changed.wait_for(lambda: not any(d in self._writer or (self._waiting_writers[d] and
-                                                                          not may_pass_waiting_writers) for d in ids))
+            self._changed.wait_for(
+                lambda: (
+                    not any(
+                        d in self._writer or (self._waiting_writers[d] and not may_pass_waiting_writers) for d in ids
+                    )
+                )
+            )
             for d in ids:
                 self._readers.setdefault(d, Counter())[me] += 1
         try:
@@ -266,8 +277,10 @@ class Locks:
         me = threading.get_ident()
         with self._changed:
             if self._holds_any(me):
-                raise RuntimeError(f"document {doc_id} cannot be deleted by a thread that is writing documents (an "
-                                   "upload's progress callback may not delete a document)")
+                raise RuntimeError(
+                    f"document {doc_id} cannot be deleted by a thread that is writing documents (an "
+                    "upload's progress callback may not delete a document)"
+                )
             self._waiting_writers[doc_id] += 1
             try:
                 self._changed.wait_for(lambda: doc_id not in self._writer and doc_id not in self._readers)

@@ -23,8 +23,11 @@ from .console import console, err, fail
 from .errors import BadRequest, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
 
-app = typer.Typer(help="ragcache: compile documents into KV caches and answer questions by linking them.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="ragcache: compile documents into KV caches and answer questions by linking them.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
 models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
@@ -37,24 +40,50 @@ app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")
 
 
-DtypeOption = typer.Option(None, "--dtype", help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
-                                                 "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)")
+DtypeOption = typer.Option(
+    None,
+    "--dtype",
+    help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
+    "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)",
+)
 DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
-AdapterOption = typer.Option(None, "--adapter", help="a LoRA directory `ragcache train link` wrote, none (the base "
-                                                     "model) or installed (default: settings, installed: the "
-                                                     "model's installed adapter where it is calibrated)")
-KvCodecOption = typer.Option(None, "--kv-codec", help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
-                                                      "(default: settings, auto: int8 on CPU, the compute dtype "
-                                                      "elsewhere)")
+AdapterOption = typer.Option(
+    None,
+    "--adapter",
+    help="a LoRA directory `ragcache train link` wrote, none (the base "
+    "model) or installed (default: settings, installed: the "
+    "model's installed adapter where it is calibrated)",
+)
+KvCodecOption = typer.Option(
+    None,
+    "--kv-codec",
+    help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
+    "(default: settings, auto: int8 on CPU, the compute dtype "
+    "elsewhere)",
+)
 
 
-def _open(model: str | None, store: str | None, chunk_tokens: int | None = None, dtype: str | None = None,
-          device: str | None = None, kv_codec: str | None = None, adapter: str | None = None):
+def _open(
+    model: str | None,
+    store: str | None,
+    chunk_tokens: int | None = None,
+    dtype: str | None = None,
+    device: str | None = None,
+    kv_codec: str | None = None,
+    adapter: str | None = None,
+):
     from .engine import RagCache
 
     try:
-        s = load_settings(model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device,
-                          kv_codec=kv_codec, adapter=adapter)
+        s = load_settings(
+            model=model,
+            store=store,
+            chunk_tokens=chunk_tokens,
+            dtype=dtype,
+            device=device,
+            kv_codec=kv_codec,
+            adapter=adapter,
+        )
     except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
         raise BadRequest(str(exc)) from exc
     if s.model in fetch.BUILTIN_MODELS and not fetch.is_pulled(s.model):
@@ -73,8 +102,10 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
             found = _walk(path, glob)
             skipped = [p for p in found if p.suffix not in TEXT_SUFFIXES | {".pdf"}]
             if skipped:
-                err.print(f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
-                          f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {_some(skipped)}")
+                err.print(
+                    f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
+                    f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {_some(skipped)}"
+                )
             files += [p for p in found if p not in skipped]
         elif _is(path, Path.is_file):
             files.append(path)
@@ -145,8 +176,10 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
                     except json.JSONDecodeError as exc:
                         raise BadRequest(f"{f}:{n}: not JSON ({exc.msg})") from exc
                     if not isinstance(row, dict) or field not in row:
-                        raise BadRequest(f"{f}:{n}: no field {field!r} (each line must be a JSON object; "
-                                         "use --jsonl FIELD to read another field)")
+                        raise BadRequest(
+                            f"{f}:{n}: no field {field!r} (each line must be a JSON object; "
+                            "use --jsonl FIELD to read another field)"
+                        )
                     if not isinstance(row[field], str):
                         raise BadRequest(f"{f}:{n}: field {field!r} is {type(row[field]).__name__}, not text")
                     docs.append((row[field], {"source": f"{_source(f)}:{n}"}))
@@ -192,10 +225,17 @@ def compile(
             raise BadRequest("every document given is empty; nothing to compile")
         rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
         if all(tier in ("memory", "memory:") for tier in tier_urls(s.store)):
-            err.print("[yellow]warning:[/yellow] the store is memory:, which ends with this command: nothing "
-                      "compiled now is kept (pass --store disk:PATH to keep it)")
-        columns = [TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} docs"),
-                   TextColumn("{task.fields[rate]}"), TimeElapsedColumn()]
+            err.print(
+                "[yellow]warning:[/yellow] the store is memory:, which ends with this command: nothing "
+                "compiled now is kept (pass --store disk:PATH to keep it)"
+            )
+        columns = [
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} docs"),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+        ]
         from .front import CompileReport
 
         summary, compiled_tokens = CompileReport(), 0
@@ -227,11 +267,13 @@ def compile(
     for (_text, meta), doc_id in zip(docs, summary.ids):
         console.print(f"{doc_id}  {meta.get('source', '')}")
     if kept:
-        err.print(f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
-                  f"and keep it (a document's budget is set when it is first added): "
-                  + ", ".join(f"{doc_id} ({budget} tokens)" for doc_id, budget in list(kept.items())[:5])
-                  + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
-                  + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again")
+        err.print(
+            f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
+            f"and keep it (a document's budget is set when it is first added): "
+            + ", ".join(f"{doc_id} ({budget} tokens)" for doc_id, budget in list(kept.items())[:5])
+            + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
+            + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again"
+        )
 
 
 def _other_budgets(rc, doc_ids: list[str]) -> dict[str, int]:
@@ -248,8 +290,10 @@ def _doc_argument(value: str) -> str | dict:
     except OSError:  # a name too long to be a path (text passed as --doc, say): no file
         is_file = False
     if is_file and path.suffix == ".jsonl":
-        raise BadRequest(f"--doc {value} holds one document per line: compile them with `ragcache compile {value}` "
-                         "and pass the ids it prints as --doc")
+        raise BadRequest(
+            f"--doc {value} holds one document per line: compile them with `ragcache compile {value}` "
+            "and pass the ids it prints as --doc"
+        )
     if is_file:
         text = _pdf_text(path) if path.suffix == ".pdf" else _read_text(path)
         if not text.strip():
@@ -257,19 +301,29 @@ def _doc_argument(value: str) -> str | dict:
         return {"text": text}
     if is_document_id(value.lower()):
         return value.lower()
-    raise BadRequest(f"--doc {_shown(repr(value))} is neither an existing file nor a document id (32 hex characters, "
-                     "as `ragcache compile` prints)")
+    raise BadRequest(
+        f"--doc {_shown(repr(value))} is neither an existing file nor a document id (32 hex characters, "
+        "as `ragcache compile` prints)"
+    )
 
 
 @app.command()
 def query(
     question: str = typer.Argument(..., help="the question"),
-    doc: list[str] = typer.Option(..., "--doc", "-d", help="path to a text or PDF file that exists, or the id of a "
-                                                           "compiled document (32 hex, as `compile` prints); repeatable"),
-    algorithm: str = typer.Option(None, help="focus (default) | full | naive | cacheblend | legolink | legolink0 | prefix"),
+    doc: list[str] = typer.Option(
+        ...,
+        "--doc",
+        "-d",
+        help="path to a text or PDF file that exists, or the id of a "
+        "compiled document (32 hex, as `compile` prints); repeatable",
+    ),
+    algorithm: str = typer.Option(
+        None, help="focus (default) | full | naive | cacheblend | legolink | legolink0 | prefix"
+    ),
     k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
-    ratio: float = typer.Option(None, help="focus, cacheblend: fraction of chunk tokens recomputed (focus: the "
-                                                "calibrated ratio, else 0.25)"),
+    ratio: float = typer.Option(
+        None, help="focus, cacheblend: fraction of chunk tokens recomputed (focus: the calibrated ratio, else 0.25)"
+    ),
     system: str = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(None, min=1, help="tokens to generate (default: settings, 64)"),
     stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
@@ -288,9 +342,15 @@ def query(
         if system is not None:
             request.unicode_text("the system prompt", system)
         rc, s = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec, adapter=adapter)
-        result = rc.stream(question, docs, system=system, algorithm=algorithm or s.algorithm,
-                           k=s.k if k is None else k, ratio=s.ratio if ratio is None else ratio,
-                           max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens)
+        result = rc.stream(
+            question,
+            docs,
+            system=system,
+            algorithm=algorithm or s.algorithm,
+            k=s.k if k is None else k,
+            ratio=s.ratio if ratio is None else ratio,
+            max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
+        )
         for piece in result:
             if stream and not as_json:
                 console.print(piece, end="", soft_wrap=True, highlight=False)
@@ -307,9 +367,11 @@ def query(
         console.print(answer.text, highlight=False)
     st = answer.stats
     # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
-    err.print(f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
-              f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens; chunks: store hits "
-              f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}[/dim]")
+    err.print(
+        f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
+        f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens; chunks: store hits "
+        f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}[/dim]"
+    )
 
 
 @app.command()
@@ -342,30 +404,52 @@ def serve(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     kv_codec: str = KvCodecOption,
-    engine: str = typer.Option(None, help="ragcache (default) | vllm: vLLM's engine with ragcache's connector "
-                                          "(README: On vLLM)"),
+    engine: str = typer.Option(
+        None, help="ragcache (default) | vllm: vLLM's engine with ragcache's connector (README: On vLLM)"
+    ),
     max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
     kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
     adapter: str = AdapterOption,
-    merge_adapter: bool = typer.Option(None, "--merge-adapter/--no-merge-adapter", help="fold the link adapter into "
-                                       "the weights (default: settings, on) or run it beside them (slower; with "
-                                       "--engine vllm, what the accuracy guard needs)"),
-    batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
-                                         help="an answer does not depend on what else is in its batch (default: "
-                                              "settings; on on CPU, off on CUDA); off: faster decode at many "
-                                              "streams"),
-    decode_graphs: bool = typer.Option(None, "--decode-graphs/--no-decode-graphs",
-                                       help="replay decode-only steps from CUDA graphs (default: settings; on on "
-                                            "CUDA without batch invariance)"),
+    merge_adapter: bool = typer.Option(
+        None,
+        "--merge-adapter/--no-merge-adapter",
+        help="fold the link adapter into "
+        "the weights (default: settings, on) or run it beside them (slower; with "
+        "--engine vllm, what the accuracy guard needs)",
+    ),
+    batch_invariant: bool = typer.Option(
+        None,
+        "--batch-invariant/--no-batch-invariant",
+        help="an answer does not depend on what else is in its batch (default: "
+        "settings; on on CPU, off on CUDA); off: faster decode at many "
+        "streams",
+    ),
+    decode_graphs: bool = typer.Option(
+        None,
+        "--decode-graphs/--no-decode-graphs",
+        help="replay decode-only steps from CUDA graphs (default: settings; on on CUDA without batch invariance)",
+    ),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
 
     try:
-        s = load_settings(model=model, store=store, host=host, port=port, dtype=dtype, device=device, kv_codec=kv_codec,
-                          engine=engine, max_model_len=max_model_len, kv_cache_gib=kv_cache_gib,
-                          adapter=adapter, merge_adapter=merge_adapter, batch_invariant=batch_invariant,
-                          decode_graphs=decode_graphs)
+        s = load_settings(
+            model=model,
+            store=store,
+            host=host,
+            port=port,
+            dtype=dtype,
+            device=device,
+            kv_codec=kv_codec,
+            engine=engine,
+            max_model_len=max_model_len,
+            kv_cache_gib=kv_cache_gib,
+            adapter=adapter,
+            merge_adapter=merge_adapter,
+            batch_invariant=batch_invariant,
+            decode_graphs=decode_graphs,
+        )
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         fail(BadRequest(str(exc)))
     try:
@@ -380,13 +464,20 @@ def calibrate(
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
-    at: str = typer.Option("content", help="where along full's answer to compare: content (its first content "
-                                           "word, past openings like 'The answer is') | first (its first token)"),
+    at: str = typer.Option(
+        "content",
+        help="where along full's answer to compare: content (its first content "
+        "word, past openings like 'The answer is') | first (its first token)",
+    ),
     store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
     dtype: str = DtypeOption,
     device: str = DeviceOption,
-    adapter: str = typer.Option(None, "--adapter", help="a link adapter to calibrate the model with, or none (default: "
-                                                        "the model's installed adapter, calibrated or not, else none)"),
+    adapter: str = typer.Option(
+        None,
+        "--adapter",
+        help="a link adapter to calibrate the model with, or none (default: "
+        "the model's installed adapter, calibrated or not, else none)",
+    ),
 ):
     """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with the base model's `full` at
     the target rate on this model (with its link adapter, if any), and save it as the model's profile: later runs use
@@ -407,9 +498,11 @@ def calibrate(
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
             cal.check_documents(texts)
         else:  # measured on qwen2.5-coder-1.5b: focus 0.25 here, 0.5 on SQuAD's longer paragraphs
-            err.print("[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
-                      "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
-                      "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md).")
+            err.print(
+                "[yellow]warning:[/yellow] calibrating on the built-in set, whose documents are short "
+                "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
+                "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md)."
+            )
         rc, _ = _open(model, store, dtype=dtype, device=device, adapter=adapter)
         if rc.lm.adapter is not None:
             err.print(f"calibrating with the link adapter in {rc.lm.adapter.path}, against the base model's full")
@@ -418,17 +511,26 @@ def calibrate(
         path = cal.save_profile(profile)
     except RagCacheError as exc:
         fail(exc)
-    table = Table("algorithm", "agreement with full [95% interval]",
-                  title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token")
+    table = Table(
+        "algorithm",
+        "agreement with full [95% interval]",
+        title=f"{profile.model}: {profile.items} items, target {target}, at the {at} token",
+    )
     table.add_row("naive", cal.agreement_cell(profile.naive_agreement, profile.items))
-    for swept, scores in (("legolink k", profile.agreement_by_k), ("cacheblend ratio", profile.agreement_by_ratio),
-                          ("focus ratio", profile.agreement_by_focus)):
+    for swept, scores in (
+        ("legolink k", profile.agreement_by_k),
+        ("cacheblend ratio", profile.agreement_by_ratio),
+        ("focus ratio", profile.agreement_by_focus),
+    ):
         for value, score in scores.items():
             table.add_row(f"{swept}={value}", cal.agreement_cell(score, profile.items))
     console.print(table)
     found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
-    focus = (f"focus ratio={profile.focus_ratio}" if profile.focus_ratio is not None
-             else "no focus ratio reached the target (focus's default, 0.25, stays)")
+    focus = (
+        f"focus ratio={profile.focus_ratio}"
+        if profile.focus_ratio is not None
+        else "no focus ratio reached the target (focus's default, 0.25, stays)"
+    )
     console.print(f"profile: {found}, ratio={profile.ratio}, {focus} -> {path}")
 
 
@@ -439,23 +541,36 @@ def models_list():
     from .calibrate import profiles_by_model
 
     profiles = profiles_by_model()
-    table = Table(Column("name", no_wrap=True), "family", "pulled", "calibrated k and focus ratio", "link adapter",
-                  "source")
+    table = Table(
+        Column("name", no_wrap=True), "family", "pulled", "calibrated k and focus ratio", "link adapter", "source"
+    )
     for spec in fetch.BUILTIN_MODELS.values():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
-        calibrated = ", ".join(f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
-                               f"the {p.at} token{', with its adapter' if p.adapter else ''})"
-                               for p in profiles.get(spec.name, [])) or "-"
-        table.add_row(spec.name, spec.family, "yes" if fetch.is_pulled(spec.name) else "no", calibrated,
-                      _adapter_cell(adapters.installed(spec.name), profiles.get(spec.name, [])),
-                      f"{wheels}\n{spec.note}")
+        calibrated = (
+            ", ".join(
+                f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
+                f"the {p.at} token{', with its adapter' if p.adapter else ''})"
+                for p in profiles.get(spec.name, [])
+            )
+            or "-"
+        )
+        table.add_row(
+            spec.name,
+            spec.family,
+            "yes" if fetch.is_pulled(spec.name) else "no",
+            calibrated,
+            _adapter_cell(adapters.installed(spec.name), profiles.get(spec.name, [])),
+            f"{wheels}\n{spec.note}",
+        )
     console.print(table)
     copies = adapters.merged_copies()
     if copies:
         stale = sum(1 for c in copies if c.stale)
-        console.print(f"{_copies(len(copies))} of a model with an adapter merged in, for the "
-                      f"vLLM engine ({sum(c.size for c in copies) / 1e6:,.0f} MB, {stale} no longer served): "
-                      "`ragcache models merged`")
+        console.print(
+            f"{_copies(len(copies))} of a model with an adapter merged in, for the "
+            f"vLLM engine ({sum(c.size for c in copies) / 1e6:,.0f} MB, {stale} no longer served): "
+            "`ragcache models merged`"
+        )
 
 
 def _adapter_cell(path: Path | None, profiles: list) -> str:
@@ -472,8 +587,9 @@ def _adapter_cell(path: Path | None, profiles: list) -> str:
     mine = [p for p in [*profiles, *shipped] if p is not None and p.adapter == digest]
     default = sorted({p.dtype for p in mine if p.reached()})
     short = sorted({p.dtype for p in mine} - set(default))
-    states = ([f"default at {', '.join(default)}"] if default else []) + \
-        ([f"no link reached the target at {', '.join(short)}: not the default"] if short else [])
+    states = ([f"default at {', '.join(default)}"] if default else []) + (
+        [f"no link reached the target at {', '.join(short)}: not the default"] if short else []
+    )
     return f"{digest[:12]} ({'; '.join(states) or 'not calibrated: run `ragcache calibrate`'})\n{path}"
 
 
@@ -493,10 +609,16 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
 
 
 @models_app.command("merged")
-def models_merged(remove_stale: bool = typer.Option(False, "--remove-stale", help="remove the copies no longer "
-                                                    "served: their adapter gone or changed, or left unfinished"),
-                  remove_all: bool = typer.Option(False, "--remove-all", help="remove every copy (a vLLM start with an "
-                                                  "adapter writes its copy again)")):
+def models_merged(
+    remove_stale: bool = typer.Option(
+        False,
+        "--remove-stale",
+        help="remove the copies no longer served: their adapter gone or changed, or left unfinished",
+    ),
+    remove_all: bool = typer.Option(
+        False, "--remove-all", help="remove every copy (a vLLM start with an adapter writes its copy again)"
+    ),
+):
     """The model copies with a link adapter merged in, which `--engine vllm --adapter` serves (each a whole model,
     kept in the model cache so the next start reuses it)."""
     from . import adapters
@@ -505,8 +627,14 @@ def models_merged(remove_stale: bool = typer.Option(False, "--remove-stale", hel
     table = Table(Column("copy", no_wrap=True), "model", "dtype", "adapter", "size", "state")
     for copy in copies:
         state = "; ".join(filter(None, (copy.stale or "current", copy.busy)))
-        table.add_row(copy.path.name, copy.model or "-", copy.dtype or "-", "\n".join(copy.adapters) or "-",
-                      f"{copy.size / 1e6:,.0f} MB", state)
+        table.add_row(
+            copy.path.name,
+            copy.model or "-",
+            copy.dtype or "-",
+            "\n".join(copy.adapters) or "-",
+            f"{copy.size / 1e6:,.0f} MB",
+            state,
+        )
     console.print(table if copies else f"no merged copies in {adapters.merged_dir()}")
     chosen = [c for c in copies if remove_all or (remove_stale and c.stale)]
     removed = [c for c in chosen if adapters.remove_merged(c.path)]

@@ -67,8 +67,9 @@ class Compiler:
         self.codec = kv_codec.resolve(codec, dtype, runner.device.type if runner is not None else "cpu")
 
     def meta(self, layout: Layout) -> dict:
-        return entry_meta(self.lm.compile_fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec,
-                          self.lm.name)
+        return entry_meta(
+            self.lm.compile_fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec, self.lm.name
+        )
 
     def key(self, token_ids: list[int], layout: Layout) -> str:
         return entry_key(self.meta(layout), self.codec, self.stored_ids(token_ids, layout))
@@ -85,8 +86,10 @@ class Compiler:
         shape = self.runner.shape
         layers, kv_heads, _, head_dim = entry.keys.shape
         if (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim):
-            return (f"K/V of {layers} layers x {kv_heads} heads x {head_dim}, the model has "
-                    f"{shape.layers} x {shape.kv_heads} x {shape.head_dim}")
+            return (
+                f"K/V of {layers} layers x {kv_heads} heads x {head_dim}, the model has "
+                f"{shape.layers} x {shape.kv_heads} x {shape.head_dim}"
+            )
         if entry.codec != self.codec:
             return f"K/V stored as {entry.codec}, this engine reads {self.codec}"
         return None
@@ -102,5 +105,6 @@ class Compiler:
         # in host memory, as an entry read from disk or Redis is: a memory tier would otherwise hold a GPU's memory
         # under its budget, out of what the model's caches can use
         keys, values, key_scales, value_scales = (t.cpu() if t is not None else None for t in encoded)
-        return ChunkKV(torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales,
-                       value_scales)
+        return ChunkKV(
+            torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales, value_scales
+        )

@@ -15,14 +15,26 @@ console = Console()
 err = Console(stderr=True)
 
 # error kinds -> exit code; the first class that matches wins
-EXIT_CODES: list[tuple[type[Exception], int]] = [(UnknownDocument, 4), (BadRequest, 3), (ModelFetchError, 5),
-                                                 (UnsupportedModel, 5), (Exception, 1)]
+EXIT_CODES: list[tuple[type[Exception], int]] = [
+    (UnknownDocument, 4),
+    (BadRequest, 3),
+    (ModelFetchError, 5),
+    (UnsupportedModel, 5),
+    (Exception, 1),
+]
 
 
 def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
     """Progress bars on stderr: each task's name, bar, done/total and time so far, then `extra` columns."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), *extra,
-                    console=err, transient=transient)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        *extra,
+        console=err,
+        transient=transient,
+    )
 
 
 def fail(exc: Exception | str, code: int | None = None) -> NoReturn:

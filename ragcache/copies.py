@@ -24,8 +24,9 @@ def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.
     key_scales, value_scales = [e.key_scales for e in entries], [e.value_scales for e in entries]
     device = cache.keys.device
     if device.type != "cuda" or not entries or all(k.device.type == "cuda" for k in keys):
-        kernels.place_chunks(cache.keys, cache.values, keys, values, starts, inv_freq, scaling, key_scales,
-                             value_scales)
+        kernels.place_chunks(
+            cache.keys, cache.values, keys, values, starts, inv_freq, scaling, key_scales, value_scales
+        )
         return
     stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
     stream.wait_stream(torch.cuda.current_stream(device))  # the cache's zeros are written first
@@ -42,13 +43,31 @@ def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.
     cache.pending, cache.holds = events, entries
 
 
-def place_layers(cache: JoinedCache, keys: list, values: list, starts: list[int], inv_freq: torch.Tensor,
-                 scaling: torch.Tensor, key_scales: list, value_scales: list, after=None) -> None:
+def place_layers(
+    cache: JoinedCache,
+    keys: list,
+    values: list,
+    starts: list[int],
+    inv_freq: torch.Tensor,
+    scaling: torch.Tensor,
+    key_scales: list,
+    value_scales: list,
+    after=None,
+) -> None:
     """`kernels.place_chunks` one layer at a time, `after(layer)` once each is queued."""
     for layer in range(cache.keys.shape[0]):
         at = slice(layer, layer + 1)
-        kernels.place_chunks(cache.keys[at], cache.values[at], [k[at] for k in keys], [v[at] for v in values],
-                             starts, inv_freq[at], scaling[at], _layer(key_scales, at), _layer(value_scales, at))
+        kernels.place_chunks(
+            cache.keys[at],
+            cache.values[at],
+            [k[at] for k in keys],
+            [v[at] for v in values],
+            starts,
+            inv_freq[at],
+            scaling[at],
+            _layer(key_scales, at),
+            _layer(value_scales, at),
+        )
         if after is not None:
             after(layer)
 

@@ -19,25 +19,29 @@ def check_data(data: Path) -> None:
     """BadRequest unless `data` holds what the demo reads (checked before the model loads)."""
     docs = sorted((data / "docs").glob("*.txt")) if (data / "docs").is_dir() else []
     if len(docs) < DOCS_PER_QUESTION or not (data / "questions.jsonl").is_file():
-        raise BadRequest(f"--data {data}: the demo needs a folder holding docs/ with at least {DOCS_PER_QUESTION} "
-                         ".txt files and questions.jsonl (as in ragcache/data)")
+        raise BadRequest(
+            f"--data {data}: the demo needs a folder holding docs/ with at least {DOCS_PER_QUESTION} "
+            ".txt files and questions.jsonl (as in ragcache/data)"
+        )
 
 
 def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
     report = rc.compile_documents(list(docs.values()))
-    console.print(f"compiled {report.documents} documents into {rc.store.name} in {report.seconds:.1f}s "
-                  f"({report.compiled_chunks} new chunks; {report.skipped} documents were there)")
+    console.print(
+        f"compiled {report.documents} documents into {rc.store.name} in {report.seconds:.1f}s "
+        f"({report.compiled_chunks} new chunks; {report.skipped} documents were there)"
+    )
     rc.warmup()
     rows = []
     adapter = getattr(rc.lm, "adapter", None)
     note = f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
-    console.print(f"full prefill vs {DEFAULT_ALGORITHM}, {DOCS_PER_QUESTION} documents per question, "
-                  f"{rc.model_name}{note}")
+    console.print(
+        f"full prefill vs {DEFAULT_ALGORITHM}, {DOCS_PER_QUESTION} documents per question, {rc.model_name}{note}"
+    )
     for item in builtin_items(rc, n_questions, DOCS_PER_QUESTION, data=data, ids=dict(zip(docs, report.ids))):
         # one block per question, the answer under its figures: it reads in an 80-column terminal
-        table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left",
-                      title_style="bold")
+        table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left", title_style="bold")
         table.add_column("algorithm", no_wrap=True)
         table.add_column("answer")
         for algorithm in ("full", DEFAULT_ALGORITHM):

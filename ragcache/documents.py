@@ -74,13 +74,15 @@ def check_metadata(meta, where: str = "metadata") -> None:
         json.dumps(meta, ensure_ascii=False, allow_nan=False).encode("utf-8")
         size = len(json.dumps(meta))
     except UnicodeEncodeError as exc:
-        raise InvalidMetadata(f"{where} holds a lone surrogate ({exc.object[exc.start:exc.end]!a}), which is not "
-                              "Unicode text") from exc
+        raise InvalidMetadata(
+            f"{where} holds a lone surrogate ({exc.object[exc.start : exc.end]!a}), which is not Unicode text"
+        ) from exc
     except ValueError as exc:
         raise InvalidMetadata(f"{where} is not plain JSON ({exc})") from exc
     if size > MAX_METADATA_CHARS:
-        raise PayloadTooLarge(f"{where} is {size} characters of JSON; at most {MAX_METADATA_CHARS}",
-                              limit=MAX_METADATA_CHARS, got=size)
+        raise PayloadTooLarge(
+            f"{where} is {size} characters of JSON; at most {MAX_METADATA_CHARS}", limit=MAX_METADATA_CHARS, got=size
+        )
 
 
 def _depth(value) -> int:
@@ -99,8 +101,14 @@ def document_checksum(doc_id: str, budget: int) -> str:
 
 
 def document_record(doc: Document) -> dict:
-    return {"id": doc.id, "text": doc.text, "meta": doc.meta, "created": time.time(), "chunk_tokens": doc.chunk_tokens,
-            "checksum": document_checksum(doc.id, doc.chunk_tokens)}
+    return {
+        "id": doc.id,
+        "text": doc.text,
+        "meta": doc.meta,
+        "created": time.time(),
+        "chunk_tokens": doc.chunk_tokens,
+        "checksum": document_checksum(doc.id, doc.chunk_tokens),
+    }
 
 
 def read_document(doc_id: str, record) -> Document | None:
@@ -111,11 +119,20 @@ def read_document(doc_id: str, record) -> Document | None:
     if problem is not None:
         raise CorruptDocument(doc_id, problem)
     if not _document_checksum_holds(doc_id, record):
-        raise CorruptDocument(doc_id, _document_checksum_problem(record), advice=f"run with the {STORE_KEY_ENV} it "
-                              "was written with (every process sharing a store needs the same one)")
+        raise CorruptDocument(
+            doc_id,
+            _document_checksum_problem(record),
+            advice=f"run with the {STORE_KEY_ENV} it "
+            "was written with (every process sharing a store needs the same one)",
+        )
     created = record.get("created")
-    return Document(doc_id, record["text"], record.get("meta") or {}, record["chunk_tokens"],
-                    created if type(created) in (int, float) else None)
+    return Document(
+        doc_id,
+        record["text"],
+        record.get("meta") or {},
+        record["chunk_tokens"],
+        created if type(created) in (int, float) else None,
+    )
 
 
 def document_problem(doc_id: str, record) -> str | None:
@@ -169,8 +186,9 @@ def _checksum_cause() -> str:
 
 
 def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]]) -> str:
-    h = checksum(f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0"
-                       f"{vocab}\0".encode())
+    h = checksum(
+        f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0{vocab}\0".encode()
+    )
     for ids in chunks:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(np.asarray(ids, dtype="<i4").tobytes())
@@ -178,8 +196,13 @@ def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab:
 
 
 def chunks_record(doc: Document, tokenizer_fingerprint: str, vocab: int, chunks: list[list[int]]) -> dict:
-    return {"chunks": chunks, "tokens": sum(map(len, chunks)), "tokenizer": tokenizer_fingerprint, "vocab": vocab,
-            "checksum": chunks_checksum(doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks)}
+    return {
+        "chunks": chunks,
+        "tokens": sum(map(len, chunks)),
+        "tokenizer": tokenizer_fingerprint,
+        "vocab": vocab,
+        "checksum": chunks_checksum(doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks),
+    }
 
 
 def chunks_problem(chunks, vocab: int) -> str | None:
@@ -205,8 +228,9 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
 
 def _chunks_checksum_holds(name: str, record: dict) -> bool:
     doc_id, _, budget = _chunks_name_parts(name)
-    return record.get("checksum") == chunks_checksum(doc_id, record["tokenizer"], budget, record["vocab"],
-                                                     record["chunks"])
+    return record.get("checksum") == chunks_checksum(
+        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"]
+    )
 
 
 def _chunks_name_parts(name: str) -> tuple[str, str, int]:

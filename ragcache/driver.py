@@ -218,8 +218,9 @@ class Driver:
             self.aborts.clear()
             self.calls.clear()
         exc = errors.ShuttingDown()
-        self._deliver([*self.scheduler.fail_all(exc), *[(s, Output(status=Status.FAILED, error=exc))
-                                                         for s in arrivals]])
+        self._deliver(
+            [*self.scheduler.fail_all(exc), *[(s, Output(status=Status.FAILED, error=exc)) for s in arrivals]]
+        )
         for _, _, future in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(exc)

@@ -51,8 +51,9 @@ class RagCache(Front):
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
         # Batch-invariant, a `prefix` answer does not depend on what was cached before it either (PrefixCache.piece).
         # An infill session keeps every cached row: its next round is a keystroke away.
-        self.prefix_cache = PrefixCache(config.prefix_cache_bytes,
-                                        piece=row_budget if self.runner.batch_invariant else None)
+        self.prefix_cache = PrefixCache(
+            config.prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None
+        )
         self.infill_cache = PrefixCache(config.prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
         self.driver = Driver(self.runner, self.scheduler)
@@ -81,9 +82,11 @@ class RagCache(Front):
 
             return VllmRagCache.from_config(config)
         if config.engine != "ragcache" or config.vllm_args:
-            raise ParameterOutOfRange(f"engine must be ragcache or vllm, got {config.engine!r}"
-                                      if config.engine != "ragcache" else
-                                      f"{sorted(config.vllm_args)} are options of the vllm engine")
+            raise ParameterOutOfRange(
+                f"engine must be ragcache or vllm, got {config.engine!r}"
+                if config.engine != "ragcache"
+                else f"{sorted(config.vllm_args)} are options of the vllm engine"
+            )
         validate_kv_codec(config.kv_codec)
         lm = models.load(config.model, dtype=config.dtype, device=config.device)
         chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
@@ -115,8 +118,13 @@ class RagCache(Front):
         if report.unstored is not None:
             raise report.unstored
 
-    def _ensure(self, chunks: list[list[int]], layout: Layout, compiler: Compiler | None = None,
-                cancelled: Callable[[], bool] = lambda: False) -> tuple[list[ChunkKV], EnsureReport]:
+    def _ensure(
+        self,
+        chunks: list[list[int]],
+        layout: Layout,
+        compiler: Compiler | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> tuple[list[ChunkKV], EnsureReport]:
         """The chunks' entries in a layout; the missing ones are compiled on the model thread and stored,
         one by one until `cancelled()` (then Cancelled)."""
 
@@ -128,25 +136,37 @@ class RagCache(Front):
         return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=run)
 
     # -- linking --------------------------------------------------------------------------------------
-    def _entries(self, chunk_ids: list[list[int]], layout: Layout, stats: QueryStats,
-                 compiler: Compiler | None = None, cancelled: Callable[[], bool] = lambda: False) -> list[ChunkKV]:
+    def _entries(
+        self,
+        chunk_ids: list[list[int]],
+        layout: Layout,
+        stats: QueryStats,
+        compiler: Compiler | None = None,
+        cancelled: Callable[[], bool] = lambda: False,
+    ) -> list[ChunkKV]:
         entries, report = self._ensure(chunk_ids, layout, compiler, cancelled)
         stats.store_hits += report.hits
         stats.store_misses += len(chunk_ids) - report.hits
         stats.compiled_chunks += report.compiled
         return entries
 
-    def _fetch(self, parts: LinkInput, chunks: list[list[int]], algorithm: str, stats: QueryStats,
-               cancelled: Callable[[], bool]) -> None:
+    def _fetch(
+        self,
+        parts: LinkInput,
+        chunks: list[list[int]],
+        algorithm: str,
+        stats: QueryStats,
+        cancelled: Callable[[], bool],
+    ) -> None:
         known = linker.algorithm(algorithm)
         if not known.exact:
             parts.chunk_entries = self._entries(chunks, self.layouts[known.layout], stats, cancelled=cancelled)
             if parts.prefix_ids:
-                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler,
-                                                   cancelled)[0]
+                parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler, cancelled)[0]
 
-    def _prepare(self, query: Query, max_new_tokens: int, stats: QueryStats,
-                 cancelled: Callable[[], bool] = lambda: False) -> tuple[LinkInput, LinkParams, PrefixCache]:
+    def _prepare(
+        self, query: Query, max_new_tokens: int, stats: QueryStats, cancelled: Callable[[], bool] = lambda: False
+    ) -> tuple[LinkInput, LinkParams, PrefixCache]:
         """Everything before the model: resolve, fetch (compiling misses, until `cancelled()`). Runs on the caller's
         thread."""
         started = time.perf_counter()
@@ -158,20 +178,39 @@ class RagCache(Front):
         stats.algorithm, stats.prompt_tokens = algorithm, len(parts.token_ids)
         return parts, query.params, self.prefix_cache
 
-    def link(self, question: str, docs: list[str], system: str | None = None, max_new_tokens: int = 0,
-             _stats: QueryStats | None = None, background: bool = False, **link_knobs) -> Linked:
+    def link(
+        self,
+        question: str,
+        docs: list[str],
+        system: str | None = None,
+        max_new_tokens: int = 0,
+        _stats: QueryStats | None = None,
+        background: bool = False,
+        **link_knobs,
+    ) -> Linked:
         """The joined cache and last-token logits of a prompt, linked through the engine's steps (no decoding);
         `max_new_tokens` reserves room in the cache for tokens a caller decodes itself. `link_knobs`: `params`'
         (algorithm, k, ratio, check_layer, and deviation: which of K or V cacheblend ranks rows by)."""
         query = self.validate(question, docs, system, self.params(**link_knobs))
         return self._link_query(query, max_new_tokens, _stats, background)
 
-    def _link_query(self, query: Query, max_new_tokens: int = 0, stats: QueryStats | None = None,
-                    background: bool = False, timeout: float | None = None) -> Linked:
+    def _link_query(
+        self,
+        query: Query,
+        max_new_tokens: int = 0,
+        stats: QueryStats | None = None,
+        background: bool = False,
+        timeout: float | None = None,
+    ) -> Linked:
         """Link a query (no decoding), waiting at most `timeout` seconds: past it the link is aborted and
         TimeoutError raised."""
-        seq = Sequence(self.driver, lambda stats, cancelled: self._prepare(query, max_new_tokens, stats, cancelled),
-                       None, extra_capacity=max_new_tokens, background=background)
+        seq = Sequence(
+            self.driver,
+            lambda stats, cancelled: self._prepare(query, max_new_tokens, stats, cancelled),
+            None,
+            extra_capacity=max_new_tokens,
+            background=background,
+        )
         if stats is not None:
             seq.stats = stats
         last = sequence.wait(seq, timeout)
@@ -183,9 +222,11 @@ class RagCache(Front):
 
     def stream_query(self, query: Query) -> Sequence:
         """`stream` for a query `validate` made."""
-        return Sequence(self.driver,
-                        lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
-                        Decoding(query.sampling, self.tokenizer, self.stop_ids, self.runner.device))
+        return Sequence(
+            self.driver,
+            lambda stats, cancelled: self._prepare(query, query.sampling.max_new_tokens, stats, cancelled),
+            Decoding(query.sampling, self.tokenizer, self.stop_ids, self.runner.device),
+        )
 
     def check(self, question: str, docs: list, system: str | None = None, **link_knobs) -> guard.Check:
         """Link the prompt with `algorithm` and with `full`; compare their next-token distributions at the answer's
@@ -194,8 +235,9 @@ class RagCache(Front):
         query = self.validate(question, docs, system, self.params(**link_knobs))
         return self.compare_with_full(query, self._link_query(query).last_logits)
 
-    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None,
-                          deadline: float | None = None) -> guard.Check:
+    def compare_with_full(
+        self, query: Query, linked_logits: torch.Tensor | None = None, deadline: float | None = None
+    ) -> guard.Check:
         """Link the query's prompt with `full` as background work (only in steps no user request needs, with the
         base model's weights) and compare its first-token distribution with `linked_logits`, the answer's own (None:
         the query is linked again). The guard's half of `check`. TimeoutError if the `full` link has not ended

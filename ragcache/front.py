@@ -78,8 +78,9 @@ class Front(abc.ABC):
         self.infill_sessions = infill.InfillSessions()
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
-        self.default_focus_ratio = (self.profile.focus_ratio if self.profile and self.profile.focus_ratio is not None
-                                    else DEFAULT_FOCUS_RATIO)
+        self.default_focus_ratio = (
+            self.profile.focus_ratio if self.profile and self.profile.focus_ratio is not None else DEFAULT_FOCUS_RATIO
+        )
 
     @property
     def model_name(self) -> str:
@@ -115,8 +116,9 @@ class Front(abc.ABC):
     def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
         return self.compile_documents(texts, metadata).ids
 
-    def compile_documents(self, texts: list[str], metadata: list[dict] | None = None,
-                          progress: Callable[[int, int], None] | None = None) -> CompileReport:
+    def compile_documents(
+        self, texts: list[str], metadata: list[dict] | None = None, progress: Callable[[int, int], None] | None = None
+    ) -> CompileReport:
         """Compile texts into the store (skipping what is there); `progress(done_tokens, compiled_tokens)` per chunk."""
         texts = request.validate_texts(texts)
         started, report = time.perf_counter(), CompileReport()
@@ -129,7 +131,7 @@ class Front(abc.ABC):
                 for group in self._groups(missing, "default"):  # progress moves, Ctrl-C keeps what is done
                     report.bytes += self._compile(group, "default")
                     report.compiled_chunks += len(group)
-                    for ids in (group if progress else ()):
+                    for ids in group if progress else ():
                         progress(len(ids), len(ids))
             report.ids.append(doc_id)
             report.documents += 1
@@ -208,15 +210,22 @@ class Front(abc.ABC):
         return self.catalog.ids()
 
     # -- prompts --------------------------------------------------------------------------------------
-    def prompt_parts(self, question: str, doc_ids: list[str], system: str | None = None,
-                     algorithm: str = DEFAULT_ALGORITHM) -> LinkInput:
+    def prompt_parts(
+        self, question: str, doc_ids: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM
+    ) -> LinkInput:
         """The prompt as this engine links it, as ids only (nothing fetched or compiled): what another engine is
         given to link the same prompt (ragcache.integrations.vllm)."""
         with self.catalog.using(doc_ids):
             return self._inputs(question, doc_ids, system, algorithm)[0]
 
-    def _inputs(self, question: str, doc_ids: list[str], system: str | None, algorithm: str,
-                drafted: dict[str, list[list[int]]] | None = None) -> tuple[LinkInput, list]:
+    def _inputs(
+        self,
+        question: str,
+        doc_ids: list[str],
+        system: str | None,
+        algorithm: str,
+        drafted: dict[str, list[list[int]]] | None = None,
+    ) -> tuple[LinkInput, list]:
         """The prompt's parts (ids only) and the chunks' own ids, before anything is fetched or compiled;
         `drafted`: the chunks of raw texts not stored yet, by id."""
         chunks = [ids for doc_chunks in self.catalog.resolve(doc_ids, drafted) for ids in doc_chunks]
@@ -224,16 +233,24 @@ class Front(abc.ABC):
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, system)
         if not chunks and not prefix_ids and self.layouts["default"].lead_ids:
             prefix_ids = list(self.layouts["default"].lead_ids)  # a bare question still starts with BOS
-        return LinkInput(prefix_ids, [layout.stored_ids(ids) for ids in chunks],
-                         prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks))), chunks
+        return LinkInput(
+            prefix_ids,
+            [layout.stored_ids(ids) for ids in chunks],
+            prompt.question_ids(self.tokenizer, self.format, question, with_docs=bool(chunks)),
+        ), chunks
 
     def _prompt(self, query: Query, max_new_tokens: int) -> tuple[LinkInput, list]:
         """A query's parts and chunks; call it under `catalog.using(query.doc_ids)`. Its raw texts are chunked
         in memory first and stored only once the prompt is known to fit (and every id to be known): a refused query
         writes nothing. Nothing missing is compiled here."""
         drafts = {d.doc.id: d for d in map(self.catalog.draft, query.texts)}
-        parts, chunks = self._inputs(query.question, query.doc_ids, query.system, query.params.algorithm,
-                                     {doc_id: d.chunks for doc_id, d in drafts.items()})
+        parts, chunks = self._inputs(
+            query.question,
+            query.doc_ids,
+            query.system,
+            query.params.algorithm,
+            {doc_id: d.chunks for doc_id, d in drafts.items()},
+        )
         length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
         if length + max_new_tokens > self.context_length:
             raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
@@ -252,8 +269,14 @@ class Front(abc.ABC):
         return ids
 
     # -- requests -------------------------------------------------------------------------------------
-    def params(self, algorithm: str = DEFAULT_ALGORITHM, k: int | None = None, ratio: float | None = None,
-               check_layer: int = DEFAULT_CHECK_LAYER, deviation: str = "key") -> LinkParams:
+    def params(
+        self,
+        algorithm: str = DEFAULT_ALGORITHM,
+        k: int | None = None,
+        ratio: float | None = None,
+        check_layer: int = DEFAULT_CHECK_LAYER,
+        deviation: str = "key",
+    ) -> LinkParams:
         """A link's parameters, the unset ones from this model's profile (`ragcache calibrate`): its k for legolink,
         its focus ratio for focus; else the linker's defaults."""
         known = linker.TABLE.get(algorithm)
@@ -261,15 +284,23 @@ class Front(abc.ABC):
             ratio = self.default_focus_ratio
         return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
 
-    def validate(self, question: str, docs: list, system: str | None = None, link: LinkParams | None = None,
-                 sampling: Sampling | None = None, limits: Limits = UNBOUNDED) -> Query:
+    def validate(
+        self,
+        question: str,
+        docs: list,
+        system: str | None = None,
+        link: LinkParams | None = None,
+        sampling: Sampling | None = None,
+        limits: Limits = UNBOUNDED,
+    ) -> Query:
         """The one check of a query's meaning (ragcache.request). `docs`: document ids, or `{"text": ...}` for raw
         text, stored and compiled on the fly. `link`: from `params` (None: its defaults); `sampling`: how to answer
         (None: a link only, nothing sampled)."""
         return request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
 
-    def stream(self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED,
-               **knobs) -> Stream:
+    def stream(
+        self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED, **knobs
+    ) -> Stream:
         """The answer as a Stream of text pieces. `knobs`: the link's (`params`: algorithm, k, ratio, check_layer,
         deviation) and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
         link = self.params(**{name: knobs.pop(name) for name in LINK_KNOBS if name in knobs})
@@ -278,9 +309,20 @@ class Front(abc.ABC):
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return drain(self.stream(question, docs, **kwargs))
 
-    def infill_stream(self, prefix: str, suffix: str, session: str | None = None, mode: str = "efim",
-                      reuse: bool = True, max_new_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
-                      stop: list[str] | None = None, seed: int | None = None, limits: Limits = UNBOUNDED) -> Stream:
+    def infill_stream(
+        self,
+        prefix: str,
+        suffix: str,
+        session: str | None = None,
+        mode: str = "efim",
+        reuse: bool = True,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        stop: list[str] | None = None,
+        seed: int | None = None,
+        limits: Limits = UNBOUNDED,
+    ) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""

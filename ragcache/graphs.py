@@ -31,7 +31,10 @@ class WholePool:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         live = self.live[:, None, None]
-        for store, fresh in ((self.pool.keys[layer_idx], key_states[0]), (self.pool.values[layer_idx], value_states[0])):
+        for store, fresh in (
+            (self.pool.keys[layer_idx], key_states[0]),
+            (self.pool.values[layer_idx], value_states[0]),
+        ):
             held = store[self.slots, :, self.positions]
             store[self.slots, :, self.positions] = torch.where(live, fresh.transpose(0, 1).to(store.dtype), held)
         return key_states, value_states
@@ -40,8 +43,9 @@ class WholePool:
         """query [heads, slots, head_dim] -> [slots, heads, head_dim], each row over its slot's whole capacity."""
         if window not in self.masks:
             self.masks[window] = kernels.decode_mask(self.positions, self.pool.keys.shape[3], window)
-        return kernels.stacked_decode_attention(query, self.pool.keys[layer], self.pool.values[layer],
-                                                self.masks[window], scale)
+        return kernels.stacked_decode_attention(
+            query, self.pool.keys[layer], self.pool.values[layer], self.masks[window], scale
+        )
 
 
 @dataclass
@@ -69,8 +73,11 @@ class DecodeGraphs:
     def covers(self, caches: list) -> bool:
         """Whether a decode step of these caches can run whole-pool: every one is a member of the pool."""
         pool = self.runner.pool
-        return (isinstance(pool, KVPool) and pool.keys is not None
-                and all(c.slot is not None and pool.members.get(c.slot) is c for c in caches))
+        return (
+            isinstance(pool, KVPool)
+            and pool.keys is not None
+            and all(c.slot is not None and pool.members.get(c.slot) is c for c in caches)
+        )
 
     def step(self, tokens: list[int], caches: list) -> torch.Tensor:
         """Logits [len(caches), vocab] of each cache's next token (written at its `length`, which moves on)."""
@@ -97,9 +104,11 @@ class DecodeGraphs:
         if key != self._key:
             self._step, self._key = None, key
             slots, device = pool.keys.shape[1], pool.keys.device
-            step = Captured(torch.zeros(slots, dtype=torch.long, device=device),
-                            torch.zeros(slots, dtype=torch.long, device=device),
-                            torch.zeros(slots, dtype=torch.bool, device=device))
+            step = Captured(
+                torch.zeros(slots, dtype=torch.long, device=device),
+                torch.zeros(slots, dtype=torch.long, device=device),
+                torch.zeros(slots, dtype=torch.bool, device=device),
+            )
             if self.capture:
                 self._capture(pool, step)
             self._step = step

@@ -43,8 +43,14 @@ def compare(algorithm: str, full_logits: torch.Tensor, linked_logits: torch.Tens
 class Guard:
     """Which linked queries to check (a seeded Bernoulli draw per query) and what the recent checks say."""
 
-    def __init__(self, rate: float, model: str, target: float = DEFAULT_TARGET, window: int = DEFAULT_WINDOW,
-                 seed: int | None = None):
+    def __init__(
+        self,
+        rate: float,
+        model: str,
+        target: float = DEFAULT_TARGET,
+        window: int = DEFAULT_WINDOW,
+        seed: int | None = None,
+    ):
         if not 0.0 <= rate <= 1.0:
             raise ValueError(f"guard rate must be within [0, 1], got {rate}")
         self.rate, self.model, self.target, self.window = rate, model, target, window
@@ -70,9 +76,15 @@ class Guard:
             below = len(recent) >= min(self.window, 20) and agreement < self.target
             if below and check.algorithm not in self._warned:
                 self._warned.add(check.algorithm)
-                log.warning("accuracy guard: %s on %s agrees with full on %.0f%% of the last %d checked queries, "
-                            "below the target %.0f%%; consider a larger k (ragcache calibrate)", check.algorithm,
-                            self.model, 100 * agreement, len(recent), 100 * self.target)
+                log.warning(
+                    "accuracy guard: %s on %s agrees with full on %.0f%% of the last %d checked queries, "
+                    "below the target %.0f%%; consider a larger k (ragcache calibrate)",
+                    check.algorithm,
+                    self.model,
+                    100 * agreement,
+                    len(recent),
+                    100 * self.target,
+                )
             elif not below:
                 self._warned.discard(check.algorithm)
         return agreement
@@ -89,9 +101,14 @@ class BackgroundGuard:
     compare. At most one check runs at a time, on a daemon thread, so a check never delays an answer or the
     process's exit; a check drawn while one runs, or while `busy()`, is skipped (`on_skip`)."""
 
-    def __init__(self, rc, rate: float, busy: Callable[[], bool] = lambda: False,
-                 on_check: Callable[[Check, float], None] | None = None,
-                 on_skip: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        rc,
+        rate: float,
+        busy: Callable[[], bool] = lambda: False,
+        on_check: Callable[[Check, float], None] | None = None,
+        on_skip: Callable[[str], None] | None = None,
+    ):
         problem = rc.guard_problem()
         if problem is not None:
             raise ParameterOutOfRange(problem)
@@ -114,8 +131,9 @@ class BackgroundGuard:
             if self.on_skip is not None:
                 self.on_skip(algorithm)
             return
-        threading.Thread(target=self._check, args=(query, answer.first_logits), name="ragcache-guard",
-                         daemon=True).start()
+        threading.Thread(
+            target=self._check, args=(query, answer.first_logits), name="ragcache-guard", daemon=True
+        ).start()
 
     def _check(self, query, linked_logits) -> None:
         try:

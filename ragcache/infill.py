@@ -26,8 +26,14 @@ FIM_SENTINELS = (
     # DeepSeek-Coder: fullwidth bars (U+FF5C) and the sentencepiece space (U+2581)
     ("<\uff5cfim\u2581begin\uff5c>", "<\uff5cfim\u2581hole\uff5c>", "<\uff5cfim\u2581end\uff5c>"),
 )
-FIM_END_TOKENS = ("<|endoftext|>", "<|fim_pad|>", "<|file_sep|>", "<|repo_name|>", "<file_sep>",
-                  "<\uff5cend\u2581of\u2581sentence\uff5c>")
+FIM_END_TOKENS = (
+    "<|endoftext|>",
+    "<|fim_pad|>",
+    "<|file_sep|>",
+    "<|repo_name|>",
+    "<file_sep>",
+    "<\uff5cend\u2581of\u2581sentence\uff5c>",
+)
 MODES = ("psm", "spm", "efim")
 # EFIM keeps a session's base while the user types on, the typed text going after <MID>; past this many characters
 # the base moves up to the prefix (one cache miss). A model serving EFIM is taught increments up to this long
@@ -45,7 +51,7 @@ class FimTokens:
     @classmethod
     def for_tokenizer(cls, tokenizer, spelling: tuple[str, str, str] | None = None) -> FimTokens:
         vocab = tokenizer.get_vocab()
-        for candidate in ([spelling] if spelling else FIM_SENTINELS):
+        for candidate in [spelling] if spelling else FIM_SENTINELS:
             if all(token in vocab for token in candidate):
                 return cls(*(vocab[token] for token in candidate))
         raise UnsupportedModel(
@@ -63,8 +69,9 @@ def _ids(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
 
-def build_prompt(tokenizer, fim: FimTokens, prefix: str, suffix: str, mode: str = "efim", split: int | None = None
-                 ) -> list[int]:
+def build_prompt(
+    tokenizer, fim: FimTokens, prefix: str, suffix: str, mode: str = "efim", split: int | None = None
+) -> list[int]:
     """Token ids of a FIM prompt. For EFIM, `split` is the cached part's length in characters (default: all)."""
     if mode == "psm":
         return [fim.prefix, *_ids(tokenizer, prefix), fim.suffix, *_ids(tokenizer, suffix), fim.middle]
@@ -72,8 +79,14 @@ def build_prompt(tokenizer, fim: FimTokens, prefix: str, suffix: str, mode: str 
         return [fim.suffix, *_ids(tokenizer, suffix), fim.prefix, *_ids(tokenizer, prefix), fim.middle]
     if mode == "efim":
         i = len(prefix) if split is None else split
-        return [fim.prefix, *_ids(tokenizer, prefix[:i]), fim.suffix, *_ids(tokenizer, suffix), fim.middle,
-                *_ids(tokenizer, prefix[i:])]
+        return [
+            fim.prefix,
+            *_ids(tokenizer, prefix[:i]),
+            fim.suffix,
+            *_ids(tokenizer, suffix),
+            fim.middle,
+            *_ids(tokenizer, prefix[i:]),
+        ]
     raise BadRequest(f"unknown infill mode {mode!r}; choose one of {', '.join(MODES)}")
 
 
@@ -101,9 +114,13 @@ class InfillSessions:
             for expired in [s for s, st in self._states.items() if now - st.last_used > self.ttl_s]:
                 del self._states[expired]
             state = self._states.get(session) if session else None
-            keep = (state is not None and state.mode == mode == "efim" and state.suffix == suffix
-                    and prefix.startswith(state.base_prefix)
-                    and len(prefix) - len(state.base_prefix) <= MAX_INCREMENT_CHARS)
+            keep = (
+                state is not None
+                and state.mode == mode == "efim"
+                and state.suffix == suffix
+                and prefix.startswith(state.base_prefix)
+                and len(prefix) - len(state.base_prefix) <= MAX_INCREMENT_CHARS
+            )
             split = len(state.base_prefix) if keep else len(prefix)
             if session:
                 self._states[session] = SessionState(state.base_prefix if keep else prefix, suffix, mode, now)

@@ -121,8 +121,12 @@ def _padded(op: Op, rows: torch.Tensor, count: int) -> torch.Tensor:
     return op(torch.nn.functional.pad(rows, (0, 0, 0, count - rows.shape[0])))[: rows.shape[0]]
 
 
-def probe(ops: Sequence[tuple[Op, int]], dtype: torch.dtype, device: torch.device | str = "cpu",
-          candidates: Sequence[int] = CANDIDATE_TILES) -> RowTiles:
+def probe(
+    ops: Sequence[tuple[Op, int]],
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    candidates: Sequence[int] = CANDIDATE_TILES,
+) -> RowTiles:
     """The tile sizes among `candidates` at which every op (a row-wise function and its input width) gives a row
     the same bits wherever it sits in a tile and whichever of the sizes computes it.
 
@@ -154,13 +158,15 @@ def probe(ops: Sequence[tuple[Op, int]], dtype: torch.dtype, device: torch.devic
         raise BatchInvarianceUnavailable(
             f"no GEMM row tile of {list(candidates)} gives a row the same bits at every place on this CPU "
             f"({_cpu_name()}, {dtype}, {torch.get_num_threads()} threads); serve with --no-batch-invariant "
-            f"(RAGCACHE_BATCH_INVARIANT=false): answers may then depend on the load")
+            f"(RAGCACHE_BATCH_INVARIANT=false): answers may then depend on the load"
+        )
     best = max(groups, key=lambda g: (len(g), -g[0]))
     return RowTiles(tuple(sorted(best)))
 
 
-def check_rows_alone(op: Op, width: int, dtype: torch.dtype, device: torch.device | str = "cpu",
-                     counts: Sequence[int] = NORM_COUNTS) -> bool:
+def check_rows_alone(
+    op: Op, width: int, dtype: torch.dtype, device: torch.device | str = "cpu", counts: Sequence[int] = NORM_COUNTS
+) -> bool:
     """Does `op` give a row the same bits alone and first, in the middle or last among each of `counts` rows?"""
     generator = torch.Generator().manual_seed(1)
     others = torch.randn(max(counts), width, generator=generator).to(dtype).to(device)
@@ -223,7 +229,8 @@ def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: t
             if not check_rows_alone(norm.forward, width, dtype):
                 raise BatchInvarianceUnavailable(
                     f"{name} gives a row other bits among other rows on this CPU ({_cpu_name()}, {dtype}); "
-                    f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)")
+                    f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)"
+                )
         _PROBED[key] = probe([(m.forward, m.in_features) for m in shapes.values()], dtype)
     return _PROBED[key]
 
@@ -241,8 +248,10 @@ def _install_kernels(model: torch.nn.Module, linears: list[torch.nn.Linear]) -> 
     for norm in _norms(model):
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None or getattr(norm, "weight", None) is None:
-            raise BatchInvarianceUnavailable(f"{type(norm).__name__} has no weight and eps ragcache's invariant "
-                                             f"RMSNorm reads; run with --no-batch-invariant")
+            raise BatchInvarianceUnavailable(
+                f"{type(norm).__name__} has no weight and eps ragcache's invariant "
+                f"RMSNorm reads; run with --no-batch-invariant"
+            )
         offset, cast_first = NORM_STYLES.get(type(norm).__name__, NORM_STYLE)
         _wrap(norm, _kernel_norm(norm, float(eps), offset, cast_first))
     for linear in linears:

@@ -1,12 +1,12 @@
 """The KV memory of running requests, and how one packed forward's rows map onto it.
 
-  - `JoinedCache`, one request's preallocated K/V buffer whose index is the global position.
-  - `Segment`s in a `Batch`: which rows of the packed forward belong to which request. A layer writes each request's
-    fresh K/V into its own JoinedCache (`Batch.update`) and attends each request's rows causally, by position, over
-    its own cache (`Batch.attend`; sliding-window layers keep their window).
-  - `KVPool`, where the caches of decoding requests live side by side, so that the decode rows of every request
-    take one attention call per layer (`PooledRows`) instead of one call per request; `BucketPools`, one pool per
-    capacity bucket, the batch-invariant way to do the same.
+- `JoinedCache`, one request's preallocated K/V buffer whose index is the global position.
+- `Segment`s in a `Batch`: which rows of the packed forward belong to which request. A layer writes each request's
+  fresh K/V into its own JoinedCache (`Batch.update`) and attends each request's rows causally, by position, over
+  its own cache (`Batch.attend`; sliding-window layers keep their window).
+- `KVPool`, where the caches of decoding requests live side by side, so that the decode rows of every request
+  take one attention call per layer (`PooledRows`) instead of one call per request; `BucketPools`, one pool per
+  capacity bucket, the batch-invariant way to do the same.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ class JoinedCache:
         self.wait(layer)
         return self.keys[layer, :, : self.length], self.values[layer, :, : self.length]
 
-    def write(self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor,
-              contiguous_from: int | None) -> None:
+    def write(
+        self, layer: int, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor, contiguous_from: int | None
+    ) -> None:
         """Write fresh K/V [kv_heads, n, head_dim] at positions `rows` (a slice copy when they are contiguous)."""
         self.wait(layer)
         if contiguous_from is not None:
@@ -202,9 +203,17 @@ class PooledRows:
             return self._attend_whole(query, layer, scale, window)
         first_key = 0 if window is None else max(self.first_position - window + 1, 0)
         span = (layer, slice(self.first_slot, self.end_slot), slice(None), slice(first_key, None))
-        return kernels.pooled_decode_attention(query, self.pool.keys[span], self.pool.values[span],
-                                               self.slots - self.first_slot, self.positions, scale, window, first_key,
-                                               self.end_position)
+        return kernels.pooled_decode_attention(
+            query,
+            self.pool.keys[span],
+            self.pool.values[span],
+            self.slots - self.first_slot,
+            self.positions,
+            scale,
+            window,
+            first_key,
+            self.end_position,
+        )
 
     def _attend_whole(self, query: torch.Tensor, layer: int, scale: float, window: int | None) -> torch.Tensor:
         """Every slot of the range over its whole capacity, one row a slot (slots without a row this step attend a
@@ -215,8 +224,9 @@ class PooledRows:
         else:
             grouped = query.new_zeros(query.shape[0], self.end_slot - self.first_slot, query.shape[2])
             grouped[:, self.local] = query
-        out = kernels.stacked_decode_attention(grouped, self.pool.keys[layer, span], self.pool.values[layer, span],
-                                               self._mask(window), scale)
+        out = kernels.stacked_decode_attention(
+            grouped, self.pool.keys[layer, span], self.pool.values[layer, span], self._mask(window), scale
+        )
         return out if self.dense else out[self.local]
 
     def _mask(self, window: int | None) -> torch.Tensor:
@@ -246,8 +256,9 @@ class Batch:
         if self.padding:
             keys, values = keys[:, : -self.padding], values[:, : -self.padding]
         for seg in self.alone:
-            seg.cache.write(layer_idx, keys[:, seg.start : seg.end], values[:, seg.start : seg.end], seg.rows,
-                            seg.contiguous_from)
+            seg.cache.write(
+                layer_idx, keys[:, seg.start : seg.end], values[:, seg.start : seg.end], seg.rows, seg.contiguous_from
+            )
         for group in self.groups:
             group.write(layer_idx, keys, values, self.one_group)
         return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
@@ -273,24 +284,32 @@ class Batch:
             out[seg.start : seg.end] = seg_out
         return out
 
-    def attend_segment(self, seg: Segment, layer: int, query: torch.Tensor, scale: float,
-                       window: int | None) -> torch.Tensor:
+    def attend_segment(
+        self, seg: Segment, layer: int, query: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
         """One request's rows [heads, n, head_dim] over its own cache -> [n, heads, head_dim]."""
         keys, values = seg.cache.visible(layer)
         if seg.scores is not None:
             out, weights = kernels.scored_attention(query, keys, values, seg.rows, scale, window)
             seg.scores[layer] += weights
             return out
-        return kernels.selected_attention(query, keys, values, seg.rows, scale, window,
-                                          contiguous_from=seg.contiguous_from)
+        return kernels.selected_attention(
+            query, keys, values, seg.rows, scale, window, contiguous_from=seg.contiguous_from
+        )
 
 
 def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> PooledRows | None:
     """The decode rows (one row at its cache's last position) of caches in `pool`. Batched if that pays: at least
     two rows, and the slot x position range one call reads at most twice the keys they need (padding). `whole`
     (batch-invariant): always, each row over its slot's whole capacity."""
-    rows = [seg for seg in segments if seg.cache.slot is not None and pool.members.get(seg.cache.slot) is seg.cache
-            and seg.end - seg.start == 1 and seg.contiguous_from is not None]
+    rows = [
+        seg
+        for seg in segments
+        if seg.cache.slot is not None
+        and pool.members.get(seg.cache.slot) is seg.cache
+        and seg.end - seg.start == 1
+        and seg.contiguous_from is not None
+    ]
     if not rows or (len(rows) < 2 and not whole):
         return None
     slots = [seg.cache.slot for seg in rows]
@@ -299,10 +318,19 @@ def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> Poo
     if not whole and 2 * sum(p + 1 for p in positions) < (end_slot - first_slot) * end_position:
         return None
     device = pool.device
-    return PooledRows(pool, rows, torch.tensor([seg.start for seg in rows], device=device),
-                      torch.tensor(slots, device=device), torch.tensor(positions, device=device),
-                      first_slot, end_slot, min(positions), end_position, whole,
-                      dense=slots == list(range(first_slot, end_slot)))
+    return PooledRows(
+        pool,
+        rows,
+        torch.tensor([seg.start for seg in rows], device=device),
+        torch.tensor(slots, device=device),
+        torch.tensor(positions, device=device),
+        first_slot,
+        end_slot,
+        min(positions),
+        end_position,
+        whole,
+        dense=slots == list(range(first_slot, end_slot)),
+    )
 
 
 class BucketPools:

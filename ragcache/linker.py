@@ -52,10 +52,12 @@ class Runner(Protocol):
 
     def new_cache(self, capacity: int) -> JoinedCache: ...
 
-    def forward(self, token_ids: torch.Tensor, parts: list, scores: torch.Tensor | None = None,
-                watch=None) -> torch.Tensor: ...
+    def forward(
+        self, token_ids: torch.Tensor, parts: list, scores: torch.Tensor | None = None, watch=None
+    ) -> torch.Tensor: ...
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor: ...
+
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
@@ -132,15 +134,21 @@ class LinkPlan:
 
 
 @torch.inference_mode()
-def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
-         prefix_cache: PrefixCache | None = None) -> LinkPlan:
+def plan(
+    runner: Runner,
+    parts: LinkInput,
+    params: LinkParams,
+    extra_capacity: int = 0,
+    prefix_cache: PrefixCache | None = None,
+) -> LinkPlan:
     ids = parts.token_ids
     length = ids.numel()
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
-    hit = prefix_cache.find(ids) if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None \
-        else None
+    hit = (
+        prefix_cache.find(ids) if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None else None
+    )
     if hit is not None and hit.logits is not None:
         cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
         return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits)
@@ -151,20 +159,32 @@ def plan(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: i
     return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
 
 
-def finish(plan: LinkPlan, last_logits: torch.Tensor, recomputed: int, recompute_s: float, params: LinkParams,
-           prefix_cache: PrefixCache | None) -> Linked:
+def finish(
+    plan: LinkPlan,
+    last_logits: torch.Tensor,
+    recomputed: int,
+    recompute_s: float,
+    params: LinkParams,
+    prefix_cache: PrefixCache | None,
+) -> Linked:
     """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
     length = plan.token_ids.numel()
     plan.cache.settle()  # every layer placed before anyone reads the cache whole
     if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None and plan.last_logits is None:
-        prefix_cache.insert(plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length],
-                            last_logits)
+        prefix_cache.insert(
+            plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length], last_logits
+        )
     return Linked(plan.cache, plan.token_ids, last_logits, recomputed, length - recomputed, plan.rotate_s, recompute_s)
 
 
 @torch.inference_mode()
-def link(runner: Runner, parts: LinkInput, params: LinkParams, extra_capacity: int = 0,
-         prefix_cache: PrefixCache | None = None) -> Linked:
+def link(
+    runner: Runner,
+    parts: LinkInput,
+    params: LinkParams,
+    extra_capacity: int = 0,
+    prefix_cache: PrefixCache | None = None,
+) -> Linked:
     """Link one request alone, all its rows in one forward (the scheduler packs pieces of many instead)."""
     p = plan(runner, parts, params, extra_capacity, prefix_cache)
     if p.last_logits is not None:
@@ -183,8 +203,8 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
     if reuses == "prefix":
         if hit is None or not hit.reused:
             return 0
-        cache.keys[:, :, :hit.reused] = hit.prompt.keys[:, :, :hit.reused]
-        cache.values[:, :, :hit.reused] = hit.prompt.values[:, :, :hit.reused]
+        cache.keys[:, :, : hit.reused] = hit.prompt.keys[:, :, : hit.reused]
+        cache.values[:, :, : hit.reused] = hit.prompt.values[:, :, : hit.reused]
         return hit.reused
     entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
     starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
@@ -216,8 +236,9 @@ def _focus(parts: LinkInput, params: LinkParams, length: int, reused: int, score
 def _blend(parts: LinkInput, params: LinkParams, length: int, reused: int, scores) -> tuple:
     chunk_rows = torch.arange(len(parts.prefix_ids), length - len(parts.question_ids))
     question = _question(parts, length)
-    return torch.cat([chunk_rows, question]), Narrowing(params.check_layer, chunk_rows, question, params.ratio,
-                                                        params.deviation)
+    return torch.cat([chunk_rows, question]), Narrowing(
+        params.check_layer, chunk_rows, question, params.ratio, params.deviation
+    )
 
 
 def focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
@@ -275,15 +296,19 @@ class _Narrow:
         if layer != narrow.layer:
             return None
         deviation = kernels.kv_deviation(self.compared[layer][:, self.chunk_rows], self.cached)
-        keep = torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()],
-                          narrow.question_rows]).sort().values
+        keep = (
+            torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()], narrow.question_rows])
+            .sort()
+            .values
+        )
         hidden = hidden[:, torch.searchsorted(self.rows, keep).to(hidden.device)]
         self.rows = keep
         return hidden, [(self.cache, keep)]
 
 
-def recompute(runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache,
-              narrow: Narrowing | None) -> tuple[torch.Tensor, torch.Tensor]:
+def recompute(
+    runner: Runner, ids: torch.Tensor, rows: torch.Tensor, cache: JoinedCache, narrow: Narrowing | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer. Returns the
     last hidden states and the rows they belong to."""
     watch = _Narrow(narrow, cache, rows, runner.device) if narrow is not None else None
@@ -309,15 +334,18 @@ class Algorithm:
         return self.reuses != "chunks"
 
 
-TABLE = {a.name: a for a in (
-    Algorithm("full", "nothing", "default", False, _after_reused),
-    Algorithm("naive", "chunks", "default", False, _question_only),
-    Algorithm("cacheblend", "chunks", "default", False, _blend),
-    Algorithm("legolink", "chunks", "default", False, _first_k),
-    Algorithm("legolink0", "chunks", "sink", False, _question_only),
-    Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO),
-    Algorithm("prefix", "prefix", "default", False, _after_reused),
-)}
+TABLE = {
+    a.name: a
+    for a in (
+        Algorithm("full", "nothing", "default", False, _after_reused),
+        Algorithm("naive", "chunks", "default", False, _question_only),
+        Algorithm("cacheblend", "chunks", "default", False, _blend),
+        Algorithm("legolink", "chunks", "default", False, _first_k),
+        Algorithm("legolink0", "chunks", "sink", False, _question_only),
+        Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO),
+        Algorithm("prefix", "prefix", "default", False, _after_reused),
+    )
+}
 ALGORITHMS = tuple(TABLE)
 
 

@@ -82,8 +82,14 @@ class LoadedModel:
 
 def _config_json(model: torch.nn.Module, volatile: tuple[str, ...] = ()) -> str:
     cfg = model.config.to_dict()
-    for key in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_autoset",
-                *volatile):
+    for key in (
+        "_name_or_path",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "_attn_implementation_autoset",
+        *volatile,
+    ):
         cfg.pop(key, None)
     return json.dumps(cfg, sort_keys=True, default=str)
 

@@ -53,16 +53,20 @@ def check_adapter(lm: loaded.LoadedModel, path: Path) -> str:
     except ValueError as exc:
         raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
     if meta.get("base_config") != loaded.config_fingerprint(lm.model):
-        raise BadAdapter(f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
-                         f"configuration than {lm.name!r}")
+        raise BadAdapter(
+            f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "
+            f"configuration than {lm.name!r}"
+        )
     if "base_weights" not in meta:
         _unchecked(path, digest, f"its {ADAPTER_META} records no weights of its base model (written before they were)")
     elif not same_weights(meta["base_weights"], lm):
         record = meta["base_weights"]
-        raise BadAdapter(f"the adapter in {path} was fitted to the weights of {meta.get('base_model')!r} "
-                         f"(fingerprint {record.get('fingerprint')} in {record.get('dtype')}), not to those of "
-                         f"{lm.name!r} (fingerprint {lm.fingerprint} in {str(lm.dtype).removeprefix('torch.')}): fit "
-                         "it again to this model")
+        raise BadAdapter(
+            f"the adapter in {path} was fitted to the weights of {meta.get('base_model')!r} "
+            f"(fingerprint {record.get('fingerprint')} in {record.get('dtype')}), not to those of "
+            f"{lm.name!r} (fingerprint {lm.fingerprint} in {str(lm.dtype).removeprefix('torch.')}): fit "
+            "it again to this model"
+        )
     return digest
 
 
@@ -72,8 +76,9 @@ _warned: set[tuple[str, str]] = set()
 def _unchecked(path: Path, digest: str, why: str) -> None:
     if (str(path), digest) not in _warned:  # an adapter is checked more than once as an engine opens
         _warned.add((str(path), digest))
-        log.warning("the adapter in %s is attached without checking that it was fitted to this model's weights: %s",
-                    path, why)
+        log.warning(
+            "the adapter in %s is attached without checking that it was fitted to this model's weights: %s", path, why
+        )
 
 
 WEIGHT_SAMPLES = 4  # values a tensor, at fixed fractions of its length
@@ -135,8 +140,15 @@ def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True)
     else:
         model = peft.base_model.model.eval()  # the same modules, LoRA layers injected: the runner drives it as before
         adapter = loaded.Adapter(path, digest, peft)
-    return loaded.LoadedModel(lm.name, model, lm.tokenizer, adapted_fingerprint(lm.fingerprint, digest),
-                              lm.tokenizer_fingerprint, adapter=adapter, compile_fingerprint=lm.fingerprint)
+    return loaded.LoadedModel(
+        lm.name,
+        model,
+        lm.tokenizer,
+        adapted_fingerprint(lm.fingerprint, digest),
+        lm.tokenizer_fingerprint,
+        adapter=adapter,
+        compile_fingerprint=lm.fingerprint,
+    )
 
 
 def _merge(peft) -> tuple[torch.nn.Module, tuple]:

@@ -48,8 +48,9 @@ def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | No
     return {"records": records, "entries": entries}
 
 
-def referenced_keys(store: Store, combos: set | None = None, but: str | None = None,
-                    progress: Progress = _silent) -> set[str]:
+def referenced_keys(
+    store: Store, combos: set | None = None, but: str | None = None, progress: Progress = _silent
+) -> set[str]:
     """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
     the store."""
     combos = _compile_combos(store, progress) if combos is None else combos
@@ -115,8 +116,13 @@ def _verify_records(tier: Store, names: list[str], fix: bool, drop_checksum_only
             report["fixed"] += 1
 
 
-def collect_garbage(store: Store, tmp_age_s: float = 600.0, unreferenced: bool = False,
-                    drop_forms: tuple[str, ...] = (), progress: Progress = _silent) -> dict:
+def collect_garbage(
+    store: Store,
+    tmp_age_s: float = 600.0,
+    unreferenced: bool = False,
+    drop_forms: tuple[str, ...] = (),
+    progress: Progress = _silent,
+) -> dict:
     report: dict = {}
     # before the tiers' own gc, so that their indexes see the space freed
     for form, keys in entries_of_forms(store, set(drop_forms)).items():
@@ -184,7 +190,9 @@ def _entry_keys(store: Store, names: list[str], combos: set, progress: Progress 
     done = 0
     for batch in batched(names):
         for name, record in zip(batch, store.get_records(batch)):
-            record = record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
+            record = (
+                record if isinstance(record, dict) and chunks_problem(record.get("chunks"), 1 << 31) is None else {}
+            )
             tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
             for meta, codec, lead in forms:
                 if meta["tokenizer"].startswith(tokenizer_prefix):

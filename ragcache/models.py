@@ -19,7 +19,7 @@ def resolve(name_or_path: str) -> str:
 
 
 def default_dtype(device: str) -> str:
-    """"auto" resolved per device. GPUs run bf16 natively. On a CPU with bf16 instructions (AVX512-BF16 or AMX),
+    """ "auto" resolved per device. GPUs run bf16 natively. On a CPU with bf16 instructions (AVX512-BF16 or AMX),
     bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
     (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
@@ -32,8 +32,13 @@ def cpu_has_bf16() -> bool:
     return any(check() for check in checks if check is not None)
 
 
-def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "cpu",
-         adapter: str | Path | None = None, merge: bool = True) -> loaded.LoadedModel:
+def load(
+    name_or_path: str = DEFAULT_MODEL,
+    dtype: str | torch.dtype = "auto",
+    device: str = "cpu",
+    adapter: str | Path | None = None,
+    merge: bool = True,
+) -> loaded.LoadedModel:
     """`adapter`: a directory `ragcache train link` wrote, or None (the base model; RagCache.open picks the installed
     one, ragcache/adapters.py). `merge`: fold
     the LoRA into the weights (faster: docs/BENCHMARKS.md, "Link adapters") or run it beside them."""
@@ -58,8 +63,9 @@ def load(name_or_path: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", d
 def wrap(model: torch.nn.Module, tokenizer, name: str) -> loaded.LoadedModel:
     """Check a model can be linked for and compute its fingerprints (also used for in-memory test models)."""
     check_supported(model)
-    return loaded.LoadedModel(name, model, tokenizer, loaded.model_fingerprint(model),
-                              loaded.tokenizer_fingerprint(tokenizer))
+    return loaded.LoadedModel(
+        name, model, tokenizer, loaded.model_fingerprint(model), loaded.tokenizer_fingerprint(tokenizer)
+    )
 
 
 def check_supported(model: torch.nn.Module) -> None:

@@ -75,8 +75,9 @@ class PrefixCache:
             reused -= reused % self.piece
         return Hit(max(reused, 0), prompt)
 
-    def insert(self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-               last_logits: torch.Tensor | None = None) -> None:
+    def insert(
+        self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_logits: torch.Tensor | None = None
+    ) -> None:
         logits = last_logits.clone() if self.piece and last_logits is not None else None
         prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
         if prompt.nbytes > self.budget_bytes:

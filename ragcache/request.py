@@ -53,8 +53,15 @@ class Infill:
     sampling: Sampling
 
 
-def validate(question: str, docs: list, system: str | None, params: LinkParams, sampling: Sampling | None,
-             layers: int, limits: Limits = UNBOUNDED) -> Query:
+def validate(
+    question: str,
+    docs: list,
+    system: str | None,
+    params: LinkParams,
+    sampling: Sampling | None,
+    layers: int,
+    limits: Limits = UNBOUNDED,
+) -> Query:
     if not isinstance(question, str) or not question.strip():
         raise EmptyInput("the question is empty")
     _at_most("the question", question, limits.question_chars)
@@ -72,8 +79,10 @@ def validate(question: str, docs: list, system: str | None, params: LinkParams, 
         elif isinstance(doc, str) and is_document_id(doc):  # never taken for text: a typo'd id is no document
             doc_ids.append(doc)
         else:
-            raise BadRequest(f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
-                             'text as {"text": ...}')
+            raise BadRequest(
+                f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
+                'text as {"text": ...}'
+            )
     params.validate(layers)
     if sampling is not None:
         validate_sampling(sampling, limits)
@@ -98,12 +107,21 @@ def unicode_text(name: str, text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise InvalidText(f"{name} holds a lone surrogate ({exc.object[exc.start:exc.end]!a} at character "
-                          f"{exc.start}), which is not Unicode text") from None
+        raise InvalidText(
+            f"{name} holds a lone surrogate ({exc.object[exc.start : exc.end]!a} at character "
+            f"{exc.start}), which is not Unicode text"
+        ) from None
 
 
-def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, reuse: bool, sampling: Sampling,
-                    limits: Limits = UNBOUNDED) -> Infill:
+def validate_infill(
+    prefix: str,
+    suffix: str,
+    session: str | None,
+    mode: str,
+    reuse: bool,
+    sampling: Sampling,
+    limits: Limits = UNBOUNDED,
+) -> Infill:
     if not isinstance(prefix, str) or not isinstance(suffix, str) or not (prefix or suffix):
         raise EmptyInput("infilling needs a prefix or a suffix")
     _at_most("the prefix", prefix, limits.document_chars)
@@ -119,12 +137,14 @@ def validate_infill(prefix: str, suffix: str, session: str | None, mode: str, re
 def validate_sampling(sampling: Sampling, limits: Limits = UNBOUNDED) -> None:
     sampling.validate()
     if _over(sampling.max_new_tokens, limits.new_tokens):
-        raise ParameterOutOfRange(f"max_tokens is {sampling.max_new_tokens}; this server generates at most "
-                                  f"{limits.new_tokens}")
+        raise ParameterOutOfRange(
+            f"max_tokens is {sampling.max_new_tokens}; this server generates at most {limits.new_tokens}"
+        )
     # each stop string is searched for after every generated token
     if _over(len(sampling.stop), limits.stop_strings) or any(_over(len(x), limits.stop_chars) for x in sampling.stop):
-        raise ParameterOutOfRange(f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} "
-                                  "characters")
+        raise ParameterOutOfRange(
+            f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} characters"
+        )
 
 
 def _over(value: int, limit: int | None) -> bool:

@@ -47,7 +47,15 @@ def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=No
     batch = kwargs.pop("ragcache_batch", None)
     if batch is None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, sliding_window=sliding_window, **kwargs
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     return batch.attend(module.layer_idx, query[0], scale, sliding_window)[None], None
@@ -126,8 +134,10 @@ class Runner:
         # on CUDA wherever the decode is pooled
         on_cuda = self.device.type == "cuda"
         if decode_graphs and self.decode != "pooled":
-            raise ParameterOutOfRange(f"decode graphs run over the pooled decode, and this runner's is {self.decode} "
-                                      "(batch invariance on): turn batch_invariant off, or decode_graphs off")
+            raise ParameterOutOfRange(
+                f"decode graphs run over the pooled decode, and this runner's is {self.decode} "
+                "(batch invariance on): turn batch_invariant off, or decode_graphs off"
+            )
         use_graphs = (on_cuda and self.decode == "pooled") if decode_graphs is None else decode_graphs
         self.graphs = DecodeGraphs(self, capture=on_cuda) if use_graphs else None
         # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
@@ -207,7 +217,11 @@ class Runner:
             if work.kind is Kind.DECODE:
                 results.append(self._alone(lambda w, seq=seq, row=row: StepResult(step=self._sample(seq, row)), work))
             else:
-                results.append(self._alone(lambda w, seq=seq, row=row: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work))
+                results.append(
+                    self._alone(
+                        lambda w, seq=seq, row=row: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work
+                    )
+                )
         return results
 
     def _graphed(self, works: list[Work]) -> list[StepResult]:
@@ -222,13 +236,16 @@ class Runner:
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
-        return [self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work)
-                for work, row in zip(works, logits)]
+        return [
+            self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work)
+            for work, row in zip(works, logits)
+        ]
 
     def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""
-        linked = linker.finish(plan, last_logits, recomputed, time.perf_counter() - seq.link_started, seq.params,
-                               seq.prefix_cache)
+        linked = linker.finish(
+            plan, last_logits, recomputed, time.perf_counter() - seq.link_started, seq.params, seq.prefix_cache
+        )
         return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits))
 
     @staticmethod
@@ -256,8 +273,9 @@ class Runner:
         segments, start = [], 0
         for cache, rows in parts:
             end = start + rows.numel()
-            segments.append(Segment(cache, rows.to(self.device, non_blocking=True), start, end, contiguous_start(rows),
-                                    scores))
+            segments.append(
+                Segment(cache, rows.to(self.device, non_blocking=True), start, end, contiguous_start(rows), scores)
+            )
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
         return Batch(segments, self.pool.rows(segments)), positions
@@ -270,7 +288,9 @@ class Runner:
     def release(self, cache: JoinedCache) -> None:
         self.pool.release(cache)
 
-    def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict) -> torch.Tensor:
+    def run_layer(
+        self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict
+    ) -> torch.Tensor:
         """One decoder layer over the packed rows: the model's own layer, with `batch` as its cache (`Batch.update`
         writes each request's K/V into its own cache) and as the `ragcache_batch` its attention module hands to
         `attention` (above), which calls `Batch.attend`."""
@@ -290,8 +310,13 @@ class Runner:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
 
-    def forward(self, token_ids: torch.Tensor, parts: Sequence[Part], scores: torch.Tensor | None = None,
-                watch: LayerWatch | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        parts: Sequence[Part],
+        scores: torch.Tensor | None = None,
+        watch: LayerWatch | None = None,
+    ) -> torch.Tensor:
         """All layers over the packed rows of every (cache, rows) part, ids `token_ids` in the same order;
         returns the last hidden states [1, n, hidden] of the rows still running at the end.
 
@@ -332,6 +357,7 @@ class Runner:
         cache.length = length
         rows = torch.arange(length)
         self.forward_rows(token_ids, rows, cache)
-        keys = kernels.rotate_keys(cache.keys.to(torch.float32), -rows.to(self.device), self.inv_freq,
-                                   1.0 / self.rope_scaling)
+        keys = kernels.rotate_keys(
+            cache.keys.to(torch.float32), -rows.to(self.device), self.inv_freq, 1.0 / self.rope_scaling
+        )
         return keys.to(self.shape.dtype), cache.values

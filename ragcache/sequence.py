@@ -32,6 +32,7 @@ class Handoff(Protocol):
 
     def abort(self, sequence: Sequence) -> None: ...
 
+
 Prepared = tuple[LinkInput, LinkParams, "PrefixCache | None"]
 # prepare(stats, cancelled): runs on the caller's thread; `cancelled()` says whether the caller has gone (then it may
 # raise Cancelled)
@@ -91,8 +92,15 @@ class Sequence:
     listener then gets every event on the model thread (on the calling thread for a sequence cancelled while it is
     prepared). `decoding` None: link only (`extra_capacity` rows of room kept for a caller that decodes itself)."""
 
-    def __init__(self, driver: Handoff, prepare: Prepare, decoding: Decoding | None, *, extra_capacity: int = 0,
-                 background: bool = False):
+    def __init__(
+        self,
+        driver: Handoff,
+        prepare: Prepare,
+        decoding: Decoding | None,
+        *,
+        extra_capacity: int = 0,
+        background: bool = False,
+    ):
         self.driver, self.prepare, self.decoding = driver, prepare, decoding
         self.extra_capacity = extra_capacity
         # the accuracy guard's `full` links: they run only in steps no user request needs, with the base model's

@@ -75,7 +75,9 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "auto"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    kv_codec: str = "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU, the compute dtype elsewhere
+    kv_codec: str = (
+        "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU, the compute dtype elsewhere
+    )
     prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET
     row_budget: int | None = None  # rows per step; None: the device's (row_budget_for)
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
@@ -103,78 +105,150 @@ class Settings(BaseSettings):
 
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
     store: str = Field(DEFAULT_STORE, description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
-    prefix_cache_mib: int = Field(DEFAULT_PREFIX_BUDGET >> 20, ge=0, description="MiB of exact-prefix KV kept for "
-                                  "the `prefix` baseline, and as much for infilling sessions (least recently used "
-                                  "first out)")
+    prefix_cache_mib: int = Field(
+        DEFAULT_PREFIX_BUDGET >> 20,
+        ge=0,
+        description="MiB of exact-prefix KV kept for "
+        "the `prefix` baseline, and as much for infilling sessions (least recently used "
+        "first out)",
+    )
     chunk_tokens: int = Field(DEFAULT_CHUNK_TOKENS, ge=16, le=8192, description="chunk budget in tokens")
-    dtype: str = Field("auto", pattern="^(auto|float32|float16|bfloat16)$",
-                       description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
-                       "else float32 (see README: dtype)")
+    dtype: str = Field(
+        "auto",
+        pattern="^(auto|float32|float16|bfloat16)$",
+        description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
+        "else float32 (see README: dtype)",
+    )
     device: str = "cpu"
-    engine: str = Field("ragcache", pattern="^(ragcache|vllm)$",
-                        description="ragcache: this package's engine; vllm: vLLM's async engine with ragcache's "
-                        "connector (README: On vLLM; needs vLLM installed and a disk: or redis:// store)")
-    max_model_len: int | None = Field(None, ge=16, description="vllm engine: longest prompt + answer in tokens "
-                                      "(default: the model's own)")
-    kv_cache_gib: float | None = Field(None, gt=0, description="vllm engine: GiB of vLLM's paged KV cache (default: "
-                                       "4 on a CPU, vLLM's own choice on a GPU)")
-    adapter: str | None = Field(INSTALLED, description="a read-side LoRA directory `ragcache train link` wrote, "
-                                "`none` for the base model, or `installed`: the model's installed adapter where its "
-                                "calibration reached the target, else the base model (README: Installed adapters)")
-    merge_adapter: bool = Field(True, description="fold the link adapter into the weights (faster; on the vllm engine a "
-                                "merged copy of the model in the model cache) or run it beside them (on vllm: vLLM's "
-                                "LoRA, which the accuracy guard needs there)")
-    batch_invariant: bool | None = Field(None, description="a request's greedy answer does not depend on what else "
-                                         "is in its batch (default: on on CPU, off on CUDA until its cost is measured "
-                                         "there); false: the library's own GEMMs and one attention call per layer for "
-                                         "all decode rows, faster at many streams (README: Batch invariance)")
-    decode_graphs: bool | None = Field(None, description="decode-only steps replayed from CUDA graphs, one per "
-                                       "allocation of the pool of decoding caches (default: on on CUDA where "
-                                       "batch_invariant is off; elsewhere the same fixed-shape step runs eagerly "
-                                       "when asked for)")
-    kv_codec: str = Field("auto", pattern="^(auto|fp32|fp16|bf16|int8)$",
-                          description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
-                          "fp32, fp16, bf16 or int8 (see README: KV codecs)")
+    engine: str = Field(
+        "ragcache",
+        pattern="^(ragcache|vllm)$",
+        description="ragcache: this package's engine; vllm: vLLM's async engine with ragcache's "
+        "connector (README: On vLLM; needs vLLM installed and a disk: or redis:// store)",
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="vllm engine: longest prompt + answer in tokens (default: the model's own)"
+    )
+    kv_cache_gib: float | None = Field(
+        None,
+        gt=0,
+        description="vllm engine: GiB of vLLM's paged KV cache (default: 4 on a CPU, vLLM's own choice on a GPU)",
+    )
+    adapter: str | None = Field(
+        INSTALLED,
+        description="a read-side LoRA directory `ragcache train link` wrote, "
+        "`none` for the base model, or `installed`: the model's installed adapter where its "
+        "calibration reached the target, else the base model (README: Installed adapters)",
+    )
+    merge_adapter: bool = Field(
+        True,
+        description="fold the link adapter into the weights (faster; on the vllm engine a "
+        "merged copy of the model in the model cache) or run it beside them (on vllm: vLLM's "
+        "LoRA, which the accuracy guard needs there)",
+    )
+    batch_invariant: bool | None = Field(
+        None,
+        description="a request's greedy answer does not depend on what else "
+        "is in its batch (default: on on CPU, off on CUDA until its cost is measured "
+        "there); false: the library's own GEMMs and one attention call per layer for "
+        "all decode rows, faster at many streams (README: Batch invariance)",
+    )
+    decode_graphs: bool | None = Field(
+        None,
+        description="decode-only steps replayed from CUDA graphs, one per "
+        "allocation of the pool of decoding caches (default: on on CUDA where "
+        "batch_invariant is off; elsewhere the same fixed-shape step runs eagerly "
+        "when asked for)",
+    )
+    kv_codec: str = Field(
+        "auto",
+        pattern="^(auto|fp32|fp16|bf16|int8)$",
+        description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
+        "fp32, fp16, bf16 or int8 (see README: KV codecs)",
+    )
     algorithm: str = Field(DEFAULT_ALGORITHM, description="link algorithm (README: Algorithms)")
     k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(None, ge=0.0, le=1.0, description="focus: share of chunk tokens recomputed (default: "
-                                "the model's calibrated focus ratio, else 0.25); cacheblend: the same (default 0.15)")
+    ratio: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description="focus: share of chunk tokens recomputed (default: "
+        "the model's calibrated focus ratio, else 0.25); cacheblend: the same (default 0.15)",
+    )
     max_new_tokens: int = Field(64, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="bearer token required by the API when set")
-    public_paths: list[str] = Field(["/health"], description="paths open without the token when api_key is set "
-                                    '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')')
-    guard_rate: float = Field(0.0, ge=0.0, le=1.0, description="fraction of linked answers also linked with full "
-                              "after answering, to measure agreement (on ragcache's engine only in steps no user "
-                              "request needs; on vllm two one-token requests beside the users'); 0 = off")
-    header_timeout_s: float = Field(10.0, gt=0, description="seconds a client may take to send a request's line "
-                                    "and headers, from connecting (or from the first byte of its next request on a "
-                                    "kept-alive connection); then the connection is closed")
-    body_timeout_s: float = Field(30.0, gt=0, description="seconds a whole request body may take to arrive, from "
-                                  "the end of its headers; then a 408 and the connection is closed")
+    public_paths: list[str] = Field(
+        ["/health"],
+        description="paths open without the token when api_key is set "
+        '(RAGCACHE_PUBLIC_PATHS=\'["/health", "/metrics"]\')',
+    )
+    guard_rate: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of linked answers also linked with full "
+        "after answering, to measure agreement (on ragcache's engine only in steps no user "
+        "request needs; on vllm two one-token requests beside the users'); 0 = off",
+    )
+    header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="seconds a client may take to send a request's line "
+        "and headers, from connecting (or from the first byte of its next request on a "
+        "kept-alive connection); then the connection is closed",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="seconds a whole request body may take to arrive, from "
+        "the end of its headers; then a 408 and the connection is closed",
+    )
     keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle connection stays open between requests")
-    max_connections: int | None = Field(None, ge=1, description="open client connections per server process "
-                                        "(default: the open-file limit less fd_reserve); at the cap a new one "
-                                        "replaces the one waiting longest without a request, or is closed if "
-                                        "every one has a request in flight")
-    fd_reserve: int = Field(256, ge=0, description="file descriptors per server process kept from client "
-                            "connections, for the store, model files, logs and threads")
+    max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="open client connections per server process "
+        "(default: the open-file limit less fd_reserve); at the cap a new one "
+        "replaces the one waiting longest without a request, or is closed if "
+        "every one has a request in flight",
+    )
+    fd_reserve: int = Field(
+        256,
+        ge=0,
+        description="file descriptors per server process kept from client "
+        "connections, for the store, model files, logs and threads",
+    )
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)
-    max_documents: int = Field(64, ge=1, description="documents in one request (POST /v1/documents, raw texts and "
-                               "ids of a query); more is a 413 before any is validated")
+    max_documents: int = Field(
+        64,
+        ge=1,
+        description="documents in one request (POST /v1/documents, raw texts and "
+        "ids of a query); more is a 413 before any is validated",
+    )
     # the shape of every JSON body (documents, query, infill, completions, chat), checked before validation so that
     # no body costs more than bounded work, nor pydantic more than a bounded number of errors (api/shape.py)
-    max_body_values: int = Field(200_000, ge=1, description="JSON values (objects, arrays, strings, numbers) in one "
-                                 "request body, metadata included; the read stops at the first past it, a 413")
-    max_body_keys: int = Field(1_024, ge=1, description="keys in one JSON object of a request body (metadata "
-                               "included); more is a 413")
-    max_body_items: int = Field(10_000, ge=1, description="items in one JSON array of a request body (metadata "
-                                "included; `documents` is bounded by max_documents); more is a 413")
-    max_body_depth: int = Field(64, ge=2, le=256, description="objects and arrays nested in one another in a "
-                                "request body; deeper is a 422")
+    max_body_values: int = Field(
+        200_000,
+        ge=1,
+        description="JSON values (objects, arrays, strings, numbers) in one "
+        "request body, metadata included; the read stops at the first past it, a 413",
+    )
+    max_body_keys: int = Field(
+        1_024, ge=1, description="keys in one JSON object of a request body (metadata included); more is a 413"
+    )
+    max_body_items: int = Field(
+        10_000,
+        ge=1,
+        description="items in one JSON array of a request body (metadata "
+        "included; `documents` is bounded by max_documents); more is a 413",
+    )
+    max_body_depth: int = Field(
+        64, ge=2, le=256, description="objects and arrays nested in one another in a request body; deeper is a 422"
+    )
     max_new_tokens_limit: int = Field(1024, ge=1)
 
     @model_validator(mode="after")
@@ -182,26 +256,39 @@ class Settings(BaseSettings):
         if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
             raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
         if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422
-            raise ValueError(f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit "
-                             f"({self.max_new_tokens_limit})")
+            raise ValueError(
+                f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit ({self.max_new_tokens_limit})"
+            )
         named = self.adapter is not None and self.adapter.lower() not in ("none", INSTALLED)
         if self.engine == "vllm" and self.guard_rate and named and self.merge_adapter:
-            raise ValueError("the accuracy guard on the vllm engine needs the adapter unmerged (merge_adapter=false, "
-                             "--no-merge-adapter): a merged one leaves vLLM no base weights for the base model's full")
+            raise ValueError(
+                "the accuracy guard on the vllm engine needs the adapter unmerged (merge_adapter=false, "
+                "--no-merge-adapter): a merged one leaves vLLM no base weights for the base model's full"
+            )
         return self
 
     def engine_config(self) -> EngineConfig:
         vllm_args = {"max_model_len": self.max_model_len, "kv_cache_gib": self.kv_cache_gib}
-        return EngineConfig(model=self.model, store=self.store, engine=self.engine, device=self.device,
-                            dtype=self.dtype, chunk_tokens=self.chunk_tokens, kv_codec=self.kv_codec,
-                            prefix_cache_bytes=self.prefix_cache_mib << 20, batch_invariant=self.batch_invariant,
-                            decode_graphs=self.decode_graphs, adapter=parse_adapter(self.adapter),
-                            merge_adapter=self.merge_adapter,
-                            vllm_args={k: v for k, v in vllm_args.items() if v is not None})
+        return EngineConfig(
+            model=self.model,
+            store=self.store,
+            engine=self.engine,
+            device=self.device,
+            dtype=self.dtype,
+            chunk_tokens=self.chunk_tokens,
+            kv_codec=self.kv_codec,
+            prefix_cache_bytes=self.prefix_cache_mib << 20,
+            batch_invariant=self.batch_invariant,
+            decode_graphs=self.decode_graphs,
+            adapter=parse_adapter(self.adapter),
+            merge_adapter=self.merge_adapter,
+            vllm_args={k: v for k, v in vllm_args.items() if v is not None},
+        )
 
     @classmethod
-    def settings_customise_sources(cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
-                                   ) -> tuple[PydanticBaseSettingsSource, ...]:
+    def settings_customise_sources(
+        cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
         return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path())
 
 

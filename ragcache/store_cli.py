@@ -49,10 +49,18 @@ def _settings_store(url: str | None) -> str:
         fail(BadRequest(str(exc)))
 
 
-StoreUrl = Annotated[str | None, typer.Option("--store", "-s", callback=_settings_store, show_default=False,
-                                              help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
-                                                   "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
-                                                   f"else {DEFAULT_STORE})")]
+StoreUrl = Annotated[
+    str | None,
+    typer.Option(
+        "--store",
+        "-s",
+        callback=_settings_store,
+        show_default=False,
+        help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
+        "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
+        f"else {DEFAULT_STORE})",
+    ),
+]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
@@ -67,11 +75,21 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
             if info is None:
                 continue  # removed while listing
             meta = info.get("meta") or {}
-            rows.append({"key": key, "size": info.get("size", 0), "tokens": info.get("tokens"),
-                         "dtype": info.get("dtype"), "form": entry_form(info), "shape": info.get("shape"),
-                         "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
-                         "model": meta.get("model", ""), "tokenizer": meta.get("tokenizer", ""),
-                         "layout": meta.get("layout", ""), "error": info.get("error")})
+            rows.append(
+                {
+                    "key": key,
+                    "size": info.get("size", 0),
+                    "tokens": info.get("tokens"),
+                    "dtype": info.get("dtype"),
+                    "form": entry_form(info),
+                    "shape": info.get("shape"),
+                    "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
+                    "model": meta.get("model", ""),
+                    "tokenizer": meta.get("tokenizer", ""),
+                    "layout": meta.get("layout", ""),
+                    "error": info.get("error"),
+                }
+            )
     return rows
 
 
@@ -84,13 +102,24 @@ def summary(store: Store) -> dict:
             tiers.append({"tier": tier.name, "error": str(exc)})
             continue
         rows = entry_rows(tier)
-        tiers.append({**stats, "entries": len(rows), "bytes": sum(r["size"] for r in rows),
-                      "models": dict(Counter(r["model_name"] for r in rows)), "codecs": codec_summary(rows),
-                      "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
-                      "unreadable_headers": sum(1 for r in rows if r["error"])})
+        tiers.append(
+            {
+                **stats,
+                "entries": len(rows),
+                "bytes": sum(r["size"] for r in rows),
+                "models": dict(Counter(r["model_name"] for r in rows)),
+                "codecs": codec_summary(rows),
+                "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
+                "unreadable_headers": sum(1 for r in rows if r["error"]),
+            }
+        )
     names = store.record_names()
-    return {"store": store.name, "tiers": tiers, "records": len(names),
-            "documents": sum(1 for n in names if n.startswith("doc/"))}
+    return {
+        "store": store.name,
+        "tiers": tiers,
+        "records": len(names),
+        "documents": sum(1 for n in names if n.startswith("doc/")),
+    }
 
 
 def codec_summary(rows: list[dict]) -> dict[str, dict]:
@@ -108,14 +137,13 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
     return by_codec
 
 
-
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str) -> Store:
     """The store at `url`; a disk folder no store was made in is refused, not made into one (these commands look
     at or maintain a store, never create one)."""
     for part in tier_urls(url):
-        if part.startswith("disk:") and not holds_store(Path(part[len("disk:"):] or "./.ragcache")):
-            fail(f"no store at {part[len('disk:'):]!r} (nothing compiled there yet?)", 1)
+        if part.startswith("disk:") and not holds_store(Path(part[len("disk:") :] or "./.ragcache")):
+            fail(f"no store at {part[len('disk:') :]!r} (nothing compiled there yet?)", 1)
     return open_store(url)  # a StoreError: the command's _guard
 
 
@@ -173,8 +201,9 @@ def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
         budget = t.get("budget_bytes") or t.get("maxmemory") or 0
         hits = t.get("index_hits", t.get("server_hits", t.get("hits", 0)))
         models = ", ".join(f"{m}: {n}" for m, n in sorted(t["models"].items())) or "-"
-        table.add_row(t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits),
-                      models, codecs)
+        table.add_row(
+            t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits), models, codecs
+        )
     console.print(table)
     for t in info["tiers"]:  # a line, not a column: the forms are what `gc --drop-form` takes, spelled out
         if t.get("forms"):
@@ -185,8 +214,11 @@ def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
 
 @store_app.command("ls")
 @_guard
-def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(min=0, help="at most this many entries")] = 50,
-       as_json: AsJson = False) -> None:
+def ls(
+    store: StoreUrl = None,
+    limit: Annotated[int, typer.Option(min=0, help="at most this many entries")] = 50,
+    as_json: AsJson = False,
+) -> None:
     """Entries with their size, model and token count."""
     rows = entry_rows(_open(store), limit=limit)
     if as_json:
@@ -199,22 +231,42 @@ def ls(store: StoreUrl = None, limit: Annotated[int, typer.Option(min=0, help="a
         if r["error"]:
             table.add_row(r["key"][:16], _size(r["size"]), "-", "-", "-", f"[red]{r['error']}[/red]")
         else:
-            table.add_row(r["key"][:16], _size(r["size"]), str(r["tokens"]), r["dtype"] or "-",
-                          "x".join(map(str, r["shape"] or [])), r["model_name"])
+            table.add_row(
+                r["key"][:16],
+                _size(r["size"]),
+                str(r["tokens"]),
+                r["dtype"] or "-",
+                "x".join(map(str, r["shape"] or [])),
+                r["model_name"],
+            )
     console.print(table)
     console.print(f"{len(rows)} entries shown (--limit {limit})")
 
 
 @store_app.command()
 @_guard
-def verify(store: StoreUrl = None,
-           fix: Annotated[bool, typer.Option("--fix", help="delete the bad entries and records (not the records "
-                                             "whose only fault is their checksum: see --drop-checksum-only)")] = False,
-           drop_checksum_only: Annotated[bool, typer.Option("--drop-checksum-only", help="with --fix, also delete "
-                                                            "records sound in every field but their checksum, "
-                                                            "document texts included, which nothing can rebuild "
-                                                            f"(first check {STORE_KEY_ENV})")] = False,
-           as_json: AsJson = False) -> None:
+def verify(
+    store: StoreUrl = None,
+    fix: Annotated[
+        bool,
+        typer.Option(
+            "--fix",
+            help="delete the bad entries and records (not the records "
+            "whose only fault is their checksum: see --drop-checksum-only)",
+        ),
+    ] = False,
+    drop_checksum_only: Annotated[
+        bool,
+        typer.Option(
+            "--drop-checksum-only",
+            help="with --fix, also delete "
+            "records sound in every field but their checksum, "
+            "document texts included, which nothing can rebuild "
+            f"(first check {STORE_KEY_ENV})",
+        ),
+    ] = False,
+    as_json: AsJson = False,
+) -> None:
     """Full integrity check: decode every entry (checksum, key, shapes), read every record."""
     if drop_checksum_only and not fix:
         raise typer.BadParameter("only goes with --fix", param_hint="--drop-checksum-only")
@@ -224,42 +276,67 @@ def verify(store: StoreUrl = None,
     if as_json:
         console.print_json(json.dumps(report))
     else:
-        lines = [*(f"{b['tier']} entry {b['key']}: {b['problem']}" for b in report["bad"]),
-                 *(f"{b['tier']} record {b['name']}: {b['problem']}" for b in report["bad_records"])]
+        lines = [
+            *(f"{b['tier']} entry {b['key']}: {b['problem']}" for b in report["bad"]),
+            *(f"{b['tier']} record {b['name']}: {b['problem']}" for b in report["bad_records"]),
+        ]
         for line in lines:  # one line each, whatever the terminal's width: scripts grep them
             console.print(f"[red]bad[/red] {line}", highlight=False, soft_wrap=True)
-        console.print(f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
-                      + (f", {report['fixed']} deleted" if fix else ""))
+        console.print(
+            f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
+            + (f", {report['fixed']} deleted" if fix else "")
+        )
         if report["kept"]:
-            err.print(f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum: most "
-                      f"likely {STORE_KEY_ENV} is not the one they were written with. Run again with that key; "
-                      "add --drop-checksum-only to delete them anyway (document texts cannot be rebuilt).")
+            err.print(
+                f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum: most "
+                f"likely {STORE_KEY_ENV} is not the one they were written with. Run again with that key; "
+                "add --drop-checksum-only to delete them anyway (document texts cannot be rebuilt)."
+            )
     if bad > report["fixed"]:
         raise typer.Exit(1)
 
 
 @store_app.command()
 @_guard
-def gc(store: StoreUrl = None,
-       tmp_age: Annotated[float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as "
-                                                   "abandoned")] = 600.0,
-       unreferenced: Annotated[bool, typer.Option("--unreferenced", help="also delete entries no document refers "
-                                                  "to (system-prompt prefixes included), except those written "
-                                                  "since the gc began")] = False,
-       drop_form: Annotated[list[str], typer.Option("--drop-form", help="also delete every entry compiled in this "
-                                                    "form, as `store stats` lists them (e.g. float32/int8: the "
-                                                    "entries of the fp32 default of before); repeatable")] = [],  # noqa: B006 - the command only reads it
-       as_json: AsJson = False) -> None:
+def gc(
+    store: StoreUrl = None,
+    tmp_age: Annotated[
+        float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as abandoned")
+    ] = 600.0,
+    unreferenced: Annotated[
+        bool,
+        typer.Option(
+            "--unreferenced",
+            help="also delete entries no document refers "
+            "to (system-prompt prefixes included), except those written "
+            "since the gc began",
+        ),
+    ] = False,
+    drop_form: Annotated[
+        list[str],
+        typer.Option(
+            "--drop-form",
+            help="also delete every entry compiled in this "
+            "form, as `store stats` lists them (e.g. float32/int8: the "
+            "entries of the fp32 default of before); repeatable",
+        ),
+    ] = [],  # noqa: B006 - the command only reads it
+    as_json: AsJson = False,
+) -> None:
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
     for form in drop_form:
         dtype, _, codec = form.partition("/")
         if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
-            raise typer.BadParameter(f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
-                                     f"optionally /codec ({', '.join(kv_codec.CODECS)})", param_hint="--drop-form")
+            raise typer.BadParameter(
+                f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
+                f"optionally /codec ({', '.join(kv_codec.CODECS)})",
+                param_hint="--drop-form",
+            )
     with _bars() as progress:
-        report = maintenance.collect_garbage(s, tmp_age_s=tmp_age, unreferenced=unreferenced,
-                                             drop_forms=tuple(drop_form), progress=progress)
+        report = maintenance.collect_garbage(
+            s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form), progress=progress
+        )
     if as_json:
         console.print_json(json.dumps(report))
         return
@@ -269,9 +346,15 @@ def gc(store: StoreUrl = None,
 
 @store_app.command()
 @_guard
-def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chunk key or a unique prefix of one "
-                                              "(8 hex or more, as `ls` shows)")],
-       store: StoreUrl = None) -> None:
+def rm(
+    id: Annotated[
+        str,
+        typer.Argument(
+            help="a document id (32 hex), or a chunk key or a unique prefix of one (8 hex or more, as `ls` shows)"
+        ),
+    ],
+    store: StoreUrl = None,
+) -> None:
     """Delete a document (its records and chunk entries) or one chunk entry."""
     s = _open(store)
     id = id.lower()
@@ -280,8 +363,10 @@ def rm(id: Annotated[str, typer.Argument(help="a document id (32 hex), or a chun
     with _bars() as progress:
         result = maintenance.delete(s, id, progress) if is_document_id(id) else None
     if result is not None:
-        console.print(f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
-                      "(entries shared with other documents kept)")
+        console.print(
+            f"document {id}: {result['records']} records and {result['entries']} chunk entries deleted "
+            "(entries shared with other documents kept)"
+        )
         return
     matches = [id] if len(id) == 64 else sorted({k for k in s if k.startswith(id)})
     if len(matches) > 1:

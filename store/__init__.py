@@ -50,8 +50,9 @@ def _open_tier(spec: str, connect: bool = True, device=None) -> Store:
         from .device import DeviceStore
 
         if device is not None and not on_cuda:
-            raise StoreError(f"a 'gpu' store tier needs the engine on a CUDA device, not {device}; drop 'gpu+' from "
-                             "the store URL")
+            raise StoreError(
+                f"a 'gpu' store tier needs the engine on a CUDA device, not {device}; drop 'gpu+' from the store URL"
+            )
         return DeviceStore(device or "cuda")
     if spec.startswith("disk:"):
         from .disk import DiskStore
@@ -61,5 +62,6 @@ def _open_tier(spec: str, connect: bool = True, device=None) -> Store:
         from .redis_tier import RedisStore
 
         return RedisStore(spec, connect=connect)
-    raise StoreError(f"unknown store {spec!r}: use memory:, gpu (on CUDA), disk:PATH, redis://HOST:PORT/DB, or tiers "
-                     "joined by '+'")
+    raise StoreError(
+        f"unknown store {spec!r}: use memory:, gpu (on CUDA), disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'"
+    )

@@ -33,7 +33,7 @@ class Arena:
         self.segment_bytes = min(segment_bytes, budget_bytes)
         self.segments: list[torch.Tensor] = []
         self._free: list[list[tuple[int, int]]] = []  # per segment: free (offset, size) spans, by offset
-        self._dying: list[tuple[object, int, int, int]] = []  # (event or None, segment, offset, size)
+        self._dying: list[tuple[torch.cuda.Event | None, int, int, int]] = []  # (event or None, segment, offset, size)
         # reentrant: a finalizer (`_died`) may run wherever the collector runs, this thread's locked sections too
         self._lock = threading.RLock()
         self.used_bytes = 0
@@ -56,7 +56,7 @@ class Arena:
 
         def carve(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal offset
-            view = memory[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+            view = memory[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
             view.copy_(tensor)
             offset += _aligned(tensor.nbytes)
             return view
@@ -91,7 +91,7 @@ class Arena:
         for segment, spans in enumerate(self._free):
             for i, (start, free) in enumerate(spans):
                 if free >= size:
-                    spans[i:i + 1] = [(start + size, free - size)] if free > size else []
+                    spans[i : i + 1] = [(start + size, free - size)] if free > size else []
                     self.used_bytes += size
                     return segment, start
         grown = max(self.segment_bytes, size)
@@ -103,7 +103,7 @@ class Arena:
         return len(self.segments) - 1, 0
 
     def _reclaim(self) -> None:
-        still = []
+        still: list[tuple[torch.cuda.Event | None, int, int, int]] = []
         for event, segment, start, size in self._dying:
             if event is not None and not event.query():
                 still.append((event, segment, start, size))

@@ -199,6 +199,7 @@ PARALLEL_DECODE_BYTES = 16 << 20
 def decode_all(keys: list[str], blobs: list) -> list[ChunkKV | CorruptEntry | None]:
     """Decode (checksum first) every blob; several big ones on several threads: hashlib and the copies release the
     GIL, so a query's chunks verify in parallel. A pool per call: nothing left behind for a fork to inherit."""
+
     def one(i: int) -> ChunkKV | CorruptEntry | None:
         if blobs[i] is None:
             return None

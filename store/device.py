@@ -16,8 +16,10 @@ DEFAULT_FREE_FRACTION = 0.25  # of the device memory free when the tier opens: t
 def device_budget(device: torch.device, fraction: float = DEFAULT_FREE_FRACTION) -> int:
     """A sane default budget: a fraction of what the device has free now (after the model loaded)."""
     if device.type != "cuda":
-        raise StoreError(f"a GPU tier needs a CUDA device; {device} has no free-memory figure to size it by: "
-                         "give its budget in bytes")
+        raise StoreError(
+            f"a GPU tier needs a CUDA device; {device} has no free-memory figure to size it by: "
+            "give its budget in bytes"
+        )
     free, _ = torch.cuda.mem_get_info(device)
     return int(free * fraction)
 
@@ -31,17 +33,23 @@ class DeviceStore(MemoryStore):
     name = "gpu"
     lasting = False
 
-    def __init__(self, device: str | torch.device = "cuda", budget_bytes: int | None = None,
-                 record_budget_bytes: int | None = None):
+    def __init__(
+        self,
+        device: str | torch.device = "cuda",
+        budget_bytes: int | None = None,
+        record_budget_bytes: int | None = None,
+    ):
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise StoreError("a GPU tier (store 'gpu') needs a CUDA device, and torch sees none here; drop 'gpu+' "
-                             "from the store URL")
+            raise StoreError(
+                "a GPU tier (store 'gpu') needs a CUDA device, and torch sees none here; drop 'gpu+' from the store URL"
+            )
         super().__init__(device_budget(self.device) if budget_bytes is None else budget_bytes, record_budget_bytes)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
-        super().put_many({key: to_device(entry, self.device) for key, entry in items.items()
-                          if entry.nbytes <= self.budget_bytes})
+        super().put_many(
+            {key: to_device(entry, self.device) for key, entry in items.items() if entry.nbytes <= self.budget_bytes}
+        )
 
     def stats(self) -> dict:
         return {**super().stats(), "device": str(self.device)}

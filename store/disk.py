@@ -93,9 +93,15 @@ class DiskStore(BlobStore):
         columns = [row[1] for row in self._db().execute("PRAGMA table_info(entries)")]
         if columns != list(INDEX_COLUMNS):
             raise sqlite3.DatabaseError(f"entries table has columns {columns}, expected {list(INDEX_COLUMNS)}")
-        (bad,) = self._db().execute(
-            "SELECT COUNT(*) FROM entries WHERE typeof(size) != 'integer' OR size < 0 OR size > ? "
-            "OR typeof(last_access) NOT IN ('real', 'integer')", (MAX_ENTRY_BYTES,)).fetchone()
+        (bad,) = (
+            self._db()
+            .execute(
+                "SELECT COUNT(*) FROM entries WHERE typeof(size) != 'integer' OR size < 0 OR size > ? "
+                "OR typeof(last_access) NOT IN ('real', 'integer')",
+                (MAX_ENTRY_BYTES,),
+            )
+            .fetchone()
+        )
         if bad:
             raise sqlite3.DatabaseError(f"{bad} index row(s) with impossible sizes or times")
 
@@ -152,8 +158,12 @@ class DiskStore(BlobStore):
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
     def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
-        return [f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
-                if isinstance(b, OSError) else b for _, b in self._reads(keys)]
+        return [
+            f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
+            if isinstance(b, OSError)
+            else b
+            for _, b in self._reads(keys)
+        ]
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         rows = []
@@ -189,8 +199,10 @@ class DiskStore(BlobStore):
 
     def _fault(self, what: str, exc: OSError) -> StoreError:
         if exc.errno == errno.ELOOP:  # only a symlink we never made can loop: the same call fails the same way again
-            return BrokenStore(f"disk tier {self.root}: {what} (a symbolic link loop on its path, {exc.filename}; a "
-                               "retry cannot fix it: remove the link)")
+            return BrokenStore(
+                f"disk tier {self.root}: {what} (a symbolic link loop on its path, {exc.filename}; a "
+                "retry cannot fix it: remove the link)"
+            )
         return StoreError(f"disk tier {self.root}: {what} ({exc.strerror})")
 
     def _index(self, rows: list[tuple[str, int, float]]) -> None:
@@ -344,13 +356,21 @@ class DiskStore(BlobStore):
 
     def stats(self) -> dict:
         try:
-            count, total, hits = self._db().execute(
-                "SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(hits), 0) FROM entries"
-            ).fetchone()
+            count, total, hits = (
+                self._db()
+                .execute("SELECT COUNT(*), COALESCE(SUM(size), 0), COALESCE(SUM(hits), 0) FROM entries")
+                .fetchone()
+            )
         except sqlite3.Error as exc:
             raise StoreError(f"disk tier {self.root}: index unreadable ({exc})") from exc
-        return {**super().stats(), "path": str(self.root), "entries": count, "bytes": total,
-                "budget_bytes": self.budget_bytes, "index_hits": hits}
+        return {
+            **super().stats(),
+            "path": str(self.root),
+            "entries": count,
+            "bytes": total,
+            "budget_bytes": self.budget_bytes,
+            "index_hits": hits,
+        }
 
     def close(self) -> None:
         self._drop_connection()

@@ -49,8 +49,13 @@ class ChunkKV:
         return sum(t.nbytes for t in self._tensors().values())
 
     def _tensors(self) -> dict[str, torch.Tensor]:
-        tensors = {"token_ids": self.token_ids, "keys": self.keys, "values": self.values,
-                   "key_scales": self.key_scales, "value_scales": self.value_scales}
+        tensors = {
+            "token_ids": self.token_ids,
+            "keys": self.keys,
+            "values": self.values,
+            "key_scales": self.key_scales,
+            "value_scales": self.value_scales,
+        }
         return {name: t for name, t in tensors.items() if t is not None}
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ChunkKV:
@@ -81,8 +86,9 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
         raise CorruptEntry(f"entry {key[:12]}: bad magic or truncated header")
     payload = view[HEADER:]
     if not hmac.compare_digest(checksum(payload).digest(), bytes(view[len(MAGIC) : HEADER])):
-        raise CorruptEntry(f"entry {key[:12]}: checksum mismatch (corrupted, truncated, or written under another "
-                           f"{STORE_KEY_ENV})")
+        raise CorruptEntry(
+            f"entry {key[:12]}: checksum mismatch (corrupted, truncated, or written under another {STORE_KEY_ENV})"
+        )
     try:
         header = _safetensors_header(payload)
         meta = header.pop("__metadata__", None) or {}
@@ -93,8 +99,13 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
         scales = {name: _tensor_at(blob, data_start, header[name]) for name in SCALES if name in header}
         if set(header) - {"token_ids", "keys", "values", *SCALES}:
             raise ValueError(f"unexpected tensors {sorted(set(header) - set(tensors) - set(scales))}")
-        entry = ChunkKV(tensors["token_ids"], tensors["keys"], tensors["values"],
-                        {str(k): str(v) for k, v in meta.items() if k != "key"}, **scales)
+        entry = ChunkKV(
+            tensors["token_ids"],
+            tensors["keys"],
+            tensors["values"],
+            {str(k): str(v) for k, v in meta.items() if k != "key"},
+            **scales,
+        )
     except Exception as exc:  # malformed header of any kind (a missing tensor is a KeyError): corrupt, never a crash
         raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc!r}") from exc
     if meta.get("key") != key:
@@ -106,9 +117,19 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
 
 
 SCALES = ("key_scales", "value_scales")
-_TORCH_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                 "I32": torch.int32, "I64": torch.int64, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                 "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+_TORCH_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F64": torch.float64,
+    "I32": torch.int32,
+    "I64": torch.int64,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def _tensor_at(buffer: bytearray, data_start: int, spec: dict) -> torch.Tensor:
@@ -191,16 +212,27 @@ def describe_head(head: bytes | memoryview) -> dict:
         meta = dict(header.pop("__metadata__", {}) or {})
         keys, ids = header["keys"], header["token_ids"]
         nbytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
-        return {"sha256": bytes(head[len(MAGIC) : HEADER]).hex(), "key": meta.pop("key", None),
-                "tokens": int(ids["shape"][0]), "nbytes": int(nbytes),
-                "dtype": str(_TORCH_DTYPES.get(keys["dtype"], keys["dtype"])).removeprefix("torch."),
-                "shape": [int(x) for x in keys["shape"]], "meta": meta}
+        return {
+            "sha256": bytes(head[len(MAGIC) : HEADER]).hex(),
+            "key": meta.pop("key", None),
+            "tokens": int(ids["shape"][0]),
+            "nbytes": int(nbytes),
+            "dtype": str(_TORCH_DTYPES.get(keys["dtype"], keys["dtype"])).removeprefix("torch."),
+            "shape": [int(x) for x in keys["shape"]],
+            "meta": meta,
+        }
     except Exception as exc:
         raise CorruptEntry(f"unreadable header: {exc}") from exc
 
 
 def describe(entry: ChunkKV) -> dict:
     """The same summary as `describe_head`, from an entry in memory."""
-    return {"sha256": None, "key": None, "tokens": entry.num_tokens, "nbytes": entry.nbytes,
-            "dtype": str(entry.keys.dtype).removeprefix("torch."), "shape": list(entry.keys.shape),
-            "meta": dict(entry.meta)}
+    return {
+        "sha256": None,
+        "key": None,
+        "tokens": entry.num_tokens,
+        "nbytes": entry.nbytes,
+        "dtype": str(entry.keys.dtype).removeprefix("torch."),
+        "shape": list(entry.keys.shape),
+        "meta": dict(entry.meta),
+    }

@@ -44,8 +44,14 @@ KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # the metadata a chunk key
 def entry_meta(model: str, tokenizer: str, dtype: str, layout: str, codec: str, model_name: str) -> dict:
     """The metadata every entry carries: what its key hashes (fingerprints, compute dtype, layout tag), its codec,
     and a name for people (`ragcache store ls`)."""
-    return {"model": model, "tokenizer": tokenizer, "dtype": dtype, "layout": layout, "model_name": model_name,
-            "codec": codec}
+    return {
+        "model": model,
+        "tokenizer": tokenizer,
+        "dtype": dtype,
+        "layout": layout,
+        "model_name": model_name,
+        "codec": codec,
+    }
 
 
 def entry_key(meta: dict, codec: str, token_ids) -> str:

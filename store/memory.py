@@ -22,8 +22,13 @@ class MemoryStore(Store):
     name = "memory"
     lasting = False
 
-    def __init__(self, budget_bytes: int = DEFAULT_MEMORY_BUDGET, record_budget_bytes: int | None = None,
-                 pin: bool = False, pooled: bool | None = None):
+    def __init__(
+        self,
+        budget_bytes: int = DEFAULT_MEMORY_BUDGET,
+        record_budget_bytes: int | None = None,
+        pin: bool = False,
+        pooled: bool | None = None,
+    ):
         """`pooled` (default: `pin`): entries are copied into an Arena of the budget's size, pinned where `pin`."""
         super().__init__()
         if pin and not torch.cuda.is_available():
@@ -60,24 +65,24 @@ class MemoryStore(Store):
                 old = self._entries.pop(key, None)
                 self._bytes -= old.nbytes if old is not None else 0
                 del old  # its arena span can come back for this entry
-                entry = self._placed(entry) if self.arena is not None else entry
-                if entry is None:
+                stored = entry if self.arena is None else self._placed(entry, self.arena)
+                if stored is None:
                     continue
-                self._entries[key] = entry
-                self._bytes += entry.nbytes
+                self._entries[key] = stored
+                self._bytes += stored.nbytes
             self._evict()
             self.metrics.wrote(started, sum(e.nbytes for e in kept.values()))
 
-    def _placed(self, entry: ChunkKV) -> ChunkKV | None:
+    def _placed(self, entry: ChunkKV, arena: Arena) -> ChunkKV | None:
         """The entry copied into the arena, least recently used entries out until it fits (None: it cannot, even
         with every span free)."""
-        while (placed := self.arena.place(entry)) is None:
+        while (placed := arena.place(entry)) is None:
             if self._entries:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
                 del evicted
-            elif self.arena.reclaimable():
-                self.arena.settle()
+            elif arena.reclaimable():
+                arena.settle()
             else:
                 return None
         return placed
@@ -155,9 +160,17 @@ class MemoryStore(Store):
         return sorted(names)
 
     def stats(self) -> dict:
-        arena = {} if self.arena is None else {"arena_bytes": sum(s.numel() for s in self.arena.segments),
-                                               "arena_used_bytes": self.arena.used_bytes}
-        return {**super().stats(), "entries": len(self._entries), "bytes": self._bytes, "budget_bytes": self.budget_bytes,
-                "records": len(self._records), "record_bytes": self._record_bytes, **arena}
-
-
+        arena = (
+            {}
+            if self.arena is None
+            else {"arena_bytes": sum(s.numel() for s in self.arena.segments), "arena_used_bytes": self.arena.used_bytes}
+        )
+        return {
+            **super().stats(),
+            "entries": len(self._entries),
+            "bytes": self._bytes,
+            "budget_bytes": self.budget_bytes,
+            "records": len(self._records),
+            "record_bytes": self._record_bytes,
+            **arena,
+        }

@@ -61,9 +61,16 @@ return 0
 class RedisStore(BlobStore):
     name = "redis"
 
-    def __init__(self, url: str, *, prefix: str | None = None, part_bytes: int = PART_BYTES,
-                 socket_timeout: float = SOCKET_TIMEOUT_S, connect_timeout: float = CONNECT_TIMEOUT_S,
-                 connect: bool = True):
+    def __init__(
+        self,
+        url: str,
+        *,
+        prefix: str | None = None,
+        part_bytes: int = PART_BYTES,
+        socket_timeout: float = SOCKET_TIMEOUT_S,
+        connect_timeout: float = CONNECT_TIMEOUT_S,
+        connect: bool = True,
+    ):
         """connect=False defers the first connection to the first call (a tiered store must open while Redis is
         down); with connect=True an unreachable server fails here with a StoreError."""
         super().__init__()
@@ -76,10 +83,13 @@ class RedisStore(BlobStore):
         self._url = url
         self.url = _redact(url)
         self.part_bytes = part_bytes
-        self._client_options = dict(socket_timeout=socket_timeout, socket_connect_timeout=connect_timeout,
-                                    # one quick reconnect after a dropped connection (a server restart); never
-                                    # after a timeout: a frozen server would cost every call twice the timeout
-                                    retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)))
+        self._client_options = dict(
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=connect_timeout,
+            # one quick reconnect after a dropped connection (a server restart); never
+            # after a timeout: a frozen server would cost every call twice the timeout
+            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+        )
         self._client: redis.Redis | redis.cluster.RedisCluster | None = None
         self._connect_lock = threading.Lock()
         self.cluster = False
@@ -162,8 +172,10 @@ class RedisStore(BlobStore):
             for name in self._part_names(key, manifest) if manifest else ():
                 pipe.get(name)
         parts = iter(pipe.execute(raise_on_error=False)) if len(pipe) else iter(())
-        return [(None, None, None, None) if raw is None else (*_assembled(manifest, parts), raw, manifest)
-                for raw, manifest in manifests]
+        return [
+            (None, None, None, None) if raw is None else (*_assembled(manifest, parts), raw, manifest)
+            for raw, manifest in manifests
+        ]
 
     def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):
@@ -171,8 +183,11 @@ class RedisStore(BlobStore):
             for key, (_, problem, raw, manifest) in zip(keys, fetched):
                 if problem is not None:
                     self.metrics.incomplete += 1
-                    log.warning("redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
-                                key[:12], problem)
+                    log.warning(
+                        "redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
+                        key[:12],
+                        problem,
+                    )
                     self._drop_remains(key, raw, manifest)
             return [blob for blob, *_ in fetched]
 
@@ -223,15 +238,24 @@ class RedisStore(BlobStore):
                 key, exc = next(iter(failed.items()))
                 if isinstance(exc, _UNAVAILABLE):
                     raise exc
-                raise StoreError(f"redis tier {self.url}: cannot write {len(failed)} of {len(blobs)} entries "
-                                 f"(first: {key[:12]}: {exc})") from exc
+                raise StoreError(
+                    f"redis tier {self.url}: cannot write {len(failed)} of {len(blobs)} entries "
+                    f"(first: {key[:12]}: {exc})"
+                ) from exc
 
     def _plan(self, key: str, gen: str, blob: bytes) -> tuple[dict, list[memoryview]]:
         view = memoryview(blob)
         slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
         info = describe_head(view)
-        return {"v": MANIFEST_VERSION, "gen": gen, "size": len(blob), "parts": len(slices),
-                "part_bytes": self.part_bytes, **{field: info[field] for field in SUMMARY}, "created": time.time()}, slices
+        return {
+            "v": MANIFEST_VERSION,
+            "gen": gen,
+            "size": len(blob),
+            "parts": len(slices),
+            "part_bytes": self.part_bytes,
+            **{field: info[field] for field in SUMMARY},
+            "created": time.time(),
+        }, slices
 
     def _delete_quietly(self, names: list[str]) -> None:
         """Best-effort cleanup, one command per slot group (cluster DEL must stay within a slot)."""
@@ -256,7 +280,7 @@ class RedisStore(BlobStore):
 
     def delete(self, key: str) -> bool:
         with self._errors("delete"):
-            (raw, manifest), = self._manifests([key])
+            ((raw, manifest),) = self._manifests([key])
             if raw is None:
                 return False
             names = [self._manifest_name(key), *(self._part_names(key, manifest) if manifest else [])]
@@ -279,8 +303,12 @@ class RedisStore(BlobStore):
                 elif manifest is None:
                     out.append({"error": "unreadable manifest", "size": 0})
                 else:
-                    out.append({**{field: manifest[field] for field in (*SUMMARY, "size", "parts")},
-                                "written": manifest.get("created")})  # the writer's clock
+                    out.append(
+                        {
+                            **{field: manifest[field] for field in (*SUMMARY, "size", "parts")},
+                            "written": manifest.get("created"),
+                        }
+                    )  # the writer's clock
             return out
 
     # -- maintenance --------------------------------------------------------------------------------
@@ -347,19 +375,32 @@ class RedisStore(BlobStore):
             nodes = {"target_nodes": redis.cluster.RedisCluster.PRIMARIES} if self.cluster else {}
             memory, stats = _info(client, "memory", nodes), _info(client, "stats", nodes)
             keys = client.dbsize(**nodes)
-        return {**super().stats(), "url": self.url, "prefix": self.prefix, "cluster": self.cluster,
-                "server_keys": keys, "used_memory": memory.get("used_memory", 0),
-                "maxmemory": memory.get("maxmemory", 0), "maxmemory_policy": memory.get("maxmemory_policy", ""),
-                "server_hits": stats.get("keyspace_hits", 0), "server_misses": stats.get("keyspace_misses", 0),
-                "server_evicted_keys": stats.get("evicted_keys", 0)}
+        return {
+            **super().stats(),
+            "url": self.url,
+            "prefix": self.prefix,
+            "cluster": self.cluster,
+            "server_keys": keys,
+            "used_memory": memory.get("used_memory", 0),
+            "maxmemory": memory.get("maxmemory", 0),
+            "maxmemory_policy": memory.get("maxmemory_policy", ""),
+            "server_hits": stats.get("keyspace_hits", 0),
+            "server_misses": stats.get("keyspace_misses", 0),
+            "server_evicted_keys": stats.get("evicted_keys", 0),
+        }
 
 
 def _parse_manifest(raw: bytes) -> dict | None:
     try:
         manifest = json.loads(raw)
-        if (manifest.get("v") != MANIFEST_VERSION or not isinstance(manifest.get("gen"), str)
-                or not isinstance(manifest.get("parts"), int) or manifest["parts"] < 1
-                or not isinstance(manifest.get("size"), int) or not isinstance(manifest.get("sha256"), str)):
+        if (
+            manifest.get("v") != MANIFEST_VERSION
+            or not isinstance(manifest.get("gen"), str)
+            or not isinstance(manifest.get("parts"), int)
+            or manifest["parts"] < 1
+            or not isinstance(manifest.get("size"), int)
+            or not isinstance(manifest.get("sha256"), str)
+        ):
             return None
         return manifest
     except (ValueError, UnicodeDecodeError, AttributeError):
@@ -376,7 +417,7 @@ def _assembled(manifest: dict | None, parts: Iterator) -> tuple[bytearray | None
     blob = bytearray().join(got)  # a bytearray: decode's tensors are views of it
     if len(blob) != manifest["size"]:
         return None, f"parts hold {len(blob)} bytes, manifest says {manifest['size']}"
-    if blob[len(MAGIC):HEADER].hex() != manifest["sha256"]:
+    if blob[len(MAGIC) : HEADER].hex() != manifest["sha256"]:
         return None, "parts do not match the manifest digest"
     return blob, None
 
@@ -434,4 +475,7 @@ def _warn_if_evicting(client, url: str) -> None:
         log.warning(
             "redis tier %s: maxmemory-policy is %s, which may evict document records as well as cached entries; "
             "those documents would be lost. Use noeviction (writes fail when full, nothing is lost) or keep a "
-            "disk tier beside Redis (memory+disk+redis) so records survive.", url, policy)
+            "disk tier beside Redis (memory+disk+redis) so records survive.",
+            url,
+            policy,
+        )

@@ -49,8 +49,13 @@ class TierState:
 
 
 class TieredStore(Store):
-    def __init__(self, tiers: list[Store], retry_after: float = DEFAULT_RETRY_AFTER_S,
-                 max_retry_after: float = DEFAULT_MAX_RETRY_AFTER_S, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        tiers: list[Store],
+        retry_after: float = DEFAULT_RETRY_AFTER_S,
+        max_retry_after: float = DEFAULT_MAX_RETRY_AFTER_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         super().__init__()
         if not tiers:
             raise StoreError("a tiered store needs at least one tier")
@@ -104,20 +109,30 @@ class TieredStore(Store):
         with self._lock:
             names = sorted(self._behind.pop(i, ()))
         for n, name in enumerate(names):
-            record = next((r for j, tier in enumerate(self.tiers) if j != i and self._usable(j)
-                           for r in self._call(j, tier.get_records, [name])[0] or () if isinstance(r, dict)), None)
+            record = next(
+                (
+                    r
+                    for j, tier in enumerate(self.tiers)
+                    if j != i and self._usable(j)
+                    for r in self._call(j, tier.get_records, [name])[0] or ()
+                    if isinstance(r, dict)
+                ),
+                None,
+            )
             try:
                 if record is not None:  # None: deleted since, everywhere else too
                     self.tiers[i].put_record(name, record)
             except FAULTS as exc:
                 with self._lock:
                     self._behind.setdefault(i, set()).update(names[n:])
-                log.warning("store tier %s failed while catching up (%s); it retries when it is back", self.tiers[i].name,
-                            exc)
+                log.warning(
+                    "store tier %s failed while catching up (%s); it retries when it is back", self.tiers[i].name, exc
+                )
                 return
         if names:
-            log.info("store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name,
-                        len(names))
+            log.info(
+                "store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name, len(names)
+            )
 
     def _failed(self, i: int, exc: BaseException, write: bool) -> None:
         state, name = self.states[i], self.tiers[i].name
@@ -138,8 +153,11 @@ class TieredStore(Store):
 
     def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, object]]:
         """Call a method on every usable tier; [(tier index, result)] for those that answered."""
-        calls = [(i, self._call(i, getattr(tier, fn_name), *args, write=write))
-                 for i, tier in enumerate(self.tiers) if self._usable(i)]
+        calls = [
+            (i, self._call(i, getattr(tier, fn_name), *args, write=write))
+            for i, tier in enumerate(self.tiers)
+            if self._usable(i)
+        ]
         return [(i, result) for i, (result, ok) in calls if ok]
 
     def _written(self, answers: list, what: str) -> None:
@@ -193,8 +211,10 @@ class TieredStore(Store):
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
         lasting = [tier for tier in self.tiers if tier.lasting]
         if lasting and not any(self.tiers[i].lasting for i, _ in answers):
-            raise StoreError(f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
-                             f"({self._reasons(lasting)})")
+            raise StoreError(
+                f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
+                f"({self._reasons(lasting)})"
+            )
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         return [bool(there) for there in self._first("contains_many", keys)]
@@ -267,9 +287,11 @@ class TieredStore(Store):
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
             hurt = [f"{names[j]} ({damaged[j][1]})" for j in todo if j in damaged]
-            raise TierUnavailable(f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
-                                  f"{', '.join(unanswered)}, which are down" +
-                                  (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else ""))
+            raise TierUnavailable(
+                f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
+                f"{', '.join(unanswered)}, which are down"
+                + (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else "")
+            )
         for j in todo if lasting else ():  # in no lasting tier: a copy kept here would be another worker's past
             if j not in damaged:
                 for i in others:
@@ -319,8 +341,10 @@ class TieredStore(Store):
         answers = self._each("delete_record", name, write=True)
         missed = [self.tiers[i].name for i in range(len(self.tiers)) if i not in {j for j, _ in answers}]
         if missed:
-            raise TierUnavailable(f"record {name} may still be in store tier(s) {', '.join(missed)}, which did not answer; "
-                                  "delete it again when they are back")
+            raise TierUnavailable(
+                f"record {name} may still be in store tier(s) {', '.join(missed)}, which did not answer; "
+                "delete it again when they are back"
+            )
         return any(bool(r) for _, r in answers)
 
     def record_names(self, prefix: str = "") -> list[str]:

@@ -29,8 +29,9 @@ def default_prefetch(rc: Front, prefetch: bool | None) -> bool:
     return hasattr(rc.store, "tiers") if prefetch is None else prefetch
 
 
-def warm(rc: Front, texts: list[str], metadata: list[dict], layout: str,
-         prefetch: bool) -> tuple[list[str], WarmReport]:
+def warm(
+    rc: Front, texts: list[str], metadata: list[dict], layout: str, prefetch: bool
+) -> tuple[list[str], WarmReport]:
     """Compile the texts' missing chunks and, with prefetch (or another layout than "default", whose entries are
     compiled on demand), read or compile their entries in `layout`. Returns the texts' document ids and the report."""
     started = time.perf_counter()

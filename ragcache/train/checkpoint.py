@@ -44,8 +44,10 @@ def check_steps(out: Path, steps: int) -> None:
     found = find(out)
     done = int(torch.load(found / STATE, weights_only=True, mmap=True)["step"]) if found else 0
     if steps < done:
-        raise BadRequest(f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
-                         f"{done} or more (more continues it), or pick another --out")
+        raise BadRequest(
+            f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
+            f"{done} or more (more continues it), or pick another --out"
+        )
 
 
 def load(out: Path, key: dict) -> tuple[Path, dict] | None:
@@ -57,8 +59,11 @@ def load(out: Path, key: dict) -> tuple[Path, dict] | None:
     state = torch.load(final / STATE, weights_only=True)
     saved, now = json.loads(state.pop("key")), json.loads(json.dumps(key))
     if saved != now:
-        changed = "; ".join(f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
-                            for name in sorted({*saved, *now}) if saved.get(name) != now.get(name))
+        changed = "; ".join(
+            f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
+            for name in sorted({*saved, *now})
+            if saved.get(name) != now.get(name)
+        )
         raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
     return final, state
 

@@ -13,8 +13,9 @@ from rich.table import Table
 from ..console import bars, console, err, fail
 from ..errors import RagCacheError
 
-train_app = typer.Typer(help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.",
-                        no_args_is_help=True)
+train_app = typer.Typer(
+    help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.", no_args_is_help=True
+)
 
 FIM_MODEL = "qwen2.5-coder-0.5b"
 
@@ -36,30 +37,61 @@ def link_cmd(
     train_items: int = typer.Option(200, "--train-items", help="training items (questions over a few documents)"),
     eval_items: int = typer.Option(40, "--eval-items", help="held-out items reported at the end"),
     answer_tokens: int = typer.Option(8, "--answer-tokens", help="answer tokens of full's greedy answer distilled"),
-    docs: Path = typer.Option(None, "--docs", help="your documents (a .txt/.md file or folder): questions are "
-                                                   "written by the base model (default: SQuAD v1.1 dev)"),
+    docs: Path = typer.Option(
+        None,
+        "--docs",
+        help="your documents (a .txt/.md file or folder): questions are "
+        "written by the base model (default: SQuAD v1.1 dev)",
+    ),
     out: Path = typer.Option(Path("./link-adapter"), "--out", help="output directory (a killed run resumes here)"),
     seed: int = typer.Option(0, "--seed"),
     dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
-    keep_full: float = typer.Option(0.0, "--keep-full", help="weight of a second term, KL(base full || adapted "
-                                    "full) over the answer: keeps the adapted model's own full (every row "
-                                    "recomputed) at the base's, so a link that recomputes more never drifts further "
-                                    "(0: off)"),
-    keep_full_every: int = typer.Option(1, "--keep-full-every", help="that term on every n-th training item only "
-                                        "(a full forward costs several cheap links)"),
-    install: bool = typer.Option(False, "--install", help="install the adapter as the model's own (then `ragcache "
-                                                          "calibrate --model M` makes it the model's default)"),
+    keep_full: float = typer.Option(
+        0.0,
+        "--keep-full",
+        help="weight of a second term, KL(base full || adapted "
+        "full) over the answer: keeps the adapted model's own full (every row "
+        "recomputed) at the base's, so a link that recomputes more never drifts further "
+        "(0: off)",
+    ),
+    keep_full_every: int = typer.Option(
+        1,
+        "--keep-full-every",
+        help="that term on every n-th training item only (a full forward costs several cheap links)",
+    ),
+    install: bool = typer.Option(
+        False,
+        "--install",
+        help="install the adapter as the model's own (then `ragcache "
+        "calibrate --model M` makes it the model's default)",
+    ),
 ):
     """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter, or
     --install it. E.g. `--algorithm focus --ratio 0.1 --keep-full 1 --keep-full-every 4`: fitted under the served
     focus link, with the adapted model's own full held at the base's."""
     from .link import LinkTrainConfig, train_link
 
-    cfg = LinkTrainConfig(model=model, algorithm=algorithm, k=k, ratio=ratio, steps=steps, batch=batch, lr=lr,
-                          rank=rank, train_items=train_items, eval_items=eval_items, answer_tokens=answer_tokens,
-                          docs=docs, out=out, seed=seed, dtype=dtype, checkpoint_every=checkpoint_every,
-                          keep_full=keep_full, keep_full_every=keep_full_every)
+    cfg = LinkTrainConfig(
+        model=model,
+        algorithm=algorithm,
+        k=k,
+        ratio=ratio,
+        steps=steps,
+        batch=batch,
+        lr=lr,
+        rank=rank,
+        train_items=train_items,
+        eval_items=eval_items,
+        answer_tokens=answer_tokens,
+        docs=docs,
+        out=out,
+        seed=seed,
+        dtype=dtype,
+        checkpoint_every=checkpoint_every,
+        keep_full=keep_full,
+        keep_full_every=keep_full_every,
+    )
     try:
         cfg.validate()
         with _progress() as bar:
@@ -74,6 +106,7 @@ def link_cmd(
 
             with err.status(f"loading {model}"):
                 from .link import open_engine
+
                 rc = open_engine(cfg)
             report = train_link(cfg, rc=rc, progress=tick)
     except RagCacheError as exc:
@@ -89,27 +122,39 @@ def link_cmd(
             path = install_adapter(Path(report.out), model)
         except RagCacheError as exc:
             fail(exc)
-        console.print(f"installed as {model}'s adapter: {path}; `ragcache calibrate --model {model}` makes it the "
-                      "default")
+        console.print(
+            f"installed as {model}'s adapter: {path}; `ragcache calibrate --model {model}` makes it the default"
+        )
 
 
 def _print_link_report(cfg, report) -> None:
     window = max(1, min(10, len(report.losses) // 2))
     head, tail = (sum(part) / window for part in (report.losses[:window], report.losses[-window:]))
-    console.print(f"{report.steps} steps on {report.items['train']} items (this run: {report.seconds:.0f}s); "
-                  f"training KL {head:.4f} -> {tail:.4f} (first and last {window} steps)")
+    console.print(
+        f"{report.steps} steps on {report.items['train']} items (this run: {report.seconds:.0f}s); "
+        f"training KL {head:.4f} -> {tail:.4f} (first and last {window} steps)"
+    )
     if report.full_losses:
         kept = report.full_losses
         window = max(1, min(10, len(kept) // 2))
-        console.print(f"full term, KL(base full || adapted full): {sum(kept[:window]) / window:.4f} -> "
-                      f"{sum(kept[-window:]) / window:.4f} (first and last {window} steps that took it)")
-    table = Table(title=f"held out ({report.items['eval']} items): {cfg.label()} (full_*: the model's own full) "
-                        "against the base model's full")
+        console.print(
+            f"full term, KL(base full || adapted full): {sum(kept[:window]) / window:.4f} -> "
+            f"{sum(kept[-window:]) / window:.4f} (first and last {window} steps that took it)"
+        )
+    table = Table(
+        title=f"held out ({report.items['eval']} items): {cfg.label()} (full_*: the model's own full) "
+        "against the base model's full"
+    )
     for col in ("metric", "base", "adapted", "adapted - base", "95% interval"):
         table.add_column(col, justify="left" if col == "metric" else "right")
     for metric, row in report.held_out.items():
-        table.add_row(metric, f"{row['base']:.3f}", f"{row['adapted']:.3f}", f"{row['diff']:+.3f}",
-                      f"[{row['low']:+.3f}, {row['high']:+.3f}]")
+        table.add_row(
+            metric,
+            f"{row['base']:.3f}",
+            f"{row['adapted']:.3f}",
+            f"{row['diff']:+.3f}",
+            f"[{row['low']:+.3f}, {row['high']:+.3f}]",
+        )
     console.print(table)
     console.print(f"wrote {report.out}  (RagCache.open(..., adapter={report.out!r}), or --adapter {report.out})")
 
@@ -129,15 +174,29 @@ def infill_cmd(
     glob: str = typer.Option("**/*.py", "--glob", help="which files under --data"),
     seed: int = typer.Option(0, "--seed"),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
-    checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints (in --out; the "
-                                                                         "same command resumes the last one)"),
+    checkpoint_every: int = typer.Option(
+        20, "--checkpoint-every", help="steps between checkpoints (in --out; the same command resumes the last one)"
+    ),
 ):
     """Fine-tune on FIM/EFIM examples built from the files in --data; writes a model RagCache.open loads."""
     from .infill import TrainConfig, train
 
-    cfg = TrainConfig(model=model, data=data, out=out, steps=steps, lora=lora, lr=lr, batch=batch, format=fmt,
-                      fragment=fragment, max_tokens=max_tokens, glob=glob, seed=seed, device=device,
-                      checkpoint_every=checkpoint_every)
+    cfg = TrainConfig(
+        model=model,
+        data=data,
+        out=out,
+        steps=steps,
+        lora=lora,
+        lr=lr,
+        batch=batch,
+        format=fmt,
+        fragment=fragment,
+        max_tokens=max_tokens,
+        glob=glob,
+        seed=seed,
+        device=device,
+        checkpoint_every=checkpoint_every,
+    )
     try:
         cfg.validate()
         with _progress() as bar:
@@ -156,9 +215,11 @@ def infill_cmd(
         raise typer.Exit(130) from None
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))
-    console.print(f"trained {result.steps} steps ({result.examples} examples, {result.tokens} tokens, "
-                  f"{result.trainable_parameters:,} trainable parameters) in {result.seconds:.1f}s on {result.device}; "
-                  f"loss {head:.3f} -> {tail:.3f}")
+    console.print(
+        f"trained {result.steps} steps ({result.examples} examples, {result.tokens} tokens, "
+        f"{result.trainable_parameters:,} trainable parameters) in {result.seconds:.1f}s on {result.device}; "
+        f"loss {head:.3f} -> {tail:.3f}"
+    )
     console.print(f"wrote {result.out}  (RagCache.open(model={str(result.out)!r}))")
 
 
@@ -195,8 +256,11 @@ def eval_cmd(
                 hits[result.mode] += result.exact
                 bar.update(task, advance=1, note=" ".join(f"{m} EM {h}" for m, h in hits.items()))
                 if not err.is_terminal:
-                    err.print(f"{result.task_id} {result.mode} {'OK' if result.exact else 'XX'} "
-                              f"ttft {result.ttft_s:.2f}s", highlight=False, markup=False)
+                    err.print(
+                        f"{result.task_id} {result.mode} {'OK' if result.exact else 'XX'} ttft {result.ttft_s:.2f}s",
+                        highlight=False,
+                        markup=False,
+                    )
 
             report = evaluate(rc, tasks, mode_list, max_new_tokens, progress=tick)
     except RagCacheError as exc:
@@ -206,19 +270,40 @@ def eval_cmd(
         table.add_column(col, justify="left" if col in ("mode", "kind") else "right")
     for row in report.summary():
         syntax = "" if row["syntax_pass"] is None else f"{row['syntax_pass']:.3f}"
-        table.add_row(row["mode"], row["kind"], str(row["n"]), f"{row['exact_match']:.3f}", f"{row['first_char']:.3f}",
-                      syntax,
-                      f"{row['edit_similarity']:.3f}", f"{row['ttft_s'] * 1e3:.0f}", f"{row['completion_tokens']:.1f}")
+        table.add_row(
+            row["mode"],
+            row["kind"],
+            str(row["n"]),
+            f"{row['exact_match']:.3f}",
+            f"{row['first_char']:.3f}",
+            syntax,
+            f"{row['edit_similarity']:.3f}",
+            f"{row['ttft_s'] * 1e3:.0f}",
+            f"{row['completion_tokens']:.1f}",
+        )
     console.print(table)
     by_id = {t.task_id: t for t in tasks}
     for r in report.results[:show]:
-        console.print(f"{r.task_id} {r.mode} {'OK' if r.exact else 'XX'} "
-                      f"gold={by_id[r.task_id].middle!r} pred={r.prediction!r}", markup=False, highlight=False)
+        console.print(
+            f"{r.task_id} {r.mode} {'OK' if r.exact else 'XX'} gold={by_id[r.task_id].middle!r} pred={r.prediction!r}",
+            markup=False,
+            highlight=False,
+        )
     if json_out:
-        payload = dict(report.as_dict(), tasks=[t.as_dict() for t in tasks],
-                       params=dict(tasks=n_tasks, kinds=kinds, modes=modes, seed=seed, max_new_tokens=max_new_tokens,
-                                   source=str(source) if source else "stdlib", prefix_chars=prefix_chars,
-                                   suffix_chars=suffix_chars))
+        payload = dict(
+            report.as_dict(),
+            tasks=[t.as_dict() for t in tasks],
+            params=dict(
+                tasks=n_tasks,
+                kinds=kinds,
+                modes=modes,
+                seed=seed,
+                max_new_tokens=max_new_tokens,
+                source=str(source) if source else "stdlib",
+                prefix_chars=prefix_chars,
+                suffix_chars=suffix_chars,
+            ),
+        )
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(payload, indent=2) + "\n")
         console.print(f"wrote {json_out}")

@@ -55,13 +55,19 @@ class EvalReport:
             for kind in kinds + (["all"] if len(kinds) > 1 else []):
                 group = of_mode if kind == "all" else [r for r in of_mode if r.kind == kind]
                 checked = [r.syntax_ok for r in group if r.syntax_ok is not None]
-                rows.append(dict(mode=mode, kind=kind, n=len(group),
-                                 exact_match=sum(r.exact for r in group) / len(group),
-                                 first_char=sum(r.first_char for r in group) / len(group),
-                                 syntax_pass=sum(checked) / len(checked) if checked else None,
-                                 edit_similarity=statistics.fmean(r.edit_similarity for r in group),
-                                 ttft_s=statistics.fmean(r.ttft_s for r in group),
-                                 completion_tokens=statistics.fmean(r.completion_tokens for r in group)))
+                rows.append(
+                    dict(
+                        mode=mode,
+                        kind=kind,
+                        n=len(group),
+                        exact_match=sum(r.exact for r in group) / len(group),
+                        first_char=sum(r.first_char for r in group) / len(group),
+                        syntax_pass=sum(checked) / len(checked) if checked else None,
+                        edit_similarity=statistics.fmean(r.edit_similarity for r in group),
+                        ttft_s=statistics.fmean(r.ttft_s for r in group),
+                        completion_tokens=statistics.fmean(r.completion_tokens for r in group),
+                    )
+                )
         return rows
 
     def as_dict(self) -> dict:
@@ -78,11 +84,21 @@ def score(task: InfillTask, mode: str, prediction: str, stats) -> TaskResult:
     pred, gold = normalize(task, prediction), task.middle.rstrip()
     # the middle's own trailing whitespace goes back in: every score ignores it, and without a span's last newline
     # and indent the next line would be glued to the prediction
-    in_place = pred + task.middle[len(gold):]
-    return TaskResult(task.task_id, task.kind, mode, prediction, pred == gold, pred[:1] == gold[:1],
-                      syntax_ok(task, in_place),
-                      round(difflib.SequenceMatcher(None, pred, gold).ratio(), 4), stats.ttft_s, stats.total_s,
-                      stats.prompt_tokens, stats.completion_tokens)
+    in_place = pred + task.middle[len(gold) :]
+    return TaskResult(
+        task.task_id,
+        task.kind,
+        mode,
+        prediction,
+        pred == gold,
+        pred[:1] == gold[:1],
+        syntax_ok(task, in_place),
+        round(difflib.SequenceMatcher(None, pred, gold).ratio(), 4),
+        stats.ttft_s,
+        stats.total_s,
+        stats.prompt_tokens,
+        stats.completion_tokens,
+    )
 
 
 def run_task(rc, task: InfillTask, mode: str, max_new_tokens: int, session: str) -> TaskResult:
@@ -91,13 +107,25 @@ def run_task(rc, task: InfillTask, mode: str, max_new_tokens: int, session: str)
     if mode == "efim":
         rc.infill_sessions.plan(session, task.prefix[: task.split], task.suffix, "efim")
     stop = ["\n"] if task.kind == "line" else None
-    answer = rc.infill(task.prefix, task.suffix, session=session if mode == "efim" else None, mode=mode,
-                       reuse=False, max_new_tokens=max_new_tokens, stop=stop)
+    answer = rc.infill(
+        task.prefix,
+        task.suffix,
+        session=session if mode == "efim" else None,
+        mode=mode,
+        reuse=False,
+        max_new_tokens=max_new_tokens,
+        stop=stop,
+    )
     return score(task, mode, answer.text, answer.stats)
 
 
-def evaluate(rc, tasks: Sequence[InfillTask], modes: Sequence[str] = ("psm", "efim"), max_new_tokens: int = 24,
-             progress: Callable[[TaskResult], None] | None = None) -> EvalReport:
+def evaluate(
+    rc,
+    tasks: Sequence[InfillTask],
+    modes: Sequence[str] = ("psm", "efim"),
+    max_new_tokens: int = 24,
+    progress: Callable[[TaskResult], None] | None = None,
+) -> EvalReport:
     """Every task in every mode (tasks outer, modes inner: a slow run's partial report covers all modes)."""
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:

@@ -113,13 +113,20 @@ class ExampleBuilder:
         cfg = self.config
         return tokenize(self.tokenizer, text, rng if cfg.fragment else None, cfg.mean_fragment_chars)
 
-    def assemble(self, prefix: str, suffix: str, middle: str, fmt: str, split: int | None,
-                 rng: random.Random) -> Example:
+    def assemble(
+        self, prefix: str, suffix: str, middle: str, fmt: str, split: int | None, rng: random.Random
+    ) -> Example:
         """One example from given parts (split: EFIM's cached prefix length; ignored for FIM)."""
         fim = self.fim
         i = len(prefix) if fmt == "fim" or split is None else split
-        prompt = [fim.prefix, *self._ids(prefix[:i], rng), fim.suffix, *self._ids(suffix, rng), fim.middle,
-                  *self._ids(prefix[i:], rng)]
+        prompt = [
+            fim.prefix,
+            *self._ids(prefix[:i], rng),
+            fim.suffix,
+            *self._ids(suffix, rng),
+            fim.middle,
+            *self._ids(prefix[i:], rng),
+        ]
         target = [*self._ids(middle, rng), self.end_id]
         return Example(prompt + target, [IGNORE] * len(prompt) + target, fmt, prefix, suffix, middle, i)
 
@@ -137,7 +144,7 @@ class ExampleBuilder:
         before = rng.randint(room // 3, room) if room else 0  # most of the window goes to the prefix
         after = room - before
         for _ in range(8):  # shrink the windows until the example fits
-            prefix, suffix = text[max(0, start - before):start], text[end:end + after]
+            prefix, suffix = text[max(0, start - before) : start], text[end : end + after]
             split = len(prefix)
             if fmt == "efim" and prefix:
                 split = len(prefix) - rng.randint(0, min(cfg.max_increment_chars, len(prefix)))

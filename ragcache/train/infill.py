@@ -79,11 +79,13 @@ def check_device(device: str) -> None:
     if found is None:
         raise ParameterOutOfRange(f"--device must be auto, cpu or cuda (cuda:N for the N-th GPU), got {device!r}")
     if not torch.cuda.is_available():
-        raise ParameterOutOfRange(f"--device {device}: torch sees no CUDA device on this machine; use --device cpu "
-                                  "(or auto)")
+        raise ParameterOutOfRange(
+            f"--device {device}: torch sees no CUDA device on this machine; use --device cpu (or auto)"
+        )
     if found.group(1) is not None and int(found.group(1)) >= torch.cuda.device_count():
-        raise ParameterOutOfRange(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), "
-                                  "numbered from 0")
+        raise ParameterOutOfRange(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+        )
 
 
 @dataclass
@@ -178,8 +180,9 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
-    result = TrainResult(Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device),
-                         trainable_parameters=sum(p.numel() for p in params))
+    result = TrainResult(
+        Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device), trainable_parameters=sum(p.numel() for p in params)
+    )
     key = _run_key(cfg, source, texts)
     start = _resume(Path(cfg.out), key, model, optimizer, schedule, result)
     for _ in range(start * cfg.batch):  # trained on before the checkpoint
@@ -215,8 +218,11 @@ def _run_key(cfg: TrainConfig, source: str, texts: list[str]) -> dict:
     """What a checkpoint must share with the run that resumes it: the model, the data and every setting that
     shapes the examples or the updates (the step count may grow)."""
     data = hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:16]
-    settings = {name: value for name, value in asdict(cfg).items() if name not in ("out", "steps", "device",
-                                                                                     "checkpoint_every", "data")}
+    settings = {
+        name: value
+        for name, value in asdict(cfg).items()
+        if name not in ("out", "steps", "device", "checkpoint_every", "data")
+    }
     return dict(settings, model=str(source), data=data, learning_rate=cfg.learning_rate)
 
 
@@ -228,9 +234,18 @@ def _save_checkpoint(out: Path, key: dict, model, optimizer, schedule, step: int
     from safetensors.torch import save_file
 
     counts = dict(examples=result.examples, tokens=result.tokens, target_tokens=result.target_tokens)
-    checkpoint.save(out, lambda folder: save_file(_trainable(model), folder / "trainable.safetensors"),
-                    dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(), step=step,
-                         losses=list(result.losses), counts=counts), key)
+    checkpoint.save(
+        out,
+        lambda folder: save_file(_trainable(model), folder / "trainable.safetensors"),
+        dict(
+            optimizer=optimizer.state_dict(),
+            schedule=schedule.state_dict(),
+            step=step,
+            losses=list(result.losses),
+            counts=counts,
+        ),
+        key,
+    )
 
 
 def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResult) -> int:

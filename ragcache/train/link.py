@@ -87,8 +87,16 @@ class LinkTrainConfig:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
         if self.dtype not in DTYPES:
             raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        for name in ("steps", "batch", "rank", "train_items", "eval_items", "answer_tokens", "checkpoint_every",
-                     "keep_full_every"):
+        for name in (
+            "steps",
+            "batch",
+            "rank",
+            "train_items",
+            "eval_items",
+            "answer_tokens",
+            "checkpoint_every",
+            "keep_full_every",
+        ):
             if getattr(self, name) < 1:
                 raise BadRequest(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.k < 0 or not 0.0 <= self.ratio <= 1.0 or not 0 < self.lr < 1:
@@ -104,8 +112,11 @@ class LinkTrainConfig:
         return {"naive": "naive", "legolink": f"legolink-{self.k}", "focus": f"focus@{self.ratio}"}[self.algorithm]
 
     def recipe(self) -> str:
-        kept = (f" + {self.keep_full} x KL(base full || adapted full) on every {self.keep_full_every}-th item"
-                if self.keep_full else "")
+        kept = (
+            f" + {self.keep_full} x KL(base full || adapted full) on every {self.keep_full_every}-th item"
+            if self.keep_full
+            else ""
+        )
         return f"read-side LoRA, KL(full || linked) over the base model's greedy answer{kept}"
 
     def keeps_full(self, step: int, position: int) -> bool:
@@ -168,8 +179,14 @@ def paragraphs(path: Path) -> list[str]:
     return [p for p in found if len(p.split()) >= 20]
 
 
-def docs_items(rc: RagCache, texts: list[str], train_n: int, eval_n: int, seed: int,
-               say: Callable[[int, int], None] = lambda done, total: None) -> tuple[list[Item], list[Item]]:
+def docs_items(
+    rc: RagCache,
+    texts: list[str],
+    train_n: int,
+    eval_n: int,
+    seed: int,
+    say: Callable[[int, int], None] = lambda done, total: None,
+) -> tuple[list[Item], list[Item]]:
     """One question per paragraph, written by the base model, over that paragraph and two others."""
     if len(texts) < 3:
         raise BadRequest(f"--docs needs at least 3 paragraphs of 20 words or more, found {len(texts)}")
@@ -195,8 +212,7 @@ def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     doc_ids = rc.compile(item.documents)
     full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
     answer = rc.driver.call(agreement.greedy, rc.runner, full, answer_tokens, rc.stop_ids, set())
-    logits = (rc.driver.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer
-              else full.last_logits[None])
+    logits = rc.driver.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer else full.last_logits[None]
     return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
 
 
@@ -204,14 +220,16 @@ def _item_key(item: Item) -> str:
     return hashlib.sha256(json.dumps(asdict(item)).encode()).hexdigest()[:32]
 
 
-def load_or_prepare(rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Item]],
-                    say: Callable[[str, int, int], None]) -> dict[str, list[Target]]:
+def load_or_prepare(
+    rc: RagCache, cfg: LinkTrainConfig, sets: dict[str, list[Item]], say: Callable[[str, int, int], None]
+) -> dict[str, list[Target]]:
     """Each item's targets: read from `out`/targets/ where an earlier run prepared them with this model, else
     prepared now. One file an item (a target is about 1.5 MB of fp32 log-probabilities), so a run killed while
     preparing loses at most the item it was on, and saving never rewrites what is done. Their log-probs are memory-
     mapped from those files, so thousands of items do not have to fit in memory (1.5 GB a thousand)."""
-    folder = Path(cfg.out) / "targets" / hashlib.sha256(
-        f"{rc.lm.fingerprint}:{cfg.answer_tokens}".encode()).hexdigest()[:16]
+    folder = (
+        Path(cfg.out) / "targets" / hashlib.sha256(f"{rc.lm.fingerprint}:{cfg.answer_tokens}".encode()).hexdigest()[:16]
+    )
     out = {}
     for name, items in sets.items():
         out[name] = []
@@ -233,8 +251,12 @@ def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     plan = rc.driver.call(linker.plan, rc.runner, parts, params)
     length = parts.token_ids.numel()
     # clones outside inference mode: inference tensors cannot take part in a backward pass
-    return Placed(parts.token_ids.clone(), plan.cache.keys[:, :, :length].clone(),
-                  plan.cache.values[:, :, :length].clone(), plan.rows.clone())
+    return Placed(
+        parts.token_ids.clone(),
+        plan.cache.keys[:, :, :length].clone(),
+        plan.cache.values[:, :, :length].clone(),
+        plan.rows.clone(),
+    )
 
 
 def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> torch.Tensor:
@@ -253,8 +275,14 @@ def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> 
     for layer in range(placed.keys.shape[0]):
         cache.update(placed.keys[layer][None], placed.values[layer][None], layer)
     device = next(model.parameters()).device
-    hidden = model.model(input_ids=ids[None].to(device), position_ids=positions[None].to(device), cache=cache, attention_mask=mask.to(device), use_cache=True).last_hidden_state
-    return model.lm_head(hidden[0, placed.rows.numel() - 1:]).float()
+    hidden = model.model(
+        input_ids=ids[None].to(device),
+        position_ids=positions[None].to(device),
+        cache=cache,
+        attention_mask=mask.to(device),
+        use_cache=True,
+    ).last_hidden_state
+    return model.lm_head(hidden[0, placed.rows.numel() - 1 :]).float()
 
 
 def full_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> torch.Tensor:
@@ -263,7 +291,7 @@ def full_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> to
     ids = torch.cat([placed.ids, torch.tensor(answer[:-1], dtype=torch.long)])
     device = next(model.parameters()).device
     hidden = model.model(input_ids=ids[None].to(device), use_cache=False).last_hidden_state
-    return model.lm_head(hidden[0, placed.ids.numel() - 1:]).float()
+    return model.lm_head(hidden[0, placed.ids.numel() - 1 :]).float()
 
 
 def kl_to_full(target: Target, logits: torch.Tensor) -> torch.Tensor:
@@ -289,9 +317,20 @@ def _run_key(cfg: LinkTrainConfig, targets: list[Target], fingerprint: str) -> d
     """What a checkpoint must share with the run that resumes it (the step count may grow): the model by its
     weights (`fingerprint`), as a path may hold another checkpoint since, and what its targets were made with."""
     items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
-    key = dict(model=fingerprint, algorithm=cfg.algorithm, k=cfg.k, ratio=cfg.ratio, batch=cfg.batch, lr=cfg.lr,
-               rank=cfg.rank, warmup=cfg.warmup, seed=cfg.seed, dtype=cfg.dtype, answer_tokens=cfg.answer_tokens,
-               items=items)
+    key = dict(
+        model=fingerprint,
+        algorithm=cfg.algorithm,
+        k=cfg.k,
+        ratio=cfg.ratio,
+        batch=cfg.batch,
+        lr=cfg.lr,
+        rank=cfg.rank,
+        warmup=cfg.warmup,
+        seed=cfg.seed,
+        dtype=cfg.dtype,
+        answer_tokens=cfg.answer_tokens,
+        items=items,
+    )
     if cfg.keep_full:  # absent otherwise, so that runs of the link term alone resume as before
         key.update(keep_full=cfg.keep_full, keep_full_every=cfg.keep_full_every)
     return key
@@ -304,11 +343,22 @@ def _atomic_save(obj, path: Path) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict,
-                    full_losses: list[float] = ()) -> None:
+def save_checkpoint(
+    out: Path, peft, optimizer, schedule, step: int, losses: list[float], key: dict, full_losses: list[float] = ()
+) -> None:
     """The adapter and the optimizer's state after `step`."""
-    checkpoint.save(out, peft.save_pretrained, dict(optimizer=optimizer.state_dict(), schedule=schedule.state_dict(),
-                                                    step=step, losses=losses, full_losses=list(full_losses)), key)
+    checkpoint.save(
+        out,
+        peft.save_pretrained,
+        dict(
+            optimizer=optimizer.state_dict(),
+            schedule=schedule.state_dict(),
+            step=step,
+            losses=losses,
+            full_losses=list(full_losses),
+        ),
+        key,
+    )
 
 
 def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
@@ -326,8 +376,9 @@ def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[in
     return int(state["step"]), list(state["losses"]), list(state.get("full_losses", []))
 
 
-def train_step(rc: RagCache, cfg: LinkTrainConfig, targets: list[Target], indices: list[int], params,
-               step: int = 1) -> tuple[float, float | None]:
+def train_step(
+    rc: RagCache, cfg: LinkTrainConfig, targets: list[Target], indices: list[int], params, step: int = 1
+) -> tuple[float, float | None]:
     """One optimizer step's gradients (accumulated over its items); returns the mean KL(full || linked), and the mean
     KL(base full || adapted full) over the items that took that term (None: none did)."""
     total, kept = 0.0, []
@@ -353,17 +404,30 @@ def scores(rc: RagCache, cfg: LinkTrainConfig, target: Target) -> dict:
     over its tokens; then the same for the model's own full (full_*: 1 and 0 for the base model, up to rounding)."""
     placed = place(rc, target, cfg)
     out = {}
-    for prefix, logits in (("", linked_logits(rc.lm.model, placed, target.answer)),
-                           ("full_", full_logits(rc.lm.model, placed, target.answer))):
+    for prefix, logits in (
+        ("", linked_logits(rc.lm.model, placed, target.answer)),
+        ("full_", full_logits(rc.lm.model, placed, target.answer)),
+    ):
         kl = kl_to_full(target, logits)
         hits = (logits.argmax(-1) == target.logprobs.argmax(-1)).float()
-        out.update({f"{prefix}top1": float(hits[0]), f"{prefix}kl": float(kl[0]),
-                    f"{prefix}token_agree": float(hits.mean()), f"{prefix}kl_answer": float(kl.mean())})
+        out.update(
+            {
+                f"{prefix}top1": float(hits[0]),
+                f"{prefix}kl": float(kl[0]),
+                f"{prefix}token_agree": float(hits.mean()),
+                f"{prefix}kl_answer": float(kl.mean()),
+            }
+        )
     return out
 
 
-def evaluate(rc: RagCache, cfg: LinkTrainConfig, peft, targets: list[Target],
-             say: Callable[[int, int], None] = lambda done, total: None) -> list[dict]:
+def evaluate(
+    rc: RagCache,
+    cfg: LinkTrainConfig,
+    peft,
+    targets: list[Target],
+    say: Callable[[int, int], None] = lambda done, total: None,
+) -> list[dict]:
     """Each held-out item scored with the adapter off (the base model) and on."""
     out = []
     for i, target in enumerate(targets):
@@ -378,13 +442,16 @@ def summary(per_item: list[dict], seed: int = 0) -> dict:
     """Means of base and adapted, and their paired difference with a 95% bootstrap interval (2,000 resamples)."""
     table, rng = {}, random.Random(seed)
     n = len(per_item)
-    for key in (per_item[0]["base"] if per_item else ()):
+    for key in per_item[0]["base"] if per_item else ():
         diffs = [r["adapted"][key] - r["base"][key] for r in per_item]
         means = sorted(sum(diffs[rng.randrange(n)] for _ in range(n)) / n for _ in range(2000)) if n else [0.0]
-        table[key] = dict(base=sum(r["base"][key] for r in per_item) / max(n, 1),
-                          adapted=sum(r["adapted"][key] for r in per_item) / max(n, 1),
-                          diff=sum(diffs) / max(n, 1), low=means[int(0.025 * len(means))],
-                          high=means[min(len(means) - 1, int(0.975 * len(means)))])
+        table[key] = dict(
+            base=sum(r["base"][key] for r in per_item) / max(n, 1),
+            adapted=sum(r["adapted"][key] for r in per_item) / max(n, 1),
+            diff=sum(diffs) / max(n, 1),
+            low=means[int(0.025 * len(means))],
+            high=means[min(len(means) - 1, int(0.975 * len(means)))],
+        )
     return table
 
 
@@ -396,8 +463,12 @@ def open_engine(cfg: LinkTrainConfig) -> RagCache:
     return RagCache(lm, open_store(f"disk:{Path(cfg.out) / 'store'}"))
 
 
-def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[list[Item], list[Item]] | None = None,
-               progress: Callable[[str, int, int, str], None] | None = None) -> LinkReport:
+def train_link(
+    cfg: LinkTrainConfig,
+    rc: RagCache | None = None,
+    items: tuple[list[Item], list[Item]] | None = None,
+    progress: Callable[[str, int, int, str], None] | None = None,
+) -> LinkReport:
     """Fit, checkpoint every `checkpoint_every` steps, report on the held-out items and save the adapter.
     `rc`: an engine on the base model (else opened from cfg), given back without the LoRA; `items`: (training, held
     out), else from cfg; `progress(phase, done, total, note)`."""
@@ -410,13 +481,23 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
     if rc.lm.adapter is not None:
         raise BadRequest("train link fits an adapter to the base model; open it without one")
     if items is None:
-        items = (docs_items(rc, paragraphs(Path(cfg.docs)), cfg.train_items, cfg.eval_items, cfg.seed,
-                            lambda d, t: say("questions", d, t, "")) if cfg.docs
-                 else squad_items(cfg.train_items, cfg.eval_items))
+        items = (
+            docs_items(
+                rc,
+                paragraphs(Path(cfg.docs)),
+                cfg.train_items,
+                cfg.eval_items,
+                cfg.seed,
+                lambda d, t: say("questions", d, t, ""),
+            )
+            if cfg.docs
+            else squad_items(cfg.train_items, cfg.eval_items)
+        )
     if not items[0] or not items[1]:
         raise BadRequest(f"need training and held-out items, got {len(items[0])} and {len(items[1])}")
-    prepared = load_or_prepare(rc, cfg, {"train": items[0], "eval": items[1]},
-                               lambda name, d, t: say(f"full ({name})", d, t, ""))
+    prepared = load_or_prepare(
+        rc, cfg, {"train": items[0], "eval": items[1]}, lambda name, d, t: say(f"full ({name})", d, t, "")
+    )
     train_set, held_out = prepared["train"], prepared["eval"]
 
     base_weights = lora.base_weights_record(rc.lm)
@@ -424,8 +505,15 @@ def train_link(cfg: LinkTrainConfig, rc: RagCache | None = None, items: tuple[li
     with training_lora(rc.lm, cfg.rank, out) as peft:
         losses, full_losses = fit(rc, cfg, peft, train_set, out, say)
         per_item = evaluate(rc, cfg, peft, held_out, lambda d, t: say("held-out", d, t, ""))
-        report = LinkReport(cfg.steps, losses, summary(per_item), dict(train=len(train_set), eval=len(held_out)),
-                            time.perf_counter() - started, str(out), full_losses)
+        report = LinkReport(
+            cfg.steps,
+            losses,
+            summary(per_item),
+            dict(train=len(train_set), eval=len(held_out)),
+            time.perf_counter() - started,
+            str(out),
+            full_losses,
+        )
         save_adapter(out, peft, rc.lm, cfg, report, per_item, base_weights)
     return report
 
@@ -449,8 +537,14 @@ def training_lora(lm: loaded.LoadedModel, rank: int, out: Path):
             param.requires_grad_(flag)
 
 
-def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: Path,
-        say: Callable[[str, int, int, str], None]) -> tuple[list[float], list[float]]:
+def fit(
+    rc: RagCache,
+    cfg: LinkTrainConfig,
+    peft,
+    train_set: list[Target],
+    out: Path,
+    say: Callable[[str, int, int, str], None],
+) -> tuple[list[float], list[float]]:
     """The optimizer steps after the last checkpoint's, up to cfg.steps; the link losses and the full term's."""
     params = [p for p in peft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
@@ -458,8 +552,9 @@ def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: 
     key = _run_key(cfg, train_set, rc.lm.fingerprint)
     start, losses, full_losses = load_checkpoint(out, peft, optimizer, schedule, key)
     for step in range(start + 1, cfg.steps + 1):
-        link_kl, full_kl = train_step(rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)),
-                                      params, step)
+        link_kl, full_kl = train_step(
+            rc, cfg, train_set, batch_indices(cfg.seed, step, cfg.batch, len(train_set)), params, step
+        )
         losses.append(link_kl)
         if full_kl is not None:
             full_losses.append(full_kl)
@@ -472,13 +567,26 @@ def fit(rc: RagCache, cfg: LinkTrainConfig, peft, train_set: list[Target], out: 
     return losses, full_losses
 
 
-def save_adapter(out: Path, peft, lm: loaded.LoadedModel, cfg: LinkTrainConfig, report: LinkReport,
-                 per_item: list[dict], base_weights: dict) -> None:
+def save_adapter(
+    out: Path,
+    peft,
+    lm: loaded.LoadedModel,
+    cfg: LinkTrainConfig,
+    report: LinkReport,
+    per_item: list[dict],
+    base_weights: dict,
+) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them.
     `base_weights`: lora.base_weights_record of the base model, taken before the LoRA went in."""
     peft.save_pretrained(out)
-    meta = dict(base_model=lm.name, base_config=loaded.config_fingerprint(lm.model), base_weights=base_weights,
-                recipe=cfg.recipe(),
-                link=cfg.label(), settings=asdict(cfg),
-                report=asdict(report), items=per_item)
+    meta = dict(
+        base_model=lm.name,
+        base_config=loaded.config_fingerprint(lm.model),
+        base_weights=base_weights,
+        recipe=cfg.recipe(),
+        link=cfg.label(),
+        settings=asdict(cfg),
+        report=asdict(report),
+        items=per_item,
+    )
     (out / lora.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text

@@ -94,9 +94,11 @@ def _archive() -> Path:
 
 
 def _fetch_error(problem: str) -> ModelFetchError:
-    return ModelFetchError(f"cannot fetch SQuAD v1.1 dev (the {BIGBENCH} source archive on PyPI, about 358 MB): "
-                           f"{problem}. Check the network and run again, put {DEV_JSON} into {data_dir()} "
-                           "(RAGCACHE_DATA_DIR), or train on your own documents (`ragcache train link --docs`)")
+    return ModelFetchError(
+        f"cannot fetch SQuAD v1.1 dev (the {BIGBENCH} source archive on PyPI, about 358 MB): "
+        f"{problem}. Check the network and run again, put {DEV_JSON} into {data_dir()} "
+        "(RAGCACHE_DATA_DIR), or train on your own documents (`ragcache train link --docs`)"
+    )
 
 
 def _pip_download(pip: list[str], folder: Path) -> None:
@@ -109,8 +111,11 @@ def _pip_download(pip: list[str], folder: Path) -> None:
     if "direct URL dependencies" not in proc.stderr or (len(pip) > 1 and pip[-1].endswith(".whl/pip")):
         raise _fetch_error(f"pip download {BIGBENCH} failed: {proc.stderr.strip()[-800:]}")
     with tempfile.TemporaryDirectory() as tmp:
-        got = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, OLD_PIP],
-                             capture_output=True, text=True)
+        got = subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", tmp, OLD_PIP],
+            capture_output=True,
+            text=True,
+        )
         wheels = list(Path(tmp).glob("pip-*.whl"))
         if not wheels:
             raise _fetch_error(f"pip download {OLD_PIP} failed: {got.stderr.strip()[-800:]}")

@@ -86,8 +86,9 @@ def _window(text: str, start: int, end: int, prefix_chars: int, suffix_chars: in
     return text[p0:start], text[end:s1]
 
 
-def make_task(path: Path, text: str, rng: random.Random, kind: str, prefix_chars: int, suffix_chars: int,
-              max_increment: int = 8) -> InfillTask | None:
+def make_task(
+    path: Path, text: str, rng: random.Random, kind: str, prefix_chars: int, suffix_chars: int, max_increment: int = 8
+) -> InfillTask | None:
     lines = _code_lines(text)
     if not lines:
         return None
@@ -106,12 +107,27 @@ def make_task(path: Path, text: str, rng: random.Random, kind: str, prefix_chars
     prefix, suffix = _window(text, start, end, prefix_chars, suffix_chars)
     typed = rng.randint(1, min(max_increment, col - indent, len(prefix)))
     line_no = text.count("\n", 0, offset) + 1
-    return InfillTask(f"{path.name}:{line_no}:{col}:{kind}", kind, prefix, suffix, text[start:end],
-                      len(prefix) - typed, str(path), start, end)
+    return InfillTask(
+        f"{path.name}:{line_no}:{col}:{kind}",
+        kind,
+        prefix,
+        suffix,
+        text[start:end],
+        len(prefix) - typed,
+        str(path),
+        start,
+        end,
+    )
 
 
-def build_tasks(n: int, seed: int = 0, kinds: tuple[str, ...] = KINDS, source: Path | None = None,
-                prefix_chars: int = 1200, suffix_chars: int = 400) -> list[InfillTask]:
+def build_tasks(
+    n: int,
+    seed: int = 0,
+    kinds: tuple[str, ...] = KINDS,
+    source: Path | None = None,
+    prefix_chars: int = 1200,
+    suffix_chars: int = 400,
+) -> list[InfillTask]:
     """n tasks, kinds taking turns, files and positions drawn from random.Random(seed)."""
     bad = [k for k in kinds if k not in KINDS]
     if bad or not kinds:
@@ -155,7 +171,7 @@ def syntax_ok(task: InfillTask, prediction: str) -> bool | None:
     except OSError:
         return None
     try:
-        ast.parse(text[: task.start] + prediction + text[task.end:])
+        ast.parse(text[: task.start] + prediction + text[task.end :])
     except (SyntaxError, ValueError):
         return False
     return True

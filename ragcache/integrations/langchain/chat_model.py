@@ -51,12 +51,16 @@ class ChatRagCache(BaseChatModel):
     caller that stops reading a stream, or whose task is cancelled, stops the generation."""
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
-    retriever: BaseRetriever | None = Field(default=None, exclude=True,
-                                            description="where a call without `documents` gets them")
+    retriever: BaseRetriever | None = Field(
+        default=None, exclude=True, description="where a call without `documents` gets them"
+    )
     algorithm: str = DEFAULT_ALGORITHM
     k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(default=None, description="focus or cacheblend: share of chunk tokens recomputed "
-                                "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)")
+    ratio: float | None = Field(
+        default=None,
+        description="focus or cacheblend: share of chunk tokens recomputed "
+        "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)",
+    )
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -78,19 +82,36 @@ class ChatRagCache(BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model_name": self.model_name, "algorithm": self.algorithm, "k": self.k, "ratio": self.ratio,
-                "max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
-                "seed": self.seed}
+        return {
+            "model_name": self.model_name,
+            "algorithm": self.algorithm,
+            "k": self.k,
+            "ratio": self.ratio,
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+        }
 
     # -- sync -------------------------------------------------------------------------------------------
-    def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                  run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    def _generate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         stream, doc_ids = self._start(messages, stop, run_manager, kwargs)
         drain(stream)  # left early (KeyboardInterrupt), it cancels the request
         return _result(_answer(stream), doc_ids, self.model_name)
 
-    def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any) -> Iterator[ChatGenerationChunk]:
+    def _stream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: CallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> Iterator[ChatGenerationChunk]:
         stream, doc_ids = self._start(messages, stop, run_manager, kwargs)
         with closing(pieces(stream)) as texts:  # a reader that stops early: the request is cancelled at once
             for text in texts:
@@ -98,17 +119,26 @@ class ChatRagCache(BaseChatModel):
         yield _last_chunk(_answer(stream), doc_ids, self.model_name)
 
     # -- async ------------------------------------------------------------------------------------------
-    async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                         run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any) -> ChatResult:
+    async def _agenerate(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> ChatResult:
         stream, doc_ids = await self._astart(messages, stop, run_manager, kwargs)
         async with aclosing(apieces(stream)) as texts:  # a cancelled task cancels the request
             async for _ in texts:
                 pass
         return _result(_answer(stream), doc_ids, self.model_name)
 
-    async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
-                       run_manager: AsyncCallbackManagerForLLMRun | None = None,
-                       **kwargs: Any) -> AsyncIterator[ChatGenerationChunk]:
+    async def _astream(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None = None,
+        run_manager: AsyncCallbackManagerForLLMRun | None = None,
+        **kwargs: Any,
+    ) -> AsyncIterator[ChatGenerationChunk]:
         stream, doc_ids = await self._astart(messages, stop, run_manager, kwargs)
         async with aclosing(apieces(stream)) as texts:
             async for text in texts:
@@ -116,32 +146,53 @@ class ChatRagCache(BaseChatModel):
         yield _last_chunk(_answer(stream), doc_ids, self.model_name)
 
     # -- one request ------------------------------------------------------------------------------------
-    def _start(self, messages: list[BaseMessage], stop: list[str] | None,
-               run_manager: CallbackManagerForLLMRun | None, kwargs: dict) -> tuple[Stream, list[str]]:
+    def _start(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: CallbackManagerForLLMRun | None,
+        kwargs: dict,
+    ) -> tuple[Stream, list[str]]:
         question, args, documents = self._request(messages, stop, kwargs)
         if documents is None and self.retriever is not None:
             documents = self.retriever.invoke(question, config=_child_config(ParentRunManager, run_manager))
         return self._open(question, documents or [], args)
 
-    async def _astart(self, messages: list[BaseMessage], stop: list[str] | None,
-                      run_manager: AsyncCallbackManagerForLLMRun | None, kwargs: dict) -> tuple[Stream, list[str]]:
+    async def _astart(
+        self,
+        messages: list[BaseMessage],
+        stop: list[str] | None,
+        run_manager: AsyncCallbackManagerForLLMRun | None,
+        kwargs: dict,
+    ) -> tuple[Stream, list[str]]:
         question, args, documents = self._request(messages, stop, kwargs)
         if documents is None and self.retriever is not None:
             config = _child_config(AsyncParentRunManager, run_manager)
             documents = await self.retriever.ainvoke(question, config=config)
         return self._open(question, documents or [], args)
 
-    def _request(self, messages: list[BaseMessage], stop: list[str] | None,
-                 kwargs: dict) -> tuple[str, dict, Sequence[Document | str] | None]:
+    def _request(
+        self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
+    ) -> tuple[str, dict, Sequence[Document | str] | None]:
         """(question, rc.stream's keyword arguments, the call's documents or None)."""
         unknown = sorted(set(kwargs) - {*_OVERRIDES, *_IGNORED, "documents"})
         if unknown:
-            raise BadRequest(f"ChatRagCache got unknown argument(s) {', '.join(unknown)}; it takes stop, documents, "
-                             f"{', '.join(_OVERRIDES)}")
+            raise BadRequest(
+                f"ChatRagCache got unknown argument(s) {', '.join(unknown)}; it takes stop, documents, "
+                f"{', '.join(_OVERRIDES)}"
+            )
         system, question = chat_question(messages)
-        args = dict(system=system, algorithm=self.algorithm, k=self.k, ratio=self.ratio,
-                    max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    stop=self.stop if stop is None else stop, seed=self.seed)
+        args = dict(
+            system=system,
+            algorithm=self.algorithm,
+            k=self.k,
+            ratio=self.ratio,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop if stop is None else stop,
+            seed=self.seed,
+        )
         args.update({key: kwargs[key] for key in _OVERRIDES if key in kwargs})
         documents = kwargs.get("documents")
         if isinstance(documents, (str, Document)):
@@ -167,16 +218,20 @@ def chat_question(messages: list[BaseMessage]) -> tuple[str | None, str]:
     if rest and rest[0].type == "system":
         system = _text(rest.pop(0))
     if len(rest) != 1 or rest[0].type != "human":
-        raise BadRequest("ChatRagCache answers one question from documents: send an optional system message "
-                         f"followed by exactly one human message; got {[m.type for m in messages]}")
+        raise BadRequest(
+            "ChatRagCache answers one question from documents: send an optional system message "
+            f"followed by exactly one human message; got {[m.type for m in messages]}"
+        )
     return system, _text(rest[0])
 
 
 def _text(message: BaseMessage) -> str:
     if isinstance(message.content, str):
         return message.content
-    parts = [part if isinstance(part, str) else part.get("text") if part.get("type") == "text" else None
-             for part in message.content]
+    parts = [
+        part if isinstance(part, str) else part.get("text") if part.get("type") == "text" else None
+        for part in message.content
+    ]
     if None in parts:
         kinds = [part if isinstance(part, str) else part.get("type") for part in message.content]
         raise BadRequest(f"ChatRagCache reads text content only, got a {message.type} message with parts {kinds}")
@@ -191,11 +246,16 @@ def _answer(stream: Stream) -> Answer:
 
 def _metadata(answer: Answer, doc_ids: list[str], model_name: str) -> dict[str, Any]:
     st = answer.stats
-    usage = UsageMetadata(input_tokens=st.prompt_tokens, output_tokens=st.completion_tokens,
-                          total_tokens=st.prompt_tokens + st.completion_tokens,
-                          input_token_details={"cache_read": st.cached_tokens})
-    return {"response_metadata": {**st.as_dict(), "doc_ids": doc_ids, "model_name": model_name},
-            "usage_metadata": usage}
+    usage = UsageMetadata(
+        input_tokens=st.prompt_tokens,
+        output_tokens=st.completion_tokens,
+        total_tokens=st.prompt_tokens + st.completion_tokens,
+        input_token_details={"cache_read": st.cached_tokens},
+    )
+    return {
+        "response_metadata": {**st.as_dict(), "doc_ids": doc_ids, "model_name": model_name},
+        "usage_metadata": usage,
+    }
 
 
 def _result(answer: Answer, doc_ids: list[str], model_name: str) -> ChatResult:

@@ -16,6 +16,9 @@ def document_text(document: Document | str) -> str:
 
 def record_meta(document: Document) -> dict:
     """The document's scalar metadata (JSON-safe) for the store's document record."""
-    meta = {k: v for k, v in document.metadata.items()
-            if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))}
+    meta = {
+        k: v
+        for k, v in document.metadata.items()
+        if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))
+    }
     return {"source": "langchain", **({"langchain_id": document.id} if document.id else {}), **meta}

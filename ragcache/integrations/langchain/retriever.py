@@ -42,8 +42,9 @@ class RagCacheRetriever(BaseRetriever):
         self.last_report = self.warm(documents)
         return documents
 
-    async def _aget_relevant_documents(self, query: str, *,
-                                       run_manager: AsyncCallbackManagerForRetrieverRun) -> list[Document]:
+    async def _aget_relevant_documents(
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+    ) -> list[Document]:
         documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
         self.last_report = await asyncio.to_thread(self.warm, documents)
         return documents
@@ -52,8 +53,9 @@ class RagCacheRetriever(BaseRetriever):
         """Compile the documents' missing chunks and prefetch their entries (in the chosen layout); empty documents
         are left as they are."""
         todo = [document for document in documents if document_text(document).strip()]
-        ids, report = warm(self.rc, [d.page_content for d in todo], [record_meta(d) for d in todo], self.layout,
-                           self.prefetch)
+        ids, report = warm(
+            self.rc, [d.page_content for d in todo], [record_meta(d) for d in todo], self.layout, self.prefetch
+        )
         for document, doc_id in zip(todo, ids):
             document.metadata[DOC_ID_KEY] = doc_id
         return report

@@ -24,8 +24,9 @@ class RagCacheCompiler(TransformComponent):
     RagCacheRetriever and RagCacheQueryEngine compile whatever is missing."""
 
     rc: Front = Field(exclude=True, description="the engine whose store receives the caches")
-    metadata_mode: MetadataMode = Field(default=MetadataMode.NONE,
-                                        description="which node content is compiled (NONE: the text alone)")
+    metadata_mode: MetadataMode = Field(
+        default=MetadataMode.NONE, description="which node content is compiled (NONE: the text alone)"
+    )
     target: str = Field(default="", description="model fingerprint @ store, set from rc")
     last_report: CompileReport | None = Field(default=None, exclude=True, description="the latest call's report")
 
@@ -41,8 +42,11 @@ class RagCacheCompiler(TransformComponent):
         todo = [(node, text) for node in nodes if (text := node_text(node, self.metadata_mode)).strip()]
         bar = _bar() if kwargs.get("show_progress") else None
         try:
-            report = self.rc.compile_documents([text for _, text in todo], [record_meta(node) for node, _ in todo],
-                                               progress=(lambda done, _compiled: bar.update(done)) if bar else None)
+            report = self.rc.compile_documents(
+                [text for _, text in todo],
+                [record_meta(node) for node, _ in todo],
+                progress=(lambda done, _compiled: bar.update(done)) if bar else None,
+            )
         finally:
             if bar:
                 bar.close()

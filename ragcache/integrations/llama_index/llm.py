@@ -58,8 +58,12 @@ class RagCacheLLM(CustomLLM):
 
     @property
     def metadata(self) -> LLMMetadata:
-        return LLMMetadata(context_window=self.rc.context_length, num_output=self.max_new_tokens,
-                           is_chat_model=False, model_name=self.rc.model_name)
+        return LLMMetadata(
+            context_window=self.rc.context_length,
+            num_output=self.max_new_tokens,
+            is_chat_model=False,
+            model_name=self.rc.model_name,
+        )
 
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
@@ -77,8 +81,7 @@ class RagCacheLLM(CustomLLM):
         return CompletionResponse(text=text, raw={"stats": stream.answer.stats.as_dict()})
 
     @llm_completion_callback()
-    async def astream_complete(self, prompt: str, formatted: bool = False,
-                               **kwargs: Any) -> CompletionResponseAsyncGen:
+    async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
         stream = await asyncio.to_thread(self._stream, prompt, formatted, kwargs)
         return _aresponses(stream)
 
@@ -88,7 +91,9 @@ class RagCacheLLM(CustomLLM):
         return completion_response_to_chat_response(completion)
 
     @llm_chat_callback()
-    async def astream_chat(self, messages: collections.abc.Sequence[ChatMessage], **kwargs: Any) -> ChatResponseAsyncGen:
+    async def astream_chat(
+        self, messages: collections.abc.Sequence[ChatMessage], **kwargs: Any
+    ) -> ChatResponseAsyncGen:
         completions = await self.astream_complete(self.messages_to_prompt(messages), formatted=True, **kwargs)
         return astream_completion_response_to_chat_response(completions)
 
@@ -98,8 +103,15 @@ class RagCacheLLM(CustomLLM):
         system = None if formatted else self.system_prompt
         if not formatted:
             prompt = self.completion_to_prompt(prompt)
-        args = dict(algorithm=self.algorithm, max_new_tokens=self.max_new_tokens, temperature=self.temperature,
-                    top_p=self.top_p, stop=self.stop, seed=self.seed, system=system)
+        args = dict(
+            algorithm=self.algorithm,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=self.seed,
+            system=system,
+        )
         args.update({key: kwargs[key] for key in _OVERRIDES if key in kwargs})
         return self.rc.stream(prompt, docs=[], **args)
 

@@ -27,6 +27,9 @@ def mark(node: BaseNode, doc_id: str) -> None:
 
 def record_meta(node: BaseNode) -> dict:
     """The node's scalar metadata (JSON-safe) for the store's document record."""
-    meta = {k: v for k, v in node.metadata.items()
-            if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))}
+    meta = {
+        k: v
+        for k, v in node.metadata.items()
+        if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))
+    }
     return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}

@@ -40,8 +40,11 @@ class RagCacheQueryEngine(CustomQueryEngine):
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
     algorithm: str = DEFAULT_ALGORITHM
     k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(default=None, description="focus or cacheblend: share of chunk tokens recomputed "
-                                "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)")
+    ratio: float | None = Field(
+        default=None,
+        description="focus or cacheblend: share of chunk tokens recomputed "
+        "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)",
+    )
     max_new_tokens: int = 64
     system: str | None = None
     temperature: float = 0.0
@@ -50,8 +53,13 @@ class RagCacheQueryEngine(CustomQueryEngine):
     seed: int | None = None
     streaming: bool = False
     metadata_mode: MetadataMode = Field(default=MetadataMode.NONE, description="which node content is linked")
-    guard_rate: float = Field(default=0.0, ge=0.0, le=1.0, description="fraction of answers also linked with `full` "
-                              "afterwards, in the background, to measure agreement (`guard_agreement()`)")
+    guard_rate: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description="fraction of answers also linked with `full` "
+        "afterwards, in the background, to measure agreement (`guard_agreement()`)",
+    )
     _guard: BackgroundGuard | None = PrivateAttr(default=None)
 
     def model_post_init(self, context: Any) -> None:
@@ -90,8 +98,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
         if self._guard is not None:
-            query = self.rc.validate(question, metadata["doc_ids"], self.system,
-                                     self.rc.params(self.algorithm, self.k, self.ratio))
+            query = self.rc.validate(
+                question, metadata["doc_ids"], self.system, self.rc.params(self.algorithm, self.k, self.ratio)
+            )
             self._guard.after_answer(answer, query)
         return metadata
 
@@ -101,9 +110,17 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     def generation_args(self) -> dict[str, Any]:
         """The rc.stream / rc.query keyword arguments this engine answers with."""
-        return dict(system=self.system, algorithm=self.algorithm, k=self.k, ratio=self.ratio,
-                    max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p,
-                    stop=self.stop, seed=self.seed)
+        return dict(
+            system=self.system,
+            algorithm=self.algorithm,
+            k=self.k,
+            ratio=self.ratio,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            stop=self.stop,
+            seed=self.seed,
+        )
 
     # -- async ------------------------------------------------------------------------------------------
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
@@ -117,8 +134,9 @@ class RagCacheQueryEngine(CustomQueryEngine):
             return Response(text, source_nodes=nodes, metadata=metadata)
         first = await anext(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
         finish = lambda: self._finish(metadata, stream.answer, query_str)  # noqa: E731
-        return AsyncStreamingResponse(response_gen=_achain(first, pieces, finish), source_nodes=nodes,
-                                      metadata=metadata)
+        return AsyncStreamingResponse(
+            response_gen=_achain(first, pieces, finish), source_nodes=nodes, metadata=metadata
+        )
 
 
 def _chain(first: Any, rest: Iterator[str]) -> Iterator[str]:

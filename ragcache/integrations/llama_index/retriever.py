@@ -24,12 +24,21 @@ class RagCacheRetriever(BaseRetriever):
     dropped sink tokens; missing ones are compiled here). prefetch: None (default) reads the entries only when the
     store is tiered, where a read fills the faster tiers; True always; False never."""
 
-    def __init__(self, retriever: BaseRetriever, rc: Front, *, layout: str = "default",
-                 prefetch: bool | None = None, metadata_mode: MetadataMode = MetadataMode.NONE,
-                 callback_manager: CallbackManager | None = None, verbose: bool = False) -> None:
+    def __init__(
+        self,
+        retriever: BaseRetriever,
+        rc: Front,
+        *,
+        layout: str = "default",
+        prefetch: bool | None = None,
+        metadata_mode: MetadataMode = MetadataMode.NONE,
+        callback_manager: CallbackManager | None = None,
+        verbose: bool = False,
+    ) -> None:
         check_layout(rc, layout)
-        super().__init__(callback_manager=callback_manager or getattr(retriever, "callback_manager", None),
-                         verbose=verbose)
+        super().__init__(
+            callback_manager=callback_manager or getattr(retriever, "callback_manager", None), verbose=verbose
+        )
         self.retriever = retriever
         self.rc = rc
         self.layout = layout
@@ -50,8 +59,9 @@ class RagCacheRetriever(BaseRetriever):
     def warm(self, nodes: list[NodeWithScore]) -> WarmReport:
         """Compile the nodes' missing chunks and prefetch their entries (in the chosen layout)."""
         todo = [(n.node, text) for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        ids, report = warm(self.rc, [text for _, text in todo], [record_meta(node) for node, _ in todo], self.layout,
-                           self.prefetch)
+        ids, report = warm(
+            self.rc, [text for _, text in todo], [record_meta(node) for node, _ in todo], self.layout, self.prefetch
+        )
         for (node, _), doc_id in zip(todo, ids):
             if node.metadata.get(DOC_ID_KEY) != doc_id:
                 mark(node, doc_id)

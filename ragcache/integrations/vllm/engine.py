@@ -60,8 +60,9 @@ class EngineFailed(RagCacheError):
 
 
 class VllmRagCache(Front):
-    def __init__(self, served: Served, store_url: str, llm, loop: asyncio.AbstractEventLoop,
-                 chunk_tokens: int, codec: str):
+    def __init__(
+        self, served: Served, store_url: str, llm, loop: asyncio.AbstractEventLoop, chunk_tokens: int, codec: str
+    ):
         from vllm.lora.request import LoRARequest
 
         lm, self.served = served.lm, served
@@ -87,8 +88,9 @@ class VllmRagCache(Front):
         `AsyncEngineArgs` field."""
         store = config.store
         if not isinstance(store, str) or all(url.startswith("memory") for url in tier_urls(store)):
-            raise ParameterOutOfRange(f"the vLLM engine needs a store its own process can open too (disk:PATH or "
-                                      f"redis://...), got {store!r}")
+            raise ParameterOutOfRange(
+                f"the vLLM engine needs a store its own process can open too (disk:PATH or redis://...), got {store!r}"
+            )
         kv_codec.validate(config.kv_codec)
         if problem := split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
@@ -118,16 +120,25 @@ class VllmRagCache(Front):
             kv_cache_gib = CPU_KV_CACHE_GIB
         if kv_cache_gib is not None:
             engine_args["kv_cache_memory_bytes"] = int(kv_cache_gib * (1 << 30))
-        transfer = transfer_config(config.store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **served.options)
-        args = AsyncEngineArgs(model=served.checkpoint, dtype=str(lm.dtype).removeprefix("torch."),
-                               enable_prefix_caching=True, max_model_len=max_model_len,
-                               kv_transfer_config=KVTransferConfig(**transfer), **engine_args)
+        transfer = transfer_config(
+            config.store, model_fingerprint=lm.compile_fingerprint, kv_codec=codec, **served.options
+        )
+        args = AsyncEngineArgs(
+            model=served.checkpoint,
+            dtype=str(lm.dtype).removeprefix("torch."),
+            enable_prefix_caching=True,
+            max_model_len=max_model_len,
+            kv_transfer_config=KVTransferConfig(**transfer),
+            **engine_args,
+        )
         loop = asyncio.new_event_loop()
         threading.Thread(target=loop.run_forever, name="vllm-client", daemon=True).start()
         llm = None
         try:
             llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
-            return cls(served, config.store, llm, loop, config.chunk_tokens, codec)  # opens the store: a Redis down at start
+            return cls(
+                served, config.store, llm, loop, config.chunk_tokens, codec
+            )  # opens the store: a Redis down at start
         except BaseException:
             if llm is not None:  # the engine core is a process of its own: not left running for nobody
                 asyncio.run_coroutine_threadsafe(_shutdown(llm), loop).result()
@@ -193,22 +204,31 @@ class VllmRagCache(Front):
         shape = self.layouts[layout]
         stored = [shape.stored_ids(ids) for ids in chunks]
         # a salt of its own: vLLM's prefix cache would otherwise answer a repeat without reading the store
-        spec = LinkSpec(len(prefix), tuple(map(len, stored)), COMPILE_TAIL, linker.reader(layout).name,
-                        nonce=uuid.uuid4().hex)
+        spec = LinkSpec(
+            len(prefix), tuple(map(len, stored)), COMPILE_TAIL, linker.reader(layout).name, nonce=uuid.uuid4().hex
+        )
         tail = [self.tokenizer.eos_token_id or 0] * COMPILE_TAIL  # any ids will do
         ids = [*prefix, *(i for c in stored for i in c), *tail]
-        drain(VllmStream(self, lambda stats, hold: ({"prompt_token_ids": ids, "cache_salt": spec.salt},
-                                                    {SPEC_KEY: spec.as_dict()}), Sampling(1)))
+        drain(
+            VllmStream(
+                self,
+                lambda stats, hold: ({"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}),
+                Sampling(1),
+            )
+        )
         keys = [self.compiler.key(c, shape) for c in chunks] + [self.prefix_compiler.key(prefix, PLAIN)] * bool(prefix)
         found = [info for info in self.store.describe_many(keys) if info]
         if len(found) < len(keys):
-            raise StoreError(f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
-                             "and vllm:ragcache_link_fallbacks say why (the store down?)")
+            raise StoreError(
+                f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
+                "and vllm:ragcache_link_fallbacks say why (the store down?)"
+            )
         return sum(info.get("size", 0) for info in found[: len(chunks)])
 
     # -- answering ------------------------------------------------------------------------------------
-    def stream_query(self, query: Query, first_distribution: bool = False, base: bool = False,
-                     background: bool = False) -> VllmStream:
+    def stream_query(
+        self, query: Query, first_distribution: bool = False, base: bool = False, background: bool = False
+    ) -> VllmStream:
         """A query's answer from vLLM: linked by the connector, or vLLM's own prefill for `full` and `prefix`.
         `first_distribution`: with the first token's log-probs over the whole vocabulary (Answer.first_logits);
         `base`: without the link adapter, where vLLM runs it as its LoRA; `background`: scheduled after every
@@ -226,18 +246,27 @@ class VllmRagCache(Front):
             spec = LinkSpec.of_parts(parts, query.params)
             return {"prompt_token_ids": ids, "cache_salt": spec.salt}, {SPEC_KEY: spec.as_dict()}
 
-        return VllmStream(self, prepare, query.sampling, lora=None if base else self.lora,
-                          first_distribution=first_distribution, priority=BACKGROUND if background else 0)
+        return VllmStream(
+            self,
+            prepare,
+            query.sampling,
+            lora=None if base else self.lora,
+            first_distribution=first_distribution,
+            priority=BACKGROUND if background else 0,
+        )
 
     def guard_problem(self) -> str | None:
         if self.lm.adapter is not None and self.lm.adapter.merged:  # its weights are the only ones vLLM holds
-            return ("the accuracy guard compares with the base model's full, which vLLM cannot run from a merged "
-                    "adapter's weights; serve the adapter unmerged to guard it (merge_adapter=False, "
-                    "--no-merge-adapter)")
+            return (
+                "the accuracy guard compares with the base model's full, which vLLM cannot run from a merged "
+                "adapter's weights; serve the adapter unmerged to guard it (merge_adapter=False, "
+                "--no-merge-adapter)"
+            )
         return None
 
-    def compare_with_full(self, query: Query, linked_logits: torch.Tensor | None = None,
-                          deadline: float | None = None) -> guard.Check:
+    def compare_with_full(
+        self, query: Query, linked_logits: torch.Tensor | None = None, deadline: float | None = None
+    ) -> guard.Check:
         """The accuracy guard's check. vLLM returns no logits with an answer, so the query is asked again for one
         token with its whole distribution (its linked blocks hit vLLM's prefix cache), and the same prompt with
         `full`: vLLM's own prefill, without the link adapter. Both run at vLLM's background priority; past
@@ -257,8 +286,10 @@ class VllmRagCache(Front):
         """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
         prefix cache holds it (`reuse=False` is not offered: vLLM's prefix cache is on for every request)."""
         if not fill.reuse:
-            raise ParameterOutOfRange("reuse=false is not available on the vLLM engine: its prefix cache serves every "
-                                      "request; use the ragcache engine to measure an infill without reuse")
+            raise ParameterOutOfRange(
+                "reuse=false is not available on the vLLM engine: its prefix cache serves every "
+                "request; use the ragcache engine to measure an infill without reuse"
+            )
         ids = self._infill_ids(fill)
 
         def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
@@ -307,13 +338,17 @@ def _adapted(base: loaded.LoadedModel, path: Path, merge: bool) -> Served:
     lora.LinkLora(path, range(layers), layers, base.dtype, torch.device("cpu"))
     lora_args = lora_engine_args(path)  # vLLM's checks of a LoRA: a plain one, merged or not
     fingerprint = adapted_fingerprint(base.fingerprint, digest)
-    lm = dataclasses.replace(base, model=None, fingerprint=fingerprint, compile_fingerprint=base.fingerprint,
-                             adapter=loaded.Adapter(path, digest, merged_by_engine=merge))
+    lm = dataclasses.replace(
+        base,
+        model=None,
+        fingerprint=fingerprint,
+        compile_fingerprint=base.fingerprint,
+        adapter=loaded.Adapter(path, digest, merged_by_engine=merge),
+    )
     if not merge:
         return Served(lm, models.resolve(base.name), lora_args)
     checkpoint, hold = adapters.merged_checkpoint(base, path, digest, fingerprint)
-    return Served(lm, str(checkpoint), options={"merged_adapter": str(checkpoint / adapters.MERGED_ADAPTER)},
-                  hold=hold)
+    return Served(lm, str(checkpoint), options={"merged_adapter": str(checkpoint / adapters.MERGED_ADAPTER)}, hold=hold)
 
 
 def lora_engine_args(path: Path) -> dict:
@@ -382,9 +417,16 @@ class VllmStream:
     """ragcache's Sequence (ragcache.sequence) over one vLLM request: iterate for text pieces, or `open(listener)`
     for its events: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`."""
 
-    def __init__(self, engine: VllmRagCache, prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
-                 sampling: Sampling, stop_ids: set[int] = frozenset(), lora=None, first_distribution: bool = False,
-                 priority: int = 0):
+    def __init__(
+        self,
+        engine: VllmRagCache,
+        prepare: Callable[[QueryStats, contextlib.ExitStack], Prompt],
+        sampling: Sampling,
+        stop_ids: set[int] = frozenset(),
+        lora=None,
+        first_distribution: bool = False,
+        priority: int = 0,
+    ):
         self.engine, self.prepare, self.sampling, self.stop_ids = engine, prepare, sampling, stop_ids
         self.priority = priority  # vLLM's: lower runs first
         self.lora = lora  # vLLM's LoRARequest, or None
@@ -436,15 +478,23 @@ class VllmStream:
         # the whole vocabulary's log-probs (vLLM's raw ones: log_softmax of the logits) of every token sampled: the
         # guard asks for one token only, and for no text (which would decode every token of the vocabulary)
         whole = {"logprobs": -1, "flat_logprobs": True, "detokenize": False} if self.first_distribution else {}
-        return SamplingParams(max_tokens=s.max_new_tokens, temperature=s.temperature, top_p=s.top_p,
-                              stop=list(s.stop) or None, seed=s.seed, stop_token_ids=sorted(self.stop_ids) or None,
-                              output_kind=RequestOutputKind.DELTA,
-                              extra_args={"kv_transfer_params": transfer} if transfer else None, **whole)
+        return SamplingParams(
+            max_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            stop=list(s.stop) or None,
+            seed=s.seed,
+            stop_token_ids=sorted(self.stop_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+            extra_args={"kv_transfer_params": transfer} if transfer else None,
+            **whole,
+        )
 
     async def _run(self, prompt: dict, params) -> None:
         try:
-            async for out in self.engine.llm.generate(prompt, params, self.request_id, lora_request=self.lora,
-                                                      priority=self.priority):
+            async for out in self.engine.llm.generate(
+                prompt, params, self.request_id, lora_request=self.lora, priority=self.priority
+            ):
                 self._output(out)
         except asyncio.CancelledError:
             self._end(Aborted())

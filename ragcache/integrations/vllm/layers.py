@@ -34,8 +34,9 @@ FAMILIES = ("llama", "qwen2")
 class VllmRunner(Runner):
     def __init__(self, model: torch.nn.Module, hf_config, dtype: torch.dtype):
         if hf_config.model_type not in FAMILIES:
-            raise NotImplementedError(f"linking inside vLLM supports the {', '.join(FAMILIES)} families, not "
-                                      f"{hf_config.model_type!r}")
+            raise NotImplementedError(
+                f"linking inside vLLM supports the {', '.join(FAMILIES)} families, not {hf_config.model_type!r}"
+            )
         if getattr(hf_config, "use_sliding_window", False):
             raise NotImplementedError("sliding-window attention is not supported by the vLLM link yet")
         inner = model.model
@@ -55,8 +56,9 @@ class VllmRunner(Runner):
         # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
         self.batch_invariant = False
         self.invariance = invariant.OFF  # vLLM's modules: its own kernels, the rows as they come
-        self.kernel = paged.kernel_for(attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype,
-                                       self.device)
+        self.kernel = paged.kernel_for(
+            attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype, self.device
+        )
         self.lora: LinkLora | None = None
 
     @contextlib.contextmanager
@@ -78,8 +80,9 @@ class VllmRunner(Runner):
     def position_embeddings(self, hidden: torch.Tensor, rows: torch.Tensor) -> dict:
         return {}  # vLLM's rotary_emb rotates q and k inside run_layer
 
-    def run_layer(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch,
-                  pos_emb: dict) -> torch.Tensor:
+    def run_layer(
+        self, index: int, hidden: torch.Tensor, positions: torch.Tensor, batch: Batch, pos_emb: dict
+    ) -> torch.Tensor:
         layer = self.layers[index]
         attention = layer.self_attn
         x = hidden[0]
@@ -87,8 +90,12 @@ class VllmRunner(Runner):
         normed = layer.input_layernorm(x)
         qkv = _linear(attention.qkv_proj, normed)
         if self.lora is not None:
-            self.lora.add(index, qkv, normed, (("q_proj", attention.q_size), ("k_proj", attention.kv_size),
-                                               ("v_proj", attention.kv_size)))
+            self.lora.add(
+                index,
+                qkv,
+                normed,
+                (("q_proj", attention.q_size), ("k_proj", attention.kv_size), ("v_proj", attention.kv_size)),
+            )
         q, k, v = qkv.split([attention.q_size, attention.kv_size, attention.kv_size], dim=-1)
         q, k = attention.rotary_emb(positions, q, k)
 

@@ -35,8 +35,9 @@ class LinkLora:
     projection, (A [r, in], B * scaling [out, r]) in the model's dtype. `sign` -1: the LoRA taken back out, from
     weights it was merged into."""
 
-    def __init__(self, path: str | Path, layers: range, total: int, dtype: torch.dtype, device: torch.device,
-                 sign: int = 1):
+    def __init__(
+        self, path: str | Path, layers: range, total: int, dtype: torch.dtype, device: torch.device, sign: int = 1
+    ):
         from safetensors.torch import load_file
 
         path = Path(path)
@@ -58,12 +59,14 @@ class LinkLora:
             if b is None:
                 raise BadAdapter(f"{path}: {key} has no lora_B beside it")
             if layer in layers:  # scaled in the model's dtype, as vLLM scales its copy
-                self.pairs[layer - layers.start, projection] = (a.to(device, dtype), b.to(device, dtype) * (sign * scaling))
+                self.pairs[layer - layers.start, projection] = (
+                    a.to(device, dtype),
+                    b.to(device, dtype) * (sign * scaling),
+                )
         if not self.pairs:
             raise BadAdapter(f"{path} holds no LoRA weights")
 
-    def add(self, layer: int, out: torch.Tensor, x: torch.Tensor, projections: tuple[tuple[str, int], ...]
-            ) -> None:
+    def add(self, layer: int, out: torch.Tensor, x: torch.Tensor, projections: tuple[tuple[str, int], ...]) -> None:
         """Add to `out` [rows, outputs], the output of `projections` ((name, width) in their fused order) for input x
         [rows, in], their LoRA terms."""
         start = 0

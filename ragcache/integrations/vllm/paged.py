@@ -84,8 +84,9 @@ class PagedCopy:
     def fill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """keys/values [kv_heads, length, head_dim] of one layer into the blocks."""
         by_token = keys.transpose(0, 1).contiguous(), values.transpose(0, 1).contiguous()
-        torch.ops._C.cpu_attn_reshape_and_cache(*by_token, self.keys, self.values, self.slots[: keys.shape[1]],
-                                                self.isa, 1.0, 1.0, "auto")
+        torch.ops._C.cpu_attn_reshape_and_cache(
+            *by_token, self.keys, self.values, self.slots[: keys.shape[1]], self.isa, 1.0, 1.0, "auto"
+        )
 
 
 class KernelCall:
@@ -99,17 +100,53 @@ class KernelCall:
 
     def metadata(self, runs: RowRuns, window: int | None = None) -> torch.Tensor:
         return torch.ops._C.get_scheduler_metadata(
-            runs.count, self.heads, self.kv_heads, self.head_dim, runs.seq_lens, self.dtype, runs.query_start, True,
-            -1 if window is None else window, self.isa, self.split_kv, None, "auto")
+            runs.count,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            runs.seq_lens,
+            self.dtype,
+            runs.query_start,
+            True,
+            -1 if window is None else window,
+            self.isa,
+            self.split_kv,
+            None,
+            "auto",
+        )
 
-    def attend(self, query: torch.Tensor, copy: PagedCopy, runs: RowRuns, metadata: torch.Tensor, scale: float,
-               window: int | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        query: torch.Tensor,
+        copy: PagedCopy,
+        runs: RowRuns,
+        metadata: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
         """query [heads, rows, head_dim] -> [rows, heads, head_dim], each row over the keys at or before it."""
         by_row = query.transpose(0, 1).contiguous()
         out = torch.empty_like(by_row)
         torch.ops._C.cpu_attention_with_kv_cache(
-            by_row, copy.keys, copy.values, out, runs.query_start, runs.seq_lens, scale, True, None,
-            -1 if window is None else window, runs.block_table, 0.0, metadata, None, None, 1.0, 1.0, "auto")
+            by_row,
+            copy.keys,
+            copy.values,
+            out,
+            runs.query_start,
+            runs.seq_lens,
+            scale,
+            True,
+            None,
+            -1 if window is None else window,
+            runs.block_table,
+            0.0,
+            metadata,
+            None,
+            None,
+            1.0,
+            1.0,
+            "auto",
+        )
         return out
 
 
@@ -129,8 +166,9 @@ class KernelBatch(Batch):
                 copy = PagedCopy(kernel.kv_heads, kernel.head_dim, length, kernel.dtype, seg.rows.device, kernel.isa)
                 self.plans[id(seg)] = (runs_, kernel.metadata(runs_), copy)
 
-    def attend_segment(self, seg: Segment, layer: int, query: torch.Tensor, scale: float,
-                       window: int | None) -> torch.Tensor:
+    def attend_segment(
+        self, seg: Segment, layer: int, query: torch.Tensor, scale: float, window: int | None
+    ) -> torch.Tensor:
         plan = self.plans.get(id(seg))
         if plan is None or window is not None:
             return super().attend_segment(seg, layer, query, scale, window)

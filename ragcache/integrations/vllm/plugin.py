@@ -35,8 +35,7 @@ def _remembering(base: type) -> type:
         base.__init__(self, *args, **kwargs)
         _built.append(weakref.ref(self))
 
-    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__,
-                                         "__qualname__": base.__name__})
+    return type(base.__name__, (base,), {"__init__": __init__, "__module__": __name__, "__qualname__": base.__name__})
 
 
 def loaded_model(vllm_config):
@@ -49,4 +48,5 @@ def loaded_model(vllm_config):
     raise PluginNotLoaded(
         "no model was built through ragcache's vLLM plugin for this engine: install ragcache into vLLM's "
         "environment (it declares the `vllm.general_plugins` entry point `ragcache`), keep it in VLLM_PLUGINS "
-        f"if that is set, and serve one of {', '.join(ARCHITECTURES)}")
+        f"if that is set, and serve one of {', '.join(ARCHITECTURES)}"
+    )

@@ -19,8 +19,12 @@ SALT_PREFIX = "ragcache-link:"
 NAME = "RagcacheConnector"
 # vLLM's ways of splitting one replica's model across devices. A link runs on one device's whole model: a rank
 # holding part of the heads or layers would compile and store its part under the whole model's keys
-SPLITS = ("tensor_parallel_size", "pipeline_parallel_size", "prefill_context_parallel_size",
-          "decode_context_parallel_size")
+SPLITS = (
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "prefill_context_parallel_size",
+    "decode_context_parallel_size",
+)
 
 
 def split_problem(sizes: dict[str, int]) -> str | None:
@@ -29,9 +33,13 @@ def split_problem(sizes: dict[str, int]) -> str | None:
     if not split:
         return None
     named = ", ".join(f"{name}={size}" for name, size in split.items())
-    return (f"{NAME} links on a model that is not split across devices, got {named}: each rank would compile and "
-            "store its own share of the heads or layers under the whole model's keys (docs/DESIGN.md, 'Past one "
-            "machine'). Serve more GPUs as replicas (data_parallel_size, or more servers on one store)")
+    return (
+        f"{NAME} links on a model that is not split across devices, got {named}: each rank would compile and "
+        "store its own share of the heads or layers under the whole model's keys (docs/DESIGN.md, 'Past one "
+        "machine'). Serve more GPUs as replicas (data_parallel_size, or more servers on one store)"
+    )
+
+
 MODULE = "ragcache.integrations.vllm.connector"
 
 
@@ -59,16 +67,31 @@ class LinkSpec:
     @classmethod
     def of_parts(cls, parts: LinkInput, params: LinkParams) -> LinkSpec:
         scores = linker.algorithm(params.algorithm).scores
-        return cls(len(parts.prefix_ids), tuple(map(len, parts.chunk_ids)), len(parts.question_ids),
-                   params.algorithm, params.k, params.ratio, params.check_layer, params.deviation,
-                   question_sha=question_sha(parts.question_ids) if scores else "")
+        return cls(
+            len(parts.prefix_ids),
+            tuple(map(len, parts.chunk_ids)),
+            len(parts.question_ids),
+            params.algorithm,
+            params.k,
+            params.ratio,
+            params.check_layer,
+            params.deviation,
+            question_sha=question_sha(parts.question_ids) if scores else "",
+        )
 
     def question_problem(self, token_ids: list[int]) -> str | None:
         """Why the spec's question digest does not fit the prompt's question (None: it does)."""
-        wanted = question_sha(token_ids[self.linked:]) if linker.algorithm(self.algorithm).scores else ""
-        return None if self.question_sha == wanted else (
-            f"{self.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
-            "(LinkSpec.of_parts)" if wanted else f"{self.algorithm} takes no question_sha")
+        wanted = question_sha(token_ids[self.linked :]) if linker.algorithm(self.algorithm).scores else ""
+        return (
+            None
+            if self.question_sha == wanted
+            else (
+                f"{self.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
+                "(LinkSpec.of_parts)"
+                if wanted
+                else f"{self.algorithm} takes no question_sha"
+            )
+        )
 
     @classmethod
     def parse(cls, raw: Any, prompt_tokens: int) -> LinkSpec:
@@ -87,11 +110,15 @@ class LinkSpec:
         if not all(type(n) is int and n >= 0 for n in lengths):
             raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
         if spec.question < 1 or sum(lengths) != prompt_tokens:
-            raise BadLinkSpec(f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
-                              f"{prompt_tokens}; the question needs at least one id")
+            raise BadLinkSpec(
+                f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
+                f"{prompt_tokens}; the question needs at least one id"
+            )
         if linker.algorithm(spec.algorithm).reuses != "chunks":
-            raise BadLinkSpec(f"{spec.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
-                              "(full is vLLM's prefill, prefix its prefix cache)")
+            raise BadLinkSpec(
+                f"{spec.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
+                "(full is vLLM's prefill, prefix its prefix cache)"
+            )
         return spec
 
     @property
@@ -118,8 +145,11 @@ class LinkSpec:
 
     def request(self, token_ids: list[int]) -> dict:
         """What to send vLLM (`LLM.generate` prompt fields, or the OpenAI server's extra body)."""
-        return {"prompt_token_ids": list(token_ids), "cache_salt": self.salt,
-                "kv_transfer_params": {SPEC_KEY: self.as_dict()}}
+        return {
+            "prompt_token_ids": list(token_ids),
+            "cache_salt": self.salt,
+            "kv_transfer_params": {SPEC_KEY: self.as_dict()},
+        }
 
 
 def question_sha(ids) -> str:
@@ -140,12 +170,18 @@ class Load:
 
 def transfer_config(store: str, **options) -> dict:
     """The `kv_transfer_config` that loads this connector (`vllm serve --kv-transfer-config`, `LLM(...)`)."""
-    return {"kv_connector": NAME, "kv_connector_module_path": MODULE, "kv_role": "kv_both",
-            "kv_load_failure_policy": "recompute", "kv_connector_extra_config": {"store": store, **options}}
+    return {
+        "kv_connector": NAME,
+        "kv_connector_module_path": MODULE,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store, **options},
+    }
 
 
-def link_request(rc, question: str, doc_ids: list[str], algorithm: str = DEFAULT_ALGORITHM, system: str | None = None,
-                 **params) -> dict:
+def link_request(
+    rc, question: str, doc_ids: list[str], algorithm: str = DEFAULT_ALGORITHM, system: str | None = None, **params
+) -> dict:
     """The vLLM request fields (`prompt_token_ids`, `cache_salt`, `kv_transfer_params`) that link `doc_ids` for
     `question` inside vLLM exactly as the ragcache engine `rc` would link them itself."""
     parts = rc.prompt_parts(question, doc_ids, system, algorithm)

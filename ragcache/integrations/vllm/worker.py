@@ -63,8 +63,18 @@ class LinkWorker:
         self.loras: OrderedDict[str, LinkLora | str] = OrderedDict()
         # vLLM serves weights a link adapter was merged into: compiling takes its term back out
         merged = options.get("merged_adapter")
-        self.unmerge = LinkLora(merged, self.runner.layer_range, config.hf_config.num_hidden_layers,
-                                self.runner.shape.dtype, self.runner.device, sign=-1) if merged else None
+        self.unmerge = (
+            LinkLora(
+                merged,
+                self.runner.layer_range,
+                config.hf_config.num_hidden_layers,
+                self.runner.shape.dtype,
+                self.runner.device,
+                sign=-1,
+            )
+            if merged
+            else None
+        )
 
     @property
     def catalog(self) -> Catalog:
@@ -96,8 +106,11 @@ class LinkWorker:
         that tail is kept from the first link and written again, instead of linking everything once more."""
         end = load.spec.linked
         tail_start = end // block_size * block_size
-        name = (load.spec.salt, hashlib.sha256(np.asarray(load.token_ids[:end], dtype="<i8").tobytes()).hexdigest(),
-                load.adapter)
+        name = (
+            load.spec.salt,
+            hashlib.sha256(np.asarray(load.token_ids[:end], dtype="<i8").tobytes()).hexdigest(),
+            load.adapter,
+        )
         tail = self.tails.get(name)
         if load.start >= tail_start and tail is not None:
             self.tails.move_to_end(name)
@@ -105,12 +118,20 @@ class LinkWorker:
             self.write(keys, values, load.start, load.block_ids, kv_caches, block_size)
             return
         cache = self.link(load)
-        self.write(cache.keys[:, :, load.start : end], cache.values[:, :, load.start : end], load.start,
-                   load.block_ids, kv_caches, block_size)
+        self.write(
+            cache.keys[:, :, load.start : end],
+            cache.values[:, :, load.start : end],
+            load.start,
+            load.block_ids,
+            kv_caches,
+            block_size,
+        )
         # in host memory: on a GPU, vLLM sized its KV cache to the memory it saw, and up to TAILS_KEPT blocks of every
         # layer (half a GiB at an 8B shape) would come out of what it counted on
-        self.tails[name] = (cache.keys[:, :, tail_start:end].to("cpu", copy=True),
-                            cache.values[:, :, tail_start:end].to("cpu", copy=True))
+        self.tails[name] = (
+            cache.keys[:, :, tail_start:end].to("cpu", copy=True),
+            cache.values[:, :, tail_start:end].to("cpu", copy=True),
+        )
         while len(self.tails) > TAILS_KEPT:
             self.tails.popitem(last=False)
 
@@ -124,7 +145,7 @@ class LinkWorker:
         lead = list(layout.lead_ids)
         if any(ids[: len(lead)] != lead for ids in parts.chunk_ids):
             raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
-        chunks = [ids[len(lead):] for ids in parts.chunk_ids]
+        chunks = [ids[len(lead) :] for ids in parts.chunk_ids]
         with self.runner.adapted(self.unmerge):  # compiling: the base model's entries
             parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
             if parts.prefix_ids:
@@ -150,8 +171,13 @@ class LinkWorker:
         path = get_adapter_absolute_path(path)  # as vLLM resolves it: ~, relative paths, hub ids
         if path not in self.loras:
             try:
-                self.loras[path] = LinkLora(path, self.runner.layer_range, self.runner.config.num_hidden_layers,
-                                            self.runner.shape.dtype, self.runner.device)
+                self.loras[path] = LinkLora(
+                    path,
+                    self.runner.layer_range,
+                    self.runner.config.num_hidden_layers,
+                    self.runner.shape.dtype,
+                    self.runner.device,
+                )
             except BadAdapter as exc:
                 self.loras[path] = str(exc)
             while len(self.loras) > LORAS_KEPT:
@@ -162,8 +188,15 @@ class LinkWorker:
             raise BadAdapter(found)
         return found
 
-    def write(self, keys: torch.Tensor, values: torch.Tensor, start: int, block_ids: list[int],
-              kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
+    def write(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        start: int,
+        block_ids: list[int],
+        kv_caches: dict[str, torch.Tensor],
+        block_size: int,
+    ) -> None:
         """K/V [layers, kv_heads, n, d] of positions start.. into the request's blocks, through each layer's own
         attention backend (so the paged layout, CPU or CUDA, is the backend's business)."""
         positions = torch.arange(start, start + keys.shape[2])
