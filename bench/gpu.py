@@ -68,6 +68,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--shape", default="llama3-8b", help="model shape for (f)")
     ap.add_argument("--contexts", default="8192,32768", help="prompt lengths for (f), comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
+    ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one focus link at the "
+                    "largest context from the fastest tier (kernels by device time)")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
                     "decode with eager, GPU tier with host tier, pinned with pageable entries); exit 1 on a mismatch")
@@ -632,7 +634,24 @@ def _decode_wait(rc, question: str, docs: list, device) -> float:
     return _scheduler_stats(rc).longest_decode_step_s
 
 
-def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+def _profile(rc, question: str, docs: list, device) -> dict:
+    """One focus link under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        rc.link(question, docs, algorithm="focus")
+        _sync(device)
+    # kernels launched by the model thread are attributed there; the device time is what is summed here
+    by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, by), reverse=True)
+    top = [dict(name=e.key[:120], calls=e.count, ms=getattr(e, by) / 1e3) for e in events[:30]]
+    total = sum(getattr(e, by) for e in prof.key_averages()) / 1e3
+    return dict(what="profile of one focus link", sort=by, total_ms=total, top=top)
+
+
+def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool,
+         profiled: bool = False) -> list[dict]:
     """Every algorithm's link at each context against transformers' forward on a prompt of the same length, from
     each store tier; `full` at three row budgets; copy rates; the decode wait beside a long link."""
     import random
@@ -697,6 +716,13 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                                  **copy_rates(kv_bytes, device)))
                 print(f"  {shape} a decoding stream waited at most {wait:.3f} s for a step beside a full link of "
                       f"{prompt} tokens", flush=True)
+        if profiled and tier == tiers[-1]:
+            profile_row = _profile(rc, question, order, device)
+            rows.append(dict(shape=shape, tier=tier, context=prompt, **profile_row))
+            print(f"  {shape} profile of a focus link at {prompt} tokens from {tier}: {profile_row['total_ms']:.1f} ms "
+                  f"({profile_row['sort']})", flush=True)
+            for event in profile_row["top"][:12]:
+                print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name']}", flush=True)
         rc.driver.stop()
         del rc
     for context, logits in first_logits.items():  # --check's tier half: a link from the GPU tier equals one from host
@@ -928,7 +954,8 @@ def main() -> None:
             invariance_rows += invariance(name, device, dtype, args.quick)
     if "link" not in skip:
         print(f"(f) link at the {args.shape} shape: every algorithm and tier against transformers' forward")
-        link_rows = link(args.shape, [int(n) for n in _names(args.contexts)], device, dtype, args.quick)
+        link_rows = link(args.shape, [int(n) for n in _names(args.contexts)], device, dtype, args.quick,
+                         profiled=args.profile)
     if "decode" not in skip:
         print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
         decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick)

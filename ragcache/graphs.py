@@ -67,7 +67,6 @@ class DecodeGraphs:
         self.runner, self.capture = runner, capture
         self._step: Captured | None = None
         self._key: tuple | None = None
-        self._memory = torch.cuda.graph_pool_handle() if capture else None
         self.captures = 0  # graphs captured: one per pool allocation
 
     def covers(self, caches: list) -> bool:
@@ -133,7 +132,9 @@ class DecodeGraphs:
                 self._run(pool, step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._memory):
+        # a private memory pool, freed with its graph: a pool shared across captures is released when its last
+        # graph goes, and the next capture into its handle fails inside torch's allocator
+        with torch.cuda.graph(graph):
             step.logits = self._run(pool, step)
         step.graph = graph
         self.captures += 1
