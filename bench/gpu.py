@@ -32,6 +32,10 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                replayed from CUDA graphs (ragcache.graphs), the same fixed-shape step eager, and the ordinary packed
                step, against transformers' DynamicCache loop and its StaticCache loop under
                torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
+  (h) tiles    before (f): the selected-row attention kernel at --shape on focus's rows (25% of each 1,024-token
+               chunk, sorted, over the largest of --contexts keys) with each candidate of --tiles: ms, TFLOP/s
+               (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
+               are then used by (f), so (f) measures the link with them
   --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
                against the eager step (tokens), links from pinned entries and from the GPU tier against pageable
                entries (logits, bit for bit); exit 1 on a mismatch. On CPU only the first runs.
@@ -53,7 +57,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "model", "serving", "invariance", "link", "decode"}
+SECTIONS = {"kernels", "model", "serving", "invariance", "tiles", "link", "decode"}
 
 
 def _args() -> argparse.Namespace:
@@ -67,6 +71,10 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--invariance", default="qwen2.5-coder-0.5b", help="model shapes for (e), comma-separated")
     ap.add_argument("--shape", default="llama3-8b", help="model shape for (f)")
     ap.add_argument("--contexts", default="8192,32768", help="prompt lengths for (f), comma-separated")
+    ap.add_argument("--budgets", default="", help="extra row budgets for `full` in (f), comma-separated")
+    ap.add_argument("--tiles", default="64/64/8/2,64/64/4/3,128/64/8/3,128/64/4/3,128/128/8/3,64/128/8/3,"
+                    "128/32/4/3,128/64/8/4,256/64/8/3",
+                    help="(h): attention tile candidates BLOCK_M/BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
     ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one focus link at the "
                     "largest context from the fastest tier (kernels by device time)")
@@ -617,7 +625,7 @@ def _link_s(rc, question: str, docs: list, algorithm: str, params: dict, device,
         _sync(device)
         runs.append((time.perf_counter() - started, linked))
     seconds, linked = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-    return dict(seconds=seconds, rotate_s=linked.rotate_s, recompute_s=linked.recompute_s,
+    return dict(seconds=seconds, logits=linked.last_logits, rotate_s=linked.rotate_s, recompute_s=linked.recompute_s,
                 recomputed_tokens=linked.recomputed_tokens, cached_tokens=linked.cached_tokens)
 
 
@@ -625,6 +633,7 @@ def _decode_wait(rc, question: str, docs: list, device) -> float:
     """The longest step a decoding stream waited while a `full` link of `docs` ran beside it."""
     import threading
 
+    rc.query(question, docs[:1], algorithm="naive", max_new_tokens=4)  # untimed: a decode graph captured
     stream = rc.stream(question, docs[:1], algorithm="naive", max_new_tokens=64)
     rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
     reader = threading.Thread(target=lambda: list(stream))
@@ -634,24 +643,24 @@ def _decode_wait(rc, question: str, docs: list, device) -> float:
     return _scheduler_stats(rc).longest_decode_step_s
 
 
-def _profile(rc, question: str, docs: list, device) -> dict:
-    """One focus link under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
+def _profile(rc, question: str, docs: list, device, algorithm: str) -> dict:
+    """One link under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        rc.link(question, docs, algorithm="focus")
+        rc.link(question, docs, algorithm=algorithm)
         _sync(device)
     # kernels launched by the model thread are attributed there; the device time is what is summed here
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, by), reverse=True)
     top = [dict(name=e.key[:120], calls=e.count, ms=getattr(e, by) / 1e3) for e in events[:30]]
     total = sum(getattr(e, by) for e in prof.key_averages()) / 1e3
-    return dict(what="profile of one focus link", sort=by, total_ms=total, top=top)
+    return dict(what=f"profile of one {algorithm} link", sort=by, total_ms=total, top=top)
 
 
 def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool,
-         profiled: bool = False) -> list[dict]:
+         profiled: bool = False, budgets: tuple[int, ...] = ()) -> list[dict]:
     """Every algorithm's link at each context against transformers' forward on a prompt of the same length, from
     each store tier; `full` at three row budgets; copy rates; the decode wait beside a long link."""
     import random
@@ -693,20 +702,26 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
             for algorithm, params in LINK_ALGORITHMS:
                 row = dict(shape=shape, tier=tier, context=prompt, algorithm=algorithm, row_budget=default_budget,
                            forward_s=forward, **_link_s(rc, question, order, algorithm, params, device, reps))
+                row.pop("logits")
                 row["speedup_vs_forward"] = forward / row["seconds"]
                 rows.append(row)
                 print(f"  {shape} {tier:10s} {prompt:6d} tokens {algorithm:10s} {row['seconds']:.3f} s "
                       f"({row['speedup_vs_forward']:.2f}x transformers' forward {forward:.3f} s; rotate "
                       f"{row['rotate_s']:.3f} s, recompute {row['recompute_s']:.3f} s)", flush=True)
             if tier == "memory":
-                for budget in sorted({512, default_budget, prompt}):
+                one_step = None  # `full` in one step: a square causal prefill, SDPA's; pieces from p are the kernel's
+                for budget in sorted({512, default_budget, prompt, *budgets}, reverse=True):
                     rc.scheduler.row_budget = budget
                     row = dict(shape=shape, tier=tier, context=prompt, algorithm="full", row_budget=budget,
                                forward_s=forward, **_link_s(rc, question, order, "full", {}, device, reps))
+                    logits = row.pop("logits").float()
+                    one_step = logits if one_step is None else one_step
+                    row["max_abs_logit_diff_vs_one_step"] = (logits - one_step).abs().max().item()
                     row["speedup_vs_forward"] = forward / row["seconds"]
                     rows.append(row)
                     print(f"  {shape} full at a row budget of {budget}: {row['seconds']:.3f} s "
-                          f"({row['speedup_vs_forward']:.2f}x)", flush=True)
+                          f"({row['speedup_vs_forward']:.2f}x; logits within "
+                          f"{row['max_abs_logit_diff_vs_one_step']:.3f} of one step's)", flush=True)
                 rc.scheduler.row_budget = default_budget
                 wait = _decode_wait(rc, question, order, device)
                 s = rc.runner.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
@@ -716,13 +731,13 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                                  **copy_rates(kv_bytes, device)))
                 print(f"  {shape} a decoding stream waited at most {wait:.3f} s for a step beside a full link of "
                       f"{prompt} tokens", flush=True)
-        if profiled and tier == tiers[-1]:
-            profile_row = _profile(rc, question, order, device)
-            rows.append(dict(shape=shape, tier=tier, context=prompt, **profile_row))
-            print(f"  {shape} profile of a focus link at {prompt} tokens from {tier}: {profile_row['total_ms']:.1f} ms "
-                  f"({profile_row['sort']})", flush=True)
-            for event in profile_row["top"][:12]:
-                print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name']}", flush=True)
+        for algorithm in ("focus", "full") if profiled and tier == tiers[-1] else ():
+            profile_row = _profile(rc, question, order, device, algorithm)
+            rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.scheduler.row_budget, **profile_row))
+            print(f"  {shape} profile of a {algorithm} link at {prompt} tokens from {tier}: "
+                  f"{profile_row['total_ms']:.1f} ms ({profile_row['sort']})", flush=True)
+            for event in profile_row["top"][:10]:
+                print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name'][:90]}", flush=True)
         rc.driver.stop()
         del rc
     for context, logits in first_logits.items():  # --check's tier half: a link from the GPU tier equals one from host
@@ -734,6 +749,62 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     del lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------ (h): the attention kernel's tiles
+
+
+def focus_rows(length: int, chunk: int = 1024, ratio: float = 0.25, question: int = 40) -> torch.Tensor:
+    """Positions like a focus link's: `ratio` of each chunk's rows (spread evenly), then the question's, sorted."""
+    picked = [c + i for c in range(0, length - question, chunk) for i in range(0, min(chunk, length - question - c),
+                                                                                round(1 / ratio))]
+    return torch.tensor(sorted(set(picked) | set(range(length - question, length))))
+
+
+@torch.inference_mode()
+def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick: bool) -> list[dict]:
+    """Each tile candidate of the selected-row attention on focus's rows at `shape`'s heads: its time, its TFLOP/s
+    over the causal FLOPs, and its agreement with the torch reference on a sample of rows. Sets the fastest
+    correct one as the kernel's tiles for this head dim (what (f) then runs)."""
+    config = model_config(shape, quick)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    length = 512 if quick else context
+    positions = focus_rows(length, chunk=128 if quick else 1024).to(device)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(heads, len(positions), dim, generator=g).to(device, dtype)
+    k, v = (torch.randn(kv_heads, length, dim, generator=g).to(device, dtype) for _ in range(2))
+    scale = dim**-0.5
+    sample = torch.arange(0, len(positions), max(len(positions) // 256, 1), device=device)
+    want = REF.selected_attention(q[:, sample], k, v, positions[sample], scale)
+    flops = 4 * heads * dim * float((positions + 1).sum())  # QK and PV over each row's visible keys
+    d_p2 = 1 << (dim - 1).bit_length()
+    default = TRI.ATTENTION_TILES.get(d_p2)
+    rows = []
+    for text in candidates if device.type == "cuda" else candidates[:1]:
+        tile = tuple(int(x) for x in text.split("/"))
+        TRI.ATTENTION_TILES[d_p2] = tile
+        row = dict(shape=shape, what="focus-row attention tiles", tiles=text, rows=len(positions), keys=length,
+                   default=tile == default)
+        try:
+            got = TRI.selected_attention(q, k, v, positions, scale)
+            err = (got[sample].float() - want.float()).abs().max().item()
+            row.update(max_abs_err=err, ok=err <= TOL[dtype]["atol"] * 4,
+                       ms=time_ms(lambda: TRI.selected_attention(q, k, v, positions, scale), device, quick))
+            row["tflop_s"] = flops / row["ms"] / 1e9
+        except Exception as error:  # a tile that does not fit the chip's shared memory or registers
+            row.update(ok=False, error=f"{type(error).__name__}: {str(error)[:200]}")
+        rows.append(row)
+        print(f"  {shape} attention tiles {text:14s} " + (f"{row['ms']:8.2f} ms {row['tflop_s']:6.1f} TFLOP/s "
+              f"err {row['max_abs_err']:.4f}{'' if row['ok'] else ' WRONG'}" if "ms" in row else row["error"]),
+              flush=True)
+    good = [row for row in rows if row["ok"]]
+    best = min(good, key=lambda row: row["ms"]) if good else None
+    TRI.ATTENTION_TILES[d_p2] = tuple(int(x) for x in best["tiles"].split("/")) if best else default
+    if best:
+        best["chosen"] = True
+        print(f"  {shape} attention tiles chosen for (f): {best['tiles']}", flush=True)
     return rows
 
 
@@ -936,6 +1007,7 @@ def main() -> None:
         print(f"{'FAILED: ' + ', '.join(failed) if failed else 'every check passed'}; wrote {path}")
         sys.exit(1 if failed else 0)
     kernels, model_rows, serving_rows, invariance_rows, link_rows, decode_rows = [], [], [], [], [], []
+    tile_rows: list[dict] = []
     if "kernels" not in skip:
         print("(a)+(b) kernels: Triton vs torch reference" + (" (Triton interpreted: its times are Python's)"
                                                              if env["triton_interpreted"] else ""))
@@ -952,17 +1024,21 @@ def main() -> None:
         print("(e) batch invariance: the same requests alone and packed, on and off")
         for name in _names(args.invariance):
             invariance_rows += invariance(name, device, dtype, args.quick)
+    if "tiles" not in skip:
+        print(f"(h) the attention kernel's tiles at the {args.shape} shape on focus's rows")
+        tile_rows = tiles(args.shape, max(int(n) for n in _names(args.contexts)), _names(args.tiles), device, dtype,
+                          args.quick)
     if "link" not in skip:
         print(f"(f) link at the {args.shape} shape: every algorithm and tier against transformers' forward")
         link_rows = link(args.shape, [int(n) for n in _names(args.contexts)], device, dtype, args.quick,
-                         profiled=args.profile)
+                         profiled=args.profile, budgets=tuple(int(n) for n in _names(args.budgets)))
     if "decode" not in skip:
         print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
         decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
                   skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
-                  invariance=invariance_rows, link=link_rows, decode=decode_rows,
+                  invariance=invariance_rows, tiles=tile_rows, link=link_rows, decode=decode_rows,
                   all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")

@@ -246,6 +246,73 @@ def _place_kernel(
 
 
 @triton.jit
+def _attention_tile(
+    q_tile,
+    k_base,
+    v_base,
+    start,
+    n_limit,
+    pos,
+    m_i,
+    l_i,
+    acc,
+    qk_scale,
+    window,
+    sk_n,
+    sv_n,
+    d,
+    d_mask,
+    MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    VDT: tl.constexpr,
+):
+    """One key tile's online-softmax update. Unmasked tiles (every key before every row of the block, all inside
+    the cache) load and score without a mask: most of a long row's tiles."""
+    n = start + tl.arange(0, BLOCK_N)
+    k_ptr = k_base + n[:, None].to(tl.int64) * sk_n + d[None, :]
+    v_ptr = v_base + n[:, None].to(tl.int64) * sv_n + d[None, :]
+    if MASKED:
+        kv_mask = (n < n_limit)[:, None] & d_mask[None, :]
+        k_tile = tl.load(k_ptr, mask=kv_mask, other=0.0)
+        v_tile = tl.load(v_ptr, mask=kv_mask, other=0.0)
+    elif EVEN_D:
+        k_tile = tl.load(k_ptr)
+        v_tile = tl.load(v_ptr)
+    else:
+        k_tile = tl.load(k_ptr, mask=d_mask[None, :], other=0.0)
+        v_tile = tl.load(v_ptr, mask=d_mask[None, :], other=0.0)
+    if UPCAST:
+        k_tile = k_tile.to(tl.float32)
+    if IEEE:
+        s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
+    else:
+        s = tl.dot(q_tile, tl.trans(k_tile))
+    s = s * qk_scale
+    if MASKED:
+        allowed = (n[None, :] <= pos[:, None]) & (n < n_limit)[None, :]
+        if HAS_WINDOW:
+            allowed = allowed & (n[None, :] > pos[:, None] - window)
+        s = tl.where(allowed, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    p = _to(p, VDT)  # as flash-attention: probabilities in the value dtype, fp32 accumulate
+    if UPCAST:
+        p = p.to(tl.float32)
+        v_tile = v_tile.to(tl.float32)
+    if IEEE:
+        pv = tl.dot(p, v_tile, input_precision="ieee")
+    else:
+        pv = tl.dot(p, v_tile)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
 def _attention_kernel(
     q,
     k,
@@ -292,48 +359,33 @@ def _attention_kernel(
     if UPCAST:
         q_tile = q_tile.to(tl.float32)
 
-    # Keys this block can see: [lo, hi). Rows need not be sorted.
+    # Keys this block can see: [lo, hi). Rows need not be sorted, but sorted rows make a block's span short, so
+    # that the tiles before its first row [lo, dense) need no mask and those past its last row are never read.
     hi = tl.minimum(tl.max(tl.where(m_mask, pos, -1)) + 1, length)
+    first = tl.min(tl.where(m_mask, pos, length))
     lo = 0
+    dense = (tl.minimum(first + 1, hi) // BLOCK_N) * BLOCK_N
     if HAS_WINDOW:
-        lo = tl.maximum(tl.min(tl.where(m_mask, pos, length)) - window + 1, 0)
+        lo = tl.maximum(first - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+        dense = lo  # a window masks from both sides: every tile keeps its mask
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row may see whole tiles masked before its first key
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
     k_base = k + kv_head * sk_h
     v_base = v + kv_head * sv_h
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_mask = n < length
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k_tile = tl.load(k_base + n[:, None].to(tl.int64) * sk_n + d[None, :], mask=kv_mask, other=0.0)
-        v_tile = tl.load(v_base + n[:, None].to(tl.int64) * sv_n + d[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k_tile = k_tile.to(tl.float32)
-        if IEEE:
-            s = tl.dot(q_tile, tl.trans(k_tile), input_precision="ieee")
-        else:
-            s = tl.dot(q_tile, tl.trans(k_tile))
-        allowed = (n[None, :] <= pos[:, None]) & n_mask[None, :]
-        if HAS_WINDOW:
-            allowed = allowed & (n[None, :] > pos[:, None] - window)
-        s = tl.where(allowed, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        p = _to(p, v.dtype.element_ty)  # as flash-attention: probabilities in the value dtype, fp32 accumulate
-        if UPCAST:
-            p = p.to(tl.float32)
-            v_tile = v_tile.to(tl.float32)
-        if IEEE:
-            pv = tl.dot(p, v_tile, input_precision="ieee")
-        else:
-            pv = tl.dot(p, v_tile)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    vdt = v.dtype.element_ty
+    for start in range(lo, dense, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, length, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            False, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
+        )  # fmt: skip
+    for start in range(dense, hi, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, length, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            True, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
+        )  # fmt: skip
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = out + row[:, None].to(tl.int64) * so_n + head[:, None] * so_h + d[None, :]
@@ -586,6 +638,36 @@ def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_f
     # allocator only reuses their memory in stream order, after this launch has read it.
 
 
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) of the selected-row attention on CUDA, by the head dim's power of two.
+# BLOCK_M counts (row, query head) pairs: a KV head's group of query heads share every K/V tile.
+ATTENTION_TILES: dict[int, tuple[int, int, int, int]] = {
+    64: (64, 64, 4, 2),  # not tuned on a GPU yet
+    128: (128, 128, 8, 3),  # the fastest of 9 on an H200, focus's rows at llama3-8b, 32k keys: 507 against 197 TFLOP/s
+    256: (64, 32, 8, 2),  # not tuned on a GPU yet
+}
+
+
+def attention_tiles(d_p2: int) -> tuple[int, int, int, int]:
+    """The attention kernel's tiles for a head dim (a power of two); the interpreter takes bigger ones (fewer
+    interpreted programs and loop trips)."""
+    if INTERPRET:
+        return 64, 64, 4, 1
+    return ATTENTION_TILES.get(d_p2, ATTENTION_TILES[256] if d_p2 > 256 else ATTENTION_TILES[64])
+
+
+def sdpa_serves(contiguous_from: int | None, rows: int, length: int, window: int | None, device) -> bool:
+    """Whether torch's SDPA takes a contiguous run rather than this kernel: a run no window cuts, except on CUDA
+    a piece from p > 0 of more than one row. SDPA takes that one causal from the bottom right, which is
+    FlashAttention-2; on an H200 at the llama3-8b shape it ran at about 320 TFLOP/s, this kernel's tuned tiles at
+    about 500 (docs/BENCHMARKS.md, "On a GPU"). A prefill from 0 (cuDNN's Hopper kernel) and a decode row stay
+    with SDPA."""
+    if contiguous_from is None or length < contiguous_from + rows:
+        return False
+    if window is not None and window < contiguous_from + rows:
+        return False
+    return not (torch.device(device).type == "cuda" and contiguous_from > 0 and rows > 1)
+
+
 def selected_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -597,15 +679,11 @@ def selected_attention(
 ) -> torch.Tensor:
     """Rows at arbitrary positions attend the joined cache causally (optionally windowed); see torch_ref.
 
-    A contiguous run (`contiguous_from=p`: a prefill piece, a decode row) that no window cuts goes to torch's SDPA,
-    causal from the bottom right, which on CUDA is FlashAttention-2 with native GQA; rows in any order and windowed
-    runs stay here (this kernel skips the key tiles past a block's last row and handles offsets and windows)."""
+    A contiguous run (`contiguous_from=p`: a prefill piece, a decode row) goes to torch's SDPA where `sdpa_serves`
+    says so; rows in any order, windowed runs and on CUDA pieces from p stay here (this kernel skips the key tiles
+    past a block's last row, scores the tiles before its first row unmasked, and handles offsets and windows)."""
     heads, rows, head_dim = query.shape
-    if (
-        contiguous_from is not None
-        and keys.shape[1] >= contiguous_from + rows
-        and (window is None or window >= contiguous_from + rows)
-    ):
+    if sdpa_serves(contiguous_from, rows, keys.shape[1], window, query.device):
         from . import torch_ref
 
         return torch_ref.selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
@@ -624,11 +702,7 @@ def selected_attention(
     if keys.dtype != values.dtype or query.dtype != keys.dtype:
         query, keys, values = (x.to(operand) for x in (query, keys, values))
     d_p2 = _p2(head_dim)
-    if INTERPRET:  # bigger tiles: fewer interpreted programs and loop trips
-        block_m, block_n, warps, stages = 64, 64, 4, 1
-    else:  # untuned starting point (no GPU was at hand when this was written)
-        block_m, block_n = 64, (64 if d_p2 <= 128 else 32)
-        warps, stages = (4 if d_p2 <= 64 else 8), 2
+    block_m, block_n, warps, stages = attention_tiles(d_p2)
     grid = (triton.cdiv(rows * group, block_m), kv_heads)
     _attention_kernel[grid](
         query, keys, values, positions, out, float(scale) * LOG2E, rows, length,

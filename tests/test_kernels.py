@@ -319,6 +319,7 @@ CONTIGUOUS_CASES = [
     (4, 1, 90, 1, 32, 16),  # windowed decode row
     (4, 2, 5, 20, 80, 100),  # a window wider than the prompt; head_dim not a power of two
     (8, 2, 300, 300, 128, 256),  # several blocks under a window
+    (8, 2, 300, 200, 128, None),  # a piece from p whose blocks score several whole tiles unmasked before their rows
 ]
 
 
@@ -352,6 +353,26 @@ def test_contiguous_attention_triton(ops, device, case, dtype):
     query, keys, values, positions, scale, window = _contiguous_inputs(case, dtype, device)
     got = ops.selected_attention(query, keys, values, positions, scale, window, contiguous_from=case[2])
     _close(got, _reference(query, keys, values, positions, scale, window), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", [c for c in CONTIGUOUS_CASES if c[2] > 0], ids=lambda c: "H{}KV{}p{}n{}D{}w{}".format(*c))
+def test_the_kernel_takes_a_piece_from_p_as_on_cuda(ops, device, case, dtype):
+    """On CUDA a prefill piece from p > 0 runs in the Triton kernel, not SDPA (`sdpa_serves`): its unmasked tiles
+    before the block's first row and its masked tail give the reference's rows."""
+    query, keys, values, positions, scale, window = _contiguous_inputs(case, dtype, device)
+    got = ops.selected_attention(query, keys, values, positions, scale, window)  # no hint: the kernel itself
+    _close(got, _reference(query, keys, values, positions, scale, window), dtype)
+
+
+def test_sdpa_serves_a_prefill_from_0_and_a_decode_row_and_on_cuda_no_piece_from_p(ops):
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # a device object only: nothing is allocated on it
+    assert ops.sdpa_serves(0, 512, 512, None, cuda) and ops.sdpa_serves(0, 512, 512, None, cpu)
+    assert ops.sdpa_serves(4095, 1, 4096, None, cuda)  # a decode row
+    assert not ops.sdpa_serves(3584, 512, 4096, None, cuda) and ops.sdpa_serves(3584, 512, 4096, None, cpu)
+    assert not ops.sdpa_serves(None, 512, 4096, None, cpu)  # rows in any order
+    assert not ops.sdpa_serves(0, 512, 512, 256, cpu)  # a window that cuts the run
+    assert not ops.sdpa_serves(3584, 1024, 4096, None, cpu)  # more rows than keys: the kernel's error, not SDPA's
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
