@@ -77,20 +77,22 @@ def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
     build = app.openapi
 
     def with_bodies() -> dict:
-        if app.openapi_schema is None:
-            schemas = build().setdefault("components", {}).setdefault("schemas", {})
-            settings = app.state.ctx.settings
-            bounds = {
-                "documents": ("array", "maxItems", settings.max_documents),
-                "max_tokens": ("integer", "maximum", settings.max_new_tokens_limit),
-            }
-            for model in models:
-                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                schemas.update(schema.pop("$defs", {}))
-                schemas[model.__name__] = bounded_schema(schema, bounds)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        openapi = build()  # kept as app.openapi_schema, so the bodies go in once
+        schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+        settings = app.state.ctx.settings
+        bounds = {
+            "documents": ("array", "maxItems", settings.max_documents),
+            "max_tokens": ("integer", "maximum", settings.max_new_tokens_limit),
+        }
+        for model in models:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = bounded_schema(schema, bounds)
+        return openapi
 
-    app.openapi = with_bodies
+    app.openapi = with_bodies  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
 
 
 def bounded_schema(schema: dict, bounds: dict[str, tuple[str, str, int]]) -> dict:

@@ -139,6 +139,7 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
 def _text(message: ChatMessage, i: int) -> str:
     if message.content is None or isinstance(message.content, str):
         return message.content or ""
+    texts = []
     for part in message.content:
         if part.type != "text":
             raise unsupported(
@@ -146,7 +147,8 @@ def _text(message: ChatMessage, i: int) -> str:
             )
         if part.text is None:
             raise unsupported(f"messages[{i}].content", "a text content part needs its text")
-    return "".join(part.text for part in message.content)
+        texts.append(part.text)
+    return "".join(texts)
 
 
 def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:

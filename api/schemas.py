@@ -76,7 +76,10 @@ class CompileRequest(Strict):
         return self
 
     def items(self) -> list[DocumentIn]:
-        return self.documents if self.documents is not None else [DocumentIn(text=self.text, metadata=self.metadata)]
+        if self.documents is not None:
+            return self.documents
+        assert self.text is not None  # one_shape: a request without documents has a text
+        return [DocumentIn(text=self.text, metadata=self.metadata)]
 
 
 class CompiledDocument(BaseModel):

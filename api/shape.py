@@ -17,16 +17,18 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
-from json.decoder import JSONDecodeError, scanstring
+from json.decoder import JSONDecodeError, scanstring  # type: ignore[attr-defined]  # scanstring: not in typeshed
 from json.scanner import make_scanner
-from typing import Any
+from typing import Any, cast
 
 from ragcache.settings import Settings
 
 from .errors import REPORTED, ApiError, Refused
 
 WHITESPACE = re.compile(r"[ \t\n\r]*")  # JSON's own, as the json module skips it
-SCAN = make_scanner(json.JSONDecoder())  # one scalar (or a whole container, which `Reader` never asks it for)
+# one scalar (or a whole container, which `Reader` never asks it for); typeshed wants a make_scanner as the context,
+# where the scanner reads only the decoder's hooks (its stub's TODO)
+SCAN = make_scanner(cast(make_scanner, json.JSONDecoder()))
 
 
 @dataclass(frozen=True)
@@ -78,10 +80,13 @@ def read(text: str, limits: BodyLimits, known: frozenset[str] | None = None) -> 
 class Reader:
     def __init__(self, text: str, limits: BodyLimits, known: frozenset[str] | None):
         self.text, self.limits, self.known = text, limits, known
-        self.values, self.unknown, self.unknown_count = 0, [], 0
+        self.values, self.unknown_count = 0, 0
+        self.unknown: list[str] = []
 
     def skip(self, i: int) -> int:
-        return WHITESPACE.match(self.text, i).end()
+        match = WHITESPACE.match(self.text, i)
+        assert match is not None  # the pattern matches the empty string anywhere
+        return match.end()
 
     def value(self, i: int, path: tuple, depth: int) -> tuple[Any, int]:
         self.values += 1

@@ -525,13 +525,13 @@ def calibrate(
         for value, score in scores.items():
             table.add_row(f"{swept}={value}", cal.agreement_cell(score, profile.items))
     console.print(table)
-    found = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
+    reached = f"k={profile.k}" if profile.k is not None else "no k reached the target (the default k stays)"
     focus = (
         f"focus ratio={profile.focus_ratio}"
         if profile.focus_ratio is not None
         else "no focus ratio reached the target (focus's default, 0.25, stays)"
     )
-    console.print(f"profile: {found}, ratio={profile.ratio}, {focus} -> {path}")
+    console.print(f"profile: {reached}, ratio={profile.ratio}, {focus} -> {path}")
 
 
 @models_app.command("list")

@@ -152,10 +152,10 @@ def _over(value: int, limit: int | None) -> bool:
 
 
 def _at_most(name: str, text: str, limit: int | None) -> None:
-    if _over(len(text), limit):
+    if limit is not None and len(text) > limit:
         raise PayloadTooLarge(f"{name} has {len(text)} characters; at most {limit}", limit, len(text))
 
 
 def _at_most_count(count: int, limit: int | None, what: str) -> None:
-    if _over(count, limit):
+    if limit is not None and count > limit:
         raise PayloadTooLarge(f"{count} {what}; at most {limit} per request", limit, count)

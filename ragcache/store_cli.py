@@ -94,7 +94,7 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
 
 
 def summary(store: Store) -> dict:
-    tiers = []
+    tiers: list[dict] = []
     for tier in maintenance.tiers_of(store):
         try:
             stats = tier.stats()
@@ -138,9 +138,10 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
 
 
 # -- commands -----------------------------------------------------------------------------------------------
-def _open(url: str) -> Store:
+def _open(url: str | None) -> Store:
     """The store at `url`; a disk folder no store was made in is refused, not made into one (these commands look
     at or maintain a store, never create one)."""
+    assert url is not None  # --store's callback gives the settings' store where none is named
     for part in tier_urls(url):
         if part.startswith("disk:") and not holds_store(Path(part[len("disk:") :] or "./.ragcache")):
             fail(f"no store at {part[len('disk:') :]!r} (nothing compiled there yet?)", 1)
@@ -148,10 +149,11 @@ def _open(url: str) -> Store:
 
 
 def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
+    return f"{n:.1f} TiB"
 
 
 @contextmanager

@@ -154,7 +154,7 @@ class BlobStore(Store):
     def write_blobs(self, blobs: dict[str, bytes]) -> None: ...
 
     @abstractmethod
-    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+    def read_raw(self, keys: list[str]) -> list[bytes | bytearray | str | None]:
         """Like read_blobs but with no side effect: bytes, None (absent), or a str saying why the stored bytes are
         unusable (a tier-level problem such as a missing Redis part)."""
 
@@ -175,13 +175,14 @@ class BlobStore(Store):
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()
         blobs = self.read_blobs(keys)
-        out = decode_all(keys, blobs)
-        for i, entry in enumerate(out):
+        out: list[ChunkKV | None] = []
+        for key, entry in zip(keys, decode_all(keys, blobs)):
             if isinstance(entry, CorruptEntry):
                 self.metrics.corrupt += 1
                 log.warning("%s tier: %s; dropping it (it will be recompiled)", self.name, entry)
-                self.delete(keys[i])
-                out[i] = None
+                self.delete(key)
+                entry = None
+            out.append(entry)
         hits = sum(e is not None for e in out)
         self.metrics.read(started, hits, len(keys) - hits, sum(len(b) for b in blobs if b is not None))
         return out

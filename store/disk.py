@@ -130,8 +130,8 @@ class DiskStore(BlobStore):
             except OSError as exc:
                 yield key, exc
 
-    def read_blobs(self, keys: list[str]) -> list[bytes | None]:
-        out = []
+    def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
+        out: list[bytes | bytearray | None] = []
         for key, blob in self._reads(keys):
             if isinstance(blob, OSError) and _damaged(blob):
                 if not isinstance(blob, NotAnEntryFile):  # those are named where the empty bytes are refused
@@ -157,7 +157,7 @@ class DiskStore(BlobStore):
         except sqlite3.Error as exc:
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
-    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+    def read_raw(self, keys: list[str]) -> list[bytes | bytearray | str | None]:
         return [
             f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
             if isinstance(b, OSError)

@@ -60,7 +60,14 @@ class ChunkKV:
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ChunkKV:
         """The entry with `fn` applied to each of its tensors (the absent scales stay absent), its meta as is."""
-        return replace(self, **{name: fn(t) for name, t in self._tensors().items()})
+        return replace(
+            self,
+            token_ids=fn(self.token_ids),
+            keys=fn(self.keys),
+            values=fn(self.values),
+            key_scales=None if self.key_scales is None else fn(self.key_scales),
+            value_scales=None if self.value_scales is None else fn(self.value_scales),
+        )
 
     def equal(self, other: ChunkKV) -> bool:
         mine, theirs = self._tensors(), other._tensors()

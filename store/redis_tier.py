@@ -164,7 +164,7 @@ class RedisStore(BlobStore):
             pipe.get(self._manifest_name(key))
         return [(raw, None if raw is None else _parse_manifest(raw)) for raw in pipe.execute()]
 
-    def _fetch(self, keys: list[str]) -> list[tuple[bytes | None, str | None, bytes | None, dict | None]]:
+    def _fetch(self, keys: list[str]) -> list[tuple[bytearray | None, str | None, bytes | None, dict | None]]:
         """Per key: (blob or None, problem or None, raw manifest, manifest). Two pipelines in all."""
         manifests = self._manifests(keys)
         pipe = self._redis().pipeline(transaction=False)
@@ -182,6 +182,7 @@ class RedisStore(BlobStore):
             fetched = self._fetch(keys)
             for key, (_, problem, raw, manifest) in zip(keys, fetched):
                 if problem is not None:
+                    assert raw is not None  # a problem is found only in an entry whose manifest was read
                     self.metrics.incomplete += 1
                     log.warning(
                         "redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
@@ -191,7 +192,7 @@ class RedisStore(BlobStore):
                     self._drop_remains(key, raw, manifest)
             return [blob for blob, *_ in fetched]
 
-    def read_raw(self, keys: list[str]) -> list[bytes | str | None]:
+    def read_raw(self, keys: list[str]) -> list[bytes | bytearray | str | None]:
         with self._errors("read"):
             return [problem if problem is not None else blob for blob, problem, _, _ in self._fetch(keys)]
 
@@ -276,7 +277,7 @@ class RedisStore(BlobStore):
                 if manifest:
                     pipe.exists(*self._part_names(key, manifest))
             counts = iter(pipe.execute()) if len(pipe) else iter(())
-            return [bool(manifest) and next(counts) == manifest["parts"] for _, manifest in manifests]
+            return [next(counts) == manifest["parts"] if manifest else False for _, manifest in manifests]
 
     def delete(self, key: str) -> bool:
         with self._errors("delete"):

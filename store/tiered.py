@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from .base import (
     DEFAULT_MAX_RETRY_AFTER_S,
@@ -151,7 +152,7 @@ class TieredStore(Store):
             state.reason = str(exc)
             state.retry_at = self.clock() + state.backoff
 
-    def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, object]]:
+    def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, Any]]:
         """Call a method on every usable tier; [(tier index, result)] for those that answered."""
         calls = [
             (i, self._call(i, getattr(tier, fn_name), *args, write=write))
@@ -265,7 +266,7 @@ class TieredStore(Store):
         out: list = [None] * len(names)
         damaged: dict[int, tuple[object, str]] = {}  # the first damaged copy read, and what is wrong with it
         todo = list(range(len(names)))
-        unanswered = []
+        unanswered: list[str] = []
         lasting = [i for i, tier in enumerate(self.tiers) if tier.lasting]
         others = [i for i, tier in enumerate(self.tiers) if not tier.lasting]
         for i in lasting + others:
@@ -273,7 +274,7 @@ class TieredStore(Store):
             if not asked:
                 continue
             tier = self.tiers[i]
-            got, ok = self._call(i, tier.get_records, [names[j] for j in asked]) if self._usable(i) else (None, False)
+            got, ok = self._call(i, tier.get_records, [names[j] for j in asked]) if self._usable(i) else ([], False)
             if not ok:
                 unanswered.append(tier.name)
                 continue
@@ -286,11 +287,11 @@ class TieredStore(Store):
                     self._fill_record(i, names[j], record)
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
-            hurt = [f"{names[j]} ({damaged[j][1]})" for j in todo if j in damaged]
+            hurts = [f"{names[j]} ({damaged[j][1]})" for j in todo if j in damaged]
             raise TierUnavailable(
                 f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
                 f"{', '.join(unanswered)}, which are down"
-                + (f"; the copies read are damaged: {', '.join(hurt[:3])}" if hurt else "")
+                + (f"; the copies read are damaged: {', '.join(hurts[:3])}" if hurts else "")
             )
         for j in todo if lasting else ():  # in no lasting tier: a copy kept here would be another worker's past
             if j not in damaged:

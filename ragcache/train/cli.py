@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import typer
-from rich.progress import Progress, TextColumn, TimeRemainingColumn
+from rich.progress import Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..console import bars, console, err, fail
@@ -95,7 +95,7 @@ def link_cmd(
     try:
         cfg.validate()
         with _progress() as bar:
-            tasks: dict[str, int] = {}
+            tasks: dict[str, TaskID] = {}
 
             def tick(phase: str, done: int, total: int, note: str) -> None:
                 if phase not in tasks:

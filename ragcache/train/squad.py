@@ -64,7 +64,9 @@ def dev_set_path() -> Path:
         with tarfile.open(archive, "r:gz") as tar:
             for member in tar:
                 if member.isfile() and member.name.endswith(MEMBER):
-                    raw = tar.extractfile(member).read()
+                    file = tar.extractfile(member)
+                    assert file is not None  # a regular file's member has its bytes
+                    raw = file.read()
                     break
             else:
                 raise _fetch_error(f"{MEMBER} not found in {archive}")

@@ -137,16 +137,18 @@ def build_tasks(
     files = source_files(source)
     rng = random.Random(seed)
     texts: dict[Path, str | None] = {}
-    tasks, seen = [], set()
+    tasks: list[InfillTask] = []
+    seen: set[str] = set()
     for _ in range(200 * n):
         if len(tasks) == n:
             break
         path = rng.choice(files)
         if path not in texts:
             texts[path] = _parsable(path)
-        if texts[path] is None:
+        text = texts[path]
+        if text is None:
             continue
-        task = make_task(path, texts[path], rng, kinds[len(tasks) % len(kinds)], prefix_chars, suffix_chars)
+        task = make_task(path, text, rng, kinds[len(tasks) % len(kinds)], prefix_chars, suffix_chars)
         if task is not None and task.task_id not in seen:
             seen.add(task.task_id)
             tasks.append(task)
