@@ -40,10 +40,20 @@ VICTIMS = 3  # documents the tamperer damages (two at least: a foreign entry is 
 
 
 def rss_mib(pid: int) -> float:
+    return rss_parts(pid)["VmRSS"]
+
+
+def rss_parts(pid: int) -> dict[str, float]:
+    """MiB of the process's resident memory, whole (VmRSS) and by kind: anonymous (heap, tensors), file-backed
+    (mapped files: weights, libraries), shared."""
+    out = {}
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+        name, _, value = line.partition(":")
+        if name in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
+            out[name] = int(value.split()[0]) / 1024
+    if "VmRSS" not in out:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    return out
 
 
 def requests(pool: list[str], questions: list[str], distinct: int, algorithms: tuple[str, ...],
@@ -181,14 +191,16 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
     started = time.perf_counter()
-    rss = [(0.0, rss_mib(server.proc.pid))]
+    parts = [(0.0, rss_parts(server.proc.pid))]
     for thread in threads:
         thread.start()
     while (elapsed := time.perf_counter() - started) < seconds:
         time.sleep(min(RSS_EVERY_S, seconds - elapsed))
-        rss.append((round(time.perf_counter() - started, 1), rss_mib(server.proc.pid)))
-        print(f"{rss[-1][0]:7.0f} s  rss {rss[-1][1]:7.0f} MiB  answered {sum(status.values())}", file=sys.stderr,
-              flush=True)
+        parts.append((round(time.perf_counter() - started, 1), rss_parts(server.proc.pid)))
+        t, now = parts[-1]
+        print(f"{t:7.0f} s  rss {now['VmRSS']:7.0f} MiB (anon {now.get('RssAnon', 0):.0f}, file "
+              f"{now.get('RssFile', 0):.0f})  answered {sum(status.values())}", file=sys.stderr, flush=True)
+    rss = [(t, p["VmRSS"]) for t, p in parts]
     stop.set()
     for thread in threads:
         thread.join()
@@ -202,7 +214,7 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
                 wrong_answers=dict(wrong), answers_by_algorithm=dict(asked),
                 p50_s=statistics.median(ordered) if ordered else None,
                 p99_s=ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))] if ordered else None,
-                rss_mib=rss, rss_late_drift=(max(late) - min(late)) / statistics.mean(late) if late else None)
+                rss_mib=rss, rss_parts_mib=parts, rss_late_drift=(max(late) - min(late)) / statistics.mean(late) if late else None)
 
 
 def _print(r: dict) -> None:
