@@ -23,7 +23,7 @@ def backend_for(device: torch.device) -> str:
 
 def _triton_available() -> bool:
     try:
-        import triton  # noqa: F401
+        import triton  # noqa: F401 - only whether it is installed
     except ImportError:
         return False
     return True

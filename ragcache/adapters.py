@@ -97,7 +97,7 @@ def calibrated_default(lm: loaded.LoadedModel) -> Path | None:
         log.warning("the adapter installed for %s is not used: %s", lm.name, exc)
         return None
     try:
-        import peft  # noqa: F401
+        import peft  # noqa: F401 - only whether it is installed
     except ImportError:
         log.warning(
             "the adapter installed for %s needs the `peft` package (pip install peft); the base model serves", lm.name

@@ -17,6 +17,8 @@ from rich.table import Column, Table
 
 from ragcache.store import tier_urls
 from ragcache.store.keys import is_document_id
+from ragcache.store_cli import store_app
+from ragcache.train.cli import train_app
 
 from . import fetch, lora, request
 from .console import console, err, fail
@@ -33,8 +35,6 @@ app.add_typer(models_app, name="models")
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
 
-from ragcache.store_cli import store_app  # noqa: E402
-from ragcache.train.cli import train_app  # noqa: E402
 
 app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")

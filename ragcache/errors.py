@@ -2,7 +2,7 @@
 an HTTP status, ragcache/cli.py to an exit code, each in one table. The store's errors and the base class live in
 ragcache/store/errors.py (the store imports nothing from above it); every error is imported from here."""
 
-from ragcache.store.errors import (  # noqa: F401
+from ragcache.store.errors import (  # noqa: F401 - re-exported: every error is imported from here
     BadRequest,
     BrokenStore,
     CodecOverflow,

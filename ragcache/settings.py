@@ -14,7 +14,7 @@ from pathlib import Path
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ragcache.store.base import (  # noqa: F401
+from ragcache.store.base import (  # noqa: F401 - re-exported: the defaults are read from settings
     DEFAULT_DISK_BUDGET,
     DEFAULT_MAX_RETRY_AFTER_S,
     DEFAULT_MEMORY_BUDGET,

@@ -242,7 +242,7 @@ def eval_cmd(
     from .evaluate import evaluate
     from .tasks import build_tasks
 
-    split = lambda text: tuple(p.strip() for p in text.split(",") if p.strip())  # noqa: E731
+    split = lambda text: tuple(p.strip() for p in text.split(",") if p.strip())  # noqa: E731 - a one-line helper beside its use
     try:
         tasks = build_tasks(n_tasks, seed, split(kinds), source, prefix_chars, suffix_chars)
         with err.status(f"loading {model}"):

@@ -10,7 +10,7 @@ Needs the optional extra: pip install 'ragcache[langchain]'.
 """
 
 try:
-    import langchain_core  # noqa: F401
+    import langchain_core  # noqa: F401 - only whether the extra is installed
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ragcache.integrations.langchain needs langchain-core: pip install 'ragcache[langchain]'"

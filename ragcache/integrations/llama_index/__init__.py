@@ -11,7 +11,7 @@ Needs the optional extra: pip install 'ragcache[llama-index]'.
 """
 
 try:
-    import llama_index.core  # noqa: F401
+    import llama_index.core  # noqa: F401 - only whether the extra is installed
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
         "ragcache.integrations.llama_index needs llama-index-core: pip install 'ragcache[llama-index]'"

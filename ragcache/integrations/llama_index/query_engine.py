@@ -133,7 +133,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
             metadata = await asyncio.to_thread(self._finish, metadata, stream.answer, query_str)
             return Response(text, source_nodes=nodes, metadata=metadata)
         first = await anext(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
-        finish = lambda: self._finish(metadata, stream.answer, query_str)  # noqa: E731
+        finish = lambda: self._finish(metadata, stream.answer, query_str)  # noqa: E731 - a closure handed to the stream
         return AsyncStreamingResponse(
             response_gen=_achain(first, pieces, finish), source_nodes=nodes, metadata=metadata
         )
