@@ -468,6 +468,8 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
     assert all(row[key] > 0 for row in (on, off) for key in ("decode_tok_s_1", "decode_tok_s_many"))
     assert on["decode_tok_s_1_vs_off"] > 0
+    (tile,) = result["tiles"]  # (h): on CPU one candidate, interpreted, checked against the torch reference
+    assert tile["ok"] and tile["chosen"] and tile["max_abs_err"] < 1e-4
     links = [row for row in result["link"] if "algorithm" in row]  # (f): the CPU has the memory tier only
     assert {(row["algorithm"], row["tier"]) for row in links} >= {(a, "memory") for a in (
         "full", "focus", "legolink", "naive", "cacheblend")}
