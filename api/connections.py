@@ -171,6 +171,10 @@ class Listener(socket.socket):
             self.failed = exc.errno in OUT_OF_RESOURCES
             raise
         self.slots.pending += 1
+        if conn.family in (socket.AF_INET, socket.AF_INET6):
+            # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a bound socket's is 0: without
+            # it the response's second write waits for the client's delayed ACK, 40 ms on every keep-alive request
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, addr
 
 

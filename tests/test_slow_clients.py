@@ -22,6 +22,7 @@ import uvicorn
 
 from bench.slow_clients import LimitedServer, attack, closed_by_server, open_slow
 from ragcache.api.app import create_app
+from ragcache.api.connections import Listener, Slots
 from ragcache.api.server import config
 from ragcache.engine import RagCache
 from ragcache.settings import EngineConfig
@@ -271,3 +272,17 @@ def test_nginx_accepts_the_config(tmp_path):
                     f"http {{\n    include {NGINX_CONF};\n}}\n")
     run = subprocess.run(["nginx", "-t", "-p", str(tmp_path), "-c", str(main)], capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
+
+
+def test_accepted_connections_send_without_waiting_for_the_clients_ack():
+    """A bound socket's proto is 0, so asyncio leaves Nagle on; a response in two writes would then wait for the
+    client's delayed ACK (40 ms on each keep-alive request)."""
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    listener = Listener(plain, Slots(4))
+    with socket.create_connection(listener.getsockname()) as client:
+        conn, _ = listener.accept()
+        with conn:
+            assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+    listener.close()
