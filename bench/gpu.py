@@ -27,7 +27,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                32-word question) against transformers' `model(ids, logits_to_keep=1)` on a prompt of the same
                length, with entries from each tier (memory: pinned on CUDA; gpu: in device memory), `full` at row
                budgets 512 / the device's default / one step, host-to-device copy GB/s from pageable and pinned
-               memory, and the longest step a decoding stream waited while a long link ran beside it
+               memory, the longest step a decoding stream waited while a long link ran beside it, and 4 naive
+               links asked at once with the engine's prefetch and without (ragcache.copies.Prefetch)
   (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
                replayed from CUDA graphs (ragcache.graphs), the same fixed-shape step eager, and the ordinary packed
                step, against transformers' DynamicCache loop and its StaticCache loop under
@@ -37,8 +38,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
                are then used by (f), so (f) measures the link with them
   --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
-               against the eager step (tokens), links from pinned entries and from the GPU tier against pageable
-               entries (logits, bit for bit); exit 1 on a mismatch. On CPU only the first runs.
+               against the eager step (tokens), links from pinned entries, from the GPU tier and from prefetched
+               entries against pageable entries (logits, bit for bit); exit 1 on a mismatch. On CPU only the first
+               runs.
 Prints tables and writes gpu-<device>.json under --out. On an H100 the run up to (f) was planned at 2-4 minutes;
 (g) adds transformers' compile (about a minute at 8B); `--skip` trims.
 """
@@ -629,6 +631,31 @@ def _link_s(rc, question: str, docs: list, algorithm: str, params: dict, device,
                 recomputed_tokens=linked.recomputed_tokens, cached_tokens=linked.cached_tokens)
 
 
+def _queued_links(rc, question: str, texts: list, ids: list, device, links: int = 4) -> list[dict]:
+    """`links` naive links of the documents in new orders, asked at once, with the engine's prefetch and without:
+    what prefetch is for (a queued request's entries cross while the link before it runs). One row each."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    orders = [random.Random(seed).sample(ids, len(ids)) for seed in range(links)]
+    prefetch, rows = rc.prefetch, []
+    for name, chosen in (("prefetch", prefetch), ("no prefetch", None)):
+        if name == "prefetch" and chosen is None:
+            continue  # on CPU nothing crosses
+        rc.prefetch = chosen
+        with ThreadPoolExecutor(links) as pool:
+            _sync(device)
+            started = time.perf_counter()
+            list(pool.map(lambda order: rc.link(question, order, algorithm="naive"), orders))
+            _sync(device)
+        seconds = time.perf_counter() - started
+        budget = None if chosen is None else chosen.budget_bytes
+        rows.append(dict(what=f"{links} naive links asked at once, {name}", seconds=seconds, prefetch_bytes=budget))
+        print(f"  {links} naive links of {len(texts)} documents asked at once, {name}: {seconds:.3f} s", flush=True)
+    rc.prefetch = prefetch
+    return rows
+
+
 def _decode_wait(rc, question: str, docs: list, device) -> float:
     """The longest step a decoding stream waited while a `full` link of `docs` ran beside it."""
     import threading
@@ -731,6 +758,8 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                                  **copy_rates(kv_bytes, device)))
                 print(f"  {shape} a decoding stream waited at most {wait:.3f} s for a step beside a full link of "
                       f"{prompt} tokens", flush=True)
+                for row in _queued_links(rc, question, texts, ids, device):
+                    rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
         for algorithm in ("focus", "full") if profiled and tier == tiers[-1] else ():
             profile_row = _profile(rc, question, order, device, algorithm)
             rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.scheduler.row_budget, **profile_row))
@@ -812,14 +841,15 @@ def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick:
 # ------------------------------------------------------------------ (g): one decoding stream at a large shape
 
 
-def _engine(lm, store, chunk_tokens: int, graphs: str):
+def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | None = 0):
     """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "eager" (the same fixed-shape
-    step, not captured: the graphs' reference) or "ordinary" (the packed forward every other step runs)."""
+    step, not captured: the graphs' reference) or "ordinary" (the packed forward every other step runs); no
+    prefetch unless asked (None: the default's)."""
     from ragcache.engine import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
-                                          decode_graphs=graphs != "ordinary"))
+                                          decode_graphs=graphs != "ordinary", prefetch_bytes=prefetch_bytes))
     if graphs == "eager":
         rc.runner.graphs = GRAPHS.DecodeGraphs(rc.runner, capture=False)
     return rc
@@ -941,14 +971,19 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
         rc.driver.stop()
     first, second = (answers["captured"][0], answers["eager"][0]) if cuda else answers["eager"]
     rows.append(dict(check="graph decode = eager step", ok=first == second, ran=cuda or "eager on both sides"))
-    stores = {"pageable": lambda: MemoryStore(), "pinned": lambda: MemoryStore(pin=True),
-              "gpu tier": lambda: TieredStore([DeviceStore(device), MemoryStore(pin=True)])}
+    stores = {  # the store, and the prefetch's budget (0: none; None: the default's)
+        "pageable": (lambda: MemoryStore(), 0),
+        "pinned": (lambda: MemoryStore(pin=True), 0),
+        "gpu tier": (lambda: TieredStore([DeviceStore(device), MemoryStore(pin=True)]), 0),
+        "prefetched from pinned": (lambda: MemoryStore(pin=True), None),
+        "prefetched from pageable": (lambda: MemoryStore(), None),
+    }
     logits = {}
-    for name, make in stores.items():
+    for name, (make, prefetch_bytes) in stores.items():
         if not cuda and name != "pageable":
             rows.append(dict(check=f"{name} link = pageable link", ok=None, ran="needs CUDA"))
             continue
-        rc = _engine(lm, make(), 128, "ordinary")
+        rc = _engine(lm, make(), 128, "ordinary", prefetch_bytes)
         docs = rc.compile(texts)
         rc.link(question, docs, algorithm="naive")  # the gpu tier fills on this read
         logits[name] = rc.link(question, docs, algorithm="naive").last_logits

@@ -429,6 +429,12 @@ def serve(
         "--decode-graphs/--no-decode-graphs",
         help="replay decode-only steps from CUDA graphs (default: settings; on on CUDA without batch invariance)",
     ),
+    prefetch_mib: int = typer.Option(
+        None,
+        min=0,
+        help="CUDA: MiB of device memory for entries crossing to the GPU ahead of their link (default: settings; "
+        "10% of the free memory); 0: off",
+    ),
 ):
     """Serve the REST API (native /v1/query and OpenAI-compatible /v1/chat/completions)."""
     from ragcache.api.server import run
@@ -449,6 +455,7 @@ def serve(
             merge_adapter=merge_adapter,
             batch_invariant=batch_invariant,
             decode_graphs=decode_graphs,
+            prefetch_mib=prefetch_mib,
         )
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
         fail(BadRequest(str(exc)))

@@ -4,26 +4,143 @@ computes (LMCache's layer-wise transfer). From a GPU tier, or on CPU, one call p
 
 The cache records one event per layer (`JoinedCache.pending`); every read or write of a layer waits for its event
 (`JoinedCache.wait`), and `settle` waits for all of them, which a link does before it ends. The cache holds the
-entries until then: their host memory (a pinned arena's span) is not reused while their copies are queued."""
+entries until then: their host memory (a pinned arena's span) is not reused while their copies are queued.
+
+`Prefetch` starts a request's crossing earlier: once its entries are fetched (those in pinned host memory), on the
+caller's thread, before the request reaches the scheduler. They cross layer by layer on a stream of their own while the model thread runs other
+requests' steps, into device memory counted against a byte budget; the link's placement (`place`) then waits for
+each layer's crossing on the copy stream instead of copying it. Entries past the budget cross at their link, as
+without it."""
 
 from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
 
 import torch
 
 import ragcache.kernels as kernels
+from ragcache.store.device import device_budget
 
 from .kv import JoinedCache
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
+@dataclass(eq=False)
+class Staged:
+    """A chunk entry crossing to the GPU ahead of its link: its tensors on the device, layer l there once
+    `ready[l]` has completed (on the prefetch stream). It holds its host entry until it is dropped."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_scales: torch.Tensor | None
+    value_scales: torch.Tensor | None
+    ready: list
+    source: object
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.keys, self.values, self.key_scales, self.value_scales) if t is not None]
+
+
+DEFAULT_FREE_FRACTION = 0.1  # of the device memory free once the model and the store's GPU tier are in
+
+
+def prefetch_for(device: torch.device, budget_bytes: int | None) -> Prefetch | None:
+    """The engine's Prefetch: on CUDA only (elsewhere nothing crosses); `budget_bytes` None for the default, 0 for
+    none."""
+    if device.type != "cuda" or budget_bytes == 0:
+        return None
+    return Prefetch(device, device_budget(device, DEFAULT_FREE_FRACTION) if budget_bytes is None else budget_bytes)
+
+
+class Prefetch:
+    """Host entries to one CUDA device ahead of their links, at most `budget_bytes` of them on the device at once
+    (counted until each Staged is dropped: its link ended, or its request went away). Any thread may call `stage`."""
+
+    def __init__(self, device: torch.device, budget_bytes: int):
+        self.device, self.budget_bytes = device, budget_bytes
+        self.staged_bytes = 0
+        self.stream: torch.cuda.Stream | None = None
+        self._lock = threading.Lock()
+
+    def stage(self, entries: list) -> list:
+        """The entries, those in pinned host memory that fit the budget replaced by Staged ones whose copies are
+        queued. Pageable ones cross at their link: a copy from pageable memory holds the calling thread for its
+        whole length, so queued here it would keep the request from the scheduler instead of overlapping its
+        link's layers."""
+        chosen = self._reserve([i for i, e in enumerate(entries) if _pinned(e)], entries)
+        if not chosen:
+            return entries
+        if self.stream is None:
+            self.stream = torch.cuda.Stream(self.device)
+        staged = dict(zip(chosen, self._cross([entries[i] for i in chosen])))
+        return [staged.get(i, e) for i, e in enumerate(entries)]
+
+    def _reserve(self, candidates: list[int], entries: list) -> list[int]:
+        chosen = []
+        with self._lock:
+            for i in candidates:
+                size = _device_bytes(entries[i])
+                if self.staged_bytes + size <= self.budget_bytes:
+                    self.staged_bytes += size
+                    chosen.append(i)
+        return chosen
+
+    def _cross(self, sources: list) -> list[Staged]:
+        """Copies queued on the prefetch stream, layer-major, an event after each layer. The device tensors are
+        allocated on that stream, so the allocator reuses their memory only after the copies into them ran."""
+        stream = self.stream
+        ready: list = []
+        with torch.cuda.stream(stream):
+            staged = [self._target(e, ready) for e in sources]
+            for layer in range(sources[0].keys.shape[0]):
+                for source, target in zip(sources, staged):
+                    for src, dst in zip(_parts(source), _parts(target)):
+                        if dst is not None:
+                            dst[layer].copy_(src[layer], non_blocking=True)
+                ready.append(torch.cuda.Event())
+                ready[-1].record(stream)
+        for s in staged:
+            weakref.finalize(s, self._release, _device_bytes(s))
+        return staged
+
+    def _target(self, source, ready: list) -> Staged:
+        """Device tensors shaped as the source's, to copy it into."""
+        keys, values, key_scales, value_scales = (_empty(t, self.device) for t in _parts(source))
+        assert keys is not None and values is not None
+        return Staged(keys, values, key_scales, value_scales, ready, source)
+
+    def _release(self, size: int) -> None:
+        with self._lock:
+            self.staged_bytes -= size
+
+
+def _pinned(entry) -> bool:
+    """In page-locked host memory (the memory tier's on CUDA): copies from it are asynchronous."""
+    return entry.keys.device.type == "cpu" and entry.keys.is_pinned()
+
+
+def _parts(entry) -> tuple:
+    return entry.keys, entry.values, entry.key_scales, entry.value_scales
+
+
+def _empty(t: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
+
+
+def _device_bytes(entry) -> int:
+    return sum(t.nbytes for t in _parts(entry) if t is not None)
+
+
 def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.Tensor, scaling: torch.Tensor) -> None:
-    """The entries (store ChunkKVs) rotated to `starts` in `cache`: layer by layer on the copy stream when they are
-    in host memory and the cache on CUDA, else in one call."""
+    """The entries (store ChunkKVs, or Staged ones) rotated to `starts` in `cache`: layer by layer on the copy
+    stream when some are in host memory or still crossing and the cache is on CUDA, else in one call."""
     keys, values = [e.keys for e in entries], [e.values for e in entries]
     key_scales, value_scales = [e.key_scales for e in entries], [e.value_scales for e in entries]
     device = cache.keys.device
-    if device.type != "cuda" or not entries or all(k.device.type == "cuda" for k in keys):
+    if not crossing(device, entries):
         kernels.place_chunks(
             cache.keys, cache.values, keys, values, starts, inv_freq, scaling, key_scales, value_scales
         )
@@ -32,15 +149,30 @@ def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.
     stream.wait_stream(torch.cuda.current_stream(device))  # the cache's zeros are written first
     for tensor in (cache.keys, cache.values):  # freed early (an aborted link), not reused before the copies ran
         tensor.record_stream(stream)
+    staged = [e for e in entries if isinstance(e, Staged)]
+    for entry in staged:  # read on this stream: their memory is not handed out again before these reads ran
+        for tensor in entry.tensors():
+            tensor.record_stream(stream)
+    crossings = {id(e.ready): e.ready for e in staged}.values()  # one list of events per `stage` call
     events = []
+
+    def crossed(layer: int) -> None:
+        for ready in crossings:
+            stream.wait_event(ready[layer])
 
     def recorded(layer: int) -> None:
         events.append(torch.cuda.Event())
         events[-1].record(stream)
 
     with torch.cuda.stream(stream):
-        place_layers(cache, keys, values, starts, inv_freq, scaling, key_scales, value_scales, recorded)
+        place_layers(cache, keys, values, starts, inv_freq, scaling, key_scales, value_scales, recorded, crossed)
     cache.pending, cache.holds = events, entries
+
+
+def crossing(device: torch.device, entries: list) -> bool:
+    """Whether placing into a cache on `device` waits for copies: it is on CUDA, and some entries are in host
+    memory or still crossing (Staged)."""
+    return device.type == "cuda" and any(isinstance(e, Staged) or e.keys.device.type == "cpu" for e in entries)
 
 
 def place_layers(
@@ -53,10 +185,13 @@ def place_layers(
     key_scales: list,
     value_scales: list,
     after=None,
+    before=None,
 ) -> None:
-    """`kernels.place_chunks` one layer at a time, `after(layer)` once each is queued."""
+    """`kernels.place_chunks` one layer at a time, `before(layer)` and `after(layer)` around each."""
     for layer in range(cache.keys.shape[0]):
         at = slice(layer, layer + 1)
+        if before is not None:
+            before(layer)
         kernels.place_chunks(
             cache.keys[at],
             cache.values[at],

@@ -18,7 +18,7 @@ from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import adapters, guard, infill, linker, loaded, lora, models, sequence
+from . import adapters, copies, guard, infill, linker, loaded, lora, models, sequence
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
 from .driver import Driver
@@ -31,7 +31,7 @@ from .runner import Runner
 from .sampling import Decoding, QueryStats, eos_ids
 from .scheduler import Scheduler
 from .sequence import Done, Failed, Sequence
-from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for
+from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for, store_for
 
 log = logging.getLogger("ragcache")
 
@@ -39,7 +39,7 @@ log = logging.getLogger("ragcache")
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
-        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs). `open` and `from_config` load and
+        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, prefetch_bytes). `open` and `from_config` load and
         open them."""
         self.config = config
         self.runner = Runner(lm, config.batch_invariant, config.decode_graphs)
@@ -57,6 +57,7 @@ class RagCache(Front):
         self.infill_cache = PrefixCache(config.prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
         self.driver = Driver(self.runner, self.scheduler)
+        self.prefetch = copies.prefetch_for(self.runner.device, config.prefetch_bytes)
         self.stop_ids = eos_ids(lm)
 
     @classmethod
@@ -92,7 +93,7 @@ class RagCache(Front):
         chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
         lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
         # on CUDA: a "gpu" tier on the model's device, the memory tier pinned
-        return cls(lm, open_store(config.store, device=config.device), config)
+        return cls(lm, open_store(store_for(config.store, config.device), device=config.device), config)
 
     @property
     def kv_codec(self) -> str:
@@ -163,6 +164,18 @@ class RagCache(Front):
             parts.chunk_entries = self._entries(chunks, self.layouts[known.layout], stats, cancelled=cancelled)
             if parts.prefix_ids:
                 parts.prefix_entry = self._entries([parts.prefix_ids], PLAIN, stats, self.prefix_compiler, cancelled)[0]
+            self._prefetch(parts, stats)
+
+    def _prefetch(self, parts: LinkInput, stats: QueryStats) -> None:
+        """On CUDA, the entries in host memory start crossing to the GPU now, while the model thread runs other
+        requests' steps, rather than at this request's link (copies.Prefetch)."""
+        if self.prefetch is None or not parts.chunk_entries:
+            return
+        head = [parts.prefix_entry] if parts.prefix_entry is not None else []
+        entries = self.prefetch.stage([*head, *parts.chunk_entries])
+        stats.prefetched_chunks = sum(isinstance(e, copies.Staged) for e in entries)
+        parts.prefix_entry = entries[0] if head else None
+        parts.chunk_entries = entries[len(head) :]
 
     def _prepare(
         self, query: Query, max_new_tokens: int, stats: QueryStats, cancelled: Callable[[], bool] = lambda: False

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,8 +93,10 @@ class LinkInput:
     prefix_ids: list[int]
     chunk_ids: list[list[int]]  # stored ids of each chunk, in prompt order
     question_ids: list[int]
-    prefix_entry: ChunkKV | None = None  # KV of the system prefix (algorithms that reuse caches)
-    chunk_entries: list[ChunkKV] | None = None  # KV of each chunk, same order (algorithms that reuse caches)
+    # KV of the system prefix and of each chunk, in order (algorithms that reuse caches); on CUDA they may be
+    # copies.Staged: crossing to the GPU ahead of the link
+    prefix_entry: ChunkKV | copies.Staged | None = None
+    chunk_entries: Sequence[ChunkKV | copies.Staged] | None = None
 
     @property
     def token_ids(self) -> torch.Tensor:

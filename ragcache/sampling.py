@@ -32,6 +32,7 @@ class QueryStats:
     store_hits: int = 0
     store_misses: int = 0
     compiled_chunks: int = 0
+    prefetched_chunks: int = 0  # entries (the prefix's included) that crossed to the GPU ahead of the link
     finish_reason: str = "length"
 
     def as_dict(self) -> dict:

@@ -39,6 +39,14 @@ def row_budget_for(device) -> int:
     return DEVICE_ROW_BUDGET.get(str(device).split(":")[0], DEFAULT_ROW_BUDGET)
 
 
+def store_for(store: object, device) -> object:
+    """The store an engine on `device` opens: on CUDA the default store has a GPU tier and a pinned memory tier in
+    front of it (a link from those copies at PCIe speed or not at all, README: On a GPU); any other as given."""
+    if store == DEFAULT_STORE and str(device).split(":")[0] == "cuda":
+        return "gpu+memory+" + DEFAULT_STORE
+    return store
+
+
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
 DEFAULT_K = 16
 DEFAULT_RATIO = 0.15  # cacheblend's
@@ -82,6 +90,7 @@ class EngineConfig:
     row_budget: int | None = None  # rows per step; None: the device's (row_budget_for)
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
     decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.graphs)
+    prefetch_bytes: int | None = None  # device memory for entries crossing ahead of their link (ragcache.copies)
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
@@ -159,6 +168,13 @@ class Settings(BaseSettings):
         "allocation of the pool of decoding caches (default: on on CUDA where "
         "batch_invariant is off; elsewhere the same fixed-shape step runs eagerly "
         "when asked for)",
+    )
+    prefetch_mib: int | None = Field(
+        None,
+        ge=0,
+        description="on CUDA, device memory for chunk entries that start crossing from host memory as soon as a "
+        "request has fetched them, while other requests' steps run (default: 10% of what is free once the "
+        "model and the store are in; 0: off, entries cross at their link); ignored on CPU",
     )
     kv_codec: str = Field(
         "auto",
@@ -280,6 +296,7 @@ class Settings(BaseSettings):
             prefix_cache_bytes=self.prefix_cache_mib << 20,
             batch_invariant=self.batch_invariant,
             decode_graphs=self.decode_graphs,
+            prefetch_bytes=None if self.prefetch_mib is None else self.prefetch_mib << 20,
             adapter=parse_adapter(self.adapter),
             merge_adapter=self.merge_adapter,
             vllm_args={k: v for k, v in vllm_args.items() if v is not None},

@@ -479,6 +479,8 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert len(waits) == 2 and all(row["longest_decode_step_s"] > 0 for row in waits)
     checks = [row for row in result["link"] if "identical" in row]
     assert len(checks) == 2 and all(row["identical"] for row in checks)
+    (queued,) = [row for row in result["link"] if "asked at once" in row.get("what", "")]  # CPU: no prefetch
+    assert queued["what"].endswith("no prefetch") and queued["seconds"] > 0
     decodes = {row["what"]: row for row in result["decode"] if "tok_s" in row}  # (g): no graphs to capture on CPU
     assert set(decodes) == {"ragcache decode, eager steps", "ragcache decode, ordinary steps",
                             "transformers decode, eager"} and all(row["tok_s"] > 0 for row in decodes.values())
@@ -496,7 +498,8 @@ def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     rows = {row["check"]: row for row in json.loads((tmp_path / "gpu-check-cpu.json").read_text())["checks"]}
     assert rows["graph decode = eager step"]["ok"] is True
-    assert rows["pinned link = pageable link"]["ok"] is None and rows["gpu tier link = pageable link"]["ok"] is None
+    cuda_only = ("pinned", "gpu tier", "prefetched from pinned", "prefetched from pageable")
+    assert all(rows[f"{name} link = pageable link"]["ok"] is None for name in cuda_only)
 
 
 def test_the_gpu_script_times_full_once():

@@ -1,26 +1,35 @@
 """Chunk placement layer by layer (ragcache.copies), the CUDA path's logic on CPU: placing one layer at a time gives
 the cache one call gives, float and int8 entries alike; a cache whose placement is in flight has each layer's read
-or write wait for that layer only, and lets its entries go once settled."""
+or write wait for that layer only, and lets its entries go once settled. The prefetch's bookkeeping (its budget,
+what it stages, an event per layer, a link's logits unchanged) with torch.cuda's streams and events faked."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from ragcache import copies
+from ragcache.engine import RagCache
 from ragcache.kv import JoinedCache
+from ragcache.sampling import QueryStats
+from ragcache.settings import EngineConfig
 from ragcache.store.codec import encode
+from ragcache.store.memory import MemoryStore
+from tests import tiny
 
 LAYERS, HEADS, DIM = 3, 2, 16
 
 
-def entry(seed: int, tokens: int, codec: str):
+def entry(seed: int, tokens: int, codec: str, pageable: bool = False):
+    """A chunk entry; on the fake CUDA, host memory stands for pinned memory unless `pageable`."""
     g = torch.Generator().manual_seed(seed)
     keys, values = (torch.randn(LAYERS, HEADS, tokens, DIM, generator=g) for _ in range(2))
     k, v, ks, vs = encode(keys, values, codec)
-    return SimpleNamespace(keys=k, values=v, key_scales=ks, value_scales=vs)
+    return SimpleNamespace(keys=k, values=v, key_scales=ks, value_scales=vs, pageable=pageable)
 
 
 @pytest.mark.parametrize("codec", ["fp32", "int8"])
@@ -52,3 +61,89 @@ def test_a_cache_in_flight_waits_per_layer_and_settles(monkeypatch):
     assert waited == ["e1", "e0", "e2"] and cache.pending is None and cache.holds == []
     cache.visible(0)
     assert len(waited) == 3
+
+
+class FakeEvent:
+    def __init__(self):
+        self.on = None
+
+    def record(self, stream):
+        self.on = stream
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """torch.cuda's streams and events as stand-ins, so the prefetch's bookkeeping runs on CPU tensors."""
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: SimpleNamespace(name="prefetch"))
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(copies, "_pinned", lambda entry: entry.keys.device.type == "cpu" and not getattr(entry, "pageable", False))
+
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_prefetch_stages_host_entries_within_its_budget_until_they_are_dropped(fake_cuda, codec):
+    entries = [entry(1, 5, codec), entry(2, 7, codec), entry(3, 6, codec)]
+    sizes = [copies._device_bytes(e) for e in entries]
+    prefetch = copies.Prefetch(torch.device("cpu"), budget_bytes=sizes[0] + sizes[1] + sizes[2] - 1)
+    staged = prefetch.stage(entries)
+    assert [isinstance(s, copies.Staged) for s in staged] == [True, True, False]  # the third is past the budget
+    assert staged[2] is entries[2] and prefetch.staged_bytes == sizes[0] + sizes[1]
+    for s, e in zip(staged[:2], entries):
+        assert s.source is e and all(torch.equal(a, b) for a, b in zip(s.tensors(), copies._parts(e)) if b is not None)
+        assert s.ready is staged[0].ready and [ev.on.name for ev in s.ready] == ["prefetch"] * LAYERS  # one a layer
+    again = prefetch.stage([entries[2]])  # what is staged counts until dropped
+    assert again[0] is entries[2]
+    del staged, s
+    gc.collect()
+    assert prefetch.staged_bytes == 0
+    assert isinstance(prefetch.stage([entries[2]])[0], copies.Staged)
+
+
+def test_entries_on_the_device_or_in_pageable_memory_are_not_staged_and_a_zero_budget_is_no_prefetch(fake_cuda):
+    on_device, pageable = entry(1, 5, "fp32"), entry(2, 5, "fp32", pageable=True)
+    on_device.keys = on_device.keys.to("meta")  # not host memory: a GPU tier's entry stands in
+    prefetch = copies.Prefetch(torch.device("cpu"), budget_bytes=1 << 30)
+    assert prefetch.stage([on_device, pageable]) == [on_device, pageable] and prefetch.staged_bytes == 0
+    assert copies.prefetch_for(torch.device("cpu"), None) is None
+    assert copies.prefetch_for(torch.device("cuda"), 0) is None
+    assert copies.prefetch_for(torch.device("cuda"), 123).budget_bytes == 123
+
+
+def test_placing_waits_for_copies_only_on_cuda_from_host_memory_or_while_crossing(fake_cuda):
+    host = entry(1, 5, "fp32")
+    device = entry(2, 5, "fp32")
+    device.keys = device.keys.to("meta")
+    staged = copies.Prefetch(torch.device("cpu"), 1 << 30).stage([entry(3, 5, "fp32")])[0]
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert copies.crossing(cuda, [host]) and copies.crossing(cuda, [device, staged])
+    assert not copies.crossing(cuda, [device]) and not copies.crossing(cpu, [host, staged])
+
+
+def test_layer_by_layer_each_layer_waits_for_its_crossing_before_it_is_placed():
+    entries, starts = [entry(1, 5, "fp32")], [0]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)).repeat(LAYERS, 1)
+    cache = JoinedCache(LAYERS, HEADS, DIM, 8, torch.float32, "cpu")
+    seen = []
+    copies.place_layers(cache, [e.keys for e in entries], [e.values for e in entries], starts, inv_freq,
+                        torch.ones(LAYERS), [None], [None], lambda layer: seen.append(("placed", layer)),
+                        lambda layer: seen.append(("crossed", layer)))
+    assert seen == [(what, layer) for layer in range(LAYERS) for what in ("crossed", "placed")]
+
+
+@pytest.mark.parametrize("algorithm", ["focus", "naive"])
+def test_a_link_from_prefetched_entries_is_the_link_from_the_store(fake_cuda, algorithm):
+    """The engine's wiring on CPU: a query's entries (the system prefix's too) go through the prefetch once fetched,
+    and the link reads them there to the same logits, bit for bit."""
+    docs = ["The Eiffel Tower is in Paris. It was completed in 1889.", "Mount Fuji is the highest peak in Japan."]
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
+    ids = rc.compile(docs)
+    plain = rc.link("Where is the tower?", ids, system="Answer briefly.", algorithm=algorithm)
+    rc.prefetch = copies.Prefetch(torch.device("cpu"), budget_bytes=1 << 30)
+    stats = QueryStats()
+    prefetched = rc.link("Where is the tower?", ids, system="Answer briefly.", algorithm=algorithm, _stats=stats)
+    assert stats.prefetched_chunks == stats.store_hits > 2  # every chunk and the prefix
+    assert torch.equal(prefetched.last_logits, plain.last_logits)
+    del prefetched
+    gc.collect()
+    assert rc.prefetch.staged_bytes == 0  # the link is over: nothing stays staged

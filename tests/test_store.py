@@ -869,6 +869,14 @@ def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
     assert open_store("memory", device="cpu").pin is False  # a CPU engine's memory tier is plain memory
 
 
+def test_the_default_store_on_cuda_has_a_gpu_tier_and_a_pinned_memory_tier_in_front():
+    from ragcache.settings import DEFAULT_STORE, store_for
+
+    assert store_for(DEFAULT_STORE, "cuda:0") == "gpu+memory+" + DEFAULT_STORE
+    assert store_for(DEFAULT_STORE, "cpu") == DEFAULT_STORE  # the CPU's stays as it was
+    assert store_for("redis://h:6379/0", "cuda") == "redis://h:6379/0"  # a store asked for is opened as asked
+
+
 def test_a_pooled_memory_tier_keeps_entries_in_its_arena_and_reuses_their_space():
     """The memory tier's arena (pinned on CUDA; its logic here on plain memory): entries are copies carved out of
     segments allocated once, read back bit for bit, evicted least recently used first when no span fits, and an
