@@ -63,7 +63,7 @@ class Prefetch:
         self.device, self.budget_bytes = device, budget_bytes
         self.staged_bytes = 0
         self.stream: torch.cuda.Stream | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # `_release` is a finalizer: it may run wherever the collector runs
 
     def stage(self, entries: list) -> list:
         """The entries, those in pinned host memory that fit the budget replaced by Staged ones whose copies are
