@@ -78,8 +78,9 @@ def _args() -> argparse.Namespace:
                     "128/32/4/3,128/64/8/4,256/64/8/3",
                     help="(h): attention tile candidates BLOCK_M/BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
-    ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one focus link at the "
-                    "largest context from the fastest tier (kernels by device time)")
+    ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one focus and one full "
+                    "link at the largest context from the fastest tier; in (g), of a link and 16 tokens from the first "
+                    "kind of decode step (kernels by device time)")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
                     "decode with eager, GPU tier with host tier, pinned with pageable entries); exit 1 on a mismatch")
@@ -670,20 +671,26 @@ def _decode_wait(rc, question: str, docs: list, device) -> float:
     return _scheduler_stats(rc).longest_decode_step_s
 
 
-def _profile(rc, question: str, docs: list, device, algorithm: str) -> dict:
-    """One link under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
+def _profile(fn, device, what: str) -> dict:
+    """`fn()` under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
-        rc.link(question, docs, algorithm=algorithm)
+        fn()
         _sync(device)
     # kernels launched by the model thread are attributed there; the device time is what is summed here
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, by), reverse=True)
     top = [dict(name=e.key[:120], calls=e.count, ms=getattr(e, by) / 1e3) for e in events[:30]]
     total = sum(getattr(e, by) for e in prof.key_averages()) / 1e3
-    return dict(what=f"profile of one {algorithm} link", sort=by, total_ms=total, top=top)
+    return dict(what=f"profile of {what}", sort=by, total_ms=total, top=top)
+
+
+def _print_profile(row: dict, label: str) -> None:
+    print(f"  {label}: {row['total_ms']:.1f} ms ({row['sort']})", flush=True)
+    for event in row["top"][:10]:
+        print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name'][:90]}", flush=True)
 
 
 def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool,
@@ -761,12 +768,10 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                 for row in _queued_links(rc, question, texts, ids, device):
                     rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
         for algorithm in ("focus", "full") if profiled and tier == tiers[-1] else ():
-            profile_row = _profile(rc, question, order, device, algorithm)
+            profile_row = _profile(lambda: rc.link(question, order, algorithm=algorithm), device,
+                                   f"one {algorithm} link")
             rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.scheduler.row_budget, **profile_row))
-            print(f"  {shape} profile of a {algorithm} link at {prompt} tokens from {tier}: "
-                  f"{profile_row['total_ms']:.1f} ms ({profile_row['sort']})", flush=True)
-            for event in profile_row["top"][:10]:
-                print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name'][:90]}", flush=True)
+            _print_profile(profile_row, f"{shape} profile of a {algorithm} link at {prompt} tokens from {tier}")
         rc.driver.stop()
         del rc
     for context, logits in first_logits.items():  # --check's tier half: a link from the GPU tier equals one from host
@@ -895,10 +900,11 @@ def _transformers_decode(lm, length: int, new_tokens: int, device, compiled: boo
     return (new_tokens - done) / (time.perf_counter() - started)
 
 
-def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, quick: bool,
+           profiled: bool = False) -> list[dict]:
     """One decoding stream at `context` tokens: ragcache's decode-only steps from CUDA graphs, the same step
     eager, and the ordinary packed step, against transformers' eager and static+compiled loops. The graphs'
-    tokens must be the eager step's."""
+    tokens must be the eager step's. `profiled`: also the kernels of 16 tokens from the first kind of step."""
     import random
 
     from ragcache.store.memory import MemoryStore
@@ -909,7 +915,7 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
     rng = random.Random(0)
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
     texts, question = [words(doc_words) for _ in range(max(context // (doc_words + 8), 1))], words(32)
-    rows, tokens = [], {}
+    rows, tokens, profiles = [], {}, []
     for graphs in (("captured", "eager", "ordinary") if device.type == "cuda" else ("eager", "ordinary")):
         rc = _engine(lm, MemoryStore(64 << 30, pin=device.type == "cuda"), doc_words + 8, graphs)
         docs = rc.compile(texts)
@@ -918,6 +924,11 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         prompt = len(rc.prompt_parts(question, docs).token_ids)
         rows.append(dict(shape=shape, what=f"ragcache decode, {graphs} steps", context=prompt, new_tokens=new_tokens,
                          **got))
+        if profiled and not profiles:  # a link, then 16 tokens: the link's kernels are a few of many calls
+            profile_row = _profile(lambda: rc.query(question, docs, algorithm="naive", max_new_tokens=16), device,
+                                   f"a naive link and 16 tokens, {graphs} decode steps")
+            profiles.append(dict(shape=shape, context=prompt, **profile_row))
+            _print_profile(profile_row, f"{shape} profile of 16 tokens from {graphs} steps at {prompt} tokens")
         rc.driver.stop()
     peers = [("eager", False)] + ([("static+compiled", True)] if device.type == "cuda" else [])
     for what, compiled in peers:
@@ -933,6 +944,7 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
                          identical=tokens["captured"] == tokens["eager"]))
     rows.append(dict(shape=shape, what="eager step tokens against the ordinary decode's",
                      leading_identical=_common_prefix(tokens["eager"], tokens["ordinary"]), of=new_tokens))
+    rows.extend(profiles)
     del lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -1070,7 +1082,7 @@ def main() -> None:
                          profiled=args.profile, budgets=tuple(int(n) for n in _names(args.budgets)))
     if "decode" not in skip:
         print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
-        decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick)
+        decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick, args.profile)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
                   skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,

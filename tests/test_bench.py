@@ -512,6 +512,19 @@ def test_the_gpu_script_times_full_once():
     assert [r["what"] for r in fulls] == ["full, ragcache runner"] and fulls[0]["max_abs_logit_err"] < 1e-4
 
 
+def test_the_gpu_scripts_decode_profile_lists_what_a_token_costs():
+    """(g) with --profile: a table of a link and 16 tokens from the first kind of step, beside the timings rather
+    than in place of them. On a GPU it lists every kernel; on CPU the profiler sees only the calling thread's ops,
+    not the model thread's, so only the path and the row's form are checked here."""
+    from bench import gpu
+
+    rows = gpu.decode("smollm2-135m", 256, torch.device("cpu"), torch.float32, quick=True, profiled=True)
+    (profile,) = [r for r in rows if r.get("what", "").startswith("profile of")]
+    assert profile["what"].endswith("eager decode steps") and profile["sort"] == "self_cpu_time_total"
+    assert profile["top"] and all(e["calls"] > 0 and e["ms"] >= 0 for e in profile["top"])
+    assert sum(r.get("tok_s", 0) > 0 for r in rows) == 3  # the timings are all there
+
+
 def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):
     """bench/store_io times reads of its own entries: a tier that checks ids against keys must find them sound, or
     the bench times misses (its keys once salted the dtype slot, which the entries' metadata did not hold)."""
