@@ -1,0 +1,98 @@
+"""The request body reader (api/body.py, api/shape.py) on its own: a body is gathered without a copy of the whole,
+walked as bytes (never decoded whole), a scalar longer than any field takes is refused before it is decoded, and a
+refusal carries none of what the walk built. No test asserts a duration (research/hostile_body_health.py and
+docs/BENCHMARKS.md have the figures)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from ragcache.api import body, shape
+from ragcache.api.errors import ApiError, Refused
+from ragcache.api.schemas import QueryRequest
+from ragcache.settings import Settings
+
+SETTINGS = Settings.model_construct()  # defaults, whatever the environment of the machine running the tests
+LIMITS = shape.BodyLimits.of(SETTINGS)
+
+
+def test_the_bound_on_one_scalar_is_the_longest_text_a_field_takes_escaped():
+    longest = max(SETTINGS.max_document_chars, SETTINGS.max_question_chars, shape.MAX_METADATA_CHARS)
+    assert LIMITS.scalar_bytes == shape.ESCAPED * longest + 2
+    text = "\U0001f600" * 100  # a character that takes the most bytes escaped: a surrogate pair of \uXXXX
+    assert len(json.dumps(text)) == shape.ESCAPED * len(text) + 2
+
+
+@pytest.mark.parametrize("where", ["value", "key", "number"])
+def test_a_scalar_longer_than_any_field_takes_is_413_before_it_is_decoded(where):
+    bound = LIMITS.scalar_bytes
+    long = b"a" * bound + b"\xff"  # not UTF-8 past the bound: read whole, this would be a 422
+    raw = {
+        "value": b'{"question": "' + long + b'"}',
+        "key": b'{"' + long + b'": 1}',
+        "number": b'{"question": "q", "max_tokens": ' + b"1" * (bound + 1) + b"}",
+    }[where]
+    with pytest.raises(ApiError) as refused:
+        shape.read(raw, LIMITS)
+    assert refused.value.status == 413 and refused.value.details["limit"] == bound, refused.value.message
+    assert "longer than any field takes" in refused.value.message
+
+
+def test_a_string_as_long_as_a_field_takes_is_read():
+    text = "\U0001f600" * 1000 + "é" * 1000
+    limits = shape.BodyLimits(**{**LIMITS.__dict__, "scalar_bytes": len(json.dumps(text))})
+    assert shape.read(json.dumps({"question": text}).encode(), limits) == {"question": text}
+
+
+def test_the_counts_are_checked_before_the_body_is_decoded():
+    """Bytes that are not UTF-8 after the value past max_body_values: the 413 comes first, the body is never
+    decoded whole."""
+    over = b"[" + b",".join([b"1"] * (LIMITS.values + 1)) + b"]"
+    raw = b'{"question": "q", "stop": ' + over + b', "x": "\xff"}'
+    with pytest.raises(ApiError) as refused:
+        body.parse(raw, "application/json", QueryRequest, LIMITS)
+    assert refused.value.status == 413 and "JSON values" in refused.value.message
+
+
+def test_not_utf8_inside_a_string_is_malformed_json_at_its_byte_offset():
+    raw = '{"question": "é'.encode() + b'\xff"}'
+    with pytest.raises(Refused) as refused:
+        body.parse(raw, "application/json", QueryRequest, LIMITS)
+    [error] = refused.value.errors()
+    assert error["ctx"] == {"error": "not UTF-8 text"} and error["loc"] == ("body", raw.index(b"\xff"))
+
+
+def test_whitespace_longer_than_one_step_is_skipped():
+    gap = b" " * (2 * shape.STEP) + b"\n" * shape.STEP
+    assert shape.read(b"{" + gap + b'"a"' + gap + b":" + gap + b"[1," + gap + b"2]" + gap + b"}" + gap, LIMITS) == {
+        "a": [1, 2]
+    }
+
+
+def test_a_refusal_does_not_carry_the_frames_of_the_walk():
+    """What the walk built (here 100,000 small objects) goes with its frames in the worker thread, not with the error
+    on the event loop."""
+    docs = b",".join([b'{"text": "d"}'] * (LIMITS.values // 2 + 1))
+    with pytest.raises(ApiError) as refused:
+        shape.read(b'{"question": "q", "documents": [' + docs + b"]}", LIMITS)
+    frames, tb = [], refused.value.__traceback__
+    while tb is not None:
+        frames.append(tb.tb_frame.f_code.co_name)
+        tb = tb.tb_next
+    assert not {"walk", "value", "object", "array"} & set(frames), frames
+    assert refused.value.__context__ is None
+
+
+def test_the_body_is_gathered_in_one_growing_buffer():
+    pieces = [b'{"question": ', b'"q"', b"}"]
+
+    class Request:  # what `received` reads of Starlette's request
+        async def stream(self):
+            for piece in pieces:
+                yield piece
+
+    raw = asyncio.run(body.received(Request()))  # type: ignore[arg-type]  # a stand-in for a Starlette Request
+    assert isinstance(raw, bytearray) and raw == b"".join(pieces)
