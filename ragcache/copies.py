@@ -7,10 +7,10 @@ The cache records one event per layer (`JoinedCache.pending`); every read or wri
 entries until then: their host memory (a pinned arena's span) is not reused while their copies are queued.
 
 `Prefetch` starts a request's crossing earlier: once its entries are fetched (those in pinned host memory), on the
-caller's thread, before the request reaches the scheduler. They cross layer by layer on a stream of their own while the model thread runs other
-requests' steps, into device memory counted against a byte budget; the link's placement (`place`) then waits for
-each layer's crossing on the copy stream instead of copying it. Entries past the budget cross at their link, as
-without it."""
+caller's thread, before the request reaches the scheduler. They cross layer by layer on a stream of their own while
+the model thread runs other requests' steps, into device memory counted against a byte budget; the link's placement
+(`place`) then waits for each layer's crossing on the copy stream instead of copying it. Entries past the budget
+cross at their link, as without it."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class Staged:
     source: object
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for t in (self.keys, self.values, self.key_scales, self.value_scales) if t is not None]
+        return [t for t in _parts(self) if t is not None]
 
 
 DEFAULT_FREE_FRACTION = 0.1  # of the device memory free once the model and the store's GPU tier are in
@@ -62,7 +62,7 @@ class Prefetch:
     def __init__(self, device: torch.device, budget_bytes: int):
         self.device, self.budget_bytes = device, budget_bytes
         self.staged_bytes = 0
-        self.stream: torch.cuda.Stream | None = None
+        self.stream = torch.cuda.Stream(device)
         self._lock = threading.RLock()  # `_release` is a finalizer: it may run wherever the collector runs
 
     def stage(self, entries: list) -> list:
@@ -73,8 +73,6 @@ class Prefetch:
         chosen = self._reserve([i for i, e in enumerate(entries) if _pinned(e)], entries)
         if not chosen:
             return entries
-        if self.stream is None:
-            self.stream = torch.cuda.Stream(self.device)
         staged = dict(zip(chosen, self._cross([entries[i] for i in chosen])))
         return [staged.get(i, e) for i, e in enumerate(entries)]
 
@@ -91,9 +89,8 @@ class Prefetch:
     def _cross(self, sources: list) -> list[Staged]:
         """Copies queued on the prefetch stream, layer-major, an event after each layer. The device tensors are
         allocated on that stream, so the allocator reuses their memory only after the copies into them ran."""
-        stream = self.stream
         ready: list = []
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(self.stream):
             staged = [self._target(e, ready) for e in sources]
             for layer in range(sources[0].keys.shape[0]):
                 for source, target in zip(sources, staged):
@@ -101,7 +98,7 @@ class Prefetch:
                         if dst is not None:
                             dst[layer].copy_(src[layer], non_blocking=True)
                 ready.append(torch.cuda.Event())
-                ready[-1].record(stream)
+                ready[-1].record(self.stream)
         for s in staged:
             weakref.finalize(s, self._release, _device_bytes(s))
         return staged

@@ -39,8 +39,8 @@ log = logging.getLogger("ragcache")
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
-        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, prefetch_bytes). `open` and `from_config` load and
-        open them."""
+        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, prefetch_bytes). `open` and
+        `from_config` load and open them."""
         self.config = config
         self.runner = Runner(lm, config.batch_invariant, config.decode_graphs)
         row_budget = row_budget_for(self.runner.device) if config.row_budget is None else config.row_budget
