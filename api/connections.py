@@ -141,9 +141,9 @@ class Slots:
 
 class Listener(socket.socket):
     """A listening socket that accepts only into a free slot. asyncio's accept loop calls accept() until it raises
-    BlockingIOError or ConnectionAbortedError, so at the cap each pass of the loop either closes one waiting
-    connection (its descriptor is freed on the next pass, when this accepts again) or takes one connection off
-    the queue and closes it at once: the descriptors in use never pass the cap by more than one."""
+    BlockingIOError or ConnectionAbortedError. At the cap, a connection taken off the queue either gets the slot of
+    the one waiting longest without a request (closed now, its descriptor freed on the loop's next pass) or is
+    closed at once: the descriptors in use never pass the cap by more than one."""
 
     def __init__(self, sock: socket.socket, slots: Slots):
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
@@ -154,10 +154,14 @@ class Listener(socket.socket):
         if self.failed:  # asyncio goes on accepting after EMFILE, and schedules a retry for each failure
             self.failed = False
             raise ConnectionAbortedError
-        if self.slots.full():
-            if self.slots.evict():
-                raise BlockingIOError  # accept on the next pass, into the slot just freed
-            conn, _ = super().accept()
+        try:
+            # accept first: asyncio calls accept() until it raises, so at the cap a call with nothing queued must
+            # raise BlockingIOError here rather than evict a waiting connection for a newcomer that is not there
+            conn, addr = super().accept()
+        except OSError as exc:
+            self.failed = exc.errno in OUT_OF_RESOURCES
+            raise
+        if self.slots.full() and not self.slots.evict():
             conn.close()
             bounded(
                 logging.WARNING,
@@ -165,11 +169,6 @@ class Listener(socket.socket):
                 self.slots.cap,
             )
             raise ConnectionAbortedError
-        try:
-            conn, addr = super().accept()
-        except OSError as exc:
-            self.failed = exc.errno in OUT_OF_RESOURCES
-            raise
         self.slots.pending += 1
         if conn.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a bound socket's is 0: without

@@ -286,3 +286,44 @@ def test_accepted_connections_send_without_waiting_for_the_clients_ack():
         with conn:
             assert conn.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
     listener.close()
+
+
+class Waiting:
+    """A connection in its head phase, as far as the slots see it: drop() is what eviction calls."""
+
+    def __init__(self, slots: Slots):
+        self.slots, self.dropped = slots, False
+        slots.made(self)
+        slots.wait(self)
+
+    def drop(self):
+        self.dropped = True
+        self.slots.release(self)
+
+
+def test_at_the_cap_a_waiting_connection_is_closed_only_for_a_newcomer_that_is_queued():
+    """asyncio calls accept() until it raises: the call after the last queued connection must not evict."""
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    slots = Slots(2)
+    listener = Listener(plain, slots)
+    old, young = Waiting(slots), Waiting(slots)
+    listener.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        listener.accept()
+    assert not old.dropped and not young.dropped
+    with socket.create_connection(listener.getsockname()) as client:
+        select.select([listener], [], [], WAIT_S)
+        conn, _ = listener.accept()
+        with conn:
+            assert old.dropped and not young.dropped and slots.pending == 1
+        newcomer = Waiting(slots)  # its protocol made: the slot it was counted in while pending
+        slots.busy(young)
+        slots.busy(newcomer)
+        with socket.create_connection(listener.getsockname()):  # every slot has a request in flight: refused
+            select.select([listener], [], [], WAIT_S)
+            with pytest.raises(ConnectionAbortedError):
+                listener.accept()
+    client.close()
+    listener.close()
