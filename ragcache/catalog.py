@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ragcache.store import Store
+from ragcache.store import Store, shards
 from ragcache.store.base import TierUnavailable
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id
+from ragcache.store.shards import HeadRange
 
 from . import maintenance
 from .chunker import chunk_document
@@ -35,12 +36,16 @@ from .documents import (
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
+SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
 @dataclass
 class EnsureReport:
     hits: int = 0
     compiled: int = 0
+    read_bytes: int = 0  # of the entries read, shards or whole
+    sliced: int = 0  # shards cut from whole entries
+    joined: int = 0  # whole entries joined from shards
     unstored: StoreError | None = None  # why the compiled entries could not be stored (the caller still has them)
 
 
@@ -182,41 +187,101 @@ class Catalog:
 
     # -- entries ---------------------------------------------------------------------------------------------------
     def ensure(
-        self, chunks: list[list[int]], compiler, layout, run: Callable = lambda fn, *args: fn(*args)
+        self,
+        chunks: list[list[int]],
+        compiler,
+        layout,
+        run: Callable = lambda fn, *args: fn(*args),
+        agree: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None,
     ) -> tuple[list[ChunkKV], EnsureReport]:
         """The entries of these chunks in a compiler's layout, compiling (with `run`: on the model's thread) and
-        storing those the store lacks. One batched read.
+        storing those the store lacks. One batched read, and one more for the chunks found only in another head
+        layout (`_other_forms`).
 
         An entry the compiler finds a problem with (not what the model would have made from these ids: other ids,
         layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged and
         reported (`EnsureReport.unstored`), not raised: a query has its entries and only a later request pays the
-        compile again, while a compile, whose job the write was, raises it."""
+        compile again, while a compile, whose job the write was, raises it.
+
+        `agree` (tensor-parallel ranks): given which chunks this rank misses and whether its read failed, returns
+        the same for every rank together, before anything is compiled: a chunk any rank misses is compiled by all of
+        them (a compile's forward meets the other ranks' in its collectives), and a read that failed anywhere fails
+        everywhere."""
         keys = [compiler.key(ids, layout) for ids in chunks]
-        entries = self.store.get_many(keys)
-        for i, entry in enumerate(entries):
-            wrong = compiler.problem(entry, compiler.stored_ids(chunks[i], layout)) if entry is not None else None
-            if wrong:
-                log.warning(
-                    "entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12], wrong
-                )
-                self.store.delete(keys[i])
-                entries[i] = None
-        hits = sum(e is not None for e in entries)
-        missing: dict[str, ChunkKV] = {}
-        report = EnsureReport(hits)
+        report = EnsureReport()
+        failed: StoreError | None = None
+        try:
+            entries = self.store.get_many(keys)
+            for i, entry in enumerate(entries):
+                wrong = compiler.problem(entry, compiler.stored_ids(chunks[i], layout)) if entry is not None else None
+                if wrong:
+                    log.warning(
+                        "entry %s does not fit the model (%s); dropping it (it will be recompiled)", keys[i][:12], wrong
+                    )
+                    self.store.delete(keys[i])
+                    entries[i] = None
+            report.read_bytes = sum(e.nbytes for e in entries if e is not None)
+            self._other_forms(chunks, compiler, layout, entries, report)
+        except StoreError as exc:
+            if agree is None:
+                raise
+            failed, entries = exc, [None] * len(chunks)
+        if agree is not None:
+            missing, failed_anywhere = agree([e is None for e in entries], failed is not None)
+            if failed is not None:
+                raise failed
+            if failed_anywhere:
+                raise StoreError("another tensor-parallel rank could not read the store")
+            entries = [None if m else e for e, m in zip(entries, missing)]
+        report.hits = sum(e is not None for e in entries)
+        missing_entries: dict[str, ChunkKV] = {}
         try:
             for i, entry in enumerate(entries):
                 if entry is None:  # a chunk twice in one prompt is compiled once
-                    entries[i] = missing[keys[i]] = missing.get(keys[i]) or run(compiler.compile, chunks[i], layout)
+                    entries[i] = missing_entries[keys[i]] = missing_entries.get(keys[i]) or run(
+                        compiler.compile, chunks[i], layout
+                    )
         finally:  # what was compiled before a failure or a cancel is kept: the next request would pay it again
-            if missing:
+            if missing_entries:
                 try:
-                    self.store.put_many(missing)
+                    self.store.put_many(missing_entries)
                 except StoreError as exc:
-                    log.warning("could not store %d freshly compiled chunk(s): %s", len(missing), exc)
+                    log.warning("could not store %d freshly compiled chunk(s): %s", len(missing_entries), exc)
                     report.unstored = exc
-        report.compiled = len(missing)
+        report.compiled = len(missing_entries)
         return entries, report
+
+    def _other_forms(self, chunks, compiler, layout, entries: list, report: EnsureReport) -> None:
+        """Fill the chunks missing in the compiler's head layout from another: a rank's shard sliced from the whole
+        entry (`report.sliced`), or a whole entry joined from a full set of shards (`report.joined`), whichever a
+        store compiled for another deployment holds. What is found is not written back in this layout."""
+        absent = [i for i, e in enumerate(entries) if e is None]
+        if not absent:
+            return
+        if compiler.heads is not None:
+            whole = HeadRange(0, compiler.heads.total, compiler.heads.total)
+            found = self.store.get_many([compiler.key(chunks[i], layout, whole) for i in absent])
+            for i, entry in zip(absent, found):
+                if entry is not None and entry.keys.shape[1] == compiler.heads.total:
+                    report.read_bytes += entry.nbytes
+                    cut = shards.shard(entry, compiler.heads)
+                    if compiler.problem(cut, compiler.stored_ids(chunks[i], layout)) is None:
+                        entries[i], report.sliced = cut, report.sliced + 1
+            return
+        total = compiler.kv_heads
+        for count in (n for n in SHARD_COUNTS if n <= total and total % n == 0):
+            absent = [i for i in absent if entries[i] is None]
+            if not absent:
+                return
+            ranges = HeadRange.split(total, count)
+            found = self.store.get_many([compiler.key(chunks[i], layout, r) for i in absent for r in ranges])
+            for n, i in enumerate(absent):
+                parts = found[n * count : (n + 1) * count]
+                if all(p is not None for p in parts):
+                    report.read_bytes += sum(p.nbytes for p in parts)
+                    joined = shards.join(parts)
+                    if compiler.problem(joined, compiler.stored_ids(chunks[i], layout)) is None:
+                        entries[i], report.joined = joined, report.joined + 1
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""

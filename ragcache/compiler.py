@@ -19,6 +19,7 @@ import torch
 from ragcache.store import codec as kv_codec
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import entry_key, entry_meta
+from ragcache.store.shards import HeadRange
 
 from .loaded import LoadedModel
 from .runner import Runner
@@ -56,23 +57,41 @@ def sink_layout(tokenizer) -> Layout:
 
 
 class Compiler:
-    def __init__(self, lm: LoadedModel, runner: Runner | None, codec: str | None = None):
+    def __init__(
+        self, lm: LoadedModel, runner: Runner | None, codec: str | None = None, heads: HeadRange | None = None
+    ):
         """`codec`: a kv codec, "auto" (the device's default), or None (as computed: exact entries). Without a
         runner it makes keys only, for an engine that compiles elsewhere (vLLM), and `codec` names the codec used
-        there."""
+        there. `heads`: the KV heads its runner holds (a tensor-parallel rank's), whose shards it reads and writes;
+        None: whole entries."""
         self.lm = lm
         self.runner = runner
+        self.heads = None if heads is None or heads.whole else heads
         dtype = runner.shape.dtype if runner is not None else lm.dtype
         self.dtype = str(dtype).removeprefix("torch.")
         self.codec = kv_codec.resolve(codec, dtype, runner.device.type if runner is not None else "cpu")
 
-    def meta(self, layout: Layout) -> dict:
+    @property
+    def kv_heads(self) -> int:
+        """The model's KV heads, all ranks together."""
+        return self.heads.total if self.heads is not None else self.runner.shape.kv_heads
+
+    def meta(self, layout: Layout, heads: HeadRange | None = None) -> dict:
+        """An entry's metadata; `heads` (default: this compiler's) names a shard's head range."""
+        heads = self.heads if heads is None else heads
         return entry_meta(
-            self.lm.compile_fingerprint, self.lm.tokenizer_fingerprint, self.dtype, layout.tag, self.codec, self.lm.name
+            self.lm.compile_fingerprint,
+            self.lm.tokenizer_fingerprint,
+            self.dtype,
+            layout.tag,
+            self.codec,
+            self.lm.name,
+            None if heads is None or heads.whole else heads.tag,
         )
 
-    def key(self, token_ids: list[int], layout: Layout) -> str:
-        return entry_key(self.meta(layout), self.codec, self.stored_ids(token_ids, layout))
+    def key(self, token_ids: list[int], layout: Layout, heads: HeadRange | None = None) -> str:
+        """The key of the entry this compiler writes (`heads` None), or of another head range's (whole: every head)."""
+        return entry_key(self.meta(layout, heads), self.codec, self.stored_ids(token_ids, layout))
 
     def stored_ids(self, token_ids: list[int], layout: Layout) -> list[int]:
         return layout.stored_ids(token_ids)

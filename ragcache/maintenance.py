@@ -13,7 +13,7 @@ from collections.abc import Callable
 from ragcache.store import Store
 from ragcache.store.base import batched
 from ragcache.store.codec import of_dtype_name
-from ragcache.store.keys import KEYED_BY, entry_form, entry_key
+from ragcache.store.keys import HEADS, KEYED_BY, entry_form, entry_key
 
 from .documents import checksum_only, chunks_problem, doc_name, record_problem
 
@@ -166,13 +166,14 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
 
 
 def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str, ...]]:
-    """(model, tokenizer, dtype, layout, codec) of the entries in the store: what chunk keys can be rebuilt from."""
+    """(model, tokenizer, dtype, layout, heads, codec) of the entries in the store: what chunk keys can be rebuilt from."""
     combos, keys, done = set(), list(store.keys()), 0
     for batch in batched(keys):
         for info in store.describe_many(batch):
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
-                combos.add((*(meta.get(name, "") for name in KEYED_BY), of_dtype_name(info.get("dtype", ""))))
+                keyed = (meta.get(name, "") for name in (*KEYED_BY, HEADS))
+                combos.add((*keyed, of_dtype_name(info.get("dtype", ""))))
         done += len(batch)
         progress("reading entry headers", done, len(keys))
     return combos
@@ -183,7 +184,7 @@ def _entry_keys(store: Store, names: list[str], combos: set, progress: Progress 
     the store; the records are read in batches."""
     forms = []
     for *keyed, codec in combos:
-        meta = dict(zip(KEYED_BY, keyed))
+        meta = {name: value for name, value in zip((*KEYED_BY, HEADS), keyed) if value or name != HEADS}
         if (lead := lead_ids_of_layout(meta["layout"])) is not None:
             forms.append((meta, codec, lead))
     keys: set[str] = set()

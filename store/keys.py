@@ -39,12 +39,17 @@ def kv_form(dtype: str, codec: str) -> str:
 
 
 KEYED_BY = ("model", "tokenizer", "dtype", "layout")  # the metadata a chunk key hashes besides the ids and the codec
+# a shard's KV-head range, "start:stop/total" (`HeadRange.tag`): hashed into its key when present, so a rank of a
+# tensor-parallel deployment reads only its own heads, and a whole entry and its shards never share a key
+HEADS = "heads"
 
 
-def entry_meta(model: str, tokenizer: str, dtype: str, layout: str, codec: str, model_name: str) -> dict:
-    """The metadata every entry carries: what its key hashes (fingerprints, compute dtype, layout tag), its codec,
-    and a name for people (`ragcache store ls`)."""
-    return {
+def entry_meta(
+    model: str, tokenizer: str, dtype: str, layout: str, codec: str, model_name: str, heads: str | None = None
+) -> dict:
+    """The metadata every entry carries: what its key hashes (fingerprints, compute dtype, layout tag, and a shard's
+    head range), its codec, and a name for people (`ragcache store ls`)."""
+    meta = {
         "model": model,
         "tokenizer": tokenizer,
         "dtype": dtype,
@@ -52,12 +57,14 @@ def entry_meta(model: str, tokenizer: str, dtype: str, layout: str, codec: str, 
         "model_name": model_name,
         "codec": codec,
     }
+    return meta | ({HEADS: heads} if heads else {})
 
 
 def entry_key(meta: dict, codec: str, token_ids) -> str:
     """The key an entry with this metadata, codec and stored ids lives under: what the compiler writes, what the
     store checks an entry against, and what maintenance rebuilds from a document's chunks."""
-    return chunk_key(meta["model"], meta["tokenizer"], kv_form(meta["dtype"], codec), meta["layout"], token_ids)
+    layout = meta["layout"] + (f"|{HEADS}={meta[HEADS]}" if meta.get(HEADS) else "")
+    return chunk_key(meta["model"], meta["tokenizer"], kv_form(meta["dtype"], codec), layout, token_ids)
 
 
 def entry_form(info: dict | None) -> str:
