@@ -276,8 +276,8 @@ class Catalog:
             ranges = HeadRange.split(total, count)
             found = self.store.get_many([compiler.key(chunks[i], layout, r) for i in absent for r in ranges])
             for n, i in enumerate(absent):
-                parts = found[n * count : (n + 1) * count]
-                if all(p is not None for p in parts):
+                parts = [p for p in found[n * count : (n + 1) * count] if p is not None]
+                if len(parts) == count:
                     report.read_bytes += sum(p.nbytes for p in parts)
                     joined = shards.join(parts)
                     if compiler.problem(joined, compiler.stored_ids(chunks[i], layout)) is None:

@@ -73,23 +73,25 @@ def shard(entry: ChunkKV, heads: HeadRange) -> ChunkKV:
 def join(shards: list[ChunkKV]) -> ChunkKV:
     """The whole entry from shards that cover every head once, in order."""
     ranges = [parse(s.meta.get(HEADS)) for s in shards]
-    if any(r is None for r in ranges) or [r.start for r in ranges] != [0, *(r.stop for r in ranges[:-1])]:
-        raise ValueError("shards must cover the heads in order, each once")
-    if ranges[-1].stop != ranges[-1].total:
-        raise ValueError(f"the shards stop at head {ranges[-1].stop} of {ranges[-1].total}")
+    if not ranges or any(r is None for r in ranges):
+        raise ValueError("only shards (entries that name their head range) are joined")
+    starts = [r.start for r in ranges if r is not None]
+    stops = [r.stop for r in ranges if r is not None]
+    total = ranges[-1].total if ranges[-1] is not None else 0
+    if starts != [0, *stops[:-1]] or stops[-1] != total:
+        raise ValueError(f"shards must cover the {total} heads in order, each once: got {starts} to {stops}")
 
-    def cat(name: str) -> torch.Tensor | None:
-        parts = [getattr(s, name) for s in shards]
-        return None if parts[0] is None else torch.cat(parts, dim=1)
+    def cat(tensors: list) -> torch.Tensor:
+        return torch.cat(tensors, dim=1)
 
-    meta = {k: v for k, v in shards[0].meta.items() if k != HEADS}
+    scaled = shards[0].key_scales is not None
     return replace(
         shards[0],
-        keys=cat("keys"),
-        values=cat("values"),
-        key_scales=cat("key_scales"),
-        value_scales=cat("value_scales"),
-        meta=meta,
+        keys=cat([s.keys for s in shards]),
+        values=cat([s.values for s in shards]),
+        key_scales=cat([s.key_scales for s in shards]) if scaled else None,
+        value_scales=cat([s.value_scales for s in shards]) if scaled else None,
+        meta={k: v for k, v in shards[0].meta.items() if k != HEADS},
     )
 
 
