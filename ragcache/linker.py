@@ -58,6 +58,8 @@ class Runner(Protocol):
 
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor: ...
 
+    def across_heads(self, per_row: torch.Tensor) -> torch.Tensor: ...
+
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
@@ -265,7 +267,7 @@ def question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> 
     rows = _question(parts, length)
     scores = torch.zeros(runner.shape.layers, length, device=runner.device)
     runner.forward(parts.token_ids[rows], [(cache, rows)], scores=scores)
-    return scores.cpu()
+    return runner.across_heads(scores).cpu()  # every tensor-parallel rank then picks the same rows
 
 
 @dataclass
@@ -282,8 +284,8 @@ class Narrowing:
 class _Narrow:
     """A Narrowing applied to one forward over `rows` of `cache` (a runner.LayerWatch)."""
 
-    def __init__(self, narrow: Narrowing, cache: JoinedCache, rows: torch.Tensor, device):
-        self.narrow, self.cache, self.rows = narrow, cache, rows
+    def __init__(self, narrow: Narrowing, cache: JoinedCache, rows: torch.Tensor, device, across_heads):
+        self.narrow, self.cache, self.rows, self.across_heads = narrow, cache, rows, across_heads
         self.chunk_rows = narrow.chunk_rows.to(device)
         self.compared = cache.values if narrow.deviation == "value" else cache.keys
         self.cached: torch.Tensor | None = None
@@ -297,7 +299,7 @@ class _Narrow:
         narrow = self.narrow
         if layer != narrow.layer:
             return None
-        deviation = kernels.kv_deviation(self.compared[layer][:, self.chunk_rows], self.cached)
+        deviation = self.across_heads(kernels.kv_deviation(self.compared[layer][:, self.chunk_rows], self.cached))
         keep = (
             torch.cat([narrow.chunk_rows[kernels.top_ratio(deviation, narrow.ratio).cpu()], narrow.question_rows])
             .sort()
@@ -313,7 +315,7 @@ def recompute(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Every layer over `rows` of one request; a Narrowing keeps a subset of the rows after its layer. Returns the
     last hidden states and the rows they belong to."""
-    watch = _Narrow(narrow, cache, rows, runner.device) if narrow is not None else None
+    watch = _Narrow(narrow, cache, rows, runner.device, runner.across_heads) if narrow is not None else None
     hidden = runner.forward(ids[rows], [(cache, rows)], watch=watch)
     return hidden, (watch.rows if watch is not None else rows)
 

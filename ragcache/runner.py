@@ -304,6 +304,11 @@ class Runner:
         )
         return out[0] if isinstance(out, tuple) else out
 
+    def across_heads(self, per_row: torch.Tensor) -> torch.Tensor:
+        """A sum over the KV heads this runner holds, summed with the other ranks' (the whole model's): itself here,
+        where one device holds every head."""
+        return per_row
+
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.norm(hidden_rows)).to(torch.float32)
         if self.final_softcap:

@@ -149,13 +149,13 @@ def test_parse_round_trips_and_splits_the_prompt():
     assert parts.question_ids == list(range(55, 62))
 
 
-@pytest.mark.parametrize("split", ["tensor_parallel_size", "pipeline_parallel_size", "decode_context_parallel_size"])
-def test_a_model_split_across_devices_is_refused_at_start(split):
-    """A rank holding part of the heads or layers would compile and store its part under the whole model's keys;
-    replicas (data parallel) are fine."""
+@pytest.mark.parametrize("split", ["pipeline_parallel_size", "decode_context_parallel_size"])
+def test_a_model_split_by_layers_or_positions_is_refused_at_start(split):
+    """A link's recompute runs every layer over the whole sequence on one rank; replicas (data parallel) and heads
+    split across ranks (tensor parallel) are fine."""
     with pytest.raises(ValueError, match=f"{split}=2"):
         connector(parallel={split: 2, "data_parallel_size": 2})
-    connector(parallel={split: 1, "data_parallel_size": 2})
+    connector(parallel={split: 1, "data_parallel_size": 2, "tensor_parallel_size": 2})
 
 
 def test_async_scheduling_is_warned_about(caplog):
@@ -181,7 +181,8 @@ def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reaso
     def fail(*args):
         raise error
 
-    c._worker = SimpleNamespace(load=fail)
+    c._worker = SimpleNamespace(load=fail, take_read=lambda: {"store_bytes": 5})
     c._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK))
     assert c.get_block_ids_with_load_errors() == {3, 9, 4}  # from the start's block to the linked part's last
-    assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}}
+    assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}, "store_bytes": 5,
+                                               "sliced": 0, "joined": 0}

@@ -30,6 +30,7 @@ import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorMetadata, KVConnectorRole
@@ -37,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
 
+from .layers import tensor_parallel
 from .spec import NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
 from .worker import LinkWorker
 
@@ -50,22 +52,29 @@ class LoadMetadata(KVConnectorMetadata):
     loads: list[Load]
 
 
+READ_COUNTS = ("store_bytes", "sliced", "joined")  # what each rank read from the store (LinkWorker.take_read)
+
+
 @dataclass
 class LinkStats(KVConnectorStats):
-    """What one side of the connector did since vLLM last asked: prompt tokens linked, and linked requests that vLLM
-    prefilled itself instead, by reason. `data` is what crosses from the engine core to the API process."""
+    """What one side of the connector did since vLLM last asked: prompt tokens linked, linked requests that vLLM
+    prefilled itself instead, by reason, and what the ranks read from the store: bytes, and entries cut from whole
+    ones or joined from shards. `data` is what crosses from the engine core to the API process; vLLM sums the
+    ranks' stats."""
 
     def __post_init__(self) -> None:
-        self.data = {
+        self.data: dict[str, Any] = {
             "linked_tokens": int(self.data.get("linked_tokens", 0)),
             "fallbacks": dict(self.data.get("fallbacks", {})),
+            **{name: int(self.data.get(name, 0)) for name in READ_COUNTS},
         }
 
     def reset(self) -> None:
-        self.data = {"linked_tokens": 0, "fallbacks": {}}
+        self.data = {"linked_tokens": 0, "fallbacks": {}, **dict.fromkeys(READ_COUNTS, 0)}
 
     def aggregate(self, other: KVConnectorStats) -> LinkStats:
-        self.data["linked_tokens"] += other.data.get("linked_tokens", 0)
+        for name in ("linked_tokens", *READ_COUNTS):
+            self.data[name] += other.data.get(name, 0)
         for reason, count in other.data.get("fallbacks", {}).items():
             self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + count
         return self
@@ -73,11 +82,12 @@ class LinkStats(KVConnectorStats):
     def reduce(self) -> dict[str, int]:
         return {
             "linked_tokens": self.data["linked_tokens"],
+            **{name: self.data[name] for name in READ_COUNTS},
             **{f"fallbacks_{reason}": count for reason, count in self.data["fallbacks"].items()},
         }
 
     def is_empty(self) -> bool:
-        return not self.data["linked_tokens"] and not self.data["fallbacks"]
+        return not any(self.data[name] for name in ("linked_tokens", "fallbacks", *READ_COUNTS))
 
 
 class LinkMetrics(KVConnectorPromMetrics):
@@ -94,12 +104,26 @@ class LinkMetrics(KVConnectorPromMetrics):
             "Linked requests that vLLM prefilled itself instead, by reason",
             labelnames=[*labelnames, "reason"],
         )
+        self.store_bytes = self._counter_cls(
+            "vllm:ragcache_store_read_bytes",
+            "Bytes of entries the links read from the ragcache store, all tensor-parallel ranks together",
+            labelnames=labelnames,
+        )
+        self.resharded = self._counter_cls(
+            "vllm:ragcache_resharded_entries",
+            "Entries read in another head layout: a rank's shard sliced from a whole entry, or a whole entry "
+            "joined from shards (compile with --shards N to match the deployment)",
+            labelnames=[*labelnames, "how"],
+        )
 
     def observe(self, transfer_stats_data: dict, engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         self.linked.labels(*labels).inc(transfer_stats_data.get("linked_tokens", 0))
         for reason, count in transfer_stats_data.get("fallbacks", {}).items():
             self.fallbacks.labels(*labels, reason).inc(count)
+        self.store_bytes.labels(*labels).inc(transfer_stats_data.get("store_bytes", 0))
+        for how in ("sliced", "joined"):
+            self.resharded.labels(*labels, how).inc(transfer_stats_data.get(how, 0))
 
 
 # vLLM caches a linked block's hash when it allocates it, before the link writes it. With async scheduling, step
@@ -231,12 +255,14 @@ class RagcacheConnector(KVConnectorBase_V1):
             self._links[load.request_id] = self._linker.submit(self._load, load, queued)
 
     def _load(self, load: Load, queued=None) -> None:
+        worker = None
         try:
-            self._worker_().load(load, self._kv_caches, self.block_size, queued)
-            self._count(linked=load.spec.linked - load.start)
+            worker = self._worker_()
+            worker.load(load, self._kv_caches, self.block_size, queued)
+            self._count(linked=load.spec.linked - load.start, worker=worker)
         except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
-            self._count(fallback=reason)
+            self._count(fallback=reason, worker=worker)
             log.warning(
                 "request %s: link failed (%s: %s); vLLM recomputes its blocks",
                 load.request_id,
@@ -274,9 +300,14 @@ class RagcacheConnector(KVConnectorBase_V1):
         return failed
 
     # -- metrics: vLLM asks each side for its stats every step ----------------------------------------------------
-    def _count(self, linked: int = 0, fallback: str | None = None) -> None:
+    def _count(self, linked: int = 0, fallback: str | None = None, worker: LinkWorker | None = None) -> None:
+        """Count a request: on the scheduler's side, or once on the workers' (tensor-parallel ranks all run each
+        link, and vLLM sums their stats: the first rank counts its tokens and fallbacks). Every rank counts what it
+        read from the store."""
+        first = self._role == KVConnectorRole.SCHEDULER or tensor_parallel()[1] == 0
+        data = {"linked_tokens": linked, "fallbacks": {fallback: 1} if fallback else {}} if first else {}
         with self._stats_lock:
-            self._stats.aggregate(LinkStats({"linked_tokens": linked, "fallbacks": {fallback: 1} if fallback else {}}))
+            self._stats.aggregate(LinkStats({**data, **(worker.take_read() if worker is not None else {})}))
 
     def get_kv_connector_stats(self) -> LinkStats | None:
         with self._stats_lock:

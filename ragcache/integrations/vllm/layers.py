@@ -24,6 +24,7 @@ import torch
 from ragcache import invariant
 from ragcache.kv import Batch, KVPool, ModelShape
 from ragcache.runner import Part, Runner, rope_table
+from ragcache.store.shards import HeadRange
 
 from . import paged
 from .lora import LinkLora
@@ -60,6 +61,11 @@ class VllmRunner(Runner):
             attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype, self.device
         )
         self.lora: LinkLora | None = None
+        # under tensor parallelism this rank's modules hold its share of the heads: it links and compiles those
+        # heads' K/V, and its shard of o_proj and down_proj meets the other ranks' in vLLM's all-reduce, so every
+        # rank runs the same link, row for row
+        self.ranks, self.rank = tensor_parallel()
+        self.heads = HeadRange.of_rank(self.rank, self.ranks, hf_config.num_key_value_heads)
 
     @contextlib.contextmanager
     def adapted(self, lora: LinkLora | None):
@@ -69,6 +75,13 @@ class VllmRunner(Runner):
             yield
         finally:
             self.lora = None
+
+    def across_heads(self, per_row: torch.Tensor) -> torch.Tensor:
+        if self.ranks == 1:
+            return per_row
+        from vllm.distributed import tensor_model_parallel_all_reduce
+
+        return tensor_model_parallel_all_reduce(per_row.contiguous())
 
     def batch(self, parts: Sequence[Part], scores: torch.Tensor | None = None) -> tuple[Batch, torch.Tensor]:
         batch, positions = super().batch(parts, scores)
@@ -113,6 +126,15 @@ class VllmRunner(Runner):
     def logits(self, hidden_rows: torch.Tensor) -> torch.Tensor:
         logits = _base(self.model.logits_processor)(_base(self.model.lm_head), self.norm(hidden_rows))
         return logits.to(torch.float32)
+
+
+def tensor_parallel() -> tuple[int, int]:
+    """(ranks, this rank) of vLLM's tensor-parallel group; (1, 0) outside one."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
 
 
 def _base(module: torch.nn.Module) -> torch.nn.Module:

@@ -17,10 +17,11 @@ from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
 SPEC_KEY = "ragcache"
 SALT_PREFIX = "ragcache-link:"
 NAME = "RagcacheConnector"
-# vLLM's ways of splitting one replica's model across devices. A link runs on one device's whole model: a rank
-# holding part of the heads or layers would compile and store its part under the whole model's keys
+# vLLM's ways of splitting one replica's model across devices that a link cannot follow. Tensor parallelism it can:
+# each rank links its own KV heads with its shard of the model (layers.VllmRunner), reading its shards of the entries.
+# A pipeline rank holds some of the layers, and a link's recompute carries hidden states through every layer in one
+# pass on one rank; context parallelism splits a sequence's positions, which a link places and recomputes whole
 SPLITS = (
-    "tensor_parallel_size",
     "pipeline_parallel_size",
     "prefill_context_parallel_size",
     "decode_context_parallel_size",
@@ -34,9 +35,9 @@ def split_problem(sizes: dict[str, int]) -> str | None:
         return None
     named = ", ".join(f"{name}={size}" for name, size in split.items())
     return (
-        f"{NAME} links on a model that is not split across devices, got {named}: each rank would compile and "
-        "store its own share of the heads or layers under the whole model's keys (docs/DESIGN.md, 'Past one "
-        "machine'). Serve more GPUs as replicas (data_parallel_size, or more servers on one store)"
+        f"{NAME} links on a model split by heads (tensor parallelism) or not at all, got {named}: a link's "
+        "recompute runs every layer over the request's whole sequence on one rank (docs/DESIGN.md, 'Past one "
+        "machine'). Use --tensor-parallel-size instead, or serve more GPUs as replicas on one store"
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 
 import numpy as np
 import torch
@@ -46,8 +46,14 @@ class LinkWorker:
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
         fingerprint = options.get("model_fingerprint") or checkpoint_fingerprint(config.model, config.dtype)
         lm = loaded.LoadedModel(config.model, model, tokenizer, fingerprint, loaded.tokenizer_fingerprint(tokenizer))
-        self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"))
-        self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype))
+        # a tensor-parallel rank reads and writes its own heads' shards (whole entries serve it sliced)
+        heads = self.runner.heads
+        self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"), heads)
+        self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype), heads)
+        self.agree = agree_across_ranks if self.runner.ranks > 1 else None
+        self.read: Counter[str] = (
+            Counter()
+        )  # what this rank read from the store since the connector last took it (`take_read`)
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
         self.store_url, self.lm = options.get("store", DEFAULT_STORE), lm
         self._catalog: Catalog | None = None
@@ -63,6 +69,11 @@ class LinkWorker:
         self.loras: OrderedDict[str, LinkLora | str] = OrderedDict()
         # vLLM serves weights a link adapter was merged into: compiling takes its term back out
         merged = options.get("merged_adapter")
+        if merged and self.runner.ranks > 1:
+            raise ValueError(
+                f"merged_adapter ({merged}) under tensor parallelism: the link adapter's terms are not split across "
+                "ranks; serve the merged model at tensor_parallel_size 1, or its base model with --enable-lora"
+            )
         self.unmerge = (
             LinkLora(
                 merged,
@@ -147,9 +158,9 @@ class LinkWorker:
             raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
         chunks = [ids[len(lead) :] for ids in parts.chunk_ids]
         with self.runner.adapted(self.unmerge):  # compiling: the base model's entries
-            parts.chunk_entries = self.catalog.ensure(chunks, self.compiler, layout)[0]
+            parts.chunk_entries = self.ensure(chunks, self.compiler, layout)
             if parts.prefix_ids:
-                parts.prefix_entry = self.catalog.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0][0]
+                parts.prefix_entry = self.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0]
         with self.runner.adapted(self.lora(load.adapter)):
             plan = linker.plan(self.runner, parts, params)
             rows = plan.rows[plan.rows < spec.linked]
@@ -160,12 +171,30 @@ class LinkWorker:
                 linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
         return plan.cache
 
+    def ensure(self, chunks: list[list[int]], compiler: Compiler, layout) -> list:
+        """The chunks' entries (this rank's heads), compiling what any rank misses, on every rank together."""
+        try:
+            catalog = self.catalog
+        except StoreError:
+            if self.agree is not None:  # the other ranks wait to hear whether this one read the store
+                self.agree([True] * len(chunks), True)
+            raise
+        entries, report = catalog.ensure(chunks, compiler, layout, agree=self.agree)
+        self.read.update(store_bytes=report.read_bytes, sliced=report.sliced, joined=report.joined)
+        return entries
+
+    def take_read(self) -> dict[str, int]:
+        read, self.read = dict(self.read), Counter()
+        return read
+
     def lora(self, path: str | None) -> LinkLora | None:
         """The request's LoRA as the connector computes it (BadAdapter: one it cannot compute, such as a task LoRA
         on the MLP; vLLM then prefills the request with it). Read once a directory, as vLLM reads a LoRA once while
         it keeps it: an adapter replaced in place is read again only by a new server."""
         if path is None:
             return None
+        if self.runner.ranks > 1:  # the same on every rank: they all fall back together
+            raise BadAdapter("a link adapter under tensor parallelism: its terms are not split across ranks")
         from vllm.lora.utils import get_adapter_absolute_path
 
         path = get_adapter_absolute_path(path)  # as vLLM resolves it: ~, relative paths, hub ids
@@ -206,6 +235,16 @@ class LinkWorker:
             attention = layer.self_attn.attn
             by_token = keys[index].transpose(0, 1).contiguous(), values[index].transpose(0, 1).contiguous()
             attention.impl.do_kv_cache_update(attention, *by_token, kv_caches[attention.layer_name], slots)
+
+
+def agree_across_ranks(missing: list[bool], failed: bool) -> tuple[list[bool], bool]:
+    """Catalog.ensure's `agree` for tensor-parallel ranks: a chunk missing on any rank, and a read failed on any."""
+    import torch.distributed as dist
+    from vllm.distributed import get_tp_group
+
+    flags = torch.tensor([*missing, failed], dtype=torch.int32)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
+    return [bool(f) for f in flags[:-1]], bool(flags[-1])
 
 
 def checkpoint_fingerprint(path: str, dtype: torch.dtype) -> str:
