@@ -143,6 +143,12 @@ class Settings(BaseSettings):
         gt=0,
         description="vllm engine: GiB of vLLM's paged KV cache (default: 4 on a CPU, vLLM's own choice on a GPU)",
     )
+    tensor_parallel_size: int | None = Field(
+        None,
+        ge=1,
+        description="vllm engine: devices the model's heads are split across; each rank links its own heads, "
+        "reading its shards of the entries (`ragcache compile --shards N`; whole entries are sliced)",
+    )
     adapter: str | None = Field(
         INSTALLED,
         description="a read-side LoRA directory `ragcache train link` wrote, "
@@ -269,8 +275,10 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _engine_options(self) -> Settings:
-        if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib):
-            raise ValueError("max_model_len and kv_cache_gib are options of the vllm engine (engine=vllm)")
+        if self.engine != "vllm" and (self.max_model_len or self.kv_cache_gib or self.tensor_parallel_size):
+            raise ValueError(
+                "max_model_len, kv_cache_gib and tensor_parallel_size are options of the vllm engine (engine=vllm)"
+            )
         if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422
             raise ValueError(
                 f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit ({self.max_new_tokens_limit})"
@@ -284,7 +292,11 @@ class Settings(BaseSettings):
         return self
 
     def engine_config(self) -> EngineConfig:
-        vllm_args = {"max_model_len": self.max_model_len, "kv_cache_gib": self.kv_cache_gib}
+        vllm_args = {
+            "max_model_len": self.max_model_len,
+            "kv_cache_gib": self.kv_cache_gib,
+            "tensor_parallel_size": self.tensor_parallel_size,
+        }
         return EngineConfig(
             model=self.model,
             store=self.store,

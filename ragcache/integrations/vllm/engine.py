@@ -37,6 +37,7 @@ from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, piece
 from ragcache.settings import INSTALLED, EngineConfig
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, tier_urls
+from ragcache.store.shards import HeadRange
 
 from . import lora
 from .spec import SPEC_KEY, LinkSpec, split_problem, transfer_config
@@ -76,6 +77,10 @@ class VllmRagCache(Front):
         self.max_model_len = config.max_model_len
         self.compiler = Compiler(lm, None, codec)  # keys only: vLLM's connector compiles
         self.prefix_compiler = Compiler(lm, None, kv_codec.native(lm.dtype))
+        # under tensor parallelism the connector's ranks store an entry as their shards, one a head range
+        ranks = llm.vllm_config.parallel_config.tensor_parallel_size
+        heads = config.hf_text_config.num_key_value_heads
+        self.head_ranges: list[HeadRange | None] = HeadRange.split(heads, ranks) if ranks > 1 else [None]
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> VllmRagCache:
@@ -216,14 +221,20 @@ class VllmRagCache(Front):
                 Sampling(1),
             )
         )
-        keys = [self.compiler.key(c, shape) for c in chunks] + [self.prefix_compiler.key(prefix, PLAIN)] * bool(prefix)
+        keys = [k for c in chunks for k in self.stored_keys(self.compiler, c, shape)]
+        chunk_keys = len(keys)
+        keys += self.stored_keys(self.prefix_compiler, prefix, PLAIN) if prefix else []
         found = [info for info in self.store.describe_many(keys) if info]
         if len(found) < len(keys):
             raise StoreError(
                 f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
                 "and vllm:ragcache_link_fallbacks say why (the store down?)"
             )
-        return sum(info.get("size", 0) for info in found[: len(chunks)])
+        return sum(info.get("size", 0) for info in found[:chunk_keys])
+
+    def stored_keys(self, compiler: Compiler, ids: list[int], layout) -> list[str]:
+        """The keys vLLM's connector stores a chunk's entry under: its ranks' shards under tensor parallelism."""
+        return [compiler.key(ids, layout, heads) for heads in self.head_ranges]
 
     # -- answering ------------------------------------------------------------------------------------
     def stream_query(
