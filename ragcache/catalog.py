@@ -283,6 +283,39 @@ class Catalog:
                     if compiler.problem(joined, compiler.stored_ids(chunks[i], layout)) is None:
                         entries[i], report.joined = joined, report.joined + 1
 
+    def write_shards(self, chunks: list[list[int]], compiler, layout, count: int) -> int:
+        """Store the chunks' whole entries (which must be in the store) also as the shards of `count`
+        tensor-parallel ranks: the distinct KV-head ranges `HeadRange.split` gives. Chunks whose shards are all
+        there are skipped; the whole entries are kept. Returns the shards written. ValueError if the model's KV
+        heads do not split over `count` ranks."""
+        if compiler.heads is not None:
+            raise ValueError("shards are cut from whole entries: pass a compiler of every KV head")
+        ranges = HeadRange.split(compiler.kv_heads, count)
+        if len(ranges) < 2:
+            return 0
+        unique = list({tuple(ids): ids for ids in chunks}.values())
+        there = self.store.contains_many([compiler.key(ids, layout, r) for ids in unique for r in ranges])
+        todo = [ids for n, ids in enumerate(unique) if not all(there[n * len(ranges) : (n + 1) * len(ranges)])]
+        if not todo:
+            return 0
+        keys = [compiler.key(ids, layout) for ids in todo]
+        wholes = self.store.get_many(keys)
+        lost = [
+            k[:12]
+            for k, ids, e in zip(keys, todo, wholes)
+            if e is None or compiler.problem(e, compiler.stored_ids(ids, layout))
+        ]
+        if lost:
+            raise StoreError(f"cannot shard {len(lost)} chunk(s) whose whole entries the store lacks: {lost[:3]}")
+        parts = {
+            compiler.key(ids, layout, r): shards.shard(whole, r)
+            for ids, whole in zip(todo, wholes)
+            if whole is not None
+            for r in ranges
+        }
+        self.store.put_many(parts)
+        return len(parts)
+
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
         with self._locks.exclusive(doc_id):

@@ -22,7 +22,7 @@ from ragcache.train.cli import train_app
 
 from . import fetch, lora, request
 from .console import console, err, fail
-from .errors import BadRequest, RagCacheError
+from .errors import BadRequest, ParameterOutOfRange, RagCacheError
 from .settings import DATA_DIR, DEFAULT_STORE, load_settings
 
 app = typer.Typer(
@@ -213,9 +213,16 @@ def compile(
     dtype: str = DtypeOption,
     device: str = DeviceOption,
     kv_codec: str = KvCodecOption,
+    shards: int = typer.Option(
+        1,
+        help="also store each entry as N KV-head shards, which `vllm serve --tensor-parallel-size N` with the "
+        "connector reads (1/N of the bytes per rank); whole entries are kept",
+    ),
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     try:
+        if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
+            raise ParameterOutOfRange(f"--shards must be >= 1, got {shards}")
         docs = _read_inputs(paths, glob, jsonl)
         empty = [meta["source"] for text, meta in docs if not text.strip()]
         if empty:
@@ -250,7 +257,7 @@ def compile(
                 bar.update(task, rate=f"{rate:,.0f} tok/s")
 
             for text, meta in docs:
-                summary.add(rc.compile_documents([text], [meta], progress=on_chunk))
+                summary.add(rc.compile_documents([text], [meta], progress=on_chunk, shards=shards))
                 bar.advance(task)
             summary.seconds = time.perf_counter() - started
         kept = _other_budgets(rc, summary.ids)
@@ -262,7 +269,7 @@ def compile(
     console.print(
         f"documents {summary.documents} (already compiled {summary.skipped}), chunks {summary.chunks} "
         f"(compiled {summary.compiled_chunks}), tokens {summary.tokens:,}, bytes {summary.bytes:,}, "
-        f"time {summary.seconds:.1f}s"
+        f"time {summary.seconds:.1f}s" + (f", shards written {summary.shards}" if shards > 1 else "")
     )
     for (_text, meta), doc_id in zip(docs, summary.ids):
         console.print(f"{doc_id}  {meta.get('source', '')}")

@@ -14,10 +14,11 @@ from typing import Protocol
 
 from ragcache.store import Store
 from ragcache.store.keys import document_id
+from ragcache.store.shards import HeadRange
 
 from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog
-from .compiler import PLAIN, Compiler, default_layout, sink_layout
+from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .errors import ParameterOutOfRange, PromptTooLong
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
@@ -36,6 +37,7 @@ class CompileReport:
     compiled_chunks: int = 0
     tokens: int = 0
     bytes: int = 0
+    shards: int = 0  # KV-head shards written (`compile_documents(shards=N)`)
     seconds: float = 0.0
 
     def add(self, other: CompileReport) -> None:
@@ -117,10 +119,17 @@ class Front(abc.ABC):
         return self.compile_documents(texts, metadata).ids
 
     def compile_documents(
-        self, texts: list[str], metadata: list[dict] | None = None, progress: Callable[[int, int], None] | None = None
+        self,
+        texts: list[str],
+        metadata: list[dict] | None = None,
+        progress: Callable[[int, int], None] | None = None,
+        shards: int = 1,
     ) -> CompileReport:
-        """Compile texts into the store (skipping what is there); `progress(done_tokens, compiled_tokens)` per chunk."""
+        """Compile texts into the store (skipping what is there); `progress(done_tokens, compiled_tokens)` per chunk.
+        `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
+        tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
         texts = request.validate_texts(texts)
+        self._check_shards(shards)
         started, report = time.perf_counter(), CompileReport()
         for text, meta in zip(texts, metadata or [{} for _ in texts]):
             with self.catalog.using([document_id(text)]):  # a delete of it waits until its entries are written
@@ -133,6 +142,8 @@ class Front(abc.ABC):
                     report.compiled_chunks += len(group)
                     for ids in group if progress else ():
                         progress(len(ids), len(ids))
+                if shards > 1:  # every chunk, also those compiled before without shards
+                    report.shards += self._write_shards(chunks, self.layouts["default"], shards, self.compiler)
             report.ids.append(doc_id)
             report.documents += 1
             report.chunks += len(chunks)
@@ -141,8 +152,30 @@ class Front(abc.ABC):
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids and not self.store.contains_many([self.prefix_compiler.key(prefix_ids, PLAIN)])[0]:
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
+        if prefix_ids and shards > 1:
+            report.shards += self._write_shards([prefix_ids], PLAIN, shards, self.prefix_compiler)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _check_shards(self, count: int) -> None:
+        """ParameterOutOfRange unless this engine can store its entries as `count` KV-head shards."""
+        if count < 1:
+            raise ParameterOutOfRange(f"shards must be >= 1, got {count}")
+        if count == 1:
+            return
+        if self.compiler.runner is None:
+            raise ParameterOutOfRange(
+                f"shards {count}: this engine does not compile entries itself; compile the shards with ragcache's "
+                "engine (--engine ragcache)"
+            )
+        try:
+            HeadRange.split(self.compiler.kv_heads, count)
+        except ValueError as exc:
+            raise ParameterOutOfRange(f"shards {count} do not fit the model: {exc}") from exc
+
+    def _write_shards(self, chunks: list[list[int]], layout: Layout, count: int, compiler: Compiler) -> int:
+        """Have the chunks' entries (in the store) also as `count` ranks' shards; the shards written."""
+        return self.catalog.write_shards(chunks, compiler, layout, count)
 
     def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
         """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):

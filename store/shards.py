@@ -49,7 +49,9 @@ class HeadRange:
 
     @classmethod
     def split(cls, total: int, shards: int) -> list[HeadRange]:
-        return [cls.of_rank(rank, shards, total) for rank in range(min(shards, total))]
+        """The distinct head ranges of `shards` tensor-parallel ranks, in order: one per rank, or, with more ranks
+        than heads, one per head (its replicas share it)."""
+        return [cls.of_rank(rank, shards, total) for rank in range(0, shards, max(shards // total, 1))]
 
 
 def shard(entry: ChunkKV, heads: HeadRange) -> ChunkKV:

@@ -364,3 +364,29 @@ def test_the_demo_reads_at_80_columns():
     assert len(figures) == 4 and all("recomputed" in line and "cached" in line for line in figures)
     for row in rows:
         assert row["question"] in text
+
+
+def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_path):
+    """--shards 2 stores every chunk's entry also as the 2 shards a TP=2 vLLM reads, beside the whole entry; a second
+    run writes none; a count the model's 2 KV heads do not split into fails before anything is written."""
+    from ragcache.store.keys import document_id
+    from ragcache.store.shards import HeadRange
+
+    (tmp_path / "note.txt").write_text("The bridge is old. It was built of stone. Rivers flow to the sea.")
+    store = f"disk:{tmp_path / 'store'}"
+    done = tiny_cli("compile", tmp_path / "note.txt", "--store", store, "--chunk-tokens", "8", "--shards", "2")
+    assert done.exit_code == 0, done.output
+    rc = tiny_cli.engines[-1]
+    layout, chunks = rc.layouts["default"], rc.document_chunks(rc.document_ids()[0])
+    for heads in (None, *HeadRange.split(2, 2)):
+        assert all(rc.store.contains_many([rc.compiler.key(ids, layout, heads) for ids in chunks]))
+    written = int(done.text.split("shards written ")[1].split()[0])
+    assert written >= 2 * len({tuple(ids) for ids in chunks})
+    again = tiny_cli("compile", tmp_path / "note.txt", "--store", store, "--chunk-tokens", "8", "--shards", "2")
+    assert again.exit_code == 0 and "shards written 0" in again.text
+    assert "shards written" not in tiny_cli("compile", tmp_path / "note.txt", "--store", store).text
+    (tmp_path / "other.txt").write_text("A new text.")
+    for bad, message in (("0", "--shards must be >= 1"), ("3", "3 ranks do not replicate 2 KV heads evenly")):
+        refused = tiny_cli("compile", tmp_path / "other.txt", "--store", store, "--shards", bad)
+        assert refused.exit_code != 0 and message in refused.text, refused.output
+    assert document_id("A new text.") not in tiny_cli.engines[-1].document_ids()
