@@ -150,7 +150,7 @@ class Front(abc.ABC):
             report.skipped += not missing
             report.tokens += sum(map(len, chunks))
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
-        if prefix_ids and not self.store.contains_many([self.prefix_compiler.key(prefix_ids, PLAIN)])[0]:
+        if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
         if prefix_ids and shards > 1:
             report.shards += self._write_shards([prefix_ids], PLAIN, shards, self.prefix_compiler)
@@ -192,8 +192,14 @@ class Front(abc.ABC):
 
     def _present(self, chunks: list[list[int]], layout: str) -> tuple[list[list[int]], list[list[int]]]:
         """The chunks whose entries the store holds in a layout, and the others."""
-        there = self.store.contains_many([self.compiler.key(ids, self.layouts[layout]) for ids in chunks])
+        keys = [self.stored_keys(self.compiler, ids, self.layouts[layout]) for ids in chunks]
+        found = iter(self.store.contains_many([k for ks in keys for k in ks]))
+        there = [all([next(found) for _ in ks]) for ks in keys]
         return [ids for ids, t in zip(chunks, there) if t], [ids for ids, t in zip(chunks, there) if not t]
+
+    def stored_keys(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[str]:
+        """The keys this engine's compile stores a chunk's entry under: one, its whole entry."""
+        return [compiler.key(ids, layout)]
 
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """The chunks in the groups `_compile` takes: one at a time unless the engine batches them."""
