@@ -416,6 +416,12 @@ def serve(
     ),
     max_model_len: int = typer.Option(None, help="vllm engine: longest prompt + answer (default: the model's)"),
     kv_cache_gib: float = typer.Option(None, help="vllm engine: GiB of paged KV cache (default: 4 on a CPU)"),
+    tensor_parallel_size: int = typer.Option(
+        None,
+        min=1,
+        help="vllm engine: devices to split the model's heads across; each rank reads its shards of the entries "
+        "(`ragcache compile --shards N`; whole entries are sliced)",
+    ),
     adapter: str = AdapterOption,
     merge_adapter: bool = typer.Option(
         None,
@@ -458,6 +464,7 @@ def serve(
             engine=engine,
             max_model_len=max_model_len,
             kv_cache_gib=kv_cache_gib,
+            tensor_parallel_size=tensor_parallel_size,
             adapter=adapter,
             merge_adapter=merge_adapter,
             batch_invariant=batch_invariant,
