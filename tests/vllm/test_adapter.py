@@ -167,7 +167,7 @@ def test_the_connectors_own_lora_term_matters(tiny_qwen2, adapter, adapted, own_
 
 def test_the_worker_resolves_keeps_and_refuses_loras_as_requests_name_them(adapter, tmp_path, monkeypatch):
     runner = SimpleNamespace(layer_range=range(4), config=SimpleNamespace(num_hidden_layers=4),
-                             shape=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"))
+                             shape=SimpleNamespace(dtype=torch.float32), device=torch.device("cpu"), ranks=1)
     worker = SimpleNamespace(runner=runner, loras=OrderedDict())
     monkeypatch.chdir(adapter.parent)
     found = LinkWorker.lora(worker, adapter.name)  # a relative path, resolved as vLLM resolves it
@@ -181,6 +181,9 @@ def test_the_worker_resolves_keeps_and_refuses_loras_as_requests_name_them(adapt
     # the same refusal, raised anew: the first exception's traceback (and the request it holds) is not kept
     assert str(again.value) == str(first.value) and again.value is not first.value
     assert not any(isinstance(kept, BaseException) for kept in worker.loras.values())
+    runner.ranks = 2  # a tensor-parallel rank holds part of each projection: the adapter's terms are whole
+    with pytest.raises(BadAdapter, match="tensor parallelism"):
+        LinkWorker.lora(worker, str(adapter))
 
 
 def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(tiny_qwen2, adapter, tmp_path):
@@ -209,9 +212,9 @@ def test_the_guard_measures_against_the_base_models_full_or_is_refused_when_merg
     assert check.kl == pytest.approx(expected.kl, rel=0.02, abs=1e-4), (check, expected)
 
 
-def test_a_split_model_is_refused_before_anything_loads(tiny_qwen2, tmp_path):
-    with pytest.raises(ParameterOutOfRange, match="tensor_parallel_size=2"):
-        RagCache.open(tiny_qwen2, f"disk:{tmp_path}", engine="vllm", tensor_parallel_size=2)
+def test_a_model_split_by_layers_is_refused_before_anything_loads(tiny_qwen2, tmp_path):
+    with pytest.raises(ParameterOutOfRange, match="pipeline_parallel_size=2"):
+        RagCache.open(tiny_qwen2, f"disk:{tmp_path}", engine="vllm", pipeline_parallel_size=2)
 
 
 def test_a_miss_compiled_inside_an_adapted_link_is_the_base_models(rc, adapted, base, doc_ids):
