@@ -143,7 +143,7 @@ class Front(abc.ABC):
                     for ids in group if progress else ():
                         progress(len(ids), len(ids))
                 if shards > 1:  # every chunk, also those compiled before without shards
-                    report.shards += self._write_shards(chunks, self.layouts["default"], shards, self.compiler)
+                    report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts["default"], shards)
             report.ids.append(doc_id)
             report.documents += 1
             report.chunks += len(chunks)
@@ -153,7 +153,7 @@ class Front(abc.ABC):
         if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
         if prefix_ids and shards > 1:
-            report.shards += self._write_shards([prefix_ids], PLAIN, shards, self.prefix_compiler)
+            report.shards += self.catalog.write_shards([prefix_ids], self.prefix_compiler, PLAIN, shards)
         report.seconds = time.perf_counter() - started
         return report
 
@@ -172,10 +172,6 @@ class Front(abc.ABC):
             HeadRange.split(self.compiler.kv_heads, count)
         except ValueError as exc:
             raise ParameterOutOfRange(f"shards {count} do not fit the model: {exc}") from exc
-
-    def _write_shards(self, chunks: list[list[int]], layout: Layout, count: int, compiler: Compiler) -> int:
-        """Have the chunks' entries (in the store) also as `count` ranks' shards; the shards written."""
-        return self.catalog.write_shards(chunks, compiler, layout, count)
 
     def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
         """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):

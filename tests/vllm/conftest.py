@@ -63,6 +63,18 @@ def connected_llm(**kwargs):
     ensure_kv_transfer_shutdown()
 
 
+def run(llm, request: dict | None, ids: list[int], logprobs: int | None = None):
+    """Six greedy tokens (EOS ignored) for `ids`, linked as `request` (link_request's fields) says, or plain (None)."""
+    from vllm import SamplingParams
+
+    prompt, extra = {"prompt_token_ids": ids}, None
+    if request is not None:
+        prompt["cache_salt"] = request["cache_salt"]
+        extra = {"kv_transfer_params": request["kv_transfer_params"]}
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs, extra_args=extra, ignore_eos=True)
+    return llm.generate(prompt, params, use_tqdm=False)[0]
+
+
 @pytest.fixture(scope="module")
 def llm(store_url, engine):
     from ragcache import models

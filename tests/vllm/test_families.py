@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm import SamplingParams
 
 from ragcache.engine import RagCache
 from ragcache.integrations.vllm.spec import SPEC_KEY, link_request, transfer_config
 from tests import tiny
-from tests.vllm.conftest import connected_llm
+from tests.vllm.conftest import connected_llm, run
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
 
@@ -25,15 +24,6 @@ def qwen2(tiny_qwen2, tmp_path_factory):
     for llm in connected_llm(model=folder, dtype="float32", enforce_eager=True, enable_prefix_caching=True,
                              max_model_len=512, max_logprobs=-1, kv_transfer_config=transfer_config(store)):
         yield engine, doc_ids, llm
-
-
-def run(llm, request: dict | None, ids: list[int], logprobs: int | None = None):
-    prompt, extra = {"prompt_token_ids": ids}, None
-    if request is not None:
-        prompt["cache_salt"] = request["cache_salt"]
-        extra = {"kv_transfer_params": request["kv_transfer_params"]}
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs, extra_args=extra, ignore_eos=True)
-    return llm.generate(prompt, params, use_tqdm=False)[0]
 
 
 @pytest.mark.parametrize("algorithm", ["focus", "cacheblend", "legolink", "naive"])

@@ -5,11 +5,9 @@ TP=1: the same greedy first token, and first-token log-probabilities within 1e-4
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
-from vllm import SamplingParams
 
 from ragcache.engine import RagCache
 from ragcache.integrations.vllm.spec import SPEC_KEY, link_request, transfer_config
@@ -17,7 +15,7 @@ from ragcache.prompt import system_prefix_ids
 from ragcache.compiler import PLAIN
 from ragcache.store.shards import HeadRange
 from tests import tiny
-from tests.vllm.conftest import connected_llm
+from tests.vllm.conftest import connected_llm, run
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"
 SHARDED, WHOLE = slice(0, 2), slice(2, 4)  # the corpus's documents compiled with shards, and whole only
@@ -37,15 +35,6 @@ def tp2(tiny_qwen2, tmp_path_factory):
                                  tensor_parallel_size=2, gpu_memory_utilization=0.2, max_model_len=512,
                                  max_logprobs=-1, disable_log_stats=False, kv_transfer_config=transfer_config(store)):
             yield engine, sharded, whole, llm
-
-
-def run(llm, request: dict | None, ids: list[int], logprobs: int | None = None):
-    prompt, extra = {"prompt_token_ids": ids}, None
-    if request is not None:
-        prompt["cache_salt"] = request["cache_salt"]
-        extra = {"kv_transfer_params": request["kv_transfer_params"]}
-    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=logprobs, extra_args=extra, ignore_eos=True)
-    return llm.generate(prompt, params, use_tqdm=False)[0]
 
 
 def counters(llm) -> dict[str, float]:
