@@ -5,7 +5,6 @@ TP=1: the same greedy first token, and first-token log-probabilities within 1e-4
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
