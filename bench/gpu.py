@@ -9,7 +9,7 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
 
   (a) checks   every Triton kernel against the torch reference at the dtype's tolerance: rotate_keys,
                place_chunks, selected_attention (LegoLink rows, contiguous_from 0 / p / a decode row, windowed),
-               kv_deviation
+               slot_decode_attention (the captured decode step's split-KV rows: 1 and 16 slots), kv_deviation
   (b) kernels  time of each kernel, Triton vs the torch reference (triton.testing.do_bench on CUDA)
   (c) model    `full` through ragcache's runner vs `model(ids)` at 4k tokens; a legolink-16 link of 8 chunks x 512
                (chunks placed + their first 16 rows and the question recomputed); single-stream greedy decode
@@ -30,9 +30,10 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                memory, the longest step a decoding stream waited while a long link ran beside it, and 4 naive
                links asked at once with the engine's prefetch and without (ragcache.copies.Prefetch)
   (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
-               replayed from CUDA graphs (ragcache.graphs), the same fixed-shape step eager, and the ordinary packed
-               step, against transformers' DynamicCache loop and its StaticCache loop under
-               torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
+               replayed from CUDA graphs (ragcache.graphs), the same step compiled first (decode_compile; its
+               compile time is the row's warmup_s, a failure is recorded, not raised), the same fixed-shape step
+               eager, and the ordinary packed step, against transformers' DynamicCache loop and its StaticCache
+               loop under torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
   (h) tiles    before (f): the selected-row attention kernel at --shape on focus's rows (25% of each 1,024-token
                chunk, sorted, over the largest of --contexts keys) with each candidate of --tiles: ms, TFLOP/s
                (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
@@ -227,6 +228,18 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attentio
                                                                                         scale, w),
             triton_no_hint=(lambda q=q, r=rows, k=k, v=v, w=window: TRI.selected_attention(q, k, v, r, scale, w))
             if first is not None else None))
+    # decode rows over a pool's slots, as the captured decode step runs them: one stream at n_full keys (a pool of
+    # capacity n_full + 256), and 16 streams at lengths spread over the pool's capacity
+    for slots in (1, 16):
+        capacity = n_full + 256
+        pool_k, pool_v = randn(slots, kv_heads, capacity, dim), randn(slots, kv_heads, capacity, dim)
+        at = (torch.tensor([n_full - 1], device=device) if slots == 1
+              else torch.randint(1, n_full, (slots,), generator=g).to(device))
+        q = randn(heads, slots, dim)
+        cases.append(dict(
+            kernel="slot_decode_attention", shape=f"{slots} slots x {capacity} capacity, rows at <= {n_full - 1}",
+            triton=lambda q=q, k=pool_k, v=pool_v, a=at: TRI.slot_decode_attention(q, k, v, a, scale),
+            torch=lambda q=q, k=pool_k, v=pool_v, a=at: REF.slot_decode_attention(q, k, v, a, scale), truth=None))
     fresh, cached = randn(kv_heads, chunk * chunks, dim), randn(kv_heads, chunk * chunks, dim)
     cases.append(dict(kernel="kv_deviation", shape=f"[{kv_heads},{chunk * chunks},{dim}]",
                       triton=lambda: TRI.kv_deviation(fresh, cached), torch=lambda: REF.kv_deviation(fresh, cached),
@@ -847,26 +860,31 @@ def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick:
 
 
 def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | None = 0):
-    """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "eager" (the same fixed-shape
-    step, not captured: the graphs' reference) or "ordinary" (the packed forward every other step runs); no
-    prefetch unless asked (None: the default's)."""
+    """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "compiled" (the captured step
+    under torch.compile: decode_compile), "eager" (the same fixed-shape step, not captured: the graphs' reference)
+    or "ordinary" (the packed forward every other step runs); no prefetch unless asked (None: the default's)."""
     from ragcache.engine import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
-                                          decode_graphs=graphs != "ordinary", prefetch_bytes=prefetch_bytes))
+                                          decode_graphs=graphs != "ordinary", decode_compile=graphs == "compiled",
+                                          prefetch_bytes=prefetch_bytes))
     if graphs == "eager":
         rc.runner.graphs = GRAPHS.DecodeGraphs(rc.runner, capture=False)
     return rc
 
 
 def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
-    """One greedy answer of `new_tokens` after a naive link; the decode-only steps' rate."""
+    """One greedy answer of `new_tokens` after a naive link; the decode-only steps' rate, and how long the first
+    answer took (a graph captured, kernels compiled: torch.compile's time for "compiled")."""
+    started = time.perf_counter()
     rc.query(question, docs, algorithm="naive", max_new_tokens=4)  # untimed: a graph is captured, kernels compiled
+    warmup_s = time.perf_counter() - started
     before = _scheduler_stats(rc)
     answer = rc.query(question, docs, algorithm="naive", max_new_tokens=new_tokens)
     stats = _stats_delta(before, _scheduler_stats(rc))
-    return dict(tok_s=_decode_rate(stats), tokens=answer.token_ids, decode_only_step_ms=stats["decode_only_step_ms"])
+    return dict(tok_s=_decode_rate(stats), tokens=answer.token_ids, decode_only_step_ms=stats["decode_only_step_ms"],
+                warmup_s=warmup_s)
 
 
 @torch.inference_mode()
@@ -916,10 +934,19 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
     texts, question = [words(doc_words) for _ in range(max(context // (doc_words + 8), 1))], words(32)
     rows, tokens, profiles = [], {}, []
-    for graphs in (("captured", "eager", "ordinary") if device.type == "cuda" else ("eager", "ordinary")):
+    kinds = ("captured", "compiled", "eager", "ordinary") if device.type == "cuda" else ("eager", "ordinary")
+    for graphs in kinds:
         rc = _engine(lm, MemoryStore(64 << 30, pin=device.type == "cuda"), doc_words + 8, graphs)
         docs = rc.compile(texts)
-        got = _ragcache_decode(rc, question, docs, new_tokens)
+        try:
+            got = _ragcache_decode(rc, question, docs, new_tokens)
+        except Exception as exc:  # noqa: BLE001 - decode_compile is unmeasured: a failure is a result, not the end
+            if graphs != "compiled":
+                raise
+            rows.append(dict(shape=shape, what="ragcache decode, compiled steps", error=repr(exc)[:2000]))
+            print(f"  {shape} compiled steps failed: {exc!r}"[:2000], flush=True)
+            rc.driver.stop()
+            continue
         tokens[graphs] = got.pop("tokens")
         prompt = len(rc.prompt_parts(question, docs).token_ids)
         rows.append(dict(shape=shape, what=f"ragcache decode, {graphs} steps", context=prompt, new_tokens=new_tokens,
@@ -936,12 +963,17 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
                          tok_s=_transformers_decode(lm, prompt, new_tokens, device, compiled)))
     fastest = max(row["tok_s"] for row in rows if row["what"].startswith("transformers"))
     for row in rows:
+        if "error" in row:
+            continue
         row["vs_fastest_transformers"] = row["tok_s"] / fastest
         print(f"  {shape} {row['context']:6d} tokens {row['what']:42s} {row['tok_s']:8.1f} tok/s "
               f"({row['vs_fastest_transformers']:.2f}x transformers' fastest)", flush=True)
     if "captured" in tokens:
         rows.append(dict(shape=shape, what="graph decode tokens against the eager step's",
                          identical=tokens["captured"] == tokens["eager"]))
+    if "compiled" in tokens:  # inductor fuses in its own order: bf16 roundings differ, random weights leave ties
+        rows.append(dict(shape=shape, what="compiled step tokens against the eager step's",
+                         leading_identical=_common_prefix(tokens["compiled"], tokens["eager"]), of=new_tokens))
     rows.append(dict(shape=shape, what="eager step tokens against the ordinary decode's",
                      leading_identical=_common_prefix(tokens["eager"], tokens["ordinary"]), of=new_tokens))
     rows.extend(profiles)

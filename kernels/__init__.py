@@ -73,6 +73,16 @@ def stacked_decode_attention(query, keys, values, allowed, scale):
     return torch_ref.stacked_decode_attention(query, keys, values, allowed, scale)
 
 
+def slot_decode_attention(query, keys, values, positions, scale, window=None):
+    """Every slot's decode row over its own keys of a pool, with shapes fixed by the pool (ragcache.graphs)."""
+    return _impl(query.device).slot_decode_attention(query, keys, values, positions, scale, window)
+
+
+def write_slot_rows(keys, values, fresh_keys, fresh_values, positions, live):
+    """The live slots' fresh K/V rows into a pool, in place, with shapes fixed by the pool (ragcache.graphs)."""
+    _impl(keys.device).write_slot_rows(keys, values, fresh_keys, fresh_values, positions, live)
+
+
 def scored_attention(query, keys, values, query_positions, scale, window=None):
     """Attention of rows at positions, and the fp32 weight [N] they give each key position (softmax summed over
     heads and rows): what focus scores chunk rows with. Only the question's rows take it, once per layer, so the

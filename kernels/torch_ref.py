@@ -328,6 +328,36 @@ def stacked_decode_attention(
     return _eager_attention(grouped, keys, values, allowed[:, None, None, :], scale).reshape(rows, heads, dim)
 
 
+def slot_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Slot i's decode row over its own keys 0..positions[i] of a pool (windowed if `window`): query [H, S, D],
+    keys/values [S, KVH, L, D] (every slot of one layer) -> [S, H, D]. Shapes depend only on the pool's."""
+    return stacked_decode_attention(query, keys, values, decode_mask(positions, keys.shape[2], window), scale)
+
+
+def write_slot_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    fresh_keys: torch.Tensor,
+    fresh_values: torch.Tensor,
+    positions: torch.Tensor,
+    live: torch.Tensor,
+) -> None:
+    """Write each live slot's fresh row (fresh_keys/values [KVH, S, D]) into its slot of the pool (keys/values
+    [S, KVH, L, D]) at positions[i]; a slot that is not live keeps what it holds there. No host-side branch."""
+    slots = torch.arange(positions.numel(), device=positions.device)
+    keep = ~live[:, None, None]
+    for store, fresh in ((keys, fresh_keys), (values, fresh_values)):
+        held = store[slots, :, positions]
+        store[slots, :, positions] = torch.where(keep, held, fresh.transpose(0, 1).to(store.dtype))
+
+
 def _eager_attention(query, keys, values, allowed, scale):
     """transformers' eager numerics: both matmuls in the input dtype, softmax in fp32. For a few query rows per
     slot in bf16, torch's CPU flash kernel takes 0.95 ms a layer over 16 slots of 381 keys (SmolLM2's shapes), and

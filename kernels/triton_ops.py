@@ -1,13 +1,17 @@
-"""Triton kernels of the link step: the same four functions, signatures and results as `torch_ref`.
+"""Triton kernels of the link step: the same functions, signatures and results as `torch_ref`.
 
 They run on CUDA tensors, or on CPU tensors in Triton's interpreter (TRITON_INTERPRET=1, set before this
-module is imported: `@triton.jit` reads it). Every kernel is one launch:
+module is imported: `@triton.jit` reads it). Every kernel but the split-KV decode is one launch:
 
   rotate_keys          grid (token blocks, layers * kv_heads)           RoPE of pre-RoPE keys
   place_chunks         grid (token blocks of all chunks, layers * kv_heads)
                        reads each chunk through a pointer table, rotates K to its global position, copies V
   selected_attention   grid (blocks of (row, q head of the group), kv_heads)
                        flash-attention online softmax; the q heads sharing a kv head share its K/V loads
+  slot_decode_attention grid (slots, kv_heads, key splits), then (slots * heads,)
+                       flash-decoding: each slot's decode row over its own keys, split so that one row fills the
+                       GPU, the splits merged by a second launch (the captured decode step, ragcache.graphs)
+  write_slot_rows      grid (slots, kv_heads)                           the live slots' fresh K/V into the pool
   kv_deviation         grid (token blocks,)                             sum over heads and dims of (fresh - cached)^2
 
 Numerics follow the reference: RoPE rounds cos/sin and the products to the key dtype exactly where
@@ -392,6 +396,126 @@ def _attention_kernel(
     tl.store(o, _to(acc, out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+# ---------------------------------------------------------------- decode rows over a pool's slots (split-KV)
+
+
+@triton.jit
+def _slot_decode_kernel(
+    q,
+    k,
+    v,
+    positions,
+    part_acc,
+    part_ml,
+    qk_scale,  # scale * log2(e)
+    length,
+    window,
+    chunk,
+    sq_h,
+    sq_s,
+    sk_s,
+    sk_h,
+    sk_n,
+    sv_s,
+    sv_h,
+    sv_n,
+    GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """One slot's decode row, the q heads of one kv head, over one split of its keys: an unnormalised partial
+    (acc, max, sum) that `_slot_combine_kernel` merges. No key past the row's position is read."""
+    slot = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_M)
+    g_mask = g < GROUP
+    head = kv_head * GROUP + g
+    pos = tl.load(positions + slot).to(tl.int64)
+    pos_m = tl.zeros([BLOCK_M], tl.int64) + pos
+
+    d = tl.arange(0, D_P2)
+    d_mask = d < D
+    q_tile = tl.load(
+        q + head[:, None] * sq_h + slot * sq_s + d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    if UPCAST:
+        q_tile = q_tile.to(tl.float32)
+
+    begin = split * chunk
+    end = tl.minimum(begin + chunk, tl.minimum(pos + 1, length))
+    if HAS_WINDOW:
+        begin = tl.maximum(begin, ((pos - window + 1) // BLOCK_N) * BLOCK_N)
+        dense = begin  # a window masks from both sides: every tile keeps its mask
+    else:  # whole tiles at or before the row's position need no mask
+        dense = tl.maximum(begin, (end // BLOCK_N) * BLOCK_N)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    k_base = k + slot * sk_s + kv_head * sk_h
+    v_base = v + slot * sv_s + kv_head * sv_h
+    vdt = v.dtype.element_ty
+    for start in range(begin, dense, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, end, pos_m, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            False, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
+        )  # fmt: skip
+    for start in range(dense, end, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, end, pos_m, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            True, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
+        )  # fmt: skip
+
+    # part_acc [slots, heads, SPLITS, D_P2], part_ml [slots, heads, SPLITS, 2], both fp32 and contiguous
+    heads = tl.num_programs(1) * GROUP
+    at = (slot * heads + head) * SPLITS + split
+    tl.store(part_acc + at[:, None] * D_P2 + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(part_ml + at * 2, m_i, mask=g_mask)
+    tl.store(part_ml + at * 2 + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _slot_combine_kernel(
+    part_acc, part_ml, out, heads, so_s, so_h, D: tl.constexpr, D_P2: tl.constexpr, SPLITS: tl.constexpr
+):
+    """Merge one (slot, head)'s split partials: the online softmax's rescale, once over all splits."""
+    row = tl.program_id(0).to(tl.int64)  # slot * heads + head
+    slot, head = row // heads, row % heads
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, D_P2)
+    m = tl.load(part_ml + (row * SPLITS + s) * 2)
+    l_s = tl.load(part_ml + (row * SPLITS + s) * 2 + 1)
+    acc = tl.load(part_acc + (row * SPLITS + s)[:, None] * D_P2 + d[None, :])
+    weight = tl.exp2(m - tl.max(m, axis=0))
+    total = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    tl.store(out + slot * so_s + head * so_h + d, _to(total, out.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
+def _write_slot_rows_kernel(
+    k, v, fresh_k, fresh_v, positions, live, length,
+    sk_s, sk_h, sk_n, sv_s, sv_h, sv_n, sfk_h, sfk_s, sfv_h, sfv_s,
+    D: tl.constexpr, D_P2: tl.constexpr,
+):  # fmt: skip
+    slot = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1).to(tl.int64)
+    pos = tl.load(positions + slot).to(tl.int64)
+    if (tl.load(live + slot) != 0) & (pos < length):
+        d = tl.arange(0, D_P2)
+        d_mask = d < D
+        key = tl.load(fresh_k + head * sfk_h + slot * sfk_s + d, mask=d_mask)
+        value = tl.load(fresh_v + head * sfv_h + slot * sfv_s + d, mask=d_mask)
+        tl.store(k + slot * sk_s + head * sk_h + pos * sk_n + d, _to(key, k.dtype.element_ty), mask=d_mask)
+        tl.store(v + slot * sv_s + head * sv_h + pos * sv_n + d, _to(value, v.dtype.element_ty), mask=d_mask)
+
+
 # ---------------------------------------------------------------- CacheBlend deviation
 
 
@@ -714,6 +838,91 @@ def selected_attention(
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+# BLOCK_N keys, warps, stages of the split-KV decode (its BLOCK_M is the q heads of a group, padded for tl.dot):
+# not tuned on a GPU yet. Splits are chosen so that about DECODE_PROGRAMS programs share the keys: one slot's row
+# over 8k keys is otherwise 8 programs (its kv heads) on a GPU of 132 SMs. The interpreter runs programs one by one.
+DECODE_TILES = (64, 4, 2) if not INTERPRET else (64, 4, 1)
+DECODE_PROGRAMS = 64 if INTERPRET else 1024
+
+
+def decode_splits(slots: int, kv_heads: int, length: int, block_n: int) -> int:
+    """How many splits share a row's keys: a power of two, no more than the key tiles (rounded up to one)."""
+    wanted = -(-DECODE_PROGRAMS // max(slots * kv_heads, 1))
+    return max(1, min(_p2(wanted), _p2(triton.cdiv(length, block_n))))
+
+
+def slot_decode_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Slot i's decode row over its own keys 0..positions[i] of a pool: see torch_ref.slot_decode_attention.
+
+    Flash-decoding: each (slot, kv head) row is cut into `decode_splits` key ranges run by programs of their own,
+    then merged, so one long row fills the GPU; a split reads only the tiles at or before its row's position (the
+    pool's padding past it is never read). Shapes depend only on the pool's, so a CUDA graph replays it."""
+    heads, slots, head_dim = query.shape
+    if keys.dim() != 4 or keys.shape[0] != slots or values.shape != keys.shape or keys.shape[3] != head_dim:
+        raise ValueError(f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, values {tuple(values.shape)}")
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if heads % kv_heads or positions.shape != (slots,):
+        raise ValueError(f"{heads} q heads over {kv_heads} kv heads, positions {tuple(positions.shape)}")
+    out = torch.empty(slots, heads, head_dim, dtype=query.dtype, device=query.device)
+    if slots == 0:
+        return out
+    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
+    operand = torch.promote_types(query.dtype, keys.dtype)
+    if keys.dtype != values.dtype or query.dtype != keys.dtype:
+        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    group, d_p2 = heads // kv_heads, _p2(head_dim)
+    block_n, warps, stages = DECODE_TILES
+    splits = decode_splits(slots, kv_heads, length, block_n)
+    chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
+    part_acc = torch.empty(slots, heads, splits, d_p2, dtype=torch.float32, device=query.device)
+    part_ml = torch.empty(slots, heads, splits, 2, dtype=torch.float32, device=query.device)
+    _slot_decode_kernel[(slots, kv_heads, splits)](
+        query, keys, values, positions, part_acc, part_ml, float(scale) * LOG2E, length,
+        int(window) if window is not None else 0, chunk,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2),
+        GROUP=group, HAS_WINDOW=window is not None, D=head_dim, D_P2=d_p2, BLOCK_M=max(16, _p2(group)),
+        BLOCK_N=block_n, SPLITS=splits, UPCAST=INTERPRET and operand == torch.bfloat16,
+        IEEE=operand == torch.float32, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    _slot_combine_kernel[(slots * heads,)](
+        part_acc, part_ml, out, heads, out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, SPLITS=splits
+    )
+    return out
+
+
+def write_slot_rows(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    fresh_keys: torch.Tensor,
+    fresh_values: torch.Tensor,
+    positions: torch.Tensor,
+    live: torch.Tensor,
+) -> None:
+    """Each live slot's fresh K/V row into its slot at its position, in one launch: see torch_ref.write_slot_rows."""
+    slots, kv_heads, length, head_dim = keys.shape
+    if values.shape != keys.shape or fresh_keys.shape != (kv_heads, slots, head_dim):
+        raise ValueError(f"pool {tuple(keys.shape)}, fresh {tuple(fresh_keys.shape)}")
+    if fresh_values.shape != fresh_keys.shape or positions.shape != (slots,) or live.shape != (slots,):
+        raise ValueError(f"fresh values {tuple(fresh_values.shape)}, positions/live for {slots} slots")
+    if slots == 0:
+        return
+    fresh_keys, fresh_values = _last_dim_contiguous(fresh_keys), _last_dim_contiguous(fresh_values)
+    _write_slot_rows_kernel[(slots, kv_heads)](
+        keys, values, fresh_keys, fresh_values, positions, live, length,
+        keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
+        fresh_keys.stride(0), fresh_keys.stride(1), fresh_values.stride(0), fresh_values.stride(1),
+        D=head_dim, D_P2=_p2(head_dim),
+    )  # fmt: skip
 
 
 def kv_deviation(fresh: torch.Tensor, cached: torch.Tensor) -> torch.Tensor:

@@ -442,6 +442,12 @@ def serve(
         "--decode-graphs/--no-decode-graphs",
         help="replay decode-only steps from CUDA graphs (default: settings; on on CUDA without batch invariance)",
     ),
+    decode_compile: bool = typer.Option(
+        None,
+        "--decode-compile/--no-decode-compile",
+        help="torch.compile the decode graphs' step before capture: fused norms, RoPE and elementwise ops "
+        "(default: settings; off until measured on a GPU)",
+    ),
     prefetch_mib: int = typer.Option(
         None,
         min=0,
@@ -469,6 +475,7 @@ def serve(
             merge_adapter=merge_adapter,
             batch_invariant=batch_invariant,
             decode_graphs=decode_graphs,
+            decode_compile=decode_compile,
             prefetch_mib=prefetch_mib,
         )
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say

@@ -39,10 +39,10 @@ log = logging.getLogger("ragcache")
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
-        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, prefetch_bytes). `open` and
-        `from_config` load and open them."""
+        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, decode_compile, prefetch_bytes).
+        `open` and `from_config` load and open them."""
         self.config = config
-        self.runner = Runner(lm, config.batch_invariant, config.decode_graphs)
+        self.runner = Runner(lm, config.batch_invariant, config.decode_graphs, config.decode_compile)
         row_budget = row_budget_for(self.runner.device) if config.row_budget is None else config.row_budget
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, config.kv_codec)

@@ -3,11 +3,13 @@
 A decode step over the pooled caches (`kv.KVPool`, the decode strategy when batch invariance is off) runs one row for
 every slot of the pool, in slot order, whatever the step's sequences: its shapes are then those of the pool (slots
 x capacity), which change only when the pool grows, a few times in a pool's life (it doubles its slots and rounds
-its capacity up). A slot without a sequence in the step runs a dummy row that writes back what its slot held, so
-the graph needs no host-side branch. On CUDA each pool allocation gets one `torch.cuda.CUDAGraph`, captured on first
-use, as vLLM captures a graph per batch size; the inputs (ids, positions, which slots are live) are copied into the
-graph's own tensors before each replay. Elsewhere the same step runs eagerly: the CPU tests compare its tokens with
-the ordinary decode's, and the CUDA path differs only by the capture."""
+its capacity up). A slot without a sequence in the step runs a dummy row that leaves its slot as it is, so the
+graph needs no host-side branch. Each row reads only its own keys (`kernels.slot_decode_attention`: split-KV Triton
+on CUDA, so that one long row fills the GPU and the pool's padding is never read). On CUDA each pool allocation gets
+one `torch.cuda.CUDAGraph`, captured on first use, as vLLM captures a graph per batch size; the inputs (ids,
+positions, which slots are live) are copied into the graph's own tensors before each replay. Elsewhere the same step
+runs eagerly: the CPU tests compare its tokens with the ordinary decode's, and the CUDA path differs only by the
+capture."""
 
 from __future__ import annotations
 
@@ -22,29 +24,22 @@ from .kv import KVPool
 
 class WholePool:
     """The decoder layers' cache during a whole-pool step: row i is slot i's, at `positions[i]`; rows where `live`
-    is false write back what their slot holds there."""
+    is false leave their slot as it is."""
 
     def __init__(self, pool: KVPool, positions: torch.Tensor, live: torch.Tensor):
         self.pool, self.positions, self.live = pool, positions, live
-        self.slots = torch.arange(positions.numel(), device=positions.device)
-        self.masks: dict[int | None, torch.Tensor] = {}
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        live = self.live[:, None, None]
-        for store, fresh in (
-            (self.pool.keys[layer_idx], key_states[0]),
-            (self.pool.values[layer_idx], value_states[0]),
-        ):
-            held = store[self.slots, :, self.positions]
-            store[self.slots, :, self.positions] = torch.where(live, fresh.transpose(0, 1).to(store.dtype), held)
+        kernels.write_slot_rows(
+            self.pool.keys[layer_idx], self.pool.values[layer_idx], key_states[0], value_states[0],
+            self.positions, self.live,
+        )  # fmt: skip
         return key_states, value_states
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
-        """query [heads, slots, head_dim] -> [slots, heads, head_dim], each row over its slot's whole capacity."""
-        if window not in self.masks:
-            self.masks[window] = kernels.decode_mask(self.positions, self.pool.keys.shape[3], window)
-        return kernels.stacked_decode_attention(
-            query, self.pool.keys[layer], self.pool.values[layer], self.masks[window], scale
+        """query [heads, slots, head_dim] -> [slots, heads, head_dim], each row over its own slot's keys."""
+        return kernels.slot_decode_attention(
+            query, self.pool.keys[layer], self.pool.values[layer], self.positions, scale, window
         )
 
 
@@ -63,8 +58,12 @@ class DecodeGraphs:
     """The runner's decode-only steps over its KVPool, captured once per pool allocation (`capture`, on CUDA) or
     run eagerly with the same shapes."""
 
-    def __init__(self, runner, capture: bool):
+    def __init__(self, runner, capture: bool, compiled: bool = False):
         self.runner, self.capture = runner, capture
+        # A captured step still launches each layer's norms, RoPE and elementwise ops one by one: most of its
+        # kernels. torch.compile's inductor fuses them. It compiles for the first pool, once more on the pool's
+        # first growth (its sizes then turn dynamic: torch's automatic dynamic shapes), and not again.
+        self._forward = torch.compile(self._run) if compiled else self._run
         self._step: Captured | None = None
         self._key: tuple | None = None
         self.captures = 0  # graphs captured: one per pool allocation
@@ -94,7 +93,7 @@ class DecodeGraphs:
             step.graph.replay()
             logits = step.logits
         else:
-            logits = self._run(pool, step)
+            logits = self._forward(pool, step)
         return logits[torch.tensor([c.slot for c in caches], device=logits.device)]
 
     def _for(self, pool: KVPool) -> Captured:
@@ -124,17 +123,17 @@ class DecodeGraphs:
 
     def _capture(self, pool: KVPool, step: Captured) -> None:
         """Warm up on a side stream, then capture (torch.cuda.graphs' recipe). No slot is live meanwhile: the
-        warm-up and capture runs write back what the pool holds."""
+        warm-up and capture runs leave the pool as it is."""
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._run(pool, step)
+                self._forward(pool, step)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # a private memory pool, freed with its graph: a pool shared across captures is released when its last
         # graph goes, and the next capture into its handle fails inside torch's allocator
         with torch.cuda.graph(graph):
-            step.logits = self._run(pool, step)
+            step.logits = self._forward(pool, step)
         step.graph = graph
         self.captures += 1

@@ -109,7 +109,13 @@ class Runner:
     starts. Off: the shared pool, reading only the keys its rows need, and the library's own GEMMs.
     """
 
-    def __init__(self, lm: LoadedModel, batch_invariant: bool | None = None, decode_graphs: bool | None = None):
+    def __init__(
+        self,
+        lm: LoadedModel,
+        batch_invariant: bool | None = None,
+        decode_graphs: bool | None = None,
+        decode_compile: bool = False,
+    ):
         self.lm = lm
         model = lm.model
         config = model.config
@@ -139,7 +145,12 @@ class Runner:
                 "(batch invariance on): turn batch_invariant off, or decode_graphs off"
             )
         use_graphs = (on_cuda and self.decode == "pooled") if decode_graphs is None else decode_graphs
-        self.graphs = DecodeGraphs(self, capture=on_cuda) if use_graphs else None
+        if decode_compile and not use_graphs:
+            raise ParameterOutOfRange(
+                "decode_compile compiles the fixed-shape decode step of decode graphs, and they are off here: turn "
+                "decode_graphs on (with batch_invariant off), or decode_compile off"
+            )
+        self.graphs = DecodeGraphs(self, capture=on_cuda, compiled=decode_compile) if use_graphs else None
         # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
         # releases (the GPU machine's 5.17) know only the old name
         self.cache_argument = cache_argument(self.layers[0])

@@ -90,6 +90,7 @@ class EngineConfig:
     row_budget: int | None = None  # rows per step; None: the device's (row_budget_for)
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
     decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.graphs)
+    decode_compile: bool = False  # torch.compile the decode graphs' step before its capture (ragcache.graphs)
     prefetch_bytes: int | None = None  # device memory for entries crossing ahead of their link (ragcache.copies)
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
@@ -174,6 +175,12 @@ class Settings(BaseSettings):
         "allocation of the pool of decoding caches (default: on on CUDA where "
         "batch_invariant is off; elsewhere the same fixed-shape step runs eagerly "
         "when asked for)",
+    )
+    decode_compile: bool = Field(
+        False,
+        description="torch.compile the decode graphs' step before it is captured, so that each layer's norms, RoPE "
+        "and elementwise ops run fused (off by default until measured on a GPU; compiling takes a while at start "
+        "and once more when the pool first grows)",
     )
     prefetch_mib: int | None = Field(
         None,
@@ -308,6 +315,7 @@ class Settings(BaseSettings):
             prefix_cache_bytes=self.prefix_cache_mib << 20,
             batch_invariant=self.batch_invariant,
             decode_graphs=self.decode_graphs,
+            decode_compile=self.decode_compile,
             prefetch_bytes=None if self.prefetch_mib is None else self.prefetch_mib << 20,
             adapter=parse_adapter(self.adapter),
             merge_adapter=self.merge_adapter,

@@ -9,6 +9,7 @@ import threading
 import pytest
 import torch
 
+import ragcache.kernels as kernels
 from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
 from ragcache.sequence import Piece
@@ -21,18 +22,19 @@ QUESTIONS = ["Where is the tower?", "Which mountain is the highest?", "When was 
              "What is tall?"]
 
 
-def engine(family: str, graphs: bool) -> RagCache:
+def engine(family: str, graphs: bool, compiled: bool = False) -> RagCache:
     rc = RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="fp32",
-                                                                 batch_invariant=False, decode_graphs=graphs))
+                                                                 batch_invariant=False, decode_graphs=graphs,
+                                                                 decode_compile=compiled))
     rc.doc_ids = rc.compile(tiny.CORPUS[:4])
     return rc
 
 
-def answers(rc: RagCache) -> list[list[int]]:
-    """Five streams opened together (so the pool holds several slots, some idle while others link), each asking
-    for its own number of tokens (so they leave the pool at different steps)."""
+def answers(rc: RagCache, questions: list[str] = QUESTIONS) -> list[list[int]]:
+    """Streams opened together (so the pool holds several slots, some idle while others link), each asking for its
+    own number of tokens (so they leave the pool at different steps)."""
     streams = [rc.stream(q, rc.doc_ids[i % 3: i % 3 + 2], algorithm="naive", max_new_tokens=3 + 2 * i)
-               for i, q in enumerate(QUESTIONS)]
+               for i, q in enumerate(questions)]
     ended = [threading.Event() for _ in streams]
     with held(rc):
         for stream, end in zip(streams, ended):
@@ -55,8 +57,36 @@ def test_whole_pool_steps_give_the_ordinary_decodes_tokens(family):
     assert answers(graphed) == answers(plain)
 
 
+def test_the_cuda_kernels_of_the_whole_pool_step_give_the_same_tokens(monkeypatch):
+    """The step as CUDA runs it (the split-KV decode and the slot writes in Triton, here interpreted), with the
+    rest of the engine as on CPU; gemma3 has windowed layers beside global ones."""
+    from ragcache.kernels import triton_ops
+
+    family = "gemma3"
+    monkeypatch.setattr(triton_ops, "DECODE_PROGRAMS", 32)  # 2-4 splits of each row's keys, by the pool's slots
+    calls = []
+    for name in ("slot_decode_attention", "write_slot_rows"):
+        monkeypatch.setattr(kernels, name, lambda *a, _f=getattr(triton_ops, name), **k: calls.append(1) or _f(*a, **k))
+    plain, graphed = engine(family, False), engine(family, True)
+    assert answers(graphed, QUESTIONS[:2]) == answers(plain, QUESTIONS[:2])  # two streams: interpreted, programs cost
+    assert calls
+
+
+def test_a_compiled_step_gives_the_same_tokens():
+    """decode_compile: the step through torch.compile (inductor's CPU code here, fused Triton on CUDA) gives the
+    same tokens, traced whole (no graph break, one graph) and reused by every step on the same pool."""
+    from torch._dynamo.utils import counters
+
+    plain, compiled = engine("llama", False), engine("llama", True, compiled=True)
+    breaks, before = sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+    for _ in range(2):  # the second round reuses the pool's allocation and its compiled step
+        assert answers(compiled) == answers(plain)
+    assert counters["stats"]["unique_graphs"] - before == 1
+    assert sum(counters["graph_break"].values()) == breaks
+
+
 def test_idle_slots_keep_their_caches():
-    """A slot without a row in the step runs a dummy row that writes back what its slot holds."""
+    """A slot without a row in the step runs a dummy row that leaves its slot as it is."""
     rc = engine("llama", True)
     pool, graphs = rc.runner.pool, rc.runner.graphs
     caches = [rc.runner.new_cache(40) for _ in range(3)]
@@ -78,5 +108,7 @@ def test_idle_slots_keep_their_caches():
 def test_graphs_need_the_pooled_decode():
     with pytest.raises(ParameterOutOfRange, match="pooled decode"):
         RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=True, decode_graphs=True))
+    with pytest.raises(ParameterOutOfRange, match="turn decode_graphs on"):
+        RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False, decode_compile=True))
     # the default: graphs only on CUDA
     assert RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False)).runner.graphs is None

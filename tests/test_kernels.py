@@ -405,6 +405,80 @@ def test_dispatcher_passes_the_contiguous_hint(monkeypatch):
     assert calls == [6]
 
 
+# ------------------------------------------------------------------ decode rows over a pool's slots
+
+# q heads, kv heads, slots, capacity, head_dim, window, dtype, DECODE_PROGRAMS (how finely a row's keys split)
+SLOT_DECODE_CASES = [
+    (9, 3, 3, 96, 64, None, torch.float32, 64),  # smollm2's heads, 8 splits of 12 keys (one tile each)
+    (8, 2, 2, 300, 128, None, torch.bfloat16, 16),  # llama3-8b's group of 4, capacity not a tile multiple
+    (4, 4, 4, 64, 32, None, torch.float16, 1),  # no GQA, one split
+    (4, 1, 2, 120, 32, 16, torch.float32, 8),  # windowed (gemma3's local layers), 4 splits
+    (8, 2, 1, 200, 80, 50, torch.bfloat16, 32),  # head_dim not a power of two, a window wider than a split
+]
+
+
+def _slot_positions(slots, capacity, device):
+    """One row at 0 (one key), one at the last position, the rest anywhere."""
+    positions = torch.randint(0, capacity, (slots,), generator=_gen(41))
+    positions[0], positions[-1] = 0, capacity - 1
+    return positions.to(device)
+
+
+@pytest.mark.parametrize("case", SLOT_DECODE_CASES, ids=lambda c: "H{}KV{}S{}L{}D{}w{}-{}-p{}".format(*c[:6], str(c[6])[6:], c[7]))
+def test_slot_decode_attention_equals_the_reference(ops, device, monkeypatch, case):
+    heads, kv_heads, slots, capacity, head_dim, window, dtype, programs = case
+    monkeypatch.setattr(ops, "DECODE_PROGRAMS", programs)
+    monkeypatch.setattr(ops, "DECODE_TILES", (16, *ops.DECODE_TILES[1:]))  # tiles of 16 keys: several a split
+    positions = _slot_positions(slots, capacity, device)
+    query = _randn(slots, heads, head_dim, dtype=dtype, device=device, seed=42).transpose(0, 1)
+    # one layer of a pool [layers, slots, kv_heads, capacity, head_dim]: a view, as the graphs pass it
+    keys = _randn(2, slots, kv_heads, capacity, head_dim, dtype=dtype, device=device, seed=43)[1]
+    values = _randn(2, slots, kv_heads, capacity, head_dim, dtype=dtype, device=device, seed=44)[1]
+    scale = head_dim**-0.5
+    got = ops.slot_decode_attention(query, keys, values, positions, scale, window)
+    want = torch_ref.slot_decode_attention(query, keys, values, positions, scale, window)
+    _close(got, want, dtype)
+    if programs > 1 and capacity > 64:
+        assert ops.decode_splits(slots, kv_heads, capacity, 16) > 1
+
+
+def test_slot_decode_attention_never_reads_past_a_rows_position(ops, device, monkeypatch):
+    """The pool's padding past each slot's position (and before its window) is not read: NaN there changes
+    nothing. The reference reads it (a masked NaN value still multiplies a zero probability)."""
+    monkeypatch.setattr(ops, "DECODE_PROGRAMS", 16)
+    monkeypatch.setattr(ops, "DECODE_TILES", (16, *ops.DECODE_TILES[1:]))
+    heads, kv_heads, slots, capacity, head_dim = 4, 2, 3, 160, 32
+    positions = torch.tensor([0, 70, 159], device=device)
+    query = _randn(heads, slots, head_dim, dtype=torch.float32, device=device, seed=45)
+    keys = _randn(slots, kv_heads, capacity, head_dim, dtype=torch.float32, device=device, seed=46)
+    values = _randn(slots, kv_heads, capacity, head_dim, dtype=torch.float32, device=device, seed=47)
+    for window in (None, 24):
+        want = torch_ref.slot_decode_attention(query, keys, values, positions, 0.2, window)
+        poisoned_k, poisoned_v = keys.clone(), values.clone()
+        for slot, pos in enumerate(positions.tolist()):
+            poisoned_k[slot, :, pos + 1 :] = poisoned_v[slot, :, pos + 1 :] = float("nan")
+            if window is not None:  # whole tiles before the window are skipped too
+                start = (pos - window + 1) // 16 * 16
+                poisoned_k[slot, :, : max(start, 0)] = poisoned_v[slot, :, : max(start, 0)] = float("nan")
+        got = ops.slot_decode_attention(query, poisoned_k, poisoned_v, positions, 0.2, window)
+        _close(got, want, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_write_slot_rows_writes_live_slots_only(ops, device, dtype):
+    slots, kv_heads, capacity, head_dim = 4, 2, 20, 48
+    pool = [_randn(slots, kv_heads, capacity, head_dim, dtype=dtype, device=device, seed=s) for s in (48, 49)]
+    fresh = [_randn(kv_heads, slots, head_dim, dtype=torch.float32, device=device, seed=s) for s in (50, 51)]
+    positions = torch.tensor([3, 0, 19, 7], device=device)
+    live = torch.tensor([True, False, True, True], device=device)
+    want = [t.clone() for t in pool]
+    torch_ref.write_slot_rows(*want, *fresh, positions, live)
+    ops.write_slot_rows(*pool, *fresh, positions, live)
+    assert all(torch.equal(a, b) for a, b in zip(pool, want))
+    assert torch.equal(pool[0][2, :, 19], fresh[0][:, 2].to(dtype))  # written, rounded to the pool's dtype
+    assert not torch.equal(pool[0][1, :, 0], fresh[0][:, 1].to(dtype))  # slot 1 is not live: kept
+
+
 # ------------------------------------------------------------------ kv_deviation
 
 
@@ -568,6 +642,14 @@ _COMPILE_SCRIPT = textwrap.dedent(
               qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
               UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
         build(T._deviation_kernel, dict(fresh=f"*{dt}", cached=f"*{dt}", out="*fp32"), dict(D=128, D_P2=128, BLOCK_T=32))
+        build(T._slot_decode_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", positions="*i64", part_acc="*fp32",
+              part_ml="*fp32", qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=False, D=128, D_P2=128, BLOCK_M=16,
+              BLOCK_N=T.DECODE_TILES[0], SPLITS=64, UPCAST=False, IEEE=dt == "fp32"),
+              num_warps=T.DECODE_TILES[1], num_stages=T.DECODE_TILES[2])
+        build(T._slot_combine_kernel, dict(part_acc="*fp32", part_ml="*fp32", out=f"*{dt}"), dict(D=128, D_P2=128,
+              SPLITS=64))
+        build(T._write_slot_rows_kernel, dict(k=f"*{dt}", v=f"*{dt}", fresh_k=f"*{dt}", fresh_v=f"*{dt}",
+              positions="*i64", live="*i1"), dict(D=128, D_P2=128))
         for bias in (True, False):
             build(T._linear_kernel, dict(x=f"*{dt}", w=f"*{dt}", b=f"*{dt}", out=f"*{dt}"), dict(HAS_BIAS=bias,
                   BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SUM_DOT=False, IEEE=dt == "fp32"), num_warps=4, num_stages=3)
