@@ -11,6 +11,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# rich wraps a line at the console's width, read from COLUMNS when its console is made (once per process, by
+# whichever test comes first): wide enough that no message the tests look for is cut, however long its tmp path
+os.environ.setdefault("COLUMNS", "400")
 
 # tests/vllm run in vLLM's own environment (`make test` runs them there with .venv-vllm); elsewhere vLLM is absent
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
