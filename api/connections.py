@@ -142,17 +142,19 @@ class Slots:
 class Listener(socket.socket):
     """A listening socket that accepts only into a free slot. asyncio's accept loop calls accept() until it raises
     BlockingIOError or ConnectionAbortedError. At the cap, a connection taken off the queue either gets the slot of
-    the one waiting longest without a request (closed now, its descriptor freed on the loop's next pass) or is
-    closed at once: the descriptors in use never pass the cap by more than one."""
+    the one waiting longest without a request or is closed at once. An evicted connection's descriptor is freed
+    only on the loop's next pass, so an eviction ends the accept loop's pass: the descriptors in use never pass the
+    cap by more than one, however many connections are queued."""
 
     def __init__(self, sock: socket.socket, slots: Slots):
         super().__init__(sock.family, sock.type, sock.proto, fileno=sock.detach())
         self.slots = slots
-        self.failed = False
+        self.failed = False  # asyncio goes on accepting after EMFILE, and schedules a retry for each failure
+        self.evicted = False
 
     def accept(self):
-        if self.failed:  # asyncio goes on accepting after EMFILE, and schedules a retry for each failure
-            self.failed = False
+        if self.failed or self.evicted:  # the listening socket stays readable: the next pass accepts again
+            self.failed = self.evicted = False
             raise ConnectionAbortedError
         try:
             # accept first: asyncio calls accept() until it raises, so at the cap a call with nothing queued must
@@ -161,14 +163,16 @@ class Listener(socket.socket):
         except OSError as exc:
             self.failed = exc.errno in OUT_OF_RESOURCES
             raise
-        if self.slots.full() and not self.slots.evict():
-            conn.close()
-            bounded(
-                logging.WARNING,
-                "%d client connections open (max_connections), each with a request in flight: refused a new one",
-                self.slots.cap,
-            )
-            raise ConnectionAbortedError
+        if self.slots.full():
+            self.evicted = self.slots.evict()
+            if not self.evicted:
+                conn.close()
+                bounded(
+                    logging.WARNING,
+                    "%d client connections open (max_connections), each with a request in flight: refused a new one",
+                    self.slots.cap,
+                )
+                raise ConnectionAbortedError
         self.slots.pending += 1
         if conn.family in (socket.AF_INET, socket.AF_INET6):
             # asyncio sets TCP_NODELAY only on sockets whose proto is IPPROTO_TCP, and a bound socket's is 0: without

@@ -317,6 +317,48 @@ def _attention_tile(
 
 
 @triton.jit
+def _attend_span(
+    q_tile,
+    k_base,
+    v_base,
+    lo,
+    dense,
+    hi,
+    pos,
+    qk_scale,
+    window,
+    sk_n,
+    sv_n,
+    d,
+    d_mask,
+    HAS_WINDOW: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+    VDT: tl.constexpr,
+):
+    """Online softmax over keys [lo, hi): the tiles before `dense` unmasked, the rest masked by position (and
+    window) and by `hi`. Returns the unnormalised (max, sum, acc)."""
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row may see whole tiles masked before its first key
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
+    for start in range(lo, dense, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, hi, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            False, HAS_WINDOW, EVEN_D, BLOCK_N, UPCAST, IEEE, VDT,
+        )  # fmt: skip
+    for start in range(dense, hi, BLOCK_N):
+        m_i, l_i, acc = _attention_tile(
+            q_tile, k_base, v_base, start, hi, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
+            True, HAS_WINDOW, EVEN_D, BLOCK_N, UPCAST, IEEE, VDT,
+        )  # fmt: skip
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _attention_kernel(
     q,
     k,
@@ -374,22 +416,10 @@ def _attention_kernel(
         lo = (lo // BLOCK_N) * BLOCK_N
         dense = lo  # a window masks from both sides: every tile keeps its mask
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: a row may see whole tiles masked before its first key
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
-    k_base = k + kv_head * sk_h
-    v_base = v + kv_head * sv_h
-    vdt = v.dtype.element_ty
-    for start in range(lo, dense, BLOCK_N):
-        m_i, l_i, acc = _attention_tile(
-            q_tile, k_base, v_base, start, length, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
-            False, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
-        )  # fmt: skip
-    for start in range(dense, hi, BLOCK_N):
-        m_i, l_i, acc = _attention_tile(
-            q_tile, k_base, v_base, start, length, pos, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
-            True, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
-        )  # fmt: skip
+    _, l_i, acc = _attend_span(
+        q_tile, k + kv_head * sk_h, v + kv_head * sv_h, lo, dense, hi, pos, qk_scale, window, sk_n, sv_n, d, d_mask,
+        HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE, v.dtype.element_ty,
+    )  # fmt: skip
 
     acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o = out + row[:, None].to(tl.int64) * so_n + head[:, None] * so_h + d[None, :]
@@ -456,22 +486,11 @@ def _slot_decode_kernel(
     else:  # whole tiles at or before the row's position need no mask
         dense = tl.maximum(begin, (end // BLOCK_N) * BLOCK_N)
 
-    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_P2], tl.float32)
-    k_base = k + slot * sk_s + kv_head * sk_h
-    v_base = v + slot * sv_s + kv_head * sv_h
-    vdt = v.dtype.element_ty
-    for start in range(begin, dense, BLOCK_N):
-        m_i, l_i, acc = _attention_tile(
-            q_tile, k_base, v_base, start, end, pos_m, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
-            False, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
-        )  # fmt: skip
-    for start in range(dense, end, BLOCK_N):
-        m_i, l_i, acc = _attention_tile(
-            q_tile, k_base, v_base, start, end, pos_m, m_i, l_i, acc, qk_scale, window, sk_n, sv_n, d, d_mask,
-            True, HAS_WINDOW, D == D_P2, BLOCK_N, UPCAST, IEEE, vdt,
-        )  # fmt: skip
+    m_i, l_i, acc = _attend_span(
+        q_tile, k + slot * sk_s + kv_head * sk_h, v + slot * sv_s + kv_head * sv_h, begin, dense, end, pos_m,
+        qk_scale, window, sk_n, sv_n, d, d_mask,
+        HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE, v.dtype.element_ty,
+    )  # fmt: skip
 
     # part_acc [slots, heads, SPLITS, D_P2], part_ml [slots, heads, SPLITS, 2], both fp32 and contiguous
     heads = tl.num_programs(1) * GROUP

@@ -323,7 +323,48 @@ def test_at_the_cap_a_waiting_connection_is_closed_only_for_a_newcomer_that_is_q
         slots.busy(newcomer)
         with socket.create_connection(listener.getsockname()):  # every slot has a request in flight: refused
             select.select([listener], [], [], WAIT_S)
+            with pytest.raises(ConnectionAbortedError):  # the pass that evicted ends, taking nothing
+                listener.accept()
+            assert slots.pending == 0
             with pytest.raises(ConnectionAbortedError):
                 listener.accept()
+            assert slots.pending == 0 and not young.dropped and not newcomer.dropped
     client.close()
     listener.close()
+
+
+def accept_pass(listener: Listener) -> int:
+    """One pass of asyncio's accept loop (accept() until it raises): how many connections it took."""
+    taken = 0
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except (BlockingIOError, ConnectionAbortedError):
+            return taken
+        conn.close()
+        taken += 1
+
+
+def test_at_the_cap_a_pass_of_the_accept_loop_evicts_one_connection_whatever_is_queued():
+    """An evicted connection's descriptor is freed on the loop's next pass: evicting one per queued newcomer in a
+    single pass would hold a descriptor per newcomer past the cap (EMFILE under a flood on a busy server)."""
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen(16)
+    slots = Slots(3)
+    listener = Listener(plain, slots)
+    listener.setblocking(False)
+    waiting = [Waiting(slots) for _ in range(3)]
+    clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+    try:
+        select.select([listener], [], [], WAIT_S)
+        time.sleep(0.1)  # all three handshakes in the queue
+        taken = []
+        for _ in range(3):
+            taken.append(accept_pass(listener))
+            Waiting(slots)  # the newcomer's protocol, made before the next pass
+        assert taken == [1, 1, 1] and [w.dropped for w in waiting] == [True, True, True]
+    finally:
+        for c in clients:
+            c.close()
+        listener.close()
