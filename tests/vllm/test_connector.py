@@ -11,7 +11,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ragcache.errors import BadAdapter, StoreError
-from ragcache.integrations.vllm.connector import RagcacheConnector
+from ragcache.integrations.vllm.connector import LinkStats, RagcacheConnector
 from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, Load, transfer_config
 
 BLOCK = 16
@@ -185,4 +185,32 @@ def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reaso
     c._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK))
     assert c.get_block_ids_with_load_errors() == {3, 9, 4}  # from the start's block to the linked part's last
     assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}, "store_bytes": 5,
-                                               "sliced": 0, "joined": 0}
+                                               "sliced": 0, "joined": 0,
+                                               "requests": {"r1": {"hits": 0, "misses": 0, "compiled": 0}}}
+
+
+def test_a_links_store_lookups_reach_its_finished_output():
+    """The worker's stats carry each link's lookups (hits, misses, compiled) to the scheduler's side, which returns
+    them with the finished request; a request that finished before its stats came keeps nothing behind."""
+    worker_side = connector()
+    worker_side._worker = SimpleNamespace(
+        load=lambda *args: None,
+        take_read=lambda: {"store_bytes": 9, "hits": 2, "misses": 1, "compiled": 1},
+    )
+    worker_side._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], 0))
+    stats = worker_side.get_kv_connector_stats()
+    assert stats.data["requests"] == {"r1": {"hits": 2, "misses": 1, "compiled": 1}}
+    assert stats.reduce()["store_bytes"] == 9 and "hits" not in stats.data  # per request, not a metric
+    summed = LinkStats(stats.data).aggregate(LinkStats({"requests": {"r1": {"hits": 2, "misses": 1}}}))
+    assert summed.data["requests"] == {"r1": {"hits": 4, "misses": 2, "compiled": 1}}
+
+    c = connector()
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
+    for rid in ("r1", "r2"):
+        c.update_state_after_alloc(request(SPEC, 62, rid=rid), blocks, 55)
+    assert c.request_finished(request(SPEC, 62, rid="r2"), []) == (False, None)  # ended in its linking step
+    both = {"r1": {"hits": 2, "misses": 1, "compiled": 1}, "r2": {"hits": 3, "misses": 0, "compiled": 0}}
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": both})))
+    assert c.request_finished(request(SPEC, 62), []) == (False, {"ragcache_store": both["r1"]})
+    assert c._lookups == {} and c._linking == set()
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # a step without connector stats

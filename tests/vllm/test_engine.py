@@ -68,7 +68,10 @@ def test_answers_are_ragcaches_own(rc, reference, doc_ids, algorithm):
     expected = reference.query(QUESTION, doc_ids[::-1], algorithm=algorithm, max_new_tokens=TOKENS)
     assert answer.token_ids == expected.token_ids and answer.text == expected.text
     assert answer.stats.prompt_tokens == expected.stats.prompt_tokens
-    if algorithm != "full":  # the linked part, everything before the question, counts as cached (vLLM's count)
+    lookups = ("store_hits", "store_misses", "compiled_chunks")  # vLLM's worker looked up what ragcache's engine did
+    assert [getattr(answer.stats, n) for n in lookups] == [getattr(expected.stats, n) for n in lookups]
+    if algorithm != "full":
+        assert answer.stats.store_hits >= len(doc_ids) and answer.stats.store_misses == 0  # the linked part, everything before the question, counts as cached (vLLM's count)
         parts = rc.prompt_parts(QUESTION, doc_ids[::-1], algorithm=algorithm)
         assert answer.stats.cached_tokens == len(parts.token_ids) - len(parts.question_ids) > 100
 
@@ -97,6 +100,7 @@ def test_a_delete_during_a_query_waits_for_its_link(rc):
     delete = threading.Thread(target=rc.delete_document, args=(doc,))
     delete.start()
     assert stream._ended.wait(120) and events[-1] is Done, events
+    assert stream.stats.compiled_chunks == stream.stats.store_misses >= len(chunks), stream.stats
     delete.join(60)
     assert rc.document(doc) is None and not rc._present(chunks, "default")[0]
 

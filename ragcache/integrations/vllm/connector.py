@@ -21,7 +21,10 @@ A load that fails (the store down) is reported as failed blocks, and vLLM recomp
 
 What it did reaches vLLM's metrics (the server's /metrics, vLLM's or ragcache's) as connector stats: both sides
 count, vLLM carries the counts from the engine core to the API process, and `LinkMetrics` adds them there as
-`vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`.
+`vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`. The same stats carry each link's store
+lookups to the scheduler's side, which returns them in the request's finished output
+(`kv_transfer_params["ragcache_store"]`: hits, misses, compiled), unless the request ended in the step that linked
+it: vLLM finishes a step's requests before it hands the scheduler that step's connector output.
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
 
 from .layers import tensor_parallel
-from .spec import NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
+from .spec import LOOKUPS, NAME, SPEC_KEY, SPLITS, STORE_KEY, BadLinkSpec, LinkSpec, Load, split_problem
 from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
@@ -67,16 +70,22 @@ class LinkStats(KVConnectorStats):
             "linked_tokens": int(self.data.get("linked_tokens", 0)),
             "fallbacks": dict(self.data.get("fallbacks", {})),
             **{name: int(self.data.get(name, 0)) for name in READ_COUNTS},
+            # request id -> its store lookups (LOOKUPS), counted by the first rank: for the request's output
+            "requests": {rid: dict(lookups) for rid, lookups in self.data.get("requests", {}).items()},
         }
 
     def reset(self) -> None:
-        self.data = {"linked_tokens": 0, "fallbacks": {}, **dict.fromkeys(READ_COUNTS, 0)}
+        self.data = {"linked_tokens": 0, "fallbacks": {}, **dict.fromkeys(READ_COUNTS, 0), "requests": {}}
 
     def aggregate(self, other: KVConnectorStats) -> LinkStats:
         for name in ("linked_tokens", *READ_COUNTS):
             self.data[name] += other.data.get(name, 0)
         for reason, count in other.data.get("fallbacks", {}).items():
             self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + count
+        for request_id, lookups in other.data.get("requests", {}).items():
+            mine = self.data["requests"].setdefault(request_id, dict.fromkeys(LOOKUPS, 0))
+            for name in LOOKUPS:
+                mine[name] += lookups.get(name, 0)
         return self
 
     def reduce(self) -> dict[str, int]:
@@ -87,7 +96,7 @@ class LinkStats(KVConnectorStats):
         }
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in ("linked_tokens", "fallbacks", *READ_COUNTS))
+        return not any(self.data[name] for name in ("linked_tokens", "fallbacks", *READ_COUNTS, "requests"))
 
 
 class LinkMetrics(KVConnectorPromMetrics):
@@ -156,6 +165,8 @@ class RagcacheConnector(KVConnectorBase_V1):
             log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
+        self._linking: set[str] = set()  # requests given a Load, until they finish
+        self._lookups: dict[str, dict[str, int]] = {}  # their store lookups, as the workers reported them
         self._refused: set[str] = set()  # requests already counted as not linked
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
@@ -184,6 +195,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             return
         spec = self._spec(request)
         lora = request.lora_request
+        self._linking.add(request.request_id)
         self._pending[request.request_id] = Load(
             request.request_id,
             list(request.prompt_token_ids),
@@ -198,10 +210,18 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._pending.clear()
         return meta
 
+    def update_connector_output(self, connector_output) -> None:
+        stats = connector_output.kv_connector_stats
+        for request_id, lookups in (getattr(stats, "data", None) or {}).get("requests", {}).items():
+            if request_id in self._linking:  # not one that finished already
+                self._lookups[request_id] = lookups
+
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
         self._refused.discard(request.request_id)
-        return False, None
+        self._linking.discard(request.request_id)
+        lookups = self._lookups.pop(request.request_id, None)
+        return False, ({STORE_KEY: lookups} if lookups is not None else None)
 
     def _spec(self, request) -> LinkSpec | None:
         raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
@@ -259,10 +279,10 @@ class RagcacheConnector(KVConnectorBase_V1):
         try:
             worker = self._worker_()
             worker.load(load, self._kv_caches, self.block_size, queued)
-            self._count(linked=load.spec.linked - load.start, worker=worker)
+            self._count(linked=load.spec.linked - load.start, worker=worker, request_id=load.request_id)
         except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
-            self._count(fallback=reason, worker=worker)
+            self._count(fallback=reason, worker=worker, request_id=load.request_id)
             log.warning(
                 "request %s: link failed (%s: %s); vLLM recomputes its blocks",
                 load.request_id,
@@ -300,14 +320,24 @@ class RagcacheConnector(KVConnectorBase_V1):
         return failed
 
     # -- metrics: vLLM asks each side for its stats every step ----------------------------------------------------
-    def _count(self, linked: int = 0, fallback: str | None = None, worker: LinkWorker | None = None) -> None:
+    def _count(
+        self,
+        linked: int = 0,
+        fallback: str | None = None,
+        worker: LinkWorker | None = None,
+        request_id: str | None = None,
+    ) -> None:
         """Count a request: on the scheduler's side, or once on the workers' (tensor-parallel ranks all run each
-        link, and vLLM sums their stats: the first rank counts its tokens and fallbacks). Every rank counts what it
-        read from the store."""
+        link, and vLLM sums their stats: the first rank counts its tokens, fallbacks and the request's lookups).
+        Every rank counts what it read from the store."""
         first = self._role == KVConnectorRole.SCHEDULER or tensor_parallel()[1] == 0
+        read = worker.take_read() if worker is not None else {}
+        lookups = {name: read.pop(name, 0) for name in LOOKUPS}
         data = {"linked_tokens": linked, "fallbacks": {fallback: 1} if fallback else {}} if first else {}
+        if first and request_id is not None:
+            data["requests"] = {request_id: lookups}
         with self._stats_lock:
-            self._stats.aggregate(LinkStats({**data, **(worker.take_read() if worker is not None else {})}))
+            self._stats.aggregate(LinkStats({**data, **read}))
 
     def get_kv_connector_stats(self) -> LinkStats | None:
         with self._stats_lock:

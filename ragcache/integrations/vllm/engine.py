@@ -40,7 +40,7 @@ from ragcache.store import open_store, tier_urls
 from ragcache.store.shards import HeadRange
 
 from . import lora
-from .spec import SPEC_KEY, LinkSpec, split_problem, transfer_config
+from .spec import SPEC_KEY, STORE_KEY, LinkSpec, split_problem, transfer_config
 
 log = logging.getLogger("ragcache.vllm")
 
@@ -531,6 +531,10 @@ class VllmStream:
             self._listener(Piece(completion.text))
         if completion.finish_reason:
             self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+        lookups = (getattr(out, "kv_transfer_params", None) or {}).get(STORE_KEY)
+        if lookups:  # the connector's store lookups for this request, in vLLM's process (connector.py)
+            s = self.stats
+            s.store_hits, s.store_misses, s.compiled_chunks = (lookups[k] for k in ("hits", "misses", "compiled"))
 
     def _distribution(self, flat) -> torch.Tensor:
         """The first position's log-probs over the vocabulary, from vLLM's flat lists (primitive lists, not one

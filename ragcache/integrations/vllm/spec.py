@@ -15,6 +15,9 @@ from ragcache.linker import LinkInput, LinkParams
 from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
 
 SPEC_KEY = "ragcache"
+# what a linked request's store lookups were (hits, misses, compiled), in its finished output's kv_transfer_params
+STORE_KEY = "ragcache_store"
+LOOKUPS = ("hits", "misses", "compiled")
 SALT_PREFIX = "ragcache-link:"
 NAME = "RagcacheConnector"
 # vLLM's ways of splitting one replica's model across devices that a link cannot follow. Tensor parallelism it can:

@@ -180,7 +180,14 @@ class LinkWorker:
                 self.agree([True] * len(chunks), True)
             raise
         entries, report = catalog.ensure(chunks, compiler, layout, agree=self.agree)
-        self.read.update(store_bytes=report.read_bytes, sliced=report.sliced, joined=report.joined)
+        self.read.update(
+            store_bytes=report.read_bytes,
+            sliced=report.sliced,
+            joined=report.joined,
+            hits=report.hits,
+            misses=len(chunks) - report.hits,
+            compiled=report.compiled,
+        )
         return entries
 
     def take_read(self) -> dict[str, int]:
