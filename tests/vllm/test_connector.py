@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -187,6 +188,31 @@ def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reaso
     assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}, "store_bytes": 5,
                                                "sliced": 0, "joined": 0,
                                                "requests": {"r1": {"hits": 0, "misses": 0, "compiled": 0}}}
+
+
+@pytest.mark.parametrize("error, raised", [(RuntimeError("bug"), True), (StoreError("down"), False)])
+def test_under_tensor_parallelism_an_error_not_raised_alike_on_every_rank_fails_the_step(monkeypatch, error, raised):
+    """Falling back on one rank while another waits in one of the link's collectives would pair that collective
+    with this rank's forward; a store error is agreed by every rank before any collective, and falls back."""
+    monkeypatch.setattr("ragcache.integrations.vllm.connector.tensor_parallel", lambda: (2, 1))
+    c = connector()
+
+    def fail(*args):
+        raise error
+
+    c._worker = SimpleNamespace(load=fail, take_read=dict)
+    load = Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK)
+    if raised:
+        with pytest.raises(RuntimeError, match="bug"):
+            c._load(load)
+        assert c.get_block_ids_with_load_errors() == set() and c.get_kv_connector_stats() is None
+    else:
+        c._load(load)
+        assert c.get_block_ids_with_load_errors() == {3, 9, 4}
+    c._links["r1"] = link = Future()
+    link.set_exception(RuntimeError("on the link's thread"))
+    with pytest.raises(RuntimeError, match="link's thread"):  # async_load: the step that reports it fails
+        c.get_finished(set())
 
 
 def test_a_links_store_lookups_reach_its_finished_output():

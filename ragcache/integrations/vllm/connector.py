@@ -282,6 +282,12 @@ class RagcacheConnector(KVConnectorBase_V1):
             self._count(linked=load.spec.linked - load.start, worker=worker, request_id=load.request_id)
         except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
+            if reason == "error" and tensor_parallel()[0] > 1:
+                # FALLBACKS' kinds are raised alike on every rank before the link's collectives; another may be this
+                # rank's alone, the others waiting inside one of the link's collectives, which this rank's forward
+                # would then meet with its own. Fail the step instead, as vLLM fails on a worker's error.
+                log.error("request %s: link failed on this tensor-parallel rank", load.request_id, exc_info=True)
+                raise
             self._count(fallback=reason, worker=worker, request_id=load.request_id)
             log.warning(
                 "request %s: link failed (%s: %s); vLLM recomputes its blocks",
@@ -297,7 +303,7 @@ class RagcacheConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = {request_id for request_id, link in self._links.items() if link.done()}
         for request_id in done:
-            del self._links[request_id]
+            self._links.pop(request_id).result()  # a link that raised (see _load) fails the step
         return None, done or None
 
     def _worker_(self) -> LinkWorker:
