@@ -31,19 +31,42 @@ from .runner import Runner
 from .sampling import Decoding, QueryStats, eos_ids
 from .scheduler import Scheduler
 from .sequence import Done, Failed, Sequence
-from .settings import DEFAULT_MODEL, DEFAULT_STORE, INSTALLED, EngineConfig, Settings, row_budget_for, store_for
+from .settings import (
+    DEFAULT_MODEL,
+    DEFAULT_STORE,
+    INSTALLED,
+    EngineConfig,
+    Settings,
+    link_row_budget_for,
+    row_budget_for,
+    store_for,
+)
 
 log = logging.getLogger("ragcache")
+
+
+def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
+    """(rows per step while a stream decodes, while none does): the device's unless given; link_row_budget follows
+    a given row_budget."""
+    row_budget = row_budget_for(device) if config.row_budget is None else config.row_budget
+    link_row_budget = config.link_row_budget
+    if link_row_budget is None:
+        link_row_budget = link_row_budget_for(device) if config.row_budget is None else row_budget
+    for name, value in (("row_budget", row_budget), ("link_row_budget", link_row_budget)):
+        if value < 1:
+            raise ParameterOutOfRange(f"{name} is {value}: a step needs at least 1 row")
+    return row_budget, link_row_budget
 
 
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
-        kv_codec, prefix_cache_bytes, row_budget, batch_invariant, decode_graphs, decode_compile, prefetch_bytes).
+        kv_codec, prefix_cache_bytes, row_budget, link_row_budget, batch_invariant, decode_graphs, decode_compile,
+        prefetch_bytes).
         `open` and `from_config` load and open them."""
         self.config = config
         self.runner = Runner(lm, config.batch_invariant, config.decode_graphs, config.decode_compile)
-        row_budget = row_budget_for(self.runner.device) if config.row_budget is None else config.row_budget
+        row_budget, link_row_budget = _row_budgets(config, self.runner.device)
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, config.kv_codec)
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
@@ -55,7 +78,7 @@ class RagCache(Front):
             config.prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None
         )
         self.infill_cache = PrefixCache(config.prefix_cache_bytes)
-        self.scheduler = Scheduler(row_budget, self.runner.batch_invariant)
+        self.scheduler = Scheduler(row_budget, self.runner.batch_invariant, link_row_budget)
         self.driver = Driver(self.runner, self.scheduler)
         self.prefetch = copies.prefetch_for(self.runner.device, config.prefetch_bytes)
         self.stop_ids = eos_ids(lm)

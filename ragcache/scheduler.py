@@ -84,8 +84,13 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False):
-        self.row_budget = row_budget
+    def __init__(
+        self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False, link_row_budget: int | None = None
+    ):
+        self.row_budget = row_budget  # while a stream decodes: it waits for each step
+        # while none does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a GPU
+        # a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
+        self.link_row_budget = row_budget if link_row_budget is None or batch_invariant else link_row_budget
         self.batch_invariant = batch_invariant
         self.waiting: deque[Sequence] = deque()
         self.background: deque[Sequence] = deque()  # admitted one at a time, only while no user sequence runs
@@ -133,7 +138,7 @@ class Scheduler:
     def _forward(self) -> StepPlan | None:
         work = [Work(s, Kind.DECODE) for s in self.running if s.status is Status.DECODING]
         decode_rows = len(work)
-        budget = max(self.row_budget - decode_rows, 1)
+        budget = max(self.row_budget - decode_rows, 1) if decode_rows else self.link_row_budget
         users = any(not s.background for s in self.running)
         for sequence in self.running:  # link pieces, FIFO, until the budget is spent
             pending = sequence.pending_rows

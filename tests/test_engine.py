@@ -290,3 +290,16 @@ def test_our_calls_of_transformers_raise_no_deprecation_warning(family):
         rc.driver.stop()
     deprecations = [w for w in seen if issubclass(w.category, (DeprecationWarning, FutureWarning))]
     assert not deprecations, [f"{w.filename}:{w.lineno}: {w.message}" for w in deprecations]
+
+
+def test_row_budgets_by_device_and_as_given():
+    """A GPU step costs its launches: longer steps while no stream decodes; one given row_budget sets both."""
+    from ragcache.engine import _row_budgets
+
+    assert _row_budgets(EngineConfig(), "cpu") == (512, 512)
+    assert _row_budgets(EngineConfig(), torch.device("cuda", 1)) == (8192, 32768)
+    assert _row_budgets(EngineConfig(row_budget=1024), "cuda") == (1024, 1024)
+    assert _row_budgets(EngineConfig(link_row_budget=4096), "cuda") == (8192, 4096)
+    for bad in (dict(row_budget=0), dict(link_row_budget=-1)):
+        with pytest.raises(errors.ParameterOutOfRange, match="at least 1 row"):
+            _row_budgets(EngineConfig(**bad), "cpu")

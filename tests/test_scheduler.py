@@ -619,6 +619,21 @@ def test_schedule_places_first_then_packs_decode_rows_before_link_pieces_in_the_
     assert [s for s, o in outputs] == [a, b] and b.status is Status.DECODING and c.pending_rows == 7
 
 
+def test_while_no_stream_decodes_a_link_takes_the_link_row_budget():
+    """Nothing waits on a step's length until a stream decodes: then the step shrinks to the row budget."""
+    scheduler = Scheduler(row_budget=16, link_row_budget=64)
+    a, b = sequence(tokens=3), sequence()
+    for s in (a, b):
+        scheduler.add(s)
+    rows = {a: (3,), b: (100,)}
+    run_plan(scheduler, scheduler.schedule(), rows)
+    first = scheduler.schedule()
+    assert shape(first) == [("piece", 0, 3), ("piece", 0, 61)]  # a whole, b to the link budget
+    run_plan(scheduler, first, rows)
+    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 61, 76)]  # a decodes: 15 rows left for b
+    assert Scheduler(row_budget=16, batch_invariant=True, link_row_budget=64).link_row_budget == 16
+
+
 def test_batch_invariant_pieces_are_cut_where_the_sequence_alone_would_cut_them():
     scheduler = Scheduler(row_budget=16, batch_invariant=True)
     a, b = sequence(tokens=8), sequence()
