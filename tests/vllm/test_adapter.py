@@ -115,7 +115,8 @@ def test_adapted_answers_are_ragcaches_own(rc, adapted, doc_ids, algorithm):
     expected = adapted.query(QUESTION, doc_ids[::-1], algorithm=algorithm, max_new_tokens=TOKENS)
     assert answer.token_ids == expected.token_ids
     if algorithm != "full":
-        assert answer.stats.cached_tokens > 100  # linked by the connector, not prefilled by vLLM
+        # linked by the connector, not prefilled by vLLM, over the rows ragcache's engine recomputes
+        assert answer.stats.store_hits > 0 and answer.stats.recomputed_tokens == expected.stats.recomputed_tokens
 
 
 def test_the_adapter_changes_the_answers(rc, base, doc_ids):

@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ragcache.errors import BadAdapter, StoreError
 from ragcache.integrations.vllm.connector import LinkStats, RagcacheConnector
-from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, Load, transfer_config
+from ragcache.integrations.vllm.spec import LINK_FIELDS, LINK_KEY, SPEC_KEY, LinkSpec, Load, transfer_config
 
 BLOCK = 16
 
@@ -187,7 +187,7 @@ def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reaso
     assert c.get_block_ids_with_load_errors() == {3, 9, 4}  # from the start's block to the linked part's last
     assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}, "store_bytes": 5,
                                                "sliced": 0, "joined": 0,
-                                               "requests": {"r1": {"hits": 0, "misses": 0, "compiled": 0}}}
+                                               "requests": {"r1": dict.fromkeys(LINK_FIELDS, 0)}}
 
 
 @pytest.mark.parametrize("error, raised", [(RuntimeError("bug"), True), (StoreError("down"), False)])
@@ -215,28 +215,27 @@ def test_under_tensor_parallelism_an_error_not_raised_alike_on_every_rank_fails_
         c.get_finished(set())
 
 
-def test_a_links_store_lookups_reach_its_finished_output():
-    """The worker's stats carry each link's lookups (hits, misses, compiled) to the scheduler's side, which returns
-    them with the finished request; a request that finished before its stats came keeps nothing behind."""
+def test_what_a_link_did_reaches_its_finished_output():
+    """The worker's stats carry what each link did (store lookups, rows, times) to the scheduler's side, which
+    returns it with the finished request; a request that finished before its stats came keeps nothing behind."""
+    did = {"hits": 2, "misses": 1, "compiled": 1, "recomputed": 12, "fetch_s": 0.5, "rotate_s": 0.25, "recompute_s": 1.0}
     worker_side = connector()
-    worker_side._worker = SimpleNamespace(
-        load=lambda *args: None,
-        take_read=lambda: {"store_bytes": 9, "hits": 2, "misses": 1, "compiled": 1},
-    )
+    worker_side._worker = SimpleNamespace(load=lambda *args: None, take_read=lambda: {"store_bytes": 9, **did})
     worker_side._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], 0))
     stats = worker_side.get_kv_connector_stats()
-    assert stats.data["requests"] == {"r1": {"hits": 2, "misses": 1, "compiled": 1}}
+    assert stats.data["requests"] == {"r1": did}
     assert stats.reduce()["store_bytes"] == 9 and "hits" not in stats.data  # per request, not a metric
-    summed = LinkStats(stats.data).aggregate(LinkStats({"requests": {"r1": {"hits": 2, "misses": 1}}}))
-    assert summed.data["requests"] == {"r1": {"hits": 4, "misses": 2, "compiled": 1}}
+    summed = LinkStats(stats.data).aggregate(LinkStats({"requests": {"r1": {"hits": 2, "recomputed": 12}}}))
+    assert summed.data["requests"] == {"r1": {**did, "hits": 4, "recomputed": 24}}
+    assert stats.data["requests"] == {"r1": did}  # summed into a copy
 
     c = connector()
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
     for rid in ("r1", "r2"):
         c.update_state_after_alloc(request(SPEC, 62, rid=rid), blocks, 55)
     assert c.request_finished(request(SPEC, 62, rid="r2"), []) == (False, None)  # ended in its linking step
-    both = {"r1": {"hits": 2, "misses": 1, "compiled": 1}, "r2": {"hits": 3, "misses": 0, "compiled": 0}}
+    both = {"r1": did, "r2": {**did, "hits": 3}}
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": both})))
-    assert c.request_finished(request(SPEC, 62), []) == (False, {"ragcache_store": both["r1"]})
-    assert c._lookups == {} and c._linking == set()
+    assert c.request_finished(request(SPEC, 62), []) == (False, {LINK_KEY: did})
+    assert c._done == {} and c._linking == set()
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # a step without connector stats

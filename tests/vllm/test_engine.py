@@ -68,12 +68,12 @@ def test_answers_are_ragcaches_own(rc, reference, doc_ids, algorithm):
     expected = reference.query(QUESTION, doc_ids[::-1], algorithm=algorithm, max_new_tokens=TOKENS)
     assert answer.token_ids == expected.token_ids and answer.text == expected.text
     assert answer.stats.prompt_tokens == expected.stats.prompt_tokens
-    lookups = ("store_hits", "store_misses", "compiled_chunks")  # vLLM's worker looked up what ragcache's engine did
-    assert [getattr(answer.stats, n) for n in lookups] == [getattr(expected.stats, n) for n in lookups]
+    # the connector looked up and recomputed what ragcache's engine did, and reports it as that engine does
+    counts = ("store_hits", "store_misses", "compiled_chunks", "recomputed_tokens", "cached_tokens")
+    assert [getattr(answer.stats, n) for n in counts] == [getattr(expected.stats, n) for n in counts]
     if algorithm != "full":
-        assert answer.stats.store_hits >= len(doc_ids) and answer.stats.store_misses == 0  # the linked part, everything before the question, counts as cached (vLLM's count)
-        parts = rc.prompt_parts(QUESTION, doc_ids[::-1], algorithm=algorithm)
-        assert answer.stats.cached_tokens == len(parts.token_ids) - len(parts.question_ids) > 100
+        assert answer.stats.store_hits >= len(doc_ids) and answer.stats.store_misses == 0
+        assert answer.stats.fetch_s > 0 and answer.stats.recompute_s >= 0
 
 
 def test_stream_raw_text_stop_and_cancel(rc, reference, doc_ids):
@@ -123,7 +123,8 @@ def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algo
     for full's, and compares them as ragcache's engine does (legolink at k past every chunk is exact)."""
     query = rc.validate(QUESTION, doc_ids[::-1], link=rc.params(algorithm, k), sampling=Sampling(TOKENS))
     answer = rc.query(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
-    assert answer.stats.cached_tokens > 0  # as the guard meets it: after the answer, its linked blocks cached
+    # linked now, or a prefix hit on an earlier answer's link: the guard meets its blocks in vLLM's prefix cache
+    assert answer.stats.store_hits >= len(doc_ids) or answer.stats.cached_tokens > 0, answer.stats
     check = rc.compare_with_full(query)
     expected = reference.check(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k)
     assert check.top1_agrees == expected.top1_agrees

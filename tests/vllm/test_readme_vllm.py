@@ -193,8 +193,8 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
             expected = rc.query(question, doc_ids, algorithm=algorithm, max_new_tokens=8).text
             assert reply.json()["choices"][0]["text"].strip() == expected.strip(), (served, json.dumps(reply.json()))
             wait_for(lambda: linked_tokens(url) > before, f"{served} {algorithm} was not linked", log)
-            lookups = reply.json()["kv_transfer_params"]["ragcache_store"]  # the connector's, for this request
-            assert lookups["hits"] >= len(doc_ids) and lookups["misses"] == lookups["compiled"] == 0, lookups
+            did = reply.json()["kv_transfer_params"]["ragcache_link"]  # the connector's, for this request
+            assert did["hits"] >= len(doc_ids) and did["misses"] == did["compiled"] == 0 and did["fetch_s"] > 0, did
         assert "vllm:ragcache_link_fallbacks_total{" not in httpx.get(f"{url}/metrics").text
         assert expected != engine.query(question, doc_ids, algorithm="focus", max_new_tokens=8).text  # it mattered
     finally:

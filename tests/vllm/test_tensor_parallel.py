@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ragcache.engine import RagCache
-from ragcache.integrations.vllm.spec import SPEC_KEY, STORE_KEY, link_request, transfer_config
+from ragcache.integrations.vllm.spec import LINK_KEY, SPEC_KEY, link_request, transfer_config
 from ragcache.prompt import system_prefix_ids
 from ragcache.compiler import PLAIN
 from ragcache.store.shards import HeadRange
@@ -57,9 +57,9 @@ def linked_like_ragcaches_engine(engine, llm, docs: list[str], algorithm: str, *
     # linked by the connector, not prefilled by vLLM, and counted once for both ranks
     assert after.get("vllm:ragcache_link_fallbacks", 0) == before.get("vllm:ragcache_link_fallbacks", 0)
     assert after["vllm:ragcache_linked_tokens"] - before.get("vllm:ragcache_linked_tokens", 0) == linked
-    spec, lookups = request["kv_transfer_params"][SPEC_KEY], out.kv_transfer_params[STORE_KEY]  # once, not per rank
-    assert lookups["hits"] + lookups["misses"] == len(spec["chunks"]) + bool(spec["prefix"]), lookups
-    assert lookups["compiled"] == lookups["misses"], lookups
+    spec, did = request["kv_transfer_params"][SPEC_KEY], out.kv_transfer_params[LINK_KEY]  # once, not per rank
+    assert did["hits"] + did["misses"] == len(spec["chunks"]) + bool(spec["prefix"]), did
+    assert did["compiled"] == did["misses"], did
     reference = torch.log_softmax(engine.link(QUESTION, docs, algorithm=algorithm, **params).last_logits.double(), -1)
     theirs = torch.full_like(reference, -float("inf"))
     for token, logprob in out.outputs[0].logprobs[0].items():

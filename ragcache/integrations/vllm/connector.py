@@ -21,9 +21,9 @@ A load that fails (the store down) is reported as failed blocks, and vLLM recomp
 
 What it did reaches vLLM's metrics (the server's /metrics, vLLM's or ragcache's) as connector stats: both sides
 count, vLLM carries the counts from the engine core to the API process, and `LinkMetrics` adds them there as
-`vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`. The same stats carry each link's store
-lookups to the scheduler's side, which returns them in the request's finished output
-(`kv_transfer_params["ragcache_store"]`: hits, misses, compiled), unless the request ended in the step that linked
+`vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`. The same stats carry what each link did
+(store lookups, rows recomputed, times: `spec.LINK_FIELDS`) to the scheduler's side, which returns it in the
+request's finished output (`kv_transfer_params["ragcache_link"]`), unless the request ended in the step that linked
 it: vLLM finishes a step's requests before it hands the scheduler that step's connector output.
 """
 
@@ -42,7 +42,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
 
 from .layers import tensor_parallel
-from .spec import LOOKUPS, NAME, SPEC_KEY, SPLITS, STORE_KEY, BadLinkSpec, LinkSpec, Load, split_problem
+from .spec import LINK_FIELDS, LINK_KEY, NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
 from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
@@ -70,8 +70,8 @@ class LinkStats(KVConnectorStats):
             "linked_tokens": int(self.data.get("linked_tokens", 0)),
             "fallbacks": dict(self.data.get("fallbacks", {})),
             **{name: int(self.data.get(name, 0)) for name in READ_COUNTS},
-            # request id -> its store lookups (LOOKUPS), counted by the first rank: for the request's output
-            "requests": {rid: dict(lookups) for rid, lookups in self.data.get("requests", {}).items()},
+            # request id -> what its link did (LINK_FIELDS), counted by the first rank: for the request's output
+            "requests": {rid: dict(done) for rid, done in self.data.get("requests", {}).items()},
         }
 
     def reset(self) -> None:
@@ -82,10 +82,10 @@ class LinkStats(KVConnectorStats):
             self.data[name] += other.data.get(name, 0)
         for reason, count in other.data.get("fallbacks", {}).items():
             self.data["fallbacks"][reason] = self.data["fallbacks"].get(reason, 0) + count
-        for request_id, lookups in other.data.get("requests", {}).items():
-            mine = self.data["requests"].setdefault(request_id, dict.fromkeys(LOOKUPS, 0))
-            for name in LOOKUPS:
-                mine[name] += lookups.get(name, 0)
+        for request_id, done in other.data.get("requests", {}).items():
+            mine = self.data["requests"].setdefault(request_id, dict.fromkeys(LINK_FIELDS, 0))
+            for name in LINK_FIELDS:
+                mine[name] += done.get(name, 0)
         return self
 
     def reduce(self) -> dict[str, int]:
@@ -166,7 +166,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self._pending: dict[str, Load] = {}
         self._linking: set[str] = set()  # requests given a Load, until they finish
-        self._lookups: dict[str, dict[str, int]] = {}  # their store lookups, as the workers reported them
+        self._done: dict[str, dict[str, float]] = {}  # what their links did, as the workers reported it
         self._refused: set[str] = set()  # requests already counted as not linked
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
@@ -212,16 +212,16 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         stats = connector_output.kv_connector_stats
-        for request_id, lookups in (getattr(stats, "data", None) or {}).get("requests", {}).items():
+        for request_id, done in (getattr(stats, "data", None) or {}).get("requests", {}).items():
             if request_id in self._linking:  # not one that finished already
-                self._lookups[request_id] = lookups
+                self._done[request_id] = done
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
         self._refused.discard(request.request_id)
         self._linking.discard(request.request_id)
-        lookups = self._lookups.pop(request.request_id, None)
-        return False, ({STORE_KEY: lookups} if lookups is not None else None)
+        done = self._done.pop(request.request_id, None)
+        return False, ({LINK_KEY: done} if done is not None else None)
 
     def _spec(self, request) -> LinkSpec | None:
         raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
@@ -334,14 +334,14 @@ class RagcacheConnector(KVConnectorBase_V1):
         request_id: str | None = None,
     ) -> None:
         """Count a request: on the scheduler's side, or once on the workers' (tensor-parallel ranks all run each
-        link, and vLLM sums their stats: the first rank counts its tokens, fallbacks and the request's lookups).
+        link, and vLLM sums their stats: the first rank counts its tokens, fallbacks and what the request's link did).
         Every rank counts what it read from the store."""
         first = self._role == KVConnectorRole.SCHEDULER or tensor_parallel()[1] == 0
         read = worker.take_read() if worker is not None else {}
-        lookups = {name: read.pop(name, 0) for name in LOOKUPS}
+        done = {name: read.pop(name, 0) for name in LINK_FIELDS}
         data = {"linked_tokens": linked, "fallbacks": {fallback: 1} if fallback else {}} if first else {}
         if first and request_id is not None:
-            data["requests"] = {request_id: lookups}
+            data["requests"] = {request_id: done}
         with self._stats_lock:
             self._stats.aggregate(LinkStats({**data, **read}))
 

@@ -40,7 +40,7 @@ from ragcache.store import open_store, tier_urls
 from ragcache.store.shards import HeadRange
 
 from . import lora
-from .spec import SPEC_KEY, STORE_KEY, LinkSpec, split_problem, transfer_config
+from .spec import LINK_KEY, SPEC_KEY, LinkSpec, split_problem, transfer_config
 
 log = logging.getLogger("ragcache.vllm")
 
@@ -453,6 +453,7 @@ class VllmStream:
         self._pieces: list[str] = []
         self._token_ids: list[int] = []
         self._started = self._first_at = 0.0
+        self._linked = 0
         self._hold = contextlib.ExitStack()  # what `prepare` holds until the prompt is in vLLM's cache
         self._hold_lock = threading.Lock()
 
@@ -464,6 +465,8 @@ class VllmStream:
         self._listener, self._started = listener, time.perf_counter()
         try:
             prompt, transfer = self.prepare(self.stats, self._hold)
+            if transfer is not None:  # the positions the connector links: all before the question
+                self._linked = LinkSpec.parse(transfer[SPEC_KEY], len(prompt["prompt_token_ids"])).linked
             params = self._params(transfer)
         except VLLMClientError as exc:  # a sampling setting ragcache takes and vLLM does not (temperature above 2)
             self._release()
@@ -521,7 +524,8 @@ class VllmStream:
         if completion.token_ids and not self._first_at:
             self._first_at = time.perf_counter()
             self.stats.ttft_s = self._first_at - self._started
-            self.stats.cached_tokens = out.num_cached_tokens or 0
+            self.stats.cached_tokens = out.num_cached_tokens or 0  # vLLM's: its prefix hit and what was linked
+            self.stats.recomputed_tokens = self.stats.prompt_tokens - self.stats.cached_tokens
             self._release()  # the prompt is in vLLM's cache: nothing more is read from or written to the store
         if self.first_distribution and completion.logprobs and self._first_logits is None:
             self._first_logits = self._distribution(completion.logprobs)
@@ -531,10 +535,18 @@ class VllmStream:
             self._listener(Piece(completion.text))
         if completion.finish_reason:
             self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
-        lookups = (getattr(out, "kv_transfer_params", None) or {}).get(STORE_KEY)
-        if lookups:  # the connector's store lookups for this request, in vLLM's process (connector.py)
-            s = self.stats
-            s.store_hits, s.store_misses, s.compiled_chunks = (lookups[k] for k in ("hits", "misses", "compiled"))
+        done = (getattr(out, "kv_transfer_params", None) or {}).get(LINK_KEY)
+        if done:  # what the connector did for this request, in vLLM's process (connector.py)
+            self._linked_by_connector(done)
+
+    def _linked_by_connector(self, done: dict) -> None:
+        """Its stats as ragcache's engine counts them: the rows the connector recomputed and the question, which vLLM
+        computes, are recomputed; the rest of the prompt was reused."""
+        s = self.stats
+        s.store_hits, s.store_misses, s.compiled_chunks = (int(done[k]) for k in ("hits", "misses", "compiled"))
+        s.fetch_s, s.rotate_s, s.recompute_s = (float(done[k]) for k in ("fetch_s", "rotate_s", "recompute_s"))
+        s.recomputed_tokens = int(done["recomputed"]) + s.prompt_tokens - self._linked
+        s.cached_tokens = s.prompt_tokens - s.recomputed_tokens
 
     def _distribution(self, flat) -> torch.Tensor:
         """The first position's log-probs over the vocabulary, from vLLM's flat lists (primitive lists, not one

@@ -15,9 +15,11 @@ from ragcache.linker import LinkInput, LinkParams
 from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
 
 SPEC_KEY = "ragcache"
-# what a linked request's store lookups were (hits, misses, compiled), in its finished output's kv_transfer_params
-STORE_KEY = "ragcache_store"
-LOOKUPS = ("hits", "misses", "compiled")
+# what the connector did for a linked request, in its finished output's kv_transfer_params: its store lookups
+# (chunk and prefix entries: hits, misses, compiled), the rows it recomputed, and its time fetching (the store reads
+# and any compile), placing, and recomputing and writing into vLLM's cache
+LINK_KEY = "ragcache_link"
+LINK_FIELDS = ("hits", "misses", "compiled", "recomputed", "fetch_s", "rotate_s", "recompute_s")
 SALT_PREFIX = "ragcache-link:"
 NAME = "RagcacheConnector"
 # vLLM's ways of splitting one replica's model across devices that a link cannot follow. Tensor parallelism it can:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from collections import Counter, OrderedDict
 
 import numpy as np
@@ -51,9 +52,9 @@ class LinkWorker:
         self.compiler = Compiler(lm, self.runner, options.get("kv_codec", "auto"), heads)
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(config.dtype), heads)
         self.agree = agree_across_ranks if self.runner.ranks > 1 else None
-        self.read: Counter[str] = (
-            Counter()
-        )  # what this rank read from the store since the connector last took it (`take_read`)
+        # what this rank read from the store since the connector last took it (`take_read`), and its link's rows and times
+        self.read: Counter[str] = Counter()
+        self.timed: dict[str, float] = {}
         self.layouts = {"default": default_layout(tokenizer), "sink": sink_layout(tokenizer)}
         self.store_url, self.lm = options.get("store", DEFAULT_STORE), lm
         self._catalog: Catalog | None = None
@@ -157,10 +158,12 @@ class LinkWorker:
         if any(ids[: len(lead)] != lead for ids in parts.chunk_ids):
             raise BadLinkSpec(f"every chunk must start with the layout's ids {lead}, as ragcache tokenizes them")
         chunks = [ids[len(lead) :] for ids in parts.chunk_ids]
+        started = time.perf_counter()
         with self.runner.adapted(self.unmerge):  # compiling: the base model's entries
             parts.chunk_entries = self.ensure(chunks, self.compiler, layout)
             if parts.prefix_ids:
                 parts.prefix_entry = self.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0]
+        fetched = time.perf_counter()
         with self.runner.adapted(self.lora(load.adapter)):
             plan = linker.plan(self.runner, parts, params)
             rows = plan.rows[plan.rows < spec.linked]
@@ -168,7 +171,14 @@ class LinkWorker:
             if narrow is not None:
                 narrow.question_rows = narrow.question_rows[:0]
             if rows.numel():
-                linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)
+                rows = linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)[1]  # those kept
+        # what the request's output reports (connector.LinkStats): vLLM computes the question itself
+        self.timed = dict(
+            recomputed=int(rows.numel()),
+            fetch_s=fetched - started,
+            rotate_s=plan.rotate_s,
+            recompute_s=time.perf_counter() - fetched - plan.rotate_s,
+        )
         return plan.cache
 
     def ensure(self, chunks: list[list[int]], compiler: Compiler, layout) -> list:
@@ -190,8 +200,8 @@ class LinkWorker:
         )
         return entries
 
-    def take_read(self) -> dict[str, int]:
-        read, self.read = dict(self.read), Counter()
+    def take_read(self) -> dict[str, float]:
+        read, self.read, self.timed = {**self.read, **self.timed}, Counter(), {}
         return read
 
     def lora(self, path: str | None) -> LinkLora | None:
