@@ -448,6 +448,18 @@ def serve(
         help="torch.compile the decode graphs' step before capture: fused norms, RoPE and elementwise ops "
         "(default: settings; off until measured on a GPU)",
     ),
+    row_budget: int = typer.Option(
+        None,
+        min=1,
+        help="rows per step while a stream decodes, which bounds its wait (default: settings; 8192 on CUDA, 512 on "
+        "CPU)",
+    ),
+    link_row_budget: int = typer.Option(
+        None,
+        min=1,
+        help="rows per step while none decodes: long links in fewer steps (default: settings; --row-budget where "
+        "given, else 32768 on CUDA, 512 on CPU)",
+    ),
     prefetch_mib: int = typer.Option(
         None,
         min=0,
@@ -476,6 +488,8 @@ def serve(
             batch_invariant=batch_invariant,
             decode_graphs=decode_graphs,
             decode_compile=decode_compile,
+            row_budget=row_budget,
+            link_row_budget=link_row_budget,
             prefetch_mib=prefetch_mib,
         )
     except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say

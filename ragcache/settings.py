@@ -193,6 +193,18 @@ class Settings(BaseSettings):
         "and elementwise ops run fused (off by default until measured on a GPU; compiling takes a while at start "
         "and once more when the pool first grows)",
     )
+    row_budget: int | None = Field(
+        None,
+        ge=1,
+        description="rows per engine step while a stream decodes: each waits for a step, so this bounds the wait "
+        "(default: the device's, 8192 on CUDA, 512 on CPU)",
+    )
+    link_row_budget: int | None = Field(
+        None,
+        ge=1,
+        description="rows per engine step while no stream decodes: a long link in fewer, larger steps (default: "
+        "row_budget where that is set, else the device's, 32768 on CUDA, 512 on CPU)",
+    )
     prefetch_mib: int | None = Field(
         None,
         ge=0,
@@ -327,6 +339,8 @@ class Settings(BaseSettings):
             batch_invariant=self.batch_invariant,
             decode_graphs=self.decode_graphs,
             decode_compile=self.decode_compile,
+            row_budget=self.row_budget,
+            link_row_budget=self.link_row_budget,
             prefetch_bytes=None if self.prefetch_mib is None else self.prefetch_mib << 20,
             adapter=parse_adapter(self.adapter),
             merge_adapter=self.merge_adapter,

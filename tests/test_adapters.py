@@ -191,10 +191,11 @@ def test_settings_reach_the_engine_whole():
     (the prefix cache in bytes, the vllm engine's in vllm_args)."""
     s = Settings(model="m", store="memory:", engine="vllm", device="cpu", dtype="float32", chunk_tokens=64,
                  kv_codec="fp16", prefix_cache_mib=3, batch_invariant=False, adapter="none", merge_adapter=False,
-                 max_model_len=512, kv_cache_gib=2)
+                 max_model_len=512, kv_cache_gib=2, row_budget=64, link_row_budget=256)
     assert s.engine_config() == EngineConfig(model="m", store="memory:", engine="vllm", device="cpu",
                                              dtype="float32", chunk_tokens=64, kv_codec="fp16",
                                              prefix_cache_bytes=3 << 20, batch_invariant=False, adapter=None,
+                                             row_budget=64, link_row_budget=256,
                                              merge_adapter=False, vllm_args={"max_model_len": 512,
                                                                              "kv_cache_gib": 2})
     assert EngineConfig.of("m", "memory:", chunk_tokens=8, max_model_len=64) == EngineConfig(
@@ -211,7 +212,10 @@ def test_serve_passes_the_adapter_flags_to_the_settings(monkeypatch):
     assert result.exit_code == 0, result.output
     assert ran["settings"].merge_adapter is False and ran["settings"].adapter == "/a"
     CliRunner().invoke(app, ["serve"])
-    assert ran["settings"].merge_adapter is True
+    assert ran["settings"].merge_adapter is True and ran["settings"].row_budget is None
+    result = CliRunner().invoke(app, ["serve", "--row-budget", "1024", "--link-row-budget", "16384"])
+    assert result.exit_code == 0 and (ran["settings"].row_budget, ran["settings"].link_row_budget) == (1024, 16384)
+    assert CliRunner().invoke(app, ["serve", "--row-budget", "0"]).exit_code != 0  # at least one row
 
 
 def test_models_list_shows_the_installed_adapter(tiny_dir, adapter_dir, tmp_path, monkeypatch):
