@@ -79,6 +79,17 @@ def parse_adapter(value: str | Path | None) -> str | Path | None:
     return INSTALLED if str(value).lower() == INSTALLED else Path(value)
 
 
+# what only ragcache's own engine reads: the vllm engine refuses them rather than ignore them
+RAGCACHE_ENGINE_ONLY = (
+    "row_budget",
+    "link_row_budget",
+    "batch_invariant",
+    "decode_graphs",
+    "decode_compile",
+    "prefetch_bytes",
+)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything an engine is opened with, in one object from `Settings.engine_config()` (or by hand) to the
@@ -106,6 +117,16 @@ class EngineConfig:
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
+
+    def vllm_problem(self) -> str | None:
+        """Why the vllm engine cannot take this config: options only ragcache's engine reads, which it would ignore."""
+        own = [name for name in RAGCACHE_ENGINE_ONLY if getattr(self, name) not in (None, False)]
+        if self.engine != "vllm" or not own:
+            return None
+        return (
+            f"{', '.join(own)}: options of ragcache's engine; vLLM plans its own steps (its max_num_batched_tokens, "
+            "its CUDA graphs): leave them out with engine=vllm"
+        )
 
     @classmethod
     def of(cls, model: str = DEFAULT_MODEL, store: object = DEFAULT_STORE, **options) -> EngineConfig:
@@ -309,6 +330,8 @@ class Settings(BaseSettings):
             raise ValueError(
                 "max_model_len, kv_cache_gib and tensor_parallel_size are options of the vllm engine (engine=vllm)"
             )
+        if problem := self.engine_config().vllm_problem():
+            raise ValueError(problem)
         if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422
             raise ValueError(
                 f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit ({self.max_new_tokens_limit})"

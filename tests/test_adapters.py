@@ -191,15 +191,26 @@ def test_settings_reach_the_engine_whole():
     (the prefix cache in bytes, the vllm engine's in vllm_args)."""
     s = Settings(model="m", store="memory:", engine="vllm", device="cpu", dtype="float32", chunk_tokens=64,
                  kv_codec="fp16", prefix_cache_mib=3, batch_invariant=False, adapter="none", merge_adapter=False,
-                 max_model_len=512, kv_cache_gib=2, row_budget=64, link_row_budget=256)
+                 max_model_len=512, kv_cache_gib=2)
     assert s.engine_config() == EngineConfig(model="m", store="memory:", engine="vllm", device="cpu",
                                              dtype="float32", chunk_tokens=64, kv_codec="fp16",
                                              prefix_cache_bytes=3 << 20, batch_invariant=False, adapter=None,
-                                             row_budget=64, link_row_budget=256,
                                              merge_adapter=False, vllm_args={"max_model_len": 512,
                                                                              "kv_cache_gib": 2})
+    own = Settings(model="m", store="memory:", row_budget=64, link_row_budget=256, batch_invariant=False,
+                   decode_graphs=True, decode_compile=True, prefetch_mib=2).engine_config()  # ragcache's engine's
+    assert (own.row_budget, own.link_row_budget, own.batch_invariant, own.decode_graphs, own.decode_compile,
+            own.prefetch_bytes) == (64, 256, False, True, True, 2 << 20)
     assert EngineConfig.of("m", "memory:", chunk_tokens=8, max_model_len=64) == EngineConfig(
         "m", "memory:", chunk_tokens=8, vllm_args={"max_model_len": 64})
+
+
+def test_ragcache_engine_options_are_refused_on_the_vllm_engine():
+    """vLLM plans its own steps: a row budget or decode setting given with engine=vllm would be ignored."""
+    with pytest.raises(ValueError, match="row_budget, decode_compile: options of ragcache.s engine"):
+        Settings(engine="vllm", row_budget=1024, decode_compile=True)
+    Settings(engine="vllm", decode_compile=False)  # as the defaults are
+    Settings(row_budget=1024, decode_compile=True)
 
 
 def test_serve_passes_the_adapter_flags_to_the_settings(monkeypatch):

@@ -231,6 +231,8 @@ def test_engine_options_fail_before_vllm_starts(tiny_qwen2):
         RagCache.open(tiny_qwen2, "memory:", engine="vllm")
     with pytest.raises(ParameterOutOfRange, match="engine must be"):
         RagCache.open(tiny_qwen2, "memory:", engine="llama")
+    with pytest.raises(ParameterOutOfRange, match="link_row_budget: options of ragcache's engine"):
+        RagCache.open(tiny_qwen2, "disk:/nonexistent", engine="vllm", link_row_budget=64)
     with pytest.raises(ValueError, match="options of the vllm engine"):
         Settings(max_model_len=1024)
     with pytest.raises(ValueError, match="needs the adapter unmerged"):

@@ -97,7 +97,7 @@ class VllmRagCache(Front):
                 f"the vLLM engine needs a store its own process can open too (disk:PATH or redis://...), got {store!r}"
             )
         kv_codec.validate(config.kv_codec)
-        if problem := split_problem(config.vllm_args):
+        if problem := config.vllm_problem() or split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
         served = _describe(config.model, config.dtype, config.adapter, config.merge_adapter)
         try:
