@@ -26,9 +26,10 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                (8k, 32k): every algorithm's link (`RagCache.link`, documents of 1,016 words in a new order, a
                32-word question) against transformers' `model(ids, logits_to_keep=1)` on a prompt of the same
                length, with entries from each tier (memory: pinned on CUDA; gpu: in device memory), `full` at row
-               budgets 512 / the device's two defaults (a stream decoding, none) / one step, host-to-device copy GB/s from pageable and pinned
-               memory, the longest step a decoding stream waited while a long link ran beside it, and 4 naive
-               links asked at once with the engine's prefetch and without (ragcache.copies.Prefetch)
+               budgets 512 / the device's two defaults (a stream decoding, none) / one step, host-to-device copy
+               GB/s from pageable and pinned memory, the longest step a decoding stream waited while a long link ran
+               beside it, and 4 naive links asked at once with the engine's prefetch and without
+               (ragcache.copies.Prefetch)
   (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
                replayed from CUDA graphs (ragcache.graphs), the same step compiled first (decode_compile; its
                compile time is the row's warmup_s, a failure is recorded, not raised), the same fixed-shape step
@@ -713,7 +714,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     import random
 
     from ragcache.engine import RagCache
-    from ragcache.settings import EngineConfig, link_row_budget_for, row_budget_for
+    from ragcache.settings import EngineConfig, row_budgets_for
     from ragcache.store.device import DeviceStore
     from ragcache.store.memory import MemoryStore
     from ragcache.store.tiered import TieredStore
@@ -730,7 +731,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     rng = random.Random(0)
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
     tiers = ["memory"] + (["gpu+memory"] if device.type == "cuda" else [])
-    default_budget, link_budget = row_budget_for(device), link_row_budget_for(device)  # a stream decodes / none does
+    default_budget, link_budget = row_budgets_for(device)  # while a stream decodes / while none does
     asks = []  # per context: the documents, the question, and the documents' order in the prompt
     for context in contexts:
         count = max(context // (doc_words + 8), 1)
@@ -758,7 +759,8 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
             if tier == "memory":
                 one_step = None  # `full` in one step: a square causal prefill, SDPA's; pieces from p are the kernel's
                 for budget in sorted({512, default_budget, link_budget, prompt, *budgets}, reverse=True):
-                    rc.scheduler.link_row_budget = budget  # no stream decodes: the link's budget
+                    # both: no stream decodes here, and a batch-invariant engine cuts its pieces at row_budget
+                    rc.scheduler.row_budget = rc.scheduler.link_row_budget = budget
                     row = dict(shape=shape, tier=tier, context=prompt, algorithm="full", row_budget=budget,
                                forward_s=forward, **_link_s(rc, question, order, "full", {}, device, reps))
                     logits = row.pop("logits").float()
@@ -769,7 +771,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                     print(f"  {shape} full at a row budget of {budget}: {row['seconds']:.3f} s "
                           f"({row['speedup_vs_forward']:.2f}x; logits within "
                           f"{row['max_abs_logit_diff_vs_one_step']:.3f} of one step's)", flush=True)
-                rc.scheduler.link_row_budget = link_budget
+                rc.scheduler.row_budget, rc.scheduler.link_row_budget = default_budget, link_budget
                 wait = _decode_wait(rc, question, order, device)
                 s = rc.runner.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
                 kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt

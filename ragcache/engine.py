@@ -37,8 +37,7 @@ from .settings import (
     INSTALLED,
     EngineConfig,
     Settings,
-    link_row_budget_for,
-    row_budget_for,
+    row_budgets_for,
     store_for,
 )
 
@@ -48,10 +47,11 @@ log = logging.getLogger("ragcache")
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
     """(rows per step while a stream decodes, while none does): the device's unless given; link_row_budget follows
     a given row_budget."""
-    row_budget = row_budget_for(device) if config.row_budget is None else config.row_budget
+    device_row_budget, device_link_row_budget = row_budgets_for(device)
+    row_budget = device_row_budget if config.row_budget is None else config.row_budget
     link_row_budget = config.link_row_budget
     if link_row_budget is None:
-        link_row_budget = link_row_budget_for(device) if config.row_budget is None else row_budget
+        link_row_budget = device_link_row_budget if config.row_budget is None else row_budget
     for name, value in (("row_budget", row_budget), ("link_row_budget", link_row_budget)):
         if value < 1:
             raise ParameterOutOfRange(f"{name} is {value}: a step needs at least 1 row")

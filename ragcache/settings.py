@@ -28,24 +28,18 @@ DEFAULT_STORE = "disk:./.ragcache"
 DEFAULT_CHUNK_TOKENS = 512
 DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
-# By device. A GPU step costs its kernel launches more than its rows until thousands of rows: on an H100 at a
-# Llama-3-8B shape `full` at 32k took 2.4x transformers' forward in 512-row steps and 1.02x in one step. 8192 rows
-# keep a decoding stream's wait at about one 8k-token forward (0.26 s there); bench/gpu.py measures both.
-DEVICE_ROW_BUDGET = {"cpu": DEFAULT_ROW_BUDGET, "cuda": 8192}
-# While no stream decodes, nothing waits on a step's length, and a link takes steps of up to this many rows. On an
-# H200 at the llama3-8b shape `full` at 32,546 tokens took 1.49 s in 8192-row steps, 1.46 s in 16,384 and 1.35 s in
-# one step, against 1.34 s for transformers' forward (bench/results/gpu-link-routed-NVIDIA-H200.json).
-DEVICE_LINK_ROW_BUDGET = {"cpu": DEFAULT_ROW_BUDGET, "cuda": 32768}
+# By device: (rows per step while a stream decodes, while none does). A GPU step costs its kernel launches more
+# than its rows until thousands of rows: on an H100 at a Llama-3-8B shape `full` at 32k took 2.4x transformers'
+# forward in 512-row steps and 1.02x in one step. 8192 rows keep a decoding stream's wait at about one 8k-token
+# forward (0.26 s there). While no stream decodes nothing waits on a step's length: on an H200 at the llama3-8b
+# shape `full` at 32,546 tokens took 1.49 s in 8192-row steps, 1.46 s in 16,384 and 1.35 s in one step, against
+# 1.34 s for transformers' forward (bench/results/gpu-link-routed-NVIDIA-H200.json). bench/gpu.py measures both.
+DEVICE_ROW_BUDGETS = {"cpu": (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET), "cuda": (8192, 32768)}
 
 
-def row_budget_for(device) -> int:
-    """The step's row budget on a device (torch.device or its name) while any stream decodes."""
-    return DEVICE_ROW_BUDGET.get(str(device).split(":")[0], DEFAULT_ROW_BUDGET)
-
-
-def link_row_budget_for(device) -> int:
-    """The step's row budget on a device while no stream decodes."""
-    return DEVICE_LINK_ROW_BUDGET.get(str(device).split(":")[0], DEFAULT_ROW_BUDGET)
+def row_budgets_for(device) -> tuple[int, int]:
+    """The step's row budgets on a device (torch.device or its name): while a stream decodes, while none does."""
+    return DEVICE_ROW_BUDGETS.get(str(device).split(":")[0], (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET))
 
 
 def store_for(store: object, device) -> object:
@@ -107,8 +101,8 @@ class EngineConfig:
         "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU, the compute dtype elsewhere
     )
     prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET
-    row_budget: int | None = None  # rows per step while a stream decodes; None: the device's (row_budget_for)
-    # rows per step while none decodes; None: row_budget where that is given, else the device's (link_row_budget_for)
+    row_budget: int | None = None  # rows per step while a stream decodes; None: the device's (row_budgets_for)
+    # rows per step while none decodes; None: row_budget where that is given, else the device's (row_budgets_for)
     link_row_budget: int | None = None
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
     decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.graphs)
