@@ -1038,10 +1038,49 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
         if name != "pageable":
             rows.append(dict(check=f"{name} link = pageable link", ok=torch.equal(logits[name], logits["pageable"]),
                              ran=True))
+    rows.append(_placement_leaves_the_host_free(device, dtype) if cuda else
+                dict(check="pinned placement leaves the host free", ok=None, ran="needs CUDA"))
     for row in rows:
         print(f"  {row['check']:34s} {'ok' if row['ok'] else 'not run' if row['ok'] is None else 'FAILED'}"
               + (f" ({row['ran']})" if row["ran"] is not True else ""), flush=True)
     return rows
+
+
+@torch.inference_mode()
+def _placement_leaves_the_host_free(device: torch.device, dtype: torch.dtype, chunks: int = 8) -> dict:
+    """`copies.place` from pinned host memory (1 GiB at the llama3-8b shape) returns while its last layers are still
+    crossing: nothing in it holds the host until the copies are done. One blocking copy per layer would hold it until
+    every earlier layer had crossed, and the link's forward would start only after nearly all of them."""
+    from types import SimpleNamespace
+
+    from ragcache import copies
+    from ragcache.kv import JoinedCache
+
+    layers, heads, dim, tokens = 32, 8, 128, 1024
+
+    def pinned():
+        return torch.ones(layers, heads, tokens, dim, dtype=dtype, pin_memory=True)
+
+    entries = [SimpleNamespace(keys=pinned(), values=pinned(), key_scales=None, value_scales=None)
+               for _ in range(chunks)]
+    starts = [i * tokens for i in range(chunks)]
+    inv_freq = (1.0 / 500000.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)).repeat(layers, 1).to(device)
+    scaling = torch.ones(layers, device=device)
+    times = []
+    for _ in range(2):  # the first compiles the kernel
+        cache = JoinedCache(layers, heads, dim, chunks * tokens, dtype, device)
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        copies.place(cache, entries, starts, inv_freq, scaling)
+        returned = time.perf_counter() - started
+        last_layer_crossed = cache.pending[-1].query()
+        cache.settle()
+        torch.cuda.synchronize(device)
+        times.append((returned, time.perf_counter() - started, last_layer_crossed))
+    returned, done, last_layer_crossed = times[-1]
+    nbytes = 2 * chunks * entries[0].keys.nbytes
+    return dict(check="pinned placement leaves the host free", ok=not last_layer_crossed and returned < done / 2,
+                ran=True, returned_ms=1e3 * returned, copied_ms=1e3 * done, gb_s=nbytes / done / 1e9)
 
 
 # ------------------------------------------------------------------ main

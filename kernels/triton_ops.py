@@ -650,6 +650,19 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without holding the host: a copy from pageable memory waits for the work already queued on
+    the current stream (a blocking copy syncs it), and under `copies.place` that is every earlier layer's crossing,
+    which would keep the link's forward from starting until nearly all of its entries had crossed. So a host tensor
+    bound for CUDA is pinned (torch's caching host allocator keeps the block until the copy has read it) and copied
+    asynchronously."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def _rope_table(inv_freq: torch.Tensor, scaling: torch.Tensor, layers: int, head_dim: int, device: torch.device):
     if inv_freq.dim() != 2 or inv_freq.shape[0] != layers or scaling.shape != (layers,):
         raise ValueError(
@@ -676,7 +689,7 @@ def rotate_keys(
         raise ValueError(f"positions {tuple(positions.shape)} for {tokens} tokens")
     inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, keys.device)
     keys = _last_dim_contiguous(keys)
-    positions = positions.to(keys.device).contiguous()
+    positions = to_device(positions, keys.device).contiguous()
     out = torch.empty(keys.shape, dtype=keys.dtype, device=keys.device)
     if out.numel() == 0:
         return out
@@ -747,8 +760,8 @@ def _scale_pairs(keys: torch.Tensor, key_scales, value_scales, device) -> tuple 
     if key_scales is None or value_scales is None:
         raise ValueError("uint8 (int8 codec) chunk keys need their key_scales and value_scales")
     layers, heads, tokens, head_dim = keys.shape
-    key_pairs = key_scales.to(device=device, dtype=torch.float32).contiguous()
-    value_pairs = value_scales.to(device=device, dtype=torch.float32).contiguous()
+    key_pairs = to_device(key_scales, device).to(torch.float32).contiguous()
+    value_pairs = to_device(value_scales, device).to(torch.float32).contiguous()
     if key_pairs.shape != (layers, heads, 2, head_dim) or value_pairs.shape != (layers, heads, tokens, 2):
         raise ValueError(
             f"int8 scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}"
@@ -768,7 +781,7 @@ def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_f
         blocks += [x for t0 in range(0, length, block_t) for x in (i, t0)]
     if not blocks:
         return
-    meta = torch.tensor(table + blocks, dtype=torch.int64).to(joined_keys.device)
+    meta = to_device(torch.tensor(table + blocks, dtype=torch.int64), joined_keys.device)
     grid = (len(blocks) // 2, layers * heads)
     _place_kernel[grid](
         joined_keys, joined_values, meta, keys[0], values[0], inv_freq, scaling, heads, len(table),

@@ -11,7 +11,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+import ragcache.kernels as kernels
 from ragcache import copies
 from ragcache.engine import RagCache
 from ragcache.kv import JoinedCache
@@ -147,3 +149,73 @@ def test_a_link_from_prefetched_entries_is_the_link_from_the_store(fake_cuda, al
     del prefetched
     gc.collect()
     assert rc.prefetch.staged_bytes == 0  # the link is over: nothing stays staged
+
+
+
+class CrossDeviceCopies(TorchDispatchMode):
+    """Every copy from one device to another, and whether it was asked to be asynchronous."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[str, str, bool]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.aten._to_copy and "device" in kwargs:
+            source, target = args[0].device, torch.device(kwargs["device"])
+            if source != target:
+                self.seen.append((source.type, target.type, bool(kwargs.get("non_blocking", False))))
+        return func(*args, **kwargs)
+
+
+class Launches(list):
+    """A Triton kernel's stand-in: `kernel[grid](...)` records the grid."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.append(grid)
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_the_triton_placement_sends_nothing_to_the_device_blocking(monkeypatch, codec):
+    """A blocking copy to CUDA waits for the stream's queued work: under layer-by-layer placement, every earlier
+    layer's crossing, so the link's forward would start only once nearly all its entries had crossed. The cache is
+    on the meta device here, so that the copies to it show; the launch is recorded, not run."""
+    import ragcache.kernels.triton_ops as ops
+
+    launches = Launches()
+    monkeypatch.setattr(ops, "_place_kernel", launches)
+    monkeypatch.setattr(kernels, "backend_for", lambda device: "triton")
+    entries, starts = [entry(1, 5, codec), entry(2, 7, codec)], [1, 6]
+    inv_freq = (1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)).repeat(LAYERS, 1)).to("meta")
+    cache = JoinedCache(LAYERS, HEADS, DIM, 16, torch.float32, "meta")
+    with CrossDeviceCopies() as copied:
+        copies.place_layers(cache, [e.keys for e in entries], [e.values for e in entries], starts, inv_freq,
+                            torch.ones(LAYERS, device="meta"), [e.key_scales for e in entries],
+                            [e.value_scales for e in entries])
+    assert len(launches) == LAYERS
+    per_layer = 2 * len(entries) * (2 if codec == "int8" else 1) + 1  # K and V (their scales), the launch's table
+    assert len(copied.seen) == LAYERS * per_layer
+    assert all(non_blocking for *_, non_blocking in copied.seen)
+
+
+def test_a_pageable_host_tensor_bound_for_cuda_is_pinned_first(monkeypatch):
+    import ragcache.kernels.triton_ops as ops
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: getattr(self, "fake_pinned", False))
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: calls.append("pin") or _pinned_copy(self))
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, device, non_blocking=False:
+                        calls.append(("to", torch.device(device).type, non_blocking, self.is_pinned())) or self)
+    cuda = torch.device("cuda")
+    ops.to_device(torch.zeros(3), cuda)
+    ops.to_device(_pinned_copy(torch.zeros(3)), cuda)
+    ops.to_device(torch.zeros(3), torch.device("meta"))
+    assert calls == ["pin", ("to", "cuda", True, True), ("to", "cuda", True, True), ("to", "meta", True, False)]
+    same = torch.zeros(3)
+    assert ops.to_device(same, torch.device("cpu")) is same
+
+
+def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
+    t = t.clone()
+    t.fake_pinned = True
+    return t
