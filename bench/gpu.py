@@ -80,8 +80,8 @@ def _args() -> argparse.Namespace:
                     "128/32/4/3,128/64/8/4,256/64/8/3",
                     help="(h): attention tile candidates BLOCK_M/BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
-    ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one focus and one full "
-                    "link at the largest context from the fastest tier; in (g), of a link and 16 tokens from the first "
+    ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one naive link from "
+                    "each tier and one focus and one full link from the fastest, at the largest context; in (g), of a link and 16 tokens from the first "
                     "kind of decode step (kernels by device time)")
     ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
@@ -691,18 +691,20 @@ def _profile(fn, device, what: str) -> dict:
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
+        started = time.perf_counter()
         fn()
         _sync(device)
+        wall = time.perf_counter() - started  # against total_ms: how much of the wall the device was busy
     # kernels launched by the model thread are attributed there; the device time is what is summed here
     by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, by), reverse=True)
     top = [dict(name=e.key[:120], calls=e.count, ms=getattr(e, by) / 1e3) for e in events[:30]]
     total = sum(getattr(e, by) for e in prof.key_averages()) / 1e3
-    return dict(what=f"profile of {what}", sort=by, total_ms=total, top=top)
+    return dict(what=f"profile of {what}", sort=by, total_ms=total, wall_ms=1e3 * wall, top=top)
 
 
 def _print_profile(row: dict, label: str) -> None:
-    print(f"  {label}: {row['total_ms']:.1f} ms ({row['sort']})", flush=True)
+    print(f"  {label}: {row['total_ms']:.1f} ms ({row['sort']}) in {row['wall_ms']:.1f} ms of wall time", flush=True)
     for event in row["top"][:10]:
         print(f"    {event['ms']:9.2f} ms {event['calls']:6d} calls  {event['name'][:90]}", flush=True)
 
@@ -782,7 +784,9 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                       f"{prompt} tokens", flush=True)
                 for row in _queued_links(rc, question, texts, ids, device):
                     rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
-        for algorithm in ("focus", "full") if profiled and tier == tiers[-1] else ():
+        # naive from each tier: a link whose floor is its copy (host tier) or one pass of the weights (GPU tier)
+        profiled_here = (("naive",) + (("focus", "full") if tier == tiers[-1] else ())) if profiled else ()
+        for algorithm in profiled_here:
             profile_row = _profile(lambda: rc.link(question, order, algorithm=algorithm), device,
                                    f"one {algorithm} link")
             rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.scheduler.link_row_budget,

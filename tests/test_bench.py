@@ -500,6 +500,7 @@ def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
     assert rows["graph decode = eager step"]["ok"] is True
     cuda_only = ("pinned", "gpu tier", "prefetched from pinned", "prefetched from pageable")
     assert all(rows[f"{name} link = pageable link"]["ok"] is None for name in cuda_only)
+    assert rows["pinned placement leaves the host free"]["ok"] is None
 
 
 def test_the_gpu_script_times_full_once():
@@ -523,6 +524,17 @@ def test_the_gpu_scripts_decode_profile_lists_what_a_token_costs():
     assert profile["what"].endswith("eager decode steps") and profile["sort"] == "self_cpu_time_total"
     assert profile["top"] and all(e["calls"] > 0 and e["ms"] >= 0 for e in profile["top"])
     assert sum(r.get("tok_s", 0) > 0 for r in rows) == 3  # the timings are all there
+
+
+def test_the_gpu_scripts_link_profiles_say_how_much_of_the_wall_the_device_was_busy():
+    """(f) with --profile: naive from each tier (one on CPU), then focus and full; each beside its wall time, since
+    a link whose device time is far under its wall is held by the host (launches, a blocking copy)."""
+    from bench import gpu
+
+    rows = gpu.link("smollm2-135m", [], torch.device("cpu"), torch.float32, quick=True, profiled=True)
+    profiles = [r for r in rows if r.get("what", "").startswith("profile of")]
+    assert [r["what"] for r in profiles] == [f"profile of one {a} link" for a in ("naive", "focus", "full")]
+    assert all(r["tier"] == "memory" and r["wall_ms"] > 0 and r["top"] for r in profiles)
 
 
 def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):

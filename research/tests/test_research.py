@@ -443,3 +443,22 @@ def test_naive_strays_from_full_answer_somewhere(family):
     # its own top-1 probability: at least that of full's token, equal where they agree
     assert naive["linked_p_top1"] >= naive["linked_p_full_top1"]
     assert (naive["linked_p_top1"] == naive["linked_p_full_top1"]) == (naive["top1"] == 1.0)
+
+
+
+def test_the_launch_count_sees_the_model_threads_ops_and_the_triton_launches():
+    """research/launches.py counts what a link dispatches on the model thread (the mode stack is per thread) and
+    each Triton launch; at 2 layers a naive link is one placement launch and some dozens of ops a layer. In a
+    process of its own: the kernels' backend and Triton's interpreter are chosen when they are first imported."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json; from research import launches; print(json.dumps(launches.count(layers=2, docs=2, "
+            "algorithms=('naive',), decode=False, out=None)['link naive']))")
+    env = dict(os.environ, RAGCACHE_KERNELS="triton", TRITON_INTERPRET="1")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2], check=True)
+    naive = json.loads(done.stdout.strip().splitlines()[-1])
+    assert naive["triton_by_kernel"] == {"_place_kernel": 1}
+    assert 2 * 10 < naive["aten_ops"] < 2 * 100 and naive["top_ops"]["linear"] == 2 * 7 + 1
