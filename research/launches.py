@@ -105,7 +105,7 @@ def narrow_llama3_8b(layers: int):
     from ragcache.loaded import LoadedModel
 
     config = LlamaConfig(vocab_size=1200, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                         num_attention_heads=32, num_key_value_heads=8, head_dim=16, max_position_embeddings=8192,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=16, max_position_embeddings=131072,
                          rms_norm_eps=1e-5, tie_word_embeddings=False,
                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     torch.manual_seed(0)
