@@ -656,8 +656,6 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     which would keep the link's forward from starting until nearly all of its entries had crossed. So a host tensor
     bound for CUDA is pinned (torch's caching host allocator keeps the block until the copy has read it) and copied
     asynchronously."""
-    if t.device == device:
-        return t
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
         t = t.pin_memory()
     return t.to(device, non_blocking=True)

@@ -151,7 +151,6 @@ def test_a_link_from_prefetched_entries_is_the_link_from_the_store(fake_cuda, al
     assert rc.prefetch.staged_bytes == 0  # the link is over: nothing stays staged
 
 
-
 class CrossDeviceCopies(TorchDispatchMode):
     """Every copy from one device to another, and whether it was asked to be asynchronous."""
 

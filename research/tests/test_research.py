@@ -445,7 +445,6 @@ def test_naive_strays_from_full_answer_somewhere(family):
     assert (naive["linked_p_top1"] == naive["linked_p_full_top1"]) == (naive["top1"] == 1.0)
 
 
-
 def test_the_launch_count_sees_the_model_threads_ops_and_the_triton_launches():
     """research/launches.py counts what a link dispatches on the model thread (the mode stack is per thread) and
     each Triton launch; at 2 layers a naive link is one placement launch and some dozens of ops a layer. In a
