@@ -57,6 +57,7 @@ import os
 import platform
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -1004,6 +1005,7 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
     import random
 
     from ragcache.store.device import DeviceStore
+    from ragcache.store.disk import DiskStore
     from ragcache.store.memory import MemoryStore
     from ragcache.store.tiered import TieredStore
 
@@ -1022,12 +1024,16 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
         rc.driver.stop()
     first, second = (answers["captured"][0], answers["eager"][0]) if cuda else answers["eager"]
     rows.append(dict(check="graph decode = eager step", ok=first == second, ran=cuda or "eager on both sides"))
+    folder = tempfile.TemporaryDirectory()
     stores = {  # the store, and the prefetch's budget (0: none; None: the default's)
         "pageable": (lambda: MemoryStore(), 0),
         "pinned": (lambda: MemoryStore(pin=True), 0),
         "gpu tier": (lambda: TieredStore([DeviceStore(device), MemoryStore(pin=True)]), 0),
         "prefetched from pinned": (lambda: MemoryStore(pin=True), None),
         "prefetched from pageable": (lambda: MemoryStore(), None),
+        # its first link reads the disk, and takes the GPU tier's copy of what it read
+        "disk through the gpu tier": (lambda: TieredStore([DeviceStore(device), MemoryStore(pin=True),
+                                                           DiskStore(folder.name)]), None),
     }
     logits = {}
     for name, (make, prefetch_bytes) in stores.items():
@@ -1036,12 +1042,16 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
             continue
         rc = _engine(lm, make(), 128, "ordinary", prefetch_bytes)
         docs = rc.compile(texts)
-        rc.link(question, docs, algorithm="naive")  # the gpu tier fills on this read
-        logits[name] = rc.link(question, docs, algorithm="naive").last_logits
+        for faster in getattr(rc.store, "tiers", [])[:-1] if name.startswith("disk") else ():
+            for key in list(faster.keys()):
+                faster.delete(key)
+        links = [rc.link(question, docs, algorithm="naive").last_logits for _ in range(2)]  # the first fills tiers
+        logits[name] = links[-1]
         rc.driver.stop()
         if name != "pageable":
-            rows.append(dict(check=f"{name} link = pageable link", ok=torch.equal(logits[name], logits["pageable"]),
-                             ran=True))
+            rows.append(dict(check=f"{name} link = pageable link",
+                             ok=all(torch.equal(x, logits["pageable"]) for x in links), ran=True))
+    folder.cleanup()
     rows.append(_placement_leaves_the_host_free(device, dtype) if cuda else
                 dict(check="pinned placement leaves the host free", ok=None, ran="needs CUDA"))
     for row in rows:

@@ -113,15 +113,15 @@ class MemoryStore(Store):
         with self._lock:
             return iter(list(self._entries))
 
-    def _peek(self, keys: list[str]) -> list[ChunkKV | None]:
+    def peek(self, keys: list[str]) -> list[ChunkKV | None]:
         with self._lock:  # no LRU touch: a look, not a read
             return [self._entries.get(k) for k in keys]
 
     def describe_many(self, keys: list[str]) -> list[dict | None]:
-        return [None if e is None else {**describe(e), "size": e.nbytes} for e in self._peek(keys)]
+        return [None if e is None else {**describe(e), "size": e.nbytes} for e in self.peek(keys)]
 
     def check_many(self, keys: list[str]) -> list[str | None]:
-        return ["missing" if e is None else shape_problem(e) for e in self._peek(keys)]
+        return ["missing" if e is None else shape_problem(e) for e in self.peek(keys)]
 
     # Records are kept as JSON text, like the other tiers: what works here works on disk and in Redis, and a caller
     # mutating a record it got back cannot change the store.

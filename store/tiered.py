@@ -170,9 +170,10 @@ class TieredStore(Store):
         return "; ".join(f"{t.name}: {s.reason or 'refused'}" for t, s in zip(self.tiers, self.states) if t in tiers)
 
     # -- entries ------------------------------------------------------------------------------------
-    def _first(self, method: str, keys: list[str], fill: str = "") -> list:
+    def _first(self, method: str, keys: list[str], fill: bool = False) -> list:
         """Per key, the first answer that is not empty, asking the tiers fastest first for the keys still missing;
-        with `fill` (a method's name), what a slower tier had goes into the faster ones as {key: answer}."""
+        with `fill` (entries), what a slower tier had goes into the faster ones, and the answer is the fastest one's
+        copy (`_filled`)."""
         out: list = [None] * len(keys)
         missing = list(range(len(keys)))
         for i, tier in enumerate(self.tiers):
@@ -180,26 +181,34 @@ class TieredStore(Store):
                 continue
             got, ok = self._call(i, getattr(tier, method), [keys[j] for j in missing])
             if ok:
-                found = {j: answer for j, answer in zip(missing, got) if answer}
-                for j, answer in found.items():
-                    out[j] = answer
+                found = {keys[j]: answer for j, answer in zip(missing, got) if answer}
                 if found and fill:
-                    self._fill(i, fill, {keys[j]: answer for j, answer in found.items()})
-                missing = [j for j in missing if j not in found]
+                    found = self._filled(i, found)
+                for j in missing:
+                    out[j] = found.get(keys[j], out[j])
+                missing = [j for j in missing if keys[j] not in found]
         return out
 
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()
-        out = self._first("get_many", keys, fill="put_many")
+        out = self._first("get_many", keys, fill=True)
         found = [e for e in out if e is not None]
         self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
-    def _fill(self, found_in: int, method: str, *args) -> None:
-        """What a slower tier had goes into the faster ones (best effort: a failure there only logs)."""
-        for i in range(found_in):
-            if self._usable(i):
-                self._call(i, getattr(self.tiers[i], method), *args, write=True)
+    def _filled(self, found_in: int, entries: dict[str, ChunkKV]) -> dict[str, ChunkKV]:
+        """What a slower tier had, put into the faster ones (best effort: a failure there only logs), nearest first:
+        each takes the copy the tier behind it kept, so a GPU tier fills from the pinned memory tier at PCIe speed, not
+        from a disk read's pageable buffer. The entries handed back are the fastest tier's copies (GPU memory, or a
+        pinned arena that a link's copies and prefetch read asynchronously); where no tier kept one, the read's own."""
+        for i in reversed(range(found_in)):
+            tier = self.tiers[i]
+            if not self._usable(i) or not self._call(i, tier.put_many, entries, write=True)[1]:
+                continue
+            if isinstance(tier, MemoryStore):
+                kept = tier.peek(list(entries))
+                entries = {key: k or entry for (key, entry), k in zip(entries.items(), kept)}
+        return entries
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         """Into every tier that is up. StoreError when none took them, and when a store with lasting tiers kept them

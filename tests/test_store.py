@@ -856,6 +856,36 @@ def test_a_device_tier_in_front_of_memory_is_filled_by_its_hits():
     assert tiers.tiers[0].contains_many([key]) == [True]  # the next link reads it from the faster tier
 
 
+def test_a_slower_tiers_hit_is_handed_out_as_the_fastest_tiers_copy(tmp_path):
+    """A disk read lands in the (pinned, on CUDA) arena, the GPU tier fills from that copy rather than from the
+    read's pageable buffer, and the link gets the GPU tier's copy: nothing crosses at its link. Where a faster tier
+    kept nothing (the entry is over its budget), the next one's copy, then the read's own, is handed out."""
+    from ragcache.store.arena import Arena
+    from ragcache.store.device import DeviceStore
+
+    entries = dict([make_entry(0, layers=2, tokens=16), make_entry(1, layers=2, tokens=32)])
+    small, big = list(entries)
+    size = Arena.size_of(entries[big])
+    # `big` is over the GPU tier's budget, not the arena's
+    gpu, memory, disk = DeviceStore("cpu", entries[small].nbytes), MemoryStore(4 * size, pooled=True), DiskStore(tmp_path)
+    disk.put_many(entries)
+    sources: list = []
+    fill = gpu.put_many
+    gpu.put_many = lambda items: sources.extend(items.values()) or fill(items)  # type: ignore[method-assign]
+    tiers = TieredStore([gpu, memory, disk])
+    got = dict(zip(entries, tiers.get_many(list(entries))))
+    assert all(same_bits(got[k], disk.get(k)) for k in entries)
+    assert got[small] is gpu.peek([small])[0]  # the GPU tier's copy
+    assert got[big] is memory.peek([big])[0] and got[big] is not None  # over the GPU's budget: the arena's
+    segment = memory.arena.segments[0]
+    in_arena = lambda t: segment.data_ptr() <= t.data_ptr() < segment.data_ptr() + segment.numel()  # noqa: E731
+    assert all(in_arena(e.keys) and in_arena(e.values) for e in sources) and len(sources) == 2
+    assert in_arena(got[big].keys)
+    alone = TieredStore([DeviceStore("cpu", budget_bytes=1), disk])  # no tier keeps it: the disk read's own
+    (read,) = alone.get_many([small])
+    assert same_bits(read, disk.get(small)) and alone.tiers[0].peek([small]) == [None]
+
+
 def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
     """No silent fallback: a store URL asking for a GPU tier fails at open on a CPU engine or a machine without CUDA."""
     if torch.cuda.is_available():
