@@ -672,18 +672,30 @@ def _queued_links(rc, question: str, texts: list, ids: list, device, links: int 
     return rows
 
 
-def _decode_wait(rc, question: str, docs: list, device) -> float:
-    """The longest step a decoding stream waited while a `full` link of `docs` ran beside it."""
+def _decode_wait(rc, question: str, docs: list, device, tokens: int = 4096) -> dict:
+    """The longest step a decoding stream waited while a `full` link of `docs` ran beside it. The stream is decoding
+    before the link is submitted and is cancelled once the link has ended, so every step of the link is one the
+    stream waited on (`outlasted`: it did not end on its own first; else the figure misses the link's later steps)."""
     import threading
 
+    from ragcache.sequence import Status
+
     rc.query(question, docs[:1], algorithm="naive", max_new_tokens=4)  # untimed: a decode graph captured
-    stream = rc.stream(question, docs[:1], algorithm="naive", max_new_tokens=64)
-    rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
+    stream = rc.stream(question, docs[:1], algorithm="naive", max_new_tokens=tokens)
     reader = threading.Thread(target=lambda: list(stream))
     reader.start()
+    while stream.status is not Status.DECODING and reader.is_alive():
+        time.sleep(1e-3)
+    rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
+    steps, decoded = _scheduler_stats(rc).steps, len(stream.decoding.token_ids)
+    started = time.perf_counter()
     rc.link(question, docs, algorithm="full")
+    link_s, outlasted = time.perf_counter() - started, reader.is_alive()
+    stats, beside = _scheduler_stats(rc), len(stream.decoding.token_ids) - decoded
+    stream.cancel()
     reader.join()
-    return _scheduler_stats(rc).longest_decode_step_s
+    return dict(longest_decode_step_s=stats.longest_decode_step_s, link_s=link_s, link_steps=stats.steps - steps,
+                tokens_beside_link=beside, outlasted=outlasted)
 
 
 def _profile(fn, device, what: str) -> dict:
@@ -779,10 +791,13 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                 s = rc.runner.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
                 kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt
                 rows.append(dict(shape=shape, tier=tier, context=prompt, what="decode wait beside a full link",
-                                 row_budget=default_budget, longest_decode_step_s=wait, kv_bytes=kv_bytes,
+                                 row_budget=default_budget, **wait, kv_bytes=kv_bytes,
                                  **copy_rates(kv_bytes, device)))
-                print(f"  {shape} a decoding stream waited at most {wait:.3f} s for a step beside a full link of "
-                      f"{prompt} tokens", flush=True)
+                print(f"  {shape} a decoding stream waited at most {wait['longest_decode_step_s']:.3f} s for a step "
+                      f"beside a full link of {prompt} tokens ({wait['link_steps']} steps in {wait['link_s']:.3f} s; "
+                      f"{wait['tokens_beside_link']} tokens beside it"
+                      f"{'' if wait['outlasted'] else '; the stream ended first: the figure misses later steps'})",
+                      flush=True)
                 for row in _queued_links(rc, question, texts, ids, device):
                     rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
         # naive from each tier: a link whose floor is its copy (host tier) or one pass of the weights (GPU tier)

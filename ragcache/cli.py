@@ -457,7 +457,8 @@ def serve(
     link_row_budget: int = typer.Option(
         None,
         min=1,
-        help="rows per step while none decodes: long links in fewer steps (default: settings; --row-budget where "
+        help="rows per step while none decodes and no other link ends in it: long links in fewer steps (default: "
+        "settings; --row-budget where "
         "given, else 32768 on CUDA, 512 on CPU)",
     ),
     prefetch_mib: int = typer.Option(

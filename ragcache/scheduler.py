@@ -87,9 +87,9 @@ class Scheduler:
     def __init__(
         self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False, link_row_budget: int | None = None
     ):
-        self.row_budget = row_budget  # while a stream decodes: it waits for each step
-        # while none does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a GPU
-        # a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
+        self.row_budget = row_budget  # while a stream decodes, or a link ends in the step: they wait for it
+        # while nothing does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a
+        # GPU a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
         self.link_row_budget = row_budget if link_row_budget is None or batch_invariant else link_row_budget
         self.batch_invariant = batch_invariant
         self.waiting: deque[Sequence] = deque()
@@ -149,6 +149,8 @@ class Scheduler:
                 continue
             work.append(Work(sequence, Kind.PIECE, sequence.linked_rows, sequence.linked_rows + size))
             budget -= size
+            if size == pending:  # its link ends here and its answer waits for the step: no longer than row_budget's
+                budget = min(budget, self.row_budget - sum(w.stop - w.start for w in work) - decode_rows)
         if not work:
             return None
         return StepPlan(Kind.PIECE, work, any(w.sequence.background for w in work))

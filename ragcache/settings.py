@@ -217,7 +217,8 @@ class Settings(BaseSettings):
     link_row_budget: int | None = Field(
         None,
         ge=1,
-        description="rows per engine step while no stream decodes: a long link in fewer, larger steps (default: "
+        description="rows per engine step while no stream decodes and no other link ends in it: a long link in "
+        "fewer, larger steps (default: "
         "row_budget where that is set, else the device's, 32768 on CUDA, 512 on CPU)",
     )
     prefetch_mib: int | None = Field(

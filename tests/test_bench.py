@@ -477,6 +477,8 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert {row["row_budget"] for row in links if row["algorithm"] == "full"} >= {512}
     waits = [row for row in result["link"] if "longest_decode_step_s" in row]
     assert len(waits) == 2 and all(row["longest_decode_step_s"] > 0 for row in waits)
+    # the stream decoded through the whole link: each of its steps was one the stream waited on
+    assert all(row["outlasted"] and row["link_steps"] > 0 and row["tokens_beside_link"] > 0 for row in waits)
     checks = [row for row in result["link"] if "identical" in row]
     assert len(checks) == 2 and all(row["identical"] for row in checks)
     queued = [row for row in result["link"] if "asked at once" in row.get("what", "")]  # CPU: without prefetch only

@@ -619,8 +619,9 @@ def test_schedule_places_first_then_packs_decode_rows_before_link_pieces_in_the_
     assert [s for s, o in outputs] == [a, b] and b.status is Status.DECODING and c.pending_rows == 7
 
 
-def test_while_no_stream_decodes_a_link_takes_the_link_row_budget():
-    """Nothing waits on a step's length until a stream decodes: then the step shrinks to the row budget."""
+def test_while_nothing_waits_on_the_step_a_link_takes_the_link_row_budget():
+    """Nothing waits on a step's length until a stream decodes or a link ends in it: then the step shrinks to the
+    row budget, so a short request admitted beside a long link has its first token after a row budget's step."""
     scheduler = Scheduler(row_budget=16, link_row_budget=64)
     a, b = sequence(tokens=3), sequence()
     for s in (a, b):
@@ -628,9 +629,19 @@ def test_while_no_stream_decodes_a_link_takes_the_link_row_budget():
     rows = {a: (3,), b: (100,)}
     run_plan(scheduler, scheduler.schedule(), rows)
     first = scheduler.schedule()
-    assert shape(first) == [("piece", 0, 3), ("piece", 0, 61)]  # a whole, b to the link budget
+    assert shape(first) == [("piece", 0, 3), ("piece", 0, 13)]  # a's link ends here: b only to the row budget
     run_plan(scheduler, first, rows)
-    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 61, 76)]  # a decodes: 15 rows left for b
+    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 13, 28)]  # a decodes: 15 rows left for b
+    alone = Scheduler(row_budget=16, link_row_budget=64)
+    c, d = sequence(), sequence()
+    for s in (c, d):
+        alone.add(s)
+    rows = {c: (100,), d: (3,)}
+    run_plan(alone, alone.schedule(), rows)
+    first = alone.schedule()
+    assert shape(first) == [("piece", 0, 64)]  # the step ends no link: c takes the whole link budget
+    run_plan(alone, first, rows)
+    assert shape(alone.schedule()) == [("piece", 64, 100)]  # c's link ends here, past the row budget: d waits
     assert Scheduler(row_budget=16, batch_invariant=True, link_row_budget=64).link_row_budget == 16
 
 
