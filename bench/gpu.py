@@ -40,9 +40,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
                are then used by (f), so (f) measures the link with them
   --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
-               against the eager step (tokens), links from pinned entries, from the GPU tier and from prefetched
-               entries against pageable entries (logits, bit for bit); exit 1 on a mismatch. On CPU only the first
-               runs.
+               against the eager step (tokens), links from pinned entries, from the GPU tier, from prefetched
+               entries and from the disk through the GPU tier against pageable entries (logits of a first and a
+               second link, bit for bit); exit 1 on a mismatch. On CPU only the first runs.
 Prints tables and writes gpu-<device>.json under --out. On an H100 the run up to (f) was planned at 2-4 minutes;
 (g) adds transformers' compile (about a minute at 8B); `--skip` trims.
 """
@@ -687,14 +687,15 @@ def _decode_wait(rc, question: str, docs: list, device, tokens: int = 4096) -> d
     while stream.status is not Status.DECODING and reader.is_alive():
         time.sleep(1e-3)
     rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
-    steps, decoded = _scheduler_stats(rc).steps, len(stream.decoding.token_ids)
+    before, decoded = _scheduler_stats(rc), len(stream.decoding.token_ids)
     started = time.perf_counter()
     rc.link(question, docs, algorithm="full")
     link_s, outlasted = time.perf_counter() - started, reader.is_alive()
     stats, beside = _scheduler_stats(rc), len(stream.decoding.token_ids) - decoded
     stream.cancel()
     reader.join()
-    return dict(longest_decode_step_s=stats.longest_decode_step_s, link_s=link_s, link_steps=stats.steps - steps,
+    link_steps = (stats.steps - stats.decode_only_steps) - (before.steps - before.decode_only_steps)  # with a piece
+    return dict(longest_decode_step_s=stats.longest_decode_step_s, link_s=link_s, link_steps=link_steps,
                 tokens_beside_link=beside, outlasted=outlasted)
 
 
@@ -1014,9 +1015,10 @@ def _common_prefix(a: list, b: list) -> int:
 
 
 def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
-    """Graph decode against the eager step (the same tokens), a link from the GPU tier against one from the host
-    tier, and one from pinned entries against pageable ones (the same logits, bit for bit). On CPU only the first
-    runs (its step eager on both sides); the others need CUDA and say so."""
+    """Graph decode against the eager step (the same tokens); links from pinned entries, the GPU tier, prefetched
+    entries and a disk read through the GPU tier against links from pageable entries (the same logits, bit for bit,
+    at a first link, which fills the tiers, and a second). On CPU only the first runs (its step eager on both sides);
+    the others need CUDA and say so."""
     import random
 
     from ragcache.store.device import DeviceStore
@@ -1051,22 +1053,24 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
                                                            DiskStore(folder.name)]), None),
     }
     logits = {}
-    for name, (make, prefetch_bytes) in stores.items():
-        if not cuda and name != "pageable":
-            rows.append(dict(check=f"{name} link = pageable link", ok=None, ran="needs CUDA"))
-            continue
-        rc = _engine(lm, make(), 128, "ordinary", prefetch_bytes)
-        docs = rc.compile(texts)
-        for faster in getattr(rc.store, "tiers", [])[:-1] if name.startswith("disk") else ():
-            for key in list(faster.keys()):
-                faster.delete(key)
-        links = [rc.link(question, docs, algorithm="naive").last_logits for _ in range(2)]  # the first fills tiers
-        logits[name] = links[-1]
-        rc.driver.stop()
-        if name != "pageable":
-            rows.append(dict(check=f"{name} link = pageable link",
-                             ok=all(torch.equal(x, logits["pageable"]) for x in links), ran=True))
-    folder.cleanup()
+    try:
+        for name, (make, prefetch_bytes) in stores.items():
+            if not cuda and name != "pageable":
+                rows.append(dict(check=f"{name} link = pageable link", ok=None, ran="needs CUDA"))
+                continue
+            rc = _engine(lm, make(), 128, "ordinary", prefetch_bytes)
+            docs = rc.compile(texts)
+            for faster in getattr(rc.store, "tiers", [])[:-1] if name.startswith("disk") else ():
+                for key in list(faster.keys()):
+                    faster.delete(key)
+            links = [rc.link(question, docs, algorithm="naive").last_logits for _ in range(2)]  # the first fills tiers
+            logits[name] = links[-1]
+            rc.driver.stop()
+            if name != "pageable":
+                rows.append(dict(check=f"{name} link = pageable link",
+                                 ok=all(torch.equal(x, logits["pageable"]) for x in links), ran=True))
+    finally:
+        folder.cleanup()
     rows.append(_placement_leaves_the_host_free(device, dtype) if cuda else
                 dict(check="pinned placement leaves the host free", ok=None, ran="needs CUDA"))
     for row in rows:

@@ -457,8 +457,8 @@ def serve(
     link_row_budget: int = typer.Option(
         None,
         min=1,
-        help="rows per step while none decodes and no other link ends in it: long links in fewer steps (default: "
-        "settings; --row-budget where "
+        help="rows per step while none decodes (no more past --row-budget once a link has ended in the step): long "
+        "links in fewer steps (default: settings; --row-budget where "
         "given, else 32768 on CUDA, 512 on CPU)",
     ),
     prefetch_mib: int = typer.Option(

@@ -45,8 +45,8 @@ log = logging.getLogger("ragcache")
 
 
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
-    """(rows per step while a stream decodes, while none does): the device's unless given; link_row_budget follows
-    a given row_budget."""
+    """(rows per step while a stream decodes or a link has ended in it, while nothing waits on it): the device's
+    unless given; link_row_budget follows a given row_budget."""
     device_row_budget, device_link_row_budget = row_budgets_for(device)
     row_budget = device_row_budget if config.row_budget is None else config.row_budget
     link_row_budget = config.link_row_budget

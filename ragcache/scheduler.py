@@ -87,7 +87,7 @@ class Scheduler:
     def __init__(
         self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False, link_row_budget: int | None = None
     ):
-        self.row_budget = row_budget  # while a stream decodes, or a link ends in the step: they wait for it
+        self.row_budget = row_budget  # while a stream decodes, or once a link has ended in the step: they wait for it
         # while nothing does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a
         # GPU a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
         self.link_row_budget = row_budget if link_row_budget is None or batch_invariant else link_row_budget

@@ -620,8 +620,9 @@ def test_schedule_places_first_then_packs_decode_rows_before_link_pieces_in_the_
 
 
 def test_while_nothing_waits_on_the_step_a_link_takes_the_link_row_budget():
-    """Nothing waits on a step's length until a stream decodes or a link ends in it: then the step shrinks to the
-    row budget, so a short request admitted beside a long link has its first token after a row budget's step."""
+    """Nothing waits on a step's length until a stream decodes or a link has ended in it: then no more rows join
+    past the row budget, so a short request queued ahead of a long link has its first token after a row budget's
+    step (FIFO: one queued behind it still waits for it)."""
     scheduler = Scheduler(row_budget=16, link_row_budget=64)
     a, b = sequence(tokens=3), sequence()
     for s in (a, b):
