@@ -64,6 +64,7 @@ def shard(entry: ChunkKV, heads: HeadRange) -> ChunkKV:
 
     return replace(
         entry,
+        token_ids=entry.token_ids.clone(),  # may be a view into a store's arena span, which outlives no entry
         keys=cut(entry.keys),
         values=cut(entry.values),
         key_scales=None if entry.key_scales is None else cut(entry.key_scales),
@@ -89,6 +90,7 @@ def join(shards: list[ChunkKV]) -> ChunkKV:
     scaled = shards[0].key_scales is not None
     return replace(
         shards[0],
+        token_ids=shards[0].token_ids.clone(),  # as in `shard`
         keys=cat([s.keys for s in shards]),
         values=cat([s.values for s in shards]),
         key_scales=cat([s.key_scales for s in shards]) if scaled else None,

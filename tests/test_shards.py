@@ -85,6 +85,27 @@ def test_shard_then_join_gives_back_the_whole_entry(codec, count):
         shard(parts[0], HeadRange(0, 1, 4))  # a shard is not cut again
 
 
+def test_a_shard_and_a_join_own_their_token_ids_once_the_arena_entry_is_gone():
+    """A store's pooled entry (pinned on CUDA) lends its arena span only while it lives; a shard cut from it, and a
+    whole joined from such shards, keep their own token ids when the span is handed to the next entry."""
+    whole = _synthetic("fp32")
+    other = replace(whole, token_ids=torch.full((6,), 99, dtype=torch.int32))
+    tier = MemoryStore(budget_bytes=2 * whole.nbytes, pooled=True)
+    tier.put_many({"a": whole})
+    (held,) = tier.get_many(["a"])
+    parts = [shard(held, r) for r in HeadRange.split(4, 2)]
+    del held
+    assert tier.delete("a")
+    tier.put_many({"b": other})  # takes a's span
+    assert all(torch.equal(p.token_ids, whole.token_ids) for p in parts)
+    assert tier.delete("b")
+    tier.put_many({"p0": parts[0], "p1": parts[1]})
+    joined = join(tier.get_many(["p0", "p1"]))  # the shards as a store hands them out, then gone
+    assert tier.delete("p0") and tier.delete("p1")
+    tier.put_many({"c": other})
+    assert torch.equal(joined.token_ids, whole.token_ids)
+
+
 @pytest.fixture(scope="module")
 def lm():
     return tiny.make("llama")
