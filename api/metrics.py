@@ -27,6 +27,8 @@ STORE_FIELDS = {
     "hits": ("hits", "chunk entries found", True),
     "misses": ("misses", "chunk entries not found", True),
     "corrupt": ("corrupt", "entries dropped because they failed their checksum", True),
+    # a memory or GPU tier's: such entries reach a link from a slower tier (pageable memory, the disk) every time
+    "unkept": ("unkept", "entries a write could not keep (over the tier's budget, or no free arena span)", True),
     "bytes_read": ("read_bytes", "bytes read", True),
     "bytes_written": ("written_bytes", "bytes written", True),
     "bytes": ("stored_bytes", "bytes held", False),

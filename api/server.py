@@ -20,7 +20,7 @@ from ragcache.engine import RagCache
 from ragcache.errors import ParameterOutOfRange
 from ragcache.front import Front
 from ragcache.settings import Settings
-from ragcache.store import tier_urls
+from ragcache.store import per_process
 
 from .app import create_app
 from .connections import Config, Limits
@@ -65,7 +65,7 @@ def run(settings: Settings, workers: int = 1) -> None:
         )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
     if workers > 1:
-        if all(tier.startswith("memory") for tier in tier_urls(settings.store)):
+        if per_process(settings.store):
             log.warning(
                 "store %s is per process: with %d workers each one has its own documents", settings.store, workers
             )

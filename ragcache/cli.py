@@ -15,7 +15,7 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from ragcache.store import tier_urls
+from ragcache.store import per_process
 from ragcache.store.keys import is_document_id
 from ragcache.store_cli import store_app
 from ragcache.train.cli import train_app
@@ -231,9 +231,9 @@ def compile(
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
         rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
-        if all(tier in ("memory", "memory:") for tier in tier_urls(s.store)):
+        if per_process(s.store):
             err.print(
-                "[yellow]warning:[/yellow] the store is memory:, which ends with this command: nothing "
+                f"[yellow]warning:[/yellow] the store is {s.store}, which ends with this command: nothing "
                 "compiled now is kept (pass --store disk:PATH to keep it)"
             )
         columns = [

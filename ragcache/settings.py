@@ -141,7 +141,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="ignore")
 
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
-    store: str = Field(DEFAULT_STORE, description="memory:, disk:PATH, redis://..., or tiers joined by '+'")
+    store: str = Field(
+        DEFAULT_STORE,
+        description="memory:[SIZE], gpu:[SIZE|N%] (CUDA), disk:PATH, redis://..., or tiers joined by '+'",
+    )
     prefix_cache_mib: int = Field(
         DEFAULT_PREFIX_BUDGET >> 20,
         ge=0,

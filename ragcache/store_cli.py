@@ -56,7 +56,7 @@ StoreUrl = Annotated[
         "-s",
         callback=_settings_store,
         show_default=False,
-        help="memory:, disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
+        help="memory:[SIZE], disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
         "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
         f"else {DEFAULT_STORE})",
     ),

@@ -4,17 +4,21 @@
 `unix:///path/redis.sock`, `?prefix=NAME` for a key prefix other than "ragcache"), and tiered combinations joined
 by "+", fastest first: `open_store("memory+disk:./.ragcache+redis://localhost:6379/0")`. On a GPU, a "gpu" tier
 (`gpu+memory+disk:./.ragcache`) keeps entries in device memory; `open_store(url, device=...)` names the engine's
-device: "gpu" tiers live on it, and on CUDA the memory tier keeps its entries pinned.
+device: "gpu" tiers live on it, and on CUDA the memory tier keeps its entries pinned. A memory or gpu tier takes its
+budget after the colon: `memory:16GiB`, `gpu:24GiB`, or for a gpu tier a share of the device memory free when it
+opens, `gpu:50%` (defaults: 2 GiB; a quarter of the free device memory).
 """
 
 from __future__ import annotations
+
+import re
 
 from .base import Store
 from .entry import ChunkKV
 from .errors import StoreError
 from .keys import chunk_key, document_id
 
-__all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store"]
+__all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store", "per_process"]
 
 
 def open_store(url: str | Store, device=None) -> Store:
@@ -29,6 +33,11 @@ def open_store(url: str | Store, device=None) -> Store:
     return TieredStore([_open_tier(p, connect=False, device=device) for p in parts])
 
 
+def per_process(url: str) -> bool:
+    """Every tier of the URL lives in this process (memory, gpu): nothing it holds outlives it or is shared."""
+    return all(tier.partition(":")[0] in ("memory", "gpu") for tier in tier_urls(url))
+
+
 def tier_urls(url: str) -> list[str]:
     """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
     parts: list[str] = []
@@ -40,20 +49,43 @@ def tier_urls(url: str) -> list[str]:
     return parts
 
 
+_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]iB|B)?")
+
+
+def _budget(spec: str, share: bool = False) -> tuple[int | None, float | None]:
+    """The budget after a memory or gpu tier's colon, as (bytes, None), or (None, fraction) for a gpu tier's "N%" of
+    the device memory free when it opens; (None, None) when none is given."""
+    text = spec.partition(":")[2].strip()
+    if not text:
+        return None, None
+    if share and text.endswith("%"):
+        number = text[:-1].strip()
+        if number.replace(".", "", 1).isdigit() and 0 < float(number) <= 100:
+            return None, float(number) / 100
+    elif (size := _SIZE.fullmatch(text)) and float(size.group(1)) > 0:
+        return int(float(size.group(1)) * _UNITS[size.group(2) or ""]), None
+    percent = " or a share of the free device memory such as 50%" if share else ""
+    raise StoreError(f"store tier {spec!r}: its budget must be a size such as 512MiB or 16GiB{percent}")
+
+
 def _open_tier(spec: str, connect: bool = True, device=None) -> Store:
     on_cuda = device is not None and str(device).startswith("cuda")
-    if spec in ("memory", "memory:"):
+    if spec == "memory" or spec.startswith("memory:"):
+        from .base import DEFAULT_MEMORY_BUDGET
         from .memory import MemoryStore
 
-        return MemoryStore(pin=on_cuda)
-    if spec in ("gpu", "gpu:"):
-        from .device import DeviceStore
+        size, _ = _budget(spec)
+        return MemoryStore(DEFAULT_MEMORY_BUDGET if size is None else size, pin=on_cuda)
+    if spec == "gpu" or spec.startswith("gpu:"):
+        from .device import DEFAULT_FREE_FRACTION, DeviceStore
 
+        size, fraction = _budget(spec, share=True)
         if device is not None and not on_cuda:
             raise StoreError(
                 f"a 'gpu' store tier needs the engine on a CUDA device, not {device}; drop 'gpu+' from the store URL"
             )
-        return DeviceStore(device or "cuda")
+        return DeviceStore(device or "cuda", size, free_fraction=fraction or DEFAULT_FREE_FRACTION)
     if spec.startswith("disk:"):
         from .disk import DiskStore
 
@@ -63,5 +95,6 @@ def _open_tier(spec: str, connect: bool = True, device=None) -> Store:
 
         return RedisStore(spec, connect=connect)
     raise StoreError(
-        f"unknown store {spec!r}: use memory:, gpu (on CUDA), disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'"
+        f"unknown store {spec!r}: use memory:[SIZE], gpu:[SIZE|N%] (on CUDA), disk:PATH, redis://HOST:PORT/DB, or "
+        "tiers joined by '+'"
     )

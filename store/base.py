@@ -47,6 +47,7 @@ class TierMetrics:
     misses: int = 0
     corrupt: int = 0  # entries that failed their checksum / belonged to another key: dropped
     incomplete: int = 0  # entries with a part missing (Redis evicts parts independently): dropped
+    unkept: int = 0  # entries a put could not keep (over the tier's budget, or no free span in its arena)
     bytes_read: int = 0
     bytes_written: int = 0
     gets: int = 0

@@ -38,17 +38,21 @@ class DeviceStore(MemoryStore):
         device: str | torch.device = "cuda",
         budget_bytes: int | None = None,
         record_budget_bytes: int | None = None,
+        free_fraction: float = DEFAULT_FREE_FRACTION,
     ):
+        """`budget_bytes` None: `free_fraction` of the device memory free now."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise StoreError(
                 "a GPU tier (store 'gpu') needs a CUDA device, and torch sees none here; drop 'gpu+' from the store URL"
             )
-        super().__init__(device_budget(self.device) if budget_bytes is None else budget_bytes, record_budget_bytes)
+        budget = device_budget(self.device, free_fraction) if budget_bytes is None else budget_bytes
+        super().__init__(budget, record_budget_bytes)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
+        """Those within the budget copied to the device; the others are counted and left out as MemoryStore does."""
         super().put_many(
-            {key: to_device(entry, self.device) for key, entry in items.items() if entry.nbytes <= self.budget_bytes}
+            {key: to_device(e, self.device) if e.nbytes <= self.budget_bytes else e for key, e in items.items()}
         )
 
     def stats(self) -> dict:

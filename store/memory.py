@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from .arena import Arena
-from .base import DEFAULT_MEMORY_BUDGET, Store
+from .base import DEFAULT_MEMORY_BUDGET, Store, log
 from .entry import ChunkKV, describe, shape_problem
 from .errors import StoreError
 
@@ -61,17 +61,32 @@ class MemoryStore(Store):
         with self._lock:
             # an entry over the budget would evict everything and still not fit
             kept = {key: entry for key, entry in items.items() if entry.nbytes <= self.budget_bytes}
+            unkept = len(items) - len(kept)
             for key, entry in kept.items():
                 old = self._entries.pop(key, None)
                 self._bytes -= old.nbytes if old is not None else 0
                 del old  # its arena span can come back for this entry
                 stored = entry if self.arena is None else self._placed(entry, self.arena)
                 if stored is None:
+                    unkept += 1
                     continue
                 self._entries[key] = stored
                 self._bytes += stored.nbytes
             self._evict()
             self.metrics.wrote(started, sum(e.nbytes for e in kept.values()))
+            self._unkept(unkept)
+
+    def _unkept(self, count: int) -> None:
+        """Entries this tier could not keep reach their links from a slower tier: counted, and said once."""
+        if count and not self.metrics.unkept:
+            log.warning(
+                "store tier %s (budget %.1f GiB) could not keep an entry: a link reads such entries from a slower "
+                "tier; give it a larger budget in the store URL (e.g. %s:16GiB)",
+                self.name,
+                self.budget_bytes / (1 << 30),
+                self.name,
+            )
+        self.metrics.unkept += count
 
     def _placed(self, entry: ChunkKV, arena: Arena) -> ChunkKV | None:
         """The entry copied into the arena, least recently used entries out until it fits (None: it cannot, even

@@ -886,6 +886,57 @@ def test_a_slower_tiers_hit_is_handed_out_as_the_fastest_tiers_copy(tmp_path):
     assert same_bits(read, disk.get(small)) and alone.tiers[0].peek([small]) == [None]
 
 
+def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch):
+    from ragcache.store.device import DEFAULT_FREE_FRACTION
+
+    assert open_store("memory:64MiB").budget_bytes == 64 << 20
+    assert open_store("memory: 1.5GiB").budget_bytes == 3 << 29
+    assert open_store("memory:4096").budget_bytes == 4096
+    assert open_store("memory").budget_bytes == open_store("memory:").budget_bytes == 2 << 30
+    from ragcache.store import per_process  # a sized tier is still this process's alone
+
+    assert per_process("memory:") and per_process("gpu:50%+memory:4GiB") and per_process("memory")
+    assert not per_process("memory:4GiB+disk:./x") and not per_process("disk:./memory") and not per_process("redis://h")
+    tiered = open_store("memory:8MiB+memory:1GiB")
+    assert [t.budget_bytes for t in tiered.tiers] == [8 << 20, 1 << 30]
+    for bad in ("memory:lots", "memory:0", "memory:-1GiB", "memory:50%", "memory:2 GB", "gpu:150%", "gpu:0%", "gpu:x"):
+        with pytest.raises(StoreError, match="budget must be a size such as 512MiB or 16GiB"):
+            open_store(bad, device="cuda")
+    # a gpu tier on a (faked) CUDA device: a size, a share of the memory free when it opens, or the default share
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (8 << 30, 16 << 30))
+    assert open_store("gpu:3GiB", device="cuda").budget_bytes == 3 << 30
+    assert open_store("gpu:50%", device="cuda").budget_bytes == 4 << 30
+    assert open_store("gpu", device="cuda").budget_bytes == int((8 << 30) * DEFAULT_FREE_FRACTION)
+
+
+def test_an_entry_a_fast_tier_cannot_keep_is_counted_and_said_once(caplog):
+    """No silent fallback: such an entry reaches every link from a slower tier, so the tier counts it (in /metrics,
+    ragcache_store_unkept_total) and warns once with the remedy."""
+    from ragcache.store.arena import Arena
+    from ragcache.store.device import DeviceStore
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(3))
+    keys = list(entries)
+    nbytes = entries[keys[0]].nbytes
+    pooled = MemoryStore(Arena.size_of(entries[keys[0]]), pooled=True)  # room for one span
+    pooled.put_many({keys[0]: entries[keys[0]]})
+    (held,) = pooled.get_many([keys[0]])  # a link reading it: its span is not handed out
+    for tier in (MemoryStore(nbytes - 1), DeviceStore("cpu", nbytes - 1), pooled):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ragcache"):
+            tier.put_many({keys[1]: entries[keys[1]]})
+            tier.put_many({keys[2]: entries[keys[2]]})
+        assert tier.stats()["unkept"] == 2 and tier.contains_many(keys[1:]) == [False, False], tier.name
+        warned = [r.getMessage() for r in caplog.records if "could not keep" in r.getMessage()]
+        assert len(warned) == 1 and f"{tier.name}:16GiB" in warned[0]
+    assert held is not None
+    from api.metrics import store_families
+
+    families = {f.name: f for f in store_families(TieredStore([MemoryStore(1), MemoryStore()]))}
+    assert "ragcache_store_unkept" in families
+
+
 def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
     """No silent fallback: a store URL asking for a GPU tier fails at open on a CPU engine or a machine without CUDA."""
     if torch.cuda.is_available():

@@ -36,7 +36,7 @@ from ragcache.sampling import Answer, QueryStats, Sampling
 from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, pieces
 from ragcache.settings import INSTALLED, EngineConfig
 from ragcache.store import codec as kv_codec
-from ragcache.store import open_store, tier_urls
+from ragcache.store import open_store, per_process
 from ragcache.store.shards import HeadRange
 
 from . import lora
@@ -92,7 +92,7 @@ class VllmRagCache(Front):
         `config.vllm_args`: max_model_len, kv_cache_gib (GiB of vLLM's paged KV cache), any other vLLM
         `AsyncEngineArgs` field."""
         store = config.store
-        if not isinstance(store, str) or all(url.startswith("memory") for url in tier_urls(store)):
+        if not isinstance(store, str) or per_process(store):
             raise ParameterOutOfRange(
                 f"the vLLM engine needs a store its own process can open too (disk:PATH or redis://...), got {store!r}"
             )
