@@ -41,7 +41,7 @@ def per_process(url: str) -> bool:
 def tier_urls(url: str) -> list[str]:
     """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
     parts: list[str] = []
-    for piece in url.split("+"):
+    for piece in (p.strip() for p in url.split("+")):
         if parts and not piece.startswith(("memory", "gpu", "disk:", "redis://", "rediss://", "unix://")):
             parts[-1] += "+" + piece
         else:
@@ -49,8 +49,9 @@ def tier_urls(url: str) -> list[str]:
     return parts
 
 
-_UNITS = {"": 1, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]iB|B)?")
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)\s*([kmgt]ib|b)?", re.ASCII | re.IGNORECASE)
+_SHARE = re.compile(r"(\d{1,3}(?:\.\d{1,9})?)\s*%", re.ASCII)
 
 
 def _budget(spec: str, share: bool = False) -> tuple[int | None, float | None]:
@@ -59,14 +60,15 @@ def _budget(spec: str, share: bool = False) -> tuple[int | None, float | None]:
     text = spec.partition(":")[2].strip()
     if not text:
         return None, None
-    if share and text.endswith("%"):
-        number = text[:-1].strip()
-        if number.replace(".", "", 1).isdigit() and 0 < float(number) <= 100:
-            return None, float(number) / 100
-    elif (size := _SIZE.fullmatch(text)) and float(size.group(1)) > 0:
-        return int(float(size.group(1)) * _UNITS[size.group(2) or ""]), None
-    percent = " or a share of the free device memory such as 50%" if share else ""
-    raise StoreError(f"store tier {spec!r}: its budget must be a size such as 512MiB or 16GiB{percent}")
+    if share and (percent := _SHARE.fullmatch(text)) and 0 < float(percent.group(1)) <= 100:
+        return None, float(percent.group(1)) / 100
+    if (size := _SIZE.fullmatch(text)) and (n := int(float(size.group(1)) * _UNITS[(size.group(2) or "").lower()])):
+        return n, None
+    forms = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"
+    raise StoreError(
+        f"store tier {spec!r}: its budget must be {forms}"
+        + (", or a share of the free device memory such as 50%" * share)
+    )
 
 
 def _open_tier(spec: str, connect: bool = True, device=None) -> Store:

@@ -94,8 +94,9 @@ class Arena:
                     spans[i : i + 1] = [(start + size, free - size)] if free > size else []
                     self.used_bytes += size
                     return segment, start
-        grown = max(self.segment_bytes, size)
-        if sum(s.numel() for s in self.segments) + grown > self.budget_bytes:
+        allocated = sum(s.numel() for s in self.segments)
+        grown = max(min(self.segment_bytes, self.budget_bytes - allocated), size)  # the last segment: what is left
+        if allocated + grown > self.budget_bytes:
             return None
         self.segments.append(torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin))
         self._free.append([(size, grown - size)] if grown > size else [])

@@ -47,13 +47,27 @@ class DeviceStore(MemoryStore):
                 "a GPU tier (store 'gpu') needs a CUDA device, and torch sees none here; drop 'gpu+' from the store URL"
             )
         budget = device_budget(self.device, free_fraction) if budget_bytes is None else budget_bytes
+        if budget_bytes is not None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if budget_bytes > free:
+                raise StoreError(
+                    f"a GPU tier of {budget_bytes / (1 << 30):.1f} GiB does not fit the {free / (1 << 30):.1f} GiB "
+                    f"free on {self.device}: give a smaller size, or a share such as gpu:25%"
+                )
         super().__init__(budget, record_budget_bytes)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
-        """Those within the budget copied to the device; the others are counted and left out as MemoryStore does."""
-        super().put_many(
-            {key: to_device(e, self.device) if e.nbytes <= self.budget_bytes else e for key, e in items.items()}
-        )
+        """Those within the budget copied to the device; the others are counted and left out as MemoryStore does, and
+        so is one the device has no memory for now (what else runs there is not counted in the budget)."""
+        moved, out_of_memory = {}, 0
+        for key, entry in items.items():
+            try:
+                moved[key] = to_device(entry, self.device) if entry.nbytes <= self.budget_bytes else entry
+            except torch.OutOfMemoryError:
+                out_of_memory += 1
+        super().put_many(moved)
+        with self._lock:
+            self._unkept(out_of_memory)
 
     def stats(self) -> dict:
         return {**super().stats(), "device": str(self.device)}

@@ -80,11 +80,12 @@ class MemoryStore(Store):
         """Entries this tier could not keep reach their links from a slower tier: counted, and said once."""
         if count and not self.metrics.unkept:
             log.warning(
-                "store tier %s (budget %.1f GiB) could not keep an entry: a link reads such entries from a slower "
-                "tier; give it a larger budget in the store URL (e.g. %s:16GiB)",
+                "store tier %s (a budget of %.0f MiB) could not keep an entry: a link reads such entries from a "
+                "slower tier; give it a larger budget in the store URL, each tier named (e.g. %s:%dGiB)",
                 self.name,
-                self.budget_bytes / (1 << 30),
+                self.budget_bytes / (1 << 20),
                 self.name,
+                max(16, 2 * -(-self.budget_bytes >> 30)),
             )
         self.metrics.unkept += count
 

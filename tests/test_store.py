@@ -899,7 +899,9 @@ def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch):
     assert not per_process("memory:4GiB+disk:./x") and not per_process("disk:./memory") and not per_process("redis://h")
     tiered = open_store("memory:8MiB+memory:1GiB")
     assert [t.budget_bytes for t in tiered.tiers] == [8 << 20, 1 << 30]
-    for bad in ("memory:lots", "memory:0", "memory:-1GiB", "memory:50%", "memory:2 GB", "gpu:150%", "gpu:0%", "gpu:x"):
+    assert open_store("memory:16gib + disk:" + "./x").tiers[0].budget_bytes == 16 << 30  # spaces around '+'
+    for bad in ("memory:lots", "memory:0", "memory:0.5B", "memory:-1GiB", "memory:50%", "memory:2 GB", "memory:16G",
+                "memory:" + "9" * 400, "gpu:150%", "gpu:0%", "gpu:x", "gpu:\u00b2%", "memory:\u0661\u0666GiB"):
         with pytest.raises(StoreError, match="budget must be a size such as 512MiB or 16GiB"):
             open_store(bad, device="cuda")
     # a gpu tier on a (faked) CUDA device: a size, a share of the memory free when it opens, or the default share
@@ -908,6 +910,16 @@ def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch):
     assert open_store("gpu:3GiB", device="cuda").budget_bytes == 3 << 30
     assert open_store("gpu:50%", device="cuda").budget_bytes == 4 << 30
     assert open_store("gpu", device="cuda").budget_bytes == int((8 << 30) * DEFAULT_FREE_FRACTION)
+    with pytest.raises(StoreError, match="does not fit the 8.0 GiB free"):
+        open_store("gpu:9GiB", device="cuda")
+
+
+def test_an_arena_fills_a_budget_that_is_not_whole_segments():
+    from ragcache.store.arena import Arena
+
+    arena = Arena(1536, pin=False, segment_bytes=1024)
+    assert all(arena._take(256) is not None for _ in range(6)) and arena._take(256) is None
+    assert [s.numel() for s in arena.segments] == [1024, 512]
 
 
 def test_an_entry_a_fast_tier_cannot_keep_is_counted_and_said_once(caplog):
@@ -933,8 +945,10 @@ def test_an_entry_a_fast_tier_cannot_keep_is_counted_and_said_once(caplog):
     assert held is not None
     from api.metrics import store_families
 
-    families = {f.name: f for f in store_families(TieredStore([MemoryStore(1), MemoryStore()]))}
-    assert "ragcache_store_unkept" in families
+    small = MemoryStore(1)
+    small.put_many({keys[0]: entries[keys[0]]})
+    families = {f.name: f for f in store_families(small)}
+    assert [(s.labels["tier"], s.value) for s in families["ragcache_store_unkept"].samples] == [("memory", 1.0)]
 
 
 def test_gpu_tiers_and_pinned_memory_refuse_a_machine_without_cuda_clearly():
