@@ -2,8 +2,8 @@
 
 One worker process owns one engine (model + store). With workers > 1 uvicorn imports `factory` in every worker,
 which reads the settings from the environment and loads its own engine; share documents between workers with a
-disk or Redis store (memory: and gpu tiers are per process). Each process bounds its client connections (api/connections.py:
-deadlines on a request's head and body, a cap below its open-file limit)."""
+disk or Redis store (memory: and gpu tiers are per process). Each process bounds its client connections
+(api/connections.py: deadlines on a request's head and body, a cap below its open-file limit)."""
 
 from __future__ import annotations
 

@@ -28,12 +28,13 @@ DEFAULT_STORE = "disk:./.ragcache"
 DEFAULT_CHUNK_TOKENS = 512
 DEFAULT_PREFIX_BUDGET = 256 << 20  # bytes per prefix cache (the `prefix` baseline, infilling)
 DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decoding streams never stall for long
-# By device: (rows per step while a stream decodes or a link has ended in the step, while nothing waits on it). A GPU step costs its kernel launches more
-# than its rows until thousands of rows: on an H100 at a Llama-3-8B shape `full` at 32k took 2.4x transformers'
-# forward in 512-row steps and 1.02x in one step. 8192 rows keep a decoding stream's wait at about one 8k-token
-# forward (0.26 s there). While no stream decodes and no link has ended in the step, nothing waits on its length: on an H200 at the llama3-8b
-# shape `full` at 32,546 tokens took 1.49 s in 8192-row steps, 1.46 s in 16,384 and 1.35 s in one step, against
-# 1.34 s for transformers' forward (bench/results/gpu-link-routed-NVIDIA-H200.json). bench/gpu.py measures both.
+# By device: (rows per step while a stream decodes or a link has ended in the step, while nothing waits on it). A
+# GPU step costs its kernel launches more than its rows until thousands of rows: on an H100 at a Llama-3-8B shape
+# `full` at 32k took 2.4x transformers' forward in 512-row steps and 1.02x in one step. 8192 rows keep a decoding
+# stream's wait at about one 8k-token forward (0.26 s there). While no stream decodes and no link has ended in the
+# step, nothing waits on its length: on an H200 at the llama3-8b shape `full` at 32,546 tokens took 1.49 s in
+# 8192-row steps, 1.46 s in 16,384 and 1.35 s in one step, against 1.34 s for transformers' forward
+# (bench/results/gpu-link-routed-NVIDIA-H200.json). bench/gpu.py measures both.
 DEVICE_ROW_BUDGETS = {"cpu": (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET), "cuda": (8192, 32768)}
 
 

@@ -207,7 +207,7 @@ class TieredStore(Store):
                 continue
             if isinstance(tier, MemoryStore):
                 kept = tier.peek(list(entries))
-                entries = {key: k or entry for (key, entry), k in zip(entries.items(), kept)}
+                entries = {key: entry if k is None else k for (key, entry), k in zip(entries.items(), kept)}
         return entries
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:

@@ -867,7 +867,8 @@ def test_a_slower_tiers_hit_is_handed_out_as_the_fastest_tiers_copy(tmp_path):
     small, big = list(entries)
     size = Arena.size_of(entries[big])
     # `big` is over the GPU tier's budget, not the arena's
-    gpu, memory, disk = DeviceStore("cpu", entries[small].nbytes), MemoryStore(4 * size, pooled=True), DiskStore(tmp_path)
+    gpu, memory = DeviceStore("cpu", entries[small].nbytes), MemoryStore(4 * size, pooled=True)
+    disk = DiskStore(tmp_path)
     disk.put_many(entries)
     sources: list = []
     fill = gpu.put_many
@@ -886,7 +887,7 @@ def test_a_slower_tiers_hit_is_handed_out_as_the_fastest_tiers_copy(tmp_path):
     assert same_bits(read, disk.get(small)) and alone.tiers[0].peek([small]) == [None]
 
 
-def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch):
+def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch, tmp_path):
     from ragcache.store.device import DEFAULT_FREE_FRACTION
 
     assert open_store("memory:64MiB").budget_bytes == 64 << 20
@@ -899,7 +900,7 @@ def test_a_memory_or_gpu_tier_takes_its_budget_from_the_store_url(monkeypatch):
     assert not per_process("memory:4GiB+disk:./x") and not per_process("disk:./memory") and not per_process("redis://h")
     tiered = open_store("memory:8MiB+memory:1GiB")
     assert [t.budget_bytes for t in tiered.tiers] == [8 << 20, 1 << 30]
-    assert open_store("memory:16gib + disk:" + "./x").tiers[0].budget_bytes == 16 << 30  # spaces around '+'
+    assert open_store(f"memory:16gib + disk:{tmp_path}").tiers[0].budget_bytes == 16 << 30  # spaces around '+'
     for bad in ("memory:lots", "memory:0", "memory:0.5B", "memory:-1GiB", "memory:50%", "memory:2 GB", "memory:16G",
                 "memory:" + "9" * 400, "gpu:150%", "gpu:0%", "gpu:x", "gpu:\u00b2%", "memory:\u0661\u0666GiB"):
         with pytest.raises(StoreError, match="budget must be a size such as 512MiB or 16GiB"):

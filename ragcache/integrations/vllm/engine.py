@@ -85,10 +85,10 @@ class VllmRagCache(Front):
     @classmethod
     def from_config(cls, config: EngineConfig) -> VllmRagCache:
         """Start vLLM (its engine core in a process of its own) with ragcache's connector over `config.store`, a URL
-        that vLLM's process opens too (disk: or redis://, not memory: or gpu tiers alone). `config.adapter`: a link adapter's
-        directory (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None. Merged
-        (`merge_adapter`), vLLM serves a checkpoint with the adapter folded into its weights, written once into the
-        model cache; else it runs the adapter as its own LoRA, beside the weights (slower: docs/BENCHMARKS.md).
+        that vLLM's process opens too (disk: or redis://, not memory: or gpu tiers alone). `config.adapter`: a link
+        adapter's directory (`ragcache train link`), INSTALLED (the model's calibrated installed one, if any) or None.
+        Merged (`merge_adapter`), vLLM serves a checkpoint with the adapter folded into its weights, written once into
+        the model cache; else it runs the adapter as its own LoRA, beside the weights (slower: docs/BENCHMARKS.md).
         `config.vllm_args`: max_model_len, kv_cache_gib (GiB of vLLM's paged KV cache), any other vLLM
         `AsyncEngineArgs` field."""
         store = config.store
