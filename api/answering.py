@@ -15,11 +15,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
+from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, Sampling
 from ragcache.front import Front, Stream
 from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
-from ragcache.sampling import Answer, Sampling
-from ragcache.sequence import Aborted, Done, Event, Failed, Piece
 from ragcache.settings import Settings
 
 from .engine_queue import EngineQueue, Generation

@@ -20,8 +20,8 @@ from typing import ClassVar
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
+from ragcache.engine import Event, Failed, Piece
 from ragcache.front import Stream
-from ragcache.sequence import Event, Failed, Piece
 
 from .errors import ApiError
 

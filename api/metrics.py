@@ -9,7 +9,7 @@ import time
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ragcache.sampling import QueryStats
+from ragcache.engine import QueryStats
 from ragcache.store import Store
 
 from .engine_queue import EngineQueue

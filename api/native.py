@@ -12,11 +12,10 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.documents import check_metadata
+from ragcache.engine import Answer, Done, Failed, Piece, Sampling
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.front import CompileReport
 from ragcache.request import Limits, validate_infill, validate_texts
-from ragcache.sampling import Answer, Sampling
-from ragcache.sequence import Done, Failed, Piece
 from ragcache.store.keys import is_document_id
 
 from .answering import ClientGone, Context, ctx, stop_strings

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 from fastapi import APIRouter, Request
 
-from ragcache.sampling import Answer
+from ragcache.engine import Answer
 
 from .answering import Context, ctx
 from .body import Body, documented

@@ -15,9 +15,9 @@ import uvicorn
 from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
-from ragcache.allocator import map_large_blocks
-from ragcache.engine import RagCache
+from ragcache.engine import map_large_blocks
 from ragcache.errors import ParameterOutOfRange
+from ragcache.facade import RagCache
 from ragcache.front import Front
 from ragcache.settings import Settings
 from ragcache.store import per_process

@@ -106,7 +106,7 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
 
 def agreement_stops(rc) -> tuple[set[int], set[int]]:
     """End-of-turn ids, and the ids whose text holds a newline (an answer ends at its first line)."""
-    from ragcache.sampling import eos_ids
+    from ragcache.engine import eos_ids
 
     tok = rc.tokenizer
     return eos_ids(rc.lm), {i for i in range(len(tok)) if "\n" in tok.decode([i])}

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from ragcache import adapters, loaded, lora, models
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import DATA_DIR
 from ragcache.store import open_store
 

@@ -24,7 +24,7 @@ import torch
 
 from ragcache.agreement import FUNCTION_WORDS, content_position, first_token, greedy, teacher_forced  # noqa: F401
 from ragcache.linker import Linked
-from ragcache.runner import Runner
+from ragcache.engine import Runner
 
 
 @dataclass

@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.store import codec as kv_codec
 from ragcache.store.memory import MemoryStore

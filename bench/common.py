@@ -80,7 +80,7 @@ def load_model(name: str, dtype: str = "auto"):
 
 def engine(lm, store, chunk_tokens: int, kv_codec: str = "auto"):
     """A RagCache over an already loaded model (several engines share one model: no reload per store)."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 

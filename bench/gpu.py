@@ -29,9 +29,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                budgets 512 / the device's two defaults (a stream decoding, none) / one step, host-to-device copy
                GB/s from pageable and pinned memory, the longest step a decoding stream waited while a long link ran
                beside it, and 4 naive links asked at once with the engine's prefetch and without
-               (ragcache.copies.Prefetch)
+               (ragcache.engine.copies.Prefetch)
   (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
-               replayed from CUDA graphs (ragcache.graphs), the same step compiled first (decode_compile; its
+               replayed from CUDA graphs (ragcache.engine.graphs), the same step compiled first (decode_compile; its
                compile time is the row's warmup_s, a failure is recorded, not raised), the same fixed-shape step
                eager, and the ordinary packed step, against transformers' DynamicCache loop and its StaticCache
                loop under torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
@@ -111,14 +111,13 @@ def _import_ragcache():
     kernels = importlib.import_module("ragcache.kernels")
     torch_ref = importlib.import_module("ragcache.kernels.torch_ref")
     triton_ops = importlib.import_module("ragcache.kernels.triton_ops")
-    runner = importlib.import_module("ragcache.runner")
+    engine = importlib.import_module("ragcache.engine")
     loaded = importlib.import_module("ragcache.loaded")
     models = importlib.import_module("ragcache.models")
-    graphs = importlib.import_module("ragcache.graphs")
-    return kernels, torch_ref, triton_ops, runner, loaded, models, graphs
+    return kernels, torch_ref, triton_ops, engine, loaded, models
 
 
-KERNELS, REF, TRI, RUNNER, LOADED, MODELS, GRAPHS = _import_ragcache()
+KERNELS, REF, TRI, ENGINE, LOADED, MODELS = _import_ragcache()
 
 TOL = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
        torch.float16: dict(atol=3e-3, rtol=3e-3)}
@@ -327,7 +326,7 @@ def random_model(name: str, device: torch.device, dtype: torch.dtype, quick: boo
 
 def build(name: str, device: torch.device, dtype: torch.dtype, quick: bool):
     lm = random_model(name, device, dtype, quick)
-    return lm, RUNNER.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
+    return lm, ENGINE.Runner(lm)  # the runner routes model calls with ragcache rows to its attention
 
 
 @torch.inference_mode()
@@ -400,7 +399,7 @@ def model_timings(name: str, device: torch.device, dtype: torch.dtype, quick: bo
     def transformers_decode():
         from transformers import DynamicCache
 
-        cache = {RUNNER.cache_argument(model): DynamicCache(config=model.config)}  # its name: transformers' version
+        cache = {ENGINE.cache_argument(model): DynamicCache(config=model.config)}  # its name: transformers' version
         logits = model(link_ids[None], use_cache=True, logits_to_keep=1, **cache).logits
         token = logits[:, -1:].argmax(-1)
         _sync(device)
@@ -516,7 +515,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
     tokens greedily. `clients_list` and `peer` let bench/gpu_profile.py profile one side alone."""
     import random
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
@@ -556,7 +555,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     import random
     from concurrent.futures import ThreadPoolExecutor
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
@@ -678,7 +677,7 @@ def _decode_wait(rc, question: str, docs: list, device, tokens: int = 4096) -> d
     stream waited on (`outlasted`: it did not end on its own first; else the figure misses the link's later steps)."""
     import threading
 
-    from ragcache.sequence import Status
+    from ragcache.engine import Status
 
     rc.query(question, docs[:1], algorithm="naive", max_new_tokens=4)  # untimed: a decode graph captured
     stream = rc.stream(question, docs[:1], algorithm="naive", max_new_tokens=tokens)
@@ -729,7 +728,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
     each store tier; `full` at three row budgets; copy rates; the decode wait beside a long link."""
     import random
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig, row_budgets_for
     from ragcache.store.device import DeviceStore
     from ragcache.store.memory import MemoryStore
@@ -887,14 +886,14 @@ def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | Non
     """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "compiled" (the captured step
     under torch.compile: decode_compile), "eager" (the same fixed-shape step, not captured: the graphs' reference)
     or "ordinary" (the packed forward every other step runs); no prefetch unless asked (None: the default's)."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
                                           decode_graphs=graphs != "ordinary", decode_compile=graphs == "compiled",
                                           prefetch_bytes=prefetch_bytes))
     if graphs == "eager":
-        rc.runner.graphs = GRAPHS.DecodeGraphs(rc.runner, capture=False)
+        rc.runner.graphs = ENGINE.DecodeGraphs(rc.runner, capture=False)
     return rc
 
 
@@ -918,7 +917,7 @@ def _transformers_decode(lm, length: int, new_tokens: int, device, compiled: boo
     from transformers import DynamicCache, StaticCache
 
     model = lm.model
-    name = RUNNER.cache_argument(model)
+    name = ENGINE.cache_argument(model)
     ids = torch.randint(1, 1000, (1, length), device=device)
     if compiled:
         cache = StaticCache(config=model.config, max_cache_len=length + new_tokens + 8)
@@ -1081,13 +1080,12 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
 
 @torch.inference_mode()
 def _placement_leaves_the_host_free(device: torch.device, dtype: torch.dtype, chunks: int = 8) -> dict:
-    """`copies.place` from pinned host memory (1 GiB at the llama3-8b shape) returns while its last layers are still
+    """`place` from pinned host memory (1 GiB at the llama3-8b shape) returns while its last layers are still
     crossing: nothing in it holds the host until the copies are done. One blocking copy per layer would hold it until
     every earlier layer had crossed, and the link's forward would start only after nearly all of them."""
     from types import SimpleNamespace
 
-    from ragcache import copies
-    from ragcache.kv import JoinedCache
+    from ragcache.engine import JoinedCache, place
 
     layers, heads, dim, tokens = 32, 8, 128, 1024
 
@@ -1103,7 +1101,7 @@ def _placement_leaves_the_host_free(device: torch.device, dtype: torch.dtype, ch
         cache = JoinedCache(layers, heads, dim, chunks * tokens, dtype, device)
         torch.cuda.synchronize(device)
         started = time.perf_counter()
-        copies.place(cache, entries, starts, inv_freq, scaling)
+        place(cache, entries, starts, inv_freq, scaling)
         returned = time.perf_counter() - started
         last_layer_crossed = cache.pending[-1].query()
         cache.settle()

@@ -100,7 +100,7 @@ def make_users(n: int, rounds: int, seed: int, prefix_chars: int, suffix_chars: 
 
 def run(args) -> dict:
     from ragcache import models
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.store.memory import MemoryStore
 
     users = make_users(args.users, args.rounds, args.seed, args.prefix_chars, args.suffix_chars,

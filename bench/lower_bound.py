@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from . import report, squad
-from ragcache.engine import QueryStats
+from ragcache.facade import QueryStats
 
 from .common import Backings, Variant, engine, load_model
 

@@ -142,7 +142,7 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
 def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens: int) -> list[Peer]:
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from ragcache.runner import cache_argument
+    from ragcache.engine import cache_argument
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
     ids = ids[None]

@@ -93,7 +93,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     from transformers import AutoTokenizer
 
     from ragcache import models
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 
@@ -234,7 +234,7 @@ def transformers_loop(model, prompt, tokens: int) -> float:
     import torch
     from transformers import DynamicCache
 
-    from ragcache.runner import cache_argument
+    from ragcache.engine import cache_argument
 
     cache = {cache_argument(model): DynamicCache(config=model.config)}
     with torch.inference_mode():

@@ -74,12 +74,12 @@ def stacked_decode_attention(query, keys, values, allowed, scale):
 
 
 def slot_decode_attention(query, keys, values, positions, scale, window=None):
-    """Every slot's decode row over its own keys of a pool, with shapes fixed by the pool (ragcache.graphs)."""
+    """Every slot's decode row over its own keys of a pool, with shapes fixed by the pool (ragcache.engine.graphs)."""
     return _impl(query.device).slot_decode_attention(query, keys, values, positions, scale, window)
 
 
 def write_slot_rows(keys, values, fresh_keys, fresh_values, positions, live):
-    """The live slots' fresh K/V rows into a pool, in place, with shapes fixed by the pool (ragcache.graphs)."""
+    """The live slots' fresh K/V rows into a pool, in place, with shapes fixed by the pool (ragcache.engine.graphs)."""
     _impl(keys.device).write_slot_rows(keys, values, fresh_keys, fresh_values, positions, live)
 
 

@@ -419,7 +419,7 @@ def top_ratio(scores: torch.Tensor, ratio: float) -> torch.Tensor:
 def invariant_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias: what the Triton kernel computes, with its tiles fixed by the weight's shape. This
     reference is not batch-invariant itself (the library picks its kernel by the row count): on CPU the runner gets
-    invariance from ragcache.invariant's row tiles instead."""
+    invariance from ragcache.engine.invariant's row tiles instead."""
     return torch.nn.functional.linear(x, weight, bias)
 
 

@@ -10,7 +10,7 @@ module is imported: `@triton.jit` reads it). Every kernel but the split-KV decod
                        flash-attention online softmax; the q heads sharing a kv head share its K/V loads
   slot_decode_attention grid (slots, kv_heads, key splits), then (slots * heads,)
                        flash-decoding: each slot's decode row over its own keys, split so that one row fills the
-                       GPU, the splits merged by a second launch (the captured decode step, ragcache.graphs)
+                       GPU, the splits merged by a second launch (the captured decode step, ragcache.engine.graphs)
   write_slot_rows      grid (slots, kv_heads)                           the live slots' fresh K/V into the pool
   kv_deviation         grid (token blocks,)                             sum over heads and dims of (fresh - cached)^2
 

@@ -9,15 +9,15 @@ __all__ = ["ALGORITHMS", "Answer", "CompileReport", "QueryStats", "RagCache", "R
 
 _HOMES = {
     "ALGORITHMS": "linker",
-    "Answer": "sampling",
+    "Answer": "engine",
     "CompileReport": "front",
-    "QueryStats": "sampling",
+    "QueryStats": "engine",
     "RagCacheError": "errors",
-    "Sequence": "sequence",
+    "Sequence": "engine",
 }
 
 
 def __getattr__(name: str):
     if name in __all__:
-        return getattr(import_module(f".{_HOMES.get(name, 'engine')}", __name__), name)
+        return getattr(import_module(f".{_HOMES.get(name, 'facade')}", __name__), name)
     raise AttributeError(f"module 'ragcache' has no attribute {name!r}")

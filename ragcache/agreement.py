@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .engine import Runner
 from .linker import Linked
-from .runner import Runner
 
 # Words a reader opens an answer with ("The", "In", "Based on"): where full's first token is one of them, the first
 # position measures boilerplate, not what the reader took from the documents.

@@ -33,8 +33,8 @@ import torch
 
 from . import agreement as agree
 from . import fetch, loaded, lora
+from .engine import eos_ids
 from .errors import BadRequest
-from .sampling import eos_ids
 from .settings import DATA_DIR, DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
 
 POSITIONS = ("first", "content")

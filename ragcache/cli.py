@@ -72,7 +72,7 @@ def _open(
     kv_codec: str | None = None,
     adapter: str | None = None,
 ):
-    from .engine import RagCache
+    from .facade import RagCache
 
     try:
         s = load_settings(

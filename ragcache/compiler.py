@@ -21,8 +21,8 @@ from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import entry_key, entry_meta
 from ragcache.store.shards import HeadRange
 
+from .engine import Runner
 from .loaded import LoadedModel
-from .runner import Runner
 
 SINK_TOKENS = 4
 

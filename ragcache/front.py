@@ -1,6 +1,6 @@
 """The model-free half of an engine: the store's documents, a prompt as ids, and a query's one validation.
 
-`RagCache` (ragcache.engine) runs the model itself; `VllmRagCache` (ragcache.integrations.vllm.engine) hands the
+`RagCache` (ragcache.facade) runs the model itself; `VllmRagCache` (ragcache.integrations.vllm.engine) hands the
 same ids to vLLM. Both answer the same requests from the same store, and neither needs the other's model."""
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from ragcache.store.shards import HeadRange
 from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
+from .engine import Answer, QueryStats, Sampling
 from .errors import ParameterOutOfRange, PromptTooLong
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
-from .sampling import Answer, QueryStats, Sampling
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
 
 LINK_KNOBS = ("algorithm", "k", "ratio", "check_layer", "deviation")  # `Front.params`'
@@ -47,7 +47,7 @@ class CompileReport:
 
 class Stream(Protocol):
     """One answer in the making, whichever engine makes it (ragcache's `sequence.Sequence`, vLLM's `VllmStream`):
-    iterate for its text pieces, or `open` it with a listener of its typed events (ragcache.sequence: `Piece`s, then
+    iterate for its text pieces, or `open` it with a listener of its typed events (ragcache.engine.sequence: `Piece`s, then
     one of `Done`, `Failed`, `Aborted`); `answer` once it is done."""
 
     stats: QueryStats

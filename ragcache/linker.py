@@ -35,15 +35,14 @@ import torch
 import ragcache.kernels as kernels
 from ragcache.store.entry import ChunkKV
 
-from . import copies
+from .engine import Hit, JoinedCache, ModelShape, PrefixCache, Staged
+from .engine import place as place_entries
 from .errors import ParameterOutOfRange, UnknownAlgorithm
-from .kv import JoinedCache, ModelShape
-from .prefix_cache import Hit, PrefixCache
 from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
 
 
 class Runner(Protocol):
-    """What linking needs of the model: ragcache.runner.Runner, which imports this module to execute link steps."""
+    """What linking needs of the model: ragcache.engine.runner.Runner, which imports this module to execute link steps."""
 
     shape: ModelShape
     device: torch.device
@@ -96,9 +95,9 @@ class LinkInput:
     chunk_ids: list[list[int]]  # stored ids of each chunk, in prompt order
     question_ids: list[int]
     # KV of the system prefix and of each chunk, in order (algorithms that reuse caches); on CUDA they may be
-    # copies.Staged: crossing to the GPU ahead of the link
-    prefix_entry: ChunkKV | copies.Staged | None = None
-    chunk_entries: Sequence[ChunkKV | copies.Staged] | None = None
+    # Staged: crossing to the GPU ahead of the link
+    prefix_entry: ChunkKV | Staged | None = None
+    chunk_entries: Sequence[ChunkKV | Staged] | None = None
 
     @property
     def token_ids(self) -> torch.Tensor:
@@ -212,7 +211,7 @@ def place(runner: Runner, parts: LinkInput, params: LinkParams, cache: JoinedCac
         return hit.reused
     entries = ([parts.prefix_entry] if parts.prefix_ids else []) + list(parts.chunk_entries or [])
     starts = ([0] if parts.prefix_ids else []) + parts.chunk_starts()
-    copies.place(cache, entries, starts, runner.inv_freq, runner.rope_scaling)
+    place_entries(cache, entries, starts, runner.inv_freq, runner.rope_scaling)
     return len(parts.prefix_ids)
 
 

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 from ragcache.store.keys import document_id, is_document_id
 
+from .engine import Sampling
 from .errors import BadRequest, EmptyInput, InvalidText, ParameterOutOfRange, PayloadTooLarge
 from .infill import MODES
 from .linker import LinkParams
-from .sampling import Sampling
 
 
 @dataclass(frozen=True)

@@ -107,9 +107,9 @@ class EngineConfig:
     # device's (row_budgets_for)
     link_row_budget: int | None = None
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
-    decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.graphs)
-    decode_compile: bool = False  # torch.compile the decode graphs' step before its capture (ragcache.graphs)
-    prefetch_bytes: int | None = None  # device memory for entries crossing ahead of their link (ragcache.copies)
+    decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.engine.graphs)
+    decode_compile: bool = False  # torch.compile the decode graphs' step before its capture (ragcache.engine.graphs)
+    prefetch_bytes: int | None = None  # device memory for entries crossing ahead of their link (ragcache.engine.copies)
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import ragcache.kernels as kernels
 from ragcache import models
-from ragcache.invariant import row_bucket
+from ragcache.engine.invariant import row_bucket
 
 SIZES = [*range(1, 65), 96, 128, 200, 256, 384, 513, 600, 1024]
 

@@ -12,7 +12,7 @@ import time
 
 import torch
 torch.set_num_threads(1)
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from transformers import DynamicCache
 
 rc = RagCache.open("smollm2-135m", "memory:", dtype="float32", adapter=None)

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.argv = sys.argv[:1]  # bench/gpu.py parses no arguments when imported
 from bench import gpu  # noqa: E402
-from ragcache import scheduler  # noqa: E402
+from ragcache.engine import scheduler  # noqa: E402
 
 QUICK = os.environ.get("QUICK") == "1"
 profiles: list[cProfile.Profile] = []

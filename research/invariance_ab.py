@@ -32,7 +32,7 @@ def steps(dtype: str, runs: int = 30) -> dict:
 
     from bench.serve import decode_step
     from ragcache import models
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
 
     runners = {name: Runner(models.load("smollm2-135m", dtype=dtype), batch_invariant=invariant)
                for name, invariant in (("invariant", True), ("variant", False))}
@@ -85,7 +85,7 @@ def main() -> None:
 
     from bench import squad
     from ragcache import models
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 

@@ -118,7 +118,7 @@ def narrow_llama3_8b(layers: int):
 def count(layers: int = 32, docs: int = 32, algorithms=ALGORITHMS, decode: bool = True, out: Path | None = OUT):
     """Rows of counts: one link of `docs` chunks per algorithm, then a decode token from each kind of step. Written
     to `out` after each row (the interpreter is slow: a partial run keeps what it counted)."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 

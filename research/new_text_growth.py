@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.store.entry import ChunkKV
 
 

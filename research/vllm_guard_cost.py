@@ -14,7 +14,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import DATA_DIR
 
 

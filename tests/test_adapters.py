@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from bench.adapter import random_adapter
 from ragcache import adapters, loaded, lora, models
 from ragcache import calibrate as cal
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.errors import BadAdapter
 from ragcache.settings import INSTALLED, EngineConfig, Settings, parse_adapter
 from ragcache.store import open_store

@@ -28,7 +28,7 @@ from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
 from ragcache.api.app import create_app
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.linker import ALGORITHMS
 from ragcache.settings import DATA_DIR, Settings
 from ragcache.store import open_store
@@ -956,7 +956,7 @@ def test_guard_is_skipped_when_the_queue_is_full(rc):
 
     from ragcache.api.answering import server_guard
     from ragcache.api.metrics import Metrics
-    from ragcache.sampling import Answer, QueryStats
+    from ragcache.engine.sampling import Answer, QueryStats
 
     full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
     metrics = Metrics(rc.store, full_queue)

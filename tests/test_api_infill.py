@@ -6,7 +6,7 @@ import json
 import httpx
 import pytest
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 from tests.test_api import serve

@@ -9,9 +9,9 @@ import torch
 
 from kernels import torch_ref
 from ragcache import models
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
-from ragcache.sequence import Done
+from ragcache.engine.sequence import Done
 from ragcache.store.memory import MemoryStore
 from tests.test_real_model import DOCS
 from tests.test_scheduler import Run, together
@@ -83,7 +83,7 @@ def test_a_tiled_linear_gives_a_row_the_same_bits_at_any_count_and_place(dtype):
     makes them (row tiles probed on this CPU), the row at every place among 1 to 70 rows and a few long counts:
     many more counts and places than the probe tried. A plain fp32 GEMM on an AMD EPYC gives three results (a lone
     row, the rows of a last partial block of 4, the rest); an Intel Xeon blocks otherwise."""
-    from ragcache import invariant
+    from ragcache.engine import invariant
 
     generator = torch.Generator().manual_seed(1)
     layers = torch.nn.Sequential(torch.nn.Linear(576, 192, bias=False), torch.nn.Linear(1536, 576, bias=True))
@@ -124,7 +124,7 @@ def test_the_probe_finds_the_tiles_a_cpu_agrees_on_or_refuses():
     and the rows of a last partial block round otherwise, and every multiple of 4 agrees. A kernel for 16 rows and
     more that differs from the one for fewer (what an Intel Xeon showed): only 16, 32 and 64 agree. A result that
     depends on every place (OpenBLAS's sgemm on a Haswell-class CPU, measured): no tile, a typed refusal."""
-    from ragcache import invariant
+    from ragcache.engine import invariant
     from ragcache.errors import BatchInvarianceUnavailable
 
     blocks_of_4 = FakeGemm(lambda rows, place: 2 if rows == 1 else int(place >= rows - rows % 4))
@@ -192,7 +192,7 @@ def test_pooled_decode_rows_read_their_own_bucket_whole_and_round_alike_alone_or
     """The runner's batch-invariant pools (kv.BucketPools): a decode row is attended over the pool of its own
     capacity bucket, read whole, so its output is the same bits alone or beside rows of its bucket and others; the
     rows of a bucket share one call, and the pools are gone once their requests are."""
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
     from tests import tiny
 
     runner = Runner(tiny.make("llama", dtype=dtype), batch_invariant=True)
@@ -230,7 +230,7 @@ def test_the_padding_rows_of_a_forward_change_no_request_row(dtype):
     """Batch-invariant on CPU, a forward runs whole blocks of rows through every layer, the rows after the last
     request's belonging to no one; a forward with a layer watch (CacheBlend's) runs its rows as they are and each
     Linear pads itself. Both must give every request row the same bits, and the pads' K/V must land nowhere."""
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
     from tests import tiny
 
     class Watch:

@@ -107,7 +107,7 @@ def test_throughput_through_the_rest_server(tmp_path):
 @pytest.mark.real_model
 def test_serve_decode_cells_and_runner_steps(monkeypatch):
     from bench import serve
-    from ragcache import runner
+    from ragcache.engine import runner
 
     peer_models = []
 
@@ -359,7 +359,7 @@ def test_variants_and_percentiles():
 def _tiny_parts(family: str, dtype=torch.float32):
     from ragcache.compiler import PLAIN, Compiler
     from ragcache.linker import LinkInput
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
     from tests import tiny
 
     lm = tiny.make(family, dtype=dtype)

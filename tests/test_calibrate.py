@@ -56,7 +56,7 @@ def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):
 
 
 def test_on_a_tiny_model_k_at_the_chunk_length_is_exact():
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
@@ -88,9 +88,9 @@ def test_a_damaged_profile_is_ignored(tmp_path, monkeypatch, bad):
 
 def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch):
     from ragcache import agreement as agree
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
-    from ragcache.sampling import eos_ids
+    from ragcache.engine.sampling import eos_ids
 
     rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     texts = [t * 3 for t in tiny.CORPUS[:4]]
@@ -116,7 +116,7 @@ def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch)
 
 def test_the_profile_sets_the_engine_defaults(tmp_path, monkeypatch):
     """A calibrated k and focus ratio become what a query without them links with; explicit values still win."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import DEFAULT_FOCUS_RATIO, DEFAULT_K
 
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))

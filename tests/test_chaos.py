@@ -8,7 +8,7 @@ import pytest
 
 from bench import chaos
 from bench.common import LocalRedis
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.store import open_store
 from ragcache.store.keys import STORE_KEY_ENV

@@ -206,7 +206,7 @@ def tiny_cli(monkeypatch):
     from typer.testing import CliRunner
 
     from ragcache import cli
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.settings import Settings
     from ragcache.store import open_store
@@ -347,7 +347,7 @@ def test_the_demo_reads_at_80_columns():
     from rich.console import Console
 
     from ragcache.demo import run_demo
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
     from tests import tiny

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.errors import CodecOverflow, CorruptEntry, ParameterOutOfRange
 from ragcache.kernels import torch_ref

@@ -1,4 +1,4 @@
-"""Chunk placement layer by layer (ragcache.copies), the CUDA path's logic on CPU: placing one layer at a time gives
+"""Chunk placement layer by layer (ragcache.engine.copies), the CUDA path's logic on CPU: placing one layer at a time gives
 the cache one call gives, float and int8 entries alike; a cache whose placement is in flight has each layer's read
 or write wait for that layer only, and lets its entries go once settled. The prefetch's bookkeeping (its budget,
 what it stages, an event per layer, a link's logits unchanged) with torch.cuda's streams and events faked."""
@@ -14,10 +14,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ragcache.kernels as kernels
-from ragcache import copies
-from ragcache.engine import RagCache
-from ragcache.kv import JoinedCache
-from ragcache.sampling import QueryStats
+from ragcache.engine import copies
+from ragcache.facade import RagCache
+from ragcache.engine.kv import JoinedCache
+from ragcache.engine.sampling import QueryStats
 from ragcache.settings import EngineConfig
 from ragcache.store.codec import encode
 from ragcache.store.memory import MemoryStore

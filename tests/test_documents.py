@@ -228,7 +228,7 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     chunks, and the upload then wrote the other chunks' entries, which no document referred to."""
     import threading
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
@@ -267,7 +267,7 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
     query then wrote entries that no document referred to."""
     import threading
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
@@ -343,7 +343,7 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
 
 
 def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
@@ -358,7 +358,7 @@ def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
 
 # -- end to end: an edited record never changes an answer -------------------------------------------------------------
 def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     lm = tiny.make("llama")
@@ -382,7 +382,7 @@ def test_an_edited_record_on_disk_does_not_change_the_answer(tmp_path):
 def test_an_entry_that_does_not_fit_the_model_is_recompiled_and_the_answer_is_unchanged(tmp_path):
     """A well-formed entry under the right key (right ids, checksum, metadata) whose tensors have other layers or
     another dtype: dropped and compiled again, never linked (it gave an HTTP 500 on every query before)."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.entry import ChunkKV
 
@@ -405,7 +405,7 @@ def test_an_entry_that_does_not_fit_the_model_is_recompiled_and_the_answer_is_un
 def test_an_entry_of_other_tokens_under_a_chunks_key_is_never_linked():
     """The memory tier holds objects and checks nothing on a read: the reader itself compares the entry's ids with
     the ones it asked for, so another chunk's (sound) entry under this chunk's key is recompiled, not placed."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     lm = tiny.make("llama")

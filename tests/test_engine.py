@@ -8,13 +8,13 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 from ragcache import errors
 from ragcache.chunker import chunk_document
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
-from ragcache.sampling import TextAssembler
-from ragcache.sequence import Aborted, Status
+from ragcache.engine.sampling import TextAssembler
+from ragcache.engine.sequence import Aborted, Status
 from ragcache.models import wrap
 from ragcache.store.memory import MemoryStore
-from ragcache.sampling import Sampling
+from ragcache.engine.sampling import Sampling
 from tests import tiny
 
 DOC = "The Eiffel Tower is in Paris. It was completed in 1889 and is 330 metres tall."
@@ -200,7 +200,7 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
 def test_a_prefix_lookup_finds_a_repeat_or_whole_pieces_never_the_last_row():
     """One scan says both: an exact repeat (its kept logits, even beside a longer prompt that starts with it), or
     the reusable rows cut back to whole pieces and short of the last row, which must run to give logits."""
-    from ragcache.prefix_cache import PrefixCache
+    from ragcache.engine.prefix_cache import PrefixCache
 
     kv = lambda n: torch.zeros(1, 1, n, 2)  # noqa: E731
     cache = PrefixCache(piece=4)
@@ -223,7 +223,7 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     from types import SimpleNamespace
 
     from ragcache import cli
-    from ragcache.prefix_cache import PrefixCache
+    from ragcache.engine.prefix_cache import PrefixCache
     from ragcache.settings import DEFAULT_PREFIX_BUDGET
     from ragcache.settings import Settings
 
@@ -234,7 +234,7 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     assert cache._bytes <= cache.budget_bytes and [cache.lookup(torch.tensor([f, 7, 7]))[0] for f in range(5)] == \
         [0, 0, 3, 3, 3]
     opened = []
-    monkeypatch.setattr("ragcache.engine.RagCache.from_config", lambda config: opened.append(config) or
+    monkeypatch.setattr("ragcache.facade.RagCache.from_config", lambda config: opened.append(config) or
                         SimpleNamespace(warmup=lambda: None))
     monkeypatch.setenv("RAGCACHE_PREFIX_CACHE_MIB", "64")
     cli._open("smollm2-135m", "memory:")
@@ -294,7 +294,7 @@ def test_our_calls_of_transformers_raise_no_deprecation_warning(family):
 
 def test_row_budgets_by_device_and_as_given():
     """A GPU step costs its launches: longer steps while no stream decodes; one given row_budget sets both."""
-    from ragcache.engine import _row_budgets
+    from ragcache.facade import _row_budgets
 
     assert _row_budgets(EngineConfig(), "cpu") == (512, 512)
     assert _row_budgets(EngineConfig(), torch.device("cuda", 1)) == (8192, 32768)

@@ -1,4 +1,4 @@
-"""Decode steps with fixed shapes (ragcache.graphs): the whole-pool step gives the tokens the ordinary decode gives,
+"""Decode steps with fixed shapes (ragcache.engine.graphs): the whole-pool step gives the tokens the ordinary decode gives,
 with streams joining, leaving and finishing at different tokens, and its dummy rows leave every cache as it was.
 On CUDA the same step is captured into a graph; here it runs eagerly (bench/gpu.py --check compares the replay)."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import ragcache.kernels as kernels
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.errors import ParameterOutOfRange
-from ragcache.sequence import Piece
+from ragcache.engine.sequence import Piece
 from ragcache.settings import EngineConfig
 from ragcache.store.memory import MemoryStore
 from tests import tiny

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ragcache.guard import Check, Guard, compare
-from ragcache.sequence import Done
+from ragcache.engine.sequence import Done
 from tests.hold import hold_model_thread
 
 
@@ -50,7 +50,7 @@ def test_agreement_window_and_one_warning_below_target(caplog):
 
 
 def test_rc_check_on_a_tiny_model():
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
     from tests import tiny
@@ -68,7 +68,7 @@ def test_background_links_wait_until_no_user_request_runs():
     was sent first."""
     import threading
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
     from tests import tiny
@@ -95,7 +95,7 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
     it waited forever and every later check was skipped."""
     import threading
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.guard import BackgroundGuard
     from ragcache.request import Query

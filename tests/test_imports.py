@@ -112,3 +112,45 @@ def test_only_the_algorithm_table_compares_algorithm_names():
         for number, line in enumerate(path.read_text().splitlines(), 1):
             decides = compared.search(line) and not line.lstrip().startswith("for ")  # a loop over names chooses
             assert not decides, f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+
+
+def _engine_imports(path: Path, package: str) -> list[tuple[int, str]]:
+    """(line, what) for each import of the engine's insides in `path`: a module inside ragcache/engine/, or a name
+    its __init__ does not export."""
+    import ragcache.engine as engine
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if a.name.startswith("ragcache.engine.")]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                base = f"{anchor}.{base}".rstrip(".")
+            if base.startswith("ragcache.engine."):
+                found.append((node.lineno, base))
+            elif base == "ragcache.engine":
+                found += [(node.lineno, f"ragcache.engine.{a.name}") for a in node.names if a.name not in engine.__all__]
+            elif base == "ragcache":
+                found += [(node.lineno, "ragcache.engine") for a in node.names if a.name == "engine"]
+    return found
+
+
+def test_the_engine_is_crossed_only_through_its_init():
+    """ragcache/engine/ is one folder with one door: the product outside it and bench/ import what its __init__
+    exports, never a module inside it (tests and research/ may look inside)."""
+    import ragcache.engine as engine
+
+    assert sorted(engine.__all__) == sorted(engine._HOMES) == engine.__all__
+    for name in engine.__all__:
+        assert getattr(engine, name) is not None
+    crossings = []
+    for name, path in modules().items():
+        if name == "ragcache.engine" or name.startswith("ragcache.engine."):
+            continue
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        crossings += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _engine_imports(path, package)]
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        crossings += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _engine_imports(path, "bench")]
+    assert not crossings, "\n".join(crossings)

@@ -3,7 +3,7 @@
 import pytest
 
 from ragcache import errors
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.infill import MAX_INCREMENT_CHARS, FimTokens, InfillSessions, build_prompt, end_token_ids
 from ragcache.store.memory import MemoryStore
 from tests import tiny

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import ragcache.kernels as kernels
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
-from ragcache.runner import cache_argument
+from ragcache.engine.runner import cache_argument
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 

@@ -580,7 +580,7 @@ def test_invariant_rms_norm_equals_the_reference_and_keeps_rows_apart(ops, devic
 _INVARIANT_MODEL_SCRIPT = textwrap.dedent(
     """
     import torch
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
     from tests import tiny
 
     for family in ("llama", "gemma3"):

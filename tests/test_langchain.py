@@ -15,11 +15,11 @@ from langchain_core.documents import Document  # noqa: E402
 from langchain_core.messages import HumanMessage, SystemMessage  # noqa: E402
 from langchain_core.retrievers import BaseRetriever  # noqa: E402
 
-from ragcache.engine import RagCache  # noqa: E402
+from ragcache.facade import RagCache  # noqa: E402
 from ragcache.settings import EngineConfig
 from ragcache.errors import BadRequest, ParameterOutOfRange, PromptTooLong, UnknownAlgorithm  # noqa: E402
 from ragcache.integrations.langchain import DOC_ID_KEY, ChatRagCache, RagCacheRetriever  # noqa: E402
-from ragcache.sequence import Status  # noqa: E402
+from ragcache.engine.sequence import Status  # noqa: E402
 from ragcache.store import open_store  # noqa: E402
 from ragcache.store.keys import document_id  # noqa: E402
 from tests import tiny  # noqa: E402

@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 import ragcache.kernels as kernels
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.store.memory import MemoryStore
 from tests import tiny

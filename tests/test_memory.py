@@ -13,7 +13,7 @@ import pytest
 def test_a_finished_answer_keeps_no_kv_and_a_link_keeps_its_own():
     """A finished stream (held by the server until the cycle collector runs) keeps none of its prompt's K/V, whether
     its cache sat in a pool or not; a caller that links to decode itself keeps its own."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.front import drain
     from ragcache.store.memory import MemoryStore
@@ -41,9 +41,9 @@ def test_a_finished_request_is_freed_without_the_cycle_collector():
     until a full collection, which in a server full of long-lived objects comes seldom (RSS grew by gigabytes)."""
     import gc
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
-    from ragcache.sequence import Sequence
+    from ragcache.engine.sequence import Sequence
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
@@ -70,9 +70,9 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
     import threading
     import weakref
 
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
-    from ragcache.sequence import Piece
+    from ragcache.engine.sequence import Piece
     from ragcache.store.memory import MemoryStore
     from tests import tiny
 
@@ -105,7 +105,7 @@ def test_a_finished_stream_lets_go_of_the_server_handle_that_holds_it():
 # them. Prints how far RSS grew over the live bytes, in MiB.
 CHURN = """
 import random, sys, torch
-from ragcache.allocator import map_large_blocks
+from ragcache.engine.allocator import map_large_blocks
 if sys.argv[1] == "mapped":
     map_large_blocks()
 def rss():

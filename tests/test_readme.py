@@ -49,7 +49,7 @@ def test_python_api_block_runs(tmp_path, smollm2, capsys):
 
 
 def test_rest_api_block_runs_against_a_live_server(tmp_path, smollm2):
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.store import open_store
     from tests.test_api import serve
 

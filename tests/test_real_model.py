@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from ragcache import models, prompt
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.store.memory import MemoryStore
 

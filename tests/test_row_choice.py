@@ -89,7 +89,7 @@ def test_a_two_question_answer_is_scored_per_question():
 
 def test_the_engine_passes_deviation_to_the_linker():
     """RagCache.link(deviation=...) reaches the linker: same budget, other logits; a bad name is a bad request."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
     from tests import tiny

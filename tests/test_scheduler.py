@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from ragcache import errors, kernels
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
-from ragcache.sampling import Decoding, QueryStats, Sampling
+from ragcache.engine.sampling import Decoding, QueryStats, Sampling
 from ragcache.kernels import torch_ref
 from ragcache.linker import ALGORITHMS, LinkParams
-from ragcache.scheduler import Kind, Scheduler, StepResult
-from ragcache.sequence import Aborted, Done, Failed, Piece, Sequence, Status
+from ragcache.engine.scheduler import Kind, Scheduler, StepResult
+from ragcache.engine.sequence import Aborted, Done, Failed, Piece, Sequence, Status
 from ragcache.store.memory import MemoryStore
 from tests import tiny
 from tests.hold import held
@@ -333,7 +333,7 @@ def test_pooled_decode_attention_in_half_precision_is_within_its_tolerance(dtype
 def test_a_pooled_bf16_step_equals_each_row_over_its_own_cache(family, monkeypatch):
     """The bf16 decode step through the runner (the pool read to its capacity, eager attention on CPU) against
     each row alone over a private copy of its cache, at the bf16 tolerance of tests/test_invariants.py."""
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
 
     calls = []
     pooled_attention = kernels.pooled_decode_attention
@@ -369,7 +369,7 @@ def test_a_pooled_bf16_step_equals_each_row_over_its_own_cache(family, monkeypat
 def test_pooled_decode_equals_a_decode_loop_over_private_caches(rc, monkeypatch):
     """Streams of different prompt lengths decoding together in the pool (one attention call per layer for their
     rows; gemma3's sliding layers included) give the tokens of a greedy loop over each request's own cache."""
-    from ragcache.kv import KVPool
+    from ragcache.engine.kv import KVPool
 
     monkeypatch.setattr(rc.runner, "batch_invariant", False)  # the shared pool serves the opted-out path
     monkeypatch.setattr(rc.runner, "pool", KVPool(rc.runner.shape, rc.runner.device))
@@ -404,8 +404,8 @@ def test_reduced_precision_matmuls_run_at_a_bounded_set_of_row_counts(monkeypatc
     """On CPU in bf16 torch keeps a compiled kernel per matmul row count with no bound, and every packed step has its
     own count: not batch-invariant, the runner's Linears run at bucketed counts (at most 12.5% padding), and give the
     rows' own results (batch-invariant, at its few row tiles: test_batch_invariance)."""
-    from ragcache.invariant import row_bucket
-    from ragcache.runner import Runner
+    from ragcache.engine.invariant import row_bucket
+    from ragcache.engine.runner import Runner
 
     assert [row_bucket(n) for n in (1, 32, 33, 100, 137, 512, 513)] == [1, 32, 36, 104, 144, 512, 576]
     assert len({row_bucket(n) for n in range(1, 4097)}) == 88
@@ -427,7 +427,7 @@ def test_a_spent_cache_does_not_keep_the_pool_alive():
     """A cache released from the pool holds nothing of it: a caller may keep a spent cache (its Linked result, a
     stream its client left), and a view would keep the whole pool's memory after the pool moved on (a server's
     memory grew by the pool's size every time it was reallocated)."""
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
 
     runner = Runner(tiny.make("llama"), batch_invariant=False)
     caches = [runner.new_cache(8) for _ in range(3)]
@@ -447,7 +447,7 @@ def test_a_spent_cache_does_not_keep_the_pool_alive():
 def test_a_reused_pool_slot_holds_nothing_of_its_last_tenant():
     """A slot's next tenant reads its whole capacity (masked past its length): whatever the last tenant left there,
     a NaN from an fp16 overflow included, must not reach the new request's attention."""
-    from ragcache.runner import Runner
+    from ragcache.engine.runner import Runner
 
     runner = Runner(tiny.make("llama"), batch_invariant=False)
     first, keeper = runner.new_cache(40), runner.new_cache(40)
@@ -574,7 +574,7 @@ def sequence(tokens: int | None = 4, background: bool = False) -> Sequence:
 def run_plan(scheduler: Scheduler, plan, link_rows: dict, fail=()) -> list:
     """Execute a plan as the runner would, without a model: PLACE gives each sequence a plan of `link_rows[seq]`
     rows, a row that needs logits samples token 7 (counted on its FakeDecoding)."""
-    from ragcache.sampling import Step
+    from ragcache.engine.sampling import Step
 
     results = []
     for work in plan.work:

@@ -15,7 +15,7 @@ import torch
 from ragcache.catalog import Catalog
 from ragcache.compiler import Compiler, default_layout
 from ragcache.errors import CorruptEntry, ParameterOutOfRange, StoreError
-from ragcache.runner import Runner
+from ragcache.engine.runner import Runner
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store
 from ragcache.store.entry import ChunkKV, content_problem, decode, encode
@@ -310,7 +310,7 @@ def test_write_shards_cuts_the_stored_whole_entries_once(lm, runner):
 
 
 def test_compile_documents_writes_every_chunks_shards_and_refuses_counts_the_model_cannot_split(lm):
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=8))

@@ -24,7 +24,7 @@ from bench.slow_clients import LimitedServer, attack, closed_by_server, open_slo
 from ragcache.api.app import create_app
 from ragcache.api.connections import Listener, Slots
 from ragcache.api.server import config
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.settings import Settings
 from ragcache.store import open_store

@@ -128,7 +128,7 @@ def tiny_lm():
 
 
 def engine(lm, store, chunk_tokens: int = 16):
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     return RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens))
@@ -735,7 +735,7 @@ def test_gc_unreferenced_spares_entries_written_since_it_began(tmp_path):
 def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     """Entries of the same documents compiled in two forms (kv codecs fp32 and int8, computed in fp32): `stats`
     counts them per form, and `gc --drop-form float32/int8` deletes the int8 ones only; the fp32 ones still serve."""
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     url = f"disk:{tmp_path}"

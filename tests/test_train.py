@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 
 from ragcache import errors
 from ragcache.cli import app
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.infill import FimTokens, build_prompt
 from ragcache.lora import attach_adapter
 from ragcache.store import open_store

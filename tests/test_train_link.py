@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from ragcache import lora, models
 from ragcache.cli import app
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.errors import BadAdapter
 from ragcache.settings import DATA_DIR
 from ragcache.store import open_store

@@ -238,7 +238,7 @@ def eval_cmd(
     show: int = typer.Option(0, "--show", help="print this many predictions"),
 ):
     """Exact match / syntax pass of infilling, standard (PSM) against EFIM with a partial-word increment."""
-    from ..engine import RagCache
+    from ..facade import RagCache
     from .evaluate import evaluate
     from .tasks import build_tasks
 

@@ -47,9 +47,9 @@ from transformers import DynamicCache
 from ragcache.store import open_store
 
 from .. import agreement, linker, loaded, lora, models
-from ..engine import RagCache
+from ..engine import QueryStats
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
-from ..sampling import QueryStats
+from ..facade import RagCache
 from ..settings import DEFAULT_MODEL
 from . import checkpoint, squad
 

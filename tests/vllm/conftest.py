@@ -37,7 +37,7 @@ def store_url(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def engine(store_url):
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
 
     return RagCache.open("smollm2-135m", store=store_url, dtype="float32")
 

@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ragcache import adapters, models
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.errors import BadAdapter, ParameterOutOfRange
 from ragcache.integrations.vllm.engine import lora_engine_args
 from ragcache.integrations.vllm.lora import LinkLora
 from ragcache.integrations.vllm.spec import transfer_config
 from ragcache.integrations.vllm.worker import LinkWorker
-from ragcache.sampling import Sampling
+from ragcache.engine.sampling import Sampling
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"

@@ -13,12 +13,12 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.errors import ParameterOutOfRange
-from ragcache.sequence import Aborted, Done, Piece
+from ragcache.engine.sequence import Aborted, Done, Piece
 from ragcache.integrations.vllm.engine import BACKGROUND
 from ragcache.settings import Settings
-from ragcache.sampling import Sampling
+from ragcache.engine.sampling import Sampling
 from tests import tiny
 
 QUESTION = "Where is the Eiffel Tower, and how tall is it?"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.integrations.vllm.spec import SPEC_KEY, link_request, transfer_config
 from tests import tiny
 from tests.vllm.conftest import connected_llm, run

@@ -7,7 +7,7 @@ import torch
 
 from kernels import torch_ref
 from ragcache.integrations.vllm import paged
-from ragcache.kv import Batch, JoinedCache, Segment, contiguous_start
+from ragcache.engine.kv import Batch, JoinedCache, Segment, contiguous_start
 
 HEADS, KV_HEADS, DIM = 9, 3, 64
 

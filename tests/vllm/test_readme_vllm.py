@@ -160,7 +160,7 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
 
     from bench.adapter import random_adapter
     from ragcache import models
-    from ragcache.engine import RagCache
+    from ragcache.facade import RagCache
     from ragcache.integrations.vllm.spec import link_request
 
     torch.manual_seed(0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.integrations.vllm.spec import LINK_KEY, SPEC_KEY, link_request, transfer_config
 from ragcache.prompt import system_prefix_ids
 from ragcache.compiler import PLAIN

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from ragcache.engine import RagCache
+from ragcache.facade import RagCache
 from ragcache.store.shards import HeadRange
 from tests import tiny
 from tests.redis_server import RedisServer

@@ -22,10 +22,9 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import Field, field_validator
 
 from ragcache import linker
+from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest, Cancelled
 from ragcache.front import Front, Stream, drain
-from ragcache.sampling import Answer
-from ragcache.sequence import apieces, pieces
 from ragcache.settings import DEFAULT_ALGORITHM
 from ragcache.store.keys import document_id
 

@@ -26,8 +26,8 @@ from llama_index.core.bridge.pydantic import Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
+from ragcache.engine import Sequence, apieces
 from ragcache.front import Front
-from ragcache.sequence import Sequence, apieces
 from ragcache.settings import DEFAULT_ALGORITHM
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.

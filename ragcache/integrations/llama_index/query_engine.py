@@ -14,10 +14,9 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache import linker
+from ragcache.engine import Answer, Sequence, apieces
 from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
-from ragcache.sampling import Answer
-from ragcache.sequence import Sequence, apieces
 from ragcache.settings import DEFAULT_ALGORITHM
 from ragcache.store.keys import document_id
 

@@ -28,12 +28,11 @@ import torch
 
 from ragcache import adapters, guard, infill, linker, loaded, models
 from ragcache.compiler import PLAIN, Compiler
+from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
-from ragcache.sampling import Answer, QueryStats, Sampling
-from ragcache.sequence import Aborted, Done, Event, Failed, Piece, ignore, pieces
 from ragcache.settings import INSTALLED, EngineConfig
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, per_process
@@ -425,7 +424,7 @@ async def _shutdown(llm) -> None:
 
 
 class VllmStream:
-    """ragcache's Sequence (ragcache.sequence) over one vLLM request: iterate for text pieces, or `open(listener)`
+    """ragcache's Sequence (ragcache.engine.sequence) over one vLLM request: iterate for text pieces, or `open(listener)`
     for its events: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`."""
 
     def __init__(

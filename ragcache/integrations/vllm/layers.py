@@ -21,9 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ragcache import invariant
-from ragcache.kv import Batch, KVPool, ModelShape
-from ragcache.runner import Part, Runner, rope_table
+from ragcache.engine import Batch, Invariance, KVPool, ModelShape, Part, Runner, rope_table
 from ragcache.store.shards import HeadRange
 
 from . import paged
@@ -56,7 +54,7 @@ class VllmRunner(Runner):
         self.pool = KVPool(self.shape, self.device)
         # a link inside vLLM runs one request's rows alone: no other request's rows share its forward
         self.batch_invariant = False
-        self.invariance = invariant.OFF  # vLLM's modules: its own kernels, the rows as they come
+        self.invariance = Invariance("off")  # vLLM's modules: its own kernels, the rows as they come
         self.kernel = paged.kernel_for(
             attention.num_heads, attention.num_kv_heads, attention.head_dim, dtype, self.device
         )

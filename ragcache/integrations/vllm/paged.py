@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ragcache.kv import Batch, Segment
+from ragcache.engine import Batch, Segment
 
 BLOCK = 128  # positions per block of the copy (a multiple of 32, as the CPU kernel requires)
 

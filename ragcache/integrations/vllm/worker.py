@@ -14,8 +14,8 @@ import torch
 from ragcache import linker, loaded, models
 from ragcache.catalog import Catalog
 from ragcache.compiler import PLAIN, Compiler, default_layout, sink_layout
+from ragcache.engine import JoinedCache
 from ragcache.errors import BadAdapter, StoreError
-from ragcache.kv import JoinedCache
 from ragcache.settings import DEFAULT_STORE
 from ragcache.store import open_store
 from ragcache.store.codec import native as native_kv_codec

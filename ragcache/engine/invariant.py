@@ -31,7 +31,7 @@ import torch
 
 import ragcache.kernels as kernels
 
-from .errors import BatchInvarianceUnavailable
+from ..errors import BatchInvarianceUnavailable
 
 log = logging.getLogger("ragcache")
 

@@ -18,15 +18,15 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Protocol
 
-from .errors import Cancelled
+from ..errors import Cancelled
+from ..linker import Linked, LinkInput, LinkParams, LinkPlan
 from .kv import JoinedCache
-from .linker import Linked, LinkInput, LinkParams, LinkPlan
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
 
 
 class Handoff(Protocol):
-    """Where an opened sequence goes: the driver (ragcache.driver), which imports this module."""
+    """Where an opened sequence goes: the driver (ragcache.engine.driver), which imports this module."""
 
     def submit(self, sequence: Sequence) -> None: ...
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .settings import DEFAULT_PREFIX_BUDGET
+from ..settings import DEFAULT_PREFIX_BUDGET
 
 
 @dataclass

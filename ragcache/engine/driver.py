@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import errors
+from .. import errors
 from .allocator import return_free_memory
 from .runner import Runner
 from .scheduler import Scheduler, StepPlan

@@ -12,8 +12,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .errors import ParameterOutOfRange
-from .loaded import LoadedModel
+from ..errors import ParameterOutOfRange
+from ..loaded import LoadedModel
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The one layer loop: a RoPE decoder driven layer by layer over the *selected rows* of one or more joined caches
-(ragcache.kv). Linking, focus's question pass, CacheBlend's narrowing and every decode step run through
+(ragcache.engine.kv). Linking, focus's question pass, CacheBlend's narrowing and every decode step run through
 `Runner.forward`.
 
 The model's own modules do all the math (embeddings, decoder layers, norms, lm_head, rotary tables). The decoder
@@ -26,11 +26,12 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import ragcache.kernels as kernels
 
-from . import invariant, linker
-from .errors import ParameterOutOfRange
+from .. import linker
+from ..errors import ParameterOutOfRange
+from ..loaded import LoadedModel
+from . import invariant
 from .graphs import DecodeGraphs
 from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
-from .loaded import LoadedModel
 from .scheduler import Kind, StepPlan, StepResult, Work
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
@@ -100,7 +101,7 @@ class Runner:
 
     `batch_invariant` (the default on CPU): a row's result does not depend on the other rows of its forward, bit for
     bit, so a request's greedy tokens are the same alone or packed with others (research/batch_invariance.md). The
-    model's Linears and norms reduce a row in one fixed order whatever the row count (ragcache.invariant: probed row
+    model's Linears and norms reduce a row in one fixed order whatever the row count (ragcache.engine.invariant: probed row
     tiles on CPU, where a forward pads its rows to a whole smallest tile with rows of no request, fixed-tile Triton
     kernels on CUDA); every decode row attends over its own slot of a pool of caches of its own capacity bucket,
     whole (`kv.BucketPools`, on CPU; on CUDA a call per row), since the shared pool's call (`kv.PooledRows`) reads a
@@ -136,7 +137,7 @@ class Runner:
         # where the decoding requests' caches go (`execute` moves them in when they start decoding): kv.DECODE
         self.decode = decode_strategy(self.device, self.batch_invariant)
         self.pool: Pools = DECODE[self.decode](self.shape, self.device)
-        # decode-only steps over the pool with fixed shapes, replayed from CUDA graphs (ragcache.graphs); None: on
+        # decode-only steps over the pool with fixed shapes, replayed from CUDA graphs (ragcache.engine.graphs); None: on
         # on CUDA wherever the decode is pooled
         on_cuda = self.device.type == "cuda"
         if decode_graphs and self.decode != "pooled":

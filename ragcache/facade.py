@@ -18,19 +18,28 @@ from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
-from . import adapters, copies, guard, infill, linker, loaded, lora, models, sequence
+from . import adapters, guard, infill, linker, loaded, lora, models
 from .catalog import EnsureReport
 from .compiler import PLAIN, Compiler, Layout
-from .driver import Driver
+from .engine import (
+    Decoding,
+    Done,
+    Driver,
+    Failed,
+    PrefixCache,
+    QueryStats,
+    Runner,
+    Scheduler,
+    Sequence,
+    Staged,
+    eos_ids,
+    prefetch_for,
+    wait,
+)
 from .errors import Cancelled, ParameterOutOfRange
 from .front import Front
 from .linker import Linked, LinkInput, LinkParams
-from .prefix_cache import PrefixCache
 from .request import Infill, Query
-from .runner import Runner
-from .sampling import Decoding, QueryStats, eos_ids
-from .scheduler import Scheduler
-from .sequence import Done, Failed, Sequence
 from .settings import (
     DEFAULT_MODEL,
     DEFAULT_STORE,
@@ -80,7 +89,7 @@ class RagCache(Front):
         self.infill_cache = PrefixCache(config.prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant, link_row_budget)
         self.driver = Driver(self.runner, self.scheduler)
-        self.prefetch = copies.prefetch_for(self.runner.device, config.prefetch_bytes)
+        self.prefetch = prefetch_for(self.runner.device, config.prefetch_bytes)
         self.stop_ids = eos_ids(lm)
 
     @classmethod
@@ -191,12 +200,12 @@ class RagCache(Front):
 
     def _prefetch(self, parts: LinkInput, stats: QueryStats) -> None:
         """On CUDA, the entries in host memory start crossing to the GPU now, while the model thread runs other
-        requests' steps, rather than at this request's link (copies.Prefetch)."""
+        requests' steps, rather than at this request's link (Prefetch)."""
         if self.prefetch is None or not parts.chunk_entries:
             return
         head = [parts.prefix_entry] if parts.prefix_entry is not None else []
         entries = self.prefetch.stage([*head, *parts.chunk_entries])
-        stats.prefetched_chunks = sum(isinstance(e, copies.Staged) for e in entries)
+        stats.prefetched_chunks = sum(isinstance(e, Staged) for e in entries)
         parts.prefix_entry = entries[0] if head else None
         parts.chunk_entries = entries[len(head) :]
 
@@ -249,7 +258,7 @@ class RagCache(Front):
         )
         if stats is not None:
             seq.stats = stats
-        last = sequence.wait(seq, timeout)
+        last = wait(seq, timeout)
         if isinstance(last, Failed):
             raise last.error
         if not isinstance(last, Done):

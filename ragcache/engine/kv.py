@@ -40,7 +40,7 @@ class JoinedCache:
         self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
-        # placing in flight (ragcache.copies): an event per layer on the copy stream, and the entries copied from
+        # placing in flight (ragcache.engine.copies): an event per layer on the copy stream, and the entries copied from
         self.pending: list | None = None
         self.holds: list = []
 

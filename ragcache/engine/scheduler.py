@@ -21,8 +21,8 @@ from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
+from ..settings import DEFAULT_ROW_BUDGET
 from .sequence import Output, Sequence, Status
-from .settings import DEFAULT_ROW_BUDGET
 
 
 class Kind(enum.Enum):

@@ -1,0 +1,113 @@
+"""The engine: everything that runs on the model thread, and the one boundary the rest of ragcache crosses.
+
+A request becomes a `Sequence`; the `Driver`'s thread steps it: `Scheduler.schedule()` plans a step (rows of links,
+decodes), the `Runner` executes it (the one layer loop, over `kv`'s joined caches and pools, with `graphs` for
+decode-only steps and `copies` placing entries on the device), `Scheduler.update` turns outputs into events, and
+`sampling` picks tokens. `prefix_cache` keeps the system prompts' K/V, `invariant` makes a row's result independent
+of its step's other rows, `allocator` returns freed memory.
+
+Code outside this folder imports the names below from `ragcache.engine`, never a module inside it (tests/test_imports
+checks it). Names load lazily, as `ragcache`'s own do, so that importing one does not pull the model's stack."""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import TYPE_CHECKING
+
+_HOMES = {
+    "map_large_blocks": "allocator",
+    "return_free_memory": "allocator",
+    "Prefetch": "copies",
+    "Staged": "copies",
+    "place": "copies",
+    "prefetch_for": "copies",
+    "Driver": "driver",
+    "DecodeGraphs": "graphs",
+    "Invariance": "invariant",
+    "Batch": "kv",
+    "JoinedCache": "kv",
+    "KVPool": "kv",
+    "ModelShape": "kv",
+    "Segment": "kv",
+    "Hit": "prefix_cache",
+    "PrefixCache": "prefix_cache",
+    "Part": "runner",
+    "Runner": "runner",
+    "cache_argument": "runner",
+    "rope_table": "runner",
+    "Answer": "sampling",
+    "Decoding": "sampling",
+    "QueryStats": "sampling",
+    "Sampling": "sampling",
+    "eos_ids": "sampling",
+    "Scheduler": "scheduler",
+    "Aborted": "sequence",
+    "Done": "sequence",
+    "Event": "sequence",
+    "Failed": "sequence",
+    "Piece": "sequence",
+    "Sequence": "sequence",
+    "Status": "sequence",
+    "apieces": "sequence",
+    "ignore": "sequence",
+    "pieces": "sequence",
+    "wait": "sequence",
+}
+__all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
+    "Aborted",
+    "Answer",
+    "Batch",
+    "DecodeGraphs",
+    "Decoding",
+    "Done",
+    "Driver",
+    "Event",
+    "Failed",
+    "Hit",
+    "Invariance",
+    "JoinedCache",
+    "KVPool",
+    "ModelShape",
+    "Part",
+    "Piece",
+    "Prefetch",
+    "PrefixCache",
+    "QueryStats",
+    "Runner",
+    "Sampling",
+    "Scheduler",
+    "Segment",
+    "Sequence",
+    "Staged",
+    "Status",
+    "apieces",
+    "cache_argument",
+    "eos_ids",
+    "ignore",
+    "map_large_blocks",
+    "pieces",
+    "place",
+    "prefetch_for",
+    "return_free_memory",
+    "rope_table",
+    "wait",
+]
+
+if TYPE_CHECKING:
+    from .allocator import map_large_blocks, return_free_memory
+    from .copies import Prefetch, Staged, place, prefetch_for
+    from .driver import Driver
+    from .graphs import DecodeGraphs
+    from .invariant import Invariance
+    from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment
+    from .prefix_cache import Hit, PrefixCache
+    from .runner import Part, Runner, cache_argument, rope_table
+    from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids
+    from .scheduler import Scheduler
+    from .sequence import Aborted, Done, Event, Failed, Piece, Sequence, Status, apieces, ignore, pieces, wait
+
+
+def __getattr__(name: str):
+    if name in _HOMES:
+        return getattr(import_module(f".{_HOMES[name]}", __name__), name)
+    raise AttributeError(f"module 'ragcache.engine' has no attribute {name!r}")
