@@ -73,14 +73,8 @@ class Context:
         """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
         defaults for what the request leaves out. In a worker thread: validating hashes every raw text (64 of
         200k characters take tens of milliseconds), which would stall every other request on the loop."""
-        s, link = self.settings, link or LinkOptions()
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
-        params = self.rc.params(
-            link.algorithm or s.algorithm,
-            s.k if link.k is None else link.k,
-            s.ratio if link.ratio is None else link.ratio,
-            deviation=link.deviation or "key",
-        )
+        params = self.rc.resolve(self.settings, link or LinkOptions())  # the request's knobs over the server's
         answer = Sampling(
             self.max_tokens(sampling.max_tokens),
             sampling.temperature,

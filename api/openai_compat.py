@@ -90,7 +90,7 @@ def list_models(request: Request) -> ModelList:
     c = ctx(request)
     profile, adapter = c.rc.profile, c.rc.lm.adapter  # the adapter's own calibration is `profile`
     link = {
-        "default_algorithm": c.settings.algorithm,
+        "default_algorithm": c.rc.resolve(c.settings).algorithm,  # what a request naming none links with
         "default_k": c.rc.default_k,
         "default_focus_ratio": c.rc.default_focus_ratio,
         "calibrated": profile is not None and profile.k is not None,

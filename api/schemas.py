@@ -10,10 +10,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ragcache.linker import ALGORITHMS, DEVIATIONS
+from ragcache import linker
+from ragcache.linker import ALGORITHMS
 from ragcache.store.keys import is_document_id
-
-Algorithm = Literal[ALGORITHMS]  # type: ignore[valid-type]
 
 
 class Strict(BaseModel):
@@ -142,23 +141,12 @@ class ErrorResponse(BaseModel):
 
 
 # -- generation parameters shared by every answering route --------------------------------------------
-class LinkOptions(Strict):
-    algorithm: Algorithm | None = Field(None, description=f"one of {', '.join(ALGORITHMS)} (default: settings)")
-    k: int | None = Field(
-        None, ge=0, le=1 << 20, strict=True, description="legolink: tokens recomputed at each chunk start"
-    )
-    ratio: float | None = Field(
-        None,
-        ge=0.0,
-        le=1.0,
-        allow_inf_nan=False,
-        strict=True,
-        description="focus, cacheblend: "
-        "fraction of chunk tokens recomputed (focus: the model's calibrated ratio, else 0.25)",
-    )
-    deviation: Literal[DEVIATIONS] | None = Field(  # type: ignore[valid-type]  # DEVIATIONS: the linker's tuple
-        None,
-        description="cacheblend: rank rows by K (default) or V deviation",
+class LinkOptions(Strict, linker.LinkOptions):
+    """A request's link knobs (ragcache.settings.LinkKnobs: every knob, declared there), unknown fields refused; the
+    schema lists the algorithms' names."""
+
+    model_config = ConfigDict(
+        json_schema_extra=lambda schema: schema["properties"]["algorithm"].update(enum=[*ALGORITHMS, None])
     )
 
 

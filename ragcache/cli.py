@@ -5,11 +5,15 @@ Exit codes scripts can rely on: 0 ok, 1 internal/store failure, 2 usage error, 3
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import os
 import time
+import typing
 from pathlib import Path
+from typing import Annotated, Literal
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -23,7 +27,7 @@ from ragcache.train.cli import train_app
 from . import fetch, lora, request
 from .console import console, err, fail
 from .errors import BadRequest, ParameterOutOfRange, RagCacheError
-from .settings import DATA_DIR, DEFAULT_STORE, load_settings
+from .settings import DATA_DIR, DEFAULT_STORE, LinkKnobs, load_settings
 
 app = typer.Typer(
     help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -61,6 +65,39 @@ KvCodecOption = typer.Option(
     "(default: settings, auto: int8 on CPU, the compute dtype "
     "elsewhere)",
 )
+
+
+def link_options(command):
+    """One --option per link knob (settings.LinkKnobs, with its help text), handed to the command whole as its
+    `link` parameter: a knob declared there reaches every command that takes link knobs, with no edit here."""
+    knobs = [
+        inspect.Parameter(
+            name,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation=Annotated[_option_type(field.annotation) | None, typer.Option(help=field.description)],
+        )
+        for name, field in LinkKnobs.model_fields.items()
+    ]
+    signature = inspect.signature(command)
+    others = [p for p in signature.parameters.values() if p.name != "link"]
+
+    @functools.wraps(command)
+    def with_knobs(*args, **kwargs):
+        try:  # a knob out of range fails here, before the model loads
+            link = LinkKnobs.of(**{name: kwargs.pop(name) for name in LinkKnobs.model_fields})
+        except RagCacheError as exc:
+            fail(exc)
+        return command(*args, link=link, **kwargs)
+
+    with_knobs.__signature__ = signature.replace(parameters=[*others, *knobs])
+    return with_knobs
+
+
+def _option_type(annotation) -> type:
+    """A knob's type as a command-line option takes it: the type it allows besides None, text for a choice."""
+    base = next(a for a in typing.get_args(annotation) or (annotation,) if a is not type(None))
+    return str if typing.get_origin(base) is Literal else base
 
 
 def _open(
@@ -315,6 +352,7 @@ def _doc_argument(value: str) -> str | dict:
 
 
 @app.command()
+@link_options
 def query(
     question: str = typer.Argument(..., help="the question"),
     doc: list[str] = typer.Option(
@@ -324,13 +362,7 @@ def query(
         help="path to a text or PDF file that exists, or the id of a "
         "compiled document (32 hex, as `compile` prints); repeatable",
     ),
-    algorithm: str = typer.Option(
-        None, help="focus (default) | full | naive | cacheblend | legolink | legolink0 | prefix"
-    ),
-    k: int = typer.Option(None, help="legolink: tokens recomputed at the start of each chunk"),
-    ratio: float = typer.Option(
-        None, help="focus, cacheblend: fraction of chunk tokens recomputed (focus: the calibrated ratio, else 0.25)"
-    ),
+    link: LinkKnobs = LinkKnobs(),  # noqa: B008 - filled in by @link_options
     system: str = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(None, min=1, help="tokens to generate (default: settings, 64)"),
     stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
@@ -353,9 +385,7 @@ def query(
             question,
             docs,
             system=system,
-            algorithm=algorithm or s.algorithm,
-            k=s.k if k is None else k,
-            ratio=s.ratio if ratio is None else ratio,
+            **{**s.given(), **link.given()},  # the command's knobs over the settings'
             max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
         )
         for piece in result:

@@ -102,8 +102,8 @@ class RagCache(Front):
     @classmethod
     def from_settings(cls, s: Settings) -> Front:
         """The engine the CLI and the server open: every knob from one Settings (flags > env > file > defaults).
-        Their default algorithm is checked first: a typo would make every request that names none a client error."""
-        linker.algorithm(s.algorithm)
+        Their default link knobs are checked first: a typo would make every request that names none a client error."""
+        linker.LinkOptions(**s.knobs())
         return cls.from_config(s.engine_config())
 
     @classmethod

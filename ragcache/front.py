@@ -23,9 +23,7 @@ from .engine import Answer, QueryStats, Sampling
 from .errors import ParameterOutOfRange, PromptTooLong
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
-from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K
-
-LINK_KNOBS = ("algorithm", "k", "ratio", "check_layer", "deviation")  # `Front.params`'
+from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
 
 
 @dataclass
@@ -304,20 +302,20 @@ class Front(abc.ABC):
         return ids
 
     # -- requests -------------------------------------------------------------------------------------
-    def params(
-        self,
-        algorithm: str = DEFAULT_ALGORITHM,
-        k: int | None = None,
-        ratio: float | None = None,
-        check_layer: int = DEFAULT_CHECK_LAYER,
-        deviation: str = "key",
-    ) -> LinkParams:
-        """A link's parameters, the unset ones from this model's profile (`ragcache calibrate`): its k for legolink,
-        its focus ratio for focus; else the linker's defaults."""
-        known = linker.TABLE.get(algorithm)
-        if ratio is None and known is not None and known.scores:  # focus's
-            ratio = self.default_focus_ratio
-        return LinkParams(algorithm, self.default_k if k is None else k, ratio, check_layer, deviation)
+    def params(self, algorithm: str | None = None, /, **knobs) -> LinkParams:
+        """A link's parameters from knobs by name (settings.LinkKnobs'; the algorithm may come first): `resolve`."""
+        return self.resolve(LinkKnobs.of(**{"algorithm": algorithm, **knobs}))
+
+    def resolve(self, *layers: LinkKnobs) -> LinkParams:
+        """A link's parameters from layers of knobs, a later layer's set knobs winning (the server's settings, then
+        the request's); what none sets comes from this model's profile (`ragcache calibrate`): its k, and its focus
+        ratio for an algorithm that scores rows by the question; then the linker's defaults (LinkParams)."""
+        given: dict = {}
+        for layer in layers:
+            given.update(layer.given())
+        known = linker.TABLE.get(given.setdefault("algorithm", DEFAULT_ALGORITHM))
+        profile = {"k": self.default_k, **({"ratio": self.default_focus_ratio} if known and known.scores else {})}
+        return LinkParams(**{**profile, **given})
 
     def validate(
         self,
@@ -336,9 +334,9 @@ class Front(abc.ABC):
     def stream(
         self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED, **knobs
     ) -> Stream:
-        """The answer as a Stream of text pieces. `knobs`: the link's (`params`: algorithm, k, ratio, check_layer,
-        deviation) and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
-        link = self.params(**{name: knobs.pop(name) for name in LINK_KNOBS if name in knobs})
+        """The answer as a Stream of text pieces. `knobs`: the link's (settings.LinkKnobs: algorithm, k, ratio, ...)
+        and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
+        link = self.params(**{name: knobs.pop(name) for name in LinkKnobs.model_fields if name in knobs})
         return self.stream_query(self.validate(question, docs, system, link, Sampling(**knobs), limits))
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:

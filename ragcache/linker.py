@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from pydantic import field_validator
 
 import ragcache.kernels as kernels
 from ragcache.store.entry import ChunkKV
@@ -38,7 +39,15 @@ from ragcache.store.entry import ChunkKV
 from .engine import Hit, JoinedCache, ModelShape, PrefixCache, Staged
 from .engine import place as place_entries
 from .errors import ParameterOutOfRange, UnknownAlgorithm
-from .settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_FOCUS_RATIO, DEFAULT_K, DEFAULT_RATIO
+from .settings import (
+    DEFAULT_ALGORITHM,
+    DEFAULT_CHECK_LAYER,
+    DEFAULT_FOCUS_RATIO,
+    DEFAULT_K,
+    DEFAULT_RATIO,
+    DEVIATIONS,
+    LinkKnobs,
+)
 
 
 class Runner(Protocol):
@@ -61,10 +70,9 @@ class Runner(Protocol):
 
 
 FOCUS_SINKS = 4  # each chunk's own attention sink and its neighbours deviate most from full (docs/ACCURACY.md)
-DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
 
 
-@dataclass
+@dataclass(frozen=True)
 class LinkParams:
     algorithm: str = DEFAULT_ALGORITHM
     k: int = DEFAULT_K
@@ -75,7 +83,7 @@ class LinkParams:
     def __post_init__(self) -> None:
         if self.ratio is None:
             known = TABLE.get(self.algorithm)  # an unknown name is refused by validate()
-            self.ratio = known.default_ratio if known is not None else DEFAULT_RATIO
+            object.__setattr__(self, "ratio", known.default_ratio if known is not None else DEFAULT_RATIO)
 
     def validate(self, num_layers: int) -> None:
         algorithm(self.algorithm)
@@ -362,3 +370,13 @@ def algorithm(name: str) -> Algorithm:
         return TABLE[name]
     except (KeyError, TypeError):
         raise UnknownAlgorithm(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None
+
+
+class LinkOptions(LinkKnobs):
+    """The link knobs as a door takes them from a caller (REST, llama-index, LangChain): the algorithm's name is
+    checked as it is set, and an unknown one is UnknownAlgorithm, naming the choices."""
+
+    @field_validator("algorithm")
+    @classmethod
+    def _known(cls, name: str | None) -> str | None:
+        return None if name is None else algorithm(name).name

@@ -6,14 +6,18 @@ ragcache/store (it imports nothing from ragcache) and are re-exported here."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
+from ragcache.errors import ParameterOutOfRange
 from ragcache.store.base import (  # noqa: F401 - re-exported: the defaults are read from settings
     DEFAULT_DISK_BUDGET,
     DEFAULT_MAX_RETRY_AFTER_S,
@@ -56,6 +60,69 @@ DEFAULT_K = 16
 DEFAULT_RATIO = 0.15  # cacheblend's
 DEFAULT_FOCUS_RATIO = 0.25  # keeps full's F1 on the 1.5B reader (n = 1000) and agrees on 0.90 of first tokens
 DEFAULT_CHECK_LAYER = 1
+DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
+
+
+class LinkKnobs(BaseModel):
+    """Every knob a caller may set on a link, declared once. The doors take it whole or derive from it: the REST
+    schemas (api/schemas.LinkOptions), Settings, `Front.stream`/`Front.params`, the CLI (`cli.link_options`),
+    llama-index's and LangChain's models; the linker's `LinkParams` holds the same names resolved. None leaves a knob
+    to the next default: the server's settings, then the model's calibrated profile (k, the focus ratio), then the
+    linker's (DEFAULT_ALGORITHM, DEFAULT_K, ...). Numbers are strict: a JSON true or "3" is no number."""
+
+    algorithm: str | None = Field(
+        default=None, description=f"link algorithm (README: Algorithms; default: {DEFAULT_ALGORITHM})"
+    )
+    k: int | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 20,
+        strict=True,
+        description=f"legolink: tokens recomputed at each chunk start (default: the model's calibrated k, else {DEFAULT_K})",
+    )
+    ratio: float | None = Field(
+        default=None,
+        ge=0.0,
+        le=1.0,
+        allow_inf_nan=False,
+        strict=True,
+        description="focus, cacheblend: share of chunk tokens recomputed (default: focus the model's calibrated "
+        f"ratio, else {DEFAULT_FOCUS_RATIO}; cacheblend {DEFAULT_RATIO})",
+    )
+    check_layer: int | None = Field(
+        default=None,
+        ge=0,
+        strict=True,
+        description=f"cacheblend: the layer whose deviation picks the rows (default: {DEFAULT_CHECK_LAYER})",
+    )
+    deviation: Literal[DEVIATIONS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="cacheblend: rank rows by K (key, the default) or V (value) deviation"
+    )
+
+    @classmethod
+    def of(cls, **named) -> LinkKnobs:
+        """From keywords, as the Python API takes them: an unknown name or a value out of range is a typed error
+        (ParameterOutOfRange, a 422 at the API) that names the knob."""
+        unknown = set(named) - set(cls.model_fields)
+        if unknown:
+            raise ParameterOutOfRange(
+                f"unknown link knob(s) {sorted(unknown)}; the knobs: {', '.join(cls.model_fields)}"
+            )
+        try:
+            return cls(**named)
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            name, why = problem["loc"][0], problem["msg"].removeprefix("Input should be ")
+            raise ParameterOutOfRange(f"{name} must be {why}, got {problem['input']!r}") from None
+
+    def knobs(self) -> dict:
+        """Every knob by name, None where unset (on a model that inherits these fields among others too)."""
+        return {name: getattr(self, name) for name in LinkKnobs.model_fields}
+
+    def given(self) -> dict:
+        """The knobs set (not None), by name."""
+        return {name: value for name, value in self.knobs().items() if value is not None}
+
 
 DEFAULT_TARGET = 0.95  # first-token agreement with full that calibration aims for and the guard warns below
 DEFAULT_WINDOW = 200  # guard checks per (model, algorithm) in the sliding agreement fraction
@@ -138,7 +205,7 @@ def config_path() -> Path:
     return Path(os.environ.get("RAGCACHE_CONFIG", "ragcache.toml"))
 
 
-class Settings(BaseSettings):
+class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, ...): the server's defaults
     model_config = SettingsConfigDict(env_prefix="RAGCACHE_", extra="ignore")
 
     model: str = Field(DEFAULT_MODEL, description="built-in name, transformers directory or hub id")
@@ -239,15 +306,6 @@ class Settings(BaseSettings):
         description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
         "fp32, fp16, bf16 or int8 (see README: KV codecs)",
     )
-    algorithm: str = Field(DEFAULT_ALGORITHM, description="link algorithm (README: Algorithms)")
-    k: int | None = Field(None, ge=0, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(
-        None,
-        ge=0.0,
-        le=1.0,
-        description="focus: share of chunk tokens recomputed (default: "
-        "the model's calibrated focus ratio, else 0.25); cacheblend: the same (default 0.15)",
-    )
     max_new_tokens: int = Field(64, ge=1)
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
@@ -323,6 +381,17 @@ class Settings(BaseSettings):
         64, ge=2, le=256, description="objects and arrays nested in one another in a request body; deeper is a 422"
     )
     max_new_tokens_limit: int = Field(1024, ge=1)
+
+    @field_validator(*LinkKnobs.model_fields, mode="before")
+    @classmethod
+    def _knob_from_text(cls, value):
+        """The environment and the config file give text; the knobs' numbers are strict (for JSON's sake)."""
+        if isinstance(value, str):
+            with contextlib.suppress(ValueError):
+                number = json.loads(value)
+                if isinstance(number, int | float) and not isinstance(number, bool):
+                    return number
+        return value
 
     @model_validator(mode="after")
     def _engine_options(self) -> Settings:

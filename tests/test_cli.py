@@ -45,9 +45,9 @@ def test_compile_twice_then_query_by_path(tmp_path):
 PAUSED_COMPILE = """
 import pathlib, signal, sys, time
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from ragcache import engine
+from ragcache import facade
 ready = pathlib.Path(sys.argv.pop(1))
-compile_chunks = engine.RagCache._compile
+compile_chunks = facade.RagCache._compile
 compiled = []
 def paused(self, chunks, layout):
     stored = compile_chunks(self, chunks, layout)
@@ -56,7 +56,7 @@ def paused(self, chunks, layout):
         ready.touch()
         time.sleep(3600)
     return stored
-engine.RagCache._compile = paused
+facade.RagCache._compile = paused
 from ragcache.cli import main
 main()
 """
@@ -103,6 +103,8 @@ def test_bad_input_exit_codes(tiny_cli, tmp_path):
     (tmp_path / "note.txt").write_text("some text")
     algo = tiny_cli("query", "what?", "--doc", tmp_path / "note.txt", "--algorithm", "magic", "--store", "memory:")
     assert algo.exit_code == 3 and "unknown algorithm" in algo.text
+    knob = tiny_cli("query", "what?", "--doc", tmp_path / "note.txt", "--ratio", "1.5", "--store", "memory:")
+    assert knob.exit_code == 3 and "ratio must be less than or equal to 1" in knob.text
 
 
 def test_inputs_are_checked_before_the_model_loads(tiny_cli, tmp_path):

@@ -12,6 +12,7 @@ from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ragcache.errors import BadAdapter, StoreError
+from ragcache.linker import LinkParams
 from ragcache.integrations.vllm.connector import LinkStats, RagcacheConnector
 from ragcache.integrations.vllm.spec import LINK_FIELDS, LINK_KEY, SPEC_KEY, LinkSpec, Load, transfer_config
 
@@ -95,7 +96,7 @@ def test_the_salt_names_everything_that_changes_the_linked_kv():
 def test_a_question_scored_link_is_salted_with_its_question():
     """focus picks its rows by the question: two questions over the same documents link two caches, which vLLM's
     prefix cache must keep apart (the salt is hashed into the first block, so every linked block differs)."""
-    from ragcache.linker import LinkInput, LinkParams
+    from ragcache.linker import LinkInput
 
     def spec(question_ids, algorithm="focus"):
         return LinkSpec.of_parts(LinkInput(list(range(5)), [list(range(20)), list(range(30))], question_ids),

@@ -19,24 +19,24 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, field_validator
+from pydantic import Field
 
-from ragcache import linker
 from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest, Cancelled
 from ragcache.front import Front, Stream, drain
-from ragcache.settings import DEFAULT_ALGORITHM
+from ragcache.linker import LinkOptions
+from ragcache.settings import LinkKnobs
 from ragcache.store.keys import document_id
 
 from .documents import document_text
 
 # Per-call overrides `invoke(messages, **kwargs)` accepts besides `stop` and `documents`
-_OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p", "seed")
+_OVERRIDES = (*LinkKnobs.model_fields, "max_new_tokens", "temperature", "top_p", "seed")
 # what LangChain itself passes along to a model: `stream`, which chooses the path that calls here
 _IGNORED = ("stream",)
 
 
-class ChatRagCache(BaseChatModel):
+class ChatRagCache(BaseChatModel, LinkOptions):
     """A chat is one question from documents: an optional system message, then one human message. The documents
     are the call's `documents=[Document | str, ...]` keyword argument, else what `retriever` returns for the
     question (wrap it in RagCacheRetriever to compile and prefetch them), else none; their `page_content` is linked
@@ -45,31 +45,19 @@ class ChatRagCache(BaseChatModel):
     The AIMessage's `response_metadata` holds the query's QueryStats.as_dict() (ttft_s, cached_tokens,
     recomputed_tokens, finish_reason, ...), "doc_ids" (one per linked document) and "model_name"; its
     `usage_metadata` the token counts, the linked cache's tokens as `input_token_details["cache_read"]`. Streaming,
-    the last chunk carries them. Per-call keyword arguments (algorithm, k, ratio, max_new_tokens, temperature,
-    top_p, seed) override the fields. The async methods keep the event loop free while the engine works, and a
+    the last chunk carries them. Per-call keyword arguments (the link knobs: algorithm, k, ratio, ...;
+    max_new_tokens, temperature, top_p, seed) override the fields. The async methods keep the event loop free while the engine works, and a
     caller that stops reading a stream, or whose task is cancelled, stops the generation."""
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever | None = Field(
         default=None, exclude=True, description="where a call without `documents` gets them"
     )
-    algorithm: str = DEFAULT_ALGORITHM
-    k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(
-        default=None,
-        description="focus or cacheblend: share of chunk tokens recomputed "
-        "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)",
-    )
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
     stop: list[str] | None = None
     seed: int | None = None
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known(cls, algorithm: str) -> str:
-        return linker.algorithm(algorithm).name
 
     @property
     def _llm_type(self) -> str:
@@ -83,9 +71,7 @@ class ChatRagCache(BaseChatModel):
     def _identifying_params(self) -> dict[str, Any]:
         return {
             "model_name": self.model_name,
-            "algorithm": self.algorithm,
-            "k": self.k,
-            "ratio": self.ratio,
+            **self.knobs(),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -183,9 +169,7 @@ class ChatRagCache(BaseChatModel):
         system, question = chat_question(messages)
         args = dict(
             system=system,
-            algorithm=self.algorithm,
-            k=self.k,
-            ratio=self.ratio,
+            **self.knobs(),
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -28,13 +28,14 @@ from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import Sequence, apieces
 from ragcache.front import Front
-from ragcache.settings import DEFAULT_ALGORITHM
+from ragcache.linker import LinkOptions
+from ragcache.settings import LinkKnobs
 
 # Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
-_OVERRIDES = ("algorithm", "k", "ratio", "max_new_tokens", "temperature", "top_p", "stop", "seed", "system")
+_OVERRIDES = (*LinkKnobs.model_fields, "max_new_tokens", "temperature", "top_p", "stop", "seed", "system")
 
 
-class RagCacheLLM(CustomLLM):
+class RagCacheLLM(CustomLLM, LinkOptions):
     """`complete(prompt)` is rc.query(prompt, docs=[], system=llm.system_prompt); the CompletionResponse carries the
     QueryStats (as a dict) in `raw["stats"]` (streaming: on a last response with an empty delta). `chat` goes through
     `messages_to_prompt`; per-call keyword arguments (max_new_tokens, temperature, stop, ...) override the fields.
@@ -45,7 +46,6 @@ class RagCacheLLM(CustomLLM):
     computes the prompt, which is what `full` computes too."""
 
     rc: Front = Field(exclude=True, description="the engine that generates")
-    algorithm: str = DEFAULT_ALGORITHM
     max_new_tokens: int = 256
     temperature: float = 0.0
     top_p: float = 1.0
@@ -104,7 +104,7 @@ class RagCacheLLM(CustomLLM):
         if not formatted:
             prompt = self.completion_to_prompt(prompt)
         args = dict(
-            algorithm=self.algorithm,
+            **self.knobs(),
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -9,15 +9,14 @@ from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ragcache import linker
 from ragcache.engine import Answer, Sequence, apieces
 from ragcache.front import Front, drain
 from ragcache.guard import BackgroundGuard
-from ragcache.settings import DEFAULT_ALGORITHM
+from ragcache.linker import LinkOptions
 from ragcache.store.keys import document_id
 
 from .nodes import node_text
@@ -25,7 +24,7 @@ from .nodes import node_text
 _DONE = object()
 
 
-class RagCacheQueryEngine(CustomQueryEngine):
+class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     """Answers with the ragcache engine instead of a prompt-stuffing synthesizer: the retrieved nodes' texts are the
     linked documents, in retrieval order, and the question is the query string.
 
@@ -37,13 +36,6 @@ class RagCacheQueryEngine(CustomQueryEngine):
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
-    algorithm: str = DEFAULT_ALGORITHM
-    k: int | None = Field(default=None, description="legolink k (default: the model's calibrated k, else 16)")
-    ratio: float | None = Field(
-        default=None,
-        description="focus or cacheblend: share of chunk tokens recomputed "
-        "(default: focus the model's calibrated ratio, else 0.25; cacheblend 0.15)",
-    )
     max_new_tokens: int = 64
     system: str | None = None
     temperature: float = 0.0
@@ -65,11 +57,6 @@ class RagCacheQueryEngine(CustomQueryEngine):
         super().model_post_init(context)
         if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`: refused now, not after an answer
             self._guard = BackgroundGuard(self.rc, self.guard_rate)
-
-    @field_validator("algorithm")
-    @classmethod
-    def _known(cls, algorithm: str) -> str:
-        return linker.algorithm(algorithm).name
 
     # -- sync -------------------------------------------------------------------------------------------
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
@@ -97,9 +84,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
         if self._guard is not None:
-            query = self.rc.validate(
-                question, metadata["doc_ids"], self.system, self.rc.params(self.algorithm, self.k, self.ratio)
-            )
+            query = self.rc.validate(question, metadata["doc_ids"], self.system, self.rc.params(**self.knobs()))
             self._guard.after_answer(answer, query)
         return metadata
 
@@ -111,9 +96,7 @@ class RagCacheQueryEngine(CustomQueryEngine):
         """The rc.stream / rc.query keyword arguments this engine answers with."""
         return dict(
             system=self.system,
-            algorithm=self.algorithm,
-            k=self.k,
-            ratio=self.ratio,
+            **self.knobs(),
             max_new_tokens=self.max_new_tokens,
             temperature=self.temperature,
             top_p=self.top_p,

@@ -31,6 +31,7 @@ from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
+from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
 from ragcache.settings import INSTALLED, EngineConfig
@@ -209,7 +210,11 @@ class VllmRagCache(Front):
         stored = [shape.stored_ids(ids) for ids in chunks]
         # a salt of its own: vLLM's prefix cache would otherwise answer a repeat without reading the store
         spec = LinkSpec(
-            len(prefix), tuple(map(len, stored)), COMPILE_TAIL, linker.reader(layout).name, nonce=uuid.uuid4().hex
+            len(prefix),
+            tuple(map(len, stored)),
+            COMPILE_TAIL,
+            LinkParams(linker.reader(layout).name),
+            nonce=uuid.uuid4().hex,
         )
         tail = [self.tokenizer.eos_token_id or 0] * COMPILE_TAIL  # any ids will do
         ids = [*prefix, *(i for c in stored for i in c), *tail]

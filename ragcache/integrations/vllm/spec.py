@@ -12,7 +12,7 @@ from typing import Any
 from ragcache import linker
 from ragcache.errors import RagCacheError
 from ragcache.linker import LinkInput, LinkParams
-from ragcache.settings import DEFAULT_ALGORITHM, DEFAULT_CHECK_LAYER, DEFAULT_K
+from ragcache.settings import DEFAULT_ALGORITHM
 
 SPEC_KEY = "ragcache"
 # what the connector did for a linked request, in its finished output's kv_transfer_params: its store lookups
@@ -60,11 +60,7 @@ class LinkSpec:
     prefix: int
     chunks: tuple[int, ...]
     question: int
-    algorithm: str = DEFAULT_ALGORITHM
-    k: int = DEFAULT_K
-    ratio: float | None = None
-    check_layer: int = DEFAULT_CHECK_LAYER
-    deviation: str = "key"
+    link: LinkParams = dataclasses.field(default_factory=LinkParams)  # on the wire: its knobs beside the lengths
     nonce: str = ""  # a request that must read the store (compiling through vLLM) gets a salt of its own
     # an algorithm that scores chunk rows by the question (focus) links another cache for another question: its
     # question's digest enters the salt, so vLLM's prefix cache never serves one question's link to another
@@ -77,25 +73,21 @@ class LinkSpec:
             len(parts.prefix_ids),
             tuple(map(len, parts.chunk_ids)),
             len(parts.question_ids),
-            params.algorithm,
-            params.k,
-            params.ratio,
-            params.check_layer,
-            params.deviation,
+            params,
             question_sha=question_sha(parts.question_ids) if scores else "",
         )
 
     def question_problem(self, token_ids: list[int]) -> str | None:
         """Why the spec's question digest does not fit the prompt's question (None: it does)."""
-        wanted = question_sha(token_ids[self.linked :]) if linker.algorithm(self.algorithm).scores else ""
+        wanted = question_sha(token_ids[self.linked :]) if linker.algorithm(self.link.algorithm).scores else ""
         return (
             None
             if self.question_sha == wanted
             else (
-                f"{self.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
+                f"{self.link.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
                 "(LinkSpec.of_parts)"
                 if wanted
-                else f"{self.algorithm} takes no question_sha"
+                else f"{self.link.algorithm} takes no question_sha"
             )
         )
 
@@ -103,11 +95,14 @@ class LinkSpec:
     def parse(cls, raw: Any, prompt_tokens: int) -> LinkSpec:
         if not isinstance(raw, dict):
             raise BadLinkSpec(f"kv_transfer_params[{SPEC_KEY!r}] must be an object, got {type(raw).__name__}")
-        unknown = set(raw) - {f.name for f in dataclasses.fields(cls)}
+        knobs = {f.name for f in dataclasses.fields(LinkParams)}
+        unknown = set(raw) - knobs - {f.name for f in dataclasses.fields(cls)} | ({"link"} & set(raw))
         if unknown:
             raise BadLinkSpec(f"unknown fields {sorted(unknown)}")
+        own = {name: value for name, value in raw.items() if name not in knobs}
         try:
-            spec = cls(**{**raw, "chunks": tuple(raw.get("chunks", ()))})
+            link = LinkParams(**{name: value for name, value in raw.items() if name in knobs})
+            spec = cls(**{**own, "chunks": tuple(raw.get("chunks", ())), "link": link})
         except TypeError as exc:
             raise BadLinkSpec(str(exc)) from None
         lengths = (spec.prefix, *spec.chunks, spec.question)
@@ -120,9 +115,9 @@ class LinkSpec:
                 f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
                 f"{prompt_tokens}; the question needs at least one id"
             )
-        if linker.algorithm(spec.algorithm).reuses != "chunks":
+        if linker.algorithm(spec.link.algorithm).reuses != "chunks":
             raise BadLinkSpec(
-                f"{spec.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
+                f"{spec.link.algorithm!r} reuses no chunks: send it to vLLM without {SPEC_KEY!r} params "
                 "(full is vLLM's prefill, prefix its prefix cache)"
             )
         return spec
@@ -137,10 +132,12 @@ class LinkSpec:
         return SALT_PREFIX + hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:32]
 
     def as_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "chunks": list(self.chunks)}
+        """The wire form: the lengths, the link's knobs (LinkParams') and the salt's parts, one flat object."""
+        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "link"}
+        return {**own, **dataclasses.asdict(self.link), "chunks": list(self.chunks)}
 
     def params(self) -> LinkParams:
-        return LinkParams(self.algorithm, self.k, self.ratio, self.check_layer, self.deviation)
+        return self.link
 
     def parts(self, token_ids: list[int]) -> LinkInput:
         chunks, position = [], self.prefix
