@@ -74,9 +74,21 @@ class Store(ABC):
 
     name = "store"
     lasting = True  # keeps what it holds across a restart of the process
+    # What a tiered store asks of its tiers, each declared by the tier's class (these defaults are disk's and Redis's):
+    hands_out_copies = False  # keeps entries as the tensors a read may be handed (`peek`), in place of a slower tier's
+    # keeps records in this process's memory, at most `record_budget_bytes` of text (None: all); in front of a lasting
+    # tier they are a cache of its records, bounded, and filled only with what it lacks (`has_record`)
+    records_in_memory = False
+    record_budget_bytes: int | None = None
 
     def __init__(self) -> None:
         self.metrics = TierMetrics()
+
+    @classmethod
+    def from_url(cls, spec: str, connect: bool = True, device=None) -> Store:
+        """The tier a store URL's piece names (store/tiers.py registers which class opens which scheme); `connect`
+        False: one of several tiers, opened while its server may be down; `device`: the engine's, or None."""
+        raise NotImplementedError(f"{cls.__name__} does not open from a store URL")
 
     # -- entries ------------------------------------------------------------------------------------
     @abstractmethod
@@ -113,6 +125,9 @@ class Store(ABC):
         checks; one tier has no other copy to give, so it gives what it holds."""
         return [self.get_record(name) for name in names]
 
+    def has_record(self, name: str) -> bool:
+        return self.get_record(name) is not None
+
     @abstractmethod
     def put_record(self, name: str, record: dict) -> None: ...
 
@@ -128,6 +143,10 @@ class Store(ABC):
         stored, in unix seconds, where the tier knows) without loading tensors where the tier can; None where the key
         is absent. Tiers override this with something cheaper than a full read."""
         return [None if e is None else {**describe(e), "size": e.nbytes} for e in self.get_many(keys)]
+
+    def peek(self, keys: list[str]) -> list[ChunkKV | None]:
+        """The entries as this tier keeps them, with no side effect (no LRU touch): a tier that `hands_out_copies`."""
+        raise NotImplementedError(f"{self.name} tier keeps no copies to hand out")
 
     def check_many(self, keys: list[str]) -> list[str | None]:
         """Full integrity check with no side effect (nothing deleted, no LRU touch): None where the entry is sound,

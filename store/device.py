@@ -8,7 +8,7 @@ import torch
 
 from .entry import ChunkKV
 from .errors import StoreError
-from .memory import MemoryStore
+from .memory import MemoryStore, on_cuda, url_budget
 
 DEFAULT_FREE_FRACTION = 0.25  # of the device memory free when the tier opens: the rest is the model's and its caches'
 
@@ -55,6 +55,16 @@ class DeviceStore(MemoryStore):
                     f"free on {self.device}: give a smaller size, or a share such as gpu:25%"
                 )
         super().__init__(budget, record_budget_bytes)
+
+    @classmethod
+    def from_url(cls, spec: str, connect: bool = True, device=None) -> DeviceStore:
+        """`gpu`, `gpu:SIZE` or `gpu:N%`, on the engine's device (which must be CUDA's)."""
+        size, fraction = url_budget(spec, share=True)
+        if device is not None and not on_cuda(device):
+            raise StoreError(
+                f"a 'gpu' store tier needs the engine on a CUDA device, not {device}; drop 'gpu+' from the store URL"
+            )
+        return cls(device or "cuda", size, free_fraction=fraction or DEFAULT_FREE_FRACTION)
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         """Those within the budget copied to the device; the others are counted and left out as MemoryStore does, and

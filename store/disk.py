@@ -62,6 +62,11 @@ class DiskStore(BlobStore):
         if fresh and (added := self._reconcile_index()["index_rows_added"]):
             log.info("disk tier %s: index rebuilt from %d files", self.root, added)
 
+    @classmethod
+    def from_url(cls, spec: str, connect: bool = True, device=None) -> DiskStore:
+        """`disk:PATH` (an empty PATH: ./.ragcache)."""
+        return cls(spec[len("disk:") :] or "./.ragcache")
+
     # -- index --------------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:
         db = getattr(self._local, "db", None)

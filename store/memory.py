@@ -5,6 +5,7 @@ GB/s against 8.0 from pageable memory, measured on an H100), and asynchronously.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -17,10 +18,37 @@ from .base import DEFAULT_MEMORY_BUDGET, Store, log
 from .entry import ChunkKV, describe, shape_problem
 from .errors import StoreError
 
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)\s*([kmgt]ib|b)?", re.ASCII | re.IGNORECASE)
+_SHARE = re.compile(r"(\d{1,3}(?:\.\d{1,9})?)\s*%", re.ASCII)
+
+
+def url_budget(spec: str, share: bool = False) -> tuple[int | None, float | None]:
+    """The budget after a memory or gpu tier's colon, as (bytes, None), or (None, fraction) for a gpu tier's "N%" of
+    the device memory free when it opens; (None, None) when none is given."""
+    text = spec.partition(":")[2].strip()
+    if not text:
+        return None, None
+    if share and (percent := _SHARE.fullmatch(text)) and 0 < float(percent.group(1)) <= 100:
+        return None, float(percent.group(1)) / 100
+    if (size := _SIZE.fullmatch(text)) and (n := int(float(size.group(1)) * _UNITS[(size.group(2) or "").lower()])):
+        return n, None
+    forms = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"
+    raise StoreError(
+        f"store tier {spec!r}: its budget must be {forms}"
+        + (", or a share of the free device memory such as 50%" * share)
+    )
+
+
+def on_cuda(device) -> bool:
+    return device is not None and str(device).startswith("cuda")
+
 
 class MemoryStore(Store):
     name = "memory"
     lasting = False
+    hands_out_copies = True
+    records_in_memory = True
 
     def __init__(
         self,
@@ -44,6 +72,12 @@ class MemoryStore(Store):
         self._record_bytes = 0
         self._bytes = 0
         self._lock = threading.Lock()
+
+    @classmethod
+    def from_url(cls, spec: str, connect: bool = True, device=None) -> MemoryStore:
+        """`memory` or `memory:SIZE`; on a CUDA engine its entries are pinned."""
+        size, _ = url_budget(spec)
+        return cls(DEFAULT_MEMORY_BUDGET if size is None else size, pin=on_cuda(device))
 
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
         started = time.perf_counter()

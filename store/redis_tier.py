@@ -96,6 +96,10 @@ class RedisStore(BlobStore):
         if connect:
             self._redis()
 
+    @classmethod
+    def from_url(cls, spec: str, connect: bool = True, device=None) -> RedisStore:
+        return cls(spec, connect=connect)
+
     # -- connection ---------------------------------------------------------------------------------
     def _redis(self):
         if self._client is not None:

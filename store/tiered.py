@@ -26,7 +26,6 @@ from .base import (
 )
 from .entry import ChunkKV
 from .errors import StoreError
-from .memory import MemoryStore
 
 try:  # redis errors escaping a tier (RedisStore wraps its own; this covers anything else built on redis-py)
     from redis.exceptions import RedisClusterException, RedisError
@@ -64,7 +63,7 @@ class TieredStore(Store):
         self.name = "+".join(t.name for t in self.tiers)
         self.lasting = any(t.lasting for t in self.tiers)
         for tier in self.tiers:
-            if self.lasting and isinstance(tier, MemoryStore) and tier.record_budget_bytes is None:
+            if self.lasting and tier.records_in_memory and tier.record_budget_bytes is None:
                 tier.record_budget_bytes = RECORD_CACHE_BYTES  # a cache of the lasting tiers' records: bounded
         self.retry_after = retry_after
         self.max_retry_after = max(max_retry_after, retry_after)
@@ -205,7 +204,7 @@ class TieredStore(Store):
             tier = self.tiers[i]
             if not self._usable(i) or not self._call(i, tier.put_many, entries, write=True)[1]:
                 continue
-            if isinstance(tier, MemoryStore):
+            if tier.hands_out_copies:
                 kept = tier.peek(list(entries))
                 entries = {key: entry if k is None else k for (key, entry), k in zip(entries.items(), kept)}
         return entries
@@ -326,7 +325,7 @@ class TieredStore(Store):
         tiers cannot, takes it only when it has none (serializing a long text again on every read costs more)."""
         for i in range(found_in):
             tier = self.tiers[i]
-            if self._usable(i) and not (isinstance(tier, MemoryStore) and tier.has_record(name)):
+            if self._usable(i) and not (tier.records_in_memory and tier.has_record(name)):
                 self._call(i, tier.put_record, name, record, write=True)
 
     def put_record(self, name: str, record: dict) -> None:

@@ -1,0 +1,89 @@
+"""The kinds of store tier, each declared once: the URL schemes that name it, how it opens, whether it lives in this
+process. A store URL is read here alone (`tier_urls`, `per_process`, `open_tier`); a new tier is its Store class in a
+file of its own, with a `from_url`, and one `register` below."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .base import Store
+
+# (the tier's URL, connect, the engine's device or None) -> the open tier; connect=False: one tier of several, opened
+# while its server may be down (a tiered store retries it, as it does a tier that goes down later)
+Opener = Callable[[str, bool, Any], "Store"]
+
+
+@dataclass(frozen=True)
+class TierKind:
+    # what its URLs start with, and what starts a new tier after a '+': "disk:", "redis://"; a bare word ("memory")
+    # names the tier alone or before a colon ("memory:16GiB")
+    schemes: tuple[str, ...]
+    form: str  # its URL as the unknown-store message shows it
+    opens: Opener
+    per_process: bool = False  # lives in this process's memory: nothing it holds outlives the process or is shared
+
+    def names(self, spec: str) -> bool:
+        """`spec` (one tier's URL) is a tier of this kind."""
+        return any(spec == s or spec.startswith(s if s.endswith((":", "/")) else s + ":") for s in self.schemes)
+
+
+KINDS: list[TierKind] = []
+
+
+def register(kind: TierKind) -> TierKind:
+    taken = [s for other in KINDS for s in other.schemes if s in kind.schemes]
+    if taken:
+        raise StoreError(f"store scheme(s) {', '.join(taken)} already name a tier kind")
+    KINDS.append(kind)
+    return kind
+
+
+def lazy(module: str, name: str) -> Opener:
+    """Opens with `name.from_url` from `module` (relative to this package), imported only when a tier of the kind
+    opens: a memory store does not import redis, nor `import ragcache.store` any tier."""
+
+    def opens(spec: str, connect: bool, device: Any) -> Store:
+        return getattr(importlib.import_module(module, __package__), name).from_url(spec, connect, device)
+
+    return opens
+
+
+register(TierKind(("memory",), "memory:[SIZE]", lazy(".memory", "MemoryStore"), per_process=True))
+register(TierKind(("gpu",), "gpu:[SIZE|N%] (on CUDA)", lazy(".device", "DeviceStore"), per_process=True))
+register(TierKind(("disk:",), "disk:PATH", lazy(".disk", "DiskStore")))
+register(TierKind(("redis://", "rediss://", "unix://"), "redis://HOST:PORT/DB", lazy(".redis_tier", "RedisStore")))
+
+
+def kind_of(spec: str) -> TierKind | None:
+    return next((kind for kind in KINDS if kind.names(spec)), None)
+
+
+def tier_urls(url: str) -> list[str]:
+    """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
+    schemes = tuple(s for kind in KINDS for s in kind.schemes)
+    parts: list[str] = []
+    for piece in (p.strip() for p in url.split("+")):
+        if parts and not piece.startswith(schemes):
+            parts[-1] += "+" + piece
+        else:
+            parts.append(piece)
+    return parts
+
+
+def per_process(url: str) -> bool:
+    """Every tier of the URL lives in this process (memory, gpu): nothing it holds outlives it or is shared."""
+    return all((kind := kind_of(tier)) is not None and kind.per_process for tier in tier_urls(url))
+
+
+def open_tier(spec: str, connect: bool = True, device=None) -> Store:
+    kind = kind_of(spec)
+    if kind is None:
+        forms = ", ".join(k.form for k in KINDS)
+        raise StoreError(f"unknown store {spec!r}: use {forms}, or tiers joined by '+'")
+    return kind.opens(spec, connect, device)
