@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from contextlib import suppress
 from typing import ClassVar
 
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
 
-from ragcache.engine import Event, Failed, Piece
+from ragcache.engine import Event, Failed, Inbox
 from ragcache.front import Stream
 
 from .errors import ApiError
@@ -112,29 +111,24 @@ class Generation:
     `Piece`s, then one of `Done`, `Failed` or `Aborted` (cancelled: the client disconnected or the server stops)."""
 
     def __init__(self, slot: Slot, stream: Stream, request: Request | None = None):
-        self.slot, self.loop, self.stream = slot, slot.loop, stream
+        self.slot, self.stream = slot, stream
         self.query = None  # the validated query (answers only), for the accuracy guard
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.finished = False
+        # the slot is held until the engine has let go of the stream (its last event) or failed to open it
+        self.events = Inbox(stream, slot.loop, on_last=lambda event: slot._job_done())
         slot.queue.live.add(self)
-        slot.hold()  # until the scheduler's last event for this stream (or a failure to open it)
+        slot.hold()
         self.opener = asyncio.ensure_future(self._open())
         self.watcher = asyncio.ensure_future(self._watch(request)) if request is not None else None
 
     async def _open(self) -> None:
-        try:  # preparing reads the store (and may compile): a worker thread, not the loop
-            await asyncio.to_thread(self.stream.open, self._listen)
+        try:
+            await self.events.aopen()
         except Exception as exc:  # noqa: BLE001 - every failure goes back to the request as an event
-            self._event(Failed(exc))
+            self.events.post(Failed(exc))
 
-    def _listen(self, event: Event) -> None:  # on the model thread
-        with suppress(RuntimeError):  # the loop is closed: the server is shutting down
-            self.loop.call_soon_threadsafe(self._event, event)
-
-    def _event(self, event: Event) -> None:
-        if not isinstance(event, Piece):
-            self.slot._job_done()  # the engine has let go of the sequence
-        self.events.put_nowait(event)
+    @property
+    def finished(self) -> bool:
+        return self.events.over
 
     async def _watch(self, request: Request) -> None:
         await wait_for_disconnect(request)
@@ -142,10 +136,7 @@ class Generation:
             self.cancel()
 
     async def next(self) -> Event:
-        event = await self.events.get()
-        if not isinstance(event, Piece):
-            self.finished = True
-        return event
+        return await self.events.aget()
 
     def cancel(self) -> None:
         """Stop generating: the driver aborts the sequence before its next step."""

@@ -45,6 +45,7 @@ _HOMES = {
     "Done": "sequence",
     "Event": "sequence",
     "Failed": "sequence",
+    "Inbox": "sequence",
     "Piece": "sequence",
     "Sequence": "sequence",
     "Status": "sequence",
@@ -64,6 +65,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "Event",
     "Failed",
     "Hit",
+    "Inbox",
     "Invariance",
     "JoinedCache",
     "KVPool",
@@ -104,7 +106,7 @@ if TYPE_CHECKING:
     from .runner import Part, Runner, cache_argument, rope_table
     from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids
     from .scheduler import Scheduler
-    from .sequence import Aborted, Done, Event, Failed, Piece, Sequence, Status, apieces, ignore, pieces, wait
+    from .sequence import Aborted, Done, Event, Failed, Inbox, Piece, Sequence, Status, apieces, ignore, pieces, wait
 
 
 def __getattr__(name: str):

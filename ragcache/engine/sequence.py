@@ -4,19 +4,19 @@ it has produced, and the one listener its events go to.
 The caller's thread prepares it (`open`: documents resolved, chunk entries read, a miss compiled through the
 driver) and hands it to the driver; from then on only the model thread touches it: the scheduler plans its rows,
 the runner fills its cache and samples its tokens, and the driver hands it each step's output (`receive`), which it
-turns into the typed events a caller sees: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`."""
+turns into the typed events a caller sees: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`. An `Inbox`
+carries them from the model thread to the caller's thread or event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import enum
 import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import suppress
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..errors import Cancelled
 from ..linker import Linked, LinkInput, LinkParams, LinkPlan
@@ -222,67 +222,110 @@ def ignore(event: Event) -> None:
     """A listener that drops every event."""
 
 
-def pieces(stream) -> Iterator[str]:
-    """A stream's text pieces as they come (any engine's: `open(listener)` and `cancel()`); raises its error."""
-    events: queue.SimpleQueue = queue.SimpleQueue()
-    stream.open(events.put)
-    finished = False
-    try:
-        while True:
-            event = events.get()
-            if isinstance(event, Piece):
-                yield event.text
-                continue
-            finished = True
-            if isinstance(event, Failed):
-                raise event.error
+class Opens(Protocol):
+    """Any engine's stream (a Sequence, vLLM's VllmStream): `open(listener)` hands it over, `cancel()` stops it."""
+
+    def open(self, listener: Listener) -> None: ...
+
+    def cancel(self) -> None: ...
+
+
+class Inbox:
+    """The one bridge from the thread a stream's events come from (the model thread, vLLM's loop) to the one
+    consumer that takes them: a thread (`get`) or, made with its loop, a coroutine on that loop (`aget`). `post` is
+    the stream's listener, safe from any thread; `on_last(event)` runs where the last event arrives (the loop, or
+    the posting thread). A consumer that leaves before it has taken the last event `close`s the inbox, which cancels
+    the stream: the engine frees the request before its next step instead of running it to its end."""
+
+    def __init__(self, stream: Opens, loop: asyncio.AbstractEventLoop | None = None, on_last: Listener = ignore):
+        self.stream, self.loop, self.on_last = stream, loop, on_last
+        self.over = False  # the consumer has taken the last event
+        self._events: Any = queue.SimpleQueue() if loop is None else asyncio.Queue()  # `get`'s or `aget`'s
+
+    def open(self) -> None:
+        """Open the stream on this thread (preparing it reads the store and may compile)."""
+        self.stream.open(self.post)
+
+    async def aopen(self) -> None:
+        """Open the stream on a worker thread, not the loop."""
+        await asyncio.to_thread(self.stream.open, self.post)
+
+    def post(self, event: Event) -> None:
+        """The stream's listener, on any thread."""
+        if self.loop is None:
+            self._arrive(event)
             return
-    finally:
-        if not finished:  # the caller stopped iterating: the engine frees the request before its next step
-            stream.cancel()
-
-
-async def apieces(stream) -> AsyncIterator[str]:
-    """`pieces` for asyncio code: the stream opens on a worker thread (preparing it reads the store and may
-    compile), its events come back to this loop, and a consumer that stops early, or whose task is cancelled,
-    cancels the request instead of leaving the engine to decode it to the end."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-
-    def listen(event: Event) -> None:  # on the engine's thread
         with suppress(RuntimeError):  # the loop is closed: nobody is listening any more
-            loop.call_soon_threadsafe(events.put_nowait, event)
+            self.loop.call_soon_threadsafe(self._arrive, event)
 
-    finished = False
-    try:
-        await asyncio.to_thread(stream.open, listen)
-        while True:
-            event = await events.get()
-            if isinstance(event, Piece):
-                yield event.text
-                continue
-            finished = True
-            if isinstance(event, Failed):
-                raise event.error
-            return
-    finally:
-        if not finished:
-            stream.cancel()
-
-
-def wait(sequence: Sequence, timeout: float | None = None) -> Event:
-    """Open a sequence and wait for its last event, at most `timeout` seconds: past it the sequence is aborted and
-    TimeoutError raised."""
-    ended = threading.Event()
-    last: list[Event] = []
-
-    def listen(event: Event) -> None:
+    def _arrive(self, event: Event) -> None:
+        self._events.put_nowait(event)
         if not isinstance(event, Piece):
-            last.append(event)
-            ended.set()
+            self.on_last(event)
 
-    sequence.open(listen)
-    if not ended.wait(timeout):
-        sequence.cancel()
-        raise TimeoutError(f"the engine did not finish the request within {timeout} s")
-    return last[0]
+    def get(self, timeout: float | None = None) -> Event:
+        """The next event, waiting at most `timeout` seconds (TimeoutError past it)."""
+        try:
+            return self._taken(self._events.get(timeout=None if timeout is None else max(timeout, 0.0)))
+        except queue.Empty:
+            raise TimeoutError(f"no event from the engine within {timeout} s") from None
+
+    async def aget(self) -> Event:
+        """The next event, on the inbox's loop."""
+        return self._taken(await self._events.get())
+
+    def _taken(self, event: Event) -> Event:
+        if not isinstance(event, Piece):
+            self.over = True
+        return event
+
+    def close(self) -> None:
+        """The consumer is done: a stream whose last event it has not taken is cancelled."""
+        if not self.over:
+            self.stream.cancel()
+
+
+def _text(event: Event) -> str | None:
+    """A piece's text; None for the last event, or its error raised."""
+    if isinstance(event, Failed):
+        raise event.error
+    return event.text if isinstance(event, Piece) else None
+
+
+def pieces(stream: Opens) -> Iterator[str]:
+    """A stream's text pieces as they come; raises its error."""
+    inbox = Inbox(stream)
+    inbox.open()
+    try:
+        while (text := _text(inbox.get())) is not None:
+            yield text
+    finally:
+        inbox.close()
+
+
+async def apieces(stream: Opens) -> AsyncIterator[str]:
+    """`pieces` for asyncio code: the stream opens on a worker thread and its events come back to this loop; a
+    consumer that stops early, or whose task is cancelled, cancels the request."""
+    inbox = Inbox(stream, asyncio.get_running_loop())
+    try:
+        await inbox.aopen()
+        while (text := _text(await inbox.aget())) is not None:
+            yield text
+    finally:
+        inbox.close()
+
+
+def wait(stream: Opens, timeout: float | None = None) -> Event:
+    """Open a stream and wait for its last event, at most `timeout` seconds: past it the stream is aborted and
+    TimeoutError raised."""
+    inbox = Inbox(stream)
+    inbox.open()
+    ends = None if timeout is None else time.monotonic() + timeout
+    try:
+        while isinstance(event := inbox.get(None if ends is None else ends - time.monotonic()), Piece):
+            pass
+    except TimeoutError:
+        raise TimeoutError(f"the engine did not finish the request within {timeout} s") from None
+    finally:
+        inbox.close()
+    return event

@@ -28,7 +28,7 @@ import torch
 
 from ragcache import adapters, guard, infill, linker, loaded, models
 from ragcache.compiler import PLAIN, Compiler
-from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces
+from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain
 from ragcache.linker import LinkParams
@@ -386,26 +386,12 @@ def lora_engine_args(path: Path) -> dict:
 
 def _first_logits(stream: VllmStream, ends: float | None) -> torch.Tensor:
     """Run a one-token stream; abort it at monotonic time `ends` (TimeoutError)."""
-    fired = threading.Event()
-
-    def expire() -> None:
-        fired.set()
-        stream.cancel()
-
-    timer = None if ends is None else threading.Timer(max(ends - time.monotonic(), 0.0), expire)
-    if timer is not None:
-        timer.daemon = True
-        timer.start()
-    try:
-        answer = drain(stream)
-    finally:
-        if timer is not None:
-            timer.cancel()
-    if answer is None and fired.is_set():
-        raise TimeoutError("the guard's request was not served in time")
-    if answer is None:
+    last = wait(stream, None if ends is None else max(ends - time.monotonic(), 0.0))
+    if isinstance(last, Failed):
+        raise last.error
+    if not isinstance(last, Done) or last.answer is None:
         raise RagCacheError("the guard's request was cancelled (the engine is stopping?)")
-    return answer.first_logits
+    return last.answer.first_logits
 
 
 async def _start(args):
