@@ -5,15 +5,11 @@ Exit codes scripts can rely on: 0 ok, 1 internal/store failure, 2 usage error, 3
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import logging
 import os
 import time
-import typing
 from pathlib import Path
-from typing import Annotated, Literal
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -25,9 +21,20 @@ from ragcache.store_cli import store_app
 from ragcache.train.cli import train_app
 
 from . import fetch, lora, request
+from .cli_options import (
+    AdapterOpt,
+    DeviceOpt,
+    DtypeOpt,
+    KvCodecOpt,
+    ModelOpt,
+    OwnAdapterOpt,
+    OwnStoreOpt,
+    StoreOpt,
+    link_options,
+)
 from .console import console, err, fail
 from .errors import BadRequest, ParameterOutOfRange, RagCacheError
-from .settings import DATA_DIR, DEFAULT_STORE, LinkKnobs, load_settings
+from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings
 
 app = typer.Typer(
     help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -42,62 +49,6 @@ TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
 
 app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")
-
-
-DtypeOption = typer.Option(
-    None,
-    "--dtype",
-    help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
-    "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)",
-)
-DeviceOption = typer.Option(None, "--device", help="cpu | cuda | cuda:N (default: settings, cpu)")
-AdapterOption = typer.Option(
-    None,
-    "--adapter",
-    help="a LoRA directory `ragcache train link` wrote, none (the base "
-    "model) or installed (default: settings, installed: the "
-    "model's installed adapter where it is calibrated)",
-)
-KvCodecOption = typer.Option(
-    None,
-    "--kv-codec",
-    help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 "
-    "(default: settings, auto: int8 on CPU, the compute dtype "
-    "elsewhere)",
-)
-
-
-def link_options(command):
-    """One --option per link knob (settings.LinkKnobs, with its help text), handed to the command whole as its
-    `link` parameter: a knob declared there reaches every command that takes link knobs, with no edit here."""
-    knobs = [
-        inspect.Parameter(
-            name,
-            inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[_option_type(field.annotation) | None, typer.Option(help=field.description)],
-        )
-        for name, field in LinkKnobs.model_fields.items()
-    ]
-    signature = inspect.signature(command)
-    others = [p for p in signature.parameters.values() if p.name != "link"]
-
-    @functools.wraps(command)
-    def with_knobs(*args, **kwargs):
-        try:  # a knob out of range fails here, before the model loads
-            link = LinkKnobs.of(**{name: kwargs.pop(name) for name in LinkKnobs.model_fields})
-        except RagCacheError as exc:
-            fail(exc)
-        return command(*args, link=link, **kwargs)
-
-    with_knobs.__signature__ = signature.replace(parameters=[*others, *knobs])
-    return with_knobs
-
-
-def _option_type(annotation) -> type:
-    """A knob's type as a command-line option takes it: the type it allows besides None, text for a choice."""
-    base = next(a for a in typing.get_args(annotation) or (annotation,) if a is not type(None))
-    return str if typing.get_origin(base) is Literal else base
 
 
 def _open(
@@ -242,14 +193,14 @@ def _pdf_text(path: Path) -> str:
 @app.command()
 def compile(
     paths: list[Path] = typer.Argument(..., help="files or directories (.txt, .md, .jsonl; .pdf with pypdf)"),
-    model: str = typer.Option(None, help="model (default: settings)"),
-    store: str = typer.Option(None, help="store URL (default: settings)"),
-    chunk_tokens: int = typer.Option(None, help="chunk budget in tokens"),
+    model: ModelOpt = None,
+    store: StoreOpt = None,
+    chunk_tokens: int = typer.Option(None, help=f"chunk budget in tokens (default: settings, {DEFAULT_CHUNK_TOKENS})"),
     glob: str = typer.Option(None, help="glob inside directories, e.g. '**/*.md'"),
     jsonl: str = typer.Option(None, "--jsonl", help="field holding the text in .jsonl files"),
-    dtype: str = DtypeOption,
-    device: str = DeviceOption,
-    kv_codec: str = KvCodecOption,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    kv_codec: KvCodecOpt = None,
     shards: int = typer.Option(
         1,
         help="also store each entry as N KV-head shards, which `vllm serve --tensor-parallel-size N` with the "
@@ -366,13 +317,13 @@ def query(
     system: str = typer.Option(None, help="system prompt"),
     max_new_tokens: int = typer.Option(None, min=1, help="tokens to generate (default: settings, 64)"),
     stream: bool = typer.Option(False, "--stream", help="print text as it is generated"),
-    model: str = typer.Option(None),
-    store: str = typer.Option(None),
+    model: ModelOpt = None,
+    store: StoreOpt = None,
     as_json: bool = typer.Option(False, "--json", help="print the answer and stats as JSON"),
-    dtype: str = DtypeOption,
-    device: str = DeviceOption,
-    kv_codec: str = KvCodecOption,
-    adapter: str = AdapterOption,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    kv_codec: KvCodecOpt = None,
+    adapter: AdapterOpt = None,
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
@@ -413,12 +364,12 @@ def query(
 
 @app.command()
 def demo(
-    model: str = typer.Option(None, help="model (default: smollm2-135m)"),
-    store: str = typer.Option(None, help=f"store (default: {DEFAULT_STORE})"),
+    model: ModelOpt = None,
+    store: StoreOpt = None,
     data: Path = typer.Option(DATA_DIR, help="folder with docs/ and questions.jsonl"),
     questions: int = typer.Option(3, help="how many questions to answer"),
-    dtype: str = DtypeOption,
-    device: str = DeviceOption,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
 ):
     """Compile the sample documents and answer a few questions with `full` and the default algorithm."""
     from .demo import check_data, run_demo
@@ -435,12 +386,12 @@ def demo(
 def serve(
     host: str = typer.Option(None, help="bind address (default 127.0.0.1)"),
     port: int = typer.Option(None, help="port (default 8000)"),
-    model: str = typer.Option(None),
-    store: str = typer.Option(None),
+    model: ModelOpt = None,
+    store: StoreOpt = None,
     workers: int = typer.Option(1, help="uvicorn worker processes; each loads its own copy of the model"),
-    dtype: str = DtypeOption,
-    device: str = DeviceOption,
-    kv_codec: str = KvCodecOption,
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    kv_codec: KvCodecOpt = None,
     engine: str = typer.Option(
         None, help="ragcache (default) | vllm: vLLM's engine with ragcache's connector (README: On vLLM)"
     ),
@@ -452,7 +403,7 @@ def serve(
         help="vllm engine: devices to split the model's heads across; each rank reads its shards of the entries "
         "(`ragcache compile --shards N`; whole entries are sliced)",
     ),
-    adapter: str = AdapterOption,
+    adapter: AdapterOpt = None,
     merge_adapter: bool = typer.Option(
         None,
         "--merge-adapter/--no-merge-adapter",
@@ -533,7 +484,7 @@ def serve(
 
 @app.command()
 def calibrate(
-    model: str = typer.Option(None, help="model (default: settings)"),
+    model: ModelOpt = None,
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
@@ -542,23 +493,20 @@ def calibrate(
         help="where along full's answer to compare: content (its first content "
         "word, past openings like 'The answer is') | first (its first token)",
     ),
-    store: str = typer.Option("memory:", help="store for the calibration's compiled chunks"),
-    dtype: str = DtypeOption,
-    device: str = DeviceOption,
-    adapter: str = typer.Option(
-        None,
-        "--adapter",
-        help="a link adapter to calibrate the model with, or none (default: "
-        "the model's installed adapter, calibrated or not, else none)",
-    ),
+    store: OwnStoreOpt = "memory:",
+    dtype: DtypeOpt = None,
+    device: DeviceOpt = None,
+    adapter: OwnAdapterOpt = INSTALLED,
 ):
     """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with the base model's `full` at
     the target rate on this model (with its link adapter, if any), and save it as the model's profile: later runs use
-    that k by default, and an installed adapter so calibrated becomes the model's default."""
+    that k by default, and an installed adapter so calibrated becomes the model's default. Its own defaults: the
+    chunks it compiles go to --store memory:, kept for this run only; --adapter installed is the model's installed
+    adapter, calibrated or not (none where the model has none)."""
     from . import adapters
     from . import calibrate as cal
 
-    if adapter is None or adapter.lower() == "installed":
+    if adapter.lower() == INSTALLED:
         found = adapters.installed(load_settings(model=model).model)
         adapter = str(found) if found is not None else "none"
 

@@ -32,9 +32,10 @@ from ragcache.store.disk import holds_store
 from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
+from .cli_options import StoreOpt
 from .console import bars, console, err, fail
 from .errors import BadRequest, StoreError
-from .settings import DEFAULT_STORE, load_settings
+from .settings import load_settings
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
 
@@ -49,18 +50,6 @@ def _settings_store(url: str | None) -> str:
         fail(BadRequest(str(exc)))
 
 
-StoreUrl = Annotated[
-    str | None,
-    typer.Option(
-        "--store",
-        "-s",
-        callback=_settings_store,
-        show_default=False,
-        help="memory:[SIZE], disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+' "
-        "(default: the settings' store: RAGCACHE_STORE, ragcache.toml, "
-        f"else {DEFAULT_STORE})",
-    ),
-]
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]
 
 
@@ -139,9 +128,9 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
 
 # -- commands -----------------------------------------------------------------------------------------------
 def _open(url: str | None) -> Store:
-    """The store at `url`; a disk folder no store was made in is refused, not made into one (these commands look
-    at or maintain a store, never create one)."""
-    assert url is not None  # --store's callback gives the settings' store where none is named
+    """The store at `url` (else the settings'); a disk folder no store was made in is refused, not made into one
+    (these commands look at or maintain a store, never create one)."""
+    url = _settings_store(url)
     for part in tier_urls(url):
         if part.startswith("disk:") and not holds_store(Path(part[len("disk:") :] or "./.ragcache")):
             fail(f"no store at {part[len('disk:') :]!r} (nothing compiled there yet?)", 1)
@@ -186,8 +175,9 @@ def _guard(fn):
 
 @store_app.command()
 @_guard
-def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
+def stats(store: StoreOpt = None, as_json: AsJson = False) -> None:
     """Entries, bytes and hits per tier, entries per model, records."""
+    store = _settings_store(store)
     info = summary(_open(store))
     if as_json:
         console.print_json(json.dumps(info, default=str))
@@ -217,7 +207,7 @@ def stats(store: StoreUrl = None, as_json: AsJson = False) -> None:
 @store_app.command("ls")
 @_guard
 def ls(
-    store: StoreUrl = None,
+    store: StoreOpt = None,
     limit: Annotated[int, typer.Option(min=0, help="at most this many entries")] = 50,
     as_json: AsJson = False,
 ) -> None:
@@ -248,7 +238,7 @@ def ls(
 @store_app.command()
 @_guard
 def verify(
-    store: StoreUrl = None,
+    store: StoreOpt = None,
     fix: Annotated[
         bool,
         typer.Option(
@@ -301,7 +291,7 @@ def verify(
 @store_app.command()
 @_guard
 def gc(
-    store: StoreUrl = None,
+    store: StoreOpt = None,
     tmp_age: Annotated[
         float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as abandoned")
     ] = 600.0,
@@ -355,9 +345,10 @@ def rm(
             help="a document id (32 hex), or a chunk key or a unique prefix of one (8 hex or more, as `ls` shows)"
         ),
     ],
-    store: StoreUrl = None,
+    store: StoreOpt = None,
 ) -> None:
     """Delete a document (its records and chunk entries) or one chunk entry."""
+    store = _settings_store(store)
     s = _open(store)
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):

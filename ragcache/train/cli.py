@@ -10,6 +10,7 @@ import typer
 from rich.progress import Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
+from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt
 from ..console import bars, console, err, fail
 from ..errors import RagCacheError
 
@@ -26,7 +27,7 @@ def _progress() -> Progress:
 
 @train_app.command("link")
 def link_cmd(
-    model: str = typer.Option("smollm2-135m", "--model", "-m", help="built-in name, transformers dir or hub id"),
+    model: OwnModelOpt = "smollm2-135m",
     algorithm: str = typer.Option("naive", "--algorithm", help="the cheap link to fit: naive | legolink | focus"),
     k: int = typer.Option(16, "--k", help="legolink: rows recomputed at the start of each chunk"),
     ratio: float = typer.Option(0.1, "--ratio", help="focus: share of chunk tokens recomputed"),
@@ -45,7 +46,7 @@ def link_cmd(
     ),
     out: Path = typer.Option(Path("./link-adapter"), "--out", help="output directory (a killed run resumes here)"),
     seed: int = typer.Option(0, "--seed"),
-    dtype: str = typer.Option("float32", "--dtype", help="float32 | bfloat16"),
+    dtype: TrainDtypeOpt = "float32",
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
     keep_full: float = typer.Option(
         0.0,
@@ -162,7 +163,7 @@ def _print_link_report(cfg, report) -> None:
 @train_app.command("infill")
 def infill_cmd(
     data: Path = typer.Option(..., "--data", help="folder of training files (see --glob)"),
-    model: str = typer.Option(FIM_MODEL, "--model", "-m", help="FIM model: built-in name, transformers dir or hub id"),
+    model: OwnModelOpt = FIM_MODEL,
     steps: int = typer.Option(100, "--steps", help="optimizer steps"),
     lora: bool = typer.Option(True, "--lora/--full", help="LoRA adapters (merged when saving) or a full fine-tune"),
     lr: float = typer.Option(None, "--lr", help="learning rate (default 2e-4 LoRA, 2e-5 full)"),
@@ -173,12 +174,13 @@ def infill_cmd(
     max_tokens: int = typer.Option(512, "--max-tokens", help="tokens per example at most"),
     glob: str = typer.Option("**/*.py", "--glob", help="which files under --data"),
     seed: int = typer.Option(0, "--seed"),
-    device: str = typer.Option("auto", "--device", help="auto | cpu | cuda"),
+    device: TrainDeviceOpt = "auto",
     checkpoint_every: int = typer.Option(
         20, "--checkpoint-every", help="steps between checkpoints (in --out; the same command resumes the last one)"
     ),
 ):
-    """Fine-tune on FIM/EFIM examples built from the files in --data; writes a model RagCache.open loads."""
+    """Fine-tune a FIM model (--model) on FIM/EFIM examples built from the files in --data; writes a model RagCache.open
+    loads."""
     from .infill import TrainConfig, train
 
     cfg = TrainConfig(
@@ -225,7 +227,7 @@ def infill_cmd(
 
 @train_app.command("eval")
 def eval_cmd(
-    model: str = typer.Option(FIM_MODEL, "--model", "-m", help="built-in name, transformers dir or hub id"),
+    model: OwnModelOpt = FIM_MODEL,
     n_tasks: int = typer.Option(40, "--tasks", help="number of tasks (kinds take turns)"),
     kinds: str = typer.Option("line,span", "--kinds", help="line, span"),
     modes: str = typer.Option("psm,efim", "--modes", help="psm, efim, spm"),
