@@ -69,7 +69,7 @@ def link_options(command):
         )
         for name, field in LinkKnobs.model_fields.items()
     ]
-    signature = inspect.signature(command)
+    signature = inspect.signature(command, eval_str=True)  # typer reads a __signature__ as it stands
     others = [p for p in signature.parameters.values() if p.name != "link"]
 
     @functools.wraps(command)
