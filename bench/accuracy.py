@@ -73,9 +73,9 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
         ids = rc.compile(item.documents)
         answers = {}
         full = rc.link(item.question, ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
-        full_ids = agreement.greedy(rc.runner, full, max_new_tokens, *stops)
+        full_ids = rc.with_runner(agreement.greedy, full, max_new_tokens, *stops)
         content = agreement.content_position(rc.tokenizer, full_ids)
-        full_forced = agreement.teacher_forced(rc.runner, full, full_ids)[1] if content is not None else None
+        full_forced = rc.with_runner(agreement.teacher_forced, full, full_ids)[1] if content is not None else None
         for v in variants:
             ans = rc.query(item.question, ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
             text = first_line(ans.text)
@@ -84,8 +84,8 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
             linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
                                                                   max_new_tokens=max_new_tokens, **v.kwargs)
-            answers[v.label].update(vars(agreement.measure(rc.runner, full.last_logits, linked, full_ids,
-                                                           full_forced, content)))
+            answers[v.label].update(vars(rc.with_runner(agreement.measure, full.last_logits, linked, full_ids,
+                                                        full_forced, content)))
         full = answers["full"]["text"]
         for a in answers.values():
             a["agree"] = float(squad.normalize(a["text"]) == squad.normalize(full))

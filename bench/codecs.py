@@ -59,7 +59,7 @@ def run(model: str, n: int, sample: bool, seed: int, codecs: list[str], variants
             _count_stored(rc, ids, stored[c])
             for v in variants:
                 linked = rc.link(item.question, ids, max_new_tokens=max_new_tokens, **v.kwargs)
-                text = first_line(rc.tokenizer.decode(agreement.greedy(rc.runner, linked, max_new_tokens, *stops)))
+                text = first_line(rc.tokenizer.decode(rc.with_runner(agreement.greedy, linked, max_new_tokens, *stops)))
                 top1, kl = agreement.first_token(full.last_logits, linked.last_logits)
                 row[f"{c}/{v.label}"] = dict(logits=linked.last_logits, top1_vs_full=top1, kl_vs_full=kl, text=text,
                                              f1=squad.token_f1(text, item.answers))

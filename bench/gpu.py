@@ -449,8 +449,8 @@ def _stats_delta(before, after) -> dict:
 
 
 def _scheduler_stats(rc):
-    """A copy of the counters taken on the scheduler's own thread: between its steps, never halfway through one."""
-    return rc.driver.call(dataclasses.replace, rc.driver.stats)
+    """A copy of the counters taken on the model thread: between its steps, never halfway through one."""
+    return rc.step_stats()
 
 
 def _time_ragcache(rc, name: str, asks: list, clients: int, new_tokens: int, device) -> dict:
@@ -539,7 +539,7 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
         for row in rows:
             _print_serving(row)
         out += rows
-    rc.driver.stop()
+    rc.close()
     del rc, lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -586,7 +586,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         packed, many = run(requests)
         same = {f"identical_{n}_at_a_time": sum(map(list.__eq__, alone, answers))
                 for n, answers in ((group, grouped), (requests, packed))}
-        row = dict(model=name, batch_invariant=flag, how=rc.runner.invariance.how, requests=requests,
+        row = dict(model=name, batch_invariant=flag, how=rc.batch_invariance, requests=requests,
                    new_tokens=new_tokens, **same, decode_tok_s_1=_decode_rate(one),
                    decode_tok_s_many=_decode_rate(many))
         print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone "
@@ -594,7 +594,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
               + f"; decode tok/s {_fmt(row['decode_tok_s_1'])} at 1 stream, {_fmt(row['decode_tok_s_many'])} at "
               f"{requests}", flush=True)
         rows.append(row)
-        rc.driver.stop()
+        rc.close()
     on, off = rows
     for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
@@ -685,7 +685,7 @@ def _decode_wait(rc, question: str, docs: list, device, tokens: int = 4096) -> d
     reader.start()
     while stream.status is not Status.DECODING and reader.is_alive():
         time.sleep(1e-3)
-    rc.driver.call(setattr, rc.driver.stats, "longest_decode_step_s", 0.0)  # between steps, on the model thread
+    rc.step_stats(reset=True)  # the longest step from here on
     before, decoded = _scheduler_stats(rc), len(stream.decoding.token_ids)
     started = time.perf_counter()
     rc.link(question, docs, algorithm="full")
@@ -775,7 +775,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                 one_step = None  # `full` in one step: a square causal prefill, SDPA's; pieces from p are the kernel's
                 for budget in sorted({512, default_budget, link_budget, prompt, *budgets}, reverse=True):
                     # both: no stream decodes here, and a batch-invariant engine cuts its pieces at row_budget
-                    rc.scheduler.row_budget = rc.scheduler.link_row_budget = budget
+                    rc.set_row_budgets(budget, budget)
                     row = dict(shape=shape, tier=tier, context=prompt, algorithm="full", row_budget=budget,
                                forward_s=forward, **_link_s(rc, question, order, "full", {}, device, reps))
                     logits = row.pop("logits").float()
@@ -786,9 +786,9 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                     print(f"  {shape} full at a row budget of {budget}: {row['seconds']:.3f} s "
                           f"({row['speedup_vs_forward']:.2f}x; logits within "
                           f"{row['max_abs_logit_diff_vs_one_step']:.3f} of one step's)", flush=True)
-                rc.scheduler.row_budget, rc.scheduler.link_row_budget = default_budget, link_budget
+                rc.set_row_budgets()  # EngineConfig's again: the device's
                 wait = _decode_wait(rc, question, order, device)
-                s = rc.runner.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
+                s = rc.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
                 kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt
                 rows.append(dict(shape=shape, tier=tier, context=prompt, what="decode wait beside a full link",
                                  row_budget=default_budget, **wait, kv_bytes=kv_bytes,
@@ -805,10 +805,10 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
         for algorithm in profiled_here:
             profile_row = _profile(lambda: rc.link(question, order, algorithm=algorithm), device,
                                    f"one {algorithm} link")
-            rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.scheduler.link_row_budget,
+            rows.append(dict(shape=shape, tier=tier, context=prompt, row_budget=rc.row_budgets[1],
                              **profile_row))
             _print_profile(profile_row, f"{shape} profile of a {algorithm} link at {prompt} tokens from {tier}")
-        rc.driver.stop()
+        rc.close()
         del rc
     for context, logits in first_logits.items():  # --check's tier half: a link from the GPU tier equals one from host
         same = all(torch.equal(logits[0], other) for other in logits[1:])
@@ -889,12 +889,9 @@ def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | Non
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
-    rc = RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
-                                          decode_graphs=graphs != "ordinary", decode_compile=graphs == "compiled",
-                                          prefetch_bytes=prefetch_bytes))
-    if graphs == "eager":
-        rc.runner.graphs = ENGINE.DecodeGraphs(rc.runner, capture=False)
-    return rc
+    return RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
+                                            decode_graphs=graphs != "ordinary", decode_compile=graphs == "compiled",
+                                            decode_eager=graphs == "eager", prefetch_bytes=prefetch_bytes))
 
 
 def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
@@ -968,7 +965,7 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
                 raise
             rows.append(dict(shape=shape, what="ragcache decode, compiled steps", error=repr(exc)[:2000]))
             print(f"  {shape} compiled steps failed: {exc!r}"[:2000], flush=True)
-            rc.driver.stop()
+            rc.close()
             continue
         tokens[graphs] = got.pop("tokens")
         prompt = len(rc.prompt_parts(question, docs).token_ids)
@@ -979,7 +976,7 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
                                    f"a naive link and 16 tokens, {graphs} decode steps")
             profiles.append(dict(shape=shape, context=prompt, **profile_row))
             _print_profile(profile_row, f"{shape} profile of 16 tokens from {graphs} steps at {prompt} tokens")
-        rc.driver.stop()
+        rc.close()
     peers = [("eager", False)] + ([("static+compiled", True)] if device.type == "cuda" else [])
     for what, compiled in peers:
         rows.append(dict(shape=shape, what=f"transformers decode, {what}", context=prompt, new_tokens=new_tokens,
@@ -1037,7 +1034,7 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
         rc = _engine(lm, MemoryStore(), 128, graphs)
         docs = rc.compile(texts)
         answers.setdefault(graphs, []).append(rc.query(question, docs, algorithm="naive", max_new_tokens=16).token_ids)
-        rc.driver.stop()
+        rc.close()
     first, second = (answers["captured"][0], answers["eager"][0]) if cuda else answers["eager"]
     rows.append(dict(check="graph decode = eager step", ok=first == second, ran=cuda or "eager on both sides"))
     folder = tempfile.TemporaryDirectory()
@@ -1064,7 +1061,7 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
                     faster.delete(key)
             links = [rc.link(question, docs, algorithm="naive").last_logits for _ in range(2)]  # the first fills tiers
             logits[name] = links[-1]
-            rc.driver.stop()
+            rc.close()
             if name != "pageable":
                 rows.append(dict(check=f"{name} link = pageable link",
                                  ok=all(torch.equal(x, logits["pageable"]) for x in links), ran=True))

@@ -149,7 +149,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
         row["identical_to_alone"] = sum(a == b for a, b in zip(alone, packed[most]))
         print(f"decode C={most}: {row['identical_to_alone']} of {most} answers identical to the request alone",
               file=sys.stderr, flush=True)
-        rows += step_cells(rc.runner, prompt.numel(), max(streams))
+        rows += rc.with_runner(step_cells, prompt.numel(), max(streams))
     return rows
 
 
@@ -224,7 +224,7 @@ def wall_rate(done: list) -> float:
 
 
 def _decode_counters(rc) -> tuple[int, float]:
-    stats = rc.driver.stats
+    stats = rc.step_stats()
     return stats.decode_only_rows, stats.decode_only_s
 
 

@@ -10,6 +10,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -26,12 +27,14 @@ from .engine import (
     Done,
     Driver,
     Failed,
+    ModelShape,
     PrefixCache,
     QueryStats,
     Runner,
     Scheduler,
     Sequence,
     Staged,
+    StepStats,
     eos_ids,
     prefetch_for,
     wait,
@@ -51,6 +54,7 @@ from .settings import (
 )
 
 log = logging.getLogger("ragcache")
+T = TypeVar("T")
 
 
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
@@ -71,10 +75,12 @@ class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
         kv_codec, prefix_cache_bytes, row_budget, link_row_budget, batch_invariant, decode_graphs, decode_compile,
-        prefetch_bytes).
+        decode_eager, prefetch_bytes).
         `open` and `from_config` load and open them."""
         self.config = config
-        self.runner = Runner(lm, config.batch_invariant, config.decode_graphs, config.decode_compile)
+        self.runner = Runner(
+            lm, config.batch_invariant, config.decode_graphs, config.decode_compile, config.decode_eager
+        )
         row_budget, link_row_budget = _row_budgets(config, self.runner.device)
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
         self.compiler = Compiler(lm, self.runner, config.kv_codec)
@@ -134,6 +140,57 @@ class RagCache(Front):
     @property
     def batch_invariance(self) -> str:
         return self.runner.invariance.how
+
+    @property
+    def shape(self) -> ModelShape:
+        """The model's K/V geometry (layers, KV heads, head dim, compute dtype): what a token's K/V weighs."""
+        return self.runner.shape
+
+    @property
+    def row_budgets(self) -> tuple[int, int]:
+        """(row_budget, link_row_budget) as the scheduler applies them (EngineConfig's, or `set_row_budgets`')."""
+        return self.scheduler.row_budget, self.scheduler.link_row_budget
+
+    def set_row_budgets(self, row_budget: int | None = None, link_row_budget: int | None = None) -> None:
+        """The step's row budgets from the next step on, on an open engine (a benchmark sweeps them without opening
+        another): EngineConfig's `row_budget` and `link_row_budget`, None meaning what it means there. Applied on the
+        model thread, between steps. Batch-invariant, an answer's bits depend on the budget its prompt was cut at:
+        the prefix cache starts again, cut at the new one."""
+        config = dataclasses.replace(self.config, row_budget=row_budget, link_row_budget=link_row_budget)
+        rows, link_rows = _row_budgets(config, self.runner.device)
+
+        def apply() -> None:
+            self.scheduler.set_row_budgets(rows, link_rows)
+            if self.prefix_cache.piece is not None:
+                self.prefix_cache.piece = rows
+                self.prefix_cache.clear()
+
+        self.driver.call(apply)
+
+    def step_stats(self, reset: bool = False) -> StepStats:
+        """A copy of the model steps' counters (steps, rows, seconds; decode-only steps; the longest step a decoding
+        stream waited), taken on the model thread between steps. `reset`: they start again from zero after the copy
+        (the longest step is then the longest since)."""
+
+        def take() -> StepStats:
+            copy = dataclasses.replace(self.driver.stats)
+            if reset:
+                self.driver.stats = StepStats()
+            return copy
+
+        return self.driver.call(take)
+
+    def with_runner(self, fn: Callable[..., T], *args) -> T:
+        """fn(runner, *args) on the model thread, between steps, and its result: model work outside the engine's
+        requests on its own Runner and weights (agreement's greedy and teacher-forced passes over a `link`'s cache,
+        a step's timing), with no step running meanwhile."""
+        return self.driver.call(fn, self.runner, *args)
+
+    def close(self) -> None:
+        """Stop the model thread (the step in progress ends; what is still queued fails with ShuttingDown), then
+        close the store. The engine answers nothing after."""
+        self.driver.stop()
+        super().close()
 
     def warmup(self) -> None:
         """Run one short prompt so one-time library initialisation is not counted in the first TTFT."""

@@ -148,6 +148,7 @@ RAGCACHE_ENGINE_ONLY = (
     "batch_invariant",
     "decode_graphs",
     "decode_compile",
+    "decode_eager",
     "prefetch_bytes",
 )
 
@@ -176,6 +177,8 @@ class EngineConfig:
     batch_invariant: bool | None = None  # None: on on CPU, off on CUDA until measured there (Runner)
     decode_graphs: bool | None = None  # None: on on CUDA where the decode is pooled (ragcache.engine.graphs)
     decode_compile: bool = False  # torch.compile the decode graphs' step before its capture (ragcache.engine.graphs)
+    # run the decode graphs' fixed-shape step eagerly, never captured: the captured step's reference (bench/gpu.py)
+    decode_eager: bool = False
     prefetch_bytes: int | None = None  # device memory for entries crossing ahead of their link (ragcache.engine.copies)
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them

@@ -40,10 +40,10 @@ from research import rows as proto
 from bench.common import load_model
 from ragcache import prompt
 from ragcache.compiler import PLAIN, Compiler, Layout
-from ragcache.engine.sampling import eos_ids
+from ragcache.engine import eos_ids
 from ragcache import linker
 from ragcache.linker import LinkInput, LinkParams, link
-from ragcache.engine.runner import Runner
+from ragcache.engine import Runner
 
 SINKS = 4
 DECIDED = 0.2  # full's first-token margin p(top-1) - p(top-2) from which an item counts as decided, not a near-tie

@@ -32,7 +32,7 @@ def steps(dtype: str, runs: int = 30) -> dict:
 
     from bench.serve import decode_step
     from ragcache import models
-    from ragcache.engine.runner import Runner
+    from ragcache.engine import Runner
 
     runners = {name: Runner(models.load("smollm2-135m", dtype=dtype), batch_invariant=invariant)
                for name, invariant in (("invariant", True), ("variant", False))}
@@ -101,11 +101,12 @@ def main() -> None:
         sides[name] = (rc, ids)
 
     def decode(rc, ids, streams: int) -> tuple[float, list]:
-        stats = rc.driver.stats
-        rows, seconds = stats.decode_only_rows, stats.decode_only_s
+        before = rc.step_stats()
         with ThreadPoolExecutor(streams) as pool:
             answers = list(pool.map(lambda q: rc.query(q, ids, **kwargs), questions[:streams]))
-        return (stats.decode_only_rows - rows) / (stats.decode_only_s - seconds), [a.token_ids for a in answers]
+        after = rc.step_stats()
+        rate = (after.decode_only_rows - before.decode_only_rows) / (after.decode_only_s - before.decode_only_s)
+        return rate, [a.token_ids for a in answers]
 
     samples = {side: {"one": [], "many": []} for side in sides}
     packed = {}

@@ -43,7 +43,7 @@ from research.diagnose import Item, layouts
 from ragcache import linker, prompt
 from ragcache.compiler import Compiler
 from ragcache.linker import LinkInput, LinkParams, link
-from ragcache.engine.runner import Runner
+from ragcache.engine import Runner
 
 REFERENCE = "focus@0.25"
 

@@ -153,7 +153,7 @@ def count(layers: int = 32, docs: int = 32, algorithms=ALGORITHMS, decode: bool 
             six = counted(rc, lambda: rc.query(question, order, algorithm="naive", max_new_tokens=6), launches)
             record(f"decode token, {label}", dict(aten_ops=(six["aten_ops"] - two["aten_ops"]) / 4,
                                                   triton=(six["triton"] - two["triton"]) / 4))
-        rc.driver.stop()
+        rc.close()
     return rows
 
 

@@ -34,9 +34,9 @@ from bench.accuracy import bootstrap
 from bench.common import load_model
 from ragcache import linker, prompt
 from ragcache.compiler import Compiler
-from ragcache.engine.sampling import eos_ids
+from ragcache.engine import eos_ids
 from ragcache.linker import LinkInput, LinkParams, link
-from ragcache.engine.runner import Runner
+from ragcache.engine import Runner
 from ragcache.train.infill import with_lora
 
 

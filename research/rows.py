@@ -11,7 +11,7 @@ import torch
 import ragcache.kernels as kernels
 from ragcache import linker
 from ragcache.linker import Linked, LinkInput, LinkParams
-from ragcache.engine.runner import Runner
+from ragcache.engine import Runner
 
 
 def chunk_spans(parts: LinkInput) -> list[tuple[int, int]]:

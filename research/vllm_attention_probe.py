@@ -46,7 +46,7 @@ def focus_case(dtype: str):
     linker.plan = capture
     rc.link(squad.timing_questions(1)[0], doc_ids, algorithm="focus")
     linker.plan = plan
-    return seen["rows"], seen["cache"], rc.runner.shape
+    return seen["rows"], seen["cache"], rc.shape
 
 
 def merged_runs(rows, gap: int):

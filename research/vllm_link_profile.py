@@ -57,7 +57,7 @@ def main() -> None:
     from bench.common import engine
     from ragcache import catalog, linker, models
     from ragcache.integrations.vllm import layers, worker
-    from ragcache.engine.runner import Runner
+    from ragcache.engine import Runner
     from ragcache.integrations.vllm.spec import link_request, transfer_config
 
     lm = models.load("smollm2-135m", dtype=args.dtype)

@@ -303,3 +303,58 @@ def test_row_budgets_by_device_and_as_given():
     for bad in (dict(row_budget=0), dict(link_row_budget=-1)):
         with pytest.raises(errors.ParameterOutOfRange, match="at least 1 row"):
             _row_budgets(EngineConfig(**bad), "cpu")
+
+
+def test_an_open_engine_takes_new_row_budgets_from_its_next_step():
+    """RagCache.set_row_budgets (what bench/gpu.py sweeps on one engine): EngineConfig's meaning and checks, applied
+    between steps; batch-invariant, link_row_budget is row_budget's and the prefix cache, emptied, cuts at it."""
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32, batch_invariant=False))
+    ids = rc.compile([DOC])
+
+    def link_steps() -> tuple[int, int]:
+        before = rc.step_stats()
+        prompt = len(rc.link("How tall is it?", ids, algorithm="full").token_ids)
+        return rc.step_stats().steps - before.steps, prompt
+
+    assert rc.row_budgets == (512, 512) and link_steps()[0] == 2  # its place, then one piece
+    rc.set_row_budgets(8, 16)
+    steps, prompt = link_steps()
+    assert rc.row_budgets == (8, 16) and steps == 1 + -(-prompt // 16) and prompt > 16
+    rc.set_row_budgets(32)  # link_row_budget follows a given row_budget, as in EngineConfig
+    assert rc.row_budgets == (32, 32)
+    rc.set_row_budgets()
+    assert rc.row_budgets == (512, 512)
+    with pytest.raises(errors.ParameterOutOfRange, match="at least 1 row"):
+        rc.set_row_budgets(0)
+    assert rc.row_budgets == (512, 512)
+    rc.close()
+
+    invariant = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32, batch_invariant=True))
+    ids = invariant.compile([DOC])
+    invariant.link("How tall is it?", ids, algorithm="prefix")
+    assert invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1] is not None
+    invariant.set_row_budgets(8, 16)
+    assert invariant.row_budgets == (8, 8) and invariant.prefix_cache.piece == 8
+    assert invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1] is None
+    invariant.close()
+
+
+def test_step_stats_model_work_and_close_go_through_the_model_thread():
+    """What bench/ reads and runs on an engine: a copy of the step counters (reset: from zero after it), fn(runner)
+    on the model thread, and close, after which the engine answers nothing."""
+    import threading
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    ids = rc.compile([DOC])
+    rc.query("How tall is it?", ids, max_new_tokens=4)
+    taken = rc.step_stats(reset=True)
+    assert taken.steps > 0 and taken.decode_rows > 0 and taken.longest_decode_step_s > 0
+    assert rc.step_stats().steps == 0 and rc.step_stats().longest_decode_step_s == 0.0
+    taken.steps = -1  # a copy: the engine's counters are its own
+    assert rc.step_stats().steps == 0
+    assert rc.with_runner(lambda runner, x: (runner is rc.runner, threading.current_thread().name, x), 7) == (
+        True, "ragcache-model", 7)
+    assert rc.shape == rc.runner.shape and rc.shape.layers == rc.layers
+    rc.close()
+    with pytest.raises(errors.ShuttingDown):
+        rc.query("How tall is it?", ids, max_new_tokens=4)

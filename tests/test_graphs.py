@@ -110,5 +110,11 @@ def test_graphs_need_the_pooled_decode():
         RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=True, decode_graphs=True))
     with pytest.raises(ParameterOutOfRange, match="turn decode_graphs on"):
         RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False, decode_compile=True))
+    with pytest.raises(ParameterOutOfRange, match=r"decode_eager runs .* turn decode_graphs on"):
+        RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False, decode_eager=True))
+    eager = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False, decode_graphs=True,
+                                                                     decode_eager=True))
+    assert eager.runner.graphs is not None and not eager.runner.graphs.capture  # on CUDA too (bench/gpu.py --check)
+    assert "decode_eager" in EngineConfig(engine="vllm", decode_eager=True).vllm_problem()
     # the default: graphs only on CUDA
     assert RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False)).runner.graphs is None

@@ -1,5 +1,6 @@
-"""The import contract: the store and the kernels need nothing from above them, only the API imports FastAPI, and no
-module imports, at any depth, one that imports it back (function-level imports included: they hide cycles)."""
+"""The import contract: the store and the kernels need nothing from above them, only the API imports FastAPI, no
+module imports, at any depth, one that imports it back (function-level imports included: they hide cycles), and
+bench/ reaches an engine only through its public names."""
 
 from __future__ import annotations
 
@@ -154,3 +155,113 @@ def test_the_engine_is_crossed_only_through_its_init():
     for path in sorted((ROOT / "bench").glob("*.py")):
         crossings += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _engine_imports(path, "bench")]
     assert not crossings, "\n".join(crossings)
+
+
+ENGINE_PARTS = {"driver", "runner", "scheduler"}  # the model thread's parts a RagCache owns
+ENGINE_CLASSES = {"RagCache", "VllmRagCache"}
+ENGINE_HELPERS = {"engine", "_engine", "open_engine"}  # bench's and the server's functions that open one
+
+
+def _opens_an_engine(node: ast.AST) -> bool:
+    """Whether an expression makes an engine somewhere in it: RagCache(...), RagCache.open(...), engine(...)."""
+    for call in ast.walk(node):
+        if isinstance(call, ast.Call):
+            fn = call.func
+            if isinstance(fn, ast.Name) and fn.id in ENGINE_CLASSES | ENGINE_HELPERS:
+                return True
+            if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) and fn.value.id in ENGINE_CLASSES:
+                return True
+    return False
+
+
+def _engine_names(tree: ast.AST) -> set[str]:
+    """The names a file holds engines in: `rc` (the bench's name for one, its functions' parameter too), and any
+    name assigned an expression that opens one (an engine, or a dict of them)."""
+    names = {"rc"}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and node.value is not None and _opens_an_engine(node.value):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names |= {t.id for target in targets for t in ast.walk(target) if isinstance(t, ast.Name)}
+    return names
+
+
+def _private_reaches(path: Path) -> list[tuple[int, str]]:
+    """(line, what) for each reach past an engine's public face in `path`: its model-thread parts (`.driver`,
+    `.runner`, `.scheduler`, on whatever holds them), a `_name` of an engine, a private module or name of ragcache
+    imported (statically or by importlib.import_module)."""
+    tree = ast.parse(path.read_text())
+    engines = _engine_names(tree)
+
+    def is_engine(node: ast.AST) -> bool:
+        if isinstance(node, ast.Subscript):  # engines[label]
+            node = node.value
+        return isinstance(node, ast.Name) and node.id in engines
+
+    def private(dotted: str) -> bool:
+        return dotted.split(".")[0] == "ragcache" and any(
+            p.startswith("_") and not p.startswith("__") for p in dotted.split(".")
+        )
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            dunder = node.attr.startswith("__")
+            if node.attr in ENGINE_PARTS or (node.attr.startswith("_") and not dunder and is_engine(node.value)):
+                found.append((node.lineno, f"{ast.unparse(node.value)}.{node.attr}"))
+        elif isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names if private(a.name)]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names = [f"{node.module}.{a.name}" for a in node.names]
+            found += [(node.lineno, name) for name in names if private(name)]
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) in ("importlib.import_module", "import_module")
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+        ):
+            module = str(node.args[0].value)
+            if private(module) or module.startswith("ragcache.engine."):
+                found.append((node.lineno, module))
+    return sorted(set(found))
+
+
+def test_bench_reaches_an_engine_only_through_its_public_names():
+    """bench/ measures an engine as a user holds one: through RagCache's and Front's methods, EngineConfig's fields
+    and ragcache.engine's exports (RagCache.step_stats, set_row_budgets, with_runner, close, ...), never its
+    model-thread parts or private names, which change under it."""
+    reaches = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        reaches += [f"{path.relative_to(ROOT)}:{line}: {what}" for line, what in _private_reaches(path)]
+    assert not reaches, "\n".join(reaches)
+
+
+def test_the_bench_rule_sees_each_kind_of_reach(tmp_path):
+    """The rule above flags what it is meant to, and not a local runner, a bench object's own `_name`, or another
+    library's object's."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import importlib\n"
+        "from ragcache.engine import Runner\n"
+        "from ragcache._hidden import thing\n"
+        "from ragcache.store import _secret\n"
+        "ENGINE = importlib.import_module('ragcache.engine.driver')\n"
+        "def f(rc, lm, llm, self):\n"
+        "    rc.driver.call(print)\n"
+        "    fresh = RagCache.open('m')\n"
+        "    fresh._ensure([])\n"
+        "    engines = {c: engine(lm) for c in 'ab'}\n"
+        "    engines['a']._compile([], 'default')\n"
+        "    runner = Runner(lm)\n"
+        "    runner.forward_rows(1)\n"
+        "    llm._ctx.reset()\n"
+        "    self._stop.set()\n"
+        "    return rc.step_stats(), type(rc).__name__\n"
+    )
+    assert [what for _, what in _private_reaches(source)] == [
+        "ragcache._hidden.thing",
+        "ragcache.store._secret",
+        "ragcache.engine.driver",
+        "rc.driver",
+        "fresh._ensure",
+        "engines['a']._compile",
+    ]

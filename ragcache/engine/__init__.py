@@ -22,6 +22,7 @@ _HOMES = {
     "place": "copies",
     "prefetch_for": "copies",
     "Driver": "driver",
+    "StepStats": "driver",
     "DecodeGraphs": "graphs",
     "Invariance": "invariant",
     "Batch": "kv",
@@ -82,6 +83,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "Sequence",
     "Staged",
     "Status",
+    "StepStats",
     "apieces",
     "cache_argument",
     "eos_ids",
@@ -98,7 +100,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
 if TYPE_CHECKING:
     from .allocator import map_large_blocks, return_free_memory
     from .copies import Prefetch, Staged, place, prefetch_for
-    from .driver import Driver
+    from .driver import Driver, StepStats
     from .graphs import DecodeGraphs
     from .invariant import Invariance
     from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment

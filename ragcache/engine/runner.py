@@ -116,6 +116,7 @@ class Runner:
         batch_invariant: bool | None = None,
         decode_graphs: bool | None = None,
         decode_compile: bool = False,
+        decode_eager: bool = False,
     ):
         self.lm = lm
         model = lm.model
@@ -151,7 +152,14 @@ class Runner:
                 "decode_compile compiles the fixed-shape decode step of decode graphs, and they are off here: turn "
                 "decode_graphs on (with batch_invariant off), or decode_compile off"
             )
-        self.graphs = DecodeGraphs(self, capture=on_cuda, compiled=decode_compile) if use_graphs else None
+        if decode_eager and not use_graphs:
+            raise ParameterOutOfRange(
+                "decode_eager runs the fixed-shape decode step of decode graphs uncaptured, and they are off here: "
+                "turn decode_graphs on (with batch_invariant off), or decode_eager off"
+            )
+        # eager: the captured step's own code, run as is (what a captured replay is checked against)
+        capture = on_cuda and not decode_eager
+        self.graphs = DecodeGraphs(self, capture=capture, compiled=decode_compile) if use_graphs else None
         # transformers 5.24 renamed a layer's cache argument (`past_key_values` warns, and goes in 5.40); older 5.x
         # releases (the GPU machine's 5.17) know only the old name
         self.cache_argument = cache_argument(self.layers[0])

@@ -87,14 +87,18 @@ class Scheduler:
     def __init__(
         self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False, link_row_budget: int | None = None
     ):
-        self.row_budget = row_budget  # while a stream decodes, or once a link has ended in the step: they wait for it
-        # while nothing does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a
-        # GPU a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
-        self.link_row_budget = row_budget if link_row_budget is None or batch_invariant else link_row_budget
         self.batch_invariant = batch_invariant
+        self.set_row_budgets(row_budget, link_row_budget)
         self.waiting: deque[Sequence] = deque()
         self.background: deque[Sequence] = deque()  # admitted one at a time, only while no user sequence runs
         self.running: list[Sequence] = []
+
+    def set_row_budgets(self, row_budget: int, link_row_budget: int | None = None) -> None:
+        """The step's row budgets from the next plan on (on the model thread, between steps)."""
+        self.row_budget = row_budget  # while a stream decodes, or once a link has ended in the step: they wait for it
+        # while nothing does: nothing waits on the step's length, and a long link runs in fewer, larger steps (on a
+        # GPU a step costs its launches too). Batch-invariant, pieces are row_budget's whatever the load.
+        self.link_row_budget = row_budget if link_row_budget is None or self.batch_invariant else link_row_budget
 
     def add(self, sequence: Sequence) -> None:
         (self.background if sequence.background else self.waiting).append(sequence)
