@@ -586,9 +586,12 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         packed, many = run(requests)
         same = {f"identical_{n}_at_a_time": sum(map(list.__eq__, alone, answers))
                 for n, answers in ((group, grouped), (requests, packed))}
+        # a rate is over the run's decode-only steps, and their count goes beside it: a rate left out (None) is a
+        # run with none of them, said so in the row rather than left to guess
         row = dict(model=name, batch_invariant=flag, how=rc.batch_invariance, requests=requests,
                    new_tokens=new_tokens, **same, decode_tok_s_1=_decode_rate(one),
-                   decode_tok_s_many=_decode_rate(many))
+                   decode_tok_s_many=_decode_rate(many), decode_only_steps_1=one["decode_only_steps"],
+                   decode_only_steps_many=many["decode_only_steps"])
         print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone "
               + ", ".join(f"{got}/{requests} {what}" for what, got in same.items())
               + f"; decode tok/s {_fmt(row['decode_tok_s_1'])} at 1 stream, {_fmt(row['decode_tok_s_many'])} at "

@@ -112,15 +112,17 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     peer: list[float] = []  # transformers' loop, tok/s per repeat
     # (decode-only steps' rows/s, per stream, wall-clock tokens after the first / first to last token)
     runs: dict[int, list[tuple[float, float | None, float]]] = {c: [] for c in streams}
+    steps: dict[int, list[int]] = {c: [] for c in streams}  # decode-only steps per repeat (0: its rate is NaN)
     packed: dict[int, list] = {}  # C -> the token ids of its last repeat's answers
     for _ in range(repeats):
         peer.append(transformers_loop(plain, prompt, tokens))
         for c in streams:
-            before = _decode_counters(rc)
+            before, steps_before = _decode_counters(rc), rc.driver.stats.decode_only_steps
             with ThreadPoolExecutor(c) as pool:
                 done = list(pool.map(lambda q: _ended(rc.query, q, ids, **kwargs), questions[:c]))
             answers = [a for a, _ in done]
             rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
+            steps[c].append(rc.driver.stats.decode_only_steps - steps_before)
             packed[c] = [a.token_ids for a in answers]
             per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
             runs[c].append((rows_done / seconds if seconds else float("nan"),
@@ -136,7 +138,7 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
                    runs_tokens_per_s=[round(t, 2) for t, _, _ in got],
                    per_stream_tokens_per_s=round(statistics.median(p for _, p, _ in got if p is not None), 2),
                    wall_tokens_per_s=round(statistics.median(w for _, _, w in got), 2),
-                   runs_wall_tokens_per_s=[round(w, 2) for _, _, w in got])
+                   runs_wall_tokens_per_s=[round(w, 2) for _, _, w in got], runs_decode_only_steps=steps[c])
         if c > 1 and 1 in runs:  # paired per repeat: the two cells ran back to back
             ratios = [t / one for (t, _, _), (one, _, _) in zip(got, runs[1])]
             row.update(vs_one_stream=round(statistics.median(ratios), 2),

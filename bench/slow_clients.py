@@ -136,17 +136,20 @@ def closed_by_server(sock: socket.socket) -> bool:
         return False
 
 
-def attack(server: LimitedServer, sockets: int, seconds: float) -> dict:
-    """Open the slow sockets, then probe /health for `seconds`; what the server did meanwhile."""
+def attack(server: LimitedServer, sockets: int, seconds: float, health_timeout_s: float = HEALTH_TIMEOUT_S) -> dict:
+    """Open the slow sockets, then probe /health for `seconds` (one probe at least, however long opening the sockets
+    took), each probe given `health_timeout_s`; what the server did meanwhile."""
     log_before = server.log_bytes()
     emfile_before = server.log_text().count(EMFILE_TEXT)
     socks = open_slow(server.url, sockets)
     try:
         checks, most_fds = [], server.open_fds()
         end = time.monotonic() + seconds
-        while time.monotonic() < end:
-            checks.append(health(server.url))
+        while True:
+            checks.append(health(server.url, health_timeout_s))
             most_fds = max(most_fds, server.open_fds())
+            if time.monotonic() >= end:
+                break
             time.sleep(HEALTH_EVERY_S)
         closed = sum(closed_by_server(s) for s in socks)
     finally:

@@ -1,5 +1,6 @@
 """Engine states a test makes instead of racing the model's speed, from outside the product's code: the model thread
-busy with a call of the test's, or the runner's steps let through one by one."""
+busy with a call of the test's, the runner's steps let through one by one, or held once a state the test waits for
+is reached."""
 
 from __future__ import annotations
 
@@ -46,6 +47,38 @@ def steps_gated(rc, gate):
         yield gate
     finally:
         del rc.runner.execute  # the class's method again
+
+
+class HoldWhen:
+    """A step gate (for `steps_gated`) that lets steps through until `condition()` holds at a step's start, then
+    holds that step and every later one until `release()`. What the test waits for (a stream with its first piece,
+    a stream decoding) then lasts until the test is done with it, however fast the model is beside the thread that
+    watches: a 200-token answer on a tiny model is over in a fraction of a second, and a busy machine can keep the
+    watching thread off the CPU that long."""
+
+    def __init__(self, condition):
+        self.condition, self.released = condition, threading.Event()
+
+    def wait(self) -> None:
+        if not self.released.is_set() and self.condition():
+            self.released.wait()
+
+    def release(self) -> None:
+        self.released.set()
+
+
+def held_once(streams: list, n: int, state: str) -> HoldWhen:
+    """A `HoldWhen` gate on the n-th of `streams` (the sequences a test records as they are opened): the engine is
+    held once that one has sent its first text piece (state "piece") or has the status named (e.g. "DECODING"), so
+    that a caller can leave a request that is still running, whatever the machine's load."""
+
+    def reached() -> bool:
+        if len(streams) < n:
+            return False
+        stream = streams[n - 1]
+        return bool(stream._pieces) if state == "piece" else stream.status.name == state
+
+    return HoldWhen(reached)
 
 
 class Permits:

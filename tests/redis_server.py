@@ -21,7 +21,10 @@ from pathlib import Path
 
 import pytest
 
-START_TIMEOUT_S = 10.0
+# How long a started redis-server may take to answer PING before the start counts as lost (the port taken: start
+# tries another). A wait, not a measure: it ends as soon as the server answers. Were 10 s to pass on a loaded
+# machine, a restart would move to another port and break the tests that restart Redis on its port.
+START_TIMEOUT_S = 60.0
 
 
 def free_port() -> int:
@@ -155,7 +158,10 @@ class RedisClusterServers:
     """A Redis Cluster of `nodes` primaries on loopback (slots split evenly, no replicas)."""
 
     def __init__(self, nodes: int = 3):
-        cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+        # node timeout: how long a node may go unanswered before the others count it failing (and the cluster
+        # down); the tests kill no node, so it only needs to outlast a node kept off a loaded machine's CPU
+        cluster = ("--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout",
+                   "15000")
         self.servers = [RedisServer(port=free_cluster_port(), args=cluster) for _ in range(nodes)]
 
     @property
@@ -174,7 +180,7 @@ class RedisClusterServers:
             client.execute_command("CLUSTER", "ADDSLOTSRANGE", i * step, last)
         for server in self.servers[1:]:
             clients[0].execute_command("CLUSTER", "MEET", "127.0.0.1", server.port)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 120  # a wait for the gossip to agree, ended as soon as it does
         while time.monotonic() < deadline:
             infos = [_cluster_info(c) for c in clients]
             if all(i.get("cluster_state") == "ok" and i.get("cluster_known_nodes") == str(len(clients)) for i in infos):

@@ -125,6 +125,10 @@ def test_serve_decode_cells_and_runner_steps(monkeypatch):
     decode = [r for r in rows if r["kind"] == "decode"]
     assert [(r["engine"], r["streams"]) for r in decode] == [
         ("transformers cached loop", 1), ("ragcache scheduler", 1), ("ragcache scheduler", 3)]
+    # the scheduler's rate is over decode-only steps (NaN for a run with none, their count beside it saying so);
+    # each run here has them: EOS ignored, the stream linked last decodes its tokens after its first in steps that
+    # no link shares
+    assert all(r["runs_decode_only_steps"] and min(r["runs_decode_only_steps"]) > 0 for r in decode[1:])
     assert all(finite(r["tokens_per_s"]) and r["tokens_per_s"] > 0 for r in decode)
     assert all(finite(r["wall_tokens_per_s"]) and r["wall_tokens_per_s"] > 0 for r in decode[1:])
     assert finite(decode[2]["vs_one_stream"]) and decode[2]["identical_to_alone"] == 3  # batch-invariant by default
@@ -466,7 +470,12 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     on, off = result["invariance"]  # on this CPU the invariant engine is the probed row tiles'
     assert on["batch_invariant"] and not off["batch_invariant"] and "row tiles" in on["how"]
     assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
-    assert all(row[key] > 0 for row in (on, off) for key in ("decode_tok_s_1", "decode_tok_s_many"))
+    # a rate is there exactly when its run had decode-only steps (else None, the count 0 saying why); here each run
+    # has them: no EOS, and the request linked last decodes its tokens after its first in steps no link shares
+    for row in (on, off):
+        for n in ("1", "many"):
+            assert row[f"decode_only_steps_{n}"] > 0 and row[f"decode_tok_s_{n}"] is not None, row
+            assert math.isfinite(row[f"decode_tok_s_{n}"]) and row[f"decode_tok_s_{n}"] > 0, row
     assert on["decode_tok_s_1_vs_off"] > 0
     (tile,) = result["tiles"]  # (h): on CPU one candidate, interpreted, checked against the torch reference
     assert tile["ok"] and tile["chosen"] and tile["max_abs_err"] < 1e-4

@@ -223,6 +223,41 @@ def test_verify_and_delete_report_their_progress_to_the_end_of_each_stage():
     assert all(calls[-1][0] == calls[-1][1] > 0 for calls in seen.values())
 
 
+def waits_or_ran(locks, doc_id: str, deleted) -> None:
+    """Until the delete of `doc_id` waits for the document's holders or has run: a state of the locks, not a time
+    (a sleep of 0.5 s before `not deleted` could only hide a broken wait on a slow machine, never see a correct one
+    wait)."""
+    import time
+
+    deadline = time.monotonic() + 60
+    while not (locks._waiting_writers[doc_id] or deleted.is_set()):
+        assert time.monotonic() < deadline, "the delete neither waited nor ran"
+        time.sleep(0.01)
+
+
+class Watched:
+    """A stand-in for the locks' condition that notes each thread that had to wait on it (a reader kept out)."""
+
+    def __init__(self, condition):
+        self.condition, self.waited = condition, set()
+
+    def __enter__(self):
+        return self.condition.__enter__()
+
+    def __exit__(self, *exc):
+        return self.condition.__exit__(*exc)
+
+    def wait_for(self, predicate, timeout=None):
+        import threading
+
+        if not predicate():
+            self.waited.add(threading.get_ident())
+        return self.condition.wait_for(predicate, timeout)
+
+    def notify_all(self):
+        self.condition.notify_all()
+
+
 def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     """Without the wait, the delete removed the record and the first chunk's entry while the upload was between
     chunks, and the upload then wrote the other chunks' entries, which no document referred to."""
@@ -248,9 +283,8 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
         assert len(chunks) >= 3
         delete = threading.Thread(target=lambda: (rc.delete_document(doc_id), deleted.set()))
         delete.start()
-        # correct code never lets the delete finish here; on a very slow machine a broken one might not finish
-        # within 0.5 s either, and then the orphan check below still catches it
-        assert not deleted.wait(0.5), "the delete ran while the upload of the same document was in progress"
+        waits_or_ran(rc.catalog._locks, doc_id, deleted)
+        assert not deleted.is_set(), "the delete ran while the upload of the same document was in progress"
     finally:
         go_on.set()
         upload.join(60)
@@ -290,9 +324,8 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
         assert in_compile.wait(60)
         delete = threading.Thread(target=lambda: (rc.delete_document(doc_id), deleted.set()))
         delete.start()
-        # a slow machine can only hide a failure here, never fail correct code; the orphan check below catches
-        # the broken code's usual outcome too
-        assert not deleted.wait(0.5), f"the delete ran while a {reader} was compiling the same document"
+        waits_or_ran(rc.catalog._locks, doc_id, deleted)
+        assert not deleted.is_set(), f"the delete ran while a {reader} was compiling the same document"
     finally:
         go_on.set()
         query.join(60)
@@ -311,6 +344,7 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
 
     docs = docs_over(MemoryStore())
     doc_id, other_id = docs.add(TEXTS[0]), docs.add(TEXTS[1])
+    docs._locks._changed = changed = Watched(docs._locks._changed)
     second_in, deleted, late_in = threading.Event(), threading.Event(), threading.Event()
     deleted_before_late = []
 
@@ -332,7 +366,11 @@ def test_readers_share_a_document_and_a_waiting_delete_keeps_new_readers_out():
             time.sleep(0.01)
         late = threading.Thread(target=hold, args=(late_in,))
         late.start()
-        assert not late_in.wait(0.3), "a new reader went ahead of a waiting delete"
+        deadline = time.monotonic() + 60
+        while not (late.ident in changed.waited or late_in.is_set()):  # kept out, or in: a state, not a time
+            assert time.monotonic() < deadline, "the new reader neither waited nor went in"
+            time.sleep(0.01)
+        assert not late_in.is_set(), "a new reader went ahead of a waiting delete"
         with docs.using([doc_id]):  # this thread holds it already: taking it again must not deadlock
             assert not deleted.is_set()
     delete.join(60)

@@ -23,7 +23,7 @@ from ragcache.engine.sequence import Status  # noqa: E402
 from ragcache.store import open_store  # noqa: E402
 from ragcache.store.keys import document_id  # noqa: E402
 from tests import tiny  # noqa: E402
-from tests.hold import hold_model_thread  # noqa: E402
+from tests.hold import held_once, hold_model_thread, steps_gated  # noqa: E402
 
 TEXTS = tiny.CORPUS[:2]
 QUESTION = "Where is the tower?"
@@ -195,14 +195,16 @@ def test_stream_and_async_give_the_same_answer(rc):
 
 def test_async_calls_leave_the_event_loop_free(rc):
     """ainvoke and astream wait for the engine off the loop: a coroutine beside them runs meanwhile. Here the model
-    thread is held until that coroutine lets it go; had the call held the loop, only the fallback timer would."""
+    thread is held until that coroutine lets it go; had the call held the loop, only the fallback timer would. The
+    timer only ends a deadlock a broken call would make: a minute, which no loaded machine takes to run the
+    coroutine's 0.05 s sleep (at 10 s it raced the loop on a busy machine)."""
     chat = ChatRagCache(rc=rc, max_new_tokens=3)
     calls = {"ainvoke": lambda: chat.ainvoke(QUESTION, documents=docs()),
              "astream": lambda: _collect(chat.astream(QUESTION, documents=docs()))}
 
     async def beside(call, order):
         gate = hold_model_thread(rc)
-        fallback = threading.Timer(10, lambda: (order.append("fallback"), gate.set()))
+        fallback = threading.Timer(60, lambda: (order.append("fallback"), gate.set()))
         fallback.start()
 
         async def answer():
@@ -258,6 +260,10 @@ async def _collect(chunks):
 
 
 # -- a caller that leaves -----------------------------------------------------------------------------
+# The tests below hold the engine's steps once the request has its first piece or is decoding (tests/hold.py:
+# held_once), so the caller leaves a request that is still running. LONG tokens of the tiny model take a fraction of
+# a second: without the gate a reader kept off the CPU that long found the answer over (FINISHED, not ABORTED), and
+# a poll for DECODING could miss the state and spin until the suite's timeout.
 @pytest.fixture
 def opened(rc, monkeypatch):
     """Every stream the chat model opens, as it opened it."""
@@ -282,10 +288,16 @@ def test_left_alone_the_long_answer_runs_to_its_end(rc, opened):
 
 def test_a_closed_stream_aborts_the_request(rc, opened):
     runs = Runs()
-    chunks = ChatRagCache(rc=rc, max_new_tokens=LONG).stream(QUESTION, documents=docs(), config={"callbacks": [runs]})
-    assert next(chunks).content
-    chunks.close()
-    assert opened[0].cancelled  # at once, not when the engine or the collector gets to it
+    gate = held_once(opened, 1, "piece")
+    with steps_gated(rc, gate):
+        try:
+            chunks = ChatRagCache(rc=rc, max_new_tokens=LONG).stream(QUESTION, documents=docs(),
+                                                                     config={"callbacks": [runs]})
+            assert next(chunks).content
+            chunks.close()
+            assert opened[0].cancelled  # at once, not when the engine or the collector gets to it
+        finally:
+            gate.release()
     assert ended(rc, opened[0]) is Status.ABORTED and opened[0].answer is None
     assert len(runs.errors) == 1  # the callbacks were told the run ended early
 
@@ -297,32 +309,43 @@ def test_an_async_stream_its_reader_leaves_aborts_the_request(rc, opened):
         await chunks.aclose()
         del chunks
         # LangChain does not close the model's own generator when its caller closes the wrapper; the loop's
-        # finalizer of async generators does, a few turns later
+        # finalizer of async generators does, a few turns later (turns of the loop, not time: the engine is held)
         for _ in range(500):
             if opened[0].cancelled:
                 return
             await asyncio.sleep(0.01)
 
-    asyncio.run(leave())
-    assert opened[0].cancelled
+    gate = held_once(opened, 1, "piece")
+    with steps_gated(rc, gate):
+        try:
+            asyncio.run(leave())
+            assert opened[0].cancelled
+        finally:
+            gate.release()
     assert ended(rc, opened[0]) is Status.ABORTED
 
 
 def test_a_cancelled_task_aborts_the_request(rc, opened):
-    async def cancel():
-        chat = ChatRagCache(rc=rc, max_new_tokens=LONG)
-        calls = (lambda: chat.ainvoke(QUESTION, documents=docs()),
-                 lambda: _collect(chat.astream(QUESTION, documents=docs())))
-        for n, call in enumerate(calls, 1):
-            task = asyncio.ensure_future(call())
-            while len(opened) < n or opened[-1].status is not Status.DECODING:
-                await asyncio.sleep(0.005)
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-            assert opened[-1].cancelled  # by the time the task is done
+    async def cancel(n, call):
+        task = asyncio.ensure_future(call())
+        while len(opened) < n or opened[-1].status is not Status.DECODING:  # held there: a state, not a moment
+            await asyncio.sleep(0.005)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert opened[-1].cancelled  # by the time the task is done
 
-    asyncio.run(cancel())
+    chat = ChatRagCache(rc=rc, max_new_tokens=LONG)
+    calls = (lambda: chat.ainvoke(QUESTION, documents=docs()),
+             lambda: _collect(chat.astream(QUESTION, documents=docs())))
+    for n, call in enumerate(calls, 1):
+        gate = held_once(opened, n, "DECODING")
+        with steps_gated(rc, gate):
+            try:
+                asyncio.run(cancel(n, call))
+            finally:
+                gate.release()
+        assert ended(rc, opened[-1]) is Status.ABORTED
     assert len(opened) == 2
     for stream in opened:
-        assert ended(rc, stream) is Status.ABORTED
+        assert stream.status is Status.ABORTED

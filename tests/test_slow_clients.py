@@ -9,6 +9,7 @@ import re
 import select
 import shutil
 import socket
+import struct
 import subprocess
 import threading
 import time
@@ -22,7 +23,7 @@ import uvicorn
 
 from bench.slow_clients import LimitedServer, attack, closed_by_server, open_slow
 from ragcache.api.app import create_app
-from ragcache.api.connections import Listener, Slots
+from ragcache.api.connections import LOG_EVERY_S, Listener, Slots
 from ragcache.api.server import config
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
@@ -208,9 +209,11 @@ def tiny_model(tmp_path_factory):
 
 
 def test_1030_slow_loris_sockets_at_a_1024_file_limit(tiny_model):
+    """Every health check is answered. Each is given WAIT_S, not the bench's 5 s: a loaded machine takes seconds to
+    accept 1,030 connections before a probe behind them, while a server without the cap never answers it (EMFILE)."""
     server = LimitedServer(tiny_model, open_files=1024)
     try:
-        row = attack(server, sockets=1030, seconds=3)
+        row = attack(server, sockets=1030, seconds=3, health_timeout_s=WAIT_S)
     finally:
         server.close()
     assert row["health_checks"] > 0 and row["health_200"] == row["health_checks"], row
@@ -221,15 +224,19 @@ def test_1030_slow_loris_sockets_at_a_1024_file_limit(tiny_model):
 
 def test_accept_errors_are_logged_at_a_bounded_rate(tiny_model):
     """With no file descriptors reserved, accepting meets EMFILE: one line per 10 s, not one per pending
-    connection per second (asyncio's own: megabytes a second)."""
+    connection per second (asyncio's own: megabytes a second). The lines allowed follow from how long the attack
+    took (2 within 10 s, as before, one more per 10 s after): a loaded machine that stretches it gets no failure."""
     server = LimitedServer(tiny_model, open_files=1024, env={"RAGCACHE_FD_RESERVE": "0"})
     try:
+        started = time.monotonic()
         row = attack(server, sockets=1030, seconds=3)
+        took_s = time.monotonic() - started
         text = server.log_text()
     finally:
         server.close()
     assert "cannot accept connections: [Errno 24] Too many open files" in text, text[-2000:]
-    assert row["emfile_log_lines"] <= 2 and row["log_growth_bytes"] < 1 << 20, row
+    assert row["emfile_log_lines"] <= 2 + int(took_s // LOG_EVERY_S), (took_s, row)
+    assert row["log_growth_bytes"] < 1 << 20, row
 
 
 # -- behind nginx: deploy/nginx/ragcache.conf --------------------------------------------------------------------
@@ -333,6 +340,16 @@ def test_at_the_cap_a_waiting_connection_is_closed_only_for_a_newcomer_that_is_q
     listener.close()
 
 
+def queued(listener: socket.socket, count: int) -> None:
+    """Until `count` connections wait in the listening socket's accept queue (Linux: TCP_INFO's tcpi_unacked of a
+    listening socket is its accept queue's length). A client's connect() returns at the handshake's SYN-ACK; the
+    server side queues the connection when the client's ACK is processed, which a busy machine may defer."""
+    deadline = time.monotonic() + WAIT_S
+    while struct.unpack_from("I", listener.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 104), 24)[0] < count:
+        assert time.monotonic() < deadline, f"fewer than {count} connections queued"
+        time.sleep(0.01)
+
+
 def accept_pass(listener: Listener) -> int:
     """One pass of asyncio's accept loop (accept() until it raises): how many connections it took."""
     taken = 0
@@ -357,8 +374,7 @@ def test_at_the_cap_a_pass_of_the_accept_loop_evicts_one_connection_whatever_is_
     waiting = [Waiting(slots) for _ in range(3)]
     clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
     try:
-        select.select([listener], [], [], WAIT_S)
-        time.sleep(0.1)  # all three handshakes in the queue
+        queued(listener, 3)  # all three handshakes in the queue: the listener's own count, not a sleep
         taken = []
         for _ in range(3):
             taken.append(accept_pass(listener))

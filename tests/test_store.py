@@ -235,17 +235,40 @@ def test_memory_records_listed_while_another_thread_writes_one():
     store = open_store("memory:")
     store.put_record("doc/a", {})
     writer = threading.Thread(target=store.put_record, args=("doc/b", {}))
+    kept_out = threading.Event()
+
+    class Lock:
+        """The tier's lock, noting when the writer finds it taken (it then waits for it)."""
+
+        def __init__(self, lock):
+            self.lock = lock
+
+        def __enter__(self):
+            if not self.lock.acquire(blocking=False):
+                if threading.current_thread() is writer:
+                    kept_out.set()
+                self.lock.acquire()
+            return self
+
+        def __exit__(self, *exc):
+            self.lock.release()
 
     class Records(dict):
         def __iter__(self):
             for i, name in enumerate(dict.__iter__(self)):
                 if i == 0 and writer.ident is None:
                     writer.start()
-                    writer.join(0.3)  # held off by the tier's lock; without it, written now
+                    # held off by the tier's lock, or (without it) written now: a state, not a time
+                    deadline = time.monotonic() + 60
+                    while not (kept_out.is_set() or not writer.is_alive()):
+                        assert time.monotonic() < deadline, "the writer neither waited nor wrote"
+                        time.sleep(0.01)
                 yield name
 
+    store._lock = Lock(store._lock)
     store._records = Records(store._records)
     assert store.record_names() == ["doc/a"]
+    assert kept_out.is_set()
     writer.join()
     assert store.record_names() == ["doc/a", "doc/b"]
 

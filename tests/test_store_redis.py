@@ -126,19 +126,22 @@ def test_readers_see_old_or_new_while_a_writer_overwrites(redis_url, caplog):
     key, a = make_entry(8, tokens=32)
     _, b = make_entry(9, tokens=32, ids_seed=8)
     store.put(key, a)
-    stop, wrong, seen = threading.Event(), [], {"a": 0, "b": 0, "miss": 0}
+    stop, wrong, seen, writes = threading.Event(), [], {"a": 0, "b": 0, "miss": 0}, [0]
 
     def write():
-        i = 0
         while not stop.is_set():
-            store.put(key, (a, b)[i % 2])
-            i += 1
+            store.put(key, (a, b)[writes[0] % 2])
+            writes[0] += 1
 
+    # Reads go on until `overwrites` overwrites happened during them and some read found a whole version: counts,
+    # not a time (1.5 s of reads can be a few reads, or none, on a busy machine). The deadline only ends a hang.
+    overwrites = 50
     writer = threading.Thread(target=write)
     writer.start()
     try:
-        deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline:
+        first, deadline = writes[0], time.monotonic() + 300
+        while writes[0] - first < overwrites or seen["a"] + seen["b"] == 0:
+            assert time.monotonic() < deadline, (writes[0] - first, seen)
             got = store.get(key)
             if got is None:
                 seen["miss"] += 1
@@ -302,7 +305,11 @@ def test_a_writer_killed_mid_write_leaves_old_or_new_entries(redis_url):
 
 # -- Redis going away -----------------------------------------------------------------------------------------------
 def test_redis_killed_during_a_tiered_read_and_back(tmp_path, redis_server, caplog):
-    store = TieredStore([MemoryStore(), DiskStore(tmp_path), RedisStore(redis_server.url)], retry_after=0.3)
+    # the tiered store's clock is the test's: Redis is retried when the test moves time on, not when a real backoff
+    # ran out (that backoff doubled with each failed retry on a slow machine, past the wait for Redis to come back)
+    now = [0.0]
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path), RedisStore(redis_server.url)], retry_after=0.3,
+                        clock=lambda: now[0])
     everywhere = dict(make_entry(s, layers=4) for s in range(3))
     store.put_many(everywhere)
     only_redis = dict([make_entry(30, layers=4)])
@@ -323,11 +330,9 @@ def test_redis_killed_during_a_tiered_read_and_back(tmp_path, redis_server, capl
     assert "unreachable" in warnings_of(caplog)[0]
     stats = store.stats()
     assert stats["tiers"][2]["up"] is False and "error" in stats["tiers"][2]
-    redis_server.start()  # same port, empty (no persistence)
-    deadline = time.monotonic() + 10
-    while store.up() != [True, True, True] and time.monotonic() < deadline:
-        time.sleep(0.05)
-        store.get_many(keys)
+    redis_server.start()  # same port, empty (no persistence); it answers PING when start() returns
+    now[0] += 3600  # past any backoff
+    store.get_many(keys)  # Redis is tried again, and answers
     assert store.up() == [True, True, True]
     assert warnings_of(caplog)[-1] == "store tier redis is back" and len(warnings_of(caplog)) == 2
     new_key, new = make_entry(32, layers=4)
@@ -355,17 +360,29 @@ def test_redis_down_at_start(tmp_path, caplog):
         dead.close()
 
 
-def test_a_standalone_redis_store_reports_a_lost_server(redis_server):
+def test_a_standalone_redis_store_reports_a_lost_server(redis_server, monkeypatch):
+    import redis.connection
+    import redis.retry
+
     store = RedisStore(redis_server.url)
     key, entry = make_entry(41, layers=2)
     store.put(key, entry)
     redis_server.stop()
-    started = time.monotonic()
-    for call in (lambda: store.get(key), lambda: store.put(key, entry), lambda: store.get_record("doc/x"),
-                 lambda: list(store.keys()), lambda: store.contains_many([key])):
+    # "Fails fast" is the mechanism, not a duration (which a loaded machine stretches): each call tries to connect
+    # a bounded number of times and never sleeps between tries. A retry loop with a backoff fails both counts.
+    connects, sleeps = [], []
+    connect = redis.connection.Connection._connect
+    monkeypatch.setattr(redis.connection.Connection, "_connect",
+                        lambda self: connects.append(1) or connect(self))
+    monkeypatch.setattr(redis.retry, "sleep", sleeps.append)
+    calls = (lambda: store.get(key), lambda: store.put(key, entry), lambda: store.get_record("doc/x"),
+             lambda: list(store.keys()), lambda: store.contains_many([key]))
+    for call in calls:
         with pytest.raises(StoreError, match="unreachable"):
             call()
-    assert time.monotonic() - started < 5  # refused connections fail fast, no long retry loop
+    # a try and one quick reconnect per call (store/redis_tier.py: Retry(NoBackoff(), 1)), no backoff slept
+    assert sleeps == [] and 0 < len(connects) <= 2 * len(calls), (len(connects), sleeps)
+    monkeypatch.undo()
     assert not store.ping()
     redis_server.start()
     assert store.ping() and store.get(key) is None  # a restarted server is empty; the client reconnects

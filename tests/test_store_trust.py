@@ -303,8 +303,9 @@ def test_a_frozen_redis_fails_the_call_once_and_the_tiered_store_skips_it(redis_
     from tests.test_store import make_entry
 
     key, entry = make_entry(6, layers=2)
-    redis_tier = RedisStore(redis_server.url, socket_timeout=0.5)
-    store = TieredStore([DiskStore(tmp_path), redis_tier])
+    redis_tier = RedisStore(redis_server.url, socket_timeout=0.5)  # the server is frozen: the timeout must fire
+    # the store's clock stands still: "skipped while its backoff runs" does not race the real 5 s backoff
+    store = TieredStore([DiskStore(tmp_path), redis_tier], clock=lambda: 0.0)
     store.put_many({key: entry})
     calls = []
     real = redis_tier.read_blobs
