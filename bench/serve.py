@@ -117,12 +117,12 @@ def decode_cells(model: str, doc_tokens: int, tokens: int, streams: list[int], d
     for _ in range(repeats):
         peer.append(transformers_loop(plain, prompt, tokens))
         for c in streams:
-            before, steps_before = _decode_counters(rc), rc.driver.stats.decode_only_steps
+            before = _decode_counters(rc)
             with ThreadPoolExecutor(c) as pool:
                 done = list(pool.map(lambda q: _ended(rc.query, q, ids, **kwargs), questions[:c]))
             answers = [a for a, _ in done]
-            rows_done, seconds = (a - b for a, b in zip(_decode_counters(rc), before))
-            steps[c].append(rc.driver.stats.decode_only_steps - steps_before)
+            rows_done, seconds, decode_steps = (a - b for a, b in zip(_decode_counters(rc), before))
+            steps[c].append(decode_steps)
             packed[c] = [a.token_ids for a in answers]
             per_stream = [(a.stats.completion_tokens - 1) / a.stats.decode_s for a in answers if a.stats.decode_s]
             runs[c].append((rows_done / seconds if seconds else float("nan"),
@@ -225,9 +225,9 @@ def wall_rate(done: list) -> float:
     return tokens / span if span > 0 else float("nan")
 
 
-def _decode_counters(rc) -> tuple[int, float]:
+def _decode_counters(rc) -> tuple[int, float, int]:
     stats = rc.step_stats()
-    return stats.decode_only_rows, stats.decode_only_s
+    return stats.decode_only_rows, stats.decode_only_s, stats.decode_only_steps
 
 
 def transformers_loop(model, prompt, tokens: int) -> float:
