@@ -36,7 +36,7 @@ def request(spec: LinkSpec | None, prompt_tokens: int, salt: str | None = "spec"
                            cache_salt=salt, lora_request=lora)
 
 
-SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="naive")
+SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, link=LinkParams("naive"))
 
 
 def test_claims_the_linked_part_less_vllms_own_hit():
@@ -81,16 +81,16 @@ def test_a_wrong_salt_is_not_linked_while_prefix_caching_is_on():
     """Linked blocks under a plain request's hashes would be served to exact-prefix requests as exact."""
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (0, False)
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt="tenant-a"), 0) == (0, False)
-    other = LinkSpec(prefix=5, chunks=(20, 30), question=7, algorithm="focus")
+    other = LinkSpec(prefix=5, chunks=(20, 30), question=7, link=LinkParams("focus"))
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=other.salt), 0) == (0, False)
     assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, False)
 
 
 def test_the_salt_names_everything_that_changes_the_linked_kv():
-    salts = {SPEC.salt, LinkSpec(5, (20, 30), 7, "naive", k=8).salt, LinkSpec(5, (30, 20), 7, "naive").salt,
-             LinkSpec(5, (20, 30), 7, "cacheblend", ratio=0.3).salt, LinkSpec(5, (20, 30), 7, "cacheblend").salt}
+    salts = {SPEC.salt, LinkSpec(5, (20, 30), 7, LinkParams("naive", k=8)).salt, LinkSpec(5, (30, 20), 7, LinkParams("naive")).salt,
+             LinkSpec(5, (20, 30), 7, LinkParams("cacheblend", ratio=0.3)).salt, LinkSpec(5, (20, 30), 7, LinkParams("cacheblend")).salt}
     assert len(salts) == 5
-    assert LinkSpec(5, (20, 30), 7, "naive").salt == SPEC.salt
+    assert LinkSpec(5, (20, 30), 7, LinkParams("naive")).salt == SPEC.salt
 
 
 def test_a_question_scored_link_is_salted_with_its_question():
@@ -112,7 +112,7 @@ def test_a_question_scored_link_is_salted_with_its_question():
     lied = request(other, 62)  # another question's digest: its salt would file this link under that question
     lied.prompt_token_ids = prompt
     assert connector().get_num_new_matched_tokens(lied, 0) == (0, False)
-    bare = LinkSpec(5, (20, 30), 7, "focus")  # no digest at all
+    bare = LinkSpec(5, (20, 30), 7, LinkParams("focus"))  # no digest at all
     assert connector().get_num_new_matched_tokens(request(bare, 62), 0) == (0, False)
 
 
