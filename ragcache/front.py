@@ -302,9 +302,11 @@ class Front(abc.ABC):
         return ids
 
     # -- requests -------------------------------------------------------------------------------------
-    def params(self, algorithm: str | None = None, /, **knobs) -> LinkParams:
-        """A link's parameters from knobs by name (settings.LinkKnobs'; the algorithm may come first): `resolve`."""
-        return self.resolve(LinkKnobs.of(**{"algorithm": algorithm, **knobs}))
+    def params(self, *in_order, **knobs) -> LinkParams:
+        """A link's parameters (`resolve`) from knobs by name, or in LinkKnobs' order: `params("legolink", 8)`."""
+        if len(in_order) > len(LinkKnobs.model_fields):
+            raise TypeError(f"params takes at most {len(LinkKnobs.model_fields)} knobs in order, got {len(in_order)}")
+        return self.resolve(LinkKnobs.of(**dict(zip(LinkKnobs.model_fields, in_order, strict=False)), **knobs))
 
     def resolve(self, *layers: LinkKnobs) -> LinkParams:
         """A link's parameters from layers of knobs, a later layer's set knobs winning (the server's settings, then

@@ -56,6 +56,9 @@ def test_knobs_resolve_request_over_server_over_profile():
     got = Front.resolve(profile, server, LinkKnobs(algorithm="cacheblend", ratio=0.5, deviation="value"))
     assert got == LinkParams("cacheblend", 8, 0.5, 2, "value")
     assert Front.resolve(profile, LinkKnobs(algorithm="cacheblend")).ratio == 0.15  # focus's ratio is focus's alone
+    profile.resolve = lambda *layers: Front.resolve(profile, *layers)
+    assert Front.params(profile, "legolink", 8) == Front.params(profile, algorithm="legolink", k=8)  # knobs in order
+    assert Front.params(profile, "legolink", 8) == LinkParams("legolink", 8)
 
 
 @pytest.mark.parametrize(("knobs", "match"), [
