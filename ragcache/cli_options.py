@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 import typing
 from typing import Annotated, Literal
 
@@ -57,15 +58,25 @@ TrainDtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16"
 TrainDeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
 
 
-def link_options(command):
+def link_options(command=None, /, **defaults):
     """One --option per link knob (settings.LinkKnobs, with its help text), handed to the command whole as its
-    `link` parameter: a knob declared there reaches every command that takes link knobs, with no edit here."""
+    `link` parameter: a knob declared there reaches every command that takes link knobs, with no edit here.
+    `defaults`: a command's own default for a knob (`@link_options(algorithm="naive")`), which typer shows in place
+    of the settings' default its help names."""
+    if command is None:
+        return functools.partial(link_options, **defaults)
+    unknown = set(defaults) - set(LinkKnobs.model_fields)
+    if unknown:
+        raise TypeError(f"link_options: no link knob {sorted(unknown)}")
     knobs = [
         inspect.Parameter(
             name,
             inspect.Parameter.KEYWORD_ONLY,
-            default=None,
-            annotation=Annotated[_option_type(field.annotation) | None, typer.Option(help=field.description)],
+            default=defaults.get(name),
+            annotation=Annotated[
+                _option_type(field.annotation) | None,
+                typer.Option(help=_without_default(field.description) if name in defaults else field.description),
+            ],
         )
         for name, field in LinkKnobs.model_fields.items()
     ]
@@ -82,6 +93,14 @@ def link_options(command):
 
     with_knobs.__signature__ = signature.replace(parameters=[*others, *knobs])
     return with_knobs
+
+
+def _without_default(help: str | None) -> str | None:
+    """A knob's help without the clause naming its settings' default: "link algorithm (README: Algorithms; default:
+    focus)" -> "link algorithm (README: Algorithms)"."""
+    if help is None:
+        return None
+    return re.sub(r"; default: [^)]*\)", ")", re.sub(r" \(default: [^)]*\)", "", help))
 
 
 def _option_type(annotation) -> type:

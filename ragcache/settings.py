@@ -56,6 +56,7 @@ def store_for(store: object, device) -> object:
 
 
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
+DEFAULT_TRAIN_ALGORITHM = "naive"  # what `ragcache train link` fits unless told: the cheapest link has the most to win
 DEFAULT_K = 16
 DEFAULT_RATIO = 0.15  # cacheblend's
 DEFAULT_FOCUS_RATIO = 0.25  # keeps full's F1 on the 1.5B reader (n = 1000) and agrees on 0.90 of first tokens

@@ -1,6 +1,6 @@
 """The link knobs are declared once (ragcache.settings.LinkKnobs) and every front door derives from that declaration:
 a knob added there, and held by the linker's LinkParams, reaches the REST schemas, Settings, the CLI, the Python API,
-llama-index, LangChain and the vLLM spec with no other edit."""
+llama-index, LangChain, training and the vLLM spec with no other edit."""
 
 from __future__ import annotations
 
@@ -96,6 +96,7 @@ from ragcache.integrations.llama_index.query_engine import RagCacheQueryEngine
 from ragcache.integrations.vllm.spec import LinkSpec
 from ragcache.linker import LinkParams
 from ragcache.settings import LinkKnobs, Settings
+from ragcache.train.link import LinkTrainConfig
 
 profile = SimpleNamespace(default_k=16, default_focus_ratio=0.25)
 profile.resolve = lambda *layers: Front.resolve(profile, *layers)
@@ -112,6 +113,9 @@ print(json.dumps({
     "langchain": ChatRagCache.model_fields["probe"].description,
     "llama_index": RagCacheQueryEngine.model_fields["probe"].description,
     "cli": [p.help for p in typer.main.get_command(app).commands["query"].params if p.name == "probe"],
+    "train_cli": [p.help for p in typer.main.get_command(app).commands["train"].commands["link"].params
+                  if p.name == "probe"],
+    "train": Front.resolve(profile, LinkTrainConfig(link=LinkKnobs(probe=8)).link).probe,
     "vllm": LinkSpec.parse(spec.as_dict(), 6).params().probe,
     "schema": "probe" in QueryRequest.model_json_schema()["properties"],
 }))
@@ -144,4 +148,5 @@ def test_a_knob_declared_once_reaches_every_front_door(tmp_path):
     got = json.loads(run.stdout.strip().splitlines()[-1])
     assert got == {"rest": 5, "openai": 6, "settings": 4, "python": 3, "langchain": "a knob added in one place",
                    "llama_index": "a knob added in one place", "cli": ["a knob added in one place"], "vllm": 7,
+                   "train_cli": ["a knob added in one place"], "train": 8,
                    "schema": True}

@@ -15,6 +15,7 @@ from ragcache.cli import app
 from ragcache.facade import RagCache
 from ragcache.infill import FimTokens, build_prompt
 from ragcache.lora import attach_adapter
+from ragcache.settings import LinkKnobs
 from ragcache.store import open_store
 from ragcache.train.evaluate import evaluate
 from ragcache.train.fragment import IGNORE, ExampleBuilder, ExampleConfig, end_token_id, fragments, tokenize
@@ -446,3 +447,40 @@ def test_an_interrupted_infill_run_resumes_where_its_checkpoint_left_off(tiny_di
         train(TrainConfig(out=tmp_path / "other", **settings), progress=stop_after_two)
     with pytest.raises(errors.BadRequest, match="other settings.*batch"):
         train(TrainConfig(out=tmp_path / "other", **{**settings, "batch": 3}))
+
+
+def test_train_link_takes_the_link_knobs_whole_and_refuses_bad_ones_before_the_model_loads(tmp_path, monkeypatch):
+    """`train link` takes settings.LinkKnobs as every link door does (cli_options.link_options), naive unless told;
+    a knob out of range or a link training does not fit is refused before any model loads."""
+    seen = []
+
+    def open_engine(cfg):
+        seen.append(cfg.link)
+        raise errors.BadRequest("no engine in this test")
+
+    monkeypatch.setattr(tl, "open_engine", open_engine)
+    base = ["train", "link", "--model", str(tmp_path / "no-such-model"), "--out", str(tmp_path / "out")]
+    bad = CliRunner().invoke(app, [*base, "--k", "-1"])
+    assert bad.exit_code == 3 and "k must be greater than or equal to 0, got -1" in bad.output and not seen
+    blend = CliRunner().invoke(app, [*base, "--algorithm", "cacheblend"])
+    assert blend.exit_code == 3 and "--algorithm must be one of naive, legolink, focus" in blend.output and not seen
+    CliRunner().invoke(app, [*base, "--algorithm", "legolink", "--k", "4"])
+    CliRunner().invoke(app, base)
+    assert [knobs.given() for knobs in seen] == [{"algorithm": "legolink", "k": 4}, {"algorithm": "naive"}]
+    shown = " ".join(CliRunner().invoke(app, ["train", "link", "--help"], terminal_width=200).output.split())
+    assert "link algorithm (README: Algorithms) [default: naive]" in shown
+
+
+def test_a_fitted_link_resolves_its_unset_knobs_as_a_served_one_and_names_them_in_its_run_key(tmp_path):
+    """k left unset is the model's calibrated k, as the served link's is; the checkpoint's key holds the link
+    as resolved, so a model calibrated since does not resume a run fitted to another k."""
+    rc = RagCache(tiny.make("llama"), open_store("memory:"))
+    cfg = link_config(tmp_path, link=LinkKnobs(algorithm="legolink"))
+    rc.default_k = 8
+    assert tl.label(rc.resolve(cfg.link)) == "legolink-8"
+    key = tl._run_key(cfg, rc.resolve(cfg.link), [], "weights")
+    rc.default_k = 32
+    assert tl._run_key(cfg, rc.resolve(cfg.link), [], "weights") != key and key["k"] == 8 and "ratio" not in key
+    assert tl.label(rc.resolve(LinkKnobs(algorithm="focus", ratio=0.1))) == "focus@0.1"
+    assert cfg.settings()["link"] == {"algorithm": "legolink"}
+    rc.close()

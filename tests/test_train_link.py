@@ -13,7 +13,7 @@ from ragcache import lora, models
 from ragcache.cli import app
 from ragcache.facade import RagCache
 from ragcache.errors import BadAdapter
-from ragcache.settings import DATA_DIR
+from ragcache.settings import DATA_DIR, LinkKnobs
 from ragcache.store import open_store
 from ragcache.train import link as tl
 
@@ -33,9 +33,12 @@ def builtin_items(n: int, start: int = 0) -> list[tl.Item]:
 
 
 def config(tmp_path, **overrides) -> tl.LinkTrainConfig:
+    """A run's settings; the link's knobs by name as well (algorithm, k, ratio), taken whole as the config's link."""
     settings = dict(model="smollm2-135m", algorithm="naive", steps=4, batch=3, lr=2e-3, rank=4, warmup=1,
                     answer_tokens=4, out=tmp_path, checkpoint_every=1, dtype="float32")
-    return tl.LinkTrainConfig(**{**settings, **overrides})
+    settings.update(overrides)
+    link = LinkKnobs(**{name: settings.pop(name) for name in LinkKnobs.model_fields if name in settings})
+    return tl.LinkTrainConfig(link=link, **settings)
 
 
 ITEMS = (builtin_items(3), builtin_items(2, start=3))

@@ -10,9 +10,10 @@ import typer
 from rich.progress import Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
-from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt
+from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt, link_options
 from ..console import bars, console, err, fail
 from ..errors import RagCacheError
+from ..settings import DEFAULT_TRAIN_ALGORITHM, LinkKnobs
 
 train_app = typer.Typer(
     help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.", no_args_is_help=True
@@ -26,11 +27,10 @@ def _progress() -> Progress:
 
 
 @train_app.command("link")
+@link_options(algorithm=DEFAULT_TRAIN_ALGORITHM)
 def link_cmd(
     model: OwnModelOpt = "smollm2-135m",
-    algorithm: str = typer.Option("naive", "--algorithm", help="the cheap link to fit: naive | legolink | focus"),
-    k: int = typer.Option(16, "--k", help="legolink: rows recomputed at the start of each chunk"),
-    ratio: float = typer.Option(0.1, "--ratio", help="focus: share of chunk tokens recomputed"),
+    link: LinkKnobs = LinkKnobs(),  # noqa: B008 - filled in by @link_options
     steps: int = typer.Option(100, "--steps", help="optimizer steps"),
     batch: int = typer.Option(4, "--batch", help="items per step"),
     lr: float = typer.Option(1e-4, "--lr"),
@@ -69,15 +69,14 @@ def link_cmd(
     ),
 ):
     """Fit a read-side LoRA so that a cheap link keeps the base model's `full` answers; serve it with --adapter, or
-    --install it. E.g. `--algorithm focus --ratio 0.1 --keep-full 1 --keep-full-every 4`: fitted under the served
-    focus link, with the adapted model's own full held at the base's."""
+    --install it. The link is naive unless --algorithm says legolink or focus; k and the focus ratio left unset are
+    the model's calibrated ones, as when served. E.g. `--algorithm focus --ratio 0.1 --keep-full 1 --keep-full-every
+    4`: fitted under a focus link, with the adapted model's own full held at the base's."""
     from .link import LinkTrainConfig, train_link
 
     cfg = LinkTrainConfig(
         model=model,
-        algorithm=algorithm,
-        k=k,
-        ratio=ratio,
+        link=link,
         steps=steps,
         batch=batch,
         lr=lr,
@@ -115,7 +114,7 @@ def link_cmd(
     except KeyboardInterrupt:
         err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
         raise typer.Exit(130) from None
-    _print_link_report(cfg, report)
+    _print_link_report(report)
     if install:
         from ..adapters import install as install_adapter
 
@@ -128,7 +127,7 @@ def link_cmd(
         )
 
 
-def _print_link_report(cfg, report) -> None:
+def _print_link_report(report) -> None:
     window = max(1, min(10, len(report.losses) // 2))
     head, tail = (sum(part) / window for part in (report.losses[:window], report.losses[-window:]))
     console.print(
@@ -143,7 +142,7 @@ def _print_link_report(cfg, report) -> None:
             f"{sum(kept[-window:]) / window:.4f} (first and last {window} steps that took it)"
         )
     table = Table(
-        title=f"held out ({report.items['eval']} items): {cfg.label()} (full_*: the model's own full) "
+        title=f"held out ({report.items['eval']} items): {report.link} (full_*: the model's own full) "
         "against the base model's full"
     )
     for col in ("metric", "base", "adapted", "adapted - base", "95% interval"):

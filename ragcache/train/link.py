@@ -50,7 +50,7 @@ from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..facade import RagCache
-from ..settings import DEFAULT_MODEL
+from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs
 from . import checkpoint, squad
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -63,9 +63,8 @@ QUESTION_PROMPT = "Write one short question that the document above answers. Rep
 @dataclass
 class LinkTrainConfig:
     model: str = DEFAULT_MODEL
-    algorithm: str = "naive"
-    k: int = 16  # legolink
-    ratio: float = 0.1  # focus
+    # the link fitted to, taken whole; what it leaves unset resolves as a served link's does (the model's profile)
+    link: LinkKnobs = field(default_factory=lambda: LinkKnobs(algorithm=DEFAULT_TRAIN_ALGORITHM))
     steps: int = 100
     batch: int = 4  # items per optimizer step: single-item steps at full rate overshoot (research/read_adapter.py)
     lr: float = 1e-4
@@ -83,8 +82,8 @@ class LinkTrainConfig:
     keep_full_every: int = 1  # that term on every n-th training item (counted over the run), as it is costly
 
     def validate(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm!r}")
+        if self.link.algorithm not in ALGORITHMS:
+            raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.link.algorithm!r}")
         if self.dtype not in DTYPES:
             raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         for name in (
@@ -99,17 +98,15 @@ class LinkTrainConfig:
         ):
             if getattr(self, name) < 1:
                 raise BadRequest(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.k < 0 or not 0.0 <= self.ratio <= 1.0 or not 0 < self.lr < 1:
-            raise BadRequest(f"need k >= 0, 0 <= ratio <= 1, 0 < lr < 1 (got {self.k}, {self.ratio}, {self.lr})")
+        if not 0 < self.lr < 1:
+            raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         if not self.keep_full >= 0.0:
             raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
         checkpoint.check_steps(Path(self.out), self.steps)  # a run resumes `out`'s checkpoint
 
-    def link_kwargs(self) -> dict:
-        return {"naive": {}, "legolink": {"k": self.k}, "focus": {"ratio": self.ratio}}[self.algorithm]
-
-    def label(self) -> str:
-        return {"naive": "naive", "legolink": f"legolink-{self.k}", "focus": f"focus@{self.ratio}"}[self.algorithm]
+    def settings(self) -> dict:
+        """The run's settings as JSON takes them, the link's knobs by name (unset ones left out)."""
+        return {**asdict(self), "link": self.link.given()}
 
     def recipe(self) -> str:
         kept = (
@@ -161,6 +158,7 @@ class LinkReport:
     seconds: float = 0.0
     out: str = ""
     full_losses: list[float] = field(default_factory=list)  # KL(base full || adapted full), steps that took it
+    link: str = ""  # the link fitted, resolved (`label`)
 
 
 # -- data ----------------------------------------------------------------------------------------------------------
@@ -246,7 +244,7 @@ def load_or_prepare(
 def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     """The linker's plan for the cheap algorithm (entries fetched, rotated; focus's rows chosen by the model as it
     is now), on the model thread."""
-    query = rc.validate(target.question, target.doc_ids, link=rc.params(cfg.algorithm, **cfg.link_kwargs()))
+    query = rc.validate(target.question, target.doc_ids, link=rc.resolve(cfg.link))
     parts, params, _ = rc._prepare(query, 0, QueryStats())
     plan = rc.driver.call(linker.plan, rc.runner, parts, params)
     length = parts.token_ids.numel()
@@ -313,15 +311,25 @@ def batch_indices(seed: int, step: int, batch: int, n: int) -> list[int]:
     return out
 
 
-def _run_key(cfg: LinkTrainConfig, targets: list[Target], fingerprint: str) -> dict:
+def label(link: linker.LinkParams) -> str:
+    """The fitted link as a reader names it: naive, legolink-16, focus@0.25."""
+    return {"naive": "naive", "legolink": f"legolink-{link.k}", "focus": f"focus@{link.ratio}"}[link.algorithm]
+
+
+def _fitted(link: linker.LinkParams) -> dict:
+    """The knobs that shape the fitted link: its algorithm, and k or ratio where the algorithm reads them."""
+    read: dict[str, dict] = {"legolink": {"k": link.k}, "focus": {"ratio": link.ratio}}
+    return {"algorithm": link.algorithm, **read.get(link.algorithm, {})}
+
+
+def _run_key(cfg: LinkTrainConfig, link: linker.LinkParams, targets: list[Target], fingerprint: str) -> dict:
     """What a checkpoint must share with the run that resumes it (the step count may grow): the model by its
-    weights (`fingerprint`), as a path may hold another checkpoint since, and what its targets were made with."""
+    weights (`fingerprint`), as a path may hold another checkpoint since, the link it fits as resolved (a model
+    calibrated since resolves an unset k otherwise), and what its targets were made with."""
     items = hashlib.sha256(json.dumps([[t.question, t.doc_ids] for t in targets]).encode()).hexdigest()[:16]
     key = dict(
         model=fingerprint,
-        algorithm=cfg.algorithm,
-        k=cfg.k,
-        ratio=cfg.ratio,
+        **_fitted(link),
         batch=cfg.batch,
         lr=cfg.lr,
         rank=cfg.rank,
@@ -513,6 +521,7 @@ def train_link(
             time.perf_counter() - started,
             str(out),
             full_losses,
+            label(rc.resolve(cfg.link)),
         )
         save_adapter(out, peft, rc.lm, cfg, report, per_item, base_weights)
     return report
@@ -549,7 +558,7 @@ def fit(
     params = [p for p in peft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (cfg.warmup + 1)))
-    key = _run_key(cfg, train_set, rc.lm.fingerprint)
+    key = _run_key(cfg, rc.resolve(cfg.link), train_set, rc.lm.fingerprint)
     start, losses, full_losses = load_checkpoint(out, peft, optimizer, schedule, key)
     for step in range(start + 1, cfg.steps + 1):
         link_kl, full_kl = train_step(
@@ -584,8 +593,8 @@ def save_adapter(
         base_config=loaded.config_fingerprint(lm.model),
         base_weights=base_weights,
         recipe=cfg.recipe(),
-        link=cfg.label(),
-        settings=asdict(cfg),
+        link=report.link,
+        settings=cfg.settings(),
         report=asdict(report),
         items=per_item,
     )
