@@ -187,7 +187,7 @@ def reference(rc, item: Item, at: str) -> Reference:
     first = Reference(int(full.last_logits.argmax()))
     if at == "first":
         return first
-    answer = rc.driver.call(agree.greedy, rc.runner, full, ANSWER_TOKENS, eos_ids(rc.lm), set())
+    answer = rc.with_runner(agree.greedy, full, ANSWER_TOKENS, eos_ids(rc.lm), set())
     position = agree.content_position(rc.tokenizer, answer)
     return first if position is None else Reference(answer[position], answer[:position])
 
@@ -197,7 +197,7 @@ def _linked_token(rc, item: Item, link_kwargs: dict, ref: Reference) -> int:
     linked = rc.link(item.question, item.doc_ids, max_new_tokens=len(ref.lead), **link_kwargs)
     if not ref.lead:
         return int(linked.last_logits.argmax())
-    _, logits = rc.driver.call(agree.teacher_forced, rc.runner, linked, [*ref.lead, ref.token])
+    _, logits = rc.with_runner(agree.teacher_forced, linked, [*ref.lead, ref.token])
     return int(logits[-1].argmax())
 
 

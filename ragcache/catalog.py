@@ -8,6 +8,7 @@ This covers one process; `gc --unreferenced` covers two processes on one store.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -186,22 +187,18 @@ class Catalog:
             return None
 
     # -- entries ---------------------------------------------------------------------------------------------------
-    def ensure(
+    def read(
         self,
         chunks: list[list[int]],
         compiler,
         layout,
-        run: Callable = lambda fn, *args: fn(*args),
         agree: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None,
-    ) -> tuple[list[ChunkKV], EnsureReport]:
-        """The entries of these chunks in a compiler's layout, compiling (with `run`: on the model's thread) and
-        storing those the store lacks. One batched read, and one more for the chunks found only in another head
-        layout (`_other_forms`).
+    ) -> tuple[list[ChunkKV | None], EnsureReport]:
+        """The entries of these chunks in a compiler's layout that the store holds; None for each chunk to compile.
+        One batched read, and one more for the chunks found only in another head layout (`_other_forms`).
 
         An entry the compiler finds a problem with (not what the model would have made from these ids: other ids,
-        layers, heads or codec) is dropped and compiled again, like a corrupt one. A failed write is logged and
-        reported (`EnsureReport.unstored`), not raised: a query has its entries and only a later request pays the
-        compile again, while a compile, whose job the write was, raises it.
+        layers, heads or codec) is dropped, to be compiled again like a corrupt one.
 
         `agree` (tensor-parallel ranks): given which chunks this rank misses and whether its read failed, returns
         the same for every rank together, before anything is compiled: a chunk any rank misses is compiled by all of
@@ -210,8 +207,9 @@ class Catalog:
         keys = [compiler.key(ids, layout) for ids in chunks]
         report = EnsureReport()
         failed: StoreError | None = None
+        entries: list[ChunkKV | None]
         try:
-            entries = self.store.get_many(keys)
+            entries = list(self.store.get_many(keys))
             for i, entry in enumerate(entries):
                 wrong = compiler.problem(entry, compiler.stored_ids(chunks[i], layout)) if entry is not None else None
                 if wrong:
@@ -234,22 +232,47 @@ class Catalog:
                 raise StoreError("another tensor-parallel rank could not read the store")
             entries = [None if m else e for e, m in zip(entries, missing)]
         report.hits = sum(e is not None for e in entries)
-        missing_entries: dict[str, ChunkKV] = {}
-        try:
-            for i, entry in enumerate(entries):
-                if entry is None:  # a chunk twice in one prompt is compiled once
-                    entries[i] = missing_entries[keys[i]] = missing_entries.get(keys[i]) or run(
-                        compiler.compile, chunks[i], layout
-                    )
-        finally:  # what was compiled before a failure or a cancel is kept: the next request would pay it again
-            if missing_entries:
-                try:
-                    self.store.put_many(missing_entries)
-                except StoreError as exc:
-                    log.warning("could not store %d freshly compiled chunk(s): %s", len(missing_entries), exc)
-                    report.unstored = exc
-        report.compiled = len(missing_entries)
         return entries, report
+
+    @staticmethod
+    def missing(chunks: list[list[int]], entries: list, compiler, layout) -> dict[str, list[int]]:
+        """The chunks `read` found no entry for, by key: a chunk twice in one prompt is compiled once."""
+        return {compiler.key(ids, layout): ids for ids, entry in zip(chunks, entries) if entry is None}
+
+    def keep(self, compiled: dict[str, ChunkKV], report: EnsureReport, writer: Writer | None = None) -> None:
+        """Store freshly compiled entries (through `writer`, off this thread, when given). A failed write is logged
+        and reported (`report.unstored`), not raised: a query has its entries and only a later request pays the
+        compile again, while a compile, whose job the write was, raises it. A writer raises an earlier batch's
+        failure here, and the last one's at its `flush`."""
+        report.compiled += len(compiled)
+        if not compiled:
+            return
+        if writer is not None:
+            writer.put(compiled)
+            return
+        try:
+            self.store.put_many(compiled)
+        except StoreError as exc:
+            log.warning("could not store %d freshly compiled chunk(s): %s", len(compiled), exc)
+            report.unstored = exc
+
+    def ensure(
+        self,
+        chunks: list[list[int]],
+        compiler,
+        layout,
+        agree: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None,
+    ) -> tuple[list[ChunkKV], EnsureReport]:
+        """`read`, the missing entries compiled one by one on this thread (`Compiler.compile`: for an engine whose
+        model runs here, vLLM's worker), and `keep`. What was compiled before a failure is kept."""
+        entries, report = self.read(chunks, compiler, layout, agree)
+        compiled: dict[str, ChunkKV] = {}
+        try:
+            for key, ids in self.missing(chunks, entries, compiler, layout).items():
+                compiled[key] = compiler.compile(ids, layout)
+        finally:
+            self.keep(compiled, report)
+        return [e if e is not None else compiled[compiler.key(ids, layout)] for ids, e in zip(chunks, entries)], report
 
     def _other_forms(self, chunks, compiler, layout, entries: list, report: EnsureReport) -> None:
         """Fill the chunks missing in the compiler's head layout from another: a rank's shard sliced from the whole
@@ -320,6 +343,48 @@ class Catalog:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
         with self._locks.exclusive(doc_id):
             return maintenance.delete(self.store, doc_id)
+
+
+class Writer:
+    """Entry writes off the compiling thread: `put` hands a batch to one writer thread, which stores it with one
+    `put_many`; at most `depth` batches wait, so a slow store slows the compile that feeds it instead of growing
+    memory. The first write that fails stops the writes; `put` and `flush` raise it."""
+
+    def __init__(self, store: Store, depth: int = 2):
+        self.store = store
+        self.failure: StoreError | None = None
+        self.written = 0  # entries stored
+        self._batches: queue.Queue[dict[str, ChunkKV] | None] = queue.Queue(maxsize=depth)
+        self._thread = threading.Thread(target=self._run, name="ragcache-writer", daemon=True)
+        self._thread.start()
+
+    def put(self, entries: dict[str, ChunkKV]) -> None:
+        self._check()
+        self._batches.put(entries)
+
+    def flush(self) -> None:
+        """Wait until every batch handed over is stored (or has failed), then end the thread."""
+        self._batches.put(None)
+        self._thread.join()
+        self._check()
+
+    def _check(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def _run(self) -> None:
+        while (entries := self._batches.get()) is not None:
+            if self.failure is not None:
+                continue  # drained without writing: the compile stops at its next put
+            try:
+                self.store.put_many(entries)
+                self.written += len(entries)
+            except StoreError as exc:
+                log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)
+                self.failure = exc
+            except Exception as exc:
+                log.exception("the entry writer failed")
+                self.failure = StoreError(f"writing compiled entries failed: {exc}")
 
 
 class Locks:

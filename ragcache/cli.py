@@ -238,7 +238,7 @@ def compile(
             task = bar.add_task("compiling", total=len(docs), rate="")
             started = time.perf_counter()
 
-            def on_chunk(tokens: int, compiled: int) -> None:
+            def on_chunk(tokens: int, compiled: int, nbytes: int) -> None:
                 nonlocal compiled_tokens
                 compiled_tokens += compiled
                 rate = compiled_tokens / max(time.perf_counter() - started, 1e-9)

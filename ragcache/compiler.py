@@ -113,17 +113,24 @@ class Compiler:
             return f"K/V stored as {entry.codec}, this engine reads {self.codec}"
         return None
 
+    def prompt(self, token_ids: list[int], layout: Layout) -> list[int]:
+        """The ids a chunk's compile prefills at positions 0..: the layout's sinks, then what its entry stores."""
+        return [*layout.sink_ids, *self.stored_ids(token_ids, layout)]
+
     @torch.inference_mode()
     def compile(self, token_ids: list[int], layout: Layout) -> ChunkKV:
-        stored = self.stored_ids(token_ids, layout)
-        prefilled = torch.tensor([*layout.sink_ids, *stored], dtype=torch.long)
+        """A chunk's entry, prefilled alone here and now (an engine whose model thread is this one: vLLM's worker;
+        ragcache's own engine schedules compiles as steps instead, `entry` making theirs)."""
         with self.lm.base_weights():  # a read-side adapter never runs here: entries stay the base model's
-            keys, values = self.runner.prefill_pre_rope(prefilled)
+            keys, values = self.runner.prefill_pre_rope(torch.tensor(self.prompt(token_ids, layout)))
+        return self.entry(keys, values, token_ids, layout)
+
+    def entry(self, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int], layout: Layout) -> ChunkKV:
+        """The entry of a chunk from the pre-RoPE K/V of its prompt (`prompt`): the sinks dropped, in the codec."""
+        stored = self.stored_ids(token_ids, layout)
         drop = len(layout.sink_ids)
         encoded = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
         # in host memory, as an entry read from disk or Redis is: a memory tier would otherwise hold a GPU's memory
         # under its budget, out of what the model's caches can use
-        keys, values, key_scales, value_scales = (t.cpu() if t is not None else None for t in encoded)
-        return ChunkKV(
-            torch.tensor(stored, dtype=torch.int32), keys, values, self.meta(layout), key_scales, value_scales
-        )
+        k, v, key_scales, value_scales = (t.cpu() if t is not None else None for t in encoded)
+        return ChunkKV(torch.tensor(stored, dtype=torch.int32), k, v, self.meta(layout), key_scales, value_scales)

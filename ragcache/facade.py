@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
@@ -20,7 +20,7 @@ from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
 
 from . import adapters, guard, infill, linker, loaded, lora, models
-from .catalog import EnsureReport
+from .catalog import EnsureReport, Writer
 from .compiler import PLAIN, Compiler, Layout
 from .engine import (
     Decoding,
@@ -36,6 +36,7 @@ from .engine import (
     Staged,
     StepStats,
     eos_ids,
+    finish_all,
     prefetch_for,
     wait,
 )
@@ -55,6 +56,8 @@ from .settings import (
 
 log = logging.getLogger("ragcache")
 T = TypeVar("T")
+COMPILE_STEPS = 2  # steps' worth of rows that `compile_documents` compiles together
+COMPILE_LINK = LinkParams("full")  # a chunk's compile: every row of its prompt computed, from nothing
 
 
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
@@ -159,32 +162,40 @@ class RagCache(Front):
         config = dataclasses.replace(self.config, row_budget=row_budget, link_row_budget=link_row_budget)
         rows, link_rows = _row_budgets(config, self.runner.device)
 
-        def apply() -> None:
+        def apply(runner: Runner) -> None:
             self.scheduler.set_row_budgets(rows, link_rows)
             if self.prefix_cache.piece is not None:
                 self.prefix_cache.piece = rows
                 self.prefix_cache.clear()
 
-        self.driver.call(apply)
+        self.with_runner(apply)
 
     def step_stats(self, reset: bool = False) -> StepStats:
         """A copy of the model steps' counters (steps, rows, seconds; decode-only steps; the longest step a decoding
         stream waited), taken on the model thread between steps. `reset`: they start again from zero after the copy
         (the longest step is then the longest since)."""
 
-        def take() -> StepStats:
+        def take(runner: Runner) -> StepStats:
             copy = dataclasses.replace(self.driver.stats)
             if reset:
                 self.driver.stats = StepStats()
             return copy
 
-        return self.driver.call(take)
+        return self.with_runner(take)
 
     def with_runner(self, fn: Callable[..., T], *args) -> T:
-        """fn(runner, *args) on the model thread, between steps, and its result: model work outside the engine's
-        requests on its own Runner and weights (agreement's greedy and teacher-forced passes over a `link`'s cache,
-        a step's timing), with no step running meanwhile."""
-        return self.driver.call(fn, self.runner, *args)
+        """fn(runner, *args) on the model thread, as a task the scheduler runs alone in a step of its own, and its
+        result: model work outside the engine's requests on its own Runner and weights (agreement's greedy and
+        teacher-forced passes over a `link`'s cache, a step's timing), with no step running meanwhile."""
+        if self.driver.on_model_thread():
+            raise RuntimeError("with_runner on the model thread would wait for itself: call fn(runner) there")
+        task = Sequence(self.driver, lambda stats, cancelled: (None, None, None), None, task=lambda r: fn(r, *args))
+        last = wait(task)
+        if isinstance(last, Failed):
+            raise last.error
+        if not isinstance(last, Done):
+            raise Cancelled("the task was aborted")
+        return task.result
 
     def close(self) -> None:
         """Stop the model thread (the step in progress ends; what is still queued fails with ShuttingDown), then
@@ -197,8 +208,8 @@ class RagCache(Front):
         self.link("warm up", [], algorithm="full")
 
     # -- documents ------------------------------------------------------------------------------------
-    def _compile(self, chunks: list[list[int]], layout: str) -> int:
-        entries, report = self._ensure(chunks, self.layouts[layout])
+    def _compile(self, chunks: list[list[int]], layout: str, writer: Writer | None = None) -> int:
+        entries, report = self._ensure(chunks, self.layouts[layout], writer=writer)
         if report.unstored is not None:  # storing them was the point: the work is lost with this process
             raise report.unstored
         return sum(entry.nbytes for entry in entries)
@@ -208,22 +219,51 @@ class RagCache(Front):
         if report.unstored is not None:
             raise report.unstored
 
+    def _compile_rows(self) -> int:
+        """Chunks compiled together fill COMPILE_STEPS steps of the link budget: their pieces pack into full steps,
+        and the last, partial step is a small share of them."""
+        return COMPILE_STEPS * self.scheduler.link_row_budget
+
+    def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
+        """All together: the scheduler packs their pieces into its steps."""
+        if chunks:
+            yield chunks
+
     def _ensure(
         self,
         chunks: list[list[int]],
         layout: Layout,
         compiler: Compiler | None = None,
         cancelled: Callable[[], bool] = lambda: False,
+        writer: Writer | None = None,
     ) -> tuple[list[ChunkKV], EnsureReport]:
-        """The chunks' entries in a layout; the missing ones are compiled on the model thread and stored,
-        one by one until `cancelled()` (then Cancelled)."""
+        """The chunks' entries in a layout: read from the store, the missing ones compiled as the engine's own work
+        (a sequence each, all handed over together so that their pieces share steps; Cancelled once `cancelled()`
+        says the caller has gone) and stored, through `writer` if given. What was compiled before a failure or a
+        cancel is stored too: the next request would pay it again."""
+        compiler = compiler or self.compiler
+        entries, report = self.catalog.read(chunks, compiler, layout)
+        todo = self.catalog.missing(chunks, entries, compiler, layout)
+        keys, compiled = list(todo), dict[str, ChunkKV]()
+        sequences = [self._compile_sequence(todo[key], compiler, layout) for key in keys]
+        try:
+            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], sequences[i].result))
+        finally:
+            self.catalog.keep(compiled, report, writer)
+        found = [e if e is not None else compiled[compiler.key(ids, layout)] for ids, e in zip(chunks, entries)]
+        return found, report
 
-        def run(fn, *args):
-            if cancelled():
-                raise Cancelled("the request was cancelled while its documents were compiled")
-            return self.driver.call(fn, *args)
-
-        return self.catalog.ensure(chunks, compiler or self.compiler, layout, run=run)
+    def _compile_sequence(self, token_ids: list[int], compiler: Compiler, layout: Layout) -> Sequence:
+        """A chunk's compile as the engine runs it: a `full` link of its prompt alone (sinks, then its stored ids),
+        whose cache becomes its entry; with the base model's weights, as every entry is the base model's."""
+        parts = LinkInput([], [], compiler.prompt(token_ids, layout))
+        return Sequence(
+            self.driver,
+            lambda stats, cancelled: (parts, COMPILE_LINK, None),
+            None,
+            compile=lambda cache: compiler.entry(*self.runner.pre_rope(cache), token_ids, layout),
+            base_weights=self.lm.adapter is not None,
+        )
 
     # -- linking --------------------------------------------------------------------------------------
     def _entries(

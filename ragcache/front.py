@@ -17,7 +17,7 @@ from ragcache.store.keys import document_id
 from ragcache.store.shards import HeadRange
 
 from . import calibrate, infill, linker, loaded, prompt, request
-from .catalog import Catalog
+from .catalog import Catalog, Writer
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling
 from .errors import ParameterOutOfRange, PromptTooLong
@@ -120,33 +120,48 @@ class Front(abc.ABC):
         self,
         texts: list[str],
         metadata: list[dict] | None = None,
-        progress: Callable[[int, int], None] | None = None,
+        progress: Callable[[int, int, int], None] | None = None,
         shards: int = 1,
     ) -> CompileReport:
-        """Compile texts into the store (skipping what is there); `progress(done_tokens, compiled_tokens)` per chunk.
+        """Compile texts into the store (skipping what is there). The missing chunks of consecutive documents are
+        compiled together, `_compile_rows` rows at a time, so that the engine packs them into full steps; their
+        entries are stored off this thread (a `Writer`, where the engine stores them here), and all of them are
+        stored before this returns or raises: an interrupted run resumes from them.
+        `progress(tokens, compiled_tokens, compiled_bytes)`: as chunks are found or compiled.
         `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
         tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
         texts = request.validate_texts(texts)
         self._check_shards(shards)
         started, report = time.perf_counter(), CompileReport()
-        for text, meta in zip(texts, metadata or [{} for _ in texts]):
-            with self.catalog.using([document_id(text)]):  # a delete of it waits until its entries are written
-                doc_id, chunks = self.catalog.register(text, meta)
-                present, missing = self._present(chunks, "default")
-                for ids in present if progress else ():
-                    progress(len(ids), 0)
-                for group in self._groups(missing, "default"):  # progress moves, Ctrl-C keeps what is done
-                    report.bytes += self._compile(group, "default")
-                    report.compiled_chunks += len(group)
-                    for ids in group if progress else ():
-                        progress(len(ids), len(ids))
-                if shards > 1:  # every chunk, also those compiled before without shards
+        say = progress or (lambda tokens, compiled, nbytes: None)
+        documents: list[list[list[int]]] = []
+        # a delete of one of them waits until their entries are written
+        with self.catalog.using([document_id(text) for text in texts]):
+            writer = self._writer()
+            try:
+                batch: list[list[int]] = []
+                for text, meta in zip(texts, metadata or [{} for _ in texts]):
+                    doc_id, chunks = self.catalog.register(text, meta)
+                    present, missing = self._present(chunks, "default")
+                    for ids in present:
+                        say(len(ids), 0, 0)
+                    batch.extend(missing)
+                    if sum(map(len, batch)) >= self._compile_rows():
+                        self._compile_batch(batch, writer, report, say)
+                        batch = []
+                    documents.append(chunks)
+                    report.ids.append(doc_id)
+                    report.documents += 1
+                    report.chunks += len(chunks)
+                    report.skipped += not missing
+                    report.tokens += sum(map(len, chunks))
+                self._compile_batch(batch, writer, report, say)
+            finally:  # Ctrl-C or a failure: what was compiled is stored
+                if writer is not None:
+                    writer.flush()
+            if shards > 1:  # every chunk, also those compiled before without shards
+                for chunks in documents:
                     report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts["default"], shards)
-            report.ids.append(doc_id)
-            report.documents += 1
-            report.chunks += len(chunks)
-            report.skipped += not missing
-            report.tokens += sum(map(len, chunks))
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
@@ -154,6 +169,28 @@ class Front(abc.ABC):
             report.shards += self.catalog.write_shards([prefix_ids], self.prefix_compiler, PLAIN, shards)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _compile_batch(
+        self,
+        chunks: list[list[int]],
+        writer: Writer | None,
+        report: CompileReport,
+        say: Callable[[int, int, int], None],
+    ) -> None:
+        for group in self._groups(chunks, "default"):
+            nbytes = self._compile(group, "default", writer)
+            report.bytes += nbytes
+            report.compiled_chunks += len(group)
+            tokens = sum(map(len, group))
+            say(tokens, tokens, nbytes)
+
+    def _writer(self) -> Writer | None:
+        """Where `compile_documents` stores what `_compile` compiles, off its thread (None: the engine stores it)."""
+        return Writer(self.store)
+
+    def _compile_rows(self) -> int:
+        """The missing chunks' tokens `compile_documents` gathers before it compiles them together."""
+        return 1
 
     def _check_shards(self, count: int) -> None:
         """ParameterOutOfRange unless this engine can store its entries as `count` KV-head shards."""
@@ -181,7 +218,7 @@ class Front(abc.ABC):
             chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
             present, missing = self._present(chunks, layout)
             for group in self._groups(chunks if prefetch else missing, layout):
-                self._compile(group, layout)
+                self._compile(group, layout, None)
         return len(missing), len(present) * prefetch
 
     def _present(self, chunks: list[list[int]], layout: str) -> tuple[list[list[int]], list[list[int]]]:
@@ -209,9 +246,10 @@ class Front(abc.ABC):
         """One short request, so one-time initialisation is not counted in the first TTFT."""
 
     @abc.abstractmethod
-    def _compile(self, chunks: list[list[int]], layout: str) -> int:
+    def _compile(self, chunks: list[list[int]], layout: str, writer: Writer | None) -> int:
         """Have the chunks' entries in the store in a layout, reading the present ones and compiling the missing
-        ones; the chunk entries' bytes."""
+        ones, stored through `writer` where one is given (then its `flush` raises a failed write); the chunk
+        entries' bytes."""
 
     @abc.abstractmethod
     def _compile_prefix(self, prefix_ids: list[int]) -> None:

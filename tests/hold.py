@@ -9,16 +9,16 @@ import threading
 
 
 def hold_model_thread(rc) -> threading.Event:
-    """The model thread runs a call that waits for the returned Event: until it is set no step runs, and what is
+    """The model thread runs a task that waits for the returned Event: until it is set no step runs, and what is
     sent meanwhile waits in the driver's queues (then taken in together, at its next pass)."""
     entered, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
+    def hold(runner) -> None:
         entered.set()
         release.wait(600)
 
-    threading.Thread(target=rc.driver.call, args=(hold,), daemon=True).start()
-    assert entered.wait(60), "the model thread did not take the holding call"
+    threading.Thread(target=rc.with_runner, args=(hold,), daemon=True).start()
+    assert entered.wait(60), "the model thread did not take the holding task"
     return release
 
 

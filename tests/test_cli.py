@@ -49,8 +49,8 @@ from ragcache import facade
 ready = pathlib.Path(sys.argv.pop(1))
 compile_chunks = facade.RagCache._compile
 compiled = []
-def paused(self, chunks, layout):
-    stored = compile_chunks(self, chunks, layout)
+def paused(self, chunks, layout, writer=None):
+    stored = compile_chunks(self, chunks, layout, writer)
     compiled.extend(chunks)
     if len(compiled) >= 5:
         ready.touch()

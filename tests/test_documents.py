@@ -270,7 +270,7 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     text = " ".join(TEXTS * 2)
     between_chunks, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
 
-    def progress(tokens: int, compiled: int) -> None:
+    def progress(tokens: int, compiled: int, nbytes: int) -> None:
         between_chunks.set()
         assert go_on.wait(60)
 
@@ -307,14 +307,14 @@ def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
     doc_id = rc.catalog.add(" ".join(TEXTS * 2))
     in_compile, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
-    compile_chunk = rc.compiler.compile
+    make_entry = rc.compiler.entry
 
-    def compile_slowly(ids, layout):
+    def compile_slowly(*args):  # on the model thread, as a compile's last step ends
         in_compile.set()
         assert go_on.wait(60)
-        return compile_chunk(ids, layout)
+        return make_entry(*args)
 
-    rc.compiler.compile = compile_slowly
+    rc.compiler.entry = compile_slowly
     run = {"query": lambda: rc.link("Where is the tower?", [doc_id], algorithm="naive"),
            "warm": lambda: rc.warm([doc_id])}[reader]
     outcome = []
@@ -386,7 +386,7 @@ def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
 
-    def progress(tokens: int, compiled: int) -> None:
+    def progress(tokens: int, compiled: int, nbytes: int) -> None:
         rc.delete_document(document_id(TEXTS[0]))
 
     with pytest.raises(RuntimeError, match="may not delete a document"):

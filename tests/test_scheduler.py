@@ -149,26 +149,28 @@ def test_a_request_joins_while_another_decodes(rc):
     assert_same(joiner, single_second)
 
 
-def test_a_call_queued_while_another_runs_waits_for_the_next_step(rc):
-    """Two callers compiling chunk after chunk always have a call queued while one runs. Each pass runs the calls
-    queued before it and then a step, so a decoding stream goes on between them instead of waiting for both."""
-    from concurrent.futures import Future
-
+def test_a_task_queued_while_another_runs_waits_for_the_next_step(rc):
+    """Two callers running task after task (calibration's passes, a benchmark's timings) always have one queued while
+    one runs. Tasks and the requests' steps take turns, so a decoding stream goes on between them instead of waiting
+    for both."""
     seen = []
 
-    def compile_like(left: int) -> None:  # as if another caller queued its next chunk meanwhile
+    def task_like(runner, left: int) -> None:  # as if another caller queued its next task meanwhile
         seen.append(len(run.stream.decoding.token_ids))
         if left:
-            with rc.driver._wakeup:
-                rc.driver.calls.append((compile_like, (left - 1,), Future()))
+            queue_task(left - 1)
+
+    def queue_task(left: int) -> None:  # from the model thread: taken in at its next pass
+        Sequence(rc.driver, lambda stats, cancelled: (None, None, None), None,
+                 task=lambda runner: task_like(runner, left)).open(lambda event: None)
 
     def start_at_first_token(run: Run, kind: str) -> None:
         if kind is Piece and not seen:
-            rc.driver.calls.append((compile_like, (3,), Future()))  # on the model thread, between steps
+            queue_task(3)
 
     run = Run(rc, on_event=start_at_first_token, **ask(rc, "full", 0, slice(0, 3), max_new_tokens=12))
     run.open().wait()
-    assert len(run.stream.answer.token_ids) >= 5, "the test needs a request that decodes through the calls"
+    assert len(run.stream.answer.token_ids) >= 5, "the test needs a request that decodes through the tasks"
     assert len(seen) == 4 and seen == sorted(seen) and len(set(seen)) == 4, (seen, run.kinds)  # a step between every two
 
 
@@ -471,30 +473,30 @@ def test_a_reused_pool_slot_holds_nothing_of_its_last_tenant():
 
 
 def test_stop_fails_what_is_queued_and_refuses_what_comes_after():
-    """A driver that stops fails the calls and requests it had not finished with ShuttingDown (a 503), and
+    """A driver that stops fails the tasks and requests it had not finished with ShuttingDown (a 503), and
     refuses new ones: before, they waited forever on a thread that was gone."""
     import time
 
     rc, held, release = busy_engine()
     driver = rc.driver
-    queued_call = in_daemon(driver.call, lambda: "ran")
-    queued_query = in_daemon(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues a call
+    queued_task = in_daemon(rc.with_runner, lambda runner: "ran")
+    queued_query = in_daemon(rc.query, QUESTIONS[0], [{"text": DOCS[0]}])  # its document's compile queues too
     deadline = time.monotonic() + 30
-    while len(driver.calls) < 2 and time.monotonic() < deadline:
+    while len(driver.arrivals) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(driver.calls) == 2
+    assert len(driver.arrivals) >= 2
     stopping = in_daemon(driver.stop, 60)
     while not driver._stopping:
         time.sleep(0.01)
     release.set()
-    assert held.result(60) == "held"  # the call in progress finishes
+    assert held.result(60) == "held"  # the task in progress finishes
     stopping.result(60)
     with pytest.raises(errors.ShuttingDown):
-        queued_call.result(60)
+        queued_task.result(60)
     with pytest.raises(errors.ShuttingDown):
         queued_query.result(60)
     with pytest.raises(errors.ShuttingDown):
-        driver.call(lambda: "late")
+        rc.with_runner(lambda runner: "late")
     with pytest.raises(errors.ShuttingDown):
         rc.query(QUESTIONS[1], [{"text": DOCS[1]}])
 
@@ -504,10 +506,10 @@ def test_a_stop_that_gives_up_waiting_still_fails_what_was_queued():
     ends, fails what was queued itself (ShuttingDown) instead of leaving its callers waiting."""
     rc, held, release = busy_engine()
     driver = rc.driver
-    queued = in_daemon(driver.call, lambda: "ran")
-    while len(driver.calls) < 1:
+    queued = in_daemon(rc.with_runner, lambda runner: "ran")
+    while len(driver.arrivals) < 1:
         threading.Event().wait(0.01)
-    driver.stop(timeout=0.1)  # the held call is still running: stop gives up waiting
+    driver.stop(timeout=0.1)  # the held task is still running: stop gives up waiting
     assert not queued.done()
     release.set()
     held.result(60)
@@ -532,16 +534,16 @@ def in_daemon(fn, *args):
 
 
 def busy_engine():
-    """(an engine, the Future of the call its model thread is running, the Event that ends that call)."""
+    """(an engine, the Future of the task its model thread is running, the Event that ends that task)."""
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
     entered, release = threading.Event(), threading.Event()
 
-    def hold():
+    def hold(runner):
         entered.set()
         release.wait(60)
         return "held"
 
-    held = in_daemon(rc.driver.call, hold)
+    held = in_daemon(rc.with_runner, hold)
     assert entered.wait(60)
     return rc, held, release
 

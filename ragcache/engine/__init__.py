@@ -54,6 +54,7 @@ _HOMES = {
     "ignore": "sequence",
     "pieces": "sequence",
     "wait": "sequence",
+    "finish_all": "sequence",
 }
 __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "Aborted",
@@ -87,6 +88,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "apieces",
     "cache_argument",
     "eos_ids",
+    "finish_all",
     "ignore",
     "map_large_blocks",
     "pieces",
@@ -108,7 +110,21 @@ if TYPE_CHECKING:
     from .runner import Part, Runner, cache_argument, rope_table
     from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids
     from .scheduler import Scheduler
-    from .sequence import Aborted, Done, Event, Failed, Inbox, Piece, Sequence, Status, apieces, ignore, pieces, wait
+    from .sequence import (
+        Aborted,
+        Done,
+        Event,
+        Failed,
+        Inbox,
+        Piece,
+        Sequence,
+        Status,
+        apieces,
+        finish_all,
+        ignore,
+        pieces,
+        wait,
+    )
 
 
 def __getattr__(name: str):

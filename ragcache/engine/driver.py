@@ -2,9 +2,9 @@
 
     schedule (scheduler) -> execute (runner) -> update (scheduler) -> outputs to their sequences
 
-once per step. Other threads reach the model thread only through its three queues, drained once per pass: new
-sequences, aborts, and calls (model work off the batch, such as compiling a chunk, run between steps). The policy
-of what runs in a step is the scheduler's; the driver has none.
+once per step. Other threads reach the model thread only through its two queues, drained once per pass: new
+sequences (requests, compiles, tasks: every kind of model work is a Sequence the scheduler plans) and aborts. The
+policy of what runs in a step is the scheduler's; the driver has none.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable
-from concurrent.futures import Future, wait
 from dataclasses import dataclass
 
 import torch
@@ -24,7 +22,7 @@ import torch
 from .. import errors
 from .allocator import return_free_memory
 from .runner import Runner
-from .scheduler import Scheduler, StepPlan
+from .scheduler import Kind, Scheduler, StepPlan
 from .sequence import Output, Sequence, Status
 
 IDLE_EXIT_S = 5.0  # an idle model thread ends (and starts again with the next sequence or call)
@@ -47,6 +45,8 @@ class StepStats:
     longest_decode_step_s: float = 0.0  # the longest a decoding stream waited for a token: a step's budget bound
 
     def count(self, plan: StepPlan, seconds: float) -> None:
+        if plan.kind is Kind.TASK:  # no step of the requests': a benchmark's own work, a settings change
+            return
         rows, decode_rows = plan.rows, plan.decode_rows
         self.steps += 1
         self.decode_rows += decode_rows
@@ -65,7 +65,6 @@ class Driver:
         self.runner, self.scheduler = runner, scheduler
         self.arrivals: deque[Sequence] = deque()
         self.aborts: deque[Sequence] = deque()
-        self.calls: deque[tuple[Callable, tuple, Future]] = deque()
         self.stats = StepStats()
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -89,18 +88,8 @@ class Driver:
         else:
             self._queue(self.aborts, sequence, refuse=False)
 
-    def call(self, fn: Callable, *args):
-        """Run fn(*args) on the model thread, between steps, and return its result."""
-        if threading.current_thread() is self._thread:
-            return fn(*args)
-        future: Future = Future()
-        self._queue(self.calls, (fn, args, future))
-        try:
-            return future.result()
-        except BaseException:
-            if not future.cancel():  # it runs: let the model work end before the caller unwinds (Ctrl-C, exit)
-                wait([future])
-            raise
+    def on_model_thread(self) -> bool:
+        return threading.current_thread() is self._thread
 
     def _queue(self, queue: deque, item, refuse: bool = True) -> None:
         with self._wakeup:
@@ -116,8 +105,8 @@ class Driver:
 
     def stop(self, timeout: float = 60.0) -> None:
         """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch). Every
-        sequence and call not finished by then fails with ShuttingDown, and so does any sent later: no caller is
-        left waiting on a thread that is gone."""
+        sequence not finished by then fails with ShuttingDown, and so does any sent later: no caller is left waiting
+        on a thread that is gone."""
         with self._wakeup:
             self._stopping = True
             thread = self._thread
@@ -154,7 +143,7 @@ class Driver:
             return True
 
     def _has_work(self) -> bool:
-        return bool(self.arrivals or self.aborts or self.calls or self.scheduler.has_work())
+        return bool(self.arrivals or self.aborts or self.scheduler.has_work())
 
     def _pass(self) -> None:
         """The queues, then one step."""
@@ -166,20 +155,7 @@ class Driver:
             self.scheduler.add(sequence)
         for sequence in aborts:
             self._deliver(self.scheduler.abort(sequence))
-        self._run_calls()
         self._step()
-
-    def _run_calls(self) -> None:
-        """The calls queued before this pass, not those queued meanwhile: two callers compiling chunk after chunk
-        would otherwise always have one waiting, and no step would run until both were done."""
-        for _ in range(len(self.calls)):
-            with self._wakeup:
-                fn, args, future = self.calls.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn(*args))
-                except BaseException as exc:  # noqa: BLE001 - the caller gets it
-                    future.set_exception(exc)
 
     def _step(self) -> None:
         plan = self.scheduler.schedule()
@@ -207,23 +183,19 @@ class Driver:
         if cache is None:
             return
         self.runner.release(cache)
-        # its answer is all anyone wanted of it (a link-only caller keeps its cache, unless it left)
-        if sequence.decoding is not None or status is Status.ABORTED:
+        # its answer or entry is all anyone wanted of it (a link-only caller keeps its cache, unless it left)
+        if sequence.decoding is not None or sequence.compile is not None or status is Status.ABORTED:
             cache.spend()
 
     def _fail_unfinished(self) -> None:
         with self._wakeup:
-            arrivals, calls = list(self.arrivals), list(self.calls)
+            arrivals = list(self.arrivals)
             self.arrivals.clear()
             self.aborts.clear()
-            self.calls.clear()
         exc = errors.ShuttingDown()
         self._deliver(
             [*self.scheduler.fail_all(exc), *[(s, Output(status=Status.FAILED, error=exc)) for s in arrivals]]
         )
-        for _, _, future in calls:
-            if future.set_running_or_notify_cancel():
-                future.set_exception(exc)
 
 
 @atexit.register

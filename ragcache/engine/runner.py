@@ -172,6 +172,8 @@ class Runner:
         packed forward that fails fails every work in it."""
         weights = self.lm.base_weights() if plan.base_weights else contextlib.nullcontext()
         with weights:
+            if plan.kind is Kind.TASK:
+                return [self._alone(lambda w: StepResult(result=w.sequence.task(self)), work) for work in plan.work]
             if plan.kind is Kind.PLACE:
                 return [self._alone(self._place, work) for work in plan.work]
             if plan.kind is Kind.NARROW:
@@ -229,6 +231,9 @@ class Runner:
             return [StepResult(error=exc)] * len(works)
         results = []
         for work in works:
+            if work.ends_link and work.sequence.compile is not None:
+                results.append(self._alone(self._compiled, work))
+                continue
             if not work.needs_logits:
                 results.append(StepResult())
                 continue
@@ -243,6 +248,14 @@ class Runner:
                     )
                 )
         return results
+
+    @staticmethod
+    def _compiled(work: Work) -> StepResult:
+        """A compile's last piece has run: its entry, from its cache (read whole, so every layer placed first)."""
+        seq = work.sequence
+        assert seq.compile is not None and seq.plan is not None
+        seq.plan.cache.settle()
+        return StepResult(result=seq.compile(seq.plan.cache))
 
     def _graphed(self, works: list[Work]) -> list[StepResult]:
         """A decode-only step through the pool's graph (`_packed`'s result for the same works)."""
@@ -380,9 +393,13 @@ class Runner:
         length = token_ids.numel()
         cache = self.new_cache(length)
         cache.length = length
-        rows = torch.arange(length)
-        self.forward_rows(token_ids, rows, cache)
-        keys = kernels.rotate_keys(
-            cache.keys.to(torch.float32), -rows.to(self.device), self.inv_freq, 1.0 / self.rope_scaling
-        )
-        return keys.to(self.shape.dtype), cache.values
+        self.forward_rows(token_ids, torch.arange(length), cache)
+        return self.pre_rope(cache)
+
+    def pre_rope(self, cache: JoinedCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V of a cache whose rows were computed at positions 0..length-1, keys rotated back to pre-RoPE:
+        what a compile keeps, [layers, kv_heads, length, head_dim] each."""
+        rows = torch.arange(cache.length, device=self.device)
+        keys = cache.keys[:, :, : cache.length].to(torch.float32)
+        keys = kernels.rotate_keys(keys, -rows, self.inv_freq, 1.0 / self.rope_scaling)
+        return keys.to(self.shape.dtype), cache.values[:, :, : cache.length]

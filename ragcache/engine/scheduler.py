@@ -11,7 +11,11 @@ A sequence's life (sequence.Status):
   over      finished, failed or aborted: it leaves, and the driver frees its cache before its last event.
 
 Each forward step packs the rows of every running sequence (decode rows first, then link pieces in FIFO order until
-the budget is spent). A sequence that fails fails alone; the others go on.
+the budget is spent). A chunk's compile is a link too (Sequence.compile): its rows pack with the others', each piece
+attending only to its own cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone, in a
+TASK step before any other, in the order they came. Rows that need the base model's weights
+(a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
+both wait. A sequence that fails fails alone; the others go on.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Kind(enum.Enum):
     NARROW = "narrow"  # a Narrowing link: all its rows in one forward of its own
     PIECE = "piece"  # link rows [start, stop) of its plan, packed with the step's other rows
     DECODE = "decode"  # its next token's row
+    TASK = "task"  # Sequence.task(runner), alone: work outside any request, or a change between steps
 
 
 @dataclass(frozen=True)
@@ -51,7 +56,7 @@ class Work:
 
     @property
     def needs_logits(self) -> bool:
-        return self.kind is Kind.DECODE or self.ends_link
+        return self.kind is Kind.DECODE or (self.ends_link and self.sequence.compile is None)
 
 
 @dataclass
@@ -75,12 +80,13 @@ class StepPlan:
 @dataclass(frozen=True)
 class StepResult:
     """What the runner gives back for one work: its link plan (PLACE), its last row's logits and the token sampled
-    from them (None where it needs none), or the error that failed it."""
+    from them (None where it needs none), a compile's entry or a task's return value, or the error that failed it."""
 
     plan: object = None
     linked: object = None
     step: object = None
     error: BaseException | None = None
+    result: object = None
 
 
 class Scheduler:
@@ -91,7 +97,10 @@ class Scheduler:
         self.set_row_budgets(row_budget, link_row_budget)
         self.waiting: deque[Sequence] = deque()
         self.background: deque[Sequence] = deque()  # admitted one at a time, only while no user sequence runs
+        self.tasks: deque[Sequence] = deque()
+        self.after_task = False  # the last step ran a task: the requests' turn
         self.running: list[Sequence] = []
+        self.base_turn = False  # the next forward step is for the base weights' rows, left out of the last one
 
     def set_row_budgets(self, row_budget: int, link_row_budget: int | None = None) -> None:
         """The step's row budgets from the next plan on (on the model thread, between steps)."""
@@ -101,14 +110,15 @@ class Scheduler:
         self.link_row_budget = row_budget if link_row_budget is None or self.batch_invariant else link_row_budget
 
     def add(self, sequence: Sequence) -> None:
-        (self.background if sequence.background else self.waiting).append(sequence)
+        queue = self.tasks if sequence.task is not None else self.background if sequence.background else self.waiting
+        queue.append(sequence)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.background)
+        return bool(self.tasks or self.waiting or self.running or self.background)
 
     def abort(self, sequence: Sequence) -> list[tuple[Sequence, Output]]:
         """Take a sequence out wherever it is; its Aborted output (none if it is over already)."""
-        for holder in (self.waiting, self.background, self.running):
+        for holder in (self.tasks, self.waiting, self.background, self.running):
             if sequence in holder:
                 holder.remove(sequence)
                 return [(sequence, Output(status=Status.ABORTED))]
@@ -116,7 +126,16 @@ class Scheduler:
 
     # -- the plan ---------------------------------------------------------------------------------------------
     def schedule(self) -> StepPlan | None:
-        """The next step, or None when nothing runs."""
+        """The next step, or None when nothing runs. Tasks and the requests' steps take turns: callers that queue
+        task after task never keep a decoding stream waiting for more than one of them."""
+        task_turn, self.after_task = bool(self.tasks) and not self.after_task, False
+        plan = None if task_turn else self._requests()
+        if plan is None and self.tasks:
+            self.after_task = True
+            return StepPlan(Kind.TASK, [Work(self.tasks.popleft(), Kind.TASK)])
+        return plan
+
+    def _requests(self) -> StepPlan | None:
         placing = self._admit()
         if placing:
             return StepPlan(Kind.PLACE, [Work(s, Kind.PLACE) for s in placing], placing[0].background)
@@ -140,13 +159,19 @@ class Scheduler:
         return admitted
 
     def _forward(self) -> StepPlan | None:
-        work = [Work(s, Kind.DECODE) for s in self.running if s.status is Status.DECODING]
-        decode_rows = len(work)
-        budget = max(self.row_budget - decode_rows, 1) if decode_rows else self.link_row_budget
+        decoding = [s for s in self.running if s.status is Status.DECODING]
         users = any(not s.background for s in self.running)
-        for sequence in self.running:  # link pieces, FIFO, until the budget is spent
+        linking = [
+            s for s in self.running if s.status is Status.LINKING and s.pending_rows and not (s.background and users)
+        ]
+        base = self._base_step(decoding, linking)
+        work = [] if base else [Work(s, Kind.DECODE) for s in decoding]
+        decode_rows = len(work)
+        # the decoding streams wait for this step even when their rows are not in it
+        budget = max(self.row_budget - decode_rows, 1) if decoding else self.link_row_budget
+        for sequence in linking:  # link pieces, FIFO, until the budget is spent
             pending = sequence.pending_rows
-            if sequence.status is not Status.LINKING or not pending or budget <= 0 or (sequence.background and users):
+            if budget <= 0 or sequence.base_weights != base:
                 continue
             size = self._piece_size(pending, budget, first=len(work) == decode_rows)
             if size == 0:
@@ -157,7 +182,16 @@ class Scheduler:
                 budget = min(budget, self.row_budget - sum(w.stop - w.start for w in work) - decode_rows)
         if not work:
             return None
-        return StepPlan(Kind.PIECE, work, any(w.sequence.background for w in work))
+        return StepPlan(Kind.PIECE, work, base)
+
+    def _base_step(self, decoding: list[Sequence], linking: list[Sequence]) -> bool:
+        """Whether the next forward step runs the base weights' rows: when they are all there is, or by turns while
+        the others wait too (a decoding stream then waits one step of them, as behind any link piece)."""
+        waiting = any(s.base_weights for s in linking)
+        others = bool(decoding) or any(not s.base_weights for s in linking)
+        base = waiting and (self.base_turn or not others)
+        self.base_turn = waiting and not base
+        return base
 
     def _piece_size(self, pending: int, budget: int, first: bool) -> int:
         """How many of a sequence's pending link rows this step runs. Batch-invariant: a whole piece of the row
@@ -183,6 +217,9 @@ class Scheduler:
                 sequence.plan, sequence.cache = result.plan, result.plan.cache
             elif work.kind is Kind.PIECE:
                 sequence.linked_rows = work.stop
+            if work.kind is Kind.TASK or (work.ends_link and sequence.compile is not None):  # its result is all
+                outputs.append((sequence, self._leave(sequence, Output(status=Status.FINISHED, result=result.result))))
+                continue
             if result.linked is None and not work.needs_logits:
                 continue
             outputs.append((sequence, self._advance(sequence, result)))
@@ -207,6 +244,6 @@ class Scheduler:
 
     def fail_all(self, error: BaseException) -> list[tuple[Sequence, Output]]:
         """Every sequence it holds, failed (a bug in a step; the engine stopping)."""
-        held = [*self.running, *self.waiting, *self.background]
-        self.running, self.waiting, self.background = [], deque(), deque()
+        held = [*self.tasks, *self.running, *self.waiting, *self.background]
+        self.tasks, self.running, self.waiting, self.background = deque(), [], deque(), deque()
         return [(s, Output(status=Status.FAILED, error=error)) for s in held]

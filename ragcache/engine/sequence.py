@@ -24,6 +24,8 @@ from .kv import JoinedCache
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
 
+CANCEL_POLL_S = 0.05  # how soon `finish_all` notices that its caller has gone
+
 
 class Handoff(Protocol):
     """Where an opened sequence goes: the driver (ragcache.engine.driver), which imports this module."""
@@ -85,12 +87,20 @@ class Output:
     step: Step | None = None  # the token sampled in this step
     status: Status | None = None  # set when the sequence is over
     error: BaseException | None = None
+    result: object = None  # a compile's entry, made from its cache in its last step; a task's return value
 
 
 class Sequence:
     """Iterate for text pieces (`.answer` holds the whole answer once iteration ends), or `open(listener)`: the
     listener then gets every event on the model thread (on the calling thread for a sequence cancelled while it is
-    prepared). `decoding` None: link only (`extra_capacity` rows of room kept for a caller that decodes itself)."""
+    prepared). `decoding` None: link only (`extra_capacity` rows of room kept for a caller that decodes itself).
+
+    `compile`: the sequence is a chunk's compile, a `full` link of the chunk alone whose rows pack into steps as any
+    link's do; once its last row has run, `compile(cache)` makes its entry on the model thread (`.result`), and its
+    cache is let go. `task`: the sequence is `task(runner)`, run in a step of its own (`.result`: what it returns):
+    model work outside any request, and changes to the engine's settings between steps. `base_weights`: its rows
+    run with the base model's weights (a link adapter's off), in steps of their own: a compile's on an adapted
+    model, and every background sequence's."""
 
     def __init__(
         self,
@@ -100,12 +110,18 @@ class Sequence:
         *,
         extra_capacity: int = 0,
         background: bool = False,
+        compile: Callable[[JoinedCache], Any] | None = None,
+        task: Callable[[Any], Any] | None = None,
+        base_weights: bool = False,
     ):
         self.driver, self.prepare, self.decoding = driver, prepare, decoding
         self.extra_capacity = extra_capacity
         # the accuracy guard's `full` links: they run only in steps no user request needs, with the base model's
         # weights (a link adapter's off), which calibration set the target against
         self.background = background
+        self.compile, self.task = compile, task
+        self.base_weights = base_weights or background
+        self.result: Any = None
         self.status = Status.PREPARING
         self.cancelled = False  # set from any thread: honoured while preparing, and by the driver's aborts
         self.stats = QueryStats()
@@ -173,6 +189,8 @@ class Sequence:
             self._linked(output.linked)
         if output.step is not None:
             self._token(output.step)
+        if output.result is not None:
+            self.result = output.result
         if output.status is not None:
             self.status = output.status
             self._end(output.status, output.error)
@@ -329,3 +347,35 @@ def wait(stream: Opens, timeout: float | None = None) -> Event:
     finally:
         inbox.close()
     return event
+
+
+def finish_all(
+    streams: list[Opens], cancelled: Callable[[], bool] = lambda: False, done: Callable[[int], None] | None = None
+) -> None:
+    """Open every stream, so that the engine runs them together, then wait for each one's end in turn: `done(i)`
+    once stream i has finished. The first that fails raises its error, Cancelled if `cancelled()` says the caller
+    has gone; either way the streams not finished by then are cancelled."""
+    inboxes = []
+    try:
+        for stream in streams:
+            inboxes.append(Inbox(stream))
+            inboxes[-1].open()
+        for i, inbox in enumerate(inboxes):
+            while True:
+                if cancelled():
+                    raise Cancelled("the request was cancelled while its documents were compiled")
+                try:
+                    event = inbox.get(CANCEL_POLL_S)
+                except TimeoutError:
+                    continue
+                if not isinstance(event, Piece):
+                    break
+            if isinstance(event, Failed):
+                raise event.error
+            if isinstance(event, Aborted):
+                raise Cancelled("the engine aborted a compile")
+            if done is not None:
+                done(i)
+    finally:
+        for inbox in inboxes:
+            inbox.close()

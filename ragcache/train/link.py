@@ -209,8 +209,8 @@ def docs_items(
 def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     doc_ids = rc.compile(item.documents)
     full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
-    answer = rc.driver.call(agreement.greedy, rc.runner, full, answer_tokens, rc.stop_ids, set())
-    logits = rc.driver.call(agreement.teacher_forced, rc.runner, full, answer)[1] if answer else full.last_logits[None]
+    answer = rc.with_runner(agreement.greedy, full, answer_tokens, rc.stop_ids, set())
+    logits = rc.with_runner(agreement.teacher_forced, full, answer)[1] if answer else full.last_logits[None]
     return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
 
 
@@ -246,7 +246,7 @@ def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     is now), on the model thread."""
     query = rc.validate(target.question, target.doc_ids, link=rc.resolve(cfg.link))
     parts, params, _ = rc._prepare(query, 0, QueryStats())
-    plan = rc.driver.call(linker.plan, rc.runner, parts, params)
+    plan = rc.with_runner(linker.plan, parts, params)
     length = parts.token_ids.numel()
     # clones outside inference mode: inference tensors cannot take part in a backward pass
     return Placed(

@@ -185,8 +185,12 @@ class VllmRagCache(Front):
         self.query("warm up", [], algorithm="full", max_new_tokens=1)
 
     # -- documents: a miss is compiled in vLLM's process, by the connector ---------------------------
-    def _compile(self, chunks: list[list[int]], layout: str) -> int:
+    def _compile(self, chunks: list[list[int]], layout: str, writer=None) -> int:
         return self._read_in_vllm([], chunks, layout)
+
+    def _writer(self) -> None:
+        """None: the connector stores what it compiles, in vLLM's process."""
+        return None
 
     def _compile_prefix(self, prefix_ids: list[int]) -> None:
         self._read_in_vllm(prefix_ids, [], "default")
