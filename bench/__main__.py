@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | serve | soak | slow-clients | accuracy | codecs | peers | adapter | markdown | squad-sample
+"""python -m bench ttft | lower-bound | throughput | serve | soak | slow-clients | accuracy | codecs | peers | compile | adapter | markdown | squad-sample
 (each: --help)."""
 
 from __future__ import annotations
@@ -179,6 +179,24 @@ def codecs(
 
     mod.run(model, n, sample, seed, [c.strip() for c in kv_codecs.split(",") if c.strip()], _variants(algorithms),
             max_new_tokens, out, tag)
+
+
+@app.command("compile")
+def compile_(
+    model: str = Model,
+    docs: int = typer.Option(32, min=2, help="documents (one chunk each at the default --doc-tokens)"),
+    doc_tokens: int = typer.Option(512, min=8, help="tokens per document, at most; also the chunk budget"),
+    runs: int = typer.Option(3, min=1, help="timed runs of ours and of transformers, interleaved (median)"),
+    dtype: str = typer.Option("auto", help="compute dtype of both: auto, float32 or bfloat16"),
+    peer_batch: int = typer.Option(8, min=1, help="chunks per call of transformers' batched forward"),
+    beside: bool = typer.Option(True, "--beside/--no-beside", help="also time a decoding stream beside a compile"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Compile tokens/s against transformers' forward over the same chunks; write rates; a decode's wait beside it."""
+    from bench import compile as mod
+
+    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag)
 
 
 @app.command()

@@ -10,6 +10,7 @@ import logging
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,6 +36,9 @@ from .cli_options import (
 from .console import console, err, fail
 from .errors import BadRequest, ParameterOutOfRange, RagCacheError
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings
+
+if TYPE_CHECKING:
+    from .front import CompileReport
 
 app = typer.Typer(
     help="ragcache: compile documents into KV caches and answer questions by linking them.",
@@ -231,23 +235,21 @@ def compile(
             TextColumn("{task.fields[rate]}"),
             TimeElapsedColumn(),
         ]
-        from .front import CompileReport
-
-        summary, compiled_tokens = CompileReport(), 0
         with Progress(*columns, console=err) as bar:
             task = bar.add_task("compiling", total=len(docs), rate="")
             started = time.perf_counter()
 
-            def on_chunk(tokens: int, compiled: int, nbytes: int) -> None:
-                nonlocal compiled_tokens
-                compiled_tokens += compiled
-                rate = compiled_tokens / max(time.perf_counter() - started, 1e-9)
-                bar.update(task, rate=f"{rate:,.0f} tok/s")
+            def on_progress(so_far: CompileReport) -> None:
+                seconds = max(time.perf_counter() - started, 1e-9)
+                rate = (
+                    f"{so_far.compiled_tokens / seconds:,.0f} tok/s, {so_far.compiled_chunks / seconds:,.1f} chunks/s, "
+                    f"{so_far.bytes / 2**20:,.1f} MiB of entries"
+                )
+                bar.update(task, completed=so_far.documents, rate=rate)
 
-            for text, meta in docs:
-                summary.add(rc.compile_documents([text], [meta], progress=on_chunk, shards=shards))
-                bar.advance(task)
-            summary.seconds = time.perf_counter() - started
+            summary = rc.compile_documents(
+                [text for text, _ in docs], [meta for _, meta in docs], progress=on_progress, shards=shards
+            )
         kept = _other_budgets(rc, summary.ids)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")

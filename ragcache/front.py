@@ -34,7 +34,8 @@ class CompileReport:
     chunks: int = 0
     compiled_chunks: int = 0
     tokens: int = 0
-    bytes: int = 0
+    compiled_tokens: int = 0
+    bytes: int = 0  # of the entries compiled
     shards: int = 0  # KV-head shards written (`compile_documents(shards=N)`)
     seconds: float = 0.0
 
@@ -120,51 +121,53 @@ class Front(abc.ABC):
         self,
         texts: list[str],
         metadata: list[dict] | None = None,
-        progress: Callable[[int, int, int], None] | None = None,
+        progress: Callable[[CompileReport], None] | None = None,
         shards: int = 1,
     ) -> CompileReport:
         """Compile texts into the store (skipping what is there). The missing chunks of consecutive documents are
         compiled together, `_compile_rows` rows at a time, so that the engine packs them into full steps; their
         entries are stored off this thread (a `Writer`, where the engine stores them here), and all of them are
         stored before this returns or raises: an interrupted run resumes from them.
-        `progress(tokens, compiled_tokens, compiled_bytes)`: as chunks are found or compiled.
+        `progress(report)`: the report so far, as each document is taken in and as its chunks are compiled.
         `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
         tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
         texts = request.validate_texts(texts)
         self._check_shards(shards)
         started, report = time.perf_counter(), CompileReport()
-        say = progress or (lambda tokens, compiled, nbytes: None)
+        say = progress or (lambda report: None)
+        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
+        if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
+            self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
         documents: list[list[list[int]]] = []
         # a delete of one of them waits until their entries are written
         with self.catalog.using([document_id(text) for text in texts]):
             writer = self._writer()
             try:
-                batch: list[list[int]] = []
+                batch: dict[tuple[int, ...], list[int]] = {}
+                compiled: set[tuple[int, ...]] = set()
                 for text, meta in zip(texts, metadata or [{} for _ in texts]):
                     doc_id, chunks = self.catalog.register(text, meta)
-                    present, missing = self._present(chunks, "default")
-                    for ids in present:
-                        say(len(ids), 0, 0)
-                    batch.extend(missing)
-                    if sum(map(len, batch)) >= self._compile_rows():
-                        self._compile_batch(batch, writer, report, say)
-                        batch = []
+                    missing = self._present(chunks, "default")[1]
                     documents.append(chunks)
                     report.ids.append(doc_id)
                     report.documents += 1
                     report.chunks += len(chunks)
                     report.skipped += not missing
                     report.tokens += sum(map(len, chunks))
-                self._compile_batch(batch, writer, report, say)
+                    say(report)
+                    # a chunk two documents share, once: also when the writer has not stored it yet
+                    batch.update((tuple(ids), ids) for ids in missing if tuple(ids) not in compiled)
+                    if sum(map(len, batch.values())) >= self._compile_rows():
+                        self._compile_batch(list(batch.values()), writer, report, say)
+                        compiled.update(batch)
+                        batch = {}
+                self._compile_batch(list(batch.values()), writer, report, say)
             finally:  # Ctrl-C or a failure: what was compiled is stored
                 if writer is not None:
                     writer.flush()
             if shards > 1:  # every chunk, also those compiled before without shards
                 for chunks in documents:
                     report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts["default"], shards)
-        prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
-        if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
-            self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
         if prefix_ids and shards > 1:
             report.shards += self.catalog.write_shards([prefix_ids], self.prefix_compiler, PLAIN, shards)
         report.seconds = time.perf_counter() - started
@@ -175,14 +178,13 @@ class Front(abc.ABC):
         chunks: list[list[int]],
         writer: Writer | None,
         report: CompileReport,
-        say: Callable[[int, int, int], None],
+        say: Callable[[CompileReport], None],
     ) -> None:
         for group in self._groups(chunks, "default"):
-            nbytes = self._compile(group, "default", writer)
-            report.bytes += nbytes
+            report.bytes += self._compile(group, "default", writer)
             report.compiled_chunks += len(group)
-            tokens = sum(map(len, group))
-            say(tokens, tokens, nbytes)
+            report.compiled_tokens += sum(map(len, group))
+            say(report)
 
     def _writer(self) -> Writer | None:
         """Where `compile_documents` stores what `_compile` compiles, off its thread (None: the engine stores it)."""

@@ -80,6 +80,9 @@ def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, ada
         assert adapted.compiler.key(chunk, layout) == base.compiler.key(chunk, layout)
         mine, theirs = adapted.compiler.compile(chunk, layout), base.compiler.compile(chunk, layout)
         assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+        stored = store.get_many([adapted.compiler.key(chunk, layout)])[0]  # the engine's scheduled compile
+        assert torch.allclose(stored.keys, theirs.keys, atol=1e-5) and torch.allclose(stored.values, theirs.values,
+                                                                                        atol=1e-5)
     assert cal.profile_path(adapted.lm.fingerprint, "float32") != cal.profile_path(base.lm.fingerprint, "float32")
     linked = adapted.link("What is tall?", [doc_id], algorithm="naive").last_logits
     assert not torch.allclose(linked, base.link("What is tall?", [doc_id], algorithm="naive").last_logits, atol=1e-3)

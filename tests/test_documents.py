@@ -270,7 +270,7 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     text = " ".join(TEXTS * 2)
     between_chunks, go_on, deleted = threading.Event(), threading.Event(), threading.Event()
 
-    def progress(tokens: int, compiled: int, nbytes: int) -> None:
+    def progress(report) -> None:
         between_chunks.set()
         assert go_on.wait(60)
 
@@ -386,7 +386,7 @@ def test_deleting_a_document_from_its_own_upload_is_an_error_not_a_hang():
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
 
-    def progress(tokens: int, compiled: int, nbytes: int) -> None:
+    def progress(report) -> None:
         rc.delete_document(document_id(TEXTS[0]))
 
     with pytest.raises(RuntimeError, match="may not delete a document"):

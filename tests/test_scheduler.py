@@ -569,8 +569,8 @@ class FakeDecoding:
         return len(self.token_ids) >= self.sampling.max_new_tokens
 
 
-def sequence(tokens: int | None = 4, background: bool = False) -> Sequence:
-    return Sequence(None, None, FakeDecoding(tokens) if tokens else None, background=background)
+def sequence(tokens: int | None = 4, background: bool = False, **kinds) -> Sequence:
+    return Sequence(None, None, FakeDecoding(tokens) if tokens else None, background=background, **kinds)
 
 
 def run_plan(scheduler: Scheduler, plan, link_rows: dict, fail=()) -> list:
@@ -585,6 +585,10 @@ def run_plan(scheduler: Scheduler, plan, link_rows: dict, fail=()) -> list:
             results.append(StepResult(error=RuntimeError("failed")))
         elif work.kind is Kind.PLACE:
             results.append(StepResult(plan=FakePlan(*link_rows[seq])))
+        elif work.kind is Kind.TASK:
+            results.append(StepResult(result=seq.task(None)))
+        elif work.ends_link and seq.compile is not None:
+            results.append(StepResult(result=seq.compile(seq.plan.cache)))
         elif work.needs_logits:
             if seq.decoding is not None:
                 seq.decoding.token_ids.append(7)
@@ -708,3 +712,67 @@ def test_a_failed_work_or_an_abort_takes_out_only_its_own_sequence():
     assert [(s, o.status) for s, o in scheduler.abort(c)] == [(c, Status.ABORTED)]
     assert scheduler.abort(c) == []  # over already: nothing to take out
     assert scheduler.running == [a] and shape(scheduler.schedule()) == [("piece", 0, 3)]
+
+
+def test_a_compile_packs_with_the_others_and_ends_with_its_entry_and_no_logits():
+    scheduler = Scheduler(row_budget=16)
+    user, compile = sequence(tokens=3), sequence(tokens=None, compile=lambda cache: "entry")
+    for s in (user, compile):
+        scheduler.add(s)
+    rows = {user: (4,), compile: (20,)}
+    run_plan(scheduler, scheduler.schedule(), rows)
+    first = scheduler.schedule()
+    assert shape(first) == [("piece", 0, 4), ("piece", 0, 12)]  # packed: the user's link ends, 12 rows left
+    assert [w.needs_logits for w in first.work] == [True, False]
+    run_plan(scheduler, first, rows)
+    last = scheduler.schedule()
+    assert shape(last) == [("decode", 0, 0), ("piece", 12, 20)] and not last.work[1].needs_logits
+    outputs = run_plan(scheduler, last, rows)
+    assert [(s, o.status, o.result) for s, o in outputs if s is compile] == [(compile, Status.FINISHED, "entry")]
+    assert scheduler.running == [user]
+
+
+def test_rows_on_the_base_weights_take_turns_with_the_others():
+    """A compile on an adapted model runs the base weights: never in a step with adapted rows. While a stream
+    decodes (or an adapted link waits) the two kinds of step alternate, so the stream waits one step of compile
+    rows at a time and the compile is never starved."""
+    scheduler = Scheduler(row_budget=16)
+    user, compile = sequence(tokens=20), sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
+    for s in (user, compile):
+        scheduler.add(s)
+    rows = {user: (2,), compile: (40,)}
+    run_plan(scheduler, scheduler.schedule(), rows)
+    kinds = []
+    while compile.status is not Status.FINISHED:
+        plan = scheduler.schedule()
+        assert len({w.sequence.base_weights for w in plan.work}) == 1
+        assert plan.base_weights == plan.work[0].sequence.base_weights
+        kinds.append("base" if plan.base_weights else "user")
+        for seq, output in run_plan(scheduler, plan, rows):
+            if output.status is not None:
+                seq.status = output.status
+    assert kinds == ["user", "base", "user", "base", "user", "base"], kinds  # 16 + 16 + 8 compile rows
+    alone = Scheduler(row_budget=16)
+    only = sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
+    alone.add(only)
+    run_plan(alone, alone.schedule(), {only: (10,)})
+    assert alone.schedule().base_weights  # nothing else waits: its step at once
+
+
+def test_tasks_take_turns_with_the_requests_steps():
+    scheduler = Scheduler(row_budget=16)
+    user = sequence(tokens=10)
+    scheduler.add(user)
+    run_plan(scheduler, scheduler.schedule(), {user: (2,)})
+    ran = []
+    for n in range(3):
+        scheduler.add(sequence(tokens=None, task=lambda runner, n=n: ran.append(n) or n))
+    kinds = []
+    for _ in range(6):
+        plan = scheduler.schedule()
+        kinds.append(plan.kind.value)
+        outputs = run_plan(scheduler, plan, {})
+        if plan.kind is Kind.TASK:
+            assert [(o.status, o.result) for _, o in outputs] == [(Status.FINISHED, ran[-1])]
+    assert kinds == ["task", "piece", "task", "piece", "task", "piece"] and ran == [0, 1, 2]
+    assert scheduler.abort(user) and not scheduler.has_work()

@@ -45,7 +45,7 @@ class RagCacheCompiler(TransformComponent):
             report = self.rc.compile_documents(
                 [text for _, text in todo],
                 [record_meta(node) for node, _ in todo],
-                progress=(lambda done, _compiled, _bytes: bar.update(done)) if bar else None,
+                progress=(lambda so_far: bar.update(so_far.tokens - bar.n)) if bar else None,
             )
         finally:
             if bar:

@@ -1,0 +1,177 @@
+"""A chunk's compile is scheduled work (ragcache/engine/scheduler.py): its pieces pack with other compiles and with
+requests in the engine's steps. What that must keep: entries equal to a chunk compiled alone, a decoding stream's
+row in every step, a failure confined to its own request, and every compiled entry stored, through a bounded
+writer whose failure stops `compile_documents`."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from ragcache.catalog import Writer
+from ragcache.engine.scheduler import Kind
+from ragcache.errors import StoreError
+from ragcache.facade import RagCache
+from ragcache.settings import EngineConfig
+from ragcache.store.keys import document_id
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+TEXTS = [f"{text} {text}" for text in tiny.CORPUS]
+
+
+def engine(store=None, **config) -> RagCache:
+    return RagCache(tiny.make("llama"), store or MemoryStore(), EngineConfig(chunk_tokens=16, **config))
+
+
+def recorded_steps(rc) -> list:
+    """Every plan the runner executes from now on, in order."""
+    plans, execute = [], rc.runner.execute
+
+    def record(plan):
+        plans.append(plan)
+        return execute(plan)
+
+    rc.runner.execute = record
+    return plans
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_packed_compiles_give_the_entries_of_each_chunk_compiled_alone(invariant):
+    """Every missing chunk of a call is compiled in the same steps (one piece each, as many as the budget takes);
+    batch-invariant, each entry is the very bits of that chunk compiled alone, else equal within rounding."""
+    rc = engine(batch_invariant=invariant, row_budget=512)
+    plans = recorded_steps(rc)
+    report = rc.compile_documents(TEXTS)
+    chunks = [ids for doc_id in report.ids for ids in rc.document_chunks(doc_id)]
+    assert report.compiled_chunks == len({tuple(c) for c in chunks}) >= 6
+    pieces = [p for p in plans if p.kind is Kind.PIECE]
+    assert len(pieces) < report.compiled_chunks and max(len(p.work) for p in pieces) >= 4  # packed
+    layout = rc.layouts["default"]
+    for ids in chunks:
+        stored = rc.store.get_many([rc.compiler.key(ids, layout)])[0]
+        alone = rc.compiler.compile(ids, layout)
+        for mine, theirs in ((stored.keys, alone.keys), (stored.values, alone.values)):
+            assert torch.equal(mine, theirs) if invariant else torch.allclose(mine, theirs, atol=1e-5)
+    rc.close()
+
+
+def test_a_decoding_stream_has_its_row_in_every_step_a_compile_runs_beside_it():
+    """A compile beside a decoding stream takes no step of its own: each forward step carries the stream's decode
+    row with the compile's pieces, so the stream waits at most one budgeted step for a token."""
+    rc = engine(row_budget=24)
+    doc = rc.compile(TEXTS[:1])
+    plans = recorded_steps(rc)
+    started, tokens = threading.Event(), []
+    stream = rc.stream("Where is it?", doc, max_new_tokens=400, temperature=1.0, seed=0, algorithm="naive")
+
+    def decode():
+        for piece in stream:
+            tokens.append(piece)
+            started.set()
+
+    reader = threading.Thread(target=decode, daemon=True)
+    reader.start()
+    assert started.wait(60)
+    decoding = stream
+    report = rc.compile_documents(TEXTS[1:])
+    still = reader.is_alive()
+    stream.cancel()
+    reader.join(60)
+    assert still, "the stream ended before the compile: no test"
+    assert report.compiled_chunks >= 4
+    forward = [p for p in plans if p.kind is Kind.PIECE and any(w.sequence.compile for w in p.work)]
+    assert forward and all(any(w.sequence is decoding and w.kind is Kind.DECODE for w in p.work) for p in forward)
+    assert all(p.rows <= 24 + 1 for p in forward)  # the budget, and at most one row per decoding stream past it
+    rc.close()
+
+
+def test_a_chunk_that_fails_to_compile_fails_its_own_request_only():
+    rc = engine()
+    entry, bad = rc.compiler.entry, {tuple(rc.catalog.draft(TEXTS[0]).chunks[0])}
+
+    def failing(keys, values, token_ids, layout):
+        if tuple(token_ids) in bad:
+            raise ValueError("this chunk cannot be encoded")
+        return entry(keys, values, token_ids, layout)
+
+    rc.compiler.entry = failing
+    outcomes = {}
+
+    def ask(name, text):
+        try:
+            outcomes[name] = rc.query("Where is it?", [{"text": text}], max_new_tokens=2).text
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            outcomes[name] = exc
+
+    threads = [threading.Thread(target=ask, args=(n, t)) for n, t in (("bad", TEXTS[0]), ("good", TEXTS[1]))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert isinstance(outcomes["bad"], ValueError) and isinstance(outcomes["good"], str)
+    rc.close()
+
+
+class FailingStore(MemoryStore):
+    """A memory store whose put_many fails once `fail` is set."""
+
+    fail = False
+
+    def put_many(self, entries):
+        if self.fail:
+            raise StoreError("the disk is full")
+        super().put_many(entries)
+
+
+def test_a_failed_write_stops_compile_documents_and_the_next_run_resumes():
+    store = FailingStore()
+    rc = engine(store=store, row_budget=16)
+    rc.compile_documents(TEXTS[:2])
+    kept = set(store.keys())
+    store.fail = True
+    with pytest.raises(StoreError, match="the disk is full"):
+        rc.compile_documents(TEXTS[2:])
+    assert set(store.keys()) == kept  # nothing half written, nothing of the failed run claimed
+    store.fail = False
+    again = rc.compile_documents(TEXTS)
+    assert again.skipped == 2 and again.compiled_chunks > 0
+    assert all(store.contains_many([rc.compiler.key(ids, rc.layouts["default"])
+                                    for ids in rc.document_chunks(document_id(t))]) for t in TEXTS)
+    rc.close()
+
+
+class SlowStore:
+    """put_many waits until `go` is set."""
+
+    def __init__(self):
+        self.go, self.calls, self.kept = threading.Event(), 0, []
+
+    def put_many(self, entries):
+        self.calls += 1
+        assert self.go.wait(60)
+        self.kept.extend(entries)
+
+
+def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile():
+    store = SlowStore()
+    writer = Writer(store, depth=2)
+    handed = []
+
+    def feed():
+        for n in range(5):
+            writer.put({f"k{n}": n})
+            handed.append(n)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    while store.calls < 1:  # the writer thread holds the first batch in put_many
+        threading.Event().wait(0.01)
+    feeder.join(0.5)
+    assert feeder.is_alive() and handed == [0, 1, 2]  # one being written, two waiting: the fourth put waits
+    store.go.set()
+    feeder.join(60)
+    writer.flush()
+    assert handed == [0, 1, 2, 3, 4] and writer.written == 5 and store.kept == [f"k{n}" for n in range(5)]
