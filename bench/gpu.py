@@ -39,6 +39,10 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                chunk, sorted, over the largest of --contexts keys) with each candidate of --tiles: ms, TFLOP/s
                (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
                are then used by (f), so (f) measures the link with them
+  (i) compile  at `--shape`: `compile_documents` of --compile-docs documents of 512 tokens (a compile sequence per
+               chunk, packed into the scheduler's steps; entries in the codec "auto" keeps on CUDA, and int8), against
+               transformers' `model(ids, logits_to_keep=1)` over the same chunks, 1 and 16 chunks per call (the faster
+               is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU)
   --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
                against the eager step (tokens), links from pinned entries, from the GPU tier, from prefetched
                entries and from the disk through the GPU tier against pageable entries (logits of a first and a
@@ -62,7 +66,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = {"kernels", "model", "serving", "invariance", "tiles", "link", "decode"}
+SECTIONS = {"kernels", "model", "serving", "invariance", "tiles", "link", "decode", "compile"}
 
 
 def _args() -> argparse.Namespace:
@@ -81,6 +85,7 @@ def _args() -> argparse.Namespace:
                     "128/32/4/3,128/64/8/4,256/64/8/3",
                     help="(h): attention tile candidates BLOCK_M/BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
+    ap.add_argument("--compile-docs", type=int, default=64, help="documents of 512 tokens compiled in (i)")
     ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one naive link from "
                     "each tier and one focus and one full link from the fastest, at the largest context; in (g), of "
                     "a link and 16 tokens from the first kind of decode step (kernels by device time)")
@@ -1006,6 +1011,66 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
     return rows
 
 
+# ------------------------------------------------------------------ (i): compile
+def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+    """`compile_documents` of `docs` documents (one chunk each) against transformers' forward over the same
+    chunks' ids, per codec: a fresh store per run, the engine warmed on other documents first."""
+    import random
+
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+
+    shape, docs, doc_words, reps = ("smollm2-135m", 4, 60, 1) if quick else (shape, docs, 511, 2)
+    lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
+    rng = random.Random(0)
+    text = lambda: " ".join(f"w{rng.randrange(1000)}" for _ in range(doc_words))  # noqa: E731
+    warm = [text() for _ in range(2)]
+    rows = []
+    for codec in ("auto", "int8"):
+        runs, chunks, nbytes = [], [], 0
+        for _ in range(reps):
+            texts = [text() for _ in range(docs)]  # new ones: nothing is in the store
+            rc = RagCache(lm, MemoryStore(64 << 30, pin=device.type == "cuda"),
+                          EngineConfig(chunk_tokens=doc_words + 8, kv_codec=codec))
+            rc.compile(warm)
+            _sync(device)
+            started = time.perf_counter()
+            report = rc.compile_documents(texts)
+            _sync(device)
+            runs.append(time.perf_counter() - started)
+            lead = list(rc.layouts["default"].lead_ids)
+            chunks = [lead + ids for doc_id in report.ids for ids in rc.document_chunks(doc_id)]
+            nbytes, stored_codec, budgets = report.bytes, rc.kv_codec, rc.row_budgets
+            rc.close()
+        tokens = sum(map(len, chunks))
+        ours = statistics.median(runs)
+        peers = {batch: _transformers_chunks_s(lm, chunks, batch, device) for batch in (1, 16)}
+        best = min(peers, key=peers.get)
+        row = dict(shape=shape, codec=stored_codec, chunks=len(chunks), tokens=tokens, ours_s=round(ours, 4),
+                   ours_tok_s=round(tokens / ours, 1), ours_all_s=[round(t, 4) for t in runs],
+                   **{f"transformers_b{b}_s": round(t, 4) for b, t in peers.items()},
+                   peer=f"transformers B={best}", peer_tok_s=round(tokens / peers[best], 1),
+                   ratio=round(peers[best] / ours, 3), entry_bytes_per_token=round(nbytes / tokens, 1),
+                   row_budgets=list(budgets))
+        print(f"  {shape} {stored_codec}: {row['ours_tok_s']:,.0f} tok/s, {row['peer']} {row['peer_tok_s']:,.0f} "
+              f"tok/s: {row['ratio']:.2f}x; {row['entry_bytes_per_token']:,.0f} B/token", flush=True)
+        rows.append(row)
+    return rows
+
+
+@torch.inference_mode()
+def _transformers_chunks_s(lm, chunks: list[list[int]], batch: int, device) -> float:
+    """transformers' forward over every chunk alone (`batch` chunks of one length per call), K/V computed as a
+    compile computes them, without encoding or copying them out."""
+    by_length: dict[int, list[list[int]]] = {}
+    for ids in chunks:
+        by_length.setdefault(len(ids), []).append(ids)
+    calls = [torch.tensor(group[i:i + batch], device=device) for group in by_length.values()
+             for i in range(0, len(group), batch)]
+    return wall_s(lambda: [lm.model(ids, logits_to_keep=1) for ids in calls], device, 1)
+
+
 def _common_prefix(a: list, b: list) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
@@ -1186,11 +1251,15 @@ def main() -> None:
     if "decode" not in skip:
         print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
         decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick, args.profile)
+    compile_rows: list[dict] = []
+    if "compile" not in skip:
+        print(f"(i) compile at the {args.shape} shape: compile_documents against transformers' forward")
+        compile_rows = compile_rate(args.shape, args.compile_docs, device, dtype, args.quick)
     failed = [k for k in kernels if not k["ok"]]
     result = dict(benchmark="gpu", environment=env, quick=args.quick, seconds=round(time.perf_counter() - started, 1),
                   skipped=sorted(skip), kernels=kernels, model=model_rows, serving=serving_rows,
                   invariance=invariance_rows, tiles=tile_rows, link=link_rows, decode=decode_rows,
-                  all_kernels_match=(not failed) if kernels else None)
+                  compile=compile_rows, all_kernels_match=(not failed) if kernels else None)
     args.out.mkdir(parents=True, exist_ok=True)
     tag = env.get("gpu", "cpu").replace(" ", "-")
     suffix = "".join(f"-no-{section}" for section in sorted(skip)) + ("-quick" if args.quick else "")

@@ -497,6 +497,28 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
                             "transformers decode, eager"} and all(row["tok_s"] > 0 for row in decodes.values())
     (agree,) = [row for row in result["decode"] if "leading_identical" in row]
     assert agree["leading_identical"] == agree["of"]  # fp32: the whole-pool step decodes the ordinary step's tokens
+    compiled = result["compile"]  # (i): the codec "auto" keeps on this device, and int8
+    assert len(compiled) == 2 and compiled[1]["codec"] == "int8" and len({row["tokens"] for row in compiled}) == 1
+    assert all(row["ours_tok_s"] > 0 and row["peer_tok_s"] > 0 and row["ratio"] > 0 for row in compiled)
+
+
+def test_compile_against_transformers_with_writes_and_a_decode_beside_it(tmp_path):
+    """`python -m bench compile`: ours and transformers' over the very same chunks (their tokens counted once), the
+    write rate of each store kind, and a decoding stream's gaps while a compile runs beside it."""
+    from bench import compile as bench_compile
+
+    got = bench_compile.run("smollm2-135m", docs=4, doc_tokens=64, runs=1, dtype="float32", peer_batch=2,
+                            beside=True, out_dir=tmp_path)
+    row = got["row"]
+    assert row["chunks"] >= 4 and row["tokens"] > 4 * 32 and row["ours_tok_s"] > 0 and row["peer_tok_s"] > 0
+    assert row["ratio"] == pytest.approx(row["tokens"] / row["peer_tok_s"] / row["ours_s"], rel=0.01)
+    assert [w["store"] for w in got["writes"]] == ["memory", "disk"] and all(w["mb_s"] > 0 for w in got["writes"])
+    waits = got["beside_a_decode"]
+    assert waits["compiled_chunks"] >= 3 and waits["steps"] > 0
+    if waits["stream_outlived_compile"]:  # a sampled answer may end first: then there is nothing to compare
+        assert waits["tokens_during"] > 0 and waits["longest_gap_s"] > 0
+    saved = json.loads((tmp_path / "compile-smollm2-135m.json").read_text())
+    assert saved["machine"]["commit"] and saved["results"] == [row]
 
 
 def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
