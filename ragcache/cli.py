@@ -18,10 +18,10 @@ from rich.table import Column, Table
 
 from ragcache.store import per_process
 from ragcache.store.keys import is_document_id
-from ragcache.store_cli import store_app
+from ragcache.store_cli import size_text, store_app
 from ragcache.train.cli import train_app
 
-from . import fetch, lora, request
+from . import capacity, fetch, lora, request
 from .cli_options import (
     AdapterOpt,
     DeviceOpt,
@@ -210,8 +210,17 @@ def compile(
         help="also store each entry as N KV-head shards, which `vllm serve --tensor-parallel-size N` with the "
         "connector reads (1/N of the bytes per rank); whole entries are kept",
     ),
+    plan: bool = typer.Option(
+        False,
+        "--plan",
+        help="compile nothing: print the corpus's tokens and chunks, the bytes per token and in all of each kv "
+        "codec at the model's shape, and the time at the compile rate measured on this machine",
+    ),
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
+    if plan:
+        _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec)
+        return
     try:
         if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
             raise ParameterOutOfRange(f"--shards must be >= 1, got {shards}")
@@ -250,6 +259,15 @@ def compile(
             summary = rc.compile_documents(
                 [text for text, _ in docs], [meta for _, meta in docs], progress=on_progress, shards=shards
             )
+        if s.engine == "ragcache":  # what a later `--plan` estimates with (vLLM compiles at its own rate)
+            capacity.record_rate(
+                s.model,
+                s.device.split(":")[0],
+                str(rc.lm.dtype).removeprefix("torch."),
+                rc.kv_codec,
+                summary.compiled_tokens,
+                summary.seconds,
+            )
         kept = _other_budgets(rc, summary.ids)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
@@ -271,6 +289,73 @@ def compile(
             + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
             + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again"
         )
+
+
+def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> None:
+    """`compile --plan`: the corpus tokenized and chunked as a compile would, with the model's tokenizer and
+    config only (no weights), and what it will take (ragcache/capacity.py)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from ragcache.store.codec import resolve as resolve_codec
+
+    from . import models
+    from .chunker import chunk_document
+    from .compiler import default_layout
+
+    try:
+        docs = [(text, meta) for text, meta in _read_inputs(paths, glob, jsonl) if text.strip()]
+        if not docs:
+            raise BadRequest("every document given is empty; nothing to plan")
+        s = load_settings(model=model, chunk_tokens=chunk_tokens, dtype=dtype, device=device, kv_codec=kv_codec)
+        with err.status(f"reading {s.model}'s tokenizer and config"):
+            source = models.resolve(s.model)
+            tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
+        lead = list(default_layout(tokenizer).lead_ids)
+        chunks = []
+        for text, _ in docs:
+            chunks += [lead + c.token_ids for c in chunk_document(tokenizer, text, s.chunk_tokens)]
+    except (RagCacheError, OSError, ValueError) as exc:
+        fail(exc)
+    where = s.device.split(":")[0]
+    compute = models.default_dtype(s.device) if s.dtype == "auto" else s.dtype
+    import torch
+
+    codec = resolve_codec(s.kv_codec, getattr(torch, compute), where)
+    the_plan = capacity.plan(
+        s.model, capacity.model_shape(config), chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec)
+    )
+    table = Table(
+        title=f"{the_plan.documents} documents, {the_plan.chunks} chunks, {the_plan.tokens:,} tokens: {s.model} "
+        f"({the_plan.shape.layers} layers x {the_plan.shape.kv_heads} KV heads x {the_plan.shape.head_dim})"
+    )
+    for col in ("kv codec", "bytes/token", "corpus"):
+        table.add_column(col, justify="left" if col == "kv codec" else "right")
+    for row in the_plan.codecs:
+        name = row["codec"] + (" (configured)" if row["codec"] == codec else "")
+        table.add_row(name, f"{row['bytes_per_token']:,.0f}", size_text(row["total_bytes"]))
+    console.print(table)
+    rate = the_plan.rate
+    if rate is None:
+        console.print(
+            f"compile time: no rate measured here yet for {s.model} on {where} in {compute}: `ragcache compile` "
+            f"records one once it compiles {capacity.RATE_MIN_TOKENS:,} tokens or more (`python -m bench compile` "
+            "measures it too)"
+        )
+    else:
+        console.print(
+            f"compile time: about {_duration(the_plan.seconds)} at {rate['tok_s']:,.0f} tok/s ({s.model} on "
+            f"{where} in {compute}, {rate['codec']} entries, measured here {rate['measured']})"
+        )
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def _other_budgets(rc, doc_ids: list[str]) -> dict[str, int]:

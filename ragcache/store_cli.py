@@ -137,7 +137,8 @@ def _open(url: str | None) -> Store:
     return open_store(url)  # a StoreError: the command's _guard
 
 
-def _size(n: float) -> str:
+def size_text(n: float) -> str:
+    """Bytes as a reader takes them: 1.5 GiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -194,7 +195,13 @@ def stats(store: StoreOpt = None, as_json: AsJson = False) -> None:
         hits = t.get("index_hits", t.get("server_hits", t.get("hits", 0)))
         models = ", ".join(f"{m}: {n}" for m, n in sorted(t["models"].items())) or "-"
         table.add_row(
-            t["tier"], str(t["entries"]), _size(t["bytes"]), _size(budget) if budget else "-", str(hits), models, codecs
+            t["tier"],
+            str(t["entries"]),
+            size_text(t["bytes"]),
+            size_text(budget) if budget else "-",
+            str(hits),
+            models,
+            codecs,
         )
     console.print(table)
     for t in info["tiers"]:  # a line, not a column: the forms are what `gc --drop-form` takes, spelled out
@@ -221,11 +228,11 @@ def ls(
         table.add_column(col, justify="right" if col in ("size", "tokens") else "left", no_wrap=col == "key")
     for r in rows:  # a key prefix is enough for `rm`; --json has the full keys
         if r["error"]:
-            table.add_row(r["key"][:16], _size(r["size"]), "-", "-", "-", f"[red]{r['error']}[/red]")
+            table.add_row(r["key"][:16], size_text(r["size"]), "-", "-", "-", f"[red]{r['error']}[/red]")
         else:
             table.add_row(
                 r["key"][:16],
-                _size(r["size"]),
+                size_text(r["size"]),
                 str(r["tokens"]),
                 r["dtype"] or "-",
                 "x".join(map(str, r["shape"] or [])),

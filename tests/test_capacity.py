@@ -1,0 +1,68 @@
+"""The capacity plan (ragcache/capacity.py, `ragcache compile --plan`): bytes per token of each codec as compiled
+entries really weigh, the corpus counted as a compile counts it, and the compile rate measured on this machine."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from ragcache import capacity
+from ragcache.cli import app
+from ragcache.facade import RagCache
+from ragcache.settings import EngineConfig
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+TEXTS = [f"{text} {text} {text}" for text in tiny.CORPUS]
+
+
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+def test_the_planned_bytes_are_what_the_compiled_entries_weigh(codec):
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec=codec))
+    report = rc.compile_documents(TEXTS)
+    lead = list(rc.layouts["default"].lead_ids)
+    chunks = [lead + ids for doc_id in report.ids for ids in rc.document_chunks(doc_id)]
+    layout = rc.layouts["default"]
+    stored = rc.store.get_many([rc.compiler.key(ids[len(lead):], layout) for ids in {tuple(c): c for c in chunks}.values()])
+    plan = capacity.plan("tiny", capacity.model_shape(rc.lm.config), chunks, len(TEXTS), None)
+    (row,) = [r for r in plan.codecs if r["codec"] == codec]
+    assert plan.tokens == sum(e.token_ids.numel() for e in stored) and plan.chunks == len(stored)
+    assert row["total_bytes"] == pytest.approx(sum(e.nbytes for e in stored), abs=1)
+    assert plan.seconds is None
+    rc.close()
+
+
+def test_a_rate_is_recorded_only_from_a_compile_long_enough_to_time(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    assert not capacity.record_rate("m", "cpu", "float32", "int8", capacity.RATE_MIN_TOKENS - 1, 1.0)
+    assert capacity.measured_rate("m", "cpu", "float32", "int8") is None
+    assert capacity.record_rate("m", "cpu", "float32", "int8", 8192, 4.0)
+    assert capacity.measured_rate("m", "cpu", "float32", "int8")["tok_s"] == 2048.0
+    other = capacity.measured_rate("m", "cpu", "float32", "fp32")  # another codec's, saying so
+    assert other["tok_s"] == 2048.0 and other["codec"] == "int8"
+    assert capacity.measured_rate("m", "cpu", "bfloat16", "int8") is None  # never another dtype's or device's
+    (tmp_path / "compile-rates.json").write_text("{not json")
+    assert capacity.measured_rate("m", "cpu", "float32", "int8") is None  # a damaged file is no rate, not a crash
+
+
+def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured_rate(tmp_path, monkeypatch):
+    model = tiny.saved("llama", tmp_path / "model")
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for n, text in enumerate(TEXTS):
+        (docs / f"{n}.txt").write_text(text)
+    args = ["compile", str(docs), "--plan", "--model", str(model), "--chunk-tokens", "24", "--dtype", "float32",
+            "--kv-codec", "int8"]
+    first = CliRunner().invoke(app, args, terminal_width=200)
+    said = " ".join(first.output.split())
+    assert first.exit_code == 0, first.output
+    assert f"{len(TEXTS)} documents" in said and "int8 (configured)" in said and "no rate measured here yet" in said
+    capacity.record_rate(str(model), "cpu", "float32", "int8", 10_000, 5.0)
+    again = " ".join(CliRunner().invoke(app, args, terminal_width=200).output.split())
+    assert "at 2,000 tok/s" in again and "int8 entries" in again
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("   ")
+    refused = CliRunner().invoke(app, ["compile", str(empty), "--plan", "--model", str(model)])
+    assert refused.exit_code == 3 and "nothing to plan" in refused.output
