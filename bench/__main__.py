@@ -190,13 +190,15 @@ def compile_(
     dtype: str = typer.Option("auto", help="compute dtype of both: auto, float32 or bfloat16"),
     peer_batch: int = typer.Option(8, min=1, help="chunks per call of transformers' batched forward"),
     beside: bool = typer.Option(True, "--beside/--no-beside", help="also time a decoding stream beside a compile"),
+    batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
+                                         help="the engine's setting (default: the device's, README: Batch invariance)"),
     out: Path = Out,
     tag: str = Tag,
 ):
     """Compile tokens/s against transformers' forward over the same chunks; write rates; a decode's wait beside it."""
     from bench import compile as mod
 
-    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag)
+    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag, batch_invariant)
 
 
 @app.command()
