@@ -37,6 +37,8 @@ from .documents import (
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
+# tensor-parallel ranks agreeing on the misses: (this rank's misses, its read failed) -> the same for all of them
+Agree = Callable[[list[bool], bool], tuple[list[bool], bool]]
 SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
@@ -192,7 +194,7 @@ class Catalog:
         chunks: list[list[int]],
         compiler,
         layout,
-        agree: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None,
+        agree: Agree | None = None,
     ) -> tuple[list[ChunkKV | None], EnsureReport]:
         """The entries of these chunks in a compiler's layout that the store holds; None for each chunk to compile.
         One batched read, and one more for the chunks found only in another head layout (`_other_forms`).
@@ -261,7 +263,7 @@ class Catalog:
         chunks: list[list[int]],
         compiler,
         layout,
-        agree: Callable[[list[bool], bool], tuple[list[bool], bool]] | None = None,
+        agree: Agree | None = None,
     ) -> tuple[list[ChunkKV], EnsureReport]:
         """`read`, the missing entries compiled one by one on this thread (`Compiler.compile`: for an engine whose
         model runs here, vLLM's worker), and `keep`. What was compiled before a failure is kept."""
