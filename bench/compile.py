@@ -7,7 +7,8 @@ store's write rate, and how long a decoding stream waits while a compile runs be
   scheduler packs into its steps, entries encoded in the engine's codec and written by the writer thread).
 - transformers: the same chunks' ids (the layout's BOS included), `model(ids, logits_to_keep=1)` in the same dtype,
   one chunk per call (B=1) and batched (chunks of one length stacked, B up to --peer-batch); the faster of the two is
-  the peer. It computes K/V as a compile does, without the encode, the copy to host memory or the write.
+  the peer. It runs on a copy of the model loaded for it alone: an engine wraps its own model's Linears (batch
+  invariance's row tiles; bf16's row buckets), which would slow the peer down. It computes K/V as a compile does, without the encode, the copy to host memory or the write.
 - writes: the compiled entries `put_many` into a fresh store of each kind (memory, disk), bytes per second.
 - beside a decode: one stream decodes while a compile of --docs documents runs; the longest gap between its tokens
   against the longest step with rows of the decoding stream (StepStats), the budgeted step the scheduler promises.
@@ -40,6 +41,7 @@ def run(model: str, docs: int, doc_tokens: int, runs: int, dtype: str, peer_batc
                   tag=tag, batch_invariant=batch_invariant)
     bench = report.Run("compile", params, out_dir)
     lm = load_model(model, dtype)
+    peer = load_model(model, dtype)  # its own copy: an engine wraps its model's Linears (batch invariance, buckets)
     texts = squad.timing_documents(lm.tokenizer, docs, doc_tokens)
     config = EngineConfig(chunk_tokens=doc_tokens, batch_invariant=batch_invariant)
     ours, peer_single, peer_batched, chunks = [], [], [], None
@@ -54,8 +56,8 @@ def run(model: str, docs: int, doc_tokens: int, runs: int, dtype: str, peer_batc
             entries = {key: rc.store.get_many([key])[0] for key in rc.store.keys()}
             invariance, budgets = rc.batch_invariance, rc.row_budgets
         rc.close()
-        peer_single.append(_transformers(lm, chunks, 1))
-        peer_batched.append(_transformers(lm, chunks, peer_batch))
+        peer_single.append(_transformers(peer, chunks, 1))
+        peer_batched.append(_transformers(peer, chunks, peer_batch))
     tokens = sum(map(len, chunks))
     ours_s, single_s, batched_s = (statistics.median(t) for t in (ours, peer_single, peer_batched))
     peer_s = min(single_s, batched_s)
