@@ -338,8 +338,7 @@ def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> N
     if rate is None:
         console.print(
             f"compile time: no rate measured here yet for {s.model} on {where} in {compute}: `ragcache compile` "
-            f"records one once it compiles {capacity.RATE_MIN_TOKENS:,} tokens or more (`python -m bench compile` "
-            "measures it too)"
+            f"records one once it compiles {capacity.RATE_MIN_TOKENS:,} tokens or more"
         )
     else:
         console.print(
