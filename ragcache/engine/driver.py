@@ -25,7 +25,7 @@ from .runner import Runner
 from .scheduler import Kind, Scheduler, StepPlan
 from .sequence import Output, Sequence, Status
 
-IDLE_EXIT_S = 5.0  # an idle model thread ends (and starts again with the next sequence or call)
+IDLE_EXIT_S = 5.0  # an idle model thread ends (and starts again with the next sequence)
 TRIM_EVERY_STEPS = 256  # the allocator's free pages go back to the system this often (a few ms), and when idle
 log = logging.getLogger("ragcache")
 _LIVE: weakref.WeakSet[Driver] = weakref.WeakSet()

@@ -12,8 +12,8 @@ A sequence's life (sequence.Status):
 
 Each forward step packs the rows of every running sequence (decode rows first, then link pieces in FIFO order until
 the budget is spent). A chunk's compile is a link too (Sequence.compile): its rows pack with the others', each piece
-attending only to its own cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone, in a
-TASK step before any other, in the order they came. Rows that need the base model's weights
+attending only to its own cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone in a
+TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
 (a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
 both wait. A sequence that fails fails alone; the others go on.
 """
