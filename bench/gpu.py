@@ -47,8 +47,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                against the eager step (tokens), links from pinned entries, from the GPU tier, from prefetched
                entries and from the disk through the GPU tier against pageable entries (logits of a first and a
                second link, bit for bit); exit 1 on a mismatch. On CPU only the first runs.
-Prints tables and writes gpu-<device>.json under --out. On an H100 the run up to (f) was planned at 2-4 minutes;
-(g) adds transformers' compile (about a minute at 8B); `--skip` trims.
+Prints tables and writes gpu-<device>.json under --out, naming the commit measured (`git describe --dirty`; a copy
+without .git, as the device machine gets, takes it from RAGCACHE_COMMIT) and the command line. On an H100 the run up
+to (f) was planned at 2-4 minutes; (g) adds transformers' compile (about a minute at 8B); `--skip` trims.
 """
 
 from __future__ import annotations
@@ -1201,6 +1202,11 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
         env["threads"] = torch.get_num_threads()
+    from bench.report import git_commit  # ROOT is on the path (_import_ragcache)
+
+    # a copy of the tree without .git (the device machine) is told its commit: RAGCACHE_COMMIT=<hash>[-dirty]
+    env["commit"] = os.environ.get("RAGCACHE_COMMIT") or git_commit(ROOT)
+    env["command"] = " ".join(sys.argv)
     return env
 
 

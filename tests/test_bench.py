@@ -457,6 +457,7 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     result = json.loads((tmp_path / "gpu-cpu-quick.json").read_text())
+    assert result["environment"]["commit"] and "bench/gpu.py --device cpu" in result["environment"]["command"]
     assert result["all_kernels_match"] and {k["attention_shape"] for k in result["kernels"]} == {
         "smollm2-135m", "qwen2.5-coder-1.5b"}
     fulls = [m for m in result["model"] if "max_abs_logit_err" in m]
