@@ -43,6 +43,11 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                chunk, packed into the scheduler's steps; entries in the codec "auto" keeps on CUDA, and int8), against
                transformers' `model(ids, logits_to_keep=1)` over the same chunks, 1 and 16 chunks per call (the faster
                is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU)
+  --suite      the prepared device run, the one to start a GPU session with: every check (below) at the smollm2
+               shape and at --shape, (f) at 32k with each row the median of 5 and its spread, (g), (d) at --shape,
+               (e) and (i), into gpu-suite-<gpu>.json (written after each section) and a one-screen summary; exit 1
+               if a check failed or a section raised. `--skip` takes the section names (a rerun of one part). Its
+               time on an H100/H200 is not measured yet (planned: 6 minutes).
   --check      only the comparisons of every CUDA path with its reference, at the smollm2 shape: graph decode
                against the eager step (tokens), links from pinned entries, from the GPU tier, from prefetched
                entries and from the disk through the GPU tier against pageable entries (logits of a first and a
@@ -90,7 +95,11 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one naive link from "
                     "each tier and one focus and one full link from the fastest, at the largest context; in (g), of "
                     "a link and 16 tokens from the first kind of decode step (kernels by device time)")
-    ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model'")
+    ap.add_argument("--skip", default="", help="sections to leave out, e.g. 'kernels,model' (with --suite: "
+                    "check, link, decode, serving, invariance, compile)")
+    ap.add_argument("--suite", action="store_true", help="the prepared device run: every check at the smollm2 shape "
+                    "and at --shape, then (f) at 32k (medians of 5), (g), (d) at --shape, (e) and (i); one JSON "
+                    "and a one-screen summary")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
                     "decode with eager, GPU tier with host tier, pinned with pageable entries); exit 1 on a mismatch")
     return ap.parse_args()
@@ -651,7 +660,8 @@ def _link_s(rc, question: str, docs: list, algorithm: str, params: dict, device,
         _sync(device)
         runs.append((time.perf_counter() - started, linked))
     seconds, linked = sorted(runs, key=lambda run: run[0])[len(runs) // 2]
-    return dict(seconds=seconds, logits=linked.last_logits, rotate_s=linked.rotate_s, recompute_s=linked.recompute_s,
+    return dict(seconds=seconds, min_s=min(t for t, _ in runs), max_s=max(t for t, _ in runs), reps=reps,
+                logits=linked.last_logits, rotate_s=linked.rotate_s, recompute_s=linked.recompute_s,
                 recomputed_tokens=linked.recomputed_tokens, cached_tokens=linked.cached_tokens)
 
 
@@ -732,7 +742,7 @@ def _print_profile(row: dict, label: str) -> None:
 
 
 def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dtype, quick: bool,
-         profiled: bool = False, budgets: tuple[int, ...] = ()) -> list[dict]:
+         profiled: bool = False, budgets: tuple[int, ...] = (), reps: int = 3) -> list[dict]:
     """Every algorithm's link at each context against transformers' forward on a prompt of the same length, from
     each store tier; `full` at three row budgets; copy rates; the decode wait beside a long link."""
     import random
@@ -750,7 +760,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
         return memory if tier == "memory" else TieredStore([DeviceStore(device), memory])
 
     shape, contexts = ("smollm2-135m", [256, 512]) if quick else (shape, contexts)
-    doc_words, question_words, reps = (60, 8, 1) if quick else (1016, 32, 3)
+    doc_words, question_words, reps = (60, 8, 1) if quick else (1016, 32, reps)
     lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
     rng = random.Random(0)
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
@@ -891,7 +901,7 @@ def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick:
 # ------------------------------------------------------------------ (g): one decoding stream at a large shape
 
 
-def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | None = 0):
+def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | None = 0, kv_codec: str = "auto"):
     """A RagCache over `lm` with its decode-only steps: "captured" (CUDA graphs), "compiled" (the captured step
     under torch.compile: decode_compile), "eager" (the same fixed-shape step, not captured: the graphs' reference)
     or "ordinary" (the packed forward every other step runs); no prefetch unless asked (None: the default's)."""
@@ -900,7 +910,8 @@ def _engine(lm, store, chunk_tokens: int, graphs: str, prefetch_bytes: int | Non
 
     return RagCache(lm, store, EngineConfig(chunk_tokens=chunk_tokens, batch_invariant=False,
                                             decode_graphs=graphs != "ordinary", decode_compile=graphs == "compiled",
-                                            decode_eager=graphs == "eager", prefetch_bytes=prefetch_bytes))
+                                            decode_eager=graphs == "eager", prefetch_bytes=prefetch_bytes,
+                                            kv_codec=kv_codec))
 
 
 def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
@@ -1083,7 +1094,7 @@ def _common_prefix(a: list, b: list) -> int:
 # ------------------------------------------------------------------ --check: every CUDA path against its reference
 
 
-def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
+def checks(device: torch.device, dtype: torch.dtype, quick: bool, shape: str = "smollm2-135m") -> list[dict]:
     """Graph decode against the eager step (the same tokens); links from pinned entries, the GPU tier, prefetched
     entries and a disk read through the GPU tier against links from pageable entries (the same logits, bit for bit,
     at a first link, which fills the tiers, and a second). On CPU only the first runs (its step eager on both sides);
@@ -1095,7 +1106,6 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
     from ragcache.store.memory import MemoryStore
     from ragcache.store.tiered import TieredStore
 
-    shape = "smollm2-135m"
     lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
     rng = random.Random(1)
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
@@ -1140,12 +1150,36 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool) -> list[dict]:
                                  ok=all(torch.equal(x, logits["pageable"]) for x in links), ran=True))
     finally:
         folder.cleanup()
+    rows.append(_int8_link(lm, texts, question, cuda))
     rows.append(_placement_leaves_the_host_free(device, dtype) if cuda else
                 dict(check="pinned placement leaves the host free", ok=None, ran="needs CUDA"))
     for row in rows:
+        row["shape"] = shape
         print(f"  {row['check']:34s} {'ok' if row['ok'] else 'not run' if row['ok'] is None else 'FAILED'}"
               + (f" ({row['ran']})" if row["ran"] is not True else ""), flush=True)
     return rows
+
+
+INT8_LOGIT_TOLERANCE = 0.25  # max |logit difference| of an int8 link from the bf16 one (the codec is lossy)
+
+
+def _int8_link(lm, texts: list, question: str, cuda: bool) -> dict:
+    """A naive link over int8 entries from pinned memory (dequantized and rotated by place_chunks in one pass)
+    against one over pageable entries stored as computed (bf16 on CUDA): equal within INT8_LOGIT_TOLERANCE. Whether
+    the top token is the same is recorded, not checked: a random-weight model's logits are too flat to say."""
+    from ragcache.store.codec import native
+    from ragcache.store.memory import MemoryStore
+
+    found = {}
+    for codec, pinned in ((native(lm.dtype), False), ("int8", cuda)):
+        rc = _engine(lm, MemoryStore(pin=pinned), 128, "ordinary", 0, kv_codec=codec)
+        found[codec] = rc.link(question, rc.compile(texts), algorithm="naive").last_logits
+        rc.close()
+    logits, reference = found["int8"], found[native(lm.dtype)]
+    error = float((logits.float() - reference.float()).abs().max())
+    same_top = int(logits.argmax()) == int(reference.argmax())
+    return dict(check="int8 link ~ pageable link", ok=error <= INT8_LOGIT_TOLERANCE, ran=True,
+                max_abs_logit_err=round(error, 5), tolerance=INT8_LOGIT_TOLERANCE, same_top_token=same_top)
 
 
 @torch.inference_mode()
@@ -1224,6 +1258,9 @@ def main() -> None:
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
+    if args.suite:
+        suite(args, device, dtype, env, started)
+        return
     if args.check:
         rows = checks(device, dtype, args.quick)
         failed = [row["check"] for row in rows if row["ok"] is False]
@@ -1287,6 +1324,81 @@ def main() -> None:
     print(f"{verdict}; {result['seconds']:.0f} s; wrote {path}")
     if failed or differ or graphs_differ:
         sys.exit(1)
+
+
+SUITE_SECTIONS = ("check", "link", "decode", "serving", "invariance", "compile")
+
+
+def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: float) -> None:
+    """`--suite`: the sections a GPU session runs first, in one JSON (gpu-suite-<gpu>.json, written after every
+    section, so a run cut short keeps what it measured) and a one-screen summary. `--skip` leaves sections out (a
+    rerun of one part)."""
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    if skip - set(SUITE_SECTIONS):
+        raise SystemExit(f"--suite --skip takes {', '.join(SUITE_SECTIONS)}, got {', '.join(sorted(skip))}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    tag = env.get("gpu", "cpu").replace(" ", "-")
+    path = args.out / f"gpu-suite-{tag}{''.join(f'-no-{s}' for s in sorted(skip))}{'-quick' if args.quick else ''}.json"
+    result: dict = dict(benchmark="gpu --suite", environment=env, quick=args.quick, skipped=sorted(skip))
+    runs = {
+        "check": lambda: [row for shape in dict.fromkeys(("smollm2-135m", args.shape))
+                          for row in checks(device, dtype, args.quick, shape)],
+        "link": lambda: link(args.shape, [32768], device, dtype, args.quick, reps=5),
+        "decode": lambda: decode(args.shape, args.decode_context, device, dtype, args.quick),
+        "serving": lambda: serving(args.shape, device, dtype, args.quick),
+        "invariance": lambda: [row for name in _names(args.invariance) for row in invariance(name, device, dtype,
+                                                                                            args.quick)],
+        "compile": lambda: compile_rate(args.shape, args.compile_docs, device, dtype, args.quick),
+    }
+    for section in SUITE_SECTIONS:
+        if section in skip:
+            continue
+        print(f"suite: {section}", flush=True)
+        began = time.perf_counter()
+        try:
+            result[section] = runs[section]()
+        except Exception as exc:  # noqa: BLE001 - the other sections still run; the JSON says what failed
+            result[section] = dict(error=repr(exc)[:2000])
+            print(f"suite: {section} FAILED: {exc!r}", flush=True)
+        result.setdefault("section_seconds", {})[section] = round(time.perf_counter() - began, 1)
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+    failed = _suite_summary(result)
+    print(f"{'FAILED: ' + ', '.join(failed) if failed else 'no check failed'}; {result['seconds']:.0f} s; wrote {path}")
+    sys.exit(1 if failed else 0)
+
+
+def _plain(value):
+    """What JSON takes of a row's extras (a tensor's number, anything else as text)."""
+    return value.item() if hasattr(value, "item") and getattr(value, "numel", lambda: 1)() == 1 else str(value)
+
+
+def _suite_summary(result: dict) -> list[str]:
+    """One screen: each check, the link ratios, decode, serving, invariance and compile; what failed."""
+    failed = [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
+              if section in SUITE_SECTIONS and isinstance(rows, dict) and "error" in rows]
+    for row in result.get("check") or []:
+        if isinstance(row, dict) and row.get("ok") is False:
+            failed.append(f"check {row['check']} at {row.get('shape')}")
+    links = [r for r in result.get("link") or [] if isinstance(r, dict) and "speedup_vs_forward" in r]
+    for r in links:
+        spread = f" [{r['min_s']:.3f}-{r['max_s']:.3f} s]" if "min_s" in r else ""
+        print(f"  link {r.get('algorithm')} from {r.get('tier')} at {r.get('context')}: "
+              f"{r['speedup_vs_forward']:.2f}x transformers' forward ({r['seconds']:.3f} s{spread})")
+    for r in result.get("decode") or []:
+        if isinstance(r, dict) and "tok_s" in r:
+            print(f"  decode {r['what']}: {r['tok_s']:.1f} tok/s")
+    for r in result.get("serving") or []:
+        if isinstance(r, dict) and "tok_s" in r:
+            print(f"  serving {r.get('engine', r.get('what', ''))} x{r.get('clients')}: {r['tok_s']:.1f} tok/s")
+    for r in result.get("invariance") or []:
+        if isinstance(r, dict) and "batch_invariant" in r:
+            print(f"  invariance {'on' if r['batch_invariant'] else 'off'}: {r.get('identical_4_at_a_time', r.get('identical_16_at_a_time'))}"
+                  f" of {r.get('requests')} identical packed")
+    for r in result.get("compile") or []:
+        if isinstance(r, dict) and "ratio" in r:
+            print(f"  compile {r['codec']}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")
+    return failed
 
 
 def _names(csv: str) -> list[str]:

@@ -522,6 +522,27 @@ def test_compile_against_transformers_with_writes_and_a_decode_beside_it(tmp_pat
     assert saved["machine"]["commit"] and saved["results"] == [row]
 
 
+def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_path):
+    """`bench/gpu.py --suite` on its CPU path, reduced to the checks and the compile section (the others run in the
+    test above): one JSON with each section, its time, the commit and command, and exit 0 when nothing failed."""
+    env = dict(os.environ, TRITON_INTERPRET="1", RAGCACHE_COMMIT="abc1234-dirty")
+    done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--shape",
+                           "smollm2-135m", "--skip", "link,decode,serving,invariance", "--out", str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    result = json.loads((tmp_path / "gpu-suite-cpu-no-decode-no-invariance-no-link-no-serving-quick.json").read_text())
+    assert result["environment"]["commit"] == "abc1234-dirty" and "--suite" in result["environment"]["command"]
+    assert set(result["section_seconds"]) == {"check", "compile"} and "no check failed" in done.stdout
+    checks = {row["check"]: row for row in result["check"]}
+    assert checks["graph decode = eager step"]["ok"] and checks["int8 link ~ pageable link"]["ok"]
+    assert checks["int8 link ~ pageable link"]["max_abs_logit_err"] <= checks["int8 link ~ pageable link"]["tolerance"]
+    assert len(result["compile"]) == 2 and "compile int8" in done.stdout
+    bad = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip", "kernels",
+                          "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "--suite --skip takes check, link" in bad.stderr
+
+
 def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
     """`bench/gpu.py --check` compares each CUDA path with its reference; on CPU the graph check runs its eager step
     on both sides and the CUDA-only checks say they did not run (not a pass)."""
