@@ -10,6 +10,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -49,7 +50,7 @@ def machine() -> dict:
 
     return dict(cpu=cpu_name(), cores=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
                 python=platform.python_version(), cuda=torch.cuda.is_available(), load_average_start=load_average(),
-                commit=git_commit())
+                commit=git_commit(), command=" ".join(sys.argv))
 
 
 class Run:

@@ -519,7 +519,7 @@ def test_compile_against_transformers_with_writes_and_a_decode_beside_it(tmp_pat
     if waits["stream_outlived_compile"]:  # a sampled answer may end first: then there is nothing to compare
         assert waits["tokens_during"] > 0 and waits["longest_gap_s"] > 0
     saved = json.loads((tmp_path / "compile-smollm2-135m.json").read_text())
-    assert saved["machine"]["commit"] and saved["results"] == [row]
+    assert saved["machine"]["commit"] and saved["machine"]["command"] and saved["results"] == [row]
 
 
 def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_path):
