@@ -241,6 +241,14 @@ class Catalog:
         """The chunks `read` found no entry for, by key: a chunk twice in one prompt is compiled once."""
         return {compiler.key(ids, layout): ids for ids, entry in zip(chunks, entries) if entry is None}
 
+    @staticmethod
+    def filled(
+        chunks: list[list[int]], entries: list, todo: dict[str, list[int]], compiled: dict[str, ChunkKV]
+    ) -> list[ChunkKV]:
+        """`read`'s entries with each miss's compiled entry in its place (`todo`: `missing`'s chunks by key)."""
+        by_ids = {tuple(ids): compiled[key] for key, ids in todo.items()}
+        return [e if e is not None else by_ids[tuple(ids)] for ids, e in zip(chunks, entries)]
+
     def keep(self, compiled: dict[str, ChunkKV], report: EnsureReport, writer: Writer | None = None) -> None:
         """Store freshly compiled entries (through `writer`, off this thread, when given). A failed write is logged
         and reported (`report.unstored`), not raised: a query has its entries and only a later request pays the
@@ -268,13 +276,13 @@ class Catalog:
         """`read`, the missing entries compiled one by one on this thread (`Compiler.compile`: for an engine whose
         model runs here, vLLM's worker), and `keep`. What was compiled before a failure is kept."""
         entries, report = self.read(chunks, compiler, layout, agree)
-        compiled: dict[str, ChunkKV] = {}
+        todo, compiled = self.missing(chunks, entries, compiler, layout), dict[str, ChunkKV]()
         try:
-            for key, ids in self.missing(chunks, entries, compiler, layout).items():
+            for key, ids in todo.items():
                 compiled[key] = compiler.compile(ids, layout)
         finally:
             self.keep(compiled, report)
-        return [e if e is not None else compiled[compiler.key(ids, layout)] for ids, e in zip(chunks, entries)], report
+        return self.filled(chunks, entries, todo, compiled), report
 
     def _other_forms(self, chunks, compiler, layout, entries: list, report: EnsureReport) -> None:
         """Fill the chunks missing in the compiler's head layout from another: a rank's shard sliced from the whole

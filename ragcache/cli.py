@@ -294,6 +294,7 @@ def compile(
 def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> None:
     """`compile --plan`: the corpus tokenized and chunked as a compile would, with the model's tokenizer and
     config only (no weights), and what it will take (ragcache/capacity.py)."""
+    import torch
     from transformers import AutoConfig, AutoTokenizer
 
     from ragcache.store.codec import resolve as resolve_codec
@@ -318,8 +319,6 @@ def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> N
         fail(exc)
     where = s.device.split(":")[0]
     compute = models.default_dtype(s.device) if s.dtype == "auto" else s.dtype
-    import torch
-
     codec = resolve_codec(s.kv_codec, getattr(torch, compute), where)
     the_plan = capacity.plan(
         s.model, capacity.model_shape(config), chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec)

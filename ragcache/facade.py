@@ -60,6 +60,15 @@ COMPILE_STEPS = 2  # steps' worth of rows that `compile_documents` compiles toge
 COMPILE_LINK = LinkParams("full")  # a chunk's compile: every row of its prompt computed, from nothing
 
 
+def _run(sequence: Sequence, what: str, timeout: float | None = None) -> None:
+    """Open a sequence and wait for its end (`wait`): its error raised, Cancelled if it was aborted."""
+    last = wait(sequence, timeout)
+    if isinstance(last, Failed):
+        raise last.error
+    if not isinstance(last, Done):
+        raise Cancelled(f"{what} was aborted")
+
+
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
     """(rows per step while a stream decodes or a link has ended in it, while nothing waits on it): the device's
     unless given; link_row_budget follows a given row_budget."""
@@ -190,11 +199,7 @@ class RagCache(Front):
         if self.driver.on_model_thread():
             raise RuntimeError("with_runner on the model thread would wait for itself: call fn(runner) there")
         task = Sequence(self.driver, lambda stats, cancelled: (None, None, None), None, task=lambda r: fn(r, *args))
-        last = wait(task)
-        if isinstance(last, Failed):
-            raise last.error
-        if not isinstance(last, Done):
-            raise Cancelled("the task was aborted")
+        _run(task, "the task")
         return task.result
 
     def close(self) -> None:
@@ -250,8 +255,7 @@ class RagCache(Front):
             finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], sequences[i].result))
         finally:
             self.catalog.keep(compiled, report, writer)
-        found = [e if e is not None else compiled[compiler.key(ids, layout)] for ids, e in zip(chunks, entries)]
-        return found, report
+        return self.catalog.filled(chunks, entries, todo, compiled), report
 
     def _compile_sequence(self, token_ids: list[int], compiler: Compiler, layout: Layout) -> Sequence:
         """A chunk's compile as the engine runs it: a `full` link of its prompt alone (sinks, then its stored ids),
@@ -355,11 +359,7 @@ class RagCache(Front):
         )
         if stats is not None:
             seq.stats = stats
-        last = wait(seq, timeout)
-        if isinstance(last, Failed):
-            raise last.error
-        if not isinstance(last, Done):
-            raise Cancelled("the link was aborted")
+        _run(seq, "the link", timeout)
         return seq.linked
 
     def stream_query(self, query: Query) -> Sequence:
