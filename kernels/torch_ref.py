@@ -49,8 +49,8 @@ def place_chunks(
     """Copy each chunk into the joined cache at its start, rotating its keys to global positions there.
 
     Chunks arrive in their stored form: a float dtype (cast to the cache's dtype, then rotated in it), or uint8
-    codes with `key_scales[i]` [L, H, 2, D] and `value_scales[i]` [L, H, T, 2] (scale, zero) pairs, decoded
-    as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
+    codes (packed along D for int4 and int2) with `key_scales[i]` [L, H, 2, D] and `value_scales[i]` [L, H, T, 2]
+    (scale, zero) pairs, decoded as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
     key_scales = key_scales or [None] * len(chunk_keys)
     value_scales = value_scales or [None] * len(chunk_keys)
     device, dtype = joined_keys.device, joined_keys.dtype
@@ -77,15 +77,34 @@ def place_chunks(
 def dequantize_keys(
     codes: torch.Tensor, key_scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """uint8 [L, H, T, D] codes with per-channel [L, H, 2, D] (scale, zero) -> keys in `dtype`."""
+    """uint8 [L, H, T, D * bits // 8] codes with per-channel [L, H, 2, D] (scale, zero) -> keys [L, H, T, D]."""
+    codes = unpack(codes, key_scales.shape[-1])
     return _dequantize(codes, key_scales[:, :, 0:1], key_scales[:, :, 1:2], dtype, out)
 
 
 def dequantize_values(
-    codes: torch.Tensor, value_scales: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+    codes: torch.Tensor,
+    value_scales: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    head_dim: int | None = None,
 ) -> torch.Tensor:
-    """uint8 [L, H, T, D] codes with per-token [L, H, T, 2] (scale, zero) -> values in `dtype`."""
+    """uint8 [L, H, T, D * bits // 8] codes with per-token [L, H, T, 2] (scale, zero) -> values [L, H, T, D]; D is
+    `out`'s last dim, else `head_dim`, else the codes' own (int8)."""
+    codes = unpack(codes, out.shape[-1] if out is not None else head_dim or codes.shape[-1])
     return _dequantize(codes, value_scales[..., 0:1], value_scales[..., 1:2], dtype, out)
+
+
+def unpack(packed: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """uint8 [..., D * bits // 8] -> the codes [..., D]: channel c from byte c // per at bit (c % per) * bits, with
+    per = D // the packed dim (store/codec.py's `pack`)."""
+    per = head_dim // packed.shape[-1]
+    if per == 1:
+        return packed
+    bits = 8 // per
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(*packed.shape[:-1], head_dim)
 
 
 def _dequantize(codes, scale, zero, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:

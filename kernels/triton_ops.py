@@ -68,8 +68,8 @@ def _rope_tile(
     HALF_P2: tl.constexpr,
     D: tl.constexpr,
     REST_P2: tl.constexpr,
-    key_pairs,  # int8 keys: this layer and head's [2, D] (scale, zero) per channel (unused otherwise)
-    QUANT: tl.constexpr,
+    key_pairs,  # integer-coded keys: this layer and head's [2, D] (scale, zero) per channel (unused otherwise)
+    BITS: tl.constexpr,  # the keys' code width (store/codec.py), 0 for float keys
 ):
     cdt = dst.dtype.element_ty  # the reference rotates in the cache dtype (stored keys are cast to it first)
     j = tl.arange(0, HALF_P2)
@@ -82,8 +82,8 @@ def _rope_tile(
     mask = t_mask[:, None] & j_mask[None, :]
     src_rows = src + src_t[:, None].to(tl.int64) * src_stride_t
     dst_rows = dst + dst_t[:, None].to(tl.int64) * dst_stride_t
-    x1 = _load_key(src_rows, j, mask, key_pairs, cdt, D, QUANT)
-    x2 = _load_key(src_rows, HALF + j, mask, key_pairs, cdt, D, QUANT)
+    x1 = _load_key(src_rows, j, mask, key_pairs, cdt, D, BITS)
+    x2 = _load_key(src_rows, HALF + j, mask, key_pairs, cdt, D, BITS)
     # out1 = x1*cos - x2*sin, out2 = x2*cos + x1*sin, each product rounded to the key dtype as torch does.
     out1 = _to(x1 * cos, cdt).to(tl.float32) - _to(x2 * sin, cdt).to(tl.float32)
     out2 = _to(x2 * cos, cdt).to(tl.float32) + _to(x1 * sin, cdt).to(tl.float32)
@@ -92,16 +92,16 @@ def _rope_tile(
     if REST_P2 > 0:  # partial rotary: dims >= 2 * HALF pass through
         r = 2 * HALF + tl.arange(0, REST_P2)
         r_mask = t_mask[:, None] & (r < D)[None, :]
-        rest = _load_key(src_rows, r, r_mask, key_pairs, cdt, D, QUANT)
+        rest = _load_key(src_rows, r, r_mask, key_pairs, cdt, D, BITS)
         tl.store(dst_rows + r[None, :], _to(rest, cdt), mask=r_mask)
 
 
 @triton.jit
-def _load_key(src_rows, cols, mask, key_pairs, cdt: tl.constexpr, D: tl.constexpr, QUANT: tl.constexpr):
+def _load_key(src_rows, cols, mask, key_pairs, cdt: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """A [BLOCK_T, len(cols)] tile of keys as fp32 holding values of the cache dtype: cast, or decoded from
-    uint8 codes as code * scale + zero (per channel), rounded to the cache dtype as the reference does."""
-    x = tl.load(src_rows + cols[None, :], mask=mask, other=0).to(tl.float32)
-    if QUANT:
+    codes as code * scale + zero (per channel), rounded to the cache dtype as the reference does."""
+    x = _load_stored(src_rows, cols, mask, BITS)
+    if BITS > 0:
         col_mask = cols < D
         scale = tl.load(key_pairs + cols, mask=col_mask, other=0.0)
         zero = tl.load(key_pairs + D + cols, mask=col_mask, other=0.0)
@@ -154,8 +154,22 @@ def _rotate_kernel(
         D,
         REST_P2,
         inv_freq,
-        False,
+        0,
     )
+
+
+@triton.jit
+def _load_stored(src_rows, cols, mask, BITS: tl.constexpr):
+    """A [rows, len(cols)] fp32 tile of stored elements at channels `cols` (exact for every stored dtype): the
+    elements themselves, or codes of fewer than 8 bits unpacked from bytes holding 8 // BITS channels each
+    (channel c in byte c // per at bit (c % per) * BITS, store/codec.py's `pack`)."""
+    if BITS == 0 or BITS == 8:
+        x = tl.load(src_rows + cols[None, :], mask=mask, other=0).to(tl.float32)
+    else:
+        per = 8 // BITS
+        byte = tl.load(src_rows + (cols // per)[None, :], mask=mask, other=0).to(tl.int32)
+        x = ((byte >> ((cols % per) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+    return x
 
 
 # Columns of the place_chunks chunk table (int64): source pointers, placement, source strides, and for int8
@@ -188,7 +202,7 @@ def _place_kernel(
     REST_P2: tl.constexpr,
     BLOCK_T: tl.constexpr,
     NCOL: tl.constexpr,
-    QUANT: tl.constexpr,
+    BITS: tl.constexpr,  # the chunks' code width, 0 for float chunks
 ):
     pid_b = tl.program_id(0)
     lh = tl.program_id(1)
@@ -232,13 +246,12 @@ def _place_kernel(
         D,
         REST_P2,
         key_pairs,
-        QUANT,
+        BITS,
     )
     d = tl.arange(0, D_P2)
     mask = t_mask[:, None] & (d < D)[None, :]
-    v = tl.load(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st + d[None, :], mask=mask, other=0)
-    v = v.to(tl.float32)  # exact for every stored dtype; one rounding to the cache dtype below
-    if QUANT:  # per-token (scale, zero)
+    v = _load_stored(v_src + layer * v_sl + head * v_sh + t[:, None] * v_st, d, mask, BITS)  # rounded once below
+    if BITS > 0:  # per-token (scale, zero)
         v_scale = tl.load(value_pairs, mask=t_mask, other=0.0)
         v_zero = tl.load(value_pairs + 1, mask=t_mask, other=0.0)
         v = v * v_scale[:, None] + v_zero[:, None]
@@ -714,7 +727,7 @@ def place_chunks(
     value_scales: list[torch.Tensor | None] | None = None,
 ) -> None:
     """Copy each chunk into the joined cache at its start, keys rotated to their global positions; one launch.
-    int8 chunks are decoded in the same pass (see torch_ref.place_chunks)."""
+    Integer-coded chunks (int8, int4, int2) are decoded in the same pass (see torch_ref.place_chunks)."""
     if not len(chunk_keys) == len(chunk_values) == len(starts):
         raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
     layers, heads, capacity, head_dim = joined_keys.shape
@@ -731,8 +744,8 @@ def place_chunks(
         for k, ks, vs in zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))
     ]
     starts = [int(s) for s in starts]
-    for k, v, s in zip(keys, values, starts):
-        if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] != head_dim:
+    for k, v, s, p in zip(keys, values, starts, pairs):
+        if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] * _per_byte(k, p) != head_dim:
             raise ValueError(
                 f"chunk keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit joined {tuple(joined_keys.shape)}"
             )
@@ -744,7 +757,7 @@ def place_chunks(
     # order (later chunks overwrite earlier ones) with one launch per chunk.
     spans = sorted((s, s + k.shape[2]) for k, s in zip(keys, starts) if k.shape[2] > 0)
     disjoint = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    one_dtype = len({(k.dtype, v.dtype) for k, v in zip(keys, values)}) <= 1
+    one_dtype = len({(k.dtype, v.dtype, _per_byte(k, p)) for k, v, p in zip(keys, values, pairs)}) <= 1
     groups = [list(range(len(keys)))] if disjoint and one_dtype else [[i] for i in range(len(keys))]
     for group in groups:
         _place_launch(joined_keys, joined_values, [keys[i] for i in group], [values[i] for i in group],
@@ -752,19 +765,31 @@ def place_chunks(
 
 
 def _scale_pairs(keys: torch.Tensor, key_scales, value_scales, device) -> tuple | None:
-    """The (key, value) fp32 (scale, zero) tensors of an int8 chunk, contiguous on the device; None for a float one."""
+    """The (key, value) fp32 (scale, zero) tensors of an integer-coded chunk, contiguous on the device; None for a
+    float one."""
     if keys.dtype != torch.uint8:
         return None
     if key_scales is None or value_scales is None:
-        raise ValueError("uint8 (int8 codec) chunk keys need their key_scales and value_scales")
-    layers, heads, tokens, head_dim = keys.shape
+        raise ValueError("uint8 (integer codec) chunk keys need their key_scales and value_scales")
+    layers, heads, tokens, packed = keys.shape
     key_pairs = to_device(key_scales, device).to(torch.float32).contiguous()
     value_pairs = to_device(value_scales, device).to(torch.float32).contiguous()
-    if key_pairs.shape != (layers, heads, 2, head_dim) or value_pairs.shape != (layers, heads, tokens, 2):
+    head_dim = key_pairs.shape[-1]
+    if (
+        key_pairs.shape != (layers, heads, 2, head_dim)
+        or value_pairs.shape != (layers, heads, tokens, 2)
+        or head_dim // packed not in (1, 2, 4)
+        or head_dim % packed
+    ):
         raise ValueError(
-            f"int8 scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}"
+            f"integer-codec scales {tuple(key_pairs.shape)} / {tuple(value_pairs.shape)} do not fit {tuple(keys.shape)}"
         )
     return key_pairs, value_pairs
+
+
+def _per_byte(keys: torch.Tensor, pairs: tuple | None) -> int:
+    """Channels per stored element: 1, or 2 and 4 for int4 and int2 codes packed along head_dim."""
+    return 1 if pairs is None else pairs[0].shape[-1] // keys.shape[-1]
 
 
 def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_freq, scaling, half) -> None:
@@ -786,7 +811,7 @@ def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_f
         joined_keys.stride(0), joined_keys.stride(1), joined_keys.stride(2),
         joined_values.stride(0), joined_values.stride(1), joined_values.stride(2),
         **_rope_consts(half, head_dim), D_P2=_p2(head_dim), BLOCK_T=block_t, NCOL=_NCOL,
-        QUANT=keys[0].dtype == torch.uint8,
+        BITS=0 if pairs[0] is None else 8 // _per_byte(keys[0], pairs[0]),
     )  # fmt: skip
     # `keys`/`values` (possibly fresh device copies) stay referenced until here; on CUDA the caching
     # allocator only reuses their memory in stream order, after this launch has read it.

@@ -13,13 +13,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragcache.store.codec import CODECS
+from ragcache.store.codec import BITS, CODECS
 
 from . import fetch
 
 ID_BYTES = 4  # an entry keeps its token ids as int32
-SCALE_BYTES = 8  # an int8 (scale, zero) pair in fp32
-ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1}
+SCALE_BYTES = 8  # an integer codec's (scale, zero) pair in fp32
+ELEMENT_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2} | {name: bits / 8 for name, bits in BITS.items()}
 RATE_MIN_TOKENS = 4096  # a compile shorter than this is mostly start-up: its rate is not recorded
 
 
@@ -34,10 +34,11 @@ class Shape:
 
 def bytes_per_token(shape: Shape, codec: str, chunk_tokens: float) -> float:
     """Bytes per stored token of an entry (ChunkKV.nbytes over its tokens) in `codec`, for chunks of `chunk_tokens`
-    stored tokens on average: int8's per-channel key scales are one pair per chunk, its value scales one per token."""
+    stored tokens on average: an integer codec's per-channel key scales are one pair per chunk, its value scales one
+    per token."""
     elements = 2 * shape.layers * shape.kv_heads * shape.head_dim  # K and V
     out: float = ID_BYTES + elements * ELEMENT_BYTES[codec]
-    if codec == "int8":
+    if codec in BITS:
         pairs = shape.layers * shape.kv_heads
         out += SCALE_BYTES * pairs * (shape.head_dim / chunk_tokens + 1)
     return out

@@ -103,7 +103,7 @@ class Compiler:
         if stored_ids is not None and entry.token_ids.tolist() != stored_ids:
             return f"holds {entry.token_ids.numel()} token ids that are not the {len(stored_ids)} asked for"
         shape = self.runner.shape
-        layers, kv_heads, _, head_dim = entry.keys.shape
+        layers, kv_heads, head_dim = entry.keys.shape[0], entry.keys.shape[1], entry.head_dim
         if (layers, kv_heads, head_dim) != (shape.layers, shape.kv_heads, shape.head_dim):
             return (
                 f"K/V of {layers} layers x {kv_heads} heads x {head_dim}, the model has "

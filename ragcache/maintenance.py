@@ -12,8 +12,7 @@ from collections.abc import Callable
 
 from ragcache.store import Store
 from ragcache.store.base import batched
-from ragcache.store.codec import of_dtype_name
-from ragcache.store.keys import HEADS, KEYED_BY, entry_form, entry_key
+from ragcache.store.keys import HEADS, KEYED_BY, entry_form, entry_key, summary_codec
 
 from .documents import checksum_only, chunks_problem, doc_name, record_problem
 
@@ -173,7 +172,7 @@ def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str
             meta = (info or {}).get("meta") or {}
             if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
                 keyed = (meta.get(name, "") for name in (*KEYED_BY, HEADS))
-                combos.add((*keyed, of_dtype_name(info.get("dtype", ""))))
+                combos.add((*keyed, summary_codec(info or {})))
         done += len(batch)
         progress("reading entry headers", done, len(keys))
     return combos

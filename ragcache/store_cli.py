@@ -29,7 +29,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, tier_urls
 from ragcache.store.base import Store, batched
 from ragcache.store.disk import holds_store
-from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id
+from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id, summary_codec
 
 from . import maintenance
 from .cli_options import StoreOpt
@@ -70,6 +70,7 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                     "size": info.get("size", 0),
                     "tokens": info.get("tokens"),
                     "dtype": info.get("dtype"),
+                    "codec": summary_codec(info),
                     "form": entry_form(info),
                     "shape": info.get("shape"),
                     "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
@@ -117,7 +118,7 @@ def codec_summary(rows: list[dict]) -> dict[str, dict]:
     for r in rows:
         if r["error"] or not r["tokens"]:
             continue
-        c = by_codec.setdefault(kv_codec.of_dtype_name(r["dtype"] or "?"), {"entries": 0, "tokens": 0, "bytes": 0})
+        c = by_codec.setdefault(r["codec"] or "?", {"entries": 0, "tokens": 0, "bytes": 0})
         c["entries"] += 1
         c["tokens"] += r["tokens"]
         c["bytes"] += r["size"]

@@ -30,11 +30,13 @@ HEADER = len(MAGIC) + 32
 @dataclass
 class ChunkKV:
     token_ids: torch.Tensor  # int32 [T]
-    keys: torch.Tensor  # [layers, kv_heads, T, head_dim], before RoPE, in the codec's dtype (uint8 for int8)
-    values: torch.Tensor  # [layers, kv_heads, T, head_dim]
+    # [layers, kv_heads, T, head_dim], before RoPE, in the codec's stored form (uint8 codes for the integer codecs,
+    # int4 and int2 packed two and four to a byte along head_dim)
+    keys: torch.Tensor
+    values: torch.Tensor  # the same form and shape
     meta: dict[str, str] = field(default_factory=dict)
-    key_scales: torch.Tensor | None = None  # int8 only: [layers, kv_heads, 2, head_dim] (scale, zero) per channel
-    value_scales: torch.Tensor | None = None  # int8 only: [layers, kv_heads, T, 2] (scale, zero) per token
+    key_scales: torch.Tensor | None = None  # integer codecs: [layers, kv_heads, 2, head_dim] (scale, zero) per channel
+    value_scales: torch.Tensor | None = None  # integer codecs: [layers, kv_heads, T, 2] (scale, zero) per token
 
     @property
     def num_tokens(self) -> int:
@@ -42,7 +44,13 @@ class ChunkKV:
 
     @property
     def codec(self) -> str:
-        return kv_codec.native(self.keys.dtype)
+        head_dim = None if self.key_scales is None else int(self.key_scales.shape[-1])
+        return kv_codec.stored(str(self.keys.dtype).removeprefix("torch."), int(self.keys.shape[-1]), head_dim)
+
+    @property
+    def head_dim(self) -> int:
+        """The model's head dim: the stored keys' last dim, or the scales' where codes are packed along it."""
+        return int(self.keys.shape[-1] if self.key_scales is None else self.key_scales.shape[-1])
 
     @property
     def nbytes(self) -> int:
@@ -209,7 +217,8 @@ def head_length(probe: bytes | memoryview) -> int:
 def describe_head(head: bytes | memoryview) -> dict:
     """What an encoded entry holds, read from its leading bytes only (no checksum: that needs the whole blob).
 
-    Returns {"sha256": payload digest (hex), "key", "tokens", "nbytes" (tensor bytes), "dtype", "shape", "meta"}."""
+    Returns {"sha256": payload digest (hex), "key", "tokens", "nbytes" (tensor bytes), "dtype", "codec", "shape",
+    "meta"}: "dtype" and "shape" are the stored keys'."""
     head = memoryview(head)
     need = head_length(head[:PROBE])
     if len(head) < need:
@@ -219,12 +228,15 @@ def describe_head(head: bytes | memoryview) -> dict:
         meta = dict(header.pop("__metadata__", {}) or {})
         keys, ids = header["keys"], header["token_ids"]
         nbytes = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in header.values())
+        dtype = str(_TORCH_DTYPES.get(keys["dtype"], keys["dtype"])).removeprefix("torch.")
+        head_dim = header["key_scales"]["shape"][-1] if "key_scales" in header else None
         return {
             "sha256": bytes(head[len(MAGIC) : HEADER]).hex(),
             "key": meta.pop("key", None),
             "tokens": int(ids["shape"][0]),
             "nbytes": int(nbytes),
-            "dtype": str(_TORCH_DTYPES.get(keys["dtype"], keys["dtype"])).removeprefix("torch."),
+            "dtype": dtype,
+            "codec": kv_codec.stored(dtype, int(keys["shape"][-1]), None if head_dim is None else int(head_dim)),
             "shape": [int(x) for x in keys["shape"]],
             "meta": meta,
         }
@@ -240,6 +252,7 @@ def describe(entry: ChunkKV) -> dict:
         "tokens": entry.num_tokens,
         "nbytes": entry.nbytes,
         "dtype": str(entry.keys.dtype).removeprefix("torch."),
+        "codec": entry.codec,
         "shape": list(entry.keys.shape),
         "meta": dict(entry.meta),
     }

@@ -69,9 +69,15 @@ def entry_key(meta: dict, codec: str, token_ids) -> str:
 
 def entry_form(info: dict | None) -> str:
     """The dtype slot of an entry's key ("bfloat16/int8", "float32", ...) from its summary (store.describe): the
-    compute dtype it records, and its codec read from its tensors' dtype."""
+    compute dtype it records, and its codec read from its tensors (`summary_codec`)."""
     info = info or {}
-    return kv_form((info.get("meta") or {}).get("dtype", ""), of_dtype_name(info.get("dtype", "")))
+    return kv_form((info.get("meta") or {}).get("dtype", ""), summary_codec(info))
+
+
+def summary_codec(info: dict) -> str:
+    """The codec of an entry from its summary: read from its tensors where the summary has it; else from the keys'
+    dtype alone (summaries kept before the packed codecs existed, whose uint8 entries are all int8)."""
+    return info.get("codec") or of_dtype_name(info.get("dtype", ""))
 
 
 def document_id(text: str) -> str:

@@ -47,7 +47,8 @@ MANIFEST_VERSION = 1
 SOCKET_TIMEOUT_S = 2.0  # per socket read: a 2 MiB part arrives in milliseconds on a live server
 CONNECT_TIMEOUT_S = 2.0
 ORPHAN_AGE_S = 600.0
-SUMMARY = ("sha256", "tokens", "nbytes", "dtype", "shape", "meta")  # what a manifest keeps of describe_head's summary
+# what a manifest keeps of describe_head's summary
+SUMMARY = ("sha256", "tokens", "nbytes", "dtype", "codec", "shape", "meta")
 
 _UNAVAILABLE = (RedisConnectionError, RedisTimeoutError, RedisClusterException, OSError)
 
@@ -310,7 +311,8 @@ class RedisStore(BlobStore):
                 else:
                     out.append(
                         {
-                            **{field: manifest[field] for field in (*SUMMARY, "size", "parts")},
+                            # .get: manifests written before a field was summarized lack it (summary_codec)
+                            **{field: manifest.get(field) for field in (*SUMMARY, "size", "parts")},
                             "written": manifest.get("created"),
                         }
                     )  # the writer's clock

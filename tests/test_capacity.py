@@ -16,7 +16,7 @@ from tests import tiny
 TEXTS = [f"{text} {text} {text}" for text in tiny.CORPUS]
 
 
-@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("codec", ["fp32", "bf16", "int8", "int4", "int2"])
 def test_the_planned_bytes_are_what_the_compiled_entries_weigh(codec):
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec=codec))
     report = rc.compile_documents(TEXTS)

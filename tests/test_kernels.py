@@ -183,16 +183,18 @@ def test_place_chunks(ops, device, monkeypatch, case):
     assert torch.equal(joined_values.cpu(), want_values.cpu())
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
 @pytest.mark.parametrize("joined_dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,half", [(64, 32), (80, 16)])  # full and partial rotary, a head_dim not a power of 2
-def test_place_chunks_decodes_int8_in_the_same_pass(ops, device, monkeypatch, joined_dtype, head_dim, half):
-    """The fused dequantize-and-place kernel against its torch reference: same decode, same rotation, one launch."""
+def test_place_chunks_decodes_integer_codes_in_the_same_pass(ops, device, monkeypatch, joined_dtype, head_dim, half, name):
+    """The fused dequantize-and-place kernel against its torch reference: same unpacking, decode and rotation, one
+    launch."""
     from ragcache.store import codec
 
     layers, heads, lengths, starts = 3, 2, [7, 70, 33], [2, 9, 79]
     capacity = max(s + n for s, n in zip(starts, lengths)) + 3
     encoded = [codec.encode(_randn(layers, heads, n, head_dim, dtype=torch.float32, device="cpu", seed=30 + i) * 4,
-                            _randn(layers, heads, n, head_dim, dtype=torch.float32, device="cpu", seed=40 + i), "int8")
+                            _randn(layers, heads, n, head_dim, dtype=torch.float32, device="cpu", seed=40 + i), name)
                for i, n in enumerate(lengths)]  # fmt: skip
     keys, values, key_scales, value_scales = ([e[j].to(device) for e in encoded] for j in range(4))
     inv_freq, scaling = (t.to(device) for t in _rope_table(layers, half, head_dim, seed=6))
@@ -635,9 +637,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
     for dt in ("fp32", "bf16"):
         f = dict(inv_freq="*fp32", scaling="*fp32")
         build(T._rotate_kernel, dict(f, src=f"*{dt}", dst=f"*{dt}", positions="*i64"), dict(rope, BLOCK_T=32))
-        for stored, quant in ((dt, False), ("u8", True)):  # as computed, and int8 decoded in the same pass
+        for stored, bits in ((dt, 0), ("u8", 8), ("u8", 4), ("u8", 2)):  # as computed, and codes decoded in the pass
             build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{stored}",
-                  v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, QUANT=quant))
+                  v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, BITS=bits))
         build(T._attention_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", query_positions="*i64", out=f"*{dt}",
               qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
               UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
