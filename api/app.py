@@ -148,6 +148,8 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
             "status": "ok",
             "model": rc.model_name,
             "store": rc.store.name,
+            "device": rc.device,
+            "device_reason": rc.device_reason,
             "queue_depth": queue.depth,
             "max_queue": queue.max_queue,
             "batch_invariance": rc.batch_invariance,

@@ -35,7 +35,7 @@ from .cli_options import (
 )
 from .console import console, err, fail
 from .errors import BadRequest, ParameterOutOfRange, RagCacheError
-from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings
+from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
 if TYPE_CHECKING:
     from .front import CompileReport
@@ -262,7 +262,7 @@ def compile(
         if s.engine == "ragcache":  # what a later `--plan` estimates with (vLLM compiles at its own rate)
             capacity.record_rate(
                 s.model,
-                s.device.split(":")[0],
+                rc.runner.device.type,
                 str(rc.lm.dtype).removeprefix("torch."),
                 rc.kv_codec,
                 summary.compiled_tokens,
@@ -317,8 +317,9 @@ def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> N
             chunks += [lead + c.token_ids for c in chunk_document(tokenizer, text, s.chunk_tokens)]
     except (RagCacheError, OSError, ValueError) as exc:
         fail(exc)
-    where = s.device.split(":")[0]
-    compute = models.default_dtype(s.device) if s.dtype == "auto" else s.dtype
+    device, _ = resolve_device(s.device)
+    where = device.split(":")[0]
+    compute = models.default_dtype(device) if s.dtype == "auto" else s.dtype
     codec = resolve_codec(s.kv_codec, getattr(torch, compute), where)
     the_plan = capacity.plan(
         s.model, capacity.model_shape(config), chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec)

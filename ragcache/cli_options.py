@@ -35,7 +35,10 @@ DtypeOpt = Annotated[
         "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)",
     ),
 ]
-DeviceOpt = Annotated[str | None, typer.Option("--device", help="cpu | cuda | cuda:N (default: settings, cpu)")]
+DeviceOpt = Annotated[
+    str | None,
+    typer.Option("--device", help="auto | cpu | cuda | cuda:N (default: settings, auto: CUDA where torch sees a GPU)"),
+]
 KvCodecOpt = Annotated[
     str | None,
     typer.Option(

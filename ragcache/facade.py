@@ -95,6 +95,7 @@ class RagCache(Front):
         )
         row_budget, link_row_budget = _row_budgets(config, self.runner.device)
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
+        self.device, self.device_reason = str(self.runner.device), config.device_reason
         self.compiler = Compiler(lm, self.runner, config.kv_codec)
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
         # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
@@ -139,6 +140,7 @@ class RagCache(Front):
                 else f"{sorted(config.vllm_args)} are options of the vllm engine"
             )
         validate_kv_codec(config.kv_codec)
+        log.info("device %s (%s)", config.device, config.device_reason)
         lm = models.load(config.model, dtype=config.dtype, device=config.device)
         chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
         lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm

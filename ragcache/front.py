@@ -67,6 +67,8 @@ class Front(abc.ABC):
 
     compiler: Compiler
     prefix_compiler: Compiler
+    device = "cpu"  # where the model runs (the engine sets it), and why: shown by /health and the start-up log
+    device_reason = "configured"
 
     def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int, layers: int):
         if chunk_tokens < 1:

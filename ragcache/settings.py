@@ -42,6 +42,23 @@ DEFAULT_ROW_BUDGET = 512  # rows per step: long prefills go in pieces, so decodi
 DEVICE_ROW_BUDGETS = {"cpu": (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET), "cuda": (8192, 32768)}
 
 
+AUTO_DEVICE = "auto"
+
+
+def resolve_device(device: str | None) -> tuple[str, str]:
+    """The device an engine runs on, and why: "auto" (the default) is CUDA where torch sees a GPU, else the CPU; any
+    other name is taken as given."""
+    if device not in (None, "", AUTO_DEVICE):
+        return str(device), "configured"
+    import torch  # here, not at the top: settings are read by commands that never load a model
+
+    if torch.cuda.is_available():
+        return "cuda", f"auto: torch sees {torch.cuda.device_count()} CUDA device(s)"
+    return "cpu", "auto: " + (
+        "this torch is a CPU build" if torch.version.cuda is None else "torch sees no CUDA device"
+    )
+
+
 def row_budgets_for(device) -> tuple[int, int]:
     """The step's row budgets on a device (torch.device or its name): while a stream decodes, while none does."""
     return DEVICE_ROW_BUDGETS.get(str(device).split(":")[0], (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET))
@@ -164,7 +181,7 @@ class EngineConfig:
     model: str = DEFAULT_MODEL
     store: object = DEFAULT_STORE  # a URL, or an open ragcache.store.Store
     engine: str = "ragcache"  # or "vllm": the same front doors on vLLM's engine
-    device: str = "cpu"
+    device: str = AUTO_DEVICE  # resolved when the config is made (`resolve_device`), the reason kept beside it
     dtype: str = "auto"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
     kv_codec: str = (
@@ -184,6 +201,13 @@ class EngineConfig:
     adapter: str | Path | None = INSTALLED
     merge_adapter: bool = True  # fold the adapter into the weights, or run it beside them
     vllm_args: dict = dataclasses.field(default_factory=dict)  # the vllm engine's: max_model_len, kv_cache_gib, ...
+    device_reason: str = dataclasses.field(default="", compare=False)  # why `device` is what it is (/health, the log)
+
+    def __post_init__(self) -> None:
+        if self.device in (None, "", AUTO_DEVICE) or not self.device_reason:
+            device, reason = resolve_device(self.device)
+            object.__setattr__(self, "device", device)
+            object.__setattr__(self, "device_reason", reason)
 
     def vllm_problem(self) -> str | None:
         """Why the vllm engine cannot take this config: options only ragcache's engine reads, which it would ignore."""
@@ -231,7 +255,10 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
         "else float32 (see README: dtype)",
     )
-    device: str = "cpu"
+    device: str = Field(
+        AUTO_DEVICE,
+        description="auto: CUDA where torch sees a GPU, else the CPU; or cpu, cuda, cuda:N",
+    )
     engine: str = Field(
         "ragcache",
         pattern="^(ragcache|vllm)$",

@@ -158,6 +158,7 @@ def test_health_models_openapi(http, rc):
     r = http.get("/health")
     assert r.status_code == 200 and r.json()["status"] == "ok" and r.json()["model"] == "smollm2-135m"
     assert r.json()["batch_invariance"] == rc.runner.invariance.how and "row tiles" in rc.batch_invariance
+    assert r.json()["device"] == str(rc.runner.device) and r.json()["device_reason"] == rc.device_reason != ""
     assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
     from ragcache.calibrate import Profile
 

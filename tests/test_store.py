@@ -3,6 +3,7 @@ eviction, concurrency, a full disk, the operator CLI. Redis has its own module (
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import logging
@@ -994,6 +995,22 @@ def test_the_default_store_on_cuda_has_a_gpu_tier_and_a_pinned_memory_tier_in_fr
     assert store_for(DEFAULT_STORE, "cuda:0") == "gpu+memory+" + DEFAULT_STORE
     assert store_for(DEFAULT_STORE, "cpu") == DEFAULT_STORE  # the CPU's stays as it was
     assert store_for("redis://h:6379/0", "cuda") == "redis://h:6379/0"  # a store asked for is opened as asked
+
+
+def test_the_device_is_cuda_where_torch_sees_a_gpu_unless_one_is_configured(monkeypatch):
+    from ragcache.settings import EngineConfig, Settings, resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("auto") == ("cuda", "auto: torch sees 2 CUDA device(s)")
+    assert Settings().device == "auto" and EngineConfig().device == "cuda"  # the default: serve, compile, open
+    config = Settings(device="auto").engine_config()
+    assert (config.device, config.device_reason) == ("cuda", "auto: torch sees 2 CUDA device(s)")
+    assert dataclasses.replace(config, row_budget=4).device_reason == config.device_reason  # kept across replace
+    assert resolve_device("cpu") == ("cpu", "configured") and EngineConfig(device="cuda:1").device == "cuda:1"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    device, why = resolve_device(None)
+    assert device == "cpu" and why.startswith("auto: ") and EngineConfig().device == "cpu"
 
 
 def test_a_pooled_memory_tier_keeps_entries_in_its_arena_and_reuses_their_space():

@@ -141,9 +141,9 @@ class VllmRagCache(Front):
         llm = None
         try:
             llm = asyncio.run_coroutine_threadsafe(_start(args), loop).result()
-            return cls(
-                served, config.store, llm, loop, config.chunk_tokens, codec
-            )  # opens the store: a Redis down at start
+            engine = cls(served, config.store, llm, loop, config.chunk_tokens, codec)  # opens the store
+            engine.device, engine.device_reason = device, "vLLM's platform"  # vLLM places the model itself
+            return engine
         except BaseException:
             if llm is not None:  # the engine core is a process of its own: not left running for nobody
                 asyncio.run_coroutine_threadsafe(_shutdown(llm), loop).result()
