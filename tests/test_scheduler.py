@@ -613,22 +613,24 @@ def test_schedule_places_first_then_packs_decode_rows_before_link_pieces_in_the_
     assert place.kind is Kind.PLACE and [w.sequence for w in place.work] == [a, b, c]
     assert run_plan(scheduler, place, rows) == [] and all(s.status is Status.LINKING for s in (a, b, c))
     first = scheduler.schedule()
-    assert shape(first) == [("piece", 0, 3), ("piece", 0, 13)]  # FIFO: a whole, b to the budget, c waits
+    # the fewest pending rows first: a and c whole, b the rest of the budget
+    assert [(w.sequence, w.start, w.stop) for w in first.work] == [(a, 0, 3), (c, 0, 10), (b, 0, 3)]
     outputs = run_plan(scheduler, first, rows)
-    assert [(s, o.linked, o.step.token_id) for s, o in outputs] == [(a, "linked", 7)] and a.status is Status.DECODING
+    assert [(s, o.linked) for s, o in outputs] == [(a, "linked"), (c, "linked")] and a.status is Status.DECODING
+    assert outputs[0][1].step.token_id == 7 and c not in scheduler.running  # c decodes nothing: it is done
     second = scheduler.schedule()
-    assert shape(second) == [("decode", 0, 0), ("piece", 13, 28)]  # a's decode row first, 15 rows left for b
+    assert shape(second) == [("decode", 0, 0), ("piece", 3, 18)]  # a's decode row first, 15 rows left for b
     run_plan(scheduler, second, rows)
     third = scheduler.schedule()
-    assert shape(third) == [("decode", 0, 0), ("piece", 28, 40), ("piece", 0, 3)]
+    assert shape(third) == [("decode", 0, 0), ("piece", 18, 33)]
     outputs = run_plan(scheduler, third, rows)
-    assert [s for s, o in outputs] == [a, b] and b.status is Status.DECODING and c.pending_rows == 7
+    assert [s for s, o in outputs] == [a] and b.pending_rows == 7
 
 
 def test_while_nothing_waits_on_the_step_a_link_takes_the_link_row_budget():
     """Nothing waits on a step's length until a stream decodes or a link has ended in it: then no more rows join
-    past the row budget, so a short request queued ahead of a long link has its first token after a row budget's
-    step (FIFO: one queued behind it still waits for it)."""
+    past the row budget. A short request queued behind a long link goes first and has its first token after a row
+    budget's step."""
     scheduler = Scheduler(row_budget=16, link_row_budget=64)
     a, b = sequence(tokens=3), sequence()
     for s in (a, b):
@@ -640,16 +642,45 @@ def test_while_nothing_waits_on_the_step_a_link_takes_the_link_row_budget():
     run_plan(scheduler, first, rows)
     assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 13, 28)]  # a decodes: 15 rows left for b
     alone = Scheduler(row_budget=16, link_row_budget=64)
-    c, d = sequence(), sequence()
-    for s in (c, d):
-        alone.add(s)
-    rows = {c: (100,), d: (3,)}
-    run_plan(alone, alone.schedule(), rows)
+    c = sequence()
+    alone.add(c)
+    run_plan(alone, alone.schedule(), {c: (100,)})
     first = alone.schedule()
     assert shape(first) == [("piece", 0, 64)]  # the step ends no link: c takes the whole link budget
-    run_plan(alone, first, rows)
-    assert shape(alone.schedule()) == [("piece", 64, 100)]  # c's link ends here, past the row budget: d waits
+    run_plan(alone, first, {c: (100,)})
+    d = sequence()  # a short request arrives behind c's long link
+    alone.add(d)
+    run_plan(alone, alone.schedule(), {d: (3,)})  # its PLACE step
+    second = alone.schedule()
+    assert [(w.sequence, w.start, w.stop) for w in second.work] == [(d, 0, 3), (c, 64, 77)]  # d first; the step
+    assert second.rows <= 16  # ends a link, so it holds no more than the row budget: d's first token after it
+    assert [s for s, o in run_plan(alone, second, {})] == [d]
     assert Scheduler(row_budget=16, batch_invariant=True, link_row_budget=64).link_row_budget == 16
+
+
+def test_a_stream_of_short_links_never_starves_a_long_one():
+    """Shortest first, but a link passed over MAX_PASSED_OVER steps in a row goes first in the next: a bulk compile
+    keeping two budgets of one-chunk compiles in flight (each shorter than any query's link) does not starve a
+    query's link, and no compile waits long either."""
+    scheduler = Scheduler(row_budget=16)
+    query = sequence(tokens=None)
+    scheduler.add(query)
+    run_plan(scheduler, scheduler.schedule(), {query: (100,)})
+    ran, in_flight, waited = [], {}, []
+    for step in range(15):
+        arriving = [sequence(tokens=None) for _ in range(4 - len(in_flight))]  # topped up to 32 rows of compiles
+        for s in arriving:
+            scheduler.add(s)
+            in_flight[s] = step
+        if arriving:
+            run_plan(scheduler, scheduler.schedule(), {s: (8,) for s in arriving})
+        plan = scheduler.schedule()
+        assert plan.rows <= 16
+        ran.append(any(w.sequence is query for w in plan.work))
+        for s, _ in run_plan(scheduler, plan, {}):
+            waited.append(step - in_flight.pop(s))
+    assert all(any(ran[i : i + 3]) for i in range(len(ran) - 2)), ran  # the query's link: at least every third step
+    assert not any(ran[:2]) and max(waited) <= 3  # (the compiles, shorter, first); none waits more than 3 steps
 
 
 def test_batch_invariant_pieces_are_cut_where_the_sequence_alone_would_cut_them():

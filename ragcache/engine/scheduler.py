@@ -10,8 +10,10 @@ A sequence's life (sequence.Status):
   decoding  after its last link row: one row per step, the token sampled from the step's logits;
   over      finished, failed or aborted: it leaves, and the driver frees its cache before its last event.
 
-Each forward step packs the rows of every running sequence (decode rows first, then link pieces in FIFO order until
-the budget is spent). A chunk's compile is a link too (Sequence.compile): its rows pack with the others', each piece
+Each forward step packs the rows of every running sequence: decode rows first, then link pieces, the fewest pending
+rows first, until the budget is spent. A short request that arrives behind a long link has its first token after one
+budgeted step, not after the whole link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next,
+so a stream of short ones (or of chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile): its rows pack with the others', each piece
 attending only to its own cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone in a
 TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
 (a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
@@ -90,6 +92,8 @@ class StepResult:
 
 
 class Scheduler:
+    MAX_PASSED_OVER = 2  # a long link runs at least every third step, whatever stream of shorter ones arrives
+
     def __init__(
         self, row_budget: int = DEFAULT_ROW_BUDGET, batch_invariant: bool = False, link_row_budget: int | None = None
     ):
@@ -169,9 +173,10 @@ class Scheduler:
         decode_rows = len(work)
         # the decoding streams wait for this step even when their rows are not in it
         budget = max(self.row_budget - decode_rows, 1) if decoding else self.link_row_budget
-        for sequence in linking:  # link pieces, FIFO, until the budget is spent
+        linking = [s for s in linking if s.base_weights == base]
+        for sequence in sorted(linking, key=self._urgency):  # link pieces until the budget is spent
             pending = sequence.pending_rows
-            if budget <= 0 or sequence.base_weights != base:
+            if budget <= 0:
                 continue
             size = self._piece_size(pending, budget, first=len(work) == decode_rows)
             if size == 0:
@@ -180,9 +185,19 @@ class Scheduler:
             budget -= size
             if size == pending:  # its link ends here and its answer waits for the step: no longer than row_budget's
                 budget = min(budget, self.row_budget - sum(w.stop - w.start for w in work) - decode_rows)
+        pieces = {w.sequence for w in work if w.kind is Kind.PIECE}
+        for sequence in linking:
+            sequence.passed_over = 0 if sequence in pieces else sequence.passed_over + 1
         if not work:
             return None
         return StepPlan(Kind.PIECE, work, base)
+
+    def _urgency(self, sequence: Sequence) -> tuple[bool, int]:
+        """The order link pieces take the budget in: those passed over too long first, the longest passed over
+        before the others; then the fewest pending rows (shortest remaining work first: the most first tokens per
+        step). Ties keep their arrival order."""
+        starved = sequence.passed_over >= self.MAX_PASSED_OVER
+        return not starved, -sequence.passed_over if starved else sequence.pending_rows
 
     def _base_step(self, decoding: list[Sequence], linking: list[Sequence]) -> bool:
         """Whether the next forward step runs the base weights' rows: when they are all there is, or by turns while

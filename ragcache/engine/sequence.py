@@ -137,6 +137,7 @@ class Sequence:
         self.plan: LinkPlan | None = None  # placed; None once linked
         self.cache: JoinedCache | None = None
         self.linked_rows = 0  # of plan.rows, those run so far
+        self.passed_over = 0  # forward steps in a row that left its pending link rows out (Scheduler.MAX_PASSED_OVER)
         self.link_started = 0.0
         self.next_token = -1  # decoding: the token whose row the next step runs
 
