@@ -717,6 +717,74 @@ def _decode_wait(rc, question: str, docs: list, device, tokens: int = 4096) -> d
                 tokens_beside_link=beside, outlasted=outlasted)
 
 
+def _short_behind_long(rc, question: str, docs: list, device) -> dict:
+    """A short request (one document, one token) asked while a long `full` link of `docs` is running: its time from
+    arrival to its answer, against the longest step the engine ran meanwhile. The scheduler runs the fewest pending
+    rows first, so it should wait about the step in flight plus one step of its own, not the whole long link."""
+    import threading
+
+    from ragcache.engine import Status
+
+    rc.query(question, docs[:1], algorithm="naive", max_new_tokens=1)  # untimed: its shapes warm
+    long = rc.stream(question, docs, algorithm="full", max_new_tokens=1)
+    reader = threading.Thread(target=lambda: list(long))
+    _sync(device)
+    started = time.perf_counter()
+    reader.start()
+    while (long.status is not Status.LINKING or long.linked_rows == 0) and reader.is_alive():
+        time.sleep(1e-4)  # until its first piece has run: the short one arrives in the middle of the long link
+    arrived = time.perf_counter()
+    rc.query(question, docs[:1], algorithm="naive", max_new_tokens=1)
+    short_s, overtook = time.perf_counter() - arrived, reader.is_alive()
+    reader.join()
+    long_s = time.perf_counter() - started
+    return dict(short_answer_s=short_s, long_link_s=long_s, short_arrived_at_s=arrived - started,
+                short_ended_first=overtook)
+
+
+def _codec_links(lm, texts: list, question: str, order_of, device, reps: int) -> list[dict]:
+    """naive and legolink-16 over int8 and int4 entries from the host tier (pinned memory on CUDA): half and a
+    quarter of the bf16 entries' bytes cross, decoded and rotated by place_chunks in one pass."""
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+
+    rows = []
+    for codec in ("int8", "int4"):
+        rc = RagCache(lm, MemoryStore(64 << 30, pin=device.type == "cuda"),
+                      EngineConfig(chunk_tokens=len(texts[0].split()) + 8, kv_codec=codec))
+        order = order_of(rc.compile(texts))
+        rc.link(question, order, algorithm="naive")  # untimed: the kernels' shapes
+        entry_bytes = rc.store.stats()["bytes"]
+        for algorithm, params in (("naive", {}), ("legolink", {"k": 16})):
+            row = dict(tier="memory", codec=codec, algorithm=algorithm, entry_bytes=entry_bytes,
+                       **_link_s(rc, question, order, algorithm, params, device, reps))
+            row.pop("logits")
+            rows.append(row)
+        rc.close()
+    return rows
+
+
+def _cold_read(lm, texts: list, question: str, order_of, device, root) -> dict:
+    """What a first query pays on the default CUDA store: entries compiled into gpu+memory+disk by one engine, then
+    a new engine over the same disk (its GPU and memory tiers empty) links them once: every entry is read from disk
+    (the OS page cache may hold the files: not dropped here) and handed to the link as the fastest tier's copy."""
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store import open_store
+
+    tiers = "gpu+memory+" if device.type == "cuda" else "memory+"  # the default store's tiers on the device
+    url, config = f"{tiers}disk:{root}", EngineConfig(chunk_tokens=len(texts[0].split()) + 8)
+    first = RagCache(lm, open_store(url, device=device), config)
+    order = order_of(first.compile(texts))
+    first.close()
+    rc = RagCache(lm, open_store(url, device=device), config)
+    cold = _link_s(rc, question, order, "naive", {}, device, 1)  # one: the second would be warm
+    warm = _link_s(rc, question, order, "naive", {}, device, 1)
+    rc.close()
+    return dict(tier=tiers + "disk", algorithm="naive", cold_s=cold["seconds"], warm_s=warm["seconds"])
+
+
 def _profile(fn, device, what: str) -> dict:
     """`fn()` under torch.profiler: the kernels by device time (CUDA) or the ops by CPU time."""
     from torch.profiler import ProfilerActivity, profile
@@ -819,6 +887,28 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                       flush=True)
                 for row in _queued_links(rc, question, texts, ids, device):
                     rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
+                behind = _short_behind_long(rc, question, order, device)
+                rows.append(dict(shape=shape, tier=tier, context=prompt, what="short request behind a full link",
+                                 row_budget=default_budget, link_row_budget=link_budget, **behind))
+                print(f"  {shape} a short request asked {behind['short_arrived_at_s']:.3f} s into a full link of "
+                      f"{prompt} tokens ({behind['long_link_s']:.3f} s) had its answer after "
+                      f"{behind['short_answer_s']:.3f} s", flush=True)
+                if context == contexts[-1]:
+                    arranged = lambda got: [got[i] for i in indices]  # noqa: E731 - the same documents' order
+                    for row in _codec_links(lm, texts, question, arranged, device, reps):
+                        row.update(shape=shape, context=prompt, forward_s=forward,
+                                   speedup_vs_forward=forward / row["seconds"])
+                        rows.append(row)
+                        print(f"  {shape} {row['codec']} entries from memory, {row['algorithm']}: "
+                              f"{row['seconds']:.3f} s ({row['speedup_vs_forward']:.2f}x transformers' forward; "
+                              f"{row['entry_bytes'] / 2**30:.2f} GiB of entries)", flush=True)
+                    with tempfile.TemporaryDirectory() as root:
+                        cold = dict(shape=shape, context=prompt, forward_s=forward,
+                                    **_cold_read(lm, texts, question, arranged, device, root))
+                    rows.append(cold)
+                    print(f"  {shape} a first naive link through {cold['tier']}, every entry from disk: "
+                          f"{cold['cold_s']:.3f} s ({forward / cold['cold_s']:.2f}x transformers' forward); "
+                          f"the next {cold['warm_s']:.3f} s", flush=True)
         # naive from each tier: a link whose floor is its copy (host tier) or one pass of the weights (GPU tier)
         profiled_here = (("naive",) + (("focus", "full") if tier == tiers[-1] else ())) if profiled else ()
         for algorithm in profiled_here:
@@ -1383,8 +1473,16 @@ def _suite_summary(result: dict) -> list[str]:
     links = [r for r in result.get("link") or [] if isinstance(r, dict) and "speedup_vs_forward" in r]
     for r in links:
         spread = f" [{r['min_s']:.3f}-{r['max_s']:.3f} s]" if "min_s" in r else ""
-        print(f"  link {r.get('algorithm')} from {r.get('tier')} at {r.get('context')}: "
+        codec = f" ({r['codec']} entries)" if "codec" in r else ""
+        print(f"  link {r.get('algorithm')}{codec} from {r.get('tier')} at {r.get('context')}: "
               f"{r['speedup_vs_forward']:.2f}x transformers' forward ({r['seconds']:.3f} s{spread})")
+    for r in result.get("link") or []:
+        if isinstance(r, dict) and "short_answer_s" in r:
+            print(f"  a short request behind a full link at {r['context']}: answered in {r['short_answer_s']:.3f} s "
+                  f"({'before' if r['short_ended_first'] else 'after'} the long link's {r['long_link_s']:.3f} s)")
+        if isinstance(r, dict) and "cold_s" in r:
+            print(f"  a first naive link through {r['tier']} at {r['context']}: {r['cold_s']:.3f} s cold, "
+                  f"{r['warm_s']:.3f} s warm")
     for r in result.get("decode") or []:
         if isinstance(r, dict) and "tok_s" in r:
             print(f"  decode {r['what']}: {r['tok_s']:.1f} tok/s")

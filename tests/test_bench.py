@@ -590,6 +590,14 @@ def test_the_gpu_scripts_link_profiles_say_how_much_of_the_wall_the_device_was_b
     profiles = [r for r in rows if r.get("what", "").startswith("profile of")]
     assert [r["what"] for r in profiles] == [f"profile of one {a} link" for a in ("naive", "focus", "full")]
     assert all(r["tier"] == "memory" and r["wall_ms"] > 0 and r["top"] for r in profiles)
+    behind = [r for r in rows if r.get("what") == "short request behind a full link"]
+    assert len(behind) == 2 and all(0 < r["short_answer_s"] and r["short_arrived_at_s"] < r["long_link_s"] for r in behind)
+    codecs = [(r["codec"], r["algorithm"]) for r in rows if "codec" in r]
+    assert codecs == [("int8", "naive"), ("int8", "legolink"), ("int4", "naive"), ("int4", "legolink")]
+    sizes = {r["codec"]: r["entry_bytes"] for r in rows if "codec" in r}
+    assert sizes["int4"] < 0.6 * sizes["int8"]  # what crosses to the device
+    (cold,) = [r for r in rows if r.get("tier") == "memory+disk"]  # gpu+memory+disk on CUDA
+    assert cold["cold_s"] > 0 and cold["warm_s"] > 0
 
 
 def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):
