@@ -18,6 +18,7 @@ import typer
 from .console import fail
 from .errors import RagCacheError
 from .settings import DEFAULT_MODEL, DEFAULT_STORE, LinkKnobs
+from .store.codec import CODECS
 
 MODEL = "built-in name (`ragcache models list`), transformers directory or hub id"
 STORE = "memory:[SIZE], gpu:[SIZE|N%] (CUDA), disk:PATH, redis://HOST:PORT/DB, or tiers joined by '+'"
@@ -43,8 +44,8 @@ KvCodecOpt = Annotated[
     str | None,
     typer.Option(
         "--kv-codec",
-        help="how chunk K/V are stored: auto | fp32 | fp16 | bf16 | int8 (default: settings, auto: int8 on CPU, "
-        "the compute dtype elsewhere)",
+        help=f"how chunk K/V are stored: auto | {' | '.join(CODECS)} (default: settings, auto: int8 on CPU and "
+        "CUDA; int4 takes half int8's bytes, README: KV codecs)",
     ),
 ]
 AdapterOpt = Annotated[

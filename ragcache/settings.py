@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
@@ -25,6 +26,7 @@ from ragcache.store.base import (  # noqa: F401 - re-exported: the defaults are 
     DEFAULT_PREFIX,
     DEFAULT_RETRY_AFTER_S,
 )
+from ragcache.store.codec import CODECS
 
 DEFAULT_MODEL = "smollm2-135m"
 INSTALLED = "installed"  # the model's installed adapter, where its calibration vouches for it (ragcache/adapters.py)
@@ -50,8 +52,6 @@ def resolve_device(device: str | None) -> tuple[str, str]:
     other name is taken as given."""
     if device not in (None, "", AUTO_DEVICE):
         return str(device), "configured"
-    import torch  # here, not at the top: settings are read by commands that never load a model
-
     if torch.cuda.is_available():
         return "cuda", f"auto: torch sees {torch.cuda.device_count()} CUDA device(s)"
     return "cpu", "auto: " + (
@@ -184,9 +184,7 @@ class EngineConfig:
     device: str = AUTO_DEVICE  # resolved when the config is made (`resolve_device`), the reason kept beside it
     dtype: str = "auto"
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS
-    kv_codec: str = (
-        "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU, the compute dtype elsewhere
-    )
+    kv_codec: str = "auto"  # how chunk K/V are stored (store/codec.py): auto is int8 on CPU and CUDA
     prefix_cache_bytes: int = DEFAULT_PREFIX_BUDGET
     row_budget: int | None = None  # rows per step while a stream decodes; None: the device's (row_budgets_for)
     # rows per step while none decodes and no link has ended in it; None: row_budget where that is given, else the
@@ -333,9 +331,9 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     )
     kv_codec: str = Field(
         "auto",
-        pattern="^(auto|fp32|fp16|bf16|int8)$",
-        description="how chunk K/V are stored: auto (int8 on CPU, the compute dtype elsewhere), "
-        "fp32, fp16, bf16 or int8 (see README: KV codecs)",
+        pattern=f"^(auto|{'|'.join(CODECS)})$",
+        description="how chunk K/V are stored: auto (int8 on CPU and CUDA, the compute dtype elsewhere), "
+        f"{', '.join(CODECS)} (see README: KV codecs)",
     )
     max_new_tokens: int = Field(64, ge=1)
     host: str = "127.0.0.1"

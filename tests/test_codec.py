@@ -128,6 +128,12 @@ def test_stored_bytes_per_codec_meet_the_issue_targets():
     assert sizes["int2"] < 0.6 * sizes["int4"]
 
 
+def test_auto_is_int8_on_cpu_and_cuda_and_the_compute_dtype_elsewhere():
+    assert codec.resolve("auto", torch.bfloat16, "cpu") == codec.resolve("auto", torch.bfloat16, "cuda") == "int8"
+    assert codec.resolve("auto", torch.bfloat16, "mps") == "bf16" and codec.resolve(None, torch.float32, "cuda") == "fp32"
+    assert codec.resolve("int4", torch.float32, "cpu") == "int4"  # asked for, as asked
+
+
 def test_fp16_overflow_is_a_clear_error():
     keys = torch.full((1, 1, 2, 4), 1e6)
     with pytest.raises(CodecOverflow, match="bf16 or int8"):
