@@ -511,6 +511,48 @@ def _time_generate(lm, name: str, clients: int, prompt_len: int, new_tokens: int
                 completion_tokens=2 * produced, seconds=seconds, tok_s=2 * produced / seconds, ttft_s_batch=ttft)
 
 
+def _percentiles(values: list[float]) -> dict:
+    ordered = sorted(values)
+    at = lambda q: ordered[min(int(q * len(ordered)), len(ordered) - 1)] if ordered else None  # noqa: E731
+    return dict(p50=at(0.5), p99=at(0.99), n=len(ordered))
+
+
+def _mixed_serving(rc, name: str, clients: int, doc_ids: list, words, rng, long_docs: int, new_tokens: int,
+                   device) -> dict:
+    """C clients at once, every other request long (`long_docs` documents) and the rest short (one document), each
+    streamed: TTFT of the short and the long ones apart, and the gaps between streamed pieces (inter-token latency),
+    p50 and p99. No peer row: a static batch has no mixed lengths to compare with."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def ask(i: int) -> tuple[bool, float, list[float], int]:
+        short = i % 2 == 1
+        docs = rng_docs[i]
+        asked, times = time.perf_counter(), []
+        stream = rc.stream(questions[i], docs, algorithm="legolink", k=16, max_new_tokens=new_tokens)
+        sampled = stream._token  # each token as it is sampled (random weights' tokens decode to no text piece)
+        stream._token = lambda step: (times.append(time.perf_counter()), sampled(step))
+        list(stream)
+        return short, times[0] - asked, [b - a for a, b in zip(times, times[1:])], len(times)
+
+    requests = 2 * clients
+    rng_docs = [rng.sample(doc_ids, 1 if i % 2 else long_docs) for i in range(requests)]
+    questions = [words(16) for _ in range(requests)]
+    with ThreadPoolExecutor(clients) as executor:  # untimed: the kernels' shapes for both lengths
+        list(executor.map(ask, range(min(clients, 2))))
+    _sync(device)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as executor:
+        done = list(executor.map(ask, range(requests)))
+    seconds = time.perf_counter() - started
+    tokens = sum(d[3] for d in done)
+    return dict(model=name, what=f"ragcache legolink-16, {clients} clients, long and short mixed", clients=clients,
+                requests=requests, long_documents=long_docs, new_tokens=new_tokens, seconds=seconds,
+                tok_s=tokens / seconds, completion_tokens=tokens,
+                ttft_short_s=_percentiles([d[1] for d in done if d[0]]),
+                ttft_long_s=_percentiles([d[1] for d in done if not d[0]]),
+                inter_token_s=_percentiles([gap for d in done for gap in d[2]]), row_budget=rc.row_budgets[0])
+
+
 def _print_serving(row: dict) -> None:
     ttft = row.get("ttft_s_median", row.get("ttft_s_batch"))
     extra = ""
@@ -554,6 +596,13 @@ def serving(name: str, device: torch.device, dtype: torch.dtype, quick: bool, cl
         for row in rows:
             _print_serving(row)
         out += rows
+    for clients in ((4,) if quick else (8, 32)):
+        row = _mixed_serving(rc, name, clients, doc_ids, random_words, rng, documents // 2, new_tokens, device)
+        print(f"  {name:20s} {row['what']}: {row['tok_s']:.1f} tok/s; TTFT short p50/p99 "
+              f"{row['ttft_short_s']['p50'] * 1e3:.0f}/{row['ttft_short_s']['p99'] * 1e3:.0f} ms, long "
+              f"{row['ttft_long_s']['p50'] * 1e3:.0f}/{row['ttft_long_s']['p99'] * 1e3:.0f} ms; inter-token p50/p99 "
+              f"{row['inter_token_s']['p50'] * 1e3:.1f}/{row['inter_token_s']['p99'] * 1e3:.1f} ms", flush=True)
+        out.append(row)
     rc.close()
     del rc, lm
     if device.type == "cuda":
@@ -1488,7 +1537,9 @@ def _suite_summary(result: dict) -> list[str]:
             print(f"  decode {r['what']}: {r['tok_s']:.1f} tok/s")
     for r in result.get("serving") or []:
         if isinstance(r, dict) and "tok_s" in r:
-            print(f"  serving {r.get('engine', r.get('what', ''))} x{r.get('clients')}: {r['tok_s']:.1f} tok/s")
+            mixed = (f"; short TTFT p99 {r['ttft_short_s']['p99'] * 1e3:.0f} ms, inter-token p99 "
+                     f"{r['inter_token_s']['p99'] * 1e3:.1f} ms") if "ttft_short_s" in r else ""
+            print(f"  serving {r.get('engine', r.get('what', ''))} x{r.get('clients')}: {r['tok_s']:.1f} tok/s{mixed}")
     for r in result.get("invariance") or []:
         if isinstance(r, dict) and "batch_invariant" in r:
             print(f"  invariance {'on' if r['batch_invariant'] else 'off'}: {r.get('identical_4_at_a_time', r.get('identical_16_at_a_time'))}"

@@ -466,6 +466,10 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert {row["clients"] for row in serving} == {1, 4}
     for row in serving:
         assert row["completion_tokens"] == row["requests"] * row["new_tokens"] and row["tok_s"] > 0
+    (mixed,) = [row for row in serving if "ttft_short_s" in row]  # long and short prompts, streamed
+    assert mixed["ttft_short_s"]["n"] == mixed["ttft_long_s"]["n"] == mixed["requests"] // 2
+    assert 0 < mixed["ttft_short_s"]["p50"] <= mixed["ttft_short_s"]["p99"]
+    assert mixed["inter_token_s"]["n"] > 0 and mixed["inter_token_s"]["p99"] >= mixed["inter_token_s"]["p50"] > 0
     ours = [row for row in serving if "scheduler" in row]
     assert len(ours) == 2 and all(row["scheduler"]["decode_rows"] > 0 for row in ours)
     on, off = result["invariance"]  # on this CPU the invariant engine is the probed row tiles'
@@ -480,7 +484,7 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert on["decode_tok_s_1_vs_off"] > 0
     (tile,) = result["tiles"]  # (h): on CPU one candidate, interpreted, checked against the torch reference
     assert tile["ok"] and tile["chosen"] and tile["max_abs_err"] < 1e-4
-    links = [row for row in result["link"] if "algorithm" in row]  # (f): the CPU has the memory tier only
+    links = [row for row in result["link"] if "algorithm" in row and "cold_s" not in row]  # (f): memory tier on CPU
     assert {(row["algorithm"], row["tier"]) for row in links} >= {(a, "memory") for a in (
         "full", "focus", "legolink", "naive", "cacheblend")}
     assert all(row["seconds"] > 0 and row["speedup_vs_forward"] > 0 for row in links)
