@@ -10,6 +10,10 @@ gold answers): exact match (EM) and token F1; agreement with full's answer (norm
 against it); each with a 95% percentile-bootstrap interval over items (2,000 resamples), and the paired
 difference of F1 from full's with its own interval. Writes bench/results/accuracy-<model>.json and .png.
 
+The whole answer against full's greedy first line: the share of it each algorithm's greedy answer reproduces before
+it first departs, whether it reproduces all of it, and (teacher-forced along full's answer) the share of positions
+where the linked cache's argmax is full's token.
+
 Distribution-level metrics (bench/agreement.py), from linking without decoding, at the answer's first position:
 next-token top-1 agreement with full, KL(full || linked), and the teacher-forced log-likelihood of full's greedy
 answer under the linked cache (its paired difference from full's own). These resolve algorithms on small models
@@ -81,6 +85,7 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
             text = first_line(ans.text)
             answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
                                     f1=squad.token_f1(text, item.answers),
+                                    reproduced=reproduced(ans.token_ids, full_ids),
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
             linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
                                                                   max_new_tokens=max_new_tokens, **v.kwargs)
@@ -102,6 +107,15 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
     paths = bench.finish(results, dict(items=per_item),
                          plot=lambda p: plot(results, bench.machine, p, model, len(items)))
     return dict(results=results, paths=paths)
+
+
+def reproduced(answer: list[int], full_answer: list[int]) -> float:
+    """The share of full's greedy answer (to its first line) that this answer reproduces before it first departs:
+    1.0 for all of it, 0.0 when the first token differs. An empty full answer is reproduced by an empty one."""
+    if not full_answer:
+        return float(not answer)
+    same = next((i for i, (a, b) in enumerate(zip(answer, full_answer)) if a != b), min(len(answer), len(full_answer)))
+    return same / len(full_answer)
 
 
 def agreement_stops(rc) -> tuple[set[int], set[int]]:
@@ -126,6 +140,10 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[di
                    f1_vs_full=_ci([a["f1_vs_full"] for a in got], seed),
                    delta_f1_vs_full=_ci([x - y for x, y in zip(f1, full_f1)], seed),
                    top1=_ci(top1, seed), kl=_ci([a["kl"] for a in got], seed),
+                   # the whole answer: greedy share of full's reproduced before departing, and teacher-forced along it
+                   reproduced=_ci([a["reproduced"] for a in got], seed),
+                   whole_answer=_ci([float(a["reproduced"] == 1.0) for a in got], seed),
+                   token_agree=_ci([a["token_agree"] for a in got], seed),
                    delta_ll_vs_full=_ci([a["ll"] - y for a, y in zip(got, full_ll)], seed),
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
                    mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
@@ -150,6 +168,12 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
                        caption=report.subtitle(machine, f"n={n}"))
     report.print_table(f"First answer position vs full, {model} (mean [95% paired bootstrap CI])",
                        *_distribution_rows(results), caption=report.subtitle(machine, f"n={n}"))
+    report.print_table(f"The whole answer vs full's greedy first line, {model} (mean [95% bootstrap CI])",
+                       ["algorithm", "first token", "share reproduced before departing", "whole answer",
+                        "teacher-forced token agreement", "F1 vs full"],
+                       [[r["label"], _fmt(r["top1"]), _fmt(r["reproduced"]), _fmt(r["whole_answer"]),
+                         _fmt(r["token_agree"]), _fmt(r["f1_vs_full"])] for r in results],
+                       caption=report.subtitle(machine, f"n={n}"))
 
 
 def _distribution_rows(results: list[dict]) -> tuple[list[str], list[list[str]]]:

@@ -77,6 +77,11 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
     assert list(rows) == ["full", "naive", "legolink-16"]  # full is always there: agreement is measured against it
     assert rows["full"]["agree_with_full"]["mean"] == 1.0
     assert rows["full"]["top1"]["mean"] == 1.0 and rows["full"]["kl"]["mean"] == 0.0
+    # the whole answer: full reproduces its own greedy answer, and a departure shows before the first token's does
+    assert rows["full"]["reproduced"]["mean"] == rows["full"]["whole_answer"]["mean"] == 1.0
+    assert rows["full"]["token_agree"]["mean"] == 1.0
+    for r in rows.values():
+        assert r["whole_answer"]["mean"] <= r["reproduced"]["mean"] and r["reproduced"]["mean"] <= 1.0
     assert rows["full"]["delta_ll_vs_full"]["mean"] == 0.0 and rows["naive"]["delta_top1_vs_naive"]["mean"] == 0.0
     for r in rows.values():
         low, high = r["top1"]["ci95"]
@@ -91,6 +96,15 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
     if words:
         assert rows["full"]["content_n"] == words and rows["full"]["content_top1"]["mean"] == 1.0
         assert rows["full"]["content_kl"]["mean"] == 0.0
+
+
+def test_the_share_of_an_answer_reproduced_stops_at_its_first_departure():
+    from bench.accuracy import reproduced
+
+    assert reproduced([1, 2, 3, 4], [1, 2, 3]) == 1.0  # what follows full's first line does not count
+    assert reproduced([1, 9, 3], [1, 2, 3, 4]) == 0.25 and reproduced([5], [1, 2]) == 0.0
+    assert reproduced([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early: the rest is not reproduced
+    assert reproduced([], []) == 1.0 and reproduced([7], []) == 0.0
 
 
 @pytest.mark.real_model
