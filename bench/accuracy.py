@@ -86,7 +86,9 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
             answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
                                     f1=squad.token_f1(text, item.answers),
                                     reproduced=reproduced(ans.token_ids, full_ids),
-                                    recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens)
+                                    recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens,
+                                    ttft_s=ans.stats.ttft_s, decode_s=ans.stats.decode_s,
+                                    tokens=len(ans.token_ids))
             linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
                                                                   max_new_tokens=max_new_tokens, **v.kwargs)
             answers[v.label].update(vars(rc.with_runner(agreement.measure, full.last_logits, linked, full_ids,
@@ -147,6 +149,9 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[di
                    delta_ll_vs_full=_ci([a["ll"] - y for a, y in zip(got, full_ll)], seed),
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
                    mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
+                   # the answers' tokens after the first over their decode time, all items pooled (repair's cost)
+                   decode_tok_s=round(sum(a["tokens"] - 1 for a in got) / max(sum(a["decode_s"] for a in got), 1e-9), 2),
+                   mean_ttft_s=round(sum(a["ttft_s"] for a in got) / max(len(got), 1), 4),
                    mean_prompt_tokens=round(sum(a["prompt_tokens"] for a in got) / max(len(got), 1), 1))
         words = [a for a in got if a.get("content_top1") is not None]  # items whose answer has a content word
         if words:
@@ -170,9 +175,10 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
                        *_distribution_rows(results), caption=report.subtitle(machine, f"n={n}"))
     report.print_table(f"The whole answer vs full's greedy first line, {model} (mean [95% bootstrap CI])",
                        ["algorithm", "first token", "share reproduced before departing", "whole answer",
-                        "teacher-forced token agreement", "F1 vs full"],
+                        "teacher-forced token agreement", "F1 vs full", "TTFT s", "decode tok/s"],
                        [[r["label"], _fmt(r["top1"]), _fmt(r["reproduced"]), _fmt(r["whole_answer"]),
-                         _fmt(r["token_agree"]), _fmt(r["f1_vs_full"])] for r in results],
+                         _fmt(r["token_agree"]), _fmt(r["f1_vs_full"]), f"{r['mean_ttft_s']:.3f}",
+                         f"{r['decode_tok_s']:.1f}"] for r in results],
                        caption=report.subtitle(machine, f"n={n}"))
 
 

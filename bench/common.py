@@ -50,9 +50,16 @@ ALIASES = {"legolink": "legolink-16"}
 
 def parse_variants(text: str) -> list[Variant]:
     """'full,legolink-16,cacheblend' (also 'legolink' = legolink-16, 'legolink-8' for any k, 'cacheblend-0.3',
-    'focus-0.25')."""
+    'focus-0.25'); any of them '+repair-N' repairs N stale rows a decode step ('focus+repair-32')."""
     out = []
     for name in (p.strip() for p in text.split(",") if p.strip()):
+        base, _, repair = name.partition("+repair-")
+        if repair:
+            if not repair.isdigit():
+                raise ValueError(f"{name!r}: +repair- takes a row count, as in focus+repair-32")
+            (variant,) = parse_variants(base)
+            out.append(Variant(name, variant.algorithm, {**variant.params, "repair": int(repair)}))
+            continue
         name = ALIASES.get(name, name)
         if name in VARIANTS:
             out.append(VARIANTS[name])

@@ -79,6 +79,7 @@ class LinkParams:
     ratio: float | None = None  # None: the algorithm's own default (focus 0.25, cacheblend 0.15)
     check_layer: int = DEFAULT_CHECK_LAYER
     deviation: str = "key"
+    repair: int = 0  # rows of the stale cache recomputed per decode step once the first token is out (0: none)
 
     def __post_init__(self) -> None:
         if self.ratio is None:
@@ -95,6 +96,8 @@ class LinkParams:
             raise ParameterOutOfRange(f"check_layer must be within [0, {num_layers - 1}], got {self.check_layer}")
         if self.deviation not in DEVIATIONS:
             raise ParameterOutOfRange(f"deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
+        if not isinstance(self.repair, int) or self.repair < 0:
+            raise ParameterOutOfRange(f"repair must be an integer >= 0 (rows per decode step), got {self.repair!r}")
 
 
 @dataclass
@@ -142,6 +145,10 @@ class LinkPlan:
     narrow: Narrowing | None
     rotate_s: float
     last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
+    # positions [0, exact_until) hold, once its rows have run, the K/V `full` computes for them: the exact prefix it
+    # reused, and the rows it recomputes from there on in a causal run. From there on a row may be stale: it was
+    # computed without some row before it (a chunk's entry, from the chunk alone), or over such a row.
+    exact_until: int = 0
 
 
 @torch.inference_mode()
@@ -162,12 +169,25 @@ def plan(
     )
     if hit is not None and hit.logits is not None:
         cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
-        return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits)
+        return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits, length)
     reused = place(runner, parts, params, cache, hit)
     scored = algorithm(params.algorithm).scores and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
     scores = question_attention(runner, parts, cache).sum(0) if scored else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
-    return LinkPlan(cache, ids, rows.sort().values, narrow, time.perf_counter() - started)
+    rows = rows.sort().values
+    return LinkPlan(
+        cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact_until(rows, reused, narrow)
+    )
+
+
+def exact_until(rows: torch.Tensor, reused: int, narrow: Narrowing | None) -> int:
+    """Where a link's cache stops being `full`'s: after the exact prefix it reused and the rows it recomputes in a
+    causal run from there (each of them attends only to exact rows). A Narrowing drops rows after a layer: none of
+    its rows is exact past the prefix."""
+    if narrow is not None or rows.numel() == 0:
+        return reused
+    in_run = rows.cpu() == torch.arange(reused, reused + rows.numel())
+    return reused + int(in_run.to(torch.int64).cumprod(0).sum())
 
 
 def finish(

@@ -116,6 +116,14 @@ class LinkKnobs(BaseModel):
     deviation: Literal[DEVIATIONS] | None = Field(  # type: ignore[valid-type]
         default=None, description="cacheblend: rank rows by K (key, the default) or V (value) deviation"
     )
+    repair: int | None = Field(
+        default=None,
+        ge=0,
+        le=1 << 16,
+        strict=True,
+        description="rows of the link's stale cache recomputed with each decode step once the first token is out, "
+        "in causal order, until the cache is full's (README: Repair during decode; default 0: off)",
+    )
 
     @classmethod
     def of(cls, **named) -> LinkKnobs:

@@ -130,6 +130,16 @@ def test_mixed_batch(rc):
         assert_same(b, s)
 
 
+def test_repairing_requests_batched_equal_alone(rc):
+    """Repair pieces ride their sequence's decode steps, cut as it alone cuts them: with batch invariance the answers
+    are the same packed with others as alone."""
+    kwargs = [ask(rc, "naive", 0, repair=8, max_new_tokens=12), ask(rc, "focus", 1, slice(0, 2), repair=5),
+              ask(rc, "full", 2, slice(1, 3))]
+    singles = [alone(rc, **k) for k in kwargs]
+    for batched, single in zip(together(rc, [Run(rc, **k) for k in kwargs]), singles):
+        assert_same(batched, single)
+
+
 def test_a_request_joins_while_another_decodes(rc):
     first, second = ask(rc, "full", 0, slice(0, 3), max_new_tokens=12), ask(rc, "legolink", 2, slice(0, 2))
     single_first, single_second = alone(rc, **first), alone(rc, **second)

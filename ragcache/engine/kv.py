@@ -308,7 +308,7 @@ def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> Poo
         if seg.cache.slot is not None
         and pool.members.get(seg.cache.slot) is seg.cache
         and seg.end - seg.start == 1
-        and seg.contiguous_from is not None
+        and seg.contiguous_from == seg.cache.length - 1  # a repaired row is one row too, further back
     ]
     if not rows or (len(rows) < 2 and not whole):
         return None

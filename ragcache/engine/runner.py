@@ -216,6 +216,9 @@ class Runner:
                 ids.append(torch.tensor([seq.next_token]))
                 parts.append((cache, torch.tensor([cache.length])))
                 cache.length += 1
+            elif work.kind is Kind.REPAIR:  # stale rows again, over the exact rows before them (its decode row's
+                ids.append(seq.repair.token_ids(work.start, work.stop, seq.decoding.token_ids))  # work came first)
+                parts.append((seq.cache, torch.arange(work.start, work.stop)))
             else:
                 piece = seq.plan.rows[work.start : work.stop]
                 ids.append(seq.plan.token_ids[piece])

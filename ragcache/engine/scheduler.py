@@ -28,7 +28,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from ..settings import DEFAULT_ROW_BUDGET
-from .sequence import Output, Sequence, Status
+from .sequence import Output, Repair, Sequence, Status
 
 
 class Kind(enum.Enum):
@@ -36,6 +36,7 @@ class Kind(enum.Enum):
     NARROW = "narrow"  # a Narrowing link: all its rows in one forward of its own
     PIECE = "piece"  # link rows [start, stop) of its plan, packed with the step's other rows
     DECODE = "decode"  # its next token's row
+    REPAIR = "repair"  # rows [start, stop) of a decoding sequence's stale cache, recomputed (Sequence.repair)
     TASK = "task"  # Sequence.task(runner), alone: work outside any request, or a change between steps
 
 
@@ -169,8 +170,8 @@ class Scheduler:
             s for s in self.running if s.status is Status.LINKING and s.pending_rows and not (s.background and users)
         ]
         base = self._base_step(decoding, linking)
-        work = [] if base else [Work(s, Kind.DECODE) for s in decoding]
-        decode_rows = len(work)
+        work = [] if base else [Work(s, Kind.DECODE) for s in decoding] + self._repairs(decoding)
+        decode_rows, decoding_works = sum(w.rows for w in work), len(work)
         # the decoding streams wait for this step even when their rows are not in it
         budget = max(self.row_budget - decode_rows, 1) if decoding else self.link_row_budget
         linking = [s for s in linking if s.base_weights == base]
@@ -178,19 +179,27 @@ class Scheduler:
             pending = sequence.pending_rows
             if budget <= 0:
                 continue
-            size = self._piece_size(pending, budget, first=len(work) == decode_rows)
+            size = self._piece_size(pending, budget, first=len(work) == decoding_works)
             if size == 0:
                 continue
             work.append(Work(sequence, Kind.PIECE, sequence.linked_rows, sequence.linked_rows + size))
             budget -= size
             if size == pending:  # its link ends here and its answer waits for the step: no longer than row_budget's
-                budget = min(budget, self.row_budget - sum(w.stop - w.start for w in work) - decode_rows)
+                budget = min(budget, self.row_budget - sum(w.rows for w in work))
         pieces = {w.sequence for w in work if w.kind is Kind.PIECE}
         for sequence in linking:
             sequence.passed_over = 0 if sequence in pieces else sequence.passed_over + 1
         if not work:
             return None
         return StepPlan(Kind.PIECE, work, base)
+
+    @staticmethod
+    def _repairs(decoding: list[Sequence]) -> list[Work]:
+        """The decoding sequences' repair pieces (Sequence.repair). Each rides with its decode row every step until
+        it is done, before any link piece and out of the step's budget: cut where the sequence alone would cut it,
+        whatever else runs (batch invariance), and an answer's repair never waits on the load."""
+        sized = [(s, s.repair.size(s.cache.length)) for s in decoding if s.repair is not None]
+        return [Work(s, Kind.REPAIR, s.repair.next, s.repair.next + n) for s, n in sized if n > 0]
 
     def _urgency(self, sequence: Sequence) -> tuple[bool, int]:
         """The order link pieces take the budget in: those passed over too long first, the longest passed over
@@ -225,6 +234,10 @@ class Scheduler:
         outputs = []
         for work, result in zip(plan.work, results):
             sequence = work.sequence
+            if work.kind is Kind.REPAIR:  # no output of its own: a step that fails fails its decode row too
+                if result.error is None and sequence.repair is not None:
+                    sequence.repair.next = work.stop
+                continue
             if result.error is not None:
                 outputs.append((sequence, self._leave(sequence, Output(status=Status.FAILED, error=result.error))))
                 continue
@@ -243,6 +256,7 @@ class Scheduler:
     def _advance(self, sequence: Sequence, result: StepResult) -> Output | None:
         """A sequence whose link ended or which sampled a token: decoding, or over."""
         if result.linked is not None:  # what it read from the store is in its cache now: not kept for its decode
+            sequence.repair = _repair(sequence)
             sequence.plan = sequence.parts = None
         step, decoding = result.step, sequence.decoding
         cache = sequence.cache
@@ -262,3 +276,14 @@ class Scheduler:
         held = [*self.tasks, *self.running, *self.waiting, *self.background]
         self.tasks, self.running, self.waiting, self.background = deque(), [], deque(), deque()
         return [(s, Output(status=Status.FAILED, error=error)) for s in held]
+
+
+def _repair(sequence: Sequence) -> Repair | None:
+    """What a sequence whose link just ended repairs while it decodes: its rows from where its cache stops being
+    `full`'s, if it asked for repair (LinkParams.repair) and its link left stale rows."""
+    plan, params = sequence.plan, sequence.params
+    if plan is None or params is None or not params.repair or sequence.decoding is None:
+        return None
+    if plan.exact_until >= plan.token_ids.numel():
+        return None
+    return Repair(plan.token_ids, plan.exact_until, params.repair)

@@ -18,6 +18,8 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import torch
+
 from ..errors import Cancelled
 from ..linker import Linked, LinkInput, LinkParams, LinkPlan
 from .kv import JoinedCache
@@ -53,6 +55,27 @@ class Status(enum.Enum):
     @property
     def over(self) -> bool:
         return self in (Status.FINISHED, Status.FAILED, Status.ABORTED)
+
+
+@dataclass
+class Repair:
+    """A decoding sequence's stale rows, recomputed in causal order `per_step` rows a decode step once its first
+    token is out (LinkParams.repair): each attends to rows before it that are exact already, so once `next` reaches
+    the cache's length the cache is the one `full` computes for the same tokens, the answer's rows included."""
+
+    prompt_ids: torch.Tensor  # the linked prompt's ids; the answer's fed tokens follow them in the cache
+    next: int  # the first row not yet exact
+    per_step: int
+
+    def size(self, length: int) -> int:
+        """Rows the next step repairs, of a cache holding `length` rows."""
+        return max(min(self.per_step, length - self.next), 0)
+
+    def token_ids(self, start: int, stop: int, answer: list[int]) -> torch.Tensor:
+        """The ids at positions [start, stop): the prompt's, then the answer's tokens fed after it."""
+        n = self.prompt_ids.numel()
+        fed = torch.tensor(answer[max(start - n, 0) : max(stop - n, 0)], dtype=self.prompt_ids.dtype)
+        return torch.cat((self.prompt_ids[start:stop], fed))
 
 
 @dataclass(frozen=True)
@@ -137,6 +160,7 @@ class Sequence:
         self.plan: LinkPlan | None = None  # placed; None once linked
         self.cache: JoinedCache | None = None
         self.linked_rows = 0  # of plan.rows, those run so far
+        self.repair: Repair | None = None  # decoding: its stale rows still to recompute (LinkParams.repair)
         self.passed_over = 0  # forward steps in a row that left its pending link rows out (Scheduler.MAX_PASSED_OVER)
         self.link_started = 0.0
         self.next_token = -1  # decoding: the token whose row the next step runs

@@ -88,6 +88,12 @@ def test_stream_raw_text_stop_and_cancel(rc, reference, doc_ids):
     assert rc.query(QUESTION, doc_ids, max_new_tokens=TOKENS).text  # vLLM goes on
 
 
+def test_repair_during_decode_is_refused_with_the_reason(rc, doc_ids):
+    with pytest.raises(ParameterOutOfRange, match="repair .* ragcache's engine only"):
+        rc.query(QUESTION, doc_ids, algorithm="naive", repair=8, max_new_tokens=TOKENS)
+    assert rc.query(QUESTION, doc_ids, algorithm="naive", repair=0, max_new_tokens=TOKENS).text  # 0: off, accepted
+
+
 def test_a_delete_during_a_query_waits_for_its_link(rc):
     """The link compiles a missing chunk inside vLLM: a delete sent meanwhile waits for it, and then removes it too,
     instead of leaving an entry that no document refers to."""

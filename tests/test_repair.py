@@ -1,0 +1,127 @@
+"""Repair during decode (LinkParams.repair, issue 65): a linked sequence's stale rows are recomputed in causal order
+with its decode steps, and once every row is repaired its cache is the one `full` computes for the same tokens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ragcache import agreement, linker
+from ragcache.engine.sequence import Repair
+from ragcache.facade import RagCache
+from ragcache.settings import EngineConfig
+from ragcache.store.memory import MemoryStore
+from tests import tiny
+
+QUESTION = "Which mountain is the highest?"
+DOCS = [text * 3 for text in tiny.CORPUS[:4]]
+
+
+def engine(family: str = "llama", **config) -> RagCache:
+    return RagCache(tiny.make(family), MemoryStore(), EngineConfig(chunk_tokens=40, kv_codec="fp32", **config))
+
+
+def caches_at_release(rc: RagCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The K/V each sequence's cache holds when it ends (the driver releases it, on the model thread)."""
+    held, release = [], rc.runner.release
+
+    def keep(cache):
+        held.append((cache.keys[:, :, : cache.length].clone(), cache.values[:, :, : cache.length].clone()))
+        release(cache)
+
+    rc.runner.release = keep
+    return held
+
+
+def full_cache(rc: RagCache, ids: list, answer: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`full`'s K/V over the prompt and the answer's tokens fed after it (all but the last, never fed)."""
+    full = rc.link(QUESTION, ids, algorithm="full", max_new_tokens=len(answer))
+    rc.with_runner(agreement.teacher_forced, full, answer)  # writes the answer's rows into full's cache
+    length = full.cache.length + len(answer) - 1
+    return full.cache.keys[:, :, :length], full.cache.values[:, :, :length]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding windows and two rope tables
+@pytest.mark.parametrize("algorithm,knobs", [("naive", {}), ("focus", {"ratio": 0.25}), ("legolink", {"k": 4})])
+def test_once_every_row_is_repaired_the_cache_is_fulls(family, algorithm, knobs):
+    rc = engine(family)
+    ids = rc.compile(DOCS)
+    held = caches_at_release(rc)
+    answer = rc.query(QUESTION, ids, algorithm=algorithm, repair=40, max_new_tokens=24, **knobs)
+    assert len(answer.token_ids) == 24 and len(held) == 1  # random weights: no EOS before the limit
+    keys, values = held[0]
+    want_keys, want_values = full_cache(rc, ids, answer.token_ids)
+    assert keys.shape == want_keys.shape  # the prompt and 23 fed tokens: 40 rows a step caught up with them
+    torch.testing.assert_close(keys, want_keys, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(values, want_values, atol=2e-5, rtol=2e-4)
+    rc.close()
+
+
+def test_without_repair_or_with_a_row_skipped_the_cache_is_not_fulls(monkeypatch):
+    """The comparison above has teeth: a link's stale rows differ from full's, and a repair that starts late, past
+    rows of the second chunk (its rows attend to stale ones), leaves the rows after them wrong, not only the skipped
+    ones. (The first chunk's entry, computed behind BOS alone as `full` computes it, happens to be exact.)"""
+    rc = engine()
+    ids = rc.compile(DOCS)
+    held = caches_at_release(rc)
+    stale = rc.query(QUESTION, ids, algorithm="naive", max_new_tokens=24)
+    keys = held[-1][0]  # (the `full` link below is released too)
+    want_keys, _ = full_cache(rc, ids, stale.token_ids)
+    assert keys.shape == want_keys.shape and not torch.allclose(keys, want_keys, atol=1e-3)
+    plan = linker.exact_until
+    monkeypatch.setattr(linker, "exact_until", lambda rows, reused, narrow: plan(rows, reused, narrow) + 60)
+    skipped = rc.query(QUESTION, ids, algorithm="naive", repair=40, max_new_tokens=24)
+    keys = held[-1][0]
+    want_keys, _ = full_cache(rc, ids, skipped.token_ids)
+    late = (keys - want_keys).abs().amax(dim=(0, 1, 3))  # the largest error at each position
+    first = int((late > 1e-3).nonzero()[0])
+    assert (late[first:] > 1e-4).float().mean() > 0.5  # the wrong row poisons the rows after it
+    rc.close()
+
+
+def test_the_first_token_is_the_links_own_and_repair_changes_only_what_follows():
+    rc = engine()
+    ids = rc.compile(DOCS)
+    plain = rc.query(QUESTION, ids, algorithm="naive", max_new_tokens=8)
+    repaired = rc.query(QUESTION, ids, algorithm="naive", repair=16, max_new_tokens=8)
+    assert repaired.token_ids[0] == plain.token_ids[0]
+    assert repaired.stats.ttft_s > 0 and repaired.stats.recomputed_tokens == plain.stats.recomputed_tokens
+    rc.close()
+
+
+def test_exact_links_have_nothing_to_repair():
+    """`full` recomputes every row in a causal run from the start; the prefix the others reuse is exact."""
+    assert linker.exact_until(torch.arange(3, 10), 3, None) == 10
+    assert linker.exact_until(torch.tensor([3, 4, 7, 8]), 3, None) == 5  # the run stops at the first gap
+    assert linker.exact_until(torch.tensor([8, 9]), 3, None) == 3 and linker.exact_until(torch.arange(0), 3, None) == 3
+    repair = Repair(torch.tensor([5, 6, 7]), next=1, per_step=4)
+    assert repair.size(3) == 2 and repair.size(10) == 4
+    assert repair.token_ids(1, 6, [8, 9, 10]).tolist() == [6, 7, 8, 9, 10]  # the prompt, then the answer fed
+
+
+def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
+    """Each decode step of a repairing sequence carries its next rows, before any link piece; a link piece of
+    another request gets what is left of the budget."""
+    from ragcache.engine.scheduler import Kind, Scheduler
+    from tests.test_scheduler import run_plan, sequence
+
+    scheduler = Scheduler(row_budget=16)
+    a, b = sequence(tokens=8), sequence(tokens=2)
+    scheduler.add(a)
+    run_plan(scheduler, scheduler.schedule(), {a: (5,)})
+    a.cache.length = 5  # its prompt's rows, placed
+    plan = scheduler.schedule()
+    a.params = linker.LinkParams("naive", repair=6)
+    a.plan.token_ids, a.plan.exact_until = torch.arange(5), 1  # the rows after the first are stale
+    run_plan(scheduler, plan, {})
+    assert a.repair is not None and a.repair.next == 1
+    scheduler.add(b)
+    run_plan(scheduler, scheduler.schedule(), {b: (40,)})
+    for want in ((1, 5), (5, 6)):  # what the cache holds, then the token fed in the step before
+        step = scheduler.schedule()
+        kinds = [(w.kind, w.sequence, w.start, w.stop) for w in step.work]
+        assert kinds[:2] == [(Kind.DECODE, a, 0, 0), (Kind.REPAIR, a, *want)]
+        assert kinds[2][1] is b and step.rows == 16  # b's piece has the rest of the budget
+        a.cache.length += 1  # the runner feeds a's token
+        run_plan(scheduler, step, {})
+    assert a.repair.next == 6 and a.repair.size(a.cache.length) == 1  # one row a step from here: the fed token's
