@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from ragcache import __version__
@@ -21,8 +23,9 @@ from ragcache.settings import Settings
 
 from . import body, errors, native, openai_compat
 from .answering import ClientGone, Context, server_guard
+from .connections import bounded
 from .engine_queue import EngineQueue
-from .errors import error_response
+from .errors import clip, error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from .schemas import ChatRequest, CompileRequest, CompletionRequest, InfillRequest, QueryRequest
 
@@ -129,6 +132,18 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
     @app.exception_handler(ClientGone)
     async def on_client_gone(request: Request, exc: ClientGone) -> Response:
         return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+
+    @app.exception_handler(ClientDisconnect)
+    async def on_body_cut_short(request: Request, exc: ClientDisconnect) -> Response:
+        # the client's event, not the server's: no traceback and no 5xx (which would page whoever alerts on them),
+        # and a bounded number of lines however many clients do it
+        bounded(
+            logging.INFO,
+            "a client closed its connection before its request body was complete (%s %s): answered 499",
+            request.method,
+            clip(request.url.path),
+        )
+        return Response(status_code=499)
 
     app.include_router(native.router)
     app.include_router(openai_compat.router)
