@@ -92,7 +92,7 @@ class Context:
         self, request: Request, make_stream: Callable[[], Stream], query: Query | None = None
     ) -> tuple[Generation, Event]:
         """`start` for any engine's sequence (answers, infills)."""
-        slot = self.queue.admit()
+        slot = self.queue.admit(client_of(request))
         try:  # validates the parameters and tokenizes (an infill prompt can be 400k characters): not on the loop
             stream = await asyncio.to_thread(make_stream)
         except BaseException:
@@ -157,6 +157,13 @@ def server_guard(rc: Front, rate: float, queue: EngineQueue, metrics: Metrics) -
         on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
         on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc(),
     )
+
+
+def client_of(request: Request) -> str:
+    """Whom a request counts against for max_per_client: its address, which uvicorn takes from X-Forwarded-For
+    when the connection comes from a trusted proxy (forwarded_allow_ips). Not the API key: the server has one,
+    shared by every client, so it tells none apart."""
+    return request.client.host if request.client else "unknown"  # a Unix socket gives no address
 
 
 def ctx(request: Request) -> Context:

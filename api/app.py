@@ -107,7 +107,7 @@ class Guard:
 
 
 def create_app(rc: Front, settings: Settings) -> FastAPI:
-    queue = EngineQueue(settings.max_queue)
+    queue = EngineQueue(settings.max_queue, settings.client_limit)
     metrics = Metrics(rc.store, queue, rc)
 
     @asynccontextmanager
@@ -167,6 +167,7 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
             "device_reason": rc.device_reason,
             "queue_depth": queue.depth,
             "max_queue": queue.max_queue,
+            "max_per_client": queue.max_per_client,
             "batch_invariance": rc.batch_invariance,
         }
 

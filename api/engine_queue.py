@@ -2,7 +2,8 @@
 
 - The engine's model thread runs every model step (batching every running request, FIFO admission);
   this module only decides admission: at most `max_queue` requests hold a slot (preparing, waiting or
-  running); the next one gets 429 at once.
+  running), and at most `max_per_client` of them come from one client; the next one gets 429 at once, so one
+  client cannot take the whole queue.
 - Work that is not a model step (store reads, compiling a document, which queues its model work on the
   model thread) runs in worker threads, so the event loop never blocks.
 - A Generation opens a ragcache Sequence and receives its events from the model thread; a client that
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from typing import ClassVar
 
 from starlette.requests import Request
@@ -24,28 +26,55 @@ from ragcache.front import Stream
 
 from .errors import ApiError
 
+QUEUE_FULL, CLIENT_LIMIT = "queue_full", "client_limit"
+REFUSALS = (QUEUE_FULL, CLIENT_LIMIT)  # the reasons a request is refused admission (ragcache_refused_total)
+
 
 class EngineQueue:
-    def __init__(self, max_queue: int):
-        self.max_queue = max_queue
+    def __init__(self, max_queue: int, max_per_client: int):
+        self.max_queue, self.max_per_client = max_queue, max_per_client
         self.depth = 0  # requests admitted and not finished; only touched on the event loop
-        self.rejected = 0  # 429s
+        self.held: Counter[str] = Counter()  # the slots each client holds; a client holding none has no entry
+        self.refused: Counter[str] = Counter()  # 429s by reason (REFUSALS)
         self.cancelled = 0  # generations stopped because their client went away
         self.live: set[Generation] = set()
 
-    def admit(self) -> Slot:
+    @property
+    def rejected(self) -> int:
+        """429s because the queue was full."""
+        return self.refused[QUEUE_FULL]
+
+    def admit(self, client: str) -> Slot:
+        """A slot for one request of `client` (api/answering.client_of), or a 429 ApiError that says why not."""
         if self.depth >= self.max_queue:
-            self.rejected += 1
-            raise ApiError(
-                429,
-                "queue_full",
+            raise self._refuse(
+                QUEUE_FULL,
                 f"the server is busy: {self.depth} requests are waiting for or using the "
                 f"engine (max_queue={self.max_queue}); retry shortly",
                 queue_depth=self.depth,
                 max_queue=self.max_queue,
             )
+        if self.held[client] >= self.max_per_client:
+            raise self._refuse(
+                CLIENT_LIMIT,
+                f"this client already has {self.held[client]} requests waiting for or using the engine "
+                f"(max_per_client={self.max_per_client}); retry when one of them has finished",
+                client_requests=self.held[client],
+                max_per_client=self.max_per_client,
+            )
         self.depth += 1
-        return Slot(self, asyncio.get_running_loop())
+        self.held[client] += 1
+        return Slot(self, asyncio.get_running_loop(), client)
+
+    def _refuse(self, reason: str, message: str, **details) -> ApiError:
+        self.refused[reason] += 1
+        return ApiError(429, reason, message, **details)
+
+    def release(self, client: str) -> None:
+        self.depth -= 1
+        self.held[client] -= 1
+        if not self.held[client]:
+            del self.held[client]  # one entry per client with a request, not per client ever seen
 
     def shutdown(self) -> None:
         """Server stopping: every live generation is aborted before the engine's next step."""
@@ -56,8 +85,8 @@ class EngineQueue:
 class Slot:
     """One request's place in the queue; freed once the request is done and none of its jobs still runs."""
 
-    def __init__(self, queue: EngineQueue, loop: asyncio.AbstractEventLoop):
-        self.queue, self.loop = queue, loop
+    def __init__(self, queue: EngineQueue, loop: asyncio.AbstractEventLoop, client: str):
+        self.queue, self.loop, self.client = queue, loop, client
         self.admitted = time.perf_counter()
         self.started: float | None = None  # when its work began
         self.jobs = 0
@@ -97,7 +126,7 @@ class Slot:
     def _release_if_idle(self) -> None:
         if self.closed and not self.jobs and not self.released:
             self.released = True
-            self.queue.depth -= 1
+            self.queue.release(self.client)
 
 
 async def wait_for_disconnect(request: Request) -> None:

@@ -61,7 +61,7 @@ ERRORS = {
     408: "the request body did not arrive in time",
     413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
     422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
-    429: "the server is busy (Retry-After)",
+    429: "the server is busy, or this client has max_per_client requests waiting or running (Retry-After)",
     500: "damaged store data, or an unexpected error (logged)",
     503: "a store tier or the model is unavailable (Retry-After)",
 }

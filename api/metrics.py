@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ragcache.engine import QueryStats
 from ragcache.store import Store
 
-from .engine_queue import EngineQueue
+from .engine_queue import REFUSALS, EngineQueue
 
 log = logging.getLogger("ragcache.api")
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the media type app.py serves /metrics as
@@ -84,7 +84,16 @@ def store_families(store: Store):
 def queue_families(q: EngineQueue):
     yield GaugeMetricFamily("ragcache_queue_depth", "requests waiting for or using the engine", value=q.depth)
     yield GaugeMetricFamily("ragcache_queue_limit", "max_queue: requests admitted before 429", value=q.max_queue)
+    yield GaugeMetricFamily(
+        "ragcache_client_limit", "max_per_client: requests of one client admitted before 429", value=q.max_per_client
+    )
     yield CounterMetricFamily("ragcache_queue_rejected", "requests refused with 429 (queue full)", value=q.rejected)
+    refused = CounterMetricFamily(
+        "ragcache_refused", "requests refused admission with 429, by reason", labels=["reason"]
+    )
+    for reason in REFUSALS:  # every reason, at 0 too: a rate over a series that appears late misses its start
+        refused.add_metric([reason], float(q.refused[reason]))
+    yield refused
     yield CounterMetricFamily(
         "ragcache_cancelled_generations", "generations stopped because the client went away", value=q.cancelled
     )

@@ -18,7 +18,7 @@ from ragcache.front import CompileReport
 from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.store.keys import is_document_id
 
-from .answering import ClientGone, Context, ctx, stop_strings
+from .answering import ClientGone, Context, client_of, ctx, stop_strings
 from .body import Body, documented
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import WITH_BODY, describe, responses
@@ -100,7 +100,7 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
     c = ctx(request)
     docs = req.items()
     await run_in_threadpool(_check_upload, docs, c.limits)  # metadata may be most of a large body
-    slot = c.queue.admit()
+    slot = c.queue.admit(client_of(request))
     gone = asyncio.ensure_future(wait_for_disconnect(request))
     reports: list[CompileReport] = []
     try:
@@ -177,7 +177,7 @@ async def delete_document(doc_id: str, request: Request) -> Deleted:
     c = ctx(request)
     if not is_document_id(doc_id):
         raise UnknownDocument([doc_id])
-    slot = c.queue.admit()
+    slot = c.queue.admit(client_of(request))
     try:
         deleted = await slot.call(c.rc.delete_document, doc_id)
     finally:

@@ -47,8 +47,9 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="ragcache-bench-serve-", suffix=".log", delete=False)
         self.threads = server_threads()
-        env = dict(os.environ, RAGCACHE_MAX_QUEUE=str(max_queue), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   OMP_NUM_THREADS=str(self.threads))
+        # every client of a benchmark comes from 127.0.0.1: one client to max_per_client, which may fill the queue
+        env = dict(os.environ, RAGCACHE_MAX_QUEUE=str(max_queue), RAGCACHE_MAX_PER_CLIENT=str(max_queue),
+                   HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS=str(self.threads))
         env.pop("RAGCACHE_API_KEY", None)
         env.update(extra_env or {})  # what this server alone is given (a store key)
         cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),

@@ -389,6 +389,14 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         "connections, for the store, model files, logs and threads",
     )
     max_queue: int = Field(32, ge=1, description="requests waiting for the engine before 429")
+    max_per_client: int | None = Field(
+        None,
+        ge=1,
+        description="requests one client (its address; behind a proxy the X-Forwarded-For it sets, see uvicorn's "
+        "forwarded_allow_ips) may have waiting for or using the engine; past it that client alone gets 429 "
+        "(default: a quarter of max_queue, at least 1: four busy clients fill the queue, a single one never does, "
+        "and each may still stream several answers at once)",
+    )
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)
     max_documents: int = Field(
@@ -438,6 +446,11 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
             )
         if problem := self.engine_config().vllm_problem():
             raise ValueError(problem)
+        if self.max_per_client is not None and self.max_per_client > self.max_queue:
+            raise ValueError(
+                f"max_per_client ({self.max_per_client}) is above max_queue ({self.max_queue}): one client "
+                "could still take the whole queue"
+            )
         if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422
             raise ValueError(
                 f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit ({self.max_new_tokens_limit})"
@@ -449,6 +462,11 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
                 "--no-merge-adapter): a merged one leaves vLLM no base weights for the base model's full"
             )
         return self
+
+    @property
+    def client_limit(self) -> int:
+        """max_per_client, or its default (see its description)."""
+        return self.max_per_client or max(1, self.max_queue // 4)
 
     def engine_config(self) -> EngineConfig:
         vllm_args = {

@@ -44,7 +44,9 @@ MAX_TOKENS = 3  # keep generation short: every test runs on two CPU cores
 
 
 def settings(**overrides) -> Settings:
-    """Defaults only (no RAGCACHE_* environment or ragcache.toml of the machine running the tests)."""
+    """Defaults only (no RAGCACHE_* environment or ragcache.toml of the machine running the tests). Every client of
+    these tests is 127.0.0.1, one client to max_per_client: it may hold the whole queue unless a test says not."""
+    overrides.setdefault("max_per_client", overrides.get("max_queue", Settings.model_fields["max_queue"].default))
     return Settings.model_construct(**overrides)
 
 
@@ -538,8 +540,8 @@ def test_a_cancelled_caller_keeps_the_slot_until_its_thread_finishes():
     from ragcache.api.engine_queue import EngineQueue
 
     async def scenario():
-        queue, release = EngineQueue(max_queue=1), threading.Event()
-        slot = queue.admit()
+        queue, release = EngineQueue(max_queue=1, max_per_client=1), threading.Event()
+        slot = queue.admit("127.0.0.1")
         caller = asyncio.ensure_future(slot.call(release.wait))
         while slot.jobs == 0 or not slot.started:
             await asyncio.sleep(0)
@@ -956,13 +958,13 @@ def test_guard_counters_move_on_a_real_server(rc, doc_ids):
 
 
 def test_guard_is_skipped_when_the_queue_is_full(rc):
-    import types
-
     from ragcache.api.answering import server_guard
+    from ragcache.api.engine_queue import EngineQueue
     from ragcache.api.metrics import Metrics
     from ragcache.engine.sampling import Answer, QueryStats
 
-    full_queue = types.SimpleNamespace(depth=4, max_queue=4, rejected=0, cancelled=0)
+    full_queue = EngineQueue(max_queue=4, max_per_client=4)
+    full_queue.depth = 4
     metrics = Metrics(rc.store, full_queue)
     guard = server_guard(rc, 1.0, full_queue, metrics)
     answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))

@@ -1,21 +1,27 @@
 """Hostile and careless clients against a real server (the tiny model, api/server.py's config): a client that
-closes mid-body is its own event, not a server error. No test asserts a duration."""
+closes mid-body is its own event, not a server error; one client cannot take the whole queue. No test asserts a
+duration."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from pydantic import ValidationError
 
 from ragcache.api import connections
 from ragcache.api.connections import LOG_EVERY_S
+from ragcache.api.errors import ApiError
 from ragcache.facade import RagCache
-from ragcache.settings import EngineConfig
+from ragcache.settings import EngineConfig, Settings
 from ragcache.store import open_store
 from tests import tiny
 from tests.test_slow_clients import WAIT_S, serve
@@ -118,3 +124,107 @@ def test_the_next_line_about_such_clients_counts_those_left_out(rc, records, mon
         wait_for(lambda: requests_with(addr, "499") >= 4, "a fourth 499")
     lines = [r.getMessage() for r in records if "before its request body was complete" in r.getMessage()]
     assert len(lines) == 2 and "(and 2 more like it" in lines[1], lines
+
+
+# -- one client cannot take the queue ---------------------------------------------------------------------------
+HOLD = "hold this one"  # a question whose stream the test keeps from opening until it says so
+
+
+@pytest.fixture
+def held_streams(rc, monkeypatch):
+    """Queries asking HOLD keep their slot, admitted, until the returned Event is set; the engine stays free for
+    everyone else's."""
+    release, stream_query = threading.Event(), rc.stream_query
+
+    def stream(query):
+        if query.question == HOLD:
+            release.wait(WAIT_S)
+        return stream_query(query)
+
+    monkeypatch.setattr(rc, "stream_query", stream)
+    yield release
+    release.set()
+
+
+def query(question: str) -> dict:
+    return {"question": question, "documents": [{"text": "The Eiffel Tower is in Paris."}], "max_tokens": 2}
+
+
+def refused(addr, reason: str) -> float:
+    return sum(s.value for s in samples(addr, "ragcache_refused") if s.labels.get("reason") == reason)
+
+
+def test_a_client_at_its_limit_is_refused_while_another_is_answered(rc, held_streams):
+    with serve(rc, max_queue=4, max_per_client=2) as addr, ThreadPoolExecutor(2) as pool, \
+            httpx.Client(base_url=url(addr), timeout=WAIT_S) as first, \
+            httpx.Client(base_url=url(addr), timeout=WAIT_S,
+                         transport=httpx.HTTPTransport(local_address="127.0.0.2")) as other:
+        holding = [pool.submit(httpx.post, f"{url(addr)}/v1/query", json=query(HOLD), timeout=WAIT_S)
+                   for _ in range(2)]
+        wait_for(lambda: gauge(addr, "ragcache_queue_depth") == 2, "two held requests admitted")
+
+        over = first.post("/v1/query", json=query("one more"))
+        assert over.status_code == 429 and over.headers["retry-after"] == "1", over.text
+        error = over.json()["error"]
+        assert error["type"] == "client_limit" and "max_per_client=2" in error["message"], error
+        upload = first.post("/v1/documents", json={"text": "an upload is a request of the same client"})
+        assert upload.status_code == 429 and upload.json()["error"]["type"] == "client_limit", upload.text
+
+        answered = other.post("/v1/query", json=query("where is the tower?"))
+        assert answered.status_code == 200, answered.text  # a third request in a queue of 4, from another client
+        proxied = first.post("/v1/query", json=query("via nginx?"), headers={"X-Forwarded-For": "10.9.8.7"})
+        assert proxied.status_code == 200, proxied.text  # behind a trusted proxy, the address it forwards
+        assert refused(addr, "client_limit") == 2 and refused(addr, "queue_full") == 0
+
+        held_streams.set()
+        assert [f.result().status_code for f in holding] == [200, 200]
+        assert first.post("/v1/query", json=query("and now?")).status_code == 200  # its slots came back
+
+
+def gauge(addr, name: str) -> float:
+    return sum(s.value for s in samples(addr, name))
+
+
+def test_the_queue_full_is_told_before_the_client_limit(rc, held_streams):
+    """A full queue refuses everyone, whoever holds it: its reason is the one counted."""
+    with serve(rc, max_queue=1, max_per_client=1) as addr, ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(httpx.post, f"{url(addr)}/v1/query", json=query(HOLD), timeout=WAIT_S)
+        wait_for(lambda: gauge(addr, "ragcache_queue_depth") == 1, "the held request admitted")
+        r = httpx.post(f"{url(addr)}/v1/query", json=query("q"), timeout=WAIT_S)
+        assert r.status_code == 429 and r.json()["error"]["type"] == "queue_full", r.text
+        assert refused(addr, "queue_full") == 1 and refused(addr, "client_limit") == 0
+        held_streams.set()
+        assert holding.result().status_code == 200
+
+
+def test_a_client_holding_nothing_leaves_no_entry():
+    """The per-client count is kept for clients with a request only: a million addresses seen leave nothing."""
+    from ragcache.api.engine_queue import EngineQueue
+
+    async def scenario():
+        queue = EngineQueue(max_queue=4, max_per_client=1)
+        a = queue.admit("10.0.0.1")
+        with pytest.raises(ApiError) as refusal:
+            queue.admit("10.0.0.1")
+        b = queue.admit("10.0.0.2")
+        a.close()
+        b.close()
+        return refusal.value, dict(queue.held), queue.depth, dict(queue.refused)
+
+    refusal, held, depth, counts = asyncio.run(scenario())
+    assert refusal.status == 429 and refusal.type == "client_limit"
+    assert held == {} and depth == 0 and counts == {"client_limit": 1}
+
+
+def test_max_per_client_is_a_quarter_of_the_queue_unless_set(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # no ragcache.toml
+    monkeypatch.delenv("RAGCACHE_MAX_PER_CLIENT", raising=False)
+    monkeypatch.setenv("RAGCACHE_MAX_QUEUE", "32")
+    assert Settings().client_limit == 8
+    monkeypatch.setenv("RAGCACHE_MAX_QUEUE", "3")
+    assert Settings().client_limit == 1
+    monkeypatch.setenv("RAGCACHE_MAX_PER_CLIENT", "2")
+    assert Settings().client_limit == 2
+    monkeypatch.setenv("RAGCACHE_MAX_PER_CLIENT", "4")
+    with pytest.raises(ValidationError, match="max_per_client"):
+        Settings()
