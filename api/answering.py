@@ -21,7 +21,7 @@ from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
 from ragcache.settings import Settings
 
-from .engine_queue import EngineQueue, Generation
+from .engine_queue import EngineQueue, Generation, Measuring
 from .metrics import Metrics
 from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
@@ -45,6 +45,7 @@ class Context:
     settings: Settings
     queue: EngineQueue
     metrics: Metrics
+    measuring: Measuring
     guard: BackgroundGuard | None = None
 
     @property
@@ -70,9 +71,10 @@ class Context:
         link: LinkOptions | None,
         sampling: SamplingFields,
     ) -> Query:
-        """The engine's query, validated (413 over a limit, 422 for what means nothing), with this server's
-        defaults for what the request leaves out. In a worker thread: validating hashes every raw text (64 of
-        200k characters take tens of milliseconds), which would stall every other request on the loop."""
+        """The engine's query, validated (413 over a limit or past the context, 422 for what means nothing), with
+        this server's defaults for what the request leaves out. In a worker thread: validating hashes every raw
+        text (64 of 200k characters take tens of milliseconds), which would stall every other request on the loop.
+        Raw texts are measured against the context in the bounded `measuring` pool."""
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
         params = self.rc.resolve(self.settings, link or LinkOptions())  # the request's knobs over the server's
         answer = Sampling(
@@ -82,7 +84,10 @@ class Context:
             stop_strings(sampling.stop),
             sampling.seed,
         )
-        return await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
+        query = await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
+        if query.texts:
+            await self.measuring.run(self.rc.refuse_long_texts, query.texts, answer.max_new_tokens)
+        return query
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:
         """Admit the request, start generating, and wait for the first event (raising the engine's error)."""

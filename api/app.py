@@ -24,7 +24,7 @@ from ragcache.settings import Settings
 from . import body, errors, native, openai_compat
 from .answering import ClientGone, Context, server_guard
 from .connections import bounded
-from .engine_queue import EngineQueue
+from .engine_queue import EngineQueue, Measuring
 from .errors import clip, error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
 from .schemas import ChatRequest, CompileRequest, CompletionRequest, InfillRequest, QueryRequest
@@ -108,7 +108,8 @@ class Guard:
 
 def create_app(rc: Front, settings: Settings) -> FastAPI:
     queue = EngineQueue(settings.max_queue, settings.client_limit)
-    metrics = Metrics(rc.store, queue, rc)
+    measuring = Measuring(queue, settings.max_tokenizing, settings.max_queue)
+    metrics = Metrics(rc.store, queue, rc, measuring)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -125,7 +126,7 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan, redirect_slashes=False
     )
     guard = server_guard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
-    app.state.ctx = Context(rc, settings, queue, metrics, guard)
+    app.state.ctx = Context(rc, settings, queue, metrics, measuring, guard)
     app.state.created = int(time.time())
     errors.install(app)
 

@@ -26,8 +26,8 @@ from ragcache.front import Stream
 
 from .errors import ApiError
 
-QUEUE_FULL, CLIENT_LIMIT = "queue_full", "client_limit"
-REFUSALS = (QUEUE_FULL, CLIENT_LIMIT)  # the reasons a request is refused admission (ragcache_refused_total)
+QUEUE_FULL, CLIENT_LIMIT, TOKENIZER_BUSY = "queue_full", "client_limit", "tokenizer_busy"
+REFUSALS = (QUEUE_FULL, CLIENT_LIMIT, TOKENIZER_BUSY)  # why a request is refused admission (ragcache_refused_total)
 
 
 class EngineQueue:
@@ -47,7 +47,7 @@ class EngineQueue:
     def admit(self, client: str) -> Slot:
         """A slot for one request of `client` (api/answering.client_of), or a 429 ApiError that says why not."""
         if self.depth >= self.max_queue:
-            raise self._refuse(
+            raise self.refuse(
                 QUEUE_FULL,
                 f"the server is busy: {self.depth} requests are waiting for or using the "
                 f"engine (max_queue={self.max_queue}); retry shortly",
@@ -55,7 +55,7 @@ class EngineQueue:
                 max_queue=self.max_queue,
             )
         if self.held[client] >= self.max_per_client:
-            raise self._refuse(
+            raise self.refuse(
                 CLIENT_LIMIT,
                 f"this client already has {self.held[client]} requests waiting for or using the engine "
                 f"(max_per_client={self.max_per_client}); retry when one of them has finished",
@@ -66,7 +66,8 @@ class EngineQueue:
         self.held[client] += 1
         return Slot(self, asyncio.get_running_loop(), client)
 
-    def _refuse(self, reason: str, message: str, **details) -> ApiError:
+    def refuse(self, reason: str, message: str, **details) -> ApiError:
+        """The 429 for `reason`, counted."""
         self.refused[reason] += 1
         return ApiError(429, reason, message, **details)
 
@@ -80,6 +81,40 @@ class EngineQueue:
         """Server stopping: every live generation is aborted before the engine's next step."""
         for gen in list(self.live):
             gen.stream.cancel()
+
+
+class Measuring:
+    """Length checks of raw texts before admission (Front.refuse_long_texts), at most `workers` at once in worker
+    threads and up to `waiting` more in line; the next is a 429. Queries refused for length then take no more CPU
+    from the others than `workers` threads can."""
+
+    def __init__(self, queue: EngineQueue, workers: int, waiting: int):
+        self.queue, self.workers, self.waiting = queue, workers, waiting
+        self.turns = asyncio.Semaphore(workers)
+        self.in_line = self.running = 0
+
+    async def run(self, fn, *args):
+        if self.in_line >= self.waiting:
+            raise self.queue.refuse(
+                TOKENIZER_BUSY,
+                f"{self.workers} queries' raw texts are being measured and {self.in_line} more wait their turn "
+                f"(max_tokenizing={self.workers}); retry shortly",
+            )
+        self.in_line += 1
+        try:
+            await self.turns.acquire()
+        finally:
+            self.in_line -= 1
+        self.running += 1
+        job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        job.add_done_callback(self._done)  # the turn ends with the thread, not with a caller that was cancelled
+        return await asyncio.shield(job)
+
+    def _done(self, job: asyncio.Future) -> None:
+        if not job.cancelled():
+            job.exception()  # a caller that left never reads it: asyncio would log it as never retrieved
+        self.running -= 1
+        self.turns.release()
 
 
 class Slot:

@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from ragcache.engine import QueryStats
 from ragcache.store import Store
 
-from .engine_queue import REFUSALS, EngineQueue
+from .engine_queue import REFUSALS, EngineQueue, Measuring
 
 log = logging.getLogger("ragcache.api")
 CONTENT_TYPE = CONTENT_TYPE_LATEST  # the media type app.py serves /metrics as
@@ -99,8 +99,17 @@ def queue_families(q: EngineQueue):
     )
 
 
+def measuring_families(m: Measuring):
+    checks = GaugeMetricFamily(
+        "ragcache_length_checks", "queries whose raw texts are measured against the context", labels=["state"]
+    )
+    checks.add_metric(["running"], float(m.running))
+    checks.add_metric(["waiting"], float(m.in_line))
+    yield checks
+
+
 class Metrics:
-    def __init__(self, store: Store, queue: EngineQueue, engine=None):
+    def __init__(self, store: Store, queue: EngineQueue, engine=None, measuring: Measuring | None = None):
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "ragcache_http_requests",
@@ -157,6 +166,8 @@ class Metrics:
             registry=r,
         )
         r.register(Collector(lambda: queue_families(queue)))
+        if measuring is not None:
+            r.register(Collector(lambda: measuring_families(measuring)))
         r.register(Collector(lambda: store_families(store)))
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
             r.register(Collector(lambda: engine.engine_metrics()))

@@ -82,6 +82,20 @@ class PromptTooLong(RagCacheError):
         )
 
 
+class TextsTooLong(PromptTooLong):
+    """Raw texts that hold more tokens than the context has room for, found before they were tokenized whole
+    (ragcache/length.py): `prompt_tokens` is a lower bound."""
+
+    def __init__(self, at_least: int, max_new_tokens: int, context: int, how: str):
+        self.prompt_tokens, self.max_new_tokens, self.context = at_least, max_new_tokens, context
+        self.question_tokens = None
+        RagCacheError.__init__(
+            self,
+            f"the raw texts hold at least {at_least} tokens ({how}); with {max_new_tokens} new tokens they cannot "
+            f"fit the model context of {context} tokens: pass fewer or shorter texts, or lower max_new_tokens",
+        )
+
+
 class UnsupportedModel(RagCacheError):
     """A model ragcache cannot link for (no rotary embeddings, unsupported rope type, ...)."""
 

@@ -21,6 +21,7 @@ from .catalog import Catalog, Writer
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling
 from .errors import ParameterOutOfRange, PromptTooLong
+from .length import TokenBound
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
 from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
@@ -78,6 +79,7 @@ class Front(abc.ABC):
         self.format = prompt.PromptFormat.for_tokenizer(lm.tokenizer)
         self.layouts = {"default": default_layout(lm.tokenizer), "sink": sink_layout(lm.tokenizer)}
         self.catalog = Catalog(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
+        self.token_bound = TokenBound(lm.tokenizer)
         self.infill_sessions = infill.InfillSessions()
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
@@ -374,6 +376,13 @@ class Front(abc.ABC):
         text, stored and compiled on the fly. `link`: from `params` (None: its defaults); `sampling`: how to answer
         (None: a link only, nothing sampled)."""
         return request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
+
+    def refuse_long_texts(self, texts: list[str], max_new_tokens: int) -> None:
+        """TextsTooLong (a 413 at the API) when raw texts cannot fit the context beside max_new_tokens, found from
+        their bytes or a count that stops past the room, never by tokenizing a refused text whole
+        (ragcache/length.py). The API runs it before admitting a query, a few at a time."""
+        room = self.context_length - max_new_tokens
+        self.token_bound.refuse_over(texts, room, max_new_tokens, self.context_length)
 
     def stream(
         self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED, **knobs

@@ -397,6 +397,12 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         "(default: a quarter of max_queue, at least 1: four busy clients fill the queue, a single one never does, "
         "and each may still stream several answers at once)",
     )
+    max_tokenizing: int = Field(
+        2,
+        ge=1,
+        description="queries whose raw texts are measured against the context at once, before admission (each "
+        "takes a CPU core while it runs); up to max_queue more wait their turn, the next is a 429",
+    )
     max_question_chars: int = Field(8_000, ge=1)
     max_document_chars: int = Field(200_000, ge=1)
     max_documents: int = Field(

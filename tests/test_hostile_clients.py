@@ -1,11 +1,12 @@
 """Hostile and careless clients against a real server (the tiny model, api/server.py's config): a client that
-closes mid-body is its own event, not a server error; one client cannot take the whole queue. No test asserts a
-duration."""
+closes mid-body is its own event, not a server error; one client cannot take the whole queue; a query refused for
+length costs about its bytes. No test asserts a duration."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import socket
 import threading
 import time
@@ -20,6 +21,7 @@ from pydantic import ValidationError
 from ragcache.api import connections
 from ragcache.api.connections import LOG_EVERY_S
 from ragcache.api.errors import ApiError
+from ragcache import length
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig, Settings
 from ragcache.store import open_store
@@ -228,3 +230,117 @@ def test_max_per_client_is_a_quarter_of_the_queue_unless_set(monkeypatch, tmp_pa
     monkeypatch.setenv("RAGCACHE_MAX_PER_CLIENT", "4")
     with pytest.raises(ValidationError, match="max_per_client"):
         Settings()
+
+
+# -- a query refused for length costs about its bytes -----------------------------------------------------------
+@pytest.fixture
+def tokenized(monkeypatch):
+    """The length of every text the (fast) tokenizers are asked to tokenize, in order."""
+    seen: list[int] = []
+    cls = type(tiny.tokenizer())
+    call, encode = cls.__call__, cls.encode
+
+    def recording(method):
+        def wrapper(self, text=None, *args, **kwargs):
+            if isinstance(text, str):
+                seen.append(len(text))
+            return method(self, text, *args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(cls, "__call__", recording(call))
+    monkeypatch.setattr(cls, "encode", recording(encode))
+    return seen
+
+
+def ask_with_text(addr, text: str, max_tokens: int = 2, question: str = "what?") -> httpx.Response:
+    body = {"question": question, "documents": [{"text": text}], "max_tokens": max_tokens}
+    return httpx.post(f"{url(addr)}/v1/query", json=body, timeout=WAIT_S)
+
+
+def test_a_text_too_long_by_its_bytes_is_413_without_tokenizing_it(rc, tokenized):
+    huge = "The water returns. " * 10_000  # 190,000 bytes; the tiny model's context is 512 tokens
+    with serve(rc) as addr:
+        r = ask_with_text(addr, huge)
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["type"] == "texts_too_long" and "bytes" in error["message"] and error["context"] == 512, error
+    assert error["prompt_tokens"] > 512
+    assert not any(n >= 1000 for n in tokenized), tokenized  # the question, maybe; never the text
+
+
+def test_a_text_past_the_room_is_counted_a_slice_at_a_time_and_no_further(rc, tokenized, monkeypatch):
+    """Under the bytes' bound (a token of the tiny vocabulary spells at most 14 bytes), over the context: counting
+    stops at the slice that passes the room."""
+    monkeypatch.setattr(length, "SLICE_CHARS", 200)
+    rng = random.Random(0)
+    text = " ".join("".join(rng.choice("qxzjvkw") for _ in range(5)) for _ in range(1000))  # ~6,000 bytes
+    assert len(text.encode()) < 512 * rc.token_bound.longest
+    with serve(rc) as addr:
+        r = ask_with_text(addr, text)
+    assert r.status_code == 413, r.text
+    error = r.json()["error"]
+    assert error["type"] == "texts_too_long" and "counted" in error["message"], error
+    slices = [n for n in tokenized if n > 50]  # the question is shorter
+    assert slices and max(slices) <= 200 and sum(slices) < len(text) / 2, slices
+
+
+def test_a_text_at_the_limit_is_answered_and_one_token_more_is_refused_exactly(rc, tokenized, monkeypatch):
+    """A text the bytes cannot decide, counted whole: the prompt plus max_tokens at exactly the context is
+    answered; one token more is the exact check's 413 (prompt_too_long), not the early one's."""
+    monkeypatch.setattr(length, "SLICE_CHARS", 200)
+    text = "Rivers flow to the sea; rain falls on hills, and the water returns. " * 12  # ~800 bytes > 512
+    with serve(rc, max_new_tokens_limit=512) as addr:
+        first = ask_with_text(addr, text, max_tokens=1)
+        assert first.status_code == 200, first.text
+        assert [n for n in tokenized if 50 < n <= 200] and len(text) in tokenized  # counted in slices, then drafted
+        prompt = first.json()["usage"]["prompt_tokens"]
+        assert prompt + 1 < 512
+        at_limit = ask_with_text(addr, text, max_tokens=512 - prompt)
+        assert at_limit.status_code == 200, at_limit.text
+        over = ask_with_text(addr, text, max_tokens=513 - prompt)
+    assert over.status_code == 413 and over.json()["error"]["type"] == "prompt_too_long", over.text
+
+
+def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on(rc, monkeypatch):
+    """max_tokenizing=1: one check runs, max_queue more wait, the next is a 429; a query of stored documents needs
+    no check and is answered meanwhile."""
+    entered, release, refuse = threading.Event(), threading.Event(), rc.refuse_long_texts
+
+    def held(texts, max_new_tokens):
+        entered.set()
+        release.wait(WAIT_S)
+        return refuse(texts, max_new_tokens)
+
+    monkeypatch.setattr(rc, "refuse_long_texts", held)
+    with serve(rc, max_tokenizing=1, max_queue=2, max_per_client=2) as addr, ThreadPoolExecutor(3) as pool:
+        try:
+            doc = httpx.post(f"{url(addr)}/v1/documents", json={"text": "Paris is in France."}, timeout=WAIT_S)
+            assert doc.status_code == 201, doc.text
+            checks = [pool.submit(ask_with_text, addr, f"Text number {i}.") for i in range(3)]
+            assert entered.wait(WAIT_S)
+            wait_for(lambda: gauge_with(addr, "ragcache_length_checks", state="waiting") == 2, "two checks waiting")
+            busy = ask_with_text(addr, "one more text")
+            assert busy.status_code == 429 and busy.json()["error"]["type"] == "tokenizer_busy", busy.text
+            assert busy.headers["retry-after"] == "1" and refused(addr, "tokenizer_busy") == 1
+            by_id = httpx.post(f"{url(addr)}/v1/query", json={"question": "where?", "documents": doc.json()["ids"],
+                                                             "max_tokens": 2}, timeout=WAIT_S)
+            assert by_id.status_code == 200, by_id.text
+            assert not any(f.done() for f in checks)
+        finally:
+            release.set()
+        # measured one after the other, then admitted: three for a queue of two may meet it full
+        outcomes = [(r.status_code, r.json().get("error", {}).get("type")) for r in (f.result() for f in checks)]
+        assert outcomes.count((200, None)) >= 2 and set(outcomes) <= {(200, None), (429, "queue_full")}, outcomes
+        assert gauge_with(addr, "ragcache_length_checks", state="running") == 0
+
+
+def gauge_with(addr, name: str, **labels) -> float:
+    return sum(s.value for s in samples(addr, name) if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+@pytest.mark.parametrize("text", ["", "a" * 450, "word " * 200, "x" * 199 + " " + "y" * 300, "\n" * 600])
+def test_slices_cover_the_text_at_most_slice_chars_each(text, monkeypatch):
+    monkeypatch.setattr(length, "SLICE_CHARS", 200)
+    pieces = list(length.slices(text))
+    assert "".join(pieces) == text and all(0 < len(p) <= 200 for p in pieces)
