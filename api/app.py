@@ -166,6 +166,8 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
             "store": rc.store.name,
             "device": rc.device,
             "device_reason": rc.device_reason,
+            # a tier that is down is skipped (and probed, or retried) while the others answer: still a 200
+            "tiers": [{"name": name, "up": up} for name, up in rc.store.tier_states()],
             "queue_depth": queue.depth,
             "max_queue": queue.max_queue,
             "max_per_client": queue.max_per_client,

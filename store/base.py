@@ -22,6 +22,10 @@ DEFAULT_DISK_BUDGET = 20 << 30
 DEFAULT_PREFIX = "ragcache"  # of a Redis tier's keys
 DEFAULT_RETRY_AFTER_S = 5.0  # a tiered store skips an unavailable tier this long, doubling up to the max
 DEFAULT_MAX_RETRY_AFTER_S = 60.0
+# a tier whose ping tells (Store.probed) is pinged while it is down instead: first this soon, then at most this
+# often, so it is used again within about the max of answering, and no request waits on it meanwhile
+DEFAULT_PROBE_S = 0.25
+DEFAULT_MAX_PROBE_S = 2.0
 
 
 class TierUnavailable(StoreError):
@@ -80,6 +84,9 @@ class Store(ABC):
     # tier they are a cache of its records, bounded, and filled only with what it lacks (`has_record`)
     records_in_memory = False
     record_budget_bytes: int | None = None
+    # ping() says whether the tier answers (Redis): a tiered store pings it while it is down, and no call of a request
+    # tries it meanwhile; a tier whose ping cannot tell (disk) is tried again by a call once its backoff has run
+    probed = False
 
     def __init__(self) -> None:
         self.metrics = TierMetrics()
@@ -158,6 +165,10 @@ class Store(ABC):
 
     def ping(self) -> bool:
         return True
+
+    def tier_states(self) -> list[tuple[str, bool]]:
+        """(tier name, taken as up) for each tier, fastest first: a tiered store's view of its tiers (/health)."""
+        return [(self.name, True)]
 
     def close(self) -> None:  # noqa: B027 - optional: a store that holds nothing open need not override it
         pass

@@ -61,6 +61,7 @@ return 0
 
 class RedisStore(BlobStore):
     name = "redis"
+    probed = True
 
     def __init__(
         self,

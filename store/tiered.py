@@ -1,8 +1,11 @@
 """Tiers joined fastest first (memory + disk + redis): reads fall through and fill the faster tiers, writes go to all.
 
-A tier that fails (Redis down, an unreadable disk) is marked down with one warning and skipped; it is tried again
-after a backoff (retry_after seconds, doubling up to max_retry_after while it keeps failing) and, once it answers,
-announced back with one more line. A write that a tier refuses for its own reasons (disk full, Redis out of memory)
+A tier that fails (Redis down, an unreadable disk) is marked down with one warning and skipped. A tier whose ping
+tells (Redis) is pinged by a thread of the store's while it is down, on a short bounded backoff (probe_s doubling up
+to max_probe_s), and taken back as soon as it answers, without any request waiting on it meanwhile; any other is
+tried again by a call after a backoff (retry_after seconds, doubling up to max_retry_after while it keeps failing).
+Once a tier answers it is announced back with one more line, and the records written while it was down are written
+into it. A write that a tier refuses for its own reasons (disk full, Redis out of memory)
 fails on that tier only, with one warning per streak; the write fails with StoreError only when no tier took it.
 """
 
@@ -16,7 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import (
+    DEFAULT_MAX_PROBE_S,
     DEFAULT_MAX_RETRY_AFTER_S,
+    DEFAULT_PROBE_S,
     DEFAULT_RETRY_AFTER_S,
     RecordCheck,
     Store,
@@ -55,6 +60,8 @@ class TieredStore(Store):
         retry_after: float = DEFAULT_RETRY_AFTER_S,
         max_retry_after: float = DEFAULT_MAX_RETRY_AFTER_S,
         clock: Callable[[], float] = time.monotonic,
+        probe_s: float = DEFAULT_PROBE_S,
+        max_probe_s: float = DEFAULT_MAX_PROBE_S,
     ):
         super().__init__()
         if not tiers:
@@ -68,8 +75,11 @@ class TieredStore(Store):
         self.retry_after = retry_after
         self.max_retry_after = max(max_retry_after, retry_after)
         self.clock = clock
+        self.probe_s, self.max_probe_s = probe_s, max(max_probe_s, probe_s)
         self.states = [TierState() for _ in self.tiers]
         self._lock = threading.Lock()
+        self._prober: threading.Thread | None = None  # runs while a probed tier is down
+        self._closed = threading.Event()
         # lasting tier -> records written while it was down: written there when it is back, so a store that others
         # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
         # restart the other lasting tier still holds them, and only that tier stays behind.
@@ -78,7 +88,7 @@ class TieredStore(Store):
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
         state = self.states[i]
-        return not state.down or self.clock() >= state.retry_at
+        return not state.down or (not self.tiers[i].probed and self.clock() >= state.retry_at)
 
     def _call(self, i: int, fn, *args, write: bool = False):
         """(result, True) or (None, False) when tier i failed (and is now marked down or its write refused)."""
@@ -147,9 +157,38 @@ class TieredStore(Store):
                 log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff)
             else:
                 state.down, state.backoff = True, self.retry_after
-                log.warning("store tier %s is down (%s); skipping it, retrying in %.1f s", name, exc, state.backoff)
+                again = "probing it" if self.tiers[i].probed else f"retrying in {state.backoff:.1f} s"
+                log.warning("store tier %s is down (%s); skipping it, %s", name, exc, again)
             state.reason = str(exc)
             state.retry_at = self.clock() + state.backoff
+            if self.tiers[i].probed and self._prober is None and not self._closed.is_set():
+                self._prober = threading.Thread(target=self._probe, name="ragcache-store-probe", daemon=True)
+                self._prober.start()
+
+    def _probe(self) -> None:
+        """While a probed tier is down, ping it (probe_s after the outage began, the wait doubling up to
+        max_probe_s) and take it back once it answers. The thread ends when no probed tier is down; the next outage
+        starts another (both under the lock, so none is left unprobed)."""
+        wait = self.probe_s
+        while not self._closed.wait(wait):
+            with self._lock:
+                down = [i for i, s in enumerate(self.states) if s.down and self.tiers[i].probed]
+                if not down:
+                    self._prober = None
+                    return
+            for i in down:
+                if self._answers(i):
+                    self._answered(i, write=False)
+            wait = min(wait * 2, self.max_probe_s)
+        with self._lock:
+            self._prober = None
+
+    def _answers(self, i: int) -> bool:
+        try:
+            return bool(self.tiers[i].ping())
+        except Exception as exc:  # noqa: BLE001 - a ping that fails in any way is a tier still down
+            log.debug("store tier %s: probe failed (%s)", self.tiers[i].name, exc)
+            return False
 
     def _each(self, fn_name: str, *args, write: bool = False) -> list[tuple[int, Any]]:
         """Call a method on every usable tier; [(tier index, result)] for those that answered."""
@@ -380,8 +419,12 @@ class TieredStore(Store):
         return any(t.ping() for t in self.tiers)
 
     def close(self) -> None:
+        self._closed.set()
         for tier in self.tiers:
             tier.close()
 
     def up(self) -> list[bool]:
         return [not s.down for s in self.states]
+
+    def tier_states(self) -> list[tuple[str, bool]]:
+        return [(tier.name, not state.down) for tier, state in zip(self.tiers, self.states)]

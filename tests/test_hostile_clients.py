@@ -1,6 +1,6 @@
 """Hostile and careless clients against a real server (the tiny model, api/server.py's config): a client that
 closes mid-body is its own event, not a server error; one client cannot take the whole queue; a query refused for
-length costs about its bytes. No test asserts a duration."""
+length costs about its bytes; a store tier that was down comes back on its own. No test asserts a duration."""
 
 from __future__ import annotations
 
@@ -25,8 +25,14 @@ from ragcache import length
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig, Settings
 from ragcache.store import open_store
+from ragcache.store.disk import DiskStore
+from ragcache.store.memory import MemoryStore
+from ragcache.store.redis_tier import RedisStore
+from ragcache.store.tiered import TieredStore
 from tests import tiny
+from tests.redis_server import redis_server  # noqa: F401 - a fixture
 from tests.test_slow_clients import WAIT_S, serve
+from tests.test_store_redis import Frozen
 
 
 @pytest.fixture(scope="module")
@@ -344,3 +350,38 @@ def test_slices_cover_the_text_at_most_slice_chars_each(text, monkeypatch):
     monkeypatch.setattr(length, "SLICE_CHARS", 200)
     pieces = list(length.slices(text))
     assert "".join(pieces) == text and all(0 < len(p) <= 200 for p in pieces)
+
+
+# -- a store tier comes back on its own --------------------------------------------------------------------------
+def tier_in_health(addr, name: str) -> dict:
+    tiers = httpx.get(f"{url(addr)}/health", timeout=WAIT_S).json()["tiers"]
+    return next(t for t in tiers if t["name"] == name)
+
+
+def upload(addr, text: str) -> str:
+    r = httpx.post(f"{url(addr)}/v1/documents", json={"text": text}, timeout=WAIT_S)
+    assert r.status_code == 201, r.text
+    return r.json()["ids"][0]
+
+
+def test_a_frozen_redis_tier_shows_in_health_and_metrics_and_uploads_reach_it_once_it_answers(
+        redis_server, tmp_path):  # noqa: F811 - the fixture
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path), RedisStore(redis_server.url, socket_timeout=0.5)])
+    engine = RagCache(tiny.make("llama"), store, EngineConfig(chunk_tokens=16))
+    reader = RedisStore(redis_server.url)
+    try:
+        with serve(engine) as addr:
+            assert tier_in_health(addr, "redis") == {"name": "redis", "up": True}
+            with Frozen(redis_server) as frozen:
+                during = upload(addr, "Uploaded while Redis is frozen.")  # kept on disk
+                assert tier_in_health(addr, "redis")["up"] is False
+                assert gauge_with(addr, "ragcache_store_tier_up", tier="redis") == 0
+                frozen.thaw()
+                wait_for(lambda: tier_in_health(addr, "redis")["up"], "the redis tier back in /health")
+            assert gauge_with(addr, "ragcache_store_tier_up", tier="redis") == 1
+            after = upload(addr, "Uploaded once Redis answers again.")
+        assert reader.get_record(f"doc/{after}")["text"] == "Uploaded once Redis answers again."
+        assert reader.get_record(f"doc/{during}")["text"] == "Uploaded while Redis is frozen."  # caught up
+    finally:
+        reader.close()
+        engine.close()

@@ -5,6 +5,8 @@ coming back, Redis Cluster, unix sockets, the CLI."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import threading
 import time
 
@@ -304,6 +306,14 @@ def test_a_writer_killed_mid_write_leaves_old_or_new_entries(redis_url):
 
 
 # -- Redis going away -----------------------------------------------------------------------------------------------
+def wait_until_up(store: TieredStore, seconds: float = 60.0) -> None:
+    """Until every tier is up again: a wait that ends as soon as the store's probe has taken the tier back."""
+    deadline = time.monotonic() + seconds
+    while not all(store.up()):
+        assert time.monotonic() < deadline, f"the store did not take its tiers back within {seconds} s"
+        time.sleep(0.02)
+
+
 def test_redis_killed_during_a_tiered_read_and_back(tmp_path, redis_server, caplog):
     # the tiered store's clock is the test's: Redis is retried when the test moves time on, not when a real backoff
     # ran out (that backoff doubled with each failed retry on a slow machine, past the wait for Redis to come back)
@@ -331,8 +341,9 @@ def test_redis_killed_during_a_tiered_read_and_back(tmp_path, redis_server, capl
     stats = store.stats()
     assert stats["tiers"][2]["up"] is False and "error" in stats["tiers"][2]
     redis_server.start()  # same port, empty (no persistence); it answers PING when start() returns
-    now[0] += 3600  # past any backoff
-    store.get_many(keys)  # Redis is tried again, and answers
+    now[0] += 3600  # past any backoff: no call retries Redis, the store's probe takes it back
+    wait_until_up(store)
+    store.get_many(keys)
     assert store.up() == [True, True, True]
     assert warnings_of(caplog)[-1] == "store tier redis is back" and len(warnings_of(caplog)) == 2
     new_key, new = make_entry(32, layers=4)
@@ -352,8 +363,7 @@ def test_redis_down_at_start(tmp_path, caplog):
     assert len(warnings_of(caplog)) == 1
     dead.start()
     try:
-        store.retry_after = 0
-        store.states[2].retry_at = 0
+        wait_until_up(store)  # probed: no call had to try it
         store.put_many({key: entry})
         assert store.up() == [True, True, True] and same_bits(RedisStore(dead.url).get(key), entry)
     finally:
@@ -456,3 +466,95 @@ def test_gc_unreferenced_on_redis_spares_entries_written_since_it_began(redis_ur
     client.set(manifest_name, json.dumps({**manifest, "created": manifest["created"] - 3600}))
     assert collect_garbage(store, unreferenced=True)["unreferenced_removed"] == 1
     assert set(store.keys()) == {new_key}
+
+
+class Frozen:
+    """SIGSTOP for the block: the server keeps its connections and answers nothing; SIGCONT after, in any case."""
+
+    def __init__(self, server: RedisServer):
+        self.server = server
+
+    def __enter__(self):
+        os.kill(self.server.proc.pid, signal.SIGSTOP)
+        return self
+
+    def __exit__(self, *exc):
+        self.thaw()
+
+    def thaw(self):
+        os.kill(self.server.proc.pid, signal.SIGCONT)
+
+
+def test_a_frozen_redis_is_probed_and_takes_writes_again_on_its_own(tmp_path, redis_server):
+    """Redis frozen (SIGSTOP) then resumed: one call pays the timeout, no later call waits on Redis, and once it
+    answers the store's probe takes it back: the next writes reach Redis, and the records written meanwhile too,
+    with no call retrying it and no clock moved. (How soon: `python -m bench` is where durations are measured;
+    the probe's schedule is the test below.)"""
+    redis_tier = RedisStore(redis_server.url, socket_timeout=0.5)
+    store = TieredStore([MemoryStore(), DiskStore(tmp_path), redis_tier])
+    tried, put_record = [], redis_tier.put_record
+    redis_tier.put_record = lambda name, record: tried.append(name) or put_record(name, record)
+    reader = RedisStore(redis_server.url)
+    try:
+        with Frozen(redis_server) as frozen:
+            for n in range(5):
+                store.put_record(f"doc/during-{n}", {"n": n})  # kept on disk
+            assert store.up() == [True, True, False] and tried == ["doc/during-0"]  # one call paid the timeout
+            frozen.thaw()
+            wait_until_up(store)
+        store.put_record("doc/after", {"n": 5})
+        assert reader.get_record("doc/after") == {"n": 5}  # written to Redis again
+        assert all(reader.get_record(f"doc/during-{n}") == {"n": n} for n in range(5))  # caught up
+        # after the call that met the freeze: the catch-up of what it missed, then the next write; no call retried it
+        assert tried[1:] == [f"doc/during-{n}" for n in range(5)] + ["doc/after"], tried
+    finally:
+        store.close()
+        reader.close()
+
+
+def test_the_probe_waits_a_short_bounded_backoff_and_ends_with_the_outage(tmp_path):
+    """The probe's waits, recorded instead of slept: probe_s doubling up to max_probe_s, whatever the outage's
+    length; once the tier answers it is up and the probe's thread is gone."""
+
+    class Flaky(MemoryStore):
+        name, probed, lasting = "flaky", True, True
+
+        def __init__(self):
+            super().__init__()
+            self.pings = 0
+
+        def ping(self):
+            self.pings += 1
+            return self.pings > 8
+
+        def put_record(self, name, record):
+            if not self.pings:
+                raise TierUnavailable("flaky: down")
+            super().put_record(name, record)
+
+    class Instant:
+        """The store's stop event: wait() records how long the probe would sleep and returns at once."""
+
+        def __init__(self):
+            self.waits, self.closed = [], False
+
+        def wait(self, seconds):
+            self.waits.append(seconds)
+            return False
+
+        def is_set(self):
+            return self.closed
+
+        def set(self):
+            self.closed = True
+
+    flaky = Flaky()
+    store = TieredStore([DiskStore(tmp_path), flaky], probe_s=0.25, max_probe_s=2.0)
+    store._closed = instant = Instant()
+    store.put_record("doc/a", {"a": 1})  # on disk; the flaky tier goes down, and the probe starts
+    prober = store._prober
+    if prober is not None:
+        prober.join(60)
+    assert store._prober is None  # the outage is over: no thread left
+    assert instant.waits == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0] and flaky.pings == 9
+    assert store.up() == [True, True] and flaky.get_record("doc/a") == {"a": 1}  # back, and caught up
