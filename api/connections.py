@@ -4,7 +4,8 @@ uvicorn's h11 protocol arms a timer only between requests (keep-alive); a client
 request line, or a body a byte at a time, holds its socket for ever, and with it one of the process's file
 descriptors. `Protocol` adds one deadline per phase of a request, each fixed when the phase starts (a trickle of
 bytes does not push it back): the request head (line and headers), then the whole body. `Slots` caps the open
-connections below the process's open-file limit, counted from the accept: the loop's `Listener` accepts only into
+connections below the process's open-file limit (read again every CAP_REFRESH_S and after EMFILE, so a limit lowered
+after start lowers the cap), counted from the accept: the loop's `Listener` accepts only into
 a free slot, so accepting never meets EMFILE, and at the cap closes the connection that has waited longest without
 a request in flight. `new_loop` logs the accept errors that still happen (EMFILE from the store, say) at a bounded
 rate: Python's accept loop reports one per pending connection per second, a traceback each (megabytes a second
@@ -35,6 +36,7 @@ from ragcache.settings import Settings
 log = logging.getLogger("ragcache.api")
 LOG_EVERY_S = 10.0  # one line per kind of event at most this often; the others are counted into the next line
 BODY_GRACE_S = 1.0  # the app's own 408 (api/app.py: Guard) goes out before the protocol closes the socket
+CAP_REFRESH_S = 5.0  # the open-file limit is read again this often: prlimit may lower it at any time
 ACCEPT_FAILED = "socket.accept() out of system resource"  # asyncio's message for these errors
 OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 
@@ -101,14 +103,29 @@ class Slots:
     (asyncio accepts a whole backlog before any protocol runs), and those without a request in flight (waiting for
     a request head, or idle between requests), oldest first: the ones to close for a newcomer at the cap."""
 
-    def __init__(self, cap: int):
-        self.cap = cap
+    def __init__(self, cap: int, limits: Limits | None = None):
+        self.cap, self.limits = cap, limits  # limits None: the cap stays as given
         self.pending = 0  # accepted, protocol not made yet
         self.open: set[Protocol] = set()
         self.waiting: dict[Protocol, None] = {}  # insertion order = the order they started waiting
 
     def full(self) -> bool:
         return self.pending + len(self.open) >= self.cap
+
+    def follow_limit(self) -> None:
+        """The cap from the open-file limit as it is now. Connections over a lowered cap stay open; newcomers then
+        take the place of the ones waiting longest, as at any cap."""
+        if self.limits is None:
+            return
+        try:
+            cap, soft = self.limits.cap()
+        except ParameterOutOfRange as exc:  # lowered below fd_reserve: one connection, so /health still answers
+            bounded(logging.WARNING, "%s; at most one client connection until then", exc)
+            cap, soft = 1, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if cap != self.cap:  # a lowered limit is news to whoever watches for EMFILE: a warning
+            level = logging.WARNING if cap < self.cap else logging.INFO
+            log.log(level, "at most %d client connections, was %d (open-file limit now %d)", cap, self.cap, soft)
+            self.cap = cap
 
     def evict(self) -> bool:
         """Close the connection waiting longest without a request; False when every one has a request in flight."""
@@ -162,6 +179,8 @@ class Listener(socket.socket):
             conn, addr = super().accept()
         except OSError as exc:
             self.failed = exc.errno in OUT_OF_RESOURCES
+            if exc.errno == errno.EMFILE:  # the limit may have been lowered since it was last read
+                self.slots.follow_limit()
             raise
         if self.slots.full():
             self.evicted = self.slots.evict()
@@ -281,9 +300,21 @@ class Config(uvicorn.Config):
     def load(self) -> None:
         super().load()
         cap, soft = self.limits.cap()
-        self.slots = Slots(cap)
-        asyncio.get_running_loop().slots = self.slots  # uvicorn loads its config in the loop that serves it
+        self.slots = Slots(cap, self.limits)
+        loop = asyncio.get_running_loop()  # uvicorn loads its config in the loop that serves it
+        loop.slots = self.slots
+        follow_every(loop, self.slots, CAP_REFRESH_S)
         log.info("at most %d client connections (open-file limit %d, fd_reserve %d)", cap, soft, self.limits.fd_reserve)
+
+
+def follow_every(loop: asyncio.AbstractEventLoop, slots: Slots, seconds: float) -> None:
+    """slots.follow_limit() every `seconds` on the loop, for as long as it runs."""
+
+    def tick() -> None:
+        slots.follow_limit()
+        loop.call_later(seconds, tick)
+
+    loop.call_later(seconds, tick)
 
 
 def new_loop() -> Loop:

@@ -5,7 +5,9 @@ duration (bench slow-clients and docs/BENCHMARKS.md have the figures)."""
 
 from __future__ import annotations
 
+import errno
 import re
+import resource
 import select
 import shutil
 import socket
@@ -237,6 +239,46 @@ def test_accept_errors_are_logged_at_a_bounded_rate(tiny_model):
     assert "cannot accept connections: [Errno 24] Too many open files" in text, text[-2000:]
     assert row["emfile_log_lines"] <= 2 + int(took_s // LOG_EVERY_S), (took_s, row)
     assert row["log_growth_bytes"] < 1 << 20, row
+
+
+def test_the_connection_cap_follows_an_open_file_limit_lowered_after_start(tiny_model):
+    """The limit lowered from 1,024 to 512 while the server runs (prlimit): the cap follows it (512 less the
+    reserve of 256) within CAP_REFRESH_S, so 600 slow sockets are evicted at the new cap instead of running into
+    EMFILE, and every health check is answered. Waits for the server's own line, not for a duration."""
+    server = LimitedServer(tiny_model, open_files=1024)
+    try:
+        resource.prlimit(server.proc.pid, resource.RLIMIT_NOFILE, (512, 512))
+        deadline = time.monotonic() + WAIT_S
+        while "at most 256 client connections, was 768" not in server.log_text():
+            assert time.monotonic() < deadline, server.log_text()[-2000:]
+            time.sleep(0.1)
+        row = attack(server, sockets=600, seconds=3, health_timeout_s=WAIT_S)
+    finally:
+        server.close()
+    assert row["health_checks"] > 0 and row["health_200"] == row["health_checks"], row
+    assert row["emfile_log_lines"] == 0 and row["most_open_fds"] < 512, row
+    assert row["slow_sockets_closed_by_server"] >= 600 - 256, row  # at the old cap (768) none would have been
+
+
+def test_emfile_on_accept_reads_the_open_file_limit_again(monkeypatch):
+    from ragcache.api import connections
+
+    plain = socket.socket()
+    plain.bind(("127.0.0.1", 0))
+    plain.listen()
+    slots = Slots(768, connections.Limits(10, 30, 5, None, 256))
+    listener = Listener(plain, slots)
+    monkeypatch.setattr(connections.resource, "getrlimit", lambda kind: (400, 400))
+
+    def emfile(self):
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(socket.socket, "accept", emfile)
+    with pytest.raises(OSError):
+        listener.accept()
+    monkeypatch.undo()
+    listener.close()
+    assert slots.cap == 400 - 256
 
 
 # -- behind nginx: deploy/nginx/ragcache.conf --------------------------------------------------------------------
