@@ -10,6 +10,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
@@ -174,7 +175,11 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
             "batch_invariance": rc.batch_invariance,
         }
 
-    @app.get("/metrics", tags=["operations"], responses=errors.responses())
+    metrics_ok: dict[int | str, dict[str, Any]] = {
+        200: {"description": "Prometheus text format", "content": {CONTENT_TYPE: {"schema": {"type": "string"}}}}
+    }
+
+    @app.get("/metrics", tags=["operations"], response_class=Response, responses={**metrics_ok, **errors.responses()})
     def metrics_route() -> Response:
         """Prometheus text format."""
         return Response(metrics.render(), media_type=CONTENT_TYPE)

@@ -12,8 +12,8 @@ by pydantic, of whose errors the first `REPORTED` are kept with the count of all
 from __future__ import annotations
 
 from functools import cache
-from itertools import islice
-from typing import Any
+from itertools import groupby, islice
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import AliasChoices, BaseModel, ValidationError
@@ -22,6 +22,9 @@ from starlette.concurrency import run_in_threadpool
 from . import shape
 from .errors import REPORTED, Refused
 from .shape import BodyLimits
+
+if TYPE_CHECKING:
+    from ragcache.request import Limits
 
 
 def Body(model: type[BaseModel]) -> Any:  # used like FastAPI's Body
@@ -79,8 +82,8 @@ def documented(model: type[BaseModel]) -> dict:
 
 
 def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
-    """Put the body models' schemas (and those they refer to) into the app's OpenAPI components, with the server's
-    own bounds on `documents` and `max_tokens`: a client that follows the schema is not refused for them."""
+    """Put the body models' schemas (and those they refer to) into the app's OpenAPI components, with every bound the
+    server enforces on them (`bounds`): a client that follows the schema is refused for none of them."""
     build = app.openapi
 
     def with_bodies() -> dict:
@@ -88,25 +91,79 @@ def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
             return app.openapi_schema
         openapi = build()  # kept as app.openapi_schema, so the bodies go in once
         schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
-        settings = app.state.ctx.settings
-        bounds = {
-            "documents": ("array", "maxItems", settings.max_documents),
-            "max_tokens": ("integer", "maximum", settings.max_new_tokens_limit),
-        }
         for model in models:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
-            schemas[model.__name__] = bounded_schema(schema, bounds)
+            schemas[model.__name__] = schema
+        for name, props in bounds(app.state.ctx.limits).items():
+            if name in schemas:
+                bounded_schema(schemas[name], props)
         return openapi
 
     app.openapi = with_bodies  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
 
 
-def bounded_schema(schema: dict, bounds: dict[str, tuple[str, str, int]]) -> dict:
-    """`schema` with each named property's variant of the given type bounded: {name: (type, keyword, bound)}."""
-    for name, (kind, keyword, bound) in bounds.items():
+def bounds(limits: Limits) -> dict[str, dict[str, dict[str, dict]]]:
+    """{model: {property: {JSON type: keywords}}}: what ragcache.request checks (the server's Limits, and a text with
+    no character but whitespace), said in each model's schema where a property of that type appears."""
+    question: dict[str, Any] = {"string": {"maxLength": limits.question_chars, "pattern": NONBLANK}}
+    text: dict[str, Any] = {"string": {"maxLength": limits.document_chars, "pattern": NONBLANK}}
+    one = {"type": "string", "maxLength": limits.stop_chars}
+    sampling: dict[str, Any] = {
+        "documents": {"array": {"maxItems": limits.documents}},
+        "max_tokens": {"integer": {"maximum": limits.new_tokens}},
+        "stop": {"string": {"maxLength": limits.stop_chars}, "array": {"maxItems": limits.stop_strings, "items": one}},
+        "system": {"string": {"maxLength": limits.question_chars}},
+    }
+    prompt: dict[str, Any] = {
+        **question,
+        "array": {"minItems": 1, "maxItems": 1, "items": {"type": "string", **question["string"]}},
+    }
+    return {
+        "CompileRequest": {"documents": {"array": {"maxItems": limits.documents}}, "text": text},
+        "DocumentIn": {"text": text},
+        "TextDocument": {"text": text},
+        "QueryRequest": {**sampling, "question": question},
+        "CompletionRequest": {**sampling, "prompt": prompt},
+        "ChatRequest": {**sampling, "messages": {"array": CONVERSATION}},
+        "InfillRequest": {
+            **sampling,
+            "prefix": {"string": {"maxLength": limits.document_chars}},
+            "suffix": {"string": {"maxLength": limits.document_chars}},
+        },
+    }
+
+
+def _message(roles: list[str]) -> dict:
+    return {"allOf": [{"$ref": "#/components/schemas/ChatMessage"}], "properties": {"role": {"enum": roles}}}
+
+
+# api/openai_compat.chat_question: one user message, after an optional system (or developer) one
+CONVERSATION = {
+    "minItems": 1,
+    "maxItems": 2,
+    "oneOf": [
+        {"prefixItems": [_message(["user"])], "maxItems": 1},
+        {"prefixItems": [_message(["system", "developer"]), _message(["user"])], "minItems": 2},
+    ],
+}
+
+
+def bounded_schema(schema: dict, bounds: dict[str, dict[str, dict]]) -> dict:
+    """`schema` with each named property's variants of the given JSON types updated: {name: {type: keywords}}."""
+    for name, by_type in bounds.items():
         prop = schema.get("properties", {}).get(name, {})
         for variant in [prop, *prop.get("anyOf", [])]:
-            if variant.get("type") == kind:
-                variant[keyword] = bound
+            variant.update(by_type.get(variant.get("type"), {}))
     return schema
+
+
+def _nonblank() -> str:
+    """A character class of every character that str.strip() keeps: a string matches (anywhere) exactly when it
+    is not empty and not all whitespace, as ragcache.request decides; built from str.isspace, so the two agree."""
+    spaces = [c for c in range(0x10000) if chr(c).isspace()]  # every one is below U+10000
+    runs = [[c for _, c in run] for _, run in groupby(enumerate(spaces), lambda ic: ic[1] - ic[0])]
+    return "[^" + "".join(f"\\u{r[0]:04x}" + (f"-\\u{r[-1]:04x}" if len(r) > 1 else "") for r in runs) + "]"
+
+
+NONBLANK = _nonblank()

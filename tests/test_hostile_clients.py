@@ -1,12 +1,14 @@
 """Hostile and careless clients against a real server (the tiny model, api/server.py's config): a client that
 closes mid-body is its own event, not a server error; one client cannot take the whole queue; a query refused for
-length costs about its bytes; a store tier that was down comes back on its own. No test asserts a duration."""
+length costs about its bytes; a store tier that was down comes back on its own; the OpenAPI schema states the bounds
+the server keeps. No test asserts a duration."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
+import re
 import socket
 import threading
 import time
@@ -19,6 +21,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from ragcache.api import connections
+from ragcache.api.answering import MAX_STOP, MAX_STOP_CHARS
+from ragcache.api.body import NONBLANK
 from ragcache.api.connections import LOG_EVERY_S
 from ragcache.api.errors import ApiError
 from ragcache import length
@@ -385,3 +389,61 @@ def test_a_frozen_redis_tier_shows_in_health_and_metrics_and_uploads_reach_it_on
     finally:
         reader.close()
         engine.close()
+
+
+# -- the schema says what the server enforces ----------------------------------------------------------------------
+def test_the_nonblank_pattern_is_what_strip_decides():
+    """The schema's pattern for texts that may not be blank, against every code point: a one-character string
+    matches it exactly when str.strip() keeps that character (ragcache.request's test for empty text)."""
+    pattern = re.compile(NONBLANK)
+    disagree = [c for c in range(0x110000) if (pattern.search(chr(c)) is None) != (chr(c).strip() == "")]
+    assert disagree == []
+
+
+def prop(schema: dict, name: str, kind: str) -> dict:
+    """The variant of type `kind` of a property (the property itself, or one of its anyOf)."""
+    p = schema["properties"][name]
+    return next(v for v in [p, *p.get("anyOf", [])] if v.get("type") == kind)
+
+
+def test_the_schema_states_the_servers_bounds_and_the_server_keeps_to_them(rc):
+    limits = dict(max_question_chars=50, max_document_chars=300, max_documents=3, max_new_tokens_limit=7)
+    with serve(rc, **limits) as addr:
+        doc = httpx.get(f"{url(addr)}/openapi.json", timeout=WAIT_S).json()
+        schemas = doc["components"]["schemas"]
+        question = prop(schemas["QueryRequest"], "question", "string")
+        assert question["maxLength"] == 50 and question["pattern"] == NONBLANK
+        assert prop(schemas["QueryRequest"], "system", "string")["maxLength"] == 50
+        assert prop(schemas["QueryRequest"], "documents", "array")["maxItems"] == 3
+        assert prop(schemas["QueryRequest"], "max_tokens", "integer")["maximum"] == 7
+        for name in ("TextDocument", "DocumentIn"):
+            assert prop(schemas[name], "text", "string") | {"maxLength": 300, "pattern": NONBLANK} == \
+                prop(schemas[name], "text", "string")
+        assert prop(schemas["CompileRequest"], "text", "string")["maxLength"] == 300
+        assert prop(schemas["InfillRequest"], "prefix", "string")["maxLength"] == 300
+        stop = prop(schemas["QueryRequest"], "stop", "array")
+        assert stop["maxItems"] == MAX_STOP and stop["items"]["maxLength"] == MAX_STOP_CHARS
+        prompt = prop(schemas["CompletionRequest"], "prompt", "array")
+        assert prompt["maxItems"] == 1 and prompt["items"]["maxLength"] == 50
+        shapes = prop(schemas["ChatRequest"], "messages", "array")["oneOf"]
+        assert [[m["properties"]["role"]["enum"] for m in s["prefixItems"]] for s in shapes] == \
+            [[["user"]], [["system", "developer"], ["user"]]]
+        metrics_doc = doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+        metrics_type = httpx.get(f"{url(addr)}/metrics", timeout=WAIT_S).headers["content-type"]
+        assert list(metrics_doc) == [metrics_type]
+
+        def status(body: dict, path: str = "/v1/query") -> int:
+            return httpx.post(f"{url(addr)}{path}", json={"max_tokens": 1, **body}, timeout=WAIT_S).status_code
+
+        at_most = "q" * 49 + "?"
+        assert status({"question": at_most}) == 200 and status({"question": at_most + "?"}) == 413
+        for blank in ("", " \t\n", "\u3000\u2028", "\x1c"):  # what the pattern refuses, the server refuses
+            assert status({"question": blank}) == 422, repr(blank)
+        assert status({"question": "q", "documents": [{"text": "\x85 "}]}) == 422
+        assert status({"question": "q", "documents": [{"text": "t" * 301}]}) == 413
+        assert status({"question": "\ufeff"}) == 200  # not whitespace to str.strip(), nor to the pattern
+        for roles in (["assistant"], ["user", "user"], ["user", "system"], ["tool"], ["system", "user", "user"]):
+            messages = [{"role": role, "content": "q"} for role in roles]
+            assert status({"messages": messages}, "/v1/chat/completions") == 422, roles
+        assert status({"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "q"}]},
+                      "/v1/chat/completions") == 200
