@@ -125,7 +125,7 @@ def bounds(limits: Limits) -> dict[str, dict[str, dict[str, dict]]]:
         "TextDocument": {"text": text},
         "QueryRequest": {**sampling, "question": question},
         "CompletionRequest": {**sampling, "prompt": prompt},
-        "ChatRequest": {**sampling, "messages": {"array": CONVERSATION}},
+        "ChatRequest": {**sampling, "messages": {"array": conversation(limits)}},
         "InfillRequest": {
             **sampling,
             "prefix": {"string": {"maxLength": limits.document_chars}},
@@ -134,19 +134,27 @@ def bounds(limits: Limits) -> dict[str, dict[str, dict[str, dict]]]:
     }
 
 
-def _message(roles: list[str]) -> dict:
-    return {"allOf": [{"$ref": "#/components/schemas/ChatMessage"}], "properties": {"role": {"enum": roles}}}
+def conversation(limits: Limits) -> dict:
+    """The chat's messages as api/openai_compat.chat_question takes them: one user message, after an optional system
+    (or developer) one; as text, the user's not blank, each within the question's length (text parts are joined
+    first, so only their type is said)."""
+    parts = {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}}
+    user = {"anyOf": [{"type": "string", "maxLength": limits.question_chars, "pattern": NONBLANK}, parts]}
+    system = {"anyOf": [{"type": "string", "maxLength": limits.question_chars}, parts, {"type": "null"}]}
 
+    def message(roles: list[str], content: dict) -> dict:
+        ref = {"$ref": "#/components/schemas/ChatMessage"}
+        return {"allOf": [ref], "properties": {"role": {"enum": roles}, "content": content}, "required": ["content"]}
 
-# api/openai_compat.chat_question: one user message, after an optional system (or developer) one
-CONVERSATION = {
-    "minItems": 1,
-    "maxItems": 2,
-    "oneOf": [
-        {"prefixItems": [_message(["user"])], "maxItems": 1},
-        {"prefixItems": [_message(["system", "developer"]), _message(["user"])], "minItems": 2},
-    ],
-}
+    leading = message(["system", "developer"], system)
+    return {
+        "minItems": 1,
+        "maxItems": 2,
+        "oneOf": [
+            {"prefixItems": [message(["user"], user)], "maxItems": 1},
+            {"prefixItems": [{**leading, "required": []}, message(["user"], user)], "minItems": 2},
+        ],
+    }
 
 
 def bounded_schema(schema: dict, bounds: dict[str, dict[str, dict]]) -> dict:
