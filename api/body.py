@@ -95,22 +95,29 @@ def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
-        for name, props in bounds(app.state.ctx.limits).items():
+        ctx = app.state.ctx
+        for name, props in bounds(ctx.limits, ctx.rc.layers).items():
             if name in schemas:
                 bounded_schema(schemas[name], props)
+        for name, rule in WHOLE_BODY_RULES.items():
+            if name in schemas:
+                schemas[name].update(rule)
         return openapi
 
     app.openapi = with_bodies  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
 
 
-def bounds(limits: Limits) -> dict[str, dict[str, dict[str, dict]]]:
-    """{model: {property: {JSON type: keywords}}}: what ragcache.request checks (the server's Limits, and a text with
-    no character but whitespace), said in each model's schema where a property of that type appears."""
+def bounds(limits: Limits, layers: int) -> dict[str, dict[str, dict[str, dict]]]:
+    """{model: {property: {JSON type: keywords}}}: what ragcache.request checks (the server's Limits, a text with
+    no character but whitespace, the model's layers for check_layer), said in each model's schema where a property
+    of that type appears."""
+    link = {"check_layer": {"integer": {"maximum": layers - 1}}}
     question: dict[str, Any] = {"string": {"maxLength": limits.question_chars, "pattern": NONBLANK}}
     text: dict[str, Any] = {"string": {"maxLength": limits.document_chars, "pattern": NONBLANK}}
     one = {"type": "string", "maxLength": limits.stop_chars}
+    refs = {"anyOf": [{"type": "string", "pattern": DOCUMENT_ID}, {"$ref": "#/components/schemas/TextDocument"}]}
     sampling: dict[str, Any] = {
-        "documents": {"array": {"maxItems": limits.documents}},
+        "documents": {"array": {"maxItems": limits.documents, "items": refs}},
         "max_tokens": {"integer": {"maximum": limits.new_tokens}},
         "stop": {"string": {"maxLength": limits.stop_chars}, "array": {"maxItems": limits.stop_strings, "items": one}},
         "system": {"string": {"maxLength": limits.question_chars}},
@@ -123,7 +130,8 @@ def bounds(limits: Limits) -> dict[str, dict[str, dict[str, dict]]]:
         "CompileRequest": {"documents": {"array": {"maxItems": limits.documents}}, "text": text},
         "DocumentIn": {"text": text},
         "TextDocument": {"text": text},
-        "QueryRequest": {**sampling, "question": question},
+        "LinkOptions": link,
+        "QueryRequest": {**sampling, **link, "question": question},
         "CompletionRequest": {**sampling, "prompt": prompt},
         "ChatRequest": {**sampling, "messages": {"array": conversation(limits)}},
         "InfillRequest": {
@@ -138,7 +146,12 @@ def conversation(limits: Limits) -> dict:
     """The chat's messages as api/openai_compat.chat_question takes them: one user message, after an optional system
     (or developer) one; as text, the user's not blank, each within the question's length (text parts are joined
     first, so only their type is said)."""
-    parts = {"type": "array", "items": {"$ref": "#/components/schemas/TextPart"}}
+    text_part = {
+        "allOf": [{"$ref": "#/components/schemas/TextPart"}],
+        "properties": {"type": {"enum": ["text"]}, "text": {"type": "string"}},
+        "required": ["type", "text"],
+    }  # _text: a part of another type, or one without its text, is refused
+    parts = {"type": "array", "items": text_part}
     user = {"anyOf": [{"type": "string", "maxLength": limits.question_chars, "pattern": NONBLANK}, parts]}
     system = {"anyOf": [{"type": "string", "maxLength": limits.question_chars}, parts, {"type": "null"}]}
 
@@ -155,6 +168,30 @@ def conversation(limits: Limits) -> dict:
             {"prefixItems": [{**leading, "required": []}, message(["user"], user)], "minItems": 2},
         ],
     }
+
+
+DOCUMENT_ID = "^[0-9a-f]{32}$"  # ragcache.store.keys.is_document_id: what POST /v1/documents returns
+
+# rules over a whole body, by model: an infill needs text on one side of the hole at least
+# (ragcache.request.validate_infill); an upload is a list of documents or one text, with its metadata inside each
+# document of a list (CompileRequest.one_shape)
+WHOLE_BODY_RULES = {
+    "InfillRequest": {
+        "anyOf": [
+            {"required": [side], "properties": {side: {"type": "string", "minLength": 1}}}
+            for side in ("prefix", "suffix")
+        ]
+    },
+    "CompileRequest": {
+        "oneOf": [
+            {
+                "required": ["documents"],
+                "properties": {"documents": {"type": "array"}, "metadata": {"maxProperties": 0}},
+            },
+            {"required": ["text"], "properties": {"text": {"type": "string"}}},
+        ]
+    },
+}
 
 
 def bounded_schema(schema: dict, bounds: dict[str, dict[str, dict]]) -> dict:

@@ -12,6 +12,7 @@ from pydantic import AfterValidator, AliasChoices, BaseModel, ConfigDict, Field,
 
 from ragcache import linker
 from ragcache.linker import ALGORITHMS
+from ragcache.settings import whole
 from ragcache.store.keys import is_document_id
 
 
@@ -170,6 +171,8 @@ class SamplingFields(BaseModel):
     )
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1, strict=True)  # what torch.Generator.manual_seed takes
     stream: bool = Field(False, strict=True)  # a JSON true or false: "yes" is no boolean
+
+    _whole_sampling = field_validator("max_tokens", "seed", mode="before")(whole)
 
 
 # -- native query -----------------------------------------------------------------------------------------

@@ -81,6 +81,12 @@ DEFAULT_CHECK_LAYER = 1
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
 
 
+def whole(value):
+    """A float with no fraction as the int it is, for the integer fields of request bodies (a `before` validator):
+    JSON Schema's integer is any number without one (1.0 is 1), while strict ints still refuse true and "3"."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 class LinkKnobs(BaseModel):
     """Every knob a caller may set on a link, declared once. The doors take it whole or derive from it: the REST
     schemas (api/schemas.LinkOptions), Settings, `Front.stream`/`Front.params`, the CLI (`cli.link_options`),
@@ -124,6 +130,8 @@ class LinkKnobs(BaseModel):
         description="rows of the link's stale cache recomputed with each decode step once the first token is out, "
         "in causal order, until the cache is full's (README: Repair during decode; default 0: off)",
     )
+
+    _whole_knobs = field_validator("k", "check_layer", mode="before")(whole)
 
     @classmethod
     def of(cls, **named) -> LinkKnobs:

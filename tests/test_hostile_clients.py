@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from ragcache.api import connections
 from ragcache.api.answering import MAX_STOP, MAX_STOP_CHARS
-from ragcache.api.body import NONBLANK
+from ragcache.api.body import DOCUMENT_ID, NONBLANK
 from ragcache.api.connections import LOG_EVERY_S
 from ragcache.api.errors import ApiError
 from ragcache import length
@@ -451,7 +451,38 @@ def test_the_schema_states_the_servers_bounds_and_the_server_keeps_to_them(rc):
         assert user == {"type": "string", "maxLength": 50, "pattern": NONBLANK}
         for content, expected in ((" ", 422), (None, 422), ("q" * 51, 413), ("q" * 50, 200)):
             assert status({"messages": [{"role": "user", "content": content}]}, "/v1/chat/completions") == expected
+        parts = shapes[0]["prefixItems"][0]["properties"]["content"]["anyOf"][1]["items"]
+        assert parts["properties"]["type"] == {"enum": ["text"]} and parts["required"] == ["type", "text"]
+        assert status({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                      "/v1/chat/completions") == 422
         system = shapes[1]["prefixItems"][0]["properties"]["content"]["anyOf"][0]
         assert system == {"type": "string", "maxLength": 50}
         assert status({"messages": [{"role": "system", "content": "s" * 51}, {"role": "user", "content": "q"}]},
                       "/v1/chat/completions") == 413
+
+
+def test_the_schema_states_the_rules_over_whole_bodies_and_the_server_keeps_to_them(rc):
+    with serve(rc, max_new_tokens_limit=8, max_new_tokens=4) as addr:
+        schemas = httpx.get(f"{url(addr)}/openapi.json", timeout=WAIT_S).json()["components"]["schemas"]
+        refs = prop(schemas["QueryRequest"], "documents", "array")["items"]["anyOf"]
+        assert refs[0] == {"type": "string", "pattern": DOCUMENT_ID}
+        assert prop(schemas["LinkOptions"], "check_layer", "integer")["maximum"] == rc.layers - 1
+        assert prop(schemas["QueryRequest"], "check_layer", "integer")["maximum"] == rc.layers - 1
+        sides = [rule["required"] for rule in schemas["InfillRequest"]["anyOf"]]
+        shapes = [rule["required"] for rule in schemas["CompileRequest"]["oneOf"]]
+        assert sides == [["prefix"], ["suffix"]] and shapes == [["documents"], ["text"]]
+
+        def status(path: str, body: dict) -> int:
+            return httpx.post(f"{url(addr)}{path}", json=body, timeout=WAIT_S).status_code
+
+        assert status("/v1/query", {"question": "q", "documents": ["A" * 32]}) == 422  # not lowercase hex
+        assert status("/v1/query", {"question": "q", "check_layer": rc.layers}) == 422
+        assert status("/v1/query", {"question": "q", "check_layer": rc.layers - 1, "max_tokens": 1}) == 200
+        assert status("/v1/infill", {}) == 422 and status("/v1/infill", {"suffix": "x", "max_tokens": 1}) == 200
+        assert status("/v1/documents", {}) == 422
+        assert status("/v1/documents", {"documents": [{"text": "a"}], "metadata": {"k": 1}}) == 422
+        assert status("/v1/documents", {"documents": [{"text": "b"}], "text": None}) == 201
+        # JSON Schema's integer is a number without a fraction: 2.0 is one, true and "2" are not
+        assert status("/v1/query", {"question": "q", "max_tokens": 2.0, "seed": 7.0, "k": 4.0}) == 200
+        for bad in (True, "2", 2.5):
+            assert status("/v1/query", {"question": "q", "max_tokens": bad}) == 422, bad
