@@ -131,7 +131,7 @@ class LinkKnobs(BaseModel):
         "in causal order, until the cache is full's (README: Repair during decode; default 0: off)",
     )
 
-    _whole_knobs = field_validator("k", "check_layer", mode="before")(whole)
+    _whole_knobs = field_validator("k", "check_layer", "repair", mode="before")(whole)
 
     @classmethod
     def of(cls, **named) -> LinkKnobs:
