@@ -10,9 +10,10 @@ gold answers): exact match (EM) and token F1; agreement with full's answer (norm
 against it); each with a 95% percentile-bootstrap interval over items (2,000 resamples), and the paired
 difference of F1 from full's with its own interval. Writes bench/results/accuracy-<model>.json and .png.
 
-The whole answer against full's greedy first line: the share of it each algorithm's greedy answer reproduces before
-it first departs, whether it reproduces all of it, and (teacher-forced along full's answer) the share of positions
-where the linked cache's argmax is full's token.
+The whole answer against `full`'s answer as the engine serves it (its first line, in ids): the share of it each
+algorithm's greedy answer reproduces before it first departs, and whether it reproduces all of it; and,
+teacher-forced along full's greedy answer on the linked cache (bench/agreement.py), the share of positions where
+its argmax is full's token.
 
 Distribution-level metrics (bench/agreement.py), from linking without decoding, at the answer's first position:
 next-token top-1 agreement with full, KL(full || linked), and the teacher-forced log-likelihood of full's greedy
@@ -85,7 +86,7 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
             text = first_line(ans.text)
             answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
                                     f1=squad.token_f1(text, item.answers),
-                                    reproduced=reproduced(ans.token_ids, full_ids),
+                                    token_ids=ans.token_ids,
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens,
                                     ttft_s=ans.stats.ttft_s, decode_s=ans.stats.decode_s,
                                     tokens=len(ans.token_ids))
@@ -94,7 +95,10 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
             answers[v.label].update(vars(rc.with_runner(agreement.measure, full.last_logits, linked, full_ids,
                                                         full_forced, content)))
         full = answers["full"]["text"]
+        full_answer = first_line_ids(answers["full"]["token_ids"], stops[1])  # full's own answer, as served
         for a in answers.values():
+            ids = first_line_ids(a.pop("token_ids"), stops[1])
+            a["reproduced"], a["whole"] = reproduced(ids, full_answer), float(ids == full_answer)
             a["agree"] = float(squad.normalize(a["text"]) == squad.normalize(full))
             a["f1_vs_full"] = squad.token_f1(a["text"], [full]) if full else float(not a["text"])
         per_item.append(dict(id=item.id, question=item.question, gold_answers=item.answers, gold_doc=item.gold,
@@ -109,6 +113,11 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
     paths = bench.finish(results, dict(items=per_item),
                          plot=lambda p: plot(results, bench.machine, p, model, len(items)))
     return dict(results=results, paths=paths)
+
+
+def first_line_ids(ids: list[int], newline_ids: set[int]) -> list[int]:
+    """An answer's ids up to its first line's end (a newline once it has started), as `first_line` cuts its text."""
+    return next((ids[:i] for i, token in enumerate(ids) if token in newline_ids and i > 0), ids)
 
 
 def reproduced(answer: list[int], full_answer: list[int]) -> float:
@@ -144,7 +153,7 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[di
                    top1=_ci(top1, seed), kl=_ci([a["kl"] for a in got], seed),
                    # the whole answer: greedy share of full's reproduced before departing, and teacher-forced along it
                    reproduced=_ci([a["reproduced"] for a in got], seed),
-                   whole_answer=_ci([float(a["reproduced"] == 1.0) for a in got], seed),
+                   whole_answer=_ci([a["whole"] for a in got], seed),
                    token_agree=_ci([a["token_agree"] for a in got], seed),
                    delta_ll_vs_full=_ci([a["ll"] - y for a, y in zip(got, full_ll)], seed),
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
@@ -173,7 +182,7 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
                        caption=report.subtitle(machine, f"n={n}"))
     report.print_table(f"First answer position vs full, {model} (mean [95% paired bootstrap CI])",
                        *_distribution_rows(results), caption=report.subtitle(machine, f"n={n}"))
-    report.print_table(f"The whole answer vs full's greedy first line, {model} (mean [95% bootstrap CI])",
+    report.print_table(f"The whole answer vs full's served answer, {model} (mean [95% bootstrap CI])",
                        ["algorithm", "first token", "share reproduced before departing", "whole answer",
                         "teacher-forced token agreement", "F1 vs full", "TTFT s", "decode tok/s"],
                        [[r["label"], _fmt(r["top1"]), _fmt(r["reproduced"]), _fmt(r["whole_answer"]),
