@@ -41,10 +41,11 @@ def full_cache(rc: RagCache, ids: list, answer: list[int]) -> tuple[torch.Tensor
     return full.cache.keys[:, :, :length], full.cache.values[:, :, :length]
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding windows and two rope tables
+@pytest.mark.parametrize("family,invariant", [("llama", True), ("gemma3", True), ("llama", False)])
 @pytest.mark.parametrize("algorithm,knobs", [("naive", {}), ("focus", {"ratio": 0.25}), ("legolink", {"k": 4})])
-def test_once_every_row_is_repaired_the_cache_is_fulls(family, algorithm, knobs):
-    rc = engine(family)
+def test_once_every_row_is_repaired_the_cache_is_fulls(family, invariant, algorithm, knobs):
+    """gemma3: sliding windows and two rope tables; without batch invariance decode rows share one pooled call."""
+    rc = engine(family, batch_invariant=invariant)
     ids = rc.compile(DOCS)
     held = caches_at_release(rc)
     answer = rc.query(QUESTION, ids, algorithm=algorithm, repair=40, max_new_tokens=24, **knobs)
