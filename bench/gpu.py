@@ -1066,6 +1066,19 @@ def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
                 warmup_s=warmup_s)
 
 
+def _repair_cost(rc, question: str, docs: list, new_tokens: int) -> list[dict]:
+    """focus's answer with and without repair=64 (README: Repair during decode): tokens/s after the first over the
+    whole answer, since steps with repair rows are not decode-only (on CUDA they run without the captured graph).
+    On a GPU a decode step reads the weights; the question is how much 64 more rows a step cost there."""
+    rows = []
+    for repair in (0, 64):
+        rc.query(question, docs, algorithm="focus", repair=repair, max_new_tokens=4)  # untimed: the shapes warm
+        answer = rc.query(question, docs, algorithm="focus", repair=repair, max_new_tokens=new_tokens)
+        rows.append(dict(what=f"ragcache decode after focus, repair={repair}", repair=repair, ttft_s=answer.stats.ttft_s,
+                         tok_s=(len(answer.token_ids) - 1) / max(answer.stats.decode_s, 1e-9)))
+    return rows
+
+
 @torch.inference_mode()
 def _transformers_decode(lm, length: int, new_tokens: int, device, compiled: bool) -> float:
     """transformers' own greedy loop after a prefill of `length` tokens: its DynamicCache eagerly, or its
@@ -1130,6 +1143,9 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         prompt = len(rc.prompt_parts(question, docs).token_ids)
         rows.append(dict(shape=shape, what=f"ragcache decode, {graphs} steps", context=prompt, new_tokens=new_tokens,
                          **got))
+        if graphs == kinds[0]:  # the engine's own decode steps: what repair rows are added to
+            rows += [dict(shape=shape, context=prompt, new_tokens=new_tokens, **row)
+                     for row in _repair_cost(rc, question, docs, new_tokens)]
         if profiled and not profiles:  # a link, then 16 tokens: the link's kernels are a few of many calls
             profile_row = _profile(lambda: rc.query(question, docs, algorithm="naive", max_new_tokens=16), device,
                                    f"a naive link and 16 tokens, {graphs} decode steps")
