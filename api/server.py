@@ -41,6 +41,7 @@ def open_engine(settings: Settings) -> Front:
 def factory() -> FastAPI:
     """App factory for multi-worker serving (uvicorn --factory): one engine per worker process."""
     settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
+    log_info()  # a worker is a process of its own
     return create_app(open_engine(settings), settings)
 
 
@@ -56,8 +57,16 @@ def config(app, settings: Settings, **kwargs) -> Config:
     )
 
 
+def log_info() -> None:
+    """ragcache's INFO lines (what loaded, on which device and why, the connection cap, refusals) on the server's
+    output: `ragcache`'s entry point configures the root logger at WARNING before `serve` runs, and a second
+    basicConfig does nothing, so the level is set on ragcache's own logger."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("ragcache").setLevel(logging.INFO)
+
+
 def run(settings: Settings, workers: int = 1) -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    log_info()
     if workers > 1 and settings.engine == "vllm":
         raise ParameterOutOfRange(
             "one worker with --engine vllm: vLLM batches every request in one engine (and each "

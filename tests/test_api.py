@@ -856,6 +856,8 @@ def test_ragcache_serve_with_two_workers(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    # ragcache's INFO lines reach the server's output, in each worker: the device chosen, and why
+    assert log.read_text().count("device cpu (auto: ") == 2, log.read_text()[-3000:]
 
 
 # -- the example client -----------------------------------------------------------------------------------
