@@ -10,11 +10,13 @@ A sequence's life (sequence.Status):
   decoding  after its last link row: one row per step, the token sampled from the step's logits;
   over      finished, failed or aborted: it leaves, and the driver frees its cache before its last event.
 
-Each forward step packs the rows of every running sequence: decode rows first, then link pieces, the fewest pending
-rows first, until the budget is spent. A short request that arrives behind a long link has its first token after one
-budgeted step, not after the whole link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next,
-so a stream of short ones (or of chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile): its rows pack with the others', each piece
-attending only to its own cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone in a
+Each forward step packs the rows of every running sequence: decode rows first (with the repair rows of those that
+asked for repair, Sequence.repair), then link pieces, the fewest pending rows first, until the budget is spent. A
+short request that arrives behind a long link has its first token after one budgeted step, not after the whole
+link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next, so a stream of short ones (or of
+chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile):
+its rows pack with the others', each piece attending only to its own cache, and its last piece's step makes its
+entry. A task (Sequence.task) runs alone in a
 TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
 (a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
 both wait. A sequence that fails fails alone; the others go on.
