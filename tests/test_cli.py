@@ -169,7 +169,7 @@ def test_kv_codec_from_compile_to_stats_to_query(tmp_path):
     answer = ragcache("query", "How tall is the Harrow Point lighthouse?", "--doc", str(doc), "--store", store,
                       "--json", "--max-new-tokens", "8", "--kv-codec", "int8", *fp32, cwd=tmp_path)
     assert '"compiled_chunks": 0' in answer.stdout  # every chunk came from the int8 entries
-    bad = ragcache("query", "q", "--doc", str(doc), "--store", store, "--kv-codec", "int4", cwd=tmp_path, check=False)
+    bad = ragcache("query", "q", "--doc", str(doc), "--store", store, "--kv-codec", "int3", cwd=tmp_path, check=False)
     assert bad.returncode == 3 and "kv_codec" in bad.stderr
 
 
