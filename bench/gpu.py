@@ -791,17 +791,16 @@ def _short_behind_long(rc, question: str, docs: list, device) -> dict:
                 short_ended_first=overtook)
 
 
-def _codec_links(lm, texts: list, question: str, order_of, device, reps: int) -> list[dict]:
-    """naive and legolink-16 over int8 and int4 entries from the host tier (pinned memory on CUDA): half and a
-    quarter of the bf16 entries' bytes cross, decoded and rotated by place_chunks in one pass."""
+def _codec_links(lm, host_store, chunk_tokens: int, texts: list, question: str, order_of, device,
+                 reps: int) -> list[dict]:
+    """naive and legolink-16 over int8 and int4 entries from the host tier (`host_store()`, pinned memory on CUDA):
+    half and a quarter of the bf16 entries' bytes cross, decoded and rotated by place_chunks in one pass."""
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
-    from ragcache.store.memory import MemoryStore
 
     rows = []
     for codec in ("int8", "int4"):
-        rc = RagCache(lm, MemoryStore(64 << 30, pin=device.type == "cuda"),
-                      EngineConfig(chunk_tokens=len(texts[0].split()) + 8, kv_codec=codec))
+        rc = RagCache(lm, host_store(), EngineConfig(chunk_tokens=chunk_tokens, kv_codec=codec))
         order = order_of(rc.compile(texts))
         rc.link(question, order, algorithm="naive")  # untimed: the kernels' shapes
         entry_bytes = rc.store.stats()["bytes"]
@@ -814,7 +813,7 @@ def _codec_links(lm, texts: list, question: str, order_of, device, reps: int) ->
     return rows
 
 
-def _cold_read(lm, texts: list, question: str, order_of, device, root) -> dict:
+def _cold_read(lm, chunk_tokens: int, texts: list, question: str, order_of, device, root) -> dict:
     """What a first query pays on the default CUDA store: entries compiled into gpu+memory+disk by one engine, then
     a new engine over the same disk (its GPU and memory tiers empty) links them once: every entry is read from disk
     (the OS page cache may hold the files: not dropped here) and handed to the link as the fastest tier's copy."""
@@ -823,7 +822,7 @@ def _cold_read(lm, texts: list, question: str, order_of, device, root) -> dict:
     from ragcache.store import open_store
 
     tiers = "gpu+memory+" if device.type == "cuda" else "memory+"  # the default store's tiers on the device
-    url, config = f"{tiers}disk:{root}", EngineConfig(chunk_tokens=len(texts[0].split()) + 8)
+    url, config = f"{tiers}disk:{root}", EngineConfig(chunk_tokens=chunk_tokens)
     first = RagCache(lm, open_store(url, device=device), config)
     order = order_of(first.compile(texts))
     first.close()
@@ -944,7 +943,8 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                       f"{behind['short_answer_s']:.3f} s", flush=True)
                 if context == contexts[-1]:
                     arranged = lambda got: [got[i] for i in indices]  # noqa: E731 - the same documents' order
-                    for row in _codec_links(lm, texts, question, arranged, device, reps):
+                    host = lambda: store("memory")  # noqa: E731 - the host tier as the rows above have it
+                    for row in _codec_links(lm, host, doc_words + 8, texts, question, arranged, device, reps):
                         row.update(shape=shape, context=prompt, forward_s=forward,
                                    speedup_vs_forward=forward / row["seconds"])
                         rows.append(row)
@@ -953,7 +953,7 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                               f"{row['entry_bytes'] / 2**30:.2f} GiB of entries)", flush=True)
                     with tempfile.TemporaryDirectory() as root:
                         cold = dict(shape=shape, context=prompt, forward_s=forward,
-                                    **_cold_read(lm, texts, question, arranged, device, root))
+                                    **_cold_read(lm, doc_words + 8, texts, question, arranged, device, root))
                     rows.append(cold)
                     print(f"  {shape} a first naive link through {cold['tier']}, every entry from disk: "
                           f"{cold['cold_s']:.3f} s ({forward / cold['cold_s']:.2f}x transformers' forward); "

@@ -44,8 +44,7 @@ class ChunkKV:
 
     @property
     def codec(self) -> str:
-        head_dim = None if self.key_scales is None else int(self.key_scales.shape[-1])
-        return kv_codec.stored(str(self.keys.dtype).removeprefix("torch."), int(self.keys.shape[-1]), head_dim)
+        return kv_codec.stored(str(self.keys.dtype).removeprefix("torch."), int(self.keys.shape[-1]), self.head_dim)
 
     @property
     def head_dim(self) -> int:
