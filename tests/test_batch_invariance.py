@@ -89,7 +89,7 @@ def test_a_tiled_linear_gives_a_row_the_same_bits_at_any_count_and_place(dtype):
     layers = torch.nn.Sequential(torch.nn.Linear(576, 192, bias=False), torch.nn.Linear(1536, 576, bias=True))
     layers.to(dtype)
     invariance = invariant.install(layers, torch.device("cpu"), batch_invariant=True)
-    assert "row tiles" in invariance.how and invariance.pad_rows >= 1
+    assert "row tiles" in invariance.how and invariance.rows_for(1) >= 1
     for linear in layers:
         others = torch.randn(600, linear.in_features, generator=generator).to(dtype)
         row = torch.randn(linear.in_features, generator=generator).to(dtype)
@@ -128,12 +128,17 @@ def test_the_probe_finds_the_tiles_a_cpu_agrees_on_or_refuses():
     from ragcache.errors import BatchInvarianceUnavailable
 
     blocks_of_4 = FakeGemm(lambda rows, place: 2 if rows == 1 else int(place >= rows - rows % 4))
-    assert invariant.probe([(blocks_of_4, 24)], torch.float32).sizes == (4, 8, 16, 32, 64)
+    assert invariant.probe([(blocks_of_4, 24)], torch.float32).sizes == invariant.CANDIDATE_TILES
     two_kernels = FakeGemm(lambda rows, place: int(rows < 16))
     tiles = invariant.probe([(blocks_of_4, 24), (two_kernels, 24)], torch.float32)
-    assert tiles.sizes == (16, 32, 64)
+    assert tiles.sizes == (16, 32, 64, 128, 256, 512)
     assert tiles.split(1) == [(0, 16)] and tiles.split(70) == [(0, 64), (64, 16)]
-    assert tiles.split(160) == [(0, 64), (64, 64), (128, 32)]
+    assert tiles.split(160) == [(0, 128), (128, 32)]
+    assert tiles.split(490) == [(0, 512)]  # a rest of at least 7/8 of a size: one padded call, not six
+    assert tiles.split(1100) == [(0, 512), (512, 512), (1024, 64), (1088, 16)]
+    # a forward pads its rows once to what every Linear's tiles cover whole
+    assert invariant.Invariance("x", (tiles, invariant.RowTiles((4, 8)))).rows_for(70) == 80
+    assert invariant.Invariance("x", (tiles,)).rows_for(490) == 512
     every_place = FakeGemm(lambda rows, place: place % 3)
     with pytest.raises(BatchInvarianceUnavailable, match="--no-batch-invariant"):
         invariant.probe([(blocks_of_4, 24), (every_place, 24)], torch.float32)
@@ -252,3 +257,40 @@ def test_the_padding_rows_of_a_forward_change_no_request_row(dtype):
         assert outs[0].shape == (1, rows, runner.config.hidden_size)
         assert torch.equal(outs[0], outs[1]), rows
         assert torch.equal(caches[0].keys, caches[1].keys) and not caches[0].keys[:, :, rows:].any()
+
+
+def test_the_probe_leaves_no_openmp_team_on_the_callers_thread(monkeypatch):
+    """A thread that runs a parallel torch op keeps an OpenMP team for as long as it lives, and with more workers
+    than cores the model thread's steps ran 1.7x slower (ragcache.engine.threads). The probe runs on a thread that
+    ends with it: here the caller is a fresh thread, whose native thread count must be back where it was once the
+    engine's Linears are tiled. It fails if the probe runs on the caller's thread."""
+    import os
+    import threading
+    import time
+
+    from ragcache.engine import invariant
+
+    def native() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    monkeypatch.setattr(invariant, "_PROBED", {})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # a team needs two threads; the suite may run with one
+    counts: list[int] = []
+
+    def caller() -> None:
+        before = native()
+        layers = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576))
+        invariant.install(layers, torch.device("cpu"), batch_invariant=True)
+        deadline = time.monotonic() + 5  # the passing thread's workers leave as it ends
+        while native() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        counts.extend([before, native()])
+
+    try:
+        thread = threading.Thread(target=caller)
+        thread.start()
+        thread.join()
+    finally:
+        torch.set_num_threads(threads)
+    assert counts[1] == counts[0]

@@ -4,7 +4,8 @@ A request becomes a `Sequence`; the `Driver`'s thread steps it: `Scheduler.sched
 decodes), the `Runner` executes it (the one layer loop, over `kv`'s joined caches and pools, with `graphs` for
 decode-only steps and `copies` placing entries on the device), `Scheduler.update` turns outputs into events, and
 `sampling` picks tokens. `prefix_cache` keeps the system prompts' K/V, `invariant` makes a row's result independent
-of its step's other rows, `allocator` returns freed memory.
+of its step's other rows, `allocator` returns freed memory, `threads` keeps compute off long-lived threads other
+than the model's.
 
 Code outside this folder imports the names below from `ragcache.engine`, never a module inside it (tests/test_imports
 checks it). Names load lazily, as `ragcache`'s own do, so that importing one does not pull the model's stack."""
@@ -42,6 +43,7 @@ _HOMES = {
     "Sampling": "sampling",
     "eos_ids": "sampling",
     "Scheduler": "scheduler",
+    "on_a_passing_thread": "threads",
     "Aborted": "sequence",
     "Done": "sequence",
     "Event": "sequence",
@@ -91,6 +93,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "finish_all",
     "ignore",
     "map_large_blocks",
+    "on_a_passing_thread",
     "pieces",
     "place",
     "prefetch_for",
@@ -125,6 +128,7 @@ if TYPE_CHECKING:
         pieces,
         wait,
     )
+    from .threads import on_a_passing_thread
 
 
 def __getattr__(name: str):

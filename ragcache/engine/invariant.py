@@ -11,10 +11,13 @@ mechanism here makes every such call reduce a row in one fixed order:
   (`kernels.invariant_linear`, `kernels.invariant_rms_norm`).
 - CPU: the machine's GEMM is a black box that blocks rows its own way (4 on the AMD EPYCs measured, otherwise on an
   Intel Xeon). So every Linear call runs at row counts from a set of tile sizes, and which sizes is found at start
-  by `probe` over the model's own Linears: a size qualifies when a row gets the same bits at every place of a
-  tile, and sizes are used together only when they give a row the same bits as each other. The norms are checked
-  as they are (torch reduces a CPU row serially up to its 32,768-element grain). No qualifying size, or a norm that
-  fails, is `BatchInvarianceUnavailable`: never a silent answer that changes with the load.
+  by `probe`, for each Linear shape of the model on its own: a size qualifies when a row gets the same bits at every
+  place of a tile, and sizes are used together only when they give a row the same bits as each other. A shape may
+  also run as its transpose (W @ x^T: the rows become the GEMM's columns, which some libraries block apart from
+  the reduction), where that lets more sizes agree: large tiles are what keep a compile or a link at the GEMM's
+  speed. The norms are checked as they are (torch reduces a CPU row serially up to its 32,768-element grain). No
+  qualifying size, or a norm that fails, is `BatchInvarianceUnavailable`: never a silent answer that changes with
+  the load.
 
 Off (`batch_invariant=False`), Linears run at the row count they get, except bf16/fp16 on CPU, bucketed
 (`row_bucket`) so that oneDNN keeps a bounded number of compiled kernels.
@@ -32,10 +35,16 @@ import torch
 import ragcache.kernels as kernels
 
 from ..errors import BatchInvarianceUnavailable
+from .threads import on_a_passing_thread
 
 log = logging.getLogger("ragcache")
 
-CANDIDATE_TILES = (4, 8, 16, 32, 64)  # powers of two: a larger size is a whole number of any smaller one
+# powers of two: a larger size is a whole number of any smaller one; up to the CPU's row budget (a full step's
+# rows in one call each, as the GEMM runs fastest)
+CANDIDATE_TILES = (4, 8, 16, 32, 64, 128, 256, 512)
+# a size is probed where one of its GEMMs is at most this many multiply-adds (the probe runs 2 x sizes passes
+# over that many rows): an lm_head's tiles stay small, as its calls are (the rows that need logits)
+PROBE_MACS = 1 << 30
 NORM_COUNTS = (1, 2, 3, 5, 17, 64)  # row counts a norm's row is checked at, alone first
 
 Op = Callable[[torch.Tensor], torch.Tensor]
@@ -61,27 +70,57 @@ class RowTiles:
         return self.sizes[0]
 
     def split(self, rows: int) -> list[tuple[int, int]]:
-        """(start, size) tiles covering `rows`: the largest size while it fits, then the smallest size that holds
-        the rest (padded)."""
+        """(start, size) tiles covering `rows`: the largest size that fits while one does, down the sizes; a rest that
+        fills at least 7/8 of a size, or is less than the smallest, runs in one tile of it (padded). A GEMM call
+        costs more than the rows it pads: 490 rows run as one 512-row call, not as six (256 + 128 + ... + 4)."""
         tiles, start = [], 0
-        while rows - start >= self.sizes[-1]:
-            tiles.append((start, self.sizes[-1]))
-            start += self.sizes[-1]
-        if start < rows:
-            tiles.append((start, next(s for s in self.sizes if s >= rows - start)))
+        for size in reversed(self.sizes):
+            while rows - start >= size:
+                tiles.append((start, size))
+                start += size
+            if start < rows and (8 * (rows - start) >= 7 * size or size == self.sizes[0]):
+                tiles.append((start, size))
+                break
         return tiles
+
+    def covered(self, rows: int) -> int:
+        """The rows `split(rows)`'s tiles hold, padding included."""
+        start, size = self.split(rows)[-1] if rows else (0, 0)
+        return start + size
 
     def __str__(self) -> str:
         return ",".join(map(str, self.sizes))
 
 
 @dataclass(frozen=True)
+class Tiling:
+    """How one Linear shape runs batch-invariant: its row tiles, as itself or as its transpose."""
+
+    tiles: RowTiles
+    transposed: bool = False
+
+    def __str__(self) -> str:
+        return f"{self.tiles}{' transposed' if self.transposed else ''}"
+
+
+@dataclass(frozen=True)
 class Invariance:
-    """How a runner's model keeps rows apart: what a log line and /health report, and the row multiple a forward
-    pads to (a whole smallest tile: its Linears then pad nothing each)."""
+    """How a runner's model keeps rows apart: what a log line and /health report, and the row counts its Linears
+    run at (each shape's tiles, or the buckets), which a forward pads its rows to once (`rows_for`) so that its
+    Linears pad nothing each."""
 
     how: str
-    pad_rows: int = 1
+    tiles: tuple[RowTiles, ...] = ()
+    buckets: bool = False
+
+    def rows_for(self, rows: int) -> int:
+        """The fewest rows >= `rows` that every Linear's tiles cover whole."""
+        if self.buckets:
+            return row_bucket(rows)
+        count = rows
+        while (covered := max((t.covered(count) for t in self.tiles), default=count)) != count:
+            count = covered
+        return count
 
 
 OFF = Invariance("off")
@@ -92,11 +131,9 @@ def in_tiles(op: Op, tiles: RowTiles) -> Op:
 
     def op_in_tiles(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        if rows == 0:
-            return op(x)
         flat = x.reshape(rows, x.shape[-1])
         parts = [_padded(op, flat[start : start + size], size) for start, size in tiles.split(rows)]
-        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = op(flat) if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     return op_in_tiles
@@ -130,26 +167,30 @@ def probe(
     """The tile sizes among `candidates` at which every op (a row-wise function and its input width) gives a row
     the same bits wherever it sits in a tile and whichever of the sizes computes it.
 
-    Each size computes one tile of random rows, then the same rows moved down one place (the last first): a result
-    that depends on the place differs between two neighbouring places, which this moves every row across. Sizes
-    that pass are grouped by bit-equal results on the rows they share; the largest group wins (ties: the smaller
-    sizes)."""
+    Each size computes the same random rows (as many as the largest size) tile by tile, then again with each
+    tile's rows moved down one place (its last first): a result that depends on the place differs between two
+    neighbouring places, which this moves every row across. Sizes that pass are grouped by bit-equal results on all
+    the rows: in bf16, where a GEMM rounds its fp32 sums to 8 bits, a few rows can agree by chance between kernels
+    that sum apart. The largest group wins (ties: the smaller sizes)."""
     generator = torch.Generator().manual_seed(0)
-    inputs = [torch.randn(max(candidates), width, generator=generator).to(dtype).to(device) for _, width in ops]
+    count = max(candidates)
+    inputs = [torch.randn(count, width, generator=generator).to(dtype).to(device) for _, width in ops]
     results: dict[int, list[torch.Tensor]] = {}
     with torch.inference_mode():
         for size in sorted(candidates):
             outs = []
             for (op, _), x in zip(ops, inputs):
-                here = op(x[:size])
-                if not torch.equal(here, op(torch.roll(x[:size], 1, 0)).roll(-1, 0)):
+                tiles = x.split(size)
+                here = torch.cat([op(tile) for tile in tiles])
+                moved = torch.cat([op(torch.roll(tile, 1, 0)).roll(-1, 0) for tile in tiles])
+                if not torch.equal(here, moved):
                     break
                 outs.append(here)
             else:
                 results[size] = outs
     groups: list[list[int]] = []
     for size, outs in results.items():
-        group = next((g for g in groups if all(torch.equal(a, b[: g[0]]) for a, b in zip(results[g[0]], outs))), None)
+        group = next((g for g in groups if all(map(torch.equal, results[g[0]], outs))), None)
         if group is None:
             groups.append([size])
         else:
@@ -200,28 +241,31 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
     if kernels.backend_for(device) == "triton":  # CUDA (or RAGCACHE_KERNELS=triton in the interpreter)
         return _install_kernels(model, linears) if batch_invariant else OFF
     if not batch_invariant:
-        if dtype in (torch.bfloat16, torch.float16):
-            for linear in linears:
-                _wrap(linear, in_buckets(linear.forward))
-        return OFF
+        if dtype not in (torch.bfloat16, torch.float16):
+            return OFF
+        for linear in linears:
+            _wrap(linear, in_buckets(linear.forward))
+        return Invariance("off", buckets=True)
     started = time.perf_counter()
-    tiles = probe_model(model, linears, dtype)
+    tilings = on_a_passing_thread(probe_model, model, linears, dtype)
     for linear in linears:
-        _wrap(linear, in_tiles(linear.forward, tiles))
-    how = f"GEMM row tiles {tiles} (probed in {time.perf_counter() - started:.1f} s: {_cpu_name()}, {dtype})"
+        tiling = tilings[_shape(linear)]
+        _wrap(linear, in_tiles(_op(linear, tiling.transposed), tiling.tiles))
+    shapes = "; ".join(f"{n_in}x{n_out} {tiling}" for (n_in, n_out, _), tiling in sorted(tilings.items()))
+    how = f"GEMM row tiles {shapes} (probed in {time.perf_counter() - started:.1f} s: {_cpu_name()}, {dtype})"
     log.info("batch invariance: %s", how)
-    return Invariance(how, tiles.smallest)
+    return Invariance(how, tuple({tiling.tiles for tiling in tilings.values()}))
 
 
-_PROBED: dict[tuple, RowTiles] = {}
+_PROBED: dict[tuple, dict[tuple, Tiling]] = {}
 
 
-def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: torch.dtype) -> RowTiles:
-    """`probe` over one Linear of each shape of the model and a check of each kind of norm; the result is kept for
-    the process by shapes, dtype and thread count (the GEMM's choices depend on nothing else)."""
+def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: torch.dtype) -> dict[tuple, Tiling]:
+    """The tiling of each Linear shape of the model (`choose` over one Linear of each), after a check of each kind of
+    norm; kept for the process by shapes, dtype and thread count (the GEMM's choices depend on nothing else)."""
     shapes: dict[tuple, torch.nn.Linear] = {}
     for linear in linears:
-        shapes.setdefault((linear.in_features, linear.out_features, linear.bias is not None), linear)
+        shapes.setdefault(_shape(linear), linear)
     norms = {(type(norm).__name__, norm.weight.numel()): norm for norm in _norms(model)}
     key = (dtype, torch.get_num_threads(), tuple(sorted(shapes)), tuple(sorted(norms)))
     if key not in _PROBED:
@@ -231,8 +275,66 @@ def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: t
                     f"{name} gives a row other bits among other rows on this CPU ({_cpu_name()}, {dtype}); "
                     f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)"
                 )
-        _PROBED[key] = probe([(m.forward, m.in_features) for m in shapes.values()], dtype)
+        _PROBED[key] = {shape: choose(linear, dtype) for shape, linear in shapes.items()}
     return _PROBED[key]
+
+
+def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
+    """The Linear's tiling: as itself, or as its transpose where that lets larger tiles agree and runs a step's rows
+    measurably faster for it (by a fifth: the transpose copies its result, and a close call should not flip between
+    two starts of one server). Larger tiles alone do not decide it: a call of the transpose costs 2-3x one of the
+    Linear on the Xeon measured."""
+    macs = linear.in_features * linear.out_features
+    candidates = [size for size in CANDIDATE_TILES if size == CANDIDATE_TILES[0] or size * macs <= PROBE_MACS]
+    found, refusal = [], None
+    for transposed in (False, True):
+        try:
+            op = _op(linear, transposed)
+            found.append(Tiling(probe([(op, linear.in_features)], dtype, candidates=candidates), transposed))
+        except BatchInvarianceUnavailable as error:
+            refusal = error
+    if not found:
+        assert refusal is not None
+        raise refusal
+    if len(found) == 1 or found[0].tiles == found[1].tiles:
+        return found[0]
+    plain, turned = (_seconds(linear, tiling, dtype, max(candidates)) for tiling in found)
+    return found[1] if turned < 0.8 * plain else found[0]
+
+
+def _seconds(linear: torch.nn.Linear, tiling: Tiling, dtype: torch.dtype, most: int) -> float:
+    """The best of three times of a tiled Linear over a few row counts up to `most`: a decode row, a link's awkward
+    count and a full step."""
+    op = in_tiles(_op(linear, tiling.transposed), tiling.tiles)
+    x = torch.randn(most, linear.in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(3):
+            started = time.perf_counter()
+            for rows in (1, most * 5 // 8 + 3, most):
+                op(x[:rows])
+            best = min(best, time.perf_counter() - started)
+    return best
+
+
+def _op(linear: torch.nn.Linear, transposed: bool) -> Op:
+    return _transposed(linear) if transposed else linear.forward
+
+
+def _shape(linear: torch.nn.Linear) -> tuple[int, int, bool]:
+    return linear.in_features, linear.out_features, linear.bias is not None
+
+
+def _transposed(linear: torch.nn.Linear) -> Op:
+    """The Linear as W @ x^T over rows x [n, in] (its bias added in the GEMM: rounded once, as the Linear's own),
+    contiguous as the Linear's own result."""
+
+    def transposed_linear(x: torch.Tensor) -> torch.Tensor:
+        if linear.bias is None:
+            return torch.mm(linear.weight, x.t()).t().contiguous()
+        return torch.addmm(linear.bias[:, None], linear.weight, x.t()).t().contiguous()
+
+    return transposed_linear
 
 
 # RMSNorm classes by how they round: (added to the weight, result cast to the input dtype before the weight)

@@ -365,8 +365,8 @@ class Runner:
         `watch` sees each layer before and after it runs, and may narrow the rows after it."""
         batch, positions = self.batch(parts, scores)
         rows = token_ids.numel()
-        block = self.invariance.pad_rows if watch is None else 1
-        if padding := -rows % block:  # whole row tiles through every layer: its Linears then pad nothing each
+        # whole row tiles through every layer: its Linears then pad nothing each (a watch may narrow the rows)
+        if padding := (self.invariance.rows_for(rows) if watch is None else rows) - rows:
             token_ids = torch.nn.functional.pad(token_ids, (0, padding))
             positions = torch.nn.functional.pad(positions, (0, padding))
             batch.padding = padding
