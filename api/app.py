@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Route
 
 from ragcache import __version__
+from ragcache.engine import compute_inline
 from ragcache.front import Front
 from ragcache.settings import Settings
 
@@ -117,7 +118,8 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         # asyncio's default pool has cpus + 4 threads; every admitted request may hold one (preparing a query,
         # compiling an upload, a delete waiting for a query to end), so a few long uploads would stall queries on
         # unrelated documents waiting for a thread
-        pool = ThreadPoolExecutor(settings.max_queue + 8, thread_name_prefix="ragcache-api")
+        # its threads run torch inline: an OpenMP team on each would slow the model thread (ragcache.engine.threads)
+        pool = ThreadPoolExecutor(settings.max_queue + 8, thread_name_prefix="ragcache-api", initializer=compute_inline)
         asyncio.get_running_loop().set_default_executor(pool)
         yield
         queue.shutdown()

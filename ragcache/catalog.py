@@ -34,6 +34,7 @@ from .documents import (
     read_document,
     record_problem,
 )
+from .engine import compute_inline
 from .errors import CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
@@ -383,6 +384,7 @@ class Writer:
             raise self.failure
 
     def _run(self) -> None:
+        compute_inline()  # it lives as long as the compile: no OpenMP team of its own beside the model's (threads)
         while (entries := self._batches.get()) is not None:
             if self.failure is not None:
                 continue  # drained without writing: the compile stops at its next put

@@ -1182,3 +1182,23 @@ def test_every_metric_the_grafana_dashboard_queries_is_one_the_server_exports(ht
                  for suffix in ("_bucket", "_sum", "_count")}
     unknown = sorted(n for n in queried if declared.get(n) not in ("counter", "gauge") and n not in histogram)
     assert len(queried) >= 15 and not unknown, unknown
+
+
+def test_the_api_workers_run_torch_inline_and_leave_other_threads_their_count(rc):
+    """The threads that prepare requests (entries read, copied, decoded) run torch's ops inline: an OpenMP team on
+    each would slow every model step (a served 64-token answer took 5.2 s against 2.8 s at 2 torch threads;
+    ragcache.engine.threads). The thread count is each thread's own: this one keeps its two."""
+    from starlette.testclient import TestClient
+
+    async def in_a_worker() -> int:
+        return await asyncio.to_thread(torch.get_num_threads)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite may run with one, where no team forms
+    try:
+        with TestClient(create_app(rc, settings())) as client:
+            assert client.portal.call(in_a_worker) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+

@@ -258,39 +258,3 @@ def test_the_padding_rows_of_a_forward_change_no_request_row(dtype):
         assert torch.equal(outs[0], outs[1]), rows
         assert torch.equal(caches[0].keys, caches[1].keys) and not caches[0].keys[:, :, rows:].any()
 
-
-def test_the_probe_leaves_no_openmp_team_on_the_callers_thread(monkeypatch):
-    """A thread that runs a parallel torch op keeps an OpenMP team for as long as it lives, and with more workers
-    than cores the model thread's steps ran 1.7x slower (ragcache.engine.threads). The probe runs on a thread that
-    ends with it: here the caller is a fresh thread, whose native thread count must be back where it was once the
-    engine's Linears are tiled. It fails if the probe runs on the caller's thread."""
-    import os
-    import threading
-    import time
-
-    from ragcache.engine import invariant
-
-    def native() -> int:
-        return len(os.listdir("/proc/self/task"))
-
-    monkeypatch.setattr(invariant, "_PROBED", {})
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # a team needs two threads; the suite may run with one
-    counts: list[int] = []
-
-    def caller() -> None:
-        before = native()
-        layers = torch.nn.Sequential(torch.nn.Linear(576, 1536, bias=False), torch.nn.Linear(1536, 576))
-        invariant.install(layers, torch.device("cpu"), batch_invariant=True)
-        deadline = time.monotonic() + 5  # the passing thread's workers leave as it ends
-        while native() > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        counts.extend([before, native()])
-
-    try:
-        thread = threading.Thread(target=caller)
-        thread.start()
-        thread.join()
-    finally:
-        torch.set_num_threads(threads)
-    assert counts[1] == counts[0]

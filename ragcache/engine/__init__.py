@@ -43,6 +43,7 @@ _HOMES = {
     "Sampling": "sampling",
     "eos_ids": "sampling",
     "Scheduler": "scheduler",
+    "compute_inline": "threads",
     "on_a_passing_thread": "threads",
     "Aborted": "sequence",
     "Done": "sequence",
@@ -89,6 +90,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "StepStats",
     "apieces",
     "cache_argument",
+    "compute_inline",
     "eos_ids",
     "finish_all",
     "ignore",
@@ -128,7 +130,7 @@ if TYPE_CHECKING:
         pieces,
         wait,
     )
-    from .threads import on_a_passing_thread
+    from .threads import compute_inline, on_a_passing_thread
 
 
 def __getattr__(name: str):

@@ -280,10 +280,11 @@ def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: t
 
 
 def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
-    """The Linear's tiling: as itself, or as its transpose where that lets larger tiles agree and runs a step's rows
-    measurably faster for it (by a fifth: the transpose copies its result, and a close call should not flip between
-    two starts of one server). Larger tiles alone do not decide it: a call of the transpose costs 2-3x one of the
-    Linear on the Xeon measured."""
+    """The Linear's tiling: as itself where its tiles include the largest size (a full step's rows in one call);
+    else as its transpose where that one's do; else whichever lets more sizes agree. A call of the transpose costs
+    2-3x one of the Linear on the Xeon measured (it copies its result), so it wins only against many small calls. A
+    rule on the probe's findings, not a timing: the same machine picks the same tiles, and gives the same answers,
+    at every start."""
     macs = linear.in_features * linear.out_features
     candidates = [size for size in CANDIDATE_TILES if size == CANDIDATE_TILES[0] or size * macs <= PROBE_MACS]
     found, refusal = [], None
@@ -296,25 +297,8 @@ def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
     if not found:
         assert refusal is not None
         raise refusal
-    if len(found) == 1 or found[0].tiles == found[1].tiles:
-        return found[0]
-    plain, turned = (_seconds(linear, tiling, dtype, max(candidates)) for tiling in found)
-    return found[1] if turned < 0.8 * plain else found[0]
-
-
-def _seconds(linear: torch.nn.Linear, tiling: Tiling, dtype: torch.dtype, most: int) -> float:
-    """The best of three times of a tiled Linear over a few row counts up to `most`: a decode row, a link's awkward
-    count and a full step."""
-    op = in_tiles(_op(linear, tiling.transposed), tiling.tiles)
-    x = torch.randn(most, linear.in_features, generator=torch.Generator().manual_seed(2)).to(dtype)
-    best = float("inf")
-    with torch.inference_mode():
-        for _ in range(3):
-            started = time.perf_counter()
-            for rows in (1, most * 5 // 8 + 3, most):
-                op(x[:rows])
-            best = min(best, time.perf_counter() - started)
-    return best
+    whole = [tiling for tiling in found if max(candidates) in tiling.tiles.sizes]
+    return whole[0] if whole else max(found, key=lambda t: (len(t.tiles.sizes), -t.tiles.smallest, not t.transposed))
 
 
 def _op(linear: torch.nn.Linear, transposed: bool) -> Op:

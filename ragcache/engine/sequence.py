@@ -25,6 +25,7 @@ from ..linker import Linked, LinkInput, LinkParams, LinkPlan
 from .kv import JoinedCache
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
+from .threads import computing_inline
 
 CANCEL_POLL_S = 0.05  # how soon `finish_all` notices that its caller has gone
 
@@ -186,7 +187,8 @@ class Sequence:
         self.listener = listener
         self._started = time.perf_counter()
         try:  # compiling a long raw text's chunks stops at the next chunk once the caller has gone
-            self.parts, self.params, self.prefix_cache = self.prepare(self.stats, lambda: self.cancelled)
+            with computing_inline():  # no OpenMP team left on the caller's thread to slow the model's (threads)
+                self.parts, self.params, self.prefix_cache = self.prepare(self.stats, lambda: self.cancelled)
         except Cancelled:
             self.receive(Output(status=Status.ABORTED))
             return
