@@ -48,6 +48,7 @@ PROBE_MACS = 1 << 30
 NORM_COUNTS = (1, 2, 3, 5, 17, 64)  # row counts a norm's row is checked at, alone first
 
 Op = Callable[[torch.Tensor], torch.Tensor]
+Into = Callable[[torch.Tensor, torch.Tensor], None]  # (rows [n, in], out [n, width]): the rows' results written in
 
 
 def row_bucket(rows: int) -> int:
@@ -126,15 +127,28 @@ class Invariance:
 OFF = Invariance("off")
 
 
-def in_tiles(op: Op, tiles: RowTiles) -> Op:
-    """`op` over the rows of x (every axis but the last), each call at one of `tiles`' row counts."""
+def in_tiles(into: Into, tiles: RowTiles, width: int, differentiable: Op) -> Op:
+    """A row-wise op over the rows of x (every axis but the last), each call at one of `tiles`' row counts, writing
+    its `width` results a row into one output: no copy joins the tiles. Where autograd records (training), the
+    tiles run `differentiable` and are joined (a write into an output is not differentiable)."""
 
     def op_in_tiles(x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
         flat = x.reshape(rows, x.shape[-1])
-        parts = [_padded(op, flat[start : start + size], size) for start, size in tiles.split(rows)]
-        out = op(flat) if not parts else parts[0] if len(parts) == 1 else torch.cat(parts)
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        if torch.is_grad_enabled():
+            parts = [_padded(differentiable, flat[start : start + size], size) for start, size in tiles.split(rows)]
+            out = differentiable(flat) if not parts else torch.cat(parts)
+            return out.reshape(*x.shape[:-1], width)
+        out = flat.new_empty(rows, width)
+        for start, size in tiles.split(rows):
+            part = flat[start : start + size]
+            if part.shape[0] == size:
+                into(part, out[start : start + size])
+            else:  # the last tile, padded with zero rows (a forward pads its rows so that this is rare)
+                whole = flat.new_empty(size, width)
+                into(torch.nn.functional.pad(part, (0, 0, 0, size - part.shape[0])), whole)
+                out[start:] = whole[: part.shape[0]]
+        return out.reshape(*x.shape[:-1], width)
 
     return op_in_tiles
 
@@ -250,8 +264,9 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
     tilings = on_a_passing_thread(probe_model, model, linears, dtype)
     for linear in linears:
         tiling = tilings[_shape(linear)]
-        _wrap(linear, in_tiles(_op(linear, tiling.transposed), tiling.tiles))
-    shapes = "; ".join(f"{n_in}x{n_out} {tiling}" for (n_in, n_out, _), tiling in sorted(tilings.items()))
+        into, product = _into(linear, tiling.transposed), _product(linear, tiling.transposed)
+        _wrap(linear, in_tiles(into, tiling.tiles, linear.out_features, product))
+    shapes = "; ".join(f"{n_in}x{n_out} {tiling}" for (n_in, n_out, *_), tiling in sorted(tilings.items()))
     how = f"GEMM row tiles {shapes} (probed in {time.perf_counter() - started:.1f} s: {_cpu_name()}, {dtype})"
     log.info("batch invariance: %s", how)
     return Invariance(how, tuple({tiling.tiles for tiling in tilings.values()}))
@@ -288,7 +303,7 @@ def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
     macs = linear.in_features * linear.out_features
     candidates = [size for size in CANDIDATE_TILES if size == CANDIDATE_TILES[0] or size * macs <= PROBE_MACS]
     found, refusal = [], None
-    for transposed in (False, True):
+    for transposed in (False, True) if _plain(linear) else (False,):  # a subclass's forward is run as it is
         try:
             op = _op(linear, transposed)
             found.append(Tiling(probe([(op, linear.in_features)], dtype, candidates=candidates), transposed))
@@ -301,24 +316,61 @@ def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
     return whole[0] if whole else max(found, key=lambda t: (len(t.tiles.sizes), -t.tiles.smallest, not t.transposed))
 
 
+def _shape(linear: torch.nn.Linear) -> tuple[int, int, bool, bool]:
+    """What a Linear's tiling is probed and kept by: its shape, its bias, and whether it runs nn.Linear's forward."""
+    return linear.in_features, linear.out_features, linear.bias is not None, _plain(linear)
+
+
+def _plain(linear: torch.nn.Linear) -> bool:
+    return type(linear).forward is torch.nn.Linear.forward
+
+
 def _op(linear: torch.nn.Linear, transposed: bool) -> Op:
-    return _transposed(linear) if transposed else linear.forward
+    """The Linear's rows -> results as `_into` computes them (what the probe tries)."""
+    into = _into(linear, transposed)
+
+    def op(x: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], linear.out_features)
+        into(x, out)
+        return out
+
+    return op
 
 
-def _shape(linear: torch.nn.Linear) -> tuple[int, int, bool]:
-    return linear.in_features, linear.out_features, linear.bias is not None
+def _product(linear: torch.nn.Linear, transposed: bool) -> Op:
+    """`_into`'s GEMM returning its result, for autograd."""
+    if not _plain(linear):
+        return linear.forward
+    if not transposed:
+        return lambda x: torch.nn.functional.linear(x, linear.weight, linear.bias)
+    if linear.bias is None:
+        return lambda x: torch.mm(linear.weight, x.t()).t().contiguous()
+    return lambda x: torch.addmm(linear.bias[:, None], linear.weight, x.t()).t().contiguous()
 
 
-def _transposed(linear: torch.nn.Linear) -> Op:
-    """The Linear as W @ x^T over rows x [n, in] (its bias added in the GEMM: rounded once, as the Linear's own),
-    contiguous as the Linear's own result."""
+def _into(linear: torch.nn.Linear, transposed: bool) -> Into:
+    """The Linear over rows x [n, in] into out [n, out]: torch's own GEMM of F.linear (mm, or addmm with the bias),
+    or as its transpose, W @ x^T (the bias added in the GEMM: rounded once, as the Linear's own), copied in."""
 
-    def transposed_linear(x: torch.Tensor) -> torch.Tensor:
+    def linear_into(x: torch.Tensor, out: torch.Tensor) -> None:
         if linear.bias is None:
-            return torch.mm(linear.weight, x.t()).t().contiguous()
-        return torch.addmm(linear.bias[:, None], linear.weight, x.t()).t().contiguous()
+            torch.mm(x, linear.weight.t(), out=out)
+        else:
+            torch.addmm(linear.bias, x, linear.weight.t(), out=out)
 
-    return transposed_linear
+    def transposed_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        if linear.bias is None:
+            out.copy_(torch.mm(linear.weight, x.t()).t())
+        else:
+            out.copy_(torch.addmm(linear.bias[:, None], linear.weight, x.t()).t())
+
+    def forward_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(forward(x))
+
+    forward = linear.forward
+    if not _plain(linear):  # a subclass's own forward: as it is, copied in
+        return forward_into
+    return transposed_into if transposed else linear_into
 
 
 # RMSNorm classes by how they round: (added to the weight, result cast to the input dtype before the weight)
