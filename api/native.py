@@ -255,6 +255,7 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     c = ctx(request)
     sampling = Sampling(c.max_tokens(body.max_tokens), body.temperature, body.top_p, stop_strings(body.stop), body.seed)
     fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
+    await c.measuring.run(c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.max_new_tokens)
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
         return infill_response(*await c.collect(gen, first))

@@ -380,7 +380,8 @@ class Front(abc.ABC):
     def refuse_long_texts(self, texts: list[str], max_new_tokens: int) -> None:
         """TextsTooLong (a 413 at the API) when raw texts cannot fit the context beside max_new_tokens, found from
         their bytes or a count that stops past the room, never by tokenizing a refused text whole
-        (ragcache/length.py). The API runs it before admitting a query, a few at a time."""
+        (ragcache/length.py). `stream` and `infill_stream` run it; the API runs it before admitting a query or an
+        infill, a few at a time."""
         room = self.context_length - max_new_tokens
         self.token_bound.refuse_over(texts, room, max_new_tokens, self.context_length)
 
@@ -390,7 +391,10 @@ class Front(abc.ABC):
         """The answer as a Stream of text pieces. `knobs`: the link's (settings.LinkKnobs: algorithm, k, ratio, ...)
         and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
         link = self.params(**{name: knobs.pop(name) for name in LinkKnobs.model_fields if name in knobs})
-        return self.stream_query(self.validate(question, docs, system, link, Sampling(**knobs), limits))
+        query = self.validate(question, docs, system, link, Sampling(**knobs), limits)
+        if query.texts:  # refused from their bytes, or counted until past the room: never tokenized whole for it
+            self.refuse_long_texts(query.texts, query.sampling.max_new_tokens if query.sampling else 0)
+        return self.stream_query(query)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return drain(self.stream(question, docs, **kwargs))
@@ -413,7 +417,9 @@ class Front(abc.ABC):
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
         sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
-        return self.stream_infill(request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits))
+        fill = request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits)
+        self.refuse_long_texts([fill.prefix, fill.suffix], max_new_tokens)
+        return self.stream_infill(fill)
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
         return drain(self.infill_stream(prefix, suffix, **kwargs))

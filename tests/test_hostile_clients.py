@@ -279,6 +279,24 @@ def test_a_text_too_long_by_its_bytes_is_413_without_tokenizing_it(rc, tokenized
     assert not any(n >= 1000 for n in tokenized), tokenized  # the question, maybe; never the text
 
 
+def test_the_library_and_infill_refuse_a_text_too_long_by_its_bytes_without_tokenizing_it(rc, tokenized):
+    """The same early refusal on every path that takes raw text: `RagCache.query` (the library, the CLI) and an
+    infill's prefix, through the library and the API."""
+    from ragcache.errors import TextsTooLong
+
+    huge = "The water returns. " * 10_000
+    with pytest.raises(TextsTooLong, match="bytes"):
+        rc.query("what?", [{"text": huge}], max_new_tokens=2)
+    infiller = RagCache(tiny.make("qwen2"), open_store("memory:"))
+    with pytest.raises(TextsTooLong, match="bytes"):
+        infiller.infill(huge, "return x", max_new_tokens=2)
+    with serve(infiller) as addr:
+        r = httpx.post(f"{url(addr)}/v1/infill", json={"prefix": huge, "suffix": "", "max_tokens": 2}, timeout=WAIT_S)
+    infiller.close()
+    assert r.status_code == 413 and r.json()["error"]["type"] == "texts_too_long", r.text
+    assert not any(n >= 1000 for n in tokenized), tokenized
+
+
 def test_a_text_past_the_room_is_counted_a_slice_at_a_time_and_no_further(rc, tokenized, monkeypatch):
     """Under the bytes' bound (a token of the tiny vocabulary spells at most 14 bytes), over the context: counting
     stops at the slice that passes the room."""
