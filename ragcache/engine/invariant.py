@@ -14,8 +14,8 @@ mechanism here makes every such call reduce a row in one fixed order:
   by `probe`, for each Linear shape of the model on its own: a size qualifies when a row gets the same bits at every
   place of a tile, and sizes are used together only when they give a row the same bits as each other. A shape may
   also run as its transpose (W @ x^T: the rows become the GEMM's columns, which some libraries block apart from
-  the reduction), where that lets more sizes agree: large tiles are what keep a compile or a link at the GEMM's
-  speed. The norms are checked as they are (torch reduces a CPU row serially up to its 32,768-element grain). No
+  the reduction), where only that lets a full step's rows run in one call (`choose`): large tiles are what keep a
+  compile or a link at the GEMM's speed. The norms are checked as they are (torch reduces a CPU row serially up to its 32,768-element grain). No
   qualifying size, or a norm that fails, is `BatchInvarianceUnavailable`: never a silent answer that changes with
   the load.
 
