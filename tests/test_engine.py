@@ -67,8 +67,11 @@ def test_model_without_rope_is_refused():
 
 def test_prompt_longer_than_context(rc):
     long_doc = " ".join(["Rivers flow to the sea."] * 200)  # > 512 positions of the tiny model
-    with pytest.raises(errors.PromptTooLong) as info:
+    with pytest.raises(errors.TextsTooLong) as early:  # as raw text: refused before it is tokenized whole
         rc.query("where?", docs=[{"text": long_doc}], max_new_tokens=4)
+    assert early.value.context == 512 and early.value.prompt_tokens > 512
+    with pytest.raises(errors.PromptTooLong) as info:  # stored: the exact check when the query is prepared
+        rc.query("where?", docs=rc.compile([long_doc]), max_new_tokens=4)
     assert info.value.context == 512 and info.value.prompt_tokens > 512
     assert "the documents take" in str(info.value)
     with pytest.raises(errors.PromptTooLong, match="the question alone is"):  # not the documents' fault
