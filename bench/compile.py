@@ -9,8 +9,9 @@ store's write rate, and how long a decoding stream waits while a compile runs be
 - transformers: the same chunks' ids (the layout's BOS included), `model(ids, logits_to_keep=1)` in the same dtype,
   one chunk per call (B=1) and batched (chunks of one length stacked, B up to --peer-batch); the faster of the two is
   the peer. It runs on a thread that ends with it, after the engine's model thread has ended: neither side runs
-  while the other's idle OpenMP team lives (ragcache.engine.threads). It runs on a copy of the model loaded for it alone: an engine wraps its own model's Linears (batch
-  invariance's row tiles; bf16's row buckets), which would slow the peer down. It computes K/V as a compile does, without the encode, the copy to host memory or the write.
+  while the other's idle OpenMP team lives (ragcache.engine.threads). It runs on a copy of the model loaded for it
+  alone: an engine wraps its own model's Linears (batch invariance's row tiles; bf16's row buckets), which would
+  slow the peer down. It computes K/V as a compile does, without the encode, the copy to host memory or the write.
 - writes: the compiled entries `put_many` into a fresh store of each kind (memory, disk), bytes per second.
 - beside a decode: one stream decodes while a compile of --docs documents runs; the longest gap between its tokens
   against the longest step with rows of the decoding stream (StepStats), the budgeted step the scheduler promises.

@@ -15,9 +15,9 @@ mechanism here makes every such call reduce a row in one fixed order:
   place of a tile, and sizes are used together only when they give a row the same bits as each other. A shape may
   also run as its transpose (W @ x^T: the rows become the GEMM's columns, which some libraries block apart from
   the reduction), where only that lets a full step's rows run in one call (`choose`): large tiles are what keep a
-  compile or a link at the GEMM's speed. The norms are checked as they are (torch reduces a CPU row serially up to its 32,768-element grain). No
-  qualifying size, or a norm that fails, is `BatchInvarianceUnavailable`: never a silent answer that changes with
-  the load.
+  compile or a link at the GEMM's speed. The norms are checked as they are (torch reduces a CPU row serially up to
+  its 32,768-element grain). No qualifying size, or a norm that fails, is `BatchInvarianceUnavailable`: never a
+  silent answer that changes with the load.
 
 Off (`batch_invariant=False`), Linears run at the row count they get, except bf16/fp16 on CPU, bucketed
 (`row_bucket`) so that oneDNN keeps a bounded number of compiled kernels.
@@ -341,16 +341,21 @@ def _product(linear: torch.nn.Linear, transposed: bool) -> Op:
     """`_into`'s GEMM returning its result, for autograd."""
     if not _plain(linear):
         return linear.forward
-    if not transposed:
-        return lambda x: torch.nn.functional.linear(x, linear.weight, linear.bias)
-    if linear.bias is None:
-        return lambda x: torch.mm(linear.weight, x.t()).t().contiguous()
-    return lambda x: torch.addmm(linear.bias[:, None], linear.weight, x.t()).t().contiguous()
+    if transposed:
+        return lambda x: _turned(linear, x).contiguous()
+    return lambda x: torch.nn.functional.linear(x, linear.weight, linear.bias)
 
 
 def _into(linear: torch.nn.Linear, transposed: bool) -> Into:
     """The Linear over rows x [n, in] into out [n, out]: torch's own GEMM of F.linear (mm, or addmm with the bias),
-    or as its transpose, W @ x^T (the bias added in the GEMM: rounded once, as the Linear's own), copied in."""
+    or as its transpose (`_turned`), copied in; a subclass's own forward as it is, copied in."""
+    forward = linear.forward
+
+    def forward_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(forward(x))
+
+    def transposed_into(x: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(_turned(linear, x))
 
     def linear_into(x: torch.Tensor, out: torch.Tensor) -> None:
         if linear.bias is None:
@@ -358,19 +363,17 @@ def _into(linear: torch.nn.Linear, transposed: bool) -> Into:
         else:
             torch.addmm(linear.bias, x, linear.weight.t(), out=out)
 
-    def transposed_into(x: torch.Tensor, out: torch.Tensor) -> None:
-        if linear.bias is None:
-            out.copy_(torch.mm(linear.weight, x.t()).t())
-        else:
-            out.copy_(torch.addmm(linear.bias[:, None], linear.weight, x.t()).t())
-
-    def forward_into(x: torch.Tensor, out: torch.Tensor) -> None:
-        out.copy_(forward(x))
-
-    forward = linear.forward
-    if not _plain(linear):  # a subclass's own forward: as it is, copied in
+    if not _plain(linear):
         return forward_into
     return transposed_into if transposed else linear_into
+
+
+def _turned(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The Linear over rows x [n, in] as W @ x^T, seen as [n, out] (not contiguous): the bias added in the GEMM,
+    rounded once as the Linear's own."""
+    if linear.bias is None:
+        return torch.mm(linear.weight, x.t()).t()
+    return torch.addmm(linear.bias[:, None], linear.weight, x.t()).t()
 
 
 # RMSNorm classes by how they round: (added to the weight, result cast to the input dtype before the weight)

@@ -52,11 +52,11 @@ def computing_inline() -> Iterator[None]:
 
 def _set_count(count: int) -> None:
     torch.get_num_threads()  # torch sets a thread's OpenMP count at its first parallel op: before ours, not after
-    set_count = getattr(_PROCESS, "omp_set_num_threads", None)
-    if set_count is None:  # a torch without OpenMP (its own thread pool): no team to keep off
-        log.debug("compute_inline: no omp_set_num_threads in this process")
-        return
-    set_count(count)
+    if _OMP_SET_NUM_THREADS is not None:
+        _OMP_SET_NUM_THREADS(count)
 
 
-_PROCESS = ctypes.CDLL(None)
+# a torch without OpenMP (its own thread pool) has none, and no team to keep off
+_OMP_SET_NUM_THREADS = getattr(ctypes.CDLL(None), "omp_set_num_threads", None)
+if _OMP_SET_NUM_THREADS is None:
+    log.debug("no omp_set_num_threads in this process: compute_inline does nothing")
