@@ -91,11 +91,15 @@ def document(app: FastAPI, models: list[type[BaseModel]]) -> None:
             return app.openapi_schema
         openapi = build()  # kept as app.openapi_schema, so the bodies go in once
         schemas = openapi.setdefault("components", {}).setdefault("schemas", {})
+        ctx = app.state.ctx
+        shape_limits = BodyLimits.of(ctx.settings)
         for model in models:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-            schemas.update(schema.pop("$defs", {}))
-            schemas[model.__name__] = schema
-        ctx = app.state.ctx
+            parts = {**schema.pop("$defs", {}), model.__name__: schema}
+            for part in parts.values():
+                shaped_schema(part, shape_limits)
+            schemas.update(parts)
+            schema["description"] = f"{schema.get('description', '')}\n\n{whole_body(shape_limits)}".strip()
         for name, props in bounds(ctx.limits, ctx.rc.layers).items():
             if name in schemas:
                 bounded_schema(schemas[name], props)
@@ -192,6 +196,32 @@ WHOLE_BODY_RULES = {
         ]
     },
 }
+
+
+def shaped_schema(node: Any, limits: BodyLimits) -> None:
+    """Every object and array of a request body's schema bounded as api/shape.py reads them (keys per object, items
+    per array), where the schema sets no tighter bound of its own; `documents` is bounded by its own rule."""
+    if isinstance(node, list):
+        for item in node:
+            shaped_schema(item, limits)
+        return
+    if not isinstance(node, dict):
+        return
+    if node.get("type") == "object":
+        node["maxProperties"] = min(node.get("maxProperties", limits.keys), limits.keys)
+    if node.get("type") == "array":
+        node["maxItems"] = min(node.get("maxItems", limits.items), limits.items)
+    for value in node.values():
+        shaped_schema(value, limits)
+
+
+def whole_body(limits: BodyLimits) -> str:
+    """What api/shape.py holds a whole body to and no JSON Schema keyword can say."""
+    return (
+        f"The body as a whole: at most {limits.values:,} JSON values (objects, arrays, strings, numbers, literals), "
+        f"objects and arrays nested at most {limits.depth} deep, and no string longer than {limits.scalar_bytes:,} "
+        "bytes as sent (413 past a count, 422 past the depth)."
+    )
 
 
 def bounded_schema(schema: dict, bounds: dict[str, dict[str, dict]]) -> dict:

@@ -479,6 +479,30 @@ def test_the_schema_states_the_servers_bounds_and_the_server_keeps_to_them(rc):
                       "/v1/chat/completions") == 413
 
 
+def test_the_schema_states_the_body_readers_bounds_and_the_server_keeps_to_them(rc):
+    shape = dict(max_body_keys=5, max_body_items=4, max_body_values=900, max_body_depth=6)
+    with serve(rc, **shape) as addr:
+        schemas = httpx.get(f"{url(addr)}/openapi.json", timeout=WAIT_S).json()["components"]["schemas"]
+        assert prop(schemas["DocumentIn"], "metadata", "object")["maxProperties"] == 5
+        assert schemas["ChatRequest"]["maxProperties"] == 5  # OpenAI's bodies take unknown keys: counted too
+        content = prop(schemas["ChatMessage"], "content", "array")
+        assert content["maxItems"] == 4
+        assert prop(schemas["QueryRequest"], "documents", "array")["maxItems"] == Settings().max_documents
+        for name in ("QueryRequest", "ChatRequest", "CompileRequest", "InfillRequest", "CompletionRequest"):
+            assert "900 JSON values" in schemas[name]["description"] and "6 deep" in schemas[name]["description"]
+
+        def status(path: str, body: dict) -> int:
+            return httpx.post(f"{url(addr)}{path}", json=body, timeout=WAIT_S).status_code
+
+        five = {f"k{i}": i for i in range(5)}
+        assert status("/v1/documents", {"text": "a", "metadata": five}) == 201
+        assert status("/v1/documents", {"text": "a", "metadata": {**five, "k5": 5}}) == 413
+        four = [{"type": "text", "text": "q"}] * 4
+        chat = "/v1/chat/completions"
+        assert status(chat, {"messages": [{"role": "user", "content": four}], "max_tokens": 1}) == 200
+        assert status(chat, {"messages": [{"role": "user", "content": [*four, four[0]]}], "max_tokens": 1}) == 413
+
+
 def test_the_schema_states_the_rules_over_whole_bodies_and_the_server_keeps_to_them(rc):
     with serve(rc, max_new_tokens_limit=8, max_new_tokens=4) as addr:
         schemas = httpx.get(f"{url(addr)}/openapi.json", timeout=WAIT_S).json()["components"]["schemas"]
