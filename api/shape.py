@@ -155,17 +155,22 @@ class Reader:
         """The string whose opening quote is at `i`, and the offset past it. Its end is found in the bytes within
         `scalar_bytes` (a bounded search), then it alone is decoded."""
         bound = self.limits.scalar_bytes
-        match = STRING_REST.match(self.raw, i + 1, i + bound)
-        if match is None:
-            if len(self.raw) > i + bound:  # no closing quote within the bound
-                raise too_long(bound)
-            raise BadJSON("Unterminated string starting at", i)
-        text = self.decode(i, match.end())
+        quote = self.raw.find(b'"', i + 1, i + bound)
+        if quote >= 0 and self.raw.find(b"\\", i + 1, quote) < 0:  # no escape: the first quote ends it (memchr)
+            end = quote + 1
+        else:  # the regex steps over escapes, at a fraction of memchr's speed
+            match = STRING_REST.match(self.raw, i + 1, i + bound)
+            if match is None:
+                if len(self.raw) > i + bound:  # no closing quote within the bound
+                    raise too_long(bound)
+                raise BadJSON("Unterminated string starting at", i)
+            end = match.end()
+        text = self.decode(i, end)
         try:
             value, _ = scanstring(text, 1)
         except JSONDecodeError as exc:  # an escape or a control character: its offset in bytes
             raise BadJSON(exc.msg, i + len(text[: exc.pos].encode())) from None
-        return value, match.end()
+        return value, end
 
     def scalar(self, i: int) -> tuple[Any, int]:
         """A number or literal at `i`. The scanner reads it from a short window (latin-1 maps bytes to characters

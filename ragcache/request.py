@@ -8,6 +8,7 @@ limits. The engine's entry points call them once per request; nothing after them
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from ragcache.store.keys import document_id, is_document_id
 
@@ -36,11 +37,16 @@ UNBOUNDED = Limits()
 class Query:
     question: str
     docs: list  # as given: document ids and {"text": ...}
-    doc_ids: list[str]
     texts: list[str]  # the raw texts among docs: stored (and compiled) on the fly
     system: str | None
     params: LinkParams
     sampling: Sampling | None  # None: link only
+
+    @cached_property
+    def doc_ids(self) -> list[str]:
+        """Each document's id, a raw text's its hash: taken when the query is answered, so that a query refused for
+        its texts' length never hashes them (megabytes each)."""
+        return [document_id(doc["text"]) if isinstance(doc, dict) else doc for doc in self.docs]
 
 
 @dataclass
@@ -71,14 +77,11 @@ def validate(
         unicode_text("the system prompt", system)
     docs = list(docs)
     _at_most_count(len(docs), limits.documents, "documents")
-    doc_ids, texts = [], []
+    texts = []
     for i, doc in enumerate(docs):
         if isinstance(doc, dict) and set(doc) == {"text"}:
             texts.append(validate_text(doc["text"], f"docs[{i}]", limits))
-            doc_ids.append(document_id(doc["text"]))
-        elif isinstance(doc, str) and is_document_id(doc):  # never taken for text: a typo'd id is no document
-            doc_ids.append(doc)
-        else:
+        elif not (isinstance(doc, str) and is_document_id(doc)):  # text is never an id: a typo'd id is no document
             raise BadRequest(
                 f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
                 'text as {"text": ...}'
@@ -86,7 +89,7 @@ def validate(
     params.validate(layers)
     if sampling is not None:
         validate_sampling(sampling, limits)
-    return Query(question, docs, doc_ids, texts, system, params, sampling)
+    return Query(question, docs, texts, system, params, sampling)
 
 
 def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documents") -> list[str]:

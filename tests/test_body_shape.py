@@ -47,6 +47,29 @@ def test_a_string_as_long_as_a_field_takes_is_read():
     assert shape.read(json.dumps({"question": text}).encode(), limits) == {"question": text}
 
 
+@pytest.mark.parametrize("text", [
+    "plain", "", 'a "quoted" word', "back\\slash", "\\", 'ends in a backslash\\', "tab\there", "\u00e9\U0001f600",
+    "\u2028 line separator", '\\"', "a" * 5000 + '"' + "b",
+])
+def test_strings_with_and_without_escapes_read_as_the_json_module_reads_them(text):
+    """A string without a backslash ends at its first quote (found with memchr); one with escapes is stepped through
+    by the regex. Both give what json.loads gives, and the value after the string is read from the right offset."""
+    raw = json.dumps({"question": text, "stop": [text, "x"], "max_tokens": 3}).encode()
+    assert shape.read(raw, LIMITS) == json.loads(raw)
+    raw = json.dumps({"question": text}, ensure_ascii=False).encode()
+    assert shape.read(raw, LIMITS) == json.loads(raw)
+
+
+def test_a_raw_control_character_or_an_unclosed_string_is_malformed_either_way():
+    for raw in (b'{"question": "a\nb\tc\x01"}', b'{"question": "a\x01"}', b'{"question": "unclosed',
+                b'{"question": "esc\\"aped'):
+        with pytest.raises(Refused) as refused:
+            shape.read(raw, LIMITS)
+        assert refused.value.errors()[0]["type"] == "json_invalid", raw
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(raw)
+
+
 def test_the_counts_are_checked_before_the_body_is_decoded():
     """Bytes that are not UTF-8 after the value past max_body_values: the 413 comes first, the body is never
     decoded whole."""
