@@ -1,4 +1,4 @@
-"""python -m bench ttft | lower-bound | throughput | serve | soak | slow-clients | accuracy | codecs | peers | compile | adapter | markdown | squad-sample
+"""python -m bench ttft | lower-bound | throughput | serve | soak | slow-clients | refusals | accuracy | codecs | peers | compile | adapter | markdown | squad-sample
 (each: --help)."""
 
 from __future__ import annotations
@@ -265,6 +265,26 @@ def slow_clients(
     from bench import slow_clients as mod
 
     mod.run(model, sockets, open_files, seconds, out, tag)
+
+
+@app.command()
+def refusals(
+    model: str = Model,
+    clients: int = typer.Option(4, min=1, help="processes that each send --each queries refused for length"),
+    each: int = typer.Option(2, min=1, help="queries each of them sends, one after another"),
+    texts: int = typer.Option(64, min=1, help="raw texts in each of those queries"),
+    chars: int = typer.Option(200_000, min=1, help="characters of each raw text"),
+    alone: int = typer.Option(3, min=1, help="times the small query is timed alone in each round, first"),
+    rounds: int = typer.Option(5, min=1, help="rounds of refusals, each with its own timings alone"),
+    max_tokens: int = typer.Option(8, min=1, help="tokens the small query generates"),
+    out: Path = Out,
+    tag: str = Tag,
+):
+    """Queries refused for length (12.8 MB bodies at the defaults) beside a small query: each refusal's time, the
+    small query's time against its time alone, and the server's RSS peak against idle."""
+    from bench import refusals as mod
+
+    mod.run(model, clients, each, texts, chars, alone, max_tokens, rounds, out, tag)
 
 
 @app.command()
