@@ -426,3 +426,20 @@ def test_at_the_cap_a_pass_of_the_accept_loop_evicts_one_connection_whatever_is_
         for c in clients:
             c.close()
         listener.close()
+
+
+def test_the_refusals_bench_sees_every_refusal_and_times_the_small_query_beside_them(tiny_model):
+    """bench refusals' round on a tiny model: bodies past the context are all refused with 413, the small query is
+    answered alone and while they run, and the server's RSS is sampled. No figure is asserted."""
+    from bench import refusals
+
+    server = LimitedServer(tiny_model, open_files=1024)
+    try:
+        refusals.small_query(server.port, 2)
+        row = refusals.attack(server, clients=2, each=2, texts=4, chars=100_000, alone=1, max_tokens=2)
+    finally:
+        server.close()
+    assert row["statuses"] == ["413"] and len(row["refused_s"]) == 4, row
+    assert row["small_during_s"] and row["small_alone_s"] and row["rss_peak_mib"] > 0, row
+    total = refusals.summary([row], 1.0)
+    assert total["small_ratio_max"] == row["small_ratio"] and total["statuses"] == ["413"]
