@@ -461,3 +461,25 @@ def test_the_launch_count_sees_the_model_threads_ops_and_the_triton_launches():
     naive = json.loads(done.stdout.strip().splitlines()[-1])
     assert naive["triton_by_kernel"] == {"_place_kernel": 1}
     assert 2 * 10 < naive["aten_ops"] < 2 * 100 and naive["top_ops"]["linear"] == 2 * 7 + 1
+
+
+def test_the_int4_probe_reproduces_the_shipped_codec_and_its_groups_cut_the_value_error():
+    """research/int4_value_groups.py: its `shipped` scheme decodes to what store/codec.py's int4 and the reference
+    kernels decode (so its row is the shipped codec's), and value groups with their own pairs lose less where a
+    head's channels differ in range."""
+    from kernels import torch_ref
+    from ragcache.store import codec
+    from research import int4_value_groups as probe
+
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 2, 40, 64, generator=gen)
+    values = torch.randn(2, 2, 40, 64, generator=gen) * torch.linspace(0.05, 4, 64)  # channels of unlike ranges
+    k, v, ks, vs = codec.encode(keys, values, "int4")
+    shipped_k, shipped_v = probe.through(probe.SCHEMES["shipped"], keys, values)
+    torch.testing.assert_close(shipped_k, torch_ref.dequantize_keys(k, ks, torch.float32), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(shipped_v, torch_ref.dequantize_values(v, vs, torch.float32, head_dim=64),
+                               rtol=1e-6, atol=1e-6)
+    _, grouped_v = probe.through(probe.SCHEMES["v32-fp16"], keys, values)
+    assert (grouped_v - values).norm() < 0.8 * (shipped_v - values).norm()
+    assert 0.27 < probe.SCHEMES["v32-fp16"].bytes_vs_bf16(64, 512) < 0.29
+    assert abs(probe.SCHEMES["shipped"].bytes_vs_bf16(64, 512) - 0.285) < 0.01
