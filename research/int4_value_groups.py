@@ -76,6 +76,7 @@ def fake_quantize(x: torch.Tensor, dim: int, bits: int, pairs: torch.dtype) -> t
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     codes = torch.round((x - low) / scale).clamp_(0, levels)
     scale, low = scale.to(pairs).to(torch.float32), low.to(pairs).to(torch.float32)
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a range under fp16's least step: decodes as `low`
     if pairs != torch.float32:  # a rounded pair must still cover the range: recode against the stored pair
         codes = torch.round((x - low) / scale).clamp_(0, levels)
     return codes * scale + low
