@@ -268,10 +268,15 @@ def ask_with_text(addr, text: str, max_tokens: int = 2, question: str = "what?")
     return httpx.post(f"{url(addr)}/v1/query", json=body, timeout=WAIT_S)
 
 
-def test_a_text_too_long_by_its_bytes_is_413_without_tokenizing_it(rc, tokenized):
+def test_a_text_too_long_by_its_bytes_is_413_without_tokenizing_it(rc, tokenized, monkeypatch):
+    from ragcache import request
+
+    hashed = []
+    monkeypatch.setattr(request, "document_id", lambda text: hashed.append(len(text)) or "0" * 32)
     huge = "The water returns. " * 10_000  # 190,000 bytes; the tiny model's context is 512 tokens
     with serve(rc) as addr:
         r = ask_with_text(addr, huge)
+    assert hashed == []  # nor hashed: its id is taken only for a query that is answered
     assert r.status_code == 413, r.text
     error = r.json()["error"]
     assert error["type"] == "texts_too_long" and "bytes" in error["message"] and error["context"] == 512, error
