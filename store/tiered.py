@@ -378,10 +378,17 @@ class TieredStore(Store):
             answers = []
         self._written(answers, f"store record {name}")
         answered = {i for i, _ in answers}
-        with self._lock:
-            for i, tier in enumerate(self.tiers):
-                if tier.lasting and i not in answered and self.states[i].down:
-                    self._behind.setdefault(i, set()).add(name)
+        missed = [i for i, tier in enumerate(self.tiers) if tier.lasting and i not in answered]
+        while missed:
+            # decided under the lock the probe takes the tier back with: a tier still down is noted for its
+            # catch-up; one the probe took back since its write failed (its catch-up may have run already) is
+            # written now, and noted in turn if that write fails too
+            with self._lock:
+                for i in missed:
+                    if self.states[i].down:
+                        self._behind.setdefault(i, set()).add(name)
+                missed = [i for i in missed if not self.states[i].down and not self.states[i].write_failing]
+            missed = [i for i in missed if not self._call(i, self.tiers[i].put_record, name, record, write=True)[1]]
 
     def delete_record(self, name: str) -> bool:
         """Deleted from every tier, or TierUnavailable: a tier that is down keeps its copy, and would bring the

@@ -558,3 +558,36 @@ def test_the_probe_waits_a_short_bounded_backoff_and_ends_with_the_outage(tmp_pa
     assert store._prober is None  # the outage is over: no thread left
     assert instant.waits == [0.25, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0] and flaky.pings == 9
     assert store.up() == [True, True] and flaky.get_record("doc/a") == {"a": 1}  # back, and caught up
+
+
+def test_a_record_whose_write_failed_reaches_a_tier_the_probe_took_back_before_it_was_noted(tmp_path):
+    """The probe can take a tier back (and run its catch-up) between the record's failed write there and the moment
+    the record is noted as behind: the record is then written to it directly, not lost for that tier. Forced here:
+    the other tier's write waits until the probe has ended."""
+
+    class Flaky(MemoryStore):
+        name, probed, lasting = "flaky", True, True
+        pings = 0
+
+        def ping(self):
+            self.pings += 1
+            return True
+
+        def put_record(self, name, record):
+            if not self.pings:
+                raise TierUnavailable("flaky: down")
+            super().put_record(name, record)
+
+    class AfterTheProbe(DiskStore):
+        def put_record(self, name, record):
+            deadline = time.monotonic() + 30
+            while store._prober is not None or flaky.pings == 0:
+                assert time.monotonic() < deadline, "the probe did not take the tier back"
+                time.sleep(0.01)
+            super().put_record(name, record)
+
+    flaky = Flaky()
+    store = TieredStore([flaky, AfterTheProbe(tmp_path)], probe_s=0.01, max_probe_s=0.01)
+    store.put_record("doc/a", {"a": 1})  # flaky fails (the probe starts), the disk write waits for the probe's end
+    assert store.up() == [True, True] and flaky.get_record("doc/a") == {"a": 1}
+    store.close()
