@@ -36,6 +36,7 @@ from bench.common import load_model, parse_variants
 from bench.report import git_commit, machine
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
+from ragcache.store import codec as kv_codec
 from ragcache.store.memory import MemoryStore
 
 ALGORITHMS = {v.label: v.kwargs for v in parse_variants("naive,legolink-16,focus")}  # bench codecs' variants
@@ -67,18 +68,14 @@ SCHEMES = {
 
 
 def fake_quantize(x: torch.Tensor, dim: int, bits: int, pairs: torch.dtype) -> torch.Tensor:
-    """x after min-max quantization along `dim` and decoding (code * scale + zero), in fp32, the pair rounded to
-    `pairs` as it would be stored."""
-    levels = (1 << bits) - 1
-    x = x.to(torch.float32)
-    low = x.amin(dim=dim, keepdim=True)
-    scale = (x.amax(dim=dim, keepdim=True) - low) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    codes = torch.round((x - low) / scale).clamp_(0, levels)
-    scale, low = scale.to(pairs).to(torch.float32), low.to(pairs).to(torch.float32)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a range under fp16's least step: decodes as `low`
+    """x after the codec's min-max quantization along `dim` (>= 0) and decoding (code * scale + zero), in fp32, the
+    pair rounded to `pairs` as it would be stored."""
+    codes, pair = kv_codec.quantize(x, dim, bits)
+    scale, low = (pair[..., j].unsqueeze(dim) for j in (0, 1))
     if pairs != torch.float32:  # a rounded pair must still cover the range: recode against the stored pair
-        codes = torch.round((x - low) / scale).clamp_(0, levels)
+        scale, low = scale.to(pairs).to(torch.float32), low.to(pairs).to(torch.float32)
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # under fp16's least step: decodes as `low`
+        codes = torch.round((x.to(torch.float32) - low) / scale).clamp_(0, (1 << bits) - 1)
     return codes * scale + low
 
 
@@ -87,7 +84,7 @@ def through(scheme: Scheme, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     k = fake_quantize(keys, 2, scheme.bits, scheme.pairs)
     group = scheme.group or values.shape[-1]
     grouped = values.reshape(*values.shape[:-1], values.shape[-1] // group, group)
-    v = fake_quantize(grouped, -1, scheme.bits, scheme.pairs).reshape(values.shape)
+    v = fake_quantize(grouped, grouped.dim() - 1, scheme.bits, scheme.pairs).reshape(values.shape)
     return k.to(keys.dtype), v.to(values.dtype)
 
 
