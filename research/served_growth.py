@@ -8,16 +8,17 @@ object counts by type (kinds grown since the first census).
 
 import collections
 import gc
+import os
 import random
 import sys
 import tempfile
 import threading
 import warnings
-from pathlib import Path
 
 import httpx
 import torch
 
+from bench.soak import rss_parts
 from ragcache import models
 from ragcache.api.app import create_app
 from ragcache.engine.allocator import map_large_blocks
@@ -26,12 +27,6 @@ from ragcache.store import open_store
 from tests.test_api import Server, settings
 
 map_large_blocks()
-
-
-def rss():
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) / 1024
 
 
 def census():
@@ -88,7 +83,7 @@ def main(n_total: int, every: int, clients: int = 4) -> None:
             grown = {k: v - base.get(k, 0) for k, v in kinds.items() if v - base.get(k, 0) > 50}
             print(
                 stage * every,
-                f"RssAnon {rss():.0f} MiB tensors {mib:.1f} MiB objects {sum(kinds.values())}",
+                f"RssAnon {rss_parts(os.getpid())['RssAnon']:.0f} MiB tensors {mib:.1f} MiB objects {sum(kinds.values())}",
                 sorted(grown.items(), key=lambda kv: -kv[1])[:8],
                 flush=True,
             )
