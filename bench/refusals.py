@@ -3,13 +3,13 @@
     python -m bench refusals [--model smollm2-135m] [--clients 4] [--each 2] [--texts 64] [--chars 200000]
 
 `ragcache serve` starts in a subprocess with the store memory:. Each of --rounds rounds times a small query (a
-question, one short raw text, a few tokens) alone --alone times. Then --clients processes each post --each queries of --texts raw texts of
---chars characters (12.8 MB a body at the defaults), which the server must refuse with 413 for length, one after
-another on their own connection; each body is built before the attack starts, so that what the clients spend while
-it runs is sending. Meanwhile this process asks the small query back to back until every refusal has come, and
-samples the server's RSS every 20 ms. Reported per round: each refusal's status and seconds, the small query alone and during
-the attack (medians, and their ratio), the server's RSS idle and at its peak, and its CPU seconds; then the rounds
-against the goals (the median and the largest ratio).
+question, one short raw text, a few tokens) alone --alone times. Then --clients processes each post --each queries
+of --texts raw texts of --chars characters (12.8 MB a body at the defaults), which the server must refuse with 413
+for length, one after another on their own connection; each body is built before the attack starts, so that what
+the clients spend while it runs is sending. Meanwhile this process asks the small query back to back until every
+refusal has come, and samples the server's RSS every 20 ms. Reported per round: each refusal's status and seconds,
+the small query alone and during the attack (medians, and their ratio), the server's RSS idle and at its peak, and
+its CPU seconds; then the rounds against the goals (the median and the largest ratio).
 Writes bench/results/refusals-<model>[-tag].json.
 
 Clients and server share this machine's cores: on 2 cores the clients' sending competes with the server's reading,
@@ -105,9 +105,10 @@ def attack(server: LimitedServer, clients: int, each: int, texts: int, chars: in
     idle = [rss_mib(server.proc.pid) for _ in range(5)]
     ctx = mp.get_context("fork")
     go, results = ctx.Event(), ctx.Queue()
-    procs = []
+    procs, body_bytes = [], 0
     for c in range(clients):
         bodies = [hostile_body(texts, chars, seed=c * each + i) for i in range(each)]
+        body_bytes = max(body_bytes, *map(len, bodies))
         procs.append(ctx.Process(target=_client, args=(server.port, bodies, go, results), daemon=True))
         procs[-1].start()
         del bodies
@@ -131,7 +132,7 @@ def attack(server: LimitedServer, clients: int, each: int, texts: int, chars: in
     refused_s = [s for _, s in refusals]
     small_alone = statistics.median(alone_s)
     return dict(
-        statuses=sorted({str(status) for status, _ in refusals}),
+        body_mb=round(body_bytes / 1e6, 2), statuses=sorted({str(status) for status, _ in refusals}),
         refused_s=[round(s, 3) for s in refused_s], refused_max_s=round(max(refused_s), 3),
         attack_s=round(attack_s, 2), server_cpu_s=round(server_cpu_s, 2), small_cpu_s=round(small_cpu, 2),
         small_alone_s=[round(s, 3) for s in alone_s], small_alone_median_s=round(small_alone, 3),
@@ -142,11 +143,12 @@ def attack(server: LimitedServer, clients: int, each: int, texts: int, chars: in
     )
 
 
-def summary(rows: list[dict], body_mb: float) -> dict:
+def summary(rows: list[dict]) -> dict:
     """The rounds against the goals: each refusal within 2 s, the small query at most 2x alone, RSS at most 1.3x."""
     ratios = [r["small_ratio"] for r in rows]
     return dict(
-        rounds=len(rows), body_mb=body_mb, statuses=sorted({s for r in rows for s in r["statuses"]}),
+        rounds=len(rows), body_mb=max(r["body_mb"] for r in rows),
+        statuses=sorted({s for r in rows for s in r["statuses"]}),
         refused_max_s=max(r["refused_max_s"] for r in rows),
         small_ratio_median=statistics.median(ratios), small_ratio_max=max(ratios),
         rss_peak_over_idle_max=max(r["rss_peak_over_idle"] for r in rows),
@@ -170,7 +172,7 @@ def run(model: str, clients: int, each: int, texts: int, chars: int, alone: int,
                   f"({r['small_ratio']:.2f}x); RSS peak {r['rss_peak_over_idle']:.2f}x idle", flush=True)
     finally:
         server.close()
-    total = summary(rows, round(len(hostile_body(texts, chars, 0)) / 1e6, 2))
+    total = summary(rows)
     for key, value in total.items():
         print(f"{key:24} {value}")
     paths = bench.finish(rows, dict(summary=total))

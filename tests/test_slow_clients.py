@@ -441,5 +441,6 @@ def test_the_refusals_bench_sees_every_refusal_and_times_the_small_query_beside_
         server.close()
     assert row["statuses"] == ["413"] and len(row["refused_s"]) == 4, row
     assert row["small_during_s"] and row["small_alone_s"] and row["rss_peak_mib"] > 0, row
-    total = refusals.summary([row], 1.0)
+    total = refusals.summary([row])
     assert total["small_ratio_max"] == row["small_ratio"] and total["statuses"] == ["413"]
+    assert total["body_mb"] == row["body_mb"] == 0.4  # 4 texts of 100,000 characters
