@@ -1,12 +1,17 @@
 """Probe (issue 64 item 7): what grows per request in a served engine? An in-process `ragcache` API server (uvicorn
 in a thread) over a disk store, 4 client threads, every 8th request with a new raw text, the 7 algorithms in turn,
-every 10th a stream dropped after its first event; after every N requests: RssAnon, live tensor bytes and gc
-object counts by type (kinds grown since the first census).
+every 10th a stream dropped after its first event; after every N requests: RssAnon, live tensor bytes, glibc's
+heap (mallinfo2 over every arena: bytes in use, bytes free inside arenas, bytes in mmapped blocks, the arena count)
+and gc object counts by type (kinds grown since the first census). Heap bytes in use that grow while tensors stay
+flat are native allocations someone keeps; free bytes that grow are fragmentation.
 
-    python -m research.served_growth REQUESTS EVERY
+    python -m research.served_growth REQUESTS EVERY [redis]
+
+With `redis`, the store is the soak's: the disk tiered with a redis-server started here.
 """
 
 import collections
+import ctypes
 import gc
 import os
 import random
@@ -18,6 +23,7 @@ import warnings
 import httpx
 import torch
 
+from bench.common import LocalRedis
 from bench.soak import rss_parts
 from ragcache import models
 from ragcache.api.app import create_app
@@ -39,6 +45,33 @@ def census():
     return kinds, sum(storages.values()) / 2**20
 
 
+class MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def heap() -> str:
+    """glibc's heap in MiB: in use (small + in arenas), free inside arenas, in mmapped blocks; and /proc's arenas."""
+    mallinfo2 = ctypes.CDLL(None).mallinfo2
+    mallinfo2.restype = MallInfo2
+    m = mallinfo2()
+    mib = 2**20
+    return f"heap used {m.uordblks / mib:.0f} free {m.fordblks / mib:.0f} mmapped {m.hblkhd / mib:.0f} MiB"
+
+
 WORDS = [f"w{i}" for i in range(400)]
 ALGORITHMS = ("focus", "naive", "cacheblend", "legolink", "legolink0", "full", "prefix")
 
@@ -57,8 +90,10 @@ def one(client, pool: list[str], rng: random.Random, i: int) -> None:
     assert r.status_code == 200, r.text
 
 
-def main(n_total: int, every: int, clients: int = 4) -> None:
-    rc = RagCache(models.load("smollm2-135m"), open_store("disk:" + tempfile.mkdtemp()))
+def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4) -> None:
+    redis = LocalRedis().start() if with_redis else None
+    url = "disk:" + tempfile.mkdtemp() + (f"+{redis.url}" if redis else "")
+    rc = RagCache(models.load("smollm2-135m"), open_store(url))
     rng = random.Random(0)
     pool = rc.compile([" ".join(rng.choices(WORDS, k=120)) for _ in range(8)])
     lock, taken = threading.Lock(), [0]
@@ -83,12 +118,15 @@ def main(n_total: int, every: int, clients: int = 4) -> None:
             grown = {k: v - base.get(k, 0) for k, v in kinds.items() if v - base.get(k, 0) > 50}
             print(
                 stage * every,
-                f"RssAnon {rss_parts(os.getpid())['RssAnon']:.0f} MiB tensors {mib:.1f} MiB objects {sum(kinds.values())}",
+                f"RssAnon {rss_parts(os.getpid())['RssAnon']:.0f} MiB tensors {mib:.1f} MiB {heap()}",
+                f"objects {sum(kinds.values())}",
                 sorted(grown.items(), key=lambda kv: -kv[1])[:8],
                 flush=True,
             )
     rc.close()
+    if redis:
+        redis.close()
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]))
+    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:4] == ["redis"])
