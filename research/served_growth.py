@@ -1,9 +1,9 @@
 """Probe (issue 64 item 7): what grows per request in a served engine? An in-process `ragcache` API server (uvicorn
 in a thread) over a disk store, 4 client threads, every 8th request with a new raw text, the 7 algorithms in turn,
 every 10th a stream dropped after its first event; after every N requests: RssAnon, live tensor bytes, glibc's
-heap (mallinfo2 over every arena: bytes in use, bytes free inside arenas, bytes in mmapped blocks, the arena count)
-and gc object counts by type (kinds grown since the first census). Heap bytes in use that grow while tensors stay
-flat are native allocations someone keeps; free bytes that grow are fragmentation.
+heap (mallinfo2 summed over every arena: bytes in use, bytes free inside arenas, bytes in mmapped blocks) and gc
+object counts by type (kinds grown since the first census). Heap bytes in use that grow while tensors stay flat
+are native allocations someone keeps; free bytes that grow are fragmentation.
 
     python -m research.served_growth REQUESTS EVERY [redis]
 
@@ -64,7 +64,7 @@ class MallInfo2(ctypes.Structure):
 
 
 def heap() -> str:
-    """glibc's heap in MiB: in use (small + in arenas), free inside arenas, in mmapped blocks; and /proc's arenas."""
+    """glibc's heap in MiB, every arena summed: in use inside arenas, free inside arenas, in mmapped blocks."""
     mallinfo2 = ctypes.CDLL(None).mallinfo2
     mallinfo2.restype = MallInfo2
     m = mallinfo2()
