@@ -146,6 +146,19 @@ def _answer(client, body: dict) -> str:
     return r.json()["answer"]
 
 
+def cache_mib(url: str) -> dict[str, float]:
+    """MiB the server's prefix caches hold (its /metrics): the memory it is allowed to grow by, up to their budget."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {f"{sample.labels['cache']}_cache": sample.value / 2**20 for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "ragcache_prefix_cache_bytes"}
+
+
+def sample(server: throughput.Server) -> dict[str, float]:
+    return {**rss_parts(server.proc.pid), **cache_mib(server.url)}
+
+
 def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], clients: int, seconds: float,
           abandon_every: int, new_text=lambda i: None) -> dict:
     import httpx
@@ -191,15 +204,16 @@ def _load(server: throughput.Server, bodies: list[dict], baseline: list[str], cl
 
     threads = [threading.Thread(target=worker, daemon=True) for _ in range(clients)]
     started = time.perf_counter()
-    parts = [(0.0, rss_parts(server.proc.pid))]
+    parts = [(0.0, sample(server))]
     for thread in threads:
         thread.start()
     while (elapsed := time.perf_counter() - started) < seconds:
         time.sleep(min(RSS_EVERY_S, seconds - elapsed))
-        parts.append((round(time.perf_counter() - started, 1), rss_parts(server.proc.pid)))
+        parts.append((round(time.perf_counter() - started, 1), sample(server)))
         t, now = parts[-1]
         print(f"{t:7.0f} s  rss {now['VmRSS']:7.0f} MiB (anon {now.get('RssAnon', 0):.0f}, file "
-              f"{now.get('RssFile', 0):.0f})  answered {sum(status.values())}", file=sys.stderr, flush=True)
+              f"{now.get('RssFile', 0):.0f}, prefix cache {now.get('prefix_cache', 0):.0f})  answered "
+              f"{sum(status.values())}", file=sys.stderr, flush=True)
     rss = [(t, p["VmRSS"]) for t, p in parts]
     stop.set()
     for thread in threads:

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import torch
+from prometheus_client.core import GaugeMetricFamily
 
 from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
@@ -203,6 +204,19 @@ class RagCache(Front):
         task = Sequence(self.driver, lambda stats, cancelled: (None, None, None), None, task=lambda r: fn(r, *args))
         _run(task, "the task")
         return task.result
+
+    def engine_metrics(self) -> list:
+        """The prefix caches' bytes and prompts against their budget: a served process's memory grows by what they
+        hold until they reach it."""
+        held = GaugeMetricFamily("ragcache_prefix_cache_bytes", "K/V bytes held by a prefix cache", labels=["cache"])
+        prompts = GaugeMetricFamily("ragcache_prefix_cache_prompts", "prompts held by a prefix cache", labels=["cache"])
+        budget = GaugeMetricFamily("ragcache_prefix_cache_budget_bytes", "a prefix cache's budget", labels=["cache"])
+        for name, cache in (("prefix", self.prefix_cache), ("infill", self.infill_cache)):
+            nbytes, count = cache.usage
+            held.add_metric([name], float(nbytes))
+            prompts.add_metric([name], float(count))
+            budget.add_metric([name], float(cache.budget_bytes))
+        return [held, prompts, budget]
 
     def close(self) -> None:
         """Stop the model thread (the step in progress ends; what is still queued fails with ShuttingDown), then

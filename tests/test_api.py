@@ -704,6 +704,11 @@ def test_metrics_content(http, doc_ids):
     assert metric(text, "ragcache_store_written_bytes_total", tier="disk") > 0
     assert re.search(r'^ragcache_store_tier_up\{tier="disk"\} 1\.0$', text, re.M)
     assert 'route="/v1/documents/{doc_id}"' in text  # routes by template, not by id
+    greedy(http, doc_ids, "prefix")  # its prompt's K/V stay in the prefix cache: counted against its budget
+    text = http.get("/metrics").text
+    held, budget = (metric(text, name, cache="prefix") for name in (
+        "ragcache_prefix_cache_bytes", "ragcache_prefix_cache_budget_bytes"))
+    assert 0 < held <= budget and metric(text, "ragcache_prefix_cache_prompts", cache="prefix") >= 1
     for made_up in ("FROB1", "FROB2"):  # a method label per made-up method would grow the registry without bound
         http.request(made_up, "/v1/query")
     text = http.get("/metrics").text

@@ -95,6 +95,12 @@ class PrefixCache:
                 _, evicted = self._prompts.popitem(last=False)
                 self._bytes -= evicted.nbytes
 
+    @property
+    def usage(self) -> tuple[int, int]:
+        """(bytes held, prompts held): what /metrics reports beside the budget."""
+        with self._lock:
+            return self._bytes, len(self._prompts)
+
     def clear(self) -> None:
         with self._lock:
             self._prompts.clear()
