@@ -148,6 +148,7 @@ def _answer(client, body: dict) -> str:
 
 def cache_mib(url: str) -> dict[str, float]:
     """MiB the server's prefix caches hold (its /metrics): the memory it is allowed to grow by, up to their budget."""
+    import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"{url}/metrics", timeout=30).text
