@@ -9,6 +9,7 @@ Shapes (one request, no batch):
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -253,12 +254,23 @@ def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, wi
             enable_gqa=query.shape[0] != keys.shape[0],
         )
         return out[0].transpose(0, 1)
-    row = torch.arange(rows, device=query.device)[:, None]
-    key = torch.arange(length, device=query.device)[None, :]
+    mask = _offset_causal_mask(rows, length, offset, None if in_window else window, query.dtype, query.device)
+    return _sdpa(query, keys, values, scale, mask=mask)
+
+
+@functools.lru_cache(maxsize=4)  # a step's layers share one (two with sliding-window layers) per piece
+def _offset_causal_mask(
+    rows: int, length: int, offset: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive mask [rows, length] in the query's dtype: row r sees keys <= r + offset (and > r + offset - window).
+    Made once for every layer of a step: SDPA turns a boolean mask into this on every call, and building and
+    turning it cost more than the attention's own elementwise work on a CPU prefill piece."""
+    row = torch.arange(rows, device=device)[:, None]
+    key = torch.arange(length, device=device)[None, :]
     allowed = key <= row + offset
-    if not in_window:
+    if window is not None:
         allowed &= key > row + offset - window
-    return _sdpa(query, keys, values, scale, mask=allowed)
+    return torch.zeros(rows, length, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _selected_rows_attention(query, keys, values, query_positions, scale, window) -> torch.Tensor:

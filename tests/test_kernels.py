@@ -349,6 +349,19 @@ def test_contiguous_attention_equals_reference(case, dtype):
     _close(got, _reference(query, keys, values, positions, scale, window), dtype)
 
 
+def test_a_piece_from_p_builds_its_mask_once_for_every_layer():
+    """Every layer of a step attends its piece over the same offset mask: built once, not once a layer, and the
+    answer the same as from a freshly built one."""
+    query, keys, values, positions, scale, _ = _contiguous_inputs((9, 3, 40, 30, 64, None), torch.float32, "cpu")
+    torch_ref._offset_causal_mask.cache_clear()
+    first = torch_ref.selected_attention(query, keys, values, positions, scale, contiguous_from=40)
+    for _ in range(3):  # three more layers
+        again = torch_ref.selected_attention(query, keys, values, positions, scale, contiguous_from=40)
+        assert torch.equal(again, first)
+    info = torch_ref._offset_causal_mask.cache_info()
+    assert (info.misses, info.hits) == (1, 3)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("case", CONTIGUOUS_CASES, ids=lambda c: "H{}KV{}p{}n{}D{}w{}".format(*c))
 def test_contiguous_attention_triton(ops, device, case, dtype):
