@@ -5,9 +5,11 @@ heap (mallinfo2 summed over every arena: bytes in use, bytes free inside arenas,
 object counts by type (kinds grown since the first census). Heap bytes in use that grow while tensors stay flat
 are native allocations someone keeps; free bytes that grow are fragmentation.
 
-    python -m research.served_growth REQUESTS EVERY [redis]
+    python -m research.served_growth REQUESTS EVERY [redis] [prefix-new]
 
-With `redis`, the store is the soak's: the disk tiered with a redis-server started here.
+With `redis`, the store is the soak's: the disk tiered with a redis-server started here. With `prefix-new`, every
+`prefix` request also carries a new raw text, so each leaves a new prompt in the prefix cache: it fills its budget
+(256 MiB) within about 250 requests and evicts from then on, as in a 20-minute soak.
 """
 
 import collections
@@ -76,9 +78,9 @@ WORDS = [f"w{i}" for i in range(400)]
 ALGORITHMS = ("focus", "naive", "cacheblend", "legolink", "legolink0", "full", "prefix")
 
 
-def one(client, pool: list[str], rng: random.Random, i: int) -> None:
+def one(client, pool: list[str], rng: random.Random, i: int, prefix_new: bool = False) -> None:
     docs = [pool[(i + j) % len(pool)] for j in range(2)]
-    if i % 8 == 0:
+    if i % 8 == 0 or (prefix_new and ALGORITHMS[i % 7] == "prefix"):
         docs.append({"text": " ".join(rng.choices(WORDS, k=120))})
     body = {"question": "what is w1?", "documents": docs, "algorithm": ALGORITHMS[i % 7], "max_tokens": 6}
     if i % 10 == 0:
@@ -90,7 +92,7 @@ def one(client, pool: list[str], rng: random.Random, i: int) -> None:
     assert r.status_code == 200, r.text
 
 
-def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4) -> None:
+def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4, prefix_new: bool = False) -> None:
     redis = LocalRedis().start() if with_redis else None
     url = "disk:" + tempfile.mkdtemp() + (f"+{redis.url}" if redis else "")
     rc = RagCache(models.load("smollm2-135m"), open_store(url))
@@ -106,7 +108,7 @@ def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4) -
                         if taken[0] >= stop_at:
                             return
                         i = taken[0] = taken[0] + 1
-                    one(c, pool, rng, i)
+                    one(c, pool, rng, i, prefix_new)
 
         base = None
         for stage in range(1, n_total // every + 1):
@@ -116,9 +118,11 @@ def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4) -
             kinds, mib = census()
             base = base or kinds
             grown = {k: v - base.get(k, 0) for k, v in kinds.items() if v - base.get(k, 0) > 50}
+            cached = rc.prefix_cache.usage[0] / 2**20
             print(
                 stage * every,
-                f"RssAnon {rss_parts(os.getpid())['RssAnon']:.0f} MiB tensors {mib:.1f} MiB {heap()}",
+                f"RssAnon {rss_parts(os.getpid())['RssAnon']:.0f} MiB tensors {mib:.1f} MiB prefix cache "
+                f"{cached:.0f} MiB {heap()}",
                 f"objects {sum(kinds.values())}",
                 sorted(grown.items(), key=lambda kv: -kv[1])[:8],
                 flush=True,
@@ -129,4 +133,4 @@ def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4) -
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3:4] == ["redis"])
+    main(int(sys.argv[1]), int(sys.argv[2]), "redis" in sys.argv[3:], prefix_new="prefix-new" in sys.argv[3:])

@@ -116,6 +116,7 @@ def test_a_short_soak_runs_end_to_end(tmp_path, monkeypatch):
     r = out["result"]
     assert r["server_errors"] == 0 and r["connection_errors"] == 0 and r["wrong_answers"] == {}
     assert r["redis"]["kills"] == r["redis"]["restarts"]
+    assert all("prefix_cache" in sample for _, sample in r["rss_parts_mib"])  # the server's /metrics, beside RSS
     assert set(r["tampering"]) == set(chaos.TAMPERS)
     for kind, tally in r["tampering"].items():
         assert tally["wrong"] == tally["untyped"] == tally["not_repaired"] == 0, (kind, tally)
