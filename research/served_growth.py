@@ -8,8 +8,8 @@ are native allocations someone keeps; free bytes that grow are fragmentation.
     python -m research.served_growth REQUESTS EVERY [redis] [prefix-new]
 
 With `redis`, the store is the soak's: the disk tiered with a redis-server started here. With `prefix-new`, every
-`prefix` request also carries a new raw text, so each leaves a new prompt in the prefix cache: it fills its budget
-(256 MiB) within about 250 requests and evicts from then on, as in a 20-minute soak.
+`prefix` request also carries a new raw text, so each leaves a new prompt in the prefix cache: it filled its budget
+(256 MiB) by request 100 in results/served-growth-prefix-new.txt and evicts from then on, as in a 20-minute soak.
 """
 
 import collections
