@@ -378,7 +378,7 @@ def _attention_kernel(
     v,
     query_positions,
     out,
-    qk_scale,  # scale * log2(e)
+    QK_SCALE: tl.constexpr,  # scale * log2(e); constexpr, as Inductor would type a float argument fp64
     rows,
     length,
     window,
@@ -430,7 +430,7 @@ def _attention_kernel(
         dense = lo  # a window masks from both sides: every tile keeps its mask
 
     _, l_i, acc = _attend_span(
-        q_tile, k + kv_head * sk_h, v + kv_head * sv_h, lo, dense, hi, pos, qk_scale, window, sk_n, sv_n, d, d_mask,
+        q_tile, k + kv_head * sk_h, v + kv_head * sv_h, lo, dense, hi, pos, QK_SCALE, window, sk_n, sv_n, d, d_mask,
         HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE, v.dtype.element_ty,
     )  # fmt: skip
 
@@ -450,7 +450,7 @@ def _slot_decode_kernel(
     positions,
     part_acc,
     part_ml,
-    qk_scale,  # scale * log2(e)
+    QK_SCALE: tl.constexpr,  # scale * log2(e); constexpr, as Inductor would type a float argument fp64
     length,
     window,
     chunk,
@@ -501,7 +501,7 @@ def _slot_decode_kernel(
 
     m_i, l_i, acc = _attend_span(
         q_tile, k + slot * sk_s + kv_head * sk_h, v + slot * sv_s + kv_head * sv_h, begin, dense, end, pos_m,
-        qk_scale, window, sk_n, sv_n, d, d_mask,
+        QK_SCALE, window, sk_n, sv_n, d, d_mask,
         HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE, v.dtype.element_ty,
     )  # fmt: skip
 
@@ -634,8 +634,8 @@ def _rms_norm_kernel(
     H,
     sx,
     so,
-    eps,
-    offset,
+    EPS: tl.constexpr,  # constexpr: under torch.compile a float argument would be fp64 and promote the row to it
+    OFFSET: tl.constexpr,
     CAST_FIRST: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -643,8 +643,8 @@ def _rms_norm_kernel(
     c = tl.arange(0, BLOCK)
     mask = c < H
     v = tl.load(x + row * sx + c, mask=mask, other=0.0).to(tl.float32)
-    normed = v * tl.math.rsqrt(tl.sum(v * v, axis=0) / H + eps)
-    weight = tl.load(w + c, mask=mask, other=0.0).to(tl.float32) + offset
+    normed = v * tl.math.rsqrt(tl.sum(v * v, axis=0) / H + EPS)
+    weight = tl.load(w + c, mask=mask, other=0.0).to(tl.float32) + OFFSET
     if CAST_FIRST:  # weight * normed.to(dtype), the product rounded to the output dtype
         y = weight * _to(normed, x.dtype.element_ty).to(tl.float32)
     else:

@@ -563,6 +563,11 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "--suite --skip takes check, link" in bad.stderr
+    # a rerun of one part skips the checks too (the suite's own section names, not the plain run's)
+    rerun = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip",
+                            "check,link,decode,serving,invariance,compile", "--out", str(tmp_path)],
+                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
+    assert rerun.returncode == 0 and "no check failed" in rerun.stdout, rerun.stderr[-2000:]
 
 
 def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):

@@ -44,6 +44,34 @@ def ops():
     return ops
 
 
+@pytest.fixture(autouse=True)
+def no_float_runtime_arguments(ops, monkeypatch):
+    """No kernel takes a Python float as a runtime argument: eager Triton types one fp32, but Inductor (a kernel
+    inside torch.compile, as `decode_compile` runs the captured step) types it fp64, which promotes the arithmetic
+    it touches and fails to compile a loop that carries fp32 (the H200 run of 2026-11-29). Such a value is a
+    constexpr."""
+    if not ops.INTERPRET:
+        yield
+        return
+    import inspect
+
+    from triton.runtime.interpreter import InterpretedFunction
+
+    floats: list[str] = []
+    run = InterpretedFunction.run
+
+    def checked(self, *args, **kwargs):
+        params = inspect.signature(self.fn).parameters
+        for (name, param), value in zip(params.items(), args):
+            if isinstance(value, float) and "constexpr" not in str(param.annotation):
+                floats.append(f"{self.fn.__name__}({name}={value})")
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", checked)
+    yield
+    assert not floats, f"float runtime arguments (make them tl.constexpr): {sorted(set(floats))}"
+
+
 @pytest.fixture(scope="module")
 def device(ops):
     return torch.device("cpu" if ops.INTERPRET else "cuda")
