@@ -123,14 +123,15 @@ class Compiler:
         ragcache's own engine schedules compiles as steps instead, `entry` making theirs)."""
         with self.lm.base_weights():  # a read-side adapter never runs here: entries stay the base model's
             keys, values = self.runner.prefill_pre_rope(torch.tensor(self.prompt(token_ids, layout)))
-        return self.entry(keys, values, token_ids, layout)
-
-    def entry(self, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int], layout: Layout) -> ChunkKV:
-        """The entry of a chunk from the pre-RoPE K/V of its prompt (`prompt`): the sinks dropped, in the codec."""
-        stored = self.stored_ids(token_ids, layout)
-        drop = len(layout.sink_ids)
-        encoded = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
         # in host memory, as an entry read from disk or Redis is: a memory tier would otherwise hold a GPU's memory
         # under its budget, out of what the model's caches can use
-        k, v, key_scales, value_scales = (t.cpu() if t is not None else None for t in encoded)
+        return self.entry(keys, values, token_ids, layout).map(lambda t: t.cpu())
+
+    def entry(self, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int], layout: Layout) -> ChunkKV:
+        """The entry of a chunk from the pre-RoPE K/V of its prompt (`prompt`): the sinks dropped, in the codec, on
+        the device they were computed on. Its caller moves it to host memory: `compile` here, the engine off its
+        model thread (`copies.to_host`)."""
+        stored = self.stored_ids(token_ids, layout)
+        drop = len(layout.sink_ids)
+        k, v, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)
         return ChunkKV(torch.tensor(stored, dtype=torch.int32), k, v, self.meta(layout), key_scales, value_scales)

@@ -38,7 +38,9 @@ from .engine import (
     StepStats,
     eos_ids,
     finish_all,
+    made,
     prefetch_for,
+    to_host,
     wait,
 )
 from .errors import Cancelled, ParameterOutOfRange
@@ -268,7 +270,8 @@ class RagCache(Front):
         keys, compiled = list(todo), dict[str, ChunkKV]()
         sequences = [self._compile_sequence(todo[key], compiler, layout) for key in keys]
         try:
-            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], sequences[i].result))
+            # each entry crosses to host memory here, as its compile ends, while the model thread goes on
+            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], to_host(sequences[i].result)))
         finally:
             self.catalog.keep(compiled, report, writer)
         return self.catalog.filled(chunks, entries, todo, compiled), report
@@ -281,7 +284,7 @@ class RagCache(Front):
             self.driver,
             lambda stats, cancelled: (parts, COMPILE_LINK, None),
             None,
-            compile=lambda cache: compiler.entry(*self.runner.pre_rope(cache), token_ids, layout),
+            compile=lambda cache: made(compiler.entry(*self.runner.pre_rope(cache), token_ids, layout)),
             base_weights=self.lm.adapter is not None,
         )
 

@@ -18,9 +18,12 @@ from typing import TYPE_CHECKING
 _HOMES = {
     "map_large_blocks": "allocator",
     "return_free_memory": "allocator",
+    "Made": "copies",
     "Prefetch": "copies",
     "Staged": "copies",
+    "made": "copies",
     "place": "copies",
+    "to_host": "copies",
     "prefetch_for": "copies",
     "Driver": "driver",
     "StepStats": "driver",
@@ -74,6 +77,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "Invariance",
     "JoinedCache",
     "KVPool",
+    "Made",
     "ModelShape",
     "Part",
     "Piece",
@@ -94,6 +98,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "eos_ids",
     "finish_all",
     "ignore",
+    "made",
     "map_large_blocks",
     "on_a_passing_thread",
     "pieces",
@@ -101,12 +106,13 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "prefetch_for",
     "return_free_memory",
     "rope_table",
+    "to_host",
     "wait",
 ]
 
 if TYPE_CHECKING:
     from .allocator import map_large_blocks, return_free_memory
-    from .copies import Prefetch, Staged, place, prefetch_for
+    from .copies import Made, Prefetch, Staged, made, place, prefetch_for, to_host
     from .driver import Driver, StepStats
     from .graphs import DecodeGraphs
     from .invariant import Invariance
