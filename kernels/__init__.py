@@ -58,6 +58,12 @@ def selected_attention(query, keys, values, query_positions, scale, window=None,
     return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
 
 
+def fresh_attention(query, keys, values, scale):
+    """Prefills from position 0 of several requests with n rows each, over their own fresh keys: one call (see
+    torch_ref). SDPA on every device."""
+    return torch_ref.fresh_attention(query, keys, values, scale)
+
+
 def pooled_decode_attention(query, keys, values, slots, positions, scale, window=None, first_key=0, end_key=None):
     """Decode rows of many requests over a pool of their caches, one attention call (see torch_ref). No Triton
     version yet: SDPA over the pool is already one library call on every device."""

@@ -204,6 +204,18 @@ def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def fresh_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Rows 0..n-1 of B requests, each over its own n keys and nothing before them (prefills from position 0: a
+    compile's chunks): one causal SDPA call for all. query [B, H, n, D], keys/values [B, KVH, n, D] ->
+    [B, n, H, D]. Each request's rows get what `selected_attention` gives them alone (SDPA's kernels split work by
+    request, head and row block)."""
+    gqa = query.shape[1] != keys.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, is_causal=True, scale=scale, enable_gqa=gqa
+    )
+    return out.transpose(1, 2)
+
+
 def _contiguous_attention(query, keys, values, first: int, scale: float, window: int | None) -> torch.Tensor:
     """Rows at positions first..first+n-1, keys [0, first+n) of the cache; blocks of rows under a sliding window
     only read the keys their window reaches."""

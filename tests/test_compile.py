@@ -42,9 +42,16 @@ def recorded_steps(rc) -> list:
 def test_packed_compiles_give_the_entries_of_each_chunk_compiled_alone(invariant):
     """Every missing chunk of a call is compiled in the same steps (one piece each, as many as the budget takes);
     batch-invariant, each entry is the very bits of that chunk compiled alone, else equal within rounding."""
+    import ragcache.kernels as kernels
+
     rc = engine(batch_invariant=invariant, row_budget=512)
-    plans = recorded_steps(rc)
-    report = rc.compile_documents(TEXTS)
+    plans, joined, fresh_attention = recorded_steps(rc), [], kernels.fresh_attention
+    kernels.fresh_attention = lambda query, *rest: joined.append(query.shape[0]) or fresh_attention(query, *rest)
+    try:
+        report = rc.compile_documents(TEXTS)
+    finally:
+        kernels.fresh_attention = fresh_attention
+    assert joined and max(joined) >= 2  # chunks of one length attended in one call
     chunks = [ids for doc_id in report.ids for ids in rc.document_chunks(doc_id)]
     assert report.compiled_chunks == len({tuple(c) for c in chunks}) >= 6
     pieces = [p for p in plans if p.kind is Kind.PIECE]

@@ -742,3 +742,21 @@ def test_a_contiguous_run_is_causal_from_the_bottom_right():
                                                            scale=0.25, enable_gqa=True)
     expected = torch_ref.reference_attention(query[0], keys[0], values[0], torch.arange(7, 12), 0.25)
     torch.testing.assert_close(got[0].transpose(0, 1), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_attention_gives_each_request_what_it_gets_alone(dtype):
+    """Prefills from position 0 of several requests in one call (a compile's packed chunks): each request's rows
+    are the very bits `selected_attention` gives it alone, GQA included, on this machine's SDPA."""
+    batch, heads, kv_heads, rows, dim = 3, 4, 2, 37, 16
+    query, keys, values = (
+        _randn(batch, h, rows, dim, dtype=dtype, device="cpu", seed=seed)
+        for h, seed in ((heads, 1), (kv_heads, 2), (kv_heads, 3))
+    )
+    joined = kernels.fresh_attention(query, keys, values, 0.25)
+    assert joined.shape == (batch, rows, heads, dim)
+    for b in range(batch):
+        alone = torch_ref.selected_attention(
+            query[b], keys[b], values[b], torch.arange(rows), 0.25, contiguous_from=0
+        )
+        assert torch.equal(joined[b], alone)

@@ -249,6 +249,8 @@ class Batch:
         # one group holding every row in order (the usual decode-only step): its call's output is the whole answer
         self.one_group = len(self.groups) == 1 and list(map(id, self.groups[0].segments)) == list(map(id, segments))
         self.padding = 0  # rows after the last segment's that belong to no request (Runner.forward's row blocks)
+        self.fresh = _fresh_groups(self.alone)
+        self._fresh_kv: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's K/V, for `fresh`'s attention
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Called by transformers' attention: scatter each request's fresh rows into its own cache."""
@@ -261,6 +263,7 @@ class Batch:
             )
         for group in self.groups:
             group.write(layer_idx, keys, values, self.one_group)
+        self._fresh_kv = (keys, values) if self.fresh else None
         return key_states, value_states  # attention reads each request's cache through `ragcache_batch`
 
     def attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
@@ -274,7 +277,13 @@ class Batch:
     def _attend(self, layer: int, query: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
         if self.one_group:
             return self.groups[0].attend(query, layer, scale, window)
-        outs = [self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window) for seg in self.alone]
+        together = self._attend_fresh(query, scale, window)
+        outs = [
+            together[id(seg)]
+            if id(seg) in together
+            else self.attend_segment(seg, layer, query[:, seg.start : seg.end], scale, window)
+            for seg in self.alone
+        ]
         if not self.groups:
             return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
         out = query.new_empty(query.shape[1], query.shape[0], query.shape[2])
@@ -282,6 +291,26 @@ class Batch:
             out[group.index] = group.attend(query[:, group.index], layer, scale, window)
         for seg, seg_out in zip(self.alone, outs):
             out[seg.start : seg.end] = seg_out
+        return out
+
+    def _attend_fresh(self, query: torch.Tensor, scale: float, window: int | None) -> dict[int, torch.Tensor]:
+        """The rows of each group of `fresh` segments in one call, over this layer's K/V as computed (the same
+        values their caches were just given): by id of segment, [n, heads, head_dim] each."""
+        if self._fresh_kv is None:
+            return {}
+        keys, values = self._fresh_kv
+        # as a cache gives them back: rounded to its dtype, then read in the query's
+        stored = self.fresh[0][0].cache.keys.dtype if self.fresh else keys.dtype
+        keys, values = (t.to(stored).to(query.dtype) for t in (keys, values))
+        out: dict[int, torch.Tensor] = {}
+        for group in self.fresh:
+            n = group[0].end - group[0].start
+            if window is not None and window < n:  # a window cuts its rows' keys: each alone, blockwise
+                continue
+            joined = kernels.fresh_attention(
+                *(torch.stack([t[:, seg.start : seg.end] for seg in group]) for t in (query, keys, values)), scale
+            )
+            out.update((id(seg), rows) for seg, rows in zip(group, joined))
         return out
 
     def attend_segment(
@@ -296,6 +325,17 @@ class Batch:
         return kernels.selected_attention(
             query, keys, values, seg.rows, scale, window, contiguous_from=seg.contiguous_from
         )
+
+
+def _fresh_groups(segments: list[Segment]) -> list[list[Segment]]:
+    """Segments whose rows are positions 0..n-1 (nothing before them in their caches: their keys are their own),
+    by n, where at least two have the same n: one attention call each group (a compile's chunks packed in a step
+    would otherwise take one call each per layer)."""
+    by_rows: dict[int, list[Segment]] = {}
+    for seg in segments:
+        if seg.contiguous_from == 0 and seg.scores is None:
+            by_rows.setdefault(seg.end - seg.start, []).append(seg)
+    return [group for group in by_rows.values() if len(group) > 1]
 
 
 def pool_rows(pool: KVPool, segments: list[Segment], whole: bool = False) -> PooledRows | None:
