@@ -307,9 +307,8 @@ class Batch:
             n = group[0].end - group[0].start
             if window is not None and window < n:  # a window cuts its rows' keys: each alone, blockwise
                 continue
-            joined = kernels.fresh_attention(
-                *(torch.stack([t[:, seg.start : seg.end] for seg in group]) for t in (query, keys, values)), scale
-            )
+            q, k, v = (torch.stack([t[:, seg.start : seg.end] for seg in group]) for t in (query, keys, values))
+            joined = kernels.fresh_attention(q, k, v, scale)
             out.update((id(seg), rows) for seg, rows in zip(group, joined))
         return out
 
