@@ -261,3 +261,46 @@ def test_the_engine_moves_each_compiled_entry_to_host_as_its_compile_ends(monkey
         assert all(isinstance(m, copies.Made) and m.ready is None for m in crossed)  # on CPU: nothing to wait for
     finally:
         rc.close()
+
+
+@pytest.mark.parametrize("codec", ["fp32", "int8"])
+def test_entries_cross_from_host_memory_in_runs_of_layers_one_copy_per_tensor_a_run(monkeypatch, codec):
+    """`place` onto a (stand-in) CUDA cache from host memory: each tensor of each entry crosses in `layer_blocks`
+    runs, not a copy a layer (launches bound the link on an H200); a prefetched entry's layers are waited for, not
+    copied again; the cache is what one call gives, with an event for every layer."""
+    layers = 8
+    stream = SimpleNamespace(name="copies", wait_stream=lambda other: None, waited=[])
+    stream.wait_event = stream.waited.append
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(copies, "crossing", lambda device, entries: True)
+    monkeypatch.setattr(copies, "_STREAMS", {})
+    crossed = []
+    monkeypatch.setattr(copies, "_to_device", lambda t, device: crossed.append(t.shape) or t.clone())
+
+    def chunk(seed, tokens):
+        g = torch.Generator().manual_seed(seed)
+        k, v, ks, vs = encode(*(torch.randn(layers, HEADS, tokens, DIM, generator=g) for _ in range(2)), codec)
+        return SimpleNamespace(keys=k, values=v, key_scales=ks, value_scales=vs)
+
+    host = [chunk(1, 5), chunk(2, 7)]
+    ready = [f"layer {n} crossed" for n in range(layers)]
+    prefetched = copies.Staged(*copies._parts(chunk(3, 4)), ready=ready, source=None)
+    entries, starts = [*host, prefetched], [1, 6, 13]
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, DIM, 2).float() / DIM)).repeat(layers, 1)
+    scaling = torch.ones(layers)
+    blocks = copies.layer_blocks(layers)
+    assert [(b.start, b.stop) for b in blocks] == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    cache = JoinedCache(layers, HEADS, DIM, 20, torch.float32, "cpu")
+    copies.place(cache, entries, starts, inv_freq, scaling)
+    tensors = 4 if codec == "int8" else 2
+    assert len(crossed) == len(blocks) * len(host) * tensors and all(shape[0] == 2 for shape in crossed)
+    assert stream.waited == ready and len(cache.pending) == layers and cache.holds == entries
+    monkeypatch.setattr(copies, "crossing", lambda device, entries: False)
+    whole = JoinedCache(layers, HEADS, DIM, 20, torch.float32, "cpu")
+    copies.place(whole, entries, starts, inv_freq, scaling)
+    assert torch.equal(whole.keys, cache.keys) and torch.equal(whole.values, cache.values)
+    assert whole.keys[:, :, 1:17].abs().sum() > 0

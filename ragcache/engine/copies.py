@@ -1,6 +1,8 @@
 """Chunk entries into a joined cache, layer by layer on a stream of their own when they cross from host to GPU: the
-link's forward waits for layer l's copy only when it reaches layer l, so layer l+1's entries cross while layer l
-computes (LMCache's layer-wise transfer). From a GPU tier, or on CPU, one call places every layer.
+link's forward waits for layer l's copy only when it reaches layer l, so later layers' entries cross while layer l
+computes (LMCache's layer-wise transfer). They cross in a few runs of layers (`layer_blocks`), one copy per tensor
+a run: the copies are launched from the host, and one a layer bound the link. From a GPU tier, or on CPU, one call
+places every layer.
 
 The cache records one event per layer (`JoinedCache.pending`); every read or write of a layer waits for its event
 (`JoinedCache.wait`), and `settle` waits for all of them, which a link does before it ends. The cache holds the
@@ -17,6 +19,7 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -88,18 +91,19 @@ class Prefetch:
         return chosen
 
     def _cross(self, sources: list) -> list[Staged]:
-        """Copies queued on the prefetch stream, layer-major, an event after each layer. The device tensors are
+        """Copies queued on the prefetch stream, a run of layers at a time (`layer_blocks`), an event after each. The device tensors are
         allocated on that stream, so the allocator reuses their memory only after the copies into them ran."""
         ready: list = []
         with torch.cuda.stream(self.stream):
             staged = [self._target(e, ready) for e in sources]
-            for layer in range(sources[0].keys.shape[0]):
+            for block in layer_blocks(sources[0].keys.shape[0]):
                 for source, target in zip(sources, staged):
                     for src, dst in zip(_parts(source), _parts(target)):
                         if dst is not None:
-                            dst[layer].copy_(src[layer], non_blocking=True)
-                ready.append(torch.cuda.Event())
-                ready[-1].record(self.stream)
+                            dst[block].copy_(src[block], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+                ready.extend([event] * (block.stop - block.start))  # a layer's event: its run's
         for s in staged:
             weakref.finalize(s, self._release, _device_bytes(s))
         return staged
@@ -135,12 +139,18 @@ def _device_bytes(entry) -> int:
 def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.Tensor, scaling: torch.Tensor) -> None:
     """The entries (store ChunkKVs, or Staged ones) rotated to `starts` in `cache`: layer by layer on the copy
     stream when some are in host memory or still crossing and the cache is on CUDA, else in one call."""
-    keys, values = [e.keys for e in entries], [e.values for e in entries]
-    key_scales, value_scales = [e.key_scales for e in entries], [e.value_scales for e in entries]
     device = cache.keys.device
     if not crossing(device, entries):
         kernels.place_chunks(
-            cache.keys, cache.values, keys, values, starts, inv_freq, scaling, key_scales, value_scales
+            cache.keys,
+            cache.values,
+            [e.keys for e in entries],
+            [e.values for e in entries],
+            starts,
+            inv_freq,
+            scaling,
+            [e.key_scales for e in entries],
+            [e.value_scales for e in entries],
         )
         return
     stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
@@ -163,8 +173,50 @@ def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.
         events[-1].record(stream)
 
     with torch.cuda.stream(stream):
-        place_layers(cache, keys, values, starts, inv_freq, scaling, key_scales, value_scales, recorded, crossed)
+        for block in layer_blocks(cache.keys.shape[0]):
+            # the block's layers of entries in host memory cross now, one copy per tensor, and are placed from the
+            # device; dropped at the next block, their memory is reused there after these placements ran
+            parts = [_block_on_device(e, block, device) for e in entries]
+            keys, values, key_scales, value_scales = ([p[i] for p in parts] for i in range(4))
+            place_layers(
+                SimpleNamespace(keys=cache.keys[block], values=cache.values[block]),
+                keys,
+                values,
+                starts,
+                inv_freq[block],
+                scaling[block],
+                key_scales,
+                value_scales,
+                lambda layer, first=block.start: recorded(first + layer),
+                lambda layer, first=block.start: crossed(first + layer),
+            )
     cache.pending, cache.holds = events, entries
+
+
+LAYER_BLOCKS = 4  # entries cross from host memory in this many runs of layers (below)
+
+
+def layer_blocks(layers: int, blocks: int = LAYER_BLOCKS) -> list[slice]:
+    """Runs of layers that cross to the GPU together: a link's first layers start once a quarter of its entries
+    have crossed, and each tensor takes `blocks` copies, not one a layer. Copies are launched from the host one by
+    one: 32 chunks x 32 layers x K, V and their scales were 4,096 launches, which bound a link from host memory
+    on an H200 (int8 and int4 entries, with a half and a quarter of the bytes, took as long as bf16)."""
+    size = -(-layers // blocks)
+    return [slice(first, min(first + size, layers)) for first in range(0, layers, size)]
+
+
+def _block_on_device(entry, block: slice, device: torch.device) -> tuple:
+    """An entry's K, V and scales at a run of layers, on the device: views where it is there (a GPU tier's, or
+    Staged), else copied now on the current stream."""
+    on_device = isinstance(entry, Staged) or entry.keys.device.type != "cpu"
+    return tuple(None if t is None else t[block] if on_device else _to_device(t[block], device) for t in _parts(entry))
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copied without holding the host: from pinned memory as it is, else pinned first (torch's caching host
+    allocator keeps that block until the copy has read it)."""
+    source = t if t.is_pinned() else t.pin_memory()
+    return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(source, non_blocking=True)
 
 
 def crossing(device: torch.device, entries: list) -> bool:
@@ -174,7 +226,7 @@ def crossing(device: torch.device, entries: list) -> bool:
 
 
 def place_layers(
-    cache: JoinedCache,
+    cache: JoinedCache | SimpleNamespace,  # its keys and values [layers, ...]: a cache, or a run of its layers
     keys: list,
     values: list,
     starts: list[int],
