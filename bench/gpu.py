@@ -42,7 +42,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
   (i) compile  at `--shape`: `compile_documents` of --compile-docs documents of 512 tokens (a compile sequence per
                chunk, packed into the scheduler's steps; entries in the codec "auto" keeps on CUDA, and int8), against
                transformers' `model(ids, logits_to_keep=1)` over the same chunks, 1 and 16 chunks per call (the faster
-               is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU)
+               is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU): the first run into a new
+               memory tier (its pinned segments made on the way: `_new_store`), the median of the next two into that
+               tier emptied (the ratio's)
   --suite      the prepared device run, the one to start a GPU session with: every check (below) at the smollm2
                shape and at --shape, (f) at 32k with each row the median of 5 and its spread, (g), (d) at --shape,
                (e) and (i), into gpu-suite-<gpu>.json (written after each section) and a one-screen summary; exit 1
@@ -1193,7 +1195,7 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
-    shape, docs, doc_words, reps = ("smollm2-135m", 4, 60, 1) if quick else (shape, docs, 511, 2)
+    shape, docs, doc_words, reps = ("smollm2-135m", 4, 60, 2) if quick else (shape, docs, 511, 3)
     lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
     rng = random.Random(0)
     text = lambda: " ".join(f"w{rng.randrange(1000)}" for _ in range(doc_words))  # noqa: E731
@@ -1206,9 +1208,15 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
     rows = []
     for codec, texts_of_runs in corpora.items():
         runs, nbytes = [], 0
+        # the first run into a new store, whose pinned arena fills as it goes (1 GiB segments pinned on the way);
+        # the others into that store emptied, its segments there to reuse (a tier that has filled once)
+        store = MemoryStore(64 << 30, pin=device.type == "cuda")
         for texts in texts_of_runs:  # new ones each run: nothing is in the store
-            rc = RagCache(lm, MemoryStore(64 << 30, pin=device.type == "cuda"),
-                          EngineConfig(chunk_tokens=doc_words + 8, kv_codec=codec))
+            for key in list(store.keys()):
+                store.delete(key)
+            if store.arena is not None:
+                store.arena.settle()
+            rc = RagCache(lm, store, EngineConfig(chunk_tokens=doc_words + 8, kv_codec=codec))
             rc.compile(warm)
             _sync(device)
             started = time.perf_counter()
@@ -1222,15 +1230,17 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
             nbytes, stored_codec, budgets = report.bytes, rc.kv_codec, rc.row_budgets
             rc.close()
         tokens = sum(map(len, chunks))
-        ours = statistics.median(runs)
+        ours = statistics.median(runs[1:] or runs)
         row = dict(shape=shape, codec=stored_codec, chunks=len(chunks), tokens=tokens, ours_s=round(ours, 4),
                    ours_tok_s=round(tokens / ours, 1), ours_all_s=[round(t, 4) for t in runs],
+                   ours_new_store_s=round(runs[0], 4), ours_tok_s_new_store=round(tokens / runs[0], 1),
                    **{f"transformers_b{b}_s": round(t, 4) for b, t in peers.items()},
                    peer=f"transformers B={best}", peer_tok_s=round(tokens / peers[best], 1),
                    ratio=round(peers[best] / ours, 3), entry_bytes_per_token=round(nbytes / tokens, 1),
                    row_budgets=list(budgets))
-        print(f"  {shape} {stored_codec}: {row['ours_tok_s']:,.0f} tok/s, {row['peer']} {row['peer_tok_s']:,.0f} "
-              f"tok/s: {row['ratio']:.2f}x; {row['entry_bytes_per_token']:,.0f} B/token", flush=True)
+        print(f"  {shape} {stored_codec}: {row['ours_tok_s']:,.0f} tok/s ({row['ours_tok_s_new_store']:,.0f} into a new "
+              f"store), {row['peer']} {row['peer_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x; "
+              f"{row['entry_bytes_per_token']:,.0f} B/token", flush=True)
         rows.append(row)
     return rows
 
@@ -1523,6 +1533,8 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
         result.setdefault("section_seconds", {})[section] = round(time.perf_counter() - began, 1)
         result["seconds"] = round(time.perf_counter() - started, 1)
         path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+    result["seconds"] = round(time.perf_counter() - started, 1)
+    path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
     failed = _suite_summary(result)
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'no check failed'}; {result['seconds']:.0f} s; wrote {path}")
     sys.exit(1 if failed else 0)

@@ -72,6 +72,13 @@ def _run(sequence: Sequence, what: str, timeout: float | None = None) -> None:
         raise Cancelled(f"{what} was aborted")
 
 
+def _entry_to_host(compile: Sequence) -> ChunkKV:
+    """A finished compile's entry in host memory; the sequence lets go of the entry as made (on a GPU, its device
+    memory goes as soon as it has crossed, not when the whole batch of compiles has)."""
+    made, compile.result = compile.result, None
+    return to_host(made)
+
+
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
     """(rows per step while a stream decodes or a link has ended in it, while nothing waits on it): the device's
     unless given; link_row_budget follows a given row_budget."""
@@ -271,7 +278,7 @@ class RagCache(Front):
         sequences = [self._compile_sequence(todo[key], compiler, layout) for key in keys]
         try:
             # each entry crosses to host memory here, as its compile ends, while the model thread goes on
-            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], to_host(sequences[i].result)))
+            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], _entry_to_host(sequences[i])))
         finally:
             self.catalog.keep(compiled, report, writer)
         return self.catalog.filled(chunks, entries, todo, compiled), report

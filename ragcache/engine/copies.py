@@ -91,8 +91,9 @@ class Prefetch:
         return chosen
 
     def _cross(self, sources: list) -> list[Staged]:
-        """Copies queued on the prefetch stream, a run of layers at a time (`layer_blocks`), an event after each. The device tensors are
-        allocated on that stream, so the allocator reuses their memory only after the copies into them ran."""
+        """Copies queued on the prefetch stream, a run of layers at a time (`layer_blocks`), an event after each.
+        The device tensors are allocated on that stream, so the allocator reuses their memory only after the copies
+        into them ran."""
         ready: list = []
         with torch.cuda.stream(self.stream):
             staged = [self._target(e, ready) for e in sources]
@@ -209,7 +210,8 @@ def _block_on_device(entry, block: slice, device: torch.device) -> tuple:
     """An entry's K, V and scales at a run of layers, on the device: views where it is there (a GPU tier's, or
     Staged), else copied now on the current stream."""
     on_device = isinstance(entry, Staged) or entry.keys.device.type != "cpu"
-    return tuple(None if t is None else t[block] if on_device else _to_device(t[block], device) for t in _parts(entry))
+    parts = _parts(entry)
+    return tuple(None if t is None else t[block] if on_device else _to_device(t[block], device) for t in parts)
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
