@@ -386,6 +386,51 @@ def slot_decode_attention(
     return stacked_decode_attention(query, keys, values, decode_mask(positions, keys.shape[2], window), scale)
 
 
+def slot_run_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """R rows of each slot of a pool, row (s, j) at positions[s, j] over slot s's keys up to it (windowed if
+    `window`): query [H, S*R, D] slot-major, keys/values [S, KVH, L, D], positions [S, R] -> [S*R, H, D]. One masked
+    call for all, shapes fixed by the pool and R (a captured decode step's repair rows)."""
+    heads, _, dim = query.shape
+    slots, run = positions.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    group = heads // kv_heads
+    # a KV head's query heads become rows of its call (K/V never repeated): [S, KVH, G*R, D]
+    grouped = query.view(kv_heads, group, slots, run, dim).permute(2, 0, 1, 3, 4).reshape(slots, kv_heads, -1, dim)
+    key_positions = torch.arange(length, device=keys.device)
+    allowed = key_positions <= positions[..., None]
+    if window is not None:
+        allowed &= key_positions > positions[..., None] - window
+    mask = allowed[:, None, None].expand(slots, 1, group, run, length).reshape(slots, 1, group * run, length)
+    keys, values = _same_dtype(query, keys, values)
+    out = _sdpa_masked(grouped, keys, values, mask, scale)
+    return out.view(slots, kv_heads, group, run, dim).permute(0, 3, 1, 2, 4).reshape(slots * run, heads, dim)
+
+
+def write_slot_runs(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    fresh_keys: torch.Tensor,
+    fresh_values: torch.Tensor,
+    positions: torch.Tensor,
+    live: torch.Tensor,
+) -> None:
+    """`write_slot_rows` for R rows a slot: fresh_keys/values [KVH, S*R, D] slot-major, positions and live [S, R].
+    A row that is not live writes back what its place holds, so rows that are not live may share a place (the
+    caller's decode row's, written after) but must not share one with a live row."""
+    slots = torch.arange(positions.shape[0], device=positions.device).repeat_interleave(positions.shape[1])
+    at, keep = positions.reshape(-1), ~live.reshape(-1)[:, None, None]
+    for store, fresh in ((keys, fresh_keys), (values, fresh_values)):
+        held = store[slots, :, at]
+        store[slots, :, at] = torch.where(keep, held, fresh.transpose(0, 1).to(store.dtype))
+
+
 def write_slot_rows(
     keys: torch.Tensor,
     values: torch.Tensor,

@@ -48,7 +48,7 @@ def test_whole_pool_steps_give_the_ordinary_decodes_tokens(family):
     plain, graphed = engine(family, False), engine(family, True)
     steps = []
     step = graphed.runner.graphs.step
-    graphed.runner.graphs.step = lambda tokens, caches: steps.append(len(caches)) or step(tokens, caches)
+    graphed.runner.graphs.step = lambda tokens, caches, repairs=(): steps.append(len(caches)) or step(tokens, caches, repairs)
     expected = answers(plain)
     assert answers(graphed) == expected
     assert any(n > 1 for n in steps), "no decode step ran through the whole-pool path with several streams"

@@ -118,11 +118,38 @@ def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
     assert a.repair is not None and a.repair.next == 1
     scheduler.add(b)
     run_plan(scheduler, scheduler.schedule(), {b: (40,)})
-    for want in ((1, 5), (5, 6)):  # what the cache holds, then the token fed in the step before
-        step = scheduler.schedule()
-        kinds = [(w.kind, w.sequence, w.start, w.stop) for w in step.work]
-        assert kinds[:2] == [(Kind.DECODE, a, 0, 0), (Kind.REPAIR, a, *want)]
-        assert kinds[2][1] is b and step.rows == 16  # b's piece has the rest of the budget
-        a.cache.length += 1  # the runner feeds a's token
-        run_plan(scheduler, step, {})
-    assert a.repair.next == 6 and a.repair.size(a.cache.length) == 1  # one row a step from here: the fed token's
+    step = scheduler.schedule()  # what the cache holds
+    kinds = [(w.kind, w.sequence, w.start, w.stop) for w in step.work]
+    assert kinds[:2] == [(Kind.DECODE, a, 0, 0), (Kind.REPAIR, a, 1, 5)]
+    assert kinds[2][1] is b and step.rows == 16  # b's piece has the rest of the budget
+    a.cache.length += 1  # the runner feeds a's token
+    run_plan(scheduler, step, {})
+    # caught up in that step: its decode row attended to exact rows only, so nothing is left to repair
+    assert a.repair.next == 6 and a.repair.size(a.cache.length) == 0
+    assert [w.kind for w in scheduler.schedule().work if w.sequence is a] == [Kind.DECODE]
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding windows over the repair rows too
+def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_steps_tokens(family):
+    """With decode graphs (on CPU the same fixed-shape step, run eagerly) a decode step's repair rows run in that
+    step, R rows a slot beside the decode rows: the cache ends as `full`'s and the tokens are those of the
+    ordinary packed steps."""
+    rc = engine(family, batch_invariant=False, decode_graphs=True)
+    ids = rc.compile(DOCS)
+    widths, step = [], rc.runner.graphs.step
+    rc.runner.graphs.step = lambda tokens, caches, repairs=(): widths.append(
+        sum(run.stop - run.start for run in repairs)
+    ) or step(tokens, caches, repairs)
+    held = caches_at_release(rc)
+    answer = rc.query(QUESTION, ids, algorithm="naive", repair=40, max_new_tokens=24)
+    assert sum(w > 0 for w in widths) >= 2 and widths[-1] == 0  # repaired over several steps, then plain decode
+    keys, values = held[0]
+    want_keys, want_values = full_cache(rc, ids, answer.token_ids)
+    torch.testing.assert_close(keys, want_keys, atol=2e-5, rtol=2e-4)
+    torch.testing.assert_close(values, want_values, atol=2e-5, rtol=2e-4)
+    packed = engine(family, batch_invariant=False)
+    assert packed.query(QUESTION, packed.compile(DOCS), algorithm="naive", repair=40, max_new_tokens=24).token_ids == (
+        answer.token_ids
+    )
+    rc.close()
+    packed.close()

@@ -30,7 +30,7 @@ from .. import linker
 from ..errors import ParameterOutOfRange
 from ..loaded import LoadedModel
 from . import invariant
-from .graphs import DecodeGraphs
+from .graphs import DecodeGraphs, Run
 from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
 from .scheduler import Kind, StepPlan, StepResult, Work
 
@@ -94,6 +94,12 @@ class LayerWatch(Protocol):
 
     def after(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, list[Part]] | None:
         """None, or the hidden states and parts of the rows that go on to the next layer."""
+
+
+def _decode_only(works: list[Work]) -> bool:
+    """Decode rows, and repair rows of sequences whose decode row is in the step: what a whole-pool step runs."""
+    decoding = {id(w.sequence) for w in works if w.kind is Kind.DECODE}
+    return all(w.kind is Kind.DECODE or (w.kind is Kind.REPAIR and id(w.sequence) in decoding) for w in works)
 
 
 class Runner:
@@ -178,7 +184,7 @@ class Runner:
                 return [self._alone(self._place, work) for work in plan.work]
             if plan.kind is Kind.NARROW:
                 return [self._alone(self._narrow, work) for work in plan.work]
-            if self.graphs is not None and not plan.base_weights and all(w.kind is Kind.DECODE for w in plan.work):
+            if self.graphs is not None and not plan.base_weights and _decode_only(plan.work):
                 return self._graphed(plan.work)
             return self._packed(plan.work)
 
@@ -261,21 +267,38 @@ class Runner:
         return StepResult(result=seq.compile(seq.plan.cache))
 
     def _graphed(self, works: list[Work]) -> list[StepResult]:
-        """A decode-only step through the pool's graph (`_packed`'s result for the same works)."""
-        caches = [work.sequence.cache for work in works]
+        """A decode-only step through the pool's graph, with the decoding sequences' repair rows if any
+        (`_packed`'s result for the same works)."""
+        decodes = [work for work in works if work.kind is Kind.DECODE]
+        caches = [work.sequence.cache for work in decodes]
         for cache in caches:
             self.adopt(cache)
         if not self.graphs.covers(caches):
             return self._packed(works)
+        repairs = [
+            Run(
+                w.sequence.cache,
+                w.start,
+                w.stop,
+                w.sequence.repair.token_ids(w.start, w.stop, w.sequence.decoding.token_ids),
+            )
+            for w in works
+            if w.kind is Kind.REPAIR
+        ]
         try:
-            logits = self.graphs.step([work.sequence.next_token for work in works], caches)
+            logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
-        return [
-            self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work)
-            for work, row in zip(works, logits)
-        ]
+        rows = iter(logits)  # one a decode work, in order
+        results = []
+        for work in works:
+            if work.kind is not Kind.DECODE:  # a repair piece: no output of its own
+                results.append(StepResult())
+                continue
+            row = next(rows)
+            results.append(self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work))
+        return results
 
     def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""

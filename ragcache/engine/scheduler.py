@@ -238,7 +238,9 @@ class Scheduler:
             sequence = work.sequence
             if work.kind is Kind.REPAIR:  # no output of its own: a step that fails fails its decode row too
                 if result.error is None and sequence.repair is not None:
-                    sequence.repair.next = work.stop
+                    # caught up: the step's decode row attended to exact rows only, so it is exact too
+                    caught_up = work.stop == sequence.cache.length - 1
+                    sequence.repair.next = work.stop + caught_up
                 continue
             if result.error is not None:
                 outputs.append((sequence, self._leave(sequence, Output(status=Status.FAILED, error=result.error))))
