@@ -85,14 +85,14 @@ def slot_decode_attention(query, keys, values, positions, scale, window=None):
 
 
 def slot_run_attention(query, keys, values, positions, scale, window=None):
-    """R rows of each slot of a pool over its own keys, one masked SDPA call (see torch_ref): a captured decode
+    """R rows of each of P caches over its own keys, one masked SDPA call (see torch_ref): a captured decode
     step's repair rows. SDPA on every device."""
     return torch_ref.slot_run_attention(query, keys, values, positions, scale, window)
 
 
-def write_slot_runs(keys, values, fresh_keys, fresh_values, positions, live):
-    """R rows of each live slot into the pool at their positions, in place (see torch_ref)."""
-    torch_ref.write_slot_runs(keys, values, fresh_keys, fresh_values, positions, live)
+def write_slot_runs(keys, values, fresh_keys, fresh_values, slots, positions, live):
+    """R rows for each of P slots into the pool at their positions, in place (see torch_ref)."""
+    torch_ref.write_slot_runs(keys, values, fresh_keys, fresh_values, slots, positions, live)
 
 
 def write_slot_rows(keys, values, fresh_keys, fresh_values, positions, live):

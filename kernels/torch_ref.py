@@ -394,9 +394,10 @@ def slot_run_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """R rows of each slot of a pool, row (s, j) at positions[s, j] over slot s's keys up to it (windowed if
-    `window`): query [H, S*R, D] slot-major, keys/values [S, KVH, L, D], positions [S, R] -> [S*R, H, D]. One masked
-    call for all, shapes fixed by the pool and R (a captured decode step's repair rows)."""
+    """R rows of each of P caches, row (p, j) at positions[p, j] over cache p's keys up to it (windowed if
+    `window`): query [H, P*R, D] run-major, keys/values [P, KVH, L, D] (a pool's slots, gathered), positions [P, R]
+    -> [P*R, H, D]. One masked call for all, shapes fixed by P, R and the pool (a captured decode step's repair
+    rows)."""
     heads, _, dim = query.shape
     slots, run = positions.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
@@ -418,13 +419,15 @@ def write_slot_runs(
     values: torch.Tensor,
     fresh_keys: torch.Tensor,
     fresh_values: torch.Tensor,
+    slots: torch.Tensor,
     positions: torch.Tensor,
     live: torch.Tensor,
 ) -> None:
-    """`write_slot_rows` for R rows a slot: fresh_keys/values [KVH, S*R, D] slot-major, positions and live [S, R].
-    A row that is not live writes back what its place holds, so rows that are not live may share a place (the
-    caller's decode row's, written after) but must not share one with a live row."""
-    slots = torch.arange(positions.shape[0], device=positions.device).repeat_interleave(positions.shape[1])
+    """R rows for each of P slots (`slots` [P]) into a pool (keys/values [S, KVH, L, D]): fresh_keys/values
+    [KVH, P*R, D] run-major, positions and live [P, R]. A row that is not live writes back what its place holds, so
+    rows that are not live may share a place (the caller's decode row's, written after) but must not share one with
+    a live row."""
+    slots = slots.repeat_interleave(positions.shape[1])
     at, keep = positions.reshape(-1), ~live.reshape(-1)[:, None, None]
     for store, fresh in ((keys, fresh_keys), (values, fresh_values)):
         held = store[slots, :, at]

@@ -30,11 +30,11 @@ def engine(family: str, graphs: bool, compiled: bool = False) -> RagCache:
     return rc
 
 
-def answers(rc: RagCache, questions: list[str] = QUESTIONS) -> list[list[int]]:
+def answers(rc: RagCache, questions: list[str] = QUESTIONS, repair=lambda i: 0) -> list[list[int]]:
     """Streams opened together (so the pool holds several slots, some idle while others link), each asking for its
-    own number of tokens (so they leave the pool at different steps)."""
-    streams = [rc.stream(q, rc.doc_ids[i % 3: i % 3 + 2], algorithm="naive", max_new_tokens=3 + 2 * i)
-               for i, q in enumerate(questions)]
+    own number of tokens (so they leave the pool at different steps) and `repair(i)` rows a step."""
+    streams = [rc.stream(q, rc.doc_ids[i % 3: i % 3 + 2], algorithm="naive", max_new_tokens=3 + 2 * i,
+                         repair=repair(i)) for i, q in enumerate(questions)]
     ended = [threading.Event() for _ in streams]
     with held(rc):
         for stream, end in zip(streams, ended):
@@ -118,3 +118,18 @@ def test_graphs_need_the_pooled_decode():
     assert "decode_eager" in EngineConfig(engine="vllm", decode_eager=True).vllm_problem()
     # the default: graphs only on CUDA
     assert RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(batch_invariant=False)).runner.graphs is None
+
+
+def test_repair_lanes_in_the_whole_pool_step_give_the_packed_steps_tokens():
+    """Several streams repairing at once, at different widths, beside streams that do not: their repair rows run in
+    the whole-pool step, a lane each (lanes and rows rounded up, the spare ones idle), to the tokens the ordinary
+    packed steps give."""
+    plain, graphed = engine("llama", False), engine("llama", True)
+    lanes, step = [], graphed.runner.graphs.step
+    graphed.runner.graphs.step = lambda tokens, caches, repairs=(): lanes.append(len(repairs)) or step(
+        tokens, caches, repairs
+    )
+    widths = lambda i: (0, 3, 8, 5, 0)[i]  # noqa: E731
+    expected = answers(plain, repair=widths)
+    assert answers(graphed, repair=widths) == expected
+    assert max(lanes) == 3 and 0 in lanes  # three lanes side by side (a fourth idle); and steps with none

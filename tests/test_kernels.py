@@ -760,3 +760,32 @@ def test_fresh_attention_gives_each_request_what_it_gets_alone(dtype):
             query[b], keys[b], values[b], torch.arange(rows), 0.25, contiguous_from=0
         )
         assert torch.equal(joined[b], alone)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_slot_run_attention_gives_each_row_its_own_slots_attention(window):
+    """A captured step's repair lanes: R rows of each of P gathered slots in one masked call, each row what
+    `selected_attention` gives it over its slot's keys up to its position (GQA: 4 heads over 2)."""
+    lanes, run, heads, kv_heads, length, dim = 3, 4, 4, 2, 20, 8
+    keys, values = (_randn(lanes, kv_heads, length, dim, dtype=torch.float32, device="cpu", seed=s) for s in (1, 2))
+    positions = torch.tensor([[3, 4, 5, 9], [10, 11, 12, 13], [0, 1, 2, 19]])
+    query = _randn(heads, lanes * run, dim, dtype=torch.float32, device="cpu", seed=3)
+    out = kernels.slot_run_attention(query, keys, values, positions, 0.3, window)
+    for lane in range(lanes):
+        for j in range(run):
+            row = lane * run + j
+            alone = torch_ref.selected_attention(
+                query[:, row : row + 1], keys[lane], values[lane], positions[lane, j : j + 1], 0.3, window
+            )
+            torch.testing.assert_close(out[row], alone[0], **TOL[torch.float32])
+
+
+def test_write_slot_runs_writes_live_rows_and_leaves_the_rest():
+    pool_keys, pool_values = torch.zeros(3, 2, 8, 4), torch.zeros(3, 2, 8, 4)
+    fresh = torch.arange(1, 2 * 4 * 4 + 1, dtype=torch.float32).view(2, 4, 4)  # [KVH, P*R, D]: lanes 2 x rows 2
+    slots, positions = torch.tensor([2, 0]), torch.tensor([[5, 6], [7, 3]])
+    live = torch.tensor([[True, True], [True, False]])
+    kernels.write_slot_runs(pool_keys, pool_values, fresh, -fresh, slots, positions, live)
+    assert torch.equal(pool_keys[2, :, 5], fresh[:, 0]) and torch.equal(pool_keys[2, :, 6], fresh[:, 1])
+    assert torch.equal(pool_keys[0, :, 7], fresh[:, 2]) and torch.equal(pool_values[0, :, 7], -fresh[:, 2])
+    assert pool_keys.count_nonzero() == 3 * 2 * 4  # three live rows of 2 heads x 4; slot 1 untouched

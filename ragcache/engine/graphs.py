@@ -9,7 +9,10 @@ on CUDA, so that one long row fills the GPU and the pool's padding is never read
 one `torch.cuda.CUDAGraph`, captured on first use, as vLLM captures a graph per batch size; the inputs (ids,
 positions, which slots are live) are copied into the graph's own tensors before each replay. Elsewhere the same step
 runs eagerly: the CPU tests compare its tokens with the ordinary decode's, and the CUDA path differs only by the
-capture."""
+capture. A decoding sequence's repair rows (Sequence.repair) ride the same step in a lane of their own after the
+decode rows, P lanes of R rows (powers of two, a graph each): on a GPU a step is bound by reading the weights, and
+these rows read them with the decode rows; run as an ordinary step instead, repair cost an H200 94% of its
+decode rate."""
 
 from __future__ import annotations
 
@@ -23,10 +26,15 @@ import ragcache.kernels as kernels
 from .kv import JoinedCache, KVPool
 
 
+def _round_up(n: int) -> int:
+    """The power of two at or above n: few shapes, so few graphs."""
+    return 1 << (n - 1).bit_length()
+
+
 class WholePool:
     """The decoder layers' cache during a whole-pool step: row i is slot i's, at `positions[i]`; rows where `live`
-    is false leave their slot as it is. With repair rows, R more rows a slot follow the slots' decode rows,
-    slot-major (`Captured.repair_*`)."""
+    is false leave their slot as it is. Repair rows follow the slots' decode rows: P lanes of R rows, each lane a
+    slot's (`Captured.repair_*`)."""
 
     def __init__(self, pool: KVPool, step: Captured):
         self.pool, self.step = pool, step
@@ -38,7 +46,7 @@ class WholePool:
         if step.repair_ids is not None:  # first: a repair row that is not live writes back the decode row's place
             kernels.write_slot_runs(
                 pool_keys, pool_values, keys[:, self.slots :], values[:, self.slots :],
-                step.repair_positions, step.repair_live,
+                step.repair_slots, step.repair_positions, step.repair_live,
             )  # fmt: skip
         kernels.write_slot_rows(
             pool_keys, pool_values, keys[:, : self.slots], values[:, : self.slots], step.positions, step.live
@@ -52,9 +60,12 @@ class WholePool:
         out = kernels.slot_decode_attention(query[:, : self.slots], keys, values, step.positions, scale, window)
         if step.repair_ids is None:
             return out
+        lanes = step.repair_slots
+        assert lanes is not None
         repaired = kernels.slot_run_attention(
-            query[:, self.slots :], keys, values, step.repair_positions, scale, window
-        )
+            query[:, self.slots :], keys.index_select(0, lanes), values.index_select(0, lanes),
+            step.repair_positions, scale, window,
+        )  # fmt: skip
         return torch.cat((out, repaired))
 
 
@@ -76,16 +87,18 @@ class Captured:
     ids: torch.Tensor  # [slots] next token of each slot
     positions: torch.Tensor  # [slots] the position it is written at
     live: torch.Tensor  # [slots] bool: the slot has a row in this step
-    repair_ids: torch.Tensor | None = None  # [slots, R] ids of each slot's repair rows (Sequence.repair)
-    repair_positions: torch.Tensor | None = None  # [slots, R]; a row that is not live: its slot's decode position
-    repair_live: torch.Tensor | None = None  # [slots, R] bool
+    # P lanes of R repair rows (Sequence.repair), a lane a repairing sequence: only their rows run, not R a slot
+    repair_slots: torch.Tensor | None = None  # [P] each lane's slot
+    repair_ids: torch.Tensor | None = None  # [P, R]
+    repair_positions: torch.Tensor | None = None  # [P, R]; a row that is not live: its slot's decode position
+    repair_live: torch.Tensor | None = None  # [P, R] bool
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
 
     @property
-    def width(self) -> int:
-        """Repair rows a slot."""
-        return 0 if self.repair_ids is None else self.repair_ids.shape[1]
+    def lanes(self) -> tuple[int, int]:
+        """(P, R): repair lanes and rows a lane."""
+        return (0, 0) if self.repair_ids is None else (self.repair_ids.shape[0], self.repair_ids.shape[1])
 
 
 class DecodeGraphs:
@@ -98,7 +111,7 @@ class DecodeGraphs:
         # kernels. torch.compile's inductor fuses them. It compiles for the first pool, once more on the pool's
         # first growth (its sizes then turn dynamic: torch's automatic dynamic shapes), and not again.
         self._forward = torch.compile(self._run) if compiled else self._run
-        self._steps: dict[int, Captured] = {}  # by repair rows a slot, for the pool's allocation `_key`
+        self._steps: dict[tuple[int, int], Captured] = {}  # by repair lanes, for the pool's allocation `_key`
         self._key: tuple | None = None
         self.captures = 0  # graphs captured: one per pool allocation
 
@@ -114,10 +127,11 @@ class DecodeGraphs:
     def step(self, tokens: list[int], caches: list, repairs: Sequence[Run] = ()) -> torch.Tensor:
         """Logits [len(caches), vocab] of each cache's next token (written at its `length`, which moves on).
         `repairs`: rows of some of these caches recomputed in the same step (a decoding sequence's repair piece),
-        in a step with room for the widest of them a slot (a power of two: few graphs)."""
+        in a step with a lane of R rows for each of them (P lanes and R rows rounded up to powers of two: few
+        graphs)."""
         pool: KVPool = self.runner.pool
         width = max((run.stop - run.start for run in repairs), default=0)
-        step = self._for(pool, 1 << (width - 1).bit_length() if width else 0)
+        step = self._for(pool, (_round_up(len(repairs)), _round_up(width)) if repairs else (0, 0))
         slots = pool.keys.shape[1]
         ids, positions = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
         live = torch.zeros(slots, dtype=torch.bool)
@@ -126,16 +140,20 @@ class DecodeGraphs:
         given: list[tuple[torch.Tensor | None, torch.Tensor]] = [
             (step.ids, ids), (step.positions, positions), (step.live, live)
         ]  # fmt: skip
-        if step.width:
-            repair_ids = torch.zeros(slots, step.width, dtype=torch.long)
-            repair_positions = positions[:, None].repeat(1, step.width)  # rows not live: the decode row's place
-            repair_live = torch.zeros(slots, step.width, dtype=torch.bool)
-            for run in repairs:
-                n, slot = run.stop - run.start, run.cache.slot
-                repair_ids[slot, :n], repair_live[slot, :n] = run.token_ids, True
-                repair_positions[slot, :n] = torch.arange(run.start, run.stop)
-            given += [(step.repair_ids, repair_ids), (step.repair_positions, repair_positions)]
-            given += [(step.repair_live, repair_live)]
+        lanes, width = step.lanes
+        if lanes:
+            repair_slots = torch.zeros(lanes, dtype=torch.long)  # a lane no sequence uses: slot 0's, nothing live
+            repair_ids = torch.zeros(lanes, width, dtype=torch.long)
+            repair_live = torch.zeros(lanes, width, dtype=torch.bool)
+            for lane, run in enumerate(repairs):
+                n = run.stop - run.start
+                repair_slots[lane] = run.cache.slot if run.cache.slot is not None else 0  # adopted: never None
+                repair_ids[lane, :n], repair_live[lane, :n] = run.token_ids, True
+            repair_positions = positions[repair_slots][:, None].repeat(1, width)  # not live: the decode row's place
+            for lane, run in enumerate(repairs):
+                repair_positions[lane, : run.stop - run.start] = torch.arange(run.start, run.stop)
+            given += [(step.repair_slots, repair_slots), (step.repair_ids, repair_ids)]
+            given += [(step.repair_positions, repair_positions), (step.repair_live, repair_live)]
         for cache in caches:
             cache.length += 1
         for mine, value in given:
@@ -148,23 +166,27 @@ class DecodeGraphs:
             logits = self._forward(pool, step)
         return logits[torch.tensor([c.slot for c in caches], device=logits.device)]
 
-    def _for(self, pool: KVPool, width: int) -> Captured:
-        """The step of the pool as it is allocated now, with `width` repair rows a slot; a new allocation drops the
-        old one's graphs."""
+    def _for(self, pool: KVPool, lanes: tuple[int, int]) -> Captured:
+        """The step of the pool as it is allocated now, with `lanes` (P, R) of repair rows; a new allocation drops
+        the old one's graphs."""
         key = (pool.keys.data_ptr(), pool.values.data_ptr(), tuple(pool.keys.shape))
         if key != self._key:
             self._steps, self._key = {}, key
-        if width not in self._steps:
+        if lanes not in self._steps:
             slots, device = pool.keys.shape[1], pool.keys.device
             zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
             step = Captured(zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool))
-            if width:
-                step.repair_ids, step.repair_positions = zeros(slots, width), zeros(slots, width)
-                step.repair_live = zeros(slots, width, dtype=torch.bool)
+            if lanes[0]:
+                step.repair_slots, step.repair_ids, step.repair_positions = (
+                    zeros(lanes[0]),
+                    zeros(*lanes),
+                    zeros(*lanes),
+                )
+                step.repair_live = zeros(*lanes, dtype=torch.bool)
             if self.capture:
                 self._capture(pool, step)
-            self._steps[width] = step
-        return self._steps[width]
+            self._steps[lanes] = step
+        return self._steps[lanes]
 
     def _run(self, pool: KVPool, step: Captured) -> torch.Tensor:
         runner = self.runner
