@@ -1265,7 +1265,7 @@ def _common_prefix(a: list, b: list) -> int:
 
 
 def checks(device: torch.device, dtype: torch.dtype, quick: bool, shape: str = "smollm2-135m") -> list[dict]:
-    """Graph decode against the eager step (the same tokens); links from pinned entries, the GPU tier, prefetched
+    """Graph decode against the eager step (the same tokens, with repair rows too); links from pinned entries, the GPU tier, prefetched
     entries and a disk read through the GPU tier against links from pageable entries (the same logits, bit for bit,
     at a first link, which fills the tiers, and a second). On CPU only the first runs (its step eager on both sides);
     the others need CUDA and say so."""
@@ -1286,10 +1286,14 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool, shape: str = "
     for graphs in ("captured", "eager") if cuda else ("eager", "eager"):
         rc = _engine(lm, MemoryStore(), 128, graphs)
         docs = rc.compile(texts)
-        answers.setdefault(graphs, []).append(rc.query(question, docs, algorithm="naive", max_new_tokens=16).token_ids)
+        for repair in (0, 16):  # with repair, its rows ride the same step in lanes (ragcache.engine.graphs)
+            answers.setdefault((graphs, repair), []).append(
+                rc.query(question, docs, algorithm="naive", max_new_tokens=16, repair=repair).token_ids)
         rc.close()
-    first, second = (answers["captured"][0], answers["eager"][0]) if cuda else answers["eager"]
-    rows.append(dict(check="graph decode = eager step", ok=first == second, ran=cuda or "eager on both sides"))
+    for repair, name in ((0, "graph decode = eager step"), (16, "graph decode with repair = eager step")):
+        first, second = ((answers["captured", repair][0], answers["eager", repair][0]) if cuda
+                         else answers["eager", repair])
+        rows.append(dict(check=name, ok=first == second, ran=cuda or "eager on both sides"))
     folder = tempfile.TemporaryDirectory()
     stores = {  # the store, and the prefetch's budget (0: none; None: the default's)
         "pageable": (lambda: MemoryStore(), 0),
