@@ -404,11 +404,8 @@ def slot_run_attention(
     group = heads // kv_heads
     # a KV head's query heads become rows of its call (K/V never repeated): [S, KVH, G*R, D]
     grouped = query.view(kv_heads, group, slots, run, dim).permute(2, 0, 1, 3, 4).reshape(slots, kv_heads, -1, dim)
-    key_positions = torch.arange(length, device=keys.device)
-    allowed = key_positions <= positions[..., None]
-    if window is not None:
-        allowed &= key_positions > positions[..., None] - window
-    mask = allowed[:, None, None].expand(slots, 1, group, run, length).reshape(slots, 1, group * run, length)
+    allowed = decode_mask(positions.reshape(-1), length, window).view(slots, 1, 1, run, length)
+    mask = allowed.expand(slots, 1, group, run, length).reshape(slots, 1, group * run, length)
     keys, values = _same_dtype(query, keys, values)
     out = _sdpa_masked(grouped, keys, values, mask, scale)
     return out.view(slots, kv_heads, group, run, dim).permute(0, 3, 1, 2, 4).reshape(slots * run, heads, dim)

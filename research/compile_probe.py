@@ -61,6 +61,15 @@ def _empty(store) -> None:
         store.arena.settle()
 
 
+def _timed(fn, device: torch.device) -> float:
+    """Seconds of fn(), the device's queued work included."""
+    gpu._sync(device)
+    started = time.perf_counter()
+    fn()
+    gpu._sync(device)
+    return round(time.perf_counter() - started, 4)
+
+
 def compile_probe(shape: str, docs: int, device: torch.device, dtype: torch.dtype, quick: bool) -> dict:
     import random
 
@@ -80,12 +89,7 @@ def compile_probe(shape: str, docs: int, device: torch.device, dtype: torch.dtyp
     rc.compile([text() for _ in range(docs)])  # warm: kernels built, the arena's segments pinned
     _empty(store)
     out: dict = dict(shape=shape, docs=docs, row_budgets=list(rc.row_budgets), codec=rc.kv_codec)
-    texts = [text() for _ in range(docs)]
-    gpu._sync(device)
-    started = time.perf_counter()
-    rc.compile(texts)
-    gpu._sync(device)
-    out["warm_store_s"] = round(time.perf_counter() - started, 4)
+    out["warm_store_s"] = _timed(lambda: rc.compile([text() for _ in range(docs)]), device)
     _empty(store)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if pin else [])
     texts = [text() for _ in range(docs)]
@@ -107,12 +111,7 @@ def compile_probe(shape: str, docs: int, device: torch.device, dtype: torch.dtyp
     # the same compile into a store that keeps nothing: the store's share of the time
     rc = RagCache(lm, MemoryStore(1, pin=False), EngineConfig(chunk_tokens=words + 8))
     rc.compile([text() for _ in range(2)])
-    texts = [text() for _ in range(docs)]
-    gpu._sync(device)
-    started = time.perf_counter()
-    rc.compile(texts)
-    gpu._sync(device)
-    out["no_store_s"] = round(time.perf_counter() - started, 4)
+    out["no_store_s"] = _timed(lambda: rc.compile([text() for _ in range(docs)]), device)
     rc.close()
     tokens = docs * (words + 1)
     print(f"compile {shape}: {docs} docs, warm store {out['warm_store_s']} s ({tokens / out['warm_store_s']:,.0f} "
