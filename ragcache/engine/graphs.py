@@ -71,12 +71,14 @@ class WholePool:
 
 @dataclass(frozen=True)
 class Run:
-    """Rows [start, stop) of a pooled cache recomputed in a decode step, and their ids."""
+    """Rows [start, stop) of a pooled cache recomputed in a decode step, and their ids; `budget`: the most rows its
+    sequence repairs a step (its lane's width, so that the last, shorter run takes no graph of its own)."""
 
     cache: JoinedCache
     start: int
     stop: int
     token_ids: torch.Tensor
+    budget: int
 
 
 @dataclass
@@ -130,7 +132,7 @@ class DecodeGraphs:
         in a step with a lane of R rows for each of them (P lanes and R rows rounded up to powers of two: few
         graphs)."""
         pool: KVPool = self.runner.pool
-        width = max((run.stop - run.start for run in repairs), default=0)
+        width = max((max(run.budget, run.stop - run.start) for run in repairs), default=0)
         step = self._for(pool, (_round_up(len(repairs)), _round_up(width)) if repairs else (0, 0))
         slots = pool.keys.shape[1]
         ids, positions = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)

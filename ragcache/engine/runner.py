@@ -96,6 +96,11 @@ class LayerWatch(Protocol):
         """None, or the hidden states and parts of the rows that go on to the next layer."""
 
 
+def _repair_ids(work: Work) -> torch.Tensor:
+    """The ids at a repair piece's rows: the prompt's, then the answer's fed tokens."""
+    return work.sequence.repair.token_ids(work.start, work.stop, work.sequence.decoding.token_ids)
+
+
 def _decode_only(works: list[Work]) -> bool:
     """Decode rows, and repair rows of sequences whose decode row is in the step: what a whole-pool step runs."""
     decoding = {id(w.sequence) for w in works if w.kind is Kind.DECODE}
@@ -223,7 +228,7 @@ class Runner:
                 parts.append((cache, torch.tensor([cache.length])))
                 cache.length += 1
             elif work.kind is Kind.REPAIR:  # stale rows again, over the exact rows before them (its decode row's
-                ids.append(seq.repair.token_ids(work.start, work.stop, seq.decoding.token_ids))  # work came first)
+                ids.append(_repair_ids(work))  # work came first)
                 parts.append((seq.cache, torch.arange(work.start, work.stop)))
             else:
                 piece = seq.plan.rows[work.start : work.stop]
@@ -276,12 +281,7 @@ class Runner:
         if not self.graphs.covers(caches):
             return self._packed(works)
         repairs = [
-            Run(
-                w.sequence.cache,
-                w.start,
-                w.stop,
-                w.sequence.repair.token_ids(w.start, w.stop, w.sequence.decoding.token_ids),
-            )
+            Run(w.sequence.cache, w.start, w.stop, _repair_ids(w), w.sequence.repair.per_step)
             for w in works
             if w.kind is Kind.REPAIR
         ]
