@@ -1352,8 +1352,11 @@ def _int8_link(lm, texts: list, question: str, cuda: bool) -> dict:
     logits, reference = found["int8"], found[native(lm.dtype)]
     error = float((logits.float() - reference.float()).abs().max())
     same_top = int(logits.argmax()) == int(reference.argmax())
+    # the reference's spread and the errors' mean, so that a tolerance relative to the logits can be set from data
     return dict(check="int8 link ~ pageable link", ok=error <= INT8_LOGIT_TOLERANCE, ran=True,
-                max_abs_logit_err=round(error, 5), tolerance=INT8_LOGIT_TOLERANCE, same_top_token=same_top)
+                max_abs_logit_err=round(error, 5), tolerance=INT8_LOGIT_TOLERANCE, same_top_token=same_top,
+                mean_abs_logit_err=round(float((logits.float() - reference.float()).abs().mean()), 5),
+                reference_logit_std=round(float(reference.float().std()), 5))
 
 
 @torch.inference_mode()
