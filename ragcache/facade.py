@@ -72,10 +72,10 @@ def _run(sequence: Sequence, what: str, timeout: float | None = None) -> None:
         raise Cancelled(f"{what} was aborted")
 
 
-def _entry_to_host(compile: Sequence) -> ChunkKV:
+def _entry_to_host(sequence: Sequence) -> ChunkKV:
     """A finished compile's entry in host memory; the sequence lets go of the entry as made (on a GPU, its device
     memory goes as soon as it has crossed, not when the whole batch of compiles has)."""
-    made, compile.result = compile.result, None
+    made, sequence.result = sequence.result, None
     return to_host(made)
 
 

@@ -300,7 +300,7 @@ class Batch:
             return {}
         keys, values = self._fresh_kv
         # as a cache gives them back: rounded to its dtype, then read in the query's
-        stored = self.fresh[0][0].cache.keys.dtype if self.fresh else keys.dtype
+        stored = self.fresh[0][0].cache.keys.dtype
         keys, values = (t.to(stored).to(query.dtype) for t in (keys, values))
         out: dict[int, torch.Tensor] = {}
         for group in self.fresh:
