@@ -58,6 +58,12 @@ def selected_attention(query, keys, values, query_positions, scale, window=None,
     return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
 
 
+def to_device(t, device):
+    """`t` on `device`, a host tensor bound for CUDA pinned first and copied without holding the host (see
+    torch_ref)."""
+    return torch_ref.to_device(t, device)
+
+
 def fresh_attention(query, keys, values, scale):
     """Prefills from position 0 of several requests with n rows each, over their own fresh keys: one call (see
     torch_ref). SDPA on every device."""

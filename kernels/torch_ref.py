@@ -204,6 +204,17 @@ def _sdpa(query, keys, values, scale, mask=None, causal=False) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without holding the host: a copy from pageable memory waits for the work already queued on
+    the current stream (a blocking copy syncs it), and under `copies.place` that is every earlier layer's crossing,
+    which would keep the link's forward from starting until nearly all of its entries had crossed. So a host tensor
+    bound for CUDA is pinned (torch's caching host allocator keeps the block until the copy has read it) and copied
+    asynchronously."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 def fresh_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
     """Rows 0..n-1 of B requests, each over its own n keys and nothing before them (prefills from position 0: a
     compile's chunks): one causal SDPA call for all. query [B, H, n, D], keys/values [B, KVH, n, D] ->
@@ -442,10 +453,7 @@ def write_slot_rows(
     """Write each live slot's fresh row (fresh_keys/values [KVH, S, D]) into its slot of the pool (keys/values
     [S, KVH, L, D]) at positions[i]; a slot that is not live keeps what it holds there. No host-side branch."""
     slots = torch.arange(positions.numel(), device=positions.device)
-    keep = ~live[:, None, None]
-    for store, fresh in ((keys, fresh_keys), (values, fresh_values)):
-        held = store[slots, :, positions]
-        store[slots, :, positions] = torch.where(keep, held, fresh.transpose(0, 1).to(store.dtype))
+    write_slot_runs(keys, values, fresh_keys, fresh_values, slots, positions[:, None], live[:, None])
 
 
 def _eager_attention(query, keys, values, allowed, scale):

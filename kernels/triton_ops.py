@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .torch_ref import to_device
+
 LOG2E = 1.4426950408889634
 
 try:  # what @triton.jit reads to choose the interpreter
@@ -661,17 +663,6 @@ def _p2(x: int) -> int:
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` without holding the host: a copy from pageable memory waits for the work already queued on
-    the current stream (a blocking copy syncs it), and under `copies.place` that is every earlier layer's crossing,
-    which would keep the link's forward from starting until nearly all of its entries had crossed. So a host tensor
-    bound for CUDA is pinned (torch's caching host allocator keeps the block until the copy has read it) and copied
-    asynchronously."""
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 def _rope_table(inv_freq: torch.Tensor, scaling: torch.Tensor, layers: int, head_dim: int, device: torch.device):

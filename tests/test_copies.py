@@ -279,7 +279,7 @@ def test_entries_cross_from_host_memory_in_runs_of_layers_one_copy_per_tensor_a_
     monkeypatch.setattr(copies, "crossing", lambda device, entries: True)
     monkeypatch.setattr(copies, "_STREAMS", {})
     crossed = []
-    monkeypatch.setattr(copies, "_to_device", lambda t, device: crossed.append(t.shape) or t.clone())
+    monkeypatch.setattr(kernels, "to_device", lambda t, device: crossed.append(t.shape) or t.clone())
 
     def chunk(seed, tokens):
         g = torch.Generator().manual_seed(seed)

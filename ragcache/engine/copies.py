@@ -211,14 +211,7 @@ def _block_on_device(entry, block: slice, device: torch.device) -> tuple:
     Staged), else copied now on the current stream."""
     on_device = isinstance(entry, Staged) or entry.keys.device.type != "cpu"
     parts = _parts(entry)
-    return tuple(None if t is None else t[block] if on_device else _to_device(t[block], device) for t in parts)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copied without holding the host: from pinned memory as it is, else pinned first (torch's caching host
-    allocator keeps that block until the copy has read it)."""
-    source = t if t.is_pinned() else t.pin_memory()
-    return torch.empty(t.shape, dtype=t.dtype, device=device).copy_(source, non_blocking=True)
+    return tuple(None if t is None else t[block] if on_device else kernels.to_device(t[block], device) for t in parts)
 
 
 def crossing(device: torch.device, entries: list) -> bool:

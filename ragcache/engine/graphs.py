@@ -132,7 +132,7 @@ class DecodeGraphs:
         in a step with a lane of R rows for each of them (P lanes and R rows rounded up to powers of two: few
         graphs)."""
         pool: KVPool = self.runner.pool
-        width = max((max(run.budget, run.stop - run.start) for run in repairs), default=0)
+        width = max((run.budget for run in repairs), default=0)  # a run is never longer than its budget
         step = self._for(pool, (_round_up(len(repairs)), _round_up(width)) if repairs else (0, 0))
         slots = pool.keys.shape[1]
         ids, positions = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
@@ -144,16 +144,17 @@ class DecodeGraphs:
         ]  # fmt: skip
         lanes, width = step.lanes
         if lanes:
-            repair_slots = torch.zeros(lanes, dtype=torch.long)  # a lane no sequence uses: slot 0's, nothing live
+            # a row that is not live sits at its lane's slot's decode position; a lane no sequence uses is slot 0's
+            repair_slots = torch.zeros(lanes, dtype=torch.long)
             repair_ids = torch.zeros(lanes, width, dtype=torch.long)
+            repair_positions = positions[0].repeat(lanes, width)
             repair_live = torch.zeros(lanes, width, dtype=torch.bool)
             for lane, run in enumerate(repairs):
-                n = run.stop - run.start
-                repair_slots[lane] = run.cache.slot if run.cache.slot is not None else 0  # adopted: never None
+                n, slot = run.stop - run.start, run.cache.slot
+                assert slot is not None  # its cache was adopted into the pool
+                repair_slots[lane], repair_positions[lane] = slot, positions[slot]
                 repair_ids[lane, :n], repair_live[lane, :n] = run.token_ids, True
-            repair_positions = positions[repair_slots][:, None].repeat(1, width)  # not live: the decode row's place
-            for lane, run in enumerate(repairs):
-                repair_positions[lane, : run.stop - run.start] = torch.arange(run.start, run.stop)
+                repair_positions[lane, :n] = torch.arange(run.start, run.stop)
             given += [(step.repair_slots, repair_slots), (step.repair_ids, repair_ids)]
             given += [(step.repair_positions, repair_positions), (step.repair_live, repair_live)]
         for cache in caches:
