@@ -31,7 +31,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                beside it, and 4 naive links asked at once with the engine's prefetch and without
                (ragcache.engine.copies.Prefetch)
   (g) decode   one greedy stream at `--shape` after a `--decode-context` (8k) prompt: ragcache's decode-only steps
-               replayed from CUDA graphs (ragcache.engine.graphs), the same step compiled first (decode_compile; its
+               replayed from CUDA graphs (ragcache.engine.graphs), the same step compiled (decode_compile, only with
+               --decode-compiled; its
                compile time is the row's warmup_s, a failure is recorded, not raised), the same fixed-shape step
                eager, and the ordinary packed step, against transformers' DynamicCache loop and its StaticCache
                loop under torch.compile(mode="reduce-overhead"); the graphs' tokens must be the eager step's
@@ -101,6 +102,9 @@ def _args() -> argparse.Namespace:
                     help="(h): attention tile candidates BLOCK_M/BLOCK_N/warps/stages, comma-separated")
     ap.add_argument("--decode-context", type=int, default=8192, help="prompt length for (g)")
     ap.add_argument("--compile-docs", type=int, default=64, help="documents of 512 tokens compiled in (i)")
+    ap.add_argument("--decode-compiled", action="store_true",
+                    help="in (g), also the step under decode_compile (last: its Inductor failure can leave the CUDA "
+                         "context unusable); never in --suite")
     ap.add_argument("--profile", action="store_true", help="in (f), a torch.profiler table of one naive link from "
                     "each tier and one focus and one full link from the fastest, at the largest context; in (g), of "
                     "a link and 16 tokens from the first kind of decode step (kernels by device time)")
@@ -1085,6 +1089,11 @@ def _repair_cost(rc, question: str, docs: list, new_tokens: int) -> list[dict]:
         answer = rc.query(question, docs, algorithm="focus", repair=repair, max_new_tokens=new_tokens)
         rows.append(dict(what=f"ragcache decode after focus, repair={repair}", repair=repair, ttft_s=answer.stats.ttft_s,
                          tok_s=(len(answer.token_ids) - 1) / max(answer.stats.decode_s, 1e-9)))
+    if torch.cuda.is_available():  # where a repairing step's time goes: the kernels of 16 such steps
+        row = _profile(lambda: rc.query(question, docs, algorithm="focus", repair=64, max_new_tokens=16),
+                       torch.device("cuda"), "focus, repair=64, 16 tokens")
+        _print_profile(row, "profile of focus with repair=64, 16 tokens")
+        rows.append(row)
     return rows
 
 
@@ -1120,7 +1129,7 @@ def _transformers_decode(lm, length: int, new_tokens: int, device, compiled: boo
 
 
 def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, quick: bool,
-           profiled: bool = False) -> list[dict]:
+           profiled: bool = False, compiled: bool = False) -> list[dict]:
     """One decoding stream at `context` tokens: ragcache's decode-only steps from CUDA graphs, the same step
     eager, and the ordinary packed step, against transformers' eager and static+compiled loops. The graphs'
     tokens must be the eager step's. `profiled`: also the kernels of 16 tokens from the first kind of step."""
@@ -1135,7 +1144,8 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
     words = lambda n: " ".join(f"w{rng.randrange(1000)}" for _ in range(n))  # noqa: E731
     texts, question = [words(doc_words) for _ in range(max(context // (doc_words + 8), 1))], words(32)
     rows, tokens, profiles = [], {}, []
-    kinds = ("captured", "eager", "ordinary", "compiled") if device.type == "cuda" else ("eager", "ordinary")
+    kinds = ("captured", "eager", "ordinary") if device.type == "cuda" else ("eager", "ordinary")
+    kinds += ("compiled",) if compiled and device.type == "cuda" else ()  # last: see the caller's flag
     peers = [("eager", False)] + ([("static+compiled", True)] if device.type == "cuda" else [])
 
     def peer_rows() -> list[dict]:
@@ -1173,7 +1183,7 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         rows += peer_rows()
     fastest = max(row["tok_s"] for row in rows if row["what"].startswith("transformers"))
     for row in rows:
-        if "error" in row:
+        if "tok_s" not in row:  # a failure or a profile
             continue
         row["vs_fastest_transformers"] = row["tok_s"] / fastest
         print(f"  {shape} {row['context']:6d} tokens {row['what']:42s} {row['tok_s']:8.1f} tok/s "
@@ -1482,7 +1492,8 @@ def main() -> None:
                          profiled=args.profile, budgets=tuple(int(n) for n in _names(args.budgets)))
     if "decode" not in skip:
         print(f"(g) one decoding stream at the {args.shape} shape: graphs, eager, against transformers' loops")
-        decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick, args.profile)
+        decode_rows = decode(args.shape, args.decode_context, device, dtype, args.quick, args.profile,
+                             args.decode_compiled)
     compile_rows: list[dict] = []
     if "compile" not in skip:
         print(f"(i) compile at the {args.shape} shape: compile_documents against transformers' forward")
