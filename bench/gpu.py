@@ -1080,15 +1080,16 @@ def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
 
 
 def _repair_cost(rc, question: str, docs: list, new_tokens: int) -> list[dict]:
-    """focus's answer with and without repair=64 (README: Repair during decode): tokens/s after the first over the
-    whole answer, since steps with repair rows are not decode-only (on CUDA they run without the captured graph).
-    On a GPU a decode step reads the weights; the question is how much 64 more rows a step cost there."""
+    """focus's answer with repair off, at 16 and at 64 rows a step (README: Repair during decode): tokens/s after
+    the first over the whole answer. The repair rows ride the captured decode step as lanes of their own
+    (ragcache.engine.graphs); on a GPU a decode step reads the weights, and the question is what the rows add."""
     rows = []
-    for repair in (0, 64):
+    for repair in (0, 16, 64):
         rc.query(question, docs, algorithm="focus", repair=repair, max_new_tokens=4)  # untimed: the shapes warm
         answer = rc.query(question, docs, algorithm="focus", repair=repair, max_new_tokens=new_tokens)
         rows.append(dict(what=f"ragcache decode after focus, repair={repair}", repair=repair, ttft_s=answer.stats.ttft_s,
                          tok_s=(len(answer.token_ids) - 1) / max(answer.stats.decode_s, 1e-9)))
+        print(f"  {rows[-1]['what']}: {rows[-1]['tok_s']:.1f} tok/s", flush=True)
     if torch.cuda.is_available():  # where a repairing step's time goes: the kernels of 16 such steps
         row = _profile(lambda: rc.query(question, docs, algorithm="focus", repair=64, max_new_tokens=16),
                        torch.device("cuda"), "focus, repair=64, 16 tokens")

@@ -90,10 +90,10 @@ def slot_decode_attention(query, keys, values, positions, scale, window=None):
     return _impl(query.device).slot_decode_attention(query, keys, values, positions, scale, window)
 
 
-def slot_run_attention(query, keys, values, positions, scale, window=None):
-    """R rows of each of P caches over its own keys, one masked SDPA call (see torch_ref): a captured decode
-    step's repair rows. SDPA on every device."""
-    return torch_ref.slot_run_attention(query, keys, values, positions, scale, window)
+def slot_run_attention(query, keys, values, slots, positions, scale, window=None):
+    """R rows of each of P lanes over the keys of the lane's slot of a pool (see torch_ref): a captured decode
+    step's repair rows."""
+    return _impl(query.device).slot_run_attention(query, keys, values, slots, positions, scale, window)
 
 
 def write_slot_runs(keys, values, fresh_keys, fresh_values, slots, positions, live):

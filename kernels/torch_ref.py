@@ -401,14 +401,16 @@ def slot_run_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
+    slots: torch.Tensor,
     positions: torch.Tensor,
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """R rows of each of P caches, row (p, j) at positions[p, j] over cache p's keys up to it (windowed if
-    `window`): query [H, P*R, D] run-major, keys/values [P, KVH, L, D] (a pool's slots, gathered), positions [P, R]
-    -> [P*R, H, D]. One masked call for all, shapes fixed by P, R and the pool (a captured decode step's repair
-    rows)."""
+    """R rows of each of P lanes, row (p, j) at positions[p, j] over the keys of slot slots[p] up to it (windowed if
+    `window`): query [H, P*R, D] run-major, keys/values [S, KVH, L, D] (a pool's layer), slots [P], positions [P, R]
+    -> [P*R, H, D]. The lanes' slots gathered, then one masked call for all, shapes fixed by P, R and the pool (a
+    captured decode step's repair rows)."""
+    keys, values = keys.index_select(0, slots), values.index_select(0, slots)
     heads, _, dim = query.shape
     slots, run = positions.shape
     kv_heads, length = keys.shape[1], keys.shape[2]

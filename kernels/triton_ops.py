@@ -441,6 +441,77 @@ def _attention_kernel(
     tl.store(o, _to(acc, out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
+@triton.jit
+def _slot_run_kernel(
+    q,
+    k,
+    v,
+    slots,
+    positions,
+    out,
+    QK_SCALE: tl.constexpr,  # scale * log2(e); constexpr, as Inductor would type a float argument fp64
+    run,
+    length,
+    window,
+    sq_h,
+    sq_n,
+    sk_s,
+    sk_h,
+    sk_n,
+    sv_s,
+    sv_h,
+    sv_n,
+    so_n,
+    so_h,
+    GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """`_attention_kernel` for lane `program_id(2)`: its R rows over its own slot's keys, read in place in the pool
+    (no gathered copy of the slot)."""
+    pid_m = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    lane = tl.program_id(2).to(tl.int64)
+    slot = tl.load(slots + lane).to(tl.int64)
+    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_mask = m < run * GROUP
+    row = lane * run + m // GROUP  # run-major: lane p's rows are p*R .. p*R+R-1
+    head = kv_head * GROUP + m % GROUP
+    pos = tl.load(positions + row, mask=m_mask, other=0).to(tl.int64)
+
+    d = tl.arange(0, D_P2)
+    d_mask = d < D
+    q_tile = tl.load(
+        q + head[:, None] * sq_h + row[:, None] * sq_n + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    if UPCAST:
+        q_tile = q_tile.to(tl.float32)
+
+    hi = tl.minimum(tl.max(tl.where(m_mask, pos, -1)) + 1, length)
+    first = tl.min(tl.where(m_mask, pos, length))
+    lo = 0
+    dense = (tl.minimum(first + 1, hi) // BLOCK_N) * BLOCK_N
+    if HAS_WINDOW:
+        lo = tl.maximum(first - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+        dense = lo
+
+    _, l_i, acc = _attend_span(
+        q_tile, k + slot * sk_s + kv_head * sk_h, v + slot * sv_s + kv_head * sv_h, lo, dense, hi, pos, QK_SCALE,
+        window, sk_n, sv_n, d, d_mask, HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE,
+        v.dtype.element_ty,
+    )  # fmt: skip
+
+    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    o = out + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
+    tl.store(o, _to(acc, out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+
+
 # ---------------------------------------------------------------- decode rows over a pool's slots (split-KV)
 
 
@@ -943,6 +1014,46 @@ def slot_decode_attention(
     _slot_combine_kernel[(slots * heads,)](
         part_acc, part_ml, out, heads, out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, SPLITS=splits
     )
+    return out
+
+
+def slot_run_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """R rows of each of P lanes over the keys of the lane's slot of a pool: see torch_ref.slot_run_attention. The
+    slot's keys are read in place, and a block reads only the key tiles up to its last row (the SDPA reference
+    gathers each slot whole and masks the pool's whole capacity). Shapes depend only on P, R and the pool's."""
+    heads, rows, head_dim = query.shape
+    lanes, run = positions.shape
+    if keys.dim() != 4 or values.shape != keys.shape or keys.shape[3] != head_dim or rows != lanes * run:
+        raise ValueError(f"query {tuple(query.shape)}, keys {tuple(keys.shape)}, positions {tuple(positions.shape)}")
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if heads % kv_heads or slots.shape != (lanes,):
+        raise ValueError(f"{heads} q heads over {kv_heads} kv heads, slots {tuple(slots.shape)} for {lanes} lanes")
+    out = torch.empty(rows, heads, head_dim, dtype=query.dtype, device=query.device)
+    if rows == 0:
+        return out
+    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
+    operand = torch.promote_types(query.dtype, keys.dtype)
+    if keys.dtype != values.dtype or query.dtype != keys.dtype:
+        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    group, d_p2 = heads // kv_heads, _p2(head_dim)
+    block_m, block_n, warps, stages = attention_tiles(d_p2)
+    _slot_run_kernel[(triton.cdiv(run * group, block_m), kv_heads, lanes)](
+        query, keys, values, slots, positions.contiguous(), out, float(scale) * LOG2E, run, length,
+        int(window) if window is not None else 0,
+        query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
+        values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, HAS_WINDOW=window is not None, D=head_dim, D_P2=d_p2, BLOCK_M=block_m, BLOCK_N=block_n,
+        UPCAST=INTERPRET and operand == torch.bfloat16, IEEE=operand == torch.float32,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
 
 

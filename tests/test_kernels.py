@@ -764,20 +764,58 @@ def test_fresh_attention_gives_each_request_what_it_gets_alone(dtype):
 
 @pytest.mark.parametrize("window", [None, 3])
 def test_slot_run_attention_gives_each_row_its_own_slots_attention(window):
-    """A captured step's repair lanes: R rows of each of P gathered slots in one masked call, each row what
-    `selected_attention` gives it over its slot's keys up to its position (GQA: 4 heads over 2)."""
+    """A captured step's repair lanes: R rows of each of P lanes over their slots of a pool (lanes in any slot
+    order, a slot left out), each row what `selected_attention` gives it over its slot's keys up to its position
+    (GQA: 4 heads over 2)."""
     lanes, run, heads, kv_heads, length, dim = 3, 4, 4, 2, 20, 8
-    keys, values = (_randn(lanes, kv_heads, length, dim, dtype=torch.float32, device="cpu", seed=s) for s in (1, 2))
+    keys, values = (_randn(5, kv_heads, length, dim, dtype=torch.float32, device="cpu", seed=s) for s in (1, 2))
+    slots = torch.tensor([3, 0, 4])
     positions = torch.tensor([[3, 4, 5, 9], [10, 11, 12, 13], [0, 1, 2, 19]])
     query = _randn(heads, lanes * run, dim, dtype=torch.float32, device="cpu", seed=3)
-    out = kernels.slot_run_attention(query, keys, values, positions, 0.3, window)
-    for lane in range(lanes):
+    out = kernels.slot_run_attention(query, keys, values, slots, positions, 0.3, window)
+    for lane, slot in enumerate(slots.tolist()):
         for j in range(run):
             row = lane * run + j
             alone = torch_ref.selected_attention(
-                query[:, row : row + 1], keys[lane], values[lane], positions[lane, j : j + 1], 0.3, window
+                query[:, row : row + 1], keys[slot], values[slot], positions[lane, j : j + 1], 0.3, window
             )
             torch.testing.assert_close(out[row], alone[0], **TOL[torch.float32])
+
+
+SLOT_RUN_CASES = [  # heads, kv_heads, pool slots, lanes, run, capacity, head_dim, window, dtype
+    (4, 2, 5, 3, 4, 40, 16, None, torch.float32),
+    (8, 2, 3, 2, 16, 150, 128, None, torch.bfloat16),  # llama3-8b's group of 4, capacity not a tile multiple
+    (4, 1, 2, 2, 8, 120, 32, 16, torch.float32),  # windowed (gemma3's local layers)
+    (9, 3, 4, 4, 2, 70, 64, None, torch.float16),  # smollm2's heads
+]
+
+
+@pytest.mark.parametrize("case", SLOT_RUN_CASES, ids=lambda c: "H{}KV{}S{}P{}R{}L{}D{}w{}-{}".format(*c[:8], str(c[8])[6:]))
+def test_slot_run_attention_kernel_equals_the_reference(ops, device, case):
+    """The Triton repair lanes read each lane's slot in place and only the tiles up to a block's last row: the
+    reference's rows, and NaN past every row's position (and before its window) changes nothing."""
+    heads, kv_heads, pool, lanes, run, capacity, head_dim, window, dtype = case
+    generator = _gen(60)
+    slots = torch.randperm(pool, generator=generator)[:lanes].to(device)
+    starts = torch.randint(0, capacity - run, (lanes,), generator=generator)
+    positions = (starts[:, None] + torch.arange(run)).to(device)  # a lane's rows are a run, as repair makes them
+    query = _randn(heads, lanes * run, head_dim, dtype=dtype, device=device, seed=61)
+    keys = _randn(2, pool, kv_heads, capacity, head_dim, dtype=dtype, device=device, seed=62)[1]  # a layer's view
+    values = _randn(2, pool, kv_heads, capacity, head_dim, dtype=dtype, device=device, seed=63)[1]
+    want = torch_ref.slot_run_attention(query, keys, values, slots, positions, head_dim**-0.5, window)
+    _close(ops.slot_run_attention(query, keys, values, slots, positions, head_dim**-0.5, window), want, dtype)
+    block_n = ops.attention_tiles(ops._p2(head_dim))[1]
+    poisoned_k, poisoned_v = keys.clone(), values.clone()
+    for lane, slot in enumerate(slots.tolist()):
+        last, first = int(positions[lane, -1]), int(positions[lane, 0])
+        poisoned_k[slot, :, last + 1 :] = poisoned_v[slot, :, last + 1 :] = float("nan")
+        if window is not None:
+            before = max(first - window + 1, 0) // block_n * block_n
+            poisoned_k[slot, :, :before] = poisoned_v[slot, :, :before] = float("nan")
+    unused = [s for s in range(pool) if s not in slots.tolist()]
+    poisoned_k[unused] = poisoned_v[unused] = float("nan")
+    got = ops.slot_run_attention(query, poisoned_k, poisoned_v, slots, positions, head_dim**-0.5, window)
+    _close(got, want, dtype)
 
 
 def test_write_slot_runs_writes_live_rows_and_leaves_the_rest():

@@ -63,9 +63,8 @@ class WholePool:
         lanes = step.repair_slots
         assert lanes is not None
         repaired = kernels.slot_run_attention(
-            query[:, self.slots :], keys.index_select(0, lanes), values.index_select(0, lanes),
-            step.repair_positions, scale, window,
-        )  # fmt: skip
+            query[:, self.slots :], keys, values, lanes, step.repair_positions, scale, window
+        )
         return torch.cat((out, repaired))
 
 
