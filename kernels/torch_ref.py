@@ -412,16 +412,16 @@ def slot_run_attention(
     captured decode step's repair rows)."""
     keys, values = keys.index_select(0, slots), values.index_select(0, slots)
     heads, _, dim = query.shape
-    slots, run = positions.shape
+    lanes, run = positions.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     group = heads // kv_heads
     # a KV head's query heads become rows of its call (K/V never repeated): [S, KVH, G*R, D]
-    grouped = query.view(kv_heads, group, slots, run, dim).permute(2, 0, 1, 3, 4).reshape(slots, kv_heads, -1, dim)
-    allowed = decode_mask(positions.reshape(-1), length, window).view(slots, 1, 1, run, length)
-    mask = allowed.expand(slots, 1, group, run, length).reshape(slots, 1, group * run, length)
+    grouped = query.view(kv_heads, group, lanes, run, dim).permute(2, 0, 1, 3, 4).reshape(lanes, kv_heads, -1, dim)
+    allowed = decode_mask(positions.reshape(-1), length, window).view(lanes, 1, 1, run, length)
+    mask = allowed.expand(lanes, 1, group, run, length).reshape(lanes, 1, group * run, length)
     keys, values = _same_dtype(query, keys, values)
     out = _sdpa_masked(grouped, keys, values, mask, scale)
-    return out.view(slots, kv_heads, group, run, dim).permute(0, 3, 1, 2, 4).reshape(slots * run, heads, dim)
+    return out.view(lanes, kv_heads, group, run, dim).permute(0, 3, 1, 2, 4).reshape(lanes * run, heads, dim)
 
 
 def write_slot_runs(
