@@ -11,8 +11,8 @@ positions, which slots are live) are copied into the graph's own tensors before 
 runs eagerly: the CPU tests compare its tokens with the ordinary decode's, and the CUDA path differs only by the
 capture. A decoding sequence's repair rows (Sequence.repair) ride the same step in a lane of their own after the
 decode rows, P lanes of R rows (powers of two, a graph each): on a GPU a step is bound by reading the weights, and
-these rows read them with the decode rows; run as an ordinary step instead, repair cost an H200 94% of its
-decode rate."""
+these rows read them with the decode rows (on an H200, repair=64 kept 0.67x of the decode rate this way, 0.06x
+as an ordinary step)."""
 
 from __future__ import annotations
 
