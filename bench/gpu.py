@@ -1353,12 +1353,18 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool, shape: str = "
     return rows
 
 
-INT8_LOGIT_TOLERANCE = 0.25  # max |logit difference| of an int8 link from the bf16 one (the codec is lossy)
+# mean |logit difference| of an int8 link from the bf16 one, as a share of the bf16 logits' spread (std). The codec is
+# lossy and its error grows with depth: 0.003 of the spread at the smollm2 shape, 0.066 at llama3-8b's (H200,
+# 2026-11-29), where an absolute 0.25 on the largest difference failed on a path that was right. A dequantization
+# that is wrong errs by about the spread itself: at the smollm2 shape on CPU, zero points off by a quarter of the
+# range gave 1.09 of it, codes reversed along their axis 1.05.
+INT8_RELATIVE_TOLERANCE = 0.2
 
 
 def _int8_link(lm, texts: list, question: str, cuda: bool) -> dict:
     """A naive link over int8 entries from pinned memory (dequantized and rotated by place_chunks in one pass)
-    against one over pageable entries stored as computed (bf16 on CUDA): equal within INT8_LOGIT_TOLERANCE. Whether
+    against one over pageable entries stored as computed (bf16 on CUDA): their mean difference within
+    INT8_RELATIVE_TOLERANCE of the logits' spread. Whether
     the top token is the same is recorded, not checked: a random-weight model's logits are too flat to say."""
     from ragcache.store.codec import native
     from ragcache.store.memory import MemoryStore
@@ -1372,10 +1378,12 @@ def _int8_link(lm, texts: list, question: str, cuda: bool) -> dict:
     error = float((logits.float() - reference.float()).abs().max())
     same_top = int(logits.argmax()) == int(reference.argmax())
     # the reference's spread and the errors' mean, so that a tolerance relative to the logits can be set from data
-    return dict(check="int8 link ~ pageable link", ok=error <= INT8_LOGIT_TOLERANCE, ran=True,
-                max_abs_logit_err=round(error, 5), tolerance=INT8_LOGIT_TOLERANCE, same_top_token=same_top,
-                mean_abs_logit_err=round(float((logits.float() - reference.float()).abs().mean()), 5),
-                reference_logit_std=round(float(reference.float().std()), 5))
+    mean_error = float((logits.float() - reference.float()).abs().mean())
+    spread = float(reference.float().std())
+    return dict(check="int8 link ~ pageable link", ok=mean_error <= INT8_RELATIVE_TOLERANCE * spread, ran=True,
+                mean_abs_logit_err=round(mean_error, 5), reference_logit_std=round(spread, 5),
+                relative_tolerance=INT8_RELATIVE_TOLERANCE, max_abs_logit_err=round(error, 5),
+                same_top_token=same_top)
 
 
 @torch.inference_mode()
