@@ -208,6 +208,7 @@ class Usage(BaseModel):
     cached_tokens: int
     recomputed_tokens: int
     completion_tokens: int
+    repaired_tokens: int = Field(0, description="stale rows recomputed while the answer was decoded (repair)")
 
 
 class Timings(BaseModel):

@@ -13,6 +13,9 @@ from .errors import BadRequest
 from .settings import DEFAULT_ALGORITHM
 
 DOCS_PER_QUESTION = 4
+# the default's link again with repair during decode (README: Repair during decode), off by default for its decode
+# cost: the row shows what the stale rows did to the answer once they are recomputed
+REPAIR_ROWS = 64
 
 
 def check_data(data: Path) -> None:
@@ -44,16 +47,31 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
         table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left", title_style="bold")
         table.add_column("algorithm", no_wrap=True)
         table.add_column("answer")
-        for algorithm in ("full", DEFAULT_ALGORITHM):
-            answer = rc.query(item.question, docs=item.doc_ids, algorithm=algorithm, max_new_tokens=32, stop=["\n\n"])
+        full_text = None
+        for algorithm, repair in (("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS)):
+            answer = rc.query(
+                item.question, docs=item.doc_ids, algorithm=algorithm, repair=repair, max_new_tokens=32, stop=["\n\n"]
+            )
             st = answer.stats
             figures = f"TTFT {st.ttft_s * 1000:.0f} ms, {st.recomputed_tokens} recomputed, {st.cached_tokens} cached"
+            if repair:
+                caught = ", then the cache was full's" if st.repair_caught_up else " while decoding"
+                figures += f"\nwith repair={repair}: {st.repaired_tokens} stale rows repaired{caught}"
+            if full_text is None:
+                full_text = answer.text
+            else:
+                figures += f"\n{'same answer as' if answer.text == full_text else 'answer differs from'} full"
             table.add_row(algorithm, f"{figures}\n{_short(answer.text)}")
-            rows.append({"question": item.question, "algorithm": algorithm, "answer": answer.text, **st.as_dict()})
+            rows.append(
+                {"question": item.question, "algorithm": algorithm, "repair": repair, "answer": answer.text,
+                 "same_as_full": answer.text == full_text, **st.as_dict()}
+            )  # fmt: skip
         console.print(table)
     return rows
 
 
 def _short(text: str, limit: int = 90) -> str:
-    line = " ".join(text.split())
+    """One line of at most `limit` characters; what a terminal would not print as one character (control codes,
+    unassigned code points, as a small or untrained model may emit) shown as U+FFFD."""
+    line = "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
     return line if len(line) <= limit else line[: limit - 1] + "…"

@@ -256,6 +256,15 @@ def test_query_each_algorithm(http, doc_ids, algorithm):
     assert 0 < timings["ttft_s"] <= timings["total_s"]
 
 
+def test_query_usage_counts_the_rows_repair_recomputed(http, doc_ids):
+    """`"repair": N` recomputes N stale rows with each decode step after the first: usage says how many it did."""
+    plain, repaired = ask(http, doc_ids, "naive"), ask(http, doc_ids, "naive", repair=8)
+    assert plain.status_code == repaired.status_code == 200, repaired.text
+    assert plain.json()["usage"]["repaired_tokens"] == 0
+    usage = repaired.json()["usage"]
+    assert 0 < usage["repaired_tokens"] <= 8 * (usage["completion_tokens"] - 1)
+
+
 def test_sse_stream_matches_greedy_answer(http, doc_ids):
     expected = greedy(http, doc_ids, "legolink")
     body = {"question": QUESTION, "documents": doc_ids[:2], "algorithm": "legolink", "max_tokens": MAX_TOKENS,

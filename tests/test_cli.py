@@ -361,11 +361,17 @@ def test_the_demo_reads_at_80_columns():
     rows = run_demo(rc, DATA, 2, console)
     text = console.export_text()
     lines = text.splitlines()
-    assert len(rows) == 4 and all(len(line) <= 80 for line in lines)
+    assert len(rows) == 6 and all(len(line) <= 80 for line in lines)  # full, the default, the default with repair
     figures = [line for line in lines if "TTFT" in line]
-    assert len(figures) == 4 and all("recomputed" in line and "cached" in line for line in figures)
+    assert len(figures) == 6 and all("recomputed" in line and "cached" in line for line in figures)
     for row in rows:
         assert row["question"] in text
+    repaired = [row for row in rows if row["repair"]]
+    assert len(repaired) == 2 and all(row["repaired_tokens"] > 0 for row in repaired)
+    assert text.count("with repair=64: ") == 2 and text.count("stale rows repaired") == 2
+    linked = [row for row in rows if row["algorithm"] != "full"]  # each says whether it is full's answer
+    assert text.count("same answer as full") == sum(row["same_as_full"] for row in linked)
+    assert text.count("answer differs from full") == sum(not row["same_as_full"] for row in linked)
 
 
 def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_path):

@@ -53,6 +53,7 @@ def test_once_every_row_is_repaired_the_cache_is_fulls(family, invariant, algori
     keys, values = held[0]
     want_keys, want_values = full_cache(rc, ids, answer.token_ids)
     assert keys.shape == want_keys.shape  # the prompt and 23 fed tokens: 40 rows a step caught up with them
+    assert answer.stats.repair_caught_up and 0 < answer.stats.repaired_tokens < keys.shape[2]
     torch.testing.assert_close(keys, want_keys, atol=2e-5, rtol=2e-4)
     torch.testing.assert_close(values, want_values, atol=2e-5, rtol=2e-4)
     rc.close()
@@ -87,6 +88,9 @@ def test_the_first_token_is_the_links_own_and_repair_changes_only_what_follows()
     repaired = rc.query(QUESTION, ids, algorithm="naive", repair=16, max_new_tokens=8)
     assert repaired.token_ids[0] == plain.token_ids[0]
     assert repaired.stats.ttft_s > 0 and repaired.stats.recomputed_tokens == plain.stats.recomputed_tokens
+    # 16 rows in each of the 7 steps after the first token, still behind: the answer's stats say so
+    assert (repaired.stats.repaired_tokens, repaired.stats.repair_caught_up) == (16 * 7, False)
+    assert (plain.stats.repaired_tokens, plain.stats.repair_caught_up) == (0, False)
     rc.close()
 
 

@@ -29,6 +29,8 @@ class QueryStats:
     cached_tokens: int = 0
     recomputed_tokens: int = 0
     completion_tokens: int = 0
+    repaired_tokens: int = 0  # stale rows recomputed while the answer was decoded (LinkParams.repair)
+    repair_caught_up: bool = False  # every stale row repaired: from then on the cache was `full`'s
     store_hits: int = 0
     store_misses: int = 0
     compiled_chunks: int = 0

@@ -241,6 +241,8 @@ class Scheduler:
                     # caught up: the step's decode row attended to exact rows only, so it is exact too
                     caught_up = work.stop == sequence.cache.length - 1
                     sequence.repair.next = work.stop + caught_up
+                    sequence.stats.repaired_tokens += work.stop - work.start
+                    sequence.stats.repair_caught_up |= caught_up
                 continue
             if result.error is not None:
                 outputs.append((sequence, self._leave(sequence, Output(status=Status.FAILED, error=result.error))))
