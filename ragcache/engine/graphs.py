@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 import ragcache.kernels as kernels
@@ -76,30 +77,75 @@ class Run:
     cache: JoinedCache
     start: int
     stop: int
-    token_ids: torch.Tensor
+    token_ids: np.ndarray
     budget: int
 
 
 @dataclass
 class Captured:
-    """One pool allocation's step (for one number of repair rows a slot): its input tensors, and on CUDA the graph
-    that reads them and writes `logits`."""
+    """One pool allocation's step (for one number of repair rows a slot): its inputs, and on CUDA the graph that
+    reads them and writes `logits`. The inputs are one int64 tensor, `packed`, filled each step in `staging` (host
+    memory, pinned on CUDA) through its NumPy view and copied in one call: a step's inputs cost the host two torch
+    calls, not one per field (on a host that dispatches an op in tens of microseconds, they were a measurable part
+    of a decode step). Its fields are views of `packed`; the masks (`live`, `repair_live`) are made from their
+    codes inside the step (`DecodeGraphs._run`), so the graph makes them too."""
 
-    ids: torch.Tensor  # [slots] next token of each slot
-    positions: torch.Tensor  # [slots] the position it is written at
-    live: torch.Tensor  # [slots] bool: the slot has a row in this step
-    # P lanes of R repair rows (Sequence.repair), a lane a repairing sequence: only their rows run, not R a slot
-    repair_slots: torch.Tensor | None = None  # [P] each lane's slot
-    repair_ids: torch.Tensor | None = None  # [P, R]
-    repair_positions: torch.Tensor | None = None  # [P, R]; a row that is not live: its slot's decode position
-    repair_live: torch.Tensor | None = None  # [P, R] bool
+    packed: torch.Tensor  # ids [S], positions [S], live [S]; repair slots [P], ids, positions and live [P, R] each
+    staging: torch.Tensor  # the same layout in host memory
+    slots: int
+    lanes: tuple[int, int] = (0, 0)  # (P, R): repair lanes (a lane a repairing sequence) and rows a lane
     logits: torch.Tensor | None = None
     graph: torch.cuda.CUDAGraph | None = None
+    live: torch.Tensor | None = None  # [S] bool: the slot has a row in this step
+    repair_live: torch.Tensor | None = None  # [P, R] bool
+    copied: torch.cuda.Event | None = None  # the last copy out of `staging`, which the next fill waits for
 
-    @property
-    def lanes(self) -> tuple[int, int]:
-        """(P, R): repair lanes and rows a lane."""
-        return (0, 0) if self.repair_ids is None else (self.repair_ids.shape[0], self.repair_ids.shape[1])
+    def __post_init__(self) -> None:
+        slots, (lanes, width) = self.slots, self.lanes
+        self.host = self.staging.numpy()
+        self.ids, self.positions, self.live_codes = self.packed[: 3 * slots].view(3, slots).unbind()
+        self.repair_slots: torch.Tensor | None = None
+        self.repair_ids: torch.Tensor | None = None
+        self.repair_positions: torch.Tensor | None = None
+        self.repair_live_codes: torch.Tensor | None = None
+        if lanes:
+            self.repair_slots = self.packed[3 * slots : 3 * slots + lanes]
+            rows = self.packed[3 * slots + lanes :].view(3, lanes, width)
+            self.repair_ids, self.repair_positions, self.repair_live_codes = rows.unbind()
+
+    @staticmethod
+    def size(slots: int, lanes: tuple[int, int]) -> int:
+        return 3 * slots + lanes[0] * (1 + 3 * lanes[1])
+
+    def fill(self, tokens: list[int], caches: list, repairs: Sequence[Run]) -> None:
+        """This step's inputs into `staging`: a decode row for each cache at its length, a lane for each repair
+        run. A row that is not live sits at its lane's slot's decode position; a lane no sequence uses is slot 0's."""
+        if self.copied is not None:
+            self.copied.synchronize()  # the previous step's copy has read the buffer
+        host, slots = self.host, self.slots
+        host.fill(0)
+        ids, positions, live = host[: 3 * slots].reshape(3, slots)
+        for token, cache in zip(tokens, caches):
+            ids[cache.slot], positions[cache.slot], live[cache.slot] = token, cache.length, 1
+        lanes, width = self.lanes
+        if not lanes:
+            return
+        lane_slots = host[3 * slots : 3 * slots + lanes]
+        run_ids, run_positions, run_live = host[3 * slots + lanes :].reshape(3, lanes, width)
+        run_positions[:] = positions[0]
+        for lane, run in enumerate(repairs):
+            n, slot = run.stop - run.start, run.cache.slot
+            assert slot is not None  # its cache was adopted into the pool
+            lane_slots[lane], run_positions[lane] = slot, positions[slot]
+            run_ids[lane, :n], run_live[lane, :n] = run.token_ids, 1
+            run_positions[lane, :n] = np.arange(run.start, run.stop)
+
+    def send(self) -> None:
+        """`staging` to `packed`, in one copy."""
+        self.packed.copy_(self.staging, non_blocking=True)
+        if self.packed.is_cuda:
+            self.copied = self.copied or torch.cuda.Event()
+            self.copied.record()
 
 
 class DecodeGraphs:
@@ -133,39 +179,18 @@ class DecodeGraphs:
         pool: KVPool = self.runner.pool
         width = max((run.budget for run in repairs), default=0)  # a run is never longer than its budget
         step = self._for(pool, (_round_up(len(repairs)), _round_up(width)) if repairs else (0, 0))
-        slots = pool.keys.shape[1]
-        ids, positions = torch.zeros(slots, dtype=torch.long), torch.zeros(slots, dtype=torch.long)
-        live = torch.zeros(slots, dtype=torch.bool)
-        for token, cache in zip(tokens, caches):
-            ids[cache.slot], positions[cache.slot], live[cache.slot] = token, cache.length, True
-        given: list[tuple[torch.Tensor | None, torch.Tensor]] = [
-            (step.ids, ids), (step.positions, positions), (step.live, live)
-        ]  # fmt: skip
-        lanes, width = step.lanes
-        if lanes:
-            # a row that is not live sits at its lane's slot's decode position; a lane no sequence uses is slot 0's
-            repair_slots = torch.zeros(lanes, dtype=torch.long)
-            repair_ids = torch.zeros(lanes, width, dtype=torch.long)
-            repair_positions = positions[0].repeat(lanes, width)
-            repair_live = torch.zeros(lanes, width, dtype=torch.bool)
-            for lane, run in enumerate(repairs):
-                n, slot = run.stop - run.start, run.cache.slot
-                assert slot is not None  # its cache was adopted into the pool
-                repair_slots[lane], repair_positions[lane] = slot, positions[slot]
-                repair_ids[lane, :n], repair_live[lane, :n] = run.token_ids, True
-                repair_positions[lane, :n] = torch.arange(run.start, run.stop)
-            given += [(step.repair_slots, repair_slots), (step.repair_ids, repair_ids)]
-            given += [(step.repair_positions, repair_positions), (step.repair_live, repair_live)]
+        step.fill(tokens, caches, repairs)
         for cache in caches:
             cache.length += 1
-        for mine, value in given:
-            assert mine is not None
-            mine.copy_(value, non_blocking=True)
+        step.send()
         if step.graph is not None:
             step.graph.replay()
             logits = step.logits
         else:
             logits = self._forward(pool, step)
+        assert logits is not None
+        if len(caches) == 1:  # a view: no index tensor to make and copy in
+            return logits[caches[0].slot : caches[0].slot + 1]
         return logits[torch.tensor([c.slot for c in caches], device=logits.device)]
 
     def _for(self, pool: KVPool, lanes: tuple[int, int]) -> Captured:
@@ -176,15 +201,10 @@ class DecodeGraphs:
             self._steps, self._key = {}, key
         if lanes not in self._steps:
             slots, device = pool.keys.shape[1], pool.keys.device
-            zeros = lambda *shape, dtype=torch.long: torch.zeros(*shape, dtype=dtype, device=device)  # noqa: E731
-            step = Captured(zeros(slots), zeros(slots), zeros(slots, dtype=torch.bool))
-            if lanes[0]:
-                step.repair_slots, step.repair_ids, step.repair_positions = (
-                    zeros(lanes[0]),
-                    zeros(*lanes),
-                    zeros(*lanes),
-                )
-                step.repair_live = zeros(*lanes, dtype=torch.bool)
+            size = Captured.size(slots, lanes)
+            packed = torch.zeros(size, dtype=torch.long, device=device)
+            staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
+            step = Captured(packed, staging, slots, lanes if lanes[0] else (0, 0))
             if self.capture:
                 self._capture(pool, step)
             self._steps[lanes] = step
@@ -192,6 +212,9 @@ class DecodeGraphs:
 
     def _run(self, pool: KVPool, step: Captured) -> torch.Tensor:
         runner = self.runner
+        step.live = step.live_codes != 0
+        if step.repair_live_codes is not None:
+            step.repair_live = step.repair_live_codes != 0
         batch = WholePool(pool, step)
         ids, positions = step.ids, step.positions
         if step.repair_ids is not None and step.repair_positions is not None:

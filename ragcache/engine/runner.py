@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -98,7 +99,11 @@ class LayerWatch(Protocol):
 
 def _repair_ids(work: Work) -> torch.Tensor:
     """The ids at a repair piece's rows: the prompt's, then the answer's fed tokens."""
-    return work.sequence.repair.token_ids(work.start, work.stop, work.sequence.decoding.token_ids)
+    return torch.from_numpy(_repair_array(work))
+
+
+def _repair_array(work: Work) -> np.ndarray:
+    return work.sequence.repair.ids(work.start, work.stop, work.sequence.decoding.token_ids)
 
 
 def _decode_only(works: list[Work]) -> bool:
@@ -281,7 +286,7 @@ class Runner:
         if not self.graphs.covers(caches):
             return self._packed(works)
         repairs = [
-            Run(w.sequence.cache, w.start, w.stop, _repair_ids(w), w.sequence.repair.per_step)
+            Run(w.sequence.cache, w.start, w.stop, _repair_array(w), w.sequence.repair.per_step)
             for w in works
             if w.kind is Kind.REPAIR
         ]

@@ -18,6 +18,7 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..errors import Cancelled
@@ -72,11 +73,15 @@ class Repair:
         """Rows the next step repairs, of a cache holding `length` rows."""
         return max(min(self.per_step, length - self.next), 0)
 
+    def ids(self, start: int, stop: int, answer: list[int]) -> np.ndarray:
+        """The ids at positions [start, stop): the prompt's, then the answer's tokens fed after it. NumPy: a captured
+        decode step copies them into its inputs without a torch call (graphs.Captured.fill)."""
+        prompt = self.prompt_ids.numpy()
+        fed = np.asarray(answer[max(start - prompt.size, 0) : max(stop - prompt.size, 0)], dtype=prompt.dtype)
+        return np.concatenate((prompt[start:stop], fed))
+
     def token_ids(self, start: int, stop: int, answer: list[int]) -> torch.Tensor:
-        """The ids at positions [start, stop): the prompt's, then the answer's tokens fed after it."""
-        n = self.prompt_ids.numel()
-        fed = torch.tensor(answer[max(start - n, 0) : max(stop - n, 0)], dtype=self.prompt_ids.dtype)
-        return torch.cat((self.prompt_ids[start:stop], fed))
+        return torch.from_numpy(self.ids(start, stop, answer))
 
 
 @dataclass(frozen=True)
