@@ -73,10 +73,13 @@ class Repair:
         """Rows the next step repairs, of a cache holding `length` rows."""
         return max(min(self.per_step, length - self.next), 0)
 
+    def __post_init__(self) -> None:
+        self._prompt = self.prompt_ids.numpy()  # once: each call of Tensor.numpy is torch calls of its own
+
     def ids(self, start: int, stop: int, answer: list[int]) -> np.ndarray:
         """The ids at positions [start, stop): the prompt's, then the answer's tokens fed after it. NumPy: a captured
         decode step copies them into its inputs without a torch call (graphs.Captured.fill)."""
-        prompt = self.prompt_ids.numpy()
+        prompt = self._prompt
         fed = np.asarray(answer[max(start - prompt.size, 0) : max(stop - prompt.size, 0)], dtype=prompt.dtype)
         return np.concatenate((prompt[start:stop], fed))
 
