@@ -40,7 +40,8 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     adapter = getattr(rc.lm, "adapter", None)
     note = f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
     console.print(
-        f"full prefill vs {DEFAULT_ALGORITHM}, {DOCS_PER_QUESTION} documents per question, {rc.model_name}{note}"
+        f"full prefill vs {DEFAULT_ALGORITHM}, without and with repair={REPAIR_ROWS}, {DOCS_PER_QUESTION} documents "
+        f"per question, {rc.model_name}{note}"
     )
     for item in builtin_items(rc, n_questions, DOCS_PER_QUESTION, data=data, ids=dict(zip(docs, report.ids))):
         # one block per question, the answer under its figures: it reads in an 80-column terminal
