@@ -909,6 +909,16 @@ def sdpa_serves(contiguous_from: int | None, rows: int, length: int, window: int
     return not (torch.device(device).type == "cuda" and contiguous_from > 0 and rows > 1)
 
 
+def _operands(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """The attention kernels' operands: last dim contiguous, and one dtype for the three (the promoted one) where
+    they differ; and that dtype."""
+    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
+    operand = torch.promote_types(query.dtype, keys.dtype)
+    if keys.dtype != values.dtype or query.dtype != keys.dtype:
+        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    return query, keys, values, operand
+
+
 def selected_attention(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -937,11 +947,8 @@ def selected_attention(
     out = torch.empty(rows, heads, head_dim, dtype=query.dtype, device=query.device)
     if rows == 0:
         return out
-    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
     positions = query_positions.to(query.device).contiguous()
-    operand = torch.promote_types(query.dtype, keys.dtype)
-    if keys.dtype != values.dtype or query.dtype != keys.dtype:
-        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    query, keys, values, operand = _operands(query, keys, values)
     d_p2 = _p2(head_dim)
     block_m, block_n, warps, stages = attention_tiles(d_p2)
     grid = (triton.cdiv(rows * group, block_m), kv_heads)
@@ -992,10 +999,7 @@ def slot_decode_attention(
     out = torch.empty(slots, heads, head_dim, dtype=query.dtype, device=query.device)
     if slots == 0:
         return out
-    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
-    operand = torch.promote_types(query.dtype, keys.dtype)
-    if keys.dtype != values.dtype or query.dtype != keys.dtype:
-        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    query, keys, values, operand = _operands(query, keys, values)
     group, d_p2 = heads // kv_heads, _p2(head_dim)
     block_n, warps, stages = DECODE_TILES
     splits = decode_splits(slots, kv_heads, length, block_n)
@@ -1039,10 +1043,7 @@ def slot_run_attention(
     out = torch.empty(rows, heads, head_dim, dtype=query.dtype, device=query.device)
     if rows == 0:
         return out
-    query, keys, values = (_last_dim_contiguous(x) for x in (query, keys, values))
-    operand = torch.promote_types(query.dtype, keys.dtype)
-    if keys.dtype != values.dtype or query.dtype != keys.dtype:
-        query, keys, values = (x.to(operand) for x in (query, keys, values))
+    query, keys, values, operand = _operands(query, keys, values)
     group, d_p2 = heads // kv_heads, _p2(head_dim)
     block_m, block_n, warps, stages = attention_tiles(d_p2)
     _slot_run_kernel[(triton.cdiv(run * group, block_m), kv_heads, lanes)](
