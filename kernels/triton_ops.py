@@ -401,12 +401,49 @@ def _attention_kernel(
     UPCAST: tl.constexpr,  # feed tl.dot fp32 copies of the (exact) bf16 values: the interpreter's bf16 dot is wrong
     IEEE: tl.constexpr,  # fp32 operands: IEEE products, not TF32
 ):
+    _attend_rows(
+        q, k, v, query_positions, out, 0, rows, QK_SCALE, length, window, sq_h, sq_n, sk_h, sk_n, sv_h, sv_n, so_n,
+        so_h, GROUP, HAS_WINDOW, D, D_P2, BLOCK_M, BLOCK_N, UPCAST, IEEE,
+    )  # fmt: skip
+
+
+@triton.jit
+def _attend_rows(
+    q,
+    k,
+    v,
+    query_positions,
+    out,
+    first_row,
+    rows,
+    QK_SCALE: tl.constexpr,
+    length,
+    window,
+    sq_h,
+    sq_n,
+    sk_h,
+    sk_n,
+    sv_h,
+    sv_n,
+    so_n,
+    so_h,
+    GROUP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    D: tl.constexpr,
+    D_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Rows first_row .. first_row + rows - 1 of `q` over the keys at `k`/`v` (one cache's [KVH, L, D]): the block
+    of program (program_id(0), kv head program_id(1)). The attention kernels' shared body."""
     pid_m = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
     # M indexes (row, q head inside the group): the group's heads share every K/V tile.
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     m_mask = m < rows * GROUP
-    row = m // GROUP
+    row = first_row + m // GROUP
     head = kv_head * GROUP + m % GROUP
     pos = tl.load(query_positions + row, mask=m_mask, other=0).to(tl.int64)
 
@@ -472,44 +509,14 @@ def _slot_run_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """`_attention_kernel` for lane `program_id(2)`: its R rows over its own slot's keys, read in place in the pool
-    (no gathered copy of the slot)."""
-    pid_m = tl.program_id(0)
-    kv_head = tl.program_id(1).to(tl.int64)
+    """`_attention_kernel` for lane `program_id(2)`: its R rows (run-major: lane p's are p*R .. p*R+R-1) over its
+    own slot's keys, read in place in the pool (no gathered copy of the slot)."""
     lane = tl.program_id(2).to(tl.int64)
     slot = tl.load(slots + lane).to(tl.int64)
-    m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = m < run * GROUP
-    row = lane * run + m // GROUP  # run-major: lane p's rows are p*R .. p*R+R-1
-    head = kv_head * GROUP + m % GROUP
-    pos = tl.load(positions + row, mask=m_mask, other=0).to(tl.int64)
-
-    d = tl.arange(0, D_P2)
-    d_mask = d < D
-    q_tile = tl.load(
-        q + head[:, None] * sq_h + row[:, None] * sq_n + d[None, :], mask=m_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    if UPCAST:
-        q_tile = q_tile.to(tl.float32)
-
-    hi = tl.minimum(tl.max(tl.where(m_mask, pos, -1)) + 1, length)
-    first = tl.min(tl.where(m_mask, pos, length))
-    lo = 0
-    dense = (tl.minimum(first + 1, hi) // BLOCK_N) * BLOCK_N
-    if HAS_WINDOW:
-        lo = tl.maximum(first - window + 1, 0)
-        lo = (lo // BLOCK_N) * BLOCK_N
-        dense = lo
-
-    _, l_i, acc = _attend_span(
-        q_tile, k + slot * sk_s + kv_head * sk_h, v + slot * sv_s + kv_head * sv_h, lo, dense, hi, pos, QK_SCALE,
-        window, sk_n, sv_n, d, d_mask, HAS_WINDOW, D == D_P2, BLOCK_M, D_P2, BLOCK_N, UPCAST, IEEE,
-        v.dtype.element_ty,
+    _attend_rows(
+        q, k + slot * sk_s, v + slot * sv_s, positions, out, lane * run, run, QK_SCALE, length, window, sq_h, sq_n,
+        sk_h, sk_n, sv_h, sv_n, so_n, so_h, GROUP, HAS_WINDOW, D, D_P2, BLOCK_M, BLOCK_N, UPCAST, IEEE,
     )  # fmt: skip
-
-    acc = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    o = out + row[:, None] * so_n + head[:, None] * so_h + d[None, :]
-    tl.store(o, _to(acc, out.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
 
 
 # ---------------------------------------------------------------- decode rows over a pool's slots (split-KV)

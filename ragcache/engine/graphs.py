@@ -189,7 +189,7 @@ class DecodeGraphs:
         else:
             logits = self._forward(pool, step)
         assert logits is not None
-        if len(caches) == 1:  # a view: no index tensor to make and copy in
+        if len(caches) == 1:  # a view (of the graph's output, rewritten by the next replay: read in this step)
             return logits[caches[0].slot : caches[0].slot + 1]
         return logits[torch.tensor([c.slot for c in caches], device=logits.device)]
 

@@ -99,10 +99,11 @@ class LayerWatch(Protocol):
 
 def _repair_ids(work: Work) -> torch.Tensor:
     """The ids at a repair piece's rows: the prompt's, then the answer's fed tokens."""
-    return torch.from_numpy(_repair_array(work))
+    return work.sequence.repair.token_ids(work.start, work.stop, work.sequence.decoding.token_ids)
 
 
 def _repair_array(work: Work) -> np.ndarray:
+    """The same as NumPy, as a captured step's inputs take them (graphs.Captured.fill)."""
     return work.sequence.repair.ids(work.start, work.stop, work.sequence.decoding.token_ids)
 
 
