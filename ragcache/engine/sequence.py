@@ -389,7 +389,8 @@ def finish_all(
 ) -> None:
     """Open every stream, so that the engine runs them together, then wait for each one's end in turn: `done(i)`
     once stream i has finished. The first that fails raises its error, Cancelled if `cancelled()` says the caller
-    has gone; either way the streams not finished by then are cancelled."""
+    has gone; either way the streams not finished by then are cancelled. On a cancel, `done(i)` still comes for
+    each stream that finished before its abort could (`_finished_anyway`)."""
     inboxes = []
     try:
         for stream in streams:
@@ -398,6 +399,7 @@ def finish_all(
         for i, inbox in enumerate(inboxes):
             while True:
                 if cancelled():
+                    _finished_anyway(inboxes, i, done)
                     raise Cancelled("the request was cancelled while its documents were compiled")
                 try:
                     event = inbox.get(CANCEL_POLL_S)
@@ -414,3 +416,19 @@ def finish_all(
     finally:
         for inbox in inboxes:
             inbox.close()
+
+
+def _finished_anyway(inboxes: list[Inbox], first: int, done: Callable[[int], None] | None) -> None:
+    """The streams from `first` on, whose ends were not taken yet, cancelled; then `done(i)` for each that ended
+    finished anyway: one may finish in the step under way while its caller goes, and its Done is posted after that
+    step, where a poll for the cancel can come first. The wait is for the engine's next pass, which ends every
+    cancelled stream (Aborted)."""
+    for inbox in inboxes[first:]:
+        inbox.close()
+    if done is None:
+        return
+    for i, inbox in enumerate(inboxes[first:], first):
+        while not isinstance(event := inbox.get(), (Done, Failed, Aborted)):
+            pass
+        if isinstance(event, Done):
+            done(i)
