@@ -45,7 +45,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                transformers' `model(ids, logits_to_keep=1)` over the same chunks, 1 and 16 chunks per call (the faster
                is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU): the first run into a new
                memory tier (its pinned segments made on the way: `_new_store`), the median of the next two into that
-               tier emptied (the ratio's)
+               tier emptied (the ratio's); into a pinned memory tier, and on CUDA also into a GPU tier in front of it
+               (the default store's first tiers: entries kept as the compile made them, copied once into the arena)
   --suite      the prepared device run, the one to start a GPU session with: every check (below) at the smollm2
                shape and at --shape, (f) at 32k with each row the median of 5 and its spread, (g), (d) at --shape,
                (e) and (i), into gpu-suite-<gpu>.json (written after each section) and a one-screen summary; exit 1
@@ -1214,27 +1215,34 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
+    from ragcache.store.device import DeviceStore
+    from ragcache.store.tiered import TieredStore
+
     shape, docs, doc_words, reps = ("smollm2-135m", 4, 60, 2) if quick else (shape, docs, 511, 3)
     lm = random_model(shape, device, dtype, quick, tokenizer=word_tokenizer(1000))
     rng = random.Random(0)
     text = lambda: " ".join(f"w{rng.randrange(1000)}" for _ in range(doc_words))  # noqa: E731
     warm = [text() for _ in range(2)]
-    corpora = {codec: [[text() for _ in range(docs)] for _ in range(reps)] for codec in ("auto", "int8")}
+    # (codec, store): a pinned memory tier, and on CUDA the GPU tier in front of it (the default store's first two
+    # tiers), into which a compile's entries go from the device with no copy, and into the arena with one
+    kinds = [("auto", "memory"), ("int8", "memory")] + [("auto", "gpu+memory")] * (device.type == "cuda")
+    corpora = {kind: [[text() for _ in range(docs)] for _ in range(reps)] for kind in kinds}
     # the peer first, on the model as loaded: an engine wraps its model's Linears (batch invariance, buckets)
-    chunks = [lm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in corpora["auto"][0]]
+    chunks = [lm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in corpora[kinds[0]][0]]
     peers = {batch: _transformers_chunks_s(lm, chunks, batch, device) for batch in (1, 16)}
     best = min(peers, key=peers.get)
-    rows = []
-    for codec, texts_of_runs in corpora.items():
+    rows, profiled = [], {}
+    for (codec, kind), texts_of_runs in corpora.items():
         runs, nbytes = [], 0
         # the first run into a new store, whose pinned arena fills as it goes (1 GiB segments pinned on the way);
         # the others into that store emptied, its segments there to reuse (a tier that has filled once)
-        store = MemoryStore(64 << 30, pin=device.type == "cuda")
+        memory = MemoryStore(64 << 30, pin=device.type == "cuda")
+        store = memory if kind == "memory" else TieredStore([DeviceStore(device, 64 << 30), memory])
         for texts in texts_of_runs:  # new ones each run: nothing is in the store
             for key in list(store.keys()):
                 store.delete(key)
-            if store.arena is not None:
-                store.arena.settle()
+            if memory.arena is not None:
+                memory.arena.settle()
             rc = RagCache(lm, store, EngineConfig(chunk_tokens=doc_words + 8, kv_codec=codec))
             rc.compile(warm)
             _sync(device)
@@ -1247,20 +1255,27 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
             if sorted(map(len, compiled)) != sorted(map(len, chunks)):
                 raise SystemExit("(i): the engine's chunks are not the ones the peer was timed on")
             nbytes, stored_codec, budgets = report.bytes, rc.kv_codec, rc.row_budgets
+            if (codec, kind) == kinds[-1] and texts is texts_of_runs[-1]:  # where the device time of a compile goes
+                for key in list(store.keys()):
+                    store.delete(key)
+                profiled = _profile(lambda: rc.compile_documents(texts), device,
+                                    f"compile_documents of {len(texts)} documents into {kind}")
+                _print_profile(profiled, f"{shape} {profiled['what']}")
             rc.close()
         tokens = sum(map(len, chunks))
         ours = statistics.median(runs[1:] or runs)
-        row = dict(shape=shape, codec=stored_codec, chunks=len(chunks), tokens=tokens, ours_s=round(ours, 4),
+        row = dict(shape=shape, codec=stored_codec, store=kind, chunks=len(chunks), tokens=tokens, ours_s=round(ours, 4),
                    ours_tok_s=round(tokens / ours, 1), ours_all_s=[round(t, 4) for t in runs],
                    ours_new_store_s=round(runs[0], 4), ours_tok_s_new_store=round(tokens / runs[0], 1),
                    **{f"transformers_b{b}_s": round(t, 4) for b, t in peers.items()},
                    peer=f"transformers B={best}", peer_tok_s=round(tokens / peers[best], 1),
                    ratio=round(peers[best] / ours, 3), entry_bytes_per_token=round(nbytes / tokens, 1),
                    row_budgets=list(budgets))
-        print(f"  {shape} {stored_codec}: {row['ours_tok_s']:,.0f} tok/s ({row['ours_tok_s_new_store']:,.0f} into a new "
+        print(f"  {shape} {stored_codec} into {kind}: {row['ours_tok_s']:,.0f} tok/s ({row['ours_tok_s_new_store']:,.0f} into a new "
               f"store), {row['peer']} {row['peer_tok_s']:,.0f} tok/s: {row['ratio']:.2f}x; "
               f"{row['entry_bytes_per_token']:,.0f} B/token", flush=True)
         rows.append(row)
+    rows.append(dict(shape=shape, **profiled))
     return rows
 
 
@@ -1618,7 +1633,7 @@ def _suite_summary(result: dict) -> list[str]:
                   f" of {r.get('requests')} identical packed")
     for r in result.get("compile") or []:
         if isinstance(r, dict) and "ratio" in r:
-            print(f"  compile {r['codec']}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")
+            print(f"  compile {r['codec']} into {r.get('store', 'memory')}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")
     return failed
 
 

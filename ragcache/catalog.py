@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from ragcache.store import Store, shards
+from ragcache.store import Store, crossing, shards
 from ragcache.store.base import TierUnavailable
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id
@@ -262,7 +262,7 @@ class Catalog:
             writer.put(compiled)
             return
         try:
-            self.store.put_many(compiled)
+            crossing.put_many(self.store, compiled)
         except StoreError as exc:
             log.warning("could not store %d freshly compiled chunk(s): %s", len(compiled), exc)
             report.unstored = exc
@@ -347,7 +347,7 @@ class Catalog:
             if whole is not None
             for r in ranges
         }
-        self.store.put_many(parts)
+        crossing.put_many(self.store, parts)
         return len(parts)
 
     def delete(self, doc_id: str) -> dict | None:
@@ -389,7 +389,7 @@ class Writer:
             if self.failure is not None:
                 continue  # drained without writing: the compile stops at its next put
             try:
-                self.store.put_many(entries)
+                crossing.put_many(self.store, entries)
                 self.written += len(entries)
             except StoreError as exc:
                 log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)

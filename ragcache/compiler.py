@@ -129,8 +129,8 @@ class Compiler:
 
     def entry(self, keys: torch.Tensor, values: torch.Tensor, token_ids: list[int], layout: Layout) -> ChunkKV:
         """The entry of a chunk from the pre-RoPE K/V of its prompt (`prompt`): the sinks dropped, in the codec, on
-        the device they were computed on. Its caller moves it to host memory: `compile` here, the engine off its
-        model thread (`copies.to_host`)."""
+        the device they were computed on. `compile` here moves it to host memory; the engine's compiles hand it to the
+        store's tiers as it is, each taking it as it keeps it (store/crossing.py)."""
         stored = self.stored_ids(token_ids, layout)
         drop = len(layout.sink_ids)
         k, v, key_scales, value_scales = kv_codec.encode(keys[:, :, drop:], values[:, :, drop:], self.codec)

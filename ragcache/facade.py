@@ -40,7 +40,7 @@ from .engine import (
     finish_all,
     made,
     prefetch_for,
-    to_host,
+    ready,
     wait,
 )
 from .errors import Cancelled, ParameterOutOfRange
@@ -72,11 +72,10 @@ def _run(sequence: Sequence, what: str, timeout: float | None = None) -> None:
         raise Cancelled(f"{what} was aborted")
 
 
-def _entry_to_host(sequence: Sequence) -> ChunkKV:
-    """A finished compile's entry in host memory; the sequence lets go of the entry as made (on a GPU, its device
-    memory goes as soon as it has crossed, not when the whole batch of compiles has)."""
+def _entry_made(sequence: Sequence) -> ChunkKV:
+    """A finished compile's entry, where it was made, once its kernels have run; the sequence lets go of it."""
     made, sequence.result = sequence.result, None
-    return to_host(made)
+    return ready(made)
 
 
 def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
@@ -277,8 +276,14 @@ class RagCache(Front):
         keys, compiled = list(todo), dict[str, ChunkKV]()
         sequences = [self._compile_sequence(todo[key], compiler, layout) for key in keys]
         try:
-            # each entry crosses to host memory here, as its compile ends, while the model thread goes on
-            finish_all(sequences, cancelled, lambda i: compiled.__setitem__(keys[i], _entry_to_host(sequences[i])))
+            # each entry is taken as its compile ends, while the model thread goes on; the store's tiers take it
+            # from the GPU each as it keeps it (store/crossing.py)
+            finish_all(
+                sequences,
+                cancelled,
+                lambda i: compiled.__setitem__(keys[i], _entry_made(sequences[i])),
+                self.driver.together,
+            )
         finally:
             self.catalog.keep(compiled, report, writer)
         return self.catalog.filled(chunks, entries, todo, compiled), report

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from . import crossing
 from .entry import ChunkKV
 
 ALIGN = 256  # bytes: every tensor of an entry starts on a boundary any dtype and vector load accepts
@@ -43,8 +44,8 @@ class Arena:
         return sum(_aligned(t.nbytes) for t in entry._tensors().values())
 
     def place(self, entry: ChunkKV) -> ChunkKV | None:
-        """A copy of the entry in the arena (None: no span fits now); its span comes back once the copy is dropped
-        by everyone."""
+        """A copy of the entry in the arena, from host memory or a GPU (None: no span fits now); its span comes back
+        once the copy is dropped by everyone."""
         size = self.size_of(entry)
         with self._lock:
             span = self._take(size)
@@ -57,11 +58,15 @@ class Arena:
         def carve(tensor: torch.Tensor) -> torch.Tensor:
             nonlocal offset
             view = memory[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-            view.copy_(tensor)
+            view.copy_(tensor, non_blocking=tensor.device.type == "cuda" and self.pin)
             offset += _aligned(tensor.nbytes)
             return view
 
-        placed = entry.map(carve)
+        # an entry still on a GPU (a compile's) comes straight into the arena, on a stream of the copies out
+        device = entry.keys.device
+        with crossing.out_stream(device):
+            placed = entry.map(carve)
+        crossing.wait_out(device)
         weakref.finalize(placed, self._died, segment, start, size)
         return placed
 

@@ -87,6 +87,9 @@ class Store(ABC):
     # ping() says whether the tier answers (Redis): a tiered store pings it while it is down, and no call of a request
     # tries it meanwhile; a tier whose ping cannot tell (disk) is tried again by a call once its backoff has run
     probed = False
+    # takes an entry still on a GPU (a compile's) and keeps or copies it itself (store/crossing.py); others are
+    # handed it in host memory
+    takes_device_entries = False
 
     def __init__(self) -> None:
         self.metrics = TierMetrics()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from .crossing import to_device
 from .entry import ChunkKV
 from .errors import StoreError
 from .memory import MemoryStore, on_cuda, url_budget
@@ -24,14 +25,10 @@ def device_budget(device: torch.device, fraction: float = DEFAULT_FREE_FRACTION)
     return int(free * fraction)
 
 
-def to_device(entry: ChunkKV, device: torch.device) -> ChunkKV:
-    """The entry's tensors on `device`, the same values and dtypes."""
-    return entry.map(lambda t: t.to(device))
-
-
 class DeviceStore(MemoryStore):
     name = "gpu"
     lasting = False
+    takes_device_entries = True  # a compile's entry is kept as it was made
 
     def __init__(
         self,

@@ -73,6 +73,11 @@ class MemoryStore(Store):
         self._bytes = 0
         self._lock = threading.Lock()
 
+    @property
+    def takes_device_entries(self) -> bool:  # type: ignore[override]
+        """A GPU's entry is copied straight into the arena; without one this tier would keep device memory."""
+        return self.arena is not None
+
     @classmethod
     def from_url(cls, spec: str, connect: bool = True, device=None) -> MemoryStore:
         """`memory` or `memory:SIZE`; on a CUDA engine its entries are pinned."""

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from . import crossing
 from .base import (
     DEFAULT_MAX_PROBE_S,
     DEFAULT_MAX_RETRY_AFTER_S,
@@ -54,6 +55,8 @@ class TierState:
 
 
 class TieredStore(Store):
+    takes_device_entries = True  # each tier gets them as it takes them (put_many)
+
     def __init__(
         self,
         tiers: list[Store],
@@ -249,12 +252,24 @@ class TieredStore(Store):
         return entries
 
     def put_many(self, items: dict[str, ChunkKV]) -> None:
-        """Into every tier that is up. StoreError when none took them, and when a store with lasting tiers kept them
-        only in memory: a reader in this process has them, but they end with it (a compile has lost its work)."""
+        """Into every tier that is up, fastest first, each in the form it keeps (`crossing.for_tier`: an entry still on
+        a GPU crosses to host memory once). StoreError when none took them, and when a store with lasting tiers kept
+        them only in memory: a reader in this process has them, but they end with it (a compile has lost its work)."""
         if not items:
             return
         started = time.perf_counter()
-        answers = self._each("put_many", items, write=True)
+        answers, host = [], dict[str, ChunkKV]()
+        for i, tier in enumerate(self.tiers):
+            if not self._usable(i):
+                continue
+            result, ok = self._call(
+                i, tier.put_many, crossing.for_tier(tier.takes_device_entries, items, host), write=True
+            )
+            if ok:
+                answers.append((i, result))
+                if tier.hands_out_copies:  # the host copies a tier kept: what the slower tiers behind it take
+                    kept = zip(items, tier.peek(list(items)))
+                    host.update({key: k for key, k in kept if k is not None and not crossing.on_device(k)})
         self._written(answers, f"store {len(items)} entries")
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
         lasting = [tier for tier in self.tiers if tier.lasting]

@@ -6,6 +6,7 @@ writer whose failure stops `compile_documents`."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -63,6 +64,22 @@ def test_packed_compiles_give_the_entries_of_each_chunk_compiled_alone(invariant
         for mine, theirs in ((stored.keys, alone.keys), (stored.values, alone.values)):
             assert torch.equal(mine, theirs) if invariant else torch.allclose(mine, theirs, atol=1e-5)
     rc.close()
+
+
+def test_compiles_handed_over_slowly_still_share_their_first_step(monkeypatch):
+    """The caller opens a call's compiles inside the driver's `together`: the model thread takes them in at once,
+    however slowly they are handed over (a loaded machine), instead of stepping the first ones alone."""
+    from ragcache.engine import Sequence
+
+    rc = engine(row_budget=512)
+    plans, open_ = recorded_steps(rc), Sequence.open
+    monkeypatch.setattr(Sequence, "open", lambda self, listener: time.sleep(0.02) or open_(self, listener))
+    try:
+        report = rc.compile_documents(TEXTS)
+        pieces = [p for p in plans if p.kind is Kind.PIECE]
+        assert report.compiled_chunks >= 6 and len(pieces[0].work) == report.compiled_chunks
+    finally:
+        rc.close()
 
 
 def test_a_decoding_stream_has_its_row_in_every_step_a_compile_runs_beside_it():
@@ -152,6 +169,8 @@ def test_a_failed_write_stops_compile_documents_and_the_next_run_resumes():
 
 class SlowStore:
     """put_many waits until `go` is set."""
+
+    takes_device_entries = True  # what it is handed (numbers) goes to put_many as it is
 
     def __init__(self):
         self.go, self.calls, self.kept = threading.Event(), 0, []

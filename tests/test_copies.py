@@ -220,24 +220,15 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def test_an_entry_made_on_the_gpu_crosses_to_host_off_the_model_thread_after_its_kernels(monkeypatch):
-    """`to_host` (a caller's thread): its stream waits for the event the compile recorded, copies every device
-    tensor there (meta tensors stand in for the GPU's), and waits before the device tensors are let go; host tensors
-    (the token ids) are not copied. Off CUDA an entry is made with no event and crosses as it is."""
-    calls: list = []
-    stream = SimpleNamespace(wait_event=lambda event: calls.append(("wait", event)),
-                             synchronize=lambda: calls.append(("synchronize",)))
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(calls.append(("on", s))))
-    monkeypatch.setattr(copies, "_pinned_copy", lambda t: calls.append(("copy", t.shape)) or torch.zeros(t.shape, dtype=t.dtype))
+def test_an_entry_made_on_the_gpu_is_taken_once_its_kernels_have_run_and_stays_where_it_was_made():
+    """`ready` (a caller's thread) waits for the event the compile recorded and hands the entry on as it is (meta
+    tensors stand in for the GPU's): the store's tiers take it from there. Off CUDA an entry is made with no event."""
     made_on_cpu = copies.made(_chunk("int8"))
-    assert made_on_cpu.ready is None and copies.to_host(made_on_cpu) is made_on_cpu.entry and not calls
+    assert made_on_cpu.ready is None and copies.ready(made_on_cpu) is made_on_cpu.entry
+    waited = []
     on_gpu = _chunk("int8").map(lambda t: t if t.dtype == torch.int32 else t.to("meta"))
-    host = copies.to_host(copies.Made(on_gpu, ready := object()))
-    assert calls[:2] == [("wait", ready), ("on", stream)] and calls[-1] == ("synchronize",)
-    assert [c[1] for c in calls[2:-1]] == [on_gpu.keys.shape, on_gpu.values.shape, on_gpu.key_scales.shape,
-                                           on_gpu.value_scales.shape]
-    assert host.token_ids is on_gpu.token_ids and all(t.device.type == "cpu" for t in host._tensors().values())
+    event = SimpleNamespace(synchronize=lambda: waited.append("synchronize"))
+    assert copies.ready(copies.Made(on_gpu, event)) is on_gpu and waited == ["synchronize"]
 
 
 def _chunk(codec: str):
@@ -247,18 +238,18 @@ def _chunk(codec: str):
     return ChunkKV(torch.arange(6, dtype=torch.int32), e.keys, e.values, {}, e.key_scales, e.value_scales)
 
 
-def test_the_engine_moves_each_compiled_entry_to_host_as_its_compile_ends(monkeypatch):
-    """Every entry a compile makes reaches the store through `to_host`, once each (on CUDA the copy that would
-    otherwise hold the model thread)."""
+def test_the_engine_takes_each_compiled_entry_as_its_compile_ends(monkeypatch):
+    """Every entry a compile makes reaches the store through `ready`, once each (on CUDA the wait for its kernels,
+    on a caller's thread, not the model's)."""
     import ragcache.facade as facade
 
-    crossed = []
-    monkeypatch.setattr(facade, "to_host", lambda made: crossed.append(made) or copies.to_host(made))
+    taken = []
+    monkeypatch.setattr(facade, "ready", lambda made: taken.append(made) or copies.ready(made))
     rc = RagCache(tiny.make("llama"), MemoryStore(1 << 30), EngineConfig(chunk_tokens=16))
     try:
         report = rc.compile_documents(["one two three four five six seven eight nine ten " * 4])
-        assert report.compiled_chunks >= 2 and len(crossed) == report.compiled_chunks
-        assert all(isinstance(m, copies.Made) and m.ready is None for m in crossed)  # on CPU: nothing to wait for
+        assert report.compiled_chunks >= 2 and len(taken) == report.compiled_chunks
+        assert all(isinstance(m, copies.Made) and m.ready is None for m in taken)  # on CPU: nothing to wait for
     finally:
         rc.close()
 

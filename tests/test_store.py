@@ -880,6 +880,83 @@ def test_a_device_tier_in_front_of_memory_is_filled_by_its_hits():
     assert tiers.tiers[0].contains_many([key]) == [True]  # the next link reads it from the faster tier
 
 
+def _on_a_stand_in_gpu(monkeypatch, entries: dict[str, ChunkKV]) -> tuple[dict[str, ChunkKV], list, dict]:
+    """The entries with their K/V on the meta device (a GPU's stand-in); copying one out (`crossing._pinned_copy`)
+    gives its host original back (`originals`, by the meta tensor's id), and is recorded."""
+    from ragcache.store import crossing
+
+    originals, copied = {}, []
+
+    def to_meta(t: torch.Tensor) -> torch.Tensor:
+        if t.dtype == torch.int32:
+            return t
+        meta = t.to("meta")
+        originals[id(meta)] = t
+        return meta
+
+    monkeypatch.setattr(crossing, "_pinned_copy", lambda t: copied.append(t) or originals[id(t)].clone())
+    return {key: entry.map(to_meta) for key, entry in entries.items()}, copied, originals
+
+
+def test_an_entry_still_on_the_gpu_reaches_every_tier_crossing_to_host_once(tmp_path, monkeypatch):
+    """A compile's entry, still on the GPU: the GPU tier keeps its device tensors (a view of a larger tensor copied
+    out into memory of its own), a memory tier that keeps host memory gets one copy out of the device, and the
+    disk tier behind it stores that same copy instead of a second one."""
+    from ragcache.store.device import DeviceStore
+
+    host = dict(make_entry(i, layers=2, tokens=16) for i in range(2))
+    on_gpu, copied, originals = _on_a_stand_in_gpu(monkeypatch, host)
+    first = next(iter(on_gpu))
+    wide = on_gpu[first].keys.new_empty(2, 3, 32, 64)  # the compile's cache, of which the entry's keys are a view
+    on_gpu[first] = dataclasses.replace(on_gpu[first], keys=wide[:, :, :16])
+    originals[id(on_gpu[first].keys)] = host[first].keys
+    gpu, memory, disk = DeviceStore("meta", budget_bytes=1 << 30), MemoryStore(), DiskStore(tmp_path)
+    to_disk: dict = {}
+    write = disk.put_many
+    disk.put_many = lambda items: to_disk.update(items) or write(items)  # type: ignore[method-assign]
+    TieredStore([gpu, memory, disk]).put_many(on_gpu)
+    assert len(copied) == 2 * len(host)  # keys and values of each, once
+    for key, entry in host.items():
+        kept = gpu.peek([key])[0]
+        assert kept.keys.device.type == "meta" and kept.keys.untyped_storage().nbytes() == kept.keys.nbytes
+        assert kept.values is on_gpu[key].values  # memory of its own already: kept as made
+        assert to_disk[key] is memory.peek([key])[0] and memory.peek([key])[0].keys.device.type == "cpu"
+        assert same_bits(disk.get_many([key])[0], entry) and same_bits(memory.peek([key])[0], entry)
+
+
+def test_a_store_without_a_gpu_tier_is_handed_a_compiles_entry_in_host_memory(tmp_path, monkeypatch):
+    """`crossing.put_many` (the catalog's writes): a disk store alone never sees device tensors, which its encoder
+    would copy to pageable memory on the model's stream; an entry already in host memory is handed over as it is."""
+    from ragcache.store import crossing
+
+    host = dict(make_entry(i, layers=2, tokens=16) for i in range(2))
+    on_gpu, copied, _ = _on_a_stand_in_gpu(monkeypatch, host)
+    disk, given = DiskStore(tmp_path), []
+    write = disk.put_many
+    disk.put_many = lambda items: given.append(items) or write(items)  # type: ignore[method-assign]
+    crossing.put_many(disk, on_gpu)
+    assert len(copied) == 4 and all(e.keys.device.type == "cpu" for e in given[0].values())
+    assert all(same_bits(disk.get_many([key])[0], entry) for key, entry in host.items())
+    crossing.put_many(disk, host)
+    assert len(copied) == 4 and all(given[1][key] is entry for key, entry in host.items())
+
+
+def test_a_pinned_arena_copies_an_entry_out_of_the_gpu_on_the_copy_stream_and_waits_for_it(monkeypatch):
+    """Arena.place of an entry on a device: its copies are queued on the stream of copies out of that device and
+    waited for before the placed entry is handed out (on CPU the same calls, with nothing to wait for)."""
+    import contextlib
+
+    from ragcache.store import crossing
+    from ragcache.store.arena import Arena
+
+    calls = []
+    monkeypatch.setattr(crossing, "out_stream", lambda device: contextlib.nullcontext(calls.append(("on", device))))
+    monkeypatch.setattr(crossing, "wait_out", lambda device: calls.append(("wait", device)))
+    key, entry = make_entry(1, layers=2, tokens=16)
+    placed = Arena(1 << 20, pin=False).place(entry)
+    assert calls == [("on", torch.device("cpu")), ("wait", torch.device("cpu"))] and same_bits(placed, entry)
+
+
 def test_a_slower_tiers_hit_is_handed_out_as_the_fastest_tiers_copy(tmp_path):
     """A disk read lands in the (pinned, on CUDA) arena, the GPU tier fills from that copy rather than from the
     read's pageable buffer, and the link gets the GPU tier's copy: nothing crosses at its link. Where a faster tier

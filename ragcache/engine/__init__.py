@@ -23,7 +23,7 @@ _HOMES = {
     "Staged": "copies",
     "made": "copies",
     "place": "copies",
-    "to_host": "copies",
+    "ready": "copies",
     "prefetch_for": "copies",
     "Driver": "driver",
     "StepStats": "driver",
@@ -104,15 +104,15 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "pieces",
     "place",
     "prefetch_for",
+    "ready",
     "return_free_memory",
     "rope_table",
-    "to_host",
     "wait",
 ]
 
 if TYPE_CHECKING:
     from .allocator import map_large_blocks, return_free_memory
-    from .copies import Made, Prefetch, Staged, made, place, prefetch_for, to_host
+    from .copies import Made, Prefetch, Staged, made, place, prefetch_for, ready
     from .driver import Driver, StepStats
     from .graphs import DecodeGraphs
     from .invariant import Invariance

@@ -259,7 +259,7 @@ def _layer(scales: list, at: slice) -> list:
 @dataclass(frozen=True)
 class Made:
     """An entry a compile just made on the model thread, where its K/V were computed, and on CUDA the event its
-    kernels end at (`made`); `to_host` moves it to host memory on another thread."""
+    kernels end at (`made`); `ready` waits for it on another thread."""
 
     entry: ChunkKV
     ready: torch.cuda.Event | None
@@ -274,24 +274,10 @@ def made(entry: ChunkKV) -> Made:
     return Made(entry, ready)
 
 
-def to_host(made: Made) -> ChunkKV:
-    """The entry in host memory, as a store keeps it and as one read from disk or Redis is. From a GPU: copied into
-    pinned memory on a stream of its own once its kernels have run, and waited for on this thread (a caller's), so
-    the model thread neither waits nor holds its stream for the copy (to pageable memory, 64 chunks at the
-    llama3-8b shape held it for 1.1 s of the 2.9 s their compile took on an H200)."""
-    if made.ready is None:
-        return made.entry
-    device = made.entry.keys.device
-    stream = _TO_HOST.get(device) or _TO_HOST.setdefault(device, torch.cuda.Stream(device))
-    stream.wait_event(made.ready)
-    with torch.cuda.stream(stream):
-        host = made.entry.map(lambda t: t if t.device.type == "cpu" else _pinned_copy(t))
-    stream.synchronize()  # the device tensors are dropped after this: nothing reads them any more
-    return host
-
-
-_TO_HOST: dict[torch.device, torch.cuda.Stream] = {}
-
-
-def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+def ready(made: Made) -> ChunkKV:
+    """The entry once its kernels have run, waited for on this thread (a caller's): still where it was made, for the
+    store's tiers to take as each keeps it (store/crossing.py: the GPU tier as it is, a pinned memory tier copied
+    straight into its arena, off the model's stream)."""
+    if made.ready is not None:
+        made.ready.synchronize()
+    return made.entry

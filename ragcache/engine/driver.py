@@ -15,6 +15,8 @@ import threading
 import time
 import weakref
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -69,11 +71,27 @@ class Driver:
         self._wakeup = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._holding = 0  # callers inside `together`: arrivals wait for the last of them
         _LIVE.add(self)
 
     # -- any thread -------------------------------------------------------------------------------------------
     def submit(self, sequence: Sequence) -> None:
         self._queue(self.arrivals, sequence)
+
+    @contextmanager
+    def together(self) -> Iterator[None]:
+        """The sequences submitted inside are taken in by one pass of the model thread (their pieces share its next
+        step) instead of as each arrives: a caller handing over many compiles is slower than a step under load. It
+        holds back every arrival meanwhile, for as long as handing them over takes."""
+        with self._wakeup:
+            self._holding += 1
+        try:
+            yield
+        finally:
+            with self._wakeup:
+                self._holding -= 1
+                if self.arrivals and not self._holding and not self._stopping:
+                    self._wake()  # the thread may have ended idle while they were held
 
     def abort(self, sequence: Sequence) -> None:
         """Take a sequence back, wherever it is: its listener gets Aborted. One not yet taken in by the model thread
@@ -98,10 +116,14 @@ class Driver:
                     raise errors.ShuttingDown()
                 return
             queue.append(item)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="ragcache-model", daemon=True)
-                self._thread.start()
-            self._wakeup.notify()
+            self._wake()
+
+    def _wake(self) -> None:
+        """(Under the lock) the model thread told there is work, started if it had ended idle."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ragcache-model", daemon=True)
+            self._thread.start()
+        self._wakeup.notify()
 
     def stop(self, timeout: float = 60.0) -> None:
         """Finish the step in progress and end the thread (at interpreter exit: never kill it inside torch). Every
@@ -143,13 +165,14 @@ class Driver:
             return True
 
     def _has_work(self) -> bool:
-        return bool(self.arrivals or self.aborts or self.scheduler.has_work())
+        return bool((self.arrivals and not self._holding) or self.aborts or self.scheduler.has_work())
 
     def _pass(self) -> None:
         """The queues, then one step."""
         with self._wakeup:
-            arrivals, aborts = list(self.arrivals), list(self.aborts)
-            self.arrivals.clear()
+            arrivals, aborts = [] if self._holding else list(self.arrivals), list(self.aborts)
+            if not self._holding:
+                self.arrivals.clear()
             self.aborts.clear()
         for sequence in arrivals:
             self.scheduler.add(sequence)

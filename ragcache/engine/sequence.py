@@ -14,7 +14,7 @@ import enum
 import queue
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import suppress
+from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -385,17 +385,22 @@ def wait(stream: Opens, timeout: float | None = None) -> Event:
 
 
 def finish_all(
-    streams: list[Opens], cancelled: Callable[[], bool] = lambda: False, done: Callable[[int], None] | None = None
+    streams: list[Opens],
+    cancelled: Callable[[], bool] = lambda: False,
+    done: Callable[[int], None] | None = None,
+    together: Callable[[], AbstractContextManager] = nullcontext,
 ) -> None:
-    """Open every stream, so that the engine runs them together, then wait for each one's end in turn: `done(i)`
-    once stream i has finished. The first that fails raises its error, Cancelled if `cancelled()` says the caller
-    has gone; either way the streams not finished by then are cancelled. On a cancel, `done(i)` still comes for
-    each stream that finished before its abort could (`_finished_anyway`)."""
+    """Open every stream inside `together()` (the driver's: it takes them in at once, so that their pieces share
+    steps), then wait for each one's end in turn: `done(i)` once stream i has finished. The first that fails raises
+    its error, Cancelled if `cancelled()` says the caller has gone; either way the streams not finished by then are
+    cancelled. On a cancel, `done(i)` still comes for each stream that finished before its abort could
+    (`_finished_anyway`)."""
     inboxes = []
     try:
-        for stream in streams:
-            inboxes.append(Inbox(stream))
-            inboxes[-1].open()
+        with together():
+            for stream in streams:
+                inboxes.append(Inbox(stream))
+                inboxes[-1].open()
         for i, inbox in enumerate(inboxes):
             while True:
                 if cancelled():
