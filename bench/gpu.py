@@ -1347,6 +1347,12 @@ def checks(device: torch.device, dtype: torch.dtype, quick: bool, shape: str = "
                 continue
             rc = _engine(lm, make(), 128, "ordinary", prefetch_bytes)
             docs = rc.compile(texts)
+            if name == "gpu tier":  # a compile's entries, kept as made: each tensor in memory of its own
+                gpu = rc.store.tiers[0]
+                kept = [t for e in gpu.peek(list(gpu.keys())) if e is not None for t in e._tensors().values()]
+                rows.append(dict(check="gpu tier keeps compiled entries whole",
+                                 ok=bool(kept) and all(t.is_cuda and t.untyped_storage().nbytes() == t.nbytes
+                                                       for t in kept if t.dtype != torch.int32), ran=True))
             for faster in getattr(rc.store, "tiers", [])[:-1] if name.startswith("disk") else ():
                 for key in list(faster.keys()):
                     faster.delete(key)

@@ -54,7 +54,16 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 def to_device(entry: ChunkKV, device: torch.device) -> ChunkKV:
     """The entry's tensors on `device`, the same values and dtypes, each in memory of its own: a view of a larger
     device tensor (a compile's cache) is copied out, so that a tier's budget counts all it holds."""
-    return entry.map(lambda t: _own(t) if t.device == device else t.to(device))
+    return entry.map(lambda t: _own(t) if _there(t, device) else t.to(device))
+
+
+def _there(t: torch.Tensor, device: torch.device) -> bool:
+    """Whether `t` is on `device`, where "cuda" names the current CUDA device (as torch places it)."""
+    if t.device.type != device.type:
+        return False
+    if device.index is None and device.type == "cuda":
+        return t.device.index == torch.cuda.current_device()
+    return t.device.index == device.index
 
 
 def _own(t: torch.Tensor) -> torch.Tensor:
