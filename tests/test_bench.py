@@ -520,9 +520,11 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
                             "ragcache decode after focus, repair=16", "ragcache decode after focus, repair=64"} and all(row["tok_s"] > 0 for row in decodes.values())
     (agree,) = [row for row in result["decode"] if "leading_identical" in row]
     assert agree["leading_identical"] == agree["of"]  # fp32: the whole-pool step decodes the ordinary step's tokens
-    compiled = result["compile"]  # (i): the codec "auto" keeps on this device, and int8
+    *compiled, profiled = result["compile"]  # (i): the codec "auto" keeps on this device, and int8; a profile
     assert len(compiled) == 2 and compiled[1]["codec"] == "int8" and len({row["tokens"] for row in compiled}) == 1
     assert all(row["ours_tok_s"] > 0 and row["peer_tok_s"] > 0 and row["ratio"] > 0 for row in compiled)
+    assert all(row["store"] == "memory" for row in compiled)  # on CPU: no GPU tier to compile into
+    assert profiled["what"].startswith("profile of compile_documents") and profiled["wall_ms"] > 0
 
 
 def test_compile_against_transformers_with_writes_and_a_decode_beside_it(tmp_path):
@@ -559,7 +561,7 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     assert checks["graph decode = eager step"]["ok"] and checks["int8 link ~ pageable link"]["ok"]
     int8 = checks["int8 link ~ pageable link"]
     assert int8["mean_abs_logit_err"] <= int8["relative_tolerance"] * int8["reference_logit_std"]
-    assert len(result["compile"]) == 2 and "compile int8" in done.stdout
+    assert len(result["compile"]) == 3 and "compile int8" in done.stdout  # auto, int8, a profile
     bad = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip", "kernels",
                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=120)
