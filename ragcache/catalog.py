@@ -359,19 +359,26 @@ class Catalog:
 class Writer:
     """Entry writes off the compiling thread: `put` hands a batch to one writer thread, which stores it with one
     `put_many`; at most `depth` batches wait, so a slow store slows the compile that feeds it instead of growing
-    memory. The first write that fails stops the writes; `put` and `flush` raise it."""
+    memory. A batch still on a GPU (a compile's entries, store/crossing.py) waits for the one before it to be stored:
+    device memory holds it, and the next batch's compile needs that memory. The first write that fails stops the
+    writes; `put` and `flush` raise it."""
 
     def __init__(self, store: Store, depth: int = 2):
         self.store = store
         self.failure: StoreError | None = None
         self.written = 0  # entries stored
-        self._batches: queue.Queue[dict[str, ChunkKV] | None] = queue.Queue(maxsize=depth)
+        self._batches: queue.Queue[tuple[dict[str, ChunkKV], bool] | None] = queue.Queue(maxsize=depth)
+        self._on_device = threading.Semaphore(1)  # held by a batch on a GPU from `put` until it is stored
         self._thread = threading.Thread(target=self._run, name="ragcache-writer", daemon=True)
         self._thread.start()
 
     def put(self, entries: dict[str, ChunkKV]) -> None:
         self._check()
-        self._batches.put(entries)
+        on_device = any(crossing.on_device(entry) for entry in entries.values())
+        if on_device:
+            self._on_device.acquire()
+            self._check()  # the batch it waited for may have failed
+        self._batches.put((entries, on_device))
 
     def flush(self) -> None:
         """Wait until every batch handed over is stored (or has failed), then end the thread."""
@@ -385,18 +392,26 @@ class Writer:
 
     def _run(self) -> None:
         compute_inline()  # it lives as long as the compile: no OpenMP team of its own beside the model's (threads)
-        while (entries := self._batches.get()) is not None:
-            if self.failure is not None:
-                continue  # drained without writing: the compile stops at its next put
+        while (batch := self._batches.get()) is not None:
+            entries, on_device = batch
             try:
-                crossing.put_many(self.store, entries)
-                self.written += len(entries)
-            except StoreError as exc:
-                log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)
-                self.failure = exc
-            except Exception as exc:
-                log.exception("the entry writer failed")
-                self.failure = StoreError(f"writing compiled entries failed: {exc}")
+                self._write(entries)
+            finally:
+                if on_device:
+                    self._on_device.release()
+
+    def _write(self, entries: dict[str, ChunkKV]) -> None:
+        if self.failure is not None:
+            return  # drained without writing: the compile stops at its next put
+        try:
+            crossing.put_many(self.store, entries)
+            self.written += len(entries)
+        except StoreError as exc:
+            log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)
+            self.failure = exc
+        except Exception as exc:
+            log.exception("the entry writer failed")
+            self.failure = StoreError(f"writing compiled entries failed: {exc}")
 
 
 class Locks:

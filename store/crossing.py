@@ -18,7 +18,7 @@ _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 def on_device(entry: ChunkKV) -> bool:
-    """Whether the entry's K/V are in device memory (its token ids always are on the host)."""
+    """Whether the entry's K/V are in device memory (a compile's token ids are on the host either way)."""
     return entry.keys.device.type != "cpu"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_a_failed_write_stops_compile_documents_and_the_next_run_resumes():
 class SlowStore:
     """put_many waits until `go` is set."""
 
-    takes_device_entries = True  # what it is handed (numbers) goes to put_many as it is
+    takes_device_entries = True  # what it is handed goes to put_many as it is
 
     def __init__(self):
         self.go, self.calls, self.kept = threading.Event(), 0, []
@@ -181,22 +182,32 @@ class SlowStore:
         self.kept.extend(entries)
 
 
-def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile():
-    store = SlowStore()
-    writer = Writer(store, depth=2)
-    handed = []
+def _fed(writer: Writer, device: str) -> tuple[threading.Thread, list]:
+    """A thread putting five one-entry batches (stand-ins with their keys on `device`) into `writer`; the numbers
+    it has handed over."""
+    handed: list = []
 
     def feed():
         for n in range(5):
-            writer.put({f"k{n}": n})
+            writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device=device))})
             handed.append(n)
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
+    return feeder, handed
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile(device):
+    """In host memory: one batch being written, two waiting, and the fourth put waits. Still on a GPU (meta tensors
+    stand in): one being written, and the next put waits for it, as device memory holds what waits."""
+    store = SlowStore()
+    writer = Writer(store, depth=2)
+    feeder, handed = _fed(writer, device)
     while store.calls < 1:  # the writer thread holds the first batch in put_many
         threading.Event().wait(0.01)
     feeder.join(0.5)
-    assert feeder.is_alive() and handed == [0, 1, 2]  # one being written, two waiting: the fourth put waits
+    assert feeder.is_alive() and handed == ([0, 1, 2] if device == "cpu" else [0])
     store.go.set()
     feeder.join(60)
     writer.flush()
