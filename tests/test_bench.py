@@ -610,7 +610,7 @@ def test_the_gpu_scripts_decode_profile_lists_what_a_token_costs():
     assert profile["top"] and all(e["calls"] > 0 and e["ms"] >= 0 for e in profile["top"])
     assert sum(r.get("tok_s", 0) > 0 for r in rows) == 6  # the timings are all there, repair's three included
     repairs = {r["repair"]: r for r in rows if "repair" in r}
-    assert set(repairs) == {0, 16, 64} and all(r["tok_s"] > 0 and r["ttft_s"] > 0 for r in repairs.values())
+    assert set(repairs) == {0, 64, 256} and all(r["tok_s"] > 0 and r["ttft_s"] > 0 for r in repairs.values())
 
 
 def test_the_gpu_scripts_link_profiles_say_how_much_of_the_wall_the_device_was_busy():
