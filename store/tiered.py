@@ -258,22 +258,20 @@ class TieredStore(Store):
         if not items:
             return
         started = time.perf_counter()
-        answers, host = [], dict[str, ChunkKV]()
+        took, host = [], dict[str, ChunkKV]()  # the tiers that took them; entries in host memory, by key
         for i, tier in enumerate(self.tiers):
             if not self._usable(i):
                 continue
-            result, ok = self._call(
-                i, tier.put_many, crossing.for_tier(tier.takes_device_entries, items, host), write=True
-            )
+            _, ok = self._call(i, tier.put_many, crossing.for_tier(tier.takes_device_entries, items, host), write=True)
             if ok:
-                answers.append((i, result))
+                took.append(tier)
                 if tier.hands_out_copies:  # the host copies a tier kept: what the slower tiers behind it take
                     kept = zip(items, tier.peek(list(items)))
                     host.update({key: k for key, k in kept if k is not None and not crossing.on_device(k)})
-        self._written(answers, f"store {len(items)} entries")
+        self._written(took, f"store {len(items)} entries")
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
         lasting = [tier for tier in self.tiers if tier.lasting]
-        if lasting and not any(self.tiers[i].lasting for i, _ in answers):
+        if lasting and not any(tier.lasting for tier in took):
             raise StoreError(
                 f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
                 f"({self._reasons(lasting)})"

@@ -170,9 +170,10 @@ class Driver:
     def _pass(self) -> None:
         """The queues, then one step."""
         with self._wakeup:
-            arrivals, aborts = [] if self._holding else list(self.arrivals), list(self.aborts)
-            if not self._holding:
+            arrivals = [] if self._holding else list(self.arrivals)  # held: taken in together, at a later pass
+            if arrivals:
                 self.arrivals.clear()
+            aborts = list(self.aborts)
             self.aborts.clear()
         for sequence in arrivals:
             self.scheduler.add(sequence)
