@@ -24,16 +24,21 @@ from .errors import REPORTED, Refused
 from .shape import BodyLimits
 
 if TYPE_CHECKING:
+    from ragcache.length import ContextTexts
     from ragcache.request import Limits
 
 
-def Body(model: type[BaseModel]) -> Any:  # used like FastAPI's Body
-    """A route parameter: the body as `model`, read, checked and validated off the event loop (see above)."""
+def Body(model: type[BaseModel], answered: bool = False) -> Any:  # used like FastAPI's Body
+    """A route parameter: the body as `model`, read, checked and validated off the event loop (see above).
+    `answered`: the body's raw texts (`documents[i].text`) go into the model's context, so the read stops at the
+    first text past what the context can hold (413)."""
 
     async def read(request: Request) -> BaseModel:
         raw = await received(request)
-        limits = BodyLimits.of(request.app.state.ctx.settings)
-        return await run_in_threadpool(parse, raw, request.headers.get("content-type", ""), model, limits)
+        ctx = request.app.state.ctx
+        texts = ctx.rc.context_texts() if answered else None
+        content_type = request.headers.get("content-type", "")
+        return await run_in_threadpool(parse, raw, content_type, model, BodyLimits.of(ctx.settings), texts)
 
     return Depends(read)
 
@@ -48,11 +53,17 @@ async def received(request: Request) -> bytearray:
     return raw
 
 
-def parse(raw: bytes | bytearray, content_type: str, model: type[BaseModel], limits: BodyLimits) -> BaseModel:
+def parse(
+    raw: bytes | bytearray,
+    content_type: str,
+    model: type[BaseModel],
+    limits: BodyLimits,
+    texts: ContextTexts | None = None,
+) -> BaseModel:
     if not _is_json(content_type):  # as FastAPI does: a body of another type is not read as JSON
         raise Refused([{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a JSON object"}])
     strict = model.model_config.get("extra") == "forbid"
-    data = shape.read(raw, limits, field_names(model) if strict else None)  # read as bytes: see api/shape.py
+    data = shape.read(raw, limits, field_names(model) if strict else None, texts)  # read as bytes: api/shape.py
     try:  # Python's JSON scanner keeps lone surrogates: the schema's own check (schemas.Text) names the field
         return model.model_validate(data)
     except ValidationError as exc:

@@ -211,7 +211,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
         **responses(*WITH_BODY, 400, 404, 429, 503),
     },
 )
-async def query(request: Request, body: QueryRequest = Body(QueryRequest)):
+async def query(request: Request, body: QueryRequest = Body(QueryRequest, answered=True)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
     query = await c.query(body.question, body.documents, body.system, body, body)

@@ -114,7 +114,7 @@ def list_models(request: Request) -> ModelList:
     openapi_extra=documented(CompletionRequest),
     responses={**streamed("text_completion chunks"), **responses(*WITH_BODY, 400, 404, 429, 503)},
 )
-async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest)):
+async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest, answered=True)):
     """The prompt is the question; documents and link options come as extra body fields."""
     c = ctx(request)
     _check(c, body)
@@ -172,7 +172,7 @@ def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
     openapi_extra=documented(ChatRequest),
     responses={**streamed("chat.completion.chunk objects"), **responses(*WITH_BODY, 400, 404, 429, 503)},
 )
-async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest)):
+async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest, answered=True)):
     """The last user message is the question, a leading system message the system prompt."""
     c = ctx(request)
     _check(c, body)

@@ -27,6 +27,8 @@ from json.scanner import make_scanner
 from typing import Any, cast
 
 from ragcache.documents import MAX_METADATA_CHARS
+from ragcache.errors import TextsTooLong
+from ragcache.length import ContextTexts
 from ragcache.settings import Settings
 
 from .errors import REPORTED, ApiError, Refused
@@ -82,20 +84,27 @@ def longest_scalar(settings: Settings) -> int:
     return ESCAPED * chars + 2
 
 
-def read(raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | None = None) -> Any:
+def read(
+    raw: bytes | bytearray,
+    limits: BodyLimits,
+    known: frozenset[str] | None = None,
+    texts: ContextTexts | None = None,
+) -> Any:
     """The body's value; ApiError (413) past a count or for a scalar past `scalar_bytes`, Refused (422) past the
-    depth, for malformed JSON (UTF-8 included), or for top-level keys outside `known` (None: any key)."""
+    depth, for malformed JSON (UTF-8 included), or for top-level keys outside `known` (None: any key). `texts`:
+    where a body answered from the model's context adds its raw texts (`documents[i].text`) as they are read, which
+    raises TextsTooLong (413) once those read cannot fit, so the rest of a hostile body is never decoded."""
     try:
-        return walk(raw, limits, known)
-    except (ApiError, Refused) as exc:
+        return walk(raw, limits, known, texts)
+    except (ApiError, Refused, TextsTooLong) as exc:
         # the walk's frames, which the traceback holds, hold what it built (100,000 small objects, say): dropped
         # here, in this worker thread, rather than with the error on the event loop
         exc.__context__ = None
         raise exc.with_traceback(None) from None
 
 
-def walk(raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | None) -> Any:
-    reader = Reader(raw, limits, known)
+def walk(raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | None, texts: ContextTexts | None) -> Any:
+    reader = Reader(raw, limits, known, texts)
     try:
         value, end = reader.value(reader.skip(0), (), 1)
         if reader.skip(end) != len(raw):
@@ -118,8 +127,10 @@ def walk(raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | Non
 
 
 class Reader:
-    def __init__(self, raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | None):
-        self.raw, self.limits, self.known = raw, limits, known
+    def __init__(
+        self, raw: bytes | bytearray, limits: BodyLimits, known: frozenset[str] | None, texts: ContextTexts | None
+    ):
+        self.raw, self.limits, self.known, self.texts = raw, limits, known, texts
         self.values, self.unknown_count = 0, 0
         self.unknown: list[str] = []
 
@@ -148,7 +159,10 @@ class Reader:
         if opening == b"[":
             return self.array(self.skip(i + 1), path, depth)
         if opening == b'"':
-            return self.string(i)
+            text, end = self.string(i)
+            if self.texts is not None and len(path) == 3 and path[0] == "documents" and path[2] == "text":
+                self.texts.add(text)
+            return text, end
         return self.scalar(i)
 
     def string(self, i: int) -> tuple[str, int]:

@@ -89,11 +89,12 @@ class TextsTooLong(PromptTooLong):
     def __init__(self, at_least: int, max_new_tokens: int, context: int, how: str):
         self.prompt_tokens, self.max_new_tokens, self.context = at_least, max_new_tokens, context
         self.question_tokens = None
-        RagCacheError.__init__(
-            self,
-            f"the raw texts hold at least {at_least} tokens ({how}); with {max_new_tokens} new tokens they cannot "
-            f"fit the model context of {context} tokens: pass fewer or shorter texts, or lower max_new_tokens",
-        )
+        if max_new_tokens:
+            fit = f"with {max_new_tokens} new tokens they cannot fit the model context of {context} tokens"
+            advice = "pass fewer or shorter texts, or lower max_new_tokens"
+        else:  # refused before max_new_tokens was read: they are longer than the whole context
+            fit, advice = f"they cannot fit the model context of {context} tokens", "pass fewer or shorter texts"
+        RagCacheError.__init__(self, f"the raw texts hold at least {at_least} tokens ({how}); {fit}: {advice}")
 
 
 class UnsupportedModel(RagCacheError):

@@ -21,7 +21,7 @@ from .catalog import Catalog, Writer
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling
 from .errors import ParameterOutOfRange, PromptTooLong
-from .length import TokenBound
+from .length import ContextTexts, TokenBound
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
 from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
@@ -376,6 +376,11 @@ class Front(abc.ABC):
         text, stored and compiled on the fly. `link`: from `params` (None: its defaults); `sampling`: how to answer
         (None: a link only, nothing sampled)."""
         return request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
+
+    def context_texts(self) -> ContextTexts:
+        """A running bound on a request body's raw texts, which refuses them (TextsTooLong) as soon as those read so
+        far cannot fit the context: the API's body reader adds each text as it reads it (api/shape.py)."""
+        return ContextTexts(self.token_bound, self.context_length)
 
     def refuse_long_texts(self, texts: list[str], max_new_tokens: int) -> None:
         """TextsTooLong (a 413 at the API) when raw texts cannot fit the context beside max_new_tokens, found from

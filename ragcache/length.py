@@ -35,6 +35,10 @@ class TokenBound:
     def _normal(self, text: str) -> str:
         return self.normalizer.normalize_str(text) if self.normalizer is not None else text
 
+    def at_least(self, text: str) -> int:
+        """Tokens the text holds at the least, from its bytes (0 where the bytes bound nothing)."""
+        return math.ceil(len(self._normal(text).encode("utf-8")) / self.longest) if self.bytes_bound else 0
+
     def refuse_over(self, texts: list[str], room: int, max_new_tokens: int, context: int) -> None:
         """TextsTooLong unless the texts may fit in `room` tokens: by their bytes first, then counted a slice at a
         time, stopping once the count is past the room. Texts of fewer bytes than the room are not counted: a
@@ -53,6 +57,23 @@ class TokenBound:
                 if counted - cuts * CUT_SLACK > room:
                     raise TextsTooLong(counted - cuts * CUT_SLACK, max_new_tokens, context, "counted so far")
                 cuts += 1
+
+
+class ContextTexts:
+    """A body's raw texts added as they are read (api/shape.py): TextsTooLong as soon as those read so far hold
+    more tokens than the whole context by their bytes, before the rest of the body is decoded. Whatever room the
+    question and max_new_tokens leave is less than the context, so this refuses nothing `refuse_over` would pass."""
+
+    def __init__(self, bound: TokenBound, context: int):
+        self.bound, self.context = bound, context
+        self.tokens, self.texts = 0, 0
+
+    def add(self, text: str) -> None:
+        self.tokens += self.bound.at_least(text)
+        self.texts += 1
+        if self.tokens > self.context:
+            how = f"from the bytes of the first {self.texts}, {self.bound.longest} a token"
+            raise TextsTooLong(self.tokens, 0, self.context, how)
 
 
 def slices(text: str) -> Iterator[str]:

@@ -10,10 +10,13 @@ import json
 
 import pytest
 
+from ragcache import length
 from ragcache.api import body, shape
 from ragcache.api.errors import ApiError, Refused
-from ragcache.api.schemas import QueryRequest
+from ragcache.api.schemas import CompileRequest, QueryRequest
+from ragcache.errors import TextsTooLong
 from ragcache.settings import Settings
+from tests import tiny
 
 SETTINGS = Settings.model_construct()  # defaults, whatever the environment of the machine running the tests
 LIMITS = shape.BodyLimits.of(SETTINGS)
@@ -119,3 +122,34 @@ def test_the_body_is_gathered_in_one_growing_buffer():
 
     raw = asyncio.run(body.received(Request()))  # type: ignore[arg-type]  # a stand-in for a Starlette Request
     assert isinstance(raw, bytearray) and raw == b"".join(pieces)
+
+
+def context_texts(context: int = 512) -> length.ContextTexts:
+    return length.ContextTexts(length.TokenBound(tiny.tokenizer()), context)
+
+
+def test_an_answered_body_is_refused_at_the_first_text_past_the_context_and_read_no_further():
+    """Two texts that hold at least 300 tokens each by their bytes, then bytes that are not JSON: the second text
+    passes the 512-token context, so the 413 comes before the malformed rest is reached."""
+    texts = context_texts()
+    over = "w" * (texts.bound.longest * 300)
+    head = json.dumps({"question": "q", "documents": [{"text": over}, {"text": over}]})[:-2]
+    raw = (head + ', {"text": "unclosed \xff').encode()
+    with pytest.raises(TextsTooLong) as refused:
+        body.parse(raw, "application/json", QueryRequest, LIMITS, texts)
+    assert refused.value.prompt_tokens == 600 and refused.value.context == 512
+    assert "the first 2" in str(refused.value) and refused.value.__context__ is None
+    with pytest.raises(Refused):  # the same body read without the bound is read to its malformed end
+        body.parse(raw, "application/json", QueryRequest, LIMITS)
+
+
+def test_texts_within_the_context_and_a_compile_bodys_texts_are_read_whole():
+    """The bound counts only `documents[i].text` of an answered body: a question or a stop string as long is not
+    a raw text, and texts that may fit are left to the exact checks after the read."""
+    texts = context_texts()
+    fits = "w" * (texts.bound.longest * 250)  # 250 tokens at least: two fit the 512-token context
+    raw = json.dumps({"question": fits, "documents": [{"text": fits}, {"text": fits}], "stop": fits}).encode()
+    assert body.parse(raw, "application/json", QueryRequest, LIMITS, texts).documents[1].text == fits
+    assert texts.tokens == 500
+    raw = json.dumps({"documents": [{"text": fits}] * 3}).encode()
+    assert len(body.parse(raw, "application/json", CompileRequest, LIMITS).documents) == 3
