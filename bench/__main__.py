@@ -307,6 +307,8 @@ def soak(
     new_text_every: int = typer.Option(0, min=0, help="every n-th request carries a new raw text (a pool document "
                                        "with its words shuffled), stored and compiled on the fly (0: none)"),
     prefix_cache_mib: int = typer.Option(None, min=0, help="the server's prefix cache (default: its own, 256 MiB)"),
+    server_env: list[str] = typer.Option([], help="NAME=VALUE in the server's environment alone (repeatable), "
+                                         "say LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libjemalloc.so.2"),
     out: Path = Out,
     tag: str = Tag,
 ):
@@ -318,8 +320,11 @@ def soak(
     names = tuple(a.strip() for a in algorithms.split(",") if a.strip())
     if bad := [a for a in names if a not in mod.ALGORITHMS]:
         raise typer.BadParameter(f"unknown algorithm(s) {bad}: {', '.join(mod.ALGORITHMS)}")
+    if bad := [pair for pair in server_env if "=" not in pair]:
+        raise typer.BadParameter(f"--server-env takes NAME=VALUE: {bad}")
     mod.run(model, clients, 60 * minutes, distinct, pool, doc_tokens, max_tokens, abandon_every, names, out, tag,
-            redis_every, redis_down, tamper_every, new_text_every, prefix_cache_mib)
+            redis_every, redis_down, tamper_every, new_text_every, prefix_cache_mib,
+            dict(pair.split("=", 1) for pair in server_env))
 
 
 @app.command()

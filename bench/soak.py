@@ -65,7 +65,7 @@ def requests(pool: list[str], questions: list[str], distinct: int, algorithms: t
 def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int, doc_tokens: int, max_tokens: int,
         abandon_every: int, algorithms: tuple[str, ...], out_dir: Path | None = None, tag: str = "",
         redis_every: float = 90.0, redis_down: float = 20.0, tamper_every: float = 15.0, new_text_every: int = 0,
-        prefix_cache_mib: int | None = None) -> dict:
+        prefix_cache_mib: int | None = None, server_env: dict[str, str] | None = None) -> dict:
     import httpx
     from transformers import AutoTokenizer
 
@@ -75,6 +75,7 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
                   doc_tokens=doc_tokens, max_tokens=max_tokens, abandon_every=abandon_every,
                   algorithms=list(algorithms), tag=tag, redis_every=redis_every, redis_down=redis_down,
                   tamper_every=tamper_every, new_text_every=new_text_every, prefix_cache_mib=prefix_cache_mib,
+                  server_env=server_env or {},
                   server_threads=throughput.server_threads())
     bench = report.Run("soak", params, out_dir)
     tokenizer = AutoTokenizer.from_pretrained(models.resolve(model))
@@ -85,7 +86,7 @@ def run(model: str, clients: int, seconds: float, distinct: int, pool_size: int,
     try:
         with tempfile.TemporaryDirectory(prefix="ragcache-soak-") as folder:
             store = Path(folder)
-            env = {STORE_KEY_ENV: secrets.token_hex(16)}
+            env = {**(server_env or {}), STORE_KEY_ENV: secrets.token_hex(16)}
             if prefix_cache_mib is not None:
                 env["RAGCACHE_PREFIX_CACHE_MIB"] = str(prefix_cache_mib)
             server = throughput.Server(model, f"disk:{store}+{redis.url}", max_queue=4 * clients, extra_env=env)
