@@ -213,7 +213,10 @@ class Generation:
         if not self.finished:
             self.cancel()
         if self.watcher is not None:
+            # dropped here: the cancelled task keeps its CancelledError, whose traceback holds _watch's frame and so
+            # this Generation; kept, that cycle would hold the request's sequence and K/V until a full collection
             self.watcher.cancel()
+            self.watcher = None
         self.slot.queue.live.discard(self)
         self.slot.close()
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from contextlib import suppress
 
 from .errors import TextsTooLong
 
@@ -69,7 +70,8 @@ class ContextTexts:
         self.tokens, self.texts = 0, 0
 
     def add(self, text: str) -> None:
-        self.tokens += self.bound.at_least(text)
+        with suppress(UnicodeEncodeError):  # a lone surrogate: not text, refused by validation, which names the field
+            self.tokens += self.bound.at_least(text)
         self.texts += 1
         if self.tokens > self.context:
             how = f"from the bytes of the first {self.texts}, {self.bound.longest} a token"

@@ -51,12 +51,14 @@ class Scheme:
     group: int | None
     pairs: torch.dtype
     bits: int = 4
+    rotated: bool = False  # K and V quantized after a Hadamard rotation of head_dim (QuaRot's), rotated back after
+    keys_per_token: bool = False  # keys' pairs per token (over head_dim), not per channel over the chunk's tokens
 
     def bytes_vs_bf16(self, head_dim: int, tokens: int) -> float:
         pair = torch.finfo(self.pairs).bits // 8 * 2
         codes = head_dim * self.bits / 8
         value_pairs = pair * head_dim / (self.group or head_dim)
-        key_pairs = pair * head_dim / tokens
+        key_pairs = pair if self.keys_per_token else pair * head_dim / tokens
         return (2 * codes + value_pairs + key_pairs) / (2 * 2 * head_dim)
 
 
@@ -64,7 +66,19 @@ SCHEMES = {
     "shipped": Scheme("shipped", None, torch.float32),
     "v32-fp16": Scheme("v32-fp16", 32, torch.float16),
     "v16-fp16": Scheme("v16-fp16", 16, torch.float16),
+    "had": Scheme("had", None, torch.float32, rotated=True),
+    "had-ktok-fp16": Scheme("had-ktok-fp16", None, torch.float16, rotated=True, keys_per_token=True),
 }
+
+
+def hadamard(n: int) -> torch.Tensor:
+    """The n x n Hadamard matrix (Sylvester's; n a power of two) scaled to be orthonormal: its own inverse."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != n:
+        raise ValueError(f"head_dim {n} is not a power of two")
+    return h / n**0.5
 
 
 def fake_quantize(x: torch.Tensor, dim: int, bits: int, pairs: torch.dtype) -> torch.Tensor:
@@ -81,10 +95,14 @@ def fake_quantize(x: torch.Tensor, dim: int, bits: int, pairs: torch.dtype) -> t
 
 def through(scheme: Scheme, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[L, H, T, D] K/V as `scheme` stores and decodes them."""
-    k = fake_quantize(keys, 2, scheme.bits, scheme.pairs)
+    h = hadamard(keys.shape[-1]).to(torch.float32) if scheme.rotated else None
+    k_in, v_in = (keys.to(torch.float32) @ h, values.to(torch.float32) @ h) if h is not None else (keys, values)
+    k = fake_quantize(k_in, 3 if scheme.keys_per_token else 2, scheme.bits, scheme.pairs)
     group = scheme.group or values.shape[-1]
-    grouped = values.reshape(*values.shape[:-1], values.shape[-1] // group, group)
+    grouped = v_in.reshape(*values.shape[:-1], values.shape[-1] // group, group)
     v = fake_quantize(grouped, grouped.dim() - 1, scheme.bits, scheme.pairs).reshape(values.shape)
+    if h is not None:  # symmetric and orthonormal: H @ H = I
+        k, v = k @ h, v @ h
     return k.to(keys.dtype), v.to(values.dtype)
 
 

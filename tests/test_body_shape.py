@@ -153,3 +153,10 @@ def test_texts_within_the_context_and_a_compile_bodys_texts_are_read_whole():
     assert texts.tokens == 500
     raw = json.dumps({"documents": [{"text": fits}] * 3}).encode()
     assert len(body.parse(raw, "application/json", CompileRequest, LIMITS).documents) == 3
+
+
+def test_a_text_with_a_lone_surrogate_is_left_to_validation_which_names_it():
+    raw = b'{"question": "q", "documents": [{"text": "a\\udfff"}]}'
+    with pytest.raises(Refused) as refused:
+        body.parse(raw, "application/json", QueryRequest, LIMITS, context_texts())
+    assert refused.value.errors()[0]["loc"][:3] == ("body", "documents", 0), refused.value.errors()

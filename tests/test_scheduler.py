@@ -76,7 +76,7 @@ class Run:
 
     @property
     def logits(self) -> torch.Tensor:
-        return self.stream.linked.last_logits
+        return self.stream.answer.first_logits
 
 
 def ask(rc: RagCache, algorithm: str = "legolink", question: int = 0, docs: slice = slice(None), **kwargs) -> dict:

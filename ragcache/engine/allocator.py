@@ -25,6 +25,9 @@ def return_free_memory() -> None:
 
 def _glibc(function: str, *args: int) -> None:
     """Call an allocator function of glibc's; elsewhere there is nothing to do."""
-    call = getattr(ctypes.CDLL(None), function, None)
+    call = getattr(_PROCESS, function, None)
     if call is not None:
         call(*args)
+
+
+_PROCESS = ctypes.CDLL(None)  # once: each CDLL is a reference cycle of its own, left to the cycle collector

@@ -259,6 +259,8 @@ class Sequence:
             event = Failed(error) if status is Status.FAILED else Aborted()
         listener, self.listener = self.listener, ignore
         self.parts = self.plan = None
+        if self.decoding is not None:  # a link-only sequence's result is its Linked; an answer has its first logits
+            self.linked = None
         listener(event)
 
     def _finish(self) -> Answer:
