@@ -485,3 +485,10 @@ def test_the_int4_probe_reproduces_the_shipped_codec_and_its_groups_cut_the_valu
     assert all(torch.isfinite(t).all() for t in probe.through(probe.SCHEMES["v32-fp16"], keys, values))
     assert 0.27 < probe.SCHEMES["v32-fp16"].bytes_vs_bf16(64, 512) < 0.29
     assert abs(probe.SCHEMES["shipped"].bytes_vs_bf16(64, 512) - 0.285) < 0.01
+    h = probe.hadamard(64)  # the rotated schemes: orthonormal, its own inverse, so a rotation round trip is exact
+    torch.testing.assert_close(h @ h, torch.eye(64), rtol=0, atol=1e-6)
+    values[..., 0, :] *= 30  # a token whose one channel dwarfs the rest: rotated, it spreads over all of them
+    values[..., 0, 5] *= 30
+    _, rotated_v = probe.through(probe.SCHEMES["had"], keys, values)
+    _, shipped_v = probe.through(probe.SCHEMES["shipped"], keys, values)
+    assert (rotated_v - values).norm() < (shipped_v - values).norm()
