@@ -16,16 +16,14 @@ import gc
 import random
 import sys
 import tempfile
-import threading
 
-import httpx
 import torch
 
 from ragcache import models
 from ragcache.api.app import create_app
 from ragcache.facade import RagCache
 from ragcache.store import open_store
-from research.served_growth import WORDS, one
+from research.served_growth import WORDS, Load
 from tests.test_api import Server, settings
 
 
@@ -48,25 +46,12 @@ def main(n: int, model: str = "smollm2-135m", clients: int = 4) -> None:
     rc = RagCache(models.load(model), open_store("disk:" + tempfile.mkdtemp()))
     rng = random.Random(0)
     pool = rc.compile([" ".join(rng.choices(WORDS, k=120)) for _ in range(8)])
-    lock, taken = threading.Lock(), [0]
+    load = Load(pool, rng)
     with Server(create_app(rc, settings(max_queue=64))) as s:
-
-        def worker() -> None:
-            with httpx.Client(base_url=s.url, timeout=120) as c:
-                while True:
-                    with lock:
-                        if taken[0] >= n:
-                            return
-                        i = taken[0] = taken[0] + 1
-                    one(c, pool, rng, i)
-
-        for _ in range(20):  # warm: what the first requests build for good is not garbage
-            one(httpx.Client(base_url=s.url, timeout=120), pool, rng, 1)
+        load.run(s.url, 20, clients)  # warm: what the first requests build for good is not garbage
         garbage()
         gc.disable()
-        threads = [threading.Thread(target=worker) for _ in range(clients)]
-        [t.start() for t in threads]
-        [t.join() for t in threads]
+        load.run(s.url, 20 + n, clients)
         kinds, mib, found = garbage()
         gc.enable()
     print(f"{n} requests: {sum(kinds.values())} objects in cycles, tensors {mib:.1f} MiB ({mib / n * 1024:.0f} KiB a "

@@ -92,29 +92,41 @@ def one(client, pool: list[str], rng: random.Random, i: int, prefix_new: bool = 
     assert r.status_code == 200, r.text
 
 
+class Load:
+    """The soak's mix from `clients` threads, each on its own connection, numbered on from where the last run ended."""
+
+    def __init__(self, pool: list[str], rng: random.Random, prefix_new: bool = False):
+        self.pool, self.rng, self.prefix_new = pool, rng, prefix_new
+        self.lock, self.taken = threading.Lock(), 0
+
+    def run(self, url: str, stop_at: int, clients: int) -> None:
+        """Requests until `stop_at` have been taken in all."""
+        threads = [threading.Thread(target=self._worker, args=(url, stop_at)) for _ in range(clients)]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+
+    def _worker(self, url: str, stop_at: int) -> None:
+        with httpx.Client(base_url=url, timeout=120) as c:
+            while True:
+                with self.lock:
+                    if self.taken >= stop_at:
+                        return
+                    self.taken += 1
+                    i = self.taken
+                one(c, self.pool, self.rng, i, self.prefix_new)
+
+
 def main(n_total: int, every: int, with_redis: bool = False, clients: int = 4, prefix_new: bool = False) -> None:
     redis = LocalRedis().start() if with_redis else None
     url = "disk:" + tempfile.mkdtemp() + (f"+{redis.url}" if redis else "")
     rc = RagCache(models.load("smollm2-135m"), open_store(url))
     rng = random.Random(0)
     pool = rc.compile([" ".join(rng.choices(WORDS, k=120)) for _ in range(8)])
-    lock, taken = threading.Lock(), [0]
+    load = Load(pool, rng, prefix_new)
     with Server(create_app(rc, settings(max_queue=64))) as s:
-
-        def worker(stop_at: int) -> None:
-            with httpx.Client(base_url=s.url, timeout=120) as c:
-                while True:
-                    with lock:
-                        if taken[0] >= stop_at:
-                            return
-                        i = taken[0] = taken[0] + 1
-                    one(c, pool, rng, i, prefix_new)
-
         base = None
         for stage in range(1, n_total // every + 1):
-            threads = [threading.Thread(target=worker, args=(stage * every,)) for _ in range(clients)]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
+            load.run(s.url, stage * every, clients)
             kinds, mib = census()
             base = base or kinds
             grown = {k: v - base.get(k, 0) for k, v in kinds.items() if v - base.get(k, 0) > 50}
