@@ -33,20 +33,23 @@ class TokenBound:
         self.normalizer = backend.normalizer if backend is not None else None
         self.bytes_bound = backend is not None
 
-    def _normal(self, text: str) -> str:
-        return self.normalizer.normalize_str(text) if self.normalizer is not None else text
+    def size(self, text: str) -> int:
+        """The text's bytes in UTF-8, as the normalizer leaves it."""
+        normal = self.normalizer.normalize_str(text) if self.normalizer is not None else text
+        return len(normal.encode("utf-8"))
 
-    def at_least(self, text: str) -> int:
-        """Tokens the text holds at the least, from its bytes (0 where the bytes bound nothing)."""
-        return math.ceil(len(self._normal(text).encode("utf-8")) / self.longest) if self.bytes_bound else 0
+    def at_least(self, size: int) -> int:
+        """Tokens a text of `size` bytes (as `TokenBound.size` counts them) holds at the least; 0 where bytes bound
+        nothing."""
+        return math.ceil(size / self.longest) if self.bytes_bound else 0
 
     def refuse_over(self, texts: list[str], room: int, max_new_tokens: int, context: int) -> None:
         """TextsTooLong unless the texts may fit in `room` tokens: by their bytes first, then counted a slice at a
         time, stopping once the count is past the room. Texts of fewer bytes than the room are not counted: a
         token stands for a byte at the least (beside one a tokenizer may prepend), and Front._prompt measures them
         exactly anyway."""
-        sizes = [len(self._normal(text).encode("utf-8")) for text in texts]
-        bound = sum(math.ceil(size / self.longest) for size in sizes) if self.bytes_bound else 0
+        sizes = [self.size(text) for text in texts]
+        bound = sum(map(self.at_least, sizes))
         if bound > room:
             raise TextsTooLong(bound, max_new_tokens, context, f"from their {sum(sizes)} bytes, {self.longest} a token")
         if sum(sizes) + len(texts) <= room:
@@ -71,7 +74,7 @@ class ContextTexts:
 
     def add(self, text: str) -> None:
         with suppress(UnicodeEncodeError):  # a lone surrogate: not text, refused by validation, which names the field
-            self.tokens += self.bound.at_least(text)
+            self.tokens += self.bound.at_least(self.bound.size(text))
         self.texts += 1
         if self.tokens > self.context:
             how = f"from the bytes of the first {self.texts}, {self.bound.longest} a token"
