@@ -58,6 +58,12 @@ def selected_attention(query, keys, values, query_positions, scale, window=None,
     return _impl(query.device).selected_attention(query, keys, values, query_positions, scale, window, contiguous_from)
 
 
+def aligned_attention(query, keys, values, first, scale, window=None):
+    """Rows at positions first..first+n-1 over the cache's keys before them, each row's bits independent of where
+    its piece was cut (see torch_ref). Torch on every device."""
+    return torch_ref.aligned_attention(query, keys, values, first, scale, window)
+
+
 def to_device(t, device):
     """`t` on `device`, a host tensor bound for CUDA pinned first and copied without holding the host (see
     torch_ref)."""

@@ -227,6 +227,66 @@ def fresh_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tenso
     return out.transpose(1, 2)
 
 
+# Cut-invariant attention's grid: query rows in tiles at absolute positions 0, ALIGNED_ROWS, ..., keys in blocks
+# at 0, ALIGNED_KEYS, ...: a row always has the same place in a tile of the same shape, whatever piece it came in.
+ALIGNED_ROWS = 16
+ALIGNED_KEYS = 256
+
+
+def aligned_attention(query, keys, values, first: int, scale: float, window: int | None = None) -> torch.Tensor:
+    """Rows at positions first..first+n-1 over keys [0, first+n), each row's bits a function of its own query and
+    the keys it sees, not of where its piece begins or ends: a prompt prefilled in pieces cut anywhere (a smaller
+    row budget, a link's repair after its first token) gets the rows one piece would give, bit for bit.
+
+    SDPA's kernels split rows and keys by the call's shape, so the same row rounds differently in another piece.
+    Here a row is one of the ALIGNED_ROWS rows of its tile (padded with zeros), at a place fixed by its position;
+    a tile's products with the keys are a matmul of that shape; its probabilities times the values go one block of
+    ALIGNED_KEYS keys at a time, the blocks' sums added in order. Keys outside a row's view are masked to an exact
+    0, and adding 0 changes no bit, so the keys a longer piece brings change nothing. fp32 throughout.
+    query [H, n, D]; keys/values [KVH, >= first+n, D] -> [n, H, D] in the query's dtype."""
+    heads, rows, dim = query.shape
+    kv_heads = keys.shape[0]
+    end = first + rows
+    if first < 0 or keys.shape[1] < end:
+        raise ValueError(f"rows at {first}..{end - 1} need keys up to {end}, the cache holds {keys.shape[1]}")
+    lo = first // ALIGNED_ROWS * ALIGNED_ROWS
+    tiles = -(-(end - lo) // ALIGNED_ROWS)
+    key_lo = 0 if window is None else max(lo - window + 1, 0) // ALIGNED_KEYS * ALIGNED_KEYS
+    blocks = -(-(end - key_lo) // ALIGNED_KEYS)
+    length = blocks * ALIGNED_KEYS
+    q = query.new_zeros(heads, tiles * ALIGNED_ROWS, dim, dtype=torch.float32)
+    q[:, first - lo : end - lo] = query
+    k, v = (q.new_zeros(kv_heads, length, dim) for _ in range(2))
+    k[:, : end - key_lo] = keys[:, key_lo:end]
+    v[:, : end - key_lo] = values[:, key_lo:end]
+    # [kv_heads, group * tiles * ALIGNED_ROWS, dim]: a KV head's query heads and tiles are rows of one matmul
+    logits = torch.matmul(q.view(kv_heads, -1, dim), k.transpose(1, 2)).mul_(scale)
+    logits.view(heads, tiles, ALIGNED_ROWS, length).add_(_aligned_mask(lo, tiles, key_lo, length, window, q.device))
+    probs = torch.exp(logits.sub_(logits.amax(-1, keepdim=True)))
+    sums = probs.view(kv_heads, -1, blocks, ALIGNED_KEYS).sum(-1)  # each block's keys reduced alike
+    total, acc = None, None
+    for b in range(blocks):  # in block order, one add each: a block of exact zeros changes no bit
+        keys_of = slice(b * ALIGNED_KEYS, (b + 1) * ALIGNED_KEYS)
+        part = torch.matmul(probs[..., keys_of], v[:, keys_of])
+        total, acc = (sums[..., b], part) if b == 0 else (total + sums[..., b], acc + part)
+    out = acc.div_(total[..., None]).view(heads, -1, dim)
+    return out[:, first - lo : end - lo].transpose(0, 1).to(query.dtype)
+
+
+@functools.lru_cache(maxsize=8)
+def _aligned_mask(
+    lo: int, tiles: int, key_lo: int, length: int, window: int | None, device: torch.device
+) -> torch.Tensor:
+    """Additive fp32 mask [tiles, ALIGNED_ROWS, length] of the tiles from `lo` over keys from key_lo: -inf past
+    each row (and before its window). Made once for a step's layers."""
+    row = torch.arange(lo, lo + tiles * ALIGNED_ROWS, device=device).view(tiles, ALIGNED_ROWS, 1)
+    key = torch.arange(key_lo, key_lo + length, device=device)
+    hidden = key > row
+    if window is not None:
+        hidden |= key <= row - window
+    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, -float("inf"))
+
+
 def _contiguous_attention(query, keys, values, first: int, scale: float, window: int | None) -> torch.Tensor:
     """Rows at positions first..first+n-1, keys [0, first+n) of the cache; blocks of rows under a sliding window
     only read the keys their window reaches."""

@@ -128,8 +128,9 @@ def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
     assert kinds[2][1] is b and step.rows == 16  # b's piece has the rest of the budget
     a.cache.length += 1  # the runner feeds a's token
     run_plan(scheduler, step, {})
-    # caught up in that step: its decode row attended to exact rows only, so nothing is left to repair
-    assert a.repair.next == 6 and a.repair.size(a.cache.length) == 0
+    # caught up in that step: its decode row attended to exact rows only, and so will every row decoded after it
+    assert a.repair is None and a.stats.repaired_tokens == 4 and a.stats.repair_caught_up
+    a.cache.length += 1
     assert [w.kind for w in scheduler.schedule().work if w.sequence is a] == [Kind.DECODE]
 
 

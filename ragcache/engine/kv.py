@@ -40,6 +40,9 @@ class JoinedCache:
         self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
+        # its rows in contiguous pieces attend by kernels.aligned_attention, whose bits do not depend on where a
+        # piece is cut (Runner.cut_invariant): a query's, not a compile's
+        self.cut_invariant = False
         # placing in flight (ragcache.engine.copies): an event per layer on the copy stream, and the entries copied from
         self.pending: list | None = None
         self.holds: list = []
@@ -317,6 +320,8 @@ class Batch:
     ) -> torch.Tensor:
         """One request's rows [heads, n, head_dim] over its own cache -> [n, heads, head_dim]."""
         keys, values = seg.cache.visible(layer)
+        if seg.cache.cut_invariant and seg.contiguous_from is not None and seg.scores is None:
+            return kernels.aligned_attention(query, keys, values, seg.contiguous_from, scale, window)
         if seg.scores is not None:
             out, weights = kernels.scored_attention(query, keys, values, seg.rows, scale, window)
             seg.scores[layer] += weights
@@ -332,7 +337,7 @@ def _fresh_groups(segments: list[Segment]) -> list[list[Segment]]:
     would otherwise take one call each per layer)."""
     by_rows: dict[int, list[Segment]] = {}
     for seg in segments:
-        if seg.contiguous_from == 0 and seg.scores is None:
+        if seg.contiguous_from == 0 and seg.scores is None and not seg.cache.cut_invariant:
             by_rows.setdefault(seg.end - seg.start, []).append(seg)
     return [group for group in by_rows.values() if len(group) > 1]
 

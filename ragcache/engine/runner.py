@@ -141,6 +141,10 @@ class Runner:
         self.config = config
         self.device = next(model.parameters()).device
         self.batch_invariant = invariant.default_for(self.device) if batch_invariant is None else batch_invariant
+        # and cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
+        # repair after its first token, which then catches up with `full`'s cache bit for bit). On CUDA its prefill
+        # stays FlashAttention's, whose rows round by the piece.
+        self.cut_invariant = self.batch_invariant and self.device.type == "cpu"
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers[: config.num_hidden_layers])
@@ -210,6 +214,7 @@ class Runner:
         seq = work.sequence
         seq.link_started = time.perf_counter()
         plan = linker.plan(self, seq.parts, seq.params, seq.room, seq.prefix_cache)
+        plan.cache.cut_invariant = self.cut_invariant and seq.compile is None
         if plan.last_logits is None:
             return StepResult(plan=plan)
         return self._sampled(seq, plan, plan.last_logits, 0)  # an exact repeat of a cached prompt: linked already

@@ -238,11 +238,14 @@ class Scheduler:
             sequence = work.sequence
             if work.kind is Kind.REPAIR:  # no output of its own: a step that fails fails its decode row too
                 if result.error is None and sequence.repair is not None:
-                    # caught up: the step's decode row attended to exact rows only, so it is exact too
+                    # caught up: the step's decode row attended to exact rows only, so it is exact too, and so is
+                    # every row decoded after it: nothing is left to repair
                     caught_up = work.stop == sequence.cache.length - 1
-                    sequence.repair.next = work.stop + caught_up
+                    sequence.repair.next = work.stop
                     sequence.stats.repaired_tokens += work.stop - work.start
                     sequence.stats.repair_caught_up |= caught_up
+                    if caught_up:
+                        sequence.repair = None
                 continue
             if result.error is not None:
                 outputs.append((sequence, self._leave(sequence, Output(status=Status.FAILED, error=result.error))))
