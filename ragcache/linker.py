@@ -146,7 +146,7 @@ class LinkPlan:
     rotate_s: float
     last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
     # positions [0, exact_until) hold, once its rows have run, the K/V `full` computes for them: the prefix a `prefix`
-    # link reused, and the rows it recomputes from there on in a causal run. From there on a row may be stale: it was
+    # link reused, and the rows it recomputes from there on in a causal run (0 for a link over chunks, below). From there on a row may be stale: it was
     # computed without some row before it (a chunk's entry, from the chunk alone), or over such a row.
     exact_until: int = 0
 
@@ -175,12 +175,18 @@ def plan(
     scores = question_attention(runner, parts, cache).sum(0) if scored else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
     rows = rows.sort().values
-    # A system prefix placed from its entry is `full`'s only within rounding (its keys went back to pre-RoPE and
-    # forward again): repair recomputes it too, a few rows, so that a cut-invariant runner's repaired cache is
-    # `full`'s bit for bit. A `prefix` hit holds rows as a link computed them.
-    exact = reused if algorithm(params.algorithm).reuses == "prefix" else 0
+    # A link over chunk entries holds `full`'s rows nowhere bit for bit: its system prefix was placed from an entry
+    # (keys back to pre-RoPE and forward again), and rows it recomputes among the chunks' run through the attention
+    # of scattered rows, which rounds by its call. Its repair starts at row 0, so that on a cut-invariant runner the
+    # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` run their rows in causal pieces.
+    chunks = algorithm(params.algorithm).reuses == "chunks"
     return LinkPlan(
-        cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact_until(rows, exact, narrow)
+        cache,
+        ids,
+        rows,
+        narrow,
+        time.perf_counter() - started,
+        exact_until=0 if chunks else exact_until(rows, reused, narrow),
     )
 
 

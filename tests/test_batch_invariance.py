@@ -258,3 +258,36 @@ def test_the_padding_rows_of_a_forward_change_no_request_row(dtype):
         assert torch.equal(outs[0], outs[1]), rows
         assert torch.equal(caches[0].keys, caches[1].keys) and not caches[0].keys[:, :, rows:].any()
 
+
+
+def test_a_prompt_gives_the_same_bits_cut_into_pieces_of_any_size(rc):
+    """Cut invariance (Runner.cut_invariant, CPU): `full` prefilled in pieces of 40 rows (this engine's budget), 7
+    and 512 (one piece) gives the same first-token logits and answer, bit for bit. SDPA rounds a row by the piece
+    it came in."""
+    assert rc.runner.cut_invariant
+    ask = dict(question=QUESTIONS[2], docs=rc.doc_ids, algorithm="full", max_new_tokens=12)
+    runs = []
+    try:
+        for budget in (40, 7, 512):
+            rc.set_row_budgets(row_budget=budget)
+            runs.append(Run(rc, **ask).open().wait())
+    finally:
+        rc.set_row_budgets(row_budget=40)
+    assert runs[0].stream.answer.stats.prompt_tokens > 80  # several pieces at 40
+    for run in runs[1:]:
+        assert torch.equal(run.logits, runs[0].logits)
+        assert run.stream.answer.token_ids == runs[0].stream.answer.token_ids
+
+
+def test_a_repair_that_catches_up_gives_fulls_answer_bit_for_bit(rc):
+    """focus with a repair that catches up in its first decode step answers as `full` does, token for token, where
+    its first token is `full`'s (repair starts after it). Before cut invariance the repaired rows were `full`'s
+    only within rounding, and near ties flipped later tokens."""
+    full = Run(rc, question=QUESTIONS[1], docs=rc.doc_ids, algorithm="full", max_new_tokens=24).open().wait()
+    ask = dict(question=QUESTIONS[1], docs=rc.doc_ids, algorithm="focus", max_new_tokens=24)
+    repaired = Run(rc, **ask, repair=4096).open().wait().stream.answer
+    first = full.stream.answer.token_ids[0]
+    if repaired.token_ids[0] != first:
+        pytest.skip(f"focus's first token is not full's on this machine's dtype ({repaired.token_ids[0]} vs {first})")
+    assert repaired.stats.repair_caught_up and repaired.stats.repaired_tokens == repaired.stats.prompt_tokens
+    assert repaired.token_ids == full.stream.answer.token_ids

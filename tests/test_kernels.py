@@ -13,6 +13,7 @@ if os.environ.get("TRITON_INTERPRET") != "0" or not torch.cuda.is_available():
 
 import importlib  # noqa: E402
 import math  # noqa: E402
+import random  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import textwrap  # noqa: E402
@@ -827,3 +828,28 @@ def test_write_slot_runs_writes_live_rows_and_leaves_the_rest():
     assert torch.equal(pool_keys[2, :, 5], fresh[:, 0]) and torch.equal(pool_keys[2, :, 6], fresh[:, 1])
     assert torch.equal(pool_keys[0, :, 7], fresh[:, 2]) and torch.equal(pool_values[0, :, 7], -fresh[:, 2])
     assert pool_keys.count_nonzero() == 3 * 2 * 4  # three live rows of 2 heads x 4; slot 1 untouched
+
+
+@pytest.mark.parametrize("window", [None, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(dtype, window):
+    """A prompt's rows in one piece, in pieces cut at random places, and one row at a time: the same bits (what a
+    repair that catches up needs to hold `full`'s cache exactly); and the plain definition's values within the
+    dtype's rounding. GQA; a sliding window on one side."""
+    heads, kv_heads, rows, dim = 6, 2, 300, 16
+    query = _randn(heads, rows, dim, dtype=dtype, device="cpu", seed=5)
+    keys, values = (_randn(kv_heads, rows, dim, dtype=dtype, device="cpu", seed=s) for s in (6, 7))
+    whole = kernels.aligned_attention(query, keys, values, 0, 0.25, window)
+    rng = random.Random(3)
+    for _ in range(6):
+        bounds = [0, *sorted(rng.sample(range(1, rows), rng.randint(1, 8))), rows]
+        cut = [
+            kernels.aligned_attention(query[:, a:b], keys, values, a, 0.25, window) for a, b in zip(bounds, bounds[1:])
+        ]
+        assert torch.equal(torch.cat(cut), whole), bounds
+    for p in (0, 1, 15, 16, 17, 255, 256, 299):  # alone, at each edge of a tile and of a block of keys
+        alone = kernels.aligned_attention(query[:, p : p + 1], keys, values, p, 0.25, window)
+        assert torch.equal(alone, whole[p : p + 1])
+    _close(whole, _reference(query, keys, values, torch.arange(rows), 0.25, window), dtype)
+    with pytest.raises(ValueError, match="need keys up to 300"):
+        kernels.aligned_attention(query, keys[:, :299], values, 0, 0.25)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ragcache import agreement, linker
+from ragcache.engine.sampling import Decoding, Step
 from ragcache.engine.sequence import Repair
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
@@ -62,7 +63,7 @@ def test_once_every_row_is_repaired_the_cache_is_fulls(family, invariant, algori
 def test_without_repair_or_with_a_row_skipped_the_cache_is_not_fulls(monkeypatch):
     """The comparison above has teeth: a link's stale rows differ from full's, and a repair that starts late, past
     rows of the second chunk (its rows attend to stale ones), leaves the rows after them wrong, not only the skipped
-    ones. (The first chunk's entry, computed behind BOS alone as `full` computes it, happens to be exact.)"""
+    ones."""
     rc = engine()
     ids = rc.compile(DOCS)
     held = caches_at_release(rc)
@@ -70,8 +71,17 @@ def test_without_repair_or_with_a_row_skipped_the_cache_is_not_fulls(monkeypatch
     keys = held[-1][0]  # (the `full` link below is released too)
     want_keys, _ = full_cache(rc, ids, stale.token_ids)
     assert keys.shape == want_keys.shape and not torch.allclose(keys, want_keys, atol=1e-3)
-    plan = linker.exact_until
-    monkeypatch.setattr(linker, "exact_until", lambda rows, reused, narrow: plan(rows, reused, narrow) + 60)
+    from ragcache.engine import scheduler
+
+    start = scheduler._repair
+
+    def late(sequence):
+        repair = start(sequence)
+        if repair is not None:
+            repair.next += 60
+        return repair
+
+    monkeypatch.setattr(scheduler, "_repair", late)
     skipped = rc.query(QUESTION, ids, algorithm="naive", repair=40, max_new_tokens=24)
     keys = held[-1][0]
     want_keys, _ = full_cache(rc, ids, skipped.token_ids)
@@ -158,3 +168,36 @@ def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_step
     )
     rc.close()
     packed.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding windows and two rope tables
+@pytest.mark.parametrize("per_step", [4096, 40])
+def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, monkeypatch):
+    """On CPU (batch-invariant, so cut-invariant) a repair recomputes each row with the arithmetic `full` gave it,
+    whatever pieces either ran in: a prompt row as `full`'s prefill (the system prefix placed from its entry, `full`'s
+    only within rounding, included), a decoded row as the decode step did. So once caught up, in one step (4096) or
+    over several (40), the cache is `full`'s for the same tokens bit for bit. Both answers are made `full`'s greedy
+    tokens, so that a link's stale first steps cannot steer the answer elsewhere. `full`'s prompt runs in pieces of
+    100 rows, a repair's in pieces of its own."""
+    rc = engine(family, row_budget=100)
+    assert rc.runner.cut_invariant
+    ids = rc.compile(DOCS)
+    tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=24).token_ids
+
+    def accept(self, logits):
+        token = tokens[len(self.token_ids)]
+        self.token_ids.append(token)
+        return Step(token, self.assembler.push(token))
+
+    monkeypatch.setattr(Decoding, "accept", accept)
+    held = caches_at_release(rc)
+    full = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=24)
+    repaired = rc.query(QUESTION, ids, algorithm="focus", ratio=0.25, repair=per_step, max_new_tokens=24)
+    assert full.token_ids == repaired.token_ids == tokens
+    prompt = full.stats.prompt_tokens
+    assert repaired.stats.repair_caught_up and repaired.stats.repaired_tokens >= prompt  # its system prefix too
+    if per_step > prompt:  # caught up in the first decode step: what was decoded after it is exact already
+        assert repaired.stats.repaired_tokens == prompt
+    (full_keys, full_values), (keys, values) = held
+    assert torch.equal(keys, full_keys) and torch.equal(values, full_values)
+    rc.close()

@@ -40,9 +40,10 @@ class JoinedCache:
         self.capacity = capacity
         self.length = 0  # positions [0, length) are visible to attention
         self.slot: int | None = None  # its slot in the KVPool, when it is in it
-        # its rows in contiguous pieces attend by kernels.aligned_attention, whose bits do not depend on where a
-        # piece is cut (Runner.cut_invariant): a query's, not a compile's
-        self.cut_invariant = False
+        # A query's cache on a cut-invariant runner (Runner.cut_invariant): where its decoded rows start. Its rows
+        # in contiguous pieces attend as `full`'s would, bit for bit, wherever a piece is cut: prompt rows by
+        # kernels.aligned_attention, decoded rows (a repair recomputes them) as a decode step computes them.
+        self.decoded_from: int | None = None
         # placing in flight (ragcache.engine.copies): an event per layer on the copy stream, and the entries copied from
         self.pending: list | None = None
         self.holds: list = []
@@ -320,8 +321,8 @@ class Batch:
     ) -> torch.Tensor:
         """One request's rows [heads, n, head_dim] over its own cache -> [n, heads, head_dim]."""
         keys, values = seg.cache.visible(layer)
-        if seg.cache.cut_invariant and seg.contiguous_from is not None and seg.scores is None:
-            return kernels.aligned_attention(query, keys, values, seg.contiguous_from, scale, window)
+        if seg.cache.decoded_from is not None and seg.contiguous_from is not None and seg.scores is None:
+            return _attend_as_full(seg, layer, query, keys, values, scale, window)
         if seg.scores is not None:
             out, weights = kernels.scored_attention(query, keys, values, seg.rows, scale, window)
             seg.scores[layer] += weights
@@ -331,13 +332,28 @@ class Batch:
         )
 
 
+def _attend_as_full(seg: Segment, layer: int, query, keys, values, scale: float, window: int | None) -> torch.Tensor:
+    """A cut-invariant cache's contiguous rows [H, n, D] -> [n, H, D], each with the bits `full` gives it: a prompt
+    row as its prefill, in whatever piece; a decoded row (recomputed by a repair) as the batch-invariant decode step
+    (PooledRows._attend_whole): alone over its slot's whole capacity, which its cache's buffers are. One call a
+    decoded row: a call over the slot's keys expanded to several rows rounds them differently."""
+    first, rows = seg.contiguous_from, query.shape[1]
+    prompt = min(max(seg.cache.decoded_from - first, 0), rows)
+    outs = [kernels.aligned_attention(query[:, :prompt], keys, values, first, scale, window)] if prompt else []
+    whole_keys, whole_values = seg.cache.keys[layer][None], seg.cache.values[layer][None]
+    for row in range(prompt, rows):
+        allowed = kernels.decode_mask(torch.tensor([first + row], device=query.device), whole_keys.shape[2], window)
+        outs.append(kernels.stacked_decode_attention(query[:, row : row + 1], whole_keys, whole_values, allowed, scale))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 def _fresh_groups(segments: list[Segment]) -> list[list[Segment]]:
     """Segments whose rows are positions 0..n-1 (nothing before them in their caches: their keys are their own),
     by n, where at least two have the same n: one attention call each group (a compile's chunks packed in a step
     would otherwise take one call each per layer)."""
     by_rows: dict[int, list[Segment]] = {}
     for seg in segments:
-        if seg.contiguous_from == 0 and seg.scores is None and not seg.cache.cut_invariant:
+        if seg.contiguous_from == 0 and seg.scores is None and seg.cache.decoded_from is None:
             by_rows.setdefault(seg.end - seg.start, []).append(seg)
     return [group for group in by_rows.values() if len(group) > 1]
 

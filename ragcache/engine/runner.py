@@ -214,7 +214,8 @@ class Runner:
         seq = work.sequence
         seq.link_started = time.perf_counter()
         plan = linker.plan(self, seq.parts, seq.params, seq.room, seq.prefix_cache)
-        plan.cache.cut_invariant = self.cut_invariant and seq.compile is None
+        if self.cut_invariant and seq.compile is None:
+            plan.cache.decoded_from = plan.token_ids.numel()
         if plan.last_logits is None:
             return StepResult(plan=plan)
         return self._sampled(seq, plan, plan.last_logits, 0)  # an exact repeat of a cached prompt: linked already
