@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> None:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     variants = parse_variants(args.variants)
     items = squad.load_items(args.n, seed=args.seed)
+    where = machine()  # the commit it starts on: the code this process runs
     lm = load_model(args.model, args.dtype)
     rc = engine(lm, "memory:", 512)
     rc.warmup()
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
             summary.setdefault(k, {})[metric] = dict(mean=round(mean, 4), ci95=[round(lo, 4), round(hi, 4)])
     out = dict(
         probe="cut_rounding",
-        machine=machine(),
+        machine=where,
         model=args.model,
         dtype=str(lm.dtype),
         n=len(items),

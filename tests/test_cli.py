@@ -348,7 +348,7 @@ def test_the_demo_reads_at_80_columns():
     """Each question is a block: its figures on one line, its answer under them, nothing past 80 columns."""
     from rich.console import Console
 
-    from ragcache.demo import run_demo
+    from ragcache.demo import REPAIR_ROWS, run_demo
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
@@ -368,7 +368,7 @@ def test_the_demo_reads_at_80_columns():
         assert row["question"] in text
     repaired = [row for row in rows if row["repair"]]
     assert len(repaired) == 2 and all(row["repaired_tokens"] > 0 for row in repaired)
-    assert text.count("with repair=64: ") == 2 and text.count("stale rows repaired") == 2
+    assert text.count(f"with repair={REPAIR_ROWS}: ") == 2 and text.count("stale rows repaired") == 2
     linked = [row for row in rows if row["algorithm"] != "full"]  # each says whether it is full's answer
     assert text.count("same answer as full") == sum(row["same_as_full"] for row in linked)
     assert text.count("answer differs from full") == sum(not row["same_as_full"] for row in linked)
