@@ -239,10 +239,12 @@ def aligned_attention(query, keys, values, first: int, scale: float, window: int
     row budget, a link's repair after its first token) gets the rows one piece would give, bit for bit.
 
     SDPA's kernels split rows and keys by the call's shape, so the same row rounds differently in another piece.
-    Here a row is one of the ALIGNED_ROWS rows of its tile (padded with zeros), at a place fixed by its position;
-    a tile's products with the keys are a matmul of that shape; its probabilities times the values go one block of
-    ALIGNED_KEYS keys at a time, the blocks' sums added in order. Keys outside a row's view are masked to an exact
-    0, and adding 0 changes no bit, so the keys a longer piece brings change nothing. fp32 throughout.
+    Here a row is one of the ALIGNED_ROWS rows of its tile (padded with zeros), at a place fixed by its position,
+    and meets the keys one block of ALIGNED_KEYS at a time, from position 0 on, in an online softmax (each matmul's
+    inner size fixed: head_dim, then the block). A block a row sees nothing of changes none of its bits (its max
+    stays, its scale is exp(0) = 1, it adds exact zeros), so a row skips the blocks past its position and before its
+    window, and rows that share a block's matmul do not change each other's bits. The numerics of the batch-invariant
+    decode (`_eager_attention`): both matmuls in the query's dtype, the softmax and the running sums in fp32.
     query [H, n, D]; keys/values [KVH, >= first+n, D] -> [n, H, D] in the query's dtype."""
     heads, rows, dim = query.shape
     kv_heads = keys.shape[0]
@@ -250,37 +252,53 @@ def aligned_attention(query, keys, values, first: int, scale: float, window: int
     if first < 0 or keys.shape[1] < end:
         raise ValueError(f"rows at {first}..{end - 1} need keys up to {end}, the cache holds {keys.shape[1]}")
     lo = first // ALIGNED_ROWS * ALIGNED_ROWS
-    tiles = -(-(end - lo) // ALIGNED_ROWS)
-    key_lo = 0 if window is None else max(lo - window + 1, 0) // ALIGNED_KEYS * ALIGNED_KEYS
-    blocks = -(-(end - key_lo) // ALIGNED_KEYS)
-    length = blocks * ALIGNED_KEYS
-    q = query.new_zeros(heads, tiles * ALIGNED_ROWS, dim, dtype=torch.float32)
+    hi = -(-end // ALIGNED_ROWS) * ALIGNED_ROWS
+    q = query.new_zeros(heads, hi - lo, dim)
     q[:, first - lo : end - lo] = query
-    k, v = (q.new_zeros(kv_heads, length, dim) for _ in range(2))
+    q = q.view(kv_heads, heads // kv_heads, hi - lo, dim)  # a KV head's query heads share its keys' matmul
+    # each row's running max, sum and output
+    top = q.new_full((kv_heads, heads // kv_heads, hi - lo, 1), -float("inf"), dtype=torch.float32)
+    total = torch.zeros_like(top)
+    acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    key_lo = 0 if window is None else max(lo - window + 1, 0) // ALIGNED_KEYS * ALIGNED_KEYS
+    key_hi = -(-end // ALIGNED_KEYS) * ALIGNED_KEYS  # the keys in whole blocks, zeros past the last row's
+    k, v = (q.new_zeros(kv_heads, key_hi - key_lo, dim) for _ in range(2))
     k[:, : end - key_lo] = keys[:, key_lo:end]
     v[:, : end - key_lo] = values[:, key_lo:end]
-    # [kv_heads, group * tiles * ALIGNED_ROWS, dim]: a KV head's query heads and tiles are rows of one matmul
-    logits = torch.matmul(q.view(kv_heads, -1, dim), k.transpose(1, 2)).mul_(scale)
-    logits.view(heads, tiles, ALIGNED_ROWS, length).add_(_aligned_mask(lo, tiles, key_lo, length, window, q.device))
-    probs = torch.exp(logits.sub_(logits.amax(-1, keepdim=True)))
-    sums = probs.view(kv_heads, -1, blocks, ALIGNED_KEYS).sum(-1)  # each block's keys reduced alike
-    total, acc = None, None
-    for b in range(blocks):  # in block order, one add each: a block of exact zeros changes no bit
-        keys_of = slice(b * ALIGNED_KEYS, (b + 1) * ALIGNED_KEYS)
-        part = torch.matmul(probs[..., keys_of], v[:, keys_of])
-        total, acc = (sums[..., b], part) if b == 0 else (total + sums[..., b], acc + part)
-    out = acc.div_(total[..., None]).view(heads, -1, dim)
+    for block in range(key_lo, end, ALIGNED_KEYS):
+        block_end = block + ALIGNED_KEYS
+        # the tiles with a row that sees a key of this block: at or past its start, within reach of its window
+        row_lo = max(block // ALIGNED_ROWS * ALIGNED_ROWS, lo)
+        row_hi = hi if window is None else min(hi, -(-(block_end - 1 + window) // ALIGNED_ROWS) * ALIGNED_ROWS)
+        if row_lo >= row_hi:
+            continue
+        block_keys = slice(block - key_lo, block_end - key_lo)
+        span = slice(row_lo - lo, row_hi - lo)  # views: the running values are updated in place
+        row_max, row_sum, row_out = top[:, :, span], total[:, :, span], acc[:, :, span]
+        logits = torch.matmul(q[:, :, span].reshape(kv_heads, -1, dim), k[:, block_keys].transpose(1, 2))
+        logits = logits.float().mul_(scale).view(kv_heads, -1, row_hi - row_lo, ALIGNED_KEYS)
+        if block_end > row_lo or (window is not None and block < row_hi - window):  # some key hidden from some row
+            logits.add_(_aligned_mask(row_lo, row_hi, block, window, q.device))
+        seen = torch.maximum(row_max, logits.amax(-1, keepdim=True))
+        # A row whose window starts past this block has seen nothing yet (-inf): it keeps its zeros, and its max
+        # stays -inf, so its first block with a key it sees finds it as it was at the start.
+        safe = seen if window is None else seen.masked_fill(seen == -float("inf"), 0.0)
+        probs = torch.exp(logits.sub_(safe))
+        rescale = torch.exp(row_max.sub_(safe))
+        row_sum.mul_(rescale).add_(probs.sum(-1, keepdim=True))
+        part = torch.matmul(probs.view(kv_heads, -1, ALIGNED_KEYS).to(v.dtype), v[:, block_keys])
+        row_out.mul_(rescale).add_(part.view(row_out.shape))
+        row_max.copy_(seen)
+    out = acc.div_(total).view(heads, hi - lo, dim)
     return out[:, first - lo : end - lo].transpose(0, 1).to(query.dtype)
 
 
 @functools.lru_cache(maxsize=8)
-def _aligned_mask(
-    lo: int, tiles: int, key_lo: int, length: int, window: int | None, device: torch.device
-) -> torch.Tensor:
-    """Additive fp32 mask [tiles, ALIGNED_ROWS, length] of the tiles from `lo` over keys from key_lo: -inf past
-    each row (and before its window). Made once for a step's layers."""
-    row = torch.arange(lo, lo + tiles * ALIGNED_ROWS, device=device).view(tiles, ALIGNED_ROWS, 1)
-    key = torch.arange(key_lo, key_lo + length, device=device)
+def _aligned_mask(row_lo: int, row_hi: int, block: int, window: int | None, device: torch.device) -> torch.Tensor:
+    """Additive fp32 mask [rows, ALIGNED_KEYS] of rows row_lo.. over the block of keys from `block`: -inf past each
+    row (and before its window). Made once for a step's layers."""
+    row = torch.arange(row_lo, row_hi, device=device)[:, None]
+    key = torch.arange(block, block + ALIGNED_KEYS, device=device)[None, :]
     hidden = key > row
     if window is not None:
         hidden |= key <= row - window

@@ -836,7 +836,7 @@ def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(dty
     """A prompt's rows in one piece, in pieces cut at random places, and one row at a time: the same bits (what a
     repair that catches up needs to hold `full`'s cache exactly); and the plain definition's values within the
     dtype's rounding. GQA; a sliding window on one side."""
-    heads, kv_heads, rows, dim = 6, 2, 300, 16
+    heads, kv_heads, rows, dim = 6, 2, 600, 16  # rows whose windows start in the second block of keys and later
     query = _randn(heads, rows, dim, dtype=dtype, device="cpu", seed=5)
     keys, values = (_randn(kv_heads, rows, dim, dtype=dtype, device="cpu", seed=s) for s in (6, 7))
     whole = kernels.aligned_attention(query, keys, values, 0, 0.25, window)
@@ -847,9 +847,9 @@ def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(dty
             kernels.aligned_attention(query[:, a:b], keys, values, a, 0.25, window) for a, b in zip(bounds, bounds[1:])
         ]
         assert torch.equal(torch.cat(cut), whole), bounds
-    for p in (0, 1, 15, 16, 17, 255, 256, 299):  # alone, at each edge of a tile and of a block of keys
+    for p in (0, 1, 15, 16, 17, 255, 256, 299, 550, 599):  # alone, at each edge of a tile and of a block of keys
         alone = kernels.aligned_attention(query[:, p : p + 1], keys, values, p, 0.25, window)
         assert torch.equal(alone, whole[p : p + 1])
     _close(whole, _reference(query, keys, values, torch.arange(rows), 0.25, window), dtype)
-    with pytest.raises(ValueError, match="need keys up to 300"):
-        kernels.aligned_attention(query, keys[:, :299], values, 0, 0.25)
+    with pytest.raises(ValueError, match="need keys up to 600"):
+        kernels.aligned_attention(query, keys[:, :599], values, 0, 0.25)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ragcache import agreement, linker
+from ragcache.kernels import torch_ref
 from ragcache.engine.sampling import Decoding, Step
 from ragcache.engine.sequence import Repair
 from ragcache.facade import RagCache
@@ -200,4 +201,23 @@ def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, 
         assert repaired.stats.repaired_tokens == prompt
     (full_keys, full_values), (keys, values) = held
     assert torch.equal(keys, full_keys) and torch.equal(values, full_values)
+    rc.close()
+
+
+def test_a_cpu_whose_gemm_rounds_a_row_by_its_piece_is_not_called_cut_invariant(monkeypatch, caplog):
+    """The start-up check (invariant.cuts_alike) runs the attention on random rows cut two ways; where they differ
+    (here SDPA stands in for such a CPU) the runner says so and its prompts attend as before, and a repair still
+    catches up, within rounding."""
+    assert "prompt rows cut-invariant" in engine().runner.invariance.how
+    monkeypatch.setattr(
+        "ragcache.kernels.aligned_attention",
+        lambda q, k, v, first, scale, window=None: torch_ref._contiguous_attention(q, k, v, first, scale, window),
+    )
+    with caplog.at_level("WARNING", logger="ragcache"):
+        rc = engine()
+    assert not rc.runner.cut_invariant and "prompt rows round by piece" in rc.runner.invariance.how
+    assert "rounds an attention row by its piece" in caplog.text
+    ids = rc.compile(DOCS)
+    answer = rc.query(QUESTION, ids, algorithm="naive", repair=4096, max_new_tokens=4)
+    assert answer.stats.repair_caught_up
     rc.close()

@@ -25,6 +25,7 @@ Off (`batch_invariant=False`), Linears run at the row count they get, except bf1
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -270,6 +271,24 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
     how = f"GEMM row tiles {shapes} (probed in {time.perf_counter() - started:.1f} s: {_cpu_name()}, {dtype})"
     log.info("batch invariance: %s", how)
     return Invariance(how, tuple({tiling.tiles for tiling in tilings.values()}))
+
+
+def cuts_alike(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether kernels.aligned_attention gives a row the same bits in a piece cut anywhere, on this machine at the
+    model's attention shape. Its matmuls' row counts follow the piece, and a CPU's GEMM may round a row by them
+    (the Linears' probe finds some that do): checked once at start on random rows, in milliseconds."""
+    generator = torch.Generator().manual_seed(0)
+    query, keys, values = (
+        torch.randn(h, 600, head_dim, generator=generator).to(device, dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    scale = head_dim**-0.5
+    whole = kernels.aligned_attention(query, keys, values, 0, scale)
+    for bounds in ((0, 1, 37, 300, 301, 600), (0, 250, 517, 600)):
+        pieces = itertools.pairwise(bounds)
+        cut = torch.cat([kernels.aligned_attention(query[:, a:b], keys, values, a, scale) for a, b in pieces])
+        if not torch.equal(cut, whole):
+            return False
+    return True
 
 
 _PROBED: dict[tuple, dict[tuple, Tiling]] = {}

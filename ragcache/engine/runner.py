@@ -13,6 +13,7 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import time
@@ -142,8 +143,9 @@ class Runner:
         self.device = next(model.parameters()).device
         self.batch_invariant = invariant.default_for(self.device) if batch_invariant is None else batch_invariant
         # and cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
-        # repair after its first token, which then catches up with `full`'s cache bit for bit). On CUDA its prefill
-        # stays FlashAttention's, whose rows round by the piece.
+        # repair after its first token, which then catches up with `full`'s cache bit for bit), where this CPU's
+        # GEMM lets kernels.aligned_attention do so (`cuts_alike`, below). On CUDA its prefill stays
+        # FlashAttention's, whose rows round by the piece.
         self.cut_invariant = self.batch_invariant and self.device.type == "cpu"
         inner = model.model
         self.embed_tokens = inner.embed_tokens
@@ -186,6 +188,16 @@ class Runner:
         self.cache_argument = cache_argument(self.layers[0])
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
+        if self.cut_invariant:
+            heads = config.num_attention_heads
+            self.cut_invariant = invariant.cuts_alike(heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
+            if not self.cut_invariant:
+                log.warning(
+                    "cut invariance: this CPU's GEMM rounds an attention row by its piece, so a prompt's bits depend "
+                    "on where it is cut and a repair that catches up holds `full`'s cache within rounding only"
+                )
+            cuts = "prompt rows cut-invariant" if self.cut_invariant else "prompt rows round by piece"
+            self.invariance = dataclasses.replace(self.invariance, how=f"{self.invariance.how}; {cuts}")
 
     # -- a step ---------------------------------------------------------------------------------------------
     def execute(self, plan: StepPlan) -> list[StepResult]:
