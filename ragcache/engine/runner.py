@@ -35,6 +35,7 @@ from . import invariant
 from .graphs import DecodeGraphs, Run
 from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
 from .scheduler import Kind, StepPlan, StepResult, Work
+from .threads import on_a_passing_thread
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
 
@@ -189,8 +190,9 @@ class Runner:
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
         if self.cut_invariant:
-            heads = config.num_attention_heads
-            self.cut_invariant = invariant.cuts_alike(heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
+            # on a thread that ends: one that runs a parallel op keeps an OpenMP team that slows the model thread's
+            shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
+            self.cut_invariant = on_a_passing_thread(invariant.cuts_alike, *shape)
             if not self.cut_invariant:
                 log.warning(
                     "cut invariance: this CPU's GEMM rounds an attention row by its piece, so a prompt's bits depend "
