@@ -71,6 +71,19 @@ def test_the_probe_leaves_no_team_on_the_callers_thread():
     """)
 
 
+def test_a_runner_starts_without_a_team_on_the_callers_thread():
+    """A runner's start-up checks (the row tiles, and whether its attention is cut-invariant) run on threads that
+    end with them; it fails if either runs on the caller's."""
+    run("""
+        from ragcache.engine.runner import Runner
+        from tests import tiny
+
+        lm = tiny.make("llama")
+        before, after, runner = on_a_fresh_thread(lambda: Runner(lm))
+        assert runner.cut_invariant and after == before, (before, after)
+    """)
+
+
 def test_preparing_a_request_runs_inline_and_gives_the_caller_its_count_back():
     """A request is prepared on its caller's thread (entries read from the store, checked, decoded): inline, then
     the thread's own count back. It fails if preparing runs at the caller's thread count."""
