@@ -265,6 +265,11 @@ def aligned_attention(query, keys, values, first: int, scale: float, window: int
     k, v = (q.new_zeros(kv_heads, key_hi - key_lo, dim) for _ in range(2))
     k[:, : end - key_lo] = keys[:, key_lo:end]
     v[:, : end - key_lo] = values[:, key_lo:end]
+    # one buffer of each kind for every block (fresh ones would each be a new mapping to fault in)
+    most = heads * (hi - lo)
+    products = q.new_empty(kv_heads * most * ALIGNED_KEYS)  # a block's logits, then its probabilities, as matmuls take
+    weights = torch.empty(kv_heads * most * ALIGNED_KEYS, dtype=torch.float32, device=q.device)
+    parts = q.new_empty(most * dim)
     for block in range(key_lo, end, ALIGNED_KEYS):
         block_end = block + ALIGNED_KEYS
         # the tiles with a row that sees a key of this block: at or past its start, within reach of its window
@@ -275,18 +280,24 @@ def aligned_attention(query, keys, values, first: int, scale: float, window: int
         block_keys = slice(block - key_lo, block_end - key_lo)
         span = slice(row_lo - lo, row_hi - lo)  # views: the running values are updated in place
         row_max, row_sum, row_out = top[:, :, span], total[:, :, span], acc[:, :, span]
-        logits = torch.matmul(q[:, :, span].reshape(kv_heads, -1, dim), k[:, block_keys].transpose(1, 2))
-        logits = logits.float().mul_(scale).view(kv_heads, -1, row_hi - row_lo, ALIGNED_KEYS)
+        grouped = (heads // kv_heads) * (row_hi - row_lo)  # a KV head's rows in this block's matmuls
+        size = kv_heads * grouped * ALIGNED_KEYS
+        product = products[:size].view(kv_heads, grouped, ALIGNED_KEYS)
+        torch.bmm(q[:, :, span].reshape(kv_heads, grouped, dim), k[:, block_keys].transpose(1, 2), out=product)
+        logits = weights[:size].view(kv_heads, -1, row_hi - row_lo, ALIGNED_KEYS)
+        logits.copy_(product.view(logits.shape)).mul_(scale)
         if block_end > row_lo or (window is not None and block < row_hi - window):  # some key hidden from some row
             logits.add_(_aligned_mask(row_lo, row_hi, block, window, q.device))
         seen = torch.maximum(row_max, logits.amax(-1, keepdim=True))
         # A row whose window starts past this block has seen nothing yet (-inf): it keeps its zeros, and its max
         # stays -inf, so its first block with a key it sees finds it as it was at the start.
         safe = seen if window is None else seen.masked_fill(seen == -float("inf"), 0.0)
-        probs = torch.exp(logits.sub_(safe))
+        probs = logits.sub_(safe).exp_()
         rescale = torch.exp(row_max.sub_(safe))
         row_sum.mul_(rescale).add_(probs.sum(-1, keepdim=True))
-        part = torch.matmul(probs.view(kv_heads, -1, ALIGNED_KEYS).to(v.dtype), v[:, block_keys])
+        product.view(probs.shape).copy_(probs)
+        part = parts[: grouped * kv_heads * dim].view(kv_heads, grouped, dim)
+        torch.bmm(product, v[:, block_keys], out=part)
         row_out.mul_(rescale).add_(part.view(row_out.shape))
         row_max.copy_(seen)
     out = acc.div_(total).view(heads, hi - lo, dim)
