@@ -128,7 +128,9 @@ class LinkKnobs(BaseModel):
         le=1 << 16,
         strict=True,
         description="rows of the link's stale cache recomputed with each decode step once the first token is out, "
-        "in causal order, until the cache is full's (README: Repair during decode; default 0: off)",
+        "in causal order, until the cache is full's; past the prompt's length (4096) it is full's from the second "
+        "token on, and on CPU so is the answer wherever its first token is (README: Repair during decode; default "
+        "0: off)",
     )
 
     _whole_knobs = field_validator("k", "check_layer", "repair", mode="before")(whole)
