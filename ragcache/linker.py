@@ -146,8 +146,9 @@ class LinkPlan:
     rotate_s: float
     last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
     # positions [0, exact_until) hold, once its rows have run, the K/V `full` computes for them: the prefix a `prefix`
-    # link reused, and the rows it recomputes from there on in a causal run (0 for a link over chunks, below). From there on a row may be stale: it was
-    # computed without some row before it (a chunk's entry, from the chunk alone), or over such a row.
+    # link reused, and the rows it recomputes from there on in a causal run (0 for a link over chunks: `plan`). From
+    # there on a row may be stale: it was computed without some row before it (a chunk's entry, from the chunk
+    # alone), or over such a row.
     exact_until: int = 0
 
 

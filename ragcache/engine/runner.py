@@ -190,7 +190,8 @@ class Runner:
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
         if self.cut_invariant:
-            # on a thread that ends: one that runs a parallel op keeps an OpenMP team that slows the model thread's
+            # on a thread that ends: a thread that ran a parallel op keeps an OpenMP team, which slows every step of
+            # the model thread (research/README.md, "OpenMP teams beside the model thread")
             shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
             self.cut_invariant = on_a_passing_thread(invariant.cuts_alike, *shape)
             if not self.cut_invariant:
