@@ -145,10 +145,9 @@ class LinkPlan:
     narrow: Narrowing | None
     rotate_s: float
     last_logits: torch.Tensor | None = None  # an exact repeat of a cached prompt: its logits, no row to run
-    # positions [0, exact_until) hold, once its rows have run, the K/V `full` computes for them: the prefix a `prefix`
-    # link reused, and the rows it recomputes from there on in a causal run (0 for a link over chunks: `plan`). From
-    # there on a row may be stale: it was computed without some row before it (a chunk's entry, from the chunk
-    # alone), or over such a row.
+    # positions [0, exact_until) hold, once its rows have run, the K/V `full` computes for them: every row of a `full`
+    # or `prefix` link, none of a link over chunks (`plan`). From there on a row may be stale: it was computed
+    # without some row before it (a chunk's entry, from the chunk alone), or over such a row.
     exact_until: int = 0
 
 
@@ -179,26 +178,10 @@ def plan(
     # A link over chunk entries holds `full`'s rows nowhere bit for bit: its system prefix was placed from an entry
     # (keys back to pre-RoPE and forward again), and rows it recomputes among the chunks' run through the attention
     # of scattered rows, which rounds by its call. Its repair starts at row 0, so that on a cut-invariant runner the
-    # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` run their rows in causal pieces.
-    chunks = algorithm(params.algorithm).reuses == "chunks"
-    return LinkPlan(
-        cache,
-        ids,
-        rows,
-        narrow,
-        time.perf_counter() - started,
-        exact_until=0 if chunks else exact_until(rows, reused, narrow),
-    )
-
-
-def exact_until(rows: torch.Tensor, reused: int, narrow: Narrowing | None) -> int:
-    """Where a link's cache stops being `full`'s: after the exact prefix it reused and the rows it recomputes in a
-    causal run from there (each of them attends only to exact rows). A Narrowing drops rows after a layer: none of
-    its rows is exact past the prefix."""
-    if narrow is not None or rows.numel() == 0:
-        return reused
-    in_run = rows.cpu() == torch.arange(reused, reused + rows.numel())
-    return reused + int(in_run.to(torch.int64).cumprod(0).sum())
+    # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` compute every row they do not
+    # reuse, in causal pieces after rows a link computed: nothing to repair.
+    exact = 0 if algorithm(params.algorithm).reuses == "chunks" else length
+    return LinkPlan(cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact)
 
 
 def finish(

@@ -106,10 +106,16 @@ def test_the_first_token_is_the_links_own_and_repair_changes_only_what_follows()
 
 
 def test_exact_links_have_nothing_to_repair():
-    """`full` recomputes every row in a causal run from the start; the prefix the others reuse is exact."""
-    assert linker.exact_until(torch.arange(3, 10), 3, None) == 10
-    assert linker.exact_until(torch.tensor([3, 4, 7, 8]), 3, None) == 5  # the run stops at the first gap
-    assert linker.exact_until(torch.tensor([8, 9]), 3, None) == 3 and linker.exact_until(torch.arange(0), 3, None) == 3
+    """`full` recomputes every row in a causal run from the start, `prefix` every row after the prefix a link
+    computed: nothing stale, so a repair asked for never runs; a link over chunks repairs from row 0."""
+    rc = engine()
+    ids = rc.compile(DOCS)
+    for name in ("full", "prefix", "prefix"):  # the second `prefix` reuses the first's rows
+        exact = rc.query(QUESTION, ids, algorithm=name, repair=40, max_new_tokens=4).stats
+        assert (exact.repaired_tokens, exact.repair_caught_up) == (0, False)
+    linked = rc.query(QUESTION, ids, algorithm="naive", repair=4096, max_new_tokens=4).stats
+    assert linked.repair_caught_up and linked.repaired_tokens == linked.prompt_tokens
+    rc.close()
     repair = Repair(torch.tensor([5, 6, 7]), next=1, per_step=4)
     assert repair.size(3) == 2 and repair.size(10) == 4
     assert repair.token_ids(1, 6, [8, 9, 10]).tolist() == [6, 7, 8, 9, 10]  # the prompt, then the answer fed
