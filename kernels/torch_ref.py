@@ -306,14 +306,9 @@ def aligned_attention(query, keys, values, first: int, scale: float, window: int
 
 @functools.lru_cache(maxsize=8)
 def _aligned_mask(row_lo: int, row_hi: int, block: int, window: int | None, device: torch.device) -> torch.Tensor:
-    """Additive fp32 mask [rows, ALIGNED_KEYS] of rows row_lo.. over the block of keys from `block`: -inf past each
-    row (and before its window). Made once for a step's layers."""
-    row = torch.arange(row_lo, row_hi, device=device)[:, None]
-    key = torch.arange(block, block + ALIGNED_KEYS, device=device)[None, :]
-    hidden = key > row
-    if window is not None:
-        hidden |= key <= row - window
-    return torch.zeros(hidden.shape, device=device).masked_fill_(hidden, -float("inf"))
+    """Additive fp32 mask [rows, ALIGNED_KEYS] of rows row_lo.. over the block of keys from `block`. Made once for a
+    step's layers, in a cache of its own (a piece has up to two diagonal blocks a window size)."""
+    return _causal_mask(row_hi - row_lo, ALIGNED_KEYS, row_lo - block, window, torch.float32, device)
 
 
 def _contiguous_attention(query, keys, values, first: int, scale: float, window: int | None) -> torch.Tensor:
@@ -376,9 +371,15 @@ def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, wi
 def _offset_causal_mask(
     rows: int, length: int, offset: int, window: int | None, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Additive mask [rows, length] in the query's dtype: row r sees keys <= r + offset (and > r + offset - window).
-    Made once for every layer of a step: SDPA turns a boolean mask into this on every call, and building and
-    turning it cost more than the attention's own elementwise work on a CPU prefill piece."""
+    """`_causal_mask`, made once for every layer of a step: SDPA turns a boolean mask into it on every call, and
+    building and turning it cost more than the attention's own elementwise work on a CPU prefill piece."""
+    return _causal_mask(rows, length, offset, window, dtype, device)
+
+
+def _causal_mask(
+    rows: int, length: int, offset: int, window: int | None, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Additive mask [rows, length] in `dtype`: row r sees keys <= r + offset (and > r + offset - window)."""
     row = torch.arange(rows, device=device)[:, None]
     key = torch.arange(length, device=device)[None, :]
     allowed = key <= row + offset
