@@ -143,11 +143,6 @@ class Runner:
         self.config = config
         self.device = next(model.parameters()).device
         self.batch_invariant = invariant.default_for(self.device) if batch_invariant is None else batch_invariant
-        # and cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
-        # repair after its first token, which then catches up with `full`'s cache bit for bit), where this CPU's
-        # GEMM lets kernels.aligned_attention do so (`cuts_alike`, below). On CUDA its prefill stays
-        # FlashAttention's, whose rows round by the piece.
-        self.cut_invariant = self.batch_invariant and self.device.type == "cpu"
         inner = model.model
         self.embed_tokens = inner.embed_tokens
         self.layers = list(inner.layers[: config.num_hidden_layers])
@@ -189,7 +184,12 @@ class Runner:
         self.cache_argument = cache_argument(self.layers[0])
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
-        if self.cut_invariant:
+        # And cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
+        # repair after its first token, which then catches up with `full`'s cache bit for bit), where this CPU's
+        # GEMM lets kernels.aligned_attention do so. On CUDA its prefill stays FlashAttention's, whose rows round by
+        # the piece.
+        self.cut_invariant = False
+        if self.batch_invariant and self.device.type == "cpu":
             # on a thread that ends: a thread that ran a parallel op keeps an OpenMP team, which slows every step of
             # the model thread (research/README.md, "OpenMP teams beside the model thread")
             shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
