@@ -20,7 +20,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                the batch's prefill + first token for transformers
   (e) invariance 16 greedy requests (focus over 2 of 8 documents, 16 new tokens) alone, 8 at a time and 16 at a
                time through the scheduler, batch invariance on (fixed-tile Triton Linear and RMSNorm) and off:
-               answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps)
+               answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps);
+               with it on, cut invariance: the start-up check's finding, and `full` on 4 of them whole and in
+               pieces of 100 rows (first logits the same bits, the same answers)
                `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100)
   (f) link     at `--shape` (llama3-8b: 32 layers, hidden 4096, 32/8 heads, head_dim 128) and each of `--contexts`
                (8k, 32k): every algorithm's link (`RagCache.link`, documents of 1,016 words in a new order, a
@@ -679,10 +681,40 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     on, off = rows
     for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
+    on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))
+    print(f"  {name} cut invariance: start-up check {on['cut_invariant']}; `full` whole and in pieces of "
+          f"{CUT_PIECE} rows: first logits the same bits on {on['full_first_logits_same_bits']}/{on['of']}, "
+          f"answers on {on['full_answers_same']}/{on['of']}", flush=True)
     del lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
+
+
+CUT_PIECE = 100  # rows a step: a prompt of (e) in several pieces
+
+
+def cut_invariance(lm, texts: list[str], asks: list, doc_tokens: int, new_tokens: int) -> dict:
+    """With batch invariance on: whether the start-up check (invariant.cuts_alike) found this device's prompt rows
+    cut-invariant, and whether `full` gives the same first logits, bit for bit, and answers with its prompts
+    prefilled in one piece (the device's row budget) and in pieces of CUT_PIECE rows: what lets a repair that
+    catches up hold `full`'s cache exactly (tests/test_repair.py)."""
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+
+    answers, checked = [], []
+    for budget in (None, CUT_PIECE):
+        rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens, batch_invariant=True, row_budget=budget))
+        ids = rc.compile(texts)
+        answers.append([rc.query(q, [ids[i] for i in docs], algorithm="full", max_new_tokens=new_tokens)
+                        for q, docs in asks])
+        checked.append(rc.runner.cut_invariant)
+        rc.close()
+    whole, pieces = answers
+    return dict(cut_invariant=all(checked), of=len(asks),
+                full_first_logits_same_bits=sum(torch.equal(a.first_logits, b.first_logits) for a, b in zip(*answers)),
+                full_answers_same=sum(a.token_ids == b.token_ids for a, b in zip(whole, pieces)))
 
 
 def _decode_rate(stats: dict) -> float | None:
@@ -1639,6 +1671,9 @@ def _suite_summary(result: dict) -> list[str]:
         if isinstance(r, dict) and "batch_invariant" in r:
             print(f"  invariance {'on' if r['batch_invariant'] else 'off'}: {r.get('identical_4_at_a_time', r.get('identical_16_at_a_time'))}"
                   f" of {r.get('requests')} identical packed")
+        if isinstance(r, dict) and "cut_invariant" in r:
+            print(f"  cut invariance: check {r['cut_invariant']}, `full` in pieces the same first logits on "
+                  f"{r['full_first_logits_same_bits']}/{r['of']}, answers on {r['full_answers_same']}/{r['of']}")
     for r in result.get("compile") or []:
         if isinstance(r, dict) and "ratio" in r:
             print(f"  compile {r['codec']} into {r.get('store', 'memory')}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")

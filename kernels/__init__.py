@@ -60,8 +60,8 @@ def selected_attention(query, keys, values, query_positions, scale, window=None,
 
 def aligned_attention(query, keys, values, first, scale, window=None):
     """Rows at positions first..first+n-1 over the cache's keys before them, each row's bits independent of where
-    its piece was cut (see torch_ref). Torch on every device."""
-    return torch_ref.aligned_attention(query, keys, values, first, scale, window)
+    its piece was cut (see torch_ref and triton_ops)."""
+    return _impl(query.device).aligned_attention(query, keys, values, first, scale, window)
 
 
 def to_device(t, device):

@@ -8,6 +8,7 @@ module is imported: `@triton.jit` reads it). Every kernel but the split-KV decod
                        reads each chunk through a pointer table, rotates K to its global position, copies V
   selected_attention   grid (blocks of (row, q head of the group), kv_heads)
                        flash-attention online softmax; the q heads sharing a kv head share its K/V loads
+  aligned_attention    the same kernel over a piece of prompt rows, row tiles at absolute positions: cut-invariant
   slot_decode_attention grid (slots, kv_heads, key splits), then (slots * heads,)
                        flash-decoding: each slot's decode row over its own keys, split so that one row fills the
                        GPU, the splits merged by a second launch (the captured decode step, ragcache.engine.graphs)
@@ -23,6 +24,7 @@ does) and fp32 operands multiplied in IEEE fp32 (no TF32).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 
 import torch
@@ -969,6 +971,38 @@ def selected_attention(
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return out
+
+
+def aligned_attention(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    first: int,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Rows at positions first..first+n-1, each row's bits independent of where its piece was cut (see torch_ref):
+    every row through the attention kernel, never SDPA, whose kernels split rows and keys by the call's shape.
+
+    The kernel meets a row's keys one tile of BLOCK_N at a time from position 0 (or the window's first tile) in
+    order, and a tile a row sees all of or nothing of leaves its bits as they would be otherwise, scored masked or
+    not; so what a piece changes is only which rows share a tile, and where. A tile's rows are computed apart (so
+    in the interpreter, where placement changes no bit); to keep a compiled kernel's arithmetic from depending on
+    a row's place in its tile, tiles are placed at absolute positions here: the piece is padded back (zero queries
+    at the positions before `first`, their outputs dropped) to the last position where a tile begins with a row's
+    first head, under a tile of extra rows. query [H, n, D]; keys/values [KVH, >= first+n, D] -> [n, H, D]."""
+    heads, rows, head_dim = query.shape
+    end = first + rows
+    if first < 0 or keys.shape[1] < end:
+        raise ValueError(f"rows at {first}..{end - 1} need keys up to {end}, the cache holds {keys.shape[1]}")
+    group = heads // keys.shape[0]
+    block_m = attention_tiles(_p2(head_dim))[0]
+    period = block_m // math.gcd(block_m, group)  # rows after which a tile starts with a row's first head again
+    lo = first - first % period
+    if lo < first:
+        query = torch.cat([query.new_zeros(heads, first - lo, head_dim), query], dim=1)
+    positions = torch.arange(lo, end, device=query.device)
+    return selected_attention(query, keys, values, positions, scale, window)[first - lo :]
 
 
 # BLOCK_N keys, warps, stages of the split-KV decode (its BLOCK_M is the q heads of a group, padded for tl.dot):

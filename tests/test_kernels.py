@@ -831,30 +831,34 @@ def test_write_slot_runs_writes_live_rows_and_leaves_the_rest():
     assert pool_keys.count_nonzero() == 3 * 2 * 4  # three live rows of 2 heads x 4; slot 1 untouched
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("window", [None, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(dtype, window):
+def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(backend, dtype, window, request):
     """A prompt's rows in one piece, in pieces cut at random places, and one row at a time: the same bits (what a
     repair that catches up needs to hold `full`'s cache exactly); and the plain definition's values within the
-    dtype's rounding. GQA; a sliding window on one side."""
+    dtype's rounding. GQA (3 query heads a key head: the Triton kernel's row tiles cut a row's heads apart unless
+    placed at absolute positions); a sliding window on one side."""
     from ragcache.engine import invariant
 
     heads, kv_heads, rows, dim = 6, 2, 600, 16  # rows whose windows start in the second block of keys and later
-    if not invariant.cuts_alike(heads, kv_heads, dim, dtype, torch.device("cpu")):
-        pytest.skip(f"{dtype}: " + NOT_CUT_INVARIANT)
-    query = _randn(heads, rows, dim, dtype=dtype, device="cpu", seed=5)
-    keys, values = (_randn(kv_heads, rows, dim, dtype=dtype, device="cpu", seed=s) for s in (6, 7))
-    whole = kernels.aligned_attention(query, keys, values, 0, 0.25, window)
+    if backend == "torch":
+        attend, device = torch_ref.aligned_attention, torch.device("cpu")
+        if not invariant.cuts_alike(heads, kv_heads, dim, dtype, device):
+            pytest.skip(f"{dtype}: " + NOT_CUT_INVARIANT)
+    else:
+        attend, device = request.getfixturevalue("ops").aligned_attention, request.getfixturevalue("device")
+    query = _randn(heads, rows, dim, dtype=dtype, device=device, seed=5)
+    keys, values = (_randn(kv_heads, rows, dim, dtype=dtype, device=device, seed=s) for s in (6, 7))
+    whole = attend(query, keys, values, 0, 0.25, window)
     rng = random.Random(3)
-    for _ in range(6):
+    for _ in range(6 if backend == "torch" else 3):  # the interpreter runs a program at a time
         bounds = [0, *sorted(rng.sample(range(1, rows), rng.randint(1, 8))), rows]
-        cut = [
-            kernels.aligned_attention(query[:, a:b], keys, values, a, 0.25, window) for a, b in zip(bounds, bounds[1:])
-        ]
+        cut = [attend(query[:, a:b], keys, values, a, 0.25, window) for a, b in zip(bounds, bounds[1:])]
         assert torch.equal(torch.cat(cut), whole), bounds
     for p in (0, 1, 15, 16, 17, 255, 256, 299, 550, 599):  # alone, at each edge of a tile and of a block of keys
-        alone = kernels.aligned_attention(query[:, p : p + 1], keys, values, p, 0.25, window)
+        alone = attend(query[:, p : p + 1], keys, values, p, 0.25, window)
         assert torch.equal(alone, whole[p : p + 1])
-    _close(whole, _reference(query, keys, values, torch.arange(rows), 0.25, window), dtype)
+    _close(whole, _reference(query, keys, values, torch.arange(rows, device=device), 0.25, window), dtype)
     with pytest.raises(ValueError, match="need keys up to 600"):
-        kernels.aligned_attention(query, keys[:, :599], values, 0, 0.25)
+        attend(query, keys[:, :599], values, 0, 0.25)

@@ -56,3 +56,16 @@ def test_generation_through_triton_equals_torch(algorithm, triton_path, monkeypa
     with_torch = rc.query("Where is the tower?", ids, algorithm=algorithm, max_new_tokens=12)
     assert with_triton.token_ids == with_torch.token_ids
     torch.testing.assert_close(with_triton.first_logits, with_torch.first_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_a_repair_through_the_triton_kernels_ends_with_fulls_cache_bit_for_bit(triton_path, monkeypatch):
+    """Cut invariance where the kernels are Triton's (CUDA; here its interpreter): every prompt row goes through the
+    attention kernel in row tiles at absolute positions, never SDPA, so a batch-invariant engine's repair over
+    several steps ends with `full`'s cache bit for bit, `full`'s prompt in pieces of 100 rows."""
+    from tests.test_repair import DOCS as LONGER, assert_a_repair_ends_with_fulls_cache_bit_for_bit
+
+    config = EngineConfig(chunk_tokens=40, kv_codec="fp32", row_budget=100, batch_invariant=True)
+    rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), config)
+    assert rc.runner.cut_invariant and "prompt rows cut-invariant" in rc.runner.invariance.how
+    assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 64, monkeypatch, LONGER[:2], new_tokens=8)
+    rc.close()

@@ -194,8 +194,17 @@ def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, 
     rc = engine(family, row_budget=100)
     if not rc.runner.cut_invariant:
         pytest.skip(NOT_CUT_INVARIANT)
-    ids = rc.compile(DOCS)
-    tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=24).token_ids
+    assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, per_step, monkeypatch)
+    rc.close()
+
+
+def assert_a_repair_ends_with_fulls_cache_bit_for_bit(
+    rc: RagCache, per_step: int, monkeypatch, docs: list[str] = DOCS, new_tokens: int = 24
+) -> None:
+    """focus with `repair=per_step` on a cut-invariant engine, its answer and `full`'s forced to `full`'s greedy
+    tokens: the repair catches up, and the cache it ends with is `full`'s, bit for bit."""
+    ids = rc.compile(docs)
+    tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=new_tokens).token_ids
 
     def accept(self, logits):
         token = tokens[len(self.token_ids)]
@@ -204,8 +213,8 @@ def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, 
 
     monkeypatch.setattr(Decoding, "accept", accept)
     held = caches_at_release(rc)
-    full = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=24)
-    repaired = rc.query(QUESTION, ids, algorithm="focus", ratio=0.25, repair=per_step, max_new_tokens=24)
+    full = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=new_tokens)
+    repaired = rc.query(QUESTION, ids, algorithm="focus", ratio=0.25, repair=per_step, max_new_tokens=new_tokens)
     assert full.token_ids == repaired.token_ids == tokens
     prompt = full.stats.prompt_tokens
     assert repaired.stats.repair_caught_up and repaired.stats.repaired_tokens >= prompt  # its system prefix too
@@ -213,7 +222,6 @@ def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, 
         assert repaired.stats.repaired_tokens == prompt
     (full_keys, full_values), (keys, values) = held
     assert torch.equal(keys, full_keys) and torch.equal(values, full_values)
-    rc.close()
 
 
 def test_a_cpu_whose_gemm_rounds_a_row_by_its_piece_is_not_called_cut_invariant(monkeypatch, caplog):

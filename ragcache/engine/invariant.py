@@ -276,7 +276,8 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
 def cuts_alike(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
     """Whether kernels.aligned_attention gives a row the same bits in a piece cut anywhere, on this machine at the
     model's attention shape. Its matmuls' row counts follow the piece, and a CPU's GEMM may round a row by them
-    (the Linears' probe finds some that do): checked once at start on random rows, in milliseconds."""
+    (the Linears' probe finds some that do); on CUDA the Triton kernel's tiles are its own, but what its compiled
+    code does is for the device to show: checked once at start on random rows, in milliseconds."""
     generator = torch.Generator().manual_seed(0)
     query, keys, values = (
         torch.randn(h, 600, head_dim, generator=generator).to(device, dtype) for h in (heads, kv_heads, kv_heads)

@@ -185,18 +185,19 @@ class Runner:
         model.config._attn_implementation = ATTENTION_NAME
         self.invariance = invariant.install(model, self.device, self.batch_invariant)
         # And cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
-        # repair after its first token, which then catches up with `full`'s cache bit for bit), where this CPU's
-        # GEMM lets kernels.aligned_attention do so. On CUDA its prefill stays FlashAttention's, whose rows round by
-        # the piece.
+        # repair after its first token, which then catches up with `full`'s cache bit for bit), where this device
+        # lets kernels.aligned_attention do so (a CPU's GEMM may round a row by the piece; on CUDA the attention
+        # kernel takes every prompt row instead of FlashAttention, which rounds by the piece). Without batch
+        # invariance the Linears round a row by the step's row count anyway.
         self.cut_invariant = False
-        if self.batch_invariant and self.device.type == "cpu":
+        if self.batch_invariant:
             # on a thread that ends: a thread that ran a parallel op keeps an OpenMP team, which slows every step of
             # the model thread (research/README.md, "OpenMP teams beside the model thread")
             shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
             self.cut_invariant = on_a_passing_thread(invariant.cuts_alike, *shape)
             if not self.cut_invariant:
                 log.warning(
-                    "cut invariance: this CPU's GEMM rounds an attention row by its piece, so a prompt's bits depend "
+                    "cut invariance: this device rounds an attention row by its piece, so a prompt's bits depend "
                     "on where it is cut and a repair that catches up holds `full`'s cache within rounding only"
                 )
             cuts = "prompt rows cut-invariant" if self.cut_invariant else "prompt rows round by piece"
