@@ -92,6 +92,16 @@ def _row_budgets(config: EngineConfig, device) -> tuple[int, int]:
     return row_budget, link_row_budget
 
 
+def _prefix_piece(runner: Runner, row_budget: int) -> int | None:
+    """PrefixCache.piece for a runner. Batch-invariant, a `prefix` answer must not depend on what was cached before
+    it: what is reused ends where a cold prompt's pieces do (the row budget), unless the runner is cut-invariant
+    (a row has the same bits in any piece), when any cached prefix is reused whole (1). Otherwise answers round
+    by what shares their steps anyway (None)."""
+    if not runner.batch_invariant:
+        return None
+    return 1 if runner.cut_invariant else row_budget
+
+
 class RagCache(Front):
     def __init__(self, lm: loaded.LoadedModel, store: Store, config: EngineConfig = EngineConfig()):
         """An engine over a loaded model and an open store; of `config`, the knobs of its parts (chunk_tokens,
@@ -109,11 +119,8 @@ class RagCache(Front):
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
         # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))
-        # Batch-invariant, a `prefix` answer does not depend on what was cached before it either (PrefixCache.piece).
         # An infill session keeps every cached row: its next round is a keystroke away.
-        self.prefix_cache = PrefixCache(
-            config.prefix_cache_bytes, piece=row_budget if self.runner.batch_invariant else None
-        )
+        self.prefix_cache = PrefixCache(config.prefix_cache_bytes, piece=_prefix_piece(self.runner, row_budget))
         self.infill_cache = PrefixCache(config.prefix_cache_bytes)
         self.scheduler = Scheduler(row_budget, self.runner.batch_invariant, link_row_budget)
         self.driver = Driver(self.runner, self.scheduler)
@@ -177,15 +184,16 @@ class RagCache(Front):
     def set_row_budgets(self, row_budget: int | None = None, link_row_budget: int | None = None) -> None:
         """The step's row budgets from the next step on, on an open engine (a benchmark sweeps them without opening
         another): EngineConfig's `row_budget` and `link_row_budget`, None meaning what it means there. Applied on the
-        model thread, between steps. Batch-invariant, an answer's bits depend on the budget its prompt was cut at:
-        the prefix cache starts again, cut at the new one."""
+        model thread, between steps. Batch-invariant but not cut-invariant, an answer's bits depend on the budget its
+        prompt was cut at: the prefix cache starts again, cut at the new one."""
         config = dataclasses.replace(self.config, row_budget=row_budget, link_row_budget=link_row_budget)
         rows, link_rows = _row_budgets(config, self.runner.device)
 
         def apply(runner: Runner) -> None:
             self.scheduler.set_row_budgets(rows, link_rows)
-            if self.prefix_cache.piece is not None:
-                self.prefix_cache.piece = rows
+            piece = _prefix_piece(runner, rows)
+            if piece != self.prefix_cache.piece:
+                self.prefix_cache.piece = piece
                 self.prefix_cache.clear()
 
         self.with_runner(apply)

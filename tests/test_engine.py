@@ -320,7 +320,7 @@ def test_row_budgets_by_device_and_as_given():
             _row_budgets(EngineConfig(**bad), "cpu")
 
 
-def test_an_open_engine_takes_new_row_budgets_from_its_next_step():
+def test_an_open_engine_takes_new_row_budgets_from_its_next_step(monkeypatch):
     """RagCache.set_row_budgets (what bench/gpu.py sweeps on one engine): EngineConfig's meaning and checks, applied
     between steps; batch-invariant, link_row_budget is row_budget's and the prefix cache, emptied, cuts at it."""
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32, batch_invariant=False))
@@ -344,14 +344,17 @@ def test_an_open_engine_takes_new_row_budgets_from_its_next_step():
     assert rc.row_budgets == (512, 512)
     rc.close()
 
-    invariant = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32, batch_invariant=True))
-    ids = invariant.compile([DOC])
-    invariant.link("How tall is it?", ids, algorithm="prefix")
-    assert invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1] is not None
-    invariant.set_row_budgets(8, 16)
-    assert invariant.row_budgets == (8, 8) and invariant.prefix_cache.piece == 8
-    assert invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1] is None
-    invariant.close()
+    for cut_invariant in (False, True):  # a prompt's bits depend on the budget it was cut at, or on no cut
+        monkeypatch.setattr("ragcache.engine.invariant.cuts_alike", lambda *shape: cut_invariant)
+        invariant = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32, batch_invariant=True))
+        ids = invariant.compile([DOC])
+        invariant.link("How tall is it?", ids, algorithm="prefix")
+        assert invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1] is not None
+        invariant.set_row_budgets(8, 16)
+        assert invariant.row_budgets == (8, 8) and invariant.prefix_cache.piece == (1 if cut_invariant else 8)
+        kept = invariant.prefix_cache.lookup(invariant.prompt_parts("How tall is it?", ids).token_ids)[1]
+        assert (kept is not None) == cut_invariant  # cut anywhere, the cached rows stay what a cold prompt computes
+        invariant.close()
 
 
 def test_step_stats_model_work_and_close_go_through_the_model_thread():

@@ -37,8 +37,9 @@ class PrefixCache:
     """`piece`: what is reused ends at a multiple of this many rows (the scheduler's row budget). A row's attention
     depends on where its piece of the prompt starts, and a prompt computed from nothing is cut at multiples of the
     row budget: cut back so, a prompt's rows after the reused part run in the pieces they would run in cold, and
-    the answer does not depend on what was cached before (at the cost of up to piece - 1 rows recomputed). An exact
-    repeat runs no row at all: its logits are kept with its K/V (`find`)."""
+    the answer does not depend on what was cached before (at the cost of up to piece - 1 rows recomputed); 1 where
+    a row's bits do not depend on its piece (Runner.cut_invariant). An exact repeat runs no row at all: its logits
+    are kept with its K/V (`find`)."""
 
     def __init__(self, budget_bytes: int = DEFAULT_PREFIX_BUDGET, piece: int | None = None):
         self.budget_bytes = budget_bytes
