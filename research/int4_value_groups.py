@@ -53,12 +53,13 @@ class Scheme:
     bits: int = 4
     rotated: bool = False  # K and V quantized after a Hadamard rotation of head_dim (QuaRot's), rotated back after
     keys_per_token: bool = False  # keys' pairs per token (over head_dim), not per channel over the chunk's tokens
+    key_group: int | None = None  # keys per channel over groups of this many tokens (KIVI's), not the whole chunk
 
     def bytes_vs_bf16(self, head_dim: int, tokens: int) -> float:
         pair = torch.finfo(self.pairs).bits // 8 * 2
         codes = head_dim * self.bits / 8
         value_pairs = pair * head_dim / (self.group or head_dim)
-        key_pairs = pair if self.keys_per_token else pair * head_dim / tokens
+        key_pairs = pair if self.keys_per_token else pair * head_dim / (self.key_group or tokens)
         return (2 * codes + value_pairs + key_pairs) / (2 * 2 * head_dim)
 
 
@@ -68,6 +69,8 @@ SCHEMES = {
     "v16-fp16": Scheme("v16-fp16", 16, torch.float16),
     "had": Scheme("had", None, torch.float32, rotated=True),
     "had-ktok-fp16": Scheme("had-ktok-fp16", None, torch.float16, rotated=True, keys_per_token=True),
+    "k64-fp16": Scheme("k64-fp16", None, torch.float16, key_group=64),
+    "k32-fp16": Scheme("k32-fp16", None, torch.float16, key_group=32),
 }
 
 
@@ -97,7 +100,11 @@ def through(scheme: Scheme, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     """[L, H, T, D] K/V as `scheme` stores and decodes them."""
     h = hadamard(keys.shape[-1]).to(torch.float32) if scheme.rotated else None
     k_in, v_in = (keys.to(torch.float32) @ h, values.to(torch.float32) @ h) if h is not None else (keys, values)
-    k = fake_quantize(k_in, 3 if scheme.keys_per_token else 2, scheme.bits, scheme.pairs)
+    if scheme.key_group:  # each group of tokens its own pair per channel (the last group may be shorter)
+        groups = k_in.split(scheme.key_group, dim=2)
+        k = torch.cat([fake_quantize(g, 2, scheme.bits, scheme.pairs) for g in groups], dim=2)
+    else:
+        k = fake_quantize(k_in, 3 if scheme.keys_per_token else 2, scheme.bits, scheme.pairs)
     group = scheme.group or values.shape[-1]
     grouped = v_in.reshape(*values.shape[:-1], values.shape[-1] // group, group)
     v = fake_quantize(grouped, grouped.dim() - 1, scheme.bits, scheme.pairs).reshape(values.shape)
