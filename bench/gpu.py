@@ -709,7 +709,7 @@ def cut_invariance(lm, texts: list[str], asks: list, doc_tokens: int, new_tokens
         ids = rc.compile(texts)
         answers.append([rc.query(q, [ids[i] for i in docs], algorithm="full", max_new_tokens=new_tokens)
                         for q, docs in asks])
-        checked.append(rc.runner.cut_invariant)
+        checked.append(rc.cut_invariant)
         rc.close()
     whole, pieces = answers
     return dict(cut_invariant=all(checked), of=len(asks),

@@ -172,6 +172,10 @@ class RagCache(Front):
         return self.runner.invariance.how
 
     @property
+    def cut_invariant(self) -> bool:
+        return self.runner.cut_invariant
+
+    @property
     def shape(self) -> ModelShape:
         """The model's K/V geometry (layers, KV heads, head dim, compute dtype): what a token's K/V weighs."""
         return self.runner.shape

@@ -101,6 +101,12 @@ class Front(abc.ABC):
         with its own runner says how it keeps rows apart; vLLM's engine runs vLLM's kernels."""
         return "off"
 
+    @property
+    def cut_invariant(self) -> bool:
+        """Whether a prompt row has the same bits in whatever piece it runs in, so that a repair that catches up
+        holds `full`'s cache exactly (README: Batch invariance)."""
+        return False
+
     def close(self) -> None:
         self.store.close()
 

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
             print(row, flush=True)
             rows.append(row)
     rc.close()
-    result = dict(model=args.model, cut_invariant=rc.runner.cut_invariant, machine=where, rows=rows)
+    result = dict(model=args.model, cut_invariant=rc.cut_invariant, machine=where, rows=rows)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
 
 
