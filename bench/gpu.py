@@ -1674,6 +1674,8 @@ def _suite_summary(result: dict) -> list[str]:
         if isinstance(r, dict) and "cut_invariant" in r:
             print(f"  cut invariance: check {r['cut_invariant']}, `full` in pieces the same first logits on "
                   f"{r['full_first_logits_same_bits']}/{r['of']}, answers on {r['full_answers_same']}/{r['of']}")
+            if r["cut_invariant"] and r["full_first_logits_same_bits"] < r["of"]:  # the engine's claim is wrong
+                failed.append(f"cut invariance: the check passed, `full` in pieces differed on {r['model']}")
     for r in result.get("compile") or []:
         if isinstance(r, dict) and "ratio" in r:
             print(f"  compile {r['codec']} into {r.get('store', 'memory')}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")

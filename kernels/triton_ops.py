@@ -985,12 +985,15 @@ def aligned_attention(
     every row through the attention kernel, never SDPA, whose kernels split rows and keys by the call's shape.
 
     The kernel meets a row's keys one tile of BLOCK_N at a time from position 0 (or the window's first tile) in
-    order, and a tile a row sees all of or nothing of leaves its bits as they would be otherwise, scored masked or
-    not; so what a piece changes is only which rows share a tile, and where. A tile's rows are computed apart (so
-    in the interpreter, where placement changes no bit); to keep a compiled kernel's arithmetic from depending on
-    a row's place in its tile, tiles are placed at absolute positions here: the piece is padded back (zero queries
-    at the positions before `first`, their outputs dropped) to the last position where a tile begins with a row's
-    first head, under a tile of extra rows. query [H, n, D]; keys/values [KVH, >= first+n, D] -> [n, H, D]."""
+    order, and a key tile past a row's position leaves its bits as they are (its max stays, its rescale is exactly 1,
+    it adds zeros). Row tiles are placed at absolute positions: the piece is padded back (zero queries at the
+    positions before `first`, their outputs dropped) to the last position where a tile begins with a row's first
+    head, under a tile of extra rows. So a (row, head) always sits at the same place of a tile that begins at the
+    same position, which sets the tiles the kernel scores without a mask (`dense`) and a window's first tile (`lo`):
+    a compiled kernel may round the masked and unmasked variants apart (how it fuses the scaling), and here they
+    are the same in every piece. What a piece changes is how many tiles past its rows a tile scores. (In the
+    interpreter a tile's rows round apart and the placement changes no bit.)
+    query [H, n, D]; keys/values [KVH, >= first+n, D] -> [n, H, D]."""
     heads, rows, head_dim = query.shape
     end = first + rows
     if first < 0 or keys.shape[1] < end:

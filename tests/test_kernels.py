@@ -844,7 +844,7 @@ def test_aligned_attention_gives_a_row_the_same_bits_in_a_piece_cut_anywhere(bac
     heads, kv_heads, rows, dim = 6, 2, 600, 16  # rows whose windows start in the second block of keys and later
     if backend == "torch":
         attend, device = torch_ref.aligned_attention, torch.device("cpu")
-        if not invariant.cuts_alike(heads, kv_heads, dim, dtype, device):
+        if not invariant.cuts_alike(heads, kv_heads, dim, dtype, device, window):
             pytest.skip(f"{dtype}: " + NOT_CUT_INVARIANT)
     else:
         attend, device = request.getfixturevalue("ops").aligned_attention, request.getfixturevalue("device")

@@ -64,8 +64,13 @@ def test_a_repair_through_the_triton_kernels_ends_with_fulls_cache_bit_for_bit(t
     several steps ends with `full`'s cache bit for bit, `full`'s prompt in pieces of 100 rows."""
     from tests.test_repair import DOCS as LONGER, assert_a_repair_ends_with_fulls_cache_bit_for_bit
 
+    from ragcache.kernels import triton_ops
+
+    calls, aligned = [], triton_ops.aligned_attention
+    monkeypatch.setattr(triton_ops, "aligned_attention", lambda *args: calls.append(args[3]) or aligned(*args))
     config = EngineConfig(chunk_tokens=40, kv_codec="fp32", row_budget=100, batch_invariant=True)
     rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), config)
-    assert rc.runner.cut_invariant and "prompt rows cut-invariant" in rc.runner.invariance.how
+    assert rc.cut_invariant and "prompt rows cut-invariant" in rc.batch_invariance
     assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 64, monkeypatch, LONGER[:2], new_tokens=8)
+    assert {0, 100} <= set(calls)  # the prompts' rows went through the Triton kernel: `full`'s first two pieces
     rc.close()

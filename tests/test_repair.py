@@ -241,3 +241,22 @@ def test_a_cpu_whose_gemm_rounds_a_row_by_its_piece_is_not_called_cut_invariant(
     answer = rc.query(QUESTION, ids, algorithm="naive", repair=4096, max_new_tokens=4)
     assert answer.stats.repair_caught_up
     rc.close()
+
+
+def test_without_a_pool_decode_rows_attend_alone_and_a_repair_still_ends_with_fulls_cache(monkeypatch):
+    """CUDA's batch-invariant decode has no pool (kv.PerSegment): a decode row attends as its own segment, over the
+    keys up to its position, in SDPA's one call (never the pooled path's masked call over a whole capacity), and a
+    repair recomputes a decoded row with that same call, so it still ends with `full`'s cache bit for bit. Here on
+    CPU, the strategy forced."""
+    monkeypatch.setattr("ragcache.engine.runner.decode_strategy", lambda device, batch_invariant: "per-segment")
+    rc = engine("llama", row_budget=100)
+    assert rc.runner.decode == "per-segment"
+    if not rc.cut_invariant:
+        pytest.skip(NOT_CUT_INVARIANT)
+
+    def pooled(*args):
+        raise AssertionError("a decode row took the pooled path's call")
+
+    monkeypatch.setattr("ragcache.kernels.stacked_decode_attention", pooled)
+    assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 40, monkeypatch, DOCS[:2], new_tokens=12)
+    rc.close()

@@ -273,22 +273,26 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
     return Invariance(how, tuple({tiling.tiles for tiling in tilings.values()}))
 
 
-def cuts_alike(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+def cuts_alike(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, window: int | None = None
+) -> bool:
     """Whether kernels.aligned_attention gives a row the same bits in a piece cut anywhere, on this machine at the
-    model's attention shape. Its matmuls' row counts follow the piece, and a CPU's GEMM may round a row by them
-    (the Linears' probe finds some that do); on CUDA the Triton kernel's tiles are its own, but what its compiled
-    code does is for the device to show: checked once at start on random rows, in milliseconds."""
+    model's attention shape, without a window and with the model's (`window`, capped where 600 rows reach past it).
+    Its matmuls' row counts follow the piece, and a CPU's GEMM may round a row by them (the Linears' probe finds some
+    that do); on CUDA the Triton kernel's tiles are its own, but what its compiled code does (a windowed layer's
+    too) is for the device to show: checked once at start on random rows, in milliseconds."""
     generator = torch.Generator().manual_seed(0)
     query, keys, values = (
         torch.randn(h, 600, head_dim, generator=generator).to(device, dtype) for h in (heads, kv_heads, kv_heads)
     )
     scale = head_dim**-0.5
-    whole = kernels.aligned_attention(query, keys, values, 0, scale)
-    for bounds in ((0, 1, 37, 300, 301, 600), (0, 250, 517, 600)):
-        pieces = itertools.pairwise(bounds)
-        cut = torch.cat([kernels.aligned_attention(query[:, a:b], keys, values, a, scale) for a, b in pieces])
-        if not torch.equal(cut, whole):
-            return False
+    for seen in (None,) if window is None else (None, min(window, 300)):
+        whole = kernels.aligned_attention(query, keys, values, 0, scale, seen)
+        for bounds in ((0, 1, 37, 300, 301, 600), (0, 250, 517, 600)):
+            pieces = itertools.pairwise(bounds)
+            cut = torch.cat([kernels.aligned_attention(query[:, a:b], keys, values, a, scale, seen) for a, b in pieces])
+            if not torch.equal(cut, whole):
+                return False
     return True
 
 

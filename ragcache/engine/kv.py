@@ -245,9 +245,10 @@ class PooledRows:
 class Batch:
     """The packed forward's view of every request in it; decoder layers see it as their cache."""
 
-    def __init__(self, segments: list[Segment], groups: Sequence[PooledRows] = ()):
+    def __init__(self, segments: list[Segment], groups: Sequence[PooledRows] = (), decode_alone: bool = False):
         self.segments = segments
         self.groups = list(groups)  # decode rows attended in one call a group
+        self.decode_alone = decode_alone  # no pool (kv.PerSegment): a decode row attends alone, as a segment
         grouped = {id(seg) for group in self.groups for seg in group.segments}
         self.alone = [seg for seg in segments if id(seg) not in grouped]  # attended request by request
         # one group holding every row in order (the usual decode-only step): its call's output is the whole answer
@@ -322,7 +323,7 @@ class Batch:
         """One request's rows [heads, n, head_dim] over its own cache -> [n, heads, head_dim]."""
         keys, values = seg.cache.visible(layer)
         if seg.cache.decoded_from is not None and seg.contiguous_from is not None and seg.scores is None:
-            return _attend_as_full(seg, layer, query, keys, values, scale, window)
+            return _attend_as_full(seg, layer, query, keys, values, scale, window, self.decode_alone)
         if seg.scores is not None:
             out, weights = kernels.scored_attention(query, keys, values, seg.rows, scale, window)
             seg.scores[layer] += weights
@@ -332,18 +333,27 @@ class Batch:
         )
 
 
-def _attend_as_full(seg: Segment, layer: int, query, keys, values, scale: float, window: int | None) -> torch.Tensor:
+def _attend_as_full(
+    seg: Segment, layer: int, query, keys, values, scale: float, window: int | None, decode_alone: bool
+) -> torch.Tensor:
     """A cut-invariant cache's contiguous rows [H, n, D] -> [n, H, D], each with the bits `full` gives it: a prompt
     row as its prefill, in whatever piece; a decoded row (recomputed by a repair) as the batch-invariant decode step
-    (PooledRows._attend_whole): alone over its slot's whole capacity, which its cache's buffers are. One call a
-    decoded row: a call over the slot's keys expanded to several rows rounds them differently."""
+    computed it. Pooled (PooledRows._attend_whole): alone over its slot's whole capacity, which its cache's buffers
+    are; one call a decoded row, since a call over the slot's keys expanded to several rows rounds them differently.
+    `decode_alone` (no pool, CUDA): as a decode row's segment, over the keys up to its own position."""
     first, rows = seg.contiguous_from, query.shape[1]
     prompt = min(max(seg.cache.decoded_from - first, 0), rows)
     outs = [kernels.aligned_attention(query[:, :prompt], keys, values, first, scale, window)] if prompt else []
     whole_keys, whole_values = seg.cache.keys[layer][None], seg.cache.values[layer][None]
     for row in range(prompt, rows):
-        allowed = kernels.decode_mask(torch.tensor([first + row], device=query.device), whole_keys.shape[2], window)
-        outs.append(kernels.stacked_decode_attention(query[:, row : row + 1], whole_keys, whole_values, allowed, scale))
+        position, one = first + row, query[:, row : row + 1]
+        if decode_alone:
+            seen, at = slice(0, position + 1), seg.rows[row : row + 1]
+            out = kernels.selected_attention(one, keys[:, seen], values[:, seen], at, scale, window, position)
+        else:
+            allowed = kernels.decode_mask(torch.tensor([position], device=query.device), whole_keys.shape[2], window)
+            out = kernels.stacked_decode_attention(one, whole_keys, whole_values, allowed, scale)
+        outs.append(out)
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -33,7 +33,7 @@ from ..errors import ParameterOutOfRange
 from ..loaded import LoadedModel
 from . import invariant
 from .graphs import DecodeGraphs, Run
-from .kv import DECODE, Batch, JoinedCache, ModelShape, Pools, Segment, contiguous_start, decode_strategy
+from .kv import DECODE, Batch, JoinedCache, ModelShape, PerSegment, Pools, Segment, contiguous_start, decode_strategy
 from .scheduler import Kind, StepPlan, StepResult, Work
 from .threads import on_a_passing_thread
 
@@ -193,7 +193,8 @@ class Runner:
         if self.batch_invariant:
             # on a thread that ends: a thread that ran a parallel op keeps an OpenMP team, which slows every step of
             # the model thread (research/README.md, "OpenMP teams beside the model thread")
-            shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device)
+            window = getattr(config, "sliding_window", None)  # a windowed layer's attention is checked too
+            shape = (config.num_attention_heads, self.shape.kv_heads, head_dim, model.dtype, self.device, window)
             self.cut_invariant = on_a_passing_thread(invariant.cuts_alike, *shape)
             if not self.cut_invariant:
                 log.warning(
@@ -365,7 +366,7 @@ class Runner:
             )
             start = end
         positions = segments[0].rows if len(segments) == 1 else torch.cat([seg.rows for seg in segments])
-        return Batch(segments, self.pool.rows(segments)), positions
+        return Batch(segments, self.pool.rows(segments), decode_alone=isinstance(self.pool, PerSegment)), positions
 
     def adopt(self, cache: JoinedCache) -> None:
         """A request starts decoding: its cache joins the pool (where there is one)."""
