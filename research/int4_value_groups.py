@@ -113,6 +113,12 @@ def through(scheme: Scheme, keys: torch.Tensor, values: torch.Tensor) -> tuple[t
     return k.to(keys.dtype), v.to(values.dtype)
 
 
+def top_two_margin(logits: torch.Tensor) -> float:
+    """log p(first) - log p(second) of the next token: how near a tie the reference's top-1 is."""
+    top = torch.log_softmax(logits.double(), -1).topk(2).values
+    return float(top[0] - top[1])
+
+
 def engine(lm, scheme: Scheme | None) -> RagCache:
     """An fp32-entry engine whose entries pass through `scheme` first (None: plain fp32 entries, the reference)."""
     rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=512, kv_codec="fp32"))
@@ -133,7 +139,7 @@ def run(model: str, n: int, seed: int, schemes: list[str], max_new_tokens: int) 
     reference = engines["fp32"]
     reference.warmup()
     stops = agreement_stops(reference)
-    rows, started = [], time.perf_counter()
+    rows, margins, started = [], [], time.perf_counter()
     for i, item in enumerate(items):
         got: dict[str, dict] = {}
         for name, rc in engines.items():
@@ -153,6 +159,7 @@ def run(model: str, n: int, seed: int, schemes: list[str], max_new_tokens: int) 
             top1, kl = agreement.first_token(ref["logits"], g["logits"])
             row[key] = dict(top1=top1, kl=kl, same_answer=float(g["text"] == ref["text"]))
         rows.append(row)
+        margins.append({label: top_two_margin(got[f"fp32/{label}"]["logits"]) for label in ALGORITHMS})
         print(f"[{i + 1}/{len(items)}] {time.perf_counter() - started:.0f}s " + " ".join(
             f"{k}={v['top1']:.0f}" for k, v in row.items()), file=sys.stderr, flush=True)
     shape = reference.runner.shape
@@ -166,7 +173,7 @@ def run(model: str, n: int, seed: int, schemes: list[str], max_new_tokens: int) 
                             kl=sum(v["kl"] for v in vals) / len(vals),
                             same_answer=sum(v["same_answer"] for v in vals) / len(vals)))
     return dict(model=model, n=len(items), seed=seed, head_dim=shape.head_dim, commit=git_commit(),
-                machine=machine(), results=summary, items=rows)
+                machine=machine(), results=summary, items=rows, fp32_margins=margins)
 
 
 def main() -> None:
