@@ -149,9 +149,6 @@ class LinkPlan:
     # or `prefix` link, none of a link over chunks (`plan`). From there on a row may be stale: it was computed
     # without some row before it (a chunk's entry, from the chunk alone), or over such a row.
     exact_until: int = 0
-    # its rows are one run of positions, each attending as `full`'s would wherever its piece starts (a cut-invariant
-    # runner): the scheduler may cut them anywhere, filling a step's budget
-    cut_anywhere: bool = False
 
 
 @torch.inference_mode()

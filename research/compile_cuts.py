@@ -8,6 +8,12 @@ do not depend on where its piece starts (kernels.aligned_attention), so the sche
 Decision rule: keep cutting anywhere if it compiles >= 5% faster in an interleaved A/B on this machine and the
 entries are the same bits both ways; otherwise revert it. Stop after one run of this probe.
 
+Result (77181bb, research/results/compile-cuts-smollm2-135m.json): no. 12 documents of ~2,000 tokens (53 chunks,
+24k tokens), SmolLM2-135M bf16, 2 cores: steps 60 -> 48 (396 -> 496 rows a step, the smallest 20 -> 427), time
+24.48 s against 24.99 s cutting whole pieces (1.02x) and 24.36 s as compiles ran before (0.995x); entries the same
+bits either way. Fuller steps buy nothing measurable here, so the change was reverted: this probe runs only at
+77181bb (`git worktree add /tmp/cuts 77181bb`).
+
 A/B in one process, interleaved: the same documents compiled into a fresh memory store with
 `Scheduler._piece_size` told that no plan may be cut anywhere (before) or as the runner says (after).
 

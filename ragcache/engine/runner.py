@@ -231,9 +231,8 @@ class Runner:
         seq = work.sequence
         seq.link_started = time.perf_counter()
         plan = linker.plan(self, seq.parts, seq.params, seq.room, seq.prefix_cache)
-        if self.cut_invariant:  # its prompt rows attend as `full`'s: one run of them may be cut anywhere
+        if self.cut_invariant and seq.compile is None:
             plan.cache.decoded_from = plan.token_ids.numel()
-            plan.cut_anywhere = contiguous_start(plan.rows) is not None
         if plan.last_logits is None:
             return StepResult(plan=plan)
         return self._sampled(seq, plan, plan.last_logits, 0)  # an exact repeat of a cached prompt: linked already
@@ -449,8 +448,6 @@ class Runner:
         length = token_ids.numel()
         cache = self.new_cache(length)
         cache.length = length
-        if self.cut_invariant:  # as a scheduled compile's rows attend, in whatever pieces (`_place`)
-            cache.decoded_from = length
         self.forward_rows(token_ids, torch.arange(length), cache)
         return self.pre_rope(cache)
 

@@ -181,7 +181,7 @@ class Scheduler:
             pending = sequence.pending_rows
             if budget <= 0:
                 continue
-            size = self._piece_size(pending, budget, len(work) == decoding_works, sequence.plan.cut_anywhere)
+            size = self._piece_size(pending, budget, first=len(work) == decoding_works)
             if size == 0:
                 continue
             work.append(Work(sequence, Kind.PIECE, sequence.linked_rows, sequence.linked_rows + size))
@@ -219,13 +219,12 @@ class Scheduler:
         self.base_turn = waiting and not base
         return base
 
-    def _piece_size(self, pending: int, budget: int, first: bool, anywhere: bool) -> int:
-        """How many of a sequence's pending link rows this step runs: what the budget leaves. Batch-invariant, unless
-        its rows may be cut anywhere (LinkPlan.cut_anywhere): a whole piece of the row budget (or the last rows), cut
-        where the sequence alone would cut it, since a row's attention depends on where its piece starts; the step's
-        first piece is taken even past what the decode rows left of the budget, so a step may hold up to one row per
-        decoding sequence more than the budget."""
-        if not self.batch_invariant or anywhere:
+    def _piece_size(self, pending: int, budget: int, first: bool) -> int:
+        """How many of a sequence's pending link rows this step runs. Batch-invariant: a whole piece of the row
+        budget (or the last rows), cut where the sequence alone would cut it, since a row's attention depends on
+        where its piece starts; the step's first piece is taken even past what the decode rows left of the budget,
+        so a step may hold up to one row per decoding sequence more than the budget."""
+        if not self.batch_invariant:
             return min(budget, pending)
         size = min(self.row_budget, pending)
         return size if first or size <= budget else 0
