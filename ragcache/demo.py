@@ -49,21 +49,25 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
         table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left", title_style="bold")
         table.add_column("algorithm", no_wrap=True)
         table.add_column("answer")
-        full_text = None
-        for algorithm, repair in (("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS)):
-            answer = rc.query(
+        answers = [
+            (algorithm, repair, rc.query(
                 item.question, docs=item.doc_ids, algorithm=algorithm, repair=repair, max_new_tokens=32, stop=["\n\n"]
-            )
+            ))
+            for algorithm, repair in (("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS))
+        ]  # fmt: skip
+        full_text = answers[0][2].text
+        # every row shows the same stretch of its answer, one that holds the first departure from full's
+        departs = [_departure(_line(full_text), _line(a.text)) for _, _, a in answers[1:]]
+        start = _window_start(min((d for d in departs if d is not None), default=None))
+        for algorithm, repair, answer in answers:
             st = answer.stats
             figures = f"TTFT {st.ttft_s * 1000:.0f} ms, {st.recomputed_tokens} recomputed, {st.cached_tokens} cached"
             if repair:
                 caught = ", then the cache was full's" if st.repair_caught_up else " while decoding"
                 figures += f"\nwith repair={repair}: {st.repaired_tokens} stale rows repaired{caught}"
-            if full_text is None:
-                full_text = answer.text
-            else:
+            if answer is not answers[0][2]:
                 figures += f"\n{'same answer as' if answer.text == full_text else 'answer differs from'} full"
-            table.add_row(algorithm, f"{figures}\n{_short(answer.text)}")
+            table.add_row(algorithm, f"{figures}\n{_short(answer.text, start)}")
             rows.append(
                 {"question": item.question, "algorithm": algorithm, "repair": repair, "answer": answer.text,
                  "same_as_full": answer.text == full_text, **st.as_dict()}
@@ -72,8 +76,31 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     return rows
 
 
-def _short(text: str, limit: int = 90) -> str:
-    """One line of at most `limit` characters; what a terminal would not print as one character (control codes,
-    unassigned code points, as a small or untrained model may emit) shown as U+FFFD."""
-    line = "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
-    return line if len(line) <= limit else line[: limit - 1] + "…"
+LIMIT = 90  # characters of an answer a row shows
+CONTEXT = 30  # of them before where an answer departs from full's, when the departure lies past the first LIMIT
+
+
+def _line(text: str) -> str:
+    """The answer as one line; what a terminal would not print as one character (control codes, unassigned code
+    points, as a small or untrained model may emit) shown as U+FFFD."""
+    return "".join(c if c.isprintable() else "\ufffd" for c in " ".join(text.split()))
+
+
+def _departure(full: str, other: str) -> int | None:
+    """Where `other` first differs from `full` (None: the same)."""
+    if full == other:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(full, other)) if a != b), min(len(full), len(other)))
+
+
+def _window_start(departure: int | None) -> int:
+    """Where rows start showing their answers: 0, unless the first departure would fall past what a row shows."""
+    return 0 if departure is None or departure < LIMIT - CONTEXT else departure - CONTEXT
+
+
+def _short(text: str, start: int = 0) -> str:
+    """LIMIT characters of the answer's line from `start`, "…" where it is cut."""
+    line = _line(text)
+    shown = line[start:]
+    shown = shown if len(shown) <= LIMIT - (start > 0) else shown[: LIMIT - 1 - (start > 0)] + "…"
+    return ("…" + shown) if start > 0 else shown

@@ -374,6 +374,24 @@ def test_the_demo_reads_at_80_columns():
     assert text.count("answer differs from full") == sum(not row["same_as_full"] for row in linked)
 
 
+def test_the_demo_shows_where_an_answer_departs_from_fulls_even_past_what_a_row_shows():
+    """Rows show LIMIT characters of an answer; where a link's answer departs from full's past them, every row of the
+    question shows the same stretch, starting shortly before the departure, so "answer differs" is visible."""
+    from ragcache.demo import CONTEXT, LIMIT, _departure, _short, _window_start
+
+    lead = "The Amber Line is a 27-kilometer railway that runs from the town of Orsk to the mountain pass of "
+    full, other = lead + "Vell, and it was built in 1911.", lead + "Kest, where the record was set."
+    at = _departure(full, other)
+    assert at == len(lead) > LIMIT - CONTEXT and _departure(full, full) is None
+    assert _departure("same start", "same start and more") == len("same start")
+    start = _window_start(at)
+    shown = [_short(text, start) for text in (full, other)]
+    assert all(s.startswith("…") and len(s) <= LIMIT for s in shown)
+    assert "Vell" in shown[0] and "Kest" in shown[1] and shown[0] != shown[1]
+    assert _window_start(None) == _window_start(5) == 0 and _short(full, 0) == full[: LIMIT - 1] + "…"
+    assert _short("short\x07 answer") == "short\ufffd answer"
+
+
 def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_path):
     """--shards 2 stores every chunk's entry also as the 2 shards a TP=2 vLLM reads, beside the whole entry; a second
     run writes none; a count the model's 2 KV heads do not split into fails before anything is written."""
