@@ -192,13 +192,15 @@ def compile_(
     beside: bool = typer.Option(True, "--beside/--no-beside", help="also time a decoding stream beside a compile"),
     batch_invariant: bool = typer.Option(None, "--batch-invariant/--no-batch-invariant",
                                          help="the engine's setting (default: the device's, README: Batch invariance)"),
+    row_budget: int = typer.Option(None, min=16, help="the engine's rows a step (default: the device's); on CPU "
+                                   "with batch invariance, the Linears' row tiles are probed up to it"),
     out: Path = Out,
     tag: str = Tag,
 ):
     """Compile tokens/s against transformers' forward over the same chunks; write rates; a decode's wait beside it."""
     from bench import compile as mod
 
-    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag, batch_invariant)
+    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag, batch_invariant, row_budget)
 
 
 @app.command()

@@ -109,8 +109,14 @@ class RagCache(Front):
         decode_eager, prefetch_bytes).
         `open` and `from_config` load and open them."""
         self.config = config
+        # batch-invariant, a step's rows are at most row_budget (the link budget follows it: Scheduler)
         self.runner = Runner(
-            lm, config.batch_invariant, config.decode_graphs, config.decode_compile, config.decode_eager
+            lm,
+            config.batch_invariant,
+            config.decode_graphs,
+            config.decode_compile,
+            config.decode_eager,
+            config.row_budget,
         )
         row_budget, link_row_budget = _row_budgets(config, self.runner.device)
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)

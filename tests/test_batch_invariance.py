@@ -145,6 +145,30 @@ def test_the_probe_finds_the_tiles_a_cpu_agrees_on_or_refuses():
         invariant.probe([(blocks_of_4, 24), (every_place, 24)], torch.float32)
 
 
+def test_an_engine_with_larger_steps_probes_row_tiles_up_to_them(monkeypatch):
+    """The row tiles are probed up to the engine's row budget where it is past 512 rows (a step's Linears in calls as
+    large as its rows, where the CPU agrees), and only up to 512 otherwise; each set of candidates probed once."""
+    from ragcache.engine import invariant
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    assert invariant.candidate_tiles(512) == invariant.candidate_tiles(700) == invariant.CANDIDATE_TILES
+    assert invariant.candidate_tiles(1500) == (*invariant.CANDIDATE_TILES, 1024)
+    assert invariant.candidate_tiles(4096)[-3:] == (1024, 2048, 4096)
+    probed, probe = [], invariant.probe
+    monkeypatch.setattr(invariant, "probe", lambda ops, dtype, device="cpu", candidates=(): probed.append(
+        tuple(candidates)) or probe(ops, dtype, device, candidates))
+    monkeypatch.setattr(invariant, "_PROBED", {})
+    lm = tiny.make("llama")
+    for budget, largest in ((None, 512), (2048, 2048), (2048, None), (512, None)):
+        probed.clear()
+        rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=64, row_budget=budget, batch_invariant=True))
+        rc.close()
+        assert (max(map(max, probed)) if probed else None) == largest, (budget, probed)  # None: kept from before
+
+
 def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(rc):
     """`prefix` reuses the longest cached prefix of its prompt: nothing (cold), another prompt's first documents
     (partial) or its own prompt (an exact repeat). The rows after the reused part must be cut into pieces where a

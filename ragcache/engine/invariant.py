@@ -41,11 +41,23 @@ from .threads import on_a_passing_thread
 log = logging.getLogger("ragcache")
 
 # powers of two: a larger size is a whole number of any smaller one; up to the CPU's row budget (a full step's
-# rows in one call each, as the GEMM runs fastest)
+# rows in one call each, as the GEMM runs fastest), or an engine's larger steps (`candidate_tiles`)
 CANDIDATE_TILES = (4, 8, 16, 32, 64, 128, 256, 512)
 # a size is probed where one of its GEMMs is at most this many multiply-adds (the probe runs 2 x sizes passes
-# over that many rows): an lm_head's tiles stay small, as its calls are (the rows that need logits)
+# over that many rows), times the largest size over 512: an lm_head's tiles stay small, as its calls are (the rows
+# that need logits)
 PROBE_MACS = 1 << 30
+
+
+def candidate_tiles(largest: int) -> tuple[int, ...]:
+    """The sizes probed for an engine whose steps run up to `largest` rows: CANDIDATE_TILES, then powers of two up
+    to `largest` (a larger step's Linears in calls as large as its rows, where the probe finds they agree)."""
+    sizes = list(CANDIDATE_TILES)
+    while sizes[-1] * 2 <= largest:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
 NORM_COUNTS = (1, 2, 3, 5, 17, 64)  # row counts a norm's row is checked at, alone first
 
 Op = Callable[[torch.Tensor], torch.Tensor]
@@ -244,9 +256,11 @@ def default_for(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool) -> Invariance:
+def install(
+    model: torch.nn.Module, device: torch.device, batch_invariant: bool, step_rows: int = CANDIDATE_TILES[-1]
+) -> Invariance:
     """Make `model`'s row-wise ops batch-invariant (or, off, bucketed where the CPU needs it); a model's ops follow
-    the last runner built on it."""
+    the last runner built on it. `step_rows`: the most rows a step of its engine runs (the tiles probed up to it)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for linear in linears:  # back to the module's own forward: a model may be wrapped again with other settings
         linear.forward = getattr(linear.forward, "unwrapped", linear.forward)
@@ -262,7 +276,7 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool)
             _wrap(linear, in_buckets(linear.forward))
         return Invariance("off", buckets=True)
     started = time.perf_counter()
-    tilings = on_a_passing_thread(probe_model, model, linears, dtype)
+    tilings = on_a_passing_thread(probe_model, model, linears, dtype, candidate_tiles(step_rows))
     for linear in linears:
         tiling = tilings[_shape(linear)]
         into, product = _into(linear, tiling.transposed), _product(linear, tiling.transposed)
@@ -299,14 +313,20 @@ def cuts_alike(
 _PROBED: dict[tuple, dict[tuple, Tiling]] = {}
 
 
-def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: torch.dtype) -> dict[tuple, Tiling]:
-    """The tiling of each Linear shape of the model (`choose` over one Linear of each), after a check of each kind of
-    norm; kept for the process by shapes, dtype and thread count (the GEMM's choices depend on nothing else)."""
+def probe_model(
+    model: torch.nn.Module,
+    linears: list[torch.nn.Linear],
+    dtype: torch.dtype,
+    candidates: tuple[int, ...] = CANDIDATE_TILES,
+) -> dict[tuple, Tiling]:
+    """The tiling of each Linear shape of the model (`choose` over one Linear of each, among `candidates`), after a
+    check of each kind of norm; kept for the process by shapes, dtype, thread count (the GEMM's choices depend on
+    nothing else) and candidates."""
     shapes: dict[tuple, torch.nn.Linear] = {}
     for linear in linears:
         shapes.setdefault(_shape(linear), linear)
     norms = {(type(norm).__name__, norm.weight.numel()): norm for norm in _norms(model)}
-    key = (dtype, torch.get_num_threads(), tuple(sorted(shapes)), tuple(sorted(norms)))
+    key = (dtype, torch.get_num_threads(), tuple(sorted(shapes)), tuple(sorted(norms)), candidates)
     if key not in _PROBED:
         for (name, width), norm in norms.items():
             if not check_rows_alone(norm.forward, width, dtype):
@@ -314,18 +334,19 @@ def probe_model(model: torch.nn.Module, linears: list[torch.nn.Linear], dtype: t
                     f"{name} gives a row other bits among other rows on this CPU ({_cpu_name()}, {dtype}); "
                     f"serve with --no-batch-invariant (RAGCACHE_BATCH_INVARIANT=false)"
                 )
-        _PROBED[key] = {shape: choose(linear, dtype) for shape, linear in shapes.items()}
+        _PROBED[key] = {shape: choose(linear, dtype, candidates) for shape, linear in shapes.items()}
     return _PROBED[key]
 
 
-def choose(linear: torch.nn.Linear, dtype: torch.dtype) -> Tiling:
+def choose(linear: torch.nn.Linear, dtype: torch.dtype, sizes: tuple[int, ...] = CANDIDATE_TILES) -> Tiling:
     """The Linear's tiling: as itself where its tiles include the largest size (a full step's rows in one call);
     else as its transpose where that one's do; else whichever lets more sizes agree. A call of the transpose costs
     2-3x one of the Linear on the Xeon measured (it copies its result), so it wins only against many small calls. A
     rule on the probe's findings, not a timing: the same machine picks the same tiles, and gives the same answers,
     at every start."""
     macs = linear.in_features * linear.out_features
-    candidates = [size for size in CANDIDATE_TILES if size == CANDIDATE_TILES[0] or size * macs <= PROBE_MACS]
+    budget = PROBE_MACS * max(sizes[-1] // CANDIDATE_TILES[-1], 1)
+    candidates = [size for size in sizes if size == sizes[0] or size * macs <= budget]
     found, refusal = [], None
     for transposed in (False, True) if _plain(linear) else (False,):  # a subclass's forward is run as it is
         try:
