@@ -43,9 +43,8 @@ log = logging.getLogger("ragcache")
 # powers of two: a larger size is a whole number of any smaller one; up to the CPU's row budget (a full step's
 # rows in one call each, as the GEMM runs fastest), or an engine's larger steps (`candidate_tiles`)
 CANDIDATE_TILES = (4, 8, 16, 32, 64, 128, 256, 512)
-# a size is probed where one of its GEMMs is at most this many multiply-adds (the probe runs 2 x sizes passes
-# over that many rows), times the largest size over 512: an lm_head's tiles stay small, as its calls are (the rows
-# that need logits)
+# a size up to 512 is probed where one of its GEMMs is at most this many multiply-adds (the probe runs 2 x sizes
+# passes over 512 rows): an lm_head's tiles stay small, as its calls are (the rows that need logits)
 PROBE_MACS = 1 << 30
 
 
@@ -194,20 +193,22 @@ def probe(
     """The tile sizes among `candidates` at which every op (a row-wise function and its input width) gives a row
     the same bits wherever it sits in a tile and whichever of the sizes computes it.
 
-    Each size computes the same random rows (as many as the largest size) tile by tile, then again with each
-    tile's rows moved down one place (its last first): a result that depends on the place differs between two
-    neighbouring places, which this moves every row across. Sizes that pass are grouped by bit-equal results on all
-    the rows: in bf16, where a GEMM rounds its fp32 sums to 8 bits, a few rows can agree by chance between kernels
-    that sum apart. The largest group wins (ties: the smaller sizes)."""
+    Each size computes the same random rows tile by tile (512 of them, or one tile of a larger size), then again
+    with each tile's rows moved down one place (its last first): a result that depends on the place differs between
+    two neighbouring places, which this moves every row across. Sizes that pass are grouped by bit-equal results on
+    the rows both computed (at least 512, or all of the largest size's where it is smaller): in bf16, where a GEMM
+    rounds its fp32 sums to 8 bits, a few rows can agree by chance between kernels that sum apart. The largest group
+    wins (ties: the smaller sizes)."""
     generator = torch.Generator().manual_seed(0)
     count = max(candidates)
     inputs = [torch.randn(count, width, generator=generator).to(dtype).to(device) for _, width in ops]
+    base = min(count, CANDIDATE_TILES[-1])  # the rows a small size computes: its cost stays that of a 512-row probe
     results: dict[int, list[torch.Tensor]] = {}
     with torch.inference_mode():
         for size in sorted(candidates):
             outs = []
             for (op, _), x in zip(ops, inputs):
-                tiles = x.split(size)
+                tiles = x[: max(size, base)].split(size)
                 here = torch.cat([op(tile) for tile in tiles])
                 moved = torch.cat([op(torch.roll(tile, 1, 0)).roll(-1, 0) for tile in tiles])
                 if not torch.equal(here, moved):
@@ -217,7 +218,7 @@ def probe(
                 results[size] = outs
     groups: list[list[int]] = []
     for size, outs in results.items():
-        group = next((g for g in groups if all(map(torch.equal, results[g[0]], outs))), None)
+        group = next((g for g in groups if all(map(_same_rows, results[g[0]], outs))), None)
         if group is None:
             groups.append([size])
         else:
@@ -230,6 +231,12 @@ def probe(
         )
     best = max(groups, key=lambda g: (len(g), -g[0]))
     return RowTiles(tuple(sorted(best)))
+
+
+def _same_rows(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-equal on the rows both computed."""
+    rows = min(a.shape[0], b.shape[0])
+    return torch.equal(a[:rows], b[:rows])
 
 
 def check_rows_alone(
@@ -345,8 +352,9 @@ def choose(linear: torch.nn.Linear, dtype: torch.dtype, sizes: tuple[int, ...] =
     rule on the probe's findings, not a timing: the same machine picks the same tiles, and gives the same answers,
     at every start."""
     macs = linear.in_features * linear.out_features
-    budget = PROBE_MACS * max(sizes[-1] // CANDIDATE_TILES[-1], 1)
-    candidates = [size for size in sizes if size == sizes[0] or size * macs <= budget]
+    # the cap bounds the small sizes (an lm_head's); a shape that takes 512 rows takes an engine's larger sizes too
+    capped = CANDIDATE_TILES[-1]
+    candidates = [size for size in sizes if size == sizes[0] or min(size, capped) * macs <= PROBE_MACS]
     found, refusal = [], None
     for transposed in (False, True) if _plain(linear) else (False,):  # a subclass's forward is run as it is
         try:
@@ -354,6 +362,9 @@ def choose(linear: torch.nn.Linear, dtype: torch.dtype, sizes: tuple[int, ...] =
             found.append(Tiling(probe([(op, linear.in_features)], dtype, candidates=candidates), transposed))
         except BatchInvarianceUnavailable as error:
             refusal = error
+            continue
+        if max(candidates) in found[-1].tiles.sizes:  # as itself wins: the transpose is not probed
+            break
     if not found:
         assert refusal is not None
         raise refusal
