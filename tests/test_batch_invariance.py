@@ -137,6 +137,12 @@ def test_the_probe_finds_the_tiles_a_cpu_agrees_on_or_refuses():
     assert tiles.split(160) == [(0, 128), (128, 32)]
     assert tiles.split(490) == [(0, 512)]  # a rest of at least 7/8 of a size: one padded call, not six
     assert tiles.split(1100) == [(0, 512), (512, 512), (1024, 64), (1088, 16)]
+    # an engine's larger steps: sizes past 512 each computed over one tile, compared on the rows both computed
+    larger = invariant.candidate_tiles(2048)
+    assert invariant.probe([(blocks_of_4, 24)], torch.float32, candidates=larger).sizes == larger
+    assert invariant.probe([(two_kernels, 24)], torch.float32, candidates=larger).sizes == larger[2:]
+    big_kernel = FakeGemm(lambda rows, place: int(rows >= 1024))  # its own rounding past 1,023 rows: apart
+    assert invariant.probe([(big_kernel, 24)], torch.float32, candidates=larger).sizes == invariant.CANDIDATE_TILES
     # a forward pads its rows once to what every Linear's tiles cover whole
     assert invariant.Invariance("x", (tiles, invariant.RowTiles((4, 8)))).rows_for(70) == 80
     assert invariant.Invariance("x", (tiles,)).rows_for(490) == 512
@@ -167,6 +173,11 @@ def test_an_engine_with_larger_steps_probes_row_tiles_up_to_them(monkeypatch):
         rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=64, row_budget=budget, batch_invariant=True))
         rc.close()
         assert (max(map(max, probed)) if probed else None) == largest, (budget, probed)  # None: kept from before
+    # a Linear that takes every size as itself is not probed as its transpose (which could only lose to it)
+    probed.clear()
+    tiling = invariant.choose(torch.nn.Linear(24, 16), torch.float32)
+    whole = not tiling.transposed and tiling.tiles.sizes[-1] == invariant.CANDIDATE_TILES[-1]
+    assert len(probed) == (1 if whole else 2)
 
 
 def test_a_prefix_request_gives_the_same_tokens_whatever_its_prefix_cache_holds(rc):
