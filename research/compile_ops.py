@@ -20,27 +20,13 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench import gpu  # noqa: E402
 from ragcache.engine import runner as runner_module  # noqa: E402
 from ragcache.store.memory import MemoryStore  # noqa: E402
-
-METADATA = {"empty", "empty_strided", "detach", "alias", "lift_fresh", "is_pinned", "_has_compatible_shallow_copy_type"}
-
-
-class Count(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if name not in METADATA:
-            self.ops[name] += 1
-        return func(*args, **(kwargs or {}))
+from research.graph_step_ops import Count  # noqa: E402
 
 
 def main() -> None:
@@ -67,6 +53,7 @@ def main() -> None:
     # the peer, counted on this thread: transformers' forward over the same chunks, 16 a call
     chunks = [lm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in texts]
     peer = Count()
+    peer.on = True
     with torch.inference_mode(), peer:
         for i in range(0, len(chunks), 16):
             group = chunks[i:i + 16]
@@ -74,6 +61,7 @@ def main() -> None:
             lm.model(torch.tensor([ids[:width] for ids in group]), logits_to_keep=1)
 
     ours, phases = Count(), collections.Counter()
+    ours.on = True
     execute = runner_module.Runner.execute
 
     def counted(self, plan):
