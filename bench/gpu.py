@@ -684,7 +684,9 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))
     print(f"  {name} cut invariance: start-up check {on['cut_invariant']}; `full` whole and in pieces of "
           f"{CUT_PIECE} rows: first logits the same bits on {on['full_first_logits_same_bits']}/{on['of']}, "
-          f"answers on {on['full_answers_same']}/{on['of']}", flush=True)
+          f"answers on {on['full_answers_same']}/{on['of']}; focus answers full's on {on['focus_answers_same']}, "
+          f"with repair={REPAIR_ALL} on {on['repair_answers_same']} (first token full's on "
+          f"{on['repair_first_token_same']}, caught up on {on['repair_caught_up']})", flush=True)
     del lm
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -692,6 +694,7 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
 
 
 CUT_PIECE = 100  # rows a step: a prompt of (e) in several pieces
+REPAIR_ALL = 4096  # (e)'s repair budget: past every prompt, so a repair catches up in the first decode step
 
 
 def cut_invariance(lm, texts: list[str], asks: list, doc_tokens: int, new_tokens: int) -> dict:
@@ -703,18 +706,28 @@ def cut_invariance(lm, texts: list[str], asks: list, doc_tokens: int, new_tokens
     from ragcache.settings import EngineConfig
     from ragcache.store.memory import MemoryStore
 
-    answers, checked = [], []
+    answers, checked, links = [], [], {}
     for budget in (None, CUT_PIECE):
         rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens, batch_invariant=True, row_budget=budget))
         ids = rc.compile(texts)
         answers.append([rc.query(q, [ids[i] for i in docs], algorithm="full", max_new_tokens=new_tokens)
                         for q, docs in asks])
+        if budget is None:  # the default link, and with a repair that catches up in its first decode step
+            for repair in (0, REPAIR_ALL):
+                links[repair] = [rc.query(q, [ids[i] for i in docs], algorithm="focus", repair=repair,
+                                          max_new_tokens=new_tokens) for q, docs in asks]
         checked.append(rc.cut_invariant)
         rc.close()
     whole, pieces = answers
+    first_same = [a.token_ids[:1] == b.token_ids[:1] for a, b in zip(links[REPAIR_ALL], whole)]
     return dict(cut_invariant=all(checked), of=len(asks),
                 full_first_logits_same_bits=sum(torch.equal(a.first_logits, b.first_logits) for a, b in zip(*answers)),
-                full_answers_same=sum(a.token_ids == b.token_ids for a, b in zip(whole, pieces)))
+                full_answers_same=sum(a.token_ids == b.token_ids for a, b in zip(whole, pieces)),
+                focus_answers_same=sum(a.token_ids == b.token_ids for a, b in zip(links[0], whole)),
+                repair_first_token_same=sum(first_same),
+                repair_caught_up=sum(a.stats.repair_caught_up for a in links[REPAIR_ALL]),
+                # what repair promises: an answer whose first token is full's and whose cache caught up is full's
+                repair_answers_same=sum(a.token_ids == b.token_ids for a, b in zip(links[REPAIR_ALL], whole)))
 
 
 def _decode_rate(stats: dict) -> float | None:
@@ -1674,8 +1687,12 @@ def _suite_summary(result: dict) -> list[str]:
         if isinstance(r, dict) and "cut_invariant" in r:
             print(f"  cut invariance: check {r['cut_invariant']}, `full` in pieces the same first logits on "
                   f"{r['full_first_logits_same_bits']}/{r['of']}, answers on {r['full_answers_same']}/{r['of']}")
+            print(f"  repair: focus answers full's on {r['focus_answers_same']}/{r['of']}, with repair on "
+                  f"{r['repair_answers_same']}/{r['of']} (first token full's on {r['repair_first_token_same']})")
             if r["cut_invariant"] and r["full_first_logits_same_bits"] < r["of"]:  # the engine's claim is wrong
                 failed.append(f"cut invariance: the check passed, `full` in pieces differed on {r['model']}")
+            if r["cut_invariant"] and r["repair_answers_same"] < min(r["repair_first_token_same"], r["repair_caught_up"]):
+                failed.append(f"repair: caught up with full's first token, yet the answer departed on {r['model']}")
     for r in result.get("compile") or []:
         if isinstance(r, dict) and "ratio" in r:
             print(f"  compile {r['codec']} into {r.get('store', 'memory')}: {r['ours_tok_s']:,.0f} tok/s, {r['ratio']:.2f}x {r['peer']}")

@@ -494,6 +494,9 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
     # `full` whole and in pieces: the same bits where the start-up check found this CPU cut-invariant
     assert on["of"] == 4 and (not on["cut_invariant"] or on["full_first_logits_same_bits"] == on["full_answers_same"] == 4)
+    # a repair past the prompt catches up at once; cut-invariant, an answer whose first token is full's is full's
+    assert on["repair_caught_up"] == 4 and 0 <= on["focus_answers_same"] <= 4
+    assert not on["cut_invariant"] or on["repair_answers_same"] == on["repair_first_token_same"]
     # a rate is there exactly when its run had decode-only steps (else None, the count 0 saying why); here each run
     # has them: no EOS, and the request linked last decodes its tokens after its first in steps no link shares
     for row in (on, off):
