@@ -55,7 +55,8 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
             ))
             for algorithm, repair in (("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS))
         ]  # fmt: skip
-        full_text = answers[0][2].text
+        full_answer = answers[0][2]
+        full_text = full_answer.text
         # every row shows the same stretch of its answer, one that holds the first departure from full's
         departs = [_departure(_line(full_text), _line(a.text)) for _, _, a in answers[1:]]
         start = _window_start(min((d for d in departs if d is not None), default=None))
@@ -65,7 +66,7 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
             if repair:
                 caught = ", then the cache was full's" if st.repair_caught_up else " while decoding"
                 figures += f"\nwith repair={repair}: {st.repaired_tokens} stale rows repaired{caught}"
-            if answer is not answers[0][2]:
+            if answer is not full_answer:
                 figures += f"\n{'same answer as' if answer.text == full_text else 'answer differs from'} full"
             table.add_row(algorithm, f"{figures}\n{_short(answer.text, start)}")
             rows.append(
