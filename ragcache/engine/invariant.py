@@ -263,11 +263,10 @@ def default_for(device: torch.device) -> bool:
     return device.type != "cuda"
 
 
-def install(
-    model: torch.nn.Module, device: torch.device, batch_invariant: bool, step_rows: int = CANDIDATE_TILES[-1]
-) -> Invariance:
+def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool, step_rows: int = 0) -> Invariance:
     """Make `model`'s row-wise ops batch-invariant (or, off, bucketed where the CPU needs it); a model's ops follow
-    the last runner built on it. `step_rows`: the most rows a step of its engine runs (the tiles probed up to it)."""
+    the last runner built on it. `step_rows`: the most rows a step of its engine runs, where past CANDIDATE_TILES
+    (the tiles probed up to it: `candidate_tiles`)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for linear in linears:  # back to the module's own forward: a model may be wrapped again with other settings
         linear.forward = getattr(linear.forward, "unwrapped", linear.forward)

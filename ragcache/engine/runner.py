@@ -186,8 +186,7 @@ class Runner:
         # releases (the GPU machine's 5.17) know only the old name
         self.cache_argument = cache_argument(self.layers[0])
         model.config._attn_implementation = ATTENTION_NAME
-        step_rows = max(step_rows or 0, invariant.CANDIDATE_TILES[-1])
-        self.invariance = invariant.install(model, self.device, self.batch_invariant, step_rows)
+        self.invariance = invariant.install(model, self.device, self.batch_invariant, step_rows or 0)
         # And cut-invariant: a query's prompt rows get the same bits in pieces cut anywhere (a row budget, a link's
         # repair after its first token, which then catches up with `full`'s cache bit for bit), where this device
         # lets kernels.aligned_attention do so (a CPU's GEMM may round a row by the piece; on CUDA the attention
