@@ -185,7 +185,10 @@ def codecs(
 def compile_(
     model: str = Model,
     docs: int = typer.Option(32, min=2, help="documents (one chunk each at the default --doc-tokens)"),
-    doc_tokens: int = typer.Option(512, min=8, help="tokens per document, at most; also the chunk budget"),
+    doc_tokens: int = typer.Option(512, min=8, help="tokens per document, at most"),
+    chunk_tokens: int = typer.Option(None, min=8, help="the chunker's budget (default: --doc-tokens, one chunk a "
+                                     "document); smaller, documents are cut as a corpus is: chunks of this many "
+                                     "tokens and up to twice that, to a sentence end"),
     runs: int = typer.Option(3, min=1, help="timed runs of ours and of transformers, interleaved (median)"),
     dtype: str = typer.Option("auto", help="compute dtype of both: auto, float32 or bfloat16"),
     peer_batch: int = typer.Option(8, min=1, help="chunks per call of transformers' batched forward"),
@@ -200,7 +203,8 @@ def compile_(
     """Compile tokens/s against transformers' forward over the same chunks; write rates; a decode's wait beside it."""
     from bench import compile as mod
 
-    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag, batch_invariant, row_budget)
+    mod.run(model, docs, doc_tokens, runs, dtype, peer_batch, beside, out, tag, batch_invariant, row_budget,
+            chunk_tokens)
 
 
 @app.command()

@@ -36,19 +36,20 @@ PEER_BATCH = 8
 
 def run(model: str, docs: int, doc_tokens: int, runs: int, dtype: str, peer_batch: int, beside: bool,
         out_dir: Path | None = None, tag: str = "", batch_invariant: bool | None = None,
-        row_budget: int | None = None) -> dict:
+        row_budget: int | None = None, chunk_tokens: int | None = None) -> dict:
     from ragcache.engine import on_a_passing_thread
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
 
     params = dict(model=model, docs=docs, doc_tokens=doc_tokens, runs=runs, dtype=dtype, peer_batch=peer_batch,
-                  tag=tag, batch_invariant=batch_invariant, row_budget=row_budget)
+                  tag=tag, batch_invariant=batch_invariant, row_budget=row_budget,
+                  chunk_tokens=chunk_tokens)
     bench = report.Run("compile", params, out_dir)
     lm = load_model(model, dtype)
     peer = load_model(model, dtype)  # its own copy: an engine wraps its model's Linears (batch invariance, buckets)
     *texts, warm = squad.timing_documents(lm.tokenizer, docs + 1, doc_tokens)
-    config = EngineConfig(chunk_tokens=doc_tokens, batch_invariant=batch_invariant, row_budget=row_budget)
+    config = EngineConfig(chunk_tokens=chunk_tokens or doc_tokens, batch_invariant=batch_invariant, row_budget=row_budget)
     ours, peer_single, peer_batched, chunks = [], [], [], None
     for _ in range(runs):  # interleaved: a load change on a shared box falls on both
         rc = RagCache(lm, open_store("memory:"), config)
