@@ -46,6 +46,7 @@ from .settings import (
     DEFAULT_K,
     DEFAULT_RATIO,
     DEVIATIONS,
+    REPAIR_OF_ONE,
     LinkKnobs,
 )
 
@@ -98,6 +99,8 @@ class LinkParams:
             raise ParameterOutOfRange(f"deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
         if not isinstance(self.repair, int) or self.repair < 0:
             raise ParameterOutOfRange(f"repair must be an integer >= 0 (rows per decode step), got {self.repair!r}")
+        if self.repair == 1:
+            raise ParameterOutOfRange(f"repair must be {REPAIR_OF_ONE}, got 1")
 
 
 @dataclass

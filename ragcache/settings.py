@@ -81,6 +81,11 @@ DEFAULT_CHECK_LAYER = 1
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
 
 
+REPAIR_OF_ONE = (  # what `repair` must be: each decode step also adds a row decoded over the stale cache
+    "0 (off) or at least 2: a repair of 1 row a decode step never catches up"
+)
+
+
 def whole(value):
     """A float with no fraction as the int it is, for the integer fields of request bodies (a `before` validator):
     JSON Schema's integer is any number without one (1.0 is 1), while strict ints still refuse true and "3"."""
@@ -128,12 +133,19 @@ class LinkKnobs(BaseModel):
         le=1 << 16,
         strict=True,
         description="rows of the link's stale cache recomputed with each decode step once the first token is out, "
-        "in causal order, until the cache is full's; past the prompt's length (4096) it is full's from the second "
-        "token on, and on CPU so is the answer wherever its first token is (README: Repair during decode; default "
-        "0: off)",
+        "in causal order, until the cache is full's (0 or at least 2: a step also decodes a row over the stale "
+        "cache); past the prompt's length (4096) it is full's from the second token on, and on CPU so is the answer "
+        "wherever its first token is (README: Repair during decode; default 0: off)",
     )
 
     _whole_knobs = field_validator("k", "check_layer", "repair", mode="before")(whole)
+
+    @field_validator("repair")
+    @classmethod
+    def _repair_catches_up(cls, value: int | None) -> int | None:
+        if value == 1:
+            raise ValueError(REPAIR_OF_ONE)
+        return value
 
     @classmethod
     def of(cls, **named) -> LinkKnobs:
@@ -148,7 +160,7 @@ class LinkKnobs(BaseModel):
             return cls(**named)
         except ValidationError as exc:
             problem = exc.errors()[0]
-            name, why = problem["loc"][0], problem["msg"].removeprefix("Input should be ")
+            name, why = problem["loc"][0], problem["msg"].removeprefix("Input should be ").removeprefix("Value error, ")
             raise ParameterOutOfRange(f"{name} must be {why}, got {problem['input']!r}") from None
 
     def knobs(self) -> dict:

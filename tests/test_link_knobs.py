@@ -67,6 +67,7 @@ def test_knobs_resolve_request_over_server_over_profile():
     ({"k": True}, "k must be a valid integer"),  # a JSON true is no number
     ({"deviation": "v"}, "deviation must be 'key' or 'value'"),
     ({"algorith": "naive"}, "unknown link knob"),
+    ({"repair": 1}, "repair must be 0 \\(off\\) or at least 2: a repair of 1 row a decode step never catches up"),
 ])
 def test_bad_knobs_are_typed_errors_naming_the_knob(knobs, match):
     with pytest.raises(ParameterOutOfRange, match=match):

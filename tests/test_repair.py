@@ -126,6 +126,14 @@ def test_exact_links_have_nothing_to_repair():
     assert repair.token_ids(1, 6, [8, 9, 10]).tolist() == [6, 7, 8, 9, 10]  # the prompt, then the answer fed
 
 
+def test_a_repair_of_one_row_a_step_is_refused_as_it_never_catches_up():
+    from ragcache.errors import ParameterOutOfRange
+
+    with pytest.raises(ParameterOutOfRange, match="at least 2"):
+        linker.LinkParams("naive", repair=1).validate(2)
+    linker.LinkParams("naive", repair=2).validate(2)
+
+
 def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
     """Each decode step of a repairing sequence carries its next rows, before any link piece; a link piece of
     another request gets what is left of the budget."""
