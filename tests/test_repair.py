@@ -190,6 +190,35 @@ def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_step
     packed.close()
 
 
+def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_fulls_cache():
+    """Three repairs at once take three lanes of the captured step (rounded up to four, the fourth parked on slot
+    0), R rows each for budgets that are not powers of two: no lane writes another's rows."""
+    from tests.test_scheduler import Run, together
+
+    rc = engine("llama", batch_invariant=False, decode_graphs=True)
+    ids = rc.compile(DOCS)
+    lanes, step = [], rc.runner.graphs.step
+    rc.runner.graphs.step = lambda tokens, caches, repairs=(): lanes.append(len(repairs)) or step(
+        tokens, caches, repairs
+    )
+    kept = caches_at_release(rc)
+    asks = ((1, 13), (2, 21), (3, 40))  # documents, repair rows a step
+    runs = together(rc, [
+        Run(rc, question=QUESTION, docs=ids[:docs], algorithm="naive", repair=per_step, max_new_tokens=32)
+        for docs, per_step in asks
+    ])
+    assert max(lanes) == 3  # side by side in one step
+    by_length = {keys.shape[2]: (keys, values) for keys, values in kept}
+    for (docs, _), run in zip(asks, runs):
+        answer = run.stream.answer
+        assert answer.stats.repair_caught_up
+        want_keys, want_values = full_cache(rc, ids[:docs], answer.token_ids)
+        keys, values = by_length[want_keys.shape[2]]
+        torch.testing.assert_close(keys, want_keys, atol=2e-5, rtol=2e-4)
+        torch.testing.assert_close(values, want_values, atol=2e-5, rtol=2e-4)
+    rc.close()
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3"])  # gemma3: sliding windows and two rope tables
 @pytest.mark.parametrize("per_step", [4096, 40])
 def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, monkeypatch):
