@@ -2,6 +2,7 @@
 store's write rate, and how long a decoding stream waits while a compile runs beside it.
 
     python -m bench compile --model smollm2-135m --docs 32 --doc-tokens 512 --runs 3
+    python -m bench compile --docs 12 --doc-tokens 2000 --chunk-tokens 512   # a corpus as the chunker cuts it
 
 - ours: a fresh engine and store per run, warmed by one other document, then `compile_documents` of every document
   (each chunk a compile sequence the scheduler packs into its steps, entries encoded in the engine's codec and
@@ -49,7 +50,8 @@ def run(model: str, docs: int, doc_tokens: int, runs: int, dtype: str, peer_batc
     lm = load_model(model, dtype)
     peer = load_model(model, dtype)  # its own copy: an engine wraps its model's Linears (batch invariance, buckets)
     *texts, warm = squad.timing_documents(lm.tokenizer, docs + 1, doc_tokens)
-    config = EngineConfig(chunk_tokens=chunk_tokens or doc_tokens, batch_invariant=batch_invariant, row_budget=row_budget)
+    config = EngineConfig(chunk_tokens=chunk_tokens or doc_tokens, batch_invariant=batch_invariant,
+                          row_budget=row_budget)
     ours, peer_single, peer_batched, chunks = [], [], [], None
     for _ in range(runs):  # interleaved: a load change on a shared box falls on both
         rc = RagCache(lm, open_store("memory:"), config)
