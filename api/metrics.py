@@ -139,6 +139,11 @@ class Metrics:
             for field, help_ in TOKEN_FIELDS.items()
         }
         self.compiled_chunks = Counter("ragcache_compiled_chunks", "chunks compiled by document uploads", registry=r)
+        self.unstored_chunks = Counter(
+            "ragcache_unstored_chunks",
+            "chunks a query compiled that the store refused (logged): a later request compiles them again",
+            registry=r,
+        )
         self.guard_checks = Counter(
             "ragcache_guard_checks",
             "linked answers also linked with full by the accuracy guard",
@@ -178,6 +183,7 @@ class Metrics:
         self.queue_wait.observe(queue_s)
         for field, counter in self.tokens.items():
             counter.labels(algorithm).inc(getattr(stats, field))
+        self.unstored_chunks.inc(stats.unstored_chunks)
 
     def observe_guard(self, model: str, check, agreement: float) -> None:
         self.guard_checks.labels(model, check.algorithm).inc()

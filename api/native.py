@@ -198,7 +198,12 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
         timings=Timings(
             queue_s=queue_s, **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}
         ),
-        store={"hits": st.store_hits, "misses": st.store_misses, "compiled": st.compiled_chunks},
+        store={
+            "hits": st.store_hits,
+            "misses": st.store_misses,
+            "compiled": st.compiled_chunks,
+            "unstored": st.unstored_chunks,
+        },
     )
 
 

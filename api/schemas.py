@@ -227,7 +227,10 @@ class QueryResponse(BaseModel):
     timings: Timings
     algorithm: str
     finish_reason: Literal["stop", "length"]
-    store: dict[str, int] = Field(description="chunk lookups: hits, misses, compiled")
+    store: dict[str, int] = Field(
+        description="chunk lookups: hits, misses, compiled, and unstored (compiled but refused by the store: a later "
+        "request compiles them again)"
+    )
 
 
 class InfillResponse(BaseModel):

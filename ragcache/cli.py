@@ -441,10 +441,11 @@ def query(
         console.print(answer.text, highlight=False)
     st = answer.stats
     # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
+    unstored = f", [bold]not stored {st.unstored_chunks}[/bold] (see the warning)" if st.unstored_chunks else ""
     err.print(
         f"\n[dim]{st.algorithm}: ttft {st.ttft_s * 1000:.0f} ms, cached {st.cached_tokens}, "
         f"recomputed {st.recomputed_tokens}, generated {st.completion_tokens} tokens; chunks: store hits "
-        f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}[/dim]"
+        f"{st.store_hits}, misses {st.store_misses}, compiled {st.compiled_chunks}{unstored}[/dim]"
     )
 
 

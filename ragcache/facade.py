@@ -331,6 +331,8 @@ class RagCache(Front):
         stats.store_hits += report.hits
         stats.store_misses += len(chunk_ids) - report.hits
         stats.compiled_chunks += report.compiled
+        if report.unstored is not None:
+            stats.unstored_chunks += report.compiled
         return entries
 
     def _fetch(

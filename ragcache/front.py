@@ -142,6 +142,8 @@ class Front(abc.ABC):
         `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
         tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
         texts = request.validate_texts(texts)
+        if metadata is not None and len(metadata) != len(texts):
+            raise ParameterOutOfRange(f"metadata must have one dict a text: {len(metadata)} for {len(texts)} texts")
         self._check_shards(shards)
         started, report = time.perf_counter(), CompileReport()
         say = progress or (lambda report: None)

@@ -732,6 +732,23 @@ def test_metrics_of_a_tiered_store(smollm2, tmp_path):
     assert "ragcache_store_lookups_total" in text
 
 
+def test_a_query_whose_compiled_chunks_the_store_refuses_answers_and_counts_them(smollm2, tmp_path, monkeypatch):
+    from ragcache.store.disk import DiskStore
+    from ragcache.store.errors import StoreError
+
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    with serve(RagCache(smollm2, open_store(f"disk:{tmp_path}"))) as s:
+        body = {"question": QUESTION, "documents": [{"text": "The sky over Kessel Bay is grey."}], "max_tokens": 2}
+        r = httpx.post(f"{s.url}/v1/query", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        store = r.json()["store"]
+        assert store["compiled"] > 0 and store["unstored"] == store["compiled"]
+        assert metric(metrics_of(s.url), "ragcache_unstored_chunks_total") == store["unstored"]
+
+
 # -- property-based fuzz: nothing a client sends gives a 5xx -------------------------------------------------
 # JSON has no NaN or infinity: httpx refuses to encode them, so such an example would fail in the client (seen once
 # in CI), never reaching the server under test.

@@ -140,6 +140,37 @@ def test_a_chunk_that_fails_to_compile_fails_its_own_request_only():
     rc.close()
 
 
+def test_compiles_that_finished_are_stored_when_another_of_the_call_fails():
+    """`finish_all` takes the streams' ends in order: a failure of the first must not drop the entries of those
+    after it that had finished (shortest first, they end before it), or a resumed compile pays them again."""
+    rc = engine(row_budget=16)
+    short = [ids for text in TEXTS[:3] for ids in rc.catalog.draft(text).chunks]
+    order = [[i for ids in short for i in ids], *short]  # a long chunk that fails first, then the short ones
+    entry, bad = rc.compiler.entry, {tuple(order[0])}
+
+    def failing(keys, values, token_ids, layout):
+        if tuple(token_ids) in bad:
+            raise ValueError("this chunk cannot be encoded")
+        return entry(keys, values, token_ids, layout)
+
+    rc.compiler.entry = failing
+    with pytest.raises(ValueError, match="cannot be encoded"):
+        rc._ensure(order, rc.layouts["default"])
+    keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in order[1:]]
+    assert all(rc.store.contains_many(keys))
+    rc.close()
+
+
+def test_metadata_not_one_a_text_is_refused_before_anything_compiles():
+    from ragcache.errors import ParameterOutOfRange
+
+    rc = engine()
+    with pytest.raises(ParameterOutOfRange, match="one dict a text: 1 for 2 texts"):
+        rc.compile_documents(TEXTS[:2], [{}])
+    assert not list(rc.store.keys())
+    rc.close()
+
+
 class FailingStore(MemoryStore):
     """A memory store whose put_many fails once `fail` is set."""
 

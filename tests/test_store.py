@@ -611,6 +611,7 @@ def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answer
         rc.compile(DOCS)
     answer = rc.query(QUESTION, [{"text": DOCS[1]}], max_new_tokens=2)
     assert answer.stats.compiled_chunks > 0 and not entry_files(tmp_path)
+    assert answer.stats.unstored_chunks == answer.stats.compiled_chunks  # counted, for /metrics and the answer
 
 
 # -- open_store and the CLI ---------------------------------------------------------------------------------------------

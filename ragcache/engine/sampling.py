@@ -34,6 +34,7 @@ class QueryStats:
     store_hits: int = 0
     store_misses: int = 0
     compiled_chunks: int = 0
+    unstored_chunks: int = 0  # compiled but refused by the store (logged): a later request compiles them again
     prefetched_chunks: int = 0  # entries (the prefix's included) that crossed to the GPU ahead of the link
     finish_reason: str = "length"
 

@@ -395,8 +395,8 @@ def finish_all(
     """Open every stream inside `together()` (the driver's: it takes them in at once, so that their pieces share
     steps), then wait for each one's end in turn: `done(i)` once stream i has finished. The first that fails raises
     its error, Cancelled if `cancelled()` says the caller has gone; either way the streams not finished by then are
-    cancelled. On a cancel, `done(i)` still comes for each stream that finished before its abort could
-    (`_finished_anyway`)."""
+    cancelled, and `done(i)` still comes for each stream that finished before its abort could (`_finished_anyway`):
+    what was computed is not thrown away."""
     inboxes = []
     try:
         with together():
@@ -414,10 +414,9 @@ def finish_all(
                     continue
                 if not isinstance(event, Piece):
                     break
-            if isinstance(event, Failed):
-                raise event.error
-            if isinstance(event, Aborted):
-                raise Cancelled("the engine aborted a compile")
+            if isinstance(event, (Failed, Aborted)):  # what the streams after it finished is still taken
+                _finished_anyway(inboxes, i + 1, done)
+                raise event.error if isinstance(event, Failed) else Cancelled("the engine aborted a compile")
             if done is not None:
                 done(i)
     finally:
