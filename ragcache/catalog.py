@@ -374,11 +374,21 @@ class Writer:
 
     def put(self, entries: dict[str, ChunkKV]) -> None:
         self._check()
-        on_device = any(crossing.on_device(entry) for entry in entries.values())
-        if on_device:
-            self._on_device.acquire()
-            self._check()  # the batch it waited for may have failed
-        self._batches.put((entries, on_device))
+        on_device, held = any(crossing.on_device(entry) for entry in entries.values()), False
+        try:
+            if on_device:
+                self._on_device.acquire()
+                held = True
+                self._check()  # the batch it waited for may have failed
+            self._batches.put((entries, on_device))
+        except KeyboardInterrupt:
+            # Ctrl-C while the compile waits for a slow store: this batch is compiled, so it is handed over too
+            # before the interrupt goes on (`flush` stores it); a second Ctrl-C gives it up
+            if self.failure is None:
+                if on_device and not held:
+                    self._on_device.acquire()
+                self._batches.put((entries, on_device))
+            raise
 
     def flush(self) -> None:
         """Wait until every batch handed over is stored (or has failed), then end the thread."""

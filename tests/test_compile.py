@@ -229,6 +229,26 @@ def _fed(writer: Writer, device: str) -> tuple[threading.Thread, list]:
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_a_ctrl_c_while_the_writer_is_full_still_stores_the_batch_it_was_handing_over(device):
+    store = SlowStore()
+    store.go.set()
+    writer, queued = Writer(store), []
+    put = writer._batches.put
+
+    def interrupted_once(item, *args, **kwargs):
+        if not queued:
+            queued.append(item)
+            raise KeyboardInterrupt  # as if Ctrl-C came while put waited for room
+        put(item, *args, **kwargs)
+
+    writer._batches.put = interrupted_once
+    with pytest.raises(KeyboardInterrupt):
+        writer.put({"k0": SimpleNamespace(keys=torch.zeros(1, device=device))})
+    writer.flush()
+    assert store.kept == ["k0"]
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
 def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile(device):
     """In host memory: one batch being written, two waiting, and the fourth put waits. Still on a GPU (meta tensors
     stand in): one being written, and the next put waits for it, as device memory holds what waits."""
