@@ -259,7 +259,9 @@ def compile(
             summary = rc.compile_documents(
                 [text for text, _ in docs], [meta for _, meta in docs], progress=on_progress, shards=shards
             )
-        if s.engine == "ragcache":  # what a later `--plan` estimates with (vLLM compiles at its own rate)
+        # what a later `--plan` estimates with (vLLM compiles at its own rate); not from a run that skipped
+        # documents, whose time is partly the tokenizing of what was there and would read as a slower compile
+        if s.engine == "ragcache" and not summary.skipped:
             capacity.record_rate(
                 s.model,
                 rc.runner.device.type,

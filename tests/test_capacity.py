@@ -45,6 +45,23 @@ def test_a_rate_is_recorded_only_from_a_compile_long_enough_to_time(tmp_path, mo
     assert capacity.measured_rate("m", "cpu", "float32", "int8") is None  # a damaged file is no rate, not a crash
 
 
+def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_path, monkeypatch):
+    model = tiny.saved("llama", tmp_path / "model")
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(capacity, "RATE_MIN_TOKENS", 1)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "0.txt").write_text(TEXTS[0])
+    args = ["compile", str(docs), "--model", str(model), "--store", f"disk:{tmp_path / 'store'}", "--dtype",
+            "float32", "--kv-codec", "int8"]
+    assert CliRunner().invoke(app, args).exit_code == 0
+    first = capacity.measured_rate(str(model), "cpu", "float32", "int8")
+    assert first is not None
+    (docs / "1.txt").write_text(TEXTS[1])
+    assert CliRunner().invoke(app, args).exit_code == 0  # 0.txt skipped
+    assert capacity.measured_rate(str(model), "cpu", "float32", "int8") == first
+
+
 def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured_rate(tmp_path, monkeypatch):
     model = tiny.saved("llama", tmp_path / "model")
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
