@@ -13,7 +13,9 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ragcache.store import tier_urls
 from ragcache.store.codec import BITS, CODECS
+from ragcache.store.disk import DiskStore
 
 from . import fetch
 
@@ -77,6 +79,13 @@ def plan(model: str, shape: Shape, chunks: list[list[int]], documents: int, rate
         codecs.append(dict(codec=codec, bytes_per_token=round(per_token, 1), total_bytes=round(per_token * tokens)))
     seconds = tokens / rate["tok_s"] if rate else None
     return Plan(model, shape, documents, tokens, len(unique), codecs, rate, seconds)
+
+
+def disks_too_small(store_url: str, total_bytes: float) -> list[tuple[str, int]]:
+    """The disk tiers of a store URL whose budget the corpus's entries exceed, (path, budget) each: past its budget a
+    disk tier evicts the least recently used entries, so a compile would evict its own and never finish whole."""
+    disks = (DiskStore.url_parts(part) for part in tier_urls(store_url) if part.startswith("disk:"))
+    return [(path, budget) for path, budget in disks if total_bytes > budget]
 
 
 # -- the compile rate measured on this machine ---------------------------------------------------------------

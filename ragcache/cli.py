@@ -219,7 +219,7 @@ def compile(
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     if plan:
-        _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec)
+        _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec)
         return
     try:
         if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
@@ -293,7 +293,7 @@ def compile(
         )
 
 
-def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> None:
+def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec) -> None:
     """`compile --plan`: the corpus tokenized and chunked as a compile would, with the model's tokenizer and
     config only (no weights), and what it will take (ragcache/capacity.py)."""
     import torch
@@ -309,7 +309,9 @@ def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> N
         docs = [(text, meta) for text, meta in _read_inputs(paths, glob, jsonl) if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to plan")
-        s = load_settings(model=model, chunk_tokens=chunk_tokens, dtype=dtype, device=device, kv_codec=kv_codec)
+        s = load_settings(
+            model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device, kv_codec=kv_codec
+        )
         with err.status(f"reading {s.model}'s tokenizer and config"):
             source = models.resolve(s.model)
             tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
@@ -336,6 +338,18 @@ def _plan(paths, glob, jsonl, model, chunk_tokens, dtype, device, kv_codec) -> N
         name = row["codec"] + (" (configured)" if row["codec"] == codec else "")
         table.add_row(name, f"{row['bytes_per_token']:,.0f}", size_text(row["total_bytes"]))
     console.print(table)
+    (configured,) = [row for row in the_plan.codecs if row["codec"] == codec]
+    try:
+        small = capacity.disks_too_small(s.store, configured["total_bytes"])
+    except RagCacheError as exc:  # a store URL it cannot read
+        fail(exc)
+    for path, budget in small:
+        room = -(-configured["total_bytes"] * 5 // 4 // 2**30)  # a quarter over the corpus, in whole GiB
+        err.print(
+            f"[yellow]warning:[/yellow] the corpus's {codec} entries ({size_text(configured['total_bytes'])}) exceed "
+            f"the disk tier's budget ({size_text(budget)}) at {path}: past it the least recently used entries are "
+            f"evicted, so the compile would evict its own; give it room, e.g. --store 'disk:{path}?size={room}GiB'"
+        )
     rate = the_plan.rate
     if rate is None:
         console.print(

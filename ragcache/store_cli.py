@@ -28,7 +28,7 @@ from rich.table import Table
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, tier_urls
 from ragcache.store.base import Store, batched
-from ragcache.store.disk import holds_store
+from ragcache.store.disk import DiskStore, holds_store
 from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id, summary_codec
 
 from . import maintenance
@@ -133,8 +133,8 @@ def _open(url: str | None) -> Store:
     (these commands look at or maintain a store, never create one)."""
     url = _settings_store(url)
     for part in tier_urls(url):
-        if part.startswith("disk:") and not holds_store(Path(part[len("disk:") :] or "./.ragcache")):
-            fail(f"no store at {part[len('disk:') :]!r} (nothing compiled there yet?)", 1)
+        if part.startswith("disk:") and not holds_store(Path(path := DiskStore.url_parts(part)[0])):
+            fail(f"no store at {path!r} (nothing compiled there yet?)", 1)
     return open_store(url)  # a StoreError: the command's _guard
 
 

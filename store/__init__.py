@@ -6,8 +6,9 @@ by "+", fastest first: `open_store("memory+disk:./.ragcache+redis://localhost:63
 (`gpu+memory+disk:./.ragcache`) keeps entries in device memory; `open_store(url, device=...)` names the engine's
 device: "gpu" tiers live on it, and on CUDA the memory tier keeps its entries pinned. A memory or gpu tier takes its
 budget after the colon: `memory:16GiB`, `gpu:24GiB`, or for a gpu tier a share of the device memory free when it
-opens, `gpu:50%` (defaults: 2 GiB; a quarter of the free device memory). Which class opens which scheme, and how a
-URL splits into tiers: store/tiers.py.
+opens, `gpu:50%` (defaults: 2 GiB; a quarter of the free device memory); a disk tier as an option,
+`disk:./.ragcache?size=200GiB` (default 20 GiB). Past its budget a tier evicts the least recently used entries.
+Which class opens which scheme, and how a URL splits into tiers: store/tiers.py.
 """
 
 from __future__ import annotations

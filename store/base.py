@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -26,6 +27,19 @@ DEFAULT_MAX_RETRY_AFTER_S = 60.0
 # often, so it is used again within about the max of answering, and no request waits on it meanwhile
 DEFAULT_PROBE_S = 0.25
 DEFAULT_MAX_PROBE_S = 2.0
+
+
+SIZE_FORMS = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"
+_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)\s*([kmgt]ib|b)?", re.ASCII | re.IGNORECASE)
+
+
+def parse_size(text: str) -> int | None:
+    """A tier's budget as its URL writes it ("16GiB", "512MiB", "1.5TiB", a number of bytes): bytes, or None when
+    the text is no such size (the caller's error names its tier and SIZE_FORMS)."""
+    if (size := _SIZE.fullmatch(text.strip())) is None:
+        return None
+    return int(float(size.group(1)) * _UNITS[(size.group(2) or "").lower()]) or None
 
 
 class TierUnavailable(StoreError):

@@ -16,12 +16,13 @@ import sqlite3
 import stat
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
-from .base import DEFAULT_DISK_BUDGET, BlobStore, UnreadableRecord, log
+from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, UnreadableRecord, log, parse_size
 from .entry import PROBE, describe_head, head_length
 from .errors import BrokenStore, CorruptEntry, StoreError
 
@@ -64,8 +65,21 @@ class DiskStore(BlobStore):
 
     @classmethod
     def from_url(cls, spec: str, connect: bool = True, device=None) -> DiskStore:
-        """`disk:PATH` (an empty PATH: ./.ragcache)."""
-        return cls(spec[len("disk:") :] or "./.ragcache")
+        return cls(*cls.url_parts(spec))
+
+    @staticmethod
+    def url_parts(spec: str) -> tuple[str, int]:
+        """`disk:PATH[?size=SIZE]` -> (PATH, its budget in bytes): an empty PATH is ./.ragcache, no size the
+        default budget (past it the least recently used entries are evicted)."""
+        path, _, query = spec[len("disk:") :].partition("?")
+        if not query:
+            return path or "./.ragcache", DEFAULT_DISK_BUDGET
+        options = urllib.parse.parse_qs(query, keep_blank_values=True)
+        sizes = options.pop("size", [])
+        budget = parse_size(sizes[0]) if len(sizes) == 1 else None
+        if options or budget is None:
+            raise StoreError(f"store tier {spec!r}: a disk tier's one option is ?size=SIZE, {SIZE_FORMS}")
+        return path or "./.ragcache", budget
 
     # -- index --------------------------------------------------------------------------------------
     def _db(self) -> sqlite3.Connection:

@@ -14,12 +14,10 @@ from collections.abc import Iterator
 import torch
 
 from .arena import Arena
-from .base import DEFAULT_MEMORY_BUDGET, Store, log
+from .base import DEFAULT_MEMORY_BUDGET, SIZE_FORMS, Store, log, parse_size
 from .entry import ChunkKV, describe, shape_problem
 from .errors import StoreError
 
-_UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)\s*([kmgt]ib|b)?", re.ASCII | re.IGNORECASE)
 _SHARE = re.compile(r"(\d{1,3}(?:\.\d{1,9})?)\s*%", re.ASCII)
 
 
@@ -31,11 +29,10 @@ def url_budget(spec: str, share: bool = False) -> tuple[int | None, float | None
         return None, None
     if share and (percent := _SHARE.fullmatch(text)) and 0 < float(percent.group(1)) <= 100:
         return None, float(percent.group(1)) / 100
-    if (size := _SIZE.fullmatch(text)) and (n := int(float(size.group(1)) * _UNITS[(size.group(2) or "").lower()])):
+    if n := parse_size(text):
         return n, None
-    forms = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"
     raise StoreError(
-        f"store tier {spec!r}: its budget must be {forms}"
+        f"store tier {spec!r}: its budget must be {SIZE_FORMS}"
         + (", or a share of the free device memory such as 50%" * share)
     )
 

@@ -56,7 +56,7 @@ def lazy(module: str, name: str) -> Opener:
 
 register(TierKind(("memory",), "memory:[SIZE]", lazy(".memory", "MemoryStore"), per_process=True))
 register(TierKind(("gpu",), "gpu:[SIZE|N%] (on CUDA)", lazy(".device", "DeviceStore"), per_process=True))
-register(TierKind(("disk:",), "disk:PATH", lazy(".disk", "DiskStore")))
+register(TierKind(("disk:",), "disk:PATH[?size=SIZE]", lazy(".disk", "DiskStore")))
 register(TierKind(("redis://", "rediss://", "unix://"), "redis://HOST:PORT/DB", lazy(".redis_tier", "RedisStore")))
 
 

@@ -78,6 +78,10 @@ def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured
     capacity.record_rate(str(model), "cpu", "float32", "int8", 10_000, 5.0)
     again = " ".join(CliRunner().invoke(app, args, terminal_width=200).output.split())
     assert "at 2,000 tok/s" in again and "int8 entries" in again
+    small = [*args, "--store", f"disk:{tmp_path / 'store'}?size=1KiB"]  # the corpus's entries would not fit
+    warned = " ".join(CliRunner().invoke(app, small, terminal_width=200).output.split())
+    assert "exceed the disk tier's budget (1.0 KiB)" in warned and "?size=1GiB" in warned
+    assert "exceed" not in again  # the default 20 GiB holds it
     empty = tmp_path / "empty"
     empty.mkdir()
     (empty / "a.txt").write_text("   ")

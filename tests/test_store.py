@@ -624,6 +624,17 @@ def test_open_store_urls(tmp_path):
         open_store("s3://bucket")
 
 
+def test_a_disk_tier_takes_its_budget_in_its_url(tmp_path):
+    assert open_store(f"disk:{tmp_path}/a").budget_bytes == 20 << 30  # the default
+    assert open_store(f"disk:{tmp_path}/b?size=64GiB").budget_bytes == 64 << 30
+    tiered = open_store(f"memory:1GiB+disk:{tmp_path}/c?size=1.5TiB")
+    assert [t.budget_bytes for t in tiered.tiers] == [1 << 30, int(1.5 * (1 << 40))]
+    assert tiered.tiers[1].root == tmp_path / "c"
+    for bad in ("?size=64GB", "?sise=1GiB", "?size=1GiB&size=2GiB", "?size="):
+        with pytest.raises(StoreError, match=r"one option is \?size=SIZE"):
+            open_store(f"disk:{tmp_path}/d{bad}")
+
+
 def test_layout_tags_parse_like_the_compiler_writes_them(tiny_lm):
     from ragcache.compiler import PLAIN, default_layout, sink_layout
 

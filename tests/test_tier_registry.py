@@ -100,8 +100,8 @@ def test_one_registration_makes_a_tier_open_from_its_url_and_split_after_a_plus(
     with pytest.raises(StoreError) as unknown:
         open_store("s3://bucket")
     assert str(unknown.value) == (
-        "unknown store 's3://bucket': use memory:[SIZE], gpu:[SIZE|N%] (on CUDA), disk:PATH, redis://HOST:PORT/DB, "
-        "dict:LABEL, or tiers joined by '+'"
+        "unknown store 's3://bucket': use memory:[SIZE], gpu:[SIZE|N%] (on CUDA), disk:PATH[?size=SIZE], "
+        "redis://HOST:PORT/DB, dict:LABEL, or tiers joined by '+'"
     )
     with pytest.raises(StoreError, match="dict: already name a tier kind"):
         tiers.register(tiers.TierKind(("dict:",), "dict:OTHER", DictStore.from_url))
