@@ -266,6 +266,9 @@ class Catalog:
         except StoreError as exc:
             log.warning("could not store %d freshly compiled chunk(s): %s", len(compiled), exc)
             report.unstored = exc
+        except Exception as exc:  # on the way to a tier (a host copy that cannot be allocated): as the Writer does
+            log.exception("could not store %d freshly compiled chunk(s)", len(compiled))
+            report.unstored = StoreError(f"storing compiled entries failed: {exc}")
 
     def ensure(
         self,

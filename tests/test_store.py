@@ -614,6 +614,20 @@ def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answer
     assert answer.stats.unstored_chunks == answer.stats.compiled_chunks  # counted, for /metrics and the answer
 
 
+def test_a_query_answers_when_its_entries_fail_on_the_way_to_the_store(tmp_path, tiny_lm, monkeypatch):
+    """Not only a StoreError: whatever fails while a query's compiled entries are stored (a host copy that cannot be
+    allocated on the way to a tier) leaves the answer alone and is counted, as the compile's writer does."""
+    from ragcache.store import crossing
+
+    def broken(store, entries):
+        raise RuntimeError("pinned memory allocation failed")
+
+    monkeypatch.setattr(crossing, "put_many", broken)
+    rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
+    answer = rc.query(QUESTION, [{"text": DOCS[1]}], max_new_tokens=2)
+    assert answer.stats.compiled_chunks > 0 and answer.stats.unstored_chunks == answer.stats.compiled_chunks
+
+
 # -- open_store and the CLI ---------------------------------------------------------------------------------------------
 def test_open_store_urls(tmp_path):
     assert isinstance(open_store("memory:"), MemoryStore)
