@@ -29,6 +29,7 @@ STORE_FIELDS = {
     "corrupt": ("corrupt", "entries dropped because they failed their checksum", True),
     # a memory or GPU tier's: such entries reach a link from a slower tier (pageable memory, the disk) every time
     "unkept": ("unkept", "entries a write could not keep (over the tier's budget, or no free arena span)", True),
+    "evicted": ("evicted", "entries dropped to stay within the tier's budget, least recently used first", True),
     "bytes_read": ("read_bytes", "bytes read", True),
     "bytes_written": ("written_bytes", "bytes written", True),
     "bytes": ("stored_bytes", "bytes held", False),

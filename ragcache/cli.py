@@ -244,6 +244,7 @@ def compile(
             TextColumn("{task.fields[rate]}"),
             TimeElapsedColumn(),
         ]
+        evicted_before = _disk_evictions(rc.store)
         with Progress(*columns, console=err) as bar:
             task = bar.add_task("compiling", total=len(docs), rate="")
             started = time.perf_counter()
@@ -271,6 +272,7 @@ def compile(
                 summary.seconds,
             )
         kept = _other_budgets(rc, summary.ids)
+        evicted = _disk_evictions(rc.store) - evicted_before
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
         raise typer.Exit(130) from None
@@ -291,6 +293,22 @@ def compile(
             + (f" and {len(kept) - 5} more" if len(kept) > 5 else "")
             + f"; to chunk one at {rc.chunk_tokens}, `ragcache store rm` it and compile it again"
         )
+    if evicted:
+        err.print(
+            f"[yellow]warning:[/yellow] the disk tier evicted {evicted} entries while this compile wrote: its budget "
+            f"is smaller than what the store holds, so queries (and the next compile) compile those chunks again; "
+            f"give it room in the store URL (disk:PATH?size=200GiB) or compile less (`ragcache compile --plan` "
+            f"estimates a corpus's bytes)"
+        )
+
+
+def _disk_evictions(store) -> int:
+    """Entries the store's disk tiers have evicted so far (0 where they cannot tell)."""
+    try:
+        stats = store.stats()
+    except RagCacheError:
+        return 0
+    return sum(int(t.get("evicted", 0)) for t in stats.get("tiers") or [stats] if t.get("tier") == "disk")
 
 
 def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec) -> None:

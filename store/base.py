@@ -66,6 +66,7 @@ class TierMetrics:
     corrupt: int = 0  # entries that failed their checksum / belonged to another key: dropped
     incomplete: int = 0  # entries with a part missing (Redis evicts parts independently): dropped
     unkept: int = 0  # entries a put could not keep (over the tier's budget, or no free span in its arena)
+    evicted: int = 0  # entries dropped to stay within the tier's budget, the least recently used first
     bytes_read: int = 0
     bytes_written: int = 0
     gets: int = 0

@@ -256,6 +256,7 @@ class DiskStore(BlobStore):
             log.warning("disk tier %s: eviction skipped (%s)", self.root, exc)
             return 0
         if removed:
+            self.metrics.evicted += removed
             log.info("disk tier %s: evicted %d entries to stay under %d bytes", self.root, removed, self.budget_bytes)
         return removed
 

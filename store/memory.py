@@ -132,6 +132,7 @@ class MemoryStore(Store):
             if self._entries:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
+                self.metrics.evicted += 1
                 del evicted
             elif arena.reclaimable():
                 arena.settle()
@@ -145,6 +146,7 @@ class MemoryStore(Store):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes
             removed += 1
+        self.metrics.evicted += removed
         return removed
 
     def evict(self) -> int:

@@ -62,6 +62,21 @@ def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_pat
     assert capacity.measured_rate(str(model), "cpu", "float32", "int8") == first
 
 
+def test_a_compile_whose_disk_tier_evicts_its_entries_says_so(tmp_path, monkeypatch):
+    model = tiny.saved("llama", tmp_path / "model")
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for n, text in enumerate(TEXTS):
+        (docs / f"{n}.txt").write_text(text)
+    args = ["compile", str(docs), "--model", str(model), "--dtype", "float32", "--chunk-tokens", "24"]
+    roomy = CliRunner().invoke(app, [*args, "--store", f"disk:{tmp_path / 'a'}"], terminal_width=200)
+    assert roomy.exit_code == 0 and "evicted" not in roomy.output
+    tight = CliRunner().invoke(app, [*args, "--store", f"disk:{tmp_path / 'b'}?size=4KiB"], terminal_width=200)
+    assert tight.exit_code == 0, tight.output
+    assert "the disk tier evicted" in " ".join(tight.output.split())
+
+
 def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured_rate(tmp_path, monkeypatch):
     model = tiny.saved("llama", tmp_path / "model")
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))

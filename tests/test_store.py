@@ -530,7 +530,7 @@ def test_memory_tier_evicts_least_recently_used():
     store.get(items[0][0])  # keep the oldest in use
     store.put_many(dict(items[3:]))
     assert store.contains_many([k for k, _ in items]) == [True, False, False, True, True]
-    assert store.stats()["bytes"] <= 3 * size
+    assert store.stats()["bytes"] <= 3 * size and store.stats()["evicted"] == 2
     store.put_many(dict([make_entry(99, layers=8)]))  # bigger than the whole budget: not kept, nothing lost
     assert store.stats()["entries"] == 3
 
@@ -548,6 +548,7 @@ def test_disk_tier_evicts_least_recently_used(tmp_path):
         time.sleep(0.01)
     assert store.contains_many([k for k, _ in items]) == [True, False, False, True, True]
     assert store.stats()["bytes"] <= 3 * size and len(entry_files(tmp_path)) == 3
+    assert store.stats()["evicted"] == 2
 
 
 # -- a full disk ------------------------------------------------------------------------------------------------------
