@@ -162,7 +162,7 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
             store_ok = False
         problem = rc.engine_problem() or (None if store_ok else f"the store ({rc.store.name}) does not answer")
         if problem:
-            return error_response(503, "unavailable", problem)
+            return error_response(503, "unavailable", problem, headers={"Retry-After": errors.RETRY_AFTER_S[503]})
         return {
             "status": "ok",
             "model": rc.model_name,

@@ -108,13 +108,13 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
             if gone.done():
                 raise ClientGone()
             reports.append(await slot.call(c.rc.compile_documents, [doc.text], [doc.metadata]))
+            c.metrics.compiled_chunks.inc(reports[-1].compiled_chunks)  # counted as stored: a later failure keeps it
     finally:
         gone.cancel()
         slot.close()
     total = CompileReport()
     for r in reports:
         total.add(r)
-    c.metrics.compiled_chunks.inc(total.compiled_chunks)
     stats = {k: v for k, v in vars(total).items() if k != "ids"}
     return CompileResponse(
         ids=[r.ids[0] for r in reports],

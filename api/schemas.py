@@ -174,6 +174,12 @@ class SamplingFields(BaseModel):
 
     _whole_sampling = field_validator("max_tokens", "seed", mode="before")(whole)
 
+    @field_validator("temperature", "top_p", "stream", mode="before")
+    @classmethod
+    def _null_is_the_default(cls, value, info):
+        """OpenAI's API takes null for these as "the default", and its SDKs send null for an explicit None."""
+        return cls.model_fields[info.field_name].default if value is None else value
+
 
 # -- native query -----------------------------------------------------------------------------------------
 class QueryRequest(SamplingFields, LinkOptions):

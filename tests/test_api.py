@@ -178,7 +178,9 @@ def test_health_models_openapi(http, rc):
 
 def test_health_503_when_store_down(http, rc, monkeypatch):
     monkeypatch.setattr(rc.store, "ping", lambda: False)
-    error_of(http.get("/health"), 503, "store")
+    down = http.get("/health")
+    error_of(down, 503, "store")
+    assert int(down.headers["retry-after"]) > 0  # as every 503
     monkeypatch.undo()
     assert http.get("/health").status_code == 200
 
@@ -308,6 +310,12 @@ def test_openai_client_chat_and_completions(server, http, doc_ids):
 
     completion = client.completions.create(model=model, prompt=QUESTION, max_tokens=MAX_TOKENS, extra_body=extra)
     assert completion.choices[0].text == expected and completion.usage.completion_tokens <= MAX_TOKENS
+
+    # null is OpenAI's "the default" for these (its SDKs send it for an explicit None)
+    nulls = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS, "temperature": None,
+                                                    "top_p": None, "stream": None, **extra})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["message"]["content"] == expected
 
 
 # -- bad input --------------------------------------------------------------------------------------------
@@ -722,6 +730,25 @@ def test_metrics_content(http, doc_ids):
         http.request(made_up, "/v1/query")
     text = http.get("/metrics").text
     assert "FROB" not in text and metric(text, "ragcache_http_requests_total", method="other") >= 2
+
+
+def test_an_upload_that_fails_part_way_counts_the_chunks_it_compiled(http, rc, monkeypatch):
+    from ragcache.store.errors import StoreError
+
+    compile_documents, calls = rc.compile_documents, []
+
+    def second_fails(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise StoreError("the disk is full")
+        return compile_documents(*args, **kwargs)
+
+    monkeypatch.setattr(rc, "compile_documents", second_fails)
+    before = metric(http.get("/metrics").text, "ragcache_compiled_chunks_total")
+    texts = [f"Upload {uuid.uuid4().hex} number {n} tells of harbours." for n in range(2)]
+    r = http.post("/v1/documents", json={"documents": [{"text": t} for t in texts]})
+    assert r.status_code == 503, r.text
+    assert metric(http.get("/metrics").text, "ragcache_compiled_chunks_total") > before  # the first one's chunks
 
 
 def test_metrics_of_a_tiered_store(smollm2, tmp_path):
