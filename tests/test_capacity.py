@@ -45,13 +45,20 @@ def test_a_rate_is_recorded_only_from_a_compile_long_enough_to_time(tmp_path, mo
     assert capacity.measured_rate("m", "cpu", "float32", "int8") is None  # a damaged file is no rate, not a crash
 
 
-def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_path, monkeypatch):
+def a_model_and_docs(tmp_path, monkeypatch, texts: list[str]):
+    """A tiny model saved as a user's would be, a model cache of the test's own, and a folder of `texts`."""
     model = tiny.saved("llama", tmp_path / "model")
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
-    monkeypatch.setattr(capacity, "RATE_MIN_TOKENS", 1)
     docs = tmp_path / "docs"
     docs.mkdir()
-    (docs / "0.txt").write_text(TEXTS[0])
+    for n, text in enumerate(texts):
+        (docs / f"{n}.txt").write_text(text)
+    return model, docs
+
+
+def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_path, monkeypatch):
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS[:1])
+    monkeypatch.setattr(capacity, "RATE_MIN_TOKENS", 1)
     args = ["compile", str(docs), "--model", str(model), "--store", f"disk:{tmp_path / 'store'}", "--dtype",
             "float32", "--kv-codec", "int8"]
     assert CliRunner().invoke(app, args).exit_code == 0
@@ -63,12 +70,7 @@ def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_pat
 
 
 def test_a_compile_whose_disk_tier_evicts_its_entries_says_so(tmp_path, monkeypatch):
-    model = tiny.saved("llama", tmp_path / "model")
-    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for n, text in enumerate(TEXTS):
-        (docs / f"{n}.txt").write_text(text)
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS)
     args = ["compile", str(docs), "--model", str(model), "--dtype", "float32", "--chunk-tokens", "24"]
     roomy = CliRunner().invoke(app, [*args, "--store", f"disk:{tmp_path / 'a'}"], terminal_width=200)
     assert roomy.exit_code == 0 and "evicted" not in roomy.output
@@ -78,12 +80,7 @@ def test_a_compile_whose_disk_tier_evicts_its_entries_says_so(tmp_path, monkeypa
 
 
 def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured_rate(tmp_path, monkeypatch):
-    model = tiny.saved("llama", tmp_path / "model")
-    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    for n, text in enumerate(TEXTS):
-        (docs / f"{n}.txt").write_text(text)
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS)
     args = ["compile", str(docs), "--plan", "--model", str(model), "--chunk-tokens", "24", "--dtype", "float32",
             "--kv-codec", "int8"]
     first = CliRunner().invoke(app, args, terminal_width=200)
