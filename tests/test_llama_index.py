@@ -97,6 +97,18 @@ def test_compiler_compiles_nodes_and_records_their_ids(rc, ingested):
         assert rc.document(document_id(text))["meta"]["file_name"] == node.metadata["file_name"]
 
 
+def test_a_node_compiled_with_all_its_metadata_keeps_its_id_once_marked(rc):
+    """MetadataMode.ALL shows every key, the recorded id too: the text compiled must not include it, or the id
+    would change each time the node is compiled, retrieved or answered from."""
+    node = TextNode(text="The Vell lighthouse keeper rings at dawn.", metadata={"file_name": "vell.txt"})
+    compiler = RagCacheCompiler(rc=rc, metadata_mode=MetadataMode.ALL)
+    compiler([node])
+    first = node.metadata[DOC_ID_KEY]
+    assert "vell.txt" in rc.document(first)["text"]  # the metadata is compiled with the text, as asked
+    compiler([node])
+    assert node.metadata[DOC_ID_KEY] == first and compiler.last_report.compiled_chunks == 0
+
+
 def test_compiler_skips_what_is_compiled_and_passes_empty_nodes(rc, ingested):
     nodes, _ = ingested
     compiler = RagCacheCompiler(rc=rc)

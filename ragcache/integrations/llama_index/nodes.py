@@ -14,7 +14,12 @@ DOC_ID_KEY = "ragcache_doc_id"
 
 
 def node_text(node: BaseNode, metadata_mode: MetadataMode = MetadataMode.NONE) -> str:
-    return node.get_content(metadata_mode=metadata_mode)
+    """The node's text in `metadata_mode`, never with the document id `mark` recorded: MetadataMode.ALL shows every
+    key, and a text holding its own id would hash to another id each time it is marked."""
+    if DOC_ID_KEY not in node.metadata:
+        return node.get_content(metadata_mode=metadata_mode)
+    unmarked = {key: value for key, value in node.metadata.items() if key != DOC_ID_KEY}
+    return node.model_copy(update={"metadata": unmarked}).get_content(metadata_mode=metadata_mode)
 
 
 def mark(node: BaseNode, doc_id: str) -> None:
