@@ -233,6 +233,21 @@ def test_async_calls_leave_the_event_loop_free(rc):
         assert text == expected, name
 
 
+def test_async_calls_prepare_their_request_off_the_event_loop(rc, monkeypatch):
+    """Preparing a request may tokenize up to a context of raw text (to refuse what is too long): not on the loop."""
+    chat, threads, stream = ChatRagCache(rc=rc, max_new_tokens=2), [], rc.stream
+    monkeypatch.setattr(rc, "stream", lambda *a, **k: threads.append(threading.get_ident()) or stream(*a, **k))
+
+    async def both():
+        loop = threading.get_ident()
+        await chat.ainvoke(QUESTION, documents=docs())
+        await _collect(chat.astream(QUESTION, documents=docs()))
+        return loop
+
+    loop = asyncio.run(both())
+    assert len(threads) == 2 and loop not in threads
+
+
 def test_bad_requests_raise_typed_errors_from_every_path(rc):
     chat = ChatRagCache(rc=rc, max_new_tokens=TOKENS)
     with pytest.raises(UnknownAlgorithm):

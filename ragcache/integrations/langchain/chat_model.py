@@ -3,6 +3,7 @@ prompt text."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, closing
 from typing import Any
@@ -154,7 +155,8 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         if documents is None and self.retriever is not None:
             config = _child_config(AsyncParentRunManager, run_manager)
             documents = await self.retriever.ainvoke(question, config=config)
-        return self._open(question, documents or [], args)
+        # preparing a request may tokenize up to a context of raw text to refuse what is too long: off the loop
+        return await asyncio.to_thread(self._open, question, documents or [], args)
 
     def _request(
         self, messages: list[BaseMessage], stop: list[str] | None, kwargs: dict
