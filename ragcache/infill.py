@@ -1,7 +1,7 @@
 """Fill-in-the-middle prompts (PSM, SPM, EFIM) and infilling sessions that keep reusing their cache.
 
 PSM   <PRE>{prefix}<SUF>{suffix}<MID>
-SPM   <SUF>{suffix}<PRE>{prefix}<MID>            (StarCoder/Qwen order variant; for comparison)
+SPM   <PRE><SUF>{suffix}<MID>{prefix}            (the FIM paper's SPM as StarCoder was trained on it; for comparison)
 EFIM  <PRE>{prefix[:i]}<SUF>{suffix}<MID>{prefix[i:]}
       prefix[:i] is the part already cached; the increment the user typed since goes after <MID>, so the
       whole `<PRE>..<MID>` stays an exact, reusable prefix. The mirror layout, for a suffix that grows at
@@ -76,7 +76,7 @@ def build_prompt(
     if mode == "psm":
         return [fim.prefix, *_ids(tokenizer, prefix), fim.suffix, *_ids(tokenizer, suffix), fim.middle]
     if mode == "spm":
-        return [fim.suffix, *_ids(tokenizer, suffix), fim.prefix, *_ids(tokenizer, prefix), fim.middle]
+        return [fim.prefix, fim.suffix, *_ids(tokenizer, suffix), fim.middle, *_ids(tokenizer, prefix)]
     if mode == "efim":
         i = len(prefix) if split is None else split
         return [

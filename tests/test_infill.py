@@ -28,7 +28,7 @@ def test_prompt_layouts_by_hand():
     tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
     a, b, c = tok.convert_tokens_to_ids(["a", "b", "c"])
     assert build_prompt(tok, fim, "a", "b", "psm") == [PRE, a, SUF, b, MID]
-    assert build_prompt(tok, fim, "a", "b", "spm") == [SUF, b, PRE, a, MID]
+    assert build_prompt(tok, fim, "a", "b", "spm") == [PRE, SUF, b, MID, a]  # the FIM paper's SPM, as StarCoder's
     assert build_prompt(tok, fim, "a", "b", "efim") == [PRE, a, SUF, b, MID]
     assert build_prompt(tok, fim, "ac", "b", "efim", split=1) == [PRE, a, SUF, b, MID, c]  # increment after <MID>
     assert build_prompt(tok, fim, "", "", "efim") == [PRE, SUF, MID]
