@@ -128,6 +128,15 @@ def test_stop_strings_cut_and_hold_back():
     assert asm.stopped
 
 
+def test_one_token_that_completes_two_stop_strings_cuts_at_the_earliest():
+    class Pieces:  # a tokenizer whose ids are whole strings: id 1 is "x", id 2 is "ab"
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join({1: "x", 2: "ab"}[i] for i in ids)
+
+    asm = TextAssembler(Pieces(), stop=["b", "a"])  # "b" first in the list, "a" first in the text
+    assert asm.push(1) + asm.push(2) + asm.finish() == "x" and asm.stopped
+
+
 def test_chunker_ends_at_sentences_and_caps_at_twice_the_budget():
     tok = tiny.tokenizer()
     text = "The water returns. " * 30 + "x" * 400

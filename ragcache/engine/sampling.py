@@ -126,11 +126,11 @@ class TextAssembler:
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        for s in self.stop:
-            at = text.find(s)
-            if at != -1:
-                self.stopped = True
-                return self._emit(text[:at])
+        # the earliest in the text: one token may complete two stop strings (".\n" for "\n" and ".")
+        cuts = [at for s in self.stop if (at := text.find(s)) != -1]
+        if cuts:
+            self.stopped = True
+            return self._emit(text[: min(cuts)])
         stable = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it completes
         for s in self.stop:
             for n in range(min(len(s) - 1, stable), 0, -1):
