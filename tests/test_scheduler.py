@@ -246,6 +246,29 @@ def test_a_failed_step_fails_only_the_requests_in_it(rc, monkeypatch):
     assert_same(second, single)
 
 
+def test_a_step_whose_inputs_fail_fails_only_the_requests_in_it(rc, monkeypatch):
+    """As a failed forward: a decode row whose cache cannot join the pool (out of memory as the pool grows) fails
+    the step's requests, never one the step passed over."""
+    asks = [ask(rc, "naive", 0, slice(0, 1), max_new_tokens=6), ask(rc, "full", 1, slice(0, 3)),
+            ask(rc, "full", 2, slice(0, 3))]
+    singles = [alone(rc, **kw) for kw in asks[1:]]
+    adopt, calls = rc.runner.adopt, []
+
+    def fails_once(cache):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory growing the pool")
+        return adopt(cache)
+
+    monkeypatch.setattr(rc.runner, "adopt", fails_once)
+    first, *links = together(rc, [Run(rc, **kw) for kw in asks])
+    assert first.kinds[-1] is Failed and "growing the pool" in str(first.error)
+    survived = [(run, single) for run, single in zip(links, singles) if run.kinds[-1] is not Failed]
+    assert survived  # the link piece the step passed over (the budget was spent) goes on
+    for run, single in survived:
+        assert_same(run, single)
+
+
 def test_a_decoding_request_lets_go_of_what_it_read_from_the_store(rc):
     """Once linked, the chunks' K/V are in the request's cache: the entries it read are not held for its decode."""
     held = []

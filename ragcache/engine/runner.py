@@ -249,27 +249,8 @@ class Runner:
 
     def _packed(self, works: list[Work]) -> list[StepResult]:
         """Decode rows and link pieces of many sequences in one forward; logits for the rows that need them."""
-        ids, parts, ends = [], [], []
-        rows = 0
-        for work in works:
-            seq = work.sequence
-            if work.kind is Kind.DECODE:
-                cache = seq.cache
-                self.adopt(cache)  # decoding: its cache joins the pool
-                ids.append(torch.tensor([seq.next_token]))
-                parts.append((cache, torch.tensor([cache.length])))
-                cache.length += 1
-            elif work.kind is Kind.REPAIR:  # stale rows again, over the exact rows before them (its decode row's
-                ids.append(_repair_ids(work))  # work came first)
-                parts.append((seq.cache, torch.arange(work.start, work.stop)))
-            else:
-                piece = seq.plan.rows[work.start : work.stop]
-                ids.append(seq.plan.token_ids[piece])
-                parts.append((seq.cache, piece))
-            rows += work.rows
-            if work.needs_logits:
-                ends.append(rows - 1)
-        try:
+        try:  # its inputs too: a pool that cannot grow for a decode row fails this step's requests, not the engine's
+            ids, parts, ends = self._inputs(works)
             hidden = self.forward(torch.cat(ids), parts)
             logits = iter(self.logits(hidden[0, ends]))
         except Exception as exc:  # the whole step failed: every request in it fails, and only those
@@ -295,6 +276,30 @@ class Runner:
                 )
         return results
 
+    def _inputs(self, works: list[Work]) -> tuple[list[torch.Tensor], list, list[int]]:
+        """A packed step's token ids and (cache, rows) per work, and the rows whose logits are wanted."""
+        ids, parts, ends = [], [], []
+        rows = 0
+        for work in works:
+            seq = work.sequence
+            if work.kind is Kind.DECODE:
+                cache = seq.cache
+                self.adopt(cache)  # decoding: its cache joins the pool
+                ids.append(torch.tensor([seq.next_token]))
+                parts.append((cache, torch.tensor([cache.length])))
+                cache.length += 1
+            elif work.kind is Kind.REPAIR:  # stale rows again, over the exact rows before them (its decode row's
+                ids.append(_repair_ids(work))  # work came first)
+                parts.append((seq.cache, torch.arange(work.start, work.stop)))
+            else:
+                piece = seq.plan.rows[work.start : work.stop]
+                ids.append(seq.plan.token_ids[piece])
+                parts.append((seq.cache, piece))
+            rows += work.rows
+            if work.needs_logits:
+                ends.append(rows - 1)
+        return ids, parts, ends
+
     @staticmethod
     def _compiled(work: Work) -> StepResult:
         """A compile's last piece has run: its entry, from its cache (read whole, so every layer placed first)."""
@@ -308,16 +313,16 @@ class Runner:
         (`_packed`'s result for the same works)."""
         decodes = [work for work in works if work.kind is Kind.DECODE]
         caches = [work.sequence.cache for work in decodes]
-        for cache in caches:
-            self.adopt(cache)
-        if not self.graphs.covers(caches):
-            return self._packed(works)
-        repairs = [
-            Run(w.sequence.cache, w.start, w.stop, _repair_array(w), w.sequence.repair.per_step)
-            for w in works
-            if w.kind is Kind.REPAIR
-        ]
-        try:
+        try:  # its inputs too, as `_packed`'s
+            for cache in caches:
+                self.adopt(cache)
+            if not self.graphs.covers(caches):
+                return self._packed(works)
+            repairs = [
+                Run(w.sequence.cache, w.start, w.stop, _repair_array(w), w.sequence.repair.per_step)
+                for w in works
+                if w.kind is Kind.REPAIR
+            ]
             logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
