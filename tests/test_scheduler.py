@@ -269,6 +269,27 @@ def test_a_step_whose_inputs_fail_fails_only_the_requests_in_it(rc, monkeypatch)
         assert_same(run, single)
 
 
+def test_a_cache_that_fails_to_be_released_still_lets_every_request_end(rc, monkeypatch):
+    """Requests that end in one step: a release that raises for the first must not keep the others' last events
+    (their callers would wait forever)."""
+    asks = [ask(rc, "naive", q, slice(0, 2), max_new_tokens=3) for q in range(2)]
+    release, calls = rc.runner.release, []
+
+    def fails_once(cache):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("release failed")
+        return release(cache)
+
+    monkeypatch.setattr(rc.runner, "release", fails_once)
+    runs = [Run(rc, **kw) for kw in asks]
+    with held(rc):  # admitted together, they end in the same step
+        for run in runs:
+            run.open()
+    assert all(run.finished.wait(60) for run in runs), "a request never got its last event"
+    assert calls and all(run.kinds[-1] is Done for run in runs)
+
+
 def test_a_decoding_request_lets_go_of_what_it_read_from_the_store(rc):
     """Once linked, the chunks' K/V are in the request's cache: the entries it read are not held for its decode."""
     held = []

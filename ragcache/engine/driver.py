@@ -195,8 +195,11 @@ class Driver:
 
     def _deliver(self, outputs: list[tuple[Sequence, Output]]) -> None:
         for sequence, output in outputs:
-            if output.status is not None:  # first: when its last event arrives, the sequence holds nothing here
-                self._free(sequence, output.status)
+            try:
+                if output.status is not None:  # first: when its last event arrives, the sequence holds nothing here
+                    self._free(sequence, output.status)
+            except Exception:  # its caller still gets its last event, and so do the outputs after it
+                log.exception("a finished sequence's cache could not be released")
             try:
                 sequence.receive(output)
             except Exception:  # a listener's bug is its caller's, not every other sequence's
