@@ -227,20 +227,26 @@ def test_a_request_cancelled_in_the_middle_of_a_batch(rc):
     assert not rc.scheduler.running and not rc.scheduler.waiting
 
 
+def fail_once(monkeypatch, owner, name: str, message: str) -> list:
+    """`owner.name` raises RuntimeError(message) on its first call and works after it; the calls, as they come."""
+    method, calls = getattr(owner, name), []
+
+    def failing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError(message)
+        return method(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, failing)
+    return calls
+
+
 def test_a_failed_step_fails_only_the_requests_in_it(rc, monkeypatch):
     """Two links admitted together, the row budget spent on the first one's piece: a step that fails (out of
     memory, say) fails the request whose rows it held; the other, whose cache it never touched, goes on."""
     asks = [ask(rc, "full", 0, slice(0, 3)), ask(rc, "full", 1, slice(0, 3))]
     single = alone(rc, **asks[1])
-    forward, calls = rc.runner.forward, []
-
-    def fails_once(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("out of memory in this step")
-        return forward(*args, **kwargs)
-
-    monkeypatch.setattr(rc.runner, "forward", fails_once)
+    fail_once(monkeypatch, rc.runner, "forward", "out of memory in this step")
     first, second = together(rc, [Run(rc, **asks[0]), Run(rc, **asks[1])])
     assert first.kinds == [Failed] and "out of memory" in str(first.error)
     assert_same(second, single)
@@ -252,15 +258,7 @@ def test_a_step_whose_inputs_fail_fails_only_the_requests_in_it(rc, monkeypatch)
     asks = [ask(rc, "naive", 0, slice(0, 1), max_new_tokens=6), ask(rc, "full", 1, slice(0, 3)),
             ask(rc, "full", 2, slice(0, 3))]
     singles = [alone(rc, **kw) for kw in asks[1:]]
-    adopt, calls = rc.runner.adopt, []
-
-    def fails_once(cache):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("out of memory growing the pool")
-        return adopt(cache)
-
-    monkeypatch.setattr(rc.runner, "adopt", fails_once)
+    fail_once(monkeypatch, rc.runner, "adopt", "out of memory growing the pool")
     first, *links = together(rc, [Run(rc, **kw) for kw in asks])
     assert first.kinds[-1] is Failed and "growing the pool" in str(first.error)
     survived = [(run, single) for run, single in zip(links, singles) if run.kinds[-1] is not Failed]
@@ -273,15 +271,7 @@ def test_a_cache_that_fails_to_be_released_still_lets_every_request_end(rc, monk
     """Requests that end in one step: a release that raises for the first must not keep the others' last events
     (their callers would wait forever)."""
     asks = [ask(rc, "naive", q, slice(0, 2), max_new_tokens=3) for q in range(2)]
-    release, calls = rc.runner.release, []
-
-    def fails_once(cache):
-        calls.append(1)
-        if len(calls) == 1:
-            raise RuntimeError("release failed")
-        return release(cache)
-
-    monkeypatch.setattr(rc.runner, "release", fails_once)
+    calls = fail_once(monkeypatch, rc.runner, "release", "release failed")
     runs = [Run(rc, **kw) for kw in asks]
     with held(rc):  # admitted together, they end in the same step
         for run in runs:
