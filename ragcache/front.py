@@ -20,7 +20,7 @@ from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog, Writer
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling
-from .errors import ParameterOutOfRange, PromptTooLong
+from .errors import Cancelled, ParameterOutOfRange, PromptTooLong
 from .length import ContextTexts, TokenBound
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
@@ -442,4 +442,12 @@ def drain(stream: Stream) -> Answer:
     """Run a stream to its end; its answer."""
     for _ in stream:
         pass
+    return answer_of(stream)
+
+
+def answer_of(stream: Stream) -> Answer:
+    """The answer of a stream that has ended: Cancelled where it has none, aborted by someone other than its reader
+    (who would not be reading any more), as when the engine stops."""
+    if stream.answer is None:
+        raise Cancelled("the engine aborted the request")
     return stream.answer

@@ -128,6 +128,16 @@ def test_stop_strings_cut_and_hold_back():
     assert asm.stopped
 
 
+def test_draining_a_stream_someone_else_aborted_raises_cancelled(rc):
+    """Not an answer of None that a caller (rc.query, llama-index's and LangChain's models) would then read."""
+    from ragcache.front import drain
+
+    stream = rc.stream("How tall?", docs=[{"text": DOC}], max_new_tokens=4)
+    stream.cancel()  # as the engine's shutdown does to a request whose reader still waits
+    with pytest.raises(errors.Cancelled, match="aborted"):
+        drain(stream)
+
+
 def test_one_token_that_completes_two_stop_strings_cuts_at_the_earliest():
     class Pieces:  # a tokenizer whose ids are whole strings: id 1 is "x", id 2 is "ab"
         def decode(self, ids, skip_special_tokens=True):

@@ -23,8 +23,8 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import Field
 
 from ragcache.engine import Answer, apieces, pieces
-from ragcache.errors import BadRequest, Cancelled
-from ragcache.front import Front, Stream, drain
+from ragcache.errors import BadRequest
+from ragcache.front import Front, Stream, answer_of, drain
 from ragcache.linker import LinkOptions
 from ragcache.settings import LinkKnobs
 from ragcache.store.keys import document_id
@@ -89,7 +89,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     ) -> ChatResult:
         stream, doc_ids = self._start(messages, stop, run_manager, kwargs)
         drain(stream)  # left early (KeyboardInterrupt), it cancels the request
-        return _result(_answer(stream), doc_ids, self.model_name)
+        return _result(answer_of(stream), doc_ids, self.model_name)
 
     def _stream(
         self,
@@ -102,7 +102,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         with closing(pieces(stream)) as texts:  # a reader that stops early: the request is cancelled at once
             for text in texts:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-        yield _last_chunk(_answer(stream), doc_ids, self.model_name)
+        yield _last_chunk(answer_of(stream), doc_ids, self.model_name)
 
     # -- async ------------------------------------------------------------------------------------------
     async def _agenerate(
@@ -116,7 +116,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         async with aclosing(apieces(stream)) as texts:  # a cancelled task cancels the request
             async for _ in texts:
                 pass
-        return _result(_answer(stream), doc_ids, self.model_name)
+        return _result(answer_of(stream), doc_ids, self.model_name)
 
     async def _astream(
         self,
@@ -129,7 +129,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         async with aclosing(apieces(stream)) as texts:
             async for text in texts:
                 yield ChatGenerationChunk(message=AIMessageChunk(content=text))
-        yield _last_chunk(_answer(stream), doc_ids, self.model_name)
+        yield _last_chunk(answer_of(stream), doc_ids, self.model_name)
 
     # -- one request ------------------------------------------------------------------------------------
     def _start(
@@ -221,12 +221,6 @@ def _text(message: BaseMessage) -> str:
         kinds = [part if isinstance(part, str) else part.get("type") for part in message.content]
         raise BadRequest(f"ChatRagCache reads text content only, got a {message.type} message with parts {kinds}")
     return "".join(parts)
-
-
-def _answer(stream: Stream) -> Answer:
-    if stream.answer is None:  # aborted by someone else than this caller (who would not be reading any more)
-        raise Cancelled("the engine aborted the request")
-    return stream.answer
 
 
 def _metadata(answer: Answer, doc_ids: list[str], model_name: str) -> dict[str, Any]:

@@ -27,7 +27,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import Sequence, apieces
-from ragcache.front import Front
+from ragcache.front import Front, answer_of
 from ragcache.linker import LinkOptions
 from ragcache.settings import LinkKnobs
 
@@ -68,7 +68,7 @@ class RagCacheLLM(CustomLLM, LinkOptions):
     @llm_completion_callback()
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         stream = self._stream(prompt, formatted, kwargs)
-        return CompletionResponse(text="".join(stream), raw={"stats": stream.answer.stats.as_dict()})
+        return CompletionResponse(text="".join(stream), raw={"stats": answer_of(stream).stats.as_dict()})
 
     @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseGen:
@@ -78,7 +78,7 @@ class RagCacheLLM(CustomLLM, LinkOptions):
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
         stream = await asyncio.to_thread(self._stream, prompt, formatted, kwargs)
         text = "".join([piece async for piece in apieces(stream)])
-        return CompletionResponse(text=text, raw={"stats": stream.answer.stats.as_dict()})
+        return CompletionResponse(text=text, raw={"stats": answer_of(stream).stats.as_dict()})
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponseAsyncGen:
@@ -122,7 +122,7 @@ def _responses(stream: Sequence) -> Iterator[CompletionResponse]:
     for piece in stream:
         text += piece
         yield CompletionResponse(text=text, delta=piece)
-    yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})
+    yield CompletionResponse(text=text, delta="", raw={"stats": answer_of(stream).stats.as_dict()})
 
 
 async def _aresponses(stream: Sequence) -> AsyncIterator[CompletionResponse]:
@@ -132,4 +132,4 @@ async def _aresponses(stream: Sequence) -> AsyncIterator[CompletionResponse]:
         async for piece in pieces:
             text += piece
             yield CompletionResponse(text=text, delta=piece)
-    yield CompletionResponse(text=text, delta="", raw={"stats": stream.answer.stats.as_dict()})
+    yield CompletionResponse(text=text, delta="", raw={"stats": answer_of(stream).stats.as_dict()})

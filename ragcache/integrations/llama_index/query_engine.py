@@ -14,7 +14,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, Sequence, apieces
-from ragcache.front import Front, drain
+from ragcache.front import Front, answer_of, drain
 from ragcache.guard import BackgroundGuard
 from ragcache.linker import LinkOptions
 from ragcache.store.keys import document_id
@@ -79,7 +79,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
 
     def _pieces(self, stream: Sequence, metadata: dict, question: str) -> Iterator[str]:
         yield from stream
-        self._finish(metadata, stream.answer, question)
+        self._finish(metadata, answer_of(stream), question)
 
     def _finish(self, metadata: dict, answer: Answer, question: str) -> dict:
         metadata.update(answer.stats.as_dict())
@@ -112,10 +112,10 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         pieces = apieces(stream)
         if not self.streaming:
             text = "".join([piece async for piece in pieces])
-            metadata = await asyncio.to_thread(self._finish, metadata, stream.answer, query_str)
+            metadata = await asyncio.to_thread(self._finish, metadata, answer_of(stream), query_str)
             return Response(text, source_nodes=nodes, metadata=metadata)
         first = await anext(pieces, _DONE)  # as in the sync path: bad input raises from aquery()
-        finish = lambda: self._finish(metadata, stream.answer, query_str)  # noqa: E731 - a closure handed to the stream
+        finish = lambda: self._finish(metadata, answer_of(stream), query_str)  # noqa: E731 - a closure handed to the stream
         return AsyncStreamingResponse(
             response_gen=_achain(first, pieces, finish), source_nodes=nodes, metadata=metadata
         )
