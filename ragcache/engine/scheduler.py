@@ -13,7 +13,8 @@ A sequence's life (sequence.Status):
 Each forward step packs the rows of every running sequence: decode rows first (with the repair rows of those that
 asked for repair, Sequence.repair), then link pieces, the fewest pending rows first, until the budget is spent. A
 short request that arrives behind a long link has its first token after one budgeted step, not after the whole
-link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next, so a stream of short ones (or of
+link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next (the longest passed over first, so
+with k such links at once the last waits up to MAX_PASSED_OVER + k - 1 steps), so a stream of short ones (or of
 chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile):
 its rows pack with the others', each piece attending only to its own cache, and its last piece's step makes its
 entry. A task (Sequence.task) runs alone in a
