@@ -261,14 +261,7 @@ class Catalog:
         if writer is not None:
             writer.put(compiled)
             return
-        try:
-            crossing.put_many(self.store, compiled)
-        except StoreError as exc:
-            log.warning("could not store %d freshly compiled chunk(s): %s", len(compiled), exc)
-            report.unstored = exc
-        except Exception as exc:  # on the way to a tier (a host copy that cannot be allocated): as the Writer does
-            log.exception("could not store %d freshly compiled chunk(s)", len(compiled))
-            report.unstored = StoreError(f"storing compiled entries failed: {exc}")
+        report.unstored = stored(self.store, compiled)
 
     def ensure(
         self,
@@ -416,15 +409,23 @@ class Writer:
     def _write(self, entries: dict[str, ChunkKV]) -> None:
         if self.failure is not None:
             return  # drained without writing: the compile stops at its next put
-        try:
-            crossing.put_many(self.store, entries)
+        self.failure = stored(self.store, entries)
+        if self.failure is None:
             self.written += len(entries)
-        except StoreError as exc:
-            log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)
-            self.failure = exc
-        except Exception as exc:
-            log.exception("the entry writer failed")
-            self.failure = StoreError(f"writing compiled entries failed: {exc}")
+
+
+def stored(store: Store, entries: dict[str, ChunkKV]) -> StoreError | None:
+    """Freshly compiled entries into the store (store/crossing.py); a failure is logged and returned, not raised:
+    the store's StoreError, or one for anything else on the way to a tier (a host copy that cannot be allocated)."""
+    try:
+        crossing.put_many(store, entries)
+    except StoreError as exc:
+        log.warning("could not store %d freshly compiled chunk(s): %s", len(entries), exc)
+        return exc
+    except Exception as exc:
+        log.exception("could not store %d freshly compiled chunk(s)", len(entries))
+        return StoreError(f"storing compiled entries failed: {exc}")
+    return None
 
 
 class Locks:

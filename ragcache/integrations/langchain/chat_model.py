@@ -88,8 +88,8 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         **kwargs: Any,
     ) -> ChatResult:
         stream, doc_ids = self._start(messages, stop, run_manager, kwargs)
-        drain(stream)  # left early (KeyboardInterrupt), it cancels the request
-        return _result(answer_of(stream), doc_ids, self.model_name)
+        answer = drain(stream)  # left early (KeyboardInterrupt), it cancels the request
+        return _result(answer, doc_ids, self.model_name)
 
     def _stream(
         self,
