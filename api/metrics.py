@@ -145,6 +145,11 @@ class Metrics:
             "chunks a query compiled that the store refused (logged): a later request compiles them again",
             registry=r,
         )
+        self.shared_chunks = Counter(
+            "ragcache_shared_chunks",
+            "chunks a query missed and took from another request that was compiling them (not compiled twice)",
+            registry=r,
+        )
         self.guard_checks = Counter(
             "ragcache_guard_checks",
             "linked answers also linked with full by the accuracy guard",
@@ -185,6 +190,7 @@ class Metrics:
         for field, counter in self.tokens.items():
             counter.labels(algorithm).inc(getattr(stats, field))
         self.unstored_chunks.inc(stats.unstored_chunks)
+        self.shared_chunks.inc(stats.shared_chunks)
 
     def observe_guard(self, model: str, check, agreement: float) -> None:
         self.guard_checks.labels(model, check.algorithm).inc()

@@ -203,6 +203,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
             "misses": st.store_misses,
             "compiled": st.compiled_chunks,
             "unstored": st.unstored_chunks,
+            "shared": st.shared_chunks,
         },
     )
 

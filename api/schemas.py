@@ -234,8 +234,8 @@ class QueryResponse(BaseModel):
     algorithm: str
     finish_reason: Literal["stop", "length"]
     store: dict[str, int] = Field(
-        description="chunk lookups: hits, misses, compiled, and unstored (compiled but refused by the store: a later "
-        "request compiles them again)"
+        description="chunk lookups: hits, misses, compiled, unstored (compiled but refused by the store: a later "
+        "request compiles them again) and shared (missed, and taken from another request that was compiling them)"
     )
 
 

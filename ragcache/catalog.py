@@ -11,7 +11,8 @@ import logging
 import queue
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -35,7 +36,7 @@ from .documents import (
     record_problem,
 )
 from .engine import compute_inline
-from .errors import CorruptDocument, StoreError, UnknownDocument
+from .errors import Cancelled, CorruptDocument, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
 # tensor-parallel ranks agreeing on the misses: (this rank's misses, its read failed) -> the same for all of them
@@ -51,6 +52,7 @@ class EnsureReport:
     sliced: int = 0  # shards cut from whole entries
     joined: int = 0  # whole entries joined from shards
     unstored: StoreError | None = None  # why the compiled entries could not be stored (the caller still has them)
+    shared: int = 0  # missing entries another request was compiling (Flights): taken from it, not compiled again
 
 
 @dataclass
@@ -71,6 +73,7 @@ class Catalog:
         self.chunk_tokens = chunk_tokens
         self.vocab = len(tokenizer)  # every id a chunk record gives must be below it, or the model reads past its table
         self._locks = Locks()
+        self.flights = Flights()
 
     @contextmanager
     def using(self, doc_ids: list[str]) -> Iterator[None]:
@@ -426,6 +429,54 @@ def stored(store: Store, entries: dict[str, ChunkKV]) -> StoreError | None:
         log.exception("could not store %d freshly compiled chunk(s)", len(entries))
         return StoreError(f"storing compiled entries failed: {exc}")
     return None
+
+
+class Flights:
+    """The compiles under way in this process, by entry key. A request that misses a chunk which another is compiling
+    (concurrent queries over the same new document) waits for that compile's entry instead of compiling it again;
+    the request that compiles it stores it. A compile that ends without an entry (failed, or its request gone) lands
+    as None, and whoever waited for it compiles it then."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._under_way: dict[str, Future] = {}
+
+    def claim(self, keys: Iterable[str]) -> tuple[list[str], dict[str, Future]]:
+        """(the keys the caller compiles now, the compiles of the others under way): each key it claims, the caller
+        must `land`, and `release` once it is stored, whatever happens."""
+        with self._lock:
+            theirs = {key: self._under_way[key] for key in keys if key in self._under_way}
+            mine = [key for key in keys if key not in theirs]
+            self._under_way.update((key, Future()) for key in mine)
+        return mine, theirs
+
+    def land(self, key: str, entry: ChunkKV | None) -> None:
+        """A claimed compile's end: its waiters have the entry now; one that ended without an entry is let go at
+        once, for a waiter to claim it."""
+        with self._lock:
+            future = self._under_way.pop(key) if entry is None else self._under_way[key]
+        future.set_result(entry)
+
+    def release(self, keys: Iterable[str]) -> None:
+        """Landed entries the store has now (or its writer): a later miss reads them there, or compiles them again if
+        the store refused them."""
+        with self._lock:
+            for key in keys:
+                self._under_way.pop(key, None)
+
+    @staticmethod
+    def wait(theirs: dict[str, Future], cancelled: Callable[[], bool], poll_s: float) -> dict[str, ChunkKV | None]:
+        """The entries the others made, None for each compile that ended without one; Cancelled once `cancelled()`."""
+        made = {}
+        for key, future in theirs.items():
+            while key not in made:
+                if cancelled():
+                    raise Cancelled("the request was cancelled while its documents were compiled")
+                try:
+                    made[key] = future.result(poll_s)
+                except TimeoutError:
+                    continue
+        return made
 
 
 class Locks:

@@ -24,6 +24,7 @@ from . import adapters, guard, infill, linker, loaded, lora, models
 from .catalog import EnsureReport, Writer
 from .compiler import PLAIN, Compiler, Layout
 from .engine import (
+    CANCEL_POLL_S,
     Decoding,
     Done,
     Driver,
@@ -287,24 +288,54 @@ class RagCache(Front):
         """The chunks' entries in a layout: read from the store, the missing ones compiled as the engine's own work
         (a sequence each, all handed over together so that their pieces share steps; Cancelled once `cancelled()`
         says the caller has gone) and stored, through `writer` if given. What was compiled before a failure or a
-        cancel is stored too: the next request would pay it again."""
+        cancel is stored too: the next request would pay it again. A chunk another request is compiling already
+        (Flights) is taken from it, not compiled twice; if that compile ends without its entry, this one compiles it."""
         compiler = compiler or self.compiler
         entries, report = self.catalog.read(chunks, compiler, layout)
         todo = self.catalog.missing(chunks, entries, compiler, layout)
-        keys, compiled = list(todo), dict[str, ChunkKV]()
-        sequences = [self._compile_sequence(todo[key], compiler, layout) for key in keys]
+        made: dict[str, ChunkKV] = {}
+        left = list(todo)
+        while left:
+            mine, theirs = self.catalog.flights.claim(left)
+            self._compile_claimed({key: todo[key] for key in mine}, compiler, layout, cancelled, writer, made, report)
+            taken = self.catalog.flights.wait(theirs, cancelled, CANCEL_POLL_S)
+            made.update((key, entry) for key, entry in taken.items() if entry is not None)
+            report.shared += sum(entry is not None for entry in taken.values())
+            left = [key for key, entry in taken.items() if entry is None]
+        return self.catalog.filled(chunks, entries, todo, made), report
+
+    def _compile_claimed(
+        self,
+        todo: dict[str, list[int]],
+        compiler: Compiler,
+        layout: Layout,
+        cancelled: Callable[[], bool],
+        writer: Writer | None,
+        made: dict[str, ChunkKV],
+        report: EnsureReport,
+    ) -> None:
+        """Compile the chunks this request claimed into `made`, landing each entry as it is made (those that wait for
+        it take it before it is stored), the others as None whatever ends the compile; then store them."""
+        keys, compiled, sequences = list(todo), dict[str, ChunkKV](), list[Sequence]()
+
+        def done(i: int) -> None:
+            compiled[keys[i]] = _entry_made(sequences[i])
+            self.catalog.flights.land(keys[i], compiled[keys[i]])
+
         try:
+            sequences.extend(self._compile_sequence(todo[key], compiler, layout) for key in keys)
             # each entry is taken as its compile ends, while the model thread goes on; the store's tiers take it
             # from the GPU each as it keeps it (store/crossing.py)
-            finish_all(
-                sequences,
-                cancelled,
-                lambda i: compiled.__setitem__(keys[i], _entry_made(sequences[i])),
-                self.driver.together,
-            )
+            finish_all(sequences, cancelled, done, self.driver.together)
         finally:
-            self.catalog.keep(compiled, report, writer)
-        return self.catalog.filled(chunks, entries, todo, compiled), report
+            for key in keys:
+                if key not in compiled:
+                    self.catalog.flights.land(key, None)
+            made.update(compiled)
+            try:
+                self.catalog.keep(compiled, report, writer)
+            finally:
+                self.catalog.flights.release(compiled)
 
     def _compile_sequence(self, token_ids: list[int], compiler: Compiler, layout: Layout) -> Sequence:
         """A chunk's compile as the engine runs it: a `full` link of its prompt alone (sinks, then its stored ids),
@@ -331,6 +362,7 @@ class RagCache(Front):
         stats.store_hits += report.hits
         stats.store_misses += len(chunk_ids) - report.hits
         stats.compiled_chunks += report.compiled
+        stats.shared_chunks += report.shared
         if report.unstored is not None:
             stats.unstored_chunks += report.compiled
         return entries

@@ -194,8 +194,10 @@ def test_a_failed_write_stops_compile_documents_and_the_next_run_resumes():
     store.fail = False
     again = rc.compile_documents(TEXTS)
     assert again.skipped == 2 and again.compiled_chunks > 0
-    assert all(store.contains_many([rc.compiler.key(ids, rc.layouts["default"])
-                                    for ids in rc.document_chunks(document_id(t))]) for t in TEXTS)
+    assert all(
+        store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in rc.document_chunks(document_id(t))])
+        for t in TEXTS
+    )
     rc.close()
 
 
@@ -263,3 +265,85 @@ def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile(de
     feeder.join(60)
     writer.flush()
     assert handed == [0, 1, 2, 3, 4] and writer.written == 5 and store.kept == [f"k{n}" for n in range(5)]
+
+
+def _two_callers(rc, chunks, first_kwargs=None):
+    """`rc._ensure` of the same chunks on two threads, the second reading the store while the first is about to
+    compile (its first compile sequence waits for that read): (reports or errors, by name)."""
+    reads, second_read, lock = [], threading.Event(), threading.Lock()
+    read, make = rc.catalog.read, rc._compile_sequence
+
+    def counted_read(*args, **kwargs):
+        found = read(*args, **kwargs)
+        with lock:
+            reads.append(threading.current_thread().name)
+            if len(reads) == 2:
+                second_read.set()
+        return found
+
+    def held_make(*args, **kwargs):
+        if threading.current_thread().name == "first":
+            assert second_read.wait(60)
+        return make(*args, **kwargs)
+
+    rc.catalog.read, rc._compile_sequence = counted_read, held_make
+    out = {}
+
+    def ensure(name, kwargs):
+        try:
+            out[name] = rc._ensure(chunks, rc.layouts["default"], **kwargs)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            out[name] = exc
+
+    first = threading.Thread(target=ensure, args=("first", first_kwargs or {}), name="first")
+    first.start()
+    while not reads:
+        time.sleep(0.005)
+    second = threading.Thread(target=ensure, args=("second", {}), name="second")
+    second.start()
+    for t in (first, second):
+        t.join(120)
+    return out
+
+
+def test_two_requests_missing_the_same_chunks_compile_them_once():
+    """Concurrent queries over one new document: the second takes the first's compiles (Flights) instead of
+    running every chunk through the model again, and both get the entries a compile alone gives."""
+    rc = engine()
+    chunks = rc.catalog.draft(TEXTS[0]).chunks
+    out = _two_callers(rc, chunks)
+    (entries, first), (taken, second) = out["first"], out["second"]
+    assert first.compiled == len(chunks) and second.compiled == 0 and second.shared == len(chunks)
+    for mine, theirs in zip(entries, taken):
+        assert torch.equal(mine.keys, theirs.keys) and torch.equal(mine.values, theirs.values)
+    assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]))
+    rc.close()
+
+
+def test_a_compile_another_request_waited_for_that_fails_is_compiled_by_the_waiter():
+    rc = engine()
+    chunks = rc.catalog.draft(TEXTS[1]).chunks[:1]
+    entry, calls, wait, waiting = rc.compiler.entry, [], rc.catalog.flights.wait, threading.Event()
+
+    def fails_first(keys, values, token_ids, layout):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            assert waiting.wait(60)  # the second caller waits for this compile
+            raise ValueError("this chunk cannot be encoded")
+        return entry(keys, values, token_ids, layout)
+
+    def signalled_wait(theirs, *args):
+        if theirs:
+            waiting.set()
+        return wait(theirs, *args)
+
+    rc.compiler.entry, rc.catalog.flights.wait = fails_first, signalled_wait
+    out = _two_callers(rc, chunks)
+    assert isinstance(out["first"], ValueError)
+    entries, report = out["second"]
+    assert report.compiled == 1 and report.shared == 0 and len(calls) == 2
+    other = engine()
+    alone = other._ensure(chunks, other.layouts["default"])[0][0]
+    assert torch.equal(entries[0].keys, alone.keys) and torch.equal(entries[0].values, alone.values)
+    rc.close()
+    other.close()

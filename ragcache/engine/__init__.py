@@ -48,6 +48,7 @@ _HOMES = {
     "Scheduler": "scheduler",
     "compute_inline": "threads",
     "on_a_passing_thread": "threads",
+    "CANCEL_POLL_S": "sequence",
     "Aborted": "sequence",
     "Done": "sequence",
     "Event": "sequence",
@@ -66,6 +67,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "Aborted",
     "Answer",
     "Batch",
+    "CANCEL_POLL_S",
     "DecodeGraphs",
     "Decoding",
     "Done",
@@ -122,6 +124,7 @@ if TYPE_CHECKING:
     from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids
     from .scheduler import Scheduler
     from .sequence import (
+        CANCEL_POLL_S,
         Aborted,
         Done,
         Event,

@@ -35,6 +35,7 @@ class QueryStats:
     store_misses: int = 0
     compiled_chunks: int = 0
     unstored_chunks: int = 0  # compiled but refused by the store (logged): a later request compiles them again
+    shared_chunks: int = 0  # missed, and taken from another request that was compiling them (not compiled twice)
     prefetched_chunks: int = 0  # entries (the prefix's included) that crossed to the GPU ahead of the link
     finish_reason: str = "length"
 
