@@ -710,6 +710,7 @@ def test_a_stream_of_short_links_never_starves_a_long_one():
     query = sequence(tokens=None)
     scheduler.add(query)
     run_plan(scheduler, scheduler.schedule(), {query: (100,)})
+    run_plan(scheduler, scheduler.schedule(), {})  # its first piece, before any compile arrives
     ran, in_flight, waited = [], {}, []
     for step in range(15):
         arriving = [sequence(tokens=None) for _ in range(4 - len(in_flight))]  # topped up to 32 rows of compiles
@@ -851,3 +852,23 @@ def test_tasks_take_turns_with_the_requests_steps():
             assert [(o.status, o.result) for _, o in outputs] == [(Status.FINISHED, ran[-1])]
     assert kinds == ["task", "piece", "task", "piece", "task", "piece"] and ran == [0, 1, 2]
     assert scheduler.abort(user) and not scheduler.has_work()
+
+
+def test_arrivals_faster_than_steps_take_turns_with_a_decoding_stream():
+    """A request arriving during every step: each is placed, but never two PLACE steps in a row while a stream
+    decodes, or the stream would wait for as long as the arrivals keep coming."""
+    scheduler = Scheduler(row_budget=16)
+    stream = sequence(tokens=8)
+    scheduler.add(stream)
+    run_plan(scheduler, scheduler.schedule(), {stream: (2,)})
+    run_plan(scheduler, scheduler.schedule(), {})
+    assert stream.status is Status.DECODING
+    kinds, arrived = [], {}
+    for _ in range(6):
+        newcomer = sequence(tokens=None)
+        scheduler.add(newcomer)
+        arrived[newcomer] = (1,)
+        plan = scheduler.schedule()
+        kinds.append((plan.kind.value, any(w.sequence is stream for w in plan.work)))
+        run_plan(scheduler, plan, arrived)
+    assert kinds == [("place", False), ("piece", True)] * 3

@@ -64,10 +64,10 @@ _HOMES = {
     "finish_all": "sequence",
 }
 __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
+    "CANCEL_POLL_S",
     "Aborted",
     "Answer",
     "Batch",
-    "CANCEL_POLL_S",
     "DecodeGraphs",
     "Decoding",
     "Done",

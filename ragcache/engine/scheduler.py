@@ -3,7 +3,8 @@ No thread and no tensor: the driver calls `schedule` and `update` on the model t
 
 A sequence's life (sequence.Status):
   waiting   added by the driver, admitted FIFO at the next step: a PLACE step puts what its algorithm reuses into
-            its joined cache (`linker.plan`: placing, and focus's question pre-pass);
+            its joined cache (`linker.plan`: placing, and focus's question pre-pass). PLACE steps take turns with
+            the running sequences' steps, so arrivals coming faster than steps never stall a decoding stream;
   linking   the rows its algorithm recomputes run in pieces of at most the step's row budget (chunked prefill);
             a Narrowing algorithm (cacheblend) runs them in a NARROW step of its own instead, since it chooses its
             rows after a layer over all of them;
@@ -17,8 +18,7 @@ link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next (
 with k such links at once the last waits up to MAX_PASSED_OVER + k - 1 steps), so a stream of short ones (or of
 chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile):
 its rows pack with the others', each piece attending only to its own cache, and its last piece's step makes its
-entry. A task (Sequence.task) runs alone in a
-TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
+entry. A task (Sequence.task) runs alone in a TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
 (a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
 both wait. A sequence that fails fails alone; the others go on.
 """
@@ -107,6 +107,7 @@ class Scheduler:
         self.background: deque[Sequence] = deque()  # admitted one at a time, only while no user sequence runs
         self.tasks: deque[Sequence] = deque()
         self.after_task = False  # the last step ran a task: the requests' turn
+        self.after_place = False  # the last step placed arrivals: the running sequences' turn, whatever arrived since
         self.running: list[Sequence] = []
         self.base_turn = False  # the next forward step is for the base weights' rows, left out of the last one
 
@@ -144,9 +145,18 @@ class Scheduler:
         return plan
 
     def _requests(self) -> StepPlan | None:
+        if self.waiting and self.after_place:  # the running sequences' turn: arrivals wait for one step of theirs
+            self.after_place = False
+            plan = self._running()
+            if plan is not None:
+                return plan
         placing = self._admit()
+        self.after_place = bool(placing)
         if placing:
             return StepPlan(Kind.PLACE, [Work(s, Kind.PLACE) for s in placing], placing[0].background)
+        return self._running()
+
+    def _running(self) -> StepPlan | None:
         for sequence in self.running:
             if sequence.plan is not None and sequence.plan.narrow is not None:
                 return StepPlan(Kind.NARROW, [Work(sequence, Kind.NARROW)], sequence.background)
