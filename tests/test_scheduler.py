@@ -561,6 +561,32 @@ def test_a_stop_that_gives_up_waiting_still_fails_what_was_queued():
         queued.result(30)
 
 
+def test_a_stop_just_after_the_thread_ended_idle_fails_what_is_left_once():
+    """The thread ending idle and a `stop` landing before it has left: one of them fails what is left, not both
+    (two `fail_all`s of the scheduler from two threads at once)."""
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    driver, calls, ended = rc.driver, [], threading.Event()
+    wait_for_work, fail_unfinished = driver._wait_for_work, driver._fail_unfinished
+
+    def idle_then_stopped():
+        state = wait_for_work()
+        if state not in (True, "work"):  # ended idle: the stop comes in before the thread reads why
+            driver.stop()
+            ended.set()
+        return state
+
+    driver._wait_for_work = idle_then_stopped
+    driver._fail_unfinished = lambda: calls.append(threading.current_thread().name) or fail_unfinished()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("ragcache.engine.driver.IDLE_EXIT_S", 0.05)
+        assert rc.with_runner(lambda runner: "ran") == "ran"
+        assert ended.wait(30)
+        while driver._thread is not None or len(calls) < 1:
+            threading.Event().wait(0.01)
+        threading.Event().wait(0.2)
+    assert len(calls) == 1
+
+
 def in_daemon(fn, *args):
     """fn(*args) on a daemon thread, as a Future: a caller a regression leaves waiting must not hang the test run."""
     from concurrent.futures import Future

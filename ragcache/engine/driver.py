@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -141,28 +142,29 @@ class Driver:
     # -- the model thread -------------------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            while self._wait_for_work():
+            while (state := self._wait_for_work()) == "work":
                 try:
                     with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's too
                         self._pass()
                 except Exception as exc:  # a bug here must not leave every caller waiting forever
                     log.exception("the model thread failed a step")
                     self._deliver(self.scheduler.fail_all(exc))
-            if self._stopping:  # also when `stop` gave up waiting for a long step: nobody is left waiting
+            if state == "stop":  # also when `stop` gave up waiting for a long step: nobody is left waiting
                 self._fail_unfinished()
         finally:  # idle or stopping: the memory of its last steps goes back (outside the lock; a few ms)
             return_free_memory()
 
-    def _wait_for_work(self) -> bool:
-        """False when the thread ends: idle for IDLE_EXIT_S (`_queue` starts a new one), or stopping."""
+    def _wait_for_work(self) -> Literal["work", "idle", "stop"]:
+        """Whether the thread goes on or ends, and why: idle for IDLE_EXIT_S (`_queue` starts a new one; a `stop`
+        after it fails what is left, on its own thread), or stopping (the thread fails what is left)."""
         with self._wakeup:
             while not (self._has_work() or self._stopping):
                 if not self._wakeup.wait(IDLE_EXIT_S) and not self._has_work():
                     break
             if self._stopping or not self._has_work():
                 self._thread = None
-                return False
-            return True
+                return "stop" if self._stopping else "idle"
+            return "work"
 
     def _has_work(self) -> bool:
         return bool((self.arrivals and not self._holding) or self.aborts or self.scheduler.has_work())
