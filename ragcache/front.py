@@ -31,6 +31,7 @@ from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKno
 class CompileReport:
     ids: list[str] = field(default_factory=list)
     documents: int = 0
+    ready: int = 0  # documents whose every chunk is compiled (or was already): what a progress bar counts
     skipped: int = 0  # already compiled
     chunks: int = 0
     compiled_chunks: int = 0
@@ -157,6 +158,7 @@ class Front(abc.ABC):
             try:
                 batch: dict[tuple[int, ...], list[int]] = {}
                 compiled: set[tuple[int, ...]] = set()
+                waiting = 0  # documents taken in whose last chunks are in `batch`
                 for text, meta in zip(texts, metadata or [{} for _ in texts]):
                     doc_id, chunks = self.catalog.register(text, meta)
                     missing = self._present(chunks, "default")[1]
@@ -166,14 +168,18 @@ class Front(abc.ABC):
                     report.chunks += len(chunks)
                     report.skipped += not missing
                     report.tokens += sum(map(len, chunks))
-                    say(report)
                     # a chunk two documents share, once: also when the writer has not stored it yet
                     batch.update((tuple(ids), ids) for ids in missing if tuple(ids) not in compiled)
+                    if any(tuple(ids) in batch for ids in missing):
+                        waiting += 1
+                    else:
+                        report.ready += 1
+                    say(report)
                     if sum(map(len, batch.values())) >= self._compile_rows():
-                        self._compile_batch(list(batch.values()), writer, report, say)
+                        self._compile_batch(list(batch.values()), writer, report, say, waiting)
                         compiled.update(batch)
-                        batch = {}
-                self._compile_batch(list(batch.values()), writer, report, say)
+                        batch, waiting = {}, 0
+                self._compile_batch(list(batch.values()), writer, report, say, waiting)
             finally:  # Ctrl-C or a failure: what was compiled is stored
                 if writer is not None:
                     writer.flush()
@@ -191,12 +197,16 @@ class Front(abc.ABC):
         writer: Writer | None,
         report: CompileReport,
         say: Callable[[CompileReport], None],
+        documents: int,
     ) -> None:
+        """Compile a batch of chunks, the last ones of `documents` of the documents taken in."""
         for group in self._groups(chunks, "default"):
             report.bytes += self._compile(group, "default", writer)
             report.compiled_chunks += len(group)
             report.compiled_tokens += sum(map(len, group))
             say(report)
+        report.ready += documents
+        say(report)
 
     def _writer(self) -> Writer | None:
         """Where `compile_documents` stores what `_compile` compiles, off its thread (None: the engine stores it)."""

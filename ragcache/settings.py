@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -18,7 +19,7 @@ import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
 
-from ragcache.errors import ParameterOutOfRange
+from ragcache.errors import BadRequest, ParameterOutOfRange
 from ragcache.store.base import (  # noqa: F401 - re-exported: the defaults are read from settings
     DEFAULT_DISK_BUDGET,
     DEFAULT_MAX_RETRY_AFTER_S,
@@ -47,10 +48,31 @@ DEVICE_ROW_BUDGETS = {"cpu": (DEFAULT_ROW_BUDGET, DEFAULT_ROW_BUDGET), "cuda": (
 AUTO_DEVICE = "auto"
 
 
-def resolve_device(device: str | None) -> tuple[str, str]:
+def check_device(device: str, here: bool = True) -> None:
+    """auto, cpu, or cuda[:N], and with `here`, a CUDA device this machine has: anything else would fail only once
+    the model is loaded. ParameterOutOfRange otherwise."""
+    found = re.fullmatch(r"cuda(?::(\d+))?", device)
+    if device in (AUTO_DEVICE, "cpu"):
+        return
+    if found is None:
+        raise ParameterOutOfRange(f"device {device!r}: must be auto, cpu or cuda (cuda:N for the N-th GPU)")
+    if not here:
+        return
+    if not torch.cuda.is_available():
+        raise ParameterOutOfRange(
+            f"device {device}: torch sees no CUDA device on this machine; use --device cpu (or auto)"
+        )
+    if found.group(1) is not None and int(found.group(1)) >= torch.cuda.device_count():
+        raise ParameterOutOfRange(
+            f"device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+        )
+
+
+def resolve_device(device: str | None, here: bool = True) -> tuple[str, str]:
     """The device an engine runs on, and why: "auto" (the default) is CUDA where torch sees a GPU, else the CPU; any
-    other name is taken as given."""
+    other name is checked (`check_device`: with `here`, this machine must have it) and taken as given."""
     if device not in (None, "", AUTO_DEVICE):
+        check_device(str(device), here)
         return str(device), "configured"
     if torch.cuda.is_available():
         return "cuda", f"auto: torch sees {torch.cuda.device_count()} CUDA device(s)"
@@ -472,7 +494,8 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
             raise ValueError(
                 "max_model_len, kv_cache_gib and tensor_parallel_size are options of the vllm engine (engine=vllm)"
             )
-        if problem := self.engine_config().vllm_problem():
+        # (only on vllm: an engine config checks the device, which settings a plan reads need not have)
+        if self.engine == "vllm" and (problem := self.engine_config().vllm_problem()):
             raise ValueError(problem)
         if self.max_per_client is not None and self.max_per_client > self.max_queue:
             raise ValueError(
@@ -530,4 +553,9 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
 
 
 def load_settings(**overrides) -> Settings:
-    return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    """The settings with these overrides (None: not given); BadRequest for a bad value, wherever it came from (a flag,
+    RAGCACHE_*, ragcache.toml): pydantic's message names the field."""
+    try:
+        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except ValidationError as exc:
+        raise BadRequest(str(exc)) from exc

@@ -46,8 +46,8 @@ def _settings_store(url: str | None) -> str:
         return url
     try:
         return load_settings(store=url).store
-    except ValueError as exc:  # pydantic's ValidationError: a bad value in ragcache.toml, say
-        fail(BadRequest(str(exc)))
+    except BadRequest as exc:  # a bad value in ragcache.toml, say
+        fail(exc)
 
 
 AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tables")]

@@ -99,3 +99,63 @@ def test_compile_plan_counts_the_corpus_and_estimates_the_time_from_the_measured
     (empty / "a.txt").write_text("   ")
     refused = CliRunner().invoke(app, ["compile", str(empty), "--plan", "--model", str(model)])
     assert refused.exit_code == 3 and "nothing to plan" in refused.output
+
+
+def test_the_planned_bytes_with_shards_are_what_the_whole_entries_and_their_shards_weigh():
+    """`compile --plan --shards N`: a compile with shards stores the whole entries and their shards, about twice
+    the bytes; a plan that left the shards out let a disk budget look big enough that was not."""
+    from ragcache.store.shards import HeadRange
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24, kv_codec="int8"))
+    report = rc.compile_documents(TEXTS, shards=2)
+    lead, layout = list(rc.layouts["default"].lead_ids), rc.layouts["default"]
+    unique = {tuple(ids): ids for doc_id in report.ids for ids in rc.document_chunks(doc_id)}
+    keys = [rc.compiler.key(ids, layout, heads) for ids in unique.values() for heads in (None, *HeadRange.split(2, 2))]
+    stored = rc.store.get_many(keys)
+    assert all(e is not None for e in stored)
+    plan = capacity.plan("tiny", capacity.model_shape(rc.lm.config), [lead + ids for ids in unique.values()],
+                         len(TEXTS), None, shards=2)
+    (row,) = [r for r in plan.codecs if r["codec"] == "int8"]
+    assert row["total_bytes"] == pytest.approx(sum(e.nbytes for e in stored), abs=1)
+    rc.close()
+
+
+def test_a_compile_whose_rate_cannot_be_recorded_still_succeeds(tmp_path, monkeypatch):
+    """The rate is for later plans: a model folder this user cannot write is a warning, not a failed compile that
+    prints no document ids after storing every entry."""
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS[:1])
+    monkeypatch.setattr(capacity, "RATE_MIN_TOKENS", 1)
+    (tmp_path / "file").write_text("")
+    monkeypatch.setattr(capacity, "rates_path", lambda: tmp_path / "file" / "compile-rates.json")
+    args = ["compile", str(docs), "--model", str(model), "--store", f"disk:{tmp_path / 'store'}", "--dtype",
+            "float32"]
+    done = CliRunner().invoke(app, args, terminal_width=200)
+    assert done.exit_code == 0, done.output
+    assert "the compile rate was not recorded" in " ".join(done.output.split()) and "0.txt" in done.output
+
+
+def test_plan_and_config_refuse_bad_settings_with_the_exit_codes_of_bad_input(tmp_path, monkeypatch):
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS[:1])
+    plan = ["compile", str(docs), "--plan", "--model"]
+    for args, code in (
+        ([*plan, str(model), "--dtype", "fp16"], 3),
+        ([*plan, str(model), "--device", "gpu"], 3),
+        ([*plan, str(tmp_path / "no-such-model")], 5),
+        ([*plan, str(model), "--device", "cuda"], 0),  # a plan for a GPU, on a machine that may have none
+    ):
+        result = CliRunner().invoke(app, args, terminal_width=200)
+        assert result.exit_code == code and "Traceback" not in result.output, (args, result.output)
+    monkeypatch.setenv("RAGCACHE_DTYPE", "fp16")
+    shown = CliRunner().invoke(app, ["config"])
+    assert shown.exit_code == 3 and "dtype" in shown.output and not isinstance(shown.exception, ValueError)
+
+
+def test_a_prompt_too_long_is_bad_input_for_scripts_too():
+    import typer
+
+    from ragcache.console import fail
+    from ragcache.errors import PromptTooLong
+
+    with pytest.raises(typer.Exit) as ended:
+        fail(PromptTooLong(5000, 16, 4096))
+    assert ended.value.exit_code == 3

@@ -347,3 +347,16 @@ def test_a_compile_another_request_waited_for_that_fails_is_compiled_by_the_wait
     assert torch.equal(entries[0].keys, alone.keys) and torch.equal(entries[0].values, alone.values)
     rc.close()
     other.close()
+
+
+def test_progress_counts_a_document_ready_once_its_chunks_are_compiled():
+    """`ragcache compile`'s bar counts documents whose chunks are compiled, not documents taken in: those wait for a
+    batch of COMPILE_STEPS steps' rows, so a bar of documents taken in was full before anything was compiled."""
+    rc = engine()
+    seen = []
+    rc.compile_documents(TEXTS[:3], progress=lambda r: seen.append((r.documents, r.ready, r.compiled_chunks)))
+    assert all(ready == 0 for _, ready, compiled in seen if compiled == 0) and seen[-1][:2] == (3, 3)
+    again = []
+    rc.compile_documents(TEXTS[:3], progress=lambda r: again.append((r.documents, r.ready)))
+    assert all(documents == ready for documents, ready in again)  # all compiled before: ready as taken in
+    rc.close()

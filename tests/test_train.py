@@ -225,7 +225,7 @@ def test_training_errors_are_clear(tiny_dir, code_dir, tmp_path):
 def test_a_device_the_machine_lacks_is_refused_before_the_model_loads(code_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     runner = CliRunner()
-    for device, said in (("gpu", "--device must be auto, cpu or cuda"), ("cuda", "torch sees no CUDA device"),
+    for device, said in (("gpu", "must be auto, cpu or cuda"), ("cuda", "torch sees no CUDA device"),
                          ("cuda:0", "torch sees no CUDA device")):
         result = runner.invoke(app, ["train", "infill", "--model", str(tmp_path / "no-such-model"), "--data",
                                      str(code_dir), "--steps", "1", "--device", device])

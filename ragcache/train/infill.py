@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -25,8 +24,8 @@ from pathlib import Path
 import torch
 
 from .. import models
-from ..errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError
-from ..settings import DEFAULT_LR
+from ..errors import BadRequest, ModelFetchError, RagCacheError
+from ..settings import DEFAULT_LR, check_device
 from . import checkpoint
 from .fragment import IGNORE, Example, ExampleBuilder, ExampleConfig
 
@@ -69,23 +68,6 @@ class TrainConfig:
     @property
     def learning_rate(self) -> float:
         return self.lr if self.lr is not None else DEFAULT_LR[self.lora]
-
-
-def check_device(device: str) -> None:
-    """auto, cpu, or a CUDA device this machine has: anything else would fail only once the model is loaded."""
-    found = re.fullmatch(r"cuda(?::(\d+))?", device)
-    if device in ("auto", "cpu"):
-        return
-    if found is None:
-        raise ParameterOutOfRange(f"--device must be auto, cpu or cuda (cuda:N for the N-th GPU), got {device!r}")
-    if not torch.cuda.is_available():
-        raise ParameterOutOfRange(
-            f"--device {device}: torch sees no CUDA device on this machine; use --device cpu (or auto)"
-        )
-    if found.group(1) is not None and int(found.group(1)) >= torch.cuda.device_count():
-        raise ParameterOutOfRange(
-            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
-        )
 
 
 @dataclass
