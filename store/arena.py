@@ -70,6 +70,14 @@ class Arena:
         weakref.finalize(placed, self._died, segment, start, size)
         return placed
 
+    def could_hold(self, entry: ChunkKV) -> bool:
+        """Whether the entry fits a segment the arena has or can still allocate, were every span free: one that
+        never can must not evict anything on the way to failing."""
+        size = self.size_of(entry)
+        with self._lock:
+            allocated = sum(s.numel() for s in self.segments)
+            return allocated + size <= self.budget_bytes or any(s.numel() >= size for s in self.segments)
+
     def reclaimable(self) -> bool:
         """Whether spans are waiting on copies still in flight (`settle` makes them free)."""
         with self._lock:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -74,18 +75,20 @@ class TierMetrics:
     get_seconds: float = 0.0
     put_seconds: float = 0.0
 
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # tiers count from many threads at once (not a field: stats() copies those)
+
+    def add(self, **counts: float) -> None:
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
     def read(self, started: float, hits: int, misses: int, nbytes: int) -> None:
         """One get_many that began at `started` (time.perf_counter)."""
-        self.hits += hits
-        self.misses += misses
-        self.bytes_read += nbytes
-        self.gets += 1
-        self.get_seconds += time.perf_counter() - started
+        self.add(hits=hits, misses=misses, bytes_read=nbytes, gets=1, get_seconds=time.perf_counter() - started)
 
     def wrote(self, started: float, nbytes: int) -> None:
-        self.puts += 1
-        self.bytes_written += nbytes
-        self.put_seconds += time.perf_counter() - started
+        self.add(puts=1, bytes_written=nbytes, put_seconds=time.perf_counter() - started)
 
 
 class Store(ABC):
@@ -105,6 +108,8 @@ class Store(ABC):
     # takes an entry still on a GPU (a compile's) and keeps or copies it itself (store/crossing.py); others are
     # handed it in host memory
     takes_device_entries = False
+
+    budget_bytes = 0  # what a bounded tier (memory, GPU, disk) keeps at most, set by it
 
     def __init__(self) -> None:
         self.metrics = TierMetrics()
@@ -181,6 +186,19 @@ class Store(ABC):
     def stats(self) -> dict:
         return {"tier": self.name, **asdict(self.metrics)}
 
+    def _unkept(self, count: int) -> None:
+        """Entries this tier could not keep reach their links from a slower tier: counted, and said once."""
+        if count and not self.metrics.unkept:
+            log.warning(
+                "store tier %s (a budget of %.0f MiB) could not keep an entry: a link reads such entries from a "
+                "slower tier; give it a larger budget in the store URL, each tier named (e.g. %s:%dGiB)",
+                self.name,
+                self.budget_bytes / (1 << 20),
+                self.name,
+                max(16, 2 * -(-self.budget_bytes >> 30)),
+            )
+        self.metrics.add(unkept=count)
+
     def ping(self) -> bool:
         return True
 
@@ -227,9 +245,12 @@ class BlobStore(Store):
         out: list[ChunkKV | None] = []
         for key, entry in zip(keys, decode_all(keys, blobs)):
             if isinstance(entry, CorruptEntry):
-                self.metrics.corrupt += 1
+                self.metrics.add(corrupt=1)
                 log.warning("%s tier: %s; dropping it (it will be recompiled)", self.name, entry)
-                self.delete(key)
+                try:
+                    self.delete(key)
+                except StoreError as exc:  # still a miss; the batch's other entries are good
+                    log.warning("%s tier: the corrupt entry %s stays (%s)", self.name, key[:12], exc)
                 entry = None
             out.append(entry)
         hits = sum(e is not None for e in out)

@@ -102,9 +102,12 @@ class DiskStore(BlobStore):
             self._local.db = None
 
     def _create_index(self) -> None:
-        self._db().execute(
+        db = self._db()
+        db.execute(
             "CREATE TABLE IF NOT EXISTS entries (key TEXT PRIMARY KEY, size INTEGER, last_access REAL, hits INTEGER DEFAULT 0)"
         )
+        # eviction reads the least recently used first, on every write past the budget
+        db.execute("CREATE INDEX IF NOT EXISTS entries_by_access ON entries (last_access)")
 
     def _check_index(self) -> None:
         """An index with another schema, or with sizes no entry file can have, would steer eviction wrong (one
@@ -185,10 +188,18 @@ class DiskStore(BlobStore):
         ]
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
+        # an entry over the budget would evict every other and then itself
+        kept = {key: blob for key, blob in blobs.items() if len(blob) <= self.budget_bytes}
+        self._unkept(len(blobs) - len(kept))
         rows = []
         try:
-            for key, blob in blobs.items():
-                self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
+            for key, blob in kept.items():
+                try:
+                    self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
+                except DiskFull:  # the budget is more than the disk has: room from the least recently used, once
+                    if not self._evict_lru(len(blob)):
+                        raise
+                    self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
                 rows.append((key, len(blob), time.time()))
         finally:  # index what reached its place even when a later entry failed
             if rows:
@@ -213,7 +224,7 @@ class DiskStore(BlobStore):
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise StoreError(f"disk tier {self.root}: cannot write {what} (disk full)") from exc
+                raise DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)") from exc
             raise self._fault(f"cannot write {what}", exc) from exc
 
     def _fault(self, what: str, exc: OSError) -> StoreError:
@@ -245,19 +256,39 @@ class DiskStore(BlobStore):
                 # Before deleting anything, trust the files over the index: a stale or planted row must not
                 # make us evict entries the budget still has room for.
                 self._reconcile_index()
-            (total,), removed = db.execute(indexed_bytes).fetchone(), 0
-            for key, size in db.execute("SELECT key, size FROM entries ORDER BY last_access ASC").fetchall():
-                if total <= self.budget_bytes:
-                    break
-                self.delete(key)
-                total -= size
-                removed += 1
+            (total,) = db.execute(indexed_bytes).fetchone()
         except sqlite3.Error as exc:
             log.warning("disk tier %s: eviction skipped (%s)", self.root, exc)
             return 0
+        removed = self._evict_lru(total - self.budget_bytes)
         if removed:
-            self.metrics.evicted += removed
             log.info("disk tier %s: evicted %d entries to stay under %d bytes", self.root, removed, self.budget_bytes)
+        return removed
+
+    def _evict_lru(self, nbytes: int) -> int:
+        """Delete least recently used entries of at least `nbytes` in all; the entries deleted. One that cannot be
+        deleted (a file of another user's) loses its index row, so that eviction does not stop at it every time."""
+        removed, batch = 0, 256
+        try:
+            db = self._db()
+            while nbytes > 0:
+                rows = db.execute("SELECT key, size FROM entries ORDER BY last_access ASC LIMIT ?", (batch,)).fetchall()
+                if not rows:
+                    break
+                for key, size in rows:
+                    if nbytes <= 0:
+                        break
+                    try:
+                        self.delete(key)
+                    except StoreError as exc:
+                        log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
+                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
+                        continue
+                    nbytes -= size
+                    removed += 1
+        except sqlite3.Error as exc:
+            log.warning("disk tier %s: eviction stopped (%s)", self.root, exc)
+        self.metrics.add(evicted=removed)
         return removed
 
     def contains_many(self, keys: list[str]) -> list[bool]:
@@ -400,6 +431,10 @@ def holds_store(root: str | os.PathLike) -> bool:
     """Whether a disk tier was opened in this folder: it holds any of what opening one makes."""
     root = Path(root)
     return any((root / name).exists() for name in ("entries", "records", "index.sqlite"))
+
+
+class DiskFull(StoreError):
+    """A write the file system had no room for (ENOSPC, EDQUOT)."""
 
 
 class NotAnEntryFile(OSError):

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import torch
 
 from .arena import Arena
-from .base import DEFAULT_MEMORY_BUDGET, SIZE_FORMS, Store, log, parse_size
+from .base import DEFAULT_MEMORY_BUDGET, SIZE_FORMS, Store, parse_size
 from .entry import ChunkKV, describe, shape_problem
 from .errors import StoreError
 
@@ -112,30 +112,20 @@ class MemoryStore(Store):
             self.metrics.wrote(started, sum(e.nbytes for e in kept.values()))
             self._unkept(unkept)
 
-    def _unkept(self, count: int) -> None:
-        """Entries this tier could not keep reach their links from a slower tier: counted, and said once."""
-        if count and not self.metrics.unkept:
-            log.warning(
-                "store tier %s (a budget of %.0f MiB) could not keep an entry: a link reads such entries from a "
-                "slower tier; give it a larger budget in the store URL, each tier named (e.g. %s:%dGiB)",
-                self.name,
-                self.budget_bytes / (1 << 20),
-                self.name,
-                max(16, 2 * -(-self.budget_bytes >> 30)),
-            )
-        self.metrics.unkept += count
-
     def _placed(self, entry: ChunkKV, arena: Arena) -> ChunkKV | None:
         """The entry copied into the arena, least recently used entries out until it fits (None: it cannot, even
-        with every span free)."""
+        with every span free). Spans of entries already let go of come back first: on CUDA an evicted entry's span
+        waits for the copies queued before it died, and evicting on while they run would empty the tier."""
+        if not arena.could_hold(entry):
+            return None
         while (placed := arena.place(entry)) is None:
-            if self._entries:
+            if arena.reclaimable():
+                arena.settle()
+            elif self._entries:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
-                self.metrics.evicted += 1
+                self.metrics.add(evicted=1)
                 del evicted
-            elif arena.reclaimable():
-                arena.settle()
             else:
                 return None
         return placed
@@ -146,7 +136,7 @@ class MemoryStore(Store):
             _, evicted = self._entries.popitem(last=False)
             self._bytes -= evicted.nbytes
             removed += 1
-        self.metrics.evicted += removed
+        self.metrics.add(evicted=removed)
         return removed
 
     def evict(self) -> int:

@@ -189,7 +189,7 @@ class RedisStore(BlobStore):
             for key, (_, problem, raw, manifest) in zip(keys, fetched):
                 if problem is not None:
                     assert raw is not None  # a problem is found only in an entry whose manifest was read
-                    self.metrics.incomplete += 1
+                    self.metrics.add(incomplete=1)
                     log.warning(
                         "redis tier: entry %s is incomplete (%s); dropping it (it will be recompiled)",
                         key[:12],
@@ -455,11 +455,17 @@ def _take_options(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]
 
 
 def _redact(url: str) -> str:
+    """The URL as logs, errors and stats show it: a password, in the netloc (a host's or a socket's, `unix://:pw@/x`)
+    or in the query (`?password=`), as ***."""
     parts = urlsplit(url)
-    if parts.password is None or not parts.hostname:
-        return url
-    netloc = f"{parts.username or ''}:***@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
+    if parts.password is not None:
+        user, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        hidden = [(name, "***" if name == "password" else value) for name, value in query]
+        parts = parts._replace(query=urlencode(hidden, safe="*"))
+    return urlunsplit(parts)
 
 
 def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | None:

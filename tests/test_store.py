@@ -573,15 +573,22 @@ class _FullDisk:
 
 
 def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
+    """A disk that stays full: the write fails whole, after one try to make room (the least recently used entry,
+    as large as the write, evicted); the other entries stay as they were."""
     store = DiskStore(tmp_path)
-    old = dict(make_entry(s, layers=2) for s in range(2))
-    store.put_many(old)
+    old = dict(make_entry(s, layers=2) for s in range(5))
+    for k, e in old.items():
+        store.put_many({k: e})
+        time.sleep(0.01)
     monkeypatch.setattr(disk_module, "open", _FullDisk(open), raising=False)
     key, entry = make_entry(50, layers=2)
     with pytest.raises(StoreError, match="disk full"):
         store.put_many({key: entry})
     assert not store.entry_path(key).exists() and not list(tmp_path.glob("**/*.tmp"))
-    assert store.get(key) is None and store.stats()["entries"] == 2
+    assert store.get(key) is None and store.stats()["entries"] == 4
+    oldest, *rest = old
+    assert not store.contains_many([oldest])[0]
+    old = {k: old[k] for k in rest}
     assert all(same_bits(e, old[k]) for k, e in zip(old, store.get_many(list(old))))
     # tiered: memory takes the write, one warning about the disk, and StoreError all the same (the entries end with
     # the process: a compile has lost its work); with no tier able to take it, StoreError
@@ -592,12 +599,93 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
             tiered.put_many(write)
     assert same_bits(tiered.get(key), entry) and not store.entry_path(key).exists()
     assert len(warnings_of(caplog)) == 1 and "refused a write" in warnings_of(caplog)[0]
-    assert same_bits(tiered.get_many(list(old))[0], old[next(iter(old))])  # reads from the full disk go on
+    newest = list(old)[-1]
+    assert same_bits(tiered.get_many([newest])[0], old[newest])  # reads from the full disk go on
     with pytest.raises(StoreError, match="no store tier could store"):
         TieredStore([store, DiskStore(tmp_path / "second")]).put_many({key: entry})
     monkeypatch.undo()
     tiered.put_many({key: entry})
     assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
+
+
+def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_used(tmp_path, monkeypatch):
+    """The budget (20 GiB by default) is no promise of the file system's room: once the disk is full, a write evicts
+    least recently used entries of its size and is tried once more, as past the budget, instead of failing forever."""
+    store = DiskStore(tmp_path)
+    old = [make_entry(s, layers=2) for s in range(3)]
+    for k, e in old:
+        store.put_many({k: e})
+        time.sleep(0.01)
+    full, replace = [True], DiskStore._replace
+
+    def replace_on_a_full_disk(self, path, data, what, lasting=False):
+        if full[0] and path.name.endswith(".kv"):
+            full[0] = False  # the eviction makes room
+            raise disk_module.DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)")
+        return replace(self, path, data, what, lasting)
+
+    monkeypatch.setattr(DiskStore, "_replace", replace_on_a_full_disk)
+    key, entry = make_entry(50, layers=2)
+    store.put_many({key: entry})
+    assert store.contains_many([k for k, _ in old] + [key]) == [False, True, True, True]
+    assert store.stats()["evicted"] == 1
+
+
+def test_an_entry_over_the_disk_budget_is_not_kept_and_evicts_nothing(tmp_path):
+    items = [make_entry(s, layers=2) for s in range(3)]
+    size = len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=3 * size)
+    store.put_many(dict(items))
+    key, big = make_entry(9, layers=8)
+    store.put_many({key: big})
+    assert store.contains_many([k for k, _ in items] + [key]) == [True, True, True, False]
+    assert store.stats()["unkept"] == 1 and store.stats()["evicted"] == 0
+
+
+def test_an_entry_eviction_cannot_delete_neither_fails_the_write_nor_stops_eviction(tmp_path, monkeypatch):
+    items = [make_entry(s, layers=2) for s in range(4)]
+    size = len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=2 * size)
+    for k, e in items[:2]:
+        store.put_many({k: e})
+        time.sleep(0.01)
+    delete, stuck = store.delete, items[0][0]
+
+    def undeletable(key):
+        if key == stuck:
+            raise StoreError(f"disk tier {tmp_path}: cannot delete entry {key[:12]} (Permission denied)")
+        return delete(key)
+
+    monkeypatch.setattr(store, "delete", undeletable)
+    store.put_many(dict(items[2:3]))  # over the budget: the stuck one is passed, the next evicted
+    assert store.contains_many([k for k, _ in items[:3]]) == [True, False, True]
+    store.put_many(dict(items[3:]))  # its index row is gone: not tried again until the files are reconciled
+    assert store.contains_many([items[3][0]]) == [True]
+
+
+def test_a_corrupt_entry_that_cannot_be_deleted_is_a_miss_not_a_failed_batch(tmp_path, monkeypatch):
+    store = DiskStore(tmp_path)
+    good, bad = make_entry(1, layers=2), make_entry(2, layers=2)
+    store.put_many(dict([good, bad]))
+    path = store.entry_path(bad[0])
+    path.write_bytes(path.read_bytes()[:-8] + b"garbage!")
+
+    def denied(key):
+        raise StoreError(f"disk tier {tmp_path}: cannot delete entry {key[:12]} (Permission denied)")
+
+    monkeypatch.setattr(store, "delete", denied)
+    found = store.get_many([good[0], bad[0]])
+    assert same_bits(found[0], good[1]) and found[1] is None
+
+
+def test_redis_urls_show_no_password_wherever_it_is():
+    from ragcache.store.redis_tier import _redact
+
+    assert _redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
+    assert _redact("redis://u:pw@h/0") == "redis://u:***@h/0"
+    assert _redact("redis://h:6379/0?password=pw&db=1") == "redis://h:6379/0?password=***&db=1"
+    assert _redact("unix://:pw@/run/redis.sock") == "unix://:***@/run/redis.sock"
+    assert _redact("redis://h:6379/0") == "redis://h:6379/0"
 
 
 def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):
@@ -1170,3 +1258,36 @@ def test_an_arena_span_is_not_reused_while_a_reader_holds_its_entry():
     tier.put_many({keys[2]: entries[keys[2]]})
     assert tier.contains_many([keys[1], keys[2]]) == [True, True]
     assert same_bits(tier.get_many([keys[2]])[0], entries[keys[2]])
+
+
+def test_a_full_pooled_tier_takes_back_the_spans_of_evicted_entries_before_evicting_more(monkeypatch):
+    """On CUDA an evicted entry's span waits for the copies queued before it died (an event): a put into a full
+    pinned tier evicted on and on while they ran, and emptied the tier to keep one entry. Here the event is one
+    that is done only once waited for, as under a busy GPU."""
+    from ragcache.store.arena import Arena
+
+    class Busy:
+        def __init__(self):
+            self.done = False
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            self.done = True
+
+    def died(self, segment, start, size):
+        with self._lock:
+            self._dying.append((Busy(), segment, start, size))
+
+    monkeypatch.setattr(Arena, "_died", died)
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(6))
+    keys = list(entries)
+    span = Arena.size_of(entries[keys[0]])
+    tier = MemoryStore(4 * span, pooled=True)
+    tier.put_many({k: entries[k] for k in keys[:4]})
+    tier.put_many({keys[4]: entries[keys[4]]})
+    assert tier.contains_many(keys[:5]) == [False, True, True, True, True] and tier.stats()["evicted"] == 1
+    big = make_entry(9, layers=2, tokens=16 * 5)[1]  # larger than the whole arena: refused, nothing evicted
+    tier.put_many({"big": big})
+    assert tier.contains_many(keys[1:5]) == [True] * 4 and tier.stats()["unkept"] == 1
