@@ -271,8 +271,8 @@ def _blend(parts: LinkInput, params: LinkParams, length: int, reused: int, score
 
 def focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Tensor:
     """Every chunk's first FOCUS_SINKS rows, then the best-scored chunk rows, ceil(ratio * chunk tokens) in all."""
-    spans = [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids)]
-    if not spans:
+    spans = [(s, s + len(ids)) for s, ids in zip(parts.chunk_starts(), parts.chunk_ids) if ids]
+    if not spans:  # no chunk row to choose (then no pre-pass scored any)
         return torch.empty(0, dtype=torch.long)
     chunk_rows = torch.cat([torch.arange(a, b) for a, b in spans])
     budget = min(chunk_rows.numel(), math.ceil(round(ratio * chunk_rows.numel(), 9)))

@@ -449,6 +449,10 @@ def test_focus_recomputes_its_budget_and_equals_full_at_ratio_one(family):
     rows = focus_rows(parts, 0.25, scores)
     for start in parts.chunk_starts():  # every chunk's own sink rows are always in
         assert set(range(start, start + FOCUS_SINKS)) <= set(rows.tolist())
+    from ragcache.linker import LinkInput
+
+    empty = LinkInput(parts.prefix_ids, [[]], parts.question_ids)  # chunks with no row: nothing to choose, no scores
+    assert focus_rows(empty, 0.25, None).numel() == 0
 
 
 def test_empty_answer_agreement_is_the_first_position():

@@ -898,3 +898,26 @@ def test_arrivals_faster_than_steps_take_turns_with_a_decoding_stream():
         kinds.append((plan.kind.value, any(w.sequence is stream for w in plan.work)))
         run_plan(scheduler, plan, arrived)
     assert kinds == [("place", False), ("piece", True)] * 3
+
+
+def test_a_longer_cache_grows_the_pools_capacity_not_its_slot_count():
+    """Slots double when a join finds none free; a cache longer than the pool's capacity that fits a free slot
+    keeps the count (it doubled too: twice the memory, and on CUDA twice the rows of every graph-replayed step)."""
+    from ragcache.engine.kv import JoinedCache, KVPool, ModelShape
+
+    pool = KVPool(ModelShape(2, 1, 4, torch.float32), torch.device("cpu"))
+
+    def joined(capacity):
+        cache = JoinedCache(2, 1, 4, capacity, torch.float32, "cpu")
+        cache.length = 3
+        pool.adopt(cache)
+        return cache
+
+    caches = [joined(64) for _ in range(3)]
+    assert pool.keys.shape[1] == 4
+    pool.release(caches[1])
+    joined(5000)
+    assert pool.keys.shape[1] == 4 and pool.keys.shape[3] >= 5000
+    joined(64)
+    joined(64)  # no slot free: doubled
+    assert pool.keys.shape[1] == 8

@@ -143,7 +143,9 @@ class KVPool:
         old_slots, old_capacity = (0, 0) if self.keys is None else (self.keys.shape[1], self.keys.shape[3])
         if slots <= old_slots and capacity <= old_capacity:
             return
-        slots = max(slots, 2 * old_slots)  # doubling: a burst of joins moves the pool a few times, not each time
+        # doubling when short of slots: a burst of joins moves the pool a few times, not each time; a longer cache
+        # alone keeps the count (on CUDA a decode graph's step runs a row for every slot)
+        slots = max(slots, 2 * old_slots) if slots > old_slots else old_slots
         step = self.CAPACITY_STEP
         capacity = max(old_capacity, -(-capacity // step) * step)
         s = self.shape
