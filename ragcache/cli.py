@@ -89,7 +89,7 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     for path in paths:
         if _is(path, Path.is_dir):
             found = _walk(path, glob)
-            skipped = [p for p in found if p.suffix not in TEXT_SUFFIXES | {".pdf"}]
+            skipped = [p for p in found if p.suffix.lower() not in TEXT_SUFFIXES | {".pdf"}]
             if skipped:
                 err.print(
                     f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
@@ -155,7 +155,7 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
     """(text, metadata) for every file under the paths; JSONL files give one document per line."""
     docs = []
     for f in _input_files(paths, glob):
-        if f.suffix == ".jsonl":
+        if f.suffix.lower() == ".jsonl":
             field = jsonl_field or "text"
             # only "\n" ends a line: splitlines() would also split at U+2028 and others inside a JSON string
             for n, line in enumerate(_read_text(f).split("\n"), 1):
@@ -172,7 +172,7 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
                     if not isinstance(row[field], str):
                         raise BadRequest(f"{f}:{n}: field {field!r} is {type(row[field]).__name__}, not text")
                     docs.append((row[field], {"source": f"{_source(f)}:{n}"}))
-        elif f.suffix == ".pdf":
+        elif f.suffix.lower() == ".pdf":
             docs.append((_pdf_text(f), {"source": _source(f)}))
         else:
             docs.append((_read_text(f), {"source": _source(f)}))
@@ -421,13 +421,13 @@ def _doc_argument(value: str) -> str | dict:
         is_file = path.is_file()
     except OSError:  # a name too long to be a path (text passed as --doc, say): no file
         is_file = False
-    if is_file and path.suffix == ".jsonl":
+    if is_file and path.suffix.lower() == ".jsonl":
         raise BadRequest(
             f"--doc {value} holds one document per line: compile them with `ragcache compile {value}` "
             "and pass the ids it prints as --doc"
         )
     if is_file:
-        text = _pdf_text(path) if path.suffix == ".pdf" else _read_text(path)
+        text = _pdf_text(path) if path.suffix.lower() == ".pdf" else _read_text(path)
         if not text.strip():
             raise BadRequest(f"{path} is empty")
         return {"text": text}
@@ -505,7 +505,7 @@ def demo(
     model: ModelOpt = None,
     store: StoreOpt = None,
     data: Path = typer.Option(DATA_DIR, help="folder with docs/ and questions.jsonl"),
-    questions: int = typer.Option(3, help="how many questions to answer"),
+    questions: int = typer.Option(3, min=1, help="how many questions to answer"),
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
 ):

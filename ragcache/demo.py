@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from rich import box
@@ -27,6 +28,19 @@ def check_data(data: Path) -> None:
             f"--data {data}: the demo needs a folder holding docs/ with at least {DOCS_PER_QUESTION} "
             ".txt files and questions.jsonl (as in ragcache/data)"
         )
+    names = {p.name for p in docs}
+    for n, line in enumerate((data / "questions.jsonl").read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadRequest(f"{data / 'questions.jsonl'}:{n}: not JSON ({exc.msg})") from exc
+        if not isinstance(row, dict) or not isinstance(row.get("question"), str) or row.get("doc") not in names:
+            raise BadRequest(
+                f'{data / "questions.jsonl"}:{n}: each line is an object with a "question" and the "doc" '
+                "holding its answer, a .txt file in docs/"
+            )
 
 
 def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:

@@ -275,6 +275,18 @@ def test_bad_input_is_refused_with_exit_3_before_the_model_loads(tiny_cli, tmp_p
     (tmp_path / "d").mkdir()
     no_data = tiny_cli("demo", "--data", tmp_path / "d")
     assert no_data.exit_code == 3 and "questions.jsonl" in no_data.text
+    (tmp_path / "d" / "docs").mkdir()
+    for n in range(4):
+        (tmp_path / "d" / "docs" / f"{n}.txt").write_text(f"Document {n}.")
+    for line in ('{"question": "Why?"', '{"question": "Why?", "doc": "9.txt"}'):
+        (tmp_path / "d" / "questions.jsonl").write_text(line + "\n")
+        bad_rows = tiny_cli("demo", "--data", tmp_path / "d")
+        assert bad_rows.exit_code == 3 and "questions.jsonl:1" in bad_rows.text, bad_rows.output
+    assert tiny_cli("demo", "--questions", "-1").exit_code == 2
+    (tmp_path / "upper").mkdir()
+    (tmp_path / "upper" / "NOTE.TXT").write_text("A note in upper case.")
+    upper = tiny_cli("compile", tmp_path / "upper", "--store", "memory:", "--plan", "--model", tmp_path / "none")
+    assert "skipping" not in upper.text  # an upper-case suffix is the same kind of file
     assert tiny_cli.opened == []
 
 
