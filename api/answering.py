@@ -65,6 +65,7 @@ class Context:
 
     async def query(
         self,
+        request: Request,
         question: str,
         documents: list[DocumentRef],
         system: str | None,
@@ -86,7 +87,7 @@ class Context:
         )
         query = await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
         if query.texts:
-            await self.measuring.run(self.rc.refuse_long_texts, query.texts, answer.max_new_tokens)
+            await self.measuring.run(client_of(request), self.rc.refuse_long_texts, query.texts, answer.max_new_tokens)
         return query
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:

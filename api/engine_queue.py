@@ -86,35 +86,56 @@ class EngineQueue:
 class Measuring:
     """Length checks of raw texts before admission (Front.refuse_long_texts), at most `workers` at once in worker
     threads and up to `waiting` more in line; the next is a 429. Queries refused for length then take no more CPU
-    from the others than `workers` threads can."""
+    from the others than `workers` threads can, and one client holds at most its share of the line
+    (max_per_client, as in the engine's queue), so that its long texts cannot keep everyone else's out."""
 
     def __init__(self, queue: EngineQueue, workers: int, waiting: int):
         self.queue, self.workers, self.waiting = queue, workers, waiting
         self.turns = asyncio.Semaphore(workers)
         self.in_line = self.running = 0
+        self.held: Counter[str] = Counter()  # measurements in line or running, by client
 
-    async def run(self, fn, *args):
+    async def run(self, client: str, fn, *args):
         if self.in_line >= self.waiting:
             raise self.queue.refuse(
                 TOKENIZER_BUSY,
                 f"{self.workers} queries' raw texts are being measured and {self.in_line} more wait their turn "
                 f"(max_tokenizing={self.workers}); retry shortly",
             )
+        if self.held[client] >= self.queue.max_per_client:
+            raise self.queue.refuse(
+                CLIENT_LIMIT,
+                f"this client already has {self.held[client]} queries' raw texts being measured or in line "
+                f"(max_per_client={self.queue.max_per_client}); retry when one of them has finished",
+                client_requests=self.held[client],
+                max_per_client=self.queue.max_per_client,
+            )
+        self.held[client] += 1
         self.in_line += 1
         try:
             await self.turns.acquire()
+        except BaseException:
+            self._let_go(client)
+            raise
         finally:
             self.in_line -= 1
         self.running += 1
         job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        job.add_done_callback(self._done)  # the turn ends with the thread, not with a caller that was cancelled
+        # the turn ends with the thread, not with a caller that was cancelled
+        job.add_done_callback(lambda done: self._done(done, client))
         return await asyncio.shield(job)
 
-    def _done(self, job: asyncio.Future) -> None:
+    def _done(self, job: asyncio.Future, client: str) -> None:
         if not job.cancelled():
             job.exception()  # a caller that left never reads it: asyncio would log it as never retrieved
         self.running -= 1
         self.turns.release()
+        self._let_go(client)
+
+    def _let_go(self, client: str) -> None:
+        self.held[client] -= 1
+        if not self.held[client]:
+            del self.held[client]
 
 
 class Slot:

@@ -220,7 +220,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
 async def query(request: Request, body: QueryRequest = Body(QueryRequest, answered=True)):
     """Answer a question from documents (ids or raw texts), linking their cached KV."""
     c = ctx(request)
-    query = await c.query(body.question, body.documents, body.system, body, body)
+    query = await c.query(request, body.question, body.documents, body.system, body, body)
     if not body.stream:
         return query_response(*await c.answer(request, query))  # (answer, seconds queued)
     gen, first = await c.start(request, query)
@@ -261,7 +261,9 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     c = ctx(request)
     sampling = Sampling(c.max_tokens(body.max_tokens), body.temperature, body.top_p, stop_strings(body.stop), body.seed)
     fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
-    await c.measuring.run(c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.max_new_tokens)
+    await c.measuring.run(
+        client_of(request), c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.max_new_tokens
+    )
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
         return infill_response(*await c.collect(gen, first))

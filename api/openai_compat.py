@@ -123,7 +123,7 @@ async def completions(request: Request, body: CompletionRequest = Body(Completio
         if len(prompt) != 1:
             raise unsupported("prompt", f"one prompt per request, got a list of {len(prompt)}")
         prompt = prompt[0]
-    query = await c.query(prompt, body.documents, body.system, body.ragcache, body)
+    query = await c.query(request, prompt, body.documents, body.system, body.ragcache, body)
     return await _respond(
         request,
         c,
@@ -177,7 +177,7 @@ async def chat_completions(request: Request, body: ChatRequest = Body(ChatReques
     c = ctx(request)
     _check(c, body)
     system, question = chat_question(body.messages)
-    query = await c.query(question, body.documents, system, body.ragcache, body)
+    query = await c.query(request, question, body.documents, system, body.ragcache, body)
     return await _respond(
         request,
         c,

@@ -263,9 +263,12 @@ def tokenized(monkeypatch):
     return seen
 
 
-def ask_with_text(addr, text: str, max_tokens: int = 2, question: str = "what?") -> httpx.Response:
+def ask_with_text(addr, text: str, max_tokens: int = 2, question: str = "what?", client: str | None = None
+                  ) -> httpx.Response:
+    """`client`: the address a trusted proxy forwards (the test server trusts its own)."""
     body = {"question": question, "documents": [{"text": text}], "max_tokens": max_tokens}
-    return httpx.post(f"{url(addr)}/v1/query", json=body, timeout=WAIT_S)
+    headers = {"X-Forwarded-For": client} if client else None
+    return httpx.post(f"{url(addr)}/v1/query", json=body, timeout=WAIT_S, headers=headers)
 
 
 def test_a_text_too_long_by_its_bytes_is_413_without_tokenizing_it(rc, tokenized, monkeypatch):
@@ -350,10 +353,10 @@ def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on
         try:
             doc = httpx.post(f"{url(addr)}/v1/documents", json={"text": "Paris is in France."}, timeout=WAIT_S)
             assert doc.status_code == 201, doc.text
-            checks = [pool.submit(ask_with_text, addr, f"Text number {i}.") for i in range(3)]
+            checks = [pool.submit(ask_with_text, addr, f"Text number {i}.", client=f"10.0.0.{i}") for i in range(3)]
             assert entered.wait(WAIT_S)
             wait_for(lambda: gauge_with(addr, "ragcache_length_checks", state="waiting") == 2, "two checks waiting")
-            busy = ask_with_text(addr, "one more text")
+            busy = ask_with_text(addr, "one more text", client="10.0.0.9")
             assert busy.status_code == 429 and busy.json()["error"]["type"] == "tokenizer_busy", busy.text
             assert busy.headers["retry-after"] == "1" and refused(addr, "tokenizer_busy") == 1
             by_id = httpx.post(f"{url(addr)}/v1/query", json={"question": "where?", "documents": doc.json()["ids"],
@@ -366,6 +369,31 @@ def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on
         outcomes = [(r.status_code, r.json().get("error", {}).get("type")) for r in (f.result() for f in checks)]
         assert outcomes.count((200, None)) >= 2 and set(outcomes) <= {(200, None), (429, "queue_full")}, outcomes
         assert gauge_with(addr, "ragcache_length_checks", state="running") == 0
+
+
+def test_one_client_holds_at_most_its_share_of_the_length_checks(rc, monkeypatch):
+    """Raw texts are measured before the engine's queue admits a query: one client sending long texts held the
+    whole line (max_queue), so everyone else's raw-text queries were 429s; it holds max_per_client of it now."""
+    entered, release, refuse = threading.Event(), threading.Event(), rc.refuse_long_texts
+
+    def held(texts, max_new_tokens):
+        entered.set()
+        release.wait(WAIT_S)
+        return refuse(texts, max_new_tokens)
+
+    monkeypatch.setattr(rc, "refuse_long_texts", held)
+    with serve(rc, max_tokenizing=1, max_queue=4, max_per_client=2) as addr, ThreadPoolExecutor(3) as pool:
+        try:
+            mine = [pool.submit(ask_with_text, addr, f"Text number {i}.", client="10.0.0.1") for i in range(2)]
+            assert entered.wait(WAIT_S)
+            wait_for(lambda: gauge_with(addr, "ragcache_length_checks", state="waiting") == 1, "one check waiting")
+            over = ask_with_text(addr, "a third text of mine", client="10.0.0.1")
+            assert over.status_code == 429 and over.json()["error"]["type"] == "client_limit", over.text
+            other = pool.submit(ask_with_text, addr, "another client's text", client="10.0.0.2")
+            wait_for(lambda: gauge_with(addr, "ragcache_length_checks", state="waiting") == 2, "its check in line")
+        finally:
+            release.set()
+        assert [f.result().status_code for f in (*mine, other)] == [200, 200, 200]
 
 
 def gauge_with(addr, name: str, **labels) -> float:
