@@ -131,9 +131,15 @@ class BackgroundGuard:
             if self.on_skip is not None:
                 self.on_skip(algorithm)
             return
-        threading.Thread(
-            target=self._check, args=(query, answer.first_logits), name="ragcache-guard", daemon=True
-        ).start()
+        try:
+            threading.Thread(
+                target=self._check, args=(query, answer.first_logits), name="ragcache-guard", daemon=True
+            ).start()
+        except RuntimeError as exc:  # no thread to be had: the answer stands, and the next draw may try again
+            self._running.release()
+            log.warning("accuracy guard: check skipped, no thread could start (%s)", exc)
+            if self.on_skip is not None:
+                self.on_skip(algorithm)
 
     def _check(self, query, linked_logits) -> None:
         try:

@@ -32,7 +32,10 @@ def adapter_sha256(path: Path) -> str:
         file = path / name
         if not file.is_file():
             raise BadAdapter(f"{path} is not a LoRA adapter directory: {name} is missing")
-        h.update(name.encode() + b"\0" + file.read_bytes())
+        try:
+            h.update(name.encode() + b"\0" + file.read_bytes())
+        except OSError as exc:
+            raise BadAdapter(f"{file} cannot be read: {exc}") from exc
     return h.hexdigest()[:32]
 
 
@@ -50,8 +53,10 @@ def check_adapter(lm: loaded.LoadedModel, path: Path) -> str:
         return digest
     try:
         meta = json.loads(meta_file.read_text())
-    except ValueError as exc:
-        raise BadAdapter(f"{meta_file} is not JSON: {exc}") from exc
+    except (OSError, ValueError) as exc:
+        raise BadAdapter(f"{meta_file} cannot be read as JSON: {exc}") from exc
+    if not isinstance(meta, dict):
+        raise BadAdapter(f"{meta_file} is not a JSON object")
     if meta.get("base_config") != loaded.config_fingerprint(lm.model):
         raise BadAdapter(
             f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "

@@ -120,3 +120,30 @@ def test_a_guard_check_that_finds_no_quiet_step_is_withdrawn_and_skipped():
     guard._running.acquire()
     guard._check(query, rc.link("Where?", ids, algorithm="naive").last_logits)
     assert len(checked) == 1 and checked[0].algorithm == "naive"
+
+
+def test_a_guard_check_whose_thread_cannot_start_is_skipped_and_the_next_can_run(monkeypatch):
+    """A thread limit at the moment a check is drawn: the answer stands (the error escaped into the caller's finish
+    before), the check counts as skipped, and the guard is not left holding its one check forever."""
+    import threading
+    from types import SimpleNamespace
+
+    from ragcache.facade import RagCache
+    from ragcache.guard import BackgroundGuard
+    from ragcache.settings import EngineConfig
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
+    ids = rc.compile(tiny.CORPUS[:2])
+    skipped = []
+    guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append)
+    query = rc.validate("Where?", ids, link=rc.params("naive"))
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    guard.after_answer(SimpleNamespace(first_logits=None), query)
+    assert skipped == ["naive"] and guard.in_flight == 0
+    rc.close()

@@ -484,3 +484,21 @@ def test_a_fitted_link_resolves_its_unset_knobs_as_a_served_one_and_names_them_i
     assert tl.label(rc.resolve(LinkKnobs(algorithm="focus", ratio=0.1))) == "focus@0.1"
     assert cfg.settings()["link"] == {"algorithm": "legolink"}
     rc.close()
+
+
+def test_a_save_after_a_kill_that_left_both_checkpoints_goes_on(tmp_path):
+    """Killed after a save's swap but before the old checkpoint was removed: `checkpoint/` and `checkpoint.old/`
+    both stand, and the next save could not rename over the old one (every step since the resume was lost)."""
+    from ragcache.train import checkpoint
+
+    def weights(folder):
+        (folder / "w.bin").write_bytes(b"w")
+
+    checkpoint.save(tmp_path, weights, {"step": 1}, {"run": 1})
+    (tmp_path / "checkpoint.old").mkdir()
+    (tmp_path / "checkpoint.old" / "w.bin").write_bytes(b"stale")
+    checkpoint.save(tmp_path, weights, {"step": 2}, {"run": 1})
+    assert checkpoint.load(tmp_path, {"run": 1})[1]["step"] == 2 and not (tmp_path / "checkpoint.old").exists()
+    (tmp_path / "checkpoint" / checkpoint.STATE).write_bytes(b"cut short")
+    with pytest.raises(errors.BadRequest, match="cannot be read"):
+        checkpoint.load(tmp_path, {"run": 1})

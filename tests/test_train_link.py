@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from ragcache import lora, models
 from ragcache.cli import app
+from ragcache.engine import cache_argument
 from ragcache.facade import RagCache
 from ragcache.errors import BadAdapter
 from ragcache.settings import DATA_DIR, LinkKnobs
@@ -64,6 +65,27 @@ def test_the_differentiable_link_is_the_linkers(tmp_path, algorithm, kwargs):
     with torch.no_grad():  # the full term's forward is the engine's full, at every answer position
         own_full = tl.full_logits(rc.lm.model, tl.place(rc, target, cfg), target.answer)
     assert torch.allclose(torch.log_softmax(own_full, -1), target.logprobs, atol=2e-3)
+
+
+def test_the_student_hands_its_cache_by_the_name_the_models_forward_takes(tmp_path, monkeypatch):
+    """transformers renamed `past_key_values` to `cache` between the versions supported: a student that passed
+    `cache=` to an older model lost the placed chunks (the runner asks the model, `cache_argument`; so does it)."""
+    rc = engine(tmp_path)
+    cfg = config(tmp_path)
+    placed = tl.place(rc, tl.prepare(rc, ITEMS[0][0], cfg.answer_tokens), cfg)
+    inner = rc.lm.model.model
+    with torch.no_grad():
+        today = tl.linked_logits(rc.lm.model, placed, [])
+
+    def older(input_ids=None, position_ids=None, attention_mask=None, past_key_values=None, use_cache=None):
+        return inner.__class__.forward(inner, input_ids=input_ids, position_ids=position_ids,
+                                       attention_mask=attention_mask, use_cache=use_cache,
+                                       **{cache_argument(inner): past_key_values})
+
+    monkeypatch.setattr(inner, "forward", older)
+    with torch.no_grad():
+        before = tl.linked_logits(rc.lm.model, placed, [])
+    assert torch.equal(today, before)
 
 
 def test_training_lowers_the_distillation_loss_on_its_items(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -25,6 +26,7 @@ def save(out: Path, write: Callable[[Path], None], state: dict, key: dict) -> No
     write(staged)
     torch.save({**state, "key": json.dumps(key, sort_keys=True)}, staged / STATE)
     if final.exists():
+        shutil.rmtree(old, ignore_errors=True)  # what a kill after the swap left: the rename cannot go over it
         os.replace(final, old)
     os.replace(staged, final)
     shutil.rmtree(old, ignore_errors=True)
@@ -42,7 +44,7 @@ def check_steps(out: Path, steps: int) -> None:
     """BadRequest if `out`'s checkpoint was saved after more than `steps` steps: its weights are already past them.
     Cheap (the state is memory-mapped, not read), so a run checks it before its model loads."""
     found = find(out)
-    done = int(torch.load(found / STATE, weights_only=True, mmap=True)["step"]) if found else 0
+    done = int(_state(found, mmap=True)["step"]) if found else 0
     if steps < done:
         raise BadRequest(
             f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
@@ -56,7 +58,7 @@ def load(out: Path, key: dict) -> tuple[Path, dict] | None:
     final = find(out)
     if final is None:
         return None
-    state = torch.load(final / STATE, weights_only=True)
+    state = _state(final)
     saved, now = json.loads(state.pop("key")), json.loads(json.dumps(key))
     if saved != now:
         changed = "; ".join(
@@ -66,6 +68,16 @@ def load(out: Path, key: dict) -> tuple[Path, dict] | None:
         )
         raise BadRequest(f"{out} holds a run with other settings or items ({changed}); pick another --out")
     return final, state
+
+
+def _state(folder: Path, mmap: bool = False) -> dict:
+    """A checkpoint's state; BadRequest naming it when it cannot be read (a file cut short by a power loss)."""
+    try:
+        return torch.load(folder / STATE, weights_only=True, mmap=mmap)
+    except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+        raise BadRequest(
+            f"the checkpoint in {folder} cannot be read ({exc}); remove it to start the run over, or pick another --out"
+        ) from exc
 
 
 def remove(out: Path) -> None:

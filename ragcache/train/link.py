@@ -47,7 +47,7 @@ from transformers import DynamicCache
 from ragcache.store import open_store
 
 from .. import agreement, linker, loaded, lora, models
-from ..engine import QueryStats
+from ..engine import QueryStats, cache_argument
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..facade import RagCache
 from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs
@@ -276,8 +276,8 @@ def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> 
     hidden = model.model(
         input_ids=ids[None].to(device),
         position_ids=positions[None].to(device),
-        cache=cache,
         attention_mask=mask.to(device),
+        **{cache_argument(model.model): cache},  # its name differs across the transformers versions supported
         use_cache=True,
     ).last_hidden_state
     return model.lm_head(hidden[0, placed.rows.numel() - 1 :]).float()
