@@ -16,10 +16,17 @@ class Chunk:
     char_end: int
 
 
+def text_ids(tokenizer, text: str, **options):
+    """The tokenizer's encoding of text a document or a user gave, as text: no special token is added, and the
+    spelling of one inside it (`<|im_start|>`, `<|fim_middle|>`) stays characters. A document that could open a
+    role of its own, stored once and linked into everyone's prompts, would otherwise speak for the system."""
+    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, **options)
+
+
 def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> list[Chunk]:
-    """Token slices of the whole-document tokenization (no special tokens): each chunk takes `budget` tokens,
-    then extends to the next sentence end if one comes within another `budget` tokens (so at most 2x)."""
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    """Token slices of the whole-document tokenization (`text_ids`): each chunk takes `budget` tokens, then extends
+    to the next sentence end if one comes within another `budget` tokens (so at most 2x)."""
+    enc = text_ids(tokenizer, text, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     chunks, start = [], 0
     while start < len(ids):

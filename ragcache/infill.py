@@ -17,6 +17,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from .chunker import text_ids
 from .errors import BadRequest, UnsupportedModel
 
 # sentinel spellings by model family; the first whose three tokens are all in the vocabulary wins
@@ -66,7 +67,7 @@ def end_token_ids(tokenizer) -> set[int]:
 
 
 def _ids(tokenizer, text: str) -> list[int]:
-    return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+    return text_ids(tokenizer, text)["input_ids"] if text else []  # a file that spells a sentinel keeps it text
 
 
 def build_prompt(

@@ -11,6 +11,7 @@ import math
 from collections.abc import Iterator
 from contextlib import suppress
 
+from .chunker import text_ids
 from .errors import TextsTooLong
 
 SLICE_CHARS = 16_384  # tokenized at a time while counting: the work past the room is at most one slice
@@ -57,7 +58,7 @@ class TokenBound:
         counted, cuts = 0, 0
         for text in texts:
             for piece in slices(text):
-                counted += len(self.tokenizer(piece, add_special_tokens=False)["input_ids"])
+                counted += len(text_ids(self.tokenizer, piece)["input_ids"])
                 if counted - cuts * CUT_SLACK > room:
                     raise TextsTooLong(counted - cuts * CUT_SLACK, max_new_tokens, context, "counted so far")
                 cuts += 1
