@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jinja2 import TemplateError
+
+from .errors import BadRequest
+
 _SLOT = "\u2063RAGCACHE_DOCS\u2063"
 
 
@@ -32,7 +36,10 @@ class PromptFormat:
 def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[int]:
     if fmt.chat:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SLOT}]
-        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        try:
+            rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except TemplateError as exc:  # a template that takes no system turn (Gemma's: "System role not supported")
+            raise BadRequest(f"this model's chat template refuses the system prompt ({exc}); send none") from exc
         return tokenizer(rendered.split(_SLOT)[0], add_special_tokens=False)["input_ids"]
     return tokenizer(system.rstrip() + "\n\n", add_special_tokens=True)["input_ids"] if system else []
 

@@ -628,3 +628,20 @@ def test_a_documents_spelling_of_a_special_token_stays_text():
     TokenBound(tok).refuse_over([text], counted, 0, 512)  # fits: counted as the chunker cuts it
     with pytest.raises(TextsTooLong):
         TokenBound(tok).refuse_over([text], counted - 1, 0, 512)
+
+
+def test_a_system_prompt_a_chat_template_refuses_is_bad_input_not_a_500():
+    from ragcache import prompt
+    from ragcache.errors import BadRequest
+
+    import copy
+
+    tok = copy.deepcopy(tiny.tokenizer())  # (the shared one keeps no template)
+    tok.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<s>{{ m['role'] }}: {{ m['content'] }}\\n{% endfor %}{% if add_generation_prompt %}bot:{% endif %}"
+    )
+    fmt = prompt.PromptFormat.for_tokenizer(tok)
+    assert fmt.chat and prompt.system_prefix_ids(tok, fmt, None)
+    with pytest.raises(BadRequest, match="refuses the system prompt"):
+        prompt.system_prefix_ids(tok, fmt, "Be brief.")
