@@ -63,6 +63,11 @@ def load(
 def wrap(model: torch.nn.Module, tokenizer, name: str) -> loaded.LoadedModel:
     """Check a model can be linked for and compute its fingerprints (also used for in-memory test models)."""
     check_supported(model)
+    if not getattr(tokenizer, "is_fast", False):  # the chunker cuts at sentence ends by the tokens' offsets
+        raise UnsupportedModel(
+            f"{name}: ragcache needs a fast tokenizer (a tokenizer.json, with character offsets), and this model's "
+            "loads as a Python one; convert it (transformers' convert_slow_tokenizer) or save it with one"
+        )
     return loaded.LoadedModel(
         name, model, tokenizer, loaded.model_fingerprint(model), loaded.tokenizer_fingerprint(tokenizer)
     )

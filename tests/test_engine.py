@@ -67,6 +67,16 @@ def test_model_without_rope_is_refused():
         wrap(gpt2, tiny.tokenizer(), name="gpt2")
 
 
+def test_a_model_whose_tokenizer_is_not_a_fast_one_is_refused_at_load():
+    """The chunker cuts at sentence ends by character offsets, which only a fast tokenizer gives: a Python one
+    failed every compile and every raw-text query instead."""
+    from types import SimpleNamespace
+
+    slow = SimpleNamespace(is_fast=False)
+    with pytest.raises(errors.UnsupportedModel, match="fast tokenizer"):
+        wrap(tiny.make("llama").model, slow, name="slow")
+
+
 def test_prompt_longer_than_context(rc):
     long_doc = " ".join(["Rivers flow to the sea."] * 200)  # > 512 positions of the tiny model
     with pytest.raises(errors.TextsTooLong) as early:  # as raw text: refused before it is tokenized whole
