@@ -72,17 +72,34 @@ def check_metadata(meta, where: str = "metadata") -> None:
         raise InvalidMetadata(f"{where} nests deeper than {MAX_METADATA_DEPTH} levels (at least {depth})")
     try:
         json.dumps(meta, ensure_ascii=False, allow_nan=False).encode("utf-8")
-        size = len(json.dumps(meta))
+        text = json.dumps(meta)
     except UnicodeEncodeError as exc:
         raise InvalidMetadata(
             f"{where} holds a lone surrogate ({exc.object[exc.start : exc.end]!a}), which is not Unicode text"
         ) from exc
-    except ValueError as exc:
+    except (ValueError, TypeError) as exc:  # NaN; a set, a datetime, a tuple key
         raise InvalidMetadata(f"{where} is not plain JSON ({exc})") from exc
+    if keys := _keys_not_text(meta):  # JSON would write them as text: another key of that spelling would be lost
+        raise InvalidMetadata(f"{where} has a key that is not text ({keys[0]!r}); keys must be strings")
+    size = len(text)
     if size > MAX_METADATA_CHARS:
         raise PayloadTooLarge(
             f"{where} is {size} characters of JSON; at most {MAX_METADATA_CHARS}", limit=MAX_METADATA_CHARS, got=size
         )
+
+
+def _keys_not_text(value) -> list:
+    """The keys of an object anywhere in `value` that are not strings, the first object's that has any."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, dict):
+            if bad := [k for k in item if not isinstance(k, str)]:
+                return bad
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            todo.extend(item)
+    return []
 
 
 def _depth(value) -> int:

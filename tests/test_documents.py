@@ -598,8 +598,10 @@ def test_a_record_written_under_another_store_key_names_the_key_not_a_rewrite(mo
 
 
 @pytest.mark.parametrize("meta, error", [({"score": float("nan")}, InvalidMetadata), ({"a": "\ud800"}, InvalidMetadata),
-                                         ({"big": "x" * 70_000}, PayloadTooLarge), (["a list"], InvalidMetadata)],
-                         ids=["nan", "surrogate", "too-big", "not-an-object"])
+                                         ({"big": "x" * 70_000}, PayloadTooLarge), (["a list"], InvalidMetadata),
+                                         ({"tags": {"a", "b"}}, InvalidMetadata), ({0: "x", "0": "y"}, InvalidMetadata),
+                                         ({"nested": [{2: "x"}]}, InvalidMetadata)],
+                         ids=["nan", "surrogate", "too-big", "not-an-object", "a-set", "int-key", "nested-int-key"])
 def test_metadata_a_record_could_not_give_back_is_refused_before_anything_is_written(meta, error):
     store = MemoryStore()
     with pytest.raises(error):
