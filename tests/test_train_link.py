@@ -9,7 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ragcache import lora, models
+from ragcache import errors, lora, models
 from ragcache.cli import app
 from ragcache.engine import cache_argument
 from ragcache.facade import RagCache
@@ -280,3 +280,25 @@ def test_squad_items_hold_out_seed_1_and_train_on_other_paragraphs(tmp_path, mon
     assert not seen & {d for item in training for d in item.documents}  # no paragraph of a held-out item
     assert len(training) == 3 * (6 * 3 - len(seen))  # every question of every other paragraph
     assert tl.squad_items(200, 4) == (training, held_out)  # seeded
+
+
+def test_paragraphs_held_out_of_training_appear_in_no_training_prompt():
+    """`train link --docs`: every fifth paragraph's question is held out, and its paragraph must not be a training
+    item's distractor (nor a training paragraph a held-out item's), or the held-out report is optimistic."""
+    from types import SimpleNamespace
+
+    class Base:
+        def compile(self, texts):
+            return [str(abs(hash(t))) for t in texts]
+
+        def query(self, *args, **kwargs):
+            return SimpleNamespace(text="What does the paragraph say?")
+
+    texts = [f"Paragraph {i} says something. " + "word " * 20 for i in range(20)]
+    training, held_out = tl.docs_items(Base(), texts, 100, 100, seed=0)
+    held = {text for i, text in enumerate(texts) if i % 5 == 4}
+    assert len(training) == 16 and len(held_out) == 4
+    assert all(set(item.documents) <= held for item in held_out)
+    assert not any(set(item.documents) & held for item in training)
+    with pytest.raises(errors.BadRequest, match="15 to hold out"):
+        tl.docs_items(Base(), texts[:10], 100, 100, seed=0)

@@ -185,20 +185,26 @@ def docs_items(
     seed: int,
     say: Callable[[int, int], None] = lambda done, total: None,
 ) -> tuple[list[Item], list[Item]]:
-    """One question per paragraph, written by the base model, over that paragraph and two others."""
-    if len(texts) < 3:
-        raise BadRequest(f"--docs needs at least 3 paragraphs of 20 words or more, found {len(texts)}")
+    """One question per paragraph, written by the base model, over that paragraph and two others of its own split:
+    every fifth paragraph is held out, and no held-out paragraph enters a training prompt (nor the reverse), as
+    `squad.items_apart` keeps SQuAD's apart."""
+    held_out_of = [index % 5 == 4 for index in range(len(texts))]
+    if len(texts) < 3 or (eval_n and sum(held_out_of) < 3):
+        raise BadRequest(
+            f"--docs needs at least 3 paragraphs of 20 words or more, and 15 to hold out 3 that no training "
+            f"prompt shows (every fifth), found {len(texts)}"
+        )
     rng = random.Random(seed)
     training, held_out = [], []
     for index, text in enumerate(texts):
-        held = index % 5 == 4
+        held = held_out_of[index]
         if len(held_out if held else training) >= (eval_n if held else train_n):
             continue
         doc_id = rc.compile([text])[0]
         question = rc.query(QUESTION_PROMPT, [doc_id], algorithm="full", max_new_tokens=40).text.strip()
         question = question.splitlines()[0].strip() if question else ""
         if len(question.split()) >= 3:
-            others = rng.sample([t for i, t in enumerate(texts) if i != index], 2)
+            others = rng.sample([t for i, t in enumerate(texts) if i != index and held_out_of[i] == held], 2)
             docs = [others[0], text, others[1]] if rng.random() < 0.5 else [*others, text]
             (held_out if held else training).append(Item(question, docs))
         say(index + 1, len(texts))
