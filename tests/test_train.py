@@ -502,3 +502,26 @@ def test_a_save_after_a_kill_that_left_both_checkpoints_goes_on(tmp_path):
     (tmp_path / "checkpoint" / checkpoint.STATE).write_bytes(b"cut short")
     with pytest.raises(errors.BadRequest, match="cannot be read"):
         checkpoint.load(tmp_path, {"run": 1})
+
+
+def test_a_run_resumed_with_more_steps_keeps_the_warm_up_it_began_with(tiny_dir, code_dir, tmp_path):
+    """The default warm-up is a tenth of the steps: a run extended past its first --steps recomputed it from the new
+    count on resume, and its learning rate fell back into a warm-up it had finished."""
+    from ragcache.train import checkpoint
+
+    settings = dict(model=str(tiny_dir), data=code_dir, lora=False, batch=1, max_tokens=64, checkpoint_every=1,
+                    lr=1e-3)
+
+    def stop_after(n):
+        def stop(step, loss):
+            if step == n:
+                raise KeyboardInterrupt
+        return stop
+
+    out = tmp_path / "run"
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=out, steps=20, **settings), progress=stop_after(2))  # warm-up 2: done by step 2
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=out, steps=80, **settings), progress=stop_after(3))  # 8 from 80 steps: lr 4/9
+    state = torch.load(checkpoint.find(out) / checkpoint.STATE, weights_only=True)
+    assert state["step"] == 3 and state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3)

@@ -158,15 +158,16 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     model.to(device).train()
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
-    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup + 1)))
+    # the run's warm-up, as it began: a resumed run asked for more steps keeps the one its checkpoint had
+    warmup = {"steps": cfg.warmup_steps if cfg.warmup_steps is not None else cfg.steps // 10}
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / (warmup["steps"] + 1)))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
 
     result = TrainResult(
         Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device), trainable_parameters=sum(p.numel() for p in params)
     )
     key = _run_key(cfg, source, texts)
-    start = _resume(Path(cfg.out), key, model, optimizer, schedule, result)
+    start = _resume(Path(cfg.out), key, model, optimizer, schedule, result, warmup)
     for _ in range(start * cfg.batch):  # trained on before the checkpoint
         next(examples)
     started = time.perf_counter()
@@ -187,7 +188,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
         result.target_tokens += int((tensors["labels"] != IGNORE).sum())
         result.losses.append(round(loss.item(), 5))
         if step % cfg.checkpoint_every == 0 and step < cfg.steps:
-            _save_checkpoint(Path(cfg.out), key, model, optimizer, schedule, step, result)
+            _save_checkpoint(Path(cfg.out), key, model, optimizer, schedule, step, result, warmup["steps"])
         if progress:
             progress(step, loss.item())
     result.seconds = time.perf_counter() - started
@@ -212,7 +213,9 @@ def _trainable(model) -> dict[str, torch.Tensor]:
     return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters() if p.requires_grad}
 
 
-def _save_checkpoint(out: Path, key: dict, model, optimizer, schedule, step: int, result: TrainResult) -> None:
+def _save_checkpoint(
+    out: Path, key: dict, model, optimizer, schedule, step: int, result: TrainResult, warmup: int
+) -> None:
     from safetensors.torch import save_file
 
     counts = dict(examples=result.examples, tokens=result.tokens, target_tokens=result.target_tokens)
@@ -223,6 +226,7 @@ def _save_checkpoint(out: Path, key: dict, model, optimizer, schedule, step: int
             optimizer=optimizer.state_dict(),
             schedule=schedule.state_dict(),
             step=step,
+            warmup=warmup,
             losses=list(result.losses),
             counts=counts,
         ),
@@ -230,8 +234,8 @@ def _save_checkpoint(out: Path, key: dict, model, optimizer, schedule, step: int
     )
 
 
-def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResult) -> int:
-    """The step `out`'s checkpoint was saved after (0: none), its weights and state put back."""
+def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResult, warmup: dict) -> int:
+    """The step `out`'s checkpoint was saved after (0: none), its weights and state put back (its warm-up too)."""
     from safetensors.torch import load_file
 
     found = checkpoint.load(out, key)
@@ -244,6 +248,7 @@ def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResul
             if name in weights:
                 p.copy_(weights[name])
     optimizer.load_state_dict(state["optimizer"])
+    warmup["steps"] = int(state.get("warmup", warmup["steps"]))
     schedule.load_state_dict(state["schedule"])
     result.losses = list(state["losses"])
     for name, value in state["counts"].items():
