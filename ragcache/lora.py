@@ -57,6 +57,11 @@ def check_adapter(lm: loaded.LoadedModel, path: Path) -> str:
         raise BadAdapter(f"{meta_file} cannot be read as JSON: {exc}") from exc
     if not isinstance(meta, dict):
         raise BadAdapter(f"{meta_file} is not a JSON object")
+    if "adapter_sha256" in meta and meta["adapter_sha256"] != digest:  # (a record from before it kept none: taken)
+        raise BadAdapter(
+            f"the adapter in {path} does not match its {ADAPTER_META} (a save that did not finish, or files changed "
+            "since): run `ragcache train link` again to finish it"
+        )
     if meta.get("base_config") != loaded.config_fingerprint(lm.model):
         raise BadAdapter(
             f"the adapter in {path} was fitted to {meta.get('base_model')!r}, a model of another "

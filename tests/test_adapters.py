@@ -447,3 +447,18 @@ def test_an_adapter_attaches_to_its_base_weights_at_any_dtype_and_to_no_others(t
     for unchecked, why in ((older, "records no weights"), (bare, f"no {lora.ADAPTER_META}")):
         assert lora.attach_adapter(other, unchecked).adapter is not None
         assert f"{unchecked} is attached without checking" in caplog.text and why in caplog.text
+
+
+def test_an_adapter_whose_save_did_not_finish_is_refused_not_attached(tiny_dir, adapter_dir, tmp_path):
+    """`train link` writes the adapter's record first saying a save is under way and last with the files' digest:
+    a kill in between, or files changed since, is refused; a record from before digests were kept is taken."""
+    half = tmp_path / "half"
+    shutil.copytree(adapter_dir, half)
+    meta = json.loads((half / lora.ADAPTER_META).read_text())
+    base = models.load(str(tiny_dir), dtype="float32")
+    for digest in (None, "0" * 32):
+        (half / lora.ADAPTER_META).write_text(json.dumps({**meta, "adapter_sha256": digest}))
+        with pytest.raises(BadAdapter, match="does not match"):
+            lora.attach_adapter(base, half)
+    (half / lora.ADAPTER_META).write_text(json.dumps({**meta, "adapter_sha256": lora.adapter_sha256(half)}))
+    assert lora.attach_adapter(models.load(str(tiny_dir), dtype="float32"), half).adapter is not None

@@ -219,6 +219,10 @@ def test_a_broken_or_foreign_adapter_is_refused(adapter, tmp_path):
     corrupt = tmp_path / "corrupt"
     shutil.copytree(adapter, corrupt, ignore=shutil.ignore_patterns("store", "checkpoint*", "targets"))
     (corrupt / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(BadAdapter, match="does not match"):  # its record's digest says so first
+        lora.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)
+    older = {k: v for k, v in meta.items() if k != "adapter_sha256"}  # a record from before digests were kept
+    (corrupt / lora.ADAPTER_META).write_text(json.dumps(older))
     with pytest.raises(BadAdapter, match="cannot load"):
         lora.attach_adapter(models.load("smollm2-135m", dtype="float32"), corrupt)
 
@@ -229,7 +233,7 @@ def test_cli_train_link_help_and_a_two_step_run_on_own_documents(tmp_path):
     assert shown.exit_code == 0 and "--keep-full" in shown.output and "--keep-full-every" in shown.output
     docs = tmp_path / "docs"
     docs.mkdir()
-    for name in sorted(p.name for p in (DATA_DIR / "docs").glob("*.txt"))[:5]:
+    for name in sorted(p.name for p in (DATA_DIR / "docs").glob("*.txt"))[:15]:  # 3 held out (every fifth)
         shutil.copy(DATA_DIR / "docs" / name, docs / name)
     out = tmp_path / "out"
     result = runner.invoke(app, ["train", "link", "--docs", str(docs), "--steps", "2", "--batch", "1",

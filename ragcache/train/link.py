@@ -592,8 +592,9 @@ def save_adapter(
     base_weights: dict,
 ) -> None:
     """PEFT's files (safetensors), and what RagCache.open checks and a reader wants to know beside them.
-    `base_weights`: lora.base_weights_record of the base model, taken before the LoRA went in."""
-    peft.save_pretrained(out)
+    `base_weights`: lora.base_weights_record of the base model, taken before the LoRA went in. The record is
+    written first saying the save is under way, and last with the files' digest: an adapter whose save was killed
+    half way is refused, never attached with another run's record (lora.check_adapter)."""
     meta = dict(
         base_model=lm.name,
         base_config=loaded.config_fingerprint(lm.model),
@@ -604,4 +605,12 @@ def save_adapter(
         report=asdict(report),
         items=per_item,
     )
-    (out / lora.ADAPTER_META).write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
+    _write_meta(out, {**meta, "adapter_sha256": None})
+    peft.save_pretrained(out)
+    _write_meta(out, {**meta, "adapter_sha256": lora.adapter_sha256(out)})
+
+
+def _write_meta(out: Path, meta: dict) -> None:
+    staged = out / f".{lora.ADAPTER_META}.tmp"
+    staged.write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
+    os.replace(staged, out / lora.ADAPTER_META)
