@@ -149,7 +149,7 @@ class Front(abc.ABC):
         started, report = time.perf_counter(), CompileReport()
         say = progress or (lambda report: None)
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
-        if prefix_ids and not all(self.store.contains_many(self.stored_keys(self.prefix_compiler, prefix_ids, PLAIN))):
+        if prefix_ids and not self._held(self.prefix_compiler, [prefix_ids], PLAIN)[0]:
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
         documents: list[list[list[int]]] = []
         # a delete of one of them waits until their entries are written
@@ -247,10 +247,20 @@ class Front(abc.ABC):
 
     def _present(self, chunks: list[list[int]], layout: str) -> tuple[list[list[int]], list[list[int]]]:
         """The chunks whose entries the store holds in a layout, and the others."""
-        keys = [self.stored_keys(self.compiler, ids, self.layouts[layout]) for ids in chunks]
-        found = iter(self.store.contains_many([k for ks in keys for k in ks]))
-        there = [all([next(found) for _ in ks]) for ks in keys]
+        there = self._held(self.compiler, chunks, self.layouts[layout])
         return [ids for ids, t in zip(chunks, there) if t], [ids for ids, t in zip(chunks, there) if not t]
+
+    def _held(self, compiler: Compiler, chunks: list[list[int]], layout: Layout) -> list[bool]:
+        """Whether the store holds each chunk's entry in one of the forms a link reads it in (`stored_forms`)."""
+        forms = [self.stored_forms(compiler, ids, layout) for ids in chunks]
+        keys = list(dict.fromkeys(k for fs in forms for form in fs for k in form))
+        there = dict(zip(keys, self.store.contains_many(keys)))
+        return [any(all(there[k] for k in form) for form in fs) for fs in forms]
+
+    def stored_forms(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[list[str]]:
+        """The sets of keys any one of which, all present, holds a chunk's entry for this engine's links: its own
+        (`stored_keys`) first."""
+        return [self.stored_keys(compiler, ids, layout)]
 
     def stored_keys(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[str]:
         """The keys this engine's compile stores a chunk's entry under: one, its whole entry."""

@@ -355,6 +355,9 @@ class Algorithm:
     scores: bool  # ranks chunk rows by the question's attention in a naive pre-pass (focus)
     rows: Callable[..., tuple]  # (parts, params, length, reused, scores) -> (rows to recompute, Narrowing | None)
     default_ratio: float = DEFAULT_RATIO  # its `ratio` when none is given
+    # picks the rows it recomputes by one ranking over every chunk (focus's scores, cacheblend's deviations): what it
+    # links of a chunk depends on the chunks after it and the question, so no other prompt may be served it
+    ranks_across: bool = False
 
     @property
     def exact(self) -> bool:
@@ -367,10 +370,10 @@ TABLE = {
     for a in (
         Algorithm("full", "nothing", "default", False, _after_reused),
         Algorithm("naive", "chunks", "default", False, _question_only),
-        Algorithm("cacheblend", "chunks", "default", False, _blend),
+        Algorithm("cacheblend", "chunks", "default", False, _blend, ranks_across=True),
         Algorithm("legolink", "chunks", "default", False, _first_k),
         Algorithm("legolink0", "chunks", "sink", False, _question_only),
-        Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO),
+        Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO, ranks_across=True),
         Algorithm("prefix", "prefix", "default", False, _after_reused),
     )
 }

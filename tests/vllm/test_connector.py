@@ -48,6 +48,12 @@ def test_claims_the_linked_part_less_vllms_own_hit():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal; CUDA takes async_load")
+def test_async_load_is_refused_under_tensor_parallelism(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(ValueError, match="tensor parallelism"):
+        connector(parallel={"tensor_parallel_size": 2}, kv_connector_extra_config={"async_load": True})
+
+
 def test_async_load_is_refused_on_cpu():
     with pytest.raises(ValueError, match="async_load needs CUDA"):
         connector(kv_connector_extra_config={"store": "memory:", "async_load": True})
@@ -114,6 +120,13 @@ def test_a_question_scored_link_is_salted_with_its_question():
     assert connector().get_num_new_matched_tokens(lied, 0) == (0, False)
     bare = LinkSpec(5, (20, 30), 7, LinkParams("focus"))  # no digest at all
     assert connector().get_num_new_matched_tokens(request(bare, 62), 0) == (0, False)
+    # the same first chunk and question, another chunk after it: focus and cacheblend rank rows across both, so
+    # the first chunk's linked blocks differ and must not be served from the other prompt's
+    for algorithm in ("focus", "cacheblend"):
+        one, two = (LinkSpec.of_parts(LinkInput(list(range(5)), [list(range(20)), second], [7] * 7),
+                                      LinkParams(algorithm, ratio=0.25))
+                    for second in (list(range(30)), list(range(100, 130))))
+        assert one.salt != two.salt, algorithm
 
 
 @pytest.mark.parametrize("raw, prompt, why", [
@@ -125,6 +138,9 @@ def test_a_question_scored_link_is_salted_with_its_question():
     ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "nope"}, 62, "unknown algorithm"),
     ({"prefix": 5, "chunks": [20, 30], "question": 7, "extra": 1}, 62, "unknown fields"),
     ([5, 20], 25, "must be an object"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "focus", "ratio": -0.5}, 62, "ratio"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "focus", "ratio": "x"}, 62, "knobs"),
+    ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "legolink", "k": 1.5}, 62, "k must be"),
 ])
 def test_bad_specs_are_refused_with_the_reason(raw, prompt, why):
     with pytest.raises(Exception, match=why):
@@ -186,9 +202,9 @@ def test_a_failed_link_hands_its_blocks_back_to_vllm_and_counts_why(error, reaso
     c._worker = SimpleNamespace(load=fail, take_read=lambda: {"store_bytes": 5})
     c._load(Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK))
     assert c.get_block_ids_with_load_errors() == {3, 9, 4}  # from the start's block to the linked part's last
+    # no account of a link for the request: its output keeps vLLM's cached tokens (it prefilled them itself)
     assert c.get_kv_connector_stats().data == {"linked_tokens": 0, "fallbacks": {reason: 1}, "store_bytes": 5,
-                                               "sliced": 0, "joined": 0,
-                                               "requests": {"r1": dict.fromkeys(LINK_FIELDS, 0)}}
+                                               "sliced": 0, "joined": 0, "requests": {}}
 
 
 @pytest.mark.parametrize("error, raised", [(RuntimeError("bug"), True), (StoreError("down"), False)])

@@ -253,3 +253,27 @@ def test_a_guard_check_past_its_deadline_is_aborted_and_the_engine_serves_on(rc,
     with pytest.raises(TimeoutError):
         rc.compare_with_full(query, deadline=0.0)
     assert rc.query(QUESTION, doc_ids[1:], algorithm="naive", max_new_tokens=2).token_ids
+
+
+def test_a_tensor_parallel_engine_counts_an_entry_held_whole_or_in_other_shards_as_there(tmp_path):
+    """The connector reads a chunk held as a whole entry (sliced for each rank) or as another count's shards, and
+    stores nothing back in its own: a TP=2 engine's compile and warm-up looked for its own shards only, found them
+    missing every time, and failed ("did not store")."""
+    from types import SimpleNamespace
+
+    from ragcache.front import Front
+    from ragcache.integrations.vllm.engine import VllmRagCache
+    from ragcache.store.shards import HeadRange
+    from ragcache.store.memory import MemoryStore
+
+    own = RagCache(tiny.make("qwen2"), MemoryStore())  # 2 KV heads
+    chunks = [c for doc in own.compile(tiny.CORPUS[:2]) for c in own.document_chunks(doc)]
+    layout = own.layouts["default"]
+    tp2 = SimpleNamespace(head_ranges=HeadRange.split(2, 2), _kv_heads=2, store=own.store)
+    tp2.stored_keys = lambda c, ids, lay: VllmRagCache.stored_keys(tp2, c, ids, lay)
+    tp2.stored_forms = lambda c, ids, lay: VllmRagCache.stored_forms(tp2, c, ids, lay)
+    assert not any(all(own.store.contains_many(tp2.stored_keys(own.compiler, c, layout))) for c in chunks)
+    assert Front._held(tp2, own.compiler, chunks, layout) == [True] * len(chunks)  # whole entries serve it
+    missing = [c + [7] for c in chunks[:1]]
+    assert Front._held(tp2, own.compiler, missing, layout) == [False]
+    own.close()

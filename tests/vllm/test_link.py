@@ -192,3 +192,17 @@ def test_a_wrong_salt_is_prefilled_by_vllm_and_counted(llm, engine, doc_ids):
     out = generate(llm, ids, spec, salt="someone-else")
     assert out.num_cached_tokens == 0
     assert fallbacks("salt") == before + 1
+
+
+def test_a_link_that_recomputes_no_row_waits_for_its_placing_before_vllms_blocks_read_it(llm, engine, doc_ids,
+                                                                                        monkeypatch):
+    """On CUDA an entry in host memory crosses on a copy stream (one event a layer): only a recompute waited for it,
+    so naive's blocks could be written from a cache still being placed. Here: the link settles its cache first."""
+    from ragcache.engine import JoinedCache
+
+    settled, write, settle = [], worker().write, JoinedCache.settle
+    monkeypatch.setattr(JoinedCache, "settle", lambda self: settled.append(self) or settle(self))
+    monkeypatch.setattr(worker(), "write", lambda *a: (settled or pytest.fail("written unsettled")) and write(*a))
+    ids, spec = linked_request(engine, doc_ids, "naive", question="Where does the canal begin?")
+    generate(llm, ids, spec)
+    assert settled

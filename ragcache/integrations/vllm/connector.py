@@ -164,6 +164,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
             log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
         self.block_size = vllm_config.cache_config.block_size
+        model = getattr(vllm_config, "model_config", None)  # the layers a spec's check_layer must be within
+        self.num_layers = model.hf_text_config.num_hidden_layers if model is not None else None
         self._pending: dict[str, Load] = {}
         self._linking: set[str] = set()  # requests given a Load, until they finish
         self._done: dict[str, dict[str, float]] = {}  # what their links did, as the workers reported it
@@ -174,6 +176,11 @@ class RagcacheConnector(KVConnectorBase_V1):
         self.async_load = bool(self.options.get("async_load", False))
         if self.async_load and not torch.cuda.is_available():
             raise ValueError(f"{NAME}: async_load needs CUDA; on CPU a link beside vLLM's step crashes its kernels")
+        if self.async_load and getattr(parallel, "tensor_parallel_size", 1) > 1:
+            raise ValueError(
+                f"{NAME}: async_load runs a link's collectives on a thread of its own, beside the step's on the same "
+                "communicator: under tensor parallelism the ranks could meet them in different orders; leave it off"
+            )
         self._worker = None  # built once the model is loaded: register_kv_caches, else the first link
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
@@ -230,7 +237,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         if request.prompt_token_ids is None:  # prompt embeddings: nothing to link by
             return self._refuse(request, "bad_spec", "it has no prompt ids (prompt embeddings) to link")
         try:
-            spec = LinkSpec.parse(raw, len(request.prompt_token_ids))
+            spec = LinkSpec.parse(raw, len(request.prompt_token_ids), self.num_layers)
         except RagCacheError as exc:  # a BadLinkSpec, or an unknown algorithm or parameter
             return self._refuse(request, "bad_spec", f"its link spec is refused: {exc}")
         except Exception as exc:  # this runs in vLLM's scheduler: raising would stop the engine
@@ -243,7 +250,7 @@ class RagcacheConnector(KVConnectorBase_V1):
                 "its cache_salt is not its spec's (LinkSpec.salt), and linked KV "
                 "must not enter vLLM's prefix cache as exact",
             )
-        if problem := spec.question_problem(request.prompt_token_ids):
+        if problem := spec.prompt_problem(request.prompt_token_ids):
             return self._refuse(request, "bad_spec", f"its link spec is refused: {problem}")
         return spec
 
@@ -288,7 +295,8 @@ class RagcacheConnector(KVConnectorBase_V1):
                 # would then meet with its own. Fail the step instead, as vLLM fails on a worker's error.
                 log.error("request %s: link failed on this tensor-parallel rank", load.request_id, exc_info=True)
                 raise
-            self._count(fallback=reason, worker=worker, request_id=load.request_id)
+            # no `done` for the request: vLLM prefilled it, and its output keeps vLLM's own counts of what was cached
+            self._count(fallback=reason, worker=worker)
             log.warning(
                 "request %s: link failed (%s: %s); vLLM recomputes its blocks",
                 load.request_id,

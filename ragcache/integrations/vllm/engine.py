@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from ragcache import adapters, guard, infill, linker, loaded, models
+from ragcache.catalog import SHARD_COUNTS
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
@@ -81,6 +82,7 @@ class VllmRagCache(Front):
         ranks = llm.vllm_config.parallel_config.tensor_parallel_size
         heads = config.hf_text_config.num_key_value_heads
         self.head_ranges: list[HeadRange | None] = HeadRange.split(heads, ranks) if ranks > 1 else [None]
+        self._kv_heads = heads
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> VllmRagCache:
@@ -229,20 +231,31 @@ class VllmRagCache(Front):
                 Sampling(1),
             )
         )
-        keys = [k for c in chunks for k in self.stored_keys(self.compiler, c, shape)]
-        chunk_keys = len(keys)
-        keys += self.stored_keys(self.prefix_compiler, prefix, PLAIN) if prefix else []
-        found = [info for info in self.store.describe_many(keys) if info]
-        if len(found) < len(keys):
+        forms = [self.stored_forms(self.compiler, c, shape) for c in chunks]
+        forms += [self.stored_forms(self.prefix_compiler, prefix, PLAIN)] if prefix else []
+        keys = list(dict.fromkeys(k for fs in forms for form in fs for k in form))
+        info = dict(zip(keys, self.store.describe_many(keys)))
+        held = [next((form for form in fs if all(info[k] for k in form)), None) for fs in forms]
+        if None in held:
             raise StoreError(
-                f"vLLM's connector did not store {len(keys) - len(found)} of {len(keys)} entries; its log "
+                f"vLLM's connector did not store {held.count(None)} of {len(held)} entries; its log "
                 "and vllm:ragcache_link_fallbacks say why (the store down?)"
             )
-        return sum(info.get("size", 0) for info in found[:chunk_keys])
+        return sum(info[k].get("size", 0) for form in held[: len(chunks)] if form is not None for k in form)
 
     def stored_keys(self, compiler: Compiler, ids: list[int], layout) -> list[str]:
         """The keys vLLM's connector stores a chunk's entry under: its ranks' shards under tensor parallelism."""
         return [compiler.key(ids, layout, heads) for heads in self.head_ranges]
+
+    def stored_forms(self, compiler: Compiler, ids: list[int], layout) -> list[list[str]]:
+        """Its own keys, and the forms the connector also reads an entry in without storing it again in its own
+        (Catalog._other_forms): the whole entry, sliced for each rank, or a full set of another count's shards."""
+        total = self.head_ranges[0].total if self.head_ranges[0] is not None else self._kv_heads
+        whole = HeadRange(0, total, total)
+        shard_sets = [HeadRange.split(total, n) for n in SHARD_COUNTS if n <= total and total % n == 0]
+        forms = [self.stored_keys(compiler, ids, layout), [compiler.key(ids, layout, whole)]]
+        forms += [[compiler.key(ids, layout, r) for r in ranges] for ranges in shard_sets]
+        return list({tuple(form): form for form in forms}.values())
 
     # -- answering ------------------------------------------------------------------------------------
     def stream_query(

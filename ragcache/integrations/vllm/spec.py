@@ -62,37 +62,41 @@ class LinkSpec:
     question: int
     link: LinkParams = dataclasses.field(default_factory=LinkParams)  # on the wire: its knobs beside the lengths
     nonce: str = ""  # a request that must read the store (compiling through vLLM) gets a salt of its own
-    # an algorithm that scores chunk rows by the question (focus) links another cache for another question: its
-    # question's digest enters the salt, so vLLM's prefix cache never serves one question's link to another
-    question_sha: str = ""
+    # an algorithm that ranks its rows across every chunk and the question (focus, cacheblend) links another cache
+    # of a chunk for another prompt: the prompt's digest enters the salt, so vLLM's prefix cache never serves one
+    # prompt's link to another (blocks of the same chunk at the same place, other chunks or question after them)
+    prompt_sha: str = ""
 
     @classmethod
     def of_parts(cls, parts: LinkInput, params: LinkParams) -> LinkSpec:
-        scores = linker.algorithm(params.algorithm).scores
+        across = linker.algorithm(params.algorithm).ranks_across
         return cls(
             len(parts.prefix_ids),
             tuple(map(len, parts.chunk_ids)),
             len(parts.question_ids),
             params,
-            question_sha=question_sha(parts.question_ids) if scores else "",
+            prompt_sha=prompt_sha(parts.token_ids.tolist()) if across else "",
         )
 
-    def question_problem(self, token_ids: list[int]) -> str | None:
-        """Why the spec's question digest does not fit the prompt's question (None: it does)."""
-        wanted = question_sha(token_ids[self.linked :]) if linker.algorithm(self.link.algorithm).scores else ""
+    def prompt_problem(self, token_ids: list[int]) -> str | None:
+        """Why the spec's prompt digest does not fit the prompt (None: it does)."""
+        wanted = prompt_sha(token_ids) if linker.algorithm(self.link.algorithm).ranks_across else ""
         return (
             None
-            if self.question_sha == wanted
+            if self.prompt_sha == wanted
             else (
-                f"{self.link.algorithm} scores rows by the question: question_sha must be the sha256 of its ids "
-                "(LinkSpec.of_parts)"
+                f"{self.link.algorithm} ranks its rows across the whole prompt: prompt_sha must be the sha256 of its "
+                "ids (LinkSpec.of_parts)"
                 if wanted
-                else f"{self.link.algorithm} takes no question_sha"
+                else f"{self.link.algorithm} takes no prompt_sha"
             )
         )
 
     @classmethod
-    def parse(cls, raw: Any, prompt_tokens: int) -> LinkSpec:
+    def parse(cls, raw: Any, prompt_tokens: int, num_layers: int | None = None) -> LinkSpec:
+        """The spec a request sent, checked whole (its link's knobs as `LinkParams.validate` checks them, against the
+        model's `num_layers` where known): BadLinkSpec or ParameterOutOfRange before any worker sees it, as a knob
+        a worker met first would fail its step, and with tensor parallelism the engine."""
         if not isinstance(raw, dict):
             raise BadLinkSpec(f"kv_transfer_params[{SPEC_KEY!r}] must be an object, got {type(raw).__name__}")
         knobs = {f.name for f in dataclasses.fields(LinkParams)}
@@ -105,9 +109,13 @@ class LinkSpec:
             spec = cls(**{**own, "chunks": tuple(raw.get("chunks", ())), "link": link})
         except TypeError as exc:
             raise BadLinkSpec(str(exc)) from None
+        try:
+            link.validate(num_layers if num_layers is not None else max(int(link.check_layer), 0) + 1)
+        except (TypeError, ValueError) as exc:  # a knob of the wrong type (a ratio "x")
+            raise BadLinkSpec(f"its link's knobs: {exc}") from None
         lengths = (spec.prefix, *spec.chunks, spec.question)
-        if not isinstance(spec.nonce, str) or not isinstance(spec.question_sha, str):
-            raise BadLinkSpec("nonce and question_sha must be strings")
+        if not isinstance(spec.nonce, str) or not isinstance(spec.prompt_sha, str):
+            raise BadLinkSpec("nonce and prompt_sha must be strings")
         if not all(type(n) is int and n >= 0 for n in lengths):
             raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
         if spec.question < 1 or sum(lengths) != prompt_tokens:
@@ -155,7 +163,7 @@ class LinkSpec:
         }
 
 
-def question_sha(ids) -> str:
+def prompt_sha(ids) -> str:
     return hashlib.sha256(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:32]
 
 

@@ -172,6 +172,9 @@ class LinkWorker:
                 narrow.question_rows = narrow.question_rows[:0]
             if rows.numel():
                 rows = linker.recompute(self.runner, plan.token_ids, rows, plan.cache, narrow)[1]  # those kept
+        # every layer placed before vLLM's blocks read the cache whole: on CUDA an entry in host memory crosses on a
+        # copy stream, and a link that recomputes no row (naive) never waited for it
+        plan.cache.settle()
         # what the request's output reports (connector.LinkStats): vLLM computes the question itself
         self.timed = dict(
             recomputed=int(rows.numel()),
