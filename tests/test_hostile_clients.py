@@ -338,9 +338,8 @@ def test_a_text_at_the_limit_is_answered_and_one_token_more_is_refused_exactly(r
     assert over.status_code == 413 and over.json()["error"]["type"] == "prompt_too_long", over.text
 
 
-def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on(rc, monkeypatch):
-    """max_tokenizing=1: one check runs, max_queue more wait, the next is a 429; a query of stored documents needs
-    no check and is answered meanwhile."""
+def held_length_checks(rc, monkeypatch) -> tuple[threading.Event, threading.Event]:
+    """(set once a length check runs, set to let the checks end): each check waits for the second."""
     entered, release, refuse = threading.Event(), threading.Event(), rc.refuse_long_texts
 
     def held(texts, max_new_tokens):
@@ -349,6 +348,13 @@ def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on
         return refuse(texts, max_new_tokens)
 
     monkeypatch.setattr(rc, "refuse_long_texts", held)
+    return entered, release
+
+
+def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on(rc, monkeypatch):
+    """max_tokenizing=1: one check runs, max_queue more wait, the next is a 429; a query of stored documents needs
+    no check and is answered meanwhile."""
+    entered, release = held_length_checks(rc, monkeypatch)
     with serve(rc, max_tokenizing=1, max_queue=2, max_per_client=2) as addr, ThreadPoolExecutor(3) as pool:
         try:
             doc = httpx.post(f"{url(addr)}/v1/documents", json={"text": "Paris is in France."}, timeout=WAIT_S)
@@ -374,14 +380,7 @@ def test_length_checks_run_a_few_at_a_time_and_queries_of_stored_documents_go_on
 def test_one_client_holds_at_most_its_share_of_the_length_checks(rc, monkeypatch):
     """Raw texts are measured before the engine's queue admits a query: one client sending long texts held the
     whole line (max_queue), so everyone else's raw-text queries were 429s; it holds max_per_client of it now."""
-    entered, release, refuse = threading.Event(), threading.Event(), rc.refuse_long_texts
-
-    def held(texts, max_new_tokens):
-        entered.set()
-        release.wait(WAIT_S)
-        return refuse(texts, max_new_tokens)
-
-    monkeypatch.setattr(rc, "refuse_long_texts", held)
+    entered, release = held_length_checks(rc, monkeypatch)
     with serve(rc, max_tokenizing=1, max_queue=4, max_per_client=2) as addr, ThreadPoolExecutor(3) as pool:
         try:
             mine = [pool.submit(ask_with_text, addr, f"Text number {i}.", client="10.0.0.1") for i in range(2)]
