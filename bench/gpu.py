@@ -49,10 +49,14 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                memory tier (its pinned segments made on the way: `_new_store`), the median of the next two into that
                tier emptied (the ratio's); into a pinned memory tier, and on CUDA also into a GPU tier in front of it
                (the default store's first tiers: entries kept as the compile made them, copied once into the arena)
-  --suite      the prepared device run, the one to start a GPU session with: every check (below) at the smollm2
-               shape and at --shape, (f) at 32k with each row the median of 5 and its spread, (g), (d) at --shape,
-               (e) and (i), into gpu-suite-<gpu>.json (written after each section) and a one-screen summary; exit 1
-               if a check failed or a section raised. `--skip` takes the section names (a rerun of one part). On an
+  --suite      the prepared device run, the one to start a GPU session with: (a)+(b) at the smollm2 shape
+               (untimed in effect: which kernel is wrong, first), every check (below) at the smollm2 shape and at
+               --shape, (f) at 32k with each row the median of 5 and its spread, (g), (d) at --shape, (e) and (i),
+               into gpu-suite-<gpu>-<commit>.json (written after each section) and a one-screen summary; exit 1 if a
+               check failed or a section (or a step inside one) raised. On CUDA it refuses to start without a commit
+               to name (RAGCACHE_COMMIT); after a CUDA fault (an illegal access breaks the process's context) the
+               sections left run in a fresh process, their rows taken into the same JSON. `--skip` takes the
+               section names (a rerun of one part). On an
                H200 at 352741f it took 515 s before (i) (check 39, link 138, decode 208, serving 99, invariance
                29). (i) runs before (g), and (g)'s compiled step last, after its peers: an Inductor failure can
                leave the CUDA context unusable for whatever follows.
@@ -647,7 +651,10 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     asks = [(words(16), rng.sample(range(documents), 2)) for _ in range(requests)]
     rows = []
     for flag in (True, False):
-        rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens, batch_invariant=flag))
+        # graphs off on both passes: an invariant runner decodes per segment, without them, and the on/off ratio
+        # (the default's rule, invariant.default_for) is of the kernels, not of the graphs (section (g) has those)
+        rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=doc_tokens, batch_invariant=flag,
+                                                      decode_graphs=False))
         ids = rc.compile(texts)
         rc.warmup()
 
@@ -681,7 +688,12 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
     on, off = rows
     for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
-    on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))
+    try:  # a failure here keeps the on/off rows measured above
+        on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))
+    except Exception as exc:  # noqa: BLE001 - recorded in the row, the suite goes on
+        on["cut_invariance_error"] = repr(exc)[:2000]
+        print(f"  {name} cut invariance FAILED: {exc!r}", flush=True)
+        return rows
     print(f"  {name} cut invariance: start-up check {on['cut_invariant']}; `full` whole and in pieces of "
           f"{CUT_PIECE} rows: first logits the same bits on {on['full_first_logits_same_bits']}/{on['of']}, "
           f"answers on {on['full_answers_same']}/{on['of']}; focus answers full's on {on['focus_answers_same']}, "
@@ -1003,7 +1015,9 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                 if context == contexts[-1]:
                     arranged = lambda got: [got[i] for i in indices]  # noqa: E731 - the same documents' order
                     host = lambda: store("memory")  # noqa: E731 - the host tier as the rows above have it
-                    for row in _codec_links(lm, host, doc_words + 8, texts, question, arranged, device, reps):
+                    codec_rows = _attempt(rows, "codec links", lambda: _codec_links(
+                        lm, host, doc_words + 8, texts, question, arranged, device, reps))
+                    for row in codec_rows or []:
                         row.update(shape=shape, context=prompt, forward_s=forward,
                                    speedup_vs_forward=forward / row["seconds"])
                         rows.append(row)
@@ -1011,12 +1025,14 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                               f"{row['seconds']:.3f} s ({row['speedup_vs_forward']:.2f}x transformers' forward; "
                               f"{row['entry_bytes'] / 2**30:.2f} GiB of entries)", flush=True)
                     with tempfile.TemporaryDirectory() as root:
-                        cold = dict(shape=shape, context=prompt, forward_s=forward,
-                                    **_cold_read(lm, doc_words + 8, texts, question, arranged, device, root))
-                    rows.append(cold)
-                    print(f"  {shape} a first naive link through {cold['tier']}, every entry from disk: "
-                          f"{cold['cold_s']:.3f} s ({forward / cold['cold_s']:.2f}x transformers' forward); "
-                          f"the next {cold['warm_s']:.3f} s", flush=True)
+                        read = _attempt(rows, "cold read", lambda: _cold_read(
+                            lm, doc_words + 8, texts, question, arranged, device, root))
+                    if read is not None:
+                        cold = dict(shape=shape, context=prompt, forward_s=forward, **read)
+                        rows.append(cold)
+                        print(f"  {shape} a first naive link through {cold['tier']}, every entry from disk: "
+                              f"{cold['cold_s']:.3f} s ({forward / cold['cold_s']:.2f}x transformers' forward); "
+                              f"the next {cold['warm_s']:.3f} s", flush=True)
         # naive from each tier: a link whose floor is its copy (host tier) or one pass of the weights (GPU tier)
         profiled_here = (("naive",) + (("focus", "full") if tier == tiers[-1] else ())) if profiled else ()
         for algorithm in profiled_here:
@@ -1121,8 +1137,12 @@ def _ragcache_decode(rc, question: str, docs: list, new_tokens: int) -> dict:
     before = _scheduler_stats(rc)
     answer = rc.query(question, docs, algorithm="naive", max_new_tokens=new_tokens)
     stats = _stats_delta(before, _scheduler_stats(rc))
-    return dict(tok_s=_decode_rate(stats), tokens=answer.token_ids, decode_only_step_ms=stats["decode_only_step_ms"],
-                warmup_s=warmup_s)
+    # tok_s: the decode-only steps' own time; wall_tok_s: the answer's tokens after the first over the wall clock
+    # (scheduling, delivery and wake-ups included), as transformers' loops are timed
+    decoded = answer.stats.completion_tokens - 1
+    wall = decoded / answer.stats.decode_s if decoded > 0 and answer.stats.decode_s > 0 else None
+    return dict(tok_s=_decode_rate(stats), wall_tok_s=wall, tokens=answer.token_ids,
+                decode_only_step_ms=stats["decode_only_step_ms"], warmup_s=warmup_s)
 
 
 def _repair_cost(rc, question: str, docs: list, new_tokens: int) -> list[dict]:
@@ -1220,8 +1240,8 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         rows.append(dict(shape=shape, what=f"ragcache decode, {graphs} steps", context=prompt, new_tokens=new_tokens,
                          **got))
         if graphs == kinds[0]:  # the engine's own decode steps: what repair rows are added to
-            rows += [dict(shape=shape, context=prompt, new_tokens=new_tokens, **row)
-                     for row in _repair_cost(rc, question, docs, new_tokens)]
+            repaired = _attempt(rows, "repair cost", lambda: _repair_cost(rc, question, docs, new_tokens))
+            rows += [dict(shape=shape, context=prompt, new_tokens=new_tokens, **row) for row in repaired or []]
         if profiled and not profiles:  # a link, then 16 tokens: the link's kernels are a few of many calls
             profile_row = _profile(lambda: rc.query(question, docs, algorithm="naive", max_new_tokens=16), device,
                                    f"a naive link and 16 tokens, {graphs} decode steps")
@@ -1235,8 +1255,12 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         if "tok_s" not in row:  # a failure or a profile
             continue
         row["vs_fastest_transformers"] = row["tok_s"] / fastest
+        if row.get("wall_tok_s"):  # the like-for-like ratio: both timed by the wall clock
+            row["wall_vs_fastest_transformers"] = row["wall_tok_s"] / fastest
+        wall = f", {row['wall_tok_s']:.1f} by the wall clock ({row['wall_vs_fastest_transformers']:.2f}x)" if row.get(
+            "wall_tok_s") else ""
         print(f"  {shape} {row['context']:6d} tokens {row['what']:42s} {row['tok_s']:8.1f} tok/s "
-              f"({row['vs_fastest_transformers']:.2f}x transformers' fastest)", flush=True)
+              f"({row['vs_fastest_transformers']:.2f}x transformers' fastest){wall}", flush=True)
     if "captured" in tokens:
         rows.append(dict(shape=shape, what="graph decode tokens against the eager step's",
                          identical=tokens["captured"] == tokens["eager"]))
@@ -1534,6 +1558,9 @@ def main() -> None:
     started = time.perf_counter()
     env = environment(device, dtype)
     print(f"gpu bench: {env}", flush=True)
+    if device.type == "cuda" and not env["commit"]:  # a copy of the tree without .git, and no RAGCACHE_COMMIT
+        raise SystemExit("no commit to name: set RAGCACHE_COMMIT=<hash> (the device's copy has no .git); every "
+                         "result file names the commit it measured")
     if args.suite:
         suite(args, device, dtype, env, started)
         return
@@ -1603,21 +1630,24 @@ def main() -> None:
         sys.exit(1)
 
 
-SUITE_SECTIONS = ("check", "link", "compile", "decode", "serving", "invariance")
+SUITE_SECTIONS = ("kernels", "check", "link", "compile", "decode", "serving", "invariance")
+# what a CUDA error leaves broken for the rest of the process (an illegal access, a device-side assert)
+CONTEXT_LOST = ("illegal memory access", "device-side assert", "unspecified launch failure", "CUDA error",
+                "cudaError", "CUBLAS_STATUS", "misaligned address")
 
 
 def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: float) -> None:
-    """`--suite`: the sections a GPU session runs first, in one JSON (gpu-suite-<gpu>.json, written after every
+    """`--suite`: the sections a GPU session runs first, in one JSON (gpu-suite-<gpu>-<commit>.json, written after every
     section, so a run cut short keeps what it measured) and a one-screen summary. `--skip` leaves sections out (a
     rerun of one part)."""
     skip = {part.strip() for part in args.skip.split(",") if part.strip()}
     if skip - set(SUITE_SECTIONS):
         raise SystemExit(f"--suite --skip takes {', '.join(SUITE_SECTIONS)}, got {', '.join(sorted(skip))}")
     args.out.mkdir(parents=True, exist_ok=True)
-    tag = env.get("gpu", "cpu").replace(" ", "-")
-    path = args.out / f"gpu-suite-{tag}{''.join(f'-no-{s}' for s in sorted(skip))}{'-quick' if args.quick else ''}.json"
+    path = args.out / _suite_name(env, skip, args.quick)
     result: dict = dict(benchmark="gpu --suite", environment=env, quick=args.quick, skipped=sorted(skip))
     runs = {
+        "kernels": lambda: check_and_time_kernels(device, dtype, True),  # first: a failure names its kernel
         "check": lambda: [row for shape in dict.fromkeys(("smollm2-135m", args.shape))
                           for row in checks(device, dtype, args.quick, shape)],
         "link": lambda: link(args.shape, [32768], device, dtype, args.quick, reps=5),
@@ -1627,24 +1657,73 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
                                                                                             args.quick)],
         "compile": lambda: compile_rate(args.shape, args.compile_docs, device, dtype, args.quick),
     }
+    done = set(skip)
     for section in SUITE_SECTIONS:
         if section in skip:
             continue
         print(f"suite: {section}", flush=True)
         began = time.perf_counter()
+        lost = False
         try:
             result[section] = runs[section]()
-        except Exception as exc:  # noqa: BLE001 - the other sections still run; the JSON says what failed
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - the other sections still run; the JSON says what
             result[section] = dict(error=repr(exc)[:2000])
             print(f"suite: {section} FAILED: {exc!r}", flush=True)
+            lost = device.type == "cuda" and any(sign in repr(exc) for sign in CONTEXT_LOST)
+        done.add(section)
         result.setdefault("section_seconds", {})[section] = round(time.perf_counter() - began, 1)
         result["seconds"] = round(time.perf_counter() - started, 1)
         path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+        if lost and set(SUITE_SECTIONS) - done:  # this process's CUDA context is gone: the rest in a fresh one
+            result["rest_in_a_fresh_process"] = _rest_in_a_fresh_process(args, env, done, result)
+            break
     result["seconds"] = round(time.perf_counter() - started, 1)
     path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
     failed = _suite_summary(result)
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'no check failed'}; {result['seconds']:.0f} s; wrote {path}")
     sys.exit(1 if failed else 0)
+
+
+def _attempt(rows: list, what: str, fn):
+    """fn()'s value, or None and an error row in `rows`: a sub-step that fails keeps what its section measured."""
+    try:
+        return fn()
+    except Exception as exc:  # noqa: BLE001 - recorded, and the suite's summary counts it as failed
+        rows.append(dict(what=what, error=repr(exc)[:2000]))
+        print(f"  {what} FAILED: {exc!r}"[:2000], flush=True)
+        return None
+
+
+def _suite_name(env: dict, skip: set[str], quick: bool) -> str:
+    """The suite's JSON: the GPU's name and the commit measured, the sections left out."""
+    tag, commit = env.get("gpu", "cpu").replace(" ", "-"), (env.get("commit") or "unknown")[:16]
+    return f"gpu-suite-{tag}-{commit}{''.join(f'-no-{s}' for s in sorted(skip))}{'-quick' if quick else ''}.json"
+
+
+def _rest_in_a_fresh_process(args, env: dict, done: set[str], result: dict) -> list[str]:
+    """Run the sections not done yet in a child process (`--suite --skip` the others), and take its rows into
+    `result`; the sections it ran."""
+    import subprocess
+
+    argv, skipping = [], False
+    for arg in sys.argv[1:]:  # this run's arguments without its --skip
+        if skipping or arg == "--skip":
+            skipping = not skipping and arg == "--skip"
+            continue
+        if arg.startswith("--skip="):
+            continue
+        argv.append(arg)
+    rest = [s for s in SUITE_SECTIONS if s not in done]
+    print(f"suite: the CUDA context is lost; {', '.join(rest)} in a fresh process", flush=True)
+    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--skip", ",".join(sorted(done))], check=False)
+    child = args.out / _suite_name(env, done, args.quick)
+    if child.exists():
+        ran = json.loads(child.read_text())
+        for section in rest:
+            if section in ran:
+                result[section] = ran[section]
+                result.setdefault("section_seconds", {})[section] = ran.get("section_seconds", {}).get(section)
+    return rest
 
 
 def _plain(value):
@@ -1656,6 +1735,19 @@ def _suite_summary(result: dict) -> list[str]:
     """One screen: each check, the link ratios, decode, serving, invariance and compile; what failed."""
     failed = [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
               if section in SUITE_SECTIONS and isinstance(rows, dict) and "error" in rows]
+    for section in SUITE_SECTIONS:  # a sub-step's failure inside a section that went on
+        rows = result.get(section)
+        failed += [f"{section} {r.get('what', '')}: {r['error'][:80]}" for r in rows or [] if isinstance(rows, list)
+                   and isinstance(r, dict) and "error" in r and "compiled steps" not in str(r.get("what"))]
+    failed += [f"kernel {k.get('kernel', k.get('name', '?'))}" for k in result.get("kernels") or []
+               if isinstance(k, dict) and k.get("ok") is False]
+    failed += [f"link from the GPU tier differs from the host tier's at {r.get('context')}"
+               for r in result.get("link") or [] if isinstance(r, dict) and r.get("identical") is False]
+    failed += ["graph decode's tokens differ from the eager step's" for r in result.get("decode") or []
+               if isinstance(r, dict) and r.get("identical") is False]
+    failed += [f"invariance on: {r['requests'] - r[key]} of {r['requests']} packed answers differ from alone"
+               for r in result.get("invariance") or [] if isinstance(r, dict) and r.get("batch_invariant")
+               for key in r if key.startswith("identical_") and r[key] != r["requests"]]
     for row in result.get("check") or []:
         if isinstance(row, dict) and row.get("ok") is False:
             failed.append(f"check {row['check']} at {row.get('shape')}")

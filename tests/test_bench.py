@@ -3,6 +3,7 @@ JSON and a PNG; the scoring helpers give the SQuAD values. No timing is asserted
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -560,10 +561,11 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     test above): one JSON with each section, its time, the commit and command, and exit 0 when nothing failed."""
     env = dict(os.environ, TRITON_INTERPRET="1", RAGCACHE_COMMIT="abc1234-dirty")
     done = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--shape",
-                           "smollm2-135m", "--skip", "link,decode,serving,invariance", "--out", str(tmp_path)],
+                           "smollm2-135m", "--skip", "kernels,link,decode,serving,invariance", "--out", str(tmp_path)],
                           cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    result = json.loads((tmp_path / "gpu-suite-cpu-no-decode-no-invariance-no-link-no-serving-quick.json").read_text())
+    name = "gpu-suite-cpu-abc1234-dirty-no-decode-no-invariance-no-kernels-no-link-no-serving-quick.json"
+    result = json.loads((tmp_path / name).read_text())  # the commit measured in its name
     assert result["environment"]["commit"] == "abc1234-dirty" and "--suite" in result["environment"]["command"]
     assert set(result["section_seconds"]) == {"check", "compile"} and "no check failed" in done.stdout
     checks = {row["check"]: row for row in result["check"]}
@@ -571,15 +573,42 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     int8 = checks["int8 link ~ pageable link"]
     assert int8["mean_abs_logit_err"] <= int8["relative_tolerance"] * int8["reference_logit_std"]
     assert len(result["compile"]) == 3 and "compile int8" in done.stdout  # auto, int8, a profile
-    bad = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip", "kernels",
+    bad = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip", "tiles",
                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode != 0 and "--suite --skip takes check, link" in bad.stderr
+    assert bad.returncode != 0 and "--suite --skip takes kernels, check, link" in bad.stderr
     # a rerun of one part skips the checks too (the suite's own section names, not the plain run's)
     rerun = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip",
-                            "check,link,decode,serving,invariance,compile", "--out", str(tmp_path)],
+                            "kernels,check,link,decode,serving,invariance,compile", "--out", str(tmp_path)],
                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0 and "no check failed" in rerun.stdout, rerun.stderr[-2000:]
+
+
+def test_after_a_cuda_fault_the_suite_runs_the_rest_in_a_fresh_process_and_keeps_its_rows(tmp_path, monkeypatch):
+    """An illegal access leaves the process's CUDA context broken: every later section of the H200 run at f044cdf
+    failed with it. The suite hands the sections not done to a child process (the same arguments, `--skip` the done
+    ones) and takes the child's rows into its own JSON."""
+    import subprocess as sp
+
+    from bench import gpu
+
+    env = dict(gpu="NVIDIA H200", commit="abc1234")
+    args = argparse.Namespace(out=tmp_path, quick=False)
+    done = {"kernels", "check", "link", "serving"}  # serving: skipped by the run itself
+    ran = []
+
+    def child(argv, check):
+        ran.append(argv)
+        (tmp_path / gpu._suite_name(env, done, False)).write_text(json.dumps(
+            dict(compile=[{"ratio": 0.9}], decode=[{"tok_s": 100.0}], section_seconds=dict(compile=1.0, decode=2.0))))
+
+    monkeypatch.setattr(sp, "run", child)
+    monkeypatch.setattr(sys, "argv", ["bench/gpu.py", "--suite", "--skip", "serving", "--out", str(tmp_path)])
+    result: dict = {}
+    rest = gpu._rest_in_a_fresh_process(args, env, done, result)
+    assert rest == ["compile", "decode", "invariance"]
+    assert ran[0][2:] == ["--suite", "--out", str(tmp_path), "--skip", "check,kernels,link,serving"]
+    assert result["compile"] == [{"ratio": 0.9}] and result["section_seconds"] == dict(compile=1.0, decode=2.0)
 
 
 def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):
