@@ -13,6 +13,7 @@ from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.engine.sequence import Done
 from ragcache.store.memory import MemoryStore
+from tests import tiny
 from tests.test_real_model import DOCS
 from tests.test_repair import NOT_CUT_INVARIANT
 from tests.test_scheduler import Run, together
@@ -330,3 +331,27 @@ def test_a_repair_that_catches_up_gives_fulls_answer_bit_for_bit(rc):
         pytest.skip(f"focus's first token is not full's on this machine's dtype ({repaired.token_ids[0]} vs {first})")
     assert repaired.stats.repair_caught_up and repaired.stats.repaired_tokens == repaired.stats.prompt_tokens
     assert repaired.token_ids == full.stream.answer.token_ids
+
+
+def test_a_norm_class_the_invariant_kernels_do_not_know_is_refused_not_computed_wrong():
+    """The fixed-tile kernels (CUDA's invariant path) read an RMSNorm by its class name: one they do not know was
+    taken for Llama's, so a Gemma-style `1 + weight` norm was wrong in every layer, silently. Each class is checked
+    against its own forward once when the kernels go in; the ones the table knows pass."""
+    from ragcache.engine import invariant
+    from ragcache.errors import BatchInvarianceUnavailable
+
+    class OffsetRMSNorm(torch.nn.Module):  # Gemma's rule under a name the table does not list
+        def __init__(self, hidden):
+            super().__init__()
+            self.weight, self.eps = torch.nn.Parameter(torch.randn(hidden) * 0.1), 1e-6
+
+        def forward(self, x):
+            normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+
+    with pytest.raises(BatchInvarianceUnavailable, match="OffsetRMSNorm"):
+        invariant._install_kernels(torch.nn.Sequential(OffsetRMSNorm(64)), [])
+    model = tiny.make("llama").model  # LlamaRMSNorm: the table's default rule
+    assert invariant._install_kernels(model, []).how.startswith("fixed-tile")
+    gemma = tiny.make("gemma3").model  # Gemma3RMSNorm: in the table
+    assert invariant._install_kernels(gemma, []).how.startswith("fixed-tile")

@@ -157,6 +157,14 @@ def test_one_token_that_completes_two_stop_strings_cuts_at_the_earliest():
     assert asm.push(1) + asm.push(2) + asm.finish() == "x" and asm.stopped
 
 
+def test_a_stop_given_as_one_string_is_one_stop_string():
+    """`rc.stream(..., stop="###")` (and llama-index's per-call stop): a string is one stop string, as OpenAI takes
+    it, not its characters (which stopped at the first "#")."""
+    from ragcache.engine.sampling import Sampling
+
+    assert Sampling(stop="###").stop == ["###"] and Sampling(stop=None).stop == []
+
+
 def test_chunker_ends_at_sentences_and_caps_at_twice_the_budget():
     tok = tiny.tokenizer()
     text = "The water returns. " * 30 + "x" * 400

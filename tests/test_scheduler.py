@@ -921,3 +921,31 @@ def test_a_longer_cache_grows_the_pools_capacity_not_its_slot_count():
     joined(64)
     joined(64)  # no slot free: doubled
     assert pool.keys.shape[1] == 8
+
+
+def test_a_sequence_runs_once_and_a_second_iteration_is_an_error_not_a_hang(rc):
+    """Iterating a finished stream again re-ran it over its first run's rows and tokens: the scheduler found no row
+    pending, never stepped it, and the caller waited forever. It is an error that says to ask again."""
+    stream = rc.stream(QUESTIONS[0], rc.doc_ids[:1], max_new_tokens=2)
+    assert "".join(stream)
+    with pytest.raises(RuntimeError, match="opened already"):
+        list(stream)
+
+
+def test_a_task_or_a_listener_that_raises_system_exit_fails_alone_and_the_engine_goes_on():
+    """A SystemExit (or asyncio's CancelledError) got past every handler on the model thread: the thread ended,
+    the driver still named it, and every later request waited forever."""
+    import sys
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    with pytest.raises(SystemExit):
+        rc.with_runner(lambda runner: sys.exit(3))
+    stream = rc.stream(QUESTIONS[0], [{"text": DOCS[0]}], max_new_tokens=2)
+
+    def listener(event):
+        raise SystemExit(4)
+
+    stream.open(listener)
+    assert rc.with_runner(lambda runner: "still here") == "still here"
+    assert rc.query(QUESTIONS[1], [{"text": DOCS[1]}], max_new_tokens=2).text is not None
+    rc.close()

@@ -9,6 +9,7 @@ policy of what runs in a step is the scheduler's; the driver has none.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import logging
 import threading
@@ -146,7 +147,9 @@ class Driver:
                 try:
                     with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's too
                         self._pass()
-                except Exception as exc:  # a bug here must not leave every caller waiting forever
+                # a bug here must not leave every caller waiting forever, nor a SystemExit or a CancelledError from
+                # a task end the thread while `_thread` still names it (no thread would be started again)
+                except (Exception, SystemExit, asyncio.CancelledError) as exc:
                     log.exception("the model thread failed a step")
                     self._deliver(self.scheduler.fail_all(exc))
             if state == "stop":  # also when `stop` gave up waiting for a long step: nobody is left waiting
@@ -204,7 +207,7 @@ class Driver:
                 log.exception("a finished sequence's cache could not be released")
             try:
                 sequence.receive(output)
-            except Exception:  # a listener's bug is its caller's, not every other sequence's
+            except (Exception, SystemExit, asyncio.CancelledError):  # a listener's bug is its caller's alone
                 log.exception("a listener failed on the model thread")
 
     def _free(self, sequence: Sequence, status: Status) -> None:

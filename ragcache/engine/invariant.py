@@ -432,7 +432,7 @@ def _turned(linear: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 # RMSNorm classes by how they round: (added to the weight, result cast to the input dtype before the weight)
-NORM_STYLES = {"Gemma3RMSNorm": (1.0, False)}
+NORM_STYLES = {"Gemma3RMSNorm": (1.0, False), "GemmaRMSNorm": (1.0, False)}
 NORM_STYLE = (0.0, True)  # llama, mistral, qwen2, qwen3: `weight * normed.to(dtype)`
 
 
@@ -441,6 +441,7 @@ def _norms(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _install_kernels(model: torch.nn.Module, linears: list[torch.nn.Linear]) -> Invariance:
+    checked: set[type] = set()
     for norm in _norms(model):
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
         if eps is None or getattr(norm, "weight", None) is None:
@@ -449,7 +450,11 @@ def _install_kernels(model: torch.nn.Module, linears: list[torch.nn.Linear]) -> 
                 f"RMSNorm reads; run with --no-batch-invariant"
             )
         offset, cast_first = NORM_STYLES.get(type(norm).__name__, NORM_STYLE)
-        _wrap(norm, _kernel_norm(norm, float(eps), offset, cast_first))
+        op = _kernel_norm(norm, float(eps), offset, cast_first)
+        if type(norm) not in checked:
+            _check_norm(norm, op)
+            checked.add(type(norm))
+        _wrap(norm, op)
     for linear in linears:
         _wrap(linear, _kernel_linear(linear))
     return Invariance("fixed-tile Triton kernels (Linear, RMSNorm)")
@@ -460,6 +465,21 @@ def _kernel_linear(linear: torch.nn.Linear) -> Op:
         return kernels.invariant_linear(x, linear.weight, linear.bias)
 
     return invariant_linear
+
+
+def _check_norm(norm: torch.nn.Module, op: Op) -> None:
+    """The invariant RMSNorm against the module's own on a few rows: a norm class the table does not know rounds
+    or offsets its weight its own way (Gemma's 1 + weight), and taken for Llama's it would be wrong in every
+    layer, silently. Within a loose tolerance: the kernel's fixed tiles round otherwise, not that far."""
+    weight: torch.Tensor = norm.weight  # type: ignore[assignment]
+    x = torch.randn(4, weight.shape[-1], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        want, got = norm.forward(x).float(), op(x).float()
+    if not torch.allclose(got, want, rtol=0.02, atol=0.02 * float(want.abs().max())):
+        raise BatchInvarianceUnavailable(
+            f"{type(norm).__name__}: ragcache's invariant RMSNorm does not compute what the model's does (a norm "
+            "class it does not know); run with --no-batch-invariant"
+        )
 
 
 def _kernel_norm(norm: torch.nn.Module, eps: float, offset: float, cast_first: bool) -> Op:

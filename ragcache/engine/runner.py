@@ -12,6 +12,7 @@ Any other call of the model (e.g. `model(input_ids)`) falls through to transform
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import inspect
@@ -226,7 +227,7 @@ class Runner:
     def _alone(self, run, work: Work) -> StepResult:
         try:
             return run(work)
-        except Exception as exc:  # noqa: BLE001 - a bad request fails alone
+        except (Exception, SystemExit, asyncio.CancelledError) as exc:  # noqa: BLE001 - a bad request fails alone
             return StepResult(error=exc)
 
     def _place(self, work: Work) -> StepResult:

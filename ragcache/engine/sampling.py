@@ -70,7 +70,8 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        self.stop = list(self.stop or [])  # None (llama-index's "no stop") is none
+        # None (llama-index's "no stop") is none; one string is one stop string, not its characters (OpenAI's form)
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

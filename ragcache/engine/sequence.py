@@ -191,7 +191,10 @@ class Sequence:
     # -- the caller's thread ----------------------------------------------------------------------------------
     def open(self, listener: Listener) -> None:
         """Prepare on this thread (resolve documents, read the store; compiling a miss runs on the model thread),
-        then hand the sequence to the driver. Raises what preparing raises (bad input, unknown documents)."""
+        then hand the sequence to the driver. Raises what preparing raises (bad input, unknown documents). A
+        sequence runs once: its rows, tokens and pieces are its one run's (a second would start from the first's)."""
+        if self.status is not Status.PREPARING or self._started:
+            raise RuntimeError(f"this sequence was opened already ({self.status.value}): ask again for a new one")
         self.listener = listener
         self._started = time.perf_counter()
         try:  # compiling a long raw text's chunks stops at the next chunk once the caller has gone
