@@ -120,6 +120,8 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--suite", action="store_true", help="the prepared device run: every check at the smollm2 shape "
                     "and at --shape, then (f) at 32k (medians of 5), (g), (d) at --shape, (e) and (i); one JSON "
                     "and a one-screen summary")
+    ap.add_argument("--suite-resume", type=Path, default=None, help="(the suite itself, after a CUDA fault) go on "
+                    "with this suite JSON: its sections kept, the ones not --skip'ped run into it")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
                     "decode with eager, GPU tier with host tier, pinned with pageable entries); exit 1 on a mismatch")
     return ap.parse_args()
@@ -690,8 +692,8 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
     try:  # a failure here keeps the on/off rows measured above
         on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))
-    except Exception as exc:  # noqa: BLE001 - recorded in the row, the suite goes on
-        on["cut_invariance_error"] = repr(exc)[:2000]
+    except Exception as exc:  # noqa: BLE001 - recorded as a row of its own, which the suite's summary counts
+        rows.append(dict(model=name, what="cut invariance", error=repr(exc)[:2000]))
         print(f"  {name} cut invariance FAILED: {exc!r}", flush=True)
         return rows
     print(f"  {name} cut invariance: start-up check {on['cut_invariant']}; `full` whole and in pieces of "
@@ -1644,8 +1646,10 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
     if skip - set(SUITE_SECTIONS):
         raise SystemExit(f"--suite --skip takes {', '.join(SUITE_SECTIONS)}, got {', '.join(sorted(skip))}")
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / _suite_name(env, skip, args.quick)
+    path = args.suite_resume or args.out / _suite_name(env, skip, args.quick)
     result: dict = dict(benchmark="gpu --suite", environment=env, quick=args.quick, skipped=sorted(skip))
+    if args.suite_resume is not None:  # a process that faulted ran the sections before: theirs, as it wrote them
+        result = json.loads(path.read_text())
     runs = {
         "kernels": lambda: check_and_time_kernels(device, dtype, True),  # first: a failure names its kernel
         "check": lambda: [row for shape in dict.fromkeys(("smollm2-135m", args.shape))
@@ -1675,8 +1679,9 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
         result["seconds"] = round(time.perf_counter() - started, 1)
         path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
         if lost and set(SUITE_SECTIONS) - done:  # this process's CUDA context is gone: the rest in a fresh one
-            result["rest_in_a_fresh_process"] = _rest_in_a_fresh_process(args, env, done, result)
-            break
+            result["rest_in_a_fresh_process"] = [s for s in SUITE_SECTIONS if s not in done]
+            path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+            _continue_in_a_fresh_process(done, path)
     result["seconds"] = round(time.perf_counter() - started, 1)
     path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
     failed = _suite_summary(result)
@@ -1700,30 +1705,26 @@ def _suite_name(env: dict, skip: set[str], quick: bool) -> str:
     return f"gpu-suite-{tag}-{commit}{''.join(f'-no-{s}' for s in sorted(skip))}{'-quick' if quick else ''}.json"
 
 
-def _rest_in_a_fresh_process(args, env: dict, done: set[str], result: dict) -> list[str]:
-    """Run the sections not done yet in a child process (`--suite --skip` the others), and take its rows into
-    `result`; the sections it ran."""
-    import subprocess
-
-    argv, skipping = [], False
-    for arg in sys.argv[1:]:  # this run's arguments without its --skip
-        if skipping or arg == "--skip":
-            skipping = not skipping and arg == "--skip"
+def _continue_in_a_fresh_process(done: set[str], path: Path) -> None:
+    """Replace this process (its broken CUDA context and the memory it holds go with it) by one that runs the
+    sections not done yet into the same JSON: this run's arguments, `--skip` the done ones, `--suite-resume`."""
+    argv, dropping = [], False
+    for arg in sys.argv[1:]:  # this run's arguments without its --skip and --suite-resume
+        if dropping:
+            dropping = False
             continue
-        if arg.startswith("--skip="):
+        if arg in ("--skip", "--suite-resume"):
+            dropping = True
             continue
-        argv.append(arg)
+        if not arg.startswith(("--skip=", "--suite-resume=")):
+            argv.append(arg)
     rest = [s for s in SUITE_SECTIONS if s not in done]
     print(f"suite: the CUDA context is lost; {', '.join(rest)} in a fresh process", flush=True)
-    subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--skip", ",".join(sorted(done))], check=False)
-    child = args.out / _suite_name(env, done, args.quick)
-    if child.exists():
-        ran = json.loads(child.read_text())
-        for section in rest:
-            if section in ran:
-                result[section] = ran[section]
-                result.setdefault("section_seconds", {})[section] = ran.get("section_seconds", {}).get(section)
-    return rest
+    sys.stdout.flush()
+    sys.stderr.flush()
+    script = os.path.abspath(__file__)
+    os.execv(sys.executable, [sys.executable, script, *argv, "--skip", ",".join(sorted(done)), "--suite-resume",
+                              str(path)])
 
 
 def _plain(value):
@@ -1735,6 +1736,8 @@ def _suite_summary(result: dict) -> list[str]:
     """One screen: each check, the link ratios, decode, serving, invariance and compile; what failed."""
     failed = [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
               if section in SUITE_SECTIONS and isinstance(rows, dict) and "error" in rows]
+    failed += [f"{section}: not run" for section in SUITE_SECTIONS  # (a fresh process that did not get to it)
+               if section not in result and section not in result.get("skipped", ())]
     for section in SUITE_SECTIONS:  # a sub-step's failure inside a section that went on
         rows = result.get(section)
         failed += [f"{section} {r.get('what', '')}: {r['error'][:80]}" for r in rows or [] if isinstance(rows, list)

@@ -215,12 +215,12 @@ def compile(
     ),
 ):
     """Compile documents into the store; what is already compiled is skipped, an interrupted run resumes."""
+    if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
+        fail(ParameterOutOfRange(f"--shards must be >= 1, got {shards}"))
     if plan:
         _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec, shards)
         return
     try:
-        if shards < 1:  # before the model loads; whether N fits the model's KV heads is checked once it has
-            raise ParameterOutOfRange(f"--shards must be >= 1, got {shards}")
         docs = _read_inputs(paths, glob, jsonl)
         empty = [meta["source"] for text, meta in docs if not text.strip()]
         if empty:
@@ -346,6 +346,8 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
                 tokenizer, config = AutoTokenizer.from_pretrained(source), AutoConfig.from_pretrained(source)
             except OSError as exc:
                 raise ModelFetchError(f"{s.model}: {exc}") from exc
+            except ValueError as exc:  # a folder transformers does not recognize (no model_type, say)
+                raise UnsupportedModel(f"{s.model}: {exc}") from exc
         try:
             shape = capacity.model_shape(config)
         except AttributeError as exc:

@@ -299,8 +299,11 @@ class RagCache(Front):
             mine, theirs = self.catalog.flights.claim(left)
             self._compile_claimed({key: todo[key] for key in mine}, compiler, layout, cancelled, writer, made, report)
             taken = self.catalog.flights.wait(theirs, cancelled, CANCEL_POLL_S)
-            made.update((key, entry) for key, entry in taken.items() if entry is not None)
-            report.shared += sum(entry is not None for entry in taken.values())
+            shared = {key: entry for key, entry in taken.items() if entry is not None}
+            if shared and writer is not None:  # a compile's job is the store: not left to a query's best effort
+                writer.put(shared)
+            made.update(shared)
+            report.shared += len(shared)
             left = [key for key, entry in taken.items() if entry is None]
         return self.catalog.filled(chunks, entries, todo, made), report
 

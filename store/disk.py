@@ -268,24 +268,29 @@ class DiskStore(BlobStore):
     def _evict_lru(self, nbytes: int) -> int:
         """Delete least recently used entries of at least `nbytes` in all; the entries deleted. One that cannot be
         deleted (a file of another user's) loses its index row, so that eviction does not stop at it every time."""
-        removed, batch = 0, 256
+        removed, batch, seen = 0, 256, set[str]()
         try:
             db = self._db()
             while nbytes > 0:
-                rows = db.execute("SELECT key, size FROM entries ORDER BY last_access ASC LIMIT ?", (batch,)).fetchall()
+                rows = db.execute(
+                    "SELECT key, size FROM entries ORDER BY last_access ASC LIMIT ?", (batch + len(seen),)
+                ).fetchall()
+                rows = [(key, size) for key, size in rows if key not in seen]  # a row whose DELETE failed comes back
                 if not rows:
                     break
                 for key, size in rows:
                     if nbytes <= 0:
                         break
+                    seen.add(key)
                     try:
-                        self.delete(key)
+                        existed = self.delete(key)
                     except StoreError as exc:
                         log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
                         db.execute("DELETE FROM entries WHERE key = ?", (key,))
                         continue
-                    nbytes -= size
-                    removed += 1
+                    if existed:  # a row without its file frees nothing
+                        nbytes -= size
+                        removed += 1
         except sqlite3.Error as exc:
             log.warning("disk tier %s: eviction stopped (%s)", self.root, exc)
         self.metrics.add(evicted=removed)

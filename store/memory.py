@@ -118,15 +118,21 @@ class MemoryStore(Store):
         waits for the copies queued before it died, and evicting on while they run would empty the tier."""
         if not arena.could_hold(entry):
             return None
+        size = arena.size_of(entry)
         while (placed := arena.place(entry)) is None:
             if arena.reclaimable():
                 arena.settle()
-            elif self._entries:
+                if (placed := arena.place(entry)) is not None:
+                    break
+            # the least recently used, as many as the entry's size, at once: one wait for their spans, not one each
+            freed = 0
+            while self._entries and freed < size:
                 _, evicted = self._entries.popitem(last=False)
                 self._bytes -= evicted.nbytes
+                freed += arena.size_of(evicted)  # its span, as the entry will take one
                 self.metrics.add(evicted=1)
                 del evicted
-            else:
+            if not freed and not arena.reclaimable():
                 return None
         return placed
 

@@ -3,7 +3,6 @@ JSON and a PNG; the scoring helpers give the SQuAD values. No timing is asserted
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -586,29 +585,39 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
 
 def test_after_a_cuda_fault_the_suite_runs_the_rest_in_a_fresh_process_and_keeps_its_rows(tmp_path, monkeypatch):
     """An illegal access leaves the process's CUDA context broken: every later section of the H200 run at f044cdf
-    failed with it. The suite hands the sections not done to a child process (the same arguments, `--skip` the done
-    ones) and takes the child's rows into its own JSON."""
-    import subprocess as sp
-
+    failed with it. The suite replaces itself by a process that runs the sections not done (`--skip` the done ones)
+    into the same JSON (`--suite-resume`), which keeps the first process's rows and names what never ran."""
     from bench import gpu
 
-    env = dict(gpu="NVIDIA H200", commit="abc1234")
-    args = argparse.Namespace(out=tmp_path, quick=False)
-    done = {"kernels", "check", "link", "serving"}  # serving: skipped by the run itself
     ran = []
 
-    def child(argv, check):
-        ran.append(argv)
-        (tmp_path / gpu._suite_name(env, done, False)).write_text(json.dumps(
-            dict(compile=[{"ratio": 0.9}], decode=[{"tok_s": 100.0}], section_seconds=dict(compile=1.0, decode=2.0))))
+    class Replaced(Exception):
+        pass
 
-    monkeypatch.setattr(sp, "run", child)
+    def execv(exe, argv):
+        ran.append(argv)
+        raise Replaced
+
+    monkeypatch.setattr(os, "execv", execv)
     monkeypatch.setattr(sys, "argv", ["bench/gpu.py", "--suite", "--skip", "serving", "--out", str(tmp_path)])
-    result: dict = {}
-    rest = gpu._rest_in_a_fresh_process(args, env, done, result)
-    assert rest == ["compile", "decode", "invariance"]
-    assert ran[0][2:] == ["--suite", "--out", str(tmp_path), "--skip", "check,kernels,link,serving"]
-    assert result["compile"] == [{"ratio": 0.9}] and result["section_seconds"] == dict(compile=1.0, decode=2.0)
+    with pytest.raises(Replaced):
+        gpu._continue_in_a_fresh_process({"kernels", "check", "link", "serving"}, tmp_path / "suite.json")
+    assert ran[0][2:] == ["--suite", "--out", str(tmp_path), "--skip", "check,kernels,link,serving",
+                          "--suite-resume", str(tmp_path / "suite.json")]
+    first = dict(benchmark="gpu --suite", skipped=["serving"], kernels=[{"kernel": "rope", "ok": True}],
+                 check=[{"check": "graph decode = eager step", "ok": True}], link={"error": "RuntimeError('CUDA "
+                 "error: an illegal memory access was encountered')"}, section_seconds=dict(kernels=1.0))
+    (tmp_path / "suite.json").write_text(json.dumps(first))
+    env = dict(os.environ, TRITON_INTERPRET="1", RAGCACHE_COMMIT="abc1234")
+    resumed = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip",
+                              "kernels,check,link,serving,compile,decode", "--suite-resume",
+                              str(tmp_path / "suite.json"), "--out", str(tmp_path)],
+                             cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True,
+                             timeout=600)
+    kept = json.loads((tmp_path / "suite.json").read_text())
+    assert kept["check"] == first["check"] and kept["link"] == first["link"] and "invariance" in kept
+    said = resumed.stdout
+    assert resumed.returncode == 1 and "link: RuntimeError" in said and "compile: not run" in said, said[-2000:]
 
 
 def test_the_gpu_scripts_check_mode_runs_on_cpu(tmp_path):

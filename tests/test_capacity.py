@@ -136,12 +136,17 @@ def test_a_compile_whose_rate_cannot_be_recorded_still_succeeds(tmp_path, monkey
 
 def test_plan_and_config_refuse_bad_settings_with_the_exit_codes_of_bad_input(tmp_path, monkeypatch):
     model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS[:1])
+    weird = tmp_path / "weird"
+    weird.mkdir()
+    (weird / "config.json").write_text("{}")
     plan = ["compile", str(docs), "--plan", "--model"]
     for args, code in (
         ([*plan, str(model), "--dtype", "fp16"], 3),
         ([*plan, str(model), "--device", "gpu"], 3),
         ([*plan, str(tmp_path / "no-such-model")], 5),
         ([*plan, str(model), "--device", "cuda"], 0),  # a plan for a GPU, on a machine that may have none
+        ([*plan, str(weird), "--device", "cpu"], 5),  # a folder transformers does not recognize
+        ([*plan, str(model), "--shards", "0"], 3),
     ):
         result = CliRunner().invoke(app, args, terminal_width=200)
         assert result.exit_code == code and "Traceback" not in result.output, (args, result.output)

@@ -267,7 +267,7 @@ def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile(de
     assert handed == [0, 1, 2, 3, 4] and writer.written == 5 and store.kept == [f"k{n}" for n in range(5)]
 
 
-def _two_callers(rc, chunks, first_kwargs=None):
+def _two_callers(rc, chunks, first_kwargs=None, second_kwargs=None):
     """`rc._ensure` of the same chunks on two threads, the second reading the store while the first is about to
     compile (its first compile sequence waits for that read): (reports or errors, by name)."""
     reads, second_read, lock = [], threading.Event(), threading.Lock()
@@ -299,7 +299,7 @@ def _two_callers(rc, chunks, first_kwargs=None):
     first.start()
     while not reads:
         time.sleep(0.005)
-    second = threading.Thread(target=ensure, args=("second", {}), name="second")
+    second = threading.Thread(target=ensure, args=("second", second_kwargs or {}), name="second")
     second.start()
     for t in (first, second):
         t.join(120)
@@ -359,4 +359,26 @@ def test_progress_counts_a_document_ready_once_its_chunks_are_compiled():
     again = []
     rc.compile_documents(TEXTS[:3], progress=lambda r: again.append((r.documents, r.ready)))
     assert all(documents == ready for documents, ready in again)  # all compiled before: ready as taken in
+    rc.close()
+
+
+def test_a_compile_stores_the_chunks_it_took_from_a_query_whose_write_failed():
+    """Storing is a compile's job: chunks it took from a query's compile (Flights) whose store write failed, logged
+    and left to a later request, are written by the compile's own writer."""
+    rc = engine()
+    chunks = rc.catalog.draft(TEXTS[2]).chunks
+    put_many, failed = rc.store.put_many, []
+
+    def refuses_once(items):
+        if not failed:
+            failed.append(len(items))
+            raise StoreError("the store blinked")
+        return put_many(items)
+
+    rc.store.put_many = refuses_once
+    writer = Writer(rc.store)
+    out = _two_callers(rc, chunks, second_kwargs={"writer": writer})
+    writer.flush()
+    assert out["first"][1].unstored is not None and out["second"][1].shared == len(chunks)
+    assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]))
     rc.close()

@@ -631,6 +631,21 @@ def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_u
     assert store.stats()["evicted"] == 1
 
 
+def test_an_index_row_without_its_file_frees_nothing_when_evicted(tmp_path):
+    """A row whose file is gone (removed by hand, another process) is dropped by eviction, not counted as the room
+    it made: eviction goes on to a real entry."""
+    items = [make_entry(s, layers=2) for s in range(4)]
+    size = len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=3 * size)
+    for k, e in items[:3]:
+        store.put_many({k: e})
+        time.sleep(0.01)
+    store.entry_path(items[0][0]).unlink()  # its row stays, the oldest
+    store.put_many(dict(items[3:]))
+    assert store.contains_many([k for k, _ in items]) == [False, False, True, True]
+    assert store.stats()["evicted"] == 1
+
+
 def test_an_entry_over_the_disk_budget_is_not_kept_and_evicts_nothing(tmp_path):
     items = [make_entry(s, layers=2) for s in range(3)]
     size = len(encode(*items[0]))

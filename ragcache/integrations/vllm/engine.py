@@ -249,12 +249,14 @@ class VllmRagCache(Front):
 
     def stored_forms(self, compiler: Compiler, ids: list[int], layout) -> list[list[str]]:
         """Its own keys, and the forms the connector also reads an entry in without storing it again in its own
-        (Catalog._other_forms): the whole entry, sliced for each rank, or a full set of another count's shards."""
+        (Catalog._other_forms): under tensor parallelism the whole entry, sliced for each rank; on one device a full
+        set of some count's shards, joined."""
         total = self.head_ranges[0].total if self.head_ranges[0] is not None else self._kv_heads
         whole = HeadRange(0, total, total)
         shard_sets = [HeadRange.split(total, n) for n in SHARD_COUNTS if n <= total and total % n == 0]
         forms = [self.stored_keys(compiler, ids, layout), [compiler.key(ids, layout, whole)]]
-        forms += [[compiler.key(ids, layout, r) for r in ranges] for ranges in shard_sets]
+        if self.head_ranges == [None]:  # a rank of a split model slices whole entries; only a whole reader joins
+            forms += [[compiler.key(ids, layout, r) for r in ranges] for ranges in shard_sets]
         return list({tuple(form): form for form in forms}.values())
 
     # -- answering ------------------------------------------------------------------------------------
