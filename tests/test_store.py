@@ -631,15 +631,21 @@ def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_u
     assert store.stats()["evicted"] == 1
 
 
+def lru_disk(tmp_path, room: int, written: int) -> tuple[list, DiskStore]:
+    """(four small entries, a disk tier with room for `room` of them holding the first `written`, put one at a time:
+    the first the least recently used)."""
+    items = [make_entry(s, layers=2) for s in range(4)]
+    store = DiskStore(tmp_path, budget_bytes=room * len(encode(*items[0])))
+    for key, entry in items[:written]:
+        store.put_many({key: entry})
+        time.sleep(0.01)
+    return items, store
+
+
 def test_an_index_row_without_its_file_frees_nothing_when_evicted(tmp_path):
     """A row whose file is gone (removed by hand, another process) is dropped by eviction, not counted as the room
     it made: eviction goes on to a real entry."""
-    items = [make_entry(s, layers=2) for s in range(4)]
-    size = len(encode(*items[0]))
-    store = DiskStore(tmp_path, budget_bytes=3 * size)
-    for k, e in items[:3]:
-        store.put_many({k: e})
-        time.sleep(0.01)
+    items, store = lru_disk(tmp_path, room=3, written=3)
     store.entry_path(items[0][0]).unlink()  # its row stays, the oldest
     store.put_many(dict(items[3:]))
     assert store.contains_many([k for k, _ in items]) == [False, False, True, True]
@@ -658,12 +664,7 @@ def test_an_entry_over_the_disk_budget_is_not_kept_and_evicts_nothing(tmp_path):
 
 
 def test_an_entry_eviction_cannot_delete_neither_fails_the_write_nor_stops_eviction(tmp_path, monkeypatch):
-    items = [make_entry(s, layers=2) for s in range(4)]
-    size = len(encode(*items[0]))
-    store = DiskStore(tmp_path, budget_bytes=2 * size)
-    for k, e in items[:2]:
-        store.put_many({k: e})
-        time.sleep(0.01)
+    items, store = lru_disk(tmp_path, room=2, written=2)
     delete, stuck = store.delete, items[0][0]
 
     def undeletable(key):
