@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, Sampling
+from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, Sampling, stop_strings
 from ragcache.front import Front, Stream
 from ragcache.guard import BackgroundGuard
 from ragcache.request import Limits, Query
@@ -27,10 +27,6 @@ from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
-
-
-def stop_strings(stop: str | list[str] | None) -> list[str]:
-    return [stop] if isinstance(stop, str) else list(stop or [])
 
 
 class ClientGone(Exception):

@@ -54,17 +54,28 @@ class EngineQueue:
                 queue_depth=self.depth,
                 max_queue=self.max_queue,
             )
-        if self.held[client] >= self.max_per_client:
+        self.take_share(self.held, client, "requests waiting for or using the engine")
+        self.depth += 1
+        return Slot(self, asyncio.get_running_loop(), client)
+
+    def take_share(self, held: Counter[str], client: str, what: str) -> None:
+        """One more of `client`'s share of `what` (`held`, by client: at most max_per_client), or the 429
+        client_limit."""
+        if held[client] >= self.max_per_client:
             raise self.refuse(
                 CLIENT_LIMIT,
-                f"this client already has {self.held[client]} requests waiting for or using the engine "
-                f"(max_per_client={self.max_per_client}); retry when one of them has finished",
-                client_requests=self.held[client],
+                f"this client already has {held[client]} {what} (max_per_client={self.max_per_client}); retry when "
+                "one of them has finished",
+                client_requests=held[client],
                 max_per_client=self.max_per_client,
             )
-        self.depth += 1
-        self.held[client] += 1
-        return Slot(self, asyncio.get_running_loop(), client)
+        held[client] += 1
+
+    @staticmethod
+    def let_go(held: Counter[str], client: str) -> None:
+        held[client] -= 1
+        if not held[client]:
+            del held[client]  # one entry per client that holds some, not per client ever seen
 
     def refuse(self, reason: str, message: str, **details) -> ApiError:
         """The 429 for `reason`, counted."""
@@ -73,9 +84,7 @@ class EngineQueue:
 
     def release(self, client: str) -> None:
         self.depth -= 1
-        self.held[client] -= 1
-        if not self.held[client]:
-            del self.held[client]  # one entry per client with a request, not per client ever seen
+        self.let_go(self.held, client)
 
     def shutdown(self) -> None:
         """Server stopping: every live generation is aborted before the engine's next step."""
@@ -102,20 +111,12 @@ class Measuring:
                 f"{self.workers} queries' raw texts are being measured and {self.in_line} more wait their turn "
                 f"(max_tokenizing={self.workers}); retry shortly",
             )
-        if self.held[client] >= self.queue.max_per_client:
-            raise self.queue.refuse(
-                CLIENT_LIMIT,
-                f"this client already has {self.held[client]} queries' raw texts being measured or in line "
-                f"(max_per_client={self.queue.max_per_client}); retry when one of them has finished",
-                client_requests=self.held[client],
-                max_per_client=self.queue.max_per_client,
-            )
-        self.held[client] += 1
+        self.queue.take_share(self.held, client, "queries' raw texts being measured or in line")
         self.in_line += 1
         try:
             await self.turns.acquire()
         except BaseException:
-            self._let_go(client)
+            self.queue.let_go(self.held, client)
             raise
         finally:
             self.in_line -= 1
@@ -130,12 +131,7 @@ class Measuring:
             job.exception()  # a caller that left never reads it: asyncio would log it as never retrieved
         self.running -= 1
         self.turns.release()
-        self._let_go(client)
-
-    def _let_go(self, client: str) -> None:
-        self.held[client] -= 1
-        if not self.held[client]:
-            del self.held[client]
+        self.queue.let_go(self.held, client)
 
 
 class Slot:

@@ -12,13 +12,13 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.documents import check_metadata
-from ragcache.engine import Answer, Done, Failed, Piece, Sampling
+from ragcache.engine import Answer, Done, Failed, Piece, Sampling, stop_strings
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.front import CompileReport
 from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.store.keys import is_document_id
 
-from .answering import ClientGone, Context, client_of, ctx, stop_strings
+from .answering import ClientGone, Context, client_of, ctx
 from .body import Body, documented
 from .engine_queue import EventStream, Generation, wait_for_disconnect
 from .errors import WITH_BODY, describe, responses

@@ -321,8 +321,7 @@ def _disk_evictions(store) -> int:
 def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec, shards) -> None:
     """`compile --plan`: the corpus tokenized and chunked as a compile would, with the model's tokenizer and
     config only (no weights loaded; a built-in model is pulled once, as a compile would), and what it will take
-    (ragcache/capacity.py); with `shards`, the shards' bytes beside
-    the whole entries'."""
+    (ragcache/capacity.py); with `shards`, the shards' bytes beside the whole entries'."""
     import torch
     from transformers import AutoConfig, AutoTokenizer
 

@@ -10,7 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from ragcache.store import Store
 from ragcache.store.keys import document_id
@@ -252,10 +252,8 @@ class Front(abc.ABC):
 
     def _held(self, compiler: Compiler, chunks: list[list[int]], layout: Layout) -> list[bool]:
         """Whether the store holds each chunk's entry in one of the forms a link reads it in (`stored_forms`)."""
-        forms = [self.stored_forms(compiler, ids, layout) for ids in chunks]
-        keys = list(dict.fromkeys(k for fs in forms for form in fs for k in form))
-        there = dict(zip(keys, self.store.contains_many(keys)))
-        return [any(all(there[k] for k in form) for form in fs) for fs in forms]
+        held, _ = found_forms([self.stored_forms(compiler, ids, layout) for ids in chunks], self.store.contains_many)
+        return [form is not None for form in held]
 
     def stored_forms(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[list[str]]:
         """The sets of keys any one of which, all present, holds a chunk's entry for this engine's links: its own
@@ -456,6 +454,16 @@ class Front(abc.ABC):
 
     def infill(self, prefix: str, suffix: str, **kwargs) -> Answer:
         return drain(self.infill_stream(prefix, suffix, **kwargs))
+
+
+def found_forms(
+    forms: list[list[list[str]]], look: Callable[[list[str]], list]
+) -> tuple[list[list[str] | None], dict[str, Any]]:
+    """For each chunk's forms (`Front.stored_forms`), the first whose keys `look` (a store's batched lookup) finds
+    every one of, None where none; and what it found, by key. One lookup for every key of every form."""
+    keys = list(dict.fromkeys(k for fs in forms for form in fs for k in form))
+    found = dict(zip(keys, look(keys)))
+    return [next((form for form in fs if all(found[k] for k in form)), None) for fs in forms], found
 
 
 def drain(stream: Stream) -> Answer:

@@ -45,6 +45,7 @@ _HOMES = {
     "QueryStats": "sampling",
     "Sampling": "sampling",
     "eos_ids": "sampling",
+    "stop_strings": "sampling",
     "Scheduler": "scheduler",
     "compute_inline": "threads",
     "on_a_passing_thread": "threads",
@@ -109,6 +110,7 @@ __all__ = [  # the same names as _HOMES' keys (tests/test_imports.py)
     "ready",
     "return_free_memory",
     "rope_table",
+    "stop_strings",
     "wait",
 ]
 
@@ -121,7 +123,7 @@ if TYPE_CHECKING:
     from .kv import Batch, JoinedCache, KVPool, ModelShape, Segment
     from .prefix_cache import Hit, PrefixCache
     from .runner import Part, Runner, cache_argument, rope_table
-    from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids
+    from .sampling import Answer, Decoding, QueryStats, Sampling, eos_ids, stop_strings
     from .scheduler import Scheduler
     from .sequence import (
         CANCEL_POLL_S,

@@ -9,7 +9,6 @@ policy of what runs in a step is the scheduler's; the driver has none.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import logging
 import threading
@@ -25,7 +24,7 @@ import torch
 
 from .. import errors
 from .allocator import return_free_memory
-from .runner import Runner
+from .runner import CONTAINED, Runner
 from .scheduler import Kind, Scheduler, StepPlan
 from .sequence import Output, Sequence, Status
 
@@ -147,9 +146,7 @@ class Driver:
                 try:
                     with torch.inference_mode():  # every tensor the model thread makes or writes, the pool's too
                         self._pass()
-                # a bug here must not leave every caller waiting forever, nor a SystemExit or a CancelledError from
-                # a task end the thread while `_thread` still names it (no thread would be started again)
-                except (Exception, SystemExit, asyncio.CancelledError) as exc:
+                except CONTAINED as exc:  # a bug here must not leave every caller waiting forever
                     log.exception("the model thread failed a step")
                     self._deliver(self.scheduler.fail_all(exc))
             if state == "stop":  # also when `stop` gave up waiting for a long step: nobody is left waiting
@@ -207,7 +204,7 @@ class Driver:
                 log.exception("a finished sequence's cache could not be released")
             try:
                 sequence.receive(output)
-            except (Exception, SystemExit, asyncio.CancelledError):  # a listener's bug is its caller's alone
+            except CONTAINED:  # a listener's bug is its caller's, not every other sequence's
                 log.exception("a listener failed on the model thread")
 
     def _free(self, sequence: Sequence, status: Status) -> None:

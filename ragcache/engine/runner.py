@@ -42,6 +42,9 @@ Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) posi
 
 ATTENTION_NAME = "ragcache"
 log = logging.getLogger("ragcache")
+# what a request's step, a task or a listener may raise and fail alone: never past the model thread, which a
+# SystemExit or a CancelledError would end while the driver still names it
+CONTAINED = (Exception, SystemExit, asyncio.CancelledError)
 
 
 def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, sliding_window=None, **kwargs):
@@ -227,7 +230,7 @@ class Runner:
     def _alone(self, run, work: Work) -> StepResult:
         try:
             return run(work)
-        except (Exception, SystemExit, asyncio.CancelledError) as exc:  # noqa: BLE001 - a bad request fails alone
+        except CONTAINED as exc:  # a bad request fails alone
             return StepResult(error=exc)
 
     def _place(self, work: Work) -> StepResult:

@@ -61,6 +61,12 @@ class Answer:
     first_logits: torch.Tensor | None = field(default=None, repr=False)  # next-token logits at the answer's start
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """Stop strings as a request gives them: None (llama-index's "no stop") is none, and one string is one stop
+    string, not its characters (OpenAI's form)."""
+    return [stop] if isinstance(stop, str) else list(stop or [])
+
+
 @dataclass
 class Sampling:
     max_new_tokens: int = 32
@@ -70,8 +76,7 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        # None (llama-index's "no stop") is none; one string is one stop string, not its characters (OpenAI's form)
-        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop = stop_strings(self.stop)
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

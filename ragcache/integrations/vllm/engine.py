@@ -31,7 +31,7 @@ from ragcache.catalog import SHARD_COUNTS
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
 from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
-from ragcache.front import Front, drain
+from ragcache.front import Front, drain, found_forms
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
@@ -233,9 +233,7 @@ class VllmRagCache(Front):
         )
         forms = [self.stored_forms(self.compiler, c, shape) for c in chunks]
         forms += [self.stored_forms(self.prefix_compiler, prefix, PLAIN)] if prefix else []
-        keys = list(dict.fromkeys(k for fs in forms for form in fs for k in form))
-        info = dict(zip(keys, self.store.describe_many(keys)))
-        held = [next((form for form in fs if all(info[k] for k in form)), None) for fs in forms]
+        held, info = found_forms(forms, self.store.describe_many)
         if None in held:
             raise StoreError(
                 f"vLLM's connector did not store {held.count(None)} of {len(held)} entries; its log "
