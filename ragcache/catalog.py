@@ -264,7 +264,8 @@ class Catalog:
         if writer is not None:
             writer.put(compiled)
             return
-        report.unstored = stored(self.store, compiled)
+        failed = stored(self.store, compiled)
+        report.unstored = report.unstored or failed  # an earlier batch's failure stands
 
     def ensure(
         self,

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import threading
+import weakref
 from dataclasses import dataclass
 
 from .settings import DEFAULT_CHUNK_TOKENS
@@ -20,7 +23,36 @@ def text_ids(tokenizer, text: str, **options):
     """The tokenizer's encoding of text a document or a user gave, as text: no special token is added, and the
     spelling of one inside it (`<|im_start|>`, `<|fim_middle|>`) stays characters. A document that could open a
     role of its own, stored once and linked into everyone's prompts, would otherwise speak for the system."""
-    return tokenizer(text, add_special_tokens=False, split_special_tokens=True, **options)
+    return _as_text(tokenizer)(text, add_special_tokens=False, split_special_tokens=True, **options)
+
+
+_TEXT_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_TWINS_LOCK = threading.Lock()
+
+
+def _as_text(tokenizer):
+    """A copy of a fast tokenizer set once to keep special tokens' spellings as text. transformers writes that
+    setting into the shared Rust tokenizer at every call whose setting differs from the last one's: with text and
+    templates encoded from several threads (uploads, length checks, queries), a call fails beside another's encode
+    (`Already borrowed`) or encodes under the other's setting (a document's `<|im_start|>` a control token again)."""
+    if not hasattr(tokenizer, "backend_tokenizer"):  # no Rust state to share (a test's stand-in)
+        return tokenizer
+    with _TWINS_LOCK:
+        twin = _TEXT_TWINS.get(tokenizer)
+        if twin is None:
+            twin = copy.deepcopy(tokenizer)
+            twin.split_special_tokens = True
+            twin.backend_tokenizer.encode_special_tokens = True
+            _TEXT_TWINS[tokenizer] = twin
+    return twin
+
+
+def lead_ids(tokenizer) -> tuple[int, ...]:
+    """The BOS the tokenizer puts before any text it encodes (Llama, Gemma, DeepSeek-Coder), or none (Qwen,
+    StarCoder): what a prompt built from parts tokenized alone must begin with, as the model was trained."""
+    bos = tokenizer.bos_token_id
+    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
+    return (bos,) if bos is not None and ids and ids[0] == bos else ()
 
 
 def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> list[Chunk]:

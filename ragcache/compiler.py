@@ -21,6 +21,7 @@ from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import entry_key, entry_meta
 from ragcache.store.shards import HeadRange
 
+from .chunker import lead_ids
 from .engine import Runner
 from .loaded import LoadedModel
 
@@ -45,9 +46,8 @@ PLAIN = Layout("plain")
 
 
 def default_layout(tokenizer) -> Layout:
-    bos = tokenizer.bos_token_id
-    ids = tokenizer("a", add_special_tokens=True)["input_ids"]
-    return Layout("bos", lead_ids=(bos,)) if bos is not None and ids and ids[0] == bos else PLAIN  # a BOS it adds
+    lead = lead_ids(tokenizer)
+    return Layout("bos", lead_ids=lead) if lead else PLAIN
 
 
 def sink_layout(tokenizer) -> Layout:

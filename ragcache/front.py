@@ -19,7 +19,7 @@ from ragcache.store.shards import HeadRange
 from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog, Writer
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
-from .engine import Answer, QueryStats, Sampling
+from .engine import Answer, QueryStats, Sampling, stop_strings
 from .errors import Cancelled, ParameterOutOfRange, PromptTooLong
 from .length import ContextTexts, TokenBound
 from .linker import LinkInput, LinkParams
@@ -440,14 +440,14 @@ class Front(abc.ABC):
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_p: float = 1.0,
-        stop: list[str] | None = None,
+        stop: str | list[str] | None = None,
         seed: int | None = None,
         limits: Limits = UNBOUNDED,
     ) -> Stream:
         """Fill the hole between prefix and suffix. With a session id, EFIM keeps the session's cached
         `<PRE>..<MID>` part across rounds, so a round costs the typed increment plus decoding;
         `stats.cached_tokens` says how many prompt tokens were reused."""
-        sampling = Sampling(max_new_tokens, temperature, top_p, list(stop or []), seed)
+        sampling = Sampling(max_new_tokens, temperature, top_p, stop_strings(stop), seed)
         fill = request.validate_infill(prefix, suffix, session, mode, reuse, sampling, limits)
         self.refuse_long_texts([fill.prefix, fill.suffix], max_new_tokens)
         return self.stream_infill(fill)

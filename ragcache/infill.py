@@ -7,7 +7,8 @@ EFIM  <PRE>{prefix[:i]}<SUF>{suffix}<MID>{prefix[i:]}
       whole `<PRE>..<MID>` stays an exact, reusable prefix. The mirror layout, for a suffix that grows at
       its head, is <SUF>{suffix[j:]}<PRE>{prefix}<MID>{suffix[:j]}... is not served: a suffix edit starts a
       new base (see InfillSession.plan).
-Each part is tokenized alone and the prompt is the concatenation, as for RAG prompts.
+Each part is tokenized alone and the prompt is the concatenation, as for RAG prompts, behind the BOS the
+tokenizer puts before any text (DeepSeek-Coder's; Qwen2.5-Coder and StarCoder have none).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from .chunker import text_ids
+from .chunker import lead_ids, text_ids
 from .errors import BadRequest, UnsupportedModel
 
 # sentinel spellings by model family; the first whose three tokens are all in the vocabulary wins
@@ -48,13 +49,15 @@ class FimTokens:
     prefix: int
     suffix: int
     middle: int
+    lead: tuple[int, ...] = ()  # before <PRE>: the tokenizer's BOS, where it puts one before any text
 
     @classmethod
     def for_tokenizer(cls, tokenizer, spelling: tuple[str, str, str] | None = None) -> FimTokens:
         vocab = tokenizer.get_vocab()
         for candidate in [spelling] if spelling else FIM_SENTINELS:
             if all(token in vocab for token in candidate):
-                return cls(*(vocab[token] for token in candidate))
+                prefix, suffix, middle = (vocab[token] for token in candidate)
+                return cls(prefix, suffix, middle, lead_ids(tokenizer))
         raise UnsupportedModel(
             "this model's tokenizer has no fill-in-the-middle sentinels (<|fim_prefix|>, <fim_prefix>, ...); "
             "use a FIM model such as qwen2.5-coder-0.5b or pass the sentinel spelling"
@@ -75,12 +78,13 @@ def build_prompt(
 ) -> list[int]:
     """Token ids of a FIM prompt. For EFIM, `split` is the cached part's length in characters (default: all)."""
     if mode == "psm":
-        return [fim.prefix, *_ids(tokenizer, prefix), fim.suffix, *_ids(tokenizer, suffix), fim.middle]
+        return [*fim.lead, fim.prefix, *_ids(tokenizer, prefix), fim.suffix, *_ids(tokenizer, suffix), fim.middle]
     if mode == "spm":
-        return [fim.prefix, fim.suffix, *_ids(tokenizer, suffix), fim.middle, *_ids(tokenizer, prefix)]
+        return [*fim.lead, fim.prefix, fim.suffix, *_ids(tokenizer, suffix), fim.middle, *_ids(tokenizer, prefix)]
     if mode == "efim":
         i = len(prefix) if split is None else split
         return [
+            *fim.lead,
             fim.prefix,
             *_ids(tokenizer, prefix[:i]),
             fim.suffix,

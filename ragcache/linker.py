@@ -174,8 +174,7 @@ def plan(
         cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
         return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits, length)
     reused = place(runner, parts, params, cache, hit)
-    scored = algorithm(params.algorithm).scores and any(parts.chunk_ids)  # no chunk rows to choose: no pre-pass
-    scores = question_attention(runner, parts, cache).sum(0) if scored else None
+    scores = question_attention(runner, parts, cache).sum(0) if prepass_rows(parts, params) else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
     rows = rows.sort().values
     # A link over chunk entries holds `full`'s rows nowhere bit for bit: its system prefix was placed from an entry
@@ -185,6 +184,14 @@ def plan(
     # reuse, in causal pieces after rows a link computed: nothing to repair.
     exact = 0 if algorithm(params.algorithm).reuses == "chunks" else length
     return LinkPlan(cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact)
+
+
+def prepass_rows(parts: LinkInput, params: LinkParams) -> int:
+    """The rows `plan` runs through the model before any piece: the question's, in the pre-pass of an algorithm that
+    ranks chunk rows by its attention (none without chunk rows to choose from). An unknown algorithm runs none: its
+    PLACE step fails it alone."""
+    known = TABLE.get(params.algorithm)
+    return len(parts.question_ids) if known is not None and known.scores and any(parts.chunk_ids) else 0
 
 
 def finish(

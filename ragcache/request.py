@@ -94,6 +94,8 @@ def validate(
 
 def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documents") -> list[str]:
     """Documents to compile."""
+    if isinstance(texts, str | bytes) or not isinstance(texts, list | tuple):
+        raise BadRequest(f"{what} must be a list of texts, got {type(texts).__name__}: pass [text] for one document")
     _at_most_count(len(texts), limits.documents, what)
     return [validate_text(text, f"{what}[{i}]", limits) for i, text in enumerate(texts)]
 

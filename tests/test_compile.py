@@ -382,3 +382,39 @@ def test_a_compile_stores_the_chunks_it_took_from_a_query_whose_write_failed():
     assert out["first"][1].unstored is not None and out["second"][1].shared == len(chunks)
     assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]))
     rc.close()
+
+
+def test_a_failed_write_is_still_reported_when_a_later_write_of_the_same_call_succeeds():
+    """A call may keep entries in several batches (its own compiles, then one it took over from a failed flight):
+    the first batch's failed write must not be overwritten by the next one's success, or a compile reports
+    entries stored that are not."""
+    from ragcache.catalog import Catalog, EnsureReport
+    from tests.test_store import make_entry
+
+    store = MemoryStore()
+    put_many, calls = store.put_many, []
+
+    def refuses_first(items):
+        calls.append(len(items))
+        if len(calls) == 1:
+            raise StoreError("the store blinked")
+        return put_many(items)
+
+    store.put_many = refuses_first
+    catalog, report = Catalog(store, tiny.tokenizer(), "t" * 64, 8), EnsureReport()
+    first, second = (dict([make_entry(seed, layers=2, tokens=4)]) for seed in (1, 2))
+    catalog.keep(first, report)
+    catalog.keep(second, report)
+    assert calls == [1, 1] and isinstance(report.unstored, StoreError) and report.compiled == 2
+
+
+def test_one_text_given_for_a_list_of_documents_is_refused():
+    """`compile_documents("some text")` compiled each character as a document (or failed on a space as empty)."""
+    from ragcache.errors import BadRequest
+
+    rc = engine()
+    for texts in ("hello", b"hello", {"a": "b"}):
+        with pytest.raises(BadRequest, match="list of texts"):
+            rc.compile_documents(texts)
+    assert rc.store.record_names() == []
+    rc.close()

@@ -647,3 +647,41 @@ def test_a_system_prompt_a_chat_template_refuses_is_bad_input_not_a_500():
     assert fmt.chat and prompt.system_prefix_ids(tok, fmt, None)
     with pytest.raises(BadRequest, match="refuses the system prompt"):
         prompt.system_prefix_ids(tok, fmt, "Be brief.")
+
+
+def test_text_and_template_encodes_from_many_threads_never_meet():
+    """Documents are encoded as text (special spellings kept characters) while questions and templates are
+    encoded with their control tokens, from several threads at once (uploads, length checks, queries). The text
+    encodes go through a copy of the tokenizer: transformers writes the setting into the shared Rust tokenizer
+    when it differs from the last call's, which fails beside another thread's encode (`Already borrowed`) or hands
+    it the other's setting."""
+    import threading
+
+    from ragcache.chunker import text_ids
+
+    tok = tiny.tokenizer()
+    bos = tok.bos_token_id
+    text = "A note. </s><s> It goes on. " * 4000
+    as_text = text_ids(tok, text)["input_ids"]
+    assert bos not in as_text and tok.backend_tokenizer.encode_special_tokens is False
+    errors, stop = [], threading.Event()
+
+    def documents():
+        try:
+            while not stop.is_set():
+                assert text_ids(tok, text)["input_ids"] == as_text
+        except BaseException as exc:
+            errors.append(exc)
+            stop.set()
+
+    thread = threading.Thread(target=documents)
+    thread.start()
+    try:
+        for _ in range(3000):
+            if stop.is_set():
+                break
+            assert tok("<s> x", add_special_tokens=False)["input_ids"][0] == bos  # a template's control token
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors, errors

@@ -21,7 +21,8 @@ def ids(text):
 
 
 def test_sentinels_are_found():
-    assert FimTokens.for_tokenizer(tiny.tokenizer()) == FimTokens(PRE, SUF, MID)
+    tok = tiny.tokenizer()
+    assert FimTokens.for_tokenizer(tok) == FimTokens(PRE, SUF, MID, lead=(tok.bos_token_id,))
 
 
 def test_prompt_layouts_by_hand():
@@ -44,16 +45,34 @@ def test_sessions_keep_their_base_while_the_prefix_grows():
     assert sessions.plan(None, "abc", "", "efim") == 3
 
 
-def test_deepseek_coders_sentinels_are_found():
-    """DeepSeek-Coder spells its sentinels with fullwidth bars (U+FF5C); an ASCII '|' spelling refused the model."""
+def test_deepseek_coders_sentinels_are_found_and_its_prompts_begin_with_its_bos():
+    """DeepSeek-Coder spells its sentinels with fullwidth bars (U+FF5C); an ASCII '|' spelling refused the model.
+    Its tokenizer puts BOS before any text, and its FIM prompts were trained behind it."""
 
     class Vocab:
+        bos_token_id = 32013
+
         def get_vocab(self):
             return {"<\uff5cfim\u2581begin\uff5c>": 32016, "<\uff5cfim\u2581hole\uff5c>": 32015,
                     "<\uff5cfim\u2581end\uff5c>": 32017, "<\uff5cend\u2581of\u2581sentence\uff5c>": 32014}
 
-    assert FimTokens.for_tokenizer(Vocab()) == FimTokens(32016, 32015, 32017)
+        def __call__(self, text, add_special_tokens=True, **options):
+            return {"input_ids": [32013] * add_special_tokens + [ord(c) for c in text]}
+
+    fim = FimTokens.for_tokenizer(Vocab())
+    assert fim == FimTokens(32016, 32015, 32017, lead=(32013,))
     assert end_token_ids(Vocab()) == {32014}
+    assert build_prompt(Vocab(), fim, "a", "b", "psm") == [32013, 32016, ord("a"), 32015, ord("b"), 32017]
+
+
+def test_a_tokenizer_without_bos_gets_none_before_its_fim_prompt():
+    """Qwen2.5-Coder and StarCoder put nothing before text: nor does their FIM prompt."""
+    tok = tiny.tokenizer()
+    tok.add_bos_token = False  # transformers' switch for whether the tokenizer puts BOS before text
+    tok._tokenizer.post_processor = None
+    assert tok("a")["input_ids"][0] != tok.bos_token_id
+    fim = FimTokens.for_tokenizer(tok)
+    assert fim.lead == () and build_prompt(tok, fim, "a", "b", "psm")[0] == PRE
 
 
 def test_a_sessions_base_moves_up_once_the_typed_increment_is_long():
@@ -113,3 +132,12 @@ def test_infill_bad_input(rc):
 def test_model_without_fim_tokens_is_refused(smollm2):
     with pytest.raises(errors.UnsupportedModel, match="fill-in-the-middle"):
         FimTokens.for_tokenizer(smollm2.tokenizer)
+
+
+def test_a_stop_given_as_one_string_is_one_stop_string(rc, monkeypatch):
+    """`infill(stop="\\n\\n")` stopped at any single newline: the string was taken as a list of its characters."""
+    seen = []
+    monkeypatch.setattr(type(rc), "stream_infill", lambda self, fill: seen.append(fill.sampling.stop))
+    rc.infill_stream("def f(", "):", stop="END")
+    rc.infill_stream("def f(", "):", stop=["a", "b"])
+    assert seen == [["END"], ["a", "b"]]

@@ -949,3 +949,36 @@ def test_a_task_or_a_listener_that_raises_system_exit_fails_alone_and_the_engine
     assert rc.with_runner(lambda runner: "still here") == "still here"
     assert rc.query(QUESTIONS[1], [{"text": DOCS[1]}], max_new_tokens=2).text is not None
     rc.close()
+
+
+def test_a_place_step_runs_no_more_pre_pass_rows_than_the_budget_holds():
+    """Focus's question pre-pass runs the model in the PLACE step: arrivals are placed in order while their
+    pre-pass rows fit the budget (one at least), so a burst of them never holds a decoding stream for longer
+    than a budgeted step; algorithms without a pre-pass (naive here, a chunk's compile) are placed together."""
+    from ragcache.linker import LinkInput, LinkParams
+
+    def arrival(algorithm: str, question: int) -> Sequence:
+        s = sequence(tokens=None)
+        s.parts = LinkInput([], [[1, 2, 3]], list(range(question)))
+        s.params = LinkParams(algorithm=algorithm)
+        return s
+
+    scheduler = Scheduler(row_budget=16)
+    stream = sequence(tokens=8)
+    scheduler.add(stream)
+    run_plan(scheduler, scheduler.schedule(), {stream: (2,)})
+    run_plan(scheduler, scheduler.schedule(), {})
+    assert stream.status is Status.DECODING
+    focus = [arrival("focus", 6) for _ in range(3)] + [arrival("focus", 20)]
+    naive = [arrival("naive", 20) for _ in range(3)]
+    for s in (*focus, *naive):
+        scheduler.add(s)
+    assert [s.place_rows for s in (focus[0], focus[3], naive[0])] == [6, 20, 0]
+    placed = []
+    for _ in range(10):
+        plan = scheduler.schedule()
+        if plan.kind is Kind.PLACE:
+            placed.append([w.sequence for w in plan.work])
+        run_plan(scheduler, plan, {s: (1,) for s in (*focus, *naive)})
+    # 6 + 6 fit 16, a third would not; 20 alone is past the budget yet goes (one at least); the rest cost nothing
+    assert placed == [focus[:2], [focus[2]], [focus[3]], naive]

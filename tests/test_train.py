@@ -126,7 +126,7 @@ def test_fragment_tokenization_changes_tokens_not_text():
 def test_unfragmented_examples_match_the_serving_prompt_layout():
     tok = tiny.tokenizer()
     builder = ExampleBuilder(tok, ExampleConfig(fragment=False))
-    assert builder.fim == FimTokens(PRE, SUF, MID) and builder.end_id == END == end_token_id(tok)
+    assert builder.fim == FimTokens(PRE, SUF, MID, lead=(tok.bos_token_id,)) and builder.end_id == END == end_token_id(tok)
     prefix, middle, suffix = "def area(self):\n    return self.wi", "dth * self.hei", "ght\n"
     rng = random.Random(0)
     fim = builder.assemble(prefix, suffix, middle, "fim", None, rng)
@@ -151,11 +151,11 @@ def test_sampled_examples_have_sentinels_in_order_and_loss_only_on_the_middle():
     for e in examples:
         x, y = e.input_ids, e.labels
         assert len(x) == len(y) <= 160
-        assert x[0] == PRE and [t for t in x if t in (PRE, SUF, MID)] == [PRE, SUF, MID]
+        assert x[:2] == [tok.bos_token_id, PRE] and [t for t in x if t in (PRE, SUF, MID)] == [PRE, SUF, MID]
         s, m, n = x.index(SUF), x.index(MID), e.prompt_length
         assert all(label == IGNORE for label in y[:n]) and all(label != IGNORE for label in y[n:])
         assert y[n:] == x[n:] and y[-1] == END and END not in x[:n]
-        assert tok.decode(x[1:s]) == e.prefix[: e.split]
+        assert tok.decode(x[2:s]) == e.prefix[: e.split]
         assert tok.decode(x[s + 1 : m]) == e.suffix
         assert tok.decode(x[m + 1 : n]) == e.prefix[e.split :]  # empty for FIM
         assert tok.decode(x[n:-1]) == e.middle and e.middle
@@ -263,7 +263,8 @@ def test_eval_runs_psm_and_efim_on_the_tiny_model(tiny_dir, code_dir, tmp_path):
     tasks = build_tasks(3, seed=0, source=code_dir, prefix_chars=120, suffix_chars=60)
     report = evaluate(rc, tasks, ("psm", "efim"), max_new_tokens=3)
     assert len(report.results) == 6
-    tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
+    tok = tiny.tokenizer()
+    fim = FimTokens.for_tokenizer(tok)
     for task, (psm, efim) in zip(tasks, zip(report.results[::2], report.results[1::2])):
         assert psm.mode == "psm" and efim.mode == "efim"
         assert psm.prompt_tokens == len(build_prompt(tok, fim, task.prefix, task.suffix, "psm"))

@@ -2,9 +2,11 @@
 No thread and no tensor: the driver calls `schedule` and `update` on the model thread, the runner executes the plan.
 
 A sequence's life (sequence.Status):
-  waiting   added by the driver, admitted FIFO at the next step: a PLACE step puts what its algorithm reuses into
-            its joined cache (`linker.plan`: placing, and focus's question pre-pass). PLACE steps take turns with
-            the running sequences' steps, so arrivals coming faster than steps never stall a decoding stream;
+  waiting   added by the driver, admitted FIFO: a PLACE step puts what its algorithm reuses into its joined cache
+            (`linker.plan`: placing, and focus's question pre-pass), for as many arrivals as the step's row budget
+            holds of the rows their pre-passes run through the model (one at least; placing's copies are not
+            model rows). PLACE steps take turns with the running sequences' steps, so arrivals coming faster than
+            steps never stall a decoding stream;
   linking   the rows its algorithm recomputes run in pieces of at most the step's row budget (chunked prefill);
             a Narrowing algorithm (cacheblend) runs them in a NARROW step of its own instead, since it chooses its
             rows after a layer over all of them;
@@ -163,10 +165,16 @@ class Scheduler:
         return self._forward()
 
     def _admit(self) -> list[Sequence]:
-        """The waiting user sequences, all; else one background sequence while no other runs."""
+        """The waiting user sequences in order, while the rows their placing runs through the model fit the step's
+        budget (one at least); else one background sequence while no other runs."""
         if self.waiting:
-            admitted = list(self.waiting)
-            self.waiting.clear()
+            decoding = any(s.status is Status.DECODING for s in self.running)
+            budget = self.row_budget if decoding else self.link_row_budget
+            admitted = [self.waiting.popleft()]
+            rows = admitted[0].place_rows
+            while self.waiting and rows + self.waiting[0].place_rows <= budget:
+                rows += self.waiting[0].place_rows
+                admitted.append(self.waiting.popleft())
         elif self.background and not self.running:
             admitted = [self.background.popleft()]
         else:

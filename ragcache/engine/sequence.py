@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..errors import Cancelled
-from ..linker import Linked, LinkInput, LinkParams, LinkPlan
+from ..linker import Linked, LinkInput, LinkParams, LinkPlan, prepass_rows
 from .kv import JoinedCache
 from .prefix_cache import PrefixCache
 from .sampling import Answer, Decoding, QueryStats, Sampling, Step
@@ -182,6 +182,11 @@ class Sequence:
     def room(self) -> int:
         """Cache rows past the prompt: the tokens it may decode."""
         return self.decoding.sampling.max_new_tokens if self.decoding is not None else self.extra_capacity
+
+    @property
+    def place_rows(self) -> int:
+        """Rows its PLACE step runs through the model (linker.prepass_rows)."""
+        return 0 if self.parts is None else prepass_rows(self.parts, self.params)
 
     @property
     def pending_rows(self) -> int:

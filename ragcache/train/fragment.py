@@ -120,6 +120,7 @@ class ExampleBuilder:
         fim = self.fim
         i = len(prefix) if fmt == "fim" or split is None else split
         prompt = [
+            *fim.lead,
             fim.prefix,
             *self._ids(prefix[:i], rng),
             fim.suffix,
