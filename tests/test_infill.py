@@ -67,7 +67,9 @@ def test_deepseek_coders_sentinels_are_found_and_its_prompts_begin_with_its_bos(
 
 def test_a_tokenizer_without_bos_gets_none_before_its_fim_prompt():
     """Qwen2.5-Coder and StarCoder put nothing before text: nor does their FIM prompt."""
-    tok = tiny.tokenizer()
+    import copy
+
+    tok = copy.deepcopy(tiny.tokenizer())  # (the shared one adds BOS)
     tok.add_bos_token = False  # transformers' switch for whether the tokenizer puts BOS before text
     tok._tokenizer.post_processor = None
     assert tok("a")["input_ids"][0] != tok.bos_token_id
@@ -97,13 +99,14 @@ def test_efim_rounds_reuse_the_base_and_match_a_fresh_prompt(rc):
     prefix0, suffix = "The Eiffel Tower is in Paris. It was ", " metres tall."
     first = rc.infill(prefix0, suffix, session="u1", max_new_tokens=6)
     assert first.stats.cached_tokens == 0
-    base = len([PRE, *ids(prefix0), SUF, *ids(suffix), MID])
+    base = len([tiny.tokenizer().bos_token_id, PRE, *ids(prefix0), SUF, *ids(suffix), MID])  # it adds BOS
     for typed in ("completed", "completed in 1889 and"):  # within MAX_INCREMENT_CHARS of the base
         reused = rc.infill(prefix0 + typed, suffix, session="u1", max_new_tokens=6)
         assert reused.stats.cached_tokens >= base
         assert reused.stats.prompt_tokens == base + len(ids(typed))
         assert reused.stats.recomputed_tokens == reused.stats.prompt_tokens - reused.stats.cached_tokens
-        tok, fim = tiny.tokenizer(), FimTokens(PRE, SUF, MID)
+        tok = tiny.tokenizer()
+        fim = FimTokens.for_tokenizer(tok)
         same_ids = build_prompt(tok, fim, prefix0 + typed, suffix, "efim", split=len(prefix0))
         assert len(same_ids) == reused.stats.prompt_tokens
     # the same EFIM prompt computed from scratch gives the same greedy output
