@@ -115,7 +115,7 @@ class Context:
         return gen, first
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
-        self.metrics.observe_answer(answer.stats, gen.slot.queue_s)
+        self.metrics.observe_answer(answer.stats)
         q = gen.query
         if q is not None and self.guard is not None:
             self.guard.after_answer(answer, q)
@@ -135,15 +135,15 @@ class Context:
         finally:
             gen.close()
 
-    async def answer(self, request: Request, query: Query) -> tuple[Answer, float]:
-        """The whole answer (non-streaming routes); (answer, seconds waited in the queue)."""
+    async def answer(self, request: Request, query: Query) -> Answer:
+        """The whole answer (non-streaming routes)."""
         return await self.collect(*await self.start(request, query))
 
-    async def collect(self, gen: Generation, first: Event) -> tuple[Answer, float]:
+    async def collect(self, gen: Generation, first: Event) -> Answer:
         async with aclosing(self.events(gen, first)) as events:
             async for event in events:
                 if isinstance(event, Done):
-                    return event.answer, gen.slot.queue_s
+                    return event.answer
                 if isinstance(event, Failed):
                     raise event.error
         raise ClientGone()  # the events' only other end: Aborted

@@ -139,7 +139,6 @@ class Slot:
 
     def __init__(self, queue: EngineQueue, loop: asyncio.AbstractEventLoop, client: str):
         self.queue, self.loop, self.client = queue, loop, client
-        self.admitted = time.perf_counter()
         self.started: float | None = None  # when its work began
         self.jobs = 0
         self.closed = self.released = False
@@ -162,10 +161,6 @@ class Slot:
         if not job.cancelled():
             job.exception()  # a caller that left never reads it: asyncio would log it as never retrieved
         self._job_done()
-
-    @property
-    def queue_s(self) -> float:
-        return (self.started or time.perf_counter()) - self.admitted
 
     def _job_done(self) -> None:
         self.jobs -= 1

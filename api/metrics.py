@@ -183,10 +183,10 @@ class Metrics:
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
             r.register(Collector(lambda: engine.engine_metrics()))
 
-    def observe_answer(self, stats: QueryStats, queue_s: float) -> None:
+    def observe_answer(self, stats: QueryStats) -> None:
         algorithm = stats.algorithm or "unknown"
         self.ttft.labels(algorithm).observe(stats.ttft_s)
-        self.queue_wait.observe(queue_s)
+        self.queue_wait.observe(stats.wait_s)
         for field, counter in self.tokens.items():
             counter.labels(algorithm).inc(getattr(stats, field))
         self.unstored_chunks.inc(stats.unstored_chunks)

@@ -188,7 +188,7 @@ async def delete_document(doc_id: str, request: Request) -> Deleted:
 
 
 # -- query ------------------------------------------------------------------------------------------------
-def query_response(answer: Answer, queue_s: float) -> QueryResponse:
+def query_response(answer: Answer) -> QueryResponse:
     st = answer.stats
     return QueryResponse(
         answer=answer.text,
@@ -196,7 +196,7 @@ def query_response(answer: Answer, queue_s: float) -> QueryResponse:
         finish_reason=st.finish_reason,
         usage=Usage(**{name: getattr(st, name) for name in Usage.model_fields}),
         timings=Timings(
-            queue_s=queue_s, **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}
+            queue_s=st.wait_s, **{name: getattr(st, name) for name in Timings.model_fields if name != "queue_s"}
         ),
         store={
             "hits": st.store_hits,
@@ -222,20 +222,18 @@ async def query(request: Request, body: QueryRequest = Body(QueryRequest, answer
     c = ctx(request)
     query = await c.query(request, body.question, body.documents, body.system, body, body)
     if not body.stream:
-        return query_response(*await c.answer(request, query))  # (answer, seconds queued)
+        return query_response(await c.answer(request, query))
     gen, first = await c.start(request, query)
     return EventStream(gen, _query_events(c, gen, first))
 
 
 def _query_events(c: Context, gen: Generation, first, respond=query_response):
-    return sse_events(
-        c, gen, first, lambda text: {"text": text}, lambda answer: [respond(answer, gen.slot.queue_s).model_dump()]
-    )
+    return sse_events(c, gen, first, lambda text: {"text": text}, lambda answer: [respond(answer).model_dump()])
 
 
 # -- infill -----------------------------------------------------------------------------------------------
-def infill_response(answer: Answer, queue_s: float) -> InfillResponse:
-    full = query_response(answer, queue_s)
+def infill_response(answer: Answer) -> InfillResponse:
+    full = query_response(answer)
     return InfillResponse(
         text=answer.text,
         usage=full.usage,
@@ -266,5 +264,5 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     )
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:
-        return infill_response(*await c.collect(gen, first))
+        return infill_response(await c.collect(gen, first))
     return EventStream(gen, _query_events(c, gen, first, infill_response))

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from fastapi import APIRouter, Request
 
 from ragcache.engine import Answer
+from ragcache.settings import LinkKnobs
 
 from .answering import Context, ctx
 from .body import Body, documented
@@ -46,6 +47,15 @@ UNSUPPORTED = {
 }
 
 
+# ragcache's own fields where an OpenAI body does not take them: refused, or the answer would silently go without
+# them (a default link, no documents). Other unknown fields stay allowed, as OpenAI's clients send their own.
+MISPLACED = {
+    **{knob: f'send link options inside "ragcache": {{"{knob}": ...}}' for knob in LinkKnobs.model_fields},
+    **{name: 'document ids (or {"text": ...}) go in "documents"' for name in ("docs", "document", "document_ids")},
+    "question": 'the question is the last user message (chat) or "prompt" (completions)',
+}
+
+
 def unsupported(param: str, message: str) -> ApiError:
     return ApiError(422, "unsupported_parameter", message, param=param)
 
@@ -62,6 +72,9 @@ def _check(c: Context, body: OpenAIFields) -> None:
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
             raise unsupported(name, f"{name}={clip_repr(value)} is not supported by ragcache")
+        if name in MISPLACED or (name == "system" and isinstance(body, ChatRequest)):
+            where = MISPLACED.get(name, 'a chat\'s system prompt is a message with role "system"')
+            raise unsupported(name, f"{name!r} is not a field of this request: {where}")
 
 
 def usage(answer: Answer) -> dict:
@@ -74,12 +87,12 @@ def usage(answer: Answer) -> dict:
     }
 
 
-def ragcache_info(answer: Answer, queue_s: float) -> dict:
+def ragcache_info(answer: Answer) -> dict:
     st = answer.stats
     return {
         "algorithm": st.algorithm,
         "recomputed_tokens": st.recomputed_tokens,
-        "queue_s": queue_s,
+        "queue_s": st.wait_s,
         "ttft_s": st.ttft_s,
         "total_s": st.total_s,
     }
@@ -216,12 +229,12 @@ async def _respond(
         "model": c.rc.model_name,
     }
     if not body.stream:
-        answer, queue_s = await c.answer(request, query)
+        answer = await c.answer(request, query)
         return {
             **base,
             "choices": [_choice(whole(answer.text), answer.stats.finish_reason)],
             "usage": usage(answer),
-            "ragcache": ragcache_info(answer, queue_s),
+            "ragcache": ragcache_info(answer),
         }
     gen, first = await c.start(request, query)
     base["object"] = kinds[1]

@@ -218,7 +218,7 @@ class Usage(BaseModel):
 
 
 class Timings(BaseModel):
-    queue_s: float = Field(description="waiting for the engine")
+    queue_s: float = Field(description="handed to the engine, waiting for its first step of this request")
     ttft_s: float
     fetch_s: float
     rotate_s: float

@@ -162,7 +162,7 @@ def forged_chunks(store: Path, victim: Victim, other: Victim) -> None:
         budget = int(path.stem.rsplit("-", 1)[1])
         chunks = [[10**9]]
         forged = dict(record, chunks=chunks, tokens=1, checksum=chunks_checksum(
-            victim.id, record["tokenizer"], budget, record["vocab"], chunks))
+            victim.id, record["tokenizer"], budget, record["vocab"], chunks, record["version"]))
         _write(path, json.dumps(forged).encode())
 
 

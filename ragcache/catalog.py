@@ -25,11 +25,13 @@ from ragcache.store.shards import HeadRange
 from . import maintenance
 from .chunker import chunk_document
 from .documents import (
+    CHUNKS_RECORD_VERSION,
     Document,
     check_metadata,
     chunk_record_problem,
     chunks_name,
     chunks_record,
+    chunks_version,
     doc_name,
     document_record,
     read_document,
@@ -169,7 +171,10 @@ class Catalog:
         name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
         problem = chunk_record_problem(name, record, self.vocab)
         if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
-            return record["chunks"]
+            if chunks_version(record) == CHUNKS_RECORD_VERSION:
+                return record["chunks"]
+            log.info("chunk record %s: chunked by an earlier ragcache; chunking the document again", name)
+            return None
         log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
         return None
 

@@ -33,7 +33,9 @@ from ragcache.store.keys import STORE_KEY_ENV, checksum, document_id
 from .errors import CorruptDocument, InvalidMetadata, PayloadTooLarge
 
 DOCUMENT_RECORD_VERSION = 1
-CHUNKS_RECORD_VERSION = 2  # 2: the vocabulary size is recorded and checksummed (version 1 records are re-derived)
+# 2: the vocabulary size is recorded and checksummed (version 1 records fail their checksum and are re-derived);
+# 3: a text's spelling of a special token stays text (chunker.text_ids): a version 2 record is sound, and re-derived
+CHUNKS_RECORD_VERSION = 3
 MAX_METADATA_CHARS = 65_536  # of its JSON
 MAX_METADATA_DEPTH = 32  # nested objects and arrays; JSON encoders and decoders recurse once per level
 
@@ -202,10 +204,10 @@ def _checksum_cause() -> str:
     return f"most likely {likely}; else edited, or written by an older ragcache"
 
 
-def chunks_checksum(doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]]) -> str:
-    h = checksum(
-        f"ragcache-chunks/{CHUNKS_RECORD_VERSION}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0{vocab}\0".encode()
-    )
+def chunks_checksum(
+    doc_id: str, tokenizer_fingerprint: str, budget: int, vocab: int, chunks: list[list[int]], version: int
+) -> str:
+    h = checksum(f"ragcache-chunks/{version}\0{doc_id}\0{tokenizer_fingerprint}\0{budget}\0{vocab}\0".encode())
     for ids in chunks:
         h.update(len(ids).to_bytes(4, "little"))
         h.update(np.asarray(ids, dtype="<i4").tobytes())
@@ -218,8 +220,18 @@ def chunks_record(doc: Document, tokenizer_fingerprint: str, vocab: int, chunks:
         "tokens": sum(map(len, chunks)),
         "tokenizer": tokenizer_fingerprint,
         "vocab": vocab,
-        "checksum": chunks_checksum(doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks),
+        "version": CHUNKS_RECORD_VERSION,
+        "checksum": chunks_checksum(
+            doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks, CHUNKS_RECORD_VERSION
+        ),
     }
+
+
+def chunks_version(record: dict) -> int:
+    """The chunker's version a sound chunk record was written by (records without one: version 2's). A record
+    older than CHUNKS_RECORD_VERSION is sound but chunked otherwise: its document is chunked again."""
+    version = record.get("version", 2)
+    return version if type(version) is int else -1
 
 
 def chunks_problem(chunks, vocab: int) -> str | None:
@@ -246,7 +258,7 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
 def _chunks_checksum_holds(name: str, record: dict) -> bool:
     doc_id, _, budget = _chunks_name_parts(name)
     return record.get("checksum") == chunks_checksum(
-        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"]
+        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], chunks_version(record)
     )
 
 

@@ -685,3 +685,27 @@ def test_text_and_template_encodes_from_many_threads_never_meet():
         stop.set()
         thread.join()
     assert not errors, errors
+
+
+def test_a_chunk_record_an_earlier_chunker_wrote_is_chunked_again():
+    """Version 2 chunk records were cut by a chunker that read a text's `</s>` as the control token: sound, but
+    not what this chunker makes, so a document stored then would keep the control token in everyone's prompts.
+    It is chunked again (and recorded), not reported as damaged."""
+    from ragcache.documents import CHUNKS_RECORD_VERSION, chunk_record_problem, chunks_checksum
+
+    store, tok = MemoryStore(), tiny.tokenizer()
+    docs = docs_over(store)
+    text = "A note. </s> It goes on and on."
+    doc_id = docs.add(text)
+    name = chunks_name(doc_id, TOKENIZER_FP, 8)
+    parsed = [tok(text, add_special_tokens=False)["input_ids"]]  # as the earlier chunker read it
+    assert tok.eos_token_id in parsed[0]
+    old = {"chunks": parsed, "tokens": len(parsed[0]), "tokenizer": TOKENIZER_FP, "vocab": len(tok),
+           "checksum": chunks_checksum(doc_id, TOKENIZER_FP, 8, len(tok), parsed, 2)}
+    store.put_record(name, old)
+    assert chunk_record_problem(name, old, len(tok)) is None  # sound: `store verify` has nothing to report
+    fresh = docs_over(store).chunks_of(doc_id)
+    assert fresh == [c.token_ids for c in chunk_document(tok, text, 8)]
+    assert tok.eos_token_id not in {t for ids in fresh for t in ids}
+    rewritten = store.get_records([name])[0]
+    assert rewritten["version"] == CHUNKS_RECORD_VERSION and rewritten["chunks"] == fresh

@@ -982,3 +982,29 @@ def test_a_place_step_runs_no_more_pre_pass_rows_than_the_budget_holds():
         run_plan(scheduler, plan, {s: (1,) for s in (*focus, *naive)})
     # 6 + 6 fit 16, a third would not; 20 alone is past the budget yet goes (one at least); the rest cost nothing
     assert placed == [focus[:2], [focus[2]], [focus[3]], naive]
+
+
+def test_a_requests_wait_for_the_engine_is_the_time_from_its_hand_over_to_its_first_step():
+    """QueryStats.wait_s, which the API reports as queue_s and ragcache_queue_wait_seconds: here the model thread
+    is held by a task for half a second after the query is handed over. (The API measured the wait for an
+    admission slot, which is granted or refused at once: it read about 0 under any load.)"""
+    import time
+
+    from api.native import query_response
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    rc.query(QUESTIONS[0], [])  # its system prefix compiled: the next one waits for nothing but the engine
+    entered, release = threading.Event(), threading.Event()
+    in_daemon(rc.with_runner, lambda runner: entered.set() or release.wait(60))
+    assert entered.wait(60)
+    queued = in_daemon(rc.query, QUESTIONS[0], [])
+    deadline = time.monotonic() + 30
+    while len(rc.driver.arrivals) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    release.set()
+    waited = queued.result(60)
+    assert 0.5 <= waited.stats.wait_s <= waited.stats.ttft_s
+    assert query_response(waited).timings.queue_s == waited.stats.wait_s
+    assert rc.query(QUESTIONS[0], []).stats.wait_s < 0.5  # nothing ahead of it
+    rc.close()

@@ -171,7 +171,7 @@ class Sequence:
         self.linked_rows = 0  # of plan.rows, those run so far
         self.repair: Repair | None = None  # decoding: its stale rows still to recompute (LinkParams.repair)
         self.passed_over = 0  # forward steps in a row that left its pending link rows out (Scheduler.MAX_PASSED_OVER)
-        self.link_started = 0.0
+        self.submitted = self.link_started = 0.0  # handed to the driver; its PLACE step began (runner._place)
         self.next_token = -1  # decoding: the token whose row the next step runs
 
     @property
@@ -212,6 +212,7 @@ class Sequence:
             self.status = Status.FAILED
             raise
         self.status = Status.WAITING
+        self.submitted = time.perf_counter()
         self.driver.submit(self)
         if self.cancelled:  # cancelled while it was handed over: `cancel` saw it preparing
             self.driver.abort(self)
@@ -240,6 +241,7 @@ class Sequence:
 
     def _linked(self, linked: Linked) -> None:
         self.linked, stats = linked, self.stats
+        stats.wait_s = max(self.link_started - self.submitted, 0.0)
         stats.rotate_s, stats.recompute_s = linked.rotate_s, linked.recompute_s
         stats.cached_tokens, stats.recomputed_tokens = linked.cached_tokens, linked.recomputed_tokens
 
