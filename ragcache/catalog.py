@@ -157,11 +157,17 @@ class Catalog:
         return [name.split("/", 1)[1] for name in self.store.record_names("doc/")]
 
     def _chunks(self, doc: Document, record: dict | None) -> list[list[int]]:
-        """The document's chunks from its chunk record if sound, else chunked again from the text (and recorded)."""
+        """The document's chunks from its chunk record if sound, else chunked again from the text and recorded
+        again, as a query's store write is: best effort (the text gives them). A later ragcache's record is left to
+        it (two versions sharing a store would overwrite each other's on every read)."""
         chunks = self._recorded(doc, record)
         if chunks is None:
             chunks = self._chunked(doc)
-            self._write_chunks(doc, chunks)
+            if not (isinstance(record, dict) and chunks_version(record) > CHUNKS_RECORD_VERSION):
+                try:
+                    self._write_chunks(doc, chunks)
+                except StoreError as exc:
+                    log.warning("document %s: its chunk record could not be written again (%s)", doc.id, exc)
         return chunks
 
     def _recorded(self, doc: Document, record: dict | None) -> list[list[int]] | None:
@@ -173,7 +179,7 @@ class Catalog:
         if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
             if chunks_version(record) == CHUNKS_RECORD_VERSION:
                 return record["chunks"]
-            log.info("chunk record %s: chunked by an earlier ragcache; chunking the document again", name)
+            log.info("chunk record %s: chunked by another ragcache version; chunking the document here", name)
             return None
         log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
         return None

@@ -326,6 +326,7 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
     from transformers import AutoConfig, AutoTokenizer
 
     from ragcache.store.codec import resolve as resolve_codec
+    from ragcache.store.shards import HeadRange
 
     from . import models
     from .chunker import chunk_document
@@ -351,6 +352,10 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
             shape = capacity.model_shape(config)
         except AttributeError as exc:
             raise UnsupportedModel(f"{s.model}: its config gives no K/V shape ({exc})") from exc
+        try:  # as the compile would refuse them, after loading the model
+            HeadRange.split(shape.kv_heads, shards)
+        except ValueError as exc:
+            raise ParameterOutOfRange(f"shards {shards} do not fit the model: {exc}") from exc
         lead = list(default_layout(tokenizer).lead_ids)
         chunks = []
         for text, _ in docs:

@@ -296,6 +296,14 @@ def record_problem(name: str, record) -> str | None:
     return None
 
 
+def text_intact(name: str, record) -> bool:
+    """Whether a document record's text still hashes to its id: whatever else is wrong with the record (a checksum
+    missing or not this store key's, an edited budget), its text is the one uploaded and cannot be rebuilt."""
+    if not name.startswith("doc/") or not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        return False
+    return document_id(record["text"]) == name.split("/", 1)[1]
+
+
 def checksum_only(name: str, record) -> bool:
     """Whether a record's one fault is its checksum: every field sound, so most likely it was written under another
     RAGCACHE_STORE_KEY, and deleting it as damaged would lose a document text that cannot be rebuilt."""

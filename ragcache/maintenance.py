@@ -11,10 +11,10 @@ import time
 from collections.abc import Callable
 
 from ragcache.store import Store
-from ragcache.store.base import batched
+from ragcache.store.base import TierUnavailable, batched
 from ragcache.store.keys import HEADS, KEYED_BY, entry_form, entry_key, summary_codec
 
-from .documents import checksum_only, chunks_problem, doc_name, record_problem
+from .documents import checksum_only, chunks_problem, doc_name, record_problem, text_intact
 
 WRITE_TIME_SLACK_S = 2.0  # file times come from a coarser clock than time.time(), and some filesystems keep seconds
 
@@ -34,10 +34,13 @@ def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | No
     """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
     except entries another document also uses. None if the document is unknown."""
     names = store.record_names(f"chunks/{doc_id}/")
-    if store.get_record(doc_name(doc_id)) is None and not names:
+    found = store.get_record(doc_name(doc_id)) is not None or names
+    every_tier_answered(store, "deleting a document")  # unknown only if no tier holds it
+    if not found:
         return None
     combos = _compile_combos(store, progress)
     keys = sorted(_entry_keys(store, names, combos) - referenced_keys(store, combos, but=doc_id, progress=progress))
+    every_tier_answered(store, "deleting a document")
     entries = done = 0
     for batch in batched(keys):
         entries += sum(store.delete(k) for k in batch)
@@ -45,6 +48,17 @@ def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | No
         progress("deleting entries", done, len(keys))
     records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
     return {"records": records, "entries": entries}
+
+
+def every_tier_answered(store: Store, what: str) -> None:
+    """Deciding which entries nothing refers to needs every tier's records. A tiered store skips a tier that is down
+    (a query goes on without it): the documents only that tier holds would look gone, and their entries be deleted."""
+    down = [name for name, up in getattr(store, "tier_states", list)() if not up]
+    if down:
+        raise TierUnavailable(
+            f"{what} needs every tier's records, and {', '.join(down)} did not answer: nothing was deleted; "
+            "run it again once every tier is up"
+        )
 
 
 def referenced_keys(
@@ -71,7 +85,8 @@ def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
 def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False, progress: Progress = _silent) -> dict:
     """Decode every entry of every tier and read every record; with fix, delete what is bad, except records whose one
     fault is their checksum (see `documents.checksum_only`: a store key other than the writer's fails every record
-    that way, and a document's text cannot be rebuilt) unless drop_checksum_only."""
+    that way) and document records whose text still hashes to their id (`documents.text_intact`: a record written
+    before checksums were kept, an edited budget), unless drop_checksum_only: a document's text cannot be rebuilt."""
     report = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": [], "kept": 0}
     for tier in tiers_of(store):
         keys, names = list(tier.keys()), tier.record_names()
@@ -106,13 +121,18 @@ def _verify_records(tier: Store, names: list[str], fix: bool, drop_checksum_only
         problem = record_problem(name, record)
         if problem is None:
             continue
-        only = checksum_only(name, record)
-        report["bad_records"].append({"tier": tier.name, "name": name, "problem": problem, "checksum_only": only})
-        if fix and only and not drop_checksum_only:
+        only, intact = checksum_only(name, record), text_intact(name, record)
+        report["bad_records"].append(
+            {"tier": tier.name, "name": name, "problem": problem, "checksum_only": only, "text_intact": intact}
+        )
+        if fix and (only or intact) and not drop_checksum_only:
             report["kept"] += 1
         elif fix:
             tier.delete_record(name)
             report["fixed"] += 1
+            if name.startswith("doc/"):  # its chunk records would keep its entries from every gc
+                for chunks in tier.record_names(f"chunks/{name.split('/', 1)[1]}/"):
+                    tier.delete_record(chunks)
 
 
 def collect_garbage(
@@ -124,8 +144,9 @@ def collect_garbage(
 ) -> dict:
     report: dict = {}
     # before the tiers' own gc, so that their indexes see the space freed
-    for form, keys in entries_of_forms(store, set(drop_forms)).items():
-        report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
+    if drop_forms:  # a pass over every entry's header: only when forms are dropped
+        for form, keys in entries_of_forms(store, set(drop_forms)).items():
+            report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
     for tier in tiers_of(store):
         if hasattr(tier, "gc"):
             report[tier.name] = tier.gc(tmp_age_s)
@@ -142,8 +163,10 @@ def _drop_unreferenced(store: Store, progress: Progress) -> int:
     document being compiled is referenced by then), and an entry written since the pass began (its `written` time,
     where the tier keeps one: disk and Redis) is spared even if nothing refers to it yet."""
     started = time.time() - WRITE_TIME_SLACK_S
+    every_tier_answered(store, "gc --unreferenced")
     listed = list(store.keys())
     wanted = referenced_keys(store, progress=progress)
+    every_tier_answered(store, "gc --unreferenced")
     removed = 0
     for batch in batched([key for key in listed if key not in wanted]):
         for key, info in zip(batch, store.describe_many(batch)):

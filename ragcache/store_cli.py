@@ -29,7 +29,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, tier_urls
 from ragcache.store.base import Store, batched
 from ragcache.store.disk import DiskStore, holds_store
-from ragcache.store.keys import STORE_KEY_ENV, entry_form, is_document_id, summary_codec
+from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id, summary_codec
 
 from . import maintenance
 from .cli_options import StoreOpt
@@ -77,6 +77,7 @@ def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
                     "model": meta.get("model", ""),
                     "tokenizer": meta.get("tokenizer", ""),
                     "layout": meta.get("layout", ""),
+                    "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
                     "error": info.get("error"),
                 }
             )
@@ -92,13 +93,15 @@ def summary(store: Store) -> dict:
             tiers.append({"tier": tier.name, "error": str(exc)})
             continue
         rows = entry_rows(tier)
+        shards = [r for r in rows if r["heads"]]  # their chunks' tokens again: not in the codecs' bytes per token
         tiers.append(
             {
                 **stats,
                 "entries": len(rows),
                 "bytes": sum(r["size"] for r in rows),
                 "models": dict(Counter(r["model_name"] for r in rows)),
-                "codecs": codec_summary(rows),
+                "codecs": codec_summary([r for r in rows if not r["heads"]]),
+                "shards": {"entries": len(shards), "bytes": sum(r["size"] for r in shards)},
                 "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
                 "unreadable_headers": sum(1 for r in rows if r["error"]),
             }
@@ -251,18 +254,16 @@ def verify(
         bool,
         typer.Option(
             "--fix",
-            help="delete the bad entries and records (not the records "
-            "whose only fault is their checksum: see --drop-checksum-only)",
+            help="delete the bad entries and records (not the records whose only fault is their checksum, nor "
+            "document records whose text still hashes to their id: see --drop-checksum-only)",
         ),
     ] = False,
     drop_checksum_only: Annotated[
         bool,
         typer.Option(
             "--drop-checksum-only",
-            help="with --fix, also delete "
-            "records sound in every field but their checksum, "
-            "document texts included, which nothing can rebuild "
-            f"(first check {STORE_KEY_ENV})",
+            help="with --fix, also delete records sound in every field but their checksum and document records "
+            f"whose text is intact: document texts, which nothing can rebuild (first check {STORE_KEY_ENV})",
         ),
     ] = False,
     as_json: AsJson = False,
@@ -288,9 +289,10 @@ def verify(
         )
         if report["kept"]:
             err.print(
-                f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum: most "
-                f"likely {STORE_KEY_ENV} is not the one they were written with. Run again with that key; "
-                "add --drop-checksum-only to delete them anyway (document texts cannot be rebuilt)."
+                f"[yellow]kept {report['kept']} record(s)[/yellow] whose only fault is their checksum (most "
+                f"likely {STORE_KEY_ENV} is not the one they were written with: run again with that key) or "
+                "whose document text is intact (upload the text again to rewrite its record); add "
+                "--drop-checksum-only to delete them anyway (document texts cannot be rebuilt)."
             )
     if bad > report["fixed"]:
         raise typer.Exit(1)

@@ -147,6 +147,7 @@ def test_plan_and_config_refuse_bad_settings_with_the_exit_codes_of_bad_input(tm
         ([*plan, str(model), "--device", "cuda"], 0),  # a plan for a GPU, on a machine that may have none
         ([*plan, str(weird), "--device", "cpu"], 5),  # a folder transformers does not recognize
         ([*plan, str(model), "--shards", "0"], 3),
+        ([*plan, str(model), "--shards", "3"], 3),  # 3 ranks do not share 2 KV heads: the compile refuses them
     ):
         result = CliRunner().invoke(app, args, terminal_width=200)
         assert result.exit_code == code and "Traceback" not in result.output, (args, result.output)

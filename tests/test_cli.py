@@ -420,6 +420,12 @@ def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_p
         assert all(rc.store.contains_many([rc.compiler.key(ids, layout, heads) for ids in chunks]))
     written = int(done.text.split("shards written ")[1].split()[0])
     assert written >= 2 * len({tuple(ids) for ids in chunks})
+    from ragcache.store import open_store
+    from ragcache.store_cli import summary
+
+    (tier,) = summary(open_store(store))["tiers"]  # the shards apart: they weigh their chunks' tokens again
+    assert tier["shards"]["entries"] == written and sum(c["entries"] for c in tier["codecs"].values()) == (
+        tier["entries"] - written)
     again = tiny_cli("compile", tmp_path / "note.txt", "--store", store, "--chunk-tokens", "8", "--shards", "2")
     assert again.exit_code == 0 and "shards written 0" in again.text
     assert "shards written" not in tiny_cli("compile", tmp_path / "note.txt", "--store", store).text

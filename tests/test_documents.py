@@ -709,3 +709,46 @@ def test_a_chunk_record_an_earlier_chunker_wrote_is_chunked_again():
     assert tok.eos_token_id not in {t for ids in fresh for t in ids}
     rewritten = store.get_records([name])[0]
     assert rewritten["version"] == CHUNKS_RECORD_VERSION and rewritten["chunks"] == fresh
+
+
+def test_a_chunk_record_of_a_later_version_is_left_and_a_failed_rewrite_still_serves():
+    """Re-chunking on read writes the record again at best effort (a store refusing writes still serves the
+    document from its text); a later ragcache's record sharing the store is not overwritten by this one."""
+    from ragcache.documents import CHUNKS_RECORD_VERSION, chunks_checksum
+    from ragcache.errors import StoreError
+
+    store, tok = MemoryStore(), tiny.tokenizer()
+    doc_id = docs_over(store).add(TEXTS[0])
+    name = chunks_name(doc_id, TOKENIZER_FP, 8)
+    expected = [c.token_ids for c in chunk_document(tok, TEXTS[0], 8)]
+    later = CHUNKS_RECORD_VERSION + 1
+    newer = {"chunks": [[5]], "tokens": 1, "tokenizer": TOKENIZER_FP, "vocab": len(tok), "version": later,
+             "checksum": chunks_checksum(doc_id, TOKENIZER_FP, 8, len(tok), [[5]], later)}
+    store.put_record(name, newer)
+    assert docs_over(store).chunks_of(doc_id) == expected
+    assert store.get_records([name])[0] == newer
+    store.put_record(name, {**newer, "version": 2, "checksum": chunks_checksum(
+        doc_id, TOKENIZER_FP, 8, len(tok), [[5]], 2)})
+
+    def refused(*args):
+        raise StoreError("the store is full")
+
+    store.put_record = refused
+    assert docs_over(store).chunks_of(doc_id) == expected
+
+
+@pytest.mark.parametrize("edit", ["no-checksum", "budget"])
+def test_verify_fix_keeps_a_document_record_whose_text_is_intact(edit):
+    """A document record written before checksums were kept, or with an edited budget, still holds the uploaded
+    text (it hashes to its id): --fix keeps it (a text nothing can rebuild), --drop-checksum-only deletes it."""
+    store = MemoryStore()
+    doc_id = docs_over(store).add(TEXTS[0])
+    record = store.get_record(doc_name(doc_id))
+    edited = {k: v for k, v in record.items() if k != "checksum"} if edit == "no-checksum" else {
+        **record, "chunk_tokens": 16}
+    store.put_record(doc_name(doc_id), edited)
+    report = maintenance.verify(store, fix=True)
+    (bad,) = report["bad_records"]
+    assert bad["text_intact"] and report["kept"] == 1 and store.get_record(doc_name(doc_id)) == edited
+    report = maintenance.verify(store, fix=True, drop_checksum_only=True)
+    assert report["fixed"] == 1 and store.get_record(doc_name(doc_id)) is None

@@ -945,6 +945,7 @@ def test_cli_verify_names_each_bad_records_problem(tmp_path):
     path.write_text(path.read_text().replace("Paris", "Rome"))
     result = _cli("verify", "--store", url, "--fix")
     assert "does not hash to its id" in result.output and "1 deleted" in result.output and not path.exists()
+    assert open_store(url).record_names() == []  # its chunk records too, or they would keep its entries from gc
 
 
 def test_cli_store_commands_default_to_the_settings_store(tmp_path, monkeypatch):
@@ -1307,3 +1308,32 @@ def test_a_full_pooled_tier_takes_back_the_spans_of_evicted_entries_before_evict
     big = make_entry(9, layers=2, tokens=16 * 5)[1]  # larger than the whole arena: refused, nothing evicted
     tier.put_many({"big": big})
     assert tier.contains_many(keys[1:5]) == [True] * 4 and tier.stats()["unkept"] == 1
+
+
+class FlakyRecords(Flaky):
+    """A tier whose record listing fails while it is broken (a Redis going away during a gc's scan)."""
+
+    def record_names(self, prefix=""):
+        self._check()
+        return super().record_names(prefix)
+
+
+def test_gc_unreferenced_deletes_nothing_while_a_tier_is_down():
+    """A tiered store goes on without a tier that is down: the documents only it holds would look gone, and gc
+    would delete their entries from the tier that answered."""
+    from ragcache import maintenance
+    from ragcache.maintenance import collect_garbage
+
+    fast, shared = MemoryStore(), FlakyRecords()
+    store = TieredStore([fast, shared])
+    doc_id = _catalog(shared).add(DOCS[0])  # its records only in the shared tier (uploaded elsewhere)
+    key, entry = make_entry(3, layers=2)
+    fast.put(key, entry)  # stands for an entry of one of its chunks, filled from a hit
+    shared.broken = True
+    with pytest.raises(TierUnavailable, match="did not answer"):
+        collect_garbage(store, unreferenced=True)
+    assert fast.contains_many([key]) == [True]
+    with pytest.raises(TierUnavailable):
+        maintenance.delete(store, doc_id)  # not "unknown": the tier that holds it did not answer
+    shared.broken = False
+    assert shared.get_record(f"doc/{doc_id}") is not None and fast.contains_many([key]) == [True]
