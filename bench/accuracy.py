@@ -75,14 +75,14 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
     started = time.perf_counter()
     stops = agreement_stops(rc)
     for i, item in enumerate(items):
-        ids = rc.compile(item.documents)
+        doc_ids = rc.compile(item.documents)
         answers = {}
-        full = rc.link(item.question, ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
+        full = rc.link(item.question, doc_ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
         full_ids = rc.with_runner(agreement.greedy, full, max_new_tokens, *stops)
         content = agreement.content_position(rc.tokenizer, full_ids)
         full_forced = rc.with_runner(agreement.teacher_forced, full, full_ids)[1] if content is not None else None
         for v in variants:
-            ans = rc.query(item.question, ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
+            ans = rc.query(item.question, doc_ids, max_new_tokens=max_new_tokens, system=system, **v.kwargs)
             text = first_line(ans.text)
             answers[v.label] = dict(text=text, em=squad.exact_match(text, item.answers),
                                     f1=squad.token_f1(text, item.answers),
@@ -90,7 +90,7 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
                                     recomputed=ans.stats.recomputed_tokens, prompt_tokens=ans.stats.prompt_tokens,
                                     ttft_s=ans.stats.ttft_s, decode_s=ans.stats.decode_s,
                                     tokens=len(ans.token_ids))
-            linked = full if v.algorithm == "full" else rc.link(item.question, ids, system=system,
+            linked = full if v.algorithm == "full" else rc.link(item.question, doc_ids, system=system,
                                                                   max_new_tokens=max_new_tokens, **v.kwargs)
             answers[v.label].update(vars(rc.with_runner(agreement.measure, full.last_logits, linked, full_ids,
                                                         full_forced, content)))
@@ -103,12 +103,12 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
             a["f1_vs_full"] = squad.token_f1(a["text"], [full]) if full else float(not a["text"])
         per_item.append(dict(id=item.id, question=item.question, gold_answers=item.answers, gold_doc=item.gold,
                              answers=answers))
-        for doc_id in set(ids):
+        for doc_id in set(doc_ids):
             rc.delete_document(doc_id)  # keep the memory store small; every item's documents are new anyway
         elapsed = time.perf_counter() - started
         print(f"[{i + 1}/{len(items)}] {elapsed:.0f}s  " + "  ".join(f"{k}={answers[k]['f1']:.2f}" for k in labels),
               file=sys.stderr, flush=True)
-    results = summarize(per_item, labels, seed)
+    results = summarize(per_item, labels, seed, {v.label for v in variants if v.params.get("repair")})
     _print(results, bench.machine, model, len(items))
     paths = bench.finish(results, dict(items=per_item),
                          plot=lambda p: plot(results, bench.machine, p, model, len(items)))
@@ -137,7 +137,9 @@ def agreement_stops(rc) -> tuple[set[int], set[int]]:
     return eos_ids(rc.lm), {i for i in range(len(tok)) if "\n" in tok.decode([i])}
 
 
-def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[dict]:
+def summarize(per_item: list[dict], labels: list[str], seed: int = 0, repairing: set[str] = frozenset()) -> list[dict]:
+    """Per label. `repairing`: labels whose answers were repaired while decoded; their teacher-forced metrics (token
+    agreement, ΔLL, the content word's) follow full's answer over the link's cache before any repair, and say so."""
     out = []
     full_f1 = [it["answers"]["full"]["f1"] for it in per_item]
     full_ll = [it["answers"]["full"]["ll"] for it in per_item]
@@ -159,9 +161,12 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0) -> list[di
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
                    mean_recomputed=round(sum(a["recomputed"] for a in got) / max(len(got), 1), 1),
                    # the answers' tokens after the first over their decode time, all items pooled (repair's cost)
-                   decode_tok_s=round(sum(a["tokens"] - 1 for a in got) / max(sum(a["decode_s"] for a in got), 1e-9), 2),
+                   decode_tok_s=round(sum(max(a["tokens"] - 1, 0) for a in got)  # an answer that ended at once: 0
+                                      / max(sum(a["decode_s"] for a in got), 1e-9), 2),
                    mean_ttft_s=round(sum(a["ttft_s"] for a in got) / max(len(got), 1), 4),
                    mean_prompt_tokens=round(sum(a["prompt_tokens"] for a in got) / max(len(got), 1), 1))
+        if label in repairing:
+            row["teacher_forced"] = "over the cache before repair"
         words = [a for a in got if a.get("content_top1") is not None]  # items whose answer has a content word
         if words:
             row.update(content_n=len(words), content_top1=_ci([a["content_top1"] for a in words], seed),
@@ -186,7 +191,8 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
                        ["algorithm", "first token", "share reproduced before departing", "whole answer",
                         "teacher-forced token agreement", "F1 vs full", "TTFT s", "decode tok/s"],
                        [[r["label"], _fmt(r["top1"]), _fmt(r["reproduced"]), _fmt(r["whole_answer"]),
-                         _fmt(r["token_agree"]), _fmt(r["f1_vs_full"]), f"{r['mean_ttft_s']:.3f}",
+                         _fmt(r["token_agree"]) + (" (before repair)" if "teacher_forced" in r else ""),
+                         _fmt(r["f1_vs_full"]), f"{r['mean_ttft_s']:.3f}",
                          f"{r['decode_tok_s']:.1f}"] for r in results],
                        caption=report.subtitle(machine, f"n={n}"))
 

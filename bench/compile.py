@@ -132,6 +132,8 @@ def _beside_a_decode(lm, config, texts: list[str]) -> dict:
     decoding = threading.Thread(target=lambda: [stamps.append(time.perf_counter()) for _ in stream], daemon=True)
     decoding.start()
     while len(stamps) < 3:
+        if not decoding.is_alive():  # EOS (stop ids are kept) or a failure before three tokens: no stream to time
+            raise RuntimeError(f"the decoding stream ended after {len(stamps)} token(s), before the compile began")
         time.sleep(0.01)
     rc.step_stats(reset=True)
     started = len(stamps)

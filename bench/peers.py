@@ -41,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -116,6 +117,8 @@ def prompt_ids(lm, texts: list[str], question: str) -> torch.Tensor:
 
 def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: list[Variant], decode_tokens: int
                    ) -> tuple[list[Peer], torch.Tensor]:
+    from ragcache import linker
+
     rc = whole_documents(lm, texts)
     rc.warmup()
     doc_ids = rc.compile(texts)
@@ -133,18 +136,23 @@ def ragcache_peers(lm, dtype: str, texts: list[str], question: str, variants: li
             st = rc.query(question, doc_ids, max_new_tokens=decode_tokens + 1, **v.kwargs).stats
             return st.completion_tokens - 1, st.decode_s  # decode_s counts the tokens after the first
 
+        repeat = linker.algorithm(v.algorithm).reuses == "prefix"  # the same prompt each sample: a prefix-cache hit
         peers.append(Peer(f"ragcache {v.label}", dtype, ttft, decode if v is decoder else None, ours=True,
-                          note="documents compiled, memory store" + (", decodes after this link" if v is decoder else "")))
+                          cached_repeat=repeat,
+                          note="documents compiled, memory store" + (", decodes after this link" if v is decoder else "")
+                          + (", an exact repeat of a cached prompt" if repeat else "")))
     return peers, ids
 
 
 # -- transformers ----------------------------------------------------------------------------------------------
 def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens: int) -> list[Peer]:
+    """Each call on a thread that ends with it, as ragcache's steps run on its model thread: neither side runs
+    beside the other's idle OpenMP team (ragcache.engine.threads; bench/compile.py does the same)."""
     from transformers import AutoModelForCausalLM, DynamicCache
 
-    from ragcache.engine import cache_argument
+    from ragcache.engine import cache_argument, on_a_passing_thread
 
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval()
+    model = on_a_passing_thread(lambda: AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype)).eval())
     ids = ids[None]
 
     @torch.inference_mode()
@@ -165,9 +173,8 @@ def transformers_peers(source: str, dtype: str, ids: torch.Tensor, decode_tokens
         int(token)
         return decode_tokens, time.perf_counter() - started
 
-    with torch.inference_mode():
-        model(ids[:, :16])  # untimed: first call
-    return [Peer("transformers", dtype, forward_last, decode, note="model(ids, logits_to_keep=1); cached greedy loop")]
+    return [Peer("transformers", dtype, lambda: on_a_passing_thread(forward_last),
+                 lambda: on_a_passing_thread(decode), note="model(ids, logits_to_keep=1); cached greedy loop")]
 
 
 # -- llama.cpp -------------------------------------------------------------------------------------------------
@@ -233,8 +240,10 @@ class VllmWorker:
         script = str(Path(__file__).with_name("vllm_worker.py"))
         self.transfer = transfer
         connector = [json.dumps(transfer)] if transfer else []
+        threads = torch.get_num_threads()  # the cores every other peer computes on (--threads)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
         self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len), *connector],
-                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if not json.loads(self._line()).get("ready"):
             raise RuntimeError("the vLLM worker did not start")
 
@@ -418,6 +427,11 @@ def run(model: str, n_docs: int, doc_tokens: int, runs: int, decode_tokens: int,
                     peers += vllm_ragcache_peers(python, models.load(model, dtype=dtype), dtype, texts, question,
                                                  variants, decode_tokens, workers, f"{store_root}/{dtype}", longest)
                     peers += vllm_peers(workers[-1], "vLLM+ragcache, no link:", dtype, ids, reordered, decode_tokens)
+        for p in peers:  # untimed: every peer's first full-length call (its kernels' first use at this shape)
+            if p.ttft:
+                p.ttft()
+            if p.decode:
+                p.decode()
         for r in range(runs):
             for p in peers:
                 if p.ttft:

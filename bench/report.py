@@ -34,15 +34,26 @@ def load_average() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
 
 
+RESULT_FOLDERS = ("bench/results", "research/results")
+
+
 def git_commit(checkout: Path | None = None) -> str | None:
-    """HEAD's short hash, "-dirty" appended when tracked files differ from it: the code a run measured is then not
-    that commit's. Tags are left out, so the name is always a hash."""
+    """HEAD's short hash, "-dirty" appended when files differ from it, a new file not yet added included (a new
+    module the run imports): the code a run measured is then not that commit's. Tags are left out, so the name is
+    always a hash. None, said on stderr, where git cannot tell (not a checkout, no git)."""
+    where = checkout or Path(__file__).resolve().parents[1]
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty", "--exclude=*"], capture_output=True,
-                             text=True, timeout=5, cwd=checkout or Path(__file__).resolve().parents[1])
+        head = subprocess.run(["git", "describe", "--always", "--exclude=*"], capture_output=True, text=True,
+                              timeout=5, cwd=where).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=normal", "--", ".",
+                                  *(f":!{results}" for results in RESULT_FOLDERS)],  # earlier runs' files: no code
+                                 capture_output=True, text=True, timeout=30, cwd=where).stdout.strip()
     except (OSError, subprocess.SubprocessError):
+        head = changed = ""
+    if not head:
+        print(f"no commit recorded: git could not describe {where}", file=sys.stderr)
         return None
-    return out.stdout.strip() or None
+    return f"{head}-dirty" if changed else head
 
 
 def machine() -> dict:

@@ -50,7 +50,7 @@ def test_ttft(tmp_path):
         assert r["recomputed_tokens"] + r["cached_tokens"] == r["prompt_tokens"]
         assert r["compiled_chunks"] == 0  # everything was compiled before timing
         if r["label"] == "full":
-            assert r["recomputed_tokens"] == r["prompt_tokens"] and r["speedup_vs_full"] == 1.0
+            assert r["recomputed_tokens"] == r["prompt_tokens"] and r["ttft_over_full"] == 1.0
 
 
 @pytest.mark.real_model
@@ -265,6 +265,9 @@ def test_a_run_records_uncommitted_changes_in_its_commit(tmp_path):
     head = git("rev-parse", "--short", "HEAD")
     assert report.git_commit(tmp_path) == head
     (tmp_path / "code.py").write_text("a = 2\n")
+    assert report.git_commit(tmp_path) == f"{head}-dirty"
+    git("checkout", "-q", "code.py")
+    (tmp_path / "new_module.py").write_text("b = 1\n")  # a file the run may import, not yet added
     assert report.git_commit(tmp_path) == f"{head}-dirty"
 
 
@@ -689,3 +692,36 @@ def test_store_io_entries_read_back_from_a_checking_tier(tmp_path):
     store.put_many(entries)
     got = store.get_many(list(entries))
     assert all(g is not None and torch.equal(g.keys, e.keys) for g, e in zip(got, entries.values()))
+
+
+def test_accuracy_summary_pools_decode_over_real_tokens_and_marks_pre_repair_teacher_forcing():
+    """An answer that ended at its first step adds no token (it added -1); a repaired variant's teacher-forced
+    metrics follow full's answer over the cache before any repair, and its row says so."""
+    from bench.accuracy import summarize
+
+    def answer(tokens, decode_s):
+        return dict(f1=1.0, em=1.0, agree=1.0, f1_vs_full=1.0, top1=1.0, kl=0.0, reproduced=1.0, whole=1.0,
+                    token_agree=1.0, ll=0.0, recomputed=1, prompt_tokens=10, tokens=tokens, decode_s=decode_s,
+                    ttft_s=0.1)
+
+    items = [dict(answers={"full": answer(5, 1.0), "focus+repair-64": answer(0, 0.0)}),
+             dict(answers={"full": answer(5, 1.0), "focus+repair-64": answer(5, 2.0)})]
+    full, repaired = summarize(items, ["full", "focus+repair-64"], repairing={"focus+repair-64"})
+    assert repaired["decode_tok_s"] == 2.0 and full["decode_tok_s"] == 4.0
+    assert repaired["teacher_forced"] == "over the cache before repair" and "teacher_forced" not in full
+
+
+def test_a_prefix_link_timed_on_the_same_prompt_is_a_cached_repeat_not_a_speedup(monkeypatch):
+    """`peers --algorithms prefix` times one prompt over and over: every sample a prefix-cache hit."""
+    from bench import peers
+    from bench.common import VARIANTS
+
+    class Stub:
+        def warmup(self): ...
+        def compile(self, texts): return ["d"]
+        def link(self, *args, **kwargs): return type("L", (), {"token_ids": torch.tensor([1, 2])})()
+        def query(self, *args, **kwargs): ...
+
+    monkeypatch.setattr(peers, "whole_documents", lambda lm, texts: Stub())
+    mine, _ = peers.ragcache_peers(None, "float32", ["t"], "q?", [VARIANTS["naive"], VARIANTS["prefix"]], 2)
+    assert [p.cached_repeat for p in mine] == [False, True]
