@@ -39,7 +39,8 @@ def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | No
     if not found:
         return None
     combos = _compile_combos(store, progress)
-    keys = sorted(_entry_keys(store, names, combos) - referenced_keys(store, combos, but=doc_id, progress=progress))
+    own = _entry_keys(store, names, combos)
+    keys = sorted(own - referenced_keys(store, combos, but=doc_id, progress=progress, within=own))
     every_tier_answered(store, "deleting a document")
     entries = done = 0
     for batch in batched(keys):
@@ -62,13 +63,17 @@ def every_tier_answered(store: Store, what: str) -> None:
 
 
 def referenced_keys(
-    store: Store, combos: set | None = None, but: str | None = None, progress: Progress = _silent
+    store: Store,
+    combos: set | None = None,
+    but: str | None = None,
+    progress: Progress = _silent,
+    within: set[str] | None = None,
 ) -> set[str]:
     """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
-    the store."""
+    the store; only those `within`, where given (the keys the caller asks about: the set stays that small)."""
     combos = _compile_combos(store, progress) if combos is None else combos
     names = [n for n in store.record_names("chunks/") if n.split("/")[1] != but]  # one listing for every document
-    return _entry_keys(store, names, combos, progress)
+    return _entry_keys(store, names, combos, progress, within)
 
 
 def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
@@ -165,7 +170,7 @@ def _drop_unreferenced(store: Store, progress: Progress) -> int:
     started = time.time() - WRITE_TIME_SLACK_S
     every_tier_answered(store, "gc --unreferenced")
     listed = list(store.keys())
-    wanted = referenced_keys(store, progress=progress)
+    wanted = referenced_keys(store, progress=progress, within=set(listed))
     every_tier_answered(store, "gc --unreferenced")
     removed = 0
     for batch in batched([key for key in listed if key not in wanted]):
@@ -201,9 +206,11 @@ def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str
     return combos
 
 
-def _entry_keys(store: Store, names: list[str], combos: set, progress: Progress = _silent) -> set[str]:
+def _entry_keys(
+    store: Store, names: list[str], combos: set, progress: Progress = _silent, within: set[str] | None = None
+) -> set[str]:
     """Keys of the chunks these chunk records hold, under every (model, tokenizer, dtype, layout, codec) present in
-    the store; the records are read in batches."""
+    the store (only those `within`, where given); the records are read in batches."""
     forms = []
     for *keyed, codec in combos:
         meta = {name: value for name, value in zip((*KEYED_BY, HEADS), keyed) if value or name != HEADS}
@@ -219,7 +226,8 @@ def _entry_keys(store: Store, names: list[str], combos: set, progress: Progress 
             tokenizer_prefix = name.rsplit("/", 1)[-1].split("-", 1)[0]
             for meta, codec, lead in forms:
                 if meta["tokenizer"].startswith(tokenizer_prefix):
-                    keys.update(entry_key(meta, codec, [*lead, *ids]) for ids in record.get("chunks", []))
+                    made = (entry_key(meta, codec, [*lead, *ids]) for ids in record.get("chunks", []))
+                    keys.update(made if within is None else (key for key in made if key in within))
         done += len(batch)
         progress("reading chunk records", done, len(names))
     return keys

@@ -752,3 +752,18 @@ def test_verify_fix_keeps_a_document_record_whose_text_is_intact(edit):
     assert bad["text_intact"] and report["kept"] == 1 and store.get_record(doc_name(doc_id)) == edited
     report = maintenance.verify(store, fix=True, drop_checksum_only=True)
     assert report["fixed"] == 1 and store.get_record(doc_name(doc_id)) is None
+
+
+def test_the_keys_others_reference_are_gathered_only_among_those_asked_about():
+    """A delete asks about its own document's few keys, a gc about the keys listed: the set of every key every
+    document maps to (under every model, layout and codec present) would hold a large store's worth in memory."""
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    ids = [docs.add(text) for text in TEXTS]
+    for doc_id in ids:
+        store.put_many(dict(_entry(chunk) for chunk in docs.chunks_of(doc_id)))
+    every = maintenance.referenced_keys(store)
+    first = {_entry(chunk)[0] for chunk in docs.chunks_of(ids[0])}
+    assert first < every and maintenance.referenced_keys(store, within=first) == first
+    assert maintenance.referenced_keys(store, but=ids[0], within=first) == first & maintenance.referenced_keys(
+        store, but=ids[0])
