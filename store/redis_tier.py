@@ -277,13 +277,18 @@ class RedisStore(BlobStore):
     def contains_many(self, keys: list[str]) -> list[bool]:
         """Present = a manifest and every one of its parts (not the bytes: that is a read)."""
         with self._errors("lookup"):
-            manifests = self._manifests(keys)
-            pipe = self._redis().pipeline(transaction=False)
-            for key, (_, manifest) in zip(keys, manifests):
-                if manifest:
-                    pipe.exists(*self._part_names(key, manifest))
-            counts = iter(pipe.execute()) if len(pipe) else iter(())
-            return [next(counts) == manifest["parts"] if manifest else False for _, manifest in manifests]
+            return [whole for _, _, whole in self._presence(keys)]
+
+    def _presence(self, keys: list[str]) -> list[tuple[bytes | None, dict | None, bool]]:
+        """Per key: (raw manifest, manifest, whether every part of that manifest is there). Whole or not is said of
+        the manifest read here: a writer may have replaced it since, and only that one's parts are its to judge."""
+        manifests = self._manifests(keys)
+        pipe = self._redis().pipeline(transaction=False)
+        for key, (_, manifest) in zip(keys, manifests):
+            if manifest:
+                pipe.exists(*self._part_names(key, manifest))
+        counts = iter(pipe.execute()) if len(pipe) else iter(())
+        return [(raw, manifest, bool(manifest) and next(counts) == manifest["parts"]) for raw, manifest in manifests]
 
     def delete(self, key: str) -> bool:
         with self._errors("delete"):
@@ -326,10 +331,11 @@ class RedisStore(BlobStore):
         live: dict[str, str] = {}  # key -> gen of its manifest
         broken = 0
         for batch in batched(list(self.keys()), 500):
-            present = self.contains_many(batch)
             with self._errors("gc"):
-                for key, ok, (raw, manifest) in zip(batch, present, self._manifests(batch)):
-                    if ok and manifest is not None:
+                # one manifest read per key, judged and dropped alike: an entry written again between two reads
+                # had its fresh parts deleted for the old manifest's missing ones
+                for key, (raw, manifest, whole) in zip(batch, self._presence(batch)):
+                    if whole and manifest is not None:
                         live[key] = manifest["gen"]
                     elif raw is not None:
                         self._drop_remains(key, raw, manifest)

@@ -591,3 +591,27 @@ def test_a_record_whose_write_failed_reaches_a_tier_the_probe_took_back_before_i
     store.put_record("doc/a", {"a": 1})  # flaky fails (the probe starts), the disk write waits for the probe's end
     assert store.up() == [True, True] and flaky.get_record("doc/a") == {"a": 1}
     store.close()
+
+
+def test_redis_gc_keeps_an_entry_written_again_while_it_looked(redis_url):
+    """An entry overwritten by another writer between gc's look at its manifest and at its parts: the old
+    generation's parts are gone, the new one is whole. gc judged the old manifest and dropped the new one's parts."""
+    from ragcache.store.redis_tier import RedisStore
+
+    store = RedisStore(redis_url)
+    key, first = make_entry(5, layers=2)
+    _, second = make_entry(6, layers=2, ids_seed=5)  # the same chunk, compiled again elsewhere
+    store.put(key, first)
+    read, writes = store._manifests, []
+
+    def racing(keys):
+        got = read(keys)
+        if not writes:  # the other writer lands right after gc read the manifests
+            writes.append(key)
+            RedisStore(redis_url).put(key, second)
+        return got
+
+    store._manifests = racing
+    store.gc()
+    store._manifests = read
+    assert same_bits(store.get(key), second)
