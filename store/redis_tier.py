@@ -288,7 +288,9 @@ class RedisStore(BlobStore):
             if manifest:
                 pipe.exists(*self._part_names(key, manifest))
         counts = iter(pipe.execute()) if len(pipe) else iter(())
-        return [(raw, manifest, bool(manifest) and next(counts) == manifest["parts"]) for raw, manifest in manifests]
+        return [
+            (raw, manifest, next(counts) == manifest["parts"] if manifest else False) for raw, manifest in manifests
+        ]
 
     def delete(self, key: str) -> bool:
         with self._errors("delete"):
