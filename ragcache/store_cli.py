@@ -274,6 +274,8 @@ def verify(
     with _bars() as progress:
         report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only, progress=progress)
     bad = len(report["bad"]) + len(report["bad_records"])
+    for tier in report["unverified"]:
+        err.print(f"[red]not verified[/red] tier {tier['tier']}: {tier['problem']}", highlight=False, soft_wrap=True)
     if as_json:
         console.print_json(json.dumps(report))
     else:
@@ -294,7 +296,7 @@ def verify(
                 "whose document text is intact (upload the text again to rewrite its record); add "
                 "--drop-checksum-only to delete them anyway (document texts cannot be rebuilt)."
             )
-    if bad > report["fixed"]:
+    if bad > report["fixed"] or report["unverified"]:
         raise typer.Exit(1)
 
 

@@ -1337,3 +1337,23 @@ def test_gc_unreferenced_deletes_nothing_while_a_tier_is_down():
         maintenance.delete(store, doc_id)  # not "unknown": the tier that holds it did not answer
     shared.broken = False
     assert shared.get_record(f"doc/{doc_id}") is not None and fast.contains_many([key]) == [True]
+
+
+def test_verify_goes_on_past_a_tier_that_does_not_answer_and_says_so():
+    """A Redis down during verify ended the whole run (its report lost, after --fix had changed the tiers before);
+    the other tiers are verified and the one that did not answer is named, exit 1."""
+    from ragcache import maintenance
+
+    class Down(FlakyRecords):
+        name = "shared"
+
+        def keys(self):
+            self._check()
+            return super().keys()
+
+    fast, shared = MemoryStore(), Down()
+    key, entry = make_entry(4, layers=2)
+    fast.put(key, entry)
+    shared.broken = True
+    report = maintenance.verify(TieredStore([fast, shared]))
+    assert report["checked"] == 1 and [t["tier"] for t in report["unverified"]] == ["shared"]
