@@ -186,7 +186,8 @@ class Metrics:
     def observe_answer(self, stats: QueryStats) -> None:
         algorithm = stats.algorithm or "unknown"
         self.ttft.labels(algorithm).observe(stats.ttft_s)
-        self.queue_wait.observe(stats.wait_s)
+        if stats.wait_s is not None:  # vLLM says only with its stats on
+            self.queue_wait.observe(stats.wait_s)
         for field, counter in self.tokens.items():
             counter.labels(algorithm).inc(getattr(stats, field))
         self.unstored_chunks.inc(stats.unstored_chunks)

@@ -218,7 +218,10 @@ class Usage(BaseModel):
 
 
 class Timings(BaseModel):
-    queue_s: float = Field(description="handed to the engine, waiting for its first step of this request")
+    queue_s: float | None = Field(
+        description="handed to the engine, waiting for its first step of this request (null: the engine does not "
+        "say, as vLLM with its stats off)"
+    )
     ttft_s: float
     fetch_s: float
     rotate_s: float

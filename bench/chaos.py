@@ -157,12 +157,12 @@ def record_budget(store: Path, victim: Victim, other: Victim) -> None:
 
 def forged_chunks(store: Path, victim: Victim, other: Victim) -> None:
     """The chunk record's ids replaced by one outside the vocabulary, its checksum recomputed as a plain sha256."""
-    for path in store.glob(f"records/chunks__{victim.id}__*.json"):  # chunks/<id>/<tokenizer>-<budget>
+    for path in store.glob(f"records/chunks__{victim.id}__*.json"):  # chunks/<id>/<tokenizer>-<budget>-v<version>
         record = json.loads(path.read_bytes())
-        budget = int(path.stem.rsplit("-", 1)[1])
+        _, budget, version = path.stem.rsplit("-", 2)
         chunks = [[10**9]]
         forged = dict(record, chunks=chunks, tokens=1, checksum=chunks_checksum(
-            victim.id, record["tokenizer"], budget, record["vocab"], chunks, record["version"]))
+            victim.id, record["tokenizer"], int(budget), record["vocab"], chunks, int(version.removeprefix("v"))))
         _write(path, json.dumps(forged).encode())
 
 

@@ -23,15 +23,13 @@ from ragcache.store.keys import document_id
 from ragcache.store.shards import HeadRange
 
 from . import maintenance
-from .chunker import chunk_document
+from .chunker import as_text, chunk_document
 from .documents import (
-    CHUNKS_RECORD_VERSION,
     Document,
     check_metadata,
     chunk_record_problem,
     chunks_name,
     chunks_record,
-    chunks_version,
     doc_name,
     document_record,
     read_document,
@@ -74,6 +72,7 @@ class Catalog:
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.chunk_tokens = chunk_tokens
         self.vocab = len(tokenizer)  # every id a chunk record gives must be below it, or the model reads past its table
+        as_text(tokenizer)  # its text-encoding copy, made here before any other thread encodes (chunker.text_ids)
         self._locks = Locks()
         self.flights = Flights()
 
@@ -158,16 +157,14 @@ class Catalog:
 
     def _chunks(self, doc: Document, record: dict | None) -> list[list[int]]:
         """The document's chunks from its chunk record if sound, else chunked again from the text and recorded
-        again, as a query's store write is: best effort (the text gives them). A later ragcache's record is left to
-        it (two versions sharing a store would overwrite each other's on every read)."""
+        again, as a query's store write is: best effort (the text gives them)."""
         chunks = self._recorded(doc, record)
         if chunks is None:
             chunks = self._chunked(doc)
-            if not (isinstance(record, dict) and chunks_version(record) > CHUNKS_RECORD_VERSION):
-                try:
-                    self._write_chunks(doc, chunks)
-                except StoreError as exc:
-                    log.warning("document %s: its chunk record could not be written again (%s)", doc.id, exc)
+            try:
+                self._write_chunks(doc, chunks)
+            except StoreError as exc:
+                log.warning("document %s: its chunk record could not be written again (%s)", doc.id, exc)
         return chunks
 
     def _recorded(self, doc: Document, record: dict | None) -> list[list[int]] | None:
@@ -177,10 +174,7 @@ class Catalog:
         name = chunks_name(doc.id, self.tokenizer_fingerprint, doc.chunk_tokens)
         problem = chunk_record_problem(name, record, self.vocab)
         if problem is None and record["tokenizer"] == self.tokenizer_fingerprint:
-            if chunks_version(record) == CHUNKS_RECORD_VERSION:
-                return record["chunks"]
-            log.info("chunk record %s: chunked by another ragcache version; chunking the document here", name)
-            return None
+            return record["chunks"]
         log.warning("chunk record %s: %s; chunking the document again", name, problem or "another tokenizer")
         return None
 

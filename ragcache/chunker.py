@@ -19,22 +19,24 @@ class Chunk:
     char_end: int
 
 
-def text_ids(tokenizer, text: str, **options):
+def text_ids(tokenizer, text: str | list[str], **options):
     """The tokenizer's encoding of text a document or a user gave, as text: no special token is added, and the
     spelling of one inside it (`<|im_start|>`, `<|fim_middle|>`) stays characters. A document that could open a
     role of its own, stored once and linked into everyone's prompts, would otherwise speak for the system."""
-    return _as_text(tokenizer)(text, add_special_tokens=False, split_special_tokens=True, **options)
+    return as_text(tokenizer)(text, add_special_tokens=False, split_special_tokens=True, **options)
 
 
 _TEXT_TWINS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _TWINS_LOCK = threading.Lock()
 
 
-def _as_text(tokenizer):
+def as_text(tokenizer):
     """A copy of a fast tokenizer set once to keep special tokens' spellings as text. transformers writes that
     setting into the shared Rust tokenizer at every call whose setting differs from the last one's: with text and
     templates encoded from several threads (uploads, length checks, queries), a call fails beside another's encode
-    (`Already borrowed`) or encodes under the other's setting (a document's `<|im_start|>` a control token again)."""
+    (`Already borrowed`) or encodes under the other's setting (a document's `<|im_start|>` a control token again).
+    Made once per tokenizer, best before other threads use it (Catalog does at its start): the copy reads the
+    tokenizer's Python state, which an encode on another thread may change."""
     if not hasattr(tokenizer, "backend_tokenizer"):  # no Rust state to share (a test's stand-in)
         return tokenizer
     with _TWINS_LOCK:

@@ -3,7 +3,8 @@
 Two kinds of record, both JSON in the store's record space:
 
   doc/{id}                               {"id", "text", "meta", "created", "chunk_tokens", "checksum"}
-  chunks/{id}/{tokenizer[:16]}-{budget}  {"chunks": [[token ids], ...], "tokens", "tokenizer", "vocab", "checksum"}
+  chunks/{id}/{tokenizer[:16]}-{budget}-v{version}
+                                         {"chunks": [[token ids], ...], "tokens", "tokenizer", "vocab", "checksum"}
 
 Records verify themselves, so nothing edited in the store can change an answer:
   - a document record is sound only if its text hashes to its id (ids are content hashes), its checksum covers
@@ -33,8 +34,10 @@ from ragcache.store.keys import STORE_KEY_ENV, checksum, document_id
 from .errors import CorruptDocument, InvalidMetadata, PayloadTooLarge
 
 DOCUMENT_RECORD_VERSION = 1
-# 2: the vocabulary size is recorded and checksummed (version 1 records fail their checksum and are re-derived);
-# 3: a text's spelling of a special token stays text (chunker.text_ids): a version 2 record is sound, and re-derived
+# The chunker's version, in a chunk record's name from 3 on: each version reads and writes its own records, so
+# versions sharing a store (a rolling upgrade) never rewrite each other's, and an earlier version's records stay
+# sound for `store verify`. 3: a text's spelling of a special token stays text (chunker.text_ids); 2 (a name without
+# a version): the vocabulary size is checksummed (version 1 records fail their checksum).
 CHUNKS_RECORD_VERSION = 3
 MAX_METADATA_CHARS = 65_536  # of its JSON
 MAX_METADATA_DEPTH = 32  # nested objects and arrays; JSON encoders and decoders recurse once per level
@@ -54,7 +57,7 @@ def doc_name(doc_id: str) -> str:
 
 
 def chunks_name(doc_id: str, tokenizer_fingerprint: str, budget: int) -> str:
-    return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}"
+    return f"chunks/{doc_id}/{tokenizer_fingerprint[:16]}-{budget}-v{CHUNKS_RECORD_VERSION}"
 
 
 MAX_VOCAB = 2**31 - 1  # token ids are checksummed as int32: a record claiming more is damaged, not a reason to raise
@@ -220,18 +223,10 @@ def chunks_record(doc: Document, tokenizer_fingerprint: str, vocab: int, chunks:
         "tokens": sum(map(len, chunks)),
         "tokenizer": tokenizer_fingerprint,
         "vocab": vocab,
-        "version": CHUNKS_RECORD_VERSION,
         "checksum": chunks_checksum(
             doc.id, tokenizer_fingerprint, doc.chunk_tokens, vocab, chunks, CHUNKS_RECORD_VERSION
         ),
     }
-
-
-def chunks_version(record: dict) -> int:
-    """The chunker's version a sound chunk record was written by (records without one: version 2's). A record
-    older than CHUNKS_RECORD_VERSION is sound but chunked otherwise: its document is chunked again."""
-    version = record.get("version", 2)
-    return version if type(version) is int else -1
 
 
 def chunks_problem(chunks, vocab: int) -> str | None:
@@ -256,17 +251,19 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
 
 
 def _chunks_checksum_holds(name: str, record: dict) -> bool:
-    doc_id, _, budget = _chunks_name_parts(name)
+    doc_id, _, budget, version = _chunks_name_parts(name)
     return record.get("checksum") == chunks_checksum(
-        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], chunks_version(record)
+        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], version
     )
 
 
-def _chunks_name_parts(name: str) -> tuple[str, str, int]:
-    """(document id, tokenizer prefix, budget) of a chunk record's name; ValueError if it is not of that form."""
+def _chunks_name_parts(name: str) -> tuple[str, str, int, int]:
+    """(document id, tokenizer prefix, budget, chunker version) of a chunk record's name (a name without a version:
+    version 2's); ValueError if it is not of that form."""
     _, doc_id, tail = name.split("/")
-    tokenizer_prefix, budget = tail.rsplit("-", 1)
-    return doc_id, tokenizer_prefix, int(budget)
+    head, _, version = tail.rpartition("-v") if "-v" in tail else (tail, "", "2")
+    tokenizer_prefix, budget = head.rsplit("-", 1)
+    return doc_id, tokenizer_prefix, int(budget), int(version)
 
 
 def _chunk_fields_problem(name: str, record, vocab: int | None = None) -> str | None:
@@ -274,7 +271,7 @@ def _chunk_fields_problem(name: str, record, vocab: int | None = None) -> str | 
     if not isinstance(record, dict):
         return f"not JSON ({record.reason})" if isinstance(record, UnreadableRecord) else "not a JSON object"
     try:
-        _, tokenizer_prefix, _ = _chunks_name_parts(name)
+        _, tokenizer_prefix, _, _ = _chunks_name_parts(name)
         tokenizer, chunks, recorded_vocab = record["tokenizer"], record["chunks"], record["vocab"]
     except (ValueError, KeyError):
         return "malformed"
@@ -301,7 +298,10 @@ def text_intact(name: str, record) -> bool:
     missing or not this store key's, an edited budget), its text is the one uploaded and cannot be rebuilt."""
     if not name.startswith("doc/") or not isinstance(record, dict) or not isinstance(record.get("text"), str):
         return False
-    return document_id(record["text"]) == name.split("/", 1)[1]
+    try:
+        return document_id(record["text"]) == name.split("/", 1)[1]
+    except UnicodeEncodeError:  # a lone surrogate, which JSON can spell: no text that was uploaded
+        return False
 
 
 def checksum_only(name: str, record) -> bool:

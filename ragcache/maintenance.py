@@ -33,15 +33,16 @@ Progress = Callable[[str, int, int], None]  # (stage, items done, items in all),
 def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | None:
     """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
     except entries another document also uses. None if the document is unknown."""
+    outages = store.outages()
     names = store.record_names(f"chunks/{doc_id}/")
     found = store.get_record(doc_name(doc_id)) is not None or names
-    every_tier_answered(store, "deleting a document")  # unknown only if no tier holds it
+    every_tier_answered(store, "deleting a document", outages)  # unknown only if no tier holds it
     if not found:
         return None
     combos = _compile_combos(store, progress)
     own = _entry_keys(store, names, combos)
     keys = sorted(own - referenced_keys(store, combos, but=doc_id, progress=progress, within=own))
-    every_tier_answered(store, "deleting a document")
+    every_tier_answered(store, "deleting a document", outages)
     entries = done = 0
     for batch in batched(keys):
         entries += sum(store.delete(k) for k in batch)
@@ -51,10 +52,14 @@ def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | No
     return {"records": records, "entries": entries}
 
 
-def every_tier_answered(store: Store, what: str) -> None:
+def every_tier_answered(store: Store, what: str, outages: int) -> None:
     """Deciding which entries nothing refers to needs every tier's records. A tiered store skips a tier that is down
-    (a query goes on without it): the documents only that tier holds would look gone, and their entries be deleted."""
-    down = [name for name, up in getattr(store, "tier_states", list)() if not up]
+    (a query goes on without it), and takes it back once it answers: the documents only that tier holds would look
+    gone, and their entries be deleted. `outages`: the store's count (Store.outages) when the pass began; a tier
+    that failed since, even one back by now, may have left names out of it."""
+    down = [name for name, up in store.tier_states() if not up]
+    if store.outages() != outages and not down:
+        down = ["a tier that failed during the pass"]
     if down:
         raise TierUnavailable(
             f"{what} needs every tier's records, and {', '.join(down)} did not answer: nothing was deleted; "
@@ -176,11 +181,11 @@ def _drop_unreferenced(store: Store, progress: Progress) -> int:
     before the records are read (a compile writes a document's records before its entries, so a listed entry of a
     document being compiled is referenced by then), and an entry written since the pass began (its `written` time,
     where the tier keeps one: disk and Redis) is spared even if nothing refers to it yet."""
-    started = time.time() - WRITE_TIME_SLACK_S
-    every_tier_answered(store, "gc --unreferenced")
+    started, outages = time.time() - WRITE_TIME_SLACK_S, store.outages()
+    every_tier_answered(store, "gc --unreferenced", outages)
     listed = list(store.keys())
     wanted = referenced_keys(store, progress=progress, within=set(listed))
-    every_tier_answered(store, "gc --unreferenced")
+    every_tier_answered(store, "gc --unreferenced", outages)
     removed = 0
     for batch in batched([key for key in listed if key not in wanted]):
         for key, info in zip(batch, store.describe_many(batch)):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from .chunker import text_ids
 from .errors import BadRequest
 
 _SLOT = "\u2063RAGCACHE_DOCS\u2063"
@@ -45,5 +46,14 @@ def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[
 
 
 def question_ids(tokenizer, fmt: PromptFormat, question: str, with_docs: bool) -> list[int]:
-    lead, end = "\n\n" if with_docs else "", fmt.tail if fmt.chat else "\nAnswer:"
-    return tokenizer(f"{lead}Question: {question.strip()}{end}", add_special_tokens=False)["input_ids"]
+    """The question suffix. The question is a user's text: its spelling of a control token stays text (as a
+    document's: chunker.text_ids), so an application that passes its users' text as the question keeps its own
+    system turn; the chat template's closing keeps its tokens. Cut where the tokenizer's own pieces end (before
+    the question's space, before the template's first control token): the same ids as the whole text encoded at
+    once for the built-in models' tokenizers."""
+    lead = "\n\n" if with_docs else ""
+    head = tokenizer(f"{lead}Question:", add_special_tokens=False)["input_ids"]
+    if fmt.chat:
+        asked = text_ids(tokenizer, f" {question.strip()}")["input_ids"]
+        return [*head, *asked, *tokenizer(fmt.tail, add_special_tokens=False)["input_ids"]]
+    return [*head, *text_ids(tokenizer, f" {question.strip()}\nAnswer:")["input_ids"]]

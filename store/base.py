@@ -206,6 +206,12 @@ class Store(ABC):
         """(tier name, taken as up) for each tier, fastest first: a tiered store's view of its tiers (/health)."""
         return [(self.name, True)]
 
+    def outages(self) -> int:
+        """How many times one of its tiers has failed so far: a tiered store goes on without a tier that fails (and
+        takes it back once it answers), so a pass that must have seen every tier compares this before and after.
+        A single tier raises instead: none."""
+        return 0
+
     def close(self) -> None:  # noqa: B027 - optional: a store that holds nothing open need not override it
         pass
 

@@ -52,6 +52,7 @@ class TierState:
     backoff: float = 0.0
     reason: str = ""
     write_failing: bool = False
+    failures: int = 0  # calls that failed as the tier being unreachable, ever (Store.outages)
 
 
 class TieredStore(Store):
@@ -155,6 +156,7 @@ class TieredStore(Store):
                     log.warning("store tier %s refused a write: %s", name, exc)
                     state.write_failing = True
                 return
+            state.failures += 1
             if state.down:  # a retry that failed again
                 state.backoff = min(state.backoff * 2, self.max_retry_after)
                 log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff)
@@ -448,3 +450,6 @@ class TieredStore(Store):
 
     def tier_states(self) -> list[tuple[str, bool]]:
         return [(tier.name, not state.down) for tier, state in zip(self.tiers, self.states)]
+
+    def outages(self) -> int:
+        return sum(state.failures for state in self.states)

@@ -1318,25 +1318,63 @@ class FlakyRecords(Flaky):
         return super().record_names(prefix)
 
 
-def test_gc_unreferenced_deletes_nothing_while_a_tier_is_down():
-    """A tiered store goes on without a tier that is down: the documents only it holds would look gone, and gc
-    would delete their entries from the tier that answered."""
-    from ragcache import maintenance
-    from ragcache.maintenance import collect_garbage
+class RecordsDown(FlakyRecords):
+    """Only its record listing fails while broken: its records read one by one still answer."""
 
-    fast, shared = MemoryStore(), FlakyRecords()
+    def get_record(self, name):
+        return MemoryStore.get_record(self, name)
+
+
+def _chunk_entry(ids: list[int]) -> tuple[str, ChunkKV]:
+    """An entry of these chunk ids as maintenance rebuilds its key from a chunk record (make_entry's form, its
+    "bos:1:" layout's lead id before them)."""
+    stored = [1, *ids]
+    _, entry = make_entry(3, layers=2, tokens=len(stored))
+    return chunk_key("f" * 64, "e" * 64, "float32", "bos:1:", stored), dataclasses.replace(
+        entry, token_ids=torch.tensor(stored, dtype=torch.int32))
+
+
+def test_gc_unreferenced_and_delete_delete_nothing_while_a_tier_is_down():
+    """A tiered store goes on without a tier that is down: the documents only it holds would look gone, and gc
+    (or another document's delete) would delete their entries from the tier that answered."""
+    from ragcache import maintenance
+    from ragcache.catalog import Catalog
+    from ragcache.maintenance import collect_garbage
+    from tests import tiny
+
+    fast, shared = MemoryStore(), RecordsDown()
     store = TieredStore([fast, shared])
-    doc_id = _catalog(shared).add(DOCS[0])  # its records only in the shared tier (uploaded elsewhere)
-    key, entry = make_entry(3, layers=2)
-    fast.put(key, entry)  # stands for an entry of one of its chunks, filled from a hit
+    catalog = Catalog(shared, tiny.tokenizer(), "e" * 64, 8)  # its records only in the shared tier (uploaded elsewhere)
+    doc_id = catalog.add(DOCS[0])
+    other = Catalog(store, tiny.tokenizer(), "e" * 64, 8).add(DOCS[1])
+    key, entry = _chunk_entry(catalog.chunks_of(doc_id)[0])
+    fast.put(key, entry)  # filled from a hit
     shared.broken = True
     with pytest.raises(TierUnavailable, match="did not answer"):
         collect_garbage(store, unreferenced=True)
+    with pytest.raises(TierUnavailable, match="did not answer"):
+        maintenance.delete(store, other)
     assert fast.contains_many([key]) == [True]
-    with pytest.raises(TierUnavailable):
-        maintenance.delete(store, doc_id)  # not "unknown": the tier that holds it did not answer
     shared.broken = False
-    assert shared.get_record(f"doc/{doc_id}") is not None and fast.contains_many([key]) == [True]
+    assert collect_garbage(TieredStore([fast, shared]), unreferenced=True)["unreferenced_removed"] == 0
+
+
+def test_a_tier_that_failed_during_a_pass_fails_it_even_once_it_is_back():
+    """A tiered store takes a tier back as soon as it answers (its probe pings it every quarter second): being up at
+    the pass's end does not mean it answered every listing of the pass."""
+    from ragcache.maintenance import every_tier_answered
+
+    now, flaky = [0.0], Flaky()
+    store = TieredStore([MemoryStore(), flaky], retry_after=1.0, clock=lambda: now[0])
+    began = store.outages()
+    flaky.broken = True
+    store.get_many(["a"])
+    flaky.broken, now[0] = False, 2.0
+    store.get_many(["a"])
+    assert store.up() == [True, True]
+    with pytest.raises(TierUnavailable, match="failed during the pass"):
+        every_tier_answered(store, "gc --unreferenced", began)
+    every_tier_answered(store, "gc --unreferenced", store.outages())
 
 
 def test_verify_goes_on_past_a_tier_that_does_not_answer_and_says_so():

@@ -21,7 +21,7 @@ class QueryStats:
     algorithm: str = ""
     ttft_s: float = 0.0
     fetch_s: float = 0.0  # store reads, plus compiling any chunk that was missing
-    wait_s: float = 0.0  # handed to the engine, until its PLACE step began (the scheduler's queue)
+    wait_s: float | None = None  # handed to the engine, until its first step began; None: the engine did not say
     rotate_s: float = 0.0  # placing cached chunks (gather + RoPE to global positions)
     recompute_s: float = 0.0  # selected rows through every layer (pieces interleaved with other requests' steps)
     decode_s: float = 0.0  # tokens after the first

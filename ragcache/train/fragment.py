@@ -22,6 +22,7 @@ import random
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+from ..chunker import text_ids
 from ..errors import BadRequest, UnsupportedModel
 from ..infill import FIM_END_TOKENS, MAX_INCREMENT_CHARS, FimTokens
 
@@ -43,11 +44,12 @@ def fragments(text: str, rng: random.Random, mean_chars: float = 48.0) -> list[s
 
 
 def tokenize(tokenizer, text: str, rng: random.Random | None = None, mean_chars: float = 48.0) -> list[int]:
-    """Token ids of `text`; with an rng, fragment-tokenized (each fragment alone, ids concatenated)."""
+    """Token ids of `text` as serving encodes a file's text (chunker.text_ids: a sentinel it spells stays
+    characters); with an rng, fragment-tokenized (each fragment alone, ids concatenated)."""
     if not text:
         return []
     parts = [text] if rng is None else fragments(text, rng, mean_chars)
-    encoded = tokenizer(parts, add_special_tokens=False)["input_ids"]
+    encoded = text_ids(tokenizer, parts)["input_ids"]
     return [i for ids in encoded for i in ids]
 
 

@@ -131,6 +131,7 @@ def test_the_accuracy_guards_check_is_ragcaches_own(rc, reference, doc_ids, algo
     answer = rc.query(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k, max_new_tokens=TOKENS)
     # linked now, or a prefix hit on an earlier answer's link: the guard meets its blocks in vLLM's prefix cache
     assert answer.stats.store_hits >= len(doc_ids) or answer.stats.cached_tokens > 0, answer.stats
+    assert 0 <= answer.stats.wait_s <= answer.stats.ttft_s  # vLLM's scheduler's wait, from its request stats
     check = rc.compare_with_full(query)
     expected = reference.check(QUESTION, doc_ids[::-1], algorithm=algorithm, k=k)
     assert check.top1_agrees == expected.top1_agrees

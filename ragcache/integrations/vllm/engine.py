@@ -436,6 +436,14 @@ async def _shutdown(llm) -> None:
     llm.shutdown = lambda timeout=None: None
 
 
+def _waited(out) -> float | None:
+    """How long vLLM's scheduler kept the request waiting: from its queueing to its first step (the engine core's
+    clock); None where vLLM keeps no stats (disable_log_stats)."""
+    metrics = getattr(out, "metrics", None)
+    queued, scheduled = getattr(metrics, "queued_ts", 0.0), getattr(metrics, "scheduled_ts", 0.0)
+    return max(scheduled - queued, 0.0) if queued and scheduled else None
+
+
 class VllmStream:
     """ragcache's Sequence (ragcache.engine.sequence) over one vLLM request: iterate for text pieces, or `open(listener)`
     for its events: `Piece`s, then exactly one of `Done`, `Failed` or `Aborted`."""
@@ -537,6 +545,7 @@ class VllmStream:
             self._first_at = time.perf_counter()
             self.stats.ttft_s = self._first_at - self._started
             self.stats.cached_tokens = out.num_cached_tokens or 0  # vLLM's: its prefix hit and what was linked
+            self.stats.wait_s = _waited(out)
             self.stats.recomputed_tokens = self.stats.prompt_tokens - self.stats.cached_tokens
             self._release()  # the prompt is in vLLM's cache: nothing more is read from or written to the store
         if self.first_distribution and completion.logprobs and self._first_logits is None:
