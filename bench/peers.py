@@ -240,8 +240,9 @@ class VllmWorker:
         script = str(Path(__file__).with_name("vllm_worker.py"))
         self.transfer = transfer
         connector = [json.dumps(transfer)] if transfer else []
-        threads = torch.get_num_threads()  # the cores every other peer computes on (--threads)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}
+        threads = torch.get_num_threads()  # as many cores as every other peer computes on (--threads)
+        cores = sorted(os.sched_getaffinity(0))[:threads]  # among those this process may use (taskset, a cpuset)
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores))}
         self.process = subprocess.Popen([python, "-P", script, model_dir, dtype, str(max_len), *connector],
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         if not json.loads(self._line()).get("ready"):
