@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated
@@ -54,34 +54,33 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 
 
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
-def entry_rows(store: Store, limit: int | None = None) -> list[dict]:
-    """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors)."""
-    rows: list[dict] = []
+def entry_rows(store: Store, limit: int | None = None) -> Iterator[dict]:
+    """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors), a batch of
+    headers at a time: a store of millions of entries is never held in memory whole."""
+    count = 0
     for batch in batched(store.keys()):
         for key, info in zip(batch, store.describe_many(batch)):
-            if limit is not None and len(rows) >= limit:
-                return rows
+            if limit is not None and count >= limit:
+                return
             if info is None:
                 continue  # removed while listing
+            count += 1
             meta = info.get("meta") or {}
-            rows.append(
-                {
-                    "key": key,
-                    "size": info.get("size", 0),
-                    "tokens": info.get("tokens"),
-                    "dtype": info.get("dtype"),
-                    "codec": summary_codec(info),
-                    "form": entry_form(info),
-                    "shape": info.get("shape"),
-                    "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
-                    "model": meta.get("model", ""),
-                    "tokenizer": meta.get("tokenizer", ""),
-                    "layout": meta.get("layout", ""),
-                    "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
-                    "error": info.get("error"),
-                }
-            )
-    return rows
+            yield {
+                "key": key,
+                "size": info.get("size", 0),
+                "tokens": info.get("tokens"),
+                "dtype": info.get("dtype"),
+                "codec": summary_codec(info),
+                "form": entry_form(info),
+                "shape": info.get("shape"),
+                "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
+                "model": meta.get("model", ""),
+                "tokenizer": meta.get("tokenizer", ""),
+                "layout": meta.get("layout", ""),
+                "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
+                "error": info.get("error"),
+            }
 
 
 def summary(store: Store) -> dict:
@@ -92,20 +91,7 @@ def summary(store: Store) -> dict:
         except StoreError as exc:
             tiers.append({"tier": tier.name, "error": str(exc)})
             continue
-        rows = entry_rows(tier)
-        shards = [r for r in rows if r["heads"]]  # their chunks' tokens again: not in the codecs' bytes per token
-        tiers.append(
-            {
-                **stats,
-                "entries": len(rows),
-                "bytes": sum(r["size"] for r in rows),
-                "models": dict(Counter(r["model_name"] for r in rows)),
-                "codecs": codec_summary([r for r in rows if not r["heads"]]),
-                "shards": {"entries": len(shards), "bytes": sum(r["size"] for r in shards)},
-                "forms": dict(Counter(r["form"] for r in rows if not r["error"])),
-                "unreadable_headers": sum(1 for r in rows if r["error"]),
-            }
-        )
+        tiers.append({**stats, **_tally(entry_rows(tier))})
     names = store.record_names()
     return {
         "store": store.name,
@@ -115,19 +101,37 @@ def summary(store: Store) -> dict:
     }
 
 
-def codec_summary(rows: list[dict]) -> dict[str, dict]:
-    """Entries, tokens, stored bytes and bytes per token for each kv codec (store/codec.py) among the entries."""
-    by_codec: dict[str, dict] = {}
+def _tally(rows: Iterable[dict]) -> dict:
+    """A tier's entries counted as they stream by: bytes, models, forms, and per kv codec (store/codec.py) entries,
+    tokens, stored bytes and bytes per token. KV-head shards apart: they weigh their chunks' tokens again."""
+    entries = size = unreadable = 0
+    models: Counter[str] = Counter()
+    forms: Counter[str] = Counter()
+    shards = {"entries": 0, "bytes": 0}
+    codecs: dict[str, dict] = {}
     for r in rows:
-        if r["error"] or not r["tokens"]:
+        entries, size = entries + 1, size + r["size"]
+        models[r["model_name"]] += 1
+        if r["error"]:
+            unreadable += 1
             continue
-        c = by_codec.setdefault(r["codec"] or "?", {"entries": 0, "tokens": 0, "bytes": 0})
-        c["entries"] += 1
-        c["tokens"] += r["tokens"]
-        c["bytes"] += r["size"]
-    for c in by_codec.values():
+        forms[r["form"]] += 1
+        if r["heads"]:
+            shards["entries"], shards["bytes"] = shards["entries"] + 1, shards["bytes"] + r["size"]
+        elif r["tokens"]:
+            c = codecs.setdefault(r["codec"] or "?", {"entries": 0, "tokens": 0, "bytes": 0})
+            c["entries"], c["tokens"], c["bytes"] = c["entries"] + 1, c["tokens"] + r["tokens"], c["bytes"] + r["size"]
+    for c in codecs.values():
         c["bytes_per_token"] = round(c["bytes"] / c["tokens"], 1)
-    return by_codec
+    return {
+        "entries": entries,
+        "bytes": size,
+        "models": dict(models),
+        "codecs": codecs,
+        "shards": shards,
+        "forms": dict(forms),
+        "unreadable_headers": unreadable,
+    }
 
 
 # -- commands -----------------------------------------------------------------------------------------------
@@ -223,7 +227,7 @@ def ls(
     as_json: AsJson = False,
 ) -> None:
     """Entries with their size, model and token count."""
-    rows = entry_rows(_open(store), limit=limit)
+    rows = list(entry_rows(_open(store), limit=limit))
     if as_json:
         console.print_json(json.dumps(rows))
         return
