@@ -1,6 +1,7 @@
 """Talk to a running ragcache server (start one with `ragcache serve`): upload documents, ask a question, stream an
 answer over server-sent events, and ask through the official `openai` client.
 
+    pip install httpx openai                                    # the clients (not ragcache's dependencies)
     python examples/rest_client.py                              # http://127.0.0.1:8000, ragcache/data/docs/*.txt
     python examples/rest_client.py --url http://host:8000 --api-key KEY --docs a.txt b.txt --max-tokens 32
 """

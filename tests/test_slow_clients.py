@@ -312,6 +312,9 @@ def test_the_nginx_config_bounds_every_phase_of_a_request():
     assert size(d["client_max_body_size"][0]) >= largest
     assert d["proxy_request_buffering"] == ["on"] and d["proxy_buffering"] == ["off"]
     assert d["proxy_http_version"] == ["1.1"] and ["Connection", '""'] in nginx_directives()["proxy_set_header"]
+    # nginx lets an idle upstream connection go before ragcache does: a POST never lands on one it just closed
+    upstream = [args for args in nginx_directives()["keepalive_timeout"] if size(args[0]) < defaults.keep_alive_s]
+    assert upstream, "the upstream block's keepalive_timeout must be under ragcache's keep_alive_s"
 
 
 @pytest.mark.skipif(shutil.which("nginx") is None, reason="nginx is not installed")
