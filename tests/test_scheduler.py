@@ -880,15 +880,20 @@ def test_tasks_take_turns_with_the_requests_steps():
     assert scheduler.abort(user) and not scheduler.has_work()
 
 
-def test_arrivals_faster_than_steps_take_turns_with_a_decoding_stream():
-    """A request arriving during every step: each is placed, but never two PLACE steps in a row while a stream
-    decodes, or the stream would wait for as long as the arrivals keep coming."""
-    scheduler = Scheduler(row_budget=16)
+def decoding_beside(scheduler: Scheduler) -> tuple[Scheduler, Sequence]:
+    """The scheduler with one stream placed, linked and decoding."""
     stream = sequence(tokens=8)
     scheduler.add(stream)
     run_plan(scheduler, scheduler.schedule(), {stream: (2,)})
     run_plan(scheduler, scheduler.schedule(), {})
     assert stream.status is Status.DECODING
+    return scheduler, stream
+
+
+def test_arrivals_faster_than_steps_take_turns_with_a_decoding_stream():
+    """A request arriving during every step: each is placed, but never two PLACE steps in a row while a stream
+    decodes, or the stream would wait for as long as the arrivals keep coming."""
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16))
     kinds, arrived = [], {}
     for _ in range(6):
         newcomer = sequence(tokens=None)
@@ -963,12 +968,7 @@ def test_a_place_step_runs_no_more_pre_pass_rows_than_the_budget_holds():
         s.params = LinkParams(algorithm=algorithm)
         return s
 
-    scheduler = Scheduler(row_budget=16)
-    stream = sequence(tokens=8)
-    scheduler.add(stream)
-    run_plan(scheduler, scheduler.schedule(), {stream: (2,)})
-    run_plan(scheduler, scheduler.schedule(), {})
-    assert stream.status is Status.DECODING
+    scheduler, _ = decoding_beside(Scheduler(row_budget=16))
     focus = [arrival("focus", 6) for _ in range(3)] + [arrival("focus", 20)]
     naive = [arrival("naive", 20) for _ in range(3)]
     for s in (*focus, *naive):
