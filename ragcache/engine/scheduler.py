@@ -172,7 +172,8 @@ class Scheduler:
             budget = self.row_budget if decoding else self.link_row_budget
             admitted = [self.waiting.popleft()]
             rows = admitted[0].place_rows
-            while self.waiting and rows + self.waiting[0].place_rows <= max(budget, rows):  # one past: +0 rows
+            # past the budget (the first alone was) only with arrivals that run no rows
+            while self.waiting and rows + self.waiting[0].place_rows <= max(budget, rows):
                 rows += self.waiting[0].place_rows
                 admitted.append(self.waiting.popleft())
         elif self.background and not self.running:
