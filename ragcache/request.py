@@ -7,6 +7,7 @@ limits. The engine's entry points call them once per request; nothing after them
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -94,7 +95,7 @@ def validate(
 
 def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documents") -> list[str]:
     """Documents to compile."""
-    if isinstance(texts, str | bytes) or not isinstance(texts, list | tuple):
+    if isinstance(texts, str | bytes | Mapping) or not isinstance(texts, Collection):
         raise BadRequest(f"{what} must be a list of texts, got {type(texts).__name__}: pass [text] for one document")
     _at_most_count(len(texts), limits.documents, what)
     return [validate_text(text, f"{what}[{i}]", limits) for i, text in enumerate(texts)]

@@ -417,4 +417,6 @@ def test_one_text_given_for_a_list_of_documents_is_refused():
         with pytest.raises(BadRequest, match="list of texts"):
             rc.compile_documents(texts)
     assert rc.store.record_names() == []
+    by_name = {"a": "The bridge is old. It was built of stone."}
+    assert rc.compile_documents(by_name.values()).documents == 1  # any collection of texts, a dict's values too
     rc.close()
