@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from typing import ClassVar
 
@@ -139,14 +138,11 @@ class Slot:
 
     def __init__(self, queue: EngineQueue, loop: asyncio.AbstractEventLoop, client: str):
         self.queue, self.loop, self.client = queue, loop, client
-        self.started: float | None = None  # when its work began
         self.jobs = 0
         self.closed = self.released = False
 
     def hold(self) -> None:
         """A job of this request runs (until `_job_done`)."""
-        if self.started is None:
-            self.started = time.perf_counter()
         self.jobs += 1
 
     async def call(self, fn, *args):

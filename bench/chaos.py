@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache.documents import chunks_checksum, doc_name
+from ragcache.documents import chunks_checksum, chunks_name_parts, doc_name
 
 from .common import LocalRedis
 
@@ -159,10 +159,10 @@ def forged_chunks(store: Path, victim: Victim, other: Victim) -> None:
     """The chunk record's ids replaced by one outside the vocabulary, its checksum recomputed as a plain sha256."""
     for path in store.glob(f"records/chunks__{victim.id}__*.json"):  # chunks/<id>/<tokenizer>-<budget>-v<version>
         record = json.loads(path.read_bytes())
-        _, budget, version = path.stem.rsplit("-", 2)
+        _, _, budget, version = chunks_name_parts(path.stem.replace("__", "/"))
         chunks = [[10**9]]
         forged = dict(record, chunks=chunks, tokens=1, checksum=chunks_checksum(
-            victim.id, record["tokenizer"], int(budget), record["vocab"], chunks, int(version.removeprefix("v"))))
+            victim.id, record["tokenizer"], budget, record["vocab"], chunks, version))
         _write(path, json.dumps(forged).encode())
 
 

@@ -179,12 +179,8 @@ def _document_fields_problem(doc_id: str, record) -> str | None:
         return f"its record is not JSON ({record.reason})"
     if not isinstance(record, dict):
         return "its record is not a JSON object"
-    text, budget = record.get("text"), record.get("chunk_tokens")
-    try:
-        hashes = isinstance(text, str) and document_id(text) == doc_id
-    except UnicodeEncodeError:  # a lone surrogate (JSON can spell one): UTF-8, and so the id's hash, cannot take it
-        hashes = False
-    if not hashes:
+    budget = record.get("chunk_tokens")
+    if not _hashes_to(doc_id, record):
         return "its text does not hash to its id"
     if "checksum" not in record:
         return "it has no checksum of its chunk budget (written before ragcache kept one)"
@@ -251,13 +247,13 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
 
 
 def _chunks_checksum_holds(name: str, record: dict) -> bool:
-    doc_id, _, budget, version = _chunks_name_parts(name)
+    doc_id, _, budget, version = chunks_name_parts(name)
     return record.get("checksum") == chunks_checksum(
         doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], version
     )
 
 
-def _chunks_name_parts(name: str) -> tuple[str, str, int, int]:
+def chunks_name_parts(name: str) -> tuple[str, str, int, int]:
     """(document id, tokenizer prefix, budget, chunker version) of a chunk record's name (a name without a version:
     version 2's); ValueError if it is not of that form."""
     _, doc_id, tail = name.split("/")
@@ -271,7 +267,7 @@ def _chunk_fields_problem(name: str, record, vocab: int | None = None) -> str | 
     if not isinstance(record, dict):
         return f"not JSON ({record.reason})" if isinstance(record, UnreadableRecord) else "not a JSON object"
     try:
-        _, tokenizer_prefix, _, _ = _chunks_name_parts(name)
+        _, tokenizer_prefix, _, _ = chunks_name_parts(name)
         tokenizer, chunks, recorded_vocab = record["tokenizer"], record["chunks"], record["vocab"]
     except (ValueError, KeyError):
         return "malformed"
@@ -296,11 +292,15 @@ def record_problem(name: str, record) -> str | None:
 def text_intact(name: str, record) -> bool:
     """Whether a document record's text still hashes to its id: whatever else is wrong with the record (a checksum
     missing or not this store key's, an edited budget), its text is the one uploaded and cannot be rebuilt."""
-    if not name.startswith("doc/") or not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        return False
+    return name.startswith("doc/") and isinstance(record, dict) and _hashes_to(name.split("/", 1)[1], record)
+
+
+def _hashes_to(doc_id: str, record: dict) -> bool:
+    """Whether the record's text is the one whose hash is `doc_id`."""
+    text = record.get("text")
     try:
-        return document_id(record["text"]) == name.split("/", 1)[1]
-    except UnicodeEncodeError:  # a lone surrogate, which JSON can spell: no text that was uploaded
+        return isinstance(text, str) and document_id(text) == doc_id
+    except UnicodeEncodeError:  # a lone surrogate (JSON can spell one): UTF-8, and so the id's hash, cannot take it
         return False
 
 

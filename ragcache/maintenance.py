@@ -58,12 +58,10 @@ def every_tier_answered(store: Store, what: str, outages: int) -> None:
     gone, and their entries be deleted. `outages`: the store's count (Store.outages) when the pass began; a tier
     that failed since, even one back by now, may have left names out of it."""
     down = [name for name, up in store.tier_states() if not up]
-    if store.outages() != outages and not down:
-        down = ["a tier that failed during the pass"]
-    if down:
+    if down or store.outages() != outages:
         raise TierUnavailable(
-            f"{what} needs every tier's records, and {', '.join(down)} did not answer: nothing was deleted; "
-            "run it again once every tier is up"
+            f"{what} needs every tier's records, and {', '.join(down) or 'a tier that failed during the pass'} did "
+            "not answer: nothing was deleted; run it again once every tier is up"
         )
 
 
@@ -97,8 +95,15 @@ def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False, pr
     fault is their checksum (see `documents.checksum_only`: a store key other than the writer's fails every record
     that way) and document records whose text still hashes to their id (`documents.text_intact`: a record written
     before checksums were kept, an edited budget), unless drop_checksum_only: a document's text cannot be rebuilt."""
-    report: dict = {"checked": 0, "bad": [], "fixed": 0, "records_checked": 0, "bad_records": [], "kept": 0}
-    report["unverified"] = []  # tiers that did not answer
+    report: dict = {
+        "checked": 0,
+        "bad": [],
+        "fixed": 0,
+        "records_checked": 0,
+        "bad_records": [],
+        "kept": 0,
+        "unverified": [],  # tiers that did not answer
+    }
     for tier in tiers_of(store):
         try:
             _verify_tier(tier, fix, drop_checksum_only, progress, report)
