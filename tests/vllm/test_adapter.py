@@ -196,6 +196,10 @@ def test_an_adapter_the_connector_cannot_compute_is_refused_before_vllm_starts(t
     with pytest.raises(BadAdapter, match="vLLM cannot load"):  # it changed the base weights when it was made
         RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm",
                       adapter=edited(adapter, tmp_path / "pissa", init_lora_weights="pissa"))
+    for merged in (True, False):  # the connector's ranks would prefill every request themselves, unlinked
+        with pytest.raises(BadAdapter, match="tensor parallelism"):
+            RagCache.open(tiny_qwen2, f"disk:{tmp_path / 's'}", engine="vllm", adapter=adapter, merge_adapter=merged,
+                          tensor_parallel_size=2)
 
 
 def test_the_guard_measures_against_the_base_models_full_or_is_refused_when_merged(rc, adapted, doc_ids):

@@ -256,3 +256,28 @@ def test_what_a_link_did_reaches_its_finished_output():
     assert c.request_finished(request(SPEC, 62), []) == (False, {LINK_KEY: did})
     assert c._done == {} and c._linking == set()
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # a step without connector stats
+
+
+def test_a_failed_link_is_not_claimed_again_and_its_blocks_leave_the_prefix_cache():
+    """A failed async load hands its request back to vLLM's waiting queue with nothing computed: claimed again, it
+    would start the same failing load for as long as the store is down. And vLLM keeps a failed sync load's blocks
+    hashed for their request to recompute: aborted first, they would serve an identical request unwritten KV."""
+    c = connector()
+    evicted = []
+    c.bind_kv_cache_manager(SimpleNamespace(evict_blocks=evicted.append, block_pool=None))
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4, 8],))
+    c.update_state_after_alloc(request(SPEC, 62, rid="r1"), blocks, 39)  # vLLM's own hit: the first block
+    c.update_state_after_alloc(request(SPEC, 62, rid="r2"), SimpleNamespace(get_block_ids=lambda: ([5, 6, 10, 11],)), 55)
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={9}))
+    assert evicted == [{9}]
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (0, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, False)  # its blocks were not named
+    c.request_finished(request(SPEC, 62, rid="r1"), [])
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, False)  # a new request of that id
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # no failed blocks: nothing evicted
+    assert evicted == [{9}]
+
+
+def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():
+    load = Load("r1", list(range(62)), SPEC, [7, 3, 9, 4, 8], BLOCK)  # linked: 55 positions, blocks 0..3
+    assert load.written_blocks(BLOCK) == [3, 9, 4]

@@ -170,6 +170,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._linking: set[str] = set()  # requests given a Load, until they finish
         self._done: dict[str, dict[str, float]] = {}  # what their links did, as the workers reported it
         self._refused: set[str] = set()  # requests already counted as not linked
+        self._claimed: dict[str, set[int]] = {}  # the blocks each linking request's link writes, until it finishes
+        self._unlinked: set[str] = set()  # requests whose link failed: vLLM prefills them from then on
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
         # step. By default a link runs inside the step that schedules its request.
@@ -193,7 +195,9 @@ class RagcacheConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         spec = self._spec(request)
-        if spec is None or num_computed_tokens >= spec.linked:
+        if spec is None or num_computed_tokens >= spec.linked or request.request_id in self._unlinked:
+            # a failed link is not tried again: a failed async load hands its request back to vLLM's waiting queue,
+            # where a claim would start the same failing load again, for as long as the cause lasts
             return 0, False
         return spec.linked - num_computed_tokens, self.async_load
 
@@ -203,7 +207,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         spec = self._spec(request)
         lora = request.lora_request
         self._linking.add(request.request_id)
-        self._pending[request.request_id] = Load(
+        load = Load(
             request.request_id,
             list(request.prompt_token_ids),
             spec,
@@ -211,6 +215,8 @@ class RagcacheConnector(KVConnectorBase_V1):
             spec.linked - num_external_tokens,
             lora.lora_path if lora is not None else None,
         )
+        self._pending[request.request_id] = load
+        self._claimed[request.request_id] = set(load.written_blocks(self.block_size))
 
     def build_connector_meta(self, scheduler_output) -> LoadMetadata:
         meta = LoadMetadata(list(self._pending.values()))
@@ -222,11 +228,21 @@ class RagcacheConnector(KVConnectorBase_V1):
         for request_id, done in (getattr(stats, "data", None) or {}).get("requests", {}).items():
             if request_id in self._linking:  # not one that finished already
                 self._done[request_id] = done
+        failed = getattr(connector_output, "invalid_block_ids", None)
+        if failed:
+            self._unlinked.update(rid for rid, blocks in self._claimed.items() if blocks & failed)
+            # Under the recompute policy vLLM keeps a failed sync load's blocks in its prefix cache, hashed since
+            # they were allocated, for their request to recompute in place. Aborted or preempted first, or
+            # recomputed over several steps, they would serve an identical request (the same salt) unwritten KV.
+            if self._kv_cache_manager is not None:
+                self._kv_cache_manager.evict_blocks(set(failed))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
         self._refused.discard(request.request_id)
         self._linking.discard(request.request_id)
+        self._claimed.pop(request.request_id, None)
+        self._unlinked.discard(request.request_id)
         done = self._done.pop(request.request_id, None)
         return False, ({LINK_KEY: done} if done is not None else None)
 
@@ -304,9 +320,8 @@ class RagcacheConnector(KVConnectorBase_V1):
                 exc,
                 exc_info=reason == "error",
             )
-            first, end = load.start // self.block_size, -(-load.spec.linked // self.block_size)
             with self._failed_lock:  # before the link counts as finished: vLLM reads both in one pass
-                self._failed.update(load.block_ids[first:end])
+                self._failed.update(load.written_blocks(self.block_size))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = {request_id for request_id, link in self._links.items() if link.done()}

@@ -101,7 +101,8 @@ class VllmRagCache(Front):
         kv_codec.validate(config.kv_codec)
         if problem := config.vllm_problem() or split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
-        served = _describe(config.model, config.dtype, config.adapter, config.merge_adapter)
+        ranks = int(config.vllm_args.get("tensor_parallel_size", 1))
+        served = _describe(config.model, config.dtype, config.adapter, config.merge_adapter, ranks)
         try:
             return cls._launch(served, config)
         except BaseException:
@@ -353,7 +354,7 @@ class Served:
             self.hold.close()
 
 
-def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -> Served:
+def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool, ranks: int = 1) -> Served:
     """The model's weights are loaded here once to fingerprint them (the keys of its entries name the weights) and to
     check the adapter fits, then dropped. An installed adapter that cannot be served here is logged, and the base
     model serves, as on ragcache's engine."""
@@ -361,6 +362,11 @@ def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool) -
     chosen = adapters.calibrated_default(base) if adapter == INSTALLED else adapter
     if chosen is not None:
         try:
+            if ranks > 1:  # the connector would prefill every request itself (LinkWorker.lora), merged: refused there
+                raise BadAdapter(
+                    f"{chosen}: a link adapter under tensor parallelism ({ranks} ranks): its terms are not split "
+                    "across ranks, merged or not; serve it at tensor_parallel_size 1"
+                )
             return _adapted(base, Path(chosen), merge)
         except ModelFetchError as exc:  # BadAdapter, or no room for the merged copy
             if adapter != INSTALLED:

@@ -178,6 +178,10 @@ class Load:
     start: int  # first position to write: vLLM's own prefix hit ends there
     adapter: str | None = None  # the directory of the request's LoRA (its LoRARequest), a link adapter
 
+    def written_blocks(self, block_size: int) -> list[int]:
+        """The blocks the link writes: from the one where vLLM's prefix hit ends to the linked part's last."""
+        return self.block_ids[self.start // block_size : -(-self.spec.linked // block_size)]
+
 
 def transfer_config(store: str, **options) -> dict:
     """The `kv_transfer_config` that loads this connector (`vllm serve --kv-transfer-config`, `LLM(...)`)."""

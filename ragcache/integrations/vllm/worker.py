@@ -72,8 +72,8 @@ class LinkWorker:
         merged = options.get("merged_adapter")
         if merged and self.runner.ranks > 1:
             raise ValueError(
-                f"merged_adapter ({merged}) under tensor parallelism: the link adapter's terms are not split across "
-                "ranks; serve the merged model at tensor_parallel_size 1, or its base model with --enable-lora"
+                f"merged_adapter ({merged}) under tensor parallelism: a link adapter's terms are not split across "
+                "ranks, merged or not; serve it at tensor_parallel_size 1"
             )
         self.unmerge = (
             LinkLora(
