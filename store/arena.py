@@ -16,6 +16,7 @@ import weakref
 import torch
 
 from . import crossing
+from .base import log
 from .entry import ChunkKV
 
 ALIGN = 256  # bytes: every tensor of an entry starts on a boundary any dtype and vector load accepts
@@ -111,7 +112,13 @@ class Arena:
         grown = max(min(self.segment_bytes, self.budget_bytes - allocated), size)  # the last segment: what is left
         if allocated + grown > self.budget_bytes:
             return None
-        self.segments.append(torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin))
+        try:
+            memory = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin)
+        except RuntimeError as exc:  # the host would not pin (lock) more memory: the arena keeps what it has
+            log.warning("memory tier: %d more bytes could not be allocated (%s); keeping %d", grown, exc, allocated)
+            self.budget_bytes = allocated
+            return None
+        self.segments.append(memory)
         self._free.append([(size, grown - size)] if grown > size else [])
         self.used_bytes += size
         return len(self.segments) - 1, 0

@@ -27,6 +27,8 @@ def out_stream(device: torch.device):
     if device.type != "cuda":
         return nullcontext()
     stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    # what the caller's stream queued before (the kernels that made the tensors, a slice's clone) is written first
+    stream.wait_stream(torch.cuda.current_stream(device))
     return torch.cuda.stream(stream)
 
 

@@ -32,6 +32,18 @@ RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-rea
 TMP_SUFFIX = ".tmp"
 
 
+# SQLite's errors that tell of the moment (another process's lock, permissions, a full disk), not of the index: an
+# index that fails with them may be sound and open in other processes, never to be deleted under them
+_NOT_THE_FILE = tuple(
+    "SQLITE_BUSY SQLITE_LOCKED SQLITE_CANTOPEN SQLITE_IOERR SQLITE_FULL SQLITE_READONLY SQLITE_PERM SQLITE_NOMEM "
+    "SQLITE_PROTOCOL".split()
+)
+
+
+def _says_nothing_of_the_file(exc: sqlite3.Error) -> bool:
+    return (getattr(exc, "sqlite_errorname", None) or "").startswith(_NOT_THE_FILE)
+
+
 class DiskStore(BlobStore):
     name = "disk"
 
@@ -54,11 +66,19 @@ class DiskStore(BlobStore):
             self._create_index()
             self._check_index()
         except sqlite3.DatabaseError as exc:  # not a database, malformed, or not ours: it is only a cache
+            if _says_nothing_of_the_file(exc):
+                self._drop_connection()
+                raise StoreError(f"disk tier {self.root}: cannot open its index {self.index_path} ({exc})") from exc
             log.warning("disk tier %s: index unusable (%s); rebuilding it from the files", self.root, exc)
             self._drop_connection()
-            for suffix in ("", "-wal", "-shm"):
-                Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
-            self._create_index()
+            try:
+                for suffix in ("", "-wal", "-shm"):
+                    Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
+                self._create_index()
+            except (OSError, sqlite3.Error) as again:
+                raise StoreError(
+                    f"disk tier {self.root}: cannot rebuild its index {self.index_path} ({again})"
+                ) from again
             fresh = True
         if fresh and (added := self._reconcile_index()["index_rows_added"]):
             log.info("disk tier %s: index rebuilt from %d files", self.root, added)

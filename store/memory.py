@@ -119,11 +119,14 @@ class MemoryStore(Store):
         if not arena.could_hold(entry):
             return None
         size = arena.size_of(entry)
+        in_vain = False
         while (placed := arena.place(entry)) is None:
             if arena.reclaimable():
                 arena.settle()
                 if (placed := arena.place(entry)) is not None:
                     break
+            elif in_vain:  # what was evicted is still held (a link reads it): evicting on would empty the tier
+                return None
             # the least recently used, as many as the entry's size, at once: one wait for their spans, not one each
             freed = 0
             while self._entries and freed < size:
@@ -134,6 +137,7 @@ class MemoryStore(Store):
                 del evicted
             if not freed and not arena.reclaimable():
                 return None
+            in_vain = not arena.reclaimable()
         return placed
 
     def _evict(self) -> int:

@@ -332,6 +332,9 @@ class RedisStore(BlobStore):
         older than orphan_age_s, and manifests that cannot be read or whose parts are gone."""
         live: dict[str, str] = {}  # key -> gen of its manifest
         broken = 0
+        # a part's age is taken against the time before the keys are listed: one whose entry was written after the
+        # listing (not in `live`) is younger than that, however long the manifest pass takes
+        now = time.time()
         for batch in batched(list(self.keys()), 500):
             with self._errors("gc"):
                 # one manifest read per key, judged and dropped alike: an entry written again between two reads
@@ -343,7 +346,6 @@ class RedisStore(BlobStore):
                         self._drop_remains(key, raw, manifest)
                         broken += 1
         orphans = []
-        now = time.time()
         part_re = re.compile(rf"{re.escape(self.prefix)}:part:\{{(?P<key>[^}}]*)\}}:(?P<gen>[0-9a-f]+):\d+")
         for name in self._scan(f"{self.prefix}:part:*"):
             m = part_re.fullmatch(name.decode(errors="replace"))  # a generation begins with its write's time

@@ -295,3 +295,27 @@ def test_entries_cross_from_host_memory_in_runs_of_layers_one_copy_per_tensor_a_
     copies.place(whole, entries, starts, inv_freq, scaling)
     assert torch.equal(whole.keys, cache.keys) and torch.equal(whole.values, cache.values)
     assert whole.keys[:, :, 1:17].abs().sum() > 0
+
+
+def test_a_compiles_event_is_recorded_on_its_entrys_device_whichever_device_is_current(fake_cuda, monkeypatch):
+    """An engine on cuda:1 while cuda:0 is current: an event on cuda:0's stream would be done at once, and the
+    store would copy K/V its kernels had not written yet."""
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
+    device = torch.device("cuda", 1)
+    made = copies.made(SimpleNamespace(keys=SimpleNamespace(device=device)))
+    assert made.ready.on == ("current stream of", device)
+
+
+def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeypatch):
+    """Device memory running out while staging: no Staged exists to hand the reserved bytes back when dropped, so
+    every such failure shrank the budget for good, until the prefetch staged nothing."""
+    entries = [entry(1, 5, "int8"), entry(2, 7, "int8")]
+    prefetch = copies.Prefetch(torch.device("cpu"), budget_bytes=1 << 30)
+
+    def out_of_memory(t, device):
+        raise torch.OutOfMemoryError("no room")
+
+    monkeypatch.setattr(copies, "_empty", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        prefetch.stage(entries)
+    assert prefetch.staged_bytes == 0

@@ -773,11 +773,50 @@ def test_a_narrowing_link_runs_in_a_step_of_its_own():
     for s in (a, b):
         scheduler.add(s)
     run_plan(scheduler, scheduler.schedule(), {a: (5, "narrow"), b: (5,)})
+    first = scheduler.schedule()  # after a PLACE, a forward step: b's rows, never a's (they wait for their NARROW)
+    assert shape(first) == [("piece", 0, 5)] and first.work[0].sequence is b
+    run_plan(scheduler, first, {})
     narrow = scheduler.schedule()
     assert narrow.kind is Kind.NARROW and shape(narrow) == [("narrow", 0, 0)] and narrow.work[0].sequence is a
     outputs = run_plan(scheduler, narrow, {})
     assert outputs[0][1].linked == "linked" and a.plan is None and a.status is Status.DECODING
-    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("piece", 0, 5)]
+    assert shape(scheduler.schedule()) == [("decode", 0, 0), ("decode", 0, 0)]
+
+
+def kinds_beside(scheduler: Scheduler, stream: Sequence, steps: int, arrive_every: int) -> list[str]:
+    """What the next `steps` steps are ("decode" where the stream has its row), a narrowing link arriving every
+    `arrive_every` steps (and linked by its NARROW step)."""
+    kinds, narrowing = [], {}
+    for step in range(steps):
+        if step % arrive_every == 0:
+            newcomer = sequence(tokens=None)
+            scheduler.add(newcomer)
+            narrowing[newcomer] = (5, "narrow")
+        plan = scheduler.schedule()
+        kinds.append("decode" if any(w.sequence is stream for w in plan.work) else plan.kind.value)
+        run_plan(scheduler, plan, narrowing)
+    return kinds
+
+
+def test_narrowing_links_take_turns_with_a_decoding_stream():
+    """Each NARROW step runs every chunk row of its prompt: a stream decoding beside narrowing links placed
+    together, or arriving every second step, waits for one such step at a time, and the narrowing links and the
+    arrivals take turns too."""
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16))
+    placed = [sequence(tokens=None) for _ in range(3)]
+    for s in placed:
+        scheduler.add(s)
+    run_plan(scheduler, scheduler.schedule(), dict.fromkeys(placed, (5, "narrow")))
+    kinds = [scheduler.schedule() for _ in range(6)]
+    for plan in kinds:
+        run_plan(scheduler, plan, {})
+    names = ["decode" if any(w.sequence is stream for w in p.work) else p.kind.value for p in kinds]
+    assert names == ["decode", "narrow", "decode", "narrow", "decode", "narrow"]
+
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=64)
+    kinds = kinds_beside(scheduler, stream, steps=12, arrive_every=2)
+    assert all(kinds[i] == "decode" or kinds[i + 1] == "decode" for i in range(len(kinds) - 1)), kinds
+    assert kinds.count("narrow") >= 2 and kinds.count("place") >= 2, kinds
 
 
 def test_background_sequences_wait_for_a_step_no_user_needs_and_run_on_the_base_weights():
@@ -880,9 +919,9 @@ def test_tasks_take_turns_with_the_requests_steps():
     assert scheduler.abort(user) and not scheduler.has_work()
 
 
-def decoding_beside(scheduler: Scheduler) -> tuple[Scheduler, Sequence]:
-    """The scheduler with one stream placed, linked and decoding."""
-    stream = sequence(tokens=8)
+def decoding_beside(scheduler: Scheduler, tokens: int = 8) -> tuple[Scheduler, Sequence]:
+    """The scheduler with one stream placed, linked and decoding (`tokens` long)."""
+    stream = sequence(tokens=tokens)
     scheduler.add(stream)
     run_plan(scheduler, scheduler.schedule(), {stream: (2,)})
     run_plan(scheduler, scheduler.schedule(), {})
@@ -1009,3 +1048,19 @@ def test_a_requests_wait_for_the_engine_is_the_time_from_its_hand_over_to_its_fi
     assert query_response(waited).timings.queue_s == waited.stats.wait_s
     assert rc.query(QUESTIONS[0], []).stats.wait_s < 0.5  # nothing ahead of it
     rc.close()
+
+
+def test_a_run_of_tasks_does_not_give_the_heap_back_at_every_step(monkeypatch):
+    """Tasks are not counted as the requests' steps: the heap's trim, every TRIM_EVERY_STEPS steps, counts them
+    apart (a calibration's tasks once each paid a trim while the requests' count sat at a multiple of it)."""
+    from ragcache.engine import driver
+
+    trims: list[int] = []
+    monkeypatch.setattr(driver, "return_free_memory", lambda: trims.append(1))
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    try:
+        for _ in range(10):
+            rc.with_runner(lambda runner: None)
+    finally:
+        rc.close()
+    assert len(trims) <= 2  # the model thread's idle exit and its stop, at most

@@ -1410,3 +1410,54 @@ def test_store_stats_streams_the_entries_headers():
     (tier,) = summary(store)["tiers"]
     assert tier["entries"] == 3 and sum(c["entries"] for c in tier["codecs"].values()) == 3
     assert tier["shards"]["entries"] == 0
+
+
+def test_copies_out_of_a_gpu_wait_for_what_the_callers_stream_queued(monkeypatch):
+    """The copy-out stream runs beside the model's: the kernels that wrote an entry's tensors (a slice's clone for
+    a shard) were queued on the caller's stream, and a copy not waiting for them would store unwritten memory."""
+    from ragcache.store import crossing
+
+    waited = []
+    stream = type("FakeStream", (), {"wait_stream": lambda self, other: waited.append(other)})()
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("current stream of", device))
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: s)
+    monkeypatch.setattr(crossing, "_STREAMS", {})
+    device = torch.device("cuda", 1)
+    assert crossing.out_stream(device) is stream and waited == [("current stream of", device)]
+
+
+def test_a_put_beside_readers_holding_every_entry_evicts_one_entrys_worth_not_the_whole_tier():
+    """Readers hold every entry of a full pooled tier: evicting frees no span until they let go, and a put once
+    evicted on until the tier was empty, keeping nothing either."""
+    from ragcache.store.arena import Arena
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(5))
+    keys = list(entries)
+    tier = MemoryStore(budget_bytes=4 * Arena.size_of(entries[keys[0]]), pooled=True)
+    tier.put_many({k: entries[k] for k in keys[:4]})
+    held = tier.get_many(keys[:4])
+    tier.put_many({keys[4]: entries[keys[4]]})
+    assert tier.contains_many(keys) == [False, True, True, True, False]
+    assert all(same_bits(h, entries[k]) for h, k in zip(held, keys))
+
+
+def test_a_host_that_will_not_pin_more_memory_leaves_the_arena_what_it_has(monkeypatch, caplog):
+    """torch.empty(pin_memory=True) failing (the host's locked-memory limit) is a RuntimeError: the arena stops
+    growing, warns, and the entry is not kept, instead of failing the read or write that promoted it."""
+    from ragcache.store import arena as arena_module
+
+    real = torch.empty
+
+    def refuse(*args, **kwargs):
+        if "pin_memory" in kwargs:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*args, **kwargs)
+
+    entries = dict(make_entry(i, layers=2, tokens=16) for i in range(2))
+    tier = MemoryStore(budget_bytes=1 << 30, pooled=True)
+    monkeypatch.setattr(arena_module.torch, "empty", refuse)
+    with caplog.at_level(logging.WARNING, logger="ragcache"):
+        tier.put_many(entries)
+    assert tier.contains_many(list(entries)) == [False, False] and tier.stats()["unkept"] == 2
+    assert any("could not be allocated" in r.getMessage() for r in caplog.records)

@@ -615,3 +615,29 @@ def test_redis_gc_keeps_an_entry_written_again_while_it_looked(redis_url):
     store.gc()
     store._manifests = read
     assert same_bits(store.get(key), second)
+
+
+def test_gc_never_takes_the_parts_of_an_entry_written_while_it_read_the_manifests(redis_url, monkeypatch):
+    """An entry written after gc listed the keys is not among the live ones it found; its parts are as young as
+    their write, so gc must judge their age against a time before the listing, however long its pass takes (here
+    ORPHAN_AGE_S and a second pass while reading)."""
+    from ragcache.store import redis_tier
+
+    store = RedisStore(redis_url)
+    old_key, old = make_entry(60, layers=2)
+    new_key, new = make_entry(61, layers=2)
+    store.put(old_key, old)
+    real_time, late = time.time, []
+    presence = store._presence
+
+    def slow_presence(keys):
+        if not late:
+            store.put(new_key, new)  # written meanwhile, at the real time
+            late.append(redis_tier.ORPHAN_AGE_S + 1)
+        return presence(keys)
+
+    monkeypatch.setattr(store, "_presence", slow_presence)
+    monkeypatch.setattr(redis_tier.time, "time", lambda: real_time() + sum(late))
+    assert store.gc()["orphan_parts_removed"] == 0
+    monkeypatch.setattr(redis_tier.time, "time", real_time)
+    assert same_bits(store.get(new_key), new) and same_bits(store.get(old_key), old)

@@ -518,3 +518,19 @@ def test_entries_only_memory_took_fail_the_write_when_the_store_has_a_lasting_ti
     assert same_bits(store.tiers[0].get_many([key])[0], entry)
     memory_only = TieredStore([MemoryStore()])
     memory_only.put_many({key: entry})  # no lasting tier to miss: nothing to report
+
+
+def test_an_index_another_process_holds_locked_is_not_deleted_and_the_failure_is_a_store_error(tmp_path, monkeypatch):
+    """"database is locked" (or unreadable, or no room) says nothing against the index: deleting it under the
+    processes that have it open splits the eviction's accounting between files."""
+    DiskStore(tmp_path).put_many(dict([make_entry(1, layers=2)]))
+
+    def locked(self):
+        exc = sqlite3.OperationalError("database is locked")
+        exc.sqlite_errorcode, exc.sqlite_errorname = 5, "SQLITE_BUSY"  # as sqlite3 raises it, past connect's timeout
+        raise exc
+
+    monkeypatch.setattr(DiskStore, "_check_index", locked)
+    with pytest.raises(StoreError, match="database is locked"):
+        DiskStore(tmp_path)
+    assert (tmp_path / "index.sqlite").exists()

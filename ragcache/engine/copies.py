@@ -77,7 +77,12 @@ class Prefetch:
         chosen = self._reserve([i for i, e in enumerate(entries) if _pinned(e)], entries)
         if not chosen:
             return entries
-        staged = dict(zip(chosen, self._cross([entries[i] for i in chosen])))
+        try:
+            crossed = self._cross([entries[i] for i in chosen])
+        except BaseException:  # no Staged holds the reserved bytes to give them back when it goes
+            self._release(sum(_device_bytes(entries[i]) for i in chosen))
+            raise
+        staged = dict(zip(chosen, crossed))
         return [staged.get(i, e) for i, e in enumerate(entries)]
 
     def _reserve(self, candidates: list[int], entries: list) -> list[int]:
@@ -270,7 +275,7 @@ def made(entry: ChunkKV) -> Made:
     if entry.keys.device.type != "cuda":
         return Made(entry, None)
     ready = torch.cuda.Event()
-    ready.record()
+    ready.record(torch.cuda.current_stream(entry.keys.device))  # the entry's device's, whichever is current
     return Made(entry, ready)
 
 

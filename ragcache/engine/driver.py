@@ -73,6 +73,7 @@ class Driver:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._holding = 0  # callers inside `together`: arrivals wait for the last of them
+        self._untrimmed = 0  # steps of any kind since the allocator's pages last went back
         _LIVE.add(self)
 
     # -- any thread -------------------------------------------------------------------------------------------
@@ -191,7 +192,9 @@ class Driver:
         results = self.runner.execute(plan)
         outputs = self.scheduler.update(plan, results)
         self.stats.count(plan, time.perf_counter() - started)
-        if self.stats.steps % TRIM_EVERY_STEPS == 0:
+        self._untrimmed += 1
+        if self._untrimmed >= TRIM_EVERY_STEPS:
+            self._untrimmed = 0
             return_free_memory()
         self._deliver(outputs)
 

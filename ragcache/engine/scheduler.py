@@ -5,11 +5,12 @@ A sequence's life (sequence.Status):
   waiting   added by the driver, admitted FIFO: a PLACE step puts what its algorithm reuses into its joined cache
             (`linker.plan`: placing, and focus's question pre-pass), for as many arrivals as the step's row budget
             holds of the rows their pre-passes run through the model (one at least; placing's copies are not
-            model rows). PLACE steps take turns with the running sequences' steps, so arrivals coming faster than
-            steps never stall a decoding stream;
+            model rows);
   linking   the rows its algorithm recomputes run in pieces of at most the step's row budget (chunked prefill);
             a Narrowing algorithm (cacheblend) runs them in a NARROW step of its own instead, since it chooses its
-            rows after a layer over all of them;
+            rows after a layer over all of them. PLACE and NARROW steps take turns with the running sequences'
+            forward steps (and with each other while both wait), so neither arrivals coming faster than steps nor
+            narrowing links placed together keep a decoding stream waiting more than one step;
   decoding  after its last link row: one row per step, the token sampled from the step's logits;
   over      finished, failed or aborted: it leaves, and the driver frees its cache before its last event.
 
@@ -97,6 +98,11 @@ class StepResult:
     result: object = None
 
 
+def narrows(sequence: Sequence) -> bool:
+    """Placed, its rows waiting for a NARROW step of their own."""
+    return sequence.plan is not None and sequence.plan.narrow is not None
+
+
 class Scheduler:
     MAX_PASSED_OVER = 2  # a long link runs at least every third step, whatever stream of shorter ones arrives
 
@@ -109,7 +115,10 @@ class Scheduler:
         self.background: deque[Sequence] = deque()  # admitted one at a time, only while no user sequence runs
         self.tasks: deque[Sequence] = deque()
         self.after_task = False  # the last step ran a task: the requests' turn
-        self.after_place = False  # the last step placed arrivals: the running sequences' turn, whatever arrived since
+        # the last step (a PLACE or a NARROW) ran none of the running sequences' rows: a forward step of theirs is
+        # next, whatever arrived since, so no run of such steps keeps a decoding stream waiting
+        self.owed = False
+        self.placed_last = False  # of PLACE and NARROW steps, the last was a PLACE: a narrowing link's turn
         self.running: list[Sequence] = []
         self.base_turn = False  # the next forward step is for the base weights' rows, left out of the last one
 
@@ -147,22 +156,25 @@ class Scheduler:
         return plan
 
     def _requests(self) -> StepPlan | None:
-        if self.waiting and self.after_place:  # the running sequences' turn: arrivals wait for one step of theirs
-            self.after_place = False
-            plan = self._running()
-            if plan is not None:
+        if self.owed:
+            self.owed = False
+            if (plan := self._forward()) is not None:
                 return plan
-        placing = self._admit()
-        self.after_place = bool(placing)
-        if placing:
-            return StepPlan(Kind.PLACE, [Work(s, Kind.PLACE) for s in placing], placing[0].background)
-        return self._running()
+        plan = self._apart()
+        self.owed = plan is not None
+        return plan or self._forward()
 
-    def _running(self) -> StepPlan | None:
-        for sequence in self.running:
-            if sequence.plan is not None and sequence.plan.narrow is not None:
-                return StepPlan(Kind.NARROW, [Work(sequence, Kind.NARROW)], sequence.background)
-        return self._forward()
+    def _apart(self) -> StepPlan | None:
+        """A step apart from the forward ones: arrivals placed, or a narrowing link's rows; the two by turns while
+        both wait, so that neither arrivals coming every step nor narrowing links placed together hold the other."""
+        narrowing = next(filter(narrows, self.running), None)
+        if (narrowing is None or not self.placed_last) and (placing := self._admit()):
+            self.placed_last = True
+            return StepPlan(Kind.PLACE, [Work(s, Kind.PLACE) for s in placing], placing[0].background)
+        if narrowing is None:
+            return None
+        self.placed_last = False
+        return StepPlan(Kind.NARROW, [Work(narrowing, Kind.NARROW)], narrowing.background)
 
     def _admit(self) -> list[Sequence]:
         """The waiting user sequences in order, while the rows their placing runs through the model fit the step's
@@ -189,7 +201,9 @@ class Scheduler:
         decoding = [s for s in self.running if s.status is Status.DECODING]
         users = any(not s.background for s in self.running)
         linking = [
-            s for s in self.running if s.status is Status.LINKING and s.pending_rows and not (s.background and users)
+            s
+            for s in self.running
+            if s.status is Status.LINKING and s.pending_rows and not ((s.background and users) or narrows(s))
         ]
         base = self._base_step(decoding, linking)
         work = [] if base else [Work(s, Kind.DECODE) for s in decoding] + self._repairs(decoding)
