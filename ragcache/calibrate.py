@@ -67,8 +67,9 @@ class Profile:
     adapter: str = ""  # the link adapter's digest when the model was calibrated with one (loaded.Adapter.sha256)
 
     def reached(self) -> bool:
-        """Whether some candidate link reached the target."""
-        return any(value is not None for value in (self.k, self.ratio, self.focus_ratio))
+        """Whether a link whose knob the engine takes from the profile reached the target: legolink's k or focus's
+        ratio (cacheblend's ratio is reported, never applied)."""
+        return self.k is not None or self.focus_ratio is not None
 
 
 def profile_path(fingerprint: str, dtype: str) -> Path:

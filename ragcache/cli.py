@@ -149,6 +149,8 @@ def _read_text(path: Path) -> str:
         return path.read_text(encoding="utf-8-sig")  # a BOM is no part of the text (nor of its id)
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
+    except OSError as exc:  # unreadable (permissions), gone since it was listed
+        raise BadRequest(f"cannot read {_shown(str(path))}: {exc.strerror or exc}") from exc
 
 
 def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
@@ -673,9 +675,12 @@ def calibrate(
             err.print(f"calibrating with the link adapter in {rc.lm.adapter.path}, against the base model's full")
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
         profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"), at=at)
-        path = cal.save_profile(profile)
     except RagCacheError as exc:
         fail(exc)
+    try:
+        saved: Path | OSError = cal.save_profile(profile)
+    except OSError as exc:  # the sweep's results are still shown below
+        saved = exc
     table = Table(
         "algorithm",
         "agreement with full [95% interval]",
@@ -696,7 +701,9 @@ def calibrate(
         if profile.focus_ratio is not None
         else "no focus ratio reached the target (focus's default, 0.25, stays)"
     )
-    console.print(f"profile: {reached}, ratio={profile.ratio}, {focus} -> {path}")
+    if isinstance(saved, OSError):
+        fail(f"the profile could not be saved to {cal.profile_path(profile.fingerprint, profile.dtype)}: {saved}", 1)
+    console.print(f"profile: {reached}, ratio={profile.ratio}, {focus} -> {saved}")
 
 
 @models_app.command("list")

@@ -142,6 +142,9 @@ def test_the_installed_adapter_is_the_default_once_calibrated(tiny_dir, adapter_
     reached_nothing = cal.Profile(**{**vars(rc.profile), "k": None, "ratio": None, "focus_ratio": None})
     cal.save_profile(reached_nothing)  # a calibration in which no link reached the target: not trusted
     assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None
+    cacheblend_only = cal.Profile(**{**vars(rc.profile), "k": None, "ratio": 0.3, "focus_ratio": None})
+    cal.save_profile(cacheblend_only)  # the engine never applies cacheblend's ratio: the links it serves did not reach
+    assert RagCache.open(model, "memory:", dtype="float32").lm.adapter is None
     cal.save_profile(rc.profile)
     # the settings and the CLI: `installed` is the default, `none` the base model
     assert Settings().adapter == INSTALLED

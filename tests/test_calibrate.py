@@ -147,3 +147,35 @@ def test_calibrating_on_documents_without_a_sentence_to_ask_about_is_a_clear_err
     assert result.exit_code == 3 and "none of them has a sentence of 6 words or more" in " ".join(result.output.split())
     with pytest.raises(BadRequest, match="at least one item"):
         cal.calibrate(None, [])
+
+
+def test_a_profile_that_cannot_be_saved_still_shows_the_sweep_and_fails_cleanly(tmp_path, monkeypatch):
+    """Minutes of sweep end in a table and an error naming where the profile should have gone, not a traceback."""
+    from typer.testing import CliRunner
+
+    from ragcache.cli import app
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+
+    def read_only(profile):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(cal, "save_profile", read_only)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    for name, text in (("a.txt", "The old lighthouse on the northern cape stands forty meters tall."),
+                       ("b.txt", "The mountain railway climbs steadily through seven long tunnels.")):
+        (docs / name).write_text(text)
+    result = CliRunner().invoke(app, ["calibrate", "--model", str(tiny.saved("llama", tmp_path / "tiny")), "--docs",
+                                      str(docs), "--items", "1", "--adapter", "none", "--dtype", "float32"])
+    out = " ".join(result.output.split())
+    assert result.exit_code == 1 and "could not be saved" in out and "Permission denied" in out, result.output
+    assert "naive" in out and "legolink k=" in out  # the sweep's table
+
+
+def test_an_unreadable_input_file_is_a_clear_error():
+    from ragcache.cli import _read_text
+    from pathlib import Path
+
+    with pytest.raises(BadRequest, match="cannot read"):
+        _read_text(Path(__file__).parent)  # a directory: read_text raises IsADirectoryError

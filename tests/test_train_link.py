@@ -306,3 +306,32 @@ def test_paragraphs_held_out_of_training_appear_in_no_training_prompt():
     assert not any(set(item.documents) & held for item in training)
     with pytest.raises(errors.BadRequest, match="15 to hold out"):
         tl.docs_items(Base(), texts[:10], 100, 100, seed=0)
+
+
+def test_train_link_runs_on_the_gpu_where_there_is_one_and_refuses_a_device_this_machine_lacks(tmp_path, monkeypatch):
+    """`--device auto` (the default) is CUDA where torch sees a GPU, as for `train infill`: it used to load the model
+    on the CPU whatever the machine had."""
+    loads, load = [], models.load
+    monkeypatch.setattr(tl.models, "load", lambda model, dtype, device: loads.append(device) or load(
+        model, dtype=dtype, device="cpu"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    tl.open_engine(config(tmp_path))
+    assert loads == ["cuda"]
+    monkeypatch.undo()
+    with pytest.raises(errors.ParameterOutOfRange, match="cuda"):
+        config(tmp_path, device="cuda:7").validate()
+    shown = CliRunner().invoke(app, ["train", "link", "--help"], terminal_width=200)
+    assert "--device" in shown.output
+
+
+@pytest.mark.parametrize("knobs, unread", [(dict(algorithm="legolink", ratio=0.3), "--ratio"),
+                                           (dict(algorithm="focus", k=4), "--k"),
+                                           (dict(algorithm="naive", repair=8), "--repair"),
+                                           (dict(algorithm="focus", check_layer=1), "--check-layer")])
+def test_a_knob_the_fitted_link_does_not_read_is_refused(tmp_path, knobs, unread):
+    """It shaped neither the link fitted nor the run's key: the user would believe they trained under it."""
+    with pytest.raises(errors.BadRequest, match=unread):
+        config(tmp_path, **knobs).validate()
+    config(tmp_path, algorithm="focus", ratio=0.1).validate()
+    config(tmp_path, algorithm="legolink", k=4).validate()

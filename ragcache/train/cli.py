@@ -47,6 +47,7 @@ def link_cmd(
     out: Path = typer.Option(Path("./link-adapter"), "--out", help="output directory (a killed run resumes here)"),
     seed: int = typer.Option(0, "--seed"),
     dtype: TrainDtypeOpt = "float32",
+    device: TrainDeviceOpt = "auto",
     checkpoint_every: int = typer.Option(20, "--checkpoint-every", help="steps between checkpoints"),
     keep_full: float = typer.Option(
         0.0,
@@ -88,6 +89,7 @@ def link_cmd(
         out=out,
         seed=seed,
         dtype=dtype,
+        device=device,
         checkpoint_every=checkpoint_every,
         keep_full=keep_full,
         keep_full_every=keep_full_every,

@@ -50,11 +50,12 @@ from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats, cache_argument
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..facade import RagCache
-from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs
+from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, resolve_device
 from . import checkpoint, squad
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
+READ_KNOBS = {"legolink": ("k",), "focus": ("ratio",)}  # what shapes each fitted link besides its algorithm
 DTYPES = ("float32", "bfloat16")  # float16's gradients would need loss scaling, which the loop has not
 HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
 QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
@@ -77,6 +78,7 @@ class LinkTrainConfig:
     out: Path = Path("link-adapter")
     seed: int = 0
     dtype: str = "float32"
+    device: str = "auto"  # CUDA where torch sees a GPU, else the CPU (settings.resolve_device)
     checkpoint_every: int = 20
     keep_full: float = 0.0  # weight of KL(base full || adapted full) on the items that take it; 0: not trained
     keep_full_every: int = 1  # that term on every n-th training item (counted over the run), as it is costly
@@ -84,8 +86,14 @@ class LinkTrainConfig:
     def validate(self) -> None:
         if self.link.algorithm not in ALGORITHMS:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.link.algorithm!r}")
+        if unread := sorted(set(self.link.given()) - {"algorithm", *READ_KNOBS.get(self.link.algorithm, ())}):
+            raise BadRequest(
+                f"training fits a {self.link.algorithm} link, which does not read "
+                + ", ".join(f"--{name.replace('_', '-')}" for name in unread)
+            )
         if self.dtype not in DTYPES:
             raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        resolve_device(self.device)  # a device this machine has
         for name in (
             "steps",
             "batch",
@@ -324,8 +332,7 @@ def label(link: linker.LinkParams) -> str:
 
 def _fitted(link: linker.LinkParams) -> dict:
     """The knobs that shape the fitted link: its algorithm, and k or ratio where the algorithm reads them."""
-    read: dict[str, dict] = {"legolink": {"k": link.k}, "focus": {"ratio": link.ratio}}
-    return {"algorithm": link.algorithm, **read.get(link.algorithm, {})}
+    return {"algorithm": link.algorithm, **{name: getattr(link, name) for name in READ_KNOBS.get(link.algorithm, ())}}
 
 
 def _run_key(cfg: LinkTrainConfig, link: linker.LinkParams, targets: list[Target], fingerprint: str) -> dict:
@@ -407,7 +414,10 @@ def train_step(
             loss = loss + cfg.keep_full * full
         (loss / len(indices)).backward()
     if not torch.isfinite(torch.tensor([total, *kept])).all():
-        raise RagCacheError(f"the distillation loss is {total} (full term {kept}); lower --lr")
+        raise RagCacheError(
+            f"the distillation loss is {total} (full term {kept}); run again with a lower --lr and a new --out (a "
+            "checkpoint resumes only under the settings it was made with)"
+        )
     torch.nn.utils.clip_grad_norm_(params, 1.0)
     return total / len(indices), (sum(kept) / len(kept) if kept else None)
 
@@ -470,7 +480,7 @@ def summary(per_item: list[dict], seed: int = 0) -> dict:
 
 
 def open_engine(cfg: LinkTrainConfig) -> RagCache:
-    lm = models.load(cfg.model, dtype=cfg.dtype)
+    lm = models.load(cfg.model, dtype=cfg.dtype, device=resolve_device(cfg.device)[0])
     types = set(getattr(lm.config, "layer_types", None) or ["full_attention"])
     if types != {"full_attention"}:  # linked_logits' mask has no sliding window
         raise UnsupportedModel(f"train link needs full attention in every layer; {cfg.model} has {sorted(types)}")
