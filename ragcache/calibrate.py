@@ -65,6 +65,7 @@ class Profile:
     agreement_by_focus: dict[str, float] = field(default_factory=dict)
     at: str = "first"  # where along full's answer agreement was measured (POSITIONS)
     adapter: str = ""  # the link adapter's digest when the model was calibrated with one (loaded.Adapter.sha256)
+    kv_codec: str = ""  # the codec of the entries the links were measured over ("": not recorded)
 
     def reached(self) -> bool:
         """Whether a link whose knob the engine takes from the profile reached the target: legolink's k or focus's
@@ -243,6 +244,7 @@ def calibrate(
         created=time.time(),
         at=at,
         adapter=rc.lm.adapter.sha256 if rc.lm.adapter else "",
+        kv_codec=rc.kv_codec,
     )
     profile.naive_agreement = agreement(rc, items, {"algorithm": "naive"}, refs)
     say(f"naive: {profile.naive_agreement:.2f}")

@@ -643,6 +643,7 @@ def calibrate(
     store: OwnStoreOpt = "memory:",
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
+    kv_codec: KvCodecOpt = None,
     adapter: OwnAdapterOpt = INSTALLED,
 ):
     """Find the smallest legolink k (and cacheblend ratio, focus ratio) that agrees with the base model's `full` at
@@ -670,7 +671,7 @@ def calibrate(
                 "paragraphs; longer documents need more rows recomputed, so this profile can be optimistic "
                 "for yours. Pass --docs with a sample of your own documents (docs/ACCURACY.md)."
             )
-        rc, _ = _open(model, store, dtype=dtype, device=device, adapter=adapter)
+        rc, _ = _open(model, store, dtype=dtype, device=device, kv_codec=kv_codec, adapter=adapter)
         if rc.lm.adapter is not None:
             err.print(f"calibrating with the link adapter in {rc.lm.adapter.path}, against the base model's full")
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)

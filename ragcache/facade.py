@@ -120,9 +120,9 @@ class RagCache(Front):
             config.row_budget,
         )
         row_budget, link_row_budget = _row_budgets(config, self.runner.device)
-        super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers)
-        self.device, self.device_reason = str(self.runner.device), config.device_reason
         self.compiler = Compiler(lm, self.runner, config.kv_codec)
+        super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers, self.compiler.codec)
+        self.device, self.device_reason = str(self.runner.device), config.device_reason
         # The system prefix is placed and never recomputed, and every query shares it: stored as computed, it stays
         # an exact prefix under a lossy codec (k >= every chunk still equals full), for the bytes of one entry.
         self.prefix_compiler = Compiler(lm, self.runner, native_kv_codec(self.runner.shape.dtype))

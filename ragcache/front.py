@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +26,8 @@ from .length import ContextTexts, TokenBound
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
 from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
+
+log = logging.getLogger("ragcache")
 
 
 @dataclass
@@ -72,7 +75,8 @@ class Front(abc.ABC):
     device = "cpu"  # where the model runs (the engine sets it), and why: shown by /health and the start-up log
     device_reason = "configured"
 
-    def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int, layers: int):
+    def __init__(self, lm: loaded.LoadedModel, store: Store, chunk_tokens: int, layers: int, kv_codec: str):
+        """`kv_codec`: the codec the engine's entries are stored in, as resolved."""
         if chunk_tokens < 1:
             raise ParameterOutOfRange(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         self.lm, self.store, self.chunk_tokens, self.layers = lm, store, chunk_tokens, layers
@@ -83,6 +87,18 @@ class Front(abc.ABC):
         self.token_bound = TokenBound(lm.tokenizer)
         self.infill_sessions = infill.InfillSessions()
         self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
+        if self.profile is not None and self.profile.kv_codec not in ("", kv_codec):
+            log.warning(
+                "%s's calibration profile was measured over %s entries and this engine stores %s: its k and focus "
+                "ratio may agree with full less than its target (%s); `ragcache calibrate --model %s --kv-codec %s` "
+                "measures them over these",
+                lm.name,
+                self.profile.kv_codec,
+                kv_codec,
+                self.profile.target,
+                lm.name,
+                kv_codec,
+            )
         self.default_k = self.profile.k if self.profile and self.profile.k is not None else DEFAULT_K
         self.default_focus_ratio = (
             self.profile.focus_ratio if self.profile and self.profile.focus_ratio is not None else DEFAULT_FOCUS_RATIO

@@ -18,6 +18,8 @@ from tests import tiny
 class _KnownRC:
     """A stand-in engine whose agreement with full is known: an item agrees exactly when k >= its threshold."""
 
+    kv_codec = "int8"
+
     def __init__(self, thresholds: list[int]):
         self.thresholds = thresholds
         self.lm = SimpleNamespace(name="known", fingerprint="f" * 64, dtype=torch.float32,  # the profile's dtype
@@ -43,6 +45,7 @@ def test_the_known_k_is_picked():
     assert profile.naive_agreement == 0.0
     assert profile.ratio == 0.15 and profile.focus_ratio == 0.05  # thresholds /100: 0.08; /200: 0.04
     assert profile.agreement_by_focus == {"0.05": 0.9}
+    assert profile.kv_codec == "int8"  # the codec of the entries it measured over
 
 
 def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):
@@ -179,3 +182,25 @@ def test_an_unreadable_input_file_is_a_clear_error():
 
     with pytest.raises(BadRequest, match="cannot read"):
         _read_text(Path(__file__).parent)  # a directory: read_text raises IsADirectoryError
+
+
+def test_a_profile_measured_over_another_codecs_entries_is_warned_about(tmp_path, monkeypatch, caplog):
+    """A k calibrated over int8 entries agrees less over int4's: the engine still takes it, and says which codec to
+    calibrate over."""
+    import logging
+
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+    cal.save_profile(cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, 32, None, focus_ratio=0.1,
+                                 kv_codec="int8"))
+    with caplog.at_level(logging.WARNING, logger="ragcache"):
+        same = RagCache(lm, open_store("memory:"), EngineConfig(kv_codec="int8"))
+    assert same.profile.kv_codec == "int8" and not caplog.records
+    with caplog.at_level(logging.WARNING, logger="ragcache"):
+        other = RagCache(lm, open_store("memory:"), EngineConfig(kv_codec="int4"))
+    assert other.params().k == 32  # taken all the same
+    (warned,) = [r.getMessage() for r in caplog.records]
+    assert "over int8 entries" in warned and "--kv-codec int4" in warned

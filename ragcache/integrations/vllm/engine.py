@@ -69,7 +69,7 @@ class VllmRagCache(Front):
 
         lm, self.served = served.lm, served
         config = llm.model_config
-        super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers)
+        super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers, codec)
         self.llm, self.loop = llm, loop
         # unmerged, every answer runs with the link adapter (vLLM's LoRA on its rows, the connector's on the rows it
         # recomputes); compiling never does
