@@ -22,8 +22,11 @@ but whose checksum fails was most likely written under another RAGCACHE_STORE_KE
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -66,6 +69,28 @@ MAX_VOCAB = 2**31 - 1  # token ids are checksummed as int32: a record claiming m
 def is_count(value) -> bool:
     """A positive integer, as JSON gives it: `true` is no count (Python reads it as 1)."""
     return type(value) is int and value >= 1
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")  # a lone one: not Unicode text, UTF-8 cannot hold it
+
+
+def labels(meta: Mapping, skip: str, room: int = MAX_METADATA_CHARS // 2) -> dict:
+    """A framework's metadata as a document record's labels: its scalar JSON values under text keys but `skip`, a
+    string's lone surrogates (a file name decoded with surrogateescape) as U+FFFD, and no more than `room`
+    characters of JSON (an HTML rendering of a table is left out): a label never fails the document's compile."""
+    kept, size = {}, 0
+    for key, value in meta.items():
+        if not isinstance(key, str) or key == skip:
+            continue
+        if isinstance(value, str):
+            value = _SURROGATE.sub("\ufffd", value)
+        elif not isinstance(value, (int, bool)) and not (isinstance(value, float) and math.isfinite(value)):
+            continue
+        key = _SURROGATE.sub("\ufffd", key)
+        cost = len(json.dumps({key: value})) - 1
+        if size + cost <= room:
+            kept[key], size = value, size + cost
+    return kept
 
 
 def check_metadata(meta, where: str = "metadata") -> None:

@@ -129,11 +129,34 @@ def same_weights(record: dict, lm: loaded.LoadedModel) -> bool:
     return bool(((mine - theirs).abs() <= relative * torch.maximum(mine.abs(), theirs.abs()) + absolute).all())
 
 
+def adapter_config(path: Path) -> dict:
+    """The adapter's config, refused (BadAdapter) where loading it would change the base model's own parameters:
+    PEFT loads a LoRA's trained biases (`bias`) and whole trained modules (`modules_to_save`) over the base layers',
+    and neither the merge's swap nor PEFT's disable_adapter puts them back, so entries compiled "with the base
+    weights" would be another model's, under the base model's keys. `ragcache train link` trains neither."""
+    file = path / ADAPTER_FILES[0]
+    try:
+        config = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadAdapter(f"cannot read {file}: {exc}") from exc
+    if not isinstance(config, dict):
+        raise BadAdapter(f"{file} is not a JSON object")
+    if config.get("bias", "none") != "none" or config.get("modules_to_save"):
+        raise BadAdapter(
+            f"{path}: a LoRA that trains biases (bias={config.get('bias')!r}) or whole modules (modules_to_save="
+            f"{config.get('modules_to_save')!r}) changes the base model's own parameters, which compiling uses as "
+            "they are; a link adapter trains neither"
+        )
+    return config
+
+
 def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True) -> loaded.LoadedModel:
     """The model with a read-side LoRA from `path`, merged into its weights or beside them. Refused with
-    BadAdapter: a missing or unreadable adapter, or one fitted to a model of another configuration or weights."""
+    BadAdapter: a missing or unreadable adapter, one fitted to a model of another configuration or weights, or one
+    that would change the base model's own parameters (`adapter_config`)."""
     path = Path(path)
     digest = check_adapter(lm, path)
+    adapter_config(path)  # before PEFT touches the model
     try:
         from peft import PeftModel
         from safetensors import SafetensorError

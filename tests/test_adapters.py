@@ -64,6 +64,23 @@ def test_a_merged_adapter_answers_as_the_unmerged_one_and_compiles_with_the_base
     assert merged.compile_fingerprint == beside.compile_fingerprint == base.fingerprint
 
 
+@pytest.mark.parametrize("config", [{"bias": "lora_only"}, {"bias": "all"}, {"modules_to_save": ["lm_head"]}])
+def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_before_it_is_loaded(
+        tiny_dir, adapter_dir, tmp_path, config):
+    """PEFT loads trained biases and whole trained modules over the base layers', which neither the merge's swap
+    nor disable_adapter puts back: compiling under the base model's keys would store another model's K/V."""
+    edited = tmp_path / "edited"
+    shutil.copytree(adapter_dir, edited)
+    path = edited / lora.ADAPTER_FILES[0]
+    path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    base = models.load(str(tiny_dir), dtype="float32")
+    before = {name: p.clone() for name, p in base.model.named_parameters()}
+    with pytest.raises(BadAdapter, match="base model's own parameters"):
+        lora.attach_adapter(base, edited)
+    after = dict(base.model.named_parameters())
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, adapter_dir, tmp_path, merge):
     """Compile runs with the adapter off, so an entry is the base model's whoever compiles it, and its key (the
@@ -370,6 +387,8 @@ def test_v1_models_shows_the_adapter(tiny_dir, adapter_dir):
 class _AdaptedRC:
     """A stand-in engine with an adapter: its own `full` answers 1, the base model's `full` answers 0, and a cheap
     link answers 0 (as the base's full does) exactly when k >= the item's threshold."""
+
+    kv_codec = "int8"
 
     def __init__(self, thresholds: list[int]):
         self.thresholds = thresholds

@@ -94,6 +94,22 @@ def test_retriever_returns_the_wrapped_retrievers_documents_compiled(rc):
     assert [d.page_content for d in again] == texts and retriever.last_report.compiled_chunks == 0
 
 
+class LabelledRetriever(BaseRetriever):
+    """Documents with metadata a loader may give: an HTML rendering of a table, a file name with a lone surrogate."""
+
+    def _get_relevant_documents(self, query, *, run_manager):
+        return [Document(page_content="The harbour has a red crane.", metadata={
+            "text_as_html": "<td>x</td>" * 8000, "file_name": "caf\udce9.txt", "page": 3, "tags": ["a"]})]
+
+
+def test_metadata_is_a_label_and_never_fails_the_retrieval(rc):
+    """A document's metadata only labels its record: what the record cannot hold is left out or spelled as Unicode
+    can, instead of failing the whole retrieval (the record's checks refuse 64 KiB of JSON and lone surrogates)."""
+    got = RagCacheRetriever(retriever=LabelledRetriever(), rc=rc).invoke("crane")
+    meta = rc.document(got[0].metadata[DOC_ID_KEY])["meta"]
+    assert meta == {"source": "langchain", "file_name": "caf\ufffd.txt", "page": 3}
+
+
 def test_retriever_runs_the_wrapped_one_as_its_child(rc):
     retriever = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)
     for call in (lambda config: retriever.invoke("q", config=config),

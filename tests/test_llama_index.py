@@ -224,7 +224,7 @@ def test_engine_skips_empty_nodes_and_links_id_like_texts_as_text(rc):
 
 def test_llm_complete_and_stream_complete(rc):
     llm = RagCacheLLM(rc=rc, max_new_tokens=TOKENS)
-    assert llm.metadata.context_window == rc.context_length == 8192
+    assert llm.metadata.context_window < rc.context_length == 8192
     assert llm.metadata.num_output == TOKENS and llm.metadata.model_name == "smollm2-135m"
     prompt = "Name a colour of the sky."
     completion = llm.complete(prompt)
@@ -363,3 +363,15 @@ def test_an_async_stream_its_reader_leaves_stops_generating(rc, retriever, monke
             time.sleep(0.01)
         assert not rc.scheduler.running
         assert opened[0].status.name == "ABORTED" and opened[0].answer is None, leave.__name__
+
+
+@pytest.mark.parametrize("system", [None, "Be brief."])
+def test_a_prompt_packed_to_the_llms_window_fits_the_model(rc, system):
+    """llama-index fills a prompt up to context_window - num_output of the model's tokens; the chat template, the
+    system turn and the question's framing come on top, and must not push it past the model's context."""
+    llm = RagCacheLLM(rc=rc, max_new_tokens=TOKENS, system_prompt=system)
+    room = llm.metadata.context_window - TOKENS
+    text = " word" * room
+    assert len(rc.tokenizer.encode(text, add_special_tokens=False)) == room
+    parts = rc.prompt_parts(text, [], system=system)
+    assert len(parts.prefix_ids) + len(parts.question_ids) + TOKENS <= rc.context_length

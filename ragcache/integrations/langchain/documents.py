@@ -3,9 +3,9 @@ document id is the content hash of that text; the id recorded in its metadata is
 
 from __future__ import annotations
 
-import math
-
 from langchain_core.documents import Document
+
+from ragcache.documents import labels
 
 DOC_ID_KEY = "ragcache_doc_id"
 
@@ -15,10 +15,6 @@ def document_text(document: Document | str) -> str:
 
 
 def record_meta(document: Document) -> dict:
-    """The document's scalar metadata (JSON-safe) for the store's document record."""
-    meta = {
-        k: v
-        for k, v in document.metadata.items()
-        if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))
-    }
+    """The document's scalar metadata for the store's document record, as labels (documents.labels)."""
+    meta = labels(document.metadata, skip=DOC_ID_KEY)
     return {"source": "langchain", **({"langchain_id": document.id} if document.id else {}), **meta}

@@ -58,8 +58,11 @@ class RagCacheLLM(CustomLLM, LinkOptions):
 
     @property
     def metadata(self) -> LLMMetadata:
+        # llama-index packs a prompt's text up to context_window - num_output tokens: the window is what the chat
+        # template, its system turn and the question's framing leave of the model's context
+        around = self.rc.prompt_parts("", [], system=self.system_prompt)
         return LLMMetadata(
-            context_window=self.rc.context_length,
+            context_window=self.rc.context_length - len(around.prefix_ids) - len(around.question_ids),
             num_output=self.max_new_tokens,
             is_chat_model=False,
             model_name=self.rc.model_name,

@@ -6,9 +6,9 @@ document id is the content hash of that text: the id recorded in metadata is a l
 
 from __future__ import annotations
 
-import math
-
 from llama_index.core.schema import BaseNode, MetadataMode
+
+from ragcache.documents import labels
 
 DOC_ID_KEY = "ragcache_doc_id"
 
@@ -31,10 +31,6 @@ def mark(node: BaseNode, doc_id: str) -> None:
 
 
 def record_meta(node: BaseNode) -> dict:
-    """The node's scalar metadata (JSON-safe) for the store's document record."""
-    meta = {
-        k: v
-        for k, v in node.metadata.items()
-        if k != DOC_ID_KEY and (isinstance(v, (str, int, bool)) or (isinstance(v, float) and math.isfinite(v)))
-    }
+    """The node's scalar metadata for the store's document record, as labels (documents.labels)."""
+    meta = labels(node.metadata, skip=DOC_ID_KEY)
     return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}

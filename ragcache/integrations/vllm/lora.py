@@ -16,7 +16,6 @@ Read from the adapter directory PEFT wrote (`adapter_config.json`, `adapter_mode
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 
 from ragcache.errors import BadAdapter
-from ragcache.lora import ADAPTER_FILES
+from ragcache.lora import ADAPTER_FILES, adapter_config
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _KEY = re.compile(r"layers\.(\d+)\.self_attn\.(\w+)\.lora_A(?:\.default)?\.weight$")
@@ -81,7 +80,7 @@ def check_config(config: dict, path: Path) -> float:
     """The LoRA's scaling, once its config is one the connector computes as PEFT does."""
     if config.get("peft_type", "LORA") != "LORA":
         raise BadAdapter(f"{path}: a {config.get('peft_type')} adapter; link adapters are LoRA")
-    if config.get("use_dora") or config.get("lora_bias") or config.get("bias", "none") != "none":
+    if config.get("use_dora") or config.get("lora_bias"):
         raise BadAdapter(f"{path}: DoRA and LoRA biases are not supported on the vLLM engine")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise BadAdapter(f"{path}: per-module ranks (rank_pattern, alpha_pattern) are not supported on the vLLM engine")
@@ -93,9 +92,6 @@ def check_config(config: dict, path: Path) -> float:
 
 def read_config(path: Path) -> dict:
     """The adapter's config, once it is one the connector computes as PEFT does."""
-    try:
-        config = json.loads((path / "adapter_config.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise BadAdapter(f"cannot read {path / 'adapter_config.json'}: {exc}") from exc
+    config = adapter_config(path)
     check_config(config, path)
     return config
