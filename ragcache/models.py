@@ -4,6 +4,10 @@ ragcache can link for it and fingerprinted (ragcache/loaded.py), with a link ada
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 from pathlib import Path
 
 import torch
@@ -11,6 +15,8 @@ import torch
 from . import fetch, loaded, lora
 from .errors import ModelFetchError, UnsupportedModel
 from .settings import DEFAULT_MODEL
+
+log = logging.getLogger("ragcache")
 
 
 def resolve(name_or_path: str) -> str:
@@ -91,3 +97,37 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")
+
+
+def checkpoint_fingerprint(name_or_path: str, dtype: str | torch.dtype) -> str:
+    """`load(name_or_path, dtype).fingerprint` without loading the model where it was computed before for the same
+    files: kept in the model cache under the checkpoint's files (names, sizes, modification times) and the dtype.
+    Processes asking at once (an engine's tensor-parallel ranks, each otherwise holding the whole model on the CPU
+    for it) wait for the first."""
+    source = Path(resolve(name_or_path))
+    if not source.is_dir():  # a hub id: nothing on disk to know it by
+        return load(name_or_path, dtype=dtype).fingerprint
+    files = sorted(
+        (str(p.relative_to(source)), p.stat().st_size, p.stat().st_mtime_ns) for p in source.rglob("*") if p.is_file()
+    )
+    key = hashlib.sha256(json.dumps([str(source.resolve()), str(dtype), files]).encode()).hexdigest()[:32]
+    kept = fetch.model_cache_dir() / "fingerprints" / key
+    try:
+        with fetch.file_lock(kept.with_suffix(".lock")):
+            if kept.is_file():
+                return kept.read_text().strip()
+            fingerprint = load(str(source), dtype=dtype).fingerprint
+            _keep(kept, fingerprint)
+            return fingerprint
+    except OSError as exc:  # a model cache this process cannot lock or read
+        log.warning("the fingerprint of %s is not kept in the model cache (%s)", source, exc)
+        return load(str(source), dtype=dtype).fingerprint
+
+
+def _keep(path: Path, fingerprint: str) -> None:
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        tmp.write_text(fingerprint)
+        os.replace(tmp, path)
+    except OSError as exc:  # computed all the same: the next start computes it again
+        log.warning("the fingerprint of a checkpoint could not be kept in %s (%s)", path.parent, exc)

@@ -121,3 +121,25 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
         path.mkdir()
     assert fetch.pull_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
     assert not killed.exists() and all(path.exists() for path in others)
+
+
+def test_a_checkpoints_fingerprint_is_computed_once_for_its_files_and_dtype(tmp_path, monkeypatch):
+    """The vLLM connector's ranks each loaded the whole model on the CPU for its fingerprint at every start: the
+    first computes it, the others (and later starts) read it, until a file of the checkpoint changes."""
+    import os
+    import time
+
+    from tests import tiny
+
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    checkpoint = tiny.saved("llama", tmp_path / "tiny")
+    loads, load = [], models.load
+    monkeypatch.setattr(models, "load", lambda path, dtype: loads.append(dtype) or load(path, dtype=dtype))
+    first = models.checkpoint_fingerprint(str(checkpoint), "float32")
+    assert first == load(str(checkpoint), dtype="float32").fingerprint and len(loads) == 1
+    assert models.checkpoint_fingerprint(str(checkpoint), "float32") == first and len(loads) == 1
+    assert models.checkpoint_fingerprint(str(checkpoint), "bfloat16") != first and len(loads) == 2
+    weights = next(checkpoint.glob("*.safetensors"))
+    later = time.time_ns() + 10**9
+    os.utime(weights, ns=(later, later))  # the same bytes, rewritten: computed again
+    assert models.checkpoint_fingerprint(str(checkpoint), "float32") == first and len(loads) == 3

@@ -35,7 +35,8 @@ class LinkWorker:
     """What ragcache's engine holds for linking (runner, compilers, layouts, store), over vLLM's loaded model.
 
     Options (`kv_connector_extra_config`): `store` (a ragcache store URL), `kv_codec` (as `ragcache compile` used),
-    `model_fingerprint` (else computed from the checkpoint with transformers, once: entries' keys name the model),
+    `model_fingerprint` (else computed from the checkpoint with transformers, and kept in the model cache for
+    its files: models.checkpoint_fingerprint; entries' keys name the model),
     `merged_adapter` (the link adapter folded into the served weights, lora.py)."""
 
     def __init__(self, vllm_config, options: dict):
@@ -45,7 +46,7 @@ class LinkWorker:
         model = plugin.loaded_model(vllm_config)
         self.runner = VllmRunner(model, config.hf_config, config.dtype)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
-        fingerprint = options.get("model_fingerprint") or checkpoint_fingerprint(config.model, config.dtype)
+        fingerprint = options.get("model_fingerprint") or models.checkpoint_fingerprint(config.model, config.dtype)
         lm = loaded.LoadedModel(config.model, model, tokenizer, fingerprint, loaded.tokenizer_fingerprint(tokenizer))
         # a tensor-parallel rank reads and writes its own heads' shards (whole entries serve it sliced)
         heads = self.runner.heads
@@ -265,10 +266,3 @@ def agree_across_ranks(missing: list[bool], failed: bool) -> tuple[list[bool], b
     flags = torch.tensor([*missing, failed], dtype=torch.int32)
     dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)
     return [bool(f) for f in flags[:-1]], bool(flags[-1])
-
-
-def checkpoint_fingerprint(path: str, dtype: torch.dtype) -> str:
-    """ragcache's fingerprint of a checkpoint at a dtype (loaded.model_fingerprint), as `ragcache compile` keys its
-    entries: the transformers model is loaded on the CPU once for it, then dropped."""
-    lm = models.load(path, dtype=dtype)
-    return lm.fingerprint
