@@ -100,6 +100,9 @@ def config_fingerprint(model: torch.nn.Module) -> str:
     return hashlib.sha256(_config_json(model, ("_attn_implementation", "use_cache")).encode()).hexdigest()[:32]
 
 
+FINGERPRINT_SCHEME = 1  # model_fingerprint's recipe: a change to it changes every fingerprint it gives
+
+
 def model_fingerprint(model: torch.nn.Module) -> str:
     """Config plus weight identity. Weights are sampled (16 x 4 KiB per tensor), enough to tell checkpoints apart
     without hashing gigabytes at every start."""

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import torch
+import transformers
 
 from . import fetch, loaded, lora
 from .errors import ModelFetchError, UnsupportedModel
@@ -104,13 +105,15 @@ def checkpoint_fingerprint(name_or_path: str, dtype: str | torch.dtype) -> str:
     files: kept in the model cache under the checkpoint's files (names, sizes, modification times) and the dtype.
     Processes asking at once (an engine's tensor-parallel ranks, each otherwise holding the whole model on the CPU
     for it) wait for the first."""
-    source = Path(resolve(name_or_path))
-    if not source.is_dir():  # a hub id: nothing on disk to know it by
+    source = _local(name_or_path)
+    if source is None:  # a hub id not downloaded: nothing on disk to know it by
         return load(name_or_path, dtype=dtype).fingerprint
     files = sorted(
         (str(p.relative_to(source)), p.stat().st_size, p.stat().st_mtime_ns) for p in source.rglob("*") if p.is_file()
     )
-    key = hashlib.sha256(json.dumps([str(source.resolve()), str(dtype), files]).encode()).hexdigest()[:32]
+    # the config's fields, part of the fingerprint, are transformers' to name: another version, computed again
+    made_by = [transformers.__version__, loaded.FINGERPRINT_SCHEME]
+    key = hashlib.sha256(json.dumps([str(source.resolve()), str(dtype), files, made_by]).encode()).hexdigest()[:32]
     kept = fetch.model_cache_dir() / "fingerprints" / key
     try:
         with fetch.file_lock(kept.with_suffix(".lock")):
@@ -131,3 +134,16 @@ def _keep(path: Path, fingerprint: str) -> None:
         os.replace(tmp, path)
     except OSError as exc:  # computed all the same: the next start computes it again
         log.warning("the fingerprint of a checkpoint could not be kept in %s (%s)", path.parent, exc)
+
+
+def _local(name_or_path: str) -> Path | None:
+    """The checkpoint's folder: a built-in's, a path's, or a hub id's downloaded snapshot (None: not downloaded)."""
+    source = Path(resolve(name_or_path))
+    if source.is_dir():
+        return source
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(name_or_path, local_files_only=True))
+    except (OSError, ValueError):  # not in the hub's cache (LocalEntryNotFoundError), not a hub id (HFValidationError)
+        return None

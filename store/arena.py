@@ -112,16 +112,26 @@ class Arena:
         grown = max(min(self.segment_bytes, self.budget_bytes - allocated), size)  # the last segment: what is left
         if allocated + grown > self.budget_bytes:
             return None
-        try:
-            memory = torch.empty(grown, dtype=torch.uint8, pin_memory=self.pin)
-        except RuntimeError as exc:  # the host would not pin (lock) more memory: the arena keeps what it has
-            log.warning("memory tier: %d more bytes could not be allocated (%s); keeping %d", grown, exc, allocated)
-            self.budget_bytes = allocated
+        memory = self._allocate(grown, size, allocated)
+        if memory is None:
             return None
+        grown = memory.numel()
         self.segments.append(memory)
         self._free.append([(size, grown - size)] if grown > size else [])
         self.used_bytes += size
         return len(self.segments) - 1, 0
+
+    def _allocate(self, grown: int, size: int, allocated: int) -> torch.Tensor | None:
+        """A new segment of `grown` bytes, else of the entry's `size` alone; None where the host would not pin
+        (lock) even that: the arena stops growing, and keeps what it has."""
+        for want in dict.fromkeys((grown, size)):
+            try:
+                return torch.empty(want, dtype=torch.uint8, pin_memory=self.pin)
+            except RuntimeError as exc:
+                failure = exc
+        log.warning("memory tier: %d more bytes could not be allocated (%s); keeping %d", size, failure, allocated)
+        self.budget_bytes = allocated
+        return None
 
     def _reclaim(self) -> None:
         still: list[tuple[torch.cuda.Event | None, int, int, int]] = []

@@ -1064,3 +1064,35 @@ def test_a_run_of_tasks_does_not_give_the_heap_back_at_every_step(monkeypatch):
     finally:
         rc.close()
     assert len(trims) <= 2  # the model thread's idle exit and its stop, at most
+
+
+def test_the_step_after_a_place_runs_the_decoding_streams_even_on_the_base_weights_turn():
+    """A compile on an adapted model takes turns with the adapted rows; the step owed to a decoding stream after
+    a PLACE is never that turn, or the stream would wait for two steps in a row."""
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=64)
+    compile = sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
+    scheduler.add(compile)
+    rows = {compile: (64,)}
+    run_plan(scheduler, scheduler.schedule(), rows)  # the compile placed
+    run_plan(scheduler, scheduler.schedule(), rows)  # the stream's step, the base weights' turn next
+    assert scheduler.base_turn
+    scheduler.add(newcomer := sequence(tokens=None))
+    rows[newcomer] = (1,)
+    place = scheduler.schedule()
+    assert place.kind is Kind.PLACE
+    run_plan(scheduler, place, rows)
+    owed = scheduler.schedule()
+    assert not owed.base_weights and any(w.sequence is stream for w in owed.work)
+    run_plan(scheduler, owed, rows)
+    assert scheduler.schedule().base_weights  # the turn was kept
+
+
+def test_a_background_narrowing_link_waits_while_users_run():
+    """Its rows need the base weights, which no step runs while a user sequence runs."""
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=64)
+    scheduler.running.append(guard := sequence(tokens=None, background=True))
+    guard.status, guard.plan = Status.LINKING, FakePlan(5, "narrow")
+    for _ in range(4):
+        plan = scheduler.schedule()
+        assert plan.kind is not Kind.NARROW and all(w.sequence is stream for w in plan.work)
+        run_plan(scheduler, plan, {})

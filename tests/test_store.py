@@ -1461,3 +1461,14 @@ def test_a_host_that_will_not_pin_more_memory_leaves_the_arena_what_it_has(monke
         tier.put_many(entries)
     assert tier.contains_many(list(entries)) == [False, False] and tier.stats()["unkept"] == 2
     assert any("could not be allocated" in r.getMessage() for r in caplog.records)
+
+    def refuse_large(*args, **kwargs):  # a segment refused, the entry's own span granted
+        if "pin_memory" in kwargs and args[0] > 1 << 20:
+            raise RuntimeError("CUDA error: out of memory (cudaHostAlloc)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(arena_module.torch, "empty", refuse_large)
+    tier = MemoryStore(budget_bytes=1 << 30, pooled=True)
+    tier.put_many(entries)
+    assert tier.contains_many(list(entries)) == [True, True]
+    assert all(same_bits(got, entries[k]) for got, k in zip(tier.get_many(list(entries)), entries))

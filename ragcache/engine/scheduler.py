@@ -158,7 +158,7 @@ class Scheduler:
     def _requests(self) -> StepPlan | None:
         if self.owed:
             self.owed = False
-            if (plan := self._forward()) is not None:
+            if (plan := self._forward(owed=True)) is not None:
                 return plan
         plan = self._apart()
         self.owed = plan is not None
@@ -167,7 +167,8 @@ class Scheduler:
     def _apart(self) -> StepPlan | None:
         """A step apart from the forward ones: arrivals placed, or a narrowing link's rows; the two by turns while
         both wait, so that neither arrivals coming every step nor narrowing links placed together hold the other."""
-        narrowing = next(filter(narrows, self.running), None)
+        users = any(not s.background for s in self.running)
+        narrowing = next((s for s in self.running if narrows(s) and not (s.background and users)), None)
         if (narrowing is None or not self.placed_last) and (placing := self._admit()):
             self.placed_last = True
             return StepPlan(Kind.PLACE, [Work(s, Kind.PLACE) for s in placing], placing[0].background)
@@ -197,7 +198,8 @@ class Scheduler:
         self.running.extend(admitted)
         return admitted
 
-    def _forward(self) -> StepPlan | None:
+    def _forward(self, owed: bool = False) -> StepPlan | None:
+        """`owed`: the step after a PLACE or NARROW, whose decoding streams run in it (not a base weights' turn)."""
         decoding = [s for s in self.running if s.status is Status.DECODING]
         users = any(not s.background for s in self.running)
         linking = [
@@ -205,7 +207,7 @@ class Scheduler:
             for s in self.running
             if s.status is Status.LINKING and s.pending_rows and not ((s.background and users) or narrows(s))
         ]
-        base = self._base_step(decoding, linking)
+        base = self._base_step(decoding, linking, owed)
         work = [] if base else [Work(s, Kind.DECODE) for s in decoding] + self._repairs(decoding)
         decode_rows, decoding_works = sum(w.rows for w in work), len(work)
         # the decoding streams wait for this step even when their rows are not in it
@@ -244,12 +246,13 @@ class Scheduler:
         starved = sequence.passed_over >= self.MAX_PASSED_OVER
         return not starved, -sequence.passed_over if starved else sequence.pending_rows
 
-    def _base_step(self, decoding: list[Sequence], linking: list[Sequence]) -> bool:
+    def _base_step(self, decoding: list[Sequence], linking: list[Sequence], owed: bool = False) -> bool:
         """Whether the next forward step runs the base weights' rows: when they are all there is, or by turns while
-        the others wait too (a decoding stream then waits one step of them, as behind any link piece)."""
+        the others wait too (a decoding stream then waits one step of them, as behind any link piece; never right
+        after it waited for a PLACE or NARROW step: the turn is kept for the next)."""
         waiting = any(s.base_weights for s in linking)
         others = bool(decoding) or any(not s.base_weights for s in linking)
-        base = waiting and (self.base_turn or not others)
+        base = waiting and ((self.base_turn and not (owed and decoding)) or not others)
         self.base_turn = waiting and not base
         return base
 

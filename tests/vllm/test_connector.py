@@ -276,6 +276,10 @@ def test_a_failed_link_is_not_claimed_again_and_its_blocks_leave_the_prefix_cach
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, False)  # a new request of that id
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # no failed blocks: nothing evicted
     assert evicted == [{9}]
+    # r2 linked: preempted, its blocks may go to another request, whose failed link says nothing of r2's
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r2": {"hits": 1}}})))
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={5}))
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, False)
 
 
 def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():

@@ -226,11 +226,15 @@ class RagcacheConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output) -> None:
         stats = connector_output.kv_connector_stats
         for request_id, done in (getattr(stats, "data", None) or {}).get("requests", {}).items():
+            self._claimed.pop(request_id, None)  # linked: its blocks may go to others once preempted
             if request_id in self._linking:  # not one that finished already
                 self._done[request_id] = done
         failed = getattr(connector_output, "invalid_block_ids", None)
         if failed:
-            self._unlinked.update(rid for rid, blocks in self._claimed.items() if blocks & failed)
+            unlinked = {rid for rid, blocks in self._claimed.items() if blocks & failed}
+            self._unlinked |= unlinked
+            for rid in unlinked:
+                del self._claimed[rid]
             # Under the recompute policy vLLM keeps a failed sync load's blocks in its prefix cache, hashed since
             # they were allocated, for their request to recompute in place. Aborted or preempted first, or
             # recomputed over several steps, they would serve an identical request (the same salt) unwritten KV.
