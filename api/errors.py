@@ -1,13 +1,16 @@
 """Every error leaves the API as JSON: {"error": {"type", "message", "code", ...details}}, OpenAI-style.
 
 ragcache's own errors map to an HTTP status in one table (STATUS, most specific class first); anything unexpected is
-a logged 500 that never takes the server down."""
+a logged 500 that never takes the server down, its body and log line sharing a reference. On the OpenAI routes the
+body also has `param` (null where no field is to blame), and a prompt past the model's context is OpenAI's 400
+`context_length_exceeded`, which its SDKs and the frameworks built on them recognize."""
 
 from __future__ import annotations
 
 import logging
 import re
 import reprlib
+import uuid
 from itertools import islice
 
 from fastapi import FastAPI, Request
@@ -55,7 +58,7 @@ DETAILS = {
 REPORTED = 20  # validation errors listed in one error body; `error_count` says how many there were
 RETRY_AFTER_S = {429: "1", 503: "5"}
 ERRORS = {
-    400: "the model cannot serve this request",
+    400: "the model cannot serve this request; on the OpenAI routes also a prompt past its context",
     401: "missing or wrong API key (when the server has one)",
     404: "unknown document or model",
     408: "the request body did not arrive in time",
@@ -108,7 +111,26 @@ class ApiError(Exception):
 
 
 def error_body(type: str, message: str, **details) -> dict:
+    # a message may quote the request (a key with a lone surrogate): encodable, or the error's own response fails
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"type": type, "message": message, "code": type, **details}}
+
+
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
+
+
+def openai_shaped(exc: BaseException, status: int, body: dict) -> tuple[int, dict]:
+    """An error body as OpenAI's routes give it."""
+    error = {"param": None, **body["error"]}
+    if isinstance(exc, PromptTooLong):  # also TextsTooLong: documents past the context
+        status, error = 400, {**error, "type": "invalid_request_error", "code": "context_length_exceeded"}
+    return status, {"error": error}
+
+
+def answer(exc: BaseException, path: str) -> tuple[int, dict]:
+    """(HTTP status, error body) for an error a route raised."""
+    status, body = describe(exc)
+    return openai_shaped(exc, status, body) if path in OPENAI_PATHS else (status, body)
 
 
 def error_response(status: int, type: str, message: str, headers: dict | None = None, **details) -> JSONResponse:
@@ -128,8 +150,9 @@ def describe(exc: BaseException) -> tuple[int, dict]:
             log.warning("engine error: %s", exc)
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()  # UnknownDocument -> unknown_document
         return status, error_body(snake, str(exc), **details)
-    log.error("unexpected error", exc_info=exc)
-    return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it")
+    ref = uuid.uuid4().hex[:12]
+    log.error("unexpected error [ref %s]", ref, exc_info=exc)
+    return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it", ref=ref)
 
 
 def _validation_message(errors: list[dict], total: int, content_type: str) -> tuple[str, list[dict]]:
@@ -183,7 +206,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     @app.exception_handler(RagCacheError)
     async def on_known(request: Request, exc: Exception) -> JSONResponse:
-        status, body = describe(exc)
+        status, body = answer(exc, request.url.path)
         retry = RETRY_AFTER_S.get(status)
         return JSONResponse(body, status_code=status, headers={"Retry-After": retry} if retry else None)
 
@@ -213,5 +236,5 @@ class Unexpected:
         except Exception as exc:  # any error of a route is one 500, never the whole server
             if started:
                 raise
-            status, body = describe(exc)
+            status, body = answer(exc, scope.get("path", ""))
             await JSONResponse(body, status_code=status)(scope, receive, send)

@@ -31,7 +31,7 @@ from ragcache.errors import TextsTooLong
 from ragcache.length import ContextTexts
 from ragcache.settings import Settings
 
-from .errors import REPORTED, ApiError, Refused
+from .errors import REPORTED, ApiError, Refused, clip
 
 WHITESPACE = re.compile(rb"[ \t\n\r]*+")  # JSON's own, as the json module skips it
 STRING_REST = re.compile(rb'[^"\\]*+(?:\\.[^"\\]*+)*+"', re.DOTALL)  # a string after its opening quote
@@ -274,7 +274,7 @@ def too_long(bound: int) -> ApiError:
 
 
 def too_many(got: int, what: str, path: tuple, cap: int) -> ApiError:
-    where = ".".join(map(str, path)) or "the body"
+    where = ".".join(map(clip, path)) or "the body"  # a key may be megabytes, or hold a lone surrogate
     return ApiError(413, "payload_too_large", f"{got} {what} ({where}); at most {cap}", limit=cap, got=got)
 
 

@@ -25,6 +25,7 @@ and which rows it recomputes: nothing else compares algorithm names.
 from __future__ import annotations
 
 import math
+import reprlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -396,7 +397,9 @@ def algorithm(name: str) -> Algorithm:
     try:
         return TABLE[name]
     except (KeyError, TypeError):
-        raise UnknownAlgorithm(f"unknown algorithm {name!r}; choose one of {', '.join(ALGORITHMS)}") from None
+        raise UnknownAlgorithm(  # a name from a request may be megabytes
+            f"unknown algorithm {reprlib.repr(name)}; choose one of {', '.join(ALGORITHMS)}"
+        ) from None
 
 
 class LinkOptions(LinkKnobs):

@@ -143,6 +143,9 @@ def _verify_records(tier: Store, names: list[str], fix: bool, drop_checksum_only
     for name, record in zip(names, tier.get_records(names)):  # a batch a round trip
         report["records_checked"] += 1
         problem = record_problem(name, record)
+        if problem is not None:  # once more: a record written again while it was read (a re-upload) is sound
+            record = tier.get_record(name)
+            problem = record_problem(name, record) if record is not None else None
         if problem is None:
             continue
         only, intact = checksum_only(name, record), text_intact(name, record)

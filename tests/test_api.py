@@ -185,7 +185,7 @@ def test_health_503_when_store_down(http, rc, monkeypatch):
     assert http.get("/health").status_code == 200
 
 
-def test_an_unexpected_error_is_a_500_that_keeps_the_connection(rc, monkeypatch):
+def test_an_unexpected_error_is_a_500_that_keeps_the_connection(rc, monkeypatch, caplog):
     """A bug in one request answers it with a JSON 500 and leaves the client's keep-alive connection usable for its
     next request (it used to be closed after the 500, so that next request, of any kind, failed too)."""
     import http.client
@@ -201,6 +201,8 @@ def test_an_unexpected_error_is_a_500_that_keeps_the_connection(rc, monkeypatch)
             response = connection.getresponse()
             body = json.loads(response.read())
             assert response.status == 500 and body["error"]["type"] == "internal_error", body
+            # a reference the operator finds in the log line with the traceback
+            assert any(body["error"]["ref"] in r.getMessage() and r.exc_info for r in caplog.records), body
             assert response.getheader("connection") != "close"
             sock = connection.sock
             connection.request("GET", "/health")
@@ -1169,6 +1171,12 @@ def test_a_body_of_too_many_values_is_413_whether_objects_or_not(rc):
 
 def test_a_huge_key_or_value_is_not_echoed_back_whole(http):
     small_error(http.post("/v1/query", json={"question": "q", "k" * 1_000_000: 1}), 422, "(1000000 characters)")
+    small_error(http.post("/v1/query", json={"question": "q", "algorithm": "a" * 1_000_000}), 422, "unknown algorithm")
+    # a count past its limit names where: a key with a lone surrogate, or a megabyte long, is escaped and clipped
+    for key, shown in (("\ud800", "\\ud800"), ("m" * 1_000_000, "(1000000 characters)")):
+        body = json.dumps({"text": "a", "metadata": {key: [0] * 10_001}})
+        small_error(http.post("/v1/documents", content=body, headers={"content-type": "application/json"}), 413,
+                    shown)
     small_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
                                                         "model": "m" * 1_000_000}), 404, "not served here")
     small_error(http.post("/v1/query", content=json.dumps({"question": "q", "\ud800": 1}),
@@ -1268,3 +1276,20 @@ def test_the_api_workers_run_torch_inline_and_leave_other_threads_their_count(rc
     finally:
         torch.set_num_threads(threads)
 
+
+
+def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_length_exceeded(http):
+    """OpenAI's SDKs raise BadRequestError for a 400, and LangChain and llama-index tell a context overflow by its
+    code; a 413 was an APIStatusError nothing recognized. Every OpenAI error body has `param`."""
+    long_text = " ".join(f"v{i % 89}" for i in range(9000))  # far past the 8192-token context
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Where is it?"}]}),
+                       ("/v1/completions", {"prompt": "Where is it?"})):
+        r = http.post(path, json={**body, "documents": [{"text": long_text}], "max_tokens": 8})
+        error = error_of(r, 400, "context")
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+        assert "param" in error and error["context"] == 8192
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                            "ragcache": {"algorithm": "nope"}}), 422)
+    assert "param" in error
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
+    error_of(r, 413, "context")  # the native route: as it was

@@ -1472,3 +1472,20 @@ def test_a_host_that_will_not_pin_more_memory_leaves_the_arena_what_it_has(monke
     tier.put_many(entries)
     assert tier.contains_many(list(entries)) == [True, True]
     assert all(same_bits(got, entries[k]) for got, k in zip(tier.get_many(list(entries)), entries))
+
+
+def test_verify_fix_looks_at_a_bad_record_again_before_deleting_it(tmp_path):
+    """A document whose damaged record a live server is writing again (a re-upload) while verify reads it: deleting
+    the fresh record and its chunk records would leave an acknowledged document unknown."""
+    from ragcache import maintenance
+
+    store = DiskStore(tmp_path)
+    doc_id = _catalog(store).add(DOCS[0])
+    name = f"doc/{doc_id}"
+    good = store.get_record(name)
+    bad = {**good, "text": good["text"].replace("Paris", "Rome")}
+    read = store.get_records
+    store.get_records = lambda names: [bad if n == name else r for n, r in zip(names, read(names))]  # type: ignore[method-assign]
+    report = maintenance.verify(store, fix=True)
+    assert report["bad_records"] == [] and store.get_record(name) == good
+    assert any(n.startswith(f"chunks/{doc_id}/") for n in store.record_names())
