@@ -76,6 +76,7 @@ class Guard:
                 413,
                 "payload_too_large",
                 f"request body of {int(length)} bytes; at most {self.max_body_bytes}",
+                headers={"Connection": "close"},  # or the server reads the whole refused body to keep the connection
                 limit=self.max_body_bytes,
                 got=int(length),
             )

@@ -44,6 +44,12 @@ UNSUPPORTED = {
     "audio": (None,),
     "modalities": (None, ["text"]),
     "prediction": (None,),
+    # vLLM's extra sampling fields, which its OpenAI server takes: at their neutral values only, as above
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0),
+    "repetition_penalty": (None, 1),
+    "min_tokens": (None, 0),
+    "ignore_eos": (None, False),
 }
 
 

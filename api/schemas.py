@@ -151,6 +151,9 @@ class LinkOptions(Strict, linker.LinkOptions):
     )
 
 
+MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+
+
 class SamplingFields(BaseModel):
     model_config = ConfigDict(populate_by_name=True)  # max_tokens by its name too, not only by its aliases
 
@@ -158,9 +161,19 @@ class SamplingFields(BaseModel):
         None,
         ge=1,
         strict=True,
-        validation_alias=AliasChoices("max_tokens", "max_new_tokens", "max_completion_tokens"),
+        validation_alias=AliasChoices(*MAX_TOKENS_NAMES),
         description="tokens to generate (default and upper limit: settings)",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_max_tokens(cls, data):
+        """A null under one of max_tokens' names is no value: the aliases take the first name present, so
+        `max_tokens: null` beside `max_completion_tokens: 3` left the server's default."""
+        if isinstance(data, dict) and any(data.get(name, 0) is None for name in MAX_TOKENS_NAMES):
+            data = {k: v for k, v in data.items() if not (k in MAX_TOKENS_NAMES and v is None)}
+        return data
+
     # strict: a JSON true is not a number here (lax pydantic reads it as 1)
     temperature: float = Field(
         0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True, description="0 = greedy (the default)"

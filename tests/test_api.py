@@ -376,6 +376,9 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "q"}]}, 404,
      "gpt-4o"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "n": 2}, 422, "n=2"),
+    ("POST", "/v1/completions", {"prompt": "q", "top_k": 5}, 422, "top_k=5"),  # vLLM's: not silently dropped
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "repetition_penalty": 1.2},
+     422, "repetition_penalty"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "tools": [{"x": 1}]}, 422,
      "tools"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
@@ -960,6 +963,21 @@ def test_a_chunked_body_over_the_limit_is_413_before_it_is_read_whole(rc):
         error_of(r, 413, "over")
 
 
+def test_a_declared_length_over_the_limit_is_413_and_the_connection_closes(rc):
+    """Answered from the headers; kept open, the server would read and discard the whole refused body."""
+    with serve(rc, max_documents=1, max_document_chars=1000) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/documents HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 50000000\r\n\r\n{\"text\": \"")
+            sock.settimeout(60)
+            reply = b""
+            while piece := sock.recv(4096):  # the server closes: recv gives b"" instead of waiting for the body
+                reply += piece
+        head = reply.decode().lower()
+        assert head.startswith("http/1.1 413") and "connection: close" in head
+
+
 def test_a_body_that_stops_arriving_is_408(rc):
     with serve(rc, body_timeout_s=0.5) as s:
         host, port = s.url.removeprefix("http://").split(":")
@@ -1293,3 +1311,11 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
     assert "param" in error
     r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
     error_of(r, 413, "context")  # the native route: as it was
+
+
+def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
+    """An SDK may send every field it knows, null where unset; the aliases took the first name present."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where is the tower?"}],
+                                                "max_tokens": None, "max_completion_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
