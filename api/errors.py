@@ -22,6 +22,7 @@ from ragcache.errors import (
     BadRequest,
     BrokenStore,
     CorruptDocument,
+    EngineDown,
     ModelFetchError,
     PayloadTooLarge,
     PromptTooLong,
@@ -47,6 +48,7 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (BrokenStore, 500),  # a symlink loop in a disk store: no Retry-After either; the operator removes the link
     (StoreError, 503),  # a store tier that is down: retry
     (ShuttingDown, 503),  # the process is leaving: retry (elsewhere)
+    (EngineDown, 503),  # vLLM's engine core died: retry elsewhere (/health says so too)
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]

@@ -44,6 +44,10 @@ class Cancelled(RagCacheError):
     never as an error the caller sees."""
 
 
+class EngineDown(RagCacheError):
+    """The engine answers no request until the server restarts (vLLM's engine core died): another replica may."""
+
+
 class ShuttingDown(RagCacheError):
     """The engine is stopping: work it had queued and had not finished, and work sent after, is refused."""
 

@@ -51,12 +51,7 @@ def check_adapter(lm: loaded.LoadedModel, path: Path) -> str:
     if not meta_file.is_file():
         _unchecked(path, digest, f"it has no {ADAPTER_META}")
         return digest
-    try:
-        meta = json.loads(meta_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise BadAdapter(f"{meta_file} cannot be read as JSON: {exc}") from exc
-    if not isinstance(meta, dict):
-        raise BadAdapter(f"{meta_file} is not a JSON object")
+    meta = _json_object(meta_file)
     if "adapter_sha256" in meta and meta["adapter_sha256"] != digest:  # (a record from before it kept none: taken)
         raise BadAdapter(
             f"the adapter in {path} does not match its {ADAPTER_META} (a save that did not finish, or files changed "
@@ -129,18 +124,22 @@ def same_weights(record: dict, lm: loaded.LoadedModel) -> bool:
     return bool(((mine - theirs).abs() <= relative * torch.maximum(mine.abs(), theirs.abs()) + absolute).all())
 
 
+def _json_object(file: Path) -> dict:
+    try:
+        value = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BadAdapter(f"{file} cannot be read as JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise BadAdapter(f"{file} is not a JSON object")
+    return value
+
+
 def adapter_config(path: Path) -> dict:
     """The adapter's config, refused (BadAdapter) where loading it would change the base model's own parameters:
     PEFT loads a LoRA's trained biases (`bias`) and whole trained modules (`modules_to_save`) over the base layers',
     and neither the merge's swap nor PEFT's disable_adapter puts them back, so entries compiled "with the base
     weights" would be another model's, under the base model's keys. `ragcache train link` trains neither."""
-    file = path / ADAPTER_FILES[0]
-    try:
-        config = json.loads(file.read_text())
-    except (OSError, ValueError) as exc:
-        raise BadAdapter(f"cannot read {file}: {exc}") from exc
-    if not isinstance(config, dict):
-        raise BadAdapter(f"{file} is not a JSON object")
+    config = _json_object(path / ADAPTER_FILES[0])
     if config.get("bias", "none") != "none" or config.get("modules_to_save"):
         raise BadAdapter(
             f"{path}: a LoRA that trains biases (bias={config.get('bias')!r}) or whole modules (modules_to_save="

@@ -1319,3 +1319,15 @@ def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
                                                 "max_tokens": None, "max_completion_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_a_dead_engine_is_503_with_retry_after(http, rc, monkeypatch):
+    """vLLM's engine core gone: no request is answered until a restart, and a load balancer should try another."""
+    from ragcache.errors import EngineDown
+
+    def down():
+        raise EngineDown("vLLM's engine core has stopped; restart the server")
+
+    monkeypatch.setattr(rc, "document_ids", down)
+    r = http.get("/v1/documents")
+    assert error_of(r, 503, "restart")["type"] == "engine_down" and r.headers["retry-after"] == "5"

@@ -278,3 +278,22 @@ def test_a_tensor_parallel_engine_counts_an_entry_held_whole_or_in_other_shards_
     missing = [c + [7] for c in chunks[:1]]
     assert Front._held(tp2, own.compiler, missing, layout) == [False]
     own.close()
+
+
+def test_a_request_failed_by_a_dead_engine_core_is_engine_down(rc, doc_ids, monkeypatch):
+    """Not the request's fault, and none will be answered until a restart: a 503 with Retry-After (another replica
+    may answer), where a failure of this request alone stays EngineFailed (a 500)."""
+    from ragcache.errors import EngineDown
+    from ragcache.integrations.vllm.engine import EngineFailed
+
+    async def failing(*args, **kwargs):
+        raise RuntimeError("the engine core is gone")
+        yield  # an async generator, as vLLM's generate is
+
+    monkeypatch.setattr(rc.llm, "generate", failing)
+    monkeypatch.setattr(type(rc.llm), "errored", property(lambda self: True))
+    with pytest.raises(EngineDown, match="restart"):
+        rc.query("Where is the tower?", doc_ids, max_new_tokens=2)
+    monkeypatch.setattr(type(rc.llm), "errored", property(lambda self: False))
+    with pytest.raises(EngineFailed, match="engine core is gone"):
+        rc.query("Where is the tower?", doc_ids, max_new_tokens=2)

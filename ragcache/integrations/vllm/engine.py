@@ -30,7 +30,7 @@ from ragcache import adapters, guard, infill, linker, loaded, models
 from ragcache.catalog import SHARD_COUNTS
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
-from ragcache.errors import BadAdapter, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
+from ragcache.errors import BadAdapter, EngineDown, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
 from ragcache.front import Front, drain, found_forms
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
@@ -541,7 +541,10 @@ class VllmStream:
             raise
         except Exception as exc:  # noqa: BLE001 - vLLM's own errors: the request failed, the server goes on
             log.warning("vLLM failed request %s: %s", self.request_id, exc)
-            self._end(Failed(EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}")))
+            if self.engine.llm.errored:  # not this request's fault: none will be answered until a restart
+                self._end(Failed(EngineDown(f"{self.engine.engine_problem()} ({type(exc).__name__})")))
+            else:
+                self._end(Failed(EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}")))
         else:
             self._end(Done(self._finish()))
 
