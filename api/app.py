@@ -63,11 +63,13 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
+            declared = headers.get(b"content-length", b"0")
             response = error_response(
                 401,
                 "unauthorized",
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
-                headers={"WWW-Authenticate": "Bearer"},
+                # a body it will not read: closed, or the server reads it all to keep the connection
+                headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if declared.strip(b"0") else {})},
             )
             return await response(scope, receive, send)
         length = headers.get(b"content-length", b"0")

@@ -149,7 +149,8 @@ def describe(exc: BaseException) -> tuple[int, dict]:
         }
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
         if status >= 500:
-            log.warning("engine error: %s", exc)
+            details["ref"] = ref = uuid.uuid4().hex[:12]
+            log.warning("engine error [ref %s]: %s", ref, exc)
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()  # UnknownDocument -> unknown_document
         return status, error_body(snake, str(exc), **details)
     ref = uuid.uuid4().hex[:12]

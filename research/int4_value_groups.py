@@ -133,7 +133,7 @@ def engine(lm, scheme: Scheme | None) -> RagCache:
 
 
 def run(model: str, n: int, seed: int, schemes: list[str], max_new_tokens: int) -> dict:
-    commit = git_commit()  # the code this run loads now, not what HEAD is when it ends
+    commit, host = git_commit(), machine()  # the code this run loads now, not what HEAD is when it ends
     items = squad.load_items(n, seed=seed)
     lm = load_model(model, "float32")
     engines = {"fp32": engine(lm, None), **{s: engine(lm, SCHEMES[s]) for s in schemes}}
@@ -174,7 +174,7 @@ def run(model: str, n: int, seed: int, schemes: list[str], max_new_tokens: int) 
                             kl=sum(v["kl"] for v in vals) / len(vals),
                             same_answer=sum(v["same_answer"] for v in vals) / len(vals)))
     return dict(model=model, n=len(items), seed=seed, head_dim=shape.head_dim, commit=commit,
-                machine=machine(), results=summary, items=rows, fp32_margins=margins)
+                machine=host, results=summary, items=rows, fp32_margins=margins)
 
 
 def main() -> None:

@@ -84,9 +84,6 @@ class TieredStore(Store):
         self._lock = threading.Lock()
         self._prober: threading.Thread | None = None  # runs while a probed tier is down
         self._closed = threading.Event()
-        # entries a write left in memory alone while the store has lasting tiers: not held as far as a compile is
-        # concerned (contains_many), so compiling them again, once a lasting tier takes writes, keeps them
-        self._unlasting: set[str] = set()
         # lasting tier -> records written while it was down: written there when it is back, so a store that others
         # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
         # restart the other lasting tier still holds them, and only that tier stays behind.
@@ -277,21 +274,15 @@ class TieredStore(Store):
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
         lasting = [tier for tier in self.tiers if tier.lasting]
         if lasting and not any(tier.lasting for tier in took):
-            self._unlasting.update(items)
             raise StoreError(
                 f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
                 f"({self._reasons(lasting)})"
             )
-        self._unlasting.difference_update(items)
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        """Held by a tier, and by a lasting one where the store has any (as far as this process wrote them)."""
-        return [
-            bool(there) and key not in self._unlasting for key, there in zip(keys, self._first("contains_many", keys))
-        ]
+        return [bool(there) for there in self._first("contains_many", keys)]
 
     def delete(self, key: str) -> bool:
-        self._unlasting.discard(key)
         return any(bool(r) for _, r in self._each("delete", key, write=True))
 
     def keys(self) -> Iterator[str]:
