@@ -62,17 +62,16 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
+        length = headers.get(b"content-length", b"0")
         if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
-            declared = headers.get(b"content-length", b"0")
             response = error_response(
                 401,
                 "unauthorized",
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 # a body it will not read: closed, or the server reads it all to keep the connection
-                headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if declared.strip(b"0") else {})},
+                headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if length.strip(b"0") else {})},
             )
             return await response(scope, receive, send)
-        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body_bytes:
             response = error_response(
                 413,

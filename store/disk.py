@@ -66,11 +66,10 @@ class DiskStore(BlobStore):
             self._create_index()
             self._check_index()
         except sqlite3.DatabaseError as exc:  # not a database, malformed, or not ours: it is only a cache
+            self._drop_connection()
             if _says_nothing_of_the_file(exc):
-                self._drop_connection()
                 raise StoreError(f"disk tier {self.root}: cannot open its index {self.index_path} ({exc})") from exc
             log.warning("disk tier %s: index unusable (%s); rebuilding it from the files", self.root, exc)
-            self._drop_connection()
             try:
                 for suffix in ("", "-wal", "-shm"):
                     Path(f"{self.index_path}{suffix}").unlink(missing_ok=True)
