@@ -34,6 +34,8 @@ STORE_FIELDS = {
     "bytes_written": ("written_bytes", "bytes written", True),
     "bytes": ("stored_bytes", "bytes held", False),
     "entries": ("entries", "entries held", False),
+    # a tiered store's, per lasting tier: entries that would end with the process if it ended now
+    "entries_behind": ("entries_behind", "entries only memory holds, to be written into this lasting tier", False),
 }
 # QueryStats field -> help of its counter (ragcache_FIELD, by algorithm)
 TOKEN_FIELDS = {

@@ -7,10 +7,15 @@ tried again by a call after a backoff (retry_after seconds, doubling up to max_r
 Once a tier answers it is announced back with one more line, and the records written while it was down are written
 into it. A write that a tier refuses for its own reasons (disk full, Redis out of memory)
 fails on that tier only, with one warning per streak; the write fails with StoreError only when no tier took it.
+Entries that only a tier in this process's memory took, every lasting tier being down or refusing writes, are written
+into the lasting tiers by a thread of the store's once they take writes again, from the tier that still holds them: a
+disk that was full does not leave a compile's entries in memory, where a re-run compile finds them held and a restart
+loses them.
 """
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import threading
 import time
@@ -43,6 +48,9 @@ except ImportError:  # pragma: no cover - redis is a dependency
 FAULTS: tuple[type[BaseException], ...] = (StoreError, OSError, sqlite3.Error, *_REDIS_FAULTS)
 # the most record text (documents' texts and chunk records) a memory tier keeps in front of lasting tiers
 RECORD_CACHE_BYTES = 64 << 20
+# entry keys noted per lasting tier that missed them; past it, the others are compiled again when a link needs them
+ENTRIES_BEHIND_MAX = 1 << 16
+ENTRIES_BEHIND_BATCH = 16  # entries read from the tier holding them and written into the lagging one at a time
 
 
 @dataclass
@@ -52,6 +60,7 @@ class TierState:
     backoff: float = 0.0
     reason: str = ""
     write_failing: bool = False
+    write_retry_at: float = 0.0  # when a tier refusing writes is tried again with the entries it missed
     failures: int = 0  # calls that failed as the tier being unreachable, ever (Store.outages)
 
 
@@ -88,6 +97,10 @@ class TieredStore(Store):
         # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
         # restart the other lasting tier still holds them, and only that tier stays behind.
         self._behind: dict[int, set[str]] = {}
+        # lasting tier -> entry keys it missed while a faster tier took them (in order); `_write_behind` empties it
+        self._entries_behind: dict[int, dict[str, None]] = {}
+        self._behind_full_warned: set[int] = set()
+        self._writing_behind: threading.Thread | None = None
 
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
@@ -114,9 +127,10 @@ class TieredStore(Store):
                     state.down, state.backoff, state.reason = False, 0.0, ""
                 if write and state.write_failing:
                     log.warning("store tier %s accepts writes again", self.tiers[i].name)
-                    state.write_failing = False
+                    state.write_failing, state.reason = False, ""
             if back:
                 self._catch_up(i)
+            self._start_write_behind()
 
     def _catch_up(self, i: int) -> None:
         """Write into tier i the records that were written while it was down, from the tiers that hold them."""
@@ -152,6 +166,7 @@ class TieredStore(Store):
         state, name = self.states[i], self.tiers[i].name
         with self._lock:
             if write and isinstance(exc, StoreError) and not isinstance(exc, TierUnavailable):
+                state.write_retry_at, state.reason = self.clock() + self.retry_after, str(exc)
                 if not state.write_failing:  # the tier is up but refused this write (full): keep reading from it
                     log.warning("store tier %s refused a write: %s", name, exc)
                     state.write_failing = True
@@ -274,15 +289,106 @@ class TieredStore(Store):
         self.metrics.wrote(started, sum(e.nbytes for e in items.values()))
         lasting = [tier for tier in self.tiers if tier.lasting]
         if lasting and not any(tier.lasting for tier in took):
+            self._note_behind(list(items), [i for i, tier in enumerate(self.tiers) if tier.lasting])
             raise StoreError(
-                f"{len(items)} entries are kept only in this process's memory: no lasting tier took them "
-                f"({self._reasons(lasting)})"
+                f"{len(items)} entries are kept only in this process's memory for now: no lasting tier took them "
+                f"({self._reasons(lasting)}); they are written there once it takes writes again"
             )
 
+    def _note_behind(self, keys: list[str], missed: list[int]) -> None:
+        """Entries only a tier in this process's memory took: `_write_behind` writes them into the lasting tiers that
+        `missed` them. (Entries one lasting tier took and another missed are not: a copy that lasts exists, and a
+        tier back from an outage is not flooded with the outage's entries.)"""
+        for i in missed:
+            with self._lock:
+                behind = self._entries_behind.setdefault(i, {})
+                room = max(ENTRIES_BEHIND_MAX - len(behind), 0)
+                behind.update(dict.fromkeys(keys[:room]))
+                over = len(keys) > room and i not in self._behind_full_warned
+                self._behind_full_warned.update([i] if over else [])
+            if over:
+                log.warning(
+                    "store tier %s has missed over %d entries; those past them are not written there later "
+                    "(compiled again where a link needs them)",
+                    self.tiers[i].name,
+                    ENTRIES_BEHIND_MAX,
+                )
+
+    def _behind_ready(self, i: int) -> bool:
+        """Whether tier i, which missed entries, may be written now: up (or due a retry), and taking writes or due a
+        try."""
+        state, now = self.states[i], self.clock()
+        return self._usable(i) and (not state.write_failing or now >= state.write_retry_at)
+
+    def _start_write_behind(self) -> None:
+        with self._lock:
+            if self._writing_behind is not None or self._closed.is_set():
+                return
+            if not any(keys and self._behind_ready(i) for i, keys in self._entries_behind.items()):
+                return
+            self._writing_behind = threading.Thread(
+                target=self._write_behind, name="ragcache-store-write-behind", daemon=True
+            )
+            self._writing_behind.start()
+
+    def _write_behind(self) -> None:
+        """Write the entries the lasting tiers missed, a few at a time, from the tiers that still hold them (one no
+        tier holds any more is dropped: compiled again where needed); ends when none is left to write, or when a
+        write fails again (the tier's next recovery, or the next read after its retry time, starts it again)."""
+        written: dict[int, int] = {}
+        try:
+            while not self._closed.is_set():
+                with self._lock:
+                    ready = [i for i, keys in self._entries_behind.items() if keys and self._behind_ready(i)]
+                    if not ready:
+                        return
+                    i = ready[0]
+                    batch = list(itertools.islice(self._entries_behind[i], ENTRIES_BEHIND_BATCH))
+                entries = self._held_elsewhere(i, batch)
+                tier = self.tiers[i]
+                if entries:
+                    write = crossing.for_tier(tier.takes_device_entries, entries, {})
+                    if not self._call(i, tier.put_many, write, write=True)[1]:
+                        return
+                    written[i] = written.get(i, 0) + len(entries)
+                with self._lock:
+                    for key in batch:
+                        self._entries_behind[i].pop(key, None)
+        finally:
+            with self._lock:
+                self._writing_behind = None
+            for i, n in written.items():
+                log.info("store tier %s took %d entries it had missed", self.tiers[i].name, n)
+
+    def _held_elsewhere(self, i: int, keys: list[str]) -> dict[str, ChunkKV]:
+        """The entries of `keys` that tiers other than i hold, from the fastest that has each."""
+        found: dict[str, ChunkKV] = {}
+        for j, tier in enumerate(self.tiers):
+            missing = [key for key in keys if key not in found]
+            if j == i or not missing or not self._usable(j):
+                continue
+            got, ok = self._call(j, tier.get_many, missing)
+            found.update({key: entry for key, entry in zip(missing, got or ()) if ok and entry is not None})
+        return found
+
+    def entries_behind(self, wait_s: float = 0.0) -> int:
+        """Entries a lasting tier still misses, after waiting up to wait_s for the write-behind under way."""
+        thread = self._writing_behind
+        if thread is not None and wait_s > 0:
+            thread.join(wait_s)
+        with self._lock:
+            return sum(len(keys) for keys in self._entries_behind.values())
+
     def contains_many(self, keys: list[str]) -> list[bool]:
+        """Held in any tier. A key only a faster tier holds, missed by a lasting tier that refused writes, is held
+        too: asking is when the write-behind is tried again (a re-run compile finds it held and compiles nothing)."""
+        self._start_write_behind()
         return [bool(there) for there in self._first("contains_many", keys)]
 
     def delete(self, key: str) -> bool:
+        with self._lock:
+            for keys in self._entries_behind.values():
+                keys.pop(key, None)
         return any(bool(r) for _, r in self._each("delete", key, write=True))
 
     def keys(self) -> Iterator[str]:
@@ -428,13 +534,15 @@ class TieredStore(Store):
 
     # -- operator view ------------------------------------------------------------------------------
     def stats(self) -> dict:
-        tiers = []
-        for tier, state in zip(self.tiers, self.states):
+        tiers: list[dict] = []
+        for i, (tier, state) in enumerate(zip(self.tiers, self.states)):
             try:
                 info = tier.stats()
             except FAULTS as exc:
                 info = {"tier": tier.name, "error": str(exc)}
-            tiers.append({**info, "up": not state.down, "write_failing": state.write_failing})
+            with self._lock:
+                behind = len(self._entries_behind.get(i, ()))
+            tiers.append({**info, "up": not state.down, "write_failing": state.write_failing, "entries_behind": behind})
         return {**super().stats(), "tiers": tiers}
 
     def ping(self) -> bool:

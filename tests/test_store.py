@@ -719,6 +719,58 @@ def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answer
     assert answer.stats.unstored_chunks == answer.stats.compiled_chunks  # counted, for /metrics and the answer
 
 
+def test_entries_kept_in_memory_while_the_disk_was_full_reach_it_once_it_takes_writes(tmp_path, monkeypatch):
+    """A full disk's entries, kept by the memory tier in front of it, are written into it by the store's own thread
+    once it takes writes again: after the retry time at the next read (a re-run compile asks whether they are
+    held, and they are), without a new write to tell it; the tier's stats count them meanwhile."""
+    now = [0.0]
+    disk = DiskStore(tmp_path)
+    tiered = TieredStore([MemoryStore(), disk], retry_after=5.0, clock=lambda: now[0])
+    items = dict(make_entry(s, layers=2) for s in range(3))
+    real = DiskStore.write_blobs
+
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    with pytest.raises(StoreError, match="written there once it takes writes again"):
+        tiered.put_many(items)
+    assert tiered.contains_many(list(items)) == [True] * 3 and tiered.entries_behind(wait_s=5) == 3
+    from api.metrics import store_families
+
+    families = {f.name: f for f in store_families(tiered)}
+    behind = [(s.labels["tier"], s.value) for s in families["ragcache_store_entries_behind"].samples]
+    assert behind == [("memory", 0.0), ("disk", 3.0)]
+    monkeypatch.setattr(DiskStore, "write_blobs", real)
+    tiered.contains_many(list(items))  # before the retry time: not tried yet
+    assert tiered.entries_behind(wait_s=5) == 3 and not disk.contains_many(list(items))[0]
+    tiered.delete(list(items)[2])  # a deleted entry is not brought back
+    now[0] = 6.0
+    assert tiered.contains_many(list(items)[:2]) == [True, True]
+    assert tiered.entries_behind(wait_s=30) == 0
+    assert disk.contains_many(list(items)) == [True, True, False]
+    assert all(same_bits(e, items[k]) for k, e in zip(list(items)[:2], disk.get_many(list(items)[:2])))
+
+
+def test_a_compile_rerun_after_a_full_disk_stores_what_memory_alone_kept(tmp_path, tiny_lm, monkeypatch):
+    """End to end: a compile fails on a full disk behind the memory tier; once the disk has room a re-run compiles
+    only what is missing, and every chunk's entry ends on disk, those memory kept included."""
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    rc = engine(tiny_lm, open_store(f"memory+disk:{tmp_path}"))
+    rc.store.retry_after = 0.0  # the disk is tried again at the re-run's first look, not a second later
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    with pytest.raises(StoreError, match="disk full"):
+        rc.compile(DOCS)
+    assert not entry_files(tmp_path)
+    monkeypatch.undo()
+    rc.compile(DOCS)
+    assert rc.store.entries_behind(wait_s=30) == 0
+    chunks = [ids for doc_id in rc.document_ids() for ids in rc.document_chunks(doc_id)]
+    assert len(entry_files(tmp_path)) == len({tuple(ids) for ids in chunks}) > 1
+
+
 def test_a_query_answers_when_its_entries_fail_on_the_way_to_the_store(tmp_path, tiny_lm, monkeypatch):
     """Not only a StoreError: whatever fails while a query's compiled entries are stored (a host copy that cannot be
     allocated on the way to a tier) leaves the answer alone and is counted, as the compile's writer does."""
