@@ -151,7 +151,8 @@ class LinkOptions(Strict, linker.LinkOptions):
     )
 
 
-MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+# the first name present counts: OpenAI's current name before the one it deprecated, as vLLM reads them
+MAX_TOKENS_NAMES = ("max_completion_tokens", "max_tokens", "max_new_tokens")
 
 
 class SamplingFields(BaseModel):

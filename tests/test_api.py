@@ -379,6 +379,9 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/completions", {"prompt": "q", "top_k": 5}, 422, "top_k=5"),  # vLLM's: not silently dropped
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "repetition_penalty": 1.2},
      422, "repetition_penalty"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                                      "guided_choice": ["yes", "no"]}, 422, "guided_choice"),
+    ("POST", "/v1/completions", {"prompt": "q", "stop_token_ids": [2]}, 422, "stop_token_ids"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "tools": [{"x": 1}]}, 422,
      "tools"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
@@ -1321,6 +1324,11 @@ def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
                                                 "max_tokens": None, "max_completion_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+    # both set: OpenAI's current name counts, as in vLLM (max_tokens is the deprecated one)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where is the tower?"}],
+                                                "max_tokens": 3, "max_completion_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
 
 
 def test_a_dead_engine_is_503_with_retry_after(http, rc, monkeypatch):
