@@ -1,9 +1,11 @@
-"""Every error leaves the API as JSON: {"error": {"type", "message", "code", ...details}}, OpenAI-style.
+"""Every error leaves the API as JSON: {"error": {"type", "message", "code", "param", ...details}}, OpenAI-style,
+whatever raised it (a route, the body's validation, the guard, a stream already under way): `param` names the field
+to blame, null where none is.
 
 ragcache's own errors map to an HTTP status in one table (STATUS, most specific class first); anything unexpected is
-a logged 500 that never takes the server down, its body and log line sharing a reference. On the OpenAI routes the
-body also has `param` (null where no field is to blame), and a prompt past the model's context is OpenAI's 400
-`context_length_exceeded`, which its SDKs and the frameworks built on them recognize."""
+a logged 500 that never takes the server down, its body and log line sharing a reference. On the OpenAI routes a
+prompt past the model's context is OpenAI's 400 `context_length_exceeded`, which its SDKs and the frameworks built on
+them recognize."""
 
 from __future__ import annotations
 
@@ -115,7 +117,7 @@ class ApiError(Exception):
 def error_body(type: str, message: str, **details) -> dict:
     # a message may quote the request (a key with a lone surrogate): encodable, or the error's own response fails
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"type": type, "message": message, "code": type, **details}}
+    return {"error": {"type": type, "message": message, "code": type, "param": None, **details}}
 
 
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
@@ -123,7 +125,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 def openai_shaped(exc: BaseException, status: int, body: dict) -> tuple[int, dict]:
     """An error body as OpenAI's routes give it."""
-    error = {"param": None, **body["error"]}
+    error = body["error"]
     if isinstance(exc, PromptTooLong):  # also TextsTooLong: documents past the context
         status, error = 400, {**error, "type": "invalid_request_error", "code": "context_length_exceeded"}
     return status, {"error": error}
@@ -194,7 +196,9 @@ def install(app: FastAPI) -> None:
         errors = list(islice(exc.errors(), REPORTED))
         total = exc.total if isinstance(exc, Refused) else len(exc.errors())
         message, details = _validation_message(errors, total, request.headers.get("content-type", ""))
-        return error_response(422, "invalid_request", message, details=details, error_count=total)
+        first = details[0] if details and details[0]["type"] != "json_invalid" else None  # its loc is a position
+        param = ".".join(first["loc"]) or None if first else None
+        return error_response(422, "invalid_request", message, details=details, error_count=total, param=param)
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:

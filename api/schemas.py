@@ -151,8 +151,7 @@ class LinkOptions(Strict, linker.LinkOptions):
     )
 
 
-# the first name present counts: OpenAI's current name before the one it deprecated, as vLLM reads them
-MAX_TOKENS_NAMES = ("max_completion_tokens", "max_tokens", "max_new_tokens")
+MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")
 
 
 class SamplingFields(BaseModel):
@@ -170,9 +169,12 @@ class SamplingFields(BaseModel):
     @classmethod
     def _unset_max_tokens(cls, data):
         """A null under one of max_tokens' names is no value: the aliases take the first name present, so
-        `max_tokens: null` beside `max_completion_tokens: 3` left the server's default."""
+        `max_tokens: null` beside `max_completion_tokens: 3` left the server's default. And OpenAI's current name
+        counts before the one it deprecated, as vLLM reads them."""
         if isinstance(data, dict) and any(data.get(name, 0) is None for name in MAX_TOKENS_NAMES):
             data = {k: v for k, v in data.items() if not (k in MAX_TOKENS_NAMES and v is None)}
+        if isinstance(data, dict) and "max_completion_tokens" in data:
+            data = {k: v for k, v in data.items() if k not in MAX_TOKENS_NAMES[:2]}
         return data
 
     # strict: a JSON true is not a number here (lax pydantic reads it as 1)

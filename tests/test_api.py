@@ -708,7 +708,7 @@ def test_sse_client_gone_mid_stream_frees_its_slot(rc, doc_ids):
 def test_bearer_auth(rc):
     with serve(rc, api_key="s3cret") as s:
         error = error_of(httpx.get(f"{s.url}/v1/models"), 401, "Bearer")
-        assert error["type"] == "unauthorized"
+        assert error["type"] == "unauthorized" and error["param"] is None  # OpenAI-shaped, as every error
         refused = httpx.post(f"{s.url}/v1/query", json={"question": "q"}, headers={"Authorization": "Bearer nope"})
         error_of(refused, 401)
         assert refused.headers["connection"] == "close"  # its body is not read: the connection cannot go on
@@ -1314,6 +1314,13 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
                                                             "ragcache": {"algorithm": "nope"}}), 422)
     assert "param" in error
+    # every error has it: the body's validation (the field), the guard's refusals, a native route's
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                             "max_tokens": 0}), 422)
+    assert error["param"] == "max_completion_tokens" or error["param"].endswith("max_tokens"), error
+    error = error_of(http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}), 422)
+    assert error["param"] is None
+    assert error_of(http.get("/v1/documents/not-an-id"), 404)["param"] is None
     r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
     error_of(r, 413, "context")  # the native route: as it was
 
