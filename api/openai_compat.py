@@ -58,7 +58,7 @@ UNSUPPORTED = {
     "include_stop_str_in_output": (None, False),
     "skip_special_tokens": (None, True),
     "spaces_between_special_tokens": (None, True),
-    "prompt_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
     "truncate_prompt_tokens": (None,),
     "logits_processors": (None, []),
     "guided_json": (None,),
@@ -84,25 +84,38 @@ MISPLACED = {
 }
 
 
+def _neutral(value: object, neutral: tuple) -> bool:
+    """One of the neutral values, a boolean only where a boolean is: `logprobs: 0` asks for the sampled tokens'
+    logprobs (0 == False in Python), `n: true` is no count."""
+    return any(value == v and isinstance(value, bool) == isinstance(v, bool) for v in neutral)
+
+
 def unsupported(param: str, message: str) -> ApiError:
     return ApiError(422, "unsupported_parameter", message, param=param)
 
 
-def _check(c: Context, body: OpenAIFields) -> None:
-    if body.model and body.model not in (c.rc.model_name, c.settings.model):
+def _served(c: Context, model: str) -> None:
+    """404 unless `model` names the model served here (its name, or the one in the settings)."""
+    if model not in (c.rc.model_name, c.settings.model):
         raise ApiError(
             404,
             "model_not_found",
-            f"model {clip_repr(body.model)} is not served here; this server serves "
-            f"{c.rc.model_name!r} (GET /v1/models)",
+            f"model {clip_repr(model)} is not served here; this server serves {c.rc.model_name!r} (GET /v1/models)",
             param="model",
         )
+
+
+def _check(c: Context, body: OpenAIFields) -> None:
+    if body.model:
+        _served(c, body.model)
     for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+        if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name]):
             raise unsupported(name, f"{name}={clip_repr(value)} is not supported by ragcache")
         if name in MISPLACED or (name == "system" and isinstance(body, ChatRequest)):
             where = MISPLACED.get(name, 'a chat\'s system prompt is a message with role "system"')
             raise unsupported(name, f"{name!r} is not a field of this request: {where}")
+    if body.stream_options is not None and not body.stream:
+        raise unsupported("stream_options", "stream_options is only allowed when stream is true")
 
 
 def usage(answer: Answer) -> dict:
@@ -150,6 +163,13 @@ def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
 
 
+@router.get("/models/{model}", response_model=ModelCard, responses=responses(404))
+def retrieve_model(request: Request, model: str) -> ModelCard:
+    """The served model's card (as in GET /v1/models), under its name or the one in the settings."""
+    _served(ctx(request), model)
+    return list_models(request).data[0]
+
+
 @router.post(
     "/completions",
     openapi_extra=documented(CompletionRequest),
@@ -189,7 +209,7 @@ def _text(message: ChatMessage, i: int) -> str:
         if part.text is None:
             raise unsupported(f"messages[{i}].content", "a text content part needs its text")
         texts.append(part.text)
-    return "".join(texts)
+    return "\n".join(texts)  # parts are blocks (a context, then the question): not run into one another
 
 
 def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:

@@ -387,7 +387,12 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         description="how chunk K/V are stored: auto (int8 on CPU and CUDA, the compute dtype elsewhere), "
         f"{', '.join(CODECS)} (see README: KV codecs)",
     )
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(
+        64,
+        ge=1,
+        description="tokens an answer may have when its request names no max_tokens (OpenAI's API would go on to "
+        "the end of the context: raise it for clients that send none)",
+    )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
     api_key: str | None = Field(None, description="bearer token required by the API when set")

@@ -162,6 +162,7 @@ def test_health_models_openapi(http, rc):
     assert r.json()["batch_invariance"] == rc.runner.invariance.how and "row tiles" in rc.batch_invariance
     assert r.json()["device"] == str(rc.runner.device) and r.json()["device_reason"] == rc.device_reason != ""
     assert http.get("/v1/models").json()["data"][0]["id"] == "smollm2-135m"
+    assert http.get("/v1/models/smollm2-135m").json() == http.get("/v1/models").json()["data"][0]  # the SDK's retrieve
     from ragcache.calibrate import Profile
 
     saved, rc.profile = rc.profile, Profile("smollm2-135m", "f", "bfloat16", 0.95, 24, None, None,
@@ -382,6 +383,11 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
                                       "guided_choice": ["yes", "no"]}, 422, "guided_choice"),
     ("POST", "/v1/completions", {"prompt": "q", "stop_token_ids": [2]}, 422, "stop_token_ids"),
+    ("POST", "/v1/completions", {"prompt": "q", "logprobs": 0}, 422, "logprobs"),  # the sampled tokens': not False
+    ("POST", "/v1/completions", {"prompt": "q", "n": True}, 422, "n=True"),
+    ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                                      "stream_options": {"include_usage": True}}, 422, "only allowed when stream"),
+    ("GET", "/v1/models/gpt-4o", None, 404, "gpt-4o"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}], "tools": [{"x": 1}]}, 422,
      "tools"),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
@@ -1323,6 +1329,16 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
     assert error_of(http.get("/v1/documents/not-an-id"), 404)["param"] is None
     r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
     error_of(r, 413, "context")  # the native route: as it was
+
+
+def test_a_chats_text_parts_are_blocks_not_run_together():
+    """LangChain sends a message of several blocks as parts: "Context: A." and "Question: B?" are two lines, as
+    vLLM joins them, not "Context: A.Question: B?"."""
+    from api.openai_compat import chat_question
+    from api.schemas import ChatMessage
+
+    parts = [{"type": "text", "text": "Context: A."}, {"type": "text", "text": "Question: B?"}]
+    assert chat_question([ChatMessage(role="user", content=parts)]) == (None, "Context: A.\nQuestion: B?")
 
 
 def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
