@@ -210,6 +210,8 @@ def finish(
         prefix_cache.insert(
             plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length], last_logits
         )
+    # one row of the step's logits: a view would keep every row of the step (an answer, and the guard, hold it)
+    last_logits = last_logits.clone()
     return Linked(plan.cache, plan.token_ids, last_logits, recomputed, length - recomputed, plan.rotate_s, recompute_s)
 
 

@@ -413,3 +413,22 @@ def test_step_stats_model_work_and_close_go_through_the_model_thread():
     rc.close()
     with pytest.raises(errors.ShuttingDown):
         rc.query("How tall is it?", ids, max_new_tokens=4)
+
+
+def test_a_links_recompute_time_leaves_out_its_placing(rc, monkeypatch):
+    """rotate_s and recompute_s are two phases of one link: the time placing took (linker.plan's rotate_s) was
+    counted in recompute_s too, so the two summed past the link's own time."""
+    from ragcache import linker
+
+    plan = linker.plan
+
+    def slow_placing(*args, **kwargs):
+        p = plan(*args, **kwargs)
+        time.sleep(0.5)  # placing that took half a second, as plan measured it
+        p.rotate_s += 0.5
+        return p
+
+    monkeypatch.setattr(linker, "plan", slow_placing)
+    ids = rc.compile(tiny.CORPUS[:2])
+    stats = rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1).stats
+    assert stats.rotate_s >= 0.5 and stats.recompute_s < 0.4

@@ -34,6 +34,28 @@ def test_a_finished_answer_keeps_no_kv_and_a_link_keeps_its_own():
     assert linked.cache.keys[:, :, : linked.cache.length].abs().sum() > 0 and linked.cache.capacity > linked.cache.length
 
 
+def test_an_answers_first_logits_hold_no_other_rows_of_their_step():
+    """A link that ends in a step packed with another stream's decode row: its first-token logits are one row of
+    the step's logits, which an answer (and the guard's thread) kept whole, every row of the vocabulary."""
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.front import drain
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=16))
+    ids = rc.compile(tiny.CORPUS[:3])
+    decoding = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=40)
+    pieces = iter(decoding)
+    next(pieces)
+    packed = rc.stream("What is it?", ids, algorithm="naive", max_new_tokens=2)
+    drain(packed)
+    for _ in pieces:
+        pass
+    logits = packed.answer.first_logits
+    assert logits.untyped_storage().nbytes() == logits.numel() * logits.element_size()
+
+
 glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's allocator only")
 
 

@@ -343,9 +343,8 @@ class Runner:
 
     def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""
-        linked = linker.finish(
-            plan, last_logits, recomputed, time.perf_counter() - seq.link_started, seq.params, seq.prefix_cache
-        )
+        recompute_s = max(time.perf_counter() - seq.link_started - plan.rotate_s, 0.0)  # placing is rotate_s's
+        linked = linker.finish(plan, last_logits, recomputed, recompute_s, seq.params, seq.prefix_cache)
         return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits))
 
     @staticmethod
