@@ -432,3 +432,37 @@ def test_a_links_recompute_time_leaves_out_its_placing(rc, monkeypatch):
     ids = rc.compile(tiny.CORPUS[:2])
     stats = rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1).stats
     assert stats.rotate_s >= 0.5 and stats.recompute_s < 0.4
+
+
+def test_a_model_thread_ended_by_a_base_exception_fails_its_requests_and_the_next_one_starts(monkeypatch):
+    """Something past the contained exceptions (a BaseExceptionGroup, GeneratorExit) ended the model thread with
+    `_thread` still set: its requests and every later one waited forever."""
+    import threading
+
+    class Stop(BaseException):
+        pass
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    ids = rc.compile(tiny.CORPUS[:2])
+    forward, raised = rc.runner.forward, []
+
+    def once(*args, **kwargs):  # in a step of the request, once it is scheduled
+        if not raised:
+            raised.append(True)
+            raise Stop()
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(rc.runner, "forward", once)
+    outcome = []
+
+    def ask():
+        try:
+            outcome.append(rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=2))
+        except Exception as exc:  # noqa: BLE001 - what the caller gets
+            outcome.append(exc)
+
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
+    asking.join(60)
+    assert outcome and isinstance(outcome[0], RuntimeError) and "model thread stopped" in str(outcome[0])
+    assert rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=2).text is not None

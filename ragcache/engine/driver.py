@@ -152,6 +152,16 @@ class Driver:
                     self._deliver(self.scheduler.fail_all(exc))
             if state == "stop":  # also when `stop` gave up waiting for a long step: nobody is left waiting
                 self._fail_unfinished()
+        except BaseException as exc:  # past CONTAINED: a BaseExceptionGroup, GeneratorExit, ...
+            # the thread ends: its sequences fail, and the next one (now, for those that arrived) starts afresh,
+            # instead of a `_thread` that is set and dead leaving every later request waiting
+            log.exception("the model thread stopped")
+            self._deliver(self.scheduler.fail_all(RuntimeError(f"the model thread stopped ({type(exc).__name__})")))
+            with self._wakeup:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+                    if self._has_work() and not self._stopping:
+                        self._wake()
         finally:  # idle or stopping: the memory of its last steps goes back (outside the lock; a few ms)
             return_free_memory()
 
