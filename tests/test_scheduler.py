@@ -1068,23 +1068,47 @@ def test_a_run_of_tasks_does_not_give_the_heap_back_at_every_step(monkeypatch):
 
 def test_the_step_after_a_place_runs_the_decoding_streams_even_on_the_base_weights_turn():
     """A compile on an adapted model takes turns with the adapted rows; the step owed to a decoding stream after
-    a PLACE is never that turn, or the stream would wait for two steps in a row."""
+    a PLACE, or after the base weights' turn, is never that turn, or the stream would wait for two steps in a row;
+    an arrival waits for a turn due."""
     scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=64)
     compile = sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
     scheduler.add(compile)
     rows = {compile: (64,)}
-    run_plan(scheduler, scheduler.schedule(), rows)  # the compile placed
-    run_plan(scheduler, scheduler.schedule(), rows)  # the stream's step, the base weights' turn next
+    place = scheduler.schedule()  # the compile placed
+    assert place.kind is Kind.PLACE
+    run_plan(scheduler, place, rows)
+    owed = scheduler.schedule()  # the stream's step, the base weights' turn next
+    assert not owed.base_weights and any(w.sequence is stream for w in owed.work)
+    run_plan(scheduler, owed, rows)
     assert scheduler.base_turn
     scheduler.add(newcomer := sequence(tokens=None))
     rows[newcomer] = (1,)
-    place = scheduler.schedule()
-    assert place.kind is Kind.PLACE
-    run_plan(scheduler, place, rows)
-    owed = scheduler.schedule()
-    assert not owed.base_weights and any(w.sequence is stream for w in owed.work)
-    run_plan(scheduler, owed, rows)
-    assert scheduler.schedule().base_weights  # the turn was kept
+    kinds = []
+    for _ in range(6):
+        plan = scheduler.schedule()
+        kinds.append("base" if plan.base_weights else plan.kind.name.lower())
+        assert plan.base_weights or plan.kind is not Kind.PIECE or any(w.sequence is stream for w in plan.work)
+        run_plan(scheduler, plan, rows)
+    assert kinds == ["base", "piece", "place", "piece", "base", "piece"]
+
+
+def test_arrivals_every_other_step_do_not_keep_the_base_weights_turn_from_coming():
+    """Each arrival's PLACE step owes the decoding stream the next step, and that step was never the base weights'
+    turn: with a request arriving every other step, a compile on an adapted model never ran. The turn put off
+    comes before the next PLACE instead."""
+    scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=400)
+    compile = sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
+    scheduler.add(compile)
+    rows = {compile: (64,)}
+    kinds = []
+    for _ in range(12):
+        scheduler.add(newcomer := sequence(tokens=None))  # a request whose placing runs no rows, every round
+        rows[newcomer] = (1,)
+        plan = scheduler.schedule()
+        kinds.append("base" if plan.base_weights else plan.kind.name.lower())
+        run_plan(scheduler, plan, rows)
+    # the arrivals' steps and the compile's take turns, and the stream never waits for two steps in a row
+    assert kinds == ["place", "piece", "base", "piece"] * 3, kinds
 
 
 def test_a_background_narrowing_link_waits_while_users_run():

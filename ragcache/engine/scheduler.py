@@ -121,6 +121,7 @@ class Scheduler:
         self.placed_last = False  # of PLACE and NARROW steps, the last was a PLACE: a narrowing link's turn
         self.running: list[Sequence] = []
         self.base_turn = False  # the next forward step is for the base weights' rows, left out of the last one
+        self.base_last = False  # of the steps the decoding streams are not in, the last ran the base weights' rows
 
     def set_row_budgets(self, row_budget: int, link_row_budget: int | None = None) -> None:
         """The step's row budgets from the next plan on (on the model thread, between steps)."""
@@ -156,13 +157,21 @@ class Scheduler:
         return plan
 
     def _requests(self) -> StepPlan | None:
+        """After a step the decoding streams were not in (PLACE, NARROW, the base weights' rows), the step owed to
+        them. The steps apart and a base weights' turn that an owed step put off take turns: arrivals every other
+        step would otherwise keep that turn from ever coming, or the base weights' rows hold arrivals back."""
         if self.owed:
             self.owed = False
             if (plan := self._forward(owed=True)) is not None:
                 return plan
-        plan = self._apart()
-        self.owed = plan is not None
-        return plan or self._forward()
+        if self.base_turn and not self.base_last:
+            plan = self._forward() or self._apart()
+        else:
+            plan = self._apart() or self._forward()
+        self.owed = plan is not None and (plan.kind is not Kind.PIECE or plan.base_weights)
+        if self.owed:
+            self.base_last = plan.base_weights
+        return plan
 
     def _apart(self) -> StepPlan | None:
         """A step apart from the forward ones: arrivals placed, or a narrowing link's rows; the two by turns while
