@@ -213,17 +213,23 @@ class DiskStore(BlobStore):
         rows = []
         try:
             for key, blob in kept.items():
-                try:
-                    self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
-                except DiskFull:  # the budget is more than the disk has: room from the least recently used, once
-                    if not self._evict_lru(len(blob)):
-                        raise
-                    self._replace(self.entry_path(key), blob, f"entry {key[:12]}")
+                self._replace_making_room(self.entry_path(key), blob, f"entry {key[:12]}")
                 rows.append((key, len(blob), time.time()))
         finally:  # index what reached its place even when a later entry failed
             if rows:
                 self._index(rows)
         self.evict()
+
+    def _replace_making_room(self, path: Path, data: bytes, what: str, lasting: bool = False) -> None:
+        """`_replace`, and on a full disk (the budget is more than the disk has) once more after evicting least
+        recently used entries of the write's size: entries are a cache, and a document's record or a new entry
+        must not fail while they fill the disk."""
+        try:
+            self._replace(path, data, what, lasting)
+        except DiskFull:
+            if not self._evict_lru(len(data)):
+                raise
+            self._replace(path, data, what, lasting)
 
     def _replace(self, path: Path, data: bytes, what: str, lasting: bool = False) -> None:
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
@@ -414,7 +420,8 @@ class DiskStore(BlobStore):
             return UnreadableRecord(f"disk tier: {exc}")
 
     def put_record(self, name: str, record: dict) -> None:
-        self._replace(self._record_path(name), json.dumps(record).encode("utf-8"), f"record {name}", lasting=True)
+        data = json.dumps(record).encode("utf-8")
+        self._replace_making_room(self._record_path(name), data, f"record {name}", lasting=True)
 
     def delete_record(self, name: str) -> bool:
         try:

@@ -631,6 +631,28 @@ def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_u
     assert store.stats()["evicted"] == 1
 
 
+def test_a_document_record_on_a_disk_full_of_entries_makes_room_from_them(tmp_path, monkeypatch):
+    """Entries are a cache, a record is the document: a disk the entries filled past what the file system has
+    evicts the least recently used of them for a record as for an entry, instead of failing the upload."""
+    store = DiskStore(tmp_path)
+    old = [make_entry(s, layers=2) for s in range(3)]
+    for k, e in old:
+        store.put_many({k: e})
+        time.sleep(0.01)
+    full, replace = [True], DiskStore._replace
+
+    def replace_on_a_full_disk(self, path, data, what, lasting=False):
+        if full[0] and what.startswith("record"):
+            full[0] = False  # the eviction makes room
+            raise disk_module.DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)")
+        return replace(self, path, data, what, lasting)
+
+    monkeypatch.setattr(DiskStore, "_replace", replace_on_a_full_disk)
+    store.put_record("doc/a", {"text": "kept"})
+    assert store.get_records(["doc/a"]) == [{"text": "kept"}]
+    assert store.contains_many([k for k, _ in old]) == [False, True, True] and store.stats()["evicted"] == 1
+
+
 def lru_disk(tmp_path, room: int, written: int) -> tuple[list, DiskStore]:
     """(four small entries, a disk tier with room for `room` of them holding the first `written`, put one at a time:
     the first the least recently used)."""
