@@ -304,9 +304,18 @@ class RedisStore(BlobStore):
         with self._errors("scan"):
             yield from self._redis().scan_iter(match=match, count=1000)
 
+    def _names(self, match: str) -> Iterator[str]:
+        """The names `match` finds, as text; one that is not UTF-8 was not written by ragcache (which writes text
+        names) and is passed over, or one stray key would fail every listing, delete and gc."""
+        for name in self._scan(match):
+            try:
+                yield name.decode()
+            except UnicodeDecodeError:
+                log.warning("redis tier: passing over key %r, which is not UTF-8 (not ragcache's)", name[:80])
+
     def keys(self) -> Iterator[str]:
         start = len(self.prefix) + len(":entry:{")
-        return (name.decode()[start:-1] for name in self._scan(f"{self.prefix}:entry:*"))
+        return (name[start:-1] for name in self._names(f"{self.prefix}:entry:*"))
 
     def describe_many(self, keys: list[str]) -> list[dict | None]:
         with self._errors("lookup"):
@@ -384,7 +393,7 @@ class RedisStore(BlobStore):
     def record_names(self, prefix: str = "") -> list[str]:
         start = len(self._record_name(""))
         pattern = self._record_name(re.sub(r"([*?\[\]\\])", r"\\\1", prefix)) + "*"  # glob characters escaped
-        return sorted({name.decode()[start:] for name in self._scan(pattern)})
+        return sorted({name[start:] for name in self._names(pattern)})
 
     # -- operator view ------------------------------------------------------------------------------
     def stats(self) -> dict:
