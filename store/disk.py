@@ -282,7 +282,7 @@ class DiskStore(BlobStore):
                 # make us evict entries the budget still has room for.
                 self._reconcile_index()
             (total,) = db.execute(indexed_bytes).fetchone()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, StoreError) as exc:
             log.warning("disk tier %s: eviction skipped (%s)", self.root, exc)
             return 0
         removed = self._evict_lru(total - self.budget_bytes)
@@ -371,17 +371,25 @@ class DiskStore(BlobStore):
         now = time.time()
         tmp_removed = 0
         for path in [*self.entries_dir.glob(f"*/.*{TMP_SUFFIX}"), *self.records_dir.glob(f".*{TMP_SUFFIX}")]:
-            with suppress(FileNotFoundError):  # removed meanwhile
+            try:
                 if now - path.stat().st_mtime >= tmp_age_s:
                     path.unlink()
                     tmp_removed += 1
+            except FileNotFoundError:  # removed meanwhile
+                continue
+            except OSError as exc:  # another user's, say: the rest of gc goes on
+                log.warning("disk tier %s: cannot remove temp file %s (%s)", self.root, path, exc.strerror)
         return {"tmp_files_removed": tmp_removed, **self._reconcile_index(), "evicted": self.evict()}
 
     def _reconcile_index(self) -> dict:
-        """Make the index say what the files say: rows without a file dropped, files without a row added, sizes fixed."""
-        files = self._files()
-        db = self._db()
-        db.execute("BEGIN IMMEDIATE")
+        """Make the index say what the files say: rows without a file dropped, files without a row added, sizes fixed.
+        StoreError when the files cannot be listed or the index written (read-only, full, locked past its timeout)."""
+        try:
+            files = self._files()
+            db = self._db()
+            db.execute("BEGIN IMMEDIATE")
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"disk tier {self.root}: cannot reconcile its index with the files ({exc})") from exc
         try:
             indexed = dict(db.execute("SELECT key, size FROM entries").fetchall())
             gone = [k for k in indexed if k not in files]
@@ -391,6 +399,9 @@ class DiskStore(BlobStore):
             db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", added)
             db.executemany("UPDATE entries SET size = ? WHERE key = ?", resized)
             db.execute("COMMIT")
+        except sqlite3.Error as exc:
+            db.execute("ROLLBACK")
+            raise StoreError(f"disk tier {self.root}: cannot reconcile its index with the files ({exc})") from exc
         except BaseException:
             db.execute("ROLLBACK")
             raise

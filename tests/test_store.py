@@ -653,6 +653,22 @@ def test_a_document_record_on_a_disk_full_of_entries_makes_room_from_them(tmp_pa
     assert store.contains_many([k for k, _ in old]) == [False, True, True] and store.stats()["evicted"] == 1
 
 
+def test_gc_on_a_disk_tier_it_cannot_reconcile_is_a_store_error(tmp_path, monkeypatch):
+    """`ragcache store gc` as a user who may not write the index, or whose files cannot be listed: the CLI's
+    error (StoreError), not a traceback of sqlite3 or OSError; a temp file it may not remove is passed over."""
+    store = DiskStore(tmp_path)
+    store.put_many(dict([make_entry(1, layers=2)]))
+
+    def unlistable(self):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(DiskStore, "_files", unlistable)
+    with pytest.raises(StoreError, match="cannot reconcile"):
+        store.gc()
+    result = CliRunner().invoke(store_app, ["gc", "--store", f"disk:{tmp_path}"])
+    assert result.exit_code == 1 and "cannot reconcile" in result.output and "Traceback" not in result.output
+
+
 def lru_disk(tmp_path, room: int, written: int) -> tuple[list, DiskStore]:
     """(four small entries, a disk tier with room for `room` of them holding the first `written`, put one at a time:
     the first the least recently used)."""
