@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from contextlib import suppress
 from pathlib import Path
 
-from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, UnreadableRecord, log, parse_size
+from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, TierUnavailable, UnreadableRecord, log, parse_size
 from .entry import PROBE, describe_head, head_length
 from .errors import BrokenStore, CorruptEntry, StoreError
 
@@ -199,12 +199,18 @@ class DiskStore(BlobStore):
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
     def read_raw(self, keys: list[str]) -> list[bytes | bytearray | str | None]:
-        return [
-            f"{'not an entry file' if isinstance(b, NotAnEntryFile) else 'unreadable file'}: {b.strerror}"
-            if isinstance(b, OSError)
-            else b
-            for _, b in self._reads(keys)
-        ]
+        """As read_blobs reads: a file that is damaged (`_damaged`) is a problem of its entry, said in a str; any
+        other failure (an I/O error, a folder that cannot be read) is the tier's, TierUnavailable, so that `verify
+        --fix` lists the tier as not verified instead of deleting sound entries during a passing fault."""
+        out: list[bytes | bytearray | str | None] = []
+        for key, blob in self._reads(keys):
+            if isinstance(blob, OSError) and not _damaged(blob):
+                raise TierUnavailable(f"disk tier {self.root}: cannot read entry {key[:12]} ({blob.strerror})")
+            if isinstance(blob, OSError):
+                kind = "not an entry file" if isinstance(blob, NotAnEntryFile) else "unreadable file"
+                blob = f"{kind}: {blob.strerror}"
+            out.append(blob)
+        return out
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         # an entry over the budget would evict every other and then itself

@@ -1487,6 +1487,25 @@ def test_verify_goes_on_past_a_tier_that_does_not_answer_and_says_so():
     assert report["checked"] == 1 and [t["tier"] for t in report["unverified"]] == ["shared"]
 
 
+def test_verify_fix_deletes_no_disk_entry_during_an_io_fault(tmp_path, monkeypatch):
+    """An I/O error (a network filesystem's server away) is the tier's, not the entries': verify --fix listed every
+    entry as "unreadable file" and deleted them; the tier is now named as not verified, and the entries stay."""
+    from ragcache import maintenance
+
+    store = DiskStore(tmp_path)
+    items = dict(make_entry(s, layers=2) for s in range(2))
+    store.put_many(items)
+
+    def away(path):
+        raise OSError(errno.EIO, "Input/output error", str(path))
+
+    monkeypatch.setattr(disk_module, "_read", away)
+    report = maintenance.verify(store, fix=True)
+    assert report["bad"] == [] and [t["tier"] for t in report["unverified"]] == [store.name]
+    monkeypatch.undo()
+    assert store.contains_many(list(items)) == [True, True]
+
+
 def test_store_stats_streams_the_entries_headers():
     """`store stats` held a dict per entry of every tier (about 1 KB each: 10 GB at ten million entries); it counts
     them a batch of headers at a time."""
