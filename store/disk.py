@@ -208,8 +208,9 @@ class DiskStore(BlobStore):
                 raise TierUnavailable(f"disk tier {self.root}: cannot read entry {key[:12]} ({blob.strerror})")
             if isinstance(blob, OSError):
                 kind = "not an entry file" if isinstance(blob, NotAnEntryFile) else "unreadable file"
-                blob = f"{kind}: {blob.strerror}"
-            out.append(blob)
+                out.append(f"{kind}: {blob.strerror}")
+            else:
+                out.append(blob)
         return out
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
