@@ -44,6 +44,13 @@ Agree = Callable[[list[bool], bool], tuple[list[bool], bool]]
 SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
+def shard_sets(compiler, ids: list[int], layout, total: int) -> list[list[str]]:
+    """The keys of each full set of KV-head shards a whole-entry reader joins a chunk's entry from
+    (`Catalog._other_forms`), for a model of `total` KV heads, fewest shards first."""
+    counts = [n for n in SHARD_COUNTS if n <= total and total % n == 0]
+    return [[compiler.key(ids, layout, r) for r in HeadRange.split(total, n)] for n in counts]
+
+
 @dataclass
 class EnsureReport:
     hits: int = 0

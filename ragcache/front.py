@@ -18,7 +18,7 @@ from ragcache.store.keys import document_id
 from ragcache.store.shards import HeadRange
 
 from . import calibrate, infill, linker, loaded, prompt, request
-from .catalog import Catalog, Writer
+from .catalog import Catalog, Writer, shard_sets
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling, stop_strings
 from .errors import Cancelled, ParameterOutOfRange, PromptTooLong
@@ -273,8 +273,9 @@ class Front(abc.ABC):
 
     def stored_forms(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[list[str]]:
         """The sets of keys any one of which, all present, holds a chunk's entry for this engine's links: its own
-        (`stored_keys`) first."""
-        return [self.stored_keys(compiler, ids, layout)]
+        (`stored_keys`) first, then the shard sets its reads join (a store compiled for a tensor-parallel
+        deployment holds the chunk: a compile skips it rather than count it compiled and store nothing)."""
+        return [self.stored_keys(compiler, ids, layout), *shard_sets(compiler, ids, layout, compiler.kv_heads)]
 
     def stored_keys(self, compiler: Compiler, ids: list[int], layout: Layout) -> list[str]:
         """The keys this engine's compile stores a chunk's entry under: one, its whole entry."""

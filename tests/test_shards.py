@@ -332,6 +332,21 @@ def test_compile_documents_writes_every_chunks_shards_and_refuses_counts_the_mod
     assert document_missing(rc, tiny.CORPUS[3])  # refused before anything was written
 
 
+def test_a_compile_over_chunks_held_only_as_shards_skips_them(lm):
+    """A store compiled for a tensor-parallel deployment holds the chunks as shard sets only: a whole reader joins
+    them, so a compile finds them there; it counted them compiled while it stored nothing (reads joined them)."""
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+
+    rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=8))
+    report = rc.compile_documents([TEXT], shards=2)
+    chunks, layout = rc.document_chunks(report.ids[0]), rc.layouts["default"]
+    for ids in chunks:
+        rc.store.delete(rc.compiler.key(ids, layout))  # the shards alone are left
+    again = rc.compile_documents([TEXT])
+    assert again.compiled_chunks == 0 and again.skipped == 1
+
+
 def document_missing(rc, text: str) -> bool:
     from ragcache.store.keys import document_id
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from ragcache import adapters, guard, infill, linker, loaded, models
-from ragcache.catalog import SHARD_COUNTS
+from ragcache.catalog import shard_sets
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
 from ragcache.errors import BadAdapter, EngineDown, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
@@ -252,10 +252,9 @@ class VllmRagCache(Front):
         set of some count's shards, joined."""
         total = self.head_ranges[0].total if self.head_ranges[0] is not None else self._kv_heads
         whole = HeadRange(0, total, total)
-        shard_sets = [HeadRange.split(total, n) for n in SHARD_COUNTS if n <= total and total % n == 0]
         forms = [self.stored_keys(compiler, ids, layout), [compiler.key(ids, layout, whole)]]
         if self.head_ranges == [None]:  # a rank of a split model slices whole entries; only a whole reader joins
-            forms += [[compiler.key(ids, layout, r) for r in ranges] for ranges in shard_sets]
+            forms += shard_sets(compiler, ids, layout, total)
         return list({tuple(form): form for form in forms}.values())
 
     # -- answering ------------------------------------------------------------------------------------
