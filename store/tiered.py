@@ -97,6 +97,8 @@ class TieredStore(Store):
         # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
         # restart the other lasting tier still holds them, and only that tier stays behind.
         self._behind: dict[int, set[str]] = {}
+        # records' writes and deletes, and a catch-up's read and write of one, one at a time
+        self._record_writes = threading.RLock()  # a write that brings a tier back runs its catch-up inside
         # lasting tier -> entry keys it missed while a faster tier took them (in order); `_write_behind` empties it
         self._entries_behind: dict[int, dict[str, None]] = {}
         self._behind_full_warned: set[int] = set()
@@ -137,19 +139,20 @@ class TieredStore(Store):
         with self._lock:
             names = sorted(self._behind.pop(i, ()))
         for n, name in enumerate(names):
-            record = next(
-                (
-                    r
-                    for j, tier in enumerate(self.tiers)
-                    if j != i and self._usable(j)
-                    for r in self._call(j, tier.get_records, [name])[0] or ()
-                    if isinstance(r, dict)
-                ),
-                None,
-            )
             try:
-                if record is not None:  # None: deleted since, everywhere else too
-                    self.tiers[i].put_record(name, record)
+                with self._record_writes:  # a delete or an upload of it meanwhile is not undone by an older copy
+                    record = next(
+                        (
+                            r
+                            for j, tier in enumerate(self.tiers)
+                            if j != i and self._usable(j)
+                            for r in self._call(j, tier.get_records, [name])[0] or ()
+                            if isinstance(r, dict)
+                        ),
+                        None,
+                    )
+                    if record is not None:  # None: deleted since, everywhere else too
+                        self.tiers[i].put_record(name, record)
             except FAULTS as exc:
                 with self._lock:
                     self._behind.setdefault(i, set()).update(names[n:])
@@ -491,6 +494,10 @@ class TieredStore(Store):
     def put_record(self, name: str, record: dict) -> None:
         """Records are the documents themselves, not a cache: when the store has a lasting tier (disk, Redis), one of
         them must take the record, or a restart would lose a document whose upload was acknowledged."""
+        with self._record_writes:
+            self._put_record(name, record)
+
+    def _put_record(self, name: str, record: dict) -> None:
         answers = self._each("put_record", name, record, write=True)
         lasting = [(i, r) for i, r in answers if self.tiers[i].lasting]
         if answers and not lasting and any(tier.lasting for tier in self.tiers):
@@ -514,7 +521,8 @@ class TieredStore(Store):
     def delete_record(self, name: str) -> bool:
         """Deleted from every tier, or TierUnavailable: a tier that is down keeps its copy, and would bring the
         record back into the others on a later read."""
-        answers = self._each("delete_record", name, write=True)
+        with self._record_writes:
+            answers = self._each("delete_record", name, write=True)
         missed = [self.tiers[i].name for i in range(len(self.tiers)) if i not in {j for j, _ in answers}]
         if missed:
             raise TierUnavailable(

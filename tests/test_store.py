@@ -1415,6 +1415,45 @@ class RecordsDown(FlakyRecords):
         return MemoryStore.get_record(self, name)
 
 
+def test_a_delete_while_a_tier_catches_up_is_not_undone_by_the_catch_up(tmp_path, monkeypatch):
+    """A tier back from an outage is written the records it missed, read from the others: a delete of one between
+    that read and that write left the tier holding the deleted document, which reads then copied back."""
+    import threading
+
+    class Lasting(Flaky):
+        lasting = True
+
+        def put_record(self, name, record):
+            self._check()
+            return super().put_record(name, record)
+
+        def get_records(self, names, problem=None):
+            self._check()
+            return super().get_records(names, problem)
+
+    now = [0.0]
+    disk, shared = DiskStore(tmp_path), Lasting()
+    store = TieredStore([disk, shared], retry_after=1.0, clock=lambda: now[0])
+    shared.broken = True
+    store.put_record("doc/x", {"text": "x"})  # on disk; the shared tier missed it
+    shared.broken = False
+    read, deleting = disk.get_records, []
+
+    def read_then_deleted(names, *args):
+        got = read(names, *args)
+        if names == ["doc/x"] and not deleting:  # the catch-up's read: a delete comes now, on another thread
+            deleting.append(threading.Thread(target=store.delete_record, args=("doc/x",)))
+            deleting[0].start()
+            time.sleep(0.3)
+        return got
+
+    monkeypatch.setattr(disk, "get_records", read_then_deleted)
+    now[0] = 2.0
+    store.get_records(["doc/other"])  # reaches the shared tier again: it is back, and catches up
+    deleting[0].join(10)
+    assert shared.get_record("doc/x") is None and disk.get_record("doc/x") is None
+
+
 def _chunk_entry(ids: list[int]) -> tuple[str, ChunkKV]:
     """An entry of these chunk ids as maintenance rebuilds its key from a chunk record (make_entry's form, its
     "bos:1:" layout's lead id before them)."""
