@@ -26,11 +26,16 @@ def resolve(name_or_path: str) -> str:
 
 
 def default_dtype(device: str) -> str:
-    """ "auto" resolved per device. GPUs run bf16 natively. On a CPU with bf16 instructions (AVX512-BF16 or AMX),
-    bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
+    """ "auto" resolved per device. GPUs from Ampere on run bf16 natively; older ones (V100, T4) only emulate it,
+    many times slower, and run fp16 instead, as vLLM does there. On a CPU with bf16 instructions (AVX512-BF16 or
+    AMX), bf16 was faster than fp32 at every step measured: prefill, linking, one decode stream and 16
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
     (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
-    return "bfloat16" if str(device).startswith("cuda") or cpu_has_bf16() else "float32"
+    if str(device).startswith("cuda"):
+        if not torch.cuda.is_available():  # loading will say so; the answer for the GPUs it is measured on
+            return "bfloat16"
+        return "bfloat16" if torch.cuda.get_device_capability(torch.device(device)) >= (8, 0) else "float16"
+    return "bfloat16" if cpu_has_bf16() else "float32"
 
 
 def cpu_has_bf16() -> bool:

@@ -7,6 +7,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from ragcache import fetch, models
 from ragcache.errors import ModelFetchError
@@ -107,6 +108,11 @@ def test_auto_dtype_is_bf16_where_the_hardware_has_it(monkeypatch):
     assert default_dtype("cpu") == "float32"
     monkeypatch.setattr(models, "cpu_has_bf16", lambda: True)
     assert default_dtype("cpu") == "bfloat16"
+    # a GPU before Ampere only emulates bf16, many times slower: fp16 there, as vLLM does
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    capability = {"cuda:0": (9, 0), "cuda:1": (7, 5)}
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[str(device)])
+    assert default_dtype("cuda:0") == "bfloat16" and default_dtype("cuda:1") == "float16"
 
 
 def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatch):
