@@ -24,6 +24,7 @@ from ragcache.errors import (
     BadRequest,
     BrokenStore,
     CorruptDocument,
+    DocumentInUse,
     EngineDown,
     ModelFetchError,
     PayloadTooLarge,
@@ -42,6 +43,7 @@ log = logging.getLogger("ragcache.api")
 # ragcache's error kinds -> HTTP status; the first class an error is an instance of wins.
 STATUS: list[tuple[type[RagCacheError], int]] = [
     (UnknownDocument, 404),
+    (DocumentInUse, 409),  # a delete that gave up waiting for an upload or queries of the document: retry
     (PromptTooLong, 413),
     (PayloadTooLarge, 413),
     (BadRequest, 422),  # empty input, unknown algorithm, a parameter out of range
@@ -60,12 +62,13 @@ DETAILS = {
     PayloadTooLarge: ("limit", "got"),
 }  # the attributes of these kinds that an error body carries
 REPORTED = 20  # validation errors listed in one error body; `error_count` says how many there were
-RETRY_AFTER_S = {429: "1", 503: "5"}
+RETRY_AFTER_S = {409: "5", 429: "1", 503: "5"}
 ERRORS = {
     400: "the model cannot serve this request; on the OpenAI routes also a prompt past its context",
     401: "missing or wrong API key (when the server has one)",
     404: "unknown document or model",
     408: "the request body did not arrive in time",
+    409: "a document in use by an upload or queries past the delete's wait (Retry-After)",
     413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
     422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
     429: "the server is busy, or this client has max_per_client requests waiting or running (Retry-After)",

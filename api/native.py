@@ -171,7 +171,7 @@ def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = 
     return Response(body, media_type="application/json")
 
 
-@router.delete("/documents/{doc_id}", response_model=Deleted, responses=responses(404, 429, 503))
+@router.delete("/documents/{doc_id}", response_model=Deleted, responses=responses(404, 409, 429, 503))
 async def delete_document(doc_id: str, request: Request) -> Deleted:
     """Delete a document and its cached chunks (in a worker thread; it holds a slot like any engine request)."""
     c = ctx(request)

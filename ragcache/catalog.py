@@ -36,11 +36,13 @@ from .documents import (
     record_problem,
 )
 from .engine import compute_inline
-from .errors import Cancelled, CorruptDocument, StoreError, UnknownDocument
+from .errors import Cancelled, CorruptDocument, DocumentInUse, StoreError, UnknownDocument
 
 log = logging.getLogger("ragcache")
 # tensor-parallel ranks agreeing on the misses: (this rank's misses, its read failed) -> the same for all of them
 Agree = Callable[[list[bool], bool], tuple[list[bool], bool]]
+# how long a delete waits for the uploads and queries using its document: new queries of it wait behind it meanwhile
+DELETE_WAIT_S = 30.0
 SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
@@ -364,7 +366,7 @@ class Catalog:
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
-        with self._locks.exclusive(doc_id):
+        with self._locks.exclusive(doc_id, DELETE_WAIT_S):
             return maintenance.delete(self.store, doc_id)
 
 
@@ -541,7 +543,8 @@ class Locks:
                 self._changed.notify_all()
 
     @contextmanager
-    def exclusive(self, doc_id: str) -> Iterator[None]:
+    def exclusive(self, doc_id: str, timeout_s: float | None = None) -> Iterator[None]:
+        """DocumentInUse when the document's other holders have not let go within timeout_s (None: no limit)."""
         me = threading.get_ident()
         with self._changed:
             if self._holds_any(me):
@@ -551,7 +554,9 @@ class Locks:
                 )
             self._waiting_writers[doc_id] += 1
             try:
-                self._changed.wait_for(lambda: doc_id not in self._writer and doc_id not in self._readers)
+                free = lambda: doc_id not in self._writer and doc_id not in self._readers  # noqa: E731
+                if not self._changed.wait_for(free, timeout_s):
+                    raise DocumentInUse(doc_id, timeout_s or 0.0)
             finally:
                 self._waiting_writers[doc_id] -= 1
                 if not self._waiting_writers[doc_id]:

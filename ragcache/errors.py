@@ -57,6 +57,17 @@ class ShuttingDown(RagCacheError):
         )
 
 
+class DocumentInUse(RagCacheError):
+    """A delete gave up waiting for the uploads and queries using its document (a long bulk upload): new queries of
+    the document wait behind a waiting delete, so it does not wait for long. Nothing was deleted; send it again."""
+
+    def __init__(self, doc_id: str, waited_s: float):
+        super().__init__(
+            f"document {doc_id} is in use by an upload or queries that did not finish within {waited_s:g} s; "
+            "nothing was deleted: delete it again later"
+        )
+
+
 class UnknownDocument(RagCacheError):
     """A document id that the store does not know (for this model)."""
 

@@ -1354,6 +1354,18 @@ def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
     assert r.json()["usage"]["completion_tokens"] == 1
 
 
+def test_a_delete_that_gave_up_waiting_is_409_with_retry_after(http, rc, monkeypatch):
+    from ragcache.errors import DocumentInUse
+
+    def busy(doc_id):
+        raise DocumentInUse(doc_id, 30.0)
+
+    monkeypatch.setattr(rc, "delete_document", busy)
+    r = http.delete("/v1/documents/" + "a" * 32)
+    error = error_of(r, 409, "nothing was deleted")
+    assert error["type"] == "document_in_use" and r.headers["retry-after"] == "5"
+
+
 def test_a_dead_engine_is_503_with_retry_after(http, rc, monkeypatch):
     """vLLM's engine core gone: no request is answered until a restart, and a load balancer should try another."""
     from ragcache.errors import EngineDown

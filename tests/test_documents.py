@@ -5,6 +5,7 @@ entries that other documents share."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -292,6 +293,54 @@ def test_a_delete_during_an_upload_waits_for_it_and_leaves_no_entries_behind():
     assert deleted.is_set()
     keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]
     assert not any(rc.store.contains_many(keys)) and rc.document(doc_id) is None
+
+
+def test_a_delete_that_waits_too_long_for_an_upload_gives_up_and_lets_queries_in(monkeypatch):
+    """A waiting delete keeps new queries of its document out (or a popular document could never be deleted): behind
+    a long bulk upload, they all waited with it, without limit. It gives up after DELETE_WAIT_S with DocumentInUse
+    (409, Retry-After), deleting nothing, and the queries it held back go on."""
+    import threading
+
+    from ragcache import catalog
+    from ragcache.errors import DocumentInUse
+
+    monkeypatch.setattr(catalog, "DELETE_WAIT_S", 0.5)
+    locks, uploading, reading = catalog.Locks(), threading.Event(), threading.Event()
+    release = threading.Event()
+
+    def upload():
+        with locks.shared(["d"]):
+            uploading.set()
+            release.wait(30)
+
+    def query():
+        with locks.shared(["d"]):
+            reading.set()
+
+    holder = threading.Thread(target=upload)
+    holder.start()
+    assert uploading.wait(10)
+    failed = []
+
+    def delete():
+        try:
+            with locks.exclusive("d", catalog.DELETE_WAIT_S):
+                pass
+        except DocumentInUse as exc:
+            failed.append(exc)
+
+    deleter = threading.Thread(target=delete)
+    deleter.start()
+    time.sleep(0.1)  # the delete waits now: a query of the document waits behind it
+    reader = threading.Thread(target=query)
+    reader.start()
+    assert not reading.wait(0.2)
+    deleter.join(10)
+    assert failed and "nothing was deleted" in str(failed[0])
+    assert reading.wait(10)  # the query it held back went on, while the upload still runs
+    release.set()
+    holder.join(10)
+    reader.join(10)
 
 
 @pytest.mark.parametrize("reader", ["query", "warm"])
