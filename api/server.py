@@ -20,7 +20,7 @@ from ragcache.errors import ParameterOutOfRange
 from ragcache.facade import RagCache
 from ragcache.front import Front
 from ragcache.settings import Settings
-from ragcache.store import per_process
+from ragcache.store import per_process, shown
 
 from .app import create_app
 from .connections import Config, Limits
@@ -85,7 +85,7 @@ def run(settings: Settings, workers: int = 1) -> None:
             extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
         _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
         return
-    log.info("loading %s and opening %s", settings.model, settings.store)
+    log.info("loading %s and opening %s", settings.model, shown(settings.store))
     rc = open_engine(settings)
     try:
         served = config(create_app(rc, settings), settings)

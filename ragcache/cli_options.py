@@ -32,8 +32,8 @@ DtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--dtype",
-        help="auto | float32 | bfloat16 | float16 (default: settings, auto: "
-        "bfloat16 on CUDA and on CPUs with bf16 instructions, else float32)",
+        help="auto | float32 | bfloat16 | float16 (default: settings, auto: bfloat16 on CUDA from Ampere on "
+        "(float16 before) and on CPUs with bf16 instructions, else float32)",
     ),
 ]
 DeviceOpt = Annotated[

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColumn, TextColumn, TimeElapsedColumn
 
 from .errors import BadRequest, ModelFetchError, PromptTooLong, UnknownDocument, UnsupportedModel
@@ -40,5 +41,5 @@ def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
 
 def fail(exc: Exception | str, code: int | None = None) -> NoReturn:
     """A red line on stderr, then exit with `code`, else the exit code of the error's kind."""
-    err.print(f"[red]error:[/red] {exc}")
+    err.print(f"[red]error:[/red] {escape(str(exc))}")  # an error quotes input: its brackets are no markup
     raise typer.Exit(next(c for kind, c in EXIT_CODES if isinstance(exc, kind)) if code is None else code)

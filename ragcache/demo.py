@@ -8,6 +8,7 @@ from pathlib import Path
 from rich import box
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from .calibrate import builtin_items
 from .errors import BadRequest
@@ -60,7 +61,9 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     )
     for item in builtin_items(rc, n_questions, DOCS_PER_QUESTION, data=data, ids=dict(zip(docs, report.ids))):
         # one block per question, the answer under its figures: it reads in an 80-column terminal
-        table = Table(box=box.SIMPLE, show_header=False, title=item.question, title_justify="left", title_style="bold")
+        table = Table(
+            box=box.SIMPLE, show_header=False, title=Text(item.question), title_justify="left", title_style="bold"
+        )
         table.add_column("algorithm", no_wrap=True)
         table.add_column("answer")
         answers = [
@@ -82,7 +85,7 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
                 figures += f"\nwith repair={repair}: {st.repaired_tokens} stale rows repaired{caught}"
             if answer is not full_answer:
                 figures += f"\n{'same answer as' if answer.text == full_text else 'answer differs from'} full"
-            table.add_row(algorithm, f"{figures}\n{_short(answer.text, start)}")
+            table.add_row(algorithm, Text(f"{figures}\n{_short(answer.text, start)}"))  # model text: no markup
             rows.append(
                 {"question": item.question, "algorithm": algorithm, "repair": repair, "answer": answer.text,
                  "same_as_full": answer.text == full_text, **st.as_dict()}

@@ -302,8 +302,8 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     dtype: str = Field(
         "auto",
         pattern="^(auto|float32|float16|bfloat16)$",
-        description="auto: bfloat16 on CUDA and on CPUs with bf16 instructions (AVX512-BF16, AMX), "
-        "else float32 (see README: dtype)",
+        description="auto: bfloat16 on CUDA from Ampere on (float16 on older GPUs) and on CPUs with bf16 "
+        "instructions (AVX512-BF16, AMX), else float32 (see README: dtype)",
     )
     device: str = Field(
         AUTO_DEVICE,

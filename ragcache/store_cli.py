@@ -26,7 +26,7 @@ from rich.progress import TaskID
 from rich.table import Table
 
 from ragcache.store import codec as kv_codec
-from ragcache.store import open_store, tier_urls
+from ragcache.store import open_store, shown, tier_urls
 from ragcache.store.base import Store, batched
 from ragcache.store.disk import DiskStore, holds_store
 from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id, summary_codec
@@ -191,7 +191,7 @@ def stats(store: StoreOpt = None, as_json: AsJson = False) -> None:
     if as_json:
         console.print_json(json.dumps(info, default=str))
         return
-    table = Table(title=f"store {store}")
+    table = Table(title=f"store {shown(store)}")
     for col in ("tier", "entries", "bytes", "budget", "hits", "models", "bytes/token by codec"):
         table.add_column(col, justify="right" if col in ("entries", "bytes", "budget", "hits") else "left")
     for t in info["tiers"]:
@@ -381,5 +381,5 @@ def rm(
     if len(matches) > 1:
         fail(f"{id} matches {len(matches)} entries; give more of the key", 2)
     if not matches or not s.delete(matches[0]):
-        fail(f"no document or entry {id} in {store}", 1)
+        fail(f"no document or entry {id} in {shown(store)}", 1)
     console.print(f"entry {matches[0]} deleted")

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode
 
 import redis
 import redis.cluster
@@ -41,6 +41,7 @@ from redis.retry import Retry
 from .base import DEFAULT_PREFIX, BlobStore, RecordCheck, TierUnavailable, UnreadableRecord, batched, log
 from .entry import HEADER, MAGIC, describe_head
 from .errors import StoreError
+from .tiers import redact_url
 
 PART_BYTES = 2 << 20
 MANIFEST_VERSION = 1
@@ -83,7 +84,7 @@ class RedisStore(BlobStore):
         if part_bytes < 1:
             raise StoreError(f"redis tier: part_bytes must be >= 1, got {part_bytes}")
         self._url = url
-        self.url = _redact(url)
+        self.url = redact_url(url)
         self.part_bytes = part_bytes
         self._client_options = dict(
             socket_timeout=socket_timeout,
@@ -471,20 +472,6 @@ def _take_options(url: str, names: tuple[str, ...]) -> tuple[str, dict[str, str]
     ours = {k: v for k, v in query if k in names}
     rest = [(k, v) for k, v in query if k not in names]
     return base + (f"?{urlencode(rest)}" if rest else ""), ours
-
-
-def _redact(url: str) -> str:
-    """The URL as logs, errors and stats show it: a password, in the netloc (a host's or a socket's, `unix://:pw@/x`)
-    or in the query (`?password=`), as ***."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        user, _, host = parts.netloc.rpartition("@")
-        parts = parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}")
-    query = parse_qsl(parts.query, keep_blank_values=True)
-    if any(name == "password" for name, _ in query):
-        hidden = [(name, "***" if name == "password" else value) for name, value in query]
-        parts = parts._replace(query=urlencode(hidden, safe="*"))
-    return urlunsplit(parts)
 
 
 def _parse_record(name: str, raw: bytes | None) -> dict | UnreadableRecord | None:

@@ -8,6 +8,7 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from .errors import StoreError
 
@@ -74,6 +75,25 @@ def tier_urls(url: str) -> list[str]:
         else:
             parts.append(piece)
     return parts
+
+
+def redact_url(url: str) -> str:
+    """The URL as logs, errors and stats show it: a password, in the netloc (a host's or a socket's, `unix://:pw@/x`)
+    or in the query (`?password=`), as ***."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        user, _, host = parts.netloc.rpartition("@")
+        parts = parts._replace(netloc=f"{user.partition(':')[0]}:***@{host}")
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    if any(name == "password" for name, _ in query):
+        hidden = [(name, "***" if name == "password" else value) for name, value in query]
+        parts = parts._replace(query=urlencode(hidden, safe="*"))
+    return urlunsplit(parts)
+
+
+def shown(url: str) -> str:
+    """A store URL as the CLI and logs show it: each tier's password (`redact_url`) as ***."""
+    return "+".join(redact_url(tier) if "://" in tier else tier for tier in tier_urls(url))
 
 
 def per_process(url: str) -> bool:

@@ -356,6 +356,32 @@ def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tm
            f"added): {doc_id} (32 tokens)" in rebudget.text
 
 
+def test_config_shows_no_store_password(monkeypatch):
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+
+    monkeypatch.setenv("RAGCACHE_STORE", "memory+redis://:s3cret@h:6379/0")
+    monkeypatch.setenv("COLUMNS", "200")
+    shown = CliRunner().invoke(cli.app, ["config"])
+    assert shown.exit_code == 0 and "redis://:***@h:6379/0" in shown.output and "s3cret" not in shown.output
+
+
+def test_names_and_errors_holding_brackets_are_printed_as_they_are(tiny_cli, tmp_path, monkeypatch):
+    """Rich read them as markup: "notes[draft].md" lost its "[draft]", and an error quoting "[/x]" failed with a
+    traceback of rich's instead of the error; a glob pathlib refuses is the CLI's error too."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "notes[draft].md").write_text("The text of the draft.")
+    compiled = tiny_cli("compile", docs)
+    assert compiled.exit_code == 0 and "notes[draft].md" in compiled.text, compiled.output
+    monkeypatch.chdir(tmp_path)  # a short path: the message clips a long one
+    missing = tiny_cli("compile", "nope[/x]")
+    assert missing.exit_code == 3 and "nope[/x]" in missing.text, missing.output
+    bad_glob = tiny_cli("compile", docs, "--glob", "**.md")
+    assert bad_glob.exit_code == 3 and "--glob" in bad_glob.text, bad_glob.output
+
+
 def test_the_demo_reads_at_80_columns():
     """Each question is a block: its figures on one line, its answer under them, nothing past 80 columns."""
     from rich.console import Console

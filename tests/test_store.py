@@ -733,13 +733,15 @@ def test_a_corrupt_entry_that_cannot_be_deleted_is_a_miss_not_a_failed_batch(tmp
 
 
 def test_redis_urls_show_no_password_wherever_it_is():
-    from ragcache.store.redis_tier import _redact
+    from ragcache.store.tiers import redact_url as _redact, shown
 
     assert _redact("redis://:pw@h:6379/0") == "redis://:***@h:6379/0"
     assert _redact("redis://u:pw@h/0") == "redis://u:***@h/0"
     assert _redact("redis://h:6379/0?password=pw&db=1") == "redis://h:6379/0?password=***&db=1"
     assert _redact("unix://:pw@/run/redis.sock") == "unix://:***@/run/redis.sock"
     assert _redact("redis://h:6379/0") == "redis://h:6379/0"
+    # a whole store URL as the CLI and the server's log show it
+    assert shown("memory+disk:./a+b+redis://:pw@h/0") == "memory+disk:./a+b+redis://:***@h/0"
 
 
 def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):
