@@ -554,7 +554,20 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     def settings_customise_sources(
         cls, settings_cls, init_settings, env_settings, dotenv_settings, file_secret_settings
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        return init_settings, env_settings, TomlConfigSettingsSource(settings_cls, toml_file=config_path())
+        return init_settings, env_settings, Toml(settings_cls, toml_file=config_path())
+
+
+class Toml(TomlConfigSettingsSource):
+    """ragcache.toml, whose keys must be settings: a misspelled one (`kv_codc`) would be read past, its value never
+    used, with nothing said. (RAGCACHE_* variables that are no setting stay allowed: the environment is shared.)"""
+
+    def __call__(self) -> dict:
+        unknown = sorted(set(self.toml_data) - set(self.settings_cls.model_fields))
+        if unknown:
+            raise BadRequest(
+                f"{self.toml_file_path}: {', '.join(map(repr, unknown))} is no setting; `ragcache config` lists them"
+            )
+        return super().__call__()
 
 
 def load_settings(**overrides) -> Settings:

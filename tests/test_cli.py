@@ -356,6 +356,18 @@ def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tm
            f"added): {doc_id} (32 tokens)" in rebudget.text
 
 
+def test_a_misspelled_key_in_ragcache_toml_is_refused(tmp_path, monkeypatch):
+    """Ignored, its value silently never used: `kv_codc = "int4"` left the default codec."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+
+    (tmp_path / "ragcache.toml").write_text('kv_codc = "int4"\nchunk_tokens = 128\n')
+    monkeypatch.chdir(tmp_path)
+    shown = CliRunner().invoke(cli.app, ["config"])
+    assert shown.exit_code == 3 and "'kv_codc' is no setting" in " ".join(shown.output.split()), shown.output
+
+
 def test_config_shows_no_store_password(monkeypatch):
     from typer.testing import CliRunner
 
