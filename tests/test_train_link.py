@@ -306,6 +306,10 @@ def test_paragraphs_held_out_of_training_appear_in_no_training_prompt():
     assert not any(set(item.documents) & held for item in training)
     with pytest.raises(errors.BadRequest, match="15 to hold out"):
         tl.docs_items(Base(), texts[:10], 100, 100, seed=0)
+    # splits full early: the bar ends at its total, not where the last question was written
+    said = []
+    tl.docs_items(Base(), texts, 2, 1, seed=0, say=lambda done, total: said.append((done, total)))
+    assert said[-1] == (20, 20)
 
 
 def test_train_link_runs_on_the_gpu_where_there_is_one_and_refuses_a_device_this_machine_lacks(tmp_path, monkeypatch):

@@ -205,8 +205,12 @@ def docs_items(
     rng = random.Random(seed)
     training, held_out = [], []
     for index, text in enumerate(texts):
+        if len(training) >= train_n and len(held_out) >= eval_n:
+            say(len(texts), len(texts))  # both splits full: the rest is not read, and the bar says it is done
+            break
         held = held_out_of[index]
         if len(held_out if held else training) >= (eval_n if held else train_n):
+            say(index + 1, len(texts))
             continue
         doc_id = rc.compile([text])[0]
         question = rc.query(QUESTION_PROMPT, [doc_id], algorithm="full", max_new_tokens=40).text.strip()
