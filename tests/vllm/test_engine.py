@@ -54,6 +54,19 @@ def doc_ids(rc, reference) -> list[str]:
     return report.ids
 
 
+def test_a_compile_request_never_fills_the_context():
+    """vLLM refuses a prompt as long as max_model_len (no room for the token it samples): a group of chunks summing
+    to exactly that failed its compile, the same way at every retry."""
+    from types import SimpleNamespace
+
+    from ragcache.integrations.vllm.engine import COMPILE_TAIL, VllmRagCache
+
+    engine = SimpleNamespace(layouts={"default": SimpleNamespace(lead_ids=[1])}, context_length=64)
+    chunks = [[0] * 30, [0] * (64 - 31 - 1 - COMPILE_TAIL)]  # with their lead ids and the tail: exactly 64
+    groups = list(VllmRagCache._groups(engine, chunks, "default"))
+    assert all(sum(len(c) + 1 for c in group) + COMPILE_TAIL < 64 for group in groups) and len(groups) == 2
+
+
 def test_vllm_compiles_under_ragcaches_keys(rc, reference, doc_ids):
     assert reference.warm(doc_ids, prefetch=False) == (0, 0)  # ragcache's engine finds every chunk vLLM compiled
     again = rc.compile_documents(tiny.CORPUS[:4])

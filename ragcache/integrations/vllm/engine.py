@@ -199,11 +199,12 @@ class VllmRagCache(Front):
         self._read_in_vllm(prefix_ids, [], "default")
 
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
-        """Chunks in groups that fit one request (the context, less the positions vLLM computes)."""
+        """Chunks in groups that fit one request: under the context, which vLLM refuses a prompt to fill (it must
+        leave a position for the token it samples)."""
         group: list[list[int]] = []
         lead = len(self.layouts[layout].lead_ids)
         for ids in chunks:
-            if group and sum(len(c) + lead for c in group) + len(ids) + lead + COMPILE_TAIL > self.context_length:
+            if group and sum(len(c) + lead for c in group) + len(ids) + lead + COMPILE_TAIL >= self.context_length:
                 yield group
                 group = []
             group.append(ids)
