@@ -187,6 +187,24 @@ def test_a_retriever_gives_the_documents_unless_the_call_does(rc):
     assert bare.response_metadata["doc_ids"] == [] and bare.content == direct(rc, texts=[]).text
 
 
+def test_a_global_llm_cache_never_answers_for_the_retriever(rc):
+    """LangChain's cache keys by the messages and the model's parameters: with a retriever the documents are in
+    neither, so a second chat over another corpus got the first one's answer, and its doc_ids."""
+    from langchain_core.caches import InMemoryCache
+    from langchain_core.globals import set_llm_cache
+
+    other = ["The Kessel lighthouse is painted red and white.", "It stands on a rock off the coast."]
+    set_llm_cache(InMemoryCache())
+    try:
+        first = ChatRagCache(rc=rc, retriever=StaticRetriever(texts=TEXTS), max_new_tokens=TOKENS).invoke(QUESTION)
+        second = ChatRagCache(rc=rc, retriever=StaticRetriever(texts=other), max_new_tokens=TOKENS).invoke(QUESTION)
+    finally:
+        set_llm_cache(None)
+    assert second.response_metadata["doc_ids"] == [document_id(t) for t in other] != first.response_metadata["doc_ids"]
+    with pytest.raises(BadRequest, match="cache"):
+        ChatRagCache(rc=rc, retriever=StaticRetriever(texts=TEXTS), cache=True)
+
+
 def test_stream_and_async_give_the_same_answer(rc):
     chat = ChatRagCache(rc=rc, max_new_tokens=TOKENS)
     expected = direct(rc).text

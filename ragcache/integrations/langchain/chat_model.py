@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest
@@ -59,6 +59,20 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     top_p: float = 1.0
     stop: list[str] | None = None
     seed: int | None = None
+
+    @model_validator(mode="after")
+    def _no_cache_beside_a_retriever(self) -> ChatRagCache:
+        """LangChain's LLM cache keys an answer by the messages and the model's parameters, and answers a hit before
+        `_generate` runs: with a retriever, the documents it would return are in neither, so another corpus's answer
+        (or the answer to an index since changed) came back. Off by default with a retriever; refused if asked."""
+        if self.retriever is not None:
+            if self.cache is not None and self.cache is not False:
+                raise BadRequest(
+                    "a LangChain cache cannot key answers by the retriever's documents: pass the documents per call "
+                    "(documents=...), or leave cache unset"
+                )
+            self.cache = False  # also past a global set_llm_cache(...)
+        return self
 
     @property
     def _llm_type(self) -> str:
