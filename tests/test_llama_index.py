@@ -202,6 +202,22 @@ def test_async_and_streaming_give_the_same_answer(rc, retriever, answered):
     assert response.source_nodes and response.metadata["completion_tokens"] == sync.metadata["completion_tokens"]
 
 
+def test_aquery_retrieves_through_the_retrievers_async_path(rc):
+    """A retriever over an async-only vector store client answers `aretrieve` only: aquery ran the sync `retrieve`
+    on a worker thread, so such a retriever failed (and `RagCacheRetriever._aretrieve` was never used)."""
+
+    class AsyncOnly(StaticRetriever):
+        def _retrieve(self, query_bundle):
+            raise RuntimeError("this client has no sync API")
+
+        async def _aretrieve(self, query_bundle):
+            return StaticRetriever._retrieve(self, query_bundle)
+
+    nodes = [TextNode(text=(DOCS / "bridge.txt").read_text())]
+    response = asyncio.run(engine(rc, AsyncOnly(nodes), algorithm="full", max_new_tokens=2).aquery("What is it?"))
+    assert response.metadata["doc_ids"] == [document_id(nodes[0].text)] and response.metadata["retrieve_s"] >= 0
+
+
 def test_bad_requests_raise_from_query_also_when_streaming(rc, retriever):
     with pytest.raises(UnknownAlgorithm):
         engine(rc, retriever, algorithm="nope")

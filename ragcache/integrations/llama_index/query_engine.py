@@ -71,7 +71,10 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     def _start(self, query_str: str) -> tuple[list[NodeWithScore], Sequence, dict]:
         started = time.perf_counter()
         nodes = self.retriever.retrieve(query_str)
-        retrieve_s = time.perf_counter() - started
+        return self._open(query_str, nodes, time.perf_counter() - started)
+
+    def _open(self, query_str: str, nodes: list[NodeWithScore], retrieve_s: float) -> tuple[list, Sequence, dict]:
+        """The query's stream over the nodes retrieved for it."""
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
         # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
         stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
@@ -107,8 +110,12 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     # -- async ------------------------------------------------------------------------------------------
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         """`custom_query` without holding the event loop (retrieving and preparing run on a worker thread); a
-        cancelled task, or a stream its reader stops early, stops the generation."""
-        nodes, stream, metadata = await asyncio.to_thread(self._start, query_str)
+        cancelled task, or a stream its reader stops early, stops the generation. The retriever's async path
+        retrieves (a vector store's async client, tied to this loop)."""
+        started = time.perf_counter()
+        nodes = await self.retriever.aretrieve(query_str)
+        retrieve_s = time.perf_counter() - started
+        nodes, stream, metadata = await asyncio.to_thread(self._open, query_str, nodes, retrieve_s)
         pieces = apieces(stream)
         if not self.streaming:
             text = "".join([piece async for piece in pieces])
