@@ -163,7 +163,7 @@ def list_models(request: Request) -> ModelList:
     return ModelList(data=[ModelCard(id=c.rc.model_name, created=request.app.state.created, ragcache=link)])
 
 
-@router.get("/models/{model}", response_model=ModelCard, responses=responses(404))
+@router.get("/models/{model:path}", response_model=ModelCard, responses=responses(404))  # hub ids hold a "/"
 def retrieve_model(request: Request, model: str) -> ModelCard:
     """The served model's card (as in GET /v1/models), under its name or the one in the settings."""
     _served(ctx(request), model)

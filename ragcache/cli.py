@@ -317,7 +317,9 @@ def _record_rate(model: str, rc, summary: CompileReport) -> None:
             summary.seconds,
         )
     except OSError as exc:
-        err.print(f"[yellow]warning:[/yellow] the compile rate was not recorded for `compile --plan`: {exc}")
+        err.print(
+            f"[yellow]warning:[/yellow] the compile rate was not recorded for `compile --plan`: {escape(str(exc))}"
+        )
 
 
 def _disk_evictions(store) -> int:
@@ -544,7 +546,7 @@ def serve(
     port: int = typer.Option(None, help="port (default 8000)"),
     model: ModelOpt = None,
     store: StoreOpt = None,
-    workers: int = typer.Option(1, help="uvicorn worker processes; each loads its own copy of the model"),
+    workers: int = typer.Option(1, min=1, help="uvicorn worker processes; each loads its own copy of the model"),
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     kv_codec: KvCodecOpt = None,

@@ -32,8 +32,9 @@ def default_dtype(device: str) -> str:
     (docs/BENCHMARKS.md, "fp32 or bf16"), and it moves the next-token distribution 50-240x less than linking does
     (`python -m bench codecs --codecs bfloat16/int8`). Without them fp32 stays: bf16 was not measured there."""
     if str(device).startswith("cuda"):
-        if not torch.cuda.is_available():  # loading will say so; the answer for the GPUs it is measured on
-            return "bfloat16"
+        index = torch.device(device).index
+        if not torch.cuda.is_available() or (index or 0) >= torch.cuda.device_count():
+            return "bfloat16"  # no such GPU here (a plan made for another machine): the GPUs it is measured on
         return "bfloat16" if torch.cuda.get_device_capability(torch.device(device)) >= (8, 0) else "float16"
     return "bfloat16" if cpu_has_bf16() else "float32"
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import TaskID
 from rich.table import Table
 
@@ -279,7 +280,8 @@ def verify(
         report = maintenance.verify(_open(store), fix=fix, drop_checksum_only=drop_checksum_only, progress=progress)
     bad = len(report["bad"]) + len(report["bad_records"])
     for tier in report["unverified"]:
-        err.print(f"[red]not verified[/red] tier {tier['tier']}: {tier['problem']}", highlight=False, soft_wrap=True)
+        said = escape(f"tier {tier['tier']}: {tier['problem']}")  # a path's brackets are no markup
+        err.print(f"[red]not verified[/red] {said}", highlight=False, soft_wrap=True)
     if as_json:
         console.print_json(json.dumps(report))
     else:
@@ -288,7 +290,7 @@ def verify(
             *(f"{b['tier']} record {b['name']}: {b['problem']}" for b in report["bad_records"]),
         ]
         for line in lines:  # one line each, whatever the terminal's width: scripts grep them
-            console.print(f"[red]bad[/red] {line}", highlight=False, soft_wrap=True)
+            console.print(f"[red]bad[/red] {escape(line)}", highlight=False, soft_wrap=True)
         console.print(
             f"{report['checked']} entries and {report['records_checked']} records checked, {bad} bad"
             + (f", {report['fixed']} deleted" if fix else "")

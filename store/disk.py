@@ -407,10 +407,12 @@ class DiskStore(BlobStore):
             db.executemany("UPDATE entries SET size = ? WHERE key = ?", resized)
             db.execute("COMMIT")
         except sqlite3.Error as exc:
-            db.execute("ROLLBACK")
+            if db.in_transaction:  # SQLite may have rolled back itself (a full disk, an I/O error)
+                db.execute("ROLLBACK")
             raise StoreError(f"disk tier {self.root}: cannot reconcile its index with the files ({exc})") from exc
         except BaseException:
-            db.execute("ROLLBACK")
+            if db.in_transaction:
+                db.execute("ROLLBACK")
             raise
         self._reconciled_at = time.monotonic()
         return {"index_rows_dropped": len(gone), "index_rows_added": len(added), "index_sizes_fixed": len(resized)}

@@ -20,6 +20,7 @@ import sqlite3
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +98,14 @@ class TieredStore(Store):
         # read too (a shared Redis) does not miss documents uploaded during its outage. Kept in memory: after a
         # restart the other lasting tier still holds them, and only that tier stays behind.
         self._behind: dict[int, set[str]] = {}
-        # records' writes and deletes, and a catch-up's read and write of one, one at a time
-        self._record_writes = threading.RLock()  # a write that brings a tier back runs its catch-up inside
+        # records' writes and deletes, and a catch-up's read and write of one, one at a time (`_record_op`); a tier
+        # that comes back during one is caught up after it (`_catch_ups`), not inside it: a delete's catch-up would
+        # copy the record into the tier it just answered for from a tier the delete had not reached yet
+        self._record_writes = threading.RLock()
+        self._in_record_op = threading.local()
+        self._catch_ups: set[int] = set()
+        # entry deletes and the write-behind's batches, one at a time: a batch read before a delete is not written after
+        self._entry_writes = threading.Lock()
         # lasting tier -> entry keys it missed while a faster tier took them (in order); `_write_behind` empties it
         self._entries_behind: dict[int, dict[str, None]] = {}
         self._behind_full_warned: set[int] = set()
@@ -131,8 +138,33 @@ class TieredStore(Store):
                     log.warning("store tier %s accepts writes again", self.tiers[i].name)
                     state.write_failing, state.reason = False, ""
             if back:
-                self._catch_up(i)
+                with self._lock:
+                    self._catch_ups.add(i)
+                self._run_catch_ups()
             self._start_write_behind()
+
+    @contextmanager
+    def _record_op(self) -> Iterator[None]:
+        """A record's write, delete or catch-up, alone; the catch-ups of tiers it found back run after it."""
+        with self._record_writes:
+            depth = getattr(self._in_record_op, "depth", 0)
+            self._in_record_op.depth = depth + 1
+            try:
+                yield
+            finally:
+                self._in_record_op.depth = depth
+        if not depth:
+            self._run_catch_ups()
+
+    def _run_catch_ups(self) -> None:
+        if getattr(self._in_record_op, "depth", 0):
+            return  # inside a record's write or delete: once it is over
+        while True:
+            with self._lock:
+                if not self._catch_ups:
+                    return
+                i = self._catch_ups.pop()
+            self._catch_up(i)
 
     def _catch_up(self, i: int) -> None:
         """Write into tier i the records that were written while it was down, from the tiers that hold them."""
@@ -140,7 +172,7 @@ class TieredStore(Store):
             names = sorted(self._behind.pop(i, ()))
         for n, name in enumerate(names):
             try:
-                with self._record_writes:  # a delete or an upload of it meanwhile is not undone by an older copy
+                with self._record_op():  # a delete or an upload of it meanwhile is not undone by an older copy
                     record = next(
                         (
                             r
@@ -251,6 +283,7 @@ class TieredStore(Store):
         return out
 
     def get_many(self, keys: list[str]) -> list[ChunkKV | None]:
+        self._start_write_behind()  # a server that only reads still writes what memory alone holds
         started = time.perf_counter()
         out = self._first("get_many", keys, fill=True)
         found = [e for e in out if e is not None]
@@ -341,22 +374,23 @@ class TieredStore(Store):
         written: dict[int, int] = {}
         try:
             while not self._closed.is_set():
-                with self._lock:
-                    ready = [i for i, keys in self._entries_behind.items() if keys and self._behind_ready(i)]
-                    if not ready:
-                        return
-                    i = ready[0]
-                    batch = list(itertools.islice(self._entries_behind[i], ENTRIES_BEHIND_BATCH))
-                entries = self._held_elsewhere(i, batch)
-                tier = self.tiers[i]
-                if entries:
-                    write = crossing.for_tier(tier.takes_device_entries, entries, {})
-                    if not self._call(i, tier.put_many, write, write=True)[1]:
-                        return
-                    written[i] = written.get(i, 0) + len(entries)
-                with self._lock:
-                    for key in batch:
-                        self._entries_behind[i].pop(key, None)
+                with self._entry_writes:  # a delete of one of the batch waits for its write, and then deletes it
+                    with self._lock:
+                        ready = [i for i, keys in self._entries_behind.items() if keys and self._behind_ready(i)]
+                        if not ready:
+                            return
+                        i = ready[0]
+                        batch = list(itertools.islice(self._entries_behind[i], ENTRIES_BEHIND_BATCH))
+                    entries = self._held_elsewhere(i, batch)
+                    tier = self.tiers[i]
+                    if entries:
+                        write = crossing.for_tier(tier.takes_device_entries, entries, {})
+                        if not self._call(i, tier.put_many, write, write=True)[1]:
+                            return
+                        written[i] = written.get(i, 0) + len(entries)
+                    with self._lock:
+                        for key in batch:
+                            self._entries_behind[i].pop(key, None)
         finally:
             with self._lock:
                 self._writing_behind = None
@@ -389,10 +423,11 @@ class TieredStore(Store):
         return [bool(there) for there in self._first("contains_many", keys)]
 
     def delete(self, key: str) -> bool:
-        with self._lock:
-            for keys in self._entries_behind.values():
-                keys.pop(key, None)
-        return any(bool(r) for _, r in self._each("delete", key, write=True))
+        with self._entry_writes:
+            with self._lock:
+                for keys in self._entries_behind.values():
+                    keys.pop(key, None)
+            return any(bool(r) for _, r in self._each("delete", key, write=True))
 
     def keys(self) -> Iterator[str]:
         seen = set()
@@ -494,7 +529,7 @@ class TieredStore(Store):
     def put_record(self, name: str, record: dict) -> None:
         """Records are the documents themselves, not a cache: when the store has a lasting tier (disk, Redis), one of
         them must take the record, or a restart would lose a document whose upload was acknowledged."""
-        with self._record_writes:
+        with self._record_op():
             self._put_record(name, record)
 
     def _put_record(self, name: str, record: dict) -> None:
@@ -521,7 +556,7 @@ class TieredStore(Store):
     def delete_record(self, name: str) -> bool:
         """Deleted from every tier, or TierUnavailable: a tier that is down keeps its copy, and would bring the
         record back into the others on a later read."""
-        with self._record_writes:
+        with self._record_op():
             answers = self._each("delete_record", name, write=True)
         missed = [self.tiers[i].name for i in range(len(self.tiers)) if i not in {j for j, _ in answers}]
         if missed:

@@ -1331,6 +1331,13 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
     error_of(r, 413, "context")  # the native route: as it was
 
 
+def test_a_model_named_by_a_hub_id_is_retrieved_by_it(http, rc, monkeypatch):
+    """openai-python sends /v1/models/Org%2FName for models.retrieve("Org/Name"): the slash comes back decoded."""
+    monkeypatch.setattr(type(rc), "model_name", property(lambda self: "Org/Name"))
+    r = http.get("/v1/models/Org%2FName")
+    assert r.status_code == 200 and r.json()["id"] == "Org/Name", r.text
+
+
 def test_a_chats_text_parts_are_blocks_not_run_together():
     """LangChain sends a message of several blocks as parts: "Context: A." and "Question: B?" are two lines, as
     vLLM joins them, not "Context: A.Question: B?"."""

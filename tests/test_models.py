@@ -110,6 +110,8 @@ def test_auto_dtype_is_bf16_where_the_hardware_has_it(monkeypatch):
     assert default_dtype("cpu") == "bfloat16"
     # a GPU before Ampere only emulates bf16, many times slower: fp16 there, as vLLM does
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert default_dtype("cuda:3") == "bfloat16"  # `compile --plan --device cuda:3` for another machine
     capability = {"cuda:0": (9, 0), "cuda:1": (7, 5)}
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: capability[str(device)])
     assert default_dtype("cuda:0") == "bfloat16" and default_dtype("cuda:1") == "float16"

@@ -1111,6 +1111,23 @@ def test_arrivals_every_other_step_do_not_keep_the_base_weights_turn_from_coming
     assert kinds == ["place", "piece", "base", "piece"] * 3, kinds
 
 
+def test_with_nothing_decoding_an_arrival_waits_one_base_weights_step_not_two():
+    """The step after a base weights' step is owed to the decoding streams; with none, it was a second base step
+    before the arrival's PLACE."""
+    scheduler = Scheduler(row_budget=16)
+    compile = sequence(tokens=None, compile=lambda cache: "entry", base_weights=True)
+    scheduler.add(compile)
+    rows = {compile: (64,)}
+    run_plan(scheduler, scheduler.schedule(), rows)  # the compile placed
+    for _ in range(2):  # the step owed after the PLACE, then one of its own
+        base = scheduler.schedule()
+        assert base.base_weights
+        run_plan(scheduler, base, rows)
+    scheduler.add(newcomer := sequence(tokens=None))
+    rows[newcomer] = (1,)
+    assert scheduler.schedule().kind is Kind.PLACE
+
+
 def test_a_background_narrowing_link_waits_while_users_run():
     """Its rows need the base weights, which no step runs while a user sequence runs."""
     scheduler, stream = decoding_beside(Scheduler(row_budget=16), tokens=64)

@@ -168,8 +168,10 @@ class Scheduler:
             plan = self._forward() or self._apart()
         else:
             plan = self._apart() or self._forward()
-        self.owed = plan is not None and (plan.kind is not Kind.PIECE or plan.base_weights)
-        if self.owed:
+        decoding = any(s.status is Status.DECODING for s in self.running)
+        # owed after a base weights' step only to streams that wait for it: with none, it would be a second one
+        self.owed = plan is not None and (plan.kind is not Kind.PIECE or (plan.base_weights and decoding))
+        if plan is not None and (plan.kind is not Kind.PIECE or plan.base_weights):
             self.base_last = plan.base_weights
         return plan
 
