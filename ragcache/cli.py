@@ -382,7 +382,10 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
         s.model, shape, chunks, len(docs), capacity.measured_rate(s.model, where, compute, codec), shards
     )
     table = Table(
-        title=f"{the_plan.documents} documents, {the_plan.chunks} chunks, {the_plan.tokens:,} tokens: {s.model} "
+        # what the store will hold: a chunk two documents share once, each with its layout's lead tokens (a compile's
+        # report counts the documents' chunks and text tokens instead)
+        title=f"{the_plan.documents} documents, {the_plan.chunks} distinct chunks, {the_plan.tokens:,} stored tokens: "
+        f"{s.model} "
         f"({the_plan.shape.layers} layers x {the_plan.shape.kv_heads} KV heads x {the_plan.shape.head_dim})"
     )
     if shards > 1:
