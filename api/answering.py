@@ -149,15 +149,17 @@ class Context:
         raise ClientGone()  # the events' only other end: Aborted
 
 
-def server_guard(rc: Front, rate: float, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
-    """RAGCACHE_GUARD_RATE: the guard's checks exported as metrics; never while the queue is full."""
+def server_guard(rc: Front, settings: Settings, queue: EngineQueue, metrics: Metrics) -> BackgroundGuard:
+    """RAGCACHE_GUARD_RATE: the guard's checks of answers linked as the settings link by default, exported as
+    metrics; never while the queue is full."""
     model = rc.model_name
     return BackgroundGuard(
         rc,
-        rate,
+        settings.guard_rate,
         busy=lambda: queue.depth >= queue.max_queue,
         on_check=lambda check, agreement: metrics.observe_guard(model, check, agreement),
         on_skip=lambda algorithm: metrics.guard_skipped.labels(model, algorithm).inc(),
+        defaults=settings,
     )
 
 

@@ -130,7 +130,7 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
     app = FastAPI(
         title="ragcache", version=__version__, description=DESCRIPTION, lifespan=lifespan, redirect_slashes=False
     )
-    guard = server_guard(rc, settings.guard_rate, queue, metrics) if settings.guard_rate > 0 else None
+    guard = server_guard(rc, settings, queue, metrics) if settings.guard_rate > 0 else None
     app.state.ctx = Context(rc, settings, queue, metrics, measuring, guard)
     app.state.created = int(time.time())
     errors.install(app)

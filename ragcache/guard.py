@@ -8,6 +8,7 @@ for both the server (ragcache.api) and the llama-index query engine.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import threading
@@ -20,7 +21,7 @@ import torch
 from . import linker
 from .agreement import first_token
 from .errors import ParameterOutOfRange
-from .settings import DEFAULT_TARGET, DEFAULT_WINDOW
+from .settings import DEFAULT_TARGET, DEFAULT_WINDOW, LinkKnobs
 
 log = logging.getLogger("ragcache")
 # A check's `full` link runs only in steps no user request needs: under constant load it would wait forever, and
@@ -99,7 +100,11 @@ class BackgroundGuard:
     """After a sampled linked answer has been given, link the same prompt with `full` as background work (the
     scheduler runs it only in steps no user request needs) and record how the two first-token distributions
     compare. At most one check runs at a time, on a daemon thread, so a check never delays an answer or the
-    process's exit; a check drawn while one runs, or while `busy()`, is skipped (`on_skip`)."""
+    process's exit; a check drawn while one runs, or while `busy()`, is skipped (`on_skip`).
+
+    Only answers linked as the server links an algorithm by default are drawn (`defaults`: the knobs under a
+    request's, as a server's settings): the window and its target are about that link, which `ragcache calibrate`
+    sets, and a client's own k or ratio would pull it either way."""
 
     def __init__(
         self,
@@ -108,11 +113,12 @@ class BackgroundGuard:
         busy: Callable[[], bool] = lambda: False,
         on_check: Callable[[Check, float], None] | None = None,
         on_skip: Callable[[str], None] | None = None,
+        defaults: LinkKnobs | None = None,
     ):
         problem = rc.guard_problem()
         if problem is not None:
             raise ParameterOutOfRange(problem)
-        self.rc, self.busy, self.on_check, self.on_skip = rc, busy, on_check, on_skip
+        self.rc, self.busy, self.on_check, self.on_skip, self.defaults = rc, busy, on_check, on_skip, defaults
         self.guard = Guard(rate, rc.model_name, target=rc.profile.target if rc.profile is not None else DEFAULT_TARGET)
         self._running = threading.Lock()
         self.deadline = CHECK_DEADLINE_S
@@ -125,7 +131,7 @@ class BackgroundGuard:
         """`query`: the answer's (ragcache.request.Query). Its first-token logits are the answer's own where the
         engine returned them; the vLLM engine returns none, and links the query again for them."""
         algorithm = query.params.algorithm
-        if not self.guard.wants(algorithm):
+        if not self._linked_by_default(query.params) or not self.guard.wants(algorithm):
             return
         if self.busy() or not self._running.acquire(blocking=False):
             if self.on_skip is not None:
@@ -141,6 +147,12 @@ class BackgroundGuard:
             if self.on_skip is not None:
                 self.on_skip(algorithm)
 
+    def _linked_by_default(self, params: linker.LinkParams) -> bool:
+        """Linked as a request naming only its algorithm would be (repair aside: it comes after the first token)."""
+        layers = [self.defaults] if self.defaults is not None else []
+        expected = self.rc.resolve(*layers, LinkKnobs.of(algorithm=params.algorithm))
+        return dataclasses.replace(params, repair=0) == dataclasses.replace(expected, repair=0)
+
     def _check(self, query, linked_logits) -> None:
         try:
             check = self.rc.compare_with_full(query, linked_logits, deadline=self.deadline)
@@ -153,6 +165,8 @@ class BackgroundGuard:
                 self.on_skip(query.params.algorithm)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem
             log.warning("accuracy guard: the full link failed (%s)", exc)
+            if self.on_skip is not None:  # drawn and not checked: counted, as a timeout is
+                self.on_skip(query.params.algorithm)
         finally:
             self._running.release()
 

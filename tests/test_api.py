@@ -1065,7 +1065,7 @@ def test_guard_is_skipped_when_the_queue_is_full(rc):
     full_queue = EngineQueue(max_queue=4, max_per_client=4)
     full_queue.depth = 4
     metrics = Metrics(rc.store, full_queue)
-    guard = server_guard(rc, 1.0, full_queue, metrics)
+    guard = server_guard(rc, Settings.model_construct(guard_rate=1.0), full_queue, metrics)
     answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
     guard.after_answer(answer, rc.validate("q", [], link=rc.params("legolink")))
     text = metrics.render().decode()

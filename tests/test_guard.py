@@ -147,3 +147,33 @@ def test_a_guard_check_whose_thread_cannot_start_is_skipped_and_the_next_can_run
     guard.after_answer(SimpleNamespace(first_logits=None), query)
     assert skipped == ["naive"] and guard.in_flight == 0
     rc.close()
+
+
+def test_the_guard_draws_only_answers_linked_as_the_server_links_by_default(monkeypatch):
+    """One client's own k (legolink with k=0 beside a server default of 16) pulled the algorithm's window and its
+    "consider a larger k" warning, and a huge one hid a regression: those answers are not drawn; a failed check
+    is counted as skipped, as a timed-out one is."""
+    import threading
+    from types import SimpleNamespace
+
+    from ragcache.facade import RagCache
+    from ragcache.guard import BackgroundGuard
+    from ragcache.settings import EngineConfig, LinkKnobs
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
+    ids = rc.compile(tiny.CORPUS[:2])
+    started, skipped = [], []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append, defaults=LinkKnobs.of(k=16))
+    answer = SimpleNamespace(first_logits=None)
+    guard.after_answer(answer, rc.validate("Where?", ids, link=rc.params("legolink", 0)))
+    assert not started  # a client's own k: not drawn
+    guard.after_answer(answer, rc.validate("Where?", ids, link=rc.params("legolink", 16)))
+    assert len(started) == 1  # the server's default link: drawn
+    monkeypatch.undo()
+    monkeypatch.setattr(rc, "compare_with_full", lambda *args, **kwargs: (_ for _ in ()).throw(RuntimeError("gone")))
+    guard._check(rc.validate("Where?", ids, link=rc.params("legolink", 16)), None)  # as the thread runs it
+    assert skipped == ["legolink"] and guard.in_flight == 0
+    rc.close()
