@@ -8,6 +8,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -104,6 +105,21 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")
+    # the kernels rotate (and unrotate) a key's two halves, as llama's rotate_half: a model rotating interleaved
+    # pairs (cohere, glm) or by its own function (gpt-oss) would have every placed key rotated wrong, silently
+    rotate_half = getattr(sys.modules.get(type(inner).__module__), "rotate_half", None)
+    if rotate_half is None or rotate_half(torch.arange(4.0)).tolist() != [-2.0, -3.0, 0.0, 1.0]:
+        raise UnsupportedModel(
+            f"model type {config.model_type!r} does not rotate keys by halves of the head (as llama's rotate_half); "
+            "ragcache's rotation of cached keys would place them wrong. Supported: llama, qwen2, qwen3, mistral, "
+            "gemma3 and other models that rotate halves"
+        )
+    if 0 in (getattr(config, "no_rope_layers", None) or ()):  # smollm3, llama4: layers whose keys carry no position
+        raise UnsupportedModel(f"model type {config.model_type!r} has layers without RoPE (no_rope_layers)")
+    if any(hasattr(layer.self_attn, "sinks") for layer in inner.layers):
+        raise UnsupportedModel(
+            f"model type {config.model_type!r} has attention sinks (gpt-oss), which the linker lacks"
+        )
 
 
 def checkpoint_fingerprint(name_or_path: str, dtype: str | torch.dtype) -> str:

@@ -67,6 +67,24 @@ def test_model_without_rope_is_refused():
         wrap(gpt2, tiny.tokenizer(), name="gpt2")
 
 
+@pytest.mark.parametrize(
+    "model_type, refusal",
+    [("cohere", "rotate keys by halves"), ("gpt_oss", "rotate keys by halves|attention sinks"),
+     ("smollm3", "without RoPE")],
+)
+def test_rope_models_whose_positions_the_linker_cannot_move_are_refused(model_type, refusal):
+    """Interleaved RoPE pairs (cohere, glm), layers without RoPE (smollm3) and attention sinks (gpt-oss) load and
+    answer, every placed key wrong: refused at load, as gpt2 is."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=400,
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with pytest.raises(errors.UnsupportedModel, match=refusal):
+        wrap(model, tiny.tokenizer(), name=model_type)
+
+
 def test_a_model_whose_tokenizer_is_not_a_fast_one_is_refused_at_load():
     """The chunker cuts at sentence ends by character offsets, which only a fast tokenizer gives: a Python one
     failed every compile and every raw-text query instead."""
