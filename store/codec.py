@@ -80,6 +80,12 @@ def encode(keys: torch.Tensor, values: torch.Tensor, codec: str):
         bits = BITS[codec]
         if keys.shape[-1] % (8 // bits):
             raise ParameterOutOfRange(f"{codec} packs {8 // bits} channels a byte; head_dim {keys.shape[-1]} does not")
+        if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+            # one inf makes its channel's scale inf, and every token of the channel decodes to NaN
+            raise CodecOverflow(
+                f"K/V hold NaN or infinite values, which {codec} cannot scale: the model's compute overflowed "
+                "(fp16 compute: run it in bf16 or float32)"
+            )
         key_codes, key_scales = quantize(keys, dim=2, bits=bits)  # over tokens: one pair per channel
         value_codes, value_scales = quantize(values, dim=3, bits=bits)  # over channels: one pair per token
         return pack(key_codes, bits), pack(value_codes, bits), key_scales.transpose(2, 3).contiguous(), value_scales

@@ -15,7 +15,8 @@ class ParameterOutOfRange(BadRequest):
 
 
 class CodecOverflow(RagCacheError):
-    """K/V outside the range of the chosen kv codec (fp16 holds at most 65504): choose bf16 or int8."""
+    """K/V outside the range of the chosen kv codec (fp16 holds at most 65504: choose bf16 or int8), or not finite at
+    all (an integer codec cannot scale them)."""
 
 
 class StoreError(RagCacheError):

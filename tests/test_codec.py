@@ -140,6 +140,16 @@ def test_fp16_overflow_is_a_clear_error():
         codec.encode(keys, keys, "fp16")
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_an_integer_codec_refuses_k_v_that_are_not_finite(name):
+    """One inf made its channel's scale inf: every token of the channel decoded to NaN, and the entry, stored,
+    failed its scales' check at every read."""
+    keys = torch.randn(1, 1, 8, 8)
+    keys[0, 0, 3, 5] = float("inf")
+    with pytest.raises(CodecOverflow, match="not finite|NaN or infinite"):
+        codec.encode(keys, torch.randn(1, 1, 8, 8), name)
+
+
 def test_unknown_codec_is_a_bad_request():
     with pytest.raises(ParameterOutOfRange, match="kv codec"):
         RagCache.open("smollm2-135m", "memory:", kv_codec="int3")
