@@ -262,7 +262,8 @@ def test_entries_cross_from_host_memory_in_runs_of_layers_one_copy_per_tensor_a_
     layers = 8
     stream = SimpleNamespace(name="copies", wait_stream=lambda other: None, waited=[])
     stream.wait_event = stream.waited.append
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: stream)
+    made = []  # torch hands its streams out in turn: one made a call moved every later one (the graphs' capture's)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: made.append(device) or stream)
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
     monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
@@ -290,6 +291,8 @@ def test_entries_cross_from_host_memory_in_runs_of_layers_one_copy_per_tensor_a_
     tensors = 4 if codec == "int8" else 2
     assert len(crossed) == len(blocks) * len(host) * tensors and all(shape[0] == 2 for shape in crossed)
     assert stream.waited == ready and len(cache.pending) == layers and cache.holds == entries
+    copies.place(JoinedCache(layers, HEADS, DIM, 20, torch.float32, "cpu"), entries, starts, inv_freq, scaling)
+    assert len(made) == 1  # the copies' stream, made once
     monkeypatch.setattr(copies, "crossing", lambda device, entries: False)
     whole = JoinedCache(layers, HEADS, DIM, 20, torch.float32, "cpu")
     copies.place(whole, entries, starts, inv_freq, scaling)

@@ -133,3 +133,40 @@ def test_repair_lanes_in_the_whole_pool_step_give_the_packed_steps_tokens():
     expected = answers(plain, repair=widths)
     assert answers(graphed, repair=widths) == expected
     assert max(lanes) == 3 and 0 in lanes  # three lanes side by side (a fourth idle); and steps with none
+
+
+def test_a_capture_is_this_threads_alone_on_a_stream_of_its_own(monkeypatch):
+    """Captures come mid-serve (the pool grows) while API threads copy entries: in torch's default capture mode
+    their allocations invalidated the capture and every decoding stream failed; and a capture stream from the
+    pool other threads' streams come from could be one they queue copies on. (Faked CUDA: the arguments only.)"""
+    import contextlib
+    from types import SimpleNamespace
+
+    from ragcache.engine import graphs as graphs_module
+
+    made, captured = [], []
+
+    class Stream:
+        def __init__(self, device=None, priority=0):
+            made.append(priority)
+
+        def wait_stream(self, other):
+            pass
+
+    @contextlib.contextmanager
+    def graph(g, **kwargs):
+        captured.append(kwargs)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: SimpleNamespace())
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    current = object.__new__(Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current)
+    graphs = graphs_module.DecodeGraphs(runner=None, capture=True)
+    graphs._forward = lambda pool, step: "logits"
+    for _ in range(3):  # three captures (the pool grew twice): one stream for all
+        graphs._capture(None, SimpleNamespace())
+    assert made == [-1] and len(captured) == 3
+    assert all(c["capture_error_mode"] == "thread_local" and isinstance(c["stream"], Stream) for c in captured)

@@ -159,7 +159,7 @@ def place(cache: JoinedCache, entries: list, starts: list[int], inv_freq: torch.
             [e.value_scales for e in entries],
         )
         return
-    stream = _STREAMS.setdefault(device, torch.cuda.Stream(device))
+    stream = _STREAMS.get(device) or _STREAMS.setdefault(device, torch.cuda.Stream(device))  # one made, ever
     stream.wait_stream(torch.cuda.current_stream(device))  # the cache's zeros are written first
     for tensor in (cache.keys, cache.values):  # freed early (an aborted link), not reused before the copies ran
         tensor.record_stream(stream)

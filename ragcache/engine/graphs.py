@@ -161,6 +161,7 @@ class DecodeGraphs:
         self._steps: dict[tuple[int, int], Captured] = {}  # by repair lanes, for the pool's allocation `_key`
         self._key: tuple | None = None
         self.captures = 0  # graphs captured: one per pool allocation
+        self._stream: torch.cuda.Stream | None = None  # the warm-ups' and captures' own, made at the first
 
     def covers(self, caches: list) -> bool:
         """Whether a decode step of these caches can run whole-pool: every one is a member of the pool."""
@@ -228,8 +229,15 @@ class DecodeGraphs:
 
     def _capture(self, pool: KVPool, step: Captured) -> None:
         """Warm up on a side stream, then capture (torch.cuda.graphs' recipe). No slot is live meanwhile: the
-        warm-up and capture runs leave the pool as it is."""
-        side = torch.cuda.Stream()
+        warm-up and capture runs leave the pool as it is.
+
+        Captures come mid-serve (a pool that grows), while API threads copy entries to the GPU and out of it: the
+        capture is this thread's alone ("thread_local": in torch's default mode their allocations invalidated it,
+        failing every decoding stream), on a stream of its own from the high-priority pool, so that no stream
+        another thread queues copies on (torch hands low-priority ones out in turn) can be the one captured."""
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(priority=-1)
+        side = self._stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
@@ -238,7 +246,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # a private memory pool, freed with its graph: a pool shared across captures is released when its last
         # graph goes, and the next capture into its handle fails inside torch's allocator
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             step.logits = self._forward(pool, step)
         step.graph = graph
         self.captures += 1
