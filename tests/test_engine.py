@@ -484,3 +484,28 @@ def test_a_model_thread_ended_by_a_base_exception_fails_its_requests_and_the_nex
     asking.join(60)
     assert outcome and isinstance(outcome[0], RuntimeError) and "model thread stopped" in str(outcome[0])
     assert rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=2).text is not None
+
+
+def test_a_stream_the_pool_cannot_grow_for_fails_alone(monkeypatch):
+    """A pool that cannot grow for a stream starting to decode (out of memory) failed the whole step: every stream
+    decoding in it. It fails that stream only; the pool is as it was for the others."""
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    ids = rc.compile(tiny.CORPUS[:2])
+    first = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=30)
+    pieces = iter(first)
+    next(pieces)  # decoding, in the pool
+    adopt = rc.runner.pool.adopt
+
+    def out_of_memory(cache):
+        raise RuntimeError("CUDA out of memory (a stand-in)")
+
+    monkeypatch.setattr(rc.runner.pool, "adopt", out_of_memory)
+    second = rc.stream("What is it?", ids, algorithm="naive", max_new_tokens=4)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        for _ in second:
+            pass
+    monkeypatch.setattr(rc.runner.pool, "adopt", adopt)
+    for _ in pieces:
+        pass
+    assert first.answer.stats.completion_tokens == 30
+    rc.close()

@@ -223,9 +223,30 @@ class Runner:
                 return [self._alone(self._place, work) for work in plan.work]
             if plan.kind is Kind.NARROW:
                 return [self._alone(self._narrow, work) for work in plan.work]
-            if self.graphs is not None and not plan.base_weights and _decode_only(plan.work):
-                return self._graphed(plan.work)
-            return self._packed(plan.work)
+            failed = self._adopted(plan.work)
+            works = [work for work in plan.work if work.sequence not in failed]
+            if not works:
+                ran = []
+            elif self.graphs is not None and not plan.base_weights and _decode_only(works):
+                ran = self._graphed(works)
+            else:
+                ran = self._packed(works)
+            results = iter(ran)
+            return [StepResult(error=failed[w.sequence]) if w.sequence in failed else next(results) for w in plan.work]
+
+    def _adopted(self, works: list[Work]) -> dict:
+        """The caches of sequences that start decoding join the pool first, each alone: one the pool cannot grow
+        for (out of memory) fails its own sequence (its repair rows too), not the step's other streams. Sequence ->
+        its error, for those that failed."""
+        failed = {}
+        for work in works:
+            if work.kind is Kind.DECODE and work.sequence.cache.slot is None:
+                try:
+                    self.adopt(work.sequence.cache)
+                except Exception as exc:  # noqa: BLE001 - the pool is as it was: the others run
+                    log.warning("a decoding stream could not join the pool: %s", exc)
+                    failed[work.sequence] = exc
+        return failed
 
     def _alone(self, run, work: Work) -> StepResult:
         try:
