@@ -258,7 +258,9 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     and `usage.cached_tokens` says how much of the prompt was reused."""
     c = ctx(request)
     sampling = Sampling(c.max_tokens(body.max_tokens), body.temperature, body.top_p, stop_strings(body.stop), body.seed)
-    fill = validate_infill(body.prefix, body.suffix, body.session, body.mode, body.reuse, sampling, c.limits)
+    # a session is its client's: another client naming the same id neither moves its base nor reads it
+    session = f"{client_of(request)} {body.session}" if body.session else None
+    fill = validate_infill(body.prefix, body.suffix, session, body.mode, body.reuse, sampling, c.limits)
     await c.measuring.run(
         client_of(request), c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.max_new_tokens
     )

@@ -386,6 +386,7 @@ class Front(abc.ABC):
         ids = infill.build_prompt(self.tokenizer, fim, fill.prefix, fill.suffix, fill.mode, split)
         if len(ids) + fill.sampling.max_new_tokens > self.context_length:
             raise PromptTooLong(len(ids), fill.sampling.max_new_tokens, self.context_length)
+        self.infill_sessions.remember(fill.session, fill.prefix, fill.suffix, fill.mode, split)
         return ids
 
     # -- requests -------------------------------------------------------------------------------------

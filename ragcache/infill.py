@@ -42,6 +42,8 @@ MODES = ("psm", "spm", "efim")
 # (`ragcache train infill`), and a base kept forever (a session begun on an empty file) would put every character
 # typed since after <MID>, where the same prefix and suffix would get another prompt than in a fresh session.
 MAX_INCREMENT_CHARS = 24
+# the characters every session's prefix and suffix hold, together (up to 4 bytes each in a Python str)
+MAX_SESSION_CHARS = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -104,20 +106,23 @@ class SessionState:
 
 
 class InfillSessions:
-    """Per-session EFIM base, bounded in count and expiring after `ttl_s` of inactivity. The KV itself lives in
-    the engine's prefix cache (bounded by bytes), so a session costs a few strings here."""
+    """Per-session EFIM base, bounded in count and in characters (a session keeps its prefix and suffix: up to two
+    documents' worth), and expiring after `ttl_s` of inactivity; the least recently used go first. The KV itself
+    lives in the engine's prefix cache (bounded by bytes)."""
 
-    def __init__(self, max_sessions: int = 256, ttl_s: float = 900.0):
-        self.max_sessions, self.ttl_s = max_sessions, ttl_s
+    def __init__(self, max_sessions: int = 256, ttl_s: float = 900.0, max_chars: int = MAX_SESSION_CHARS):
+        self.max_sessions, self.ttl_s, self.max_chars = max_sessions, ttl_s, max_chars
         self._states: OrderedDict[str, SessionState] = OrderedDict()
+        self._chars = 0
         self._lock = threading.Lock()
 
     def plan(self, session: str | None, prefix: str, suffix: str, mode: str) -> int | None:
-        """The EFIM split for this round: keep the session's base while the user only appends to the prefix."""
+        """The EFIM split for this round: keep the session's base while the user only appends to the prefix. Nothing
+        is kept until `remember`: a round refused (too long) leaves the session as it was."""
         now = time.monotonic()
         with self._lock:
             for expired in [s for s, st in self._states.items() if now - st.last_used > self.ttl_s]:
-                del self._states[expired]
+                self._drop(expired)
             state = self._states.get(session) if session else None
             keep = (
                 state is not None
@@ -127,12 +132,24 @@ class InfillSessions:
                 and len(prefix) - len(state.base_prefix) <= MAX_INCREMENT_CHARS
             )
             split = len(state.base_prefix) if keep else len(prefix)
-            if session:
-                self._states[session] = SessionState(state.base_prefix if keep else prefix, suffix, mode, now)
-                self._states.move_to_end(session)
-                while len(self._states) > self.max_sessions:
-                    self._states.popitem(last=False)
             return split if mode == "efim" else None
+
+    def remember(self, session: str | None, prefix: str, suffix: str, mode: str, split: int | None) -> None:
+        """Keep this round's base (`plan`'s split of the prefix) for the session's next round."""
+        if not session:
+            return
+        with self._lock:
+            self._drop(session)
+            base = prefix[:split] if split is not None else prefix
+            self._states[session] = SessionState(base, suffix, mode, time.monotonic())
+            self._chars += len(base) + len(suffix)
+            while len(self._states) > self.max_sessions or (self._chars > self.max_chars and len(self._states) > 1):
+                self._drop(next(iter(self._states)))
+
+    def _drop(self, session: str) -> None:
+        state = self._states.pop(session, None)
+        if state is not None:
+            self._chars -= len(state.base_prefix) + len(state.suffix)
 
     def __len__(self) -> int:
         return len(self._states)

@@ -63,3 +63,23 @@ def test_model_without_fim_sentinels_is_a_400(smollm2):
     with serve(RagCache(smollm2, MemoryStore())) as server:
         r = httpx.post(f"{server.url}/v1/infill", json={"prefix": "def f(", "suffix": "):"}, timeout=60)
     assert r.status_code == 400 and "fill-in-the-middle" in r.json()["error"]["message"]
+
+
+def test_a_session_id_is_its_clients_own():
+    """Session ids are the client's choice: another client naming the same one moved its base (and could evict
+    every session with fresh ids). Two clients, one id: each keeps its own base."""
+    from fastapi.testclient import TestClient
+
+    from ragcache.api.app import create_app
+    from ragcache.settings import Settings
+
+    rc = RagCache(tiny.make("qwen2"), MemoryStore())
+    app = create_app(rc, Settings.model_construct())
+    body = {"prefix": PREFIX, "suffix": SUFFIX, "session": "shared", "max_tokens": 2}
+    with TestClient(app, client=("10.0.0.1", 1)) as one, TestClient(app, client=("10.0.0.2", 1)) as two:
+        first = one.post("/v1/infill", json=body).json()
+        # the other client's first round, on another text: a new base of its own
+        assert two.post("/v1/infill", json={**body, "prefix": "Mount Everest is "}).status_code == 200
+        again = one.post("/v1/infill", json={**body, "prefix": PREFIX + "completed"}).json()
+    assert again["usage"]["cached_tokens"] >= first["usage"]["prompt_tokens"]  # its whole base: kept
+    rc.close()

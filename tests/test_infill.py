@@ -35,14 +35,29 @@ def test_prompt_layouts_by_hand():
     assert build_prompt(tok, fim, "", "", "efim") == [PRE, SUF, MID]
 
 
+def rounds(sessions: InfillSessions):
+    """`plan` and then `remember`, as a round the engine takes does."""
+
+    def round_(session, prefix, suffix, mode):
+        split = sessions.plan(session, prefix, suffix, mode)
+        sessions.remember(session, prefix, suffix, mode, split)
+        return split
+
+    return round_
+
+
 def test_sessions_keep_their_base_while_the_prefix_grows():
     sessions = InfillSessions()
-    assert sessions.plan("s", "def f(", ")", "efim") == len("def f(")
-    assert sessions.plan("s", "def f(x", ")", "efim") == len("def f(")
-    assert sessions.plan("s", "def f(x, y", ")", "efim") == len("def f(")
-    assert sessions.plan("s", "def f(x, y", "):", "efim") == len("def f(x, y")  # suffix changed: new base
-    assert sessions.plan("s", "class", "):", "efim") == len("class")  # prefix no longer extends the base
-    assert sessions.plan(None, "abc", "", "efim") == 3
+    plan = rounds(sessions)
+    assert plan("s", "def f(", ")", "efim") == len("def f(")
+    assert plan("s", "def f(x", ")", "efim") == len("def f(")
+    assert plan("s", "def f(x, y", ")", "efim") == len("def f(")
+    assert plan("s", "def f(x, y", "):", "efim") == len("def f(x, y")  # suffix changed: new base
+    assert plan("s", "class", "):", "efim") == len("class")  # prefix no longer extends the base
+    assert plan(None, "abc", "", "efim") == 3
+    # a round only planned (refused as too long) leaves the base where it was
+    assert sessions.plan("s", "class Foo" + "o" * 40, "):", "efim") == len("class Foo" + "o" * 40)
+    assert plan("s", "class F", "):", "efim") == len("class")
 
 
 def test_deepseek_coders_sentinels_are_found_and_its_prompts_begin_with_its_bos():
@@ -81,18 +96,29 @@ def test_a_sessions_base_moves_up_once_the_typed_increment_is_long():
     """The increment after <MID> stays within what a model is taught (MAX_INCREMENT_CHARS): a session begun on an
     empty file does not put every character typed since after <MID>."""
     sessions = InfillSessions()
-    assert sessions.plan("s", "", "", "efim") == 0
+    plan = rounds(sessions)
+    assert plan("s", "", "", "efim") == 0
     typed = "x" * MAX_INCREMENT_CHARS
-    assert sessions.plan("s", typed, "", "efim") == 0  # the whole increment still fits
-    assert sessions.plan("s", typed + "y", "", "efim") == len(typed) + 1  # one more: a new base
-    assert sessions.plan("s", typed + "yz", "", "efim") == len(typed) + 1
+    assert plan("s", typed, "", "efim") == 0  # the whole increment still fits
+    assert plan("s", typed + "y", "", "efim") == len(typed) + 1  # one more: a new base
+    assert plan("s", typed + "yz", "", "efim") == len(typed) + 1
 
 
 def test_sessions_are_bounded_and_expire():
     sessions = InfillSessions(max_sessions=2, ttl_s=0.0)
     for sid in "abc":
-        sessions.plan(sid, "x", "y", "efim")
+        rounds(sessions)(sid, "x", "y", "efim")
     assert len(sessions) <= 2
+
+
+def test_sessions_are_bounded_in_characters_too():
+    """A session keeps its prefix and suffix, up to two documents' worth: 256 of them held ~100 M characters."""
+    sessions = InfillSessions(max_chars=100)
+    plan = rounds(sessions)
+    for sid in "abc":
+        plan(sid, "x" * 40, "y", "efim")
+    assert len(sessions) == 2 and sessions.plan("a", "x" * 41, "y", "efim") == 41  # the oldest went: a new base
+    assert sessions.plan("c", "x" * 41, "y", "efim") == 40
 
 
 def test_efim_rounds_reuse_the_base_and_match_a_fresh_prompt(rc):
@@ -111,7 +137,7 @@ def test_efim_rounds_reuse_the_base_and_match_a_fresh_prompt(rc):
         assert len(same_ids) == reused.stats.prompt_tokens
     # the same EFIM prompt computed from scratch gives the same greedy output
     uncached = RagCache(tiny.make("qwen2"), MemoryStore())
-    uncached.infill_sessions.plan("u1", prefix0, suffix, "efim")  # same base, nothing cached
+    uncached.infill_sessions.remember("u1", prefix0, suffix, "efim", None)  # same base, nothing cached
     expected = uncached.infill(prefix0 + typed, suffix, session="u1", reuse=False, max_new_tokens=6)
     assert expected.stats.cached_tokens == 0
     assert expected.token_ids == reused.token_ids and expected.text == reused.text

