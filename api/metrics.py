@@ -173,8 +173,8 @@ class Metrics:
         )
         self.guard_skipped = Counter(
             "ragcache_guard_skipped",
-            "guard checks drawn but not run: the queue was full, a "
-            "check was already running, or no quiet step came within the check's deadline",
+            "guard checks drawn but not run: the queue was full, a check was already running, no quiet step came "
+            "within the check's deadline, or its full link failed",
             ["model", "algorithm"],
             registry=r,
         )

@@ -3,34 +3,21 @@ plain transformers directory, which later loads read with a normal `from_pretrai
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
-
-
-@contextmanager
-def _offline() -> Iterator[None]:
-    """HF_HUB_OFFLINE for these loads only: set for the process, it made every later hub load (and every process
-    started since, vLLM's workers) fail with "not found in cache"."""
-    before = os.environ.get("HF_HUB_OFFLINE")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    try:
-        yield
-    finally:
-        if before is None:
-            os.environ.pop("HF_HUB_OFFLINE", None)
 
 
 def convert(gguf: Path, out_dir: Path) -> None:
     """GGUF -> transformers dir. save_pretrained refuses GGUF-loaded models, so rebuild from config."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    with _offline():  # local files: nothing to ask the hub for
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # local files: nothing to ask the hub for (HF_HUB_OFFLINE, set here before, stayed set for every process
+    # started since, vLLM's workers; and the hub reads it once, at import, so it did nothing here)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
+    loaded = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
+    )
     config = loaded.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config

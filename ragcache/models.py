@@ -116,7 +116,12 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     if 0 in (getattr(config, "no_rope_layers", None) or ()):  # smollm3, llama4: layers whose keys carry no position
         raise UnsupportedModel(f"model type {config.model_type!r} has layers without RoPE (no_rope_layers)")
-    if any(hasattr(layer.self_attn, "sinks") for layer in inner.layers):
+    attentions = [getattr(layer, "self_attn", None) for layer in inner.layers]
+    if any(attention is None for attention in attentions):  # qwen3-next, lfm2, jetmoe: other kinds of layer
+        raise UnsupportedModel(
+            f"model type {config.model_type!r} has layers without the self-attention the linker runs"
+        )
+    if any(hasattr(attention, "sinks") for attention in attentions):
         raise UnsupportedModel(
             f"model type {config.model_type!r} has attention sinks (gpt-oss), which the linker lacks"
         )

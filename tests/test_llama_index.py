@@ -270,6 +270,13 @@ def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever)
     agreement, checks = guarded.guard_agreement()["focus"]
     assert checks == 1 and 0.0 <= agreement <= 1.0
     assert engine(rc, retriever, guard_rate=1.0, algorithm="full").query(QUESTION).response  # exact: never checked
+    # an engine's own knobs are its answers' link: checked as such, not passed over as a client's own
+    tuned = engine(rc, retriever, guard_rate=1.0, algorithm="legolink", k=3)
+    tuned.query(QUESTION)
+    deadline = time.monotonic() + 300
+    while not tuned.guard_agreement() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert tuned.guard_agreement()["legolink"][1] == 1
 
 
 def test_llm_async_calls_leave_the_event_loop_free(rc):

@@ -56,7 +56,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
         if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`: refused now, not after an answer
-            self._guard = BackgroundGuard(self.rc, self.guard_rate)
+            self._guard = BackgroundGuard(self.rc, self.guard_rate, defaults=self)  # its knobs are its answers' link
 
     # -- sync -------------------------------------------------------------------------------------------
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
