@@ -70,16 +70,17 @@ def test_model_without_rope_is_refused():
 @pytest.mark.parametrize(
     "model_type, refusal",
     [("cohere", "rotate keys by halves"), ("gpt_oss", "rotate keys by halves|attention sinks"),
-     ("smollm3", "without RoPE"), ("qwen3_next", "without the self-attention"), ("jetmoe", "without the self-attention")],
+     ("smollm3", "without RoPE"), ("qwen3_next", "without the self-attention"), ("jetmoe", "without the self-attention"), ("exaone4", "without RoPE")],
 )
 def test_rope_models_whose_positions_the_linker_cannot_move_are_refused(model_type, refusal):
+    extra = {"sliding_window": 8, "sliding_window_pattern": 4} if model_type == "exaone4" else {}
     """Interleaved RoPE pairs (cohere, glm), layers without RoPE (smollm3) and attention sinks (gpt-oss) load and
     answer, every placed key wrong: refused at load, as gpt2 is."""
     from transformers import AutoConfig
 
     config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=400,
-                                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+                                  pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
     model = AutoModelForCausalLM.from_config(config)
     with pytest.raises(errors.UnsupportedModel, match=refusal):
         wrap(model, tiny.tokenizer(), name=model_type)
