@@ -608,9 +608,9 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
 
 
-def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_used(tmp_path, monkeypatch):
-    """The budget (20 GiB by default) is no promise of the file system's room: once the disk is full, a write evicts
-    least recently used entries of its size and is tried once more, as past the budget, instead of failing forever."""
+def full_once(tmp_path, monkeypatch, kind: str) -> tuple[DiskStore, list]:
+    """A disk tier holding three entries written in turn (the first the least recently used), whose file system is
+    full for the next write of `kind` ("entry", "record") only: the eviction that write makes room with."""
     store = DiskStore(tmp_path)
     old = [make_entry(s, layers=2) for s in range(3)]
     for k, e in old:
@@ -619,12 +619,19 @@ def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_u
     full, replace = [True], DiskStore._replace
 
     def replace_on_a_full_disk(self, path, data, what, lasting=False):
-        if full[0] and path.name.endswith(".kv"):
+        if full[0] and what.startswith(kind):
             full[0] = False  # the eviction makes room
             raise disk_module.DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)")
         return replace(self, path, data, what, lasting)
 
     monkeypatch.setattr(DiskStore, "_replace", replace_on_a_full_disk)
+    return store, old
+
+
+def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_used(tmp_path, monkeypatch):
+    """The budget (20 GiB by default) is no promise of the file system's room: once the disk is full, a write evicts
+    least recently used entries of its size and is tried once more, as past the budget, instead of failing forever."""
+    store, old = full_once(tmp_path, monkeypatch, "entry")
     key, entry = make_entry(50, layers=2)
     store.put_many({key: entry})
     assert store.contains_many([k for k, _ in old] + [key]) == [False, True, True, True]
@@ -634,20 +641,7 @@ def test_a_disk_fuller_than_its_budget_says_makes_room_from_the_least_recently_u
 def test_a_document_record_on_a_disk_full_of_entries_makes_room_from_them(tmp_path, monkeypatch):
     """Entries are a cache, a record is the document: a disk the entries filled past what the file system has
     evicts the least recently used of them for a record as for an entry, instead of failing the upload."""
-    store = DiskStore(tmp_path)
-    old = [make_entry(s, layers=2) for s in range(3)]
-    for k, e in old:
-        store.put_many({k: e})
-        time.sleep(0.01)
-    full, replace = [True], DiskStore._replace
-
-    def replace_on_a_full_disk(self, path, data, what, lasting=False):
-        if full[0] and what.startswith("record"):
-            full[0] = False  # the eviction makes room
-            raise disk_module.DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)")
-        return replace(self, path, data, what, lasting)
-
-    monkeypatch.setattr(DiskStore, "_replace", replace_on_a_full_disk)
+    store, old = full_once(tmp_path, monkeypatch, "record")
     store.put_record("doc/a", {"text": "kept"})
     assert store.get_records(["doc/a"]) == [{"text": "kept"}]
     assert store.contains_many([k for k, _ in old]) == [False, True, True] and store.stats()["evicted"] == 1
