@@ -3,8 +3,9 @@
     python bench/gpu.py --out DIR                      # on a CUDA machine: no network, no weights needed
     TRITON_INTERPRET=1 python bench/gpu.py --device cpu --quick --out DIR   # the same code path, reduced, on CPU
 
-Needs only torch, triton and transformers (plus this checkout: ragcache's runner and kernels, imported from the
-source tree; nothing that pulls in redis, fastapi or the store). Models are built from configs shaped like
+Needs torch, triton and transformers, and the pure-Python wheels below (ragcache's settings need pydantic), plus
+this checkout: ragcache's engine and kernels, imported from the source tree (the memory and GPU tiers only: nothing
+that pulls in redis or fastapi). Models are built from configs shaped like
 smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and random token ids.
 
   (a) checks   every Triton kernel against the torch reference at the dtype's tolerance: rotate_keys,
@@ -43,7 +44,7 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                (causal FLOPs), agreement with the torch reference on a sample of rows; the fastest correct tiles
                are then used by (f), so (f) measures the link with them
   (i) compile  at `--shape`: `compile_documents` of --compile-docs documents of 512 tokens (a compile sequence per
-               chunk, packed into the scheduler's steps; entries in the codec "auto" keeps on CUDA, and int8), against
+               chunk, packed into the scheduler's steps; entries in the codec "auto" keeps (int8), and bf16), against
                transformers' `model(ids, logits_to_keep=1)` over the same chunks, 1 and 16 chunks per call (the faster
                is the peer); tokens/s and the ratio (goal: >= 0.8 of the peer on a GPU): the first run into a new
                memory tier (its pinned segments made on the way: `_new_store`), the median of the next two into that
@@ -866,13 +867,14 @@ def _short_behind_long(rc, question: str, docs: list, device) -> dict:
 
 def _codec_links(lm, host_store, chunk_tokens: int, texts: list, question: str, order_of, device,
                  reps: int) -> list[dict]:
-    """naive and legolink-16 over int8 and int4 entries from the host tier (`host_store()`, pinned memory on CUDA):
-    half and a quarter of the bf16 entries' bytes cross, decoded and rotated by place_chunks in one pass."""
+    """naive and legolink-16 over bf16, int8 and int4 entries from the host tier (`host_store()`, pinned memory on
+    CUDA): the compute dtype's bytes, half and a quarter of them cross, the integer ones decoded and rotated by
+    place_chunks in one pass. (The main link rows are in the engine's "auto" codec: int8 on CUDA.)"""
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
 
     rows = []
-    for codec in ("int8", "int4"):
+    for codec in ("bf16", "int8", "int4"):
         rc = RagCache(lm, host_store(), EngineConfig(chunk_tokens=chunk_tokens, kv_codec=codec))
         order = order_of(rc.compile(texts))
         rc.link(question, order, algorithm="naive")  # untimed: the kernels' shapes
@@ -972,7 +974,8 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
             forward = _forward_s(lm, prompt, device, reps)
             for algorithm, params in LINK_ALGORITHMS:
                 row = dict(shape=shape, tier=tier, context=prompt, algorithm=algorithm, row_budget=link_budget,
-                           forward_s=forward, **_link_s(rc, question, order, algorithm, params, device, reps))
+                           kv_codec=rc.kv_codec, forward_s=forward,
+                           **_link_s(rc, question, order, algorithm, params, device, reps))
                 row.pop("logits")
                 row["speedup_vs_forward"] = forward / row["seconds"]
                 rows.append(row)
@@ -985,7 +988,8 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                     # both: no stream decodes here, and a batch-invariant engine cuts its pieces at row_budget
                     rc.set_row_budgets(budget, budget)
                     row = dict(shape=shape, tier=tier, context=prompt, algorithm="full", row_budget=budget,
-                               forward_s=forward, **_link_s(rc, question, order, "full", {}, device, reps))
+                               kv_codec=rc.kv_codec, forward_s=forward,
+                               **_link_s(rc, question, order, "full", {}, device, reps))
                     logits = row.pop("logits").float()
                     one_step = logits if one_step is None else one_step
                     row["max_abs_logit_diff_vs_one_step"] = (logits - one_step).abs().max().item()
@@ -1298,7 +1302,8 @@ def compile_rate(shape: str, docs: int, device: torch.device, dtype: torch.dtype
     warm = [text() for _ in range(2)]
     # (codec, store): a pinned memory tier, and on CUDA the GPU tier in front of it (the default store's first two
     # tiers), into which a compile's entries go from the device with no copy, and into the arena with one
-    kinds = [("auto", "memory"), ("int8", "memory")] + [("auto", "gpu+memory")] * (device.type == "cuda")
+    # auto is int8 on CPU and CUDA: the other codec is the compute dtype's, what quantizing costs the compile
+    kinds = [("auto", "memory"), ("bf16", "memory")] + [("auto", "gpu+memory")] * (device.type == "cuda")
     corpora = {kind: [[text() for _ in range(docs)] for _ in range(reps)] for kind in kinds}
     # the peer first, on the model as loaded: an engine wraps its model's Linears (batch invariance, buckets)
     chunks = [lm.tokenizer(t, add_special_tokens=True)["input_ids"] for t in corpora[kinds[0]][0]]
@@ -1543,6 +1548,11 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
     # a copy of the tree without .git (the device machine) is told its commit: RAGCACHE_COMMIT=<hash>[-dirty]
     env["commit"] = os.environ.get("RAGCACHE_COMMIT") or git_commit(ROOT)
     env["command"] = " ".join(sys.argv)
+    # what the link rows' fields mean since 2026-12-01 (rows of earlier commits differ): recompute_s runs from the end
+    # of placing to the first token (it included placing before); rotate_s is placing's host time, so on CUDA the
+    # wait for pinned copies still crossing is in recompute_s; each row names the codec its entries were in
+    env["fields"] = {"recompute_s": "after placing, to the first token", "rotate_s": "placing (host time)",
+                     "kv_codec": "the link's entries' codec (auto is int8 on CUDA)"}
     return env
 
 

@@ -304,7 +304,7 @@ def test_a_delete_that_waits_too_long_for_an_upload_gives_up_and_lets_queries_in
     from ragcache import catalog
     from ragcache.errors import DocumentInUse
 
-    monkeypatch.setattr(catalog, "DELETE_WAIT_S", 0.5)
+    monkeypatch.setattr(catalog, "DELETE_WAIT_S", 2.0)
     locks, uploading, reading = catalog.Locks(), threading.Event(), threading.Event()
     release = threading.Event()
 
@@ -331,7 +331,8 @@ def test_a_delete_that_waits_too_long_for_an_upload_gives_up_and_lets_queries_in
 
     deleter = threading.Thread(target=delete)
     deleter.start()
-    time.sleep(0.1)  # the delete waits now: a query of the document waits behind it
+    while not locks._waiting_writers["d"] and deleter.is_alive():  # the delete waits: a query waits behind it
+        time.sleep(0.005)
     reader = threading.Thread(target=query)
     reader.start()
     assert not reading.wait(0.2)

@@ -494,7 +494,11 @@ def test_a_stream_the_pool_cannot_grow_for_fails_alone(monkeypatch):
     ids = rc.compile(tiny.CORPUS[:2])
     first = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=30)
     pieces = iter(first)
-    next(pieces)  # decoding, in the pool
+    next(pieces)  # its first token is out: its first decode step, which puts it in the pool, may not have run yet
+    deadline = time.monotonic() + 60
+    while (first.cache is None or first.cache.slot is None) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert first.cache.slot is not None  # decoding, in the pool
     adopt = rc.runner.pool.adopt
 
     def out_of_memory(cache):
