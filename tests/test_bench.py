@@ -532,8 +532,8 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
                             "ragcache decode after focus, repair=64", "ragcache decode after focus, repair=256"} and all(row["tok_s"] > 0 for row in decodes.values())
     (agree,) = [row for row in result["decode"] if "leading_identical" in row]
     assert agree["leading_identical"] == agree["of"]  # fp32: the whole-pool step decodes the ordinary step's tokens
-    *compiled, profiled = result["compile"]  # (i): the codec "auto" keeps on this device, and int8; a profile
-    assert len(compiled) == 2 and compiled[1]["codec"] == "int8" and len({row["tokens"] for row in compiled}) == 1
+    *compiled, profiled = result["compile"]  # (i): the codec "auto" keeps on this device (int8), and bf16; a profile
+    assert [row["codec"] for row in compiled] == ["int8", "bf16"] and len({row["tokens"] for row in compiled}) == 1
     assert all(row["ours_tok_s"] > 0 and row["peer_tok_s"] > 0 and row["ratio"] > 0 for row in compiled)
     assert all(row["store"] == "memory" for row in compiled)  # on CPU: no GPU tier to compile into
     assert profiled["what"].startswith("profile of compile_documents") and profiled["wall_ms"] > 0
@@ -675,9 +675,11 @@ def test_the_gpu_scripts_link_profiles_say_how_much_of_the_wall_the_device_was_b
     behind = [r for r in rows if r.get("what") == "short request behind a full link"]
     assert len(behind) == 2 and all(0 < r["short_answer_s"] and r["short_arrived_at_s"] < r["long_link_s"] for r in behind)
     codecs = [(r["codec"], r["algorithm"]) for r in rows if "codec" in r]
-    assert codecs == [("int8", "naive"), ("int8", "legolink"), ("int4", "naive"), ("int4", "legolink")]
+    assert codecs == [(c, a) for c in ("bf16", "int8", "int4") for a in ("naive", "legolink")]
     sizes = {r["codec"]: r["entry_bytes"] for r in rows if "codec" in r}
-    assert sizes["int4"] < 0.6 * sizes["int8"]  # what crosses to the device
+    assert sizes["int4"] < 0.6 * sizes["int8"] < 0.6 * sizes["bf16"]  # what crosses to the device
+    named = [r["kv_codec"] for r in rows if "kv_codec" in r]  # the main link rows: auto's codec, named
+    assert len(named) >= 3 and set(named) == {"int8"}
     (cold,) = [r for r in rows if r.get("tier") == "memory+disk"]  # gpu+memory+disk on CUDA
     assert cold["cold_s"] > 0 and cold["warm_s"] > 0
 
