@@ -574,7 +574,7 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     assert checks["graph decode = eager step"]["ok"] and checks["int8 link ~ pageable link"]["ok"]
     int8 = checks["int8 link ~ pageable link"]
     assert int8["mean_abs_logit_err"] <= int8["relative_tolerance"] * int8["reference_logit_std"]
-    assert len(result["compile"]) == 3 and "compile int8" in done.stdout  # auto, int8, a profile
+    assert len(result["compile"]) == 3 and "compile int8" in done.stdout  # auto (int8), bf16, a profile
     bad = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip", "tiles",
                           "--out", str(tmp_path)], cwd=Path(__file__).resolve().parents[1], env=env,
                          capture_output=True, text=True, timeout=120)

@@ -70,14 +70,16 @@ def test_model_without_rope_is_refused():
 @pytest.mark.parametrize(
     "model_type, refusal",
     [("cohere", "rotate keys by halves"), ("gpt_oss", "rotate keys by halves|attention sinks"),
-     ("smollm3", "without RoPE"), ("qwen3_next", "without the self-attention"), ("jetmoe", "without the self-attention"), ("exaone4", "without RoPE")],
+     ("smollm3", "without RoPE"), ("qwen3_next", "without the self-attention"), ("jetmoe", "without the self-attention"), ("exaone4", "without RoPE"),
+     ("exaone_moe", "without RoPE")],
 )
 def test_rope_models_whose_positions_the_linker_cannot_move_are_refused(model_type, refusal):
-    extra = {"sliding_window": 8, "sliding_window_pattern": 4} if model_type == "exaone4" else {}
-    """Interleaved RoPE pairs (cohere, glm), layers without RoPE (smollm3) and attention sinks (gpt-oss) load and
-    answer, every placed key wrong: refused at load, as gpt2 is."""
+    """Interleaved RoPE pairs (cohere, glm), layers without RoPE (smollm3, exaone hybrids), layers of another kind
+    (qwen3-next, jetmoe) and attention sinks (gpt-oss) load and answer, every placed key wrong: refused at load, as
+    gpt2 is."""
     from transformers import AutoConfig
 
+    extra = {"sliding_window": 8, "sliding_window_pattern": 4} if model_type.startswith("exaone") else {}
     config = AutoConfig.for_model(model_type, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=400,
                                   pad_token_id=0, bos_token_id=1, eos_token_id=2, **extra)
@@ -492,7 +494,7 @@ def test_a_stream_the_pool_cannot_grow_for_fails_alone(monkeypatch):
     decoding in it. It fails that stream only; the pool is as it was for the others."""
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
     ids = rc.compile(tiny.CORPUS[:2])
-    first = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=30)
+    first = rc.stream("Where is it?", ids, algorithm="naive", max_new_tokens=400)  # long: it is still decoding
     pieces = iter(first)
     next(pieces)  # its first token is out: its first decode step, which puts it in the pool, may not have run yet
     deadline = time.monotonic() + 60
@@ -512,5 +514,5 @@ def test_a_stream_the_pool_cannot_grow_for_fails_alone(monkeypatch):
     monkeypatch.setattr(rc.runner.pool, "adopt", adopt)
     for _ in pieces:
         pass
-    assert first.answer.stats.completion_tokens == 30
+    assert first.answer.stats.completion_tokens == 400
     rc.close()
