@@ -123,7 +123,7 @@ def check_supported(model: torch.nn.Module) -> None:
         )
     # exaone4's (and exaone-moe's) hybrid models leave RoPE out of their global layers ("global NoPE"), declared
     # nowhere else
-    if config.model_type in ("exaone4", "exaone_moe") and any(
+    if str(config.model_type) in ("exaone4", "exaone_moe") and any(
         getattr(a, "sliding_window", None) is not None and not getattr(a, "is_sliding", True) for a in attentions
     ):
         raise UnsupportedModel(f"model type {config.model_type!r} has layers without RoPE (its global layers)")
