@@ -10,7 +10,11 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
 
   (a) checks   every Triton kernel against the torch reference at the dtype's tolerance: rotate_keys,
                place_chunks, selected_attention (LegoLink rows, contiguous_from 0 / p / a decode row, windowed),
-               slot_decode_attention (the captured decode step's split-KV rows: 1 and 16 slots), kv_deviation
+               slot_decode_attention (the captured decode step's split-KV rows: 1 and 16 slots), kv_deviation,
+               place_chunks from int8 and int4 codes, aligned_attention (a piece at p, windowed), slot_run_attention
+               (a captured step's repair lanes), write_slot_rows, invariant_linear and invariant_rms_norm at the
+               shape's Linears; and the same bits promised, exactly: aligned_attention whole = cut in pieces,
+               invariant_linear / invariant_rms_norm's row alone = among 64
   (b) kernels  time of each kernel, Triton vs the torch reference (triton.testing.do_bench on CUDA)
   (c) model    `full` through ragcache's runner vs `model(ids)` at 4k tokens; a legolink-16 link of 8 chunks x 512
                (chunks placed + their first 16 rows and the question recomputed); single-stream greedy decode
@@ -283,6 +287,103 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attentio
     cases.append(dict(kernel="kv_deviation", shape=f"[{kv_heads},{chunk * chunks},{dim}]",
                       triton=lambda: TRI.kv_deviation(fresh, cached), torch=lambda: REF.kv_deviation(fresh, cached),
                       truth=None))
+    cases += _codec_place_cases(device, dtype, layers, kv_heads, dim, chunk_k, chunk_v, starts, length, inv_freq,
+                                scaling)
+    cases += _repair_and_invariance_cases(randn, device, dtype, quick, attention_shape, big_k, big_v, chunk, n_full)
+    return cases
+
+
+# (hidden, intermediate): the Linears an invariant runner's step runs through kernels.invariant_linear
+LINEAR_SHAPES = {"smollm2-135m": (576, 1536), "qwen2.5-coder-1.5b": (1536, 8960)}
+
+
+def _codec_place_cases(device, dtype, layers, kv_heads, dim, chunk_k, chunk_v, starts, length, inv_freq, scaling):
+    """place_chunks from int8 and int4 entries (dequantized and rotated in one pass) against the torch reference
+    on the same codes: what a link from a host tier places on CUDA (`auto` is int8 there)."""
+    from ragcache.store import codec as codecs
+
+    cases = []
+    for name in ("int8", "int4"):
+        encoded = [codecs.encode(k, v, name) for k, v in zip(chunk_k, chunk_v)]
+        stored = [[e[j] for e in encoded] for j in range(4)]
+
+        def place(ops, stored=stored):
+            jk = torch.zeros(layers, kv_heads, length, dim, device=device, dtype=dtype)
+            jv = torch.zeros_like(jk)
+            ops.place_chunks(jk, jv, *stored[:2], starts, inv_freq, scaling, *stored[2:])
+            return torch.cat([jk, jv])
+
+        cases.append(dict(kernel=f"place_chunks {name}", shape=f"{len(chunk_k)} x [{layers},{kv_heads},"
+                          f"{chunk_k[0].shape[2]},{dim}] {name} codes", triton=lambda p=place: p(TRI),
+                          torch=lambda p=place: p(REF), truth=None))
+    return cases
+
+
+def _repair_and_invariance_cases(randn, device, dtype, quick, attention_shape, keys, values, chunk, n_full):
+    """The kernels of a batch-invariant, cut-invariant runner and of a captured step's repair lanes, against the
+    reference; and the bits they promise (`exact`, untimed): aligned_attention's rows the same in a piece cut
+    anywhere, invariant_linear's and invariant_rms_norm's rows the same alone and among others."""
+    heads = ATTENTION_SHAPES[attention_shape][2]
+    kv_heads, _, dim = keys.shape
+    scale, g = dim ** -0.5, torch.Generator().manual_seed(1)
+    cases = []
+    q = randn(heads, n_full, dim)
+    for window in (None, 48 if quick else 512):
+        last = torch.arange(n_full - chunk, n_full, device=device)
+        cases.append(dict(
+            kernel="aligned_attention", shape=f"piece of {chunk} rows at {n_full - chunk}, window={window}",
+            triton=lambda w=window: TRI.aligned_attention(q[:, -chunk:], keys, values, n_full - chunk, scale, w),
+            torch=lambda w=window: REF.aligned_attention(q[:, -chunk:], keys, values, n_full - chunk, scale, w),
+            truth=lambda w=window, r=last: REF.reference_attention(q[:, -chunk:], keys, values, r, scale, w)))
+        cuts = sorted(torch.randint(1, n_full, (5,), generator=g).tolist())
+        bounds = [0, *dict.fromkeys(cuts), n_full]
+        cases.append(dict(
+            kernel="aligned_attention cut", shape=f"{n_full} rows whole = cut at {bounds[1:-1]}, window={window}",
+            triton=lambda w=window: TRI.aligned_attention(q, keys, values, 0, scale, w),
+            torch=lambda w=window, b=bounds: torch.cat([TRI.aligned_attention(q[:, lo:hi], keys, values, lo, scale, w)
+                                                        for lo, hi in zip(b, b[1:])]),
+            truth=None, exact=True))
+    # a captured step's repair lanes: 4 lanes of 16 rows, each a run in its own slot of a pool
+    lanes, run, pool, capacity = 4, 16, 6, n_full + 64
+    pool_k, pool_v = randn(pool, kv_heads, capacity, dim), randn(pool, kv_heads, capacity, dim)
+    slots = torch.randperm(pool, generator=g)[:lanes].to(device)
+    at = (torch.randint(0, n_full - run, (lanes,), generator=g)[:, None] + torch.arange(run)).to(device)
+    lane_q = randn(heads, lanes * run, dim)
+    cases.append(dict(
+        kernel="slot_run_attention", shape=f"{lanes} lanes x {run} rows, pool {pool} x {capacity}",
+        triton=lambda: TRI.slot_run_attention(lane_q, pool_k, pool_v, slots, at, scale),
+        torch=lambda: REF.slot_run_attention(lane_q, pool_k, pool_v, slots, at, scale), truth=None))
+    fresh_k, fresh_v = randn(kv_heads, pool, dim), randn(kv_heads, pool, dim)
+    rows_at = torch.randint(0, capacity, (pool,), generator=g).to(device)
+    live = (torch.arange(pool) % 3 != 1).to(device)
+
+    def write(ops):
+        k, v = pool_k.clone(), pool_v.clone()
+        ops.write_slot_rows(k, v, fresh_k, fresh_v, rows_at, live)
+        return torch.cat([k, v])
+
+    cases.append(dict(kernel="write_slot_rows", shape=f"{pool} slots, {int(live.sum())} live", triton=lambda:
+                      write(TRI), torch=lambda: write(REF), truth=None, exact=True))
+    hidden, inner = (64, 96) if quick else LINEAR_SHAPES[attention_shape]
+    weight, bias, x = randn(inner, hidden), randn(inner), randn(64, hidden) / hidden ** 0.5
+    cases.append(dict(kernel="invariant_linear", shape=f"[64,{hidden}] x [{inner},{hidden}]",
+                      triton=lambda: TRI.invariant_linear(x, weight, bias),
+                      torch=lambda: REF.invariant_linear(x.float(), weight.float(), bias.float()).to(dtype),
+                      truth=None))
+    cases.append(dict(kernel="invariant_linear rows", shape=f"row 37 alone = among 64, [{inner},{hidden}]",
+                      triton=lambda: TRI.invariant_linear(x[37:38], weight, bias),
+                      torch=lambda: TRI.invariant_linear(x, weight, bias)[37:38], truth=None, exact=True))
+    norm_w = randn(hidden)
+    for offset, cast_first in ((0.0, True), (1.0, False)):
+        style = "llama" if cast_first else "gemma3"
+        cases.append(dict(kernel="invariant_rms_norm", shape=f"[64,{hidden}] {style}",
+                          triton=lambda o=offset, c=cast_first: TRI.invariant_rms_norm(x, norm_w, 1e-6, o, c),
+                          torch=lambda o=offset, c=cast_first: REF.invariant_rms_norm(x, norm_w, 1e-6, o, c),
+                          truth=None))
+        cases.append(dict(kernel="invariant_rms_norm rows", shape=f"row 37 alone = among 64, {style}",
+                          triton=lambda o=offset, c=cast_first: TRI.invariant_rms_norm(x[37:38], norm_w, 1e-6, o, c),
+                          torch=lambda o=offset, c=cast_first: TRI.invariant_rms_norm(x, norm_w, 1e-6, o, c)[37:38],
+                          truth=None, exact=True))
     return cases
 
 
@@ -292,16 +393,18 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
     for attention_shape, case in cases:
         got, want = case["triton"](), case["torch"]()
         truth = case["truth"]() if case["truth"] else want
-        tol = TOL[dtype] if case["kernel"] != "kv_deviation" else dict(atol=1e-3, rtol=1e-4)
+        exact = case.get("exact", False)  # a promise of the same bits: one computed two ways, untimed
+        tol = (dict(atol=0.0, rtol=0.0) if exact else dict(atol=1e-3, rtol=1e-4) if case["kernel"] == "kv_deviation"
+               else TOL[dtype])
         err = (got.float() - truth.float()).abs().max().item()
-        ok = bool(torch.allclose(got.float(), truth.float(), **tol))
+        ok = bool(torch.equal(got, want)) if exact else bool(torch.allclose(got.float(), truth.float(), **tol))
         ref_err = (want.float() - truth.float()).abs().max().item()
         ok = ok and bool(torch.allclose(want.float(), truth.float(), **tol))
         row = dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=ok,
                    max_abs_err_triton=err, max_abs_err_torch=ref_err, tolerance=tol)
         interpreted = device.type != "cuda"  # Triton's interpreter: checked above, its times mean nothing
-        row["triton_ms"] = None if interpreted else time_ms(case["triton"], device, quick)
-        row["torch_ms"] = time_ms(case["torch"], device, quick)
+        row["triton_ms"] = None if interpreted or exact else time_ms(case["triton"], device, quick)
+        row["torch_ms"] = None if exact else time_ms(case["torch"], device, quick)
         if case.get("triton_no_hint"):  # the same rows without the hint: the Triton kernel itself
             row["triton_kernel_no_hint_ms"] = None if interpreted else time_ms(case["triton_no_hint"], device, quick)
         row["interpreted"] = interpreted

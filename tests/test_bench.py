@@ -484,6 +484,10 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     assert result["environment"]["commit"] and "bench/gpu.py --device cpu" in result["environment"]["command"]
     assert result["all_kernels_match"] and {k["attention_shape"] for k in result["kernels"]} == {
         "smollm2-135m", "qwen2.5-coder-1.5b"}
+    assert {k["kernel"] for k in result["kernels"]} >= {  # every kernel the CUDA runner takes, and its promises
+        "place_chunks int8", "place_chunks int4", "aligned_attention", "aligned_attention cut", "slot_run_attention",
+        "write_slot_rows", "invariant_linear", "invariant_linear rows", "invariant_rms_norm",
+        "invariant_rms_norm rows"}
     fulls = [m for m in result["model"] if "max_abs_logit_err" in m]
     assert fulls and all(m["max_abs_logit_err"] < 1e-4 for m in fulls)
     serving = result["serving"]
@@ -727,3 +731,19 @@ def test_a_prefix_link_timed_on_the_same_prompt_is_a_cached_repeat_not_a_speedup
     monkeypatch.setattr(peers, "whole_documents", lambda lm, texts: Stub())
     mine, _ = peers.ragcache_peers(None, "float32", ["t"], "q?", [VARIANTS["naive"], VARIANTS["prefix"]], 2)
     assert [p.cached_repeat for p in mine] == [False, True]
+
+
+def test_the_gpu_scripts_kernel_check_holds_a_promise_of_the_same_bits_to_the_bit(monkeypatch):
+    """A case marked exact (a row's bits alone and among others, a piece cut anywhere) fails on one ulp, which the
+    dtype's tolerance would let pass; the others are judged within the tolerance."""
+    from bench import gpu
+
+    x = torch.ones(4, 8)
+    off_by_an_ulp = torch.nextafter(x, torch.full_like(x, 2.0))
+    cases = [dict(kernel="k", shape="s", triton=lambda: off_by_an_ulp, torch=lambda: x, truth=None, exact=exact)
+             for exact in (True, False)]
+    monkeypatch.setattr(gpu, "kernel_cases", lambda *args: cases)
+    monkeypatch.setattr(gpu, "ATTENTION_SHAPES", {"one": None})
+    exact, close = gpu.check_and_time_kernels(torch.device("cpu"), torch.float32, quick=True)
+    assert not exact["ok"] and exact["triton_ms"] is None and exact["torch_ms"] is None
+    assert close["ok"] and close["torch_ms"] is not None
