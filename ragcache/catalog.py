@@ -287,16 +287,21 @@ class Catalog:
         compiler,
         layout,
         agree: Agree | None = None,
+        store: bool = True,
     ) -> tuple[list[ChunkKV], EnsureReport]:
         """`read`, the missing entries compiled one by one on this thread (`Compiler.compile`: for an engine whose
-        model runs here, vLLM's worker), and `keep`. What was compiled before a failure is kept."""
+        model runs here, vLLM's worker), and `keep`. What was compiled before a failure is kept. `store=False`:
+        compiled for this caller only, where the documents may be gone (see Load.relink)."""
         entries, report = self.read(chunks, compiler, layout, agree)
         todo, compiled = self.missing(chunks, entries, compiler, layout), dict[str, ChunkKV]()
         try:
             for key, ids in todo.items():
                 compiled[key] = compiler.compile(ids, layout)
         finally:
-            self.keep(compiled, report)
+            if store:
+                self.keep(compiled, report)
+            else:
+                report.compiled += len(compiled)
         return self.filled(chunks, entries, todo, compiled), report
 
     def _other_forms(self, chunks, compiler, layout, entries: list, report: EnsureReport) -> None:

@@ -142,9 +142,12 @@ def test_ensure_reads_once_and_compiles_each_missing_chunk_once():
             compiled.append(ids)
             return _entry(ids)[1]
 
+    unstored, report = docs.ensure(chunks, Compiler(), layout=None, store=False)  # compiled for its caller only
+    assert report.compiled == 1 and store.contains_many([_entry([5, 6])[0]]) == [False]
     entries, report = docs.ensure(chunks, Compiler(), layout=None)
-    assert compiled == [[5, 6]] and report.hits == 1 and report.compiled == 1
+    assert compiled == [[5, 6]] * 2 and report.hits == 1 and report.compiled == 1
     assert [e.token_ids.tolist() for e in entries] == [[1, 5, 6], [1, 7], [1, 5, 6]]
+    assert [e.token_ids.tolist() for e in unstored] == [[1, 5, 6], [1, 7], [1, 5, 6]]
     assert store.contains_many([_entry([5, 6])[0]]) == [True]
 
 

@@ -77,6 +77,21 @@ def test_the_worker_gets_ids_blocks_and_where_to_start():
     assert c.build_connector_meta(None).loads[0].adapter == "/adapters/link"  # the request's LoRA, a link adapter
 
 
+def test_a_request_linked_again_before_it_finishes_is_a_relink():
+    """vLLM preempted it (its blocks given away) and schedules it again: the worker must not store what it
+    compiles then (Load.relink). A request finished and a new one of that id is a first link again."""
+    c = connector()
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
+    relinks = []
+    for _ in range(2):
+        c.update_state_after_alloc(request(SPEC, 62), blocks, 55)
+        relinks += [load.relink for load in c.build_connector_meta(None).loads]
+    c.request_finished(request(SPEC, 62), [])
+    c.update_state_after_alloc(request(SPEC, 62), blocks, 55)
+    relinks += [load.relink for load in c.build_connector_meta(None).loads]
+    assert relinks == [False, True, False]
+
+
 def test_nothing_to_load_hands_the_worker_nothing():
     c = connector()
     c.update_state_after_alloc(request(SPEC, 62), SimpleNamespace(get_block_ids=lambda: ([1],)), 0)

@@ -109,6 +109,22 @@ def test_a_missing_chunk_is_compiled_and_stored(llm, engine, doc_ids):
                                                            algorithm="naive", max_new_tokens=TOKENS).token_ids
 
 
+def test_a_relink_after_preemption_compiles_a_miss_without_storing_it(llm, engine, doc_ids):
+    """vLLM links a preempted request again; its client let go of the documents at its first token, so a miss
+    then may be a deleted document's chunk: linked, but not stored as an entry no document refers to."""
+    from ragcache.integrations.vllm.spec import Load
+
+    new_doc = engine.catalog.add("Cider apples are pressed in late autumn and the juice ferments over the winter.")
+    ids, spec = linked_request(engine, [new_doc], "naive", question="When are cider apples pressed?")
+    before = set(engine.store.keys())
+    relinked = worker().link(Load("relinked", ids, spec, [], 0, relink=True))
+    assert set(engine.store.keys()) == before and worker().take_read()["compiled"] == 1
+    first = worker().link(Load("first", ids, spec, [], 0))
+    assert len(set(engine.store.keys()) - before) == 1  # a first link stores what it compiled
+    worker().take_read()
+    assert torch.equal(relinked.keys[:, :, : spec.linked], first.keys[:, :, : spec.linked])
+
+
 def test_a_corrupt_entry_is_a_miss_and_a_recompile_never_a_wrong_answer(llm, engine, doc_ids):
     question = "Why are bridges built with expansion joints?"
     ids, spec = linked_request(engine, doc_ids, "focus", question=question)

@@ -206,6 +206,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             return
         spec = self._spec(request)
         lora = request.lora_request
+        relink = request.request_id in self._linking  # not finished since its first link: preempted
         self._linking.add(request.request_id)
         load = Load(
             request.request_id,
@@ -214,6 +215,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             list(blocks.get_block_ids()[0]),
             spec.linked - num_external_tokens,
             lora.lora_path if lora is not None else None,
+            relink,
         )
         self._pending[request.request_id] = load
         self._claimed[request.request_id] = set(load.written_blocks(self.block_size))

@@ -177,6 +177,10 @@ class Load:
     block_ids: list[int]
     start: int  # first position to write: vLLM's own prefix hit ends there
     adapter: str | None = None  # the directory of the request's LoRA (its LoRARequest), a link adapter
+    # linked before: vLLM preempted the request and gave its blocks away. Its client released the documents at its
+    # first token, so a delete may have come since: what is missing is compiled for this link and not stored (it
+    # would be entries no document refers to)
+    relink: bool = False
 
     def written_blocks(self, block_size: int) -> list[int]:
         """The blocks the link writes: from the one where vLLM's prefix hit ends to the linked part's last."""

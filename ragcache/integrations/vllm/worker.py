@@ -161,7 +161,7 @@ class LinkWorker:
         chunks = [ids[len(lead) :] for ids in parts.chunk_ids]
         started = time.perf_counter()
         with self.runner.adapted(self.unmerge):  # compiling: the base model's entries
-            parts.chunk_entries = self.ensure(chunks, self.compiler, layout)
+            parts.chunk_entries = self.ensure(chunks, self.compiler, layout, store=not load.relink)
             if parts.prefix_ids:
                 parts.prefix_entry = self.ensure([parts.prefix_ids], self.prefix_compiler, PLAIN)[0]
         fetched = time.perf_counter()
@@ -185,15 +185,16 @@ class LinkWorker:
         )
         return plan.cache
 
-    def ensure(self, chunks: list[list[int]], compiler: Compiler, layout) -> list:
-        """The chunks' entries (this rank's heads), compiling what any rank misses, on every rank together."""
+    def ensure(self, chunks: list[list[int]], compiler: Compiler, layout, store: bool = True) -> list:
+        """The chunks' entries (this rank's heads), compiling what any rank misses, on every rank together; stored
+        unless `store` is False."""
         try:
             catalog = self.catalog
         except StoreError:
             if self.agree is not None:  # the other ranks wait to hear whether this one read the store
                 self.agree([True] * len(chunks), True)
             raise
-        entries, report = catalog.ensure(chunks, compiler, layout, agree=self.agree)
+        entries, report = catalog.ensure(chunks, compiler, layout, agree=self.agree, store=store)
         self.read.update(
             store_bytes=report.read_bytes,
             sliced=report.sliced,
