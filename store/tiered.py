@@ -51,6 +51,7 @@ FAULTS: tuple[type[BaseException], ...] = (StoreError, OSError, sqlite3.Error, *
 RECORD_CACHE_BYTES = 64 << 20
 # entry keys noted per lasting tier that missed them; past it, the others are compiled again when a link needs them
 ENTRIES_BEHIND_MAX = 1 << 16
+CLOSE_WAIT_S = 10.0  # for the write-behind's batch under way, at close
 ENTRIES_BEHIND_BATCH = 16  # entries read from the tier holding them and written into the lagging one at a time
 
 
@@ -137,7 +138,7 @@ class TieredStore(Store):
                 if write and state.write_failing:
                     log.warning("store tier %s accepts writes again", self.tiers[i].name)
                     state.write_failing, state.reason = False, ""
-            if back:
+            if back or write:  # back, or taking writes again: what it missed meanwhile
                 with self._lock:
                     self._catch_ups.add(i)
                 self._run_catch_ups()
@@ -146,15 +147,17 @@ class TieredStore(Store):
     @contextmanager
     def _record_op(self) -> Iterator[None]:
         """A record's write, delete or catch-up, alone; the catch-ups of tiers it found back run after it."""
-        with self._record_writes:
-            depth = getattr(self._in_record_op, "depth", 0)
-            self._in_record_op.depth = depth + 1
-            try:
-                yield
-            finally:
-                self._in_record_op.depth = depth
-        if not depth:
-            self._run_catch_ups()
+        depth = getattr(self._in_record_op, "depth", 0)
+        try:
+            with self._record_writes:
+                self._in_record_op.depth = depth + 1
+                try:
+                    yield
+                finally:
+                    self._in_record_op.depth = depth
+        finally:  # an op that raised (a tier failing) may be what noted a catch-up
+            if not depth:
+                self._run_catch_ups()
 
     def _run_catch_ups(self) -> None:
         if getattr(self._in_record_op, "depth", 0):
@@ -167,35 +170,37 @@ class TieredStore(Store):
             self._catch_up(i)
 
     def _catch_up(self, i: int) -> None:
-        """Write into tier i the records that were written while it was down, from the tiers that hold them."""
+        """Write into tier i the records that were written while it missed them (down, or refusing writes), from the
+        other lasting tiers: this process's memory may hold a copy another worker has since replaced or deleted."""
         with self._lock:
             names = sorted(self._behind.pop(i, ()))
         for n, name in enumerate(names):
-            try:
-                with self._record_op():  # a delete or an upload of it meanwhile is not undone by an older copy
-                    record = next(
-                        (
-                            r
-                            for j, tier in enumerate(self.tiers)
-                            if j != i and self._usable(j)
-                            for r in self._call(j, tier.get_records, [name])[0] or ()
-                            if isinstance(r, dict)
-                        ),
-                        None,
-                    )
-                    if record is not None:  # None: deleted since, everywhere else too
-                        self.tiers[i].put_record(name, record)
-            except FAULTS as exc:
-                with self._lock:
-                    self._behind.setdefault(i, set()).update(names[n:])
-                log.warning(
-                    "store tier %s failed while catching up (%s); it retries when it is back", self.tiers[i].name, exc
-                )
-                return
+            with self._record_op():  # a delete or an upload of it meanwhile is not undone by an older copy
+                record, answered = self._lasting_record(name, but=i)
+                if record is None and answered:  # deleted since, everywhere else too
+                    continue
+                if record is None or not self._call(i, self.tiers[i].put_record, name, record, write=True)[1]:
+                    with self._lock:  # a tier that could not be read, or i failing again: tried at i's next recovery
+                        self._behind.setdefault(i, set()).update(names[n:])
+                    log.warning("store tier %s could not catch up yet; it retries when it is back", self.tiers[i].name)
+                    return
         if names:
             log.info(
                 "store tier %s caught up with %d record(s) written while it was down", self.tiers[i].name, len(names)
             )
+
+    def _lasting_record(self, name: str, but: int) -> tuple[dict | None, bool]:
+        """A record from the first lasting tier other than `but` that holds it, and whether every one asked answered."""
+        answered = True
+        for j, tier in enumerate(self.tiers):
+            if j == but or not tier.lasting:
+                continue
+            got, ok = self._call(j, tier.get_records, [name]) if self._usable(j) else (None, False)
+            record = got[0] if ok and got else None
+            if isinstance(record, dict):
+                return record, True
+            answered = answered and ok
+        return None, answered
 
     def _failed(self, i: int, exc: BaseException, write: bool) -> None:
         state, name = self.states[i], self.tiers[i].name
@@ -232,8 +237,11 @@ class TieredStore(Store):
                     self._prober = None
                     return
             for i in down:
-                if self._answers(i):
-                    self._answered(i, write=False)
+                try:
+                    if self._answers(i):
+                        self._answered(i, write=False)
+                except Exception:  # noqa: BLE001 - a catch-up's own bug: the prober goes on probing the others
+                    log.exception("store tier %s: taking it back failed", self.tiers[i].name)
             wait = min(wait * 2, self.max_probe_s)
         with self._lock:
             self._prober = None
@@ -377,23 +385,30 @@ class TieredStore(Store):
                 with self._entry_writes:  # a delete of one of the batch waits for its write, and then deletes it
                     with self._lock:
                         ready = [i for i, keys in self._entries_behind.items() if keys and self._behind_ready(i)]
-                        if not ready:
+                        if not ready:  # ended in the block that decides it: a tier ready from now on starts another
+                            self._writing_behind = None
                             return
                         i = ready[0]
                         batch = list(itertools.islice(self._entries_behind[i], ENTRIES_BEHIND_BATCH))
-                    entries = self._held_elsewhere(i, batch)
                     tier = self.tiers[i]
-                    if entries:
-                        write = crossing.for_tier(tier.takes_device_entries, entries, {})
+                    try:
+                        entries = self._held_elsewhere(i, batch)
+                        write = crossing.for_tier(tier.takes_device_entries, entries, {}) if entries else {}
+                    except Exception as exc:  # noqa: BLE001 - not a tier's fault (a host copy): the next retry
+                        log.exception("store tier %s: reading the entries it missed failed", tier.name)
+                        self._failed(i, StoreError(f"writing the entries it missed failed: {exc}"), write=True)
+                        return
+                    if write:
                         if not self._call(i, tier.put_many, write, write=True)[1]:
                             return
-                        written[i] = written.get(i, 0) + len(entries)
+                        written[i] = written.get(i, 0) + len(write)
                     with self._lock:
                         for key in batch:
                             self._entries_behind[i].pop(key, None)
         finally:
             with self._lock:
-                self._writing_behind = None
+                if self._writing_behind is threading.current_thread():
+                    self._writing_behind = None
             for i, n in written.items():
                 log.info("store tier %s took %d entries it had missed", self.tiers[i].name, n)
 
@@ -548,7 +563,7 @@ class TieredStore(Store):
             # written now, and noted in turn if that write fails too
             with self._lock:
                 for i in missed:
-                    if self.states[i].down:
+                    if self.states[i].down or self.states[i].write_failing:
                         self._behind.setdefault(i, set()).add(name)
                 missed = [i for i in missed if not self.states[i].down and not self.states[i].write_failing]
             missed = [i for i in missed if not self._call(i, self.tiers[i].put_record, name, record, write=True)[1]]
@@ -593,6 +608,12 @@ class TieredStore(Store):
 
     def close(self) -> None:
         self._closed.set()
+        thread = self._writing_behind  # its batch under way ends before the tiers close under it
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_WAIT_S)
+        left = self.entries_behind()
+        if left:
+            log.warning("%d entries only this process's memory held were not written into a lasting tier", left)
         for tier in self.tiers:
             tier.close()
 

@@ -1429,6 +1429,80 @@ class LastingFlaky(Flaky):
         return super().delete_record(name)
 
 
+class RefusingRecords(LastingFlaky):
+    """A lasting tier that is up but refuses record writes while `full` (a Redis at maxmemory)."""
+
+    full = False
+
+    def put_record(self, name, record):
+        if self.full:
+            raise StoreError("flaky tier: OOM command not allowed when used memory > 'maxmemory'")
+        return super().put_record(name, record)
+
+
+@pytest.mark.parametrize("then", ["replaced", "deleted"])
+def test_a_tier_back_catches_up_from_the_lasting_tiers_not_from_this_processs_memory(tmp_path, then):
+    """Another worker replaced or deleted the document while the shared tier was down: the catch-up copied this
+    process's memory copy into it, and the deleted document came back from there."""
+    now = [0.0]
+    memory, disk, shared = MemoryStore(), DiskStore(tmp_path), LastingFlaky()
+    store = TieredStore([memory, disk, shared], retry_after=1.0, clock=lambda: now[0])
+    shared.broken = True
+    store.put_record("doc/x", {"text": "old"})  # memory and disk; the shared tier missed it
+    if then == "replaced":
+        disk.put_record("doc/x", {"text": "new"})  # another worker, through the disk they share
+    else:
+        disk.delete_record("doc/x")
+    assert memory.get_record("doc/x") == {"text": "old"}
+    shared.broken = False
+    now[0] = 2.0
+    store.get_records(["doc/other"])  # reaches the shared tier: back, and caught up
+    assert shared.get_record("doc/x") == ({"text": "new"} if then == "replaced" else None)
+
+
+def test_a_record_a_lasting_tier_refused_is_written_there_once_it_takes_writes_again(tmp_path):
+    """The disk took it and the shared tier refused it (full): it was never written there, and machines that share
+    only that tier never saw the document."""
+    disk, shared = DiskStore(tmp_path), RefusingRecords()
+    store = TieredStore([disk, shared], retry_after=0.0)
+    shared.full = True
+    store.put_record("doc/x", {"text": "x"})
+    assert shared.get_record("doc/x") is None
+    shared.full = False
+    store.put_record("doc/y", {"text": "y"})  # it takes writes again: what it refused meanwhile follows
+    assert shared.get_record("doc/x") == {"text": "x"} and shared.get_record("doc/y") == {"text": "y"}
+
+
+def test_the_write_behind_outlives_a_failure_that_is_not_a_tiers(tmp_path, monkeypatch):
+    """A host copy that fails (not a tier's fault) ended the thread with its batch at the head of the queue; each
+    later read started another that failed alike. Now it counts as a refused write, retried after its time."""
+    from ragcache.store import crossing
+
+    now = [0.0]
+    disk = DiskStore(tmp_path)
+    store = TieredStore([MemoryStore(), disk], retry_after=5.0, clock=lambda: now[0])
+    key, entry = make_entry(1, layers=2)
+    real_write, real_cross = DiskStore.write_blobs, crossing.for_tier
+
+    def full(self, blobs):
+        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    with pytest.raises(StoreError):
+        store.put_many({key: entry})
+    monkeypatch.setattr(DiskStore, "write_blobs", real_write)
+    monkeypatch.setattr(crossing, "for_tier", lambda *a: (_ for _ in ()).throw(RuntimeError("no host memory")))
+    now[0] = 6.0
+    store.contains_many([key])
+    assert store.entries_behind(wait_s=10) == 1 and store._writing_behind is None
+    store.contains_many([key])  # before its retry time: no thread
+    assert store._writing_behind is None
+    monkeypatch.setattr(crossing, "for_tier", real_cross)
+    now[0] = 12.0
+    store.contains_many([key])
+    assert store.entries_behind(wait_s=10) == 0 and disk.contains_many([key]) == [True]
+
+
 def test_a_delete_that_finds_a_tier_back_deletes_before_the_tier_catches_up():
     """The delete itself is the first call to reach a tier back from an outage: its catch-up ran inside the delete,
     copying the record into that tier from one the delete had not reached yet; the document came back."""
