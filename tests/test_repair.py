@@ -135,8 +135,8 @@ def test_a_repair_of_one_row_a_step_is_refused_as_it_never_catches_up():
 
 
 def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
-    """Each decode step of a repairing sequence carries its next rows, before any link piece; a link piece of
-    another request gets what is left of the budget."""
+    """Each decode step of a repairing sequence carries its next rows, before any link piece, out of the budget: a
+    link piece of another request gets what the decode rows leave of it."""
     from ragcache.engine.scheduler import Kind, Scheduler
     from tests.test_scheduler import run_plan, sequence
 
@@ -155,7 +155,7 @@ def test_repair_pieces_ride_every_decode_step_out_of_the_budget():
     step = scheduler.schedule()  # what the cache holds
     kinds = [(w.kind, w.sequence, w.start, w.stop) for w in step.work]
     assert kinds[:2] == [(Kind.DECODE, a, 0, 0), (Kind.REPAIR, a, 1, 5)]
-    assert kinds[2][1] is b and step.rows == 16  # b's piece has the rest of the budget
+    assert kinds[2][1] is b and kinds[2][3] - kinds[2][2] == 15 and step.rows == 20  # the repair's 4 rows aside
     a.cache.length += 1  # the runner feeds a's token
     run_plan(scheduler, step, {})
     # caught up in that step: its decode row attended to exact rows only, and so will every row decoded after it
@@ -188,6 +188,40 @@ def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_step
     )
     rc.close()
     packed.close()
+
+
+def test_a_repair_lane_is_as_wide_as_its_rows_not_its_budget():
+    """A repair past the prompt (repair=4096, the README's advice) with a few hundred stale rows: its lane was 4,096
+    rows wide, 4,096 rows computed a slot in a graph of their own (on CUDA a capture and a memory pool for it)."""
+    rc = engine("llama", batch_invariant=False, decode_graphs=True)
+    ids = rc.compile(DOCS)
+    answer = rc.query(QUESTION, ids, algorithm="naive", repair=4096, max_new_tokens=4)
+    assert answer.stats.repair_caught_up
+    widths = [r for _, r in rc.runner.graphs._steps if r]
+    assert widths and max(widths) < 2 * answer.stats.repaired_tokens  # its rows, rounded up to a power of two
+    rc.close()
+
+
+def test_a_link_does_not_crawl_a_row_a_step_behind_repairs_that_take_the_budget():
+    """Repairs are out of the row budget: a link beside them got what they left of it, at least one row, and a
+    repair=4096 made another request's prompt advance a row a step."""
+    from ragcache.engine.scheduler import Kind, Scheduler
+    from tests.test_scheduler import run_plan, sequence
+
+    scheduler = Scheduler(row_budget=16)
+    a, b = sequence(tokens=8), sequence(tokens=2)
+    scheduler.add(a)
+    run_plan(scheduler, scheduler.schedule(), {a: (5,)})
+    a.cache.length = 40  # a prompt of 40 rows, of which its link recomputes 5
+    plan = scheduler.schedule()
+    a.params = linker.LinkParams("naive", repair=32)
+    a.plan.token_ids, a.plan.exact_until = torch.arange(40), 1
+    run_plan(scheduler, plan, {})
+    scheduler.add(b)
+    run_plan(scheduler, scheduler.schedule(), {b: (40,)})
+    step = scheduler.schedule()
+    pieces = {w.kind: w.stop - w.start for w in step.work}
+    assert pieces[Kind.REPAIR] == 32 and pieces[Kind.PIECE] == 15  # what a's decode row leaves of the budget
 
 
 def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_fulls_cache():
@@ -297,3 +331,19 @@ def test_without_a_pool_decode_rows_attend_alone_and_a_repair_still_ends_with_fu
     monkeypatch.setattr("ragcache.kernels.stacked_decode_attention", pooled)
     assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 40, monkeypatch, DOCS[:2], new_tokens=12)
     rc.close()
+
+
+def test_the_step_counters_keep_repair_rows_apart_from_link_rows_and_decode_steps():
+    """Repair rows were counted as link rows, and every step that carried some left the decode-only steps: the
+    decode rate benchmarks read from them was the rate after the repair had caught up."""
+    from ragcache.engine.driver import StepStats
+    from ragcache.engine.scheduler import Kind, StepPlan, Work
+    from tests.test_scheduler import sequence
+
+    a, b = sequence(), sequence()
+    stats = StepStats()
+    stats.count(StepPlan(Kind.PIECE, [Work(a, Kind.DECODE), Work(a, Kind.REPAIR, 1, 33)]), 0.5)
+    stats.count(StepPlan(Kind.PIECE, [Work(a, Kind.DECODE), Work(a, Kind.REPAIR, 33, 40), Work(b, Kind.PIECE, 0, 9)]),
+                0.75)
+    assert (stats.decode_rows, stats.repair_rows, stats.link_rows) == (2, 39, 9)
+    assert (stats.decode_only_steps, stats.decode_only_rows, stats.decode_only_s) == (1, 1, 0.5)

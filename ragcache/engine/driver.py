@@ -41,8 +41,10 @@ class StepStats:
     steps: int = 0
     link_rows: int = 0
     decode_rows: int = 0
+    repair_rows: int = 0  # rows recomputed beside decode rows (repair during decode): neither link nor decode
     step_s: float = 0.0
-    decode_only_steps: int = 0  # steps with no link piece: what decode throughput is measured on
+    # steps with no link piece (repair rows ride some): what decode throughput is measured on, in decode rows
+    decode_only_steps: int = 0
     decode_only_rows: int = 0
     decode_only_s: float = 0.0
     longest_decode_step_s: float = 0.0  # the longest a decoding stream waited for a token: a step's budget bound
@@ -51,15 +53,17 @@ class StepStats:
         if plan.kind is Kind.TASK:  # no step of the requests': a benchmark's own work, a settings change
             return
         rows, decode_rows = plan.rows, plan.decode_rows
+        repair_rows = sum(w.rows for w in plan.work if w.kind is Kind.REPAIR)
         self.steps += 1
         self.decode_rows += decode_rows
-        self.link_rows += rows - decode_rows
+        self.repair_rows += repair_rows
+        self.link_rows += rows - decode_rows - repair_rows
         self.step_s += seconds
         if decode_rows:
             self.longest_decode_step_s = max(self.longest_decode_step_s, seconds)
-        if rows and rows == decode_rows:
+        if decode_rows and rows == decode_rows + repair_rows:
             self.decode_only_steps += 1
-            self.decode_only_rows += rows
+            self.decode_only_rows += decode_rows
             self.decode_only_s += seconds
 
 
