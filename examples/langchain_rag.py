@@ -7,7 +7,7 @@
     python examples/langchain_rag.py --all                     # every question
     python examples/langchain_rag.py --n-questions 4 --algorithm cacheblend --store memory:
 
-Needs the extra: pip install 'ragcache[langchain]'. Questions come from a JSONL file with one
+Needs the extra: pip install -e '.[langchain]' in a ragcache checkout. Questions come from a JSONL file with one
 {"question", "answer", "doc"} per line; those whose doc is not in the folder are skipped.
 """
 

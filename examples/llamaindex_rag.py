@@ -7,7 +7,7 @@
     python examples/llamaindex_rag.py --all                    # every question (about half an hour on 2 cores)
     python examples/llamaindex_rag.py --n-questions 4 --algorithm cacheblend --store memory: --chunk-size 256
 
-Needs the extra: pip install 'ragcache[llama-index]'. Questions come from a JSONL file with one
+Needs the extra: pip install -e '.[llama-index]' in a ragcache checkout. Questions come from a JSONL file with one
 {"question", "answer", "doc"} per line; those whose doc is not in the folder are skipped.
 """
 

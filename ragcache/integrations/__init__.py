@@ -1,5 +1,5 @@
 """Integrations with RAG frameworks. Each lives in its own subpackage and needs its optional extra:
 
-ragcache.integrations.llama_index   pip install 'ragcache[llama-index]'
-ragcache.integrations.langchain     pip install 'ragcache[langchain]'
+ragcache.integrations.llama_index   pip install -e '.[llama-index]'
+ragcache.integrations.langchain     pip install -e '.[langchain]'
 """

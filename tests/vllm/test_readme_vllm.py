@@ -180,7 +180,7 @@ def test_vllms_server_with_the_readme_flags_links(tmp_path, engine, doc_ids):
     port = free_port()
     store = engine.store.root
     command = serve_command().replace("disk:./.ragcache", f"disk:{store}")
-    command = command.replace("python -", f"{shlex.quote(sys.executable)} -") + f" --port {port}"
+    command = command.replace(".venv-vllm/bin/python", shlex.quote(sys.executable)) + f" --port {port}"
     command += f" --dtype float32 --enable-lora --lora-modules link={shlex.quote(str(adapter))}"
     log = tmp_path / "serve.log"
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin",

@@ -6,14 +6,14 @@
     for chunk in chat.stream("..."): ...                  # closing the stream (or cancelling its task) stops decoding
     chat.invoke("...", documents=[Document(page_content="...")])   # or the documents of one call
 
-Needs the optional extra: pip install 'ragcache[langchain]'.
+Needs the optional extra: pip install -e '.[langchain]' in a ragcache checkout.
 """
 
 try:
     import langchain_core  # noqa: F401 - only whether the extra is installed
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "ragcache.integrations.langchain needs langchain-core: pip install 'ragcache[langchain]'"
+        "ragcache.integrations.langchain needs langchain-core: pip install -e '.[langchain]' in a ragcache checkout"
     ) from exc
 
 from ragcache.integrations.warming import WarmReport

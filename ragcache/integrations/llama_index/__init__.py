@@ -7,14 +7,14 @@
     response = engine.query("...")    # Response: .response, .source_nodes, .metadata (QueryStats.as_dict() + ...)
     llm = RagCacheLLM(rc=rc)          # plain completions from the same engine
 
-Needs the optional extra: pip install 'ragcache[llama-index]'.
+Needs the optional extra: pip install -e '.[llama-index]' in a ragcache checkout.
 """
 
 try:
     import llama_index.core  # noqa: F401 - only whether the extra is installed
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "ragcache.integrations.llama_index needs llama-index-core: pip install 'ragcache[llama-index]'"
+        "ragcache.integrations.llama_index needs llama-index-core: pip install -e '.[llama-index]' in a ragcache checkout"
     ) from exc
 
 from .compiler import RagCacheCompiler
