@@ -400,8 +400,11 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
         ok = bool(torch.equal(got, want)) if exact else bool(torch.allclose(got.float(), truth.float(), **tol))
         ref_err = (want.float() - truth.float()).abs().max().item()
         ok = ok and bool(torch.allclose(want.float(), truth.float(), **tol))
+        # whether the Triton kernel rounds as torch does, bit for bit (rotate_keys and place_chunks launch without FP
+        # fusion for it): recorded, not judged
         row = dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=ok,
-                   max_abs_err_triton=err, max_abs_err_torch=ref_err, tolerance=tol)
+                   max_abs_err_triton=err, max_abs_err_torch=ref_err, tolerance=tol,
+                   same_bits_as_torch=bool(torch.equal(got, want)))
         interpreted = device.type != "cuda"  # Triton's interpreter: checked above, its times mean nothing
         row["triton_ms"] = None if interpreted or exact else time_ms(case["triton"], device, quick)
         row["torch_ms"] = None if exact else time_ms(case["torch"], device, quick)

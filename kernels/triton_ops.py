@@ -782,6 +782,7 @@ def rotate_keys(
         keys.stride(0), keys.stride(1), keys.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         **_rope_consts(half, head_dim), BLOCK_T=block_t,
+        enable_fp_fusion=False,  # torch rounds each product of the rotation; a fused multiply-add rounds once
     )  # fmt: skip
     return out
 
@@ -883,6 +884,7 @@ def _place_launch(joined_keys, joined_values, keys, values, pairs, starts, inv_f
         joined_values.stride(0), joined_values.stride(1), joined_values.stride(2),
         **_rope_consts(half, head_dim), D_P2=_p2(head_dim), BLOCK_T=block_t, NCOL=_NCOL,
         BITS=0 if pairs[0] is None else 8 // _per_byte(keys[0], pairs[0]),
+        enable_fp_fusion=False,  # as rotate_keys: each product rounded as torch rounds it (memory-bound: free)
     )  # fmt: skip
     # `keys`/`values` (possibly fresh device copies) stay referenced until here; on CUDA the caching
     # allocator only reuses their memory in stream order, after this launch has read it.
@@ -895,14 +897,28 @@ ATTENTION_TILES: dict[int, tuple[int, int, int, int]] = {
     128: (128, 128, 8, 3),  # the fastest of 9 on an H200, focus's rows at llama3-8b, 32k keys: 507 against 197 TFLOP/s
     256: (64, 32, 8, 2),  # not tuned on a GPU yet
 }
+# fp32 operands take twice the shared memory a tile: 128 x 128 K and V tiles over 3 stages would need more than a
+# Hopper SM's 227 KiB (not run on a GPU yet)
+ATTENTION_TILES_FP32: dict[int, tuple[int, int, int, int]] = {
+    64: (64, 64, 4, 2),
+    128: (64, 64, 4, 2),
+    256: (32, 32, 4, 2),
+}
 
 
-def attention_tiles(d_p2: int) -> tuple[int, int, int, int]:
-    """The attention kernel's tiles for a head dim (a power of two); the interpreter takes bigger ones (fewer
-    interpreted programs and loop trips)."""
+def attention_tiles(d_p2: int, operand: torch.dtype = torch.bfloat16) -> tuple[int, int, int, int]:
+    """The attention kernel's tiles for a head dim (a power of two) and the operands' dtype; the interpreter takes
+    bigger ones (fewer interpreted programs and loop trips)."""
     if INTERPRET:
         return 64, 64, 4, 1
-    return ATTENTION_TILES.get(d_p2, ATTENTION_TILES[256] if d_p2 > 256 else ATTENTION_TILES[64])
+    tiles = ATTENTION_TILES_FP32 if operand == torch.float32 else ATTENTION_TILES
+    return tiles.get(d_p2, tiles[256] if d_p2 > 256 else tiles[64])
+
+
+def _head_p2(head_dim: int) -> int:
+    """The attention kernels' padded head dim: a power of two, and at least 16, tl.dot's smallest inner size for
+    16-bit operands on NVIDIA (the interpreter takes any)."""
+    return max(16, _p2(head_dim))
 
 
 def sdpa_serves(contiguous_from: int | None, rows: int, length: int, window: int | None, device) -> bool:
@@ -958,8 +974,8 @@ def selected_attention(
         return out
     positions = query_positions.to(query.device).contiguous()
     query, keys, values, operand = _operands(query, keys, values)
-    d_p2 = _p2(head_dim)
-    block_m, block_n, warps, stages = attention_tiles(d_p2)
+    d_p2 = _head_p2(head_dim)
+    block_m, block_n, warps, stages = attention_tiles(d_p2, operand)
     grid = (triton.cdiv(rows * group, block_m), kv_heads)
     _attention_kernel[grid](
         query, keys, values, positions, out, float(scale) * LOG2E, rows, length,
@@ -999,7 +1015,7 @@ def aligned_attention(
     if first < 0 or keys.shape[1] < end:
         raise ValueError(f"rows at {first}..{end - 1} need keys up to {end}, the cache holds {keys.shape[1]}")
     group = heads // keys.shape[0]
-    block_m = attention_tiles(_p2(head_dim))[0]
+    block_m = attention_tiles(_head_p2(head_dim), torch.promote_types(query.dtype, keys.dtype))[0]
     period = block_m // math.gcd(block_m, group)  # rows after which a tile starts with a row's first head again
     lo = first - first % period
     if lo < first:
@@ -1044,7 +1060,7 @@ def slot_decode_attention(
     if slots == 0:
         return out
     query, keys, values, operand = _operands(query, keys, values)
-    group, d_p2 = heads // kv_heads, _p2(head_dim)
+    group, d_p2 = heads // kv_heads, _head_p2(head_dim)
     block_n, warps, stages = DECODE_TILES
     splits = decode_splits(slots, kv_heads, length, block_n)
     chunk = triton.cdiv(triton.cdiv(length, splits), block_n) * block_n
@@ -1088,8 +1104,8 @@ def slot_run_attention(
     if rows == 0:
         return out
     query, keys, values, operand = _operands(query, keys, values)
-    group, d_p2 = heads // kv_heads, _p2(head_dim)
-    block_m, block_n, warps, stages = attention_tiles(d_p2)
+    group, d_p2 = heads // kv_heads, _head_p2(head_dim)
+    block_m, block_n, warps, stages = attention_tiles(d_p2, operand)
     _slot_run_kernel[(triton.cdiv(run * group, block_m), kv_heads, lanes)](
         query, keys, values, slots, positions.contiguous(), out, float(scale) * LOG2E, run, length,
         int(window) if window is not None else 0,

@@ -667,47 +667,68 @@ _COMPILE_SCRIPT = textwrap.dedent(
     """
     import os
     os.environ.pop("TRITON_INTERPRET", None)
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from ragcache.kernels import triton_ops as T
 
+    SHARED = 227 * 1024  # a Hopper SM's shared memory a block may take: more fails at launch, not here
+
     def build(fn, pointers, consts, **options):
         sig = {a: "constexpr" if a in consts else pointers.get(a, "i32") for a in fn.arg_names}
-        triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32), options=options)
+        kernel = triton.compile(ASTSource(fn, sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
+                                options=options)
+        assert kernel.metadata.shared <= SHARED, (fn.__name__, consts, options, kernel.metadata.shared)
+        return kernel
 
     rope = dict(HALF=64, HALF_P2=64, D=128, REST_P2=0)
-    for dt in ("fp32", "bf16"):
+    for dt, operand in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         f = dict(inv_freq="*fp32", scaling="*fp32")
-        build(T._rotate_kernel, dict(f, src=f"*{dt}", dst=f"*{dt}", positions="*i64"), dict(rope, BLOCK_T=32))
+        build(T._rotate_kernel, dict(f, src=f"*{dt}", dst=f"*{dt}", positions="*i64"), dict(rope, BLOCK_T=32),
+              enable_fp_fusion=False)
         for stored, bits in ((dt, 0), ("u8", 8), ("u8", 4), ("u8", 2)):  # as computed, and codes decoded in the pass
             build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{stored}",
-                  v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, BITS=bits))
-        build(T._attention_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", query_positions="*i64", out=f"*{dt}",
-              qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=True, D=128, D_P2=128, BLOCK_M=64, BLOCK_N=64,
-              UPCAST=False, IEEE=dt == "fp32"), num_warps=8, num_stages=2)
+                  v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, BITS=bits),
+                  enable_fp_fusion=False)
+        # the tiles the kernels launch with on CUDA (attention_tiles), at head dims 64, 96 (a padded tail) and 128
+        for head_dim in (64, 96, 128):
+            d_p2 = T._head_p2(head_dim)
+            block_m, block_n, warps, stages = T.ATTENTION_TILES_FP32[d_p2] if dt == "fp32" else T.ATTENTION_TILES[d_p2]
+            common = dict(QK_SCALE=0.18, GROUP=4, D=head_dim, D_P2=d_p2, BLOCK_M=block_m, BLOCK_N=block_n,
+                          UPCAST=False, IEEE=dt == "fp32")
+            for window in (False, True):
+                build(T._attention_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", query_positions="*i64",
+                      out=f"*{dt}"), dict(common, HAS_WINDOW=window), num_warps=warps, num_stages=stages)
+            build(T._slot_run_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", slots="*i64", positions="*i64",
+                  out=f"*{dt}"), dict(common, HAS_WINDOW=True), num_warps=warps, num_stages=stages)
+            for splits, window in ((1, False), (1024, True)):
+                build(T._slot_decode_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", positions="*i64",
+                      part_acc="*fp32", part_ml="*fp32"), dict(QK_SCALE=0.18, GROUP=4, HAS_WINDOW=window, D=head_dim,
+                      D_P2=d_p2, BLOCK_M=16, BLOCK_N=T.DECODE_TILES[0], SPLITS=splits, UPCAST=False,
+                      IEEE=dt == "fp32"), num_warps=T.DECODE_TILES[1], num_stages=T.DECODE_TILES[2])
+                build(T._slot_combine_kernel, dict(part_acc="*fp32", part_ml="*fp32", out=f"*{dt}"),
+                      dict(D=head_dim, D_P2=d_p2, SPLITS=splits))
         build(T._deviation_kernel, dict(fresh=f"*{dt}", cached=f"*{dt}", out="*fp32"), dict(D=128, D_P2=128, BLOCK_T=32))
-        build(T._slot_decode_kernel, dict(q=f"*{dt}", k=f"*{dt}", v=f"*{dt}", positions="*i64", part_acc="*fp32",
-              part_ml="*fp32", qk_scale="fp32"), dict(GROUP=4, HAS_WINDOW=False, D=128, D_P2=128, BLOCK_M=16,
-              BLOCK_N=T.DECODE_TILES[0], SPLITS=64, UPCAST=False, IEEE=dt == "fp32"),
-              num_warps=T.DECODE_TILES[1], num_stages=T.DECODE_TILES[2])
-        build(T._slot_combine_kernel, dict(part_acc="*fp32", part_ml="*fp32", out=f"*{dt}"), dict(D=128, D_P2=128,
-              SPLITS=64))
         build(T._write_slot_rows_kernel, dict(k=f"*{dt}", v=f"*{dt}", fresh_k=f"*{dt}", fresh_v=f"*{dt}",
               positions="*i64", live="*i1"), dict(D=128, D_P2=128))
-        for bias in (True, False):
-            build(T._linear_kernel, dict(x=f"*{dt}", w=f"*{dt}", b=f"*{dt}", out=f"*{dt}"), dict(HAS_BIAS=bias,
-                  BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, SUM_DOT=False, IEEE=dt == "fp32"), num_warps=4, num_stages=3)
-        for cast_first in (True, False):
-            build(T._rms_norm_kernel, dict(x=f"*{dt}", w=f"*{dt}", out=f"*{dt}", eps="fp32", offset="fp32"),
-                  dict(CAST_FIRST=cast_first, BLOCK=4096))
+        for out_features, in_features in ((1536, 576), (8960, 1536)):
+            block_m, block_n, block_k, warps, stages = T._linear_tiles(out_features, in_features)
+            for bias in (True, False):
+                build(T._linear_kernel, dict(x=f"*{dt}", w=f"*{dt}", b=f"*{dt}", out=f"*{dt}"), dict(HAS_BIAS=bias,
+                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SUM_DOT=False, IEEE=dt == "fp32"),
+                      num_warps=warps, num_stages=stages)
+        for cast_first, offset in ((True, 0.0), (False, 1.0)):
+            build(T._rms_norm_kernel, dict(x=f"*{dt}", w=f"*{dt}", out=f"*{dt}"),
+                  dict(EPS=1e-6, OFFSET=offset, CAST_FIRST=cast_first, BLOCK=4096))
     print("compiled")
     """
 )
 
 
 def test_kernels_compile_for_hopper():
-    """The compiled (non-interpreted) path builds to sm_90 machine code; catches what the interpreter forgives."""
+    """The compiled (non-interpreted) path builds to sm_90 machine code with the tiles it launches with, each within
+    an SM's shared memory; catches what the interpreter forgives (fp32 attention at head dim 128 took 384 KiB)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
