@@ -10,6 +10,7 @@ from ragcache.store.errors import (  # noqa: F401 - re-exported: every error is 
     ParameterOutOfRange,
     RagCacheError,
     StoreError,
+    UnknownStore,
 )
 
 

@@ -19,6 +19,7 @@ from ragcache.store import Store, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
+from ragcache.store.tiers import check_url
 
 from . import adapters, guard, infill, linker, loaded, lora, models
 from .catalog import EnsureReport, Writer
@@ -151,7 +152,9 @@ class RagCache(Front):
     @classmethod
     def from_config(cls, config: EngineConfig) -> Front:
         """Load the model (with its adapter) and open the store a config names, on ragcache's engine or vLLM's.
-        A bad codec or engine name fails before the model loads."""
+        A bad codec, engine name or store URL fails before the model loads."""
+        if isinstance(config.store, str):
+            check_url(config.store)
         if config.engine == "vllm":
             from .integrations.vllm.engine import VllmRagCache
 

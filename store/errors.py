@@ -23,6 +23,10 @@ class StoreError(RagCacheError):
     """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
 
 
+class UnknownStore(StoreError, BadRequest):
+    """A store URL (or one of its tiers) of no kind the store knows: a typo, bad input before anything opens."""
+
+
 class CorruptEntry(StoreError):
     """An entry failed its checksum or does not belong to the key it was read under."""
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-from .errors import StoreError
+from .errors import StoreError, UnknownStore
 
 if TYPE_CHECKING:
     from .base import Store
@@ -101,9 +101,16 @@ def per_process(url: str) -> bool:
     return all((kind := kind_of(tier)) is not None and kind.per_process for tier in tier_urls(url))
 
 
+def check_url(url: str) -> None:
+    """UnknownStore for a tier of no known kind: before a model loads for minutes, not after."""
+    for spec in tier_urls(url):
+        if kind_of(spec) is None:
+            forms = ", ".join(k.form for k in KINDS)
+            raise UnknownStore(f"unknown store {spec!r}: use {forms}, or tiers joined by '+'")
+
+
 def open_tier(spec: str, connect: bool = True, device=None) -> Store:
+    check_url(spec)
     kind = kind_of(spec)
-    if kind is None:
-        forms = ", ".join(k.form for k in KINDS)
-        raise StoreError(f"unknown store {spec!r}: use {forms}, or tiers joined by '+'")
+    assert kind is not None
     return kind.opens(spec, connect, device)

@@ -472,3 +472,18 @@ def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_p
         refused = tiny_cli("compile", tmp_path / "other.txt", "--store", store, "--shards", bad)
         assert refused.exit_code != 0 and message in refused.text, refused.output
     assert document_id("A new text.") not in tiny_cli.engines[-1].document_ids()
+
+
+@pytest.mark.parametrize("command", ["query", "serve"])
+def test_a_mistyped_store_url_is_bad_input_before_the_model_loads(tmp_path, monkeypatch, command):
+    """Exit 3 and the forms a store takes, at once: it was exit 1 once the model had loaded (on a fresh machine, once
+    its download had ended)."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli, models
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model loaded before the store was read"))
+    (tmp_path / "doc.txt").write_text("A document.")
+    args = ["query", "what?", "--doc", str(tmp_path / "doc.txt")] if command == "query" else ["serve"]
+    result = CliRunner().invoke(cli.app, [*args, "--store", "memory+s3://bucket"])
+    assert result.exit_code == 3 and "unknown store 'memory+s3://bucket'" in result.output, result.output
