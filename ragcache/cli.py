@@ -34,7 +34,7 @@ from .cli_options import (
     StoreOpt,
     link_options,
 )
-from .console import console, err, fail
+from .console import console, err, fail, interrupted
 from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
@@ -276,8 +276,7 @@ def compile(
         kept = _other_budgets(rc, summary.ids)
         evicted = _disk_evictions(rc.store) - evicted_before
     except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]: finished chunks are stored; run the same command to resume")
-        raise typer.Exit(130) from None
+        interrupted("finished chunks are stored; run the same command to resume")
     except (RagCacheError, OSError, json.JSONDecodeError) as exc:
         fail(exc)
     console.print(
@@ -503,8 +502,7 @@ def query(
             if stream and not as_json:
                 console.print(piece, end="", soft_wrap=True, highlight=False, markup=False, emoji=False)
     except KeyboardInterrupt:
-        err.print("[yellow]interrupted[/yellow]")
-        raise typer.Exit(130) from None
+        interrupted()
     except (RagCacheError, OSError) as exc:  # OSError: a --doc file that cannot be read
         fail(exc)
     answer = result.answer
@@ -539,6 +537,8 @@ def demo(
         check_data(data)
         rc, _ = _open(model, store, dtype=dtype, device=device)
         run_demo(rc, data, questions, console)
+    except KeyboardInterrupt:
+        interrupted()
     except RagCacheError as exc:
         fail(exc)
 
@@ -690,6 +690,8 @@ def calibrate(
             err.print(f"calibrating with the link adapter in {rc.lm.adapter.path}, against the base model's full")
         sample = cal.items_from_documents(rc, texts, items) if docs is not None else cal.builtin_items(rc, items)
         profile = cal.calibrate(rc, sample, target=target, progress=lambda line: err.print(f"  {line}"), at=at)
+    except KeyboardInterrupt:
+        interrupted("no profile saved")
     except RagCacheError as exc:
         fail(exc)
     try:
@@ -790,6 +792,8 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
     try:
         with err.status(f"pulling {name}"):
             path = fetch.pull(name)
+    except KeyboardInterrupt:
+        interrupted("nothing half-downloaded is kept; pull again")
     except RagCacheError as exc:
         fail(exc)
     console.print(f"{name}: {path}")

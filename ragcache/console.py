@@ -39,6 +39,12 @@ def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
     )
 
 
+def interrupted(kept: str = "") -> NoReturn:
+    """Ctrl-C: a yellow line (what was kept, how to resume) and exit 130, not click's "Aborted!" and exit 1."""
+    err.print("[yellow]interrupted[/yellow]" + (f": {escape(kept)}" if kept else ""))
+    raise typer.Exit(130)
+
+
 def fail(exc: Exception | str, code: int | None = None) -> NoReturn:
     """A red line on stderr, then exit with `code`, else the exit code of the error's kind."""
     err.print(f"[red]error:[/red] {escape(str(exc))}")  # an error quotes input: its brackets are no markup

@@ -34,7 +34,7 @@ from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
 from .cli_options import StoreOpt
-from .console import bars, console, err, fail
+from .console import bars, console, err, fail, interrupted
 from .errors import BadRequest, StoreError
 from .settings import load_settings
 
@@ -170,13 +170,15 @@ def _bars() -> Iterator[maintenance.Progress]:
 
 
 def _guard(fn):
-    """Store failures become a red line and exit code 1, not a traceback."""
+    """Store failures become a red line and exit code 1, not a traceback; Ctrl-C exit 130."""
     import functools
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except KeyboardInterrupt:
+            interrupted()
         except StoreError as exc:
             fail(exc)
 

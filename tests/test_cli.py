@@ -487,3 +487,22 @@ def test_a_mistyped_store_url_is_bad_input_before_the_model_loads(tmp_path, monk
     args = ["query", "what?", "--doc", str(tmp_path / "doc.txt")] if command == "query" else ["serve"]
     result = CliRunner().invoke(cli.app, [*args, "--store", "memory+s3://bucket"])
     assert result.exit_code == 3 and "unknown store 'memory+s3://bucket'" in result.output, result.output
+
+
+def test_ctrl_c_ends_every_long_command_with_exit_130(monkeypatch, tmp_path):
+    """README: 130 interrupted. `demo`, `calibrate`, `models pull` and the store's commands fell through to click:
+    "Aborted!" and exit 1."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli, fetch, store_cli
+
+    def interrupt(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fetch, "pull", interrupt)
+    monkeypatch.setattr(store_cli, "summary", interrupt)
+    monkeypatch.setattr(cli, "_open", interrupt)
+    for args in (["models", "pull", "smollm2-135m"], ["store", "stats", "--store", "memory:"], ["demo"],
+                 ["calibrate", "--at", "first"]):
+        result = CliRunner().invoke(cli.app, args)
+        assert result.exit_code == 130 and "interrupted" in result.output, (args, result.output)

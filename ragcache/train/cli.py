@@ -11,7 +11,7 @@ from rich.progress import Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt, link_options
-from ..console import bars, console, err, fail
+from ..console import bars, console, err, fail, interrupted
 from ..errors import RagCacheError
 from ..settings import DEFAULT_TRAIN_ALGORITHM, LinkKnobs
 
@@ -114,8 +114,7 @@ def link_cmd(
     except RagCacheError as exc:
         fail(exc)
     except KeyboardInterrupt:
-        err.print(f"interrupted: the next run with --out {out} resumes from the last checkpoint")
-        raise typer.Exit(130) from None
+        interrupted(f"the next run with --out {out} resumes from the last checkpoint")
     _print_link_report(report)
     if install:
         from ..adapters import install as install_adapter
@@ -214,8 +213,7 @@ def infill_cmd(
     except RagCacheError as exc:
         fail(exc)
     except KeyboardInterrupt:
-        err.print(f"interrupted: the same command with --out {out} resumes from the last checkpoint")
-        raise typer.Exit(130) from None
+        interrupted(f"the same command with --out {out} resumes from the last checkpoint")
     head = sum(result.losses[:5]) / min(5, len(result.losses))
     tail = sum(result.losses[-5:]) / min(5, len(result.losses))
     console.print(
