@@ -61,7 +61,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                check failed or a section (or a step inside one) raised. On CUDA it refuses to start without a commit
                to name (RAGCACHE_COMMIT); after a CUDA fault (an illegal access breaks the process's context) the
                sections left run in a fresh process, their rows taken into the same JSON. `--skip` takes the
-               section names (a rerun of one part). On an
+               section names (a rerun of one part). `--deadline-s S` starts no section its expected time
+               (SUITE_EXPECTED_S) would take past S seconds: on a device lent for 600 s a command, 480 leaves the
+               start and a margin, and the run names what it left with the --skip that runs it next. On an
                H200 at 352741f it took 515 s before (i) (check 39, link 138, decode 208, serving 99, invariance
                29). (i) runs before (g), and (g)'s compiled step last, after its peers: an Inductor failure can
                leave the CUDA context unusable for whatever follows.
@@ -125,6 +127,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--suite", action="store_true", help="the prepared device run: every check at the smollm2 shape "
                     "and at --shape, then (f) at 32k (medians of 5), (g), (d) at --shape, (e) and (i); one JSON "
                     "and a one-screen summary")
+    ap.add_argument("--deadline-s", type=float, default=None, help="(with --suite) start no section past this many "
+                    "seconds from the start that its expected time (SUITE_EXPECTED_S) would take past them: what is "
+                    "left is named, with the --skip that runs it next, and the run ends in time")
     ap.add_argument("--suite-resume", type=Path, default=None, help="(the suite itself, after a CUDA fault) go on "
                     "with this suite JSON: its sections kept, the ones not --skip'ped run into it")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
@@ -1749,6 +1754,9 @@ def main() -> None:
 
 
 SUITE_SECTIONS = ("kernels", "check", "link", "compile", "decode", "serving", "invariance")
+# each section's time on an H200 at 352741f (check 39, link 138, decode 208, serving 99, invariance 29 s), kernels
+# (a few s) and compile (not run there) guessed: what --deadline-s plans with, not a result
+SUITE_EXPECTED_S = dict(kernels=20, check=45, link=140, compile=90, decode=210, serving=100, invariance=30)
 # what a CUDA error leaves broken for the rest of the process (an illegal access, a device-side assert)
 CONTEXT_LOST = ("illegal memory access", "device-side assert", "unspecified launch failure", "CUDA error",
                 "cudaError", "CUBLAS_STATUS", "misaligned address")
@@ -1766,6 +1774,7 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
     result: dict = dict(benchmark="gpu --suite", environment=env, quick=args.quick, skipped=sorted(skip))
     if args.suite_resume is not None:  # a process that faulted ran the sections before: theirs, as it wrote them
         result = json.loads(path.read_text())
+        started -= result.get("seconds", 0.0)  # its time counts toward the deadline and the total
     runs = {
         "kernels": lambda: check_and_time_kernels(device, dtype, True),  # first: a failure names its kernel
         "check": lambda: [row for shape in dict.fromkeys(("smollm2-135m", args.shape))
@@ -1780,6 +1789,13 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
     done = set(skip)
     for section in SUITE_SECTIONS:
         if section in skip:
+            continue
+        elapsed = time.perf_counter() - started
+        if args.deadline_s is not None and elapsed + SUITE_EXPECTED_S[section] > args.deadline_s:
+            left = result.setdefault("left_for_time", [])  # run next with --skip of the others
+            left += [section] if section not in left else []
+            print(f"suite: {section} left for a next run ({elapsed:.0f} s gone, about {SUITE_EXPECTED_S[section]} s "
+                  f"expected, deadline {args.deadline_s:.0f} s)", flush=True)
             continue
         print(f"suite: {section}", flush=True)
         began = time.perf_counter()
@@ -1802,6 +1818,9 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
     path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
     failed = _suite_summary(result)
     print(f"{'FAILED: ' + ', '.join(failed) if failed else 'no check failed'}; {result['seconds']:.0f} s; wrote {path}")
+    if result.get("left_for_time"):
+        others = [s for s in SUITE_SECTIONS if s not in result["left_for_time"]]
+        print(f"left for time: {', '.join(result['left_for_time'])}; run them with --suite --skip {','.join(others)}")
     sys.exit(1 if failed else 0)
 
 
@@ -1853,7 +1872,8 @@ def _suite_summary(result: dict) -> list[str]:
     failed = [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
               if section in SUITE_SECTIONS and isinstance(rows, dict) and "error" in rows]
     failed += [f"{section}: not run" for section in SUITE_SECTIONS  # (a fresh process that did not get to it)
-               if section not in result and section not in result.get("skipped", ())]
+               if section not in result and section not in result.get("skipped", ())
+               and section not in result.get("left_for_time", ())]
     for section in SUITE_SECTIONS:  # a sub-step's failure inside a section that went on
         rows = result.get(section)
         failed += [f"{section} {r.get('what', '')}: {r['error'][:80]}" for r in rows or [] if isinstance(rows, list)

@@ -588,6 +588,13 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
                             "kernels,check,link,decode,serving,invariance,compile", "--out", str(tmp_path)],
                            cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
     assert rerun.returncode == 0 and "no check failed" in rerun.stdout, rerun.stderr[-2000:]
+    # a deadline the next sections would pass: none starts, each is named with the --skip that runs it next
+    late = subprocess.run([sys.executable, "bench/gpu.py", "--device", "cpu", "--quick", "--suite", "--skip",
+                           "kernels,check,link,compile", "--deadline-s", "20", "--out", str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=120)
+    assert late.returncode == 0 and "no check failed" in late.stdout, late.stdout[-2000:] + late.stderr[-2000:]
+    assert "left for time: decode, serving, invariance; run them with --suite --skip kernels,check,link,compile" in (
+        late.stdout)
 
 
 def test_after_a_cuda_fault_the_suite_runs_the_rest_in_a_fresh_process_and_keeps_its_rows(tmp_path, monkeypatch):
