@@ -597,18 +597,28 @@ def _slot_decode_kernel(
 
 @triton.jit
 def _slot_combine_kernel(
-    part_acc, part_ml, out, heads, so_s, so_h, D: tl.constexpr, D_P2: tl.constexpr, SPLITS: tl.constexpr
-):
-    """Merge one (slot, head)'s split partials: the online softmax's rescale, once over all splits."""
+    part_acc, part_ml, out, heads, so_s, so_h, D: tl.constexpr, D_P2: tl.constexpr, SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """Merge one (slot, head)'s split partials: the online softmax's rescale, over the splits BLOCK_S at a time (a
+    [SPLITS, D_P2] fp32 tile would be 512 KiB of registers at 1,024 splits: spilled), after their max."""
     row = tl.program_id(0).to(tl.int64)  # slot * heads + head
     slot, head = row // heads, row % heads
-    s = tl.arange(0, SPLITS)
     d = tl.arange(0, D_P2)
-    m = tl.load(part_ml + (row * SPLITS + s) * 2)
-    l_s = tl.load(part_ml + (row * SPLITS + s) * 2 + 1)
-    acc = tl.load(part_acc + (row * SPLITS + s)[:, None] * D_P2 + d[None, :])
-    weight = tl.exp2(m - tl.max(m, axis=0))
-    total = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+    top = tl.full([BLOCK_S], -float("inf"), tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.load(part_ml + (row * SPLITS + s) * 2))
+    m_max = tl.max(top, axis=0)
+    total = tl.zeros([D_P2], tl.float32)
+    norm = tl.zeros([BLOCK_S], tl.float32)
+    for s0 in range(0, SPLITS, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        weight = tl.exp2(tl.load(part_ml + (row * SPLITS + s) * 2) - m_max)
+        norm += tl.load(part_ml + (row * SPLITS + s) * 2 + 1) * weight
+        acc = tl.load(part_acc + (row * SPLITS + s)[:, None] * D_P2 + d[None, :])
+        total += tl.sum(acc * weight[:, None], axis=0)
+    total = total / tl.sum(norm, axis=0)
     tl.store(out + slot * so_s + head * so_h + d, _to(total, out.dtype.element_ty), mask=d < D)
 
 
@@ -1076,7 +1086,8 @@ def slot_decode_attention(
         IEEE=operand == torch.float32, num_warps=warps, num_stages=stages,
     )  # fmt: skip
     _slot_combine_kernel[(slots * heads,)](
-        part_acc, part_ml, out, heads, out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, SPLITS=splits
+        part_acc, part_ml, out, heads, out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, SPLITS=splits,
+        BLOCK_S=min(splits, 16),
     )
     return out
 

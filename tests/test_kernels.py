@@ -459,6 +459,8 @@ SLOT_DECODE_CASES = [
     (4, 4, 4, 64, 32, None, torch.float16, 1),  # no GQA, one split
     (4, 1, 2, 120, 32, 16, torch.float32, 8),  # windowed (gemma3's local layers), 4 splits
     (8, 2, 1, 200, 80, 50, torch.bfloat16, 32),  # head_dim not a power of two, a window wider than a split
+    (8, 1, 1, 1024, 64, None, torch.float32, 64),  # 64 splits: merged 16 at a time
+    (4, 1, 2, 1024, 32, 40, torch.float32, 64),  # 64 splits, most of them outside the window: empty
 ]
 
 
@@ -708,7 +710,7 @@ _COMPILE_SCRIPT = textwrap.dedent(
                       D_P2=d_p2, BLOCK_M=16, BLOCK_N=T.DECODE_TILES[0], SPLITS=splits, UPCAST=False,
                       IEEE=dt == "fp32"), num_warps=T.DECODE_TILES[1], num_stages=T.DECODE_TILES[2])
                 build(T._slot_combine_kernel, dict(part_acc="*fp32", part_ml="*fp32", out=f"*{dt}"),
-                      dict(D=head_dim, D_P2=d_p2, SPLITS=splits))
+                      dict(D=head_dim, D_P2=d_p2, SPLITS=splits, BLOCK_S=min(splits, 16)))
         build(T._deviation_kernel, dict(fresh=f"*{dt}", cached=f"*{dt}", out="*fp32"), dict(D=128, D_P2=128, BLOCK_T=32))
         build(T._write_slot_rows_kernel, dict(k=f"*{dt}", v=f"*{dt}", fresh_k=f"*{dt}", fresh_v=f"*{dt}",
               positions="*i64", live="*i1"), dict(D=128, D_P2=128))
