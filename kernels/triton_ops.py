@@ -1088,7 +1088,7 @@ def slot_decode_attention(
     _slot_combine_kernel[(slots * heads,)](
         part_acc, part_ml, out, heads, out.stride(0), out.stride(1), D=head_dim, D_P2=d_p2, SPLITS=splits,
         BLOCK_S=min(splits, 16),
-    )
+    )  # fmt: skip
     return out
 
 
