@@ -419,7 +419,8 @@ class TieredStore(Store):
             missing = [key for key in keys if key not in found]
             if j == i or not missing or not self._usable(j):
                 continue
-            got, ok = self._call(j, tier.get_many, missing)
+            read = tier.peek if tier.hands_out_copies else tier.get_many  # no hit counted, no LRU touch where it can
+            got, ok = self._call(j, read, missing)
             found.update({key: entry for key, entry in zip(missing, got or ()) if ok and entry is not None})
         return found
 

@@ -1499,8 +1499,11 @@ def test_the_write_behind_outlives_a_failure_that_is_not_a_tiers(tmp_path, monke
     assert store._writing_behind is None
     monkeypatch.setattr(crossing, "for_tier", real_cross)
     now[0] = 12.0
+    memory = store.tiers[0]
+    before = memory.stats()["hits"]
     store.contains_many([key])
     assert store.entries_behind(wait_s=10) == 0 and disk.contains_many([key]) == [True]
+    assert memory.stats()["hits"] == before  # read for the write-behind, not by a user: no hit counted
 
 
 def test_a_delete_that_finds_a_tier_back_deletes_before_the_tier_catches_up():
