@@ -84,6 +84,9 @@ class Catalog:
         as_text(tokenizer)  # its text-encoding copy, made here before any other thread encodes (chunker.text_ids)
         self._locks = Locks()
         self.flights = Flights()
+        # a delete's scan for the entries no other document uses, and its deletes, take turns with new records: a
+        # document registered between them would count a shared entry as present that the delete then removed
+        self._references = threading.Lock()
 
     @contextmanager
     def using(self, doc_ids: list[str]) -> Iterator[None]:
@@ -125,10 +128,13 @@ class Catalog:
 
     def write(self, draft: Draft) -> None:
         """Store what a draft found missing: the document's record, then its chunk record."""
-        if draft.new_document:
-            self.store.put_record(doc_name(draft.doc.id), document_record(draft.doc))
-        if draft.new_chunks:
-            self._write_chunks(draft.doc, draft.chunks)
+        if not (draft.new_document or draft.new_chunks):
+            return
+        with self._references:
+            if draft.new_document:
+                self.store.put_record(doc_name(draft.doc.id), document_record(draft.doc))
+            if draft.new_chunks:
+                self._write_chunks(draft.doc, draft.chunks)
 
     def get(self, doc_id: str) -> Document | None:
         return read_document(doc_id, self._record(doc_name(doc_id)))
@@ -371,7 +377,7 @@ class Catalog:
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
-        with self._locks.exclusive(doc_id, DELETE_WAIT_S):
+        with self._locks.exclusive(doc_id, DELETE_WAIT_S), self._references:
             return maintenance.delete(self.store, doc_id)
 
 

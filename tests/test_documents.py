@@ -180,6 +180,39 @@ def test_delete_keeps_entries_another_document_shares():
     assert docs.delete(first) is None
 
 
+def test_a_document_registered_during_a_delete_sees_the_shared_entries_the_delete_leaves(monkeypatch):
+    """A delete finds the entries no other document uses, then deletes them: a document registered in between, which
+    shares one, found it present (nothing to compile) and then lost it. Its registration now waits for the delete."""
+    import threading
+
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    shared = "Rivers flow to the sea."
+    first = docs.add(f"{shared} Paris is big.")
+    store.put_many(dict(_entry(ids) for ids in docs.chunks_of(first)))
+    shared_key = _entry(docs.chunks_of(first)[0])[0]
+    seen = []
+
+    def register_second():
+        second = docs.add(f"{shared} Rome is old.")
+        assert _entry(docs.chunks_of(second)[0])[0] == shared_key
+        seen.append(store.contains_many([shared_key])[0])  # what its compile finds: to compile, or present
+
+    real = maintenance.referenced_keys
+
+    def scan_then_register(*args, **kwargs):
+        found = real(*args, **kwargs)
+        registering.start()
+        registering.join(0.5)  # it waits for the delete, or registers now
+        return found
+
+    registering = threading.Thread(target=register_second)
+    monkeypatch.setattr(maintenance, "referenced_keys", scan_then_register)
+    docs.delete(first)
+    registering.join(10)
+    assert seen == [store.contains_many([shared_key])[0]] == [False]  # seen missing: compiled, not lost
+
+
 class ListingStore(MemoryStore):
     """Counts record listings and record reads."""
 
