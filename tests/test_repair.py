@@ -178,6 +178,8 @@ def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_step
     held = caches_at_release(rc)
     answer = rc.query(QUESTION, ids, algorithm="naive", repair=40, max_new_tokens=24)
     assert sum(w > 0 for w in widths) >= 2 and widths[-1] == 0  # repaired over several steps, then plain decode
+    runs = [w for w in widths if w]
+    assert runs[-1] < runs[0] and {r for _, r in rc.runner.graphs._steps if r} == {64}  # its last run: the same lane
     keys, values = held[0]
     want_keys, want_values = full_cache(rc, ids, answer.token_ids)
     torch.testing.assert_close(keys, want_keys, atol=2e-5, rtol=2e-4)
@@ -222,6 +224,18 @@ def test_a_link_does_not_crawl_a_row_a_step_behind_repairs_that_take_the_budget(
     step = scheduler.schedule()
     pieces = {w.kind: w.stop - w.start for w in step.work}
     assert pieces[Kind.REPAIR] == 32 and pieces[Kind.PIECE] == 15  # what a's decode row leaves of the budget
+    run_plan(scheduler, step, {})
+    a.cache.length += 1
+    c = sequence(tokens=2)
+    scheduler.add(c)
+    run_plan(scheduler, scheduler.schedule(), {c: (40,)})
+    # b's link ends (its last 25 rows are over the 15 left: 15 now, 10 next), c's takes the rest: not nothing
+    step = scheduler.schedule()
+    assert [(w.sequence, w.stop - w.start) for w in step.work if w.kind is Kind.PIECE] == [(b, 15)]
+    run_plan(scheduler, step, {})
+    a.cache.length += 1
+    step = scheduler.schedule()
+    assert [(w.sequence, w.stop - w.start) for w in step.work if w.kind is Kind.PIECE] == [(b, 10), (c, 5)]
 
 
 def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_fulls_cache():

@@ -71,12 +71,14 @@ class WholePool:
 
 @dataclass(frozen=True)
 class Run:
-    """Rows [start, stop) of a pooled cache recomputed in a decode step, and their ids."""
+    """Rows [start, stop) of a pooled cache recomputed in a decode step, and their ids; `width`: its lane's rows
+    (sequence.Repair.width: its first run's, so that a last, shorter run takes no graph of its own)."""
 
     cache: JoinedCache
     start: int
     stop: int
     token_ids: np.ndarray
+    width: int
 
 
 @dataclass
@@ -176,9 +178,7 @@ class DecodeGraphs:
         in a step with a lane of R rows for each of them (P lanes and R rows rounded up to powers of two: few
         graphs)."""
         pool: KVPool = self.runner.pool
-        # lanes as wide as the longest run (rounded up: few graphs), not as its sequence's budget: a repair=4096
-        # with 300 stale rows left would compute 4,096 rows a lane, in a graph of its own
-        width = max((run.stop - run.start for run in repairs), default=0)
+        width = max((run.width for run in repairs), default=0)
         step = self._for(pool, (_round_up(len(repairs)), _round_up(width)) if repairs else (0, 0))
         step.fill(tokens, caches, repairs)
         for cache in caches:

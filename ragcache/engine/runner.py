@@ -343,7 +343,11 @@ class Runner:
                 self.adopt(cache)
             if not self.graphs.covers(caches):
                 return self._packed(works)
-            repairs = [Run(w.sequence.cache, w.start, w.stop, _repair_array(w)) for w in works if w.kind is Kind.REPAIR]
+            repairs = [
+                Run(w.sequence.cache, w.start, w.stop, _repair_array(w), w.sequence.repair.width)
+                for w in works
+                if w.kind is Kind.REPAIR
+            ]
             logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")

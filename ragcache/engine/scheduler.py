@@ -235,7 +235,7 @@ class Scheduler:
             work.append(Work(sequence, Kind.PIECE, sequence.linked_rows, sequence.linked_rows + size))
             budget -= size
             if size == pending:  # its link ends here and its answer waits for the step: no longer than row_budget's
-                budget = min(budget, self.row_budget - sum(w.rows for w in work))
+                budget = min(budget, self.row_budget - sum(w.rows for w in work if w.kind is not Kind.REPAIR))
         pieces = {w.sequence for w in work if w.kind is Kind.PIECE}
         for sequence in linking:
             sequence.passed_over = 0 if sequence in pieces else sequence.passed_over + 1
@@ -248,8 +248,13 @@ class Scheduler:
         """The decoding sequences' repair pieces (Sequence.repair). Each rides with its decode row every step until
         it is done, before any link piece and out of the step's budget: cut where the sequence alone would cut it,
         whatever else runs (batch invariance), and an answer's repair never waits on the load."""
-        sized = [(s, s.repair.size(s.cache.length)) for s in decoding if s.repair is not None]
-        return [Work(s, Kind.REPAIR, s.repair.next, s.repair.next + n) for s, n in sized if n > 0]
+        works = []
+        for s in decoding:
+            n = s.repair.size(s.cache.length) if s.repair is not None else 0
+            if n > 0:
+                s.repair.width = s.repair.width or n
+                works.append(Work(s, Kind.REPAIR, s.repair.next, s.repair.next + n))
+        return works
 
     def _urgency(self, sequence: Sequence) -> tuple[bool, int]:
         """The order link pieces take the budget in: those passed over too long first, the longest passed over

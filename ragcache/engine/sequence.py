@@ -68,6 +68,9 @@ class Repair:
     prompt_ids: torch.Tensor  # the linked prompt's ids; the answer's fed tokens follow them in the cache
     next: int  # the first row not yet exact
     per_step: int
+    # its first run's rows, the longest it runs: the width of its lane in a captured step, for every run (a last,
+    # shorter run takes no graph of its own; a repair=4096 of 300 stale rows no lane of 4,096)
+    width: int = 0
 
     def size(self, length: int) -> int:
         """Rows the next step repairs, of a cache holding `length` rows."""
