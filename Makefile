@@ -17,7 +17,8 @@ $(VENV)/.torch:
 	# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels.
 	$(PIP) install -q $(TORCH)
 	# a CUDA build without a GPU: several GB of CUDA libraries for nothing
-	$(PY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')"
+	$(PY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')" \
+	  || { $(PIP) uninstall -y -q torch; exit 1; }  # so that the next run installs the TORCH it is given
 	touch $@
 
 $(VENV)/.base: $(VENV)/.torch pyproject.toml
@@ -32,7 +33,8 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
-	$(VPY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')"
+	$(VPY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')" \
+	  || { $(VPY) -m pip uninstall -y -q torch; exit 1; }  # so that the next run installs the TORCH it is given
 	$(VPY) -m pip install -q $(VLLM)
 	# PyPI's builds of these fail to load their ops against torch +cpu, and vLLM's text models do not need them
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec

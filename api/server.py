@@ -20,7 +20,7 @@ from ragcache.errors import ParameterOutOfRange
 from ragcache.facade import RagCache
 from ragcache.front import Front
 from ragcache.settings import Settings
-from ragcache.store import per_process, shown
+from ragcache.store import check_url, per_process, shown
 
 from .app import create_app
 from .connections import Config, Limits
@@ -73,6 +73,8 @@ def run(settings: Settings, workers: int = 1) -> None:
             "worker would start its own)"
         )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
+    if isinstance(settings.store, str):  # before the workers start, each to fail on it (and be started again)
+        check_url(settings.store)
     if workers > 1:
         if per_process(settings.store):
             log.warning(

@@ -1200,12 +1200,13 @@ def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick:
     sample = torch.arange(0, len(positions), max(len(positions) // 256, 1), device=device)
     want = REF.selected_attention(q[:, sample], k, v, positions[sample], scale)
     flops = 4 * heads * dim * float((positions + 1).sum())  # QK and PV over each row's visible keys
-    d_p2 = 1 << (dim - 1).bit_length()
-    default = TRI.ATTENTION_TILES.get(d_p2)
+    d_p2 = TRI._head_p2(dim)
+    table = TRI.ATTENTION_TILES_FP32 if dtype == torch.float32 else TRI.ATTENTION_TILES  # what launches read
+    default = table.get(d_p2)
     rows = []
     for text in candidates if device.type == "cuda" else candidates[:1]:
         tile = tuple(int(x) for x in text.split("/"))
-        TRI.ATTENTION_TILES[d_p2] = tile
+        table[d_p2] = tile
         row = dict(shape=shape, what="focus-row attention tiles", tiles=text, rows=len(positions), keys=length,
                    default=tile == default)
         try:
@@ -1222,7 +1223,7 @@ def tiles(shape: str, context: int, candidates: list[str], device, dtype, quick:
               flush=True)
     good = [row for row in rows if row["ok"]]
     best = min(good, key=lambda row: row["ms"]) if good else None
-    TRI.ATTENTION_TILES[d_p2] = tuple(int(x) for x in best["tiles"].split("/")) if best else default
+    table[d_p2] = tuple(int(x) for x in best["tiles"].split("/")) if best else default
     if best:
         best["chosen"] = True
         print(f"  {shape} attention tiles chosen for (f): {best['tiles']}", flush=True)

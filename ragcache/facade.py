@@ -15,11 +15,10 @@ from typing import TypeVar
 import torch
 from prometheus_client.core import GaugeMetricFamily
 
-from ragcache.store import Store, open_store
+from ragcache.store import Store, check_url, open_store
 from ragcache.store.codec import native as native_kv_codec
 from ragcache.store.codec import validate as validate_kv_codec
 from ragcache.store.entry import ChunkKV
-from ragcache.store.tiers import check_url
 
 from . import adapters, guard, infill, linker, loaded, lora, models
 from .catalog import EnsureReport, Writer

@@ -16,9 +16,19 @@ from __future__ import annotations
 from .base import Store
 from .entry import ChunkKV
 from .keys import chunk_key, document_id
-from .tiers import open_tier, per_process, shown, tier_urls
+from .tiers import check_url, open_tier, per_process, shown, tier_urls
 
-__all__ = ["ChunkKV", "Store", "chunk_key", "document_id", "open_store", "per_process", "shown", "tier_urls"]
+__all__ = [
+    "ChunkKV",
+    "Store",
+    "check_url",
+    "chunk_key",
+    "document_id",
+    "open_store",
+    "per_process",
+    "shown",
+    "tier_urls",
+]
 
 
 def open_store(url: str | Store, device=None) -> Store:

@@ -141,6 +141,8 @@ class TieredStore(Store):
             if back or write:  # back, or taking writes again: what it missed meanwhile
                 with self._lock:
                     self._catch_ups.add(i)
+                    # and the tiers whose catch-up could not read what it missed from this one, while it was down
+                    self._catch_ups.update(j for j, names in self._behind.items() if names and not self.states[j].down)
                 self._run_catch_ups()
             self._start_write_behind()
 

@@ -474,7 +474,7 @@ def test_compile_shards_writes_each_entry_as_kv_head_shards_once(tiny_cli, tmp_p
     assert document_id("A new text.") not in tiny_cli.engines[-1].document_ids()
 
 
-@pytest.mark.parametrize("command", ["query", "serve"])
+@pytest.mark.parametrize("command", ["query", "serve", "serve --workers 2"])
 def test_a_mistyped_store_url_is_bad_input_before_the_model_loads(tmp_path, monkeypatch, command):
     """Exit 3 and the forms a store takes, at once: it was exit 1 once the model had loaded (on a fresh machine, once
     its download had ended)."""
@@ -484,7 +484,7 @@ def test_a_mistyped_store_url_is_bad_input_before_the_model_loads(tmp_path, monk
 
     monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model loaded before the store was read"))
     (tmp_path / "doc.txt").write_text("A document.")
-    args = ["query", "what?", "--doc", str(tmp_path / "doc.txt")] if command == "query" else ["serve"]
+    args = ["query", "what?", "--doc", str(tmp_path / "doc.txt")] if command == "query" else command.split()
     result = CliRunner().invoke(cli.app, [*args, "--store", "memory+s3://bucket"])
     assert result.exit_code == 3 and "unknown store 'memory+s3://bucket'" in result.output, result.output
 

@@ -1460,6 +1460,25 @@ def test_a_tier_back_catches_up_from_the_lasting_tiers_not_from_this_processs_me
     assert shared.get_record("doc/x") == ({"text": "new"} if then == "replaced" else None)
 
 
+def test_a_catch_up_that_could_not_read_its_source_runs_again_once_the_source_is_back(tmp_path):
+    """The shared tier came back while the disk, which held what it missed, was down: its catch-up read nothing and
+    waited for its own next recovery, which never came while it stayed up."""
+    now = [0.0]
+    disk, shared = LastingFlaky(), LastingFlaky()
+    store = TieredStore([MemoryStore(), disk, shared], retry_after=1.0, clock=lambda: now[0])
+    shared.broken = True
+    store.put_record("doc/x", {"text": "x"})  # memory and disk; the shared tier missed it
+    disk.broken, shared.broken = True, False
+    now[0] = 2.0
+    with pytest.raises(TierUnavailable):  # the shared tier is back; the disk, down now, cannot be read
+        store.get_records(["doc/other"])
+    assert shared.get_record("doc/x") is None
+    disk.broken = False
+    now[0] = 10.0
+    store.get_records(["doc/other"])  # the disk is back: the shared tier's catch-up runs again
+    assert shared.get_record("doc/x") == {"text": "x"}
+
+
 def test_a_record_a_lasting_tier_refused_is_written_there_once_it_takes_writes_again(tmp_path):
     """The disk took it and the shared tier refused it (full): it was never written there, and machines that share
     only that tier never saw the document."""
@@ -1495,8 +1514,7 @@ def test_the_write_behind_outlives_a_failure_that_is_not_a_tiers(tmp_path, monke
     now[0] = 6.0
     store.contains_many([key])
     assert store.entries_behind(wait_s=10) == 1 and store._writing_behind is None
-    store.contains_many([key])  # before its retry time: no thread
-    assert store._writing_behind is None
+    assert store.states[1].write_failing and store.states[1].write_retry_at == 11.0  # a refused write's retry
     monkeypatch.setattr(crossing, "for_tier", real_cross)
     now[0] = 12.0
     memory = store.tiers[0]
