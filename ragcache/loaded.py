@@ -9,10 +9,23 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+
+
+@dataclass
+class _Holders:
+    """Who holds an adapter's base weights now: the first swaps them in, the last swaps them back. `calibrate` holds
+    them while the engine's compile steps take them too, on the model thread: the inner release put the adapter
+    back under the outer holder, whose references then were the adapted model's."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    count: int = 0
+    disabled: contextlib.AbstractContextManager | None = None  # peft's disable_adapter(), entered by the first
 
 
 @dataclass(frozen=True)
@@ -28,11 +41,12 @@ class Adapter:
 
     path: Path
     sha256: str  # of its files: part of the model's fingerprint
-    peft: object | None = None  # unmerged: the PeftModel wrapping the base model
+    peft: Any = None  # unmerged: the PeftModel wrapping the base model (peft is an optional dependency)
     swapped: tuple = ()  # merged: (layer, base weight, merged weight) for each adapted Linear
     # neither: the weights run in another engine (vLLM), merged there or beside them as its LoRA; `base_weights` has
     # nothing to swap here, that engine compiles without the adapter itself
     merged_by_engine: bool = False
+    _holders: _Holders = field(default_factory=_Holders, compare=False, repr=False)
 
     @property
     def merged(self) -> bool:
@@ -40,17 +54,34 @@ class Adapter:
 
     @contextlib.contextmanager
     def base_weights(self):
-        if self.peft is not None:
-            with self.peft.disable_adapter():
-                yield
-            return
-        for layer, base, _ in self.swapped:
-            layer.weight.data = base
+        holders = self._holders
+        with holders.lock:
+            holders.count += 1
+            if holders.count == 1:
+                self._to_base()
         try:
             yield
         finally:
-            for layer, _, merged in self.swapped:
-                layer.weight.data = merged
+            with holders.lock:
+                holders.count -= 1
+                if holders.count == 0:
+                    self._to_adapted()
+
+    def _to_base(self) -> None:
+        if self.peft is not None:
+            self._holders.disabled = self.peft.disable_adapter()
+            self._holders.disabled.__enter__()
+            return
+        for layer, base, _ in self.swapped:
+            layer.weight.data = base
+
+    def _to_adapted(self) -> None:
+        if self._holders.disabled is not None:
+            disabled, self._holders.disabled = self._holders.disabled, None
+            disabled.__exit__(None, None, None)
+            return
+        for layer, _, merged in self.swapped:
+            layer.weight.data = merged
 
 
 @dataclass

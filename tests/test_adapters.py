@@ -64,6 +64,32 @@ def test_a_merged_adapter_answers_as_the_unmerged_one_and_compiles_with_the_base
     assert merged.compile_fingerprint == beside.compile_fingerprint == base.fingerprint
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_the_base_weights_held_twice_stay_until_the_outer_holder_lets_go(tiny_dir, adapter_dir, merge):
+    """`calibrate` holds the base weights while the engine's compile steps take them too (on the model thread): the
+    inner release put the merged weights back under the outer holder, whose `full` references were then the adapted
+    model's."""
+    import threading
+
+    base = models.load(str(tiny_dir), dtype="float32")
+    adapted = models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir, merge=merge)
+    with adapted.base_weights():
+        with adapted.base_weights():  # the compile step's, nested
+            assert torch.equal(logits(adapted), logits(base))
+        assert torch.equal(logits(adapted), logits(base))  # still the base model's
+        taken = threading.Event()
+
+        def compile_step():
+            with adapted.base_weights():
+                taken.set()
+
+        worker = threading.Thread(target=compile_step)
+        worker.start()
+        worker.join(10)
+        assert taken.is_set() and torch.equal(logits(adapted), logits(base))  # another thread's, too
+    assert not torch.allclose(logits(adapted), logits(base), atol=1e-3)  # the adapter back after the last
+
+
 @pytest.mark.parametrize("config", [{"bias": "lora_only"}, {"bias": "all"}, {"modules_to_save": ["lm_head"]}])
 def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_before_it_is_loaded(
         tiny_dir, adapter_dir, tmp_path, config):
