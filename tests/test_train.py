@@ -441,6 +441,8 @@ def test_an_interrupted_infill_run_resumes_where_its_checkpoint_left_off(tiny_di
     assert resumed.losses == pytest.approx(straight.losses, rel=1e-4, abs=1e-6)
     assert resumed.examples == straight.examples == 6 and resumed.tokens == straight.tokens
     assert not (out / "checkpoint").exists()  # the model is written: the checkpoint is gone
+    with pytest.raises(errors.BadRequest, match="holds a finished run"):  # not trained again from --model over it
+        train(TrainConfig(out=out, **{**settings, "steps": 6}))
     a = RagCache.open(model=str(out), store="memory:").lm.model.state_dict()
     b = RagCache.open(model=str(whole), store="memory:").lm.model.state_dict()
     assert all(torch.allclose(a[k], b[k], atol=1e-5) for k in a)

@@ -339,3 +339,15 @@ def test_a_knob_the_fitted_link_does_not_read_is_refused(tmp_path, knobs, unread
         config(tmp_path, **knobs).validate()
     config(tmp_path, algorithm="focus", ratio=0.1).validate()
     config(tmp_path, algorithm="legolink", k=4).validate()
+
+
+def test_a_paragraph_repeated_across_files_is_one_paragraph(tmp_path):
+    """A licence or footer in every file was trained on and held out both (every fifth paragraph is held out)."""
+    from ragcache.train.link import paragraphs
+
+    footer = "This text is released under a licence that allows copying and changing it, as long as this note " \
+             "stays with every copy that is made of it."
+    for n in range(3):
+        (tmp_path / f"{n}.md").write_text(f"Paragraph {n} " + "word " * 25 + f"\n\n{footer}\n")
+    found = paragraphs(tmp_path)
+    assert found.count(" ".join(footer.split())) == 1 and len(found) == 4

@@ -96,6 +96,10 @@ def link_cmd(
     )
     try:
         cfg.validate()
+        with err.status(f"loading {model}"):  # before the bars: one live display at a time (older rich refuses two)
+            from .link import open_engine
+
+            rc = open_engine(cfg)
         with _progress() as bar:
             tasks: dict[str, TaskID] = {}
 
@@ -106,10 +110,6 @@ def link_cmd(
                 if not err.is_terminal:  # a log file gets one line per tick instead of a bar
                     err.print(f"{phase} {done}/{total} {note}", highlight=False)
 
-            with err.status(f"loading {model}"):
-                from .link import open_engine
-
-                rc = open_engine(cfg)
             report = train_link(cfg, rc=rc, progress=tick)
     except RagCacheError as exc:
         fail(exc)

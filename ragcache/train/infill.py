@@ -61,6 +61,12 @@ class TrainConfig:
         self.example_config().validate()
         check_device(self.device)
         checkpoint.check_steps(Path(self.out), self.steps)  # a run resumes `out`'s checkpoint
+        finished = Path(self.out) / "ragcache-train.json"
+        if finished.is_file() and checkpoint.find(Path(self.out)) is None:  # its checkpoint went with its end
+            raise BadRequest(
+                f"{self.out} holds a finished run (its model, merged): it cannot be continued, and this run would "
+                "train from --model again and overwrite it; pick another --out, or remove it first"
+            )
 
     def example_config(self) -> ExampleConfig:
         return ExampleConfig(format=self.format, fragment=self.fragment, max_tokens=self.max_tokens)

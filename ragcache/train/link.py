@@ -177,12 +177,13 @@ def squad_items(train_n: int, eval_n: int) -> tuple[list[Item], list[Item]]:
 
 
 def paragraphs(path: Path) -> list[str]:
-    """The paragraphs (blank-line separated, 20 words or more) of the text files at `path`."""
+    """The distinct paragraphs (blank-line separated, 20 words or more) of the text files at `path`: a paragraph
+    repeated across files (a licence, a footer) would otherwise be trained on and held out both."""
     if not path.exists():
         raise BadRequest(f"no such file or directory: {path}")
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md"))
     found = [" ".join(block.split()) for f in files for block in f.read_text(errors="replace").split("\n\n")]
-    return [p for p in found if len(p.split()) >= 20]
+    return list(dict.fromkeys(p for p in found if len(p.split()) >= 20))
 
 
 def docs_items(
