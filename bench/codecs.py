@@ -10,7 +10,7 @@ links the same token ids with each algorithm (naive and legolink-16 by default).
   top-1 agreement and KL(full || codec) with `full`,
 the share of greedy answers identical to fp32 entries' answers, and the task F1 of the greedy answer against the
 gold answers, with its paired difference from fp32 entries'.
-Every figure comes with a 95% bootstrap interval over items. Bytes per token are read from the stored entries.
+Every figure comes with a 95% interval over items (Wilson's for a share of items, else the bootstrap). Bytes per token are read from the stored entries.
 
 The rule for a default (issue 12): a codec is offered only where its top-1 agreement with fp32 entries is >= 0.95
 and its F1 interval overlaps fp32's; `default_ok` in the JSON says which pass, per algorithm.
