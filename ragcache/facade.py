@@ -44,7 +44,7 @@ from .engine import (
     ready,
     wait,
 )
-from .errors import Cancelled, ParameterOutOfRange
+from .errors import Cancelled, CompileFailed, ParameterOutOfRange, RagCacheError
 from .front import Front
 from .linker import Linked, LinkInput, LinkParams
 from .request import Infill, Query
@@ -332,6 +332,13 @@ class RagCache(Front):
             # each entry is taken as its compile ends, while the model thread goes on; the store's tiers take it
             # from the GPU each as it keeps it (store/crossing.py)
             finish_all(sequences, cancelled, done, self.driver.together)
+        except RagCacheError:
+            raise
+        except Exception as exc:  # the model's or the encoding's own error: a typed one, which names its cause
+            raise CompileFailed(
+                f"compiling {len(keys)} chunk(s) failed ({type(exc).__name__}: {exc}); what was compiled before it is "
+                "stored"
+            ) from exc
         finally:
             for key in keys:
                 if key not in compiled:

@@ -506,3 +506,17 @@ def test_ctrl_c_ends_every_long_command_with_exit_130(monkeypatch, tmp_path):
                  ["calibrate", "--at", "first"]):
         result = CliRunner().invoke(cli.app, args)
         assert result.exit_code == 130 and "interrupted" in result.output, (args, result.output)
+
+
+def test_a_chunk_that_cannot_compile_ends_compile_with_its_cause_not_a_traceback(tiny_cli, tmp_path, monkeypatch):
+    """An error of the model's or the encoding's own (a ValueError here; out of memory on a GPU) escaped `ragcache
+    compile` as a traceback: it is CompileFailed, a red line and exit 1."""
+    from ragcache.compiler import Compiler
+
+    def failing(self, *args, **kwargs):
+        raise ValueError("this chunk cannot be encoded")
+
+    monkeypatch.setattr(Compiler, "entry", failing)
+    (tmp_path / "a.txt").write_text("A document that will not compile.")
+    result = tiny_cli("compile", tmp_path / "a.txt", "--store", "memory:")
+    assert result.exit_code == 1 and "ValueError: this chunk cannot be encoded" in result.text, result.output

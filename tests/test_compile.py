@@ -14,7 +14,7 @@ import torch
 
 from ragcache.catalog import Writer
 from ragcache.engine.scheduler import Kind
-from ragcache.errors import StoreError
+from ragcache.errors import CompileFailed, StoreError
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.store.keys import document_id
@@ -136,7 +136,8 @@ def test_a_chunk_that_fails_to_compile_fails_its_own_request_only():
         t.start()
     for t in threads:
         t.join(120)
-    assert isinstance(outcomes["bad"], ValueError) and isinstance(outcomes["good"], str)
+    assert isinstance(outcomes["bad"], CompileFailed) and isinstance(outcomes["good"], str)
+    assert isinstance(outcomes["bad"].__cause__, ValueError) and "cannot be encoded" in str(outcomes["bad"])
     rc.close()
 
 
@@ -154,7 +155,7 @@ def test_compiles_that_finished_are_stored_when_another_of_the_call_fails():
         return entry(keys, values, token_ids, layout)
 
     rc.compiler.entry = failing
-    with pytest.raises(ValueError, match="cannot be encoded"):
+    with pytest.raises(CompileFailed, match="ValueError: this chunk cannot be encoded"):
         rc._ensure(order, rc.layouts["default"])
     keys = [rc.compiler.key(ids, rc.layouts["default"]) for ids in order[1:]]
     assert all(rc.store.contains_many(keys))
@@ -339,7 +340,7 @@ def test_a_compile_another_request_waited_for_that_fails_is_compiled_by_the_wait
 
     rc.compiler.entry, rc.catalog.flights.wait = fails_first, signalled_wait
     out = _two_callers(rc, chunks)
-    assert isinstance(out["first"], ValueError)
+    assert isinstance(out["first"], CompileFailed) and isinstance(out["first"].__cause__, ValueError)
     entries, report = out["second"]
     assert report.compiled == 1 and report.shared == 0 and len(calls) == 2
     other = engine()
