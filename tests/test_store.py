@@ -738,13 +738,26 @@ def test_redis_urls_show_no_password_wherever_it_is():
     assert shown("memory+disk:./a+b+redis://:pw@h/0") == "memory+disk:./a+b+redis://:***@h/0"
 
 
+def _disk_full(self, blobs):
+    raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
+
+
+def _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, **tiered) -> tuple[TieredStore, DiskStore, str, ChunkKV]:
+    """A memory tier before a disk that refused an entry's write (full): the entry behind, the disk writable again."""
+    disk = DiskStore(tmp_path)
+    store = TieredStore([MemoryStore(), disk], **tiered)
+    key, entry = make_entry(1, layers=2)
+    with monkeypatch.context() as patch:
+        patch.setattr(DiskStore, "write_blobs", _disk_full)
+        with pytest.raises(StoreError):
+            store.put_many({key: entry})
+    return store, disk, key, entry
+
+
 def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):
     """Storing entries is all a compile is for: a failed write fails it (the CLI exits 1 with the store's error). A
     query still answers from the entries it compiled, as before."""
-    def full(self, blobs):
-        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
-
-    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    monkeypatch.setattr(DiskStore, "write_blobs", _disk_full)
     rc = engine(tiny_lm, open_store(f"disk:{tmp_path}"))
     with pytest.raises(StoreError, match="disk full"):
         rc.compile(DOCS)
@@ -762,11 +775,7 @@ def test_entries_kept_in_memory_while_the_disk_was_full_reach_it_once_it_takes_w
     tiered = TieredStore([MemoryStore(), disk], retry_after=5.0, clock=lambda: now[0])
     items = dict(make_entry(s, layers=2) for s in range(3))
     real = DiskStore.write_blobs
-
-    def full(self, blobs):
-        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
-
-    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    monkeypatch.setattr(DiskStore, "write_blobs", _disk_full)
     with pytest.raises(StoreError, match="written there once it takes writes again"):
         tiered.put_many(items)
     assert tiered.contains_many(list(items)) == [True] * 3 and tiered.entries_behind(wait_s=5) == 3
@@ -789,12 +798,9 @@ def test_entries_kept_in_memory_while_the_disk_was_full_reach_it_once_it_takes_w
 def test_a_compile_rerun_after_a_full_disk_stores_what_memory_alone_kept(tmp_path, tiny_lm, monkeypatch):
     """End to end: a compile fails on a full disk behind the memory tier; once the disk has room a re-run compiles
     only what is missing, and every chunk's entry ends on disk, those memory kept included."""
-    def full(self, blobs):
-        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
-
     rc = engine(tiny_lm, open_store(f"memory+disk:{tmp_path}"))
     rc.store.retry_after = 0.0  # the disk is tried again at the re-run's first look, not a second later
-    monkeypatch.setattr(DiskStore, "write_blobs", full)
+    monkeypatch.setattr(DiskStore, "write_blobs", _disk_full)
     with pytest.raises(StoreError, match="disk full"):
         rc.compile(DOCS)
     assert not entry_files(tmp_path)
@@ -1498,18 +1504,8 @@ def test_the_write_behind_outlives_a_failure_that_is_not_a_tiers(tmp_path, monke
     from ragcache.store import crossing
 
     now = [0.0]
-    disk = DiskStore(tmp_path)
-    store = TieredStore([MemoryStore(), disk], retry_after=5.0, clock=lambda: now[0])
-    key, entry = make_entry(1, layers=2)
-    real_write, real_cross = DiskStore.write_blobs, crossing.for_tier
-
-    def full(self, blobs):
-        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
-
-    monkeypatch.setattr(DiskStore, "write_blobs", full)
-    with pytest.raises(StoreError):
-        store.put_many({key: entry})
-    monkeypatch.setattr(DiskStore, "write_blobs", real_write)
+    store, disk, key, _ = _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, retry_after=5.0, clock=lambda: now[0])
+    real_cross = crossing.for_tier
     monkeypatch.setattr(crossing, "for_tier", lambda *a: (_ for _ in ()).throw(RuntimeError("no host memory")))
     now[0] = 6.0
     store.contains_many([key])
@@ -1543,18 +1539,7 @@ def test_a_delete_during_the_write_behind_is_not_undone_by_it(tmp_path, monkeypa
     after the delete (an orphan entry file, or an entry dropped as unfit back again)."""
     import threading
 
-    disk = DiskStore(tmp_path)
-    store = TieredStore([MemoryStore(), disk], retry_after=0.0)
-    key, entry = make_entry(1, layers=2)
-    real = DiskStore.write_blobs
-
-    def full(self, blobs):
-        raise StoreError(f"disk tier {self.root}: cannot write entry (disk full)")
-
-    monkeypatch.setattr(DiskStore, "write_blobs", full)
-    with pytest.raises(StoreError):
-        store.put_many({key: entry})
-    monkeypatch.setattr(DiskStore, "write_blobs", real)
+    store, disk, key, _ = _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, retry_after=0.0)
     held, deleting = store._held_elsewhere, []
 
     def read_then_deleted(i, keys):
