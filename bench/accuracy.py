@@ -55,10 +55,11 @@ def bootstrap(values: list[float], seed: int = 0, resamples: int = RESAMPLES) ->
     return sum(values) / n, means[int(0.025 * resamples)], means[min(int(0.975 * resamples), resamples - 1)]
 
 
-def _ci(values: list[float], seed: int) -> dict:
-    """Mean and 95% interval: Wilson's for a share of items (every value 0 or 1), whose percentile bootstrap is
-    [1, 1] when all of them hold (n = 30 is no proof of 1.000); the bootstrap for the rest."""
-    if values and set(values) <= {0.0, 1.0}:
+def _ci(values: list[float], seed: int, share: bool = False) -> dict:
+    """Mean and 95% interval: Wilson's for a `share` of items (each value 0 or 1: EM, agreement, top-1), whose
+    percentile bootstrap is [1, 1] when all of them hold (n = 30 is no proof of 1.000); the bootstrap for the rest
+    (F1, KL, differences, which may be 0 on every item and are then [0, 0])."""
+    if share and values:
         low, high = wilson_interval(int(sum(values)), len(values))
         return dict(mean=round(sum(values) / len(values), 4), ci95=[round(low, 4), round(high, 4)], interval="wilson")
     mean, low, high = bootstrap(values, seed)
@@ -157,14 +158,14 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0, repairing:
         got = [it["answers"][label] for it in per_item]
         f1 = [a["f1"] for a in got]
         top1 = [a["top1"] for a in got]
-        row = dict(label=label, n=len(got), em=_ci([a["em"] for a in got], seed), f1=_ci(f1, seed),
-                   agree_with_full=_ci([a["agree"] for a in got], seed),
+        row = dict(label=label, n=len(got), em=_ci([a["em"] for a in got], seed, share=True), f1=_ci(f1, seed),
+                   agree_with_full=_ci([a["agree"] for a in got], seed, share=True),
                    f1_vs_full=_ci([a["f1_vs_full"] for a in got], seed),
                    delta_f1_vs_full=_ci([x - y for x, y in zip(f1, full_f1)], seed),
-                   top1=_ci(top1, seed), kl=_ci([a["kl"] for a in got], seed),
+                   top1=_ci(top1, seed, share=True), kl=_ci([a["kl"] for a in got], seed),
                    # the whole answer: greedy share of full's reproduced before departing, and teacher-forced along it
                    reproduced=_ci([a["reproduced"] for a in got], seed),
-                   whole_answer=_ci([a["whole"] for a in got], seed),
+                   whole_answer=_ci([a["whole"] for a in got], seed, share=True),
                    token_agree=_ci([a["token_agree"] for a in got], seed),
                    delta_ll_vs_full=_ci([a["ll"] - y for a, y in zip(got, full_ll)], seed),
                    delta_top1_vs_naive=_ci([x - y for x, y in zip(top1, naive)], seed) if naive else None,
@@ -178,7 +179,7 @@ def summarize(per_item: list[dict], labels: list[str], seed: int = 0, repairing:
             row["teacher_forced"] = "over the cache before repair"
         words = [a for a in got if a.get("content_top1") is not None]  # items whose answer has a content word
         if words:
-            row.update(content_n=len(words), content_top1=_ci([a["content_top1"] for a in words], seed),
+            row.update(content_n=len(words), content_top1=_ci([a["content_top1"] for a in words], seed, share=True),
                        content_kl=_ci([a["content_kl"] for a in words], seed))
         out.append(row)
     return out
@@ -192,11 +193,11 @@ def _print(results: list[dict], machine: dict, model: str, n: int) -> None:
     headers = ["algorithm", "n", "EM", "F1", "ΔF1 vs full", "agree w/ full", "F1 vs full", "recomputed/prompt"]
     rows = [[r["label"], r["n"], _fmt(r["em"]), _fmt(r["f1"]), _fmt(r["delta_f1_vs_full"]), _fmt(r["agree_with_full"]),
              _fmt(r["f1_vs_full"]), f"{r['mean_recomputed']:.0f}/{r['mean_prompt_tokens']:.0f}"] for r in results]
-    report.print_table(f"SQuAD v1.1 dev, gold + 3 distractors, {model} (mean [95% bootstrap CI])", headers, rows,
+    report.print_table(f"SQuAD v1.1 dev, gold + 3 distractors, {model} (mean [95% CI: Wilson for shares, else bootstrap])", headers, rows,
                        caption=report.subtitle(machine, f"n={n}"))
-    report.print_table(f"First answer position vs full, {model} (mean [95% paired bootstrap CI])",
+    report.print_table(f"First answer position vs full, {model} (mean [95% CI: Wilson for shares, else paired bootstrap])",
                        *_distribution_rows(results), caption=report.subtitle(machine, f"n={n}"))
-    report.print_table(f"The whole answer vs full's served answer, {model} (mean [95% bootstrap CI])",
+    report.print_table(f"The whole answer vs full's served answer, {model} (mean [95% CI: Wilson for shares, else bootstrap])",
                        ["algorithm", "first token", "share reproduced before departing", "whole answer",
                         "teacher-forced token agreement", "F1 vs full", "TTFT s", "decode tok/s"],
                        [[r["label"], _fmt(r["top1"]), _fmt(r["reproduced"]), _fmt(r["whole_answer"]),
@@ -229,7 +230,7 @@ def plot(results: list[dict], machine: dict, path: Path, model: str, n: int) -> 
         ax.bar(xs, means, width, yerr=errs, capsize=2, label=name)
     ax.set_xticks(range(len(results)), [r["label"] for r in results], rotation=20)
     ax.set_ylim(0, 1.05)
-    ax.set_ylabel("mean, 95% bootstrap CI")
+    ax.set_ylabel("mean, 95% CI (Wilson for shares)")
     ax.legend(fontsize=8)
     ax.set_title(f"SQuAD v1.1 dev (gold + 3 distractors), {model}, n={n} — {report.subtitle(machine)}", fontsize=8)
     fig.tight_layout()

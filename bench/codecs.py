@@ -137,13 +137,13 @@ def summarize(per_item: list[dict], codecs: list[str], labels: list[str], bytes_
         for c in codecs:
             got = [it["results"][f"{c}/{label}"] for it in per_item]
             f1 = _ci([g["f1"] for g in got], seed)
-            top1_vs_fp32 = _ci([g["top1_vs_fp32"] for g in got], seed)
+            top1_vs_fp32 = _ci([g["top1_vs_fp32"] for g in got], seed, share=True)
             overlap = f1["ci95"][0] <= fp32_ci["ci95"][1] and fp32_ci["ci95"][0] <= f1["ci95"][1]
             out.append(dict(codec=c, algorithm=label, n=len(got), bytes_per_token=bytes_per_token[c],
                             bytes_vs_fp32=round(bytes_per_token[c] / bytes_per_token["fp32"], 3),
                             top1_vs_fp32=top1_vs_fp32, kl_vs_fp32=_fine_ci([g["kl_vs_fp32"] for g in got], seed),
-                            same_answer_as_fp32=_ci([float(g["text"] == t) for g, t in zip(got, fp32_text)], seed),
-                            top1_vs_full=_ci([g["top1_vs_full"] for g in got], seed),
+                            same_answer_as_fp32=_ci([float(g["text"] == t) for g, t in zip(got, fp32_text)], seed, share=True),
+                            top1_vs_full=_ci([g["top1_vs_full"] for g in got], seed, share=True),
                             kl_vs_full=_ci([g["kl_vs_full"] for g in got], seed), f1=f1,
                             delta_f1_vs_fp32=_ci([g["f1"] - r for g, r in zip(got, fp32_f1)], seed),
                             default_ok=bool(top1_vs_fp32["mean"] >= DEFAULT_AGREEMENT and overlap)))
@@ -168,7 +168,7 @@ def _print(results: list[dict], model: str, n: int) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"kv codecs, {model}, n={n} (95% bootstrap intervals)")
+    table = Table(title=f"kv codecs, {model}, n={n} (95% intervals: Wilson for shares, else bootstrap)")
     for col in ("algorithm", "codec", "bytes vs fp32", "top-1 vs fp32", "KL vs fp32", "same answer", "top-1 vs full",
                 "KL vs full", "F1", "dF1 vs fp32", "default ok"):
         table.add_column(col)

@@ -377,8 +377,15 @@ class Catalog:
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""
-        with self._locks.exclusive(doc_id, DELETE_WAIT_S), self._references:
-            return maintenance.delete(self.store, doc_id)
+        with self._locks.exclusive(doc_id, DELETE_WAIT_S):
+            # another delete's scan under way: this one gives up as it gives up waiting for uploads (its document's
+            # queries wait behind it meanwhile)
+            if not self._references.acquire(timeout=DELETE_WAIT_S):
+                raise DocumentInUse(doc_id, DELETE_WAIT_S)
+            try:
+                return maintenance.delete(self.store, doc_id)
+            finally:
+                self._references.release()
 
 
 class Writer:

@@ -335,6 +335,7 @@ class RagCache(Front):
         except RagCacheError:
             raise
         except Exception as exc:  # the model's or the encoding's own error: a typed one, which names its cause
+            log.exception("compiling %d chunk(s) failed", len(keys))  # its traceback: the client gets the message
             raise CompileFailed(
                 f"compiling {len(keys)} chunk(s) failed ({type(exc).__name__}: {exc}); what was compiled before it is "
                 "stored"

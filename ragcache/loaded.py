@@ -56,9 +56,9 @@ class Adapter:
     def base_weights(self):
         holders = self._holders
         with holders.lock:
+            if holders.count == 0:
+                self._to_base()  # counted once it has swapped: a swap that raised leaves nothing held
             holders.count += 1
-            if holders.count == 1:
-                self._to_base()
         try:
             yield
         finally:
@@ -69,11 +69,17 @@ class Adapter:
 
     def _to_base(self) -> None:
         if self.peft is not None:
-            self._holders.disabled = self.peft.disable_adapter()
-            self._holders.disabled.__enter__()
+            disabled = self.peft.disable_adapter()
+            disabled.__enter__()
+            self._holders.disabled = disabled  # only once entered: `_to_adapted` exits what was entered
             return
-        for layer, base, _ in self.swapped:
-            layer.weight.data = base
+        try:
+            for layer, base, _ in self.swapped:
+                layer.weight.data = base
+        except BaseException:
+            for layer, _, merged in self.swapped:
+                layer.weight.data = merged
+            raise
 
     def _to_adapted(self) -> None:
         if self._holders.disabled is not None:

@@ -510,3 +510,31 @@ def test_an_adapter_whose_save_did_not_finish_is_refused_not_attached(tiny_dir, 
             lora.attach_adapter(base, half)
     (half / lora.ADAPTER_META).write_text(json.dumps({**meta, "adapter_sha256": lora.adapter_sha256(half)}))
     assert lora.attach_adapter(models.load(str(tiny_dir), dtype="float32"), half).adapter is not None
+
+
+def test_a_swap_to_the_base_weights_that_fails_holds_nothing_and_puts_back_what_it_swapped():
+    """Counted before the swap, a failed one left every later holder believing the base weights in (compiles then
+    stored the adapter's K/V under the base model's keys); a merged swap half done left layers mixed."""
+    class Weight:
+        def __init__(self, data):
+            self._data = data
+
+        @property
+        def data(self):
+            return self._data
+
+        @data.setter
+        def data(self, value):
+            if isinstance(value, str) and value == "refused":
+                raise RuntimeError("cannot swap")
+            self._data = value
+
+    first, second = SimpleNamespace(weight=Weight("merged-1")), SimpleNamespace(weight=Weight("merged-2"))
+    adapter = loaded.Adapter(Path("a"), "0" * 64, swapped=((first, "base-1", "merged-1"), (second, "refused", "merged-2")))
+    with pytest.raises(RuntimeError, match="cannot swap"), adapter.base_weights():
+        pass
+    assert first.weight.data == "merged-1" and adapter._holders.count == 0
+    adapter = loaded.Adapter(Path("a"), "0" * 64, swapped=((first, "base-1", "merged-1"),))
+    with adapter.base_weights():
+        assert first.weight.data == "base-1"
+    assert first.weight.data == "merged-1" and adapter._holders.count == 0

@@ -87,6 +87,7 @@ def test_accuracy_on_the_shipped_sample(tmp_path):
     assert rows["full"]["delta_ll_vs_full"]["mean"] == 0.0 and rows["naive"]["delta_top1_vs_naive"]["mean"] == 0.0
     # full agrees with itself on 2 of 2: Wilson's interval, not the bootstrap's [1, 1]; the computed dtype and codec
     assert rows["full"]["top1"]["interval"] == "wilson" and rows["full"]["top1"]["ci95"][0] < 0.5
+    assert rows["full"]["delta_ll_vs_full"]["ci95"] == [0.0, 0.0]  # a difference that is 0 on each item: not a share
     assert data["params"]["dtype"] and data["params"]["kv_codec"] in ("int8", "bf16", "fp16", "fp32")
     for r in rows.values():
         low, high = r["top1"]["ci95"]

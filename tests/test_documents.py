@@ -885,3 +885,18 @@ def test_a_questions_spelling_of_a_control_token_stays_text_and_the_template_kee
         assert injected[len(injected) - len(tail):] == tail and (not fmt.chat or special & set(tail))
         end = fmt.tail if fmt.chat else "\nAnswer:"
         assert plain == tok(f"\n\nQuestion: Where is the tower?{end}", add_special_tokens=False)["input_ids"]
+
+
+def test_a_delete_behind_another_deletes_scan_gives_up_as_behind_an_upload(monkeypatch):
+    """It held its document while it waited: the document's queries waited without the delete's bound."""
+    from ragcache import catalog as catalog_module
+    from ragcache.errors import DocumentInUse
+
+    monkeypatch.setattr(catalog_module, "DELETE_WAIT_S", 0.2)
+    store = MemoryStore()
+    docs = docs_over(store, budget=4)
+    doc_id = docs.add("A short document about rivers and the sea, and what lives where they meet.")
+    with docs._references:  # another delete's scan under way
+        with pytest.raises(DocumentInUse):
+            docs.delete(doc_id)
+    assert docs.get(doc_id) is not None and docs.delete(doc_id)
