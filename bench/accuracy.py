@@ -13,11 +13,12 @@ difference of F1 from full's with its own interval. Writes bench/results/accurac
 
 The whole answer against `full`'s answer as the engine serves it (its first line, in ids): the share of it each
 algorithm's greedy answer reproduces before it first departs, and whether it reproduces all of it; and,
-teacher-forced along full's greedy answer on the linked cache (bench/agreement.py), the share of positions where
-its argmax is full's token.
+teacher-forced along that same answer of full's on the linked cache (bench/agreement.py), the share of positions
+where its argmax is full's token (results before 2026-12-01 teacher-forced along a greedy loop of full's own, which
+departed from the served answer in bf16).
 
 Distribution-level metrics (bench/agreement.py), from linking without decoding, at the answer's first position:
-next-token top-1 agreement with full, KL(full || linked), and the teacher-forced log-likelihood of full's greedy
+next-token top-1 agreement with full, KL(full || linked), and the teacher-forced log-likelihood of full's served
 answer under the linked cache (its paired difference from full's own). These resolve algorithms on small models
 where EM/F1 intervals all overlap; the paired difference of top-1 agreement from naive's says whether an
 algorithm recovers what naive loses.
@@ -88,7 +89,10 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
         doc_ids = rc.compile(item.documents)
         answers = {}
         full = rc.link(item.question, doc_ids, system=system, algorithm="full", max_new_tokens=max_new_tokens)
-        full_ids = rc.with_runner(agreement.greedy, full, max_new_tokens, *stops)
+        # full's answer as the engine serves it, to its first line: what the teacher-forced metrics follow as the
+        # whole-answer ones do (a greedy loop of its own over this cache departed from it in bf16)
+        served = rc.query(item.question, doc_ids, max_new_tokens=max_new_tokens, system=system, algorithm="full")
+        full_ids = first_line_ids(served.token_ids, stops[1])
         content = agreement.content_position(rc.tokenizer, full_ids)
         full_forced = rc.with_runner(agreement.teacher_forced, full, full_ids)[1] if content is not None else None
         for v in variants:
