@@ -273,18 +273,29 @@ class Catalog:
         by_ids = {tuple(ids): compiled[key] for key, ids in todo.items()}
         return [e if e is not None else by_ids[tuple(ids)] for ids, e in zip(chunks, entries)]
 
-    def keep(self, compiled: dict[str, ChunkKV], report: EnsureReport, writer: Writer | None = None) -> None:
-        """Store freshly compiled entries (through `writer`, off this thread, when given). A failed write is logged
-        and reported (`report.unstored`), not raised: a query has its entries and only a later request pays the
-        compile again, while a compile, whose job the write was, raises it. A writer raises an earlier batch's
-        failure here, and the last one's at its `flush`."""
+    def keep(
+        self,
+        compiled: dict[str, ChunkKV],
+        report: EnsureReport,
+        writer: Writer | None = None,
+        then: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Store freshly compiled entries (through `writer`, off this thread, when given), then call `then` (once
+        they are stored, or their write has failed). A failed write is logged and reported (`report.unstored`), not
+        raised: a query has its entries and only a later request pays the compile again, while a compile, whose job
+        the write was, raises it. A writer raises an earlier batch's failure here, and the last one's at its
+        `flush`."""
         report.compiled += len(compiled)
         if not compiled:
+            then()
             return
         if writer is not None:
-            writer.put(compiled)
+            writer.put(compiled, then)
             return
-        failed = stored(self.store, compiled)
+        try:
+            failed = stored(self.store, compiled)
+        finally:
+            then()
         report.unstored = report.unstored or failed  # an earlier batch's failure stands
 
     def ensure(
@@ -399,12 +410,15 @@ class Writer:
         self.store = store
         self.failure: StoreError | None = None
         self.written = 0  # entries stored
-        self._batches: queue.Queue[tuple[dict[str, ChunkKV], bool] | None] = queue.Queue(maxsize=depth)
+        self._batches: queue.Queue[tuple[dict[str, ChunkKV], bool, Callable[[], None]] | None] = queue.Queue(
+            maxsize=depth
+        )
         self._on_device = threading.Semaphore(1)  # held by a batch on a GPU from `put` until it is stored
         self._thread = threading.Thread(target=self._run, name="ragcache-writer", daemon=True)
         self._thread.start()
 
-    def put(self, entries: dict[str, ChunkKV]) -> None:
+    def put(self, entries: dict[str, ChunkKV], then: Callable[[], None] = lambda: None) -> None:
+        """Hand a batch over; `then` is called on the writer's thread once it is stored (or its write failed)."""
         self._check()
         on_device, held = any(crossing.on_device(entry) for entry in entries.values()), False
         try:
@@ -412,14 +426,14 @@ class Writer:
                 self._on_device.acquire()
                 held = True
                 self._check()  # the batch it waited for may have failed
-            self._batches.put((entries, on_device))
+            self._batches.put((entries, on_device, then))
         except KeyboardInterrupt:
             # Ctrl-C while the compile waits for a slow store: this batch is compiled, so it is handed over too
             # before the interrupt goes on (`flush` stores it); a second Ctrl-C gives it up
             if self.failure is None:
                 if on_device and not held:
                     self._on_device.acquire()
-                self._batches.put((entries, on_device))
+                self._batches.put((entries, on_device, then))
             raise
 
     def flush(self) -> None:
@@ -435,12 +449,13 @@ class Writer:
     def _run(self) -> None:
         compute_inline()  # it lives as long as the compile: no OpenMP team of its own beside the model's (threads)
         while (batch := self._batches.get()) is not None:
-            entries, on_device = batch
+            entries, on_device, then = batch
             try:
                 self._write(entries)
             finally:
                 if on_device:
                     self._on_device.release()
+                then()
 
     def _write(self, entries: dict[str, ChunkKV]) -> None:
         if self.failure is not None:

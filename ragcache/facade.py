@@ -7,6 +7,7 @@ link + decode. Every method may be called from any number of threads: the driver
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -345,10 +346,13 @@ class RagCache(Front):
                 if key not in compiled:
                     self.catalog.flights.land(key, None)
             made.update(compiled)
+            # claims held until the entries are stored: a miss meanwhile waits for them here, not compiles them again
+            release = functools.partial(self.catalog.flights.release, list(compiled))
             try:
-                self.catalog.keep(compiled, report, writer)
-            finally:
-                self.catalog.flights.release(compiled)
+                self.catalog.keep(compiled, report, writer, then=release)
+            except BaseException:
+                release()  # handed over or not: nothing is left to wait for
+                raise
 
     def _compile_sequence(self, token_ids: list[int], compiler: Compiler, layout: Layout) -> Sequence:
         """A chunk's compile as the engine runs it: a `full` link of its prompt alone (sinks, then its stored ids),

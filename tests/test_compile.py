@@ -321,6 +321,35 @@ def test_two_requests_missing_the_same_chunks_compile_them_once():
     rc.close()
 
 
+def test_a_chunk_in_the_writers_hands_is_taken_by_a_query_not_compiled_again():
+    """A compile's claims were let go once its batch was handed to the writer, before it was stored: a query missing
+    the chunk then (not in the store yet, nobody compiling it) compiled it again."""
+
+    class Slow(MemoryStore):
+        def __init__(self):
+            super().__init__()
+            self.go, self.writing = threading.Event(), threading.Event()
+
+        def put_many(self, items):
+            self.writing.set()
+            assert self.go.wait(60)
+            super().put_many(items)
+
+    store = Slow()
+    rc = engine(store)
+    calls, entry = [], rc.compiler.entry
+    rc.compiler.entry = lambda *args: (calls.append(threading.current_thread().name), entry(*args))[1]
+    upload = threading.Thread(target=rc.compile_documents, args=([TEXTS[0]],), name="upload")
+    upload.start()
+    assert store.writing.wait(60)  # compiled, in the writer's hands
+    compiled = len(calls)
+    answer = rc.query("Where is it?", [{"text": TEXTS[0]}], max_new_tokens=1)
+    store.go.set()
+    upload.join(60)
+    assert len(calls) == compiled and answer.stats.compiled_chunks == 0  # taken from the upload's compile
+    rc.close()
+
+
 def test_a_compile_another_request_waited_for_that_fails_is_compiled_by_the_waiter():
     rc = engine()
     chunks = rc.catalog.draft(TEXTS[1]).chunks[:1]
