@@ -76,6 +76,9 @@ The device machine's image has no pydantic (ragcache.settings needs it): carry i
         --platform manylinux2014_x86_64 -d .whl pydantic==2.14.4 pydantic_core==2.50.5 pydantic-settings==2.16.3 \
         python-dotenv==1.2.4 annotated-types==0.8.0 typing-inspection==0.4.5 typing_extensions==4.16.0
 and there, before the run: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site.
+The device session's one command (`.whl` carried, 600 s a command): the wheels in, then
+    RAGCACHE_COMMIT=<hash> PYTHONUNBUFFERED=1 python3 bench/gpu.py --suite --deadline-s 480 --out $OUT
+and a second command with the `--skip` the first printed for what it left, if any.
 Prints tables and writes gpu-<device>.json under --out, naming the commit measured (`git describe --dirty`; a copy
 without .git, as the device machine gets, takes it from RAGCACHE_COMMIT) and the command line. On an H100 the run up
 to (f) was planned at 2-4 minutes; (g) adds transformers' compile (about a minute at 8B); `--skip` trims.
