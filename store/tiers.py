@@ -104,13 +104,16 @@ def per_process(url: str) -> bool:
 def check_url(url: str) -> None:
     """UnknownStore for a tier of no known kind: before a model loads for minutes, not after."""
     for spec in tier_urls(url):
-        if kind_of(spec) is None:
-            forms = ", ".join(k.form for k in KINDS)
-            raise UnknownStore(f"unknown store {spec!r}: use {forms}, or tiers joined by '+'")
+        _known_kind(spec)
+
+
+def _known_kind(spec: str) -> TierKind:
+    kind = kind_of(spec)
+    if kind is None:
+        forms = ", ".join(k.form for k in KINDS)
+        raise UnknownStore(f"unknown store {spec!r}: use {forms}, or tiers joined by '+'")
+    return kind
 
 
 def open_tier(spec: str, connect: bool = True, device=None) -> Store:
-    check_url(spec)
-    kind = kind_of(spec)
-    assert kind is not None
-    return kind.opens(spec, connect, device)
+    return _known_kind(spec).opens(spec, connect, device)
