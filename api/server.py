@@ -73,9 +73,9 @@ def run(settings: Settings, workers: int = 1) -> None:
             "worker would start its own)"
         )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
-    if isinstance(settings.store, str):  # before the workers start, each to fail on it (and be started again)
-        check_url(settings.store)
     if workers > 1:
+        if isinstance(settings.store, str):  # before the workers start, each to fail on it (and be started again)
+            check_url(settings.store)
         if per_process(settings.store):
             log.warning(
                 "store %s is per process: with %d workers each one has its own documents", settings.store, workers
