@@ -52,8 +52,7 @@ class StepStats:
     def count(self, plan: StepPlan, seconds: float) -> None:
         if plan.kind is Kind.TASK:  # no step of the requests': a benchmark's own work, a settings change
             return
-        rows, decode_rows = plan.rows, plan.decode_rows
-        repair_rows = sum(w.rows for w in plan.work if w.kind is Kind.REPAIR)
+        rows, decode_rows, repair_rows = plan.rows, plan.decode_rows, plan.repair_rows
         self.steps += 1
         self.decode_rows += decode_rows
         self.repair_rows += repair_rows

@@ -85,6 +85,10 @@ class StepPlan:
     def decode_rows(self) -> int:
         return sum(w.kind is Kind.DECODE for w in self.work)
 
+    @property
+    def repair_rows(self) -> int:
+        return sum(w.rows for w in self.work if w.kind is Kind.REPAIR)
+
 
 @dataclass(frozen=True)
 class StepResult:
