@@ -12,8 +12,8 @@ def convert(gguf: Path, out_dir: Path) -> None:
     """GGUF -> transformers dir. save_pretrained refuses GGUF-loaded models, so rebuild from config."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    # local files: nothing to ask the hub for (HF_HUB_OFFLINE, set here before, stayed set for every process
-    # started since, vLLM's workers; and the hub reads it once, at import, so it did nothing here)
+    # local files: nothing to ask the hub for. Asked per load, not by HF_HUB_OFFLINE, which the hub reads once at
+    # import and every child process (vLLM's workers) would inherit
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
     loaded = AutoModelForCausalLM.from_pretrained(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True
