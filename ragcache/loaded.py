@@ -20,8 +20,8 @@ import torch
 @dataclass
 class _Holders:
     """Who holds an adapter's base weights now: the first swaps them in, the last swaps them back. `calibrate` holds
-    them while the engine's compile steps take them too, on the model thread: the inner release put the adapter
-    back under the outer holder, whose references then were the adapted model's."""
+    them while the engine's compile steps take them too, on the model thread: an inner release must not put the
+    adapter back under the outer holder, whose references would be the adapted model's."""
 
     lock: threading.Lock = field(default_factory=threading.Lock)
     count: int = 0

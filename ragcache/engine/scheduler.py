@@ -225,7 +225,7 @@ class Scheduler:
         base = self._base_step(decoding, linking, owed)
         work = [] if base else [Work(s, Kind.DECODE) for s in decoding] + self._repairs(decoding)
         # the decoding streams wait for this step even when their rows are not in it; their repairs are out of the
-        # budget (a link beside a repair=4096 crawled a row a step)
+        # budget (a large one would otherwise leave a link beside it a row a step)
         decode_rows, decoding_works = sum(w.rows for w in work if w.kind is Kind.DECODE), len(work)
         budget = max(self.row_budget - decode_rows, 1) if decoding else self.link_row_budget
         linking = [s for s in linking if s.base_weights == base]

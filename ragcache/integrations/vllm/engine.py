@@ -102,8 +102,8 @@ class VllmRagCache(Front):
         if problem := config.vllm_problem() or split_problem(config.vllm_args):
             raise ParameterOutOfRange(problem)
         ranks = int(config.vllm_args.get("tensor_parallel_size", 1))
-        # "auto" as vLLM's device takes it, not this host's CPU (an A100 behind a CPU without bf16 ran fp32, and the
-        # fingerprint named a dtype no ragcache compile on that GPU had made)
+        # "auto" as vLLM's device takes it, not this host's CPU: a GPU behind a CPU without bf16 would run fp32, under
+        # a fingerprint no ragcache compile on that GPU makes
         dtype = models.default_dtype(_vllm_device()) if config.dtype == "auto" else config.dtype
         served = _describe(config.model, dtype, config.adapter, config.merge_adapter, ranks)
         try:
