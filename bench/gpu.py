@@ -240,10 +240,10 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attentio
     chunk_v = [randn(layers, kv_heads, chunk, dim) for _ in range(chunks)]
     starts = [1 + i * chunk for i in range(chunks)]
 
-    def place(ops):
+    def place(ops, keys=chunk_k, values=chunk_v, key_scales=None, value_scales=None):
         jk = torch.zeros(layers, kv_heads, length, dim, device=device, dtype=dtype)
         jv = torch.zeros_like(jk)
-        ops.place_chunks(jk, jv, chunk_k, chunk_v, starts, inv_freq, scaling)
+        ops.place_chunks(jk, jv, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
         return torch.cat([jk, jv])
 
     cases = [
@@ -295,8 +295,7 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attentio
     cases.append(dict(kernel="kv_deviation", shape=f"[{kv_heads},{chunk * chunks},{dim}]",
                       triton=lambda: TRI.kv_deviation(fresh, cached), torch=lambda: REF.kv_deviation(fresh, cached),
                       truth=None))
-    cases += _codec_place_cases(device, dtype, layers, kv_heads, dim, chunk_k, chunk_v, starts, length, inv_freq,
-                                scaling)
+    cases += _codec_place_cases(place, chunk_k, chunk_v)
     cases += _repair_and_invariance_cases(randn, device, dtype, quick, attention_shape, big_k, big_v, chunk, n_full)
     return cases
 
@@ -305,25 +304,19 @@ def kernel_cases(device: torch.device, dtype: torch.dtype, quick: bool, attentio
 LINEAR_SHAPES = {"smollm2-135m": (576, 1536), "qwen2.5-coder-1.5b": (1536, 8960)}
 
 
-def _codec_place_cases(device, dtype, layers, kv_heads, dim, chunk_k, chunk_v, starts, length, inv_freq, scaling):
+def _codec_place_cases(place, chunk_k, chunk_v) -> list[dict]:
     """place_chunks from int8 and int4 entries (dequantized and rotated in one pass) against the torch reference
-    on the same codes: what a link from a host tier places on CUDA (`auto` is int8 there)."""
+    on the same codes: what a link from a host tier places on CUDA (`auto` is int8 there). `place(ops, keys, values,
+    key_scales, value_scales)`: the joined cache they give."""
     from ragcache.store import codec as codecs
 
     cases = []
     for name in ("int8", "int4"):
         encoded = [codecs.encode(k, v, name) for k, v in zip(chunk_k, chunk_v)]
         stored = [[e[j] for e in encoded] for j in range(4)]
-
-        def place(ops, stored=stored):
-            jk = torch.zeros(layers, kv_heads, length, dim, device=device, dtype=dtype)
-            jv = torch.zeros_like(jk)
-            ops.place_chunks(jk, jv, *stored[:2], starts, inv_freq, scaling, *stored[2:])
-            return torch.cat([jk, jv])
-
-        cases.append(dict(kernel=f"place_chunks {name}", shape=f"{len(chunk_k)} x [{layers},{kv_heads},"
-                          f"{chunk_k[0].shape[2]},{dim}] {name} codes", triton=lambda p=place: p(TRI),
-                          torch=lambda p=place: p(REF), truth=None))
+        shape = f"{len(chunk_k)} x [{','.join(map(str, chunk_k[0].shape))}] {name} codes"
+        cases.append(dict(kernel=f"place_chunks {name}", shape=shape,
+                          triton=lambda s=stored: place(TRI, *s), torch=lambda s=stored: place(REF, *s), truth=None))
     return cases
 
 
