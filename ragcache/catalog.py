@@ -36,13 +36,14 @@ from .documents import (
     record_problem,
 )
 from .engine import compute_inline
-from .errors import Cancelled, CorruptDocument, DocumentInUse, StoreError, UnknownDocument
+from .errors import Cancelled, CorruptDocument, DocumentInUse, StoreError, UnknownDocument, WritesAbandoned
 
 log = logging.getLogger("ragcache")
 # tensor-parallel ranks agreeing on the misses: (this rank's misses, its read failed) -> the same for all of them
 Agree = Callable[[list[bool], bool], tuple[list[bool], bool]]
 # how long a delete waits for the uploads and queries using its document: new queries of it wait behind it meanwhile
 DELETE_WAIT_S = 30.0
+HAND_OVER_POLL_S = 1.0  # how often a put waiting for the writer's room checks that it lives
 SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
@@ -404,15 +405,19 @@ class Writer:
     `put_many`; at most `depth` batches wait, so a slow store slows the compile that feeds it instead of growing
     memory. A batch still on a GPU (a compile's entries, store/crossing.py) waits for the one before it to be stored:
     device memory holds it, and the next batch's compile needs that memory. The first write that fails stops the
-    writes; `put` and `flush` raise it."""
+    writes; `put` and `flush` raise it. Ctrl-C while `flush` waits gives up what it has not stored yet: it raises
+    WritesAbandoned (a KeyboardInterrupt), which says how many batches were lost."""
 
     def __init__(self, store: Store, depth: int = 2):
         self.store = store
         self.failure: StoreError | None = None
         self.written = 0  # entries stored
+        self.written_bytes = 0  # their bytes
         self._batches: queue.Queue[tuple[dict[str, ChunkKV], bool, Callable[[], None]] | None] = queue.Queue(
             maxsize=depth
         )
+        self._busy = 0  # a batch being written
+        self._drained = False  # the thread took every batch up to flush's end mark
         self._on_device = threading.Semaphore(1)  # held by a batch on a GPU from `put` until it is stored
         self._thread = threading.Thread(target=self._run, name="ragcache-writer", daemon=True)
         self._thread.start()
@@ -426,21 +431,38 @@ class Writer:
                 self._on_device.acquire()
                 held = True
                 self._check()  # the batch it waited for may have failed
-            self._batches.put((entries, on_device, then))
+            self._hand_over((entries, on_device, then))
         except KeyboardInterrupt:
             # Ctrl-C while the compile waits for a slow store: this batch is compiled, so it is handed over too
             # before the interrupt goes on (`flush` stores it); a second Ctrl-C gives it up
             if self.failure is None:
                 if on_device and not held:
                     self._on_device.acquire()
-                self._batches.put((entries, on_device, then))
+                self._hand_over((entries, on_device, then))
             raise
 
     def flush(self) -> None:
         """Wait until every batch handed over is stored (or has failed), then end the thread."""
-        self._batches.put(None)
-        self._thread.join()
+        try:
+            self._hand_over(None)
+            self._thread.join()
+        except KeyboardInterrupt:
+            # the thread is a daemon: what it has not stored ends with the process, and the caller must not say
+            # it was stored
+            raise WritesAbandoned(sum(b is not None for b in list(self._batches.queue)) + self._busy) from None
         self._check()
+        if not self._drained:
+            raise StoreError("the entry writer thread stopped before storing every batch")
+
+    def _hand_over(self, batch) -> None:
+        """Into the queue, waiting for room while the writer thread lives (one that died would never make room)."""
+        while True:
+            try:
+                self._batches.put(batch, timeout=HAND_OVER_POLL_S)
+                return
+            except queue.Full:
+                if not self._thread.is_alive():
+                    raise self.failure or StoreError("the entry writer thread has stopped") from None
 
     def _check(self) -> None:
         if self.failure is not None:
@@ -450,12 +472,18 @@ class Writer:
         compute_inline()  # it lives as long as the compile: no OpenMP team of its own beside the model's (threads)
         while (batch := self._batches.get()) is not None:
             entries, on_device, then = batch
+            self._busy = 1
             try:
                 self._write(entries)
             finally:
+                self._busy = 0
                 if on_device:
                     self._on_device.release()
-                then()
+                try:
+                    then()
+                except Exception:  # a callback's bug must not stop the writes behind it
+                    log.exception("a compile's callback failed after its entries were written")
+        self._drained = True
 
     def _write(self, entries: dict[str, ChunkKV]) -> None:
         if self.failure is not None:
@@ -463,6 +491,7 @@ class Writer:
         self.failure = stored(self.store, entries)
         if self.failure is None:
             self.written += len(entries)
+            self.written_bytes += sum(entry.nbytes for entry in entries.values())
 
 
 def stored(store: Store, entries: dict[str, ChunkKV]) -> StoreError | None:

@@ -35,7 +35,7 @@ from .cli_options import (
     link_options,
 )
 from .console import console, err, fail, interrupted
-from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel
+from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel, WritesAbandoned
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
 if TYPE_CHECKING:
@@ -261,7 +261,7 @@ def compile(
                 seconds = max(time.perf_counter() - started, 1e-9)
                 rate = (
                     f"{so_far.compiled_tokens / seconds:,.0f} tok/s, {so_far.compiled_chunks / seconds:,.1f} chunks/s, "
-                    f"{so_far.bytes / 2**20:,.1f} MiB of entries"
+                    f"{so_far.stored_bytes / 2**20:,.1f} MiB stored"
                 )
                 bar.update(task, completed=so_far.ready, rate=rate)
 
@@ -275,6 +275,8 @@ def compile(
             _record_rate(s.model, rc, summary)
         kept = _other_budgets(rc, summary.ids)
         evicted = _disk_evictions(rc.store) - evicted_before
+    except WritesAbandoned as exc:
+        interrupted(f"{exc}; the chunks stored before them are kept; run the same command to resume")
     except KeyboardInterrupt:
         interrupted("finished chunks are stored; run the same command to resume")
     except (RagCacheError, OSError, json.JSONDecodeError) as exc:

@@ -143,3 +143,12 @@ class BatchInvarianceUnavailable(RagCacheError):
     """Batch invariance was asked for (the default) and this machine or model cannot give it: no GEMM row tile of
     the CPU gives a row the same bits at every place, or a norm or device ragcache has no invariant path for. Raised
     at start, so that no answer silently depends on the load."""
+
+
+class WritesAbandoned(KeyboardInterrupt):
+    """Ctrl-C again while a compile stored what it had compiled: `batches` of entries were given up (a resumed
+    compile compiles them again). An interrupt, not a failure: it is no RagCacheError."""
+
+    def __init__(self, batches: int):
+        self.batches = batches
+        super().__init__(f"{batches} compiled batch(es) not stored")

@@ -41,6 +41,7 @@ class CompileReport:
     tokens: int = 0
     compiled_tokens: int = 0
     bytes: int = 0  # of the entries compiled
+    stored_bytes: int = 0  # of those the store has so far (stored off the compiling thread, behind the compile)
     shards: int = 0  # KV-head shards written (`compile_documents(shards=N)`)
     seconds: float = 0.0
 
@@ -163,7 +164,13 @@ class Front(abc.ABC):
             raise ParameterOutOfRange(f"metadata must have one dict a text: {len(metadata)} for {len(texts)} texts")
         self._check_shards(shards)
         started, report = time.perf_counter(), CompileReport()
-        say = progress or (lambda report: None)
+        writer: Writer | None = None
+
+        def say(report: CompileReport) -> None:
+            report.stored_bytes = report.bytes if writer is None else writer.written_bytes
+            if progress is not None:
+                progress(report)
+
         prefix_ids = prompt.system_prefix_ids(self.tokenizer, self.format, None)
         if prefix_ids and not self._held(self.prefix_compiler, [prefix_ids], PLAIN)[0]:
             self._compile_prefix(prefix_ids)  # the default system prefix: a first query after compiling is all hits
@@ -199,6 +206,7 @@ class Front(abc.ABC):
             finally:  # Ctrl-C or a failure: what was compiled is stored
                 if writer is not None:
                     writer.flush()
+            say(report)
             if shards > 1:  # every chunk, also those compiled before without shards
                 for chunks in documents:
                     report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts["default"], shards)

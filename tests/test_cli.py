@@ -508,6 +508,22 @@ def test_ctrl_c_ends_every_long_command_with_exit_130(monkeypatch, tmp_path):
         assert result.exit_code == 130 and "interrupted" in result.output, (args, result.output)
 
 
+def test_a_second_ctrl_c_while_compile_stores_does_not_say_the_chunks_are_stored(tiny_cli, tmp_path, monkeypatch):
+    """The first Ctrl-C lets the writer store what was compiled; a second gives that up, and `compile` must say so
+    (it said "finished chunks are stored")."""
+    from ragcache.catalog import Writer
+    from ragcache.errors import WritesAbandoned
+
+    def abandoned(self):
+        raise WritesAbandoned(3)
+
+    monkeypatch.setattr(Writer, "flush", abandoned)
+    (tmp_path / "a.txt").write_text("A document to compile.")
+    result = tiny_cli("compile", str(tmp_path / "a.txt"))
+    assert result.exit_code == 130, result.output
+    assert "3 compiled batch(es) not stored" in result.output and "finished chunks are stored" not in result.output
+
+
 def test_a_chunk_that_cannot_compile_ends_compile_with_its_cause_not_a_traceback(tiny_cli, tmp_path, monkeypatch):
     """An error of the model's or the encoding's own (a ValueError here; out of memory on a GPU) escaped `ragcache
     compile` as a traceback: it is CompileFailed, a red line and exit 1."""

@@ -223,7 +223,7 @@ def _fed(writer: Writer, device: str) -> tuple[threading.Thread, list]:
 
     def feed():
         for n in range(5):
-            writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device=device))})
+            writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device=device), nbytes=4)})
             handed.append(n)
 
     feeder = threading.Thread(target=feed, daemon=True)
@@ -246,7 +246,7 @@ def test_a_ctrl_c_while_the_writer_is_full_still_stores_the_batch_it_was_handing
 
     writer._batches.put = interrupted_once
     with pytest.raises(KeyboardInterrupt):
-        writer.put({"k0": SimpleNamespace(keys=torch.zeros(1, device=device))})
+        writer.put({"k0": SimpleNamespace(keys=torch.zeros(1, device=device), nbytes=4)})
     writer.flush()
     assert store.kept == ["k0"]
 
@@ -266,6 +266,74 @@ def test_the_writer_holds_at_most_its_depth_so_a_slow_store_slows_the_compile(de
     feeder.join(60)
     writer.flush()
     assert handed == [0, 1, 2, 3, 4] and writer.written == 5 and store.kept == [f"k{n}" for n in range(5)]
+
+
+def test_ctrl_c_while_flush_waits_for_the_store_says_how_many_batches_it_gave_up():
+    """The writer thread is a daemon: what it has not stored when a second Ctrl-C ends the wait dies with the
+    process, so flush must not return as if it were stored (the CLI said "finished chunks are stored")."""
+    from ragcache.errors import WritesAbandoned
+
+    store = SlowStore()
+    writer = Writer(store, depth=2)
+    writer.put({"k0": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
+    writer.put({"k1": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
+    while store.calls < 1:  # k0 is being written, k1 waits
+        threading.Event().wait(0.01)
+
+    def join(timeout=None):
+        raise KeyboardInterrupt
+
+    writer._thread.join = join
+    with pytest.raises(WritesAbandoned) as caught:
+        writer.flush()
+    assert caught.value.batches == 2 and isinstance(caught.value, KeyboardInterrupt)
+    store.go.set()
+
+
+class Dies(BaseException):
+    """What no `except Exception` catches."""
+
+
+def test_a_writer_thread_that_died_fails_the_puts_and_flush_instead_of_hanging_or_claiming_them_stored():
+    class DyingStore:
+        takes_device_entries = True
+
+        def put_many(self, entries):
+            raise Dies
+
+    writer, outcome = Writer(DyingStore(), depth=1), []
+
+    def feed():
+        try:
+            for n in range(4):
+                writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
+            writer.flush()
+            outcome.append("returned")
+        except StoreError as exc:
+            outcome.append(exc)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    feeder.join(30)
+    assert not feeder.is_alive() and isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
+
+
+def test_a_callback_that_raises_does_not_stop_the_writes_behind_it():
+    store = SlowStore()
+    store.go.set()
+    writer = Writer(store)
+    writer.put({"k0": SimpleNamespace(keys=torch.zeros(1), nbytes=4)}, then=lambda: 1 / 0)
+    writer.put({"k1": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
+    writer.flush()
+    assert store.kept == ["k0", "k1"] and writer.written == 2
+
+
+def test_progress_reports_the_bytes_stored_and_ends_with_all_of_them():
+    rc = engine()
+    seen = []
+    report = rc.compile_documents(TEXTS[:3], progress=lambda r: seen.append(r.stored_bytes))
+    assert seen == sorted(seen) and seen[-1] == report.stored_bytes == report.bytes > 0
+    rc.close()
 
 
 def _two_callers(rc, chunks, first_kwargs=None, second_kwargs=None):
