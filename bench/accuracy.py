@@ -129,9 +129,17 @@ def run(model: str, n: int, sample: bool, seed: int, variants: list[Variant], ma
     return dict(results=results, paths=paths)
 
 
-def first_line_ids(ids: list[int], newline_ids: set[int]) -> list[int]:
-    """An answer's ids up to its first line's end (a newline once it has started), as `first_line` cuts its text."""
-    return next((ids[:i] for i, token in enumerate(ids) if token in newline_ids and i > 0), ids)
+def first_line_ids(ids: list[int], newlines: dict[int, bool]) -> list[int]:
+    """An answer's ids up to its first line's end (a newline once it has started), as `first_line` cuts its text.
+    `newlines`: the ids whose text holds a newline -> whether text comes before it in that token ("tall.\n"): such
+    a token ends the line and is part of it (cut before it, "tall!\n" and "tall.\n" would read as the same answer)."""
+    for i, token in enumerate(ids):
+        if token in newlines:
+            if newlines[token]:
+                return ids[: i + 1]
+            if i > 0:
+                return ids[:i]
+    return ids
 
 
 def reproduced(answer: list[int], full_answer: list[int]) -> float:
@@ -143,12 +151,17 @@ def reproduced(answer: list[int], full_answer: list[int]) -> float:
     return same / len(full_answer)
 
 
-def agreement_stops(rc) -> tuple[set[int], set[int]]:
-    """End-of-turn ids, and the ids whose text holds a newline (an answer ends at its first line)."""
+def agreement_stops(rc) -> tuple[set[int], dict[int, bool]]:
+    """End-of-turn ids, and the ids whose text holds a newline (an answer ends at its first line), each with
+    whether text comes before its newline (`first_line_ids`)."""
     from ragcache.engine import eos_ids
 
-    tok = rc.tokenizer
-    return eos_ids(rc.lm), {i for i in range(len(tok)) if "\n" in tok.decode([i])}
+    tok, newlines = rc.tokenizer, {}
+    for i in range(len(tok)):
+        text = tok.decode([i])
+        if "\n" in text:
+            newlines[i] = bool(text.split("\n", 1)[0].strip())
+    return eos_ids(rc.lm), newlines
 
 
 def summarize(per_item: list[dict], labels: list[str], seed: int = 0, repairing: set[str] = frozenset()) -> list[dict]:

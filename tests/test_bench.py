@@ -111,7 +111,10 @@ def test_the_share_of_an_answer_reproduced_stops_at_its_first_departure():
     assert reproduced([1, 9, 3], [1, 2, 3, 4]) == 0.25 and reproduced([5], [1, 2]) == 0.0
     assert reproduced([1, 2], [1, 2, 3, 4]) == 0.5  # stopped early: the rest is not reproduced
     assert reproduced([], []) == 1.0 and reproduced([7], []) == 0.0
-    assert first_line_ids([5, 10, 6, 10, 7], {10}) == [5] and first_line_ids([10, 5, 10], {10}) == [10, 5]
+    assert first_line_ids([5, 10, 6, 10, 7], {10: False}) == [5]
+    assert first_line_ids([10, 5, 10], {10: False}) == [10, 5]  # a leading newline does not end the answer
+    # a token holding text before its newline ("tall.\n") ends the line as part of it: "tall!\n" is another answer
+    assert first_line_ids([5, 11, 6], {11: True}) == [5, 11] and first_line_ids([11, 6], {11: True}) == [11]
 
 
 @pytest.mark.real_model
