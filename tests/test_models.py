@@ -178,6 +178,27 @@ def test_converting_a_gguf_loads_local_files_and_leaves_the_hub_online(tmp_path,
     assert seen == [True] and "HF_HUB_OFFLINE" not in os.environ
 
 
+def test_a_gguf_missing_weights_is_refused_not_saved_with_random_ones(tmp_path, monkeypatch):
+    """transformers leaves a weight its GGUF mapping did not fill at its random initialisation (and says so only in
+    its loading info): converted, the model ran and answered nonsense."""
+    import transformers
+
+    from ragcache import gguf
+    from tests import tiny
+
+    model = tiny.make("llama").model
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *a, **k: None)
+
+    def load(*args, **kwargs):
+        assert kwargs.get("output_loading_info")
+        return model, {"missing_keys": {"model.layers.0.mlp.up_proj.weight"}, "unexpected_keys": set()}
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    with pytest.raises(ModelFetchError, match="model.layers.0.mlp.up_proj.weight"):
+        gguf.convert(tmp_path / "model.gguf", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_model_pulled_from_another_pin_is_not_taken_for_the_pinned_one(tmp_path, monkeypatch):
     """`.complete` was trusted by its presence: a model re-pinned by a later release kept the old weights (and
     fingerprint) on every machine that had pulled it, and `models list` said pulled."""
