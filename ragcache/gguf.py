@@ -4,6 +4,7 @@ plain transformers directory, which later loads read with a normal `from_pretrai
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -17,8 +18,11 @@ def convert(gguf: Path, out_dir: Path) -> None:
     # local files: nothing to ask the hub for. Asked per load, not by HF_HUB_OFFLINE, which the hub reads once at
     # import and every child process (vLLM's workers) would inherit
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, local_files_only=True)
-    loaded, info = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True, output_loading_info=True
+    loaded, info = cast(
+        tuple[Any, dict],
+        AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32, local_files_only=True, output_loading_info=True
+        ),
     )
     # a weight the GGUF's tensor mapping did not fill keeps its random initialisation: saved, it would load as a
     # model that runs and answers nonsense
