@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ragcache.store import durable
+
 from . import calibrate, fetch, loaded, lora
 from .errors import BadAdapter, ModelFetchError
 from .settings import DATA_DIR
@@ -54,8 +56,11 @@ def _folder_name(model: str) -> str:
 def installed(model: str) -> Path | None:
     """The model's installed adapter, calibrated or not (None: there is none)."""
     for place in (install_dir() / _folder_name(model), PACKAGED_DIR / model if model in fetch.BUILTIN_MODELS else None):
-        if place is not None and all((place / name).is_file() for name in lora.ADAPTER_FILES):
-            return place
+        try:
+            if place is not None and all((place / name).is_file() for name in lora.ADAPTER_FILES):
+                return place
+        except OSError as exc:  # a folder another user installed and this one may not read
+            log.warning("the adapter installed in %s cannot be read (%s); the base model serves", place, exc)
     return None
 
 
@@ -112,17 +117,20 @@ def install(source: Path, model: str) -> Path:
     lora.adapter_sha256(source)  # refuses what is not an adapter directory
     target = install_dir() / _folder_name(model)
     target.parent.mkdir(parents=True, exist_ok=True)
-    staged = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+    # mkdir's mode, not mkdtemp's 0700: the other users of a shared model cache read it too
+    staged = durable.staging_folder(target.parent, f".{target.name}-")
     try:
         for name in (*lora.ADAPTER_FILES, lora.ADAPTER_META):
             if (source / name).is_file():
                 shutil.copy2(source / name, staged / name)
         if (source / lora.ADAPTER_PROFILES).is_dir():
             shutil.copytree(source / lora.ADAPTER_PROFILES, staged / lora.ADAPTER_PROFILES)
+        durable.sync_tree(staged)  # before the old one goes
         old = target.with_name(f".{target.name}.old-{os.getpid()}")
         if target.exists():
             os.replace(target, old)
         os.replace(staged, target)
+        durable.sync_folder(target.parent)
         shutil.rmtree(old, ignore_errors=True)
     except BaseException:
         shutil.rmtree(staged, ignore_errors=True)
@@ -191,7 +199,7 @@ def _write_merged(base: loaded.LoadedModel, path: Path, digest: str, target: Pat
             (staged / MERGED_SOURCE).write_text(json.dumps(source))
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
-            os.replace(staged, target)
+            durable.replace_folder(staged, target)  # its marker never beside weights a power loss emptied
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

@@ -21,8 +21,8 @@ inherits another's k; an adapter may ship its own in its directory (`profiles/`)
 from __future__ import annotations
 
 import json
+import logging
 import math
-import os
 import random
 import time
 from collections.abc import Callable
@@ -31,11 +31,15 @@ from pathlib import Path
 
 import torch
 
+from ragcache.store import durable
+
 from . import agreement as agree
 from . import fetch, loaded, lora
 from .engine import eos_ids
 from .errors import BadRequest
 from .settings import DATA_DIR, DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
+
+log = logging.getLogger("ragcache")
 
 POSITIONS = ("first", "content")
 ANSWER_TOKENS = 16  # how far along full's answer a content word is looked for
@@ -93,19 +97,21 @@ def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None) -> P
 
 
 def read_profile(path: Path) -> Profile | None:
-    """None for a missing file, or an old or damaged one (calibrate again)."""
+    """None for a missing file, or an old or damaged one (calibrate again: said in the log, as the defaults serve
+    instead of what was calibrated)."""
     try:
         return Profile(**json.loads(path.read_text()))
-    except (ValueError, TypeError, OSError):
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, OSError) as exc:
+        log.warning("calibration profile %s cannot be read (%s); the defaults serve: calibrate again", path, exc)
         return None
 
 
 def save_profile(profile: Profile) -> Path:
     path = profile_path(profile.fingerprint, profile.dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(asdict(profile), indent=1))
-    os.replace(tmp, path)
+    durable.write_file(path, json.dumps(asdict(profile), indent=1))
     return path
 
 

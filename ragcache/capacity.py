@@ -7,13 +7,11 @@ shape, the corpus's total per codec, and the time it takes at the compile rate l
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ragcache.store import tier_urls
+from ragcache.store import durable, tier_urls
 from ragcache.store.codec import BITS, CODECS
 from ragcache.store.disk import DiskStore
 
@@ -105,14 +103,13 @@ def record_rate(model: str, device: str, dtype: str, codec: str, tokens: int, se
     if tokens < RATE_MIN_TOKENS or seconds <= 0:
         return False
     path = rates_path()
-    rates = read_rates()
-    rates[rate_key(model, device, dtype, codec)] = dict(
-        tok_s=round(tokens / seconds, 1), tokens=tokens, measured=time.strftime("%Y-%m-%d")
-    )
     path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False, suffix=".tmp") as tmp:
-        json.dump(rates, tmp, indent=1)
-    os.replace(tmp.name, path)  # a reader never sees half a file
+    with fetch.file_lock(path.with_name(f".{path.name}.lock")):  # two compiles ending at once: both rates kept
+        rates = read_rates()
+        rates[rate_key(model, device, dtype, codec)] = dict(
+            tok_s=round(tokens / seconds, 1), tokens=tokens, measured=time.strftime("%Y-%m-%d")
+        )
+        durable.write_file(path, json.dumps(rates, indent=1))  # a reader never sees half a file
     return True
 
 

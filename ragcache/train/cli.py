@@ -111,7 +111,7 @@ def link_cmd(
                     err.print(f"{phase} {done}/{total} {note}", highlight=False)
 
             report = train_link(cfg, rc=rc, progress=tick)
-    except RagCacheError as exc:
+    except (RagCacheError, OSError) as exc:  # OSError: --out cannot be written (a full disk, no access)
         fail(exc)
     except KeyboardInterrupt:
         interrupted(f"the next run with --out {out} resumes from the last checkpoint")
@@ -210,7 +210,7 @@ def infill_cmd(
                     err.print(f"step {step}/{steps} loss {loss:.4f}", highlight=False)
 
             result = train(cfg, progress=tick)
-    except RagCacheError as exc:
+    except (RagCacheError, OSError) as exc:  # OSError: --out cannot be written (a full disk, no access)
         fail(exc)
     except KeyboardInterrupt:
         interrupted(f"the same command with --out {out} resumes from the last checkpoint")
@@ -305,6 +305,9 @@ def eval_cmd(
                 suffix_chars=suffix_chars,
             ),
         )
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        try:
+            json_out.parent.mkdir(parents=True, exist_ok=True)
+            json_out.write_text(json.dumps(payload, indent=2) + "\n")
+        except OSError as exc:  # the table above is printed: what is lost is the file
+            fail(exc)
         console.print(f"wrote {json_out}")

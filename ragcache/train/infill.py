@@ -23,6 +23,8 @@ from pathlib import Path
 
 import torch
 
+from ragcache.store import durable
+
 from .. import models
 from ..errors import BadRequest, ModelFetchError, RagCacheError
 from ..settings import DEFAULT_LR, check_device
@@ -242,13 +244,11 @@ def _save_checkpoint(
 
 def _resume(out: Path, key: dict, model, optimizer, schedule, result: TrainResult, warmup: dict) -> int:
     """The step `out`'s checkpoint was saved after (0: none), its weights and state put back (its warm-up too)."""
-    from safetensors.torch import load_file
-
     found = checkpoint.load(out, key)
     if found is None:
         return 0
     folder, state = found
-    weights = load_file(folder / "trainable.safetensors")
+    weights = checkpoint.weights(folder, "trainable.safetensors")
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name in weights:
@@ -272,5 +272,10 @@ def save(model, tokenizer, cfg: TrainConfig, result: TrainResult) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    # on the disk before the record that calls the run finished, and before its checkpoint goes: the model is
+    # then the only copy of the training
+    for path in out.iterdir():
+        if path.is_file():
+            durable.sync_file(path)
     record = {"config": asdict(cfg), "result": asdict(result), "learning_rate": cfg.learning_rate}
-    (out / "ragcache-train.json").write_text(json.dumps(record, indent=2, default=str) + "\n")  # paths as text
+    durable.write_file(out / "ragcache-train.json", json.dumps(record, indent=2, default=str) + "\n")  # paths as text

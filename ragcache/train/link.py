@@ -33,8 +33,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
+import logging
 import os
+import pickle
 import random
 import time
 from collections.abc import Callable
@@ -44,7 +47,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from ragcache.store import open_store
+from ragcache.store import durable, open_store
 
 from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats, cache_argument
@@ -52,6 +55,8 @@ from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..facade import RagCache
 from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, resolve_device
 from . import checkpoint, squad
+
+log = logging.getLogger("ragcache")
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
@@ -252,9 +257,11 @@ def load_or_prepare(
         out[name] = []
         for i, item in enumerate(items):
             path = folder / f"{_item_key(item)}.pt"
-            if not path.exists():
+            target = _target(path) if path.exists() else None
+            if target is None:
                 _atomic_save(vars(prepare(rc, item, cfg.answer_tokens)), path)
-            out[name].append(Target(**torch.load(path, weights_only=True, mmap=True)))
+                target = Target(**torch.load(path, weights_only=True, mmap=True))
+            out[name].append(target)
             say(name, i + 1, len(items))
     return out
 
@@ -364,9 +371,20 @@ def _run_key(cfg: LinkTrainConfig, link: linker.LinkParams, targets: list[Target
 
 def _atomic_save(obj, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+    raw = io.BytesIO()
+    torch.save(obj, raw)
+    durable.write_file(path, raw.getvalue())
+
+
+def _target(path: Path) -> Target | None:
+    """A prepared target; None (the file removed, to prepare again) when it cannot be read: derived data, so a
+    file a crash damaged costs its item's preparation, not the run."""
+    try:
+        return Target(**torch.load(path, weights_only=True, mmap=True))
+    except (OSError, RuntimeError, EOFError, ValueError, TypeError, pickle.UnpicklingError) as exc:
+        log.warning("prepared target %s cannot be read (%s); preparing it again", path, exc)
+        path.unlink(missing_ok=True)
+        return None
 
 
 def save_checkpoint(
@@ -390,13 +408,12 @@ def save_checkpoint(
 def load_checkpoint(out: Path, peft, optimizer, schedule, key: dict) -> tuple[int, list[float], list[float]]:
     """(the step it was saved after, the link losses so far, the full term's); (0, [], []) when there is none."""
     from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
 
     found = checkpoint.load(out, key)
     if found is None:
         return 0, [], []
     final, state = found
-    set_peft_model_state_dict(peft, load_file(final / "adapter_model.safetensors"))
+    set_peft_model_state_dict(peft, checkpoint.weights(final, "adapter_model.safetensors"))
     optimizer.load_state_dict(state["optimizer"])
     schedule.load_state_dict(state["schedule"])
     return int(state["step"]), list(state["losses"]), list(state.get("full_losses", []))

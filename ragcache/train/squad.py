@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import subprocess
@@ -23,8 +24,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from ragcache.store import durable
+
 from ..errors import ModelFetchError
 from ..fetch import file_lock
+
+log = logging.getLogger("ragcache")
 
 BIGBENCH = "bigbench==1.0.0"
 BIGBENCH_SHA256 = "1bb398a5512c6d798cdebe0dfa0ac03f67f6033fa6b39c6ef71df978c7cbc5c2"
@@ -71,10 +76,19 @@ def dev_set_path() -> Path:
             else:
                 raise _fetch_error(f"{MEMBER} not found in {archive}")
         json.loads(raw)  # refuse to cache something unreadable
-        with tempfile.NamedTemporaryFile(dir=target.parent, delete=False) as tmp:
-            tmp.write(raw)
-        os.replace(tmp.name, target)
+        durable.write_file(target, raw)
     return target
+
+
+def dev_set() -> dict:
+    """The dev set's JSON; a cached copy that cannot be read (a file a crash damaged) is extracted again."""
+    path = dev_set_path()
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        log.warning("the cached SQuAD dev set %s cannot be read (%s); extracting it again", path, exc)
+        path.unlink(missing_ok=True)
+        return json.loads(dev_set_path().read_text())
 
 
 def _archive() -> Path:
@@ -146,7 +160,7 @@ def items_apart(n: int, seed: int, avoid: set[str], distractors: int = 3, dev: d
     """Up to n items drawn from every question (not one a paragraph) of the paragraphs outside `avoid`, their
     distractors from other articles' paragraphs outside it too: a training split several times the paragraph count
     that shares no paragraph with a held-out split."""
-    dev = dev or json.loads(dev_set_path().read_text())
+    dev = dev or dev_set()
     rng = random.Random(seed)
     kept = [[para for para in art["paragraphs"] if para["context"] not in avoid] for art in dev["data"]]
     questions = [(a, para, qa) for a, paras in enumerate(kept) for para in paras for qa in para["qas"]]
@@ -169,6 +183,6 @@ def _item(rng: random.Random, qa: dict, title: str, docs: list[str]) -> Item:
 
 def load_items(n: int | None = None, seed: int = 0, distractors: int = 3) -> list[Item]:
     """The first n items of seed `seed` (every paragraph with a question, when n is None)."""
-    dev = json.loads(dev_set_path().read_text())
+    dev = dev_set()
     total = sum(1 for art in dev["data"] for para in art["paragraphs"] if para["qas"])
     return build_items(dev, min(n or total, total), seed, distractors)
