@@ -56,8 +56,14 @@ class Context:
             MAX_STOP_CHARS,
         )
 
-    def max_tokens(self, asked: int | None) -> int:
-        return self.settings.max_new_tokens if asked is None else asked
+    def sampling(
+        self, asked: int | None, temperature: float, top_p: float, stop, seed: int | None, default: int | None = None
+    ) -> Sampling:
+        """The engine's sampling; a request that names no max_tokens gets `default` (else the server's
+        max_new_tokens), cut to the context its prompt leaves."""
+        if asked is not None:
+            return Sampling(asked, temperature, top_p, stop_strings(stop), seed)
+        return Sampling(default or self.settings.max_new_tokens, temperature, top_p, stop_strings(stop), seed, True)
 
     async def query(
         self,
@@ -67,6 +73,7 @@ class Context:
         system: str | None,
         link: LinkOptions | None,
         sampling: SamplingFields,
+        default_max_tokens: int | None = None,
     ) -> Query:
         """The engine's query, validated (413 over a limit or past the context, 422 for what means nothing), with
         this server's defaults for what the request leaves out. In a worker thread: validating hashes every raw
@@ -74,16 +81,14 @@ class Context:
         Raw texts are measured against the context in the bounded `measuring` pool."""
         docs = [{"text": ref.text} if isinstance(ref, TextDocument) else ref for ref in documents]
         params = self.rc.resolve(self.settings, link or LinkOptions())  # the request's knobs over the server's
-        answer = Sampling(
-            self.max_tokens(sampling.max_tokens),
-            sampling.temperature,
-            sampling.top_p,
-            stop_strings(sampling.stop),
-            sampling.seed,
+        answer = self.sampling(
+            sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.stop, sampling.seed, default_max_tokens
         )
         query = await run_in_threadpool(self.rc.validate, question, docs, system or None, params, answer, self.limits)
         if query.texts:
-            await self.measuring.run(client_of(request), self.rc.refuse_long_texts, query.texts, answer.max_new_tokens)
+            await self.measuring.run(
+                client_of(request), self.rc.refuse_long_texts, query.texts, answer.least_new_tokens
+            )
         return query
 
     async def start(self, request: Request, query: Query) -> tuple[Generation, Event]:

@@ -64,7 +64,8 @@ DETAILS = {
 REPORTED = 20  # validation errors listed in one error body; `error_count` says how many there were
 RETRY_AFTER_S = {409: "5", 429: "1", 503: "5"}
 ERRORS = {
-    400: "the model cannot serve this request; on the OpenAI routes also a prompt past its context",
+    400: "the model cannot serve this request; on the OpenAI routes also a prompt past its context, and what the "
+    "native routes answer with a 422",
     401: "missing or wrong API key (when the server has one)",
     404: "unknown document or model",
     408: "the request body did not arrive in time",
@@ -76,6 +77,7 @@ ERRORS = {
     503: "a store tier or the model is unavailable (Retry-After)",
 }
 WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body
+OPENAI_WITH_BODY = (408, 413)  # the same on OpenAI's routes, whose 422s are 400s (`openai_shaped`)
 CLIPPED = 200  # characters of one name or message echoed back: a key may be megabytes long
 
 
@@ -126,11 +128,15 @@ def error_body(type: str, message: str, **details) -> dict:
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions")
 
 
-def openai_shaped(exc: BaseException, status: int, body: dict) -> tuple[int, dict]:
-    """An error body as OpenAI's routes give it."""
+def openai_shaped(exc: BaseException | None, status: int, body: dict) -> tuple[int, dict]:
+    """An error body as OpenAI's routes give it: what the request got wrong is a 400 invalid_request_error (OpenAI's
+    SDKs raise BadRequestError for it, and UnprocessableEntityError for a 422 no client code expects), the kind in
+    `code`."""
     error = body["error"]
     if isinstance(exc, PromptTooLong):  # also TextsTooLong: documents past the context
         status, error = 400, {**error, "type": "invalid_request_error", "code": "context_length_exceeded"}
+    elif status == 422:
+        status, error = 400, {**error, "type": "invalid_request_error"}
     return status, {"error": error}
 
 
@@ -153,11 +159,14 @@ def describe(exc: BaseException) -> tuple[int, dict]:
             name: getattr(exc, name) for kind, names in DETAILS.items() if isinstance(exc, kind) for name in names
         }
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
+        message = str(exc)
         if status >= 500:
             details["ref"] = ref = uuid.uuid4().hex[:12]
             log.warning("engine error [ref %s]: %s", ref, exc)
+            if exc.public is not None:
+                message = f"{exc.public}; the server logged its cause (ref {ref})"
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()  # UnknownDocument -> unknown_document
-        return status, error_body(snake, str(exc), **details)
+        return status, error_body(snake, message, **details)
     ref = uuid.uuid4().hex[:12]
     log.error("unexpected error [ref %s]", ref, exc_info=exc)
     return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it", ref=ref)
@@ -201,7 +210,9 @@ def install(app: FastAPI) -> None:
         message, details = _validation_message(errors, total, request.headers.get("content-type", ""))
         first = details[0] if details and details[0]["type"] != "json_invalid" else None  # its loc is a position
         param = ".".join(first["loc"]) or None if first else None
-        return error_response(422, "invalid_request", message, details=details, error_count=total, param=param)
+        body = error_body("invalid_request", message, details=details, error_count=total, param=param)
+        status, body = openai_shaped(None, 422, body) if request.url.path in OPENAI_PATHS else (422, body)
+        return JSONResponse(body, status_code=status)
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:

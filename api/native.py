@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from starlette.concurrency import run_in_threadpool
 
 from ragcache.documents import check_metadata
-from ragcache.engine import Answer, Done, Failed, Piece, Sampling, stop_strings
+from ragcache.engine import Answer, Done, Failed, Piece
 from ragcache.errors import CorruptDocument, UnknownDocument
 from ragcache.front import CompileReport
 from ragcache.request import Limits, validate_infill, validate_texts
@@ -257,12 +257,12 @@ async def infill(request: Request, body: InfillRequest = Body(InfillRequest)):
     typed since the session's first round goes after the middle sentinel, so the cached prompt stays a prefix
     and `usage.cached_tokens` says how much of the prompt was reused."""
     c = ctx(request)
-    sampling = Sampling(c.max_tokens(body.max_tokens), body.temperature, body.top_p, stop_strings(body.stop), body.seed)
+    sampling = c.sampling(body.max_tokens, body.temperature, body.top_p, body.stop, body.seed)
     # a session is its client's: another client naming the same id neither moves its base nor reads it
     session = f"{client_of(request)} {body.session}" if body.session else None
     fill = validate_infill(body.prefix, body.suffix, session, body.mode, body.reuse, sampling, c.limits)
     await c.measuring.run(
-        client_of(request), c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.max_new_tokens
+        client_of(request), c.rc.refuse_long_texts, [fill.prefix, fill.suffix], sampling.least_new_tokens
     )
     gen, first = await c.start_stream(request, lambda: c.rc.stream_infill(fill))
     if not body.stream:

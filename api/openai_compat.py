@@ -19,7 +19,7 @@ from ragcache.settings import LinkKnobs
 from .answering import Context, ctx
 from .body import Body, documented
 from .engine_queue import EventStream
-from .errors import WITH_BODY, ApiError, clip_repr, responses
+from .errors import OPENAI_WITH_BODY, ApiError, clip_repr, responses
 from .native import sse_events, streamed
 from .schemas import ChatMessage, ChatRequest, CompletionRequest, ModelCard, ModelList, OpenAIFields
 
@@ -149,7 +149,8 @@ def list_models(request: Request) -> ModelList:
         "default_focus_ratio": c.rc.default_focus_ratio,
         "calibrated": profile is not None and profile.k is not None,
         "kv_codec": c.rc.kv_codec,
-        "adapter": adapter and {"sha256": adapter.sha256, "path": str(adapter.path), "merged": adapter.merged},
+        # its folder's name, not its path: a client has no business with the server's file system
+        "adapter": adapter and {"sha256": adapter.sha256, "name": adapter.path.name, "merged": adapter.merged},
     }
     if profile is not None:
         link.update(
@@ -173,7 +174,7 @@ def retrieve_model(request: Request, model: str) -> ModelCard:
 @router.post(
     "/completions",
     openapi_extra=documented(CompletionRequest),
-    responses={**streamed("text_completion chunks"), **responses(*WITH_BODY, 400, 404, 429, 503)},
+    responses={**streamed("text_completion chunks"), **responses(*OPENAI_WITH_BODY, 400, 404, 429, 503)},
 )
 async def completions(request: Request, body: CompletionRequest = Body(CompletionRequest, answered=True)):
     """The prompt is the question; documents and link options come as extra body fields."""
@@ -231,14 +232,18 @@ def chat_question(messages: list[ChatMessage]) -> tuple[str | None, str]:
 @router.post(
     "/chat/completions",
     openapi_extra=documented(ChatRequest),
-    responses={**streamed("chat.completion.chunk objects"), **responses(*WITH_BODY, 400, 404, 429, 503)},
+    responses={**streamed("chat.completion.chunk objects"), **responses(*OPENAI_WITH_BODY, 400, 404, 429, 503)},
 )
 async def chat_completions(request: Request, body: ChatRequest = Body(ChatRequest, answered=True)):
     """The last user message is the question, a leading system message the system prompt."""
     c = ctx(request)
     _check(c, body)
     system, question = chat_question(body.messages)
-    query = await c.query(request, question, body.documents, system, body.ragcache, body)
+    # a chat request that names no max_tokens goes on as OpenAI's would, to the context's end (within the server's
+    # max_new_tokens_limit); a completion's default stays the server's max_new_tokens (OpenAI's is 16)
+    query = await c.query(
+        request, question, body.documents, system, body.ragcache, body, c.settings.max_new_tokens_limit
+    )
     return await _respond(
         request,
         c,

@@ -268,6 +268,9 @@ class InfillResponse(BaseModel):
 
 # -- OpenAI-compatible ------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
+    # vLLM's continuous_usage_stats and any other option asks for what this server does not do: refused, not ignored
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = Field(False, strict=True)
 
 

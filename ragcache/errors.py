@@ -49,6 +49,8 @@ class CompileFailed(RagCacheError):
     """A chunk the model could not compile into its entry (out of memory, an error in its forward or encoding): that
     request fails, with its cause; what was compiled before it is stored."""
 
+    public = "compiling this request's documents failed; what was compiled before the failure is stored"
+
 
 class EngineDown(RagCacheError):
     """The engine answers no request until the server restarts (vLLM's engine core died): another replica may."""

@@ -380,6 +380,8 @@ class Front(abc.ABC):
             {doc_id: d.chunks for doc_id, d in drafts.items()},
         )
         length = len(parts.prefix_ids) + sum(map(len, parts.chunk_ids)) + len(parts.question_ids)
+        if query.sampling is not None:
+            max_new_tokens = query.sampling.fit(length, self.context_length)
         if length + max_new_tokens > self.context_length:
             raise PromptTooLong(length, max_new_tokens, self.context_length, len(parts.question_ids))
         for draft in drafts.values():
@@ -392,7 +394,7 @@ class Front(abc.ABC):
         fim = infill.FimTokens.for_tokenizer(self.tokenizer)
         split = self.infill_sessions.plan(fill.session, fill.prefix, fill.suffix, fill.mode)
         ids = infill.build_prompt(self.tokenizer, fim, fill.prefix, fill.suffix, fill.mode, split)
-        if len(ids) + fill.sampling.max_new_tokens > self.context_length:
+        if len(ids) + fill.sampling.fit(len(ids), self.context_length) > self.context_length:
             raise PromptTooLong(len(ids), fill.sampling.max_new_tokens, self.context_length)
         self.infill_sessions.remember(fill.session, fill.prefix, fill.suffix, fill.mode, split)
         return ids
@@ -450,7 +452,7 @@ class Front(abc.ABC):
         link = self.params(**{name: knobs.pop(name) for name in LinkKnobs.model_fields if name in knobs})
         query = self.validate(question, docs, system, link, Sampling(**knobs), limits)
         if query.texts:  # refused from their bytes, or counted until past the room: never tokenized whole for it
-            self.refuse_long_texts(query.texts, query.sampling.max_new_tokens if query.sampling else 0)
+            self.refuse_long_texts(query.texts, query.sampling.least_new_tokens if query.sampling else 0)
         return self.stream_query(query)
 
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:

@@ -390,8 +390,9 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     max_new_tokens: int = Field(
         64,
         ge=1,
-        description="tokens an answer may have when its request names no max_tokens (OpenAI's API would go on to "
-        "the end of the context: raise it for clients that send none)",
+        description="tokens an answer may have when its request names no max_tokens, cut to the context its "
+        "prompt leaves (an OpenAI chat request naming none goes on to max_new_tokens_limit instead, as OpenAI's "
+        "goes on to the context's end)",
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)

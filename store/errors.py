@@ -5,6 +5,10 @@ lowest layer, so the store needs nothing from the layers above it; `ragcache.err
 class RagCacheError(Exception):
     """Base of every error ragcache raises on purpose."""
 
+    # what an HTTP client is told instead of the message, for a kind whose message quotes another library's error
+    # (its text may name the server's memory, devices or files): the server logs the message under a ref
+    public: str | None = None
+
 
 class BadRequest(RagCacheError):
     """The caller sent something unusable (empty question, bad parameter)."""

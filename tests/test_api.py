@@ -409,10 +409,16 @@ BAD = [  # (method, path, json body, status, message fragment)
 
 @pytest.mark.parametrize("method,path,body,status,fragment", BAD, ids=[f"{m} {p[:40]} {s}" for m, p, _, s, _ in BAD])
 def test_bad_input(http, method, path, body, status, fragment):
+    """`status` is the native routes'; OpenAI's routes answer what the request got wrong with OpenAI's 400
+    invalid_request_error (its SDKs raise BadRequestError for it; a 422 is an error no client code expects), the
+    kind in `code`."""
     # json.dumps escapes lone surrogates as \\udXXX, as a client in another language would send them
     content = None if body is None else json.dumps(body)
-    error_of(http.request(method, path, content=content, headers={"content-type": "application/json"}), status,
-             fragment)
+    openai = path in ("/v1/chat/completions", "/v1/completions") and status == 422
+    error = error_of(http.request(method, path, content=content, headers={"content-type": "application/json"}),
+                     400 if openai else status, fragment)
+    if openai:
+        assert error["type"] == "invalid_request_error" and error["code"] not in (None, "invalid_request_error")
 
 
 def test_cacheblend_deviation_reaches_the_link_params(http, doc_ids, monkeypatch):
@@ -1137,7 +1143,7 @@ def test_the_openapi_document_lists_the_codes_the_routes_return(http, doc_ids):
     unknown = "0" * 32
     cases = [("POST", "/v1/query", "/v1/query", {"json": {"question": "q", "documents": [unknown]}}, 404),
              ("POST", "/v1/query", "/v1/query", {"json": {"question": ""}}, 422),
-             ("POST", "/v1/chat/completions", "/v1/chat/completions", {"json": {"messages": []}}, 422),
+             ("POST", "/v1/chat/completions", "/v1/chat/completions", {"json": {"messages": []}}, 400),
              ("POST", "/v1/completions", "/v1/completions", {"json": {"prompt": "q", "model": "nope"}}, 404),
              ("POST", "/v1/documents", "/v1/documents", {"json": {"documents": [{"text": "x"}] * 65}}, 413),
              ("POST", "/v1/infill", "/v1/infill", {"json": {"prefix": 1}}, 422),
@@ -1318,13 +1324,13 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
         assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
         assert "param" in error and error["context"] == 8192
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
-                                                            "ragcache": {"algorithm": "nope"}}), 422)
-    assert "param" in error
+                                                            "ragcache": {"algorithm": "nope"}}), 400)
+    assert "param" in error and error["code"] == "unknown_algorithm"
     # every error has it: the body's validation (the field), the guard's refusals, a native route's
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
-                                                             "max_tokens": 0}), 422)
+                                                             "max_tokens": 0}), 400)
     assert error["param"] == "max_completion_tokens" or error["param"].endswith("max_tokens"), error
-    error = error_of(http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}), 422)
+    error = error_of(http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}), 400)
     assert error["param"] is None
     assert error_of(http.get("/v1/documents/not-an-id"), 404)["param"] is None
     r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
@@ -1384,3 +1390,49 @@ def test_a_dead_engine_is_503_with_retry_after(http, rc, monkeypatch):
     r = http.get("/v1/documents")
     error = error_of(r, 503, "restart")
     assert error["type"] == "engine_down" and r.headers["retry-after"] == "5" and error["ref"]  # as every 5xx
+
+
+def test_a_chat_without_max_tokens_goes_on_to_the_context_s_end_within_the_limit():
+    """OpenAI's clients mostly send no max_tokens (LangChain's ChatOpenAI, the SDK's examples): the server's 64 cut
+    every such chat answer short, and a prompt near the context's end was refused for a length nobody asked for.
+    A completion without one keeps the server's max_new_tokens (OpenAI's default there is 16)."""
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    chat = {"messages": [{"role": "user", "content": "Where do rivers flow?"}], "ragcache": {"algorithm": "full"}}
+    with serve(rc, max_new_tokens=2, max_new_tokens_limit=24) as s, httpx.Client(base_url=s.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        assert 2 < r.json()["usage"]["completion_tokens"] <= 24  # the tiny model never ends on its own
+        r = c.post("/v1/completions", json={"prompt": "Where do rivers flow?", "ragcache": {"algorithm": "full"}})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+        doc = {"text": " ".join(["Rivers flow to the sea."] * 45)}  # leaves fewer than 24 of the 512 positions
+        r = c.post("/v1/chat/completions", json={**chat, "documents": [doc]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= 512, r.json()["usage"]
+        assert r.json()["usage"]["completion_tokens"] < 24  # fitted: the context left was less than the limit
+        r = c.post("/v1/chat/completions", json={**chat, "documents": [doc], "max_tokens": 24})
+        assert r.status_code == 400, r.text  # asked for: refused, as before
+    rc.close()
+
+
+def test_a_5xx_quoting_another_library_s_error_tells_the_client_a_ref_not_the_server_s_internals(monkeypatch):
+    """A chunk the model could not compile answered with the model's own error text (a CUDA out-of-memory message
+    names the device's memory; others name files): the client gets what failed and a ref, the log the cause."""
+    from ragcache.compiler import Compiler
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory on /dev/nvidia3 (79.2 GiB in use)")
+
+    monkeypatch.setattr(Compiler, "entry", failing)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    with serve(rc) as s:
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": [{"text": "Rivers flow."}]}, timeout=60)
+    error = error_of(r, 500, "compiling this request's documents failed")
+    assert error["type"] == "compile_failed" and error["ref"] in error["message"] and "nvidia" not in r.text
+    rc.close()

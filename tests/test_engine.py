@@ -111,6 +111,23 @@ def test_prompt_longer_than_context(rc):
         rc.query(" ".join(["where?"] * 400), docs=[{"text": DOC}], max_new_tokens=4)
 
 
+def test_a_default_answer_length_is_cut_to_the_context_left_not_refused(rc):
+    """A request that names no max_tokens (OpenAI's clients mostly send none) gets the server's default cut to what
+    its prompt leaves of the context: refusing it as too long for a length it never asked for was a 400."""
+    from ragcache.front import drain
+
+    ids = rc.compile([" ".join(["Rivers flow to the sea."] * 45)])
+    with pytest.raises(errors.PromptTooLong):
+        rc.query("where?", docs=ids, max_new_tokens=400)
+    seq = rc.stream("where?", ids, max_new_tokens=400, fit_context=True)
+    answer = drain(seq)
+    prompt = answer.stats.prompt_tokens
+    assert 0 < 512 - prompt < 400 and seq.decoding.sampling.max_new_tokens == 512 - prompt
+    assert len(answer.token_ids) <= 512 - prompt
+    short = rc.stream("where?", ids, max_new_tokens=3, fit_context=True)  # a default that fits stays as it is
+    assert len(drain(short).token_ids) <= 3 and short.decoding.sampling.max_new_tokens == 3
+
+
 @pytest.mark.parametrize("kwargs,match", [
     ({"algorithm": "magic"}, "unknown algorithm"),
     ({"k": -1}, "k must be"),

@@ -75,9 +75,23 @@ class Sampling:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
+    # max_new_tokens is a server's default, not what the request asked: a prompt that leaves less room in the
+    # context answers in what is left (OpenAI's API goes on to the context's end when max_tokens is left out)
+    fit_context: bool = False
 
     def __post_init__(self) -> None:
         self.stop = stop_strings(self.stop)
+
+    @property
+    def least_new_tokens(self) -> int:
+        """The room an answer needs beside its prompt: a fitted default needs one token."""
+        return 1 if self.fit_context else self.max_new_tokens
+
+    def fit(self, prompt_tokens: int, context: int) -> int:
+        """max_new_tokens, a fitted default cut to the context left beside `prompt_tokens` (at least 1)."""
+        if self.fit_context:
+            self.max_new_tokens = max(1, min(self.max_new_tokens, context - prompt_tokens))
+        return self.max_new_tokens
 
     def validate(self) -> None:
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:

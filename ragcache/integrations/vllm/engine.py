@@ -60,6 +60,8 @@ COMPILE_TAIL = 2
 class EngineFailed(RagCacheError):
     """vLLM's engine failed a request (its process died, or it refused what ragcache validated)."""
 
+    public = "vLLM's engine failed the request"
+
 
 class VllmRagCache(Front):
     def __init__(
