@@ -120,6 +120,25 @@ def test_retriever_runs_the_wrapped_one_as_its_child(rc):
         assert top is None and parent == outer
 
 
+class TenantRetriever(BaseRetriever):
+    """A vector store's retriever: a call's `filter` narrows the search."""
+
+    def _get_relevant_documents(self, query, *, run_manager, filter=None):
+        docs = [Document(page_content=text, metadata={"tenant": t}) for t, text in (("a", TEXTS[0]), ("b", TEXTS[1]))]
+        return [d for d in docs if filter is None or d.metadata["tenant"] == filter["tenant"]]
+
+    async def _aget_relevant_documents(self, query, *, run_manager, filter=None):
+        return self._get_relevant_documents(query, run_manager=run_manager, filter=filter)
+
+
+def test_a_call_s_search_arguments_reach_the_wrapped_retriever(rc):
+    """They were dropped: a tenant's filter gave every tenant's documents, compiled and linked into its answer."""
+    retriever = RagCacheRetriever(retriever=TenantRetriever(), rc=rc)
+    assert [d.metadata["tenant"] for d in retriever.invoke("q", filter={"tenant": "a"})] == ["a"]
+    got = asyncio.run(retriever.ainvoke("q", filter={"tenant": "b"}))
+    assert [d.metadata["tenant"] for d in got] == ["b"]
+
+
 def test_retriever_prefetches_into_the_memory_tier_and_compiles_the_sink_layout(tmp_path):
     lm = tiny.make("llama")
     RagCache(lm, open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=32)).compile(TEXTS[:1])  # the second one is a miss
@@ -398,3 +417,35 @@ def test_a_cancelled_task_aborts_the_request(rc, opened):
     assert len(opened) == 2
     for stream in opened:
         assert stream.status is Status.ABORTED
+
+
+def test_a_streamed_chat_retrieves_under_the_caller_s_callbacks(rc):
+    """LangChain's stream() and astream() give _stream no run manager: the retriever's run reached none of the
+    caller's handlers (nor its tracing)."""
+    retriever = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)
+    chat = ChatRagCache(rc=rc, retriever=retriever, max_new_tokens=TOKENS)
+    runs = Runs()
+    text = "".join(chunk.content for chunk in chat.stream(QUESTION, config={"callbacks": [runs]}))
+    assert text == direct(rc).text and len(runs.retrievers) == 2  # the wrapper and the wrapped one
+
+    async def streamed():
+        return "".join([chunk.content async for chunk in chat.astream(QUESTION, config={"callbacks": [runs]})])
+
+    assert asyncio.run(streamed()) == text and len(runs.retrievers) == 4
+
+
+def test_unknown_fields_and_documents_of_another_kind_are_refused(rc):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="max_tokens"):
+        ChatRagCache(rc=rc, max_tokens=64)  # max_new_tokens: ignored, the answer had 256 tokens
+    with pytest.raises(ValidationError, match="prefetc"):
+        RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc, prefetc=True)
+    with pytest.raises(BadRequest, match="dict"):
+        ChatRagCache(rc=rc).invoke(QUESTION, documents=[{"text": TEXTS[0]}])
+
+
+def test_the_llm_cache_keys_answers_by_the_stop_field_and_the_weights(rc):
+    plain, cut = ChatRagCache(rc=rc), ChatRagCache(rc=rc, stop=["\n"])
+    assert plain._identifying_params != cut._identifying_params
+    assert plain._identifying_params["model_fingerprint"] == rc.lm.fingerprint

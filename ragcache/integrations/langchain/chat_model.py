@@ -20,7 +20,7 @@ from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest
@@ -49,6 +49,9 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     the last chunk carries them. Per-call keyword arguments (the link knobs: algorithm, k, ratio, ...;
     max_new_tokens, temperature, top_p, seed) override the fields. The async methods keep the event loop free while the engine works, and a
     caller that stops reading a stream, or whose task is cancelled, stops the generation."""
+
+    # a misspelt or unknown field (max_tokens, streaming) was ignored: the answer came out otherwise than asked
+    model_config = ConfigDict(extra="forbid")
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever | None = Field(
@@ -84,14 +87,34 @@ class ChatRagCache(BaseChatModel, LinkOptions):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
+        """What LangChain's cache keys an answer by beside the messages: everything that changes the answer, the
+        weights (an adapter) and the entries' codec included, and the field `stop` (a call's own stop is keyed too)."""
         return {
             "model_name": self.model_name,
+            "model_fingerprint": self.rc.lm.fingerprint,
+            "kv_codec": self.rc.kv_codec,
             **self.knobs(),
             "max_new_tokens": self.max_new_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
+            "stop": self.stop,
             "seed": self.seed,
         }
+
+    # LangChain's stream() and astream() call _stream without the model's run manager: the retriever's run would
+    # get none of the caller's callbacks, tags or tracing. Retrieved here, with the caller's config, it has them.
+    def stream(self, input: Any, config: Any = None, *, stop: list[str] | None = None, **kwargs: Any):
+        if self.retriever is not None and "documents" not in kwargs:
+            question = chat_question(self._convert_input(input).to_messages())[1]
+            kwargs["documents"] = self.retriever.invoke(question, config=config)
+        yield from super().stream(input, config, stop=stop, **kwargs)
+
+    async def astream(self, input: Any, config: Any = None, *, stop: list[str] | None = None, **kwargs: Any):
+        if self.retriever is not None and "documents" not in kwargs:
+            question = chat_question(self._convert_input(input).to_messages())[1]
+            kwargs["documents"] = await self.retriever.ainvoke(question, config=config)
+        async for chunk in super().astream(input, config, stop=stop, **kwargs):
+            yield chunk
 
     # -- sync -------------------------------------------------------------------------------------------
     def _generate(
@@ -196,6 +219,10 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         documents = kwargs.get("documents")
         if isinstance(documents, (str, Document)):
             raise BadRequest("documents must be a list of Documents or texts, got a single one")
+        if documents is not None:
+            wrong = sorted({type(d).__name__ for d in documents if not isinstance(d, (str, Document))})
+            if wrong:
+                raise BadRequest(f"documents must be LangChain Documents or texts, got {', '.join(wrong)}")
         return question, args, documents
 
     def _open(self, question: str, documents: Sequence[Document | str], args: dict) -> tuple[Stream, list[str]]:

@@ -8,7 +8,7 @@ from typing import Any
 from langchain_core.callbacks import AsyncCallbackManagerForRetrieverRun, CallbackManagerForRetrieverRun
 from langchain_core.documents import Document
 from langchain_core.retrievers import BaseRetriever
-from pydantic import Field
+from pydantic import ConfigDict, Field
 
 from ragcache.front import Front
 from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
@@ -26,10 +26,13 @@ class RagCacheRetriever(BaseRetriever):
     dropped sink tokens; missing ones are compiled here). prefetch: None (default) reads the entries only when the
     store is tiered, where a read fills the faster tiers; True always; False never."""
 
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
+
     retriever: BaseRetriever = Field(description="the retriever whose documents are warmed")
     rc: Front = Field(exclude=True, description="the engine whose store holds the caches")
     layout: str = "default"
     prefetch: bool | None = None
+    # of the latest retrieval to end: calls run at once (batch, threads) overwrite each other's
     last_report: WarmReport | None = Field(default=None, exclude=True, description="the latest retrieval's report")
 
     def model_post_init(self, context: Any) -> None:
@@ -37,15 +40,19 @@ class RagCacheRetriever(BaseRetriever):
         check_layout(self.rc, self.layout)
         self.prefetch = default_prefetch(self.rc, self.prefetch)
 
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun) -> list[Document]:
-        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()})
+    # `kwargs`: the call's own search arguments (a vector store's `filter`, `k`), the wrapped retriever's to read:
+    # dropped, a tenant's filter would let other tenants' documents into its answers
+    def _get_relevant_documents(
+        self, query: str, *, run_manager: CallbackManagerForRetrieverRun, **kwargs: Any
+    ) -> list[Document]:
+        documents = self.retriever.invoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         self.last_report = self.warm(documents)
         return documents
 
     async def _aget_relevant_documents(
-        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun
+        self, query: str, *, run_manager: AsyncCallbackManagerForRetrieverRun, **kwargs: Any
     ) -> list[Document]:
-        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()})
+        documents = await self.retriever.ainvoke(query, config={"callbacks": run_manager.get_child()}, **kwargs)
         self.last_report = await asyncio.to_thread(self.warm, documents)
         return documents
 
