@@ -17,7 +17,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, TextNode  # noq
 from llama_index.retrievers.bm25 import BM25Retriever  # noqa: E402
 
 from ragcache import RagCache  # noqa: E402
-from ragcache.errors import RagCacheError, UnknownAlgorithm  # noqa: E402
+from ragcache.errors import BadRequest, RagCacheError, UnknownAlgorithm  # noqa: E402
 from ragcache.integrations.llama_index import (  # noqa: E402
     DOC_ID_KEY,
     RagCacheCompiler,
@@ -255,9 +255,12 @@ def test_llm_complete_and_stream_complete(rc):
 
 def test_llm_overrides_and_system_prompt(rc):
     llm = RagCacheLLM(rc=rc, max_new_tokens=TOKENS, system_prompt="You answer in French.")
-    completion = llm.complete("Hello!", max_new_tokens=3, unknown_option=1)
+    completion = llm.complete("Hello!", max_new_tokens=3)
     direct = rc.query("Hello!", docs=[], system="You answer in French.", max_new_tokens=3)
     assert completion.text == direct.text and completion.raw["stats"]["completion_tokens"] <= 3
+    # an argument it does not take (OpenAI's name for max_new_tokens) was ignored: the answer ran to the field's
+    with pytest.raises(BadRequest, match="max_tokens"):
+        llm.complete("Hello!", max_tokens=3)
 
 
 def test_guard_rate_checks_answers_against_full_in_the_background(rc, retriever):
@@ -396,5 +399,40 @@ def test_a_prompt_packed_to_the_llms_window_fits_the_model(rc, system):
     room = llm.metadata.context_window - TOKENS
     text = " word" * room
     assert len(rc.tokenizer.encode(text, add_special_tokens=False)) == room
-    parts = rc.prompt_parts(text, [], system=system)
-    assert len(parts.prefix_ids) + len(parts.question_ids) + TOKENS <= rc.context_length
+    # the formatted prompts llama-index's synthesizers send get the template's own system turn (system=None)
+    for sent in {None, system}:
+        parts = rc.prompt_parts(text, [], system=sent)
+        assert len(parts.prefix_ids) + len(parts.question_ids) + TOKENS <= rc.context_length, sent
+
+
+def test_a_retrieval_with_no_text_answers_as_llama_index_does_without_asking_the_model(rc):
+    """It answered from the model's own knowledge, with no source nodes: llama-index's synthesizers give
+    "Empty Response" there. empty_response=None asks the model anyway."""
+    empty = StaticRetriever([TextNode(text="   ")])
+    for streaming in (False, True):
+        response = engine(rc, empty, streaming=streaming).query(QUESTION)
+        text = "".join(response.response_gen) if streaming else response.response
+        assert text == "Empty Response" and response.metadata["doc_ids"] == []
+
+    async def asked():
+        return await engine(rc, empty).aquery(QUESTION)
+
+    assert asyncio.run(asked()).response == "Empty Response"
+    answered = engine(rc, empty, empty_response=None).query(QUESTION)
+    assert answered.response == rc.query(QUESTION, docs=[], max_new_tokens=TOKENS).text
+
+
+def test_a_query_engine_linking_other_content_than_its_retriever_warms_is_refused(rc):
+    warming = RagCacheRetriever(StaticRetriever([TextNode(text="x")]), rc=rc, metadata_mode=MetadataMode.LLM)
+    with pytest.raises(BadRequest, match="metadata_mode"):
+        engine(rc, warming)  # every query would compile its documents again
+    engine(rc, warming, metadata_mode=MetadataMode.LLM)
+
+
+def test_unknown_fields_are_refused(rc):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="node_postprocessors"):
+        engine(rc, StaticRetriever([]), node_postprocessors=[])
+    with pytest.raises(ValidationError, match="max_tokens"):
+        RagCacheLLM(rc=rc, max_tokens=3)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import ConfigDict, Field
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from ragcache.front import CompileReport, Front
@@ -17,11 +17,15 @@ from .nodes import mark, node_text, record_meta
 class RagCacheCompiler(TransformComponent):
     """Compiles every node's text (skipping what the store already holds) and records its document id in the
     node's metadata under "ragcache_doc_id" (excluded from LLM and embedding metadata). Nodes come back as they
-    went in, so the step can sit anywhere after the splitter; empty nodes are passed through unmarked.
+    went in, so the step can sit anywhere after the splitter (with a metadata_mode other than NONE, after every
+    step that changes the metadata it reads too: what the retriever links must be the text compiled); empty nodes
+    are passed through unmarked.
 
     `target` (the model fingerprint and the store) is part of the step's ingestion-cache hash, so a pipeline cache
     filled against one model or store does not skip compiling into another. A skipped compile is never fatal:
     RagCacheRetriever and RagCacheQueryEngine compile whatever is missing."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
 
     rc: Front = Field(exclude=True, description="the engine whose store receives the caches")
     metadata_mode: MetadataMode = Field(

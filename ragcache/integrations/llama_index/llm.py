@@ -22,16 +22,18 @@ from llama_index.core.base.llms.types import (
     CompletionResponseGen,
     LLMMetadata,
 )
-from llama_index.core.bridge.pydantic import Field
+from llama_index.core.bridge.pydantic import ConfigDict, Field
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from ragcache.engine import Sequence, apieces
+from ragcache.errors import BadRequest
 from ragcache.front import Front, answer_of
 from ragcache.linker import LinkOptions
 from ragcache.settings import LinkKnobs
 
-# Per-call overrides `complete(prompt, **kwargs)` accepts; anything else llama-index passes along is ignored.
+# Per-call overrides `complete(prompt, **kwargs)` accepts; anything else is refused (llama-index passes a plain
+# LLM only what its caller gave as llm_kwargs: `max_tokens` for max_new_tokens would be ignored)
 _OVERRIDES = (*LinkKnobs.model_fields, "max_new_tokens", "temperature", "top_p", "stop", "seed", "system")
 
 
@@ -44,6 +46,8 @@ class RagCacheLLM(CustomLLM, LinkOptions):
 
     The default algorithm is the engine's (focus): with no documents it links only the cached system prefix and
     computes the prompt, which is what `full` computes too."""
+
+    model_config = ConfigDict(extra="forbid")  # a misspelt field is an error, not ignored
 
     rc: Front = Field(exclude=True, description="the engine that generates")
     max_new_tokens: int = 256
@@ -59,8 +63,12 @@ class RagCacheLLM(CustomLLM, LinkOptions):
     @property
     def metadata(self) -> LLMMetadata:
         # llama-index packs a prompt's text up to context_window - num_output tokens: the window is what the chat
-        # template, its system turn and the question's framing leave of the model's context
-        around = self.rc.prompt_parts("", [], system=self.system_prompt)
+        # template, its system turn and the question's framing leave of the model's context. Its synthesizers send
+        # formatted prompts, which get the template's own system turn (system=None), longer than a short one's
+        around = max(
+            (self.rc.prompt_parts("", [], system=system) for system in {None, self.system_prompt}),
+            key=lambda parts: len(parts.prefix_ids) + len(parts.question_ids),
+        )
         return LLMMetadata(
             context_window=self.rc.context_length - len(around.prefix_ids) - len(around.question_ids),
             num_output=self.max_new_tokens,
@@ -103,6 +111,11 @@ class RagCacheLLM(CustomLLM, LinkOptions):
     def _stream(self, prompt: str, formatted: bool, kwargs: dict) -> Sequence:
         # A formatted prompt (predict, chat) already carries the system prompt as text; a raw one gets it as the
         # model's system turn.
+        unknown = sorted(set(kwargs) - set(_OVERRIDES))
+        if unknown:
+            raise BadRequest(
+                f"RagCacheLLM got unknown argument(s) {', '.join(unknown)}; it takes {', '.join(_OVERRIDES)}"
+            )
         system = None if formatted else self.system_prompt
         if not formatted:
             prompt = self.completion_to_prompt(prompt)

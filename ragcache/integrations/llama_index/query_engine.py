@@ -9,17 +9,19 @@ from typing import Any
 
 from llama_index.core.base.base_retriever import BaseRetriever
 from llama_index.core.base.response.schema import AsyncStreamingResponse, Response, StreamingResponse
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
 from ragcache.engine import Answer, Sequence, apieces
+from ragcache.errors import BadRequest
 from ragcache.front import Front, answer_of, drain
 from ragcache.guard import BackgroundGuard
 from ragcache.linker import LinkOptions
 from ragcache.store.keys import document_id
 
 from .nodes import node_text
+from .retriever import RagCacheRetriever
 
 _DONE = object()
 
@@ -34,6 +36,9 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     computed before `query` returns (so bad input raises there) and `metadata` is filled in once the generator is
     exhausted. `aquery` runs the same work in a worker thread (an AsyncStreamingResponse when streaming)."""
 
+    # a misspelt or unknown field (a synthesizer's node_postprocessors) was ignored: the answer was otherwise
+    model_config = ConfigDict(extra="forbid")
+
     rc: Front = Field(exclude=True, description="the engine that links and generates")
     retriever: BaseRetriever = Field(exclude=True, description="any retriever; wrap it in RagCacheRetriever to warm")
     max_new_tokens: int = 64
@@ -44,6 +49,11 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     seed: int | None = None
     streaming: bool = False
     metadata_mode: MetadataMode = Field(default=MetadataMode.NONE, description="which node content is linked")
+    empty_response: str | None = Field(
+        default="Empty Response",
+        description="the answer when retrieval gives no text, as llama-index's synthesizers give it without asking "
+        "the model; None: the model answers the question without documents",
+    )
     guard_rate: float = Field(
         default=0.0,
         ge=0.0,
@@ -55,12 +65,21 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
 
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
+        warmed = getattr(self.retriever, "metadata_mode", self.metadata_mode)
+        if isinstance(self.retriever, RagCacheRetriever) and warmed != self.metadata_mode:
+            # it would warm one text and this engine link another: every query compiled its documents again
+            raise BadRequest(
+                f"the retriever warms nodes' {warmed.name} content and this engine would link their "
+                f"{self.metadata_mode.name} content: give both the same metadata_mode"
+            )
         if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`: refused now, not after an answer
             self._guard = BackgroundGuard(self.rc, self.guard_rate, defaults=self)  # its knobs are its answers' link
 
     # -- sync -------------------------------------------------------------------------------------------
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         nodes, stream, metadata = self._start(query_str)
+        if stream is None:
+            return self._empty(nodes, metadata)
         if not self.streaming:
             answer = drain(stream)
             return Response(answer.text, source_nodes=nodes, metadata=self._finish(metadata, answer, query_str))
@@ -73,12 +92,24 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         nodes = self.retriever.retrieve(query_str)
         return self._open(query_str, nodes, time.perf_counter() - started)
 
-    def _open(self, query_str: str, nodes: list[NodeWithScore], retrieve_s: float) -> tuple[list, Sequence, dict]:
-        """The query's stream over the nodes retrieved for it."""
+    def _open(
+        self, query_str: str, nodes: list[NodeWithScore], retrieve_s: float
+    ) -> tuple[list, Sequence | None, dict]:
+        """The query's stream over the nodes retrieved for it (None: they hold no text, and `empty_response` is
+        the answer)."""
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
+        metadata = {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
+        if not texts and self.empty_response is not None:
+            return nodes, None, metadata
         # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
         stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
-        return nodes, stream, {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
+        return nodes, stream, metadata
+
+    def _empty(self, nodes: list[NodeWithScore], metadata: dict) -> Response | StreamingResponse:
+        text = self.empty_response or ""
+        if self.streaming:
+            return StreamingResponse(response_gen=iter([text]), source_nodes=nodes, metadata=metadata)
+        return Response(text, source_nodes=nodes, metadata=metadata)
 
     def _pieces(self, stream: Sequence, metadata: dict, question: str) -> Iterator[str]:
         yield from stream
@@ -116,6 +147,12 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         nodes = await self.retriever.aretrieve(query_str)
         retrieve_s = time.perf_counter() - started
         nodes, stream, metadata = await asyncio.to_thread(self._open, query_str, nodes, retrieve_s)
+        if stream is None:
+            if not self.streaming:
+                return Response(self.empty_response, source_nodes=nodes, metadata=metadata)
+            return AsyncStreamingResponse(
+                response_gen=_one(self.empty_response or ""), source_nodes=nodes, metadata=metadata
+            )
         pieces = apieces(stream)
         if not self.streaming:
             text = "".join([piece async for piece in pieces])
@@ -126,6 +163,10 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         return AsyncStreamingResponse(
             response_gen=_achain(first, pieces, finish), source_nodes=nodes, metadata=metadata
         )
+
+
+async def _one(text: str) -> AsyncIterator[str]:
+    yield text
 
 
 def _chain(first: Any, rest: Iterator[str]) -> Iterator[str]:
