@@ -150,7 +150,8 @@ def list_models(request: Request) -> ModelList:
         "calibrated": profile is not None and profile.k is not None,
         "kv_codec": c.rc.kv_codec,
         # its folder's name, not its path: a client has no business with the server's file system
-        "adapter": adapter and {"sha256": adapter.sha256, "name": adapter.path.name, "merged": adapter.merged},
+        "adapter": adapter
+        and {"sha256": adapter.sha256, "name": adapter.path.resolve().name, "merged": adapter.merged},
     }
     if profile is not None:
         link.update(
@@ -240,10 +241,9 @@ async def chat_completions(request: Request, body: ChatRequest = Body(ChatReques
     _check(c, body)
     system, question = chat_question(body.messages)
     # a chat request that names no max_tokens goes on as OpenAI's would, to the context's end (within the server's
-    # max_new_tokens_limit); a completion's default stays the server's max_new_tokens (OpenAI's is 16)
-    query = await c.query(
-        request, question, body.documents, system, body.ragcache, body, c.settings.max_new_tokens_limit
-    )
+    # chat_max_new_tokens); a completion's default stays the server's max_new_tokens (OpenAI's is 16)
+    default = c.settings.chat_max_new_tokens or c.settings.max_new_tokens_limit
+    query = await c.query(request, question, body.documents, system, body.ragcache, body, default)
     return await _respond(
         request,
         c,

@@ -268,10 +268,14 @@ class InfillResponse(BaseModel):
 
 # -- OpenAI-compatible ------------------------------------------------------------------------------------
 class StreamOptions(BaseModel):
-    # vLLM's continuous_usage_stats and any other option asks for what this server does not do: refused, not ignored
+    # an option this server does not know asks for what it does not do: refused, not ignored
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = Field(False, strict=True)
+    # OpenAI's: random padding against length side channels; no chunk's content depends on it
+    include_obfuscation: bool | None = Field(None, strict=True)
+    # vLLM's: usage on every chunk, which this server does not send; false asks for nothing
+    continuous_usage_stats: Literal[False] | None = None
 
 
 class OpenAIFields(SamplingFields):

@@ -298,9 +298,7 @@ def _record_path(target: Path, path: Path) -> None:
     resolved = str(Path(path).resolve())
     if resolved not in _adapter_paths(source):
         source["adapters"] = [*_adapter_paths(source), resolved]
-        staged = target / f".{MERGED_SOURCE}.{os.getpid()}"
-        staged.write_text(json.dumps(source))
-        os.replace(staged, target / MERGED_SOURCE)
+        durable.write_file(target / MERGED_SOURCE, json.dumps(source))
 
 
 def _adapter_paths(source: dict) -> list[str]:

@@ -5,6 +5,8 @@ content` too, through the model thread; the guard compares with `first_token`.""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from .engine import Runner
@@ -54,16 +56,19 @@ def teacher_forced(runner: Runner, linked: Linked, answer: list[int]) -> tuple[f
 
 
 @torch.inference_mode()
-def greedy(runner: Runner, linked: Linked, max_new: int, stop_ids: set[int], newline_ids: set[int]) -> list[int]:
-    """Greedy answer ids: stops at an end-of-turn id, or at a newline once the answer has started."""
+def greedy(runner: Runner, linked: Linked, max_new: int, stop_ids: set[int], newlines: Mapping[int, bool]) -> list[int]:
+    """Greedy answer ids: stops at an end-of-turn id, or at a newline once the answer has started. `newlines`: the
+    ids whose text holds a newline -> whether text comes before it, which ends the answer as part of it."""
     out: list[int] = []
     logits = linked.last_logits
     start = linked.cache.length
     for step in range(max_new):
         token = int(logits.argmax())
-        if token in stop_ids or (token in newline_ids and out):
+        if token in stop_ids or (token in newlines and out and not newlines[token]):
             break
         out.append(token)
+        if newlines.get(token) and out:
+            break
         if step == max_new - 1:
             break
         linked.cache.length = start + step + 1

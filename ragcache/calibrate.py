@@ -195,7 +195,7 @@ def reference(rc, item: Item, at: str) -> Reference:
     first = Reference(int(full.last_logits.argmax()))
     if at == "first":
         return first
-    answer = rc.with_runner(agree.greedy, full, ANSWER_TOKENS, eos_ids(rc.lm), set())
+    answer = rc.with_runner(agree.greedy, full, ANSWER_TOKENS, eos_ids(rc.lm), {})
     position = agree.content_position(rc.tokenizer, answer)
     return first if position is None else Reference(answer[position], answer[:position])
 

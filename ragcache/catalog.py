@@ -418,6 +418,7 @@ class Writer:
         )
         self._busy = 0  # a batch being written
         self._drained = False  # the thread took every batch up to flush's end mark
+        self._abandoned = False  # Ctrl-C while flush waited: what waits is dropped
         self._on_device = threading.Semaphore(1)  # held by a batch on a GPU from `put` until it is stored
         self._thread = threading.Thread(target=self._run, name="ragcache-writer", daemon=True)
         self._thread.start()
@@ -428,8 +429,7 @@ class Writer:
         on_device, held = any(crossing.on_device(entry) for entry in entries.values()), False
         try:
             if on_device:
-                self._on_device.acquire()
-                held = True
+                held = self._wait_for_device()
                 self._check()  # the batch it waited for may have failed
             self._hand_over((entries, on_device, then))
         except KeyboardInterrupt:
@@ -437,7 +437,7 @@ class Writer:
             # before the interrupt goes on (`flush` stores it); a second Ctrl-C gives it up
             if self.failure is None:
                 if on_device and not held:
-                    self._on_device.acquire()
+                    self._wait_for_device()
                 self._hand_over((entries, on_device, then))
             raise
 
@@ -447,12 +447,20 @@ class Writer:
             self._hand_over(None)
             self._thread.join()
         except KeyboardInterrupt:
-            # the thread is a daemon: what it has not stored ends with the process, and the caller must not say
-            # it was stored
+            # the caller must not say it was stored; the thread drops what waits (a process that goes on, a
+            # notebook, has let go of its documents: a delete no longer waits for these writes)
+            self._abandoned = True
             raise WritesAbandoned(sum(b is not None for b in list(self._batches.queue)) + self._busy) from None
         self._check()
         if not self._drained:
             raise StoreError("the entry writer thread stopped before storing every batch")
+
+    def _wait_for_device(self) -> bool:
+        """The device batch's turn, while the writer thread lives (one that died would never give it)."""
+        while not self._on_device.acquire(timeout=HAND_OVER_POLL_S):
+            if not self._thread.is_alive():
+                raise self.failure or StoreError("the entry writer thread has stopped")
+        return True
 
     def _hand_over(self, batch) -> None:
         """Into the queue, waiting for room while the writer thread lives (one that died would never make room)."""
@@ -486,8 +494,8 @@ class Writer:
         self._drained = True
 
     def _write(self, entries: dict[str, ChunkKV]) -> None:
-        if self.failure is not None:
-            return  # drained without writing: the compile stops at its next put
+        if self.failure is not None or self._abandoned:
+            return  # drained without writing: the compile stops at its next put, or has given these up
         self.failure = stored(self.store, entries)
         if self.failure is None:
             self.written += len(entries)

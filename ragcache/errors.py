@@ -153,4 +153,4 @@ class WritesAbandoned(KeyboardInterrupt):
 
     def __init__(self, batches: int):
         self.batches = batches
-        super().__init__(f"{batches} compiled batch(es) not stored")
+        super().__init__(f"up to {batches} compiled batch(es) not stored")

@@ -76,7 +76,11 @@ def load(
         raise ModelFetchError(f"cannot load model {name_or_path!r}: {exc}") from exc
     except ValueError as exc:  # no model_type, or one this transformers does not know
         raise UnsupportedModel(f"cannot load model {name_or_path!r}: {exc}") from exc
-    except Exception as exc:  # safetensors' and tokenizers' own errors: a damaged file
+    except Exception as exc:
+        # safetensors' error, and tokenizers' (a plain Exception): a damaged file. Anything else (a missing
+        # package, memory) is not, and is not called one
+        if not (type(exc) is Exception or type(exc).__module__.startswith("safetensors")):
+            raise
         raise ModelFetchError(
             f"cannot load model {name_or_path!r} from {source}: {type(exc).__name__}: {exc} (a damaged file: a "
             f"built-in model's folder can be removed, and it is pulled again)"

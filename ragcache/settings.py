@@ -482,6 +482,13 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         64, ge=2, le=256, description="objects and arrays nested in one another in a request body; deeper is a 422"
     )
     max_new_tokens_limit: int = Field(1024, ge=1)
+    chat_max_new_tokens: int | None = Field(
+        None,
+        ge=1,
+        description="tokens an OpenAI chat answer may have when its request names no max_tokens, cut to the "
+        "context its prompt leaves (OpenAI's goes on to the context's end); default max_new_tokens_limit. Each such "
+        "request reserves that many rows of KV cache on ragcache's engine: lower it to serve more at once",
+    )
 
     @field_validator(*LinkKnobs.model_fields, mode="before")
     @classmethod

@@ -93,9 +93,15 @@ def layouts(lm, prefix_ids: list[int]) -> dict[str, Setup]:
     }
 
 
-def newline_ids(tok) -> set[int]:
-    """Ids whose text holds a newline (byte-level BPE spells it 'Ċ'); decoding 150k ids one by one is slow."""
-    return {i for i, t in enumerate(tok.convert_ids_to_tokens(list(range(len(tok))))) if t and ("\n" in t or "Ċ" in t)}
+def newline_ids(tok) -> dict[int, bool]:
+    """Ids whose text holds a newline (byte-level BPE spells it 'Ċ'), each with whether text comes before it
+    (agreement.greedy); decoding 150k ids one by one is slow."""
+    tokens = tok.convert_ids_to_tokens(list(range(len(tok))))
+    return {
+        i: bool(t.replace("Ċ", "\n").split("\n", 1)[0].strip())
+        for i, t in enumerate(tokens)
+        if t and ("\n" in t or "Ċ" in t)
+    }
 
 
 class Item:

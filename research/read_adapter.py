@@ -53,7 +53,7 @@ class Example:
 
 
 def prepare(runner: Runner, parts: LinkInput, fraction: float, max_new: int, stops: set[int],
-            newline: set[int]) -> Example:
+            newline: dict[int, bool]) -> Example:
     """Full's answer and targets, and focus's placed cache and rows, all with the model as it is now."""
     if set(runner.layer_types) != {"full_attention"}:  # linked_logits' mask has no sliding window
         raise ValueError(f"research.read_adapter needs a model with full attention in every layer, not {runner.layer_types}")

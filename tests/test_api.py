@@ -1415,6 +1415,16 @@ def test_a_chat_without_max_tokens_goes_on_to_the_context_s_end_within_the_limit
         assert r.json()["usage"]["completion_tokens"] < 24  # fitted: the context left was less than the limit
         r = c.post("/v1/chat/completions", json={**chat, "documents": [doc], "max_tokens": 24})
         assert r.status_code == 400, r.text  # asked for: refused, as before
+        # OpenAI's and vLLM's stream options that ask for nothing this server does not do are taken
+        streamed = {**chat, "stream": True, "max_tokens": 2}
+        options = {"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": False}
+        r = c.post("/v1/chat/completions", json={**streamed, "stream_options": options})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        r = c.post("/v1/chat/completions", json={**streamed, "stream_options": {"continuous_usage_stats": True}})
+        assert r.status_code == 400, r.text
+    with serve(rc, max_new_tokens=2, max_new_tokens_limit=24, chat_max_new_tokens=5) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120)  # an operator's chat default
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
     rc.close()
 
 

@@ -412,7 +412,7 @@ def test_legolink_covering_every_chunk_agrees_with_full_exactly(family):
     runner, parts = _tiny_parts(family)
     longest = max(map(len, parts.chunk_ids))
     full = link(runner, parts, LinkParams("full"), extra_capacity=8)
-    answer = agreement.greedy(runner, full, 6, set(), set())
+    answer = agreement.greedy(runner, full, 6, set(), {})
     assert len(answer) == 6
     reference = agreement.teacher_forced_ll(runner, full, answer)
     covering = link(runner, parts, LinkParams("legolink", k=longest), extra_capacity=8)
@@ -761,3 +761,18 @@ def test_the_gpu_scripts_kernel_check_holds_a_promise_of_the_same_bits_to_the_bi
     exact, close = gpu.check_and_time_kernels(torch.device("cpu"), torch.float32, quick=True)
     assert not exact["ok"] and exact["triton_ms"] is None and exact["torch_ms"] is None
     assert close["ok"] and close["torch_ms"] is not None
+
+
+def test_greedy_ends_the_first_line_as_first_line_ids_does():
+    """A token holding text before its newline ("tall.\\n") ends the answer as part of it; a bare newline ends it
+    before; a leading one does not end it (bench/codecs.py and the int4 probes compare greedy answers)."""
+    from bench import agreement
+    from ragcache.linker import LinkParams, link
+
+    runner, parts = _tiny_parts("llama")
+    full = link(runner, parts, LinkParams("full"), extra_capacity=8)
+    answer = agreement.greedy(runner, full, 4, set(), {})
+    first, second = answer[0], answer[1]
+    assert agreement.greedy(runner, full, 4, set(), {second: True}) == [first, second]
+    assert agreement.greedy(runner, full, 4, set(), {second: False}) == [first]
+    assert agreement.greedy(runner, full, 4, set(), {first: False}) == answer  # leading: the answer goes on

@@ -104,7 +104,7 @@ def test_at_the_content_word_full_and_the_candidates_are_read_there(monkeypatch)
     assert any(ref.lead for ref in refs)
     for item, ref in zip(items, refs):
         full = rc.link(item.question, item.doc_ids, algorithm="full", max_new_tokens=cal.ANSWER_TOKENS)
-        answer = agree.greedy(rc.runner, full, cal.ANSWER_TOKENS, eos_ids(rc.lm), set())
+        answer = agree.greedy(rc.runner, full, cal.ANSWER_TOKENS, eos_ids(rc.lm), {})
         expected = (answer[2], answer[:2]) if len(answer) > 2 else (int(full.last_logits.argmax()), [])
         assert (ref.token, ref.lead) == expected
         naive = rc.link(item.question, item.doc_ids, algorithm="naive", max_new_tokens=len(ref.lead))

@@ -287,7 +287,10 @@ def test_ctrl_c_while_flush_waits_for_the_store_says_how_many_batches_it_gave_up
     with pytest.raises(WritesAbandoned) as caught:
         writer.flush()
     assert caught.value.batches == 2 and isinstance(caught.value, KeyboardInterrupt)
-    store.go.set()
+    store.go.set()  # the batch under way ends; the one waiting is dropped, not written behind the caller's back
+    writer._thread.join = type(writer._thread).join.__get__(writer._thread)
+    writer._thread.join(30)
+    assert store.kept == ["k0"] and not writer._thread.is_alive()
 
 
 class Dies(BaseException):
@@ -309,6 +312,30 @@ def test_a_writer_thread_that_died_fails_the_puts_and_flush_instead_of_hanging_o
                 writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
             writer.flush()
             outcome.append("returned")
+        except StoreError as exc:
+            outcome.append(exc)
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    feeder.join(30)
+    assert not feeder.is_alive() and isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
+
+
+def test_a_writer_thread_that_died_fails_a_device_batch_waiting_for_its_turn():
+    """A batch still on a GPU waits for the one before it to be stored: with the thread dead, that wait never
+    ended (meta tensors stand in for the GPU's)."""
+    class DyingStore:
+        takes_device_entries = True
+
+        def put_many(self, entries):
+            raise Dies
+
+    writer, outcome = Writer(DyingStore(), depth=2), []
+
+    def feed():
+        try:
+            for n in range(3):
+                writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device="meta"), nbytes=4)})
         except StoreError as exc:
             outcome.append(exc)
 

@@ -190,3 +190,20 @@ def test_a_deleted_record_s_folder_is_synced(tmp_path, monkeypatch):
     synced = []
     monkeypatch.setattr(disk, "sync_folder", lambda folder: synced.append(folder))
     assert store.delete_record("doc/a") and synced == [store.records_dir]
+
+
+def test_a_model_that_fails_to_load_for_another_reason_is_not_called_damaged(tmp_path, monkeypatch):
+    """A missing package or memory is no damaged file: the advice to remove the folder would delete good weights."""
+    import transformers
+
+    from ragcache import models
+    from tests import tiny
+
+    checkpoint = tiny.saved("llama", tmp_path / "m")
+
+    def missing(*args, **kwargs):
+        raise ImportError("this tokenizer needs sentencepiece")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", missing)
+    with pytest.raises(ImportError, match="sentencepiece"):
+        models.load(str(checkpoint), dtype="float32")

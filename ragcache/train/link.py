@@ -36,7 +36,6 @@ import hashlib
 import io
 import json
 import logging
-import os
 import pickle
 import random
 import time
@@ -233,7 +232,7 @@ def docs_items(
 def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     doc_ids = rc.compile(item.documents)
     full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
-    answer = rc.with_runner(agreement.greedy, full, answer_tokens, rc.stop_ids, set())
+    answer = rc.with_runner(agreement.greedy, full, answer_tokens, rc.stop_ids, {})
     logits = rc.with_runner(agreement.teacher_forced, full, answer)[1] if answer else full.last_logits[None]
     return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
 
@@ -639,10 +638,10 @@ def save_adapter(
     )
     _write_meta(out, {**meta, "adapter_sha256": None})
     peft.save_pretrained(out)
+    for name in lora.ADAPTER_FILES:  # on the disk before the record that names their digest
+        durable.sync_file(out / name)
     _write_meta(out, {**meta, "adapter_sha256": lora.adapter_sha256(out)})
 
 
 def _write_meta(out: Path, meta: dict) -> None:
-    staged = out / f".{lora.ADAPTER_META}.tmp"
-    staged.write_text(json.dumps(meta, indent=1, default=str) + "\n")  # paths as text
-    os.replace(staged, out / lora.ADAPTER_META)
+    durable.write_file(out / lora.ADAPTER_META, json.dumps(meta, indent=1, default=str) + "\n")  # paths as text

@@ -151,7 +151,7 @@ def test_diagnose_records_every_selection_at_its_budget():
     runner, parts = _tiny_parts("qwen2")
     item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
     record = dict(answers=["Paris"], configs={})
-    diagnose._setup(runner, item, "plain", record, [0.25], [], [], [], set(), set(), 4, 2, runner.lm.tokenizer, 0,
+    diagnose._setup(runner, item, "plain", record, [0.25], [], [], [], set(), {}, 4, 2, runner.lm.tokenizer, 0,
                     ["focus", "focus2@0.25", "span@0.25", "qfull@0.25", "first@0.25"])
     configs = record["configs"]
     for label in ("focus", "focus2", "span", "qfull"):
@@ -217,7 +217,7 @@ def test_first_content_word_skips_boilerplate_and_is_scored_where_it_is(tmp_path
     assert agreement.content_position(Words(), [1, 2]) is None
     runner, parts = _tiny_parts("llama")
     full = link(runner, parts, LinkParams("full"), extra_capacity=8)
-    answer = agreement.greedy(runner, full, 4, set(), set())
+    answer = agreement.greedy(runner, full, 4, set(), {})
     _, forced = agreement.teacher_forced(runner, full, answer)
     naive = link(runner, parts, LinkParams("naive"), extra_capacity=8)
     _, naive_forced = agreement.teacher_forced(runner, naive, answer)
@@ -283,7 +283,7 @@ def test_the_read_adapter_probe_links_as_focus_does_and_its_training_lowers_the_
 
     runner, parts = _tiny_parts(family)
     torch.manual_seed(0)
-    ex = read_adapter.prepare(runner, parts, 0.25, 4, set(), set())
+    ex = read_adapter.prepare(runner, parts, 0.25, 4, set(), {})
     assert len(ex.answer) == 4 and ex.target.shape[0] == 4
     focus = link(runner, parts, LinkParams("focus", ratio=0.25), extra_capacity=8)
     forced = agreement.teacher_forced(runner, focus, ex.answer)[1]
@@ -390,7 +390,7 @@ def test_a_float32_reference_measures_every_config_the_bf16_full_included():
     ref_runner, ref_parts = _tiny_parts("qwen2")
     item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
     record = dict(answers=["Paris"], configs={})
-    diagnose._setup(runner, item, "plain", record, [], [0, 10**6], [], [], set(), set(), 6, 2, runner.lm.tokenizer,
+    diagnose._setup(runner, item, "plain", record, [], [0, 10**6], [], [], set(), {}, 6, 2, runner.lm.tokenizer,
                     0, [], reference=(ref_runner, ref_parts, "bfloat16"))
     configs = record["configs"]
     probs = torch.softmax(tiny.reference_logits(ref_runner.lm, ref_parts.token_ids)[-1].double(), -1)
@@ -413,7 +413,7 @@ def _recorded(family: str, ks: list[int]) -> tuple[object, object, dict]:
     runner, parts = _tiny_parts(family)
     item = SimpleNamespace(parts=parts, chunk_tokens=sum(map(len, parts.chunk_ids)))
     record = dict(answers=["Paris"], configs={})
-    diagnose._setup(runner, item, "plain", record, [], ks, [], [], set(), set(), 6, 2, runner.lm.tokenizer, 0, [])
+    diagnose._setup(runner, item, "plain", record, [], ks, [], [], set(), {}, 6, 2, runner.lm.tokenizer, 0, [])
     return runner, parts, record["configs"]
 
 

@@ -50,7 +50,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     max_new_tokens, temperature, top_p, seed) override the fields. The async methods keep the event loop free while the engine works, and a
     caller that stops reading a stream, or whose task is cancelled, stops the generation."""
 
-    # a misspelt or unknown field (max_tokens, streaming) was ignored: the answer came out otherwise than asked
+    # a misspelt or unknown field (max_tokens, streaming) would be ignored, and the answer differ from what was asked
     model_config = ConfigDict(extra="forbid")
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
@@ -106,13 +106,13 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     def stream(self, input: Any, config: Any = None, *, stop: list[str] | None = None, **kwargs: Any):
         if self.retriever is not None and "documents" not in kwargs:
             question = chat_question(self._convert_input(input).to_messages())[1]
-            kwargs["documents"] = self.retriever.invoke(question, config=config)
+            kwargs["documents"] = self.retriever.invoke(question, config=_retriever_config(config))
         yield from super().stream(input, config, stop=stop, **kwargs)
 
     async def astream(self, input: Any, config: Any = None, *, stop: list[str] | None = None, **kwargs: Any):
         if self.retriever is not None and "documents" not in kwargs:
             question = chat_question(self._convert_input(input).to_messages())[1]
-            kwargs["documents"] = await self.retriever.ainvoke(question, config=config)
+            kwargs["documents"] = await self.retriever.ainvoke(question, config=_retriever_config(config))
         async for chunk in super().astream(input, config, stop=stop, **kwargs):
             yield chunk
 
@@ -230,6 +230,11 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         texts = [text for text in map(document_text, documents) if text.strip()]
         stream = self.rc.stream(question, docs=[{"text": text} for text in texts], **args)
         return stream, [document_id(text) for text in texts]
+
+
+def _retriever_config(config: Any) -> dict:
+    """The caller's config for the retrieval (callbacks, tags, metadata), but not the chat run's own name and id."""
+    return {key: value for key, value in (config or {}).items() if key not in ("run_name", "run_id")}
 
 
 def _child_config(parent: type, run_manager) -> dict:

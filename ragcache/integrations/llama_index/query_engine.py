@@ -13,7 +13,7 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import MetadataMode, NodeWithScore
 
-from ragcache.engine import Answer, Sequence, apieces
+from ragcache.engine import Answer, QueryStats, Sequence, apieces
 from ragcache.errors import BadRequest
 from ragcache.front import Front, answer_of, drain
 from ragcache.guard import BackgroundGuard
@@ -36,7 +36,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     computed before `query` returns (so bad input raises there) and `metadata` is filled in once the generator is
     exhausted. `aquery` runs the same work in a worker thread (an AsyncStreamingResponse when streaming)."""
 
-    # a misspelt or unknown field (a synthesizer's node_postprocessors) was ignored: the answer was otherwise
+    # a misspelt or unknown field (a synthesizer's node_postprocessors) would be ignored, and the answer differ
     model_config = ConfigDict(extra="forbid")
 
     rc: Front = Field(exclude=True, description="the engine that links and generates")
@@ -100,7 +100,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
         metadata = {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
         if not texts and self.empty_response is not None:
-            return nodes, None, metadata
+            return nodes, None, {**QueryStats().as_dict(), **metadata}  # the stats' keys, at zero: nothing ran
         # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
         stream = self.rc.stream(query_str, docs=[{"text": text} for text in texts], **self.generation_args())
         return nodes, stream, metadata
