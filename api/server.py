@@ -10,13 +10,14 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import socket
 
 import uvicorn
 from fastapi import FastAPI
 from uvicorn.supervisors import Multiprocess
 
 from ragcache.engine import map_large_blocks
-from ragcache.errors import ParameterOutOfRange
+from ragcache.errors import CannotListen, ParameterOutOfRange
 from ragcache.facade import RagCache
 from ragcache.front import Front
 from ragcache.settings import Settings
@@ -87,13 +88,32 @@ def run(settings: Settings, workers: int = 1) -> None:
             extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
         _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
         return
+    sock = listening(settings.host, settings.port)  # before the model loads: a taken port is said now, not minutes on
     log.info("loading %s and opening %s", settings.model, shown(settings.store))
-    rc = open_engine(settings)
     try:
-        served = config(create_app(rc, settings), settings)
-        uvicorn.Server(served).run(sockets=[served.bind_socket()])  # the loop listens on it through a Listener
+        rc = open_engine(settings)
+        try:
+            served = config(create_app(rc, settings), settings)
+            uvicorn.Server(served).run(sockets=[sock])  # the loop listens on it through a Listener
+        finally:
+            rc.close()
     finally:
-        rc.close()
+        sock.close()
+
+
+def listening(host: str, port: int) -> socket.socket:
+    """A socket bound to the server's address; CannotListen (uvicorn's own bind logs and exits with the code the
+    CLI keeps for bad input) when another process holds it or the address is not this host's."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        sock = socket.create_server((host, port), family=family)  # SO_REUSEADDR, as uvicorn binds
+    except OSError as exc:
+        raise CannotListen(
+            f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port (or --host), or stop what "
+            "holds it"
+        ) from exc
+    sock.set_inheritable(True)
+    return sock
 
 
 def _serve_workers(config: Config) -> None:

@@ -34,7 +34,7 @@ from .cli_options import (
     StoreOpt,
     link_options,
 )
-from .console import console, err, fail, interrupted
+from .console import console, err, fail, interrupted, out
 from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel, WritesAbandoned
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
@@ -287,7 +287,7 @@ def compile(
         f"time {summary.seconds:.1f}s" + (f", shards written {summary.shards}" if shards > 1 else "")
     )
     for (_text, meta), doc_id in zip(docs, summary.ids):
-        console.print(f"{doc_id}  {meta.get('source', '')}", markup=False, emoji=False, highlight=False)
+        out(f"{doc_id}  {meta.get('source', '')}")  # a line a script reads: never wrapped
     if kept:
         err.print(
             f"[yellow]warning:[/yellow] {len(kept)} document(s) were compiled before at another chunk budget "
@@ -502,7 +502,7 @@ def query(
         )
         for piece in result:
             if stream and not as_json:
-                console.print(piece, end="", soft_wrap=True, highlight=False, markup=False, emoji=False)
+                out(piece, end="")
     except KeyboardInterrupt:
         interrupted()
     except (RagCacheError, OSError) as exc:  # OSError: a --doc file that cannot be read
@@ -511,8 +511,7 @@ def query(
     if as_json:
         console.print_json(json.dumps({"text": answer.text, "stats": answer.stats.as_dict()}))
         return
-    if not stream:
-        console.print(answer.text, highlight=False, markup=False, emoji=False)  # model text: "[/INST]" is no tag
+    out("" if stream else answer.text)  # the streamed answer's end of line
     st = answer.stats
     # the misses show a store compiled with another --kv-codec or --dtype, which every query then compiles again
     unstored = f", [bold]not stored {st.unstored_chunks}[/bold] (see the warning)" if st.unstored_chunks else ""
@@ -798,7 +797,7 @@ def models_pull(name: str = typer.Argument(..., help="built-in model name")):
         interrupted("nothing half-downloaded is kept; pull again")
     except RagCacheError as exc:
         fail(exc)
-    console.print(f"{name}: {path}")
+    out(f"{name}: {path}")
 
 
 @models_app.command("merged")

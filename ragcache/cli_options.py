@@ -89,8 +89,12 @@ def link_options(command=None, /, **defaults):
 
     @functools.wraps(command)
     def with_knobs(*args, **kwargs):
-        try:  # a knob out of range fails here, before the model loads
+        try:  # a knob out of range, or an algorithm of no such name, fails here, before the model loads
             link = LinkKnobs.of(**{name: kwargs.pop(name) for name in LinkKnobs.model_fields})
+            if link.algorithm is not None:
+                from .linker import algorithm
+
+                algorithm(link.algorithm)
         except RagCacheError as exc:
             fail(exc)
         return command(*args, link=link, **kwargs)

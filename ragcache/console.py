@@ -39,6 +39,13 @@ def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
     )
 
 
+def out(text: str, end: str = "\n") -> None:
+    """Text for stdout as it is: a model's answer, ids a script reads. rich would wrap it at the terminal's width
+    (80 columns in a pipe), strip spaces at the breaks and turn tabs into spaces."""
+    console.file.write(text + end)
+    console.file.flush()
+
+
 def interrupted(kept: str = "") -> NoReturn:
     """Ctrl-C: a yellow line (what was kept, how to resume) and exit 130, not click's "Aborted!" and exit 1."""
     err.print("[yellow]interrupted[/yellow]" + (f": {escape(kept)}" if kept else ""))

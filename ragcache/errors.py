@@ -147,6 +147,10 @@ class BatchInvarianceUnavailable(RagCacheError):
     at start, so that no answer silently depends on the load."""
 
 
+class CannotListen(RagCacheError):
+    """The server's address cannot be listened on (another process holds the port, an address not this host's)."""
+
+
 class WritesAbandoned(KeyboardInterrupt):
     """Ctrl-C again while a compile stored what it had compiled: `batches` of entries were given up (a resumed
     compile compiles them again). An interrupt, not a failure: it is no RagCacheError."""

@@ -582,6 +582,17 @@ def load_settings(**overrides) -> Settings:
     """The settings with these overrides (None: not given); BadRequest for a bad value, wherever it came from (a flag,
     RAGCACHE_*, ragcache.toml): pydantic's message names the field."""
     try:
-        return Settings(**{k: v for k, v in overrides.items() if v is not None})
+        settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
-        raise BadRequest(str(exc)) from exc
+        problem = exc.errors()[0]
+        field = ".".join(map(str, problem["loc"])) or "settings"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise BadRequest(
+            f"{field}: {problem['msg']}, got {problem.get('input')!r}{more} (from a flag, RAGCACHE_{field.upper()} or "
+            "ragcache.toml)"
+        ) from None
+    if settings.algorithm is not None:  # a server started with a misspelt default would refuse every request
+        from .linker import algorithm
+
+        algorithm(settings.algorithm)
+    return settings

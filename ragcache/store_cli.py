@@ -313,7 +313,12 @@ def verify(
 def gc(
     store: StoreOpt = None,
     tmp_age: Annotated[
-        float, typer.Option(help="seconds before a temp file / an orphan Redis part counts as abandoned")
+        float,
+        typer.Option(
+            min=60.0,
+            help="seconds before a temp file / an orphan Redis part counts as abandoned (at least 60: a younger one "
+            "may be a write under way in another process, which deleting it would fail)",
+        ),
     ] = 600.0,
     unreferenced: Annotated[
         bool,
@@ -368,11 +373,11 @@ def rm(
     store: StoreOpt = None,
 ) -> None:
     """Delete a document (its records and chunk entries) or one chunk entry."""
-    store = _settings_store(store)
-    s = _open(store)
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
         fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 2)
+    store = _settings_store(store)
+    s = _open(store)
     with _bars() as progress:
         result = maintenance.delete(s, id, progress) if is_document_id(id) else None
     if result is not None:
@@ -385,5 +390,5 @@ def rm(
     if len(matches) > 1:
         fail(f"{id} matches {len(matches)} entries; give more of the key", 2)
     if not matches or not s.delete(matches[0]):
-        fail(f"no document or entry {id} in {shown(store)}", 1)
+        fail(f"no document or entry {id} in {shown(store)}", 4)  # README: 4 is an unknown document
     console.print(f"entry {matches[0]} deleted")

@@ -336,6 +336,23 @@ def test_query_summary_shows_store_hits_and_misses(tiny_cli, tmp_path):
     assert "chunks: store hits 1, misses 0, compiled 0" in again.text
 
 
+def test_answers_and_document_ids_reach_stdout_as_they_are(tiny_cli, tmp_path):
+    """rich wrapped them at 80 columns in a pipe: an answer got newlines it never had, and a compiled document's
+    `<id>  <source>` line broke before a long path, so `read id src` got lines of ids alone."""
+    from ragcache.store.keys import document_id
+
+    text = "The bridge is old. It was built of stone."
+    long = tmp_path / ("a-folder-with-a-long-name-" * 3) / "note-with-a-long-name-too.txt"
+    long.parent.mkdir()
+    long.write_text(text)
+    compiled = tiny_cli("compile", long)
+    assert f"{document_id(text)}  {long}\n" in compiled.stdout, compiled.stdout
+    for stream in ([], ["--stream"]):
+        asked = tiny_cli("query", "how old?", "--doc", long, "--max-new-tokens", "120", *stream)
+        answer = tiny_cli.engines[-1].query("how old?", docs=[{"text": text}], max_new_tokens=120).text
+        assert len(answer) > 100 and asked.stdout == answer + "\n", (stream, asked.stdout)
+
+
 def test_compile_skips_hidden_folders_and_warns_what_it_cannot_keep(tiny_cli, tmp_path):
     """A folder's hidden folders (.git, .venv) are not read unless --glob names them; a memory: store ends with the
     command; a document compiled before keeps its first chunk budget, and the output says which."""
@@ -536,3 +553,42 @@ def test_a_chunk_that_cannot_compile_ends_compile_with_its_cause_not_a_traceback
     (tmp_path / "a.txt").write_text("A document that will not compile.")
     result = tiny_cli("compile", tmp_path / "a.txt", "--store", "memory:")
     assert result.exit_code == 1 and "ValueError: this chunk cannot be encoded" in result.text, result.output
+
+
+def test_serve_on_a_taken_port_says_so_before_the_model_loads(monkeypatch):
+    """It loaded (on a new machine, fetched) and warmed the model first, then uvicorn logged the error and exited
+    with the code kept for bad input."""
+    import socket
+
+    from typer.testing import CliRunner
+
+    import ragcache.api.server as server
+    from ragcache import cli
+
+    monkeypatch.setattr(server, "open_engine", lambda s: pytest.fail("the model loaded before the port was bound"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = CliRunner().invoke(cli.app, ["serve", "--port", str(port), "--store", "memory:"])
+    assert result.exit_code == 1 and f"cannot listen on 127.0.0.1:{port}" in " ".join(result.output.split())
+
+
+def test_a_misspelt_algorithm_or_setting_is_one_clear_line_before_the_model_loads(monkeypatch, tmp_path):
+    """`--algorithm fcous` was refused only after the model loaded (RAGCACHE_ALGORITHM=fcous served, refusing every
+    request); a bad --dtype printed pydantic's whole dump."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli, models
+    from ragcache.errors import BadRequest, UnknownAlgorithm
+    from ragcache.settings import load_settings
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: pytest.fail("the model loaded"))
+    (tmp_path / "doc.txt").write_text("A document.")
+    result = CliRunner().invoke(cli.app, ["query", "q", "--doc", str(tmp_path / "doc.txt"), "--algorithm", "fcous"])
+    assert result.exit_code == 3 and "unknown algorithm 'fcous'" in result.output, result.output
+    with pytest.raises(UnknownAlgorithm):
+        load_settings(algorithm="fcous")
+    with pytest.raises(BadRequest) as bad:
+        load_settings(dtype="fp16")
+    message = str(bad.value)
+    assert message.startswith("dtype: ") and "'fp16'" in message and "RAGCACHE_DTYPE" in message
+    assert "pydantic" not in message and "\n" not in message

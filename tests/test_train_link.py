@@ -351,3 +351,20 @@ def test_a_paragraph_repeated_across_files_is_one_paragraph(tmp_path):
         (tmp_path / f"{n}.md").write_text(f"Paragraph {n} " + "word " * 25 + f"\n\n{footer}\n")
     found = paragraphs(tmp_path)
     assert found.count(" ".join(footer.split())) == 1 and len(found) == 4
+
+
+def test_docs_without_paragraphs_are_refused_before_the_model_loads(tmp_path):
+    """A misspelt --docs loaded the model (and made --out's store) before it said "no such file"; files as compile
+    reads them: .TXT too, hidden folders not."""
+    from ragcache.errors import BadRequest
+    from ragcache.train.link import paragraphs
+
+    with pytest.raises(BadRequest, match="no such file"):
+        config(tmp_path, docs=tmp_path / "mydcos").validate()
+    (tmp_path / "docs" / ".git").mkdir(parents=True)
+    (tmp_path / "docs" / ".git" / "notes.txt").write_text("word " * 30)
+    with pytest.raises(BadRequest, match="no paragraph"):
+        config(tmp_path, docs=tmp_path / "docs").validate()
+    (tmp_path / "docs" / "README.TXT").write_text("word " * 30)
+    config(tmp_path, docs=tmp_path / "docs").validate()
+    assert paragraphs(tmp_path / "docs") == [" ".join(["word"] * 30)]

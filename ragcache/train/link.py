@@ -114,6 +114,8 @@ class LinkTrainConfig:
             raise BadRequest(f"--lr must be within (0, 1), got {self.lr}")
         if not self.keep_full >= 0.0:
             raise BadRequest(f"--keep-full must be >= 0, got {self.keep_full}")
+        if self.docs is not None and not paragraphs(Path(self.docs)):  # before the model loads
+            raise BadRequest(f"{self.docs} holds no paragraph of 20 words or more in a .txt or .md file")
         checkpoint.check_steps(Path(self.out), self.steps)  # a run resumes `out`'s checkpoint
 
     def settings(self) -> dict:
@@ -185,7 +187,17 @@ def paragraphs(path: Path) -> list[str]:
     repeated across files (a licence, a footer) would otherwise be trained on and held out both."""
     if not path.exists():
         raise BadRequest(f"no such file or directory: {path}")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".md"))
+    files = (
+        [path]
+        if path.is_file()
+        else sorted(
+            p
+            for p in path.rglob("*")
+            if p.suffix.lower() in (".txt", ".md")
+            and p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)  # .git, .venv: as compile reads
+        )
+    )
     found = [" ".join(block.split()) for f in files for block in f.read_text(errors="replace").split("\n\n")]
     return list(dict.fromkeys(p for p in found if len(p.split()) >= 20))
 
