@@ -27,6 +27,7 @@ from .cli_options import (
     AdapterOpt,
     DeviceOpt,
     DtypeOpt,
+    JsonlOpt,
     KvCodecOpt,
     ModelOpt,
     OwnAdapterOpt,
@@ -34,7 +35,7 @@ from .cli_options import (
     StoreOpt,
     link_options,
 )
-from .console import console, err, fail, interrupted, out
+from .console import bars, console, err, fail, interrupted, out
 from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel, WritesAbandoned
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
@@ -84,8 +85,6 @@ def _open(
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     """The files to compile; a folder's unsupported files are named in a warning, and no file at all is an error."""
-    if glob and Path(glob).is_absolute():  # pathlib refuses it with NotImplementedError
-        raise BadRequest(f"--glob {glob!r} must be relative to each folder given, e.g. '**/*.md'")
     files: list[Path] = []
     for path in paths:
         if _is(path, Path.is_dir):
@@ -111,11 +110,7 @@ def _walk(folder: Path, glob: str | None) -> list[Path]:
     glob names them."""
     named = set(Path(glob).parts) if glob else set()
     found, hidden = [], set()
-    try:
-        matched = sorted(folder.glob(glob or "**/*"))
-    except (ValueError, IndexError, NotImplementedError) as exc:  # pathlib's word for a pattern it cannot take
-        why = exc or type(exc).__name__
-        raise BadRequest(f"--glob {glob!r} is no pattern pathlib takes ({why}); e.g. '**/*.md'") from None
+    matched = request.glob_paths(folder, "**/*" if glob is None else glob)
     for p in matched:
         dirs = [part for part in p.relative_to(folder).parts[:-1] if part.startswith(".") and part not in named]
         if dirs:
@@ -208,7 +203,7 @@ def compile(
     store: StoreOpt = None,
     chunk_tokens: int = typer.Option(None, help=f"chunk budget in tokens (default: settings, {DEFAULT_CHUNK_TOKENS})"),
     glob: str = typer.Option(None, help="glob inside directories, e.g. '**/*.md'"),
-    jsonl: str = typer.Option(None, "--jsonl", help="field holding the text in .jsonl files"),
+    jsonl: JsonlOpt = None,
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     kv_codec: KvCodecOpt = None,
@@ -372,8 +367,11 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
             raise ParameterOutOfRange(f"shards {shards} do not fit the model: {exc}") from exc
         lead = list(default_layout(tokenizer).lead_ids)
         chunks = []
-        for text, _ in docs:
-            chunks += [lead + c.token_ids for c in chunk_document(tokenizer, text, s.chunk_tokens)]
+        with bars(transient=True) as bar:  # a large corpus tokenizes for minutes
+            task = bar.add_task("tokenizing", total=len(docs))
+            for text, _ in docs:
+                chunks += [lead + c.token_ids for c in chunk_document(tokenizer, text, s.chunk_tokens)]
+                bar.advance(task)
     except (RagCacheError, OSError) as exc:
         fail(exc)
     where = device.split(":")[0]
@@ -648,6 +646,7 @@ def serve(
 def calibrate(
     model: ModelOpt = None,
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
+    jsonl: JsonlOpt = None,
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
     at: str = typer.Option(
@@ -676,7 +675,7 @@ def calibrate(
         if at not in cal.POSITIONS:
             raise BadRequest(f"--at must be one of {', '.join(cal.POSITIONS)}, got {at!r}")
         if docs is not None:
-            texts = [text for text, _ in _read_inputs([docs], None, None) if text.strip()]
+            texts = [text for text, _ in _read_inputs([docs], None, jsonl) if text.strip()]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
             cal.check_documents(texts)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 
 from ragcache.store.keys import document_id, is_document_id
 
@@ -91,6 +92,17 @@ def validate(
     if sampling is not None:
         validate_sampling(sampling, limits)
     return Query(question, docs, texts, system, params, sampling)
+
+
+def glob_paths(folder: Path, glob: str, option: str = "--glob") -> list[Path]:
+    """What `glob` matches under `folder`, sorted; BadRequest for a pattern pathlib cannot take (an absolute one, an
+    empty one), which it refuses with NotImplementedError or ValueError."""
+    if not glob or Path(glob).is_absolute():
+        raise BadRequest(f"{option} {glob!r} must be a pattern relative to each folder given, e.g. '**/*.md'")
+    try:
+        return sorted(folder.glob(glob))
+    except (ValueError, IndexError, NotImplementedError) as exc:
+        raise BadRequest(f"{option} {glob!r} is no pattern pathlib takes ({exc or type(exc).__name__})") from None
 
 
 def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documents") -> list[str]:

@@ -592,3 +592,27 @@ def test_a_misspelt_algorithm_or_setting_is_one_clear_line_before_the_model_load
     message = str(bad.value)
     assert message.startswith("dtype: ") and "'fp16'" in message and "RAGCACHE_DTYPE" in message
     assert "pydantic" not in message and "\n" not in message
+
+
+def test_calibrate_reads_another_jsonl_field_as_its_hint_says(monkeypatch, tmp_path):
+    """The hint named --jsonl, which calibrate did not have."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+
+    monkeypatch.setattr(cli, "_open", lambda *a, **k: pytest.fail("read past the documents"))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"body": "one"}\n{"body": "two"}\n')
+    result = CliRunner().invoke(cli.app, ["calibrate", "--docs", str(rows)])
+    assert result.exit_code == 3 and "--jsonl FIELD" in result.output
+    from ragcache import calibrate
+
+    seen = []
+
+    def checked(texts):
+        seen.append(texts)
+        raise KeyboardInterrupt  # read: stop before the model loads
+
+    monkeypatch.setattr(calibrate, "check_documents", checked)
+    result = CliRunner().invoke(cli.app, ["calibrate", "--docs", str(rows), "--jsonl", "body"])
+    assert result.exit_code == 130 and seen == [["one", "two"]], result.output

@@ -528,3 +528,14 @@ def test_a_run_resumed_with_more_steps_keeps_the_warm_up_it_began_with(tiny_dir,
         train(TrainConfig(out=out, steps=80, **settings), progress=stop_after(3))  # 8 from 80 steps: lr 4/9
     state = torch.load(checkpoint.find(out) / checkpoint.STATE, weights_only=True)
     assert state["step"] == 3 and state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3)
+
+
+def test_a_glob_pathlib_cannot_take_is_bad_input_for_train_infill_too(tmp_path):
+    """An absolute or empty --glob was pathlib's NotImplementedError or ValueError, a traceback of `train infill`."""
+    from ragcache.train.infill import read_texts
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for glob in (str(tmp_path / "*.py"), "", "**.py"):
+        with pytest.raises(errors.BadRequest, match="--glob"):
+            read_texts(tmp_path, glob)
+    assert read_texts(tmp_path, "*.py") == ["x = 1\n"]

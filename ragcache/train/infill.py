@@ -25,7 +25,7 @@ import torch
 
 from ragcache.store import durable
 
-from .. import models
+from .. import models, request
 from ..errors import BadRequest, ModelFetchError, RagCacheError
 from ..settings import DEFAULT_LR, check_device
 from . import checkpoint
@@ -95,7 +95,7 @@ def read_texts(data: Path, glob: str = "**/*.py") -> list[str]:
     """The text of every file under `data` matching `glob` (sorted; undecodable bytes replaced)."""
     if not data.exists():
         raise BadRequest(f"no such directory: {data}")
-    files = [data] if data.is_file() else sorted(p for p in data.glob(glob) if p.is_file())
+    files = [data] if data.is_file() else [p for p in request.glob_paths(data, glob) if p.is_file()]
     texts = [t for t in (p.read_text(encoding="utf-8", errors="replace") for p in files) if len(t) >= 2]
     if not texts:
         raise BadRequest(f"no training files matching {glob!r} under {data}")

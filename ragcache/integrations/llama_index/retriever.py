@@ -44,7 +44,7 @@ class RagCacheRetriever(BaseRetriever):
         self.layout = layout
         self.prefetch = default_prefetch(rc, prefetch)
         self.metadata_mode = metadata_mode
-        self.last_report: WarmReport | None = None
+        self.last_report: WarmReport | None = None  # the latest retrieval to end: calls at once overwrite it
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         nodes = self.retriever.retrieve(query_bundle)
