@@ -98,7 +98,7 @@ def glob_paths(folder: Path, glob: str, option: str = "--glob") -> list[Path]:
     """What `glob` matches under `folder`, sorted; BadRequest for a pattern pathlib cannot take (an absolute one, an
     empty one), which it refuses with NotImplementedError or ValueError."""
     if not glob or Path(glob).is_absolute():
-        raise BadRequest(f"{option} {glob!r} must be a pattern relative to each folder given, e.g. '**/*.md'")
+        raise BadRequest(f"{option} {glob!r} must be relative to each folder given, a pattern such as '**/*.md'")
     try:
         return sorted(folder.glob(glob))
     except (ValueError, IndexError, NotImplementedError) as exc:
