@@ -110,7 +110,9 @@ class Guard:
         return bounded_receive
 
 
-def create_app(rc: Front, settings: Settings) -> FastAPI:
+def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> FastAPI:
+    """The API over `rc`. `owns_engine`: the app closes it when it shuts down (a worker's engine, which no caller
+    holds)."""
     queue = EngineQueue(settings.max_queue, settings.client_limit)
     measuring = Measuring(queue, settings.max_tokenizing, settings.max_queue)
     metrics = Metrics(rc.store, queue, rc, measuring)
@@ -125,6 +127,8 @@ def create_app(rc: Front, settings: Settings) -> FastAPI:
         asyncio.get_running_loop().set_default_executor(pool)
         yield
         queue.shutdown()
+        if owns_engine:
+            await asyncio.to_thread(rc.close)
 
     # redirect_slashes off: /v1/documents/<id>/ is no path of the schema, so a 404, not a 307 to another path
     app = FastAPI(

@@ -10,14 +10,17 @@ from __future__ import annotations
 import inspect
 import logging
 import os
+import signal
 import socket
+import sys
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
 from ragcache.engine import map_large_blocks
-from ragcache.errors import CannotListen, ParameterOutOfRange
+from ragcache.errors import CannotListen, EngineDown, ParameterOutOfRange
 from ragcache.facade import RagCache
 from ragcache.front import Front
 from ragcache.settings import Settings
@@ -40,10 +43,30 @@ def open_engine(settings: Settings) -> Front:
 
 
 def factory() -> FastAPI:
-    """App factory for multi-worker serving (uvicorn --factory): one engine per worker process."""
+    """App factory for multi-worker serving (uvicorn --factory): one engine per worker process, which its app closes
+    when the worker ends. A worker that cannot start exits with uvicorn's startup failure, which stops the
+    supervisor instead of starting it again every half second."""
     settings = Settings.model_validate_json(os.environ[SETTINGS_ENV])
     log_info()  # a worker is a process of its own
-    return create_app(open_engine(settings), settings)
+    # (no SIGTERM handler here: this runs inside uvicorn's serve, whose own handler it would replace; the app's
+    # lifespan closes the engine on SIGTERM instead)
+    try:
+        rc = open_engine(settings)
+    except Exception:
+        log.exception("this worker cannot start its engine")
+        sys.exit(STARTUP_FAILURE)
+    return create_app(rc, settings, owns_engine=True)
+
+
+def terminate_by_exit() -> None:
+    """SIGTERM as SystemExit: uvicorn stops serving on it and then raises the signal again under the handler it
+    found, which by default ends the process on the spot, before `finally` blocks close the engine (the store's
+    write-behind, vLLM's engine core). Under this handler the engine closes and the exit status is still 143."""
+    signal.signal(signal.SIGTERM, _exit_on_term)
+
+
+def _exit_on_term(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def config(app, settings: Settings, **kwargs) -> Config:
@@ -86,9 +109,13 @@ def run(settings: Settings, workers: int = 1) -> None:
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
             # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
             extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
-        _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
+        terminate_by_exit()
+        failed = _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
+        if failed:
+            raise EngineDown(f"{failed} worker(s) could not start their engine; their log lines say why")
         return
     sock = listening(settings.host, settings.port)  # before the model loads: a taken port is said now, not minutes on
+    terminate_by_exit()
     log.info("loading %s and opening %s", settings.model, shown(settings.store))
     try:
         rc = open_engine(settings)
@@ -116,9 +143,12 @@ def listening(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _serve_workers(config: Config) -> None:
+def _serve_workers(config: Config) -> int:
+    """Run the workers until they end; how many ended failing to start."""
     sock = config.bind_socket()
     if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn: the parent names the worker's target
-        Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock]).run()  # type: ignore[call-arg]  # older uvicorn
+        supervisor = Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock])  # type: ignore[call-arg]  # older uvicorn
     else:
-        Multiprocess(config, sockets=[sock]).run()
+        supervisor = Multiprocess(config, sockets=[sock])
+    supervisor.run()
+    return sum(getattr(p, "exitcode", None) == STARTUP_FAILURE for p in supervisor.processes)

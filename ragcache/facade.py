@@ -250,7 +250,9 @@ class RagCache(Front):
 
     def close(self) -> None:
         """Stop the model thread (the step in progress ends; what is still queued fails with ShuttingDown), then
-        close the store. The engine answers nothing after."""
+        close the store. The engine answers nothing after. Closing again does nothing."""
+        if getattr(self, "_closed", False):
+            return
         self.driver.stop()
         super().close()
 

@@ -126,7 +126,12 @@ class Front(abc.ABC):
         return False
 
     def close(self) -> None:
+        """Close the store; once (a server's lifespan and its caller may both close the engine)."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
         self.store.close()
+        log.info("engine closed, and its store %s", self.store.name)
 
     def engine_metrics(self) -> list:
         """The engine's own Prometheus metric families, for /metrics (ragcache's engine reports through the API's)."""

@@ -51,7 +51,7 @@ FAULTS: tuple[type[BaseException], ...] = (StoreError, OSError, sqlite3.Error, *
 RECORD_CACHE_BYTES = 64 << 20
 # entry keys noted per lasting tier that missed them; past it, the others are compiled again when a link needs them
 ENTRIES_BEHIND_MAX = 1 << 16
-CLOSE_WAIT_S = 10.0  # for the write-behind's batch under way, at close
+CLOSE_WAIT_S = 10.0  # at close, for the write-behind to write what waits for a lasting tier
 ENTRIES_BEHIND_BATCH = 16  # entries read from the tier holding them and written into the lagging one at a time
 
 
@@ -610,15 +610,33 @@ class TieredStore(Store):
         return any(t.ping() for t in self.tiers)
 
     def close(self) -> None:
+        """Write what the lasting tiers missed while they take writes (for up to CLOSE_WAIT_S), then close the tiers;
+        what is left unwritten is said in the log, entries and records both."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        self._start_write_behind()
+        self._join(self._writing_behind, deadline)  # it ends by itself once nothing is left that a tier takes
         self._closed.set()
-        thread = self._writing_behind  # its batch under way ends before the tiers close under it
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(CLOSE_WAIT_S)
+        self._join(self._writing_behind, deadline)  # its batch under way ends before the tiers close under it
+        self._join(self._prober, deadline)  # a catch-up under way, writing into a tier about to close
         left = self.entries_behind()
         if left:
             log.warning("%d entries only this process's memory held were not written into a lasting tier", left)
+        with self._lock:
+            records = {self.tiers[i].name: len(names) for i, names in self._behind.items() if names}
+        for name, count in records.items():
+            log.warning(
+                "store tier %s misses %d document record(s) written while it was down: a process that reads only it "
+                "does not see those documents until they are added again",
+                name,
+                count,
+            )
         for tier in self.tiers:
             tier.close()
+
+    @staticmethod
+    def _join(thread: threading.Thread | None, deadline: float) -> None:
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
     def up(self) -> list[bool]:
         return [not s.down for s in self.states]

