@@ -54,7 +54,11 @@ def factory() -> FastAPI:
         rc = open_engine(settings)
     except Exception:
         log.exception("this worker cannot start its engine")
-        sys.exit(STARTUP_FAILURE)
+        logging.shutdown()
+        sys.stderr.flush()
+        # at once: a worker still tearing down its interpreter when the supervisor looks is pinged instead, and a
+        # ping of a worker that dies meanwhile waits out the health check's timeout (minutes) before it is seen
+        os._exit(STARTUP_FAILURE)
     return create_app(rc, settings, owns_engine=True)
 
 

@@ -1477,3 +1477,16 @@ def test_a_5xx_quoting_another_library_s_error_tells_the_client_a_ref_not_the_se
     error = error_of(r, 500, "compiling this request's documents failed")
     assert error["type"] == "compile_failed" and error["ref"] in error["message"] and "nvidia" not in r.text
     rc.close()
+
+
+def test_workers_that_cannot_load_their_model_stop_serve_instead_of_restarting(tmp_path):
+    """A worker whose engine failed to start exited 1, which uvicorn's supervisor answers by starting another, every
+    half second, for ever; `serve` exited 0 when stopped."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
+    cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--port", str(port), "--store", "memory:", "--workers", "2",
+           "--model", str(tmp_path / "no-such-model")]
+    run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 1 and "could not start their engine" in run.stderr, (run.returncode, run.stderr[-3000:])
