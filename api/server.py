@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
+from ragcache import linker
 from ragcache.engine import map_large_blocks
 from ragcache.errors import CannotListen, EngineDown, ParameterOutOfRange
 from ragcache.facade import RagCache
@@ -95,6 +96,8 @@ def log_info() -> None:
 
 def run(settings: Settings, workers: int = 1) -> None:
     log_info()
+    if settings.algorithm is not None:  # a misspelt default would refuse every request; said before the model loads
+        linker.algorithm(settings.algorithm)
     if workers > 1 and settings.engine == "vllm":
         raise ParameterOutOfRange(
             "one worker with --engine vllm: vLLM batches every request in one engine (and each "

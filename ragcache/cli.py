@@ -203,7 +203,7 @@ def compile(
     store: StoreOpt = None,
     chunk_tokens: int = typer.Option(None, help=f"chunk budget in tokens (default: settings, {DEFAULT_CHUNK_TOKENS})"),
     glob: str = typer.Option(None, help="glob inside directories, e.g. '**/*.md'"),
-    jsonl: JsonlOpt = None,
+    jsonl: JsonlOpt = "text",
     dtype: DtypeOpt = None,
     device: DeviceOpt = None,
     kv_codec: KvCodecOpt = None,
@@ -646,7 +646,7 @@ def serve(
 def calibrate(
     model: ModelOpt = None,
     docs: Path = typer.Option(None, help="a folder of your own documents to calibrate on (default: the built-in set)"),
-    jsonl: JsonlOpt = None,
+    jsonl: JsonlOpt = "text",
     items: int = typer.Option(24, min=1, help="questions to link (each over a few documents)"),
     target: float = typer.Option(0.95, min=0.0, max=1.0, help="next-token top-1 agreement with full to reach"),
     at: str = typer.Option(

@@ -56,7 +56,7 @@ AdapterOpt = Annotated[
     ),
 ]
 OwnAdapterOpt = Annotated[str, typer.Option("--adapter", help=ADAPTER)]
-JsonlOpt = Annotated[str | None, typer.Option("--jsonl", help="field holding the text in .jsonl files (default: text)")]
+JsonlOpt = Annotated[str, typer.Option("--jsonl", help="field holding the text in .jsonl files")]
 
 # training's own precision and device, which the serving commands' values do not fit (no float16, auto picks CUDA)
 TrainDtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16")]

@@ -591,8 +591,4 @@ def load_settings(**overrides) -> Settings:
             f"{field}: {problem['msg']}, got {problem.get('input')!r}{more} (from a flag, RAGCACHE_{field.upper()} or "
             "ragcache.toml)"
         ) from None
-    if settings.algorithm is not None:  # a server started with a misspelt default would refuse every request
-        from .linker import algorithm
-
-        algorithm(settings.algorithm)
     return settings

@@ -585,8 +585,10 @@ def test_a_misspelt_algorithm_or_setting_is_one_clear_line_before_the_model_load
     (tmp_path / "doc.txt").write_text("A document.")
     result = CliRunner().invoke(cli.app, ["query", "q", "--doc", str(tmp_path / "doc.txt"), "--algorithm", "fcous"])
     assert result.exit_code == 3 and "unknown algorithm 'fcous'" in result.output, result.output
-    with pytest.raises(UnknownAlgorithm):
-        load_settings(algorithm="fcous")
+    from ragcache.api.server import run
+
+    with pytest.raises(UnknownAlgorithm):  # RAGCACHE_ALGORITHM=fcous: serve refuses it before the model loads
+        run(load_settings(algorithm="fcous", store="memory:"))
     with pytest.raises(BadRequest) as bad:
         load_settings(dtype="fp16")
     message = str(bad.value)

@@ -533,3 +533,53 @@ def test_a_stream_the_pool_cannot_grow_for_fails_alone(monkeypatch):
         pass
     assert first.answer.stats.completion_tokens == 400
     rc.close()
+
+
+def test_a_failure_handed_over_keeps_nothing_its_frames_held():
+    """The frames in a failed request's traceback held its joined cache, a step's activations or every record it
+    named; an error re-raised where its event is a local makes a cycle that kept them until the cycle collector ran
+    (rarely, under load)."""
+    import gc
+    import weakref
+
+    from ragcache.engine.sequence import Failed
+
+    def fails():
+        held = torch.zeros(1024)  # what a failed step held
+        ref.append(weakref.ref(held))
+        raise RuntimeError("the step failed")
+
+    ref = []
+    gc.disable()
+    try:
+        try:
+            fails()
+        except RuntimeError as exc:
+            event = Failed(exc)
+        cycle = {"event": event}
+        cycle["self"] = cycle  # kept by a cycle, as a route's frame holding its event would
+        assert ref[0]() is None  # freed at once: no collector needed
+        assert "the step failed" in "".join(__import__("traceback").format_exception(event.error))  # still logs
+    finally:
+        gc.enable()
+
+
+def test_a_failed_link_frees_its_cache(rc, monkeypatch):
+    """A link-only sequence that failed kept its cache from the pool: nobody would ever take it."""
+    from ragcache.engine import driver as driver_module
+    from ragcache.engine.sequence import Status
+
+    spent = []
+    real = driver_module.Driver._free
+
+    def watched(self, sequence, status):
+        cache = sequence.cache
+        real(self, sequence, status)
+        if cache is not None and status is Status.FAILED:
+            spent.append(cache.capacity)
+
+    monkeypatch.setattr(driver_module.Driver, "_free", watched)
+    monkeypatch.setattr(rc.runner, "logits", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("no logits")))
+    with pytest.raises(Exception):
+        rc.link("where?", [{"text": DOC}], algorithm="full")
+    assert spent == [0], spent  # spent: no K/V left in it

@@ -228,8 +228,9 @@ class Driver:
         if cache is None:
             return
         self.runner.release(cache)
-        # its answer or entry is all anyone wanted of it (a link-only caller keeps its cache, unless it left)
-        if sequence.decoding is not None or sequence.compile is not None or status is Status.ABORTED:
+        # its answer or entry is all anyone wanted of it (a link-only caller keeps its cache, unless it left or
+        # the link failed)
+        if sequence.decoding is not None or sequence.compile is not None or status is not Status.FINISHED:
             cache.spend()
 
     def _fail_unfinished(self) -> None:

@@ -13,6 +13,7 @@ import asyncio
 import enum
 import queue
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
@@ -103,6 +104,16 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     error: BaseException
+
+    def __post_init__(self) -> None:
+        forget_locals(self.error)
+
+
+def forget_locals(error: BaseException) -> None:
+    """Drop the locals of the finished frames in an error's traceback (its file and line stay, for the log): they
+    hold what the failed work held, a joined cache, a step's activations, every record a request named, and an
+    error re-raised where its event is a local makes a cycle that keeps them until the cycle collector runs."""
+    traceback.clear_frames(error.__traceback__)
 
 
 @dataclass(frozen=True)
@@ -211,8 +222,9 @@ class Sequence:
         except Cancelled:
             self.receive(Output(status=Status.ABORTED))
             return
-        except BaseException:
+        except BaseException as exc:
             self.status = Status.FAILED
+            forget_locals(exc)
             raise
         self.status = Status.WAITING
         self.submitted = time.perf_counter()

@@ -46,6 +46,7 @@ from .spec import LINK_FIELDS, LINK_KEY, NAME, SPEC_KEY, SPLITS, BadLinkSpec, Li
 from .worker import LinkWorker
 
 log = logging.getLogger("ragcache.vllm")
+WHY_CHARS = 300  # of a refusal's reason in its log line: it may quote a client's spec
 # why a link failed, as counted in vllm:ragcache_link_fallbacks{reason} ("error" otherwise, logged with its trace)
 FALLBACKS = ((StoreError, "store"), (BadLinkSpec, "bad_spec"), (BadAdapter, "adapter"))
 
@@ -280,7 +281,9 @@ class RagcacheConnector(KVConnectorBase_V1):
         if request.request_id not in self._refused:  # the scheduler may ask again for the same request
             self._refused.add(request.request_id)
             self._count(fallback=reason)
-            log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, why)
+            # `why` may quote a client's spec (its chunks, unknown field names): a line of bounded length
+            clipped = why if len(why) <= WHY_CHARS else f"{why[:WHY_CHARS]}... ({len(why)} characters)"
+            log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, clipped)
         return None
 
     # -- worker side ------------------------------------------------------------------------------------------
