@@ -170,3 +170,18 @@ def test_a_capture_is_this_threads_alone_on_a_stream_of_its_own(monkeypatch):
         graphs._capture(None, SimpleNamespace())
     assert made == [-1] and len(captured) == 3
     assert all(c["capture_error_mode"] == "thread_local" and isinstance(c["stream"], Stream) for c in captured)
+
+
+def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypatch):
+    """A client's repair width made a graph of any lane width (the whole prompt's rows, rounded up), whose memory
+    stayed allocated with the pool; past CAPTURED_REPAIR_ROWS the step runs eagerly, to the same tokens."""
+    from ragcache.engine import graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "CAPTURED_REPAIR_ROWS", 4)
+    plain, graphed = engine("llama", False), engine("llama", True)
+    captured = []
+    graphed.runner.graphs.capture = True  # on CPU: the capture itself stands in, the step runs eagerly
+    monkeypatch.setattr(graphed.runner.graphs, "_capture", lambda pool, step: captured.append(step.lanes))
+    widths = lambda i: (0, 3, 8)[i % 3]  # noqa: E731
+    assert answers(graphed, repair=widths) == answers(plain, repair=widths)
+    assert captured and all(rows <= 4 for _, rows in captured), captured

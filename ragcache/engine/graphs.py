@@ -26,6 +26,10 @@ import ragcache.kernels as kernels
 
 from .kv import JoinedCache, KVPool
 
+# repair rows a lane may have in a captured step: wider lanes (a client's repair=65536 over a long prompt) run their
+# step eagerly, compute-bound at that width anyway, instead of capturing a graph whose memory pool (a [lanes, group x
+# rows, length] mask among it) stays allocated with the KV pool
+CAPTURED_REPAIR_ROWS = 512
 
 def _round_up(n: int) -> int:
     """The power of two at or above n: few shapes, so few graphs."""
@@ -206,7 +210,7 @@ class DecodeGraphs:
             packed = torch.zeros(size, dtype=torch.long, device=device)
             staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
             step = Captured(packed, staging, slots, lanes if lanes[0] else (0, 0))
-            if self.capture:
+            if self.capture and lanes[1] <= CAPTURED_REPAIR_ROWS:
                 self._capture(pool, step)
             self._steps[lanes] = step
         return self._steps[lanes]
