@@ -31,6 +31,7 @@ from .kv import JoinedCache, KVPool
 # rows, length] mask among it) stays allocated with the KV pool
 CAPTURED_REPAIR_ROWS = 512
 
+
 def _round_up(n: int) -> int:
     """The power of two at or above n: few shapes, so few graphs."""
     return 1 << (n - 1).bit_length()
