@@ -31,6 +31,7 @@ from .app import create_app
 from .connections import Config, Limits
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
+SUPERVISOR_ENV = "RAGCACHE_API_SUPERVISOR_PID"  # the `serve --workers` process its workers may ask to stop
 WORKER_HEALTHCHECK_S = 300
 GRACEFUL_SHUTDOWN_S = 10  # then open streams are cancelled (their generations stop at the next token)
 log = logging.getLogger("ragcache.api")
@@ -57,8 +58,10 @@ def factory() -> FastAPI:
         log.exception("this worker cannot start its engine")
         logging.shutdown()
         sys.stderr.flush()
-        # at once: a worker still tearing down its interpreter when the supervisor looks is pinged instead, and a
-        # ping of a worker that dies meanwhile waits out the health check's timeout (minutes) before it is seen
+        # the supervisor would see the exit code and stop, unless its health check pinged this worker just before it
+        # died: that ping waits out the check's timeout (minutes). So it is asked to stop now (it counts the code)
+        if os.environ.get(SUPERVISOR_ENV) == str(os.getppid()):
+            os.kill(os.getppid(), signal.SIGTERM)
         os._exit(STARTUP_FAILURE)
     return create_app(rc, settings, owns_engine=True)
 
@@ -112,6 +115,7 @@ def run(settings: Settings, workers: int = 1) -> None:
                 "store %s is per process: with %d workers each one has its own documents", settings.store, workers
             )
         os.environ[SETTINGS_ENV] = settings.model_dump_json()
+        os.environ[SUPERVISOR_ENV] = str(os.getpid())
         extra = {}
         if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
             # a worker loading its model answers the supervisor's pings slowly: don't kill it for that

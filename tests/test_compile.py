@@ -297,20 +297,25 @@ class Dies(BaseException):
     """What no `except Exception` catches."""
 
 
-def test_a_writer_thread_that_died_fails_the_puts_and_flush_instead_of_hanging_or_claiming_them_stored():
-    class DyingStore:
-        takes_device_entries = True
+class DyingStore:
+    """A store whose write kills the writer thread."""
 
-        def put_many(self, entries):
-            raise Dies
+    takes_device_entries = True
 
-    writer, outcome = Writer(DyingStore(), depth=1), []
+    def put_many(self, entries):
+        raise Dies
+
+
+def _fed_until_it_fails(depth: int, device: str, flush: bool) -> list:
+    """Put one-entry batches into a writer over a DyingStore (and flush) on a thread; what it raised, within 30 s."""
+    writer, outcome = Writer(DyingStore(), depth=depth), []
 
     def feed():
         try:
-            for n in range(4):
-                writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1), nbytes=4)})
-            writer.flush()
+            for n in range(depth + 2):
+                writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device=device), nbytes=4)})
+            if flush:
+                writer.flush()
             outcome.append("returned")
         except StoreError as exc:
             outcome.append(exc)
@@ -318,31 +323,20 @@ def test_a_writer_thread_that_died_fails_the_puts_and_flush_instead_of_hanging_o
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
     feeder.join(30)
-    assert not feeder.is_alive() and isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
+    assert not feeder.is_alive(), "a put or flush waits for a writer thread that is gone"
+    return outcome
+
+
+def test_a_writer_thread_that_died_fails_the_puts_and_flush_instead_of_hanging_or_claiming_them_stored():
+    outcome = _fed_until_it_fails(depth=1, device="cpu", flush=True)
+    assert isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
 
 
 def test_a_writer_thread_that_died_fails_a_device_batch_waiting_for_its_turn():
     """A batch still on a GPU waits for the one before it to be stored: with the thread dead, that wait never
     ended (meta tensors stand in for the GPU's)."""
-    class DyingStore:
-        takes_device_entries = True
-
-        def put_many(self, entries):
-            raise Dies
-
-    writer, outcome = Writer(DyingStore(), depth=2), []
-
-    def feed():
-        try:
-            for n in range(3):
-                writer.put({f"k{n}": SimpleNamespace(keys=torch.zeros(1, device="meta"), nbytes=4)})
-        except StoreError as exc:
-            outcome.append(exc)
-
-    feeder = threading.Thread(target=feed, daemon=True)
-    feeder.start()
-    feeder.join(30)
-    assert not feeder.is_alive() and isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
+    outcome = _fed_until_it_fails(depth=2, device="meta", flush=False)
+    assert isinstance(outcome[0], StoreError) and "stopped" in str(outcome[0])
 
 
 def test_a_callback_that_raises_does_not_stop_the_writes_behind_it():
