@@ -7,7 +7,6 @@ disk or Redis store (memory: and gpu tiers are per process). Each process bounds
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import signal
@@ -66,11 +65,12 @@ def factory() -> FastAPI:
     return create_app(rc, settings, owns_engine=True)
 
 
-def terminate_by_exit() -> None:
+def terminate_by_exit():
     """SIGTERM as SystemExit: uvicorn stops serving on it and then raises the signal again under the handler it
     found, which by default ends the process on the spot, before `finally` blocks close the engine (the store's
-    write-behind, vLLM's engine core). Under this handler the engine closes and the exit status is still 143."""
-    signal.signal(signal.SIGTERM, _exit_on_term)
+    write-behind, vLLM's engine core). Under this handler the engine closes and the exit status is still 143. The
+    handler it replaces, to put back."""
+    return signal.signal(signal.SIGTERM, _exit_on_term)
 
 
 def _exit_on_term(signum, frame) -> None:
@@ -107,28 +107,43 @@ def run(settings: Settings, workers: int = 1) -> None:
             "worker would start its own)"
         )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
-    if workers > 1:
-        if isinstance(settings.store, str):  # before the workers start, each to fail on it (and be started again)
-            check_url(settings.store)
-        if per_process(settings.store):
-            log.warning(
-                "store %s is per process: with %d workers each one has its own documents", settings.store, workers
-            )
-        os.environ[SETTINGS_ENV] = settings.model_dump_json()
-        os.environ[SUPERVISOR_ENV] = str(os.getpid())
-        extra = {}
-        if "timeout_worker_healthcheck" in inspect.signature(uvicorn.Config).parameters:
-            # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
-            extra["timeout_worker_healthcheck"] = WORKER_HEALTHCHECK_S
-        terminate_by_exit()
-        failed = _serve_workers(config("ragcache.api.server:factory", settings, factory=True, workers=workers, **extra))
-        if failed:
-            raise EngineDown(f"{failed} worker(s) could not start their engine; their log lines say why")
-        return
-    sock = listening(settings.host, settings.port)  # before the model loads: a taken port is said now, not minutes on
-    terminate_by_exit()
-    log.info("loading %s and opening %s", settings.model, shown(settings.store))
+    if isinstance(settings.store, str):  # bad input before the port is taken and the model loads (or workers start)
+        check_url(settings.store)
+    # before the model loads: a taken port is said now, not minutes on
+    sock = listening(settings.host, settings.port, inheritable=workers > 1)
     try:
+        if workers > 1:
+            _serve_workers(settings, workers, sock)
+        else:
+            _serve_one(settings, sock)
+    finally:
+        sock.close()
+
+
+def _serve_workers(settings: Settings, workers: int, sock: socket.socket) -> None:
+    if per_process(settings.store):
+        log.warning("store %s is per process: with %d workers each one has its own documents", settings.store, workers)
+    os.environ[SETTINGS_ENV] = settings.model_dump_json()
+    os.environ[SUPERVISOR_ENV] = str(os.getpid())
+    # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
+    served = config(
+        "ragcache.api.server:factory",
+        settings,
+        factory=True,
+        workers=workers,
+        timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
+    )
+    supervisor = Multiprocess(served, sockets=[sock])  # it handles SIGTERM itself, stopping the workers
+    supervisor.run()
+    failed = sum(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
+    if failed:
+        raise EngineDown(f"{failed} worker(s) could not start their engine; their log lines say why")
+
+
+def _serve_one(settings: Settings, sock: socket.socket) -> None:
+    previous = terminate_by_exit()
+    try:
+        log.info("loading %s and opening %s", settings.model, shown(settings.store))
         rc = open_engine(settings)
         try:
             served = config(create_app(rc, settings), settings)
@@ -136,30 +151,24 @@ def run(settings: Settings, workers: int = 1) -> None:
         finally:
             rc.close()
     finally:
-        sock.close()
+        signal.signal(signal.SIGTERM, previous)
 
 
-def listening(host: str, port: int) -> socket.socket:
-    """A socket bound to the server's address; CannotListen (uvicorn's own bind logs and exits with the code the
-    CLI keeps for bad input) when another process holds it or the address is not this host's."""
+def listening(host: str, port: int, inheritable: bool = False) -> socket.socket:
+    """A socket bound to the server's address, as uvicorn binds one (SO_REUSEADDR; not listening yet, so a client
+    is refused while the model loads; an IPv6 address takes IPv4 too); CannotListen when another process holds it
+    or the address is not this host's (uvicorn logs and exits with the code the CLI keeps for bad input).
+    `inheritable`: for workers, which take it over from this process."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        sock = socket.create_server((host, port), family=family)  # SO_REUSEADDR, as uvicorn binds
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
     except OSError as exc:
+        sock.close()
         raise CannotListen(
             f"cannot listen on {host}:{port}: {exc.strerror or exc}; pick another --port (or --host), or stop what "
             "holds it"
         ) from exc
-    sock.set_inheritable(True)
+    sock.set_inheritable(inheritable)
     return sock
-
-
-def _serve_workers(config: Config) -> int:
-    """Run the workers until they end; how many ended failing to start."""
-    sock = config.bind_socket()
-    if "target" in inspect.signature(Multiprocess).parameters:  # older uvicorn: the parent names the worker's target
-        supervisor = Multiprocess(config, target=uvicorn.Server(config).run, sockets=[sock])  # type: ignore[call-arg]  # older uvicorn
-    else:
-        supervisor = Multiprocess(config, sockets=[sock])
-    supervisor.run()
-    return sum(getattr(p, "exitcode", None) == STARTUP_FAILURE for p in supervisor.processes)

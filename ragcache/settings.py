@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -578,6 +579,9 @@ class Toml(TomlConfigSettingsSource):
         return super().__call__()
 
 
+SECRET_SETTINGS = ("api_key", "store")  # values a settings error does not echo
+
+
 def load_settings(**overrides) -> Settings:
     """The settings with these overrides (None: not given); BadRequest for a bad value, wherever it came from (a flag,
     RAGCACHE_*, ragcache.toml): pydantic's message names the field."""
@@ -585,10 +589,13 @@ def load_settings(**overrides) -> Settings:
         settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
     except ValidationError as exc:
         problem = exc.errors()[0]
-        field = ".".join(map(str, problem["loc"])) or "settings"
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        if not problem["loc"]:  # a check across fields: its input is every setting, the API key among them
+            raise BadRequest(f"{problem['msg'].removeprefix('Value error, ')}{more}") from None
+        field = ".".join(map(str, problem["loc"]))
+        # a secret (the API key, a store URL's password) is not echoed into a service's log
+        got = "" if problem["loc"][0] in SECRET_SETTINGS else f", got {reprlib.repr(problem.get('input'))}"
         raise BadRequest(
-            f"{field}: {problem['msg']}, got {problem.get('input')!r}{more} (from a flag, RAGCACHE_{field.upper()} or "
-            "ragcache.toml)"
+            f"{field}: {problem['msg']}{got}{more} (from a flag, RAGCACHE_{field.upper()} or ragcache.toml)"
         ) from None
     return settings

@@ -52,6 +52,7 @@ RECORD_CACHE_BYTES = 64 << 20
 # entry keys noted per lasting tier that missed them; past it, the others are compiled again when a link needs them
 ENTRIES_BEHIND_MAX = 1 << 16
 CLOSE_WAIT_S = 10.0  # at close, for the write-behind to write what waits for a lasting tier
+CLOSE_BATCH_WAIT_S = 5.0  # then for the batch under way to end
 ENTRIES_BEHIND_BATCH = 16  # entries read from the tier holding them and written into the lagging one at a time
 
 
@@ -616,7 +617,8 @@ class TieredStore(Store):
         self._start_write_behind()
         self._join(self._writing_behind, deadline)  # it ends by itself once nothing is left that a tier takes
         self._closed.set()
-        self._join(self._writing_behind, deadline)  # its batch under way ends before the tiers close under it
+        # its batch under way ends before the tiers close under it, with time of its own past a drain that used all
+        self._join(self._writing_behind, max(deadline, time.monotonic() + CLOSE_BATCH_WAIT_S))
         self._join(self._prober, deadline)  # a catch-up under way, writing into a tier about to close
         left = self.entries_behind()
         if left:

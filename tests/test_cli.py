@@ -594,6 +594,12 @@ def test_a_misspelt_algorithm_or_setting_is_one_clear_line_before_the_model_load
     message = str(bad.value)
     assert message.startswith("dtype: ") and "'fp16'" in message and "RAGCACHE_DTYPE" in message
     assert "pydantic" not in message and "\n" not in message
+    # a check across settings quotes no input (it is every setting, the API key among them); a secret none at all
+    with pytest.raises(BadRequest) as across:
+        load_settings(max_per_client=10, max_queue=5, api_key="s3cret")
+    with pytest.raises(BadRequest) as secret:
+        load_settings(store=7, api_key="s3cret")
+    assert "s3cret" not in str(across.value) + str(secret.value) and "max_per_client" in str(across.value)
 
 
 def test_calibrate_reads_another_jsonl_field_as_its_hint_says(monkeypatch, tmp_path):

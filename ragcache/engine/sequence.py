@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import inspect
 import queue
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import AbstractContextManager, nullcontext, suppress
 from dataclasses import dataclass
@@ -101,6 +101,9 @@ class Done:
     answer: Answer | None  # None for a link-only sequence: its result is `Sequence.linked`
 
 
+SUSPENDABLE = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR | inspect.CO_ITERABLE_COROUTINE
+
+
 @dataclass(frozen=True)
 class Failed:
     error: BaseException
@@ -112,8 +115,15 @@ class Failed:
 def forget_locals(error: BaseException) -> None:
     """Drop the locals of the finished frames in an error's traceback (its file and line stay, for the log): they
     hold what the failed work held, a joined cache, a step's activations, every record a request named, and an
-    error re-raised where its event is a local makes a cycle that keeps them until the cycle collector runs."""
-    traceback.clear_frames(error.__traceback__)
+    error re-raised where its event is a local makes a cycle that keeps them until the cycle collector runs.
+    A generator's or coroutine's frame is left alone (before Python 3.13 clearing one finalizes it, and an error
+    shared by several requests has frames of their threads' suspended ones); a running frame cannot be cleared."""
+    tb = error.__traceback__
+    while tb is not None:
+        if not tb.tb_frame.f_code.co_flags & SUSPENDABLE:
+            with suppress(RuntimeError):
+                tb.tb_frame.clear()
+        tb = tb.tb_next
 
 
 @dataclass(frozen=True)
