@@ -1,7 +1,8 @@
 """`ragcache` command line: compile, query, serve, demo, calibrate, models, store, config, train.
 
 Exit codes scripts can rely on: 0 ok, 1 internal/store failure, 2 usage error, 3 bad input,
-4 unknown document, 5 model cannot be loaded or fetched, 130 interrupted (the store stays consistent)."""
+4 unknown document, 5 model cannot be loaded or fetched, 130 interrupted (the store stays consistent), 143 `serve`
+stopped by SIGTERM (its engine closed first)."""
 
 from __future__ import annotations
 
