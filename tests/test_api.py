@@ -968,6 +968,506 @@ def test_ragcache_serve_closes_its_engine_on_sigterm(tmp_path):
     assert served.proc.returncode == 143 and "engine closed, and its store" in log, (served.proc.returncode, log[-3000:])
 
 
+# -- the example client -----------------------------------------------------------------------------------
+def test_rest_client_example(server, doc_ids):
+    run = subprocess.run([sys.executable, str(ROOT / "examples" / "rest_client.py"), "--url", server.url,
+                          "--docs", *map(str, DOC_FILES[:2]), "--max-tokens", str(MAX_TOKENS)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert "/v1/query:" in run.stdout and "streamed" in run.stdout and "openai chat (smollm2-135m)" in run.stdout
+
+
+
+def test_public_paths_are_the_operators_choice(rc):
+    with serve(rc, api_key="s3cret", public_paths=["/health", "/metrics"]) as s:
+        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        error_of(httpx.get(f"{s.url}/openapi.json"), 401)
+
+
+def test_a_chunked_body_over_the_limit_is_413_before_it_is_read_whole(rc):
+    with serve(rc, max_documents=1, max_document_chars=1000) as s:  # max body: 1000 * 6 + 1 MiB
+        sent = 0
+
+        def body():
+            nonlocal sent
+            yield b'{"text": "'
+            for _ in range(64):  # 4 MiB in 64 KiB pieces, no Content-Length
+                sent += 1
+                yield b"a" * (64 << 10)
+            yield b'"}'
+
+        r = httpx.post(f"{s.url}/v1/documents", content=body(), headers={"content-type": "application/json"})
+        error_of(r, 413, "over")
+
+
+def test_a_declared_length_over_the_limit_is_413_and_the_connection_closes(rc):
+    """Answered from the headers; kept open, the server would read and discard the whole refused body."""
+    with serve(rc, max_documents=1, max_document_chars=1000) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/documents HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 50000000\r\n\r\n{\"text\": \"")
+            sock.settimeout(60)
+            reply = b""
+            while piece := sock.recv(4096):  # the server closes: recv gives b"" instead of waiting for the body
+                reply += piece
+        head = reply.decode().lower()
+        assert head.startswith("http/1.1 413") and "connection: close" in head
+
+
+def test_a_body_that_stops_arriving_is_408(rc):
+    with serve(rc, body_timeout_s=0.5) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as sock:
+            sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{\"question\": ")  # 13 of the 100 bytes promised
+            sock.settimeout(60)
+            reply = b""
+            while b"did not arrive" not in reply:  # headers and body may come in separate segments
+                piece = sock.recv(4096)
+                if not piece:
+                    break
+                reply += piece
+        assert reply.decode().startswith("HTTP/1.1 408") and b"did not arrive" in reply
+
+
+def test_a_record_in_a_store_tier_that_is_down_is_503_with_retry_after(smollm2):
+    from ragcache.store.base import TierUnavailable
+    from ragcache.store.memory import MemoryStore
+    from ragcache.store.tiered import TieredStore
+
+    class Down(MemoryStore):
+        name = "redis"
+
+        def get_records(self, names):
+            raise TierUnavailable("redis tier: connection refused")
+
+    with serve(RagCache(smollm2, TieredStore([MemoryStore(), Down()]))) as s:
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": ["0" * 32]})
+        error = error_of(r, 503, "down")
+        assert error["type"] == "tier_unavailable" and r.headers["retry-after"] == "5"
+
+
+def test_a_corrupt_document_record_is_listed_with_its_problem_and_is_not_retried(smollm2, tmp_path):
+    """A damaged record is not a tier that is down: no Retry-After, and the listing still shows every document."""
+    rc = RagCache(smollm2, open_store(f"disk:{tmp_path}"))
+    good, bad = rc.compile(["Zebras run.", "The sky over Kessel Bay is grey."])
+    path = tmp_path / "records" / f"doc__{bad}.json"
+    path.write_text(path.read_text().replace("grey", "blue"))
+    with serve(rc) as s:
+        page = httpx.get(f"{s.url}/v1/documents").json()
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": [bad], "max_tokens": 1})
+    listed = {d["id"]: d for d in page["data"]}
+    assert page["total"] == 2 and listed[good]["problem"] is None and listed[good]["chars"] == len("Zebras run.")
+    assert "add the document's text again" in listed[bad]["problem"]
+    error = error_of(r, 500, "add the document's text again")
+    assert error["type"] == "corrupt_document" and "retry-after" not in r.headers
+
+
+# -- the accuracy guard -----------------------------------------------------------------------------------------------
+def test_guard_counters_move_on_a_real_server(rc, doc_ids):
+    with serve(rc, guard_rate=1.0) as s:
+        for algorithm in ({}, {"algorithm": "full"}):  # the default (focus), and full: exact, never checked
+            r = httpx.post(f"{s.url}/v1/query", json={"question": QUESTION, "documents": doc_ids[:2],
+                                                       "max_tokens": 2, **algorithm}, timeout=300)
+            assert r.status_code == 200, r.text
+        text = wait_metric(s.url, "ragcache_guard_checks_total", 1, seconds=300)
+        assert metric(text, "ragcache_guard_checks_total", algorithm="focus") == 1
+        assert metric(text, "ragcache_guard_checks_total", algorithm="full") == 0
+        assert 0.0 <= metric(text, "ragcache_guard_top1_agreement", algorithm="focus") <= 1.0
+        assert metric(text, "ragcache_guard_kl_count", algorithm="focus") == 1
+        link = httpx.get(f"{s.url}/v1/models").json()["data"][0]["ragcache"]
+        assert link["default_k"] == rc.default_k and link["kv_codec"] == rc.kv_codec
+        assert link["default_algorithm"] == "focus" and link["default_focus_ratio"] == rc.default_focus_ratio
+        assert metric(text, "ragcache_store_read_bytes_total", tier=rc.store.name.split(":")[0]) > 0  # by tier
+
+
+def test_guard_is_skipped_when_the_queue_is_full(rc):
+    from ragcache.api.answering import server_guard
+    from ragcache.api.engine_queue import EngineQueue
+    from ragcache.api.metrics import Metrics
+    from ragcache.engine.sampling import Answer, QueryStats
+
+    full_queue = EngineQueue(max_queue=4, max_per_client=4)
+    full_queue.depth = 4
+    metrics = Metrics(rc.store, full_queue)
+    guard = server_guard(rc, Settings.model_construct(guard_rate=1.0), full_queue, metrics)
+    answer = Answer("x", [1], QueryStats(), first_logits=torch.zeros(8))
+    guard.after_answer(answer, rc.validate("q", [], link=rc.params("legolink")))
+    text = metrics.render().decode()
+    assert metric(text, "ragcache_guard_skipped_total", algorithm="legolink") == 1
+    assert metric(text, "ragcache_guard_checks_total") == 0 and guard.in_flight == 0
+
+
+def test_non_finite_numbers_in_metadata_are_a_422(http):
+    # Python's JSON parser reads the non-standard NaN / Infinity literals (Python's json.dumps writes them). Kept in
+    # metadata, they could not be written back out as JSON; the server refuses them up front.
+    body = b'{"documents": [{"text": "Nothing is infinite.", "metadata": {"weight": Infinity, "score": NaN}}]}'
+    r = http.post("/v1/documents", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "not plain JSON" in r.json()["error"]["message"], r.text
+
+
+# -- input limits hold before the work (#29) -----------------------------------------------------------------------
+def test_an_upload_is_parsed_off_the_event_loop(server, monkeypatch):
+    """While one upload's body is being parsed, /health is answered: the parse is held until it is."""
+    from ragcache.api import body
+    held, release, parse = threading.Event(), threading.Event(), body.parse
+
+    def held_parse(*args):
+        held.set()
+        release.wait(60)
+        return parse(*args)
+
+    monkeypatch.setattr(body, "parse", held_parse)
+    with httpx.Client(base_url=server.url, timeout=60) as uploader, ThreadPoolExecutor(1) as pool:
+        upload = pool.submit(uploader.post, "/v1/documents", json={"text": "", "metadata": {}})
+        assert held.wait(60)
+        try:
+            assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        finally:
+            release.set()
+        assert upload.result().status_code == 422  # the empty text, found once the parse went on
+
+
+def test_a_body_over_the_document_count_is_refused_before_its_documents_are_validated(http):
+    """Documents past the limit are not even valid: a 413 for the count, not a 422 for them, shows that they were
+    never built."""
+    docs = [{"text": f"note {i}"} for i in range(64)] + [{"text": 5}] * 1000
+    error = error_of(http.post("/v1/documents", json={"documents": docs}), 413, "1064 documents", "at most 64")
+    assert error["limit"] == 64 and error["got"] == 1064
+
+
+@pytest.mark.parametrize("metadata,fragment", [
+    ({"a": "\ud800"}, "lone surrogate"),
+    ({"a": json.loads("[" * 40 + "]" * 40)}, "deeper than 32"),
+    ({"a": json.loads("[" * 900 + "]" * 900)}, "deeper than 64 levels"),  # the body's own depth limit
+    ({"a": "x" * 70_000}, "at most 65536"),
+], ids=["surrogate", "deep", "900-deep", "large"])
+def test_metadata_a_record_could_not_give_back_is_refused_and_listing_still_works(http, metadata, fragment):
+    error_of(http.post("/v1/documents", content=json.dumps({"text": "A short note on limits.", "metadata":
+                                                                    metadata}),
+                               headers={"content-type": "application/json"}), 413 if "65536" in fragment else 422,
+                     fragment)
+    assert http.get("/v1/documents").status_code == 200
+
+
+@pytest.mark.parametrize("path,extra", [("/v1/query", {"question": "q"}),
+                                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}]})])
+def test_a_query_over_the_document_count_is_refused_before_its_documents_are_validated(http, path, extra):
+    docs = ["0" * 32] * 64 + [5] * 1000
+    error_of(http.post(path, json={**extra, "documents": docs}), 413, "1064 documents", "at most 64")
+
+
+def test_the_openapi_document_lists_the_codes_the_routes_return(http, doc_ids):
+    doc = http.get("/openapi.json").json()
+    unknown = "0" * 32
+    cases = [("POST", "/v1/query", "/v1/query", {"json": {"question": "q", "documents": [unknown]}}, 404),
+             ("POST", "/v1/query", "/v1/query", {"json": {"question": ""}}, 422),
+             ("POST", "/v1/chat/completions", "/v1/chat/completions", {"json": {"messages": []}}, 400),
+             ("POST", "/v1/completions", "/v1/completions", {"json": {"prompt": "q", "model": "nope"}}, 404),
+             ("POST", "/v1/documents", "/v1/documents", {"json": {"documents": [{"text": "x"}] * 65}}, 413),
+             ("POST", "/v1/infill", "/v1/infill", {"json": {"prefix": 1}}, 422),
+             ("GET", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("DELETE", f"/v1/documents/{unknown}", "/v1/documents/{doc_id}", {}, 404),
+             ("GET", "/v1/documents?limit=0", "/v1/documents", {}, 422)]
+    for method, url, path, kwargs, status in cases:
+        assert http.request(method, url, **kwargs).status_code == status, (method, url)
+        documented = doc["paths"][path][method.lower()]["responses"]
+        assert str(status) in documented and "500" in documented, (method, path, status, sorted(documented))
+    refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(doc)))
+    assert {"CompileRequest", "QueryRequest", "ErrorResponse"} <= refs <= set(doc["components"]["schemas"])
+
+
+# -- hostile bodies: bounded work before validation, nothing stored for a refused query (#50) ---------------------
+def small_error(r: httpx.Response, status: int, *fragments: str) -> dict:
+    """The error, whose body stays small however large the request was."""
+    assert len(r.content) < 8192, (len(r.content), r.text[:500])
+    return error_of(r, status, *fragments)
+
+
+@pytest.mark.parametrize("path,valid", [("/v1/query", {"question": "q"}), ("/v1/documents", {"text": "a"}),
+                                        ("/v1/infill", {"prefix": "a"})])
+def test_a_body_of_unknown_keys_gets_its_first_errors_and_a_count(http, path, valid):
+    unknown = {f"k{i:010d}": 1 for i in range(100_000)}
+    error = small_error(http.post(path, json={**valid, **unknown}), 422, "k0000000000", "(and 99999 more)")
+    assert error["error_count"] == 100_000 and len(error["details"]) == 20
+    assert error["details"][0] == {"loc": ["k0000000000"], "msg": "Extra inputs are not permitted",
+                                   "type": "extra_forbidden"}
+
+
+def test_pydantic_errors_are_listed_twenty_at_most(http):
+    docs = [{"text": i, "metadata": i} for i in range(30)]  # two errors each
+    error = small_error(http.post("/v1/documents", json={"documents": docs}), 422, "documents.0.text", "(and 59 more)")
+    assert error["error_count"] == 60 and len(error["details"]) == 20
+
+
+@pytest.mark.parametrize("path,body,fragment,limit", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "q"}],
+                              **{f"x{i}": 1 for i in range(2000)}}, "2001 keys in one object (the body)", 1024),
+    ("/v1/documents", {"text": "a", "metadata": {f"k{i}": 1 for i in range(1025)}},
+     "1025 keys in one object (metadata)", 1024),
+    ("/v1/query", {"question": "q", "stop": ["s"] * 10_001}, "10001 items in one array (stop)", 10_000),
+    ("/v1/completions", {"prompt": "q", "ragcache": {"k": [[0] * 10_001]}}, "10001 items in one array (ragcache.k.0)",
+     10_000),
+])
+def test_objects_and_arrays_past_their_counts_are_413_before_validation(http, path, body, fragment, limit):
+    error = small_error(http.post(path, json=body), 413, fragment, f"at most {limit}")
+    assert error["type"] == "payload_too_large" and error["limit"] == limit
+
+
+def test_a_body_of_too_many_values_is_413_whether_objects_or_not(rc):
+    with serve(rc, max_body_values=100) as s, httpx.Client(base_url=s.url, timeout=300) as client:
+        for metadata in ({"a": [{}] * 200}, {"a": [1] * 60, "b": [1] * 60}):  # given up while parsing; after it
+            error = small_error(client.post("/v1/documents", json={"text": "a", "metadata": metadata}), 413,
+                                "more than 100 JSON values")
+            assert error["limit"] == 100
+        assert client.post("/v1/documents", json={"text": "Fine.", "metadata": {"a": [1] * 50}}).status_code == 201
+
+
+def test_a_huge_key_or_value_is_not_echoed_back_whole(http):
+    small_error(http.post("/v1/query", json={"question": "q", "k" * 1_000_000: 1}), 422, "(1000000 characters)")
+    small_error(http.post("/v1/query", json={"question": "q", "algorithm": "a" * 1_000_000}), 422, "unknown algorithm")
+    # a count past its limit names where: a key with a lone surrogate, or a megabyte long, is escaped and clipped
+    for key, shown in (("\ud800", "\\ud800"), ("m" * 1_000_000, "(1000000 characters)")):
+        body = json.dumps({"text": "a", "metadata": {key: [0] * 10_001}})
+        small_error(http.post("/v1/documents", content=body, headers={"content-type": "application/json"}), 413,
+                    shown)
+    small_error(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                        "model": "m" * 1_000_000}), 404, "not served here")
+    small_error(http.post("/v1/query", content=json.dumps({"question": "q", "\ud800": 1}),
+                          headers={"content-type": "application/json"}), 422, "\\ud800")  # a lone surrogate key
+
+
+def test_a_refused_query_stores_none_of_its_raw_texts(http, rc):
+    long_text = " ".join(f"v{i % 89}" for i in range(9000))  # far past the 8192-token context
+    short_text = f"A note that no query stores: {uuid.uuid4().hex}."
+    before = len(rc.document_ids())
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": short_text}, {"text": long_text}],
+                                     "algorithm": "naive", "max_tokens": 8})
+    assert error_of(r, 413, "context")["type"] == "texts_too_long"
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": short_text}, "0" * 32]})
+    assert error_of(r, 404, "0" * 32)["type"] == "unknown_document"
+    assert len(rc.document_ids()) == before
+    for text in (short_text, long_text):
+        error_of(http.get(f"/v1/documents/{document_id(text)}"), 404, document_id(text))
+
+
+def test_a_query_that_fits_stores_its_raw_text(http, rc):
+    text = f"The lantern room holds a brass lens, serial {uuid.uuid4().hex}."
+    r = http.post("/v1/query", json={"question": "What does the lantern room hold?", "documents": [{"text": text}],
+                                     "algorithm": "naive", "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert http.get(f"/v1/documents/{document_id(text)}").json()["text"] == text
+
+
+def test_a_trailing_slash_is_a_404_not_a_redirect(http, doc_ids):
+    assert http.get(f"/v1/documents/{doc_ids[0]}").status_code == 200
+    for method, path in (("GET", f"/v1/documents/{doc_ids[0]}/"), ("GET", "/v1/documents/"),
+                         ("POST", "/v1/query/")):
+        error_of(http.request(method, path, json={"question": "q"}), 404, "not found")
+
+
+@pytest.mark.parametrize("path,methods", [("/v1/documents", "GET, POST"),
+                                          (f"/v1/documents/{'0' * 32}", "DELETE, GET")])
+def test_a_405_allows_every_method_of_the_path(http, path, methods):
+    r = http.put(path, json={})
+    error_of(r, 405, "not allowed")
+    assert r.headers["allow"] == methods
+
+
+def test_the_schema_documents_event_streams_and_the_bounds_of_documents_and_max_tokens(http):
+    doc = http.get("/openapi.json").json()
+    for path in ("/v1/query", "/v1/infill", "/v1/completions", "/v1/chat/completions"):
+        assert "text/event-stream" in doc["paths"][path]["post"]["responses"]["200"]["content"], path
+    schemas = doc["components"]["schemas"]
+    for name in ("QueryRequest", "ChatRequest", "CompletionRequest"):
+        assert schemas[name]["properties"]["documents"]["maxItems"] == 64, name
+        assert schemas[name]["properties"]["max_tokens"]["anyOf"][0]["maximum"] == 1024, name
+    assert schemas["CompileRequest"]["properties"]["documents"]["anyOf"][0]["maxItems"] == 64
+
+
+@pytest.mark.parametrize("content,fragment", [
+    (b'{"question": "q",}', "at character 17: expecting property name"),
+    (b'{"question": "q"} x', "extra data"),
+    (b'{"question" "q"}', "expecting ':' delimiter"),
+    (b'{"question": "q", "stop": [1, 2', "expecting ',' delimiter"),
+    (b'{"question": ' + b"9" * 5000 + b"}", "4300 digits"),
+    (b'{"question": "\xff"}', "at character 14: not utf-8"),
+], ids=["trailing comma", "extra data", "no colon", "cut off", "huge integer", "not utf-8"])
+def test_malformed_bodies_are_422_saying_where(http, content, fragment):
+    error_of(http.post("/v1/query", content=content, headers={"content-type": "application/json"}), 422,
+             "malformed JSON body", fragment)
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_one_the_server_exports(http, doc_ids):
+    """deploy/grafana/ragcache.json against this server's /metrics: each name a panel queries is one the server
+    declares (`# TYPE`: a counter as `..._total`, a gauge as is), or a histogram's `_bucket`, `_sum` or `_count`."""
+    assert ask(http, doc_ids).status_code == 200  # labelled families get their first samples
+    declared = dict(re.findall(r"^# TYPE (\S+) (\S+)$", http.get("/metrics").text, re.M))
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "ragcache.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"\bragcache_[a-z0-9_]+", target["expr"])}
+    histogram = {name + suffix for name, kind in declared.items() if kind == "histogram"
+                 for suffix in ("_bucket", "_sum", "_count")}
+    unknown = sorted(n for n in queried if declared.get(n) not in ("counter", "gauge") and n not in histogram)
+    assert len(queried) >= 15 and not unknown, unknown
+
+
+def test_the_api_workers_run_torch_inline_and_leave_other_threads_their_count(rc):
+    """The threads that prepare requests (entries read, copied, decoded) run torch's ops inline: an OpenMP team on
+    each would slow every model step (a served 64-token answer took 5.2 s against 2.8 s at 2 torch threads;
+    ragcache.engine.threads). The thread count is each thread's own: this one keeps its two."""
+    from starlette.testclient import TestClient
+
+    async def in_a_worker() -> int:
+        return await asyncio.to_thread(torch.get_num_threads)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the suite may run with one, where no team forms
+    try:
+        with TestClient(create_app(rc, settings())) as client:
+            assert client.portal.call(in_a_worker) == 1
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+
+
+
+def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_length_exceeded(http):
+    """OpenAI's SDKs raise BadRequestError for a 400, and LangChain and llama-index tell a context overflow by its
+    code; a 413 was an APIStatusError nothing recognized. Every OpenAI error body has `param`."""
+    long_text = " ".join(f"v{i % 89}" for i in range(9000))  # far past the 8192-token context
+    for path, body in (("/v1/chat/completions", {"messages": [{"role": "user", "content": "Where is it?"}]}),
+                       ("/v1/completions", {"prompt": "Where is it?"})):
+        r = http.post(path, json={**body, "documents": [{"text": long_text}], "max_tokens": 8})
+        error = error_of(r, 400, "context")
+        assert error["code"] == "context_length_exceeded" and error["type"] == "invalid_request_error"
+        assert "param" in error and error["context"] == 8192
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                            "ragcache": {"algorithm": "nope"}}), 400)
+    assert "param" in error and error["code"] == "unknown_algorithm"
+    # every error has it: the body's validation (the field), the guard's refusals, a native route's
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                             "max_tokens": 0}), 400)
+    assert error["param"] == "max_completion_tokens" or error["param"].endswith("max_tokens"), error
+    error = error_of(http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}), 400)
+    assert error["param"] is None
+    assert error_of(http.get("/v1/documents/not-an-id"), 404)["param"] is None
+    r = http.post("/v1/query", json={"question": "q", "documents": [{"text": long_text}], "max_tokens": 8})
+    error_of(r, 413, "context")  # the native route: as it was
+
+
+def test_a_model_named_by_a_hub_id_is_retrieved_by_it(http, rc, monkeypatch):
+    """openai-python sends /v1/models/Org%2FName for models.retrieve("Org/Name"): the slash comes back decoded."""
+    monkeypatch.setattr(type(rc), "model_name", property(lambda self: "Org/Name"))
+    r = http.get("/v1/models/Org%2FName")
+    assert r.status_code == 200 and r.json()["id"] == "Org/Name", r.text
+
+
+def test_a_chats_text_parts_are_blocks_not_run_together():
+    """LangChain sends a message of several blocks as parts: "Context: A." and "Question: B?" are two lines, as
+    vLLM joins them, not "Context: A.Question: B?"."""
+    from api.openai_compat import chat_question
+    from api.schemas import ChatMessage
+
+    parts = [{"type": "text", "text": "Context: A."}, {"type": "text", "text": "Question: B?"}]
+    assert chat_question([ChatMessage(role="user", content=parts)]) == (None, "Context: A.\nQuestion: B?")
+
+
+def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
+    """An SDK may send every field it knows, null where unset; the aliases took the first name present."""
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where is the tower?"}],
+                                                "max_tokens": None, "max_completion_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1 and r.json()["choices"][0]["finish_reason"] == "length"
+    # both set: OpenAI's current name counts, as in vLLM (max_tokens is the deprecated one)
+    r = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Where is the tower?"}],
+                                                "max_tokens": 3, "max_completion_tokens": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_a_delete_that_gave_up_waiting_is_409_with_retry_after(http, rc, monkeypatch):
+    from ragcache.errors import DocumentInUse
+
+    def busy(doc_id):
+        raise DocumentInUse(doc_id, 30.0)
+
+    monkeypatch.setattr(rc, "delete_document", busy)
+    r = http.delete("/v1/documents/" + "a" * 32)
+    error = error_of(r, 409, "nothing was deleted")
+    assert error["type"] == "document_in_use" and r.headers["retry-after"] == "5"
+
+
+def test_a_dead_engine_is_503_with_retry_after(http, rc, monkeypatch):
+    """vLLM's engine core gone: no request is answered until a restart, and a load balancer should try another."""
+    from ragcache.errors import EngineDown
+
+    def down():
+        raise EngineDown("vLLM's engine core has stopped; restart the server")
+
+    monkeypatch.setattr(rc, "document_ids", down)
+    r = http.get("/v1/documents")
+    error = error_of(r, 503, "restart")
+    assert error["type"] == "engine_down" and r.headers["retry-after"] == "5" and error["ref"]  # as every 5xx
+
+
+def test_a_chat_without_max_tokens_goes_on_to_the_context_s_end_within_the_limit():
+    """OpenAI's clients mostly send no max_tokens (LangChain's ChatOpenAI, the SDK's examples): the server's 64 cut
+    every such chat answer short, and a prompt near the context's end was refused for a length nobody asked for.
+    A completion without one keeps the server's max_new_tokens (OpenAI's default there is 16)."""
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    chat = {"messages": [{"role": "user", "content": "Where do rivers flow?"}], "ragcache": {"algorithm": "full"}}
+    with serve(rc, max_new_tokens=2, max_new_tokens_limit=24) as s, httpx.Client(base_url=s.url, timeout=120) as c:
+        r = c.post("/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        assert 2 < r.json()["usage"]["completion_tokens"] <= 24  # the tiny model never ends on its own
+        r = c.post("/v1/completions", json={"prompt": "Where do rivers flow?", "ragcache": {"algorithm": "full"}})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2, r.text
+        doc = {"text": " ".join(["Rivers flow to the sea."] * 45)}  # leaves fewer than 24 of the 512 positions
+        r = c.post("/v1/chat/completions", json={**chat, "documents": [doc]})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] + r.json()["usage"]["completion_tokens"] <= 512, r.json()["usage"]
+        assert r.json()["usage"]["completion_tokens"] < 24  # fitted: the context left was less than the limit
+        r = c.post("/v1/chat/completions", json={**chat, "documents": [doc], "max_tokens": 24})
+        assert r.status_code == 400, r.text  # asked for: refused, as before
+        # OpenAI's and vLLM's stream options that ask for nothing this server does not do are taken
+        streamed = {**chat, "stream": True, "max_tokens": 2}
+        options = {"include_usage": True, "include_obfuscation": False, "continuous_usage_stats": False}
+        r = c.post("/v1/chat/completions", json={**streamed, "stream_options": options})
+        assert r.status_code == 200 and r.text.rstrip().endswith("data: [DONE]"), r.text
+        r = c.post("/v1/chat/completions", json={**streamed, "stream_options": {"continuous_usage_stats": True}})
+        assert r.status_code == 400, r.text
+    with serve(rc, max_new_tokens=2, max_new_tokens_limit=24, chat_max_new_tokens=5) as s:
+        r = httpx.post(f"{s.url}/v1/chat/completions", json=chat, timeout=120)  # an operator's chat default
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 5, r.text
+    rc.close()
+
+
+def test_a_5xx_quoting_another_library_s_error_tells_the_client_a_ref_not_the_server_s_internals(monkeypatch):
+    """A chunk the model could not compile answered with the model's own error text (a CUDA out-of-memory message
+    names the device's memory; others name files): the client gets what failed and a ref, the log the cause."""
+    from ragcache.compiler import Compiler
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    def failing(self, *args, **kwargs):
+        raise RuntimeError("CUDA out of memory on /dev/nvidia3 (79.2 GiB in use)")
+
+    monkeypatch.setattr(Compiler, "entry", failing)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=32))
+    with serve(rc) as s:
+        r = httpx.post(f"{s.url}/v1/query", json={"question": "q", "documents": [{"text": "Rivers flow."}]}, timeout=60)
+    error = error_of(r, 500, "compiling this request's documents failed")
+    assert error["type"] == "compile_failed" and error["ref"] in error["message"] and "nvidia" not in r.text
+    rc.close()
+
+
 def test_workers_that_cannot_load_their_model_stop_serve_instead_of_restarting(tmp_path):
     """A worker whose engine failed to start exited 1, which uvicorn's supervisor answers by starting another, every
     half second, for ever; `serve` exited 0 when stopped."""
