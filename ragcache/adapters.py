@@ -199,7 +199,7 @@ def _write_merged(base: loaded.LoadedModel, path: Path, digest: str, target: Pat
             (staged / MERGED_SOURCE).write_text(json.dumps(source))
             (staged / COMPLETE).touch()
             shutil.rmtree(target, ignore_errors=True)  # a copy a killed run left without its marker
-            durable.replace_folder(staged, target)  # its marker never beside weights a power loss emptied
+            durable.replace_synced(staged, target)  # its marker never beside weights a power loss emptied
         except BaseException:
             shutil.rmtree(staged, ignore_errors=True)
             raise

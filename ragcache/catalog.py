@@ -429,7 +429,8 @@ class Writer:
         on_device, held = any(crossing.on_device(entry) for entry in entries.values()), False
         try:
             if on_device:
-                held = self._wait_for_device()
+                self._while_alive(lambda: self._on_device.acquire(timeout=HAND_OVER_POLL_S))
+                held = True
                 self._check()  # the batch it waited for may have failed
             self._hand_over((entries, on_device, then))
         except KeyboardInterrupt:
@@ -437,7 +438,7 @@ class Writer:
             # before the interrupt goes on (`flush` stores it); a second Ctrl-C gives it up
             if self.failure is None:
                 if on_device and not held:
-                    self._wait_for_device()
+                    self._while_alive(lambda: self._on_device.acquire(timeout=HAND_OVER_POLL_S))
                 self._hand_over((entries, on_device, then))
             raise
 
@@ -455,22 +456,24 @@ class Writer:
         if not self._drained:
             raise StoreError("the entry writer thread stopped before storing every batch")
 
-    def _wait_for_device(self) -> bool:
-        """The device batch's turn, while the writer thread lives (one that died would never give it)."""
-        while not self._on_device.acquire(timeout=HAND_OVER_POLL_S):
-            if not self._thread.is_alive():
-                raise self.failure or StoreError("the entry writer thread has stopped")
-        return True
-
     def _hand_over(self, batch) -> None:
-        """Into the queue, waiting for room while the writer thread lives (one that died would never make room)."""
-        while True:
+        """Into the queue, waiting for room (`_while_alive`)."""
+
+        def handed() -> bool:
             try:
                 self._batches.put(batch, timeout=HAND_OVER_POLL_S)
-                return
+                return True
             except queue.Full:
-                if not self._thread.is_alive():
-                    raise self.failure or StoreError("the entry writer thread has stopped") from None
+                return False
+
+        self._while_alive(handed)
+
+    def _while_alive(self, done: Callable[[], bool]) -> None:
+        """Try `done` (which waits up to HAND_OVER_POLL_S) until it is, while the writer thread lives: one that died
+        would never make room in the queue nor give a device batch its turn."""
+        while not done():
+            if not self._thread.is_alive():
+                raise self.failure or StoreError("the entry writer thread has stopped")
 
     def _check(self) -> None:
         if self.failure is not None:

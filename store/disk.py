@@ -17,11 +17,10 @@ import stat
 import threading
 import time
 import urllib.parse
-import uuid
 from collections.abc import Iterator
-from contextlib import suppress
 from pathlib import Path
 
+from . import durable
 from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, TierUnavailable, UnreadableRecord, log, parse_size
 from .durable import TMP_SUFFIX, sync_folder
 from .entry import PROBE, describe_head, head_length
@@ -242,19 +241,10 @@ class DiskStore(BlobStore):
         """Write `data` to `path` whole or not at all: synced to a temp file, then renamed over it, so a crash
         leaves the old file or the new one, never an empty or torn one. `lasting` (records, which are acknowledged
         to the user): the folder is synced too, so the rename itself survives a power loss."""
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
         try:
             path.parent.mkdir(exist_ok=True)
-            with open(tmp, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-            if lasting:
-                sync_folder(path.parent)
+            durable.write_file(path, data, lasting)
         except OSError as exc:
-            with suppress(OSError):
-                tmp.unlink(missing_ok=True)
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"disk tier {self.root}: cannot write {what} (disk full)") from exc
             raise self._fault(f"cannot write {what}", exc) from exc

@@ -44,9 +44,13 @@ def sync_tree(root: Path) -> None:
         sync_folder(Path(folder))
 
 
-def replace_folder(staged: Path, target: Path) -> None:
-    """A staged folder, synced, renamed to `target` (which must not exist, or be an empty folder), the rename synced."""
-    sync_tree(staged)
+def replace_synced(staged: Path, target: Path) -> None:
+    """A staged file or folder, synced, renamed to `target` (a folder's target must not exist, or be empty), the
+    rename synced."""
+    if staged.is_dir():
+        sync_tree(staged)
+    else:
+        sync_file(staged)
     os.replace(staged, target)
     sync_folder(target.parent)
 
@@ -63,13 +67,14 @@ def staging_folder(parent: Path, prefix: str) -> Path:
             continue
 
 
-def write_file(path: Path, data: bytes | str) -> None:
+def write_file(path: Path, data: bytes | str, lasting: bool = True) -> None:
     """`data` at `path`, whole or not at all, with the mode open() would give it (tempfile's are 0600): a crash
-    leaves the old file or the new one. The temp file is removed if the write fails."""
+    leaves the old file or the new one. The temp file is removed if the write fails. `lasting`: the folder is synced
+    too, so the rename itself survives a power loss (a cache's file can go without)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}{TMP_SUFFIX}")
     raw = data.encode() if isinstance(data, str) else data
     try:
-        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb") as fh:
             fh.write(raw)
             fh.flush()
             os.fsync(fh.fileno())
@@ -78,4 +83,5 @@ def write_file(path: Path, data: bytes | str) -> None:
         with suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise
-    sync_folder(path.parent)
+    if lasting:
+        sync_folder(path.parent)

@@ -37,19 +37,17 @@ def test_a_durable_write_replaces_whole_with_open_s_mode_and_leaves_no_temp_file
     class Boom(Exception):
         pass
 
-    real_fdopen = os.fdopen
-
     def failing(fd, *args, **kwargs):
-        fh = real_fdopen(fd, *args, **kwargs)
+        fh = open(fd, *args, **kwargs)
         fh.write = lambda data: (_ for _ in ()).throw(Boom())
         return fh
 
-    os.fdopen = failing
+    durable.open = failing
     try:
         with pytest.raises(Boom):
             durable.write_file(path, b"three")
     finally:
-        os.fdopen = real_fdopen
+        del durable.open
     assert path.read_text() == "two" and os.listdir(tmp_path) == ["f.json"]  # the temp file went with the failure
 
 

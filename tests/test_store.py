@@ -20,6 +20,7 @@ from typer.testing import CliRunner
 from ragcache.errors import CorruptEntry, StoreError
 from ragcache.store import open_store
 from ragcache.store import disk as disk_module
+from ragcache.store import durable
 from ragcache.store.base import Store, TierUnavailable
 from ragcache.maintenance import lead_ids_of_layout as layout_lead_ids
 from ragcache.store_cli import store_app
@@ -553,7 +554,7 @@ def test_disk_tier_evicts_least_recently_used(tmp_path):
 
 # -- a full disk ------------------------------------------------------------------------------------------------------
 class _FullDisk:
-    """open() for the disk tier: files open, half of what is written lands, then ENOSPC."""
+    """open() for the disk tier's writes (store/durable.py): files open, half of what is written lands, then ENOSPC."""
 
     def __init__(self, real_open):
         self.real_open = real_open
@@ -580,7 +581,7 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     for k, e in old.items():
         store.put_many({k: e})
         time.sleep(0.01)
-    monkeypatch.setattr(disk_module, "open", _FullDisk(open), raising=False)
+    monkeypatch.setattr(durable, "open", _FullDisk(open), raising=False)  # the disk tier writes through it
     key, entry = make_entry(50, layers=2)
     with pytest.raises(StoreError, match="disk full"):
         store.put_many({key: entry})
