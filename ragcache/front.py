@@ -434,7 +434,14 @@ class Front(abc.ABC):
         """The one check of a query's meaning (ragcache.request). `docs`: document ids, or `{"text": ...}` for raw
         text, stored and compiled on the fly. `link`: from `params` (None: its defaults); `sampling`: how to answer
         (None: a link only, nothing sampled)."""
-        return request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
+        query = request.validate(question, docs, system, link or self.params(), sampling, self.layers, limits)
+        self.refuse_unrunnable(query.params)
+        return query
+
+    def refuse_unrunnable(self, params: LinkParams) -> None:
+        """ParameterOutOfRange for link knobs that mean something but that this engine cannot run (checked with each
+        query, and by the server against its own defaults when it starts). Here: none."""
+        return None
 
     def context_texts(self) -> ContextTexts:
         """A running bound on a request body's raw texts, which refuses them (TextsTooLong) as soon as those read so

@@ -130,6 +130,10 @@ def test_repair_during_decode_is_refused_with_the_reason(rc, doc_ids):
     with pytest.raises(ParameterOutOfRange, match="repair .* ragcache's engine only"):
         rc.query(QUESTION, doc_ids, algorithm="naive", repair=8, max_new_tokens=TOKENS)
     assert rc.query(QUESTION, doc_ids, algorithm="naive", repair=0, max_new_tokens=TOKENS).text  # 0: off, accepted
+    from ragcache.api.app import create_app
+
+    with pytest.raises(ParameterOutOfRange, match="ragcache's engine only"):  # a default every request would fail on
+        create_app(rc, Settings.model_construct(engine="vllm", model="tiny-qwen2", repair=8))
 
 
 def test_a_delete_during_a_query_waits_for_its_link(rc):

@@ -269,6 +269,13 @@ class VllmRagCache(Front):
         return list({tuple(form): form for form in forms}.values())
 
     # -- answering ------------------------------------------------------------------------------------
+    def refuse_unrunnable(self, params: LinkParams) -> None:
+        if params.repair:  # vLLM's scheduler owns its decode steps: nothing rides with them
+            raise ParameterOutOfRange(
+                "repair (recomputing a link's stale rows during decode) runs on ragcache's engine only; "
+                "leave it out, or serve with --engine ragcache"
+            )
+
     def stream_query(
         self, query: Query, first_distribution: bool = False, base: bool = False, background: bool = False
     ) -> VllmStream:
@@ -276,11 +283,6 @@ class VllmRagCache(Front):
         `first_distribution`: with the first token's log-probs over the whole vocabulary (Answer.first_logits);
         `base`: without the link adapter, where vLLM runs it as its LoRA; `background`: scheduled after every
         waiting request that is not (the guard's)."""
-        if query.params.repair:  # vLLM's scheduler owns its decode steps: nothing rides with them
-            raise ParameterOutOfRange(
-                "repair (recomputing a link's stale rows during decode) runs on ragcache's engine only; "
-                "leave it out, or serve with --engine ragcache"
-            )
 
         def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
             # held until vLLM's first step has linked (a miss compiled and stored there): a delete of these documents
