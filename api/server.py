@@ -133,11 +133,23 @@ def _serve_workers(settings: Settings, workers: int, sock: socket.socket) -> Non
         workers=workers,
         timeout_worker_healthcheck=WORKER_HEALTHCHECK_S,
     )
-    supervisor = Multiprocess(served, sockets=[sock])  # it handles SIGTERM itself, stopping the workers
+    supervisor = Supervisor(served, sockets=[sock])
     supervisor.run()
     failed = sum(p.exitcode == STARTUP_FAILURE for p in supervisor.processes)
     if failed:
         raise EngineDown(f"{failed} worker(s) could not start their engine; their log lines say why")
+    if supervisor.terminated:  # as one process ends on it (terminate_by_exit): a service manager reads the same code
+        raise SystemExit(128 + signal.SIGTERM)
+
+
+class Supervisor(Multiprocess):
+    """uvicorn's, which handles SIGTERM itself (it stops the workers and returns), remembering that it did."""
+
+    terminated = False
+
+    def handle_term(self) -> None:
+        self.terminated = True
+        super().handle_term()
 
 
 def _serve_one(settings: Settings, sock: socket.socket) -> None:

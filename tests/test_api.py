@@ -955,8 +955,10 @@ def test_ragcache_serve_with_two_workers(tmp_path):
     log = served.log.read_text()
     # ragcache's INFO lines reach the server's output, in each worker: the device chosen, and why
     assert log.count("device cpu (auto: ") == 2, log[-3000:]
-    # SIGTERM: each worker closed its engine (its store's writes) before it ended; none was killed by the signal
+    # SIGTERM: each worker closed its engine (its store's writes) before it ended; none was killed by the signal,
+    # and `serve` ends as one process does on it
     assert log.count("engine closed, and its store") == 2, log[-3000:]
+    assert served.proc.returncode == 143, (served.proc.returncode, log[-3000:])
 
 
 def test_ragcache_serve_closes_its_engine_on_sigterm(tmp_path):
