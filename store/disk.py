@@ -29,6 +29,7 @@ from .errors import BrokenStore, CorruptEntry, StoreError
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
+STALE_TEMP_S = 600.0  # a temp file untouched this long is a killed writer's (no write of an entry takes minutes)
 
 
 # SQLite's errors that tell of the moment (another process's lock, permissions, a full disk), not of the index: an
@@ -276,7 +277,9 @@ class DiskStore(BlobStore):
                 return 0
             if time.monotonic() - self._reconciled_at > RECONCILE_EVERY_S:
                 # Before deleting anything, trust the files over the index: a stale or planted row must not
-                # make us evict entries the budget still has room for.
+                # make us evict entries the budget still has room for. Killed writers' temp files go first: no
+                # index counts them, and a server killed now and then would fill the disk past its budget with them
+                self._remove_temps(STALE_TEMP_S)
                 self._reconcile_index()
             (total,) = db.execute(indexed_bytes).fetchone()
         except (sqlite3.Error, StoreError) as exc:
@@ -362,21 +365,25 @@ class DiskStore(BlobStore):
             return 0
 
     # -- maintenance --------------------------------------------------------------------------------
-    def gc(self, tmp_age_s: float = 600.0) -> dict:
+    def gc(self, tmp_age_s: float = STALE_TEMP_S) -> dict:
         """Delete temp files older than tmp_age_s (left by killed writers), reconcile the index with the files
         (rows without a file dropped, files without a row added, sizes fixed), then evict to the budget."""
-        now = time.time()
-        tmp_removed = 0
+        tmp_removed = self._remove_temps(tmp_age_s)
+        return {"tmp_files_removed": tmp_removed, **self._reconcile_index(), "evicted": self.evict()}
+
+    def _remove_temps(self, age_s: float) -> int:
+        """Delete temp files older than `age_s`; how many."""
+        now, removed = time.time(), 0
         for path in [*self.entries_dir.glob(f"*/.*{TMP_SUFFIX}"), *self.records_dir.glob(f".*{TMP_SUFFIX}")]:
             try:
-                if now - path.stat().st_mtime >= tmp_age_s:
+                if now - path.stat().st_mtime >= age_s:
                     path.unlink()
-                    tmp_removed += 1
+                    removed += 1
             except FileNotFoundError:  # removed meanwhile
                 continue
-            except OSError as exc:  # another user's, say: the rest of gc goes on
+            except OSError as exc:  # another user's, say: the rest goes on
                 log.warning("disk tier %s: cannot remove temp file %s (%s)", self.root, path, exc.strerror)
-        return {"tmp_files_removed": tmp_removed, **self._reconcile_index(), "evicted": self.evict()}
+        return removed
 
     def _reconcile_index(self) -> dict:
         """Make the index say what the files say: rows without a file dropped, files without a row added, sizes fixed.

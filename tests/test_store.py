@@ -552,6 +552,25 @@ def test_disk_tier_evicts_least_recently_used(tmp_path):
     assert store.stats()["evicted"] == 2
 
 
+def test_a_disk_over_its_budget_removes_killed_writers_temp_files_before_it_evicts(tmp_path):
+    """No index counts a killed writer's temp file: without `store gc` they filled the disk past the budget."""
+    items = [make_entry(s, layers=2) for s in range(3)]
+    size = len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=2 * size)
+    (folder := tmp_path / "entries" / "ab").mkdir()
+    stale, fresh = folder / ".ab12.kv.77.0a1b2c3d.tmp", folder / ".ab34.kv.78.0a1b2c3d.tmp"
+    for path in (stale, fresh):
+        path.write_bytes(b"x" * size)
+    old = time.time() - 2 * disk_module.STALE_TEMP_S
+    os.utime(stale, (old, old))
+    store.put_many(dict(items[:2]))  # at the budget: nothing listed
+    assert stale.exists()
+    store._reconciled_at -= disk_module.RECONCILE_EVERY_S  # a minute on: its files are listed again
+    store.put_many(dict(items[2:]))  # past it
+    assert not stale.exists() and fresh.exists()  # a write under way in another process is left alone
+    assert store.stats()["evicted"] == 1
+
+
 # -- a full disk ------------------------------------------------------------------------------------------------------
 class _FullDisk:
     """open() for the disk tier's writes (store/durable.py): files open, half of what is written lands, then ENOSPC."""
