@@ -14,7 +14,7 @@ from starlette.concurrency import run_in_threadpool
 from ragcache.documents import check_metadata
 from ragcache.engine import Answer, Done, Failed, Piece
 from ragcache.errors import CorruptDocument, UnknownDocument
-from ragcache.front import CompileReport
+from ragcache.front import CompileReport, Front
 from ragcache.request import Limits, validate_infill, validate_texts
 from ragcache.store.keys import is_document_id
 
@@ -126,13 +126,19 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
     )
 
 
-@router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 503))
-def get_document(doc_id: str, request: Request) -> DocumentOut:
-    c = ctx(request)
-    record = c.rc.document(doc_id) if is_document_id(doc_id) else None
+@router.get("/documents/{doc_id}", response_model=DocumentOut, responses=responses(404, 429, 503))
+async def get_document(doc_id: str, request: Request) -> DocumentOut:
+    """A stored document: its text, metadata and chunks (store reads, in a slot like any request's)."""
+    if not is_document_id(doc_id):
+        raise UnknownDocument([doc_id])
+    return await _admitted(request, _document, ctx(request).rc, doc_id)
+
+
+def _document(rc: Front, doc_id: str) -> DocumentOut:
+    record = rc.document(doc_id)
     if record is None:
         raise UnknownDocument([doc_id])
-    chunks = c.rc.document_chunks(doc_id)
+    chunks = rc.document_chunks(doc_id)
     return DocumentOut(
         id=doc_id,
         text=record["text"],
@@ -144,15 +150,22 @@ def get_document(doc_id: str, request: Request) -> DocumentOut:
     )
 
 
-@router.get("/documents", response_model=DocumentPage, responses=responses(422, 503))
-def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)) -> Response:
-    """Documents sorted by id, one page at a time."""
-    c = ctx(request)
-    ids = sorted(c.rc.document_ids())
+@router.get("/documents", response_model=DocumentPage, responses=responses(422, 429, 503))
+async def list_documents(
+    request: Request, offset: int = Query(0, ge=0), limit: int = Query(100, ge=1, le=1000)
+) -> Response:
+    """Documents sorted by id, one page at a time (store reads, in a slot like any request's: a client listing in a
+    loop holds its share of the queue, not every worker thread)."""
+    body = await _admitted(request, _document_page, ctx(request).rc, offset, limit)
+    return Response(body, media_type="application/json")
+
+
+def _document_page(rc: Front, offset: int, limit: int) -> str:
+    ids = sorted(rc.document_ids())
     page = []
     for doc_id in ids[offset : offset + limit]:
         try:
-            record = c.rc.document(doc_id)
+            record = rc.document(doc_id)
         except CorruptDocument as exc:  # one damaged record must not hide the others
             page.append(DocumentSummary(id=doc_id, chars=0, metadata={}, problem=str(exc)))
             continue
@@ -165,10 +178,18 @@ def list_documents(request: Request, offset: int = Query(0, ge=0), limit: int = 
                     created=record.get("created"),
                 )
             )
-    # encoded here, in the route's worker thread: FastAPI would encode a model on the event loop, and a page of a
-    # thousand documents with large metadata is tens of megabytes
-    body = DocumentPage(data=page, total=len(ids), offset=offset, limit=limit).model_dump_json()
-    return Response(body, media_type="application/json")
+    # encoded here, in the worker thread: FastAPI would encode a model on the event loop, and a page of a thousand
+    # documents with large metadata is tens of megabytes
+    return DocumentPage(data=page, total=len(ids), offset=offset, limit=limit).model_dump_json()
+
+
+async def _admitted(request: Request, fn, *args):
+    """fn(*args) in a worker thread, under a slot of the request's client (EngineQueue.admit: a 429 past its share)."""
+    slot = ctx(request).queue.admit(client_of(request))
+    try:
+        return await slot.call(fn, *args)
+    finally:
+        slot.close()
 
 
 @router.delete("/documents/{doc_id}", response_model=Deleted, responses=responses(404, 409, 429, 503))
@@ -177,11 +198,7 @@ async def delete_document(doc_id: str, request: Request) -> Deleted:
     c = ctx(request)
     if not is_document_id(doc_id):
         raise UnknownDocument([doc_id])
-    slot = c.queue.admit(client_of(request))
-    try:
-        deleted = await slot.call(c.rc.delete_document, doc_id)
-    finally:
-        slot.close()
+    deleted = await _admitted(request, c.rc.delete_document, doc_id)
     if not deleted:
         raise UnknownDocument([doc_id])
     return Deleted(id=doc_id)
