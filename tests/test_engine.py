@@ -5,6 +5,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, GPT2Config
 
 from ragcache import errors
@@ -193,6 +195,38 @@ def test_one_token_that_completes_two_stop_strings_cuts_at_the_earliest():
 
     asm = TextAssembler(Pieces(), stop=["b", "a"])  # "b" first in the list, "a" first in the text
     assert asm.push(1) + asm.push(2) + asm.finish() == "x" and asm.stopped
+
+
+def _pieces_by_brute_force(chars: str, stop: list[str]) -> list[str]:
+    """What each push emits, by the definition: cut at the earliest stop string in the whole text, else hold back
+    the longest tail that each stop string (in order) starts with."""
+    out, emitted = [], 0
+    for end in range(1, len(chars) + 1):
+        text = chars[:end]
+        cuts = [at for s in stop if (at := text.find(s)) != -1]
+        if cuts:
+            return [*out, text[emitted : min(cuts)]]
+        stable = len(text)
+        for s in stop:
+            stable -= next((n for n in range(min(len(s) - 1, stable), 0, -1) if text[:stable].endswith(s[:n])), 0)
+        out.append(text[emitted:stable])
+        emitted = max(emitted, stable)
+    return out
+
+
+@given(st.text("ab c", max_size=40), st.lists(st.text("ab c", min_size=1, max_size=6), max_size=4))
+def test_stop_strings_hold_back_and_cut_as_their_definition_says(chars, stop):
+    class Chars:  # a tokenizer whose ids are characters
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(map(chr, ids))
+
+    asm = TextAssembler(Chars(), stop)
+    pieces = []
+    for c in chars:
+        pieces.append(asm.push(ord(c)))
+        if asm.stopped:
+            break
+    assert pieces == _pieces_by_brute_force(chars, stop)
 
 
 def test_a_stop_given_as_one_string_is_one_stop_string():

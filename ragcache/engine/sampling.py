@@ -148,17 +148,15 @@ class TextAssembler:
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        # the earliest in the text: one token may complete two stop strings (".\n" for "\n" and ".")
-        cuts = [at for s in self.stop if (at := text.find(s)) != -1]
+        # the earliest in the text: one token may complete two stop strings (".\n" for "\n" and "."); what was
+        # emitted held none, so each search starts where one could end past it (not over the whole answer a token)
+        cuts = [at for s in self.stop if (at := text.find(s, max(self.emitted - len(s) + 1, 0))) != -1]
         if cuts:
             self.stopped = True
             return self._emit(text[: min(cuts)])
         stable = len(text.rstrip("\ufffd"))  # an incomplete UTF-8 character decodes as U+FFFD until it completes
         for s in self.stop:
-            for n in range(min(len(s) - 1, stable), 0, -1):
-                if text[:stable].endswith(s[:n]):
-                    stable -= n
-                    break
+            stable -= _started(text, stable, s)
         return self._emit(text[:stable])
 
     def finish(self) -> str:
@@ -168,6 +166,17 @@ class TextAssembler:
         piece = upto[self.emitted :]
         self.emitted = max(self.emitted, len(upto))
         return piece
+
+
+def _started(text: str, end: int, stop: str) -> int:
+    """The length of the longest tail of text[:end] that `stop` starts with, shorter than `stop`: only where its first
+    character is are there candidates (not every length of every stop string, every token)."""
+    at = text.find(stop[0], max(end - len(stop) + 1, 0), end)
+    while at != -1:
+        if stop.startswith(text[at:end]):
+            return end - at
+        at = text.find(stop[0], at + 1, end)
+    return 0
 
 
 class Decoding:
