@@ -23,7 +23,7 @@ from pathlib import Path
 from . import durable
 from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, TierUnavailable, UnreadableRecord, log, parse_size
 from .durable import TMP_SUFFIX, sync_folder
-from .entry import PROBE, describe_head, head_length
+from .entry import MAX_ENTRY_BYTES, PROBE, describe_head, head_length
 from .errors import BrokenStore, CorruptEntry, StoreError
 
 SUFFIX = ".kv"
@@ -502,7 +502,6 @@ def _damaged(exc: OSError) -> bool:
     return os.access(Path(exc.filename).parent, os.R_OK | os.X_OK)
 
 
-MAX_ENTRY_BYTES = 64 << 30
 MAX_RECORD_BYTES = 1 << 30  # far above any real chunk; a bigger header is a planted or sparse file
 
 

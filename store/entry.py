@@ -25,6 +25,7 @@ from .keys import KEYED_BY, STORE_KEY_ENV, checksum, entry_key
 
 MAGIC = b"RCKV0001"
 HEADER = len(MAGIC) + 32
+MAX_ENTRY_BYTES = 64 << 30  # far above any real chunk's: a tier that says more holds a planted or damaged entry
 
 
 @dataclass

@@ -39,7 +39,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from .base import DEFAULT_PREFIX, BlobStore, RecordCheck, TierUnavailable, UnreadableRecord, batched, log
-from .entry import HEADER, MAGIC, describe_head
+from .entry import HEADER, MAGIC, MAX_ENTRY_BYTES, describe_head
 from .errors import StoreError
 from .tiers import redact_url
 
@@ -419,19 +419,23 @@ class RedisStore(BlobStore):
 
 
 def _parse_manifest(raw: bytes) -> dict | None:
+    """A manifest, or None when it is unusable: its part count is the one its size and part size give (a manifest
+    another writer of the Redis planted with a billion parts would have every read build a billion part names)."""
     try:
         manifest = json.loads(raw)
+        size, part_bytes, parts = manifest.get("size"), manifest.get("part_bytes"), manifest.get("parts")
         if (
             manifest.get("v") != MANIFEST_VERSION
             or not isinstance(manifest.get("gen"), str)
-            or not isinstance(manifest.get("parts"), int)
-            or manifest["parts"] < 1
-            or not isinstance(manifest.get("size"), int)
+            or not all(isinstance(n, int) for n in (size, part_bytes, parts))
+            or not 0 <= size <= MAX_ENTRY_BYTES
+            or part_bytes < 1
+            or parts != max(-(-size // part_bytes), 1)
             or not isinstance(manifest.get("sha256"), str)
         ):
             return None
         return manifest
-    except (ValueError, UnicodeDecodeError, AttributeError):
+    except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
         return None
 
 

@@ -4,6 +4,7 @@ coming back, Redis Cluster, unix sockets, the CLI."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -201,6 +202,9 @@ DAMAGE = {
     "manifest of another generation": lambda c, k, o: c.set(
         _manifest_name(k), c.get(_manifest_name(k)).replace(parts_of(c, k)[0].split(b":")[-2], b"0" * 14)),
     "foreign entry": lambda c, k, o: _copy_entry(c, o, k),
+    # planted by another writer of the Redis: each read built a billion part names before any check
+    "a billion parts": lambda c, k, o: c.set(_manifest_name(k), json.dumps(
+        {**json.loads(c.get(_manifest_name(k))), "parts": 10**9})),
 }
 
 
@@ -231,7 +235,7 @@ def test_a_damaged_redis_entry_is_a_logged_miss_and_removed(redis_url, caplog, d
     assert not client.exists(_manifest_name(key)) and store.get(key) is None and not store.contains_many([key])[0]
     assert len(warnings_of(caplog)) == 1
     # with the manifest unreadable or pointing elsewhere, the parts it lost track of are orphans: gc reclaims them
-    orphans = damage in ("garbage manifest", "manifest of another generation")
+    orphans = damage in ("garbage manifest", "manifest of another generation", "a billion parts")
     assert bool(names_of(client, key)) == orphans
     store.gc(orphan_age_s=0)
     assert names_of(client, key) == [] and same_bits(store.get(other), fine)
@@ -459,7 +463,6 @@ def test_cli_on_redis(redis_url, tmp_path, tiny_lm):
 
 def test_gc_unreferenced_on_redis_spares_entries_written_since_it_began(redis_url):
     """A manifest keeps its writer's time: an entry no record refers to yet is left if it is newer than the gc."""
-    import json
 
     from ragcache.maintenance import collect_garbage
 
