@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import ipaddress
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -47,22 +48,72 @@ class BodyRefused(HTTPException):
         super().__init__(status_code, detail, headers={"Connection": "close"})
 
 
+LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
+def served_hosts(settings: Settings) -> frozenset[str] | None:
+    """The Host names a server answers (None: any): `allowed_hosts`, else with no API key on a loopback address,
+    loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS rebinding) and read
+    the answers, the documents among them, as same-origin; a request for one of these names is the user's own.
+    Elsewhere (an API key, or an address other machines reach, which the operator chose) any name."""
+    if settings.allowed_hosts is not None:
+        names = frozenset(host_name(name.encode()) for name in settings.allowed_hosts)
+        return None if "*" in names else names
+    if settings.api_key or not is_loopback(settings.host):
+        return None
+    return LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
+
+
+def is_loopback(host: str) -> bool:
+    try:
+        return host.lower() == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def host_name(header: bytes) -> str:
+    """A Host header's name, without its port or an IPv6 address's brackets, lower-cased."""
+    host = header.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
 class Guard:
     """Bearer auth when an API key is set (everything but `public_paths`), and bounds on request bodies: the declared
     size, the size actually received (chunked bodies declare none) and the time the whole body takes to arrive,
     from the request's start (a trickle of bytes does not extend it). Pure ASGI. api/connections.py closes the
     connection soon after that deadline even when the app does not read the body."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int, public_paths: list[str], body_timeout_s: float):
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body_bytes: int,
+        public_paths: list[str],
+        body_timeout_s: float,
+        hosts: frozenset[str] | None = None,
+    ):
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
         self.expected = api_key.encode() if api_key else None
         self.public_paths = set(public_paths)
+        self.hosts = hosts  # the Host names served (served_hosts); None: any
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"0")
+        if self.hosts is not None and host_name(headers.get(b"host", b"")) not in self.hosts:
+            response = error_response(
+                403,
+                "host_not_served",
+                "this server does not answer requests for this host name (allowed_hosts; with no API key on a "
+                "loopback address, localhost only: a web page may point its own name at 127.0.0.1); set "
+                "RAGCACHE_ALLOWED_HOSTS or an API key to serve other names",
+                headers={"Connection": "close"},
+            )
+            return await response(scope, receive, send)
         if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
             response = error_response(
                 401,
@@ -209,6 +260,7 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         max_body_bytes=max_body,
         public_paths=settings.public_paths,
         body_timeout_s=settings.body_timeout_s,
+        hosts=served_hosts(settings),
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
     return app

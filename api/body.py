@@ -60,8 +60,10 @@ def parse(
     limits: BodyLimits,
     texts: ContextTexts | None = None,
 ) -> BaseModel:
-    if not _is_json(content_type):  # as FastAPI does: a body of another type is not read as JSON
-        raise Refused([{"type": "model_attributes_type", "loc": ("body",), "msg": "Input should be a JSON object"}])
+    if not _is_json(content_type):  # as FastAPI does (strict_content_type): a body of another type is not JSON
+        why = f"a body of type {content_type!r} is not read" if content_type else "a body without a Content-Type"
+        msg = f"send JSON with Content-Type: application/json ({why})"
+        raise Refused([{"type": "model_attributes_type", "loc": ("body",), "msg": msg}])
     strict = model.model_config.get("extra") == "forbid"
     data = shape.read(raw, limits, field_names(model) if strict else None, texts)  # read as bytes: api/shape.py
     try:  # Python's JSON scanner keeps lone surrogates: the schema's own check (schemas.Text) names the field
@@ -82,8 +84,11 @@ def field_names(model: type[BaseModel]) -> frozenset[str]:
 
 
 def _is_json(content_type: str) -> bool:
+    """Whether a body is JSON by its type. One with none is not: a browser sends a body without a type (fetch() of a
+    Blob) from any page to a server on localhost without a CORS preflight, and such a page would then upload,
+    query and delete on a server with no API key."""
     kind = content_type.split(";", 1)[0].strip().lower()
-    return not kind or kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
+    return kind == "application/json" or (kind.startswith("application/") and kind.endswith("+json"))
 
 
 def documented(model: type[BaseModel]) -> dict:

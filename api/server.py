@@ -26,7 +26,7 @@ from ragcache.front import Front
 from ragcache.settings import Settings
 from ragcache.store import check_url, per_process, shown
 
-from .app import create_app
+from .app import create_app, is_loopback
 from .connections import Config, Limits
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
@@ -107,6 +107,12 @@ def run(settings: Settings, workers: int = 1) -> None:
             "worker would start its own)"
         )
     Limits.of(settings).cap()  # an open-file limit with no room for connections fails now, before the model loads
+    if settings.api_key is None and not is_loopback(settings.host):
+        log.warning(
+            "no api_key, listening on %s: whoever reaches this address can upload, read, query and delete "
+            "documents (set RAGCACHE_API_KEY)",
+            settings.host,
+        )
     if isinstance(settings.store, str):  # bad input before the port is taken and the model loads (or workers start)
         check_url(settings.store)
     # before the model loads: a taken port is said now, not minutes on

@@ -397,7 +397,14 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     )
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=1, le=65535)
-    api_key: str | None = Field(None, description="bearer token required by the API when set")
+    # an empty key (a secret a template failed to fill in) is refused, not read as "no key": that opened the API
+    api_key: str | None = Field(None, min_length=1, description="bearer token required by the API when set")
+    allowed_hosts: list[str] | None = Field(
+        None,
+        description="Host names the API answers (['*']: any); default: with no api_key on a loopback address, "
+        "loopback names only (a web page pointing its own name at 127.0.0.1 is refused), else any. Behind a proxy "
+        "that passes its Host, name the proxy's (RAGCACHE_ALLOWED_HOSTS='[\"rag.example.com\"]')",
+    )
     public_paths: list[str] = Field(
         ["/health"],
         description="paths open without the token when api_key is set "

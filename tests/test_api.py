@@ -441,6 +441,8 @@ def test_malformed_json_and_unknown_ids(http, doc_ids):
     error_of(http.post("/v1/query", content=b'{"question": "q",', headers={"content-type": "application/json"}),
              422, "malformed JSON")
     error_of(http.post("/v1/query", content=b"question=q", headers={"content-type": "text/plain"}), 422, "JSON")
+    # a body without a type is what a browser sends from any page without a CORS preflight (fetch() of a Blob)
+    error_of(http.post("/v1/query", content=b'{"question": "q", "documents": []}'), 422, "Content-Type: application/json")
     unknown = ["0" * 32, "1" * 32]
     error = error_of(http.post("/v1/query", json={"question": "q", "documents": [doc_ids[0], *unknown]}), 404,
                      *unknown)
@@ -983,6 +985,27 @@ def test_rest_client_example(server, doc_ids):
 
 
 
+def test_a_server_with_no_key_on_loopback_answers_loopback_names_only(rc):
+    """DNS rebinding: a web page points its own name at 127.0.0.1 and reads the answers as same-origin."""
+    from ragcache.api.app import host_name, served_hosts
+
+    with serve(rc) as s:
+        port = s.url.rsplit(":", 1)[1]
+        for name in ("localhost", "127.0.0.1", "LOCALHOST", "[::1]"):
+            assert httpx.get(f"{s.url}/health", headers={"Host": f"{name}:{port}"}).status_code == 200, name
+        refused = httpx.get(f"{s.url}/v1/documents", headers={"Host": f"attacker.example:{port}"})
+        assert error_of(refused, 403, "RAGCACHE_ALLOWED_HOSTS")["type"] == "host_not_served"
+    with serve(rc, api_key="s3cret") as s:  # a key is the protection: any name
+        assert httpx.get(f"{s.url}/health", headers={"Host": "attacker.example"}).status_code == 200
+    assert served_hosts(settings(host="0.0.0.0")) is None  # the operator chose an address others reach
+    # behind a proxy that passes its Host: the proxy's names, or any
+    assert served_hosts(settings(allowed_hosts=["Rag.Example.com:443"])) == {"rag.example.com"}
+    assert served_hosts(settings(allowed_hosts=["*"])) is None
+    assert "::1" in served_hosts(settings(host="::1")) and "127.0.0.2" in served_hosts(settings(host="127.0.0.2"))
+    assert [host_name(h) for h in (b"Example.COM:80", b"[::1]:8000", b"[::1]", b"::1", b"")] == [
+        "example.com", "::1", "::1", "::1", ""]
+
+
 def test_public_paths_are_the_operators_choice(rc):
     with serve(rc, api_key="s3cret", public_paths=["/health", "/metrics"]) as s:
         assert httpx.get(f"{s.url}/metrics").status_code == 200
@@ -1010,7 +1033,7 @@ def test_a_declared_length_over_the_limit_is_413_and_the_connection_closes(rc):
     with serve(rc, max_documents=1, max_document_chars=1000) as s:
         host, port = s.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/documents HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/documents HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 50000000\r\n\r\n{\"text\": \"")
             sock.settimeout(60)
             reply = b""
@@ -1024,7 +1047,7 @@ def test_a_body_that_stops_arriving_is_408(rc):
     with serve(rc, body_timeout_s=0.5) as s:
         host, port = s.url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port))) as sock:
-            sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                          b"Content-Length: 100\r\n\r\n{\"question\": ")  # 13 of the 100 bytes promised
             sock.settimeout(60)
             reply = b""
@@ -1330,7 +1353,7 @@ def test_the_api_workers_run_torch_inline_and_leave_other_threads_their_count(rc
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the suite may run with one, where no team forms
     try:
-        with TestClient(create_app(rc, settings())) as client:
+        with TestClient(create_app(rc, settings()), "http://localhost") as client:
             assert client.portal.call(in_a_worker) == 1
         assert torch.get_num_threads() == 2
     finally:

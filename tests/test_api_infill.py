@@ -75,8 +75,9 @@ def test_a_session_id_is_its_clients_own():
 
     rc = RagCache(tiny.make("qwen2"), MemoryStore())
     app = create_app(rc, Settings.model_construct())
+    local = "http://localhost"  # a server with no API key on a loopback address serves loopback names only
     body = {"prefix": PREFIX, "suffix": SUFFIX, "session": "shared", "max_tokens": 2}
-    with TestClient(app, client=("10.0.0.1", 1)) as one, TestClient(app, client=("10.0.0.2", 1)) as two:
+    with TestClient(app, local, client=("10.0.0.1", 1)) as one, TestClient(app, local, client=("10.0.0.2", 1)) as two:
         first = one.post("/v1/infill", json=body).json()
         # the other client's first round, on another text: a new base of its own
         assert two.post("/v1/infill", json={**body, "prefix": "Mount Everest is "}).status_code == 200

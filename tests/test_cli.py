@@ -600,6 +600,9 @@ def test_a_misspelt_algorithm_or_setting_is_one_clear_line_before_the_model_load
     with pytest.raises(BadRequest) as secret:
         load_settings(store=7, api_key="s3cret")
     assert "s3cret" not in str(across.value) + str(secret.value) and "max_per_client" in str(across.value)
+    # RAGCACHE_API_KEY="" (a secret a template failed to fill in) is no key at all: refused, not an open API
+    with pytest.raises(BadRequest, match="api_key: .*at least 1 character"):
+        load_settings(api_key="")
 
 
 def test_calibrate_reads_another_jsonl_field_as_its_hint_says(monkeypatch, tmp_path):

@@ -102,7 +102,7 @@ def half_a_body(addr, path: str) -> None:
     """Headers promising 200 bytes, then 20 of them, then the client closes."""
     with socket.create_connection(addr) as sock:
         sock.sendall(
-            f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n".encode()
+            f"POST {path} HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 200\r\n\r\n".encode()
             + b'{"question": "how t'
         )
 

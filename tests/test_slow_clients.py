@@ -118,7 +118,7 @@ def get_health(sock: socket.socket) -> int:
 
 
 # -- the request head --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("sent", [b"", b"GET /health HT", b"GET /health HTTP/1.1\r\nHost: x\r\n"],
+@pytest.mark.parametrize("sent", [b"", b"GET /health HT", b"GET /health HTTP/1.1\r\nHost: localhost\r\n"],
                          ids=["nothing", "half-a-request-line", "headers-without-their-end"])
 def test_a_request_head_that_stops_arriving_is_closed(rc, sent):
     with serve(rc, header_timeout_s=0.5) as addr, socket.create_connection(addr) as sock:
@@ -129,7 +129,7 @@ def test_a_request_head_that_stops_arriving_is_closed(rc, sent):
 def test_the_head_deadline_bounds_the_whole_head_not_each_byte(rc):
     """Header lines every 0.1 s, each well inside the 0.5 s deadline: a per-read timeout would never fire."""
     with serve(rc, header_timeout_s=0.5) as addr, socket.create_connection(addr) as sock:
-        pieces = [b"GET /health HTTP/1.1\r\nHost: x\r\n"] + [b"X-Pad: %d\r\n" % i for i in range(300)]
+        pieces = [b"GET /health HTTP/1.1\r\nHost: localhost\r\n"] + [b"X-Pad: %d\r\n" % i for i in range(300)]
         data, sent = trickle(sock, pieces)
         assert data == b"" and sent < len(pieces)
 
@@ -152,7 +152,7 @@ def test_an_idle_kept_alive_connection_is_closed(rc):
 def test_a_trickled_body_is_408_at_the_whole_body_deadline_and_closed(rc):
     """A byte every 0.1 s, inside a per-chunk timeout of 1 s for ever: the whole body's deadline ends it."""
     with serve(rc, body_timeout_s=1, header_timeout_s=3600) as addr, socket.create_connection(addr) as sock:
-        sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sock.sendall(b"POST /v1/query HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 10000\r\n\r\n")
         data, _ = trickle(sock, [b" "] * 600)
         assert data.startswith(b"HTTP/1.1 408") and b"did not arrive within 1 s" in data, data[:300]
@@ -164,7 +164,7 @@ def test_a_trickled_body_the_app_never_reads_is_closed(rc):
     byte restarted uvicorn's keep-alive timer)."""
     with serve(rc, body_timeout_s=0.5, header_timeout_s=3600, keep_alive_s=3600) as addr, \
             socket.create_connection(addr) as sock:
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 10000\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10000\r\n\r\n")
         data, sent = trickle(sock, [b" "] * 600)
         assert data.startswith(b"HTTP/1.1 200") and sent < 600
 
@@ -184,7 +184,7 @@ def test_at_the_cap_a_newcomer_replaces_the_oldest_waiting_connection(rc):
 
 def test_at_the_cap_with_every_request_in_flight_a_newcomer_is_refused(rc):
     """Four requests waiting for their bodies hold the four slots: the fifth connection is closed unanswered."""
-    head = (b"POST /v1/query HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
+    head = (b"POST /v1/query HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\nContent-Length: 100\r\n"
             b"Expect: 100-continue\r\n\r\n")
     with serve(rc, max_connections=4, body_timeout_s=3600) as addr:
         busy = [socket.create_connection(addr) for _ in range(4)]
@@ -194,7 +194,7 @@ def test_at_the_cap_with_every_request_in_flight_a_newcomer_is_refused(rc):
                 sock.settimeout(WAIT_S)
                 assert sock.recv(4096).startswith(b"HTTP/1.1 100 ")  # the app is reading its body
             with socket.create_connection(addr) as sock:
-                sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
                 assert read_until_closed(sock) == b""
             for sock in busy:
                 sock.setblocking(False)

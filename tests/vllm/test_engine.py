@@ -201,7 +201,7 @@ def test_rest_and_openai_routes(rc, reference, doc_ids):
     from ragcache.api.app import create_app
 
     settings = Settings.model_construct(engine="vllm", model="tiny-qwen2", max_new_tokens=TOKENS, guard_rate=1.0)
-    with TestClient(create_app(rc, settings)) as http:
+    with TestClient(create_app(rc, settings), "http://localhost") as http:
         assert http.get("/health").json()["status"] == "ok"
         r = http.post("/v1/documents", json={"documents": [{"text": UPLOADED}]})
         assert r.status_code == 201, r.text
