@@ -103,7 +103,7 @@ def trickle(sock: socket.socket, pieces, every_s: float = 0.1) -> tuple[bytes, i
 def get_health(sock: socket.socket) -> int:
     """GET /health on an open connection, kept alive: the status, once the whole response is read."""
     client = h11.Connection(h11.CLIENT)
-    sock.sendall(client.send(h11.Request(method="GET", target="/health", headers=[("Host", "x")])))
+    sock.sendall(client.send(h11.Request(method="GET", target="/health", headers=[("Host", "localhost")])))
     sock.sendall(client.send(h11.EndOfMessage()))
     sock.settimeout(WAIT_S)
     status = None
