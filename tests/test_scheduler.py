@@ -995,6 +995,37 @@ def test_a_task_or_a_listener_that_raises_system_exit_fails_alone_and_the_engine
     rc.close()
 
 
+def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refused_submit_fails():
+    """One step's output may carry the last token and the end: a listener raising on its piece skipped the end (the
+    sequence stayed DECODING, its caller never heard Done)."""
+    from ragcache.engine.sequence import Done, Piece, Status
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    events, ended = [], threading.Event()
+
+    def listener(event):
+        events.append(type(event))
+        if isinstance(event, Piece):
+            raise ValueError("a caller's bug")
+        ended.set()
+
+    stream = rc.stream(QUESTIONS[0], [{"text": DOCS[0]}], max_new_tokens=1)
+    stream.open(listener)
+    assert ended.wait(60) and events[-1] is Done and stream.status is Status.FINISHED, events
+
+    refused = rc.stream(QUESTIONS[0], [{"text": DOCS[0]}], max_new_tokens=1)
+
+    def stopping(sequence):
+        raise RuntimeError("the engine is stopping")
+
+    rc.driver.submit = stopping
+    with pytest.raises(RuntimeError, match="stopping"):
+        refused.open(lambda event: None)
+    assert refused.status is Status.FAILED  # not WAITING, for a request never handed over
+    del rc.driver.submit
+    rc.close()
+
+
 def test_a_place_step_runs_no_more_pre_pass_rows_than_the_budget_holds():
     """Focus's question pre-pass runs the model in the PLACE step: arrivals are placed in order while their
     pre-pass rows fit the budget (one at least), so a burst of them never holds a decoding stream for longer

@@ -238,7 +238,12 @@ class Sequence:
             raise
         self.status = Status.WAITING
         self.submitted = time.perf_counter()
-        self.driver.submit(self)
+        try:
+            self.driver.submit(self)
+        except BaseException as exc:  # the engine stopping (ShuttingDown): never handed over, so never ended by it
+            self.status = Status.FAILED
+            forget_locals(exc)
+            raise
         if self.cancelled:  # cancelled while it was handed over: `cancel` saw it preparing
             self.driver.abort(self)
 
@@ -256,13 +261,15 @@ class Sequence:
         """One step's output for this sequence: stats, text pieces, and its end."""
         if output.linked is not None:
             self._linked(output.linked)
-        if output.step is not None:
-            self._token(output.step)
-        if output.result is not None:
-            self.result = output.result
-        if output.status is not None:
-            self.status = output.status
-            self._end(output.status, output.error)
+        try:  # a listener that raises on the step's piece still hears the end (the driver logs what it raised)
+            if output.step is not None:
+                self._token(output.step)
+        finally:
+            if output.result is not None:
+                self.result = output.result
+            if output.status is not None:
+                self.status = output.status
+                self._end(output.status, output.error)
 
     def _linked(self, linked: Linked) -> None:
         self.linked, stats = linked, self.stats
@@ -286,9 +293,10 @@ class Sequence:
         through it keeps what the sequence read from the store until Python's cycle collector runs (RSS grew by
         gigabytes in the soak)."""
         event: Event
+        tail = self.decoding.assembler.finish() if status is Status.FINISHED and self.decoding is not None else ""
+        if tail:
+            self._pieces.append(tail)
         if status is Status.FINISHED:
-            if self.decoding is not None:
-                self._piece(self.decoding.assembler.finish())
             event = Done(self._finish() if self.decoding is not None else None)
         else:
             event = Failed(error) if status is Status.FAILED else Aborted()
@@ -296,7 +304,11 @@ class Sequence:
         self.parts = self.plan = None
         if self.decoding is not None:  # a link-only sequence's result is its Linked; an answer has its first logits
             self.linked = None
-        listener(event)
+        try:
+            if tail:
+                listener(Piece(tail))
+        finally:
+            listener(event)
 
     def _finish(self) -> Answer:
         stats, token_ids = self.stats, self.decoding.token_ids
