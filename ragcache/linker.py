@@ -153,6 +153,7 @@ class LinkPlan:
     # or `prefix` link, none of a link over chunks (`plan`). From there on a row may be stale: it was computed
     # without some row before it (a chunk's entry, from the chunk alone), or over such a row.
     exact_until: int = 0
+    prefix_epoch: int | None = None  # the prefix cache's when this plan looked into it (PrefixCache.epoch)
 
 
 @torch.inference_mode()
@@ -168,12 +169,12 @@ def plan(
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
-    hit = (
-        prefix_cache.find(ids) if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None else None
-    )
+    prefixed = algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None
+    hit = prefix_cache.find(ids) if prefixed else None
+    epoch = prefix_cache.epoch if prefixed else None
     if hit is not None and hit.logits is not None:
         cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
-        return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits, length)
+        return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits, length, epoch)
     reused = place(runner, parts, params, cache, hit)
     scores = question_attention(runner, parts, cache).sum(0) if prepass_rows(parts, params) else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
@@ -184,7 +185,7 @@ def plan(
     # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` compute every row they do not
     # reuse, in causal pieces after rows a link computed: nothing to repair.
     exact = 0 if algorithm(params.algorithm).reuses == "chunks" else length
-    return LinkPlan(cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact)
+    return LinkPlan(cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact, prefix_epoch=epoch)
 
 
 def prepass_rows(parts: LinkInput, params: LinkParams) -> int:
@@ -206,7 +207,8 @@ def finish(
     """The link phase is over: remember a `prefix` prompt for the next request, and say what it cost."""
     length = plan.token_ids.numel()
     plan.cache.settle()  # every layer placed before anyone reads the cache whole
-    if algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None and plan.last_logits is None:
+    # not into a cache cleared since the plan looked (the row budget changed): its pieces were cut at the old one
+    if prefix_cache is not None and plan.prefix_epoch == prefix_cache.epoch and plan.last_logits is None:
         prefix_cache.insert(
             plan.token_ids, plan.cache.keys[:, :, :length], plan.cache.values[:, :, :length], last_logits
         )

@@ -1026,6 +1026,29 @@ def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refu
     rc.close()
 
 
+def test_a_prefix_link_under_way_when_the_budget_changes_stays_out_of_the_cleared_cache(monkeypatch):
+    """set_row_budgets clears the prefix cache to cut at the new budget from then on: a `prefix` link placed before
+    it, its pieces cut at the old one, must not put its K/V and logits into the cleared cache (a later exact repeat
+    would take logits no cold run at the new budget gives)."""
+    from ragcache import linker
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    ask = dict(algorithm="prefix", max_new_tokens=1)
+    rc.query(QUESTIONS[0], [{"text": DOCS[0]}], **ask)
+    assert len(rc.prefix_cache._prompts) == 1  # a link the budget did not change under is kept
+    plan = linker.plan
+
+    def budget_changed_after_placing(*args, **kwargs):
+        placed = plan(*args, **kwargs)
+        rc.prefix_cache.clear()  # what set_row_budgets does, between this link's steps
+        return placed
+
+    monkeypatch.setattr(linker, "plan", budget_changed_after_placing)
+    rc.query(QUESTIONS[1], [{"text": DOCS[1]}], **ask)
+    assert len(rc.prefix_cache._prompts) == 0
+    rc.close()
+
+
 def test_a_place_step_runs_no_more_pre_pass_rows_than_the_budget_holds():
     """Focus's question pre-pass runs the model in the PLACE step: arrivals are placed in order while their
     pre-pass rows fit the budget (one at least), so a burst of them never holds a decoding stream for longer

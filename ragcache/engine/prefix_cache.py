@@ -48,6 +48,9 @@ class PrefixCache:
         self._bytes = 0
         self._next = 0
         self._lock = threading.Lock()
+        # one more at each clear: a prompt whose link began before it was cut at a piece the cache no longer holds
+        # to (`insert` by `finish` compares the epoch its plan saw)
+        self.epoch = 0
 
     def lookup(self, token_ids: torch.Tensor) -> tuple[int, CachedPrompt | None]:
         """Longest cached prefix of `token_ids`: (its length, the prompt holding it). A prompt of exactly these ids
@@ -106,6 +109,7 @@ class PrefixCache:
         with self._lock:
             self._prompts.clear()
             self._bytes = 0
+            self.epoch += 1
 
 
 def _repeats(prompt: CachedPrompt, length: int) -> bool:
