@@ -149,13 +149,30 @@ def _serve_workers(settings: Settings, workers: int, sock: socket.socket) -> Non
 
 
 class Supervisor(Multiprocess):
-    """uvicorn's, which handles SIGTERM itself (it stops the workers and returns), remembering that it did."""
+    """uvicorn's, which handles SIGTERM itself (it stops the workers and returns), remembering that it did, and
+    which sees a worker that died during a health check at once."""
 
     terminated = False
 
     def handle_term(self) -> None:
         self.terminated = True
         super().handle_term()
+
+    def init_processes(self) -> None:
+        super().init_processes()
+        self._let_go_of_child_ends()
+
+    def keep_subprocess_alive(self) -> None:
+        super().keep_subprocess_alive()
+        self._let_go_of_child_ends()  # a worker started again
+
+    def _let_go_of_child_ends(self) -> None:
+        # uvicorn keeps the worker's end of each health-check pipe open here too, so a ping sent just before a
+        # worker died waited out the whole check (minutes: WORKER_HEALTHCHECK_S) before anyone saw it gone, the
+        # SIGTERM its failing worker sent queued behind it; closed here, the worker's death ends the wait
+        for process in self.processes:
+            if process.process.pid is not None and not process.child_conn.closed:
+                process.child_conn.close()
 
 
 def _serve_one(settings: Settings, sock: socket.socket) -> None:

@@ -132,6 +132,8 @@ class CorruptDocument(StoreError):
     """A stored document record fails its checks (edited or damaged in the store); `problem` names the damage,
     `advice` the repair."""
 
+    public = None  # what is damaged and how to repair it is the client's to hear
+
     def __init__(self, doc_id: str, problem: str, advice: str = "add the document's text again to repair it"):
         self.doc_id, self.problem = doc_id, problem
         super().__init__(f"the stored record of document {doc_id} is damaged: {problem}; {advice}")

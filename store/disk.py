@@ -486,6 +486,8 @@ def holds_store(root: str | os.PathLike) -> bool:
 class DiskFull(StoreError):
     """A write the file system had no room for (ENOSPC, EDQUOT)."""
 
+    public = "the document store's disk is full"
+
 
 class NotAnEntryFile(OSError):
     """The path holds something no writer of ours makes: a FIFO, a device, a directory, an absurd size."""

@@ -26,6 +26,9 @@ class CodecOverflow(RagCacheError):
 class StoreError(RagCacheError):
     """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
 
+    # its message names the store's folders, hosts and the file system's or Redis's own words: the operator's
+    public = "the document store failed; retry shortly"
+
 
 class UnknownStore(StoreError, BadRequest):
     """A store URL (or one of its tiers) of no kind the store knows: a typo, bad input before anything opens."""
@@ -38,3 +41,5 @@ class CorruptEntry(StoreError):
 class BrokenStore(StoreError):
     """The store's files cannot be reached in a way no retry changes (a symbolic link loop on their path): not an
     outage but damage an operator must repair."""
+
+    public = "the document store's files cannot be reached, which no retry changes: an operator must repair them"

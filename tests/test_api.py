@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -776,14 +777,16 @@ def test_an_upload_that_fails_part_way_counts_the_chunks_it_compiled(http, rc, m
     def second_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
-            raise StoreError("the disk is full")
+            raise StoreError("disk tier /srv/private/store: cannot write entry (No space left on device)")
         return compile_documents(*args, **kwargs)
 
     monkeypatch.setattr(rc, "compile_documents", second_fails)
     before = metric(http.get("/metrics").text, "ragcache_compiled_chunks_total")
     texts = [f"Upload {uuid.uuid4().hex} number {n} tells of harbours." for n in range(2)]
     r = http.post("/v1/documents", json={"documents": [{"text": t} for t in texts]})
-    assert r.status_code == 503, r.text
+    # the store's folders and the file system's words are the log's, not the client's
+    error = error_of(r, 503, "the document store failed")
+    assert "/srv/private" not in r.text and error["ref"], r.text
     assert metric(http.get("/metrics").text, "ragcache_compiled_chunks_total") > before  # the first one's chunks
 
 
@@ -1494,6 +1497,32 @@ def test_a_5xx_quoting_another_library_s_error_tells_the_client_a_ref_not_the_se
     error = error_of(r, 500, "compiling this request's documents failed")
     assert error["type"] == "compile_failed" and error["ref"] in error["message"] and "nvidia" not in r.text
     rc.close()
+
+
+def test_the_supervisor_sees_a_worker_that_died_during_a_health_check_at_once(tmp_path, monkeypatch):
+    """uvicorn's supervisor kept the worker's end of the health-check pipe: a ping sent as a worker died waited out
+    the whole check (WORKER_HEALTHCHECK_S, minutes), the SIGTERM its failing worker sent queued behind it."""
+    from uvicorn import Config
+
+    from ragcache.api.server import Supervisor
+
+    (tmp_path / "dies_at_once.py").write_text("import os\nos._exit(3)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))  # a spawned worker imports with its parent's path
+    from uvicorn.supervisors.multiprocess import SIGNALS
+
+    handlers = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        supervisor = Supervisor(Config("dies_at_once:app", workers=1, log_level="warning"), sockets=[sock])
+        for sig, handler in handlers.items():  # it takes the process's signals, this test process's included
+            signal.signal(sig, handler)
+        supervisor.init_processes()
+        worker = supervisor.processes[0]
+        worker.process.join(60)
+        assert worker.process.exitcode == 3
+        started = time.monotonic()
+        assert worker._healthcheck(timeout=30) is None  # the ping a dying worker never answers
+        assert time.monotonic() - started < 10
 
 
 def test_workers_that_cannot_load_their_model_stop_serve_instead_of_restarting(tmp_path):
