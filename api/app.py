@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
+from prometheus_client import Gauge
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Route
@@ -45,7 +46,8 @@ class BodyRefused(HTTPException):
     never read, so no next request could be found on it."""
 
     def __init__(self, status_code: int, detail: str):
-        super().__init__(status_code, detail, headers={"Connection": "close"})
+        retry = {"Retry-After": errors.RETRY_AFTER_S[503]} if status_code == 503 else {}
+        super().__init__(status_code, detail, headers={"Connection": "close", **retry})
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
@@ -93,8 +95,13 @@ class Guard:
         public_paths: list[str],
         body_timeout_s: float,
         hosts: frozenset[str] | None = None,
+        bodies_bytes: int | None = None,
+        held_gauge: Gauge | None = None,
     ):
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
+        # bytes of the bodies of the requests under way (each its declared length, or what arrived if more), at most
+        # bodies_bytes; on the event loop only, so no lock
+        self.bodies_bytes, self._held, self.held_gauge = bodies_bytes, 0, held_gauge
         self.expected = api_key.encode() if api_key else None
         self.public_paths = set(public_paths)
         self.hosts = hosts  # the Host names served (served_hosts); None: any
@@ -133,14 +140,43 @@ class Guard:
                 got=int(length),
             )
             return await response(scope, receive, send)
+        declared = int(length) if length.isdigit() else 0
+        if not self._room(declared):
+            response = error_response(
+                503,
+                "server_busy",
+                f"this server holds {self.held >> 20} MiB of request bodies (max_bodies_mib); retry shortly",
+                headers={"Retry-After": errors.RETRY_AFTER_S[503], "Connection": "close"},
+            )
+            return await response(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
-        await self.app(scope, self._bounded(receive, deadline), send)
+        counted = [declared]  # what this request holds of `held`
+        self.held += declared
+        try:
+            await self.app(scope, self._bounded(receive, deadline, counted), send)
+        finally:
+            self.held -= counted[0]
+
+    @property
+    def held(self) -> int:
+        return self._held
+
+    @held.setter
+    def held(self, value: int) -> None:
+        self._held = value
+        if self.held_gauge is not None:
+            self.held_gauge.set(value)
+
+    def _room(self, more: int) -> bool:
+        """Whether `more` bytes of bodies fit beside those held; any body fits when none is held (a bound below the
+        largest body must not refuse it for ever)."""
+        return self.bodies_bytes is None or more == 0 or not self.held or self.held + more <= self.bodies_bytes
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(key, self.expected)  # RFC 9110: scheme any case
 
-    def _bounded(self, receive, deadline: float):
+    def _bounded(self, receive, deadline: float, counted: list[int]):
         received, complete = 0, False
 
         async def bounded_receive():
@@ -155,6 +191,15 @@ class Guard:
                 received += len(message.get("body", b""))
                 if received > self.max_body_bytes:
                     raise BodyRefused(413, f"request body over {self.max_body_bytes} bytes")
+                if received > counted[0]:  # past its declared length (a chunked body declares none)
+                    if not self._room(received - counted[0]):
+                        raise BodyRefused(
+                            503,
+                            f"this server holds {self.held >> 20} MiB of request bodies "
+                            "(max_bodies_mib); retry shortly",
+                        )
+                    self.held += received - counted[0]
+                    counted[0] = received
                 complete = not message.get("more_body", False)
             return message
 
@@ -261,6 +306,8 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         public_paths=settings.public_paths,
         body_timeout_s=settings.body_timeout_s,
         hosts=served_hosts(settings),
+        bodies_bytes=settings.max_bodies_mib << 20,
+        held_gauge=metrics.body_bytes,
     )
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
     return app

@@ -216,9 +216,13 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def on_http(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {404: "not_found", 405: "method_not_allowed", 408: "request_timeout", 413: "payload_too_large"}.get(
-            exc.status_code, "http_error"
-        )
+        kind = {
+            404: "not_found",
+            405: "method_not_allowed",
+            408: "request_timeout",
+            413: "payload_too_large",
+            503: "server_busy",
+        }.get(exc.status_code, "http_error")
         headers = getattr(exc, "headers", None)
         if exc.status_code == 405:
             headers = {**(headers or {}), "Allow": allowed(request)}

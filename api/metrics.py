@@ -120,6 +120,11 @@ class Metrics:
             ["route", "method", "status"],
             registry=r,
         )
+        self.body_bytes = Gauge(
+            "ragcache_request_body_bytes",
+            "bytes of the request bodies under way, each at its declared length or what arrived (max_bodies_mib)",
+            registry=r,
+        )
         self.latency = Histogram(
             "ragcache_http_request_duration_seconds",
             "HTTP request latency (streams: until the last byte)",

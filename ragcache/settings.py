@@ -431,6 +431,13 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         description="seconds a whole request body may take to arrive, from "
         "the end of its headers; then a 408 and the connection is closed",
     )
+    max_bodies_mib: int = Field(
+        2048,
+        ge=1,
+        description="MiB of request bodies a server process holds at once (each counted at its declared length as "
+        "it starts, and as it arrives); past it a request is a 503 with Retry-After, its body not read: every client "
+        "sending a largest body at once would otherwise hold max_connections times 80 MiB",
+    )
     keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle connection stays open between requests")
     max_connections: int | None = Field(
         None,

@@ -27,7 +27,7 @@ class StoreError(RagCacheError):
     """A store backend failed in a way the caller must hear about (bad URL, write failure, a tier that is down)."""
 
     # its message names the store's folders, hosts and the file system's or Redis's own words: the operator's
-    public = "the document store failed; retry shortly"
+    public: str | None = "the document store failed; retry shortly"
 
 
 class UnknownStore(StoreError, BadRequest):

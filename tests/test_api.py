@@ -1046,6 +1046,33 @@ def test_a_declared_length_over_the_limit_is_413_and_the_connection_closes(rc):
         assert head.startswith("http/1.1 413") and "connection: close" in head
 
 
+def test_the_bodies_a_server_holds_at_once_are_bounded(rc):
+    """Every connection sending a largest body at once held max_connections x 80 MiB: past max_bodies_mib a request
+    is a 503 with Retry-After, its body not read; the room comes back as requests end."""
+    text = "Harbours keep their own weather. " * 20_000  # 660 KB of JSON
+    with serve(rc, max_bodies_mib=1, max_documents=1, max_document_chars=1_000_000) as s:
+        host, port = s.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port))) as holder:  # declares 700 KB, sends a little
+            holder.sendall(b"POST /v1/documents HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                           b"Content-Length: 700000\r\n\r\n{\"text\": \"")
+            wait_metric(s.url, "ragcache_request_body_bytes", 700000)  # counted at its declared length
+            busy = httpx.post(f"{s.url}/v1/documents", json={"text": text})
+            assert error_of(busy, 503, "max_bodies_mib")["type"] == "server_busy" and busy.headers["retry-after"]
+
+            def chunked():  # no length declared: refused as its bytes pass the bound
+                for _ in range(12):
+                    yield b"x" * (64 << 10)
+
+            cut = httpx.post(f"{s.url}/v1/documents", content=chunked(), headers={"content-type": "application/json"})
+            assert error_of(cut, 503, "max_bodies_mib")["type"] == "server_busy"
+        deadline = time.monotonic() + 30
+        while (r := httpx.post(f"{s.url}/v1/documents", json={"text": text})).status_code == 503:
+            assert time.monotonic() < deadline, "the closed connection's body was never let go"
+            time.sleep(0.1)
+        assert r.status_code == 201, r.text  # alone, a body past the bound is taken
+        assert metric(httpx.get(f"{s.url}/metrics").text, "ragcache_request_body_bytes") == 0
+
+
 def test_a_body_that_stops_arriving_is_408(rc):
     with serve(rc, body_timeout_s=0.5) as s:
         host, port = s.url.removeprefix("http://").split(":")
