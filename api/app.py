@@ -54,13 +54,13 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
 def served_hosts(settings: Settings) -> frozenset[str] | None:
-    """The Host names a server answers (None: any): `allowed_hosts`, else with no API key on a loopback address,
-    loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS rebinding) and read
+    """The Host names a server answers (None: any): `allowed_hosts` and loopback names, else with no API key on a
+    loopback address, loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS rebinding) and read
     the answers, the documents among them, as same-origin; a request for one of these names is the user's own.
     Elsewhere (an API key, or an address other machines reach, which the operator chose) any name."""
-    if settings.allowed_hosts is not None:
+    if settings.allowed_hosts is not None:  # a probe or a curl on the machine itself goes on working
         names = frozenset(host_name(name.encode()) for name in settings.allowed_hosts)
-        return None if "*" in names else names
+        return None if "*" in names else names | LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
     if settings.api_key or not is_loopback(settings.host):
         return None
     return LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
@@ -99,7 +99,8 @@ class Guard:
         held_gauge: Gauge | None = None,
     ):
         self.app, self.max_body_bytes, self.body_timeout_s = app, max_body_bytes, body_timeout_s
-        # bytes of the bodies of the requests under way (each its declared length, or what arrived if more), at most
+        # bytes of the bodies of the requests under way, as they arrive (a declared length reserves nothing: headers
+        # alone, never followed by a body, would hold the bound for everyone until their 408), at most
         # bodies_bytes; on the event loop only, so no lock
         self.bodies_bytes, self._held, self.held_gauge = bodies_bytes, 0, held_gauge
         self.expected = api_key.encode() if api_key else None
@@ -150,8 +151,7 @@ class Guard:
             )
             return await response(scope, receive, send)
         deadline = asyncio.get_running_loop().time() + self.body_timeout_s
-        counted = [declared]  # what this request holds of `held`
-        self.held += declared
+        counted = [0]  # what this request holds of `held`
         try:
             await self.app(scope, self._bounded(receive, deadline, counted), send)
         finally:
@@ -167,10 +167,11 @@ class Guard:
         if self.held_gauge is not None:
             self.held_gauge.set(value)
 
-    def _room(self, more: int) -> bool:
-        """Whether `more` bytes of bodies fit beside those held; any body fits when none is held (a bound below the
-        largest body must not refuse it for ever)."""
-        return self.bodies_bytes is None or more == 0 or not self.held or self.held + more <= self.bodies_bytes
+    def _room(self, more: int, own: int = 0) -> bool:
+        """Whether `more` bytes of a body of which `own` are held fit beside the others; any body fits when no other
+        is held (a bound below the largest body must not refuse it for ever)."""
+        others = self.held - own
+        return self.bodies_bytes is None or more == 0 or not others or self.held + more <= self.bodies_bytes
 
     def _authorized(self, headers: dict) -> bool:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
@@ -188,18 +189,17 @@ class Guard:
             except TimeoutError:
                 raise BodyRefused(408, f"the request body did not arrive within {self.body_timeout_s:g} s") from None
             if message["type"] == "http.request":
-                received += len(message.get("body", b""))
+                arrived = len(message.get("body", b""))
+                received += arrived
                 if received > self.max_body_bytes:
                     raise BodyRefused(413, f"request body over {self.max_body_bytes} bytes")
-                if received > counted[0]:  # past its declared length (a chunked body declares none)
-                    if not self._room(received - counted[0]):
-                        raise BodyRefused(
-                            503,
-                            f"this server holds {self.held >> 20} MiB of request bodies "
-                            "(max_bodies_mib); retry shortly",
-                        )
-                    self.held += received - counted[0]
-                    counted[0] = received
+                if not self._room(arrived, counted[0]):
+                    raise BodyRefused(
+                        503,
+                        f"this server holds {self.held >> 20} MiB of request bodies (max_bodies_mib); retry shortly",
+                    )
+                self.held += arrived
+                counted[0] += arrived
                 complete = not message.get("more_body", False)
             return message
 

@@ -122,7 +122,7 @@ class Metrics:
         )
         self.body_bytes = Gauge(
             "ragcache_request_body_bytes",
-            "bytes of the request bodies under way, each at its declared length or what arrived (max_bodies_mib)",
+            "bytes of the request bodies under way, as they arrived (max_bodies_mib)",
             registry=r,
         )
         self.latency = Histogram(

@@ -55,6 +55,7 @@ from .settings import (
     INSTALLED,
     EngineConfig,
     Settings,
+    refuse_another_gpu,
     row_budgets_for,
     store_for,
 )
@@ -120,6 +121,7 @@ class RagCache(Front):
             config.decode_eager,
             config.row_budget,
         )
+        refuse_another_gpu(self.runner.device)
         row_budget, link_row_budget = _row_budgets(config, self.runner.device)
         self.compiler = Compiler(lm, self.runner, config.kv_codec)
         super().__init__(lm, store, config.chunk_tokens, self.runner.shape.layers, self.compiler.codec)
@@ -166,6 +168,7 @@ class RagCache(Front):
                 else f"{sorted(config.vllm_args)} are options of the vllm engine"
             )
         validate_kv_codec(config.kv_codec)
+        refuse_another_gpu(config.device)  # before minutes of loading
         log.info("device %s (%s)", config.device, config.device_reason)
         lm = models.load(config.model, dtype=config.dtype, device=config.device)
         chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter

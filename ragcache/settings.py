@@ -69,6 +69,18 @@ def check_device(device: str, here: bool = True) -> None:
         )
 
 
+def refuse_another_gpu(device) -> None:
+    """ParameterOutOfRange for a GPU other than the process's first: CUDA's current device is each thread's, 0 in
+    every thread ragcache's engine starts (its model thread, store writers, finalizers), so Triton's launches, the
+    decode graphs' streams and the copies' events would be on the first GPU with the engine's tensors on another."""
+    device = torch.device(device)
+    if device.type == "cuda" and (device.index or 0) != 0:
+        raise ParameterOutOfRange(
+            f"device {device}: ragcache's engine runs on the first GPU the process sees; choose this one with "
+            f"CUDA_VISIBLE_DEVICES={device.index} and --device cuda"
+        )
+
+
 def resolve_device(device: str | None, here: bool = True) -> tuple[str, str]:
     """The device an engine runs on, and why: "auto" (the default) is CUDA where torch sees a GPU, else the CPU; any
     other name is checked (`check_device`: with `here`, this machine must have it) and taken as given."""
@@ -308,7 +320,8 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     )
     device: str = Field(
         AUTO_DEVICE,
-        description="auto: CUDA where torch sees a GPU, else the CPU; or cpu, cuda, cuda:N",
+        description="auto: CUDA where torch sees a GPU, else the CPU; or cpu, cuda, cuda:N (ragcache's engine runs on "
+        "cuda:0: choose its GPU with CUDA_VISIBLE_DEVICES)",
     )
     engine: str = Field(
         "ragcache",
@@ -401,7 +414,8 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     api_key: str | None = Field(None, min_length=1, description="bearer token required by the API when set")
     allowed_hosts: list[str] | None = Field(
         None,
-        description="Host names the API answers (['*']: any); default: with no api_key on a loopback address, "
+        description="Host names the API answers besides loopback ones (['*']: any); default: with no api_key on a "
+        "loopback address, "
         "loopback names only (a web page pointing its own name at 127.0.0.1 is refused), else any. Behind a proxy "
         "that passes its Host, name the proxy's (RAGCACHE_ALLOWED_HOSTS='[\"rag.example.com\"]')",
     )
@@ -434,9 +448,9 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
     max_bodies_mib: int = Field(
         2048,
         ge=1,
-        description="MiB of request bodies a server process holds at once (each counted at its declared length as "
-        "it starts, and as it arrives); past it a request is a 503 with Retry-After, its body not read: every client "
-        "sending a largest body at once would otherwise hold max_connections times 80 MiB",
+        description="MiB of request bodies a server process holds at once, counted as they arrive; past it a request "
+        "is a 503 with Retry-After (at once where its declared length does not fit), the rest of its body not read: "
+        "every client sending a largest body at once would otherwise hold max_connections times 80 MiB",
     )
     keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle connection stays open between requests")
     max_connections: int | None = Field(

@@ -48,9 +48,7 @@ class TierUnavailable(StoreError):
 
     A plain StoreError on a write (disk full, Redis out of memory) fails that write only."""
 
-    # its messages name tiers (by kind, a Redis by its address without a password), records and what is damaged in
-    # the copies read: what the client retries for, or repairs by adding a text again
-    public = None
+    public = "a tier of the document store cannot be reached; retry shortly"
 
 
 @dataclass(frozen=True)

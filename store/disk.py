@@ -434,7 +434,7 @@ class DiskStore(BlobStore):
             if not _damaged(exc):
                 raise self._fault(f"cannot read record {name}", exc) from exc
             log.warning("disk tier: record %s is unreadable (%s)", name, exc)
-            return UnreadableRecord(f"disk tier: {exc}")
+            return UnreadableRecord(f"disk tier: {exc.strerror or type(exc).__name__}")  # a client reads it: no path
 
     def put_record(self, name: str, record: dict) -> None:
         data = json.dumps(record).encode("utf-8")

@@ -44,6 +44,7 @@ from .errors import StoreError
 from .tiers import redact_url
 
 PART_BYTES = 2 << 20
+MAX_PARTS = 1 << 16  # 128 GiB at PART_BYTES; a manifest claiming more is planted (every read names each part)
 MANIFEST_VERSION = 1
 SOCKET_TIMEOUT_S = 2.0  # per socket read: a 2 MiB part arrives in milliseconds on a live server
 CONNECT_TIMEOUT_S = 2.0
@@ -254,6 +255,11 @@ class RedisStore(BlobStore):
     def _plan(self, key: str, gen: str, blob: bytes) -> tuple[dict, list[memoryview]]:
         view = memoryview(blob)
         slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
+        if len(slices) > MAX_PARTS:  # its readers would refuse its manifest
+            raise StoreError(
+                f"redis tier: an entry of {len(blob)} bytes would take {len(slices)} parts of part_bytes "
+                f"{self.part_bytes}, more than {MAX_PARTS}: raise part_bytes"
+            )
         info = describe_head(view)
         return {
             "v": MANIFEST_VERSION,
@@ -419,8 +425,9 @@ class RedisStore(BlobStore):
 
 
 def _parse_manifest(raw: bytes) -> dict | None:
-    """A manifest, or None when it is unusable: its part count is the one its size and part size give (a manifest
-    another writer of the Redis planted with a billion parts would have every read build a billion part names)."""
+    """A manifest, or None when it is unusable: its part count is the one its size and part size give, and at most
+    MAX_PARTS (a manifest another writer of the Redis planted with a billion parts would have every read build a
+    billion part names)."""
     try:
         manifest = json.loads(raw)
         size, part_bytes, parts = manifest.get("size"), manifest.get("part_bytes"), manifest.get("parts")
@@ -431,6 +438,7 @@ def _parse_manifest(raw: bytes) -> dict | None:
             or not 0 <= size <= MAX_ENTRY_BYTES
             or part_bytes < 1
             or parts != max(-(-size // part_bytes), 1)
+            or parts > MAX_PARTS
             or not isinstance(manifest.get("sha256"), str)
         ):
             return None

@@ -67,6 +67,13 @@ class TierState:
     failures: int = 0  # calls that failed as the tier being unreachable, ever (Store.outages)
 
 
+def said(error: StoreError) -> StoreError:
+    """`error` with its message for the client too: one made here of tier kinds, record names and what is damaged
+    in the copies read (what a client retries for, or repairs by adding a text again), no tier's own words."""
+    error.public = None
+    return error
+
+
 class TieredStore(Store):
     takes_device_entries = True  # each tier gets them as it takes them (put_many)
 
@@ -337,10 +344,15 @@ class TieredStore(Store):
         lasting = [tier for tier in self.tiers if tier.lasting]
         if lasting and not any(tier.lasting for tier in took):
             self._note_behind(list(items), [i for i, tier in enumerate(self.tiers) if tier.lasting])
-            raise StoreError(
+            behind = StoreError(
                 f"{len(items)} entries are kept only in this process's memory for now: no lasting tier took them "
                 f"({self._reasons(lasting)}); they are written there once it takes writes again"
             )
+            behind.public = (
+                f"{len(items)} entries are kept only in the server's memory for now: no lasting tier of the document "
+                "store took them; they are written there once it takes writes again"
+            )
+            raise behind
 
     def _note_behind(self, keys: list[str], missed: list[int]) -> None:
         """Entries only a tier in this process's memory took: `_write_behind` writes them into the lasting tiers that
@@ -513,10 +525,12 @@ class TieredStore(Store):
             todo = [j for j in todo if out[j] is None]
         if todo and unanswered:
             hurts = [f"{names[j]} ({damaged[j][1]})" for j in todo if j in damaged]
-            raise TierUnavailable(
-                f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
-                f"{', '.join(unanswered)}, which are down"
-                + (f"; the copies read are damaged: {', '.join(hurts[:3])}" if hurts else "")
+            raise said(
+                TierUnavailable(
+                    f"record(s) {', '.join(names[j] for j in todo[:3])} may be in store tier(s) "
+                    f"{', '.join(unanswered)}, which are down"
+                    + (f"; the copies read are damaged: {', '.join(hurts[:3])}" if hurts else "")
+                )
             )
         for j in todo if lasting else ():  # in no lasting tier: a copy kept here would be another worker's past
             if j not in damaged:
@@ -579,9 +593,11 @@ class TieredStore(Store):
             answers = self._each("delete_record", name, write=True)
         missed = [self.tiers[i].name for i in range(len(self.tiers)) if i not in {j for j, _ in answers}]
         if missed:
-            raise TierUnavailable(
-                f"record {name} may still be in store tier(s) {', '.join(missed)}, which did not answer; "
-                "delete it again when they are back"
+            raise said(
+                TierUnavailable(
+                    f"record {name} may still be in store tier(s) {', '.join(missed)}, which did not answer; "
+                    "delete it again when they are back"
+                )
             )
         return any(bool(r) for _, r in answers)
 

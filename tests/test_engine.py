@@ -229,6 +229,16 @@ def test_stop_strings_hold_back_and_cut_as_their_definition_says(chars, stop):
     assert pieces == _pieces_by_brute_force(chars, stop)
 
 
+def test_a_stop_is_found_where_decoding_changed_what_was_emitted():
+    class CleaningUp:  # a tokenizer that cleans up spaces before punctuation, as GPT-2's may: "x ." decodes "x."
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join({1: "x", 2: " ", 3: "."}[i] for i in ids).replace(" .", ".")
+
+    asm = TextAssembler(CleaningUp(), stop=["."])
+    assert asm.push(1) + asm.push(2) == "x " and not asm.stopped
+    assert asm.push(3) == "" and asm.stopped  # "x." holds the stop, before what was emitted ended
+
+
 def test_a_stop_given_as_one_string_is_one_stop_string():
     """`rc.stream(..., stop="###")` (and llama-index's per-call stop): a string is one stop string, as OpenAI takes
     it, not its characters (which stopped at the first "#")."""

@@ -1012,6 +1012,7 @@ def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refu
     stream = rc.stream(QUESTIONS[0], [{"text": DOCS[0]}], max_new_tokens=1)
     stream.open(listener)
     assert ended.wait(60) and events[-1] is Done and stream.status is Status.FINISHED, events
+    assert Piece in events  # the listener did raise (a token decoding to no text would send no piece)
 
     refused = rc.stream(QUESTIONS[0], [{"text": DOCS[0]}], max_new_tokens=1)
 

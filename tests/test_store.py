@@ -17,7 +17,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from ragcache.errors import CorruptEntry, StoreError
+from ragcache.errors import CorruptEntry, ParameterOutOfRange, StoreError
 from ragcache.store import open_store
 from ragcache.store import disk as disk_module
 from ragcache.store import durable
@@ -1334,6 +1334,11 @@ def test_the_device_is_cuda_where_torch_sees_a_gpu_unless_one_is_configured(monk
     assert (config.device, config.device_reason) == ("cuda", "auto: torch sees 2 CUDA device(s)")
     assert dataclasses.replace(config, row_budget=4).device_reason == config.device_reason  # kept across replace
     assert resolve_device("cpu") == ("cpu", "configured") and EngineConfig(device="cuda:1").device == "cuda:1"
+    # ragcache's engine on another GPU than the first: refused before the model loads, with the way to get it
+    from ragcache.facade import RagCache
+
+    with pytest.raises(ParameterOutOfRange, match="CUDA_VISIBLE_DEVICES=1 and --device cuda"):
+        RagCache.from_config(EngineConfig(model="/no/such/model", store="memory:", device="cuda:1"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     device, why = resolve_device(None)
     assert device == "cpu" and why.startswith("auto: ") and EngineConfig().device == "cpu"

@@ -85,6 +85,17 @@ def test_any_part_size_round_trips(redis_url, part_bytes):
     assert all(p is None for p in store.check_many(list(items)))
 
 
+def test_an_entry_of_more_parts_than_a_reader_takes_is_refused_with_the_fix(redis_url):
+    from ragcache.store import redis_tier
+
+    store = RedisStore(redis_url, part_bytes=1)
+    key, entry = make_entry(5, layers=4, tokens=64)
+    assert entry.nbytes > redis_tier.MAX_PARTS  # more one-byte parts than a reader takes
+    with pytest.raises(StoreError, match="raise part_bytes"):
+        store.put_many({key: entry})
+    assert store.get(key) is None
+
+
 def test_metrics_are_filled(redis_url):
     store = RedisStore(redis_url)
     key, entry = make_entry(4)
@@ -205,6 +216,8 @@ DAMAGE = {
     # planted by another writer of the Redis: each read built a billion part names before any check
     "a billion parts": lambda c, k, o: c.set(_manifest_name(k), json.dumps(
         {**json.loads(c.get(_manifest_name(k))), "parts": 10**9})),
+    "a billion consistent parts": lambda c, k, o: c.set(_manifest_name(k), json.dumps(  # size and part size agree
+        {**json.loads(c.get(_manifest_name(k))), "size": 10**9, "part_bytes": 1, "parts": 10**9})),
 }
 
 
@@ -235,7 +248,8 @@ def test_a_damaged_redis_entry_is_a_logged_miss_and_removed(redis_url, caplog, d
     assert not client.exists(_manifest_name(key)) and store.get(key) is None and not store.contains_many([key])[0]
     assert len(warnings_of(caplog)) == 1
     # with the manifest unreadable or pointing elsewhere, the parts it lost track of are orphans: gc reclaims them
-    orphans = damage in ("garbage manifest", "manifest of another generation", "a billion parts")
+    orphans = damage in ("garbage manifest", "manifest of another generation", "a billion parts",
+                         "a billion consistent parts")
     assert bool(names_of(client, key)) == orphans
     store.gc(orphan_age_s=0)
     assert names_of(client, key) == [] and same_bits(store.get(other), fine)

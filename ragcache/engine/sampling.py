@@ -143,14 +143,17 @@ class TextAssembler:
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
         self.emitted = 0
+        self.shown = ""  # the text emitted so far
         self.stopped = False
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         # the earliest in the text: one token may complete two stop strings (".\n" for "\n" and "."); what was
-        # emitted held none, so each search starts where one could end past it (not over the whole answer a token)
-        cuts = [at for s in self.stop if (at := text.find(s, max(self.emitted - len(s) + 1, 0))) != -1]
+        # emitted held none, so each search starts where one could end past it (not over the whole answer a token),
+        # unless decoding changed what was emitted (a tokenizer that cleans up spaces: "x ." decodes "x.")
+        extends = text.startswith(self.shown)
+        cuts = [at for s in self.stop if (at := text.find(s, max(self.emitted - len(s) + 1, 0) if extends else 0)) >= 0]
         if cuts:
             self.stopped = True
             return self._emit(text[: min(cuts)])
@@ -164,7 +167,8 @@ class TextAssembler:
 
     def _emit(self, upto: str) -> str:
         piece = upto[self.emitted :]
-        self.emitted = max(self.emitted, len(upto))
+        if len(upto) > self.emitted:
+            self.emitted, self.shown = len(upto), upto
         return piece
 
 
