@@ -54,9 +54,13 @@ def _pinned_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def to_device(entry: ChunkKV, device: torch.device) -> ChunkKV:
-    """The entry's tensors on `device`, the same values and dtypes, each in memory of its own: a view of a larger
-    device tensor (a compile's cache) is copied out, so that a tier's budget counts all it holds."""
-    return entry.map(lambda t: _own(t) if _there(t, device) else t.to(device))
+    """The entry's K/V (and scales) on `device`, the same values and dtypes, each in memory of its own: a view of a
+    larger device tensor (a compile's cache) is copied out, so that a tier's budget counts all it holds. Its token
+    ids stay on the host: every read checks them (`.tolist()`), which on a GPU would wait for all the work queued on
+    it, one entry after another."""
+    ids = entry.token_ids
+    host_ids = _own(ids) if ids.device.type == "cpu" else ids.cpu()
+    return entry.map(lambda t: host_ids if t is ids else _own(t) if _there(t, device) else t.to(device))
 
 
 def _there(t: torch.Tensor, device: torch.device) -> bool:

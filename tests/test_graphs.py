@@ -174,7 +174,8 @@ def test_a_capture_is_this_threads_alone_on_a_stream_of_its_own(monkeypatch):
 
 def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypatch):
     """A client's repair width made a graph of any lane width (the whole prompt's rows, rounded up), whose memory
-    stayed allocated with the pool; past CAPTURED_REPAIR_ROWS the step runs eagerly, to the same tokens."""
+    stayed allocated with the pool; past CAPTURED_REPAIR_ROWS (its lanes' rows together) the step runs eagerly, to
+    the same tokens."""
     from ragcache.engine import graphs as graphs_module
 
     monkeypatch.setattr(graphs_module, "CAPTURED_REPAIR_ROWS", 4)
@@ -184,4 +185,7 @@ def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypat
     monkeypatch.setattr(graphed.runner.graphs, "_capture", lambda pool, step: captured.append(step.lanes))
     widths = lambda i: (0, 3, 8)[i % 3]  # noqa: E731
     assert answers(graphed, repair=widths) == answers(plain, repair=widths)
-    assert captured and all(rows <= 4 for _, rows in captured), captured
+    # lanes of 2 rows, several at once: the step's rows, all its lanes', are what is bounded
+    narrow = lambda i: (0, 2, 2)[i % 3]  # noqa: E731
+    assert answers(graphed, repair=narrow) == answers(plain, repair=narrow)
+    assert captured and all(lanes * rows <= 4 for lanes, rows in captured), captured

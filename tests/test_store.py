@@ -1111,6 +1111,10 @@ def test_a_device_tier_keeps_entries_on_its_device_least_recently_used_out():
     assert tier.get_many([keys[0]])[0] is not None  # keys[0] is now the most recently used
     tier.put_many({keys[2]: entries[keys[2]]})
     got = tier.get_many(keys)
+    meta = DeviceStore("meta", budget_bytes=2 * size)  # a device other than the host's, as a GPU is
+    meta.put_many({keys[0]: entries[keys[0]]})
+    held = meta.peek([keys[0]])[0]
+    assert held.keys.device.type == "meta" and held.token_ids.device.type == "cpu" and held.token_ids.tolist()
     assert got[1] is None and same_bits(got[0], entries[keys[0]]) and same_bits(got[2], entries[keys[2]])
     assert got[0].keys.device == tier.device and tier.stats()["bytes"] == 2 * size and tier.stats()["device"] == "cpu"
     big, entry = make_entry(9, layers=2, tokens=64)
@@ -1168,6 +1172,7 @@ def test_an_entry_still_on_the_gpu_reaches_every_tier_crossing_to_host_once(tmp_
     for key, entry in host.items():
         kept = gpu.peek([key])[0]
         assert kept.keys.device.type == "meta" and kept.keys.untyped_storage().nbytes() == kept.keys.nbytes
+        assert kept.token_ids.device.type == "cpu"  # read by every hit's check (.tolist()): no sync on the GPU's queue
         assert kept.values is on_gpu[key].values  # memory of its own already: kept as made
         assert to_disk[key] is memory.peek([key])[0] and memory.peek([key])[0].keys.device.type == "cpu"
         assert same_bits(disk.get_many([key])[0], entry) and same_bits(memory.peek([key])[0], entry)

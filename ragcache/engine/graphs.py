@@ -16,6 +16,7 @@ as an ordinary step)."""
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,9 +27,10 @@ import ragcache.kernels as kernels
 
 from .kv import JoinedCache, KVPool
 
-# repair rows a lane may have in a captured step: wider lanes (a client's repair=65536 over a long prompt) run their
-# step eagerly, compute-bound at that width anyway, instead of capturing a graph whose memory pool (a [lanes, group x
-# rows, length] mask among it) stays allocated with the KV pool
+# repair rows a captured step may have, its lanes' together: more (a client's repair=65536 over a long prompt, or
+# 64 streams repairing 512 rows each) run their step eagerly, compute-bound at that width anyway, instead of
+# capturing a graph whose memory pool (a [lanes, group x rows, length] mask among it) stays allocated with the KV
+# pool, one such pool for each (lanes, rows) met
 CAPTURED_REPAIR_ROWS = 512
 
 
@@ -211,7 +213,7 @@ class DecodeGraphs:
             packed = torch.zeros(size, dtype=torch.long, device=device)
             staging = torch.zeros(size, dtype=torch.long, pin_memory=device.type == "cuda")
             step = Captured(packed, staging, slots, lanes if lanes[0] else (0, 0))
-            if self.capture and lanes[1] <= CAPTURED_REPAIR_ROWS:
+            if self.capture and lanes[0] * lanes[1] <= CAPTURED_REPAIR_ROWS:
                 self._capture(pool, step)
             self._steps[lanes] = step
         return self._steps[lanes]
@@ -251,7 +253,16 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # a private memory pool, freed with its graph: a pool shared across captures is released when its last
         # graph goes, and the next capture into its handle fails inside torch's allocator
-        with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-            step.logits = self._forward(pool, step)
+        # no collection during the capture: a store entry's finalizer it ran would record its event into the graph
+        # (store/arena.py), and that event's query then fails for good, taking the memory tier down
+        collecting = gc.isenabled()
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+                step.logits = self._forward(pool, step)
+        finally:
+            if collecting:
+                gc.enable()
         step.graph = graph
         self.captures += 1
