@@ -1027,6 +1027,30 @@ def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refu
     rc.close()
 
 
+def test_greedy_streams_take_their_tokens_from_one_argmax_a_step(monkeypatch):
+    """On a GPU each stream's own int(argmax) waited for the device in turn: a step's greedy rows are reduced
+    together; a sampling stream still samples its own, and the tokens are each stream's alone."""
+    from ragcache.engine import sampling
+    from ragcache.engine.sequence import Piece
+    from tests.hold import held
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    ids = rc.compile(DOCS[:3])
+    alone = [rc.query(q, ids[i : i + 1], max_new_tokens=6).token_ids for i, q in enumerate(QUESTIONS[:2])]
+    calls, sample = [], sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda logits, s, g: calls.append(s.temperature) or sample(logits, s, g))
+    streams = [rc.stream(q, ids[i : i + 1], max_new_tokens=6) for i, q in enumerate(QUESTIONS[:2])]
+    streams.append(rc.stream(QUESTIONS[2], ids[2:3], max_new_tokens=6, temperature=1.0, seed=3))
+    ended = [threading.Event() for _ in streams]
+    with held(rc):  # opened together: their decode rows share steps
+        for stream, end in zip(streams, ended):
+            stream.open(lambda event, end=end: isinstance(event, Piece) or end.set())
+    assert all(end.wait(120) for end in ended)
+    assert [stream.answer.token_ids for stream in streams[:2]] == alone
+    assert calls and set(calls) == {1.0}  # only the sampling stream drew its own
+    rc.close()
+
+
 def test_a_prefix_link_under_way_when_the_budget_changes_stays_out_of_the_cleared_cache(monkeypatch):
     """set_row_budgets clears the prefix cache to cut at the new budget from then on: a `prefix` link placed before
     it, its pieces cut at the old one, must not put its K/V and logits into the cleared cache (a later exact repeat

@@ -119,6 +119,14 @@ def _decode_only(works: list[Work]) -> bool:
     return all(w.kind is Kind.DECODE or (w.kind is Kind.REPAIR and id(w.sequence) in decoding) for w in works)
 
 
+def _argmaxes(rows: torch.Tensor, sequences: list) -> list[int | None]:
+    """Each logits row's argmax where its sequence samples greedily (None elsewhere), from one reduction and one copy
+    to the host for the whole step: on a GPU each stream's own `int(argmax)` waited for the device in turn."""
+    if not any(s.decoding is not None and s.decoding.greedy for s in sequences):
+        return [None] * len(sequences)
+    return torch.argmax(rows, dim=-1).tolist()
+
+
 class Runner:
     """The model, seen as: embed rows -> layer i over rows -> final logits.
 
@@ -277,7 +285,9 @@ class Runner:
         try:  # its inputs too: a pool that cannot grow for a decode row fails this step's requests, not the engine's
             ids, parts, ends = self._inputs(works)
             hidden = self.forward(torch.cat(ids), parts)
-            logits = iter(self.logits(hidden[0, ends]))
+            rows = self.logits(hidden[0, ends])
+            sampled = [w.sequence for w in works if w.needs_logits]
+            logits, tops = iter(rows), iter(_argmaxes(rows, sampled))
         except Exception as exc:  # the whole step failed: every request in it fails, and only those
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
@@ -289,14 +299,19 @@ class Runner:
             if not work.needs_logits:
                 results.append(StepResult())
                 continue
-            row = next(logits)
+            row, top = next(logits), next(tops)
             seq = work.sequence
             if work.kind is Kind.DECODE:
-                results.append(self._alone(lambda w, seq=seq, row=row: StepResult(step=self._sample(seq, row)), work))
+                results.append(
+                    self._alone(lambda w, seq=seq, row=row, top=top: StepResult(step=self._sample(seq, row, top)), work)
+                )
             else:
                 results.append(
                     self._alone(
-                        lambda w, seq=seq, row=row: self._sampled(seq, seq.plan, row, seq.plan.rows.numel()), work
+                        lambda w, seq=seq, row=row, top=top: self._sampled(
+                            seq, seq.plan, row, seq.plan.rows.numel(), top
+                        ),
+                        work,
                     )
                 )
         return results
@@ -352,25 +367,29 @@ class Runner:
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
-        rows = iter(logits)  # one a decode work, in order
+        rows, tops = iter(logits), iter(_argmaxes(logits, [work.sequence for work in decodes]))  # a decode work's each
         results = []
         for work in works:
             if work.kind is not Kind.DECODE:  # a repair piece: no output of its own
                 results.append(StepResult())
                 continue
-            row = next(rows)
-            results.append(self._alone(lambda w, row=row: StepResult(step=self._sample(w.sequence, row)), work))
+            row, top = next(rows), next(tops)
+            results.append(
+                self._alone(lambda w, row=row, top=top: StepResult(step=self._sample(w.sequence, row, top)), work)
+            )
         return results
 
-    def _sampled(self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int) -> StepResult:
+    def _sampled(
+        self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int, argmax: int | None = None
+    ) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""
         recompute_s = max(time.perf_counter() - seq.link_started - plan.rotate_s, 0.0)  # placing is rotate_s's
         linked = linker.finish(plan, last_logits, recomputed, recompute_s, seq.params, seq.prefix_cache)
-        return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits))
+        return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits, argmax))
 
     @staticmethod
-    def _sample(seq, logits: torch.Tensor):
-        return seq.decoding.accept(logits) if seq.decoding is not None else None
+    def _sample(seq, logits: torch.Tensor, argmax: int | None = None):
+        return seq.decoding.accept(logits, argmax) if seq.decoding is not None else None
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape

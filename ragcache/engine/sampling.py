@@ -193,9 +193,14 @@ class Decoding:
         self.stop_ids = stop_ids
         self.token_ids: list[int] = []
 
-    def accept(self, logits: torch.Tensor) -> Step | None:
-        """The next token from the last row's logits, or None when generation ends before it (a stop id)."""
-        token = sample(logits, self.sampling, self.generator)
+    @property
+    def greedy(self) -> bool:
+        return self.sampling.temperature < GREEDY_BELOW
+
+    def accept(self, logits: torch.Tensor, argmax: int | None = None) -> Step | None:
+        """The next token from the last row's logits, or None when generation ends before it (a stop id). `argmax`:
+        the row's, where the step took every row's at once (one copy to the host for all, not one a stream)."""
+        token = argmax if argmax is not None and self.greedy else sample(logits, self.sampling, self.generator)
         if token in self.stop_ids:
             return None
         self.token_ids.append(token)
