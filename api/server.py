@@ -23,7 +23,7 @@ from ragcache.engine import map_large_blocks
 from ragcache.errors import CannotListen, EngineDown, ParameterOutOfRange
 from ragcache.facade import RagCache
 from ragcache.front import Front
-from ragcache.settings import Settings
+from ragcache.settings import Settings, refuse_another_gpu, resolve_device
 from ragcache.store import check_url, per_process, shown
 
 from .app import create_app, is_loopback
@@ -101,6 +101,8 @@ def run(settings: Settings, workers: int = 1) -> None:
     log_info()
     if settings.algorithm is not None:  # a misspelt default would refuse every request; said before the model loads
         linker.algorithm(settings.algorithm)
+    if settings.engine == "ragcache":  # before the port is taken and minutes of loading (or workers start)
+        refuse_another_gpu(resolve_device(settings.device)[0])
     if workers > 1 and settings.engine == "vllm":
         raise ParameterOutOfRange(
             "one worker with --engine vllm: vLLM batches every request in one engine (and each "

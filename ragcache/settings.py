@@ -75,9 +75,11 @@ def refuse_another_gpu(device) -> None:
     decode graphs' streams and the copies' events would be on the first GPU with the engine's tensors on another."""
     device = torch.device(device)
     if device.type == "cuda" and (device.index or 0) != 0:
+        visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+        gpu = visible[device.index] if device.index < len(visible) else str(device.index)  # as CUDA numbers it
         raise ParameterOutOfRange(
             f"device {device}: ragcache's engine runs on the first GPU the process sees; choose this one with "
-            f"CUDA_VISIBLE_DEVICES={device.index} and --device cuda"
+            f"CUDA_VISIBLE_DEVICES={gpu} and --device cuda"
         )
 
 

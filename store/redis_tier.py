@@ -254,12 +254,12 @@ class RedisStore(BlobStore):
 
     def _plan(self, key: str, gen: str, blob: bytes) -> tuple[dict, list[memoryview]]:
         view = memoryview(blob)
-        slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
-        if len(slices) > MAX_PARTS:  # its readers would refuse its manifest
+        if (parts := -(-len(blob) // self.part_bytes)) > MAX_PARTS:  # its readers would refuse its manifest
             raise StoreError(
-                f"redis tier: an entry of {len(blob)} bytes would take {len(slices)} parts of part_bytes "
+                f"redis tier: an entry of {len(blob)} bytes would take {parts} parts of part_bytes "
                 f"{self.part_bytes}, more than {MAX_PARTS}: raise part_bytes"
             )
+        slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
         info = describe_head(view)
         return {
             "v": MANIFEST_VERSION,

@@ -189,3 +189,41 @@ def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypat
     narrow = lambda i: (0, 2, 2)[i % 3]  # noqa: E731
     assert answers(graphed, repair=narrow) == answers(plain, repair=narrow)
     assert captured and all(lanes * rows <= 4 for lanes, rows in captured), captured
+
+
+def test_no_collection_runs_while_a_decode_graph_is_captured(monkeypatch):
+    """A finalizer the collector ran during a capture (a store entry's, store/arena.py) recorded its CUDA event into
+    the graph; that event's query then failed for good and took the memory tier down."""
+    import contextlib
+    import gc
+    from types import SimpleNamespace
+
+    rc = engine("llama", True)
+    graphs = rc.runner.graphs
+    seen = []
+
+    @contextlib.contextmanager
+    def capturing(graph, stream=None, capture_error_mode=None):
+        seen.append(gc.isenabled())
+        yield
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    monkeypatch.setattr(graphs, "_forward", lambda pool, step: torch.zeros(1))
+    step = SimpleNamespace(logits=None, graph=None)
+    graphs._capture(None, step)
+    assert seen == [False] and gc.isenabled() and step.graph == "graph"
+
+    def failing(pool, step):
+        if len(seen) == 2:
+            raise RuntimeError("capture failed")
+        return torch.zeros(1)
+
+    monkeypatch.setattr(graphs, "_forward", failing)
+    with pytest.raises(RuntimeError, match="capture failed"):
+        graphs._capture(None, SimpleNamespace(logits=None, graph=None))
+    assert gc.isenabled()  # given back on the way out of a failed capture too

@@ -1344,6 +1344,15 @@ def test_the_device_is_cuda_where_torch_sees_a_gpu_unless_one_is_configured(monk
 
     with pytest.raises(ParameterOutOfRange, match="CUDA_VISIBLE_DEVICES=1 and --device cuda"):
         RagCache.from_config(EngineConfig(model="/no/such/model", store="memory:", device="cuda:1"))
+    from ragcache.api.server import run
+    from ragcache.settings import refuse_another_gpu
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")  # cuda:1 is the GPU CUDA numbers 3
+    with pytest.raises(ParameterOutOfRange, match="CUDA_VISIBLE_DEVICES=3 and"):
+        refuse_another_gpu("cuda:1")
+    with pytest.raises(ParameterOutOfRange, match="first GPU"):  # serve: before the port and the model
+        run(Settings.model_construct(**{**Settings().model_dump(), "device": "cuda:1", "port": 1}))
+    refuse_another_gpu("cuda:0"), refuse_another_gpu("cuda"), refuse_another_gpu("cpu")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     device, why = resolve_device(None)
     assert device == "cpu" and why.startswith("auto: ") and EngineConfig().device == "cpu"

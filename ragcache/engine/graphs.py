@@ -17,7 +17,9 @@ as an ordinary step)."""
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +34,28 @@ from .kv import JoinedCache, KVPool
 # capturing a graph whose memory pool (a [lanes, group x rows, length] mask among it) stays allocated with the KV
 # pool, one such pool for each (lanes, rows) met
 CAPTURED_REPAIR_ROWS = 512
+
+
+_COLLECTION = threading.Lock()
+_PAUSES = [0, False]  # captures under way in this process; whether the collector ran before the first
+
+
+@contextmanager
+def _no_collection():
+    """The collector off while any engine of the process captures (two engines' model threads may capture at once:
+    the first to end must not turn it on under the other), as it was after the last."""
+    with _COLLECTION:
+        if _PAUSES[0] == 0:
+            _PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _PAUSES[0] += 1
+    try:
+        yield
+    finally:
+        with _COLLECTION:
+            _PAUSES[0] -= 1
+            if _PAUSES[0] == 0 and _PAUSES[1]:
+                gc.enable()
 
 
 def _round_up(n: int) -> int:
@@ -255,14 +279,7 @@ class DecodeGraphs:
         # graph goes, and the next capture into its handle fails inside torch's allocator
         # no collection during the capture: a store entry's finalizer it ran would record its event into the graph
         # (store/arena.py), and that event's query then fails for good, taking the memory tier down
-        collecting = gc.isenabled()
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
-                step.logits = self._forward(pool, step)
-        finally:
-            if collecting:
-                gc.enable()
+        with _no_collection(), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+            step.logits = self._forward(pool, step)
         step.graph = graph
         self.captures += 1

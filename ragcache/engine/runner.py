@@ -364,10 +364,12 @@ class Runner:
                 if w.kind is Kind.REPAIR
             ]
             logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
+            # (the step's first wait for the device: a fault of its replay fails this step's streams, not the engine)
+            argmaxes = _argmaxes(logits, [work.sequence for work in decodes])
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
-        rows, tops = iter(logits), iter(_argmaxes(logits, [work.sequence for work in decodes]))  # a decode work's each
+        rows, tops = iter(logits), iter(argmaxes)  # a decode work's each
         results = []
         for work in works:
             if work.kind is not Kind.DECODE:  # a repair piece: no output of its own

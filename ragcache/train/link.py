@@ -52,7 +52,7 @@ from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats, cache_argument
 from ..errors import BadRequest, RagCacheError, UnsupportedModel
 from ..facade import RagCache
-from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, resolve_device
+from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, refuse_another_gpu, resolve_device
 from . import checkpoint, squad
 
 log = logging.getLogger("ragcache")
@@ -97,7 +97,7 @@ class LinkTrainConfig:
             )
         if self.dtype not in DTYPES:
             raise BadRequest(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        resolve_device(self.device)  # a device this machine has
+        refuse_another_gpu(resolve_device(self.device)[0])  # a device this machine has, one ragcache's engine runs on
         for name in (
             "steps",
             "batch",
