@@ -55,9 +55,9 @@ LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 
 def served_hosts(settings: Settings) -> frozenset[str] | None:
     """The Host names a server answers (None: any): `allowed_hosts` and loopback names, else with no API key on a
-    loopback address, loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS rebinding) and read
-    the answers, the documents among them, as same-origin; a request for one of these names is the user's own.
-    Elsewhere (an API key, or an address other machines reach, which the operator chose) any name."""
+    loopback address, loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS
+    rebinding) and read the answers, the documents among them, as same-origin; a request for one of these names is
+    the user's own. Elsewhere (an API key, or an address other machines reach, which the operator chose) any name."""
     if settings.allowed_hosts is not None:  # a probe or a curl on the machine itself goes on working
         names = frozenset(host_name(name.encode()) for name in settings.allowed_hosts)
         return None if "*" in names else names | LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
@@ -82,7 +82,8 @@ def host_name(header: bytes) -> str:
 
 
 class Guard:
-    """Bearer auth when an API key is set (everything but `public_paths`), and bounds on request bodies: the declared
+    """The Host names served (`served_hosts`), bearer auth when an API key is set (everything but `public_paths`),
+    the bodies of all requests under way (`bodies_bytes`), and bounds on each request's body: the declared
     size, the size actually received (chunked bodies declare none) and the time the whole body takes to arrive,
     from the request's start (a trickle of bytes does not extend it). Pure ASGI. api/connections.py closes the
     connection soon after that deadline even when the app does not read the body."""

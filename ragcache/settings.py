@@ -118,6 +118,10 @@ DEFAULT_CHECK_LAYER = 1
 DEVIATIONS = ("key", "value")  # what CacheBlend compares at its check layer
 
 
+REPAIR_ON_VLLM = (  # why the vllm engine refuses `repair`: vLLM's scheduler owns its decode steps
+    "repair (recomputing a link's stale rows during decode) runs on ragcache's engine only; leave it out, or serve "
+    "with --engine ragcache"
+)
 REPAIR_OF_ONE = (  # what `repair` must be: each decode step also adds a row decoded over the stale cache
     "0 (off) or at least 2: a repair of 1 row a decode step never catches up"
 )
@@ -541,6 +545,8 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         # (only on vllm: an engine config checks the device, which settings a plan reads need not have)
         if self.engine == "vllm" and (problem := self.engine_config().vllm_problem()):
             raise ValueError(problem)
+        if self.engine == "vllm" and self.repair:  # every request would be refused for it
+            raise ValueError(f"repair: {REPAIR_ON_VLLM}")
         if self.max_per_client is not None and self.max_per_client > self.max_queue:
             raise ValueError(
                 f"max_per_client ({self.max_per_client}) is above max_queue ({self.max_queue}): one client "

@@ -259,6 +259,9 @@ def test_ragcache_engine_options_are_refused_on_the_vllm_engine():
     with pytest.raises(ValueError, match="row_budget, decode_compile: options of ragcache.s engine"):
         Settings(engine="vllm", row_budget=1024, decode_compile=True)
     Settings(engine="vllm", decode_compile=False)  # as the defaults are
+    with pytest.raises(ValueError, match="repair .*ragcache's engine only"):  # said before vLLM loads, not per request
+        Settings(engine="vllm", repair=8)
+    Settings(engine="vllm", repair=0)
     Settings(row_budget=1024, decode_compile=True)
 
 

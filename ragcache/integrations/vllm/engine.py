@@ -35,7 +35,7 @@ from ragcache.front import Front, drain, found_forms
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
-from ragcache.settings import INSTALLED, EngineConfig
+from ragcache.settings import INSTALLED, REPAIR_ON_VLLM, EngineConfig
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, per_process
 from ragcache.store.shards import HeadRange
@@ -271,10 +271,7 @@ class VllmRagCache(Front):
     # -- answering ------------------------------------------------------------------------------------
     def refuse_unrunnable(self, params: LinkParams) -> None:
         if params.repair:  # vLLM's scheduler owns its decode steps: nothing rides with them
-            raise ParameterOutOfRange(
-                "repair (recomputing a link's stale rows during decode) runs on ragcache's engine only; "
-                "leave it out, or serve with --engine ragcache"
-            )
+            raise ParameterOutOfRange(REPAIR_ON_VLLM)
 
     def stream_query(
         self, query: Query, first_distribution: bool = False, base: bool = False, background: bool = False
