@@ -58,12 +58,13 @@ def served_hosts(settings: Settings) -> frozenset[str] | None:
     loopback address, loopback names only. A page in the user's browser may point its own name at 127.0.0.1 (DNS
     rebinding) and read the answers, the documents among them, as same-origin; a request for one of these names is
     the user's own. Elsewhere (an API key, or an address other machines reach, which the operator chose) any name."""
-    if settings.allowed_hosts is not None:  # a probe or a curl on the machine itself goes on working
+    local = LOOPBACK_NAMES | {settings.host.lower().strip("[]")}  # a probe or a curl on the machine itself
+    if settings.allowed_hosts is not None:
         names = frozenset(host_name(name.encode()) for name in settings.allowed_hosts)
-        return None if "*" in names else names | LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
+        return None if "*" in names else names | local
     if settings.api_key or not is_loopback(settings.host):
         return None
-    return LOOPBACK_NAMES | {settings.host.lower().strip("[]")}
+    return local
 
 
 def is_loopback(host: str) -> bool:
@@ -147,7 +148,7 @@ class Guard:
             response = error_response(
                 503,
                 "server_busy",
-                f"this server holds {self.held >> 20} MiB of request bodies (max_bodies_mib); retry shortly",
+                self._busy(),
                 headers={"Retry-After": errors.RETRY_AFTER_S[503], "Connection": "close"},
             )
             return await response(scope, receive, send)
@@ -174,6 +175,9 @@ class Guard:
         others = self.held - own
         return self.bodies_bytes is None or more == 0 or not others or self.held + more <= self.bodies_bytes
 
+    def _busy(self) -> str:
+        return f"this server holds {self.held >> 20} MiB of request bodies (max_bodies_mib); retry shortly"
+
     def _authorized(self, headers: dict) -> bool:
         scheme, _, key = headers.get(b"authorization", b"").partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(key, self.expected)  # RFC 9110: scheme any case
@@ -195,10 +199,7 @@ class Guard:
                 if received > self.max_body_bytes:
                     raise BodyRefused(413, f"request body over {self.max_body_bytes} bytes")
                 if not self._room(arrived, counted[0]):
-                    raise BodyRefused(
-                        503,
-                        f"this server holds {self.held >> 20} MiB of request bodies (max_bodies_mib); retry shortly",
-                    )
+                    raise BodyRefused(503, self._busy())
                 self.held += arrived
                 counted[0] += arrived
                 complete = not message.get("more_body", False)

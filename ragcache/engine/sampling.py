@@ -142,7 +142,6 @@ class TextAssembler:
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
         self.ids: list[int] = []
-        self.emitted = 0
         self.shown = ""  # the text emitted so far
         self.stopped = False
 
@@ -167,9 +166,13 @@ class TextAssembler:
 
     def _emit(self, upto: str) -> str:
         piece = upto[self.emitted :]
-        if len(upto) > self.emitted:
-            self.emitted, self.shown = len(upto), upto
+        if piece:
+            self.shown = upto
         return piece
+
+    @property
+    def emitted(self) -> int:
+        return len(self.shown)
 
 
 def _started(text: str, end: int, stop: str) -> int:
