@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 from collections.abc import Callable
 from contextlib import aclosing
 
@@ -94,35 +95,36 @@ def _check_upload(docs: list[DocumentIn], limits: Limits) -> None:
     responses=responses(*WITH_BODY, 429, 503),
 )
 async def compile_documents(request: Request, req: CompileRequest = Body(CompileRequest)) -> CompileResponse:
-    """Compile documents into the store (what is already there is skipped). Each chunk's prefill is one job on
-    the scheduler, between batch steps, so queries go on during a long upload; a client that disconnects stops
-    the upload after its current document."""
+    """Compile documents into the store (what is already there is skipped). The missing chunks of all of them are
+    compiled together, as pieces of the engine's steps beside queries; a client that disconnects stops the upload
+    at its next document or compiled batch, with what was compiled stored."""
     c = ctx(request)
     docs = req.items()
     await run_in_threadpool(_check_upload, docs, c.limits)  # metadata may be most of a large body
     slot = c.queue.admit(client_of(request))
-    gone = asyncio.ensure_future(wait_for_disconnect(request))
-    reports: list[CompileReport] = []
+    gone = threading.Event()  # read on the compiling thread
+    watch = asyncio.ensure_future(wait_for_disconnect(request))
+    watch.add_done_callback(lambda _: gone.set())  # cancelled too: the handler left, and nobody awaits the rest
+    counted = 0
+
+    def progress(so_far: CompileReport) -> None:
+        nonlocal counted
+        c.metrics.compiled_chunks.inc(so_far.compiled_chunks - counted)  # as compiled: a later failure keeps them
+        counted = so_far.compiled_chunks
+        if gone.is_set():
+            raise ClientGone()
+
     try:
-        for doc in docs:
-            if gone.done():
-                raise ClientGone()
-            reports.append(await slot.call(c.rc.compile_documents, [doc.text], [doc.metadata]))
-            c.metrics.compiled_chunks.inc(reports[-1].compiled_chunks)  # counted as stored: a later failure keeps it
+        texts, metadata = [doc.text for doc in docs], [doc.metadata for doc in docs]
+        report = await slot.call(c.rc.compile_documents, texts, metadata, progress)
     finally:
-        gone.cancel()
+        watch.cancel()
         slot.close()
-    total = CompileReport()
-    for r in reports:
-        total.add(r)
-    stats = {k: v for k, v in vars(total).items() if k != "ids"}
+    stats = {k: v for k, v in vars(report).items() if k not in ("ids", "per_document")}
     return CompileResponse(
-        ids=[r.ids[0] for r in reports],
+        ids=report.ids,
         stats=stats,
-        documents=[
-            CompiledDocument(id=r.ids[0], chunks=r.chunks, tokens=r.tokens, compiled_chunks=r.compiled_chunks)
-            for r in reports
-        ],
+        documents=[CompiledDocument(**vars(d)) for d in report.per_document],
     )
 
 

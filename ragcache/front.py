@@ -31,8 +31,19 @@ log = logging.getLogger("ragcache")
 
 
 @dataclass
+class DocumentReport:
+    """One document of a `compile_documents` call."""
+
+    id: str
+    chunks: int
+    tokens: int
+    compiled_chunks: int  # its chunks this call compiles: 0 when stored before, or when an earlier document has them
+
+
+@dataclass
 class CompileReport:
     ids: list[str] = field(default_factory=list)
+    per_document: list[DocumentReport] = field(default_factory=list)
     documents: int = 0
     ready: int = 0  # documents whose every chunk is compiled (or was already): what a progress bar counts
     skipped: int = 0  # already compiled
@@ -161,7 +172,8 @@ class Front(abc.ABC):
         compiled together, `_compile_rows` rows at a time, so that the engine packs them into full steps; their
         entries are stored off this thread (a `Writer`, where the engine stores them here), and all of them are
         stored before this returns or raises: an interrupted run resumes from them.
-        `progress(report)`: the report so far, as each document is taken in and as its chunks are compiled.
+        `progress(report)`: the report so far, as each document is taken in and as its chunks are compiled; what
+        it raises stops the compile there (an upload whose client left), with what was compiled stored.
         `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
         tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
         texts = request.validate_texts(texts)
@@ -197,7 +209,9 @@ class Front(abc.ABC):
                     report.skipped += not missing
                     report.tokens += sum(map(len, chunks))
                     # a chunk two documents share, once: also when the writer has not stored it yet
-                    batch.update((tuple(ids), ids) for ids in missing if tuple(ids) not in compiled)
+                    new = {tuple(ids): ids for ids in missing if tuple(ids) not in compiled and tuple(ids) not in batch}
+                    batch.update(new)
+                    report.per_document.append(DocumentReport(doc_id, len(chunks), sum(map(len, chunks)), len(new)))
                     if any(tuple(ids) in batch for ids in missing):
                         waiting += 1
                     else:

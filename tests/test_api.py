@@ -772,22 +772,80 @@ def test_metrics_content(http, doc_ids):
 def test_an_upload_that_fails_part_way_counts_the_chunks_it_compiled(http, rc, monkeypatch):
     from ragcache.store.errors import StoreError
 
-    compile_documents, calls = rc.compile_documents, []
+    compile_batch, calls = rc._compile, []
 
     def second_fails(*args, **kwargs):
         calls.append(1)
         if len(calls) == 2:
             raise StoreError("disk tier /srv/private/store: cannot write entry (No space left on device)")
-        return compile_documents(*args, **kwargs)
+        return compile_batch(*args, **kwargs)
 
-    monkeypatch.setattr(rc, "compile_documents", second_fails)
+    monkeypatch.setattr(rc, "_compile_rows", lambda: 1)  # a batch a document
+    monkeypatch.setattr(rc, "_compile", second_fails)
     before = metric(http.get("/metrics").text, "ragcache_compiled_chunks_total")
     texts = [f"Upload {uuid.uuid4().hex} number {n} tells of harbours." for n in range(2)]
     r = http.post("/v1/documents", json={"documents": [{"text": t} for t in texts]})
     # the store's folders and the file system's words are the log's, not the client's
     error = error_of(r, 503, "the document store failed")
     assert "/srv/private" not in r.text and error["ref"], r.text
-    assert metric(http.get("/metrics").text, "ragcache_compiled_chunks_total") > before  # the first one's chunks
+    assert metric(http.get("/metrics").text, "ragcache_compiled_chunks_total") == before + 1  # the first one's chunk
+
+
+def test_an_upload_compiles_its_documents_together(http, rc, monkeypatch):
+    """The missing chunks of all of an upload's documents go to the engine as one batch (packed into its steps), not
+    a call a document; each document's own report says which of its chunks this upload compiled."""
+    batches, compile_batch = [], rc._compile
+    monkeypatch.setattr(rc, "_compile", lambda chunks, *a: batches.append(len(chunks)) or compile_batch(chunks, *a))
+    shared = f"Shared {uuid.uuid4().hex} note on tides."
+    texts = [f"Upload {uuid.uuid4().hex} of {n} harbours." for n in range(3)] + [shared, shared]
+    r = http.post("/v1/documents", json={"documents": [{"text": t} for t in texts]})
+    assert r.status_code == 201, r.text
+    assert batches == [4]  # the repeated document's chunk, once
+    body = r.json()
+    assert [d["compiled_chunks"] for d in body["documents"]] == [1, 1, 1, 1, 0]
+    assert [d["id"] for d in body["documents"]] == body["ids"] and len(set(body["ids"])) == 4
+    assert body["stats"]["compiled_chunks"] == 4 and body["stats"]["documents"] == 5
+
+
+def test_an_upload_whose_client_left_stops_at_its_next_batch(rc, monkeypatch):
+    """The client leaves while the first of three batches compiles: that one is stored, the others are never compiled,
+    and the slot is free again."""
+    from ragcache.api import native
+
+    entered, release, left, compile_batch, batches = threading.Event(), threading.Event(), threading.Event(), rc._compile, []
+
+    def held(chunks, *args):
+        batches.append(len(chunks))
+        entered.set()
+        assert release.wait(60)
+        return compile_batch(chunks, *args)
+
+    async def watched(request):
+        await wait_for_disconnect(request)
+        left.set()
+
+    wait_for_disconnect = native.wait_for_disconnect
+    monkeypatch.setattr(native, "wait_for_disconnect", watched)
+    monkeypatch.setattr(rc, "_compile_rows", lambda: 1)  # a batch a document
+    monkeypatch.setattr(rc, "_compile", held)
+    texts = [f"Upload {uuid.uuid4().hex} number {n} tells of ferries." for n in range(3)]
+    with serve(rc) as s, ThreadPoolExecutor(1) as pool:
+        try:
+            upload = pool.submit(httpx.post, f"{s.url}/v1/documents", json={"documents": [{"text": t} for t in texts]},
+                                 timeout=httpx.Timeout(60, read=1.0))
+            assert entered.wait(60)
+            with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+                upload.result()
+            assert left.wait(60)
+        finally:
+            release.set()
+        deadline = time.monotonic() + 60
+        while metric(metrics_of(s.url), "ragcache_queue_depth") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        assert batches == [1]
+    assert rc.compile_documents(texts[:1]).skipped == 1  # the batch that was compiling is stored
+    assert rc.compile_documents(texts[1:2]).compiled_chunks == 1  # the next document's never began
 
 
 def test_metrics_of_a_tiered_store(smollm2, tmp_path):
