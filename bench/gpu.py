@@ -25,8 +25,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                the batch's prefill + first token for transformers
   (e) invariance 16 greedy requests (focus over 2 of 8 documents, 16 new tokens) alone, 8 at a time and 16 at a
                time through the scheduler, batch invariance on (fixed-tile Triton Linear and RMSNorm) and off:
-               answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps);
-               with it on, cut invariance: the start-up check's finding, and `full` on 4 of them whole and in
+               answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps),
+               16 seeded sampling streams (temperature 1) too; with it on, cut invariance: the start-up check's finding, and `full` on 4 of them whole and in
                pieces of 100 rows (first logits the same bits, the same answers)
                `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100)
   (f) link     at `--shape` (llama3-8b: 32 layers, hidden 4096, 32/8 heads, head_dim 128) and each of `--contexts`
@@ -768,35 +768,40 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         ids = rc.compile(texts)
         rc.warmup()
 
-        def ask(item):
-            return rc.query(item[0], [ids[i] for i in item[1]], max_new_tokens=new_tokens).token_ids
+        def ask(item, sampled: bool = False):
+            seed = dict(temperature=1.0, seed=asks.index(item)) if sampled else {}
+            return rc.query(item[0], [ids[i] for i in item[1]], max_new_tokens=new_tokens, **seed).token_ids
 
-        def run(at_once: int) -> tuple[list, dict]:
+        def run(at_once: int, sampled: bool = False) -> tuple[list, dict]:
             before = _scheduler_stats(rc)
             with ThreadPoolExecutor(at_once) as executor:
-                answers = list(executor.map(ask, asks))
+                answers = list(executor.map(lambda item: ask(item, sampled), asks))
             return answers, _stats_delta(before, _scheduler_stats(rc))
 
         run(requests)  # untimed: Triton compiles its kernels for these shapes
         alone, one = run(1)
         grouped, _ = run(group)
         packed, many = run(requests)
-        same = {f"identical_{n}_at_a_time": sum(map(list.__eq__, alone, answers))
-                for n, answers in ((group, grouped), (requests, packed))}
+        # seeded sampling streams (temperature 1): each draws on the device and a step copies its tokens once
+        sampled_alone, _ = run(1, sampled=True)
+        sampled_packed, sampled_many = run(requests, sampled=True)
+        same = {f"identical_{n}_at_a_time": sum(map(list.__eq__, first, answers)) for n, first, answers in (
+            (group, alone, grouped), (requests, alone, packed), (f"{requests}_sampled", sampled_alone, sampled_packed))}
         # a rate is over the run's decode-only steps, and their count goes beside it: a rate left out (None) is a
         # run with none of them, said so in the row rather than left to guess
         row = dict(model=name, batch_invariant=flag, how=rc.batch_invariance, requests=requests,
                    new_tokens=new_tokens, **same, decode_tok_s_1=_decode_rate(one),
-                   decode_tok_s_many=_decode_rate(many), decode_only_steps_1=one["decode_only_steps"],
+                   decode_tok_s_many=_decode_rate(many), decode_tok_s_many_sampled=_decode_rate(sampled_many),
+                   decode_only_steps_1=one["decode_only_steps"],
                    decode_only_steps_many=many["decode_only_steps"])
         print(f"  {name} batch_invariant={flag} ({row['how']}): identical to alone "
               + ", ".join(f"{got}/{requests} {what}" for what, got in same.items())
               + f"; decode tok/s {_fmt(row['decode_tok_s_1'])} at 1 stream, {_fmt(row['decode_tok_s_many'])} at "
-              f"{requests}", flush=True)
+              f"{requests}, {_fmt(row['decode_tok_s_many_sampled'])} at {requests} sampling", flush=True)
         rows.append(row)
         rc.close()
     on, off = rows
-    for key in ("decode_tok_s_1", "decode_tok_s_many"):  # a run with no decode-only step has no rate: no ratio
+    for key in ("decode_tok_s_1", "decode_tok_s_many", "decode_tok_s_many_sampled"):  # no decode-only step: no ratio
         on[f"{key}_vs_off"] = on[key] / off[key] if on[key] and off[key] else None
     try:  # a failure here keeps the on/off rows measured above
         on.update(cut_invariance(lm, texts, asks[:4], doc_tokens, new_tokens))

@@ -510,6 +510,7 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     on, off = result["invariance"]  # on this CPU the invariant engine is the probed row tiles'
     assert on["batch_invariant"] and not off["batch_invariant"] and "row tiles" in on["how"]
     assert on["identical_2_at_a_time"] == on["identical_4_at_a_time"] == on["requests"] == 4
+    assert on["identical_4_sampled_at_a_time"] == 4  # seeded sampling streams too, each drawing with its own generator
     # `full` whole and in pieces: the same bits where the start-up check found this CPU cut-invariant
     assert on["of"] == 4 and (not on["cut_invariant"] or on["full_first_logits_same_bits"] == on["full_answers_same"] == 4)
     # a repair past the prompt catches up at once; cut-invariant, an answer whose first token is full's is full's
@@ -518,6 +519,7 @@ def test_the_gpu_script_runs_its_cpu_path_end_to_end(tmp_path):
     # a rate is there exactly when its run had decode-only steps (else None, the count 0 saying why); here each run
     # has them: no EOS, and the request linked last decodes its tokens after its first in steps no link shares
     for row in (on, off):
+        assert row["decode_tok_s_many_sampled"] > 0, row
         for n in ("1", "many"):
             assert row[f"decode_only_steps_{n}"] > 0 and row[f"decode_tok_s_{n}"] is not None, row
             assert math.isfinite(row[f"decode_tok_s_{n}"]) and row[f"decode_tok_s_{n}"] > 0, row

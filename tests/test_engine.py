@@ -627,3 +627,17 @@ def test_a_failed_link_frees_its_cache(rc, monkeypatch):
     with pytest.raises(Exception):
         rc.link("where?", [{"text": DOC}], algorithm="full")
     assert spent == [0], spent  # spent: no K/V left in it
+
+
+def test_top_p_draws_only_from_the_nucleus():
+    """The smallest set of top tokens whose mass reaches top_p: here the first alone at 0.5, the first two at 0.8;
+    the draw's generator makes it repeatable."""
+    from ragcache.engine.sampling import draw
+
+    logits = torch.log(torch.tensor([0.6, 0.3, 0.05, 0.05]))
+    for top_p, allowed in ((0.5, {0}), (0.8, {0, 1}), (1.0, {0, 1, 2, 3})):
+        g = torch.Generator().manual_seed(0)
+        seen = {int(draw(logits, Sampling(temperature=1.0, top_p=top_p), g)) for _ in range(400)}
+        assert seen == allowed, (top_p, seen)
+    again = [int(draw(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(5))) for _ in range(2)]
+    assert again[0] == again[1] and draw(logits, Sampling(), None).shape == (1,)

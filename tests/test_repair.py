@@ -291,7 +291,7 @@ def assert_a_repair_ends_with_fulls_cache_bit_for_bit(
     ids = rc.compile(docs)
     tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=new_tokens).token_ids
 
-    def accept(self, logits, argmax=None):
+    def accept(self, logits, token=None):
         token = tokens[len(self.token_ids)]
         self.token_ids.append(token)
         return Step(token, self.assembler.push(token))

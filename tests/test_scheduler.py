@@ -1027,27 +1027,55 @@ def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refu
     rc.close()
 
 
-def test_greedy_streams_take_their_tokens_from_one_argmax_a_step(monkeypatch):
-    """On a GPU each stream's own int(argmax) waited for the device in turn: a step's greedy rows are reduced
-    together; a sampling stream still samples its own, and the tokens are each stream's alone."""
-    from ragcache.engine import sampling
+def _three_streams_together(rc, ids, draw=None):
+    """Two greedy streams and a seeded sampling one, opened together so that their rows share steps; their events."""
     from ragcache.engine.sequence import Piece
     from tests.hold import held
+
+    streams = [rc.stream(q, ids[i : i + 1], max_new_tokens=6) for i, q in enumerate(QUESTIONS[:2])]
+    streams.append(rc.stream(QUESTIONS[2], ids[2:3], max_new_tokens=6, temperature=1.0, seed=3))
+    ended = [threading.Event() for _ in streams]
+    with held(rc):
+        for stream, end in zip(streams, ended):
+            stream.open(lambda event, end=end: isinstance(event, Piece) or end.set())
+    assert all(end.wait(120) for end in ended)
+    return streams
+
+
+def test_a_steps_tokens_reach_the_host_in_one_copy(monkeypatch):
+    """On a GPU each stream's own int(...) waited for the device in turn: a step's greedy rows are reduced together
+    and its sampling streams' draws stay on the device until the step copies every token at once. Each stream's
+    tokens are still its own alone, the seeded sampling stream's included."""
+    from ragcache.engine import sampling
 
     rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
     ids = rc.compile(DOCS[:3])
     alone = [rc.query(q, ids[i : i + 1], max_new_tokens=6).token_ids for i, q in enumerate(QUESTIONS[:2])]
-    calls, sample = [], sampling.sample
-    monkeypatch.setattr(sampling, "sample", lambda logits, s, g: calls.append(s.temperature) or sample(logits, s, g))
-    streams = [rc.stream(q, ids[i : i + 1], max_new_tokens=6) for i, q in enumerate(QUESTIONS[:2])]
-    streams.append(rc.stream(QUESTIONS[2], ids[2:3], max_new_tokens=6, temperature=1.0, seed=3))
-    ended = [threading.Event() for _ in streams]
-    with held(rc):  # opened together: their decode rows share steps
-        for stream, end in zip(streams, ended):
-            stream.open(lambda event, end=end: isinstance(event, Piece) or end.set())
-    assert all(end.wait(120) for end in ended)
-    assert [stream.answer.token_ids for stream in streams[:2]] == alone
-    assert calls and set(calls) == {1.0}  # only the sampling stream drew its own
+    alone.append(rc.query(QUESTIONS[2], ids[2:3], max_new_tokens=6, temperature=1.0, seed=3).token_ids)
+    waits, draws, sample, draw = [], [], sampling.sample, sampling.Decoding.draw
+    monkeypatch.setattr(sampling, "sample", lambda logits, s, g: waits.append(s.temperature) or sample(logits, s, g))
+    monkeypatch.setattr(sampling.Decoding, "draw", lambda self, logits: draws.append(1) or draw(self, logits))
+    streams = _three_streams_together(rc, ids)
+    assert [stream.answer.token_ids for stream in streams] == alone
+    assert len(draws) >= 5 and len(waits) <= 1  # decode steps drew on the device; at most a link's first token alone
+    rc.close()
+
+
+def test_a_draw_that_raises_fails_its_own_stream_only(monkeypatch):
+    from ragcache.engine import sampling
+    from ragcache.engine.sequence import Status
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    ids = rc.compile(DOCS[:3])
+
+    def broken(self, logits):
+        raise RuntimeError("invalid multinomial distribution")
+
+    monkeypatch.setattr(sampling.Decoding, "draw", broken)
+    monkeypatch.setattr(sampling, "sample", lambda logits, s, g: broken(None, logits))
+    streams = _three_streams_together(rc, ids)
+    assert [s.status for s in streams] == [Status.FINISHED, Status.FINISHED, Status.FAILED]
+    assert all(len(s.answer.token_ids) == 6 for s in streams[:2])
     rc.close()
 
 

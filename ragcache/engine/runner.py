@@ -119,12 +119,29 @@ def _decode_only(works: list[Work]) -> bool:
     return all(w.kind is Kind.DECODE or (w.kind is Kind.REPAIR and id(w.sequence) in decoding) for w in works)
 
 
-def _argmaxes(rows: torch.Tensor, sequences: list) -> list[int | None]:
-    """Each logits row's argmax where its sequence samples greedily (None elsewhere), from one reduction and one copy
-    to the host for the whole step: on a GPU each stream's own `int(argmax)` waited for the device in turn."""
-    if not any(s.decoding is not None and s.decoding.greedy for s in sequences):
+def _tokens(rows: torch.Tensor, sequences: list) -> list:
+    """Each logits row's next token, for the sequences that decode (None elsewhere), from one copy to the host for
+    the whole step: greedy rows' from one argmax, sampled rows' drawn each with its own generator. On a GPU each
+    stream's own `int(...)` waited for the device in turn. A draw that raises is that sequence's entry, for it alone
+    to fail with (`Runner._sample`)."""
+    decodings = [s.decoding for s in sequences]
+    sampled = [i for i, d in enumerate(decodings) if d is not None and not d.greedy]
+    if all(d is None for d in decodings):
         return [None] * len(sequences)
-    return torch.argmax(rows, dim=-1).tolist()
+    drawn: list[torch.Tensor] = []
+    failed: dict[int, BaseException] = {}
+    for i in sampled:
+        try:
+            drawn.append(decodings[i].draw(rows[i]))
+        except CONTAINED as exc:
+            failed[i] = exc
+    values = torch.cat([torch.argmax(rows, dim=-1), *drawn]).tolist()
+    tokens: list = [v if d is not None else None for v, d in zip(values, decodings)]
+    for i, token in zip([i for i in sampled if i not in failed], values[len(sequences) :]):
+        tokens[i] = token
+    for i, error in failed.items():
+        tokens[i] = error
+    return tokens
 
 
 class Runner:
@@ -287,7 +304,7 @@ class Runner:
             hidden = self.forward(torch.cat(ids), parts)
             rows = self.logits(hidden[0, ends])
             sampled = [w.sequence for w in works if w.needs_logits]
-            logits, tops = iter(rows), iter(_argmaxes(rows, sampled))
+            logits, tops = iter(rows), iter(_tokens(rows, sampled))
         except Exception as exc:  # the whole step failed: every request in it fails, and only those
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
@@ -365,11 +382,11 @@ class Runner:
             ]
             logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
             # (the step's first wait for the device: a fault of its replay fails this step's streams, not the engine)
-            argmaxes = _argmaxes(logits, [work.sequence for work in decodes])
+            tokens = _tokens(logits, [work.sequence for work in decodes])
         except Exception as exc:  # as a packed forward that fails
             log.exception("a model step failed")
             return [StepResult(error=exc)] * len(works)
-        rows, tops = iter(logits), iter(argmaxes)  # a decode work's each
+        rows, tops = iter(logits), iter(tokens)  # a decode work's each
         results = []
         for work in works:
             if work.kind is not Kind.DECODE:  # a repair piece: no output of its own
@@ -382,16 +399,19 @@ class Runner:
         return results
 
     def _sampled(
-        self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int, argmax: int | None = None
+        self, seq, plan: linker.LinkPlan, last_logits: torch.Tensor, recomputed: int, token=None
     ) -> StepResult:
         """A link that ended: what it cost (and a `prefix` prompt remembered), and its first token."""
         recompute_s = max(time.perf_counter() - seq.link_started - plan.rotate_s, 0.0)  # placing is rotate_s's
         linked = linker.finish(plan, last_logits, recomputed, recompute_s, seq.params, seq.prefix_cache)
-        return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits, argmax))
+        return StepResult(plan=plan, linked=linked, step=self._sample(seq, last_logits, token))
 
     @staticmethod
-    def _sample(seq, logits: torch.Tensor, argmax: int | None = None):
-        return seq.decoding.accept(logits, argmax) if seq.decoding is not None else None
+    def _sample(seq, logits: torch.Tensor, token=None):
+        """The sequence's next step from its logits, or from `token`, drawn from them for the whole step."""
+        if isinstance(token, BaseException):
+            raise token
+        return seq.decoding.accept(logits, token) if seq.decoding is not None else None
 
     def new_cache(self, capacity: int) -> JoinedCache:
         s = self.shape

@@ -111,16 +111,22 @@ class Step:
 GREEDY_BELOW = 1e-3  # logits / 1e-232 overflow to inf and softmax to NaN; such a distribution is the argmax anyway
 
 
-def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
+    """The next token as a one-element tensor where the logits are: nothing waits for the device here, so a step's
+    streams queue their draws and copy them to the host once (runner._tokens)."""
     if sampling.temperature < GREEDY_BELOW:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits).reshape(1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > sampling.top_p
-        sorted_probs[outside] = 0.0
+        sorted_probs.masked_fill_(outside, 0.0)  # not `[outside] = 0`: a boolean index may wait for the device
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return torch.multinomial(probs, 1, generator=generator)
+
+
+def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
+    return int(draw(logits, sampling, generator))
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:
@@ -200,10 +206,15 @@ class Decoding:
     def greedy(self) -> bool:
         return self.sampling.temperature < GREEDY_BELOW
 
-    def accept(self, logits: torch.Tensor, argmax: int | None = None) -> Step | None:
-        """The next token from the last row's logits, or None when generation ends before it (a stop id). `argmax`:
-        the row's, where the step took every row's at once (one copy to the host for all, not one a stream)."""
-        token = argmax if argmax is not None and self.greedy else sample(logits, self.sampling, self.generator)
+    def draw(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token, left on the logits' device (`draw`)."""
+        return draw(logits, self.sampling, self.generator)
+
+    def accept(self, logits: torch.Tensor, token: int | None = None) -> Step | None:
+        """The next token from the last row's logits, or None when generation ends before it (a stop id). `token`:
+        the one drawn from them already, where the step copied every stream's to the host at once (runner._tokens)."""
+        if token is None:
+            token = sample(logits, self.sampling, self.generator)
         if token in self.stop_ids:
             return None
         self.token_ids.append(token)
