@@ -51,6 +51,7 @@ class BodyRefused(HTTPException):
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
+AUTHORIZED = "ragcache.authorized"  # the scope's key: whether the request holds the API key (or none is set)
 
 
 def served_hosts(settings: Settings) -> frozenset[str] | None:
@@ -124,7 +125,9 @@ class Guard:
                 headers={"Connection": "close"},
             )
             return await response(scope, receive, send)
-        if self.expected is not None and scope["path"] not in self.public_paths and not self._authorized(headers):
+        authorized = self.expected is None or self._authorized(headers)
+        scope[AUTHORIZED] = authorized  # a public path may still keep its details for the key's holders (/health)
+        if not authorized and scope["path"] not in self.public_paths:
             response = error_response(
                 401,
                 "unauthorized",
@@ -259,8 +262,9 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
     body.document(app, [CompileRequest, QueryRequest, InfillRequest, CompletionRequest, ChatRequest])
 
     @app.get("/health", tags=["operations"], responses=errors.responses(503))
-    def health():
-        """200 when the engine answers and the store does; 503 otherwise."""
+    def health(request: Request):
+        """200 when the engine answers and the store does; 503 otherwise. With an API key set, a request without it
+        gets the status alone: the model's name may be a local path, and the rest is the operators'."""
         try:
             store_ok = bool(rc.store.ping())
         except Exception:  # noqa: BLE001 - a failing ping is an unhealthy store
@@ -268,6 +272,8 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         problem = rc.engine_problem() or (None if store_ok else f"the store ({rc.store.name}) does not answer")
         if problem:
             return error_response(503, "unavailable", problem, headers={"Retry-After": errors.RETRY_AFTER_S[503]})
+        if not request.scope.get(AUTHORIZED, True):
+            return {"status": "ok"}
         return {
             "status": "ok",
             "model": rc.model_name,

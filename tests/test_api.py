@@ -736,7 +736,10 @@ def test_bearer_auth(rc):
         # the scheme is case-insensitive (RFC 9110, 11.1); the key is not
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "bearer s3cret"}).status_code == 200
         error_of(httpx.get(f"{s.url}/v1/models", headers={"Authorization": "bearer S3CRET"}), 401, "Bearer")
-        assert httpx.get(f"{s.url}/health").status_code == 200  # public by default
+        public = httpx.get(f"{s.url}/health")  # public by default, its details the key's holders'
+        assert public.status_code == 200 and public.json() == {"status": "ok"}
+        detailed = httpx.get(f"{s.url}/health", headers={"Authorization": "Bearer s3cret"}).json()
+        assert detailed["model"] == "smollm2-135m" and "queue_depth" in detailed
         for closed in ("/metrics", "/openapi.json", "/docs"):
             error_of(httpx.get(f"{s.url}{closed}"), 401, "Bearer")
         assert httpx.get(f"{s.url}/metrics", headers={"Authorization": "Bearer s3cret"}).status_code == 200
