@@ -190,7 +190,7 @@ def test_draining_a_stream_someone_else_aborted_raises_cancelled(rc):
 
 def test_one_token_that_completes_two_stop_strings_cuts_at_the_earliest():
     class Pieces:  # a tokenizer whose ids are whole strings: id 1 is "x", id 2 is "ab"
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, **kwargs):
             return "".join({1: "x", 2: "ab"}[i] for i in ids)
 
     asm = TextAssembler(Pieces(), stop=["b", "a"])  # "b" first in the list, "a" first in the text
@@ -217,7 +217,7 @@ def _pieces_by_brute_force(chars: str, stop: list[str]) -> list[str]:
 @given(st.text("ab c", max_size=40), st.lists(st.text("ab c", min_size=1, max_size=6), max_size=4))
 def test_stop_strings_hold_back_and_cut_as_their_definition_says(chars, stop):
     class Chars:  # a tokenizer whose ids are characters
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, **kwargs):
             return "".join(map(chr, ids))
 
     asm = TextAssembler(Chars(), stop)
@@ -229,14 +229,29 @@ def test_stop_strings_hold_back_and_cut_as_their_definition_says(chars, stop):
     assert pieces == _pieces_by_brute_force(chars, stop)
 
 
-def test_a_stop_is_found_where_decoding_changed_what_was_emitted():
-    class CleaningUp:  # a tokenizer that cleans up spaces before punctuation, as GPT-2's may: "x ." decodes "x."
-        def decode(self, ids, skip_special_tokens=True):
-            return "".join({1: "x", 2: " ", 3: "."}[i] for i in ids).replace(" .", ".")
+class CleaningUp:
+    """A tokenizer that cleans up spaces before punctuation unless told not to, as GPT-2's does: "x ." decodes "x."."""
 
-    asm = TextAssembler(CleaningUp(), stop=["."])
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=True):
+        text = "".join({1: "x", 2: " ", 3: ".", 4: "y"}[i] for i in ids)
+        return text.replace(" .", ".") if clean_up_tokenization_spaces else text
+
+
+def test_a_stop_is_found_where_decoding_changed_what_was_emitted():
+    class Rewriting(CleaningUp):  # one whose own decode rewrites emitted text whatever it is told
+        def decode(self, ids, **kwargs):
+            return super().decode(ids)
+
+    asm = TextAssembler(Rewriting(), stop=["."])
     assert asm.push(1) + asm.push(2) == "x " and not asm.stopped
     assert asm.push(3) == "" and asm.stopped  # "x." holds the stop, before what was emitted ended
+
+
+def test_streamed_pieces_are_the_answer_with_a_tokenizer_that_cleans_up_spaces():
+    """The pieces join to the whole answer's text: cut from text that clean-up rewrote, "x", " " then "x.y" lost the
+    "." ("x y")."""
+    asm = TextAssembler(CleaningUp(), stop=[])
+    assert "".join(asm.push(i) for i in (1, 2, 3, 4)) + asm.finish() == "x .y"
 
 
 def test_a_stop_given_as_one_string_is_one_stop_string():

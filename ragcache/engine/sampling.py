@@ -153,10 +153,10 @@ class TextAssembler:
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self._decode()
         # the earliest in the text: one token may complete two stop strings (".\n" for "\n" and "."); what was
         # emitted held none, so each search starts where one could end past it (not over the whole answer a token),
-        # unless decoding changed what was emitted (a tokenizer that cleans up spaces: "x ." decodes "x.")
+        # unless decoding changed what was emitted (a tokenizer's own decode may)
         extends = text.startswith(self.shown)
         cuts = [at for s in self.stop if (at := text.find(s, max(self.emitted - len(s) + 1, 0) if extends else 0)) >= 0]
         if cuts:
@@ -168,7 +168,12 @@ class TextAssembler:
         return self._emit(text[:stable])
 
     def finish(self) -> str:
-        return "" if self.stopped else self._emit(self.tokenizer.decode(self.ids, skip_special_tokens=True))
+        return "" if self.stopped else self._emit(self._decode())
+
+    def _decode(self) -> str:
+        # no clean-up of spaces (GPT-2's "x ." decodes "x."): it rewrites text already emitted, and pieces cut from
+        # the rewritten text by what was emitted before would drop characters; vLLM's streams do not clean up either
+        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _emit(self, upto: str) -> str:
         piece = upto[self.emitted :]
