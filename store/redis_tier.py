@@ -254,12 +254,12 @@ class RedisStore(BlobStore):
 
     def _plan(self, key: str, gen: str, blob: bytes) -> tuple[dict, list[memoryview]]:
         view = memoryview(blob)
-        if (parts := -(-len(blob) // self.part_bytes)) > MAX_PARTS:  # its readers would refuse its manifest
+        if (parts := part_count(len(blob), self.part_bytes)) > MAX_PARTS:  # its readers would refuse its manifest
             raise StoreError(
                 f"redis tier: an entry of {len(blob)} bytes would take {parts} parts of part_bytes "
                 f"{self.part_bytes}, more than {MAX_PARTS}: raise part_bytes"
             )
-        slices = [view[i : i + self.part_bytes] for i in range(0, len(blob), self.part_bytes)] or [view]
+        slices = [view[i * self.part_bytes : (i + 1) * self.part_bytes] for i in range(parts)]
         info = describe_head(view)
         return {
             "v": MANIFEST_VERSION,
@@ -424,6 +424,11 @@ class RedisStore(BlobStore):
         }
 
 
+def part_count(size: int, part_bytes: int) -> int:
+    """The parts an entry of `size` bytes is written in: an empty one is one empty part."""
+    return max(-(-size // part_bytes), 1)
+
+
 def _parse_manifest(raw: bytes) -> dict | None:
     """A manifest, or None when it is unusable: its part count is the one its size and part size give, and at most
     MAX_PARTS (a manifest another writer of the Redis planted with a billion parts would have every read build a
@@ -437,7 +442,7 @@ def _parse_manifest(raw: bytes) -> dict | None:
             or not all(isinstance(n, int) for n in (size, part_bytes, parts))
             or not 0 <= size <= MAX_ENTRY_BYTES
             or part_bytes < 1
-            or parts != max(-(-size // part_bytes), 1)
+            or parts != part_count(size, part_bytes)
             or parts > MAX_PARTS
             or not isinstance(manifest.get("sha256"), str)
         ):
