@@ -31,6 +31,7 @@ from .connections import bounded
 from .engine_queue import EngineQueue, Measuring
 from .errors import clip, error_response
 from .metrics import CONTENT_TYPE, Metrics, MetricsMiddleware
+from .request_id import RequestIds
 from .schemas import ChatRequest, CompileRequest, CompletionRequest, InfillRequest, QueryRequest
 
 DESCRIPTION = """RAG middleware that reuses document KV caches: upload documents once (compiled into KV caches),
@@ -317,5 +318,6 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         bodies_bytes=settings.max_bodies_mib << 20,
         held_gauge=metrics.body_bytes,
     )
-    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: it also counts 401s and 413s
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # it also counts 401s and 413s
+    app.add_middleware(RequestIds)  # outermost: every response carries its id
     return app

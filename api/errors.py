@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import re
 import reprlib
-import uuid
 from itertools import islice
 
 from fastapi import FastAPI, Request
@@ -36,6 +35,7 @@ from ragcache.errors import (
     UnsupportedModel,
 )
 
+from . import request_id
 from .schemas import ErrorResponse
 
 log = logging.getLogger("ragcache.api")
@@ -161,13 +161,13 @@ def describe(exc: BaseException) -> tuple[int, dict]:
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
         message = str(exc)
         if status >= 500:
-            details["ref"] = ref = uuid.uuid4().hex[:12]
+            details["ref"] = ref = request_id.ref()
             log.warning("engine error [ref %s]: %s", ref, exc)
             if exc.public is not None:
                 message = f"{exc.public}; the server logged its cause (ref {ref})"
         snake = re.sub(r"(?<!^)(?=[A-Z])", "_", type(exc).__name__).lower()  # UnknownDocument -> unknown_document
         return status, error_body(snake, message, **details)
-    ref = uuid.uuid4().hex[:12]
+    ref = request_id.ref()
     log.error("unexpected error [ref %s]", ref, exc_info=exc)
     return 500, error_body("internal_error", f"internal error ({type(exc).__name__}); the server logged it", ref=ref)
 

@@ -790,8 +790,23 @@ def test_an_upload_that_fails_part_way_counts_the_chunks_it_compiled(http, rc, m
     r = http.post("/v1/documents", json={"documents": [{"text": t} for t in texts]})
     # the store's folders and the file system's words are the log's, not the client's
     error = error_of(r, 503, "the document store failed")
-    assert "/srv/private" not in r.text and error["ref"], r.text
+    assert "/srv/private" not in r.text and error["ref"] == r.headers["x-request-id"], r.text  # the log's ref
     assert metric(http.get("/metrics").text, "ragcache_compiled_chunks_total") == before + 1  # the first one's chunk
+
+
+def test_every_response_carries_a_request_id(rc, http):
+    """The client's own X-Request-ID where it is usable (a proxy's, an SDK's), else a new one each; refusals of the
+    middlewares carry it too."""
+    mine = http.get("/health", headers={"X-Request-ID": "lb-7f3a:2"})
+    assert mine.headers["x-request-id"] == "lb-7f3a:2"
+    ids = {http.get("/health").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3 and all(re.fullmatch("[0-9a-f]{32}", i) for i in ids)
+    for unusable in ("a b", "x" * 129, "id\u00e9"):  # a space, too long, not ASCII: replaced, never echoed
+        got = http.get("/health", headers={"X-Request-ID": unusable.encode().decode("unicode_escape").encode("latin-1")})
+        assert re.fullmatch("[0-9a-f]{32}", got.headers["x-request-id"]), unusable
+    with serve(rc, api_key="s3cret") as s:
+        refused = httpx.get(f"{s.url}/v1/models", headers={"X-Request-ID": "r1"})
+    assert refused.status_code == 401 and refused.headers["x-request-id"] == "r1"
 
 
 def test_an_upload_compiles_its_documents_together(http, rc, monkeypatch):
