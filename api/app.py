@@ -273,7 +273,7 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         problem = rc.engine_problem() or (None if store_ok else f"the store ({rc.store.name}) does not answer")
         if problem:
             return error_response(503, "unavailable", problem, headers={"Retry-After": errors.RETRY_AFTER_S[503]})
-        if not request.scope.get(AUTHORIZED, True):
+        if not request.scope.get(AUTHORIZED, False):
             return {"status": "ok"}
         return {
             "status": "ok",

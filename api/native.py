@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 from collections.abc import Callable
@@ -97,7 +98,8 @@ def _check_upload(docs: list[DocumentIn], limits: Limits) -> None:
 async def compile_documents(request: Request, req: CompileRequest = Body(CompileRequest)) -> CompileResponse:
     """Compile documents into the store (what is already there is skipped). The missing chunks of all of them are
     compiled together, as pieces of the engine's steps beside queries; a client that disconnects stops the upload
-    at its next document or compiled batch, with what was compiled stored."""
+    at its next document or compiled batch: what was compiled is stored, and documents taken in whose chunks were
+    not are compiled by their first query."""
     c = ctx(request)
     docs = req.items()
     await run_in_threadpool(_check_upload, docs, c.limits)  # metadata may be most of a large body
@@ -109,7 +111,7 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
 
     def progress(so_far: CompileReport) -> None:
         nonlocal counted
-        c.metrics.compiled_chunks.inc(so_far.compiled_chunks - counted)  # as compiled: a later failure keeps them
+        c.metrics.compiled_chunks.inc(so_far.compiled_chunks - counted)  # as compiled (before they are stored)
         counted = so_far.compiled_chunks
         if gone.is_set():
             raise ClientGone()
@@ -124,7 +126,7 @@ async def compile_documents(request: Request, req: CompileRequest = Body(Compile
     return CompileResponse(
         ids=report.ids,
         stats=stats,
-        documents=[CompiledDocument(**vars(d)) for d in report.per_document],
+        documents=[CompiledDocument(**dataclasses.asdict(d)) for d in report.per_document],
     )
 
 

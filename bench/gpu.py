@@ -28,7 +28,8 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                answers identical to the request alone, and decode tok/s at 1 and 16 streams (decode-only steps),
                16 seeded sampling streams (temperature 1) too; with it on, cut invariance: the start-up check's finding, and `full` on 4 of them whole and in
                pieces of 100 rows (first logits the same bits, the same answers)
-               `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100)
+               `--skip kernels,model,serving` runs it alone (the issue's GPU check: about 2 minutes on an H100 before
+               the sampling streams were added; their two runs are unmeasured there)
   (f) link     at `--shape` (llama3-8b: 32 layers, hidden 4096, 32/8 heads, head_dim 128) and each of `--contexts`
                (8k, 32k): every algorithm's link (`RagCache.link`, documents of 1,016 words in a new order, a
                32-word question) against transformers' `model(ids, logits_to_keep=1)` on a prompt of the same
@@ -768,14 +769,15 @@ def invariance(name: str, device: torch.device, dtype: torch.dtype, quick: bool)
         ids = rc.compile(texts)
         rc.warmup()
 
-        def ask(item, sampled: bool = False):
-            seed = dict(temperature=1.0, seed=asks.index(item)) if sampled else {}
-            return rc.query(item[0], [ids[i] for i in item[1]], max_new_tokens=new_tokens, **seed).token_ids
+        def ask(n: int, sampled: bool = False):
+            question, docs = asks[n]
+            seed = dict(temperature=1.0, seed=n) if sampled else {}
+            return rc.query(question, [ids[i] for i in docs], max_new_tokens=new_tokens, **seed).token_ids
 
         def run(at_once: int, sampled: bool = False) -> tuple[list, dict]:
             before = _scheduler_stats(rc)
             with ThreadPoolExecutor(at_once) as executor:
-                answers = list(executor.map(lambda item: ask(item, sampled), asks))
+                answers = list(executor.map(lambda n: ask(n, sampled), range(len(asks))))
             return answers, _stats_delta(before, _scheduler_stats(rc))
 
         run(requests)  # untimed: Triton compiles its kernels for these shapes
@@ -1886,7 +1888,7 @@ def _suite_summary(result: dict) -> list[str]:
                for r in result.get("link") or [] if isinstance(r, dict) and r.get("identical") is False]
     failed += ["graph decode's tokens differ from the eager step's" for r in result.get("decode") or []
                if isinstance(r, dict) and r.get("identical") is False]
-    failed += [f"invariance on: {r['requests'] - r[key]} of {r['requests']} packed answers differ from alone"
+    failed += [f"invariance on: {r['requests'] - r[key]} of {r['requests']} packed answers differ from alone ({key})"
                for r in result.get("invariance") or [] if isinstance(r, dict) and r.get("batch_invariant")
                for key in r if key.startswith("identical_") and r[key] != r["requests"]]
     for row in result.get("check") or []:

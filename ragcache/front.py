@@ -30,7 +30,7 @@ from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKno
 log = logging.getLogger("ragcache")
 
 
-@dataclass
+@dataclass(slots=True)
 class DocumentReport:
     """One document of a `compile_documents` call."""
 
@@ -46,7 +46,7 @@ class CompileReport:
     per_document: list[DocumentReport] = field(default_factory=list)
     documents: int = 0
     ready: int = 0  # documents whose every chunk is compiled (or was already): what a progress bar counts
-    skipped: int = 0  # already compiled
+    skipped: int = 0  # documents with nothing of their own to compile: stored before, or an earlier one has them
     chunks: int = 0
     compiled_chunks: int = 0
     tokens: int = 0
@@ -206,10 +206,10 @@ class Front(abc.ABC):
                     report.ids.append(doc_id)
                     report.documents += 1
                     report.chunks += len(chunks)
-                    report.skipped += not missing
                     report.tokens += sum(map(len, chunks))
                     # a chunk two documents share, once: also when the writer has not stored it yet
                     new = {tuple(ids): ids for ids in missing if tuple(ids) not in compiled and tuple(ids) not in batch}
+                    report.skipped += not new
                     batch.update(new)
                     report.per_document.append(DocumentReport(doc_id, len(chunks), sum(map(len, chunks)), len(new)))
                     if any(tuple(ids) in batch for ids in missing):

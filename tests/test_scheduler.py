@@ -1061,6 +1061,36 @@ def test_a_steps_tokens_reach_the_host_in_one_copy(monkeypatch):
     rc.close()
 
 
+def test_a_steps_tokens_are_one_copy_to_the_host(monkeypatch):
+    """`_tokens` over a step's rows: none read back on their own (an int() or item() a stream waits for the device
+    on a GPU), one tolist for all; each token the one its sequence would have taken alone."""
+    from types import SimpleNamespace
+
+    from ragcache.engine.runner import _tokens
+    from ragcache.engine.sampling import Decoding, Sampling, sample
+
+    rows = torch.randn(5, 50)
+    asks = [None, {}, dict(temperature=1.0, seed=1), dict(temperature=0.7, top_p=0.9, seed=2), {}]
+    sequences = [
+        SimpleNamespace(decoding=None if ask is None else Decoding(Sampling(**ask), None, set(), torch.device("cpu")))
+        for ask in asks
+    ]
+    expected = [None] + [
+        sample(row, Sampling(**ask), torch.Generator().manual_seed(ask["seed"]) if "seed" in ask else None)
+        for row, ask in zip(rows[1:], asks[1:])
+    ]
+    reads = []
+    for name in ("tolist", "item", "__int__"):
+        real = getattr(torch.Tensor, name)
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, real=real, name=name: reads.append(name) or real(self, *a))
+    tokens = _tokens(rows, sequences)
+    monkeypatch.undo()
+    assert reads == ["tolist"] and tokens == expected
+    only_sampled = [sequences[2]]
+    sequences[2].decoding.generator.manual_seed(1)
+    assert _tokens(rows[2:3], only_sampled) == [expected[2]]  # no argmax where no stream is greedy
+
+
 def test_a_draw_that_raises_fails_its_own_stream_only(monkeypatch):
     from ragcache.engine import sampling
     from ragcache.engine.sequence import Status

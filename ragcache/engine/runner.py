@@ -135,9 +135,12 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
             drawn.append(decodings[i].draw(rows[i]))
         except CONTAINED as exc:
             failed[i] = exc
-    values = torch.cat([torch.argmax(rows, dim=-1), *drawn]).tolist()
-    tokens: list = [v if d is not None else None for v, d in zip(values, decodings)]
-    for i, token in zip([i for i in sampled if i not in failed], values[len(sequences) :]):
+    greedy = any(d is not None and d.greedy for d in decodings)
+    head = [torch.argmax(rows, dim=-1)] if greedy else []
+    values = torch.cat([*head, *drawn]).tolist() if head or drawn else []
+    n = len(sequences) if greedy else 0
+    tokens: list = [t if d is not None else None for t, d in zip(values[:n] or [None] * len(sequences), decodings)]
+    for i, token in zip([i for i in sampled if i not in failed], values[n:]):
         tokens[i] = token
     for i, error in failed.items():
         tokens[i] = error

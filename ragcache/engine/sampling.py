@@ -112,8 +112,9 @@ GREEDY_BELOW = 1e-3  # logits / 1e-232 overflow to inf and softmax to NaN; such 
 
 
 def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """The next token as a one-element tensor where the logits are: nothing waits for the device here, so a step's
-    streams queue their draws and copy them to the host once (runner._tokens)."""
+    """The next token as a one-element tensor where the logits are, not read back: a step's streams queue their
+    draws and copy them to the host once (runner._tokens). (On CUDA a distribution multinomial cannot draw from,
+    NaN logits say, is a device-side assert, not an exception this stream fails with alone.)"""
     if sampling.temperature < GREEDY_BELOW:
         return torch.argmax(logits).reshape(1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
