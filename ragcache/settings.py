@@ -18,7 +18,13 @@ from typing import Literal
 
 import torch
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, TomlConfigSettingsSource
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+    TomlConfigSettingsSource,
+)
 
 from ragcache.errors import BadRequest, ParameterOutOfRange
 from ragcache.store.base import (  # noqa: F401 - re-exported: the defaults are read from settings
@@ -604,7 +610,16 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
 
 class Toml(TomlConfigSettingsSource):
     """ragcache.toml, whose keys must be settings: a misspelled one (`kv_codc`) would be read past, its value never
-    used, with nothing said. (RAGCACHE_* variables that are no setting stay allowed: the environment is shared.)"""
+    used, with nothing said. (RAGCACHE_* variables that are no setting stay allowed: the environment is shared.)
+    A file that is no TOML or cannot be read, or a RAGCACHE_CONFIG naming none, is a BadRequest naming it."""
+
+    def __init__(self, settings_cls, toml_file: Path):
+        if "RAGCACHE_CONFIG" in os.environ and not toml_file.is_file():
+            raise BadRequest(f"RAGCACHE_CONFIG={str(toml_file)!r}: no such file")
+        try:
+            super().__init__(settings_cls, toml_file=toml_file)
+        except (ValueError, OSError) as exc:  # tomllib's TOMLDecodeError is a ValueError
+            raise BadRequest(f"{toml_file}: {exc}") from None
 
     def __call__(self) -> dict:
         unknown = sorted(set(self.toml_data) - set(self.settings_cls.model_fields))
@@ -623,6 +638,12 @@ def load_settings(**overrides) -> Settings:
     RAGCACHE_*, ragcache.toml): pydantic's message names the field."""
     try:
         settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
+    except (
+        SettingsError
+    ) as exc:  # a RAGCACHE_* list or dict that is no JSON (its value is not echoed: it may be secret)
+        raise BadRequest(
+            f"{exc}: a list or table in RAGCACHE_* is JSON, as RAGCACHE_ALLOWED_HOSTS='[\"a.example\"]'"
+        ) from None
     except ValidationError as exc:
         problem = exc.errors()[0]
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""

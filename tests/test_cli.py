@@ -385,6 +385,28 @@ def test_a_misspelled_key_in_ragcache_toml_is_refused(tmp_path, monkeypatch):
     assert shown.exit_code == 3 and "'kv_codc' is no setting" in " ".join(shown.output.split()), shown.output
 
 
+@pytest.mark.parametrize("case", ["no toml", "list not json", "missing config"])
+def test_settings_that_cannot_be_read_are_bad_input_named(case, tmp_path, monkeypatch):
+    """A ragcache.toml that is no TOML, a RAGCACHE_* list that is no JSON and a RAGCACHE_CONFIG naming no file: exit
+    3 and what to fix, not a traceback (or, for the last, the file silently not read)."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+
+    monkeypatch.chdir(tmp_path)
+    if case == "no toml":
+        (tmp_path / "ragcache.toml").write_text("chunk_tokens =\n")
+        said = "ragcache.toml: Invalid value"
+    elif case == "list not json":
+        monkeypatch.setenv("RAGCACHE_PUBLIC_PATHS", "/health,/metrics")
+        said = '"public_paths" from source "EnvSettingsSource": a list or table in RAGCACHE_* is JSON'
+    else:
+        monkeypatch.setenv("RAGCACHE_CONFIG", str(tmp_path / "nowhere.toml"))
+        said = "nowhere.toml': no such file"
+    shown = CliRunner().invoke(cli.app, ["config"])
+    assert shown.exit_code == 3 and said in " ".join(shown.output.split()), shown.output
+
+
 def test_config_shows_no_store_password(monkeypatch):
     from typer.testing import CliRunner
 
