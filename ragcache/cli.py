@@ -37,7 +37,15 @@ from .cli_options import (
     link_options,
 )
 from .console import bars, console, err, fail, interrupted, out
-from .errors import BadRequest, ModelFetchError, ParameterOutOfRange, RagCacheError, UnsupportedModel, WritesAbandoned
+from .errors import (
+    BadRequest,
+    EmptyInput,
+    ModelFetchError,
+    ParameterOutOfRange,
+    RagCacheError,
+    UnsupportedModel,
+    WritesAbandoned,
+)
 from .settings import DATA_DIR, DEFAULT_CHUNK_TOKENS, INSTALLED, LinkKnobs, load_settings, resolve_device
 
 if TYPE_CHECKING:
@@ -100,9 +108,9 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
         elif _is(path, Path.is_file):
             files.append(path)
         else:
-            raise BadRequest(f"no such file or directory: {_shown(str(path))}")
+            raise BadRequest(f"no such file or directory: {request.shown(str(path))}")
     if not files:
-        raise BadRequest(f"no documents to compile in {', '.join(_shown(str(p)) for p in paths)}")
+        raise BadRequest(f"no documents to compile in {', '.join(request.shown(str(p)) for p in paths)}")
     return files
 
 
@@ -130,31 +138,17 @@ def _is(path: Path, test) -> bool:
     try:
         return test(path)
     except OSError as exc:
-        raise BadRequest(f"cannot read {_shown(str(path))}: {exc.strerror}") from exc
+        raise BadRequest(f"cannot read {request.shown(str(path))}: {exc.strerror}") from exc
 
 
 def _some(paths: list[Path]) -> str:
     return ", ".join(str(p) for p in paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
 
 
-def _shown(value: str, limit: int = 80) -> str:
-    """A value for an error message: a long one (text passed where a path was meant) cut short."""
-    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
-
-
 def _source(path: Path) -> str:
     """A path as metadata text: bytes of a file name that are not UTF-8 become U+FFFD, as a store record must be
     Unicode."""
     return os.fsencode(path).decode("utf-8", "replace")
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8-sig")  # a BOM is no part of the text (nor of its id)
-    except UnicodeDecodeError as exc:
-        raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
-    except OSError as exc:  # unreadable (permissions), gone since it was listed
-        raise BadRequest(f"cannot read {_shown(str(path))}: {exc.strerror or exc}") from exc
 
 
 def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
@@ -164,7 +158,7 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
         if f.suffix.lower() == ".jsonl":
             field = jsonl_field or "text"
             # only "\n" ends a line: splitlines() would also split at U+2028 and others inside a JSON string
-            for n, line in enumerate(_read_text(f).split("\n"), 1):
+            for n, line in enumerate(request.read_text(f).split("\n"), 1):
                 if line.strip():
                     try:
                         row = json.loads(line)
@@ -181,7 +175,7 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
         elif f.suffix.lower() == ".pdf":
             docs.append((_pdf_text(f), {"source": _source(f)}))
         else:
-            docs.append((_read_text(f), {"source": _source(f)}))
+            docs.append((request.read_text(f), {"source": _source(f)}))
     return docs
 
 
@@ -195,6 +189,8 @@ def _pdf_text(path: Path) -> str:
         return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
     except PyPdfError as exc:  # EmptyFileError and the other damage pypdf names
         raise BadRequest(f"{path} is not a readable PDF: {exc}") from exc
+    except Exception as exc:  # damage pypdf trips over (IndexError, KeyError, ...) in an input file
+        raise BadRequest(f"{path} is not a readable PDF ({type(exc).__name__}: {exc})") from exc
 
 
 @app.command()
@@ -375,6 +371,8 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
                 bar.advance(task)
     except (RagCacheError, OSError) as exc:
         fail(exc)
+    except KeyboardInterrupt:
+        interrupted()
     where = device.split(":")[0]
     compute = models.default_dtype(device) if s.dtype == "auto" else s.dtype
     codec = resolve_codec(s.kv_codec, getattr(torch, compute), where)
@@ -450,14 +448,14 @@ def _doc_argument(value: str) -> str | dict:
             "and pass the ids it prints as --doc"
         )
     if is_file:
-        text = _pdf_text(path) if path.suffix.lower() == ".pdf" else _read_text(path)
+        text = _pdf_text(path) if path.suffix.lower() == ".pdf" else request.read_text(path)
         if not text.strip():
             raise BadRequest(f"{path} is empty")
         return {"text": text}
     if is_document_id(value.lower()):
         return value.lower()
     raise BadRequest(
-        f"--doc {_shown(repr(value))} is neither an existing file nor a document id (32 hex characters, "
+        f"--doc {request.shown(repr(value))} is neither an existing file nor a document id (32 hex characters, "
         "as `ragcache compile` prints)"
     )
 
@@ -488,6 +486,8 @@ def query(
     """Answer a question from documents, linking their cached KV."""
     try:
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
+        if not question.strip():
+            raise EmptyInput("the question is empty")
         request.unicode_text("the question", question)
         if system is not None:
             request.unicode_text("the system prompt", system)
@@ -641,6 +641,8 @@ def serve(
         run(s, workers=workers)
     except RagCacheError as exc:  # the engine cannot start: a store vLLM cannot open, say
         fail(exc)
+    except KeyboardInterrupt:  # while the model loads, or uvicorn's SIGINT raised again once it has shut down
+        interrupted()
 
 
 @app.command()

@@ -12,6 +12,7 @@ from rich.text import Text
 
 from .calibrate import builtin_items
 from .errors import BadRequest
+from .request import read_text
 from .settings import DEFAULT_ALGORITHM
 
 DOCS_PER_QUESTION = 4
@@ -30,7 +31,7 @@ def check_data(data: Path) -> None:
             ".txt files and questions.jsonl (as in ragcache/data)"
         )
     names = {p.name for p in docs}
-    for n, line in enumerate((data / "questions.jsonl").read_text().splitlines(), 1):
+    for n, line in enumerate(read_text(data / "questions.jsonl").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -45,7 +46,7 @@ def check_data(data: Path) -> None:
 
 
 def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
-    docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
+    docs = {p.name: read_text(p) for p in sorted((data / "docs").glob("*.txt"))}
     report = rc.compile_documents(list(docs.values()))
     console.print(
         f"compiled {report.documents} documents into {rc.store.name} in {report.seconds:.1f}s "

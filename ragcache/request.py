@@ -94,6 +94,21 @@ def validate(
     return Query(question, docs, texts, system, params, sampling)
 
 
+def read_text(path: Path) -> str:
+    """A text file given as input; BadRequest naming it when it is no UTF-8 or cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8-sig")  # a BOM is no part of the text (nor of its id)
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
+    except OSError as exc:  # unreadable (permissions), gone since it was listed
+        raise BadRequest(f"cannot read {shown(str(path))}: {exc.strerror or exc}") from exc
+
+
+def shown(value: str, limit: int = 80) -> str:
+    """A value for an error message: a long one (text passed where a path was meant) cut short."""
+    return value if len(value) <= limit else f"{value[:limit]}... ({len(value)} characters)"
+
+
 def glob_paths(folder: Path, glob: str, option: str = "--glob") -> list[Path]:
     """What `glob` matches under `folder`, sorted; BadRequest for a pattern pathlib cannot take (an absolute one, an
     empty one), which it refuses with NotImplementedError or ValueError."""

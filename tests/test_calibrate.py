@@ -177,11 +177,12 @@ def test_a_profile_that_cannot_be_saved_still_shows_the_sweep_and_fails_cleanly(
 
 
 def test_an_unreadable_input_file_is_a_clear_error():
-    from ragcache.cli import _read_text
     from pathlib import Path
 
+    from ragcache.request import read_text
+
     with pytest.raises(BadRequest, match="cannot read"):
-        _read_text(Path(__file__).parent)  # a directory: read_text raises IsADirectoryError
+        read_text(Path(__file__).parent)  # a directory: read_text raises IsADirectoryError
 
 
 def test_a_profile_measured_over_another_codecs_entries_is_warned_about(tmp_path, monkeypatch, caplog):

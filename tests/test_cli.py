@@ -538,13 +538,50 @@ def test_ctrl_c_ends_every_long_command_with_exit_130(monkeypatch, tmp_path):
     def interrupt(*args, **kwargs):
         raise KeyboardInterrupt
 
+    from ragcache.api import server
+
     monkeypatch.setattr(fetch, "pull", interrupt)
     monkeypatch.setattr(store_cli, "summary", interrupt)
     monkeypatch.setattr(cli, "_open", interrupt)
+    monkeypatch.setattr(cli, "_read_inputs", interrupt)
+    monkeypatch.setattr(server, "run", interrupt)
     for args in (["models", "pull", "smollm2-135m"], ["store", "stats", "--store", "memory:"], ["demo"],
-                 ["calibrate", "--at", "first"]):
+                 ["calibrate", "--at", "first"], ["compile", str(tmp_path), "--plan"], ["serve"]):
         result = CliRunner().invoke(cli.app, args)
         assert result.exit_code == 130 and "interrupted" in result.output, (args, result.output)
+
+
+def test_input_the_cli_can_refuse_before_the_model_loads(tiny_cli, tmp_path, monkeypatch):
+    """A blank question, a damaged PDF (pypdf raises IndexError and KeyError on some) and a demo folder whose
+    questions are no UTF-8: exit 3 naming the input, not a traceback, and no model loaded for the first."""
+    import sys
+    import types
+
+    blank = tiny_cli("query", "  ", "--doc", "0" * 32)
+    assert blank.exit_code == 3 and "the question is empty" in blank.text and tiny_cli.opened == []
+
+    class Damaged:
+        def __init__(self, path):
+            self.pages = [self]
+
+        def extract_text(self):
+            raise IndexError("list index out of range")
+
+    pypdf, errors = types.ModuleType("pypdf"), types.ModuleType("pypdf.errors")  # pypdf is optional: not installed
+    pypdf.PdfReader, errors.PyPdfError = Damaged, type("PyPdfError", (Exception,), {})
+    monkeypatch.setitem(sys.modules, "pypdf", pypdf)
+    monkeypatch.setitem(sys.modules, "pypdf.errors", errors)
+    (tmp_path / "a.pdf").write_bytes(b"%PDF-1.4 broken")
+    pdf = tiny_cli("compile", tmp_path / "a.pdf")
+    assert pdf.exit_code == 3 and "a.pdf is not a readable PDF (IndexError" in pdf.text, pdf.output
+
+    data = tmp_path / "data"
+    (data / "docs").mkdir(parents=True)
+    for n in range(4):
+        (data / "docs" / f"{n}.txt").write_text(f"Document {n}.")
+    (data / "questions.jsonl").write_bytes(b'{"question": "caf\xe9?", "doc": "0.txt"}\n')
+    demo = tiny_cli("demo", "--data", data)
+    assert demo.exit_code == 3 and "questions.jsonl is not UTF-8 text" in demo.text, demo.output
 
 
 def test_a_second_ctrl_c_while_compile_stores_does_not_say_the_chunks_are_stored(tiny_cli, tmp_path, monkeypatch):
