@@ -10,6 +10,7 @@ does while it places them."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 
@@ -65,9 +66,16 @@ class Arena:
 
         # an entry still on a GPU (a compile's) comes straight into the arena, on a stream of the copies out
         device = entry.keys.device
-        with crossing.out_stream(device):
-            placed = entry.map(carve)
-        crossing.wait_out(device)
+        try:
+            with crossing.out_stream(device):
+                placed = entry.map(carve)
+            crossing.wait_out(device)
+        except BaseException:  # the span back, once no copy queued into it can still write there (else kept)
+            with contextlib.suppress(Exception):
+                crossing.wait_out(device)
+                with self._lock:
+                    self._give_back(segment, start, size)
+            raise
         weakref.finalize(placed, self._died, segment, start, size)
         return placed
 

@@ -322,7 +322,10 @@ class DiskStore(BlobStore):
         return removed
 
     def contains_many(self, keys: list[str]) -> list[bool]:
-        return [self.entry_path(k).exists() for k in keys]
+        try:  # exists() raises for what is not a missing file (EACCES, EIO)
+            return [self.entry_path(k).exists() for k in keys]
+        except OSError as exc:
+            raise self._fault("cannot look up entries", exc) from exc
 
     def delete(self, key: str) -> bool:
         path = self.entry_path(key)
@@ -343,7 +346,11 @@ class DiskStore(BlobStore):
         return existed
 
     def keys(self) -> Iterator[str]:
-        return (p.stem for p in self.entries_dir.glob(f"*/*{SUFFIX}"))
+        try:
+            for path in self.entries_dir.glob(f"*/*{SUFFIX}"):
+                yield path.stem
+        except OSError as exc:
+            raise self._fault("cannot list entries", exc) from exc
 
     def describe_many(self, keys: list[str]) -> list[dict | None]:
         out: list[dict | None] = []
@@ -452,7 +459,10 @@ class DiskStore(BlobStore):
             raise self._fault(f"cannot delete record {name}", exc) from exc
 
     def record_names(self, prefix: str = "") -> list[str]:
-        names = (p.name[: -len(".json")].replace("__", "/") for p in self.records_dir.glob("*.json"))
+        try:
+            names = [p.name[: -len(".json")].replace("__", "/") for p in self.records_dir.glob("*.json")]
+        except OSError as exc:
+            raise self._fault("cannot list records", exc) from exc
         return sorted(n for n in names if n.startswith(prefix))
 
     def stats(self) -> dict:

@@ -127,10 +127,11 @@ class TieredStore(Store):
 
     def _call(self, i: int, fn, *args, write: bool = False):
         """(result, True) or (None, False) when tier i failed (and is now marked down or its write refused)."""
+        started = self.clock()
         try:
             result = fn(*args)
         except FAULTS as exc:
-            self._failed(i, exc, write)
+            self._failed(i, exc, write, started)
             return None, False
         self._answered(i, write)
         return result, True
@@ -212,7 +213,9 @@ class TieredStore(Store):
             answered = answered and ok
         return None, answered
 
-    def _failed(self, i: int, exc: BaseException, write: bool) -> None:
+    def _failed(self, i: int, exc: BaseException, write: bool, started: float | None = None) -> None:
+        """Tier i failed a call `started` then (None: now). Calls that were under way when another one marked the
+        tier down fail with it: only a retry, a call made once the tier's retry time had come, doubles the wait."""
         state, name = self.states[i], self.tiers[i].name
         with self._lock:
             if write and isinstance(exc, StoreError) and not isinstance(exc, TierUnavailable):
@@ -222,6 +225,8 @@ class TieredStore(Store):
                     state.write_failing = True
                 return
             state.failures += 1
+            if state.down and (self.clock() if started is None else started) < state.retry_at:
+                return  # under way when the tier went down: no retry of it
             if state.down:  # a retry that failed again
                 state.backoff = min(state.backoff * 2, self.max_retry_after)
                 log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff)

@@ -373,6 +373,33 @@ def test_backoff_doubles_while_the_tier_stays_down():
         assert store.states[0].backoff == expected
 
 
+def test_calls_under_way_when_a_tier_goes_down_do_not_lengthen_its_backoff():
+    """Five reads of a disk tier that fail together (an NFS hiccup): each landed in "still down" and doubled the
+    wait, so a 5 s backoff became the 60 s cap, and uploads (which need a lasting tier) failed for a minute."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    now = [0.0]
+    flaky = Flaky()
+    store = TieredStore([flaky, MemoryStore()], retry_after=5.0, max_retry_after=60.0, clock=lambda: now[0])
+    started = threading.Barrier(5)
+    read = flaky.get_many
+
+    def together(keys):  # every call is under way before the first one fails
+        started.wait(10)
+        flaky.broken = True
+        return read(keys)
+
+    flaky.get_many = together
+    with ThreadPoolExecutor(5) as pool:
+        list(pool.map(lambda _: store.get_many(["a"]), range(5)))
+    assert store.states[0].down and store.states[0].backoff == 5.0 and store.states[0].retry_at == 5.0
+    flaky.get_many = read
+    now[0] = 5.0  # the retry, failing again, doubles it
+    store.get_many(["a"])
+    assert store.states[0].backoff == 10.0
+
+
 def test_a_write_no_tier_takes_fails_with_store_error():
     a, b = Flaky(), Flaky()
     a.broken = b.broken = True
@@ -1278,6 +1305,23 @@ def test_an_arena_fills_a_budget_that_is_not_whole_segments():
     assert [s.numel() for s in arena.segments] == [1024, 512]
 
 
+def test_an_arena_copy_that_raises_gives_its_span_back(monkeypatch):
+    """A placement that failed part way (a copy raising) left its span taken for good: the arena's used bytes only
+    grew."""
+    from ragcache.store import arena as arena_module
+    from ragcache.store.arena import Arena
+
+    arena = Arena(1 << 20, pin=False)
+    (_, entry), waits = make_entry(0, layers=2), []
+    monkeypatch.setattr(arena_module.crossing, "wait_out", lambda device: waits.append(device))
+    monkeypatch.setattr(ChunkKV, "map", lambda self, fn: (_ for _ in ()).throw(RuntimeError("copy failed")))
+    with pytest.raises(RuntimeError, match="copy failed"):
+        arena.place(entry)
+    assert arena.used_bytes == 0 and waits  # given back once no queued copy could still write there
+    monkeypatch.undo()
+    assert arena.place(entry) is not None and arena.used_bytes == Arena.size_of(entry)
+
+
 def test_an_entry_a_fast_tier_cannot_keep_is_counted_and_said_once(caplog):
     """No silent fallback: such an entry reaches every link from a slower tier, so the tier counts it (in /metrics,
     ragcache_store_unkept_total) and warns once with the remedy."""
@@ -1839,3 +1883,23 @@ def test_close_writes_what_waits_for_a_lasting_tier_that_takes_writes(tmp_path, 
     with caplog.at_level("WARNING", logger="ragcache"):
         behind.close()
     assert "misses 1 document record(s)" in caplog.text
+
+
+def test_a_disk_tiers_io_fault_while_looking_up_or_listing_is_a_store_error(tmp_path, monkeypatch):
+    """exists() and glob() raise for what is not a missing file (EACCES, EIO): alone, a disk tier let OSError out of
+    contains_many, keys and record_names, a 500 without the store's words instead of its 503."""
+    from pathlib import Path
+
+    disk = DiskStore(tmp_path)
+
+    def io_fault(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(Path, "exists", io_fault)
+    monkeypatch.setattr(Path, "glob", io_fault)
+    with pytest.raises(StoreError, match="cannot look up entries \\(Input/output error\\)"):
+        disk.contains_many(["ab" * 16])
+    with pytest.raises(StoreError, match="cannot list entries"):
+        list(disk.keys())
+    with pytest.raises(StoreError, match="cannot list records"):
+        disk.record_names()
