@@ -90,12 +90,17 @@ class Catalog:
         self._references = threading.Lock()
 
     @contextmanager
-    def using(self, doc_ids: list[str]) -> Iterator[None]:
+    def using(self, doc_ids: list[str]) -> Iterator[Hold]:
         """Hold these documents shared while their records and entries are read or written: a `delete` of one of
         them waits until the block ends, so it cannot leave entries that no document refers to (an upload's or a
-        query's freshly compiled chunks landing after the delete). Shared holders never wait for each other."""
-        with self._locks.shared(doc_ids):
-            yield
+        query's freshly compiled chunks landing after the delete). Shared holders never wait for each other. A hold
+        that outlives its thread's call is `detach`ed."""
+        with self._locks.shared(doc_ids) as hold:
+            yield hold
+
+    def detach(self, hold: Hold) -> None:
+        """The hold no longer counts as its thread's (Locks.detach): it is kept past the call that took it."""
+        self._locks.detach(hold)
 
     # -- adding and reading ------------------------------------------------------------------------------------
     def add(self, text: str, meta: dict | None = None) -> str:
@@ -567,6 +572,14 @@ class Flights:
         return made
 
 
+@dataclass(eq=False)
+class Hold:
+    """A shared hold of documents, by its owner: the thread that took it, or the hold itself once `detach`ed."""
+
+    owner: object
+    ids: frozenset[str]
+
+
 class Locks:
     """Shared and exclusive holds on document ids, kept only while someone holds or waits.
 
@@ -579,7 +592,7 @@ class Locks:
 
     def __init__(self):
         self._changed = threading.Condition()
-        self._readers: dict[str, Counter[int]] = {}  # document -> thread -> depth of its shared holds
+        self._readers: dict[str, Counter[object]] = {}  # document -> owner (a thread) -> depth of its shared holds
         self._writer: dict[str, int] = {}  # document -> the thread holding it exclusively
         self._waiting_writers: Counter[str] = Counter()
 
@@ -587,8 +600,9 @@ class Locks:
         return any(thread in readers for readers in self._readers.values()) or thread in self._writer.values()
 
     @contextmanager
-    def shared(self, doc_ids: list[str]) -> Iterator[None]:
-        me, ids = threading.get_ident(), set(doc_ids)
+    def shared(self, doc_ids: list[str]) -> Iterator[Hold]:
+        me, ids = threading.get_ident(), frozenset(doc_ids)
+        hold = Hold(me, ids)
         with self._changed:
             if any(self._writer.get(d) == me for d in ids):
                 raise RuntimeError("a thread deleting a document may not read it")
@@ -603,17 +617,30 @@ class Locks:
             for d in ids:
                 self._readers.setdefault(d, Counter())[me] += 1
         try:
-            yield
+            yield hold
         finally:
             with self._changed:
-                for d in ids:
-                    readers = self._readers[d]
-                    readers[me] -= 1
-                    if not readers[me]:
-                        del readers[me]
-                    if not readers:
-                        del self._readers[d]
+                self._let_go(hold)
                 self._changed.notify_all()
+
+    def detach(self, hold: Hold) -> None:
+        """The hold is kept past its thread's call (a vLLM stream's, until vLLM's first step): the thread, back in
+        its pool, no longer counts as holding it, so its later deletes are not refused as nested and its new holds
+        do not pass a waiting delete."""
+        with self._changed:
+            self._let_go(hold)
+            hold.owner = hold
+            for d in hold.ids:
+                self._readers.setdefault(d, Counter())[hold] += 1
+
+    def _let_go(self, hold: Hold) -> None:
+        for d in hold.ids:
+            readers = self._readers[d]
+            readers[hold.owner] -= 1
+            if not readers[hold.owner]:
+                del readers[hold.owner]
+            if not readers:
+                del self._readers[d]
 
     @contextmanager
     def exclusive(self, doc_id: str, timeout_s: float | None = None) -> Iterator[None]:

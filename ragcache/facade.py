@@ -170,11 +170,17 @@ class RagCache(Front):
         validate_kv_codec(config.kv_codec)
         refuse_another_gpu(config.device)  # before minutes of loading
         log.info("device %s (%s)", config.device, config.device_reason)
-        lm = models.load(config.model, dtype=config.dtype, device=config.device)
-        chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
-        lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
-        # on CUDA: a "gpu" tier on the model's device, the memory tier pinned
-        return cls(lm, open_store(store_for(config.store, config.device), device=config.device), config)
+        # opened first: a size it cannot read, a folder it cannot make, a Redis that does not answer fail before
+        # minutes of loading. On CUDA: a "gpu" tier on the model's device, the memory tier pinned
+        store = open_store(store_for(config.store, config.device), device=config.device)
+        try:
+            lm = models.load(config.model, dtype=config.dtype, device=config.device)
+            chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
+            lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
+            return cls(lm, store, config)
+        except BaseException:
+            store.close()
+            raise
 
     @property
     def kv_codec(self) -> str:

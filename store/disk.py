@@ -24,7 +24,7 @@ from . import durable
 from .base import DEFAULT_DISK_BUDGET, SIZE_FORMS, BlobStore, TierUnavailable, UnreadableRecord, log, parse_size
 from .durable import TMP_SUFFIX, sync_folder
 from .entry import MAX_ENTRY_BYTES, PROBE, describe_head, head_length
-from .errors import BrokenStore, CorruptEntry, StoreError
+from .errors import BrokenStore, CorruptEntry, StoreError, UnknownStore
 
 SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
@@ -97,7 +97,7 @@ class DiskStore(BlobStore):
         sizes = options.pop("size", [])
         budget = parse_size(sizes[0]) if len(sizes) == 1 else None
         if options or budget is None:
-            raise StoreError(f"store tier {spec!r}: a disk tier's one option is ?size=SIZE, {SIZE_FORMS}")
+            raise UnknownStore(f"store tier {spec!r}: a disk tier's one option is ?size=SIZE, {SIZE_FORMS}")
         return path or "./.ragcache", budget
 
     # -- index --------------------------------------------------------------------------------------

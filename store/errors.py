@@ -31,7 +31,8 @@ class StoreError(RagCacheError):
 
 
 class UnknownStore(StoreError, BadRequest):
-    """A store URL (or one of its tiers) of no kind the store knows: a typo, bad input before anything opens."""
+    """A store URL (or one of its tiers) of no kind the store knows, or with options it cannot read (a size of
+    `20GB`): a typo, bad input before anything opens."""
 
 
 class CorruptEntry(StoreError):

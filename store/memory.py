@@ -16,7 +16,7 @@ import torch
 from .arena import Arena
 from .base import DEFAULT_MEMORY_BUDGET, SIZE_FORMS, Store, parse_size
 from .entry import ChunkKV, describe, shape_problem
-from .errors import StoreError
+from .errors import StoreError, UnknownStore
 
 _SHARE = re.compile(r"(\d{1,3}(?:\.\d{1,9})?)\s*%", re.ASCII)
 
@@ -31,7 +31,7 @@ def url_budget(spec: str, share: bool = False) -> tuple[int | None, float | None
         return None, float(percent.group(1)) / 100
     if n := parse_size(text):
         return n, None
-    raise StoreError(
+    raise UnknownStore(
         f"store tier {spec!r}: its budget must be {SIZE_FORMS}"
         + (", or a share of the free device memory such as 50%" * share)
     )

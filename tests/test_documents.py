@@ -380,6 +380,39 @@ def test_a_delete_that_waits_too_long_for_an_upload_gives_up_and_lets_queries_in
     reader.join(10)
 
 
+def test_a_hold_kept_past_its_threads_call_is_the_holds_not_the_threads():
+    """A vLLM stream takes its documents' hold on an API pool thread and keeps it until vLLM's first step, while the
+    thread goes on to other requests: a delete of another document run there was refused as "a thread that is
+    writing documents" (a 500), and a query there passed a waiting delete. Detached, the hold still keeps its own
+    document's delete waiting."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ragcache import catalog
+    from ragcache.errors import DocumentInUse
+
+    locks, stack = catalog.Locks(), []
+    with ThreadPoolExecutor(1) as pool:  # one thread: the stream's and the later delete's
+
+        def open_stream():
+            hold = locks.shared(["d1"])
+            stack.append(hold)
+            locks.detach(hold.__enter__())
+
+        pool.submit(open_stream).result()
+
+        def delete(doc_id):
+            with locks.exclusive(doc_id, 0.2):
+                return "deleted"
+
+        assert pool.submit(delete, "d2").result() == "deleted"  # another document: not refused on this thread
+        with pytest.raises(DocumentInUse):
+            pool.submit(delete, "d1").result()  # the stream still holds its own
+        stack[0].__exit__(None, None, None)  # the stream ends (on whichever thread)
+        assert pool.submit(delete, "d1").result() == "deleted"
+    assert not locks._readers and not locks._writer
+
+
 @pytest.mark.parametrize("reader", ["query", "warm"])
 def test_a_delete_during_a_query_compiling_the_documents_chunks_waits_and_leaves_no_entries_behind(reader):
     """A query (or warm-up) of a stored but uncompiled document compiles its chunks. Without the shared hold, a delete

@@ -656,3 +656,24 @@ def test_top_p_draws_only_from_the_nucleus():
         assert seen == allowed, (top_p, seen)
     again = [int(draw(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(5))) for _ in range(2)]
     assert again[0] == again[1] and draw(logits, Sampling(), None).shape == (1,)
+
+
+def test_a_store_url_that_cannot_open_fails_before_the_model_loads_and_a_load_that_fails_closes_the_store(
+    monkeypatch, tmp_path
+):
+    """`disk:...?size=20GB` (GB, not GiB) failed after minutes of loading, as an error of the store (exit 1), not
+    bad input (exit 3); a model that failed to load left the store it had opened open."""
+    from ragcache import models
+    from ragcache.errors import BadRequest, ModelFetchError
+    from ragcache.settings import EngineConfig
+    from ragcache.store import disk
+
+    loads, closed = [], []
+    monkeypatch.setattr(models, "load", lambda *a, **k: loads.append(a) or (_ for _ in ()).throw(ModelFetchError("x")))
+    with pytest.raises(BadRequest, match="one option is \\?size=SIZE"):
+        RagCache.from_config(EngineConfig("smollm2-135m", f"disk:{tmp_path}?size=20GB"))
+    assert loads == []
+    monkeypatch.setattr(disk.DiskStore, "close", lambda self: closed.append(self))
+    with pytest.raises(ModelFetchError):
+        RagCache.from_config(EngineConfig("smollm2-135m", f"disk:{tmp_path}"))
+    assert len(loads) == 1 and len(closed) == 1

@@ -339,3 +339,63 @@ def test_a_request_failed_by_a_dead_engine_core_is_engine_down(rc, doc_ids, monk
     monkeypatch.setattr(type(rc.llm), "errored", property(lambda self: False))
     with pytest.raises(EngineFailed, match="engine core is gone"):
         rc.query("Where is the tower?", doc_ids, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("reason", ["error", "abort"])
+def test_an_answer_vllm_cut_is_a_failure_not_a_stop(rc, doc_ids, monkeypatch, reason):
+    """vLLM's "error" (a request-level internal error, a KV load failure say: its own server answers 500) and an
+    "abort" ragcache did not ask for came back as a normal answer, finish_reason "stop", its text cut short."""
+    from types import SimpleNamespace
+
+    from ragcache.integrations.vllm.engine import EngineFailed
+
+    async def cut(*args, **kwargs):
+        completion = SimpleNamespace(token_ids=[5], text="Par", logprobs=None, finish_reason=reason)
+        yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, kv_transfer_params=None, metrics=None)
+
+    monkeypatch.setattr(rc.llm, "generate", cut)
+    with pytest.raises(EngineFailed, match=f"vLLM ended the request \\({reason}\\)"):
+        rc.query("Where is the tower?", doc_ids, max_new_tokens=4)
+
+
+def test_a_delete_on_the_thread_that_opened_a_stream_is_not_refused(rc, doc_ids, monkeypatch):
+    """A stream holds its documents until vLLM's first step, past `open` on an API pool thread: a delete of another
+    document that pool thread ran meanwhile was refused as nested in an upload (a 500)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    first_step = threading.Event()
+    generate = rc.llm.generate
+
+    async def held(*args, **kwargs):
+        import asyncio
+
+        while not first_step.is_set():
+            await asyncio.sleep(0.01)
+        async for out in generate(*args, **kwargs):
+            yield out
+
+    monkeypatch.setattr(rc.llm, "generate", held)
+    other = rc.catalog.add("A note on the ferry timetable, kept to be deleted.")
+    stream = rc.stream("Where is the tower?", doc_ids, max_new_tokens=2)
+    ended = threading.Event()
+    with ThreadPoolExecutor(1) as pool:  # the stream's open and the delete on one thread, as an API pool's may be
+        pool.submit(stream.open, lambda event: isinstance(event, Piece) or ended.set()).result()
+        try:
+            assert pool.submit(rc.delete_document, other).result(60)
+        finally:
+            first_step.set()
+    assert ended.wait(120) and rc.document(other) is None
+
+
+def test_a_stream_opened_after_the_engine_closed_is_refused_not_left_waiting():
+    """Its loop has stopped: the request was scheduled on it and never ran, holding its documents for ever."""
+    from types import SimpleNamespace
+
+    from ragcache.errors import ShuttingDown
+    from ragcache.integrations.vllm.engine import VllmStream
+
+    prepared = []
+    stream = VllmStream(SimpleNamespace(_closed=True), lambda *a: prepared.append(a), Sampling())
+    with pytest.raises(ShuttingDown):
+        stream.open(lambda event: None)
+    assert not prepared

