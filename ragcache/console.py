@@ -3,7 +3,8 @@ and an exit code scripts can rely on (ragcache/cli.py's docstring lists them).""
 
 from __future__ import annotations
 
-from typing import NoReturn
+from collections.abc import Callable
+from typing import NoReturn, TypeVar
 
 import typer
 from rich.console import Console
@@ -12,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, ProgressColum
 
 from .errors import BadRequest, ModelFetchError, PromptTooLong, UnknownDocument, UnsupportedModel
 
+T = TypeVar("T")
 console = Console()
 err = Console(stderr=True)
 
@@ -24,6 +26,31 @@ EXIT_CODES: list[tuple[type[Exception], int]] = [
     (UnsupportedModel, 5),
     (Exception, 1),
 ]
+
+
+_opened: list = []  # what a command opened (an engine, a store): closed as the command ends, however it ends
+
+
+def opened(thing: T) -> T:
+    """`thing` (with a close()), closed when the command ends: a tiered store writes what a tier missed, and says
+    what it could not, only as it closes."""
+    _opened.append(thing)
+    return thing
+
+
+def closing_opened() -> Callable[[], None]:
+    """At a command's start: what closes what it opens (what was opened outside a command is its caller's)."""
+    _opened.clear()
+
+    def close() -> None:
+        while _opened:
+            thing = _opened.pop()
+            try:
+                thing.close()
+            except Exception as exc:  # noqa: BLE001 - the command's own outcome stands; a failed close is said
+                err.print(f"[yellow]warning:[/yellow] closing the {type(thing).__name__} failed: {escape(str(exc))}")
+
+    return close
 
 
 def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:

@@ -65,6 +65,13 @@ class ShuttingDown(RagCacheError):
         )
 
 
+class EngineClosed(ShuttingDown):
+    """A method of an engine after its `close`: its store would reopen underneath it, and its model thread is gone."""
+
+    def __init__(self):
+        RagCacheError.__init__(self, "this engine is closed: open another (RagCache.open) to go on")
+
+
 class DocumentInUse(RagCacheError):
     """A delete gave up waiting for the uploads and queries using its document (a long bulk upload): new queries of
     the document wait behind a waiting delete, so it does not wait for long. Nothing was deleted; send it again."""

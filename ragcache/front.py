@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ParamSpec, Protocol, TypeVar
 
 from ragcache.store import Store
 from ragcache.store.keys import document_id
@@ -21,13 +22,15 @@ from . import calibrate, infill, linker, loaded, prompt, request
 from .catalog import Catalog, Writer, shard_sets
 from .compiler import PLAIN, Compiler, Layout, default_layout, sink_layout
 from .engine import Answer, QueryStats, Sampling, stop_strings
-from .errors import Cancelled, ParameterOutOfRange, PromptTooLong
+from .errors import Cancelled, EngineClosed, ParameterOutOfRange, PromptTooLong
 from .length import ContextTexts, TokenBound
 from .linker import LinkInput, LinkParams
 from .request import UNBOUNDED, Infill, Limits, Query
 from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
 
 log = logging.getLogger("ragcache")
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(slots=True)
@@ -75,6 +78,18 @@ class Stream(Protocol):
     def cancel(self) -> None: ...
 
     def __iter__(self) -> Iterator[str]: ...
+
+
+def open_only(method: Callable[P, R]) -> Callable[P, R]:
+    """A method a closed engine refuses (EngineClosed), instead of reopening its store underneath its caller."""
+
+    @functools.wraps(method)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        if getattr(args[0], "_closed", False):
+            raise EngineClosed()
+        return method(*args, **kwargs)
+
+    return checked
 
 
 class Front(abc.ABC):
@@ -136,6 +151,12 @@ class Front(abc.ABC):
         holds `full`'s cache exactly (README: Batch invariance)."""
         return False
 
+    def __enter__(self) -> Front:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
     def close(self) -> None:
         """Close the store; once (a server's lifespan and its caller may both close the engine)."""
         if getattr(self, "_closed", False):
@@ -161,6 +182,7 @@ class Front(abc.ABC):
     def compile(self, texts: list[str], metadata: list[dict] | None = None) -> list[str]:
         return self.compile_documents(texts, metadata).ids
 
+    @open_only
     def compile_documents(
         self,
         texts: list[str],
@@ -275,6 +297,7 @@ class Front(abc.ABC):
         except ValueError as exc:
             raise ParameterOutOfRange(f"shards {count} do not fit the model: {exc}") from exc
 
+    @open_only
     def warm(self, doc_ids: list[str], layout: str = "default", prefetch: bool = True) -> tuple[int, int]:
         """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
         compile the missing ones and, with prefetch, read the rest (a tiered store then holds them in its fastest
@@ -339,24 +362,29 @@ class Front(abc.ABC):
     def stream_infill(self, fill: Infill) -> Stream:
         """`infill_stream` for an infill `request.validate_infill` made."""
 
+    @open_only
     def document_chunks(self, doc_id: str) -> list[list[int]]:
         """Token ids of the document's chunks (without layout tokens); UnknownDocument if it is not stored."""
         with self.catalog.using([doc_id]):  # a lost chunk record is written again: not after a delete
             return self.catalog.chunks_of(doc_id)
 
+    @open_only
     def document(self, doc_id: str) -> dict | None:
         """The document's text, metadata and chunk budget; None if unknown (CorruptDocument if its record fails)."""
         doc = self.catalog.get(doc_id)
         return None if doc is None else dataclasses.asdict(doc)
 
+    @open_only
     def delete_document(self, doc_id: str) -> bool:
         """Delete the document and its chunk entries, keeping entries that other documents share."""
         return self.catalog.delete(doc_id) is not None
 
+    @open_only
     def document_ids(self) -> list[str]:
         return self.catalog.ids()
 
     # -- prompts --------------------------------------------------------------------------------------
+    @open_only
     def prompt_parts(
         self, question: str, doc_ids: list[str], system: str | None = None, algorithm: str = DEFAULT_ALGORITHM
     ) -> LinkInput:
@@ -470,6 +498,7 @@ class Front(abc.ABC):
         room = self.context_length - max_new_tokens
         self.token_bound.refuse_over(texts, room, max_new_tokens, self.context_length)
 
+    @open_only
     def stream(
         self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED, **knobs
     ) -> Stream:
@@ -484,6 +513,7 @@ class Front(abc.ABC):
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return drain(self.stream(question, docs, **kwargs))
 
+    @open_only
     def infill_stream(
         self,
         prefix: str,

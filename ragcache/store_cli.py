@@ -34,7 +34,7 @@ from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
 from .cli_options import StoreOpt
-from .console import bars, console, err, fail, interrupted
+from .console import bars, console, err, fail, interrupted, opened
 from .errors import BadRequest, StoreError
 from .settings import load_settings
 
@@ -143,7 +143,7 @@ def _open(url: str | None) -> Store:
     for part in tier_urls(url):
         if part.startswith("disk:") and not holds_store(Path(path := DiskStore.url_parts(part)[0])):
             fail(f"no store at {path!r} (nothing compiled there yet?)", 1)
-    return open_store(url)  # a StoreError: the command's _guard
+    return opened(open_store(url))  # a StoreError: the command's _guard
 
 
 def size_text(n: float) -> str:

@@ -686,3 +686,26 @@ def test_calibrate_reads_another_jsonl_field_as_its_hint_says(monkeypatch, tmp_p
     monkeypatch.setattr(calibrate, "check_documents", checked)
     result = CliRunner().invoke(cli.app, ["calibrate", "--docs", str(rows), "--jsonl", "body"])
     assert result.exit_code == 130 and seen == [["one", "two"]], result.output
+
+
+def test_every_command_closes_the_engine_and_store_it_opened(monkeypatch, tmp_path):
+    """A tiered store writes what a tier missed, and warns of what it could not, at its close: the CLI never closed
+    the engine it opened (only the driver's exit hook ran), on success or failure."""
+    from typer.testing import CliRunner
+
+    from ragcache import cli
+    from ragcache.facade import RagCache
+    from ragcache.settings import EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    closed, lm = [], tiny.make("llama")
+    monkeypatch.setattr(MemoryStore, "close", lambda self: closed.append(type(self).__name__))
+    monkeypatch.setattr(RagCache, "from_settings", classmethod(lambda cls, s: cls(lm, MemoryStore(), EngineConfig())))
+    (tmp_path / "a.txt").write_text("A document to compile.")
+    for args, code in ((["compile", str(tmp_path / "a.txt")], 0), (["query", "Why?", "--doc", "0" * 32], 4),
+                       (["store", "stats", "--store", "memory:"], 0)):
+        before = len(closed)
+        result = CliRunner().invoke(cli.app, args)
+        assert result.exit_code == code, (args, result.output)
+        assert len(closed) == before + 1, args

@@ -677,3 +677,18 @@ def test_a_store_url_that_cannot_open_fails_before_the_model_loads_and_a_load_th
     with pytest.raises(ModelFetchError):
         RagCache.from_config(EngineConfig("smollm2-135m", f"disk:{tmp_path}"))
     assert len(loads) == 1 and len(closed) == 1
+
+
+def test_a_closed_engine_refuses_its_methods_instead_of_reopening_its_store(tmp_path):
+    """After close(), a compile of a new text wrote its document record (the disk tier reopened underneath) and then
+    failed with the server's "send the request again to another server"; listing went on working."""
+    from ragcache.errors import EngineClosed
+    from ragcache.store import open_store
+
+    with RagCache(tiny.make("llama"), open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=24)) as rc:
+        rc.compile(["A first text."])
+    assert rc._closed  # the with-block closed it
+    for call in (lambda: rc.compile(["A new text."]), rc.document_ids, lambda: rc.query("Why?", docs=[{"text": "x"}])):
+        with pytest.raises(EngineClosed, match="this engine is closed"):
+            call()
+    assert len(open_store(f"disk:{tmp_path}").record_names("doc/")) == 1
