@@ -126,6 +126,8 @@ def test_a_question_scored_link_is_salted_with_its_question():
     asked, other = spec([7] * 7), spec([8] * 7)
     assert asked.salt != other.salt
     assert spec([7] * 7, "naive").salt == spec([8] * 7, "naive").salt  # naive's linked cache ignores the question
+    assert spec([7] * 7, "naive").salt == spec([8] * 9, "naive").salt  # its length too: the blocks are shared
+    assert spec([7] * 7).salt != spec([7] * 9).salt
     prompt = [*range(5), *range(20), *range(30), *[7] * 7]
     right = request(asked, 62)
     right.prompt_token_ids = prompt

@@ -399,3 +399,27 @@ def test_a_stream_opened_after_the_engine_closed_is_refused_not_left_waiting():
     with pytest.raises(ShuttingDown):
         stream.open(lambda event: None)
     assert not prepared
+
+
+def test_questions_of_other_lengths_share_a_naive_links_blocks(rc, reference):
+    """naive's (and legolink's) linked part is the same K/V whatever the question: its salt left the question's length
+    in, so a question one token longer linked every chunk again instead of finding them in vLLM's prefix cache."""
+    ids = rc.compile(["The old tower stands on the hill above the harbour and was built of grey granite in 1804.",
+                      "Its keeper climbs one hundred and twelve steps each evening to light the lamp at the top."])
+    first = rc.query("Where is the old tower?", ids, algorithm="naive", max_new_tokens=TOKENS)
+    longer = "Where exactly is the old stone tower that everyone talks about?"
+    second = rc.query(longer, ids, algorithm="naive", max_new_tokens=TOKENS)
+    assert len(ids) == 2 and first.stats.store_hits >= 2 and first.stats.cached_tokens > 0
+    assert second.stats.store_hits == 0 and second.stats.cached_tokens >= first.stats.cached_tokens  # vLLM's blocks
+    assert second.token_ids == reference.query(longer, ids, algorithm="naive", max_new_tokens=TOKENS).token_ids
+
+
+def test_an_upload_of_short_documents_is_one_vllm_request(rc, monkeypatch):
+    """Each document was its own request, waited for before the next was sent: a context's worth now goes in one."""
+    calls, read = [], rc._read_in_vllm
+    monkeypatch.setattr(rc, "_read_in_vllm", lambda prefix, chunks, layout: calls.append(len(chunks)) or
+                        read(prefix, chunks, layout))
+    texts = [f"Short note {n} about the {word} of the quay." for n, word in enumerate(("cranes", "nets", "bells"))]
+    report = rc.compile_documents(texts)
+    assert report.compiled_chunks == 3 and calls == [3]
+    assert rc.compile_documents(texts).compiled_chunks == 0  # stored under ragcache's keys

@@ -219,6 +219,11 @@ class VllmRagCache(Front):
     def _compile_prefix(self, prefix_ids: list[int]) -> None:
         self._read_in_vllm(prefix_ids, [], "default")
 
+    def _compile_rows(self) -> int:
+        """Documents' missing chunks are gathered up to a context's worth: one vLLM request compiles them together
+        (`_groups`), not a request a document."""
+        return self.context_length
+
     def _groups(self, chunks: list[list[int]], layout: str) -> Iterator[list[list[int]]]:
         """Chunks in groups that fit one request: under the context, which vLLM refuses a prompt to fill (it must
         leave a position for the token it samples)."""

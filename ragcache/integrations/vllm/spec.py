@@ -137,7 +137,13 @@ class LinkSpec:
 
     @property
     def salt(self) -> str:
-        return SALT_PREFIX + hashlib.sha256(json.dumps(self.as_dict(), sort_keys=True).encode()).hexdigest()[:32]
+        """What files the linked blocks in vLLM's prefix cache. A link that ranks no rows across the prompt (naive,
+        legolink) gives the linked part the same K/V whatever the question: the question's length stays out, so
+        questions over the same documents share those blocks."""
+        wire = self.as_dict()
+        if not linker.algorithm(self.link.algorithm).ranks_across:
+            del wire["question"]
+        return SALT_PREFIX + hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:32]
 
     def as_dict(self) -> dict:
         """The wire form: the lengths, the link's knobs (LinkParams') and the salt's parts, one flat object."""
