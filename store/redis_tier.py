@@ -173,7 +173,19 @@ class RedisStore(BlobStore):
         return [(raw, None if raw is None else _parse_manifest(raw)) for raw in pipe.execute()]
 
     def _fetch(self, keys: list[str]) -> list[tuple[bytearray | None, str | None, bytes | None, dict | None]]:
-        """Per key: (blob or None, problem or None, raw manifest, manifest). Two pipelines in all."""
+        """Per key: (blob or None, problem or None, raw manifest, manifest). An entry found incomplete is read once
+        more: a writer that replaced it between the manifest's read and its parts' deleted the parts read for (a
+        reader sees the old entry or the new one, not a miss)."""
+        fetched = self._fetch_once(keys)
+        torn = [i for i, (_, problem, _, _) in enumerate(fetched) if problem is not None]
+        if torn:
+            for i, again in zip(torn, self._fetch_once([keys[i] for i in torn])):
+                if again[2] != fetched[i][2]:  # another manifest: the entry was rewritten
+                    fetched[i] = again
+        return fetched
+
+    def _fetch_once(self, keys: list[str]) -> list[tuple[bytearray | None, str | None, bytes | None, dict | None]]:
+        """`_fetch`'s one read: two pipelines in all."""
         manifests = self._manifests(keys)
         pipe = self._redis().pipeline(transaction=False)
         for key, (_, manifest) in zip(keys, manifests):

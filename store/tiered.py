@@ -320,7 +320,7 @@ class TieredStore(Store):
         pinned arena that a link's copies and prefetch read asynchronously); where no tier kept one, the read's own."""
         for i in reversed(range(found_in)):
             tier = self.tiers[i]
-            if not self._usable(i) or not self._call(i, tier.put_many, entries, write=True)[1]:
+            if not self._takes_writes(i) or not self._call(i, tier.put_many, entries, write=True)[1]:
                 continue
             if tier.hands_out_copies:
                 kept = tier.peek(list(entries))
@@ -336,7 +336,7 @@ class TieredStore(Store):
         started = time.perf_counter()
         took, host = [], dict[str, ChunkKV]()  # the tiers that took them; entries in host memory, by key
         for i, tier in enumerate(self.tiers):
-            if not self._usable(i):
+            if not self._takes_writes(i):
                 continue
             _, ok = self._call(i, tier.put_many, crossing.for_tier(tier.takes_device_entries, items, host), write=True)
             if ok:
@@ -378,9 +378,9 @@ class TieredStore(Store):
                     ENTRIES_BEHIND_MAX,
                 )
 
-    def _behind_ready(self, i: int) -> bool:
-        """Whether tier i, which missed entries, may be written now: up (or due a retry), and taking writes or due a
-        try."""
+    def _takes_writes(self, i: int) -> bool:
+        """Whether tier i may be written now: up (or due a retry), and taking writes or due a try (a full disk is not
+        sent every fill's and compile's entries, each encoded and evicted for, until its retry)."""
         state, now = self.states[i], self.clock()
         return self._usable(i) and (not state.write_failing or now >= state.write_retry_at)
 
@@ -388,7 +388,7 @@ class TieredStore(Store):
         with self._lock:
             if self._writing_behind is not None or self._closed.is_set():
                 return
-            if not any(keys and self._behind_ready(i) for i, keys in self._entries_behind.items()):
+            if not any(keys and self._takes_writes(i) for i, keys in self._entries_behind.items()):
                 return
             self._writing_behind = threading.Thread(
                 target=self._write_behind, name="ragcache-store-write-behind", daemon=True
@@ -404,7 +404,7 @@ class TieredStore(Store):
             while not self._closed.is_set():
                 with self._entry_writes:  # a delete of one of the batch waits for its write, and then deletes it
                     with self._lock:
-                        ready = [i for i, keys in self._entries_behind.items() if keys and self._behind_ready(i)]
+                        ready = [i for i, keys in self._entries_behind.items() if keys and self._takes_writes(i)]
                         if not ready:  # ended in the block that decides it: a tier ready from now on starts another
                             self._writing_behind = None
                             return

@@ -640,7 +640,8 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     # tiered: memory takes the write, one warning about the disk, and StoreError all the same (the entries end with
     # the process: a compile has lost its work); with no tier able to take it, StoreError
     caplog.set_level(logging.WARNING, "ragcache.store")
-    tiered = TieredStore([MemoryStore(), store])
+    now = [0.0]
+    tiered = TieredStore([MemoryStore(), store], clock=lambda: now[0])
     for write in ({key: entry}, dict([make_entry(51, layers=2)])):
         with pytest.raises(StoreError, match="only in this process's memory"):
             tiered.put_many(write)
@@ -651,6 +652,7 @@ def test_a_full_disk_fails_the_write_cleanly(tmp_path, monkeypatch, caplog):
     with pytest.raises(StoreError, match="no store tier could store"):
         TieredStore([store, DiskStore(tmp_path / "second")]).put_many({key: entry})
     monkeypatch.undo()
+    now[0] += tiered.retry_after  # tried again at its retry (not each write meanwhile)
     tiered.put_many({key: entry})
     assert store.entry_path(key).exists() and "accepts writes again" in warnings_of(caplog)[-1]
 
@@ -799,6 +801,24 @@ def _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, **tiered) -> tuple[Tie
         with pytest.raises(StoreError):
             store.put_many({key: entry})
     return store, disk, key, entry
+
+
+def test_a_tier_refusing_writes_is_not_sent_fills_and_puts_until_its_retry(tmp_path, monkeypatch):
+    """A full disk was sent every fill's and every compile's entries, each encoded (and evicted for) again, though it
+    had just refused; it is tried again at its retry, as the entries it missed are."""
+    now = [0.0]
+    store, disk, key, entry = _kept_in_memory_by_a_full_disk(tmp_path, monkeypatch, retry_after=5.0,
+                                                            clock=lambda: now[0])
+    writes = []
+    monkeypatch.setattr(DiskStore, "write_blobs", lambda self, blobs: writes.append(len(blobs)) or _disk_full(self, blobs))
+    other_key, other = make_entry(2, layers=2)
+    with pytest.raises(StoreError, match="kept only in this process's memory"):
+        store.put_many({other_key: other})
+    assert writes == [] and store.states[1].write_failing  # not tried inside its retry time
+    now[0] = 5.0
+    with pytest.raises(StoreError):
+        store.put_many({other_key: other})
+    assert writes == [1]  # tried at its retry, refused again
 
 
 def test_a_compile_whose_entries_cannot_be_stored_fails_and_a_query_still_answers(tmp_path, tiny_lm, monkeypatch):

@@ -663,3 +663,27 @@ def test_gc_never_takes_the_parts_of_an_entry_written_while_it_read_the_manifest
     assert store.gc()["orphan_parts_removed"] == 0
     monkeypatch.setattr(redis_tier.time, "time", real_time)
     assert same_bits(store.get(new_key), new) and same_bits(store.get(old_key), old)
+
+
+def test_a_reader_racing_a_rewrite_of_the_entry_gets_an_entry_not_a_miss(redis_url):
+    """The writer deletes the old generation's parts once the new manifest is in: a reader that had read the old
+    manifest found its parts gone, logged the entry incomplete, dropped it and recompiled it."""
+    from ragcache.store import open_store
+
+    store = open_store(redis_url)
+    (key, old), (same, new) = make_entry(1, layers=2), make_entry(2, layers=2, ids_seed=1)
+    assert same == key
+    store.put_many({key: old})
+    manifests, rewritten = store._manifests, []
+
+    def rewritten_after_reading(keys):
+        read = manifests(keys)
+        if not rewritten:  # between this reader's manifest and its parts
+            rewritten.append(True)
+            store.put_many({key: new})
+        return read
+
+    store._manifests = rewritten_after_reading
+    (got,) = store.get_many([key])
+    assert rewritten and same_bits(got, new) and store.metrics.incomplete == 0
+    assert store.contains_many([key]) == [True]

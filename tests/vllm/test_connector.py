@@ -92,6 +92,28 @@ def test_a_request_linked_again_before_it_finishes_is_a_relink():
     assert relinks == [False, True, False]
 
 
+def test_a_request_vllms_prefix_cache_served_whole_then_preempted_is_a_relink():
+    """It never linked (vLLM's blocks gave it all), let its documents go at its first token, and lost its blocks to a
+    preemption: what its link compiles now must not be stored (a delete of its document may have passed)."""
+    c = connector()
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
+    resumed = request(SPEC, 62)
+    resumed.num_preemptions = 1
+    c.update_state_after_alloc(resumed, blocks, 55)
+    assert [load.relink for load in c.build_connector_meta(None).loads] == [True]
+
+
+def test_a_failed_links_request_reports_vllms_own_prefix_hit_as_all_it_reused():
+    """vLLM counted the claimed positions as cached, then prefilled them itself: the finished request says what its
+    own prefix cache held, so the answer's usage does not count the failed link as reused."""
+    c = connector()
+    c.update_state_after_alloc(request(SPEC, 62), SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],)), 55 - 16)
+    (load,) = c.build_connector_meta(None).loads
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={9}))
+    assert c.request_finished(request(SPEC, 62), []) == (False, {LINK_KEY: {"fallback": True, "local_hit": 16}})
+    assert c.request_finished(request(SPEC, 62, rid="r2"), []) == (False, None)
+
+
 def test_nothing_to_load_hands_the_worker_nothing():
     c = connector()
     c.update_state_after_alloc(request(SPEC, 62), SimpleNamespace(get_block_ids=lambda: ([1],)), 0)

@@ -423,3 +423,17 @@ def test_an_upload_of_short_documents_is_one_vllm_request(rc, monkeypatch):
     report = rc.compile_documents(texts)
     assert report.compiled_chunks == 3 and calls == [3]
     assert rc.compile_documents(texts).compiled_chunks == 0  # stored under ragcache's keys
+
+
+def test_a_failed_links_usage_counts_what_vllm_prefilled():
+    """vLLM counts a claimed link's positions as cached when it schedules the request and keeps that count after the
+    link fails and it prefills them itself: the answer said they were reused during every store outage. The
+    connector's report of the failure (tests/vllm/test_link.py) leaves vLLM's own prefix hit as all that was."""
+    from types import SimpleNamespace
+
+    from ragcache.integrations.vllm.engine import VllmStream
+
+    stream = VllmStream(SimpleNamespace(_closed=False), lambda *a: None, Sampling())
+    stream.stats.prompt_tokens = 120
+    stream._linked_by_connector({"fallback": True, "local_hit": 16})
+    assert (stream.stats.cached_tokens, stream.stats.recomputed_tokens, stream.stats.store_hits) == (16, 104, 0)

@@ -11,7 +11,7 @@ from vllm import SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from prometheus_client import REGISTRY
-from ragcache.integrations.vllm.spec import SPEC_KEY, LinkSpec, link_request
+from ragcache.integrations.vllm.spec import LINK_KEY, SPEC_KEY, LinkSpec, link_request
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 QUESTION = "What do bees make, and where do they keep it?"
@@ -91,10 +91,13 @@ def test_each_algorithm_matches_ragcaches_own_engine(llm, engine, doc_ids, algor
 
 
 def test_entries_compiled_by_ragcache_are_read_not_compiled_again(llm, engine, doc_ids):
-    ids, spec = linked_request(engine, doc_ids, "naive", question="How is the canal kept full?")
+    # an order of its own: naive's linked blocks are shared by every question over the same documents
+    ids, spec = linked_request(engine, [doc_ids[1], doc_ids[2]], "naive", question="How is the canal kept full?")
     before = set(engine.store.keys())
-    generate(llm, ids, spec)
+    out = generate(llm, ids, spec)
     assert set(engine.store.keys()) == before  # the vLLM side composed the same keys, and found every entry
+    done = out.kv_transfer_params[LINK_KEY]  # read from the store (the prefix and both chunks), not vLLM's blocks
+    assert done["hits"] >= 2 and done["misses"] == 0
 
 
 def test_a_missing_chunk_is_compiled_and_stored(llm, engine, doc_ids):
@@ -157,6 +160,10 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     finally:
         worker().catalog.store = live
     assert fallbacks("store") == before + 1
+    # its finished output says the link failed, with what vLLM's own prefix cache held (its num_cached_tokens keeps
+    # the claim): what the answer's usage counts as reused
+    said = out.kv_transfer_params[LINK_KEY]
+    assert said["fallback"] and 0 <= said["local_hit"] < spec.linked
     # vLLM recomputed the blocks the link could not load (its num_cached_tokens keeps the claim it was first made):
     # unwritten blocks would not give its own prefill's tokens
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
@@ -219,6 +226,7 @@ def test_a_link_that_recomputes_no_row_waits_for_its_placing_before_vllms_blocks
     settled, write, settle = [], worker().write, JoinedCache.settle
     monkeypatch.setattr(JoinedCache, "settle", lambda self: settled.append(self) or settle(self))
     monkeypatch.setattr(worker(), "write", lambda *a: (settled or pytest.fail("written unsettled")) and write(*a))
-    ids, spec = linked_request(engine, doc_ids, "naive", question="Where does the canal begin?")
+    # an order of its own: naive's linked blocks are shared by every question over the same documents
+    ids, spec = linked_request(engine, [doc_ids[0], doc_ids[2]], "naive", question="Where does the canal begin?")
     generate(llm, ids, spec)
     assert settled

@@ -173,6 +173,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._refused: set[str] = set()  # requests already counted as not linked
         self._claimed: dict[str, set[int]] = {}  # the blocks each linking request's link writes, until it finishes
         self._unlinked: set[str] = set()  # requests whose link failed: vLLM prefills them from then on
+        self._local_hits: dict[str, int] = {}  # what vLLM's prefix cache held of a claimed request at its first claim
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
         # step. By default a link runs inside the step that schedules its request.
@@ -207,7 +208,10 @@ class RagcacheConnector(KVConnectorBase_V1):
             return
         spec = self._spec(request)
         lora = request.lora_request
-        relink = request.request_id in self._linking  # not finished since its first link: preempted
+        # preempted since its first link, or since vLLM's prefix cache gave it all (no link, so not in `_linking`):
+        # its documents were let go at its first token, and what it compiles now is not stored (a delete may be past)
+        again = getattr(request, "num_preemptions", 0) > 0 or getattr(request, "num_output_tokens", 0) > 0
+        relink = request.request_id in self._linking or again
         self._linking.add(request.request_id)
         load = Load(
             request.request_id,
@@ -220,6 +224,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         )
         self._pending[request.request_id] = load
         self._claimed[request.request_id] = set(load.written_blocks(self.block_size))
+        self._local_hits.setdefault(request.request_id, load.start)
 
     def build_connector_meta(self, scheduler_output) -> LoadMetadata:
         meta = LoadMetadata(list(self._pending.values()))
@@ -249,7 +254,11 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._refused.discard(request.request_id)
         self._linking.discard(request.request_id)
         self._claimed.pop(request.request_id, None)
-        self._unlinked.discard(request.request_id)
+        local = self._local_hits.pop(request.request_id, 0)
+        if request.request_id in self._unlinked:  # vLLM counted the claim as cached and prefilled it: say so
+            self._unlinked.discard(request.request_id)
+            self._done.pop(request.request_id, None)
+            return False, {LINK_KEY: {"fallback": True, "local_hit": local}}
         done = self._done.pop(request.request_id, None)
         return False, ({LINK_KEY: done} if done is not None else None)
 

@@ -612,8 +612,13 @@ class VllmStream:
 
     def _linked_by_connector(self, done: dict) -> None:
         """Its stats as ragcache's engine counts them: the rows the connector recomputed and the question, which vLLM
-        computes, are recomputed; the rest of the prompt was reused."""
+        computes, are recomputed; the rest of the prompt was reused. A link that failed (the store down) was vLLM's
+        prefill past its own prefix hit, though vLLM counts the claimed positions as cached."""
         s = self.stats
+        if done.get("fallback"):
+            s.cached_tokens = int(done["local_hit"])
+            s.recomputed_tokens = s.prompt_tokens - s.cached_tokens
+            return
         s.store_hits, s.store_misses, s.compiled_chunks = (int(done[k]) for k in ("hits", "misses", "compiled"))
         s.fetch_s, s.rotate_s, s.recompute_s = (float(done[k]) for k in ("fetch_s", "rotate_s", "recompute_s"))
         s.recomputed_tokens = int(done["recomputed"]) + s.prompt_tokens - self._linked
