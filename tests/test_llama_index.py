@@ -119,6 +119,15 @@ def test_compiler_skips_what_is_compiled_and_passes_empty_nodes(rc, ingested):
     assert asyncio.run(compiler.acall(nodes)) == nodes
 
 
+def test_the_compilers_progress_bar_counts_documents_and_what_it_compiled(rc, ingested, capsys):
+    """It counted the tokens of every document read in, compiled or not, with no total: the bar of a pipeline over a
+    compiled corpus ran to the corpus's size though nothing was compiled."""
+    nodes, _ = ingested
+    RagCacheCompiler(rc=rc)(nodes, show_progress=True)
+    shown = capsys.readouterr().err
+    assert f"{len(nodes)}/{len(nodes)}" in shown and "compiled_tokens=0" in shown
+
+
 def test_retriever_returns_the_wrapped_retrievers_nodes(rc, ingested, retriever):
     plain = retriever.retriever.retrieve(QUESTION)
     got = retriever.retrieve(QUESTION)

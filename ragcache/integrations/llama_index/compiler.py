@@ -44,12 +44,16 @@ class RagCacheCompiler(TransformComponent):
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
         todo = [(node, text) for node in nodes if (text := node_text(node, self.metadata_mode)).strip()]
-        bar = _bar() if kwargs.get("show_progress") else None
+        bar = _bar(len(todo)) if kwargs.get("show_progress") else None
+
+        def progress(so_far: CompileReport) -> None:  # documents whose chunks are all compiled (or were)
+            assert bar is not None
+            bar.set_postfix(compiled_tokens=so_far.compiled_tokens, refresh=False)
+            bar.update(so_far.ready - bar.n)
+
         try:
             report = self.rc.compile_documents(
-                [text for _, text in todo],
-                [record_meta(node) for node, _ in todo],
-                progress=(lambda so_far: bar.update(so_far.tokens - bar.n)) if bar else None,
+                [text for _, text in todo], [record_meta(node) for node, _ in todo], progress=progress if bar else None
             )
         finally:
             if bar:
@@ -67,7 +71,7 @@ def _store_label(store) -> str:
     return "+".join(f"{tier.name}:{getattr(tier, 'root', '')}" for tier in getattr(store, "tiers", [store]))
 
 
-def _bar():
+def _bar(documents: int):
     from tqdm.auto import tqdm
 
-    return tqdm(desc="ragcache compile", unit="tok")
+    return tqdm(total=documents, desc="ragcache compile", unit="doc")
