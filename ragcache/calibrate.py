@@ -37,6 +37,7 @@ from . import agreement as agree
 from . import fetch, loaded, lora
 from .engine import eos_ids
 from .errors import BadRequest
+from .request import read_text
 from .settings import DATA_DIR, DEFAULT_FOCUS_RATIOS, DEFAULT_KS, DEFAULT_RATIOS, DEFAULT_TARGET
 
 log = logging.getLogger("ragcache")
@@ -129,9 +130,9 @@ def builtin_items(
 ) -> list[Item]:
     """Questions of the sample set in `data`, each over its own document and distractors (the answer among them);
     `ids`: the documents' ids by file name, where the caller has compiled them (else they are compiled here)."""
-    docs = {p.name: p.read_text() for p in sorted((data / "docs").glob("*.txt"))}
+    docs = {p.name: read_text(p) for p in sorted((data / "docs").glob("*.txt"))}  # as `compile` reads them
     ids = ids or dict(zip(docs, rc.compile(list(docs.values()))))
-    rows = [json.loads(line) for line in (data / "questions.jsonl").read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in read_text(data / "questions.jsonl").splitlines() if line.strip()]
     rng = random.Random(seed)
     items = []
     for row in rows[:n]:

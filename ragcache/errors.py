@@ -69,7 +69,10 @@ class EngineClosed(ShuttingDown):
     """A method of an engine after its `close`: its store would reopen underneath it, and its model thread is gone."""
 
     def __init__(self):
-        RagCacheError.__init__(self, "this engine is closed: open another (RagCache.open) to go on")
+        RagCacheError.__init__(
+            self,
+            "the engine is closed (a server shutting down, or close() called): send it to another server or engine",
+        )
 
 
 class DocumentInUse(RagCacheError):

@@ -46,7 +46,7 @@ from .engine import (
     wait,
 )
 from .errors import Cancelled, CompileFailed, ParameterOutOfRange, RagCacheError
-from .front import Front
+from .front import Front, open_only
 from .linker import Linked, LinkInput, LinkParams
 from .request import Infill, Query
 from .settings import (
@@ -170,16 +170,17 @@ class RagCache(Front):
         validate_kv_codec(config.kv_codec)
         refuse_another_gpu(config.device)  # before minutes of loading
         log.info("device %s (%s)", config.device, config.device_reason)
-        # opened first: a size it cannot read, a folder it cannot make, a Redis that does not answer fail before
-        # minutes of loading. On CUDA: a "gpu" tier on the model's device, the memory tier pinned
+        lm = models.load(config.model, dtype=config.dtype, device=config.device)
+        chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
+        lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
+        # after the model: a "gpu" tier sizes itself from the device memory the model left (on CUDA, beside a
+        # pinned memory tier)
         store = open_store(store_for(config.store, config.device), device=config.device)
         try:
-            lm = models.load(config.model, dtype=config.dtype, device=config.device)
-            chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
-            lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
             return cls(lm, store, config)
-        except BaseException:
-            store.close()
+        except BaseException:  # a store it opened, not the caller's
+            if store is not config.store:
+                store.close()
             raise
 
     @property
@@ -435,6 +436,7 @@ class RagCache(Front):
         stats.algorithm, stats.prompt_tokens = algorithm, len(parts.token_ids)
         return parts, query.params, self.prefix_cache
 
+    @open_only
     def link(
         self,
         question: str,
@@ -473,6 +475,7 @@ class RagCache(Front):
         _run(seq, "the link", timeout)
         return seq.linked
 
+    @open_only
     def stream_query(self, query: Query) -> Sequence:
         """`stream` for a query `validate` made."""
         return Sequence(
@@ -503,6 +506,7 @@ class RagCache(Front):
         return guard.compare(query.params.algorithm, full.last_logits, linked_logits)
 
     # -- infilling ------------------------------------------------------------------------------------
+    @open_only
     def stream_infill(self, fill: Infill) -> Sequence:
         """`infill_stream` for an infill `request.validate_infill` made."""
         ids = self._infill_ids(fill)

@@ -85,7 +85,7 @@ def open_only(method: Callable[P, R]) -> Callable[P, R]:
 
     @functools.wraps(method)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-        if getattr(args[0], "_closed", False):
+        if getattr(args[0], "_closed", False) or getattr(args[0], "_closing", False):
             raise EngineClosed()
         return method(*args, **kwargs)
 

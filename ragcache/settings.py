@@ -305,7 +305,7 @@ class EngineConfig:
 
 
 def config_path() -> Path:
-    return Path(os.environ.get("RAGCACHE_CONFIG", "ragcache.toml"))
+    return Path(os.environ.get("RAGCACHE_CONFIG") or "ragcache.toml")  # an empty RAGCACHE_CONFIG: the default
 
 
 class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, ...): the server's defaults
@@ -614,9 +614,9 @@ class Toml(TomlConfigSettingsSource):
     A file that is no TOML or cannot be read, or a RAGCACHE_CONFIG naming none, is a BadRequest naming it."""
 
     def __init__(self, settings_cls, toml_file: Path):
-        if "RAGCACHE_CONFIG" in os.environ and not toml_file.is_file():
-            raise BadRequest(f"RAGCACHE_CONFIG={str(toml_file)!r}: no such file")
         try:
+            if os.environ.get("RAGCACHE_CONFIG") and not toml_file.is_file():
+                raise BadRequest(f"RAGCACHE_CONFIG={str(toml_file)!r}: no such file")
             super().__init__(settings_cls, toml_file=toml_file)
         except (ValueError, OSError) as exc:  # tomllib's TOMLDecodeError is a ValueError
             raise BadRequest(f"{toml_file}: {exc}") from None

@@ -34,11 +34,16 @@ from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id
 
 from . import maintenance
 from .cli_options import StoreOpt
-from .console import bars, console, err, fail, interrupted, opened
+from .console import bars, closing_opened, console, err, fail, interrupted, opened
 from .errors import BadRequest, StoreError
 from .settings import load_settings
 
 store_app = typer.Typer(help="Inspect and maintain the document KV store (no model needed).", no_args_is_help=True)
+
+
+@store_app.callback()
+def _each_command(ctx: typer.Context) -> None:
+    ctx.call_on_close(closing_opened())  # the store the command opens, closed as it ends (also run on its own)
 
 
 def _settings_store(url: str | None) -> str:

@@ -28,6 +28,8 @@ class TierKind:
     form: str  # its URL as the unknown-store message shows it
     opens: Opener
     per_process: bool = False  # lives in this process's memory: nothing it holds outlives the process or is shared
+    # reads a URL's options (a size) without opening anything: UnknownStore for one it cannot read
+    checks: Callable[[str], Any] | None = None
 
     def names(self, spec: str) -> bool:
         """`spec` (one tier's URL) is a tier of this kind."""
@@ -55,9 +57,33 @@ def lazy(module: str, name: str) -> Opener:
     return opens
 
 
-register(TierKind(("memory",), "memory:[SIZE]", lazy(".memory", "MemoryStore"), per_process=True))
-register(TierKind(("gpu",), "gpu:[SIZE|N%] (on CUDA)", lazy(".device", "DeviceStore"), per_process=True))
-register(TierKind(("disk:",), "disk:PATH[?size=SIZE]", lazy(".disk", "DiskStore")))
+def reads(module: str, path: str, **options) -> Callable[[str], Any]:
+    """A check of a kind's URL: the function at dotted `path` in `module`, imported when a URL is checked."""
+
+    def check(spec: str) -> Any:
+        fn: Any = importlib.import_module(module, __package__)
+        for name in path.split("."):
+            fn = getattr(fn, name)
+        return fn(spec, **options)
+
+    return check
+
+
+register(TierKind(("memory",), "memory:[SIZE]", lazy(".memory", "MemoryStore"), True, reads(".memory", "url_budget")))
+register(
+    TierKind(
+        ("gpu",),
+        "gpu:[SIZE|N%] (on CUDA)",
+        lazy(".device", "DeviceStore"),
+        True,
+        reads(".memory", "url_budget", share=True),
+    )
+)
+register(
+    TierKind(
+        ("disk:",), "disk:PATH[?size=SIZE]", lazy(".disk", "DiskStore"), checks=reads(".disk", "DiskStore.url_parts")
+    )
+)
 register(TierKind(("redis://", "rediss://", "unix://"), "redis://HOST:PORT/DB", lazy(".redis_tier", "RedisStore")))
 
 
@@ -102,9 +128,12 @@ def per_process(url: str) -> bool:
 
 
 def check_url(url: str) -> None:
-    """UnknownStore for a tier of no known kind: before a model loads for minutes, not after."""
+    """UnknownStore for a tier of no known kind, or with options it cannot read (a size of `20GB`): before a model
+    loads for minutes, not after."""
     for spec in tier_urls(url):
-        _known_kind(spec)
+        kind = _known_kind(spec)
+        if kind.checks is not None:
+            kind.checks(spec)
 
 
 def _known_kind(spec: str) -> TierKind:

@@ -658,23 +658,29 @@ def test_top_p_draws_only_from_the_nucleus():
     assert again[0] == again[1] and draw(logits, Sampling(), None).shape == (1,)
 
 
-def test_a_store_url_that_cannot_open_fails_before_the_model_loads_and_a_load_that_fails_closes_the_store(
+def test_a_store_url_it_cannot_read_fails_before_the_model_loads_and_an_engine_that_fails_closes_its_store(
     monkeypatch, tmp_path
 ):
     """`disk:...?size=20GB` (GB, not GiB) failed after minutes of loading, as an error of the store (exit 1), not
-    bad input (exit 3); a model that failed to load left the store it had opened open."""
+    bad input (exit 3); an engine that failed to start left the store it had opened open."""
     from ragcache import models
-    from ragcache.errors import BadRequest, ModelFetchError
+    from ragcache.errors import BadRequest
     from ragcache.settings import EngineConfig
     from ragcache.store import disk
 
     loads, closed = [], []
-    monkeypatch.setattr(models, "load", lambda *a, **k: loads.append(a) or (_ for _ in ()).throw(ModelFetchError("x")))
-    with pytest.raises(BadRequest, match="one option is \\?size=SIZE"):
-        RagCache.from_config(EngineConfig("smollm2-135m", f"disk:{tmp_path}?size=20GB"))
+    monkeypatch.setattr(models, "load", lambda *a, **k: loads.append(a) or tiny.make("llama"))
+    for url in (f"disk:{tmp_path}?size=20GB", "memory:16GB", "gpu:lots"):
+        with pytest.raises(BadRequest, match="size|budget"):
+            RagCache.from_config(EngineConfig("smollm2-135m", url))
     assert loads == []
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("the engine cannot start")
+
     monkeypatch.setattr(disk.DiskStore, "close", lambda self: closed.append(self))
-    with pytest.raises(ModelFetchError):
+    monkeypatch.setattr(RagCache, "__init__", broken)
+    with pytest.raises(RuntimeError, match="cannot start"):
         RagCache.from_config(EngineConfig("smollm2-135m", f"disk:{tmp_path}"))
     assert len(loads) == 1 and len(closed) == 1
 
@@ -689,6 +695,6 @@ def test_a_closed_engine_refuses_its_methods_instead_of_reopening_its_store(tmp_
         rc.compile(["A first text."])
     assert rc._closed  # the with-block closed it
     for call in (lambda: rc.compile(["A new text."]), rc.document_ids, lambda: rc.query("Why?", docs=[{"text": "x"}])):
-        with pytest.raises(EngineClosed, match="this engine is closed"):
+        with pytest.raises(EngineClosed, match="the engine is closed"):
             call()
     assert len(open_store(f"disk:{tmp_path}").record_names("doc/")) == 1

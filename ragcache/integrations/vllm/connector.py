@@ -255,11 +255,11 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._linking.discard(request.request_id)
         self._claimed.pop(request.request_id, None)
         local = self._local_hits.pop(request.request_id, 0)
-        if request.request_id in self._unlinked:  # vLLM counted the claim as cached and prefilled it: say so
-            self._unlinked.discard(request.request_id)
-            self._done.pop(request.request_id, None)
-            return False, {LINK_KEY: {"fallback": True, "local_hit": local}}
+        failed = request.request_id in self._unlinked
+        self._unlinked.discard(request.request_id)
         done = self._done.pop(request.request_id, None)
+        if done is None and failed:  # its only link failed: vLLM counted the claim as cached and prefilled it
+            done = {"fallback": True, "local_hit": local}
         return False, ({LINK_KEY: done} if done is not None else None)
 
     def _spec(self, request) -> LinkSpec | None:

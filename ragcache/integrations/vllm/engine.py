@@ -39,7 +39,7 @@ from ragcache.errors import (
     ShuttingDown,
     StoreError,
 )
-from ragcache.front import Front, drain, found_forms
+from ragcache.front import Front, drain, found_forms, open_only
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
@@ -181,6 +181,7 @@ class VllmRagCache(Front):
     def close(self) -> None:
         if getattr(self, "_closed", False):  # a second close would wait on the loop the first one stopped
             return
+        self._closing = True  # a stream opened from here on would wait on a loop that is stopping: refused
         try:
             asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result(CLOSE_WAIT_S)
         except TimeoutError:
@@ -289,6 +290,7 @@ class VllmRagCache(Front):
         if params.repair:  # vLLM's scheduler owns its decode steps: nothing rides with them
             raise ParameterOutOfRange(REPAIR_ON_VLLM)
 
+    @open_only
     def stream_query(
         self, query: Query, first_distribution: bool = False, base: bool = False, background: bool = False
     ) -> VllmStream:
@@ -346,6 +348,7 @@ class VllmRagCache(Front):
         full_logits = _first_logits(self.stream_query(full, first_distribution=True, base=True, background=True), ends)
         return guard.compare(query.params.algorithm, full_logits, linked_logits)
 
+    @open_only
     def stream_infill(self, fill: Infill) -> VllmStream:
         """An infill as a plain vLLM request: EFIM's session prefix stays the same from round to round, so vLLM's
         prefix cache holds it (`reuse=False` is not offered: vLLM's prefix cache is on for every request)."""
@@ -522,7 +525,8 @@ class VllmStream:
         Raises what preparing raises."""
         from vllm.exceptions import VLLMClientError
 
-        if getattr(self.engine, "_closed", False):  # its loop has stopped: the request would wait forever
+        if getattr(self.engine, "_closing", False) or getattr(self.engine, "_closed", False):  # its loop stops: the
+            # request would wait forever
             raise ShuttingDown()
         self._listener, self._started = listener, time.perf_counter()
         try:
