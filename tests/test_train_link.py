@@ -368,3 +368,24 @@ def test_docs_without_paragraphs_are_refused_before_the_model_loads(tmp_path):
     (tmp_path / "docs" / "README.TXT").write_text("word " * 30)
     config(tmp_path, docs=tmp_path / "docs").validate()
     assert paragraphs(tmp_path / "docs") == [" ".join(["word"] * 30)]
+
+
+def test_train_link_closes_an_engine_it_opened_however_it_ends(tmp_path, monkeypatch):
+    """`ragcache train link` opened a disk store and a model thread and never closed them."""
+    from types import SimpleNamespace
+
+    closed = []
+
+    class Own:
+        lm = SimpleNamespace(adapter="already adapted")  # refused at once: the engine must still be closed
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc_info):
+            closed.append(exc_info[0])
+
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: Own())
+    with pytest.raises(errors.BadRequest, match="base model"):
+        tl.train_link(config(tmp_path))
+    assert closed == [errors.BadRequest]

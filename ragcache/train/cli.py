@@ -11,7 +11,7 @@ from rich.progress import Progress, TaskID, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt, link_options
-from ..console import bars, console, err, fail, interrupted
+from ..console import bars, console, err, fail, interrupted, opened
 from ..errors import RagCacheError
 from ..settings import DEFAULT_TRAIN_ALGORITHM, LinkKnobs
 
@@ -247,7 +247,7 @@ def eval_cmd(
     try:
         tasks = build_tasks(n_tasks, seed, split(kinds), source, prefix_chars, suffix_chars)
         with err.status(f"loading {model}"):
-            rc = RagCache.open(model=model, store="memory:")
+            rc = opened(RagCache.open(model=model, store="memory:"))  # closed as the command ends
         mode_list = split(modes)
         with _progress() as bar:
             task = bar.add_task("infilling", total=len(tasks) * len(mode_list), note="")

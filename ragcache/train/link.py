@@ -530,11 +530,13 @@ def train_link(
     `rc`: an engine on the base model (else opened from cfg), given back without the LoRA; `items`: (training, held
     out), else from cfg; `progress(phase, done, total, note)`."""
     cfg.validate()
+    if rc is None:  # an engine of its own: closed when the training ends, however it ends
+        with open_engine(cfg) as own:
+            return train_link(cfg, own, items, progress)
     say = progress or (lambda phase, done, total, note: None)
     started = time.perf_counter()
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    rc = rc or open_engine(cfg)
     if rc.lm.adapter is not None:
         raise BadRequest("train link fits an adapter to the base model; open it without one")
     if items is None:

@@ -230,3 +230,16 @@ def test_a_link_that_recomputes_no_row_waits_for_its_placing_before_vllms_blocks
     ids, spec = linked_request(engine, [doc_ids[0], doc_ids[2]], "naive", question="Where does the canal begin?")
     generate(llm, ids, spec)
     assert settled
+
+
+def test_a_compiles_link_keeps_no_tail(llm, engine, doc_ids):
+    """A compile request (salted with a nonce, read once) kept its linked part's last block among the worker's 256
+    tails, pushing out those that serve users' exact repeats."""
+    import dataclasses
+
+    ids, spec = linked_request(engine, [doc_ids[2], doc_ids[1], doc_ids[0]], "naive", question="Why a nonce?")
+    kept = len(worker().tails)
+    generate(llm, ids, dataclasses.replace(spec, nonce="compile-1"))
+    assert len(worker().tails) == kept
+    generate(llm, ids, spec)  # a user's link keeps its tail
+    assert len(worker().tails) == kept + 1

@@ -141,6 +141,8 @@ class LinkWorker:
             kv_caches,
             block_size,
         )
+        if load.spec.nonce:  # a compile's, salted to be read once: kept, it would push users' tails out
+            return
         # in host memory: on a GPU, vLLM sized its KV cache to the memory it saw, and up to TAILS_KEPT blocks of every
         # layer (half a GiB at an 8B shape) would come out of what it counted on
         self.tails[name] = (
