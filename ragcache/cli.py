@@ -196,7 +196,7 @@ def _pdf_text(path: Path) -> str:
     except PyPdfError as exc:  # EmptyFileError and the other damage pypdf names
         raise BadRequest(f"{path} is not a readable PDF: {exc}") from exc
     except OSError as exc:  # unreadable (permissions), gone since it was listed: not the PDF's damage
-        raise BadRequest(f"cannot read {request.shown(str(path))}: {exc.strerror or exc}") from exc
+        raise request.unreadable(path, exc) from exc
     except Exception as exc:  # damage pypdf trips over (IndexError, KeyError, ...) in an input file
         raise BadRequest(f"{path} is not a readable PDF ({type(exc).__name__}: {exc})") from exc
 

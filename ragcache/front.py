@@ -80,12 +80,17 @@ class Stream(Protocol):
     def __iter__(self) -> Iterator[str]: ...
 
 
+def closed(engine) -> bool:
+    """Whether the engine is closed, or closing (the vLLM engine, while its loop stops)."""
+    return getattr(engine, "_closed", False) or getattr(engine, "_closing", False)
+
+
 def open_only(method: Callable[P, R]) -> Callable[P, R]:
     """A method a closed engine refuses (EngineClosed), instead of reopening its store underneath its caller."""
 
     @functools.wraps(method)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
-        if getattr(args[0], "_closed", False) or getattr(args[0], "_closing", False):
+        if closed(args[0]):
             raise EngineClosed()
         return method(*args, **kwargs)
 
@@ -498,7 +503,6 @@ class Front(abc.ABC):
         room = self.context_length - max_new_tokens
         self.token_bound.refuse_over(texts, room, max_new_tokens, self.context_length)
 
-    @open_only
     def stream(
         self, question: str, docs: list, system: str | None = None, limits: Limits = UNBOUNDED, **knobs
     ) -> Stream:
@@ -513,7 +517,6 @@ class Front(abc.ABC):
     def query(self, question: str, docs: list[str], **kwargs) -> Answer:
         return drain(self.stream(question, docs, **kwargs))
 
-    @open_only
     def infill_stream(
         self,
         prefix: str,

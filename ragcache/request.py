@@ -101,7 +101,12 @@ def read_text(path: Path) -> str:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
     except OSError as exc:  # unreadable (permissions), gone since it was listed
-        raise BadRequest(f"cannot read {shown(str(path))}: {exc.strerror or exc}") from exc
+        raise unreadable(path, exc) from exc
+
+
+def unreadable(path: Path, exc: OSError) -> BadRequest:
+    """An input file the file system would not give: its name and the system's words."""
+    return BadRequest(f"cannot read {shown(str(path))}: {exc.strerror or exc}")
 
 
 def shown(value: str, limit: int = 80) -> str:

@@ -638,9 +638,8 @@ def load_settings(**overrides) -> Settings:
     RAGCACHE_*, ragcache.toml): pydantic's message names the field."""
     try:
         settings = Settings(**{k: v for k, v in overrides.items() if v is not None})
-    except (
-        SettingsError
-    ) as exc:  # a RAGCACHE_* list or dict that is no JSON (its value is not echoed: it may be secret)
+    except SettingsError as exc:
+        # a RAGCACHE_* list or dict that is no JSON (its value is not echoed: it may be secret)
         raise BadRequest(
             f"{exc}: a list or table in RAGCACHE_* is JSON, as RAGCACHE_ALLOWED_HOSTS='[\"a.example\"]'"
         ) from None

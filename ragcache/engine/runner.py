@@ -124,26 +124,26 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
     the whole step: greedy rows' from one argmax, sampled rows' drawn each with its own generator. On a GPU each
     stream's own `int(...)` waited for the device in turn. A draw that raises is that sequence's entry, for it alone
     to fail with (`Runner._sample`)."""
-    decodings = [s.decoding for s in sequences]
-    sampled = [i for i, d in enumerate(decodings) if d is not None and not d.greedy]
-    if all(d is None for d in decodings):
-        return [None] * len(sequences)
-    drawn: list[torch.Tensor] = []
-    failed: dict[int, BaseException] = {}
-    for i in sampled:
+    tokens: list = [None] * len(sequences)
+    greedy, drawn, drawn_at = [], [], []
+    for i, seq in enumerate(sequences):
+        if seq.decoding is None:
+            continue
+        if seq.decoding.greedy:
+            greedy.append(i)
+            continue
         try:
-            drawn.append(decodings[i].draw(rows[i]))
+            drawn.append(seq.decoding.draw(rows[i]))
+            drawn_at.append(i)
         except CONTAINED as exc:
-            failed[i] = exc
-    greedy = any(d is not None and d.greedy for d in decodings)
-    head = [torch.argmax(rows, dim=-1)] if greedy else []
+            tokens[i] = exc
+    head = [torch.argmax(rows, dim=-1)] if greedy else []  # one reduction over every row
     values = torch.cat([*head, *drawn]).tolist() if head or drawn else []
-    n = len(sequences) if greedy else 0
-    tokens: list = [t if d is not None else None for t, d in zip(values[:n] or [None] * len(sequences), decodings)]
-    for i, token in zip([i for i in sampled if i not in failed], values[n:]):
+    argmaxes, draws = (values[: len(sequences)], values[len(sequences) :]) if head else ([], values)
+    for i in greedy:
+        tokens[i] = argmaxes[i]
+    for i, token in zip(drawn_at, draws):
         tokens[i] = token
-    for i, error in failed.items():
-        tokens[i] = error
     return tokens
 
 

@@ -39,7 +39,7 @@ from ragcache.errors import (
     ShuttingDown,
     StoreError,
 )
-from ragcache.front import Front, drain, found_forms, open_only
+from ragcache.front import Front, closed, drain, found_forms, open_only
 from ragcache.linker import LinkParams
 from ragcache.lora import adapted_fingerprint, check_adapter
 from ragcache.request import Infill, Query
@@ -525,8 +525,7 @@ class VllmStream:
         Raises what preparing raises."""
         from vllm.exceptions import VLLMClientError
 
-        if getattr(self.engine, "_closing", False) or getattr(self.engine, "_closed", False):  # its loop stops: the
-            # request would wait forever
+        if closed(self.engine):  # its loop stops: the request would wait forever
             raise ShuttingDown()
         self._listener, self._started = listener, time.perf_counter()
         try:
