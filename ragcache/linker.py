@@ -288,11 +288,21 @@ def focus_rows(parts: LinkInput, ratio: float, scores: torch.Tensor) -> torch.Te
         return torch.empty(0, dtype=torch.long)
     chunk_rows = torch.cat([torch.arange(a, b) for a, b in spans])
     budget = min(chunk_rows.numel(), math.ceil(round(ratio * chunk_rows.numel(), 9)))
-    sinks = torch.cat([torch.arange(a, min(b, a + FOCUS_SINKS)) for a, b in spans])[:budget]
+    sinks = _sinks(spans, budget, scores)
     rest = scores[chunk_rows].clone()
     rest[torch.isin(chunk_rows, sinks)] = -float("inf")
     picked = chunk_rows[torch.topk(rest, budget - sinks.numel()).indices]
     return torch.cat([sinks, picked]).sort().values
+
+
+def _sinks(spans: list[tuple[int, int]], budget: int, scores: torch.Tensor) -> torch.Tensor:
+    """The chunks' first FOCUS_SINKS rows, at most `budget` of them. Where short chunks have more sinks than the
+    budget, every chunk's first row comes before any chunk's second (the best-scored first within a depth): cut in
+    prompt order, the last chunks would get no row at all, and theirs deviate most."""
+    rows = [(depth, row) for a, b in spans for depth, row in enumerate(range(a, min(b, a + FOCUS_SINKS)))]
+    if len(rows) > budget:
+        rows = sorted(rows, key=lambda r: (r[0], -float(scores[r[1]])))[:budget]
+    return torch.tensor(sorted(row for _, row in rows), dtype=torch.long)
 
 
 def question_attention(runner: Runner, parts: LinkInput, cache: JoinedCache) -> torch.Tensor:

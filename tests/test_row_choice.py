@@ -102,3 +102,20 @@ def test_the_engine_passes_deviation_to_the_linker():
     assert not torch.equal(by_key.last_logits, by_value.last_logits)  # other rows were recomputed
     with pytest.raises(ParameterOutOfRange, match="deviation"):
         rc.link("where?", ids, algorithm="cacheblend", deviation="v")
+
+
+def test_focus_on_short_chunks_gives_every_chunk_its_first_row_before_any_its_second():
+    """Ten chunks of 12 tokens: a budget of 25 against 40 sink rows. Cut in prompt order, the last chunks got none
+    (and the scored pre-pass chose nothing); every chunk's first row comes first, then every second, then the
+    best-scored third rows."""
+    parts = linker.LinkInput([1, 2], [list(range(10, 22)) for _ in range(10)], [3, 4, 5])
+    starts = parts.chunk_starts()
+    scores = torch.zeros(parts.token_ids.numel())
+    scores[[s + 2 for s in starts[5:]]] = 1.0
+    rows = set(linker.focus_rows(parts, 25 / 120, scores).tolist())
+    assert len(rows) == 25
+    assert set(starts) | {s + 1 for s in starts} <= rows  # 20 rows: every chunk's first two
+    assert {s + 2 for s in starts[5:]} <= rows and not {s + 3 for s in starts} & rows
+    scores[[s + 2 for s in starts[:5]]] = 2.0  # the first five's third rows the most attended now
+    rows = set(linker.focus_rows(parts, 25 / 120, scores).tolist())
+    assert {s + 2 for s in starts[:5]} <= rows and not {s + 2 for s in starts[5:]} & rows
