@@ -21,6 +21,7 @@ but whose checksum fails was most likely written under another RAGCACHE_STORE_KE
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
 import os
@@ -190,7 +191,7 @@ def document_problem(doc_id: str, record) -> str | None:
 
 
 def _document_checksum_holds(doc_id: str, record: dict) -> bool:
-    return record["checksum"] == document_checksum(doc_id, record["chunk_tokens"])
+    return _same(record["checksum"], document_checksum(doc_id, record["chunk_tokens"]))
 
 
 def _document_checksum_problem(record: dict) -> str:
@@ -273,9 +274,15 @@ def chunk_record_problem(name: str, record, vocab: int | None = None) -> str | N
 
 def _chunks_checksum_holds(name: str, record: dict) -> bool:
     doc_id, _, budget, version = chunks_name_parts(name)
-    return record.get("checksum") == chunks_checksum(
-        doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], version
+    return _same(
+        record.get("checksum"),
+        chunks_checksum(doc_id, record["tokenizer"], budget, record["vocab"], record["chunks"], version),
     )
+
+
+def _same(stored, expected: str) -> bool:
+    """A record's checksum against the one computed: in constant time, as under a store key it is an HMAC."""
+    return isinstance(stored, str) and hmac.compare_digest(stored.encode(), expected.encode())
 
 
 def chunks_name_parts(name: str) -> tuple[str, str, int, int]:

@@ -53,7 +53,9 @@ class Guard:
         seed: int | None = None,
     ):
         if not 0.0 <= rate <= 1.0:
-            raise ValueError(f"guard rate must be within [0, 1], got {rate}")
+            raise ParameterOutOfRange(f"guard rate must be within [0, 1], got {rate}")
+        if window < 1:  # an empty window has no agreement to say
+            raise ParameterOutOfRange(f"guard window must be at least 1 check, got {window}")
         self.rate, self.model, self.target, self.window = rate, model, target, window
         self._rng = random.Random(seed)
         self._recent: dict[str, deque[bool]] = {}

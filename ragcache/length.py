@@ -57,11 +57,11 @@ class TokenBound:
             return
         counted, cuts = 0, 0
         for text in texts:
-            for piece in slices(text):
+            for i, piece in enumerate(slices(text)):
                 counted += len(text_ids(self.tokenizer, piece)["input_ids"])
+                cuts += i > 0  # a cut lies between two slices of a text, not between two texts
                 if counted - cuts * CUT_SLACK > room:
                     raise TextsTooLong(counted - cuts * CUT_SLACK, max_new_tokens, context, "counted so far")
-                cuts += 1
 
 
 class ContextTexts:

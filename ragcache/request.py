@@ -83,6 +83,7 @@ def validate(
     for i, doc in enumerate(docs):
         if isinstance(doc, dict) and set(doc) == {"text"}:
             texts.append(validate_text(doc["text"], f"docs[{i}]", limits))
+            docs[i] = {"text": texts[-1]}  # its id is that of the text as stored
         elif not (isinstance(doc, str) and is_document_id(doc)):  # text is never an id: a typo'd id is no document
             raise BadRequest(
                 f"docs[{i}] is not a document id (32 hex characters, as compile returns); pass raw "
@@ -134,6 +135,10 @@ def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documen
 
 
 def validate_text(text, name: str, limits: Limits = UNBOUNDED) -> str:
+    """The document as stored and hashed: without a leading byte-order mark, which is no part of the text, so that a
+    file's id is the same whether `compile` read it or a client sent its decoded bytes."""
+    if isinstance(text, str):
+        text = text.removeprefix("\ufeff")
     if not isinstance(text, str) or not text.strip():
         raise EmptyInput(f"{name}: the document is empty; every document needs some text")
     _at_most(name, text, limits.document_chars)

@@ -751,6 +751,21 @@ def test_a_documents_spelling_of_a_special_token_stays_text():
         TokenBound(tok).refuse_over([text], counted - 1, 0, 512)
 
 
+def test_texts_counted_whole_are_refused_one_token_past_the_room_however_many():
+    """The count's slack is for cuts between one text's slices: texts short enough to be counted whole have none,
+    so twenty of them one token past the room are refused (a slack a text let them through by 80)."""
+    from ragcache.chunker import text_ids
+    from ragcache.errors import TextsTooLong
+    from ragcache.length import TokenBound
+
+    tok = tiny.tokenizer()
+    texts = [f"Note {i}: the harbour bridge opened in spring and closed in the autumn floods." for i in range(20)]
+    counted = sum(len(text_ids(tok, t)["input_ids"]) for t in texts)
+    TokenBound(tok).refuse_over(texts, counted, 0, 4096)
+    with pytest.raises(TextsTooLong, match="counted so far"):
+        TokenBound(tok).refuse_over(texts, counted - 1, 0, 4096)
+
+
 def test_a_system_prompt_a_chat_template_refuses_is_bad_input_not_a_500():
     from ragcache import prompt
     from ragcache.errors import BadRequest

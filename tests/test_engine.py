@@ -150,6 +150,19 @@ def test_raw_text_and_id_give_the_same_answer(rc):
     assert by_id.stats.store_hits > 0 and by_id.stats.compiled_chunks == 0
 
 
+def test_a_byte_order_mark_is_no_part_of_a_document_at_any_door(rc):
+    """`compile` reads a file without its BOM; a client sending the file's decoded bytes (REST, llama-index, a raw
+    text) gets the same id, the same record and the same chunks, so the same answer from the same entries."""
+    from ragcache.store.keys import document_id
+
+    assert rc.compile(["\ufeff" + DOC]) == [document_id(DOC)] == rc.compile([DOC])
+    assert rc.document(document_id(DOC))["text"] == DOC
+    by_bom = rc.query("How tall?", docs=[{"text": "\ufeff" + DOC}], max_new_tokens=6)
+    assert by_bom.token_ids == rc.query("How tall?", docs=[document_id(DOC)], max_new_tokens=6).token_ids
+    with pytest.raises(errors.EmptyInput, match="document is empty"):
+        rc.compile(["\ufeff"])
+
+
 def test_missing_entry_is_recompiled(rc):
     [doc_id] = rc.compile([DOC])
     before = rc.query("How tall?", docs=[doc_id], max_new_tokens=6)

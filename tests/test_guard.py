@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ragcache.guard import Check, Guard, compare
+from ragcache.errors import ParameterOutOfRange
 from ragcache.engine.sequence import Done
 from tests.hold import hold_model_thread
 
@@ -35,8 +36,10 @@ def test_rate_zero_never_and_one_always_and_exact_algorithms_never():
     assert not always.wants("full") and not always.wants("prefix")
     half = Guard(0.5, "m", seed=1)
     assert 30 < sum(half.wants("naive") for _ in range(100)) < 70
-    with pytest.raises(ValueError):
+    with pytest.raises(ParameterOutOfRange, match="rate"):
         Guard(1.5, "m")
+    with pytest.raises(ParameterOutOfRange, match="window"):
+        Guard(0.5, "m", window=0)
 
 
 def test_agreement_window_and_one_warning_below_target(caplog):
