@@ -8,6 +8,7 @@ linking (unknown document, prompt too long) still become proper HTTP errors, eve
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from ragcache.settings import Settings
 from .engine_queue import EngineQueue, Generation, Measuring
 from .metrics import Metrics
 from .schemas import DocumentRef, LinkOptions, SamplingFields, TextDocument
+
+log = logging.getLogger("ragcache.api")
 
 MAX_STOP = 16
 MAX_STOP_CHARS = 256
@@ -120,10 +123,15 @@ class Context:
         return gen, first
 
     def _observe(self, gen: Generation, answer: Answer) -> None:
-        self.metrics.observe_answer(answer.stats)
-        q = gen.query
-        if q is not None and self.guard is not None:
-            self.guard.after_answer(answer, q)
+        """Count the answer and offer it to the guard. What fails here is logged, never raised: the answer is given,
+        and the caller's clean-up (the slot, the generation) must still run."""
+        try:
+            self.metrics.observe_answer(answer.stats)
+            q = gen.query
+            if q is not None and self.guard is not None:
+                self.guard.after_answer(answer, q)
+        except Exception:
+            log.exception("an answer could not be counted in the metrics or offered to the guard")
 
     async def events(self, gen: Generation, first: Event) -> AsyncIterator[Event]:
         """All events from `first` to the last one; frees the slot at the end, also when the consumer stops early

@@ -181,7 +181,7 @@ class SamplingFields(BaseModel):
     temperature: float = Field(
         0.0, ge=0.0, le=10.0, allow_inf_nan=False, strict=True, description="0 = greedy (the default)"
     )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, allow_inf_nan=False, strict=True)
+    top_p: float = Field(1.0, ge=0.0, le=1.0, allow_inf_nan=False, strict=True, description="0 = greedy")
     stop: Text | list[Text] | None = Field(
         None, description="a string or up to 16 strings that end the answer (not included)"
     )

@@ -558,10 +558,10 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
                 f"max_per_client ({self.max_per_client}) is above max_queue ({self.max_queue}): one client "
                 "could still take the whole queue"
             )
-        if self.max_new_tokens > self.max_new_tokens_limit:  # every request that leaves max_tokens out would be a 422
-            raise ValueError(
-                f"max_new_tokens ({self.max_new_tokens}) is above max_new_tokens_limit ({self.max_new_tokens_limit})"
-            )
+        # every request that leaves max_tokens out would be refused for a number it never named
+        for name in ("max_new_tokens", "chat_max_new_tokens"):
+            if (value := getattr(self, name)) is not None and value > self.max_new_tokens_limit:
+                raise ValueError(f"{name} ({value}) is above max_new_tokens_limit ({self.max_new_tokens_limit})")
         named = self.adapter is not None and self.adapter.lower() not in ("none", INSTALLED)
         if self.engine == "vllm" and self.guard_rate and named and self.merge_adapter:
             raise ValueError(

@@ -347,7 +347,7 @@ BAD = [  # (method, path, json body, status, message fragment)
     ("POST", "/v1/query", {"question": "q", "max_tokens": 0}, 422, "max_tokens"),
     ("POST", "/v1/query", {"question": "q", "max_tokens": 5000}, 422, "at most 1024"),
     ("POST", "/v1/query", {"question": "q", "temperature": -1}, 422, "temperature"),
-    ("POST", "/v1/query", {"question": "q", "top_p": 0}, 422, "top_p"),
+    ("POST", "/v1/query", {"question": "q", "top_p": -0.5}, 422, "top_p"),
     ("POST", "/v1/query", {"question": "q", "stop": ["s"] * 17}, 422, "stop"),
     ("POST", "/v1/query", {"question": "q", "colour": "red"}, 422, "colour"),
     ("POST", "/v1/query", {"question": "q", "max_tokens": True}, 422, "max_tokens"),  # a bool is not a count
@@ -582,6 +582,27 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
             assert ok.status_code == 200, ok.text
     finally:
         gate.set()
+
+
+def test_an_answer_the_metrics_cannot_count_is_still_given_and_frees_its_place(rc, doc_ids):
+    """Counting an answer is after the fact: it failing (a negative count from an engine, the guard) fails neither
+    the answer nor the clean-up. The first event being the answer (one token) took its place in the queue for
+    good; a later one cut the answer into a 500."""
+    app = create_app(rc, settings())
+    counted = []
+
+    def broken(stats):
+        counted.append(stats)
+        raise ValueError("Counters can only be incremented by non-negative amounts.")
+
+    app.state.ctx.metrics.observe_answer = broken
+    with Server(app) as s, httpx.Client(base_url=s.url, timeout=300) as c:
+        for max_tokens in (1, 4):
+            for stream in (False, True):
+                body = {"question": QUESTION, "documents": doc_ids[:1], "max_tokens": max_tokens, "stream": stream}
+                r = c.post("/v1/query", json=body)
+                assert r.status_code == 200 and ("[DONE]" in r.text if stream else r.json()["answer"]), r.text
+        assert len(counted) == 4 and app.state.ctx.queue.depth == 0
 
 
 def test_a_cancelled_caller_keeps_the_slot_until_its_thread_finishes():
@@ -901,10 +922,10 @@ JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_
 DOCS = st.lists(st.sampled_from([{"text": "The sky over Kessel Bay is grey."}, {"text": "Zebras run."}]), max_size=2)
 BAD_DOCS = st.lists(st.sampled_from(["0" * 32, "not an id", "", "x" * 401, "Zebras run."]), min_size=1, max_size=5)
 STOP = st.none() | st.text(max_size=3) | st.lists(st.text(max_size=3), max_size=3)
-SAMPLING = {"max_tokens": st.integers(1, 2), "temperature": st.floats(0, 3), "top_p": st.floats(0.01, 1),
+SAMPLING = {"max_tokens": st.integers(1, 2), "temperature": st.floats(0, 3), "top_p": st.floats(0, 1),
             "stop": STOP, "seed": st.integers(-(2**63), 2**64 - 1), "stream": st.booleans()}
 LINK = {"algorithm": st.sampled_from(ALGORITHMS), "k": st.integers(0, 64), "ratio": st.floats(0, 1)}
-JUNK = {"max_tokens": st.integers(-1, 0) | st.just(3), "temperature": st.just(-0.5), "top_p": st.just(0.0),
+JUNK = {"max_tokens": st.integers(-1, 0) | st.just(3), "temperature": st.just(-0.5), "top_p": st.just(-0.1),
         "seed": st.just(2**64), "algorithm": st.text(max_size=8), "k": st.just(-1), "ratio": st.just(1.5),
         "documents": BAD_DOCS, "model": st.just("gpt-4o"), "n": st.just(2), "prompt": st.lists(st.text(), max_size=3)}
 QUESTION_TEXT = st.integers(0, 9).flatmap(lambda i: st.just("q" * 201) if i == 0 else st.text(max_size=60))
@@ -991,6 +1012,11 @@ def test_oversized_body_is_refused_before_it_is_read(fuzz_http):
 def test_fuzz_left_the_store_usable(http, doc_ids):
     assert http.get("/health").status_code == 200
     assert ask(http, doc_ids, "legolink").json()["answer"] == greedy(http, doc_ids, "legolink")
+
+
+def test_top_p_of_zero_is_greedy_as_openais_clients_mean_it(http, doc_ids):
+    hot = ask(http, doc_ids, "legolink", temperature=1.5, top_p=0, seed=3)
+    assert hot.status_code == 200 and hot.json()["answer"] == greedy(http, doc_ids, "legolink")
 
 
 # -- `ragcache serve`: uvicorn workers, each loading its own engine ------------------------------------------

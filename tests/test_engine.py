@@ -135,7 +135,8 @@ def test_a_default_answer_length_is_cut_to_the_context_left_not_refused(rc):
     ({"k": -1}, "k must be"),
     ({"ratio": 1.5}, "ratio must be"),
     ({"max_new_tokens": 0}, "max_new_tokens"),
-    ({"top_p": 0.0}, "top_p"),
+    ({"top_p": -0.1}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
 ])
 def test_parameters_out_of_range(rc, kwargs, match):
     with pytest.raises(errors.BadRequest, match=match):
@@ -405,6 +406,9 @@ def test_settings_refuse_what_would_fail_every_request_at_start():
     with pytest.raises(ValueError, match="above max_new_tokens_limit"):
         Settings(max_new_tokens=2000, max_new_tokens_limit=1024)
     assert Settings(max_new_tokens=2000, max_new_tokens_limit=4096).max_new_tokens == 2000
+    with pytest.raises(ValueError, match=r"chat_max_new_tokens \(2048\) is above max_new_tokens_limit \(1024\)"):
+        Settings(chat_max_new_tokens=2048)  # every chat naming no max_tokens would be refused
+    assert Settings(chat_max_new_tokens=1024).chat_max_new_tokens == 1024
 
 
 @pytest.mark.parametrize("rest_of_step_s", [0.0, 0.2])
@@ -667,6 +671,11 @@ def test_top_p_draws_only_from_the_nucleus():
         g = torch.Generator().manual_seed(0)
         seen = {int(draw(logits, Sampling(temperature=1.0, top_p=top_p), g)) for _ in range(400)}
         assert seen == allowed, (top_p, seen)
+    # top_p 0 (what OpenAI's clients send for determinism): the most likely token, drawing nothing from the seed
+    g = torch.Generator().manual_seed(0)
+    assert {int(draw(logits, Sampling(temperature=1.0, top_p=0.0), g)) for _ in range(50)} == {0}
+    assert Sampling(temperature=1.0, top_p=0.0).greedy and g.initial_seed() == 0 and torch.equal(
+        g.get_state(), torch.Generator().manual_seed(0).get_state())
     again = [int(draw(logits, Sampling(temperature=1.0), torch.Generator().manual_seed(5))) for _ in range(2)]
     assert again[0] == again[1] and draw(logits, Sampling(), None).shape == (1,)
 

@@ -72,7 +72,7 @@ def stop_strings(stop: str | list[str] | None) -> list[str]:
 class Sampling:
     max_new_tokens: int = 32
     temperature: float = 0.0  # 0 -> greedy
-    top_p: float = 1.0
+    top_p: float = 1.0  # 0 -> greedy: the nucleus is the most likely token alone (OpenAI's clients send it so)
     stop: list[str] = field(default_factory=list)
     seed: int | None = None
     # max_new_tokens is a server's default, not what the request asked: a prompt that leaves less room in the
@@ -81,6 +81,10 @@ class Sampling:
 
     def __post_init__(self) -> None:
         self.stop = stop_strings(self.stop)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_BELOW or self.top_p == 0.0
 
     @property
     def least_new_tokens(self) -> int:
@@ -98,8 +102,8 @@ class Sampling:
             raise ParameterOutOfRange(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
         if not 0.0 <= self.temperature <= 10.0:
             raise ParameterOutOfRange(f"temperature must be within [0, 10], got {self.temperature!r}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ParameterOutOfRange(f"top_p must be within (0, 1], got {self.top_p!r}")
+        if not 0.0 <= self.top_p <= 1.0:
+            raise ParameterOutOfRange(f"top_p must be within [0, 1], got {self.top_p!r}")
 
 
 @dataclass
@@ -115,7 +119,7 @@ def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
     """The next token as a one-element tensor where the logits are, not read back: a step's streams queue their
     draws and copy them to the host once (runner._tokens). (On CUDA a distribution multinomial cannot draw from,
     NaN logits say, is a device-side assert, not an exception this stream fails with alone.)"""
-    if sampling.temperature < GREEDY_BELOW:
+    if sampling.greedy:
         return torch.argmax(logits).reshape(1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
@@ -210,7 +214,7 @@ class Decoding:
 
     @property
     def greedy(self) -> bool:
-        return self.sampling.temperature < GREEDY_BELOW
+        return self.sampling.greedy
 
     def draw(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token, left on the logits' device (`draw`)."""

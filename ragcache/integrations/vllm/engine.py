@@ -559,8 +559,8 @@ class VllmStream:
         whole = {"logprobs": -1, "flat_logprobs": True, "detokenize": False} if self.first_distribution else {}
         return SamplingParams(
             max_tokens=s.max_new_tokens,
-            temperature=s.temperature,
-            top_p=s.top_p,
+            temperature=0.0 if s.greedy else s.temperature,
+            top_p=1.0 if s.greedy else s.top_p,  # vLLM takes no top_p of 0
             stop=list(s.stop) or None,
             seed=s.seed,
             stop_token_ids=sorted(self.stop_ids) or None,
