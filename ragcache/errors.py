@@ -52,6 +52,14 @@ class CompileFailed(RagCacheError):
     public = "compiling this request's documents failed; what was compiled before the failure is stored"
 
 
+class NonFiniteLogits(RagCacheError):
+    """A sampled answer's next-token distribution held NaN or infinity (a float16 model overflowing, a broken
+    adapter): that answer fails alone, the engine goes on. On a GPU, drawing from it was a device-side assert that
+    ended every answer after it."""
+
+    public = "the model's output was not finite for this request; a float16 model may overflow: try bfloat16"
+
+
 class EngineDown(RagCacheError):
     """The engine answers no request until the server restarts (vLLM's engine core died): another replica may."""
 

@@ -1028,16 +1028,21 @@ def test_a_listener_that_raises_on_the_last_piece_still_hears_the_end_and_a_refu
 
 
 def _three_streams_together(rc, ids, draw=None):
-    """Two greedy streams and a seeded sampling one, opened together so that their rows share steps; their events."""
+    """Two greedy streams and a seeded sampling one, opened together so that their rows share steps; each with its
+    last event as `last`."""
     from ragcache.engine.sequence import Piece
     from tests.hold import held
 
     streams = [rc.stream(q, ids[i : i + 1], max_new_tokens=6) for i, q in enumerate(QUESTIONS[:2])]
     streams.append(rc.stream(QUESTIONS[2], ids[2:3], max_new_tokens=6, temperature=1.0, seed=3))
     ended = [threading.Event() for _ in streams]
+
+    def listener(stream, end):
+        return lambda event: isinstance(event, Piece) or (setattr(stream, "last", event), end.set())
+
     with held(rc):
         for stream, end in zip(streams, ended):
-            stream.open(lambda event, end=end: isinstance(event, Piece) or end.set())
+            stream.open(listener(stream, end))
     assert all(end.wait(120) for end in ended)
     return streams
 
@@ -1106,6 +1111,37 @@ def test_a_draw_that_raises_fails_its_own_stream_only(monkeypatch):
     streams = _three_streams_together(rc, ids)
     assert [s.status for s in streams] == [Status.FINISHED, Status.FINISHED, Status.FAILED]
     assert all(len(s.answer.token_ids) == 6 for s in streams[:2])
+    rc.close()
+
+
+def test_logits_that_make_no_distribution_fail_their_own_stream_without_drawing_from_them(monkeypatch):
+    """NaN or infinity in a sampled stream's logits (a float16 model overflowing): on CUDA multinomial's check of them
+    is a device-side assert that ends every stream after it, so the draw never reaches it; that stream fails with
+    NonFiniteLogits (a 500 naming the cause), the others finish."""
+    from ragcache.engine import sampling
+    from ragcache.engine.sequence import Status
+    from ragcache.errors import NonFiniteLogits
+
+    seen, multinomial = [], torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda p, *a, **k: seen.append(bool(p.isfinite().all())) or multinomial(p, *a, **k))
+    hot = sampling.Sampling(temperature=1.0, top_p=0.9)
+    for bad in (float("nan"), float("inf")):
+        logits = torch.zeros(50)
+        logits[7] = bad
+        assert int(sampling.draw(logits, hot, torch.Generator().manual_seed(0))) == sampling.NOT_DRAWN
+    fine = torch.randn(50)
+    assert int(sampling.draw(fine, hot, torch.Generator().manual_seed(0))) == int(
+        sampling.draw(fine, hot, torch.Generator().manual_seed(0))) != sampling.NOT_DRAWN
+    assert all(seen)
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    ids = rc.compile(DOCS[:3])
+    draw = sampling.Decoding.draw
+    monkeypatch.setattr(sampling.Decoding, "draw", lambda self, logits: draw(self, logits.fill_(float("nan"))))
+    sample = sampling.sample
+    monkeypatch.setattr(sampling, "sample", lambda logits, s, g: sample(logits.clone().fill_(float("nan")), s, g))
+    streams = _three_streams_together(rc, ids)
+    assert [s.status for s in streams] == [Status.FINISHED, Status.FINISHED, Status.FAILED]
+    assert isinstance(streams[2].last.error, NonFiniteLogits) and all(seen)
     rc.close()
 
 

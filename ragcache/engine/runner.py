@@ -30,9 +30,9 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import ragcache.kernels as kernels
 
 from .. import linker
-from ..errors import ParameterOutOfRange
+from ..errors import NonFiniteLogits, ParameterOutOfRange
 from ..loaded import LoadedModel
-from . import invariant
+from . import invariant, sampling
 from .graphs import DecodeGraphs, Run
 from .kv import DECODE, Batch, JoinedCache, ModelShape, PerSegment, Pools, Segment, contiguous_start, decode_strategy
 from .scheduler import Kind, StepPlan, StepResult, Work
@@ -142,8 +142,11 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
     argmaxes, draws = (values[: len(sequences)], values[len(sequences) :]) if head else ([], values)
     for i in greedy:
         tokens[i] = argmaxes[i]
-    for i, token in zip(drawn_at, draws):
-        tokens[i] = token
+    for i, value in zip(drawn_at, draws):
+        try:
+            tokens[i] = sampling.token(value)
+        except NonFiniteLogits as exc:
+            tokens[i] = exc
     return tokens
 
 

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..errors import ParameterOutOfRange
+from ..errors import NonFiniteLogits, ParameterOutOfRange
 from ..loaded import LoadedModel
 
 
@@ -115,10 +115,14 @@ class Step:
 GREEDY_BELOW = 1e-3  # logits / 1e-232 overflow to inf and softmax to NaN; such a distribution is the argmax anyway
 
 
+NOT_DRAWN = -1  # `draw`'s token where the logits make no distribution
+
+
 def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """The next token as a one-element tensor where the logits are, not read back: a step's streams queue their
-    draws and copy them to the host once (runner._tokens). (On CUDA a distribution multinomial cannot draw from,
-    NaN logits say, is a device-side assert, not an exception this stream fails with alone.)"""
+    draws and copy them to the host once (runner._tokens). NOT_DRAWN where the distribution holds NaN or infinity:
+    on CUDA multinomial's check of it is a device-side assert, which would end every stream after it; the one
+    whose token it is fails alone (`token`)."""
     if sampling.greedy:
         return torch.argmax(logits).reshape(1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
@@ -127,11 +131,20 @@ def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
         outside = torch.cumsum(sorted_probs, dim=-1) - sorted_probs > sampling.top_p
         sorted_probs.masked_fill_(outside, 0.0)  # not `[outside] = 0`: a boolean index may wait for the device
         probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
-    return torch.multinomial(probs, 1, generator=generator)
+    usable = torch.isfinite(probs).all()  # on the device: no wait for it here
+    drawn = torch.multinomial(torch.where(usable, probs, 1.0), 1, generator=generator)
+    return torch.where(usable, drawn, NOT_DRAWN)
+
+
+def token(value: int) -> int:
+    """A drawn token as the host reads it; NonFiniteLogits for NOT_DRAWN."""
+    if value == NOT_DRAWN:
+        raise NonFiniteLogits("the next token's distribution is not finite (NaN or infinity in the model's logits)")
+    return value
 
 
 def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> int:
-    return int(draw(logits, sampling, generator))
+    return token(int(draw(logits, sampling, generator)))
 
 
 def eos_ids(lm: LoadedModel) -> set[int]:
