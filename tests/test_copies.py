@@ -311,7 +311,9 @@ def test_a_compiles_event_is_recorded_on_its_entrys_device_whichever_device_is_c
 
 def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeypatch):
     """Device memory running out while staging: no Staged exists to hand the reserved bytes back when dropped, so
-    every such failure shrank the budget for good, until the prefetch staged nothing."""
+    every such failure shrank the budget for good, until the prefetch staged nothing. The entries cross at their
+    link instead (the budget was sized at start, before the pool grew), not a failed request; any other failure is
+    raised."""
     entries = [entry(1, 5, "int8"), entry(2, 7, "int8")]
     prefetch = copies.Prefetch(torch.device("cpu"), budget_bytes=1 << 30)
 
@@ -319,6 +321,12 @@ def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeyp
         raise torch.OutOfMemoryError("no room")
 
     monkeypatch.setattr(copies, "_empty", out_of_memory)
-    with pytest.raises(torch.OutOfMemoryError):
+    assert prefetch.stage(entries) == entries and prefetch.staged_bytes == 0
+
+    def broken(t, device):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(copies, "_empty", broken)
+    with pytest.raises(RuntimeError, match="a bug"):
         prefetch.stage(entries)
     assert prefetch.staged_bytes == 0

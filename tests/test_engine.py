@@ -367,6 +367,16 @@ def test_a_prefix_lookup_finds_a_repeat_or_whole_pieces_never_the_last_row():
     unpieced = PrefixCache()
     unpieced.insert(torch.arange(10), kv(10), kv(10), torch.ones(3))
     assert (unpieced.find(torch.arange(10)).reused, unpieced.find(torch.arange(10)).logits) == (9, None)
+    # the same prompt again (no piece: every repeat runs its last row and comes back) is the one held, made the most
+    # recently used, not a second copy of its K/V made to replace the first
+    held = next(iter(unpieced._prompts.values()))
+    unpieced.insert(torch.arange(4) + 50, kv(4), kv(4))
+    unpieced.insert(torch.arange(10), kv(10) + 1, kv(10) + 1, torch.ones(3))
+    assert list(unpieced._prompts.values())[-1] is held and len(unpieced._prompts) == 2
+    # one kept without logits gives way to the same prompt with them, where they are kept
+    cache.insert(torch.arange(20), kv(20), kv(20))
+    cache.insert(torch.arange(20), kv(20), kv(20), torch.ones(3))
+    assert cache.find(torch.arange(20)).reused == 20
 
 
 def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypatch):

@@ -16,6 +16,7 @@ cross at their link, as without it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from ragcache.store.entry import ChunkKV
 
 from .kv import JoinedCache
 
+log = logging.getLogger("ragcache")
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -79,9 +81,14 @@ class Prefetch:
             return entries
         try:
             crossed = self._cross([entries[i] for i in chosen])
-        except BaseException:  # no Staged holds the reserved bytes to give them back when it goes
+        except BaseException as exc:  # no Staged holds the reserved bytes to give them back when it goes
             self._release(sum(_device_bytes(entries[i]) for i in chosen))
-            raise
+            if not isinstance(exc, torch.OutOfMemoryError):
+                raise
+            # the budget was sized from the memory free at start, and the pool and the caches have grown since: the
+            # entries cross at their link instead, as past the budget, not a failed request
+            log.warning("prefetch: no device memory for %d entries (%s); they cross at their link", len(chosen), exc)
+            return entries
         staged = dict(zip(chosen, crossed))
         return [staged.get(i, e) for i, e in enumerate(entries)]
 

@@ -83,6 +83,8 @@ class PrefixCache:
         self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_logits: torch.Tensor | None = None
     ) -> None:
         logits = last_logits.clone() if self.piece and last_logits is not None else None
+        if self._kept(token_ids, logits is not None):  # not a second copy of a whole prompt's K/V to drop the first
+            return
         prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
         if prompt.nbytes > self.budget_bytes:
             return
@@ -98,6 +100,17 @@ class PrefixCache:
             while self._bytes > self.budget_bytes:
                 _, evicted = self._prompts.popitem(last=False)
                 self._bytes -= evicted.nbytes
+
+    def _kept(self, token_ids: torch.Tensor, with_logits: bool) -> bool:
+        """Whether the same prompt is held already (with logits where these have them): it is then the most recently
+        used. A prompt linked again without the cache's help (no piece: an exact repeat still runs its last row)."""
+        with self._lock:
+            for slot, old in self._prompts.items():
+                same = old.token_ids.numel() == token_ids.numel() and torch.equal(old.token_ids, token_ids)
+                if same and (old.last_logits is not None or not with_logits):
+                    self._prompts.move_to_end(slot)
+                    return True
+        return False
 
     @property
     def usage(self) -> tuple[int, int]:
