@@ -587,6 +587,36 @@ def test_a_stop_just_after_the_thread_ended_idle_fails_what_is_left_once():
     assert len(calls) == 1
 
 
+def test_two_stops_failing_what_is_left_at_once_fail_each_sequence_once():
+    """The thread that stopped and a second `stop` (two closes, a close and atexit) both fail what is left: each
+    sequence hears one last event, not one from each (their cache given back twice)."""
+    import time
+    from types import SimpleNamespace
+
+    from ragcache.engine.sequence import Output, Status
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    scheduler, heard = rc.driver.scheduler, []
+    left = [SimpleNamespace(cache=None, receive=lambda out, i=i: heard.append(i)) for i in range(3)]
+    scheduler.waiting.extend(left)
+    fail_all = scheduler.fail_all
+
+    def slowly(error):  # the queues read, then a moment before they are emptied
+        held = list(scheduler.waiting)
+        time.sleep(0.1)
+        fail_all(error)
+        return [(s, Output(status=Status.FAILED, error=error)) for s in held]
+
+    scheduler.fail_all = slowly
+    both = [threading.Thread(target=rc.driver._fail_unfinished) for _ in range(2)]
+    for t in both:
+        t.start()
+    for t in both:
+        t.join(30)
+    assert sorted(heard) == [0, 1, 2]
+    rc.close()
+
+
 def in_daemon(fn, *args):
     """fn(*args) on a daemon thread, as a Future: a caller a regression leaves waiting must not hang the test run."""
     from concurrent.futures import Future

@@ -234,14 +234,15 @@ class Driver:
             cache.spend()
 
     def _fail_unfinished(self) -> None:
+        """Fail what is left, once: the thread that stopped and a second `stop` (two closes, a close and atexit) may
+        both get here, and the scheduler's queues are taken whole under the lock, so that no sequence fails twice."""
+        exc = errors.ShuttingDown()
         with self._wakeup:
             arrivals = list(self.arrivals)
             self.arrivals.clear()
             self.aborts.clear()
-        exc = errors.ShuttingDown()
-        self._deliver(
-            [*self.scheduler.fail_all(exc), *[(s, Output(status=Status.FAILED, error=exc)) for s in arrivals]]
-        )
+            failed = self.scheduler.fail_all(exc)
+        self._deliver([*failed, *[(s, Output(status=Status.FAILED, error=exc)) for s in arrivals]])
 
 
 @atexit.register
