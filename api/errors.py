@@ -73,7 +73,7 @@ ERRORS = {
     413: "over a size limit (body, its values, keys or items, documents, prompt, metadata)",
     422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
     429: "the server is busy, or this client has max_per_client requests waiting or running (Retry-After)",
-    500: "damaged store data, or an unexpected error (logged)",
+    500: "damaged store data, a model output that is not finite (float16 overflow), or an unexpected error (logged)",
     503: "a store tier or the model is unavailable (Retry-After)",
 }
 WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body

@@ -282,7 +282,7 @@ def _chunks_checksum_holds(name: str, record: dict) -> bool:
 
 def _same(stored, expected: str) -> bool:
     """A record's checksum against the one computed: in constant time, as under a store key it is an HMAC."""
-    return isinstance(stored, str) and hmac.compare_digest(stored.encode(), expected.encode())
+    return isinstance(stored, str) and stored.isascii() and hmac.compare_digest(stored, expected)
 
 
 def chunks_name_parts(name: str) -> tuple[str, str, int, int]:

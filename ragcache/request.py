@@ -134,11 +134,16 @@ def validate_texts(texts: list, limits: Limits = UNBOUNDED, what: str = "documen
     return [validate_text(text, f"{what}[{i}]", limits) for i, text in enumerate(texts)]
 
 
+def stored_text(text: str) -> str:
+    """A document's text as stored and hashed: without a leading byte-order mark, which is no part of the text, so
+    that a file's id is the same whether `compile` read it or a client sent its decoded bytes."""
+    return text.removeprefix("\ufeff")
+
+
 def validate_text(text, name: str, limits: Limits = UNBOUNDED) -> str:
-    """The document as stored and hashed: without a leading byte-order mark, which is no part of the text, so that a
-    file's id is the same whether `compile` read it or a client sent its decoded bytes."""
+    """The document as stored (`stored_text`)."""
     if isinstance(text, str):
-        text = text.removeprefix("\ufeff")
+        text = stored_text(text)
     if not isinstance(text, str) or not text.strip():
         raise EmptyInput(f"{name}: the document is empty; every document needs some text")
     _at_most(name, text, limits.document_chars)

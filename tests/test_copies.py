@@ -322,6 +322,8 @@ def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeyp
 
     monkeypatch.setattr(copies, "_empty", out_of_memory)
     assert prefetch.stage(entries) == entries and prefetch.staged_bytes == 0
+    assert prefetch.budget_bytes == 0  # what was staged then: later requests do not try again every time
+    prefetch.budget_bytes = 1 << 30
 
     def broken(t, device):
         raise RuntimeError("a bug")

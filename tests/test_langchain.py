@@ -190,6 +190,12 @@ def test_invoke_links_the_documents_as_rc_query_does(rc):
     assert cut.content == direct(rc, stop=stop).text and len(cut.content) < len(answer.text)
 
 
+def test_the_ids_a_chat_reports_are_those_its_documents_are_stored_under(rc):
+    """A text with a byte-order mark is stored without it: the id the answer names is the stored document's."""
+    meta = ChatRagCache(rc=rc, max_new_tokens=1).invoke(QUESTION, documents=["\ufeff" + TEXTS[0]]).response_metadata
+    assert meta["doc_ids"] == [document_id(TEXTS[0])] and rc.document(meta["doc_ids"][0])["text"] == TEXTS[0]
+
+
 def test_a_retriever_gives_the_documents_unless_the_call_does(rc):
     retriever = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)
     chat = ChatRagCache(rc=rc, retriever=retriever, max_new_tokens=TOKENS)

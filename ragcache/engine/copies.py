@@ -86,8 +86,17 @@ class Prefetch:
             if not isinstance(exc, torch.OutOfMemoryError):
                 raise
             # the budget was sized from the memory free at start, and the pool and the caches have grown since: the
-            # entries cross at their link instead, as past the budget, not a failed request
-            log.warning("prefetch: no device memory for %d entries (%s); they cross at their link", len(chosen), exc)
+            # entries cross at their link instead, as past the budget, not a failed request; the budget shrinks to
+            # what is staged now, so that later requests do not try (and free the allocator's cache) every time
+            with self._lock:
+                self.budget_bytes = self.staged_bytes
+            log.warning(
+                "prefetch: no device memory for %d entries (%s); they cross at their link, and the prefetch "
+                "budget is now %d bytes",
+                len(chosen),
+                exc,
+                self.budget_bytes,
+            )
             return entries
         staged = dict(zip(chosen, crossed))
         return [staged.get(i, e) for i, e in enumerate(entries)]

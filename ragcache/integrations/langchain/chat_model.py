@@ -26,6 +26,7 @@ from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest
 from ragcache.front import Front, Stream, answer_of, drain
 from ragcache.linker import LinkOptions
+from ragcache.request import stored_text
 from ragcache.settings import LinkKnobs
 from ragcache.store.keys import document_id
 
@@ -229,7 +230,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
         """The request, validated (bad input raises here); empty documents are skipped."""
         texts = [text for text in map(document_text, documents) if text.strip()]
         stream = self.rc.stream(question, docs=[{"text": text} for text in texts], **args)
-        return stream, [document_id(text) for text in texts]
+        return stream, [document_id(stored_text(text)) for text in texts]
 
 
 def _retriever_config(config: Any) -> dict:

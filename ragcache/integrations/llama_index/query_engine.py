@@ -18,6 +18,7 @@ from ragcache.errors import BadRequest
 from ragcache.front import Front, answer_of, drain
 from ragcache.guard import BackgroundGuard
 from ragcache.linker import LinkOptions
+from ragcache.request import stored_text
 from ragcache.store.keys import document_id
 
 from .nodes import node_text
@@ -98,7 +99,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
         """The query's stream over the nodes retrieved for it (None: they hold no text, and `empty_response` is
         the answer)."""
         texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
-        metadata = {"retrieve_s": retrieve_s, "doc_ids": [document_id(text) for text in texts]}
+        metadata = {"retrieve_s": retrieve_s, "doc_ids": [document_id(stored_text(text)) for text in texts]}
         if not texts and self.empty_response is not None:
             return nodes, None, {**QueryStats().as_dict(), **metadata}  # the stats' keys, at zero: nothing ran
         # the texts themselves: resolved, and compiled on a miss, inside the query so that its stats count it
