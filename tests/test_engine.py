@@ -268,6 +268,76 @@ def test_streamed_pieces_are_the_answer_with_a_tokenizer_that_cleans_up_spaces()
     assert "".join(asm.push(i) for i in (1, 2, 3, 4)) + asm.finish() == "x .y"
 
 
+def test_streamed_text_decodes_a_window_of_the_last_ids_not_the_whole_answer_each_token():
+    """Each token decoded the whole answer again on the model thread (quadratic in the answer's length): a window of
+    the last ids gives the same pieces, an incomplete UTF-8 character held until it completes, random ids too."""
+    import random
+    from types import SimpleNamespace
+
+    tok = tiny.tokenizer()
+    decoded, decode = [], tok.decode
+    rng = random.Random(0)
+    texts = ["Paris is big. Rome is old. " * 40, "Caf\u00e9 \u6771\u4eac \U0001f5fc\U0001f389 end. " * 20]
+    for ids in [tok(t, add_special_tokens=False)["input_ids"] for t in texts] + [
+        [rng.randrange(len(tok)) for _ in range(300)] for _ in range(5)
+    ]:
+        asm = TextAssembler(tok, [])
+        asm.tokenizer = SimpleNamespace(decode=lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+        pieces = [asm.push(i) for i in ids] + [asm.finish()]
+        assert "".join(pieces) == decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        assert "\ufffd" not in "".join(pieces[:-1]) or "\ufffd" in decode(ids)  # only what the whole text holds
+        assert max(decoded) <= 16 and sum(decoded) <= 8 * len(ids), (max(decoded), sum(decoded), len(ids))
+        decoded.clear()
+
+
+def _metaspace_tokenizer():
+    """A SentencePiece-style tokenizer (Llama's, Gemma's): "\u2581" for a space, bytes for what the vocabulary
+    lacks, a decode that drops the space of the text's first piece."""
+    from tokenizers import Tokenizer, decoders, models as tmodels, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(tmodels.BPE(unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tok.train_from_iterator(tiny.CORPUS * 20, trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", *bytes_]))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("which", ["metaspace", "smollm2"])
+def test_windowed_decoding_streams_the_pieces_whole_decoding_streamed(which):
+    """The same pieces, stops and held-back tails as decoding the whole answer every token, on a SentencePiece-style
+    tokenizer and a byte-level one, over real text and random ids."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from ragcache import models
+
+    class Whole(TextAssembler):
+        def _decode(self):
+            return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    tok = _metaspace_tokenizer() if which == "metaspace" else AutoTokenizer.from_pretrained(models.resolve("smollm2-135m"))
+    rng = random.Random(1)
+    texts = ["Paris is big.  Rome is old.", "Caf\u00e9 \u6771\u4eac \U0001f5fc end.", " x = f(a)\n\n\ty"]
+    for n in range(120):
+        ids = (tok(rng.choice(texts), add_special_tokens=False)["input_ids"] if n % 3 == 0
+               else [rng.randrange(len(tok)) for _ in range(rng.randrange(1, 30))])
+        whole = tok.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        at = rng.randrange(max(len(whole), 1))
+        stop = [whole[at : at + rng.randrange(1, 4)]] if whole and n % 2 else []
+        streams = [TextAssembler(tok, stop), Whole(tok, stop)]
+        pieces = [[], []]
+        for i in ids:
+            for asm, out in zip(streams, pieces):
+                if not asm.stopped:
+                    out.append(asm.push(i))
+        windowed, by_whole = (out + [asm.finish()] for asm, out in zip(streams, pieces))
+        assert windowed == by_whole, (ids, stop)
+
+
 def test_a_stop_given_as_one_string_is_one_stop_string():
     """`rc.stream(..., stop="###")` (and llama-index's per-call stop): a string is one stop string, as OpenAI takes
     it, not its characters (which stopped at the first "#")."""

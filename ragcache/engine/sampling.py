@@ -168,6 +168,11 @@ class TextAssembler:
         self.ids: list[int] = []
         self.shown = ""  # the text emitted so far
         self.stopped = False
+        # decoding a window of the last ids, not the whole answer every token (vLLM's offsets): the text of
+        # ids[:read] is `_text`; ids[context:read] are decoded again beside the new ones, as context for their first
+        # piece (a SentencePiece space, the rest of a UTF-8 character), and `_before` is their text alone
+        self._text, self._before = "", ""
+        self._context = self._read = 0
 
     def push(self, token_id: int) -> str:
         self.ids.append(token_id)
@@ -189,9 +194,34 @@ class TextAssembler:
         return "" if self.stopped else self._emit(self._decode())
 
     def _decode(self) -> str:
+        """The answer's text so far, from the window of ids since `_context`. A text that ends in an incomplete
+        character is not taken in yet; a decode that changes the context's own text (a tokenizer that rewrites
+        what came before) is answered from the whole answer, as it decodes."""
+        window = self._window(self._context, len(self.ids))
+        if not window.startswith(self._before):
+            text = self._window(0, len(self.ids))
+            self._take(text)
+            return text
+        text = self._text + window[len(self._before) :]
+        if not window.endswith("\ufffd"):
+            self._take(text)
+        return text
+
+    def _take(self, text: str) -> None:
+        """The ids so far are `text`: the next window's context is the ids read since the last one, or reaches
+        further back while they make no text (special tokens, a lone space a decoder strips at a text's start):
+        without text before it, the next piece would be decoded as a text's first, its space stripped."""
+        before = self._window(self._read, len(self.ids))
+        if before:
+            self._context, self._before = self._read, before
+        else:
+            self._before = self._window(self._context, len(self.ids))
+        self._text, self._read = text, len(self.ids)
+
+    def _window(self, start: int, end: int) -> str:
         # no clean-up of spaces (GPT-2's "x ." decodes "x."): it rewrites text already emitted, and pieces cut from
         # the rewritten text by what was emitted before would drop characters; vLLM's streams do not clean up either
-        return self.tokenizer.decode(self.ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(self.ids[start:end], skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _emit(self, upto: str) -> str:
         piece = upto[self.emitted :]
