@@ -26,6 +26,7 @@ from ragcache.errors import (
     DocumentInUse,
     EngineDown,
     ModelFetchError,
+    ParameterOutOfRange,
     PayloadTooLarge,
     PromptTooLong,
     RagCacheError,
@@ -158,6 +159,8 @@ def describe(exc: BaseException) -> tuple[int, dict]:
         details = {
             name: getattr(exc, name) for kind, names in DETAILS.items() if isinstance(exc, kind) for name in names
         }
+        if isinstance(exc, ParameterOutOfRange) and exc.param:  # the request field to blame
+            details["param"] = exc.param
         status = next(status for kind, status in STATUS if isinstance(exc, kind))
         message = str(exc)
         if status >= 500:

@@ -186,12 +186,14 @@ def validate_sampling(sampling: Sampling, limits: Limits = UNBOUNDED) -> None:
     sampling.validate()
     if _over(sampling.max_new_tokens, limits.new_tokens):
         raise ParameterOutOfRange(
-            f"max_tokens is {sampling.max_new_tokens}; this server generates at most {limits.new_tokens}"
+            f"max_tokens is {sampling.max_new_tokens}; this server generates at most {limits.new_tokens}",
+            param="max_tokens",
         )
     # each stop string is searched for after every generated token
     if _over(len(sampling.stop), limits.stop_strings) or any(_over(len(x), limits.stop_chars) for x in sampling.stop):
         raise ParameterOutOfRange(
-            f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} characters"
+            f"stop takes at most {limits.stop_strings} strings of at most {limits.stop_chars} characters",
+            param="stop",
         )
 
 

@@ -15,7 +15,12 @@ class BadRequest(RagCacheError):
 
 
 class ParameterOutOfRange(BadRequest):
-    """k, ratio, max_new_tokens, temperature, ... outside their valid range."""
+    """k, ratio, max_new_tokens, temperature, ... outside their valid range; `param`: the request field to blame,
+    where one is (an error body's `param`, as OpenAI's clients read it)."""
+
+    def __init__(self, *args, param: str | None = None):
+        super().__init__(*args)
+        self.param = param
 
 
 class CodecOverflow(RagCacheError):

@@ -1517,6 +1517,10 @@ def test_a_prompt_past_the_context_on_the_openai_routes_is_openais_context_lengt
     error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
                                                              "max_tokens": 0}), 400)
     assert error["param"] == "max_completion_tokens" or error["param"].endswith("max_tokens"), error
+    # past the server's limit, found by the engine's validation, not the schema's: the field is still named
+    error = error_of(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "q"}],
+                                                             "max_tokens": 5000}), 400, "at most 1024")
+    assert error["param"] == "max_tokens" and error["code"] == "parameter_out_of_range", error
     error = error_of(http.post("/v1/completions", content=b"{", headers={"Content-Type": "application/json"}), 400)
     assert error["param"] is None
     assert error_of(http.get("/v1/documents/not-an-id"), 404)["param"] is None
