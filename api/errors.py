@@ -26,6 +26,7 @@ from ragcache.errors import (
     DocumentInUse,
     EngineDown,
     ModelFetchError,
+    OutOfDeviceMemory,
     ParameterOutOfRange,
     PayloadTooLarge,
     PromptTooLong,
@@ -54,6 +55,7 @@ STATUS: list[tuple[type[RagCacheError], int]] = [
     (StoreError, 503),  # a store tier that is down: retry
     (ShuttingDown, 503),  # the process is leaving: retry (elsewhere)
     (EngineDown, 503),  # vLLM's engine core died: retry elsewhere (/health says so too)
+    (OutOfDeviceMemory, 503),  # a step out of GPU memory: its requests fail, the next may fit
     (ModelFetchError, 500),
     (RagCacheError, 500),
 ]
@@ -75,7 +77,7 @@ ERRORS = {
     422: f"invalid request (the first {REPORTED} errors; error_count says how many)",
     429: "the server is busy, or this client has max_per_client requests waiting or running (Retry-After)",
     500: "damaged store data, a model output that is not finite (float16 overflow), or an unexpected error (logged)",
-    503: "a store tier or the model is unavailable (Retry-After)",
+    503: "a store tier or the model is unavailable, or a step ran out of device memory (Retry-After)",
 }
 WITH_BODY = (408, 413, 422)  # Guard and the body's validation answer these on every route that takes a body
 OPENAI_WITH_BODY = (408, 413)  # the same on OpenAI's routes, whose 422s are 400s (`openai_shaped`)

@@ -60,6 +60,13 @@ class NonFiniteLogits(RagCacheError):
     public = "the model's output was not finite for this request; a float16 model may overflow: try bfloat16"
 
 
+class OutOfDeviceMemory(RagCacheError):
+    """A model step ran out of GPU memory (a long link beside many decoding streams): the requests in it fail, the
+    engine goes on with the memory given back; a retry may fit."""
+
+    public = "the model ran out of device memory for this request; retry shortly"
+
+
 class EngineDown(RagCacheError):
     """The engine answers no request until the server restarts (vLLM's engine core died): another replica may."""
 

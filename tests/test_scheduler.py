@@ -1175,6 +1175,33 @@ def test_logits_that_make_no_distribution_fail_their_own_stream_without_drawing_
     rc.close()
 
 
+def test_a_step_out_of_device_memory_fails_its_requests_with_a_retryable_error_and_the_engine_goes_on(monkeypatch):
+    """torch's OutOfMemoryError (a long link beside many streams on a GPU) was a 500 for every request of the step:
+    it is OutOfDeviceMemory, a 503 with Retry-After, and the next request is answered."""
+    from ragcache.api.errors import describe
+    from ragcache.engine.sequence import Status
+    from ragcache.errors import OutOfDeviceMemory
+
+    rc = RagCache(tiny.make("llama"), MemoryStore(), EngineConfig(chunk_tokens=24))
+    ids = rc.compile(DOCS[:3])
+    forward, calls = rc.runner.forward, []
+
+    def out_of_memory(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # a step some way in, streams decoding
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(rc.runner, "forward", out_of_memory)
+    streams = _three_streams_together(rc, ids)
+    failed = [s.last.error for s in streams if s.status is Status.FAILED]
+    assert failed and all(isinstance(e, OutOfDeviceMemory) for e in failed)
+    assert describe(failed[0])[0] == 503 and "retry" in describe(failed[0])[1]["error"]["message"]
+    monkeypatch.undo()
+    assert len(rc.query(QUESTIONS[0], ids[:1], max_new_tokens=3).token_ids) == 3
+    rc.close()
+
+
 def test_a_prefix_link_under_way_when_the_budget_changes_stays_out_of_the_cleared_cache(monkeypatch):
     """set_row_budgets clears the prefix cache to cut at the new budget from then on: a `prefix` link placed before
     it, its pieces cut at the old one, must not put its K/V and logits into the cleared cache (a later exact repeat

@@ -30,7 +30,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 import ragcache.kernels as kernels
 
 from .. import linker
-from ..errors import NonFiniteLogits, ParameterOutOfRange
+from ..errors import NonFiniteLogits, OutOfDeviceMemory, ParameterOutOfRange
 from ..loaded import LoadedModel
 from . import invariant, sampling
 from .graphs import DecodeGraphs, Run
@@ -148,6 +148,26 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
         except NonFiniteLogits as exc:
             tokens[i] = exc
     return tokens
+
+
+def _failed_step(exc: Exception, works: list[Work]) -> list[StepResult]:
+    """Every request of a step that failed fails with its error (`_request_error`)."""
+    if not isinstance(exc, torch.OutOfMemoryError):
+        log.exception("a model step failed", exc_info=exc)
+    return [StepResult(error=_request_error(exc))] * len(works)
+
+
+def _request_error(exc: BaseException) -> BaseException:
+    """What a request whose step raised `exc` fails with: out of device memory, OutOfDeviceMemory (a 503 to retry),
+    once the allocator's cached blocks are given back, so that the next step has them."""
+    if not isinstance(exc, torch.OutOfMemoryError):
+        return exc
+    log.warning("a model step ran out of device memory; its requests fail and may retry: %s", exc)
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    error = OutOfDeviceMemory(f"out of device memory ({exc})")
+    error.__cause__ = exc
+    return error
 
 
 class Runner:
@@ -276,14 +296,14 @@ class Runner:
                     self.adopt(work.sequence.cache)
                 except Exception as exc:  # noqa: BLE001 - the pool is as it was: the others run
                     log.warning("a decoding stream could not join the pool: %s", exc)
-                    failed[work.sequence] = exc
+                    failed[work.sequence] = _request_error(exc)
         return failed
 
     def _alone(self, run, work: Work) -> StepResult:
         try:
             return run(work)
         except CONTAINED as exc:  # a bad request fails alone
-            return StepResult(error=exc)
+            return StepResult(error=_request_error(exc))
 
     def _place(self, work: Work) -> StepResult:
         """What the sequence reuses into its new cache, and the rows left to recompute (linker.plan)."""
@@ -311,9 +331,8 @@ class Runner:
             rows = self.logits(hidden[0, ends])
             sampled = [w.sequence for w in works if w.needs_logits]
             logits, tops = iter(rows), iter(_tokens(rows, sampled))
-        except Exception as exc:  # the whole step failed: every request in it fails, and only those
-            log.exception("a model step failed")
-            return [StepResult(error=exc)] * len(works)
+        except Exception as exc:  # noqa: BLE001 - logged there; the step's requests fail, and only those
+            return _failed_step(exc, works)
         results = []
         for work in works:
             if work.ends_link and work.sequence.compile is not None:
@@ -389,9 +408,8 @@ class Runner:
             logits = self.graphs.step([work.sequence.next_token for work in decodes], caches, repairs)
             # (the step's first wait for the device: a fault of its replay fails this step's streams, not the engine)
             tokens = _tokens(logits, [work.sequence for work in decodes])
-        except Exception as exc:  # as a packed forward that fails
-            log.exception("a model step failed")
-            return [StepResult(error=exc)] * len(works)
+        except Exception as exc:  # noqa: BLE001 - as a packed forward that fails
+            return _failed_step(exc, works)
         rows, tops = iter(logits), iter(tokens)  # a decode work's each
         results = []
         for work in works:
