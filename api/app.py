@@ -215,7 +215,9 @@ class Guard:
 def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> FastAPI:
     """The API over `rc`. `owns_engine`: the app closes it when it shuts down (a worker's engine, which no caller
     holds)."""
-    rc.refuse_unrunnable(rc.resolve(settings))  # a default every request would be refused for: said at start
+    defaults = rc.resolve(settings)  # a default every request would be refused for (a check_layer past the model's
+    defaults.validate(rc.layers)  # layers, say): said at start, not with each request
+    rc.refuse_unrunnable(defaults)
     queue = EngineQueue(settings.max_queue, settings.client_limit)
     measuring = Measuring(queue, settings.max_tokenizing, settings.max_queue)
     metrics = Metrics(rc.store, queue, rc, measuring)
