@@ -7,6 +7,7 @@ disk or Redis store (memory: and gpu tiers are per process). Each process bounds
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -51,10 +52,15 @@ def factory() -> FastAPI:
     log_info()  # a worker is a process of its own
     # (no SIGTERM handler here: this runs inside uvicorn's serve, whose own handler it would replace; the app's
     # lifespan closes the engine on SIGTERM instead)
+    rc = None
     try:
         rc = open_engine(settings)
+        return create_app(rc, settings, owns_engine=True)  # it refuses defaults no request could run
     except Exception:
         log.exception("this worker cannot start its engine")
+        if rc is not None:
+            with contextlib.suppress(Exception):
+                rc.close()
         logging.shutdown()
         sys.stderr.flush()
         # the supervisor would see the exit code and stop, unless its health check pinged this worker just before it
@@ -62,7 +68,6 @@ def factory() -> FastAPI:
         if os.environ.get(SUPERVISOR_ENV) == str(os.getppid()):
             os.kill(os.getppid(), signal.SIGTERM)
         os._exit(STARTUP_FAILURE)
-    return create_app(rc, settings, owns_engine=True)
 
 
 def terminate_by_exit():

@@ -46,8 +46,8 @@ class Cancelled(RagCacheError):
 
 
 class CompileFailed(RagCacheError):
-    """A chunk the model could not compile into its entry (out of memory, an error in its forward or encoding): that
-    request fails, with its cause; what was compiled before it is stored."""
+    """A chunk the model could not compile into its entry (an error in its forward or encoding; out of device
+    memory is OutOfDeviceMemory): that request fails, with its cause; what was compiled before it is stored."""
 
     public = "compiling this request's documents failed; what was compiled before the failure is stored"
 

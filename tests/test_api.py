@@ -585,13 +585,14 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
 
 
 def test_a_server_whose_default_link_no_request_could_run_does_not_start(rc):
-    """A check_layer past the model's layers (RAGCACHE_CHECK_LAYER set for another model) refused every query with
-    a 422 for a knob the request never named; the server now says so at start."""
+    """A cacheblend default with a check_layer past the model's layers (RAGCACHE_CHECK_LAYER set for another model)
+    refused every query with a 422 for a knob the request never named; the server now says so at start."""
     from ragcache.errors import ParameterOutOfRange
 
     with pytest.raises(ParameterOutOfRange, match="check_layer must be within"):
-        create_app(rc, settings(check_layer=rc.layers))
-    create_app(rc, settings(check_layer=rc.layers - 1))
+        create_app(rc, settings(algorithm="cacheblend", check_layer=rc.layers))
+    create_app(rc, settings(algorithm="cacheblend", check_layer=rc.layers - 1))
+    create_app(rc, settings(check_layer=rc.layers))  # focus reads no check_layer: nothing to refuse it for
 
 
 def test_an_answer_the_metrics_cannot_count_is_still_given_and_frees_its_place(rc, doc_ids):
@@ -1680,14 +1681,18 @@ def test_the_supervisor_sees_a_worker_that_died_during_a_health_check_at_once(tm
             worker.parent_conn.close()
 
 
-def test_workers_that_cannot_load_their_model_stop_serve_instead_of_restarting(tmp_path):
+@pytest.mark.parametrize("why", ["no model", "a default link no request could run"])
+def test_workers_that_cannot_load_their_model_stop_serve_instead_of_restarting(tmp_path, why):
     """A worker whose engine failed to start exited 1, which uvicorn's supervisor answers by starting another, every
-    half second, for ever; `serve` exited 0 when stopped."""
+    half second, for ever; `serve` exited 0 when stopped. So does one whose app refuses the server's defaults."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAGCACHE_")}
-    cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--port", str(port), "--store", "memory:", "--workers", "2",
-           "--model", str(tmp_path / "no-such-model")]
+    cmd = [sys.executable, "-m", "ragcache.cli", "serve", "--port", str(port), "--store", "memory:", "--workers", "2"]
+    if why == "no model":
+        cmd += ["--model", str(tmp_path / "no-such-model")]
+    else:
+        env.update(RAGCACHE_ALGORITHM="cacheblend", RAGCACHE_CHECK_LAYER="99")
     run = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert run.returncode == 1 and "could not start their engine" in run.stderr, (run.returncode, run.stderr[-3000:])

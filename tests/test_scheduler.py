@@ -1197,6 +1197,10 @@ def test_a_step_out_of_device_memory_fails_its_requests_with_a_retryable_error_a
     failed = [s.last.error for s in streams if s.status is Status.FAILED]
     assert failed and all(isinstance(e, OutOfDeviceMemory) for e in failed)
     assert describe(failed[0])[0] == 503 and "retry" in describe(failed[0])[1]["error"]["message"]
+    tb = failed[0].__cause__.__traceback__  # torch's error: its frames let go of the step's tensors
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    assert tb.tb_frame.f_code.co_name == "out_of_memory" and not tb.tb_frame.f_locals
     monkeypatch.undo()
     assert len(rc.query(QUESTIONS[0], ids[:1], max_new_tokens=3).token_ids) == 3
     rc.close()

@@ -36,6 +36,7 @@ from . import invariant, sampling
 from .graphs import DecodeGraphs, Run
 from .kv import DECODE, Batch, JoinedCache, ModelShape, PerSegment, Pools, Segment, contiguous_start, decode_strategy
 from .scheduler import Kind, StepPlan, StepResult, Work
+from .sequence import forget_locals
 from .threads import on_a_passing_thread
 
 Part = tuple[JoinedCache, torch.Tensor]  # a request's cache and the (host) positions of its rows in a forward
@@ -163,8 +164,10 @@ def _request_error(exc: BaseException) -> BaseException:
     if not isinstance(exc, torch.OutOfMemoryError):
         return exc
     log.warning("a model step ran out of device memory; its requests fail and may retry: %s", exc)
+    forget_locals(exc)  # its frames hold the step's activations and caches: the cache below cannot free them else
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        with contextlib.suppress(RuntimeError):  # another engine's graph capture under way in this process
+            torch.cuda.empty_cache()
     error = OutOfDeviceMemory(f"out of device memory ({exc})")
     error.__cause__ = exc
     return error
