@@ -94,7 +94,7 @@ class LinkParams:
             raise ParameterOutOfRange(f"k must be an integer >= 0, got {self.k!r}")
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise ParameterOutOfRange(f"ratio must be within [0, 1], got {self.ratio!r}")
-        if self.algorithm == "cacheblend" and not 0 <= self.check_layer < num_layers:  # the one that reads it
+        if not 0 <= self.check_layer < num_layers:
             raise ParameterOutOfRange(f"check_layer must be within [0, {num_layers - 1}], got {self.check_layer}")
         if self.deviation not in DEVIATIONS:
             raise ParameterOutOfRange(f"deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")

@@ -585,14 +585,13 @@ def test_queue_full_429_and_disconnect_frees_the_slot(rc, doc_ids):
 
 
 def test_a_server_whose_default_link_no_request_could_run_does_not_start(rc):
-    """A cacheblend default with a check_layer past the model's layers (RAGCACHE_CHECK_LAYER set for another model)
-    refused every query with a 422 for a knob the request never named; the server now says so at start."""
+    """A check_layer past the model's layers (RAGCACHE_CHECK_LAYER set for another model) refused every query with
+    a 422 for a knob the request never named; the server now says so at start."""
     from ragcache.errors import ParameterOutOfRange
 
     with pytest.raises(ParameterOutOfRange, match="check_layer must be within"):
-        create_app(rc, settings(algorithm="cacheblend", check_layer=rc.layers))
-    create_app(rc, settings(algorithm="cacheblend", check_layer=rc.layers - 1))
-    create_app(rc, settings(check_layer=rc.layers))  # focus reads no check_layer: nothing to refuse it for
+        create_app(rc, settings(check_layer=rc.layers))
+    create_app(rc, settings(check_layer=rc.layers - 1))
 
 
 def test_an_answer_the_metrics_cannot_count_is_still_given_and_frees_its_place(rc, doc_ids):

@@ -176,9 +176,14 @@ def test_served_requests_leave_no_tensor_to_the_cycle_collector():
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
     from ragcache.store import open_store
+    from ragcache.engine import driver
     from tests import tiny
     from tests.test_slow_clients import WAIT_S, serve
 
+    # earlier tests' engines: each model thread ends 5 s after its last step (IDLE_EXIT_S) and lets go of its engine,
+    # which a collection inside the measurement would then find; stopped now, they are collected before it
+    for other in list(driver._LIVE):
+        other.stop()
     rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
     ids = rc.compile(tiny.CORPUS[:3])
     body = {"question": "Where is it?", "documents": ids[:2], "max_tokens": 4}
