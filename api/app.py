@@ -25,7 +25,7 @@ from ragcache.engine import compute_inline
 from ragcache.front import Front
 from ragcache.settings import Settings
 
-from . import body, errors, native, openai_compat
+from . import body, errors, native, openai_compat, shape
 from .answering import ClientGone, Context, server_guard
 from .connections import bounded
 from .engine_queue import EngineQueue, Measuring
@@ -308,8 +308,7 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         if isinstance(route, Route)
     ]
 
-    # a document may be JSON-escaped at up to 6 bytes per character, plus room for everything else
-    max_body = settings.max_documents * settings.max_document_chars * 6 + (1 << 20)
+    max_body = shape.longest_body(settings)
     app.add_middleware(
         Guard,
         api_key=settings.api_key,

@@ -84,6 +84,13 @@ def longest_scalar(settings: Settings) -> int:
     return ESCAPED * chars + 2
 
 
+def longest_body(settings: Settings) -> int:
+    """Bytes of the largest body a client within every stated limit may send, every character escaped: its
+    documents with their metadata, a question and a system prompt, and a mebibyte for the rest (keys, numbers)."""
+    per_document = ESCAPED * (settings.max_document_chars + MAX_METADATA_CHARS)
+    return settings.max_documents * per_document + ESCAPED * 2 * settings.max_question_chars + (1 << 20)
+
+
 def read(
     raw: bytes | bytearray,
     limits: BodyLimits,

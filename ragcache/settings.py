@@ -462,7 +462,7 @@ class Settings(BaseSettings, LinkKnobs):  # the link knobs (RAGCACHE_ALGORITHM, 
         ge=1,
         description="MiB of request bodies a server process holds at once, counted as they arrive; past it a request "
         "is a 503 with Retry-After (at once where its declared length does not fit), the rest of its body not read: "
-        "every client sending a largest body at once would otherwise hold max_connections times 80 MiB",
+        "every client sending a largest body at once would otherwise hold max_connections times about 190 MiB",
     )
     keep_alive_s: float = Field(5.0, gt=0, description="seconds an idle connection stays open between requests")
     max_connections: int | None = Field(

@@ -176,6 +176,11 @@ class Store(ABC):
         is absent. Tiers override this with something cheaper than a full read."""
         return [None if e is None else {**describe(e), "size": e.nbytes} for e in self.get_many(keys)]
 
+    def touch(self, keys: list[str]) -> None:  # noqa: B027 - a tier that evicts nothing has no order to refresh
+        """Entries a faster tier in front of this one served: their place in this tier's eviction order refreshed as
+        a read here would refresh it, so that what is read most is not what this tier evicts first. Best effort:
+        absent keys are passed over, and a failure only logs."""
+
     def peek(self, keys: list[str]) -> list[ChunkKV | None]:
         """The entries as this tier keeps them, with no side effect (no LRU touch): a tier that `hands_out_copies`."""
         raise NotImplementedError(f"{self.name} tier keeps no copies to hand out")

@@ -30,6 +30,12 @@ SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
 STALE_TEMP_S = 600.0  # a temp file untouched this long is a killed writer's (no write of an entry takes minutes)
+# the least recently used entry's row out of the index, if the index still holds more than the bound: checked and
+# taken in one statement, atomic across the threads and processes sharing the index (a bound of -1 takes one always)
+_CLAIM_LRU = (
+    "DELETE FROM entries WHERE key = (SELECT key FROM entries ORDER BY last_access ASC LIMIT 1) "
+    "AND (SELECT COALESCE(SUM(size), 0) FROM entries) > ? RETURNING key, size"
+)
 
 
 # SQLite's errors that tell of the moment (another process's lock, permissions, a full disk), not of the index: an
@@ -91,6 +97,7 @@ class DiskStore(BlobStore):
         """`disk:PATH[?size=SIZE]` -> (PATH, its budget in bytes): an empty PATH is ./.ragcache, no size the
         default budget (past it the least recently used entries are evicted)."""
         path, _, query = spec[len("disk:") :].partition("?")
+        path = os.path.expanduser(path)  # no shell expands a ~ after "disk:": left alone, it made a folder named ~
         if not query:
             return path or "./.ragcache", DEFAULT_DISK_BUDGET
         options = urllib.parse.parse_qs(query, keep_blank_values=True)
@@ -198,6 +205,13 @@ class DiskStore(BlobStore):
         except sqlite3.Error as exc:
             log.debug("disk tier %s: index not updated after a read (%s)", self.root, exc)
 
+    def touch(self, keys: list[str]) -> None:
+        now = time.time()
+        try:
+            self._db().executemany("UPDATE entries SET last_access = ? WHERE key = ?", [(now, key) for key in keys])
+        except sqlite3.Error as exc:
+            log.debug("disk tier %s: index not updated for entries read elsewhere (%s)", self.root, exc)
+
     def read_raw(self, keys: list[str]) -> list[bytes | bytearray | str | None]:
         """As read_blobs reads: a file that is damaged (`_damaged`) is a problem of its entry, said in a str; any
         other failure (an I/O error, a folder that cannot be read) is the tier's, TierUnavailable, so that `verify
@@ -281,41 +295,39 @@ class DiskStore(BlobStore):
                 # index counts them, and a server killed now and then would fill the disk past its budget with them
                 self._remove_temps(STALE_TEMP_S)
                 self._reconcile_index()
-            (total,) = db.execute(indexed_bytes).fetchone()
         except (sqlite3.Error, StoreError) as exc:
             log.warning("disk tier %s: eviction skipped (%s)", self.root, exc)
             return 0
-        removed = self._evict_lru(total - self.budget_bytes)
+        removed = self._evict_lru(budget=self.budget_bytes)
         if removed:
             log.info("disk tier %s: evicted %d entries to stay under %d bytes", self.root, removed, self.budget_bytes)
         return removed
 
-    def _evict_lru(self, nbytes: int) -> int:
-        """Delete least recently used entries of at least `nbytes` in all; the entries deleted. One that cannot be
-        deleted (a file of another user's) loses its index row, so that eviction does not stop at it every time."""
-        removed, batch, seen = 0, 256, set[str]()
+    def _evict_lru(self, nbytes: int = 0, budget: int | None = None) -> int:
+        """Delete least recently used entries until `nbytes` of them are deleted, or while the index holds more than
+        `budget`; the entries deleted. Each row leaves the index in the statement that checks the budget
+        (`_CLAIM_LRU`), so writers evicting at once (threads, processes sharing the folder) share the overage instead
+        of each freeing all of it, and none counts a file another deleted. A row without its file frees nothing but
+        the index's count of it; a file that cannot be deleted (another user's) loses its row, so that eviction does
+        not stop at it every time, and stays counted against the budget."""
+        removed, limit = 0, budget
         try:
             db = self._db()
-            while nbytes > 0:
-                rows = db.execute(
-                    "SELECT key, size FROM entries ORDER BY last_access ASC LIMIT ?", (batch + len(seen),)
-                ).fetchall()
-                rows = [(key, size) for key, size in rows if key not in seen]  # a row whose DELETE failed comes back
-                if not rows:
+            while nbytes > 0 or limit is not None:
+                claimed = db.execute(_CLAIM_LRU, (-1 if limit is None else limit,)).fetchall()
+                if not claimed:
                     break
-                for key, size in rows:
-                    if nbytes <= 0:
-                        break
-                    seen.add(key)
-                    try:
-                        existed = self.delete(key)
-                    except StoreError as exc:
-                        log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
-                        db.execute("DELETE FROM entries WHERE key = ?", (key,))
-                        continue
-                    if existed:  # a row without its file frees nothing
-                        nbytes -= size
-                        removed += 1
+                ((key, size),) = claimed
+                try:
+                    existed = self._unlink(key)
+                except StoreError as exc:
+                    log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
+                    if limit is not None:
+                        limit -= size
+                    continue
+                if existed:
+                    nbytes -= size
+                    removed += 1
         except sqlite3.Error as exc:
             log.warning("disk tier %s: eviction stopped (%s)", self.root, exc)
         self.metrics.add(evicted=removed)
@@ -328,22 +340,26 @@ class DiskStore(BlobStore):
             raise self._fault("cannot look up entries", exc) from exc
 
     def delete(self, key: str) -> bool:
-        path = self.entry_path(key)
-        try:
-            path.unlink()
-            existed = True
-        except FileNotFoundError:
-            existed = False
-        except IsADirectoryError:  # never ours: leave it for an operator, but do not fail the read that found it
-            log.warning("disk tier %s: %s is a directory, not an entry; ignoring it", self.root, path)
-            existed = False
-        except OSError as exc:
-            raise self._fault(f"cannot delete entry {key[:12]}", exc) from exc
+        existed = self._unlink(key)
         try:
             self._db().execute("DELETE FROM entries WHERE key = ?", (key,))
         except sqlite3.Error as exc:  # a stale row only skews sizes until gc()
             log.debug("disk tier %s: index row of %s not removed (%s)", self.root, key[:12], exc)
         return existed
+
+    def _unlink(self, key: str) -> bool:
+        """Its entry file removed; whether there was one."""
+        path = self.entry_path(key)
+        try:
+            path.unlink()
+            return True
+        except FileNotFoundError:
+            return False
+        except IsADirectoryError:  # never ours: leave it for an operator, but do not fail the read that found it
+            log.warning("disk tier %s: %s is a directory, not an entry; ignoring it", self.root, path)
+            return False
+        except OSError as exc:
+            raise self._fault(f"cannot delete entry {key[:12]}", exc) from exc
 
     def keys(self) -> Iterator[str]:
         try:

@@ -92,6 +92,12 @@ class MemoryStore(Store):
             self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
 
+    def touch(self, keys: list[str]) -> None:
+        with self._lock:
+            for key in keys:
+                if key in self._entries:
+                    self._entries.move_to_end(key)
+
     def put_many(self, items: dict[str, ChunkKV]) -> None:
         started = time.perf_counter()
         with self._lock:

@@ -19,6 +19,7 @@ import itertools
 import sqlite3
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +55,10 @@ ENTRIES_BEHIND_MAX = 1 << 16
 CLOSE_WAIT_S = 10.0  # at close, for the write-behind to write what waits for a lasting tier
 CLOSE_BATCH_WAIT_S = 5.0  # then for the batch under way to end
 ENTRIES_BEHIND_BATCH = 16  # entries read from the tier holding them and written into the lagging one at a time
+# an entry a faster tier served refreshes its place in the slower tiers' eviction order at most this often, and this
+# many such entries are remembered: a hot entry costs the disk index a write a minute, not one a query
+TOUCH_EVERY_S = 60.0
+TOUCHED_MAX = 1 << 16
 
 
 @dataclass
@@ -119,6 +124,7 @@ class TieredStore(Store):
         self._entries_behind: dict[int, dict[str, None]] = {}
         self._behind_full_warned: set[int] = set()
         self._writing_behind: threading.Thread | None = None
+        self._touched: OrderedDict[str, float] = OrderedDict()  # entry key -> when the slower tiers were last touched
 
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
@@ -299,6 +305,7 @@ class TieredStore(Store):
             if ok:
                 found = {keys[j]: answer for j, answer in zip(missing, got) if answer}
                 if found and fill:
+                    self._touch_behind(i, list(found))
                     found = self._filled(i, found)
                 for j in missing:
                     out[j] = found.get(keys[j], out[j])
@@ -312,6 +319,22 @@ class TieredStore(Store):
         found = [e for e in out if e is not None]
         self.metrics.read(started, len(found), len(keys) - len(found), sum(e.nbytes for e in found))
         return out
+
+    def _touch_behind(self, found_in: int, keys: list[str]) -> None:
+        """Entries tier `found_in` served, made recent in the tiers behind it (Store.touch): each tier's LRU would
+        otherwise see only the reads that reached it, and a slower tier would evict the most read entries first, the
+        ones a faster tier always answers for, to be compiled again after a restart."""
+        now = self.clock()
+        with self._lock:
+            due = [key for key in keys if now - self._touched.get(key, -TOUCH_EVERY_S) >= TOUCH_EVERY_S]
+            for key in due:
+                self._touched[key] = now
+                self._touched.move_to_end(key)
+            while len(self._touched) > TOUCHED_MAX:
+                self._touched.popitem(last=False)
+        for i in range(found_in + 1, len(self.tiers)) if due else ():
+            if self._usable(i) and not self.states[i].down:
+                self._call(i, self.tiers[i].touch, due)
 
     def _filled(self, found_in: int, entries: dict[str, ChunkKV]) -> dict[str, ChunkKV]:
         """What a slower tier had, put into the faster ones (best effort: a failure there only logs), nearest first:

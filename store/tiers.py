@@ -92,11 +92,11 @@ def kind_of(spec: str) -> TierKind | None:
 
 
 def tier_urls(url: str) -> list[str]:
-    """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a scheme)."""
-    schemes = tuple(s for kind in KINDS for s in kind.schemes)
+    """'memory+disk:./x+redis://h' -> ['memory', 'disk:./x', 'redis://h'] (a '+' starts a tier only before a tier's
+    URL: 'disk:/data/run+gpu_cache' is one path)."""
     parts: list[str] = []
     for piece in (p.strip() for p in url.split("+")):
-        if parts and not piece.startswith(schemes):
+        if parts and kind_of(piece) is None:
             parts[-1] += "+" + piece
         else:
             parts.append(piece)

@@ -1013,7 +1013,9 @@ def test_fuzz_never_5xx(fuzz_http, request_):
 
 
 def test_oversized_body_is_refused_before_it_is_read(fuzz_http):
-    limit = 3 * 400 * 6 + (1 << 20)  # max_documents x max_document_chars x 6 bytes (JSON escapes) + 1 MiB
+    # 3 documents of 400 characters and their metadata, a question and a system prompt of 200, all at 12 bytes
+    # a character (a surrogate pair's escapes), and 1 MiB for the rest
+    limit = 3 * 12 * (400 + 65_536) + 12 * 2 * 200 + (1 << 20)
     error = error_of(fuzz_http.post("/v1/documents", content=b" " * (limit + 1),
                                     headers={"content-type": "application/json"}), 413, "request body")
     assert error["limit"] == limit
@@ -1128,7 +1130,7 @@ def test_public_paths_are_the_operators_choice(rc):
 
 
 def test_a_chunked_body_over_the_limit_is_413_before_it_is_read_whole(rc):
-    with serve(rc, max_documents=1, max_document_chars=1000) as s:  # max body: 1000 * 6 + 1 MiB
+    with serve(rc, max_documents=1, max_document_chars=1000) as s:  # max body: under 2 MiB
         sent = 0
 
         def body():

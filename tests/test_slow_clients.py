@@ -27,6 +27,7 @@ from bench.slow_clients import LimitedServer, attack, closed_by_server, open_slo
 from ragcache.api.app import create_app
 from ragcache.api.connections import LOG_EVERY_S, Listener, Slots
 from ragcache.api.server import config
+from ragcache.api.shape import longest_body
 from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.settings import Settings
@@ -308,7 +309,7 @@ def test_the_nginx_config_bounds_every_phase_of_a_request():
     zone = d["limit_conn_zone"][1].removeprefix("zone=").split(":")[0]
     assert d["limit_conn"][0] == zone and int(d["limit_conn"][1]) > 0
     defaults = Settings.model_construct()
-    largest = defaults.max_documents * defaults.max_document_chars * 6 + (1 << 20)  # api/app.py's max body
+    largest = longest_body(defaults)  # api/app.py's max body
     assert size(d["client_max_body_size"][0]) >= largest
     assert d["proxy_request_buffering"] == ["on"] and d["proxy_buffering"] == ["off"]
     assert d["proxy_http_version"] == ["1.1"] and ["Connection", '""'] in nginx_directives()["proxy_set_header"]

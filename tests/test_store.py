@@ -563,6 +563,32 @@ def test_memory_tier_evicts_least_recently_used():
     assert store.stats()["entries"] == 3
 
 
+def test_entries_a_faster_tier_serves_stay_recent_in_the_slower_ones(tmp_path):
+    """memory+disk: an entry read from memory every query was never read from the disk, whose LRU then held it the
+    oldest and evicted it first, so the most read chunks were the ones compiled again after a restart. Reads through
+    memory now refresh it in the disk tier (and in a memory tier behind a GPU one), at most once a minute."""
+    items = [make_entry(s, layers=2) for s in range(6)]
+    size = len(encode(*items[0][:2]))
+    now = [0.0]
+    memory, disk = MemoryStore(), DiskStore(tmp_path, budget_bytes=5 * size)
+    store = TieredStore([memory, disk], clock=lambda: now[0])
+    for key, entry in items[:5]:
+        store.put_many({key: entry})
+        time.sleep(0.01)
+    hot = items[0][0]
+    for _ in range(3):  # memory answers; the disk is touched once
+        assert store.get_many([hot])[0] is not None
+    assert memory.stats()["hits"] == 3 and disk.stats()["gets"] == 0
+    store.put_many(dict(items[5:]))
+    assert disk.contains_many([k for k, _ in items]) == [True, False, True, True, True, True]
+    back = MemoryStore(budget_bytes=2 * items[0][1].nbytes)  # a memory tier behind another keeps its order the same way
+    front = TieredStore([MemoryStore(), back], clock=lambda: now[0])
+    front.put_many(dict(items[:2]))
+    front.get_many([items[0][0]])
+    front.put_many(dict(items[2:3]))
+    assert back.contains_many([k for k, _ in items[:3]]) == [True, False, True]
+
+
 def test_disk_tier_evicts_least_recently_used(tmp_path):
     items = [make_entry(s, layers=2) for s in range(5)]
     size = len(encode(*items[0]))
@@ -712,6 +738,14 @@ def test_gc_on_a_disk_tier_it_cannot_reconcile_is_a_store_error(tmp_path, monkey
     assert result.exit_code == 1 and "cannot reconcile" in result.output and "Traceback" not in result.output
 
 
+def test_a_disk_path_from_home_is_expanded(tmp_path, monkeypatch):
+    """`--store disk:~/kv`: no shell expands a ~ after "disk:", and the tier made a folder named ~ in the working
+    directory (a cache per directory, and a trap for a later rm)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert DiskStore.url_parts("disk:~/kv?size=1GiB") == (str(tmp_path / "kv"), 1 << 30)
+    assert DiskStore.url_parts("disk:~/kv")[0] == str(tmp_path / "kv")
+
+
 def lru_disk(tmp_path, room: int, written: int) -> tuple[list, DiskStore]:
     """(four small entries, a disk tier with room for `room` of them holding the first `written`, put one at a time:
     the first the least recently used)."""
@@ -724,13 +758,45 @@ def lru_disk(tmp_path, room: int, written: int) -> tuple[list, DiskStore]:
 
 
 def test_an_index_row_without_its_file_frees_nothing_when_evicted(tmp_path):
-    """A row whose file is gone (removed by hand, another process) is dropped by eviction, not counted as the room
-    it made: eviction goes on to a real entry."""
+    """A row whose file is gone (removed by hand, another process) is dropped by eviction and counted as no entry
+    evicted; the index then says what the disk holds, and the entries within the budget stay."""
     items, store = lru_disk(tmp_path, room=3, written=3)
     store.entry_path(items[0][0]).unlink()  # its row stays, the oldest
     store.put_many(dict(items[3:]))
-    assert store.contains_many([k for k, _ in items]) == [False, False, True, True]
+    assert store.contains_many([k for k, _ in items]) == [False, True, True, True]
+    assert store.stats()["evicted"] == 0
+    store.put_many({items[0][0]: items[0][1]})  # a real overage now: a real entry goes
+    assert store.contains_many([k for k, _ in items]) == [True, False, True, True]
     assert store.stats()["evicted"] == 1
+
+
+def test_writers_evicting_at_once_free_the_overage_once(tmp_path):
+    """Eight writers (each its own DiskStore on the folder, as processes sharing it are) put a new entry at once into
+    a full disk tier: eight old entries go, not eight per writer, and none of the new ones. Each used to free the
+    whole overage it read, and count a file another had deleted as room still to make."""
+    import threading
+
+    items = [make_entry(s, layers=2) for s in range(28)]
+    room, size = 20, len(encode(*items[0]))
+    store = DiskStore(tmp_path, budget_bytes=room * size)
+    for key, entry in items[:room]:
+        store.put_many({key: entry})
+        time.sleep(0.002)
+    writers = [DiskStore(tmp_path, budget_bytes=room * size) for _ in items[room:]]
+    together = threading.Barrier(len(writers))
+
+    def put(writer, item):
+        together.wait(10)
+        writer.put_many(dict([item]))
+
+    threads = [threading.Thread(target=put, args=pair) for pair in zip(writers, items[room:])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    kept = store.contains_many([k for k, _ in items])
+    assert kept == [False] * (len(items) - room) + [True] * room
+    assert sum(writer.stats()["evicted"] for writer in writers) == len(items) - room
 
 
 def test_an_entry_over_the_disk_budget_is_not_kept_and_evicts_nothing(tmp_path):
@@ -746,14 +812,14 @@ def test_an_entry_over_the_disk_budget_is_not_kept_and_evicts_nothing(tmp_path):
 
 def test_an_entry_eviction_cannot_delete_neither_fails_the_write_nor_stops_eviction(tmp_path, monkeypatch):
     items, store = lru_disk(tmp_path, room=2, written=2)
-    delete, stuck = store.delete, items[0][0]
+    unlink, stuck = store._unlink, items[0][0]
 
     def undeletable(key):
         if key == stuck:
             raise StoreError(f"disk tier {tmp_path}: cannot delete entry {key[:12]} (Permission denied)")
-        return delete(key)
+        return unlink(key)
 
-    monkeypatch.setattr(store, "delete", undeletable)
+    monkeypatch.setattr(store, "_unlink", undeletable)
     store.put_many(dict(items[2:3]))  # over the budget: the stuck one is passed, the next evicted
     assert store.contains_many([k for k, _ in items[:3]]) == [True, False, True]
     store.put_many(dict(items[3:]))  # its index row is gone: not tried again until the files are reconciled

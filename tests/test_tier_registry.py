@@ -95,6 +95,9 @@ def test_one_registration_makes_a_tier_open_from_its_url_and_split_after_a_plus(
     assert isinstance(store, DictStore) and (store.label, store.connect, store.device) == ("a", True, "cpu")
     assert tier_urls("memory+dict:a+b + disk:./x") == ["memory", "dict:a+b", "disk:./x"]
     assert tier_urls("disk:./x+dict:a") == ["disk:./x", "dict:a"]
+    # a path piece that only begins as a tier's name does ("gpu_cache", "memoryless") stays in the path
+    assert tier_urls("memory+disk:/data/run+gpu_cache+memoryless") == ["memory", "disk:/data/run+gpu_cache+memoryless"]
+    assert tier_urls("disk:/a+gpu+memory:1GiB") == ["disk:/a", "gpu", "memory:1GiB"]
     assert per_process("dict:a") and per_process("gpu+memory:1GiB+dict:a")
     assert not per_process("dict:a+disk:./x") and not per_process("disk:./dict:a") and not per_process("s3://b")
     with pytest.raises(StoreError) as unknown:
