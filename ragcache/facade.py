@@ -423,10 +423,16 @@ class RagCache(Front):
         parts.chunk_entries = entries[len(head) :]
 
     def _prepare(
-        self, query: Query, max_new_tokens: int, stats: QueryStats, cancelled: Callable[[], bool] = lambda: False
-    ) -> tuple[LinkInput, LinkParams, PrefixCache]:
+        self,
+        query: Query,
+        max_new_tokens: int,
+        stats: QueryStats,
+        cancelled: Callable[[], bool] = lambda: False,
+        background: bool = False,
+    ) -> tuple[LinkInput, LinkParams, PrefixCache | None]:
         """Everything before the model: resolve, fetch (compiling misses, until `cancelled()`). Runs on the caller's
-        thread."""
+        thread. A background link runs the base weights: the prefix cache, whose prompts the served weights (an
+        adapter's) computed, is neither read nor filled by it."""
         started = time.perf_counter()
         algorithm = query.params.algorithm
         with self.catalog.using(query.doc_ids):  # a delete of these documents waits until their entries are written
@@ -434,7 +440,7 @@ class RagCache(Front):
             self._fetch(parts, chunks, algorithm, stats, cancelled)
         stats.fetch_s = time.perf_counter() - started
         stats.algorithm, stats.prompt_tokens = algorithm, len(parts.token_ids)
-        return parts, query.params, self.prefix_cache
+        return parts, query.params, None if background else self.prefix_cache
 
     @open_only
     def link(
@@ -465,7 +471,7 @@ class RagCache(Front):
         TimeoutError raised."""
         seq = Sequence(
             self.driver,
-            lambda stats, cancelled: self._prepare(query, max_new_tokens, stats, cancelled),
+            lambda stats, cancelled: self._prepare(query, max_new_tokens, stats, cancelled, background),
             None,
             extra_capacity=max_new_tokens,
             background=background,

@@ -39,7 +39,7 @@ from ragcache.store.entry import ChunkKV
 
 from .engine import Hit, JoinedCache, ModelShape, PrefixCache, Staged
 from .engine import place as place_entries
-from .errors import ParameterOutOfRange, UnknownAlgorithm
+from .errors import EmptyInput, ParameterOutOfRange, UnknownAlgorithm
 from .settings import (
     DEFAULT_ALGORITHM,
     DEFAULT_CHECK_LAYER,
@@ -166,6 +166,8 @@ def plan(
 ) -> LinkPlan:
     ids = parts.token_ids
     length = ids.numel()
+    if length == 0:  # no row to run, nor logits to answer from (Front never builds one: the question has a template)
+        raise EmptyInput("the prompt has no tokens: nothing to link")
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
@@ -176,6 +178,7 @@ def plan(
         cache.keys[:, :, :length], cache.values[:, :, :length] = hit.prompt.keys, hit.prompt.values
         return LinkPlan(cache, ids, ids[:0], None, time.perf_counter() - started, hit.logits, length, epoch)
     reused = place(runner, parts, params, cache, hit)
+    rotate_s = time.perf_counter() - started  # focus's pre-pass runs the model: recompute time, as its rows' is
     scores = question_attention(runner, parts, cache).sum(0) if prepass_rows(parts, params) else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
     rows = rows.sort().values
@@ -185,7 +188,7 @@ def plan(
     # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` compute every row they do not
     # reuse, in causal pieces after rows a link computed: nothing to repair.
     exact = 0 if algorithm(params.algorithm).reuses == "chunks" else length
-    return LinkPlan(cache, ids, rows, narrow, time.perf_counter() - started, exact_until=exact, prefix_epoch=epoch)
+    return LinkPlan(cache, ids, rows, narrow, rotate_s, exact_until=exact, prefix_epoch=epoch)
 
 
 def prepass_rows(parts: LinkInput, params: LinkParams) -> int:

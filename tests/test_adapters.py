@@ -150,6 +150,13 @@ def test_the_guard_compares_with_the_base_models_full_as_calibration_does(tiny_d
     assert torch.allclose(rc.link(question, ids, algorithm="full", background=True).last_logits, base_full, atol=1e-4)
     assert "".join(rc.stream(question, ids, algorithm="naive", max_new_tokens=8)) == before
     assert torch.allclose(rc.link(question, ids, algorithm="full").last_logits, adapted_full, atol=1e-5)
+    # a background `prefix` link neither takes the adapter's prompts from the prefix cache nor leaves its own there
+    # for the requests, whose first token would then come from the base weights
+    assert torch.allclose(rc.link(question, ids, algorithm="prefix", background=True).last_logits, base_full,
+                          atol=1e-4)
+    assert torch.allclose(rc.link(question, ids, algorithm="prefix").last_logits, adapted_full, atol=1e-4)
+    assert torch.allclose(rc.link(question, ids, algorithm="prefix", background=True).last_logits, base_full,
+                          atol=1e-4)
     linked = rc.link(question, ids, algorithm="naive").last_logits
     assert rc.check(question, ids, algorithm="naive").kl == pytest.approx(
         guard.compare("naive", base_full, linked).kl, abs=1e-5)

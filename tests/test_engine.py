@@ -604,9 +604,24 @@ def test_step_stats_model_work_and_close_go_through_the_model_thread():
     assert rc.with_runner(lambda runner, x: (runner is rc.runner, threading.current_thread().name, x), 7) == (
         True, "ragcache-model", 7)
     assert rc.shape == rc.runner.shape and rc.shape.layers == rc.layers
+    # a NARROW step (cacheblend's link, all its rows in one forward of its own) counts its rows as link rows
+    blended = rc.query("How tall is it?", ids, algorithm="cacheblend", max_new_tokens=1).stats
+    assert rc.step_stats(reset=True).link_rows >= blended.recomputed_tokens > 0  # its first layers run every row
     rc.close()
     with pytest.raises(errors.ShuttingDown):
         rc.query("How tall is it?", ids, max_new_tokens=4)
+
+
+def test_the_longest_wait_of_a_decoding_stream_counts_the_steps_it_is_not_in():
+    """A PLACE or NARROW step beside a decoding stream keeps it waiting as a forward step would; the longest wait
+    counted only steps with decode rows."""
+    from ragcache.engine.driver import StepStats
+    from ragcache.engine.scheduler import Kind, StepPlan
+
+    stats = StepStats()
+    stats.count(StepPlan(Kind.NARROW), 2.0, decoding=True, narrowed=30)
+    stats.count(StepPlan(Kind.PLACE), 3.0)  # nothing decoding: nobody waited
+    assert (stats.longest_decode_step_s, stats.link_rows, stats.steps) == (2.0, 30, 2)
 
 
 def test_a_links_recompute_time_leaves_out_its_placing(rc, monkeypatch):
@@ -626,6 +641,23 @@ def test_a_links_recompute_time_leaves_out_its_placing(rc, monkeypatch):
     ids = rc.compile(tiny.CORPUS[:2])
     stats = rc.query("Where is it?", ids, algorithm="naive", max_new_tokens=1).stats
     assert stats.rotate_s >= 0.5 and stats.recompute_s < 0.4
+
+
+def test_focus_pre_pass_is_recompute_time_not_rotation(rc, monkeypatch):
+    """focus runs the question through the model to rank the chunk rows: that forward is recompute time; rotate_s
+    (placing: gather and RoPE) counted it."""
+    from ragcache import linker
+
+    question_attention = linker.question_attention
+
+    def slow_pre_pass(*args, **kwargs):
+        time.sleep(0.5)
+        return question_attention(*args, **kwargs)
+
+    monkeypatch.setattr(linker, "question_attention", slow_pre_pass)
+    ids = rc.compile(tiny.CORPUS[:2])
+    stats = rc.query("Where is it?", ids, algorithm="focus", max_new_tokens=1).stats
+    assert stats.rotate_s < 0.4 and stats.recompute_s >= 0.5
 
 
 def test_a_model_thread_ended_by_a_base_exception_fails_its_requests_and_the_next_one_starts(monkeypatch):

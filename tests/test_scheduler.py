@@ -9,6 +9,7 @@ end of this file."""
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -19,7 +20,7 @@ from ragcache.facade import RagCache
 from ragcache.settings import EngineConfig
 from ragcache.engine.sampling import Decoding, QueryStats, Sampling
 from ragcache.kernels import torch_ref
-from ragcache.linker import ALGORITHMS, LinkParams
+from ragcache.linker import ALGORITHMS, LinkInput, LinkParams
 from ragcache.engine.scheduler import Kind, Scheduler, StepResult
 from ragcache.engine.sequence import Aborted, Done, Failed, Piece, Sequence, Status
 from ragcache.store.memory import MemoryStore
@@ -323,6 +324,15 @@ def test_a_bad_request_fails_alone(rc):
         assert_same(run.wait(), single)
     assert len(failed) == 1 and isinstance(failed[0], Failed) and bad.status is Status.FAILED
     assert isinstance(failed[0].error, errors.UnknownAlgorithm)
+    # a prompt of no tokens (a caller of Sequence that built it by hand) had no row to run: it stayed linking for
+    # ever, and the model thread spun on a step it could never plan
+    empty = Sequence(rc.driver, lambda stats, cancelled: (LinkInput([], [], []), LinkParams("full"), None), decoding)
+    empty.open(failed.append)
+    deadline = time.monotonic() + 30
+    while len(failed) < 2:
+        assert time.monotonic() < deadline, empty.status
+        time.sleep(0.01)
+    assert isinstance(failed[1].error, errors.EmptyInput) and empty.status is Status.FAILED
 
     with ThreadPoolExecutor(3) as pool:  # through the public API: an unknown document fails only its own query
         futures = [pool.submit(rc.query, **good[0]), pool.submit(rc.query, QUESTIONS[0], ["0" * 32]),
@@ -1173,6 +1183,22 @@ def test_logits_that_make_no_distribution_fail_their_own_stream_without_drawing_
     assert [s.status for s in streams] == [Status.FINISHED, Status.FINISHED, Status.FAILED]
     assert isinstance(streams[2].last.error, NonFiniteLogits) and all(seen)
     rc.close()
+
+
+def test_greedy_logits_with_nan_or_infinity_fail_their_own_stream_too():
+    """A greedy stream took the argmax of a NaN row (NaN's index) and streamed garbage where a sampled one failed."""
+    from types import SimpleNamespace
+
+    from ragcache.engine.runner import _tokens
+    from ragcache.errors import NonFiniteLogits
+
+    rows = torch.zeros(4, 50)
+    rows[:, 4] = 1.0
+    rows[1, 7], rows[2, 9] = float("nan"), float("inf")
+    greedy = [SimpleNamespace(decoding=SimpleNamespace(greedy=True)) for _ in range(3)]
+    tokens = _tokens(rows, [*greedy, SimpleNamespace(decoding=None)])
+    assert tokens[0] == 4 and tokens[3] is None
+    assert isinstance(tokens[1], NonFiniteLogits) and isinstance(tokens[2], NonFiniteLogits)
 
 
 def test_a_step_out_of_device_memory_fails_its_requests_with_a_retryable_error_and_the_engine_goes_on(monkeypatch):

@@ -47,18 +47,22 @@ class StepStats:
     decode_only_steps: int = 0
     decode_only_rows: int = 0
     decode_only_s: float = 0.0
-    longest_decode_step_s: float = 0.0  # the longest a decoding stream waited for a token: a step's budget bound
+    # the longest step a decoding stream waited through, its rows in it or not (a PLACE, a NARROW, the base weights'
+    # rows): a step's budget bound
+    longest_decode_step_s: float = 0.0
 
-    def count(self, plan: StepPlan, seconds: float) -> None:
+    def count(self, plan: StepPlan, seconds: float, decoding: bool = False, narrowed: int = 0) -> None:
+        """`decoding`: a stream was decoding when the step began, and waited for it; `narrowed`: the link rows of a
+        NARROW step (the plan's rows count a packed forward's only)."""
         if plan.kind is Kind.TASK:  # no step of the requests': a benchmark's own work, a settings change
             return
         rows, decode_rows, repair_rows = plan.rows, plan.decode_rows, plan.repair_rows
         self.steps += 1
         self.decode_rows += decode_rows
         self.repair_rows += repair_rows
-        self.link_rows += rows - decode_rows - repair_rows
+        self.link_rows += rows - decode_rows - repair_rows + narrowed
         self.step_s += seconds
-        if decode_rows:
+        if decode_rows or decoding:
             self.longest_decode_step_s = max(self.longest_decode_step_s, seconds)
         if decode_rows and rows == decode_rows + repair_rows:
             self.decode_only_steps += 1
@@ -201,10 +205,12 @@ class Driver:
         plan = self.scheduler.schedule()
         if plan is None:
             return
+        decoding = any(s.status is Status.DECODING for s in self.scheduler.running)
+        narrowed = plan.narrowed_rows()
         started = time.perf_counter()
         results = self.runner.execute(plan)
         outputs = self.scheduler.update(plan, results)
-        self.stats.count(plan, time.perf_counter() - started)
+        self.stats.count(plan, time.perf_counter() - started, decoding, narrowed)
         self._untrimmed += 1
         if self._untrimmed >= TRIM_EVERY_STEPS:
             self._untrimmed = 0

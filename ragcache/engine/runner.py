@@ -124,7 +124,8 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
     """Each logits row's next token, for the sequences that decode (None elsewhere), from one copy to the host for
     the whole step: greedy rows' from one argmax, sampled rows' drawn each with its own generator. On a GPU each
     stream's own `int(...)` waited for the device in turn. A draw that raises is that sequence's entry, for it alone
-    to fail with (`Runner._sample`)."""
+    to fail with (`Runner._sample`); so is NonFiniteLogits, where a row holds NaN or infinity (greedy or drawn: an
+    argmax would pick the NaN and stream garbage)."""
     tokens: list = [None] * len(sequences)
     greedy, drawn, drawn_at = [], [], []
     for i, seq in enumerate(sequences):
@@ -138,12 +139,11 @@ def _tokens(rows: torch.Tensor, sequences: list) -> list:
             drawn_at.append(i)
         except CONTAINED as exc:
             tokens[i] = exc
-    head = [torch.argmax(rows, dim=-1)] if greedy else []  # one reduction over every row
+    # one reduction over every row, and one more for whether it is finite (on the device: no wait for it here)
+    head = [torch.where(torch.isfinite(rows).all(-1), torch.argmax(rows, -1), sampling.NOT_DRAWN)] if greedy else []
     values = torch.cat([*head, *drawn]).tolist() if head or drawn else []
     argmaxes, draws = (values[: len(sequences)], values[len(sequences) :]) if head else ([], values)
-    for i in greedy:
-        tokens[i] = argmaxes[i]
-    for i, value in zip(drawn_at, draws):
+    for i, value in [*((i, argmaxes[i]) for i in greedy), *zip(drawn_at, draws)]:
         try:
             tokens[i] = sampling.token(value)
         except NonFiniteLogits as exc:

@@ -89,6 +89,13 @@ class StepPlan:
     def repair_rows(self) -> int:
         return sum(w.rows for w in self.work if w.kind is Kind.REPAIR)
 
+    def narrowed_rows(self) -> int:
+        """A NARROW step's link rows (`rows` counts a packed forward's only); read before the step, which ends the
+        link and lets go of its plan."""
+        if self.kind is not Kind.NARROW:
+            return 0
+        return sum(w.sequence.plan.rows.numel() for w in self.work if w.sequence.plan is not None)
+
 
 @dataclass(frozen=True)
 class StepResult:
