@@ -232,11 +232,11 @@ def compile(
         return
     try:
         docs = _read_inputs(paths, glob, jsonl)
-        empty = [meta["source"] for text, meta in docs if not text.strip()]
+        empty = [meta["source"] for text, meta in docs if request.blank(text)]
         if empty:
             skipping = escape(", ".join(empty[:5]))
             err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {skipping}")
-        docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if text.strip()]
+        docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if not request.blank(text)]
         if not docs:
             raise BadRequest("every document given is empty; nothing to compile")
         rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
@@ -347,7 +347,7 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
     from .compiler import default_layout
 
     try:
-        docs = [(text, meta) for text, meta in _read_inputs(paths, glob, jsonl) if text.strip()]
+        docs = [(text, meta) for text, meta in _read_inputs(paths, glob, jsonl) if not request.blank(text)]
         if not docs:
             raise BadRequest("every document given is empty; nothing to plan")
         s = load_settings(
@@ -457,7 +457,7 @@ def _doc_argument(value: str) -> str | dict:
         )
     if is_file:
         text = _pdf_text(path) if path.suffix.lower() == ".pdf" else request.read_text(path)
-        if not text.strip():
+        if request.blank(text):
             raise BadRequest(f"{path} is empty")
         return {"text": text}
     if is_document_id(value.lower()):
@@ -686,7 +686,7 @@ def calibrate(
         if at not in cal.POSITIONS:
             raise BadRequest(f"--at must be one of {', '.join(cal.POSITIONS)}, got {at!r}")
         if docs is not None:
-            texts = [text for text, _ in _read_inputs([docs], None, jsonl) if text.strip()]
+            texts = [text for text, _ in _read_inputs([docs], None, jsonl) if not request.blank(text)]
             if len(texts) < 2:
                 raise BadRequest(f"{docs}: calibration needs at least 2 documents")
             cal.check_documents(texts)

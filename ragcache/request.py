@@ -140,6 +140,12 @@ def stored_text(text: str) -> str:
     return text.removeprefix("\ufeff")
 
 
+def blank(text: str) -> bool:
+    """Nothing to compile: only whitespace once a byte-order mark is gone (an empty file saved with one), which the
+    doors that skip empty documents skip, as `validate_text` would refuse it."""
+    return not stored_text(text).strip()
+
+
 def validate_text(text, name: str, limits: Limits = UNBOUNDED) -> str:
     """The document as stored (`stored_text`)."""
     if isinstance(text, str):

@@ -107,6 +107,14 @@ def test_bad_input_exit_codes(tiny_cli, tmp_path):
     assert knob.exit_code == 3 and "ratio must be less than or equal to 1" in knob.text
 
 
+def test_an_empty_file_saved_with_a_byte_order_mark_is_skipped_as_empty(tiny_cli, tmp_path):
+    """It failed the whole compile (validate_text drops the mark and finds nothing), where empty files are skipped."""
+    (tmp_path / "bom.txt").write_text("\ufeff \n")
+    (tmp_path / "note.txt").write_text("some text")
+    bom = tiny_cli("compile", tmp_path, "--store", "memory:")
+    assert bom.exit_code == 0 and "skipping 1 empty document(s)" in bom.text and "bom.txt" in bom.text
+
+
 def test_inputs_are_checked_before_the_model_loads(tiny_cli, tmp_path):
     """A typo'd path is never taken for document text, and bad inputs fail at once with exit 3 and a clear message,
     the model never loaded."""

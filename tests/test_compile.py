@@ -162,6 +162,36 @@ def test_compiles_that_finished_are_stored_when_another_of_the_call_fails():
     rc.close()
 
 
+def test_compiles_that_finished_are_stored_when_ctrl_c_comes_during_the_wait():
+    """Ctrl-C in `ragcache compile` while the first (longest) compile of a batch is waited for: the others, which had
+    ended, were dropped and compiled again by the resumed run; they are kept as where one fails."""
+    from ragcache.engine.sequence import Inbox
+
+    rc = engine(row_budget=16)
+    short = [ids for text in TEXTS[:3] for ids in rc.catalog.draft(text).chunks]
+    order = [[i for ids in short for i in ids], *short]
+    get, interrupted = Inbox.get, []
+
+    def ctrl_c(self, timeout=None):
+        if not interrupted:  # the first wait: once every compile has ended, the interrupt
+            interrupted.append(True)
+            deadline = time.monotonic() + 60
+            while not rc.driver.stats.steps or rc.scheduler.has_work():  # they arrive together, at one pass
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            raise KeyboardInterrupt
+        return get(self, timeout)
+
+    Inbox.get = ctrl_c
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rc._ensure(order, rc.layouts["default"])
+    finally:
+        Inbox.get = get
+    assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in order]))
+    rc.close()
+
+
 def test_metadata_not_one_a_text_is_refused_before_anything_compiles():
     from ragcache.errors import ParameterOutOfRange
 

@@ -112,9 +112,9 @@ def test_a_node_compiled_with_all_its_metadata_keeps_its_id_once_marked(rc):
 def test_compiler_skips_what_is_compiled_and_passes_empty_nodes(rc, ingested):
     nodes, _ = ingested
     compiler = RagCacheCompiler(rc=rc)
-    empty = TextNode(text="   ")
-    out = compiler([*nodes, empty])
-    assert out[-1] is empty and DOC_ID_KEY not in empty.metadata
+    empty, marked = TextNode(text="   "), TextNode(text="\ufeff ")  # an empty file saved with a byte-order mark
+    out = compiler([*nodes, empty, marked])
+    assert out[-2:] == [empty, marked] and DOC_ID_KEY not in empty.metadata and DOC_ID_KEY not in marked.metadata
     assert compiler.last_report.compiled_chunks == 0 and compiler.last_report.skipped == len(nodes)
     assert asyncio.run(compiler.acall(nodes)) == nodes
 

@@ -443,8 +443,10 @@ def finish_all(
     steps), then wait for each one's end in turn: `done(i)` once stream i has finished. The first that fails raises
     its error, Cancelled if `cancelled()` says the caller has gone; either way the streams not finished by then are
     cancelled, and `done(i)` still comes for each stream that finished before its abort could (`_finished_anyway`):
-    what was computed is not thrown away."""
-    inboxes = []
+    what was computed is not thrown away. So with a KeyboardInterrupt (Ctrl-C in `ragcache compile`): a second one
+    gives that wait up."""
+    inboxes: list[Inbox] = []
+    taken = 0  # the streams before it have had their ends taken, or are being settled (`_finished_anyway`)
     try:
         with together():
             for stream in streams:
@@ -453,6 +455,7 @@ def finish_all(
         for i, inbox in enumerate(inboxes):
             while True:
                 if cancelled():
+                    taken = len(inboxes)
                     _finished_anyway(inboxes, i, done)
                     raise Cancelled("the request was cancelled while its documents were compiled")
                 try:
@@ -461,11 +464,17 @@ def finish_all(
                     continue
                 if not isinstance(event, Piece):
                     break
+            taken = i + 1
             if isinstance(event, (Failed, Aborted)):  # what the streams after it finished is still taken
+                taken = len(inboxes)
                 _finished_anyway(inboxes, i + 1, done)
                 raise event.error if isinstance(event, Failed) else Cancelled("the engine aborted a compile")
             if done is not None:
                 done(i)
+    except KeyboardInterrupt:
+        # the shortest streams of a batch end first (a document's short last chunk): kept, not compiled again
+        _finished_anyway(inboxes, taken, done)
+        raise
     finally:
         for inbox in inboxes:
             inbox.close()

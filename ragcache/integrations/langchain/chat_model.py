@@ -26,7 +26,7 @@ from ragcache.engine import Answer, apieces, pieces
 from ragcache.errors import BadRequest
 from ragcache.front import Front, Stream, answer_of, drain
 from ragcache.linker import LinkOptions
-from ragcache.request import stored_text
+from ragcache.request import blank, stored_text
 from ragcache.settings import LinkKnobs
 from ragcache.store.keys import document_id
 
@@ -228,7 +228,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
 
     def _open(self, question: str, documents: Sequence[Document | str], args: dict) -> tuple[Stream, list[str]]:
         """The request, validated (bad input raises here); empty documents are skipped."""
-        texts = [text for text in map(document_text, documents) if text.strip()]
+        texts = [text for text in map(document_text, documents) if not blank(text)]
         stream = self.rc.stream(question, docs=[{"text": text} for text in texts], **args)
         return stream, [document_id(stored_text(text)) for text in texts]
 

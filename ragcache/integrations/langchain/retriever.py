@@ -12,6 +12,7 @@ from pydantic import ConfigDict, Field
 
 from ragcache.front import Front
 from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
+from ragcache.request import blank
 
 from .documents import DOC_ID_KEY, document_text, record_meta
 
@@ -59,7 +60,7 @@ class RagCacheRetriever(BaseRetriever):
     def warm(self, documents: list[Document]) -> WarmReport:
         """Compile the documents' missing chunks and prefetch their entries (in the chosen layout); empty documents
         are left as they are."""
-        todo = [document for document in documents if document_text(document).strip()]
+        todo = [document for document in documents if not blank(document_text(document))]
         ids, report = warm(
             self.rc, [d.page_content for d in todo], [record_meta(d) for d in todo], self.layout, self.prefetch
         )

@@ -10,6 +10,7 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field
 from llama_index.core.schema import BaseNode, MetadataMode, TransformComponent
 
 from ragcache.front import CompileReport, Front
+from ragcache.request import blank
 
 from .nodes import mark, node_text, record_meta
 
@@ -43,7 +44,7 @@ class RagCacheCompiler(TransformComponent):
         return "RagCacheCompiler"
 
     def __call__(self, nodes: Sequence[BaseNode], **kwargs: Any) -> Sequence[BaseNode]:
-        todo = [(node, text) for node in nodes if (text := node_text(node, self.metadata_mode)).strip()]
+        todo = [(node, text) for node in nodes if not blank(text := node_text(node, self.metadata_mode))]
         bar = _bar(len(todo)) if kwargs.get("show_progress") else None
 
         def progress(so_far: CompileReport) -> None:  # documents whose chunks are all compiled (or were)

@@ -18,7 +18,7 @@ from ragcache.errors import BadRequest
 from ragcache.front import Front, answer_of, drain
 from ragcache.guard import BackgroundGuard
 from ragcache.linker import LinkOptions
-from ragcache.request import stored_text
+from ragcache.request import blank, stored_text
 from ragcache.store.keys import document_id
 
 from .nodes import node_text
@@ -98,7 +98,7 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
     ) -> tuple[list, Sequence | None, dict]:
         """The query's stream over the nodes retrieved for it (None: they hold no text, and `empty_response` is
         the answer)."""
-        texts = [text for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
+        texts = [text for n in nodes if not blank(text := node_text(n.node, self.metadata_mode))]
         metadata = {"retrieve_s": retrieve_s, "doc_ids": [document_id(stored_text(text)) for text in texts]}
         if not texts and self.empty_response is not None:
             return nodes, None, {**QueryStats().as_dict(), **metadata}  # the stats' keys, at zero: nothing ran

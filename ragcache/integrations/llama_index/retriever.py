@@ -11,6 +11,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragcache.front import Front
 from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
+from ragcache.request import blank
 
 from .nodes import DOC_ID_KEY, mark, node_text, record_meta
 
@@ -58,7 +59,7 @@ class RagCacheRetriever(BaseRetriever):
 
     def warm(self, nodes: list[NodeWithScore]) -> WarmReport:
         """Compile the nodes' missing chunks and prefetch their entries (in the chosen layout)."""
-        todo = [(n.node, text) for n in nodes if (text := node_text(n.node, self.metadata_mode)).strip()]
+        todo = [(n.node, text) for n in nodes if not blank(text := node_text(n.node, self.metadata_mode))]
         ids, report = warm(
             self.rc, [text for _, text in todo], [record_meta(node) for node, _ in todo], self.layout, self.prefetch
         )
