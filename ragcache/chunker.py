@@ -65,9 +65,9 @@ def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> 
     chunks, start = [], 0
     while start < len(ids):
         end = min(start + budget, len(ids))
-        if end < len(ids) and not _ends_sentence(text, offsets[end - 1]):
+        if end < len(ids) and not _ends_sentence(text, offsets, end - 1):
             for candidate in range(end, min(start + 2 * budget, len(ids))):
-                if _ends_sentence(text, offsets[candidate]):
+                if _ends_sentence(text, offsets, candidate):
                     end = candidate + 1
                     break
         chunks.append(Chunk(ids[start:end], offsets[start][0], offsets[end - 1][1]))
@@ -75,5 +75,9 @@ def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> 
     return chunks
 
 
-def _ends_sentence(text: str, offset: tuple[int, int]) -> bool:
-    return text[offset[0] : offset[1]].rstrip(" ").endswith(SENTENCE_ENDS)
+def _ends_sentence(text: str, offsets: list[tuple[int, int]], k: int) -> bool:
+    """Token k ends a sentence, and the token after it starts a character of its own: a byte-level tokenizer splits
+    "。" into byte tokens that share its offsets, and a cut after the first would tear the character in two."""
+    start, stop = offsets[k]
+    whole = k + 1 == len(offsets) or offsets[k + 1][0] >= stop
+    return whole and text[start:stop].rstrip(" ").endswith(SENTENCE_ENDS)

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
-from .chunker import text_ids
+from .chunker import as_text, text_ids
 from .errors import BadRequest
 
 _SLOT = "\u2063RAGCACHE_DOCS\u2063"
+_SYSTEM = "\u2063RAGCACHE_SYSTEM\u2063"
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,23 @@ class PromptFormat:
 
 
 def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[int]:
+    """The system prefix. The system prompt is text too, as a question is: an application that writes its users'
+    words into it (a template's variable) must not have them close its turn with a control token's spelling; only
+    the chat template's own markup is encoded with its control tokens, the system text where the template put it."""
     if fmt.chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": _SLOT}]
+        messages = ([{"role": "system", "content": _SYSTEM}] if system else []) + [{"role": "user", "content": _SLOT}]
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as exc:  # a template that takes no system turn (Gemma's: "System role not supported")
             raise BadRequest(f"this model's chat template refuses the system prompt ({exc}); send none") from exc
-        return tokenizer(rendered.split(_SLOT)[0], add_special_tokens=False)["input_ids"]
-    return tokenizer(system.rstrip() + "\n\n", add_special_tokens=True)["input_ids"] if system else []
+        head = rendered.split(_SLOT)[0].split(_SYSTEM)
+        if len(head) != (2 if system else 1):  # a template that changes the text or repeats it
+            raise BadRequest("this model's chat template does not place the system prompt once as given; send none")
+        ids = [tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in head]
+        return [*ids[0], *text_ids(tokenizer, system)["input_ids"], *ids[1]] if system else ids[0]
+    if not system:
+        return []
+    return as_text(tokenizer)(system.rstrip() + "\n\n", add_special_tokens=True, split_special_tokens=True)["input_ids"]
 
 
 def question_ids(tokenizer, fmt: PromptFormat, question: str, with_docs: bool) -> list[int]:

@@ -419,8 +419,11 @@ class DiskStore(BlobStore):
             raise StoreError(f"disk tier {self.root}: cannot reconcile its index with the files ({exc})") from exc
         try:
             indexed = dict(db.execute("SELECT key, size FROM entries").fetchall())
-            gone = [k for k in indexed if k not in files]
+            # the files were listed before the index was locked: a writer may have written and indexed one since
+            # (its row is no stale row), or an eviction deleted one (no row to add back); looked at again, now
+            gone = [k for k in indexed if k not in files and not self.entry_path(k).exists()]
             added = [(k, size, mtime) for k, (size, mtime) in files.items() if k not in indexed]
+            added = [row for row in added if self.entry_path(row[0]).exists()]
             resized = [(size, k) for k, (size, _) in files.items() if k in indexed and indexed[k] != size]
             db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in gone])
             db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", added)

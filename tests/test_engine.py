@@ -183,6 +183,16 @@ def test_sampling_is_seeded_and_streaming_matches(rc):
     assert stream.answer.stats.ttft_s > 0 and stream.answer.stats.completion_tokens == 8
 
 
+@pytest.mark.parametrize("knob", [dict(seed=2**64), dict(seed="7"), dict(seed=1.5), dict(temperature="0.5"),
+                                  dict(top_p=None), dict(temperature=True), dict(max_new_tokens=True),
+                                  dict(stop=[" Rome", 3])])
+def test_sampling_values_no_schema_checked_are_typed_errors(rc, knob):
+    """The Python API and the integrations' overrides reach the engine with no REST schema before them: a seed torch
+    cannot take was its ValueError, a temperature given as text a TypeError from a comparison."""
+    with pytest.raises(errors.ParameterOutOfRange):
+        rc.query("How tall?", docs=[{"text": DOC}], **{"max_new_tokens": 2, **knob})
+
+
 def test_stop_strings_cut_and_hold_back():
     tok = tiny.tokenizer()
     ids = tok("Paris is big. Rome is old.", add_special_tokens=False)["input_ids"]

@@ -770,6 +770,26 @@ def test_an_index_row_without_its_file_frees_nothing_when_evicted(tmp_path):
     assert store.stats()["evicted"] == 1
 
 
+def test_a_reconcile_keeps_the_rows_of_entries_written_after_it_listed_the_files(tmp_path, monkeypatch):
+    """A reconcile lists the files before it locks the index: an entry another writer wrote and indexed in between
+    lost its row as stale, and went uncounted against the budget (a writer's first eviction reconciles)."""
+    items = [make_entry(s, layers=2) for s in range(3)]
+    store, other = DiskStore(tmp_path), DiskStore(tmp_path)
+    store.put_many(dict(items[:2]))
+    files = store._files
+
+    def listed_then_changed():
+        listing = files()
+        other.put_many(dict(items[2:]))  # written and indexed after the listing
+        other.delete(items[1][0])  # and one listed, deleted with its row
+        return listing
+
+    monkeypatch.setattr(store, "_files", listed_then_changed)
+    assert store._reconcile_index()["index_rows_dropped"] == 0
+    indexed = {key for (key,) in other._db().execute("SELECT key FROM entries")}
+    assert indexed == {items[0][0], items[2][0]} and other.contains_many([k for k, _ in items]) == [True, False, True]
+
+
 def test_writers_evicting_at_once_free_the_overage_once(tmp_path):
     """Eight writers (each its own DiskStore on the folder, as processes sharing it are) put a new entry at once into
     a full disk tier: eight old entries go, not eight per writer, and none of the new ones. Each used to free the

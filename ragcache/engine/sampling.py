@@ -98,12 +98,29 @@ class Sampling:
         return self.max_new_tokens
 
     def validate(self) -> None:
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        """ParameterOutOfRange for what the Python API and the integrations pass unchecked by a schema (a seed torch
+        cannot take, a temperature given as text): the REST schemas hold the same bounds."""
+        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ParameterOutOfRange(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
-        if not 0.0 <= self.temperature <= 10.0:
-            raise ParameterOutOfRange(f"temperature must be within [0, 10], got {self.temperature!r}")
-        if not 0.0 <= self.top_p <= 1.0:
-            raise ParameterOutOfRange(f"top_p must be within [0, 1], got {self.top_p!r}")
+        if not _real(self.temperature) or not 0.0 <= self.temperature <= 10.0:
+            raise ParameterOutOfRange(f"temperature must be a number within [0, 10], got {self.temperature!r}")
+        if not _real(self.top_p) or not 0.0 <= self.top_p <= 1.0:
+            raise ParameterOutOfRange(f"top_p must be a number within [0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not _integer(self.seed) or not SEEDS[0] <= self.seed <= SEEDS[1]):
+            raise ParameterOutOfRange(f"seed must be an integer within [{SEEDS[0]}, {SEEDS[1]}], got {self.seed!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ParameterOutOfRange("stop must be a string or a list of strings", param="stop")
+
+
+SEEDS = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes
+
+
+def _integer(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
