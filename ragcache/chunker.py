@@ -59,7 +59,8 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
 
 def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> list[Chunk]:
     """Token slices of the whole-document tokenization (`text_ids`): each chunk takes `budget` tokens, then extends
-    to the next sentence end if one comes within another `budget` tokens (so at most 2x)."""
+    to the next sentence end if one comes within another `budget` tokens (so at most 2x), and never ends inside a
+    character a byte-level tokenizer split into several tokens (a CJK character, an emoji)."""
     enc = text_ids(tokenizer, text, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     chunks, start = [], 0
@@ -70,6 +71,8 @@ def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> 
                 if _ends_sentence(text, offsets, candidate):
                     end = candidate + 1
                     break
+        while end < len(ids) and offsets[end][0] < offsets[end - 1][1]:  # not inside a character split in bytes
+            end += 1
         chunks.append(Chunk(ids[start:end], offsets[start][0], offsets[end - 1][1]))
         start = end
     return chunks

@@ -38,21 +38,33 @@ class PromptFormat:
 def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[int]:
     """The system prefix. The system prompt is text too, as a question is: an application that writes its users'
     words into it (a template's variable) must not have them close its turn with a control token's spelling; only
-    the chat template's own markup is encoded with its control tokens, the system text where the template put it."""
+    the chat template's own markup is encoded with its control tokens, the system text where the template put it.
+    A system prompt that spells none is encoded with the template in one piece, as the model was trained: pieces
+    encoded apart differ at their seams for some tokenizers (SentencePiece's dummy prefix)."""
     if fmt.chat:
-        messages = ([{"role": "system", "content": _SYSTEM}] if system else []) + [{"role": "user", "content": _SLOT}]
+        spelled = system is not None and _spells_a_control_token(tokenizer, system)
+        content = _SYSTEM if spelled else system
+        messages = ([{"role": "system", "content": content}] if system else []) + [{"role": "user", "content": _SLOT}]
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as exc:  # a template that takes no system turn (Gemma's: "System role not supported")
             raise BadRequest(f"this model's chat template refuses the system prompt ({exc}); send none") from exc
-        head = rendered.split(_SLOT)[0].split(_SYSTEM)
-        if len(head) != (2 if system else 1):  # a template that changes the text or repeats it
+        head = rendered.split(_SLOT)[0]
+        if not spelled or system is None:
+            return tokenizer(head, add_special_tokens=False)["input_ids"]
+        pieces = head.split(_SYSTEM)
+        if len(pieces) != 2:  # a template that changes the text or repeats it
             raise BadRequest("this model's chat template does not place the system prompt once as given; send none")
-        ids = [tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in head]
-        return [*ids[0], *text_ids(tokenizer, system)["input_ids"], *ids[1]] if system else ids[0]
+        before, after = (tokenizer(piece, add_special_tokens=False)["input_ids"] for piece in pieces)
+        return [*before, *text_ids(tokenizer, system)["input_ids"], *after]
     if not system:
         return []
     return as_text(tokenizer)(system.rstrip() + "\n\n", add_special_tokens=True, split_special_tokens=True)["input_ids"]
+
+
+def _spells_a_control_token(tokenizer, text: str) -> bool:
+    """`text` holds the spelling of a token the tokenizer matches before its model (`<|im_end|>`, `</s>`)."""
+    return any(spelling in text for spelling in tokenizer.get_added_vocab())
 
 
 def question_ids(tokenizer, fmt: PromptFormat, question: str, with_docs: bool) -> list[int]:

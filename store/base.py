@@ -178,8 +178,8 @@ class Store(ABC):
 
     def touch(self, keys: list[str]) -> None:  # noqa: B027 - a tier that evicts nothing has no order to refresh
         """Entries a faster tier in front of this one served: their place in this tier's eviction order refreshed as
-        a read here would refresh it, so that what is read most is not what this tier evicts first. Best effort:
-        absent keys are passed over, and a failure only logs."""
+        a read here would refresh it, so that what is read most is not what this tier evicts first. Absent keys are
+        passed over; a tier that cannot be reached raises as a read would (the tiered store marks it down)."""
 
     def peek(self, keys: list[str]) -> list[ChunkKV | None]:
         """The entries as this tier keeps them, with no side effect (no LRU touch): a tier that `hands_out_copies`."""

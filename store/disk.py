@@ -30,12 +30,7 @@ SUFFIX = ".kv"
 INDEX_COLUMNS = ("key", "size", "last_access", "hits")
 RECONCILE_EVERY_S = 60.0  # at most this often, a write over budget first re-reads the real file sizes
 STALE_TEMP_S = 600.0  # a temp file untouched this long is a killed writer's (no write of an entry takes minutes)
-# the least recently used entry's row out of the index, if the index still holds more than the bound: checked and
-# taken in one statement, atomic across the threads and processes sharing the index (a bound of -1 takes one always)
-_CLAIM_LRU = (
-    "DELETE FROM entries WHERE key = (SELECT key FROM entries ORDER BY last_access ASC LIMIT 1) "
-    "AND (SELECT COALESCE(SUM(size), 0) FROM entries) > ? RETURNING key, size"
-)
+EVICT_BATCH = 256  # least recently used rows read at a time while claiming
 
 
 # SQLite's errors that tell of the moment (another process's lock, permissions, a full disk), not of the index: an
@@ -305,33 +300,63 @@ class DiskStore(BlobStore):
 
     def _evict_lru(self, nbytes: int = 0, budget: int | None = None) -> int:
         """Delete least recently used entries until `nbytes` of them are deleted, or while the index holds more than
-        `budget`; the entries deleted. Each row leaves the index in the statement that checks the budget
-        (`_CLAIM_LRU`), so writers evicting at once (threads, processes sharing the folder) share the overage instead
-        of each freeing all of it, and none counts a file another deleted. A row without its file frees nothing but
-        the index's count of it; a file that cannot be deleted (another user's) loses its row, so that eviction does
-        not stop at it every time, and stays counted against the budget."""
+        `budget`; the entries deleted. Rows are claimed (`_claim`) before their files are deleted, so writers
+        evicting at once (threads, processes sharing the folder) share the overage instead of each freeing all of
+        it, and none counts a file another deleted. A row without its file frees nothing but the index's count of
+        it; a file that cannot be deleted (another user's) loses its row, so that eviction does not stop at it every
+        time, and stays counted against the budget: the next round claims as much again."""
         removed, limit = 0, budget
         try:
-            db = self._db()
             while nbytes > 0 or limit is not None:
-                claimed = db.execute(_CLAIM_LRU, (-1 if limit is None else limit,)).fetchall()
+                claimed = self._claim(nbytes, limit)
                 if not claimed:
                     break
-                ((key, size),) = claimed
-                try:
-                    existed = self._unlink(key)
-                except StoreError as exc:
-                    log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
-                    if limit is not None:
-                        limit -= size
-                    continue
-                if existed:
-                    nbytes -= size
-                    removed += 1
+                for key, size in claimed:
+                    try:
+                        existed = self._unlink(key)
+                    except StoreError as exc:
+                        log.warning("disk tier %s: could not evict %s (%s)", self.root, key[:12], exc)
+                        limit = None if limit is None else limit - size
+                        continue
+                    if existed:
+                        nbytes -= size
+                        removed += 1
+                if limit is not None and limit == budget:  # every claimed file deleted: the index is within it
+                    break
         except sqlite3.Error as exc:
             log.warning("disk tier %s: eviction stopped (%s)", self.root, exc)
         self.metrics.add(evicted=removed)
         return removed
+
+    def _claim(self, nbytes: int, limit: int | None) -> list[tuple[str, int]]:
+        """Least recently used rows taken out of the index, as many as make `nbytes`, or as bring it within `limit`:
+        read and deleted under one write lock (BEGIN IMMEDIATE), the index's total read once."""
+        db = self._db()
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            (over,) = db.execute("SELECT COALESCE(SUM(size), 0) FROM entries").fetchone()
+            over = nbytes if limit is None else over - limit
+            claimed: list[tuple[str, int]] = []
+            while over > 0:
+                rows = db.execute(
+                    "SELECT key, size FROM entries ORDER BY last_access ASC LIMIT ?", (EVICT_BATCH,)
+                ).fetchall()
+                taken = []
+                for key, size in rows:
+                    if over <= 0:
+                        break
+                    taken.append((key, size))
+                    over -= size
+                if not taken:
+                    break
+                db.executemany("DELETE FROM entries WHERE key = ?", [(key,) for key, _ in taken])
+                claimed += taken
+            db.execute("COMMIT")
+            return claimed
+        except BaseException:
+            if db.in_transaction:
+                db.execute("ROLLBACK")
+            raise
 
     def contains_many(self, keys: list[str]) -> list[bool]:
         try:  # exists() raises for what is not a missing file (EACCES, EIO)
@@ -421,9 +446,9 @@ class DiskStore(BlobStore):
             indexed = dict(db.execute("SELECT key, size FROM entries").fetchall())
             # the files were listed before the index was locked: a writer may have written and indexed one since
             # (its row is no stale row), or an eviction deleted one (no row to add back); looked at again, now
-            gone = [k for k in indexed if k not in files and not self.entry_path(k).exists()]
+            gone = [k for k in indexed if k not in files and not _there(self.entry_path(k))]
             added = [(k, size, mtime) for k, (size, mtime) in files.items() if k not in indexed]
-            added = [row for row in added if self.entry_path(row[0]).exists()]
+            added = [row for row in added if _there(self.entry_path(row[0]))]
             resized = [(size, k) for k, (size, _) in files.items() if k in indexed and indexed[k] != size]
             db.executemany("DELETE FROM entries WHERE key = ?", [(k,) for k in gone])
             db.executemany("INSERT INTO entries (key, size, last_access) VALUES (?, ?, ?)", added)
@@ -504,6 +529,15 @@ class DiskStore(BlobStore):
 
     def close(self) -> None:
         self._drop_connection()
+
+
+def _there(path: Path) -> bool:
+    """Whether a file is there, as far as can be told: one that cannot be looked at (a folder of another user's) is
+    taken as there, so that its row is neither dropped nor its entry counted gone."""
+    try:
+        return path.exists()
+    except OSError:
+        return True
 
 
 def holds_store(root: str | os.PathLike) -> bool:

@@ -198,18 +198,16 @@ class RedisStore(BlobStore):
         ]
 
     def touch(self, keys: list[str]) -> None:
-        """TOUCH refreshes what an allkeys-lru Redis evicts by: an entry's manifest and every one of its parts."""
-        try:
-            with self._errors("touch"):
-                manifests = self._manifests(keys)
-                pipe = self._redis().pipeline(transaction=False)
-                for key, (_, manifest) in zip(keys, manifests):
-                    if manifest is not None:  # one slot per entry: one command each
-                        pipe.touch(self._manifest_name(key), *self._part_names(key, manifest))
-                if len(pipe):
-                    pipe.execute()
-        except StoreError as exc:
-            log.debug("redis tier %s: entries read elsewhere not touched (%s)", self.url, exc)
+        """TOUCH refreshes what an allkeys-lru Redis evicts by: an entry's manifest and every one of its parts. A
+        server that cannot be reached raises TierUnavailable, as a read would."""
+        with self._errors("touch"):
+            manifests = self._manifests(keys)
+            pipe = self._redis().pipeline(transaction=False)
+            for key, (_, manifest) in zip(keys, manifests):
+                if manifest is not None:  # one slot per entry: one command each
+                    pipe.touch(self._manifest_name(key), *self._part_names(key, manifest))
+            if len(pipe):
+                pipe.execute()
 
     def read_blobs(self, keys: list[str]) -> list[bytes | bytearray | None]:
         with self._errors("read"):

@@ -125,6 +125,8 @@ class TieredStore(Store):
         self._behind_full_warned: set[int] = set()
         self._writing_behind: threading.Thread | None = None
         self._touched: OrderedDict[str, float] = OrderedDict()  # entry key -> when the slower tiers were last touched
+        self._touches: dict[int, dict[str, None]] = {}  # tier an entry was read from -> keys to touch behind it
+        self._touching: threading.Thread | None = None
 
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
@@ -321,9 +323,12 @@ class TieredStore(Store):
         return out
 
     def _touch_behind(self, found_in: int, keys: list[str]) -> None:
-        """Entries tier `found_in` served, made recent in the tiers behind it (Store.touch): each tier's LRU would
-        otherwise see only the reads that reached it, and a slower tier would evict the most read entries first, the
-        ones a faster tier always answers for, to be compiled again after a restart."""
+        """Entries tier `found_in` served, made recent in the tiers behind it (Store.touch) by a thread of its own:
+        each tier's LRU would otherwise see only the reads that reached it, and a slower tier would evict the most
+        read entries first, the ones a faster tier always answers for, to be compiled again after a restart. Off the
+        reader's thread: a hit in memory does not wait on the disk's index or on Redis."""
+        if found_in == len(self.tiers) - 1:
+            return
         now = self.clock()
         with self._lock:
             due = [key for key in keys if now - self._touched.get(key, -TOUCH_EVERY_S) >= TOUCH_EVERY_S]
@@ -332,9 +337,24 @@ class TieredStore(Store):
                 self._touched.move_to_end(key)
             while len(self._touched) > TOUCHED_MAX:
                 self._touched.popitem(last=False)
-        for i in range(found_in + 1, len(self.tiers)) if due else ():
-            if self._usable(i) and not self.states[i].down:
-                self._call(i, self.tiers[i].touch, due)
+            if not due or sum(map(len, self._touches.values())) >= TOUCHED_MAX or self._closed.is_set():
+                return  # nothing due, or a tier behind so slow that touches pile up: these are let go
+            self._touches.setdefault(found_in, {}).update(dict.fromkeys(due))
+            if self._touching is None:
+                self._touching = threading.Thread(target=self._touch, name="ragcache-store-touch", daemon=True)
+                self._touching.start()
+
+    def _touch(self) -> None:
+        while True:
+            with self._lock:
+                if not self._touches or self._closed.is_set():
+                    self._touching = None
+                    return
+                touches, self._touches = self._touches, {}
+            for found_in, keys in touches.items():
+                for i in range(found_in + 1, len(self.tiers)):
+                    if self._usable(i) and not self.states[i].down:
+                        self._call(i, self.tiers[i].touch, list(keys))  # a tier unreachable is marked down
 
     def _filled(self, found_in: int, entries: dict[str, ChunkKV]) -> dict[str, ChunkKV]:
         """What a slower tier had, put into the faster ones (best effort: a failure there only logs), nearest first:
@@ -664,6 +684,7 @@ class TieredStore(Store):
         # its batch under way ends before the tiers close under it, with time of its own past a drain that used all
         self._join(self._writing_behind, max(deadline, time.monotonic() + CLOSE_BATCH_WAIT_S))
         self._join(self._prober, deadline)  # a catch-up under way, writing into a tier about to close
+        self._join(self._touching, deadline)
         left = self.entries_behind()
         if left:
             log.warning("%d entries only this process's memory held were not written into a lasting tier", left)

@@ -94,6 +94,10 @@ def test_a_chunk_never_ends_inside_a_character_a_byte_level_tokenizer_split():
     assert len(chunks) > 1 and [i for c in chunks for i in c.token_ids] == chunk_document(tok, text, 10_000)[0].token_ids
     assert all("\ufffd" not in tok.decode(c.token_ids) for c in chunks)
     assert all(a.char_end <= b.char_start for a, b in zip(chunks, chunks[1:]))
+    endless = "漢字仮名交じり文" * 6  # no sentence end to cut at: cut at the budget, never inside a character
+    chunks = chunk_document(tok, endless, budget=4)
+    assert len(chunks) > 1 and all("\ufffd" not in tok.decode(c.token_ids) for c in chunks)
+    assert all(a.char_end <= b.char_start for a, b in zip(chunks, chunks[1:]))
 
 
 def test_an_edited_chunk_record_is_re_derived_from_the_text():

@@ -1199,6 +1199,13 @@ def test_greedy_logits_with_nan_or_infinity_fail_their_own_stream_too():
     tokens = _tokens(rows, [*greedy, SimpleNamespace(decoding=None)])
     assert tokens[0] == 4 and tokens[3] is None
     assert isinstance(tokens[1], NonFiniteLogits) and isinstance(tokens[2], NonFiniteLogits)
+    # a link's first token (a NARROW step's, an exact prefix-cache hit's) is drawn alone, the same way
+    from ragcache.engine import sampling
+
+    greedy_alone = sampling.Sampling(temperature=0.0)
+    assert sampling.sample(rows[0], greedy_alone, None) == 4
+    with pytest.raises(NonFiniteLogits):
+        sampling.sample(rows[1], greedy_alone, None)
 
 
 def test_a_step_out_of_device_memory_fails_its_requests_with_a_retryable_error_and_the_engine_goes_on(monkeypatch):

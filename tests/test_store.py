@@ -563,6 +563,13 @@ def test_memory_tier_evicts_least_recently_used():
     assert store.stats()["entries"] == 3
 
 
+def touched(store: TieredStore) -> None:
+    """Once the store's thread has touched the slower tiers for the reads so far."""
+    thread = store._touching
+    if thread is not None:
+        thread.join(10)
+
+
 def test_entries_a_faster_tier_serves_stay_recent_in_the_slower_ones(tmp_path):
     """memory+disk: an entry read from memory every query was never read from the disk, whose LRU then held it the
     oldest and evicted it first, so the most read chunks were the ones compiled again after a restart. Reads through
@@ -576,8 +583,9 @@ def test_entries_a_faster_tier_serves_stay_recent_in_the_slower_ones(tmp_path):
         store.put_many({key: entry})
         time.sleep(0.01)
     hot = items[0][0]
-    for _ in range(3):  # memory answers; the disk is touched once
+    for _ in range(3):  # memory answers; the disk is touched once, by the store's thread
         assert store.get_many([hot])[0] is not None
+    touched(store)
     assert memory.stats()["hits"] == 3 and disk.stats()["gets"] == 0
     store.put_many(dict(items[5:]))
     assert disk.contains_many([k for k, _ in items]) == [True, False, True, True, True, True]
@@ -585,8 +593,24 @@ def test_entries_a_faster_tier_serves_stay_recent_in_the_slower_ones(tmp_path):
     front = TieredStore([MemoryStore(), back], clock=lambda: now[0])
     front.put_many(dict(items[:2]))
     front.get_many([items[0][0]])
+    touched(front)
     front.put_many(dict(items[2:3]))
     assert back.contains_many([k for k, _ in items[:3]]) == [True, False, True]
+
+
+def test_a_hit_in_memory_does_not_wait_for_the_touch_of_a_slow_tier_behind_it(tmp_path):
+    """A frozen Redis or a locked disk index behind memory: the touch is the store's thread's wait, not the query's."""
+
+    class Stuck(DiskStore):
+        def touch(self, keys):
+            time.sleep(2)
+
+    key, entry = make_entry(1, layers=2)
+    store = TieredStore([MemoryStore(), Stuck(tmp_path)])
+    store.put_many({key: entry})
+    started = time.monotonic()
+    assert store.get_many([key])[0] is not None and time.monotonic() - started < 1
+    touched(store)
 
 
 def test_disk_tier_evicts_least_recently_used(tmp_path):

@@ -139,9 +139,9 @@ def draw(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | 
     """The next token as a one-element tensor where the logits are, not read back: a step's streams queue their
     draws and copy them to the host once (runner._tokens). NOT_DRAWN where the distribution holds NaN or infinity:
     on CUDA multinomial's check of it is a device-side assert, which would end every stream after it; the one
-    whose token it is fails alone (`token`)."""
+    whose token it is fails alone (`token`). Greedy too: an argmax would pick a NaN's index."""
     if sampling.greedy:
-        return torch.argmax(logits).reshape(1)
+        return torch.where(torch.isfinite(logits).all(), torch.argmax(logits), NOT_DRAWN).reshape(1)
     probs = torch.softmax(logits / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)

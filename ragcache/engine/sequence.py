@@ -450,8 +450,9 @@ def finish_all(
     try:
         with together():
             for stream in streams:
-                inboxes.append(Inbox(stream))
-                inboxes[-1].open()
+                inbox = Inbox(stream)
+                inbox.open()
+                inboxes.append(inbox)  # opened: an end will come for it
         for i, inbox in enumerate(inboxes):
             while True:
                 if cancelled():
@@ -490,6 +491,8 @@ def _finished_anyway(inboxes: list[Inbox], first: int, done: Callable[[int], Non
     if done is None:
         return
     for i, inbox in enumerate(inboxes[first:], first):
+        if inbox.over:  # its end was taken already (a Ctrl-C right after): none is left to wait for
+            continue
         while not isinstance(event := inbox.get(), (Done, Failed, Aborted)):
             pass
         if isinstance(event, Done):
