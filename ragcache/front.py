@@ -194,6 +194,7 @@ class Front(abc.ABC):
         metadata: list[dict] | None = None,
         progress: Callable[[CompileReport], None] | None = None,
         shards: int = 1,
+        layout: str = "default",
     ) -> CompileReport:
         """Compile texts into the store (skipping what is there). The missing chunks of consecutive documents are
         compiled together, `_compile_rows` rows at a time, so that the engine packs them into full steps; their
@@ -202,8 +203,10 @@ class Front(abc.ABC):
         `progress(report)`: the report so far, as each document is taken in and as its chunks are compiled; what
         it raises stops the compile there (an upload whose client left), with what was compiled stored.
         `shards` N > 1: every chunk's entry (and the system prefix's) is also stored as the KV-head shards a
-        tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry."""
+        tensor-parallel deployment of N ranks reads (`CompileReport.shards`), beside the whole entry.
+        `layout`: the layout the chunks' entries are compiled in ("sink" for legolink0's links)."""
         texts = request.validate_texts(texts)
+        self.check_layout(layout)
         if metadata is not None and len(metadata) != len(texts):
             raise ParameterOutOfRange(f"metadata must have one dict a text: {len(metadata)} for {len(texts)} texts")
         self._check_shards(shards)
@@ -228,7 +231,7 @@ class Front(abc.ABC):
                 waiting = 0  # documents taken in whose last chunks are in `batch`
                 for text, meta in zip(texts, metadata or [{} for _ in texts]):
                     doc_id, chunks = self.catalog.register(text, meta)
-                    missing = self._present(chunks, "default")[1]
+                    missing = self._present(chunks, layout)[1]
                     documents.append(chunks)
                     report.ids.append(doc_id)
                     report.documents += 1
@@ -245,17 +248,17 @@ class Front(abc.ABC):
                         report.ready += 1
                     say(report)
                     if sum(map(len, batch.values())) >= self._compile_rows():
-                        self._compile_batch(list(batch.values()), writer, report, say, waiting)
+                        self._compile_batch(list(batch.values()), layout, writer, report, say, waiting)
                         compiled.update(batch)
                         batch, waiting = {}, 0
-                self._compile_batch(list(batch.values()), writer, report, say, waiting)
+                self._compile_batch(list(batch.values()), layout, writer, report, say, waiting)
             finally:  # Ctrl-C or a failure: what was compiled is stored
                 if writer is not None:
                     writer.flush()
             say(report)
             if shards > 1:  # every chunk, also those compiled before without shards
                 for chunks in documents:
-                    report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts["default"], shards)
+                    report.shards += self.catalog.write_shards(chunks, self.compiler, self.layouts[layout], shards)
         if prefix_ids and shards > 1:
             report.shards += self.catalog.write_shards([prefix_ids], self.prefix_compiler, PLAIN, shards)
         report.seconds = time.perf_counter() - started
@@ -264,14 +267,15 @@ class Front(abc.ABC):
     def _compile_batch(
         self,
         chunks: list[list[int]],
+        layout: str,
         writer: Writer | None,
         report: CompileReport,
         say: Callable[[CompileReport], None],
         documents: int,
     ) -> None:
         """Compile a batch of chunks, the last ones of `documents` of the documents taken in."""
-        for group in self._groups(chunks, "default"):
-            report.bytes += self._compile(group, "default", writer)
+        for group in self._groups(chunks, layout):
+            report.bytes += self._compile(group, layout, writer)
             report.compiled_chunks += len(group)
             report.compiled_tokens += sum(map(len, group))
             say(report)
@@ -307,14 +311,17 @@ class Front(abc.ABC):
         """Make the documents' chunk entries ready for linking in a layout ("default", or "sink" for legolink0):
         compile the missing ones and, with prefetch, read the rest (a tiered store then holds them in its fastest
         tier). Returns (chunks compiled, chunks found)."""
-        if layout not in self.layouts:
-            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
+        self.check_layout(layout)
         with self.catalog.using(doc_ids):  # a delete of these documents waits until their entries are written
             chunks = [ids for doc_chunks in self.catalog.resolve(list(dict.fromkeys(doc_ids))) for ids in doc_chunks]
             present, missing = self._present(chunks, layout)
             for group in self._groups(chunks if prefetch else missing, layout):
                 self._compile(group, layout, None)
         return len(missing), len(present) * prefetch
+
+    def check_layout(self, layout: str) -> None:
+        if layout not in self.layouts:
+            raise ParameterOutOfRange(f"layout must be one of {', '.join(self.layouts)}, got {layout!r}")
 
     def _present(self, chunks: list[list[int]], layout: str) -> tuple[list[list[int]], list[list[int]]]:
         """The chunks whose entries the store holds in a layout, and the others."""

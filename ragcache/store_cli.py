@@ -30,7 +30,7 @@ from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, shown, tier_urls
 from ragcache.store.base import Store, batched
 from ragcache.store.disk import DiskStore, holds_store
-from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id, summary_codec
+from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id, kv_form, summary_codec
 
 from . import maintenance
 from .cli_options import StoreOpt
@@ -313,6 +313,19 @@ def verify(
         raise typer.Exit(1)
 
 
+def _form(form: str) -> str:
+    """A form as `store stats` lists it: an entry stored in its compute dtype is named by that dtype alone, so
+    "float32/fp32" is "float32" (it would match nothing as given)."""
+    dtype, _, codec = form.partition("/")
+    if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
+        raise typer.BadParameter(
+            f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
+            f"optionally /codec ({', '.join(kv_codec.CODECS)})",
+            param_hint="--drop-form",
+        )
+    return kv_form(dtype, codec) if codec else dtype
+
+
 @store_app.command()
 @_guard
 def gc(
@@ -347,17 +360,10 @@ def gc(
 ) -> None:
     """Reclaim space: abandoned temp files / orphan parts, index drift, eviction to the budget."""
     s = _open(store)
-    for form in drop_form:
-        dtype, _, codec = form.partition("/")
-        if dtype not in ("float32", "bfloat16", "float16") or (codec and codec not in kv_codec.CODECS):
-            raise typer.BadParameter(
-                f"{form!r} is not a form: a compute dtype (float32, bfloat16, float16), then "
-                f"optionally /codec ({', '.join(kv_codec.CODECS)})",
-                param_hint="--drop-form",
-            )
+    forms = tuple(_form(form) for form in drop_form)
     with _bars() as progress:
         report = maintenance.collect_garbage(
-            s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=tuple(drop_form), progress=progress
+            s, tmp_age_s=tmp_age, unreferenced=unreferenced, drop_forms=forms, progress=progress
         )
     if as_json:
         console.print_json(json.dumps(report))

@@ -161,6 +161,16 @@ def test_retriever_prefetches_into_the_memory_tier_and_compiles_the_sink_layout(
         RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc, layout="nope")
 
 
+def test_a_sink_retriever_compiles_new_documents_in_the_sink_layout_only(tmp_path):
+    """legolink0's retriever compiles what its links read, once: not the default layout's entries beside them."""
+    rc = RagCache(tiny.make("llama"), open_store(f"disk:{tmp_path}"), EngineConfig(chunk_tokens=32))
+    sink = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc, layout="sink", prefetch=False)
+    sink.invoke("anything")
+    sinks = [key for t in TEXTS for key in chunk_keys(rc, t, "sink")]
+    assert all(rc.store.contains_many(sinks)) and sink.last_report.compiled_chunks == len(sinks)
+    assert not any(rc.store.contains_many([key for t in TEXTS for key in chunk_keys(rc, t)]))
+
+
 # -- the chat model -----------------------------------------------------------------------------------
 def test_invoke_links_the_documents_as_rc_query_does(rc):
     chat = ChatRagCache(rc=rc, max_new_tokens=TOKENS)

@@ -53,7 +53,8 @@ def test_rest_api_block_runs_against_a_live_server(tmp_path, smollm2):
     from ragcache.store import open_store
     from tests.test_api import serve
 
-    with serve(RagCache(smollm2, open_store("memory:"))) as server:
+    # answers of a few tokens: a chat naming no max_tokens would decode to the end of the context (1,024 tokens)
+    with serve(RagCache(smollm2, open_store("memory:")), max_new_tokens=8, chat_max_new_tokens=8) as server:
         code = python_blocks()["REST API"].replace("http://127.0.0.1:8000", server.url)
         names = run_block(code, tmp_path)
     assert names["r"].status_code == 200 and names["r"].json()["answer"]

@@ -192,6 +192,38 @@ def test_repair_rows_ride_the_whole_pool_step_to_fulls_cache_and_the_packed_step
     packed.close()
 
 
+def test_repairs_take_the_row_budget_by_turns_each_with_its_decode_row():
+    """Three sequences repairing 12 rows a step in a budget of 16: one repair a step, the longest left out first, the
+    others sitting the step out with their decode rows (a step held all 36 of them); a stream that repairs nothing
+    decodes every step. Each repair still runs 12 rows at a time, as it would alone (batch invariance)."""
+    from ragcache.engine.scheduler import Kind, Scheduler
+    from tests.test_scheduler import run_plan, sequence
+
+    scheduler = Scheduler(row_budget=16)
+    a, b, c, d = (sequence(tokens=20) for _ in range(4))
+    for s in (a, b, c, d):
+        scheduler.add(s)
+    run_plan(scheduler, scheduler.schedule(), {s: (2,) for s in (a, b, c, d)})  # placed together
+    for s in (a, b, c, d):
+        s.cache.length = 40
+    for s in (a, b, c):
+        s.params = linker.LinkParams("naive", repair=12)
+        s.plan.token_ids, s.plan.exact_until = torch.arange(40), 1
+    run_plan(scheduler, scheduler.schedule(), {})  # their links' last rows: all four decode now
+    turns = []
+    for _ in range(4):
+        step = scheduler.schedule()
+        repairs = [(w.sequence, w.stop - w.start) for w in step.work if w.kind is Kind.REPAIR]
+        decodes = [w.sequence for w in step.work if w.kind is Kind.DECODE]
+        assert len(repairs) == 1 and repairs[0][1] == 12
+        assert decodes == [s for s in (a, b, c, d) if s in (d, repairs[0][0])]  # in arrival order
+        turns.append(repairs[0][0])
+        for s in decodes:
+            s.cache.length += 1
+        run_plan(scheduler, step, {})
+    assert turns == [a, b, c, a]  # by turns: in the fourth step a, left out twice, goes before b, left out once
+
+
 def test_a_repair_lane_is_as_wide_as_its_rows_not_its_budget():
     """A repair past the prompt (repair=4096, the README's advice) with a few hundred stale rows: its lane was 4,096
     rows wide, 4,096 rows computed a slot in a graph of their own (on CUDA a capture and a memory pool for it)."""
@@ -238,12 +270,14 @@ def test_a_link_does_not_crawl_a_row_a_step_behind_repairs_that_take_the_budget(
     assert [(w.sequence, w.stop - w.start) for w in step.work if w.kind is Kind.PIECE] == [(b, 10), (c, 5)]
 
 
-def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_fulls_cache():
+@pytest.mark.parametrize("row_budget", [None, 40])
+def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_fulls_cache(row_budget):
     """Three repairs at once take three lanes of the captured step (rounded up to four, the fourth parked on slot
-    0), R rows each for budgets that are not powers of two: no lane writes another's rows."""
+    0), R rows each for budgets that are not powers of two: no lane writes another's rows. Under a row budget of 40
+    they take turns, at most two at once (13 + 21 rows), and a stream left out of a step leaves its slot as it was."""
     from tests.test_scheduler import Run, together
 
-    rc = engine("llama", batch_invariant=False, decode_graphs=True)
+    rc = engine("llama", batch_invariant=False, decode_graphs=True, row_budget=row_budget)
     ids = rc.compile(DOCS)
     lanes, step = [], rc.runner.graphs.step
     rc.runner.graphs.step = lambda tokens, caches, repairs=(): lanes.append(len(repairs)) or step(
@@ -255,7 +289,7 @@ def test_three_sequences_repairing_in_one_graph_step_each_end_with_their_own_ful
         Run(rc, question=QUESTION, docs=ids[:docs], algorithm="naive", repair=per_step, max_new_tokens=32)
         for docs, per_step in asks
     ])
-    assert max(lanes) == 3  # side by side in one step
+    assert max(lanes) == (3 if row_budget is None else 2)  # side by side in one step
     by_length = {keys.shape[2]: (keys, values) for keys, values in kept}
     for (docs, _), run in zip(asks, runs):
         answer = run.stream.answer

@@ -131,14 +131,24 @@ def test_mixed_batch(rc):
         assert_same(b, s)
 
 
-def test_repairing_requests_batched_equal_alone(rc):
-    """Repair pieces ride their sequence's decode steps, cut as it alone cuts them: with batch invariance the answers
-    are the same packed with others as alone."""
-    kwargs = [ask(rc, "naive", 0, repair=8, max_new_tokens=12), ask(rc, "focus", 1, slice(0, 2), repair=5),
+def test_repairing_requests_batched_equal_alone(rc, monkeypatch):
+    """Repair pieces ride their sequence's decode steps, cut as it alone cuts them, and two that do not fit the row
+    budget together (16) take turns, each with its decode row: with batch invariance the answers are the same
+    packed with others as alone."""
+    kwargs = [ask(rc, "naive", 0, repair=8, max_new_tokens=12), ask(rc, "focus", 1, slice(0, 2), repair=12),
               ask(rc, "full", 2, slice(1, 3))]
     singles = [alone(rc, **k) for k in kwargs]
+    left_out, decodes = [], Scheduler._decodes
+
+    def spy(self, decoding):
+        work = decodes(self, decoding)
+        left_out.append(len(decoding) - sum(w.kind is Kind.DECODE for w in work))
+        return work
+
+    monkeypatch.setattr(Scheduler, "_decodes", spy)
     for batched, single in zip(together(rc, [Run(rc, **k) for k in kwargs]), singles):
         assert_same(batched, single)
+    assert max(left_out) == 1  # a repair sat a step out
 
 
 def test_a_request_joins_while_another_decodes(rc):
@@ -1237,6 +1247,39 @@ def test_a_step_out_of_device_memory_fails_its_requests_with_a_retryable_error_a
     monkeypatch.undo()
     assert len(rc.query(QUESTIONS[0], ids[:1], max_new_tokens=3).token_ids) == 3
     rc.close()
+
+
+def test_a_link_that_runs_a_step_out_of_device_memory_fails_alone_and_the_streams_beside_it_decode_on(
+    rc, monkeypatch
+):
+    """A request arriving while another decodes, its link rows packed with the decode row, and the step out of
+    device memory: the link fails with OutOfDeviceMemory (503), and the decode row runs again without it, so the
+    stream goes on with the tokens it has alone."""
+    from ragcache.errors import OutOfDeviceMemory
+
+    first, second = ask(rc, "full", 0, slice(0, 3), max_new_tokens=12), ask(rc, "full", 2, slice(0, 2))
+    single = alone(rc, **first)
+    forward, armed, raised = rc.runner.forward, [], []
+
+    def out_of_memory(token_ids, parts, *args, **kwargs):
+        if armed and not raised and len(parts) > 1:  # the step holding both: the decode row and the link's
+            raised.append(len(parts))
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return forward(token_ids, parts, *args, **kwargs)
+
+    monkeypatch.setattr(rc.runner, "forward", out_of_memory)
+    joiner = Run(rc, **second)
+
+    def join_at_second_token(run: Run, kind: str) -> None:
+        if kind is Piece and len(run.stream.decoding.token_ids) >= 2 and not joiner.kinds:
+            joiner.kinds.append("opened")
+            armed.append(1)
+            joiner.open()
+
+    decoding = Run(rc, on_event=join_at_second_token, **first).open().wait()
+    joiner.wait()
+    assert raised and joiner.kinds[-1] is Failed and isinstance(joiner.error, OutOfDeviceMemory)
+    assert_same(decoding, single)
 
 
 def test_a_prefix_link_under_way_when_the_budget_changes_stays_out_of_the_cleared_cache(monkeypatch):

@@ -1182,6 +1182,9 @@ def test_cli_gc_drops_the_entries_of_one_form(tmp_path, tiny_lm):
     assert again.query(QUESTION, ids, max_new_tokens=2).stats.compiled_chunks == 0
     bad = _cli("gc", "--store", url, "--drop-form", "float64")
     assert bad.exit_code == 2 and "not a form" in bad.output
+    # spelled with the codec that is the compute dtype's own, it is the form `stats` names by the dtype alone
+    spelled = _cli("gc", "--store", url, "--drop-form", "float32/fp32", "--json")
+    assert json.loads(spelled.output)["dropped float32"] == len(fp32_keys) and not set(open_store(url).keys())
 
 
 def _catalog(store):

@@ -328,6 +328,7 @@ class Runner:
 
     def _packed(self, works: list[Work]) -> list[StepResult]:
         """Decode rows and link pieces of many sequences in one forward; logits for the rows that need them."""
+        lengths = [w.sequence.cache.length for w in works if w.kind is Kind.DECODE]
         try:  # its inputs too: a pool that cannot grow for a decode row fails this step's requests, not the engine's
             ids, parts, ends = self._inputs(works)
             hidden = self.forward(torch.cat(ids), parts)
@@ -335,6 +336,9 @@ class Runner:
             sampled = [w.sequence for w in works if w.needs_logits]
             logits, tops = iter(rows), iter(_tokens(rows, sampled))
         except Exception as exc:  # noqa: BLE001 - logged there; the step's requests fail, and only those
+            decoding = sum(w.kind in (Kind.DECODE, Kind.REPAIR) for w in works)
+            if isinstance(exc, torch.OutOfMemoryError) and 0 < decoding < len(works):
+                return self._decoding_again(exc, works, lengths)
             return _failed_step(exc, works)
         results = []
         for work in works:
@@ -360,6 +364,16 @@ class Runner:
                     )
                 )
         return results
+
+    def _decoding_again(self, exc: torch.OutOfMemoryError, works: list[Work], lengths: list[int]) -> list[StepResult]:
+        """A step with link pieces that ran out of device memory: the links fail (OutOfDeviceMemory, a 503 to
+        retry), and the decoding streams' rows run again without them, in the memory the step held: a long link
+        arriving beside many streams must not end them all. `lengths`: the decoding caches' before the step."""
+        error = _request_error(exc)  # gives the step's memory back first
+        for work, length in zip((w for w in works if w.kind is Kind.DECODE), lengths):
+            work.sequence.cache.length = length  # its row is written again, where the failed step began it
+        again = iter(self._packed([w for w in works if w.kind in (Kind.DECODE, Kind.REPAIR)]))
+        return [next(again) if w.kind in (Kind.DECODE, Kind.REPAIR) else StepResult(error=error) for w in works]
 
     def _inputs(self, works: list[Work]) -> tuple[list[torch.Tensor], list, list[int]]:
         """A packed step's token ids and (cache, rows) per work, and the rows whose logits are wanted."""

@@ -15,9 +15,9 @@ A sequence's life (sequence.Status):
   over      finished, failed or aborted: it leaves, and the driver frees its cache before its last event.
 
 Each forward step packs the rows of every running sequence: decode rows first (with the repair rows of those that
-asked for repair, Sequence.repair), then link pieces, the fewest pending rows first, until the budget is spent. A
-short request that arrives behind a long link has its first token after one budgeted step, not after the whole
-link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next (the longest passed over first, so
+asked for repair, Sequence.repair: as many repairs as the row budget holds, by turns), then link pieces, the fewest
+pending rows first, until the budget is spent. A short request that arrives behind a long link has its first
+token after one budgeted step, not after the whole link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next (the longest passed over first, so
 with k such links at once the last waits up to MAX_PASSED_OVER + k - 1 steps), so a stream of short ones (or of
 chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile):
 its rows pack with the others', each piece attending only to its own cache, and its last piece's step makes its
@@ -230,9 +230,9 @@ class Scheduler:
             if s.status is Status.LINKING and s.pending_rows and not ((s.background and users) or narrows(s))
         ]
         base = self._base_step(decoding, linking, owed)
-        work = [] if base else [Work(s, Kind.DECODE) for s in decoding] + self._repairs(decoding)
+        work = [] if base else self._decodes(decoding)
         # the decoding streams wait for this step even when their rows are not in it; their repairs are out of the
-        # budget (a large one would otherwise leave a link beside it a row a step)
+        # link pieces' budget (a large one would otherwise leave a link beside it a row a step)
         decode_rows, decoding_works = sum(w.rows for w in work if w.kind is Kind.DECODE), len(work)
         budget = max(self.row_budget - decode_rows, 1) if decoding else self.link_row_budget
         linking = [s for s in linking if s.base_weights == base]
@@ -254,18 +254,31 @@ class Scheduler:
             return None
         return StepPlan(Kind.PIECE, work, base)
 
-    @staticmethod
-    def _repairs(decoding: list[Sequence]) -> list[Work]:
-        """The decoding sequences' repair pieces (Sequence.repair). Each rides with its decode row every step until
-        it is done, before any link piece and out of the step's budget: cut where the sequence alone would cut it,
-        whatever else runs (batch invariance), and an answer's repair never waits on the load."""
-        works = []
-        for s in decoding:
-            n = s.repair.size(s.cache.length) if s.repair is not None else 0
-            if n > 0:
-                s.repair.width = s.repair.width or n
-                works.append(Work(s, Kind.REPAIR, s.repair.next, s.repair.next + n))
-        return works
+    def _decodes(self, decoding: list[Sequence]) -> list[Work]:
+        """The decoding sequences' rows: a decode row each, then the repair pieces (Sequence.repair), each riding
+        with its own sequence's decode row. A repair is cut where the sequence alone would cut it, whatever else
+        runs (batch invariance), so no budget may shorten it; repairs take the row budget by turns instead: the
+        longest left out first, then in arrival order, as many as fit in it (one at least). A repairing sequence
+        left out sits the step out, its decode row too, so that its next token still comes with the same rows
+        repaired as alone. A step then holds repair rows past the budget only for one repair larger than it."""
+        repairing = [s for s in decoding if s.repair is not None and s.repair.size(s.cache.length) > 0]
+        taken, rows = 0, 0
+        for s in sorted(repairing, key=lambda s: -s.repair.waited):
+            n = s.repair.size(s.cache.length)
+            if taken and rows + n > self.row_budget:
+                s.repair.waited += 1
+                continue
+            s.repair.waited = 0
+            s.repair.width = s.repair.width or n
+            rows, taken = rows + n, taken + 1
+        waiting = {s for s in repairing if s.repair.waited}
+        decodes = [Work(s, Kind.DECODE) for s in decoding if s not in waiting]
+        repairs = [
+            Work(s, Kind.REPAIR, s.repair.next, s.repair.next + s.repair.size(s.cache.length))
+            for s in repairing
+            if s not in waiting
+        ]
+        return decodes + repairs
 
     def _urgency(self, sequence: Sequence) -> tuple[bool, int]:
         """The order link pieces take the budget in: those passed over too long first, the longest passed over

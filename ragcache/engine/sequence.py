@@ -72,6 +72,7 @@ class Repair:
     # its first run's rows, the longest it runs: the width of its lane in a captured step, for every run (a last,
     # shorter run takes no graph of its own; a repair=4096 of 300 stale rows no lane of 4,096)
     width: int = 0
+    waited: int = 0  # steps in a row it was left out of, its decode row with it (Scheduler._decodes)
 
     def size(self, length: int) -> int:
         """Rows the next step repairs, of a cache holding `length` rows."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ragcache.errors import ParameterOutOfRange
 from ragcache.front import Front
 
 
@@ -18,12 +17,6 @@ class WarmReport:
     seconds: float = 0.0
 
 
-def check_layout(rc: Front, layout: str) -> str:
-    if layout not in rc.layouts:
-        raise ParameterOutOfRange(f"layout must be one of {', '.join(rc.layouts)}, got {layout!r}")
-    return layout
-
-
 def default_prefetch(rc: Front, prefetch: bool | None) -> bool:
     """None: prefetch only from a tiered store, where a read fills the faster tiers."""
     return hasattr(rc.store, "tiers") if prefetch is None else prefetch
@@ -32,14 +25,14 @@ def default_prefetch(rc: Front, prefetch: bool | None) -> bool:
 def warm(
     rc: Front, texts: list[str], metadata: list[dict], layout: str, prefetch: bool
 ) -> tuple[list[str], WarmReport]:
-    """Compile the texts' missing chunks and, with prefetch (or another layout than "default", whose entries are
-    compiled on demand), read or compile their entries in `layout`. Returns the texts' document ids and the report."""
+    """Compile the texts' missing chunks in `layout` (the one their links read) and, with prefetch, read the present
+    ones. Returns the texts' document ids and the report."""
     started = time.perf_counter()
     report = WarmReport(documents=len(texts))
-    compiled = rc.compile_documents(texts, metadata)
+    compiled = rc.compile_documents(texts, metadata, layout=layout)
     report.compiled_chunks = compiled.compiled_chunks
-    if prefetch or layout != "default":
-        more, found = rc.warm(compiled.ids, layout=layout, prefetch=prefetch)
+    if prefetch:
+        more, found = rc.warm(compiled.ids, layout=layout, prefetch=True)
         report.compiled_chunks += more
         report.prefetched_chunks = found
     report.seconds = time.perf_counter() - started

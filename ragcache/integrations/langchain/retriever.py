@@ -11,7 +11,7 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field
 
 from ragcache.front import Front
-from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
+from ragcache.integrations.warming import WarmReport, default_prefetch, warm
 from ragcache.request import blank
 
 from .documents import DOC_ID_KEY, document_text, record_meta
@@ -38,7 +38,7 @@ class RagCacheRetriever(BaseRetriever):
 
     def model_post_init(self, context: Any) -> None:
         super().model_post_init(context)
-        check_layout(self.rc, self.layout)
+        self.rc.check_layout(self.layout)
         self.prefetch = default_prefetch(self.rc, self.prefetch)
 
     # `kwargs`: the call's own search arguments (a vector store's `filter`, `k`), the wrapped retriever's to read:

@@ -10,7 +10,7 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from ragcache.front import Front
-from ragcache.integrations.warming import WarmReport, check_layout, default_prefetch, warm
+from ragcache.integrations.warming import WarmReport, default_prefetch, warm
 from ragcache.request import blank
 
 from .nodes import DOC_ID_KEY, mark, node_text, record_meta
@@ -36,7 +36,7 @@ class RagCacheRetriever(BaseRetriever):
         callback_manager: CallbackManager | None = None,
         verbose: bool = False,
     ) -> None:
-        check_layout(rc, layout)
+        rc.check_layout(layout)
         super().__init__(
             callback_manager=callback_manager or getattr(retriever, "callback_manager", None), verbose=verbose
         )
