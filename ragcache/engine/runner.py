@@ -330,15 +330,15 @@ class Runner:
         """Decode rows and link pieces of many sequences in one forward; logits for the rows that need them."""
         lengths = [w.sequence.cache.length for w in works if w.kind is Kind.DECODE]
         try:  # its inputs too: a pool that cannot grow for a decode row fails this step's requests, not the engine's
-            ids, parts, ends = self._inputs(works)
-            hidden = self.forward(torch.cat(ids), parts)
-            rows = self.logits(hidden[0, ends])
-            sampled = [w.sequence for w in works if w.needs_logits]
-            logits, tops = iter(rows), iter(_tokens(rows, sampled))
+            rows = self._packed_logits(works)  # (the step's tensors live in its frame: they go with the error's)
         except Exception as exc:  # noqa: BLE001 - logged there; the step's requests fail, and only those
             decoding = sum(w.kind in (Kind.DECODE, Kind.REPAIR) for w in works)
             if isinstance(exc, torch.OutOfMemoryError) and 0 < decoding < len(works):
                 return self._decoding_again(exc, works, lengths)
+            return _failed_step(exc, works)
+        try:  # no second try past here: a seeded stream's generator has moved on
+            logits, tops = iter(rows), iter(_tokens(rows, [w.sequence for w in works if w.needs_logits]))
+        except Exception as exc:  # noqa: BLE001 - as above
             return _failed_step(exc, works)
         results = []
         for work in works:
@@ -364,6 +364,12 @@ class Runner:
                     )
                 )
         return results
+
+    def _packed_logits(self, works: list[Work]) -> torch.Tensor:
+        """The packed forward of `_packed`: logits of the rows that need them."""
+        ids, parts, ends = self._inputs(works)
+        hidden = self.forward(torch.cat(ids), parts)
+        return self.logits(hidden[0, ends])
 
     def _decoding_again(self, exc: torch.OutOfMemoryError, works: list[Work], lengths: list[int]) -> list[StepResult]:
         """A step with link pieces that ran out of device memory: the links fail (OutOfDeviceMemory, a 503 to
