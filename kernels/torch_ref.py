@@ -54,6 +54,17 @@ def place_chunks(
     (scale, zero) pairs, decoded as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
     key_scales = key_scales or [None] * len(chunk_keys)
     value_scales = value_scales or [None] * len(chunk_keys)
+    if not len(chunk_keys) == len(chunk_values) == len(starts) == len(key_scales) == len(value_scales):
+        raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
+    capacity = joined_keys.shape[2]
+    for keys, values, start in zip(chunk_keys, chunk_values, starts):
+        # a slice past the end would be shorter than the chunk (a write out of place; negative starts count back)
+        if keys.shape[:3] != values.shape[:3] or keys.shape[:2] != joined_keys.shape[:2]:
+            raise ValueError(
+                f"chunk {tuple(keys.shape)} / {tuple(values.shape)} does not fit {tuple(joined_keys.shape)}"
+            )
+        if start < 0 or start + keys.shape[2] > capacity:
+            raise ValueError(f"chunk [{start}, {start + keys.shape[2]}) outside the joined capacity {capacity}")
     device, dtype = joined_keys.device, joined_keys.dtype
     for keys, values, start, k_scales, v_scales in zip(chunk_keys, chunk_values, starts, key_scales, value_scales):
         keys, values = keys.to(device), values.to(device)

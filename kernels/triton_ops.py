@@ -835,12 +835,17 @@ def place_chunks(
             raise ValueError(f"chunk [{s}, {s + k.shape[2]}) outside the joined capacity {capacity}")
     inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, device)
 
-    # One launch needs one source dtype per side and disjoint targets; otherwise keep the reference's
-    # order (later chunks overwrite earlier ones) with one launch per chunk.
+    # A launch takes one source form (dtypes and packing); with disjoint targets the chunks of each form go in one
+    # (a link's system prefix is stored as computed and its chunks in the codec: two launches, not one a chunk).
+    # Overlapping targets keep the reference's order (later chunks overwrite earlier ones), one launch a chunk.
     spans = sorted((s, s + k.shape[2]) for k, s in zip(keys, starts) if k.shape[2] > 0)
-    disjoint = all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
-    one_dtype = len({(k.dtype, v.dtype, _per_byte(k, p)) for k, v, p in zip(keys, values, pairs)}) <= 1
-    groups = [list(range(len(keys)))] if disjoint and one_dtype else [[i] for i in range(len(keys))]
+    if all(a[1] <= b[0] for a, b in itertools.pairwise(spans)):
+        forms: dict[tuple, list[int]] = {}
+        for i, (k, v, p) in enumerate(zip(keys, values, pairs)):
+            forms.setdefault((k.dtype, v.dtype, _per_byte(k, p)), []).append(i)
+        groups = list(forms.values())
+    else:
+        groups = [[i] for i in range(len(keys))]
     for group in groups:
         _place_launch(joined_keys, joined_values, [keys[i] for i in group], [values[i] for i in group],
                       [pairs[i] for i in group], [starts[i] for i in group], inv_freq, scaling, half)  # fmt: skip

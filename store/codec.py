@@ -101,9 +101,15 @@ def quantize(x: torch.Tensor, dim: int, bits: int = 8) -> tuple[torch.Tensor, to
     `dim` kept as 1)."""
     levels = (1 << bits) - 1
     x = x.to(torch.float32)
-    low = x.amin(dim=dim, keepdim=True)
-    scale = (x.amax(dim=dim, keepdim=True) - low) / levels
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant run: any scale decodes it exactly
+    if x.shape[dim] == 0:  # an empty run (no tokens): nothing to scale
+        low = torch.zeros((*x.shape[:dim], 1, *x.shape[dim + 1 :]), device=x.device)
+        scale = torch.ones_like(low)
+    else:
+        low = x.amin(dim=dim, keepdim=True)
+        scale = (x.amax(dim=dim, keepdim=True) - low) / levels
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # a constant run: any scale decodes it exactly
+    if not torch.isfinite(scale).all():  # finite values whose range is past fp32's
+        raise CodecOverflow("K/V span a range wider than float32 holds, which no integer codec can scale")
     codes = torch.round((x - low) / scale).clamp_(0, levels).to(torch.uint8)
     return codes.contiguous(), torch.stack((scale, low), dim=-1).squeeze(dim)
 

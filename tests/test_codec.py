@@ -150,6 +150,25 @@ def test_an_integer_codec_refuses_k_v_that_are_not_finite(name):
         codec.encode(keys, torch.randn(1, 1, 8, 8), name)
 
 
+@pytest.mark.parametrize("name", ["int8", "int4", "int2"])
+def test_an_integer_codec_refuses_finite_k_v_whose_range_is_past_float32(name):
+    """3e38 and -3e38 in one channel: each finite, their difference not, so the channel's scale was inf and every
+    token of it decoded to NaN from a memory tier, while the disk and Redis refused the entry as corrupt."""
+    keys = torch.randn(1, 1, 8, 8)
+    keys[0, 0, 0, 2], keys[0, 0, 1, 2] = 3e38, -3e38
+    with pytest.raises(CodecOverflow, match="wider than float32"):
+        codec.encode(keys, torch.randn(1, 1, 8, 8), name)
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "int2", "fp32"])
+def test_k_v_of_no_tokens_encode_to_no_codes(name):
+    """As the float codecs do (the integer ones raised IndexError from amin over no tokens)."""
+    empty = torch.zeros(2, 2, 0, 8)
+    keys, values, key_scales, value_scales = codec.encode(empty, empty, name)
+    assert keys.shape[2] == values.shape[2] == 0
+    assert codec.scales_problem(keys, key_scales, value_scales) is None
+
+
 def test_unknown_codec_is_a_bad_request():
     with pytest.raises(ParameterOutOfRange, match="kv codec"):
         RagCache.open("smollm2-135m", "memory:", kv_codec="int3")

@@ -61,7 +61,7 @@ def test_generation_through_triton_equals_torch(algorithm, triton_path, monkeypa
 def test_a_repair_through_the_triton_kernels_ends_with_fulls_cache_bit_for_bit(triton_path, monkeypatch):
     """Cut invariance where the kernels are Triton's (CUDA; here its interpreter): every prompt row goes through the
     attention kernel in row tiles at absolute positions, never SDPA, so a batch-invariant engine's repair over
-    several steps ends with `full`'s cache bit for bit, `full`'s prompt in pieces of 100 rows."""
+    several steps ends with `full`'s cache bit for bit, `full`'s prompt (one document: 114 rows) in pieces of 100."""
     from tests.test_repair import DOCS as LONGER, assert_a_repair_ends_with_fulls_cache_bit_for_bit
 
     from ragcache.kernels import triton_ops
@@ -71,6 +71,11 @@ def test_a_repair_through_the_triton_kernels_ends_with_fulls_cache_bit_for_bit(t
     config = EngineConfig(chunk_tokens=40, kv_codec="fp32", row_budget=100, batch_invariant=True)
     rc = RagCache(tiny.make("llama", device=DEVICE), MemoryStore(), config)
     assert rc.cut_invariant and "prompt rows cut-invariant" in rc.batch_invariance
-    assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 64, monkeypatch, LONGER[:2], new_tokens=8)
+    # the entries and the tokens the answers are held to through torch's kernels (the interpreter is slow; another
+    # question's answer, so that no prompt of the links is cached): the links repair or recompute every row
+    monkeypatch.setattr(kernels, "_FORCED", "torch")
+    tokens = rc.query("What is it?", rc.compile(LONGER[:1]), algorithm="full", max_new_tokens=5).token_ids
+    monkeypatch.setattr(kernels, "_FORCED", "triton")
+    assert_a_repair_ends_with_fulls_cache_bit_for_bit(rc, 64, monkeypatch, LONGER[:1], new_tokens=5, tokens=tokens)
     assert {0, 100} <= set(calls)  # the prompts' rows went through the Triton kernel: `full`'s first two pieces
     rc.close()

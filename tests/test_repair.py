@@ -318,12 +318,13 @@ def test_a_cut_invariant_repair_holds_fulls_cache_bit_for_bit(family, per_step, 
 
 
 def assert_a_repair_ends_with_fulls_cache_bit_for_bit(
-    rc: RagCache, per_step: int, monkeypatch, docs: list[str] = DOCS, new_tokens: int = 24
+    rc: RagCache, per_step: int, monkeypatch, docs: list[str] = DOCS, new_tokens: int = 24, tokens=None
 ) -> None:
     """focus with `repair=per_step` on a cut-invariant engine, its answer and `full`'s forced to `full`'s greedy
-    tokens: the repair catches up, and the cache it ends with is `full`'s, bit for bit."""
+    tokens (or to `tokens`): the repair catches up, and the cache it ends with is `full`'s, bit for bit."""
     ids = rc.compile(docs)
-    tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=new_tokens).token_ids
+    if tokens is None:
+        tokens = rc.query(QUESTION, ids, algorithm="full", max_new_tokens=new_tokens).token_ids
 
     def accept(self, logits, token=None):
         token = tokens[len(self.token_ids)]

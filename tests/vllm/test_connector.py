@@ -324,3 +324,17 @@ def test_a_failed_link_is_not_claimed_again_and_its_blocks_leave_the_prefix_cach
 def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():
     load = Load("r1", list(range(62)), SPEC, [7, 3, 9, 4, 8], BLOCK)  # linked: 55 positions, blocks 0..3
     assert load.written_blocks(BLOCK) == [3, 9, 4]
+
+
+def test_shutdown_closes_the_workers_store():
+    """A tiered store's entries that reached no lasting tier are named as it closes, and its connections and threads
+    end: at vLLM's shutdown, not left to the process's exit."""
+    from ragcache.integrations.vllm.worker import LinkWorker
+
+    c, closed = connector(), []
+    c.shutdown()  # no link ran: no worker, nothing to close
+    worker = LinkWorker.__new__(LinkWorker)
+    worker._catalog = SimpleNamespace(store=SimpleNamespace(close=lambda: closed.append(1)))
+    c._worker = worker
+    c.shutdown()
+    assert closed == [1]

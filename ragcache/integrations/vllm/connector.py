@@ -404,3 +404,5 @@ class RagcacheConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._linker is not None:
             self._linker.shutdown(wait=True, cancel_futures=False)
+        if self._worker is not None:
+            self._worker.close()

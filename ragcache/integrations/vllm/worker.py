@@ -98,6 +98,12 @@ class LinkWorker:
             self._catalog = Catalog(store, self.lm.tokenizer, self.lm.tokenizer_fingerprint, 1)
         return self._catalog
 
+    def close(self) -> None:
+        """The store, closed (a tiered one says which entries reached no lasting tier; its connections and threads
+        end), once vLLM shuts the connector down."""
+        if self._catalog is not None:
+            self._catalog.store.close()
+
     def load(self, load: Load, kv_caches: dict[str, torch.Tensor], block_size: int, queued=None) -> None:
         """`queued`: a CUDA event recorded on vLLM's stream when the link was handed over (async_load); else the
         link runs on vLLM's thread and waits for that thread's stream. Either way no kernel vLLM queued before can
