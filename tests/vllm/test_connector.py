@@ -215,9 +215,16 @@ def test_a_model_split_by_layers_or_positions_is_refused_at_start(split):
     connector(parallel={split: 1, "data_parallel_size": 2, "tensor_parallel_size": 2})
 
 
-def test_async_scheduling_is_warned_about(caplog):
-    with caplog.at_level(logging.WARNING, logger="ragcache.vllm"):
+def test_async_scheduling_is_refused_unless_its_risk_is_taken_and_then_warned_about(caplog):
+    """vLLM turns async scheduling on by itself on CUDA: a failed link's blocks could serve another request unwritten
+    (ASYNC_SCHEDULING_HAZARD). Refused at start with the remedy; with the option that takes the risk, warned."""
+    from ragcache.integrations.vllm.spec import transfer_config as config_of
+
+    with pytest.raises(ValueError, match="--no-async-scheduling"):
         connector(async_scheduling=True)
+    extra = config_of("memory:", async_scheduling_ok=True)["kv_connector_extra_config"]
+    with caplog.at_level(logging.WARNING, logger="ragcache.vllm"):
+        connector(async_scheduling=True, kv_connector_extra_config=extra)
     assert "--no-async-scheduling" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="ragcache.vllm"):
@@ -338,3 +345,16 @@ def test_shutdown_closes_the_workers_store():
     c._worker = worker
     c.shutdown()
     assert closed == [1]
+
+
+def test_a_requests_spec_is_read_once_until_it_finishes(monkeypatch):
+    """vLLM asks at every admission attempt (and each step a request waits for blocks); a focus spec's read hashes
+    the whole prompt."""
+    c, reads, parse = connector(), [], LinkSpec.parse
+    monkeypatch.setattr(LinkSpec, "parse", lambda *a, **k: reads.append(1) or parse(*a, **k))
+    r = request(SPEC, 62)
+    for _ in range(3):
+        assert c.get_num_new_matched_tokens(r, 0)[0] > 0
+    assert len(reads) == 1
+    c.request_finished(r, [])
+    assert not c._specs  # let go with the request

@@ -437,3 +437,25 @@ def test_a_failed_links_usage_counts_what_vllm_prefilled():
     stream.stats.prompt_tokens = 120
     stream._linked_by_connector({"fallback": True, "local_hit": 16})
     assert (stream.stats.cached_tokens, stream.stats.recomputed_tokens, stream.stats.store_hits) == (16, 104, 0)
+
+
+def test_close_ends_the_streams_still_running_with_aborted(tiny_qwen2, tmp_path):
+    """vLLM's shutdown cancels its output handler, which never tells the requests waiting on it: a caller iterating
+    a stream, or waiting for its end, waited for ever (and its documents stayed held)."""
+    from ragcache.engine.sequence import Failed
+
+    engine = RagCache.open(tiny_qwen2, f"disk:{tmp_path}", engine="vllm", dtype="float32", chunk_tokens=48,
+                           max_model_len=512, kv_cache_gib=0.25, enforce_eager=True)
+    events, first, ended = [], threading.Event(), threading.Event()
+
+    def listener(event):
+        events.append(event)
+        first.set()
+        if isinstance(event, (Done, Failed, Aborted)):
+            ended.set()
+
+    stream = engine.stream("Tell me all of it.", [{"text": tiny.CORPUS[0]}], max_new_tokens=400)  # random weights
+    stream.open(listener)
+    assert first.wait(120) and not ended.is_set()  # decoding, far from its end
+    engine.close()
+    assert ended.wait(30) and isinstance(events[-1], Aborted) and not engine.streams

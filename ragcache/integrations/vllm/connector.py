@@ -146,6 +146,8 @@ ASYNC_SCHEDULING_HAZARD = (
     "failed (the store down) may read that block unwritten; start vLLM with "
     "--no-async-scheduling (async_scheduling=False) for answers that never depend on it"
 )
+# the extra-config option that takes that hazard for async scheduling's throughput: warned about, not refused
+ASYNC_SCHEDULING_OK = "async_scheduling_ok"
 
 
 class RagcacheConnector(KVConnectorBase_V1):
@@ -162,12 +164,19 @@ class RagcacheConnector(KVConnectorBase_V1):
             )
         self.options = dict(transfer.kv_connector_extra_config or {})
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        if role == KVConnectorRole.SCHEDULER and vllm_config.scheduler_config.async_scheduling:
-            log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
+        if vllm_config.scheduler_config.async_scheduling:  # "a slower answer, never a wrong one" unless asked
+            if not self.options.get(ASYNC_SCHEDULING_OK):
+                raise ValueError(
+                    f"{NAME}: {ASYNC_SCHEDULING_HAZARD}; or set {ASYNC_SCHEDULING_OK}: true in "
+                    "kv_connector_extra_config to take that risk"
+                )
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
         self.block_size = vllm_config.cache_config.block_size
         model = getattr(vllm_config, "model_config", None)  # the layers a spec's check_layer must be within
         self.num_layers = model.hf_text_config.num_hidden_layers if model is not None else None
         self._pending: dict[str, Load] = {}
+        self._specs: dict[str, LinkSpec | None] = {}  # each request's, read once (`_spec`), until it finishes
         self._linking: set[str] = set()  # requests given a Load, until they finish
         self._done: dict[str, dict[str, float]] = {}  # what their links did, as the workers reported it
         self._refused: set[str] = set()  # requests already counted as not linked
@@ -251,6 +260,7 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
+        self._specs.pop(request.request_id, None)
         self._refused.discard(request.request_id)
         self._linking.discard(request.request_id)
         self._claimed.pop(request.request_id, None)
@@ -263,9 +273,17 @@ class RagcacheConnector(KVConnectorBase_V1):
         return False, ({LINK_KEY: done} if done is not None else None)
 
     def _spec(self, request) -> LinkSpec | None:
+        """The request's link spec, read once: vLLM asks at every admission attempt, and again each step a request
+        waits at the head of its queue for blocks, and reading a focus spec hashes the whole prompt."""
         raw = (request.kv_transfer_params or {}).get(SPEC_KEY)
         if raw is None:
             return None
+        rid = request.request_id
+        if rid not in self._specs:
+            self._specs[rid] = self._read_spec(request, raw)
+        return self._specs[rid]
+
+    def _read_spec(self, request, raw) -> LinkSpec | None:
         if request.prompt_token_ids is None:  # prompt embeddings: nothing to link by
             return self._refuse(request, "bad_spec", "it has no prompt ids (prompt embeddings) to link")
         try:

@@ -85,6 +85,8 @@ class VllmRagCache(Front):
         config = llm.model_config
         super().__init__(lm, open_store(store_url), chunk_tokens, config.hf_text_config.num_hidden_layers, codec)
         self.llm, self.loop = llm, loop
+        self.streams: set[VllmStream] = set()  # open, not ended: `close` ends them (vLLM's shutdown would not)
+        self._streams_lock = threading.Lock()
         # unmerged, every answer runs with the link adapter (vLLM's LoRA on its rows, the connector's on the rows it
         # recomputes); compiling never does
         adapter = lm.adapter
@@ -182,6 +184,10 @@ class VllmRagCache(Front):
         if getattr(self, "_closed", False):  # a second close would wait on the loop the first one stopped
             return
         self._closing = True  # a stream opened from here on would wait on a loop that is stopping: refused
+        with self._streams_lock:
+            running = list(self.streams)
+        for stream in running:  # Aborted: vLLM's shutdown cancels its output handler, which leaves them waiting
+            stream.cancel()
         try:
             asyncio.run_coroutine_threadsafe(_shutdown(self.llm), self.loop).result(CLOSE_WAIT_S)
         except TimeoutError:
@@ -539,9 +545,11 @@ class VllmStream:
         except BaseException:
             self._release()
             raise
+        with self.engine._streams_lock:
+            self.engine.streams.add(self)
         self._future = asyncio.run_coroutine_threadsafe(self._run(prompt, params), self.engine.loop)
         self._future.add_done_callback(lambda future: future.cancelled() and self._end(Aborted()))
-        if self.cancelled:
+        if self.cancelled or closed(self.engine):  # (a close that began meanwhile may not have seen it)
             self._future.cancel()
 
     def cancel(self) -> None:
@@ -650,6 +658,8 @@ class VllmStream:
 
     def _end(self, event: Event) -> None:
         self._release()
+        with self.engine._streams_lock:
+            self.engine.streams.discard(self)
         if not self._ended.is_set():
             self._ended.set()
             listener, self._listener = self._listener, ignore  # as ragcache's Sequence: its holder holds this stream
