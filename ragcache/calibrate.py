@@ -101,12 +101,30 @@ def read_profile(path: Path) -> Profile | None:
     """None for a missing file, or an old or damaged one (calibrate again: said in the log, as the defaults serve
     instead of what was calibrated)."""
     try:
-        return Profile(**json.loads(path.read_text()))
+        return _checked(Profile(**json.loads(path.read_text())))
     except FileNotFoundError:
         return None
     except (ValueError, TypeError, OSError) as exc:
         log.warning("calibration profile %s cannot be read (%s); the defaults serve: calibrate again", path, exc)
         return None
+
+
+def _checked(profile: Profile) -> Profile:
+    """The profile, if each knob it sets is one a link takes (ValueError otherwise): an edited file whose k reads
+    16.0 would otherwise be every request's default, each refused ("k must be an integer"), or fail deeper."""
+
+    def number(value) -> bool:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+    if profile.k is not None and (not isinstance(profile.k, int) or isinstance(profile.k, bool) or profile.k < 0):
+        raise ValueError(f"k {profile.k!r} is not a whole number >= 0")
+    for name in ("ratio", "focus_ratio"):
+        value = getattr(profile, name)
+        if value is not None and not (number(value) and 0 <= value <= 1):
+            raise ValueError(f"{name} {value!r} is not a number in [0, 1]")
+    if not (number(profile.target) and 0 < profile.target <= 1) or profile.at not in POSITIONS:
+        raise ValueError(f"target {profile.target!r} or position {profile.at!r} is not one calibrate writes")
+    return profile
 
 
 def save_profile(profile: Profile) -> Path:

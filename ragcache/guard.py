@@ -20,7 +20,7 @@ import torch
 
 from . import linker
 from .agreement import first_token
-from .errors import ParameterOutOfRange
+from .errors import ParameterOutOfRange, UnknownDocument
 from .settings import DEFAULT_TARGET, DEFAULT_WINDOW, LinkKnobs
 
 log = logging.getLogger("ragcache")
@@ -139,9 +139,11 @@ class BackgroundGuard:
             if self.on_skip is not None:
                 self.on_skip(algorithm)
             return
+        # by id: its raw texts, drafted again by the check's link, would write back a document deleted meanwhile
+        by_id = dataclasses.replace(query, docs=list(query.doc_ids), texts=[])
         try:
             threading.Thread(
-                target=self._check, args=(query, answer.first_logits), name="ragcache-guard", daemon=True
+                target=self._check, args=(by_id, answer.first_logits), name="ragcache-guard", daemon=True
             ).start()
         except RuntimeError as exc:  # no thread to be had: the answer stands, and the next draw may try again
             self._running.release()
@@ -163,6 +165,10 @@ class BackgroundGuard:
                 self.on_check(check, agreement)
         except TimeoutError:
             log.info("accuracy guard: no quiet step for the full link within %.0f s; check skipped", self.deadline)
+            if self.on_skip is not None:
+                self.on_skip(query.params.algorithm)
+        except UnknownDocument:
+            log.info("accuracy guard: a document of the answer was deleted before its check; check skipped")
             if self.on_skip is not None:
                 self.on_skip(query.params.algorithm)
         except Exception as exc:  # noqa: BLE001 - a check that cannot run is not the user's problem

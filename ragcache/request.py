@@ -98,7 +98,9 @@ def validate(
 def read_text(path: Path) -> str:
     """A text file given as input; BadRequest naming it when it is no UTF-8 or cannot be read."""
     try:
-        return path.read_text(encoding="utf-8-sig")  # a BOM is no part of the text (nor of its id)
+        # a BOM is no part of the text (nor of its id); its line ends are (read_text would make CRLF LF: another id
+        # than the same bytes sent to the API)
+        return path.read_bytes().decode("utf-8-sig")
     except UnicodeDecodeError as exc:
         raise BadRequest(f"{path} is not UTF-8 text (byte {exc.start}); convert it to text first") from exc
     except OSError as exc:  # unreadable (permissions), gone since it was listed

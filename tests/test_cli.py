@@ -253,15 +253,19 @@ def test_file_names_line_separators_and_byte_order_marks_keep_their_documents(ti
     (docs / "bom.txt").write_text("\ufeffThe bridge is old.", encoding="utf-8")
     (docs / "lines.jsonl").write_text('\ufeff{"text": "one\u2028two\u2029three\x85four"}\n{"text": "five"}\n',
                                       encoding="utf-8")
+    # Windows line ends stay the text's, as the same bytes sent to the API: one id (read_text made them "\n")
+    (docs / "crlf.txt").write_bytes(b"Line one.\r\nLine two.\r\n")
+    (docs / "crlf.jsonl").write_bytes(b'{"text": "six"}\r\n{"text": "seven"}\r\n')
     store = f"disk:{tmp_path / 'store'}"
     done = tiny_cli("compile", docs, "--store", store)
     assert done.exit_code == 0, done.output
-    assert "documents 4" in done.text
+    assert "documents 7" in done.text
     rc = tiny_cli.engines[-1]
     texts = {rc.document(i)["text"]: rc.document(i)["meta"]["source"] for i in rc.document_ids()}
     assert texts["A cafe by the harbour."] == os.fsencode(docs).decode() + "/caf\ufffd.txt"
     assert "one\u2028two\u2029three\x85four" in texts and "five" in texts
     assert document_id("The bridge is old.") in rc.document_ids()
+    assert document_id("Line one.\r\nLine two.\r\n") in rc.document_ids() and {"six", "seven"} <= texts.keys()
 
 
 def test_bad_input_is_refused_with_exit_3_before_the_model_loads(tiny_cli, tmp_path, monkeypatch):

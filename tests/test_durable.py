@@ -205,3 +205,22 @@ def test_a_model_that_fails_to_load_for_another_reason_is_not_called_damaged(tmp
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", missing)
     with pytest.raises(ImportError, match="sentencepiece"):
         models.load(str(checkpoint), dtype="float32")
+
+
+@pytest.mark.parametrize("edit", [{"k": 16.0}, {"k": -1}, {"focus_ratio": "0.25"}, {"ratio": 2.0}, {"target": 0},
+                                  {"at": "last"}, {"k": True}])
+def test_a_calibration_profile_whose_knobs_no_link_takes_is_said_in_the_log(tmp_path, caplog, edit):
+    """It parsed, so it served: `k` 16.0 became every request's default k, each refused with a 422."""
+    import json
+    from dataclasses import asdict
+
+    from ragcache import calibrate
+
+    good = calibrate.Profile("m", "f" * 64, "float32", 0.9, 30, 16, 0.25, focus_ratio=0.2)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(asdict(good)))
+    assert calibrate.read_profile(path) == good
+    path.write_text(json.dumps(asdict(good) | edit))
+    with caplog.at_level(logging.WARNING, logger="ragcache"):
+        assert calibrate.read_profile(path) is None
+    assert "calibrate again" in caplog.text

@@ -180,3 +180,31 @@ def test_the_guard_draws_only_answers_linked_as_the_server_links_by_default(monk
     guard._check(rc.validate("Where?", ids, link=rc.params("legolink", 16)), None)  # as the thread runs it
     assert skipped == ["legolink"] and guard.in_flight == 0
     rc.close()
+
+
+def test_a_check_of_an_answer_whose_raw_document_was_deleted_meanwhile_does_not_store_it_again(monkeypatch):
+    """The check's `full` link runs later, in the background: given the query's raw texts, it drafted and wrote the
+    document again after a client had deleted it. It links by id, and a deleted document skips the check."""
+    import threading
+    from types import SimpleNamespace
+
+    from ragcache.documents import document_id
+    from ragcache.facade import RagCache
+    from ragcache.guard import BackgroundGuard
+    from ragcache.settings import EngineConfig
+    from ragcache.store import open_store
+    from tests import tiny
+
+    rc = RagCache(tiny.make("llama"), open_store("memory:"), EngineConfig(chunk_tokens=16))
+    text = tiny.CORPUS[3]
+    query = rc.validate("Where?", [{"text": text}], link=rc.params("naive"))
+    answer = rc.query("Where?", [{"text": text}], algorithm="naive", max_new_tokens=2)
+    started, skipped = [], []
+    monkeypatch.setattr(threading.Thread, "start", lambda self: started.append(self))
+    guard = BackgroundGuard(rc, 1.0, on_skip=skipped.append)
+    guard.after_answer(SimpleNamespace(first_logits=answer.first_logits), query)
+    monkeypatch.undo()
+    rc.delete_document(document_id(text))
+    started[0].run()  # the check's thread, after the delete
+    assert skipped == ["naive"] and rc.document(document_id(text)) is None
+    rc.close()
