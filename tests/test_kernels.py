@@ -176,6 +176,17 @@ class _LaunchCounter:
         return self.kernel[grid]
 
 
+def _placed_as_the_reference(ops, monkeypatch, joined_keys, joined_values, *args) -> tuple:
+    """Chunks placed through `ops` into the joined cache, and through the torch reference into a copy of it: the
+    copy's keys and values, and how many launches `ops` took."""
+    want_keys, want_values = joined_keys.clone(), joined_values.clone()
+    counter = _LaunchCounter(ops._place_kernel)
+    monkeypatch.setattr(ops, "_place_kernel", counter)
+    ops.place_chunks(joined_keys, joined_values, *args)
+    torch_ref.place_chunks(want_keys, want_values, *args)
+    return want_keys, want_values, counter.launches
+
+
 PLACE_CASES = [
     # joined dtype, chunk dtype, head_dim, rotary half, chunk lengths, starts
     (torch.float32, torch.float32, 64, 32, [13, 70, 1, 40], [3, 20, 100, 150]),
@@ -199,14 +210,10 @@ def test_place_chunks(ops, device, monkeypatch, case):
     # the cache already holds other data (system prompt, question): untouched rows must stay as they are
     joined_keys = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=7)
     joined_values = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=8)
-    want_keys, want_values = joined_keys.clone(), joined_values.clone()
-
-    counter = _LaunchCounter(ops._place_kernel)
-    monkeypatch.setattr(ops, "_place_kernel", counter)
-    ops.place_chunks(joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling)
-    torch_ref.place_chunks(want_keys, want_values, chunk_keys, chunk_values, starts, inv_freq, scaling)
-
-    assert counter.launches == 1  # every chunk in one launch
+    want_keys, want_values, launches = _placed_as_the_reference(
+        ops, monkeypatch, joined_keys, joined_values, chunk_keys, chunk_values, starts, inv_freq, scaling
+    )
+    assert launches == 1  # every chunk in one launch
     _close(joined_keys, want_keys, chunk_dtype)
     if joined_dtype != torch.float32:  # rotated in the cache dtype: rounds where the reference rounds
         _rounds_as_the_reference(ops, joined_keys, want_keys)
@@ -230,14 +237,10 @@ def test_place_chunks_decodes_integer_codes_in_the_same_pass(ops, device, monkey
     inv_freq, scaling = (t.to(device) for t in _rope_table(layers, half, head_dim, seed=6))
     joined_keys = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=7)
     joined_values = _randn(layers, heads, capacity, head_dim, dtype=joined_dtype, device=device, seed=8)
-    want_keys, want_values = joined_keys.clone(), joined_values.clone()
-
-    counter = _LaunchCounter(ops._place_kernel)
-    monkeypatch.setattr(ops, "_place_kernel", counter)
-    ops.place_chunks(joined_keys, joined_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
-    torch_ref.place_chunks(want_keys, want_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
-
-    assert counter.launches == 1
+    want_keys, want_values, launches = _placed_as_the_reference(
+        ops, monkeypatch, joined_keys, joined_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales
+    )
+    assert launches == 1
     # the keys are 4 x randn: compiled, a cancelling difference of two rounded products keeps their rounding error
     _close(joined_keys, want_keys, joined_dtype, magnitude=1.0 if ops.INTERPRET else 4.0)
     _close(joined_values, want_values, joined_dtype)
@@ -266,14 +269,10 @@ def test_a_prefix_as_computed_and_chunks_in_a_codec_place_in_a_launch_per_form(o
     inv_freq, scaling = (t.to(device) for t in _rope_table(layers, 32, head_dim, seed=6))
     joined_keys = _randn(layers, heads, 40, head_dim, dtype=torch.float32, device=device, seed=7)
     joined_values = _randn(layers, heads, 40, head_dim, dtype=torch.float32, device=device, seed=8)
-    want_keys, want_values = joined_keys.clone(), joined_values.clone()
-
-    counter = _LaunchCounter(ops._place_kernel)
-    monkeypatch.setattr(ops, "_place_kernel", counter)
-    ops.place_chunks(joined_keys, joined_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
-    torch_ref.place_chunks(want_keys, want_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales)
-
-    assert counter.launches == 2
+    want_keys, want_values, launches = _placed_as_the_reference(
+        ops, monkeypatch, joined_keys, joined_values, keys, values, starts, inv_freq, scaling, key_scales, value_scales
+    )
+    assert launches == 2
     _close(joined_keys, want_keys, torch.float32)
     _close(joined_values, want_values, torch.float32)
 
