@@ -398,7 +398,7 @@ class Catalog:
             # another delete's scan under way: this one gives up as it gives up waiting for uploads (its document's
             # queries wait behind it meanwhile)
             if not self._references.acquire(timeout=DELETE_WAIT_S):
-                raise DocumentInUse(doc_id, DELETE_WAIT_S)
+                raise DocumentInUse(doc_id, DELETE_WAIT_S, "another delete's scan of the store")
             try:
                 return maintenance.delete(self.store, doc_id)
             finally:

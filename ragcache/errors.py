@@ -94,9 +94,9 @@ class DocumentInUse(RagCacheError):
     """A delete gave up waiting for the uploads and queries using its document (a long bulk upload): new queries of
     the document wait behind a waiting delete, so it does not wait for long. Nothing was deleted; send it again."""
 
-    def __init__(self, doc_id: str, waited_s: float):
+    def __init__(self, doc_id: str, waited_s: float, by: str = "an upload or queries"):
         super().__init__(
-            f"document {doc_id} is in use by an upload or queries that did not finish within {waited_s:g} s; "
+            f"document {doc_id} is in use by {by} that did not finish within {waited_s:g} s; "
             "nothing was deleted: delete it again later"
         )
 

@@ -989,3 +989,20 @@ def test_a_delete_behind_another_deletes_scan_gives_up_as_behind_an_upload(monke
         with pytest.raises(DocumentInUse):
             docs.delete(doc_id)
     assert docs.get(doc_id) is not None and docs.delete(doc_id)
+
+
+def test_a_delete_behind_another_deletes_scan_says_so(monkeypatch):
+    """It gave up saying an upload or queries held the document, when another delete's scan of the store did."""
+    from ragcache import catalog
+    from ragcache.errors import DocumentInUse
+    from ragcache.facade import RagCache
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    monkeypatch.setattr(catalog, "DELETE_WAIT_S", 0.2)
+    rc = RagCache(tiny.make("llama"), MemoryStore())
+    (doc_id,) = rc.compile(tiny.CORPUS[:1])
+    with rc.catalog._references, pytest.raises(DocumentInUse, match="another delete's scan"):
+        rc.delete_document(doc_id)
+    assert rc.delete_document(doc_id) and rc.document(doc_id) is None
+    rc.close()
