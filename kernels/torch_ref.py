@@ -36,6 +36,19 @@ def rotate_keys(
     return torch.cat((out1, out2, rest), dim=-1)
 
 
+def check_places(joined_keys, chunk_keys, chunk_values, starts, key_scales=None, value_scales=None) -> None:
+    """ValueError for what every backend's place_chunks refuses: lists of unequal lengths (zip would drop chunks), a
+    chunk outside the joined capacity (a slice past the end is shorter than the chunk; a negative start counts back)."""
+    counts = [len(chunk_keys), len(chunk_values), len(starts)]
+    counts += [len(scales) for scales in (key_scales, value_scales) if scales]
+    if len(set(counts)) > 1:
+        raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
+    capacity = joined_keys.shape[2]
+    for keys, start in zip(chunk_keys, starts):
+        if start < 0 or start + keys.shape[2] > capacity:
+            raise ValueError(f"chunk [{start}, {start + keys.shape[2]}) outside the joined capacity {capacity}")
+
+
 def place_chunks(
     joined_keys: torch.Tensor,
     joined_values: torch.Tensor,
@@ -52,19 +65,14 @@ def place_chunks(
     Chunks arrive in their stored form: a float dtype (cast to the cache's dtype, then rotated in it), or uint8
     codes (packed along D for int4 and int2) with `key_scales[i]` [L, H, 2, D] and `value_scales[i]` [L, H, T, 2]
     (scale, zero) pairs, decoded as code * scale + zero in fp32 and rounded to the cache's dtype (store/codec.py)."""
+    check_places(joined_keys, chunk_keys, chunk_values, starts, key_scales, value_scales)
     key_scales = key_scales or [None] * len(chunk_keys)
     value_scales = value_scales or [None] * len(chunk_keys)
-    if not len(chunk_keys) == len(chunk_values) == len(starts) == len(key_scales) == len(value_scales):
-        raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
-    capacity = joined_keys.shape[2]
-    for keys, values, start in zip(chunk_keys, chunk_values, starts):
-        # a slice past the end would be shorter than the chunk (a write out of place; negative starts count back)
+    for keys, values in zip(chunk_keys, chunk_values):
         if keys.shape[:3] != values.shape[:3] or keys.shape[:2] != joined_keys.shape[:2]:
             raise ValueError(
                 f"chunk {tuple(keys.shape)} / {tuple(values.shape)} does not fit {tuple(joined_keys.shape)}"
             )
-        if start < 0 or start + keys.shape[2] > capacity:
-            raise ValueError(f"chunk [{start}, {start + keys.shape[2]}) outside the joined capacity {capacity}")
     device, dtype = joined_keys.device, joined_keys.dtype
     for keys, values, start, k_scales, v_scales in zip(chunk_keys, chunk_values, starts, key_scales, value_scales):
         keys, values = keys.to(device), values.to(device)

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .torch_ref import to_device
+from .torch_ref import check_places, to_device
 
 LOG2E = 1.4426950408889634
 
@@ -810,9 +810,8 @@ def place_chunks(
 ) -> None:
     """Copy each chunk into the joined cache at its start, keys rotated to their global positions; one launch.
     Integer-coded chunks (int8, int4, int2) are decoded in the same pass (see torch_ref.place_chunks)."""
-    if not len(chunk_keys) == len(chunk_values) == len(starts):
-        raise ValueError(f"{len(chunk_keys)} key chunks, {len(chunk_values)} value chunks, {len(starts)} starts")
-    layers, heads, capacity, head_dim = joined_keys.shape
+    check_places(joined_keys, chunk_keys, chunk_values, starts, key_scales, value_scales)
+    layers, heads, _, head_dim = joined_keys.shape
     if joined_values.shape != joined_keys.shape:
         raise ValueError(f"joined values {tuple(joined_values.shape)} != joined keys {tuple(joined_keys.shape)}")
     if joined_keys.stride(-1) != 1 or joined_values.stride(-1) != 1:
@@ -826,13 +825,11 @@ def place_chunks(
         for k, ks, vs in zip(keys, key_scales or [None] * len(keys), value_scales or [None] * len(keys))
     ]
     starts = [int(s) for s in starts]
-    for k, v, s, p in zip(keys, values, starts, pairs):
+    for k, v, p in zip(keys, values, pairs):
         if k.shape != v.shape or k.shape[:2] != (layers, heads) or k.shape[3] * _per_byte(k, p) != head_dim:
             raise ValueError(
                 f"chunk keys {tuple(k.shape)} / values {tuple(v.shape)} do not fit joined {tuple(joined_keys.shape)}"
             )
-        if s < 0 or s + k.shape[2] > capacity:
-            raise ValueError(f"chunk [{s}, {s + k.shape[2]}) outside the joined capacity {capacity}")
     inv_freq, scaling, half = _rope_table(inv_freq, scaling, layers, head_dim, device)
 
     # A launch takes one source form (dtypes and packing); with disjoint targets the chunks of each form go in one

@@ -16,14 +16,15 @@ A sequence's life (sequence.Status):
 
 Each forward step packs the rows of every running sequence: decode rows first (with the repair rows of those that
 asked for repair, Sequence.repair: as many repairs as the row budget holds, by turns), then link pieces, the fewest
-pending rows first, until the budget is spent. A short request that arrives behind a long link has its first
-token after one budgeted step, not after the whole link; a link passed over MAX_PASSED_OVER steps in a row goes first in the next (the longest passed over first, so
-with k such links at once the last waits up to MAX_PASSED_OVER + k - 1 steps), so a stream of short ones (or of
-chunk compiles, all one chunk long) never starves a long one. A chunk's compile is a link too (Sequence.compile):
-its rows pack with the others', each piece attending only to its own cache, and its last piece's step makes its
-entry. A task (Sequence.task) runs alone in a TASK step, in the order tasks came, by turns with the requests' steps. Rows that need the base model's weights
-(a compile on an adapted model, a background link) run in steps of their own, taking turns with the others while
-both wait. A sequence that fails fails alone; the others go on.
+pending rows first, until the budget is spent. A short request that arrives behind a long link has its first token
+after one budgeted step, not after the whole link; a link passed over MAX_PASSED_OVER steps in a row goes first in
+the next (the longest passed over first, so with k such links at once the last waits up to MAX_PASSED_OVER + k - 1
+steps), so a stream of short ones (or of chunk compiles, all one chunk long) never starves a long one. A chunk's
+compile is a link too (Sequence.compile): its rows pack with the others', each piece attending only to its own
+cache, and its last piece's step makes its entry. A task (Sequence.task) runs alone in a TASK step, in the order
+tasks came, by turns with the requests' steps. Rows that need the base model's weights (a compile on an adapted
+model, a background link) run in steps of their own, taking turns with the others while both wait. A sequence that
+fails fails alone; the others go on.
 """
 
 from __future__ import annotations
@@ -261,23 +262,19 @@ class Scheduler:
         longest left out first, then in arrival order, as many as fit in it (one at least). A repairing sequence
         left out sits the step out, its decode row too, so that its next token still comes with the same rows
         repaired as alone. A step then holds repair rows past the budget only for one repair larger than it."""
-        repairing = [s for s in decoding if s.repair is not None and s.repair.size(s.cache.length) > 0]
+        sizes = {s: s.repair.size(s.cache.length) for s in decoding if s.repair is not None}
+        repairing = [s for s in decoding if sizes.get(s, 0) > 0]
         taken, rows = 0, 0
         for s in sorted(repairing, key=lambda s: -s.repair.waited):
-            n = s.repair.size(s.cache.length)
-            if taken and rows + n > self.row_budget:
+            if taken and rows + sizes[s] > self.row_budget:
                 s.repair.waited += 1
                 continue
             s.repair.waited = 0
-            s.repair.width = s.repair.width or n
-            rows, taken = rows + n, taken + 1
+            s.repair.width = s.repair.width or sizes[s]
+            rows, taken = rows + sizes[s], taken + 1
         waiting = {s for s in repairing if s.repair.waited}
         decodes = [Work(s, Kind.DECODE) for s in decoding if s not in waiting]
-        repairs = [
-            Work(s, Kind.REPAIR, s.repair.next, s.repair.next + s.repair.size(s.cache.length))
-            for s in repairing
-            if s not in waiting
-        ]
+        repairs = [Work(s, Kind.REPAIR, s.repair.next, s.repair.next + sizes[s]) for s in repairing if s not in waiting]
         return decodes + repairs
 
     def _urgency(self, sequence: Sequence) -> tuple[bool, int]:
