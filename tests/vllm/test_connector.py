@@ -328,6 +328,36 @@ def test_a_failed_link_is_not_claimed_again_and_its_blocks_leave_the_prefix_cach
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, False)
 
 
+def test_after_the_store_fails_a_link_no_link_is_claimed_for_a_while(monkeypatch):
+    """Each link against a frozen store holds vLLM's step (every decoding stream) for the store's timeouts: after one
+    fails for the store, requests are prefilled by vLLM for 5 s, then one link tries the store; the wait doubles
+    while it keeps failing (a tiered store's backoff) and ends with a link that reads it."""
+    now = [100.0]
+    monkeypatch.setattr("ragcache.integrations.vllm.connector.time.monotonic", lambda: now[0])
+    c = connector()
+    claim = (55, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == claim
+    failed = SimpleNamespace(kv_connector_stats=LinkStats({"fallbacks": {"store": 1}}))
+    c.update_connector_output(failed)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (0, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (0, False)  # asked again: counted once
+    assert c.get_kv_connector_stats().data["fallbacks"] == {"store": 1}
+    now[0] += 5.1
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (0, False)  # refused, so vLLM's to prefill
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r3"), 0) == claim  # the store is tried again
+    c.update_connector_output(failed)  # and fails again: twice the wait
+    now[0] += 9.9
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r4"), 0) == (0, False)
+    now[0] += 0.2
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r5"), 0) == claim
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r5": {"hits": 1}}})))
+    c.update_connector_output(failed)  # a store that answered and failed again waits the first 5 s
+    now[0] += 5.1
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r6"), 0) == claim
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"fallbacks": {"bad_spec": 1}})))
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r7"), 0) == claim  # another kind of failure
+
+
 def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():
     load = Load("r1", list(range(62)), SPEC, [7, 3, 9, 4, 8], BLOCK)  # linked: 55 positions, blocks 0..3
     assert load.written_blocks(BLOCK) == [3, 9, 4]

@@ -65,6 +65,11 @@ def worker():
     return get_kv_transfer_group()._worker_()
 
 
+def scheduler_side(llm):
+    """The connector's scheduler side (this process's: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector
+
+
 def test_everything_recomputed_gives_vllms_own_tokens(llm, engine, doc_ids):
     ids, spec = linked_request(engine, doc_ids, "cacheblend", ratio=1.0, check_layer=0)
     linked = generate(llm, ids, spec)
@@ -145,7 +150,7 @@ def test_a_corrupt_entry_is_a_miss_and_a_recompile_never_a_wrong_answer(llm, eng
     assert tokens(out, engine) == expected
 
 
-def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, doc_ids, redis_server):
+def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, doc_ids, redis_server, monkeypatch):
     from ragcache.store import open_store
 
     # documents in an order no other test links: no block of this prompt is in vLLM's prefix cache already
@@ -154,12 +159,17 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     redis_store = open_store(redis_server.url)
     redis_server.stop()
     worker().catalog.store = redis_store
+    links = []
     try:
         before = fallbacks("store")
         out = generate(llm, ids, spec)
+        # the store failed a link: the next request is vLLM's to prefill, without a link that would wait for it
+        monkeypatch.setattr(worker(), "link", lambda load: links.append(load))
+        again = generate(llm, *linked_request(engine, doc_ids[::-1], "naive", question="Which fish eat algae?"))
     finally:
         worker().catalog.store = live
-    assert fallbacks("store") == before + 1
+        scheduler_side(llm)._store_down_until = 0.0  # the store is back for the tests after this one
+    assert fallbacks("store") == before + 2 and links == [] and LINK_KEY not in (again.kv_transfer_params or {})
     # its finished output says the link failed, with what vLLM's own prefix cache held (its num_cached_tokens keeps
     # the claim): what the answer's usage counts as reused
     said = out.kv_transfer_params[LINK_KEY]
@@ -180,7 +190,8 @@ def test_a_store_down_when_the_worker_starts_is_opened_at_a_later_link(llm, engi
         ids, spec = linked_request(engine, [doc_ids[1], doc_ids[0]], "naive", question="Which ships use the canal?")
         generate(llm, ids, spec)
         assert fallbacks("store") == before + 1 and w._catalog is None
-        w.store_url = url  # the store is back
+        w.store_url = url  # the store is back, and the connector's wait after a failure over
+        scheduler_side(llm)._store_down_until = 0.0
         ids, spec = linked_request(engine, [doc_ids[2], doc_ids[1]], "naive", question="Which ships use the canal?")
         out = generate(llm, ids, spec)
         assert fallbacks("store") == before + 1 and w._catalog is not None and worker() is w

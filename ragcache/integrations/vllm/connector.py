@@ -17,7 +17,9 @@ cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and
 Prefix caching stays on: the salt puts a linked request's blocks under hashes no plain request can produce, so
 linked KV is never served as an exact prefix. A request whose salt is not its spec's is not linked.
 A load that fails (the store down) is reported as failed blocks, and vLLM recomputes them (the connector requires
-`kv_load_failure_policy="recompute"`): a slower answer, never a wrong one.
+`kv_load_failure_policy="recompute"`): a slower answer, never a wrong one. After a link the store failed, the
+scheduler claims no link for a while (5 s, doubling while the store keeps failing, up to 60 s: a tiered store's
+backoff): each link against a frozen store would hold every decoding stream in vLLM's step for its timeouts.
 
 What it did reaches vLLM's metrics (the server's /metrics, vLLM's or ragcache's) as connector stats: both sides
 count, vLLM carries the counts from the engine core to the API process, and `LinkMetrics` adds them there as
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -40,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
+from ragcache.settings import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S
 
 from .layers import tensor_parallel
 from .spec import LINK_FIELDS, LINK_KEY, NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
@@ -183,6 +187,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._claimed: dict[str, set[int]] = {}  # the blocks each linking request's link writes, until it finishes
         self._unlinked: set[str] = set()  # requests whose link failed: vLLM prefills them from then on
         self._local_hits: dict[str, int] = {}  # what vLLM's prefix cache held of a claimed request at its first claim
+        self._store_down_until = 0.0  # time.monotonic(): no link is claimed before it (`_store_failed`)
+        self._store_backoff = 0.0  # the last wait; 0 while the store answers
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
         # step. By default a link runs inside the step that schedules its request.
@@ -206,9 +212,14 @@ class RagcacheConnector(KVConnectorBase_V1):
     # -- scheduler side ---------------------------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
         spec = self._spec(request)
-        if spec is None or num_computed_tokens >= spec.linked or request.request_id in self._unlinked:
+        rid = request.request_id
+        if spec is None or num_computed_tokens >= spec.linked or rid in self._unlinked or rid in self._refused:
             # a failed link is not tried again: a failed async load hands its request back to vLLM's waiting queue,
-            # where a claim would start the same failing load again, for as long as the cause lasts
+            # where a claim would start the same failing load again, for as long as the cause lasts; nor is a
+            # request refused while the store was failing, counted as prefilled by vLLM
+            return 0, False
+        if time.monotonic() < self._store_down_until:  # logged once, when the store failed (`_store_failed`)
+            self._refuse(request, "store")
             return 0, False
         return spec.linked - num_computed_tokens, self.async_load
 
@@ -242,7 +253,12 @@ class RagcacheConnector(KVConnectorBase_V1):
 
     def update_connector_output(self, connector_output) -> None:
         stats = connector_output.kv_connector_stats
-        for request_id, done in (getattr(stats, "data", None) or {}).get("requests", {}).items():
+        data = getattr(stats, "data", None) or {}
+        if data.get("fallbacks", {}).get("store"):
+            self._store_failed()
+        elif data.get("requests"):  # a link read the store
+            self._store_backoff = 0.0
+        for request_id, done in data.get("requests", {}).items():
             self._claimed.pop(request_id, None)  # linked: its blocks may go to others once preempted
             if request_id in self._linking:  # not one that finished already
                 self._done[request_id] = done
@@ -257,6 +273,21 @@ class RagcacheConnector(KVConnectorBase_V1):
             # recomputed over several steps, they would serve an identical request (the same salt) unwritten KV.
             if self._kv_cache_manager is not None:
                 self._kv_cache_manager.evict_blocks(set(failed))
+
+    def _store_failed(self) -> None:
+        """A link failed for the store: claim none for a while, longer while the store keeps failing. The workers
+        need no say in it (under tensor parallelism their ranks could disagree on a clock): what is not claimed is
+        not loaded."""
+        first = self._store_backoff == 0
+        self._store_backoff = (
+            DEFAULT_RETRY_AFTER_S if first else min(2 * self._store_backoff, DEFAULT_MAX_RETRY_AFTER_S)
+        )
+        self._store_down_until = time.monotonic() + self._store_backoff
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "ragcache's store failed a link; vLLM prefills linked requests for the next %.0f s, then a link tries it",
+            self._store_backoff,
+        )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._pending.pop(request.request_id, None)
@@ -304,10 +335,12 @@ class RagcacheConnector(KVConnectorBase_V1):
             return self._refuse(request, "bad_spec", f"its link spec is refused: {problem}")
         return spec
 
-    def _refuse(self, request, reason: str, why: str) -> None:
+    def _refuse(self, request, reason: str, why: str | None = None) -> None:
         if request.request_id not in self._refused:  # the scheduler may ask again for the same request
             self._refused.add(request.request_id)
             self._count(fallback=reason)
+            if why is None:
+                return None
             # `why` may quote a client's spec (its chunks, unknown field names): a line of bounded length
             clipped = why if len(why) <= WHY_CHARS else f"{why[:WHY_CHARS]}... ({len(why)} characters)"
             log.warning("request %s is prefilled by vLLM, not linked: %s", request.request_id, clipped)
