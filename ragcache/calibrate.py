@@ -14,8 +14,9 @@ With a link adapter attached (ragcache/adapters.py), `full` is the base model's 
 candidate links with the adapter on: the profile says which cheap link of the adapted model answers as the base model
 does, and it is what makes an installed adapter the model's default.
 
-Profiles live beside the model cache, one JSON file per model fingerprint, so a different model (or dtype) never
-inherits another's k; an adapter may ship its own in its directory (`profiles/`), read after the user's.
+Profiles live beside the model cache, one JSON file per model fingerprint, dtype and kv codec, so a different model
+(or dtype) never inherits another's k, and two deployments of one model that store different codecs keep one each; an
+adapter may ship its own in its directory (`profiles/`), read after the user's.
 """
 
 from __future__ import annotations
@@ -78,22 +79,32 @@ class Profile:
         return self.k is not None or self.focus_ratio is not None
 
 
-def profile_path(fingerprint: str, dtype: str) -> Path:
-    return fetch.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}.json"
+def profile_path(fingerprint: str, dtype: str, kv_codec: str = "") -> Path:
+    """Where the profile measured over `kv_codec`'s entries is saved ("": a profile that did not record its codec)."""
+    return fetch.model_cache_dir() / "profiles" / f"{fingerprint[:24]}-{dtype}{f'-{kv_codec}' if kv_codec else ''}.json"
 
 
-def load_profile(lm: loaded.LoadedModel) -> Profile | None:
+def load_profile(lm: loaded.LoadedModel, kv_codec: str = "") -> Profile | None:
     shipped = lm.adapter.path / lora.ADAPTER_PROFILES if lm.adapter is not None else None
-    return find_profile(lm.fingerprint, dtype_name(lm), shipped)
+    return find_profile(lm.fingerprint, dtype_name(lm), shipped, kv_codec)
 
 
-def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None) -> Profile | None:
-    """The profile of a model fingerprint at a dtype: the user's own, else one an adapter ships with (`shipped`)."""
-    name = profile_path(fingerprint, dtype).name
-    for folder in (profile_path(fingerprint, dtype).parent, shipped):
-        profile = read_profile(folder / name) if folder is not None else None
-        if profile is not None and profile.fingerprint == fingerprint:
-            return profile
+def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None, kv_codec: str = "") -> Profile | None:
+    """The profile of a model fingerprint at a dtype: the user's own, else one an adapter ships with (`shipped`). In
+    each place the one measured over `kv_codec`'s entries comes first, then one that did not record its codec, then
+    the newest measured over another codec (a calibration still nearer than the defaults; the engine warns)."""
+    exact, unrecorded = profile_path(fingerprint, dtype, kv_codec), profile_path(fingerprint, dtype)
+    for folder in (exact.parent, shipped):
+        if folder is None:
+            continue
+        for path in (folder / exact.name, folder / unrecorded.name):
+            profile = read_profile(path)
+            if profile is not None and profile.fingerprint == fingerprint:
+                return profile
+        read = (read_profile(path) for path in sorted(folder.glob(f"{unrecorded.stem}-*.json")))
+        others = [p for p in read if p is not None and p.fingerprint == fingerprint and p.dtype == dtype]
+        if others:
+            return max(others, key=lambda p: p.created)
     return None
 
 
@@ -128,7 +139,7 @@ def _checked(profile: Profile) -> Profile:
 
 
 def save_profile(profile: Profile) -> Path:
-    path = profile_path(profile.fingerprint, profile.dtype)
+    path = profile_path(profile.fingerprint, profile.dtype, profile.kv_codec)
     path.parent.mkdir(parents=True, exist_ok=True)
     durable.write_file(path, json.dumps(asdict(profile), indent=1))
     return path

@@ -730,7 +730,10 @@ def calibrate(
         else "no focus ratio reached the target (focus's default, 0.25, stays)"
     )
     if isinstance(saved, OSError):
-        fail(f"the profile could not be saved to {cal.profile_path(profile.fingerprint, profile.dtype)}: {saved}", 1)
+        fail(
+            f"the profile could not be saved to {cal.profile_path(profile.fingerprint, profile.dtype, profile.kv_codec)}: {saved}",
+            1,
+        )
     console.print(f"profile: {reached}, ratio={profile.ratio}, {focus} -> {saved}")
 
 
@@ -748,7 +751,8 @@ def models_list():
         wheels = ", ".join(f"{d}=={v}" for d, v in spec.wheels[:1]) + (" ..." if len(spec.wheels) > 1 else "")
         calibrated = (
             ", ".join(
-                f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}, {p.target:.2f} at "
+                f"k={_or_none(p.k)}, focus={_or_none(p.focus_ratio)} ({p.dtype}{f' {p.kv_codec}' if p.kv_codec else ''}, "
+                f"{p.target:.2f} at "
                 f"the {p.at} token{', with its adapter' if p.adapter else ''})"
                 for p in profiles.get(spec.name, [])
             )

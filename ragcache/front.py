@@ -118,7 +118,7 @@ class Front(abc.ABC):
         self.catalog = Catalog(store, lm.tokenizer, lm.tokenizer_fingerprint, chunk_tokens)
         self.token_bound = TokenBound(lm.tokenizer)
         self.infill_sessions = infill.InfillSessions()
-        self.profile = calibrate.load_profile(lm)  # `ragcache calibrate`'s result for this model, if any
+        self.profile = calibrate.load_profile(lm, kv_codec)  # `ragcache calibrate`'s result for this model, if any
         if self.profile is not None and self.profile.kv_codec not in ("", kv_codec):
             log.warning(
                 "%s's calibration profile was measured over %s entries and this engine stores %s: its k and focus "

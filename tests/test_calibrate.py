@@ -58,6 +58,26 @@ def test_profiles_round_trip_per_fingerprint(tmp_path, monkeypatch):
     assert [p.k for p in cal.profiles_by_model()[lm.name]] == [32]
 
 
+def test_a_profile_per_kv_codec_and_the_nearest_one_where_this_codec_has_none(tmp_path, monkeypatch):
+    """Two deployments of one model storing different codecs keep a profile each (one file overwrote the other);
+    where this codec has none, one that did not record its codec serves, else the newest of another codec's."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+
+    def saved(k: int, codec: str, created: float) -> cal.Profile:
+        profile = cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, k, 0.3, created=created, kv_codec=codec)
+        cal.save_profile(profile)
+        return profile
+
+    int8, fp32 = saved(8, "int8", 1.0), saved(32, "fp32", 2.0)
+    assert cal.load_profile(lm, "int8") == int8 and cal.load_profile(lm, "fp32") == fp32
+    assert cal.load_profile(lm, "int4") == fp32  # the newest of the others
+    unrecorded = saved(16, "", 0.5)
+    assert cal.load_profile(lm, "int4") == unrecorded and cal.load_profile(lm, "int8") == int8
+    assert sorted(p.k for p in cal.profiles_by_model()[lm.name]) == [8, 16, 32]
+    assert cal.load_profile(tiny.make("qwen2"), "int8") is None
+
+
 def test_on_a_tiny_model_k_at_the_chunk_length_is_exact():
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig
