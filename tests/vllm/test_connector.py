@@ -296,7 +296,7 @@ def test_what_a_link_did_reaches_its_finished_output():
     blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
     for rid in ("r1", "r2"):
         c.update_state_after_alloc(request(SPEC, 62, rid=rid), blocks, 55)
-    assert c.request_finished(request(SPEC, 62, rid="r2"), []) == (False, None)  # ended in its linking step
+    assert c.request_finished(request(SPEC, 62, rid="r2"), []) == (False, None)  # aborted before its link's stats
     both = {"r1": did, "r2": {**did, "hits": 3}}
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": both})))
     assert c.request_finished(request(SPEC, 62), []) == (False, {LINK_KEY: did})

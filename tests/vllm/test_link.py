@@ -179,6 +179,20 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
+def test_a_one_token_answer_says_what_its_link_did(llm, engine, doc_ids):
+    """The link's stats reach the scheduler with the step that ran it, before the request computes its question and
+    ends: a one-token request's output carries them."""
+    ids, spec = linked_request(engine, [doc_ids[0], doc_ids[3]], "naive", question="Where do the fish swim?")
+    request = spec.request(ids)
+    prompt = {"prompt_token_ids": ids, "cache_salt": request["cache_salt"]}
+    params = SamplingParams(max_tokens=1, temperature=0.0,
+                            extra_args={"kv_transfer_params": request["kv_transfer_params"]})
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 1 and out.num_cached_tokens >= spec.linked
+    did = out.kv_transfer_params[LINK_KEY]
+    assert did["hits"] >= len(spec.chunks) and did["misses"] == 0, did
+
+
 def test_a_request_beside_a_failed_link_never_reads_its_unwritten_blocks(llm, engine, doc_ids, redis_server):
     """Two requests linking the same documents (the same salt), admitted in one scheduler pass: had the first's
     blocks been cached when allocated, the second would take them as a prefix hit and, once the first's link failed

@@ -29,8 +29,8 @@ What it did reaches vLLM's metrics (the server's /metrics, vLLM's or ragcache's)
 count, vLLM carries the counts from the engine core to the API process, and `LinkMetrics` adds them there as
 `vllm:ragcache_linked_tokens` and `vllm:ragcache_link_fallbacks{reason}`. The same stats carry what each link did
 (store lookups, rows recomputed, times: `spec.LINK_FIELDS`) to the scheduler's side, which returns it in the
-request's finished output (`kv_transfer_params["ragcache_link"]`), unless the request ended in the step that linked
-it: vLLM finishes a step's requests before it hands the scheduler that step's connector output.
+request's finished output (`kv_transfer_params["ragcache_link"]`): they reach it with the step that linked it,
+before the request computes its first token.
 """
 
 from __future__ import annotations
