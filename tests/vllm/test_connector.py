@@ -20,10 +20,11 @@ BLOCK = 16
 
 
 def connector(prefix_caching: bool = True, parallel: dict | None = None, async_scheduling: bool = False,
-              **overrides) -> RagcacheConnector:
+              step_tokens: int = 4096, **overrides) -> RagcacheConnector:
     transfer = KVTransferConfig(**{**transfer_config("memory:"), **overrides})
     config = SimpleNamespace(kv_transfer_config=transfer, parallel_config=SimpleNamespace(**(parallel or {})),
-                             scheduler_config=SimpleNamespace(async_scheduling=async_scheduling),
+                             scheduler_config=SimpleNamespace(async_scheduling=async_scheduling,
+                                                              max_num_batched_tokens=step_tokens),
                              cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching, block_size=BLOCK))
     return RagcacheConnector(config, KVConnectorRole.SCHEDULER)
 
@@ -320,6 +321,24 @@ def test_a_failed_link_is_not_claimed_again():
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r2": {"hits": 1}}})))
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={5}))
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, True)
+
+
+def test_a_step_claims_links_up_to_vllms_prefill_budget():
+    """A claim takes no running slot nor token budget while it loads, and a step's links run one after another: past
+    vLLM's prefill budget of linked positions, a request waits for the next step (None: vLLM asks again), and a
+    link longer than the budget still gets a step of its own."""
+    c = connector(step_tokens=100)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([7, 3, 9, 4],))
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, True)
+    c.update_state_after_alloc(request(SPEC, 62, rid="r1"), blocks, 55)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (None, False)  # 55 + 55 > 100
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 16) == (39, True)  # vLLM's hit: 55 + 39
+    c.update_state_after_alloc(request(SPEC, 62, rid="r2"), blocks, 39)
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r3"), 0) == (None, False)
+    assert [load.request_id for load in c.build_connector_meta(None).loads] == ["r1", "r2"]
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r3"), 0) == (55, True)  # the next step
+    one = connector(step_tokens=10)
+    assert one.get_num_new_matched_tokens(request(SPEC, 62), 0) == (55, True)
 
 
 def test_a_link_in_the_step_is_reported_done_by_that_steps_get_finished():

@@ -439,6 +439,21 @@ def test_a_failed_links_usage_counts_what_vllm_prefilled():
     assert (stream.stats.cached_tokens, stream.stats.recomputed_tokens, stream.stats.store_hits) == (16, 104, 0)
 
 
+def test_a_linked_requests_wait_ends_where_its_link_starts():
+    """vLLM schedules a linked request once its link has run, so its queue time holds the link: the wait reported
+    is the scheduler's less the link's own times, as ragcache's engine measures it up to the link's start."""
+    from types import SimpleNamespace
+
+    from ragcache.integrations.vllm.engine import VllmStream
+
+    stream = VllmStream(SimpleNamespace(_closed=False), lambda *a: None, Sampling())
+    stream.stats.prompt_tokens, stream.stats.wait_s = 120, 2.0
+    did = {"hits": 2, "misses": 0, "compiled": 0, "recomputed": 12, "fetch_s": 0.5, "rotate_s": 0.25,
+           "recompute_s": 1.0}
+    stream._linked_by_connector(did)
+    assert stream.stats.wait_s == 0.25
+
+
 def test_close_ends_the_streams_still_running_with_aborted(tiny_qwen2, tmp_path):
     """vLLM's shutdown cancels its output handler, which never tells the requests waiting on it: a caller iterating
     a stream, or waiting for its end, waited for ever (and its documents stayed held)."""

@@ -179,6 +179,30 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     assert out.outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
+def test_links_past_a_steps_budget_wait_for_the_next_step(llm, engine, doc_ids, monkeypatch):
+    """Two linked requests at once, with room for one link a step: the second waits in vLLM's queue (not prefilled
+    by vLLM) and is linked in a later step; each answers as it does alone."""
+    requests = [linked_request(engine, order, "naive", question="What do the bees guard?")
+                for order in ([doc_ids[1], doc_ids[2]], [doc_ids[2], doc_ids[1]])]
+    alone = [tokens(generate(llm, ids, spec), engine) for ids, spec in requests]
+    assert llm.reset_prefix_cache()  # linked afresh below, not hit
+    monkeypatch.setattr(scheduler_side(llm), "link_budget", 1)
+    loads = []
+    real = scheduler_side(llm).build_connector_meta
+    monkeypatch.setattr(scheduler_side(llm), "build_connector_meta",
+                        lambda out: loads.append(meta := real(out)) or meta)
+    prompts, params = [], []
+    for ids, spec in requests:
+        request = spec.request(ids)
+        prompts.append({"prompt_token_ids": ids, "cache_salt": request["cache_salt"]})
+        params.append(SamplingParams(max_tokens=TOKENS, temperature=0.0,
+                                     extra_args={"kv_transfer_params": request["kv_transfer_params"]}))
+    both = llm.generate(prompts, params, use_tqdm=False)
+    assert [tokens(out, engine) for out in both] == alone
+    assert all(out.num_cached_tokens >= spec.linked for out, (_, spec) in zip(both, requests))  # both linked
+    assert [[load.start for load in meta.loads] for meta in loads if meta.loads] == [[0], [0]]  # whole, a step each
+
+
 def test_a_one_token_answer_says_what_its_link_did(llm, engine, doc_ids):
     """The link's stats reach the scheduler with the step that ran it, before the request computes its question and
     ends: a one-token request's output carries them."""

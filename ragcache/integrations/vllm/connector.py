@@ -179,6 +179,10 @@ class RagcacheConnector(KVConnectorBase_V1):
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("%s: %s", NAME, ASYNC_SCHEDULING_UNTESTED)
         self.block_size = vllm_config.cache_config.block_size
+        # the positions one step's links may claim (at least one link a step): vLLM's own prefill budget. A claim
+        # takes no running slot nor token budget while it loads, and a step's links run one after another before its
+        # forward: unbounded, a burst of linked requests would hold every decoding stream for all of their links
+        self.link_budget = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 2**31
         model = getattr(vllm_config, "model_config", None)  # the layers a spec's check_layer must be within
         self.num_layers = model.hf_text_config.num_hidden_layers if model is not None else None
         self._pending: dict[str, Load] = {}
@@ -214,7 +218,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._stats_lock = threading.Lock()  # a link on async_load's thread counts beside the step's thread
 
     # -- scheduler side ---------------------------------------------------------------------------------------
-    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         spec = self._spec(request)
         rid = request.request_id
         if spec is None or num_computed_tokens >= spec.linked or rid in self._unlinked or rid in self._refused:
@@ -225,7 +229,11 @@ class RagcacheConnector(KVConnectorBase_V1):
         if time.monotonic() < self._store_down_until:  # logged once, when the store failed (`_store_failed`)
             self._refuse(request, "store")
             return 0, False
-        return spec.linked - num_computed_tokens, True
+        claim = spec.linked - num_computed_tokens
+        claimed = sum(load.spec.linked - load.start for load in self._pending.values())  # in this step so far
+        if claimed and claimed + claim > self.link_budget:
+            return None, False  # vLLM keeps the request waiting and asks again at the next step
+        return claim, True
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         if num_external_tokens == 0:

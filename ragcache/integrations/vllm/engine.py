@@ -623,7 +623,7 @@ class VllmStream:
 
     def _linked_by_connector(self, done: dict) -> None:
         """Its stats as ragcache's engine counts them: the rows the connector recomputed and the question, which vLLM
-        computes, are recomputed; the rest of the prompt was reused. A link that failed (the store down) was vLLM's
+        computes, are recomputed; the rest of the prompt was reused; its wait ends where its link starts. A link that failed (the store down) was vLLM's
         prefill past its own prefix hit, though vLLM counts the claimed positions as cached."""
         s = self.stats
         if done.get("fallback"):
@@ -632,6 +632,8 @@ class VllmStream:
             return
         s.store_hits, s.store_misses, s.compiled_chunks = (int(done[k]) for k in ("hits", "misses", "compiled"))
         s.fetch_s, s.rotate_s, s.recompute_s = (float(done[k]) for k in ("fetch_s", "rotate_s", "recompute_s"))
+        if s.wait_s is not None:  # vLLM schedules a linked request once its link has run: the wait before the link
+            s.wait_s = max(s.wait_s - s.fetch_s - s.rotate_s - s.recompute_s, 0.0)
         s.recomputed_tokens = int(done["recomputed"]) + s.prompt_tokens - self._linked
         s.cached_tokens = s.prompt_tokens - s.recomputed_tokens
 
