@@ -93,7 +93,8 @@ class CompileResponse(BaseModel):
     ids: list[str]
     documents: list[CompiledDocument]
     stats: dict[str, float | int] = Field(
-        description="documents, skipped, chunks, compiled_chunks, tokens, bytes, seconds"
+        description="documents, skipped (every chunk stored before), repeated (the rest an earlier document of "
+        "the request has), chunks, compiled_chunks, tokens, bytes, seconds"
     )
 
 

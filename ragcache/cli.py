@@ -60,6 +60,7 @@ models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
+RATE_SHARE = 0.95  # a compile's rate is kept for plans when it compiled this share of the tokens it read
 
 
 app.add_typer(store_app, name="store")
@@ -103,14 +104,16 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
     files: list[Path] = []
     for path in paths:
         if _is(path, Path.is_dir):
-            found = _walk(path, glob)
-            skipped = [p for p in found if p.suffix.lower() not in TEXT_SUFFIXES | {".pdf"}]
+            readable: list[Path] = []
+            skipped: list[Path] = []
+            for p in _walk(path, glob):
+                (readable if p.suffix.lower() in TEXT_SUFFIXES | {".pdf"} else skipped).append(p)
             if skipped:
                 err.print(
                     f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
                     f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {escape(_some(skipped))}"
                 )
-            files += [p for p in found if p not in skipped]
+            files += readable
         elif _is(path, Path.is_file):
             files.append(path)
         else:
@@ -125,7 +128,8 @@ def _walk(folder: Path, glob: str | None) -> list[Path]:
     glob names them."""
     named = set(Path(glob).parts) if glob else set()
     found, hidden = [], set()
-    matched = request.glob_paths(folder, "**/*" if glob is None else glob)
+    everything = request.glob_paths(folder, "**/*")
+    matched = everything if glob is None else request.glob_paths(folder, glob)
     for p in matched:
         dirs = [part for part in p.relative_to(folder).parts[:-1] if part.startswith(".") and part not in named]
         if dirs:
@@ -135,6 +139,13 @@ def _walk(folder: Path, glob: str | None) -> list[Path]:
     if hidden:
         err.print(
             f"[dim]not reading the hidden folder(s) {escape(', '.join(sorted(hidden)))} in {escape(str(folder))}[/dim]"
+        )
+    # pathlib's ** does not enter a linked folder (nor loop through one): said, as the folder's files are not read
+    linked = [p for p in everything if p.is_symlink() and p.is_dir() and not p.name.startswith(".")]
+    if linked:
+        err.print(
+            f"[yellow]warning:[/yellow] not following {len(linked)} linked folder(s): {escape(_some(linked))}; "
+            "pass each as an argument to compile what it holds"
         )
     return found
 
@@ -157,6 +168,19 @@ def _source(path: Path) -> str:
     return os.fsencode(path).decode("utf-8", "replace")
 
 
+def _documents(paths: list[Path], glob: str | None, jsonl_field: str | None, doing: str) -> list[tuple[str, dict]]:
+    """(text, metadata) of each document a compile (or its plan) takes, checked as the API checks a text; empty ones
+    are named in a warning and left out."""
+    docs = _read_inputs(paths, glob, jsonl_field)
+    empty = [meta["source"] for text, meta in docs if request.blank(text)]
+    if empty:
+        err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {escape(', '.join(empty[:5]))}")
+    docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if not request.blank(text)]
+    if not docs:
+        raise BadRequest(f"every document given is empty; nothing to {doing}")
+    return docs
+
+
 def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -> list[tuple[str, dict]]:
     """(text, metadata) for every file under the paths; JSONL files give one document per line."""
     docs = []
@@ -170,6 +194,8 @@ def _read_inputs(paths: list[Path], glob: str | None, jsonl_field: str | None) -
                         row = json.loads(line)
                     except json.JSONDecodeError as exc:
                         raise BadRequest(f"{f}:{n}: not JSON ({exc.msg})") from exc
+                    except RecursionError as exc:
+                        raise BadRequest(f"{f}:{n}: not JSON that can be read (nested too deep)") from exc
                     if not isinstance(row, dict) or field not in row:
                         raise BadRequest(
                             f"{f}:{n}: no field {field!r} (each line must be a JSON object; "
@@ -231,14 +257,7 @@ def compile(
         _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_codec, shards)
         return
     try:
-        docs = _read_inputs(paths, glob, jsonl)
-        empty = [meta["source"] for text, meta in docs if request.blank(text)]
-        if empty:
-            skipping = escape(", ".join(empty[:5]))
-            err.print(f"[yellow]warning:[/yellow] skipping {len(empty)} empty document(s): {skipping}")
-        docs = [(request.validate_text(text, meta["source"]), meta) for text, meta in docs if not request.blank(text)]
-        if not docs:
-            raise BadRequest("every document given is empty; nothing to compile")
+        docs = _documents(paths, glob, jsonl, "compile")
         rc, s = _open(model, store, chunk_tokens, dtype, device, kv_codec)
         if per_process(s.store):
             err.print(
@@ -268,10 +287,10 @@ def compile(
             summary = rc.compile_documents(
                 [text for text, _ in docs], [meta for _, meta in docs], progress=on_progress, shards=shards
             )
-        # what a later `--plan` estimates with (vLLM compiles at its own rate); not from a run that skipped
-        # documents, whose time is partly the tokenizing of what was there and would read as a slower compile, nor
-        # from one that wrote shards too
-        if s.engine == "ragcache" and not summary.skipped and shards == 1:
+        # what a later `--plan` estimates with (vLLM compiles at its own rate); not from a run that found much of
+        # its text stored before or repeated, whose time is partly the tokenizing of what it did not compile and
+        # would read as a slower compile, nor from one that wrote shards too
+        if s.engine == "ragcache" and summary.compiled_tokens >= RATE_SHARE * summary.tokens and shards == 1:
             _record_rate(s.model, rc, summary)
         kept = _other_budgets(rc, summary.ids)
         evicted = _disk_evictions(rc.store) - evicted_before
@@ -282,7 +301,9 @@ def compile(
     except (RagCacheError, OSError, json.JSONDecodeError) as exc:
         fail(exc)
     console.print(
-        f"documents {summary.documents} (already compiled {summary.skipped}), chunks {summary.chunks} "
+        f"documents {summary.documents} (already compiled {summary.skipped}"
+        + (f", repeats of others {summary.repeated}" if summary.repeated else "")
+        + f"), chunks {summary.chunks} "
         f"(compiled {summary.compiled_chunks}), tokens {summary.tokens:,}, bytes {summary.bytes:,}, "
         f"time {summary.seconds:.1f}s" + (f", shards written {summary.shards}" if shards > 1 else "")
     )
@@ -347,9 +368,7 @@ def _plan(paths, glob, jsonl, model, store, chunk_tokens, dtype, device, kv_code
     from .compiler import default_layout
 
     try:
-        docs = [(text, meta) for text, meta in _read_inputs(paths, glob, jsonl) if not request.blank(text)]
-        if not docs:
-            raise BadRequest("every document given is empty; nothing to plan")
+        docs = _documents(paths, glob, jsonl, "plan")
         s = load_settings(
             model=model, store=store, chunk_tokens=chunk_tokens, dtype=dtype, device=device, kv_codec=kv_codec
         )

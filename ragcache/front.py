@@ -49,7 +49,8 @@ class CompileReport:
     per_document: list[DocumentReport] = field(default_factory=list)
     documents: int = 0
     ready: int = 0  # documents whose every chunk is compiled (or was already): what a progress bar counts
-    skipped: int = 0  # documents with nothing of their own to compile: stored before, or an earlier one has them
+    skipped: int = 0  # documents whose every chunk was stored before
+    repeated: int = 0  # documents with nothing else to compile: an earlier one of these texts has their other chunks
     chunks: int = 0
     compiled_chunks: int = 0
     tokens: int = 0
@@ -239,7 +240,8 @@ class Front(abc.ABC):
                     report.tokens += sum(map(len, chunks))
                     # a chunk two documents share, once: also when the writer has not stored it yet
                     new = {tuple(ids): ids for ids in missing if tuple(ids) not in compiled and tuple(ids) not in batch}
-                    report.skipped += not new
+                    report.skipped += not missing
+                    report.repeated += bool(missing) and not new
                     batch.update(new)
                     report.per_document.append(DocumentReport(doc_id, len(chunks), sum(map(len, chunks)), len(new)))
                     if any(tuple(ids) in batch for ids in missing):

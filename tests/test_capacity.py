@@ -69,6 +69,21 @@ def test_a_compile_that_skipped_documents_keeps_the_rate_measured_before(tmp_pat
     assert capacity.measured_rate(str(model), "cpu", "float32", "int8") == first
 
 
+def test_a_compile_keeps_its_rate_when_it_compiled_nearly_all_it_read(tmp_path, monkeypatch):
+    """A text given twice is tokenized twice and compiled once: a run of mostly repeats would read as a slow
+    compile, and a corpus with one repeat among many is a fair measure."""
+    from ragcache import cli
+
+    model, docs = a_model_and_docs(tmp_path, monkeypatch, [TEXTS[0], TEXTS[1], TEXTS[0]])
+    monkeypatch.setattr(capacity, "RATE_MIN_TOKENS", 1)
+    args = ["compile", str(docs), "--model", str(model), "--dtype", "float32", "--kv-codec", "int8", "--store"]
+    assert CliRunner().invoke(app, [*args, f"disk:{tmp_path / 'a'}"]).exit_code == 0
+    assert capacity.measured_rate(str(model), "cpu", "float32", "int8") is None  # a third of it repeated
+    monkeypatch.setattr(cli, "RATE_SHARE", 0.5)
+    assert CliRunner().invoke(app, [*args, f"disk:{tmp_path / 'b'}"]).exit_code == 0
+    assert capacity.measured_rate(str(model), "cpu", "float32", "int8") is not None
+
+
 def test_a_compile_whose_disk_tier_evicts_its_entries_says_so(tmp_path, monkeypatch):
     model, docs = a_model_and_docs(tmp_path, monkeypatch, TEXTS)
     args = ["compile", str(docs), "--model", str(model), "--dtype", "float32", "--chunk-tokens", "24"]

@@ -115,6 +115,27 @@ def test_an_empty_file_saved_with_a_byte_order_mark_is_skipped_as_empty(tiny_cli
     assert bom.exit_code == 0 and "skipping 1 empty document(s)" in bom.text and "bom.txt" in bom.text
 
 
+def test_a_linked_folder_is_named_not_skipped_silently(tiny_cli, tmp_path):
+    (tmp_path / "real").mkdir()
+    (tmp_path / "real" / "a.md").write_text("The bridge is old.")
+    (tmp_path / "docs" / "top").mkdir(parents=True)
+    (tmp_path / "docs" / "top" / "b.md").write_text("A long canal.")
+    (tmp_path / "docs" / "linked").symlink_to(tmp_path / "real")
+    for glob in ([], ["--glob", "**/*.md"]):
+        done = tiny_cli("compile", tmp_path / "docs", *glob, "--store", "memory:")
+        assert done.exit_code == 0 and "documents 1" in done.text
+        assert "not following 1 linked folder(s)" in done.text and "linked" in done.text
+
+
+def test_a_text_given_twice_is_a_repeat_not_a_document_compiled_before(tiny_cli, tmp_path):
+    for name, text in (("a.txt", "The bridge is old."), ("b.txt", "The bridge is old."), ("c.txt", "A long canal.")):
+        (tmp_path / name).write_text(text)
+    first = tiny_cli("compile", tmp_path, "--store", "memory:")
+    assert first.exit_code == 0 and "documents 3 (already compiled 0, repeats of others 1)" in first.text
+    again = tiny_cli("compile", tmp_path, "--store", "memory:")
+    assert again.exit_code == 0 and "documents 3 (already compiled 3)" in again.text
+
+
 def test_inputs_are_checked_before_the_model_loads(tiny_cli, tmp_path):
     """A typo'd path is never taken for document text, and bad inputs fail at once with exit 3 and a clear message,
     the model never loaded."""
@@ -272,6 +293,11 @@ def test_bad_input_is_refused_with_exit_3_before_the_model_loads(tiny_cli, tmp_p
     (tmp_path / "half.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair \\ud800"}\n')
     half = tiny_cli("compile", tmp_path / "half.jsonl")
     assert half.exit_code == 3 and "half.jsonl:2 holds a lone surrogate" in half.text
+    plan = tiny_cli("compile", tmp_path / "half.jsonl", "--plan")  # checked as the compile checks it
+    assert plan.exit_code == 3 and "half.jsonl:2 holds a lone surrogate" in plan.text
+    (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
+    deep = tiny_cli("compile", tmp_path / "deep.jsonl")
+    assert deep.exit_code == 3 and "deep.jsonl:1: not JSON" in deep.text and "Traceback" not in deep.text
     question = tiny_cli("query", "caf\udce9?", "--doc", "0" * 32)
     assert question.exit_code == 3 and "the question holds a lone surrogate" in question.text
     pasted = "Paste of a whole document instead of its path. " * 100
