@@ -115,6 +115,10 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
                 )
             files += readable
         elif _is(path, Path.is_file):
+            if glob is not None:
+                err.print(
+                    f"[yellow]warning:[/yellow] --glob picks files in folders; {escape(str(path))} is read as given"
+                )
             files.append(path)
         else:
             raise BadRequest(f"no such file or directory: {request.shown(str(path))}")
@@ -512,6 +516,8 @@ def query(
 ):
     """Answer a question from documents, linking their cached KV."""
     try:
+        if stream and as_json:
+            raise BadRequest("--stream and --json do not go together: --json prints one object once the answer ends")
         docs = [_doc_argument(d) for d in doc]  # before the model loads: a typo fails in milliseconds
         if not question.strip():
             raise EmptyInput("the question is empty")
@@ -527,7 +533,7 @@ def query(
             max_new_tokens=s.max_new_tokens if max_new_tokens is None else max_new_tokens,
         )
         for piece in result:
-            if stream and not as_json:
+            if stream:
                 out(piece, end="")
     except KeyboardInterrupt:
         interrupted()

@@ -125,6 +125,8 @@ def test_a_linked_folder_is_named_not_skipped_silently(tiny_cli, tmp_path):
         done = tiny_cli("compile", tmp_path / "docs", *glob, "--store", "memory:")
         assert done.exit_code == 0 and "documents 1" in done.text
         assert "not following 1 linked folder(s)" in done.text and "linked" in done.text
+    given = tiny_cli("compile", tmp_path / "real" / "a.md", "--glob", "*.txt", "--store", "memory:")
+    assert given.exit_code == 0 and "--glob picks files in folders" in given.text and "documents 1" in given.text
 
 
 def test_a_text_given_twice_is_a_repeat_not_a_document_compiled_before(tiny_cli, tmp_path):
@@ -293,6 +295,8 @@ def test_bad_input_is_refused_with_exit_3_before_the_model_loads(tiny_cli, tmp_p
     (tmp_path / "half.jsonl").write_text('{"text": "fine"}\n{"text": "half a pair \\ud800"}\n')
     half = tiny_cli("compile", tmp_path / "half.jsonl")
     assert half.exit_code == 3 and "half.jsonl:2 holds a lone surrogate" in half.text
+    both = tiny_cli("query", "what?", "--doc", "0" * 32, "--stream", "--json")
+    assert both.exit_code == 3 and "--stream and --json do not go together" in both.text
     plan = tiny_cli("compile", tmp_path / "half.jsonl", "--plan")  # checked as the compile checks it
     assert plan.exit_code == 3 and "half.jsonl:2 holds a lone surrogate" in plan.text
     (tmp_path / "deep.jsonl").write_text('{"text": ' + "[" * 100_000 + "]" * 100_000 + "}\n")
