@@ -182,7 +182,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         # the positions one step's links may claim (at least one link a step): vLLM's own prefill budget. A claim
         # takes no running slot nor token budget while it loads, and a step's links run one after another before its
         # forward: unbounded, a burst of linked requests would hold every decoding stream for all of their links
-        self.link_budget = getattr(vllm_config.scheduler_config, "max_num_batched_tokens", None) or 2**31
+        self.link_budget = vllm_config.scheduler_config.max_num_batched_tokens
         model = getattr(vllm_config, "model_config", None)  # the layers a spec's check_layer must be within
         self.num_layers = model.hf_text_config.num_hidden_layers if model is not None else None
         self._pending: dict[str, Load] = {}
