@@ -70,6 +70,11 @@ def scheduler_side(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler.connector
 
 
+def store_back(llm) -> None:
+    """The connector's backoff after a store failure, over: the next linked request is linked."""
+    scheduler_side(llm)._store_down_until = scheduler_side(llm)._store_backoff = 0.0
+
+
 def test_everything_recomputed_gives_vllms_own_tokens(llm, engine, doc_ids):
     ids, spec = linked_request(engine, doc_ids, "cacheblend", ratio=1.0, check_layer=0)
     linked = generate(llm, ids, spec)
@@ -160,6 +165,8 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     redis_server.stop()
     worker().catalog.store = redis_store
     links = []
+    # the store's backoff outlasts the test's next request on any machine (its length is the unit test's)
+    monkeypatch.setattr("ragcache.integrations.vllm.connector.DEFAULT_RETRY_AFTER_S", 600.0)
     try:
         before = fallbacks("store")
         out = generate(llm, ids, spec)
@@ -168,7 +175,7 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
         again = generate(llm, *linked_request(engine, doc_ids[::-1], "naive", question="Which fish eat algae?"))
     finally:
         worker().catalog.store = live
-        scheduler_side(llm)._store_down_until = 0.0  # the store is back for the tests after this one
+        store_back(llm)  # for the tests after this one
     assert fallbacks("store") == before + 2 and links == [] and LINK_KEY not in (again.kv_transfer_params or {})
     # its finished output says the link failed, with what vLLM's own prefix cache held (its num_cached_tokens keeps
     # the claim): what the answer's usage counts as reused
@@ -183,7 +190,7 @@ def test_links_past_a_steps_budget_wait_for_the_next_step(llm, engine, doc_ids, 
     """Two linked requests at once, with room for one link a step: the second waits in vLLM's queue (not prefilled
     by vLLM) and is linked in a later step; each answers as it does alone."""
     requests = [linked_request(engine, order, "naive", question="What do the bees guard?")
-                for order in ([doc_ids[1], doc_ids[2]], [doc_ids[2], doc_ids[1]])]
+                for order in ([doc_ids[3], doc_ids[2]], [doc_ids[2], doc_ids[3]])]  # orders of their own
     alone = [tokens(generate(llm, ids, spec), engine) for ids, spec in requests]
     assert llm.reset_prefix_cache()  # linked afresh below, not hit
     monkeypatch.setattr(scheduler_side(llm), "link_budget", 1)
@@ -244,7 +251,7 @@ def test_a_request_beside_a_failed_link_never_reads_its_unwritten_blocks(llm, en
             finished.update({out.request_id: out for out in core.step() if out.finished})
     finally:
         worker().catalog.store = live
-        scheduler_side(llm)._store_down_until = 0.0
+        store_back(llm)
     assert finished["beside-b"].outputs[0].token_ids == generate(llm, ids).outputs[0].token_ids
 
 
@@ -260,7 +267,7 @@ def test_a_store_down_when_the_worker_starts_is_opened_at_a_later_link(llm, engi
         generate(llm, ids, spec)
         assert fallbacks("store") == before + 1 and w._catalog is None
         w.store_url = url  # the store is back, and the connector's wait after a failure over
-        scheduler_side(llm)._store_down_until = 0.0
+        store_back(llm)
         ids, spec = linked_request(engine, [doc_ids[2], doc_ids[1]], "naive", question="Which ships use the canal?")
         out = generate(llm, ids, spec)
         assert fallbacks("store") == before + 1 and w._catalog is not None and worker() is w
