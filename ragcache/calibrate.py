@@ -97,11 +97,13 @@ def find_profile(fingerprint: str, dtype: str, shipped: Path | None = None, kv_c
     for folder in (exact.parent, shipped):
         if folder is None:
             continue
-        for path in (folder / exact.name, folder / unrecorded.name):
-            profile = read_profile(path)
+        tried = dict.fromkeys((exact.name, unrecorded.name))  # one name where no codec is given
+        for name in tried:
+            profile = read_profile(folder / name)
             if profile is not None and profile.fingerprint == fingerprint:
                 return profile
-        read = (read_profile(path) for path in sorted(folder.glob(f"{unrecorded.stem}-*.json")))
+        paths = sorted(p for p in folder.glob(f"{unrecorded.stem}-*.json") if p.name not in tried)
+        read = (read_profile(path) for path in paths)
         others = [p for p in read if p is not None and p.fingerprint == fingerprint and p.dtype == dtype]
         if others:
             return max(others, key=lambda p: p.created)

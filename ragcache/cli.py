@@ -60,6 +60,7 @@ models_app = typer.Typer(help="Built-in models.", no_args_is_help=True)
 app.add_typer(models_app, name="models")
 
 TEXT_SUFFIXES = {".txt", ".md", ".jsonl"}
+READ_SUFFIXES = TEXT_SUFFIXES | {".pdf"}  # what a folder's walk compiles
 RATE_SHARE = 0.95  # a compile's rate is kept for plans when it compiled this share of the tokens it read
 
 
@@ -107,11 +108,11 @@ def _input_files(paths: list[Path], glob: str | None) -> list[Path]:
             readable: list[Path] = []
             skipped: list[Path] = []
             for p in _walk(path, glob):
-                (readable if p.suffix.lower() in TEXT_SUFFIXES | {".pdf"} else skipped).append(p)
+                (readable if p.suffix.lower() in READ_SUFFIXES else skipped).append(p)
             if skipped:
                 err.print(
                     f"[yellow]warning:[/yellow] skipping {len(skipped)} file(s) that are not "
-                    f"{', '.join(sorted(TEXT_SUFFIXES | {'.pdf'}))}: {escape(_some(skipped))}"
+                    f"{', '.join(sorted(READ_SUFFIXES))}: {escape(_some(skipped))}"
                 )
             files += readable
         elif _is(path, Path.is_file):

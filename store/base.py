@@ -30,6 +30,33 @@ DEFAULT_PROBE_S = 0.25
 DEFAULT_MAX_PROBE_S = 2.0
 
 
+@dataclass
+class Backoff:
+    """How long a failing store is left alone: `first` seconds once it fails, doubling up to `most` while each retry
+    fails, over once it answers. Pure state: the caller passes its clock's time."""
+
+    first: float = DEFAULT_RETRY_AFTER_S
+    most: float = DEFAULT_MAX_RETRY_AFTER_S
+    wait: float = 0.0  # the current wait; 0 while the store answers
+    until: float = 0.0  # no retry before it
+
+    @property
+    def failing(self) -> bool:
+        return self.wait > 0
+
+    def failed(self, now: float, started: float | None = None) -> bool:
+        """A call made at `started` (None: now) failed. False for a call under way when another one began the wait
+        (calls failing together are one failure: only a retry lengthens the wait)."""
+        if self.failing and (now if started is None else started) < self.until:
+            return False
+        self.wait = min(2 * self.wait, self.most) if self.failing else self.first
+        self.until = now + self.wait
+        return True
+
+    def answered(self) -> None:
+        self.wait = self.until = 0.0
+
+
 SIZE_FORMS = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"
 _UNITS = {"": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
 _SIZE = re.compile(r"(\d{1,9}(?:\.\d{1,9})?)\s*([kmgt]ib|b)?", re.ASCII | re.IGNORECASE)

@@ -31,6 +31,7 @@ from .base import (
     DEFAULT_MAX_RETRY_AFTER_S,
     DEFAULT_PROBE_S,
     DEFAULT_RETRY_AFTER_S,
+    Backoff,
     RecordCheck,
     Store,
     TierUnavailable,
@@ -63,13 +64,15 @@ TOUCHED_MAX = 1 << 16
 
 @dataclass
 class TierState:
-    down: bool = False
-    retry_at: float = 0.0
-    backoff: float = 0.0
+    backoff: Backoff
     reason: str = ""
     write_failing: bool = False
     write_retry_at: float = 0.0  # when a tier refusing writes is tried again with the entries it missed
     failures: int = 0  # calls that failed as the tier being unreachable, ever (Store.outages)
+
+    @property
+    def down(self) -> bool:
+        return self.backoff.failing
 
 
 def said(error: StoreError) -> StoreError:
@@ -104,7 +107,7 @@ class TieredStore(Store):
         self.max_retry_after = max(max_retry_after, retry_after)
         self.clock = clock
         self.probe_s, self.max_probe_s = probe_s, max(max_probe_s, probe_s)
-        self.states = [TierState() for _ in self.tiers]
+        self.states = [TierState(Backoff(self.retry_after, self.max_retry_after)) for _ in self.tiers]
         self._lock = threading.Lock()
         self._prober: threading.Thread | None = None  # runs while a probed tier is down
         self._closed = threading.Event()
@@ -131,7 +134,7 @@ class TieredStore(Store):
     # -- fault handling -----------------------------------------------------------------------------
     def _usable(self, i: int) -> bool:
         state = self.states[i]
-        return not state.down or (not self.tiers[i].probed and self.clock() >= state.retry_at)
+        return not state.down or (not self.tiers[i].probed and self.clock() >= state.backoff.until)
 
     def _call(self, i: int, fn, *args, write: bool = False):
         """(result, True) or (None, False) when tier i failed (and is now marked down or its write refused)."""
@@ -151,7 +154,8 @@ class TieredStore(Store):
                 back = state.down
                 if state.down:
                     log.warning("store tier %s is back", self.tiers[i].name)
-                    state.down, state.backoff, state.reason = False, 0.0, ""
+                    state.backoff.answered()
+                    state.reason = ""
                 if write and state.write_failing:
                     log.warning("store tier %s accepts writes again", self.tiers[i].name)
                     state.write_failing, state.reason = False, ""
@@ -233,17 +237,15 @@ class TieredStore(Store):
                     state.write_failing = True
                 return
             state.failures += 1
-            if state.down and (self.clock() if started is None else started) < state.retry_at:
+            was_down = state.down
+            if not state.backoff.failed(self.clock(), started):
                 return  # under way when the tier went down: no retry of it
-            if state.down:  # a retry that failed again
-                state.backoff = min(state.backoff * 2, self.max_retry_after)
-                log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff)
+            if was_down:  # a retry that failed again
+                log.debug("store tier %s still down (%s); next try in %.1f s", name, exc, state.backoff.wait)
             else:
-                state.down, state.backoff = True, self.retry_after
-                again = "probing it" if self.tiers[i].probed else f"retrying in {state.backoff:.1f} s"
+                again = "probing it" if self.tiers[i].probed else f"retrying in {state.backoff.wait:.1f} s"
                 log.warning("store tier %s is down (%s); skipping it, %s", name, exc, again)
             state.reason = str(exc)
-            state.retry_at = self.clock() + state.backoff
             if self.tiers[i].probed and self._prober is None and not self._closed.is_set():
                 self._prober = threading.Thread(target=self._probe, name="ragcache-store-probe", daemon=True)
                 self._prober.start()

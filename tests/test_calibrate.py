@@ -78,6 +78,19 @@ def test_a_profile_per_kv_codec_and_the_nearest_one_where_this_codec_has_none(tm
     assert cal.load_profile(tiny.make("qwen2"), "int8") is None
 
 
+def test_a_damaged_profile_of_this_codec_is_read_once_and_another_codecs_serves(tmp_path, monkeypatch, caplog):
+    """The search for another codec's profile matched this codec's file too: a damaged one was read, and warned
+    about, twice."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    lm = tiny.make("llama")
+    fp32 = cal.Profile(lm.name, lm.fingerprint, "float32", 0.95, 10, 32, 0.3, created=2.0, kv_codec="fp32")
+    cal.save_profile(fp32)
+    cal.profile_path(lm.fingerprint, "float32", "int8").write_text("{not json")
+    with caplog.at_level("WARNING", logger="ragcache"):
+        assert cal.load_profile(lm, "int8") == fp32
+    assert sum("cannot be read" in r.getMessage() for r in caplog.records) == 1
+
+
 def test_on_a_tiny_model_k_at_the_chunk_length_is_exact():
     from ragcache.facade import RagCache
     from ragcache.settings import EngineConfig

@@ -368,9 +368,9 @@ def test_backoff_doubles_while_the_tier_stays_down():
     store = TieredStore([flaky, MemoryStore()], retry_after=1.0, max_retry_after=4.0, clock=lambda: now[0])
     store.get_many(["a"])
     for expected in (2.0, 4.0, 4.0):
-        now[0] = store.states[0].retry_at
+        now[0] = store.states[0].backoff.until
         store.get_many(["a"])
-        assert store.states[0].backoff == expected
+        assert store.states[0].backoff.wait == expected
 
 
 def test_calls_under_way_when_a_tier_goes_down_do_not_lengthen_its_backoff():
@@ -393,11 +393,11 @@ def test_calls_under_way_when_a_tier_goes_down_do_not_lengthen_its_backoff():
     flaky.get_many = together
     with ThreadPoolExecutor(5) as pool:
         list(pool.map(lambda _: store.get_many(["a"]), range(5)))
-    assert store.states[0].down and store.states[0].backoff == 5.0 and store.states[0].retry_at == 5.0
+    assert store.states[0].down and store.states[0].backoff.wait == 5.0 and store.states[0].backoff.until == 5.0
     flaky.get_many = read
     now[0] = 5.0  # the retry, failing again, doubles it
     store.get_many(["a"])
-    assert store.states[0].backoff == 10.0
+    assert store.states[0].backoff.wait == 10.0
 
 
 def test_a_write_no_tier_takes_fails_with_store_error():

@@ -12,6 +12,7 @@ from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from prometheus_client import REGISTRY
 from ragcache.integrations.vllm.spec import LINK_KEY, SPEC_KEY, LinkSpec, link_request
+from ragcache.store.base import Backoff
 from tests.redis_server import redis_server  # noqa: F401  (fixture)
 
 QUESTION = "What do bees make, and where do they keep it?"
@@ -72,7 +73,7 @@ def scheduler_side(llm):
 
 def store_back(llm) -> None:
     """The connector's backoff after a store failure, over: the next linked request is linked."""
-    scheduler_side(llm)._store_down_until = scheduler_side(llm)._store_backoff = 0.0
+    scheduler_side(llm)._store_backoff = Backoff()
 
 
 def test_everything_recomputed_gives_vllms_own_tokens(llm, engine, doc_ids):
@@ -166,7 +167,7 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     worker().catalog.store = redis_store
     links = []
     # the store's backoff outlasts the test's next request on any machine (its length is the unit test's)
-    monkeypatch.setattr("ragcache.integrations.vllm.connector.DEFAULT_RETRY_AFTER_S", 600.0)
+    scheduler_side(llm)._store_backoff = Backoff(first=600.0)
     try:
         before = fallbacks("store")
         out = generate(llm, ids, spec)

@@ -47,7 +47,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 from ragcache.errors import BadAdapter, RagCacheError, StoreError
-from ragcache.settings import DEFAULT_MAX_RETRY_AFTER_S, DEFAULT_RETRY_AFTER_S
+from ragcache.store.base import Backoff
 
 from .layers import tensor_parallel
 from .spec import LINK_FIELDS, LINK_KEY, NAME, SPEC_KEY, SPLITS, BadLinkSpec, LinkSpec, Load, split_problem
@@ -193,8 +193,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         self._claimed: dict[str, set[int]] = {}  # the blocks each linking request's link writes, until it finishes
         self._unlinked: set[str] = set()  # requests whose link failed: vLLM prefills them from then on
         self._local_hits: dict[str, int] = {}  # what vLLM's prefix cache held of a claimed request at its first claim
-        self._store_down_until = 0.0  # time.monotonic(): no link is claimed before it (`_store_failed`)
-        self._store_backoff = 0.0  # the last wait; 0 while the store answers
+        self._store_backoff = Backoff()  # on time.monotonic(): no link is claimed before its end (`_store_failed`)
         # async_load: a link runs on a thread (and CUDA stream) of its own while vLLM's steps go on, its requests
         # waiting, the others decoding. CUDA only: on CPU vLLM's kernels crashed (SIGSEGV) when a link ran beside a
         # step. By default a link runs in the step that claimed it, before its forward, and that step's get_finished
@@ -226,7 +225,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             # where a claim would start the same failing load again, for as long as the cause lasts; nor is a
             # request refused while the store was failing, counted as prefilled by vLLM
             return 0, False
-        if time.monotonic() < self._store_down_until:  # logged once, when the store failed (`_store_failed`)
+        if time.monotonic() < self._store_backoff.until:  # logged once, when the store failed (`_store_failed`)
             self._refuse(request, "store")
             return 0, False
         claim = spec.linked - num_computed_tokens
@@ -269,7 +268,7 @@ class RagcacheConnector(KVConnectorBase_V1):
         if data.get("fallbacks", {}).get("store"):
             self._store_failed()
         elif data.get("requests"):  # a link read the store
-            self._store_backoff = 0.0
+            self._store_backoff.answered()
         for request_id, done in data.get("requests", {}).items():
             self._claimed.pop(request_id, None)  # linked: its blocks may go to others once preempted
             if request_id in self._linking:  # not one that finished already
@@ -285,15 +284,12 @@ class RagcacheConnector(KVConnectorBase_V1):
         """A link failed for the store: claim none for a while, longer while the store keeps failing. The workers
         need no say in it (under tensor parallelism their ranks could disagree on a clock): what is not claimed is
         not loaded."""
-        first = self._store_backoff == 0
-        self._store_backoff = (
-            DEFAULT_RETRY_AFTER_S if first else min(2 * self._store_backoff, DEFAULT_MAX_RETRY_AFTER_S)
-        )
-        self._store_down_until = time.monotonic() + self._store_backoff
+        first = not self._store_backoff.failing
+        self._store_backoff.failed(time.monotonic())
         log.log(
             logging.WARNING if first else logging.DEBUG,
             "ragcache's store failed a link; vLLM prefills linked requests for the next %.0f s, then a link tries it",
-            self._store_backoff,
+            self._store_backoff.wait,
         )
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
