@@ -231,6 +231,7 @@ def create_app(rc: Front, settings: Settings, owns_engine: bool = False) -> Fast
         pool = ThreadPoolExecutor(settings.max_queue + 8, thread_name_prefix="ragcache-api", initializer=compute_inline)
         asyncio.get_running_loop().set_default_executor(pool)
         yield
+        metrics.close()
         queue.shutdown()
         if owns_engine:
             await asyncio.to_thread(rc.close)

@@ -1,12 +1,26 @@
 """Prometheus metrics: HTTP requests and latencies per route and status, TTFT per link algorithm, token counters,
-queue depth, and the store's hits / misses / bytes per tier (read from store.stats() at scrape time)."""
+queue depth, and the store's hits / misses / bytes per tier (read from store.stats() at scrape time).
+
+Under `serve --workers N` a scrape reaches one worker, so each worker writes its values into prometheus_client's
+multiprocess files (the folder the supervisor names in MULTIPROC_ENV) and a scrape adds up every worker's: counters
+and histograms summed, what is read at scrape time published as gauges, one series per worker (`Published`)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import threading
 import time
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+    multiprocess,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ragcache.engine import QueryStats
@@ -20,6 +34,8 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})  # any other is "other": a
 # label per made-up method would grow the registry without bound
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client as it is imported
+PUBLISH_S = 5.0  # how often a worker publishes what it reads at scrape time (and before it answers a scrape)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 # store.stats() field -> (metric suffix, help, counter?)
@@ -111,6 +127,45 @@ def measuring_families(m: Measuring):
     yield checks
 
 
+class Published:
+    """What a worker reads at scrape time (its queue, its store's counts), written as multiprocess gauges that keep
+    one series per live worker (a `pid` label, prometheus_client's "liveall"): the worker a scrape reaches cannot
+    read the others' queues or stores. Counter families become gauges of the same sample names."""
+
+    def __init__(self, sources: list):
+        self.sources = sources
+        self.gauges: dict[str, Gauge] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ragcache-metrics", daemon=True)
+
+    def start(self) -> None:
+        self.publish()  # a worker's series exist from its start, not from its first refresh
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def publish(self) -> None:
+        with self._lock:
+            for family in (family for source in self.sources for family in source()):
+                for sample in family.samples:
+                    gauge = self.gauges.get(sample.name)
+                    if gauge is None:
+                        gauge = self.gauges[sample.name] = Gauge(
+                            sample.name, family.documentation, list(sample.labels), multiprocess_mode="liveall",
+                            registry=None,
+                        )  # fmt: skip
+                    (gauge.labels(**sample.labels) if sample.labels else gauge).set(sample.value)
+
+    def _run(self) -> None:
+        while not self._stop.wait(PUBLISH_S):
+            try:
+                self.publish()
+            except Exception:  # the next refresh tries again; a scrape says what fails
+                log.exception("publishing this worker's metrics failed")
+
+
 class Metrics:
     def __init__(self, store: Store, queue: EngineQueue, engine=None, measuring: Measuring | None = None):
         self.registry = r = CollectorRegistry()
@@ -124,6 +179,7 @@ class Metrics:
             "ragcache_request_body_bytes",
             "bytes of the request bodies under way, as they arrived (max_bodies_mib)",
             registry=r,
+            multiprocess_mode="livesum",
         )
         self.latency = Histogram(
             "ragcache_http_request_duration_seconds",
@@ -168,6 +224,7 @@ class Metrics:
             "fraction of the recent guard checks whose next-token argmax equals full's",
             ["model", "algorithm"],
             registry=r,
+            multiprocess_mode="livemostrecent",
         )
         self.guard_kl = Histogram(
             "ragcache_guard_kl",
@@ -183,12 +240,16 @@ class Metrics:
             ["model", "algorithm"],
             registry=r,
         )
-        r.register(Collector(lambda: queue_families(queue)))
+        sources = [lambda: queue_families(queue), lambda: store_families(store)]
         if measuring is not None:
-            r.register(Collector(lambda: measuring_families(measuring)))
-        r.register(Collector(lambda: store_families(store)))
+            sources.append(lambda: measuring_families(measuring))
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
-            r.register(Collector(lambda: engine.engine_metrics()))
+            sources.append(lambda: engine.engine_metrics())
+        self.published = Published(sources) if os.environ.get(MULTIPROC_ENV) else None
+        if self.published is not None:
+            self.published.start()
+        for source in sources:
+            r.register(Collector(source))
 
     def observe_answer(self, stats: QueryStats) -> None:
         algorithm = stats.algorithm or "unknown"
@@ -211,7 +272,16 @@ class Metrics:
         self.latency.labels(*labels).observe(seconds)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if self.published is None:
+            return generate_latest(self.registry)
+        self.published.publish()  # this worker's as of now; the others' as of their last refresh
+        every_worker = CollectorRegistry()
+        multiprocess.MultiProcessCollector(every_worker)
+        return generate_latest(every_worker)
+
+    def close(self) -> None:
+        if self.published is not None:
+            self.published.close()
 
 
 class MetricsMiddleware:

@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import multiprocess
 from uvicorn.config import STARTUP_FAILURE
 from uvicorn.supervisors import Multiprocess
 
@@ -29,6 +32,7 @@ from ragcache.store import check_url, per_process, shown
 
 from .app import create_app, is_loopback
 from .connections import Config, Limits
+from .metrics import MULTIPROC_ENV
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
 SUPERVISOR_ENV = "RAGCACHE_API_SUPERVISOR_PID"  # the `serve --workers` process its workers may ask to stop
@@ -138,6 +142,16 @@ def _serve_workers(settings: Settings, workers: int, sock: socket.socket) -> Non
         log.warning("store %s is per process: with %d workers each one has its own documents", settings.store, workers)
     os.environ[SETTINGS_ENV] = settings.model_dump_json()
     os.environ[SUPERVISOR_ENV] = str(os.getpid())
+    # the workers' metrics, added up by whichever answers a scrape (api/metrics.py); a folder of this run's only, as
+    # files left by another run would add its counts
+    os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="ragcache-metrics-")
+    try:
+        _supervise(settings, workers, sock)
+    finally:
+        shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
+
+
+def _supervise(settings: Settings, workers: int, sock: socket.socket) -> None:
     # a worker loading its model answers the supervisor's pings slowly: don't kill it for that
     served = config(
         "ragcache.api.server:factory",
@@ -170,7 +184,11 @@ class Supervisor(Multiprocess):
         self._let_go_of_child_ends()
 
     def keep_subprocess_alive(self) -> None:
+        before = [process.pid for process in self.processes]
         super().keep_subprocess_alive()
+        for pid, process in zip(before, self.processes, strict=True):
+            if pid is not None and process.pid != pid:  # started again: the dead one's gauges leave /metrics
+                multiprocess.mark_process_dead(pid)
         self._let_go_of_child_ends()  # a worker started again
 
     def _let_go_of_child_ends(self) -> None:

@@ -28,6 +28,7 @@ import uvicorn
 from hypothesis import HealthCheck, event, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
 
 from ragcache.api.app import create_app
 from ragcache.facade import RagCache
@@ -1075,6 +1076,15 @@ def test_ragcache_serve_with_two_workers(tmp_path):
             r = httpx.post(f"{served.url}/v1/query", timeout=300, json={
                 "question": "Who keeps bees?", "documents": doc.json()["ids"], "max_tokens": 1})
             assert r.status_code == 200, r.text
+        # a scrape reaches one worker and says what both counted: the queries wherever they ran, and each worker's
+        # queue (read at scrape time, published by each worker: one series a worker)
+        for _ in range(4):
+            families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{served.url}/metrics").text)}
+            queries = [s.value for s in families["ragcache_http_requests"].samples
+                       if s.name.endswith("_total") and s.labels["route"] == "/v1/query"]
+            assert sum(queries) == 2, queries
+            assert len({s.labels["pid"] for s in families["ragcache_queue_limit"].samples}) == 2
+            assert len({s.labels["pid"] for s in families["ragcache_store_tier_up"].samples}) == 2
     log = served.log.read_text()
     # ragcache's INFO lines reach the server's output, in each worker: the device chosen, and why
     assert log.count("device cpu (auto: ") == 2, log[-3000:]
