@@ -293,6 +293,9 @@ def install(model: torch.nn.Module, device: torch.device, batch_invariant: bool,
     return Invariance(how, tuple({tiling.tiles for tiling in tilings.values()}))
 
 
+_CUTS: dict[tuple, bool] = {}
+
+
 def cuts_alike(
     heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, window: int | None = None
 ) -> bool:
@@ -300,7 +303,19 @@ def cuts_alike(
     model's attention shape, without a window and with the model's (`window`, capped where 600 rows reach past it).
     Its matmuls' row counts follow the piece, and a CPU's GEMM may round a row by them (the Linears' probe finds some
     that do); on CUDA the Triton kernel's tiles are its own, but what its compiled code does (a windowed layer's
-    too) is for the device to show: checked once at start on random rows, in milliseconds."""
+    too) is for the device to show: checked at start on random rows, in milliseconds (seconds in Triton's
+    interpreter), once a process for each shape, kernel and thread count."""
+    device = torch.device(device)
+    key = (heads, kv_heads, head_dim, dtype, device, window, kernels.backend_for(device), kernels.aligned_attention,
+           torch.get_num_threads())  # fmt: skip
+    if key not in _CUTS:
+        _CUTS[key] = _cuts_alike(heads, kv_heads, head_dim, dtype, device, window)
+    return _CUTS[key]
+
+
+def _cuts_alike(
+    heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device, window: int | None
+) -> bool:
     generator = torch.Generator().manual_seed(0)
     query, keys, values = (
         torch.randn(h, 600, head_dim, generator=generator).to(device, dtype) for h in (heads, kv_heads, kv_heads)
