@@ -2,8 +2,9 @@
 queue depth, and the store's hits / misses / bytes per tier (read from store.stats() at scrape time).
 
 Under `serve --workers N` a scrape reaches one worker, so each worker writes its values into prometheus_client's
-multiprocess files (the folder the supervisor names in MULTIPROC_ENV) and a scrape adds up every worker's: counters
-and histograms summed, what is read at scrape time published as gauges, one series per worker (`Published`)."""
+multiprocess files (a folder the supervisor makes, named in MULTIPROC_ENV and WORKERS_ENV) and a scrape adds up every
+worker's: counters and histograms summed, what is read at scrape time published as gauges, one series per worker
+(`Published`). One process reads its own registry, whatever PROMETHEUS_MULTIPROC_DIR says."""
 
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ KL_BUCKETS = (0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3)
 METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})  # any other is "other": a
 # label per made-up method would grow the registry without bound
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"  # read by prometheus_client as it is imported
+WORKERS_ENV = "RAGCACHE_WORKERS_METRICS_DIR"  # set by `serve --workers` beside it: this process is one of them
 PUBLISH_S = 5.0  # how often a worker publishes what it reads at scrape time (and before it answers a scrape)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
@@ -140,7 +142,7 @@ class Published:
         self._thread = threading.Thread(target=self._run, name="ragcache-metrics", daemon=True)
 
     def start(self) -> None:
-        self.publish()  # a worker's series exist from its start, not from its first refresh
+        self._publish_logged()  # a worker's series exist from its start, not from its first refresh
         self._thread.start()
 
     def close(self) -> None:
@@ -160,10 +162,13 @@ class Published:
 
     def _run(self) -> None:
         while not self._stop.wait(PUBLISH_S):
-            try:
-                self.publish()
-            except Exception:  # the next refresh tries again; a scrape says what fails
-                log.exception("publishing this worker's metrics failed")
+            self._publish_logged()
+
+    def _publish_logged(self) -> None:
+        try:
+            self.publish()
+        except Exception:  # the next refresh tries again; a scrape says what fails
+            log.exception("publishing this worker's metrics failed")
 
 
 class Metrics:
@@ -245,7 +250,7 @@ class Metrics:
             sources.append(lambda: measuring_families(measuring))
         if engine is not None:  # the engine's own metrics (vLLM's `vllm:*`, the connector's among them)
             sources.append(lambda: engine.engine_metrics())
-        self.published = Published(sources) if os.environ.get(MULTIPROC_ENV) else None
+        self.published = Published(sources) if os.environ.get(WORKERS_ENV) else None
         if self.published is not None:
             self.published.start()
         for source in sources:

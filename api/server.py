@@ -32,7 +32,7 @@ from ragcache.store import check_url, per_process, shown
 
 from .app import create_app, is_loopback
 from .connections import Config, Limits
-from .metrics import MULTIPROC_ENV
+from .metrics import MULTIPROC_ENV, WORKERS_ENV
 
 SETTINGS_ENV = "RAGCACHE_API_SETTINGS_JSON"
 SUPERVISOR_ENV = "RAGCACHE_API_SUPERVISOR_PID"  # the `serve --workers` process its workers may ask to stop
@@ -144,11 +144,15 @@ def _serve_workers(settings: Settings, workers: int, sock: socket.socket) -> Non
     os.environ[SUPERVISOR_ENV] = str(os.getpid())
     # the workers' metrics, added up by whichever answers a scrape (api/metrics.py); a folder of this run's only, as
     # files left by another run would add its counts
-    os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="ragcache-metrics-")
+    if os.environ.get(MULTIPROC_ENV):
+        log.warning("%s is set: the workers' metrics go to a folder of this run's instead", MULTIPROC_ENV)
+    folder = tempfile.mkdtemp(prefix="ragcache-metrics-")
+    os.environ[MULTIPROC_ENV] = os.environ[WORKERS_ENV] = folder
     try:
         _supervise(settings, workers, sock)
     finally:
-        shutil.rmtree(os.environ.pop(MULTIPROC_ENV), ignore_errors=True)
+        del os.environ[WORKERS_ENV], os.environ[MULTIPROC_ENV]
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _supervise(settings: Settings, workers: int, sock: socket.socket) -> None:
@@ -182,14 +186,19 @@ class Supervisor(Multiprocess):
     def init_processes(self) -> None:
         super().init_processes()
         self._let_go_of_child_ends()
+        self._workers = self._pids()
 
     def keep_subprocess_alive(self) -> None:
-        before = [process.pid for process in self.processes]
         super().keep_subprocess_alive()
-        for pid, process in zip(before, self.processes, strict=True):
-            if pid is not None and process.pid != pid:  # started again: the dead one's gauges leave /metrics
-                multiprocess.mark_process_dead(pid)
         self._let_go_of_child_ends()  # a worker started again
+        # a worker gone (dead and started again, or ended by SIGHUP's restart or SIGTTOU): its gauges leave /metrics
+        workers = self._pids()
+        for pid in self._workers - workers:
+            multiprocess.mark_process_dead(pid)
+        self._workers = workers
+
+    def _pids(self) -> set[int]:
+        return {process.pid for process in self.processes if process.pid is not None}
 
     def _let_go_of_child_ends(self) -> None:
         # uvicorn keeps the worker's end of each health-check pipe open here too, so a ping sent just before a

@@ -33,16 +33,13 @@ DEFAULT_MAX_PROBE_S = 2.0
 @dataclass
 class Backoff:
     """How long a failing store is left alone: `first` seconds once it fails, doubling up to `most` while each retry
-    fails, over once it answers. Pure state: the caller passes its clock's time."""
+    fails. Pure state: the caller passes its clock's time."""
 
     first: float = DEFAULT_RETRY_AFTER_S
     most: float = DEFAULT_MAX_RETRY_AFTER_S
-    wait: float = 0.0  # the current wait; 0 while the store answers
+    failing: bool = False  # from a failure until the store answers
+    wait: float = 0.0  # the current wait
     until: float = 0.0  # no retry before it
-
-    @property
-    def failing(self) -> bool:
-        return self.wait > 0
 
     def failed(self, now: float, started: float | None = None) -> bool:
         """A call made at `started` (None: now) failed. False for a call under way when another one began the wait
@@ -50,11 +47,13 @@ class Backoff:
         if self.failing and (now if started is None else started) < self.until:
             return False
         self.wait = min(2 * self.wait, self.most) if self.failing else self.first
-        self.until = now + self.wait
+        self.failing, self.until = True, now + self.wait
         return True
 
     def answered(self) -> None:
-        self.wait = self.until = 0.0
+        """The store answered: its next failure waits `first` again. A wait under way is kept (an answer to a call
+        made before the failure does not end it)."""
+        self.failing, self.wait = False, 0.0
 
 
 SIZE_FORMS = "a size such as 512MiB or 16GiB (units B, KiB, MiB, GiB, TiB: binary, so GiB, not GB)"

@@ -373,6 +373,24 @@ def test_backoff_doubles_while_the_tier_stays_down():
         assert store.states[0].backoff.wait == expected
 
 
+def test_a_tier_that_failed_is_down_with_no_backoff_too(tmp_path):
+    """With retry_after 0 a failed tier must still count as down (tried at once by the next call): a record write
+    retried it forever when "down" was read from the wait's length."""
+    import threading
+
+    flaky = LastingFlaky()
+    flaky.broken = True
+    store = TieredStore([flaky, DiskStore(tmp_path)], retry_after=0.0)
+    writer = threading.Thread(target=store.put_record, args=("doc/x", {"text": "x"}), daemon=True)  # the disk keeps it
+    writer.start()
+    writer.join(10)
+    assert not writer.is_alive(), "the record write never ended"
+    assert store.states[0].down and store.up() == [False, True]
+    flaky.broken = False
+    assert store.get_record("doc/x") == {"text": "x"}  # the flaky tier tried again at once, and back
+    assert store.up() == [True, True]
+
+
 def test_calls_under_way_when_a_tier_goes_down_do_not_lengthen_its_backoff():
     """Five reads of a disk tier that fail together (an NFS hiccup): each landed in "still down" and doubled the
     wait, so a 5 s backoff became the 60 s cap, and uploads (which need a lasting tier) failed for a minute."""

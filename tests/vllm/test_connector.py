@@ -381,6 +381,10 @@ def test_after_the_store_fails_a_link_no_link_is_claimed_for_a_while(monkeypatch
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r6"), 0) == claim
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"fallbacks": {"bad_spec": 1}})))
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r7"), 0) == claim  # another kind of failure
+    c.update_connector_output(failed)
+    # a link that read the store before it failed, reported after, does not end the wait
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r6": {"hits": 1}}})))
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r8"), 0) == (0, False)
 
 
 def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():

@@ -167,7 +167,7 @@ def test_a_redis_store_that_goes_down_falls_back_to_vllms_prefill(llm, engine, d
     worker().catalog.store = redis_store
     links = []
     # the store's backoff outlasts the test's next request on any machine (its length is the unit test's)
-    scheduler_side(llm)._store_backoff = Backoff(first=600.0)
+    scheduler_side(llm)._store_backoff = Backoff(first=600.0, most=600.0)
     try:
         before = fallbacks("store")
         out = generate(llm, ids, spec)
