@@ -606,6 +606,24 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
         late.stdout)
 
 
+def test_a_fault_a_section_caught_in_its_rows_still_counts_as_a_lost_context(monkeypatch):
+    """A sub-step's try (codec links, cold read, repair cost) keeps an illegal access as a row and the section ends
+    normally: the suite must still go on in a fresh process, or every later section fails with the broken context."""
+    from bench import gpu
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    assert not gpu._context_lost(cuda, [{"check": "codec links", "ok": True}])
+    assert gpu._context_lost(cuda, [{"cold read": {"error": "RuntimeError('CUDA error: an illegal memory access was "
+                                                            "encountered')"}}])
+
+    def broken(device=None):
+        raise RuntimeError("CUDA error: unspecified launch failure")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", broken)
+    assert gpu._context_lost(cuda, [{"check": "codec links", "ok": True}])
+
+
 def test_after_a_cuda_fault_the_suite_runs_the_rest_in_a_fresh_process_and_keeps_its_rows(tmp_path, monkeypatch):
     """An illegal access leaves the process's CUDA context broken: every later section of the H200 run at f044cdf
     failed with it. The suite replaces itself by a process that runs the sections not done (`--skip` the done ones)
