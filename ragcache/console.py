@@ -53,8 +53,10 @@ def closing_opened() -> Callable[[], None]:
     return close
 
 
-def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
-    """Progress bars on stderr: each task's name, bar, done/total and time so far, then `extra` columns."""
+def bars(*extra: ProgressColumn, transient: bool = False, rate_window_s: float = 30.0) -> Progress:
+    """Progress bars on stderr: each task's name, bar, done/total and time so far, then `extra` columns. A time
+    remaining comes from the rate over the last `rate_window_s` (rich's default): none while fewer than two updates
+    fall within it."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -63,6 +65,7 @@ def bars(*extra: ProgressColumn, transient: bool = False) -> Progress:
         *extra,
         console=err,
         transient=transient,
+        speed_estimate_period=rate_window_s,
     )
 
 

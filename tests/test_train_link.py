@@ -389,3 +389,77 @@ def test_train_link_closes_an_engine_it_opened_however_it_ends(tmp_path, monkeyp
     with pytest.raises(errors.BadRequest, match="base model"):
         tl.train_link(config(tmp_path))
     assert closed == [errors.BadRequest]
+
+
+def test_the_train_link_command_closes_the_engine_it_opens(tmp_path, monkeypatch):
+    """The CLI hands train_link an engine of its own opening, which train_link leaves to its caller: the command
+    must close it (its model thread, its disk store's writes) however the run ends."""
+    from types import SimpleNamespace
+
+    closed = []
+
+    class Own:
+        lm = SimpleNamespace(adapter=None)
+
+        def close(self):
+            closed.append(True)
+
+    def failing(cfg, rc=None, progress=None):
+        raise errors.BadRequest("no item fits")
+
+    monkeypatch.setattr(tl, "open_engine", lambda cfg: Own())
+    monkeypatch.setattr("ragcache.train.cli.train_link", failing, raising=False)
+    monkeypatch.setattr(tl, "train_link", failing)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("\n\n".join(" ".join(f"w{i}{j}" for j in range(25)) for i in range(15)))
+    result = CliRunner().invoke(app, ["train", "link", "--docs", str(docs), "--steps", "1", "--out",
+                                      str(tmp_path / "out")])
+    assert result.exit_code == 3 and closed == [True], result.output
+
+
+def test_a_paragraph_or_item_longer_than_the_context_is_left_out_not_the_run(tmp_path, monkeypatch, caplog):
+    """One long block of --docs (a table, generated markdown) raised PromptTooLong and ended the run, and a rerun
+    hit it again: the paragraph (or the item that holds it) is left out, said in the log, and the run goes on."""
+    from types import SimpleNamespace
+
+    texts = [f"Paragraph {i} says something. " + "word " * 20 for i in range(20)]
+
+    class Base:
+        def compile(self, texts):
+            return list(texts)
+
+        def query(self, question, doc_ids, **kwargs):
+            if doc_ids == [texts[0]]:
+                raise errors.PromptTooLong(9000, 40, 8192)
+            return SimpleNamespace(text="What does the paragraph say?")
+
+    with caplog.at_level("WARNING", logger="ragcache"):
+        training, held_out = tl.docs_items(Base(), texts, 100, 100, seed=0)
+    assert len(training) == 15 and len(held_out) == 4 and "paragraph 1 left out" in caplog.text
+
+    def prepare(rc, item, answer_tokens):
+        if item.question == "question 1?":
+            raise errors.PromptTooLong(9000, 40, 8192)
+        return tl.Target(item.question, ["d" * 32], [1], torch.randn(1, 8))
+
+    monkeypatch.setattr(tl, "prepare", prepare)
+    rc = SimpleNamespace(lm=SimpleNamespace(fingerprint="f" * 32))
+    sets = {"train": [tl.Item(f"question {i}?", ["a document"]) for i in range(3)]}
+    targets = tl.load_or_prepare(rc, config(tmp_path), sets, lambda *_: None)["train"]
+    assert [t.question for t in targets] == ["question 0?", "question 2?"] and "train item 2 left out" in caplog.text
+
+
+def test_the_cache_a_student_is_cloned_from_is_settled_first(tmp_path, monkeypatch):
+    """On CUDA a plan's layers cross from the host on a copy stream; cloned before they landed, the student would
+    train on zeros or half-placed layers. place() settles the plan's cache before it is read."""
+    from ragcache.engine import JoinedCache
+
+    rc = engine(tmp_path)
+    cfg = config(tmp_path)
+    target = tl.prepare(rc, ITEMS[0][0], cfg.answer_tokens)
+    settled = []
+    settle = JoinedCache.settle
+    monkeypatch.setattr(JoinedCache, "settle", lambda self: settled.append(self) or settle(self))
+    tl.place(rc, target, cfg)
+    assert settled

@@ -23,7 +23,8 @@ FIM_MODEL = "qwen2.5-coder-0.5b"
 
 
 def _progress() -> Progress:
-    return bars(TimeRemainingColumn(), TextColumn("{task.fields[note]}"))
+    # a step may take minutes (a large model on CPU, the keep-full term): rich's 30 s window would hold one update
+    return bars(TimeRemainingColumn(), TextColumn("{task.fields[note]}"), rate_window_s=3600.0)
 
 
 @train_app.command("link")
@@ -99,7 +100,7 @@ def link_cmd(
         with err.status(f"loading {model}"):  # before the bars: one live display at a time (older rich refuses two)
             from .link import open_engine
 
-            rc = open_engine(cfg)
+            rc = opened(open_engine(cfg))  # closed as the command ends: its model thread, its store's writes
         with _progress() as bar:
             tasks: dict[str, TaskID] = {}
 
@@ -121,7 +122,7 @@ def link_cmd(
 
         try:
             path = install_adapter(Path(report.out), model)
-        except RagCacheError as exc:
+        except (RagCacheError, OSError) as exc:  # OSError: the model cache cannot be written
             fail(exc)
         console.print(
             f"installed as {model}'s adapter: {path}; `ragcache calibrate --model {model}` makes it the default"

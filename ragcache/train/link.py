@@ -50,7 +50,7 @@ from ragcache.store import durable, open_store
 
 from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats, cache_argument
-from ..errors import BadRequest, RagCacheError, UnsupportedModel
+from ..errors import BadRequest, PromptTooLong, RagCacheError, UnsupportedModel
 from ..facade import RagCache
 from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, refuse_another_gpu, resolve_device
 from . import checkpoint, squad
@@ -229,8 +229,13 @@ def docs_items(
         if len(held_out if held else training) >= (eval_n if held else train_n):
             say(index + 1, len(texts))
             continue
-        doc_id = rc.compile([text])[0]
-        question = rc.query(QUESTION_PROMPT, [doc_id], algorithm="full", max_new_tokens=40).text.strip()
+        try:
+            doc_id = rc.compile([text])[0]
+            question = rc.query(QUESTION_PROMPT, [doc_id], algorithm="full", max_new_tokens=40).text.strip()
+        except PromptTooLong as exc:  # a paragraph longer than the context: the others still make items
+            log.warning("paragraph %d left out: %s", index + 1, exc)
+            say(index + 1, len(texts))
+            continue
         question = question.splitlines()[0].strip() if question else ""
         if len(question.split()) >= 3:
             others = rng.sample([t for i, t in enumerate(texts) if i != index and held_out_of[i] == held], 2)
@@ -246,7 +251,8 @@ def prepare(rc: RagCache, item: Item, answer_tokens: int) -> Target:
     full = rc.link(item.question, doc_ids, algorithm="full", max_new_tokens=answer_tokens)
     answer = rc.with_runner(agreement.greedy, full, answer_tokens, rc.stop_ids, {})
     logits = rc.with_runner(agreement.teacher_forced, full, answer)[1] if answer else full.last_logits[None]
-    return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).clone())
+    # kept in host memory (and so saved there): memory-mapped back on any device a later run uses
+    return Target(item.question, doc_ids, list(answer), torch.log_softmax(logits.float(), -1).to("cpu", copy=True))
 
 
 def _item_key(item: Item) -> str:
@@ -270,8 +276,13 @@ def load_or_prepare(
             path = folder / f"{_item_key(item)}.pt"
             target = _target(path) if path.exists() else None
             if target is None:
-                _atomic_save(vars(prepare(rc, item, cfg.answer_tokens)), path)
-                target = Target(**torch.load(path, weights_only=True, mmap=True))
+                try:
+                    _atomic_save(vars(prepare(rc, item, cfg.answer_tokens)), path)
+                except PromptTooLong as exc:  # a long paragraph of --docs: this item only, the same one every run
+                    log.warning("%s item %d left out: %s", name, i + 1, exc)
+                    say(name, i + 1, len(items))
+                    continue
+                target = Target(**torch.load(path, map_location="cpu", weights_only=True, mmap=True))
             out[name].append(target)
             say(name, i + 1, len(items))
     return out
@@ -283,7 +294,7 @@ def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
     is now), on the model thread."""
     query = rc.validate(target.question, target.doc_ids, link=rc.resolve(cfg.link))
     parts, params, _ = rc._prepare(query, 0, QueryStats())
-    plan = rc.with_runner(linker.plan, parts, params)
+    plan = rc.with_runner(_settled_plan, parts, params)
     length = parts.token_ids.numel()
     # clones outside inference mode: inference tensors cannot take part in a backward pass
     return Placed(
@@ -292,6 +303,14 @@ def place(rc: RagCache, target: Target, cfg: LinkTrainConfig) -> Placed:
         plan.cache.values[:, :, :length].clone(),
         plan.rows.clone(),
     )
+
+
+def _settled_plan(runner, parts, params) -> linker.LinkPlan:
+    """The plan with every layer placed: on CUDA entries from the host cross on a copy stream, which the clones of
+    the cache (on the same default stream, after this) must not overtake."""
+    plan = linker.plan(runner, parts, params)
+    plan.cache.settle()
+    return plan
 
 
 def linked_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> torch.Tensor:
@@ -331,8 +350,8 @@ def full_logits(model: torch.nn.Module, placed: Placed, answer: list[int]) -> to
 
 def kl_to_full(target: Target, logits: torch.Tensor) -> torch.Tensor:
     """KL(full || linked) at each answer position."""
-    logq = torch.log_softmax(logits, -1)
-    return (target.logprobs.exp() * (target.logprobs - logq)).sum(-1)
+    logq, logp = torch.log_softmax(logits, -1), target.logprobs.to(logits.device)
+    return (logp.exp() * (logp - logq)).sum(-1)
 
 
 # -- training ------------------------------------------------------------------------------------------------------
@@ -391,7 +410,7 @@ def _target(path: Path) -> Target | None:
     """A prepared target; None (the file removed, to prepare again) when it cannot be read: derived data, so a
     file a crash damaged costs its item's preparation, not the run."""
     try:
-        return Target(**torch.load(path, weights_only=True, mmap=True))
+        return Target(**torch.load(path, map_location="cpu", weights_only=True, mmap=True))
     except (OSError, RuntimeError, EOFError, ValueError, TypeError, pickle.UnpicklingError) as exc:
         log.warning("prepared target %s cannot be read (%s); preparing it again", path, exc)
         path.unlink(missing_ok=True)
@@ -466,7 +485,7 @@ def scores(rc: RagCache, cfg: LinkTrainConfig, target: Target) -> dict:
         ("full_", full_logits(rc.lm.model, placed, target.answer)),
     ):
         kl = kl_to_full(target, logits)
-        hits = (logits.argmax(-1) == target.logprobs.argmax(-1)).float()
+        hits = (logits.argmax(-1) == target.logprobs.argmax(-1).to(logits.device)).float()
         out.update(
             {
                 f"{prefix}top1": float(hits[0]),
@@ -558,6 +577,8 @@ def train_link(
         rc, cfg, {"train": items[0], "eval": items[1]}, lambda name, d, t: say(f"full ({name})", d, t, "")
     )
     train_set, held_out = prepared["train"], prepared["eval"]
+    if not train_set or not held_out:
+        raise BadRequest(f"no {'training' if not train_set else 'held-out'} item fits the model's context")
 
     base_weights = lora.base_weights_record(rc.lm)
     torch.manual_seed(cfg.seed)
