@@ -57,6 +57,11 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
     return (bos,) if bos is not None and ids and ids[0] == bos else ()
 
 
+def longest_chunk(tokenizer, budget: int) -> int:
+    """The most tokens a chunk of `budget` may hold as compiled: twice the budget (to a sentence end) and the lead."""
+    return 2 * budget + len(lead_ids(tokenizer))
+
+
 def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> list[Chunk]:
     """Token slices of the whole-document tokenization (`text_ids`): each chunk takes `budget` tokens, then extends
     to the next sentence end if one comes within another `budget` tokens (so at most 2x), and never ends inside a

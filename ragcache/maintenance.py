@@ -155,11 +155,13 @@ def _verify_records(tier: Store, names: list[str], fix: bool, drop_checksum_only
         if fix and (only or intact) and not drop_checksum_only:
             report["kept"] += 1
         elif fix:
-            tier.delete_record(name)
-            report["fixed"] += 1
-            if name.startswith("doc/"):  # its chunk records would keep its entries from every gc
+            # its chunk records first (they would keep its entries from every gc): a fix cut short between the two
+            # leaves the damaged record, which the next verify finds again, not chunk records nothing names
+            if name.startswith("doc/"):
                 for chunks in tier.record_names(f"chunks/{name.split('/', 1)[1]}/"):
                     tier.delete_record(chunks)
+            tier.delete_record(name)
+            report["fixed"] += 1
 
 
 def collect_garbage(

@@ -42,13 +42,19 @@ def system_prefix_ids(tokenizer, fmt: PromptFormat, system: str | None) -> list[
     A system prompt that spells none is encoded with the template in one piece, as the model was trained: pieces
     encoded apart differ at their seams for some tokenizers (SentencePiece's dummy prefix)."""
     if fmt.chat:
-        spelled = system is not None and _spells_a_control_token(tokenizer, system)
+        # a system text holding this module's own markers is placed as a spelled one is: split at a marker, it
+        # would lose what follows and leave its turn open
+        spelled = system is not None and (
+            _spells_a_control_token(tokenizer, system) or _SLOT in system or _SYSTEM in system
+        )
         content = _SYSTEM if spelled else system
         messages = ([{"role": "system", "content": content}] if system else []) + [{"role": "user", "content": _SLOT}]
         try:
             rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except TemplateError as exc:  # a template that takes no system turn (Gemma's: "System role not supported")
             raise BadRequest(f"this model's chat template refuses the system prompt ({exc}); send none") from exc
+        if rendered.count(_SLOT) != 1:  # a template that repeats the user's turn
+            raise BadRequest("this model's chat template does not place the documents once; send no system prompt")
         head = rendered.split(_SLOT)[0]
         if not spelled or system is None:
             return tokenizer(head, add_special_tokens=False)["input_ids"]

@@ -92,12 +92,10 @@ def entry_rows(store: Store, limit: int | None = None) -> Iterator[dict]:
 def summary(store: Store) -> dict:
     tiers: list[dict] = []
     for tier in maintenance.tiers_of(store):
-        try:
-            stats = tier.stats()
+        try:  # a tier that fails while its entries are read is one tier's error too, not the command's
+            tiers.append({**tier.stats(), **_tally(entry_rows(tier))})
         except StoreError as exc:
             tiers.append({"tier": tier.name, "error": str(exc)})
-            continue
-        tiers.append({**stats, **_tally(entry_rows(tier))})
     names = store.record_names()
     return {
         "store": store.name,

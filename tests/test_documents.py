@@ -824,6 +824,27 @@ def test_a_system_prompts_spelling_of_a_control_token_stays_text():
         "<s>system: Be brief.</s>\n<s>user: ", add_special_tokens=False)["input_ids"]
 
 
+def test_a_system_prompt_holding_the_documents_marker_is_kept_whole():
+    """The system prefix is cut from the rendered template at a marker of its own: a system text holding that
+    marker (an application writes its users' words into it) lost everything after it, its turn left open."""
+    from ragcache import prompt
+
+    import copy
+
+    chat = copy.deepcopy(tiny.tokenizer())
+    chat.chat_template = (
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>\n{% endfor %}"
+        "{% if add_generation_prompt %}<s>bot:{% endif %}"
+    )
+    fmt = prompt.PromptFormat.for_tokenizer(chat)
+    for marker in (prompt._SLOT, prompt._SYSTEM):
+        system = f"User name: {marker} Never reveal the code."
+        ids = prompt.system_prefix_ids(chat, fmt, system)
+        text = chat.decode(ids)
+        assert "Never reveal the code." in text and text.rstrip().endswith("user:"), text
+        assert ids.count(chat.eos_token_id) == 1  # the system turn closed, once
+
+
 def test_text_and_template_encodes_from_many_threads_never_meet():
     """Documents are encoded as text (special spellings kept characters) while questions and templates are
     encoded with their control tokens, from several threads at once (uploads, length checks, queries). The text

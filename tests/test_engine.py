@@ -842,3 +842,15 @@ def test_a_closed_engine_refuses_its_methods_instead_of_reopening_its_store(tmp_
         with pytest.raises(EngineClosed, match="the engine is closed"):
             call()
     assert len(open_store(f"disk:{tmp_path}").record_names("doc/")) == 1
+
+
+def test_a_chunk_budget_whose_chunks_outgrow_the_context_is_refused_at_open(monkeypatch):
+    """A chunk takes up to twice its budget (to a sentence end): with a budget past half the context, every query
+    over a document holding such a chunk was refused (PromptTooLong) after its compile had stored it."""
+    from ragcache import models
+    from ragcache.settings import EngineConfig
+
+    monkeypatch.setattr(models, "load", lambda *a, **k: tiny.make("llama"))  # a context of 512
+    with pytest.raises(errors.ParameterOutOfRange, match="chunk_tokens 300 lets a chunk reach 60[01] tokens"):
+        RagCache.from_config(EngineConfig("tiny", "memory:", chunk_tokens=300))
+    RagCache.from_config(EngineConfig("tiny", "memory:", chunk_tokens=200)).close()

