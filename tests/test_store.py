@@ -1950,6 +1950,18 @@ def test_store_stats_says_which_tier_failed_while_its_entries_were_read(tmp_path
     assert tiers[0]["entries"] == 2 and "input/output error" in tiers[1]["error"]
 
 
+def test_store_stats_tells_its_progress_through_each_tiers_entries(tmp_path):
+    """Reading every entry's header takes minutes at millions of entries: `store stats` showed nothing meanwhile."""
+    from ragcache.store_cli import summary
+
+    memory, disk = MemoryStore(), DiskStore(tmp_path)
+    memory.put_many(dict(make_entry(seed, layers=2) for seed in range(2)))
+    disk.put_many(dict(make_entry(seed, layers=2) for seed in range(3)))
+    told = []
+    summary(TieredStore([memory, disk]), lambda stage, done, total: told.append((stage, done, total)))
+    assert told == [("reading memory's entries", 2, 2), ("reading disk's entries", 3, 3)]
+
+
 def test_copies_out_of_a_gpu_wait_for_what_the_callers_stream_queued(monkeypatch):
     """The copy-out stream runs beside the model's: the kernels that wrote an entry's tensors (a slice's clone for
     a shard) were queued on the caller's stream, and a copy not waiting for them would store unwritten memory."""
