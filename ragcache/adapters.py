@@ -185,6 +185,8 @@ def _write_merged(base: loaded.LoadedModel, path: Path, digest: str, target: Pat
             copied.mkdir()
             for name in lora.ADAPTER_FILES:
                 shutil.copy2(path / name, copied / name)
+            if (path / lora.ADAPTER_META).exists():  # what it was fitted to: checked again as it is attached
+                shutil.copy2(path / lora.ADAPTER_META, copied / lora.ADAPTER_META)
             if lora.adapter_sha256(copied) != digest:
                 raise BadAdapter(f"the adapter in {path} changed while it was read; start again")
             merged = lora.attach_adapter(base, copied, merge=True)

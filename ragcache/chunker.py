@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import copy
+import logging
 import threading
 import weakref
 from dataclasses import dataclass
 
 from .settings import DEFAULT_CHUNK_TOKENS
+
+log = logging.getLogger("ragcache")
 
 SENTENCE_ENDS = (".", "!", "?", "\n", "。")
 
@@ -57,9 +60,24 @@ def lead_ids(tokenizer) -> tuple[int, ...]:
     return (bos,) if bos is not None and ids and ids[0] == bos else ()
 
 
-def longest_chunk(tokenizer, budget: int) -> int:
-    """The most tokens a chunk of `budget` may hold as compiled: twice the budget (to a sentence end) and the lead."""
-    return 2 * budget + len(lead_ids(tokenizer))
+def warn_outgrowing(tokenizer, budget: int, context: int, model: str) -> bool:
+    """Warn (and True) where a chunk of `budget` could hold more tokens than the model's context: twice the budget
+    (to a sentence end) and the lead. A query over a document with such a chunk is refused (PromptTooLong); where
+    the budget alone fills the context, every query over a full chunk is."""
+    lead = len(lead_ids(tokenizer))
+    if 2 * budget + lead <= context:
+        return False
+    log.warning(
+        "chunk_tokens %d lets a chunk reach %d tokens (twice the budget, to a sentence end), past %s's context of %d"
+        "%s: queries over such chunks are refused; set chunk_tokens at most %d",
+        budget,
+        2 * budget + lead,
+        model,
+        context,
+        " (the budget alone fills it)" if budget + lead >= context else "",
+        (context - lead) // 2,
+    )
+    return True
 
 
 def chunk_document(tokenizer, text: str, budget: int = DEFAULT_CHUNK_TOKENS) -> list[Chunk]:

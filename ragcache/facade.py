@@ -171,13 +171,7 @@ class RagCache(Front):
         refuse_another_gpu(config.device)  # before minutes of loading
         log.info("device %s (%s)", config.device, config.device_reason)
         lm = models.load(config.model, dtype=config.dtype, device=config.device)
-        longest = chunker.longest_chunk(lm.tokenizer, config.chunk_tokens)
-        if longest > lm.context_length:  # every query over a document with such a chunk would be refused
-            raise ParameterOutOfRange(
-                f"chunk_tokens {config.chunk_tokens} lets a chunk reach {longest} tokens (twice the budget, to a "
-                f"sentence end), past {lm.name}'s context of {lm.context_length}: set at most "
-                f"{(lm.context_length - (longest - 2 * config.chunk_tokens)) // 2}"
-            )
+        chunker.warn_outgrowing(lm.tokenizer, config.chunk_tokens, lm.context_length, lm.name)
         chosen = adapters.calibrated_default(lm) if config.adapter == INSTALLED else config.adapter
         lm = lora.attach_adapter(lm, chosen, config.merge_adapter) if chosen is not None else lm
         # after the model: a "gpu" tier sizes itself from the device memory the model left (on CUDA, beside a

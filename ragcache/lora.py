@@ -138,8 +138,16 @@ def adapter_config(path: Path) -> dict:
     """The adapter's config, refused (BadAdapter) where loading it would change the base model's own parameters:
     PEFT loads a LoRA's trained biases (`bias`) and whole trained modules (`modules_to_save`) over the base layers',
     and neither the merge's swap nor PEFT's disable_adapter puts them back, so entries compiled "with the base
-    weights" would be another model's, under the base model's keys. `ragcache train link` trains neither."""
+    weights" would be another model's, under the base model's keys. `ragcache train link` trains neither. Nor does
+    it use PEFT's other ways past the Linear layers (trained token rows, replicated layers, parameters by name):
+    their merge writes into weights the swap does not hold, or changes the model's depth, so they are refused too."""
     config = _json_object(path / ADAPTER_FILES[0])
+    beyond = [key for key in ("trainable_token_indices", "layer_replication", "target_parameters") if config.get(key)]
+    if beyond:
+        raise BadAdapter(
+            f"{path}: a LoRA with {', '.join(beyond)} changes more than the Linear layers a link adapter adapts "
+            "(compiling would not read the base model's own weights); train one with `ragcache train link`"
+        )
     if config.get("bias", "none") != "none" or config.get("modules_to_save"):
         raise BadAdapter(
             f"{path}: a LoRA that trains biases (bias={config.get('bias')!r}) or whole modules (modules_to_save="

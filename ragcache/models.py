@@ -17,7 +17,7 @@ import transformers
 from ragcache.store import durable
 
 from . import fetch, loaded, lora
-from .errors import ModelFetchError, UnsupportedModel
+from .errors import ModelFetchError, ParameterOutOfRange, UnsupportedModel
 from .settings import DEFAULT_MODEL
 
 FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # loaded.model_fingerprint's form
@@ -50,6 +50,30 @@ def cpu_has_bf16() -> bool:
     return any(check() for check in checks if check is not None)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def warn_emulated(dtype: torch.dtype, device: str) -> None:
+    """Said where `dtype` is one this device only emulates (a choice the user made: "auto" never does): every matmul
+    many times slower than in float32. Entries compiled in it elsewhere are read at any dtype's cost, so it stays
+    allowed, loudly."""
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        slow = dtype is torch.bfloat16 and default_dtype(device) != "bfloat16"
+    else:
+        half = getattr(torch.ops.mkldnn, "_is_mkldnn_fp16_supported", lambda: False)
+        slow = (dtype is torch.bfloat16 and not cpu_has_bf16()) or (dtype is torch.float16 and not half())
+    if slow:
+        where = "this GPU (before Ampere)" if cuda else "this CPU (no AVX512-BF16, AMX or AVX512-FP16)"
+        log.warning(
+            "%s on %s is emulated: matmuls run tens to hundreds of times slower than in %s; use dtype auto "
+            "unless entries must be read as they were compiled elsewhere",
+            str(dtype).removeprefix("torch."),
+            where,
+            default_dtype(device),
+        )
+
+
 def load(
     name_or_path: str = DEFAULT_MODEL,
     dtype: str | torch.dtype = "auto",
@@ -65,10 +89,13 @@ def load(
 
     hf_logging.disable_progress_bar()  # a per-load weights bar is noise in a CLI or a server log
 
-    source = resolve(name_or_path)
     if dtype == "auto":
         dtype = default_dtype(device)
-    torch_dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    torch_dtype = DTYPES.get(dtype) if isinstance(dtype, str) else dtype
+    if torch_dtype not in DTYPES.values():  # before a pull of minutes
+        raise ParameterOutOfRange(f"dtype must be auto, {', '.join(DTYPES)} or a torch dtype of them, got {dtype!r}")
+    warn_emulated(torch_dtype, device)
+    source = resolve(name_or_path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(source)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=torch_dtype)

@@ -90,7 +90,9 @@ def test_the_base_weights_held_twice_stay_until_the_outer_holder_lets_go(tiny_di
     assert not torch.allclose(logits(adapted), logits(base), atol=1e-3)  # the adapter back after the last
 
 
-@pytest.mark.parametrize("config", [{"bias": "lora_only"}, {"bias": "all"}, {"modules_to_save": ["lm_head"]}])
+@pytest.mark.parametrize("config", [{"bias": "lora_only"}, {"bias": "all"}, {"modules_to_save": ["lm_head"]},
+                                    {"trainable_token_indices": [1, 2]}, {"layer_replication": [[0, 1]]},
+                                    {"target_parameters": ["mlp.gate_up_proj"]}])
 def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_before_it_is_loaded(
         tiny_dir, adapter_dir, tmp_path, config):
     """PEFT loads trained biases and whole trained modules over the base layers', which neither the merge's swap
@@ -101,7 +103,7 @@ def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_
     path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
     base = models.load(str(tiny_dir), dtype="float32")
     before = {name: p.clone() for name, p in base.model.named_parameters()}
-    with pytest.raises(BadAdapter, match="base model's own parameters"):
+    with pytest.raises(BadAdapter, match="base model's own"):
         lora.attach_adapter(base, edited)
     after = dict(base.model.named_parameters())
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
@@ -310,6 +312,17 @@ def merged(base_dir, adapter) -> tuple[Path, object]:
     base = models.load(str(base_dir), dtype="float32")
     digest = lora.check_adapter(base, adapter)
     return adapters.merged_checkpoint(base, adapter, digest, lora.adapted_fingerprint(base.fingerprint, digest))
+
+
+def test_writing_a_merged_copy_checks_the_adapter_it_merges_without_a_false_warning(tiny_dir, adapter_dir, tmp_path,
+                                                                                   monkeypatch, caplog):
+    """The copy merged took the adapter's PEFT files without the record of what it was fitted to: every new merged
+    copy logged that its adapter was attached unchecked, though the original had just been checked."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path / "cache"))
+    with caplog.at_level("WARNING", logger="ragcache"):
+        _, hold = merged(tiny_dir, shutil.copytree(adapter_dir, tmp_path / "one"))
+    hold.close()
+    assert "without checking" not in caplog.text
 
 
 def test_merged_copies_are_written_once_listed_and_removed_unless_served(tiny_dir, adapter_dir, tmp_path, monkeypatch):

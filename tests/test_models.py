@@ -258,3 +258,21 @@ def test_a_folder_that_is_no_model_transformers_knows_is_unsupported(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**config, "model_type": "no-such-architecture"}))
     with pytest.raises(UnsupportedModel, match="cannot load model.*no-such-architecture"):
         models.load(str(tmp_path))
+
+
+def test_a_dtype_this_device_only_emulates_is_said_and_an_unknown_one_refused(monkeypatch, caplog):
+    """bf16 on a CPU without AVX512-BF16 or AMX ran every matmul tens of times slower than fp32, without a word;
+    a dtype no model loads in ("fp16", "int8") was an AttributeError from torch, or loaded, after the pull."""
+    from ragcache.errors import ParameterOutOfRange
+
+    monkeypatch.setattr(fetch, "pull", lambda name: pytest.fail("pulled before the dtype was checked"))
+    for bad in ("fp16", "int8", torch.float64):
+        with pytest.raises(ParameterOutOfRange, match="dtype must be"):
+            models.load("smollm2-135m", dtype=bad)
+    for has_bf16, warned in ((False, True), (True, False)):
+        monkeypatch.setattr(models, "cpu_has_bf16", lambda: has_bf16)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ragcache"):
+            models.warn_emulated(torch.bfloat16, "cpu")
+            models.warn_emulated(torch.float32, "cpu")
+        assert ("bfloat16 on this CPU" in caplog.text) is warned and "float32 on" not in caplog.text

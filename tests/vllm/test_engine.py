@@ -92,6 +92,22 @@ def test_dtype_auto_is_resolved_for_vllms_device_not_this_hosts_cpu(monkeypatch,
     assert asked == ["float16", "bfloat16"]
 
 
+def test_a_chunk_budget_past_vllms_context_is_said_before_vllm_starts(monkeypatch, tmp_path, caplog):
+    """A chunk takes up to twice its budget: past max_model_len (or the model's context), a query over such a chunk
+    is refused; said before vLLM's start, with the budget that fits."""
+    from ragcache.integrations.vllm import engine as vllm_engine
+    from ragcache.settings import EngineConfig
+
+    monkeypatch.setattr(vllm_engine, "_describe", lambda *args: vllm_engine.Served(tiny.make("qwen2"), "tiny"))
+    monkeypatch.setattr(vllm_engine.VllmRagCache, "_launch", classmethod(lambda cls, *args: None))
+    for args, said in (({"max_model_len": 256}, True), ({}, False)):  # the model's own context: 512
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="ragcache"):
+            vllm_engine.VllmRagCache.from_config(EngineConfig(engine="vllm", store=f"disk:{tmp_path}",
+                                                              chunk_tokens=200, vllm_args=args))
+        assert ("chunk_tokens 200 lets a chunk reach 40" in caplog.text and "of 256" in caplog.text) is said
+
+
 def test_vllm_compiles_under_ragcaches_keys(rc, reference, doc_ids):
     assert reference.warm(doc_ids, prefetch=False) == (0, 0)  # ragcache's engine finds every chunk vLLM compiled
     again = rc.compile_documents(tiny.CORPUS[:4])

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from ragcache import adapters, guard, infill, linker, loaded, models
+from ragcache import adapters, chunker, guard, infill, linker, loaded, models
 from ragcache.catalog import shard_sets
 from ragcache.compiler import PLAIN, Compiler
 from ragcache.engine import Aborted, Answer, Done, Event, Failed, Piece, QueryStats, Sampling, ignore, pieces, wait
@@ -123,6 +123,8 @@ class VllmRagCache(Front):
         dtype = models.default_dtype(_vllm_device()) if config.dtype == "auto" else config.dtype
         served = _describe(config.model, dtype, config.adapter, config.merge_adapter, ranks)
         try:
+            context = min(served.lm.context_length, config.vllm_args.get("max_model_len") or served.lm.context_length)
+            chunker.warn_outgrowing(served.lm.tokenizer, config.chunk_tokens, context, served.lm.name)
             return cls._launch(served, config)
         except BaseException:
             served.release()
