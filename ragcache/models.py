@@ -156,6 +156,13 @@ def check_supported(model: torch.nn.Module) -> None:
             "ragcache's rotation of cached keys would place them wrong. Supported: llama, qwen2, qwen3, mistral, "
             "gemma3 and other models that rotate halves"
         )
+    # gemma3n, gemma4: each layer also takes inputs of its own (per-layer embeddings), and some read another layer's
+    # K/V instead of their own; the linker's layer loop passes the first and caches no K/V for the second
+    if getattr(config, "hidden_size_per_layer_input", None) or getattr(config, "num_kv_shared_layers", None):
+        raise UnsupportedModel(
+            f"model type {config.model_type!r} feeds each layer inputs of its own (per-layer embeddings) or shares "
+            "K/V between layers, which the linker's layer loop does not"
+        )
     if 0 in (getattr(config, "no_rope_layers", None) or ()):  # smollm3, llama4: layers whose keys carry no position
         raise UnsupportedModel(f"model type {config.model_type!r} has layers without RoPE (no_rope_layers)")
     attentions = [getattr(layer, "self_attn", None) for layer in inner.layers]

@@ -73,7 +73,7 @@ def test_model_without_rope_is_refused():
     "model_type, refusal",
     [("cohere", "rotate keys by halves"), ("gpt_oss", "rotate keys by halves|attention sinks"),
      ("smollm3", "without RoPE"), ("qwen3_next", "without the self-attention"), ("jetmoe", "without the self-attention"), ("exaone4", "without RoPE"),
-     ("exaone_moe", "without RoPE")],
+     ("exaone_moe", "without RoPE"), ("gemma4_text", "inputs of its own")],
 )
 def test_rope_models_whose_positions_the_linker_cannot_move_are_refused(model_type, refusal):
     """Interleaved RoPE pairs (cohere, glm), layers without RoPE (smollm3, exaone hybrids), layers of another kind
