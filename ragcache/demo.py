@@ -11,7 +11,8 @@ from rich.table import Table
 from rich.text import Text
 
 from .calibrate import builtin_items
-from .errors import BadRequest
+from .errors import BadRequest, ParameterOutOfRange
+from .linker import LinkParams
 from .request import read_text
 from .settings import DEFAULT_ALGORITHM
 
@@ -56,9 +57,16 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
     rows = []
     adapter = getattr(rc.lm, "adapter", None)
     note = f" with its link adapter {adapter.sha256[:12]}" if adapter is not None else ""
+    runs = [("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS)]
+    try:
+        rc.refuse_unrunnable(LinkParams(repair=REPAIR_ROWS))
+        shown = f"without and with repair={REPAIR_ROWS}"
+    except ParameterOutOfRange as exc:  # vLLM's engine: its scheduler owns the decode steps
+        runs.pop()
+        shown = f"no repair row ({exc})"
     console.print(
-        f"full prefill vs {DEFAULT_ALGORITHM}, without and with repair={REPAIR_ROWS}, {DOCS_PER_QUESTION} documents "
-        f"per question, {rc.model_name}{note}"
+        f"full prefill vs {DEFAULT_ALGORITHM}, {shown}, {DOCS_PER_QUESTION} documents per question, "
+        f"{rc.model_name}{note}"
     )
     for item in builtin_items(rc, n_questions, DOCS_PER_QUESTION, data=data, ids=dict(zip(docs, report.ids))):
         # one block per question, the answer under its figures: it reads in an 80-column terminal
@@ -71,7 +79,7 @@ def run_demo(rc, data: Path, n_questions: int, console: Console) -> list[dict]:
             (algorithm, repair, rc.query(
                 item.question, docs=item.doc_ids, algorithm=algorithm, repair=repair, max_new_tokens=32, stop=["\n\n"]
             ))
-            for algorithm, repair in (("full", 0), (DEFAULT_ALGORITHM, 0), (DEFAULT_ALGORITHM, REPAIR_ROWS))
+            for algorithm, repair in runs
         ]  # fmt: skip
         full_answer = answers[0][2]
         full_text = full_answer.text

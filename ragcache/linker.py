@@ -94,7 +94,10 @@ class LinkParams:
             raise ParameterOutOfRange(f"k must be an integer >= 0, got {self.k!r}")
         if not 0.0 <= float(self.ratio) <= 1.0:
             raise ParameterOutOfRange(f"ratio must be within [0, 1], got {self.ratio!r}")
-        if not 0 <= self.check_layer < num_layers:
+        # checked where it is read or where it was set (a server's default for another model refuses at start): the
+        # default 1 would refuse every link of a one-layer model
+        read = algorithm(self.algorithm).checks_layer or self.check_layer != DEFAULT_CHECK_LAYER
+        if read and not 0 <= self.check_layer < num_layers:
             raise ParameterOutOfRange(f"check_layer must be within [0, {num_layers - 1}], got {self.check_layer}")
         if self.deviation not in DEVIATIONS:
             raise ParameterOutOfRange(f"deviation must be one of {', '.join(DEVIATIONS)}, got {self.deviation!r}")
@@ -383,6 +386,7 @@ class Algorithm:
     # picks the rows it recomputes by one ranking over every chunk (focus's scores, cacheblend's deviations): what it
     # links of a chunk depends on the chunks after it and the question, so no other prompt may be served it
     ranks_across: bool = False
+    checks_layer: bool = False  # picks rows by their deviation at `check_layer` (cacheblend)
 
     @property
     def exact(self) -> bool:
@@ -395,7 +399,7 @@ TABLE = {
     for a in (
         Algorithm("full", "nothing", "default", False, _after_reused),
         Algorithm("naive", "chunks", "default", False, _question_only),
-        Algorithm("cacheblend", "chunks", "default", False, _blend, ranks_across=True),
+        Algorithm("cacheblend", "chunks", "default", False, _blend, ranks_across=True, checks_layer=True),
         Algorithm("legolink", "chunks", "default", False, _first_k),
         Algorithm("legolink0", "chunks", "sink", False, _question_only),
         Algorithm("focus", "chunks", "default", True, _focus, DEFAULT_FOCUS_RATIO, ranks_across=True),

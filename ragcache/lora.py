@@ -174,7 +174,15 @@ def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True)
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
         raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
     # a LoRA bias would change the layers' biases too, which the swap does not keep aside: such a LoRA runs beside
-    if merge and not getattr(peft.peft_config["default"], "lora_bias", False):
+    biased = getattr(peft.peft_config["default"], "lora_bias", False)
+    if merge and biased:
+        log.warning(
+            "%s: a LoRA with lora_bias runs beside the weights, not merged into them (its merge would change the "
+            "layers' biases, which compiling reads as they are): every linked row pays its LoRA terms. An adapter "
+            "from `ragcache train link` has none",
+            path,
+        )
+    if merge and not biased:
         model, swapped = _merge(peft)
         adapter = loaded.Adapter(path, digest, swapped=swapped)
     else:

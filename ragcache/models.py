@@ -129,6 +129,12 @@ def wrap(model: torch.nn.Module, tokenizer, name: str) -> loaded.LoadedModel:
     )
 
 
+# rope types whose inverse frequencies and scaling are computed once from the config: a key rotated by them to one
+# position rotates to another by the difference, as the kernels do. Anything else (dynamic, longrope, a type added
+# to transformers later) is refused rather than placed wrong
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn", "proportional"})
+
+
 def check_supported(model: torch.nn.Module) -> None:
     config = model.config
     inner = getattr(model, "model", None)
@@ -140,10 +146,11 @@ def check_supported(model: torch.nn.Module) -> None:
     params = getattr(config, "rope_parameters", None) or {}
     per_layer_type = params and all(isinstance(v, dict) for v in params.values())  # gemma3
     rope_types = {p.get("rope_type", "default") for p in (params.values() if per_layer_type else [params])}
-    if unsupported := rope_types & {"dynamic", "longrope"}:
+    if unsupported := rope_types - STATIC_ROPE_TYPES:
         raise UnsupportedModel(
-            f"rope type {sorted(unsupported)} changes frequencies with sequence length, so cached keys cannot be "
-            "rotated once; supported: default, linear, llama3, yarn"
+            f"rope type {sorted(unsupported)} is not one whose frequencies are fixed ahead of any sequence (dynamic "
+            "and longrope change them with its length), so cached keys cannot be rotated once; supported: "
+            f"{', '.join(sorted(STATIC_ROPE_TYPES))}"
         )
     if getattr(config, "attn_logit_softcapping", None):
         raise UnsupportedModel("attention logit soft-capping (gemma2) is not supported by the linker")

@@ -109,6 +109,19 @@ def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_an_adapter_with_lora_biases_runs_beside_the_weights_and_says_so(tiny_dir, adapter_dir, tmp_path, caplog):
+    """Merging a LoRA bias would change the layers' biases, which the base-weights swap does not keep aside: such an
+    adapter runs unmerged, slower on every linked row, which is said rather than left for a user to find."""
+    edited = tmp_path / "edited"
+    shutil.copytree(adapter_dir, edited)
+    path = edited / lora.ADAPTER_FILES[0]
+    path.write_text(json.dumps({**json.loads(path.read_text()), "lora_bias": True}))
+    with caplog.at_level("WARNING", logger="ragcache.lora"):
+        adapted = models.load(str(tiny_dir), dtype="float32", adapter=edited)
+    assert not adapted.adapter.merged
+    assert any("lora_bias runs beside the weights" in r.getMessage() for r in caplog.records)
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_the_adapter_never_reaches_the_chunk_entries_or_their_keys(tiny_dir, adapter_dir, tmp_path, merge):
     """Compile runs with the adapter off, so an entry is the base model's whoever compiles it, and its key (the

@@ -505,6 +505,33 @@ def test_the_demo_reads_at_80_columns():
     assert text.count("answer differs from full") == sum(not row["same_as_full"] for row in linked)
 
 
+def test_the_demo_leaves_out_the_repair_row_where_the_engine_cannot_repair():
+    """vLLM's engine refuses `repair` (its scheduler owns the decode steps): the demo failed at its third row after
+    two answers. It now shows full and the default, and says why there is no repair row."""
+    from rich.console import Console
+
+    from ragcache.demo import run_demo
+    from ragcache.errors import ParameterOutOfRange
+    from ragcache.facade import RagCache
+    from ragcache.settings import DEFAULT_ALGORITHM, REPAIR_ON_VLLM, EngineConfig
+    from ragcache.store.memory import MemoryStore
+    from tests import tiny
+
+    lm = tiny.make("llama")
+    lm.model.config.max_position_embeddings = 2048
+    rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=64))
+
+    def refuse_repair(params):
+        if params.repair:
+            raise ParameterOutOfRange(REPAIR_ON_VLLM)
+
+    rc.refuse_unrunnable = refuse_repair  # as vLLM's engine does
+    console = Console(width=200, record=True, color_system=None)
+    rows = run_demo(rc, DATA, 1, console)
+    assert [(row["algorithm"], row["repair"]) for row in rows] == [("full", 0), (DEFAULT_ALGORITHM, 0)]
+    assert "no repair row (repair (recomputing" in console.export_text()
+
+
 def test_the_demo_shows_where_an_answer_departs_from_fulls_even_past_what_a_row_shows():
     """Rows show LIMIT characters of an answer; where a link's answer departs from full's past them, every row of the
     question shows the same stretch, starting shortly before the departure, so "answer differs" is visible."""

@@ -90,6 +90,21 @@ def test_rope_models_whose_positions_the_linker_cannot_move_are_refused(model_ty
         wrap(model, tiny.tokenizer(), name=model_type)
 
 
+@pytest.mark.parametrize("rope_type, refused", [("dynamic", True), ("longrope", True), ("made_up_later", True),
+                                                ("yarn", False), ("llama3", False), ("default", False)])
+def test_only_rope_types_with_fixed_frequencies_load(rope_type, refused):
+    """A key is rotated once to its new position: a rope type whose frequencies follow the sequence's length, or one
+    ragcache does not know (a type added to transformers later), would have every placed key wrong. Listed, not
+    denied: an unknown type is refused."""
+    lm = tiny.make("llama")
+    lm.model.config.rope_parameters = {"rope_type": rope_type, "rope_theta": 10000.0}
+    if refused:
+        with pytest.raises(errors.UnsupportedModel, match=f"rope type \\['{rope_type}'\\]"):
+            wrap(lm.model, tiny.tokenizer(), name=rope_type)
+    else:
+        wrap(lm.model, tiny.tokenizer(), name=rope_type)
+
+
 def test_a_model_whose_tokenizer_is_not_a_fast_one_is_refused_at_load():
     """The chunker cuts at sentence ends by character offsets, which only a fast tokenizer gives: a Python one
     failed every compile and every raw-text query instead."""

@@ -74,6 +74,23 @@ def test_bad_knobs_are_typed_errors_naming_the_knob(knobs, match):
         LinkKnobs.of(**knobs)
 
 
+def test_check_layer_is_checked_where_it_is_read_or_was_set():
+    """cacheblend reads a layer's deviation; the others never read check_layer, so its default (layer 1) refused
+    every link of a one-layer model. Set by hand (a server's default made for another model), it is still checked."""
+    from ragcache.linker import ALGORITHMS
+
+    for name in ALGORITHMS:
+        params = LinkParams(name)
+        if params.algorithm == "cacheblend":
+            with pytest.raises(ParameterOutOfRange, match="check_layer must be within \\[0, 0\\], got 1"):
+                params.validate(num_layers=1)
+        else:
+            params.validate(num_layers=1)
+        with pytest.raises(ParameterOutOfRange, match="check_layer must be within"):
+            LinkParams(name, check_layer=4).validate(num_layers=4)
+    LinkParams("cacheblend", check_layer=0).validate(num_layers=1)
+
+
 def test_settings_read_the_knobs_from_the_environment(monkeypatch):
     monkeypatch.setenv("RAGCACHE_K", "8")
     monkeypatch.setenv("RAGCACHE_RATIO", "0.5")
