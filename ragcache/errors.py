@@ -149,6 +149,10 @@ class UnsupportedModel(RagCacheError):
     """A model ragcache cannot link for (no rotary embeddings, unsupported rope type, ...)."""
 
 
+class ModelTooLarge(UnsupportedModel):
+    """A model (or its merged adapter) that does not fit the device's free memory at load."""
+
+
 class ModelFetchError(RagCacheError):
     """A built-in model could not be downloaded, verified or converted."""
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import loaded
-from .errors import BadAdapter
+from .errors import BadAdapter, ModelTooLarge
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +171,10 @@ def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True)
         raise BadAdapter("adapters need the `peft` package: pip install peft") from exc
     try:
         peft = PeftModel.from_pretrained(lm.model, str(path), is_trainable=False)
+    except torch.OutOfMemoryError as exc:
+        raise ModelTooLarge(
+            f"the adapter in {path} does not fit the device's free memory beside the model: {exc}"
+        ) from exc
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
         raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
     # a LoRA bias would change the layers' biases too, which the swap does not keep aside: such a LoRA runs beside
@@ -210,6 +214,11 @@ def _merge(peft) -> tuple[torch.nn.Module, tuple]:
         model = peft.merge_and_unload(safe_merge=True)
     except ValueError as exc:  # NaNs in the merged weights
         raise BadAdapter(f"cannot merge the adapter: {exc}") from exc
+    except torch.OutOfMemoryError as exc:  # the merged weights are new tensors beside the base ones
+        raise ModelTooLarge(
+            f"merging the adapter needs a second copy of each adapted weight, which does not fit the device's free "
+            f"memory: run it beside the weights (--no-merge-adapter or RAGCACHE_MERGE_ADAPTER=false: slower), or free memory ({exc})"
+        ) from exc
     swapped = tuple((layer, kept, layer.weight.data) for layer, kept in zip(layers, base))
     if any(kept.data_ptr() == merged.data_ptr() for _, kept, merged in swapped):
         raise RuntimeError("the LoRA merge wrote into the base weights; compile would no longer see them")

@@ -17,7 +17,7 @@ import transformers
 from ragcache.store import durable
 
 from . import fetch, loaded, lora
-from .errors import ModelFetchError, ParameterOutOfRange, UnsupportedModel
+from .errors import ModelFetchError, ModelTooLarge, ParameterOutOfRange, UnsupportedModel
 from .settings import DEFAULT_MODEL
 
 FINGERPRINT = re.compile(r"[0-9a-f]{32}")  # loaded.model_fingerprint's form
@@ -112,8 +112,20 @@ def load(
             f"cannot load model {name_or_path!r} from {source}: {type(exc).__name__}: {exc} (a damaged file: a "
             f"built-in model's folder can be removed, and it is pulled again)"
         ) from exc
-    lm = wrap(model.to(device).eval(), tokenizer, name=name_or_path)
+    lm = wrap(placed(model, device, name_or_path), tokenizer, name=name_or_path)
     return lora.attach_adapter(lm, Path(adapter), merge) if adapter is not None else lm
+
+
+def placed(model: torch.nn.Module, device: str, name: str) -> torch.nn.Module:
+    """The model on `device`, in eval mode; ModelTooLarge, with its size, where its weights do not fit there."""
+    try:
+        return model.to(device).eval()
+    except torch.OutOfMemoryError as exc:
+        size = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+        raise ModelTooLarge(
+            f"{name} does not fit {device}'s free memory ({size:.1f} GiB of weights as loaded): a smaller model or "
+            f"dtype, a device with more free memory, or the cpu ({exc})"
+        ) from exc
 
 
 def wrap(model: torch.nn.Module, tokenizer, name: str) -> loaded.LoadedModel:

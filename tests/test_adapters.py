@@ -109,6 +109,27 @@ def test_an_adapter_that_would_change_the_base_models_own_parameters_is_refused_
     assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
 
 
+def test_a_model_or_merge_that_does_not_fit_the_device_is_a_typed_error(tiny_dir, adapter_dir, monkeypatch):
+    """CUDA running out of memory while a model is placed or an adapter merged was a torch traceback from `serve`,
+    `demo`, `RagCache.open`: it is ModelTooLarge (exit 5, a line saying what to change). Out of memory simulated: no
+    GPU here."""
+    from peft.tuners.lora import LoraModel
+
+    from ragcache.errors import ModelTooLarge
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.nn.Module, "to", out_of_memory)
+        with pytest.raises(ModelTooLarge, match="does not fit cuda's free memory .* GiB of weights as loaded"):
+            models.load(str(tiny_dir), dtype="float32", device="cuda")
+    with monkeypatch.context() as m:
+        m.setattr(LoraModel, "merge_and_unload", out_of_memory)
+        with pytest.raises(ModelTooLarge, match="merging the adapter needs a second copy .*--no-merge-adapter"):
+            models.load(str(tiny_dir), dtype="float32", adapter=adapter_dir)
+
+
 def test_an_adapter_with_lora_biases_runs_beside_the_weights_and_says_so(tiny_dir, adapter_dir, tmp_path, caplog):
     """Merging a LoRA bias would change the layers' biases, which the base-weights swap does not keep aside: such an
     adapter runs unmerged, slower on every linked row, which is said rather than left for a user to find."""
