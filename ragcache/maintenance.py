@@ -23,14 +23,14 @@ def tiers_of(store: Store) -> list[Store]:
     return list(getattr(store, "tiers", [store]))
 
 
-def _silent(stage: str, done: int, total: int) -> None:
+def silent(stage: str, done: int, total: int) -> None:
     pass
 
 
 Progress = Callable[[str, int, int], None]  # (stage, items done, items in all), after each batch of a long stage
 
 
-def delete(store: Store, doc_id: str, progress: Progress = _silent) -> dict | None:
+def delete(store: Store, doc_id: str, progress: Progress = silent) -> dict | None:
     """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
     except entries another document also uses. None if the document is unknown."""
     outages = store.outages()
@@ -69,7 +69,7 @@ def referenced_keys(
     store: Store,
     combos: set | None = None,
     but: str | None = None,
-    progress: Progress = _silent,
+    progress: Progress = silent,
     within: set[str] | None = None,
 ) -> set[str]:
     """Every entry key some document (but `but`) maps its chunks to, under the (model, tokenizer, dtype, layout)s in
@@ -90,7 +90,7 @@ def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
     return found
 
 
-def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False, progress: Progress = _silent) -> dict:
+def verify(store: Store, fix: bool = False, drop_checksum_only: bool = False, progress: Progress = silent) -> dict:
     """Decode every entry of every tier and read every record; with fix, delete what is bad, except records whose one
     fault is their checksum (see `documents.checksum_only`: a store key other than the writer's fails every record
     that way) and document records whose text still hashes to their id (`documents.text_intact`: a record written
@@ -169,7 +169,7 @@ def collect_garbage(
     tmp_age_s: float = 600.0,
     unreferenced: bool = False,
     drop_forms: tuple[str, ...] = (),
-    progress: Progress = _silent,
+    progress: Progress = silent,
 ) -> dict:
     report: dict = {}
     # before the tiers' own gc, so that their indexes see the space freed
@@ -216,7 +216,7 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
         return None
 
 
-def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str, ...]]:
+def _compile_combos(store: Store, progress: Progress = silent) -> set[tuple[str, ...]]:
     """(model, tokenizer, dtype, layout, heads, codec) of the entries in the store: what chunk keys can be rebuilt from."""
     combos, keys, done = set(), list(store.keys()), 0
     for batch in batched(keys):
@@ -231,7 +231,7 @@ def _compile_combos(store: Store, progress: Progress = _silent) -> set[tuple[str
 
 
 def _entry_keys(
-    store: Store, names: list[str], combos: set, progress: Progress = _silent, within: set[str] | None = None
+    store: Store, names: list[str], combos: set, progress: Progress = silent, within: set[str] | None = None
 ) -> set[str]:
     """Keys of the chunks these chunk records hold, under every (model, tokenizer, dtype, layout, codec) present in
     the store (only those `within`, where given); the records are read in batches."""

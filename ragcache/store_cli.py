@@ -60,11 +60,19 @@ AsJson = Annotated[bool, typer.Option("--json", help="print JSON instead of tabl
 
 
 # -- helpers (usable without the CLI) -------------------------------------------------------------------
-def entry_rows(store: Store, limit: int | None = None) -> Iterator[dict]:
+def entry_rows(
+    store: Store,
+    limit: int | None = None,
+    progress: maintenance.Progress = maintenance.silent,
+    total: int = 0,
+) -> Iterator[dict]:
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors), a batch of
-    headers at a time: a store of millions of entries is never held in memory whole."""
+    headers at a time: a store of millions of entries is never held in memory whole. `progress` hears of each batch
+    (`total`: the entries expected, as the tier counts them)."""
     count = 0
     for batch in batched(store.keys()):
+        if count:
+            progress(f"reading {store.name}'s entries", count, max(total, count))
         for key, info in zip(batch, store.describe_many(batch)):
             if limit is not None and count >= limit:
                 return
@@ -87,16 +95,17 @@ def entry_rows(store: Store, limit: int | None = None) -> Iterator[dict]:
                 "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
                 "error": info.get("error"),
             }
+    progress(f"reading {store.name}'s entries", count, max(total, count))
 
 
-def summary(store: Store, progress: maintenance.Progress = maintenance._silent) -> dict:
+def summary(store: Store, progress: maintenance.Progress = maintenance.silent) -> dict:
     """Each tier's stats and its entries counted from their headers (minutes at millions of entries: `progress`)."""
     tiers: list[dict] = []
     for tier in maintenance.tiers_of(store):
         try:  # a tier that fails while its entries are read is one tier's error too, not the command's
             stats = tier.stats()
             total = stats["entries"] if isinstance(stats.get("entries"), int) else 0
-            rows = _counted(entry_rows(tier), progress, f"reading {tier.name}'s entries", total)
+            rows = entry_rows(tier, progress=progress, total=total)
             tiers.append({**stats, **_tally(rows)})
         except StoreError as exc:
             tiers.append({"tier": tier.name, "error": str(exc)})
@@ -107,18 +116,6 @@ def summary(store: Store, progress: maintenance.Progress = maintenance._silent) 
         "records": len(names),
         "documents": sum(1 for n in names if n.startswith("doc/")),
     }
-
-
-def _counted(
-    rows: Iterable[dict], progress: maintenance.Progress, stage: str, total: int, every: int = 256
-) -> Iterator[dict]:
-    """`rows` as they are, told to `progress` after every `every` of them and at their end."""
-    done = 0
-    for done, row in enumerate(rows, 1):
-        yield row
-        if done % every == 0:
-            progress(stage, done, max(total, done))
-    progress(stage, done, max(total, done))
 
 
 def _tally(rows: Iterable[dict]) -> dict:
