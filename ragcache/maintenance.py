@@ -79,14 +79,17 @@ def referenced_keys(
     return _entry_keys(store, names, combos, progress, within)
 
 
-def entries_of_forms(store: Store, forms: set[str]) -> dict[str, list[str]]:
+def entries_of_forms(store: Store, forms: set[str], progress: Progress = silent) -> dict[str, list[str]]:
     """Keys of the entries compiled in each of `forms` (a compute dtype, plus "/codec" when stored in another
     one), from one pass over the store's summaries."""
     found: dict[str, list[str]] = {form: [] for form in forms}
-    for batch in batched(store.keys()):
+    keys, done = list(store.keys()), 0
+    for batch in batched(keys):
         for key, info in zip(batch, store.describe_many(batch)):
             if info and (form := entry_form(info)) in found:
                 found[form].append(key)
+        done += len(batch)
+        progress("reading entry headers", done, len(keys))
     return found
 
 
@@ -174,8 +177,12 @@ def collect_garbage(
     report: dict = {}
     # before the tiers' own gc, so that their indexes see the space freed
     if drop_forms:  # a pass over every entry's header: only when forms are dropped
-        for form, keys in entries_of_forms(store, set(drop_forms)).items():
-            report[f"dropped {form}"] = sum(store.delete(k) for k in keys)
+        for form, keys in entries_of_forms(store, set(drop_forms), progress).items():
+            report[f"dropped {form}"] = done = 0
+            for batch in batched(keys):
+                report[f"dropped {form}"] += sum(store.delete(k) for k in batch)
+                done += len(batch)
+                progress(f"dropping {form}", done, len(keys))
     for tier in tiers_of(store):
         if hasattr(tier, "gc"):
             report[tier.name] = tier.gc(tmp_age_s)
