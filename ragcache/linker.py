@@ -185,6 +185,10 @@ def plan(
     scores = question_attention(runner, parts, cache).sum(0) if prepass_rows(parts, params) else None
     rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
     rows = rows.sort().values
+    # a link of chunks recomputes the prompt's last row only as the question's: without one, no row gives the next
+    # token (none at all, for naive: the sequence would wait for rows forever)
+    if rows.numel() == 0 or (algorithm(params.algorithm).reuses == "chunks" and not len(parts.question_ids)):
+        raise EmptyInput("a link of chunks needs a question with tokens after them: its last row gives the answer")
     # A link over chunk entries holds `full`'s rows nowhere bit for bit: its system prefix was placed from an entry
     # (keys back to pre-RoPE and forward again), and rows it recomputes among the chunks' run through the attention
     # of scattered rows, which rounds by its call. Its repair starts at row 0, so that on a cut-invariant runner the

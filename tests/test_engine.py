@@ -445,6 +445,24 @@ def test_focus_without_documents_skips_the_pre_pass(rc, monkeypatch):
     assert torch.equal(linked.last_logits, rc.link("How tall is it?", docs=[], algorithm="naive").last_logits)
 
 
+def test_a_link_of_chunks_without_a_question_is_refused_not_left_waiting(rc):
+    """naive over chunks with no question recomputes no row: its sequence was placed and then waited forever for
+    rows, the model thread spinning; legolink's last recomputed row was a chunk's, its logits not the next token's.
+    Front's prompts always carry a question; a caller building LinkInput itself (research, a connector) may not."""
+    from ragcache import linker
+    from ragcache.linker import LinkInput, LinkParams
+
+    layout = rc.layouts["default"]
+    ids = rc.tokenizer.encode(tiny.CORPUS[0], add_special_tokens=False)[:8]
+    entry = rc.compiler.compile(ids, layout)
+    chunk = rc.compiler.stored_ids(ids, layout)
+    for name in ("naive", "legolink"):
+        with pytest.raises(errors.EmptyInput, match="needs a question"):
+            linker.plan(rc.runner, LinkInput([], [chunk], [], None, [entry]), LinkParams(name))
+    asked = linker.plan(rc.runner, LinkInput([], [chunk], [5, 6], None, [entry]), LinkParams("naive"))
+    assert asked.rows.tolist() == [len(chunk), len(chunk) + 1]
+
+
 def test_a_prefix_lookup_finds_a_repeat_or_whole_pieces_never_the_last_row():
     """One scan says both: an exact repeat (its kept logits, even beside a longer prompt that starts with it), or
     the reusable rows cut back to whole pieces and short of the last row, which must run to give logits."""
@@ -499,6 +517,28 @@ def test_the_prefix_caches_are_bounded_and_the_operator_sets_the_bound(monkeypat
     assert opened[-1].prefix_cache_bytes == 64 << 20 and DEFAULT_PREFIX_BUDGET == 256 << 20
     server.open_engine(Settings(store="memory:"))
     assert len(opened) == 2 and opened[-1].prefix_cache_bytes == 64 << 20
+
+
+def test_a_prompt_the_prefix_cache_cannot_hold_is_not_copied_and_a_copy_out_of_memory_fails_nothing(monkeypatch):
+    """A `prefix` prompt past the budget was cloned whole (a GiB at 8k tokens of an 8B model) and then dropped, on
+    the model thread, for every request; out of device memory in that copy failed a request whose link was done."""
+    from ragcache.engine.prefix_cache import PrefixCache
+
+    prompt = torch.zeros(2, 1, 8, 4)
+    cloned = []
+    real_clone = torch.Tensor.clone
+    monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: cloned.append(t.shape) or real_clone(t, *a, **k))
+    small = PrefixCache(budget_bytes=prompt.nbytes)  # keys and values together are twice that
+    small.insert(torch.arange(8), prompt, prompt)
+    assert cloned == [] and small.usage == (0, 0)
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(torch.Tensor, "clone", out_of_memory)
+    roomy = PrefixCache()
+    roomy.insert(torch.arange(8), prompt, prompt)  # logged, not raised
+    assert roomy.usage == (0, 0)
 
 
 def test_settings_refuse_what_would_fail_every_request_at_start():

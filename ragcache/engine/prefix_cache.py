@@ -3,6 +3,7 @@ real positions, found by the longest common token prefix. The `prefix` baseline 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from ..settings import DEFAULT_PREFIX_BUDGET
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -82,11 +85,16 @@ class PrefixCache:
     def insert(
         self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_logits: torch.Tensor | None = None
     ) -> None:
-        logits = last_logits.clone() if self.piece and last_logits is not None else None
-        if self._kept(token_ids, logits is not None):  # not a second copy of a whole prompt's K/V to drop the first
+        with_logits = bool(self.piece) and last_logits is not None
+        size = keys.nbytes + values.nbytes + (last_logits.nbytes if with_logits else 0)
+        # a prompt past the budget is never held: not copied whole (a GiB for 8k tokens at an 8B shape) to be dropped
+        if size > self.budget_bytes or self._kept(token_ids, with_logits):
             return
-        prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
-        if prompt.nbytes > self.budget_bytes:
+        try:
+            logits = last_logits.clone() if with_logits else None
+            prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
+        except torch.OutOfMemoryError:  # a cache's copy is no reason to fail the request that linked
+            log.warning("no device memory to keep a %d-token prompt in the prefix cache", token_ids.numel())
             return
         with self._lock:
             for slot, old in list(self._prompts.items()):  # a prompt that is a prefix of the new one is redundant
