@@ -116,6 +116,7 @@ class Guard:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         length = headers.get(b"content-length", b"0")
+        with_body = bool(length.strip(b"0")) or b"transfer-encoding" in headers  # chunked: no length declared
         if self.hosts is not None and host_name(headers.get(b"host", b"")) not in self.hosts:
             response = error_response(
                 403,
@@ -134,7 +135,7 @@ class Guard:
                 "unauthorized",
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 # a body it will not read: closed, or the server reads it all to keep the connection
-                headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if length.strip(b"0") else {})},
+                headers={"WWW-Authenticate": "Bearer", **({"Connection": "close"} if with_body else {})},
             )
             return await response(scope, receive, send)
         if length.isdigit() and int(length) > self.max_body_bytes:

@@ -55,8 +55,13 @@ def streamed(events: str) -> dict:
     }
 
 
+# what JSON leaves raw but line readers (httpx's and requests' iter_lines, as str.splitlines) end a line at: an
+# answer quoting a document's U+2028 would cut its event in two
+_LINE_BREAKS = str.maketrans({"\u2028": "\\u2028", "\u2029": "\\u2029", "\x85": "\\u0085"})
+
+
 def sse(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json.dumps(payload, ensure_ascii=False).translate(_LINE_BREAKS)}\n\n"
 
 
 async def sse_events(

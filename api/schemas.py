@@ -153,6 +153,7 @@ class LinkOptions(Strict, linker.LinkOptions):
 
 
 MAX_TOKENS_NAMES = ("max_tokens", "max_new_tokens", "max_completion_tokens")
+MAX_TOKENS_PRIORITY = ("max_completion_tokens", "max_tokens", "max_new_tokens")  # of two given, the one that counts
 
 
 class SamplingFields(BaseModel):
@@ -169,14 +170,14 @@ class SamplingFields(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _unset_max_tokens(cls, data):
-        """A null under one of max_tokens' names is no value: the aliases take the first name present, so
-        `max_tokens: null` beside `max_completion_tokens: 3` left the server's default. And OpenAI's current name
-        counts before the one it deprecated, as vLLM reads them."""
-        if isinstance(data, dict) and any(data.get(name, 0) is None for name in MAX_TOKENS_NAMES):
-            data = {k: v for k, v in data.items() if not (k in MAX_TOKENS_NAMES and v is None)}
-        if isinstance(data, dict) and "max_completion_tokens" in data:
-            data = {k: v for k, v in data.items() if k not in MAX_TOKENS_NAMES[:2]}
-        return data
+        """One value of max_tokens' names: a null is no value (the aliases take the first name present, so
+        `max_tokens: null` beside `max_completion_tokens: 3` left the server's default), and of two names given the
+        one that counts is OpenAI's current name, then its deprecated one, then ragcache's (as vLLM reads the first
+        two); the other is dropped, where the strict native schema refused it as an unknown field."""
+        if not isinstance(data, dict):
+            return data
+        given = [name for name in MAX_TOKENS_PRIORITY if data.get(name) is not None]
+        return {k: v for k, v in data.items() if k not in MAX_TOKENS_NAMES or k in given[:1]}
 
     # strict: a JSON true is not a number here (lax pydantic reads it as 1)
     temperature: float = Field(

@@ -763,6 +763,8 @@ def test_bearer_auth(rc):
         refused = httpx.post(f"{s.url}/v1/query", json={"question": "q"}, headers={"Authorization": "Bearer nope"})
         error_of(refused, 401)
         assert refused.headers["connection"] == "close"  # its body is not read: the connection cannot go on
+        chunked = httpx.post(f"{s.url}/v1/query", content=iter([b'{"question": ', b'"q"}']))  # no length declared
+        assert chunked.status_code == 401 and chunked.headers["connection"] == "close"
         assert httpx.get(f"{s.url}/v1/models").headers.get("connection") != "close"  # no body: kept
         assert httpx.get(f"{s.url}/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
         # the scheme is case-insensitive (RFC 9110, 11.1); the key is not
@@ -1579,6 +1581,20 @@ def test_max_completion_tokens_counts_beside_a_null_max_tokens(http):
                                                 "max_tokens": 3, "max_completion_tokens": 1})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 1
+    # two of the names on the native route: the first that counts is taken, not the other refused as unknown
+    r = http.post("/v1/query", json={"question": "Where is the tower?", "max_tokens": 1, "max_new_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 1
+
+
+def test_an_event_holding_a_unicode_line_separator_stays_one_line():
+    """JSON leaves U+2028, U+2029 and U+0085 raw, and httpx's and requests' line readers end a line at each: an
+    answer quoting a document's line separator cut its event in two (examples/rest_client.py failed to parse it)."""
+    from api.native import sse
+
+    text = "a\u2028b\u2029c\x85d é"
+    lines = list(httpx.Response(200, content=sse({"text": text}).encode()).iter_lines())
+    assert lines[1:] == [""] and json.loads(lines[0].removeprefix("data: ")) == {"text": text}
 
 
 def test_a_delete_that_gave_up_waiting_is_409_with_retry_after(http, rc, monkeypatch):
