@@ -14,7 +14,6 @@ import math
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
 
 QUERY_BLOCK = 256  # rows per attention block: bounds the [rows, keys] mask on long prompts
 
@@ -371,6 +370,8 @@ def _causal_block(query, keys, values, first: int, key_lo: int, scale: float, wi
     if in_window and offset == 0:
         return _sdpa(query, keys, values, scale, causal=True)  # square: plain causal
     if in_window and query.device.type == "cuda":  # causal from the bottom right: FlashAttention takes it as is
+        from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: seconds a CLI need not pay
+
         out = torch.nn.functional.scaled_dot_product_attention(
             query[None],
             keys[None],

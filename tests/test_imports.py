@@ -265,3 +265,17 @@ def test_the_bench_rule_sees_each_kind_of_reach(tmp_path):
         "fresh._ensure",
         "engines['a']._compile",
     ]
+
+
+def test_the_commands_start_without_torch_dynamo_or_transformers():
+    """`ragcache --help` and the store's commands load no model: importing torch's compiler (torch._dynamo, pulled in
+    by torch.nn.attention.bias) or transformers at the CLI's import cost seconds before every command's first line."""
+    import subprocess
+    import sys
+
+    heavy = ("torch._dynamo", "transformers", "fastapi", "vllm")
+    done = subprocess.run(
+        [sys.executable, "-c", f"import sys, ragcache.cli; print([m for m in {heavy!r} if m in sys.modules])"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
