@@ -328,8 +328,8 @@ class ModelCard(BaseModel):
         None,
         description="linking defaults: default_k (the calibrated k when "
         "`ragcache calibrate` has run for this model), target, agreement_by_k; "
-        "adapter: the link adapter the model answers with (sha256, path, "
-        "merged), null for the base model",
+        "adapter: the link adapter the model answers with (sha256, name: "
+        "its folder's, merged), null for the base model",
     )
 
 

@@ -38,7 +38,11 @@ DtypeOpt = Annotated[
 ]
 DeviceOpt = Annotated[
     str | None,
-    typer.Option("--device", help="auto | cpu | cuda | cuda:N (default: settings, auto: CUDA where torch sees a GPU)"),
+    typer.Option(
+        "--device",
+        help="auto | cpu | cuda: the first GPU the process sees, picked with "
+        "CUDA_VISIBLE_DEVICES (default: settings, auto: CUDA where torch sees a GPU)",
+    ),
 ]
 KvCodecOpt = Annotated[
     str | None,
@@ -60,17 +64,20 @@ JsonlOpt = Annotated[str, typer.Option("--jsonl", help="field holding the text i
 
 # training's own precision and device, which the serving commands' values do not fit (no float16, auto picks CUDA)
 TrainDtypeOpt = Annotated[str, typer.Option("--dtype", help="float32 | bfloat16")]
-TrainDeviceOpt = Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")]
+TrainDeviceOpt = Annotated[
+    str, typer.Option("--device", help="auto | cpu | cuda (the first GPU the process sees: CUDA_VISIBLE_DEVICES)")
+]
 
 
-def link_options(command=None, /, **defaults):
+def link_options(command=None, /, only: tuple[str, ...] | None = None, **defaults):
     """One --option per link knob (settings.LinkKnobs, with its help text), handed to the command whole as its
     `link` parameter: a knob declared there reaches every command that takes link knobs, with no edit here.
     `defaults`: a command's own default for a knob (`@link_options(algorithm="naive")`), which typer shows in place
-    of the settings' default its help names."""
+    of the settings' default its help names; `only`: the knobs a command reads, where it reads some (training)."""
     if command is None:
-        return functools.partial(link_options, **defaults)
-    unknown = set(defaults) - set(LinkKnobs.model_fields)
+        return functools.partial(link_options, only=only, **defaults)
+    names = list(LinkKnobs.model_fields) if only is None else list(only)
+    unknown = (set(defaults) | set(names)) - set(LinkKnobs.model_fields)
     if unknown:
         raise TypeError(f"link_options: no link knob {sorted(unknown)}")
     knobs = [
@@ -84,6 +91,7 @@ def link_options(command=None, /, **defaults):
             ],
         )
         for name, field in LinkKnobs.model_fields.items()
+        if name in names
     ]
     signature = inspect.signature(command, eval_str=True)  # typer reads a __signature__ as it stands
     others = [p for p in signature.parameters.values() if p.name != "link"]
@@ -91,7 +99,7 @@ def link_options(command=None, /, **defaults):
     @functools.wraps(command)
     def with_knobs(*args, **kwargs):
         try:  # a knob out of range, or an algorithm of no such name, fails here, before the model loads
-            link = LinkKnobs.of(**{name: kwargs.pop(name) for name in LinkKnobs.model_fields})
+            link = LinkKnobs.of(**{name: kwargs.pop(name) for name in names})
             if link.algorithm is not None:
                 from .linker import algorithm
 

@@ -62,7 +62,9 @@ def check_device(device: str, here: bool = True) -> None:
     if device in (AUTO_DEVICE, "cpu"):
         return
     if found is None:
-        raise ParameterOutOfRange(f"device {device!r}: must be auto, cpu or cuda (cuda:N for the N-th GPU)")
+        raise ParameterOutOfRange(
+            f"device {device!r}: must be auto, cpu or cuda (another GPU than the first: CUDA_VISIBLE_DEVICES)"
+        )
     if not here:
         return
     if not torch.cuda.is_available():
@@ -117,6 +119,7 @@ def store_for(store: object, device) -> object:
 
 DEFAULT_ALGORITHM = "focus"  # legolink-16 is no better than naive on the capable reader; focus is (docs/ACCURACY.md)
 DEFAULT_TRAIN_ALGORITHM = "naive"  # what `ragcache train link` fits unless told: the cheapest link has the most to win
+TRAIN_READ_KNOBS = {"legolink": ("k",), "focus": ("ratio",)}  # what shapes each fitted link besides its algorithm
 DEFAULT_K = 16
 DEFAULT_RATIO = 0.15  # cacheblend's
 DEFAULT_FOCUS_RATIO = 0.25  # keeps full's F1 on the 1.5B reader (n = 1000) and agrees on 0.90 of first tokens
@@ -181,7 +184,7 @@ class LinkKnobs(BaseModel):
         strict=True,
         description="rows of the link's stale cache recomputed with each decode step once the first token is out, "
         "in causal order, until the cache is full's (0 or at least 2: a step also decodes a row over the stale "
-        "cache); past the prompt's length (4096) it is full's from the second token on, and on CPU so is the answer "
+        "cache); past the prompt's length (e.g. 4096) it is full's from the second token on, and on CPU so is the answer "
         "wherever its first token is (README: Repair during decode; default 0: off)",
     )
 

@@ -398,7 +398,7 @@ def rm(
     """Delete a document (its records and chunk entries) or one chunk entry."""
     id = id.lower()
     if len(id) < 8 or len(id) > 64 or any(c not in "0123456789abcdef" for c in id):
-        fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 2)
+        fail(f"{id!r} is neither a document id (32 hex) nor a chunk key (8 to 64 hex)", 3)
     store = _settings_store(store)
     s = _open(store)
     with _bars() as progress:
@@ -411,7 +411,7 @@ def rm(
         return
     matches = [id] if len(id) == 64 else sorted({k for k in s if k.startswith(id)})
     if len(matches) > 1:
-        fail(f"{id} matches {len(matches)} entries; give more of the key", 2)
+        fail(f"{id} matches {len(matches)} entries; give more of the key", 3)
     if not matches or not s.delete(matches[0]):
         fail(f"no document or entry {id} in {shown(store)}", 4)  # README: 4 is an unknown document
     console.print(f"entry {matches[0]} deleted")

@@ -1098,7 +1098,7 @@ def test_cli_rm_removes_a_document_and_its_entries(tmp_path, tiny_lm, monkeypatc
     assert set(store.keys()) == keep - gone_keys and store.get_record(f"doc/{ids[0]}") is None
     one = sorted(store.keys())[0]
     assert _cli("rm", one[:10]).exit_code == 0 and one not in set(store.keys())
-    assert _cli("rm", "not-hex").exit_code == 2
+    assert _cli("rm", "not-hex").exit_code == 3  # bad input, as a query's malformed --doc
     assert _cli("rm", "ab" * 16).exit_code == 4  # README: an unknown document
     # the engine copes: the removed document compiles again from its text
     answer = engine(tiny_lm, open_store(url)).query(QUESTION, [{"text": DOCS[0]}], max_new_tokens=2)

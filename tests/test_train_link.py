@@ -327,6 +327,9 @@ def test_train_link_runs_on_the_gpu_where_there_is_one_and_refuses_a_device_this
         config(tmp_path, device="cuda:7").validate()
     shown = CliRunner().invoke(app, ["train", "link", "--help"], terminal_width=200)
     assert "--device" in shown.output
+    # the knobs a fitted link reads, not those it would refuse (--repair, --check-layer, --deviation)
+    assert all(f"--{name} " in shown.output for name in ("algorithm", "k", "ratio"))
+    assert not any(name in shown.output for name in ("--repair", "--check-layer", "--deviation"))
 
 
 @pytest.mark.parametrize("knobs, unread", [(dict(algorithm="legolink", ratio=0.3), "--ratio"),

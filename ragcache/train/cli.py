@@ -13,7 +13,7 @@ from rich.table import Table
 from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt, link_options
 from ..console import bars, console, err, fail, interrupted, opened
 from ..errors import RagCacheError
-from ..settings import DEFAULT_TRAIN_ALGORITHM, LinkKnobs
+from ..settings import DEFAULT_TRAIN_ALGORITHM, TRAIN_READ_KNOBS, LinkKnobs
 
 train_app = typer.Typer(
     help="Fit adapters for cheap linking, or fine-tune models for EFIM infilling.", no_args_is_help=True
@@ -28,7 +28,9 @@ def _progress() -> Progress:
 
 
 @train_app.command("link")
-@link_options(algorithm=DEFAULT_TRAIN_ALGORITHM)
+@link_options(
+    algorithm=DEFAULT_TRAIN_ALGORITHM, only=("algorithm", *sorted({k for ks in TRAIN_READ_KNOBS.values() for k in ks}))
+)
 def link_cmd(
     model: OwnModelOpt = "smollm2-135m",
     link: LinkKnobs = LinkKnobs(),  # noqa: B008 - filled in by @link_options

@@ -140,7 +140,7 @@ def with_lora(model, r: int, alpha: int, targets: tuple[str, ...] = LORA_TARGETS
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise BadRequest(f"LoRA needs the `peft` package: pip install 'ragcache[train]'{hint}") from exc
+        raise BadRequest(f"LoRA needs the `peft` package: pip install peft{hint}") from exc
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     present = [t for t in targets if t in names]
     if not present:

@@ -52,14 +52,20 @@ from .. import agreement, linker, loaded, lora, models
 from ..engine import QueryStats, cache_argument
 from ..errors import BadRequest, PromptTooLong, RagCacheError, UnsupportedModel
 from ..facade import RagCache
-from ..settings import DEFAULT_MODEL, DEFAULT_TRAIN_ALGORITHM, LinkKnobs, refuse_another_gpu, resolve_device
+from ..settings import (
+    DEFAULT_MODEL,
+    DEFAULT_TRAIN_ALGORITHM,
+    TRAIN_READ_KNOBS,
+    LinkKnobs,
+    refuse_another_gpu,
+    resolve_device,
+)
 from . import checkpoint, squad
 
 log = logging.getLogger("ragcache")
 
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
-READ_KNOBS = {"legolink": ("k",), "focus": ("ratio",)}  # what shapes each fitted link besides its algorithm
 DTYPES = ("float32", "bfloat16")  # float16's gradients would need loss scaling, which the loop has not
 HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
 QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
@@ -90,7 +96,7 @@ class LinkTrainConfig:
     def validate(self) -> None:
         if self.link.algorithm not in ALGORITHMS:
             raise BadRequest(f"--algorithm must be one of {', '.join(ALGORITHMS)}, got {self.link.algorithm!r}")
-        if unread := sorted(set(self.link.given()) - {"algorithm", *READ_KNOBS.get(self.link.algorithm, ())}):
+        if unread := sorted(set(self.link.given()) - {"algorithm", *TRAIN_READ_KNOBS.get(self.link.algorithm, ())}):
             raise BadRequest(
                 f"training fits a {self.link.algorithm} link, which does not read "
                 + ", ".join(f"--{name.replace('_', '-')}" for name in unread)
@@ -374,7 +380,10 @@ def label(link: linker.LinkParams) -> str:
 
 def _fitted(link: linker.LinkParams) -> dict:
     """The knobs that shape the fitted link: its algorithm, and k or ratio where the algorithm reads them."""
-    return {"algorithm": link.algorithm, **{name: getattr(link, name) for name in READ_KNOBS.get(link.algorithm, ())}}
+    return {
+        "algorithm": link.algorithm,
+        **{name: getattr(link, name) for name in TRAIN_READ_KNOBS.get(link.algorithm, ())},
+    }
 
 
 def _run_key(cfg: LinkTrainConfig, link: linker.LinkParams, targets: list[Target], fingerprint: str) -> dict:
