@@ -472,7 +472,10 @@ class DiskStore(BlobStore):
     def get_record(self, name: str) -> dict | UnreadableRecord | None:
         try:
             with _open_regular(self._record_path(name)) as fh:
-                raw = fh.read(MAX_RECORD_BYTES + 1)
+                # read(n) allocates n bytes first: the file's size, not the bound (a GiB per record read), and a
+                # byte more to see a file that grew past it since
+                size = os.fstat(fh.fileno()).st_size
+                raw = fh.read(min(size, MAX_RECORD_BYTES) + 1)
             if len(raw) > MAX_RECORD_BYTES:
                 raise NotAnEntryFile(errno.EFBIG, f"over {MAX_RECORD_BYTES} bytes")
             return json.loads(raw.decode("utf-8"))

@@ -125,7 +125,10 @@ def decode(key: str, blob: bytes | bytearray | memoryview) -> ChunkKV:
         raise CorruptEntry(f"entry {key[:12]}: unreadable payload: {exc!r}") from exc
     if meta.get("key") != key:
         raise CorruptEntry(f"entry {key[:12]}: holds key {str(meta.get('key'))[:12]}, a foreign entry")
-    problem = shape_problem(entry) or content_problem(key, entry)
+    try:
+        problem = shape_problem(entry) or content_problem(key, entry)
+    except Exception as exc:  # metadata no key can be made from (a lone surrogate: not UTF-8): a forged entry
+        raise CorruptEntry(f"entry {key[:12]}: its metadata cannot be checked against its key: {exc!r}") from exc
     if problem:
         raise CorruptEntry(f"entry {key[:12]}: {problem}")
     return entry

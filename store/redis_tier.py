@@ -229,9 +229,14 @@ class RedisStore(BlobStore):
             return [problem if problem is not None else blob for blob, problem, _, _ in self._fetch(keys)]
 
     def _drop_remains(self, key: str, raw: bytes, manifest: dict | None) -> None:
-        if manifest is not None:
-            self._redis().delete(*self._part_names(key, manifest))  # one slot: one command
-        self._delete_if_same(keys=[self._manifest_name(key)], args=[raw])
+        """Best effort: a cleanup refused (a read-only replica, an ACL without DEL) must not fail the read whose
+        other entries were fetched, nor mark the tier down."""
+        try:
+            if manifest is not None:
+                self._redis().delete(*self._part_names(key, manifest))  # one slot: one command
+            self._delete_if_same(keys=[self._manifest_name(key)], args=[raw])
+        except RedisError as exc:
+            log.warning("redis tier: could not drop the remains of entry %s: %s", key[:12], exc)
 
     def write_blobs(self, blobs: dict[str, bytes]) -> None:
         if not blobs:
@@ -453,6 +458,18 @@ def part_count(size: int, part_bytes: int) -> int:
     return max(-(-size // part_bytes), 1)
 
 
+_GENERATION = re.compile(r"[0-9a-f]{8}[0-9a-f]{6}", re.ASCII)  # a writer's time, then its random part (`_commit`)
+
+
+def _text(s: str) -> bool:
+    """Whether `s` is Unicode text (no lone surrogate, which JSON escapes can carry and UTF-8 cannot)."""
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _parse_manifest(raw: bytes) -> dict | None:
     """A manifest, or None when it is unusable: its part count is the one its size and part size give, and at most
     MAX_PARTS (a manifest another writer of the Redis planted with a billion parts would have every read build a
@@ -463,12 +480,17 @@ def _parse_manifest(raw: bytes) -> dict | None:
         if (
             manifest.get("v") != MANIFEST_VERSION
             or not isinstance(manifest.get("gen"), str)
+            or not _GENERATION.fullmatch(manifest["gen"])
             or not all(isinstance(n, int) for n in (size, part_bytes, parts))
             or not 0 <= size <= MAX_ENTRY_BYTES
             or part_bytes < 1
             or parts != part_count(size, part_bytes)
             or parts > MAX_PARTS
             or not isinstance(manifest.get("sha256"), str)
+            # what readers build names of, or fold into forms and keys (maintenance): text, or the manifest's
+            # writer was not ragcache
+            or not isinstance(meta := manifest.get("meta", {}), dict)
+            or not all(isinstance(k, str) and isinstance(v, str) and _text(k + v) for k, v in meta.items())
         ):
             return None
         return manifest

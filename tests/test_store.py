@@ -474,6 +474,27 @@ def test_a_foreign_entry_is_a_miss(tmp_path):
     assert disk.get(other) is None and disk.metrics.corrupt == 1 and same_bits(disk.get(key), entry)
 
 
+def test_an_entry_whose_metadata_is_no_text_is_a_miss_and_dropped(tmp_path):
+    """A planted entry (its checksum recomputed) whose model names a lone surrogate: checking its ids against its
+    key raised UnicodeEncodeError, past every `except CorruptEntry`, so each query of the chunk failed with a 500
+    and the entry was never dropped."""
+    import struct
+
+    from ragcache.store.entry import MAGIC, checksum
+
+    disk = DiskStore(tmp_path)
+    key, entry = make_entry(6, layers=2)
+    payload = encode(key, entry)[len(MAGIC) + checksum(b"").digest_size :]
+    (size,) = struct.unpack("<Q", payload[:8])
+    header = payload[8 : 8 + size].replace(b'"model":"' + b"f" * 64 + b'"', b'"model":"\\ud800"')
+    forged = struct.pack("<Q", len(header)) + header + payload[8 + size :]
+    disk.entry_path(key).parent.mkdir(exist_ok=True)
+    disk.entry_path(key).write_bytes(MAGIC + checksum(forged).digest() + forged)
+    with pytest.raises(CorruptEntry, match="cannot be checked against its key"):
+        decode(key, disk.entry_path(key).read_bytes())
+    assert disk.get(key) is None and disk.metrics.corrupt == 1 and not disk.entry_path(key).exists()
+
+
 def test_memory_tier_reports_inconsistent_entries():
     store = MemoryStore()
     key, entry = make_entry(8, layers=2)
@@ -2125,3 +2146,19 @@ def test_a_disk_tiers_io_fault_while_looking_up_or_listing_is_a_store_error(tmp_
         list(disk.keys())
     with pytest.raises(StoreError, match="cannot list records"):
         disk.record_names()
+
+
+def test_reading_a_small_record_allocates_no_more_than_it(tmp_path):
+    """A disk record was read with read(1 GiB + 1), which allocates its whole size first: a GiB per document read
+    (a MemoryError, a 500, where memory is not overcommitted)."""
+    import tracemalloc
+
+    disk = DiskStore(tmp_path)
+    disk.put_record("doc/x", {"text": "a short document"})
+    tracemalloc.start()
+    try:
+        assert disk.get_record("doc/x") == {"text": "a short document"}
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

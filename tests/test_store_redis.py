@@ -232,6 +232,12 @@ DAMAGE = {
         {**json.loads(c.get(_manifest_name(k))), "parts": 10**9})),
     "a billion consistent parts": lambda c, k, o: c.set(_manifest_name(k), json.dumps(  # size and part size agree
         {**json.loads(c.get(_manifest_name(k))), "size": 10**9, "part_bytes": 1, "parts": 10**9})),
+    # a generation no part name can be made of (UnicodeEncodeError in redis-py: every read of the key a 500), and
+    # metadata maintenance cannot fold into forms (store delete, gc --unreferenced failed for every document)
+    "a generation that is no text": lambda c, k, o: c.set(_manifest_name(k), json.dumps(
+        {**json.loads(c.get(_manifest_name(k))), "gen": "\ud800"})),
+    "metadata that is a list": lambda c, k, o: c.set(_manifest_name(k), json.dumps(
+        {**json.loads(c.get(_manifest_name(k))), "meta": ["model"]})),
 }
 
 
@@ -263,12 +269,32 @@ def test_a_damaged_redis_entry_is_a_logged_miss_and_removed(redis_url, caplog, d
     assert len(warnings_of(caplog)) == 1
     # with the manifest unreadable or pointing elsewhere, the parts it lost track of are orphans: gc reclaims them
     orphans = damage in ("garbage manifest", "manifest of another generation", "a billion parts",
-                         "a billion consistent parts")
+                         "a billion consistent parts", "a generation that is no text", "metadata that is a list")
     assert bool(names_of(client, key)) == orphans
     store.gc(orphan_age_s=0)
     assert names_of(client, key) == [] and same_bits(store.get(other), fine)
     store.put(key, entry)  # and the key is usable again
     assert same_bits(store.get(key), entry)
+
+
+def test_a_cleanup_redis_refuses_fails_neither_the_read_nor_the_tier(redis_url, monkeypatch, caplog):
+    """An incomplete entry's remains are dropped as it is read; on a read-only replica or under an ACL without DEL
+    that cleanup raised, and the whole read (the other entries fetched) became a StoreError."""
+    from redis.exceptions import ResponseError
+
+    store = RedisStore(redis_url)
+    client = raw(redis_url)
+    (key, entry), (other, fine) = make_entry(10), make_entry(11)
+    store.put_many({key: entry, other: fine})
+    client.delete(parts_of(client, key)[1])
+
+    def refused(*args, **kwargs):
+        raise ResponseError("READONLY You can't write against a read only replica.")
+
+    monkeypatch.setattr(store, "_delete_if_same", refused)
+    got = store.get_many([key, other])
+    assert got[0] is None and same_bits(got[1], fine)
+    assert "could not drop the remains" in caplog.text
 
 
 def test_damaged_redis_entries_are_recompiled_and_the_answer_is_unchanged(redis_url, tiny_lm):
