@@ -174,6 +174,7 @@ def test_a_question_scored_link_is_salted_with_its_question():
     ({"prefix": 5, "chunks": [20, 30], "question": 0}, 55, "question"),
     ({"prefix": -1, "chunks": [20, 30], "question": 8}, 57, "integers"),
     ({"prefix": 5, "chunks": [20, True], "question": 7}, 33, "integers"),
+    ({"prefix": 5, "chunks": [20, 0, 30], "question": 7}, 62, "at least one id"),  # a worker's prefill of nothing
     ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "full"}, 62, "reuses no chunks"),
     ({"prefix": 5, "chunks": [20, 30], "question": 7, "algorithm": "nope"}, 62, "unknown algorithm"),
     ({"prefix": 5, "chunks": [20, 30], "question": 7, "extra": 1}, 62, "unknown fields"),
@@ -321,6 +322,10 @@ def test_a_failed_link_is_not_claimed_again():
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r2": {"hits": 1}}})))
     c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={5}))
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (55, True)
+    # relinked into new blocks, and that link fails: its answer says vLLM prefilled it, not the first link's record
+    c.update_state_after_alloc(request(SPEC, 62, rid="r2"), SimpleNamespace(get_block_ids=lambda: ([12, 13, 14, 15],)), 55)
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=None, invalid_block_ids={13}))
+    assert c.request_finished(request(SPEC, 62, rid="r2"), [])[1][LINK_KEY]["fallback"] is True
 
 
 def test_a_step_claims_links_up_to_vllms_prefill_budget():
@@ -385,6 +390,26 @@ def test_after_the_store_fails_a_link_no_link_is_claimed_for_a_while(monkeypatch
     # a link that read the store before it failed, reported after, does not end the wait
     c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats({"requests": {"r6": {"hits": 1}}})))
     assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r8"), 0) == (0, False)
+
+
+def test_a_link_that_read_nothing_from_the_store_does_not_end_its_wait(monkeypatch):
+    """An exact repeat links from its cached tail and reads no entry: counted as the store answering, it reset the
+    wait to 5 s between each failure, which then never doubled (every 5 s a link held vLLM's step for the store's
+    timeouts)."""
+    now = [100.0]
+    monkeypatch.setattr("ragcache.integrations.vllm.connector.time.monotonic", lambda: now[0])
+    c = connector()
+    failed = SimpleNamespace(kv_connector_stats=LinkStats({"fallbacks": {"store": 1}}))
+    c.update_connector_output(failed)
+    now[0] += 5.1
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r1"), 0) == (55, True)
+    repeat = {"requests": {"r1": {"hits": 0, "misses": 0, "recomputed": 0}}}
+    c.update_connector_output(SimpleNamespace(kv_connector_stats=LinkStats(repeat)))
+    c.update_connector_output(failed)  # still failing: the wait doubles
+    now[0] += 5.1
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r2"), 0) == (0, False)
+    now[0] += 5.0
+    assert c.get_num_new_matched_tokens(request(SPEC, 62, rid="r3"), 0) == (55, True)
 
 
 def test_the_blocks_a_link_writes_start_where_vllms_hit_ends():

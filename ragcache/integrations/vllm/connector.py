@@ -267,8 +267,8 @@ class RagcacheConnector(KVConnectorBase_V1):
         data = getattr(stats, "data", None) or {}
         if data.get("fallbacks", {}).get("store"):
             self._store_failed()
-        elif data.get("requests"):  # a link read the store
-            self._store_backoff.answered()
+        elif any(done.get("hits", 0) + done.get("misses", 0) for done in data.get("requests", {}).values()):
+            self._store_backoff.answered()  # a link read the store (an exact repeat's cached tail reads nothing)
         for request_id, done in data.get("requests", {}).items():
             self._claimed.pop(request_id, None)  # linked: its blocks may go to others once preempted
             if request_id in self._linking:  # not one that finished already
@@ -279,6 +279,7 @@ class RagcacheConnector(KVConnectorBase_V1):
             self._unlinked |= unlinked
             for rid in unlinked:
                 del self._claimed[rid]
+                self._done.pop(rid, None)  # a relink after preemption that failed: not the first link's record
 
     def _store_failed(self) -> None:
         """A link failed for the store: claim none for a while, longer while the store keeps failing. The workers
@@ -375,7 +376,9 @@ class RagcacheConnector(KVConnectorBase_V1):
         try:
             worker = self._worker_()
             worker.load(load, self._kv_caches, self.block_size, queued)
-            self._count(linked=load.spec.linked - load.start, worker=worker, request_id=load.request_id)
+            # a compile through vLLM (a nonce of its own) stores entries: nothing of it is linked for an answer
+            linked = 0 if load.spec.nonce else load.spec.linked - load.start
+            self._count(linked=linked, worker=worker, request_id=load.request_id)
         except Exception as exc:  # whatever failed, vLLM prefills these blocks itself
             reason = next((name for kind, name in FALLBACKS if isinstance(exc, kind)), "error")
             if reason == "error" and tensor_parallel()[0] > 1:

@@ -118,6 +118,8 @@ class LinkSpec:
             raise BadLinkSpec("nonce and prompt_sha must be strings")
         if not all(type(n) is int and n >= 0 for n in lengths):
             raise BadLinkSpec(f"part lengths must be integers >= 0, got {list(lengths)}")
+        if not all(spec.chunks):  # nothing to compile or place: a worker's prefill of no ids would fail its step
+            raise BadLinkSpec(f"every chunk needs at least one id, got lengths {list(spec.chunks)}")
         if spec.question < 1 or sum(lengths) != prompt_tokens:
             raise BadLinkSpec(
                 f"parts of {sum(lengths)} ids (question {spec.question}) do not cover the prompt's "
