@@ -108,7 +108,7 @@ def link_options(command=None, /, only: tuple[str, ...] | None = None, **default
             fail(exc)
         return command(*args, link=link, **kwargs)
 
-    with_knobs.__signature__ = signature.replace(parameters=[*others, *knobs])
+    with_knobs.__signature__ = signature.replace(parameters=[*others, *knobs])  # type: ignore[attr-defined]
     return with_knobs
 
 

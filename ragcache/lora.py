@@ -216,8 +216,9 @@ def _merge(peft) -> tuple[torch.nn.Module, tuple]:
         raise BadAdapter(f"cannot merge the adapter: {exc}") from exc
     except torch.OutOfMemoryError as exc:  # the merged weights are new tensors beside the base ones
         raise ModelTooLarge(
-            f"merging the adapter needs a second copy of each adapted weight, which does not fit the device's free "
-            f"memory: run it beside the weights (--no-merge-adapter or RAGCACHE_MERGE_ADAPTER=false: slower), or free memory ({exc})"
+            "merging the adapter needs a second copy of each adapted weight, which does not fit the device's free "
+            "memory: run it beside the weights (--no-merge-adapter or RAGCACHE_MERGE_ADAPTER=false: slower), or "
+            f"free memory ({exc})"
         ) from exc
     swapped = tuple((layer, kept, layer.weight.data) for layer, kept in zip(layers, base))
     if any(kept.data_ptr() == merged.data_ptr() for _, kept, merged in swapped):

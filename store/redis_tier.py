@@ -458,7 +458,7 @@ def part_count(size: int, part_bytes: int) -> int:
     return max(-(-size // part_bytes), 1)
 
 
-_GENERATION = re.compile(r"[0-9a-f]{8}[0-9a-f]{6}", re.ASCII)  # a writer's time, then its random part (`_commit`)
+_GENERATION = re.compile(r"[0-9a-f]{8}[0-9a-f]{6}", re.ASCII)  # a writer's time, then its random part (write_blobs)
 
 
 def _text(s: str) -> bool:

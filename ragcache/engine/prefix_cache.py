@@ -85,13 +85,13 @@ class PrefixCache:
     def insert(
         self, token_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, last_logits: torch.Tensor | None = None
     ) -> None:
-        with_logits = bool(self.piece) and last_logits is not None
-        size = keys.nbytes + values.nbytes + (last_logits.nbytes if with_logits else 0)
+        kept_logits = last_logits if self.piece else None  # no piece: no repeat is answered from the cache
+        size = keys.nbytes + values.nbytes + (kept_logits.nbytes if kept_logits is not None else 0)
         # a prompt past the budget is never held: not copied whole (a GiB for 8k tokens at an 8B shape) to be dropped
-        if size > self.budget_bytes or self._kept(token_ids, with_logits):
+        if size > self.budget_bytes or self._kept(token_ids, kept_logits is not None):
             return
         try:
-            logits = last_logits.clone() if with_logits else None
+            logits = kept_logits.clone() if kept_logits is not None else None
             prompt = CachedPrompt(token_ids.clone(), keys.clone(), values.clone(), logits)
         except torch.OutOfMemoryError:  # a cache's copy is no reason to fail the request that linked
             log.warning("no device memory to keep a %d-token prompt in the prefix cache", token_ids.numel())
