@@ -171,10 +171,11 @@ def plan(
     length = ids.numel()
     if length == 0:  # no row to run, nor logits to answer from (Front never builds one: the question has a template)
         raise EmptyInput("the prompt has no tokens: nothing to link")
+    algo = algorithm(params.algorithm)
     cache = runner.new_cache(length + extra_capacity)
     cache.length = length
     started = time.perf_counter()
-    prefixed = algorithm(params.algorithm).reuses == "prefix" and prefix_cache is not None
+    prefixed = algo.reuses == "prefix" and prefix_cache is not None
     hit = prefix_cache.find(ids) if prefixed else None
     epoch = prefix_cache.epoch if prefixed else None
     if hit is not None and hit.logits is not None:
@@ -183,18 +184,18 @@ def plan(
     reused = place(runner, parts, params, cache, hit)
     rotate_s = time.perf_counter() - started  # focus's pre-pass runs the model: recompute time, as its rows' is
     scores = question_attention(runner, parts, cache).sum(0) if prepass_rows(parts, params) else None
-    rows, narrow = algorithm(params.algorithm).rows(parts, params, length, reused, scores)
+    rows, narrow = algo.rows(parts, params, length, reused, scores)
     rows = rows.sort().values
     # a link of chunks recomputes the prompt's last row only as the question's: without one, no row gives the next
     # token (none at all, for naive: the sequence would wait for rows forever)
-    if rows.numel() == 0 or (algorithm(params.algorithm).reuses == "chunks" and not len(parts.question_ids)):
+    if rows.numel() == 0 or (algo.reuses == "chunks" and not len(parts.question_ids)):
         raise EmptyInput("a link of chunks needs a question with tokens after them: its last row gives the answer")
     # A link over chunk entries holds `full`'s rows nowhere bit for bit: its system prefix was placed from an entry
     # (keys back to pre-RoPE and forward again), and rows it recomputes among the chunks' run through the attention
     # of scattered rows, which rounds by its call. Its repair starts at row 0, so that on a cut-invariant runner the
     # repaired cache is `full`'s bit for bit (a few rows more). `full` and `prefix` compute every row they do not
     # reuse, in causal pieces after rows a link computed: nothing to repair.
-    exact = 0 if algorithm(params.algorithm).reuses == "chunks" else length
+    exact = 0 if algo.reuses == "chunks" else length
     return LinkPlan(cache, ids, rows, narrow, rotate_s, exact_until=exact, prefix_epoch=epoch)
 
 

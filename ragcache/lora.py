@@ -177,7 +177,7 @@ def attach_adapter(lm: loaded.LoadedModel, path: str | Path, merge: bool = True)
         ) from exc
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as exc:  # a size mismatch, a damaged file
         raise BadAdapter(f"cannot load the adapter in {path}: {exc}") from exc
-    # a LoRA bias would change the layers' biases too, which the swap does not keep aside: such a LoRA runs beside
+    # the swap keeps a layer's weights aside, not the bias a LoRA bias would change
     biased = getattr(peft.peft_config["default"], "lora_bias", False)
     if merge and biased:
         log.warning(

@@ -8,7 +8,7 @@ still uses; `ragcache store` calls all of this.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from ragcache.store import Store
 from ragcache.store.base import TierUnavailable, batched
@@ -30,6 +30,35 @@ def silent(stage: str, done: int, total: int) -> None:
 Progress = Callable[[str, int, int], None]  # (stage, items done, items in all), after each batch of a long stage
 
 
+def headers(
+    store: Store, progress: Progress = silent, stage: str = "reading entry headers", total: int | None = None
+) -> Iterator[tuple[str, dict]]:
+    """(key, summary) of each entry in the store, a batch of headers a round trip; an entry removed while the keys
+    were listed is left out. `total`: the entries expected (the tier's count), so that the keys stream and a store of
+    millions is never listed whole; without it the keys are listed first."""
+    keys: Iterable[str] = store.keys()
+    if total is None:
+        keys = list(keys)
+        total = len(keys)
+    done = 0
+    for batch in batched(keys):
+        for key, info in zip(batch, store.describe_many(batch)):
+            if info is not None:
+                yield key, info
+        done += len(batch)
+        progress(stage, done, max(total, done))
+
+
+def _delete_keys(store: Store, keys: list[str], stage: str, progress: Progress) -> int:
+    """Entries deleted of `keys`, a batch at a time, `progress` hearing of each."""
+    deleted = done = 0
+    for batch in batched(keys):
+        deleted += sum(store.delete(k) for k in batch)
+        done += len(batch)
+        progress(stage, done, len(keys))
+    return deleted
+
+
 def delete(store: Store, doc_id: str, progress: Progress = silent) -> dict | None:
     """Delete a document's records and the entries of its chunks, under every model, dtype and layout the store holds,
     except entries another document also uses. None if the document is unknown."""
@@ -43,11 +72,7 @@ def delete(store: Store, doc_id: str, progress: Progress = silent) -> dict | Non
     own = _entry_keys(store, names, combos)
     keys = sorted(own - referenced_keys(store, combos, but=doc_id, progress=progress, within=own))
     every_tier_answered(store, "deleting a document", outages)
-    entries = done = 0
-    for batch in batched(keys):
-        entries += sum(store.delete(k) for k in batch)
-        done += len(batch)
-        progress("deleting entries", done, len(keys))
+    entries = _delete_keys(store, keys, "deleting entries", progress)
     records = sum(store.delete_record(n) for n in [*names, doc_name(doc_id)])
     return {"records": records, "entries": entries}
 
@@ -83,13 +108,9 @@ def entries_of_forms(store: Store, forms: set[str], progress: Progress = silent)
     """Keys of the entries compiled in each of `forms` (a compute dtype, plus "/codec" when stored in another
     one), from one pass over the store's summaries."""
     found: dict[str, list[str]] = {form: [] for form in forms}
-    keys, done = list(store.keys()), 0
-    for batch in batched(keys):
-        for key, info in zip(batch, store.describe_many(batch)):
-            if info and (form := entry_form(info)) in found:
-                found[form].append(key)
-        done += len(batch)
-        progress("reading entry headers", done, len(keys))
+    for key, info in headers(store, progress):
+        if (form := entry_form(info)) in found:
+            found[form].append(key)
     return found
 
 
@@ -178,11 +199,7 @@ def collect_garbage(
     # before the tiers' own gc, so that their indexes see the space freed
     if drop_forms:  # a pass over every entry's header: only when forms are dropped
         for form, keys in entries_of_forms(store, set(drop_forms), progress).items():
-            report[f"dropped {form}"] = done = 0
-            for batch in batched(keys):
-                report[f"dropped {form}"] += sum(store.delete(k) for k in batch)
-                done += len(batch)
-                progress(f"dropping {form}", done, len(keys))
+            report[f"dropped {form}"] = _delete_keys(store, keys, f"dropping {form}", progress)
     for tier in tiers_of(store):
         if hasattr(tier, "gc"):
             report[tier.name] = tier.gc(tmp_age_s)
@@ -225,15 +242,12 @@ def lead_ids_of_layout(tag: str) -> list[int] | None:
 
 def _compile_combos(store: Store, progress: Progress = silent) -> set[tuple[str, ...]]:
     """(model, tokenizer, dtype, layout, heads, codec) of the entries in the store: what chunk keys can be rebuilt from."""
-    combos, keys, done = set(), list(store.keys()), 0
-    for batch in batched(keys):
-        for info in store.describe_many(batch):
-            meta = (info or {}).get("meta") or {}
-            if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
-                keyed = (meta.get(name, "") for name in (*KEYED_BY, HEADS))
-                combos.add((*keyed, summary_codec(info or {})))
-        done += len(batch)
-        progress("reading entry headers", done, len(keys))
+    combos = set()
+    for _, info in headers(store, progress):
+        meta = info.get("meta") or {}
+        if meta.get("model") and meta.get("tokenizer") and meta.get("layout"):
+            keyed = (meta.get(name, "") for name in (*KEYED_BY, HEADS))
+            combos.add((*keyed, summary_codec(info)))
     return combos
 
 

@@ -28,7 +28,7 @@ from rich.table import Table
 
 from ragcache.store import codec as kv_codec
 from ragcache.store import open_store, shown, tier_urls
-from ragcache.store.base import Store, batched
+from ragcache.store.base import Store
 from ragcache.store.disk import DiskStore, holds_store
 from ragcache.store.keys import HEADS, STORE_KEY_ENV, entry_form, is_document_id, kv_form, summary_codec
 
@@ -69,33 +69,26 @@ def entry_rows(
     """key, size, tokens, dtype, shape, model of each entry (from headers / manifests, not the tensors), a batch of
     headers at a time: a store of millions of entries is never held in memory whole. `progress` hears of each batch
     (`total`: the entries expected, as the tier counts them)."""
-    count = 0
-    for batch in batched(store.keys()):
-        if count:
-            progress(f"reading {store.name}'s entries", count, max(total, count))
-        for key, info in zip(batch, store.describe_many(batch)):
-            if limit is not None and count >= limit:
-                return
-            if info is None:
-                continue  # removed while listing
-            count += 1
-            meta = info.get("meta") or {}
-            yield {
-                "key": key,
-                "size": info.get("size", 0),
-                "tokens": info.get("tokens"),
-                "dtype": info.get("dtype"),
-                "codec": summary_codec(info),
-                "form": entry_form(info),
-                "shape": info.get("shape"),
-                "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
-                "model": meta.get("model", ""),
-                "tokenizer": meta.get("tokenizer", ""),
-                "layout": meta.get("layout", ""),
-                "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
-                "error": info.get("error"),
-            }
-    progress(f"reading {store.name}'s entries", count, max(total, count))
+    stage = f"reading {store.name}'s entries"
+    for count, (key, info) in enumerate(maintenance.headers(store, progress, stage, total)):
+        if limit is not None and count >= limit:
+            return
+        meta = info.get("meta") or {}
+        yield {
+            "key": key,
+            "size": info.get("size", 0),
+            "tokens": info.get("tokens"),
+            "dtype": info.get("dtype"),
+            "codec": summary_codec(info),
+            "form": entry_form(info),
+            "shape": info.get("shape"),
+            "model_name": meta.get("model_name") or (meta.get("model", "")[:12] or "?"),
+            "model": meta.get("model", ""),
+            "tokenizer": meta.get("tokenizer", ""),
+            "layout": meta.get("layout", ""),
+            "heads": meta.get(HEADS) or "",  # a tensor-parallel rank's shard of a chunk's entry
+            "error": info.get("error"),
+        }
 
 
 def summary(store: Store, progress: maintenance.Progress = maintenance.silent) -> dict:
