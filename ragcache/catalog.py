@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from ragcache.store import Store, crossing, shards
-from ragcache.store.base import TierUnavailable
+from ragcache.store.base import TierUnavailable, batched
 from ragcache.store.entry import ChunkKV
 from ragcache.store.keys import document_id
 from ragcache.store.shards import HeadRange
@@ -44,6 +44,7 @@ Agree = Callable[[list[bool], bool], tuple[list[bool], bool]]
 # how long a delete waits for the uploads and queries using its document: new queries of it wait behind it meanwhile
 DELETE_WAIT_S = 30.0
 HAND_OVER_POLL_S = 1.0  # how often a put waiting for the writer's room checks that it lives
+SHARD_BATCH = 64  # chunks whose entries `write_shards` holds at once
 SHARD_COUNTS = (2, 4, 8)  # the shard sets a whole-entry reader looks for, fewest first: tensor-parallel sizes
 
 
@@ -360,37 +361,34 @@ class Catalog:
                         entries[i], report.joined = joined, report.joined + 1
 
     def write_shards(self, chunks: list[list[int]], compiler, layout, count: int) -> int:
-        """Store the chunks' whole entries (which must be in the store) also as the shards of `count`
-        tensor-parallel ranks: the distinct KV-head ranges `HeadRange.split` gives. Chunks whose shards are all
-        there are skipped; the whole entries are kept. Returns the shards written. ValueError if the model's KV
-        heads do not split over `count` ranks."""
+        """Store the chunks' entries also as the shards of `count` tensor-parallel ranks: the distinct KV-head ranges
+        `HeadRange.split` gives, cut from each whole entry, or from one joined from the shards of another deployment
+        (a store a tensor-parallel vLLM compiled into holds no whole entries). Chunks whose shards are all there are
+        skipped; the whole entries are kept. A batch of entries at a time in memory. Returns the shards written.
+        StoreError if the store holds a chunk in no form; ValueError if the model's KV heads do not split over `count`
+        ranks."""
         if compiler.heads is not None:
             raise ValueError("shards are cut from whole entries: pass a compiler of every KV head")
         ranges = HeadRange.split(compiler.kv_heads, count)
         if len(ranges) < 2:
             return 0
         unique = list({tuple(ids): ids for ids in chunks}.values())
-        there = self.store.contains_many([compiler.key(ids, layout, r) for ids in unique for r in ranges])
-        todo = [ids for n, ids in enumerate(unique) if not all(there[n * len(ranges) : (n + 1) * len(ranges)])]
-        if not todo:
-            return 0
-        keys = [compiler.key(ids, layout) for ids in todo]
-        wholes = self.store.get_many(keys)
-        lost = [
-            k[:12]
-            for k, ids, e in zip(keys, todo, wholes)
-            if e is None or compiler.problem(e, compiler.stored_ids(ids, layout))
-        ]
-        if lost:
-            raise StoreError(f"cannot shard {len(lost)} chunk(s) whose whole entries the store lacks: {lost[:3]}")
-        parts = {
-            compiler.key(ids, layout, r): shards.shard(whole, r)
-            for ids, whole in zip(todo, wholes)
-            if whole is not None
-            for r in ranges
-        }
-        crossing.put_many(self.store, parts)
-        return len(parts)
+        written = 0
+        for batch in batched(unique, SHARD_BATCH):
+            there = self.store.contains_many([compiler.key(ids, layout, r) for ids in batch for r in ranges])
+            todo = [ids for n, ids in enumerate(batch) if not all(there[n * len(ranges) : (n + 1) * len(ranges)])]
+            wholes, _ = self.read(todo, compiler, layout) if todo else ([], None)
+            if lost := [compiler.key(ids, layout)[:12] for ids, e in zip(todo, wholes) if e is None]:
+                raise StoreError(
+                    f"cannot shard {len(lost)} chunk(s) the store holds in no form (evicted since compiled?): "
+                    f"{lost[:3]}; compile them again"
+                )
+            parts = {
+                compiler.key(ids, layout, r): shards.shard(whole, r) for ids, whole in zip(todo, wholes) for r in ranges
+            }
+            crossing.put_many(self.store, parts)
+            written += len(parts)
+        return written
 
     def delete(self, doc_id: str) -> dict | None:
         """maintenance.delete, after every upload or query using the same document here (`using`) has finished."""

@@ -297,7 +297,7 @@ def compile(
         # would read as a slower compile, nor from one that wrote shards too
         if s.engine == "ragcache" and summary.compiled_tokens >= RATE_SHARE * summary.tokens and shards == 1:
             _record_rate(s.model, rc, summary)
-        kept = _other_budgets(rc, summary.ids)
+        kept = {d.id: d.chunk_tokens for d in summary.per_document if d.chunk_tokens != rc.chunk_tokens}
         evicted = _disk_evictions(rc.store) - evicted_before
     except WritesAbandoned as exc:
         interrupted(f"{exc}; the chunks stored before them are kept; run the same command to resume")
@@ -459,12 +459,6 @@ def _duration(seconds: float | None) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def _other_budgets(rc, doc_ids: list[str]) -> dict[str, int]:
-    """The documents whose record keeps a chunk budget other than this run's, with that budget."""
-    budgets = {doc_id: (rc.document(doc_id) or {}).get("chunk_tokens") for doc_id in dict.fromkeys(doc_ids)}
-    return {doc_id: b for doc_id, b in budgets.items() if b is not None and b != rc.chunk_tokens}
 
 
 def _doc_argument(value: str) -> str | dict:

@@ -29,6 +29,7 @@ from .request import UNBOUNDED, Infill, Limits, Query
 from .settings import DEFAULT_ALGORITHM, DEFAULT_FOCUS_RATIO, DEFAULT_K, LinkKnobs
 
 log = logging.getLogger("ragcache")
+SAMPLING_KNOBS = frozenset(f.name for f in dataclasses.fields(Sampling))
 P = ParamSpec("P")
 R = TypeVar("R")
 
@@ -41,6 +42,7 @@ class DocumentReport:
     chunks: int
     tokens: int
     compiled_chunks: int  # its chunks this call compiles: 0 when stored before, or when an earlier document has them
+    chunk_tokens: int = 0  # its chunk budget: the one it was first added at
 
 
 @dataclass
@@ -229,11 +231,14 @@ class Front(abc.ABC):
             try:
                 batch: dict[tuple[int, ...], list[int]] = {}
                 compiled: set[tuple[int, ...]] = set()
-                waiting = 0  # documents taken in whose last chunks are in `batch`
+                waiting = rows = 0  # documents taken in whose last chunks are in `batch`; its tokens
                 for text, meta in zip(texts, metadata or [{} for _ in texts]):
-                    doc_id, chunks = self.catalog.register(text, meta)
+                    draft = self.catalog.draft(text, meta)
+                    self.catalog.write(draft)
+                    doc_id, chunks = draft.doc.id, draft.chunks
                     missing = self._present(chunks, layout)[1]
-                    documents.append(chunks)
+                    if shards > 1:
+                        documents.append(chunks)
                     report.ids.append(doc_id)
                     report.documents += 1
                     report.chunks += len(chunks)
@@ -242,17 +247,22 @@ class Front(abc.ABC):
                     new = {tuple(ids): ids for ids in missing if tuple(ids) not in compiled and tuple(ids) not in batch}
                     report.skipped += not missing
                     report.repeated += bool(missing) and not new
-                    batch.update(new)
-                    report.per_document.append(DocumentReport(doc_id, len(chunks), sum(map(len, chunks)), len(new)))
+                    report.per_document.append(
+                        DocumentReport(doc_id, len(chunks), sum(map(len, chunks)), len(new), draft.doc.chunk_tokens)
+                    )
+                    # cut within a document too: a book's entries are stored as its batches end, not held (in
+                    # memory, on the GPU) until its last chunk, and a crash loses one batch of it, not all
+                    for key, ids in new.items():
+                        batch[key], rows = ids, rows + len(ids)
+                        if rows >= self._compile_rows():
+                            self._compile_batch(list(batch.values()), layout, writer, report, say, waiting)
+                            compiled.update(batch)
+                            batch, waiting, rows = {}, 0, 0
                     if any(tuple(ids) in batch for ids in missing):
                         waiting += 1
                     else:
                         report.ready += 1
                     say(report)
-                    if sum(map(len, batch.values())) >= self._compile_rows():
-                        self._compile_batch(list(batch.values()), layout, writer, report, say, waiting)
-                        compiled.update(batch)
-                        batch, waiting = {}, 0
                 self._compile_batch(list(batch.values()), layout, writer, report, say, waiting)
             finally:  # Ctrl-C or a failure: what was compiled is stored
                 if writer is not None:
@@ -518,6 +528,11 @@ class Front(abc.ABC):
         """The answer as a Stream of text pieces. `knobs`: the link's (settings.LinkKnobs: algorithm, k, ratio, ...)
         and the sampling's (sampling.Sampling: max_new_tokens, temperature, top_p, stop, seed)."""
         link = self.params(**{name: knobs.pop(name) for name in LinkKnobs.model_fields if name in knobs})
+        if unknown := sorted(set(knobs) - SAMPLING_KNOBS):
+            raise ParameterOutOfRange(
+                f"unknown argument(s) {', '.join(unknown)}: a query takes the link's "
+                f"({', '.join(LinkKnobs.model_fields)}) and the sampling's ({', '.join(sorted(SAMPLING_KNOBS))})"
+            )
         query = self.validate(question, docs, system, link, Sampling(**knobs), limits)
         if query.texts:  # refused from their bytes, or counted until past the room: never tokenized whole for it
             self.refuse_long_texts(query.texts, query.sampling.least_new_tokens if query.sampling else 0)

@@ -511,6 +511,27 @@ def test_progress_counts_a_document_ready_once_its_chunks_are_compiled():
     rc.close()
 
 
+def test_a_document_longer_than_a_batch_is_compiled_and_stored_a_batch_at_a_time():
+    """Batches were cut between documents only: a book's every chunk was one batch, its entries held (in memory, on
+    a GPU) until the last was compiled, and a crash before that stored none of them; its progress stood still."""
+    rc = engine(row_budget=16)
+    groups, compile_group = [], rc._compile
+
+    def record(chunks, layout, writer=None):
+        groups.append(sum(map(len, chunks)))
+        return compile_group(chunks, layout, writer)
+
+    rc._compile = record
+    book = " ".join(TEXTS * 4)
+    report = rc.compile_documents([book])
+    chunks = rc.document_chunks(document_id(book))
+    assert report.compiled_tokens > 4 * rc._compile_rows() and len(groups) > 4
+    assert max(groups) < rc._compile_rows() + max(map(len, chunks))  # a batch ends at the chunk that fills it
+    assert all(rc.store.contains_many([rc.compiler.key(ids, rc.layouts["default"]) for ids in chunks]))
+    assert report.ready == 1
+    rc.close()
+
+
 def test_a_compile_stores_the_chunks_it_took_from_a_query_whose_write_failed():
     """Storing is a compile's job: chunks it took from a query's compile (Flights) whose store write failed, logged
     and left to a later request, are written by the compile's own writer."""

@@ -200,10 +200,11 @@ def test_sampling_is_seeded_and_streaming_matches(rc):
 
 @pytest.mark.parametrize("knob", [dict(seed=2**64), dict(seed="7"), dict(seed=1.5), dict(temperature="0.5"),
                                   dict(top_p=None), dict(temperature=True), dict(max_new_tokens=True),
-                                  dict(stop=[" Rome", 3])])
+                                  dict(stop=[" Rome", 3]), dict(stop=5), dict(stop=0), dict(max_tokens=8)])
 def test_sampling_values_no_schema_checked_are_typed_errors(rc, knob):
     """The Python API and the integrations' overrides reach the engine with no REST schema before them: a seed torch
-    cannot take was its ValueError, a temperature given as text a TypeError from a comparison."""
+    cannot take was its ValueError, a temperature given as text a TypeError from a comparison, a stop of 5 list()'s
+    TypeError (of 0, no stop at all), a misspelt knob Sampling's TypeError."""
     with pytest.raises(errors.ParameterOutOfRange):
         rc.query("How tall?", docs=[{"text": DOC}], **{"max_new_tokens": 2, **knob})
 

@@ -98,7 +98,7 @@ class LabelledRetriever(BaseRetriever):
     """Documents with metadata a loader may give: an HTML rendering of a table, a file name with a lone surrogate."""
 
     def _get_relevant_documents(self, query, *, run_manager):
-        return [Document(page_content="The harbour has a red crane.", metadata={
+        return [Document(page_content="The harbour has a red crane.", id="caf\udce9.txt", metadata={
             "text_as_html": "<td>x</td>" * 8000, "file_name": "caf\udce9.txt", "page": 3, "tags": ["a"]})]
 
 
@@ -107,7 +107,7 @@ def test_metadata_is_a_label_and_never_fails_the_retrieval(rc):
     can, instead of failing the whole retrieval (the record's checks refuse 64 KiB of JSON and lone surrogates)."""
     got = RagCacheRetriever(retriever=LabelledRetriever(), rc=rc).invoke("crane")
     meta = rc.document(got[0].metadata[DOC_ID_KEY])["meta"]
-    assert meta == {"source": "langchain", "file_name": "caf\ufffd.txt", "page": 3}
+    assert meta == {"source": "langchain", "langchain_id": "caf\ufffd.txt", "file_name": "caf\ufffd.txt", "page": 3}
 
 
 def test_retriever_runs_the_wrapped_one_as_its_child(rc):
@@ -238,6 +238,16 @@ def test_a_global_llm_cache_never_answers_for_the_retriever(rc):
     assert second.response_metadata["doc_ids"] == [document_id(t) for t in other] != first.response_metadata["doc_ids"]
     with pytest.raises(BadRequest, match="cache"):
         ChatRagCache(rc=rc, retriever=StaticRetriever(texts=TEXTS), cache=True)
+
+
+def test_a_chat_reading_another_layout_than_its_retriever_warms_is_refused(rc):
+    """legolink0 reads entries compiled behind sink tokens: a retriever warming the default layout compiled entries
+    no query read, and each query compiled its own inside its time to first token."""
+    warming = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)
+    with pytest.raises(BadRequest, match="layout='sink'"):
+        ChatRagCache(rc=rc, retriever=warming, algorithm="legolink0")
+    ChatRagCache(rc=rc, retriever=RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc, layout="sink"),
+                 algorithm="legolink0")
 
 
 def test_stream_and_async_give_the_same_answer(rc):
@@ -448,6 +458,18 @@ def test_a_streamed_chat_retrieves_under_the_caller_s_callbacks(rc):
         return "".join([chunk.content async for chunk in chat.astream(QUESTION, config={"callbacks": [runs]})])
 
     assert asyncio.run(streamed()) == text and len(runs.retrievers) == 4
+
+
+def test_a_chat_invoked_on_langchains_streaming_path_retrieves_under_its_run(rc):
+    """invoke(stream=True), a streaming handler or astream_events take _generate_with_cache's streaming path, which
+    calls _stream without the run manager: the retriever ran detached from the chat's run, outside its callbacks."""
+    retriever = RagCacheRetriever(retriever=StaticRetriever(texts=TEXTS), rc=rc)
+    chat = ChatRagCache(rc=rc, retriever=retriever, max_new_tokens=TOKENS)
+    runs = Runs()
+    assert chat.invoke(QUESTION, stream=True, config={"callbacks": [runs]}).content == direct(rc).text
+    assert len(runs.retrievers) == 2 and runs.retrievers[0][1] == runs.models[0]
+    asyncio.run(chat.ainvoke(QUESTION, stream=True, config={"callbacks": [runs]}))
+    assert len(runs.retrievers) == 4 and runs.retrievers[2][1] == runs.models[1]
 
 
 def test_unknown_fields_and_documents_of_another_kind_are_refused(rc):

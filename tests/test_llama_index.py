@@ -109,6 +109,14 @@ def test_a_node_compiled_with_all_its_metadata_keeps_its_id_once_marked(rc):
     assert node.metadata[DOC_ID_KEY] == first and compiler.last_report.compiled_chunks == 0
 
 
+def test_a_node_whose_id_holds_a_file_names_undecodable_byte_compiles(rc):
+    """SimpleDirectoryReader(filename_as_id=True) makes ids of file names: a Latin-1 name's byte is a lone surrogate,
+    which the document record refused (every compile and retrieval of the node failed)."""
+    node = TextNode(text="The Vell lighthouse keeper rings at dawn.", id_="caf\udce9.txt_part_0")
+    RagCacheCompiler(rc=rc)([node])
+    assert rc.document(node.metadata[DOC_ID_KEY])["meta"]["node_id"] == "caf\ufffd.txt_part_0"
+
+
 def test_compiler_skips_what_is_compiled_and_passes_empty_nodes(rc, ingested):
     nodes, _ = ingested
     compiler = RagCacheCompiler(rc=rc)
@@ -436,6 +444,16 @@ def test_a_query_engine_linking_other_content_than_its_retriever_warms_is_refuse
     with pytest.raises(BadRequest, match="metadata_mode"):
         engine(rc, warming)  # every query would compile its documents again
     engine(rc, warming, metadata_mode=MetadataMode.LLM)
+
+
+def test_a_query_engine_reading_another_layout_than_its_retriever_warms_is_refused(rc):
+    """legolink0 reads entries compiled behind sink tokens: a retriever warming the default layout compiled entries
+    no query read, and each query compiled its own inside its time to first token."""
+    warming = RagCacheRetriever(StaticRetriever([TextNode(text="x")]), rc=rc)
+    with pytest.raises(BadRequest, match="layout='sink'"):
+        engine(rc, warming, algorithm="legolink0")
+    engine(rc, RagCacheRetriever(StaticRetriever([TextNode(text="x")]), rc=rc, layout="sink"), algorithm="legolink0")
+    engine(rc, warming, algorithm="full")  # reads no entry
 
 
 def test_unknown_fields_are_refused(rc):

@@ -295,7 +295,7 @@ def test_deleting_a_document_deletes_its_shards(lm, runner, wholes):
 
 def test_write_shards_cuts_the_stored_whole_entries_once(lm, runner):
     s = Setup(lm, runner, MemoryStore(), "int8")
-    with pytest.raises(StoreError, match="whole entries the store lacks"):
+    with pytest.raises(StoreError, match="holds in no form"):
         s.catalog.write_shards(s.chunks, s.whole, s.layout, 2)
     s.ensure(s.whole)
     assert s.catalog.write_shards(s.chunks, s.whole, s.layout, 2) == 2 * len(s.chunks)
@@ -345,6 +345,36 @@ def test_a_compile_over_chunks_held_only_as_shards_skips_them(lm):
         rc.store.delete(rc.compiler.key(ids, layout))  # the shards alone are left
     again = rc.compile_documents([TEXT])
     assert again.compiled_chunks == 0 and again.skipped == 1
+
+
+def test_shards_for_more_ranks_are_cut_from_a_store_that_holds_only_another_shard_set():
+    """A store a 2-rank tensor-parallel vLLM compiled into holds 2 shards a chunk and no whole entry: a compile finds
+    the chunks held (a whole reader joins the shards) and skips them, and `--shards 4` then failed on every run,
+    wanting whole entries to cut."""
+    from transformers import AutoModelForCausalLM
+
+    from ragcache.facade import RagCache
+    from ragcache.models import wrap
+    from ragcache.settings import EngineConfig
+
+    tok = tiny.tokenizer()
+    config = tiny.config("llama", len(tok))
+    config.num_key_value_heads = 4
+    torch.manual_seed(0)
+    lm = wrap(AutoModelForCausalLM.from_config(config).eval(), tok, name="tiny-llama-4kv")
+    rc = RagCache(lm, MemoryStore(), EngineConfig(chunk_tokens=8))
+    chunks = rc.document_chunks(rc.compile_documents([TEXT], shards=2).ids[0])
+    layout, halves, quarters = rc.layouts["default"], HeadRange.split(4, 2), HeadRange.split(4, 4)
+    wholes = rc.store.get_many([rc.compiler.key(ids, layout) for ids in chunks])
+    for ids in chunks:
+        rc.store.delete(rc.compiler.key(ids, layout))  # the shards alone are left
+    report = rc.compile_documents([TEXT], shards=4)
+    assert report.compiled_chunks == 0 and report.shards == 4 * len({tuple(c) for c in chunks})
+    got = rc.store.get_many([rc.compiler.key(ids, layout, r) for ids in chunks for r in quarters])
+    expected = [shard(whole, r) for whole in wholes for r in quarters]
+    assert all(g.equal(e) for g, e in zip(got, expected))
+    assert all(rc.store.contains_many([rc.compiler.key(ids, layout, r) for ids in chunks for r in halves]))
+    rc.close()
 
 
 def document_missing(rc, text: str) -> bool:

@@ -6,7 +6,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from ragcache.errors import BadRequest
 from ragcache.front import Front
+from ragcache.linker import algorithm
 
 
 @dataclass
@@ -20,6 +22,17 @@ class WarmReport:
 def default_prefetch(rc: Front, prefetch: bool | None) -> bool:
     """None: prefetch only from a tiered store, where a read fills the faster tiers."""
     return hasattr(rc.store, "tiers") if prefetch is None else prefetch
+
+
+def check_layout(rc: Front, warmed: str | None, knobs: dict) -> None:
+    """BadRequest where a retriever warms entries in a layout (`warmed`; None: it warms none) the engine's links, with
+    these knobs, never read: each query would compile its documents again, inside its time to first token."""
+    read = algorithm(rc.params(**knobs).algorithm)
+    if warmed is not None and read.reuses == "chunks" and read.layout != warmed:
+        raise BadRequest(
+            f"the retriever warms the {warmed!r} layout and {read.name} links read the {read.layout!r} one: give the "
+            f"retriever layout={read.layout!r}"
+        )
 
 
 def warm(

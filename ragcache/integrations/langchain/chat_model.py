@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing, closing
+from contextvars import ContextVar
 from typing import Any
 
 from langchain_core.callbacks import (
@@ -30,12 +31,17 @@ from ragcache.request import blank, stored_text
 from ragcache.settings import LinkKnobs
 from ragcache.store.keys import document_id
 
+from ..warming import check_layout
 from .documents import document_text
+from .retriever import RagCacheRetriever
 
 # Per-call overrides `invoke(messages, **kwargs)` accepts besides `stop` and `documents`
 _OVERRIDES = (*LinkKnobs.model_fields, "max_new_tokens", "temperature", "top_p", "seed")
 # what LangChain itself passes along to a model: `stream`, which chooses the path that calls here
 _IGNORED = ("stream",)
+# invoke's streaming path (stream=True, a streaming handler: astream_events, LangGraph's "messages" mode) runs through
+# _generate_with_cache, which calls _stream without the run manager it holds: kept here for the retriever's run
+_RUN_MANAGER: ContextVar[Any] = ContextVar("ragcache_chat_run_manager", default=None)
 
 
 class ChatRagCache(BaseChatModel, LinkOptions):
@@ -76,6 +82,8 @@ class ChatRagCache(BaseChatModel, LinkOptions):
                     "(documents=...), or leave cache unset"
                 )
             self.cache = False  # also past a global set_llm_cache(...)
+            if isinstance(self.retriever, RagCacheRetriever):
+                check_layout(self.rc, self.retriever.layout, self.knobs())
         return self
 
     @property
@@ -116,6 +124,24 @@ class ChatRagCache(BaseChatModel, LinkOptions):
             kwargs["documents"] = await self.retriever.ainvoke(question, config=_retriever_config(config))
         async for chunk in super().astream(input, config, stop=stop, **kwargs):
             yield chunk
+
+    def _generate_with_cache(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None, **kwargs
+    ):
+        token = _RUN_MANAGER.set(run_manager)
+        try:
+            return super()._generate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
+        finally:
+            _RUN_MANAGER.reset(token)
+
+    async def _agenerate_with_cache(
+        self, messages: list[BaseMessage], stop: list[str] | None = None, run_manager=None, **kwargs
+    ):
+        token = _RUN_MANAGER.set(run_manager)
+        try:
+            return await super()._agenerate_with_cache(messages, stop=stop, run_manager=run_manager, **kwargs)
+        finally:
+            _RUN_MANAGER.reset(token)
 
     # -- sync -------------------------------------------------------------------------------------------
     def _generate(
@@ -179,6 +205,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     ) -> tuple[Stream, list[str]]:
         question, args, documents = self._request(messages, stop, kwargs)
         if documents is None and self.retriever is not None:
+            run_manager = run_manager or _RUN_MANAGER.get()
             documents = self.retriever.invoke(question, config=_child_config(ParentRunManager, run_manager))
         return self._open(question, documents or [], args)
 
@@ -191,7 +218,7 @@ class ChatRagCache(BaseChatModel, LinkOptions):
     ) -> tuple[Stream, list[str]]:
         question, args, documents = self._request(messages, stop, kwargs)
         if documents is None and self.retriever is not None:
-            config = _child_config(AsyncParentRunManager, run_manager)
+            config = _child_config(AsyncParentRunManager, run_manager or _RUN_MANAGER.get())
             documents = await self.retriever.ainvoke(question, config=config)
         # preparing a request may tokenize up to a context of raw text to refuse what is too long: off the loop
         return await asyncio.to_thread(self._open, question, documents or [], args)

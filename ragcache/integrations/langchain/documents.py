@@ -15,6 +15,7 @@ def document_text(document: Document | str) -> str:
 
 
 def record_meta(document: Document) -> dict:
-    """The document's scalar metadata for the store's document record, as labels (documents.labels)."""
-    meta = labels(document.metadata, skip=DOC_ID_KEY)
-    return {"source": "langchain", **({"langchain_id": document.id} if document.id else {}), **meta}
+    """The document's id and scalar metadata for the store's document record, as labels (documents.labels): an id
+    made from a file name may hold its undecodable bytes as lone surrogates too."""
+    ids = labels({"langchain_id": document.id or None}, skip=DOC_ID_KEY)
+    return {"source": "langchain", **ids, **labels(document.metadata, skip=DOC_ID_KEY)}

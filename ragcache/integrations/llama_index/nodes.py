@@ -31,6 +31,7 @@ def mark(node: BaseNode, doc_id: str) -> None:
 
 
 def record_meta(node: BaseNode) -> dict:
-    """The node's scalar metadata for the store's document record, as labels (documents.labels)."""
-    meta = labels(node.metadata, skip=DOC_ID_KEY)
-    return {"source": "llama_index", "node_id": node.node_id, "ref_doc_id": node.ref_doc_id, **meta}
+    """The node's ids and scalar metadata for the store's document record, as labels (documents.labels): an id made
+    from a file name (`filename_as_id`) may hold its undecodable bytes as lone surrogates too."""
+    ids = labels({"node_id": node.node_id, "ref_doc_id": node.ref_doc_id}, skip=DOC_ID_KEY)
+    return {"source": "llama_index", **ids, **labels(node.metadata, skip=DOC_ID_KEY)}

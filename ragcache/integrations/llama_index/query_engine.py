@@ -21,6 +21,7 @@ from ragcache.linker import LinkOptions
 from ragcache.request import blank, stored_text
 from ragcache.store.keys import document_id
 
+from ..warming import check_layout
 from .nodes import node_text
 from .retriever import RagCacheRetriever
 
@@ -73,6 +74,8 @@ class RagCacheQueryEngine(CustomQueryEngine, LinkOptions):
                 f"the retriever warms nodes' {warmed.name} content and this engine would link their "
                 f"{self.metadata_mode.name} content: give both the same metadata_mode"
             )
+        if isinstance(self.retriever, RagCacheRetriever):
+            check_layout(self.rc, self.retriever.layout, self.knobs())
         if self.guard_rate > 0:  # the accuracy guard, as in `ragcache serve`: refused now, not after an answer
             self._guard = BackgroundGuard(self.rc, self.guard_rate, defaults=self)  # its knobs are its answers' link
 
