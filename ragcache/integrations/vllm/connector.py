@@ -11,7 +11,8 @@ before it is written (a claim loaded at once would have them cached at allocatio
 pass could share a block whose link then fails). vLLM computes the question itself, over the linked KV, in the step
 after the link.
 
-Worker side, in `start_load_kv` before the step's forward, reported done by that step's `get_finished` (or, with
+Worker side, in `start_load_kv` (vLLM calls it once the step's forward is launched: a request waiting for its
+remote KV is in no forward until its load is done), reported done by that step's `get_finished` (or, with
 `async_load` on CUDA, on a thread of its own while other requests decode, until `get_finished` reports it): fetch
 the chunks' entries from the ragcache store (compiling and storing a miss with vLLM's modules), rotate them into
 place, run the algorithm's recompute with vLLM's layer modules through ragcache's layer loop (`VllmRunner`; with the
