@@ -734,9 +734,9 @@ _COMPILE_SCRIPT = textwrap.dedent(
             build(T._place_kernel, dict(f, joined_k=f"*{dt}", joined_v=f"*{dt}", meta="*i64", k_ref=f"*{stored}",
                   v_ref=f"*{stored}"), dict(rope, D_P2=128, BLOCK_T=32, NCOL=T._NCOL, BITS=bits),
                   enable_fp_fusion=False)
-        # the tiles the kernels launch with on CUDA (attention_tiles), at head dims 64, 96 (a padded tail) and 128;
-        # fp32's 96 shares 128's tiles and shared memory, and takes a minute of the test to build: its tail is bf16's
-        for head_dim in (64, 96, 128) if dt == "bf16" else (64, 128):
+        # the tiles the kernels launch with on CUDA (attention_tiles), at head dims 64, 96 (a padded tail), 128 and
+        # 256 (Gemma 3's); fp32's 96 shares 128's tiles and shared memory, and took a minute to build: its tail is bf16's
+        for head_dim in (64, 96, 128, 256) if dt == "bf16" else (64, 128, 256):
             d_p2 = T._head_p2(head_dim)
             block_m, block_n, warps, stages = T.ATTENTION_TILES_FP32[d_p2] if dt == "fp32" else T.ATTENTION_TILES[d_p2]
             common = dict(QK_SCALE=0.18, GROUP=4, D=head_dim, D_P2=d_p2, BLOCK_M=block_m, BLOCK_N=block_n,

@@ -252,6 +252,21 @@ def test_tasks_put_the_cursor_inside_a_word_deterministically(code_dir):
             assert "\n" not in t.middle and t.suffix[:1] in ("\n", "")
 
 
+def test_tasks_skip_a_dangling_link_and_a_window_cut_to_nothing(code_dir, tmp_path):
+    """A dangling x.py under --source was stat()'s FileNotFoundError, and --prefix-chars 0 randrange's ValueError:
+    tracebacks of `train eval`."""
+    source = tmp_path / "src"
+    source.mkdir()
+    for path in code_dir.rglob("*.py"):
+        (source / path.name).write_text(path.read_text())
+    (source / "gone.py").symlink_to(tmp_path / "nowhere.py")
+    assert len(build_tasks(3, seed=0, source=source)) == 3
+    with pytest.raises(errors.BadRequest, match="found only 0 of 2 tasks"):
+        build_tasks(2, seed=0, source=source, prefix_chars=0)
+    result = CliRunner().invoke(app, ["train", "eval", "--tasks", "1", "--prefix-chars", "0"])
+    assert result.exit_code == 2 and "--prefix-chars" in result.output
+
+
 def test_stdlib_tasks_are_deterministic():
     a = build_tasks(4, seed=0)
     assert [t.as_dict() for t in a] == [t.as_dict() for t in build_tasks(4, seed=0)]
@@ -528,6 +543,47 @@ def test_a_run_resumed_with_more_steps_keeps_the_warm_up_it_began_with(tiny_dir,
         train(TrainConfig(out=out, steps=80, **settings), progress=stop_after(3))  # 8 from 80 steps: lr 4/9
     state = torch.load(checkpoint.find(out) / checkpoint.STATE, weights_only=True)
     assert state["step"] == 3 and state["optimizer"]["param_groups"][0]["lr"] == pytest.approx(1e-3)
+
+
+def test_train_infill_reads_no_hidden_folder(tmp_path):
+    """`--data .` read a virtual environment's site-packages (.venv) and .git, which compile and train link skip."""
+    from ragcache.train.infill import read_texts
+
+    (tmp_path / "a.py").write_text("x = 1\n")
+    for hidden in (".venv/lib/site-packages/b.py", "pkg/.cache/c.py"):
+        (tmp_path / hidden).parent.mkdir(parents=True)
+        (tmp_path / hidden).write_text("y = 2\n")
+    assert read_texts(tmp_path) == ["x = 1\n"]
+
+
+def test_an_infill_run_is_not_resumed_over_other_weights_at_its_model_path(code_dir, tmp_path):
+    """The run's key named its model by path alone: a checkpoint there replaced by another of the same shape took
+    the run's weights and Adam moments, fitted to the old one."""
+    model = tiny.saved("qwen2", tmp_path / "model")
+    settings = dict(model=str(model), data=code_dir, steps=3, lora=False, batch=2, max_tokens=128,
+                    checkpoint_every=1, lr=1e-3)
+
+    def stop(step, loss):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train(TrainConfig(out=tmp_path / "out", **settings), progress=stop)
+    tiny.make("qwen2", seed=1).model.save_pretrained(model)
+    with pytest.raises(errors.BadRequest, match="other settings.*weights"):
+        train(TrainConfig(out=tmp_path / "out", **settings))
+
+
+def test_training_out_of_device_memory_is_a_typed_error_that_says_what_to_change(code_dir, tmp_path, monkeypatch):
+    """torch's OutOfMemoryError is a RuntimeError, which the command did not catch: a traceback and exit code 1."""
+    from ragcache.train import infill
+
+    def out_of_memory(cfg, progress=None):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(infill, "train", out_of_memory)
+    result = CliRunner().invoke(app, ["train", "infill", "--data", str(code_dir), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 1 and not isinstance(result.exception, torch.OutOfMemoryError)
+    assert "ran out of device memory" in result.output and "--batch" in result.output
 
 
 def test_a_glob_pathlib_cannot_take_is_bad_input_for_train_infill_too(tmp_path):

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from ..cli_options import OwnModelOpt, TrainDeviceOpt, TrainDtypeOpt, link_options
 from ..console import bars, console, err, fail, interrupted, opened
-from ..errors import RagCacheError
+from ..errors import OutOfDeviceMemory, RagCacheError
 from ..settings import DEFAULT_TRAIN_ALGORITHM, TRAIN_READ_KNOBS, LinkKnobs
 
 train_app = typer.Typer(
@@ -116,6 +116,8 @@ def link_cmd(
             report = train_link(cfg, rc=rc, progress=tick)
     except (RagCacheError, OSError) as exc:  # OSError: --out cannot be written (a full disk, no access)
         fail(exc)
+    except _out_of_memory() as exc:
+        fail(_oom(exc, out))
     except KeyboardInterrupt:
         interrupted(f"the next run with --out {out} resumes from the last checkpoint")
     _print_link_report(report)
@@ -215,6 +217,8 @@ def infill_cmd(
             result = train(cfg, progress=tick)
     except (RagCacheError, OSError) as exc:  # OSError: --out cannot be written (a full disk, no access)
         fail(exc)
+    except _out_of_memory() as exc:
+        fail(_oom(exc, out))
     except KeyboardInterrupt:
         interrupted(f"the same command with --out {out} resumes from the last checkpoint")
     head = sum(result.losses[:5]) / min(5, len(result.losses))
@@ -236,8 +240,8 @@ def eval_cmd(
     seed: int = typer.Option(0, "--seed", help="task selection seed"),
     max_new_tokens: int = typer.Option(24, "--max-new-tokens"),
     source: Path = typer.Option(None, "--source", help="Python sources to cut tasks from (default: the stdlib)"),
-    prefix_chars: int = typer.Option(1200, "--prefix-chars"),
-    suffix_chars: int = typer.Option(400, "--suffix-chars"),
+    prefix_chars: int = typer.Option(1200, "--prefix-chars", min=1, help="code before the hole, at most"),
+    suffix_chars: int = typer.Option(400, "--suffix-chars", min=0, help="code after the hole, at most"),
     json_out: Path = typer.Option(None, "--json", help="write the summary and every prediction here"),
     show: int = typer.Option(0, "--show", help="print this many predictions"),
 ):
@@ -269,6 +273,8 @@ def eval_cmd(
             report = evaluate(rc, tasks, mode_list, max_new_tokens, progress=tick)
     except RagCacheError as exc:
         fail(exc)
+    except KeyboardInterrupt:
+        interrupted("nothing was written")
     table = Table(title=f"infilling: {model}, {len(tasks)} tasks, greedy, max {max_new_tokens} new tokens")
     for col in ("mode", "kind", "n", "exact match", "1st char", "syntax pass", "edit sim", "TTFT ms", "tokens"):
         table.add_column(col, justify="left" if col in ("mode", "kind") else "right")
@@ -314,3 +320,17 @@ def eval_cmd(
         except OSError as exc:  # the table above is printed: what is lost is the file
             fail(exc)
         console.print(f"wrote {json_out}")
+
+
+def _out_of_memory() -> type[BaseException]:
+    """torch's out-of-memory error, looked up only when a training run failed: the CLI starts without torch."""
+    import torch
+
+    return torch.OutOfMemoryError
+
+
+def _oom(exc: BaseException, out: Path) -> OutOfDeviceMemory:
+    return OutOfDeviceMemory(
+        f"training ran out of device memory ({str(exc).splitlines()[0]}): a smaller --batch, a smaller model or "
+        f"--device cpu; the same command with --out {out} resumes from the last checkpoint"
+    )

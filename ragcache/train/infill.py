@@ -25,7 +25,7 @@ import torch
 
 from ragcache.store import durable
 
-from .. import models, request
+from .. import loaded, models, request
 from ..errors import BadRequest, ModelFetchError, RagCacheError
 from ..settings import DEFAULT_LR, check_device
 from . import checkpoint
@@ -95,7 +95,16 @@ def read_texts(data: Path, glob: str = "**/*.py") -> list[str]:
     """The text of every file under `data` matching `glob` (sorted; undecodable bytes replaced)."""
     if not data.exists():
         raise BadRequest(f"no such directory: {data}")
-    files = [data] if data.is_file() else [p for p in request.glob_paths(data, glob) if p.is_file()]
+    files = (
+        [data]
+        if data.is_file()
+        else [
+            p
+            for p in request.glob_paths(data, glob)
+            # .git, .venv (a virtual environment's site-packages): as compile reads a folder
+            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(data).parts[:-1])
+        ]
+    )
     texts = [t for t in (p.read_text(encoding="utf-8", errors="replace") for p in files) if len(t) >= 2]
     if not texts:
         raise BadRequest(f"no training files matching {glob!r} under {data}")
@@ -155,6 +164,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     texts = read_texts(Path(cfg.data), cfg.glob)
     source = models.resolve(cfg.model)
     model, tokenizer, builder = _load(source, cfg.example_config())
+    weights = loaded.model_fingerprint(model)  # a path may hold another checkpoint since: not resumed on it
     examples = builder.stream(texts, seed=cfg.seed)
     pad_id = builder.end_id  # padding takes no loss and no attention; any id the model embeds will do
 
@@ -174,7 +184,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     result = TrainResult(
         Path(cfg.out), cfg.steps, 0, 0, 0, device=str(device), trainable_parameters=sum(p.numel() for p in params)
     )
-    key = _run_key(cfg, source, texts)
+    key = _run_key(cfg, source, texts, weights)
     start = _resume(Path(cfg.out), key, model, optimizer, schedule, result, warmup)
     for _ in range(start * cfg.batch):  # trained on before the checkpoint
         next(examples)
@@ -205,7 +215,7 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
     return result
 
 
-def _run_key(cfg: TrainConfig, source: str, texts: list[str]) -> dict:
+def _run_key(cfg: TrainConfig, source: str, texts: list[str], weights: str) -> dict:
     """What a checkpoint must share with the run that resumes it: the model, the data and every setting that
     shapes the examples or the updates (the step count may grow)."""
     data = hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:16]
@@ -214,7 +224,7 @@ def _run_key(cfg: TrainConfig, source: str, texts: list[str]) -> dict:
         for name, value in asdict(cfg).items()
         if name not in ("out", "steps", "device", "checkpoint_every", "data")
     }
-    return dict(settings, model=str(source), data=data, learning_rate=cfg.learning_rate)
+    return dict(settings, model=str(source), weights=weights, data=data, learning_rate=cfg.learning_rate)
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:

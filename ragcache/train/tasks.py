@@ -52,7 +52,8 @@ def source_files(source: Path | None = None) -> list[Path]:
     else:
         source = Path(source)
         files = [source] if source.is_file() else list(source.rglob("*.py"))
-    files = sorted(p for p in files if 200 <= p.stat().st_size <= 400_000)
+    # a dangling link, a folder named x.py: no file to read
+    files = sorted(p for p in files if p.is_file() and 200 <= p.stat().st_size <= 400_000)
     if not files:
         raise BadRequest(f"no Python source files under {source or stdlib_dir()}")
     return files
@@ -105,6 +106,8 @@ def make_task(
     else:
         end = min(len(text), start + rng.randint(4, 48))
     prefix, suffix = _window(text, start, end, prefix_chars, suffix_chars)
+    if not prefix:  # a window cut to nothing: no typed increment to take back
+        return None
     typed = rng.randint(1, min(max_increment, col - indent, len(prefix)))
     line_no = text.count("\n", 0, offset) + 1
     return InfillTask(
