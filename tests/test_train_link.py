@@ -312,6 +312,33 @@ def test_paragraphs_held_out_of_training_appear_in_no_training_prompt():
     assert said[-1] == (20, 20)
 
 
+def test_questions_written_from_docs_are_kept_in_out_and_read_back_by_a_resumed_run(tmp_path):
+    """A resumed `--docs` run wrote every question again (minutes at thousands of paragraphs), and on another device a
+    greedy question may differ by a token: the run's key hashes its items, so the resume was refused."""
+    from types import SimpleNamespace
+
+    class Base:
+        def __init__(self, fingerprint, wording):
+            self.lm, self.wording, self.asked = SimpleNamespace(fingerprint=fingerprint), wording, 0
+
+        def compile(self, texts):
+            return [str(abs(hash(t))) for t in texts]
+
+        def query(self, *args, **kwargs):
+            self.asked += 1
+            return SimpleNamespace(text=f"What does the paragraph {self.wording}?")
+
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "a.txt").write_text("\n\n".join(f"Paragraph {i} says something. " + "word " * 20 for i in range(20)))
+    cfg, out = config(tmp_path / "out", docs=str(docs), train_items=3, eval_items=1), tmp_path / "out"
+    out.mkdir()
+    first = tl.written_items(Base("weights", "say"), cfg, out, lambda done, total: None)
+    again, other_model = Base("weights", "tell"), Base("other weights", "tell")
+    assert tl.written_items(again, cfg, out, lambda done, total: None) == first and again.asked == 0
+    assert tl.written_items(other_model, cfg, out, lambda done, total: None) != first and other_model.asked
+
+
 def test_train_link_runs_on_the_gpu_where_there_is_one_and_refuses_a_device_this_machine_lacks(tmp_path, monkeypatch):
     """`--device auto` (the default) is CUDA where torch sees a GPU, as for `train infill`: it used to load the model
     on the CPU whatever the machine had."""

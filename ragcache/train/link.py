@@ -68,6 +68,7 @@ ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 ALGORITHMS = ("naive", "legolink", "focus")  # the cheap links an adapter is fitted to
 DTYPES = ("float32", "bfloat16")  # float16's gradients would need loss scaling, which the loop has not
 HELD_OUT_SEED, TRAIN_SEED = 1, 2  # SQuAD item seeds: docs/ACCURACY.md's held-out items, and another draw
+QUESTIONS_FILE = "questions.json"  # in --out: the items the base model wrote from --docs, read back on a resume
 QUESTION_PROMPT = "Write one short question that the document above answers. Reply with the question only."
 
 
@@ -206,6 +207,38 @@ def paragraphs(path: Path) -> list[str]:
     )
     found = [" ".join(block.split()) for f in files for block in f.read_text(errors="replace").split("\n\n")]
     return list(dict.fromkeys(p for p in found if len(p.split()) >= 20))
+
+
+def written_items(
+    rc: RagCache, cfg: LinkTrainConfig, out: Path, say: Callable[[int, int], None]
+) -> tuple[list[Item], list[Item]]:
+    """`docs_items` over cfg.docs, kept in `out`: a resumed run reads the questions the base model wrote rather than
+    write them again (minutes at thousands of paragraphs), and on another device gets the same ones (a greedy
+    answer may differ there by a token, and the run's key, which hashes its items, with it)."""
+    texts = paragraphs(Path(cfg.docs))
+    made_by = {
+        "model": rc.lm.fingerprint,
+        "texts": _digest(texts),
+        "n": [cfg.train_items, cfg.eval_items],
+        "seed": cfg.seed,
+    }
+    path = out / QUESTIONS_FILE
+    try:
+        saved = json.loads(path.read_text())
+        if saved["made_by"] == made_by:
+            training, held_out = ([Item(**item) for item in saved[name]] for name in ("train", "eval"))
+            say(len(texts), len(texts))
+            return training, held_out
+    except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one this run can take: written again
+        pass
+    training, held_out = docs_items(rc, texts, cfg.train_items, cfg.eval_items, cfg.seed, say)
+    record = {"made_by": made_by, "train": [asdict(i) for i in training], "eval": [asdict(i) for i in held_out]}
+    durable.write_file(path, json.dumps(record))
+    return training, held_out
+
+
+def _digest(texts: list[str]) -> str:
+    return hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def docs_items(
@@ -569,14 +602,7 @@ def train_link(
         raise BadRequest("train link fits an adapter to the base model; open it without one")
     if items is None:
         items = (
-            docs_items(
-                rc,
-                paragraphs(Path(cfg.docs)),
-                cfg.train_items,
-                cfg.eval_items,
-                cfg.seed,
-                lambda d, t: say("questions", d, t, ""),
-            )
+            written_items(rc, cfg, out, lambda d, t: say("questions", d, t, ""))
             if cfg.docs
             else squad_items(cfg.train_items, cfg.eval_items)
         )
