@@ -57,7 +57,8 @@ def check_steps(out: Path, steps: int) -> None:
     if steps < done:
         raise BadRequest(
             f"{out} holds a run checkpointed after {done} steps, more than --steps {steps}: ask for "
-            f"{done} or more (more continues it), or pick another --out"
+            f"{done} or more (more continues it, where its other settings and items are this run's), or pick another "
+            "--out"
         )
 
 
