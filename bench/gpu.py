@@ -64,7 +64,9 @@ smollm2-135m, qwen2.5-coder-0.5b and qwen2.5-coder-1.5b with random weights and 
                sections left run in a fresh process, their rows taken into the same JSON. `--skip` takes the
                section names (a rerun of one part). `--deadline-s S` starts no section its expected time
                (SUITE_EXPECTED_S) would take past S seconds: on a device lent for 600 s a command, 480 leaves the
-               start and a margin, and the run names what it left with the --skip that runs it next. On an
+               start and a margin, and the run names what it left with the --skip that runs it next; a section
+               that overruns is ended at --stop-s (default: the deadline + 90 s), the JSON written first with the
+               section it was in (`killed_in`) and every row of the sections before. On an
                H200 at 352741f it took 515 s before (i) (check 39, link 138, decode 208, serving 99, invariance
                29). (i) runs before (g), and (g)'s compiled step last, after its peers: an Inductor failure can
                leave the CUDA context unusable for whatever follows.
@@ -79,6 +81,8 @@ The device machine's image has no pydantic (ragcache.settings needs it): carry i
 and there, before the run: pip install --no-index --no-deps --target /tmp/site .whl/*.whl; PYTHONPATH=/tmp/site.
 The device session's one command (`.whl` carried, 600 s a command): the wheels in, then
     RAGCACHE_COMMIT=<hash> PYTHONUNBUFFERED=1 python3 bench/gpu.py --suite --deadline-s 480 --out $OUT
+(<hash>: `git describe --always --dirty` run on the host, as the device's copy has no .git; the JSON's
+`source_digest`, of the sources that ran, tells a tree that was not that commit)
 and a second command with the `--skip` the first printed for what it left, if any.
 Prints tables and writes gpu-<device>.json under --out, naming the commit measured (`git describe --dirty`; a copy
 without .git, as the device machine gets, takes it from RAGCACHE_COMMIT) and the command line. On an H100 the run up
@@ -89,6 +93,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib
 import json
 import os
@@ -96,6 +101,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -135,6 +141,9 @@ def _args() -> argparse.Namespace:
     ap.add_argument("--deadline-s", type=float, default=None, help="(with --suite) start no section past this many "
                     "seconds from the start that its expected time (SUITE_EXPECTED_S) would take past them: what is "
                     "left is named, with the --skip that runs it next, and the run ends in time")
+    ap.add_argument("--stop-s", type=float, default=None, help="(with --suite) end the run this many seconds from "
+                    "the start, whatever section is running, its JSON written with `killed_in`: before the device's "
+                    "own limit kills it with nothing written since the last section (default: --deadline-s + 90)")
     ap.add_argument("--suite-resume", type=Path, default=None, help="(the suite itself, after a CUDA fault) go on "
                     "with this suite JSON: its sections kept, the ones not --skip'ped run into it")
     ap.add_argument("--check", action="store_true", help="only compare every CUDA path with its reference (graph "
@@ -396,7 +405,16 @@ def check_and_time_kernels(device: torch.device, dtype: torch.dtype, quick: bool
     rows = []
     cases = [(name, case) for name in ATTENTION_SHAPES for case in kernel_cases(device, dtype, quick, name)]
     for attention_shape, case in cases:
-        got, want = case["triton"](), case["torch"]()
+        print(f"  {attention_shape:18s} {case['kernel']:18s} {case['shape']}", flush=True)  # named before it runs
+        try:  # a kernel that fails to build or run is its row: the others are still checked
+            got, want = case["triton"](), case["torch"]()
+        except Exception as exc:  # noqa: BLE001 - the suite's summary counts the row as failed
+            rows.append(dict(kernel=case["kernel"], attention_shape=attention_shape, shape=case["shape"], ok=False,
+                             raised=repr(exc)[:2000]))
+            print(f"  {case['kernel']} FAILED: {exc!r}"[:2000], flush=True)
+            if device.type == "cuda" and any(sign in repr(exc) for sign in CONTEXT_LOST):
+                break  # the CUDA context is gone: the suite goes on in a fresh process
+            continue
         truth = case["truth"]() if case["truth"] else want
         exact = case.get("exact", False)  # a promise of the same bits: one computed two ways, untimed
         tol = (dict(atol=0.0, rtol=0.0) if exact else dict(atol=1e-3, rtol=1e-4) if case["kernel"] == "kv_deviation"
@@ -1117,25 +1135,30 @@ def link(shape: str, contexts: list[int], device: torch.device, dtype: torch.dty
                           f"({row['speedup_vs_forward']:.2f}x; logits within "
                           f"{row['max_abs_logit_diff_vs_one_step']:.3f} of one step's)", flush=True)
                 rc.set_row_budgets()  # EngineConfig's again: the device's
-                wait = _decode_wait(rc, question, order, device)
-                s = rc.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
-                kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt
-                rows.append(dict(shape=shape, tier=tier, context=prompt, what="decode wait beside a full link",
-                                 row_budget=default_budget, **wait, kv_bytes=kv_bytes,
-                                 **copy_rates(kv_bytes, device)))
-                print(f"  {shape} a decoding stream waited at most {wait['longest_decode_step_s']:.3f} s for a step "
-                      f"beside a full link of {prompt} tokens ({wait['link_steps']} steps in {wait['link_s']:.3f} s; "
-                      f"{wait['tokens_beside_link']} tokens beside it"
-                      f"{'' if wait['outlasted'] else '; the stream ended first: the figure misses later steps'})",
-                      flush=True)
-                for row in _queued_links(rc, question, texts, ids, device):
+                # each a sub-step: one that fails is a row, and the link rows measured before it are kept
+                wait = _attempt(rows, "decode wait beside a full link", lambda: _decode_wait(rc, question, order, device))
+                if wait is not None:
+                    s = rc.shape  # the prompt's K/V in the compute dtype: what a link moves from the host
+                    kv_bytes = 2 * s.layers * s.kv_heads * s.head_dim * s.dtype.itemsize * prompt
+                    rows.append(dict(shape=shape, tier=tier, context=prompt, what="decode wait beside a full link",
+                                     row_budget=default_budget, **wait, kv_bytes=kv_bytes,
+                                     **copy_rates(kv_bytes, device)))
+                    print(f"  {shape} a decoding stream waited at most {wait['longest_decode_step_s']:.3f} s for a "
+                          f"step beside a full link of {prompt} tokens ({wait['link_steps']} steps in "
+                          f"{wait['link_s']:.3f} s; {wait['tokens_beside_link']} tokens beside it"
+                          f"{'' if wait['outlasted'] else '; the stream ended first: the figure misses later steps'})",
+                          flush=True)
+                queued = _attempt(rows, "queued links", lambda: _queued_links(rc, question, texts, ids, device))
+                for row in queued or []:
                     rows.append(dict(shape=shape, tier=tier, context=prompt, **row))
-                behind = _short_behind_long(rc, question, order, device)
-                rows.append(dict(shape=shape, tier=tier, context=prompt, what="short request behind a full link",
-                                 row_budget=default_budget, link_row_budget=link_budget, **behind))
-                print(f"  {shape} a short request asked {behind['short_arrived_at_s']:.3f} s into a full link of "
-                      f"{prompt} tokens ({behind['long_link_s']:.3f} s) had its answer after "
-                      f"{behind['short_answer_s']:.3f} s", flush=True)
+                behind = _attempt(rows, "short request behind a full link",
+                                  lambda: _short_behind_long(rc, question, order, device))
+                if behind is not None:
+                    rows.append(dict(shape=shape, tier=tier, context=prompt, what="short request behind a full link",
+                                     row_budget=default_budget, link_row_budget=link_budget, **behind))
+                    print(f"  {shape} a short request asked {behind['short_arrived_at_s']:.3f} s into a full link "
+                          f"of {prompt} tokens ({behind['long_link_s']:.3f} s) had its answer after "
+                          f"{behind['short_answer_s']:.3f} s", flush=True)
                 if context == contexts[-1]:
                     arranged = lambda got: [got[i] for i in indices]  # noqa: E731 - the same documents' order
                     host = lambda: store("memory")  # noqa: E731 - the host tier as the rows above have it
@@ -1342,9 +1365,15 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
     kinds += ("compiled",) if compiled and device.type == "cuda" else ()  # last: see the caller's flag
     peers = [("eager", False)] + ([("static+compiled", True)] if device.type == "cuda" else [])
 
-    def peer_rows() -> list[dict]:
-        return [dict(shape=shape, what=f"transformers decode, {what}", context=prompt, new_tokens=new_tokens,
-                     tok_s=_transformers_decode(lm, prompt, new_tokens, device, compiled)) for what, compiled in peers]
+    def peer_rows() -> list[dict]:  # a peer that fails (Inductor under fullgraph) is a row, not the section's end
+        made: list[dict] = []
+        for what, compiled in peers:
+            tok_s = _attempt(made, f"transformers decode, {what}",
+                             lambda c=compiled: _transformers_decode(lm, prompt, new_tokens, device, c))
+            if tok_s is not None:
+                made.append(dict(shape=shape, what=f"transformers decode, {what}", context=prompt,
+                                 new_tokens=new_tokens, tok_s=tok_s))
+        return made
 
     for graphs in kinds:
         if graphs == "compiled":  # last, after the peers: an Inductor failure can leave the CUDA context unusable
@@ -1375,9 +1404,10 @@ def decode(shape: str, context: int, device: torch.device, dtype: torch.dtype, q
         rc.close()
     if "compiled" not in kinds:
         rows += peer_rows()
-    fastest = max(row["tok_s"] for row in rows if row["what"].startswith("transformers"))
+    fastest = max((row["tok_s"] for row in rows if row.get("what", "").startswith("transformers") and "tok_s" in row),
+                  default=None)
     for row in rows:
-        if "tok_s" not in row:  # a failure or a profile
+        if "tok_s" not in row or fastest is None:  # a failure or a profile; no peer to compare with
             continue
         row["vs_fastest_transformers"] = row["tok_s"] / fastest
         if row.get("wall_tok_s"):  # the like-for-like ratio: both timed by the wall clock
@@ -1664,9 +1694,13 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
                triton_interpreted=bool(getattr(TRI, "INTERPRET", False)), kernel_backend=KERNELS.backend_for(device),
                created=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     if device.type == "cuda":
-        env["gpu"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        env.update(gpu=torch.cuda.get_device_name(device), cuda=torch.version.cuda,
+                   capability=f"{props.major}.{props.minor}", gpu_memory_gib=round(props.total_memory / 2**30, 1))
     else:
         env["threads"] = torch.get_num_threads()
+    # the commit is told where the tree has no .git; the digest of what ran tells a tree that was not that commit
+    env["source_digest"] = _source_digest(ROOT)
     from bench.report import git_commit  # ROOT is on the path (_import_ragcache)
 
     # a copy of the tree without .git (the device machine) is told its commit: RAGCACHE_COMMIT=<hash>[-dirty]
@@ -1678,6 +1712,14 @@ def environment(device: torch.device, dtype: torch.dtype) -> dict:
     env["fields"] = {"recompute_s": "after placing, to the first token", "rotate_s": "placing (host time)",
                      "kv_codec": "the link's entries' codec (auto is int8 on CUDA)"}
     return env
+
+
+def _source_digest(root: Path) -> str:
+    """sha256 (16 hex digits) of the Python sources that ran: their paths and bytes, under the packages and bench/."""
+    digest = hashlib.sha256()
+    for path in sorted(p for part in ("ragcache", "kernels", "store", "api", "bench") for p in (root / part).rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def main() -> None:
@@ -1812,6 +1854,10 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
         "compile": lambda: compile_rate(args.shape, args.compile_docs, device, dtype, args.quick),
     }
     done = set(skip)
+    stop_s = args.stop_s if args.stop_s is not None else args.deadline_s + 90 if args.deadline_s is not None else None
+    path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")  # a run killed in its first section: named
+    if stop_s is not None:
+        _stop_at(stop_s, started, result, path)
     for section in SUITE_SECTIONS:
         if section in skip:
             continue
@@ -1823,6 +1869,7 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
                   f"expected, deadline {args.deadline_s:.0f} s)", flush=True)
             continue
         print(f"suite: {section}", flush=True)
+        result["running"] = section  # what `_stop_at` names if the section outlasts the run
         began = time.perf_counter()
         lost = False
         try:
@@ -1840,6 +1887,7 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
             result["rest_in_a_fresh_process"] = [s for s in SUITE_SECTIONS if s not in done]
             path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
             _continue_in_a_fresh_process(done, path)
+    result.pop("running", None)
     result["seconds"] = round(time.perf_counter() - started, 1)
     path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
     failed = _suite_summary(result)
@@ -1848,6 +1896,27 @@ def suite(args, device: torch.device, dtype: torch.dtype, env: dict, started: fl
         others = [s for s in SUITE_SECTIONS if s not in result["left_for_time"]]
         print(f"left for time: {', '.join(result['left_for_time'])}; run them with --suite --skip {','.join(others)}")
     sys.exit(1 if failed else 0)
+
+
+def _stop_at(stop_s: float, started: float, result: dict, path: Path) -> None:
+    """A thread that ends the process `stop_s` seconds after `started`, the suite's JSON written first with the
+    section it was in (`killed_in`): a section that hangs or overruns (a cold compile) is otherwise killed by the
+    device's limit, in CUDA code no signal handler interrupts, with nothing of it written."""
+
+    def stop() -> None:
+        time.sleep(max(stop_s - (time.perf_counter() - started), 0.0))
+        result["killed_in"] = result.get("running")
+        result["seconds"] = round(time.perf_counter() - started, 1)
+        for _ in range(3):  # the main thread may be adding a section's rows as it is read
+            try:
+                path.write_text(json.dumps(result, indent=2, default=_plain) + "\n")
+                break
+            except RuntimeError:
+                time.sleep(0.1)
+        print(f"suite: stopped at {stop_s:.0f} s in {result['killed_in']}; wrote {path}", flush=True)
+        os._exit(3)
+
+    threading.Thread(target=stop, name="suite-stop", daemon=True).start()
 
 
 def _attempt(rows: list, what: str, fn):
@@ -1895,7 +1964,8 @@ def _plain(value):
 
 def _suite_summary(result: dict) -> list[str]:
     """One screen: each check, the link ratios, decode, serving, invariance and compile; what failed."""
-    failed = [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
+    failed = [f"{result['killed_in']}: stopped at the run's time limit"] if result.get("killed_in") else []
+    failed += [f"{section}: {rows['error'][:80]}" for section, rows in result.items()
               if section in SUITE_SECTIONS and isinstance(rows, dict) and "error" in rows]
     failed += [f"{section}: not run" for section in SUITE_SECTIONS  # (a fresh process that did not get to it)
                if section not in result and section not in result.get("skipped", ())

@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -582,6 +583,7 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     name = "gpu-suite-cpu-abc1234-dirty-no-decode-no-invariance-no-kernels-no-link-no-serving-quick.json"
     result = json.loads((tmp_path / name).read_text())  # the commit measured in its name
     assert result["environment"]["commit"] == "abc1234-dirty" and "--suite" in result["environment"]["command"]
+    assert len(result["environment"]["source_digest"]) == 16 and "running" not in result and "killed_in" not in result
     assert set(result["section_seconds"]) == {"check", "compile"} and "no check failed" in done.stdout
     checks = {row["check"]: row for row in result["check"]}
     assert checks["graph decode = eager step"]["ok"] and checks["int8 link ~ pageable link"]["ok"]
@@ -604,6 +606,23 @@ def test_the_gpu_suite_runs_its_sections_into_one_json_and_says_what_failed(tmp_
     assert late.returncode == 0 and "no check failed" in late.stdout, late.stdout[-2000:] + late.stderr[-2000:]
     assert "left for time: decode, serving, invariance; run them with --suite --skip kernels,check,link,compile" in (
         late.stdout)
+
+
+def test_the_suite_stops_itself_before_the_devices_limit_with_its_json_written(tmp_path, monkeypatch):
+    """`--deadline-s` only decides whether a section starts: one that overran (a cold compile, a hang) was killed by
+    the device's limit with nothing of it written, in CUDA code no signal handler interrupts."""
+    import threading
+
+    from bench import gpu
+
+    exited = threading.Event()
+    monkeypatch.setattr(gpu.os, "_exit", lambda code: exited.set())
+    path = tmp_path / "suite.json"
+    gpu._stop_at(0.2, time.perf_counter(), {"running": "link", "check": [{"check": "x", "ok": True}]}, path)
+    assert exited.wait(30)
+    written = json.loads(path.read_text())
+    assert written["killed_in"] == "link" and written["check"] == [{"check": "x", "ok": True}]
+    assert gpu._suite_summary(written)[0] == "link: stopped at the run's time limit"
 
 
 def test_a_fault_a_section_caught_in_its_rows_still_counts_as_a_lost_context(monkeypatch):
