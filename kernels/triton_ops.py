@@ -1079,7 +1079,7 @@ def slot_decode_attention(
     part_acc = torch.empty(slots, heads, splits, d_p2, dtype=torch.float32, device=query.device)
     part_ml = torch.empty(slots, heads, splits, 2, dtype=torch.float32, device=query.device)
     _slot_decode_kernel[(slots, kv_heads, splits)](
-        query, keys, values, positions, part_acc, part_ml, float(scale) * LOG2E, length,
+        query, keys, values, positions.contiguous(), part_acc, part_ml, float(scale) * LOG2E, length,
         int(window) if window is not None else 0, chunk,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
@@ -1120,7 +1120,7 @@ def slot_run_attention(
     group, d_p2 = heads // kv_heads, _head_p2(head_dim)
     block_m, block_n, warps, stages = attention_tiles(d_p2, operand)
     _slot_run_kernel[(triton.cdiv(run * group, block_m), kv_heads, lanes)](
-        query, keys, values, slots, positions.contiguous(), out, float(scale) * LOG2E, run, length,
+        query, keys, values, slots.contiguous(), positions.contiguous(), out, float(scale) * LOG2E, run, length,
         int(window) if window is not None else 0,
         query.stride(0), query.stride(1), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2), out.stride(0), out.stride(1),
@@ -1149,7 +1149,7 @@ def write_slot_rows(
         return
     fresh_keys, fresh_values = _last_dim_contiguous(fresh_keys), _last_dim_contiguous(fresh_values)
     _write_slot_rows_kernel[(slots, kv_heads)](
-        keys, values, fresh_keys, fresh_values, positions, live, length,
+        keys, values, fresh_keys, fresh_values, positions.contiguous(), live.contiguous(), length,
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
         fresh_keys.stride(0), fresh_keys.stride(1), fresh_values.stride(0), fresh_values.stride(1),
         D=head_dim, D_P2=_p2(head_dim),

@@ -551,6 +551,27 @@ def test_slot_decode_attention_never_reads_past_a_rows_position(ops, device, mon
         _close(got, want, torch.float32)
 
 
+def test_slot_kernels_take_positions_and_live_flags_as_strided_views(ops, device, monkeypatch):
+    """The kernels index positions[slot] and live[slot] as if packed: a column of a wider table (a view with a
+    stride of 2) was read at the wrong slots, where the reference reads any view."""
+    monkeypatch.setattr(ops, "DECODE_TILES", (16, *ops.DECODE_TILES[1:]))
+    heads, kv_heads, slots, capacity, head_dim = 4, 2, 3, 48, 32
+    table = torch.stack([torch.tensor([5, 47, 20]), torch.tensor([1, 2, 3])], dim=1).to(device)  # [slots, 2]
+    positions = table[:, 0]
+    assert positions.stride(0) == 2
+    query = _randn(heads, slots, head_dim, dtype=torch.float32, device=device, seed=52)
+    keys = _randn(slots, kv_heads, capacity, head_dim, dtype=torch.float32, device=device, seed=53)
+    values = _randn(slots, kv_heads, capacity, head_dim, dtype=torch.float32, device=device, seed=54)
+    _close(ops.slot_decode_attention(query, keys, values, positions, 0.2, None),
+           torch_ref.slot_decode_attention(query, keys, values, positions, 0.2, None), torch.float32)
+    fresh = [_randn(kv_heads, slots, head_dim, dtype=torch.float32, device=device, seed=s) for s in (55, 56)]
+    live = torch.tensor([[True, False], [False, True], [True, True]], device=device)[:, 0]
+    pool, want = [keys.clone(), values.clone()], [keys.clone(), values.clone()]
+    torch_ref.write_slot_rows(*want, *fresh, positions, live)
+    ops.write_slot_rows(*pool, *fresh, positions, live)
+    assert all(torch.equal(a, b) for a, b in zip(pool, want))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_write_slot_rows_writes_live_slots_only(ops, device, dtype):
     slots, kv_heads, capacity, head_dim = 4, 2, 20, 48
