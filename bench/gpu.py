@@ -2000,8 +2000,10 @@ def _suite_summary(result: dict) -> list[str]:
             print(f"  a first naive link through {r['tier']} at {r['context']}: {r['cold_s']:.3f} s cold, "
                   f"{r['warm_s']:.3f} s warm")
     for r in result.get("decode") or []:
-        if isinstance(r, dict) and "tok_s" in r:
-            print(f"  decode {r['what']}: {r['tok_s']:.1f} tok/s")
+        if isinstance(r, dict) and "tok_s" in r:  # ours by the wall clock too: the peers' only clock
+            wall = (f", {r['wall_tok_s']:.1f} by the wall clock ({r['wall_vs_fastest_transformers']:.2f}x transformers' "
+                    "fastest)") if "wall_vs_fastest_transformers" in r else ""
+            print(f"  decode {r['what']}: {r['tok_s']:.1f} tok/s{wall}")
     for r in result.get("serving") or []:
         if isinstance(r, dict) and "tok_s" in r:
             mixed = (f"; short TTFT p99 {r['ttft_short_s']['p99'] * 1e3:.0f} ms, inter-token p99 "
