@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -309,6 +310,14 @@ def test_a_compiles_event_is_recorded_on_its_entrys_device_whichever_device_is_c
     assert made.ready.on == ("current stream of", device)
 
 
+class _Tried(RuntimeError):
+    pass
+
+
+def _tried(t, device):
+    raise _Tried("staging was tried")
+
+
 def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeypatch):
     """Device memory running out while staging: no Staged exists to hand the reserved bytes back when dropped, so
     every such failure shrank the budget for good, until the prefetch staged nothing. The entries cross at their
@@ -323,7 +332,15 @@ def test_a_prefetch_that_fails_to_stage_gives_its_budget_back(fake_cuda, monkeyp
     monkeypatch.setattr(copies, "_empty", out_of_memory)
     assert prefetch.stage(entries) == entries and prefetch.staged_bytes == 0
     assert prefetch.budget_bytes == 0  # what was staged then: later requests do not try again every time
-    prefetch.budget_bytes = 1 << 30
+    monkeypatch.setattr(copies, "_empty", lambda t, device: pytest.fail("staged within the shrunk budget's time"))
+    assert prefetch.stage(entries) == entries
+    # its full size again once that time is past: one spike (the pool growing) turned prefetch off for good
+    now = time.monotonic
+    monkeypatch.setattr(copies.time, "monotonic", lambda: now() + copies.SHRUNK_FOR_S + 1)
+    with pytest.raises(_Tried):
+        monkeypatch.setattr(copies, "_empty", _tried)
+        prefetch.stage(entries)
+    assert prefetch.budget_bytes == 1 << 30 and prefetch.staged_bytes == 0
 
     def broken(t, device):
         raise RuntimeError("a bug")

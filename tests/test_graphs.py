@@ -191,6 +191,55 @@ def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypat
     assert captured and all(lanes * rows <= 4 for lanes, rows in captured), captured
 
 
+def test_two_engines_capture_their_graphs_one_at_a_time(monkeypatch):
+    """torch.cuda.graph's entry empties the allocator's cache, which fails while another thread captures: an engine
+    capturing while another engine's model thread did failed its step's requests."""
+    import contextlib
+    import threading
+    from types import SimpleNamespace
+
+    from ragcache.engine import graphs as graphs_module
+
+    under_way, refused, inside, release = [0], [], threading.Event(), threading.Event()
+
+    @contextlib.contextmanager
+    def capturing(graph, stream=None, capture_error_mode=None):
+        if under_way[0]:  # what torch.cuda.empty_cache() raises during another thread's capture
+            refused.append(True)
+            raise RuntimeError("empty_cache while a capture is under way")
+        under_way[0] += 1
+        try:
+            yield
+        finally:
+            under_way[0] -= 1
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    first, second = (graphs_module.DecodeGraphs(runner=None, capture=True) for _ in range(2))
+
+    def slow(pool, step):  # the first engine's capture lasts until released
+        if under_way[0]:
+            inside.set()
+            assert release.wait(10)
+        return torch.zeros(1)
+
+    first._forward, second._forward = slow, lambda pool, step: torch.zeros(1)
+    steps = [SimpleNamespace(logits=None, graph=None) for _ in range(2)]
+    threads = [threading.Thread(target=g._capture, args=(None, step)) for g, step in zip((first, second), steps)]
+    threads[0].start()
+    assert inside.wait(10)
+    threads[1].start()
+    threads[1].join(0.3)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert not refused and [step.graph for step in steps] == ["graph", "graph"]
+
+
 def test_no_collection_runs_while_a_decode_graph_is_captured(monkeypatch):
     """A finalizer the collector ran during a capture (a store entry's, store/arena.py) recorded its CUDA event into
     the graph; that event's query then failed for good and took the memory tier down."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -51,6 +52,7 @@ class Staged:
 
 
 DEFAULT_FREE_FRACTION = 0.1  # of the device memory free once the model and the store's GPU tier are in
+SHRUNK_FOR_S = 60.0  # how long a budget shrunk by running out of device memory stays so before its full size is tried
 
 
 def prefetch_for(device: torch.device, budget_bytes: int | None) -> Prefetch | None:
@@ -66,8 +68,9 @@ class Prefetch:
     (counted until each Staged is dropped: its link ended, or its request went away). Any thread may call `stage`."""
 
     def __init__(self, device: torch.device, budget_bytes: int):
-        self.device, self.budget_bytes = device, budget_bytes
+        self.device, self.budget_bytes, self._full_budget = device, budget_bytes, budget_bytes
         self.staged_bytes = 0
+        self._shrunk_until = 0.0
         self.stream = torch.cuda.Stream(device)
         self._lock = threading.RLock()  # `_release` is a finalizer: it may run wherever the collector runs
 
@@ -88,14 +91,17 @@ class Prefetch:
             # the budget was sized from the memory free at start, and the pool and the caches have grown since: the
             # entries cross at their link instead, as past the budget, not a failed request; the budget shrinks to
             # what is staged now, so that later requests do not try (and free the allocator's cache) every time
+            # for a while: a spike (the pool growing) must not turn prefetch off for the life of the process
             with self._lock:
                 self.budget_bytes = self.staged_bytes
+                self._shrunk_until = time.monotonic() + SHRUNK_FOR_S
             log.warning(
                 "prefetch: no device memory for %d entries (%s); they cross at their link, and the prefetch "
-                "budget is now %d bytes",
+                "budget is %d bytes for %.0f s",
                 len(chosen),
                 exc,
                 self.budget_bytes,
+                SHRUNK_FOR_S,
             )
             return entries
         staged = dict(zip(chosen, crossed))
@@ -104,6 +110,8 @@ class Prefetch:
     def _reserve(self, candidates: list[int], entries: list) -> list[int]:
         chosen = []
         with self._lock:
+            if self.budget_bytes < self._full_budget and time.monotonic() >= self._shrunk_until:
+                self.budget_bytes = self._full_budget
             for i in candidates:
                 size = _device_bytes(entries[i])
                 if self.staged_bytes + size <= self.budget_bytes:

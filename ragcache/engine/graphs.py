@@ -36,25 +36,22 @@ from .kv import JoinedCache, KVPool
 CAPTURED_REPAIR_ROWS = 512
 
 
-_COLLECTION = threading.Lock()
-_PAUSES = [0, False]  # captures under way in this process; whether the collector ran before the first
+_CAPTURE = threading.Lock()  # one capture at a time in the process
 
 
 @contextmanager
-def _no_collection():
-    """The collector off while any engine of the process captures (two engines' model threads may capture at once:
-    the first to end must not turn it on under the other), as it was after the last."""
-    with _COLLECTION:
-        if _PAUSES[0] == 0:
-            _PAUSES[1] = gc.isenabled()
-            gc.disable()
-        _PAUSES[0] += 1
-    try:
-        yield
-    finally:
-        with _COLLECTION:
-            _PAUSES[0] -= 1
-            if _PAUSES[0] == 0 and _PAUSES[1]:
+def _one_capture():
+    """One capture at a time in the process (two engines' model threads may capture), the collector off meanwhile.
+    torch.cuda.graph's entry empties the allocator's cache, which fails while another thread captures; and a
+    finalizer the collector ran during a capture would record its CUDA event into the graph (a store entry's,
+    store/arena.py), whose query then fails for good."""
+    with _CAPTURE:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            yield
+        finally:
+            if enabled:
                 gc.enable()
 
 
@@ -277,9 +274,7 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         # a private memory pool, freed with its graph: a pool shared across captures is released when its last
         # graph goes, and the next capture into its handle fails inside torch's allocator
-        # no collection during the capture: a store entry's finalizer it ran would record its event into the graph
-        # (store/arena.py), and that event's query then fails for good, taking the memory tier down
-        with _no_collection(), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
+        with _one_capture(), torch.cuda.graph(graph, stream=side, capture_error_mode="thread_local"):
             step.logits = self._forward(pool, step)
         step.graph = graph
         self.captures += 1
