@@ -191,6 +191,20 @@ def test_a_repair_lane_wider_than_a_captured_one_runs_its_step_eagerly(monkeypat
     assert captured and all(lanes * rows <= 4 for lanes, rows in captured), captured
 
 
+def _fake_capture(monkeypatch, capturing) -> None:
+    """torch.cuda's streams and graphs as a capture on CPU meets them: `capturing` stands for torch.cuda.graph, and
+    every graph made is the string "graph"."""
+    import contextlib
+    from types import SimpleNamespace
+
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
+    monkeypatch.setattr(torch.cuda, "graph", capturing)
+
+
 def test_two_engines_capture_their_graphs_one_at_a_time(monkeypatch):
     """torch.cuda.graph's entry empties the allocator's cache, which fails while another thread captures: an engine
     capturing while another engine's model thread did failed its step's requests."""
@@ -213,12 +227,7 @@ def test_two_engines_capture_their_graphs_one_at_a_time(monkeypatch):
         finally:
             under_way[0] -= 1
 
-    stream = SimpleNamespace(wait_stream=lambda other: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    _fake_capture(monkeypatch, capturing)
     first, second = (graphs_module.DecodeGraphs(runner=None, capture=True) for _ in range(2))
 
     def slow(pool, step):  # the first engine's capture lasts until released
@@ -256,12 +265,7 @@ def test_no_collection_runs_while_a_decode_graph_is_captured(monkeypatch):
         seen.append(gc.isenabled())
         yield
 
-    stream = SimpleNamespace(wait_stream=lambda other: None)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda priority=0: stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: "graph")
-    monkeypatch.setattr(torch.cuda, "graph", capturing)
+    _fake_capture(monkeypatch, capturing)
     monkeypatch.setattr(graphs, "_forward", lambda pool, step: torch.zeros(1))
     step = SimpleNamespace(logits=None, graph=None)
     graphs._capture(None, step)

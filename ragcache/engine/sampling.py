@@ -65,8 +65,10 @@ class Answer:
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """Stop strings as a request gives them: None (llama-index's "no stop") is none, and one string is one stop
     string, not its characters (OpenAI's form). `Sampling.validate` checks the items."""
-    if stop is None or isinstance(stop, str):
-        return [] if stop is None else [stop]
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
     if not isinstance(stop, (list, tuple)):  # a number's list() is a TypeError; a 0 is not "no stop" either
         raise ParameterOutOfRange(f"stop must be a string or a list of strings, got {stop!r}", param="stop")
     return list(stop)

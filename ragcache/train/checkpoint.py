@@ -4,6 +4,7 @@ the old checkpoint or the new one, and a run that finds one resumes it only when
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -18,6 +19,11 @@ from ragcache.store import durable
 from ..errors import BadRequest
 
 STATE = "state.pt"
+
+
+def digest(texts: list[str]) -> str:
+    """A run's data in its key: 16 hex digits of the texts' sha256 (undecodable bytes replaced)."""
+    return hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:16]
 
 
 def save(out: Path, write: Callable[[Path], None], state: dict, key: dict) -> None:

@@ -13,7 +13,6 @@ Runs on CPU for small models; the same code uses CUDA (bf16 autocast) when there
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import math
 import time
@@ -218,13 +217,14 @@ def train(cfg: TrainConfig, progress: Callable[[int, float], None] | None = None
 def _run_key(cfg: TrainConfig, source: str, texts: list[str], weights: str) -> dict:
     """What a checkpoint must share with the run that resumes it: the model, the data and every setting that
     shapes the examples or the updates (the step count may grow)."""
-    data = hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:16]
     settings = {
         name: value
         for name, value in asdict(cfg).items()
         if name not in ("out", "steps", "device", "checkpoint_every", "data")
     }
-    return dict(settings, model=str(source), weights=weights, data=data, learning_rate=cfg.learning_rate)
+    return dict(
+        settings, model=str(source), weights=weights, data=checkpoint.digest(texts), learning_rate=cfg.learning_rate
+    )
 
 
 def _trainable(model) -> dict[str, torch.Tensor]:

@@ -218,7 +218,7 @@ def written_items(
     texts = paragraphs(Path(cfg.docs))
     made_by = {
         "model": rc.lm.fingerprint,
-        "texts": _digest(texts),
+        "texts": checkpoint.digest(texts),
         "n": [cfg.train_items, cfg.eval_items],
         "seed": cfg.seed,
     }
@@ -235,10 +235,6 @@ def written_items(
     record = {"made_by": made_by, "train": [asdict(i) for i in training], "eval": [asdict(i) for i in held_out]}
     durable.write_file(path, json.dumps(record))
     return training, held_out
-
-
-def _digest(texts: list[str]) -> str:
-    return hashlib.sha256("\0".join(texts).encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def docs_items(
